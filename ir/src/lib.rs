@@ -1,0 +1,1 @@
+//! pleat-ir: the typed transformer graph IR.
