@@ -1,0 +1,220 @@
+//! Device meshes: ordered, named axes with sizes.
+//!
+//! A mesh of axes `dp=2, tp=4` holds 8 ranks numbered row-major over the axes (the last axis varies
+//! fastest, so `tp` groups are ranks that differ only in their last coordinate, which a launcher
+//! places inside one node). Axis names come from a closed set: each names a parallelism strategy.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The name of a mesh axis; each stands for the parallelism that uses it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum AxisName {
+    /// Data parallelism: batch split, weights replicated.
+    Dp,
+    /// Megatron tensor parallelism: weights split, tokens replicated.
+    Tp,
+    /// Sequence parallelism beside `tp` (norms and residuals split on seq).
+    Sp,
+    /// Context parallelism: sequence split, ring attention.
+    Cp,
+    /// Pipeline parallelism: layers split into stages.
+    Pp,
+    /// Tensor-and-sequence parallelism: one axis splits both weights and tokens.
+    Tsp,
+    /// Expert parallelism.
+    Ep,
+}
+
+impl AxisName {
+    /// Every axis name.
+    pub const ALL: [AxisName; 7] = [
+        AxisName::Dp,
+        AxisName::Tp,
+        AxisName::Sp,
+        AxisName::Cp,
+        AxisName::Pp,
+        AxisName::Tsp,
+        AxisName::Ep,
+    ];
+    /// The spelling users type.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AxisName::Dp => "dp",
+            AxisName::Tp => "tp",
+            AxisName::Sp => "sp",
+            AxisName::Cp => "cp",
+            AxisName::Pp => "pp",
+            AxisName::Tsp => "tsp",
+            AxisName::Ep => "ep",
+        }
+    }
+    /// Parses the spelling users type.
+    pub fn parse(text: &str) -> Option<AxisName> {
+        Self::ALL.into_iter().find(|axis| axis.as_str() == text)
+    }
+}
+
+impl std::fmt::Display for AxisName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One axis of a mesh.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MeshAxis {
+    /// Its name.
+    pub name: AxisName,
+    /// Its degree (the number of ranks along it).
+    pub size: u64,
+}
+
+/// A device mesh: ordered axes, outermost first.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Mesh {
+    axes: Vec<MeshAxis>,
+}
+
+impl Mesh {
+    /// Builds a mesh, checking that names are unique and sizes positive.
+    pub fn new(axes: &[(AxisName, u64)]) -> Result<Mesh> {
+        let mut mesh = Mesh::default();
+        for &(name, size) in axes {
+            if size == 0 {
+                return Err(Error::MeshAxisZero {
+                    axis: name.to_string(),
+                });
+            }
+            if mesh.axis(name).is_some() {
+                return Err(Error::MeshAxisRepeated {
+                    axis: name.to_string(),
+                });
+            }
+            mesh.axes.push(MeshAxis { name, size });
+        }
+        Ok(mesh)
+    }
+
+    /// Parses `dp=2,tsp=4` (also `dp=2 x tsp=4`); the empty string is the one-rank mesh.
+    pub fn parse(text: &str) -> Result<Mesh> {
+        let mut axes = Vec::new();
+        for part in text
+            .split([',', 'x', ' '])
+            .filter(|part| !part.trim().is_empty())
+        {
+            let part = part.trim();
+            let Some((name, size)) = part.split_once('=') else {
+                return Err(Error::MeshSyntax {
+                    text: text.to_string(),
+                    part: part.to_string(),
+                });
+            };
+            let axis = AxisName::parse(name.trim()).ok_or_else(|| Error::MeshUnknownAxis {
+                text: text.to_string(),
+                axis: name.trim().to_string(),
+            })?;
+            let size: u64 = size.trim().parse().map_err(|_| Error::MeshSyntax {
+                text: text.to_string(),
+                part: part.to_string(),
+            })?;
+            axes.push((axis, size));
+        }
+        Mesh::new(&axes)
+    }
+
+    /// The axes, outermost first.
+    pub fn axes(&self) -> &[MeshAxis] {
+        &self.axes
+    }
+    /// The axis called `name`, if the mesh has it.
+    pub fn axis(&self, name: AxisName) -> Option<&MeshAxis> {
+        self.axes.iter().find(|axis| axis.name == name)
+    }
+    /// The degree of axis `name`; 1 when the mesh lacks it.
+    pub fn degree(&self, name: AxisName) -> u64 {
+        self.axis(name).map_or(1, |axis| axis.size)
+    }
+    /// The number of ranks.
+    pub fn world_size(&self) -> u64 {
+        self.axes.iter().map(|axis| axis.size).product()
+    }
+    fn position(&self, name: AxisName) -> Option<usize> {
+        self.axes.iter().position(|axis| axis.name == name)
+    }
+    /// The coordinate of `rank` along axis `name` (0 when the mesh lacks it).
+    pub fn coord(&self, rank: u32, name: AxisName) -> u64 {
+        let Some(position) = self.position(name) else {
+            return 0;
+        };
+        let inner: u64 = self.axes[position + 1..]
+            .iter()
+            .map(|axis| axis.size)
+            .product();
+        (u64::from(rank) / inner) % self.axes[position].size
+    }
+    /// The ranks of `rank`'s group along `name`, ordered by their coordinate on that axis.
+    pub fn group(&self, rank: u32, name: AxisName) -> Vec<u32> {
+        let Some(position) = self.position(name) else {
+            return vec![rank];
+        };
+        let inner: u64 = self.axes[position + 1..]
+            .iter()
+            .map(|axis| axis.size)
+            .product();
+        let base = u64::from(rank) - self.coord(rank, name) * inner;
+        (0..self.axes[position].size)
+            .map(|coord| (base + coord * inner) as u32)
+            .collect()
+    }
+}
+
+impl std::fmt::Display for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (index, axis) in self.axes.iter().enumerate() {
+            if index > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{}={}", axis.name, axis.size)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_are_row_major() {
+        let mesh = Mesh::parse("dp=2,tp=4").unwrap();
+        assert_eq!(mesh.world_size(), 8);
+        assert_eq!(mesh.group(5, AxisName::Tp), vec![4, 5, 6, 7]);
+        assert_eq!(mesh.group(5, AxisName::Dp), vec![1, 5]);
+        assert_eq!(mesh.coord(6, AxisName::Tp), 2);
+        assert_eq!(mesh.coord(6, AxisName::Dp), 1);
+        assert_eq!(mesh.group(3, AxisName::Pp), vec![3]);
+        assert_eq!(mesh.to_string(), "dp=2,tp=4");
+    }
+
+    #[test]
+    fn bad_meshes_are_named() {
+        assert_eq!(
+            Mesh::parse("tq=2").unwrap_err().to_string(),
+            "mesh `tq=2`: unknown axis `tq`; axes are dp, tp, sp, cp, pp, tsp, ep"
+        );
+        assert_eq!(
+            Mesh::parse("tp=two").unwrap_err().to_string(),
+            "mesh `tp=two`: cannot read `tp=two`; write axes as name=size separated by commas, e.g. dp=2,tp=4"
+        );
+        assert_eq!(
+            Mesh::parse("tp=2,tp=2").unwrap_err().to_string(),
+            "mesh axis tp appears twice"
+        );
+        assert_eq!(
+            Mesh::parse("tp=0").unwrap_err().to_string(),
+            "mesh axis tp has size 0; sizes are at least 1"
+        );
+    }
+}

@@ -1,0 +1,146 @@
+//! The closed set of operations a graph node can perform.
+//!
+//! Every op has a fixed arity and a documented meaning on global tensors. Under sharding each rank
+//! applies the same op to its local blocks; the specs on the inputs and output (checked by the
+//! verifier) say why that is correct. Communication ops are the only ones whose per-rank meaning
+//! involves other ranks: they change a value's spec, never its global contents.
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::config::RopeConfig;
+use crate::{AxisName, DimName};
+
+/// An operation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    // === Inputs ===
+    /// The token ids, `i32[batch, seq]`.
+    Tokens,
+    /// The absolute position of each sequence slot, `i32[seq]`. Layouts that permute the sequence
+    /// (zigzag) permute this input with it, so position-dependent ops stay correct.
+    Positions,
+    /// A weight, named as Hugging Face checkpoints name it; the shape may split the checkpoint's
+    /// dims (`q_proj.weight` [heads*head_dim, hidden] is seen as [heads, head_dim, hidden]).
+    Param {
+        /// The checkpoint tensor name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+        name: String,
+    },
+
+    // === Compute ===
+    /// `(table[vocab, hidden], tokens[batch, seq]) -> [batch, seq, hidden]`: row lookup.
+    Embedding,
+    /// `(x[.., hidden], weight[hidden]) -> x / sqrt(mean(x^2) + eps) * weight` over `hidden`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f64,
+    },
+    /// `(x[F.., C..], w[G.., C..]) -> [F.., G..]`: the sum over the trailing `contract` dims that both
+    /// share (the `nn.Linear` convention, `x · wᵀ`, with weights stored `[out.., in..]`).
+    MatMul {
+        /// How many trailing dims are contracted.
+        contract: u8,
+    },
+    /// `(x[batch, seq, heads|kv_heads, head_dim], positions[seq]) -> same`: rotary embedding, Hugging
+    /// Face's rotate-half convention.
+    Rope {
+        /// Base frequency and scaling.
+        rope: RopeConfig,
+    },
+    /// `(q[batch, seq, heads, head_dim], k[batch, seq, kv_heads, head_dim], v (as k), q_pos[seq],
+    /// k_pos[seq]) -> [batch, seq, heads, head_dim]`: softmax(q·kᵀ/sqrt(head_dim))·v, query head `h`
+    /// reading key/value head `h / (heads / kv_heads)`; with `causal`, query at position p sees keys at
+    /// positions <= p.
+    Attention {
+        /// Whether to mask keys after the query's position.
+        causal: bool,
+    },
+    /// `(gate, up) -> silu(gate) * up`, elementwise.
+    SiluMul,
+    /// `(a, b) -> a + b`, elementwise; `b`'s dims equal `a`'s or are a trailing run of them (a bias),
+    /// and then `b` is broadcast over `a`'s leading dims.
+    Add,
+
+    // === Communication ===
+    /// Sums a value that is `Partial` over `axis`; the result is replicated over `axis`.
+    AllReduce {
+        /// The axis whose groups sum.
+        axis: AxisName,
+    },
+    /// Sums a value that is `Partial` over `axis` and leaves each rank its block of `dim`.
+    ReduceScatter {
+        /// The axis whose groups sum.
+        axis: AxisName,
+        /// The dim the result is split on.
+        dim: DimName,
+    },
+    /// Concatenates the blocks of `dim` split over `axis` (the innermost axis of that dim).
+    AllGather {
+        /// The axis to gather over.
+        axis: AxisName,
+        /// The dim to gather.
+        dim: DimName,
+    },
+    /// Keeps each rank's block of `dim` of a value replicated over `axis`: no communication.
+    LocalSlice {
+        /// The axis that will split the dim.
+        axis: AxisName,
+        /// The dim to split.
+        dim: DimName,
+    },
+}
+
+impl Op {
+    /// The op's spelling in the text format.
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            Op::Tokens => "tokens",
+            Op::Positions => "positions",
+            Op::Param { .. } => "param",
+            Op::Embedding => "embedding",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::MatMul { .. } => "matmul",
+            Op::Rope { .. } => "rope",
+            Op::Attention { .. } => "attention",
+            Op::SiluMul => "silu_mul",
+            Op::Add => "add",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllGather { .. } => "all_gather",
+            Op::LocalSlice { .. } => "local_slice",
+        }
+    }
+    /// The number of inputs the op takes.
+    pub fn arity(&self) -> usize {
+        match self {
+            Op::Tokens | Op::Positions | Op::Param { .. } => 0,
+            Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::LocalSlice { .. } => 1,
+            Op::Embedding
+            | Op::RmsNorm { .. }
+            | Op::MatMul { .. }
+            | Op::Rope { .. }
+            | Op::SiluMul
+            | Op::Add => 2,
+            Op::Attention { .. } => 5,
+        }
+    }
+    /// Whether the op moves data between ranks.
+    pub fn is_communication(&self) -> bool {
+        matches!(
+            self,
+            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }
+        )
+    }
+    /// The mesh axis a communication or layout op works over.
+    pub fn axis(&self) -> Option<AxisName> {
+        match self {
+            Op::AllReduce { axis } => Some(*axis),
+            Op::ReduceScatter { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::LocalSlice { axis, .. } => Some(*axis),
+            _ => None,
+        }
+    }
+}

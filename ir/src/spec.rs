@@ -1,0 +1,133 @@
+//! Sharding specs: how a value's global tensor is laid out over the mesh.
+//!
+//! This is the DTensor / GSPMD model. Each dim is either replicated or split over one or more mesh
+//! axes (outer axis first: `batch` over `[dp, cp]` puts dp's blocks outside cp's); in addition the
+//! whole value may be `Partial` over some axes, meaning each rank holds a summand and the true value
+//! is the sum over that axis's group. A rank's local block along a sharded dim is the contiguous
+//! range selected by its coordinates on the sharding axes.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{AxisName, Mesh, Shape};
+
+/// The layout of one value over the mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct ShardSpec {
+    /// For each dim of the value's shape, the axes that split it, outer first (empty: replicated).
+    pub dims: Vec<Vec<AxisName>>,
+    /// Axes over which the value is a pending sum.
+    pub partial: Vec<AxisName>,
+}
+
+impl ShardSpec {
+    /// The fully replicated spec of a value with `rank` dims.
+    pub fn replicated(rank: usize) -> ShardSpec {
+        ShardSpec {
+            dims: vec![Vec::new(); rank],
+            partial: Vec::new(),
+        }
+    }
+    /// Whether every dim is replicated and nothing is partial.
+    pub fn is_replicated(&self) -> bool {
+        self.partial.is_empty() && self.dims.iter().all(Vec::is_empty)
+    }
+    /// This spec with dim `dim` also split over `axis` (innermost).
+    pub fn with_shard(mut self, dim: usize, axis: AxisName) -> ShardSpec {
+        self.dims[dim].push(axis);
+        self
+    }
+    /// This spec with a pending sum over `axis`.
+    pub fn with_partial(mut self, axis: AxisName) -> ShardSpec {
+        self.partial.push(axis);
+        self
+    }
+    /// The axes splitting dim `dim`.
+    pub fn dim_axes(&self, dim: usize) -> &[AxisName] {
+        &self.dims[dim]
+    }
+    /// The dim split over `axis`, if any.
+    pub fn dim_sharded_by(&self, axis: AxisName) -> Option<usize> {
+        self.dims.iter().position(|axes| axes.contains(&axis))
+    }
+    /// Whether `axis` appears anywhere in the spec.
+    pub fn uses_axis(&self, axis: AxisName) -> bool {
+        self.partial.contains(&axis) || self.dim_sharded_by(axis).is_some()
+    }
+    /// The product of the degrees of the axes splitting `dim`.
+    pub fn dim_degree(&self, dim: usize, mesh: &Mesh) -> u64 {
+        self.dims[dim]
+            .iter()
+            .map(|&axis| mesh.degree(axis))
+            .product()
+    }
+    /// The local size of each dim on any rank, or the first dim that does not divide:
+    /// `(dim index, product of its axes' degrees)`.
+    pub fn local_sizes(&self, shape: &Shape, mesh: &Mesh) -> Result<Vec<u64>, (usize, u64)> {
+        shape
+            .dims()
+            .iter()
+            .enumerate()
+            .map(|(index, dim)| {
+                let degree = self.dim_degree(index, mesh);
+                if dim.size % degree == 0 {
+                    Ok(dim.size / degree)
+                } else {
+                    Err((index, degree))
+                }
+            })
+            .collect()
+    }
+    /// The block of the global tensor `rank` holds: per dim, `(start, len)`.
+    /// The caller has checked divisibility (`local_sizes`).
+    pub fn region(&self, shape: &Shape, mesh: &Mesh, rank: u32) -> Vec<(u64, u64)> {
+        shape
+            .dims()
+            .iter()
+            .enumerate()
+            .map(|(index, dim)| {
+                let mut block = 0;
+                for &axis in &self.dims[index] {
+                    block = block * mesh.degree(axis) + mesh.coord(rank, axis);
+                }
+                let len = dim.size / self.dim_degree(index, mesh);
+                (block * len, len)
+            })
+            .collect()
+    }
+}
+
+/// The degrees in `1..=count` that divide `count`: what an error offers instead of a bad degree.
+pub fn valid_degrees(count: u64) -> Vec<u64> {
+    (1..=count).filter(|degree| count % degree == 0).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DimName;
+
+    #[test]
+    fn regions_follow_axis_order() {
+        let mesh = Mesh::parse("dp=2,cp=2").unwrap();
+        let shape = Shape::new(&[(DimName::Batch, 8), (DimName::Seq, 4)]);
+        let spec = ShardSpec::replicated(2)
+            .with_shard(0, AxisName::Dp)
+            .with_shard(0, AxisName::Cp);
+        assert_eq!(spec.local_sizes(&shape, &mesh), Ok(vec![2, 4]));
+        let starts: Vec<u64> = (0..4)
+            .map(|rank| spec.region(&shape, &mesh, rank)[0].0)
+            .collect();
+        assert_eq!(starts, vec![0, 2, 4, 6]);
+        let bad = ShardSpec::replicated(2)
+            .with_shard(1, AxisName::Dp)
+            .with_shard(1, AxisName::Cp);
+        assert_eq!(
+            bad.local_sizes(
+                &Shape::new(&[(DimName::Batch, 8), (DimName::Seq, 6)]),
+                &mesh
+            ),
+            Err((1, 4))
+        );
+        assert_eq!(valid_degrees(12), vec![1, 2, 3, 4, 6, 12]);
+    }
+}
