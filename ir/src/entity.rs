@@ -58,10 +58,7 @@ pub struct PrimaryMap<K, V> {
 impl<K: EntityRef, V> PrimaryMap<K, V> {
     /// An empty arena.
     pub fn new() -> Self {
-        Self {
-            elems: Vec::new(),
-            unused: PhantomData,
-        }
+        Self { elems: Vec::new(), unused: PhantomData }
     }
     /// Stores `value` and returns its new id.
     pub fn push(&mut self, value: V) -> K {
@@ -91,10 +88,7 @@ impl<K: EntityRef, V> PrimaryMap<K, V> {
     }
     /// Every (id, entity), in creation order.
     pub fn iter(&self) -> impl Iterator<Item = (K, &V)> + '_ {
-        self.elems
-            .iter()
-            .enumerate()
-            .map(|(index, value)| (K::new(index), value))
+        self.elems.iter().enumerate().map(|(index, value)| (K::new(index), value))
     }
 }
 
@@ -147,11 +141,7 @@ impl<K: EntityRef, V: Clone + Default> Default for SecondaryMap<K, V> {
 impl<K: EntityRef, V: Clone> SecondaryMap<K, V> {
     /// An empty table with the given default.
     pub fn with_default(default: V) -> Self {
-        Self {
-            elems: Vec::new(),
-            default,
-            unused: PhantomData,
-        }
+        Self { elems: Vec::new(), default, unused: PhantomData }
     }
     /// Sets the entry of `id`.
     pub fn insert(&mut self, id: K, value: V) {

@@ -38,10 +38,7 @@ pub enum Error {
 
     // === Sharding ===
     /// A model dimension that a mesh axis must split evenly, and does not.
-    #[error(
-        "{node}: {count} {what} are not divisible by {axis}={degree}; use {axis} in {{{}}}",
-        join(valid)
-    )]
+    #[error("{node}: {count} {what} are not divisible by {axis}={degree}; use {axis} in {{{}}}", join(valid))]
     Indivisible {
         /// The node (or model part) whose dim it is.
         node: String,
@@ -69,9 +66,5 @@ pub enum Error {
 }
 
 fn join(values: &[u64]) -> String {
-    values
-        .iter()
-        .map(u64::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
+    values.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
 }

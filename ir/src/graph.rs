@@ -59,27 +59,11 @@ impl Graph {
         Graph::default()
     }
 
-    fn create(
-        &mut self,
-        op: Op,
-        inputs: Vec<ValueId>,
-        ty: TensorType,
-        spec: ShardSpec,
-        name: &str,
-    ) -> NodeId {
+    fn create(&mut self, op: Op, inputs: Vec<ValueId>, ty: TensorType, spec: ShardSpec, name: &str) -> NodeId {
         // Both arenas grow together, so a node's result value is created with it.
         let node = NodeId::new(self.nodes.len());
-        let result = self.values.push(ValueData {
-            ty,
-            spec,
-            def: node,
-        });
-        let pushed = self.nodes.push(NodeData {
-            op,
-            inputs,
-            result,
-            name: name.to_string(),
-        });
+        let result = self.values.push(ValueData { ty, spec, def: node });
+        let pushed = self.nodes.push(NodeData { op, inputs, result, name: name.to_string() });
         debug_assert_eq!(pushed, node);
         node
     }
@@ -103,11 +87,7 @@ impl Graph {
         name: &str,
     ) -> ValueId {
         let node = self.create(op, inputs.to_vec(), ty, spec, name);
-        let position = self
-            .order
-            .iter()
-            .position(|&id| id == anchor)
-            .map_or(self.order.len(), |p| p + 1);
+        let position = self.order.iter().position(|&id| id == anchor).map_or(self.order.len(), |p| p + 1);
         self.order.insert(position, node);
         self.nodes[node].result
     }
@@ -182,19 +162,11 @@ impl Graph {
     }
     /// The nodes that read `value`, in program order.
     pub fn users(&self, value: ValueId) -> Vec<NodeId> {
-        self.order
-            .iter()
-            .copied()
-            .filter(|&node| self.nodes[node].inputs.contains(&value))
-            .collect()
+        self.order.iter().copied().filter(|&node| self.nodes[node].inputs.contains(&value)).collect()
     }
     /// The first value (in program order) whose node is called `name`.
     pub fn find(&self, name: &str) -> Option<ValueId> {
-        self.order
-            .iter()
-            .map(|&node| &self.nodes[node])
-            .find(|node| node.name == name)
-            .map(|node| node.result)
+        self.order.iter().map(|&node| &self.nodes[node]).find(|node| node.name == name).map(|node| node.result)
     }
     /// The parameter values in program order, with their checkpoint names.
     pub fn params(&self) -> Vec<(ValueId, &str)> {

@@ -29,15 +29,8 @@ pub enum AxisName {
 
 impl AxisName {
     /// Every axis name.
-    pub const ALL: [AxisName; 7] = [
-        AxisName::Dp,
-        AxisName::Tp,
-        AxisName::Sp,
-        AxisName::Cp,
-        AxisName::Pp,
-        AxisName::Tsp,
-        AxisName::Ep,
-    ];
+    pub const ALL: [AxisName; 7] =
+        [AxisName::Dp, AxisName::Tp, AxisName::Sp, AxisName::Cp, AxisName::Pp, AxisName::Tsp, AxisName::Ep];
     /// The spelling users type.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -83,14 +76,10 @@ impl Mesh {
         let mut mesh = Mesh::default();
         for &(name, size) in axes {
             if size == 0 {
-                return Err(Error::MeshAxisZero {
-                    axis: name.to_string(),
-                });
+                return Err(Error::MeshAxisZero { axis: name.to_string() });
             }
             if mesh.axis(name).is_some() {
-                return Err(Error::MeshAxisRepeated {
-                    axis: name.to_string(),
-                });
+                return Err(Error::MeshAxisRepeated { axis: name.to_string() });
             }
             mesh.axes.push(MeshAxis { name, size });
         }
@@ -100,25 +89,17 @@ impl Mesh {
     /// Parses `dp=2,tsp=4` (also `dp=2 x tsp=4`); the empty string is the one-rank mesh.
     pub fn parse(text: &str) -> Result<Mesh> {
         let mut axes = Vec::new();
-        for part in text
-            .split([',', 'x', ' '])
-            .filter(|part| !part.trim().is_empty())
-        {
+        for part in text.split([',', 'x', ' ']).filter(|part| !part.trim().is_empty()) {
             let part = part.trim();
             let Some((name, size)) = part.split_once('=') else {
-                return Err(Error::MeshSyntax {
-                    text: text.to_string(),
-                    part: part.to_string(),
-                });
+                return Err(Error::MeshSyntax { text: text.to_string(), part: part.to_string() });
             };
-            let axis = AxisName::parse(name.trim()).ok_or_else(|| Error::MeshUnknownAxis {
-                text: text.to_string(),
-                axis: name.trim().to_string(),
-            })?;
-            let size: u64 = size.trim().parse().map_err(|_| Error::MeshSyntax {
-                text: text.to_string(),
-                part: part.to_string(),
-            })?;
+            let axis = AxisName::parse(name.trim())
+                .ok_or_else(|| Error::MeshUnknownAxis { text: text.to_string(), axis: name.trim().to_string() })?;
+            let size: u64 = size
+                .trim()
+                .parse()
+                .map_err(|_| Error::MeshSyntax { text: text.to_string(), part: part.to_string() })?;
             axes.push((axis, size));
         }
         Mesh::new(&axes)
@@ -148,10 +129,7 @@ impl Mesh {
         let Some(position) = self.position(name) else {
             return 0;
         };
-        let inner: u64 = self.axes[position + 1..]
-            .iter()
-            .map(|axis| axis.size)
-            .product();
+        let inner: u64 = self.axes[position + 1..].iter().map(|axis| axis.size).product();
         (u64::from(rank) / inner) % self.axes[position].size
     }
     /// The ranks of `rank`'s group along `name`, ordered by their coordinate on that axis.
@@ -159,14 +137,9 @@ impl Mesh {
         let Some(position) = self.position(name) else {
             return vec![rank];
         };
-        let inner: u64 = self.axes[position + 1..]
-            .iter()
-            .map(|axis| axis.size)
-            .product();
+        let inner: u64 = self.axes[position + 1..].iter().map(|axis| axis.size).product();
         let base = u64::from(rank) - self.coord(rank, name) * inner;
-        (0..self.axes[position].size)
-            .map(|coord| (base + coord * inner) as u32)
-            .collect()
+        (0..self.axes[position].size).map(|coord| (base + coord * inner) as u32).collect()
     }
 }
 
@@ -208,13 +181,7 @@ mod tests {
             Mesh::parse("tp=two").unwrap_err().to_string(),
             "mesh `tp=two`: cannot read `tp=two`; write axes as name=size separated by commas, e.g. dp=2,tp=4"
         );
-        assert_eq!(
-            Mesh::parse("tp=2,tp=2").unwrap_err().to_string(),
-            "mesh axis tp appears twice"
-        );
-        assert_eq!(
-            Mesh::parse("tp=0").unwrap_err().to_string(),
-            "mesh axis tp has size 0; sizes are at least 1"
-        );
+        assert_eq!(Mesh::parse("tp=2,tp=2").unwrap_err().to_string(), "mesh axis tp appears twice");
+        assert_eq!(Mesh::parse("tp=0").unwrap_err().to_string(), "mesh axis tp has size 0; sizes are at least 1");
     }
 }

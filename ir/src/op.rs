@@ -113,33 +113,20 @@ impl Op {
     pub fn arity(&self) -> usize {
         match self {
             Op::Tokens | Op::Positions | Op::Param { .. } => 0,
-            Op::AllReduce { .. }
-            | Op::ReduceScatter { .. }
-            | Op::AllGather { .. }
-            | Op::LocalSlice { .. } => 1,
-            Op::Embedding
-            | Op::RmsNorm { .. }
-            | Op::MatMul { .. }
-            | Op::Rope { .. }
-            | Op::SiluMul
-            | Op::Add => 2,
+            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } | Op::LocalSlice { .. } => 1,
+            Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
             Op::Attention { .. } => 5,
         }
     }
     /// Whether the op moves data between ranks.
     pub fn is_communication(&self) -> bool {
-        matches!(
-            self,
-            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }
-        )
+        matches!(self, Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. })
     }
     /// The mesh axis a communication or layout op works over.
     pub fn axis(&self) -> Option<AxisName> {
         match self {
             Op::AllReduce { axis } => Some(*axis),
-            Op::ReduceScatter { axis, .. }
-            | Op::AllGather { axis, .. }
-            | Op::LocalSlice { axis, .. } => Some(*axis),
+            Op::ReduceScatter { axis, .. } | Op::AllGather { axis, .. } | Op::LocalSlice { axis, .. } => Some(*axis),
             _ => None,
         }
     }

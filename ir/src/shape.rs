@@ -80,11 +80,7 @@ pub struct Shape(pub Vec<Dim>);
 impl Shape {
     /// Builds a shape from (name, size) pairs.
     pub fn new(dims: &[(DimName, u64)]) -> Shape {
-        Shape(
-            dims.iter()
-                .map(|&(name, size)| Dim { name, size })
-                .collect(),
-        )
+        Shape(dims.iter().map(|&(name, size)| Dim { name, size }).collect())
     }
     /// The dims.
     pub fn dims(&self) -> &[Dim] {
@@ -100,10 +96,7 @@ impl Shape {
     }
     /// The size of dim `name`, if present.
     pub fn size_of(&self, name: DimName) -> Option<u64> {
-        self.0
-            .iter()
-            .find(|dim| dim.name == name)
-            .map(|dim| dim.size)
+        self.0.iter().find(|dim| dim.name == name).map(|dim| dim.size)
     }
     /// The number of elements.
     pub fn numel(&self) -> u64 {
@@ -131,10 +124,7 @@ pub struct TensorType {
 impl TensorType {
     /// Builds a type.
     pub fn new(dtype: crate::DType, dims: &[(DimName, u64)]) -> TensorType {
-        TensorType {
-            dtype,
-            shape: Shape::new(dims),
-        }
+        TensorType { dtype, shape: Shape::new(dims) }
     }
     /// Global bytes.
     pub fn bytes(&self) -> u64 {

@@ -22,10 +22,7 @@ pub struct ShardSpec {
 impl ShardSpec {
     /// The fully replicated spec of a value with `rank` dims.
     pub fn replicated(rank: usize) -> ShardSpec {
-        ShardSpec {
-            dims: vec![Vec::new(); rank],
-            partial: Vec::new(),
-        }
+        ShardSpec { dims: vec![Vec::new(); rank], partial: Vec::new() }
     }
     /// Whether every dim is replicated and nothing is partial.
     pub fn is_replicated(&self) -> bool {
@@ -55,10 +52,7 @@ impl ShardSpec {
     }
     /// The product of the degrees of the axes splitting `dim`.
     pub fn dim_degree(&self, dim: usize, mesh: &Mesh) -> u64 {
-        self.dims[dim]
-            .iter()
-            .map(|&axis| mesh.degree(axis))
-            .product()
+        self.dims[dim].iter().map(|&axis| mesh.degree(axis)).product()
     }
     /// The local size of each dim on any rank, or the first dim that does not divide:
     /// `(dim index, product of its axes' degrees)`.
@@ -110,24 +104,12 @@ mod tests {
     fn regions_follow_axis_order() {
         let mesh = Mesh::parse("dp=2,cp=2").unwrap();
         let shape = Shape::new(&[(DimName::Batch, 8), (DimName::Seq, 4)]);
-        let spec = ShardSpec::replicated(2)
-            .with_shard(0, AxisName::Dp)
-            .with_shard(0, AxisName::Cp);
+        let spec = ShardSpec::replicated(2).with_shard(0, AxisName::Dp).with_shard(0, AxisName::Cp);
         assert_eq!(spec.local_sizes(&shape, &mesh), Ok(vec![2, 4]));
-        let starts: Vec<u64> = (0..4)
-            .map(|rank| spec.region(&shape, &mesh, rank)[0].0)
-            .collect();
+        let starts: Vec<u64> = (0..4).map(|rank| spec.region(&shape, &mesh, rank)[0].0).collect();
         assert_eq!(starts, vec![0, 2, 4, 6]);
-        let bad = ShardSpec::replicated(2)
-            .with_shard(1, AxisName::Dp)
-            .with_shard(1, AxisName::Cp);
-        assert_eq!(
-            bad.local_sizes(
-                &Shape::new(&[(DimName::Batch, 8), (DimName::Seq, 6)]),
-                &mesh
-            ),
-            Err((1, 4))
-        );
+        let bad = ShardSpec::replicated(2).with_shard(1, AxisName::Dp).with_shard(1, AxisName::Cp);
+        assert_eq!(bad.local_sizes(&Shape::new(&[(DimName::Batch, 8), (DimName::Seq, 6)]), &mesh), Err((1, 4)));
         assert_eq!(valid_degrees(12), vec![1, 2, 3, 4, 6, 12]);
     }
 }

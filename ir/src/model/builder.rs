@@ -40,20 +40,10 @@ pub fn build(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
                 .to_string(),
         });
     }
-    let mut builder = Builder {
-        graph: Graph::new(),
-        config,
-        dtype: dtype_of(config.dtype),
-        batch,
-        seq,
-    };
+    let mut builder = Builder { graph: Graph::new(), config, dtype: dtype_of(config.dtype), batch, seq };
     let logits = builder.model();
     builder.graph.add_output(logits);
-    Ok(Module {
-        name: config.name.clone(),
-        mesh: Mesh::default(),
-        graph: builder.graph,
-    })
+    Ok(Module { name: config.name.clone(), mesh: Mesh::default(), graph: builder.graph })
 }
 
 fn dtype_of(dtype: ConfigDtype) -> DType {
@@ -79,185 +69,73 @@ impl Builder<'_> {
 
     fn param(&mut self, name: &str, dims: &[(DimName, u64)]) -> ValueId {
         let ty = self.ty(dims);
-        self.graph.add(
-            Op::Param {
-                name: name.to_string(),
-            },
-            &[],
-            ty,
-            name,
-        )
+        self.graph.add(Op::Param { name: name.to_string() }, &[], ty, name)
     }
 
     fn model(&mut self) -> ValueId {
         let config = self.config;
-        let (batch, seq, hidden, vocab) =
-            (self.batch, self.seq, config.hidden_size, config.vocab_size);
-        let tokens = self.graph.add(
-            Op::Tokens,
-            &[],
-            TensorType::new(DType::I32, &[(Batch, batch), (Seq, seq)]),
-            "tokens",
-        );
-        let positions = self.graph.add(
-            Op::Positions,
-            &[],
-            TensorType::new(DType::I32, &[(Seq, seq)]),
-            "positions",
-        );
-        let table = self.param(
-            "model.embed_tokens.weight",
-            &[(Vocab, vocab), (Hidden, hidden)],
-        );
+        let (batch, seq, hidden, vocab) = (self.batch, self.seq, config.hidden_size, config.vocab_size);
+        let tokens =
+            self.graph.add(Op::Tokens, &[], TensorType::new(DType::I32, &[(Batch, batch), (Seq, seq)]), "tokens");
+        let positions = self.graph.add(Op::Positions, &[], TensorType::new(DType::I32, &[(Seq, seq)]), "positions");
+        let table = self.param("model.embed_tokens.weight", &[(Vocab, vocab), (Hidden, hidden)]);
         let stream = self.ty(&[(Batch, batch), (Seq, seq), (Hidden, hidden)]);
-        let mut residual = self
-            .graph
-            .add(Op::Embedding, &[table, tokens], stream.clone(), "embed");
+        let mut residual = self.graph.add(Op::Embedding, &[table, tokens], stream.clone(), "embed");
         for layer in 0..config.num_layers {
             residual = self.layer(layer, residual, positions);
         }
         let norm_weight = self.param("model.norm.weight", &[(Hidden, hidden)]);
-        let normed = self.graph.add(
-            Op::RmsNorm {
-                eps: config.rms_norm_eps,
-            },
-            &[residual, norm_weight],
-            stream,
-            "final_norm",
-        );
+        let normed =
+            self.graph.add(Op::RmsNorm { eps: config.rms_norm_eps }, &[residual, norm_weight], stream, "final_norm");
         let head = if config.tie_word_embeddings {
             table
         } else {
             self.param("lm_head.weight", &[(Vocab, vocab), (Hidden, hidden)])
         };
         let logits_ty = self.ty(&[(Batch, batch), (Seq, seq), (Vocab, vocab)]);
-        self.graph.add(
-            Op::MatMul { contract: 1 },
-            &[normed, head],
-            logits_ty,
-            "lm_head",
-        )
+        self.graph.add(Op::MatMul { contract: 1 }, &[normed, head], logits_ty, "lm_head")
     }
 
     fn layer(&mut self, layer: u64, residual: ValueId, positions: ValueId) -> ValueId {
         let config = self.config;
         let (batch, seq, hidden) = (self.batch, self.seq, config.hidden_size);
-        let (heads, kv_heads, head_dim, ffn) = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            config.intermediate_size,
-        );
+        let (heads, kv_heads, head_dim, ffn) =
+            (config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size);
         let prefix = format!("model.layers.{layer}");
         let name = |part: &str| format!("layer{layer}.{part}");
         let stream = self.ty(&[(Batch, batch), (Seq, seq), (Hidden, hidden)]);
         let eps = config.rms_norm_eps;
 
-        let norm_weight = self.param(
-            &format!("{prefix}.input_layernorm.weight"),
-            &[(Hidden, hidden)],
-        );
-        let x = self.graph.add(
-            Op::RmsNorm { eps },
-            &[residual, norm_weight],
-            stream.clone(),
-            &name("attn_norm"),
-        );
+        let norm_weight = self.param(&format!("{prefix}.input_layernorm.weight"), &[(Hidden, hidden)]);
+        let x = self.graph.add(Op::RmsNorm { eps }, &[residual, norm_weight], stream.clone(), &name("attn_norm"));
         let q = self.projection(x, &prefix, "q_proj", (Heads, heads), head_dim, &name("q"));
-        let k = self.projection(
-            x,
-            &prefix,
-            "k_proj",
-            (KvHeads, kv_heads),
-            head_dim,
-            &name("k"),
-        );
-        let v = self.projection(
-            x,
-            &prefix,
-            "v_proj",
-            (KvHeads, kv_heads),
-            head_dim,
-            &name("v"),
-        );
-        let rope = Op::Rope {
-            rope: config.rope.clone(),
-        };
+        let k = self.projection(x, &prefix, "k_proj", (KvHeads, kv_heads), head_dim, &name("k"));
+        let v = self.projection(x, &prefix, "v_proj", (KvHeads, kv_heads), head_dim, &name("v"));
+        let rope = Op::Rope { rope: config.rope.clone() };
         let q_ty = self.graph.value(q).ty.clone();
         let k_ty = self.graph.value(k).ty.clone();
-        let q = self
-            .graph
-            .add(rope.clone(), &[q, positions], q_ty.clone(), &name("q_rope"));
+        let q = self.graph.add(rope.clone(), &[q, positions], q_ty.clone(), &name("q_rope"));
         let k = self.graph.add(rope, &[k, positions], k_ty, &name("k_rope"));
-        let attention = self.graph.add(
-            Op::Attention { causal: true },
-            &[q, k, v, positions, positions],
-            q_ty,
-            &name("attention"),
-        );
+        let attention =
+            self.graph.add(Op::Attention { causal: true }, &[q, k, v, positions, positions], q_ty, &name("attention"));
         let wo = self.param(
             &format!("{prefix}.self_attn.o_proj.weight"),
             &[(Hidden, hidden), (Heads, heads), (HeadDim, head_dim)],
         );
-        let attn_out = self.graph.add(
-            Op::MatMul { contract: 2 },
-            &[attention, wo],
-            stream.clone(),
-            &name("o_proj"),
-        );
-        let residual = self.graph.add(
-            Op::Add,
-            &[residual, attn_out],
-            stream.clone(),
-            &name("attn_residual"),
-        );
+        let attn_out = self.graph.add(Op::MatMul { contract: 2 }, &[attention, wo], stream.clone(), &name("o_proj"));
+        let residual = self.graph.add(Op::Add, &[residual, attn_out], stream.clone(), &name("attn_residual"));
 
-        let norm_weight = self.param(
-            &format!("{prefix}.post_attention_layernorm.weight"),
-            &[(Hidden, hidden)],
-        );
-        let x = self.graph.add(
-            Op::RmsNorm { eps },
-            &[residual, norm_weight],
-            stream.clone(),
-            &name("mlp_norm"),
-        );
+        let norm_weight = self.param(&format!("{prefix}.post_attention_layernorm.weight"), &[(Hidden, hidden)]);
+        let x = self.graph.add(Op::RmsNorm { eps }, &[residual, norm_weight], stream.clone(), &name("mlp_norm"));
         let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
-        let w_gate = self.param(
-            &format!("{prefix}.mlp.gate_proj.weight"),
-            &[(Ffn, ffn), (Hidden, hidden)],
-        );
-        let gate = self.graph.add(
-            Op::MatMul { contract: 1 },
-            &[x, w_gate],
-            inner.clone(),
-            &name("gate_proj"),
-        );
-        let w_up = self.param(
-            &format!("{prefix}.mlp.up_proj.weight"),
-            &[(Ffn, ffn), (Hidden, hidden)],
-        );
-        let up = self.graph.add(
-            Op::MatMul { contract: 1 },
-            &[x, w_up],
-            inner.clone(),
-            &name("up_proj"),
-        );
-        let act = self
-            .graph
-            .add(Op::SiluMul, &[gate, up], inner, &name("silu_mul"));
-        let w_down = self.param(
-            &format!("{prefix}.mlp.down_proj.weight"),
-            &[(Hidden, hidden), (Ffn, ffn)],
-        );
-        let mlp_out = self.graph.add(
-            Op::MatMul { contract: 1 },
-            &[act, w_down],
-            stream.clone(),
-            &name("down_proj"),
-        );
-        self.graph
-            .add(Op::Add, &[residual, mlp_out], stream, &name("mlp_residual"))
+        let w_gate = self.param(&format!("{prefix}.mlp.gate_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
+        let gate = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_gate], inner.clone(), &name("gate_proj"));
+        let w_up = self.param(&format!("{prefix}.mlp.up_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
+        let up = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_up], inner.clone(), &name("up_proj"));
+        let act = self.graph.add(Op::SiluMul, &[gate, up], inner, &name("silu_mul"));
+        let w_down = self.param(&format!("{prefix}.mlp.down_proj.weight"), &[(Hidden, hidden), (Ffn, ffn)]);
+        let mlp_out = self.graph.add(Op::MatMul { contract: 1 }, &[act, w_down], stream.clone(), &name("down_proj"));
+        self.graph.add(Op::Add, &[residual, mlp_out], stream, &name("mlp_residual"))
     }
 
     /// `x · Wᵀ (+ b)` for a q/k/v projection onto `heads` heads of `head_dim`.
@@ -271,23 +149,15 @@ impl Builder<'_> {
         name: &str,
     ) -> ValueId {
         let (batch, seq, hidden) = (self.batch, self.seq, self.config.hidden_size);
-        let weight = self.param(
-            &format!("{prefix}.self_attn.{proj}.weight"),
-            &[heads, (HeadDim, head_dim), (Hidden, hidden)],
-        );
+        let weight =
+            self.param(&format!("{prefix}.self_attn.{proj}.weight"), &[heads, (HeadDim, head_dim), (Hidden, hidden)]);
         let ty = self.ty(&[(Batch, batch), (Seq, seq), heads, (HeadDim, head_dim)]);
-        let projected = self
-            .graph
-            .add(Op::MatMul { contract: 1 }, &[x, weight], ty.clone(), name);
+        let projected = self.graph.add(Op::MatMul { contract: 1 }, &[x, weight], ty.clone(), name);
         if !self.has_qkv_bias() {
             return projected;
         }
-        let bias = self.param(
-            &format!("{prefix}.self_attn.{proj}.bias"),
-            &[heads, (HeadDim, head_dim)],
-        );
-        self.graph
-            .add(Op::Add, &[projected, bias], ty, &format!("{name}_bias"))
+        let bias = self.param(&format!("{prefix}.self_attn.{proj}.bias"), &[heads, (HeadDim, head_dim)]);
+        self.graph.add(Op::Add, &[projected, bias], ty, &format!("{name}_bias"))
     }
 
     fn has_qkv_bias(&self) -> bool {
