@@ -1,1 +1,21 @@
-//! pleat-passes.
+//! pleat-passes: the pass manager, the verifier and the parallelism strategies.
+//!
+//! Passes transform a `pleat_ir::Module` in place. The manager (`manager`) runs them by name and
+//! verifies the IR after each (`verify`). Strategies (`strategy`) seed sharding specs on the
+//! leaves from the mesh's axes; propagation (`propagate`) completes the specs with the per-op rules
+//! of `sharding` and inserts the collectives they call for. This crate knows nothing of per-rank
+//! programs, kernels or communicators.
+
+pub mod error;
+pub mod manager;
+pub mod propagate;
+pub mod sharding;
+pub mod strategy;
+pub mod verify;
+
+pub use error::{Error, Result};
+pub use manager::{run_pipeline, Dump, Pass, PassCtx, PipelineReport};
+pub use verify::{verify, VerifierError, VerifierErrors};
+
+/// The pipeline that shards a forward graph over its module's mesh.
+pub const SHARD_PIPELINE: &[Pass] = &[strategy::SEED_SPECS, propagate::PROPAGATE_SPECS];

@@ -1,1 +1,19 @@
-//! pleat-runtime.
+//! pleat-runtime: runs per-rank `Program`s.
+//!
+//! It holds the CPU kernels (`kernels`, on the `gemm` crate), the communicators (`comm`: the
+//! `Communicator` trait and its threads implementation), weight sources (`weights`: safetensors
+//! checkpoints read slice by slice, and seeded synthetic weights), the executor that runs one
+//! rank's program and measures its memory, and the launcher that runs all ranks as threads. It sees
+//! only the `Program` format of `pleat-backend`; it knows nothing of passes or of the reference
+//! interpreter, which stays independent as the oracle.
+
+pub mod comm;
+pub mod error;
+pub mod executor;
+pub mod kernels;
+pub mod launch;
+pub mod weights;
+
+pub use error::{Error, Result};
+pub use executor::{execute, OutputBlock, RankOutcome, RunInputs};
+pub use launch::{assemble, run_on_threads};

@@ -1,0 +1,56 @@
+//! The errors of `pleat-backend`.
+
+/// `Result` with this crate's `Error`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything lowering and program checks can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // === Lowering ===
+    /// A value whose split dim does not divide (the verifier rejects these first).
+    #[error("{value}: {dim}={size} does not divide by the {degree} ranks splitting it")]
+    Indivisible {
+        /// The value's name.
+        value: String,
+        /// The dim.
+        dim: String,
+        /// Its global size.
+        size: u64,
+        /// The ranks splitting it.
+        degree: u64,
+    },
+
+    // === Collective matching ===
+    /// Members of a group reached different collectives at the same point.
+    #[error("collective mismatch in group {axis}{ranks:?}: {}", .issued.join("; "))]
+    CollectiveMismatch {
+        /// The group's axis.
+        axis: String,
+        /// The group's ranks.
+        ranks: Vec<u32>,
+        /// What each member issued: `rank 1 at instruction 7: all_reduce of 4096 elements`.
+        issued: Vec<String>,
+    },
+    /// No rank can make progress: every unfinished rank waits on a collective some member never reaches.
+    #[error("the programs deadlock: {}", .waiting.join("; "))]
+    Deadlock {
+        /// What each blocked rank waits for.
+        waiting: Vec<String>,
+    },
+
+    // === Format ===
+    /// A serialized program of another format version.
+    #[error("program format version {found} is not {expected}; recompile with this pleat")]
+    FormatVersion {
+        /// What the file says.
+        found: u32,
+        /// What this build reads.
+        expected: u32,
+    },
+    /// A serialized program that does not parse.
+    #[error("cannot read the program: {reason}")]
+    Malformed {
+        /// The serde error.
+        reason: String,
+    },
+}

@@ -1,0 +1,193 @@
+//! Lowering: one `Program` per rank from a sharded, verified module.
+//!
+//! Each IR value becomes one buffer holding the rank's block of it (local shape from its spec);
+//! each node becomes one instruction whose sizes, slice offsets and groups are fixed here, so the
+//! runtime needs no knowledge of meshes or specs. Values are freed right after their last use;
+//! parameters stay resident.
+
+use pleat_ir::entity::EntityRef;
+use pleat_ir::model::rope::inv_freq;
+use pleat_ir::{DimName, Module, Op, ValueId};
+
+use crate::error::{Error, Result};
+use crate::program::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
+
+/// Lowers `module` (verified) into one program a rank of its mesh.
+pub fn lower(module: &Module) -> Result<Vec<Program>> {
+    let world_size = module.mesh.world_size() as u32;
+    (0..world_size).map(|rank| lower_rank(module, rank)).collect()
+}
+
+/// Lowers `module` for one rank.
+pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
+    let graph = &module.graph;
+    let mesh = &module.mesh;
+    let order = graph.order();
+    let mut last_use = vec![None; graph.value_count()];
+    for (index, &node) in order.iter().enumerate() {
+        for &input in &graph.node(node).inputs {
+            last_use[input.as_u32() as usize] = Some(index);
+        }
+    }
+    let tokens_shape = order
+        .iter()
+        .find(|&&node| graph.node(node).op == Op::Tokens)
+        .map(|&node| graph.value(graph.node(node).result).ty.shape.sizes())
+        .unwrap_or_default();
+    let mut program = Program {
+        format_version: FORMAT_VERSION,
+        model: module.name.clone(),
+        mesh: mesh.to_string(),
+        rank,
+        world_size: mesh.world_size() as u32,
+        tokens_shape,
+        buffers: Vec::new(),
+        instructions: Vec::new(),
+    };
+    // Value index -> buffer; every value in the order gets exactly one.
+    let mut buffer_of: Vec<Option<BufferId>> = vec![None; graph.value_count()];
+    let local = |value: ValueId| -> Result<Vec<u64>> {
+        let data = graph.value(value);
+        data.spec.local_sizes(&data.ty.shape, mesh).map_err(|(dim, degree)| Error::Indivisible {
+            value: graph.def(value).name.clone(),
+            dim: data.ty.shape.dims()[dim].name.to_string(),
+            size: data.ty.shape.dims()[dim].size,
+            degree,
+        })
+    };
+    let region = |value: ValueId| {
+        let data = graph.value(value);
+        data.spec.region(&data.ty.shape, mesh, rank)
+    };
+    for (index, &node) in order.iter().enumerate() {
+        let data = graph.node(node);
+        let value = data.result;
+        let kind = match data.op {
+            Op::Param { .. } => BufferKind::Param,
+            Op::Tokens | Op::Positions => BufferKind::Input,
+            _ => BufferKind::Activation,
+        };
+        let out = BufferId::new(program.buffers.len());
+        program.buffers.push(Buffer {
+            name: data.name.clone(),
+            dtype: graph.value(value).ty.dtype,
+            shape: local(value)?,
+            kind,
+        });
+        buffer_of[value.as_u32() as usize] = Some(out);
+        let inputs: Vec<BufferId> =
+            data.inputs.iter().map(|input| buffer_of[input.as_u32() as usize].expect("verified: defined before use")).collect();
+        let input_local = |operand: usize| local(data.inputs[operand]);
+        let group = |axis: pleat_ir::AxisName| Group { axis: axis.to_string(), ranks: mesh.group(rank, axis) };
+        let dim_index = |dim: DimName| graph.value(data.inputs[0]).ty.shape.position(dim).expect("verified: dim exists");
+        let instr = match &data.op {
+            Op::Tokens => Instr::LoadTokens { out, region: region(value) },
+            Op::Positions => Instr::LoadPositions { out, region: region(value) },
+            Op::Param { name } => Instr::LoadParam {
+                out,
+                name: name.clone(),
+                shape: graph.value(value).ty.shape.sizes(),
+                region: region(value),
+            },
+            Op::Embedding => {
+                let table = data.inputs[0];
+                let kernel = Kernel::Embedding {
+                    hidden: input_local(0)?[1],
+                    vocab_offset: region(table)[0].0,
+                    vocab_total: graph.value(table).ty.shape.dims()[0].size,
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::RmsNorm { eps } => {
+                let hidden = *input_local(1)?.first().unwrap_or(&1);
+                Instr::Kernel { kernel: Kernel::RmsNorm { hidden, eps: *eps }, inputs, out }
+            }
+            Op::MatMul { contract } => {
+                let (x, w) = (input_local(0)?, input_local(1)?);
+                let contract = *contract as usize;
+                let k: u64 = x[x.len() - contract..].iter().product();
+                let m: u64 = x[..x.len() - contract].iter().product();
+                let n: u64 = w[..w.len() - contract].iter().product();
+                Instr::Kernel { kernel: Kernel::MatMul { m, n, k }, inputs, out }
+            }
+            Op::Rope { rope } => {
+                let x = input_local(0)?;
+                let kernel = Kernel::Rope {
+                    batch: x[0],
+                    seq: x[1],
+                    heads: x[2],
+                    head_dim: x[3],
+                    inv_freq: inv_freq(rope, x[3]),
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::Attention { causal } => {
+                let (q, k) = (input_local(0)?, input_local(1)?);
+                let global_heads = graph.value(data.inputs[0]).ty.shape.dims()[2].size;
+                let global_kv_heads = graph.value(data.inputs[1]).ty.shape.dims()[2].size;
+                let kernel = Kernel::Attention {
+                    batch: q[0],
+                    sq: q[1],
+                    sk: k[1],
+                    hq: q[2],
+                    hkv: k[2],
+                    head_dim: q[3],
+                    q_head_offset: region(data.inputs[0])[2].0,
+                    kv_head_offset: region(data.inputs[1])[2].0,
+                    group: global_heads / global_kv_heads,
+                    causal: *causal,
+                    scale: 1.0 / (q[3] as f32).sqrt(),
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::SiluMul => Instr::Kernel { kernel: Kernel::SiluMul, inputs, out },
+            Op::Add => Instr::Kernel { kernel: Kernel::Add, inputs, out },
+            Op::AllReduce { axis } => Instr::AllReduce { input: inputs[0], out, group: group(*axis) },
+            Op::ReduceScatter { axis, dim } => {
+                Instr::ReduceScatter { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
+            }
+            Op::AllGather { axis, dim } => {
+                Instr::AllGather { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
+            }
+            Op::LocalSlice { axis, dim } => {
+                let shape = input_local(0)?;
+                let split = dim_index(*dim);
+                let parts = mesh.degree(*axis);
+                let coord = mesh.coord(rank, *axis);
+                let region = shape
+                    .iter()
+                    .enumerate()
+                    .map(|(at, &len)| if at == split { (coord * (len / parts), len / parts) } else { (0, len) })
+                    .collect();
+                Instr::Kernel { kernel: Kernel::Slice { shape, region }, inputs, out }
+            }
+        };
+        program.instructions.push(instr);
+        let mut freed: Vec<ValueId> = Vec::new();
+        for &input in &data.inputs {
+            // An operand used twice (attention reads the positions twice) dies once.
+            if freed.contains(&input) {
+                continue;
+            }
+            freed.push(input);
+            let buffer = buffer_of[input.as_u32() as usize].expect("defined");
+            let dies_here = last_use[input.as_u32() as usize] == Some(index);
+            let resident = program.buffer(buffer).kind == BufferKind::Param || graph.outputs().contains(&input);
+            if dies_here && !resident {
+                program.instructions.push(Instr::Free { buf: buffer });
+            }
+        }
+        if last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value) && kind != BufferKind::Param {
+            program.instructions.push(Instr::Free { buf: out });
+        }
+    }
+    for (index, &output) in graph.outputs().iter().enumerate() {
+        program.instructions.push(Instr::Output {
+            buf: buffer_of[output.as_u32() as usize].expect("verified: outputs exist"),
+            index: index as u32,
+            shape: graph.value(output).ty.shape.sizes(),
+            region: region(output),
+        });
+    }
+    Ok(program)
+}

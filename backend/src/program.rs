@@ -1,0 +1,296 @@
+//! `Program`: what one rank runs, as a flat list of instructions over numbered buffers.
+//!
+//! The format is a promise between the compiler and the runtime: it is serde-serializable with a
+//! format version (`FORMAT_VERSION`), printable as text, and the runtime loads and runs it without
+//! the compiler. Every shape in it is local to the rank; every offset into a global tensor (a
+//! parameter's slice, a token block, an output block) is precomputed, so the runtime does no
+//! sharding arithmetic. A buffer is allocated by the instruction that writes it and released by a
+//! `Free`; parameters stay resident to the end.
+
+use serde::{Deserialize, Serialize};
+
+use pleat_ir::DType;
+
+/// The version of the serialized `Program` format; the runtime refuses any other.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// A buffer of a `Program`.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BufferId(u32);
+pleat_ir::entity_impl!(BufferId, "b");
+
+/// What a buffer holds.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BufferKind {
+    /// A weight slice, resident for the whole program.
+    Param,
+    /// Token ids or positions.
+    Input,
+    /// An intermediate value.
+    Activation,
+}
+
+/// A buffer: its local shape and element type.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// The IR value's name, for traces and errors.
+    pub name: String,
+    /// The declared element type (the CPU runtime computes and stores f32 regardless).
+    pub dtype: DType,
+    /// The local shape.
+    pub shape: Vec<u64>,
+    /// What it holds.
+    pub kind: BufferKind,
+}
+
+impl Buffer {
+    /// Elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+    /// Bytes at the declared dtype.
+    pub fn bytes(&self) -> u64 {
+        self.numel() * self.dtype.size_bytes()
+    }
+}
+
+/// The ranks of one mesh-axis group, in the axis's order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Group {
+    /// The mesh axis.
+    pub axis: String,
+    /// Global ranks.
+    pub ranks: Vec<u32>,
+}
+
+/// A compute kernel with its local sizes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Kernel {
+    /// `(table[rows, hidden], tokens) -> [tokens, hidden]`; the table holds global rows
+    /// `vocab_offset..vocab_offset + rows`, other tokens read zeros.
+    Embedding {
+        /// Row width.
+        hidden: u64,
+        /// The first global row the local table holds.
+        vocab_offset: u64,
+        /// The global vocabulary size (larger ids are errors).
+        vocab_total: u64,
+    },
+    /// RMSNorm over rows of `hidden`.
+    RmsNorm {
+        /// Row width.
+        hidden: u64,
+        /// Epsilon.
+        eps: f64,
+    },
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`.
+    MatMul {
+        /// Rows of x.
+        m: u64,
+        /// Rows of w.
+        n: u64,
+        /// The contracted length.
+        k: u64,
+    },
+    /// Rotary embedding on `[batch, seq, heads, head_dim]` with these inverse frequencies.
+    Rope {
+        /// Local batch.
+        batch: u64,
+        /// Local sequence.
+        seq: u64,
+        /// Local heads.
+        heads: u64,
+        /// Head width.
+        head_dim: u64,
+        /// `head_dim / 2` inverse frequencies.
+        inv_freq: Vec<f32>,
+    },
+    /// Causal grouped-query attention over local heads.
+    Attention {
+        /// Local batch.
+        batch: u64,
+        /// Local query positions.
+        sq: u64,
+        /// Local key positions.
+        sk: u64,
+        /// Local query heads.
+        hq: u64,
+        /// Local kv heads.
+        hkv: u64,
+        /// Head width.
+        head_dim: u64,
+        /// The global index of local query head 0.
+        q_head_offset: u64,
+        /// The global index of local kv head 0.
+        kv_head_offset: u64,
+        /// Query heads a kv head (global heads / global kv heads).
+        group: u64,
+        /// Mask keys after the query.
+        causal: bool,
+        /// Softmax scale.
+        scale: f32,
+    },
+    /// `silu(gate) * up`.
+    SiluMul,
+    /// `a + b`, `b` repeating over `a` when shorter (a bias).
+    Add,
+    /// Copy `region` out of a local tensor of `shape`.
+    Slice {
+        /// The input's local shape.
+        shape: Vec<u64>,
+        /// Per dim `(start, len)`.
+        region: Vec<(u64, u64)>,
+    },
+}
+
+/// One step of a program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Instr {
+    /// Reads `region` of checkpoint tensor `name` (global shape `shape`) into `out`.
+    LoadParam {
+        /// Destination.
+        out: BufferId,
+        /// Checkpoint name.
+        name: String,
+        /// Global shape in the model's view.
+        shape: Vec<u64>,
+        /// The rank's block.
+        region: Vec<(u64, u64)>,
+    },
+    /// Reads the rank's block `[batch, seq]` of the token ids.
+    LoadTokens {
+        /// Destination.
+        out: BufferId,
+        /// The block.
+        region: Vec<(u64, u64)>,
+    },
+    /// Reads the rank's block of the positions.
+    LoadPositions {
+        /// Destination.
+        out: BufferId,
+        /// The block.
+        region: Vec<(u64, u64)>,
+    },
+    /// Runs a kernel.
+    Kernel {
+        /// The kernel.
+        kernel: Kernel,
+        /// Operands.
+        inputs: Vec<BufferId>,
+        /// Result.
+        out: BufferId,
+    },
+    /// Sums `input` over `group` into `out`.
+    AllReduce {
+        /// Operand.
+        input: BufferId,
+        /// Result.
+        out: BufferId,
+        /// The group.
+        group: Group,
+    },
+    /// Sums `input` over `group` and keeps this rank's block of dim `dim`.
+    ReduceScatter {
+        /// Operand.
+        input: BufferId,
+        /// Result.
+        out: BufferId,
+        /// The group.
+        group: Group,
+        /// The dim index split.
+        dim: usize,
+    },
+    /// Concatenates the group's blocks of dim `dim`.
+    AllGather {
+        /// Operand.
+        input: BufferId,
+        /// Result.
+        out: BufferId,
+        /// The group.
+        group: Group,
+        /// The dim index gathered.
+        dim: usize,
+    },
+    /// Hands buffer `buf`, block `region` of graph output `index` (global shape `shape`), to the caller.
+    Output {
+        /// The buffer.
+        buf: BufferId,
+        /// Which graph output.
+        index: u32,
+        /// Its global shape.
+        shape: Vec<u64>,
+        /// The block this rank holds.
+        region: Vec<(u64, u64)>,
+    },
+    /// Releases a buffer after its last use.
+    Free {
+        /// The buffer.
+        buf: BufferId,
+    },
+}
+
+impl Instr {
+    /// The buffer the instruction writes, if any.
+    pub fn out(&self) -> Option<BufferId> {
+        match self {
+            Instr::LoadParam { out, .. }
+            | Instr::LoadTokens { out, .. }
+            | Instr::LoadPositions { out, .. }
+            | Instr::Kernel { out, .. }
+            | Instr::AllReduce { out, .. }
+            | Instr::ReduceScatter { out, .. }
+            | Instr::AllGather { out, .. } => Some(*out),
+            Instr::Output { .. } | Instr::Free { .. } => None,
+        }
+    }
+    /// The buffers the instruction reads.
+    pub fn inputs(&self) -> Vec<BufferId> {
+        match self {
+            Instr::Kernel { inputs, .. } => inputs.clone(),
+            Instr::AllReduce { input, .. } | Instr::ReduceScatter { input, .. } | Instr::AllGather { input, .. } => {
+                vec![*input]
+            }
+            Instr::Output { buf, .. } => vec![*buf],
+            Instr::LoadParam { .. } | Instr::LoadTokens { .. } | Instr::LoadPositions { .. } | Instr::Free { .. } => {
+                Vec::new()
+            }
+        }
+    }
+    /// The group of a collective.
+    pub fn group(&self) -> Option<&Group> {
+        match self {
+            Instr::AllReduce { group, .. } | Instr::ReduceScatter { group, .. } | Instr::AllGather { group, .. } => {
+                Some(group)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// One rank's program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    /// `FORMAT_VERSION` when written.
+    pub format_version: u32,
+    /// The model's name.
+    pub model: String,
+    /// The mesh, as `dp=2,tp=4`.
+    pub mesh: String,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks in the mesh.
+    pub world_size: u32,
+    /// The global `[batch, seq]` of the token input.
+    pub tokens_shape: Vec<u64>,
+    /// Buffers, indexed by `BufferId`.
+    pub buffers: Vec<Buffer>,
+    /// The steps, in order.
+    pub instructions: Vec<Instr>,
+}
+
+impl Program {
+    /// The buffer `id`.
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.as_u32() as usize]
+    }
+}

@@ -1,0 +1,81 @@
+//! The readable form of a `Program` (`rank<i>.txt`): one line a buffer, then one line an instruction.
+
+use std::fmt::Write;
+
+use pleat_ir::entity::EntityRef;
+
+use crate::program::{BufferId, Instr, Kernel, Program};
+
+fn region_text(region: &[(u64, u64)]) -> String {
+    let dims: Vec<String> = region.iter().map(|(start, len)| format!("{start}..{}", start + len)).collect();
+    format!("[{}]", dims.join(", "))
+}
+
+fn list(buffers: &[BufferId]) -> String {
+    buffers.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+fn kernel_text(kernel: &Kernel) -> String {
+    match kernel {
+        Kernel::Embedding { hidden, vocab_offset, vocab_total } => {
+            format!("embedding hidden={hidden} vocab_offset={vocab_offset} vocab_total={vocab_total}")
+        }
+        Kernel::RmsNorm { hidden, eps } => format!("rms_norm hidden={hidden} eps={eps}"),
+        Kernel::MatMul { m, n, k } => format!("matmul m={m} n={n} k={k}"),
+        Kernel::Rope { batch, seq, heads, head_dim, .. } => {
+            format!("rope batch={batch} seq={seq} heads={heads} head_dim={head_dim}")
+        }
+        Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, .. } => {
+            format!(
+                "attention batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} \
+                 q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}"
+            )
+        }
+        Kernel::SiluMul => "silu_mul".to_string(),
+        Kernel::Add => "add".to_string(),
+        Kernel::Slice { region, .. } => format!("slice {}", region_text(region)),
+    }
+}
+
+/// The program as text.
+pub fn print_program(program: &Program) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "; program {} rank {} of {} mesh={} format={}",
+        program.model, program.rank, program.world_size, program.mesh, program.format_version
+    );
+    for (index, buffer) in program.buffers.iter().enumerate() {
+        let shape: Vec<String> = buffer.shape.iter().map(u64::to_string).collect();
+        let _ = writeln!(
+            out,
+            "{}: {}[{}] {:?} {}   ; {} bytes",
+            BufferId::new(index),
+            buffer.dtype,
+            shape.join(", "),
+            buffer.kind,
+            buffer.name,
+            buffer.bytes()
+        );
+    }
+    for instr in &program.instructions {
+        let line = match instr {
+            Instr::LoadParam { out, name, region, .. } => format!("{out} = load_param \"{name}\" {}", region_text(region)),
+            Instr::LoadTokens { out, region } => format!("{out} = load_tokens {}", region_text(region)),
+            Instr::LoadPositions { out, region } => format!("{out} = load_positions {}", region_text(region)),
+            Instr::Kernel { kernel, inputs, out } => format!("{out} = {}({})", kernel_text(kernel), list(inputs)),
+            Instr::AllReduce { input, out, group } => format!("{out} = all_reduce({input}) {}{:?}", group.axis, group.ranks),
+            Instr::ReduceScatter { input, out, group, dim } => {
+                format!("{out} = reduce_scatter({input}) dim={dim} {}{:?}", group.axis, group.ranks)
+            }
+            Instr::AllGather { input, out, group, dim } => {
+                format!("{out} = all_gather({input}) dim={dim} {}{:?}", group.axis, group.ranks)
+            }
+            Instr::Output { buf, index, region, .. } => format!("output {index} = {buf} {}", region_text(region)),
+            Instr::Free { buf } => format!("free {buf}"),
+        };
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}

@@ -1,0 +1,53 @@
+//! The errors of `pleat-passes`.
+
+use pleat_ir::NodeId;
+
+use crate::verify::VerifierErrors;
+
+/// `Result` with this crate's `Error`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything a pass can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // === Pass manager ===
+    /// The verifier rejected the module after a pass: a bug in that pass.
+    #[error("the IR is invalid after pass {pass}: {errors}")]
+    Verify {
+        /// The pass that ran last.
+        pass: &'static str,
+        /// What the verifier found.
+        errors: VerifierErrors,
+    },
+    /// `--dump-after` named a pass the pipeline does not have.
+    #[error("--dump-after {pass}: the pipeline has no such pass; passes are {}", .known.join(", "))]
+    UnknownPass {
+        /// The requested name.
+        pass: String,
+        /// The pipeline's pass names.
+        known: Vec<&'static str>,
+    },
+
+    // === Strategy ===
+    /// A model dimension that the mesh cannot split.
+    #[error(transparent)]
+    Ir(#[from] pleat_ir::Error),
+    /// A mesh axis this build has no strategy for.
+    #[error("mesh axis {axis} has no strategy in this build; use the axes {}", .available.join(", "))]
+    UnsupportedAxis {
+        /// The axis.
+        axis: String,
+        /// The axes that work.
+        available: Vec<&'static str>,
+    },
+    /// Propagation met two layouts it cannot reconcile.
+    #[error("{node} {name}: no collective makes its operands fit: {reason}")]
+    NoLayout {
+        /// The node.
+        node: NodeId,
+        /// Its name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+}

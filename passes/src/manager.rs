@@ -1,0 +1,103 @@
+//! The pass manager: named passes run in order, with the verifier after each.
+//!
+//! A pass is a plain function over a `Module`. Pipelines are `const` slices of passes. The manager
+//! runs the verifier after every pass when `PassCtx::verify_each` is set (always in tests), so a
+//! broken pass is caught where it breaks, and it keeps the text of the IR after the passes the
+//! caller asked to see (`pleat compile --dump-after PASS`): libraries do not print.
+
+use std::time::{Duration, Instant};
+
+use pleat_ir::Module;
+
+use crate::error::{Error, Result};
+use crate::verify::verify;
+
+/// A named transformation of a module.
+#[derive(Clone, Copy)]
+pub struct Pass {
+    /// The kebab-case name `--dump-after` takes.
+    pub name: &'static str,
+    /// The transformation.
+    pub run: fn(&mut Module, &PassCtx) -> Result<()>,
+}
+
+impl std::fmt::Debug for Pass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+/// Which passes' output to keep as text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Dump {
+    /// None.
+    #[default]
+    Nothing,
+    /// The passes with these names.
+    After(Vec<String>),
+    /// Every pass (snapshot tests).
+    Every,
+}
+
+/// What passes may read besides the module.
+#[derive(Clone, Debug)]
+pub struct PassCtx {
+    /// Run the verifier after every pass.
+    pub verify_each: bool,
+    /// What to dump.
+    pub dump: Dump,
+}
+
+impl Default for PassCtx {
+    fn default() -> Self {
+        PassCtx { verify_each: true, dump: Dump::Nothing }
+    }
+}
+
+impl PassCtx {
+    /// Verify after each pass and dump every pass: what snapshot tests want.
+    pub fn for_tests() -> PassCtx {
+        PassCtx { verify_each: true, dump: Dump::Every }
+    }
+    fn wants_dump(&self, pass: &str) -> bool {
+        match &self.dump {
+            Dump::Nothing => false,
+            Dump::Every => true,
+            Dump::After(names) => names.iter().any(|name| name == pass),
+        }
+    }
+}
+
+/// What a pipeline run leaves besides the transformed module.
+#[derive(Clone, Debug, Default)]
+pub struct PipelineReport {
+    /// `(pass, IR text after it)` for each pass the context asked to dump, in order.
+    pub dumps: Vec<(&'static str, String)>,
+    /// `(pass, wall time)` for every pass.
+    pub timings: Vec<(&'static str, Duration)>,
+}
+
+/// Runs `passes` over `module` in order, verifying after each when asked.
+pub fn run_pipeline(passes: &[Pass], module: &mut Module, ctx: &PassCtx) -> Result<PipelineReport> {
+    if let Dump::After(names) = &ctx.dump {
+        if let Some(unknown) = names.iter().find(|name| passes.iter().all(|pass| pass.name != name.as_str())) {
+            return Err(Error::UnknownPass {
+                pass: unknown.clone(),
+                known: passes.iter().map(|pass| pass.name).collect(),
+            });
+        }
+    }
+    let mut report = PipelineReport::default();
+    for pass in passes {
+        let started = Instant::now();
+        (pass.run)(module, ctx)?;
+        report.timings.push((pass.name, started.elapsed()));
+        if ctx.verify_each {
+            verify(module).map_err(|errors| Error::Verify { pass: pass.name, errors })?;
+        }
+        if ctx.wants_dump(pass.name) {
+            report.dumps.push((pass.name, format!("{module:?}")));
+        }
+    }
+    Ok(report)
+}

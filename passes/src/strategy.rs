@@ -1,0 +1,103 @@
+//! Strategies: seed specs on parameters and inputs from the mesh's axes.
+//!
+//! A strategy only says how the leaves are laid out; propagation (`propagate`) derives every other
+//! spec and inserts the collectives the layouts call for. Each mesh axis names its strategy:
+//! - `tp`, Megatron tensor parallelism: q/k/v and gate/up are column-parallel (split on their
+//!   output dim: heads, kv_heads, ffn), o and down row-parallel (split on their input dim), the
+//!   embedding and LM head vocab-parallel. When the kv heads do not divide by tp, the k/v
+//!   projections are replicated and each rank's attention reads the kv heads of its query heads
+//!   (Megatron keeps only the kv group a rank needs; pleat keeps all kv heads, which costs
+//!   `2·(kv_heads - kv_heads/tp)·head_dim·hidden` more weights a rank and no communication).
+//! - `dp`, data parallelism: the batch is split; weights are replicated.
+
+use pleat_ir::spec::valid_degrees;
+use pleat_ir::{AxisName, DimName, Module, Op};
+
+use crate::error::{Error, Result};
+use crate::manager::{Pass, PassCtx};
+
+/// The axes this build has strategies for.
+pub const SUPPORTED_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Tp];
+
+/// Seeds parameter and input specs for every axis of the module's mesh.
+pub const SEED_SPECS: Pass = Pass { name: "seed-specs", run: seed_specs };
+
+fn seed_specs(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
+    for axis in module.mesh.axes().to_vec() {
+        match axis.name {
+            AxisName::Tp => seed_tensor_parallel(module, axis.size)?,
+            AxisName::Dp => seed_data_parallel(module, axis.size)?,
+            other => {
+                return Err(Error::UnsupportedAxis {
+                    axis: other.to_string(),
+                    available: SUPPORTED_AXES.iter().map(|axis| axis.as_str()).collect(),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+fn indivisible(node: &str, what: DimName, count: u64, axis: AxisName, degree: u64) -> Error {
+    Error::Ir(pleat_ir::Error::Indivisible {
+        node: node.to_string(),
+        what: what.to_string(),
+        count,
+        axis: axis.to_string(),
+        degree,
+        valid: valid_degrees(count),
+    })
+}
+
+/// Which dim of a Hugging Face Llama-family weight tensor parallelism splits, if any.
+fn tensor_parallel_dim(name: &str) -> Option<DimName> {
+    const SPLITS: [(&str, DimName); 12] = [
+        ("embed_tokens.weight", DimName::Vocab),
+        ("lm_head.weight", DimName::Vocab),
+        ("q_proj.weight", DimName::Heads),
+        ("q_proj.bias", DimName::Heads),
+        ("k_proj.weight", DimName::KvHeads),
+        ("k_proj.bias", DimName::KvHeads),
+        ("v_proj.weight", DimName::KvHeads),
+        ("v_proj.bias", DimName::KvHeads),
+        ("o_proj.weight", DimName::Heads),
+        ("gate_proj.weight", DimName::Ffn),
+        ("up_proj.weight", DimName::Ffn),
+        ("down_proj.weight", DimName::Ffn),
+    ];
+    SPLITS.iter().find(|(suffix, _)| name.ends_with(suffix)).map(|&(_, dim)| dim)
+}
+
+fn seed_tensor_parallel(module: &mut Module, degree: u64) -> Result<()> {
+    let graph = &mut module.graph;
+    let params: Vec<_> = graph.params().into_iter().map(|(value, name)| (value, name.to_string())).collect();
+    for (value, name) in params {
+        let Some(dim) = tensor_parallel_dim(&name) else { continue };
+        let shape = graph.value(value).ty.shape.clone();
+        let (Some(position), Some(count)) = (shape.position(dim), shape.size_of(dim)) else { continue };
+        if count % degree != 0 {
+            // Grouped-query attention with more ranks than kv heads: keep k/v whole on every rank.
+            if dim == DimName::KvHeads {
+                continue;
+            }
+            return Err(indivisible(&name, dim, count, AxisName::Tp, degree));
+        }
+        let spec = &mut graph.value_mut(value).spec;
+        spec.dims[position].push(AxisName::Tp);
+    }
+    Ok(())
+}
+
+fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
+    let graph = &mut module.graph;
+    let tokens: Vec<_> =
+        graph.order().iter().filter(|&&node| graph.node(node).op == Op::Tokens).map(|&node| graph.node(node).result).collect();
+    for value in tokens {
+        let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
+        if batch % degree != 0 {
+            return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Dp, degree));
+        }
+        graph.value_mut(value).spec.dims[0].push(AxisName::Dp);
+    }
+    Ok(())
+}

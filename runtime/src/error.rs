@@ -1,0 +1,69 @@
+//! The errors of `pleat-runtime`.
+
+use crate::comm::CommError;
+use crate::kernels::KernelError;
+use crate::weights::WeightError;
+
+/// `Result` with this crate's `Error`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything running a program can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A kernel rejected its operands.
+    #[error("rank {rank}, instruction {instr} ({what}): {source}")]
+    Kernel {
+        /// The rank.
+        rank: u32,
+        /// The instruction index.
+        instr: usize,
+        /// The buffer being computed.
+        what: String,
+        /// The kernel's error.
+        source: KernelError,
+    },
+    /// A collective failed (timeout, dead peer, mismatch).
+    #[error("rank {rank}, instruction {instr} ({what}): {source}")]
+    Comm {
+        /// The rank.
+        rank: u32,
+        /// The instruction index.
+        instr: usize,
+        /// The buffer being computed.
+        what: String,
+        /// The communicator's error.
+        source: CommError,
+    },
+    /// A weight could not be read.
+    #[error("rank {rank}: {source}")]
+    Weight {
+        /// The rank.
+        rank: u32,
+        /// The loader's error.
+        source: WeightError,
+    },
+    /// The program is inconsistent with the inputs or itself.
+    #[error("rank {rank}, instruction {instr}: {reason}")]
+    Program {
+        /// The rank.
+        rank: u32,
+        /// The instruction index.
+        instr: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The inputs do not fit the programs.
+    #[error("{reason}")]
+    Inputs {
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// A rank's thread panicked (a bug in pleat).
+    #[error("rank {rank} panicked: {message}")]
+    Panicked {
+        /// The rank.
+        rank: u32,
+        /// The panic message.
+        message: String,
+    },
+}

@@ -1,0 +1,307 @@
+//! The executor: runs one rank's `Program` on the CPU kernels and a communicator.
+//!
+//! Buffers are allocated when an instruction writes them and dropped at their `Free`; the executor
+//! counts the bytes it actually holds (f32 and u32 storage, 4 bytes an element, plus the staging
+//! copies collectives need while they run), so `peak_bytes` is a measurement of this runtime, not a
+//! prediction.
+
+use pleat_backend::{BufferId, Instr, Kernel, Program};
+
+use crate::comm::{CommStats, Communicator, Group as CommGroup};
+use crate::error::{Error, Result};
+use crate::kernels::{self, AttentionShape};
+use crate::weights::WeightSource;
+
+/// What every rank reads: the global token ids and positions, and the weights.
+#[derive(Clone, Copy)]
+pub struct RunInputs<'a> {
+    /// Token ids, `[batch, seq]` row-major, global.
+    pub tokens: &'a [u32],
+    /// Positions, `[seq]`, global.
+    pub positions: &'a [u32],
+    /// Where weights come from.
+    pub weights: &'a dyn WeightSource,
+}
+
+/// A block of a graph output that a rank returned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputBlock {
+    /// Which graph output.
+    pub index: u32,
+    /// Its global shape.
+    pub shape: Vec<u64>,
+    /// The block, per dim `(start, len)`.
+    pub region: Vec<(u64, u64)>,
+    /// The block's data, row-major.
+    pub data: Vec<f32>,
+}
+
+/// What one rank's run produced and measured.
+#[derive(Clone, Debug)]
+pub struct RankOutcome {
+    /// The rank.
+    pub rank: u32,
+    /// Its output blocks.
+    pub outputs: Vec<OutputBlock>,
+    /// The most bytes it held at once.
+    pub peak_bytes: u64,
+    /// The bytes of its resident weights.
+    pub param_bytes: u64,
+    /// Bytes it sent, by collective kind.
+    pub comm: CommStats,
+}
+
+enum Storage {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+}
+
+impl Storage {
+    fn bytes(&self) -> u64 {
+        4 * match self {
+            Storage::F32(data) => data.len() as u64,
+            Storage::U32(data) => data.len() as u64,
+        }
+    }
+}
+
+struct Machine<'a> {
+    program: &'a Program,
+    buffers: Vec<Option<Storage>>,
+    live_bytes: u64,
+    peak_bytes: u64,
+    instr: usize,
+}
+
+impl Machine<'_> {
+    fn program_error(&self, reason: String) -> Error {
+        Error::Program { rank: self.program.rank, instr: self.instr, reason }
+    }
+    fn f32(&self, id: BufferId) -> Result<&[f32]> {
+        match self.buffers.get(id.as_u32() as usize) {
+            Some(Some(Storage::F32(data))) => Ok(data),
+            Some(Some(Storage::U32(_))) => Err(self.program_error(format!("{id} holds integers, an f32 operand is needed"))),
+            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        }
+    }
+    fn u32(&self, id: BufferId) -> Result<&[u32]> {
+        match self.buffers.get(id.as_u32() as usize) {
+            Some(Some(Storage::U32(data))) => Ok(data),
+            Some(Some(Storage::F32(_))) => Err(self.program_error(format!("{id} holds floats, an integer operand is needed"))),
+            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        }
+    }
+    fn store(&mut self, id: BufferId, storage: Storage) -> Result<()> {
+        let expected = self.program.buffers.get(id.as_u32() as usize).map(|buffer| buffer.numel());
+        let got = storage.bytes() / 4;
+        if expected != Some(got) {
+            return Err(self.program_error(format!("{id} should hold {expected:?} elements, got {got}")));
+        }
+        self.live_bytes += storage.bytes();
+        self.peak_bytes = self.peak_bytes.max(self.live_bytes);
+        self.buffers[id.as_u32() as usize] = Some(storage);
+        Ok(())
+    }
+    /// Counts a staging copy that lives only during the current instruction.
+    fn transient(&mut self, bytes: u64) {
+        self.peak_bytes = self.peak_bytes.max(self.live_bytes + bytes);
+    }
+    fn what(&self, id: BufferId) -> String {
+        self.program.buffers.get(id.as_u32() as usize).map_or_else(|| id.to_string(), |buffer| buffer.name.clone())
+    }
+}
+
+fn block_of(global: &[u32], shape: &[u64], region: &[(u64, u64)]) -> Vec<u32> {
+    match (shape, region) {
+        ([_], [(start, len)]) => global[*start as usize..(start + len) as usize].to_vec(),
+        ([_, cols], [(row_start, rows), (col_start, len)]) => (*row_start..row_start + rows)
+            .flat_map(|row| {
+                let base = (row * cols + col_start) as usize;
+                global[base..base + *len as usize].iter().copied()
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Runs `program` on this thread with `comm`; `gemm_threads` is the GEMM parallelism.
+pub fn execute(program: &Program, comm: &mut dyn Communicator, inputs: &RunInputs, gemm_threads: usize) -> Result<RankOutcome> {
+    let rank = program.rank;
+    let tokens_shape = program.tokens_shape.clone();
+    let seq = *tokens_shape.get(1).unwrap_or(&0);
+    if inputs.tokens.len() as u64 != tokens_shape.iter().product::<u64>() || inputs.positions.len() as u64 != seq {
+        return Err(Error::Inputs {
+            reason: format!(
+                "the program expects tokens {:?} and {seq} positions, got {} tokens and {} positions",
+                tokens_shape,
+                inputs.tokens.len(),
+                inputs.positions.len()
+            ),
+        });
+    }
+    let mut machine =
+        Machine { program, buffers: (0..program.buffers.len()).map(|_| None).collect(), live_bytes: 0, peak_bytes: 0, instr: 0 };
+    let mut outputs = Vec::new();
+    let mut param_bytes = 0;
+    comm.reset_stats();
+    for (index, instr) in program.instructions.iter().enumerate() {
+        machine.instr = index;
+        match instr {
+            Instr::LoadParam { out, name, shape, region } => {
+                let data = inputs.weights.read(name, shape, region).map_err(|source| Error::Weight { rank, source })?;
+                param_bytes += 4 * data.len() as u64;
+                machine.store(*out, Storage::F32(data))?;
+            }
+            Instr::LoadTokens { out, region } => {
+                machine.store(*out, Storage::U32(block_of(inputs.tokens, &tokens_shape, region)))?;
+            }
+            Instr::LoadPositions { out, region } => {
+                machine.store(*out, Storage::U32(block_of(inputs.positions, &[seq], region)))?;
+            }
+            Instr::Kernel { kernel, inputs: operands, out } => {
+                let data = run_kernel(&machine, kernel, operands, *out, gemm_threads).map_err(|source| Error::Kernel {
+                    rank,
+                    instr: index,
+                    what: machine.what(*out),
+                    source,
+                })?;
+                machine.store(*out, Storage::F32(data))?;
+            }
+            Instr::AllReduce { input, out, group } => {
+                let mut data = machine.f32(*input)?.to_vec();
+                comm.all_reduce(&CommGroup { ranks: group.ranks.clone() }, &mut data)
+                    .map_err(|source| Error::Comm { rank, instr: index, what: machine.what(*out), source })?;
+                machine.store(*out, Storage::F32(data))?;
+            }
+            Instr::ReduceScatter { input, out, group, dim } => {
+                let shape = local_shape(program, *input);
+                let parts = group.ranks.len();
+                let chunks = kernels::split_dim_chunks(machine.f32(*input)?, &shape, *dim, parts);
+                machine.transient(4 * chunks.len() as u64);
+                let mut data = vec![0.0; chunks.len() / parts];
+                comm.reduce_scatter(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut data)
+                    .map_err(|source| Error::Comm { rank, instr: index, what: machine.what(*out), source })?;
+                machine.store(*out, Storage::F32(data))?;
+            }
+            Instr::AllGather { input, out, group, dim } => {
+                let parts = group.ranks.len();
+                let input_data = machine.f32(*input)?;
+                let mut chunks = vec![0.0; input_data.len() * parts];
+                comm.all_gather(&CommGroup { ranks: group.ranks.clone() }, input_data, &mut chunks)
+                    .map_err(|source| Error::Comm { rank, instr: index, what: machine.what(*out), source })?;
+                machine.transient(4 * chunks.len() as u64);
+                let data = kernels::join_dim_chunks(&chunks, &local_shape(program, *out), *dim, parts);
+                machine.store(*out, Storage::F32(data))?;
+            }
+            Instr::Output { buf, index: output, shape, region } => {
+                outputs.push(OutputBlock {
+                    index: *output,
+                    shape: shape.clone(),
+                    region: region.clone(),
+                    data: machine.f32(*buf)?.to_vec(),
+                });
+            }
+            Instr::Free { buf } => {
+                if let Some(storage) = machine.buffers.get_mut(buf.as_u32() as usize).and_then(Option::take) {
+                    machine.live_bytes -= storage.bytes();
+                }
+            }
+        }
+    }
+    Ok(RankOutcome { rank, outputs, peak_bytes: machine.peak_bytes, param_bytes, comm: comm.stats().clone() })
+}
+
+fn local_shape(program: &Program, id: BufferId) -> Vec<usize> {
+    program.buffer(id).shape.iter().map(|&size| size as usize).collect()
+}
+
+fn run_kernel(
+    machine: &Machine,
+    kernel: &Kernel,
+    operands: &[BufferId],
+    out: BufferId,
+    gemm_threads: usize,
+) -> std::result::Result<Vec<f32>, kernels::KernelError> {
+    let numel = machine.program.buffer(out).numel() as usize;
+    let mut result = vec![0.0f32; numel];
+    let f32_operand = |index: usize| machine.f32(operands[index]).map_err(|err| kernels::KernelError::Operand { reason: err.to_string() });
+    let u32_operand = |index: usize| machine.u32(operands[index]).map_err(|err| kernels::KernelError::Operand { reason: err.to_string() });
+    match kernel {
+        Kernel::Embedding { hidden, vocab_offset, vocab_total } => kernels::embedding(
+            f32_operand(0)?,
+            *hidden as usize,
+            *vocab_offset as usize,
+            *vocab_total as usize,
+            u32_operand(1)?,
+            &mut result,
+        )?,
+        Kernel::RmsNorm { hidden, eps } => {
+            kernels::rms_norm(f32_operand(0)?, f32_operand(1)?, &mut result, *hidden as usize, *eps as f32)
+        }
+        Kernel::MatMul { m, n, k } => kernels::matmul_nt(
+            *m as usize,
+            *n as usize,
+            *k as usize,
+            f32_operand(0)?,
+            f32_operand(1)?,
+            &mut result,
+            false,
+            gemm_threads,
+        ),
+        Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
+            result.copy_from_slice(f32_operand(0)?);
+            kernels::rope_in_place(
+                &mut result,
+                *batch as usize,
+                *seq as usize,
+                *heads as usize,
+                *head_dim as usize,
+                u32_operand(1)?,
+                inv_freq,
+            );
+        }
+        Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, scale } => {
+            let shape = AttentionShape {
+                batch: *batch as usize,
+                sq: *sq as usize,
+                sk: *sk as usize,
+                hq: *hq as usize,
+                hkv: *hkv as usize,
+                head_dim: *head_dim as usize,
+                q_head_offset: *q_head_offset as usize,
+                kv_head_offset: *kv_head_offset as usize,
+                group: *group as usize,
+                causal: *causal,
+                scale: *scale,
+            };
+            kernels::attention(
+                &shape,
+                f32_operand(0)?,
+                f32_operand(1)?,
+                f32_operand(2)?,
+                u32_operand(3)?,
+                u32_operand(4)?,
+                &mut result,
+            )?;
+        }
+        Kernel::SiluMul => kernels::silu_mul(f32_operand(0)?, f32_operand(1)?, &mut result),
+        Kernel::Add => {
+            let (a, b) = (f32_operand(0)?, f32_operand(1)?);
+            if a.len() == b.len() {
+                kernels::add(a, b, &mut result);
+            } else {
+                // A bias repeats over the leading dims.
+                result.copy_from_slice(a);
+                for row in result.chunks_mut(b.len()) {
+                    kernels::add_in_place(row, b);
+                }
+            }
+        }
+        Kernel::Slice { shape, region } => {
+            let shape: Vec<usize> = shape.iter().map(|&size| size as usize).collect();
+            let region: Vec<(usize, usize)> = region.iter().map(|&(start, len)| (start as usize, len as usize)).collect();
+            result = kernels::slice_region(f32_operand(0)?, &shape, &region);
+        }
+    }
+    Ok(result)
+}

@@ -1,0 +1,110 @@
+//! Runs every rank's program as a thread of this process, over the threads communicator, and
+//! assembles the ranks' output blocks into whole tensors.
+
+use std::time::Duration;
+
+use pleat_backend::Program;
+
+use crate::comm::{Communicator, ThreadFabric};
+use crate::error::{Error, Result};
+use crate::executor::{execute, RankOutcome, RunInputs};
+
+/// Runs `programs` (one a rank, in rank order) on threads; every collective wait gives up after
+/// `timeout`. When a rank fails, the others are told and fail fast; the error returned is the first
+/// rank's own failure rather than its peers' reports of it.
+pub fn run_on_threads(programs: &[Program], inputs: &RunInputs, timeout: Duration) -> Result<Vec<RankOutcome>> {
+    let world_size = programs.len() as u32;
+    for (rank, program) in programs.iter().enumerate() {
+        if program.rank != rank as u32 || program.world_size != world_size {
+            return Err(Error::Inputs {
+                reason: format!(
+                    "program {rank} is for rank {} of {}, but {world_size} programs were given",
+                    program.rank, program.world_size
+                ),
+            });
+        }
+    }
+    // Ranks already run in parallel; give GEMMs the cores only when there is one rank.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let gemm_threads = if world_size == 1 { cores } else { 1 };
+    let comms = ThreadFabric::new(world_size, timeout);
+    let results: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = programs
+            .iter()
+            .zip(comms)
+            .map(|(program, mut comm)| {
+                scope.spawn(move || {
+                    let outcome = execute(program, &mut comm, inputs, gemm_threads);
+                    if let Err(err) = &outcome {
+                        comm.abort(&err.to_string());
+                    }
+                    outcome
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, handle)| {
+                handle.join().unwrap_or_else(|payload| {
+                    let message = payload
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| payload.downcast_ref::<&str>().map(|text| text.to_string()))
+                        .unwrap_or_else(|| "unknown panic".to_string());
+                    Err(Error::Panicked { rank: rank as u32, message })
+                })
+            })
+            .collect()
+    });
+    let mut outcomes = Vec::new();
+    let mut first_error: Option<Error> = None;
+    for result in results {
+        match result {
+            Ok(outcome) => outcomes.push(outcome),
+            Err(err) => {
+                let is_echo = matches!(&err, Error::Comm { source: crate::comm::CommError::PeerFailed { .. }, .. });
+                let replace = match &first_error {
+                    None => true,
+                    Some(Error::Comm { source: crate::comm::CommError::PeerFailed { .. }, .. }) => !is_echo,
+                    Some(_) => false,
+                };
+                if replace {
+                    first_error = Some(err);
+                }
+            }
+        }
+    }
+    match first_error {
+        Some(err) => Err(err),
+        None => Ok(outcomes),
+    }
+}
+
+/// Assembles graph output `index` from the ranks' blocks into a whole row-major tensor.
+/// Replicated blocks simply overwrite one another with equal data.
+pub fn assemble(outcomes: &[RankOutcome], index: u32) -> Option<(Vec<u64>, Vec<f32>)> {
+    let blocks: Vec<_> = outcomes.iter().flat_map(|outcome| &outcome.outputs).filter(|block| block.index == index).collect();
+    let shape = blocks.first()?.shape.clone();
+    let mut data = vec![0.0f32; shape.iter().product::<u64>() as usize];
+    for block in blocks {
+        let block_shape: Vec<usize> = block.region.iter().map(|&(_, len)| len as usize).collect();
+        for (flat, &value) in block.data.iter().enumerate() {
+            // Decompose the block-local index and offset it into the global tensor.
+            let mut remaining = flat;
+            let mut global = 0usize;
+            let mut stride = 1usize;
+            let mut coords = vec![0usize; block_shape.len()];
+            for dim in (0..block_shape.len()).rev() {
+                coords[dim] = remaining % block_shape[dim];
+                remaining /= block_shape[dim];
+            }
+            for dim in (0..block_shape.len()).rev() {
+                global += (coords[dim] + block.region[dim].0 as usize) * stride;
+                stride *= shape[dim] as usize;
+            }
+            data[global] = value;
+        }
+    }
+    Some((shape, data))
+}
