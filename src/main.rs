@@ -1,1 +1,52 @@
-fn main() {}
+//! The `pleat` command line: compile transformer models into per-rank programs and run them.
+//!
+//! This is the only layer that talks to the world: it reads files, prints, and turns library
+//! errors into messages (`anyhow` lives here only).
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
+
+mod compile;
+mod demo;
+mod inputs;
+mod model_arg;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// pleat compiles a transformer model and a device mesh into one program per rank, and runs them.
+#[derive(Parser)]
+#[command(name = "pleat", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compile MODEL for a mesh and run every rank's program on threads.
+    Run(run::RunArgs),
+    /// Compile MODEL for a mesh into a directory of per-rank programs.
+    Compile(compile::CompileArgs),
+    /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(&args),
+        Command::Compile(args) => compile::compile(&args),
+        Command::Demo => demo::demo(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

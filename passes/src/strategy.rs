@@ -41,7 +41,17 @@ fn seed_specs(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
 fn indivisible(node: &str, what: DimName, count: u64, axis: AxisName, degree: u64) -> Error {
     Error::Ir(pleat_ir::Error::Indivisible {
         node: node.to_string(),
-        what: what.to_string(),
+        what: match what {
+            DimName::Heads => "heads",
+            DimName::KvHeads => "kv heads",
+            DimName::Ffn => "ffn channels",
+            DimName::Vocab => "vocab rows",
+            DimName::Batch => "sequences (batch)",
+            DimName::Seq => "tokens (seq)",
+            DimName::Hidden => "hidden channels",
+            DimName::HeadDim => "head_dim channels",
+        }
+        .to_string(),
         count,
         axis: axis.to_string(),
         degree,
@@ -71,21 +81,47 @@ fn tensor_parallel_dim(name: &str) -> Option<DimName> {
 fn seed_tensor_parallel(module: &mut Module, degree: u64) -> Result<()> {
     let graph = &mut module.graph;
     let params: Vec<_> = graph.params().into_iter().map(|(value, name)| (value, name.to_string())).collect();
-    for (value, name) in params {
-        let Some(dim) = tensor_parallel_dim(&name) else { continue };
-        let shape = graph.value(value).ty.shape.clone();
-        let (Some(position), Some(count)) = (shape.position(dim), shape.size_of(dim)) else { continue };
-        if count % degree != 0 {
-            // Grouped-query attention with more ranks than kv heads: keep k/v whole on every rank.
-            if dim == DimName::KvHeads {
-                continue;
-            }
-            return Err(indivisible(&name, dim, count, AxisName::Tp, degree));
+    let mut splits = Vec::new();
+    for (value, name) in &params {
+        let Some(dim) = tensor_parallel_dim(name) else { continue };
+        let shape = &graph.value(*value).ty.shape;
+        if let (Some(position), Some(count)) = (shape.position(dim), shape.size_of(dim)) {
+            splits.push((*value, name.as_str(), dim, position, count));
         }
-        let spec = &mut graph.value_mut(value).spec;
-        spec.dims[position].push(AxisName::Tp);
+    }
+    // Every split dim but the kv heads (which may stay whole) must divide; the error names the
+    // first one a user thinks of (heads, then ffn, then vocab) and offers the degrees that divide
+    // all of them.
+    let must_divide = |dim: DimName| dim != DimName::KvHeads;
+    let common = splits.iter().filter(|split| must_divide(split.2)).fold(0, |acc, split| gcd(acc, split.4));
+    let priority = |dim: DimName| [DimName::Heads, DimName::Ffn, DimName::Vocab].iter().position(|&d| d == dim);
+    if let Some(&(_, name, dim, _, count)) = splits
+        .iter()
+        .filter(|split| must_divide(split.2) && split.4 % degree != 0)
+        .min_by_key(|split| priority(split.2))
+    {
+        let mut error = indivisible(name, dim, count, AxisName::Tp, degree);
+        if let Error::Ir(pleat_ir::Error::Indivisible { valid, .. }) = &mut error {
+            *valid = valid_degrees(common);
+        }
+        return Err(error);
+    }
+    for (value, _, dim, position, count) in splits {
+        // Grouped-query attention with more ranks than kv heads: keep k/v whole on every rank.
+        if dim == DimName::KvHeads && count % degree != 0 {
+            continue;
+        }
+        graph.value_mut(value).spec.dims[position].push(AxisName::Tp);
     }
     Ok(())
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {

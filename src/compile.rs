@@ -1,0 +1,150 @@
+//! `pleat compile`: shard a model over a mesh and write one program a rank.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pleat_backend::Program;
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::{Mesh, Module};
+use pleat_passes::{Dump, PassCtx, PipelineReport};
+use serde::{Deserialize, Serialize};
+
+use crate::model_arg::{resolve, ModelSource};
+
+/// Arguments of `pleat compile`.
+#[derive(Args)]
+pub struct CompileArgs {
+    /// A preset name, a config.json, or a model directory.
+    pub model: String,
+    /// The device mesh, e.g. `tp=4` or `dp=2,tp=2`.
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// The directory to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Sequence length.
+    #[arg(long, default_value_t = 64)]
+    pub seq: u64,
+    /// Sequences a batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: u64,
+    /// Print the IR after this pass (repeatable): seed-specs, propagate-specs.
+    #[arg(long)]
+    pub dump_after: Vec<String>,
+}
+
+/// The version of `plan.json`.
+pub const PLAN_FORMAT_VERSION: u32 = 1;
+
+/// `plan.json`: what a compiled directory holds, for `pleat run DIR`.
+#[derive(Serialize, Deserialize)]
+pub struct PlanFile {
+    /// `PLAN_FORMAT_VERSION`.
+    pub format_version: u32,
+    /// The model's name.
+    pub model: String,
+    /// The mesh.
+    pub mesh: String,
+    /// Ranks (one `rank<i>.program` each).
+    pub ranks: u32,
+    /// Sequences a batch.
+    pub batch: u64,
+    /// Sequence length.
+    pub seq: u64,
+    /// `program format` of the rank files.
+    pub program_format_version: u32,
+}
+
+/// A sharded module and its programs.
+pub struct Compiled {
+    pub sharded: Module,
+    pub programs: Vec<Program>,
+    pub report: PipelineReport,
+}
+
+/// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs.
+pub fn compile_model(config: &ModelConfig, batch: u64, seq: u64, mesh: &Mesh, dump: Dump) -> Result<Compiled> {
+    let mut module = pleat_ir::model::build(config, batch, seq)?;
+    module.mesh = mesh.clone();
+    let ctx = PassCtx { verify_each: true, dump };
+    let report = pleat_passes::run_pipeline(pleat_passes::SHARD_PIPELINE, &mut module, &ctx)?;
+    let programs = pleat_backend::lower(&module)?;
+    pleat_backend::verify_collectives(&programs)?;
+    Ok(Compiled { sharded: module, programs, report })
+}
+
+/// Runs `pleat compile`.
+pub fn compile(args: &CompileArgs) -> Result<()> {
+    let ModelSource::Config { config, .. } = resolve(&args.model)? else {
+        anyhow::bail!("{} is already a compiled directory; give a preset or a config.json", args.model);
+    };
+    let mesh = Mesh::parse(&args.mesh)?;
+    let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
+    let compiled = compile_model(&config, args.batch, args.seq, &mesh, dump)?;
+    for (pass, text) in &compiled.report.dumps {
+        println!("; after {pass}\n{text}");
+    }
+    write_compiled(&args.out, &config, &compiled, args.batch, args.seq)?;
+    println!(
+        "compiled {} for {} into {}: {} rank programs",
+        config.name,
+        if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() },
+        args.out.display(),
+        compiled.programs.len()
+    );
+    Ok(())
+}
+
+/// Writes the compiled directory into a temporary sibling, then renames it into place, so an
+/// interrupted compile never leaves a half-written directory.
+fn write_compiled(out: &Path, config: &ModelConfig, compiled: &Compiled, batch: u64, seq: u64) -> Result<()> {
+    let parent = out.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let name = out.file_name().map(|name| name.to_string_lossy().to_string()).unwrap_or_else(|| "out".into());
+    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+    let plan = PlanFile {
+        format_version: PLAN_FORMAT_VERSION,
+        model: config.name.clone(),
+        mesh: compiled.sharded.mesh.to_string(),
+        ranks: compiled.programs.len() as u32,
+        batch,
+        seq,
+        program_format_version: pleat_backend::FORMAT_VERSION,
+    };
+    std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
+    std::fs::write(staging.join("config.json"), config.to_hf_json())?;
+    std::fs::write(staging.join("module.pleat"), pleat_ir::text::print_module(&compiled.sharded))?;
+    for program in &compiled.programs {
+        std::fs::write(staging.join(format!("rank{}.program", program.rank)), pleat_backend::to_json(program))?;
+        std::fs::write(staging.join(format!("rank{}.txt", program.rank)), pleat_backend::text::print_program(program))?;
+    }
+    if out.exists() {
+        std::fs::remove_dir_all(out).with_context(|| format!("cannot replace {}", out.display()))?;
+    }
+    std::fs::rename(&staging, out).with_context(|| format!("cannot move the output into {}", out.display()))?;
+    Ok(())
+}
+
+/// Reads a compiled directory back: its plan, config and programs.
+pub fn read_compiled(dir: &Path) -> Result<(PlanFile, ModelConfig, Vec<Program>)> {
+    let plan_path = dir.join("plan.json");
+    let plan: PlanFile = serde_json::from_str(&std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?)
+        .with_context(|| format!("{} is not a pleat plan", plan_path.display()))?;
+    if plan.format_version != PLAN_FORMAT_VERSION {
+        anyhow::bail!("{}: plan format {} is not {PLAN_FORMAT_VERSION}; recompile with this pleat", plan_path.display(), plan.format_version);
+    }
+    let config = crate::model_arg::read_config(&dir.join("config.json"))?;
+    let programs = (0..plan.ranks)
+        .map(|rank| {
+            let path = dir.join(format!("rank{rank}.program"));
+            let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            pleat_backend::from_json(&text).with_context(|| format!("{}", path.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((plan, config, programs))
+}

@@ -1,0 +1,53 @@
+//! Token inputs: a `--tokens` JSON file (`[[id, ...], ...]`, one row a sequence) or a seeded random batch.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+/// Token ids `[batch, seq]`, row-major.
+pub struct Tokens {
+    pub batch: u64,
+    pub seq: u64,
+    pub ids: Vec<u32>,
+}
+
+/// Reads `[batch][seq]` integers from a JSON file.
+pub fn read_tokens(path: &Path) -> Result<Tokens> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a JSON array of arrays of token ids, [[1, 2, ...], ...]", path.display()))?;
+    let Some(first) = rows.first() else { bail!("{}: no sequences", path.display()) };
+    let seq = first.len();
+    if seq == 0 {
+        bail!("{}: sequence 0 is empty", path.display());
+    }
+    let mut ids = Vec::with_capacity(rows.len() * seq);
+    for (row_index, row) in rows.iter().enumerate() {
+        if row.len() != seq {
+            bail!("{}: sequence {row_index} has {} tokens, sequence 0 has {seq}; all must be equal", path.display(), row.len());
+        }
+        for (position, &id) in row.iter().enumerate() {
+            let Ok(id) = u32::try_from(id) else {
+                bail!("{}: token [{row_index}][{position}] = {id} is not a valid id", path.display());
+            };
+            ids.push(id);
+        }
+    }
+    Ok(Tokens { batch: rows.len() as u64, seq: seq as u64, ids })
+}
+
+/// A deterministic batch of ids below `vocab`, from `seed`.
+pub fn random_tokens(batch: u64, seq: u64, vocab: u64, seed: u64) -> Tokens {
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let ids = (0..batch * seq)
+        .map(|_| {
+            // splitmix64: small, stateless and good enough for test inputs.
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % vocab) as u32
+        })
+        .collect();
+    Tokens { batch, seq, ids }
+}

@@ -1,0 +1,49 @@
+//! Resolves the MODEL argument: a preset name, a `config.json` (or a directory holding one, with
+//! its weights), or a directory written by `pleat compile`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::model::preset::{preset, PRESET_NAMES};
+
+/// What MODEL named.
+pub enum ModelSource {
+    /// A model configuration, with the weights found beside it, if any.
+    Config { config: ModelConfig, weights: Option<PathBuf> },
+    /// A compiled directory.
+    Compiled(PathBuf),
+}
+
+fn weights_beside(dir: &Path) -> Option<PathBuf> {
+    ["model.safetensors", "model.safetensors.index.json"].iter().map(|name| dir.join(name)).find(|path| path.exists())
+}
+
+/// Reads a `config.json`.
+pub fn read_config(path: &Path) -> Result<ModelConfig> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(ModelConfig::from_json_str(&text, &path.display().to_string())?)
+}
+
+/// Resolves MODEL.
+pub fn resolve(model: &str) -> Result<ModelSource> {
+    let path = Path::new(model);
+    if path.is_dir() {
+        if path.join("plan.json").exists() {
+            return Ok(ModelSource::Compiled(path.to_path_buf()));
+        }
+        if path.join("config.json").exists() {
+            let config = read_config(&path.join("config.json"))?;
+            return Ok(ModelSource::Config { config, weights: weights_beside(path) });
+        }
+        bail!("{model} is a directory without config.json or plan.json; give a config.json, a model directory, a compiled directory or a preset ({})", PRESET_NAMES.join(", "));
+    }
+    if path.is_file() {
+        let config = read_config(path)?;
+        return Ok(ModelSource::Config { config, weights: None });
+    }
+    if PRESET_NAMES.contains(&model) {
+        return Ok(ModelSource::Config { config: preset(model)?, weights: None });
+    }
+    bail!("MODEL `{model}` is neither a preset ({}) nor an existing config.json, model directory or compiled directory", PRESET_NAMES.join(", "))
+}

@@ -1,0 +1,268 @@
+//! `pleat run`: compile (or load) per-rank programs, run them on threads, and optionally check the
+//! logits against the reference interpreter.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use pleat_backend::Program;
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::Mesh;
+use pleat_passes::Dump;
+use pleat_runtime::comm::CollectiveKind;
+use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
+use pleat_runtime::{assemble, run_on_threads, RankOutcome, RunInputs};
+use serde_json::json;
+
+use crate::compile::{compile_model, read_compiled};
+use crate::inputs::{random_tokens, read_tokens, Tokens};
+use crate::model_arg::{resolve, ModelSource};
+
+/// The largest absolute difference from the reference that `--check` accepts, in f32.
+pub const F32_TOL: f32 = 1e-4;
+
+/// Output formats.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Format {
+    Text,
+    Json,
+}
+
+/// Arguments of `pleat run`.
+#[derive(Args)]
+pub struct RunArgs {
+    /// A preset name, a config.json, a model directory (config.json + weights), or a compiled directory.
+    pub model: String,
+    /// The device mesh, e.g. `tp=4` or `dp=2,tp=2` (ignored for a compiled directory).
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// Weights: a .safetensors file, a model.safetensors.index.json, or a directory with either.
+    /// Without it, a model directory's own weights, else seeded synthetic weights.
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Sequence length (default 64, or the --tokens file's).
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Sequences a batch (default 8, or the --tokens file's).
+    #[arg(long)]
+    pub batch: Option<u64>,
+    /// Token ids as JSON, `[[id, ...], ...]` (one row a sequence); else a seeded random batch.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// Seed of the random tokens and synthetic weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also run the reference interpreter and report the largest logit difference.
+    #[arg(long)]
+    pub check: bool,
+    /// Write the logits (f32 [batch, seq, vocab], tensor `logits`) to this safetensors file.
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+    /// Seconds a rank waits on a collective before it reports the peers that did not arrive.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// What a run produced.
+pub struct RunResult {
+    pub config: ModelConfig,
+    pub mesh: String,
+    pub tokens: Tokens,
+    pub logits_shape: Vec<u64>,
+    pub logits: Vec<f32>,
+    pub outcomes: Vec<RankOutcome>,
+    pub max_abs_err: Option<f32>,
+}
+
+/// Runs `pleat run`.
+pub fn run(args: &RunArgs) -> Result<()> {
+    let result = execute(args)?;
+    report(args, &result)?;
+    if let Some(err) = result.max_abs_err {
+        if !(err <= F32_TOL) {
+            bail!("max |logits - reference| = {err:e} exceeds the tolerance {F32_TOL:e}");
+        }
+    }
+    Ok(())
+}
+
+fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn WeightSource>> {
+    Ok(match path {
+        Some(path) => Box::new(SafetensorsWeights::open(path).with_context(|| format!("cannot open weights {}", path.display()))?),
+        None => Box::new(SeededWeights::new(seed)),
+    })
+}
+
+/// Compiles or loads, runs, and checks; prints nothing.
+pub fn execute(args: &RunArgs) -> Result<RunResult> {
+    let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
+    let (config, programs, mesh, weights_path, batch, seq) = match resolve(&args.model)? {
+        ModelSource::Compiled(dir) => {
+            let (plan, config, programs) = read_compiled(&dir)?;
+            for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
+                if given.is_some_and(|given| given != planned) {
+                    bail!("{flag} {} differs from the compiled plan's {planned}; recompile, or drop {flag}", given.unwrap_or(0));
+                }
+            }
+            (config, programs, plan.mesh, args.weights.clone(), plan.batch, plan.seq)
+        }
+        ModelSource::Config { config, weights } => {
+            let batch = args.batch.or(given_tokens.as_ref().map(|tokens| tokens.batch)).unwrap_or(8);
+            let seq = args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64);
+            let mesh = Mesh::parse(&args.mesh)?;
+            let compiled = compile_model(&config, batch, seq, &mesh, Dump::Nothing)?;
+            (config, compiled.programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
+        }
+    };
+    let tokens = match given_tokens {
+        Some(tokens) if tokens.batch != batch || tokens.seq != seq => bail!(
+            "the tokens file holds {} sequences of {} tokens, but the run is for batch={batch} seq={seq}",
+            tokens.batch,
+            tokens.seq
+        ),
+        Some(tokens) => tokens,
+        None => random_tokens(batch, seq, config.vocab_size, args.seed),
+    };
+    let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    let (logits_shape, logits, outcomes) = run_programs(&programs, &tokens, weights.as_ref(), args.timeout)?;
+    let max_abs_err = if args.check {
+        let reference = reference_logits(&config, &tokens, weights.as_ref())?;
+        Some(max_abs_diff(&logits, &reference))
+    } else {
+        None
+    };
+    if let Some(path) = &args.logits_out {
+        pleat_runtime::weights::write_safetensors(path, &[("logits".to_string(), logits_shape.clone(), logits.clone())])
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(RunResult { config, mesh, tokens, logits_shape, logits, outcomes, max_abs_err })
+}
+
+/// Runs the programs on threads and assembles the logits.
+pub fn run_programs(
+    programs: &[Program],
+    tokens: &Tokens,
+    weights: &dyn WeightSource,
+    timeout_s: u64,
+) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
+    let positions: Vec<u32> = (0..tokens.seq as u32).collect();
+    let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights };
+    let outcomes = run_on_threads(programs, &inputs, Duration::from_secs(timeout_s))?;
+    let (shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
+    Ok((shape, logits, outcomes))
+}
+
+/// The reference interpreter's logits for the unsharded model.
+pub fn reference_logits(config: &ModelConfig, tokens: &Tokens, weights: &dyn WeightSource) -> Result<Vec<f32>> {
+    let module = pleat_ir::model::build(config, tokens.batch, tokens.seq)?;
+    let mut params = HashMap::new();
+    for (_, name) in module.graph.params() {
+        let value = module.graph.find(name).expect("a param's node carries its name");
+        let shape = module.graph.value(value).ty.shape.sizes();
+        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+        params.insert(name.to_string(), weights.read(name, &shape, &region)?);
+    }
+    let lookup = |name: &str, _shape: &[u64]| params.get(name).cloned();
+    let positions: Vec<u32> = (0..tokens.seq as u32).collect();
+    let inputs = pleat_ir::interp::Inputs { tokens: &tokens.ids, positions: &positions, params: &lookup };
+    let mut outputs = pleat_ir::interp::run(&module.graph, &inputs)?;
+    Ok(outputs.remove(0).data)
+}
+
+/// The largest absolute elementwise difference (NaN if either holds a NaN).
+pub fn max_abs_diff(left: &[f32], right: &[f32]) -> f32 {
+    if left.len() != right.len() {
+        return f32::NAN;
+    }
+    left.iter().zip(right).map(|(a, b)| (a - b).abs()).fold(0.0, |worst, diff| if diff.is_nan() || worst.is_nan() { f32::NAN } else { worst.max(diff) })
+}
+
+const KINDS: [(CollectiveKind, &str); 5] = [
+    (CollectiveKind::AllReduce, "all_reduce"),
+    (CollectiveKind::ReduceScatter, "reduce_scatter"),
+    (CollectiveKind::AllGather, "all_gather"),
+    (CollectiveKind::Broadcast, "broadcast"),
+    (CollectiveKind::SendRecv, "send"),
+];
+
+/// Bytes sent by kind, averaged over ranks.
+pub fn comm_bytes_mean(outcomes: &[RankOutcome]) -> BTreeMap<&'static str, u64> {
+    KINDS
+        .iter()
+        .map(|&(kind, name)| {
+            let total: u64 = outcomes.iter().map(|outcome| outcome.comm.bytes(kind)).sum();
+            (name, total / outcomes.len().max(1) as u64)
+        })
+        .collect()
+}
+
+fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
+    let peaks: Vec<u64> = result.outcomes.iter().map(|outcome| outcome.peak_bytes).collect();
+    match args.format {
+        Format::Json => {
+            let per_rank: Vec<_> = result
+                .outcomes
+                .iter()
+                .map(|outcome| KINDS.iter().map(|&(kind, name)| (name, outcome.comm.bytes(kind))).collect::<BTreeMap<_, _>>())
+                .collect();
+            let object = json!({
+                "model": result.config.name,
+                "mesh": result.mesh,
+                "ranks": result.outcomes.len(),
+                "batch": result.tokens.batch,
+                "seq": result.tokens.seq,
+                "logits_shape": result.logits_shape,
+                "max_abs_err": result.max_abs_err,
+                "peak_bytes_per_rank": peaks,
+                "param_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.param_bytes).collect::<Vec<_>>(),
+                "comm_bytes": comm_bytes_mean(&result.outcomes),
+                "comm_bytes_per_rank": per_rank,
+            });
+            println!("{}", serde_json::to_string_pretty(&object)?);
+        }
+        Format::Text => {
+            println!(
+                "ran {} on {} rank(s) (mesh {}): batch {} x seq {}, logits {:?}",
+                result.config.name,
+                result.outcomes.len(),
+                if result.mesh.is_empty() { "none" } else { &result.mesh },
+                result.tokens.batch,
+                result.tokens.seq,
+                result.logits_shape
+            );
+            println!("peak bytes a rank: {}", peaks.iter().map(|peak| human_bytes(*peak)).collect::<Vec<_>>().join(", "));
+            let comm: Vec<String> = comm_bytes_mean(&result.outcomes)
+                .into_iter()
+                .filter(|&(_, bytes)| bytes > 0)
+                .map(|(name, bytes)| format!("{name} {}", human_bytes(bytes)))
+                .collect();
+            println!("sent a rank (mean): {}", if comm.is_empty() { "nothing".to_string() } else { comm.join(", ") });
+            if let Some(err) = result.max_abs_err {
+                let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
+                println!("check: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bytes in KiB/MiB/GiB, for people.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}

@@ -1,0 +1,107 @@
+//! The `pleat` binary end to end: runs, compiled directories, and the messages bad input gets.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn pleat(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).env("NO_COLOR", "1").output().expect("pleat runs")
+}
+
+#[track_caller]
+fn stdout_of(args: &[&str]) -> String {
+    let output = pleat(args);
+    assert!(output.status.success(), "pleat {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).expect("utf-8")
+}
+
+#[track_caller]
+fn error_of(args: &[&str]) -> String {
+    let output = pleat(args);
+    assert!(!output.status.success(), "pleat {args:?} should fail");
+    assert_eq!(output.status.code(), Some(1), "an error exits 1, not a panic's 101");
+    String::from_utf8(output.stderr).expect("utf-8")
+}
+
+fn json_of(args: &[&str]) -> serde_json::Value {
+    serde_json::from_str(&stdout_of(args)).expect("json output")
+}
+
+#[test]
+fn run_reports_json_with_the_check() {
+    let report = json_of(&["run", "tiny", "--mesh", "tp=4", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
+    assert_eq!(report["ranks"], 4);
+    assert_eq!(report["logits_shape"], serde_json::json!([2, 16, 256]));
+    assert!(report["max_abs_err"].as_f64().expect("a number") < 1e-4);
+    assert_eq!(report["peak_bytes_per_rank"].as_array().expect("array").len(), 4);
+    assert!(report["comm_bytes"]["all_reduce"].as_u64().expect("bytes") > 0);
+}
+
+#[test]
+fn compiled_directory_runs_like_the_model() {
+    let dir = tempdir("compiled");
+    let out = dir.join("tiny-tp2");
+    let out_str = out.to_str().expect("utf-8 path");
+    stdout_of(&["compile", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--out", out_str]);
+    for file in ["plan.json", "config.json", "module.pleat", "rank0.program", "rank1.txt"] {
+        assert!(out.join(file).exists(), "{file} is missing");
+    }
+    let direct = dir.join("direct.safetensors");
+    let compiled = dir.join("compiled.safetensors");
+    stdout_of(&["run", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--logits-out", direct.to_str().unwrap()]);
+    stdout_of(&["run", out_str, "--check", "--logits-out", compiled.to_str().unwrap()]);
+    assert_eq!(std::fs::read(direct).unwrap(), std::fs::read(compiled).unwrap(), "the same logits, bit for bit");
+}
+
+#[test]
+fn dump_after_prints_the_ir() {
+    let dir = tempdir("dump");
+    let text = stdout_of(&[
+        "compile", "tiny", "--mesh", "tp=2", "--seq", "16", "--out", dir.join("o").to_str().unwrap(), "--dump-after", "propagate-specs",
+    ]);
+    assert!(text.contains("; after propagate-specs"));
+    assert!(text.contains("all_reduce(") && text.contains("axis=tp"), "{text}");
+}
+
+#[test]
+fn indivisible_degrees_name_the_dim_and_the_fix() {
+    let message = error_of(&["run", "tiny", "--mesh", "tp=3"]);
+    assert!(
+        message.contains("8 heads are not divisible by tp=3; use tp in {1,2,4,8}"),
+        "unexpected message: {message}"
+    );
+    let message = error_of(&["run", "tiny", "--mesh", "dp=3", "--batch", "8"]);
+    assert!(message.contains("8 sequences (batch) are not divisible by dp=3"), "{message}");
+}
+
+#[test]
+fn bad_meshes_models_and_files_are_clear_errors() {
+    assert!(error_of(&["run", "tiny", "--mesh", "tq=2"]).contains("unknown axis `tq`"));
+    assert!(error_of(&["run", "tiny", "--mesh", "tp=two"]).contains("write axes as name=size"));
+    assert!(error_of(&["run", "no-such-model"]).contains("is neither a preset"));
+    assert!(error_of(&["run", "tiny", "--weights", "/nonexistent/w.safetensors"]).contains("/nonexistent/w.safetensors"));
+    let dir = tempdir("bad-config");
+    let config = dir.join("config.json");
+    std::fs::write(&config, r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}"#).unwrap();
+    let message = error_of(&["run", config.to_str().unwrap()]);
+    assert!(message.contains("config.json") && message.contains("num_hidden_layers"), "{message}");
+    std::fs::write(&config, r#"{"architectures": ["GPT2LMHeadModel"]}"#).unwrap();
+    assert!(error_of(&["run", config.to_str().unwrap()]).contains("GPT2LMHeadModel"));
+    let tokens = dir.join("tokens.json");
+    std::fs::write(&tokens, "[[1, 2, 3], [4, 5]]").unwrap();
+    assert!(error_of(&["run", "tiny", "--tokens", tokens.to_str().unwrap()]).contains("sequence 1 has 2 tokens"));
+}
+
+#[test]
+fn weights_that_do_not_fit_name_the_tensor() {
+    // The llama-gqa fixture's weights (hidden 64) cannot serve the tiny model (hidden 128).
+    let weights = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-gqa/model.safetensors");
+    let message = error_of(&["run", "tiny", "--batch", "1", "--seq", "4", "--weights", weights.to_str().unwrap()]);
+    assert!(message.contains("model.embed_tokens.weight"), "{message}");
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("pleat-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

@@ -1,0 +1,79 @@
+//! Shared test plumbing: compile a model for a mesh, run it on threads, and run the reference.
+
+#![allow(dead_code, reason = "each test binary uses a different part")]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use pleat_backend::Program;
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::{Mesh, Module};
+use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
+use pleat_runtime::weights::{SeededWeights, WeightSource};
+use pleat_runtime::{assemble, run_on_threads, RankOutcome, RunInputs};
+
+/// The one tolerance of f32 equivalence tests: max abs error of the logits.
+pub const F32_TOL: f32 = 1e-4;
+
+/// Builds, shards and lowers `config` for `mesh`.
+pub fn compile(config: &ModelConfig, batch: u64, seq: u64, mesh: &str) -> (Module, Vec<Program>) {
+    let mut module = pleat_ir::model::build(config, batch, seq).expect("build");
+    module.mesh = Mesh::parse(mesh).expect("mesh");
+    run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::default()).unwrap_or_else(|err| panic!("{mesh}: {err}"));
+    let programs = pleat_backend::lower(&module).expect("lower");
+    pleat_backend::verify_collectives(&programs).expect("collectives match");
+    (module, programs)
+}
+
+/// Deterministic token ids.
+pub fn tokens(batch: u64, seq: u64, vocab: u64) -> Vec<u32> {
+    (0..batch * seq).map(|index| ((index * 7919 + 13) % vocab) as u32).collect()
+}
+
+/// The reference interpreter's logits for the unsharded model.
+pub fn reference(config: &ModelConfig, batch: u64, seq: u64, tokens: &[u32], weights: &dyn WeightSource) -> Vec<f32> {
+    let module = pleat_ir::model::build(config, batch, seq).expect("build");
+    let mut params = HashMap::new();
+    for (value, name) in module.graph.params() {
+        let shape = module.graph.value(value).ty.shape.sizes();
+        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+        params.insert(name.to_string(), weights.read(name, &shape, &region).expect("weights"));
+    }
+    let lookup = |name: &str, _shape: &[u64]| params.get(name).cloned();
+    let positions: Vec<u32> = (0..seq as u32).collect();
+    let inputs = pleat_ir::interp::Inputs { tokens, positions: &positions, params: &lookup };
+    pleat_ir::interp::run(&module.graph, &inputs).expect("interp").remove(0).data
+}
+
+/// Runs `programs` on threads; returns the assembled logits and every rank's outcome.
+pub fn run(programs: &[Program], tokens: &[u32], seq: u64, weights: &dyn WeightSource) -> (Vec<f32>, Vec<RankOutcome>) {
+    let positions: Vec<u32> = (0..seq as u32).collect();
+    let inputs = RunInputs { tokens, positions: &positions, weights };
+    let outcomes = run_on_threads(programs, &inputs, Duration::from_secs(60)).expect("run");
+    let (_, logits) = assemble(&outcomes, 0).expect("logits");
+    (logits, outcomes)
+}
+
+/// Asserts `got` equals `want` within `F32_TOL`, naming the worst element.
+#[track_caller]
+pub fn assert_close(label: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{label}: lengths differ");
+    let (worst, err) = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .enumerate()
+        .fold((0, 0.0f32), |(at, worst), (index, diff)| if diff > worst || diff.is_nan() { (index, diff) } else { (at, worst) });
+    assert!(err <= F32_TOL, "{label}: max abs error {err:e} at element {worst}: got {} want {}", got[worst], want[worst]);
+}
+
+/// Compiles `config` for `mesh`, runs it, and checks the logits against the reference.
+pub fn check_equivalence(config: &ModelConfig, batch: u64, seq: u64, mesh: &str) -> Vec<RankOutcome> {
+    let (_, programs) = compile(config, batch, seq, mesh);
+    let weights = SeededWeights::new(7);
+    let ids = tokens(batch, seq, config.vocab_size);
+    let (logits, outcomes) = run(&programs, &ids, seq, &weights);
+    let want = reference(config, batch, seq, &ids, &weights);
+    assert_close(&format!("{} {mesh}", config.name), &logits, &want);
+    outcomes
+}

@@ -1,0 +1,34 @@
+//! Insta snapshots of the IR, as text, before and after every pass, for each strategy on `tiny`.
+
+use pleat_ir::model::preset::preset;
+use pleat_ir::Mesh;
+use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
+
+fn snapshot_pipeline(mesh: &str, suffix: &str) {
+    // A short sequence keeps the snapshots readable; the structure does not depend on it.
+    let mut module = pleat_ir::model::build(&preset("tiny").expect("tiny"), 8, 16).expect("build");
+    module.mesh = Mesh::parse(mesh).expect("mesh");
+    let before = pleat_ir::text::print_module(&module);
+    let report = run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::for_tests()).expect("pipeline");
+    insta::with_settings!({ snapshot_suffix => suffix, prepend_module_to_snapshot => false }, {
+        insta::assert_snapshot!("before", before);
+        for (pass, text) in report.dumps {
+            insta::assert_snapshot!(format!("after_{pass}"), text);
+        }
+    });
+}
+
+#[test]
+fn tensor_parallel_tp2() {
+    snapshot_pipeline("tp=2", "tp2");
+}
+
+#[test]
+fn data_parallel_dp2() {
+    snapshot_pipeline("dp=2", "dp2");
+}
+
+#[test]
+fn data_times_tensor_parallel() {
+    snapshot_pipeline("dp=2,tp=2", "dp2-tp2");
+}
