@@ -1,0 +1,389 @@
+//! Checkpoints in the safetensors format, memory-mapped, read one region at a time.
+//!
+//! [`SafetensorsWeights::open`] maps every file of a single-file or sharded checkpoint and parses only the
+//! headers; tensor bytes stay in the page cache until a region is read. A read copies and converts exactly
+//! the elements of the region (F32, BF16 and F16 become `f32`), one contiguous run at a time, so a rank
+//! touches only the pages of its own shard. [`write_safetensors`] writes `f32` tensors to a temporary
+//! sibling and renames it into place, so readers never see a half-written file.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+use super::region::{check_region, element_count, for_each_run, is_merged_view};
+use super::{WeightError, WeightSource};
+
+/// File name of a single-file Hugging Face checkpoint inside its directory.
+const SINGLE_FILE_NAME: &str = "model.safetensors";
+/// File name of a sharded Hugging Face checkpoint's index inside its directory.
+const INDEX_FILE_NAME: &str = "model.safetensors.index.json";
+/// How many similar names a [`WeightError::TensorMissing`] lists.
+const MAX_SIMILAR_NAMES: usize = 3;
+
+/// A memory-mapped safetensors checkpoint: one file, or the shards of a Hugging Face index.
+#[derive(Debug)]
+pub struct SafetensorsWeights {
+    /// What was opened: the `.safetensors` file or the index file. Errors about missing tensors name it.
+    origin: PathBuf,
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+/// One mapped file.
+#[derive(Debug)]
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+}
+
+/// Where one tensor's bytes live.
+#[derive(Debug, Clone)]
+struct TensorEntry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    /// Byte range of the tensor inside the shard's mapping (header included in the offsets).
+    byte_start: usize,
+    byte_end: usize,
+}
+
+impl SafetensorsWeights {
+    /// Opens a checkpoint: a `.safetensors` file, a `model.safetensors.index.json`, or a directory holding
+    /// `model.safetensors` (preferred when both exist) or `model.safetensors.index.json`.
+    ///
+    /// Shard files named in an index are resolved relative to the index's directory. Only headers are
+    /// parsed here; no tensor data is read.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, WeightError> {
+        let path = path.as_ref();
+        let metadata = fs::metadata(path).map_err(|error| match error.kind() {
+            std::io::ErrorKind::NotFound => WeightError::FileMissing {
+                path: path.to_path_buf(),
+            },
+            _ => WeightError::Malformed {
+                path: path.to_path_buf(),
+                reason: error.to_string(),
+            },
+        })?;
+        if metadata.is_dir() {
+            let single = path.join(SINGLE_FILE_NAME);
+            let index = path.join(INDEX_FILE_NAME);
+            if single.is_file() {
+                Self::open_single(&single)
+            } else if index.is_file() {
+                Self::open_index(&index)
+            } else {
+                Err(WeightError::NoCheckpointInDirectory {
+                    dir: path.to_path_buf(),
+                })
+            }
+        } else if path
+            .extension()
+            .is_some_and(|extension| extension == "json")
+        {
+            Self::open_index(path)
+        } else {
+            Self::open_single(path)
+        }
+    }
+
+    /// Names of all tensors in the checkpoint, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+
+    /// Shape of tensor `name` as stored in the file, or `None` when the checkpoint lacks it.
+    pub fn shape(&self, name: &str) -> Option<Vec<u64>> {
+        self.tensors.get(name).map(|entry| entry.shape.clone())
+    }
+
+    fn open_single(path: &Path) -> Result<Self, WeightError> {
+        let (shard, entries) = map_shard(path, 0)?;
+        Ok(Self {
+            origin: path.to_path_buf(),
+            shards: vec![shard],
+            tensors: entries,
+        })
+    }
+
+    fn open_index(index: &Path) -> Result<Self, WeightError> {
+        let malformed = |reason: String| WeightError::Malformed {
+            path: index.to_path_buf(),
+            reason,
+        };
+        let text = fs::read_to_string(index).map_err(|error| malformed(error.to_string()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|error| malformed(format!("invalid JSON: {error}")))?;
+        let weight_map = json
+            .get("weight_map")
+            .and_then(serde_json::Value::as_object)
+            .ok_or_else(|| malformed("it has no \"weight_map\" object".to_string()))?;
+        // Group by shard file; BTreeMap keeps shard order deterministic.
+        let mut tensors_by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (tensor, file) in weight_map {
+            let file = file.as_str().ok_or_else(|| {
+                malformed(format!("weight_map entry `{tensor}` is not a file name"))
+            })?;
+            tensors_by_file.entry(file).or_default().push(tensor);
+        }
+        let directory = index.parent().unwrap_or_else(|| Path::new(""));
+        let mut shards = Vec::with_capacity(tensors_by_file.len());
+        let mut tensors = BTreeMap::new();
+        for (shard_index, (file, listed)) in tensors_by_file.into_iter().enumerate() {
+            let shard_path = directory.join(file);
+            if !shard_path.is_file() {
+                return Err(WeightError::IndexedFileMissing {
+                    index: index.to_path_buf(),
+                    file: file.to_string(),
+                    path: shard_path,
+                });
+            }
+            let (shard, mut entries) = map_shard(&shard_path, shard_index)?;
+            for tensor in listed {
+                let entry = entries.remove(tensor).ok_or_else(|| {
+                    malformed(format!(
+                        "weight_map puts `{tensor}` in {file}, which has no such tensor"
+                    ))
+                })?;
+                tensors.insert(tensor.to_string(), entry);
+            }
+            shards.push(shard);
+        }
+        Ok(Self {
+            origin: index.to_path_buf(),
+            shards,
+            tensors,
+        })
+    }
+
+    /// Up to [`MAX_SIMILAR_NAMES`] tensor names closest to `name` by edit distance.
+    fn similar_names(&self, name: &str) -> Vec<String> {
+        let mut ranked: Vec<(usize, &String)> = self
+            .tensors
+            .keys()
+            .map(|candidate| (edit_distance(name, candidate), candidate))
+            .collect();
+        ranked.sort();
+        ranked
+            .into_iter()
+            .take(MAX_SIMILAR_NAMES)
+            .map(|(_, candidate)| candidate.clone())
+            .collect()
+    }
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn read(
+        &self,
+        name: &str,
+        shape: &[u64],
+        region: &[(u64, u64)],
+    ) -> Result<Vec<f32>, WeightError> {
+        let entry = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| WeightError::TensorMissing {
+                name: name.to_string(),
+                file: self.origin.clone(),
+                similar: self.similar_names(name),
+            })?;
+        let shard = &self.shards[entry.shard];
+        let bytes_per_element = match entry.dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
+            other => {
+                return Err(WeightError::UnsupportedDtype {
+                    name: name.to_string(),
+                    dtype: other.to_string(),
+                    file: shard.path.clone(),
+                })
+            }
+        };
+        if !is_merged_view(shape, &entry.shape) {
+            return Err(WeightError::ShapeMismatch {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: entry.shape.clone(),
+                file: shard.path.clone(),
+            });
+        }
+        let count = check_region(name, shape, region)?;
+        // Merged dims keep row-major order, so flat indices of the model's view index the file directly.
+        let data = &shard.mmap[entry.byte_start..entry.byte_end];
+        let mut values = Vec::with_capacity(count);
+        for_each_run(shape, region, |flat_start, run_len| {
+            let start = flat_start as usize * bytes_per_element;
+            let end = (flat_start + run_len) as usize * bytes_per_element;
+            convert_into(entry.dtype, &data[start..end], &mut values);
+        });
+        Ok(values)
+    }
+}
+
+/// Appends the little-endian elements in `bytes` to `out` as `f32`. `dtype` is F32, BF16 or F16.
+fn convert_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
+    match dtype {
+        Dtype::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|pair| half::bf16::from_le_bytes([pair[0], pair[1]]).to_f32()),
+        ),
+        Dtype::F16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|pair| half::f16::from_le_bytes([pair[0], pair[1]]).to_f32()),
+        ),
+        _ => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|quad| f32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]])),
+        ),
+    }
+}
+
+/// Maps `path` and parses its header into tensor entries tagged with `shard_index`.
+fn map_shard(
+    path: &Path,
+    shard_index: usize,
+) -> Result<(Shard, BTreeMap<String, TensorEntry>), WeightError> {
+    let malformed = |reason: String| WeightError::Malformed {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = fs::File::open(path).map_err(|error| match error.kind() {
+        std::io::ErrorKind::NotFound => WeightError::FileMissing {
+            path: path.to_path_buf(),
+        },
+        _ => malformed(error.to_string()),
+    })?;
+    // SAFETY: the mapping is read-only and private to this process. Another process truncating or
+    // rewriting the checkpoint while it is mapped is outside what any mmap-based loader can guard against;
+    // `write_safetensors` itself replaces files by rename, which leaves existing mappings intact.
+    let mmap = unsafe { Mmap::map(&file) }
+        .map_err(|error| malformed(format!("cannot map it: {error}")))?;
+    // read_metadata checks that the offsets tile the data section and match each shape and dtype, and that
+    // the data section ends exactly at the end of the file, so every entry's byte range lies in the mapping.
+    let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
+        .map_err(|error| malformed(format!("not a safetensors file: {error}")))?;
+    let data_start = std::mem::size_of::<u64>() + header_len;
+    let entries = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| {
+            let entry = TensorEntry {
+                shard: shard_index,
+                dtype: info.dtype,
+                shape: info.shape.iter().map(|&dim| dim as u64).collect(),
+                byte_start: data_start + info.data_offsets.0,
+                byte_end: data_start + info.data_offsets.1,
+            };
+            (name, entry)
+        })
+        .collect();
+    Ok((
+        Shard {
+            path: path.to_path_buf(),
+            mmap,
+        },
+        entries,
+    ))
+}
+
+/// Levenshtein distance between two names, counted in chars.
+fn edit_distance(left: &str, right: &str) -> usize {
+    let right: Vec<char> = right.chars().collect();
+    let mut previous: Vec<usize> = (0..=right.len()).collect();
+    let mut current = vec![0; right.len() + 1];
+    for (i, left_char) in left.chars().enumerate() {
+        current[0] = i + 1;
+        for (j, &right_char) in right.iter().enumerate() {
+            let substitution = previous[j] + usize::from(left_char != right_char);
+            current[j + 1] = substitution.min(previous[j + 1] + 1).min(current[j] + 1);
+        }
+        std::mem::swap(&mut previous, &mut current);
+    }
+    previous[right.len()]
+}
+
+/// Writes `(name, shape, data)` tensors as an F32 safetensors file at `path`, atomically.
+///
+/// The file is written to a temporary sibling (`.NAME.tmp.PID`), flushed to disk and renamed over `path`,
+/// so a reader sees either the old file or the complete new one. Each `data` must hold exactly the
+/// shape's element count in row-major order, and names must be unique and not `__metadata__`.
+pub fn write_safetensors(
+    path: impl AsRef<Path>,
+    tensors: &[(String, Vec<u64>, Vec<f32>)],
+) -> Result<(), WeightError> {
+    let path = path.as_ref();
+    let write_failed = |reason: String| WeightError::WriteFailed {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut seen = BTreeSet::new();
+    let mut encoded = Vec::with_capacity(tensors.len());
+    for (name, shape, data) in tensors {
+        let invalid = |reason: String| WeightError::InvalidTensorToWrite {
+            name: name.clone(),
+            reason,
+        };
+        if name == "__metadata__" {
+            return Err(invalid(
+                "`__metadata__` is reserved by the safetensors format".to_string(),
+            ));
+        }
+        if !seen.insert(name.as_str()) {
+            return Err(invalid("two tensors have this name".to_string()));
+        }
+        let expected = element_count(shape);
+        if expected != Some(data.len() as u64) {
+            return Err(invalid(format!(
+                "shape {shape:?} holds {} elements but {} values were given",
+                expected.map_or_else(|| "more than 2^64".to_string(), |count| count.to_string()),
+                data.len()
+            )));
+        }
+        let shape_usize = shape
+            .iter()
+            .map(|&dim| usize::try_from(dim))
+            .collect::<Result<Vec<usize>, _>>()
+            .map_err(|_| invalid(format!("shape {shape:?} does not fit in memory")))?;
+        let bytes: Vec<u8> = data.iter().flat_map(|value| value.to_le_bytes()).collect();
+        encoded.push((name.as_str(), shape_usize, bytes));
+    }
+    let mut views = Vec::with_capacity(encoded.len());
+    for (name, shape, bytes) in &encoded {
+        let view = TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(|error| {
+            WeightError::InvalidTensorToWrite {
+                name: name.to_string(),
+                reason: error.to_string(),
+            }
+        })?;
+        views.push((*name, view));
+    }
+    let serialized =
+        safetensors::serialize(views, None).map_err(|error| write_failed(error.to_string()))?;
+
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| write_failed("the path names no file".to_string()))?
+        .to_string_lossy();
+    let temporary = path.with_file_name(format!(".{file_name}.tmp.{}", std::process::id()));
+    let written = fs::File::create(&temporary)
+        .and_then(|mut file| {
+            file.write_all(&serialized)?;
+            file.sync_all()
+        })
+        .and_then(|()| fs::rename(&temporary, path));
+    written.map_err(|error| {
+        // Best effort: the write already failed, and a leftover temporary is harmless beyond the disk it uses.
+        let _ = fs::remove_file(&temporary);
+        write_failed(error.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests;
