@@ -1,1 +1,3 @@
 //! pleat-runtime.
+
+pub mod comm;
