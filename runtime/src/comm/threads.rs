@@ -1,0 +1,466 @@
+//! The threads communicator: every rank is an OS thread of one process.
+//!
+//! [`ThreadFabric::new`] makes one [`ThreadComm`] per rank; move each into its thread. Messages go
+//! through one mailbox per receiving rank, holding a FIFO queue per sender, so messages between a
+//! (sender, receiver) pair arrive in the order they were sent. Sends are buffered and never block;
+//! receives block on the mailbox's condition variable, bounded by the fabric's timeout.
+//!
+//! Every message carries a [`MessageTag`] (kind, group, per-group sequence number, sizes); a receiver
+//! whose own operation differs reports [`CommError::Mismatch`] instead of taking the data. Failures are
+//! recorded in the fabric in the order they happen: when a rank aborts (explicitly, on any error, or
+//! when its `ThreadComm` is dropped during a panic), every waiting rank is woken, and a wait whose
+//! group holds a failed rank returns [`CommError::PeerFailed`] naming the earliest such rank, so the
+//! root cause is reported rather than the ranks that failed because of it. A `ThreadComm` dropped
+//! normally is not a failure: its peers' waits on it time out.
+//!
+//! The collectives are those of [`super::ring`], run over this fabric as their [`Transport`].
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::ring::{self, OpContext, Transport};
+use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTag};
+
+/// Builds the connected endpoints of a world of ranks that are threads of this process.
+#[derive(Debug)]
+pub struct ThreadFabric;
+
+impl ThreadFabric {
+    /// One connected [`ThreadComm`] per rank of a world of `world_size` ranks, in rank order. Every
+    /// blocking wait of every rank gives up after `timeout`.
+    #[allow(
+        clippy::new_ret_no_self,
+        reason = "a fabric is only the set of its endpoints; there is no fabric value to return"
+    )]
+    pub fn new(world_size: u32, timeout: Duration) -> Vec<ThreadComm> {
+        let n_ranks = world_size as usize;
+        let shared = Arc::new(Shared {
+            mailboxes: (0..n_ranks)
+                .map(|_| Mailbox {
+                    queues: Mutex::new((0..n_ranks).map(|_| VecDeque::new()).collect()),
+                    arrived: Condvar::new(),
+                })
+                .collect(),
+            failures: Mutex::new(Vec::new()),
+            arrivals: (0..n_ranks).map(|_| Mutex::new(HashMap::new())).collect(),
+        });
+        (0..world_size)
+            .map(|rank| ThreadComm {
+                rank,
+                world_size,
+                timeout,
+                shared: Arc::clone(&shared),
+                stats: CommStats::default(),
+                sends_to: vec![0; n_ranks],
+                recvs_from: vec![0; n_ranks],
+                failed: None,
+            })
+            .collect()
+    }
+}
+
+/// One rank's endpoint of a [`ThreadFabric`].
+pub struct ThreadComm {
+    rank: u32,
+    world_size: u32,
+    timeout: Duration,
+    shared: Arc<Shared>,
+    stats: CommStats,
+    /// Point-to-point messages sent to each rank so far: the sequence number of the next one.
+    sends_to: Vec<u64>,
+    /// Point-to-point messages received from each rank so far.
+    recvs_from: Vec<u64>,
+    /// Why this endpoint failed, once it has.
+    failed: Option<String>,
+}
+
+/// What the endpoints of one fabric share.
+struct Shared {
+    /// Indexed by receiving rank.
+    mailboxes: Vec<Mailbox>,
+    /// Failed ranks, in the order they failed.
+    failures: Mutex<Vec<Failure>>,
+    /// Indexed by rank: how many collectives the rank has entered on each group. A member has reached
+    /// operation `s` of a group when its count is above `s`; timeouts use it to say who never came.
+    arrivals: Vec<Mutex<HashMap<Group, u64>>>,
+}
+
+struct Mailbox {
+    /// Indexed by sending rank.
+    queues: Mutex<Vec<VecDeque<Message>>>,
+    /// Signalled on every delivery and every failure.
+    arrived: Condvar,
+}
+
+struct Message {
+    tag: MessageTag,
+    data: Vec<f32>,
+}
+
+struct Failure {
+    rank: u32,
+    reason: String,
+}
+
+/// Locks `mutex` even if a thread panicked while holding it: every critical section here leaves the
+/// data consistent, and a panicking rank is reported through the failure list instead.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    fn record_failure(&self, rank: u32, reason: &str) {
+        {
+            let mut failures = lock(&self.failures);
+            if failures.iter().all(|failure| failure.rank != rank) {
+                failures.push(Failure {
+                    rank,
+                    reason: reason.to_string(),
+                });
+            }
+        }
+        // Taking each mailbox lock before notifying means a receiver that checked the failure list
+        // just before the push is already waiting, so it cannot miss the wake-up.
+        for mailbox in &self.mailboxes {
+            let _queues = lock(&mailbox.queues);
+            mailbox.arrived.notify_all();
+        }
+    }
+
+    /// The earliest failure of a rank other than `me` that `op` depends on: `peer` or a group member.
+    fn failure_affecting(&self, me: u32, peer: u32, group: &Group) -> Option<(u32, String)> {
+        lock(&self.failures)
+            .iter()
+            .find(|failure| {
+                failure.rank != me && (failure.rank == peer || group.ranks.contains(&failure.rank))
+            })
+            .map(|failure| (failure.rank, failure.reason.clone()))
+    }
+
+    /// The members of `op`'s group, other than `me`, that have not yet entered `op`.
+    fn missing_members(&self, me: u32, op: &OpContext<'_>) -> Vec<u32> {
+        op.group
+            .ranks
+            .iter()
+            .copied()
+            .filter(|&member| member != me)
+            .filter(|&member| {
+                let entered = lock(&self.arrivals[member as usize])
+                    .get(op.group)
+                    .copied()
+                    .unwrap_or(0);
+                entered <= op.sequence
+            })
+            .collect()
+    }
+}
+
+impl ThreadComm {
+    /// Runs `body` unless this endpoint already failed; any error it returns makes the endpoint fail.
+    fn guarded(
+        &mut self,
+        op: &OpContext<'_>,
+        body: impl FnOnce(&mut Self) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if let Some(reason) = &self.failed {
+            return Err(CommError::Aborted {
+                rank: self.rank,
+                op: op.describe(),
+                reason: reason.clone(),
+            });
+        }
+        let result = body(self);
+        if let Err(error) = &result {
+            self.fail(&error.to_string());
+        }
+        result
+    }
+
+    /// Runs a collective of `kind` on `group` as this rank's next operation on that group.
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &Group,
+        op_elements: usize,
+        body: impl FnOnce(&mut Self, &OpContext<'_>) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let unsequenced = OpContext {
+            kind,
+            group,
+            sequence: 0,
+            op_elements,
+        };
+        self.guarded(&unsequenced, |comm| {
+            let op = OpContext {
+                sequence: comm.enter(group),
+                ..unsequenced
+            };
+            body(comm, &op)
+        })
+    }
+
+    /// Counts one more operation of this rank on `group` and returns its sequence number.
+    fn enter(&self, group: &Group) -> u64 {
+        let mut entered = lock(&self.shared.arrivals[self.rank as usize]);
+        if let Some(count) = entered.get_mut(group) {
+            *count += 1;
+            return *count - 1;
+        }
+        entered.insert(group.clone(), 1);
+        0
+    }
+
+    fn fail(&mut self, reason: &str) {
+        if self.failed.is_none() {
+            self.failed = Some(reason.to_string());
+            self.shared.record_failure(self.rank, reason);
+        }
+    }
+
+    fn check_peer(&self, op: &OpContext<'_>, peer: u32) -> Result<(), CommError> {
+        if peer < self.world_size && peer != self.rank {
+            return Ok(());
+        }
+        Err(CommError::InvalidPeer {
+            rank: self.rank,
+            op: op.describe(),
+            peer,
+            world_size: self.world_size,
+        })
+    }
+
+    /// Blocks until a message from `peer` is queued for this rank, a rank `op` depends on fails, or
+    /// the timeout passes.
+    fn wait_for_message(&self, op: &OpContext<'_>, peer: u32) -> Result<Message, CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mailbox = &self.shared.mailboxes[self.rank as usize];
+        let mut queues = lock(&mailbox.queues);
+        loop {
+            // A message already delivered is taken even if its sender failed since, so that a
+            // mismatch is reported as such and not as the failure it caused.
+            if let Some(message) = queues[peer as usize].pop_front() {
+                return Ok(message);
+            }
+            if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group)
+            {
+                return Err(CommError::PeerFailed {
+                    rank: self.rank,
+                    peer: failed,
+                    reason,
+                    op: op.describe(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(queues);
+                let mut waiting_for = match op.kind {
+                    CollectiveKind::SendRecv => Vec::new(),
+                    _ => self.shared.missing_members(self.rank, op),
+                };
+                if waiting_for.is_empty() {
+                    waiting_for.push(peer);
+                }
+                return Err(CommError::Timeout {
+                    rank: self.rank,
+                    op: op.describe(),
+                    waiting_for,
+                    after: self.timeout,
+                });
+            }
+            queues = mailbox
+                .arrived
+                .wait_timeout(queues, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+impl Transport for ThreadComm {
+    fn own_rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn n_ranks(&self) -> u32 {
+        self.world_size
+    }
+
+    fn send_message(
+        &mut self,
+        op: &OpContext<'_>,
+        peer: u32,
+        data: &[f32],
+    ) -> Result<(), CommError> {
+        self.check_peer(op, peer)?;
+        // Sending to a failed rank is pointless; name the earliest failure, the likely root cause.
+        if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group) {
+            return Err(CommError::PeerFailed {
+                rank: self.rank,
+                peer: failed,
+                reason,
+                op: op.describe(),
+            });
+        }
+        let message = Message {
+            tag: op.tag(data.len()),
+            data: data.to_vec(),
+        };
+        let mailbox = &self.shared.mailboxes[peer as usize];
+        lock(&mailbox.queues)[self.rank as usize].push_back(message);
+        mailbox.arrived.notify_all();
+        self.stats.add(op.kind, std::mem::size_of_val(data) as u64);
+        Ok(())
+    }
+
+    fn recv_message(
+        &mut self,
+        op: &OpContext<'_>,
+        peer: u32,
+        buf: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.check_peer(op, peer)?;
+        let message = self.wait_for_message(op, peer)?;
+        if !op.matches(&message.tag, buf.len()) || message.data.len() != buf.len() {
+            return Err(CommError::Mismatch {
+                rank: self.rank,
+                peer,
+                expected: op.tag(buf.len()),
+                got: message.tag,
+            });
+        }
+        buf.copy_from_slice(&message.data);
+        Ok(())
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    fn all_reduce(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+        self.collective(CollectiveKind::AllReduce, group, buf.len(), |comm, op| {
+            ring::all_reduce(comm, op, buf)
+        })
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        group: &Group,
+        input: &[f32],
+        output: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.collective(
+            CollectiveKind::ReduceScatter,
+            group,
+            input.len(),
+            |comm, op| ring::reduce_scatter(comm, op, input, output),
+        )
+    }
+
+    fn all_gather(
+        &mut self,
+        group: &Group,
+        input: &[f32],
+        output: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.collective(
+            CollectiveKind::AllGather,
+            group,
+            output.len(),
+            |comm, op| ring::all_gather(comm, op, input, output),
+        )
+    }
+
+    fn broadcast(&mut self, group: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        self.collective(CollectiveKind::Broadcast, group, buf.len(), |comm, op| {
+            ring::broadcast(comm, op, root, buf, ring::BROADCAST_SEGMENT_ELEMENTS)
+        })
+    }
+
+    fn all_to_all(
+        &mut self,
+        group: &Group,
+        input: &[f32],
+        output: &mut [f32],
+    ) -> Result<(), CommError> {
+        self.collective(CollectiveKind::AllToAll, group, input.len(), |comm, op| {
+            ring::all_to_all(comm, op, input, output)
+        })
+    }
+
+    fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
+        let pair = Group::new(vec![self.rank, peer]);
+        let sequence = self.sends_to.get(peer as usize).copied().unwrap_or(0);
+        let op = OpContext {
+            kind: CollectiveKind::SendRecv,
+            group: &pair,
+            sequence,
+            op_elements: data.len(),
+        };
+        self.guarded(&op, |comm| {
+            comm.check_peer(&op, peer)?;
+            comm.sends_to[peer as usize] += 1;
+            comm.send_message(&op, peer, data)
+        })
+    }
+
+    fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
+        let pair = Group::new(vec![peer, self.rank]);
+        let sequence = self.recvs_from.get(peer as usize).copied().unwrap_or(0);
+        let op = OpContext {
+            kind: CollectiveKind::SendRecv,
+            group: &pair,
+            sequence,
+            op_elements: buf.len(),
+        };
+        self.guarded(&op, |comm| {
+            comm.check_peer(&op, peer)?;
+            comm.recvs_from[peer as usize] += 1;
+            comm.recv_message(&op, peer, buf)
+        })
+    }
+
+    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
+        self.collective(CollectiveKind::Barrier, group, 0, ring::barrier)
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    fn reset_stats(&mut self) {
+        self.stats = CommStats::default();
+    }
+
+    fn abort(&mut self, reason: &str) {
+        self.fail(reason);
+    }
+}
+
+/// A rank whose thread panics fails: its peers are told, so they stop waiting for it.
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.fail(&format!("the thread of rank {} panicked", self.rank));
+        }
+    }
+}
+
+impl fmt::Debug for ThreadComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .field("stats", &self.stats)
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
