@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod entity;
 pub mod error;
 pub mod graph;
+pub mod interp;
 pub mod mesh;
 pub mod model;
 pub mod op;

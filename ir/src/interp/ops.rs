@@ -1,0 +1,292 @@
+//! The compute ops as plain functions of their operand tensors.
+//!
+//! `eval` is the op table: it checks arity and tensor consistency, then calls one function per op.
+//! Each function checks its operands' shapes and returns an `OpError` instead of panicking. The
+//! functions see only tensors, never the graph, so a multi-rank simulation can call them on each
+//! rank's local blocks. Elements are f32 as in Hugging Face's f32 forward pass; sums (dot products,
+//! mean squares) accumulate in f64 and round once, so the oracle's own rounding error is far below
+//! any test tolerance and does not depend on loop order.
+
+use super::attention::attention;
+use super::error::OpError;
+use super::rope::rope;
+use super::tensor::{element_count, exact_index, unravel, Tensor};
+use crate::Op;
+
+/// Applies compute op `op` to `operands`. Ops that read the run's inputs, parameters or other
+/// ranks (`Tokens`, `Positions`, `Param`, communication) are `OpError::NotLocal`.
+pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
+    if operands.len() != op.arity() {
+        return Err(OpError::Arity { expected: op.arity(), got: operands.len() });
+    }
+    for (operand, tensor) in operands.iter().enumerate() {
+        if !tensor.is_consistent() {
+            return Err(OpError::Inconsistent { operand, shape: tensor.shape.clone(), len: tensor.data.len() });
+        }
+    }
+    match op {
+        Op::Embedding => embedding(operands[0], operands[1]),
+        Op::RmsNorm { eps } => rms_norm(operands[0], operands[1], *eps),
+        Op::MatMul { contract } => matmul(operands[0], operands[1], usize::from(*contract)),
+        Op::Rope { rope: config } => rope(operands[0], operands[1], config),
+        Op::Attention { causal } => attention(operands[0], operands[1], operands[2], operands[3], operands[4], *causal),
+        Op::SiluMul => silu_mul(operands[0], operands[1]),
+        Op::Add => add(operands[0], operands[1]),
+        Op::Tokens
+        | Op::Positions
+        | Op::Param { .. }
+        | Op::AllReduce { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. }
+        | Op::LocalSlice { .. } => Err(OpError::NotLocal),
+    }
+}
+
+/// An `OperandShape` error for `tensor` as operand `operand`.
+pub(crate) fn shape_error(operand: usize, tensor: &Tensor, expected: impl Into<String>) -> OpError {
+    OpError::OperandShape { operand, shape: tensor.shape.clone(), expected: expected.into() }
+}
+
+/// Reads every element of `tensor` (operand `operand`) as an index: token ids, positions.
+pub(crate) fn indices(operand: usize, tensor: &Tensor) -> Result<Vec<usize>, OpError> {
+    tensor
+        .data
+        .iter()
+        .enumerate()
+        .map(|(flat, &value)| {
+            exact_index(value).ok_or_else(|| OpError::NotAnIndex { operand, index: tensor.unravel(flat), value })
+        })
+        .collect()
+}
+
+/// The dot product of two equal-length slices, accumulated in f64 and rounded once.
+pub(crate) fn dot(left: &[f32], right: &[f32]) -> f32 {
+    left.iter().zip(right).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() as f32
+}
+
+/// `(table[vocab, hidden], tokens[..]) -> [.., hidden]`: row `tokens[i]` of the table for each token.
+fn embedding(table: &Tensor, tokens: &Tensor) -> Result<Tensor, OpError> {
+    let &[vocab, hidden] = table.shape.as_slice() else {
+        return Err(shape_error(0, table, "[vocab, hidden]"));
+    };
+    let ids = indices(1, tokens)?;
+    let mut data = Vec::with_capacity(ids.len() * hidden);
+    for (flat, &token) in ids.iter().enumerate() {
+        if token >= vocab {
+            return Err(OpError::TokenOutOfRange { index: unravel(&tokens.shape, flat), token, vocab });
+        }
+        data.extend_from_slice(&table.data[token * hidden..(token + 1) * hidden]);
+    }
+    let mut shape = tokens.shape.clone();
+    shape.push(hidden);
+    Ok(Tensor { shape, data })
+}
+
+/// `(x[.., hidden], weight[hidden]) -> weight * (x * rsqrt(mean(x^2) + eps))` over the last dim, in
+/// the order Hugging Face's `LlamaRMSNorm` multiplies (eps is added in f32, as torch adds a Python
+/// float to an f32 tensor).
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor, OpError> {
+    let Some((&hidden, leading)) = x.shape.split_last() else {
+        return Err(shape_error(0, x, "[.., hidden] with at least one dim"));
+    };
+    if weight.shape != [hidden] {
+        return Err(shape_error(1, weight, format!("[hidden] with hidden = {hidden}, the last dim of operand 0")));
+    }
+    let rows = element_count(leading);
+    let mut data = Vec::with_capacity(x.data.len());
+    for row in 0..rows {
+        let values = &x.data[row * hidden..(row + 1) * hidden];
+        let sum_of_squares: f64 = values.iter().map(|&value| f64::from(value) * f64::from(value)).sum();
+        let mean_square = (sum_of_squares / hidden as f64) as f32;
+        let inverse_rms = (1.0 / f64::from(mean_square + eps as f32).sqrt()) as f32;
+        data.extend(values.iter().zip(&weight.data).map(|(&value, &scale)| scale * (value * inverse_rms)));
+    }
+    Ok(Tensor { shape: x.shape.clone(), data })
+}
+
+/// `(x[F.., C..], w[G.., C..]) -> [F.., G..]`: for every row of `x` and row of `w` (each flattened
+/// over the `contract` trailing dims), their dot product.
+fn matmul(x: &Tensor, w: &Tensor, contract: usize) -> Result<Tensor, OpError> {
+    if x.rank() < contract {
+        return Err(shape_error(0, x, format!("at least {contract} dims to contract")));
+    }
+    if w.rank() < contract {
+        return Err(shape_error(1, w, format!("at least {contract} dims to contract")));
+    }
+    let (x_free, x_contracted) = x.shape.split_at(x.rank() - contract);
+    let (w_free, w_contracted) = w.shape.split_at(w.rank() - contract);
+    if x_contracted != w_contracted {
+        return Err(shape_error(1, w, format!("[.., {x_contracted:?}]: its last {contract} dims equal operand 0's")));
+    }
+    let (rows, columns, inner) = (element_count(x_free), element_count(w_free), element_count(x_contracted));
+    let mut data = Vec::with_capacity(rows * columns);
+    for row in 0..rows {
+        let x_row = &x.data[row * inner..(row + 1) * inner];
+        for column in 0..columns {
+            data.push(dot(x_row, &w.data[column * inner..(column + 1) * inner]));
+        }
+    }
+    Ok(Tensor { shape: [x_free, w_free].concat(), data })
+}
+
+/// `(gate, up) -> silu(gate) * up` elementwise, with `silu(g) = g / (1 + exp(-g))` rounded to f32
+/// before the product, as torch computes `act_fn(gate) * up`.
+fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor, OpError> {
+    if up.shape != gate.shape {
+        return Err(shape_error(1, up, format!("{:?}, the shape of operand 0", gate.shape)));
+    }
+    let data = gate
+        .data
+        .iter()
+        .zip(&up.data)
+        .map(|(&gate, &up)| {
+            let gate = f64::from(gate);
+            let silu = (gate / (1.0 + (-gate).exp())) as f32;
+            silu * up
+        })
+        .collect();
+    Ok(Tensor { shape: gate.shape.clone(), data })
+}
+
+/// `(a, b) -> a + b`, where `b`'s dims are a trailing run of `a`'s (all of them, or a bias that is
+/// repeated over `a`'s leading dims).
+fn add(a: &Tensor, b: &Tensor) -> Result<Tensor, OpError> {
+    if b.rank() > a.rank() || a.shape[a.rank() - b.rank()..] != b.shape[..] {
+        return Err(shape_error(1, b, format!("a trailing run of operand 0's dims {:?}", a.shape)));
+    }
+    // When `b` is empty so is `a`, and the loop never divides by its zero length.
+    let data = a.data.iter().enumerate().map(|(flat, &value)| value + b.data[flat % b.data.len()]).collect();
+    Ok(Tensor { shape: a.shape.clone(), data })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::f32::consts::FRAC_1_SQRT_2;
+
+    use super::*;
+    use crate::interp::tensor::assert_close;
+
+    fn tensor(shape: &[usize], data: &[f32]) -> Tensor {
+        Tensor::new(shape.to_vec(), data.to_vec()).expect("test tensor is consistent")
+    }
+
+    /// Runs `op` on `operands` and compares with `expected` to 1e-6 (relative).
+    #[track_caller]
+    fn check(op: Op, operands: &[&Tensor], expected: &Tensor) {
+        let actual = eval(&op, operands).expect("op succeeds");
+        assert_close(&actual, expected, 1e-6);
+    }
+
+    #[track_caller]
+    fn check_error(op: Op, operands: &[&Tensor], expected: &str) {
+        assert_eq!(eval(&op, operands).expect_err("op fails").to_string(), expected);
+    }
+
+    #[test]
+    fn embedding_picks_rows() {
+        let table = tensor(&[3, 2], &[0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
+        let tokens = tensor(&[2, 2], &[2.0, 0.0, 1.0, 1.0]);
+        let expected = tensor(&[2, 2, 2], &[20.0, 21.0, 0.0, 1.0, 10.0, 11.0, 10.0, 11.0]);
+        check(Op::Embedding, &[&table, &tokens], &expected);
+    }
+
+    #[test]
+    fn embedding_names_the_position_of_a_bad_token() {
+        let table = tensor(&[3, 2], &[0.0; 6]);
+        check_error(
+            Op::Embedding,
+            &[&table, &tensor(&[2, 2], &[2.0, 0.0, 3.0, 1.0])],
+            "token 3 at index [1, 0] is outside the vocabulary of 3; check that the tokenizer matches the model",
+        );
+        check_error(
+            Op::Embedding,
+            &[&table, &tensor(&[1, 2], &[0.0, 1.5])],
+            "operand 1 element [0, 1] is 1.5, not an integer in 0..16777216; token ids and positions must be exact \
+             non-negative integers",
+        );
+    }
+
+    #[test]
+    fn rms_norm_of_three_four() {
+        // x = [3, 4], eps = 0: mean(x^2) = (9 + 16) / 2 = 12.5, rms = sqrt(12.5) = 3.5355339;
+        // x / rms = [0.8485281, 1.1313708]; weight [1, 2] gives [0.8485281, 2.2627417].
+        let x = tensor(&[1, 2], &[3.0, 4.0]);
+        let weight = tensor(&[2], &[1.0, 2.0]);
+        check(Op::RmsNorm { eps: 0.0 }, &[&x, &weight], &tensor(&[1, 2], &[0.848_528_1, 2.262_741_7]));
+        // Rows are independent; eps = 1 on [1, 1]: mean = 1, 1 / sqrt(2) = 0.70710678.
+        let x = tensor(&[2, 2], &[3.0, 4.0, 1.0, 1.0]);
+        let ones = tensor(&[2], &[1.0, 1.0]);
+        check(
+            Op::RmsNorm { eps: 1.0 },
+            &[&x, &ones],
+            // Row 0 with eps 1: mean 12.5 + 1 = 13.5, sqrt = 3.6742346; [0.8164966, 1.0886621].
+            &tensor(&[2, 2], &[0.816_496_6, 1.088_662_1, FRAC_1_SQRT_2, FRAC_1_SQRT_2]),
+        );
+        check_error(
+            Op::RmsNorm { eps: 0.0 },
+            &[&x, &tensor(&[3], &[1.0; 3])],
+            "operand 1 has shape [3], expected [hidden] with hidden = 2, the last dim of operand 0; fix the graph's types",
+        );
+    }
+
+    #[test]
+    fn matmul_contracts_trailing_dims() {
+        // x [2, 2] · w [3, 2]ᵀ: rows x0 = [1, 2], x1 = [3, 4]; w rows [1, 0], [0, 1], [1, 1].
+        // out[0] = [1, 2, 3], out[1] = [3, 4, 7].
+        let x = tensor(&[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let w = tensor(&[3, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+        check(Op::MatMul { contract: 1 }, &[&x, &w], &tensor(&[2, 3], &[1.0, 2.0, 3.0, 3.0, 4.0, 7.0]));
+        // Two contracted dims, as o_proj contracts [heads, head_dim]: x [1, 2, 2], w [2, 2, 2].
+        // w0 = [[1, 0], [0, 0]] picks x[0][0] = 1; w1 = [[1, 1], [1, 1]] sums 1 + 2 + 3 + 4 = 10.
+        let x = tensor(&[1, 2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let w = tensor(&[2, 2, 2], &[1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
+        check(Op::MatMul { contract: 2 }, &[&x, &w], &tensor(&[1, 2], &[1.0, 10.0]));
+        // Contracting nothing is the outer product.
+        let a = tensor(&[2], &[1.0, 2.0]);
+        let b = tensor(&[2], &[3.0, 5.0]);
+        check(Op::MatMul { contract: 0 }, &[&a, &b], &tensor(&[2, 2], &[3.0, 5.0, 6.0, 10.0]));
+        check_error(
+            Op::MatMul { contract: 1 },
+            &[&x, &tensor(&[2, 3], &[0.0; 6])],
+            "operand 1 has shape [2, 3], expected [.., [2]]: its last 1 dims equal operand 0's; fix the graph's types",
+        );
+    }
+
+    #[test]
+    fn silu_mul_gates() {
+        // silu(0) = 0; silu(1) = 1 / (1 + e^-1) = 0.7310586; silu(-2) = -2 / (1 + e^2) = -0.2384058.
+        let gate = tensor(&[3], &[0.0, 1.0, -2.0]);
+        let up = tensor(&[3], &[5.0, 2.0, 3.0]);
+        check(Op::SiluMul, &[&gate, &up], &tensor(&[3], &[0.0, 1.462_117_2, -0.715_217_4]));
+    }
+
+    #[test]
+    fn add_broadcasts_a_trailing_bias() {
+        let a = tensor(&[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        check(Op::Add, &[&a, &a], &tensor(&[2, 2], &[2.0, 4.0, 6.0, 8.0]));
+        let bias = tensor(&[2], &[10.0, 20.0]);
+        check(Op::Add, &[&a, &bias], &tensor(&[2, 2], &[11.0, 22.0, 13.0, 24.0]));
+        check_error(
+            Op::Add,
+            &[&a, &tensor(&[3], &[0.0; 3])],
+            "operand 1 has shape [3], expected a trailing run of operand 0's dims [2, 2]; fix the graph's types",
+        );
+    }
+
+    #[test]
+    fn bad_operands_are_errors() {
+        let a = tensor(&[2], &[1.0, 2.0]);
+        check_error(Op::Add, &[&a], "takes 2 operands, got 1; fix the node's inputs");
+        let broken = Tensor { shape: vec![3], data: vec![1.0] };
+        check_error(
+            Op::Add,
+            &[&a, &broken],
+            "operand 1 has shape [3] but 1 elements; build tensors with one element per index",
+        );
+        check_error(
+            Op::Tokens,
+            &[],
+            "is not a function of its operand tensors; evaluate it in the interpreter's driver",
+        );
+    }
+}
