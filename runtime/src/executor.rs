@@ -159,12 +159,7 @@ pub fn execute(program: &Program, comm: &mut dyn Communicator, inputs: &RunInput
                 machine.store(*out, Storage::U32(block_of(inputs.positions, &[seq], region)))?;
             }
             Instr::Kernel { kernel, inputs: operands, out } => {
-                let data = run_kernel(&machine, kernel, operands, *out, gemm_threads).map_err(|source| Error::Kernel {
-                    rank,
-                    instr: index,
-                    what: machine.what(*out),
-                    source,
-                })?;
+                let data = run_kernel(&machine, kernel, operands, *out, gemm_threads)?;
                 machine.store(*out, Storage::F32(data))?;
             }
             Instr::AllReduce { input, out, group } => {
@@ -221,11 +216,16 @@ fn run_kernel(
     operands: &[BufferId],
     out: BufferId,
     gemm_threads: usize,
-) -> std::result::Result<Vec<f32>, kernels::KernelError> {
+) -> Result<Vec<f32>> {
     let numel = machine.program.buffer(out).numel() as usize;
     let mut result = vec![0.0f32; numel];
-    let f32_operand = |index: usize| machine.f32(operands[index]).map_err(|err| kernels::KernelError::Operand { reason: err.to_string() });
-    let u32_operand = |index: usize| machine.u32(operands[index]).map_err(|err| kernels::KernelError::Operand { reason: err.to_string() });
+    let operand_count = kernel_arity(kernel);
+    if operands.len() != operand_count {
+        return Err(machine.program_error(format!("the kernel takes {operand_count} operands, got {}", operands.len())));
+    }
+    let f32_operand = |index: usize| machine.f32(operands[index]);
+    let u32_operand = |index: usize| machine.u32(operands[index]);
+    let kernel_error = |source| Error::Kernel { rank: machine.program.rank, instr: machine.instr, what: machine.what(out), source };
     match kernel {
         Kernel::Embedding { hidden, vocab_offset, vocab_total } => kernels::embedding(
             f32_operand(0)?,
@@ -234,7 +234,8 @@ fn run_kernel(
             *vocab_total as usize,
             u32_operand(1)?,
             &mut result,
-        )?,
+        )
+        .map_err(kernel_error)?,
         Kernel::RmsNorm { hidden, eps } => {
             kernels::rms_norm(f32_operand(0)?, f32_operand(1)?, &mut result, *hidden as usize, *eps as f32)
         }
@@ -282,7 +283,8 @@ fn run_kernel(
                 u32_operand(3)?,
                 u32_operand(4)?,
                 &mut result,
-            )?;
+            )
+            .map_err(kernel_error)?;
         }
         Kernel::SiluMul => kernels::silu_mul(f32_operand(0)?, f32_operand(1)?, &mut result),
         Kernel::Add => {
@@ -304,4 +306,12 @@ fn run_kernel(
         }
     }
     Ok(result)
+}
+
+fn kernel_arity(kernel: &Kernel) -> usize {
+    match kernel {
+        Kernel::Slice { .. } => 1,
+        Kernel::Attention { .. } => 5,
+        _ => 2,
+    }
 }
