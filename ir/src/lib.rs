@@ -18,6 +18,7 @@ pub mod model;
 pub mod op;
 pub mod shape;
 pub mod spec;
+pub mod text;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
