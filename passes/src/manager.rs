@@ -96,7 +96,7 @@ pub fn run_pipeline(passes: &[Pass], module: &mut Module, ctx: &PassCtx) -> Resu
             verify(module).map_err(|errors| Error::Verify { pass: pass.name, errors })?;
         }
         if ctx.wants_dump(pass.name) {
-            report.dumps.push((pass.name, format!("{module:?}")));
+            report.dumps.push((pass.name, pleat_ir::text::print_module(module)));
         }
     }
     Ok(report)
