@@ -1,1 +1,3 @@
 //! pleat-ir: the typed transformer graph IR.
+
+pub mod model;
