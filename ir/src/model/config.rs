@@ -1,0 +1,458 @@
+//! Model configurations read from Hugging Face `config.json` files.
+//!
+//! [`ModelConfig::from_json_str`] reads the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`) in both styles found in the wild: transformers 4 (top-level `rope_theta`,
+//! `rope_scaling`, `torch_dtype`) and transformers 5 (`rope_parameters`, `dtype`). Optional fields take
+//! the defaults of the matching transformers config class, per architecture.
+//!
+//! Guarantees: a returned config has every size at least 1, `num_attention_heads` a multiple of
+//! `num_key_value_heads`, an even `head_dim`, a RoPE the crate can compute ([`super::rope::inv_freq`]) and
+//! a parameter count that fits in a `u64`. Every error names the file and the field. The JSON is walked as
+//! a `serde_json::Value` rather than derived, so that each message can say which field was wrong.
+//!
+//! Not here: the graph builder (which decides what to do with, for example, `sliding_window`) and file IO
+//! (callers pass the text and a file name for messages).
+
+/// A result whose error is a [`ConfigError`].
+pub type Result<T> = std::result::Result<T, ConfigError>;
+
+/// The model families pleat builds; each is a Llama-style decoder (GQA, RoPE, RMSNorm, gated SiLU MLP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    /// `LlamaForCausalLM` (`model_type` `llama`).
+    Llama,
+    /// `MistralForCausalLM` (`model_type` `mistral`): Llama plus an optional sliding window.
+    Mistral,
+    /// `Qwen2ForCausalLM` (`model_type` `qwen2`): Llama plus biases on the q, k and v projections.
+    Qwen2,
+}
+
+impl Architecture {
+    /// Every supported architecture, in the order error messages list them.
+    pub const ALL: [Architecture; 3] = [
+        Architecture::Llama,
+        Architecture::Mistral,
+        Architecture::Qwen2,
+    ];
+
+    /// The Hugging Face class names of [`Architecture::ALL`], as `architectures` spells them.
+    pub const CLASS_NAMES: &'static [&'static str] =
+        &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+    /// The Hugging Face class name, as it appears in `architectures`.
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// The Hugging Face `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The architecture whose class name or `model_type` is `name`, if any.
+    pub fn from_hf_name(name: &str) -> Option<Architecture> {
+        Architecture::ALL.into_iter().find(|architecture| {
+            architecture.class_name() == name || architecture.model_type() == name
+        })
+    }
+}
+
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(self.class_name())
+    }
+}
+
+/// The dtype a checkpoint is stored in (`torch_dtype` in transformers 4, `dtype` in 5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConfigDtype {
+    /// `float32`, also what transformers uses when the config names no dtype.
+    F32,
+    /// `bfloat16`.
+    Bf16,
+    /// `float16`.
+    F16,
+}
+
+impl ConfigDtype {
+    /// The dtype names accepted in `torch_dtype` / `dtype`.
+    pub const NAMES: &'static [&'static str] = &["float32", "bfloat16", "float16"];
+
+    /// The name Hugging Face writes for this dtype.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            ConfigDtype::F32 => "float32",
+            ConfigDtype::Bf16 => "bfloat16",
+            ConfigDtype::F16 => "float16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> u64 {
+        match self {
+            ConfigDtype::F32 => 4,
+            ConfigDtype::Bf16 | ConfigDtype::F16 => 2,
+        }
+    }
+
+    fn from_hf_name(name: &str) -> Option<ConfigDtype> {
+        match name {
+            "float32" => Some(ConfigDtype::F32),
+            "bfloat16" => Some(ConfigDtype::Bf16),
+            "float16" => Some(ConfigDtype::F16),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigDtype {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(self.hf_name())
+    }
+}
+
+/// Rotary position embedding settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    /// The base period (`rope_theta`).
+    pub theta: f64,
+    /// How the frequencies are rescaled for long contexts.
+    pub scaling: RopeScaling,
+}
+
+/// The RoPE frequency rescaling (`rope_type`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// `default`: the original RoPE frequencies.
+    None,
+    /// `llama3` (Llama 3.1 and later): low frequencies divided by `factor`, high ones kept, a smooth
+    /// interpolation between.
+    Llama3 {
+        /// The divisor applied to low frequencies (8 for Llama 3.1).
+        factor: f64,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context length of pretraining (8192 for Llama 3.1).
+        original_max_position_embeddings: u64,
+    },
+}
+
+impl RopeScaling {
+    /// The `rope_type` values pleat computes.
+    pub const SUPPORTED_TYPES: &'static [&'static str] = &["default", "llama3"];
+}
+
+/// A decoder-only Llama-family model, as read from a `config.json` or a preset.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// The model family.
+    pub architecture: Architecture,
+    /// Rows of the embedding table (`vocab_size`).
+    pub vocab_size: u64,
+    /// Width of the residual stream (`hidden_size`).
+    pub hidden_size: u64,
+    /// Decoder layers (`num_hidden_layers`).
+    pub num_layers: u64,
+    /// Query heads (`num_attention_heads`).
+    pub num_heads: u64,
+    /// Key/value heads (`num_key_value_heads`); divides `num_heads`.
+    pub num_kv_heads: u64,
+    /// Channels per head; `hidden_size / num_heads` unless the config sets `head_dim`. Always even.
+    pub head_dim: u64,
+    /// Width of the gated MLP (`intermediate_size`).
+    pub intermediate_size: u64,
+    /// Epsilon of every RMSNorm (`rms_norm_eps`).
+    pub rms_norm_eps: f64,
+    /// Rotary position embeddings.
+    pub rope: RopeConfig,
+    /// Whether `lm_head` reuses the embedding table.
+    pub tie_word_embeddings: bool,
+    /// The dtype the checkpoint is stored in.
+    pub dtype: ConfigDtype,
+    /// Whether the q, k and v projections carry biases (always for Qwen2; the o projection never does).
+    pub attention_bias: bool,
+    /// The longest sequence the model was configured for.
+    pub max_position_embeddings: u64,
+    /// Mistral's (and Qwen2's, when `use_sliding_window` is set) attention window, in tokens; `None` for
+    /// full causal attention. The builder decides whether a window wider than the sequence matters.
+    pub sliding_window: Option<u64>,
+    /// A display name: `_name_or_path` when the file has one, otherwise taken from the source name.
+    pub name: String,
+}
+
+/// Why a configuration could not be read. Every variant names the file it came from.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    // === Syntax ===
+    /// The text is not JSON.
+    #[error("{file}:{line}:{column}: malformed json: {message}; fix the syntax at that position")]
+    MalformedJson {
+        /// The source name given by the caller.
+        file: String,
+        /// 1-based line of the error.
+        line: usize,
+        /// 1-based column of the error.
+        column: usize,
+        /// serde_json's description, without its position.
+        message: String,
+    },
+    /// The JSON is not an object.
+    #[error("{file}: the top level must be a json object {{...}}, found {found}")]
+    NotAnObject {
+        /// The source name given by the caller.
+        file: String,
+        /// The top-level value, abbreviated.
+        found: String,
+    },
+
+    // === Fields ===
+    /// A required field is absent.
+    #[error(
+        "{file}: missing required field `{field}`; add it as Hugging Face's config.json spells it"
+    )]
+    MissingField {
+        /// The source name given by the caller.
+        file: String,
+        /// The field's path, e.g. `hidden_size` or `rope_scaling.factor`.
+        field: String,
+    },
+    /// A field has the wrong JSON type.
+    #[error("{file}: field `{field}` must be {expected}, found {found}")]
+    BadField {
+        /// The source name given by the caller.
+        file: String,
+        /// The field's path.
+        field: String,
+        /// What the field must hold, e.g. `a non-negative integer`.
+        expected: &'static str,
+        /// The value found, abbreviated.
+        found: String,
+    },
+    /// A field has the right type but an impossible value.
+    #[error("{file}: field `{field}` = {value} is out of range; it must be {requirement}")]
+    BadValue {
+        /// The source name given by the caller.
+        file: String,
+        /// The field's path.
+        field: String,
+        /// The value found.
+        value: String,
+        /// The condition it breaks, e.g. `at least 1`.
+        requirement: &'static str,
+    },
+
+    // === Support ===
+    /// `architectures[0]` (or `model_type`) names a model pleat does not build.
+    #[error("{file}: architecture `{architecture}` in `{field}` is not supported; use one of {}", supported.join(", "))]
+    UnknownArchitecture {
+        /// The source name given by the caller.
+        file: String,
+        /// `architectures` or `model_type`.
+        field: String,
+        /// The name found.
+        architecture: String,
+        /// The supported names.
+        supported: &'static [&'static str],
+    },
+    /// The RoPE scaling type is one pleat does not compute.
+    #[error("{file}: rope type `{rope_type}` in `{field}` is not supported; pleat computes only {}", supported.join(", "))]
+    UnsupportedRopeType {
+        /// The source name given by the caller.
+        file: String,
+        /// `rope_scaling` or `rope_parameters`.
+        field: String,
+        /// The type found.
+        rope_type: String,
+        /// The supported types.
+        supported: &'static [&'static str],
+    },
+    /// A valid Hugging Face setting that the Llama-style graph cannot express.
+    #[error("{file}: `{field}` = {value} is not supported: {reason}")]
+    Unsupported {
+        /// The source name given by the caller.
+        file: String,
+        /// The field's path.
+        field: String,
+        /// The value found.
+        value: String,
+        /// What pleat supports instead.
+        reason: &'static str,
+    },
+
+    // === Consistency ===
+    /// Grouped-query attention needs whole groups.
+    #[error("{file}: num_attention_heads = {num_heads} is not a multiple of num_key_value_heads = {num_kv_heads}; every key/value head must serve the same number of query heads")]
+    HeadsNotDivisible {
+        /// The source name given by the caller.
+        file: String,
+        /// `num_attention_heads`.
+        num_heads: u64,
+        /// `num_key_value_heads`.
+        num_kv_heads: u64,
+    },
+    /// `head_dim` is absent and cannot be derived.
+    #[error("{file}: hidden_size = {hidden_size} is not divisible by num_attention_heads = {num_heads}; set `head_dim` explicitly or fix the sizes")]
+    HeadDimNotDerivable {
+        /// The source name given by the caller.
+        file: String,
+        /// `hidden_size`.
+        hidden_size: u64,
+        /// `num_attention_heads`.
+        num_heads: u64,
+    },
+    /// RoPE rotates channel pairs, so a head needs an even width.
+    #[error("{file}: head_dim = {head_dim} is odd; rotary embeddings rotate pairs of channels, so use an even head_dim")]
+    OddHeadDim {
+        /// The source name given by the caller.
+        file: String,
+        /// The (given or derived) head width.
+        head_dim: u64,
+    },
+    /// The sizes multiply past what a `u64` can count.
+    #[error("{file}: the model would have more than 2^64 parameters; check the sizes")]
+    TooManyParameters {
+        /// The source name given by the caller.
+        file: String,
+    },
+
+    // === Presets ===
+    /// No preset has that name.
+    #[error("unknown preset `{name}`; use one of {} or a path to a config.json", known.join(", "))]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The preset names.
+        known: &'static [&'static str],
+    },
+}
+
+impl ModelConfig {
+    /// Reads a Hugging Face `config.json`; `source` names the file in error messages.
+    pub fn from_json_str(text: &str, source: &str) -> Result<Self> {
+        let config = json::read_config(text, source)?;
+        config.validate(source)?;
+        Ok(config)
+    }
+
+    /// The exact number of parameters: embedding; per layer q, k, v, o (plus q/k/v biases when
+    /// `attention_bias`), gate, up, down and two norms; the final norm; `lm_head` unless tied.
+    /// Saturates at `u64::MAX`, which no parsed config reaches.
+    pub fn param_count(&self) -> u64 {
+        self.checked_param_count().unwrap_or(u64::MAX)
+    }
+
+    /// [`ModelConfig::param_count`], or `None` when it does not fit in a `u64`.
+    fn checked_param_count(&self) -> Option<u64> {
+        let hidden = self.hidden_size;
+        let query_width = self.num_heads.checked_mul(self.head_dim)?;
+        let key_value_width = self.num_kv_heads.checked_mul(self.head_dim)?;
+        let attention_weights = hidden
+            .checked_mul(query_width.checked_add(key_value_width)?)?
+            .checked_mul(2)?;
+        let attention_biases = match self.attention_bias {
+            true => query_width.checked_add(key_value_width.checked_mul(2)?)?,
+            false => 0,
+        };
+        let mlp = hidden.checked_mul(self.intermediate_size)?.checked_mul(3)?;
+        let norms = hidden.checked_mul(2)?;
+        let per_layer = attention_weights
+            .checked_add(attention_biases)?
+            .checked_add(mlp)?
+            .checked_add(norms)?;
+        let embedding = self.vocab_size.checked_mul(hidden)?;
+        let lm_head = if self.tie_word_embeddings {
+            0
+        } else {
+            embedding
+        };
+        embedding
+            .checked_add(self.num_layers.checked_mul(per_layer)?)?
+            .checked_add(hidden)?
+            .checked_add(lm_head)
+    }
+
+    /// Checks the invariants the module promises, naming `source` in errors.
+    fn validate(&self, source: &str) -> Result<()> {
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (field, size) in sizes {
+            if size == 0 {
+                return Err(bad_value(source, field, "0", "at least 1"));
+            }
+        }
+        if self.sliding_window == Some(0) {
+            return Err(bad_value(
+                source,
+                "sliding_window",
+                "0",
+                "at least 1, or null for full attention",
+            ));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(ConfigError::HeadsNotDivisible {
+                file: source.to_owned(),
+                num_heads: self.num_heads,
+                num_kv_heads: self.num_kv_heads,
+            });
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(ConfigError::OddHeadDim {
+                file: source.to_owned(),
+                head_dim: self.head_dim,
+            });
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            let value = self.rms_norm_eps.to_string();
+            return Err(bad_value(
+                source,
+                "rms_norm_eps",
+                &value,
+                "a finite number >= 0",
+            ));
+        }
+        if self.checked_param_count().is_none() {
+            return Err(ConfigError::TooManyParameters {
+                file: source.to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn bad_value(file: &str, field: &str, value: &str, requirement: &'static str) -> ConfigError {
+    ConfigError::BadValue {
+        file: file.to_owned(),
+        field: field.to_owned(),
+        value: value.to_owned(),
+        requirement,
+    }
+}
+
+#[path = "config_json.rs"]
+mod json;
+
+#[cfg(test)]
+#[path = "config_tests.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "config_props.rs"]
+mod props;
