@@ -29,7 +29,7 @@ pub struct CompileArgs {
     /// Sequences a batch.
     #[arg(long, default_value_t = 8)]
     pub batch: u64,
-    /// Print the IR after this pass (repeatable): seed-specs, propagate-specs.
+    /// Print the IR after this pass (repeatable): propagate-specs.
     #[arg(long)]
     pub dump_after: Vec<String>,
 }
@@ -133,10 +133,16 @@ fn write_compiled(out: &Path, config: &ModelConfig, compiled: &Compiled, batch: 
 /// Reads a compiled directory back: its plan, config and programs.
 pub fn read_compiled(dir: &Path) -> Result<(PlanFile, ModelConfig, Vec<Program>)> {
     let plan_path = dir.join("plan.json");
-    let plan: PlanFile = serde_json::from_str(&std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?)
-        .with_context(|| format!("{} is not a pleat plan", plan_path.display()))?;
+    let plan: PlanFile = serde_json::from_str(
+        &std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?,
+    )
+    .with_context(|| format!("{} is not a pleat plan", plan_path.display()))?;
     if plan.format_version != PLAN_FORMAT_VERSION {
-        anyhow::bail!("{}: plan format {} is not {PLAN_FORMAT_VERSION}; recompile with this pleat", plan_path.display(), plan.format_version);
+        anyhow::bail!(
+            "{}: plan format {} is not {PLAN_FORMAT_VERSION}; recompile with this pleat",
+            plan_path.display(),
+            plan.format_version
+        );
     }
     let config = crate::model_arg::read_config(&dir.join("config.json"))?;
     let programs = (0..plan.ranks)

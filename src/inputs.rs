@@ -14,8 +14,9 @@ pub struct Tokens {
 /// Reads `[batch][seq]` integers from a JSON file.
 pub fn read_tokens(path: &Path) -> Result<Tokens> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let rows: Vec<Vec<i64>> = serde_json::from_str(&text)
-        .with_context(|| format!("{}: expected a JSON array of arrays of token ids, [[1, 2, ...], ...]", path.display()))?;
+    let rows: Vec<Vec<i64>> = serde_json::from_str(&text).with_context(|| {
+        format!("{}: expected a JSON array of arrays of token ids, [[1, 2, ...], ...]", path.display())
+    })?;
     let Some(first) = rows.first() else { bail!("{}: no sequences", path.display()) };
     let seq = first.len();
     if seq == 0 {
@@ -24,7 +25,11 @@ pub fn read_tokens(path: &Path) -> Result<Tokens> {
     let mut ids = Vec::with_capacity(rows.len() * seq);
     for (row_index, row) in rows.iter().enumerate() {
         if row.len() != seq {
-            bail!("{}: sequence {row_index} has {} tokens, sequence 0 has {seq}; all must be equal", path.display(), row.len());
+            bail!(
+                "{}: sequence {row_index} has {} tokens, sequence 0 has {seq}; all must be equal",
+                path.display(),
+                row.len()
+            );
         }
         for (position, &id) in row.iter().enumerate() {
             let Ok(id) = u32::try_from(id) else {

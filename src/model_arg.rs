@@ -45,5 +45,8 @@ pub fn resolve(model: &str) -> Result<ModelSource> {
     if PRESET_NAMES.contains(&model) {
         return Ok(ModelSource::Config { config: preset(model)?, weights: None });
     }
-    bail!("MODEL `{model}` is neither a preset ({}) nor an existing config.json, model directory or compiled directory", PRESET_NAMES.join(", "))
+    bail!(
+        "MODEL `{model}` is neither a preset ({}) nor an existing config.json, model directory or compiled directory",
+        PRESET_NAMES.join(", ")
+    )
 }

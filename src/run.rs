@@ -74,7 +74,6 @@ pub struct RunResult {
     pub mesh: String,
     pub tokens: Tokens,
     pub logits_shape: Vec<u64>,
-    pub logits: Vec<f32>,
     pub outcomes: Vec<RankOutcome>,
     pub max_abs_err: Option<f32>,
 }
@@ -93,7 +92,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn WeightSource>> {
     Ok(match path {
-        Some(path) => Box::new(SafetensorsWeights::open(path).with_context(|| format!("cannot open weights {}", path.display()))?),
+        Some(path) => {
+            Box::new(SafetensorsWeights::open(path).with_context(|| format!("cannot open weights {}", path.display()))?)
+        }
         None => Box::new(SeededWeights::new(seed)),
     })
 }
@@ -106,7 +107,10 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let (plan, config, programs) = read_compiled(&dir)?;
             for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
                 if given.is_some_and(|given| given != planned) {
-                    bail!("{flag} {} differs from the compiled plan's {planned}; recompile, or drop {flag}", given.unwrap_or(0));
+                    bail!(
+                        "{flag} {} differs from the compiled plan's {planned}; recompile, or drop {flag}",
+                        given.unwrap_or(0)
+                    );
                 }
             }
             (config, programs, plan.mesh, args.weights.clone(), plan.batch, plan.seq)
@@ -137,10 +141,13 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         None
     };
     if let Some(path) = &args.logits_out {
-        pleat_runtime::weights::write_safetensors(path, &[("logits".to_string(), logits_shape.clone(), logits.clone())])
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        pleat_runtime::weights::write_safetensors(
+            path,
+            &[("logits".to_string(), logits_shape.clone(), logits.clone())],
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    Ok(RunResult { config, mesh, tokens, logits_shape, logits, outcomes, max_abs_err })
+    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err })
 }
 
 /// Runs the programs on threads and assembles the logits.
@@ -179,7 +186,13 @@ pub fn max_abs_diff(left: &[f32], right: &[f32]) -> f32 {
     if left.len() != right.len() {
         return f32::NAN;
     }
-    left.iter().zip(right).map(|(a, b)| (a - b).abs()).fold(0.0, |worst, diff| if diff.is_nan() || worst.is_nan() { f32::NAN } else { worst.max(diff) })
+    left.iter().zip(right).map(|(a, b)| (a - b).abs()).fold(0.0, |worst, diff| {
+        if diff.is_nan() || worst.is_nan() {
+            f32::NAN
+        } else {
+            worst.max(diff)
+        }
+    })
 }
 
 const KINDS: [(CollectiveKind, &str); 5] = [
@@ -208,7 +221,9 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
             let per_rank: Vec<_> = result
                 .outcomes
                 .iter()
-                .map(|outcome| KINDS.iter().map(|&(kind, name)| (name, outcome.comm.bytes(kind))).collect::<BTreeMap<_, _>>())
+                .map(|outcome| {
+                    KINDS.iter().map(|&(kind, name)| (name, outcome.comm.bytes(kind))).collect::<BTreeMap<_, _>>()
+                })
                 .collect();
             let object = json!({
                 "model": result.config.name,
@@ -235,7 +250,10 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 result.tokens.seq,
                 result.logits_shape
             );
-            println!("peak bytes a rank: {}", peaks.iter().map(|peak| human_bytes(*peak)).collect::<Vec<_>>().join(", "));
+            println!(
+                "peak bytes a rank: {}",
+                peaks.iter().map(|peak| human_bytes(*peak)).collect::<Vec<_>>().join(", ")
+            );
             let comm: Vec<String> = comm_bytes_mean(&result.outcomes)
                 .into_iter()
                 .filter(|&(_, bytes)| bytes > 0)

@@ -28,7 +28,8 @@ fn json_of(args: &[&str]) -> serde_json::Value {
 
 #[test]
 fn run_reports_json_with_the_check() {
-    let report = json_of(&["run", "tiny", "--mesh", "tp=4", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
+    let report =
+        json_of(&["run", "tiny", "--mesh", "tp=4", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
     assert_eq!(report["ranks"], 4);
     assert_eq!(report["logits_shape"], serde_json::json!([2, 16, 256]));
     assert!(report["max_abs_err"].as_f64().expect("a number") < 1e-4);
@@ -47,7 +48,18 @@ fn compiled_directory_runs_like_the_model() {
     }
     let direct = dir.join("direct.safetensors");
     let compiled = dir.join("compiled.safetensors");
-    stdout_of(&["run", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--logits-out", direct.to_str().unwrap()]);
+    stdout_of(&[
+        "run",
+        "tiny",
+        "--mesh",
+        "tp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--logits-out",
+        direct.to_str().unwrap(),
+    ]);
     stdout_of(&["run", out_str, "--check", "--logits-out", compiled.to_str().unwrap()]);
     assert_eq!(std::fs::read(direct).unwrap(), std::fs::read(compiled).unwrap(), "the same logits, bit for bit");
 }
@@ -56,7 +68,16 @@ fn compiled_directory_runs_like_the_model() {
 fn dump_after_prints_the_ir() {
     let dir = tempdir("dump");
     let text = stdout_of(&[
-        "compile", "tiny", "--mesh", "tp=2", "--seq", "16", "--out", dir.join("o").to_str().unwrap(), "--dump-after", "propagate-specs",
+        "compile",
+        "tiny",
+        "--mesh",
+        "tp=2",
+        "--seq",
+        "16",
+        "--out",
+        dir.join("o").to_str().unwrap(),
+        "--dump-after",
+        "propagate-specs",
     ]);
     assert!(text.contains("; after propagate-specs"));
     assert!(text.contains("all_reduce(") && text.contains("axis=tp"), "{text}");
@@ -78,7 +99,9 @@ fn bad_meshes_models_and_files_are_clear_errors() {
     assert!(error_of(&["run", "tiny", "--mesh", "tq=2"]).contains("unknown axis `tq`"));
     assert!(error_of(&["run", "tiny", "--mesh", "tp=two"]).contains("write axes as name=size"));
     assert!(error_of(&["run", "no-such-model"]).contains("is neither a preset"));
-    assert!(error_of(&["run", "tiny", "--weights", "/nonexistent/w.safetensors"]).contains("/nonexistent/w.safetensors"));
+    assert!(
+        error_of(&["run", "tiny", "--weights", "/nonexistent/w.safetensors"]).contains("/nonexistent/w.safetensors")
+    );
     let dir = tempdir("bad-config");
     let config = dir.join("config.json");
     std::fs::write(&config, r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}"#).unwrap();

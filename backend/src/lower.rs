@@ -75,11 +75,15 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
             kind,
         });
         buffer_of[value.as_u32() as usize] = Some(out);
-        let inputs: Vec<BufferId> =
-            data.inputs.iter().map(|input| buffer_of[input.as_u32() as usize].expect("verified: defined before use")).collect();
+        let inputs: Vec<BufferId> = data
+            .inputs
+            .iter()
+            .map(|input| buffer_of[input.as_u32() as usize].expect("verified: defined before use"))
+            .collect();
         let input_local = |operand: usize| local(data.inputs[operand]);
         let group = |axis: pleat_ir::AxisName| Group { axis: axis.to_string(), ranks: mesh.group(rank, axis) };
-        let dim_index = |dim: DimName| graph.value(data.inputs[0]).ty.shape.position(dim).expect("verified: dim exists");
+        let dim_index =
+            |dim: DimName| graph.value(data.inputs[0]).ty.shape.position(dim).expect("verified: dim exists");
         let instr = match &data.op {
             Op::Tokens => Instr::LoadTokens { out, region: region(value) },
             Op::Positions => Instr::LoadPositions { out, region: region(value) },
@@ -177,7 +181,8 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
                 program.instructions.push(Instr::Free { buf: buffer });
             }
         }
-        if last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value) && kind != BufferKind::Param {
+        if last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value) && kind != BufferKind::Param
+        {
             program.instructions.push(Instr::Free { buf: out });
         }
     }

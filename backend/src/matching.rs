@@ -42,10 +42,10 @@ pub fn verify_collectives(programs: &[Program]) -> Result<()> {
         }
         let mut progressed = false;
         for &rank in &blocked {
-            if cursor[rank] >= programs[rank].instructions.len() {
+            // A rank a completed collective moved on sits at a non-collective now: it runs next round.
+            let Some(group) = programs[rank].instructions.get(cursor[rank]).and_then(Instr::group).cloned() else {
                 continue;
-            }
-            let group = programs[rank].instructions[cursor[rank]].group().expect("blocked on a collective").clone();
+            };
             let ready = group.ranks.iter().all(|&member| {
                 let member = member as usize;
                 member < programs.len()
@@ -54,8 +54,11 @@ pub fn verify_collectives(programs: &[Program]) -> Result<()> {
             if !ready {
                 continue;
             }
-            let signatures: Vec<String> =
-                group.ranks.iter().map(|&member| describe(&programs[member as usize], cursor[member as usize])).collect();
+            let signatures: Vec<String> = group
+                .ranks
+                .iter()
+                .map(|&member| describe(&programs[member as usize], cursor[member as usize]))
+                .collect();
             if signatures.iter().any(|signature| *signature != signatures[0]) {
                 let issued = group
                     .ranks

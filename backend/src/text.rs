@@ -25,7 +25,9 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::Rope { batch, seq, heads, head_dim, .. } => {
             format!("rope batch={batch} seq={seq} heads={heads} head_dim={head_dim}")
         }
-        Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, .. } => {
+        Kernel::Attention {
+            batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, ..
+        } => {
             format!(
                 "attention batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} \
                  q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}"
@@ -60,11 +62,15 @@ pub fn print_program(program: &Program) -> String {
     }
     for instr in &program.instructions {
         let line = match instr {
-            Instr::LoadParam { out, name, region, .. } => format!("{out} = load_param \"{name}\" {}", region_text(region)),
+            Instr::LoadParam { out, name, region, .. } => {
+                format!("{out} = load_param \"{name}\" {}", region_text(region))
+            }
             Instr::LoadTokens { out, region } => format!("{out} = load_tokens {}", region_text(region)),
             Instr::LoadPositions { out, region } => format!("{out} = load_positions {}", region_text(region)),
             Instr::Kernel { kernel, inputs, out } => format!("{out} = {}({})", kernel_text(kernel), list(inputs)),
-            Instr::AllReduce { input, out, group } => format!("{out} = all_reduce({input}) {}{:?}", group.axis, group.ranks),
+            Instr::AllReduce { input, out, group } => {
+                format!("{out} = all_reduce({input}) {}{:?}", group.axis, group.ranks)
+            }
             Instr::ReduceScatter { input, out, group, dim } => {
                 format!("{out} = reduce_scatter({input}) dim={dim} {}{:?}", group.axis, group.ranks)
             }

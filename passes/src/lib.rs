@@ -18,4 +18,4 @@ pub use manager::{run_pipeline, Dump, Pass, PassCtx, PipelineReport};
 pub use verify::{verify, VerifierError, VerifierErrors};
 
 /// The pipeline that shards a forward graph over its module's mesh.
-pub const SHARD_PIPELINE: &[Pass] = &[strategy::SEED_SPECS, propagate::PROPAGATE_SPECS];
+pub const SHARD_PIPELINE: &[Pass] = &[propagate::PROPAGATE_SPECS];

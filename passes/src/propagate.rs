@@ -1,5 +1,5 @@
-//! Propagation: derives every value's spec from the seeded leaves, inserting collectives where an
-//! op cannot take its operands' layouts.
+//! Propagation: seeds the leaves' specs from the mesh's strategies, derives every other value's
+//! spec, and inserts collectives where an op cannot take its operands' layouts.
 //!
 //! Walking the program in order, each op's spec comes from its sharding rule. When the rule
 //! rejects an operand because it is a pending sum (`Partial`), an all-reduce over those axes is
@@ -10,7 +10,7 @@
 //! between collectives (reduce-scatter, moving weights instead of activations) belong to the
 //! rewriting pass; this one makes the plain, always-correct choice.
 
-use pleat_ir::{AxisName, Graph, Module, NodeId, Op, ShardSpec, Shape, ValueId};
+use pleat_ir::{AxisName, Graph, Module, NodeId, Op, Shape, ShardSpec, ValueId};
 
 use crate::error::{Error, Result};
 use crate::manager::{Pass, PassCtx};
@@ -20,6 +20,7 @@ use crate::sharding::{output_spec, Conflict};
 pub const PROPAGATE_SPECS: Pass = Pass { name: "propagate-specs", run: propagate_specs };
 
 fn propagate_specs(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
+    crate::strategy::seed_leaves(module)?;
     let graph = &mut module.graph;
     let mut cursor = 0;
     while cursor < graph.order().len() {

@@ -6,7 +6,7 @@
 //! the verifier reports the reason. Communication ops have rules too: they are the only ops whose
 //! output spec differs from what their input allows locally.
 
-use pleat_ir::{AxisName, DimName, Graph, NodeData, Op, ShardSpec, Shape};
+use pleat_ir::{AxisName, DimName, Graph, NodeData, Op, Shape, ShardSpec};
 
 /// Why an op cannot run locally on its inputs' layouts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,7 +75,13 @@ fn same_dim(
     }
 }
 
-fn replicated_dim(specs: &[&ShardSpec], shapes: &[&Shape], operand: usize, dim: DimName, why: &str) -> Result<(), Conflict> {
+fn replicated_dim(
+    specs: &[&ShardSpec],
+    shapes: &[&Shape],
+    operand: usize,
+    dim: DimName,
+    why: &str,
+) -> Result<(), Conflict> {
     let axes = dim_axes(specs[operand], shapes[operand], dim);
     if axes.is_empty() {
         Ok(())
@@ -86,7 +92,12 @@ fn replicated_dim(specs: &[&ShardSpec], shapes: &[&Shape], operand: usize, dim: 
 
 /// The output spec of `node` given its operands' specs and shapes, or the conflict.
 /// Leaf ops (inputs and params) have no rule: their specs are seeded by a strategy.
-pub fn output_spec(node: &NodeData, specs: &[&ShardSpec], shapes: &[&Shape], out: &Shape) -> Result<ShardSpec, Conflict> {
+pub fn output_spec(
+    node: &NodeData,
+    specs: &[&ShardSpec],
+    shapes: &[&Shape],
+    out: &Shape,
+) -> Result<ShardSpec, Conflict> {
     use DimName::*;
     match &node.op {
         Op::Tokens | Op::Positions | Op::Param { .. } => Err(Conflict::Layout("a leaf has no sharding rule".into())),
@@ -147,7 +158,9 @@ pub fn output_spec(node: &NodeData, specs: &[&ShardSpec], shapes: &[&Shape], out
         Op::AllReduce { axis } => {
             let mut spec = specs[0].clone();
             let Some(position) = spec.partial.iter().position(|partial| partial == axis) else {
-                return Err(Conflict::Layout(format!("all_reduce over {axis} needs an operand that is Partial({axis})")));
+                return Err(Conflict::Layout(format!(
+                    "all_reduce over {axis} needs an operand that is Partial({axis})"
+                )));
             };
             spec.partial.remove(position);
             Ok(spec)
@@ -179,7 +192,9 @@ pub fn output_spec(node: &NodeData, specs: &[&ShardSpec], shapes: &[&Shape], out
         Op::LocalSlice { axis, dim } => {
             let mut spec = specs[0].clone();
             if spec.uses_axis(*axis) {
-                return Err(Conflict::Layout(format!("local_slice over {axis} needs an operand replicated over {axis}")));
+                return Err(Conflict::Layout(format!(
+                    "local_slice over {axis} needs an operand replicated over {axis}"
+                )));
             }
             let dim_index = dim_position(shapes[0], *dim)?;
             spec.dims[dim_index].push(*axis);
@@ -266,7 +281,11 @@ pub fn check_node(graph: &Graph, node: &NodeData) -> Result<(), String> {
     let result = graph.value(node.result);
     match output_spec(node, &specs, &shapes, &result.ty.shape) {
         Ok(expected) if expected == result.spec => Ok(()),
-        Ok(expected) => Err(format!("its spec should be {} by the {} rule", spec_text(&expected, &result.ty.shape), node.op.mnemonic())),
+        Ok(expected) => Err(format!(
+            "its spec should be {} by the {} rule",
+            spec_text(&expected, &result.ty.shape),
+            node.op.mnemonic()
+        )),
         Err(conflict) => Err(conflict.to_string()),
     }
 }

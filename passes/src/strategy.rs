@@ -14,15 +14,13 @@ use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, DimName, Module, Op};
 
 use crate::error::{Error, Result};
-use crate::manager::{Pass, PassCtx};
 
 /// The axes this build has strategies for.
 pub const SUPPORTED_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Tp];
 
-/// Seeds parameter and input specs for every axis of the module's mesh.
-pub const SEED_SPECS: Pass = Pass { name: "seed-specs", run: seed_specs };
-
-fn seed_specs(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
+/// Seeds parameter and input specs for every axis of the module's mesh. Only leaves change, so the
+/// module is consistent again only once propagation has run: the two form one pass.
+pub fn seed_leaves(module: &mut Module) -> Result<()> {
     for axis in module.mesh.axes().to_vec() {
         match axis.name {
             AxisName::Tp => seed_tensor_parallel(module, axis.size)?,
@@ -126,8 +124,12 @@ fn gcd(a: u64, b: u64) -> u64 {
 
 fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
     let graph = &mut module.graph;
-    let tokens: Vec<_> =
-        graph.order().iter().filter(|&&node| graph.node(node).op == Op::Tokens).map(|&node| graph.node(node).result).collect();
+    let tokens: Vec<_> = graph
+        .order()
+        .iter()
+        .filter(|&&node| graph.node(node).op == Op::Tokens)
+        .map(|&node| graph.node(node).result)
+        .collect();
     for value in tokens {
         let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
         if batch % degree != 0 {

@@ -132,25 +132,25 @@ fn verify_node(verifier: &mut Verifier, graph: &Graph, node: NodeId, index: usiz
         }
     } else {
         match infer_type(data, &types) {
-        Ok(expected) if expected.dtype == result.ty.dtype => {
-            if expected.shape != result.ty.shape {
-                let message = format!(
-                    "result shape {} should be {}",
-                    shape_text(&result.ty.shape),
-                    shape_text(&expected.shape)
-                );
+            Ok(expected) if expected.dtype == result.ty.dtype => {
+                if expected.shape != result.ty.shape {
+                    let message = format!(
+                        "result shape {} should be {}",
+                        shape_text(&result.ty.shape),
+                        shape_text(&expected.shape)
+                    );
+                    verifier.report(node, message);
+                    return;
+                }
+            }
+            Ok(expected) => {
+                verifier.report(node, format!("result dtype {} should be {}", result.ty.dtype, expected.dtype));
+                return;
+            }
+            Err(message) => {
                 verifier.report(node, message);
                 return;
             }
-        }
-        Ok(expected) => {
-            verifier.report(node, format!("result dtype {} should be {}", result.ty.dtype, expected.dtype));
-            return;
-        }
-        Err(message) => {
-            verifier.report(node, message);
-            return;
-        }
         }
     }
     if let Err(message) = check_spec_shape(verifier.module, data) {
@@ -198,7 +198,12 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType]) -> Result<TensorType,
             Ok(())
         } else {
             let want: Vec<&str> = names.iter().map(|name| name.as_str()).collect();
-            Err(format!("operand {operand} has dims {} but {} wants [{}]", shape_text(&inputs[operand].shape), node.op.mnemonic(), want.join(", ")))
+            Err(format!(
+                "operand {operand} has dims {} but {} wants [{}]",
+                shape_text(&inputs[operand].shape),
+                node.op.mnemonic(),
+                want.join(", ")
+            ))
         }
     };
     let size = |operand: usize, name: DimName| inputs[operand].shape.size_of(name).unwrap_or(0);

@@ -80,14 +80,18 @@ impl Machine<'_> {
     fn f32(&self, id: BufferId) -> Result<&[f32]> {
         match self.buffers.get(id.as_u32() as usize) {
             Some(Some(Storage::F32(data))) => Ok(data),
-            Some(Some(Storage::U32(_))) => Err(self.program_error(format!("{id} holds integers, an f32 operand is needed"))),
+            Some(Some(Storage::U32(_))) => {
+                Err(self.program_error(format!("{id} holds integers, an f32 operand is needed")))
+            }
             _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
         }
     }
     fn u32(&self, id: BufferId) -> Result<&[u32]> {
         match self.buffers.get(id.as_u32() as usize) {
             Some(Some(Storage::U32(data))) => Ok(data),
-            Some(Some(Storage::F32(_))) => Err(self.program_error(format!("{id} holds floats, an integer operand is needed"))),
+            Some(Some(Storage::F32(_))) => {
+                Err(self.program_error(format!("{id} holds floats, an integer operand is needed")))
+            }
             _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
         }
     }
@@ -125,7 +129,12 @@ fn block_of(global: &[u32], shape: &[u64], region: &[(u64, u64)]) -> Vec<u32> {
 }
 
 /// Runs `program` on this thread with `comm`; `gemm_threads` is the GEMM parallelism.
-pub fn execute(program: &Program, comm: &mut dyn Communicator, inputs: &RunInputs, gemm_threads: usize) -> Result<RankOutcome> {
+pub fn execute(
+    program: &Program,
+    comm: &mut dyn Communicator,
+    inputs: &RunInputs,
+    gemm_threads: usize,
+) -> Result<RankOutcome> {
     let rank = program.rank;
     let tokens_shape = program.tokens_shape.clone();
     let seq = *tokens_shape.get(1).unwrap_or(&0);
@@ -139,8 +148,13 @@ pub fn execute(program: &Program, comm: &mut dyn Communicator, inputs: &RunInput
             ),
         });
     }
-    let mut machine =
-        Machine { program, buffers: (0..program.buffers.len()).map(|_| None).collect(), live_bytes: 0, peak_bytes: 0, instr: 0 };
+    let mut machine = Machine {
+        program,
+        buffers: (0..program.buffers.len()).map(|_| None).collect(),
+        live_bytes: 0,
+        peak_bytes: 0,
+        instr: 0,
+    };
     let mut outputs = Vec::new();
     let mut param_bytes = 0;
     comm.reset_stats();
@@ -225,7 +239,8 @@ fn run_kernel(
     }
     let f32_operand = |index: usize| machine.f32(operands[index]);
     let u32_operand = |index: usize| machine.u32(operands[index]);
-    let kernel_error = |source| Error::Kernel { rank: machine.program.rank, instr: machine.instr, what: machine.what(out), source };
+    let kernel_error =
+        |source| Error::Kernel { rank: machine.program.rank, instr: machine.instr, what: machine.what(out), source };
     match kernel {
         Kernel::Embedding { hidden, vocab_offset, vocab_total } => kernels::embedding(
             f32_operand(0)?,
@@ -301,7 +316,8 @@ fn run_kernel(
         }
         Kernel::Slice { shape, region } => {
             let shape: Vec<usize> = shape.iter().map(|&size| size as usize).collect();
-            let region: Vec<(usize, usize)> = region.iter().map(|&(start, len)| (start as usize, len as usize)).collect();
+            let region: Vec<(usize, usize)> =
+                region.iter().map(|&(start, len)| (start as usize, len as usize)).collect();
             result = kernels::slice_region(f32_operand(0)?, &shape, &region);
         }
     }

@@ -84,7 +84,8 @@ pub fn run_on_threads(programs: &[Program], inputs: &RunInputs, timeout: Duratio
 /// Assembles graph output `index` from the ranks' blocks into a whole row-major tensor.
 /// Replicated blocks simply overwrite one another with equal data.
 pub fn assemble(outcomes: &[RankOutcome], index: u32) -> Option<(Vec<u64>, Vec<f32>)> {
-    let blocks: Vec<_> = outcomes.iter().flat_map(|outcome| &outcome.outputs).filter(|block| block.index == index).collect();
+    let blocks: Vec<_> =
+        outcomes.iter().flat_map(|outcome| &outcome.outputs).filter(|block| block.index == index).collect();
     let shape = blocks.first()?.shape.clone();
     let mut data = vec![0.0f32; shape.iter().product::<u64>() as usize];
     for block in blocks {

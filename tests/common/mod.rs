@@ -58,13 +58,20 @@ pub fn run(programs: &[Program], tokens: &[u32], seq: u64, weights: &dyn WeightS
 #[track_caller]
 pub fn assert_close(label: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{label}: lengths differ");
-    let (worst, err) = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .enumerate()
-        .fold((0, 0.0f32), |(at, worst), (index, diff)| if diff > worst || diff.is_nan() { (index, diff) } else { (at, worst) });
-    assert!(err <= F32_TOL, "{label}: max abs error {err:e} at element {worst}: got {} want {}", got[worst], want[worst]);
+    let (worst, err) =
+        got.iter().zip(want).map(|(a, b)| (a - b).abs()).enumerate().fold((0, 0.0f32), |(at, worst), (index, diff)| {
+            if diff > worst || diff.is_nan() {
+                (index, diff)
+            } else {
+                (at, worst)
+            }
+        });
+    assert!(
+        err <= F32_TOL,
+        "{label}: max abs error {err:e} at element {worst}: got {} want {}",
+        got[worst],
+        want[worst]
+    );
 }
 
 /// Compiles `config` for `mesh`, runs it, and checks the logits against the reference.

@@ -29,15 +29,10 @@ pub enum Architecture {
 
 impl Architecture {
     /// Every supported architecture, in the order error messages list them.
-    pub const ALL: [Architecture; 3] = [
-        Architecture::Llama,
-        Architecture::Mistral,
-        Architecture::Qwen2,
-    ];
+    pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2];
 
     /// The Hugging Face class names of [`Architecture::ALL`], as `architectures` spells them.
-    pub const CLASS_NAMES: &'static [&'static str] =
-        &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+    pub const CLASS_NAMES: &'static [&'static str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
     /// The Hugging Face class name, as it appears in `architectures`.
     pub fn class_name(self) -> &'static str {
@@ -59,9 +54,9 @@ impl Architecture {
 
     /// The architecture whose class name or `model_type` is `name`, if any.
     pub fn from_hf_name(name: &str) -> Option<Architecture> {
-        Architecture::ALL.into_iter().find(|architecture| {
-            architecture.class_name() == name || architecture.model_type() == name
-        })
+        Architecture::ALL
+            .into_iter()
+            .find(|architecture| architecture.class_name() == name || architecture.model_type() == name)
     }
 }
 
@@ -120,7 +115,7 @@ impl std::fmt::Display for ConfigDtype {
 }
 
 /// Rotary position embedding settings.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RopeConfig {
     /// The base period (`rope_theta`).
     pub theta: f64,
@@ -129,7 +124,7 @@ pub struct RopeConfig {
 }
 
 /// The RoPE frequency rescaling (`rope_type`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum RopeScaling {
     /// `default`: the original RoPE frequencies.
     None,
@@ -217,9 +212,7 @@ pub enum ConfigError {
 
     // === Fields ===
     /// A required field is absent.
-    #[error(
-        "{file}: missing required field `{field}`; add it as Hugging Face's config.json spells it"
-    )]
+    #[error("{file}: missing required field `{field}`; add it as Hugging Face's config.json spells it")]
     MissingField {
         /// The source name given by the caller.
         file: String,
@@ -311,7 +304,9 @@ pub enum ConfigError {
         num_heads: u64,
     },
     /// RoPE rotates channel pairs, so a head needs an even width.
-    #[error("{file}: head_dim = {head_dim} is odd; rotary embeddings rotate pairs of channels, so use an even head_dim")]
+    #[error(
+        "{file}: head_dim = {head_dim} is odd; rotary embeddings rotate pairs of channels, so use an even head_dim"
+    )]
     OddHeadDim {
         /// The source name given by the caller.
         file: String,
@@ -337,6 +332,49 @@ pub enum ConfigError {
 }
 
 impl ModelConfig {
+    /// This configuration as a transformers-4 style `config.json` that `from_json_str` reads back to
+    /// an equal `ModelConfig`.
+    pub fn to_hf_json(&self) -> String {
+        let rope_scaling = match &self.rope.scaling {
+            RopeScaling::None => serde_json::Value::Null,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                })
+            }
+        };
+        let mut object = serde_json::json!({
+            "_name_or_path": self.name,
+            "architectures": [self.architecture.class_name()],
+            "model_type": self.architecture.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.dtype.hf_name(),
+            "max_position_embeddings": self.max_position_embeddings,
+        });
+        if self.architecture != Architecture::Qwen2 {
+            object["attention_bias"] = serde_json::Value::Bool(self.attention_bias);
+        }
+        if self.architecture != Architecture::Llama {
+            object["sliding_window"] = self.sliding_window.map_or(serde_json::Value::Null, serde_json::Value::from);
+        }
+        serde_json::to_string_pretty(&object).expect("a JSON value always prints")
+    }
+
     /// Reads a Hugging Face `config.json`; `source` names the file in error messages.
     pub fn from_json_str(text: &str, source: &str) -> Result<Self> {
         let config = json::read_config(text, source)?;
@@ -356,29 +394,17 @@ impl ModelConfig {
         let hidden = self.hidden_size;
         let query_width = self.num_heads.checked_mul(self.head_dim)?;
         let key_value_width = self.num_kv_heads.checked_mul(self.head_dim)?;
-        let attention_weights = hidden
-            .checked_mul(query_width.checked_add(key_value_width)?)?
-            .checked_mul(2)?;
+        let attention_weights = hidden.checked_mul(query_width.checked_add(key_value_width)?)?.checked_mul(2)?;
         let attention_biases = match self.attention_bias {
             true => query_width.checked_add(key_value_width.checked_mul(2)?)?,
             false => 0,
         };
         let mlp = hidden.checked_mul(self.intermediate_size)?.checked_mul(3)?;
         let norms = hidden.checked_mul(2)?;
-        let per_layer = attention_weights
-            .checked_add(attention_biases)?
-            .checked_add(mlp)?
-            .checked_add(norms)?;
+        let per_layer = attention_weights.checked_add(attention_biases)?.checked_add(mlp)?.checked_add(norms)?;
         let embedding = self.vocab_size.checked_mul(hidden)?;
-        let lm_head = if self.tie_word_embeddings {
-            0
-        } else {
-            embedding
-        };
-        embedding
-            .checked_add(self.num_layers.checked_mul(per_layer)?)?
-            .checked_add(hidden)?
-            .checked_add(lm_head)
+        let lm_head = if self.tie_word_embeddings { 0 } else { embedding };
+        embedding.checked_add(self.num_layers.checked_mul(per_layer)?)?.checked_add(hidden)?.checked_add(lm_head)
     }
 
     /// Checks the invariants the module promises, naming `source` in errors.
@@ -399,12 +425,7 @@ impl ModelConfig {
             }
         }
         if self.sliding_window == Some(0) {
-            return Err(bad_value(
-                source,
-                "sliding_window",
-                "0",
-                "at least 1, or null for full attention",
-            ));
+            return Err(bad_value(source, "sliding_window", "0", "at least 1, or null for full attention"));
         }
         if self.num_heads % self.num_kv_heads != 0 {
             return Err(ConfigError::HeadsNotDivisible {
@@ -414,36 +435,21 @@ impl ModelConfig {
             });
         }
         if self.head_dim % 2 != 0 {
-            return Err(ConfigError::OddHeadDim {
-                file: source.to_owned(),
-                head_dim: self.head_dim,
-            });
+            return Err(ConfigError::OddHeadDim { file: source.to_owned(), head_dim: self.head_dim });
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             let value = self.rms_norm_eps.to_string();
-            return Err(bad_value(
-                source,
-                "rms_norm_eps",
-                &value,
-                "a finite number >= 0",
-            ));
+            return Err(bad_value(source, "rms_norm_eps", &value, "a finite number >= 0"));
         }
         if self.checked_param_count().is_none() {
-            return Err(ConfigError::TooManyParameters {
-                file: source.to_owned(),
-            });
+            return Err(ConfigError::TooManyParameters { file: source.to_owned() });
         }
         Ok(())
     }
 }
 
 fn bad_value(file: &str, field: &str, value: &str, requirement: &'static str) -> ConfigError {
-    ConfigError::BadValue {
-        file: file.to_owned(),
-        field: field.to_owned(),
-        value: value.to_owned(),
-        requirement,
-    }
+    ConfigError::BadValue { file: file.to_owned(), field: field.to_owned(), value: value.to_owned(), requirement }
 }
 
 #[path = "config_json.rs"]

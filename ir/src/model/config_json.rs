@@ -5,24 +5,15 @@
 
 use serde_json::{Map, Value};
 
-use super::{
-    bad_value, Architecture, ConfigDtype, ConfigError, ModelConfig, Result, RopeConfig, RopeScaling,
-};
+use super::{bad_value, Architecture, ConfigDtype, ConfigError, ModelConfig, Result, RopeConfig, RopeScaling};
 
 /// Parses `text` and reads every field; [`ModelConfig::validate`] checks the numbers afterwards.
 pub(super) fn read_config(text: &str, source: &str) -> Result<ModelConfig> {
     let value: Value = serde_json::from_str(text).map_err(|error| malformed(source, &error))?;
     let Value::Object(object) = &value else {
-        return Err(ConfigError::NotAnObject {
-            file: source.to_owned(),
-            found: abbreviate(&value),
-        });
+        return Err(ConfigError::NotAnObject { file: source.to_owned(), found: abbreviate(&value) });
     };
-    read_fields(&Fields {
-        file: source,
-        object,
-        prefix: String::new(),
-    })
+    read_fields(&Fields { file: source, object, prefix: String::new() })
 }
 
 /// Reads the fields of the top-level object.
@@ -37,11 +28,7 @@ fn read_fields(fields: &Fields<'_>) -> Result<ModelConfig> {
     let head_dim = match fields.optional_u64("head_dim")? {
         Some(head_dim) => head_dim,
         None if num_heads != 0 && hidden_size % num_heads != 0 => {
-            return Err(ConfigError::HeadDimNotDerivable {
-                file: fields.file.to_owned(),
-                hidden_size,
-                num_heads,
-            });
+            return Err(ConfigError::HeadDimNotDerivable { file: fields.file.to_owned(), hidden_size, num_heads });
         }
         None => hidden_size.checked_div(num_heads).unwrap_or(0),
     };
@@ -70,14 +57,10 @@ fn read_fields(fields: &Fields<'_>) -> Result<ModelConfig> {
         intermediate_size,
         rms_norm_eps: fields.optional_f64("rms_norm_eps")?.unwrap_or(1e-6),
         rope: read_rope(fields)?,
-        tie_word_embeddings: fields
-            .optional_bool("tie_word_embeddings")?
-            .unwrap_or(false),
+        tie_word_embeddings: fields.optional_bool("tie_word_embeddings")?.unwrap_or(false),
         dtype: read_dtype(fields)?,
         attention_bias,
-        max_position_embeddings: fields
-            .optional_u64("max_position_embeddings")?
-            .unwrap_or(default_max_positions),
+        max_position_embeddings: fields.optional_u64("max_position_embeddings")?.unwrap_or(default_max_positions),
         sliding_window: read_sliding_window(fields, architecture, num_layers)?,
         name: read_name(fields)?,
     })
@@ -99,9 +82,7 @@ fn read_architecture(fields: &Fields<'_>) -> Result<Architecture> {
                 ))
             }
         },
-        Some(other) => {
-            return Err(fields.bad_field("architectures", "an array of class names", other))
-        }
+        Some(other) => return Err(fields.bad_field("architectures", "an array of class names", other)),
         None => match fields.optional_str("model_type")? {
             Some(model_type) => ("model_type", model_type),
             None => return Err(fields.missing("architectures")),
@@ -117,15 +98,9 @@ fn read_architecture(fields: &Fields<'_>) -> Result<Architecture> {
 
 /// transformers treats an absent `num_key_value_heads` (the class default: Llama none, Mistral 8,
 /// Qwen2 32) differently from an explicit `null` (always `num_attention_heads`).
-fn read_num_kv_heads(
-    fields: &Fields<'_>,
-    architecture: Architecture,
-    num_heads: u64,
-) -> Result<u64> {
+fn read_num_kv_heads(fields: &Fields<'_>, architecture: Architecture, num_heads: u64) -> Result<u64> {
     if fields.object.contains_key("num_key_value_heads") {
-        return Ok(fields
-            .optional_u64("num_key_value_heads")?
-            .unwrap_or(num_heads));
+        return Ok(fields.optional_u64("num_key_value_heads")?.unwrap_or(num_heads));
     }
     Ok(match architecture {
         Architecture::Llama => num_heads,
@@ -150,30 +125,18 @@ fn read_attention_bias(fields: &Fields<'_>, architecture: Architecture) -> Resul
         ));
     }
     if fields.optional_bool("mlp_bias")? == Some(true) {
-        return Err(fields.unsupported(
-            "mlp_bias",
-            "true",
-            "pleat builds MLPs without biases; use false",
-        ));
+        return Err(fields.unsupported("mlp_bias", "true", "pleat builds MLPs without biases; use false"));
     }
     Ok(false)
 }
 
 /// `dtype` (transformers 5) or `torch_dtype` (transformers 4); float32 when neither is present.
 fn read_dtype(fields: &Fields<'_>) -> Result<ConfigDtype> {
-    let key = if fields.get("dtype").is_some() {
-        "dtype"
-    } else {
-        "torch_dtype"
-    };
+    let key = if fields.get("dtype").is_some() { "dtype" } else { "torch_dtype" };
     match fields.optional_str(key)? {
         None => Ok(ConfigDtype::F32),
         Some(name) => ConfigDtype::from_hf_name(name).ok_or_else(|| {
-            fields.unsupported(
-                key,
-                &format!("\"{name}\""),
-                "pleat reads float32, bfloat16 and float16 checkpoints",
-            )
+            fields.unsupported(key, &format!("\"{name}\""), "pleat reads float32, bfloat16 and float16 checkpoints")
         }),
     }
 }
@@ -181,11 +144,7 @@ fn read_dtype(fields: &Fields<'_>) -> Result<ConfigDtype> {
 /// Mistral's window defaults to 4096 when absent. Qwen2's counts only with `use_sliding_window`, and
 /// then only for the layers from `max_window_layers` (default 28) on, a mix pleat does not build. Llama
 /// has none.
-fn read_sliding_window(
-    fields: &Fields<'_>,
-    architecture: Architecture,
-    num_layers: u64,
-) -> Result<Option<u64>> {
+fn read_sliding_window(fields: &Fields<'_>, architecture: Architecture, num_layers: u64) -> Result<Option<u64>> {
     match architecture {
         Architecture::Llama => Ok(None),
         Architecture::Mistral => match fields.object.contains_key("sliding_window") {
@@ -213,24 +172,13 @@ fn read_sliding_window(
 fn read_rope(fields: &Fields<'_>) -> Result<RopeConfig> {
     let parameters = fields.optional_object("rope_parameters")?;
     let theta_in_parameters = match &parameters {
-        Some(parameters) => parameters
-            .optional_f64("rope_theta")?
-            .map(|theta| (parameters.path("rope_theta"), theta)),
+        Some(parameters) => parameters.optional_f64("rope_theta")?.map(|theta| (parameters.path("rope_theta"), theta)),
         None => None,
     };
-    let theta_at_top = fields
-        .optional_f64("rope_theta")?
-        .map(|theta| (fields.path("rope_theta"), theta));
-    let (theta_field, theta) = theta_in_parameters
-        .or(theta_at_top)
-        .unwrap_or(("rope_theta".to_owned(), 10000.0));
+    let theta_at_top = fields.optional_f64("rope_theta")?.map(|theta| (fields.path("rope_theta"), theta));
+    let (theta_field, theta) = theta_in_parameters.or(theta_at_top).unwrap_or(("rope_theta".to_owned(), 10000.0));
     if !(theta.is_finite() && theta > 0.0) {
-        return Err(bad_value(
-            fields.file,
-            &theta_field,
-            &theta.to_string(),
-            "a finite number > 0",
-        ));
+        return Err(bad_value(fields.file, &theta_field, &theta.to_string(), "a finite number > 0"));
     }
     reject_partial_rotary(fields)?;
     let section = match parameters {
@@ -238,10 +186,7 @@ fn read_rope(fields: &Fields<'_>) -> Result<RopeConfig> {
         None => fields.optional_object("rope_scaling")?,
     };
     let Some(section) = section else {
-        return Ok(RopeConfig {
-            theta,
-            scaling: RopeScaling::None,
-        });
+        return Ok(RopeConfig { theta, scaling: RopeScaling::None });
     };
     reject_partial_rotary(&section)?;
     if let Some((key, _)) = section.object.iter().find(|(_, value)| value.is_object()) {
@@ -252,11 +197,7 @@ fn read_rope(fields: &Fields<'_>) -> Result<RopeConfig> {
         ));
     }
     // transformers 4 first spelled `rope_type` as `type`.
-    let type_key = if section.get("rope_type").is_some() {
-        "rope_type"
-    } else {
-        "type"
-    };
+    let type_key = if section.get("rope_type").is_some() { "rope_type" } else { "type" };
     let scaling = match section.optional_str(type_key)?.unwrap_or("default") {
         "default" => RopeScaling::None,
         "llama3" => read_llama3_scaling(&section)?,
@@ -277,39 +218,23 @@ fn read_llama3_scaling(section: &Fields<'_>) -> Result<RopeScaling> {
     let factor = section.required_f64("factor")?;
     let low_freq_factor = section.required_f64("low_freq_factor")?;
     let high_freq_factor = section.required_f64("high_freq_factor")?;
-    let original_max_position_embeddings =
-        section.required_u64("original_max_position_embeddings")?;
+    let original_max_position_embeddings = section.required_u64("original_max_position_embeddings")?;
     for (key, number) in [("factor", factor), ("low_freq_factor", low_freq_factor)] {
         if !(number.is_finite() && number > 0.0) {
-            return Err(bad_value(
-                section.file,
-                &section.path(key),
-                &number.to_string(),
-                "a finite number > 0",
-            ));
+            return Err(bad_value(section.file, &section.path(key), &number.to_string(), "a finite number > 0"));
         }
     }
     // The smooth interpolation divides by `high_freq_factor - low_freq_factor`.
     if !(high_freq_factor.is_finite() && high_freq_factor > low_freq_factor) {
         let value = high_freq_factor.to_string();
         let field = section.path("high_freq_factor");
-        return Err(bad_value(
-            section.file,
-            &field,
-            &value,
-            "finite and greater than low_freq_factor",
-        ));
+        return Err(bad_value(section.file, &field, &value, "finite and greater than low_freq_factor"));
     }
     if original_max_position_embeddings == 0 {
         let field = section.path("original_max_position_embeddings");
         return Err(bad_value(section.file, &field, "0", "at least 1"));
     }
-    Ok(RopeScaling::Llama3 {
-        factor,
-        low_freq_factor,
-        high_freq_factor,
-        original_max_position_embeddings,
-    })
+    Ok(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings })
 }
 
 /// transformers rotates only part of each head when `partial_rotary_factor` < 1; pleat rotates all of it.
@@ -331,10 +256,7 @@ fn read_name(fields: &Fields<'_>) -> Result<String> {
             return Ok(name.to_owned());
         }
     }
-    let mut parts = fields
-        .file
-        .rsplit(['/', '\\'])
-        .filter(|part| !part.is_empty());
+    let mut parts = fields.file.rsplit(['/', '\\']).filter(|part| !part.is_empty());
     let file_name = parts.next().unwrap_or(fields.file);
     let name = match file_name {
         "config.json" => parts.next().unwrap_or(file_name),
@@ -361,97 +283,58 @@ impl<'a> Fields<'a> {
     }
 
     fn missing(&self, key: &str) -> ConfigError {
-        ConfigError::MissingField {
-            file: self.file.to_owned(),
-            field: self.path(key),
-        }
+        ConfigError::MissingField { file: self.file.to_owned(), field: self.path(key) }
     }
 
     fn bad_field(&self, key: &str, expected: &'static str, found: &Value) -> ConfigError {
-        ConfigError::BadField {
-            file: self.file.to_owned(),
-            field: self.path(key),
-            expected,
-            found: abbreviate(found),
-        }
+        ConfigError::BadField { file: self.file.to_owned(), field: self.path(key), expected, found: abbreviate(found) }
     }
 
     fn unsupported(&self, key: &str, value: &str, reason: &'static str) -> ConfigError {
-        ConfigError::Unsupported {
-            file: self.file.to_owned(),
-            field: self.path(key),
-            value: value.to_owned(),
-            reason,
-        }
+        ConfigError::Unsupported { file: self.file.to_owned(), field: self.path(key), value: value.to_owned(), reason }
     }
 
     fn required_u64(&self, key: &str) -> Result<u64> {
         match self.object.get(key) {
             None => Err(self.missing(key)),
-            Some(value) => value
-                .as_u64()
-                .ok_or_else(|| self.bad_field(key, "a non-negative integer", value)),
+            Some(value) => value.as_u64().ok_or_else(|| self.bad_field(key, "a non-negative integer", value)),
         }
     }
 
     fn optional_u64(&self, key: &str) -> Result<Option<u64>> {
         self.get(key)
-            .map(|value| {
-                value
-                    .as_u64()
-                    .ok_or_else(|| self.bad_field(key, "a non-negative integer", value))
-            })
+            .map(|value| value.as_u64().ok_or_else(|| self.bad_field(key, "a non-negative integer", value)))
             .transpose()
     }
 
     fn required_f64(&self, key: &str) -> Result<f64> {
         match self.object.get(key) {
             None => Err(self.missing(key)),
-            Some(value) => value
-                .as_f64()
-                .ok_or_else(|| self.bad_field(key, "a number", value)),
+            Some(value) => value.as_f64().ok_or_else(|| self.bad_field(key, "a number", value)),
         }
     }
 
     fn optional_f64(&self, key: &str) -> Result<Option<f64>> {
-        self.get(key)
-            .map(|value| {
-                value
-                    .as_f64()
-                    .ok_or_else(|| self.bad_field(key, "a number", value))
-            })
-            .transpose()
+        self.get(key).map(|value| value.as_f64().ok_or_else(|| self.bad_field(key, "a number", value))).transpose()
     }
 
     fn optional_bool(&self, key: &str) -> Result<Option<bool>> {
         self.get(key)
-            .map(|value| {
-                value
-                    .as_bool()
-                    .ok_or_else(|| self.bad_field(key, "true or false", value))
-            })
+            .map(|value| value.as_bool().ok_or_else(|| self.bad_field(key, "true or false", value)))
             .transpose()
     }
 
     fn optional_str(&self, key: &str) -> Result<Option<&'a str>> {
-        self.get(key)
-            .map(|value| {
-                value
-                    .as_str()
-                    .ok_or_else(|| self.bad_field(key, "a string", value))
-            })
-            .transpose()
+        self.get(key).map(|value| value.as_str().ok_or_else(|| self.bad_field(key, "a string", value))).transpose()
     }
 
     /// The object under `key`, whose fields are then named `key.field` in errors.
     fn optional_object(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.get(key) {
             None => Ok(None),
-            Some(Value::Object(object)) => Ok(Some(Fields {
-                file: self.file,
-                object,
-                prefix: format!("{}.", self.path(key)),
-            })),
+            Some(Value::Object(object)) => {
+                Ok(Some(Fields { file: self.file, object, prefix: format!("{}.", self.path(key)) }))
+            }
             Some(other) => Err(self.bad_field(key, "an object or null", other)),
         }
     }
@@ -463,12 +346,7 @@ fn malformed(file: &str, error: &serde_json::Error) -> ConfigError {
     let full = error.to_string();
     let suffix = format!(" at line {line} column {column}");
     let message = full.strip_suffix(&suffix).unwrap_or(&full).to_owned();
-    ConfigError::MalformedJson {
-        file: file.to_owned(),
-        line,
-        column,
-        message,
-    }
+    ConfigError::MalformedJson { file: file.to_owned(), line, column, message }
 }
 
 /// A value as compact JSON, cut to a length that keeps messages on one line.

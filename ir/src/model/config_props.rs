@@ -11,18 +11,9 @@ const FILE: &str = "models/random/config.json";
 fn arbitrary_config() -> impl Strategy<Value = ModelConfig> {
     let sizes = (1u64..5000, 1u64..64, 1u64..6, 1u64..8, 1u64..40, 1u64..5000);
     let rope = prop_oneof![
-        (1.0f64..1e7).prop_map(|theta| RopeConfig {
-            theta,
-            scaling: RopeScaling::None
-        }),
-        (
-            1.0f64..1e7,
-            1.0f64..16.0,
-            0.5f64..2.0,
-            0.1f64..8.0,
-            1u64..100_000
-        )
-            .prop_map(|(theta, factor, low, span, original)| RopeConfig {
+        (1.0f64..1e7).prop_map(|theta| RopeConfig { theta, scaling: RopeScaling::None }),
+        (1.0f64..1e7, 1.0f64..16.0, 0.5f64..2.0, 0.1f64..8.0, 1u64..100_000).prop_map(
+            |(theta, factor, low, span, original)| RopeConfig {
                 theta,
                 scaling: RopeScaling::Llama3 {
                     factor,
@@ -30,39 +21,32 @@ fn arbitrary_config() -> impl Strategy<Value = ModelConfig> {
                     high_freq_factor: low + span,
                     original_max_position_embeddings: original,
                 },
-            }),
-    ];
-    let flags = (
-        any::<bool>(),
-        0usize..3,
-        0usize..3,
-        1u64..1_000_000,
-        1e-7f64..1e-3,
-    );
-    (sizes, rope, flags).prop_map(
-        |((vocab, hidden, layers, kv_heads, half_head_dim, ffn), rope, flags)| {
-            let (tie, dtype_index, architecture_index, max_positions, eps) = flags;
-            let architecture = Architecture::ALL[architecture_index];
-            ModelConfig {
-                architecture,
-                vocab_size: vocab,
-                hidden_size: hidden,
-                num_layers: layers,
-                num_heads: kv_heads * 2,
-                num_kv_heads: kv_heads,
-                head_dim: half_head_dim * 2,
-                intermediate_size: ffn,
-                rms_norm_eps: eps,
-                rope,
-                tie_word_embeddings: tie,
-                dtype: [ConfigDtype::F32, ConfigDtype::Bf16, ConfigDtype::F16][dtype_index],
-                attention_bias: architecture == Architecture::Qwen2,
-                max_position_embeddings: max_positions,
-                sliding_window: (architecture == Architecture::Mistral).then_some(4096),
-                name: "random".to_owned(),
             }
-        },
-    )
+        ),
+    ];
+    let flags = (any::<bool>(), 0usize..3, 0usize..3, 1u64..1_000_000, 1e-7f64..1e-3);
+    (sizes, rope, flags).prop_map(|((vocab, hidden, layers, kv_heads, half_head_dim, ffn), rope, flags)| {
+        let (tie, dtype_index, architecture_index, max_positions, eps) = flags;
+        let architecture = Architecture::ALL[architecture_index];
+        ModelConfig {
+            architecture,
+            vocab_size: vocab,
+            hidden_size: hidden,
+            num_layers: layers,
+            num_heads: kv_heads * 2,
+            num_kv_heads: kv_heads,
+            head_dim: half_head_dim * 2,
+            intermediate_size: ffn,
+            rms_norm_eps: eps,
+            rope,
+            tie_word_embeddings: tie,
+            dtype: [ConfigDtype::F32, ConfigDtype::Bf16, ConfigDtype::F16][dtype_index],
+            attention_bias: architecture == Architecture::Qwen2,
+            max_position_embeddings: max_positions,
+            sliding_window: (architecture == Architecture::Mistral).then_some(4096),
+            name: "random".to_owned(),
+        }
+    })
 }
 
 /// Writes `config` as a transformers 4 (`version_5 == false`) or 5 `config.json`.
@@ -87,12 +71,7 @@ fn write_hf_json(config: &ModelConfig, version_5: bool) -> String {
     }
     let mut rope = match config.rope.scaling {
         RopeScaling::None => json!({"rope_type": "default"}),
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => json!({
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
             "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
             "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings,
         }),
@@ -103,11 +82,7 @@ fn write_hf_json(config: &ModelConfig, version_5: bool) -> String {
         object["dtype"] = json!(config.dtype.hf_name());
     } else {
         object["rope_theta"] = json!(config.rope.theta);
-        object["rope_scaling"] = if config.rope.scaling == RopeScaling::None {
-            Value::Null
-        } else {
-            rope
-        };
+        object["rope_scaling"] = if config.rope.scaling == RopeScaling::None { Value::Null } else { rope };
         object["torch_dtype"] = json!(config.dtype.hf_name());
     }
     serde_json::to_string_pretty(&object).unwrap()

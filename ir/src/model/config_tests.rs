@@ -84,23 +84,14 @@ const LLAMA31_405B_TRANSFORMERS_5: &str = r#"{
 fn both_transformers_styles_read_the_same() {
     let version_4 = include_str!("../../../examples/llama3-405b/config.json");
     let from_4 = ModelConfig::from_json_str(version_4, "llama3-405b.json").unwrap();
-    let from_5 =
-        ModelConfig::from_json_str(LLAMA31_405B_TRANSFORMERS_5, "llama3-405b.json").unwrap();
+    let from_5 = ModelConfig::from_json_str(LLAMA31_405B_TRANSFORMERS_5, "llama3-405b.json").unwrap();
     assert_eq!(from_4, from_5);
     assert_eq!(from_5.rope.theta, 500000.0);
     assert_eq!(from_5.dtype, ConfigDtype::Bf16);
     // transformers 5 default rope: `{"rope_theta": ..., "rope_type": "default"}`.
-    let default_5 = with(
-        minimal("LlamaForCausalLM"),
-        &[(
-            "rope_parameters",
-            json!({"rope_theta": 1e6, "rope_type": "default"}),
-        )],
-    );
-    let default_4 = with(
-        minimal("LlamaForCausalLM"),
-        &[("rope_theta", json!(1e6)), ("rope_scaling", Value::Null)],
-    );
+    let default_5 =
+        with(minimal("LlamaForCausalLM"), &[("rope_parameters", json!({"rope_theta": 1e6, "rope_type": "default"}))]);
+    let default_4 = with(minimal("LlamaForCausalLM"), &[("rope_theta", json!(1e6)), ("rope_scaling", Value::Null)]);
     assert_eq!(parse(&default_5), parse(&default_4));
 }
 
@@ -108,10 +99,7 @@ fn both_transformers_styles_read_the_same() {
 fn rope_type_may_be_spelled_type() {
     let scaling = json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192});
-    let config = parse(&with(
-        minimal("LlamaForCausalLM"),
-        &[("rope_scaling", scaling)],
-    ));
+    let config = parse(&with(minimal("LlamaForCausalLM"), &[("rope_scaling", scaling)]));
     let expected = RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
@@ -127,13 +115,7 @@ fn llama_defaults_follow_transformers() {
     assert_eq!(config.architecture, Architecture::Llama);
     assert_eq!((config.num_kv_heads, config.head_dim), (8, 32));
     assert_eq!(config.rms_norm_eps, 1e-6);
-    assert_eq!(
-        config.rope,
-        RopeConfig {
-            theta: 10000.0,
-            scaling: RopeScaling::None
-        }
-    );
+    assert_eq!(config.rope, RopeConfig { theta: 10000.0, scaling: RopeScaling::None });
     assert!(!config.tie_word_embeddings && !config.attention_bias);
     assert_eq!(config.dtype, ConfigDtype::F32);
     assert_eq!(config.max_position_embeddings, 2048);
@@ -146,41 +128,23 @@ fn mistral_defaults_follow_transformers() {
     let config = parse(&minimal("MistralForCausalLM").to_string());
     assert_eq!(config.architecture, Architecture::Mistral);
     // MistralConfig defaults num_key_value_heads to 8 and sliding_window to 4096 when absent.
-    assert_eq!(
-        (config.num_kv_heads, config.sliding_window),
-        (8, Some(4096))
-    );
+    assert_eq!((config.num_kv_heads, config.sliding_window), (8, Some(4096)));
     assert_eq!(config.max_position_embeddings, 131072);
     assert!(!config.attention_bias);
     // An explicit null means "heads" for KV heads and "no window" for the window.
-    let nulls = [
-        ("num_attention_heads", json!(16)),
-        ("num_key_value_heads", Value::Null),
-        ("sliding_window", Value::Null),
-    ];
+    let nulls =
+        [("num_attention_heads", json!(16)), ("num_key_value_heads", Value::Null), ("sliding_window", Value::Null)];
     let config = parse(&with(minimal("MistralForCausalLM"), &nulls));
     assert_eq!((config.num_kv_heads, config.sliding_window), (16, None));
-    let window = parse(&with(
-        minimal("MistralForCausalLM"),
-        &[("sliding_window", json!(1024))],
-    ));
+    let window = parse(&with(minimal("MistralForCausalLM"), &[("sliding_window", json!(1024))]));
     assert_eq!(window.sliding_window, Some(1024));
     // Mistral's attention has no biases whatever the file says.
-    assert!(
-        !parse(&with(
-            minimal("MistralForCausalLM"),
-            &[("attention_bias", json!(true))]
-        ))
-        .attention_bias
-    );
+    assert!(!parse(&with(minimal("MistralForCausalLM"), &[("attention_bias", json!(true))])).attention_bias);
 }
 
 #[test]
 fn qwen2_has_qkv_biases_and_its_defaults() {
-    let config = parse(&with(
-        minimal("Qwen2ForCausalLM"),
-        &[("num_attention_heads", json!(32))],
-    ));
+    let config = parse(&with(minimal("Qwen2ForCausalLM"), &[("num_attention_heads", json!(32))]));
     assert_eq!(config.architecture, Architecture::Qwen2);
     assert!(config.attention_bias);
     // Qwen2Config defaults num_key_value_heads to 32 when absent.
@@ -190,21 +154,12 @@ fn qwen2_has_qkv_biases_and_its_defaults() {
     // A window configured but not switched on is ignored, as transformers does.
     let unused = with(
         minimal("Qwen2ForCausalLM"),
-        &[
-            ("num_key_value_heads", json!(2)),
-            ("use_sliding_window", json!(false)),
-            ("sliding_window", json!(4096)),
-        ],
+        &[("num_key_value_heads", json!(2)), ("use_sliding_window", json!(false)), ("sliding_window", json!(4096))],
     );
     assert_eq!(parse(&unused).sliding_window, None);
     // Switched on but covering no layer (3 layers, the first 28 full) is full attention too.
-    let no_layer = with(
-        minimal("Qwen2ForCausalLM"),
-        &[
-            ("num_key_value_heads", json!(2)),
-            ("use_sliding_window", json!(true)),
-        ],
-    );
+    let no_layer =
+        with(minimal("Qwen2ForCausalLM"), &[("num_key_value_heads", json!(2)), ("use_sliding_window", json!(true))]);
     assert_eq!(parse(&no_layer).sliding_window, None);
 }
 
@@ -225,8 +180,7 @@ fn qwen2_param_count_includes_qkv_biases() {
     );
     let config = parse(&text);
     // Per layer: q 896*896 + 896, k and v 896*128 + 128 each, o 896*896, mlp 3*896*4864, norms 2*896.
-    let per_layer =
-        (896 * 896 + 896) + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896;
+    let per_layer = (896 * 896 + 896) + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896;
     let expected = 151936 * 896 + 24 * per_layer + 896;
     assert_eq!(expected, 494_032_768, "Qwen2-0.5B's published total");
     assert_eq!(config.param_count(), expected);
@@ -236,38 +190,21 @@ fn qwen2_param_count_includes_qkv_biases() {
 fn explicit_head_dim_may_differ_from_hidden_over_heads() {
     let text = with(
         minimal("MistralForCausalLM"),
-        &[
-            ("head_dim", json!(128)),
-            ("hidden_size", json!(5120)),
-            ("num_attention_heads", json!(32)),
-        ],
+        &[("head_dim", json!(128)), ("hidden_size", json!(5120)), ("num_attention_heads", json!(32))],
     );
     let config = parse(&text);
-    assert_eq!(
-        (config.hidden_size, config.num_heads, config.head_dim),
-        (5120, 32, 128)
-    );
+    assert_eq!((config.hidden_size, config.num_heads, config.head_dim), (5120, 32, 128));
 }
 
 #[test]
 fn name_comes_from_name_or_path_or_source() {
-    let named = with(
-        minimal("LlamaForCausalLM"),
-        &[("_name_or_path", json!("meta-llama/Llama-2-7b-hf"))],
-    );
+    let named = with(minimal("LlamaForCausalLM"), &[("_name_or_path", json!("meta-llama/Llama-2-7b-hf"))]);
     assert_eq!(parse(&named).name, "meta-llama/Llama-2-7b-hf");
     let text = minimal("LlamaForCausalLM").to_string();
-    for (source, name) in [
-        ("a/b/config.json", "b"),
-        ("my-model.json", "my-model"),
-        ("config.json", "config.json"),
-        ("x", "x"),
-    ] {
-        assert_eq!(
-            ModelConfig::from_json_str(&text, source).unwrap().name,
-            name,
-            "{source}"
-        );
+    for (source, name) in
+        [("a/b/config.json", "b"), ("my-model.json", "my-model"), ("config.json", "config.json"), ("x", "x")]
+    {
+        assert_eq!(ModelConfig::from_json_str(&text, source).unwrap().name, name, "{source}");
     }
 }
 
@@ -275,10 +212,7 @@ fn name_comes_from_name_or_path_or_source() {
 fn architecture_falls_back_to_model_type() {
     let mut base = minimal("unused");
     base.as_object_mut().unwrap().remove("architectures");
-    assert_eq!(
-        parse(&with(base, &[("model_type", json!("mistral"))])).architecture,
-        Architecture::Mistral
-    );
+    assert_eq!(parse(&with(base, &[("model_type", json!("mistral"))])).architecture, Architecture::Mistral);
 }
 
 #[test]
@@ -288,10 +222,7 @@ fn dtype_names() {
         ("dtype", "bfloat16", ConfigDtype::Bf16),
         ("torch_dtype", "float32", ConfigDtype::F32),
     ] {
-        assert_eq!(
-            parse(&with(minimal("LlamaForCausalLM"), &[(key, json!(name))])).dtype,
-            dtype
-        );
+        assert_eq!(parse(&with(minimal("LlamaForCausalLM"), &[(key, json!(name))])).dtype, dtype);
     }
 }
 
@@ -299,27 +230,24 @@ fn dtype_names() {
 
 #[test]
 fn malformed_json_reports_line_and_column() {
-    check_error("{\n  \"vocab_size\": 10,\n  oops\n}", "models/test/config.json:3:3: malformed json: key must be a string; fix the syntax at that position");
-    check_error("", "models/test/config.json:1:0: malformed json: EOF while parsing a value; fix the syntax at that position");
-}
-
-#[test]
-fn top_level_must_be_an_object() {
     check_error(
-        "[1, 2]",
-        "models/test/config.json: the top level must be a json object {...}, found [1,2]",
+        "{\n  \"vocab_size\": 10,\n  oops\n}",
+        "models/test/config.json:3:3: malformed json: key must be a string; fix the syntax at that position",
+    );
+    check_error(
+        "",
+        "models/test/config.json:1:0: malformed json: EOF while parsing a value; fix the syntax at that position",
     );
 }
 
 #[test]
+fn top_level_must_be_an_object() {
+    check_error("[1, 2]", "models/test/config.json: the top level must be a json object {...}, found [1,2]");
+}
+
+#[test]
 fn missing_required_fields() {
-    for field in [
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "intermediate_size",
-    ] {
+    for field in ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"] {
         check_error(
             &without(minimal("LlamaForCausalLM"), field),
             &format!("models/test/config.json: missing required field `{field}`; add it as Hugging Face's config.json spells it"),
@@ -343,66 +271,22 @@ fn missing_required_fields() {
 #[test]
 fn fields_of_the_wrong_type() {
     let cases = [
-        (
-            "hidden_size",
-            json!("4096"),
-            "`hidden_size` must be a non-negative integer, found \"4096\"",
-        ),
-        (
-            "vocab_size",
-            json!(-5),
-            "`vocab_size` must be a non-negative integer, found -5",
-        ),
-        (
-            "intermediate_size",
-            json!(512.0),
-            "`intermediate_size` must be a non-negative integer, found 512.0",
-        ),
-        (
-            "num_hidden_layers",
-            Value::Null,
-            "`num_hidden_layers` must be a non-negative integer, found null",
-        ),
-        (
-            "rms_norm_eps",
-            json!("1e-5"),
-            "`rms_norm_eps` must be a number, found \"1e-5\"",
-        ),
-        (
-            "tie_word_embeddings",
-            json!(1),
-            "`tie_word_embeddings` must be true or false, found 1",
-        ),
-        (
-            "hidden_act",
-            json!(["silu"]),
-            "`hidden_act` must be a string, found [\"silu\"]",
-        ),
+        ("hidden_size", json!("4096"), "`hidden_size` must be a non-negative integer, found \"4096\""),
+        ("vocab_size", json!(-5), "`vocab_size` must be a non-negative integer, found -5"),
+        ("intermediate_size", json!(512.0), "`intermediate_size` must be a non-negative integer, found 512.0"),
+        ("num_hidden_layers", Value::Null, "`num_hidden_layers` must be a non-negative integer, found null"),
+        ("rms_norm_eps", json!("1e-5"), "`rms_norm_eps` must be a number, found \"1e-5\""),
+        ("tie_word_embeddings", json!(1), "`tie_word_embeddings` must be true or false, found 1"),
+        ("hidden_act", json!(["silu"]), "`hidden_act` must be a string, found [\"silu\"]"),
         (
             "architectures",
             json!("LlamaForCausalLM"),
             "`architectures` must be an array of class names, found \"LlamaForCausalLM\"",
         ),
-        (
-            "architectures",
-            json!([]),
-            "`architectures` must be a non-empty array of class names, found []",
-        ),
-        (
-            "architectures",
-            json!([7]),
-            "`architectures[0]` must be a class name string, found 7",
-        ),
-        (
-            "rope_scaling",
-            json!(8.0),
-            "`rope_scaling` must be an object or null, found 8.0",
-        ),
-        (
-            "rope_scaling",
-            json!({"rope_type": 3}),
-            "`rope_scaling.rope_type` must be a string, found 3",
-        ),
+        ("architectures", json!([]), "`architectures` must be a non-empty array of class names, found []"),
+        ("architectures", json!([7]), "`architectures[0]` must be a class name string, found 7"),
+        ("rope_scaling", json!(8.0), "`rope_scaling` must be an object or null, found 8.0"),
+        ("rope_scaling", json!({"rope_type": 3}), "`rope_scaling.rope_type` must be a string, found 3"),
         (
             "torch_dtype",
             json!({"name": "a very long value that the message cuts short"}),
@@ -426,19 +310,34 @@ fn values_out_of_range() {
         (vec![("num_attention_heads", json!(0))], "`num_attention_heads` = 0 is out of range; it must be at least 1"),
         (vec![("num_key_value_heads", json!(0))], "`num_key_value_heads` = 0 is out of range; it must be at least 1"),
         (vec![("head_dim", json!(0))], "`head_dim` = 0 is out of range; it must be at least 1"),
-        (vec![("max_position_embeddings", json!(0))], "`max_position_embeddings` = 0 is out of range; it must be at least 1"),
-        (vec![("rms_norm_eps", json!(-1e-5))], "`rms_norm_eps` = -0.00001 is out of range; it must be a finite number >= 0"),
+        (
+            vec![("max_position_embeddings", json!(0))],
+            "`max_position_embeddings` = 0 is out of range; it must be at least 1",
+        ),
+        (
+            vec![("rms_norm_eps", json!(-1e-5))],
+            "`rms_norm_eps` = -0.00001 is out of range; it must be a finite number >= 0",
+        ),
         (vec![("rope_theta", json!(0.0))], "`rope_theta` = 0 is out of range; it must be a finite number > 0"),
-        (vec![("rope_parameters", json!({"rope_theta": -1.0}))], "`rope_parameters.rope_theta` = -1 is out of range; it must be a finite number > 0"),
-        (vec![("rope_scaling", llama3.clone()), ("rope_scaling.factor", json!(0.0))], "`rope_scaling.factor` = 0 is out of range; it must be a finite number > 0"),
-        (vec![("rope_scaling", llama3.clone()), ("rope_scaling.high_freq_factor", json!(1.0))], "`rope_scaling.high_freq_factor` = 1 is out of range; it must be finite and greater than low_freq_factor"),
-        (vec![("rope_scaling", llama3), ("rope_scaling.original_max_position_embeddings", json!(0))], "`rope_scaling.original_max_position_embeddings` = 0 is out of range; it must be at least 1"),
+        (
+            vec![("rope_parameters", json!({"rope_theta": -1.0}))],
+            "`rope_parameters.rope_theta` = -1 is out of range; it must be a finite number > 0",
+        ),
+        (
+            vec![("rope_scaling", llama3.clone()), ("rope_scaling.factor", json!(0.0))],
+            "`rope_scaling.factor` = 0 is out of range; it must be a finite number > 0",
+        ),
+        (
+            vec![("rope_scaling", llama3.clone()), ("rope_scaling.high_freq_factor", json!(1.0))],
+            "`rope_scaling.high_freq_factor` = 1 is out of range; it must be finite and greater than low_freq_factor",
+        ),
+        (
+            vec![("rope_scaling", llama3), ("rope_scaling.original_max_position_embeddings", json!(0))],
+            "`rope_scaling.original_max_position_embeddings` = 0 is out of range; it must be at least 1",
+        ),
     ];
     for (edits, message) in cases {
-        check_error(
-            &with(minimal("LlamaForCausalLM"), &edits),
-            &format!("models/test/config.json: field {message}"),
-        );
+        check_error(&with(minimal("LlamaForCausalLM"), &edits), &format!("models/test/config.json: field {message}"));
     }
     check_error(
         &with(minimal("MistralForCausalLM"), &[("sliding_window", json!(0))]),
@@ -489,16 +388,10 @@ fn unsupported_settings_say_what_to_use() {
         ("LlamaForCausalLM", "rope_parameters", json!({"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "`rope_parameters.full_attention` = {...} is not supported: per-layer-type rope parameters are not built by pleat; give one flat set of rope parameters"),
     ];
     for (architecture, field, value, message) in cases {
-        check_error(
-            &with(minimal(architecture), &[(field, value)]),
-            &format!("models/test/config.json: {message}"),
-        );
+        check_error(&with(minimal(architecture), &[(field, value)]), &format!("models/test/config.json: {message}"));
     }
-    let qwen2_window = [
-        ("num_key_value_heads", json!(2)),
-        ("use_sliding_window", json!(true)),
-        ("max_window_layers", json!(2)),
-    ];
+    let qwen2_window =
+        [("num_key_value_heads", json!(2)), ("use_sliding_window", json!(true)), ("max_window_layers", json!(2))];
     check_error(
         &with(minimal("Qwen2ForCausalLM"), &qwen2_window),
         "models/test/config.json: `use_sliding_window` = true is not supported: Qwen2's sliding window on the layers from max_window_layers on is not built by pleat; use false, or max_window_layers >= num_hidden_layers",
@@ -522,12 +415,17 @@ fn inconsistent_sizes() {
     check_error(
         &with(
             minimal("LlamaForCausalLM"),
-            &[
-                ("vocab_size", json!(u64::MAX)),
-                ("hidden_size", json!(1u64 << 40)),
-                ("num_attention_heads", json!(1)),
-            ],
+            &[("vocab_size", json!(u64::MAX)), ("hidden_size", json!(1u64 << 40)), ("num_attention_heads", json!(1))],
         ),
         "models/test/config.json: the model would have more than 2^64 parameters; check the sizes",
     );
+}
+
+#[test]
+fn written_configs_read_back_equal() {
+    for name in crate::model::preset::PRESET_NAMES {
+        let config = crate::model::preset::preset(name).expect("preset");
+        let text = config.to_hf_json();
+        assert_eq!(ModelConfig::from_json_str(&text, "written.json").expect("reads back"), config, "{name}");
+    }
 }

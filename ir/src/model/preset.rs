@@ -7,14 +7,7 @@
 use super::config::{Architecture, ConfigDtype, ConfigError, ModelConfig, RopeConfig, RopeScaling};
 
 /// Every preset name, in the order error messages list them.
-pub const PRESET_NAMES: &[&str] = &[
-    "tiny",
-    "llama2-7b",
-    "llama3-8b",
-    "llama3-70b",
-    "llama3-405b",
-    "tsp-7b",
-];
+pub const PRESET_NAMES: &[&str] = &["tiny", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "tsp-7b"];
 
 /// The preset called `name`, or [`ConfigError::UnknownPreset`] listing [`PRESET_NAMES`].
 pub fn preset(name: &str) -> Result<ModelConfig, ConfigError> {
@@ -23,20 +16,9 @@ pub fn preset(name: &str) -> Result<ModelConfig, ConfigError> {
         "llama2-7b" => Ok(llama2_7b()),
         "llama3-8b" => Ok(llama3(name, 4096, 32, 32, 14336, 8192, RopeScaling::None)),
         "llama3-70b" => Ok(llama3(name, 8192, 80, 64, 28672, 8192, RopeScaling::None)),
-        "llama3-405b" => Ok(llama3(
-            name,
-            16384,
-            126,
-            128,
-            53248,
-            131072,
-            llama31_rope_scaling(),
-        )),
+        "llama3-405b" => Ok(llama3(name, 16384, 126, 128, 53248, 131072, llama31_rope_scaling())),
         "tsp-7b" => Ok(tsp_7b()),
-        _ => Err(ConfigError::UnknownPreset {
-            name: name.to_owned(),
-            known: PRESET_NAMES,
-        }),
+        _ => Err(ConfigError::UnknownPreset { name: name.to_owned(), known: PRESET_NAMES }),
     }
 }
 
@@ -52,10 +34,7 @@ fn tiny() -> ModelConfig {
         head_dim: 16,
         intermediate_size: 256,
         rms_norm_eps: 1e-5,
-        rope: RopeConfig {
-            theta: 10000.0,
-            scaling: RopeScaling::None,
-        },
+        rope: RopeConfig { theta: 10000.0, scaling: RopeScaling::None },
         tie_word_embeddings: false,
         dtype: ConfigDtype::F32,
         attention_bias: false,
@@ -77,10 +56,7 @@ fn llama2_7b() -> ModelConfig {
         head_dim: 128,
         intermediate_size: 11008,
         rms_norm_eps: 1e-5,
-        rope: RopeConfig {
-            theta: 10000.0,
-            scaling: RopeScaling::None,
-        },
+        rope: RopeConfig { theta: 10000.0, scaling: RopeScaling::None },
         tie_word_embeddings: false,
         dtype: ConfigDtype::F16,
         attention_bias: false,
@@ -111,10 +87,7 @@ fn llama3(
         head_dim: 128,
         intermediate_size,
         rms_norm_eps: 1e-5,
-        rope: RopeConfig {
-            theta: 500000.0,
-            scaling,
-        },
+        rope: RopeConfig { theta: 500000.0, scaling },
         tie_word_embeddings: false,
         dtype: ConfigDtype::Bf16,
         attention_bias: false,
@@ -147,10 +120,7 @@ fn tsp_7b() -> ModelConfig {
         head_dim: 128,
         intermediate_size: 4 * 4096,
         rms_norm_eps: 1e-5,
-        rope: RopeConfig {
-            theta: 10000.0,
-            scaling: RopeScaling::None,
-        },
+        rope: RopeConfig { theta: 10000.0, scaling: RopeScaling::None },
         tie_word_embeddings: false,
         dtype: ConfigDtype::Bf16,
         attention_bias: false,
@@ -180,26 +150,16 @@ mod tests {
     #[test]
     fn every_preset_equals_its_example_file() {
         for &name in PRESET_NAMES {
-            let text =
-                example_file(name).unwrap_or_else(|| panic!("no example file for preset {name}"));
+            let text = example_file(name).unwrap_or_else(|| panic!("no example file for preset {name}"));
             let source = format!("examples/{name}/config.json");
-            let parsed =
-                ModelConfig::from_json_str(text, &source).unwrap_or_else(|error| panic!("{error}"));
+            let parsed = ModelConfig::from_json_str(text, &source).unwrap_or_else(|error| panic!("{error}"));
             assert_eq!(preset(name).unwrap(), parsed, "preset {name}");
         }
     }
 
     /// Parameters of a Llama-style model without biases, counted tensor by tensor.
     #[allow(clippy::too_many_arguments)]
-    fn naive_count(
-        vocab: u64,
-        hidden: u64,
-        layers: u64,
-        heads: u64,
-        kv_heads: u64,
-        head_dim: u64,
-        ffn: u64,
-    ) -> u64 {
+    fn naive_count(vocab: u64, hidden: u64, layers: u64, heads: u64, kv_heads: u64, head_dim: u64, ffn: u64) -> u64 {
         let q_proj = hidden * heads * head_dim;
         let k_proj = hidden * kv_heads * head_dim;
         let v_proj = k_proj;
@@ -209,43 +169,20 @@ mod tests {
         let layer = q_proj + k_proj + v_proj + o_proj + gate_proj + up_proj + down_proj;
         let embed_tokens = vocab * hidden;
         let (final_norm, lm_head) = (hidden, vocab * hidden);
-        embed_tokens
-            + layers * (layer + input_layernorm + post_attention_layernorm)
-            + final_norm
-            + lm_head
+        embed_tokens + layers * (layer + input_layernorm + post_attention_layernorm) + final_norm + lm_head
     }
 
     #[test]
     fn param_counts_match_published_totals() {
         // Totals published for the Hugging Face checkpoints (sum of tensor sizes in the safetensors).
         let published = [
-            (
-                "llama2-7b",
-                6_738_415_616,
-                (32000, 4096, 32, 32, 32, 128, 11008),
-            ),
-            (
-                "llama3-8b",
-                8_030_261_248,
-                (128256, 4096, 32, 32, 8, 128, 14336),
-            ),
-            (
-                "llama3-70b",
-                70_553_706_496,
-                (128256, 8192, 80, 64, 8, 128, 28672),
-            ),
-            (
-                "llama3-405b",
-                405_853_388_800,
-                (128256, 16384, 126, 128, 8, 128, 53248),
-            ),
+            ("llama2-7b", 6_738_415_616, (32000, 4096, 32, 32, 32, 128, 11008)),
+            ("llama3-8b", 8_030_261_248, (128256, 4096, 32, 32, 8, 128, 14336)),
+            ("llama3-70b", 70_553_706_496, (128256, 8192, 80, 64, 8, 128, 28672)),
+            ("llama3-405b", 405_853_388_800, (128256, 16384, 126, 128, 8, 128, 53248)),
         ];
         for (name, total, (vocab, hidden, layers, heads, kv_heads, head_dim, ffn)) in published {
-            assert_eq!(
-                naive_count(vocab, hidden, layers, heads, kv_heads, head_dim, ffn),
-                total,
-                "{name} by hand"
-            );
+            assert_eq!(naive_count(vocab, hidden, layers, heads, kv_heads, head_dim, ffn), total, "{name} by hand");
             assert_eq!(preset(name).unwrap().param_count(), total, "{name}");
         }
     }
@@ -254,10 +191,7 @@ mod tests {
     fn param_counts_of_tiny_and_tsp() {
         // tiny: embed 256*128 = 32768; per layer q 128*128 + k, v 2*128*64 + o 128*128 = 49152, mlp
         // 3*128*256 = 98304, norms 256, so 147712; two layers 295424; final norm 128; lm_head 32768.
-        assert_eq!(
-            preset("tiny").unwrap().param_count(),
-            32768 + 295424 + 128 + 32768
-        );
+        assert_eq!(preset("tiny").unwrap().param_count(), 32768 + 295424 + 128 + 32768);
         assert_eq!(naive_count(256, 128, 2, 8, 4, 16, 256), 361_088);
         // tsp-7b: 4 * 4096^2 + 3 * 4096 * 16384 + 2 * 4096 = 268,443,648 per layer.
         let tsp = 2 * 32000 * 4096 + 32 * 268_443_648 + 4096;
@@ -268,13 +202,7 @@ mod tests {
     #[test]
     fn tiny_is_exactly_as_specified() {
         let tiny = preset("tiny").unwrap();
-        let sizes = [
-            tiny.vocab_size,
-            tiny.hidden_size,
-            tiny.num_layers,
-            tiny.num_heads,
-            tiny.num_kv_heads,
-        ];
+        let sizes = [tiny.vocab_size, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads];
         assert_eq!(sizes, [256, 128, 2, 8, 4]);
         assert_eq!((tiny.head_dim, tiny.intermediate_size), (16, 256));
         assert_eq!((tiny.rope.theta, tiny.rms_norm_eps), (10000.0, 1e-5));

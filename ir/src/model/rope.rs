@@ -25,22 +25,14 @@ pub fn inv_freq(rope: &RopeConfig, head_dim: u64) -> Vec<f32> {
     let default = default_inv_freq(rope.theta, head_dim);
     match rope.scaling {
         RopeScaling::None => default,
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
             let scaling = Llama3Scaling {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 old_context_len: original_max_position_embeddings,
             };
-            default
-                .into_iter()
-                .map(|frequency| scaling.apply(frequency))
-                .collect()
+            default.into_iter().map(|frequency| scaling.apply(frequency)).collect()
         }
     }
 }
@@ -78,23 +70,16 @@ impl Llama3Scaling {
         let factor_span = self.high_freq_factor - self.low_freq_factor;
         // Each scalar is rounded to f32 where it meets a float32 tensor.
         let (factor, low_freq_factor) = (self.factor as f32, self.low_freq_factor as f32);
-        let (low_freq_wavelen, high_freq_wavelen) =
-            (low_freq_wavelen as f32, high_freq_wavelen as f32);
+        let (low_freq_wavelen, high_freq_wavelen) = (low_freq_wavelen as f32, high_freq_wavelen as f32);
 
         // wavelen = 2 * math.pi / inv_freq
         let wavelen = (1.0 / inv_freq) * two_pi as f32;
         // inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        let inv_freq_llama = if wavelen > low_freq_wavelen {
-            inv_freq / factor
-        } else {
-            inv_freq
-        };
+        let inv_freq_llama = if wavelen > low_freq_wavelen { inv_freq / factor } else { inv_freq };
         // smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        let smooth_factor =
-            ((1.0 / wavelen) * self.old_context_len as f32 - low_freq_factor) / factor_span as f32;
+        let smooth_factor = ((1.0 / wavelen) * self.old_context_len as f32 - low_freq_factor) / factor_span as f32;
         // smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-        let smoothed_inv_freq =
-            (1.0 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama;
+        let smoothed_inv_freq = (1.0 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama;
         // is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         // Same as transformers' negations for every wavelength that is not NaN, and none is: validated
         // configs have a finite theta and positive factors.
@@ -112,10 +97,7 @@ mod tests {
     use super::*;
 
     fn default_rope(theta: f64) -> RopeConfig {
-        RopeConfig {
-            theta,
-            scaling: RopeScaling::None,
-        }
+        RopeConfig { theta, scaling: RopeScaling::None }
     }
 
     fn llama31_rope() -> RopeConfig {
@@ -136,18 +118,13 @@ mod tests {
         assert_eq!(actual.len(), expected.len(), "number of frequencies");
         for (index, (&got, &want)) in actual.iter().zip(expected).enumerate() {
             let relative = ((f64::from(got) - want) / want).abs();
-            assert!(
-                relative < 4.0 * f64::from(f32::EPSILON),
-                "inv_freq[{index}] = {got}, expected {want}"
-            );
+            assert!(relative < 4.0 * f64::from(f32::EPSILON), "inv_freq[{index}] = {got}, expected {want}");
         }
     }
 
     /// `1 / theta^(2i/d)` in f64, written independently of the code under test.
     fn naive_default(theta: f64, head_dim: u64) -> Vec<f64> {
-        (0..head_dim / 2)
-            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
-            .collect()
+        (0..head_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64)).collect()
     }
 
     /// Llama 3.1's reference (Meta's `apply_scaling`) in f64.
@@ -171,16 +148,8 @@ mod tests {
 
     #[test]
     fn default_matches_the_formula() {
-        for (theta, head_dim) in [
-            (10000.0, 16),
-            (10000.0, 128),
-            (500000.0, 128),
-            (1_000_000.0, 64),
-        ] {
-            check_close(
-                &inv_freq(&default_rope(theta), head_dim),
-                &naive_default(theta, head_dim),
-            );
+        for (theta, head_dim) in [(10000.0, 16), (10000.0, 128), (500000.0, 128), (1_000_000.0, 64)] {
+            check_close(&inv_freq(&default_rope(theta), head_dim), &naive_default(theta, head_dim));
         }
     }
 
@@ -205,11 +174,7 @@ mod tests {
         assert_eq!(frequencies[0], 1.0);
         let power = 10000f64.powf(0.800000011920929) as f32;
         assert_eq!(frequencies[2], 1.0 / power);
-        assert_ne!(
-            frequencies[2],
-            (1.0 / 10000f64.powf(0.8)) as f32,
-            "exponent was not rounded to f32"
-        );
+        assert_ne!(frequencies[2], (1.0 / 10000f64.powf(0.8)) as f32, "exponent was not rounded to f32");
     }
 
     #[test]
@@ -233,10 +198,7 @@ mod tests {
 
     #[test]
     fn llama3_matches_float32_reference_bits() {
-        let bits: Vec<u32> = inv_freq(&llama31_rope(), 128)
-            .iter()
-            .map(|frequency| frequency.to_bits())
-            .collect();
+        let bits: Vec<u32> = inv_freq(&llama31_rope(), 128).iter().map(|frequency| frequency.to_bits()).collect();
         assert_eq!(bits, LLAMA31_HEAD_DIM_128_BITS);
     }
 
@@ -252,10 +214,7 @@ mod tests {
             assert_eq!(scaled[index], default[index] / 8.0, "low frequency {index}");
         }
         for index in 29..35 {
-            assert!(
-                scaled[index] < default[index] && scaled[index] > default[index] / 8.0,
-                "medium {index}"
-            );
+            assert!(scaled[index] < default[index] && scaled[index] > default[index] / 8.0, "medium {index}");
         }
     }
 
@@ -268,10 +227,6 @@ mod tests {
         let smooth = (8192.0 / (2.0 * std::f64::consts::PI / inv) - 1.0) / 3.0;
         assert!((smooth - 0.28128).abs() < 1e-4);
         let expected = (1.0 - smooth) * inv / 8.0 + smooth * inv;
-        assert!(
-            ((f64::from(scaled[32]) - expected) / expected).abs() < 1e-6,
-            "{} vs {expected}",
-            scaled[32]
-        );
+        assert!(((f64::from(scaled[32]) - expected) / expected).abs() < 1e-6, "{} vs {expected}", scaled[32]);
     }
 }

@@ -44,16 +44,12 @@ pub struct Group {
 impl Group {
     /// A group of the given global ranks, in that order.
     pub fn new(ranks: impl Into<Vec<u32>>) -> Self {
-        Self {
-            ranks: ranks.into(),
-        }
+        Self { ranks: ranks.into() }
     }
 
     /// The group of every rank of a world of `world_size` ranks, in rank order.
     pub fn world(world_size: u32) -> Self {
-        Self {
-            ranks: (0..world_size).collect(),
-        }
+        Self { ranks: (0..world_size).collect() }
     }
 
     /// The number of members.
@@ -78,34 +74,18 @@ impl Group {
     /// `rank`.
     pub fn member_index(&self, rank: u32, world_size: u32, op: &str) -> Result<usize, CommError> {
         if self.ranks.is_empty() {
-            return Err(CommError::EmptyGroup {
-                rank,
-                op: op.to_string(),
-            });
+            return Err(CommError::EmptyGroup { rank, op: op.to_string() });
         }
         let mut seen = HashSet::with_capacity(self.ranks.len());
         for &member in &self.ranks {
             if member >= world_size {
-                return Err(CommError::RankOutOfWorld {
-                    rank,
-                    op: op.to_string(),
-                    member,
-                    world_size,
-                });
+                return Err(CommError::RankOutOfWorld { rank, op: op.to_string(), member, world_size });
             }
             if !seen.insert(member) {
-                return Err(CommError::DuplicateRank {
-                    rank,
-                    op: op.to_string(),
-                    member,
-                });
+                return Err(CommError::DuplicateRank { rank, op: op.to_string(), member });
             }
         }
-        self.index_of(rank).ok_or_else(|| CommError::NotInGroup {
-            rank,
-            op: op.to_string(),
-            group: self.clone(),
-        })
+        self.index_of(rank).ok_or_else(|| CommError::NotInGroup { rank, op: op.to_string(), group: self.clone() })
     }
 }
 
@@ -368,9 +348,7 @@ pub enum CommError {
         group_size: usize,
     },
     /// A buffer has the wrong length for the operation.
-    #[error(
-        "rank {rank}: cannot run {op}: {buffer} has {got} elements where {expected} are needed"
-    )]
+    #[error("rank {rank}: cannot run {op}: {buffer} has {got} elements where {expected} are needed")]
     BufferLength {
         /// The caller.
         rank: u32,
@@ -402,32 +380,17 @@ pub trait Communicator: Send {
 
     /// `input` is D contiguous equal chunks (chunk i for group member i); `output` (length input/D)
     /// receives the sum over members of their chunk at this rank's index.
-    fn reduce_scatter(
-        &mut self,
-        group: &Group,
-        input: &[f32],
-        output: &mut [f32],
-    ) -> Result<(), CommError>;
+    fn reduce_scatter(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
 
     /// `output` (length D * input) receives the concatenation of every member's input in group order.
-    fn all_gather(
-        &mut self,
-        group: &Group,
-        input: &[f32],
-        output: &mut [f32],
-    ) -> Result<(), CommError>;
+    fn all_gather(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
 
     /// `root` is an index into `group.ranks`; afterwards every member holds the root's `buf`.
     fn broadcast(&mut self, group: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError>;
 
     /// `input` is D equal chunks, chunk j goes to member j; `output` (same length) chunk i came from
     /// member i.
-    fn all_to_all(
-        &mut self,
-        group: &Group,
-        input: &[f32],
-        output: &mut [f32],
-    ) -> Result<(), CommError>;
+    fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
 
     /// Sends `data` to global rank `peer`, which must `recv` a buffer of the same length.
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError>;

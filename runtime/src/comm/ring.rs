@@ -81,21 +81,11 @@ pub trait Transport {
 
     /// Sends `data` to global rank `peer` as a message of `op`, tagged `op.tag(data.len())`, and counts
     /// its bytes under `op.kind`.
-    fn send_message(
-        &mut self,
-        op: &OpContext<'_>,
-        peer: u32,
-        data: &[f32],
-    ) -> Result<(), CommError>;
+    fn send_message(&mut self, op: &OpContext<'_>, peer: u32, data: &[f32]) -> Result<(), CommError>;
 
     /// Receives the next message from global rank `peer` into `buf`. It must be a message of `op` of
     /// `buf.len()` elements, else [`CommError::Mismatch`].
-    fn recv_message(
-        &mut self,
-        op: &OpContext<'_>,
-        peer: u32,
-        buf: &mut [f32],
-    ) -> Result<(), CommError>;
+    fn recv_message(&mut self, op: &OpContext<'_>, peer: u32, buf: &mut [f32]) -> Result<(), CommError>;
 
     /// Sends `send_data` to `send_peer` and receives from `recv_peer` into `recv_buf`, as one step in
     /// which the neighbours do the same. The default sends first, which is right for buffered sends.
@@ -146,13 +136,7 @@ pub fn reduce_scatter<T: Transport + ?Sized>(
     let my_index = member_index(transport, op)?;
     let group_size = op.group.len();
     check_divisible(transport, op, "input", input.len())?;
-    check_length(
-        transport,
-        op,
-        "output",
-        input.len() / group_size,
-        output.len(),
-    )?;
+    check_length(transport, op, "output", input.len() / group_size, output.len())?;
     if group_size == 1 {
         output.copy_from_slice(input);
         return Ok(());
@@ -173,13 +157,7 @@ pub fn all_gather<T: Transport + ?Sized>(
 ) -> Result<(), CommError> {
     let my_index = member_index(transport, op)?;
     let group_size = op.group.len();
-    check_length(
-        transport,
-        op,
-        "output",
-        input.len() * group_size,
-        output.len(),
-    )?;
+    check_length(transport, op, "output", input.len() * group_size, output.len())?;
     let own = chunk_range(output.len(), group_size, my_index);
     output[own].copy_from_slice(input);
     if group_size == 1 {
@@ -200,12 +178,7 @@ pub fn broadcast<T: Transport + ?Sized>(
     let my_index = member_index(transport, op)?;
     let group_size = op.group.len();
     if root >= group_size {
-        return Err(CommError::RootOutOfRange {
-            rank: transport.own_rank(),
-            op: op.describe(),
-            root,
-            group_size,
-        });
+        return Err(CommError::RootOutOfRange { rank: transport.own_rank(), op: op.describe(), root, group_size });
     }
     if group_size == 1 {
         return Ok(());
@@ -263,10 +236,7 @@ pub fn all_to_all<T: Transport + ?Sized>(
 
 /// Dissemination barrier: in round k each member signals the member 2^k after it and waits for the
 /// one 2^k before it; after ceil(log2 D) rounds every member has (transitively) heard from all.
-pub fn barrier<T: Transport + ?Sized>(
-    transport: &mut T,
-    op: &OpContext<'_>,
-) -> Result<(), CommError> {
+pub fn barrier<T: Transport + ?Sized>(transport: &mut T, op: &OpContext<'_>) -> Result<(), CommError> {
     let my_index = member_index(transport, op)?;
     let group_size = op.group.len();
     let mut distance = 1;
@@ -298,13 +268,7 @@ fn reduce_scatter_in_place<T: Transport + ?Sized>(
         let recv_chunk = (my_index + 2 * group_size - step - 2) % group_size;
         let recv_range = chunk_range(buf.len(), group_size, recv_chunk);
         let incoming = &mut incoming[..recv_range.len()];
-        transport.exchange(
-            op,
-            right,
-            &buf[chunk_range(buf.len(), group_size, send_chunk)],
-            left,
-            incoming,
-        )?;
+        transport.exchange(op, right, &buf[chunk_range(buf.len(), group_size, send_chunk)], left, incoming)?;
         for (accumulated, received) in buf[recv_range].iter_mut().zip(incoming.iter()) {
             *accumulated += *received;
         }
@@ -335,11 +299,7 @@ fn all_gather_in_place<T: Transport + ?Sized>(
 }
 
 /// Borrows two disjoint ranges of `buf`, one to read and one to write.
-fn split_disjoint(
-    buf: &mut [f32],
-    read: Range<usize>,
-    write: Range<usize>,
-) -> (&[f32], &mut [f32]) {
+fn split_disjoint(buf: &mut [f32], read: Range<usize>, write: Range<usize>) -> (&[f32], &mut [f32]) {
     if read.end <= write.start {
         let (head, tail) = buf.split_at_mut(write.start);
         (&head[read], &mut tail[..write.len()])
@@ -349,12 +309,8 @@ fn split_disjoint(
     }
 }
 
-fn member_index<T: Transport + ?Sized>(
-    transport: &T,
-    op: &OpContext<'_>,
-) -> Result<usize, CommError> {
-    op.group
-        .member_index(transport.own_rank(), transport.n_ranks(), &op.describe())
+fn member_index<T: Transport + ?Sized>(transport: &T, op: &OpContext<'_>) -> Result<usize, CommError> {
+    op.group.member_index(transport.own_rank(), transport.n_ranks(), &op.describe())
 }
 
 fn check_divisible<T: Transport + ?Sized>(
@@ -386,13 +342,7 @@ fn check_length<T: Transport + ?Sized>(
     if expected == got {
         return Ok(());
     }
-    Err(CommError::BufferLength {
-        rank: transport.own_rank(),
-        op: op.describe(),
-        buffer,
-        expected,
-        got,
-    })
+    Err(CommError::BufferLength { rank: transport.own_rank(), op: op.describe(), buffer, expected, got })
 }
 
 #[cfg(test)]
@@ -435,26 +385,15 @@ mod tests {
                     let (group, expected) = (&group, &expected);
                     scope.spawn(move || {
                         let rank = comm.rank();
-                        let mut buf = if group.index_of(rank) == Some(root) {
-                            expected.clone()
-                        } else {
-                            vec![0.0; len]
-                        };
-                        let op = OpContext {
-                            kind: CollectiveKind::Broadcast,
-                            group,
-                            sequence: 0,
-                            op_elements: len,
-                        };
+                        let mut buf =
+                            if group.index_of(rank) == Some(root) { expected.clone() } else { vec![0.0; len] };
+                        let op = OpContext { kind: CollectiveKind::Broadcast, group, sequence: 0, op_elements: len };
                         broadcast(&mut comm, &op, root, &mut buf, segment).unwrap();
                         (rank, buf, comm.stats().bytes(CollectiveKind::Broadcast))
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|handle| handle.join().unwrap())
-                .collect()
+            handles.into_iter().map(|handle| handle.join().unwrap()).collect()
         });
         for (rank, buf, bytes) in results {
             assert_eq!(buf, expected, "rank {rank}");

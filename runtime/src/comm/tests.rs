@@ -46,18 +46,11 @@ impl Collective {
 
 /// Small integers, so that sums are exact in any order and results compare with `==`.
 fn values(rank: u32, len: usize, salt: u32) -> Vec<f32> {
-    (0..len)
-        .map(|j| ((rank as usize * 31 + j * 7 + salt as usize * 13) % 17) as f32 - 8.0)
-        .collect()
+    (0..len).map(|j| ((rank as usize * 31 + j * 7 + salt as usize * 13) % 17) as f32 - 8.0).collect()
 }
 
 /// Runs `collective` on `comm` and returns its output.
-fn call(
-    comm: &mut ThreadComm,
-    collective: Collective,
-    group: &Group,
-    input: &[f32],
-) -> Result<Vec<f32>, CommError> {
+fn call(comm: &mut ThreadComm, collective: Collective, group: &Group, input: &[f32]) -> Result<Vec<f32>, CommError> {
     let group_size = group.len();
     match collective {
         Collective::AllReduce => {
@@ -70,8 +63,7 @@ fn call(
         }
         Collective::ReduceScatter => {
             let mut output = vec![f32::NAN; input.len() / group_size];
-            comm.reduce_scatter(group, input, &mut output)
-                .map(|()| output)
+            comm.reduce_scatter(group, input, &mut output).map(|()| output)
         }
         Collective::AllGather => {
             let mut output = vec![f32::NAN; input.len() * group_size];
@@ -88,9 +80,7 @@ fn call(
 fn naive(collective: Collective, inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
     let group_size = inputs.len();
     let elementwise_sum = |range: std::ops::Range<usize>| -> Vec<f32> {
-        range
-            .map(|j| inputs.iter().map(|input| input[j]).sum())
-            .collect()
+        range.map(|j| inputs.iter().map(|input| input[j]).sum()).collect()
     };
     (0..group_size)
         .map(|member| match collective {
@@ -104,9 +94,7 @@ fn naive(collective: Collective, inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
             Collective::AllToAll => {
                 let chunk = inputs[0].len() / group_size;
                 (0..group_size)
-                    .flat_map(|source| {
-                        inputs[source][member * chunk..(member + 1) * chunk].to_vec()
-                    })
+                    .flat_map(|source| inputs[source][member * chunk..(member + 1) * chunk].to_vec())
                     .collect()
             }
         })
@@ -115,12 +103,7 @@ fn naive(collective: Collective, inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
 
 /// Elements member `index` of a group of `group_size` sends, by the textbook algorithms, in an
 /// operation on `len` elements (the whole buffer, or the gathered / scattered full length).
-fn expected_elements_sent(
-    collective: Collective,
-    group_size: usize,
-    index: usize,
-    len: usize,
-) -> usize {
+fn expected_elements_sent(collective: Collective, group_size: usize, index: usize, len: usize) -> usize {
     if group_size == 1 {
         return 0;
     }
@@ -130,9 +113,7 @@ fn expected_elements_sent(
         // Reduce-scatter sends every chunk but the one it keeps, all-gather every chunk but the one
         // its right neighbour keeps.
         Collective::AllReduce => 2 * len - chunk_size(index) - chunk_size((index + 1) % group_size),
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
-            (group_size - 1) * len / group_size
-        }
+        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => (group_size - 1) * len / group_size,
         Collective::Broadcast { root } => {
             let last_in_chain = (root + group_size - 1) % group_size;
             if index == last_in_chain {
@@ -145,11 +126,7 @@ fn expected_elements_sent(
 }
 
 /// Runs one thread per rank of a world of `world_size`, each calling `body` with its endpoint.
-fn run_ranks<R: Send>(
-    world_size: u32,
-    timeout: Duration,
-    body: impl Fn(&mut ThreadComm) -> R + Sync,
-) -> Vec<R> {
+fn run_ranks<R: Send>(world_size: u32, timeout: Duration, body: impl Fn(&mut ThreadComm) -> R + Sync) -> Vec<R> {
     run_ranks_catching(world_size, timeout, body)
         .into_iter()
         .enumerate()
@@ -166,10 +143,7 @@ fn run_ranks_catching<R: Send>(
     let comms = ThreadFabric::new(world_size, timeout);
     std::thread::scope(|scope| {
         let body = &body;
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|mut comm| scope.spawn(move || body(&mut comm)))
-            .collect();
+        let handles: Vec<_> = comms.into_iter().map(|mut comm| scope.spawn(move || body(&mut comm))).collect();
         handles.into_iter().map(|handle| handle.join()).collect()
     })
 }
@@ -180,24 +154,16 @@ fn run_ranks_catching<R: Send>(
 fn check(world_size: u32, group: &Group, collective: Collective, len: usize) {
     let group_size = group.len();
     let input_len = collective.input_len(group_size, len);
-    let inputs: Vec<Vec<f32>> = group
-        .ranks
-        .iter()
-        .map(|&rank| values(rank, input_len, 0))
-        .collect();
+    let inputs: Vec<Vec<f32>> = group.ranks.iter().map(|&rank| values(rank, input_len, 0)).collect();
     let results = run_ranks(world_size, GENEROUS, |comm| {
         let rank = comm.rank();
-        let output = group
-            .index_of(rank)
-            .map(|index| call(comm, collective, group, &inputs[index]).unwrap());
+        let output = group.index_of(rank).map(|index| call(comm, collective, group, &inputs[index]).unwrap());
         (output, comm.stats().clone())
     });
     let expected = naive(collective, &inputs);
     let textbook_len = match collective {
         Collective::AllReduce | Collective::Broadcast { .. } => len,
-        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
-            group_size * len
-        }
+        Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => group_size * len,
     };
     let mut group_bytes = 0;
     for (rank, (output, stats)) in results.into_iter().enumerate() {
@@ -210,24 +176,13 @@ fn check(world_size: u32, group: &Group, collective: Collective, len: usize) {
         assert_eq!(output.as_ref(), Some(&expected[index]), "{context}");
         let bytes = 4 * expected_elements_sent(collective, group_size, index, textbook_len) as u64;
         assert_eq!(stats.bytes(collective.kind()), bytes, "{context}");
-        assert_eq!(
-            stats.total(),
-            bytes,
-            "{context}: bytes counted under another kind"
-        );
+        assert_eq!(stats.total(), bytes, "{context}: bytes counted under another kind");
         group_bytes += bytes;
     }
     // The textbook volume over the whole group: 2(D-1)·n for all-reduce, (D-1)·n for the others.
-    let factor = if matches!(collective, Collective::AllReduce) {
-        2
-    } else {
-        1
-    };
+    let factor = if matches!(collective, Collective::AllReduce) { 2 } else { 1 };
     let textbook = 4 * factor * (group_size as u64 - 1) * textbook_len as u64;
-    assert_eq!(
-        group_bytes, textbook,
-        "{collective:?} over {group}, len {len}"
-    );
+    assert_eq!(group_bytes, textbook, "{collective:?} over {group}, len {len}");
 }
 
 /// A group of `size` ranks listed out of rank order, so that group order and rank order differ.
@@ -238,18 +193,12 @@ fn scrambled_group(size: u32) -> Group {
 #[test]
 fn every_collective_matches_naive_for_group_sizes_1_2_3_4_8() {
     for group_size in [1u32, 2, 3, 4, 8] {
-        let group = if group_size == 3 || group_size == 8 {
-            scrambled_group(group_size)
-        } else {
-            Group::world(group_size)
-        };
+        let group =
+            if group_size == 3 || group_size == 8 { scrambled_group(group_size) } else { Group::world(group_size) };
         for len in [1, 3, 5, 7, 13] {
-            for collective in [
-                Collective::AllReduce,
-                Collective::ReduceScatter,
-                Collective::AllGather,
-                Collective::AllToAll,
-            ] {
+            for collective in
+                [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::AllToAll]
+            {
                 check(group_size, &group, collective, len);
             }
             let roots = [0, group_size as usize / 2, group_size as usize - 1];
@@ -290,20 +239,8 @@ fn collectives_on_a_subgroup_leave_the_other_ranks_alone() {
 fn overlapping_row_and_column_groups_run_concurrently() {
     for (rows, columns) in [(2u32, 2u32), (2, 4), (4, 2)] {
         let world_size = rows * columns;
-        let row_of = |rank: u32| {
-            Group::new(
-                (0..columns)
-                    .map(|c| rank / columns * columns + c)
-                    .collect::<Vec<_>>(),
-            )
-        };
-        let column_of = |rank: u32| {
-            Group::new(
-                (0..rows)
-                    .map(|r| r * columns + rank % columns)
-                    .collect::<Vec<_>>(),
-            )
-        };
+        let row_of = |rank: u32| Group::new((0..columns).map(|c| rank / columns * columns + c).collect::<Vec<_>>());
+        let column_of = |rank: u32| Group::new((0..rows).map(|r| r * columns + rank % columns).collect::<Vec<_>>());
         // (collective, whether it runs over the row, per-member chunk or buffer length, salt)
         let plan = [
             (Collective::AllReduce, true, 6),
@@ -319,11 +256,7 @@ fn overlapping_row_and_column_groups_run_concurrently() {
             plan.iter()
                 .enumerate()
                 .map(|(step, &(collective, over_row, len))| {
-                    let group = if over_row {
-                        row_of(rank)
-                    } else {
-                        column_of(rank)
-                    };
+                    let group = if over_row { row_of(rank) } else { column_of(rank) };
                     let input = values(rank, collective.input_len(group.len(), len), step as u32);
                     call(comm, collective, &group, &input).unwrap()
                 })
@@ -331,17 +264,11 @@ fn overlapping_row_and_column_groups_run_concurrently() {
         });
         for (step, &(collective, over_row, len)) in plan.iter().enumerate() {
             for rank in 0..world_size {
-                let group = if over_row {
-                    row_of(rank)
-                } else {
-                    column_of(rank)
-                };
+                let group = if over_row { row_of(rank) } else { column_of(rank) };
                 let inputs: Vec<Vec<f32>> = group
                     .ranks
                     .iter()
-                    .map(|&member| {
-                        values(member, collective.input_len(group.len(), len), step as u32)
-                    })
+                    .map(|&member| values(member, collective.input_len(group.len(), len), step as u32))
                     .collect();
                 let expected = &naive(collective, &inputs)[group.index_of(rank).unwrap()];
                 assert_eq!(
@@ -363,8 +290,7 @@ fn all_reduce_results_are_bitwise_identical_on_every_member() {
             .map(|rank| {
                 (0..len)
                     .map(|j| {
-                        let mixed =
-                            (rank as u64 * 2_654_435_761 + j as u64 * 40_503 + 12_345) % 1_000_003;
+                        let mixed = (rank as u64 * 2_654_435_761 + j as u64 * 40_503 + 12_345) % 1_000_003;
                         (mixed as f32 / 1_000_003.0 - 0.5) * 10f32.powi((j % 7) as i32 - 3)
                     })
                     .collect()
@@ -372,24 +298,17 @@ fn all_reduce_results_are_bitwise_identical_on_every_member() {
             .collect();
         let results = run_ranks(group_size, GENEROUS, |comm| {
             let mut buf = inputs[comm.rank() as usize].clone();
-            comm.all_reduce(&scrambled_group(group_size), &mut buf)
-                .unwrap();
+            comm.all_reduce(&scrambled_group(group_size), &mut buf).unwrap();
             buf
         });
         for (rank, result) in results.iter().enumerate() {
             let bits: Vec<u32> = result.iter().map(|x| x.to_bits()).collect();
             let first_bits: Vec<u32> = results[0].iter().map(|x| x.to_bits()).collect();
-            assert_eq!(
-                bits, first_bits,
-                "D={group_size}: rank {rank} differs from rank 0"
-            );
+            assert_eq!(bits, first_bits, "D={group_size}: rank {rank} differs from rank 0");
             for (j, &got) in result.iter().enumerate() {
                 let exact: f64 = inputs.iter().map(|input| f64::from(input[j])).sum();
                 let scale: f64 = inputs.iter().map(|input| f64::from(input[j]).abs()).sum();
-                assert!(
-                    (f64::from(got) - exact).abs() <= 1e-6 * scale,
-                    "D={group_size} j={j}: {got} vs {exact}"
-                );
+                assert!((f64::from(got) - exact).abs() <= 1e-6 * scale, "D={group_size} j={j}: {got} vs {exact}");
             }
         }
     }
@@ -404,10 +323,7 @@ fn all_reduce_byte_counts_with_uneven_chunks() {
         comm.all_reduce(&Group::world(4), &mut buf).unwrap();
         comm.stats().clone()
     });
-    let bytes: Vec<u64> = stats
-        .iter()
-        .map(|stats| stats.bytes(CollectiveKind::AllReduce))
-        .collect();
+    let bytes: Vec<u64> = stats.iter().map(|stats| stats.bytes(CollectiveKind::AllReduce)).collect();
     assert_eq!(bytes, vec![56, 60, 64, 60]);
     assert_eq!(bytes.iter().sum::<u64>(), 4 * 60);
 }
@@ -426,21 +342,9 @@ fn stats_count_by_kind_and_reset() {
         (before_reset, comm.stats().clone())
     });
     for (rank, (before_reset, after_reset)) in stats.into_iter().enumerate() {
-        assert_eq!(
-            before_reset.bytes(CollectiveKind::AllReduce),
-            4 * 6,
-            "rank {rank}"
-        );
-        assert_eq!(
-            before_reset.bytes(CollectiveKind::AllGather),
-            4 * 2,
-            "rank {rank}"
-        );
-        assert_eq!(
-            before_reset.bytes(CollectiveKind::Barrier),
-            0,
-            "rank {rank}"
-        );
+        assert_eq!(before_reset.bytes(CollectiveKind::AllReduce), 4 * 6, "rank {rank}");
+        assert_eq!(before_reset.bytes(CollectiveKind::AllGather), 4 * 2, "rank {rank}");
+        assert_eq!(before_reset.bytes(CollectiveKind::Barrier), 0, "rank {rank}");
         assert_eq!(before_reset.total(), 4 * 8, "rank {rank}");
         assert_eq!(after_reset.total(), 0, "rank {rank}");
     }
@@ -452,10 +356,7 @@ fn send_and_recv_rotate_data_around_a_ring() {
     let len = 3;
     let results = run_ranks(world_size, GENEROUS, |comm| {
         let rank = comm.rank();
-        let (right, left) = (
-            (rank + 1) % world_size,
-            (rank + world_size - 1) % world_size,
-        );
+        let (right, left) = ((rank + 1) % world_size, (rank + world_size - 1) % world_size);
         let mut held = values(rank, len, 0);
         let mut history = Vec::new();
         for _ in 0..world_size {
@@ -490,11 +391,7 @@ fn barrier_returns_only_after_every_member_entered() {
                 .collect::<Vec<_>>()
         });
         for (rank, seen) in seen.into_iter().enumerate() {
-            assert_eq!(
-                seen,
-                vec![group_size; rounds],
-                "D={group_size}, rank {rank}"
-            );
+            assert_eq!(seen, vec![group_size; rounds], "D={group_size}, rank {rank}");
         }
     }
 }

@@ -115,10 +115,7 @@ impl Shared {
         {
             let mut failures = lock(&self.failures);
             if failures.iter().all(|failure| failure.rank != rank) {
-                failures.push(Failure {
-                    rank,
-                    reason: reason.to_string(),
-                });
+                failures.push(Failure { rank, reason: reason.to_string() });
             }
         }
         // Taking each mailbox lock before notifying means a receiver that checked the failure list
@@ -133,9 +130,7 @@ impl Shared {
     fn failure_affecting(&self, me: u32, peer: u32, group: &Group) -> Option<(u32, String)> {
         lock(&self.failures)
             .iter()
-            .find(|failure| {
-                failure.rank != me && (failure.rank == peer || group.ranks.contains(&failure.rank))
-            })
+            .find(|failure| failure.rank != me && (failure.rank == peer || group.ranks.contains(&failure.rank)))
             .map(|failure| (failure.rank, failure.reason.clone()))
     }
 
@@ -147,10 +142,7 @@ impl Shared {
             .copied()
             .filter(|&member| member != me)
             .filter(|&member| {
-                let entered = lock(&self.arrivals[member as usize])
-                    .get(op.group)
-                    .copied()
-                    .unwrap_or(0);
+                let entered = lock(&self.arrivals[member as usize]).get(op.group).copied().unwrap_or(0);
                 entered <= op.sequence
             })
             .collect()
@@ -165,11 +157,7 @@ impl ThreadComm {
         body: impl FnOnce(&mut Self) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
         if let Some(reason) = &self.failed {
-            return Err(CommError::Aborted {
-                rank: self.rank,
-                op: op.describe(),
-                reason: reason.clone(),
-            });
+            return Err(CommError::Aborted { rank: self.rank, op: op.describe(), reason: reason.clone() });
         }
         let result = body(self);
         if let Err(error) = &result {
@@ -186,17 +174,9 @@ impl ThreadComm {
         op_elements: usize,
         body: impl FnOnce(&mut Self, &OpContext<'_>) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
-        let unsequenced = OpContext {
-            kind,
-            group,
-            sequence: 0,
-            op_elements,
-        };
+        let unsequenced = OpContext { kind, group, sequence: 0, op_elements };
         self.guarded(&unsequenced, |comm| {
-            let op = OpContext {
-                sequence: comm.enter(group),
-                ..unsequenced
-            };
+            let op = OpContext { sequence: comm.enter(group), ..unsequenced };
             body(comm, &op)
         })
     }
@@ -223,12 +203,7 @@ impl ThreadComm {
         if peer < self.world_size && peer != self.rank {
             return Ok(());
         }
-        Err(CommError::InvalidPeer {
-            rank: self.rank,
-            op: op.describe(),
-            peer,
-            world_size: self.world_size,
-        })
+        Err(CommError::InvalidPeer { rank: self.rank, op: op.describe(), peer, world_size: self.world_size })
     }
 
     /// Blocks until a message from `peer` is queued for this rank, a rank `op` depends on fails, or
@@ -243,14 +218,8 @@ impl ThreadComm {
             if let Some(message) = queues[peer as usize].pop_front() {
                 return Ok(message);
             }
-            if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group)
-            {
-                return Err(CommError::PeerFailed {
-                    rank: self.rank,
-                    peer: failed,
-                    reason,
-                    op: op.describe(),
-                });
+            if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group) {
+                return Err(CommError::PeerFailed { rank: self.rank, peer: failed, reason, op: op.describe() });
             }
             let now = Instant::now();
             if now >= deadline {
@@ -269,11 +238,7 @@ impl ThreadComm {
                     after: self.timeout,
                 });
             }
-            queues = mailbox
-                .arrived
-                .wait_timeout(queues, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            queues = mailbox.arrived.wait_timeout(queues, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
         }
     }
 }
@@ -287,26 +252,13 @@ impl Transport for ThreadComm {
         self.world_size
     }
 
-    fn send_message(
-        &mut self,
-        op: &OpContext<'_>,
-        peer: u32,
-        data: &[f32],
-    ) -> Result<(), CommError> {
+    fn send_message(&mut self, op: &OpContext<'_>, peer: u32, data: &[f32]) -> Result<(), CommError> {
         self.check_peer(op, peer)?;
         // Sending to a failed rank is pointless; name the earliest failure, the likely root cause.
         if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group) {
-            return Err(CommError::PeerFailed {
-                rank: self.rank,
-                peer: failed,
-                reason,
-                op: op.describe(),
-            });
+            return Err(CommError::PeerFailed { rank: self.rank, peer: failed, reason, op: op.describe() });
         }
-        let message = Message {
-            tag: op.tag(data.len()),
-            data: data.to_vec(),
-        };
+        let message = Message { tag: op.tag(data.len()), data: data.to_vec() };
         let mailbox = &self.shared.mailboxes[peer as usize];
         lock(&mailbox.queues)[self.rank as usize].push_back(message);
         mailbox.arrived.notify_all();
@@ -314,21 +266,11 @@ impl Transport for ThreadComm {
         Ok(())
     }
 
-    fn recv_message(
-        &mut self,
-        op: &OpContext<'_>,
-        peer: u32,
-        buf: &mut [f32],
-    ) -> Result<(), CommError> {
+    fn recv_message(&mut self, op: &OpContext<'_>, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
         self.check_peer(op, peer)?;
         let message = self.wait_for_message(op, peer)?;
         if !op.matches(&message.tag, buf.len()) || message.data.len() != buf.len() {
-            return Err(CommError::Mismatch {
-                rank: self.rank,
-                peer,
-                expected: op.tag(buf.len()),
-                got: message.tag,
-            });
+            return Err(CommError::Mismatch { rank: self.rank, peer, expected: op.tag(buf.len()), got: message.tag });
         }
         buf.copy_from_slice(&message.data);
         Ok(())
@@ -345,37 +287,19 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllReduce, group, buf.len(), |comm, op| {
-            ring::all_reduce(comm, op, buf)
+        self.collective(CollectiveKind::AllReduce, group, buf.len(), |comm, op| ring::all_reduce(comm, op, buf))
+    }
+
+    fn reduce_scatter(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.collective(CollectiveKind::ReduceScatter, group, input.len(), |comm, op| {
+            ring::reduce_scatter(comm, op, input, output)
         })
     }
 
-    fn reduce_scatter(
-        &mut self,
-        group: &Group,
-        input: &[f32],
-        output: &mut [f32],
-    ) -> Result<(), CommError> {
-        self.collective(
-            CollectiveKind::ReduceScatter,
-            group,
-            input.len(),
-            |comm, op| ring::reduce_scatter(comm, op, input, output),
-        )
-    }
-
-    fn all_gather(
-        &mut self,
-        group: &Group,
-        input: &[f32],
-        output: &mut [f32],
-    ) -> Result<(), CommError> {
-        self.collective(
-            CollectiveKind::AllGather,
-            group,
-            output.len(),
-            |comm, op| ring::all_gather(comm, op, input, output),
-        )
+    fn all_gather(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.collective(CollectiveKind::AllGather, group, output.len(), |comm, op| {
+            ring::all_gather(comm, op, input, output)
+        })
     }
 
     fn broadcast(&mut self, group: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
@@ -384,12 +308,7 @@ impl Communicator for ThreadComm {
         })
     }
 
-    fn all_to_all(
-        &mut self,
-        group: &Group,
-        input: &[f32],
-        output: &mut [f32],
-    ) -> Result<(), CommError> {
+    fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
         self.collective(CollectiveKind::AllToAll, group, input.len(), |comm, op| {
             ring::all_to_all(comm, op, input, output)
         })
@@ -398,12 +317,7 @@ impl Communicator for ThreadComm {
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![self.rank, peer]);
         let sequence = self.sends_to.get(peer as usize).copied().unwrap_or(0);
-        let op = OpContext {
-            kind: CollectiveKind::SendRecv,
-            group: &pair,
-            sequence,
-            op_elements: data.len(),
-        };
+        let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: data.len() };
         self.guarded(&op, |comm| {
             comm.check_peer(&op, peer)?;
             comm.sends_to[peer as usize] += 1;
@@ -414,12 +328,7 @@ impl Communicator for ThreadComm {
     fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![peer, self.rank]);
         let sequence = self.recvs_from.get(peer as usize).copied().unwrap_or(0);
-        let op = OpContext {
-            kind: CollectiveKind::SendRecv,
-            group: &pair,
-            sequence,
-            op_elements: buf.len(),
-        };
+        let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: buf.len() };
         self.guarded(&op, |comm| {
             comm.check_peer(&op, peer)?;
             comm.recvs_from[peer as usize] += 1;

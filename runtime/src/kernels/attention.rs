@@ -81,15 +81,12 @@ impl AttentionShape {
     fn local_kv_head(&self, query_head: usize) -> Result<usize, KernelError> {
         let global_query_head = self.q_head_offset + query_head;
         let kv_head = global_query_head / self.group;
-        kv_head
-            .checked_sub(self.kv_head_offset)
-            .filter(|&local| local < self.hkv)
-            .ok_or(KernelError::KvHeadNotLocal {
-                query_head: global_query_head,
-                kv_head,
-                kv_head_offset: self.kv_head_offset,
-                local_kv_heads: self.hkv,
-            })
+        kv_head.checked_sub(self.kv_head_offset).filter(|&local| local < self.hkv).ok_or(KernelError::KvHeadNotLocal {
+            query_head: global_query_head,
+            kv_head,
+            kv_head_offset: self.kv_head_offset,
+            local_kv_heads: self.hkv,
+        })
     }
 }
 
@@ -113,17 +110,7 @@ pub fn attention(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     validate(shape, q, k, v, q_pos, k_pos, out)?;
-    let AttentionShape {
-        batch,
-        sq,
-        sk,
-        hq,
-        hkv,
-        head_dim,
-        causal,
-        scale,
-        ..
-    } = *shape;
+    let AttentionShape { batch, sq, sk, hq, hkv, head_dim, causal, scale, .. } = *shape;
     if out.is_empty() {
         return Ok(());
     }
@@ -148,27 +135,18 @@ pub fn attention(
                     col_stride: 1,
                 };
                 tile.reset(rows);
-                for (k_start, &(lowest_key, highest_key)) in
-                    (0..sk).step_by(KEY_TILE).zip(&key_tile_bounds)
-                {
+                for (k_start, &(lowest_key, highest_key)) in (0..sk).step_by(KEY_TILE).zip(&key_tile_bounds) {
                     if causal && lowest_key > highest_query {
                         continue; // No query of this tile sees any key of it.
                     }
                     let cols = KEY_TILE.min(sk - k_start);
                     let kv_offset = kv_base + k_start * kv_row_stride;
                     // K^T[dim, key] = k[key * kv_row_stride + dim].
-                    let keys_transposed = StridedMatrix {
-                        data: &k[kv_offset..],
-                        row_stride: 1,
-                        col_stride: kv_row_stride,
-                    };
-                    let values = StridedMatrix {
-                        data: &v[kv_offset..],
-                        row_stride: kv_row_stride,
-                        col_stride: 1,
-                    };
-                    let mask = (causal && highest_key > lowest_query)
-                        .then(|| (tile_q_pos, &k_pos[k_start..k_start + cols]));
+                    let keys_transposed =
+                        StridedMatrix { data: &k[kv_offset..], row_stride: 1, col_stride: kv_row_stride };
+                    let values = StridedMatrix { data: &v[kv_offset..], row_stride: kv_row_stride, col_stride: 1 };
+                    let mask =
+                        (causal && highest_key > lowest_query).then(|| (tile_q_pos, &k_pos[k_start..k_start + cols]));
                     tile.add_key_tile(rows, cols, q_tile, keys_transposed, values, scale, mask);
                 }
                 for (row, &row_sum) in tile.row_sum[..rows].iter().enumerate() {
@@ -177,10 +155,7 @@ pub fn attention(
                     let acc_row = &tile.acc[row * head_dim..(row + 1) * head_dim];
                     if row_sum > 0.0 {
                         let inverse_sum = 1.0 / row_sum;
-                        out_row
-                            .iter_mut()
-                            .zip(acc_row)
-                            .for_each(|(o, &a)| *o = a * inverse_sum);
+                        out_row.iter_mut().zip(acc_row).for_each(|(o, &a)| *o = a * inverse_sum);
                     } else {
                         out_row.fill(0.0); // The row saw no key.
                     }
@@ -236,18 +211,7 @@ impl TileState {
     ) {
         let head_dim = self.head_dim;
         let scores = &mut self.scores[..rows * cols];
-        gemm_strided(
-            rows,
-            cols,
-            head_dim,
-            scores,
-            cols,
-            q_tile,
-            keys_transposed,
-            scale,
-            false,
-            Parallelism::None,
-        );
+        gemm_strided(rows, cols, head_dim, scores, cols, q_tile, keys_transposed, scale, false, Parallelism::None);
         for (row, score_row) in scores.chunks_exact_mut(cols).enumerate() {
             if let Some((query_positions, key_positions)) = mask {
                 let query_position = query_positions[row];
@@ -267,9 +231,7 @@ impl TileState {
             // exp(-inf) = 0 drops the empty history of a row's first visible tile.
             let correction = (self.row_max[row] - new_max).exp();
             if correction != 1.0 {
-                self.acc[row * head_dim..(row + 1) * head_dim]
-                    .iter_mut()
-                    .for_each(|a| *a *= correction);
+                self.acc[row * head_dim..(row + 1) * head_dim].iter_mut().for_each(|a| *a *= correction);
             }
             let mut tile_sum = 0.0f32;
             for score in score_row.iter_mut() {
@@ -279,11 +241,7 @@ impl TileState {
             self.row_sum[row] = self.row_sum[row] * correction + tile_sum;
             self.row_max[row] = new_max;
         }
-        let probabilities = StridedMatrix {
-            data: scores,
-            row_stride: cols,
-            col_stride: 1,
-        };
+        let probabilities = StridedMatrix { data: scores, row_stride: cols, col_stride: 1 };
         gemm_strided(
             rows,
             head_dim,
@@ -301,11 +259,7 @@ impl TileState {
 
 /// Smallest and largest position in a non-empty list.
 fn position_bounds(positions: &[u32]) -> (u32, u32) {
-    positions
-        .iter()
-        .fold((u32::MAX, u32::MIN), |(low, high), &p| {
-            (low.min(p), high.max(p))
-        })
+    positions.iter().fold((u32::MAX, u32::MIN), |(low, high), &p| (low.min(p), high.max(p)))
 }
 
 fn validate(
@@ -317,13 +271,8 @@ fn validate(
     k_pos: &[u32],
     out: &[f32],
 ) -> Result<(), KernelError> {
-    let elements = |seq: usize, heads: usize| {
-        shape
-            .batch
-            .saturating_mul(seq)
-            .saturating_mul(heads)
-            .saturating_mul(shape.head_dim)
-    };
+    let elements =
+        |seq: usize, heads: usize| shape.batch.saturating_mul(seq).saturating_mul(heads).saturating_mul(shape.head_dim);
     check_len("attention", "q", elements(shape.sq, shape.hq), q.len())?;
     check_len("attention", "k", elements(shape.sk, shape.hkv), k.len())?;
     check_len("attention", "v", elements(shape.sk, shape.hkv), v.len())?;
@@ -331,10 +280,7 @@ fn validate(
     check_len("attention", "q_pos", shape.sq, q_pos.len())?;
     check_len("attention", "k_pos", shape.sk, k_pos.len())?;
     if shape.group == 0 {
-        return Err(KernelError::ZeroDim {
-            kernel: "attention",
-            what: "group",
-        });
+        return Err(KernelError::ZeroDim { kernel: "attention", what: "group" });
     }
     for query_head in 0..shape.hq {
         shape.local_kv_head(query_head)?;
@@ -351,24 +297,10 @@ mod tests {
     /// over the full score row, masking by the same position rule.
     #[track_caller]
     fn check(shape: AttentionShape, q_pos: &[u32], k_pos: &[u32]) -> Vec<f32> {
-        let AttentionShape {
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim: d,
-            ..
-        } = shape;
+        let AttentionShape { batch, sq, sk, hq, hkv, head_dim: d, .. } = shape;
         // Spread the inputs so that softmax rows are far from uniform.
-        let q: Vec<f32> = values(batch * sq * hq * d, 31)
-            .iter()
-            .map(|x| x * 3.0)
-            .collect();
-        let k: Vec<f32> = values(batch * sk * hkv * d, 32)
-            .iter()
-            .map(|x| x * 3.0)
-            .collect();
+        let q: Vec<f32> = values(batch * sq * hq * d, 31).iter().map(|x| x * 3.0).collect();
+        let k: Vec<f32> = values(batch * sk * hkv * d, 32).iter().map(|x| x * 3.0).collect();
         let v = values(batch * sk * hkv * d, 33);
         let mut want = vec![0.0f64; q.len()];
         for b in 0..batch {
@@ -376,32 +308,18 @@ mod tests {
                 let kv = (shape.q_head_offset + h) / shape.group - shape.kv_head_offset;
                 for i in 0..sq {
                     let q_at = |c: usize| q[((b * sq + i) * hq + h) * d + c] as f64;
-                    let kv_at =
-                        |t: &[f32], j: usize, c: usize| t[((b * sk + j) * hkv + kv) * d + c] as f64;
-                    let visible: Vec<usize> = (0..sk)
-                        .filter(|&j| !shape.causal || k_pos[j] <= q_pos[i])
-                        .collect();
+                    let kv_at = |t: &[f32], j: usize, c: usize| t[((b * sk + j) * hkv + kv) * d + c] as f64;
+                    let visible: Vec<usize> = (0..sk).filter(|&j| !shape.causal || k_pos[j] <= q_pos[i]).collect();
                     let scores: Vec<f64> = visible
                         .iter()
-                        .map(|&j| {
-                            shape.scale as f64
-                                * (0..d).map(|c| q_at(c) * kv_at(&k, j, c)).sum::<f64>()
-                        })
+                        .map(|&j| shape.scale as f64 * (0..d).map(|c| q_at(c) * kv_at(&k, j, c)).sum::<f64>())
                         .collect();
                     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                     let total: f64 = weights.iter().sum();
                     for c in 0..d {
-                        let weighted: f64 = visible
-                            .iter()
-                            .zip(&weights)
-                            .map(|(&j, w)| w * kv_at(&v, j, c))
-                            .sum();
-                        want[((b * sq + i) * hq + h) * d + c] = if visible.is_empty() {
-                            0.0
-                        } else {
-                            weighted / total
-                        };
+                        let weighted: f64 = visible.iter().zip(&weights).map(|(&j, w)| w * kv_at(&v, j, c)).sum();
+                        want[((b * sq + i) * hq + h) * d + c] = if visible.is_empty() { 0.0 } else { weighted / total };
                     }
                 }
             }
@@ -423,25 +341,13 @@ mod tests {
 
     #[test]
     fn full_attention_matches_reference() {
-        check(
-            AttentionShape::new(2, 5, 5, 2, 2, 8),
-            &natural(5),
-            &natural(5),
-        );
-        check(
-            AttentionShape::new(1, 70, 150, 3, 3, 16),
-            &natural(70),
-            &natural(150),
-        );
+        check(AttentionShape::new(2, 5, 5, 2, 2, 8), &natural(5), &natural(5));
+        check(AttentionShape::new(1, 70, 150, 3, 3, 16), &natural(70), &natural(150));
     }
 
     #[test]
     fn causal_with_natural_positions() {
-        check(
-            causal(AttentionShape::new(2, 100, 100, 4, 4, 16)),
-            &natural(100),
-            &natural(100),
-        );
+        check(causal(AttentionShape::new(2, 100, 100, 4, 4, 16)), &natural(100), &natural(100));
         check(causal(AttentionShape::new(1, 1, 1, 1, 1, 4)), &[0], &[0]);
     }
 
@@ -452,18 +358,10 @@ mod tests {
         let chunk = |index: u32| (index * 48..(index + 1) * 48).collect::<Vec<u32>>();
         let local: Vec<u32> = [chunk(0), chunk(3)].concat();
         let gathered: Vec<u32> = [chunk(0), chunk(3), chunk(1), chunk(2)].concat();
-        check(
-            causal(AttentionShape::new(1, 96, 192, 2, 2, 8)),
-            &local,
-            &gathered,
-        );
+        check(causal(AttentionShape::new(1, 96, 192, 2, 2, 8)), &local, &gathered);
         // Queries and keys both in a scrambled order, not merely in blocks.
         let scrambled: Vec<u32> = (0..80u32).map(|i| (i * 37) % 80).collect();
-        check(
-            causal(AttentionShape::new(2, 80, 80, 1, 1, 8)),
-            &scrambled,
-            &scrambled,
-        );
+        check(causal(AttentionShape::new(2, 80, 80, 1, 1, 8)), &scrambled, &scrambled);
     }
 
     #[test]
@@ -477,36 +375,20 @@ mod tests {
         (replicated.group, replicated.q_head_offset) = (2, 4);
         check(replicated, &natural(9), &natural(9));
         // Multi-query attention: one kv head for all.
-        check(
-            causal(AttentionShape::new(1, 33, 33, 6, 1, 4)),
-            &natural(33),
-            &natural(33),
-        );
+        check(causal(AttentionShape::new(1, 33, 33, 6, 1, 4)), &natural(33), &natural(33));
     }
 
     #[test]
     fn fewer_queries_than_keys() {
         // Decoding the last 3 positions against a 70-key cache.
-        check(
-            causal(AttentionShape::new(1, 3, 70, 2, 1, 16)),
-            &[67, 68, 69],
-            &natural(70),
-        );
-        check(
-            causal(AttentionShape::new(1, 40, 7, 2, 2, 8)),
-            &natural(40),
-            &natural(7),
-        );
+        check(causal(AttentionShape::new(1, 3, 70, 2, 1, 16)), &[67, 68, 69], &natural(70));
+        check(causal(AttentionShape::new(1, 40, 7, 2, 2, 8)), &natural(40), &natural(7));
     }
 
     #[test]
     fn row_with_no_visible_key_is_zero() {
         let k_pos: Vec<u32> = (10..80).collect();
-        let out = check(
-            causal(AttentionShape::new(1, 3, 70, 1, 1, 4)),
-            &[5, 15, 90],
-            &k_pos,
-        );
+        let out = check(causal(AttentionShape::new(1, 3, 70, 1, 1, 4)), &[5, 15, 90], &k_pos);
         assert_eq!(&out[..4], &[0.0; 4]);
     }
 
@@ -522,59 +404,18 @@ mod tests {
         let mut shape = AttentionShape::new(1, 1, 1, 2, 1, 2);
         (shape.group, shape.q_head_offset, shape.kv_head_offset) = (2, 2, 0);
         let mut out = [0.0; 4];
-        let error = attention(
-            &shape,
-            &[0.0; 4],
-            &[0.0; 2],
-            &[0.0; 2],
-            &[0],
-            &[0],
-            &mut out,
-        )
-        .unwrap_err();
+        let error = attention(&shape, &[0.0; 4], &[0.0; 2], &[0.0; 2], &[0], &[0], &mut out).unwrap_err();
         assert_eq!(
             error.to_string(),
             "attention: query head 2 needs kv head 1, but this rank holds kv heads [0, 0 + 1); \
              shard query and kv heads together"
         );
         let shape = AttentionShape::new(1, 2, 1, 1, 1, 2);
-        let error = attention(
-            &shape,
-            &[0.0; 4],
-            &[0.0; 2],
-            &[0.0; 2],
-            &[0],
-            &[0],
-            &mut out,
-        )
-        .unwrap_err();
-        assert_eq!(
-            error,
-            KernelError::LengthMismatch {
-                kernel: "attention",
-                tensor: "q_pos",
-                expected: 2,
-                got: 1
-            }
-        );
+        let error = attention(&shape, &[0.0; 4], &[0.0; 2], &[0.0; 2], &[0], &[0], &mut out).unwrap_err();
+        assert_eq!(error, KernelError::LengthMismatch { kernel: "attention", tensor: "q_pos", expected: 2, got: 1 });
         let mut shape = AttentionShape::new(1, 1, 1, 1, 1, 2);
         shape.group = 0;
-        let error = attention(
-            &shape,
-            &[0.0; 2],
-            &[0.0; 2],
-            &[0.0; 2],
-            &[0],
-            &[0],
-            &mut out[..2],
-        )
-        .unwrap_err();
-        assert_eq!(
-            error,
-            KernelError::ZeroDim {
-                kernel: "attention",
-                what: "group"
-            }
-        );
+        let error = attention(&shape, &[0.0; 2], &[0.0; 2], &[0.0; 2], &[0], &[0], &mut out[..2]).unwrap_err();
+        assert_eq!(error, KernelError::ZeroDim { kernel: "attention", what: "group" });
     }
 }

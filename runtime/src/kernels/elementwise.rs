@@ -11,14 +11,12 @@ use super::{check_len, expect_valid, KernelError};
 /// # Panics
 /// If the three slices differ in length.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    expect_valid(
-        check_len("silu_mul", "up", gate.len(), up.len()).and(check_len(
-            "silu_mul",
-            "out",
-            gate.len(),
-            out.len(),
-        )),
-    );
+    expect_valid(check_len("silu_mul", "up", gate.len(), up.len()).and(check_len(
+        "silu_mul",
+        "out",
+        gate.len(),
+        out.len(),
+    )));
     for ((out_value, &gate_value), &up_value) in out.iter_mut().zip(gate).zip(up) {
         *out_value = gate_value / (1.0 + (-gate_value).exp()) * up_value;
     }
@@ -29,12 +27,7 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// # Panics
 /// If the three slices differ in length.
 pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
-    expect_valid(check_len("add", "b", a.len(), b.len()).and(check_len(
-        "add",
-        "out",
-        a.len(),
-        out.len(),
-    )));
+    expect_valid(check_len("add", "b", a.len(), b.len()).and(check_len("add", "out", a.len(), out.len())));
     for ((out_value, &a_value), &b_value) in out.iter_mut().zip(a).zip(b) {
         *out_value = a_value + b_value;
     }
@@ -72,10 +65,7 @@ pub fn embedding(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     if hidden == 0 {
-        return Err(KernelError::ZeroDim {
-            kernel: "embedding",
-            what: "hidden",
-        });
+        return Err(KernelError::ZeroDim { kernel: "embedding", what: "hidden" });
     }
     if table.len() % hidden != 0 {
         return Err(KernelError::NotDivisible {
@@ -87,34 +77,14 @@ pub fn embedding(
     }
     let rows = table.len() / hidden;
     if vocab_offset.saturating_add(rows) > vocab_total {
-        return Err(KernelError::ShardOutOfRange {
-            vocab_offset,
-            rows,
-            vocab_size: vocab_total,
-        });
+        return Err(KernelError::ShardOutOfRange { vocab_offset, rows, vocab_size: vocab_total });
     }
-    check_len(
-        "embedding",
-        "out",
-        tokens.len().saturating_mul(hidden),
-        out.len(),
-    )?;
-    if let Some((position, &token)) = tokens
-        .iter()
-        .enumerate()
-        .find(|&(_, &token)| token as usize >= vocab_total)
-    {
-        return Err(KernelError::TokenOutOfRange {
-            position,
-            token,
-            vocab_size: vocab_total,
-        });
+    check_len("embedding", "out", tokens.len().saturating_mul(hidden), out.len())?;
+    if let Some((position, &token)) = tokens.iter().enumerate().find(|&(_, &token)| token as usize >= vocab_total) {
+        return Err(KernelError::TokenOutOfRange { position, token, vocab_size: vocab_total });
     }
     for (&token, out_row) in tokens.iter().zip(out.chunks_exact_mut(hidden)) {
-        match (token as usize)
-            .checked_sub(vocab_offset)
-            .filter(|&local_row| local_row < rows)
-        {
+        match (token as usize).checked_sub(vocab_offset).filter(|&local_row| local_row < rows) {
             Some(local_row) => {
                 out_row.copy_from_slice(&table[local_row * hidden..(local_row + 1) * hidden]);
             }
@@ -132,27 +102,16 @@ mod tests {
     /// Runs the three arithmetic kernels on seeded data against their formulas in f64.
     #[track_caller]
     fn check_arithmetic(count: usize) {
-        let a = values(count, 21)
-            .iter()
-            .map(|v| v * 12.0)
-            .collect::<Vec<_>>();
+        let a = values(count, 21).iter().map(|v| v * 12.0).collect::<Vec<_>>();
         let b = values(count, 22);
         let mut out = vec![f32::NAN; count];
 
         silu_mul(&a, &b, &mut out);
-        let want: Vec<f64> = a
-            .iter()
-            .zip(&b)
-            .map(|(&g, &u)| g as f64 / (1.0 + (-g as f64).exp()) * u as f64)
-            .collect();
+        let want: Vec<f64> = a.iter().zip(&b).map(|(&g, &u)| g as f64 / (1.0 + (-g as f64).exp()) * u as f64).collect();
         assert_close(&out, &want, 1e-6);
 
         add(&a, &b, &mut out);
-        let want: Vec<f64> = a
-            .iter()
-            .zip(&b)
-            .map(|(&x, &y)| x as f64 + y as f64)
-            .collect();
+        let want: Vec<f64> = a.iter().zip(&b).map(|(&x, &y)| x as f64 + y as f64).collect();
         assert_close(&out, &want, 1e-7);
 
         let mut acc = a.clone();
@@ -178,9 +137,7 @@ mod tests {
     /// and compares with the rows (or zeros) picked by hand.
     #[track_caller]
     fn check_embedding(vocab: usize, hidden: usize, shard: std::ops::Range<usize>, tokens: &[u32]) {
-        let global: Vec<f32> = (0..vocab * hidden)
-            .map(|i| ((i / hidden) * 10 + i % hidden) as f32)
-            .collect();
+        let global: Vec<f32> = (0..vocab * hidden).map(|i| ((i / hidden) * 10 + i % hidden) as f32).collect();
         let table = &global[shard.start * hidden..shard.end * hidden];
         let mut out = vec![f32::NAN; tokens.len() * hidden];
         embedding(table, hidden, shard.start, vocab, tokens, &mut out).unwrap();
@@ -189,11 +146,7 @@ mod tests {
             let row = token as usize;
             for column in 0..hidden {
                 let held = shard.contains(&row);
-                want.push(if held {
-                    global[row * hidden + column] as f64
-                } else {
-                    0.0
-                });
+                want.push(if held { global[row * hidden + column] as f64 } else { 0.0 });
             }
         }
         assert_close(&out, &want, 0.0);
@@ -216,19 +169,8 @@ mod tests {
         let mut summed = vec![0.0f64; full.len()];
         for (start, end) in [(0, 3), (3, 6), (6, 10)] {
             let mut part = vec![0.0; full.len()];
-            embedding(
-                &global[start * hidden..end * hidden],
-                hidden,
-                start,
-                vocab,
-                &tokens,
-                &mut part,
-            )
-            .unwrap();
-            summed
-                .iter_mut()
-                .zip(&part)
-                .for_each(|(sum, &value)| *sum += value as f64);
+            embedding(&global[start * hidden..end * hidden], hidden, start, vocab, &tokens, &mut part).unwrap();
+            summed.iter_mut().zip(&part).for_each(|(sum, &value)| *sum += value as f64);
         }
         assert_close(&full, &summed, 0.0);
     }
@@ -243,23 +185,8 @@ mod tests {
              check the tokenizer matches the model"
         );
         let error = embedding(&[0.0; 8], 2, 2, 5, &[1, 4, 0], &mut out).unwrap_err();
-        assert_eq!(
-            error,
-            KernelError::ShardOutOfRange {
-                vocab_offset: 2,
-                rows: 4,
-                vocab_size: 5
-            }
-        );
+        assert_eq!(error, KernelError::ShardOutOfRange { vocab_offset: 2, rows: 4, vocab_size: 5 });
         let error = embedding(&[0.0; 8], 2, 0, 4, &[1, 2], &mut out).unwrap_err();
-        assert_eq!(
-            error,
-            KernelError::LengthMismatch {
-                kernel: "embedding",
-                tensor: "out",
-                expected: 4,
-                got: 6
-            }
-        );
+        assert_eq!(error, KernelError::LengthMismatch { kernel: "embedding", tensor: "out", expected: 4, got: 6 });
     }
 }

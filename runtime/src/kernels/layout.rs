@@ -24,39 +24,21 @@ fn dim_split(
     parts: usize,
 ) -> Result<DimSplit, KernelError> {
     if dim >= shape.len() {
-        return Err(KernelError::DimOutOfRange {
-            kernel,
-            dim,
-            rank: shape.len(),
-        });
+        return Err(KernelError::DimOutOfRange { kernel, dim, rank: shape.len() });
     }
     if parts == 0 {
-        return Err(KernelError::ZeroDim {
-            kernel,
-            what: "parts",
-        });
+        return Err(KernelError::ZeroDim { kernel, what: "parts" });
     }
     if shape[dim] % parts != 0 {
-        return Err(KernelError::NotDivisible {
-            kernel,
-            what: "the size of dim",
-            count: shape[dim],
-            divisor: parts,
-        });
+        return Err(KernelError::NotDivisible { kernel, what: "the size of dim", count: shape[dim], divisor: parts });
     }
     check_len(kernel, "input", element_count(shape), data_len)?;
-    Ok(DimSplit {
-        outer: shape[..dim].iter().product(),
-        size: shape[dim],
-        inner: shape[dim + 1..].iter().product(),
-    })
+    Ok(DimSplit { outer: shape[..dim].iter().product(), size: shape[dim], inner: shape[dim + 1..].iter().product() })
 }
 
 /// Product of the dimensions, saturating so that an absurd shape fails the length check.
 fn element_count(shape: &[usize]) -> usize {
-    shape
-        .iter()
-        .fold(1usize, |count, &size| count.saturating_mul(size))
+    shape.iter().fold(1usize, |count, &size| count.saturating_mul(size))
 }
 
 /// Reorders `x` (row-major, `shape`) so that the `parts` equal chunks along `dim` are contiguous,
@@ -66,8 +48,7 @@ fn element_count(shape: &[usize]) -> usize {
 /// If `dim` is not below `shape.len()`, `parts` is 0 or does not divide `shape[dim]`, or `x` does
 /// not hold the product of `shape`.
 pub fn split_dim_chunks(x: &[f32], shape: &[usize], dim: usize, parts: usize) -> Vec<f32> {
-    let DimSplit { outer, size, inner } =
-        expect_valid(dim_split("split_dim_chunks", x.len(), shape, dim, parts));
+    let DimSplit { outer, size, inner } = expect_valid(dim_split("split_dim_chunks", x.len(), shape, dim, parts));
     let run = size / parts * inner;
     let mut chunks = Vec::with_capacity(x.len());
     for part in 0..parts {
@@ -85,13 +66,7 @@ pub fn split_dim_chunks(x: &[f32], shape: &[usize], dim: usize, parts: usize) ->
 /// # Panics
 /// As [`split_dim_chunks`], with `chunks` in place of `x`.
 pub fn join_dim_chunks(chunks: &[f32], shape: &[usize], dim: usize, parts: usize) -> Vec<f32> {
-    let DimSplit { outer, size, inner } = expect_valid(dim_split(
-        "join_dim_chunks",
-        chunks.len(),
-        shape,
-        dim,
-        parts,
-    ));
+    let DimSplit { outer, size, inner } = expect_valid(dim_split("join_dim_chunks", chunks.len(), shape, dim, parts));
     let run = size / parts * inner;
     let mut joined = vec![0.0; chunks.len()];
     for part in 0..parts {
@@ -136,10 +111,7 @@ pub fn slice_region(x: &[f32], shape: &[usize], region: &[(usize, usize)]) -> Ve
             .sum::<usize>()
             + last_start;
         block.extend_from_slice(&x[offset..offset + last_length]);
-        let Some(dim) = (0..index.len())
-            .rev()
-            .find(|&dim| index[dim] + 1 < outer_region[dim].1)
-        else {
+        let Some(dim) = (0..index.len()).rev().find(|&dim| index[dim] + 1 < outer_region[dim].1) else {
             return block;
         };
         index[dim] += 1;
@@ -147,20 +119,11 @@ pub fn slice_region(x: &[f32], shape: &[usize], region: &[(usize, usize)]) -> Ve
     }
 }
 
-fn validate_region(
-    x: &[f32],
-    shape: &[usize],
-    region: &[(usize, usize)],
-) -> Result<(), KernelError> {
+fn validate_region(x: &[f32], shape: &[usize], region: &[(usize, usize)]) -> Result<(), KernelError> {
     check_len("slice_region", "region", shape.len(), region.len())?;
     for (dim, (&(start, len), &size)) in region.iter().zip(shape).enumerate() {
         if start.checked_add(len).is_none_or(|end| end > size) {
-            return Err(KernelError::RegionOutOfBounds {
-                dim,
-                start,
-                len,
-                size,
-            });
+            return Err(KernelError::RegionOutOfBounds { dim, start, len, size });
         }
     }
     check_len("slice_region", "x", element_count(shape), x.len())
@@ -181,10 +144,7 @@ mod tests {
     }
 
     fn flatten(index: &[usize], shape: &[usize]) -> usize {
-        index
-            .iter()
-            .zip(shape)
-            .fold(0, |flat, (&position, &size)| flat * size + position)
+        index.iter().zip(shape).fold(0, |flat, (&position, &size)| flat * size + position)
     }
 
     /// Splits a tensor whose values are their own flat indices, checks every chunk element against
@@ -201,11 +161,7 @@ mod tests {
             let part = position / chunk_len;
             let mut index = unflatten(position % chunk_len, &chunk_shape);
             index[dim] += part * chunk_shape[dim];
-            assert_eq!(
-                value,
-                flatten(&index, shape) as f32,
-                "chunk element {position}"
-            );
+            assert_eq!(value, flatten(&index, shape) as f32, "chunk element {position}");
         }
         assert_eq!(join_dim_chunks(&chunks, shape, dim, parts), x);
     }
@@ -233,13 +189,8 @@ mod tests {
             })
         );
         assert_eq!(
-            dim_split("join_dim_chunks", 12, &[3, 4], 2, 2)
-                .err()
-                .map(|error| error.to_string()),
-            Some(
-                "join_dim_chunks: dim 2 is out of range for a tensor of rank 2; use a dim below 2"
-                    .into()
-            )
+            dim_split("join_dim_chunks", 12, &[3, 4], 2, 2).err().map(|error| error.to_string()),
+            Some("join_dim_chunks: dim 2 is out of range for a tensor of rank 2; use a dim below 2".into())
         );
     }
 
@@ -253,15 +204,8 @@ mod tests {
         assert_eq!(block.len(), lengths.iter().product::<usize>());
         for (position, &value) in block.iter().enumerate() {
             let mut index = unflatten(position, &lengths);
-            index
-                .iter_mut()
-                .zip(region)
-                .for_each(|(i, &(start, _))| *i += start);
-            assert_eq!(
-                value,
-                flatten(&index, shape) as f32,
-                "block element {position}"
-            );
+            index.iter_mut().zip(region).for_each(|(i, &(start, _))| *i += start);
+            assert_eq!(value, flatten(&index, shape) as f32, "block element {position}");
         }
     }
 

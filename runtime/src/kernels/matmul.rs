@@ -54,14 +54,8 @@ pub(crate) fn gemm_strided(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        m == 1 || dst_row_stride >= n,
-        "gemm_strided: rows of dst overlap"
-    );
-    assert!(
-        (m - 1) * dst_row_stride + n <= dst.len(),
-        "gemm_strided: dst too short"
-    );
+    assert!(m == 1 || dst_row_stride >= n, "gemm_strided: rows of dst overlap");
+    assert!((m - 1) * dst_row_stride + n <= dst.len(), "gemm_strided: dst too short");
     if k == 0 {
         // An empty sum: gemm is not asked to handle this edge, and the answer is plain.
         if !accumulate {
@@ -71,14 +65,8 @@ pub(crate) fn gemm_strided(
         }
         return;
     }
-    assert!(
-        lhs.extent(m, k) <= lhs.data.len(),
-        "gemm_strided: lhs too short"
-    );
-    assert!(
-        rhs.extent(k, n) <= rhs.data.len(),
-        "gemm_strided: rhs too short"
-    );
+    assert!(lhs.extent(m, k) <= lhs.data.len(), "gemm_strided: lhs too short");
+    assert!(rhs.extent(k, n) <= rhs.data.len(), "gemm_strided: rhs too short");
     // SAFETY: the asserts above keep every element gemm reads or writes inside its slice; rows of
     // dst do not overlap, so parallel workers write disjoint elements; `dst` is a unique borrow, so
     // it aliases neither operand. Strides fit in isize because they index within slices.
@@ -115,37 +103,16 @@ pub(crate) fn gemm_strided(
 /// # Panics
 /// If `a`, `b` or `c` does not hold exactly `m*k`, `n*k` or `m*n` elements.
 #[allow(clippy::too_many_arguments)] // The signature the executor calls; shapes are plain dimensions.
-pub fn matmul_nt(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    b: &[f32],
-    c: &mut [f32],
-    accumulate: bool,
-    threads: usize,
-) {
+pub fn matmul_nt(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool, threads: usize) {
     expect_valid(
         check_len("matmul_nt", "a", m.saturating_mul(k), a.len())
             .and(check_len("matmul_nt", "b", n.saturating_mul(k), b.len()))
             .and(check_len("matmul_nt", "c", m.saturating_mul(n), c.len())),
     );
-    let parallelism = if threads > 1 {
-        Parallelism::Rayon(threads)
-    } else {
-        Parallelism::None
-    };
+    let parallelism = if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None };
     // B^T[depth, col] = b[col * k + depth]: rows of the transposed view are 1 apart, columns k apart.
-    let lhs = StridedMatrix {
-        data: a,
-        row_stride: k,
-        col_stride: 1,
-    };
-    let rhs = StridedMatrix {
-        data: b,
-        row_stride: 1,
-        col_stride: k,
-    };
+    let lhs = StridedMatrix { data: a, row_stride: k, col_stride: 1 };
+    let rhs = StridedMatrix { data: b, row_stride: 1, col_stride: k };
     gemm_strided(m, n, k, c, n, lhs, rhs, 1.0, accumulate, parallelism);
 }
 
@@ -163,14 +130,8 @@ mod tests {
         let mut want = vec![0.0f64; m * n];
         for row in 0..m {
             for col in 0..n {
-                let dot: f64 = (0..k)
-                    .map(|d| a[row * k + d] as f64 * b[col * k + d] as f64)
-                    .sum();
-                let base = if accumulate {
-                    start[row * n + col] as f64
-                } else {
-                    0.0
-                };
+                let dot: f64 = (0..k).map(|d| a[row * k + d] as f64 * b[col * k + d] as f64).sum();
+                let base = if accumulate { start[row * n + col] as f64 } else { 0.0 };
                 want[row * n + col] = base + dot;
             }
         }
@@ -181,14 +142,7 @@ mod tests {
 
     #[test]
     fn matches_naive_loop() {
-        for (m, n, k) in [
-            (1, 1, 1),
-            (3, 5, 7),
-            (1, 64, 33),
-            (17, 33, 65),
-            (64, 48, 100),
-            (130, 7, 3),
-        ] {
+        for (m, n, k) in [(1, 1, 1), (3, 5, 7), (1, 64, 33), (17, 33, 65), (64, 48, 100), (130, 7, 3)] {
             for accumulate in [false, true] {
                 check(m, n, k, accumulate, 1);
             }

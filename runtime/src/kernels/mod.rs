@@ -70,9 +70,7 @@ pub enum KernelError {
 
     // === Layout ===
     /// A dimension index past the tensor's rank.
-    #[error(
-        "{kernel}: dim {dim} is out of range for a tensor of rank {rank}; use a dim below {rank}"
-    )]
+    #[error("{kernel}: dim {dim} is out of range for a tensor of rank {rank}; use a dim below {rank}")]
     DimOutOfRange {
         /// The kernel that checked it.
         kernel: &'static str,
@@ -144,21 +142,11 @@ pub enum KernelError {
 }
 
 /// Returns `Ok` when `got == expected`, else a [`KernelError::LengthMismatch`].
-fn check_len(
-    kernel: &'static str,
-    tensor: &'static str,
-    expected: usize,
-    got: usize,
-) -> Result<(), KernelError> {
+fn check_len(kernel: &'static str, tensor: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
     if got == expected {
         Ok(())
     } else {
-        Err(KernelError::LengthMismatch {
-            kernel,
-            tensor,
-            expected,
-            got,
-        })
+        Err(KernelError::LengthMismatch { kernel, tensor, expected, got })
     }
 }
 
@@ -177,14 +165,10 @@ fn expect_valid<T>(result: Result<T, KernelError>) -> T {
 mod test_util {
     /// Pseudo-random values in [-1, 1) from a fixed seed (a 64-bit LCG), so tests need no crate.
     pub fn values(count: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (0..count)
             .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -198,11 +182,7 @@ mod test_util {
         for (index, (&got_value, &want_value)) in got.iter().zip(want).enumerate() {
             let excess = (got_value as f64 - want_value).abs() / (1.0 + want_value.abs());
             // A NaN anywhere is the worst possible error.
-            let excess = if excess.is_nan() {
-                f64::INFINITY
-            } else {
-                excess
-            };
+            let excess = if excess.is_nan() { f64::INFINITY } else { excess };
             if excess > tolerance && worst.is_none_or(|(_, worst_excess)| excess > worst_excess) {
                 worst = Some((index, excess));
             }

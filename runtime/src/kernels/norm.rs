@@ -32,10 +32,7 @@ fn validate(x: &[f32], weight: &[f32], out: &[f32], hidden: usize) -> Result<(),
         return Ok(());
     }
     if hidden == 0 {
-        return Err(KernelError::ZeroDim {
-            kernel: "rms_norm",
-            what: "hidden",
-        });
+        return Err(KernelError::ZeroDim { kernel: "rms_norm", what: "hidden" });
     }
     if x.len() % hidden != 0 {
         return Err(KernelError::NotDivisible {
@@ -56,18 +53,14 @@ mod tests {
     /// Normalises `rows` rows of seeded data and compares with the formula evaluated in f64.
     #[track_caller]
     fn check(rows: usize, hidden: usize, eps: f32, input_scale: f32) {
-        let x: Vec<f32> = values(rows * hidden, 7)
-            .iter()
-            .map(|v| v * input_scale)
-            .collect();
+        let x: Vec<f32> = values(rows * hidden, 7).iter().map(|v| v * input_scale).collect();
         let weight = values(hidden, 8);
         let mut want = vec![0.0f64; rows * hidden];
         for row in 0..rows {
             let slice = &x[row * hidden..(row + 1) * hidden];
             let mean: f64 = slice.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hidden as f64;
             for i in 0..hidden {
-                want[row * hidden + i] =
-                    slice[i] as f64 / (mean + eps as f64).sqrt() * weight[i] as f64;
+                want[row * hidden + i] = slice[i] as f64 / (mean + eps as f64).sqrt() * weight[i] as f64;
             }
         }
         let mut out = vec![f32::NAN; x.len()];
@@ -87,9 +80,6 @@ mod tests {
     #[test]
     fn bad_row_length_is_an_error() {
         let error = validate(&[0.0; 10], &[1.0; 4], &[0.0; 10], 4).unwrap_err();
-        assert_eq!(
-            error.to_string(),
-            "rms_norm: x length = 10 is not divisible by 4; make x length a multiple of 4"
-        );
+        assert_eq!(error.to_string(), "rms_norm: x length = 10 is not divisible by 4; make x length a multiple of 4");
     }
 }

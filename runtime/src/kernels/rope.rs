@@ -25,9 +25,7 @@ pub fn rope_in_place(
     positions: &[u32],
     inv_freq: &[f32],
 ) {
-    expect_valid(validate(
-        x, batch, seq, heads, head_dim, positions, inv_freq,
-    ));
+    expect_valid(validate(x, batch, seq, heads, head_dim, positions, inv_freq));
     let half = head_dim / 2;
     if x.is_empty() || half == 0 {
         return;
@@ -75,10 +73,7 @@ fn validate(
             divisor: 2,
         });
     }
-    let elements = batch
-        .saturating_mul(seq)
-        .saturating_mul(heads)
-        .saturating_mul(head_dim);
+    let elements = batch.saturating_mul(seq).saturating_mul(heads).saturating_mul(head_dim);
     check_len("rope_in_place", "x", elements, x.len())?;
     check_len("rope_in_place", "positions", seq, positions.len())?;
     check_len("rope_in_place", "inv_freq", head_dim / 2, inv_freq.len())
@@ -94,9 +89,7 @@ mod tests {
     fn check(batch: usize, seq: usize, heads: usize, head_dim: usize, positions: &[u32]) {
         let half = head_dim / 2;
         // Llama's frequencies: base^(-2i/d).
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / head_dim as f32))
-            .collect();
+        let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / head_dim as f32)).collect();
         let x = values(batch * seq * heads * head_dim, 11);
         let mut want = vec![0.0f64; x.len()];
         for b in 0..batch {

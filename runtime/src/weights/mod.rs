@@ -31,12 +31,7 @@ pub trait WeightSource: Send + Sync {
     ///
     /// `region` has one `(start, len)` per dim of `shape`; the result has `product(len)` elements, ordered
     /// row-major over the region (the last dim fastest).
-    fn read(
-        &self,
-        name: &str,
-        shape: &[u64],
-        region: &[(u64, u64)],
-    ) -> Result<Vec<f32>, WeightError>;
+    fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<Vec<f32>, WeightError>;
 }
 
 /// Everything that can go wrong finding, reading or writing weights.

@@ -10,9 +10,7 @@ use super::WeightError;
 
 /// Number of elements of `shape`, or `None` when the product overflows `u64`.
 pub(crate) fn element_count(shape: &[u64]) -> Option<u64> {
-    shape
-        .iter()
-        .try_fold(1u64, |product, &dim| product.checked_mul(dim))
+    shape.iter().try_fold(1u64, |product, &dim| product.checked_mul(dim))
 }
 
 /// Whether `file_shape` is `model_shape` with runs of adjacent dims merged into one (their product).
@@ -20,9 +18,7 @@ pub(crate) fn element_count(shape: &[u64]) -> Option<u64> {
 /// Size-1 dims are ignored on both sides because inserting or removing them never changes element order.
 /// Tensors with no elements match only tensors with no elements.
 pub(crate) fn is_merged_view(model_shape: &[u64], file_shape: &[u64]) -> bool {
-    let (Some(model_count), Some(file_count)) =
-        (element_count(model_shape), element_count(file_shape))
-    else {
+    let (Some(model_count), Some(file_count)) = (element_count(model_shape), element_count(file_shape)) else {
         return false;
     };
     if model_count != file_count {
@@ -50,16 +46,9 @@ pub(crate) fn is_merged_view(model_shape: &[u64], file_shape: &[u64]) -> bool {
 
 /// Checks that `region` has one `(start, len)` per dim of `shape` and lies inside it, and that the
 /// tensor's element count fits in `u64`. Returns the number of elements in the region.
-pub(crate) fn check_region(
-    name: &str,
-    shape: &[u64],
-    region: &[(u64, u64)],
-) -> Result<usize, WeightError> {
-    let out_of_bounds = || WeightError::RegionOutOfBounds {
-        name: name.to_string(),
-        region: region.to_vec(),
-        shape: shape.to_vec(),
-    };
+pub(crate) fn check_region(name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<usize, WeightError> {
+    let out_of_bounds =
+        || WeightError::RegionOutOfBounds { name: name.to_string(), region: region.to_vec(), shape: shape.to_vec() };
     if region.len() != shape.len() || element_count(shape).is_none() {
         return Err(out_of_bounds());
     }
@@ -69,8 +58,8 @@ pub(crate) fn check_region(
             _ => return Err(out_of_bounds()),
         }
     }
-    let region_count = element_count(&region.iter().map(|&(_, len)| len).collect::<Vec<_>>())
-        .ok_or_else(out_of_bounds)?;
+    let region_count =
+        element_count(&region.iter().map(|&(_, len)| len).collect::<Vec<_>>()).ok_or_else(out_of_bounds)?;
     usize::try_from(region_count).map_err(|_| out_of_bounds())
 }
 
@@ -155,10 +144,7 @@ mod tests {
         let count = check_region("t", shape, region).unwrap();
         let got = runs(shape, region);
         assert_eq!(got, expected_runs, "runs of {region:?} in {shape:?}");
-        let flattened: Vec<u64> = got
-            .iter()
-            .flat_map(|&(start, len)| start..start + len)
-            .collect();
+        let flattened: Vec<u64> = got.iter().flat_map(|&(start, len)| start..start + len).collect();
         assert_eq!(flattened, naive_flat_indices(shape, region));
         assert_eq!(flattened.len(), count);
     }
@@ -169,11 +155,7 @@ mod tests {
         check_runs(&[4, 6], &[(1, 2), (0, 6)], &[(6, 12)]);
         check_runs(&[4, 6], &[(1, 2), (2, 3)], &[(8, 3), (14, 3)]);
         check_runs(&[2, 3, 4], &[(0, 2), (1, 2), (0, 4)], &[(4, 8), (16, 8)]);
-        check_runs(
-            &[2, 3, 4],
-            &[(1, 1), (0, 3), (1, 2)],
-            &[(13, 2), (17, 2), (21, 2)],
-        );
+        check_runs(&[2, 3, 4], &[(1, 1), (0, 3), (1, 2)], &[(13, 2), (17, 2), (21, 2)]);
         check_runs(&[5], &[(2, 3)], &[(2, 3)]);
         check_runs(&[], &[], &[(0, 1)]);
         check_runs(&[3, 4], &[(1, 0), (0, 4)], &[]);
@@ -182,17 +164,13 @@ mod tests {
     #[test]
     fn runs_match_brute_force_on_every_region_of_a_small_shape() {
         let shape = [3u64, 2, 4];
-        let ranges = |dim: u64| {
-            (0..=dim).flat_map(move |start| (0..=dim - start).map(move |len| (start, len)))
-        };
+        let ranges = |dim: u64| (0..=dim).flat_map(move |start| (0..=dim - start).map(move |len| (start, len)));
         for first in ranges(3) {
             for second in ranges(2) {
                 for third in ranges(4) {
                     let region = [first, second, third];
-                    let flattened: Vec<u64> = runs(&shape, &region)
-                        .iter()
-                        .flat_map(|&(start, len)| start..start + len)
-                        .collect();
+                    let flattened: Vec<u64> =
+                        runs(&shape, &region).iter().flat_map(|&(start, len)| start..start + len).collect();
                     assert_eq!(flattened, naive_flat_indices(&shape, &region), "{region:?}");
                 }
             }

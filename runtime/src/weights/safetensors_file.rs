@@ -61,13 +61,8 @@ impl SafetensorsWeights {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, WeightError> {
         let path = path.as_ref();
         let metadata = fs::metadata(path).map_err(|error| match error.kind() {
-            std::io::ErrorKind::NotFound => WeightError::FileMissing {
-                path: path.to_path_buf(),
-            },
-            _ => WeightError::Malformed {
-                path: path.to_path_buf(),
-                reason: error.to_string(),
-            },
+            std::io::ErrorKind::NotFound => WeightError::FileMissing { path: path.to_path_buf() },
+            _ => WeightError::Malformed { path: path.to_path_buf(), reason: error.to_string() },
         })?;
         if metadata.is_dir() {
             let single = path.join(SINGLE_FILE_NAME);
@@ -77,14 +72,9 @@ impl SafetensorsWeights {
             } else if index.is_file() {
                 Self::open_index(&index)
             } else {
-                Err(WeightError::NoCheckpointInDirectory {
-                    dir: path.to_path_buf(),
-                })
+                Err(WeightError::NoCheckpointInDirectory { dir: path.to_path_buf() })
             }
-        } else if path
-            .extension()
-            .is_some_and(|extension| extension == "json")
-        {
+        } else if path.extension().is_some_and(|extension| extension == "json") {
             Self::open_index(path)
         } else {
             Self::open_single(path)
@@ -103,21 +93,14 @@ impl SafetensorsWeights {
 
     fn open_single(path: &Path) -> Result<Self, WeightError> {
         let (shard, entries) = map_shard(path, 0)?;
-        Ok(Self {
-            origin: path.to_path_buf(),
-            shards: vec![shard],
-            tensors: entries,
-        })
+        Ok(Self { origin: path.to_path_buf(), shards: vec![shard], tensors: entries })
     }
 
     fn open_index(index: &Path) -> Result<Self, WeightError> {
-        let malformed = |reason: String| WeightError::Malformed {
-            path: index.to_path_buf(),
-            reason,
-        };
+        let malformed = |reason: String| WeightError::Malformed { path: index.to_path_buf(), reason };
         let text = fs::read_to_string(index).map_err(|error| malformed(error.to_string()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|error| malformed(format!("invalid JSON: {error}")))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|error| malformed(format!("invalid JSON: {error}")))?;
         let weight_map = json
             .get("weight_map")
             .and_then(serde_json::Value::as_object)
@@ -125,9 +108,8 @@ impl SafetensorsWeights {
         // Group by shard file; BTreeMap keeps shard order deterministic.
         let mut tensors_by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for (tensor, file) in weight_map {
-            let file = file.as_str().ok_or_else(|| {
-                malformed(format!("weight_map entry `{tensor}` is not a file name"))
-            })?;
+            let file =
+                file.as_str().ok_or_else(|| malformed(format!("weight_map entry `{tensor}` is not a file name")))?;
             tensors_by_file.entry(file).or_default().push(tensor);
         }
         let directory = index.parent().unwrap_or_else(|| Path::new(""));
@@ -145,52 +127,31 @@ impl SafetensorsWeights {
             let (shard, mut entries) = map_shard(&shard_path, shard_index)?;
             for tensor in listed {
                 let entry = entries.remove(tensor).ok_or_else(|| {
-                    malformed(format!(
-                        "weight_map puts `{tensor}` in {file}, which has no such tensor"
-                    ))
+                    malformed(format!("weight_map puts `{tensor}` in {file}, which has no such tensor"))
                 })?;
                 tensors.insert(tensor.to_string(), entry);
             }
             shards.push(shard);
         }
-        Ok(Self {
-            origin: index.to_path_buf(),
-            shards,
-            tensors,
-        })
+        Ok(Self { origin: index.to_path_buf(), shards, tensors })
     }
 
     /// Up to [`MAX_SIMILAR_NAMES`] tensor names closest to `name` by edit distance.
     fn similar_names(&self, name: &str) -> Vec<String> {
-        let mut ranked: Vec<(usize, &String)> = self
-            .tensors
-            .keys()
-            .map(|candidate| (edit_distance(name, candidate), candidate))
-            .collect();
+        let mut ranked: Vec<(usize, &String)> =
+            self.tensors.keys().map(|candidate| (edit_distance(name, candidate), candidate)).collect();
         ranked.sort();
-        ranked
-            .into_iter()
-            .take(MAX_SIMILAR_NAMES)
-            .map(|(_, candidate)| candidate.clone())
-            .collect()
+        ranked.into_iter().take(MAX_SIMILAR_NAMES).map(|(_, candidate)| candidate.clone()).collect()
     }
 }
 
 impl WeightSource for SafetensorsWeights {
-    fn read(
-        &self,
-        name: &str,
-        shape: &[u64],
-        region: &[(u64, u64)],
-    ) -> Result<Vec<f32>, WeightError> {
-        let entry = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| WeightError::TensorMissing {
-                name: name.to_string(),
-                file: self.origin.clone(),
-                similar: self.similar_names(name),
-            })?;
+    fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<Vec<f32>, WeightError> {
+        let entry = self.tensors.get(name).ok_or_else(|| WeightError::TensorMissing {
+            name: name.to_string(),
+            file: self.origin.clone(),
+            similar: self.similar_names(name),
+        })?;
         let shard = &self.shards[entry.shard];
         let bytes_per_element = match entry.dtype {
             Dtype::F32 => 4,
@@ -227,48 +188,31 @@ impl WeightSource for SafetensorsWeights {
 /// Appends the little-endian elements in `bytes` to `out` as `f32`. `dtype` is F32, BF16 or F16.
 fn convert_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
     match dtype {
-        Dtype::BF16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|pair| half::bf16::from_le_bytes([pair[0], pair[1]]).to_f32()),
-        ),
-        Dtype::F16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|pair| half::f16::from_le_bytes([pair[0], pair[1]]).to_f32()),
-        ),
-        _ => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|quad| f32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]])),
-        ),
+        Dtype::BF16 => {
+            out.extend(bytes.chunks_exact(2).map(|pair| half::bf16::from_le_bytes([pair[0], pair[1]]).to_f32()))
+        }
+        Dtype::F16 => {
+            out.extend(bytes.chunks_exact(2).map(|pair| half::f16::from_le_bytes([pair[0], pair[1]]).to_f32()))
+        }
+        _ => out.extend(bytes.chunks_exact(4).map(|quad| f32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]]))),
     }
 }
 
 /// Maps `path` and parses its header into tensor entries tagged with `shard_index`.
-fn map_shard(
-    path: &Path,
-    shard_index: usize,
-) -> Result<(Shard, BTreeMap<String, TensorEntry>), WeightError> {
-    let malformed = |reason: String| WeightError::Malformed {
-        path: path.to_path_buf(),
-        reason,
-    };
+fn map_shard(path: &Path, shard_index: usize) -> Result<(Shard, BTreeMap<String, TensorEntry>), WeightError> {
+    let malformed = |reason: String| WeightError::Malformed { path: path.to_path_buf(), reason };
     let file = fs::File::open(path).map_err(|error| match error.kind() {
-        std::io::ErrorKind::NotFound => WeightError::FileMissing {
-            path: path.to_path_buf(),
-        },
+        std::io::ErrorKind::NotFound => WeightError::FileMissing { path: path.to_path_buf() },
         _ => malformed(error.to_string()),
     })?;
     // SAFETY: the mapping is read-only and private to this process. Another process truncating or
     // rewriting the checkpoint while it is mapped is outside what any mmap-based loader can guard against;
     // `write_safetensors` itself replaces files by rename, which leaves existing mappings intact.
-    let mmap = unsafe { Mmap::map(&file) }
-        .map_err(|error| malformed(format!("cannot map it: {error}")))?;
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|error| malformed(format!("cannot map it: {error}")))?;
     // read_metadata checks that the offsets tile the data section and match each shape and dtype, and that
     // the data section ends exactly at the end of the file, so every entry's byte range lies in the mapping.
-    let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
-        .map_err(|error| malformed(format!("not a safetensors file: {error}")))?;
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(&mmap).map_err(|error| malformed(format!("not a safetensors file: {error}")))?;
     let data_start = std::mem::size_of::<u64>() + header_len;
     let entries = metadata
         .tensors()
@@ -284,13 +228,7 @@ fn map_shard(
             (name, entry)
         })
         .collect();
-    Ok((
-        Shard {
-            path: path.to_path_buf(),
-            mmap,
-        },
-        entries,
-    ))
+    Ok((Shard { path: path.to_path_buf(), mmap }, entries))
 }
 
 /// Levenshtein distance between two names, counted in chars.
@@ -314,26 +252,15 @@ fn edit_distance(left: &str, right: &str) -> usize {
 /// The file is written to a temporary sibling (`.NAME.tmp.PID`), flushed to disk and renamed over `path`,
 /// so a reader sees either the old file or the complete new one. Each `data` must hold exactly the
 /// shape's element count in row-major order, and names must be unique and not `__metadata__`.
-pub fn write_safetensors(
-    path: impl AsRef<Path>,
-    tensors: &[(String, Vec<u64>, Vec<f32>)],
-) -> Result<(), WeightError> {
+pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Vec<u64>, Vec<f32>)]) -> Result<(), WeightError> {
     let path = path.as_ref();
-    let write_failed = |reason: String| WeightError::WriteFailed {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let write_failed = |reason: String| WeightError::WriteFailed { path: path.to_path_buf(), reason };
     let mut seen = BTreeSet::new();
     let mut encoded = Vec::with_capacity(tensors.len());
     for (name, shape, data) in tensors {
-        let invalid = |reason: String| WeightError::InvalidTensorToWrite {
-            name: name.clone(),
-            reason,
-        };
+        let invalid = |reason: String| WeightError::InvalidTensorToWrite { name: name.clone(), reason };
         if name == "__metadata__" {
-            return Err(invalid(
-                "`__metadata__` is reserved by the safetensors format".to_string(),
-            ));
+            return Err(invalid("`__metadata__` is reserved by the safetensors format".to_string()));
         }
         if !seen.insert(name.as_str()) {
             return Err(invalid("two tensors have this name".to_string()));
@@ -356,21 +283,14 @@ pub fn write_safetensors(
     }
     let mut views = Vec::with_capacity(encoded.len());
     for (name, shape, bytes) in &encoded {
-        let view = TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(|error| {
-            WeightError::InvalidTensorToWrite {
-                name: name.to_string(),
-                reason: error.to_string(),
-            }
-        })?;
+        let view = TensorView::new(Dtype::F32, shape.clone(), bytes)
+            .map_err(|error| WeightError::InvalidTensorToWrite { name: name.to_string(), reason: error.to_string() })?;
         views.push((*name, view));
     }
-    let serialized =
-        safetensors::serialize(views, None).map_err(|error| write_failed(error.to_string()))?;
+    let serialized = safetensors::serialize(views, None).map_err(|error| write_failed(error.to_string()))?;
 
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| write_failed("the path names no file".to_string()))?
-        .to_string_lossy();
+    let file_name =
+        path.file_name().ok_or_else(|| write_failed("the path names no file".to_string()))?.to_string_lossy();
     let temporary = path.with_file_name(format!(".{file_name}.tmp.{}", std::process::id()));
     let written = fs::File::create(&temporary)
         .and_then(|mut file| {

@@ -42,12 +42,7 @@ impl SeededWeights {
 }
 
 impl WeightSource for SeededWeights {
-    fn read(
-        &self,
-        name: &str,
-        shape: &[u64],
-        region: &[(u64, u64)],
-    ) -> Result<Vec<f32>, WeightError> {
+    fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<Vec<f32>, WeightError> {
         let count = check_region(name, shape, region)?;
         let (offset, scale) = distribution(name, shape);
         let tensor_key = splitmix64(self.seed ^ fnv1a(name));
@@ -92,9 +87,7 @@ fn splitmix64(state: u64) -> u64 {
 
 /// 64-bit FNV-1a of the name's bytes: a fixed, platform-independent hash (std's hasher is not).
 fn fnv1a(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 #[cfg(test)]
@@ -123,12 +116,7 @@ mod tests {
         let weights = SeededWeights::new(7);
         let shape = [12u64, 10];
         let full = weights.read(Q_PROJ, &shape, &full_region(&shape)).unwrap();
-        for region in [
-            vec![(0, 6), (0, 10)],
-            vec![(6, 6), (0, 10)],
-            vec![(3, 4), (2, 5)],
-            vec![(11, 1), (9, 1)],
-        ] {
+        for region in [vec![(0, 6), (0, 10)], vec![(6, 6), (0, 10)], vec![(3, 4), (2, 5)], vec![(11, 1), (9, 1)]] {
             let part = weights.read(Q_PROJ, &shape, &region).unwrap();
             assert_eq!(part, slice_2d(&full, 10, &region), "{region:?}");
         }
@@ -137,17 +125,11 @@ mod tests {
     #[test]
     fn split_leading_dims_read_the_same_numbers() {
         let weights = SeededWeights::new(3);
-        let merged = weights
-            .read(Q_PROJ, &[128, 16], &[(0, 128), (0, 16)])
-            .unwrap();
-        let split = weights
-            .read(Q_PROJ, &[8, 16, 16], &[(0, 8), (0, 16), (0, 16)])
-            .unwrap();
+        let merged = weights.read(Q_PROJ, &[128, 16], &[(0, 128), (0, 16)]).unwrap();
+        let split = weights.read(Q_PROJ, &[8, 16, 16], &[(0, 8), (0, 16), (0, 16)]).unwrap();
         assert_eq!(merged, split);
         // Head 2, dims 4..12 of head_dim: rows 2*16+4 .. 2*16+12 of the merged view.
-        let head = weights
-            .read(Q_PROJ, &[8, 16, 16], &[(2, 1), (4, 8), (0, 16)])
-            .unwrap();
+        let head = weights.read(Q_PROJ, &[8, 16, 16], &[(2, 1), (4, 8), (0, 16)]).unwrap();
         assert_eq!(head, slice_2d(&merged, 16, &[(36, 8), (0, 16)]));
     }
 
@@ -155,18 +137,11 @@ mod tests {
     fn same_seed_same_numbers_other_seed_or_name_other_numbers() {
         let shape = [4u64, 8];
         let region = full_region(&shape);
-        let first = SeededWeights::new(42)
-            .read(Q_PROJ, &shape, &region)
-            .unwrap();
-        let second = SeededWeights::new(42)
-            .read(Q_PROJ, &shape, &region)
-            .unwrap();
+        let first = SeededWeights::new(42).read(Q_PROJ, &shape, &region).unwrap();
+        let second = SeededWeights::new(42).read(Q_PROJ, &shape, &region).unwrap();
         assert_eq!(first, second);
-        let other_seed = SeededWeights::new(43)
-            .read(Q_PROJ, &shape, &region)
-            .unwrap();
-        let other_name =
-            SeededWeights::new(42).read("model.layers.0.self_attn.k_proj.weight", &shape, &region);
+        let other_seed = SeededWeights::new(43).read(Q_PROJ, &shape, &region).unwrap();
+        let other_name = SeededWeights::new(42).read("model.layers.0.self_attn.k_proj.weight", &shape, &region);
         assert_ne!(first, other_seed);
         assert_ne!(first, other_name.unwrap());
     }
@@ -175,43 +150,20 @@ mod tests {
     fn values_follow_the_documented_distribution() {
         let weights = SeededWeights::new(1);
         let fan_in = 64u64;
-        let linear = weights
-            .read(Q_PROJ, &[256, fan_in], &[(0, 256), (0, fan_in)])
-            .unwrap();
+        let linear = weights.read(Q_PROJ, &[256, fan_in], &[(0, 256), (0, fan_in)]).unwrap();
         let bound = 3f32.sqrt() / (fan_in as f32).sqrt();
         assert!(linear.iter().all(|&value| (-bound..bound).contains(&value)));
-        let variance = linear
-            .iter()
-            .map(|&value| f64::from(value).powi(2))
-            .sum::<f64>()
-            / linear.len() as f64;
-        assert!(
-            (variance * fan_in as f64 - 1.0).abs() < 0.1,
-            "variance {variance}"
-        );
+        let variance = linear.iter().map(|&value| f64::from(value).powi(2)).sum::<f64>() / linear.len() as f64;
+        assert!((variance * fan_in as f64 - 1.0).abs() < 0.1, "variance {variance}");
 
-        for name in [
-            "model.norm.weight",
-            "model.layers.3.post_attention_layernorm.weight",
-        ] {
+        for name in ["model.norm.weight", "model.layers.3.post_attention_layernorm.weight"] {
             let gains = weights.read(name, &[512], &[(0, 512)]).unwrap();
-            assert!(
-                gains.iter().all(|&value| (0.9..1.1).contains(&value)),
-                "{name}"
-            );
+            assert!(gains.iter().all(|&value| (0.9..1.1).contains(&value)), "{name}");
         }
 
-        let embedding = weights
-            .read("model.embed_tokens.weight", &[64, 64], &[(0, 64), (0, 64)])
-            .unwrap();
-        assert!(embedding
-            .iter()
-            .all(|&value| (-3f32.sqrt()..3f32.sqrt()).contains(&value)));
-        let mean_square = embedding
-            .iter()
-            .map(|&value| f64::from(value).powi(2))
-            .sum::<f64>()
-            / 4096.0;
+        let embedding = weights.read("model.embed_tokens.weight", &[64, 64], &[(0, 64), (0, 64)]).unwrap();
+        assert!(embedding.iter().all(|&value| (-3f32.sqrt()..3f32.sqrt()).contains(&value)));
+        let mean_square = embedding.iter().map(|&value| f64::from(value).powi(2)).sum::<f64>() / 4096.0;
         assert!((mean_square - 1.0).abs() < 0.1, "mean square {mean_square}");
     }
 
@@ -223,15 +175,9 @@ mod tests {
             let bits = splitmix64(key(name).wrapping_add(index));
             (bits >> 40) as f64 / 16_777_216.0 * 2.0 - 1.0
         };
-        let norm = SeededWeights::new(9)
-            .read("model.norm.weight", &[8], &[(5, 1)])
-            .unwrap();
-        assert!(
-            (f64::from(norm[0]) - (1.0 + 0.1 * expected_u("model.norm.weight", 5))).abs() < 1e-6
-        );
-        let linear = SeededWeights::new(9)
-            .read("lm_head.weight", &[2, 4], &[(1, 1), (1, 1)])
-            .unwrap();
+        let norm = SeededWeights::new(9).read("model.norm.weight", &[8], &[(5, 1)]).unwrap();
+        assert!((f64::from(norm[0]) - (1.0 + 0.1 * expected_u("model.norm.weight", 5))).abs() < 1e-6);
+        let linear = SeededWeights::new(9).read("lm_head.weight", &[2, 4], &[(1, 1), (1, 1)]).unwrap();
         let want = expected_u("lm_head.weight", 5) * 3f64.sqrt() / 2.0;
         assert!((f64::from(linear[0]) - want).abs() < 1e-6);
         // FNV-1a's published test vector, so the hash is the standard one.
@@ -240,9 +186,7 @@ mod tests {
 
     #[test]
     fn out_of_bounds_region_is_an_error() {
-        let error = SeededWeights::new(0)
-            .read(Q_PROJ, &[4, 4], &[(2, 3), (0, 4)])
-            .unwrap_err();
+        let error = SeededWeights::new(0).read(Q_PROJ, &[4, 4], &[(2, 3), (0, 4)]).unwrap_err();
         assert_eq!(
             error,
             WeightError::RegionOutOfBounds {

@@ -17,12 +17,7 @@ fn ranks_calling_different_collectives_get_a_mismatch() {
     let kinds = [CollectiveKind::AllReduce, CollectiveKind::AllGather];
     for (rank, result) in results.into_iter().enumerate() {
         match result {
-            Err(CommError::Mismatch {
-                rank: reporter,
-                peer,
-                expected,
-                got,
-            }) => {
+            Err(CommError::Mismatch { rank: reporter, peer, expected, got }) => {
                 assert_eq!((reporter, peer), (rank as u32, 1 - rank as u32));
                 assert_eq!((expected.kind, got.kind), (kinds[rank], kinds[1 - rank]));
             }
@@ -44,18 +39,7 @@ fn ranks_passing_different_sizes_get_a_mismatch() {
          where all_reduce #0 over [0,1] of 4 elements (message of 2) was expected; make every member \
          of the group call the same collectives with the same sizes in the same order"
     );
-    assert!(
-        matches!(
-            results[1],
-            Err(CommError::Mismatch {
-                rank: 1,
-                peer: 0,
-                ..
-            })
-        ),
-        "{:?}",
-        results[1]
-    );
+    assert!(matches!(results[1], Err(CommError::Mismatch { rank: 1, peer: 0, .. })), "{:?}", results[1]);
 }
 
 #[test]
@@ -69,12 +53,7 @@ fn recv_of_another_length_than_sent_is_a_mismatch() {
     });
     assert_eq!(results[0], Ok(()));
     match &results[1] {
-        Err(CommError::Mismatch {
-            rank: 1,
-            peer: 0,
-            expected,
-            got,
-        }) => {
+        Err(CommError::Mismatch { rank: 1, peer: 0, expected, got }) => {
             assert_eq!((expected.message_elements, got.message_elements), (4, 3));
         }
         other => panic!("expected a mismatch, got {other:?}"),
@@ -96,12 +75,7 @@ fn timeout_names_the_rank_that_never_arrived() {
     let mut timeouts = 0;
     for (rank, result) in results[..3].iter().enumerate() {
         match result {
-            Err(CommError::Timeout {
-                rank: reporter,
-                op,
-                waiting_for,
-                after,
-            }) => {
+            Err(CommError::Timeout { rank: reporter, op, waiting_for, after }) => {
                 assert_eq!(*reporter, rank as u32);
                 assert_eq!(op, "all_reduce over [0,1,2,3]");
                 assert_eq!(waiting_for, &vec![3]);
@@ -109,10 +83,7 @@ fn timeout_names_the_rank_that_never_arrived() {
                 timeouts += 1;
             }
             Err(CommError::PeerFailed { reason, .. }) => {
-                assert!(
-                    reason.contains("waiting for rank(s) [3]"),
-                    "rank {rank}: {reason}"
-                );
+                assert!(reason.contains("waiting for rank(s) [3]"), "rank {rank}: {reason}");
             }
             other => panic!("rank {rank}: expected a timeout, got {other:?}"),
         }
@@ -129,10 +100,7 @@ fn recv_timeout_names_the_silent_peer() {
         comm.recv(1, &mut [0.0; 2])
     });
     let error = results[0].as_ref().unwrap_err();
-    assert!(
-        matches!(error, CommError::Timeout { rank: 0, waiting_for, .. } if waiting_for == &vec![1]),
-        "{error:?}"
-    );
+    assert!(matches!(error, CommError::Timeout { rank: 0, waiting_for, .. } if waiting_for == &vec![1]), "{error:?}");
     assert_eq!(
         error.to_string(),
         "rank 0: send/recv from rank 1 to rank 0 timed out after 200ms waiting for rank(s) [1]; \
@@ -154,12 +122,7 @@ fn a_panicking_rank_makes_its_peers_fail_naming_it() {
     assert!(results[2].is_err(), "rank 2 should have panicked");
     for rank in [0, 1, 3] {
         match results[rank].as_ref().expect("only rank 2 panics") {
-            Err(CommError::PeerFailed {
-                rank: reporter,
-                peer: 2,
-                reason,
-                op,
-            }) => {
+            Err(CommError::PeerFailed { rank: reporter, peer: 2, reason, op }) => {
                 assert_eq!(*reporter, rank as u32);
                 assert_eq!(reason, "the thread of rank 2 panicked");
                 assert_eq!(op, "all_reduce over [0,1,2,3]");
@@ -189,9 +152,9 @@ fn an_abort_reaches_the_peers_and_stops_the_aborting_rank() {
             matches!(error, CommError::PeerFailed { peer: 1, reason, .. } if reason == "out of memory on rank 1"),
             "rank {rank}: {error:?}"
         );
-        assert!(error.to_string().starts_with(&format!(
-            "rank {rank}: all_reduce over [0,1,2] cannot complete because rank 1 failed"
-        )));
+        assert!(error
+            .to_string()
+            .starts_with(&format!("rank {rank}: all_reduce over [0,1,2] cannot complete because rank 1 failed")));
     }
 }
 
@@ -209,59 +172,27 @@ fn bad_arguments_are_errors_that_name_the_problem() {
     ));
     assert!(matches!(
         first_error(|comm| comm.all_reduce(&Group::new(vec![0, 7]), &mut [0.0; 2])),
-        CommError::RankOutOfWorld {
-            member: 7,
-            world_size: 4,
-            ..
-        }
+        CommError::RankOutOfWorld { member: 7, world_size: 4, .. }
     ));
     assert!(matches!(
         first_error(|comm| comm.barrier(&Group::new(vec![0, 1, 0]))),
         CommError::DuplicateRank { member: 0, .. }
     ));
-    assert!(matches!(
-        first_error(|comm| comm.barrier(&Group::new(vec![]))),
-        CommError::EmptyGroup { rank: 0, .. }
-    ));
+    assert!(matches!(first_error(|comm| comm.barrier(&Group::new(vec![]))), CommError::EmptyGroup { rank: 0, .. }));
     assert!(matches!(
         first_error(|comm| comm.reduce_scatter(&pair, &[0.0; 5], &mut [0.0; 2])),
-        CommError::NotDivisible {
-            buffer: "input",
-            len: 5,
-            group_size: 2,
-            ..
-        }
+        CommError::NotDivisible { buffer: "input", len: 5, group_size: 2, .. }
     ));
     assert!(matches!(
         first_error(|comm| comm.all_gather(&pair, &[0.0; 2], &mut [0.0; 5])),
-        CommError::BufferLength {
-            buffer: "output",
-            expected: 4,
-            got: 5,
-            ..
-        }
+        CommError::BufferLength { buffer: "output", expected: 4, got: 5, .. }
     ));
     assert!(matches!(
         first_error(|comm| comm.all_to_all(&pair, &[0.0; 4], &mut [0.0; 2])),
-        CommError::BufferLength {
-            buffer: "output",
-            expected: 4,
-            got: 2,
-            ..
-        }
+        CommError::BufferLength { buffer: "output", expected: 4, got: 2, .. }
     ));
-    assert!(matches!(
-        first_error(|comm| comm.send(0, &[1.0])),
-        CommError::InvalidPeer {
-            peer: 0,
-            world_size: 4,
-            ..
-        }
-    ));
-    assert!(matches!(
-        first_error(|comm| comm.recv(9, &mut [0.0])),
-        CommError::InvalidPeer { peer: 9, .. }
-    ));
+    assert!(matches!(first_error(|comm| comm.send(0, &[1.0])), CommError::InvalidPeer { peer: 0, world_size: 4, .. }));
+    assert!(matches!(first_error(|comm| comm.recv(9, &mut [0.0])), CommError::InvalidPeer { peer: 9, .. }));
     let error = first_error(|comm| comm.broadcast(&pair, 2, &mut [0.0; 3]));
     assert_eq!(
         error.to_string(),

@@ -17,10 +17,7 @@ impl TestDir {
     fn new(label: &str) -> Self {
         static COUNTER: AtomicUsize = AtomicUsize::new(0);
         let unique = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!(
-            "pleat-weights-{label}-{}-{unique}",
-            std::process::id()
-        ));
+        let path = std::env::temp_dir().join(format!("pleat-weights-{label}-{}-{unique}", std::process::id()));
         let _ = fs::remove_dir_all(&path);
         fs::create_dir_all(&path).unwrap();
         Self { path }
@@ -39,9 +36,7 @@ impl Drop for TestDir {
 
 /// Distinct values, exactly representable in f32, BF16 and F16 for the sizes used here.
 fn ramp(count: usize) -> Vec<f32> {
-    (0..count)
-        .map(|index| (index as f32 - 20.0) * 0.125)
-        .collect()
+    (0..count).map(|index| (index as f32 - 20.0) * 0.125).collect()
 }
 
 /// The region of a row-major tensor by brute force over every multi-index (independent of `for_each_run`).
@@ -70,12 +65,7 @@ fn full(shape: &[u64]) -> Vec<(u64, u64)> {
 fn write_raw(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
     let views: Vec<(&str, TensorView<'_>)> = tensors
         .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            (
-                *name,
-                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
-            )
-        })
+        .map(|(name, dtype, shape, bytes)| (*name, TensorView::new(*dtype, shape.clone(), bytes).unwrap()))
         .collect();
     fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
 }
@@ -89,11 +79,7 @@ fn tensor(name: &str, shape: &[u64]) -> (String, Vec<u64>, Vec<f32>) {
 fn write_then_read_full_tensors_and_regions() {
     let dir = TestDir::new("round-trip");
     let path = dir.join("model.safetensors");
-    let tensors = vec![
-        tensor("cube", &[3, 4, 5]),
-        tensor("matrix", &[6, 7]),
-        tensor("scalar", &[]),
-    ];
+    let tensors = vec![tensor("cube", &[3, 4, 5]), tensor("matrix", &[6, 7]), tensor("scalar", &[])];
     write_safetensors(&path, &tensors).unwrap();
 
     let weights = SafetensorsWeights::open(&path).unwrap();
@@ -101,11 +87,7 @@ fn write_then_read_full_tensors_and_regions() {
     assert_eq!(weights.shape("cube"), Some(vec![3, 4, 5]));
     assert_eq!(weights.shape("absent"), None);
     for (name, shape, data) in &tensors {
-        assert_eq!(
-            &weights.read(name, shape, &full(shape)).unwrap(),
-            data,
-            "{name}"
-        );
+        assert_eq!(&weights.read(name, shape, &full(shape)).unwrap(), data, "{name}");
     }
     let cube = &tensors[0].2;
     for region in [
@@ -133,34 +115,15 @@ fn merged_dims_in_the_file_are_read_through_the_model_view() {
     let weights = SafetensorsWeights::open(&path).unwrap();
 
     let model_shape = [8u64, 16, 128];
-    assert_eq!(
-        weights
-            .read(name, &model_shape, &full(&model_shape))
-            .unwrap(),
-        file_tensor.2
-    );
+    assert_eq!(weights.read(name, &model_shape, &full(&model_shape)).unwrap(), file_tensor.2);
     // Heads 2..5 (a tensor-parallel shard), then a cut through heads, head_dim and hidden at once.
-    for region in [
-        vec![(2, 3), (0, 16), (0, 128)],
-        vec![(1, 2), (4, 8), (100, 28)],
-    ] {
+    for region in [vec![(2, 3), (0, 16), (0, 128)], vec![(1, 2), (4, 8), (100, 28)]] {
         let got = weights.read(name, &model_shape, &region).unwrap();
-        assert_eq!(
-            got,
-            naive_slice(&file_tensor.2, &model_shape, &region),
-            "{region:?}"
-        );
+        assert_eq!(got, naive_slice(&file_tensor.2, &model_shape, &region), "{region:?}");
     }
     // Heads 2..5 are rows 32..80 of the file's merged view.
-    let heads = weights
-        .read(name, &model_shape, &[(2, 3), (0, 16), (0, 128)])
-        .unwrap();
-    assert_eq!(
-        heads,
-        weights
-            .read(name, &[128, 128], &[(32, 48), (0, 128)])
-            .unwrap()
-    );
+    let heads = weights.read(name, &model_shape, &[(2, 3), (0, 16), (0, 128)]).unwrap();
+    assert_eq!(heads, weights.read(name, &[128, 128], &[(32, 48), (0, 128)]).unwrap());
 }
 
 #[test]
@@ -169,22 +132,10 @@ fn bf16_and_f16_convert_to_f32() {
     let path = dir.join("half.safetensors");
     let exact = ramp(24);
     let inexact = [0.1f32, -3.3, 1.0e-3, 65000.0];
-    let bf16_bytes: Vec<u8> = exact
-        .iter()
-        .flat_map(|&value| half::bf16::from_f32(value).to_le_bytes())
-        .collect();
-    let f16_bytes: Vec<u8> = exact
-        .iter()
-        .flat_map(|&value| half::f16::from_f32(value).to_le_bytes())
-        .collect();
-    let bf16_inexact: Vec<u8> = inexact
-        .iter()
-        .flat_map(|&value| half::bf16::from_f32(value).to_le_bytes())
-        .collect();
-    let f16_inexact: Vec<u8> = inexact
-        .iter()
-        .flat_map(|&value| half::f16::from_f32(value).to_le_bytes())
-        .collect();
+    let bf16_bytes: Vec<u8> = exact.iter().flat_map(|&value| half::bf16::from_f32(value).to_le_bytes()).collect();
+    let f16_bytes: Vec<u8> = exact.iter().flat_map(|&value| half::f16::from_f32(value).to_le_bytes()).collect();
+    let bf16_inexact: Vec<u8> = inexact.iter().flat_map(|&value| half::bf16::from_f32(value).to_le_bytes()).collect();
+    let f16_inexact: Vec<u8> = inexact.iter().flat_map(|&value| half::f16::from_f32(value).to_le_bytes()).collect();
     write_raw(
         &path,
         &[
@@ -196,31 +147,15 @@ fn bf16_and_f16_convert_to_f32() {
     );
     let weights = SafetensorsWeights::open(&path).unwrap();
     for name in ["bf16", "f16"] {
-        assert_eq!(
-            weights.read(name, &[4, 6], &full(&[4, 6])).unwrap(),
-            exact,
-            "{name}"
-        );
+        assert_eq!(weights.read(name, &[4, 6], &full(&[4, 6])).unwrap(), exact, "{name}");
         let region = [(0, 2), (1, 1), (2, 3)];
         let got = weights.read(name, &[2, 2, 6], &region).unwrap();
         assert_eq!(got, naive_slice(&exact, &[2, 2, 6], &region), "{name}");
     }
-    let bf16_expected: Vec<f32> = inexact
-        .iter()
-        .map(|&value| half::bf16::from_f32(value).to_f32())
-        .collect();
-    let f16_expected: Vec<f32> = inexact
-        .iter()
-        .map(|&value| half::f16::from_f32(value).to_f32())
-        .collect();
-    assert_eq!(
-        weights.read("bf16_inexact", &[4], &[(0, 4)]).unwrap(),
-        bf16_expected
-    );
-    assert_eq!(
-        weights.read("f16_inexact", &[4], &[(0, 4)]).unwrap(),
-        f16_expected
-    );
+    let bf16_expected: Vec<f32> = inexact.iter().map(|&value| half::bf16::from_f32(value).to_f32()).collect();
+    let f16_expected: Vec<f32> = inexact.iter().map(|&value| half::f16::from_f32(value).to_f32()).collect();
+    assert_eq!(weights.read("bf16_inexact", &[4], &[(0, 4)]).unwrap(), bf16_expected);
+    assert_eq!(weights.read("f16_inexact", &[4], &[(0, 4)]).unwrap(), f16_expected);
     // The conversions round, so the checks above would pass vacuously if they did not.
     assert_ne!(bf16_expected[0], 0.1);
     assert_ne!(f16_expected[0], 0.1);
@@ -231,16 +166,8 @@ fn write_sharded(dir: &TestDir) -> Vec<(String, Vec<u64>, Vec<f32>)> {
     let embed = tensor("model.embed_tokens.weight", &[10, 4]);
     let norm = tensor("model.norm.weight", &[4]);
     let head = tensor("lm_head.weight", &[10, 4]);
-    write_safetensors(
-        dir.join("model-00001-of-00002.safetensors"),
-        &[embed.clone(), norm.clone()],
-    )
-    .unwrap();
-    write_safetensors(
-        dir.join("model-00002-of-00002.safetensors"),
-        std::slice::from_ref(&head),
-    )
-    .unwrap();
+    write_safetensors(dir.join("model-00001-of-00002.safetensors"), &[embed.clone(), norm.clone()]).unwrap();
+    write_safetensors(dir.join("model-00002-of-00002.safetensors"), std::slice::from_ref(&head)).unwrap();
     let index = r#"{
         "metadata": {"total_size": 336},
         "weight_map": {
@@ -259,34 +186,15 @@ fn sharded_checkpoints_open_from_the_directory_or_the_index() {
     let tensors = write_sharded(&dir);
     for opened in [dir.path.clone(), dir.join(INDEX_FILE_NAME)] {
         let weights = SafetensorsWeights::open(&opened).unwrap();
-        assert_eq!(
-            weights.names(),
-            vec![
-                "lm_head.weight",
-                "model.embed_tokens.weight",
-                "model.norm.weight"
-            ]
-        );
+        assert_eq!(weights.names(), vec!["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]);
         for (name, shape, data) in &tensors {
-            assert_eq!(
-                &weights.read(name, shape, &full(shape)).unwrap(),
-                data,
-                "{name}"
-            );
+            assert_eq!(&weights.read(name, shape, &full(shape)).unwrap(), data, "{name}");
         }
-        let rows = weights
-            .read("lm_head.weight", &[10, 4], &[(5, 5), (1, 2)])
-            .unwrap();
-        assert_eq!(
-            rows,
-            naive_slice(&tensors[2].2, &[10, 4], &[(5, 5), (1, 2)])
-        );
+        let rows = weights.read("lm_head.weight", &[10, 4], &[(5, 5), (1, 2)]).unwrap();
+        assert_eq!(rows, naive_slice(&tensors[2].2, &[10, 4], &[(5, 5), (1, 2)]));
         // Usable behind the trait object the executor holds.
         let source: &dyn WeightSource = &weights;
-        assert_eq!(
-            source.read("model.norm.weight", &[4], &[(1, 2)]).unwrap(),
-            tensors[1].2[1..3].to_vec()
-        );
+        assert_eq!(source.read("model.norm.weight", &[4], &[(1, 2)]).unwrap(), tensors[1].2[1..3].to_vec());
     }
 }
 
@@ -306,23 +214,11 @@ fn writing_replaces_the_file_atomically_and_leaves_no_temporary() {
     let before = SafetensorsWeights::open(&path).unwrap();
     write_safetensors(&path, &[("logits".to_string(), vec![1, 2], vec![7.0, 8.0])]).unwrap();
     // A mapping taken before the rename still sees the old, complete file.
-    assert_eq!(
-        before.read("logits", &[2, 3], &full(&[2, 3])).unwrap(),
-        ramp(6)
-    );
+    assert_eq!(before.read("logits", &[2, 3], &full(&[2, 3])).unwrap(), ramp(6));
     let after = SafetensorsWeights::open(&path).unwrap();
-    assert_eq!(
-        after.read("logits", &[1, 2], &full(&[1, 2])).unwrap(),
-        vec![7.0, 8.0]
-    );
-    let entries: Vec<_> = fs::read_dir(&dir.path)
-        .unwrap()
-        .map(|entry| entry.unwrap().file_name())
-        .collect();
-    assert_eq!(
-        entries,
-        vec![std::ffi::OsString::from("logits.safetensors")]
-    );
+    assert_eq!(after.read("logits", &[1, 2], &full(&[1, 2])).unwrap(), vec![7.0, 8.0]);
+    let entries: Vec<_> = fs::read_dir(&dir.path).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+    assert_eq!(entries, vec![std::ffi::OsString::from("logits.safetensors")]);
 }
 
 fn message(error: WeightError) -> String {
@@ -351,37 +247,18 @@ fn opening_errors_say_what_to_do() {
     );
 
     let garbage = dir.join("garbage.safetensors");
-    fs::write(
-        &garbage,
-        b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!",
-    )
-    .unwrap();
+    fs::write(&garbage, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!").unwrap();
     let error = SafetensorsWeights::open(&garbage).unwrap_err();
-    let WeightError::Malformed {
-        ref path,
-        ref reason,
-    } = error
-    else {
-        panic!("{error:?}")
-    };
+    let WeightError::Malformed { ref path, ref reason } = error else { panic!("{error:?}") };
     assert_eq!(path, &garbage);
-    assert!(
-        reason.starts_with("not a safetensors file: invalid JSON in header"),
-        "{reason}"
-    );
+    assert!(reason.starts_with("not a safetensors file: invalid JSON in header"), "{reason}");
     assert_eq!(
         message(error.clone()),
-        format!(
-            "cannot read weights file {}: {reason}; re-download or re-export the checkpoint",
-            garbage.display()
-        )
+        format!("cannot read weights file {}: {reason}; re-download or re-export the checkpoint", garbage.display())
     );
     let empty = dir.join("empty.safetensors");
     fs::write(&empty, b"").unwrap();
-    assert!(matches!(
-        SafetensorsWeights::open(&empty),
-        Err(WeightError::Malformed { .. })
-    ));
+    assert!(matches!(SafetensorsWeights::open(&empty), Err(WeightError::Malformed { .. })));
 
     let bad_index = dir.join("bad.index.json");
     fs::write(&bad_index, r#"{"metadata": {}}"#).unwrap();
@@ -478,15 +355,7 @@ fn reading_errors_say_what_to_do() {
 fn unsupported_dtypes_are_named() {
     let dir = TestDir::new("dtype");
     let path = dir.join("ints.safetensors");
-    write_raw(
-        &path,
-        &[(
-            "model.ids",
-            Dtype::I32,
-            vec![2],
-            vec![1, 0, 0, 0, 2, 0, 0, 0],
-        )],
-    );
+    write_raw(&path, &[("model.ids", Dtype::I32, vec![2], vec![1, 0, 0, 0, 2, 0, 0, 0])]);
     let weights = SafetensorsWeights::open(&path).unwrap();
     assert_eq!(
         message(weights.read("model.ids", &[2], &[(0, 2)]).unwrap_err()),
@@ -519,9 +388,7 @@ fn writing_errors_say_what_to_do() {
     );
     let nowhere = dir.join("no-such-dir").join("out.safetensors");
     let error = write_safetensors(&nowhere, &[tensor("w", &[1])]).unwrap_err();
-    let WeightError::WriteFailed { ref reason, .. } = error else {
-        panic!("{error:?}")
-    };
+    let WeightError::WriteFailed { ref reason, .. } = error else { panic!("{error:?}") };
     assert_eq!(
         message(error.clone()),
         format!(
