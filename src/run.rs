@@ -83,7 +83,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let result = execute(args)?;
     report(args, &result)?;
     if let Some(err) = result.max_abs_err {
-        if !(err <= F32_TOL) {
+        if err.is_nan() || err > F32_TOL {
             bail!("max |logits - reference| = {err:e} exceeds the tolerance {F32_TOL:e}");
         }
     }

@@ -31,7 +31,7 @@ fn fixture(name: &str) -> Case {
     let (batch, seq) = (rows.len() as u64, rows[0].len() as u64);
     let tokens: Vec<u32> = rows.into_iter().flatten().collect();
     let weights = SafetensorsWeights::open(&dir).expect("weights");
-    let expected = SafetensorsWeights::open(&dir.join("expected.safetensors")).expect("expected");
+    let expected = SafetensorsWeights::open(dir.join("expected.safetensors")).expect("expected");
     let shape = [batch, seq, config.vocab_size];
     let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
     let logits = expected.read("logits", &shape, &region).expect("logits");

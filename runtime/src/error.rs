@@ -20,7 +20,7 @@ pub enum Error {
         /// The buffer being computed.
         what: String,
         /// The kernel's error.
-        source: KernelError,
+        source: Box<KernelError>,
     },
     /// A collective failed (timeout, dead peer, mismatch).
     #[error("rank {rank}, instruction {instr} ({what}): {source}")]
@@ -32,7 +32,7 @@ pub enum Error {
         /// The buffer being computed.
         what: String,
         /// The communicator's error.
-        source: CommError,
+        source: Box<CommError>,
     },
     /// A weight could not be read.
     #[error("rank {rank}: {source}")]
@@ -40,7 +40,7 @@ pub enum Error {
         /// The rank.
         rank: u32,
         /// The loader's error.
-        source: WeightError,
+        source: Box<WeightError>,
     },
     /// The program is inconsistent with the inputs or itself.
     #[error("rank {rank}, instruction {instr}: {reason}")]

@@ -162,7 +162,10 @@ pub fn execute(
         machine.instr = index;
         match instr {
             Instr::LoadParam { out, name, shape, region } => {
-                let data = inputs.weights.read(name, shape, region).map_err(|source| Error::Weight { rank, source })?;
+                let data = inputs
+                    .weights
+                    .read(name, shape, region)
+                    .map_err(|source| Error::Weight { rank, source: Box::new(source) })?;
                 param_bytes += 4 * data.len() as u64;
                 machine.store(*out, Storage::F32(data))?;
             }
@@ -178,8 +181,9 @@ pub fn execute(
             }
             Instr::AllReduce { input, out, group } => {
                 let mut data = machine.f32(*input)?.to_vec();
-                comm.all_reduce(&CommGroup { ranks: group.ranks.clone() }, &mut data)
-                    .map_err(|source| Error::Comm { rank, instr: index, what: machine.what(*out), source })?;
+                comm.all_reduce(&CommGroup { ranks: group.ranks.clone() }, &mut data).map_err(|source| {
+                    Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) }
+                })?;
                 machine.store(*out, Storage::F32(data))?;
             }
             Instr::ReduceScatter { input, out, group, dim } => {
@@ -188,16 +192,18 @@ pub fn execute(
                 let chunks = kernels::split_dim_chunks(machine.f32(*input)?, &shape, *dim, parts);
                 machine.transient(4 * chunks.len() as u64);
                 let mut data = vec![0.0; chunks.len() / parts];
-                comm.reduce_scatter(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut data)
-                    .map_err(|source| Error::Comm { rank, instr: index, what: machine.what(*out), source })?;
+                comm.reduce_scatter(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut data).map_err(
+                    |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
+                )?;
                 machine.store(*out, Storage::F32(data))?;
             }
             Instr::AllGather { input, out, group, dim } => {
                 let parts = group.ranks.len();
                 let input_data = machine.f32(*input)?;
                 let mut chunks = vec![0.0; input_data.len() * parts];
-                comm.all_gather(&CommGroup { ranks: group.ranks.clone() }, input_data, &mut chunks)
-                    .map_err(|source| Error::Comm { rank, instr: index, what: machine.what(*out), source })?;
+                comm.all_gather(&CommGroup { ranks: group.ranks.clone() }, input_data, &mut chunks).map_err(
+                    |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
+                )?;
                 machine.transient(4 * chunks.len() as u64);
                 let data = kernels::join_dim_chunks(&chunks, &local_shape(program, *out), *dim, parts);
                 machine.store(*out, Storage::F32(data))?;
@@ -239,8 +245,12 @@ fn run_kernel(
     }
     let f32_operand = |index: usize| machine.f32(operands[index]);
     let u32_operand = |index: usize| machine.u32(operands[index]);
-    let kernel_error =
-        |source| Error::Kernel { rank: machine.program.rank, instr: machine.instr, what: machine.what(out), source };
+    let kernel_error = |source: kernels::KernelError| Error::Kernel {
+        rank: machine.program.rank,
+        instr: machine.instr,
+        what: machine.what(out),
+        source: Box::new(source),
+    };
     match kernel {
         Kernel::Embedding { hidden, vocab_offset, vocab_total } => kernels::embedding(
             f32_operand(0)?,

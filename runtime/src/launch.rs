@@ -62,17 +62,11 @@ pub fn run_on_threads(programs: &[Program], inputs: &RunInputs, timeout: Duratio
     for result in results {
         match result {
             Ok(outcome) => outcomes.push(outcome),
-            Err(err) => {
-                let is_echo = matches!(&err, Error::Comm { source: crate::comm::CommError::PeerFailed { .. }, .. });
-                let replace = match &first_error {
-                    None => true,
-                    Some(Error::Comm { source: crate::comm::CommError::PeerFailed { .. }, .. }) => !is_echo,
-                    Some(_) => false,
-                };
-                if replace {
-                    first_error = Some(err);
-                }
+            // A peer's report of a failure only stands in until the failing rank's own error arrives.
+            Err(err) if first_error.as_ref().is_none_or(|first| is_peer_report(first) && !is_peer_report(&err)) => {
+                first_error = Some(err);
             }
+            Err(_) => {}
         }
     }
     match first_error {
@@ -108,4 +102,8 @@ pub fn assemble(outcomes: &[RankOutcome], index: u32) -> Option<(Vec<u64>, Vec<f
         }
     }
     Some((shape, data))
+}
+
+fn is_peer_report(err: &Error) -> bool {
+    matches!(err, Error::Comm { source, .. } if matches!(**source, crate::comm::CommError::PeerFailed { .. }))
 }
