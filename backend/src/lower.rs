@@ -7,6 +7,7 @@
 
 use pleat_ir::entity::EntityRef;
 use pleat_ir::model::rope::inv_freq;
+use pleat_ir::op::{inverse_order, zigzag_order};
 use pleat_ir::{DimName, Module, Op, ValueId};
 
 use crate::error::{Error, Result};
@@ -65,6 +66,7 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
         let kind = match data.op {
             Op::Param { .. } => BufferKind::Param,
             Op::Tokens | Op::Positions => BufferKind::Input,
+            Op::BroadcastShard { .. } => BufferKind::InFlight,
             _ => BufferKind::Activation,
         };
         let out = BufferId::new(program.buffers.len());
@@ -153,6 +155,46 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
             Op::AllGather { axis, dim } => {
                 Instr::AllGather { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
             }
+            Op::Zigzag { parts, inverse } => {
+                let shape = input_local(0)?;
+                let dim = dim_index(DimName::Seq);
+                let order = zigzag_order(shape[dim], *parts);
+                let order = if *inverse { inverse_order(&order) } else { order };
+                Instr::Kernel { kernel: Kernel::Permute { shape, dim, order }, inputs, out }
+            }
+            Op::BroadcastShard { axis, root, .. } => {
+                let group = group(*axis);
+                let root = *root as usize;
+                // One owner's blocks travel as one packed message: join the broadcast just emitted.
+                if let Some(Instr::Broadcast { inputs: packed, outs, group: last_group, root: last_root }) =
+                    program.instructions.last_mut()
+                {
+                    if *last_group == group && *last_root == root {
+                        packed.push(inputs[0]);
+                        outs.push(out);
+                        continue;
+                    }
+                }
+                Instr::Broadcast { inputs, outs: vec![out], group, root }
+            }
+            Op::RingGatedMlp { axis } => {
+                let x = input_local(0)?;
+                let shapes = RingShapes {
+                    rows: x[..x.len() - 1].iter().product(),
+                    hidden: *x.last().unwrap_or(&1),
+                    ffn: input_local(1)?[0],
+                };
+                lower_ring_mlp(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, shapes);
+                for &input in &data.inputs {
+                    let buffer = buffer_of[input.as_u32() as usize].expect("defined");
+                    if last_use[input.as_u32() as usize] == Some(index)
+                        && program.buffer(buffer).kind == BufferKind::Activation
+                    {
+                        program.instructions.push(Instr::Free { buf: buffer });
+                    }
+                }
+                continue;
+            }
             Op::LocalSlice { axis, dim } => {
                 let shape = input_local(0)?;
                 let split = dim_index(*dim);
@@ -195,4 +237,114 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
         });
     }
     Ok(program)
+}
+
+/// Local sizes of a ring MLP: `x` is `[rows, hidden]`, each ffn shard `ffn` wide.
+#[derive(Clone, Copy)]
+struct RingShapes {
+    rows: u64,
+    hidden: u64,
+    ffn: u64,
+}
+
+fn new_buffer(program: &mut Program, name: String, shape: Vec<u64>, kind: BufferKind, like: BufferId) -> BufferId {
+    let dtype = program.buffer(like).dtype;
+    let id = BufferId::new(program.buffers.len());
+    program.buffers.push(Buffer { name, dtype, shape, kind });
+    id
+}
+
+/// Expands a ring MLP: in step s the rank computes with the ffn shard it holds (its own at s = 0)
+/// while that shard is on its way to the next rank and the previous rank's is on its way here. The
+/// send is posted before the step's GEMMs and the receive waited for after them, so the transfer
+/// runs under the compute; the last step sends nothing.
+fn lower_ring_mlp(
+    program: &mut Program,
+    name: &str,
+    inputs: &[BufferId],
+    out: BufferId,
+    group: &[u32],
+    rank: u32,
+    shapes: RingShapes,
+) {
+    let RingShapes { rows, hidden, ffn } = shapes;
+    let steps = group.len();
+    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
+    let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    let x = inputs[0];
+    let mut shard = [inputs[1], inputs[2], inputs[3]];
+    let mut sum: Option<BufferId> = None;
+    let matmul = |m, n, k| Kernel::MatMul { m, n, k };
+    for step in 0..steps {
+        let last = step + 1 == steps;
+        if !last {
+            program.instructions.push(Instr::Send { bufs: shard.to_vec(), peer: next });
+        }
+        let act = |program: &mut Program, part: &str| {
+            new_buffer(program, format!("{name}.step{step}.{part}"), vec![rows, ffn], BufferKind::Activation, x)
+        };
+        let gate = act(program, "gate");
+        program.instructions.push(Instr::Kernel {
+            kernel: matmul(rows, ffn, hidden),
+            inputs: vec![x, shard[0]],
+            out: gate,
+        });
+        let up = act(program, "up");
+        program.instructions.push(Instr::Kernel {
+            kernel: matmul(rows, ffn, hidden),
+            inputs: vec![x, shard[1]],
+            out: up,
+        });
+        let hidden_act = act(program, "silu_mul");
+        program.instructions.push(Instr::Kernel { kernel: Kernel::SiluMul, inputs: vec![gate, up], out: hidden_act });
+        program.instructions.push(Instr::Free { buf: gate });
+        program.instructions.push(Instr::Free { buf: up });
+        let partial = match (last, sum) {
+            (true, None) => out,
+            _ => new_buffer(program, format!("{name}.step{step}.down"), vec![rows, hidden], BufferKind::Activation, x),
+        };
+        program.instructions.push(Instr::Kernel {
+            kernel: matmul(rows, hidden, ffn),
+            inputs: vec![hidden_act, shard[2]],
+            out: partial,
+        });
+        program.instructions.push(Instr::Free { buf: hidden_act });
+        sum = Some(match sum {
+            None => partial,
+            Some(previous_sum) => {
+                let total = if last {
+                    out
+                } else {
+                    new_buffer(program, format!("{name}.step{step}.sum"), vec![rows, hidden], BufferKind::Activation, x)
+                };
+                program.instructions.push(Instr::Kernel {
+                    kernel: Kernel::Add,
+                    inputs: vec![previous_sum, partial],
+                    out: total,
+                });
+                program.instructions.push(Instr::Free { buf: previous_sum });
+                program.instructions.push(Instr::Free { buf: partial });
+                total
+            }
+        });
+        if !last {
+            let received = [("gate", vec![ffn, hidden]), ("up", vec![ffn, hidden]), ("down", vec![hidden, ffn])].map(
+                |(part, shape)| {
+                    new_buffer(program, format!("{name}.shard{}.{part}", step + 1), shape, BufferKind::InFlight, x)
+                },
+            );
+            program.instructions.push(Instr::Recv { outs: received.to_vec(), peer: previous });
+            if step > 0 {
+                for buf in shard {
+                    program.instructions.push(Instr::Free { buf });
+                }
+            }
+            shard = received;
+        }
+    }
+    if steps > 1 {
+        for buf in shard {
+            program.instructions.push(Instr::Free { buf });
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! The static collective-matching check: the per-rank programs cannot deadlock or mismatch.
 //!
-//! It simulates every rank's instruction stream with blocking collectives: a rank runs until its
-//! next collective; a collective completes once every member of its group stands at a collective on
+//! It simulates every rank's instruction stream with blocking collectives and queued point-to-point
+//! messages: a rank runs until its next collective, or a receive whose message has not been sent; a collective completes once every member of its group stands at a collective on
 //! that group. If those members issued different collectives (kind, dim or size), the programs
 //! mismatch; if no group can complete while some rank is unfinished, they deadlock. Both errors name
 //! the ranks and the instructions.
@@ -15,25 +15,24 @@ fn describe(program: &Program, at: usize) -> String {
         Instr::AllReduce { .. } => ("all_reduce", None),
         Instr::ReduceScatter { dim, .. } => ("reduce_scatter", Some(*dim)),
         Instr::AllGather { dim, .. } => ("all_gather", Some(*dim)),
+        Instr::Broadcast { root, .. } => ("broadcast", Some(*root)),
         _ => ("(not a collective)", None),
     };
-    let elements = instr.inputs().first().map_or(0, |&input| program.buffer(input).numel());
+    let elements: u64 = instr.inputs().iter().map(|&input| program.buffer(input).numel()).sum();
     let dim = dim.map(|dim| format!(" on dim {dim}")).unwrap_or_default();
     format!("{kind}{dim} of {elements} elements")
 }
 
-/// Checks that `programs` (one a rank, indexed by rank) run to completion with matching collectives.
+/// Checks that `programs` (one a rank, indexed by rank) run to completion with matching collectives
+/// and point-to-point messages. Sends never block (they are queued); receives wait for the next
+/// message from their peer, which must have their size.
 pub fn verify_collectives(programs: &[Program]) -> Result<()> {
     let mut cursor = vec![0usize; programs.len()];
-    let advance = |rank: usize, cursor: &mut [usize]| {
-        let instructions = &programs[rank].instructions;
-        while cursor[rank] < instructions.len() && instructions[cursor[rank]].group().is_none() {
-            cursor[rank] += 1;
-        }
-    };
+    let mut queues = Queues::new();
     loop {
+        let mut moved = false;
         for rank in 0..programs.len() {
-            advance(rank, &mut cursor);
+            moved |= advance(programs, rank, &mut cursor, &mut queues)?;
         }
         let blocked: Vec<usize> =
             (0..programs.len()).filter(|&rank| cursor[rank] < programs[rank].instructions.len()).collect();
@@ -75,21 +74,66 @@ pub fn verify_collectives(programs: &[Program]) -> Result<()> {
             }
             progressed = true;
         }
-        if !progressed {
+        if !progressed && !moved {
             let waiting = blocked
                 .iter()
                 .map(|&rank| {
                     let at = cursor[rank];
-                    let group = programs[rank].instructions[at].group().expect("blocked on a collective");
-                    format!(
-                        "rank {rank} at instruction {at} waits in {} over {}{:?}",
-                        describe(&programs[rank], at),
-                        group.axis,
-                        group.ranks
-                    )
+                    match &programs[rank].instructions[at] {
+                        Instr::Recv { peer, .. } => {
+                            format!("rank {rank} at instruction {at} waits for a message from rank {peer}")
+                        }
+                        instr => {
+                            let group = instr.group().expect("blocked on a collective or a receive");
+                            format!(
+                                "rank {rank} at instruction {at} waits in {} over {}{:?}",
+                                describe(&programs[rank], at),
+                                group.axis,
+                                group.ranks
+                            )
+                        }
+                    }
                 })
                 .collect();
             return Err(Error::Deadlock { waiting });
         }
     }
+}
+
+type Queues = std::collections::HashMap<(u32, u32), std::collections::VecDeque<(usize, u64)>>;
+
+/// Runs `rank` up to its next collective, or a receive with nothing to receive; reports whether it
+/// moved.
+fn advance(programs: &[Program], rank: usize, cursor: &mut [usize], queues: &mut Queues) -> Result<bool> {
+    let program = &programs[rank];
+    let start = cursor[rank];
+    while let Some(instr) = program.instructions.get(cursor[rank]) {
+        match instr {
+            Instr::Send { bufs, peer } => {
+                let elements = bufs.iter().map(|&buf| program.buffer(buf).numel()).sum();
+                queues.entry((rank as u32, *peer)).or_default().push_back((cursor[rank], elements));
+            }
+            Instr::Recv { outs, peer } => {
+                let Some((sent_at, sent)) = queues.get_mut(&(*peer, rank as u32)).and_then(|queue| queue.pop_front())
+                else {
+                    break;
+                };
+                let expected: u64 = outs.iter().map(|&buf| program.buffer(buf).numel()).sum();
+                if sent != expected {
+                    return Err(Error::CollectiveMismatch {
+                        axis: "point-to-point".into(),
+                        ranks: vec![*peer, rank as u32],
+                        issued: vec![
+                            format!("rank {peer} at instruction {sent_at}: send of {sent} elements"),
+                            format!("rank {rank} at instruction {}: recv of {expected} elements", cursor[rank]),
+                        ],
+                    });
+                }
+            }
+            instr if instr.group().is_some() => break,
+            _ => {}
+        }
+        cursor[rank] += 1;
+    }
+    Ok(cursor[rank] != start)
 }

@@ -28,6 +28,8 @@ pub enum BufferKind {
     Input,
     /// An intermediate value.
     Activation,
+    /// Another rank's weights, held while they are used (TSP's broadcast blocks and ring shards).
+    InFlight,
 }
 
 /// A buffer: its local shape and element type.
@@ -134,6 +136,15 @@ pub enum Kernel {
     SiluMul,
     /// `a + b`, `b` repeating over `a` when shorter (a bias).
     Add,
+    /// Reorder dim `dim` of a local tensor of `shape`: slot `i` takes entry `order[i]`.
+    Permute {
+        /// The local shape.
+        shape: Vec<u64>,
+        /// The dim reordered.
+        dim: usize,
+        /// The source of each slot.
+        order: Vec<u64>,
+    },
     /// Copy `region` out of a local tensor of `shape`.
     Slice {
         /// The input's local shape.
@@ -211,6 +222,33 @@ pub enum Instr {
         /// The dim index gathered.
         dim: usize,
     },
+    /// Every member of `group` receives `root`'s buffers: on the root, `inputs[i]` is copied to
+    /// `outs[i]`; elsewhere `inputs` only give the sizes. The buffers travel packed as one message.
+    Broadcast {
+        /// The root's buffers.
+        inputs: Vec<BufferId>,
+        /// Where every member puts them.
+        outs: Vec<BufferId>,
+        /// The group.
+        group: Group,
+        /// The index in `group.ranks` of the sender.
+        root: usize,
+    },
+    /// Starts sending `bufs`, packed as one message, to rank `peer`. It never waits: the message is
+    /// queued, so the computation after it overlaps the transfer.
+    Send {
+        /// The buffers sent.
+        bufs: Vec<BufferId>,
+        /// The receiving rank.
+        peer: u32,
+    },
+    /// Waits for the message from rank `peer` and unpacks it into `outs`.
+    Recv {
+        /// The buffers written.
+        outs: Vec<BufferId>,
+        /// The sending rank.
+        peer: u32,
+    },
     /// Hands buffer `buf`, block `region` of graph output `index` (global shape `shape`), to the caller.
     Output {
         /// The buffer.
@@ -230,9 +268,18 @@ pub enum Instr {
 }
 
 impl Instr {
-    /// The buffer the instruction writes, if any.
+    /// The buffers the instruction writes.
+    pub fn outs(&self) -> Vec<BufferId> {
+        match self {
+            Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } => outs.clone(),
+            other => other.out().into_iter().collect(),
+        }
+    }
+
+    /// The single buffer the instruction writes, if it writes exactly one.
     pub fn out(&self) -> Option<BufferId> {
         match self {
+            Instr::Broadcast { .. } | Instr::Send { .. } | Instr::Recv { .. } => None,
             Instr::LoadParam { out, .. }
             | Instr::LoadTokens { out, .. }
             | Instr::LoadPositions { out, .. }
@@ -251,6 +298,9 @@ impl Instr {
                 vec![*input]
             }
             Instr::Output { buf, .. } => vec![*buf],
+            Instr::Broadcast { inputs, .. } => inputs.clone(),
+            Instr::Send { bufs, .. } => bufs.clone(),
+            Instr::Recv { .. } => Vec::new(),
             Instr::LoadParam { .. } | Instr::LoadTokens { .. } | Instr::LoadPositions { .. } | Instr::Free { .. } => {
                 Vec::new()
             }
@@ -259,9 +309,10 @@ impl Instr {
     /// The group of a collective.
     pub fn group(&self) -> Option<&Group> {
         match self {
-            Instr::AllReduce { group, .. } | Instr::ReduceScatter { group, .. } | Instr::AllGather { group, .. } => {
-                Some(group)
-            }
+            Instr::AllReduce { group, .. }
+            | Instr::ReduceScatter { group, .. }
+            | Instr::AllGather { group, .. }
+            | Instr::Broadcast { group, .. } => Some(group),
             _ => None,
         }
     }

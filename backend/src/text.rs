@@ -36,6 +36,7 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::SiluMul => "silu_mul".to_string(),
         Kernel::Add => "add".to_string(),
         Kernel::Slice { region, .. } => format!("slice {}", region_text(region)),
+        Kernel::Permute { dim, .. } => format!("permute dim={dim}"),
     }
 }
 
@@ -79,6 +80,11 @@ pub fn print_program(program: &Program) -> String {
             }
             Instr::Output { buf, index, region, .. } => format!("output {index} = {buf} {}", region_text(region)),
             Instr::Free { buf } => format!("free {buf}"),
+            Instr::Broadcast { inputs, outs, group, root } => {
+                format!("{} = broadcast({}) root={root} {}{:?}", list(outs), list(inputs), group.axis, group.ranks)
+            }
+            Instr::Send { bufs, peer } => format!("send({}) to rank {peer}", list(bufs)),
+            Instr::Recv { outs, peer } => format!("{} = recv from rank {peer}", list(outs)),
         };
         out.push_str(&line);
         out.push('\n');

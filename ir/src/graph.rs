@@ -92,6 +92,14 @@ impl Graph {
         self.nodes[node].result
     }
 
+    /// Moves `node` to just after `anchor` in the program order. The caller keeps definitions
+    /// before uses.
+    pub fn move_after(&mut self, node: NodeId, anchor: NodeId) {
+        self.order.retain(|&id| id != node);
+        let position = self.order.iter().position(|&id| id == anchor).map_or(self.order.len(), |p| p + 1);
+        self.order.insert(position, node);
+    }
+
     /// Makes every user of `old` except node `except` (and the graph outputs) read `new` instead.
     pub fn replace_uses(&mut self, old: ValueId, new: ValueId, except: NodeId) {
         for &node in &self.order {
@@ -177,6 +185,44 @@ impl Graph {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Drops the nodes no graph output depends on and renumbers the rest in program order, so that
+    /// node `n<i>` (and value `v<i>`) is the `i`-th step. Passes that replace subgraphs call it.
+    pub fn compact(&mut self) {
+        let mut live = vec![false; self.nodes.len()];
+        let mut stack: Vec<ValueId> = self.outputs.clone();
+        while let Some(value) = stack.pop() {
+            let node = self.values[value].def;
+            if std::mem::replace(&mut live[node.index()], true) {
+                continue;
+            }
+            stack.extend(self.nodes[node].inputs.iter().copied());
+        }
+        let kept: Vec<NodeId> = self.order.iter().copied().filter(|node| live[node.index()]).collect();
+        let mut renumber = vec![None; self.nodes.len()];
+        for (index, &node) in kept.iter().enumerate() {
+            renumber[node.index()] = Some(index);
+        }
+        let value_of = |value: ValueId| {
+            ValueId::new(renumber[self.values[value].def.index()].expect("a live node's operands are live"))
+        };
+        let mut graph = Graph::default();
+        for (index, &node) in kept.iter().enumerate() {
+            let data = &self.nodes[node];
+            let inputs = data.inputs.iter().map(|&input| value_of(input)).collect();
+            let value = &self.values[data.result];
+            graph.values.push(ValueData { ty: value.ty.clone(), spec: value.spec.clone(), def: NodeId::new(index) });
+            graph.nodes.push(NodeData {
+                op: data.op.clone(),
+                inputs,
+                result: ValueId::new(index),
+                name: data.name.clone(),
+            });
+            graph.order.push(NodeId::new(index));
+        }
+        graph.outputs = self.outputs.iter().map(|&output| value_of(output)).collect();
+        *self = graph;
     }
 
     /// Rebuilds a graph from its parts, as the text parser reads them. Node `i` must define value `i`

@@ -56,6 +56,24 @@ pub enum Op {
     },
     /// `(gate, up) -> silu(gate) * up`, elementwise.
     SiluMul,
+    /// `(x[batch, seq, hidden], gate[ffn, hidden], up[ffn, hidden], down[hidden, ffn]) -> [batch, seq,
+    /// hidden]`: the gated SiLU MLP `down(silu(x·gateᵀ) * (x·upᵀ))`, computed as a ring over `axis`:
+    /// each rank starts with its ffn shard of the three weights and, in as many steps as the axis
+    /// has ranks, adds the contribution of the shard it holds to its own tokens while passing that
+    /// shard on to the next rank (Zyphra's TSP MLP). On one rank it is the plain MLP.
+    RingGatedMlp {
+        /// The axis the weight shards travel around.
+        axis: AxisName,
+    },
+    /// `x -> x` with its `seq` dim reordered into the zigzag layout of `parts` ranks (or back, with
+    /// `inverse`): the sequence is cut into `2·parts` chunks and chunk pairs `(r, 2·parts-1-r)` are
+    /// placed side by side, so that contiguous blocks of the result balance causal attention.
+    Zigzag {
+        /// The ranks the layout balances over.
+        parts: u64,
+        /// Undo the reordering.
+        inverse: bool,
+    },
     /// `(a, b) -> a + b`, elementwise; `b`'s dims equal `a`'s or are a trailing run of them (a bias),
     /// and then `b` is broadcast over `a`'s leading dims.
     Add,
@@ -79,6 +97,16 @@ pub enum Op {
         axis: AxisName,
         /// The dim to gather.
         dim: DimName,
+    },
+    /// Every rank receives block `root` of `dim` (split over `axis`) from the rank that holds it: the
+    /// result is that block, replicated over `axis`, with `dim` of the block's size.
+    BroadcastShard {
+        /// The axis to broadcast over.
+        axis: AxisName,
+        /// The split dim.
+        dim: DimName,
+        /// The coordinate on `axis` of the rank that owns the block.
+        root: u64,
     },
     /// Keeps each rank's block of `dim` of a value replicated over `axis`: no communication.
     LocalSlice {
@@ -107,27 +135,82 @@ impl Op {
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGather { .. } => "all_gather",
             Op::LocalSlice { .. } => "local_slice",
+            Op::BroadcastShard { .. } => "broadcast_shard",
+            Op::RingGatedMlp { .. } => "ring_gated_mlp",
+            Op::Zigzag { .. } => "zigzag",
         }
     }
     /// The number of inputs the op takes.
     pub fn arity(&self) -> usize {
         match self {
             Op::Tokens | Op::Positions | Op::Param { .. } => 0,
-            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } | Op::LocalSlice { .. } => 1,
+            Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::LocalSlice { .. }
+            | Op::BroadcastShard { .. }
+            | Op::Zigzag { .. } => 1,
+            Op::RingGatedMlp { .. } => 4,
             Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
             Op::Attention { .. } => 5,
         }
     }
     /// Whether the op moves data between ranks.
     pub fn is_communication(&self) -> bool {
-        matches!(self, Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. })
+        matches!(
+            self,
+            Op::AllReduce { .. }
+                | Op::ReduceScatter { .. }
+                | Op::AllGather { .. }
+                | Op::BroadcastShard { .. }
+                | Op::RingGatedMlp { .. }
+        )
     }
     /// The mesh axis a communication or layout op works over.
     pub fn axis(&self) -> Option<AxisName> {
         match self {
             Op::AllReduce { axis } => Some(*axis),
-            Op::ReduceScatter { axis, .. } | Op::AllGather { axis, .. } | Op::LocalSlice { axis, .. } => Some(*axis),
+            Op::ReduceScatter { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::LocalSlice { axis, .. }
+            | Op::BroadcastShard { axis, .. }
+            | Op::RingGatedMlp { axis } => Some(*axis),
             _ => None,
         }
+    }
+}
+
+/// The zigzag layout of a sequence of `seq` slots over `parts` ranks: entry `i` is the original
+/// position that lands at slot `i`. The sequence is cut into `2·parts` equal chunks and slot block
+/// `r` (of `seq / parts` slots) holds chunks `r` and `2·parts - 1 - r`, so every rank's block sees
+/// the same amount of causal attention work. The caller has checked that `2·parts` divides `seq`.
+pub fn zigzag_order(seq: u64, parts: u64) -> Vec<u64> {
+    let chunk = seq / (2 * parts);
+    (0..parts)
+        .flat_map(|rank| [rank, 2 * parts - 1 - rank])
+        .flat_map(|piece| piece * chunk..(piece + 1) * chunk)
+        .collect()
+}
+
+/// `order` undone: entry `p` is the slot where original position `p` sits.
+pub fn inverse_order(order: &[u64]) -> Vec<u64> {
+    let mut inverse = vec![0; order.len()];
+    for (slot, &position) in order.iter().enumerate() {
+        inverse[position as usize] = slot as u64;
+    }
+    inverse
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zigzag_pairs_early_and_late_chunks() {
+        assert_eq!(zigzag_order(8, 2), vec![0, 1, 6, 7, 2, 3, 4, 5]);
+        assert_eq!(zigzag_order(4, 1), vec![0, 1, 2, 3]);
+        let order = zigzag_order(24, 3);
+        let inverse = inverse_order(&order);
+        assert!((0..24).all(|position| order[inverse[position] as usize] == position as u64));
     }
 }

@@ -11,6 +11,7 @@ pub mod manager;
 pub mod propagate;
 pub mod sharding;
 pub mod strategy;
+pub mod tsp;
 pub mod verify;
 
 pub use error::{Error, Result};
@@ -18,4 +19,4 @@ pub use manager::{run_pipeline, Dump, Pass, PassCtx, PipelineReport};
 pub use verify::{verify, VerifierError, VerifierErrors};
 
 /// The pipeline that shards a forward graph over its module's mesh.
-pub const SHARD_PIPELINE: &[Pass] = &[propagate::PROPAGATE_SPECS];
+pub const SHARD_PIPELINE: &[Pass] = &[tsp::FOLD_TSP, propagate::PROPAGATE_SPECS];

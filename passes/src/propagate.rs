@@ -20,13 +20,19 @@ use crate::sharding::{output_spec, Conflict};
 pub const PROPAGATE_SPECS: Pass = Pass { name: "propagate-specs", run: propagate_specs };
 
 fn propagate_specs(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
+    derive_specs(module)
+}
+
+/// Seeds the leaves, derives every spec, inserts the collectives the rules call for and makes the
+/// outputs replicated. Running it again on its own result changes nothing.
+pub(crate) fn derive_specs(module: &mut Module) -> Result<()> {
     crate::strategy::seed_leaves(module)?;
     let graph = &mut module.graph;
     let mut cursor = 0;
     while cursor < graph.order().len() {
         let node = graph.order()[cursor];
         cursor += 1;
-        if graph.node(node).op.arity() == 0 || graph.node(node).op.is_communication() {
+        if graph.node(node).op.arity() == 0 {
             continue;
         }
         loop {

@@ -189,6 +189,38 @@ pub fn output_spec(
             spec.dims[dim_index].pop();
             Ok(spec)
         }
+        Op::BroadcastShard { axis, dim, .. } => {
+            no_partial(specs, &[0])?;
+            let mut spec = specs[0].clone();
+            let dim_index = dim_position(shapes[0], *dim)?;
+            if spec.dims[dim_index].last() != Some(axis) {
+                return Err(Conflict::Layout(format!(
+                    "broadcast_shard over {axis} needs {dim} split over {axis} innermost, but it is {}",
+                    axes_text(&spec.dims[dim_index])
+                )));
+            }
+            spec.dims[dim_index].pop();
+            Ok(spec)
+        }
+        Op::Zigzag { .. } => {
+            replicated_dim(specs, shapes, 0, Seq, "zigzag reorders the whole sequence")?;
+            Ok(specs[0].clone())
+        }
+        Op::RingGatedMlp { axis } => {
+            no_partial(specs, &[0, 1, 2, 3])?;
+            replicated_dim(specs, shapes, 0, Hidden, "the MLP contracts hidden")?;
+            for operand in 1..4 {
+                replicated_dim(specs, shapes, operand, Hidden, "the ring moves whole rows of hidden")?;
+                let ffn = dim_axes(specs[operand], shapes[operand], Ffn);
+                if ffn != [*axis] {
+                    return Err(Conflict::Layout(format!(
+                        "operand {operand} ffn is {} but the ring over {axis} needs it split over {axis} alone",
+                        axes_text(ffn)
+                    )));
+                }
+            }
+            Ok(specs[0].clone())
+        }
         Op::LocalSlice { axis, dim } => {
             let mut spec = specs[0].clone();
             if spec.uses_axis(*axis) {

@@ -16,14 +16,17 @@ use pleat_ir::{AxisName, DimName, Module, Op};
 use crate::error::{Error, Result};
 
 /// The axes this build has strategies for.
-pub const SUPPORTED_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Tp];
+pub const SUPPORTED_AXES: [AxisName; 3] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp];
 
 /// Seeds parameter and input specs for every axis of the module's mesh. Only leaves change, so the
 /// module is consistent again only once propagation has run: the two form one pass.
 pub fn seed_leaves(module: &mut Module) -> Result<()> {
     for axis in module.mesh.axes().to_vec() {
         match axis.name {
-            AxisName::Tp => seed_tensor_parallel(module, axis.size)?,
+            AxisName::Tp => seed_weight_splits(module, AxisName::Tp, axis.size)?,
+            // TSP splits every weight as TP does (its attention and MLP take whole kv groups, so kv
+            // heads must divide too); `fold-tsp` restructures the layers and splits the tokens.
+            AxisName::Tsp => seed_weight_splits(module, AxisName::Tsp, axis.size)?,
             AxisName::Dp => seed_data_parallel(module, axis.size)?,
             other => {
                 return Err(Error::UnsupportedAxis {
@@ -76,7 +79,7 @@ fn tensor_parallel_dim(name: &str) -> Option<DimName> {
     SPLITS.iter().find(|(suffix, _)| name.ends_with(suffix)).map(|&(_, dim)| dim)
 }
 
-fn seed_tensor_parallel(module: &mut Module, degree: u64) -> Result<()> {
+fn seed_weight_splits(module: &mut Module, axis: AxisName, degree: u64) -> Result<()> {
     let graph = &mut module.graph;
     let params: Vec<_> = graph.params().into_iter().map(|(value, name)| (value, name.to_string())).collect();
     let mut splits = Vec::new();
@@ -90,7 +93,7 @@ fn seed_tensor_parallel(module: &mut Module, degree: u64) -> Result<()> {
     // Every split dim but the kv heads (which may stay whole) must divide; the error names the
     // first one a user thinks of (heads, then ffn, then vocab) and offers the degrees that divide
     // all of them.
-    let must_divide = |dim: DimName| dim != DimName::KvHeads;
+    let must_divide = |dim: DimName| dim != DimName::KvHeads || axis == AxisName::Tsp;
     let common = splits.iter().filter(|split| must_divide(split.2)).fold(0, |acc, split| gcd(acc, split.4));
     let priority = |dim: DimName| [DimName::Heads, DimName::Ffn, DimName::Vocab].iter().position(|&d| d == dim);
     if let Some(&(_, name, dim, _, count)) = splits
@@ -98,7 +101,7 @@ fn seed_tensor_parallel(module: &mut Module, degree: u64) -> Result<()> {
         .filter(|split| must_divide(split.2) && split.4 % degree != 0)
         .min_by_key(|split| priority(split.2))
     {
-        let mut error = indivisible(name, dim, count, AxisName::Tp, degree);
+        let mut error = indivisible(name, dim, count, axis, degree);
         if let Error::Ir(pleat_ir::Error::Indivisible { valid, .. }) = &mut error {
             *valid = valid_degrees(common);
         }
@@ -109,7 +112,11 @@ fn seed_tensor_parallel(module: &mut Module, degree: u64) -> Result<()> {
         if dim == DimName::KvHeads && count % degree != 0 {
             continue;
         }
-        graph.value_mut(value).spec.dims[position].push(AxisName::Tp);
+        // Seeding runs again when several passes propagate; an axis is placed once.
+        let axes = &mut graph.value_mut(value).spec.dims[position];
+        if !axes.contains(&axis) {
+            axes.push(axis);
+        }
     }
     Ok(())
 }
@@ -135,7 +142,10 @@ fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
         if batch % degree != 0 {
             return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Dp, degree));
         }
-        graph.value_mut(value).spec.dims[0].push(AxisName::Dp);
+        let axes = &mut graph.value_mut(value).spec.dims[0];
+        if !axes.contains(&AxisName::Dp) {
+            axes.push(AxisName::Dp);
+        }
     }
     Ok(())
 }

@@ -17,7 +17,7 @@
 //! same order with the same sizes) is a property of the per-rank programs, checked after lowering
 //! by `pleat_backend::verify_collectives`.
 
-use pleat_ir::{DType, DimName, Graph, Module, NodeData, NodeId, Op, Shape, TensorType};
+use pleat_ir::{DType, DimName, Graph, Mesh, Module, NodeData, NodeId, Op, Shape, TensorType};
 
 use crate::sharding;
 
@@ -131,7 +131,7 @@ fn verify_node(verifier: &mut Verifier, graph: &Graph, node: NodeId, index: usiz
             return;
         }
     } else {
-        match infer_type(data, &types) {
+        match infer_type(data, &types, &verifier.module.mesh) {
             Ok(expected) if expected.dtype == result.ty.dtype => {
                 if expected.shape != result.ty.shape {
                     let message = format!(
@@ -190,7 +190,7 @@ fn check_spec_shape(module: &Module, data: &NodeData) -> Result<(), String> {
 }
 
 /// The result type the op derives from its operand types.
-pub fn infer_type(node: &NodeData, inputs: &[&TensorType]) -> Result<TensorType, String> {
+pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Result<TensorType, String> {
     use DimName::*;
     let expect_dims = |operand: usize, names: &[DimName]| -> Result<(), String> {
         let got = inputs[operand].shape.names();
@@ -315,6 +315,42 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType]) -> Result<TensorType,
             Ok(inputs[0].clone())
         }
         Op::AllReduce { .. } => Ok(inputs[0].clone()),
+        Op::BroadcastShard { axis, dim, root } => {
+            let Some(position) = inputs[0].shape.position(*dim) else {
+                return Err(format!("operand 0 {} has no dim {dim}", shape_text(&inputs[0].shape)));
+            };
+            let degree = mesh.degree(*axis);
+            if *root >= degree {
+                return Err(format!("root={root} is not a coordinate of {axis}={degree}"));
+            }
+            let mut block = inputs[0].clone();
+            block.shape.0[position].size /= degree;
+            Ok(block)
+        }
+        Op::Zigzag { parts, .. } => {
+            let seq =
+                inputs[0].shape.size_of(Seq).ok_or_else(|| "zigzag needs an operand with a seq dim".to_string())?;
+            if *parts == 0 || seq % (2 * parts) != 0 {
+                return Err(format!(
+                    "seq={seq} is not divisible into 2x{parts} zigzag chunks; use a seq divisible by {}",
+                    2 * parts
+                ));
+            }
+            Ok(inputs[0].clone())
+        }
+        Op::RingGatedMlp { .. } => {
+            expect_dims(1, &[Ffn, Hidden])?;
+            expect_dims(2, &[Ffn, Hidden])?;
+            expect_dims(3, &[Hidden, Ffn])?;
+            if inputs[0].shape.dims().last().map(|dim| dim.name) != Some(Hidden) {
+                return Err("operand 0 must end in hidden".into());
+            }
+            same_size((0, Hidden), (1, Hidden))?;
+            if inputs[1] != inputs[2] || size(1, Ffn) != size(3, Ffn) || size(3, Hidden) != size(0, Hidden) {
+                return Err("gate, up and down disagree on ffn or hidden".into());
+            }
+            Ok(inputs[0].clone())
+        }
         Op::ReduceScatter { dim, .. } | Op::AllGather { dim, .. } | Op::LocalSlice { dim, .. } => {
             if inputs[0].shape.position(*dim).is_none() {
                 return Err(format!("operand 0 {} has no dim {dim}", shape_text(&inputs[0].shape)));

@@ -49,6 +49,8 @@ pub struct RankOutcome {
     pub param_bytes: u64,
     /// Bytes it sent, by collective kind.
     pub comm: CommStats,
+    /// The bytes it held after each instruction, in program order.
+    pub live_bytes: Vec<u64>,
 }
 
 enum Storage {
@@ -157,6 +159,7 @@ pub fn execute(
     };
     let mut outputs = Vec::new();
     let mut param_bytes = 0;
+    let mut live_bytes = Vec::with_capacity(program.instructions.len());
     comm.reset_stats();
     for (index, instr) in program.instructions.iter().enumerate() {
         machine.instr = index;
@@ -174,6 +177,32 @@ pub fn execute(
             }
             Instr::LoadPositions { out, region } => {
                 machine.store(*out, Storage::U32(block_of(inputs.positions, &[seq], region)))?;
+            }
+            Instr::Kernel {
+                kernel: kernel @ (Kernel::Slice { .. } | Kernel::Permute { .. }),
+                inputs: operands,
+                out,
+            } => {
+                // Layout kernels move token ids and positions as well as floats.
+                let sources = source_indices(kernel);
+                let input = operands
+                    .first()
+                    .copied()
+                    .ok_or_else(|| machine.program_error("a layout kernel needs an operand".into()))?;
+                let storage =
+                    match machine.buffers.get(input.as_u32() as usize) {
+                        Some(Some(Storage::F32(data))) => Storage::F32(gather(data, &sources).ok_or_else(|| {
+                            machine.program_error(format!("{input} is smaller than the layout reads"))
+                        })?),
+                        Some(Some(Storage::U32(data))) => Storage::U32(gather(data, &sources).ok_or_else(|| {
+                            machine.program_error(format!("{input} is smaller than the layout reads"))
+                        })?),
+                        _ => {
+                            return Err(machine
+                                .program_error(format!("{input} is read before it is written or after it is freed")))
+                        }
+                    };
+                machine.store(*out, storage)?;
             }
             Instr::Kernel { kernel, inputs: operands, out } => {
                 let data = run_kernel(&machine, kernel, operands, *out, gemm_threads)?;
@@ -221,9 +250,105 @@ pub fn execute(
                     machine.live_bytes -= storage.bytes();
                 }
             }
+            Instr::Broadcast { inputs: sources, outs, group, root } => {
+                let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
+                let mut packed = Vec::with_capacity(sizes.iter().sum());
+                if group.ranks.get(*root) == Some(&rank) {
+                    for &source in sources {
+                        packed.extend_from_slice(machine.f32(source)?);
+                    }
+                } else {
+                    packed.resize(sizes.iter().sum(), 0.0);
+                }
+                machine.transient(4 * packed.len() as u64);
+                comm.broadcast(&CommGroup { ranks: group.ranks.clone() }, *root, &mut packed).map_err(|source| {
+                    Error::Comm { rank, instr: index, what: machine.what(outs[0]), source: Box::new(source) }
+                })?;
+                unpack(&mut machine, outs, &sizes, &packed)?;
+            }
+            Instr::Send { bufs, peer } => {
+                let mut packed = Vec::new();
+                for &buf in bufs {
+                    packed.extend_from_slice(machine.f32(buf)?);
+                }
+                comm.send(*peer, &packed).map_err(|source| Error::Comm {
+                    rank,
+                    instr: index,
+                    what: machine.what(bufs[0]),
+                    source: Box::new(source),
+                })?;
+            }
+            Instr::Recv { outs, peer } => {
+                let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
+                let mut packed = vec![0.0; sizes.iter().sum()];
+                machine.transient(4 * packed.len() as u64);
+                comm.recv(*peer, &mut packed).map_err(|source| Error::Comm {
+                    rank,
+                    instr: index,
+                    what: machine.what(outs[0]),
+                    source: Box::new(source),
+                })?;
+                unpack(&mut machine, outs, &sizes, &packed)?;
+            }
         }
+        live_bytes.push(machine.live_bytes);
     }
-    Ok(RankOutcome { rank, outputs, peak_bytes: machine.peak_bytes, param_bytes, comm: comm.stats().clone() })
+    Ok(RankOutcome {
+        rank,
+        outputs,
+        peak_bytes: machine.peak_bytes,
+        param_bytes,
+        comm: comm.stats().clone(),
+        live_bytes,
+    })
+}
+
+/// Splits a packed message into `outs`, `sizes[i]` elements each.
+fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f32]) -> Result<()> {
+    let mut offset = 0;
+    for (&out, &size) in outs.iter().zip(sizes) {
+        machine.store(out, Storage::F32(packed[offset..offset + size].to_vec()))?;
+        offset += size;
+    }
+    Ok(())
+}
+
+/// For each element of a layout kernel's output, the index of the input element it copies.
+fn source_indices(kernel: &Kernel) -> Vec<usize> {
+    let to_usize = |values: &[u64]| values.iter().map(|&value| value as usize).collect::<Vec<_>>();
+    match kernel {
+        Kernel::Slice { shape, region } => {
+            // Row-major strides of the input; walk the region's multi-indices in order.
+            let shape = to_usize(shape);
+            let mut strides = vec![1usize; shape.len()];
+            for dim in (0..shape.len().saturating_sub(1)).rev() {
+                strides[dim] = strides[dim + 1] * shape[dim + 1];
+            }
+            let mut sources = vec![0usize];
+            for (dim, &(start, len)) in region.iter().enumerate() {
+                let stride = strides[dim];
+                sources = sources
+                    .iter()
+                    .flat_map(|&base| (start..start + len).map(move |at| base + at as usize * stride))
+                    .collect();
+            }
+            sources
+        }
+        Kernel::Permute { shape, dim, order } => {
+            let shape = to_usize(shape);
+            let outer: usize = shape[..*dim].iter().product();
+            let inner: usize = shape[dim + 1..].iter().product();
+            let len = shape[*dim];
+            (0..outer)
+                .flat_map(|block| {
+                    order
+                        .iter()
+                        .flat_map(move |&source| (0..inner).map(move |at| (block * len + source as usize) * inner + at))
+                })
+                .collect()
+        }
+        _ => Vec::new(),
+    }
 }
 
 fn local_shape(program: &Program, id: BufferId) -> Vec<usize> {
@@ -324,11 +449,8 @@ fn run_kernel(
                 }
             }
         }
-        Kernel::Slice { shape, region } => {
-            let shape: Vec<usize> = shape.iter().map(|&size| size as usize).collect();
-            let region: Vec<(usize, usize)> =
-                region.iter().map(|&(start, len)| (start as usize, len as usize)).collect();
-            result = kernels::slice_region(f32_operand(0)?, &shape, &region);
+        Kernel::Slice { .. } | Kernel::Permute { .. } => {
+            return Err(machine.program_error("layout kernels run through `source_indices`".into()));
         }
     }
     Ok(result)
@@ -336,8 +458,13 @@ fn run_kernel(
 
 fn kernel_arity(kernel: &Kernel) -> usize {
     match kernel {
-        Kernel::Slice { .. } => 1,
+        Kernel::Slice { .. } | Kernel::Permute { .. } => 1,
         Kernel::Attention { .. } => 5,
         _ => 2,
     }
+}
+
+/// `data[sources[i]]` for each i, or `None` when an index is out of range.
+fn gather<T: Copy>(data: &[T], sources: &[usize]) -> Option<Vec<T>> {
+    sources.iter().map(|&source| data.get(source).copied()).collect()
 }

@@ -150,7 +150,11 @@ fn check_unsharded(graph: &Graph) -> Result<(), InterpError> {
         let sharded = |detail: String| InterpError::Sharded { node: node_id, name: node.name.clone(), detail };
         if matches!(
             node.op,
-            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } | Op::LocalSlice { .. }
+            Op::AllReduce { .. }
+                | Op::ReduceScatter { .. }
+                | Op::AllGather { .. }
+                | Op::LocalSlice { .. }
+                | Op::BroadcastShard { .. }
         ) {
             return Err(sharded(format!("op {} moves data between ranks", node.op.mnemonic())));
         }
@@ -223,6 +227,22 @@ fn evaluate(
                 });
             }
             Ok(Tensor { shape, data })
+        }
+        Op::Zigzag { parts, inverse } => {
+            let input = node.inputs[0];
+            let operand =
+                values.get(input).ok_or(InterpError::Undefined { node: node_id, name: name(), value: input })?;
+            let input_shape = &graph.value(input).ty.shape;
+            let Some(dim) = input_shape.position(crate::DimName::Seq) else {
+                return Err(op_error(OpError::OperandShape {
+                    operand: 0,
+                    shape: operand.shape.clone(),
+                    expected: "a value with a seq dim".into(),
+                }));
+            };
+            let order = crate::op::zigzag_order(input_shape.dims()[dim].size, *parts);
+            let order = if *inverse { crate::op::inverse_order(&order) } else { order };
+            Ok(ops::permute_dim(operand, dim, &order))
         }
         op => {
             let operands = node

@@ -32,13 +32,17 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::Attention { causal } => attention(operands[0], operands[1], operands[2], operands[3], operands[4], *causal),
         Op::SiluMul => silu_mul(operands[0], operands[1]),
         Op::Add => add(operands[0], operands[1]),
+        Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
+        // The driver permutes, since which dim is `seq` is in the graph's types, not the tensors.
+        Op::Zigzag { .. } => Err(OpError::NotLocal),
         Op::Tokens
         | Op::Positions
         | Op::Param { .. }
         | Op::AllReduce { .. }
         | Op::ReduceScatter { .. }
         | Op::AllGather { .. }
-        | Op::LocalSlice { .. } => Err(OpError::NotLocal),
+        | Op::LocalSlice { .. }
+        | Op::BroadcastShard { .. } => Err(OpError::NotLocal),
     }
 }
 
@@ -289,4 +293,25 @@ mod tests {
             "is not a function of its operand tensors; evaluate it in the interpreter's driver",
         );
     }
+}
+
+/// The gated SiLU MLP on one device: `down(silu(x·gateᵀ) * (x·upᵀ))`, the meaning of the ring op.
+fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor, OpError> {
+    let hidden = matmul(&silu_mul(&matmul(x, gate, 1)?, &matmul(x, up, 1)?)?, down, 1)?;
+    Ok(hidden)
+}
+
+/// Reorders dim `dim` of `x` so that slot `i` holds entry `order[i]`.
+pub(crate) fn permute_dim(x: &Tensor, dim: usize, order: &[u64]) -> Tensor {
+    let outer: usize = x.shape[..dim].iter().product();
+    let inner: usize = x.shape[dim + 1..].iter().product();
+    let len = x.shape[dim];
+    let mut data = Vec::with_capacity(x.data.len());
+    for block in 0..outer {
+        for &source in order {
+            let start = (block * len + source as usize) * inner;
+            data.extend_from_slice(&x.data[start..start + inner]);
+        }
+    }
+    Tensor { shape: x.shape.clone(), data }
 }

@@ -250,10 +250,19 @@ impl Builder {
             6 if !self.mesh.axes().is_empty() => {
                 let axis = self.mesh.axes()[choices.below(self.mesh.axes().len())].name;
                 let dim = choices.pick(STREAM);
-                let op = match choices.below(4) {
+                let op = match choices.below(7) {
                     0 => Op::AllReduce { axis },
                     1 => Op::ReduceScatter { axis, dim },
                     2 => Op::AllGather { axis, dim },
+                    3 => Op::BroadcastShard { axis, dim, root: u64::from(choices.take()) },
+                    4 => Op::Zigzag { parts: u64::from(choices.take()), inverse: choices.flip() },
+                    5 => {
+                        let weights = [self.param(&[Ffn, Hidden], choices), self.param(&[Ffn, Hidden], choices)];
+                        let down = self.param(&[Hidden, Ffn], choices);
+                        let op = Op::RingGatedMlp { axis };
+                        self.node(op, &[x, weights[0], weights[1], down], self.ty(STREAM), choices);
+                        return;
+                    }
                     _ => Op::LocalSlice { axis, dim },
                 };
                 self.node(op, &[x], self.ty(STREAM), choices);

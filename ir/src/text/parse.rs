@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 14] = [
+const OPS: [&str; 17] = [
     "tokens",
     "positions",
     "param",
@@ -29,6 +29,9 @@ const OPS: [&str; 14] = [
     "reduce_scatter",
     "all_gather",
     "local_slice",
+    "broadcast_shard",
+    "ring_gated_mlp",
+    "zigzag",
 ];
 
 /// The header every module text needs, as errors spell it.
@@ -289,8 +292,10 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "matmul" => &["contract"],
         "rope" => &["theta", "scaling"],
         "attention" => &["causal"],
-        "all_reduce" => &["axis"],
+        "all_reduce" | "ring_gated_mlp" => &["axis"],
         "reduce_scatter" | "all_gather" | "local_slice" => &["axis", "dim"],
+        "broadcast_shard" => &["axis", "dim", "root"],
+        "zigzag" => &["parts", "inverse"],
         _ => &[],
     };
     if let Some(unknown) = attributes.iter().find(|attribute| !allowed.contains(&attribute.key)) {
@@ -335,6 +340,16 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "silu_mul" => Op::SiluMul,
         "add" => Op::Add,
         "all_reduce" => Op::AllReduce { axis: axis_value(cursor, required("axis", "tp")?)? },
+        "ring_gated_mlp" => Op::RingGatedMlp { axis: axis_value(cursor, required("axis", "tsp")?)? },
+        "zigzag" => Op::Zigzag {
+            parts: number(cursor, required("parts", "4")?, "a whole number")?,
+            inverse: number(cursor, required("inverse", "false")?, "`true` or `false`")?,
+        },
+        "broadcast_shard" => Op::BroadcastShard {
+            axis: axis_value(cursor, required("axis", "tsp")?)?,
+            dim: dim_value(cursor, required("dim", "heads")?)?,
+            root: number(cursor, required("root", "0")?, "a whole number")?,
+        },
         _ => {
             let axis = axis_value(cursor, required("axis", "tp")?)?;
             let dim = dim_value(cursor, required("dim", "seq")?)?;

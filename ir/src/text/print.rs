@@ -167,7 +167,9 @@ fn write_attributes(out: &mut String, op: &Op) {
             }
         }
         Op::Attention { causal } => write!(out, " causal={causal}"),
-        Op::AllReduce { axis } => write!(out, " axis={axis}"),
+        Op::AllReduce { axis } | Op::RingGatedMlp { axis } => write!(out, " axis={axis}"),
+        Op::BroadcastShard { axis, dim, root } => write!(out, " axis={axis} dim={dim} root={root}"),
+        Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {
             write!(out, " axis={axis} dim={dim}")
         }

@@ -465,6 +465,6 @@ fn generator_covers_every_op_and_feature() {
             features.insert("outputs");
         }
     }
-    assert_eq!(ops.len(), 14, "ops reached: {ops:?}");
+    assert_eq!(ops.len(), 17, "ops reached: {ops:?}");
     assert_eq!(features.len(), 7, "features reached: {features:?}");
 }
