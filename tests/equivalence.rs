@@ -50,3 +50,24 @@ fn tied_embeddings_match_reference() {
     config.tie_word_embeddings = true;
     check_equivalence(&config, 2, 16, "tp=4");
 }
+
+#[test]
+fn tensor_and_sequence_parallel_matches_reference() {
+    // seq 16 splits into 2·tsp zigzag chunks at every degree.
+    for tsp in [1, 2, 4] {
+        check_equivalence(&tiny(), 2, 16, &format!("tsp={tsp}"));
+    }
+}
+
+#[test]
+fn data_times_tensor_and_sequence_parallel_matches_reference() {
+    check_equivalence(&tiny(), 4, 16, "dp=2,tsp=2");
+}
+
+#[test]
+fn tensor_and_sequence_parallel_with_gqa_and_tied_embeddings_matches_reference() {
+    let mut config = tiny();
+    config.num_kv_heads = 2;
+    config.tie_word_embeddings = true;
+    check_equivalence(&config, 2, 32, "tsp=2");
+}

@@ -5,8 +5,12 @@ use pleat_ir::Mesh;
 use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
 
 fn snapshot_pipeline(mesh: &str, suffix: &str) {
+    snapshot_model(&preset("tiny").expect("tiny"), mesh, suffix);
+}
+
+fn snapshot_model(config: &pleat_ir::model::config::ModelConfig, mesh: &str, suffix: &str) {
     // A short sequence keeps the snapshots readable; the structure does not depend on it.
-    let mut module = pleat_ir::model::build(&preset("tiny").expect("tiny"), 8, 16).expect("build");
+    let mut module = pleat_ir::model::build(config, 8, 16).expect("build");
     module.mesh = Mesh::parse(mesh).expect("mesh");
     let before = pleat_ir::text::print_module(&module);
     let report = run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::for_tests()).expect("pipeline");
@@ -31,4 +35,11 @@ fn data_parallel_dp2() {
 #[test]
 fn data_times_tensor_parallel() {
     snapshot_pipeline("dp=2,tp=2", "dp2-tp2");
+}
+
+#[test]
+fn tensor_and_sequence_parallel_one_layer_tsp2() {
+    let mut config = preset("tiny").expect("tiny");
+    config.num_layers = 1;
+    snapshot_model(&config, "tsp=2", "tsp2-one-layer");
 }

@@ -5,7 +5,7 @@
 //! copies collectives need while they run), so `peak_bytes` is a measurement of this runtime, not a
 //! prediction.
 
-use pleat_backend::{BufferId, Instr, Kernel, Program};
+use pleat_backend::{BufferId, BufferKind, Instr, Kernel, Program};
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
@@ -49,8 +49,11 @@ pub struct RankOutcome {
     pub param_bytes: u64,
     /// Bytes it sent, by collective kind.
     pub comm: CommStats,
-    /// The bytes it held after each instruction, in program order.
-    pub live_bytes: Vec<u64>,
+    /// After each instruction, in program order, the bytes it held in activation buffers
+    /// (intermediate values; not weights, inputs, or other ranks' weights in flight).
+    pub activation_bytes: Vec<u64>,
+    /// The most bytes of other ranks' weights it held at once (TSP broadcast blocks, ring shards).
+    pub in_flight_peak_bytes: u64,
 }
 
 enum Storage {
@@ -72,6 +75,9 @@ struct Machine<'a> {
     buffers: Vec<Option<Storage>>,
     live_bytes: u64,
     peak_bytes: u64,
+    activation_bytes: u64,
+    in_flight_bytes: u64,
+    in_flight_peak_bytes: u64,
     instr: usize,
 }
 
@@ -105,8 +111,19 @@ impl Machine<'_> {
         }
         self.live_bytes += storage.bytes();
         self.peak_bytes = self.peak_bytes.max(self.live_bytes);
+        self.count_kind(id, storage.bytes() as i64);
         self.buffers[id.as_u32() as usize] = Some(storage);
         Ok(())
+    }
+    fn count_kind(&mut self, id: BufferId, bytes: i64) {
+        match self.program.buffers.get(id.as_u32() as usize).map(|buffer| buffer.kind) {
+            Some(BufferKind::Activation) => self.activation_bytes = self.activation_bytes.saturating_add_signed(bytes),
+            Some(BufferKind::InFlight) => {
+                self.in_flight_bytes = self.in_flight_bytes.saturating_add_signed(bytes);
+                self.in_flight_peak_bytes = self.in_flight_peak_bytes.max(self.in_flight_bytes);
+            }
+            _ => {}
+        }
     }
     /// Counts a staging copy that lives only during the current instruction.
     fn transient(&mut self, bytes: u64) {
@@ -154,12 +171,15 @@ pub fn execute(
         program,
         buffers: (0..program.buffers.len()).map(|_| None).collect(),
         live_bytes: 0,
+        activation_bytes: 0,
+        in_flight_bytes: 0,
+        in_flight_peak_bytes: 0,
         peak_bytes: 0,
         instr: 0,
     };
     let mut outputs = Vec::new();
     let mut param_bytes = 0;
-    let mut live_bytes = Vec::with_capacity(program.instructions.len());
+    let mut activation_bytes = Vec::with_capacity(program.instructions.len());
     comm.reset_stats();
     for (index, instr) in program.instructions.iter().enumerate() {
         machine.instr = index;
@@ -248,6 +268,7 @@ pub fn execute(
             Instr::Free { buf } => {
                 if let Some(storage) = machine.buffers.get_mut(buf.as_u32() as usize).and_then(Option::take) {
                     machine.live_bytes -= storage.bytes();
+                    machine.count_kind(*buf, -(storage.bytes() as i64));
                 }
             }
             Instr::Broadcast { inputs: sources, outs, group, root } => {
@@ -291,7 +312,7 @@ pub fn execute(
                 unpack(&mut machine, outs, &sizes, &packed)?;
             }
         }
-        live_bytes.push(machine.live_bytes);
+        activation_bytes.push(machine.activation_bytes);
     }
     Ok(RankOutcome {
         rank,
@@ -299,7 +320,8 @@ pub fn execute(
         peak_bytes: machine.peak_bytes,
         param_bytes,
         comm: comm.stats().clone(),
-        live_bytes,
+        activation_bytes,
+        in_flight_peak_bytes: machine.in_flight_peak_bytes,
     })
 }
 
