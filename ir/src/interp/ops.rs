@@ -163,6 +163,27 @@ fn add(a: &Tensor, b: &Tensor) -> Result<Tensor, OpError> {
     Ok(Tensor { shape: a.shape.clone(), data })
 }
 
+/// The gated SiLU MLP on one device: `down(silu(x·gateᵀ) * (x·upᵀ))`, the meaning of the ring op.
+fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor, OpError> {
+    let hidden = matmul(&silu_mul(&matmul(x, gate, 1)?, &matmul(x, up, 1)?)?, down, 1)?;
+    Ok(hidden)
+}
+
+/// Reorders dim `dim` of `x` so that slot `i` holds entry `order[i]`.
+pub(crate) fn permute_dim(x: &Tensor, dim: usize, order: &[u64]) -> Tensor {
+    let outer: usize = x.shape[..dim].iter().product();
+    let inner: usize = x.shape[dim + 1..].iter().product();
+    let len = x.shape[dim];
+    let mut data = Vec::with_capacity(x.data.len());
+    for block in 0..outer {
+        for &source in order {
+            let start = (block * len + source as usize) * inner;
+            data.extend_from_slice(&x.data[start..start + inner]);
+        }
+    }
+    Tensor { shape: x.shape.clone(), data }
+}
+
 #[cfg(test)]
 mod tests {
     use std::f32::consts::FRAC_1_SQRT_2;
@@ -293,25 +314,29 @@ mod tests {
             "is not a function of its operand tensors; evaluate it in the interpreter's driver",
         );
     }
-}
 
-/// The gated SiLU MLP on one device: `down(silu(x·gateᵀ) * (x·upᵀ))`, the meaning of the ring op.
-fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor, OpError> {
-    let hidden = matmul(&silu_mul(&matmul(x, gate, 1)?, &matmul(x, up, 1)?)?, down, 1)?;
-    Ok(hidden)
-}
-
-/// Reorders dim `dim` of `x` so that slot `i` holds entry `order[i]`.
-pub(crate) fn permute_dim(x: &Tensor, dim: usize, order: &[u64]) -> Tensor {
-    let outer: usize = x.shape[..dim].iter().product();
-    let inner: usize = x.shape[dim + 1..].iter().product();
-    let len = x.shape[dim];
-    let mut data = Vec::with_capacity(x.data.len());
-    for block in 0..outer {
-        for &source in order {
-            let start = (block * len + source as usize) * inner;
-            data.extend_from_slice(&x.data[start..start + inner]);
-        }
+    #[test]
+    fn permute_dim_moves_whole_slices() {
+        // A [2, 4, 1] tensor whose dim 1 is reordered by the zigzag order of 4 slots over 1 rank
+        // (unchanged) and of 4 slots over 2 ranks: chunks 0, 3, 1, 2.
+        let x = Tensor { shape: vec![2, 4, 1], data: vec![0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0] };
+        assert_eq!(permute_dim(&x, 1, &crate::op::zigzag_order(4, 1)).data, x.data);
+        let order = crate::op::zigzag_order(4, 2);
+        assert_eq!(order, vec![0, 3, 1, 2]);
+        let permuted = permute_dim(&x, 1, &order);
+        assert_eq!(permuted.data, vec![0.0, 3.0, 1.0, 2.0, 10.0, 13.0, 11.0, 12.0]);
+        assert_eq!(permute_dim(&permuted, 1, &crate::op::inverse_order(&order)).data, x.data);
     }
-    Tensor { shape: x.shape.clone(), data }
+
+    #[test]
+    fn ring_gated_mlp_on_one_device_is_the_gated_mlp() {
+        // x = [1, 2]; gate rows [1, 0] and [0, 1]; up rows [1, 1] and [2, 0]; down = identity.
+        // x·gateᵀ = [1, 2], x·upᵀ = [3, 2]; silu(1)·3 = 2.1931757, silu(2)·2 = 3.5231884.
+        let x = Tensor { shape: vec![1, 2], data: vec![1.0, 2.0] };
+        let gate = Tensor { shape: vec![2, 2], data: vec![1.0, 0.0, 0.0, 1.0] };
+        let up = Tensor { shape: vec![2, 2], data: vec![1.0, 1.0, 2.0, 0.0] };
+        let down = Tensor { shape: vec![2, 2], data: vec![1.0, 0.0, 0.0, 1.0] };
+        let expected = Tensor { shape: vec![1, 2], data: vec![2.193_175_7, 3.523_188_3] };
+        check(Op::RingGatedMlp { axis: crate::AxisName::Tsp }, &[&x, &gate, &up, &down], &expected);
+    }
 }
