@@ -90,6 +90,10 @@ fn indivisible_degrees_name_the_dim_and_the_fix() {
         message.contains("8 heads are not divisible by tp=3; use tp in {1,2,4,8}"),
         "unexpected message: {message}"
     );
+    let message = error_of(&["run", "tiny", "--mesh", "tsp=4", "--seq", "12"]);
+    assert!(message.contains("seq=12 does not split into 2xtsp=8 zigzag chunks"), "{message}");
+    let message = error_of(&["run", "tiny", "--mesh", "tsp=8"]);
+    assert!(message.contains("4 kv heads are not divisible by tsp=8; use tsp in {1,2,4}"), "{message}");
     let message = error_of(&["run", "tiny", "--mesh", "dp=3", "--batch", "8"]);
     assert!(message.contains("8 sequences (batch) are not divisible by dp=3"), "{message}");
 }

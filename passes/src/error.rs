@@ -40,6 +40,28 @@ pub enum Error {
         /// The axes that work.
         available: Vec<&'static str>,
     },
+    /// A sequence the zigzag layout cannot cut into `2·degree` chunks.
+    #[error(
+        "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {} (e.g. {}), or {axis} in {{{}}}",
+        2 * degree, 2 * degree, (seq / (2 * degree) + 1) * 2 * degree,
+        (1..=*seq).filter(|d| seq % (2 * d) == 0).map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+    )]
+    ZigzagSeq {
+        /// The sequence length.
+        seq: u64,
+        /// The axis.
+        axis: String,
+        /// Its degree.
+        degree: u64,
+    },
+    /// The graph lacks a node a structural pass rewrites.
+    #[error("{pass}: the graph has no node `{node}`; this pass rewrites graphs of pleat's model builder")]
+    UnexpectedGraph {
+        /// The pass.
+        pass: &'static str,
+        /// The node name it looked for.
+        node: String,
+    },
     /// Propagation met two layouts it cannot reconcile.
     #[error("{node} {name}: no collective makes its operands fit: {reason}")]
     NoLayout {

@@ -43,11 +43,7 @@ struct Rewriter<'a> {
 }
 
 fn missing(what: &str) -> Error {
-    Error::NoLayout {
-        node: <pleat_ir::NodeId as pleat_ir::entity::EntityRef>::new(0),
-        name: what.to_string(),
-        reason: "fold-tsp expects the transformer graph of pleat's model builder, and this node is missing".into(),
-    }
+    Error::UnexpectedGraph { pass: FOLD_TSP.name, node: what.to_string() }
 }
 
 impl Rewriter<'_> {
@@ -75,14 +71,7 @@ impl Rewriter<'_> {
         let (tokens, positions) = (self.find("tokens")?, self.find("positions")?);
         let seq = self.graph.value(tokens).ty.shape.size_of(DimName::Seq).unwrap_or(0);
         if seq % (2 * self.degree) != 0 {
-            return Err(Error::Ir(pleat_ir::Error::Indivisible {
-                node: "tokens".into(),
-                what: "tokens (seq)".into(),
-                count: seq,
-                axis: format!("2x{AXIS}"),
-                degree: 2 * self.degree,
-                valid: (1..=seq).filter(|len| len % (2 * self.degree) == 0).take(4).collect(),
-            }));
+            return Err(Error::ZigzagSeq { seq, axis: AXIS.to_string(), degree: self.degree });
         }
         let zigzag = Op::Zigzag { parts: self.degree, inverse: false };
         self.wrap(tokens, zigzag.clone(), "tokens.zigzag");
