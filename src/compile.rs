@@ -12,6 +12,49 @@ use serde::{Deserialize, Serialize};
 
 use crate::model_arg::{resolve, ModelSource};
 
+/// How the mesh's axes are used.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Strategy {
+    /// Each axis by its name: tp is Megatron tensor parallelism, tsp TSP, dp data parallelism.
+    #[default]
+    Auto,
+    /// Megatron tensor parallelism on the tp axis.
+    Tp,
+    /// Megatron tensor parallelism with Korthikanti's sequence parallelism on the tp axis.
+    TpSp,
+    /// Tensor-and-sequence parallelism on the tsp axis.
+    Tsp,
+    /// Data parallelism on the dp axis.
+    Dp,
+}
+
+impl Strategy {
+    /// Checks the mesh has the strategy's axis and says what the passes should do.
+    pub fn pass_ctx(self, mesh: &Mesh, dump: Dump) -> Result<PassCtx> {
+        let axis = match self {
+            Strategy::Auto => None,
+            Strategy::Tp | Strategy::TpSp => Some("tp"),
+            Strategy::Tsp => Some("tsp"),
+            Strategy::Dp => Some("dp"),
+        };
+        if let Some(axis) = axis {
+            if !mesh.axes().iter().any(|mesh_axis| mesh_axis.name.as_str() == axis) {
+                anyhow::bail!("--strategy {} needs a {axis} axis in --mesh, e.g. --mesh {axis}=4", self.name());
+            }
+        }
+        Ok(PassCtx { verify_each: true, dump, sequence_parallel: self == Strategy::TpSp })
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Strategy::Auto => "auto",
+            Strategy::Tp => "tp",
+            Strategy::TpSp => "tp-sp",
+            Strategy::Tsp => "tsp",
+            Strategy::Dp => "dp",
+        }
+    }
+}
+
 /// Arguments of `pleat compile`.
 #[derive(Args)]
 pub struct CompileArgs {
@@ -29,7 +72,10 @@ pub struct CompileArgs {
     /// Sequences a batch.
     #[arg(long, default_value_t = 8)]
     pub batch: u64,
-    /// Print the IR after this pass (repeatable): propagate-specs.
+    /// How to use the mesh's axes.
+    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
+    pub strategy: Strategy,
+    /// Print the IR after this pass (repeatable): fold-tsp, propagate-specs.
     #[arg(long)]
     pub dump_after: Vec<String>,
 }
@@ -46,6 +92,8 @@ pub struct PlanFile {
     pub model: String,
     /// The mesh.
     pub mesh: String,
+    /// The `--strategy` it was compiled with.
+    pub strategy: String,
     /// Ranks (one `rank<i>.program` each).
     pub ranks: u32,
     /// Sequences a batch.
@@ -64,10 +112,17 @@ pub struct Compiled {
 }
 
 /// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs.
-pub fn compile_model(config: &ModelConfig, batch: u64, seq: u64, mesh: &Mesh, dump: Dump) -> Result<Compiled> {
+pub fn compile_model(
+    config: &ModelConfig,
+    batch: u64,
+    seq: u64,
+    mesh: &Mesh,
+    strategy: Strategy,
+    dump: Dump,
+) -> Result<Compiled> {
+    let ctx = strategy.pass_ctx(mesh, dump)?;
     let mut module = pleat_ir::model::build(config, batch, seq)?;
     module.mesh = mesh.clone();
-    let ctx = PassCtx { verify_each: true, dump };
     let report = pleat_passes::run_pipeline(pleat_passes::SHARD_PIPELINE, &mut module, &ctx)?;
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
@@ -81,11 +136,11 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     };
     let mesh = Mesh::parse(&args.mesh)?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
-    let compiled = compile_model(&config, args.batch, args.seq, &mesh, dump)?;
+    let compiled = compile_model(&config, args.batch, args.seq, &mesh, args.strategy, dump)?;
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
-    write_compiled(&args.out, &config, &compiled, args.batch, args.seq)?;
+    write_compiled(&args.out, &config, &compiled, args.batch, args.seq, args.strategy.name())?;
     println!(
         "compiled {} for {} into {}: {} rank programs",
         config.name,
@@ -98,7 +153,14 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
 
 /// Writes the compiled directory into a temporary sibling, then renames it into place, so an
 /// interrupted compile never leaves a half-written directory.
-fn write_compiled(out: &Path, config: &ModelConfig, compiled: &Compiled, batch: u64, seq: u64) -> Result<()> {
+fn write_compiled(
+    out: &Path,
+    config: &ModelConfig,
+    compiled: &Compiled,
+    batch: u64,
+    seq: u64,
+    strategy_name: &str,
+) -> Result<()> {
     let parent = out.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     let name = out.file_name().map(|name| name.to_string_lossy().to_string()).unwrap_or_else(|| "out".into());
@@ -111,6 +173,7 @@ fn write_compiled(out: &Path, config: &ModelConfig, compiled: &Compiled, batch: 
         format_version: PLAN_FORMAT_VERSION,
         model: config.name.clone(),
         mesh: compiled.sharded.mesh.to_string(),
+        strategy: strategy_name.to_string(),
         ranks: compiled.programs.len() as u32,
         batch,
         seq,

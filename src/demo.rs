@@ -6,7 +6,7 @@ use pleat_ir::{Mesh, Op};
 use pleat_passes::Dump;
 use pleat_runtime::weights::SeededWeights;
 
-use crate::compile::compile_model;
+use crate::compile::{compile_model, Strategy};
 use crate::inputs::random_tokens;
 use crate::run::{comm_bytes_mean, human_bytes, max_abs_diff, reference_logits, run_programs, F32_TOL};
 
@@ -25,7 +25,7 @@ pub fn demo() -> Result<()> {
         config.intermediate_size,
         config.vocab_size
     );
-    let compiled = compile_model(&config, batch, seq, &mesh, Dump::Nothing)?;
+    let compiled = compile_model(&config, batch, seq, &mesh, Strategy::Auto, Dump::Nothing)?;
     let graph = &compiled.sharded.graph;
     let count = |want: fn(&Op) -> bool| graph.order().iter().filter(|&&node| want(&graph.node(node).op)).count();
     println!(

@@ -16,7 +16,7 @@ use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
 use pleat_runtime::{assemble, run_on_threads, RankOutcome, RunInputs};
 use serde_json::json;
 
-use crate::compile::{compile_model, read_compiled};
+use crate::compile::{compile_model, read_compiled, Strategy};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
 
@@ -38,6 +38,9 @@ pub struct RunArgs {
     /// The device mesh, e.g. `tp=4` or `dp=2,tp=2` (ignored for a compiled directory).
     #[arg(long, default_value = "")]
     pub mesh: String,
+    /// How to use the mesh's axes (`tp-sp` adds sequence parallelism to tp).
+    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
+    pub strategy: Strategy,
     /// Weights: a .safetensors file, a model.safetensors.index.json, or a directory with either.
     /// Without it, a model directory's own weights, else seeded synthetic weights.
     #[arg(long)]
@@ -119,7 +122,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let batch = args.batch.or(given_tokens.as_ref().map(|tokens| tokens.batch)).unwrap_or(8);
             let seq = args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64);
             let mesh = Mesh::parse(&args.mesh)?;
-            let compiled = compile_model(&config, batch, seq, &mesh, Dump::Nothing)?;
+            let compiled = compile_model(&config, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
             (config, compiled.programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };

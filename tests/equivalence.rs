@@ -71,3 +71,30 @@ fn tensor_and_sequence_parallel_with_gqa_and_tied_embeddings_matches_reference()
     config.tie_word_embeddings = true;
     check_equivalence(&config, 2, 32, "tsp=2");
 }
+
+#[test]
+fn sequence_parallel_matches_reference() {
+    for mesh in ["tp=1", "tp=2", "tp=4", "tp=8", "dp=2,tp=2"] {
+        let config = tiny();
+        let (_, programs) = common::compile_sp(&config, 2, 16, mesh);
+        common::check_programs(&config, 2, 16, &format!("{mesh} tp-sp"), programs);
+    }
+}
+
+#[test]
+fn sequence_parallel_replaces_each_all_reduce_with_a_reduce_scatter_and_an_all_gather() {
+    use pleat_ir::Op;
+    let count = |module: &pleat_ir::Module, want: fn(&Op) -> bool| {
+        module.graph.order().iter().filter(|&&node| want(&module.graph.node(node).op)).count()
+    };
+    let (tp, _) = common::compile(&tiny(), 2, 16, "tp=2");
+    let (sp, _) = common::compile_sp(&tiny(), 2, 16, "tp=2");
+    let all_reduces = count(&tp, |op| matches!(op, Op::AllReduce { .. }));
+    // Two a layer and the embedding's.
+    assert_eq!(all_reduces, 2 * 2 + 1);
+    assert_eq!(count(&sp, |op| matches!(op, Op::AllReduce { .. })), 0);
+    assert_eq!(count(&sp, |op| matches!(op, Op::ReduceScatter { .. })), all_reduces);
+    // One all-gather before each layer's attention and MLP, one before the LM head, and the logits'.
+    assert_eq!(count(&sp, |op| matches!(op, Op::AllGather { .. })), 2 * 2 + 1 + 1);
+    assert_eq!(count(&tp, |op| matches!(op, Op::AllGather { .. })), 1);
+}

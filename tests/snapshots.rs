@@ -9,11 +9,15 @@ fn snapshot_pipeline(mesh: &str, suffix: &str) {
 }
 
 fn snapshot_model(config: &pleat_ir::model::config::ModelConfig, mesh: &str, suffix: &str) {
+    snapshot_with(config, mesh, suffix, &PassCtx::for_tests());
+}
+
+fn snapshot_with(config: &pleat_ir::model::config::ModelConfig, mesh: &str, suffix: &str, ctx: &PassCtx) {
     // A short sequence keeps the snapshots readable; the structure does not depend on it.
     let mut module = pleat_ir::model::build(config, 8, 16).expect("build");
     module.mesh = Mesh::parse(mesh).expect("mesh");
     let before = pleat_ir::text::print_module(&module);
-    let report = run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::for_tests()).expect("pipeline");
+    let report = run_pipeline(SHARD_PIPELINE, &mut module, ctx).expect("pipeline");
     insta::with_settings!({ snapshot_suffix => suffix, prepend_module_to_snapshot => false }, {
         insta::assert_snapshot!("before", before);
         for (pass, text) in report.dumps {
@@ -42,4 +46,10 @@ fn tensor_and_sequence_parallel_one_layer_tsp2() {
     let mut config = preset("tiny").expect("tiny");
     config.num_layers = 1;
     snapshot_model(&config, "tsp=2", "tsp2-one-layer");
+}
+
+#[test]
+fn tensor_parallel_with_sequence_parallelism_tp2() {
+    let ctx = PassCtx { sequence_parallel: true, ..PassCtx::for_tests() };
+    snapshot_with(&preset("tiny").expect("tiny"), "tp=2", "tp2-sp", &ctx);
 }

@@ -40,6 +40,16 @@ fn total_sent(outcomes: &[RankOutcome]) -> u64 {
     outcomes.iter().flat_map(|outcome| kinds.map(|kind| outcome.comm.bytes(kind))).sum()
 }
 
+fn layer_sp_bytes(mesh: &str, batch: u64, seq: u64) -> u64 {
+    let sent = |layers| {
+        let config = paper_shaped(layers);
+        let (_, programs) = common::compile_sp(&config, batch, seq, mesh);
+        let tokens = common::tokens(batch, seq, config.vocab_size);
+        total_sent(&common::run(&programs, &tokens, seq, &SeededWeights::new(3)).1)
+    };
+    sent(2) - sent(1)
+}
+
 /// One layer's bytes, all ranks together: a two-layer model's traffic minus a one-layer model's.
 fn layer_bytes(mesh: &str, batch: u64, seq: u64) -> u64 {
     total_sent(&run(&paper_shaped(2), batch, seq, mesh)) - total_sent(&run(&paper_shaped(1), batch, seq, mesh))
@@ -54,6 +64,10 @@ fn forward_volume_a_layer_matches_the_closed_forms() {
         assert_eq!(tsp, 4 * (degree - 1) * (16 * h * h + 2 * batch * seq * h), "tsp={degree}");
         let tp = layer_bytes(&format!("tp={degree}"), batch, seq);
         assert_eq!(tp, 4 * (degree - 1) * 4 * batch * seq * h, "tp={degree}");
+        // Sequence parallelism moves the same bytes: each all-reduce becomes a reduce-scatter and an
+        // all-gather of half its volume each.
+        let sp = layer_sp_bytes(&format!("tp={degree}"), batch, seq);
+        assert_eq!(sp, tp, "tp={degree} with sequence parallelism");
     }
 }
 

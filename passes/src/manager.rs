@@ -46,18 +46,21 @@ pub struct PassCtx {
     pub verify_each: bool,
     /// What to dump.
     pub dump: Dump,
+    /// Korthikanti et al.'s sequence parallelism on the `tp` axis: norms, residuals and the
+    /// embedding output stay split on seq; reduce-scatter and all-gather replace all-reduce.
+    pub sequence_parallel: bool,
 }
 
 impl Default for PassCtx {
     fn default() -> Self {
-        PassCtx { verify_each: true, dump: Dump::Nothing }
+        PassCtx { verify_each: true, dump: Dump::Nothing, sequence_parallel: false }
     }
 }
 
 impl PassCtx {
     /// Verify after each pass and dump every pass: what snapshot tests want.
     pub fn for_tests() -> PassCtx {
-        PassCtx { verify_each: true, dump: Dump::Every }
+        PassCtx { verify_each: true, dump: Dump::Every, sequence_parallel: false }
     }
     fn wants_dump(&self, pass: &str) -> bool {
         match &self.dump {

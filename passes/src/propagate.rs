@@ -10,7 +10,7 @@
 //! between collectives (reduce-scatter, moving weights instead of activations) belong to the
 //! rewriting pass; this one makes the plain, always-correct choice.
 
-use pleat_ir::{AxisName, Graph, Module, NodeId, Op, Shape, ShardSpec, ValueId};
+use pleat_ir::{AxisName, DimName, Graph, Module, NodeId, Op, Shape, ShardSpec, ValueId};
 
 use crate::error::{Error, Result};
 use crate::manager::{Pass, PassCtx};
@@ -19,14 +19,15 @@ use crate::sharding::{output_spec, Conflict};
 /// Completes specs and inserts the collectives they require.
 pub const PROPAGATE_SPECS: Pass = Pass { name: "propagate-specs", run: propagate_specs };
 
-fn propagate_specs(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
-    derive_specs(module)
+fn propagate_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
+    derive_specs(module, ctx)
 }
 
 /// Seeds the leaves, derives every spec, inserts the collectives the rules call for and makes the
 /// outputs replicated. Running it again on its own result changes nothing.
-pub(crate) fn derive_specs(module: &mut Module) -> Result<()> {
+pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     crate::strategy::seed_leaves(module)?;
+    let scatter_on_seq = sequence_parallel_axis(module, ctx)?;
     let graph = &mut module.graph;
     let mut cursor = 0;
     while cursor < graph.order().len() {
@@ -47,7 +48,35 @@ pub(crate) fn derive_specs(module: &mut Module) -> Result<()> {
                 }
                 Err(Conflict::PartialInput { operand, axes }) => {
                     let input = data.inputs[operand];
-                    all_reduce_after_def(graph, input, &axes);
+                    let has_seq = graph.value(input).ty.shape.position(DimName::Seq);
+                    let seq_free = has_seq.is_some_and(|dim| graph.value(input).spec.dims[dim].is_empty());
+                    match scatter_on_seq {
+                        Some(axis) if axes == [axis] && seq_free => {
+                            collective_after_def(
+                                graph,
+                                input,
+                                Op::ReduceScatter { axis, dim: DimName::Seq },
+                                "reduce_scatter",
+                            )?;
+                        }
+                        _ => {
+                            all_reduce_after_def(graph, input, &axes);
+                        }
+                    }
+                    // The inserted nodes sit before this one; the cursor must still point past it.
+                    cursor = graph.order().iter().position(|&id| id == node).map_or(cursor, |at| at + 1);
+                }
+                Err(Conflict::SplitActivation { dim, axis }) => {
+                    let input = data.inputs[0];
+                    let dim_index = graph.value(input).ty.shape.position(dim).expect("the rule named an existing dim");
+                    if graph.value(input).spec.dims[dim_index].last() != Some(&axis) {
+                        return Err(Error::NoLayout {
+                            node,
+                            name: data.name.clone(),
+                            reason: format!("its activation's {dim} is split over {axis}, but not innermost"),
+                        });
+                    }
+                    collective_after_def(graph, input, Op::AllGather { axis, dim }, "all_gather")?;
                     // The inserted nodes sit before this one; the cursor must still point past it.
                     cursor = graph.order().iter().position(|&id| id == node).map_or(cursor, |at| at + 1);
                 }
@@ -61,6 +90,49 @@ pub(crate) fn derive_specs(module: &mut Module) -> Result<()> {
         replicate_output(graph, output);
     }
     Ok(())
+}
+
+/// Sequence parallelism's axis (`tp`), when it is on; checks that the sequence splits over it.
+fn sequence_parallel_axis(module: &Module, ctx: &PassCtx) -> Result<Option<AxisName>> {
+    if !ctx.sequence_parallel {
+        return Ok(None);
+    }
+    let Some(degree) = module.mesh.axis(AxisName::Tp).map(|axis| axis.size) else {
+        return Err(Error::UnsupportedAxis { axis: "sp (tp-sp without a tp axis)".into(), available: vec!["tp"] });
+    };
+    let graph = &module.graph;
+    let seq = graph.order().iter().find_map(|&node| {
+        let value = graph.value(graph.node(node).result);
+        (graph.node(node).op == Op::Tokens).then(|| value.ty.shape.size_of(DimName::Seq)).flatten()
+    });
+    if let Some(seq) = seq.filter(|seq| seq % degree != 0) {
+        return Err(Error::Ir(pleat_ir::Error::Indivisible {
+            node: "tokens".into(),
+            what: "tokens (seq)".into(),
+            count: seq,
+            axis: "tp".into(),
+            degree,
+            valid: pleat_ir::spec::valid_degrees(seq),
+        }));
+    }
+    Ok(Some(AxisName::Tp))
+}
+
+/// Inserts `op` (a collective on `value`) after `value`'s definition, with the spec its rule
+/// derives, points later users at its result, and returns it.
+fn collective_after_def(graph: &mut Graph, value: ValueId, op: Op, suffix: &str) -> Result<ValueId> {
+    let def = graph.value(value).def;
+    let ty = graph.value(value).ty.clone();
+    let name = format!("{}.{suffix}", graph.node(def).name);
+    let result = graph.insert_after(def, op, &[value], ty, graph.value(value).spec.clone(), &name);
+    let node = graph.value(result).def;
+    let data = graph.node(node);
+    let input = graph.value(value);
+    let spec = output_spec(data, &[&input.spec], &[&input.ty.shape], &input.ty.shape)
+        .map_err(|conflict| Error::NoLayout { node, name: name.clone(), reason: conflict.to_string() })?;
+    graph.value_mut(result).spec = spec;
+    graph.replace_uses(value, result, node);
+    Ok(result)
 }
 
 /// Inserts `all_reduce` over each of `axes` after `value`'s definition, and points its later users at

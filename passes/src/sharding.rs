@@ -19,6 +19,15 @@ pub enum Conflict {
         /// The pending axes.
         axes: Vec<AxisName>,
     },
+    /// The activation (operand 0) of a product is split on `dim` over `axis`, which the weight also
+    /// splits: the activation must be all-gathered on `dim` first (sequence parallelism's gather
+    /// before a column-parallel projection).
+    SplitActivation {
+        /// The activation's split dim.
+        dim: DimName,
+        /// The axis both sides use.
+        axis: AxisName,
+    },
     /// Any other mismatch, in words.
     Layout(String),
 }
@@ -29,6 +38,12 @@ impl std::fmt::Display for Conflict {
             Conflict::PartialInput { operand, axes } => {
                 let axes: Vec<&str> = axes.iter().map(|axis| axis.as_str()).collect();
                 write!(f, "operand {operand} is Partial({}) and this op needs it summed first", axes.join(","))
+            }
+            Conflict::SplitActivation { dim, axis } => {
+                write!(
+                    f,
+                    "the activation's {dim} is split over {axis}, which the weight also splits; all-gather it first"
+                )
             }
             Conflict::Layout(reason) => f.write_str(reason),
         }
@@ -135,6 +150,13 @@ pub fn output_spec(
             Ok(specs[0].clone())
         }
         Op::Add => {
+            // Pending sums first: summing one (all-reduce or reduce-scatter) may fix the layout too.
+            if specs[0].partial != specs[1].partial {
+                if specs[0].partial.is_empty() {
+                    return Err(Conflict::PartialInput { operand: 1, axes: specs[1].partial.clone() });
+                }
+                return Err(Conflict::PartialInput { operand: 0, axes: specs[0].partial.clone() });
+            }
             // A bias (trailing dims of the first operand) must be laid out as those dims are.
             let offset = shapes[0].rank() - shapes[1].rank();
             for (index, axes) in specs[1].dims.iter().enumerate() {
@@ -146,12 +168,6 @@ pub fn output_spec(
                         axes_text(axes)
                     )));
                 }
-            }
-            if specs[0].partial != specs[1].partial {
-                if specs[0].partial.is_empty() {
-                    return Err(Conflict::PartialInput { operand: 1, axes: specs[1].partial.clone() });
-                }
-                return Err(Conflict::PartialInput { operand: 0, axes: specs[0].partial.clone() });
             }
             Ok(specs[0].clone())
         }
@@ -266,6 +282,13 @@ fn matmul_spec(contract: usize, specs: &[&ShardSpec], shapes: &[&Shape], out: &S
         specs[0].dims[..x_rank - contract].iter().chain(&specs[1].dims[..w_rank - contract]).collect();
     for (index, axes) in free.into_iter().enumerate() {
         spec.dims[index] = axes.clone();
+    }
+    let weight_axes: Vec<AxisName> =
+        specs[1].dims.iter().flatten().chain(&specs[1].partial).chain(spec.partial.iter()).copied().collect();
+    for (index, axes) in specs[0].dims[..x_rank - contract].iter().enumerate() {
+        if let Some(&axis) = axes.iter().find(|axis| weight_axes.contains(axis)) {
+            return Err(Conflict::SplitActivation { dim: shapes[0].dims()[index].name, axis });
+        }
     }
     let mut seen: Vec<AxisName> = Vec::new();
     for &axis in spec.dims.iter().flatten().chain(&spec.partial) {

@@ -28,13 +28,13 @@ pub const FOLD_TSP: Pass = Pass { name: "fold-tsp", run: fold_tsp };
 
 const AXIS: AxisName = AxisName::Tsp;
 
-fn fold_tsp(module: &mut Module, _ctx: &PassCtx) -> Result<()> {
+fn fold_tsp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     let Some(degree) = module.mesh.axis(AXIS).map(|axis| axis.size) else { return Ok(()) };
     crate::strategy::seed_leaves(module)?;
     let mut rewriter = Rewriter { graph: &mut module.graph, degree };
     rewriter.fold()?;
     module.graph.compact();
-    derive_specs(module)
+    derive_specs(module, ctx)
 }
 
 struct Rewriter<'a> {

@@ -94,16 +94,14 @@ fn outputs_must_be_replicated() {
 
 #[test]
 fn attention_needs_whole_keys() {
-    let text = format!(
-        "; module m mesh=tsp=2\n\
+    let text = "; module m mesh=tsp=2\n\
          v0: f32[batch=1, seq=4/tsp, heads=2, head_dim=2] = param() name=\"q\"   # n0 q\n\
          v1: f32[batch=1, seq=4/tsp, kv_heads=2, head_dim=2] = param() name=\"k\"   # n1 k\n\
          v2: i32[seq=4/tsp] = positions()   # n2 positions\n\
          v3: f32[batch=1, seq=4/tsp, heads=2, head_dim=2] = attention(v0, v1, v1, v2, v2) causal=true   # n3 attention\n\
-         outputs()\n"
-    );
+         outputs()\n";
     assert_eq!(
-        check(&text),
+        check(text),
         "n3 attention (attention): operand 1 seq is split over tsp but every query needs all keys; all-gather keys and values on seq first"
     );
 }

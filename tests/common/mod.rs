@@ -17,9 +17,19 @@ pub const F32_TOL: f32 = 1e-4;
 
 /// Builds, shards and lowers `config` for `mesh`.
 pub fn compile(config: &ModelConfig, batch: u64, seq: u64, mesh: &str) -> (Module, Vec<Program>) {
+    compile_with(config, batch, seq, mesh, &PassCtx::default())
+}
+
+/// `compile` with sequence parallelism on the tp axis (`--strategy tp-sp`).
+pub fn compile_sp(config: &ModelConfig, batch: u64, seq: u64, mesh: &str) -> (Module, Vec<Program>) {
+    compile_with(config, batch, seq, mesh, &PassCtx { sequence_parallel: true, ..PassCtx::default() })
+}
+
+/// Builds, shards and lowers `config` for `mesh` with the given pass options.
+pub fn compile_with(config: &ModelConfig, batch: u64, seq: u64, mesh: &str, ctx: &PassCtx) -> (Module, Vec<Program>) {
     let mut module = pleat_ir::model::build(config, batch, seq).expect("build");
     module.mesh = Mesh::parse(mesh).expect("mesh");
-    run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::default()).unwrap_or_else(|err| panic!("{mesh}: {err}"));
+    run_pipeline(SHARD_PIPELINE, &mut module, ctx).unwrap_or_else(|err| panic!("{mesh}: {err}"));
     let programs = pleat_backend::lower(&module).expect("lower");
     pleat_backend::verify_collectives(&programs).expect("collectives match");
     (module, programs)
@@ -76,7 +86,17 @@ pub fn assert_close(label: &str, got: &[f32], want: &[f32]) {
 
 /// Compiles `config` for `mesh`, runs it, and checks the logits against the reference.
 pub fn check_equivalence(config: &ModelConfig, batch: u64, seq: u64, mesh: &str) -> Vec<RankOutcome> {
-    let (_, programs) = compile(config, batch, seq, mesh);
+    check_programs(config, batch, seq, mesh, compile(config, batch, seq, mesh).1)
+}
+
+/// Runs `programs` (compiled from `config` for `mesh`) and checks the logits against the reference.
+pub fn check_programs(
+    config: &ModelConfig,
+    batch: u64,
+    seq: u64,
+    mesh: &str,
+    programs: Vec<Program>,
+) -> Vec<RankOutcome> {
     let weights = SeededWeights::new(7);
     let ids = tokens(batch, seq, config.vocab_size);
     let (logits, outcomes) = run(&programs, &ids, seq, &weights);

@@ -181,7 +181,7 @@ const HEADER: &str = "; module m mesh=tp=2\n";
 #[test]
 fn errors_say_what_was_expected_and_where() {
     let ops = "tokens, positions, param, embedding, rms_norm, matmul, rope, attention, silu_mul, add, all_reduce, \
-               reduce_scatter, all_gather, local_slice";
+               reduce_scatter, all_gather, local_slice, broadcast_shard, ring_gated_mlp, zigzag";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
