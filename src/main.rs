@@ -6,6 +6,7 @@
 
 mod compile;
 mod demo;
+mod explain;
 mod inputs;
 mod model_arg;
 mod run;
@@ -28,6 +29,8 @@ enum Command {
     Run(run::RunArgs),
     /// Compile MODEL for a mesh into a directory of per-rank programs.
     Compile(compile::CompileArgs),
+    /// Show every value's layout in one layer, and every collective with the reason it is there.
+    Explain(explain::ExplainArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
 }
@@ -37,6 +40,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(&args),
         Command::Compile(args) => compile::compile(&args),
+        Command::Explain(args) => explain::explain(&args),
         Command::Demo => demo::demo(),
     };
     match result {

@@ -132,3 +132,26 @@ fn tempdir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+#[test]
+fn explain_gives_each_collective_its_reason() {
+    let report = json_of(&["explain", "tiny", "--mesh", "tp=2", "--seq", "16", "--format", "json"]);
+    let collectives = report["collectives"].as_array().expect("collectives");
+    let o_proj =
+        collectives.iter().find(|entry| entry["name"] == "layer0.o_proj.all_reduce").expect("o_proj's all-reduce");
+    assert_eq!(o_proj["rule"], "partial-needs-all-reduce");
+    assert!(o_proj["reason"].as_str().unwrap().contains("row-parallel matmul"));
+    // 8 sequences x 16 tokens x 128 hidden x 4 bytes.
+    assert_eq!(o_proj["bytes_per_rank"], 8 * 16 * 128 * 4);
+    let values = report["values"].as_array().expect("values");
+    let q = values.iter().find(|entry| entry["name"] == "layer0.q").expect("layer0.q");
+    assert_eq!(q["spec"], "[batch, seq, heads/tp, head_dim]");
+
+    let text = stdout_of(&["explain", "tiny", "--mesh", "tsp=2", "--seq", "16", "--value", "layer0.mlp_ring"]);
+    assert!(text.contains("ring_gated_mlp over tsp") && text.contains("ring-weights-around-local-tokens"), "{text}");
+    let dot =
+        stdout_of(&["explain", "tiny", "--mesh", "tp=2", "--strategy", "tp-sp", "--seq", "16", "--format", "dot"]);
+    assert!(dot.starts_with("digraph layer {") && dot.contains("reduce_scatter"), "{dot}");
+    assert!(error_of(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"])
+        .contains("no value named layer0.nope"));
+}

@@ -7,6 +7,7 @@
 //! programs, kernels or communicators.
 
 pub mod error;
+pub mod explain;
 pub mod manager;
 pub mod propagate;
 pub mod sharding;

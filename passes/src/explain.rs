@@ -1,0 +1,199 @@
+//! Explanations: why each collective of a sharded module is there, and what each value's layout is.
+//!
+//! The reasons are derived from the graph itself (the op that made a value a pending sum or split
+//! it, and the op that could not take it so), so they stay true for any pass that produced the
+//! graph. This is an analysis: it reads a module and changes nothing.
+
+use pleat_ir::{Graph, Module, NodeId, Op, ValueId};
+
+use crate::sharding::spec_text;
+
+/// One collective and the reason for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveReason {
+    /// The collective's node.
+    pub node: NodeId,
+    /// Its name.
+    pub name: String,
+    /// The collective, as the text format spells it (`all_reduce`).
+    pub op: &'static str,
+    /// Its mesh axis.
+    pub axis: String,
+    /// The dim it splits or gathers, if any.
+    pub dim: Option<String>,
+    /// Bytes of the local block it starts from, on every rank (the message size).
+    pub bytes_per_rank: u64,
+    /// The sharding rule that calls for it, kebab-case.
+    pub rule: &'static str,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// One value's layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValueLayout {
+    /// The value.
+    pub value: ValueId,
+    /// Its node's name.
+    pub name: String,
+    /// Its op.
+    pub op: &'static str,
+    /// Its global shape and spec: `[batch, seq/tp, hidden] partial(dp)`.
+    pub spec: String,
+    /// Bytes a rank holds of it.
+    pub bytes_per_rank: u64,
+}
+
+fn local_bytes(module: &Module, value: ValueId) -> u64 {
+    let data = module.graph.value(value);
+    let sizes = data.spec.local_sizes(&data.ty.shape, &module.mesh).unwrap_or_else(|_| data.ty.shape.sizes());
+    sizes.iter().product::<u64>() * data.ty.dtype.size_bytes()
+}
+
+fn users_text(graph: &Graph, value: ValueId) -> String {
+    let users: Vec<String> = graph
+        .users(value)
+        .iter()
+        .map(|&user| format!("{} ({})", graph.node(user).name, graph.node(user).op.mnemonic()))
+        .collect();
+    if users.is_empty() {
+        "the graph output".to_string()
+    } else {
+        users.join(", ")
+    }
+}
+
+/// Whether `value` reaches a graph output through layout-only steps (gathers, zigzag).
+fn feeds_output(graph: &Graph, value: ValueId) -> bool {
+    let mut current = value;
+    loop {
+        if graph.outputs().contains(&current) {
+            return true;
+        }
+        match graph.users(current).as_slice() {
+            [user] if matches!(graph.node(*user).op, Op::AllGather { .. } | Op::Zigzag { .. }) => {
+                current = graph.node(*user).result;
+            }
+            _ => return false,
+        }
+    }
+}
+
+/// Why `value` is a pending sum over `axis`.
+fn why_partial(graph: &Graph, value: ValueId, axis: &str) -> String {
+    let def = graph.def(value);
+    match def.op {
+        Op::MatMul { .. } => format!(
+            "{} is Partial({axis}) after a row-parallel matmul: its contracted dim is split over {axis}",
+            def.name
+        ),
+        Op::Embedding => format!(
+            "{} is Partial({axis}) after a vocab-parallel embedding: each rank looks up only its rows",
+            def.name
+        ),
+        _ => format!("{} is Partial({axis})", def.name),
+    }
+}
+
+/// Every collective of `module` with its reason, in program order.
+pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
+    let graph = &module.graph;
+    let mut reasons = Vec::new();
+    for &node in graph.order() {
+        let data = graph.node(node);
+        let Some(axis) = data.op.axis().map(|axis| axis.to_string()) else { continue };
+        if !data.op.is_communication() {
+            continue;
+        }
+        let input = data.inputs[0];
+        let input_name = &graph.def(input).name;
+        let consumers = users_text(graph, data.result);
+        let (dim, rule, reason) = match &data.op {
+            Op::AllReduce { .. } => (
+                None,
+                "partial-needs-all-reduce",
+                format!("{}; {consumers} needs the sum", why_partial(graph, input, &axis)),
+            ),
+            Op::ReduceScatter { dim, .. } => (
+                Some(dim.to_string()),
+                "partial-then-reduce-scatter",
+                format!(
+                    "{}; {consumers} takes it split on {dim} (sequence parallelism), so the sum is scattered instead of all-reduced",
+                    why_partial(graph, input, &axis)
+                ),
+            ),
+            Op::AllGather { dim, .. } => {
+                let gathers_for_attention =
+                    graph.users(data.result).iter().any(|&user| matches!(graph.node(user).op, Op::Attention { .. }));
+                let (rule, reason) = if feeds_output(graph, data.result) {
+                    ("outputs-are-replicated", format!("{input_name} is split on {dim} over {axis}; graph outputs are replicated on every rank"))
+                } else if gathers_for_attention {
+                    (
+                        "attention-needs-whole-keys",
+                        format!("{input_name} is split on {dim} over {axis}; attention needs every key and value of the sequence for its local queries"),
+                    )
+                } else {
+                    (
+                        "split-activation-meets-split-weight",
+                        format!(
+                            "{input_name} is split on {dim} over {axis}, and {consumers} multiplies it by a weight split over {axis}: the activation is gathered to meet the column-parallel weight"
+                        ),
+                    )
+                };
+                (Some(dim.to_string()), rule, reason)
+            }
+            Op::BroadcastShard { dim, root, .. } => (
+                Some(dim.to_string()),
+                "broadcast-weights-instead-of-gather-activations",
+                format!(
+                    "rank {root} on {axis} owns this block of {input_name} (split on {dim}); TSP sends the weights to the tokens, so every rank computes owner {root}'s heads on its own tokens"
+                ),
+            ),
+            Op::RingGatedMlp { .. } => (
+                Some("ffn".to_string()),
+                "ring-weights-around-local-tokens",
+                format!(
+                    "the gate/up/down shards (split on ffn over {axis}) travel around the {axis} ring, one hop a step under the step's GEMMs, while each rank's tokens stay put"
+                ),
+            ),
+            _ => continue,
+        };
+        let bytes_per_rank = match &data.op {
+            // The ring moves the three weight shards at every hop.
+            Op::RingGatedMlp { .. } => data.inputs[1..].iter().map(|&weight| local_bytes(module, weight)).sum(),
+            _ => local_bytes(module, input),
+        };
+        reasons.push(CollectiveReason {
+            node,
+            name: data.name.clone(),
+            op: data.op.mnemonic(),
+            axis,
+            dim,
+            bytes_per_rank,
+            rule,
+            reason,
+        });
+    }
+    reasons
+}
+
+/// The layout of every value whose name starts with `prefix` (e.g. `layer0.`), in program order.
+pub fn value_layouts(module: &Module, prefix: &str) -> Vec<ValueLayout> {
+    let graph = &module.graph;
+    graph
+        .order()
+        .iter()
+        .map(|&node| graph.node(node))
+        .filter(|data| data.name.starts_with(prefix))
+        .map(|data| {
+            let value = graph.value(data.result);
+            ValueLayout {
+                value: data.result,
+                name: data.name.clone(),
+                op: data.op.mnemonic(),
+                spec: spec_text(&value.spec, &value.ty.shape),
+                bytes_per_rank: local_bytes(module, data.result),
+            }
+        })
+        .collect()
+}

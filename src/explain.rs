@@ -1,0 +1,176 @@
+//! `pleat explain`: every value's layout in one layer, and every collective with its reason.
+
+use std::fmt::Write;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use pleat_ir::Mesh;
+use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
+use pleat_passes::Dump;
+use serde_json::json;
+
+use crate::compile::{compile_model, Strategy};
+use crate::model_arg::{resolve, ModelSource};
+use crate::run::human_bytes;
+
+/// Output formats of `explain`.
+#[derive(Clone, Copy, clap::ValueEnum, PartialEq, Eq)]
+pub enum ExplainFormat {
+    Text,
+    Json,
+    /// Graphviz: one layer, collectives coloured.
+    Dot,
+}
+
+/// Arguments of `pleat explain`.
+#[derive(Args)]
+pub struct ExplainArgs {
+    /// A preset name, a config.json, or a model directory.
+    pub model: String,
+    /// The device mesh, e.g. `tp=4`.
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// How to use the mesh's axes.
+    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
+    pub strategy: Strategy,
+    /// Sequence length.
+    #[arg(long, default_value_t = 64)]
+    pub seq: u64,
+    /// Sequences a batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: u64,
+    /// The layer to show (layers are identical).
+    #[arg(long, default_value_t = 0)]
+    pub layer: u64,
+    /// Show only this value (a node name such as `layer0.o_proj`) and the collectives on it.
+    #[arg(long)]
+    pub value: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ExplainFormat::Text)]
+    pub format: ExplainFormat,
+}
+
+fn collective_json(reason: &CollectiveReason) -> serde_json::Value {
+    json!({
+        "node": reason.node.to_string(),
+        "name": reason.name,
+        "op": reason.op,
+        "axis": reason.axis,
+        "dim": reason.dim,
+        "bytes_per_rank": reason.bytes_per_rank,
+        "rule": reason.rule,
+        "reason": reason.reason,
+    })
+}
+
+/// Runs `pleat explain`.
+pub fn explain(args: &ExplainArgs) -> Result<()> {
+    let ModelSource::Config { config, .. } = resolve(&args.model)? else {
+        bail!("{} is a compiled directory; explain takes a preset or a config.json", args.model);
+    };
+    if args.layer >= config.num_layers {
+        bail!("--layer {} does not exist; {} has layers 0..{}", args.layer, config.name, config.num_layers);
+    }
+    let mesh = Mesh::parse(&args.mesh)?;
+    let compiled = compile_model(&config, args.batch, args.seq, &mesh, args.strategy, Dump::Nothing)?;
+    let module = &compiled.sharded;
+    let prefix = format!("layer{}.", args.layer);
+    let all = explain_collectives(module);
+    let selected =
+        |name: &str| args.value.as_deref().is_none_or(|value| name == value || name.starts_with(&format!("{value}.")));
+    let values: Vec<_> = value_layouts(module, &prefix).into_iter().filter(|layout| selected(&layout.name)).collect();
+    let collectives: Vec<_> = all
+        .iter()
+        .filter(|reason| args.value.is_some() || reason.name.starts_with(&prefix) || !reason.name.starts_with("layer"))
+        .filter(|reason| selected(&reason.name))
+        .collect();
+    if let Some(value) = &args.value {
+        if values.is_empty() && collectives.is_empty() {
+            bail!("no value named {value} in layer {}; names look like {prefix}o_proj", args.layer);
+        }
+    }
+    match args.format {
+        ExplainFormat::Json => {
+            let object = json!({
+                "model": config.name,
+                "mesh": module.mesh.to_string(),
+                "layer": args.layer,
+                "collectives_per_step": all.len(),
+                "values": values.iter().map(|layout| json!({
+                    "value": layout.value.to_string(),
+                    "name": layout.name,
+                    "op": layout.op,
+                    "spec": layout.spec,
+                    "bytes_per_rank": layout.bytes_per_rank,
+                })).collect::<Vec<_>>(),
+                "collectives": collectives.iter().map(|reason| collective_json(reason)).collect::<Vec<_>>(),
+            });
+            println!("{}", serde_json::to_string_pretty(&object)?);
+        }
+        ExplainFormat::Text => {
+            let mut out = String::new();
+            let _ = writeln!(
+                out,
+                "{} on {} (batch {}, seq {}): {} collectives a forward pass; layer {} and the model's ends shown",
+                config.name,
+                if module.mesh.axes().is_empty() { "one rank".to_string() } else { module.mesh.to_string() },
+                args.batch,
+                args.seq,
+                all.len(),
+                args.layer
+            );
+            let _ = writeln!(out, "\nvalues (global shape with splits; bytes a rank):");
+            let width = values.iter().map(|layout| layout.name.len()).max().unwrap_or(0);
+            for layout in &values {
+                let _ = writeln!(
+                    out,
+                    "  {:<width$}  {:<16} {}  {}",
+                    layout.name,
+                    layout.op,
+                    layout.spec,
+                    human_bytes(layout.bytes_per_rank)
+                );
+            }
+            let _ = writeln!(out, "\ncollectives:");
+            for reason in &collectives {
+                let dim = reason.dim.as_ref().map(|dim| format!(" on {dim}")).unwrap_or_default();
+                let _ = writeln!(
+                    out,
+                    "  {} {}: {} over {}{dim}, {} a rank [{}]\n      {}",
+                    reason.node,
+                    reason.name,
+                    reason.op,
+                    reason.axis,
+                    human_bytes(reason.bytes_per_rank),
+                    reason.rule,
+                    reason.reason
+                );
+            }
+            print!("{out}");
+        }
+        ExplainFormat::Dot => print!("{}", dot(module, &prefix)),
+    }
+    Ok(())
+}
+
+/// A Graphviz picture of one layer: values as boxes, collectives filled.
+fn dot(module: &pleat_ir::Module, prefix: &str) -> String {
+    let graph = &module.graph;
+    let in_layer = |node: pleat_ir::NodeId| graph.node(node).name.starts_with(prefix);
+    let mut out = String::from("digraph layer {\n  rankdir=TB;\n  node [shape=box, fontname=\"monospace\"];\n");
+    for &node in graph.order().iter().filter(|&&node| in_layer(node)) {
+        let data = graph.node(node);
+        let value = graph.value(data.result);
+        let spec = pleat_passes::sharding::spec_text(&value.spec, &value.ty.shape);
+        let style = if data.op.is_communication() { ", style=filled, fillcolor=\"#f4a261\"" } else { "" };
+        let _ = writeln!(out, "  {node} [label=\"{}\\n{}\\n{spec}\"{style}];", data.name, data.op.mnemonic());
+        for &input in &data.inputs {
+            let source = graph.value(input).def;
+            if in_layer(source) {
+                let _ = writeln!(out, "  {source} -> {node};");
+            }
+        }
+    }
+    out.push_str("}\n");
+    out
+}
