@@ -4,10 +4,12 @@
 //! errors into messages (`anyhow` lives here only).
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
 
+mod compare;
 mod compile;
 mod demo;
 mod inputs;
 mod model_arg;
+mod plan;
 mod run;
 
 use std::process::ExitCode;
@@ -28,6 +30,10 @@ enum Command {
     Run(run::RunArgs),
     /// Compile MODEL for a mesh into a directory of per-rank programs.
     Compile(compile::CompileArgs),
+    /// Memory, communication and time a rank for MODEL on a mesh, from the cost model.
+    Plan(plan::PlanArgs),
+    /// Every one- and two-axis layout of --ranks ranks side by side, sorted by peak memory.
+    Compare(compare::CompareArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
 }
@@ -38,6 +44,8 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(&args),
         Command::Compile(args) => compile::compile(&args),
         Command::Demo => demo::demo(),
+        Command::Plan(args) => plan::plan(&args),
+        Command::Compare(args) => compare::compare(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

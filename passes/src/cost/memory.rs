@@ -15,7 +15,8 @@
 //!   flight on the stage: 1F1B holds `min(m, p - stage)`, the interleaved schedule Megatron's
 //!   `1 + (p-1)/(p·v)` more on the first stage. Inference keeps the KV cache instead.
 //! - **Transients**, live while one layer runs: the working set of a recomputed layer (full
-//!   recompute) or of the inference layer, and each strategy's buffers: TSP's gathered K/V of one
+//!   recompute) or of the inference layer, the gradients of the layer's output and input that the
+//!   backward holds at once, and each strategy's buffers: TSP's gathered K/V of one
 //!   owner's heads, its double-buffered packed attention weights (broadcast) and MLP shards (ring),
 //!   and in the backward the travelling gradient shards and dK/dV before their reduce-scatter; the
 //!   sp axis's gathered K/V; cp's double-buffered ring chunks; Megatron SP's all-gathered input;
@@ -196,6 +197,11 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     if !training || workload.recompute == Recompute::Full {
         let working = layer_activations(model, layout, workload, Recompute::None).total();
         add(if training { "recomputed layer's activations" } else { "inference layer's activations" }, working);
+    }
+    if training {
+        // The backward holds the gradients of a layer's output and input at once.
+        let split = if layout.sequence_parallel { tp } else { 1.0 };
+        add("backward gradients of the layer's input and output", 2.0 * tokens * element * hidden / split);
     }
     let backward = if training { 2.0 } else { 1.0 };
     let (_, grad_bytes, _) = bytes_per_param(model, &Workload { mode: Mode::Train, ..workload.clone() });
