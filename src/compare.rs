@@ -52,9 +52,12 @@ pub fn layouts(ranks: u64) -> Vec<Layout> {
     layouts
 }
 
+/// The layouts a model cannot take, each with the reason.
+type Skipped = Vec<(String, String)>;
+
 /// One block: the estimates of every layout at `seq`, sorted by peak memory, and the layouts the
 /// model cannot take with the reason.
-pub fn block(args: &CompareArgs, seq: u64) -> Result<(Vec<Estimate>, Vec<(String, String)>)> {
+pub fn block(args: &CompareArgs, seq: u64) -> Result<(Vec<Estimate>, Skipped)> {
     let model = args.common.model_shape()?;
     let hw = args.common.hardware()?;
     let workload = args.common.workload(seq);
