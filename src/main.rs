@@ -4,11 +4,13 @@
 //! errors into messages (`anyhow` lives here only).
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
 
+mod compare;
 mod compile;
 mod demo;
 mod explain;
 mod inputs;
 mod model_arg;
+mod plan;
 mod run;
 
 use std::process::ExitCode;
@@ -31,6 +33,10 @@ enum Command {
     Compile(compile::CompileArgs),
     /// Show every value's layout in one layer, and every collective with the reason it is there.
     Explain(explain::ExplainArgs),
+    /// Memory, communication and time a rank for MODEL on a mesh, from the cost model.
+    Plan(plan::PlanArgs),
+    /// Every one- and two-axis layout of --ranks ranks side by side, sorted by peak memory.
+    Compare(compare::CompareArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
 }
@@ -42,6 +48,8 @@ fn main() -> ExitCode {
         Command::Compile(args) => compile::compile(&args),
         Command::Explain(args) => explain::explain(&args),
         Command::Demo => demo::demo(),
+        Command::Plan(args) => plan::plan(&args),
+        Command::Compare(args) => compare::compare(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -9,6 +9,7 @@
 pub mod error;
 pub mod lower;
 pub mod matching;
+pub mod memory;
 pub mod program;
 pub mod text;
 

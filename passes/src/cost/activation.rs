@@ -1,0 +1,200 @@
+//! Activation bytes one layer keeps for the backward, term by term (Korthikanti et al. 2022).
+//!
+//! "Reducing Activation Recomputation in Large Transformer Models", section 4, counts what a GPT
+//! layer stores in 16-bit elements (and 1-byte dropout masks), per token:
+//! - attention: the QKV input (2h), Q and K (4h), the softmax (2as), its dropout mask (as) and
+//!   output (2as), V (2h), the output projection's input (2h), the dropout mask (h): 11h + 5as;
+//! - MLP: its input (2h), the GeLU input and output (2f each, f = 4h gives 16h), the mask (h);
+//! - the two LayerNorms' inputs (4h).
+//!
+//! That is `sbh(34 + 5as/h)` for f = 4h (Table 2, no parallelism). Tensor parallelism splits
+//! everything but the norms' and linear layers' inputs and the masks (`10 + 24/t`); sequence
+//! parallelism splits those too (`34/t`); selective recompute drops the `5as` softmax terms; full
+//! recompute keeps only the layer's input, `2sbh`. [`LayerActivations`] computes the same terms for
+//! any width: grouped-query K/V, a gated MLP (three `f`-wide tensors: gate, up and their product),
+//! RMSNorm without dropout, flash attention (no score matrix; its fp32 log-sum-exp, 4 bytes a head
+//! and a token, is kept instead), and the tokens a rank holds under sp, cp or tsp. With the GPT
+//! settings it equals Table 2 to the byte (tests below and `tests/cost_reference.rs`).
+
+use pleat_ir::AxisName;
+
+use super::layout::Layout;
+use super::model::ModelShape;
+use super::workload::{Recompute, Workload};
+
+/// One layer's saved activations on one rank, for one micro-batch, by term (bytes).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LayerActivations {
+    /// Inputs of the two norms.
+    pub norm_inputs: f64,
+    /// Inputs of the QKV and the first MLP projections (the norms' outputs).
+    pub linear_inputs: f64,
+    /// Q, K and V.
+    pub qkv: f64,
+    /// Softmax, its dropout mask and output (the `5as/h` term), or flash attention's log-sum-exp.
+    pub scores: f64,
+    /// Input of the output projection (the attention's result).
+    pub attention_output: f64,
+    /// The MLP's `f`-wide tensors (gate, up, product; or GeLU input and output).
+    pub mlp_hidden: f64,
+    /// Dropout masks after attention and MLP.
+    pub dropout_masks: f64,
+    /// Under full recompute, the layer's input replaces all of the above.
+    pub layer_input: f64,
+}
+
+impl LayerActivations {
+    /// The bytes the layer keeps.
+    pub fn total(&self) -> f64 {
+        self.norm_inputs
+            + self.linear_inputs
+            + self.qkv
+            + self.scores
+            + self.attention_output
+            + self.mlp_hidden
+            + self.dropout_masks
+            + self.layer_input
+    }
+}
+
+/// The tokens of one micro-batch a rank holds: `s·b` divided by the sp, cp and tsp degrees.
+pub fn local_tokens(layout: &Layout, workload: &Workload) -> f64 {
+    (workload.seq * workload.micro_batch) as f64 / layout.sequence_split() as f64
+}
+
+/// How many ways the K/V heads are split by tp: whole on every rank when they do not divide
+/// (strategy.rs keeps k/v replicated then).
+pub fn kv_split(model: &ModelShape, layout: &Layout) -> u64 {
+    let tp = layout.degree(AxisName::Tp);
+    if model.kv_heads % tp == 0 {
+        tp
+    } else {
+        1
+    }
+}
+
+/// The activations a layer keeps with `recompute` (the workload's own setting is ignored, so that
+/// the working set of a recomputed layer can be asked for with `Recompute::None`).
+pub fn layer_activations(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    recompute: Recompute,
+) -> LayerActivations {
+    let tokens = local_tokens(layout, workload);
+    let tp = layout.degree(AxisName::Tp) as f64;
+    let element = model.dtype_bytes as f64;
+    let hidden = model.hidden as f64;
+    // Megatron SP splits what tensor parallelism replicates.
+    let replicated_split = if layout.sequence_parallel { tp } else { 1.0 };
+    let kv_split = kv_split(model, layout) as f64;
+    if recompute == Recompute::Full {
+        return LayerActivations {
+            norm_inputs: 0.0,
+            linear_inputs: 0.0,
+            qkv: 0.0,
+            scores: 0.0,
+            attention_output: 0.0,
+            mlp_hidden: 0.0,
+            dropout_masks: 0.0,
+            layer_input: tokens * element * hidden / replicated_split,
+        };
+    }
+    // Every query attends to the whole sequence of the keys (Table 2 counts s × s; causal
+    // kernels that skip the masked half still allocate it).
+    let keys = workload.seq as f64;
+    let heads_local = model.heads as f64 / tp;
+    let scores = if workload.flash_attention {
+        tokens * heads_local * 4.0
+    } else if recompute == Recompute::Selective {
+        0.0
+    } else {
+        let dropout_bytes = if model.dropout { 1.0 + element } else { 0.0 };
+        tokens * heads_local * keys * (element + dropout_bytes)
+    };
+    let mlp_tensors = if model.gated_mlp { 3.0 } else { 2.0 };
+    LayerActivations {
+        norm_inputs: 2.0 * tokens * element * hidden / replicated_split,
+        linear_inputs: 2.0 * tokens * element * hidden / replicated_split,
+        qkv: tokens * element * (model.query_width() as f64 / tp + 2.0 * model.kv_width() as f64 / kv_split),
+        scores,
+        attention_output: tokens * element * model.query_width() as f64 / tp,
+        mlp_hidden: tokens * element * mlp_tensors * model.ffn as f64 / tp,
+        dropout_masks: if model.dropout { 2.0 * tokens * hidden / replicated_split } else { 0.0 },
+        layer_input: 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::model::Norm;
+
+    /// A GPT layer as Korthikanti counts it: MHA, f = 4h, LayerNorm, dropout, 16-bit.
+    fn gpt(hidden: u64, heads: u64) -> ModelShape {
+        ModelShape {
+            name: "gpt".into(),
+            vocab: 51200,
+            hidden,
+            layers: 1,
+            heads,
+            kv_heads: heads,
+            head_dim: hidden / heads,
+            ffn: 4 * hidden,
+            gated_mlp: false,
+            norm: Norm::LayerNorm,
+            dropout: true,
+            qkv_bias: false,
+            tied_embeddings: true,
+            dtype_bytes: 2,
+        }
+    }
+
+    fn materialized(seq: u64, batch: u64) -> Workload {
+        Workload { flash_attention: false, ..Workload::training(seq, batch) }
+    }
+
+    fn check(layout: Layout, recompute: Recompute, per_layer: impl Fn(f64, f64, f64, f64, f64) -> f64) {
+        let (s, b, h, a) = (2048u64, 2u64, 1024u64, 16u64);
+        let got = layer_activations(&gpt(h, a), &layout, &materialized(s, b), recompute).total();
+        let t = layout.degree(AxisName::Tp) as f64;
+        let want = per_layer(s as f64, b as f64, h as f64, a as f64, t);
+        assert_eq!(got, want, "{layout} {recompute:?}");
+    }
+
+    #[test]
+    fn korthikanti_table_2() {
+        let none = Layout::new(&[], false);
+        let tp = Layout::new(&[(AxisName::Tp, 8)], false);
+        let tp_sp = Layout::new(&[(AxisName::Tp, 8)], true);
+        check(none.clone(), Recompute::None, |s, b, h, a, _| s * b * h * (34.0 + 5.0 * a * s / h));
+        check(tp.clone(), Recompute::None, |s, b, h, a, t| s * b * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t)));
+        check(tp_sp.clone(), Recompute::None, |s, b, h, a, t| s * b * h / t * (34.0 + 5.0 * a * s / h));
+        check(tp.clone(), Recompute::Selective, |s, b, h, _, t| s * b * h * (10.0 + 24.0 / t));
+        check(tp_sp, Recompute::Selective, |s, b, h, _, t| s * b * h * 34.0 / t);
+        check(tp, Recompute::Full, |s, b, h, _, _| 2.0 * s * b * h);
+        check(none, Recompute::Full, |s, b, h, _, _| 2.0 * s * b * h);
+    }
+
+    #[test]
+    fn flash_attention_keeps_only_the_log_sum_exp() {
+        let model = gpt(1024, 16);
+        let layout = Layout::new(&[(AxisName::Tp, 4)], false);
+        let flash = layer_activations(&model, &layout, &Workload::training(2048, 1), Recompute::None);
+        assert_eq!(flash.scores, 2048.0 * 4.0 * 4.0);
+        let selective = layer_activations(&model, &layout, &materialized(2048, 1), Recompute::Selective);
+        assert_eq!(flash.total() - flash.scores, selective.total());
+    }
+
+    #[test]
+    fn tsp_keeps_one_dth_of_the_tokens_at_full_width() {
+        // Gated MLP, no dropout, flash: per token 4h (norms) + 4h (linear inputs) + 6h (q, k, v)
+        // + 2h (attention output) + 3·2·f (f = 4h: 24h) = 40h bytes, plus 4 bytes a head.
+        let h = 4096u64;
+        let model = ModelShape { gated_mlp: true, norm: Norm::RmsNorm, dropout: false, ffn: 4 * h, ..gpt(h, 32) };
+        let layout = Layout::new(&[(AxisName::Tsp, 8)], false);
+        let got = layer_activations(&model, &layout, &Workload::training(131072, 1), Recompute::None).total();
+        let tokens = 131072.0 / 8.0;
+        assert_eq!(got, tokens * (40.0 * h as f64 + 4.0 * 32.0));
+    }
+}

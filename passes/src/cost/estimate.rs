@@ -1,0 +1,275 @@
+//! One plan's estimate: memory by component, communication by kind and axis, time, tokens/s, MFU.
+//!
+//! The step time is `compute + communication + pipeline bubble`, with no overlap: an upper bound
+//! that the scheduler's overlap will lower. The bubble is 1F1B's `(p-1)/m` of the ideal compute
+//! (`(p-1)/(v·m)` interleaved). A rank's numbers are those of its most loaded stage (the peak
+//! memory's stage for memory, the stage with the most layers for time). [`Estimate`] serializes
+//! to the JSON of `pleat plan --format json` (schema version [`SCHEMA_VERSION`]).
+
+use std::collections::BTreeMap;
+
+use pleat_ir::AxisName;
+
+use super::compute::{head_time, layer_time, mfu, model_flops_per_step};
+use super::hw::HardwareSpec;
+use super::layout::Layout;
+use super::memory::{memory_per_stage, peak_stage, MemoryBreakdown, Term};
+use super::model::ModelShape;
+use super::volume::{forward_elements_per_layer, layer_collectives, step_collectives, CollectiveCall, Phase};
+use super::workload::{Mode, Workload};
+use super::{comm, Result};
+
+/// The version of the estimate's JSON.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Memory of the most loaded rank, in bytes.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MemorySummary {
+    /// The stage it is on.
+    pub stage: u64,
+    /// Weights.
+    pub params_bytes: f64,
+    /// Gradients.
+    pub grads_bytes: f64,
+    /// Optimizer state.
+    pub optimizer_bytes: f64,
+    /// Kept for the backward (or KV cache).
+    pub activations_bytes: f64,
+    /// Live while a layer runs.
+    pub transient_bytes: f64,
+    /// Logits and loss buffers.
+    pub logits_bytes: f64,
+    /// The peak.
+    pub peak_bytes: f64,
+    /// The device's memory.
+    pub device_bytes: f64,
+    /// The transients by name.
+    pub transients: Vec<Term>,
+}
+
+/// One collective's share of a step.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct CallCost {
+    /// The collective.
+    #[serde(flatten)]
+    pub call: CollectiveCall,
+    /// Bytes one rank sends for it a step.
+    pub bytes_per_step: f64,
+    /// Seconds a step.
+    pub seconds_per_step: f64,
+}
+
+/// Communication of one rank.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct CommSummary {
+    /// Bytes sent in the forward pass of one layer and micro-batch.
+    pub bytes_per_layer_fwd: f64,
+    /// Elements sent in the forward pass of one layer (the closed forms' unit).
+    pub elements_per_layer_fwd: f64,
+    /// Seconds of the forward collectives of one layer and micro-batch.
+    pub seconds_per_layer_fwd: f64,
+    /// Bytes sent a step.
+    pub bytes_per_step: f64,
+    /// Bytes a step by collective kind.
+    pub bytes_by_kind: BTreeMap<&'static str, f64>,
+    /// Bytes a step by mesh axis.
+    pub bytes_by_axis: BTreeMap<&'static str, f64>,
+    /// Every collective.
+    pub calls: Vec<CallCost>,
+}
+
+/// Seconds of one step.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TimeSummary {
+    /// Compute, roofline.
+    pub compute_s: f64,
+    /// Communication, not overlapped.
+    pub comm_s: f64,
+    /// The pipeline bubble.
+    pub bubble_s: f64,
+    /// The sum.
+    pub step_s: f64,
+}
+
+/// Everything `pleat plan` reports.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Estimate {
+    /// [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// The model's name.
+    pub model: String,
+    /// The layout's label.
+    pub layout: String,
+    /// Ranks.
+    pub world_size: u64,
+    /// Whether pleat compiles this layout today (otherwise the figures are the model's only).
+    pub compiles_today: bool,
+    /// The hardware's name.
+    pub hardware: String,
+    /// The workload.
+    pub workload: Workload,
+    /// Memory of the most loaded rank.
+    pub memory: MemorySummary,
+    /// Memory of each pipeline stage.
+    pub stages: Vec<MemoryBreakdown>,
+    /// Communication.
+    pub comm: CommSummary,
+    /// Time.
+    pub time: TimeSummary,
+    /// Tokens a step, all replicas.
+    pub tokens_per_step: f64,
+    /// Tokens a second.
+    pub tokens_per_s: f64,
+    /// Model FLOPs a step (PaLM's count).
+    pub model_flops_per_step: f64,
+    /// Model FLOPs utilization.
+    pub mfu: f64,
+    /// What the user should know (memory over the device's, layouts the compiler lacks).
+    pub warnings: Vec<String>,
+}
+
+/// Estimates one plan.
+pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &HardwareSpec) -> Result<Estimate> {
+    workload.validate()?;
+    layout.validate(model, workload)?;
+    let stages = memory_per_stage(model, layout, workload);
+    let peak = peak_stage(&stages).expect("a layout has at least one stage").clone();
+    let busiest = stages.iter().max_by_key(|stage| stage.layers).expect("at least one stage");
+    let layers = busiest.layers as f64;
+    let micro_batches = workload.micro_batches as f64;
+    let pipeline = layout.degree(AxisName::Pp);
+
+    let span = |axis: AxisName| layout.span(axis, hw.gpus_per_node);
+    let mut calls = Vec::new();
+    for call in layer_collectives(model, layout, workload) {
+        let repeats = layers * micro_batches;
+        calls.push(cost_call(call, repeats, layout, hw));
+    }
+    for call in step_collectives(model, layout, workload, busiest.param_count, busiest.layers) {
+        calls.push(cost_call(call, 1.0, layout, hw));
+    }
+    let forward_calls: Vec<&CallCost> = calls.iter().filter(|cost| cost.call.phase == Phase::Forward).collect();
+    let bytes_per_layer_fwd: f64 =
+        forward_calls.iter().map(|cost| cost.call.bytes_sent(layout.degree(cost.call.axis))).sum();
+    let seconds_per_layer_fwd: f64 = forward_calls
+        .iter()
+        .map(|cost| cost.call.count * comm::time(cost.call.kind, cost.call.bytes, span(cost.call.axis), hw))
+        .sum();
+    let mut bytes_by_kind = BTreeMap::new();
+    let mut bytes_by_axis = BTreeMap::new();
+    for cost in &calls {
+        *bytes_by_kind.entry(cost.call.kind.as_str()).or_insert(0.0) += cost.bytes_per_step;
+        *bytes_by_axis.entry(cost.call.axis.as_str()).or_insert(0.0) += cost.bytes_per_step;
+    }
+    let comm_s: f64 = calls.iter().map(|cost| cost.seconds_per_step).sum();
+    let comm = CommSummary {
+        bytes_per_layer_fwd,
+        elements_per_layer_fwd: forward_elements_per_layer(model, layout, workload),
+        seconds_per_layer_fwd,
+        bytes_per_step: calls.iter().map(|cost| cost.bytes_per_step).sum(),
+        bytes_by_kind,
+        bytes_by_axis,
+        calls,
+    };
+
+    let head = if pipeline == 1 { head_time(model, layout, workload, hw) } else { 0.0 };
+    let compute_s = micro_batches * (layers * layer_time(model, layout, workload, hw) + head);
+    let bubble_s = if pipeline > 1 {
+        compute_s * (pipeline - 1) as f64 / (workload.virtual_stages as f64 * micro_batches)
+    } else {
+        0.0
+    };
+    let step_s = compute_s + comm_s + bubble_s;
+    let tokens_per_step =
+        (workload.tokens_per_micro_batch() * workload.micro_batches * layout.degree(AxisName::Dp)) as f64;
+    let model_flops = model_flops_per_step(model, workload, tokens_per_step);
+    let mut warnings = Vec::new();
+    if peak.peak_bytes > hw.memory_bytes as f64 {
+        warnings.push(format!(
+            "peak memory {:.1} GB a rank (stage {}) exceeds the {} GB of a {}; add ranks, recompute, or ZeRO",
+            peak.peak_bytes / 1e9,
+            peak.stage,
+            format_args!("{:.1}", hw.memory_bytes as f64 / 1e9),
+            hw.name
+        ));
+    }
+    if !layout.compiles_today() {
+        warnings.push(format!(
+            "{layout}: pleat cannot compile this layout yet; these figures come from the cost model only"
+        ));
+    }
+    if workload.mode == Mode::Infer && workload.recompute != super::Recompute::None {
+        warnings.push("recompute has no effect on inference".to_string());
+    }
+    Ok(Estimate {
+        schema_version: SCHEMA_VERSION,
+        model: model.name.clone(),
+        layout: layout.label(),
+        world_size: layout.world_size(),
+        compiles_today: layout.compiles_today(),
+        hardware: hw.name.clone(),
+        workload: workload.clone(),
+        memory: MemorySummary {
+            stage: peak.stage,
+            params_bytes: peak.params_bytes,
+            grads_bytes: peak.grads_bytes,
+            optimizer_bytes: peak.optimizer_bytes,
+            activations_bytes: peak.activations_bytes,
+            transient_bytes: peak.transient_bytes,
+            logits_bytes: peak.logits_bytes,
+            peak_bytes: peak.peak_bytes,
+            device_bytes: hw.memory_bytes as f64,
+            transients: peak.transients.clone(),
+        },
+        stages,
+        comm,
+        time: TimeSummary { compute_s, comm_s, bubble_s, step_s },
+        tokens_per_step,
+        tokens_per_s: tokens_per_step / step_s,
+        model_flops_per_step: model_flops,
+        mfu: mfu(model_flops, step_s, layout.world_size(), hw, model.dtype_bytes),
+        warnings,
+    })
+}
+
+fn cost_call(call: CollectiveCall, repeats: f64, layout: &Layout, hw: &HardwareSpec) -> CallCost {
+    let ranks = layout.degree(call.axis);
+    let span = layout.span(call.axis, hw.gpus_per_node);
+    let bytes_per_step = repeats * call.bytes_sent(ranks);
+    let seconds_per_step = repeats * call.count * comm::time(call.kind, call.bytes, span, hw);
+    CallCost { call, bytes_per_step, seconds_per_step }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_ir::model::preset::preset;
+
+    #[test]
+    fn an_estimate_adds_up() {
+        let model = ModelShape::from_config(&preset("llama3-8b").unwrap());
+        let hw = HardwareSpec::builtin("h100-sxm").unwrap();
+        let layout = Layout::new(&[(AxisName::Dp, 4), (AxisName::Tp, 2)], false);
+        let workload = Workload { micro_batches: 4, distributed_optimizer: true, ..Workload::training(4096, 1) };
+        let estimate = estimate(&model, &layout, &workload, &hw).unwrap();
+        assert_eq!(estimate.tokens_per_step, 4096.0 * 4.0 * 4.0);
+        let time = &estimate.time;
+        assert_eq!(time.step_s, time.compute_s + time.comm_s + time.bubble_s);
+        assert!(estimate.mfu > 0.0 && estimate.mfu < 1.0, "mfu {}", estimate.mfu);
+        let by_kind: f64 = estimate.comm.bytes_by_kind.values().sum();
+        assert!((by_kind - estimate.comm.bytes_per_step).abs() <= 1e-9 * by_kind);
+        assert!(estimate.comm.bytes_by_axis.contains_key("dp") && estimate.comm.bytes_by_axis.contains_key("tp"));
+        assert!(estimate.compiles_today && estimate.warnings.is_empty(), "{:?}", estimate.warnings);
+    }
+
+    #[test]
+    fn warnings_name_the_excess_and_the_analytic_layouts() {
+        let model = ModelShape::from_config(&preset("llama3-70b").unwrap());
+        let hw = HardwareSpec::builtin("h100-sxm").unwrap();
+        let estimate =
+            estimate(&model, &Layout::new(&[(AxisName::Cp, 2)], false), &Workload::training(8192, 1), &hw).unwrap();
+        assert!(estimate.warnings[0].starts_with("peak memory "), "{:?}", estimate.warnings);
+        assert!(estimate.warnings[0].contains("exceeds the 85.5 GB of a h100-sxm"), "{}", estimate.warnings[0]);
+        assert!(estimate.warnings[1].contains("cp=2: pleat cannot compile this layout yet"));
+    }
+}

@@ -1,0 +1,243 @@
+//! A parallel layout: the degree of each mesh axis, in mesh order, and what each axis splits.
+//!
+//! Axes mean what they mean in `ir::mesh` and DESIGN.md section 4: `dp` splits the batch, `tp`
+//! splits weights (Megatron), `sp` splits the sequence with weights replicated (the orthogonal SP
+//! axis of the TSP paper's TP+SP layouts; attention all-gathers K/V), `cp` splits the sequence with
+//! ring attention, `pp` splits layers, `tsp` splits both weights and tokens, `ep` splits experts.
+//! Megatron's sequence parallelism inside the tp group (Korthikanti et al.) is not an axis of its
+//! own: it is the [`Layout::sequence_parallel`] flag on `tp`.
+//!
+//! Validation follows the strategies' rules: an axis that splits heads or channels must divide
+//! them, a sequence split must divide the tokens (twice the degree for the zigzag layouts of cp
+//! and tsp). The vocabulary is padded, as Megatron pads it, rather than refused.
+
+use pleat_ir::{AxisName, Mesh};
+
+use super::model::ModelShape;
+use super::workload::Workload;
+use super::{divisors, CostError, Result};
+
+/// The degrees of the mesh axes, in mesh order, plus Megatron sequence parallelism on `tp`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Layout {
+    axes: Vec<(AxisName, u64)>,
+    /// Megatron sequence parallelism on the tp group: norms, dropout and residuals split on seq,
+    /// all-gather / reduce-scatter in place of the all-reduces.
+    pub sequence_parallel: bool,
+}
+
+/// How an axis's groups sit on nodes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct AxisSpan {
+    /// The group's ranks on one node.
+    pub ranks_per_node: u64,
+    /// The nodes one group spans.
+    pub nodes: u64,
+}
+
+impl Layout {
+    /// The layout of `mesh`; `sequence_parallel` turns on Megatron SP for its tp axis.
+    pub fn from_mesh(mesh: &Mesh, sequence_parallel: bool) -> Layout {
+        Layout { axes: mesh.axes().iter().map(|axis| (axis.name, axis.size)).collect(), sequence_parallel }
+    }
+
+    /// A layout from `(axis, degree)` pairs, outermost first; axes of degree 1 are dropped.
+    pub fn new(axes: &[(AxisName, u64)], sequence_parallel: bool) -> Layout {
+        Layout { axes: axes.iter().copied().filter(|&(_, degree)| degree != 1).collect(), sequence_parallel }
+    }
+
+    /// The degree of `axis` (1 when absent).
+    pub fn degree(&self, axis: AxisName) -> u64 {
+        self.axes.iter().find(|(name, _)| *name == axis).map_or(1, |&(_, degree)| degree)
+    }
+
+    /// The axes, outermost first.
+    pub fn axes(&self) -> &[(AxisName, u64)] {
+        &self.axes
+    }
+
+    /// Ranks in all.
+    pub fn world_size(&self) -> u64 {
+        self.axes.iter().map(|&(_, degree)| degree).product()
+    }
+
+    /// The ranks that hold one copy of the model (everything but dp).
+    pub fn model_parallel_size(&self) -> u64 {
+        self.world_size() / self.degree(AxisName::Dp)
+    }
+
+    /// How many ways the tokens of a sequence are split on every rank, before Megatron SP (which
+    /// splits only norms and residuals).
+    pub fn sequence_split(&self) -> u64 {
+        self.degree(AxisName::Sp) * self.degree(AxisName::Cp) * self.degree(AxisName::Tsp)
+    }
+
+    /// How many ways a layer's matrices are split on every rank.
+    pub fn weight_split(&self) -> u64 {
+        self.degree(AxisName::Tp) * self.degree(AxisName::Tsp)
+    }
+
+    /// A short name: `tp=4 x sp=2`, `tp=8+sp` (Megatron SP), `1 rank`.
+    pub fn label(&self) -> String {
+        if self.axes.is_empty() {
+            return "1 rank".to_string();
+        }
+        self.axes
+            .iter()
+            .map(|&(axis, degree)| {
+                let megatron_sp = axis == AxisName::Tp && self.sequence_parallel;
+                format!("{axis}={degree}{}", if megatron_sp { "+sp" } else { "" })
+            })
+            .collect::<Vec<_>>()
+            .join(" x ")
+    }
+
+    /// Whether pleat's compiler has strategies for every axis of this layout today; the cost model
+    /// covers the others analytically.
+    pub fn compiles_today(&self) -> bool {
+        !self.sequence_parallel && self.axes.iter().all(|(axis, _)| crate::strategy::SUPPORTED_AXES.contains(axis))
+    }
+
+    /// How the groups of `axis` sit on nodes of `gpus_per_node` GPUs (ranks are numbered row-major
+    /// over the axes, so the innermost axis is packed in a node first).
+    pub fn span(&self, axis: AxisName, gpus_per_node: u64) -> AxisSpan {
+        let Some(position) = self.axes.iter().position(|(name, _)| *name == axis) else {
+            return AxisSpan { ranks_per_node: 1, nodes: 1 };
+        };
+        let degree = self.axes[position].1;
+        let stride: u64 = self.axes[position + 1..].iter().map(|&(_, degree)| degree).product();
+        let gpus_per_node = gpus_per_node.max(1);
+        let ranks_per_node = if stride >= gpus_per_node { 1 } else { (gpus_per_node / stride).clamp(1, degree) };
+        AxisSpan { ranks_per_node, nodes: degree.div_ceil(ranks_per_node) }
+    }
+
+    /// Checks the layout against the model and workload.
+    pub fn validate(&self, model: &ModelShape, workload: &Workload) -> Result<()> {
+        let need = |what: &str, count: u64, axis: AxisName, degree: u64| -> Result<()> {
+            if degree > 1 && count % degree != 0 {
+                return Err(CostError::Indivisible {
+                    what: what.to_string(),
+                    count,
+                    axis: axis.to_string(),
+                    degree,
+                    valid: divisors(count),
+                });
+            }
+            Ok(())
+        };
+        for axis in [AxisName::Tp, AxisName::Tsp] {
+            let degree = self.degree(axis);
+            need("heads", model.heads, axis, degree)?;
+            need("ffn channels", model.ffn, axis, degree)?;
+        }
+        // TSP owners hold whole kv heads; tp keeps k/v whole when they do not divide (strategy.rs).
+        need("kv heads", model.kv_heads, AxisName::Tsp, self.degree(AxisName::Tsp))?;
+        let seq = workload.seq;
+        need("tokens (seq)", seq, AxisName::Sp, self.degree(AxisName::Sp))?;
+        // Zigzag: 2·D chunks of the sequence for cp and tsp.
+        for axis in [AxisName::Cp, AxisName::Tsp] {
+            let degree = self.degree(axis);
+            if degree > 1 && seq % (2 * degree) != 0 {
+                return Err(CostError::Indivisible {
+                    what: format!("tokens (seq; zigzag needs 2·{axis} chunks)"),
+                    count: seq,
+                    axis: axis.to_string(),
+                    degree,
+                    valid: if seq % 2 == 0 { divisors(seq / 2) } else { Vec::new() },
+                });
+            }
+        }
+        let local_seq = seq / self.sequence_split();
+        if self.sequence_parallel {
+            need("tokens (seq) after the sequence split", local_seq, AxisName::Tp, self.degree(AxisName::Tp))?;
+        }
+        if seq % self.sequence_split() != 0 {
+            return Err(CostError::Indivisible {
+                what: "tokens (seq) under sp x cp x tsp".to_string(),
+                count: seq,
+                axis: "sp x cp x tsp".to_string(),
+                degree: self.sequence_split(),
+                valid: divisors(seq),
+            });
+        }
+        let stages = self.degree(AxisName::Pp);
+        if stages > model.layers {
+            return Err(CostError::TooManyStages { stages, layers: model.layers });
+        }
+        let experts = self.degree(AxisName::Ep);
+        if experts > 1 {
+            return Err(CostError::UnusableAxis {
+                axis: "ep".to_string(),
+                degree: experts,
+                reason: format!("{} has no experts (a dense MLP); drop ep or use dp", model.name),
+            });
+        }
+        if self.sequence_parallel && self.degree(AxisName::Tp) == 1 {
+            return Err(CostError::UnusableAxis {
+                axis: "tp".to_string(),
+                degree: 1,
+                reason: "sequence parallelism runs on the tp group; add tp=2 or more".to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_ir::model::preset::preset;
+
+    fn tsp_7b() -> ModelShape {
+        ModelShape::from_config(&preset("tsp-7b").unwrap())
+    }
+
+    #[test]
+    fn spans_follow_row_major_ranks() {
+        let layout = Layout::from_mesh(&Mesh::parse("dp=4,pp=2,tp=8").unwrap(), false);
+        assert_eq!(layout.span(AxisName::Tp, 8), AxisSpan { ranks_per_node: 8, nodes: 1 });
+        assert_eq!(layout.span(AxisName::Pp, 8), AxisSpan { ranks_per_node: 1, nodes: 2 });
+        assert_eq!(layout.span(AxisName::Dp, 8), AxisSpan { ranks_per_node: 1, nodes: 4 });
+        let small = Layout::from_mesh(&Mesh::parse("dp=8,tp=2").unwrap(), false);
+        assert_eq!(small.span(AxisName::Dp, 8), AxisSpan { ranks_per_node: 4, nodes: 2 });
+        assert_eq!(small.world_size(), 16);
+        assert_eq!(small.model_parallel_size(), 2);
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(Layout::new(&[(AxisName::Tp, 4), (AxisName::Sp, 2)], false).label(), "tp=4 x sp=2");
+        assert_eq!(Layout::new(&[(AxisName::Tp, 8)], true).label(), "tp=8+sp");
+        assert_eq!(Layout::new(&[], false).label(), "1 rank");
+    }
+
+    #[test]
+    fn validation_names_the_axis_and_the_fix() {
+        let workload = Workload::training(4096, 1);
+        let bad_tp = Layout::new(&[(AxisName::Tp, 3)], false).validate(&tsp_7b(), &workload).unwrap_err();
+        assert_eq!(bad_tp.to_string(), "32 heads are not divisible by tp=3; use tp in {1,2,4,8,16,32}");
+        let zigzag = Layout::new(&[(AxisName::Tsp, 8)], false).validate(&tsp_7b(), &Workload::training(8, 1));
+        assert_eq!(
+            zigzag.unwrap_err().to_string(),
+            "8 tokens (seq; zigzag needs 2·tsp chunks) are not divisible by tsp=8; use tsp in {1,2,4}"
+        );
+        let experts = Layout::new(&[(AxisName::Ep, 2)], false).validate(&tsp_7b(), &workload).unwrap_err();
+        assert_eq!(experts.to_string(), "mesh axis ep=2: tsp-7b has no experts (a dense MLP); drop ep or use dp");
+        let stages = Layout::new(&[(AxisName::Pp, 64)], false).validate(&tsp_7b(), &workload).unwrap_err();
+        assert_eq!(stages.to_string(), "pp=64 is more than the model's 32 layers; use pp <= 32");
+        assert!(Layout::new(&[(AxisName::Tp, 4), (AxisName::Cp, 2)], true).validate(&tsp_7b(), &workload).is_ok());
+    }
+
+    #[test]
+    fn only_dp_and_tp_compile_today() {
+        assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false).compiles_today());
+        assert!(!Layout::new(&[(AxisName::Tp, 2)], true).compiles_today());
+        assert!(!Layout::new(&[(AxisName::Cp, 2)], false).compiles_today());
+    }
+}

@@ -1,0 +1,350 @@
+//! Memory a rank, by component, from closed formulas.
+//!
+//! - **Static** (Megatron's accounting of mixed-precision Adam): weights in the model's dtype
+//!   (2 bytes for bf16), gradients in fp32 (4; `fp32_grads = false` keeps them in the weights'
+//!   dtype), and the optimizer's fp32 master weights and two moments (12): 18 bytes a parameter, 16
+//!   with bf16 gradients. An fp32 model needs no master copy (4 + 4 + 8). The distributed optimizer
+//!   and ZeRO-1 divide the optimizer's 12 by dp (Megatron's `6 + 12/dp`), ZeRO-2 also the gradients,
+//!   ZeRO-3 also the weights. Inference keeps the weights only.
+//! - **Parameters a rank**: a layer's matrices split by tp and tsp (k/v whole under tp when the kv
+//!   heads do not divide), its norms whole; the embedding on the first stage and the LM head on the
+//!   last, split on vocabulary rows by tp (padded), and by tsp only when
+//!   `Workload::tsp_shards_embeddings` (see below); a tied table is copied to the last stage when
+//!   pp > 1, as Megatron does.
+//! - **Activations** kept for the backward ([`super::activation`]), times the micro-batches in
+//!   flight on the stage: 1F1B holds `min(m, p - stage)`, the interleaved schedule Megatron's
+//!   `1 + (p-1)/(p·v)` more on the first stage. Inference keeps the KV cache instead.
+//! - **Transients**, live while one layer runs: the working set of a recomputed layer (full
+//!   recompute) or of the inference layer, the gradients of the layer's output and input that the
+//!   backward holds at once, and each strategy's buffers: TSP's gathered K/V of one
+//!   owner's heads, its double-buffered packed attention weights (broadcast) and MLP shards (ring),
+//!   and in the backward the travelling gradient shards and dK/dV before their reduce-scatter; the
+//!   sp axis's gathered K/V; cp's double-buffered ring chunks; Megatron SP's all-gathered input;
+//!   ZeRO-3's gathered layer (and the next, prefetched); pipeline send and receive buffers.
+//! - **Logits**: the last stage's `[tokens, vocab/tp]` in the model's dtype plus the fp32 copy the
+//!   loss computes in (its gradient is written in place), 6 bytes an element for bf16.
+//!
+//! The peak is `static + activations + max(logits, transients)`: the loss runs and is freed
+//! before the first layer of the backward starts.
+//!
+//! Why TSP keeps the embedding whole by default: the TSP paper reports about 31.0 GB (TSP) and
+//! 31.5 GB (TP) at 16K tokens on 8 GPUs and 38.8 vs 70.0 GB at 128K. The TP - TSP difference grows
+//! linearly in the sequence in every accounting (activations), so at 16K it should be about an
+//! eighth of the 128K difference plus a constant; the paper's figures give that constant as about
+//! -3.9 GB against TSP. Replicating the 2·32000·4096 embedding and LM head parameters at 18 bytes
+//! over 8 ranks costs TSP exactly 262,144,000·18·7/8 = 4.13 GB more than TP's vocab-parallel tables,
+//! which accounts for it; no other term of this size exists. `tests/cost_reference.rs` shows the
+//! figures term by term.
+
+use pleat_ir::AxisName;
+
+use super::activation::{kv_split, layer_activations, local_tokens};
+use super::layout::Layout;
+use super::model::ModelShape;
+use super::workload::{Mode, Recompute, Workload};
+
+/// One named term of a breakdown, in bytes.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Term {
+    /// What it is.
+    pub name: &'static str,
+    /// Bytes.
+    pub bytes: f64,
+}
+
+/// The memory of one rank of one pipeline stage.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MemoryBreakdown {
+    /// The pipeline stage (0 when there is no pp).
+    pub stage: u64,
+    /// Layers on the stage.
+    pub layers: u64,
+    /// Parameters the rank holds (elements).
+    pub param_count: f64,
+    /// Bytes of weights.
+    pub params_bytes: f64,
+    /// Bytes of gradients.
+    pub grads_bytes: f64,
+    /// Bytes of optimizer state (fp32 master weights and Adam moments).
+    pub optimizer_bytes: f64,
+    /// Bytes kept for the backward (or the KV cache, for inference), all micro-batches in flight.
+    pub activations_bytes: f64,
+    /// Micro-batches whose activations are held.
+    pub in_flight: f64,
+    /// Bytes of the buffers live while one layer runs.
+    pub transient_bytes: f64,
+    /// The transients by name.
+    pub transients: Vec<Term>,
+    /// Bytes of logits and loss buffers (last stage).
+    pub logits_bytes: f64,
+    /// `static + activations + max(logits, transients)`.
+    pub peak_bytes: f64,
+}
+
+impl MemoryBreakdown {
+    /// Weights, gradients and optimizer state.
+    pub fn static_bytes(&self) -> f64 {
+        self.params_bytes + self.grads_bytes + self.optimizer_bytes
+    }
+}
+
+/// Layers on each pipeline stage: `L / p`, the remainder given to the last stages (which hold the
+/// fewest micro-batches in flight).
+pub fn stage_layers(layers: u64, stages: u64) -> Vec<u64> {
+    let stages = stages.max(1);
+    let base = layers / stages;
+    let extra = layers % stages;
+    (0..stages).map(|stage| base + u64::from(stage >= stages - extra)).collect()
+}
+
+/// Parameters (elements) one rank of `stage` holds, before ZeRO-3.
+pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, stage: u64, layers: u64) -> f64 {
+    let tp = layout.degree(AxisName::Tp) as f64;
+    let tsp = layout.degree(AxisName::Tsp) as f64;
+    let stages = layout.degree(AxisName::Pp);
+    let hidden = model.hidden as f64;
+    let kv_split = kv_split(model, layout) as f64;
+    let query_and_output = 2.0 * hidden * model.query_width() as f64 / (tp * tsp);
+    let key_and_value = 2.0 * hidden * model.kv_width() as f64 / (kv_split * tsp);
+    let biases =
+        if model.qkv_bias { model.query_width() as f64 / tp + 2.0 * model.kv_width() as f64 / kv_split } else { 0.0 };
+    let mlp = model.mlp_weights() as f64 / (tp * tsp);
+    let layer = query_and_output + key_and_value + biases + mlp + model.layer_norm_params() as f64;
+    let vocab_split = if workload.tsp_shards_embeddings { tp * tsp } else { tp };
+    let table = (model.vocab as f64 / vocab_split).ceil() * hidden;
+    let first = stage == 0;
+    let last = stage + 1 == stages;
+    let mut params = layers as f64 * layer;
+    if first {
+        params += table;
+    }
+    if last {
+        params += model.final_norm_params() as f64;
+        // Untied: the LM head; tied with pp > 1: Megatron's copy of the table on the last stage.
+        if !model.tied_embeddings || !first {
+            params += table;
+        }
+    }
+    params
+}
+
+/// Bytes a parameter for weights, gradients and optimizer state, before any sharding.
+pub fn bytes_per_param(model: &ModelShape, workload: &Workload) -> (f64, f64, f64) {
+    let weight = model.dtype_bytes as f64;
+    if workload.mode == Mode::Infer {
+        return (weight, 0.0, 0.0);
+    }
+    let grad = if workload.fp32_grads { 4.0 } else { weight };
+    let master = if model.dtype_bytes < 4 { 4.0 } else { 0.0 };
+    (weight, grad, master + 8.0)
+}
+
+/// The memory of every pipeline stage of one rank (one entry when pp = 1).
+pub fn memory_per_stage(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<MemoryBreakdown> {
+    let stages = layout.degree(AxisName::Pp);
+    stage_layers(model.layers, stages)
+        .into_iter()
+        .enumerate()
+        .map(|(stage, layers)| stage_memory(model, layout, workload, stage as u64, layers))
+        .collect()
+}
+
+/// The stage with the highest peak.
+pub fn peak_stage(stages: &[MemoryBreakdown]) -> Option<&MemoryBreakdown> {
+    stages.iter().max_by(|a, b| a.peak_bytes.total_cmp(&b.peak_bytes))
+}
+
+fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage: u64, layers: u64) -> MemoryBreakdown {
+    let dp = layout.degree(AxisName::Dp) as f64;
+    let tp = layout.degree(AxisName::Tp) as f64;
+    let tsp = layout.degree(AxisName::Tsp) as f64;
+    let stages = layout.degree(AxisName::Pp);
+    let training = workload.mode == Mode::Train;
+    let element = model.dtype_bytes as f64;
+    let hidden = model.hidden as f64;
+    let param_count = stage_params(model, layout, workload, stage, layers);
+    let (weight, grad, optimizer) = bytes_per_param(model, workload);
+    let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
+    let shard = |from_stage: u8| if zero >= from_stage { dp } else { 1.0 };
+    let params_bytes = param_count * weight / shard(3);
+    let grads_bytes = param_count * grad / shard(2);
+    let optimizer_bytes = param_count * optimizer / shard(1);
+
+    let tokens = local_tokens(layout, workload);
+    let kv_local = model.kv_width() as f64 / kv_split(model, layout) as f64;
+    let last = stage + 1 == stages;
+    let first = stage == 0;
+
+    let (activations_bytes, in_flight) = if training {
+        let in_flight = in_flight_micro_batches(stages, stage, workload);
+        let per_layer = layer_activations(model, layout, workload, workload.recompute).total();
+        // Token ids on the first stage; the final norm's and LM head's inputs on the last.
+        let ids = if first { 4.0 * tokens } else { 0.0 };
+        let head_inputs = if last { 2.0 * tokens * element * hidden } else { 0.0 };
+        ((layers as f64 * per_layer + ids + head_inputs) * in_flight, in_flight)
+    } else {
+        // The KV cache: each rank keeps its tokens' keys and values of its kv heads.
+        // Under tsp a rank computes its tokens' k/v for every owner's heads, so it caches them all.
+        (layers as f64 * 2.0 * tokens * element * kv_local, 1.0)
+    };
+
+    let mut transients = Vec::new();
+    let mut add = |name: &'static str, bytes: f64| {
+        if bytes > 0.0 {
+            transients.push(Term { name, bytes });
+        }
+    };
+    if !training || workload.recompute == Recompute::Full {
+        let working = layer_activations(model, layout, workload, Recompute::None).total();
+        add(if training { "recomputed layer's activations" } else { "inference layer's activations" }, working);
+    }
+    if training {
+        // The backward holds the gradients of a layer's output and input at once.
+        let split = if layout.sequence_parallel { tp } else { 1.0 };
+        add("backward gradients of the layer's input and output", 2.0 * tokens * element * hidden / split);
+    }
+    let backward = if training { 2.0 } else { 1.0 };
+    let (_, grad_bytes, _) = bytes_per_param(model, &Workload { mode: Mode::Train, ..workload.clone() });
+    if tsp > 1.0 {
+        // K/V of one owner's heads, whole sequence of the group; dK/dV as well in the backward.
+        let gathered_tokens = tokens * tsp;
+        add("tsp gathered k/v (one owner's heads)", backward * 2.0 * gathered_tokens * element * kv_local / tsp);
+        let attention_shard = model.attention_weights() as f64 / (tp * tsp);
+        let mlp_shard = model.mlp_weights() as f64 / (tp * tsp);
+        add("tsp packed attention weights (double buffer)", 2.0 * attention_shard * element);
+        add("tsp mlp ring shards (double buffer)", 2.0 * mlp_shard * element);
+        if training {
+            add("tsp travelling mlp gradient shards (double buffer)", 2.0 * mlp_shard * grad_bytes);
+            add("tsp attention weight gradients reduced to the owner", attention_shard * grad_bytes);
+        }
+    }
+    let sp = layout.degree(AxisName::Sp) as f64;
+    if sp > 1.0 {
+        add("sp gathered k/v", backward * 2.0 * tokens * sp * element * kv_local);
+    }
+    let cp = layout.degree(AxisName::Cp) as f64;
+    if cp > 1.0 {
+        add("cp ring k/v chunks (double buffer)", backward * 2.0 * 2.0 * tokens * element * kv_local);
+    }
+    if layout.sequence_parallel {
+        add("megatron sp all-gathered layer input", tokens * element * hidden);
+    }
+    if zero >= 3 && dp > 1.0 {
+        let layer = stage_params(model, layout, workload, 1, 1) - stage_params(model, layout, workload, 1, 0);
+        add("zero-3 gathered layers (current and prefetched)", 2.0 * layer * weight);
+    }
+    if stages > 1 {
+        let boundary = tokens * element * hidden / if layout.sequence_parallel { tp } else { 1.0 };
+        add("pipeline send and receive buffers", backward * 2.0 * boundary);
+    }
+    let transient_bytes = transients.iter().map(|term| term.bytes).sum();
+
+    let logits_bytes = if last {
+        let vocab_local = (model.vocab as f64 / tp).ceil();
+        let loss_bytes = if training { element + 4.0 } else { element };
+        tokens * vocab_local * loss_bytes
+    } else {
+        0.0
+    };
+    let static_bytes = params_bytes + grads_bytes + optimizer_bytes;
+    let peak_bytes = static_bytes + activations_bytes + f64::max(logits_bytes, transient_bytes);
+    MemoryBreakdown {
+        stage,
+        layers,
+        param_count,
+        params_bytes,
+        grads_bytes,
+        optimizer_bytes,
+        activations_bytes,
+        in_flight,
+        transient_bytes,
+        transients,
+        logits_bytes,
+        peak_bytes,
+    }
+}
+
+/// Micro-batches whose activations a stage holds: 1F1B `min(m, p - stage)`; the interleaved
+/// schedule multiplies by Megatron's `1 + (p-1)/(p·v)`; without pipelining, one.
+pub fn in_flight_micro_batches(stages: u64, stage: u64, workload: &Workload) -> f64 {
+    if stages <= 1 {
+        return 1.0;
+    }
+    let plain = workload.micro_batches.min(stages - stage) as f64;
+    if workload.virtual_stages > 1 {
+        let penalty = 1.0 + (stages - 1) as f64 / (stages * workload.virtual_stages) as f64;
+        (stages - stage) as f64 * penalty
+    } else {
+        plain
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_ir::model::preset::preset;
+
+    fn tsp_7b() -> ModelShape {
+        ModelShape::from_config(&preset("tsp-7b").unwrap())
+    }
+
+    #[test]
+    fn stage_layers_sum_to_the_model() {
+        assert_eq!(stage_layers(126, 16).iter().sum::<u64>(), 126);
+        assert_eq!(stage_layers(126, 16)[0], 7);
+        assert_eq!(stage_layers(126, 16)[15], 8);
+        assert_eq!(stage_layers(32, 1), vec![32]);
+    }
+
+    #[test]
+    fn eighteen_bytes_a_parameter_and_its_variants() {
+        let model = tsp_7b();
+        let workload = Workload::training(4096, 1);
+        assert_eq!(bytes_per_param(&model, &workload), (2.0, 4.0, 12.0));
+        let bf16_grads = Workload { fp32_grads: false, ..workload.clone() };
+        let (w, g, o) = bytes_per_param(&model, &bf16_grads);
+        assert_eq!(w + g + o, 16.0);
+        let one_rank = &memory_per_stage(&model, &Layout::new(&[], false), &workload)[0];
+        assert_eq!(one_rank.param_count, model.param_count() as f64);
+        assert_eq!(one_rank.static_bytes(), 18.0 * model.param_count() as f64);
+        // Distributed optimizer over dp=8: 6 + 12/8 bytes a parameter.
+        let distributed = Workload { distributed_optimizer: true, ..workload.clone() };
+        let dp8 = &memory_per_stage(&model, &Layout::new(&[(AxisName::Dp, 8)], false), &distributed)[0];
+        assert_eq!(dp8.static_bytes(), (6.0 + 12.0 / 8.0) * model.param_count() as f64);
+        let zero3 = Workload { zero: 3, ..workload };
+        let dp8 = &memory_per_stage(&model, &Layout::new(&[(AxisName::Dp, 8)], false), &zero3)[0];
+        assert_eq!(dp8.static_bytes(), 18.0 / 8.0 * model.param_count() as f64);
+    }
+
+    #[test]
+    fn tp_and_tsp_split_every_layer_matrix() {
+        let model = tsp_7b();
+        let workload = Workload { tsp_shards_embeddings: true, ..Workload::training(4096, 1) };
+        let norms = (model.layers * model.layer_norm_params() + model.final_norm_params()) as f64;
+        for axis in [AxisName::Tp, AxisName::Tsp] {
+            let params = memory_per_stage(&model, &Layout::new(&[(axis, 8)], false), &workload)[0].param_count;
+            assert_eq!(params - norms, (model.param_count() as f64 - norms) / 8.0, "{axis}");
+        }
+    }
+
+    #[test]
+    fn one_f_one_b_holds_p_micro_batches_on_the_first_stage() {
+        let workload = Workload { micro_batches: 16, ..Workload::training(4096, 1) };
+        assert_eq!(in_flight_micro_batches(4, 0, &workload), 4.0);
+        assert_eq!(in_flight_micro_batches(4, 3, &workload), 1.0);
+        let few = Workload { micro_batches: 2, ..workload.clone() };
+        assert_eq!(in_flight_micro_batches(4, 0, &few), 2.0);
+        let interleaved = Workload { virtual_stages: 2, ..workload };
+        assert_eq!(in_flight_micro_batches(4, 0, &interleaved), 4.0 * (1.0 + 3.0 / 8.0));
+    }
+
+    #[test]
+    fn peak_is_static_plus_activations_plus_the_larger_phase() {
+        let model = tsp_7b();
+        let workload = Workload { recompute: Recompute::Full, ..Workload::training(16384, 1) };
+        let stage = &memory_per_stage(&model, &Layout::new(&[(AxisName::Tsp, 8)], false), &workload)[0];
+        let want = stage.static_bytes() + stage.activations_bytes + stage.logits_bytes.max(stage.transient_bytes);
+        assert_eq!(stage.peak_bytes, want);
+        assert!(stage.transients.iter().any(|term| term.name.starts_with("tsp gathered")));
+    }
+}

@@ -1,0 +1,174 @@
+//! The cost model: memory, communication and time a rank, from closed formulas.
+//!
+//! Everything here is arithmetic over a model's sizes ([`ModelShape`]), a parallel layout
+//! ([`Layout`]: the degree of each mesh axis), a workload ([`Workload`]: sequence, micro-batch,
+//! training or inference, recompute, ZeRO) and a device ([`HardwareSpec`]). Nothing builds a graph,
+//! so a plan for a 405B model on 16,384 GPUs takes microseconds, and layouts the compiler cannot
+//! compile yet are modelled too: [`Layout::compiles_today`] says which.
+//!
+//! - [`hw`]: the hardware table and its TOML/JSON override.
+//! - [`model`]: the model's sizes and its parameter counts by part.
+//! - [`layout`]: the degrees of the mesh axes, their validation and where each axis's links run.
+//! - [`activation`]: activation bytes a layer, term by term (Korthikanti et al. 2022).
+//! - [`memory`]: parameters, gradients, optimizer state, activations, transients, logits a rank.
+//! - [`megatron`]: Megatron-LM's `theoretical_memory_usage.py` and Korthikanti's Table 2, verbatim,
+//!   as the published reference the general model is checked against.
+//! - [`comm`]: alpha-beta costs of collectives (ring, tree, hierarchical).
+//! - [`volume`]: the collectives each strategy issues a layer and a step.
+//! - [`compute`]: roofline time of a layer, model FLOPs, MFU.
+//! - [`estimate`]: all of it together for one plan (`pleat plan`, `pleat compare`).
+//!
+//! Guarantees: every function is deterministic and total over validated inputs; bad inputs (an
+//! axis that does not divide the heads, a zero sequence) are [`CostError`]s, never panics.
+
+pub mod activation;
+pub mod comm;
+pub mod compute;
+pub mod estimate;
+pub mod hw;
+pub mod layout;
+pub mod megatron;
+pub mod memory;
+pub mod model;
+pub mod volume;
+mod workload;
+
+pub use estimate::{estimate, Estimate};
+pub use hw::HardwareSpec;
+pub use layout::Layout;
+pub use model::ModelShape;
+pub use workload::{Mode, Recompute, Workload};
+
+/// Everything the cost model can reject.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CostError {
+    // === Layout ===
+    /// A model dimension an axis must split evenly, and does not.
+    #[error("{count} {what} are not divisible by {axis}={degree}; use {axis} in {{{}}}", join(valid))]
+    Indivisible {
+        /// What is split (`heads`, `ffn channels`, `tokens (seq)`, ...).
+        what: String,
+        /// Its size.
+        count: u64,
+        /// The splitting axis.
+        axis: String,
+        /// The axis degree.
+        degree: u64,
+        /// The degrees that would divide it.
+        valid: Vec<u64>,
+    },
+    /// An axis the model cannot use.
+    #[error("mesh axis {axis}={degree}: {reason}")]
+    UnusableAxis {
+        /// The axis.
+        axis: String,
+        /// Its degree.
+        degree: u64,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+    /// More pipeline stages than layers.
+    #[error("pp={stages} is more than the model's {layers} layers; use pp <= {layers}")]
+    TooManyStages {
+        /// The pipeline degree.
+        stages: u64,
+        /// The model's layers.
+        layers: u64,
+    },
+
+    // === Workload ===
+    /// A workload size that must be at least 1.
+    #[error("{what} = 0; it must be at least 1")]
+    Zero {
+        /// The setting.
+        what: &'static str,
+    },
+    /// A ZeRO stage outside 0..=3.
+    #[error("zero stage {stage} does not exist; use 0, 1, 2 or 3")]
+    ZeroStage {
+        /// The stage given.
+        stage: u8,
+    },
+
+    // === Hardware ===
+    /// No built-in hardware has that name.
+    #[error("unknown hardware `{name}`; use one of {} or --hw-file", .known.join(", "))]
+    UnknownHardware {
+        /// The name asked for.
+        name: String,
+        /// The built-in names.
+        known: Vec<&'static str>,
+    },
+    /// A hardware file that does not parse.
+    #[error("{file}: {reason}; write the fields of `pleat plan --help`'s hardware spec")]
+    HardwareFile {
+        /// The file name given by the caller.
+        file: String,
+        /// The parser's message.
+        reason: String,
+    },
+    /// A hardware number that makes no sense (zero bandwidth, zero memory).
+    #[error("hardware {name}: {field} = {value} must be positive")]
+    HardwareValue {
+        /// The hardware's name.
+        name: String,
+        /// The field.
+        field: &'static str,
+        /// The value found.
+        value: f64,
+    },
+}
+
+/// `Result` with [`CostError`].
+pub type Result<T> = std::result::Result<T, CostError>;
+
+fn join(values: &[u64]) -> String {
+    values.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// The degrees that divide `count`, for error messages.
+pub(crate) fn divisors(count: u64) -> Vec<u64> {
+    if count == 0 {
+        return Vec::new();
+    }
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut candidate = 1;
+    while candidate * candidate <= count {
+        if count % candidate == 0 {
+            small.push(candidate);
+            if candidate != count / candidate {
+                large.push(count / candidate);
+            }
+        }
+        candidate += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn divisors_are_sorted_and_complete() {
+        assert_eq!(divisors(12), vec![1, 2, 3, 4, 6, 12]);
+        assert_eq!(divisors(1), vec![1]);
+        assert_eq!(divisors(49), vec![1, 7, 49]);
+        let naive: Vec<u64> = (1..=360).filter(|d| 360 % d == 0).collect();
+        assert_eq!(divisors(360), naive);
+    }
+
+    #[test]
+    fn errors_read_like_the_ir_errors() {
+        let error = CostError::Indivisible {
+            what: "heads".into(),
+            count: 32,
+            axis: "tp".into(),
+            degree: 3,
+            valid: divisors(32),
+        };
+        assert_eq!(error.to_string(), "32 heads are not divisible by tp=3; use tp in {1,2,4,8,16,32}");
+    }
+}

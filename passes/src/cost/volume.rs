@@ -1,0 +1,433 @@
+//! The collectives each strategy issues, a layer and a step, with their sizes (DESIGN.md section 4).
+//!
+//! Forward, a layer, on one rank (`T` = the tokens of the group: `s·b/(sp·cp)`, or `/tsp` for the
+//! other axes' groups; `W_attn`, `W_mlp` = the layer's attention and MLP matrices, already split by
+//! tp where another axis is present):
+//! - tp (Megatron): an all-reduce of `[T, h]` after attention and after the MLP, `2·2(D-1)/D·T·h`
+//!   elements sent; with Megatron SP an all-gather and a reduce-scatter in place of each, the same
+//!   volume;
+//! - tsp: each owner broadcasts its packed `[Wq, Wk, Wv, Wo]` shard (`D` broadcasts of `W_attn/D`),
+//!   the K/V of each owner's heads are all-gathered (`D` all-gathers of `2·T·kv/D`), the MLP shards
+//!   ring-rotate (`D-1` send/recv of `W_mlp/D`): `(D-1)/D·(W_attn + W_mlp + 2·T·kv)` elements, which
+//!   for MHA with a gated MLP of width 4h is the paper's `(D-1)/D·(16h² + 2BSh)`;
+//! - cp (ring attention): `D-1` send/recv of the K/V chunk `2·(T/D)·kv`: `2(D-1)/D·T·kv`;
+//! - sp (sequence split, weights replicated): an all-gather of K/V, `(D-1)/D·2·T·kv`;
+//! - dp, pp: nothing inside a layer.
+//!
+//! Backward: the conjugate of each forward collective moves the same bytes (all-reduce stays,
+//! all-gather becomes reduce-scatter, broadcast becomes a reduce to the owner), and the strategies
+//! that move weights move them again plus their gradients (tsp), or move K/V again plus dK/dV
+//! (cp). Full recompute repeats the forward's collectives. A step adds, once, the gradient
+//! synchronization over the axes that replicate weights (dp, sp, cp: an all-reduce, or with ZeRO a
+//! reduce-scatter of gradients and an all-gather of weights), ZeRO-3's per-layer weight gathers,
+//! and the pipeline's activation and gradient sends.
+
+use pleat_ir::AxisName;
+
+use super::activation::{kv_split, local_tokens};
+use super::comm::{bytes_sent, Collective};
+use super::layout::Layout;
+use super::model::ModelShape;
+use super::workload::{Mode, Recompute, Workload};
+
+/// Forward or backward.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Phase {
+    /// The forward pass.
+    Forward,
+    /// The backward pass (including a recomputed forward's collectives).
+    Backward,
+    /// Once a step (gradient synchronization).
+    Step,
+}
+
+/// `count` collectives of one kind on one axis, each of `bytes` (comm's size convention).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct CollectiveCall {
+    /// What it moves.
+    pub what: &'static str,
+    /// The kind.
+    pub kind: Collective,
+    /// The mesh axis whose groups run it.
+    pub axis: AxisName,
+    /// Bytes of one call.
+    pub bytes: f64,
+    /// Calls (a layer and micro-batch for forward/backward; a step for `Phase::Step`).
+    pub count: f64,
+    /// When.
+    pub phase: Phase,
+}
+
+impl CollectiveCall {
+    /// Bytes one rank sends for all `count` calls, in a group of `ranks`.
+    pub fn bytes_sent(&self, ranks: u64) -> f64 {
+        self.count * bytes_sent(self.kind, self.bytes, ranks)
+    }
+}
+
+/// The collectives of one layer for one micro-batch, forward then backward.
+pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<CollectiveCall> {
+    let element = model.dtype_bytes as f64;
+    let hidden = model.hidden as f64;
+    let tp = layout.degree(AxisName::Tp) as f64;
+    let tsp = layout.degree(AxisName::Tsp);
+    let local = local_tokens(layout, workload);
+    let kv_local = model.kv_width() as f64 / kv_split(model, layout) as f64;
+    let training = workload.mode == Mode::Train;
+    let mut calls = Vec::new();
+    let mut forward = Vec::new();
+    let push = |list: &mut Vec<CollectiveCall>, what, kind, axis, bytes: f64, count: f64, phase| {
+        list.push(CollectiveCall { what, kind, axis, bytes, count, phase });
+    };
+
+    if tp > 1.0 {
+        // The tp group holds the same tokens: the local ones.
+        let activation = local * hidden * element;
+        if layout.sequence_parallel {
+            push(
+                &mut forward,
+                "sp all-gather before qkv and mlp",
+                Collective::AllGather,
+                AxisName::Tp,
+                activation,
+                2.0,
+                Phase::Forward,
+            );
+            push(
+                &mut forward,
+                "sp reduce-scatter after o and down",
+                Collective::ReduceScatter,
+                AxisName::Tp,
+                activation,
+                2.0,
+                Phase::Forward,
+            );
+        } else {
+            push(
+                &mut forward,
+                "all-reduce after attention and mlp",
+                Collective::AllReduce,
+                AxisName::Tp,
+                activation,
+                2.0,
+                Phase::Forward,
+            );
+        }
+    }
+    if tsp > 1 {
+        let degree = tsp as f64;
+        let group_tokens = local * degree;
+        let attention = model.attention_weights() as f64 / tp * element;
+        let mlp = model.mlp_weights() as f64 / tp * element;
+        let kv = 2.0 * group_tokens * kv_local * element;
+        push(
+            &mut forward,
+            "tsp broadcast of packed attention weights",
+            Collective::Broadcast,
+            AxisName::Tsp,
+            attention / degree,
+            degree,
+            Phase::Forward,
+        );
+        push(
+            &mut forward,
+            "tsp all-gather of k/v",
+            Collective::AllGather,
+            AxisName::Tsp,
+            kv / degree,
+            degree,
+            Phase::Forward,
+        );
+        push(
+            &mut forward,
+            "tsp ring of mlp shards",
+            Collective::SendRecv,
+            AxisName::Tsp,
+            mlp / degree,
+            degree - 1.0,
+            Phase::Forward,
+        );
+        if training {
+            push(
+                &mut calls,
+                "tsp broadcast of packed attention weights",
+                Collective::Broadcast,
+                AxisName::Tsp,
+                attention / degree,
+                degree,
+                Phase::Backward,
+            );
+            push(
+                &mut calls,
+                "tsp reduce of attention weight gradients",
+                Collective::ReduceScatter,
+                AxisName::Tsp,
+                attention,
+                1.0,
+                Phase::Backward,
+            );
+            push(
+                &mut calls,
+                "tsp reduce-scatter of dk/dv",
+                Collective::ReduceScatter,
+                AxisName::Tsp,
+                kv / degree,
+                degree,
+                Phase::Backward,
+            );
+            push(
+                &mut calls,
+                "tsp ring of mlp shards",
+                Collective::SendRecv,
+                AxisName::Tsp,
+                mlp / degree,
+                degree - 1.0,
+                Phase::Backward,
+            );
+            push(
+                &mut calls,
+                "tsp ring of mlp gradient shards",
+                Collective::SendRecv,
+                AxisName::Tsp,
+                mlp / degree,
+                degree,
+                Phase::Backward,
+            );
+        }
+    }
+    let cp = layout.degree(AxisName::Cp);
+    if cp > 1 {
+        let chunk = 2.0 * local * kv_local * element;
+        push(
+            &mut forward,
+            "cp ring of k/v chunks",
+            Collective::SendRecv,
+            AxisName::Cp,
+            chunk,
+            (cp - 1) as f64,
+            Phase::Forward,
+        );
+        if training {
+            push(
+                &mut calls,
+                "cp ring of k/v chunks",
+                Collective::SendRecv,
+                AxisName::Cp,
+                chunk,
+                (cp - 1) as f64,
+                Phase::Backward,
+            );
+            push(
+                &mut calls,
+                "cp ring of dk/dv chunks",
+                Collective::SendRecv,
+                AxisName::Cp,
+                chunk,
+                cp as f64,
+                Phase::Backward,
+            );
+        }
+    }
+    let sp = layout.degree(AxisName::Sp);
+    if sp > 1 {
+        let gathered = 2.0 * local * sp as f64 * kv_local * element;
+        push(&mut forward, "sp all-gather of k/v", Collective::AllGather, AxisName::Sp, gathered, 1.0, Phase::Forward);
+        if training {
+            push(
+                &mut calls,
+                "sp reduce-scatter of dk/dv",
+                Collective::ReduceScatter,
+                AxisName::Sp,
+                gathered,
+                1.0,
+                Phase::Backward,
+            );
+        }
+    }
+    if training {
+        // The conjugates of tp's collectives move the same bytes.
+        for call in forward.iter().filter(|call| call.axis == AxisName::Tp) {
+            calls.push(CollectiveCall { phase: Phase::Backward, ..call.clone() });
+        }
+        if workload.recompute == Recompute::Full {
+            calls.extend(forward.iter().map(|call| CollectiveCall { phase: Phase::Backward, ..call.clone() }));
+        }
+    }
+    forward.extend(calls);
+    forward
+}
+
+/// Elements one rank sends in the forward pass of one layer (one micro-batch): the quantity of the
+/// published closed forms.
+pub fn forward_elements_per_layer(model: &ModelShape, layout: &Layout, workload: &Workload) -> f64 {
+    layer_collectives(model, layout, workload)
+        .iter()
+        .filter(|call| call.phase == Phase::Forward)
+        .map(|call| call.bytes_sent(layout.degree(call.axis)))
+        .sum::<f64>()
+        / model.dtype_bytes as f64
+}
+
+/// The collectives of a step outside the layers: gradient synchronization, ZeRO-3 gathers, and
+/// pipeline sends. `params_on_rank` is the parameters the rank holds before ZeRO sharding;
+/// `layers` those on its stage.
+pub fn step_collectives(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    params_on_rank: f64,
+    layers: u64,
+) -> Vec<CollectiveCall> {
+    let mut calls = Vec::new();
+    let element = model.dtype_bytes as f64;
+    if workload.mode == Mode::Train {
+        let grad = if workload.fp32_grads { 4.0 } else { element };
+        let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
+        for axis in [AxisName::Sp, AxisName::Cp, AxisName::Dp] {
+            if layout.degree(axis) == 1 {
+                continue;
+            }
+            if zero >= 1 && axis == AxisName::Dp {
+                let rs = CollectiveCall {
+                    what: "gradient reduce-scatter",
+                    kind: Collective::ReduceScatter,
+                    axis,
+                    bytes: params_on_rank * grad,
+                    count: 1.0,
+                    phase: Phase::Step,
+                };
+                calls.push(rs);
+                let gather = if zero >= 3 {
+                    // ZeRO-3 gathers each layer's weights in the forward and again in the backward.
+                    CollectiveCall {
+                        what: "zero-3 weight all-gather (forward and backward)",
+                        kind: Collective::AllGather,
+                        axis,
+                        bytes: params_on_rank * element / layers.max(1) as f64,
+                        count: 2.0 * layers as f64 * workload.micro_batches as f64,
+                        phase: Phase::Step,
+                    }
+                } else {
+                    CollectiveCall {
+                        what: "updated weight all-gather",
+                        kind: Collective::AllGather,
+                        axis,
+                        bytes: params_on_rank * element,
+                        count: 1.0,
+                        phase: Phase::Step,
+                    }
+                };
+                calls.push(gather);
+            } else {
+                calls.push(CollectiveCall {
+                    what: "gradient all-reduce",
+                    kind: Collective::AllReduce,
+                    axis,
+                    bytes: params_on_rank * grad,
+                    count: 1.0,
+                    phase: Phase::Step,
+                });
+            }
+        }
+    }
+    let stages = layout.degree(AxisName::Pp);
+    if stages > 1 {
+        let tp = if layout.sequence_parallel { layout.degree(AxisName::Tp) as f64 } else { 1.0 };
+        let boundary = local_tokens(layout, workload) * model.hidden as f64 * element / tp;
+        let directions = if workload.mode == Mode::Train { 2.0 } else { 1.0 };
+        calls.push(CollectiveCall {
+            what: "pipeline activations (and gradients)",
+            kind: Collective::SendRecv,
+            axis: AxisName::Pp,
+            bytes: boundary,
+            count: directions * workload.micro_batches as f64,
+            phase: Phase::Step,
+        });
+    }
+    calls
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_ir::model::preset::preset;
+
+    fn tsp_7b() -> ModelShape {
+        ModelShape::from_config(&preset("tsp-7b").unwrap())
+    }
+
+    #[test]
+    fn published_closed_forms() {
+        let model = tsp_7b();
+        let h = 4096.0;
+        for degree in [2u64, 4, 8] {
+            for seq in [4096u64, 32768, 131072] {
+                let workload = Workload::training(seq, 1);
+                let share = (degree - 1) as f64 / degree as f64;
+                let bsh = seq as f64 * h;
+                let tsp =
+                    forward_elements_per_layer(&model, &Layout::new(&[(AxisName::Tsp, degree)], false), &workload);
+                assert!((tsp - share * (16.0 * h * h + 2.0 * bsh)).abs() < 1e-6 * tsp, "tsp D={degree} s={seq}");
+                let tp = forward_elements_per_layer(&model, &Layout::new(&[(AxisName::Tp, degree)], false), &workload);
+                assert!((tp - share * 4.0 * bsh).abs() < 1e-6 * tp, "tp D={degree} s={seq}");
+                let tp_sp =
+                    forward_elements_per_layer(&model, &Layout::new(&[(AxisName::Tp, degree)], true), &workload);
+                assert!((tp_sp - tp).abs() < 1e-6 * tp);
+                let cp = forward_elements_per_layer(&model, &Layout::new(&[(AxisName::Cp, degree)], false), &workload);
+                assert!((cp - 2.0 * share * bsh).abs() < 1e-6 * cp, "cp");
+            }
+        }
+    }
+
+    #[test]
+    fn tsp_beats_tp_exactly_when_bs_exceeds_8h() {
+        let model = tsp_7b();
+        let (tsp, tp) = (Layout::new(&[(AxisName::Tsp, 8)], false), Layout::new(&[(AxisName::Tp, 8)], false));
+        // 8h = 32768 tokens: equal there, TSP cheaper above, dearer below.
+        for (seq, batch) in [(16384u64, 1u64), (32768, 1), (65536, 1), (16384, 2), (16384, 4)] {
+            let workload = Workload::training(seq, batch);
+            let (tsp, tp) = (
+                forward_elements_per_layer(&model, &tsp, &workload),
+                forward_elements_per_layer(&model, &tp, &workload),
+            );
+            let tokens = seq * batch;
+            match tokens.cmp(&(8 * 4096)) {
+                std::cmp::Ordering::Less => assert!(tsp > tp, "{tokens}"),
+                std::cmp::Ordering::Equal => assert!((tsp - tp).abs() < 1e-9 * tp, "{tokens}"),
+                std::cmp::Ordering::Greater => assert!(tsp < tp, "{tokens}"),
+            }
+        }
+    }
+
+    #[test]
+    fn backward_doubles_tp_and_recompute_repeats_the_forward() {
+        let model = tsp_7b();
+        let layout = Layout::new(&[(AxisName::Tp, 8)], false);
+        let sent = |workload: &Workload, phase: Phase| -> f64 {
+            layer_collectives(&model, &layout, workload)
+                .iter()
+                .filter(|c| c.phase == phase)
+                .map(|c| c.bytes_sent(8))
+                .sum()
+        };
+        let plain = Workload::training(4096, 1);
+        assert_eq!(sent(&plain, Phase::Backward), sent(&plain, Phase::Forward));
+        let full = Workload { recompute: Recompute::Full, ..plain.clone() };
+        assert_eq!(sent(&full, Phase::Backward), 2.0 * sent(&plain, Phase::Forward));
+        let infer = Workload::inference(4096, 1);
+        assert_eq!(sent(&infer, Phase::Backward), 0.0);
+    }
+
+    #[test]
+    fn gradient_sync_covers_the_replicating_axes() {
+        let model = tsp_7b();
+        let layout = Layout::new(&[(AxisName::Dp, 2), (AxisName::Cp, 2), (AxisName::Tp, 2)], false);
+        let calls = step_collectives(&model, &layout, &Workload::training(4096, 1), 1e9, 32);
+        let axes: Vec<_> = calls.iter().map(|call| call.axis).collect();
+        assert_eq!(axes, vec![AxisName::Cp, AxisName::Dp]);
+        assert!(calls.iter().all(|call| call.bytes == 4e9 && call.kind == Collective::AllReduce));
+        let zero = Workload { zero: 1, ..Workload::training(4096, 1) };
+        let kinds: Vec<_> = step_collectives(&model, &layout, &zero, 1e9, 32).iter().map(|c| c.kind).collect();
+        assert_eq!(kinds, vec![Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather]);
+    }
+}

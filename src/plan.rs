@@ -1,0 +1,236 @@
+//! `pleat plan`: memory, communication and time a rank for a model on a mesh, from the cost model
+//! (closed formulas only: no graph is built, so any model size answers at once).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use pleat_ir::Mesh;
+use pleat_passes::cost::{estimate, Estimate, HardwareSpec, Layout, ModelShape, Recompute, Workload};
+
+use crate::model_arg::{resolve, ModelSource};
+
+/// Output formats of `plan`.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum PlanFormat {
+    Table,
+    Json,
+}
+
+/// `--recompute`.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum RecomputeArg {
+    None,
+    Selective,
+    Full,
+}
+
+impl From<RecomputeArg> for Recompute {
+    fn from(value: RecomputeArg) -> Recompute {
+        match value {
+            RecomputeArg::None => Recompute::None,
+            RecomputeArg::Selective => Recompute::Selective,
+            RecomputeArg::Full => Recompute::Full,
+        }
+    }
+}
+
+/// What `plan` and `compare` share: the model, the workload and the hardware.
+#[derive(Args, Clone)]
+pub struct WorkloadArgs {
+    /// A preset name, a config.json, or a model directory.
+    pub model: String,
+    /// Sequences a micro-batch, per model replica.
+    #[arg(long, default_value_t = 1)]
+    pub batch: u64,
+    /// Micro-batches a step, per replica (gradient accumulation; pipeline micro-batches).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: u64,
+    /// Built-in hardware: h100-sxm, h200, a100-80gb, mi300x, cpu.
+    #[arg(long, default_value = "h100-sxm")]
+    pub hw: String,
+    /// A hardware spec as TOML or JSON (the fields of the built-in table); overrides --hw.
+    #[arg(long)]
+    pub hw_file: Option<PathBuf>,
+    /// Training (the default): forward, backward, mixed-precision Adam.
+    #[arg(long, conflicts_with = "infer")]
+    pub train: bool,
+    /// Inference: one forward pass keeping the KV cache.
+    #[arg(long)]
+    pub infer: bool,
+    /// ZeRO stage over dp (0-3).
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Megatron's distributed optimizer (optimizer state over dp, like ZeRO-1).
+    #[arg(long)]
+    pub distributed_optimizer: bool,
+    /// Activation recompute.
+    #[arg(long, value_enum, default_value_t = RecomputeArg::None)]
+    pub recompute: RecomputeArg,
+    /// Keep gradients in the weights' dtype (16 bytes a parameter instead of Megatron's 18).
+    #[arg(long)]
+    pub bf16_grads: bool,
+    /// Materialize the attention scores (no flash attention).
+    #[arg(long)]
+    pub no_flash: bool,
+    /// Interleaved pipeline: model chunks a rank.
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: u64,
+    /// TSP also shards the embedding and LM head over the tsp group.
+    #[arg(long)]
+    pub tsp_shard_embeddings: bool,
+}
+
+impl WorkloadArgs {
+    /// The workload at sequence length `seq`.
+    pub fn workload(&self, seq: u64) -> Workload {
+        let mut workload =
+            if self.infer { Workload::inference(seq, self.batch) } else { Workload::training(seq, self.batch) };
+        workload.micro_batches = self.micro_batches;
+        workload.recompute = self.recompute.into();
+        workload.zero = self.zero;
+        workload.distributed_optimizer = self.distributed_optimizer;
+        workload.fp32_grads = !self.bf16_grads;
+        workload.flash_attention = !self.no_flash;
+        workload.virtual_stages = self.virtual_stages;
+        workload.tsp_shards_embeddings = self.tsp_shard_embeddings;
+        workload
+    }
+
+    /// The model's shape.
+    pub fn model_shape(&self) -> Result<ModelShape> {
+        match resolve(&self.model)? {
+            ModelSource::Config { config, .. } => Ok(ModelShape::from_config(&config)),
+            ModelSource::Compiled(dir) => {
+                let config = crate::model_arg::read_config(&dir.join("config.json"))?;
+                Ok(ModelShape::from_config(&config))
+            }
+        }
+    }
+
+    /// The hardware: the file when given, else the built-in name.
+    pub fn hardware(&self) -> Result<HardwareSpec> {
+        match &self.hw_file {
+            Some(path) => read_hardware(path),
+            None => Ok(HardwareSpec::builtin(&self.hw)?),
+        }
+    }
+}
+
+fn read_hardware(path: &Path) -> Result<HardwareSpec> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let name = path.display().to_string();
+    let spec = if path.extension().is_some_and(|ext| ext == "json") {
+        HardwareSpec::from_json_str(&text, &name)?
+    } else {
+        HardwareSpec::from_toml_str(&text, &name)?
+    };
+    Ok(spec)
+}
+
+/// Arguments of `pleat plan`.
+#[derive(Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub common: WorkloadArgs,
+    /// The device mesh, e.g. `tp=8`, `dp=128,pp=16,tp=8`, `tp=4,sp=2`, `tsp=8`.
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// Megatron sequence parallelism on the tp axis (norms and residuals split on seq).
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Tokens a sequence.
+    #[arg(long, default_value_t = 4096)]
+    pub seq: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = PlanFormat::Table)]
+    pub format: PlanFormat,
+}
+
+/// Runs `pleat plan`.
+pub fn plan(args: &PlanArgs) -> Result<()> {
+    let model = args.common.model_shape()?;
+    let hw = args.common.hardware()?;
+    let mesh = Mesh::parse(&args.mesh)?;
+    let layout = Layout::from_mesh(&mesh, args.sequence_parallel);
+    if args.common.virtual_stages > 1 && layout.degree(pleat_ir::AxisName::Pp) == 1 {
+        bail!("--virtual-stages {} needs a pp axis in the mesh; add pp=2 or more", args.common.virtual_stages);
+    }
+    let result = estimate(&model, &layout, &args.common.workload(args.seq), &hw)?;
+    match args.format {
+        PlanFormat::Json => println!("{}", serde_json::to_string_pretty(&result)?),
+        PlanFormat::Table => print_table(&result),
+    }
+    for warning in &result.warnings {
+        eprintln!("warning: {warning}");
+    }
+    Ok(())
+}
+
+/// Gigabytes (10^9 bytes), for people.
+pub fn gb(bytes: f64) -> String {
+    // `+ 0.0` turns the -0.0 of an empty sum into 0.0.
+    format!("{:.2} GB", bytes / 1e9 + 0.0)
+}
+
+fn print_table(result: &Estimate) {
+    let workload = &result.workload;
+    println!(
+        "{} on {} ({} ranks, {}), {:?}: seq {} x batch {} x {} micro-batches, recompute {}, zero {}",
+        result.model,
+        result.layout,
+        result.world_size,
+        result.hardware,
+        workload.mode,
+        workload.seq,
+        workload.micro_batch,
+        workload.micro_batches,
+        workload.recompute.as_str(),
+        workload.zero
+    );
+    let memory = &result.memory;
+    println!("memory a rank (stage {}):", memory.stage);
+    for (name, bytes) in [
+        ("params", memory.params_bytes),
+        ("grads", memory.grads_bytes),
+        ("optimizer", memory.optimizer_bytes),
+        ("activations", memory.activations_bytes),
+        ("transient", memory.transient_bytes),
+        ("logits", memory.logits_bytes),
+    ] {
+        println!("  {name:<12} {:>12}", gb(bytes));
+    }
+    for term in &memory.transients {
+        println!("    {:<52} {:>12}", term.name, gb(term.bytes));
+    }
+    println!("  {:<12} {:>12}  (device {})", "peak", gb(memory.peak_bytes), gb(memory.device_bytes));
+    if result.stages.len() > 1 {
+        println!("per stage (layers, in-flight micro-batches, peak):");
+        for stage in &result.stages {
+            println!(
+                "  stage {:>3}: {:>3} layers, {:>5.2} in flight, {}",
+                stage.stage,
+                stage.layers,
+                stage.in_flight,
+                gb(stage.peak_bytes)
+            );
+        }
+    }
+    let comm = &result.comm;
+    println!(
+        "comm a rank: {} a layer forward ({:.3e} elements, {:.3} ms), {} a step",
+        gb(comm.bytes_per_layer_fwd),
+        comm.elements_per_layer_fwd,
+        comm.seconds_per_layer_fwd * 1e3,
+        gb(comm.bytes_per_step)
+    );
+    for (axis, bytes) in &comm.bytes_by_axis {
+        println!("  axis {axis:<4} {:>12} a step", gb(*bytes));
+    }
+    let time = &result.time;
+    println!(
+        "time a step: compute {:.4} s + comm {:.4} s + bubble {:.4} s = {:.4} s",
+        time.compute_s, time.comm_s, time.bubble_s, time.step_s
+    );
+    println!("throughput: {:.0} tokens/s, MFU {:.1}%", result.tokens_per_s, 100.0 * result.mfu);
+}
