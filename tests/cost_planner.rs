@@ -14,7 +14,7 @@ use pleat_passes::cost::memory::stage_params;
 use pleat_passes::cost::{Layout, ModelShape, Workload};
 use pleat_runtime::weights::SeededWeights;
 
-const MESHES: [&str; 6] = ["", "tp=2", "tp=4", "tp=8", "dp=2", "dp=2,tp=2"];
+const MESHES: [&str; 9] = ["", "tp=2", "tp=4", "tp=8", "dp=2", "dp=2,tp=2", "tsp=2", "tsp=4", "dp=2,tsp=2"];
 const BATCH: u64 = 2;
 const SEQ: u64 = 8;
 
@@ -74,18 +74,19 @@ fn arena_offsets_never_overlap_live_buffers() {
                 match instr {
                     Instr::Free { buf } => live.retain(|&slot| slot != buf.as_u32() as usize),
                     _ => {
-                        let Some(out) = instr.out() else { continue };
-                        let slot = out.as_u32() as usize;
-                        let span = |slot: usize| {
-                            let start = result.offsets[slot].expect("placed");
-                            (start, start + program.buffers[slot].bytes())
-                        };
-                        let (start, end) = span(slot);
-                        for &other in &live {
-                            let (other_start, other_end) = span(other);
-                            assert!(end <= other_start || other_end <= start, "{mesh}: b{slot} overlaps b{other}");
+                        for out in instr.outs() {
+                            let slot = out.as_u32() as usize;
+                            let span = |slot: usize| {
+                                let start = result.offsets[slot].expect("placed");
+                                (start, start + program.buffers[slot].bytes())
+                            };
+                            let (start, end) = span(slot);
+                            for &other in &live {
+                                let (other_start, other_end) = span(other);
+                                assert!(end <= other_start || other_end <= start, "{mesh}: b{slot} overlaps b{other}");
+                            }
+                            live.push(slot);
                         }
-                        live.push(slot);
                     }
                 }
             }
@@ -97,7 +98,8 @@ fn arena_offsets_never_overlap_live_buffers() {
 fn planner_params_equal_the_closed_formula() {
     let config = preset("tiny").unwrap();
     let model = ModelShape::from_config(&config);
-    let workload = Workload::inference(SEQ, BATCH);
+    // The compiler splits the embedding and LM head over tsp too (vocab-parallel).
+    let workload = Workload { tsp_shards_embeddings: true, ..Workload::inference(SEQ, BATCH) };
     for mesh in MESHES {
         let (_, programs) = common::compile(&config, BATCH, SEQ, mesh);
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);

@@ -37,6 +37,10 @@ pub enum Staging {
     AllGather,
     /// A reduce-scatter's input split into chunks: the input's size.
     ReduceScatter,
+    /// A packed broadcast message (TSP's owner blocks): the outputs' total size.
+    Broadcast,
+    /// A packed point-to-point message being received (the TSP ring): the outputs' total size.
+    Message,
 }
 
 impl Staging {
@@ -45,6 +49,8 @@ impl Staging {
         match self {
             Staging::AllGather => "all_gather staging",
             Staging::ReduceScatter => "reduce_scatter staging",
+            Staging::Broadcast => "broadcast staging",
+            Staging::Message => "received message",
         }
     }
 }
@@ -81,6 +87,12 @@ fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Option<(
     match instr {
         Instr::AllGather { out, .. } => Some((Staging::AllGather, element_bytes(program, *out, sizing))),
         Instr::ReduceScatter { input, .. } => Some((Staging::ReduceScatter, element_bytes(program, *input, sizing))),
+        Instr::Broadcast { outs, .. } => {
+            Some((Staging::Broadcast, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))
+        }
+        Instr::Recv { outs, .. } => {
+            Some((Staging::Message, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))
+        }
         _ => None,
     }
 }
@@ -169,23 +181,24 @@ pub fn plan(program: &Program, sizing: ElementSize) -> MemoryPlan {
                 }
             }
             _ => {
-                let Some(out) = instr.out() else { continue };
-                let slot = out.as_u32() as usize;
-                if slot >= live.len() || live[slot] {
-                    continue;
-                }
-                let bytes = element_bytes(program, out, sizing);
-                live[slot] = true;
-                live_bytes += bytes;
-                offsets[slot] = Some(arena.place(bytes));
-                if matches!(instr, Instr::LoadParam { .. }) {
-                    result.param_bytes += bytes;
-                }
-                result.peak_live_bytes = result.peak_live_bytes.max(live_bytes);
-                if live_bytes > result.peak_bytes {
-                    result.peak_bytes = live_bytes;
-                    result.peak_instr = index;
-                    result.peak_staging = None;
+                for out in instr.outs() {
+                    let slot = out.as_u32() as usize;
+                    if slot >= live.len() || live[slot] {
+                        continue;
+                    }
+                    let bytes = element_bytes(program, out, sizing);
+                    live[slot] = true;
+                    live_bytes += bytes;
+                    offsets[slot] = Some(arena.place(bytes));
+                    if matches!(instr, Instr::LoadParam { .. }) {
+                        result.param_bytes += bytes;
+                    }
+                    result.peak_live_bytes = result.peak_live_bytes.max(live_bytes);
+                    if live_bytes > result.peak_bytes {
+                        result.peak_bytes = live_bytes;
+                        result.peak_instr = index;
+                        result.peak_staging = None;
+                    }
                 }
             }
         }
