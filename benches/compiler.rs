@@ -1,0 +1,45 @@
+//! Compile-time and cost-model benchmarks: how long pleat takes to shard and lower a model, and to
+//! cost a plan for the largest preset. Report ratios and orders of magnitude, not absolute goals:
+//! this machine is noisy.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use pleat_ir::model::preset::preset;
+use pleat_ir::Mesh;
+use pleat_passes::cost::hw::HardwareSpec;
+use pleat_passes::cost::{estimate, Layout, ModelShape, Workload};
+use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
+
+fn compile(config: &pleat_ir::model::config::ModelConfig, mesh: &str) -> usize {
+    let mut module = pleat_ir::model::build(config, 8, 64).expect("build");
+    module.mesh = Mesh::parse(mesh).expect("mesh");
+    run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::default()).expect("passes");
+    pleat_backend::lower(&module).expect("lower").len()
+}
+
+fn compile_benches(c: &mut Criterion) {
+    let tiny = preset("tiny").expect("tiny");
+    for mesh in ["tp=4", "tsp=4"] {
+        c.bench_function(&format!("compile tiny {mesh}"), |b| b.iter(|| compile(black_box(&tiny), mesh)));
+    }
+}
+
+fn plan_benches(c: &mut Criterion) {
+    // The cost model answers from closed formulas; `pleat plan llama3-405b --mesh dp=128,pp=16,tp=8`.
+    let config = preset("llama3-405b").expect("preset");
+    let model = ModelShape::from_config(&config);
+    let layout = Layout::from_mesh(&Mesh::parse("dp=128,pp=16,tp=8").expect("mesh"), false);
+    let hw = HardwareSpec::builtin("h100-sxm").expect("hw");
+    let workload = Workload::training(8192, 1);
+    c.bench_function("plan llama3-405b dp=128,pp=16,tp=8", |b| {
+        b.iter(|| estimate(black_box(&model), &layout, &workload, &hw).expect("estimate"))
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = compile_benches, plan_benches
+}
+criterion_main!(benches);
