@@ -155,3 +155,31 @@ fn explain_gives_each_collective_its_reason() {
     assert!(error_of(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"])
         .contains("no value named layer0.nope"));
 }
+
+#[test]
+fn a_gqa_config_with_more_ranks_than_kv_heads_checks() {
+    let dir = tempdir("gqa");
+    let config = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/tiny/config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["num_key_value_heads"] = serde_json::json!(2);
+    std::fs::write(&config, json.to_string()).unwrap();
+    for tp in ["1", "2", "4"] {
+        let mesh = format!("tp={tp}");
+        let report = json_of(&[
+            "run",
+            config.to_str().unwrap(),
+            "--mesh",
+            &mesh,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--check",
+            "--format",
+            "json",
+        ]);
+        assert!(report["max_abs_err"].as_f64().expect("checked") < 1e-4, "{mesh}");
+    }
+}
