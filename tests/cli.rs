@@ -1,30 +1,11 @@
 //! The `pleat` binary end to end: runs, compiled directories, and the messages bad input gets.
 
 use std::path::Path;
-use std::process::{Command, Output};
 
-fn pleat(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).env("NO_COLOR", "1").output().expect("pleat runs")
-}
+#[path = "support/cli.rs"]
+mod cli;
 
-#[track_caller]
-fn stdout_of(args: &[&str]) -> String {
-    let output = pleat(args);
-    assert!(output.status.success(), "pleat {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8(output.stdout).expect("utf-8")
-}
-
-#[track_caller]
-fn error_of(args: &[&str]) -> String {
-    let output = pleat(args);
-    assert!(!output.status.success(), "pleat {args:?} should fail");
-    assert_eq!(output.status.code(), Some(1), "an error exits 1, not a panic's 101");
-    String::from_utf8(output.stderr).expect("utf-8")
-}
-
-fn json_of(args: &[&str]) -> serde_json::Value {
-    serde_json::from_str(&stdout_of(args)).expect("json output")
-}
+use cli::{error_of, json_of, stdout_of, tempdir};
 
 #[test]
 fn run_reports_json_with_the_check() {
@@ -124,13 +105,6 @@ fn weights_that_do_not_fit_name_the_tensor() {
     let weights = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-gqa/model.safetensors");
     let message = error_of(&["run", "tiny", "--batch", "1", "--seq", "4", "--weights", weights.to_str().unwrap()]);
     assert!(message.contains("model.embed_tokens.weight"), "{message}");
-}
-
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("pleat-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 #[test]

@@ -1,30 +1,10 @@
 //! `pleat plan` and `pleat compare` end to end: JSON keys, the TSP/TP crossover, pipelines, hardware
 //! files and the messages bad input gets.
 
-use std::process::{Command, Output};
+#[path = "support/cli.rs"]
+mod cli;
 
-fn pleat(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).env("NO_COLOR", "1").output().expect("pleat runs")
-}
-
-#[track_caller]
-fn stdout_of(args: &[&str]) -> String {
-    let output = pleat(args);
-    assert!(output.status.success(), "pleat {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8(output.stdout).expect("utf-8")
-}
-
-#[track_caller]
-fn error_of(args: &[&str]) -> String {
-    let output = pleat(args);
-    assert!(!output.status.success(), "pleat {args:?} should fail");
-    assert_eq!(output.status.code(), Some(1), "an error exits 1, not a panic's 101");
-    String::from_utf8(output.stderr).expect("utf-8")
-}
-
-fn json_of(args: &[&str]) -> serde_json::Value {
-    serde_json::from_str(&stdout_of(args)).expect("json output")
-}
+use cli::{error_of, json_of, pleat, stdout_of};
 
 #[test]
 fn plan_json_has_the_documented_keys() {
