@@ -11,7 +11,9 @@ mod explain;
 mod inputs;
 mod model_arg;
 mod plan;
+mod predict;
 mod run;
+mod trace;
 
 use std::process::ExitCode;
 
@@ -37,6 +39,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Every one- and two-axis layout of --ranks ranks side by side, sorted by peak memory.
     Compare(compare::CompareArgs),
+    /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace.
+    Trace(trace::TraceArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
 }
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
         Command::Demo => demo::demo(),
         Command::Plan(args) => plan::plan(&args),
         Command::Compare(args) => compare::compare(&args),
+        Command::Trace(args) => trace::trace(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
@@ -69,6 +69,9 @@ pub struct RunArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    /// Write the measured timeline of every rank as a Chrome/Perfetto trace to this JSON file.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
 }
 
 /// What a run produced.
@@ -79,12 +82,16 @@ pub struct RunResult {
     pub logits_shape: Vec<u64>,
     pub outcomes: Vec<RankOutcome>,
     pub max_abs_err: Option<f32>,
+    pub programs: Vec<Program>,
 }
 
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
     let result = execute(args)?;
     report(args, &result)?;
+    if let Some(path) = &args.trace {
+        crate::trace::write_measured(path, &result.programs, &result.outcomes)?;
+    }
     if let Some(err) = result.max_abs_err {
         if err.is_nan() || err > F32_TOL {
             bail!("max |logits - reference| = {err:e} exceeds the tolerance {F32_TOL:e}");
@@ -150,7 +157,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         )
         .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err })
+    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, programs })
 }
 
 /// Runs the programs on threads and assembles the logits.
@@ -161,7 +168,7 @@ pub fn run_programs(
     timeout_s: u64,
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
-    let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights };
+    let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
     let outcomes = run_on_threads(programs, &inputs, Duration::from_secs(timeout_s))?;
     let (shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
     Ok((shape, logits, outcomes))

@@ -3,7 +3,10 @@
 //! Buffers are allocated when an instruction writes them and dropped at their `Free`; the executor
 //! counts the bytes it actually holds (f32 and u32 storage, 4 bytes an element, plus the staging
 //! copies collectives need while they run), so `peak_bytes` is a measurement of this runtime, not a
-//! prediction.
+//! prediction. Each instruction's start and end are read from the monotonic clock against the run's
+//! shared epoch (`RunInputs::epoch`), so the ranks' timelines line up in one trace.
+
+use std::time::Instant;
 
 use pleat_backend::{BufferId, BufferKind, Instr, Kernel, Program};
 
@@ -21,6 +24,8 @@ pub struct RunInputs<'a> {
     pub positions: &'a [u32],
     /// Where weights come from.
     pub weights: &'a dyn WeightSource,
+    /// The instant every rank's instruction timings count from (one for the whole run).
+    pub epoch: Instant,
 }
 
 /// A block of a graph output that a rank returned.
@@ -54,6 +59,9 @@ pub struct RankOutcome {
     pub activation_bytes: Vec<u64>,
     /// The most bytes of other ranks' weights it held at once (TSP broadcast blocks, ring shards).
     pub in_flight_peak_bytes: u64,
+    /// For each instruction, in program order, its start and end in nanoseconds since
+    /// `RunInputs::epoch`.
+    pub timings: Vec<(u64, u64)>,
 }
 
 enum Storage {
@@ -180,9 +188,11 @@ pub fn execute(
     let mut outputs = Vec::new();
     let mut param_bytes = 0;
     let mut activation_bytes = Vec::with_capacity(program.instructions.len());
+    let mut timings = Vec::with_capacity(program.instructions.len());
     comm.reset_stats();
     for (index, instr) in program.instructions.iter().enumerate() {
         machine.instr = index;
+        let start_ns = nanos_since(inputs.epoch);
         match instr {
             Instr::LoadParam { out, name, shape, region } => {
                 let data = inputs
@@ -313,6 +323,7 @@ pub fn execute(
             }
         }
         activation_bytes.push(machine.activation_bytes);
+        timings.push((start_ns, nanos_since(inputs.epoch)));
     }
     Ok(RankOutcome {
         rank,
@@ -322,7 +333,13 @@ pub fn execute(
         comm: comm.stats().clone(),
         activation_bytes,
         in_flight_peak_bytes: machine.in_flight_peak_bytes,
+        timings,
     })
+}
+
+/// Nanoseconds from `epoch` to now (zero if `epoch` is in the future; saturating past 584 years).
+fn nanos_since(epoch: Instant) -> u64 {
+    u64::try_from(Instant::now().saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Splits a packed message into `outs`, `sizes[i]` elements each.

@@ -3,7 +3,7 @@
 #![allow(dead_code, reason = "each test binary uses a different part")]
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
@@ -58,7 +58,7 @@ pub fn reference(config: &ModelConfig, batch: u64, seq: u64, tokens: &[u32], wei
 /// Runs `programs` on threads; returns the assembled logits and every rank's outcome.
 pub fn run(programs: &[Program], tokens: &[u32], seq: u64, weights: &dyn WeightSource) -> (Vec<f32>, Vec<RankOutcome>) {
     let positions: Vec<u32> = (0..seq as u32).collect();
-    let inputs = RunInputs { tokens, positions: &positions, weights };
+    let inputs = RunInputs { tokens, positions: &positions, weights, epoch: Instant::now() };
     let outcomes = run_on_threads(programs, &inputs, Duration::from_secs(60)).expect("run");
     let (_, logits) = assemble(&outcomes, 0).expect("logits");
     (logits, outcomes)

@@ -1,0 +1,411 @@
+//! What each instruction of a `Program` is (stream, name, bytes, flops) and the predicted timeline
+//! of every rank's program under the cost model.
+//!
+//! The prediction places each rank's instructions in program order on two streams, compute and
+//! comm, without reordering: an instruction starts when its stream is free and its inputs are
+//! ready; a collective starts when every member of its group has reached it; a `Recv` ends no
+//! earlier than the matching `Send`. Kernels cost their roofline (`passes::cost::compute`),
+//! transfers their alpha-beta time (`passes::cost::comm`). This lives in the binary because the
+//! backend must not know the cost model and the passes cannot see `Program`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use anyhow::{bail, Result};
+use pleat_backend::{Instr, Kernel, Program};
+use pleat_passes::cost::comm::{self, Collective};
+use pleat_passes::cost::compute::{OpClass, OpCost};
+use pleat_passes::cost::layout::AxisSpan;
+use pleat_passes::cost::HardwareSpec;
+
+/// The two streams of a rank: Chrome trace thread ids.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stream {
+    /// Kernels and loads.
+    Compute = 0,
+    /// Collectives, broadcasts, sends and receives.
+    Comm = 1,
+}
+
+/// What one instruction does, for a trace slice.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Work {
+    /// The stream it runs on.
+    pub stream: Stream,
+    /// The op (`matmul`, `all_reduce`, `load`, ...).
+    pub op: &'static str,
+    /// The buffer it writes or sends (the IR value's name, which carries the layer).
+    pub what: String,
+    /// Bytes moved: a kernel's operands and result, a load's result, a transfer's message.
+    pub bytes: u64,
+    /// Floating-point operations (matmuls and attention; zero for the rest).
+    pub flops: u64,
+    /// The collective kind, for transfers.
+    pub collective: Option<Collective>,
+    /// The ranks taking part in a transfer (the group, or this rank and its peer).
+    pub ranks: Vec<u32>,
+}
+
+impl Work {
+    /// The slice name: op and buffer, as `matmul layer0.q`.
+    pub fn name(&self) -> String {
+        format!("{} {}", self.op, self.what)
+    }
+}
+
+fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
+    match kernel {
+        Kernel::Embedding { .. } => ("embedding", 0),
+        Kernel::RmsNorm { .. } => ("rms_norm", 0),
+        Kernel::MatMul { m, n, k } => ("matmul", 2 * m * n * k),
+        Kernel::Rope { .. } => ("rope", 0),
+        Kernel::Attention { batch, sq, sk, hq, head_dim, .. } => ("attention", 4 * batch * sq * sk * hq * head_dim),
+        Kernel::SiluMul => ("silu_mul", 0),
+        Kernel::Add => ("add", 0),
+        Kernel::Permute { .. } => ("permute", 0),
+        Kernel::Slice { .. } => ("slice", 0),
+    }
+}
+
+/// What instruction `instr` of `program` does; `None` for bookkeeping (`Output`, `Free`).
+pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
+    let bytes_of = |ids: &[pleat_backend::BufferId]| ids.iter().map(|&id| program.buffer(id).bytes()).sum::<u64>();
+    let name_of =
+        |ids: &[pleat_backend::BufferId]| ids.first().map_or_else(String::new, |&id| program.buffer(id).name.clone());
+    let transfer = |op: &'static str, kind: Collective, what: String, bytes: u64, ranks: Vec<u32>| Work {
+        stream: Stream::Comm,
+        op,
+        what,
+        bytes,
+        flops: 0,
+        collective: Some(kind),
+        ranks,
+    };
+    let load = |out| Work {
+        stream: Stream::Compute,
+        op: "load",
+        what: name_of(&[out]),
+        bytes: bytes_of(&[out]),
+        flops: 0,
+        collective: None,
+        ranks: Vec::new(),
+    };
+    Some(match instr {
+        Instr::LoadParam { out, .. } | Instr::LoadTokens { out, .. } | Instr::LoadPositions { out, .. } => load(*out),
+        Instr::Kernel { kernel, inputs, out } => {
+            let (op, flops) = kernel_op(kernel);
+            Work {
+                stream: Stream::Compute,
+                op,
+                what: name_of(&[*out]),
+                bytes: bytes_of(inputs) + bytes_of(&[*out]),
+                flops,
+                collective: None,
+                ranks: Vec::new(),
+            }
+        }
+        Instr::AllReduce { input, out, group } => {
+            transfer("all_reduce", Collective::AllReduce, name_of(&[*out]), bytes_of(&[*input]), group.ranks.clone())
+        }
+        Instr::ReduceScatter { input, out, group, .. } => transfer(
+            "reduce_scatter",
+            Collective::ReduceScatter,
+            name_of(&[*out]),
+            bytes_of(&[*input]),
+            group.ranks.clone(),
+        ),
+        Instr::AllGather { out, group, .. } => {
+            transfer("all_gather", Collective::AllGather, name_of(&[*out]), bytes_of(&[*out]), group.ranks.clone())
+        }
+        Instr::Broadcast { outs, group, .. } => {
+            transfer("broadcast", Collective::Broadcast, name_of(outs), bytes_of(outs), group.ranks.clone())
+        }
+        Instr::Send { bufs, peer } => {
+            transfer("send", Collective::SendRecv, name_of(bufs), bytes_of(bufs), vec![program.rank, *peer])
+        }
+        Instr::Recv { outs, peer } => {
+            transfer("recv", Collective::SendRecv, name_of(outs), bytes_of(outs), vec![*peer, program.rank])
+        }
+        Instr::Output { .. } | Instr::Free { .. } => return None,
+    })
+}
+
+/// How a group of global ranks sits on nodes of `gpus_per_node` (ranks fill nodes in order).
+fn span_of(ranks: &[u32], gpus_per_node: u64) -> AxisSpan {
+    let mut nodes: Vec<u64> = ranks.iter().map(|&rank| u64::from(rank) / gpus_per_node.max(1)).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    let node_count = nodes.len().max(1) as u64;
+    AxisSpan { ranks_per_node: (ranks.len() as u64).div_ceil(node_count).max(1), nodes: node_count }
+}
+
+/// Predicted seconds of `work` on `hw`, for elements of `dtype_bytes`.
+pub fn seconds(work: &Work, hw: &HardwareSpec, dtype_bytes: u64) -> f64 {
+    match work.collective {
+        Some(kind) => comm::time(kind, work.bytes as f64, span_of(&work.ranks, hw.gpus_per_node), hw),
+        None => {
+            let class = match work.op {
+                "matmul" => OpClass::MatMul,
+                "attention" => OpClass::Attention,
+                _ => OpClass::MemoryBound,
+            };
+            OpCost { what: work.op, class, flops: work.flops as f64, bytes: work.bytes as f64 }.time(hw, dtype_bytes)
+        }
+    }
+}
+
+/// One predicted slice: instruction `instr` of a rank from `start_s` to `end_s`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Predicted {
+    /// The instruction's index in the program.
+    pub instr: usize,
+    /// What it does.
+    pub work: Work,
+    /// Start, seconds from the step's beginning.
+    pub start_s: f64,
+    /// End, seconds.
+    pub end_s: f64,
+}
+
+struct RankState {
+    pc: usize,
+    stream_free: [f64; 2],
+    ready: HashMap<u32, f64>,
+    group_calls: HashMap<Vec<u32>, usize>,
+    slices: Vec<Predicted>,
+}
+
+/// The predicted timeline of every rank's program (in rank order), each rank's slices in program
+/// order. Fails when the programs cannot all finish (a collective or receive nobody matches).
+pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predicted>>> {
+    let mut states: Vec<RankState> = programs
+        .iter()
+        .map(|_| RankState {
+            pc: 0,
+            stream_free: [0.0; 2],
+            ready: HashMap::new(),
+            group_calls: HashMap::new(),
+            slices: Vec::new(),
+        })
+        .collect();
+    // (group, call index) -> each member's arrival time; (sender, receiver) -> sends in order.
+    let mut arrivals: BTreeMap<(Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
+    let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64)>> = HashMap::new();
+    loop {
+        let mut progressed = false;
+        for (rank, program) in programs.iter().enumerate() {
+            let state = &mut states[rank];
+            while let Some(instr) = program.instructions.get(state.pc) {
+                let Some(work) = describe(program, instr) else {
+                    state.pc += 1;
+                    progressed = true;
+                    continue;
+                };
+                let dtype_bytes = instr
+                    .outs()
+                    .first()
+                    .or(instr.inputs().first())
+                    .map_or(4, |&id| program.buffer(id).dtype.size_bytes());
+                let cost = seconds(&work, hw, dtype_bytes);
+                let stream = work.stream as usize;
+                let inputs_ready = instr
+                    .inputs()
+                    .iter()
+                    .map(|id| state.ready.get(&id.as_u32()).copied().unwrap_or(0.0))
+                    .fold(0.0, f64::max);
+                let arrival = state.stream_free[stream].max(inputs_ready);
+                let (start_s, end_s) = match instr {
+                    Instr::AllReduce { group, .. }
+                    | Instr::ReduceScatter { group, .. }
+                    | Instr::AllGather { group, .. }
+                    | Instr::Broadcast { group, .. } => {
+                        let call = *state.group_calls.get(&group.ranks).unwrap_or(&0);
+                        let members = arrivals.entry((group.ranks.clone(), call)).or_default();
+                        members.insert(program.rank, arrival);
+                        if group.ranks.iter().any(|member| !members.contains_key(member)) {
+                            break;
+                        }
+                        state.group_calls.insert(group.ranks.clone(), call + 1);
+                        let start = members.values().copied().fold(0.0, f64::max);
+                        (start, start + cost)
+                    }
+                    Instr::Send { peer, .. } => {
+                        messages.entry((program.rank, *peer)).or_default().push_back((arrival, arrival + cost));
+                        (arrival, arrival + cost)
+                    }
+                    Instr::Recv { peer, .. } => {
+                        let Some((sent_start, sent_end)) =
+                            messages.get_mut(&(*peer, program.rank)).and_then(VecDeque::pop_front)
+                        else {
+                            break;
+                        };
+                        let start = arrival.max(sent_start);
+                        // The message is queued once sent: a late receiver finds it there.
+                        (start, start.max(sent_end))
+                    }
+                    _ => (arrival, arrival + cost),
+                };
+                state.stream_free[stream] = end_s;
+                for out in instr.outs() {
+                    state.ready.insert(out.as_u32(), end_s);
+                }
+                state.slices.push(Predicted { instr: state.pc, work, start_s, end_s });
+                state.pc += 1;
+                progressed = true;
+            }
+        }
+        if states.iter().zip(programs).all(|(state, program)| state.pc == program.instructions.len()) {
+            return Ok(states.into_iter().map(|state| state.slices).collect());
+        }
+        if !progressed {
+            let stuck: Vec<String> = states
+                .iter()
+                .zip(programs)
+                .filter(|(state, program)| state.pc < program.instructions.len())
+                .map(|(state, program)| format!("rank {} at instruction {}", program.rank, state.pc))
+                .collect();
+            bail!("the programs wait on each other forever ({}); recompile them with this pleat", stuck.join(", "));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_backend::{Buffer, BufferId, BufferKind, Group, FORMAT_VERSION};
+    use pleat_ir::entity::EntityRef;
+    use pleat_ir::DType;
+
+    fn buffer(name: &str, shape: &[u64], kind: BufferKind) -> Buffer {
+        Buffer { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), kind }
+    }
+
+    fn id(index: usize) -> BufferId {
+        BufferId::new(index)
+    }
+
+    fn program(rank: u32, buffers: Vec<Buffer>, instructions: Vec<Instr>) -> Program {
+        Program {
+            format_version: FORMAT_VERSION,
+            model: "hand".into(),
+            mesh: "tp=2".into(),
+            rank,
+            world_size: 2,
+            tokens_shape: vec![1, 64],
+            buffers,
+            instructions,
+        }
+    }
+
+    fn load(out: usize) -> Instr {
+        Instr::LoadParam { out: id(out), name: "w".into(), shape: vec![64, 64], region: vec![(0, 64), (0, 64)] }
+    }
+
+    /// Rank r: [rank 1 only: an extra load], load x, load w, matmul, all-reduce, add, free.
+    fn tp_pair() -> Vec<Program> {
+        let buffers = || {
+            vec![
+                buffer("x", &[64, 64], BufferKind::Param),
+                buffer("layer0.w", &[64, 64], BufferKind::Param),
+                buffer("layer0.y", &[64, 64], BufferKind::Activation),
+                buffer("layer0.y.all_reduce", &[64, 64], BufferKind::Activation),
+                buffer("layer0.out", &[64, 64], BufferKind::Activation),
+                buffer("extra", &[64, 64], BufferKind::Param),
+            ]
+        };
+        let group = Group { axis: "tp".into(), ranks: vec![0, 1] };
+        let body = |extra: bool| {
+            let mut instructions = if extra { vec![load(5)] } else { Vec::new() };
+            instructions.extend([
+                load(0),
+                load(1),
+                Instr::Kernel {
+                    kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
+                    inputs: vec![id(0), id(1)],
+                    out: id(2),
+                },
+                Instr::AllReduce { input: id(2), out: id(3), group: group.clone() },
+                Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(3), id(0)], out: id(4) },
+                Instr::Free { buf: id(2) },
+            ]);
+            instructions
+        };
+        vec![program(0, buffers(), body(false)), program(1, buffers(), body(true))]
+    }
+
+    #[test]
+    fn timeline_matches_a_hand_computed_roofline_and_alpha_beta() {
+        let hw = HardwareSpec::builtin("cpu").unwrap();
+        let timelines = predict(&tp_pair(), &hw).unwrap();
+        // Independent arithmetic from the cpu table: 384 GFLOP/s, 20 GB/s HBM, 5 GB/s links, 5 us.
+        let tile = 64.0 * 64.0 * 4.0;
+        let load = tile / (20e9 * 0.8);
+        let matmul = (2.0 * 64.0f64.powi(3) / (384e9 * 0.75)).max(3.0 * tile / (20e9 * 0.8));
+        let all_reduce = 2.0 * 0.5 * tile / (5e9 * 0.8) + 2.0 * 5e-6;
+        let add = 3.0 * tile / (20e9 * 0.8);
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+        // Rank 1 does one more load, so the all-reduce starts when rank 1 arrives, on both.
+        let start = 3.0 * load + matmul;
+        for (rank, timeline) in timelines.iter().enumerate() {
+            let ops: Vec<&str> = timeline.iter().map(|slice| slice.work.op).collect();
+            let mut want_ops = vec!["load"; 2 + rank];
+            want_ops.extend(["matmul", "all_reduce", "add"]);
+            assert_eq!(ops, want_ops, "the free is not a slice");
+            let reduce = &timeline[timeline.len() - 2];
+            assert_eq!(reduce.work.stream, Stream::Comm);
+            close(reduce.start_s, start);
+            close(reduce.end_s, start + all_reduce);
+            let last = timeline.last().unwrap();
+            close(last.start_s, start + all_reduce);
+            close(last.end_s, start + all_reduce + add);
+        }
+        assert_eq!(timelines[0][2].work.name(), "matmul layer0.y");
+        assert_eq!(timelines[0][2].work.flops, 2 * 64 * 64 * 64);
+    }
+
+    #[test]
+    fn a_recv_ends_when_its_send_does_and_compute_overlaps_the_send() {
+        let hw = HardwareSpec::builtin("cpu").unwrap();
+        let buffers = || {
+            vec![
+                buffer("layer0.w", &[64, 64], BufferKind::Param),
+                buffer("layer0.w.peer", &[64, 64], BufferKind::InFlight),
+                buffer("layer0.x", &[64, 64], BufferKind::Activation),
+            ]
+        };
+        let matmul =
+            || Instr::Kernel { kernel: Kernel::MatMul { m: 64, n: 64, k: 64 }, inputs: vec![id(0), id(0)], out: id(2) };
+        let sender = program(0, buffers(), vec![load(0), Instr::Send { bufs: vec![id(0)], peer: 1 }, matmul()]);
+        let receiver = program(1, buffers(), vec![Instr::Recv { outs: vec![id(1)], peer: 0 }, load(0)]);
+        let timelines = predict(&[sender, receiver], &hw).unwrap();
+        let tile = 64.0 * 64.0 * 4.0;
+        let load = tile / (20e9 * 0.8);
+        let send = tile / (5e9 * 0.8) + 5e-6;
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+        let (send_slice, matmul_slice) = (&timelines[0][1], &timelines[0][2]);
+        close(send_slice.start_s, load);
+        close(send_slice.end_s, load + send);
+        // The matmul reads only the loaded weight: it runs beside the send.
+        close(matmul_slice.start_s, load);
+        let recv = &timelines[1][0];
+        close(recv.start_s, load);
+        close(recv.end_s, load + send);
+        // The receiver's load is on its compute stream and does not wait for the comm stream.
+        close(timelines[1][1].start_s, 0.0);
+    }
+
+    #[test]
+    fn a_recv_nobody_sends_is_an_error() {
+        let buffers = vec![buffer("layer0.w.peer", &[64, 64], BufferKind::InFlight)];
+        let lonely = program(0, buffers.clone(), vec![Instr::Recv { outs: vec![id(0)], peer: 1 }]);
+        let idle = program(1, buffers, Vec::new());
+        let err = predict(&[lonely, idle], &HardwareSpec::builtin("cpu").unwrap()).unwrap_err();
+        assert!(err.to_string().contains("rank 0 at instruction 0"), "{err}");
+    }
+
+    #[test]
+    fn groups_across_nodes_span_them() {
+        assert_eq!(span_of(&[0, 1, 2, 3], 8), AxisSpan { ranks_per_node: 4, nodes: 1 });
+        assert_eq!(span_of(&[0, 8, 16, 24], 8), AxisSpan { ranks_per_node: 1, nodes: 4 });
+        assert_eq!(span_of(&[6, 7, 8, 9], 8), AxisSpan { ranks_per_node: 2, nodes: 2 });
+    }
+}

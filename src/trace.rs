@@ -1,0 +1,241 @@
+//! Chrome trace-event JSON (what ui.perfetto.dev and chrome://tracing open) of a run's timeline,
+//! and `pleat trace`, which writes the cost model's predicted timeline.
+//!
+//! One process a rank (`rank N`), two threads a process: `compute` (tid 0: kernels and loads) and
+//! `comm` (tid 1: collectives, broadcasts, sends, receives). Each instruction is one complete
+//! (`"ph": "X"`) slice named by its op and buffer (`matmul layer0.q`), with its bytes, flops and
+//! instruction index in `args`. Bookkeeping instructions (`Output`, `Free`) are left out. Files
+//! are written to a temporary sibling and renamed, so a reader never sees half a trace.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pleat_backend::Program;
+use pleat_ir::Mesh;
+use pleat_passes::cost::HardwareSpec;
+use pleat_passes::Dump;
+use pleat_runtime::RankOutcome;
+use serde_json::{json, Value};
+
+use crate::compile::{compile_model, read_compiled, Strategy};
+use crate::model_arg::{resolve, ModelSource};
+use crate::predict::{describe, predict, Stream, Work};
+
+/// Arguments of `pleat trace`.
+#[derive(Args)]
+pub struct TraceArgs {
+    /// A preset name, a config.json, a model directory, or a compiled directory.
+    pub model: String,
+    /// The device mesh, e.g. `tp=4` or `tsp=2` (ignored for a compiled directory).
+    #[arg(long, default_value = "")]
+    pub mesh: String,
+    /// How to use the mesh's axes.
+    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
+    pub strategy: Strategy,
+    /// Sequence length.
+    #[arg(long, default_value_t = 64)]
+    pub seq: u64,
+    /// Sequences a batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: u64,
+    /// Built-in hardware the prediction is for: h100-sxm, h200, a100-80gb, mi300x, cpu.
+    #[arg(long, default_value = "h100-sxm")]
+    pub hw: String,
+    /// The trace file to write (Chrome trace-event JSON).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// One slice of a trace: what ran, on which rank, when (microseconds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slice {
+    /// The rank (the trace's process).
+    pub rank: u32,
+    /// The instruction's index in the rank's program.
+    pub instr: usize,
+    /// What it did (its stream is the trace's thread).
+    pub work: Work,
+    /// Start, microseconds.
+    pub start_us: f64,
+    /// Duration, microseconds.
+    pub duration_us: f64,
+}
+
+/// The measured slices of a run: `programs` in rank order, `outcomes` their ranks' outcomes.
+pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome]) -> Result<Vec<Slice>> {
+    let mut slices = Vec::new();
+    for outcome in outcomes {
+        let Some(program) = programs.get(outcome.rank as usize) else {
+            bail!("rank {} has no program among the {} given", outcome.rank, programs.len());
+        };
+        for (index, (instr, &(start_ns, end_ns))) in program.instructions.iter().zip(&outcome.timings).enumerate() {
+            if let Some(work) = describe(program, instr) {
+                slices.push(Slice {
+                    rank: outcome.rank,
+                    instr: index,
+                    work,
+                    start_us: start_ns as f64 / 1e3,
+                    duration_us: end_ns.saturating_sub(start_ns) as f64 / 1e3,
+                });
+            }
+        }
+    }
+    Ok(slices)
+}
+
+/// The cost model's predicted slices of `programs` on `hw`.
+pub fn predicted_slices(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Slice>> {
+    let timelines = predict(programs, hw)?;
+    Ok(programs
+        .iter()
+        .zip(timelines)
+        .flat_map(|(program, timeline)| {
+            timeline.into_iter().map(move |predicted| Slice {
+                rank: program.rank,
+                instr: predicted.instr,
+                work: predicted.work,
+                start_us: predicted.start_s * 1e6,
+                duration_us: (predicted.end_s - predicted.start_s).max(0.0) * 1e6,
+            })
+        })
+        .collect())
+}
+
+/// The trace-event document of `slices` over `ranks` ranks: metadata naming every process and both
+/// of its threads, then one complete event a slice.
+pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
+    let mut events = Vec::with_capacity(slices.len() + 3 * ranks as usize);
+    for rank in 0..ranks {
+        events.push(
+            json!({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": format!("rank {rank}")}}),
+        );
+        events.push(
+            json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}),
+        );
+        for (stream, name) in [(Stream::Compute, "compute"), (Stream::Comm, "comm")] {
+            events.push(
+                json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": stream as u32, "args": {"name": name}}),
+            );
+        }
+    }
+    for slice in slices {
+        events.push(json!({
+            "ph": "X",
+            "name": slice.work.name(),
+            "cat": slice.work.op,
+            "pid": slice.rank,
+            "tid": slice.work.stream as u32,
+            "ts": slice.start_us,
+            "dur": slice.duration_us,
+            "args": {"bytes": slice.work.bytes, "flops": slice.work.flops, "instr": slice.instr},
+        }));
+    }
+    json!({"traceEvents": events, "displayTimeUnit": "ns"})
+}
+
+/// Writes `trace` to `path` through a temporary sibling and a rename.
+pub fn write_trace(path: &Path, trace: &Value) -> Result<()> {
+    let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map_or_else(|| "trace.json".into(), |name| name.to_string_lossy().to_string());
+    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    std::fs::write(&staging, serde_json::to_string(trace)?)
+        .with_context(|| format!("cannot write {}", staging.display()))?;
+    std::fs::rename(&staging, path).with_context(|| format!("cannot move the trace into {}", path.display()))?;
+    Ok(())
+}
+
+/// Writes the measured trace of a run.
+pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome]) -> Result<()> {
+    let slices = measured_slices(programs, outcomes)?;
+    write_trace(path, &chrome_trace(&slices, programs.len() as u32))
+}
+
+/// Runs `pleat trace`.
+pub fn trace(args: &TraceArgs) -> Result<()> {
+    let hw = HardwareSpec::builtin(&args.hw)?;
+    let programs = match resolve(&args.model)? {
+        ModelSource::Compiled(dir) => read_compiled(&dir)?.2,
+        ModelSource::Config { config, .. } => {
+            let mesh = Mesh::parse(&args.mesh)?;
+            compile_model(&config, args.batch, args.seq, &mesh, args.strategy, Dump::Nothing)?.programs
+        }
+    };
+    let slices = predicted_slices(&programs, &hw)?;
+    write_trace(&args.out, &chrome_trace(&slices, programs.len() as u32))?;
+    let step_us = slices.iter().map(|slice| slice.start_us + slice.duration_us).fold(0.0, f64::max);
+    println!(
+        "wrote the predicted trace of {} rank(s) on {} to {}: {} slices, step {:.1} us",
+        programs.len(),
+        hw.name,
+        args.out.display(),
+        slices.len(),
+        step_us
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn work(stream: Stream, op: &'static str, what: &str) -> Work {
+        Work { stream, op, what: what.into(), bytes: 64, flops: 0, collective: None, ranks: Vec::new() }
+    }
+
+    #[test]
+    fn every_rank_gets_a_process_two_threads_and_its_slices() {
+        let slices = vec![
+            Slice {
+                rank: 1,
+                instr: 3,
+                work: work(Stream::Comm, "all_reduce", "layer0.o"),
+                start_us: 2.0,
+                duration_us: 1.5,
+            },
+            Slice {
+                rank: 0,
+                instr: 0,
+                work: work(Stream::Compute, "add", "layer0.x"),
+                start_us: 0.0,
+                duration_us: 0.5,
+            },
+        ];
+        let trace = chrome_trace(&slices, 2);
+        let events = trace["traceEvents"].as_array().unwrap();
+        // 4 metadata events a rank, then one complete event a slice, in order.
+        assert_eq!(events.len(), 2 * 4 + 2);
+        let thread_names: Vec<(u64, u64, &str)> = events
+            .iter()
+            .filter(|event| event["name"] == "thread_name")
+            .map(|event| {
+                (
+                    event["pid"].as_u64().unwrap(),
+                    event["tid"].as_u64().unwrap(),
+                    event["args"]["name"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(thread_names, vec![(0, 0, "compute"), (0, 1, "comm"), (1, 0, "compute"), (1, 1, "comm")]);
+        let first = &events[8];
+        assert_eq!(first["ph"], "X");
+        assert_eq!(first["name"], "all_reduce layer0.o");
+        assert_eq!((first["pid"].as_u64(), first["tid"].as_u64()), (Some(1), Some(1)));
+        assert_eq!((first["ts"].as_f64(), first["dur"].as_f64()), (Some(2.0), Some(1.5)));
+        assert_eq!(first["args"]["bytes"], 64);
+        assert_eq!(events[9]["tid"], 0);
+    }
+
+    #[test]
+    fn written_traces_parse_and_leave_no_temporary_file() {
+        let dir = std::env::temp_dir().join(format!("pleat-trace-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.json");
+        write_trace(&path, &chrome_trace(&[], 1)).unwrap();
+        let parsed: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(parsed["traceEvents"].as_array().unwrap().len(), 4);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

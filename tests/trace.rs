@@ -1,0 +1,160 @@
+//! `pleat trace` and `pleat run --trace`: both write Chrome trace-event JSON with one process a
+//! rank, a compute and a comm thread in each, and slices named by op and layer. Never asserts times.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use pleat_runtime::weights::SeededWeights;
+use serde_json::Value;
+
+mod common;
+
+fn pleat(args: &[&str]) {
+    let output = Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).output().expect("pleat runs");
+    assert!(output.status.success(), "pleat {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pleat-trace-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Each track's slices: (start, duration, name), keyed by (pid, tid).
+type Tracks = BTreeMap<(u64, u64), Vec<(f64, f64, String)>>;
+
+fn read(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).expect("the trace file exists");
+    let document: Value = serde_json::from_str(&text).expect("the trace is JSON");
+    document["traceEvents"].as_array().expect("traceEvents").clone()
+}
+
+/// Checks the structure every trace of `ranks` ranks must have; returns the slices' names by
+/// (rank, thread).
+fn check(events: &[Value], ranks: u64) -> BTreeMap<(u64, u64), Vec<String>> {
+    let mut processes = BTreeMap::new();
+    let mut threads = BTreeSet::new();
+    let mut tracks: Tracks = BTreeMap::new();
+    for event in events {
+        let pid = event["pid"].as_u64().expect("pid");
+        let tid = event["tid"].as_u64().expect("tid");
+        match (event["ph"].as_str().expect("ph"), event["name"].as_str().expect("name")) {
+            ("M", "process_name") => {
+                processes.insert(pid, event["args"]["name"].as_str().expect("a process name").to_string());
+            }
+            ("M", "thread_name") => {
+                threads.insert((pid, tid, event["args"]["name"].as_str().expect("a thread name").to_string()));
+            }
+            ("M", _) => {}
+            ("X", name) => {
+                let start = event["ts"].as_f64().expect("ts");
+                let duration = event["dur"].as_f64().expect("dur");
+                assert!(start >= 0.0 && duration >= 0.0, "{name}: ts {start} dur {duration}");
+                assert!(event["args"]["bytes"].is_u64() && event["args"]["flops"].is_u64(), "{name}: args");
+                if name.starts_with("matmul ") {
+                    assert!(event["args"]["flops"].as_u64().unwrap() > 0, "{name} does flops");
+                }
+                tracks.entry((pid, tid)).or_default().push((start, duration, name.to_string()));
+            }
+            (phase, name) => panic!("unexpected event {phase} {name}"),
+        }
+    }
+    for rank in 0..ranks {
+        assert_eq!(processes.get(&rank).map(String::as_str), Some(format!("rank {rank}").as_str()));
+        assert!(threads.contains(&(rank, 0, "compute".to_string())), "rank {rank} has no compute thread");
+        assert!(threads.contains(&(rank, 1, "comm".to_string())), "rank {rank} has no comm thread");
+        assert!(tracks.contains_key(&(rank, 0)), "rank {rank} computes nothing");
+    }
+    assert_eq!(processes.len() as u64, ranks);
+    // Within a track the slices follow one another: each starts no earlier than the last ended.
+    for ((pid, tid), slices) in &tracks {
+        for pair in slices.windows(2) {
+            let ((start, duration, name), (next_start, _, next)) = (&pair[0], &pair[1]);
+            let slack = 1e-6 * (start + duration).abs().max(1.0);
+            assert!(*next_start + slack >= start + duration, "rank {pid} thread {tid}: {next} overlaps {name}");
+        }
+    }
+    tracks.into_iter().map(|(track, slices)| (track, slices.into_iter().map(|(_, _, name)| name).collect())).collect()
+}
+
+fn names(tracks: &BTreeMap<(u64, u64), Vec<String>>, rank: u64, tid: u64) -> Vec<String> {
+    tracks.get(&(rank, tid)).cloned().unwrap_or_default()
+}
+
+#[test]
+fn predicted_tp_trace_has_all_reduces_on_the_comm_track() {
+    let dir = tempdir("tp");
+    let out = dir.join("tp.json");
+    pleat(&["trace", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--out", out.to_str().unwrap()]);
+    let tracks = check(&read(&out), 2);
+    for rank in 0..2 {
+        let comm = names(&tracks, rank, 1);
+        assert!(comm.iter().any(|name| name.starts_with("all_reduce layer0.")), "rank {rank}: {comm:?}");
+        let compute = names(&tracks, rank, 0);
+        assert!(compute.iter().any(|name| name.starts_with("matmul layer1.")), "rank {rank}: {compute:?}");
+        assert!(compute.iter().any(|name| name.starts_with("attention layer0.")), "rank {rank}: {compute:?}");
+        assert!(compute.iter().all(|name| !name.starts_with("all_reduce")), "collectives stay off compute");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "no temporary file is left: {leftovers:?}");
+}
+
+#[test]
+fn predicted_tsp_trace_has_broadcasts_and_ring_messages() {
+    let dir = tempdir("tsp");
+    let out = dir.join("tsp.json");
+    pleat(&[
+        "trace",
+        "tiny",
+        "--mesh",
+        "tsp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--hw",
+        "cpu",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let tracks = check(&read(&out), 2);
+    for rank in 0..2 {
+        let comm = names(&tracks, rank, 1);
+        assert!(comm.iter().any(|name| name.starts_with("broadcast layer0.attn.")), "rank {rank}: {comm:?}");
+        assert!(comm.iter().any(|name| name.starts_with("send ")), "rank {rank}: {comm:?}");
+        assert!(comm.iter().any(|name| name.starts_with("recv layer0.mlp_ring")), "rank {rank}: {comm:?}");
+    }
+}
+
+#[test]
+fn run_writes_the_measured_trace() {
+    let dir = tempdir("run");
+    let out = dir.join("measured.json");
+    pleat(&["run", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--trace", out.to_str().unwrap()]);
+    let tracks = check(&read(&out), 2);
+    for rank in 0..2 {
+        let comm = names(&tracks, rank, 1);
+        assert!(comm.iter().any(|name| name.starts_with("all_reduce layer1.")), "rank {rank}: {comm:?}");
+        assert!(names(&tracks, rank, 0).iter().any(|name| name.starts_with("matmul layer0.")));
+    }
+}
+
+#[test]
+fn executor_times_every_instruction_in_order() {
+    let config = pleat_ir::model::preset::preset("tiny").unwrap();
+    let (_, programs) = common::compile(&config, 2, 16, "tp=2");
+    let ids = common::tokens(2, 16, config.vocab_size);
+    let (_, outcomes) = common::run(&programs, &ids, 16, &SeededWeights::new(3));
+    for (program, outcome) in programs.iter().zip(&outcomes) {
+        assert_eq!(outcome.timings.len(), program.instructions.len(), "rank {}", outcome.rank);
+        for (index, &(start, end)) in outcome.timings.iter().enumerate() {
+            assert!(start <= end, "rank {} instruction {index} ends before it starts", outcome.rank);
+        }
+        // One thread runs a rank's instructions: each starts after the previous one ended.
+        for pair in outcome.timings.windows(2) {
+            assert!(pair[1].0 >= pair[0].1, "rank {}: {pair:?}", outcome.rank);
+        }
+    }
+}
