@@ -46,6 +46,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`pleat run ... | head`) should end pleat quietly, as it ends other
+    // Unix tools, instead of making `println!` panic on the closed pipe.
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run::run(&args),
