@@ -47,6 +47,14 @@ pub enum Error {
         /// What this build reads.
         expected: u32,
     },
+    /// A program whose instructions disagree with its buffers (a damaged or hand-edited file).
+    #[error("the program is inconsistent at instruction {instr}: {reason}; recompile it")]
+    Inconsistent {
+        /// The instruction index.
+        instr: usize,
+        /// What disagrees.
+        reason: String,
+    },
     /// A serialized program that does not parse.
     #[error("cannot read the program: {reason}")]
     Malformed {

@@ -12,6 +12,7 @@ pub mod matching;
 pub mod memory;
 pub mod program;
 pub mod text;
+pub mod validate;
 
 pub use error::{Error, Result};
 pub use lower::lower;
@@ -33,5 +34,7 @@ pub fn from_json(text: &str) -> Result<Program> {
     if version.format_version != FORMAT_VERSION {
         return Err(Error::FormatVersion { found: version.format_version, expected: FORMAT_VERSION });
     }
-    serde_json::from_str(text).map_err(|err| Error::Malformed { reason: err.to_string() })
+    let program: Program = serde_json::from_str(text).map_err(|err| Error::Malformed { reason: err.to_string() })?;
+    validate::validate(&program)?;
+    Ok(program)
 }

@@ -1,0 +1,123 @@
+//! Checks that a `Program` is internally consistent before a runtime trusts it: every buffer an
+//! instruction names exists, and every kernel's sizes agree with its operands' and result's sizes.
+//! Lowering produces consistent programs by construction; this guards programs read from files.
+
+use crate::error::{Error, Result};
+use crate::program::{BufferId, Instr, Kernel, Program};
+
+fn bad(index: usize, reason: String) -> Error {
+    Error::Inconsistent { instr: index, reason }
+}
+
+/// Checks `program`; the error names the instruction and what disagrees.
+pub fn validate(program: &Program) -> Result<()> {
+    let numel = |index: usize, buffer: BufferId| -> Result<u64> {
+        program.buffers.get(buffer.as_u32() as usize).map(|data| data.numel()).ok_or_else(|| {
+            bad(index, format!("{buffer} is not a buffer of this program ({} buffers)", program.buffers.len()))
+        })
+    };
+    for (index, instr) in program.instructions.iter().enumerate() {
+        let mut sizes = Vec::new();
+        for buffer in instr.inputs() {
+            sizes.push(numel(index, buffer)?);
+        }
+        let mut out_sizes = Vec::new();
+        for buffer in instr.outs() {
+            out_sizes.push(numel(index, buffer)?);
+        }
+        if let Instr::Free { buf } = instr {
+            numel(index, *buf)?;
+        }
+        let Instr::Kernel { kernel, .. } = instr else { continue };
+        let out = out_sizes.first().copied().unwrap_or(0);
+        let expect = |what: &str, got: u64, want: u64| -> Result<()> {
+            if got == want {
+                Ok(())
+            } else {
+                Err(bad(index, format!("{what} has {got} elements, the kernel's sizes need {want}")))
+            }
+        };
+        let operands = |count: usize| -> Result<()> {
+            if sizes.len() == count {
+                Ok(())
+            } else {
+                Err(bad(index, format!("the kernel takes {count} operands, the instruction gives {}", sizes.len())))
+            }
+        };
+        match kernel {
+            Kernel::Embedding { hidden, .. } => {
+                operands(2)?;
+                expect("the result", out, sizes[1] * hidden)?;
+                if *hidden == 0 || sizes[0] % hidden != 0 {
+                    return Err(bad(index, format!("the table's {} elements are not rows of {hidden}", sizes[0])));
+                }
+            }
+            Kernel::RmsNorm { hidden, .. } => {
+                operands(2)?;
+                expect("the weight", sizes[1], *hidden)?;
+                expect("the result", out, sizes[0])?;
+                if *hidden == 0 || sizes[0] % hidden != 0 {
+                    return Err(bad(index, format!("the input's {} elements are not rows of {hidden}", sizes[0])));
+                }
+            }
+            Kernel::MatMul { m, n, k } => {
+                operands(2)?;
+                expect("the activation", sizes[0], m * k)?;
+                expect("the weight", sizes[1], n * k)?;
+                expect("the result", out, m * n)?;
+            }
+            Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
+                operands(2)?;
+                expect("the input", sizes[0], batch * seq * heads * head_dim)?;
+                expect("the positions", sizes[1], *seq)?;
+                expect("the inverse frequencies", inv_freq.len() as u64, head_dim / 2)?;
+                expect("the result", out, sizes[0])?;
+            }
+            Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, .. } => {
+                operands(5)?;
+                expect("the queries", sizes[0], batch * sq * hq * head_dim)?;
+                expect("the keys", sizes[1], batch * sk * hkv * head_dim)?;
+                expect("the values", sizes[2], batch * sk * hkv * head_dim)?;
+                expect("the query positions", sizes[3], *sq)?;
+                expect("the key positions", sizes[4], *sk)?;
+                expect("the result", out, sizes[0])?;
+            }
+            Kernel::SiluMul => {
+                operands(2)?;
+                expect("up", sizes[1], sizes[0])?;
+                expect("the result", out, sizes[0])?;
+            }
+            Kernel::Add => {
+                operands(2)?;
+                if sizes[1] == 0 || sizes[0] % sizes[1] != 0 {
+                    return Err(bad(index, format!("a bias of {} elements does not tile {}", sizes[1], sizes[0])));
+                }
+                expect("the result", out, sizes[0])?;
+            }
+            Kernel::Slice { shape, region } => {
+                operands(1)?;
+                expect("the input", sizes[0], shape.iter().product())?;
+                if region.len() != shape.len()
+                    || region
+                        .iter()
+                        .zip(shape)
+                        .any(|(&(start, len), &size)| start.checked_add(len).is_none_or(|end| end > size))
+                {
+                    return Err(bad(index, format!("the region {region:?} does not fit the shape {shape:?}")));
+                }
+                expect("the result", out, region.iter().map(|&(_, len)| len).product())?;
+            }
+            Kernel::Permute { shape, dim, order } => {
+                operands(1)?;
+                expect("the input", sizes[0], shape.iter().product())?;
+                let len =
+                    shape.get(*dim).copied().ok_or_else(|| bad(index, format!("dim {dim} is outside {shape:?}")))?;
+                if order.len() as u64 != len || order.iter().any(|&source| source >= len) {
+                    return Err(bad(index, format!("the order does not permute dim {dim} of {shape:?}")));
+                }
+                expect("the result", out, sizes[0])?;
+            }
+        }
+    }
+    Ok(())
+}
