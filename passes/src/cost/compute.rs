@@ -14,7 +14,10 @@
 //! 2022, appendix B): `6·N` a token for the `N` matmul parameters plus `12·L·h_q·s` a token for
 //! attention (forward and backward, scores and values, without the causal halving), the same
 //! count as Megatron's `72·B·s·L·h²·(1 + s/(6h) + V/(12·h·L))` (Narayanan et al. 2021, eq. 3)
-//! for a GPT with f = 4h, without recompute.
+//! for a GPT with f = 4h, without recompute. For the causal decoders pleat compiles, the estimate
+//! halves the attention term, as Megatron-LM's current `num_floating_point_operations` does for
+//! causal self-attention: the compute model times causal attention at half the FLOPs, and counting
+//! the full term in MFU would let MFU pass 100% at long sequences.
 
 use pleat_ir::AxisName;
 
@@ -136,10 +139,12 @@ pub fn head_time(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &
 }
 
 /// Model FLOPs of one step over all replicas (PaLM, appendix B): per token `6·N + 12·L·h_q·s`
-/// for training, a third of it for a forward-only pass.
-pub fn model_flops_per_step(model: &ModelShape, workload: &Workload, global_tokens: f64) -> f64 {
+/// for training, a third of it for a forward-only pass; with `causal`, the attention term is halved
+/// (the keys after a query are never computed).
+pub fn model_flops_per_step(model: &ModelShape, workload: &Workload, global_tokens: f64, causal: bool) -> f64 {
+    let attention_share = if causal { 0.5 } else { 1.0 };
     let per_token = 6.0 * model.matmul_params() as f64
-        + 12.0 * model.layers as f64 * model.query_width() as f64 * workload.seq as f64;
+        + attention_share * 12.0 * model.layers as f64 * model.query_width() as f64 * workload.seq as f64;
     match workload.mode {
         Mode::Train => per_token * global_tokens,
         Mode::Infer => per_token * global_tokens / 3.0,
@@ -187,7 +192,7 @@ mod tests {
             dtype_bytes: 2,
         };
         let workload = Workload::training(seq as u64, 1);
-        let got = model_flops_per_step(&gpt, &workload, batch * seq);
+        let got = model_flops_per_step(&gpt, &workload, batch * seq, false);
         let megatron = 72.0 * batch * seq * layers * h * h * (1.0 + seq / (6.0 * h) + vocab / (12.0 * h * layers));
         assert!((got - megatron).abs() < 1e-9 * megatron, "{got} vs {megatron}");
     }

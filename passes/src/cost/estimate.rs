@@ -182,7 +182,8 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
     let step_s = compute_s + comm_s + bubble_s;
     let tokens_per_step =
         (workload.tokens_per_micro_batch() * workload.micro_batches * layout.degree(AxisName::Dp)) as f64;
-    let model_flops = model_flops_per_step(model, workload, tokens_per_step);
+    // Every model pleat builds is a causal decoder.
+    let model_flops = model_flops_per_step(model, workload, tokens_per_step, true);
     let mut warnings = Vec::new();
     if peak.peak_bytes > hw.memory_bytes as f64 {
         warnings.push(format!(
