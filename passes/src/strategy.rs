@@ -8,6 +8,10 @@
 //!   projections are replicated and each rank's attention reads the kv heads of its query heads
 //!   (Megatron keeps only the kv group a rank needs; pleat keeps all kv heads, which costs
 //!   `2·(kv_heads - kv_heads/tp)·head_dim·hidden` more weights a rank and no communication).
+//!   Sequence parallelism (`PassCtx::sequence_parallel`) seeds nothing more: propagation chooses
+//!   reduce-scatters and all-gathers on seq instead of all-reduces.
+//! - `tsp`, tensor-and-sequence parallelism: weights split exactly as for `tp` (kv heads must
+//!   divide); the token split and the layer structure come from the `fold-tsp` pass.
 //! - `dp`, data parallelism: the batch is split; weights are replicated.
 
 use pleat_ir::spec::valid_degrees;
