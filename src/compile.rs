@@ -55,26 +55,55 @@ impl Strategy {
     }
 }
 
-/// Arguments of `pleat compile`.
+/// What to compile: a model, the mesh and how to use it, and the input size. Shared by the
+/// commands that compile before they work (`compile`, `explain`, `trace`).
 #[derive(Args)]
-pub struct CompileArgs {
+pub struct ModelOnMesh {
     /// A preset name, a config.json, or a model directory.
     pub model: String,
-    /// The device mesh, e.g. `tp=4` or `dp=2,tp=2`.
+    /// The device mesh, e.g. `tp=4`, `tsp=2` or `dp=2,tp=2`.
     #[arg(long, default_value = "")]
     pub mesh: String,
-    /// The directory to write.
-    #[arg(long)]
-    pub out: PathBuf,
+    /// How to use the mesh's axes.
+    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
+    pub strategy: Strategy,
     /// Sequence length.
     #[arg(long, default_value_t = 64)]
     pub seq: u64,
     /// Sequences a batch.
     #[arg(long, default_value_t = 8)]
     pub batch: u64,
-    /// How to use the mesh's axes.
-    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
-    pub strategy: Strategy,
+}
+
+impl ModelOnMesh {
+    /// The model's configuration; `command` names who refuses a compiled directory.
+    pub fn config(&self, command: &str) -> Result<ModelConfig> {
+        match resolve(&self.model)? {
+            ModelSource::Config { config, .. } => Ok(config),
+            ModelSource::Compiled(_) => {
+                anyhow::bail!(
+                    "{} is a compiled directory; {command} takes a preset, a config.json or a model directory",
+                    self.model
+                )
+            }
+        }
+    }
+
+    /// Compiles `config` as these arguments say.
+    pub fn compile(&self, config: &ModelConfig, dump: Dump) -> Result<Compiled> {
+        compile_model(config, self.batch, self.seq, &Mesh::parse(&self.mesh)?, self.strategy, dump)
+    }
+}
+
+/// Arguments of `pleat compile`.
+#[derive(Args)]
+pub struct CompileArgs {
+    /// The model, mesh, strategy and input size.
+    #[command(flatten)]
+    pub target: ModelOnMesh,
+    /// The directory to write.
+    #[arg(long)]
+    pub out: PathBuf,
     /// Print the IR after this pass (repeatable): fold-tsp, propagate-specs.
     #[arg(long)]
     pub dump_after: Vec<String>,
@@ -131,16 +160,15 @@ pub fn compile_model(
 
 /// Runs `pleat compile`.
 pub fn compile(args: &CompileArgs) -> Result<()> {
-    let ModelSource::Config { config, .. } = resolve(&args.model)? else {
-        anyhow::bail!("{} is already a compiled directory; give a preset or a config.json", args.model);
-    };
-    let mesh = Mesh::parse(&args.mesh)?;
+    let target = &args.target;
+    let config = target.config("compile")?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
-    let compiled = compile_model(&config, args.batch, args.seq, &mesh, args.strategy, dump)?;
+    let compiled = target.compile(&config, dump)?;
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
-    write_compiled(&args.out, &config, &compiled, args.batch, args.seq, args.strategy.name())?;
+    write_compiled(&args.out, &config, &compiled, target.batch, target.seq, target.strategy.name())?;
+    let mesh = &compiled.sharded.mesh;
     println!(
         "compiled {} for {} into {}: {} rank programs",
         config.name,

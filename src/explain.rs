@@ -4,13 +4,11 @@ use std::fmt::Write;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pleat_ir::Mesh;
 use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
 use pleat_passes::Dump;
 use serde_json::json;
 
-use crate::compile::{compile_model, Strategy};
-use crate::model_arg::{resolve, ModelSource};
+use crate::compile::ModelOnMesh;
 use crate::run::human_bytes;
 
 /// Output formats of `explain`.
@@ -25,20 +23,9 @@ pub enum ExplainFormat {
 /// Arguments of `pleat explain`.
 #[derive(Args)]
 pub struct ExplainArgs {
-    /// A preset name, a config.json, or a model directory.
-    pub model: String,
-    /// The device mesh, e.g. `tp=4`.
-    #[arg(long, default_value = "")]
-    pub mesh: String,
-    /// How to use the mesh's axes.
-    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
-    pub strategy: Strategy,
-    /// Sequence length.
-    #[arg(long, default_value_t = 64)]
-    pub seq: u64,
-    /// Sequences a batch.
-    #[arg(long, default_value_t = 8)]
-    pub batch: u64,
+    /// The model, mesh, strategy and input size.
+    #[command(flatten)]
+    pub target: ModelOnMesh,
     /// The layer to show (layers are identical).
     #[arg(long, default_value_t = 0)]
     pub layer: u64,
@@ -65,14 +52,12 @@ fn collective_json(reason: &CollectiveReason) -> serde_json::Value {
 
 /// Runs `pleat explain`.
 pub fn explain(args: &ExplainArgs) -> Result<()> {
-    let ModelSource::Config { config, .. } = resolve(&args.model)? else {
-        bail!("{} is a compiled directory; explain takes a preset or a config.json", args.model);
-    };
+    let target = &args.target;
+    let config = target.config("explain")?;
     if args.layer >= config.num_layers {
         bail!("--layer {} does not exist; {} has layers 0..{}", args.layer, config.name, config.num_layers);
     }
-    let mesh = Mesh::parse(&args.mesh)?;
-    let compiled = compile_model(&config, args.batch, args.seq, &mesh, args.strategy, Dump::Nothing)?;
+    let compiled = target.compile(&config, Dump::Nothing)?;
     let module = &compiled.sharded;
     let prefix = format!("layer{}.", args.layer);
     let all = explain_collectives(module);
@@ -114,8 +99,8 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                 "{} on {} (batch {}, seq {}): {} collectives a forward pass; layer {} and the model's ends shown",
                 config.name,
                 if module.mesh.axes().is_empty() { "one rank".to_string() } else { module.mesh.to_string() },
-                args.batch,
-                args.seq,
+                target.batch,
+                target.seq,
                 all.len(),
                 args.layer
             );

@@ -12,33 +12,22 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pleat_backend::Program;
-use pleat_ir::Mesh;
 use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
 use pleat_runtime::RankOutcome;
 use serde_json::{json, Value};
 
-use crate::compile::{compile_model, read_compiled, Strategy};
+use crate::compile::{read_compiled, ModelOnMesh};
 use crate::model_arg::{resolve, ModelSource};
 use crate::predict::{describe, predict, Stream, Work};
 
 /// Arguments of `pleat trace`.
 #[derive(Args)]
 pub struct TraceArgs {
-    /// A preset name, a config.json, a model directory, or a compiled directory.
-    pub model: String,
-    /// The device mesh, e.g. `tp=4` or `tsp=2` (ignored for a compiled directory).
-    #[arg(long, default_value = "")]
-    pub mesh: String,
-    /// How to use the mesh's axes.
-    #[arg(long, value_enum, default_value_t = Strategy::Auto)]
-    pub strategy: Strategy,
-    /// Sequence length.
-    #[arg(long, default_value_t = 64)]
-    pub seq: u64,
-    /// Sequences a batch.
-    #[arg(long, default_value_t = 8)]
-    pub batch: u64,
+    /// The model, mesh, strategy and input size (MODEL may also be a compiled directory, whose
+    /// own mesh and sizes then apply).
+    #[command(flatten)]
+    pub target: ModelOnMesh,
     /// Built-in hardware the prediction is for: h100-sxm, h200, a100-80gb, mi300x, cpu.
     #[arg(long, default_value = "h100-sxm")]
     pub hw: String,
@@ -154,12 +143,9 @@ pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome
 /// Runs `pleat trace`.
 pub fn trace(args: &TraceArgs) -> Result<()> {
     let hw = HardwareSpec::builtin(&args.hw)?;
-    let programs = match resolve(&args.model)? {
+    let programs = match resolve(&args.target.model)? {
         ModelSource::Compiled(dir) => read_compiled(&dir)?.2,
-        ModelSource::Config { config, .. } => {
-            let mesh = Mesh::parse(&args.mesh)?;
-            compile_model(&config, args.batch, args.seq, &mesh, args.strategy, Dump::Nothing)?.programs
-        }
+        ModelSource::Config { config, .. } => args.target.compile(&config, Dump::Nothing)?.programs,
     };
     let slices = predicted_slices(&programs, &hw)?;
     write_trace(&args.out, &chrome_trace(&slices, programs.len() as u32))?;
