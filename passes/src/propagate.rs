@@ -5,10 +5,12 @@
 //! rejects an operand because it is a pending sum (`Partial`), an all-reduce over those axes is
 //! inserted right after the operand's definition and every later use reads the sum: this is where
 //! Megatron's two all-reduces a layer come from (after the row-parallel o and down projections) and
-//! the vocab-parallel embedding's. Graph outputs are made replicated at the end: pending sums are
-//! all-reduced and split dims all-gathered (the vocab-parallel LM head's logits). Cost-driven choices
-//! between collectives (reduce-scatter, moving weights instead of activations) belong to the
-//! rewriting pass; this one makes the plain, always-correct choice.
+//! the vocab-parallel embedding's. Under sequence parallelism the sum is reduce-scattered onto seq
+//! instead, and an activation split on an axis its weight also splits is all-gathered first
+//! (Korthikanti's gather before the column-parallel projections). Graph outputs are made
+//! replicated at the end: pending sums are all-reduced and split dims all-gathered (the
+//! vocab-parallel LM head's logits). These are fixed, always-correct choices; choosing between
+//! collectives by cost is the job of a rewriting pass that does not exist yet.
 
 use pleat_ir::{AxisName, DimName, Graph, Module, NodeId, Op, Shape, ShardSpec, ValueId};
 
