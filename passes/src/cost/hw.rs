@@ -207,17 +207,18 @@ fn mi300x() -> HardwareSpec {
     }
 }
 
-/// This build's CPU runtime with ranks as threads: a stand-in until `pleat bench --calibrate`
-/// measures it. Figures of a 2-core AVX-512 cloud VM: 2 cores x 2 FMA units x 16 f32 lanes x 2
-/// FLOP x 3 GHz = 384 GFLOP/s f32 peak (the runtime computes bf16 in f32, so the same), about
-/// 20 GB/s of DRAM bandwidth, 16 GiB; "links" are shared-memory copies between threads at about
-/// 5 GB/s with microseconds of channel latency.
+/// This build's CPU runtime with ranks as threads, nominal until a calibration command measures
+/// it. Figures of the 2-core x86-64 VMs pleat is developed on, which report AVX2 and FMA but not
+/// AVX-512: 2 cores x 2 FMA units x 8 f32 lanes x 2 FLOP x 3 GHz = 192 GFLOP/s f32 peak (the
+/// runtime computes bf16 in f32, so the same; gemm's AVX-512 kernels would double it where the CPU
+/// has them), about 20 GB/s of DRAM bandwidth, 16 GiB; "links" are shared-memory copies between
+/// threads at about 5 GB/s with microseconds of channel latency.
 fn cpu() -> HardwareSpec {
     HardwareSpec {
         name: "cpu".into(),
         memory_bytes: 16 << 30,
-        peak_bf16_flops: 384e9,
-        peak_f32_flops: 384e9,
+        peak_bf16_flops: 192e9,
+        peak_f32_flops: 192e9,
         hbm_bytes_per_s: 20.0 * GB,
         intra_node: LinkSpec { bandwidth_bytes_per_s: 5.0 * GB, latency_s: 5e-6 },
         inter_node: LinkSpec { bandwidth_bytes_per_s: 5.0 * GB, latency_s: 5e-6 },
