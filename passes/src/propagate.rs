@@ -12,7 +12,7 @@
 //! vocab-parallel LM head's logits). These are fixed, always-correct choices; choosing between
 //! collectives by cost is the job of a rewriting pass that does not exist yet.
 
-use pleat_ir::{AxisName, DimName, Graph, Module, NodeId, Op, Shape, ShardSpec, ValueId};
+use pleat_ir::{AxisName, DimName, Graph, Module, Op, Shape, ShardSpec, ValueId};
 
 use crate::error::{Error, Result};
 use crate::manager::{Pass, PassCtx};
@@ -62,7 +62,7 @@ pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
                             )?;
                         }
                         _ => {
-                            all_reduce_after_def(graph, input, &axes);
+                            all_reduce_after_def(graph, input, &axes)?;
                         }
                     }
                     // The inserted nodes sit before this one; the cursor must still point past it.
@@ -89,7 +89,7 @@ pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         }
     }
     for output in graph.outputs().to_vec() {
-        replicate_output(graph, output);
+        replicate_output(graph, output)?;
     }
     Ok(())
 }
@@ -137,42 +137,26 @@ fn collective_after_def(graph: &mut Graph, value: ValueId, op: Op, suffix: &str)
     Ok(result)
 }
 
-/// Inserts `all_reduce` over each of `axes` after `value`'s definition, and points its later users at
-/// the sum. Returns the summed value.
-fn all_reduce_after_def(graph: &mut Graph, value: ValueId, axes: &[AxisName]) -> ValueId {
+/// Inserts `all_reduce` over each of `axes` after `value`'s definition, and points its later users
+/// at the sum. Returns the summed value.
+fn all_reduce_after_def(graph: &mut Graph, value: ValueId, axes: &[AxisName]) -> Result<ValueId> {
     let mut current = value;
     for &axis in axes {
-        let def = graph.value(current).def;
-        let ty = graph.value(current).ty.clone();
-        let mut spec = graph.value(current).spec.clone();
-        spec.partial.retain(|&partial| partial != axis);
-        let name = format!("{}.all_reduce", graph.node(graph.value(value).def).name);
-        let summed = graph.insert_after(def, Op::AllReduce { axis }, &[current], ty, spec, &name);
-        let summing_node: NodeId = graph.value(summed).def;
-        graph.replace_uses(current, summed, summing_node);
-        current = summed;
+        current = collective_after_def(graph, current, Op::AllReduce { axis }, "all_reduce")?;
     }
-    current
+    Ok(current)
 }
 
 /// Makes graph output `value` replicated: sums pending sums, then gathers split dims innermost
 /// axis first.
-fn replicate_output(graph: &mut Graph, value: ValueId) {
+fn replicate_output(graph: &mut Graph, value: ValueId) -> Result<()> {
     let partial = graph.value(value).spec.partial.clone();
-    let mut current = all_reduce_after_def(graph, value, &partial);
+    let mut current = all_reduce_after_def(graph, value, &partial)?;
     loop {
-        let spec = graph.value(current).spec.clone();
-        let Some(dim_index) = spec.dims.iter().rposition(|axes| !axes.is_empty()) else { break };
+        let spec = &graph.value(current).spec;
+        let Some(dim_index) = spec.dims.iter().rposition(|axes| !axes.is_empty()) else { return Ok(()) };
         let axis = *spec.dims[dim_index].last().expect("a split dim has an axis");
         let dim = graph.value(current).ty.shape.dims()[dim_index].name;
-        let mut gathered = spec;
-        gathered.dims[dim_index].pop();
-        let def = graph.value(current).def;
-        let ty = graph.value(current).ty.clone();
-        let name = format!("{}.all_gather_{}", graph.node(def).name, axis);
-        let next = graph.insert_after(def, Op::AllGather { axis, dim }, &[current], ty, gathered, &name);
-        let gathering_node = graph.value(next).def;
-        graph.replace_uses(current, next, gathering_node);
-        current = next;
+        current = collective_after_def(graph, current, Op::AllGather { axis, dim }, &format!("all_gather_{axis}"))?;
     }
 }
