@@ -7,7 +7,6 @@ use pleat_ir::AxisName;
 use pleat_passes::cost::activation::layer_activations;
 use pleat_passes::cost::megatron::{korthikanti_layer, theoretical_memory, MegatronArgs, Table2Row};
 use pleat_passes::cost::memory::memory_per_stage;
-use pleat_passes::cost::model::Norm;
 use pleat_passes::cost::{estimate, HardwareSpec, Layout, ModelShape, Recompute, Workload};
 
 /// Asserts two byte counts agree to the byte.
@@ -43,22 +42,7 @@ fn gpt3_args() -> MegatronArgs {
 }
 
 fn gpt3_shape() -> ModelShape {
-    ModelShape {
-        name: "gpt3-175b".into(),
-        vocab: 51200,
-        hidden: 12288,
-        layers: 96,
-        heads: 96,
-        kv_heads: 96,
-        head_dim: 128,
-        ffn: 49152,
-        gated_mlp: false,
-        norm: Norm::LayerNorm,
-        dropout: true,
-        qkv_bias: false,
-        tied_embeddings: true,
-        dtype_bytes: 2,
-    }
+    ModelShape::gpt("gpt3-175b", 51200, 12288, 96, 96)
 }
 
 #[test]

@@ -132,22 +132,7 @@ mod tests {
 
     /// A GPT layer as Korthikanti counts it: MHA, f = 4h, LayerNorm, dropout, 16-bit.
     fn gpt(hidden: u64, heads: u64) -> ModelShape {
-        ModelShape {
-            name: "gpt".into(),
-            vocab: 51200,
-            hidden,
-            layers: 1,
-            heads,
-            kv_heads: heads,
-            head_dim: hidden / heads,
-            ffn: 4 * hidden,
-            gated_mlp: false,
-            norm: Norm::LayerNorm,
-            dropout: true,
-            qkv_bias: false,
-            tied_embeddings: true,
-            dtype_bytes: 2,
-        }
+        ModelShape::gpt("gpt", 51200, hidden, 1, heads)
     }
 
     fn materialized(seq: u64, batch: u64) -> Workload {

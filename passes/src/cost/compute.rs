@@ -159,7 +159,6 @@ pub fn mfu(model_flops: f64, step_s: f64, ranks: u64, hw: &HardwareSpec, dtype_b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::model::Norm;
     use pleat_ir::model::preset::preset;
 
     #[test]
@@ -175,22 +174,7 @@ mod tests {
     fn model_flops_equal_megatrons_formula_for_gpt() {
         // GPT-3 175B (Narayanan et al. 2021): 72·B·s·L·h²·(1 + s/(6h) + V/(12·h·L)).
         let (h, layers, seq, vocab, batch) = (12288.0, 96.0, 2048.0, 51200.0, 1536.0);
-        let gpt = ModelShape {
-            name: "gpt3".into(),
-            vocab: vocab as u64,
-            hidden: h as u64,
-            layers: layers as u64,
-            heads: 96,
-            kv_heads: 96,
-            head_dim: 128,
-            ffn: 4 * h as u64,
-            gated_mlp: false,
-            norm: Norm::LayerNorm,
-            dropout: true,
-            qkv_bias: false,
-            tied_embeddings: true,
-            dtype_bytes: 2,
-        };
+        let gpt = ModelShape::gpt("gpt3", vocab as u64, h as u64, layers as u64, 96);
         let workload = Workload::training(seq as u64, 1);
         let got = model_flops_per_step(&gpt, &workload, batch * seq, false);
         let megatron = 72.0 * batch * seq * layers * h * h * (1.0 + seq / (6.0 * h) + vocab / (12.0 * h * layers));

@@ -60,6 +60,27 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
+    /// A GPT as Megatron and Korthikanti et al. count it: multi-head attention, a plain MLP of width
+    /// 4h, LayerNorm, dropout, tied embeddings, 16-bit.
+    pub fn gpt(name: &str, vocab: u64, hidden: u64, layers: u64, heads: u64) -> ModelShape {
+        ModelShape {
+            name: name.into(),
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads: heads,
+            head_dim: hidden / heads,
+            ffn: 4 * hidden,
+            gated_mlp: false,
+            norm: Norm::LayerNorm,
+            dropout: true,
+            qkv_bias: false,
+            tied_embeddings: true,
+            dtype_bytes: 2,
+        }
+    }
+
     /// The shape of a Llama-family config: gated MLP, RMSNorm, no dropout.
     pub fn from_config(config: &ModelConfig) -> ModelShape {
         ModelShape {
