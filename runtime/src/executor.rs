@@ -142,17 +142,18 @@ impl Machine<'_> {
     }
 }
 
-fn block_of(global: &[u32], shape: &[u64], region: &[(u64, u64)]) -> Vec<u32> {
-    match (shape, region) {
-        ([_], [(start, len)]) => global[*start as usize..(start + len) as usize].to_vec(),
-        ([_, cols], [(row_start, rows), (col_start, len)]) => (*row_start..row_start + rows)
-            .flat_map(|row| {
-                let base = (row * cols + col_start) as usize;
-                global[base..base + *len as usize].iter().copied()
-            })
-            .collect(),
-        _ => Vec::new(),
+/// The row-major indices, in a tensor of `shape`, of the elements of `region`, in order.
+fn region_indices(shape: &[u64], region: &[(u64, u64)]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
+    for dim in (0..shape.len().saturating_sub(1)).rev() {
+        strides[dim] = strides[dim + 1] * shape[dim + 1] as usize;
     }
+    let mut indices = vec![0usize];
+    for (&(start, len), &stride) in region.iter().zip(&strides) {
+        indices =
+            indices.iter().flat_map(|&base| (start..start + len).map(move |at| base + at as usize * stride)).collect();
+    }
+    indices
 }
 
 /// Runs `program` on this thread with `comm`; `gemm_threads` is the GEMM parallelism.
@@ -203,10 +204,15 @@ pub fn execute(
                 machine.store(*out, Storage::F32(data))?;
             }
             Instr::LoadTokens { out, region } => {
-                machine.store(*out, Storage::U32(block_of(inputs.tokens, &tokens_shape, region)))?;
+                let block = gather(inputs.tokens, &region_indices(&tokens_shape, region)).ok_or_else(|| {
+                    machine.program_error(format!("token block {region:?} lies outside {tokens_shape:?}"))
+                })?;
+                machine.store(*out, Storage::U32(block))?;
             }
             Instr::LoadPositions { out, region } => {
-                machine.store(*out, Storage::U32(block_of(inputs.positions, &[seq], region)))?;
+                let block = gather(inputs.positions, &region_indices(&[seq], region))
+                    .ok_or_else(|| machine.program_error(format!("position block {region:?} lies outside [{seq}]")))?;
+                machine.store(*out, Storage::U32(block))?;
             }
             Instr::Kernel {
                 kernel: kernel @ (Kernel::Slice { .. } | Kernel::Permute { .. }),
@@ -356,23 +362,7 @@ fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f
 fn source_indices(kernel: &Kernel) -> Vec<usize> {
     let to_usize = |values: &[u64]| values.iter().map(|&value| value as usize).collect::<Vec<_>>();
     match kernel {
-        Kernel::Slice { shape, region } => {
-            // Row-major strides of the input; walk the region's multi-indices in order.
-            let shape = to_usize(shape);
-            let mut strides = vec![1usize; shape.len()];
-            for dim in (0..shape.len().saturating_sub(1)).rev() {
-                strides[dim] = strides[dim + 1] * shape[dim + 1];
-            }
-            let mut sources = vec![0usize];
-            for (dim, &(start, len)) in region.iter().enumerate() {
-                let stride = strides[dim];
-                sources = sources
-                    .iter()
-                    .flat_map(|&base| (start..start + len).map(move |at| base + at as usize * stride))
-                    .collect();
-            }
-            sources
-        }
+        Kernel::Slice { shape, region } => region_indices(shape, region),
         Kernel::Permute { shape, dim, order } => {
             let shape = to_usize(shape);
             let outer: usize = shape[..*dim].iter().product();
