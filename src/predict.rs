@@ -116,6 +116,9 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
         Instr::AllGather { out, group, .. } => {
             transfer("all_gather", Collective::AllGather, name_of(&[*out]), bytes_of(&[*out]), group.ranks.clone())
         }
+        Instr::AllToAll { input, out, group, .. } => {
+            transfer("all_to_all", Collective::AllToAll, name_of(&[*out]), bytes_of(&[*input]), group.ranks.clone())
+        }
         Instr::Broadcast { outs, group, .. } => {
             transfer("broadcast", Collective::Broadcast, name_of(outs), bytes_of(outs), group.ranks.clone())
         }
@@ -217,6 +220,7 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                     Instr::AllReduce { group, .. }
                     | Instr::ReduceScatter { group, .. }
                     | Instr::AllGather { group, .. }
+                    | Instr::AllToAll { group, .. }
                     | Instr::Broadcast { group, .. } => {
                         let call = *state.group_calls.get(&group.ranks).unwrap_or(&0);
                         let members = arrivals.entry((group.ranks.clone(), call)).or_default();

@@ -205,12 +205,13 @@ pub fn max_abs_diff(left: &[f32], right: &[f32]) -> f32 {
     })
 }
 
-const KINDS: [(CollectiveKind, &str); 5] = [
+const KINDS: [(CollectiveKind, &str); 6] = [
     (CollectiveKind::AllReduce, "all_reduce"),
     (CollectiveKind::ReduceScatter, "reduce_scatter"),
     (CollectiveKind::AllGather, "all_gather"),
     (CollectiveKind::Broadcast, "broadcast"),
     (CollectiveKind::SendRecv, "send"),
+    (CollectiveKind::AllToAll, "all_to_all"),
 ];
 
 /// Bytes sent by kind, averaged over ranks.

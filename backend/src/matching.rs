@@ -11,16 +11,18 @@ use crate::program::{Instr, Program};
 
 fn describe(program: &Program, at: usize) -> String {
     let instr = &program.instructions[at];
-    let (kind, dim) = match instr {
-        Instr::AllReduce { .. } => ("all_reduce", None),
-        Instr::ReduceScatter { dim, .. } => ("reduce_scatter", Some(*dim)),
-        Instr::AllGather { dim, .. } => ("all_gather", Some(*dim)),
-        Instr::Broadcast { root, .. } => ("broadcast", Some(*root)),
-        _ => ("(not a collective)", None),
+    let (kind, dims) = match instr {
+        Instr::AllReduce { .. } => ("all_reduce", String::new()),
+        Instr::ReduceScatter { dim, .. } => ("reduce_scatter", format!(" on dim {dim}")),
+        Instr::AllGather { dim, .. } => ("all_gather", format!(" on dim {dim}")),
+        Instr::AllToAll { split_dim, gather_dim, .. } => {
+            ("all_to_all", format!(" from dim {gather_dim} to dim {split_dim}"))
+        }
+        Instr::Broadcast { root, .. } => ("broadcast", format!(" from root {root}")),
+        _ => ("(not a collective)", String::new()),
     };
     let elements: u64 = instr.inputs().iter().map(|&input| program.buffer(input).numel()).sum();
-    let dim = dim.map(|dim| format!(" on dim {dim}")).unwrap_or_default();
-    format!("{kind}{dim} of {elements} elements")
+    format!("{kind}{dims} of {elements} elements")
 }
 
 /// Checks that `programs` (one a rank, indexed by rank) run to completion with matching collectives

@@ -37,6 +37,8 @@ pub enum Staging {
     AllGather,
     /// A reduce-scatter's input split into chunks: the input's size.
     ReduceScatter,
+    /// An all-to-all's outgoing chunks and incoming chunks: twice the input's size.
+    AllToAll,
     /// A packed broadcast message (TSP's owner blocks): the outputs' total size.
     Broadcast,
     /// A packed point-to-point message being received (the TSP ring): the outputs' total size.
@@ -49,6 +51,7 @@ impl Staging {
         match self {
             Staging::AllGather => "all_gather staging",
             Staging::ReduceScatter => "reduce_scatter staging",
+            Staging::AllToAll => "all_to_all staging",
             Staging::Broadcast => "broadcast staging",
             Staging::Message => "received message",
         }
@@ -87,6 +90,7 @@ fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Option<(
     match instr {
         Instr::AllGather { out, .. } => Some((Staging::AllGather, element_bytes(program, *out, sizing))),
         Instr::ReduceScatter { input, .. } => Some((Staging::ReduceScatter, element_bytes(program, *input, sizing))),
+        Instr::AllToAll { input, .. } => Some((Staging::AllToAll, 2 * element_bytes(program, *input, sizing))),
         Instr::Broadcast { outs, .. } => {
             Some((Staging::Broadcast, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))
         }

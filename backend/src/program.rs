@@ -222,6 +222,21 @@ pub enum Instr {
         /// The dim index gathered.
         dim: usize,
     },
+    /// Re-splits a tensor over `group`: the input is this rank's block of dim `gather_dim` (whole on
+    /// `split_dim`); the output is this rank's block of `split_dim` (whole on `gather_dim`). Block `j`
+    /// of `split_dim` goes to member `j`, so each rank sends (D-1)/D of its input.
+    AllToAll {
+        /// Operand.
+        input: BufferId,
+        /// Result.
+        out: BufferId,
+        /// The group.
+        group: Group,
+        /// The dim index the result is split on.
+        split_dim: usize,
+        /// The dim index the input is split on, whole in the result.
+        gather_dim: usize,
+    },
     /// Every member of `group` receives `root`'s buffers: on the root, `inputs[i]` is copied to
     /// `outs[i]`; elsewhere `inputs` only give the sizes. The buffers travel packed as one message.
     Broadcast {
@@ -286,7 +301,8 @@ impl Instr {
             | Instr::Kernel { out, .. }
             | Instr::AllReduce { out, .. }
             | Instr::ReduceScatter { out, .. }
-            | Instr::AllGather { out, .. } => Some(*out),
+            | Instr::AllGather { out, .. }
+            | Instr::AllToAll { out, .. } => Some(*out),
             Instr::Output { .. } | Instr::Free { .. } => None,
         }
     }
@@ -294,9 +310,10 @@ impl Instr {
     pub fn inputs(&self) -> Vec<BufferId> {
         match self {
             Instr::Kernel { inputs, .. } => inputs.clone(),
-            Instr::AllReduce { input, .. } | Instr::ReduceScatter { input, .. } | Instr::AllGather { input, .. } => {
-                vec![*input]
-            }
+            Instr::AllReduce { input, .. }
+            | Instr::ReduceScatter { input, .. }
+            | Instr::AllGather { input, .. }
+            | Instr::AllToAll { input, .. } => vec![*input],
             Instr::Output { buf, .. } => vec![*buf],
             Instr::Broadcast { inputs, .. } => inputs.clone(),
             Instr::Send { bufs, .. } => bufs.clone(),
@@ -312,6 +329,7 @@ impl Instr {
             Instr::AllReduce { group, .. }
             | Instr::ReduceScatter { group, .. }
             | Instr::AllGather { group, .. }
+            | Instr::AllToAll { group, .. }
             | Instr::Broadcast { group, .. } => Some(group),
             _ => None,
         }

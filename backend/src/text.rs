@@ -78,6 +78,10 @@ pub fn print_program(program: &Program) -> String {
             Instr::AllGather { input, out, group, dim } => {
                 format!("{out} = all_gather({input}) dim={dim} {}{:?}", group.axis, group.ranks)
             }
+            Instr::AllToAll { input, out, group, split_dim, gather_dim } => format!(
+                "{out} = all_to_all({input}) split_dim={split_dim} gather_dim={gather_dim} {}{:?}",
+                group.axis, group.ranks
+            ),
             Instr::Output { buf, index, region, .. } => format!("output {index} = {buf} {}", region_text(region)),
             Instr::Free { buf } => format!("free {buf}"),
             Instr::Broadcast { inputs, outs, group, root } => {

@@ -28,6 +28,7 @@ pub fn validate(program: &Program) -> Result<()> {
         if let Instr::Free { buf } = instr {
             numel(index, *buf)?;
         }
+        check_collective_shapes(program, index, instr)?;
         let Instr::Kernel { kernel, .. } = instr else { continue };
         let out = out_sizes.first().copied().unwrap_or(0);
         let expect = |what: &str, got: u64, want: u64| -> Result<()> {
@@ -118,6 +119,39 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the result", out, sizes[0])?;
             }
         }
+    }
+    Ok(())
+}
+
+/// The shapes a collective's input and output must have: the executor splits and joins blocks along
+/// the named dims, so a dim outside the shape or a block that does not divide would be a crash there.
+fn check_collective_shapes(program: &Program, index: usize, instr: &Instr) -> Result<()> {
+    let shape = |buffer: BufferId| program.buffer(buffer).shape.clone();
+    let (input, out, parts, split, join) = match instr {
+        Instr::ReduceScatter { input, out, group, dim } => (*input, *out, group.ranks.len() as u64, Some(*dim), None),
+        Instr::AllReduce { input, out, group } => (*input, *out, group.ranks.len() as u64, None, None),
+        Instr::AllGather { input, out, group, dim } => (*input, *out, group.ranks.len() as u64, None, Some(*dim)),
+        Instr::AllToAll { input, out, group, split_dim, gather_dim } => {
+            (*input, *out, group.ranks.len() as u64, Some(*split_dim), Some(*gather_dim))
+        }
+        _ => return Ok(()),
+    };
+    let (input_shape, out_shape) = (shape(input), shape(out));
+    let mut expected = input_shape.clone();
+    for (dim, grow) in split.map(|dim| (dim, false)).into_iter().chain(join.map(|dim| (dim, true))) {
+        let Some(size) = expected.get_mut(dim) else {
+            return Err(bad(index, format!("dim {dim} is outside the input's shape {input_shape:?}")));
+        };
+        if grow {
+            *size *= parts;
+        } else if parts == 0 || *size % parts != 0 {
+            return Err(bad(index, format!("dim {dim} of {input_shape:?} does not split into {parts} blocks")));
+        } else {
+            *size /= parts;
+        }
+    }
+    if out_shape != expected {
+        return Err(bad(index, format!("the result has shape {out_shape:?} where {expected:?} is needed")));
     }
     Ok(())
 }

@@ -273,6 +273,19 @@ pub fn execute(
                 let data = kernels::join_dim_chunks(&chunks, &local_shape(program, *out), *dim, parts);
                 machine.store(*out, Storage::F32(data))?;
             }
+            Instr::AllToAll { input, out, group, split_dim, gather_dim } => {
+                let parts = group.ranks.len();
+                let chunks =
+                    kernels::split_dim_chunks(machine.f32(*input)?, &local_shape(program, *input), *split_dim, parts);
+                let mut received = vec![0.0; chunks.len()];
+                // Outgoing and incoming chunks are both alive during the exchange.
+                machine.transient(2 * 4 * chunks.len() as u64);
+                comm.all_to_all(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut received).map_err(
+                    |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
+                )?;
+                let data = kernels::join_dim_chunks(&received, &local_shape(program, *out), *gather_dim, parts);
+                machine.store(*out, Storage::F32(data))?;
+            }
             Instr::Output { buf, index: output, shape, region } => {
                 outputs.push(OutputBlock {
                     index: *output,
