@@ -131,6 +131,9 @@ pub struct PlanFile {
     pub seq: u64,
     /// `program format` of the rank files.
     pub program_format_version: u32,
+    /// The plan's fingerprint: the sharded module's text and every rank's program (`Compiled::hash`).
+    #[serde(default)]
+    pub plan_hash: String,
 }
 
 /// A sharded module and its programs.
@@ -138,6 +141,19 @@ pub struct Compiled {
     pub sharded: Module,
     pub programs: Vec<Program>,
     pub report: PipelineReport,
+}
+
+impl Compiled {
+    /// The plan's fingerprint: FNV-1a over the sharded module's text and every rank's serialized
+    /// program, the files `pleat compile` writes. Equal plans, byte for byte, have equal hashes.
+    pub fn hash(&self) -> String {
+        let mut fingerprint = crate::fingerprint::Fingerprint::new();
+        fingerprint.part(pleat_ir::text::print_module(&self.sharded).as_bytes());
+        for program in &self.programs {
+            fingerprint.part(pleat_backend::to_json(program).as_bytes());
+        }
+        fingerprint.hex()
+    }
 }
 
 /// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs.
@@ -170,11 +186,12 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     write_compiled(&args.out, &config, &compiled, target.batch, target.seq, target.strategy.name())?;
     let mesh = &compiled.sharded.mesh;
     println!(
-        "compiled {} for {} into {}: {} rank programs",
+        "compiled {} for {} into {}: {} rank programs, plan hash {}",
         config.name,
         if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() },
         args.out.display(),
-        compiled.programs.len()
+        compiled.programs.len(),
+        compiled.hash()
     );
     Ok(())
 }
@@ -206,6 +223,7 @@ fn write_compiled(
         batch,
         seq,
         program_format_version: pleat_backend::FORMAT_VERSION,
+        plan_hash: compiled.hash(),
     };
     std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
     std::fs::write(staging.join("config.json"), config.to_hf_json())?;

@@ -8,6 +8,7 @@ mod compare;
 mod compile;
 mod demo;
 mod explain;
+mod fingerprint;
 mod inputs;
 mod model_arg;
 mod plan;

@@ -157,9 +157,19 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         bail!("--virtual-stages {} needs a pp axis in the mesh; add pp=2 or more", args.common.virtual_stages);
     }
     let result = estimate(&model, &layout, &args.common.workload(args.seq), &hw)?;
+    let mut report = serde_json::to_value(&result)?;
+    // The estimate is a pure function of the model, mesh, workload and hardware: its fingerprint
+    // shows that the same inputs give the same plan.
+    let hash = crate::fingerprint::Fingerprint::new().part(serde_json::to_string(&report)?.as_bytes()).hex();
     match args.format {
-        PlanFormat::Json => println!("{}", serde_json::to_string_pretty(&result)?),
-        PlanFormat::Table => print_table(&result),
+        PlanFormat::Json => {
+            report["plan_hash"] = serde_json::Value::String(hash);
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        }
+        PlanFormat::Table => {
+            print_table(&result);
+            println!("plan hash {hash}");
+        }
     }
     for warning in &result.warnings {
         eprintln!("warning: {warning}");

@@ -157,3 +157,54 @@ fn a_gqa_config_with_more_ranks_than_kv_heads_checks() {
         assert!(report["max_abs_err"].as_f64().expect("checked") < 1e-4, "{mesh}");
     }
 }
+
+fn plan_hash_of(stdout: &str) -> String {
+    let hash = stdout.rsplit("plan hash ").next().expect("a plan hash").trim().to_string();
+    assert!(hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()), "{stdout}");
+    hash
+}
+
+#[test]
+fn plans_are_deterministic_byte_for_byte_and_hashed() {
+    let dir = tempdir("determinism");
+    let compile = |mesh: &str, name: &str| {
+        let out = dir.join(name);
+        let stdout = stdout_of(&[
+            "compile",
+            "tiny",
+            "--mesh",
+            mesh,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--out",
+            out.to_str().expect("utf-8"),
+        ]);
+        (out, plan_hash_of(&stdout))
+    };
+    let (first, first_hash) = compile("dp=2,tsp=2", "first");
+    let (second, second_hash) = compile("dp=2,tsp=2", "second");
+    assert_eq!(first_hash, second_hash);
+    let mut files: Vec<_> =
+        std::fs::read_dir(&first).expect("listing").map(|entry| entry.expect("entry").path()).collect();
+    files.sort();
+    assert_eq!(files.len(), 3 + 2 * 4, "plan, config, module and two files a rank");
+    for file in files {
+        let name = file.file_name().expect("a name");
+        let twin = second.join(name);
+        assert_eq!(std::fs::read(&file).expect("reads"), std::fs::read(&twin).expect("reads"), "{name:?} differs");
+    }
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(first.join("plan.json")).expect("plan.json")).expect("json");
+    assert_eq!(plan["plan_hash"], first_hash.as_str());
+    let (_, other_hash) = compile("tp=2,dp=2", "other");
+    assert_ne!(other_hash, first_hash, "another mesh is another plan");
+
+    let plan_args = ["plan", "llama3-8b", "--mesh", "tp=8", "--seq", "8192", "--format", "json"];
+    let (one, two) = (json_of(&plan_args), json_of(&plan_args));
+    assert_eq!(one, two);
+    assert_eq!(one["plan_hash"].as_str().expect("a hash").len(), 16);
+    let table = stdout_of(&["plan", "llama3-8b", "--mesh", "tp=8", "--seq", "8192"]);
+    assert_eq!(plan_hash_of(&table), one["plan_hash"].as_str().expect("a hash"));
+}
