@@ -8,7 +8,7 @@ use pleat_runtime::weights::SeededWeights;
 
 use crate::compile::{compile_model, Strategy};
 use crate::inputs::random_tokens;
-use crate::run::{comm_bytes_mean, human_bytes, max_abs_diff, reference_logits, run_programs, F32_TOL};
+use crate::run::{comm_bytes_mean, human_bytes, link_options, max_abs_diff, reference_logits, run_programs, F32_TOL};
 
 /// Runs the demo and prints its summary.
 pub fn demo() -> Result<()> {
@@ -37,7 +37,7 @@ pub fn demo() -> Result<()> {
     );
     let tokens = random_tokens(batch, seq, config.vocab_size, 0);
     let weights = SeededWeights::new(0);
-    let (_, logits, outcomes) = run_programs(&compiled.programs, &tokens, &weights, 120)?;
+    let (_, logits, outcomes) = run_programs(&compiled.programs, &tokens, &weights, &link_options(120, None))?;
     let peak = outcomes.iter().map(|outcome| outcome.peak_bytes).max().unwrap_or(0);
     let sent: Vec<String> = comm_bytes_mean(&outcomes)
         .into_iter()

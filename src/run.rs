@@ -11,9 +11,9 @@ use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::Mesh;
 use pleat_passes::Dump;
-use pleat_runtime::comm::CollectiveKind;
+use pleat_runtime::comm::{CollectiveKind, LinkSpec};
 use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
-use pleat_runtime::{assemble, run_on_threads, RankOutcome, RunInputs};
+use pleat_runtime::{assemble, run_on_threads_with, RankOutcome, RunInputs, ThreadRunOptions};
 use serde_json::json;
 
 use crate::compile::{compile_model, read_compiled, Strategy};
@@ -72,6 +72,10 @@ pub struct RunArgs {
     /// Write the measured timeline of every rank as a Chrome/Perfetto trace to this JSON file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Deliver every message no faster than a link of GBPS gigabytes a second and US microseconds of
+    /// latency (e.g. `25,5`), so that communication costs time on one machine as on a network.
+    #[arg(long, value_name = "GBPS,US")]
+    pub emulate_link: Option<LinkSpec>,
 }
 
 /// What a run produced.
@@ -143,7 +147,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         None => random_tokens(batch, seq, config.vocab_size, args.seed),
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
-    let (logits_shape, logits, outcomes) = run_programs(&programs, &tokens, weights.as_ref(), args.timeout)?;
+    let (logits_shape, logits, outcomes) =
+        run_programs(&programs, &tokens, weights.as_ref(), &link_options(args.timeout, args.emulate_link))?;
     let max_abs_err = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
         Some(max_abs_diff(&logits, &reference))
@@ -160,16 +165,21 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, programs })
 }
 
+/// How ranks connect: a collective timeout of `timeout_s` seconds, over `link` if given.
+pub fn link_options(timeout_s: u64, link: Option<LinkSpec>) -> ThreadRunOptions {
+    ThreadRunOptions { timeout: Duration::from_secs(timeout_s), link }
+}
+
 /// Runs the programs on threads and assembles the logits.
 pub fn run_programs(
     programs: &[Program],
     tokens: &Tokens,
     weights: &dyn WeightSource,
-    timeout_s: u64,
+    options: &ThreadRunOptions,
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
     let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
-    let outcomes = run_on_threads(programs, &inputs, Duration::from_secs(timeout_s))?;
+    let outcomes = run_on_threads_with(programs, &inputs, options)?;
     let (shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
     Ok((shape, logits, outcomes))
 }
@@ -248,6 +258,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "param_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.param_bytes).collect::<Vec<_>>(),
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
                 "comm_bytes_per_rank": per_rank,
+                "emulated_link": args.emulate_link.map(|link| link.to_string()),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }

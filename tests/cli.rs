@@ -208,3 +208,29 @@ fn plans_are_deterministic_byte_for_byte_and_hashed() {
     let table = stdout_of(&["plan", "llama3-8b", "--mesh", "tp=8", "--seq", "8192"]);
     assert_eq!(plan_hash_of(&table), one["plan_hash"].as_str().expect("a hash"));
 }
+
+#[test]
+fn emulated_links_keep_the_numbers_and_bad_links_are_refused() {
+    let report = json_of(&[
+        "run",
+        "tiny",
+        "--mesh",
+        "tsp=2",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--emulate-link",
+        "2,20",
+        "--check",
+        "--format",
+        "json",
+    ]);
+    assert!(report["max_abs_err"].as_f64().expect("a number") < 1e-4);
+    assert_eq!(report["emulated_link"], "2 GB/s, 20 µs");
+    // A malformed flag value is a usage error (exit 2), reported by the argument parser.
+    let output = cli::pleat(&["run", "tiny", "--mesh", "tp=2", "--emulate-link", "fast"]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(message.contains("\"fast\" is not a link: two numbers are needed; write GBPS,US"), "{message}");
+}

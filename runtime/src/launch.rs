@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use pleat_backend::Program;
 
-use crate::comm::{Communicator, ThreadFabric};
+use crate::comm::{Communicator, LinkSpec, ThreadFabric};
 use crate::error::{Error, Result};
 use crate::executor::{execute, RankOutcome, RunInputs};
 
@@ -13,6 +13,24 @@ use crate::executor::{execute, RankOutcome, RunInputs};
 /// `timeout`. When a rank fails, the others are told and fail fast; the error returned is the first
 /// rank's own failure rather than its peers' reports of it.
 pub fn run_on_threads(programs: &[Program], inputs: &RunInputs, timeout: Duration) -> Result<Vec<RankOutcome>> {
+    run_on_threads_with(programs, inputs, &ThreadRunOptions { timeout, link: None })
+}
+
+/// How [`run_on_threads_with`] connects the ranks.
+#[derive(Clone, Copy, Debug)]
+pub struct ThreadRunOptions {
+    /// How long any collective wait may take.
+    pub timeout: Duration,
+    /// The link every message is delivered over (`--emulate-link`); `None`: memory speed.
+    pub link: Option<LinkSpec>,
+}
+
+/// As [`run_on_threads`], over the communicator `options` describe.
+pub fn run_on_threads_with(
+    programs: &[Program],
+    inputs: &RunInputs,
+    options: &ThreadRunOptions,
+) -> Result<Vec<RankOutcome>> {
     let world_size = programs.len() as u32;
     for (rank, program) in programs.iter().enumerate() {
         if program.rank != rank as u32 || program.world_size != world_size {
@@ -27,7 +45,7 @@ pub fn run_on_threads(programs: &[Program], inputs: &RunInputs, timeout: Duratio
     // Ranks already run in parallel; give GEMMs the cores only when there is one rank.
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let gemm_threads = if world_size == 1 { cores } else { 1 };
-    let comms = ThreadFabric::new(world_size, timeout);
+    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
     let results: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = programs
             .iter()

@@ -16,4 +16,4 @@ pub mod weights;
 
 pub use error::{Error, Result};
 pub use executor::{execute, OutputBlock, RankOutcome, RunInputs};
-pub use launch::{assemble, run_on_threads};
+pub use launch::{assemble, run_on_threads, run_on_threads_with, ThreadRunOptions};

@@ -19,6 +19,7 @@
 //! What this module is not: it knows nothing of meshes, shardings or programs; callers turn a mesh axis
 //! into the [`Group`] of global ranks it spans.
 
+pub mod link;
 pub mod ring;
 pub mod threads;
 
@@ -29,6 +30,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::time::Duration;
 
+pub use link::{LinkSpec, LinkSpecError};
 pub use threads::{ThreadComm, ThreadFabric};
 
 /// An ordered group of global ranks that a collective runs over (one mesh-axis group).

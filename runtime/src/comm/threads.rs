@@ -13,6 +13,9 @@
 //! root cause is reported rather than the ranks that failed because of it. A `ThreadComm` dropped
 //! normally is not a failure: its peers' waits on it time out.
 //!
+//! With a [`LinkSpec`] ([`ThreadFabric::with_link`]) every message is held back until the emulated
+//! link would have delivered it (see [`super::link`]), so communication costs time as on a network.
+//!
 //! The collectives are those of [`super::ring`], run over this fabric as their [`Transport`].
 
 use std::collections::{HashMap, VecDeque};
@@ -20,6 +23,7 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::link::{LinkClock, LinkSpec};
 use super::ring::{self, OpContext, Transport};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTag};
 
@@ -35,6 +39,12 @@ impl ThreadFabric {
         reason = "a fabric is only the set of its endpoints; there is no fabric value to return"
     )]
     pub fn new(world_size: u32, timeout: Duration) -> Vec<ThreadComm> {
+        Self::with_link(world_size, timeout, None)
+    }
+
+    /// As [`ThreadFabric::new`]; with `link`, every message arrives no sooner than that link would
+    /// carry it.
+    pub fn with_link(world_size: u32, timeout: Duration, link: Option<LinkSpec>) -> Vec<ThreadComm> {
         let n_ranks = world_size as usize;
         let shared = Arc::new(Shared {
             mailboxes: (0..n_ranks)
@@ -56,6 +66,8 @@ impl ThreadFabric {
                 sends_to: vec![0; n_ranks],
                 recvs_from: vec![0; n_ranks],
                 failed: None,
+                link,
+                link_clocks: vec![LinkClock::default(); n_ranks],
             })
             .collect()
     }
@@ -74,6 +86,10 @@ pub struct ThreadComm {
     recvs_from: Vec<u64>,
     /// Why this endpoint failed, once it has.
     failed: Option<String>,
+    /// The emulated link, if any.
+    link: Option<LinkSpec>,
+    /// Indexed by receiving rank: the clock of this rank's outgoing link to it.
+    link_clocks: Vec<LinkClock>,
 }
 
 /// What the endpoints of one fabric share.
@@ -97,6 +113,8 @@ struct Mailbox {
 struct Message {
     tag: MessageTag,
     data: Vec<f32>,
+    /// When an emulated link delivers it; `None`: at once.
+    arrives_at: Option<Instant>,
 }
 
 struct Failure {
@@ -216,6 +234,12 @@ impl ThreadComm {
             // A message already delivered is taken even if its sender failed since, so that a
             // mismatch is reported as such and not as the failure it caused.
             if let Some(message) = queues[peer as usize].pop_front() {
+                // Held on the emulated wire: the sender is done with it, so this wait is bounded by
+                // the link's own delay, not by the timeout.
+                if let Some(wait) = message.arrives_at.and_then(|at| at.checked_duration_since(Instant::now())) {
+                    drop(queues);
+                    std::thread::sleep(wait);
+                }
                 return Ok(message);
             }
             if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group) {
@@ -258,11 +282,13 @@ impl Transport for ThreadComm {
         if let Some((failed, reason)) = self.shared.failure_affecting(self.rank, peer, op.group) {
             return Err(CommError::PeerFailed { rank: self.rank, peer: failed, reason, op: op.describe() });
         }
-        let message = Message { tag: op.tag(data.len()), data: data.to_vec() };
+        let bytes = std::mem::size_of_val(data) as u64;
+        let arrives_at = self.link.map(|link| self.link_clocks[peer as usize].schedule(&link, Instant::now(), bytes));
+        let message = Message { tag: op.tag(data.len()), data: data.to_vec(), arrives_at };
         let mailbox = &self.shared.mailboxes[peer as usize];
         lock(&mailbox.queues)[self.rank as usize].push_back(message);
         mailbox.arrived.notify_all();
-        self.stats.add(op.kind, std::mem::size_of_val(data) as u64);
+        self.stats.add(op.kind, bytes);
         Ok(())
     }
 
@@ -370,6 +396,7 @@ impl fmt::Debug for ThreadComm {
             .field("timeout", &self.timeout)
             .field("stats", &self.stats)
             .field("failed", &self.failed)
+            .field("link", &self.link)
             .finish_non_exhaustive()
     }
 }
