@@ -4,6 +4,7 @@
 //! errors into messages (`anyhow` lives here only).
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
 
+mod bench;
 mod compare;
 mod compile;
 mod demo;
@@ -42,6 +43,8 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace.
     Trace(trace::TraceArgs),
+    /// Measure this machine (`calibrate`: a hardware spec for --hw-file).
+    Bench(bench::BenchArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
 }
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::plan(&args),
         Command::Compare(args) => compare::compare(&args),
         Command::Trace(args) => trace::trace(&args),
+        Command::Bench(args) => bench::bench(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -165,3 +165,24 @@ fn bad_input_gets_a_clear_error() {
     );
     assert_eq!(error_of(&["compare", "tiny", "--ranks", "0"]), "error: --ranks 0: give at least 1 rank\n");
 }
+
+#[test]
+fn calibrated_specs_drive_the_plan() {
+    let dir = std::env::temp_dir().join(format!("pleat-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("here.json");
+    let path = file.to_str().unwrap();
+    stdout_of(&["bench", "calibrate", "--quick", "--out", path]);
+    let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    // What was measured is the peak, reached at efficiency 1.
+    assert_eq!(spec["efficiency"]["matmul"], 1.0);
+    assert_eq!(spec["peak_f32_flops"], spec["peak_bf16_flops"]);
+    let plan = json_of(&["plan", "tiny", "--mesh", "tp=2", "--seq", "64", "--hw-file", path, "--format", "json"]);
+    assert_eq!(plan["hardware"], "cpu-calibrated");
+    assert_eq!(plan["memory"]["device_bytes"], spec["memory_bytes"].as_f64().unwrap());
+    // The measured rates, not the nominal `cpu` entry's, set the predicted times.
+    let nominal = json_of(&["plan", "tiny", "--mesh", "tp=2", "--seq", "64", "--hw", "cpu", "--format", "json"]);
+    assert!(plan["time"]["compute_s"].as_f64().unwrap() > 0.0);
+    assert_ne!(plan["time"]["compute_s"], nominal["time"]["compute_s"]);
+    std::fs::remove_dir_all(&dir).ok();
+}

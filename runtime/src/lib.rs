@@ -7,6 +7,7 @@
 //! only the `Program` format of `pleat-backend`; it knows nothing of passes or of the reference
 //! interpreter, which stays independent as the oracle.
 
+pub mod calibrate;
 pub mod comm;
 pub mod error;
 pub mod executor;

@@ -1,0 +1,141 @@
+//! Calibration: what this machine's ranks actually reach, measured with the runtime's own kernels
+//! and communicator, for the cost model to predict this machine instead of a datasheet.
+//!
+//! Every figure is per rank, and a rank is one thread (ranks run as threads, one GEMM thread each;
+//! see [`crate::launch`]): the f32 GEMM rate of `matmul_nt` on one thread, the streaming bandwidth of
+//! an elementwise add on one thread (bytes read and written), and the threads communicator's
+//! point-to-point bandwidth and latency between two ranks. Each figure is the best of several
+//! repeats, which is the usual way to measure a peak on a shared machine: noise only ever slows a
+//! run down.
+
+use std::time::{Duration, Instant};
+
+use crate::comm::{CommError, Communicator, ThreadFabric};
+use crate::kernels;
+
+/// How big and how often to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct CalibrationOptions {
+    /// The GEMM's m = n = k.
+    pub gemm_size: usize,
+    /// Elements of each operand of the streaming add.
+    pub stream_elements: usize,
+    /// Elements of the bandwidth message.
+    pub message_elements: usize,
+    /// Runs of each measurement; the fastest counts.
+    pub repeats: usize,
+}
+
+impl CalibrationOptions {
+    /// Sizes large enough that fixed costs vanish (a second or two on one core).
+    pub fn full() -> Self {
+        CalibrationOptions { gemm_size: 1024, stream_elements: 1 << 24, message_elements: 1 << 24, repeats: 5 }
+    }
+
+    /// Small sizes, for a smoke run: figures are lower bounds of the full ones.
+    pub fn quick() -> Self {
+        CalibrationOptions { gemm_size: 256, stream_elements: 1 << 20, message_elements: 1 << 20, repeats: 2 }
+    }
+}
+
+/// What one rank of this machine reaches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Calibration {
+    /// f32 GEMM FLOP/s on one thread.
+    pub gemm_flops_per_s: f64,
+    /// Bytes a second an elementwise kernel streams (two reads and a write an element).
+    pub stream_bytes_per_s: f64,
+    /// Bytes a second one rank sends to another over the threads communicator.
+    pub link_bytes_per_s: f64,
+    /// Seconds of a one-element message's one-way trip.
+    pub link_latency_s: f64,
+    /// Cores this machine offers (how many ranks can run at once).
+    pub cores: usize,
+}
+
+fn fastest(repeats: usize, mut run: impl FnMut() -> Result<Duration, CommError>) -> Result<Duration, CommError> {
+    let mut best = Duration::MAX;
+    for _ in 0..repeats.max(1) {
+        best = best.min(run()?);
+    }
+    // A clock too coarse for the work would divide by zero below.
+    Ok(best.max(Duration::from_nanos(1)))
+}
+
+/// Measures this machine. Errors only if the threads communicator fails.
+pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError> {
+    let size = options.gemm_size;
+    let a: Vec<f32> = (0..size * size).map(|i| (i % 7) as f32 * 0.25).collect();
+    let b: Vec<f32> = (0..size * size).map(|i| (i % 5) as f32 * 0.5).collect();
+    let mut c = vec![0.0f32; size * size];
+    let gemm = fastest(options.repeats, || {
+        let start = Instant::now();
+        kernels::matmul_nt(size, size, size, &a, &b, &mut c, false, 1);
+        Ok(start.elapsed())
+    })?;
+    let gemm_flops_per_s = 2.0 * (size as f64).powi(3) / gemm.as_secs_f64();
+
+    let x = vec![1.0f32; options.stream_elements];
+    let y = vec![2.0f32; options.stream_elements];
+    let mut sum = vec![0.0f32; options.stream_elements];
+    let stream = fastest(options.repeats, || {
+        let start = Instant::now();
+        kernels::add(&x, &y, &mut sum);
+        Ok(start.elapsed())
+    })?;
+    let stream_bytes_per_s = 3.0 * 4.0 * options.stream_elements as f64 / stream.as_secs_f64();
+
+    let message = vec![0.5f32; options.message_elements];
+    let bandwidth = fastest(options.repeats, || one_way(&message))?;
+    let link_bytes_per_s = 4.0 * options.message_elements as f64 / bandwidth.as_secs_f64();
+    let latency = fastest(options.repeats.max(10), || one_way(&[0.0]))?;
+
+    Ok(Calibration {
+        gemm_flops_per_s,
+        stream_bytes_per_s,
+        link_bytes_per_s,
+        link_latency_s: latency.as_secs_f64(),
+        cores: std::thread::available_parallelism().map_or(1, usize::from),
+    })
+}
+
+/// Half a round trip of `data` between two ranks (there and back, so that both clocks are one).
+fn one_way(data: &[f32]) -> Result<Duration, CommError> {
+    let mut comms = ThreadFabric::new(2, Duration::from_secs(60));
+    let mut echo = comms.pop().expect("two endpoints");
+    let mut origin = comms.pop().expect("two endpoints");
+    std::thread::scope(|scope| {
+        let echoer = scope.spawn(move || {
+            let mut buf = vec![0.0f32; data.len()];
+            echo.recv(0, &mut buf)?;
+            echo.send(0, &buf)
+        });
+        let mut back = vec![0.0f32; data.len()];
+        let start = Instant::now();
+        origin.send(1, data)?;
+        origin.recv(1, &mut back)?;
+        let elapsed = start.elapsed();
+        echoer.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))?;
+        Ok(elapsed / 2)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quick_calibration_gives_positive_finite_figures() {
+        let options = CalibrationOptions { gemm_size: 64, stream_elements: 4096, message_elements: 4096, repeats: 1 };
+        let calibration = calibrate(&options).expect("the threads communicator works");
+        for (name, value) in [
+            ("gemm", calibration.gemm_flops_per_s),
+            ("stream", calibration.stream_bytes_per_s),
+            ("link", calibration.link_bytes_per_s),
+        ] {
+            assert!(value.is_finite() && value > 0.0, "{name}: {value}");
+        }
+        assert!(calibration.link_latency_s.is_finite() && calibration.link_latency_s > 0.0);
+        assert!(calibration.cores >= 1);
+    }
+}

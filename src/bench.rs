@@ -1,0 +1,104 @@
+//! `pleat bench`: measurements of this machine.
+//!
+//! `pleat bench calibrate` measures what one rank reaches here (GEMM FLOP/s, streaming bandwidth, the
+//! threads communicator's bandwidth and latency; see `pleat_runtime::calibrate`) and writes it as a
+//! hardware spec that `pleat plan --hw-file`, `compare` and `trace` read, so that predictions are
+//! made for this machine rather than from the nominal `cpu` entry.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use pleat_passes::cost::hw::{Efficiency, HardwareSpec, LinkSpec};
+use pleat_runtime::calibrate::{calibrate, Calibration, CalibrationOptions};
+
+/// Arguments of `pleat bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub what: BenchCommand,
+}
+
+/// What to measure.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Measure one rank of this machine and write a hardware spec for --hw-file.
+    Calibrate(CalibrateArgs),
+}
+
+/// Arguments of `pleat bench calibrate`.
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// Where to write the spec (JSON); without it, it is printed.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Small sizes: seconds less, figures that only bound the full ones from below.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Runs `pleat bench`.
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    match &args.what {
+        BenchCommand::Calibrate(args) => run_calibrate(args),
+    }
+}
+
+fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
+    let options = if args.quick { CalibrationOptions::quick() } else { CalibrationOptions::full() };
+    let calibration = calibrate(&options)?;
+    let spec = spec_of(&calibration, memory_total_bytes()?).validate()?;
+    let json = serde_json::to_string_pretty(&spec)?;
+    eprintln!(
+        "one rank here: {:.1} GFLOP/s f32 GEMM, {:.1} GB/s streaming, link {:.2} GB/s and {:.1} µs, {} cores",
+        calibration.gemm_flops_per_s / 1e9,
+        calibration.stream_bytes_per_s / 1e9,
+        calibration.link_bytes_per_s / 1e9,
+        calibration.link_latency_s * 1e6,
+        calibration.cores
+    );
+    match &args.out {
+        Some(path) => {
+            std::fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+            println!("wrote {}; use it with --hw-file {}", path.display(), path.display());
+        }
+        None => println!("{json}"),
+    }
+    Ok(())
+}
+
+/// The spec of a calibrated machine: measured rates as the peaks, with efficiency 1 for what was
+/// measured (the measurement already is what the kernels reach).
+fn spec_of(calibration: &Calibration, memory_bytes: u64) -> HardwareSpec {
+    let link = LinkSpec { bandwidth_bytes_per_s: calibration.link_bytes_per_s, latency_s: calibration.link_latency_s };
+    let defaults = Efficiency::default();
+    HardwareSpec {
+        name: "cpu-calibrated".into(),
+        memory_bytes,
+        // The CPU runtime computes in f32 whatever the declared dtype.
+        peak_bf16_flops: calibration.gemm_flops_per_s,
+        peak_f32_flops: calibration.gemm_flops_per_s,
+        hbm_bytes_per_s: calibration.stream_bytes_per_s,
+        intra_node: link,
+        inter_node: link,
+        gpus_per_node: calibration.cores as u64,
+        efficiency: Efficiency {
+            matmul: 1.0,
+            // Not measured: attention keeps the default ratio of attention to GEMM efficiency.
+            attention: defaults.attention / defaults.matmul,
+            memory_bound: 1.0,
+            link: 1.0,
+        },
+    }
+}
+
+/// This machine's memory, from `/proc/meminfo`.
+fn memory_total_bytes() -> Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").context("cannot read /proc/meminfo for the memory size")?;
+    let kib = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("/proc/meminfo has no MemTotal line")?;
+    Ok(kib * 1024)
+}
