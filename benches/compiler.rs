@@ -8,7 +8,8 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use pleat_ir::model::preset::preset;
 use pleat_ir::Mesh;
 use pleat_passes::cost::hw::HardwareSpec;
-use pleat_passes::cost::{estimate, Layout, ModelShape, Workload};
+use pleat_passes::cost::{estimate, Layout, Mode, ModelShape, Workload};
+use pleat_passes::search::{search, SearchSpace};
 use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
 
 fn compile(config: &pleat_ir::model::config::ModelConfig, mesh: &str) -> usize {
@@ -37,9 +38,20 @@ fn plan_benches(c: &mut Criterion) {
     });
 }
 
+fn search_benches(c: &mut Criterion) {
+    // `pleat search llama3-405b --gpus 16384 --hw h100 --seq 8192 --global-batch 2048`.
+    let model = ModelShape::from_config(&preset("llama3-405b").expect("preset"));
+    let hw = HardwareSpec::builtin("h100-sxm").expect("hw");
+    let space = SearchSpace::new(16384, 8192, 2048, Mode::Train, hw.memory_bytes as f64);
+    let costed = search(&model, &hw, &space).expect("a plan fits").costed;
+    c.bench_function(&format!("search llama3-405b on 16384 h100 ({costed} plans costed)"), |b| {
+        b.iter(|| search(black_box(&model), &hw, &space).expect("a plan fits"))
+    });
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = compile_benches, plan_benches
+    targets = compile_benches, plan_benches, search_benches
 }
 criterion_main!(benches);

@@ -57,7 +57,7 @@ impl Strategy {
 
 /// What to compile: a model, the mesh and how to use it, and the input size. Shared by the
 /// commands that compile before they work (`compile`, `explain`, `trace`).
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct ModelOnMesh {
     /// A preset name, a config.json, or a model directory.
     pub model: String,
@@ -107,6 +107,10 @@ pub struct CompileArgs {
     /// Print the IR after this pass (repeatable): fold-tsp, propagate-specs.
     #[arg(long)]
     pub dump_after: Vec<String>,
+    /// A plan from `pleat search --emit-plan`: its mesh, strategy, sequence length and one
+    /// micro-batch of every replica replace --mesh, --strategy, --seq and --batch.
+    #[arg(long, conflicts_with_all = ["mesh", "strategy", "seq", "batch"])]
+    pub plan: Option<PathBuf>,
 }
 
 /// The version of `plan.json`.
@@ -176,7 +180,11 @@ pub fn compile_model(
 
 /// Runs `pleat compile`.
 pub fn compile(args: &CompileArgs) -> Result<()> {
-    let target = &args.target;
+    let planned = args.plan.as_deref().map(planned_target).transpose()?;
+    let target = match &planned {
+        Some(target) => &ModelOnMesh { model: args.target.model.clone(), ..target.clone() },
+        None => &args.target,
+    };
     let config = target.config("compile")?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
     let compiled = target.compile(&config, dump)?;
@@ -194,6 +202,21 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         compiled.hash()
     );
     Ok(())
+}
+
+/// The mesh, strategy and input size a search plan file names (the model comes from the command line,
+/// so that a small stand-in can be compiled for a large model's plan).
+fn planned_target(path: &Path) -> Result<ModelOnMesh> {
+    let choice = crate::search::PlanChoice::read(path)?;
+    let strategy = <Strategy as clap::ValueEnum>::from_str(&choice.strategy, true)
+        .map_err(|_| anyhow::anyhow!("{}: unknown strategy {:?}", path.display(), choice.strategy))?;
+    Ok(ModelOnMesh {
+        model: choice.model,
+        mesh: choice.mesh,
+        strategy,
+        seq: choice.seq,
+        batch: choice.micro_batch * choice.dp,
+    })
 }
 
 /// Writes the compiled directory into a temporary sibling, then renames it into place, so an

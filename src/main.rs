@@ -15,6 +15,7 @@ mod model_arg;
 mod plan;
 mod predict;
 mod run;
+mod search;
 mod trace;
 
 use std::process::ExitCode;
@@ -41,6 +42,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Every one- and two-axis layout of --ranks ranks side by side, sorted by peak memory.
     Compare(compare::CompareArgs),
+    /// The best plans for a model on N GPUs under a memory cap, ranked by predicted step time.
+    Search(search::SearchArgs),
     /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace.
     Trace(trace::TraceArgs),
     /// Measure this machine (`calibrate`: a hardware spec for --hw-file).
@@ -67,6 +70,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => compare::compare(&args),
         Command::Trace(args) => trace::trace(&args),
         Command::Bench(args) => bench::bench(&args),
+        Command::Search(args) => search::run_search(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -99,21 +99,31 @@ impl WorkloadArgs {
 
     /// The model's shape.
     pub fn model_shape(&self) -> Result<ModelShape> {
-        match resolve(&self.model)? {
-            ModelSource::Config { config, .. } => Ok(ModelShape::from_config(&config)),
-            ModelSource::Compiled(dir) => {
-                let config = crate::model_arg::read_config(&dir.join("config.json"))?;
-                Ok(ModelShape::from_config(&config))
-            }
-        }
+        model_shape_of(&self.model)
     }
 
     /// The hardware: the file when given, else the built-in name.
     pub fn hardware(&self) -> Result<HardwareSpec> {
-        match &self.hw_file {
-            Some(path) => read_hardware(path),
-            None => Ok(HardwareSpec::builtin(&self.hw)?),
+        hardware_of(&self.hw, self.hw_file.as_deref())
+    }
+}
+
+/// The shape of `model` (a preset, config.json, model or compiled directory).
+pub fn model_shape_of(model: &str) -> Result<ModelShape> {
+    match resolve(model)? {
+        ModelSource::Config { config, .. } => Ok(ModelShape::from_config(&config)),
+        ModelSource::Compiled(dir) => {
+            let config = crate::model_arg::read_config(&dir.join("config.json"))?;
+            Ok(ModelShape::from_config(&config))
         }
+    }
+}
+
+/// The hardware: `file` when given, else the built-in `name`.
+pub fn hardware_of(name: &str, file: Option<&Path>) -> Result<HardwareSpec> {
+    match file {
+        Some(path) => read_hardware(path),
+        None => Ok(HardwareSpec::builtin(name)?),
     }
 }
 

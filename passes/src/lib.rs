@@ -11,6 +11,7 @@ pub mod error;
 pub mod explain;
 pub mod manager;
 pub mod propagate;
+pub mod search;
 pub mod sharding;
 pub mod strategy;
 pub mod tsp;

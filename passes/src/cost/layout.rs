@@ -92,10 +92,10 @@ impl Layout {
             .join(" x ")
     }
 
-    /// Whether pleat's compiler has strategies for every axis of this layout today; the cost model
-    /// covers the others analytically.
+    /// Whether pleat's compiler has strategies for every axis of this layout today (Megatron SP on
+    /// tp is `--strategy tp-sp`); the cost model covers the others analytically.
     pub fn compiles_today(&self) -> bool {
-        !self.sequence_parallel && self.axes.iter().all(|(axis, _)| crate::strategy::SUPPORTED_AXES.contains(axis))
+        self.axes.iter().all(|(axis, _)| crate::strategy::SUPPORTED_AXES.contains(axis))
     }
 
     /// How the groups of `axis` sit on nodes of `gpus_per_node` GPUs (ranks are numbered row-major

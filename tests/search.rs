@@ -1,0 +1,135 @@
+//! `pleat search` end to end: the TSP paper's setting ranks TSP first on memory at 128K tokens and
+//! TP first on time at 4K, each with its reason; the winner agrees with `pleat plan`; every plan it
+//! lists compiles for a small stand-in of the same shape; bad input gets a clear error.
+
+#[path = "support/cli.rs"]
+mod cli;
+
+use cli::{error_of, json_of, stdout_of, tempdir};
+
+fn search_json(seq: &str) -> serde_json::Value {
+    json_of(&["search", "tsp-7b", "--gpus", "8", "--hw", "mi300x", "--seq", seq, "--format", "json"])
+}
+
+#[test]
+fn tsp_leads_on_memory_at_128k_and_tp_on_time_at_4k() {
+    let long = search_json("131072");
+    assert_eq!(long["single_axis_by_memory"][0]["layout"], "tsp=8", "{:#}", long["single_axis_by_memory"]);
+    let why = long["tsp_vs_tp"].as_str().expect("a reason");
+    assert!(why.starts_with("tsp=8 ") && why.contains("the largest difference is communication"), "{why}");
+
+    let short = search_json("4096");
+    let why = short["tsp_vs_tp"].as_str().expect("a reason");
+    assert!(why.starts_with("tp=8") && why.contains("the largest difference is communication"), "{why}");
+    let table = stdout_of(&["search", "tsp-7b", "--gpus", "8", "--hw", "mi300x", "--seq", "4096", "--explain"]);
+    assert!(table.contains("why first: ") && table.contains("tsp against tp: tp=8"), "{table}");
+}
+
+#[test]
+fn the_winner_is_what_pleat_plan_predicts() {
+    let found = search_json("16384");
+    let winner = &found["plans"][0];
+    let strategy_flag = winner["layout"].as_str().expect("layout").contains("+sp");
+    let (batch, micro_batches) = (winner["micro_batch"].to_string(), winner["micro_batches"].to_string());
+    let zero = winner["zero"].to_string();
+    let mut args = vec![
+        "plan",
+        "tsp-7b",
+        "--mesh",
+        winner["mesh"].as_str().expect("mesh"),
+        "--hw",
+        "mi300x",
+        "--seq",
+        "16384",
+        "--batch",
+        &batch,
+        "--micro-batches",
+        &micro_batches,
+        "--zero",
+        &zero,
+        "--recompute",
+        winner["recompute"].as_str().expect("recompute"),
+        "--tsp-shard-embeddings",
+        "--format",
+        "json",
+    ];
+    if strategy_flag {
+        args.push("--sequence-parallel");
+    }
+    let plan = json_of(&args);
+    assert_eq!(plan["time"]["step_s"], winner["step_s"]);
+    assert_eq!(plan["memory"]["peak_bytes"], winner["peak_bytes"]);
+}
+
+/// A small model with the heads of `tsp-7b` (32 query and 32 kv heads), so that every mesh the
+/// search proposes for it divides the same way.
+const STAND_IN: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+  "hidden_size": 128, "head_dim": 4, "intermediate_size": 256, "num_attention_heads": 32,
+  "num_key_value_heads": 32, "num_hidden_layers": 1, "vocab_size": 256, "rms_norm_eps": 1e-5,
+  "rope_theta": 10000.0, "tie_word_embeddings": false, "torch_dtype": "float32"
+}"#;
+
+#[test]
+fn every_listed_plan_compiles_for_a_stand_in() {
+    let dir = tempdir("search-compiles");
+    let stand_in = dir.join("stand-in.json");
+    std::fs::write(&stand_in, STAND_IN).expect("writes");
+    let stand_in = stand_in.to_str().expect("utf-8");
+    for seq in ["131072", "4096"] {
+        for plan in search_json(seq)["plans"].as_array().expect("plans") {
+            let mesh = plan["mesh"].as_str().expect("mesh");
+            let strategy = if plan["layout"].as_str().expect("layout").contains("+sp") { "tp-sp" } else { "auto" };
+            let dp: u64 = mesh.split(',').find_map(|axis| axis.strip_prefix("dp=")).map_or(1, |d| d.parse().unwrap());
+            let batch = (plan["micro_batch"].as_u64().expect("b") * dp).to_string();
+            let out = dir.join("compiled");
+            stdout_of(&[
+                "compile",
+                stand_in,
+                "--mesh",
+                mesh,
+                "--strategy",
+                strategy,
+                "--seq",
+                "64",
+                "--batch",
+                &batch,
+                "--out",
+                out.to_str().expect("utf-8"),
+            ]);
+        }
+    }
+    let plan_file = dir.join("plan.json");
+    let plan_path = plan_file.to_str().expect("utf-8");
+    stdout_of(&["search", "tsp-7b", "--gpus", "8", "--hw", "mi300x", "--seq", "4096", "--emit-plan", plan_path]);
+    let out = dir.join("from-plan");
+    let compiled = stdout_of(&["compile", stand_in, "--plan", plan_path, "--out", out.to_str().expect("utf-8")]);
+    let chosen: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan_file).expect("reads")).expect("json");
+    assert!(compiled.contains(&format!("for {}", chosen["mesh"].as_str().expect("mesh"))), "{compiled}");
+}
+
+#[test]
+fn bad_searches_are_clear_errors() {
+    let message = error_of(&["search", "tsp-7b", "--gpus", "8", "--mem-cap", "0.001"]);
+    assert!(message.contains("no plan of 8 GPUs fits in 0.0 GB a GPU"), "{message}");
+    let message = error_of(&["search", "tsp-7b", "--gpus", "0"]);
+    assert!(message.contains("--gpus 0: give at least 1"), "{message}");
+    let dir = tempdir("search-errors");
+    let plan = dir.join("plan.json");
+    let message = error_of(&[
+        "search",
+        "llama3-405b",
+        "--gpus",
+        "16384",
+        "--seq",
+        "8192",
+        "--global-batch",
+        "2048",
+        "--all-axes",
+        "--emit-plan",
+        plan.to_str().expect("utf-8"),
+    ]);
+    assert!(message.contains("uses an axis pleat cannot compile yet; drop --all-axes"), "{message}");
+    assert!(!plan.exists());
+}
