@@ -9,7 +9,7 @@ use pleat_ir::model::preset::preset;
 use pleat_ir::Mesh;
 use pleat_passes::cost::hw::HardwareSpec;
 use pleat_passes::cost::{estimate, Layout, Mode, ModelShape, Workload};
-use pleat_passes::search::{search, SearchSpace};
+use pleat_passes::search::{search, SearchSpace, MODELLED_AXES};
 use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
 
 fn compile(config: &pleat_ir::model::config::ModelConfig, mesh: &str) -> usize {
@@ -46,6 +46,12 @@ fn search_benches(c: &mut Criterion) {
     let costed = search(&model, &hw, &space).expect("a plan fits").costed;
     c.bench_function(&format!("search llama3-405b on 16384 h100 ({costed} plans costed)"), |b| {
         b.iter(|| search(black_box(&model), &hw, &space).expect("a plan fits"))
+    });
+    // `--all-axes`: pipelines and the sp axis too, the cost model's whole space.
+    let wide = SearchSpace { axes: MODELLED_AXES.to_vec(), ..space };
+    let costed = search(&model, &hw, &wide).expect("a plan fits").costed;
+    c.bench_function(&format!("search llama3-405b on 16384 h100, all axes ({costed} plans costed)"), |b| {
+        b.iter(|| search(black_box(&model), &hw, &wide).expect("a plan fits"))
     });
 }
 

@@ -23,6 +23,14 @@ pub enum Error {
         /// The unknown name.
         axis: String,
     },
+    /// A mesh with more ranks than pleat addresses.
+    #[error("a mesh of {ranks} ranks is more than pleat addresses ({max}); use fewer or smaller axes")]
+    MeshTooLarge {
+        /// The ranks asked for (saturating at `u64::MAX`).
+        ranks: u64,
+        /// The most a mesh may have.
+        max: u64,
+    },
     /// The same axis twice.
     #[error("mesh axis {axis} appears twice")]
     MeshAxisRepeated {

@@ -71,8 +71,17 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    /// Builds a mesh, checking that names are unique and sizes positive.
+    /// The most ranks a mesh may have: ranks are `u32`s, and a rank's groups are listed in full, so a
+    /// bound far above any cluster (16,777,216) keeps every mesh computation in range.
+    pub const MAX_RANKS: u64 = 1 << 24;
+
+    /// Builds a mesh, checking that names are unique, sizes positive and the ranks at most
+    /// [`Mesh::MAX_RANKS`].
     pub fn new(axes: &[(AxisName, u64)]) -> Result<Mesh> {
+        let ranks = axes.iter().fold(1u64, |ranks, &(_, size)| ranks.saturating_mul(size));
+        if ranks > Self::MAX_RANKS {
+            return Err(Error::MeshTooLarge { ranks, max: Self::MAX_RANKS });
+        }
         let mut mesh = Mesh::default();
         for &(name, size) in axes {
             if size == 0 {
@@ -183,5 +192,11 @@ mod tests {
         );
         assert_eq!(Mesh::parse("tp=2,tp=2").unwrap_err().to_string(), "mesh axis tp appears twice");
         assert_eq!(Mesh::parse("tp=0").unwrap_err().to_string(), "mesh axis tp has size 0; sizes are at least 1");
+        // Found by tests/fuzz.rs: a huge axis made listing a rank's group allocate hundreds of GB.
+        assert_eq!(
+            Mesh::parse("dp=4096,tp=4096,pp=18446744073709551615").unwrap_err().to_string(),
+            "a mesh of 18446744073709551615 ranks is more than pleat addresses (16777216); use fewer or smaller axes"
+        );
+        assert!(Mesh::parse("dp=2048,pp=16,tp=8").is_ok());
     }
 }
