@@ -18,6 +18,7 @@
 
 use pleat_ir::AxisName;
 
+use crate::cost::memory::{memory_per_stage, peak_stage};
 use crate::cost::{estimate, CostError, Estimate, HardwareSpec, Layout, Mode, ModelShape, Recompute, Workload};
 
 /// What to search over.
@@ -239,8 +240,8 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
             let mut any_fits = false;
             for workload in group {
                 outcome.costed += 1;
-                match estimate(model, &layout, workload, hw) {
-                    Ok(estimate) if estimate.memory.peak_bytes <= space.mem_cap_bytes => {
+                match peak_then_estimate(model, &layout, workload, hw, space.mem_cap_bytes) {
+                    Ok(Some(estimate)) => {
                         any_fits = true;
                         outcome.feasible += 1;
                         let plan = Plan { layout: layout.clone(), workload: workload.clone(), estimate };
@@ -254,7 +255,7 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
                             outcome.plans.truncate(keep);
                         }
                     }
-                    Ok(_) => outcome.over_memory += 1,
+                    Ok(None) => outcome.over_memory += 1,
                     Err(
                         CostError::Indivisible { .. }
                         | CostError::UnusableAxis { .. }
@@ -287,6 +288,26 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
     outcome.plans.truncate(keep);
     outcome.single_axis.sort_by(|a, b| a.0.estimate.memory.peak_bytes.total_cmp(&b.0.estimate.memory.peak_bytes));
     Ok(outcome)
+}
+
+/// The plan's estimate if its peak memory fits under `cap`; `None` if not. Memory is costed first,
+/// alone: most of a large space is over the cap, and the time model is the larger part of an
+/// estimate.
+fn peak_then_estimate(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    hw: &HardwareSpec,
+    cap: f64,
+) -> Result<Option<Estimate>, CostError> {
+    workload.validate()?;
+    layout.validate(model, workload)?;
+    let stages = memory_per_stage(model, layout, workload);
+    if peak_stage(&stages).is_some_and(|peak| peak.peak_bytes > cap) {
+        return Ok(None);
+    }
+    let estimate = estimate(model, layout, workload, hw)?;
+    Ok((estimate.memory.peak_bytes <= cap).then_some(estimate))
 }
 
 /// Best first: step time, then peak memory, then names (a total, deterministic order).
