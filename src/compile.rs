@@ -135,8 +135,8 @@ pub struct PlanFile {
     pub seq: u64,
     /// `program format` of the rank files.
     pub program_format_version: u32,
-    /// The plan's fingerprint: the sharded module's text and every rank's program (`Compiled::hash`).
-    #[serde(default)]
+    /// The plan's fingerprint: the sharded module's text and every rank's program (`Compiled::hash`);
+    /// reading the directory checks it.
     pub plan_hash: String,
 }
 
@@ -277,12 +277,27 @@ pub fn read_compiled(dir: &Path) -> Result<(PlanFile, ModelConfig, Vec<Program>)
         );
     }
     let config = crate::model_arg::read_config(&dir.join("config.json"))?;
+    // The hash covers the files as written (`Compiled::hash`): a damaged or edited directory is
+    // refused before anything runs.
+    let mut fingerprint = crate::fingerprint::Fingerprint::new();
+    let module_path = dir.join("module.pleat");
+    fingerprint.part(&std::fs::read(&module_path).with_context(|| format!("cannot read {}", module_path.display()))?);
     let programs = (0..plan.ranks)
         .map(|rank| {
             let path = dir.join(format!("rank{rank}.program"));
             let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            fingerprint.part(text.as_bytes());
             pleat_backend::from_json(&text).with_context(|| format!("{}", path.display()))
         })
         .collect::<Result<Vec<_>>>()?;
+    if fingerprint.hex() != plan.plan_hash {
+        anyhow::bail!(
+            "{}: the plan hash is {:?} but the files hash to {}; the directory was changed after `pleat compile` \
+             wrote it: compile it again",
+            plan_path.display(),
+            plan.plan_hash,
+            fingerprint.hex()
+        );
+    }
     Ok((plan, config, programs))
 }
