@@ -44,7 +44,7 @@ fn a_killed_compile_leaves_the_old_directory_or_none() {
     assert_ne!(old, new);
     // Kill a compile over the old directory at a spread of moments: before, during and after its
     // writes. Each time, what is there is one whole directory, old or new, or nothing.
-    for delay_ms in [0u64, 5, 20, 50, 100, 200, 400, 800] {
+    for delay_ms in [0u64, 5, 10, 20, 40, 80, 120, 160, 240, 400] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_pleat"))
             .args(compile_args(&model, "tp=4", out_str))
             .stdout(std::process::Stdio::null())
