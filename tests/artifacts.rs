@@ -16,7 +16,7 @@ fn deep_tiny(dir: &std::path::Path) -> String {
     let tiny =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tiny/config.json")).expect("tiny");
     let path = dir.join("deep-tiny.json");
-    std::fs::write(&path, tiny.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 48")).expect("writes");
+    std::fs::write(&path, tiny.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 192")).expect("writes");
     path.to_str().expect("utf-8").to_string()
 }
 
