@@ -93,6 +93,12 @@ fn mutate(u: &mut Unstructured<'_>, seeds: &[Vec<u8>]) -> arbitrary::Result<Vec<
     Ok(input)
 }
 
+/// One second a target, or `ARBTEST_BUDGET_MS`.
+fn budget() -> Duration {
+    let ms = std::env::var("ARBTEST_BUDGET_MS").ok().and_then(|ms| ms.parse().ok()).unwrap_or(1000);
+    Duration::from_millis(ms)
+}
+
 /// Replays `seeds`, then fuzzes `target` with mutations of them for the budget.
 fn fuzz(name: &str, seeds: Vec<Vec<u8>>, target: fn(&[u8])) {
     for seed in &seeds {
@@ -105,7 +111,7 @@ fn fuzz(name: &str, seeds: Vec<Vec<u8>>, target: fn(&[u8])) {
         executions.fetch_add(1, Ordering::Relaxed);
         Ok(())
     })
-    .budget(Duration::from_secs(1));
+    .budget(budget());
     eprintln!("fuzz {name}: {} corpus entries, {} mutated inputs", seeds.len(), executions.load(Ordering::Relaxed));
 }
 
