@@ -14,7 +14,11 @@
 //! panics. Every node's result is checked against the shape its value's type declares.
 
 mod attention;
+mod attention_grad;
 mod error;
+mod grad;
+#[cfg(test)]
+mod grad_tests;
 mod ops;
 mod rope;
 mod tensor;
