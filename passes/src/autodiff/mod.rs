@@ -220,3 +220,91 @@ impl Backward<'_> {
         Ok(params)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_ir::model::preset::preset;
+    use pleat_ir::{AxisName, DimName, TensorType};
+
+    use DimName::{Batch, Ffn, Hidden, Seq, Vocab};
+
+    /// tokens -> embedding -> `middle` -> lm_head -> cross_entropy, on a one-token-wide toy model;
+    /// `middle` adds nodes after the embedding and returns the value the head reads.
+    fn toy(middle: impl FnOnce(&mut Graph, ValueId) -> ValueId) -> (Graph, ValueId) {
+        let mut graph = Graph::new();
+        let f32_ty = |dims: &[(DimName, u64)]| TensorType::new(DType::F32, dims);
+        let tokens = graph.add(Op::Tokens, &[], TensorType::new(DType::I32, &[(Batch, 1), (Seq, 4)]), "tokens");
+        let table = graph.add(Op::Param { name: "table".into() }, &[], f32_ty(&[(Vocab, 8), (Hidden, 2)]), "table");
+        let embedded =
+            graph.add(Op::Embedding, &[table, tokens], f32_ty(&[(Batch, 1), (Seq, 4), (Hidden, 2)]), "embed");
+        let hidden = middle(&mut graph, embedded);
+        let logits_ty = f32_ty(&[(Batch, 1), (Seq, 4), (Vocab, 8)]);
+        let logits = graph.add(Op::MatMul { contract: 1 }, &[hidden, table], logits_ty, "lm_head");
+        let loss = graph.add(Op::CrossEntropy, &[logits, tokens], f32_ty(&[]), "loss");
+        graph.add_output(loss);
+        (graph, loss)
+    }
+
+    #[test]
+    fn the_loss_must_be_a_cross_entropy_value() {
+        let config = preset("tiny").expect("tiny");
+        let mut module = pleat_ir::model::build(&config, 1, 4).expect("build");
+        let logits = module.graph.outputs()[0];
+        let error = differentiate(&mut module.graph, logits).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "loss {logits} (lm_head) is computed by matmul, not cross_entropy; build the graph with build_training"
+            )
+        );
+        let missing = ValueId::new(module.graph.value_count());
+        assert_eq!(differentiate(&mut module.graph, missing), Err(AutodiffError::UnknownLoss { value: missing }));
+    }
+
+    #[test]
+    fn a_weight_read_twice_gets_the_sum_of_both_uses() {
+        let (mut graph, loss) = toy(|_, embedded| embedded);
+        let gradients = differentiate(&mut graph, loss).expect("differentiates");
+        assert_eq!(gradients.params.len(), 1);
+        let grad = graph.def(gradients.params[0].grad);
+        assert_eq!((grad.op.clone(), grad.name.as_str()), (Op::Add, "grad.table"));
+        assert_eq!(graph.outputs(), [loss, gradients.params[0].grad]);
+        let mut module = pleat_ir::Module { name: "toy".into(), mesh: Default::default(), graph };
+        crate::verify(&module).expect("verifies");
+        // The verifier's type rules see the backward ops: a wrong gradient type is reported.
+        let embedding_grad = module.graph.def(gradients.params[0].grad).inputs[1];
+        module.graph.value_mut(embedding_grad).ty = TensorType::new(DType::F32, &[(Vocab, 7), (Hidden, 2)]);
+        let errors = crate::verify(&module).unwrap_err();
+        assert!(errors.errors[0].message.contains("should be [vocab=8, hidden=2]"), "{errors}");
+    }
+
+    #[test]
+    fn an_op_without_a_rule_is_named() {
+        let (mut graph, loss) = toy(|graph, embedded| {
+            let weight = |graph: &mut Graph, name: &str, dims: &[(DimName, u64)]| {
+                graph.add(Op::Param { name: name.into() }, &[], TensorType::new(DType::F32, dims), name)
+            };
+            let gate = weight(graph, "gate", &[(Ffn, 4), (Hidden, 2)]);
+            let up = weight(graph, "up", &[(Ffn, 4), (Hidden, 2)]);
+            let down = weight(graph, "down", &[(Hidden, 2), (Ffn, 4)]);
+            let ty = graph.value(embedded).ty.clone();
+            let axis = AxisName::parse("tsp").expect("tsp is an axis");
+            graph.add(Op::RingGatedMlp { axis }, &[embedded, gate, up, down], ty, "mlp")
+        });
+        let error = differentiate(&mut graph, loss).unwrap_err();
+        assert!(
+            matches!(&error, AutodiffError::NoRule { name, reason, .. } if name == "mlp" && reason.contains("fold-tsp")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_parameter_that_does_not_reach_the_loss_is_an_error() {
+        let (mut graph, loss) = toy(|graph, embedded| {
+            graph.add(Op::Param { name: "unused".into() }, &[], TensorType::new(DType::F32, &[(Hidden, 2)]), "unused");
+            embedded
+        });
+        assert_eq!(differentiate(&mut graph, loss), Err(AutodiffError::UnusedParam { name: "unused".into() }));
+    }
+}

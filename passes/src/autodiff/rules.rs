@@ -25,8 +25,8 @@ pub struct NoRule {
     pub reason: String,
 }
 
-/// The gradient of operand `operand` of `node`, given `dy` (the gradient of its result).
-/// `dy_partial_over` tells the communication conjugates whether `dy` is a pending sum over an axis.
+/// The gradient of operand `operand` of `node`, given `dy` (the gradient of its result). For a
+/// communication op the conjugate depends on whether `dy`'s spec is a pending sum (`conjugate`).
 pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: ValueId) -> Result<Vjp, NoRule> {
     let inputs = &node.inputs;
     let apply = |op: Op, operands: Vec<ValueId>| Ok(Vjp::Apply(op, operands));
