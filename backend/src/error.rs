@@ -19,6 +19,16 @@ pub enum Error {
         /// The ranks splitting it.
         degree: u64,
     },
+    /// An op the lowering has no kernel for yet (the loss and the backward ops of training).
+    #[error(
+        "{value}: op {op} has no kernel yet; run training graphs in the reference interpreter (`pleat_ir::interp`)"
+    )]
+    UnsupportedOp {
+        /// The value's name.
+        value: String,
+        /// The op's mnemonic.
+        op: &'static str,
+    },
 
     // === Collective matching ===
     /// Members of a group reached different collectives at the same point.

@@ -195,6 +195,21 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
                 }
                 continue;
             }
+            Op::CrossEntropy
+            | Op::CrossEntropyGrad
+            | Op::MatMulGradInput { .. }
+            | Op::MatMulGradWeight { .. }
+            | Op::RmsNormGradInput { .. }
+            | Op::RmsNormGradWeight { .. }
+            | Op::RopeGrad { .. }
+            | Op::AttentionGradQuery { .. }
+            | Op::AttentionGradKey { .. }
+            | Op::AttentionGradValue { .. }
+            | Op::SiluMulGradGate
+            | Op::EmbeddingGrad { .. }
+            | Op::SumLeading { .. } => {
+                return Err(Error::UnsupportedOp { value: data.name.clone(), op: data.op.mnemonic() })
+            }
             Op::LocalSlice { axis, dim } => {
                 let shape = input_local(0)?;
                 let split = dim_index(*dim);

@@ -16,6 +16,7 @@ pub mod interp;
 pub mod mesh;
 pub mod model;
 pub mod op;
+pub mod optim;
 pub mod shape;
 pub mod spec;
 pub mod text;

@@ -78,6 +78,83 @@ pub enum Op {
     /// and then `b` is broadcast over `a`'s leading dims.
     Add,
 
+    // === Training: the loss and the backward ops ===
+    // `passes::autodiff` emits the backward ops. A node defines one value, so an op with several
+    // gradients is one op per gradient (each recomputes what it needs from the forward operands):
+    // every result keeps a single type, a single sharding rule and its own liveness.
+    /// `(logits[batch, seq, vocab], tokens[batch, seq]) -> f32[]`: Hugging Face's causal-LM loss, the
+    /// mean over the `batch * (seq - 1)` positions `t < seq - 1` of `logsumexp(logits[b, t]) -
+    /// logits[b, t, tokens[b, t + 1]]` (position `t` predicts token `t + 1`).
+    CrossEntropy,
+    /// `(logits, tokens) -> [batch, seq, vocab]`: the gradient of `CrossEntropy` seeded with 1 (the
+    /// loss is the root of the backward graph): `(softmax(logits[b, t]) - onehot(tokens[b, t + 1])) /
+    /// (batch * (seq - 1))`, zero at the last position.
+    CrossEntropyGrad,
+    /// `(dy[F.., G..], w[G.., C..]) -> [F.., C..]`: the gradient of `MatMul { contract }` with respect
+    /// to `x`, `dy · w` summed over the `G..` dims (`w.rank - contract` of them).
+    MatMulGradInput {
+        /// The forward op's contracted dims.
+        contract: u8,
+    },
+    /// `(dy[F.., G..], x[F.., C..]) -> [G.., C..]`: the gradient of `MatMul { contract }` with respect
+    /// to `w`, `dyᵀ · x` summed over the `F..` dims (`x.rank - contract` of them).
+    MatMulGradWeight {
+        /// The forward op's contracted dims.
+        contract: u8,
+    },
+    /// `(x[.., hidden], weight[hidden], dy[.., hidden]) -> [.., hidden]`: the gradient of `RmsNorm`
+    /// with respect to `x`, per row `r = rsqrt(mean(x^2) + eps)`, `g = dy * weight`:
+    /// `r * g - x * r^3 * mean(g * x)`.
+    RmsNormGradInput {
+        /// The forward op's eps.
+        eps: f64,
+    },
+    /// `(x[.., hidden], dy[.., hidden]) -> [hidden]`: the gradient of `RmsNorm` with respect to its
+    /// weight, `sum over rows of dy * x * rsqrt(mean(x^2) + eps)`.
+    RmsNormGradWeight {
+        /// The forward op's eps.
+        eps: f64,
+    },
+    /// `(dy[batch, seq, heads|kv_heads, head_dim], positions[seq]) -> same`: the gradient of `Rope`,
+    /// the inverse rotation (rotary embedding is orthogonal, so its transpose is its inverse).
+    RopeGrad {
+        /// The forward op's base frequency and scaling.
+        rope: RopeConfig,
+    },
+    /// `(q, k, v, q_pos, k_pos, dy[batch, seq, heads, head_dim]) -> [batch, seq, heads, head_dim]`: the
+    /// gradient of `Attention` with respect to `q`, recomputing the softmax from `q`, `k`, `v`.
+    AttentionGradQuery {
+        /// The forward op's mask.
+        causal: bool,
+    },
+    /// As `AttentionGradQuery`, with respect to `k`: `[batch, seq, kv_heads, head_dim]`, summed over
+    /// the query heads of each key/value head's group.
+    AttentionGradKey {
+        /// The forward op's mask.
+        causal: bool,
+    },
+    /// As `AttentionGradQuery`, with respect to `v`: `[batch, seq, kv_heads, head_dim]`, summed over
+    /// the query heads of each key/value head's group.
+    AttentionGradValue {
+        /// The forward op's mask.
+        causal: bool,
+    },
+    /// `(gate, up, dy) -> dy * up * silu'(gate)`, elementwise: the gradient of `SiluMul` with respect
+    /// to `gate` (the one with respect to `up` is `SiluMul(gate, dy)`).
+    SiluMulGradGate,
+    /// `(dy[batch, seq, hidden], tokens[batch, seq]) -> [vocab, hidden]`: the gradient of `Embedding`
+    /// with respect to its table: row `v` is the sum of `dy` over the tokens equal to `v`.
+    EmbeddingGrad {
+        /// The table's rows.
+        vocab: u64,
+    },
+    /// `x[L.., T..] -> [T..]`: sums over every dim but the trailing `keep` ones (the gradient of the
+    /// broadcast operand of `Add`, a bias).
+    SumLeading {
+        /// How many trailing dims remain.
+        keep: u8,
+    },
+
     // === Communication ===
     /// Sums a value that is `Partial` over `axis`; the result is replicated over `axis`.
     AllReduce {
@@ -131,6 +208,19 @@ impl Op {
             Op::Attention { .. } => "attention",
             Op::SiluMul => "silu_mul",
             Op::Add => "add",
+            Op::CrossEntropy => "cross_entropy",
+            Op::CrossEntropyGrad => "cross_entropy_grad",
+            Op::MatMulGradInput { .. } => "matmul_grad_input",
+            Op::MatMulGradWeight { .. } => "matmul_grad_weight",
+            Op::RmsNormGradInput { .. } => "rms_norm_grad_input",
+            Op::RmsNormGradWeight { .. } => "rms_norm_grad_weight",
+            Op::RopeGrad { .. } => "rope_grad",
+            Op::AttentionGradQuery { .. } => "attention_grad_query",
+            Op::AttentionGradKey { .. } => "attention_grad_key",
+            Op::AttentionGradValue { .. } => "attention_grad_value",
+            Op::SiluMulGradGate => "silu_mul_grad_gate",
+            Op::EmbeddingGrad { .. } => "embedding_grad",
+            Op::SumLeading { .. } => "sum_leading",
             Op::AllReduce { .. } => "all_reduce",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGather { .. } => "all_gather",
@@ -153,6 +243,16 @@ impl Op {
             Op::RingGatedMlp { .. } => 4,
             Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
             Op::Attention { .. } => 5,
+            Op::SumLeading { .. } => 1,
+            Op::CrossEntropy
+            | Op::CrossEntropyGrad
+            | Op::MatMulGradInput { .. }
+            | Op::MatMulGradWeight { .. }
+            | Op::RmsNormGradWeight { .. }
+            | Op::RopeGrad { .. }
+            | Op::EmbeddingGrad { .. } => 2,
+            Op::RmsNormGradInput { .. } | Op::SiluMulGradGate => 3,
+            Op::AttentionGradQuery { .. } | Op::AttentionGradKey { .. } | Op::AttentionGradValue { .. } => 6,
         }
     }
     /// Whether the op moves data between ranks.

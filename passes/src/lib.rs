@@ -6,6 +6,7 @@
 //! of `sharding` and inserts the collectives they call for. This crate knows nothing of per-rank
 //! programs, kernels or communicators.
 
+pub mod autodiff;
 pub mod cost;
 pub mod error;
 pub mod explain;

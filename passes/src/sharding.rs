@@ -142,6 +142,28 @@ pub fn output_spec(
             Ok(specs[0].clone())
         }
         Op::Attention { .. } => attention_spec(specs, shapes),
+        // The loss and the backward ops have rules only for whole operands until sharded training
+        // derives theirs; a sharded operand is a conflict, never a silent wrong layout.
+        Op::CrossEntropy
+        | Op::CrossEntropyGrad
+        | Op::MatMulGradInput { .. }
+        | Op::MatMulGradWeight { .. }
+        | Op::RmsNormGradInput { .. }
+        | Op::RmsNormGradWeight { .. }
+        | Op::RopeGrad { .. }
+        | Op::AttentionGradQuery { .. }
+        | Op::AttentionGradKey { .. }
+        | Op::AttentionGradValue { .. }
+        | Op::SiluMulGradGate
+        | Op::EmbeddingGrad { .. }
+        | Op::SumLeading { .. } => match specs.iter().position(|spec| !spec.is_replicated()) {
+            None => Ok(ShardSpec::replicated(out.rank())),
+            Some(operand) => Err(Conflict::Layout(format!(
+                "operand {operand} is sharded, and {} has a rule for replicated operands only; differentiate \
+                 the unsharded graph",
+                node.op.mnemonic()
+            ))),
+        },
         Op::SiluMul => {
             no_partial(specs, &[0, 1])?;
             if specs[0] != specs[1] {

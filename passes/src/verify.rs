@@ -314,6 +314,19 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             }
             Ok(inputs[0].clone())
         }
+        Op::CrossEntropy
+        | Op::CrossEntropyGrad
+        | Op::MatMulGradInput { .. }
+        | Op::MatMulGradWeight { .. }
+        | Op::RmsNormGradInput { .. }
+        | Op::RmsNormGradWeight { .. }
+        | Op::RopeGrad { .. }
+        | Op::AttentionGradQuery { .. }
+        | Op::AttentionGradKey { .. }
+        | Op::AttentionGradValue { .. }
+        | Op::SiluMulGradGate
+        | Op::EmbeddingGrad { .. }
+        | Op::SumLeading { .. } => infer_training_type(node, inputs, mesh),
         Op::AllReduce { .. } => Ok(inputs[0].clone()),
         Op::BroadcastShard { axis, dim, root } => {
             let Some(position) = inputs[0].shape.position(*dim) else {
@@ -357,6 +370,141 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             }
             Ok(inputs[0].clone())
         }
+    }
+}
+
+/// The result type of the loss and the backward ops. A gradient has its forward operand's type, so
+/// the rules reuse the forward op's rule where one exists and check the incoming gradient against it.
+fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Result<TensorType, String> {
+    use DimName::*;
+    let mnemonic = node.op.mnemonic();
+    let forward = |op: Op, operands: usize| {
+        let data =
+            NodeData { op, inputs: node.inputs[..operands].to_vec(), result: node.result, name: node.name.clone() };
+        infer_type(&data, &inputs[..operands], mesh)
+    };
+    let same_type = |operand: usize, like: &TensorType, what: &str| {
+        if inputs[operand] == like {
+            Ok(())
+        } else {
+            Err(format!(
+                "operand {operand} {} {} must have {what}'s type {} {}",
+                inputs[operand].dtype,
+                shape_text(&inputs[operand].shape),
+                like.dtype,
+                shape_text(&like.shape)
+            ))
+        }
+    };
+    let token_operand = |logits: &TensorType| {
+        let tokens = inputs[1];
+        let (batch, seq) = (logits.shape.size_of(Batch), logits.shape.size_of(Seq));
+        let expected = Shape::new(&[(Batch, batch.unwrap_or(0)), (Seq, seq.unwrap_or(0))]);
+        if tokens.dtype != DType::I32 || tokens.shape != expected {
+            return Err(format!(
+                "operand 1 must be the tokens i32{}, is {} {}",
+                shape_text(&expected),
+                tokens.dtype,
+                shape_text(&tokens.shape)
+            ));
+        }
+        Ok(())
+    };
+    match &node.op {
+        Op::CrossEntropy | Op::CrossEntropyGrad => {
+            let logits = inputs[0];
+            if logits.shape.names() != [Batch, Seq, Vocab] {
+                return Err(format!("operand 0 {} must be logits [batch, seq, vocab]", shape_text(&logits.shape)));
+            }
+            token_operand(logits)?;
+            if logits.shape.size_of(Seq) < Some(2) {
+                return Err("seq must be at least 2 for a next-token loss; use a longer sequence".into());
+            }
+            if node.op == Op::CrossEntropy {
+                Ok(TensorType::new(DType::F32, &[]))
+            } else {
+                Ok(logits.clone())
+            }
+        }
+        Op::MatMulGradInput { contract } | Op::MatMulGradWeight { contract } => {
+            let contract = *contract as usize;
+            let (dy, other) = (inputs[0].shape.dims(), inputs[1].shape.dims());
+            if contract == 0 || contract > other.len() {
+                return Err(format!("contract={contract} does not fit operand 1 of rank {}", other.len()));
+            }
+            let free = other.len() - contract;
+            let dims: Vec<_> = if matches!(node.op, Op::MatMulGradInput { .. }) {
+                // (dy[F.., G..], w[G.., C..]) -> [F.., C..]
+                if dy.len() < free || dy[dy.len() - free..] != other[..free] {
+                    return Err(format!(
+                        "operand 0 {} must end in operand 1's leading dims {}",
+                        shape_text(&inputs[0].shape),
+                        shape_text(&Shape(other[..free].to_vec()))
+                    ));
+                }
+                dy[..dy.len() - free].iter().chain(&other[free..]).copied().collect()
+            } else {
+                // (dy[F.., G..], x[F.., C..]) -> [G.., C..]
+                if dy.len() < free || dy[..free] != other[..free] {
+                    return Err(format!(
+                        "operand 0 {} must start with operand 1's leading dims {}",
+                        shape_text(&inputs[0].shape),
+                        shape_text(&Shape(other[..free].to_vec()))
+                    ));
+                }
+                dy[free..].iter().chain(&other[free..]).copied().collect()
+            };
+            let shape = Shape(dims);
+            if shape.names().iter().enumerate().any(|(index, name)| shape.names()[..index].contains(name)) {
+                return Err(format!("the gradient {} repeats a dim name", shape_text(&shape)));
+            }
+            Ok(TensorType { dtype: inputs[0].dtype, shape })
+        }
+        Op::RmsNormGradInput { eps } => {
+            let x = forward(Op::RmsNorm { eps: *eps }, 2)?;
+            same_type(2, &x, "operand 0")?;
+            Ok(x)
+        }
+        Op::RmsNormGradWeight { .. } => {
+            let x = inputs[0];
+            let Some(hidden) = x.shape.dims().last().filter(|dim| dim.name == Hidden) else {
+                return Err(format!("operand 0 {} must end in hidden", shape_text(&x.shape)));
+            };
+            same_type(1, x, "operand 0")?;
+            Ok(TensorType { dtype: x.dtype, shape: Shape(vec![*hidden]) })
+        }
+        Op::RopeGrad { rope } => forward(Op::Rope { rope: rope.clone() }, 2),
+        Op::AttentionGradQuery { causal } | Op::AttentionGradKey { causal } | Op::AttentionGradValue { causal } => {
+            let output = forward(Op::Attention { causal: *causal }, 5)?;
+            same_type(5, &output, "the attention output")?;
+            Ok(if matches!(node.op, Op::AttentionGradQuery { .. }) { output } else { inputs[1].clone() })
+        }
+        Op::SiluMulGradGate => {
+            same_type(1, inputs[0], "operand 0")?;
+            same_type(2, inputs[0], "operand 0")?;
+            Ok(inputs[0].clone())
+        }
+        Op::EmbeddingGrad { vocab } => {
+            let dy = inputs[0];
+            if dy.shape.names() != [Batch, Seq, Hidden] {
+                return Err(format!("operand 0 {} must be [batch, seq, hidden]", shape_text(&dy.shape)));
+            }
+            token_operand(dy)?;
+            if *vocab == 0 {
+                return Err("vocab=0: the table needs at least one row".into());
+            }
+            let hidden = dy.shape.size_of(Hidden).unwrap_or(0);
+            Ok(TensorType::new(dy.dtype, &[(Vocab, *vocab), (Hidden, hidden)]))
+        }
+        Op::SumLeading { keep } => {
+            let dims = inputs[0].shape.dims();
+            let keep = *keep as usize;
+            if keep > dims.len() {
+                return Err(format!("keep={keep} exceeds the rank {} of operand 0", dims.len()));
+            }
+            Ok(TensorType { dtype: inputs[0].dtype, shape: Shape(dims[dims.len() - keep..].to_vec()) })
+        }
+        _ => Err(format!("{mnemonic} is not a training op")),
     }
 }
 

@@ -3,7 +3,10 @@
 //! `run` evaluates an unsharded graph node by node in program order with plain f32 loops that follow
 //! Hugging Face's `LlamaForCausalLM` forward pass: RMSNorm as `weight * (x * rsqrt(mean(x^2) + eps))`,
 //! rotary embedding with HF's frequencies and rotate-half layout, grouped-query attention with scale
-//! `head_dim^-0.5` and a causal mask on absolute positions, gated SiLU MLP. It favours being obviously
+//! `head_dim^-0.5` and a causal mask on absolute positions, gated SiLU MLP. Training graphs run too:
+//! the causal-LM cross-entropy loss as HF's `ForCausalLMLoss` computes it and every backward op
+//! (`grad`, `attention_grad`), each checked against finite differences of its forward op
+//! (`grad_tests`). It favours being obviously
 //! right over being fast: no tiling, no threads, no unsafe. Sums accumulate in f64 and round once,
 //! so its own error is far below the tolerances it is compared with and does not depend on loop order.
 //!
@@ -14,7 +17,11 @@
 //! panics. Every node's result is checked against the shape its value's type declares.
 
 mod attention;
+mod attention_grad;
 mod error;
+mod grad;
+#[cfg(test)]
+mod grad_tests;
 mod ops;
 mod rope;
 mod tensor;

@@ -8,7 +8,9 @@
 //! any test tolerance and does not depend on loop order.
 
 use super::attention::attention;
+use super::attention_grad::{attention_grad, AttentionOperand};
 use super::error::OpError;
+use super::grad;
 use super::rope::rope;
 use super::tensor::{element_count, exact_index, unravel, Tensor};
 use crate::Op;
@@ -33,6 +35,22 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::SiluMul => silu_mul(operands[0], operands[1]),
         Op::Add => add(operands[0], operands[1]),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
+        Op::CrossEntropy => grad::cross_entropy(operands[0], operands[1]),
+        Op::CrossEntropyGrad => grad::cross_entropy_grad(operands[0], operands[1]),
+        Op::MatMulGradInput { contract } => grad::matmul_grad_input(operands[0], operands[1], usize::from(*contract)),
+        Op::MatMulGradWeight { contract } => grad::matmul_grad_weight(operands[0], operands[1], usize::from(*contract)),
+        Op::RmsNormGradInput { eps } => grad::rms_norm_grad_input(operands[0], operands[1], operands[2], *eps),
+        Op::RmsNormGradWeight { eps } => grad::rms_norm_grad_weight(operands[0], operands[1], *eps),
+        Op::RopeGrad { rope: config } => grad::rope_grad(operands[0], operands[1], config),
+        Op::AttentionGradQuery { causal } => attention_grad(six(operands), *causal, AttentionOperand::Query),
+        Op::AttentionGradKey { causal } => attention_grad(six(operands), *causal, AttentionOperand::Key),
+        Op::AttentionGradValue { causal } => attention_grad(six(operands), *causal, AttentionOperand::Value),
+        Op::SiluMulGradGate => grad::silu_mul_grad_gate(operands[0], operands[1], operands[2]),
+        Op::EmbeddingGrad { vocab } => {
+            let vocab = usize::try_from(*vocab).map_err(|_| shape_error(0, operands[0], "a vocab that fits memory"))?;
+            grad::embedding_grad(operands[0], operands[1], vocab)
+        }
+        Op::SumLeading { keep } => grad::sum_leading(operands[0], usize::from(*keep)),
         // The driver permutes, since which dim is `seq` is in the graph's types, not the tensors.
         Op::Zigzag { .. } => Err(OpError::NotLocal),
         Op::Tokens
@@ -44,6 +62,11 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         | Op::LocalSlice { .. }
         | Op::BroadcastShard { .. } => Err(OpError::NotLocal),
     }
+}
+
+/// The six operands of an attention gradient (the arity was checked).
+fn six<'a>(operands: &[&'a Tensor]) -> [&'a Tensor; 6] {
+    [operands[0], operands[1], operands[2], operands[3], operands[4], operands[5]]
 }
 
 /// An `OperandShape` error for `tensor` as operand `operand`.

@@ -15,6 +15,30 @@ use DimName::{Batch, Ffn, HeadDim, Heads, Hidden, KvHeads, Seq, Vocab};
 /// The forward graph of `config` for `batch` sequences of `seq` tokens; its one output is the
 /// logits `[batch, seq, vocab]`.
 pub fn build(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
+    let (mut graph, logits, _) = forward(config, batch, seq)?;
+    graph.add_output(logits);
+    Ok(Module { name: config.name.clone(), mesh: Mesh::default(), graph })
+}
+
+/// The training graph of `config` for `batch` sequences of `seq` tokens: the forward graph of
+/// `build` and the loss `cross_entropy(logits, tokens)`, f32 `[]`, Hugging Face's causal-LM loss
+/// with the tokens as labels; the loss (node `loss`) is its one output. `seq` must be at least 2.
+/// `pleat_passes::autodiff::differentiate` appends the backward graph.
+pub fn build_training(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
+    if seq < 2 {
+        return Err(Error::UnsupportedModel {
+            model: config.name.clone(),
+            what: format!("seq={seq}: a next-token loss needs at least 2 tokens a sequence; use --seq 2 or more"),
+        });
+    }
+    let (mut graph, logits, tokens) = forward(config, batch, seq)?;
+    let loss = graph.add(Op::CrossEntropy, &[logits, tokens], TensorType::new(DType::F32, &[]), "loss");
+    graph.add_output(loss);
+    Ok(Module { name: config.name.clone(), mesh: Mesh::default(), graph })
+}
+
+/// The forward graph without outputs, its logits and its tokens.
+fn forward(config: &ModelConfig, batch: u64, seq: u64) -> Result<(Graph, ValueId, ValueId)> {
     if batch == 0 || seq == 0 {
         return Err(Error::UnsupportedModel {
             model: config.name.clone(),
@@ -41,9 +65,8 @@ pub fn build(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
         });
     }
     let mut builder = Builder { graph: Graph::new(), config, dtype: dtype_of(config.dtype), batch, seq };
-    let logits = builder.model();
-    builder.graph.add_output(logits);
-    Ok(Module { name: config.name.clone(), mesh: Mesh::default(), graph: builder.graph })
+    let (logits, tokens) = builder.model();
+    Ok((builder.graph, logits, tokens))
 }
 
 fn dtype_of(dtype: ConfigDtype) -> DType {
@@ -72,7 +95,8 @@ impl Builder<'_> {
         self.graph.add(Op::Param { name: name.to_string() }, &[], ty, name)
     }
 
-    fn model(&mut self) -> ValueId {
+    /// The logits and the tokens.
+    fn model(&mut self) -> (ValueId, ValueId) {
         let config = self.config;
         let (batch, seq, hidden, vocab) = (self.batch, self.seq, config.hidden_size, config.vocab_size);
         let tokens =
@@ -93,7 +117,7 @@ impl Builder<'_> {
             self.param("lm_head.weight", &[(Vocab, vocab), (Hidden, hidden)])
         };
         let logits_ty = self.ty(&[(Batch, batch), (Seq, seq), (Vocab, vocab)]);
-        self.graph.add(Op::MatMul { contract: 1 }, &[normed, head], logits_ty, "lm_head")
+        (self.graph.add(Op::MatMul { contract: 1 }, &[normed, head], logits_ty, "lm_head"), tokens)
     }
 
     fn layer(&mut self, layer: u64, residual: ValueId, positions: ValueId) -> ValueId {

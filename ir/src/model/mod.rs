@@ -6,4 +6,4 @@ pub mod config;
 pub mod preset;
 pub mod rope;
 
-pub use builder::build;
+pub use builder::{build, build_training};

@@ -198,7 +198,7 @@ impl Builder {
         let stream = self.values_shaped(STREAM);
         let (queries, keys) = (self.values_shaped(Q), self.values_shaped(KV));
         let Some(&x) = stream.get(choices.below(stream.len().max(1))) else { return };
-        match choices.below(9) {
+        match choices.below(10) {
             0 => {
                 let weight = self.param(&[Hidden], choices);
                 self.node(Op::RmsNorm { eps: choices.float() }, &[x, weight], self.ty(STREAM), choices);
@@ -271,10 +271,68 @@ impl Builder {
                 let bias = self.param(&[Hidden], choices);
                 self.node(Op::Add, &[x, bias], self.ty(STREAM), choices);
             }
+            8 => self.training_step(x, positions, choices),
             _ => {
                 self.param(&[Ffn, Hidden], choices);
             }
         }
+    }
+
+    /// Adds one loss or backward op; `x` is a `[batch, seq, hidden]` value.
+    fn training_step(&mut self, x: ValueId, positions: ValueId, choices: &mut Choices) {
+        const STREAM: &[DimName] = &[Batch, Seq, Hidden];
+        const Q: &[DimName] = &[Batch, Seq, Heads, HeadDim];
+        const KV: &[DimName] = &[Batch, Seq, KvHeads, HeadDim];
+        let Some(tokens) = self.values_shaped(&[Batch, Seq]).first().copied() else { return };
+        let stream = self.values_shaped(STREAM);
+        let other = choices.pick(&stream);
+        let vocab = self.sizes.iter().find(|(name, _)| *name == Vocab).map_or(1, |&(_, size)| size);
+        let (op, inputs, names): (Op, Vec<ValueId>, &[DimName]) = match choices.below(13) {
+            0 => {
+                let logits = self.param(&[Batch, Seq, Vocab], choices);
+                let ty = self.typed(DType::F32, &[]);
+                self.node(Op::CrossEntropy, &[logits, tokens], ty, choices);
+                return;
+            }
+            1 => {
+                let logits = self.param(&[Batch, Seq, Vocab], choices);
+                (Op::CrossEntropyGrad, vec![logits, tokens], &[Batch, Seq, Vocab])
+            }
+            2 => {
+                let weight = self.param(&[Hidden, Ffn], choices);
+                (Op::MatMulGradInput { contract: 1 }, vec![x, weight], &[Batch, Seq, Ffn])
+            }
+            3 => {
+                let dy = self.param(&[Batch, Seq, Ffn], choices);
+                (Op::MatMulGradWeight { contract: 1 }, vec![dy, x], &[Ffn, Hidden])
+            }
+            4 => {
+                let weight = self.param(&[Hidden], choices);
+                (Op::RmsNormGradInput { eps: choices.float() }, vec![x, weight, other], STREAM)
+            }
+            5 => (Op::RmsNormGradWeight { eps: choices.float() }, vec![x, other], &[Hidden]),
+            6 => {
+                let rope = RopeConfig { theta: choices.float(), scaling: RopeScaling::None };
+                let input = self.param(Q, choices);
+                (Op::RopeGrad { rope }, vec![input, positions], Q)
+            }
+            index @ 7..=9 => {
+                let (q, k, v) = (self.param(Q, choices), self.param(KV, choices), self.param(KV, choices));
+                let dy = self.param(Q, choices);
+                let causal = choices.flip();
+                let (op, names): (Op, &[DimName]) = match index {
+                    7 => (Op::AttentionGradQuery { causal }, Q),
+                    8 => (Op::AttentionGradKey { causal }, KV),
+                    _ => (Op::AttentionGradValue { causal }, KV),
+                };
+                (op, vec![q, k, v, positions, positions, dy], names)
+            }
+            10 => (Op::SiluMulGradGate, vec![x, other, x], STREAM),
+            11 => (Op::EmbeddingGrad { vocab }, vec![x, tokens], &[Vocab, Hidden]),
+            _ => (Op::SumLeading { keep: 1 }, vec![x], &[Hidden]),
+        };
+        let ty = self.ty(names);
+        self.node(op, &inputs, ty, choices);
     }
 }
 

@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 17] = [
+const OPS: [&str; 30] = [
     "tokens",
     "positions",
     "param",
@@ -25,6 +25,19 @@ const OPS: [&str; 17] = [
     "attention",
     "silu_mul",
     "add",
+    "cross_entropy",
+    "cross_entropy_grad",
+    "matmul_grad_input",
+    "matmul_grad_weight",
+    "rms_norm_grad_input",
+    "rms_norm_grad_weight",
+    "rope_grad",
+    "attention_grad_query",
+    "attention_grad_key",
+    "attention_grad_value",
+    "silu_mul_grad_gate",
+    "embedding_grad",
+    "sum_leading",
     "all_reduce",
     "reduce_scatter",
     "all_gather",
@@ -296,6 +309,12 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "reduce_scatter" | "all_gather" | "local_slice" => &["axis", "dim"],
         "broadcast_shard" => &["axis", "dim", "root"],
         "zigzag" => &["parts", "inverse"],
+        "matmul_grad_input" | "matmul_grad_weight" => &["contract"],
+        "rms_norm_grad_input" | "rms_norm_grad_weight" => &["eps"],
+        "rope_grad" => &["theta", "scaling"],
+        "attention_grad_query" | "attention_grad_key" | "attention_grad_value" => &["causal"],
+        "embedding_grad" => &["vocab"],
+        "sum_leading" => &["keep"],
         _ => &[],
     };
     if let Some(unknown) = attributes.iter().find(|attribute| !allowed.contains(&attribute.key)) {
@@ -328,17 +347,48 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "matmul" => {
             Op::MatMul { contract: number(cursor, required("contract", "1")?, "a whole number from 0 to 255")? }
         }
-        "rope" => {
+        "rope" | "rope_grad" => {
             let theta = number(cursor, required("theta", "10000")?, "a number")?;
             let scaling = match attributes.iter().find(|attribute| attribute.key == "scaling") {
                 None => RopeScaling::None,
                 Some(attribute) => scaling(&mut cursor.sub(attribute.value_start, attribute.value_end))?,
             };
-            Op::Rope { rope: RopeConfig { theta, scaling } }
+            let rope = RopeConfig { theta, scaling };
+            if mnemonic == "rope" {
+                Op::Rope { rope }
+            } else {
+                Op::RopeGrad { rope }
+            }
         }
         "attention" => Op::Attention { causal: number(cursor, required("causal", "true")?, "`true` or `false`")? },
         "silu_mul" => Op::SiluMul,
         "add" => Op::Add,
+        "cross_entropy" => Op::CrossEntropy,
+        "cross_entropy_grad" => Op::CrossEntropyGrad,
+        "matmul_grad_input" => Op::MatMulGradInput {
+            contract: number(cursor, required("contract", "1")?, "a whole number from 0 to 255")?,
+        },
+        "matmul_grad_weight" => Op::MatMulGradWeight {
+            contract: number(cursor, required("contract", "1")?, "a whole number from 0 to 255")?,
+        },
+        "rms_norm_grad_input" => Op::RmsNormGradInput { eps: number(cursor, required("eps", "0.00001")?, "a number")? },
+        "rms_norm_grad_weight" => {
+            Op::RmsNormGradWeight { eps: number(cursor, required("eps", "0.00001")?, "a number")? }
+        }
+        "attention_grad_query" => {
+            Op::AttentionGradQuery { causal: number(cursor, required("causal", "true")?, "`true` or `false`")? }
+        }
+        "attention_grad_key" => {
+            Op::AttentionGradKey { causal: number(cursor, required("causal", "true")?, "`true` or `false`")? }
+        }
+        "attention_grad_value" => {
+            Op::AttentionGradValue { causal: number(cursor, required("causal", "true")?, "`true` or `false`")? }
+        }
+        "silu_mul_grad_gate" => Op::SiluMulGradGate,
+        "embedding_grad" => Op::EmbeddingGrad { vocab: number(cursor, required("vocab", "32000")?, "a whole number")? },
+        "sum_leading" => {
+            Op::SumLeading { keep: number(cursor, required("keep", "1")?, "a whole number from 0 to 255")? }
+        }
         "all_reduce" => Op::AllReduce { axis: axis_value(cursor, required("axis", "tp")?)? },
         "ring_gated_mlp" => Op::RingGatedMlp { axis: axis_value(cursor, required("axis", "tsp")?)? },
         "zigzag" => Op::Zigzag {

@@ -151,7 +151,7 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::Param { name } => write!(out, " name=\"{}\"", escape(name, true)),
         Op::RmsNorm { eps } => write!(out, " eps={eps}"),
         Op::MatMul { contract } => write!(out, " contract={contract}"),
-        Op::Rope { rope } => {
+        Op::Rope { rope } | Op::RopeGrad { rope } => {
             let _ = write!(out, " theta={}", rope.theta);
             match &rope.scaling {
                 RopeScaling::None => Ok(()),
@@ -167,6 +167,14 @@ fn write_attributes(out: &mut String, op: &Op) {
             }
         }
         Op::Attention { causal } => write!(out, " causal={causal}"),
+        Op::CrossEntropy | Op::CrossEntropyGrad | Op::SiluMulGradGate => Ok(()),
+        Op::MatMulGradInput { contract } | Op::MatMulGradWeight { contract } => write!(out, " contract={contract}"),
+        Op::RmsNormGradInput { eps } | Op::RmsNormGradWeight { eps } => write!(out, " eps={eps}"),
+        Op::AttentionGradQuery { causal } | Op::AttentionGradKey { causal } | Op::AttentionGradValue { causal } => {
+            write!(out, " causal={causal}")
+        }
+        Op::EmbeddingGrad { vocab } => write!(out, " vocab={vocab}"),
+        Op::SumLeading { keep } => write!(out, " keep={keep}"),
         Op::AllReduce { axis } | Op::RingGatedMlp { axis } => write!(out, " axis={axis}"),
         Op::BroadcastShard { axis, dim, root } => write!(out, " axis={axis} dim={dim} root={root}"),
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),

@@ -180,8 +180,11 @@ const HEADER: &str = "; module m mesh=tp=2\n";
 
 #[test]
 fn errors_say_what_was_expected_and_where() {
-    let ops = "tokens, positions, param, embedding, rms_norm, matmul, rope, attention, silu_mul, add, all_reduce, \
-               reduce_scatter, all_gather, local_slice, broadcast_shard, ring_gated_mlp, zigzag";
+    let ops = "tokens, positions, param, embedding, rms_norm, matmul, rope, attention, silu_mul, add, \
+               cross_entropy, cross_entropy_grad, matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, \
+               rms_norm_grad_weight, rope_grad, attention_grad_query, attention_grad_key, attention_grad_value, \
+               silu_mul_grad_gate, embedding_grad, sum_leading, all_reduce, reduce_scatter, all_gather, local_slice, \
+               broadcast_shard, ring_gated_mlp, zigzag";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
@@ -465,6 +468,6 @@ fn generator_covers_every_op_and_feature() {
             features.insert("outputs");
         }
     }
-    assert_eq!(ops.len(), 17, "ops reached: {ops:?}");
+    assert_eq!(ops.len(), 30, "ops reached: {ops:?}");
     assert_eq!(features.len(), 7, "features reached: {features:?}");
 }
