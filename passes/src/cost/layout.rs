@@ -235,9 +235,10 @@ mod tests {
     }
 
     #[test]
-    fn only_dp_and_tp_compile_today() {
+    fn compiles_today_follows_the_strategies() {
         assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false).compiles_today());
         assert!(!Layout::new(&[(AxisName::Tp, 2)], true).compiles_today());
-        assert!(!Layout::new(&[(AxisName::Cp, 2)], false).compiles_today());
+        assert!(Layout::new(&[(AxisName::Cp, 2)], false).compiles_today());
+        assert!(!Layout::new(&[(AxisName::Pp, 2)], false).compiles_today());
     }
 }
