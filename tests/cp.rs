@@ -126,3 +126,31 @@ fn memory_planner_peak_equals_the_executors_measurement() {
         }
     }
 }
+
+#[path = "support/cli.rs"]
+mod cli;
+
+#[test]
+fn the_cli_runs_and_checks_cp_meshes() {
+    for (mesh, strategy) in [("cp=2", "cp"), ("dp=2,tp=2,cp=2", "auto")] {
+        let report = cli::json_of(&[
+            "run",
+            "tiny",
+            "--mesh",
+            mesh,
+            "--strategy",
+            strategy,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--check",
+            "--format",
+            "json",
+        ]);
+        assert!(report["max_abs_err"].as_f64().expect("a number") < 1e-4, "{mesh}: {report}");
+        assert!(report["comm_bytes"]["send"].as_u64().expect("bytes") > 0, "{mesh}: {report}");
+    }
+    let message = cli::error_of(&["run", "tiny", "--mesh", "tp=2", "--strategy", "cp"]);
+    assert!(message.contains("--strategy cp needs a cp axis in --mesh"), "{message}");
+}
