@@ -28,7 +28,8 @@ pub enum BufferKind {
     Input,
     /// An intermediate value.
     Activation,
-    /// Another rank's weights, held while they are used (TSP's broadcast blocks and ring shards).
+    /// Another rank's data, held while it is used: weights (TSP's broadcast blocks and ring shards)
+    /// or key/value blocks with their positions (ring attention).
     InFlight,
 }
 

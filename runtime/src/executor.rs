@@ -57,7 +57,8 @@ pub struct RankOutcome {
     /// After each instruction, in program order, the bytes it held in activation buffers
     /// (intermediate values; not weights, inputs, or other ranks' weights in flight).
     pub activation_bytes: Vec<u64>,
-    /// The most bytes of other ranks' weights it held at once (TSP broadcast blocks, ring shards).
+    /// The most bytes of other ranks' data it held at once (TSP broadcast blocks and ring shards,
+    /// ring attention's key/value blocks).
     pub in_flight_peak_bytes: u64,
     /// For each instruction, in program order, its start and end in nanoseconds since
     /// `RunInputs::epoch`.
