@@ -15,7 +15,8 @@ use crate::model_arg::{resolve, ModelSource};
 /// How the mesh's axes are used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Strategy {
-    /// Each axis by its name: tp is Megatron tensor parallelism, tsp TSP, dp data parallelism.
+    /// Each axis by its name: tp is Megatron tensor parallelism, tsp TSP, dp data parallelism, cp
+    /// context parallelism (ring attention).
     #[default]
     Auto,
     /// Megatron tensor parallelism on the tp axis.
@@ -26,6 +27,8 @@ pub enum Strategy {
     Tsp,
     /// Data parallelism on the dp axis.
     Dp,
+    /// Context parallelism (ring attention over a zigzag sequence split) on the cp axis.
+    Cp,
 }
 
 impl Strategy {
@@ -36,6 +39,7 @@ impl Strategy {
             Strategy::Tp | Strategy::TpSp => Some("tp"),
             Strategy::Tsp => Some("tsp"),
             Strategy::Dp => Some("dp"),
+            Strategy::Cp => Some("cp"),
         };
         if let Some(axis) = axis {
             if !mesh.axes().iter().any(|mesh_axis| mesh_axis.name.as_str() == axis) {
@@ -51,6 +55,7 @@ impl Strategy {
             Strategy::TpSp => "tp-sp",
             Strategy::Tsp => "tsp",
             Strategy::Dp => "dp",
+            Strategy::Cp => "cp",
         }
     }
 }
@@ -61,7 +66,7 @@ impl Strategy {
 pub struct ModelOnMesh {
     /// A preset name, a config.json, or a model directory.
     pub model: String,
-    /// The device mesh, e.g. `tp=4`, `tsp=2` or `dp=2,tp=2`.
+    /// The device mesh, e.g. `tp=4`, `tsp=2`, `cp=4` or `dp=2,tp=2`.
     #[arg(long, default_value = "")]
     pub mesh: String,
     /// How to use the mesh's axes.
@@ -104,7 +109,7 @@ pub struct CompileArgs {
     /// The directory to write.
     #[arg(long)]
     pub out: PathBuf,
-    /// Print the IR after this pass (repeatable): fold-tsp, propagate-specs.
+    /// Print the IR after this pass (repeatable): fold-tsp, fold-cp, propagate-specs.
     #[arg(long)]
     pub dump_after: Vec<String>,
     /// A plan from `pleat search --emit-plan`: its mesh, strategy, sequence length and one

@@ -59,6 +59,7 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::MatMul { m, n, k } => ("matmul", 2 * m * n * k),
         Kernel::Rope { .. } => ("rope", 0),
         Kernel::Attention { batch, sq, sk, hq, head_dim, .. } => ("attention", 4 * batch * sq * sk * hq * head_dim),
+        Kernel::MergeAttention { .. } => ("merge_attention", 0),
         Kernel::SiluMul => ("silu_mul", 0),
         Kernel::Add => ("add", 0),
         Kernel::Permute { .. } => ("permute", 0),

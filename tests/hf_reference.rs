@@ -59,7 +59,7 @@ fn check(name: &str, meshes: &[&str]) {
 #[test]
 fn llama_gqa_matches_transformers() {
     // 8 heads over 2 kv heads: tp=2 splits kv heads, tp=4 keeps them whole.
-    check("llama-gqa", &["tp=2", "tp=4", "tsp=2"]);
+    check("llama-gqa", &["tp=2", "tp=4", "tsp=2", "cp=2", "tp=2,cp=2"]);
 }
 
 #[test]
@@ -69,5 +69,5 @@ fn llama3_rope_scaling_and_tied_embeddings_match_transformers() {
 
 #[test]
 fn qwen2_biases_match_transformers() {
-    check("qwen2", &["tp=2", "dp=2", "tsp=2"]);
+    check("qwen2", &["tp=2", "dp=2", "tsp=2", "cp=2"]);
 }

@@ -3,13 +3,13 @@
 
 mod common;
 
-use pleat_backend::{from_json, to_json, Instr, Kernel};
+use pleat_backend::{from_json, to_json, Instr, Kernel, FORMAT_VERSION};
 use pleat_ir::model::preset::preset;
 
 #[test]
 fn every_lowered_program_validates_and_round_trips() {
     let config = preset("tiny").expect("tiny");
-    for mesh in ["", "tp=4", "dp=2,tp=2", "tsp=2", "dp=2,tsp=2"] {
+    for mesh in ["", "tp=4", "dp=2,tp=2", "tsp=2", "dp=2,tsp=2", "cp=2", "dp=2,tp=2,cp=2"] {
         let (_, programs) = common::compile(&config, 2, 16, mesh);
         for program in programs {
             pleat_backend::validate::validate(&program).unwrap_or_else(|err| panic!("{mesh}: {err}"));
@@ -42,9 +42,9 @@ fn damaged_programs_are_errors() {
     let message = from_json(&to_json(&program)).expect_err("future version").to_string();
     assert_eq!(
         message,
-        format!("program format version {} is not 1; recompile with this pleat", program.format_version)
+        format!("program format version {} is not {FORMAT_VERSION}; recompile with this pleat", program.format_version)
     );
-    assert!(from_json("{\"format_version\": 1}")
+    assert!(from_json(&format!("{{\"format_version\": {FORMAT_VERSION}}}"))
         .expect_err("truncated")
         .to_string()
         .starts_with("cannot read the program"));

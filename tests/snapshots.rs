@@ -53,3 +53,10 @@ fn tensor_parallel_with_sequence_parallelism_tp2() {
     let ctx = PassCtx { sequence_parallel: true, ..PassCtx::for_tests() };
     snapshot_with(&preset("tiny").expect("tiny"), "tp=2", "tp2-sp", &ctx);
 }
+
+#[test]
+fn context_parallel_one_layer_cp2() {
+    let mut config = preset("tiny").expect("tiny");
+    config.num_layers = 1;
+    snapshot_model(&config, "cp=2", "cp2-one-layer");
+}

@@ -143,8 +143,42 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
                     group: global_heads / global_kv_heads,
                     causal: *causal,
                     scale: 1.0 / (q[3] as f32).sqrt(),
+                    with_lse: false,
                 };
                 Instr::Kernel { kernel, inputs, out }
+            }
+            Op::RingAttention { axis, causal } => {
+                let (q, k) = (input_local(0)?, input_local(1)?);
+                let global_heads = graph.value(data.inputs[0]).ty.shape.dims()[2].size;
+                let global_kv_heads = graph.value(data.inputs[1]).ty.shape.dims()[2].size;
+                let kernel = Kernel::Attention {
+                    batch: q[0],
+                    sq: q[1],
+                    sk: k[1],
+                    hq: q[2],
+                    hkv: k[2],
+                    head_dim: q[3],
+                    q_head_offset: region(data.inputs[0])[2].0,
+                    kv_head_offset: region(data.inputs[1])[2].0,
+                    group: global_heads / global_kv_heads,
+                    causal: *causal,
+                    scale: 1.0 / (q[3] as f32).sqrt(),
+                    with_lse: true,
+                };
+                lower_ring_attention(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, kernel);
+                let mut freed: Vec<ValueId> = Vec::new();
+                for &input in &data.inputs {
+                    let buffer = buffer_of[input.as_u32() as usize].expect("defined");
+                    if last_use[input.as_u32() as usize] == Some(index)
+                        && program.buffer(buffer).kind == BufferKind::Activation
+                        && !freed.contains(&input)
+                        && !graph.outputs().contains(&input)
+                    {
+                        freed.push(input);
+                        program.instructions.push(Instr::Free { buf: buffer });
+                    }
+                }
+                continue;
             }
             Op::SiluMul => Instr::Kernel { kernel: Kernel::SiluMul, inputs, out },
             Op::Add => Instr::Kernel { kernel: Kernel::Add, inputs, out },
@@ -362,4 +396,110 @@ fn lower_ring_mlp(
             program.instructions.push(Instr::Free { buf });
         }
     }
+}
+
+/// Expands ring attention over `group`: in step s the rank attends its queries against the key/value
+/// block it holds (its own at s = 0, then the block of the rank s places before it), with that
+/// block's positions, and merges the result into its running state (output and log-sum-exp a row)
+/// while the block travels on to the next rank; the previous rank's block is received after the
+/// step's attention, so the transfer runs under the compute. The last step sends nothing: D - 1
+/// hops. No block is skipped: in the zigzag layout every block holds an early and a late chunk, so
+/// each block has keys that some local query sees; the kernel itself skips fully masked key tiles.
+/// On one rank this is the plain attention kernel.
+fn lower_ring_attention(
+    program: &mut Program,
+    name: &str,
+    inputs: &[BufferId],
+    out: BufferId,
+    group: &[u32],
+    rank: u32,
+    attend: Kernel,
+) {
+    let Kernel::Attention { batch, sq, hq, head_dim, .. } = attend else {
+        unreachable!("lowering passes an attention kernel")
+    };
+    let steps = group.len();
+    if steps == 1 {
+        let mut kernel = attend;
+        if let Kernel::Attention { with_lse, .. } = &mut kernel {
+            *with_lse = false;
+        }
+        program.instructions.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), out });
+        return;
+    }
+    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
+    let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    let (q, q_pos) = (inputs[0], inputs[3]);
+    let mut block = [inputs[1], inputs[2], inputs[4]];
+    let state_shape = vec![batch, sq, hq, head_dim + 1];
+    let rows = batch * sq * hq;
+    let mut state: Option<BufferId> = None;
+    for step in 0..steps {
+        let last = step + 1 == steps;
+        if !last {
+            program.instructions.push(Instr::Send { bufs: block.to_vec(), peer: next });
+        }
+        let partial =
+            new_buffer(program, format!("{name}.step{step}.attention"), state_shape.clone(), BufferKind::Activation, q);
+        program.instructions.push(Instr::Kernel {
+            kernel: attend.clone(),
+            inputs: vec![q, block[0], block[1], q_pos, block[2]],
+            out: partial,
+        });
+        state = Some(match state {
+            None => partial,
+            Some(running) => {
+                let merged = new_buffer(
+                    program,
+                    format!("{name}.step{step}.merged"),
+                    state_shape.clone(),
+                    BufferKind::Activation,
+                    q,
+                );
+                program.instructions.push(Instr::Kernel {
+                    kernel: Kernel::MergeAttention { rows, head_dim },
+                    inputs: vec![running, partial],
+                    out: merged,
+                });
+                program.instructions.push(Instr::Free { buf: running });
+                program.instructions.push(Instr::Free { buf: partial });
+                merged
+            }
+        });
+        if !last {
+            let shapes = [program.buffer(block[0]).shape.clone(), program.buffer(block[1]).shape.clone()];
+            let [k_shape, v_shape] = shapes;
+            let pos_shape = program.buffer(block[2]).shape.clone();
+            let k_next =
+                new_buffer(program, format!("{name}.block{}.k", step + 1), k_shape, BufferKind::InFlight, block[0]);
+            let v_next =
+                new_buffer(program, format!("{name}.block{}.v", step + 1), v_shape, BufferKind::InFlight, block[1]);
+            let pos_next = new_buffer(
+                program,
+                format!("{name}.block{}.k_pos", step + 1),
+                pos_shape,
+                BufferKind::InFlight,
+                block[2],
+            );
+            let received = [k_next, v_next, pos_next];
+            program.instructions.push(Instr::Recv { outs: received.to_vec(), peer: previous });
+            if step > 0 {
+                for buf in block {
+                    program.instructions.push(Instr::Free { buf });
+                }
+            }
+            block = received;
+        }
+    }
+    for buf in block {
+        program.instructions.push(Instr::Free { buf });
+    }
+    let state = state.expect("a ring has at least one step");
+    let region = vec![(0, batch), (0, sq), (0, hq), (0, head_dim)];
+    program.instructions.push(Instr::Kernel {
+        kernel: Kernel::Slice { shape: vec![batch, sq, hq, head_dim + 1], region },
+        inputs: vec![state],
+        out,
+    });
+    program.instructions.push(Instr::Free { buf: state });
 }

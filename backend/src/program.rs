@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -28,7 +28,8 @@ pub enum BufferKind {
     Input,
     /// An intermediate value.
     Activation,
-    /// Another rank's weights, held while they are used (TSP's broadcast blocks and ring shards).
+    /// Another rank's data, held while it is used: weights (TSP's broadcast blocks and ring shards)
+    /// or key/value blocks with their positions (ring attention).
     InFlight,
 }
 
@@ -53,6 +54,10 @@ impl Buffer {
     /// Bytes at the declared dtype.
     pub fn bytes(&self) -> u64 {
         self.numel() * self.dtype.size_bytes()
+    }
+    /// Whether it holds integers (token ids, positions) rather than floats.
+    pub fn is_integer(&self) -> bool {
+        self.dtype == DType::I32
     }
 }
 
@@ -131,6 +136,19 @@ pub enum Kernel {
         causal: bool,
         /// Softmax scale.
         scale: f32,
+        /// Also return each row's log-sum-exp: the result is then `[batch, sq, hq, head_dim + 1]`,
+        /// each row's output followed by the log-sum-exp of its scores (`-inf` when it saw no key),
+        /// the state ring attention merges (`MergeAttention`).
+        with_lse: bool,
+    },
+    /// Merges two attention states over disjoint key sets (`[rows, head_dim + 1]` each: a row's
+    /// output then its log-sum-exp, as `Attention { with_lse }` writes) into the state over their
+    /// union, by the log-sum-exp weights: exact online softmax across blocks.
+    MergeAttention {
+        /// Query rows (batch · positions · heads).
+        rows: u64,
+        /// Head width (each row holds `head_dim + 1` elements).
+        head_dim: u64,
     },
     /// `silu(gate) * up`.
     SiluMul,

@@ -26,13 +26,26 @@ fn kernel_text(kernel: &Kernel) -> String {
             format!("rope batch={batch} seq={seq} heads={heads} head_dim={head_dim}")
         }
         Kernel::Attention {
-            batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, ..
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            head_dim,
+            q_head_offset,
+            kv_head_offset,
+            group,
+            causal,
+            with_lse,
+            ..
         } => {
+            let lse = if *with_lse { " with_lse" } else { "" };
             format!(
                 "attention batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} \
-                 q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}"
+                 q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}{lse}"
             )
         }
+        Kernel::MergeAttention { rows, head_dim } => format!("merge_attention rows={rows} head_dim={head_dim}"),
         Kernel::SiluMul => "silu_mul".to_string(),
         Kernel::Add => "add".to_string(),
         Kernel::Slice { region, .. } => format!("slice {}", region_text(region)),

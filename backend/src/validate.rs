@@ -74,14 +74,21 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the inverse frequencies", inv_freq.len() as u64, head_dim / 2)?;
                 expect("the result", out, sizes[0])?;
             }
-            Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, .. } => {
+            Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, with_lse, .. } => {
                 operands(5)?;
                 expect("the queries", sizes[0], batch * sq * hq * head_dim)?;
                 expect("the keys", sizes[1], batch * sk * hkv * head_dim)?;
                 expect("the values", sizes[2], batch * sk * hkv * head_dim)?;
                 expect("the query positions", sizes[3], *sq)?;
                 expect("the key positions", sizes[4], *sk)?;
-                expect("the result", out, sizes[0])?;
+                let row_width = head_dim + u64::from(*with_lse);
+                expect("the result", out, batch * sq * hq * row_width)?;
+            }
+            Kernel::MergeAttention { rows, head_dim } => {
+                operands(2)?;
+                expect("the first state", sizes[0], rows * (head_dim + 1))?;
+                expect("the second state", sizes[1], rows * (head_dim + 1))?;
+                expect("the result", out, rows * (head_dim + 1))?;
             }
             Kernel::SiluMul => {
                 operands(2)?;

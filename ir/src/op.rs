@@ -65,6 +65,17 @@ pub enum Op {
         /// The axis the weight shards travel around.
         axis: AxisName,
     },
+    /// The operands and meaning of `Attention`, computed as a ring over `axis` (context parallelism,
+    /// ring attention): q, k, v and both position lists are split on `seq` over `axis` (zigzag
+    /// layout). Each rank keeps its queries while the key/value blocks, with their positions, travel
+    /// around the ring in as many steps as the axis has ranks; the partial results merge by online
+    /// softmax (running log-sum-exp). On one rank it is plain attention.
+    RingAttention {
+        /// The axis the key/value blocks travel around.
+        axis: AxisName,
+        /// Whether to mask keys after the query's position.
+        causal: bool,
+    },
     /// `x -> x` with its `seq` dim reordered into the zigzag layout of `parts` ranks (or back, with
     /// `inverse`): the sequence is cut into `2·parts` chunks and chunk pairs `(r, 2·parts-1-r)` are
     /// placed side by side, so that contiguous blocks of the result balance causal attention.
@@ -227,6 +238,7 @@ impl Op {
             Op::LocalSlice { .. } => "local_slice",
             Op::BroadcastShard { .. } => "broadcast_shard",
             Op::RingGatedMlp { .. } => "ring_gated_mlp",
+            Op::RingAttention { .. } => "ring_attention",
             Op::Zigzag { .. } => "zigzag",
         }
     }
@@ -253,6 +265,7 @@ impl Op {
             | Op::EmbeddingGrad { .. } => 2,
             Op::RmsNormGradInput { .. } | Op::SiluMulGradGate => 3,
             Op::AttentionGradQuery { .. } | Op::AttentionGradKey { .. } | Op::AttentionGradValue { .. } => 6,
+            Op::RingAttention { .. } => 5,
         }
     }
     /// Whether the op moves data between ranks.
@@ -264,6 +277,7 @@ impl Op {
                 | Op::AllGather { .. }
                 | Op::BroadcastShard { .. }
                 | Op::RingGatedMlp { .. }
+                | Op::RingAttention { .. }
         )
     }
     /// The mesh axis a communication or layout op works over.
@@ -275,6 +289,7 @@ impl Op {
             | Op::LocalSlice { axis, .. }
             | Op::BroadcastShard { axis, .. }
             | Op::RingGatedMlp { axis } => Some(*axis),
+            Op::RingAttention { axis, .. } => Some(*axis),
             _ => None,
         }
     }

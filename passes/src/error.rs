@@ -54,6 +54,16 @@ pub enum Error {
         /// Its degree.
         degree: u64,
     },
+    /// Two mesh axes whose strategies cannot share one mesh.
+    #[error("mesh axes {first} and {second} cannot be combined: {reason}; use one of them")]
+    ConflictingAxes {
+        /// The first axis.
+        first: String,
+        /// The second axis.
+        second: String,
+        /// Why they clash.
+        reason: String,
+    },
     /// The graph lacks a node a structural pass rewrites.
     #[error("{pass}: the graph has no node `{node}`; this pass rewrites graphs of pleat's model builder")]
     UnexpectedGraph {

@@ -8,6 +8,7 @@
 
 pub mod autodiff;
 pub mod cost;
+pub mod cp;
 pub mod error;
 pub mod explain;
 pub mod manager;
@@ -23,4 +24,4 @@ pub use manager::{run_pipeline, Dump, Pass, PassCtx, PipelineReport};
 pub use verify::{verify, VerifierError, VerifierErrors};
 
 /// The pipeline that shards a forward graph over its module's mesh.
-pub const SHARD_PIPELINE: &[Pass] = &[tsp::FOLD_TSP, propagate::PROPAGATE_SPECS];
+pub const SHARD_PIPELINE: &[Pass] = &[tsp::FOLD_TSP, cp::FOLD_CP, propagate::PROPAGATE_SPECS];

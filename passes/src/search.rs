@@ -8,7 +8,8 @@
 //! search may take every axis the cost model knows ([`MODELLED_AXES`], pipelines included). Placement
 //! follows practice: the axes are ordered dp, pp, cp, sp, tsp, tp from the outside in (ranks are numbered
 //! row-major, so the weight-splitting axis is packed inside a node), the weight-splitting axis must
-//! fit in a node, and tp and tsp are not combined (both split the same weights). Layouts the model
+//! fit in a node, and tsp is combined neither with tp (both split the weights) nor with cp (both
+//! split the sequence). Layouts the model
 //! cannot take (heads, kv heads, vocabulary or sequence that do not divide) and plans over the cap
 //! are counted and dropped. The rest are ranked by predicted step time, then peak memory, then
 //! name, so the order is deterministic.
@@ -160,8 +161,9 @@ pub fn layouts(space: &SearchSpace, gpus_per_node: u64) -> Vec<Layout> {
     let mut layouts = Vec::new();
     for degrees in factorizations(space.gpus, &axes) {
         let layout = Layout::new(&degrees, false);
-        let (tp, tsp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Tsp));
-        if (tp > 1 && tsp > 1) || tp * tsp > gpus_per_node.max(1) {
+        let (tp, tsp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Tsp), layout.degree(AxisName::Cp));
+        // tp and tsp split the same weights, tsp and cp the same sequence: pleat composes neither.
+        if (tp > 1 && tsp > 1) || (tsp > 1 && cp > 1) || tp * tsp > gpus_per_node.max(1) {
             continue;
         }
         if tp > 1 {
@@ -412,6 +414,7 @@ mod tests {
         for layout in layouts(&space, 4) {
             let (tp, tsp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Tsp));
             assert!(tp * tsp <= 4 && (tp == 1 || tsp == 1), "{}", layout.label());
+            assert!(tsp == 1 || layout.degree(AxisName::Cp) == 1, "{}", layout.label());
             let order: Vec<usize> = layout
                 .axes()
                 .iter()

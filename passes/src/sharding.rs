@@ -259,6 +259,7 @@ pub fn output_spec(
             }
             Ok(specs[0].clone())
         }
+        Op::RingAttention { axis, .. } => ring_attention_spec(*axis, specs, shapes),
         Op::LocalSlice { axis, dim } => {
             let mut spec = specs[0].clone();
             if spec.uses_axis(*axis) {
@@ -341,6 +342,45 @@ fn attention_spec(specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<ShardSpec, 
     same_dim(specs, shapes, (0, 3), (Seq, Seq))?;
     same_dim(specs, shapes, (1, 4), (Seq, Seq))?;
     replicated_dim(specs, shapes, 1, Seq, "every query needs all keys; all-gather keys and values on seq first")?;
+    let kv_axes = dim_axes(specs[1], shapes[1], KvHeads);
+    if !kv_axes.is_empty() {
+        same_dim(specs, shapes, (0, 1), (Heads, KvHeads))?;
+    }
+    Ok(specs[0].clone())
+}
+
+/// Ring attention: queries, keys, values and both position lists split on seq over `axis` alone
+/// (each rank holds one block of the sequence and the ring brings it every other block); batch and
+/// heads split as plain attention allows (data and tensor parallelism around it).
+fn ring_attention_spec(axis: AxisName, specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<ShardSpec, Conflict> {
+    use DimName::*;
+    no_partial(specs, &[0, 1, 2, 3, 4])?;
+    if specs[1] != specs[2] {
+        return Err(Conflict::Layout("keys and values are laid out differently".into()));
+    }
+    for operand in 0..3 {
+        replicated_dim(specs, shapes, operand, HeadDim, "attention contracts head_dim")?;
+    }
+    same_dim(specs, shapes, (0, 1), (Batch, Batch))?;
+    for (operand, dim) in [(0, Seq), (1, Seq), (3, Seq), (4, Seq)] {
+        let axes = dim_axes(specs[operand], shapes[operand], dim);
+        if axes != [axis] {
+            return Err(Conflict::Layout(format!(
+                "operand {operand} seq is {} but the ring over {axis} needs it split over {axis} alone",
+                axes_text(axes)
+            )));
+        }
+    }
+    for operand in 0..5 {
+        let split_elsewhere = specs[operand]
+            .dims
+            .iter()
+            .zip(shapes[operand].dims())
+            .any(|(axes, dim)| dim.name != Seq && axes.contains(&axis));
+        if split_elsewhere {
+            return Err(Conflict::Layout(format!("operand {operand} uses {axis} on a dim other than seq")));
+        }
+    }
     let kv_axes = dim_axes(specs[1], shapes[1], KvHeads);
     if !kv_axes.is_empty() {
         same_dim(specs, shapes, (0, 1), (Heads, KvHeads))?;

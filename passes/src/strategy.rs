@@ -13,6 +13,8 @@
 //! - `tsp`, tensor-and-sequence parallelism: weights split exactly as for `tp` (kv heads must
 //!   divide); the token split and the layer structure come from the `fold-tsp` pass.
 //! - `dp`, data parallelism: the batch is split; weights are replicated.
+//! - `cp`, context parallelism: weights are replicated (kv heads need not divide anything); the
+//!   zigzag token split and the ring attention come from the `fold-cp` pass.
 
 use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, DimName, Module, Op};
@@ -20,7 +22,7 @@ use pleat_ir::{AxisName, DimName, Module, Op};
 use crate::error::{Error, Result};
 
 /// The axes this build has strategies for.
-pub const SUPPORTED_AXES: [AxisName; 3] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp];
+pub const SUPPORTED_AXES: [AxisName; 4] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp, AxisName::Cp];
 
 /// Seeds parameter and input specs for every axis of the module's mesh. Only leaves change, so the
 /// module is consistent again only once propagation has run: the two form one pass.
@@ -32,6 +34,8 @@ pub fn seed_leaves(module: &mut Module) -> Result<()> {
             // heads must divide too); `fold-tsp` restructures the layers and splits the tokens.
             AxisName::Tsp => seed_weight_splits(module, AxisName::Tsp, axis.size)?,
             AxisName::Dp => seed_data_parallel(module, axis.size)?,
+            // Weights stay whole on every cp rank; the sequence split is placed by `fold-cp`.
+            AxisName::Cp => {}
             other => {
                 return Err(Error::UnsupportedAxis {
                     axis: other.to_string(),

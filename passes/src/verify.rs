@@ -277,7 +277,7 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             }
             Ok(inputs[0].clone())
         }
-        Op::Attention { .. } => {
+        Op::Attention { .. } | Op::RingAttention { .. } => {
             expect_dims(0, &[Batch, Seq, Heads, HeadDim])?;
             expect_dims(1, &[Batch, Seq, KvHeads, HeadDim])?;
             expect_dims(2, &[Batch, Seq, KvHeads, HeadDim])?;
@@ -292,6 +292,13 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             same_size((0, HeadDim), (1, HeadDim))?;
             same_size((0, Seq), (3, Seq))?;
             same_size((1, Seq), (4, Seq))?;
+            if let Op::RingAttention { axis, .. } = &node.op {
+                // The ring moves whole key/value blocks: queries and keys cover the same sequence.
+                same_size((0, Seq), (1, Seq))?;
+                if mesh.axis(*axis).is_none() {
+                    return Err(format!("ring_attention over {axis}, which the mesh does not have"));
+                }
+            }
             if size(1, KvHeads) == 0 || size(0, Heads) % size(1, KvHeads) != 0 {
                 return Err(format!("heads={} is not a multiple of kv_heads={}", size(0, Heads), size(1, KvHeads)));
             }

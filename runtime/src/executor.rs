@@ -57,7 +57,8 @@ pub struct RankOutcome {
     /// After each instruction, in program order, the bytes it held in activation buffers
     /// (intermediate values; not weights, inputs, or other ranks' weights in flight).
     pub activation_bytes: Vec<u64>,
-    /// The most bytes of other ranks' weights it held at once (TSP broadcast blocks, ring shards).
+    /// The most bytes of other ranks' data it held at once (TSP broadcast blocks and ring shards,
+    /// ring attention's key/value blocks).
     pub in_flight_peak_bytes: u64,
     /// For each instruction, in program order, its start and end in nanoseconds since
     /// `RunInputs::epoch`.
@@ -319,7 +320,17 @@ pub fn execute(
             Instr::Send { bufs, peer } => {
                 let mut packed = Vec::new();
                 for &buf in bufs {
-                    packed.extend_from_slice(machine.f32(buf)?);
+                    match machine.buffers.get(buf.as_u32() as usize) {
+                        Some(Some(Storage::F32(data))) => packed.extend_from_slice(data),
+                        // Positions travel with ring attention's key blocks, bit for bit.
+                        Some(Some(Storage::U32(data))) => {
+                            packed.extend(data.iter().map(|&value| f32::from_bits(value)))
+                        }
+                        _ => {
+                            return Err(machine
+                                .program_error(format!("{buf} is read before it is written or after it is freed")))
+                        }
+                    }
                 }
                 comm.send(*peer, &packed).map_err(|source| Error::Comm {
                     rank,
@@ -365,7 +376,14 @@ fn nanos_since(epoch: Instant) -> u64 {
 fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f32]) -> Result<()> {
     let mut offset = 0;
     for (&out, &size) in outs.iter().zip(sizes) {
-        machine.store(out, Storage::F32(packed[offset..offset + size].to_vec()))?;
+        let part = &packed[offset..offset + size];
+        // Integer buffers (positions) travel as their bits; see `Instr::Send`.
+        let storage = if machine.program.buffer(out).is_integer() {
+            Storage::U32(part.iter().map(|value| value.to_bits()).collect())
+        } else {
+            Storage::F32(part.to_vec())
+        };
+        machine.store(out, storage)?;
         offset += size;
     }
     Ok(())
@@ -453,7 +471,20 @@ fn run_kernel(
                 inv_freq,
             );
         }
-        Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, scale } => {
+        Kernel::Attention {
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            head_dim,
+            q_head_offset,
+            kv_head_offset,
+            group,
+            causal,
+            scale,
+            with_lse,
+        } => {
             let shape = AttentionShape {
                 batch: *batch as usize,
                 sq: *sq as usize,
@@ -467,16 +498,36 @@ fn run_kernel(
                 causal: *causal,
                 scale: *scale,
             };
-            kernels::attention(
-                &shape,
-                f32_operand(0)?,
-                f32_operand(1)?,
-                f32_operand(2)?,
-                u32_operand(3)?,
-                u32_operand(4)?,
-                &mut result,
-            )
-            .map_err(kernel_error)?;
+            let (q, k, v, q_pos, k_pos) =
+                (f32_operand(0)?, f32_operand(1)?, f32_operand(2)?, u32_operand(3)?, u32_operand(4)?);
+            if *with_lse {
+                // The state ring attention merges: each row's output followed by its log-sum-exp.
+                let head_dim = shape.head_dim;
+                let mut out = vec![0.0f32; q.len()];
+                let mut lse = vec![0.0f32; shape.batch * shape.sq * shape.hq];
+                kernels::attention_with_lse(&shape, q, k, v, q_pos, k_pos, &mut out, &mut lse).map_err(kernel_error)?;
+                pack_rows(&out, &lse, head_dim, &mut result);
+            } else {
+                kernels::attention(&shape, q, k, v, q_pos, k_pos, &mut result).map_err(kernel_error)?;
+            }
+        }
+        Kernel::MergeAttention { rows, head_dim } => {
+            let (rows, head_dim) = (*rows as usize, *head_dim as usize);
+            let (a, b) = (f32_operand(0)?, f32_operand(1)?);
+            if a.len() != rows * (head_dim + 1) || b.len() != a.len() {
+                return Err(machine.program_error(format!(
+                    "merge_attention states of {} and {} elements are not {rows} rows of {}",
+                    a.len(),
+                    b.len(),
+                    head_dim + 1
+                )));
+            }
+            let (out_a, lse_a) = unpack_rows(a, head_dim);
+            let (out_b, lse_b) = unpack_rows(b, head_dim);
+            let (mut out, mut lse) = (vec![0.0f32; rows * head_dim], vec![0.0f32; rows]);
+            kernels::merge_attention(head_dim, (&out_a, &lse_a), (&out_b, &lse_b), &mut out, &mut lse)
+                .map_err(kernel_error)?;
+            pack_rows(&out, &lse, head_dim, &mut result);
         }
         Kernel::SiluMul => kernels::silu_mul(f32_operand(0)?, f32_operand(1)?, &mut result),
         Kernel::Add => {
@@ -496,6 +547,26 @@ fn run_kernel(
         }
     }
     Ok(result)
+}
+
+/// Interleaves rows of `head_dim` outputs with their log-sum-exp: `[rows, head_dim + 1]`.
+fn pack_rows(out: &[f32], lse: &[f32], head_dim: usize, packed: &mut [f32]) {
+    for ((row, &row_lse), packed_row) in out.chunks_exact(head_dim).zip(lse).zip(packed.chunks_exact_mut(head_dim + 1))
+    {
+        packed_row[..head_dim].copy_from_slice(row);
+        packed_row[head_dim] = row_lse;
+    }
+}
+
+/// `pack_rows` undone.
+fn unpack_rows(packed: &[f32], head_dim: usize) -> (Vec<f32>, Vec<f32>) {
+    let rows = packed.len() / (head_dim + 1);
+    let (mut out, mut lse) = (Vec::with_capacity(rows * head_dim), Vec::with_capacity(rows));
+    for row in packed.chunks_exact(head_dim + 1) {
+        out.extend_from_slice(&row[..head_dim]);
+        lse.push(row[head_dim]);
+    }
+    (out, lse)
 }
 
 fn kernel_arity(kernel: &Kernel) -> usize {

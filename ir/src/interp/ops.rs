@@ -32,6 +32,10 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::MatMul { contract } => matmul(operands[0], operands[1], usize::from(*contract)),
         Op::Rope { rope: config } => rope(operands[0], operands[1], config),
         Op::Attention { causal } => attention(operands[0], operands[1], operands[2], operands[3], operands[4], *causal),
+        // On one rank the ring has one step: the local blocks are the whole sequence.
+        Op::RingAttention { causal, .. } => {
+            attention(operands[0], operands[1], operands[2], operands[3], operands[4], *causal)
+        }
         Op::SiluMul => silu_mul(operands[0], operands[1]),
         Op::Add => add(operands[0], operands[1]),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
@@ -361,5 +365,21 @@ mod tests {
         let down = Tensor { shape: vec![2, 2], data: vec![1.0, 0.0, 0.0, 1.0] };
         let expected = Tensor { shape: vec![1, 2], data: vec![2.193_175_7, 3.523_188_3] };
         check(Op::RingGatedMlp { axis: crate::AxisName::Tsp }, &[&x, &gate, &up, &down], &expected);
+    }
+
+    #[test]
+    fn ring_attention_on_one_device_is_attention() {
+        // One query head over two keys at positions 0 and 1; the query at position 1 sees both.
+        // Scores q·k/sqrt(2): [0, 1/sqrt(2)·2] = [0, 1.4142135]; softmax weights 0.19557, 0.80443.
+        let q = Tensor { shape: vec![1, 2, 1, 2], data: vec![1.0, 1.0, 1.0, 1.0] };
+        let k = Tensor { shape: vec![1, 2, 1, 2], data: vec![0.0, 0.0, 1.0, 1.0] };
+        let v = Tensor { shape: vec![1, 2, 1, 2], data: vec![1.0, 0.0, 0.0, 1.0] };
+        let positions = Tensor { shape: vec![2], data: vec![0.0, 1.0] };
+        let second = 1.0 / (1.0 + (2.0f64.sqrt()).exp());
+        let expected = Tensor { shape: vec![1, 2, 1, 2], data: vec![1.0, 0.0, second as f32, (1.0 - second) as f32] };
+        let op = Op::RingAttention { axis: crate::AxisName::Cp, causal: true };
+        check(op.clone(), &[&q, &k, &v, &positions, &positions], &expected);
+        let plain = eval(&Op::Attention { causal: true }, &[&q, &k, &v, &positions, &positions]).unwrap();
+        assert_eq!(eval(&op, &[&q, &k, &v, &positions, &positions]).unwrap(), plain);
     }
 }

@@ -239,7 +239,11 @@ impl Builder {
             }
             4 if !queries.is_empty() && !keys.is_empty() => {
                 let (q, k, v) = (choices.pick(&queries), choices.pick(&keys), choices.pick(&keys));
-                let op = Op::Attention { causal: choices.flip() };
+                let causal = choices.flip();
+                let op = match self.mesh.axes().first().filter(|_| choices.flip()) {
+                    Some(axis) => Op::RingAttention { axis: axis.name, causal },
+                    None => Op::Attention { causal },
+                };
                 self.node(op, &[q, k, v, positions, positions], self.ty(Q), choices);
             }
             5 => {

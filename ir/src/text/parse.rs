@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 30] = [
+const OPS: [&str; 31] = [
     "tokens",
     "positions",
     "param",
@@ -44,6 +44,7 @@ const OPS: [&str; 30] = [
     "local_slice",
     "broadcast_shard",
     "ring_gated_mlp",
+    "ring_attention",
     "zigzag",
 ];
 
@@ -315,6 +316,7 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "attention_grad_query" | "attention_grad_key" | "attention_grad_value" => &["causal"],
         "embedding_grad" => &["vocab"],
         "sum_leading" => &["keep"],
+        "ring_attention" => &["axis", "causal"],
         _ => &[],
     };
     if let Some(unknown) = attributes.iter().find(|attribute| !allowed.contains(&attribute.key)) {
@@ -394,6 +396,10 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "zigzag" => Op::Zigzag {
             parts: number(cursor, required("parts", "4")?, "a whole number")?,
             inverse: number(cursor, required("inverse", "false")?, "`true` or `false`")?,
+        },
+        "ring_attention" => Op::RingAttention {
+            axis: axis_value(cursor, required("axis", "cp")?)?,
+            causal: number(cursor, required("causal", "true")?, "`true` or `false`")?,
         },
         "broadcast_shard" => Op::BroadcastShard {
             axis: axis_value(cursor, required("axis", "tsp")?)?,

@@ -178,6 +178,7 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::AllReduce { axis } | Op::RingGatedMlp { axis } => write!(out, " axis={axis}"),
         Op::BroadcastShard { axis, dim, root } => write!(out, " axis={axis} dim={dim} root={root}"),
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
+        Op::RingAttention { axis, causal } => write!(out, " axis={axis} causal={causal}"),
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {
             write!(out, " axis={axis} dim={dim}")
         }

@@ -184,7 +184,7 @@ fn errors_say_what_was_expected_and_where() {
                cross_entropy, cross_entropy_grad, matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, \
                rms_norm_grad_weight, rope_grad, attention_grad_query, attention_grad_key, attention_grad_value, \
                silu_mul_grad_gate, embedding_grad, sum_leading, all_reduce, reduce_scatter, all_gather, local_slice, \
-               broadcast_shard, ring_gated_mlp, zigzag";
+               broadcast_shard, ring_gated_mlp, ring_attention, zigzag";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
@@ -468,6 +468,23 @@ fn generator_covers_every_op_and_feature() {
             features.insert("outputs");
         }
     }
-    assert_eq!(ops.len(), 30, "ops reached: {ops:?}");
+    assert_eq!(ops.len(), 31, "ops reached: {ops:?}");
     assert_eq!(features.len(), 7, "features reached: {features:?}");
+}
+
+#[test]
+fn ring_attention_round_trips() {
+    let text = "; module m mesh=cp=2\n\
+                v0: f32[batch=1, seq=8/cp, heads=2, head_dim=4] = param() name=\"q\"   # n0 q\n\
+                v1: f32[batch=1, seq=8/cp, kv_heads=1, head_dim=4] = param() name=\"k\"   # n1 k\n\
+                v2: i32[seq=8/cp] = positions()   # n2 positions\n\
+                v3: f32[batch=1, seq=8/cp, heads=2, head_dim=4] = ring_attention(v0, v1, v1, v2, v2) axis=cp causal=true   # n3 attention\n\
+                outputs(v3)\n";
+    let module = parse_module(text).unwrap();
+    let node = module.graph.node(<NodeId as crate::entity::EntityRef>::new(3));
+    assert_eq!(node.op, crate::Op::RingAttention { axis: crate::AxisName::Cp, causal: true });
+    assert_eq!(print_module(&module), text);
+    let bad = text.replace("causal=true", "causal=maybe");
+    let column = bad.lines().nth(4).and_then(|line| line.find("maybe")).expect("the line") + 1;
+    check_error(&bad, &format!("line 5, column {column}: expected `true` or `false` for `causal`, found `maybe`"));
 }

@@ -268,9 +268,9 @@ mod tests {
         let model = ModelShape::from_config(&preset("llama3-70b").unwrap());
         let hw = HardwareSpec::builtin("h100-sxm").unwrap();
         let estimate =
-            estimate(&model, &Layout::new(&[(AxisName::Cp, 2)], false), &Workload::training(8192, 1), &hw).unwrap();
+            estimate(&model, &Layout::new(&[(AxisName::Pp, 2)], false), &Workload::training(8192, 1), &hw).unwrap();
         assert!(estimate.warnings[0].starts_with("peak memory "), "{:?}", estimate.warnings);
         assert!(estimate.warnings[0].contains("exceeds the 85.5 GB of a h100-sxm"), "{}", estimate.warnings[0]);
-        assert!(estimate.warnings[1].contains("cp=2: pleat cannot compile this layout yet"));
+        assert!(estimate.warnings[1].contains("pp=2: pleat cannot compile this layout yet"));
     }
 }

@@ -240,6 +240,7 @@ mod tests {
         // Megatron SP on tp is `--strategy tp-sp`.
         assert!(Layout::new(&[(AxisName::Tp, 2)], true).compiles_today());
         assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 4)], false).compiles_today());
+        assert!(Layout::new(&[(AxisName::Cp, 2)], false).compiles_today());
         assert!(!Layout::new(&[(AxisName::Pp, 2), (AxisName::Tp, 2)], false).compiles_today());
         assert!(!Layout::new(&[(AxisName::Sp, 2)], false).compiles_today());
     }

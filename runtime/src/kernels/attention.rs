@@ -10,6 +10,9 @@
 //! and zigzag layouts, where a rank's positions are not contiguous or not sorted, need no special
 //! case. Key tiles that no query of the current tile can see are skipped, and tiles that every query
 //! sees fully are not masked at all. Runs on the calling thread.
+//!
+//! For ring attention the kernel can also return each row's log-sum-exp (`attention_with_lse`),
+//! and `merge_attention` combines two results over disjoint key sets exactly.
 
 use gemm::Parallelism;
 
@@ -109,6 +112,87 @@ pub fn attention(
     k_pos: &[u32],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    attention_rows(shape, q, k, v, q_pos, k_pos, out, None)
+}
+
+/// [`attention`] that also writes each query row's log-sum-exp of its (scaled, masked) scores,
+/// `lse[(b·sq + i)·hq + h] = ln Σ_j exp(scale·q·k_j)` over the keys the row sees, `-inf` for a row
+/// that sees none. With it, results over disjoint key sets merge exactly ([`merge_attention`]),
+/// which is what ring attention does with the key/value blocks it receives.
+///
+/// # Errors
+/// As [`attention`], and [`KernelError::LengthMismatch`] when `lse` is not `batch·sq·hq` long.
+#[allow(clippy::too_many_arguments)] // Attention's operands plus the second result.
+pub fn attention_with_lse(
+    shape: &AttentionShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_pos: &[u32],
+    k_pos: &[u32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("attention", "lse", shape.batch.saturating_mul(shape.sq).saturating_mul(shape.hq), lse.len())?;
+    attention_rows(shape, q, k, v, q_pos, k_pos, out, Some(lse))
+}
+
+/// Merges two attention results of the same queries over disjoint key sets into the result over
+/// their union: with `m = max(lse_a, lse_b)`, `w_a = exp(lse_a - m)`, `w_b = exp(lse_b - m)`,
+/// `out = (w_a·out_a + w_b·out_b) / (w_a + w_b)` row by row (`head_dim` elements a row) and
+/// `lse = m + ln(w_a + w_b)`. A row that saw no key on either side (`-inf`) stays zeros and `-inf`.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] when the buffers disagree with each other or with `head_dim`,
+/// [`KernelError::ZeroDim`] when `head_dim` is 0.
+pub fn merge_attention(
+    head_dim: usize,
+    (out_a, lse_a): (&[f32], &[f32]),
+    (out_b, lse_b): (&[f32], &[f32]),
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<(), KernelError> {
+    if head_dim == 0 {
+        return Err(KernelError::ZeroDim { kernel: "merge_attention", what: "head_dim" });
+    }
+    let rows = lse_a.len();
+    check_len("merge_attention", "lse_b", rows, lse_b.len())?;
+    check_len("merge_attention", "lse", rows, lse.len())?;
+    check_len("merge_attention", "out_a", rows.saturating_mul(head_dim), out_a.len())?;
+    check_len("merge_attention", "out_b", rows.saturating_mul(head_dim), out_b.len())?;
+    check_len("merge_attention", "out", rows.saturating_mul(head_dim), out.len())?;
+    for row in 0..rows {
+        let (a, b) = (lse_a[row], lse_b[row]);
+        let max = a.max(b);
+        let span = row * head_dim..(row + 1) * head_dim;
+        if max == f32::NEG_INFINITY {
+            out[span].fill(0.0);
+            lse[row] = f32::NEG_INFINITY;
+            continue;
+        }
+        // exp(-inf) = 0 drops a side that saw nothing.
+        let (weight_a, weight_b) = ((a - max).exp(), (b - max).exp());
+        let total = weight_a + weight_b;
+        let (weight_a, weight_b) = (weight_a / total, weight_b / total);
+        for ((o, &x), &y) in out[span.clone()].iter_mut().zip(&out_a[span.clone()]).zip(&out_b[span]) {
+            *o = weight_a * x + weight_b * y;
+        }
+        lse[row] = max + total.ln();
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)] // Attention's operands plus the optional second result.
+fn attention_rows(
+    shape: &AttentionShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_pos: &[u32],
+    k_pos: &[u32],
+    out: &mut [f32],
+    mut lse: Option<&mut [f32]>,
+) -> Result<(), KernelError> {
     validate(shape, q, k, v, q_pos, k_pos, out)?;
     let AttentionShape { batch, sq, sk, hq, hkv, head_dim, causal, scale, .. } = *shape;
     if out.is_empty() {
@@ -150,6 +234,10 @@ pub fn attention(
                     tile.add_key_tile(rows, cols, q_tile, keys_transposed, values, scale, mask);
                 }
                 for (row, &row_sum) in tile.row_sum[..rows].iter().enumerate() {
+                    if let Some(lse) = lse.as_deref_mut() {
+                        lse[(batch_index * sq + q_start + row) * hq + query_head] =
+                            if row_sum > 0.0 { tile.row_max[row] + row_sum.ln() } else { f32::NEG_INFINITY };
+                    }
                     let start = q_base + (q_start + row) * q_row_stride;
                     let out_row = &mut out[start..start + head_dim];
                     let acc_row = &tile.acc[row * head_dim..(row + 1) * head_dim];
@@ -417,5 +505,106 @@ mod tests {
         shape.group = 0;
         let error = attention(&shape, &[0.0; 2], &[0.0; 2], &[0.0; 2], &[0], &[0], &mut out[..2]).unwrap_err();
         assert_eq!(error, KernelError::ZeroDim { kernel: "attention", what: "group" });
+    }
+
+    /// The log-sum-exp of each row's visible scaled scores, in f64, straight from the definition.
+    fn naive_lse(shape: &AttentionShape, q: &[f32], k: &[f32], q_pos: &[u32], k_pos: &[u32]) -> Vec<f64> {
+        let AttentionShape { batch, sq, sk, hq, hkv, head_dim: d, .. } = *shape;
+        let mut lse = Vec::new();
+        for b in 0..batch {
+            for i in 0..sq {
+                for h in 0..hq {
+                    let kv = (shape.q_head_offset + h) / shape.group - shape.kv_head_offset;
+                    let scores: Vec<f64> = (0..sk)
+                        .filter(|&j| !shape.causal || k_pos[j] <= q_pos[i])
+                        .map(|j| {
+                            let dot: f64 = (0..d)
+                                .map(|c| {
+                                    q[((b * sq + i) * hq + h) * d + c] as f64
+                                        * k[((b * sk + j) * hkv + kv) * d + c] as f64
+                                })
+                                .sum();
+                            shape.scale as f64 * dot
+                        })
+                        .collect();
+                    lse.push(scores.iter().map(|s| s.exp()).sum::<f64>().ln());
+                }
+            }
+        }
+        lse
+    }
+
+    /// Keys `keep` of a `[batch, sk, hkv, d]` tensor, in order.
+    fn keys_of(data: &[f32], batch: usize, sk: usize, width: usize, keep: &[usize]) -> Vec<f32> {
+        (0..batch)
+            .flat_map(|b| keep.iter().flat_map(move |&j| data[(b * sk + j) * width..(b * sk + j + 1) * width].to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn log_sum_exp_matches_reference() {
+        let mut shape = causal(AttentionShape::new(2, 40, 70, 4, 2, 8));
+        (shape.group, shape.q_head_offset, shape.kv_head_offset) = (2, 4, 2);
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((30..70).collect(), (0..70).rev().collect());
+        let q: Vec<f32> = values(2 * 40 * 4 * 8, 41).iter().map(|x| x * 3.0).collect();
+        let k: Vec<f32> = values(2 * 70 * 2 * 8, 42).iter().map(|x| x * 3.0).collect();
+        let v = values(2 * 70 * 2 * 8, 43);
+        let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; 2 * 40 * 4]);
+        attention_with_lse(&shape, &q, &k, &v, &q_pos, &k_pos, &mut out, &mut lse).unwrap();
+        assert_close(&lse, &naive_lse(&shape, &q, &k, &q_pos, &k_pos), 1e-5);
+        let mut plain = vec![0.0; q.len()];
+        attention(&shape, &q, &k, &v, &q_pos, &k_pos, &mut plain).unwrap();
+        assert_eq!(out, plain, "the second result leaves the first unchanged");
+        let error = attention_with_lse(&shape, &q, &k, &v, &q_pos, &k_pos, &mut out, &mut lse[1..]).unwrap_err();
+        assert_eq!(error, KernelError::LengthMismatch { kernel: "attention", tensor: "lse", expected: 320, got: 319 });
+    }
+
+    #[test]
+    fn merging_two_key_blocks_equals_attention_over_both() {
+        // Zigzag over 2 ranks of 16 positions (chunks of 4): this rank's queries hold chunks 0 and
+        // 3; the key blocks are its own (chunks 0, 3) and the other rank's (chunks 1, 2).
+        let (batch, hq, hkv, d) = (2, 4, 2, 8);
+        let q_pos: Vec<u32> = [0, 1, 2, 3, 12, 13, 14, 15].to_vec();
+        let all_pos: Vec<u32> = [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11].to_vec();
+        let q: Vec<f32> = values(batch * 8 * hq * d, 51).iter().map(|x| x * 3.0).collect();
+        let k: Vec<f32> = values(batch * 16 * hkv * d, 52).iter().map(|x| x * 3.0).collect();
+        let v = values(batch * 16 * hkv * d, 53);
+        let full = causal(AttentionShape::new(batch, 8, 16, hq, hkv, d));
+        let mut want = vec![0.0; q.len()];
+        attention(&full, &q, &k, &v, &q_pos, &all_pos, &mut want).unwrap();
+        let want_lse = naive_lse(&full, &q, &k, &q_pos, &all_pos);
+        let half = causal(AttentionShape::new(batch, 8, 8, hq, hkv, d));
+        let mut parts = Vec::new();
+        for keep in [(0..8).collect::<Vec<_>>(), (8..16).collect()] {
+            let (block_k, block_v) = (keys_of(&k, batch, 16, hkv * d, &keep), keys_of(&v, batch, 16, hkv * d, &keep));
+            let block_pos: Vec<u32> = keep.iter().map(|&j| all_pos[j]).collect();
+            let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; batch * 8 * hq]);
+            attention_with_lse(&half, &q, &block_k, &block_v, &q_pos, &block_pos, &mut out, &mut lse).unwrap();
+            parts.push((out, lse));
+        }
+        let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; batch * 8 * hq]);
+        let (a, b) = (&parts[0], &parts[1]);
+        merge_attention(d, (&a.0, &a.1), (&b.0, &b.1), &mut out, &mut lse).unwrap();
+        assert_close(&out, &want.iter().map(|&x| x as f64).collect::<Vec<_>>(), 1e-5);
+        assert_close(&lse, &want_lse, 1e-5);
+        // The early queries (positions 0..4) see nothing of the other block: it merges as a no-op.
+        assert!(b.1[..4 * hq].iter().all(|&x| x == f32::NEG_INFINITY));
+        assert_eq!(&out[..4 * hq * d], &a.0[..4 * hq * d]);
+    }
+
+    #[test]
+    fn merge_of_rows_that_saw_nothing_is_zero() {
+        let inf = f32::NEG_INFINITY;
+        let (mut out, mut lse) = (vec![9.0; 4], vec![0.0; 2]);
+        let out_a = [1.0, 2.0, 5.0, 6.0];
+        let out_b = [3.0, 4.0, 7.0, 8.0];
+        merge_attention(2, (&out_a, &[inf, 0.0]), (&out_b, &[inf, 0.0]), &mut out, &mut lse).unwrap();
+        assert_eq!(out, [0.0, 0.0, 6.0, 7.0]);
+        assert_eq!(lse, [inf, 2.0f32.ln()]);
+        let error = merge_attention(2, (&out_a, &[0.0]), (&out_b, &[0.0, 0.0]), &mut out, &mut lse).unwrap_err();
+        assert_eq!(
+            error,
+            KernelError::LengthMismatch { kernel: "merge_attention", tensor: "lse_b", expected: 1, got: 2 }
+        );
     }
 }

@@ -21,7 +21,7 @@ mod matmul;
 mod norm;
 mod rope;
 
-pub use attention::{attention, AttentionShape};
+pub use attention::{attention, attention_with_lse, merge_attention, AttentionShape};
 pub use elementwise::{add, add_in_place, embedding, silu_mul};
 pub use layout::{join_dim_chunks, slice_region, split_dim_chunks};
 pub use matmul::matmul_nt;
