@@ -115,6 +115,19 @@ pub enum Op {
         /// The dim to split.
         dim: DimName,
     },
+    /// Reshards a value from split on `gather_dim` to split on `split_dim`, both over `axis`: each
+    /// rank cuts its block into as many pieces along `split_dim` as `axis` has ranks, sends piece
+    /// `j` to rank `j`, and concatenates what it receives along `gather_dim` in rank order. Equal
+    /// to `local_slice(all_gather(x, gather_dim), split_dim)` with `(D-1)/D` of one block's bytes
+    /// sent instead of a whole gathered tensor.
+    AllToAll {
+        /// The axis whose groups exchange pieces.
+        axis: AxisName,
+        /// The dim the result is split on (replicated over `axis` in the operand).
+        split_dim: DimName,
+        /// The dim the operand is split on (innermost over `axis`); whole in the result.
+        gather_dim: DimName,
+    },
 }
 
 impl Op {
@@ -138,6 +151,7 @@ impl Op {
             Op::BroadcastShard { .. } => "broadcast_shard",
             Op::RingGatedMlp { .. } => "ring_gated_mlp",
             Op::Zigzag { .. } => "zigzag",
+            Op::AllToAll { .. } => "all_to_all",
         }
     }
     /// The number of inputs the op takes.
@@ -149,6 +163,7 @@ impl Op {
             | Op::AllGather { .. }
             | Op::LocalSlice { .. }
             | Op::BroadcastShard { .. }
+            | Op::AllToAll { .. }
             | Op::Zigzag { .. } => 1,
             Op::RingGatedMlp { .. } => 4,
             Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
@@ -164,6 +179,7 @@ impl Op {
                 | Op::AllGather { .. }
                 | Op::BroadcastShard { .. }
                 | Op::RingGatedMlp { .. }
+                | Op::AllToAll { .. }
         )
     }
     /// The mesh axis a communication or layout op works over.
@@ -174,6 +190,7 @@ impl Op {
             | Op::AllGather { axis, .. }
             | Op::LocalSlice { axis, .. }
             | Op::BroadcastShard { axis, .. }
+            | Op::AllToAll { axis, .. }
             | Op::RingGatedMlp { axis } => Some(*axis),
             _ => None,
         }

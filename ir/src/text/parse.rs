@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 17] = [
+const OPS: [&str; 18] = [
     "tokens",
     "positions",
     "param",
@@ -32,6 +32,7 @@ const OPS: [&str; 17] = [
     "broadcast_shard",
     "ring_gated_mlp",
     "zigzag",
+    "all_to_all",
 ];
 
 /// The header every module text needs, as errors spell it.
@@ -296,6 +297,7 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "reduce_scatter" | "all_gather" | "local_slice" => &["axis", "dim"],
         "broadcast_shard" => &["axis", "dim", "root"],
         "zigzag" => &["parts", "inverse"],
+        "all_to_all" => &["axis", "split_dim", "gather_dim"],
         _ => &[],
     };
     if let Some(unknown) = attributes.iter().find(|attribute| !allowed.contains(&attribute.key)) {
@@ -344,6 +346,11 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "zigzag" => Op::Zigzag {
             parts: number(cursor, required("parts", "4")?, "a whole number")?,
             inverse: number(cursor, required("inverse", "false")?, "`true` or `false`")?,
+        },
+        "all_to_all" => Op::AllToAll {
+            axis: axis_value(cursor, required("axis", "tp")?)?,
+            split_dim: dim_value(cursor, required("split_dim", "seq")?)?,
+            gather_dim: dim_value(cursor, required("gather_dim", "heads")?)?,
         },
         "broadcast_shard" => Op::BroadcastShard {
             axis: axis_value(cursor, required("axis", "tsp")?)?,

@@ -79,6 +79,26 @@ fn canonical_text_round_trips() {
 }
 
 #[test]
+fn all_to_all_round_trips() {
+    let text = format!(
+        "{HEADER}v0: f32[seq=8, heads=4/tp] = param() name=\"x\"   # n0 x\n\
+         v1: f32[seq=8/tp, heads=4] = all_to_all(v0) axis=tp split_dim=seq gather_dim=heads   # n1 reshard\n\
+         outputs(v1)\n"
+    );
+    let module = parse_module(&text).unwrap();
+    let node = module.graph.node(module.graph.order()[1]);
+    assert_eq!(
+        node.op,
+        crate::Op::AllToAll {
+            axis: crate::AxisName::Tp,
+            split_dim: crate::DimName::Seq,
+            gather_dim: crate::DimName::Heads
+        }
+    );
+    assert_eq!(print_module(&module), text);
+}
+
+#[test]
 fn parsed_module_matches_an_independent_reading() {
     let module = parse_module(CANONICAL).unwrap();
     let graph = &module.graph;
@@ -181,7 +201,7 @@ const HEADER: &str = "; module m mesh=tp=2\n";
 #[test]
 fn errors_say_what_was_expected_and_where() {
     let ops = "tokens, positions, param, embedding, rms_norm, matmul, rope, attention, silu_mul, add, all_reduce, \
-               reduce_scatter, all_gather, local_slice, broadcast_shard, ring_gated_mlp, zigzag";
+               reduce_scatter, all_gather, local_slice, broadcast_shard, ring_gated_mlp, zigzag, all_to_all";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
@@ -465,6 +485,6 @@ fn generator_covers_every_op_and_feature() {
             features.insert("outputs");
         }
     }
-    assert_eq!(ops.len(), 17, "ops reached: {ops:?}");
+    assert_eq!(ops.len(), 18, "ops reached: {ops:?}");
     assert_eq!(features.len(), 7, "features reached: {features:?}");
 }
