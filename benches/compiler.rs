@@ -9,8 +9,9 @@ use pleat_ir::model::preset::preset;
 use pleat_ir::Mesh;
 use pleat_passes::cost::hw::HardwareSpec;
 use pleat_passes::cost::{estimate, Layout, Mode, ModelShape, Workload};
+use pleat_passes::rewrite::{rewrite_collectives, RewriteOptions};
 use pleat_passes::search::{search, SearchSpace, MODELLED_AXES};
-use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
+use pleat_passes::{propagate, run_pipeline, tsp, PassCtx, SHARD_PIPELINE};
 
 fn compile(config: &pleat_ir::model::config::ModelConfig, mesh: &str) -> usize {
     let mut module = pleat_ir::model::build(config, 8, 64).expect("build");
@@ -55,9 +56,45 @@ fn search_benches(c: &mut Criterion) {
     });
 }
 
+/// `config` on `mesh`, propagated without sequence parallelism: the form `rewrite-collectives` starts
+/// from (with sequence parallelism on, it derives Korthikanti's layout from it: the heaviest case).
+fn tp_form(config: &pleat_ir::model::config::ModelConfig, mesh: &str) -> pleat_ir::Module {
+    let mut module = pleat_ir::model::build(config, 1, 8192).expect("build");
+    module.mesh = Mesh::parse(mesh).expect("mesh");
+    run_pipeline(&[tsp::FOLD_TSP, propagate::PROPAGATE_SPECS], &mut module, &PassCtx::default()).expect("passes");
+    module
+}
+
+fn rewrite_benches(c: &mut Criterion) {
+    // The egg pass saturates one layer template whatever the depth: one layer of llama3-405b, then
+    // the whole 126 layers (one e-graph, the chosen form written into every layer).
+    let mut one_layer = preset("llama3-405b").expect("preset");
+    one_layer.num_layers = 1;
+    let whole = preset("llama3-405b").expect("preset");
+    for (label, config) in [("one layer", &one_layer), ("126 layers", &whole)] {
+        let module = tp_form(config, "tp=8");
+        for (strategy, sequence_parallel) in [("tp", false), ("tp-sp", true)] {
+            let ctx = PassCtx { sequence_parallel, ..PassCtx::default() };
+            let options = RewriteOptions::default();
+            c.bench_function(&format!("rewrite-collectives llama3-405b {label} tp=8 {strategy}"), |b| {
+                b.iter_batched(
+                    || module.clone(),
+                    |mut module| rewrite_collectives(&mut module, &ctx, &options).expect("rewrite"),
+                    criterion::BatchSize::LargeInput,
+                )
+            });
+        }
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
     targets = compile_benches, plan_benches, search_benches
 }
-criterion_main!(benches);
+criterion_group! {
+    name = rewrite;
+    config = Criterion::default().sample_size(10);
+    targets = rewrite_benches
+}
+criterion_main!(benches, rewrite);

@@ -5,7 +5,9 @@ use std::fmt::Write;
 use anyhow::{bail, Result};
 use clap::Args;
 use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
-use pleat_passes::Dump;
+use pleat_passes::propagate::PROPAGATE_SPECS;
+use pleat_passes::tsp::FOLD_TSP;
+use pleat_passes::{Dump, PassCtx};
 use serde_json::json;
 
 use crate::compile::ModelOnMesh;
@@ -35,6 +37,23 @@ pub struct ExplainArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = ExplainFormat::Text)]
     pub format: ExplainFormat,
+    /// Print egg's proof, rule by rule, of the form `rewrite-collectives` chooses for this value of
+    /// the first layer (e.g. `layer0.mlp_residual`), starting from the tensor-parallel form
+    /// propagation gives; with `--strategy tp-sp` it shows how sequence parallelism is derived.
+    #[arg(long, value_name = "VALUE")]
+    pub proof: Option<String>,
+}
+
+/// The proof text for `value`: the module is propagated without sequence parallelism (the tp
+/// form) and the rule tables are those the strategy enables.
+fn proof(target: &ModelOnMesh, config: &pleat_ir::model::config::ModelConfig, value: &str) -> Result<String> {
+    let mesh = pleat_ir::Mesh::parse(&target.mesh)?;
+    let ctx = target.strategy.pass_ctx(&mesh, Dump::Nothing)?;
+    let mut module = pleat_ir::model::build(config, target.batch, target.seq)?;
+    module.mesh = mesh;
+    let tp_form = PassCtx { sequence_parallel: false, ..ctx.clone() };
+    pleat_passes::run_pipeline(&[FOLD_TSP, PROPAGATE_SPECS], &mut module, &tp_form)?;
+    Ok(pleat_passes::rewrite::proof(&module, &ctx, value)?)
 }
 
 fn collective_json(reason: &CollectiveReason) -> serde_json::Value {
@@ -56,6 +75,10 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
     let config = target.config("explain")?;
     if args.layer >= config.num_layers {
         bail!("--layer {} does not exist; {} has layers 0..{}", args.layer, config.name, config.num_layers);
+    }
+    if let Some(value) = &args.proof {
+        print!("{}", proof(target, &config, value)?);
+        return Ok(());
     }
     let compiled = target.compile(&config, Dump::Nothing)?;
     let module = &compiled.sharded;

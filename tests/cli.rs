@@ -131,6 +131,22 @@ fn explain_gives_each_collective_its_reason() {
 }
 
 #[test]
+fn explain_proof_names_the_rules_that_replace_the_o_proj_all_reduce() {
+    let args = ["explain", "tiny", "--mesh", "tp=2", "--seq", "16", "--strategy", "tp-sp", "--proof"];
+    let text = stdout_of(&[&args[..], &["layer0.attn_residual"]].concat());
+    assert!(text.starts_with("layer0.attn_residual: "), "{text}");
+    // The o_proj all-reduce is split into a reduce-scatter and an all-gather, and the residual add
+    // moves onto the seq shard.
+    assert!(text.contains("all-reduce-is-rs-then-ag: (all_reduce tp (matmul"), "{text}");
+    assert!(text.contains("slice-residual-to-meet-gather"), "{text}");
+    let text = stdout_of(&["explain", "tiny", "--mesh", "tp=2", "--seq", "16", "--proof", "layer0.attn_residual"]);
+    assert!(text.contains("no rule"), "plain tp keeps its all-reduce: {text}");
+    assert!(
+        error_of(&["explain", "tiny", "--mesh", "tp=2", "--proof", "layer0.nope"]).contains("no value `layer0.nope`")
+    );
+}
+
+#[test]
 fn a_gqa_config_with_more_ranks_than_kv_heads_checks() {
     let dir = tempdir("gqa");
     let config = dir.join("config.json");

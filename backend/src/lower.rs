@@ -189,6 +189,13 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
             Op::AllGather { axis, dim } => {
                 Instr::AllGather { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
             }
+            Op::AllToAll { axis, split_dim, gather_dim } => Instr::AllToAll {
+                input: inputs[0],
+                out,
+                group: group(*axis),
+                split_dim: dim_index(*split_dim),
+                gather_dim: dim_index(*gather_dim),
+            },
             Op::Zigzag { parts, inverse } => {
                 let shape = input_local(0)?;
                 let dim = dim_index(DimName::Seq);

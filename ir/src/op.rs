@@ -203,6 +203,19 @@ pub enum Op {
         /// The dim to split.
         dim: DimName,
     },
+    /// Reshards a value from split on `gather_dim` to split on `split_dim`, both over `axis`: each
+    /// rank cuts its block into as many pieces along `split_dim` as `axis` has ranks, sends piece
+    /// `j` to rank `j`, and concatenates what it receives along `gather_dim` in rank order. Equal
+    /// to `local_slice(all_gather(x, gather_dim), split_dim)` with `(D-1)/D` of one block's bytes
+    /// sent instead of a whole gathered tensor.
+    AllToAll {
+        /// The axis whose groups exchange pieces.
+        axis: AxisName,
+        /// The dim the result is split on (replicated over `axis` in the operand).
+        split_dim: DimName,
+        /// The dim the operand is split on (innermost over `axis`); whole in the result.
+        gather_dim: DimName,
+    },
 }
 
 impl Op {
@@ -240,6 +253,7 @@ impl Op {
             Op::RingGatedMlp { .. } => "ring_gated_mlp",
             Op::RingAttention { .. } => "ring_attention",
             Op::Zigzag { .. } => "zigzag",
+            Op::AllToAll { .. } => "all_to_all",
         }
     }
     /// The number of inputs the op takes.
@@ -251,6 +265,7 @@ impl Op {
             | Op::AllGather { .. }
             | Op::LocalSlice { .. }
             | Op::BroadcastShard { .. }
+            | Op::AllToAll { .. }
             | Op::Zigzag { .. } => 1,
             Op::RingGatedMlp { .. } => 4,
             Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
@@ -278,6 +293,7 @@ impl Op {
                 | Op::BroadcastShard { .. }
                 | Op::RingGatedMlp { .. }
                 | Op::RingAttention { .. }
+                | Op::AllToAll { .. }
         )
     }
     /// The mesh axis a communication or layout op works over.
@@ -288,6 +304,7 @@ impl Op {
             | Op::AllGather { axis, .. }
             | Op::LocalSlice { axis, .. }
             | Op::BroadcastShard { axis, .. }
+            | Op::AllToAll { axis, .. }
             | Op::RingGatedMlp { axis } => Some(*axis),
             Op::RingAttention { axis, .. } => Some(*axis),
             _ => None,

@@ -82,4 +82,30 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+
+    // === Rewrite (egg) ===
+    /// A rule's pattern does not parse: a bug in a rule table.
+    #[error("rewrite rule {rule} is malformed: {reason}; fix its pattern in passes/src/rewrite/rules")]
+    RuleTable {
+        /// The rule's name.
+        rule: String,
+        /// egg's complaint.
+        reason: String,
+    },
+    /// Two e-classes that disagree on type or layout were merged: an unsound rule.
+    #[error("rewrite merged a value laid out as {left} with one laid out as {right}; a rule's typing is unsound")]
+    RewriteConflict {
+        /// One side's type and layout.
+        left: String,
+        /// The other side's.
+        right: String,
+    },
+    /// `--proof` named no value of the first layer.
+    #[error("no value `{name}` in the first layer; name a node of layer0, e.g. {example}")]
+    UnknownValue {
+        /// The name asked for.
+        name: String,
+        /// A name that exists.
+        example: String,
+    },
 }

@@ -156,11 +156,27 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                     "the gate/up/down shards (split on ffn over {axis}) travel around the {axis} ring, one hop a step under the step's GEMMs, while each rank's tokens stay put"
                 ),
             ),
+            Op::RingAttention { .. } => (
+                Some("seq".to_string()),
+                "ring-kv-around-local-queries",
+                format!(
+                    "queries, keys and values are split on seq over {axis} (context parallelism); each rank keeps its queries while the key/value blocks, with their positions, travel around the {axis} ring, one hop a step under the step's attention, and the partial results merge by log-sum-exp"
+                ),
+            ),
+            Op::AllToAll { split_dim, gather_dim, .. } => (
+                Some(format!("{gather_dim}->{split_dim}")),
+                "reshard-via-all-to-all",
+                format!(
+                    "{input_name} is split on {gather_dim} over {axis} and {consumers} takes it split on {split_dim}: one all-to-all re-splits it, moving (D-1)/D of the block instead of gathering it whole"
+                ),
+            ),
             _ => continue,
         };
         let bytes_per_rank = match &data.op {
             // The ring moves the three weight shards at every hop.
             Op::RingGatedMlp { .. } => data.inputs[1..].iter().map(|&weight| local_bytes(module, weight)).sum(),
+            // The attention ring moves the key and value blocks and their positions at every hop.
+            Op::RingAttention { .. } => [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum(),
             _ => local_bytes(module, input),
         };
         reasons.push(CollectiveReason {

@@ -3,7 +3,8 @@
 //! Passes transform a `pleat_ir::Module` in place. The manager (`manager`) runs them by name and
 //! verifies the IR after each (`verify`). Strategies (`strategy`) seed sharding specs on the
 //! leaves from the mesh's axes; propagation (`propagate`) completes the specs with the per-op rules
-//! of `sharding` and inserts the collectives they call for. This crate knows nothing of per-rank
+//! of `sharding` and inserts the collectives they call for; `rewrite` then chooses between
+//! equivalent collectives by cost with equality saturation (egg). This crate knows nothing of per-rank
 //! programs, kernels or communicators.
 
 pub mod autodiff;
@@ -13,6 +14,7 @@ pub mod error;
 pub mod explain;
 pub mod manager;
 pub mod propagate;
+pub mod rewrite;
 pub mod search;
 pub mod sharding;
 pub mod strategy;
@@ -24,4 +26,5 @@ pub use manager::{run_pipeline, Dump, Pass, PassCtx, PipelineReport};
 pub use verify::{verify, VerifierError, VerifierErrors};
 
 /// The pipeline that shards a forward graph over its module's mesh.
-pub const SHARD_PIPELINE: &[Pass] = &[tsp::FOLD_TSP, cp::FOLD_CP, propagate::PROPAGATE_SPECS];
+pub const SHARD_PIPELINE: &[Pass] =
+    &[tsp::FOLD_TSP, cp::FOLD_CP, propagate::PROPAGATE_SPECS, rewrite::REWRITE_COLLECTIVES];

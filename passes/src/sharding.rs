@@ -271,6 +271,26 @@ pub fn output_spec(
             spec.dims[dim_index].push(*axis);
             Ok(spec)
         }
+        Op::AllToAll { axis, split_dim, gather_dim } => {
+            no_partial(specs, &[0])?;
+            let mut spec = specs[0].clone();
+            let gather_index = dim_position(shapes[0], *gather_dim)?;
+            let split_index = dim_position(shapes[0], *split_dim)?;
+            if spec.dims[gather_index].last() != Some(axis) {
+                return Err(Conflict::Layout(format!(
+                    "all_to_all over {axis} needs {gather_dim} split over {axis} innermost, but it is {}",
+                    axes_text(&spec.dims[gather_index])
+                )));
+            }
+            spec.dims[gather_index].pop();
+            if spec.uses_axis(*axis) {
+                return Err(Conflict::Layout(format!(
+                    "all_to_all over {axis} needs {split_dim} and every other dim free of {axis}"
+                )));
+            }
+            spec.dims[split_index].push(*axis);
+            Ok(spec)
+        }
     }
 }
 

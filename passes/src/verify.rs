@@ -377,6 +377,17 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             }
             Ok(inputs[0].clone())
         }
+        Op::AllToAll { split_dim, gather_dim, .. } => {
+            for dim in [split_dim, gather_dim] {
+                if inputs[0].shape.position(*dim).is_none() {
+                    return Err(format!("operand 0 {} has no dim {dim}", shape_text(&inputs[0].shape)));
+                }
+            }
+            if split_dim == gather_dim {
+                return Err(format!("all_to_all splits and gathers the same dim {split_dim}; use two different dims"));
+            }
+            Ok(inputs[0].clone())
+        }
     }
 }
 

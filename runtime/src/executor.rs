@@ -167,7 +167,9 @@ pub fn execute(
     let rank = program.rank;
     let tokens_shape = program.tokens_shape.clone();
     let seq = *tokens_shape.get(1).unwrap_or(&0);
-    if inputs.tokens.len() as u64 != tokens_shape.iter().product::<u64>() || inputs.positions.len() as u64 != seq {
+    // A program that reads no tokens (no `tokens` node: an empty shape) expects none.
+    let token_count = if tokens_shape.is_empty() { 0 } else { tokens_shape.iter().product::<u64>() };
+    if inputs.tokens.len() as u64 != token_count || inputs.positions.len() as u64 != seq {
         return Err(Error::Inputs {
             reason: format!(
                 "the program expects tokens {:?} and {seq} positions, got {} tokens and {} positions",

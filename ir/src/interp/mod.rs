@@ -162,6 +162,7 @@ fn check_unsharded(graph: &Graph) -> Result<(), InterpError> {
                 | Op::AllGather { .. }
                 | Op::LocalSlice { .. }
                 | Op::BroadcastShard { .. }
+                | Op::AllToAll { .. }
         ) {
             return Err(sharded(format!("op {} moves data between ranks", node.op.mnemonic())));
         }

@@ -64,7 +64,8 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         | Op::ReduceScatter { .. }
         | Op::AllGather { .. }
         | Op::LocalSlice { .. }
-        | Op::BroadcastShard { .. } => Err(OpError::NotLocal),
+        | Op::BroadcastShard { .. }
+        | Op::AllToAll { .. } => Err(OpError::NotLocal),
     }
 }
 

@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 31] = [
+const OPS: [&str; 32] = [
     "tokens",
     "positions",
     "param",
@@ -46,6 +46,7 @@ const OPS: [&str; 31] = [
     "ring_gated_mlp",
     "ring_attention",
     "zigzag",
+    "all_to_all",
 ];
 
 /// The header every module text needs, as errors spell it.
@@ -317,6 +318,7 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "embedding_grad" => &["vocab"],
         "sum_leading" => &["keep"],
         "ring_attention" => &["axis", "causal"],
+        "all_to_all" => &["axis", "split_dim", "gather_dim"],
         _ => &[],
     };
     if let Some(unknown) = attributes.iter().find(|attribute| !allowed.contains(&attribute.key)) {
@@ -400,6 +402,11 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "ring_attention" => Op::RingAttention {
             axis: axis_value(cursor, required("axis", "cp")?)?,
             causal: number(cursor, required("causal", "true")?, "`true` or `false`")?,
+        },
+        "all_to_all" => Op::AllToAll {
+            axis: axis_value(cursor, required("axis", "tp")?)?,
+            split_dim: dim_value(cursor, required("split_dim", "seq")?)?,
+            gather_dim: dim_value(cursor, required("gather_dim", "heads")?)?,
         },
         "broadcast_shard" => Op::BroadcastShard {
             axis: axis_value(cursor, required("axis", "tsp")?)?,

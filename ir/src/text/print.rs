@@ -182,6 +182,9 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {
             write!(out, " axis={axis} dim={dim}")
         }
+        Op::AllToAll { axis, split_dim, gather_dim } => {
+            write!(out, " axis={axis} split_dim={split_dim} gather_dim={gather_dim}")
+        }
     };
 }
 

@@ -79,6 +79,26 @@ fn canonical_text_round_trips() {
 }
 
 #[test]
+fn all_to_all_round_trips() {
+    let text = format!(
+        "{HEADER}v0: f32[seq=8, heads=4/tp] = param() name=\"x\"   # n0 x\n\
+         v1: f32[seq=8/tp, heads=4] = all_to_all(v0) axis=tp split_dim=seq gather_dim=heads   # n1 reshard\n\
+         outputs(v1)\n"
+    );
+    let module = parse_module(&text).unwrap();
+    let node = module.graph.node(module.graph.order()[1]);
+    assert_eq!(
+        node.op,
+        crate::Op::AllToAll {
+            axis: crate::AxisName::Tp,
+            split_dim: crate::DimName::Seq,
+            gather_dim: crate::DimName::Heads
+        }
+    );
+    assert_eq!(print_module(&module), text);
+}
+
+#[test]
 fn parsed_module_matches_an_independent_reading() {
     let module = parse_module(CANONICAL).unwrap();
     let graph = &module.graph;
@@ -184,7 +204,7 @@ fn errors_say_what_was_expected_and_where() {
                cross_entropy, cross_entropy_grad, matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, \
                rms_norm_grad_weight, rope_grad, attention_grad_query, attention_grad_key, attention_grad_value, \
                silu_mul_grad_gate, embedding_grad, sum_leading, all_reduce, reduce_scatter, all_gather, local_slice, \
-               broadcast_shard, ring_gated_mlp, ring_attention, zigzag";
+               broadcast_shard, ring_gated_mlp, ring_attention, zigzag, all_to_all";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
@@ -468,7 +488,7 @@ fn generator_covers_every_op_and_feature() {
             features.insert("outputs");
         }
     }
-    assert_eq!(ops.len(), 31, "ops reached: {ops:?}");
+    assert_eq!(ops.len(), 32, "ops reached: {ops:?}");
     assert_eq!(features.len(), 7, "features reached: {features:?}");
 }
 

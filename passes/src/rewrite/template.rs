@@ -1,0 +1,340 @@
+//! One layer of a module as an expression, and the chosen form written back into every layer.
+//!
+//! Layers are identical up to their names (`layer{i}.*` nodes, `model.layers.{i}.*` params), so
+//! the pass reads one template (`layer0`) and writes its chosen form into every layer: the layer's
+//! leaves (values defined outside it: its input, its params, the positions) are found in layer `i`
+//! through the same consumer and operand as in the template, and its roots (values used outside
+//! it) through the same name. Nodes keep their names where the op is unchanged; new nodes are
+//! named after their first operand and their op (`layer3.o_proj.reduce_scatter`), as propagation
+//! names the collectives it inserts.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use egg::{Id, Language, RecExpr, Symbol};
+use pleat_ir::{Module, Op, ValueId};
+
+use super::analysis::{LayerGraph, Meta};
+use super::language::{push_op, to_op, ChildKind, LayerLang, LeafTable};
+use crate::error::{Error, Result};
+
+const PASS: &str = "rewrite-collectives";
+
+/// Where a leaf of the template is in a given layer.
+#[derive(Clone, Debug, PartialEq)]
+enum Binding {
+    /// Operand `operand` of the layer's node `{prefix}{consumer}`.
+    Operand { consumer: String, operand: usize },
+    /// The layer's own leaf node `{prefix}{suffix}`.
+    Node { suffix: String },
+}
+
+/// One layer as an expression.
+#[derive(Clone, Debug)]
+pub struct LayerTemplate {
+    /// The layers of the module, by index, ascending.
+    pub layers: Vec<u64>,
+    /// The layer's ops in program order; leaves first where they are first used.
+    pub expr: RecExpr<LayerLang>,
+    /// The leaves' types and the attributes' ops.
+    pub leaves: LeafTable,
+    /// The values used outside the layer: `(name suffix, expression node)`.
+    pub roots: Vec<(String, Id)>,
+    /// The expression node of each of the layer's nodes, by name suffix.
+    pub named: BTreeMap<String, Id>,
+    bindings: Vec<(Symbol, Binding)>,
+    /// `(suffix, mnemonic)` of the layer node each expression node came from.
+    origins: HashMap<Id, (String, &'static str)>,
+}
+
+/// The indices `i` of the module's `layer{i}.` nodes.
+fn layer_indices(module: &Module) -> Vec<u64> {
+    let graph = &module.graph;
+    let found: BTreeSet<u64> = graph
+        .order()
+        .iter()
+        .filter_map(|&node| {
+            let name = graph.node(node).name.strip_prefix("layer")?;
+            name.split_once('.')?.0.parse().ok()
+        })
+        .collect();
+    found.into_iter().collect()
+}
+
+/// The template of `module`'s first layer, or `None` when the module has no `layer{i}.` nodes.
+pub fn layer_template(module: &Module) -> Result<Option<LayerTemplate>> {
+    let layers = layer_indices(module);
+    let Some(&first) = layers.first() else { return Ok(None) };
+    let prefix = format!("layer{first}.");
+    let graph = &module.graph;
+    let mut expr = RecExpr::default();
+    let mut leaves = LeafTable::new();
+    let mut ids: HashMap<ValueId, Id> = HashMap::new();
+    let mut bindings = Vec::new();
+    let mut named = BTreeMap::new();
+    let mut origins = HashMap::new();
+    let in_layer = |name: &str| name.starts_with(&prefix);
+    for &node in graph.order() {
+        let data = graph.node(node);
+        let Some(suffix) = data.name.strip_prefix(&prefix) else { continue };
+        let mut operands = Vec::with_capacity(data.inputs.len());
+        for (operand, &input) in data.inputs.iter().enumerate() {
+            let id = match ids.get(&input) {
+                Some(&id) => id,
+                None => {
+                    let value = graph.value(input);
+                    let symbol = leaves.tensor(&graph.def(input).name, value.ty.clone(), value.spec.clone());
+                    bindings.push((symbol, Binding::Operand { consumer: suffix.to_string(), operand }));
+                    let id = expr.add(LayerLang::Symbol(symbol));
+                    ids.insert(input, id);
+                    id
+                }
+            };
+            operands.push(id);
+        }
+        let value = graph.value(data.result);
+        let id = match push_op(&mut expr, &mut leaves, &data.op, &operands) {
+            Some(id) => id,
+            None => {
+                let symbol = leaves.tensor(&data.name, value.ty.clone(), value.spec.clone());
+                bindings.push((symbol, Binding::Node { suffix: suffix.to_string() }));
+                expr.add(LayerLang::Symbol(symbol))
+            }
+        };
+        ids.insert(data.result, id);
+        named.insert(suffix.to_string(), id);
+        origins.insert(id, (suffix.to_string(), data.op.mnemonic()));
+    }
+    let mut roots = Vec::new();
+    for &node in graph.order() {
+        let data = graph.node(node);
+        if in_layer(&data.name) {
+            continue;
+        }
+        for input in &data.inputs {
+            add_root(graph, &prefix, *input, &ids, &mut roots);
+        }
+    }
+    for output in graph.outputs() {
+        add_root(graph, &prefix, *output, &ids, &mut roots);
+    }
+    Ok(Some(LayerTemplate { layers, expr, leaves, roots, named, bindings, origins }))
+}
+
+fn add_root(
+    graph: &pleat_ir::Graph,
+    prefix: &str,
+    value: ValueId,
+    ids: &HashMap<ValueId, Id>,
+    roots: &mut Vec<(String, Id)>,
+) {
+    let Some(&id) = ids.get(&value) else { return };
+    let Some(suffix) = graph.def(value).name.strip_prefix(prefix) else { return };
+    if roots.iter().all(|(_, root)| *root != id) {
+        roots.push((suffix.to_string(), id));
+    }
+}
+
+impl LayerTemplate {
+    /// The sub-expression of the template that defines node `id`.
+    pub fn sub_expr(&self, id: Id) -> RecExpr<LayerLang> {
+        let mut out = RecExpr::default();
+        let mut memo: HashMap<Id, Id> = HashMap::new();
+        copy_into(&self.expr, id, &mut out, &mut memo);
+        out
+    }
+    /// The `(suffix, mnemonic)` of the layer node expression node `id` came from.
+    pub fn origin(&self, id: Id) -> Option<&(String, &'static str)> {
+        self.origins.get(&id)
+    }
+
+    /// Writes the form `choose` picks for each class into every layer of `module`, then drops the
+    /// replaced nodes. `class_of` maps template nodes to their e-classes.
+    pub fn write_back(
+        &self,
+        module: &mut Module,
+        egraph: &LayerGraph,
+        class_of: &[Id],
+        choose: &dyn Fn(Id) -> LayerLang,
+    ) -> Result<()> {
+        // Names the template gave each class, from its original node; and for a new class whose
+        // all-gather is an original class, that class's name: it is the shard of that value.
+        let mut class_names: BTreeMap<Id, (String, &'static str)> = BTreeMap::new();
+        for (index, &class) in class_of.iter().enumerate() {
+            if let Some(origin) = self.origins.get(&Id::from(index)) {
+                class_names.entry(egraph.find(class)).or_insert_with(|| origin.clone());
+            }
+        }
+        let mut shard_names: BTreeMap<Id, String> = BTreeMap::new();
+        for (&class, (suffix, _)) in &class_names {
+            for node in &egraph[class].nodes {
+                if let LayerLang::AllGather([_, _, shard]) = node {
+                    let shard = egraph.find(*shard);
+                    if !class_names.contains_key(&shard) {
+                        shard_names.entry(shard).or_insert_with(|| suffix.clone());
+                    }
+                }
+            }
+        }
+        for &layer in &self.layers {
+            let prefix = format!("layer{layer}.");
+            let graph = &module.graph;
+            let mut bound: HashMap<Symbol, ValueId> = HashMap::new();
+            for (symbol, binding) in &self.bindings {
+                let value = match binding {
+                    Binding::Operand { consumer, operand } => graph
+                        .find(&format!("{prefix}{consumer}"))
+                        .and_then(|value| graph.def(value).inputs.get(*operand).copied()),
+                    Binding::Node { suffix } => graph.find(&format!("{prefix}{suffix}")),
+                };
+                let value = value.ok_or_else(|| Error::UnexpectedGraph {
+                    pass: PASS,
+                    node: format!("{prefix}{}", binding_name(binding)),
+                })?;
+                bound.insert(*symbol, value);
+            }
+            let mut old_roots = Vec::new();
+            for (suffix, id) in &self.roots {
+                let name = format!("{prefix}{suffix}");
+                let value = graph.find(&name).ok_or(Error::UnexpectedGraph { pass: PASS, node: name })?;
+                old_roots.push((value, egraph.find(class_of[usize::from(*id)])));
+            }
+            let Some(&anchor) = old_roots
+                .iter()
+                .map(|(value, _)| graph.value(*value).def)
+                .collect::<Vec<_>>()
+                .iter()
+                .max_by_key(|&&node| graph.order().iter().position(|&id| id == node))
+            else {
+                continue;
+            };
+            let mut writer = Writer {
+                module,
+                egraph,
+                choose,
+                class_names: &class_names,
+                shard_names: &shard_names,
+                prefix,
+                bound,
+                anchor,
+                built: HashMap::new(),
+                used: BTreeSet::new(),
+            };
+            let mut new_roots = Vec::new();
+            for (&(old, class), (suffix, _)) in old_roots.iter().zip(&self.roots) {
+                let hint = format!("{}{suffix}", writer.prefix);
+                new_roots.push((old, writer.build(class, &hint)?));
+            }
+            for (old, new) in new_roots {
+                if old != new {
+                    let except = module.graph.value(new).def;
+                    module.graph.replace_uses(old, new, except);
+                }
+            }
+        }
+        module.graph.compact();
+        Ok(())
+    }
+}
+
+fn binding_name(binding: &Binding) -> &str {
+    match binding {
+        Binding::Operand { consumer, .. } => consumer,
+        Binding::Node { suffix } => suffix,
+    }
+}
+
+fn copy_into(expr: &RecExpr<LayerLang>, id: Id, out: &mut RecExpr<LayerLang>, memo: &mut HashMap<Id, Id>) -> Id {
+    if let Some(&done) = memo.get(&id) {
+        return done;
+    }
+    let node = expr[id].clone().map_children(|child| copy_into(expr, child, out, memo));
+    let new = out.add(node);
+    memo.insert(id, new);
+    new
+}
+
+/// Builds one layer's chosen form into the graph.
+struct Writer<'a> {
+    module: &'a mut Module,
+    egraph: &'a LayerGraph,
+    choose: &'a dyn Fn(Id) -> LayerLang,
+    class_names: &'a BTreeMap<Id, (String, &'static str)>,
+    shard_names: &'a BTreeMap<Id, String>,
+    prefix: String,
+    bound: HashMap<Symbol, ValueId>,
+    anchor: pleat_ir::NodeId,
+    built: HashMap<Id, ValueId>,
+    used: BTreeSet<String>,
+}
+
+impl Writer<'_> {
+    /// Builds `class` (and what it needs); `hint` names the value it is part of.
+    fn build(&mut self, class: Id, hint: &str) -> Result<ValueId> {
+        let class = self.egraph.find(class);
+        if let Some(&value) = self.built.get(&class) {
+            return Ok(value);
+        }
+        let node = (self.choose)(class);
+        let unexpected = |what: String| Error::UnexpectedGraph { pass: PASS, node: what };
+        if let LayerLang::Symbol(symbol) = &node {
+            let value = *self.bound.get(symbol).ok_or_else(|| unexpected(format!("leaf {symbol}")))?;
+            self.built.insert(class, value);
+            return Ok(value);
+        }
+        let kind = |id: Id| match &self.egraph[id].data {
+            Meta::Axis(axis) => ChildKind::Axis(*axis),
+            Meta::Dim(dim) => ChildKind::Dim(*dim),
+            Meta::Attribute(op) => ChildKind::Attribute(op.clone()),
+            Meta::Tensor(_) => ChildKind::Tensor,
+            Meta::Invalid(_) => ChildKind::Other,
+        };
+        let (op, operands) =
+            to_op(&node, kind).ok_or_else(|| unexpected(format!("{}: ill-typed choice {node}", self.prefix)))?;
+        // The value this class is (or is a shard of) names what it is built from.
+        let semantic = match (self.class_names.get(&class), self.shard_names.get(&class)) {
+            (Some((suffix, _)), _) | (None, Some(suffix)) => format!("{}{suffix}", self.prefix),
+            (None, None) => hint.to_string(),
+        };
+        let mut inputs = Vec::with_capacity(operands.len());
+        for operand in operands {
+            inputs.push(self.build(operand, &semantic)?);
+        }
+        let Some(meta) = self.egraph[class].data.tensor() else {
+            return Err(unexpected(format!("{}: ill-typed class {class}", self.prefix)));
+        };
+        let name = self.name(class, &op, &inputs, &semantic);
+        let graph = &mut self.module.graph;
+        let value = graph.insert_after(self.anchor, op, &inputs, meta.ty.clone(), meta.spec.clone(), &name);
+        self.anchor = graph.value(value).def;
+        self.built.insert(class, value);
+        Ok(value)
+    }
+
+    /// The template's name where the op is the original one; a shard's compute op takes the name
+    /// of the value it is a shard of; a collective is named after its operand, as propagation names
+    /// them (`layer0.o_proj.reduce_scatter`); anything else after the value it is part of. Names
+    /// stay unique within the layer and always start with the layer's prefix.
+    fn name(&mut self, class: Id, op: &Op, inputs: &[ValueId], semantic: &str) -> String {
+        let operand_name = inputs
+            .first()
+            .map(|&input| self.module.graph.def(input).name.clone())
+            .filter(|name| name.starts_with(&self.prefix));
+        let base = match (self.class_names.get(&class), self.shard_names.get(&class)) {
+            (Some((suffix, mnemonic)), _) if *mnemonic == op.mnemonic() => format!("{}{suffix}", self.prefix),
+            _ if op.is_communication() || matches!(op, Op::LocalSlice { .. }) => match operand_name {
+                Some(name) => format!("{name}.{}", op.mnemonic()),
+                None => format!("{semantic}.{}", op.mnemonic()),
+            },
+            (None, Some(suffix)) => format!("{}{suffix}", self.prefix),
+            _ => format!("{semantic}.{}", op.mnemonic()),
+        };
+        let mut name = base.clone();
+        let mut copy = 2;
+        while self.used.contains(&name) {
+            name = format!("{base}.{copy}");
+            copy += 1;
+        }
+        self.used.insert(name.clone());
+        name
+    }
+}
