@@ -4,6 +4,7 @@
 //! errors into messages (`anyhow` lives here only).
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
 
+mod bench;
 mod compare;
 mod compile;
 mod demo;
@@ -13,6 +14,8 @@ mod inputs;
 mod model_arg;
 mod plan;
 mod predict;
+#[cfg(feature = "mpi")]
+mod rank;
 mod run;
 mod trace;
 
@@ -44,6 +47,11 @@ enum Command {
     Trace(trace::TraceArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
+    /// Run one rank of a compiled directory as an MPI process: `mpirun -np N pleat rank DIR`.
+    #[cfg(feature = "mpi")]
+    Rank(rank::RankArgs),
+    /// Measure this machine: collective bandwidth (`pleat bench comm`).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +71,9 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::plan(&args),
         Command::Compare(args) => compare::compare(&args),
         Command::Trace(args) => trace::trace(&args),
+        #[cfg(feature = "mpi")]
+        Command::Rank(args) => rank::rank(&args),
+        Command::Bench(args) => bench::bench(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
