@@ -61,8 +61,16 @@ struct RankSummary {
     param_bytes: u64,
     /// Bytes sent, by `CollectiveKind::ALL` order.
     comm_bytes: Vec<u64>,
-    /// Each output block: graph output index, global shape, region; its data follows in order.
-    blocks: Vec<(u32, Vec<u64>, Vec<(u64, u64)>)>,
+    /// Each output block without its data, which follows in a message of its own, in this order.
+    blocks: Vec<BlockPlace>,
+}
+
+/// Where an output block lies: its graph output, that output's global shape, and its region.
+#[derive(Serialize, Deserialize)]
+struct BlockPlace {
+    index: u32,
+    shape: Vec<u64>,
+    region: Vec<(u64, u64)>,
 }
 
 /// Runs `pleat rank`.
@@ -212,7 +220,11 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             blocks: outcome
                 .outputs
                 .iter()
-                .map(|block| (block.index, block.shape.clone(), block.region.clone()))
+                .map(|block| BlockPlace {
+                    index: block.index,
+                    shape: block.shape.clone(),
+                    region: block.region.clone(),
+                })
                 .collect(),
         };
         let summary_words = bytes_to_words(&serde_json::to_vec(&summary)?);
@@ -238,7 +250,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
         }
         let mut offset = 0;
         let mut outputs = Vec::with_capacity(summary.blocks.len());
-        for (index, shape, region) in summary.blocks {
+        for BlockPlace { index, shape, region } in summary.blocks {
             let len = region.iter().map(|&(_, len)| len as usize).product::<usize>();
             let block_data = data.get(offset..offset + len).with_context(|| {
                 format!("rank {peer} sent {} output elements, fewer than its blocks' regions hold", data.len())
