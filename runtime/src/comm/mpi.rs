@@ -138,6 +138,11 @@ impl MpiComm {
         self.timeout
     }
 
+    /// Sets how long any later wait may take.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
     /// Waits (bounded by the timeout) until every buffered send has been delivered, so that the
     /// process may exit or finalize MPI.
     pub fn flush(&mut self) -> Result<(), CommError> {
@@ -268,7 +273,9 @@ impl MpiComm {
             }
             self.receive_failure_notices();
             if let Some(error) = self.failure_affecting(op, peer) {
-                return Err(error);
+                // A message that arrived before the notice is taken even so, so that a mismatch is
+                // reported as such and not as the failure it caused.
+                return attempt(self).ok_or(error);
             }
             if Instant::now() >= deadline {
                 return Err(CommError::Timeout {
