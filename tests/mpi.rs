@@ -25,7 +25,10 @@ fn mpirun_command(ranks: u32, args: &[&str]) -> Command {
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
         .arg(env!("CARGO_BIN_EXE_pleat"))
         .args(args)
-        .env("NO_COLOR", "1");
+        .env("NO_COLOR", "1")
+        // Containers often forbid the cross-process memory copy Open MPI's shared-memory transport
+        // prefers; plain copies work everywhere and the tensors here are tiny.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
     command
 }
 
