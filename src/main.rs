@@ -14,6 +14,8 @@ mod inputs;
 mod model_arg;
 mod plan;
 mod predict;
+#[cfg(feature = "mpi")]
+mod rank;
 mod run;
 mod search;
 mod trace;
@@ -46,10 +48,13 @@ enum Command {
     Search(search::SearchArgs),
     /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace.
     Trace(trace::TraceArgs),
-    /// Measure this machine (`calibrate`: a hardware spec for --hw-file).
-    Bench(bench::BenchArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,
+    /// Run one rank of a compiled directory as an MPI process: `mpirun -np N pleat rank DIR`.
+    #[cfg(feature = "mpi")]
+    Rank(rank::RankArgs),
+    /// Measure this machine: collective bandwidth (`comm`), a hardware spec for --hw-file (`calibrate`).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -71,6 +76,8 @@ fn main() -> ExitCode {
         Command::Trace(args) => trace::trace(&args),
         Command::Bench(args) => bench::bench(&args),
         Command::Search(args) => search::run_search(&args),
+        #[cfg(feature = "mpi")]
+        Command::Rank(args) => rank::rank(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

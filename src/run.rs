@@ -104,7 +104,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn WeightSource>> {
+/// The weights of a run: the safetensors at `path`, or seeded synthetic weights.
+pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn WeightSource>> {
     Ok(match path {
         Some(path) => {
             Box::new(SafetensorsWeights::open(path).with_context(|| format!("cannot open weights {}", path.display()))?)

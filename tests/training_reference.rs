@@ -60,11 +60,8 @@ fn loss_falls_over_50_steps_on_the_synthetic_stream() {
     let positions: Vec<u32> = (0..seq as u32).collect();
     let mut losses = Vec::new();
     for step in 0..50 {
-        let weights: HashMap<&str, &[f32]> = names
-            .iter()
-            .zip(&optimizer.params)
-            .map(|(name, state)| (name.as_str(), state.master.as_slice()))
-            .collect();
+        let weights: HashMap<&str, &[f32]> =
+            names.iter().zip(&optimizer.params).map(|(name, state)| (name.as_str(), state.master.as_slice())).collect();
         let lookup = |name: &str, _shape: &[u64]| weights.get(name).map(|weight| weight.to_vec());
         let tokens = synthetic_tokens(5, step, batch, seq, config.vocab_size);
         let outputs = run(&module.graph, &Inputs { tokens: &tokens, positions: &positions, params: &lookup })

@@ -176,7 +176,9 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
             // The ring moves the three weight shards at every hop.
             Op::RingGatedMlp { .. } => data.inputs[1..].iter().map(|&weight| local_bytes(module, weight)).sum(),
             // The attention ring moves the key and value blocks and their positions at every hop.
-            Op::RingAttention { .. } => [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum(),
+            Op::RingAttention { .. } => {
+                [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum()
+            }
             _ => local_bytes(module, input),
         };
         reasons.push(CollectiveReason {

@@ -163,7 +163,7 @@ pub fn layouts(space: &SearchSpace, gpus_per_node: u64) -> Vec<Layout> {
         let layout = Layout::new(&degrees, false);
         let (tp, tsp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Tsp), layout.degree(AxisName::Cp));
         // tp and tsp split the same weights, tsp and cp the same sequence: pleat composes neither.
-        if (tp > 1 && tsp > 1) || (tsp > 1 && cp > 1) || tp * tsp > gpus_per_node.max(1) {
+        if (tsp > 1 && (tp > 1 || cp > 1)) || tp * tsp > gpus_per_node.max(1) {
             continue;
         }
         if tp > 1 {

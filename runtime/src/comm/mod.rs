@@ -2,7 +2,8 @@
 //!
 //! [`Communicator`] is the interface the executor calls: the collectives (all-reduce, reduce-scatter,
 //! all-gather, broadcast, all-to-all, barrier) over a [`Group`] of ranks, plus point-to-point send and
-//! receive. Implementations: [`threads`] (ranks are OS threads of one process). The algorithms are the
+//! receive. Implementations: [`threads`] (ranks are OS threads of one process) and, with the feature
+//! `mpi`, `mpi` (ranks are processes launched by `mpirun`). The algorithms are the
 //! bandwidth-optimal ring ones of [`ring`], written once over a point-to-point [`ring::Transport`], so
 //! the bytes each rank sends ([`CommStats`]) equal the textbook volumes exactly.
 //!
@@ -20,6 +21,8 @@
 //! into the [`Group`] of global ranks it spans.
 
 pub mod link;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod ring;
 pub mod threads;
 
@@ -30,6 +33,8 @@ use std::collections::HashSet;
 use std::fmt;
 use std::time::Duration;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::{MpiComm, MpiInitError};
 pub use link::{LinkSpec, LinkSpecError};
 pub use threads::{ThreadComm, ThreadFabric};
 

@@ -1,6 +1,4 @@
-//! `pleat bench`: measurements of this machine.
-//!
-//! `pleat bench calibrate` measures what one rank reaches here (GEMM FLOP/s, streaming bandwidth, the
+//! `pleat bench calibrate`: measures what one rank reaches here (GEMM FLOP/s, streaming bandwidth, the
 //! threads communicator's bandwidth and latency; see `pleat_runtime::calibrate`) and writes it as a
 //! hardware spec that `pleat plan --hw-file`, `compare` and `trace` read, so that predictions are
 //! made for this machine rather than from the nominal `cpu` entry.
@@ -8,23 +6,9 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::{Args, Subcommand};
+use clap::Args;
 use pleat_passes::cost::hw::{Efficiency, HardwareSpec, LinkSpec};
 use pleat_runtime::calibrate::{calibrate, Calibration, CalibrationOptions};
-
-/// Arguments of `pleat bench`.
-#[derive(Args)]
-pub struct BenchArgs {
-    #[command(subcommand)]
-    pub what: BenchCommand,
-}
-
-/// What to measure.
-#[derive(Subcommand)]
-pub enum BenchCommand {
-    /// Measure one rank of this machine and write a hardware spec for --hw-file.
-    Calibrate(CalibrateArgs),
-}
 
 /// Arguments of `pleat bench calibrate`.
 #[derive(Args)]
@@ -37,14 +21,8 @@ pub struct CalibrateArgs {
     pub quick: bool,
 }
 
-/// Runs `pleat bench`.
-pub fn bench(args: &BenchArgs) -> Result<()> {
-    match &args.what {
-        BenchCommand::Calibrate(args) => run_calibrate(args),
-    }
-}
-
-fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
+/// Runs `pleat bench calibrate`.
+pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     let options = if args.quick { CalibrationOptions::quick() } else { CalibrationOptions::full() };
     let calibration = calibrate(&options)?;
     let spec = spec_of(&calibration, memory_total_bytes()?).validate()?;

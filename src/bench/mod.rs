@@ -1,0 +1,35 @@
+//! `pleat bench`: measurements of this machine, for people and for the cost model.
+//!
+//! - `comm`: collective bandwidth over message sizes, threads or MPI ([`comm`]).
+//! - `calibrate`: one rank's GEMM rate, streaming bandwidth and link speed, written as a hardware
+//!   spec for `--hw-file` ([`calibrate`]).
+
+mod calibrate;
+mod comm;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+/// Arguments of `pleat bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub what: BenchCommand,
+}
+
+/// What `pleat bench` measures.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// All-reduce, all-gather and reduce-scatter time and bus bandwidth over message sizes.
+    Comm(comm::CommBenchArgs),
+    /// Measure one rank of this machine and write a hardware spec for --hw-file.
+    Calibrate(calibrate::CalibrateArgs),
+}
+
+/// Runs `pleat bench`.
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    match &args.what {
+        BenchCommand::Comm(args) => comm::comm(args),
+        BenchCommand::Calibrate(args) => calibrate::run_calibrate(args),
+    }
+}

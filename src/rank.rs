@@ -1,0 +1,348 @@
+//! `pleat rank DIR` (feature `mpi`): run one rank of a compiled directory as an MPI process.
+//!
+//! Launched as `mpirun -np N pleat rank DIR`: every process reads the directory, takes its MPI
+//! world rank as its pleat rank, checks that the world has as many ranks as the plan (else every
+//! rank reports both numbers), runs its program over [`MpiComm`], and sends its output blocks to rank
+//! 0, which assembles the logits, prints the report and, with `--check`, compares them with the
+//! reference interpreter. A rank whose program fails reports its error and ends the whole job
+//! (`MPI_Abort`), so no rank is left waiting.
+//!
+//! Test hook: `PLEAT_TEST_EXIT_AT_COMM=<rank>:<call>` makes rank `<rank>` exit abruptly with status 3
+//! when its program reaches its `<call>`-th communication call (counted from 0), as a crashed process
+//! would. It exists for the fault tests and is read only here.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pleat_runtime::comm::{CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm};
+use pleat_runtime::{assemble, execute, OutputBlock, RankOutcome, RunInputs};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::compile::read_compiled;
+use crate::inputs::random_tokens;
+use crate::run::{comm_bytes_mean, human_bytes, max_abs_diff, reference_logits, weight_source, Format, F32_TOL};
+
+/// The environment variable of the crash test hook (see the module documentation).
+const EXIT_HOOK_ENV: &str = "PLEAT_TEST_EXIT_AT_COMM";
+/// The exit status of a rank the hook stops.
+const EXIT_HOOK_STATUS: i32 = 3;
+
+/// Arguments of `pleat rank`.
+#[derive(Args)]
+pub struct RankArgs {
+    /// A directory written by `pleat compile`.
+    pub dir: PathBuf,
+    /// Weights: a .safetensors file, a model.safetensors.index.json, or a directory with either;
+    /// else seeded synthetic weights.
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Seed of the random tokens and synthetic weights (as `pleat run`'s).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Rank 0 also runs the reference interpreter and reports the largest logit difference.
+    #[arg(long)]
+    pub check: bool,
+    /// Seconds a rank waits on a message before it reports the peer that did not send it.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+    /// Output format (rank 0 prints).
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// What a rank sends rank 0 besides its blocks' data.
+#[derive(Serialize, Deserialize)]
+struct RankSummary {
+    peak_bytes: u64,
+    param_bytes: u64,
+    /// Bytes sent, by `CollectiveKind::ALL` order.
+    comm_bytes: Vec<u64>,
+    /// Each output block without its data, which follows in a message of its own, in this order.
+    blocks: Vec<BlockPlace>,
+}
+
+/// Where an output block lies: its graph output, that output's global shape, and its region.
+#[derive(Serialize, Deserialize)]
+struct BlockPlace {
+    index: u32,
+    shape: Vec<u64>,
+    region: Vec<(u64, u64)>,
+}
+
+/// Runs `pleat rank`.
+pub fn rank(args: &RankArgs) -> Result<()> {
+    let mut comm = MpiComm::init(Duration::from_secs(args.timeout))
+        .context("cannot start mpi; launch pleat rank with mpirun -np N")?;
+    let rank = comm.rank();
+    // Every rank reads the same directory and sees the same problems, so these errors end every
+    // rank alike and MPI finalizes normally.
+    let (plan, config, programs) = read_compiled(&args.dir).with_context(|| format!("rank {rank}"))?;
+    if comm.world_size() != plan.ranks {
+        bail!(
+            "rank {rank}: the MPI world has {} ranks but {} was compiled for {} ranks; launch with mpirun -np {}",
+            comm.world_size(),
+            args.dir.display(),
+            plan.ranks,
+            plan.ranks
+        );
+    }
+    let tokens = random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed);
+    let weights = weight_source(args.weights.as_ref(), args.seed)?;
+    let positions: Vec<u32> = (0..plan.seq as u32).collect();
+    let inputs =
+        RunInputs { tokens: &tokens.ids, positions: &positions, weights: weights.as_ref(), epoch: Instant::now() };
+    let program = &programs[rank as usize];
+    let exit_at = exit_hook(rank)?;
+    let outcome = {
+        let mut hooked = ExitAtCall { inner: &mut comm, exit_at, calls: 0 };
+        execute(program, &mut hooked, &inputs, gemm_threads())
+    };
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        // Peers may be blocked where only MPI_Abort reaches them: end the job, naming the cause.
+        Err(err) => {
+            let message = format!("rank {rank} failed: {err}");
+            eprintln!("error: {message}");
+            comm.abort_job(&message, 1)
+        }
+    };
+    let outcomes = match gather_outcomes(&mut comm, outcome) {
+        Ok(outcomes) => outcomes,
+        Err(err) => {
+            let message = format!("rank {rank} failed to gather the outputs: {err}");
+            eprintln!("error: {message}");
+            comm.abort_job(&message, 1)
+        }
+    };
+    comm.flush().with_context(|| format!("rank {rank}"))?;
+    drop(comm);
+    let Some(outcomes) = outcomes else { return Ok(()) };
+    let (logits_shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
+    let max_abs_err = if args.check {
+        Some(max_abs_diff(&logits, &reference_logits(&config, &tokens, weights.as_ref())?))
+    } else {
+        None
+    };
+    let peaks: Vec<u64> = outcomes.iter().map(|outcome| outcome.peak_bytes).collect();
+    match args.format {
+        Format::Json => {
+            let object = json!({
+                "model": config.name,
+                "mesh": plan.mesh,
+                "ranks": outcomes.len(),
+                "comm": "mpi",
+                "batch": plan.batch,
+                "seq": plan.seq,
+                "logits_shape": logits_shape,
+                "max_abs_err": max_abs_err,
+                "peak_bytes_per_rank": peaks,
+                "comm_bytes": comm_bytes_mean(&outcomes),
+            });
+            println!("{}", serde_json::to_string_pretty(&object)?);
+        }
+        Format::Text => {
+            println!(
+                "ran {} on {} MPI rank(s) (mesh {}): batch {} x seq {}, logits {:?}",
+                config.name,
+                outcomes.len(),
+                plan.mesh,
+                plan.batch,
+                plan.seq,
+                logits_shape
+            );
+            println!(
+                "peak bytes a rank: {}",
+                peaks.iter().map(|&peak| human_bytes(peak)).collect::<Vec<_>>().join(", ")
+            );
+            let sent: Vec<String> = comm_bytes_mean(&outcomes)
+                .into_iter()
+                .filter(|&(_, bytes)| bytes > 0)
+                .map(|(name, bytes)| format!("{name} {}", human_bytes(bytes)))
+                .collect();
+            println!("sent a rank (mean): {}", if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") });
+            if let Some(err) = max_abs_err {
+                let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
+                println!("check: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");
+            }
+        }
+    }
+    if let Some(err) = max_abs_err {
+        if err.is_nan() || err > F32_TOL {
+            bail!("max |logits - reference| = {err:e} exceeds the tolerance {F32_TOL:e}");
+        }
+    }
+    Ok(())
+}
+
+/// GEMM threads a rank: the cores shared among the ranks on this node (Open MPI says how many).
+fn gemm_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let local_ranks =
+        std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|value| value.parse::<usize>().ok()).unwrap_or(1);
+    (cores / local_ranks.max(1)).max(1)
+}
+
+/// The communication call at which the test hook stops this rank, if it names this rank.
+fn exit_hook(rank: u32) -> Result<Option<u64>> {
+    let Ok(value) = std::env::var(EXIT_HOOK_ENV) else { return Ok(None) };
+    let parsed = value
+        .split_once(':')
+        .and_then(|(hook_rank, call)| Some((hook_rank.parse::<u32>().ok()?, call.parse::<u64>().ok()?)));
+    match parsed {
+        Some((hook_rank, call)) => Ok((hook_rank == rank).then_some(call)),
+        None => bail!("{EXIT_HOOK_ENV}={value} is not <rank>:<call>, e.g. 2:3"),
+    }
+}
+
+/// Sends every rank's outcome to rank 0 over `comm`: `Some(all outcomes)` on rank 0, `None` elsewhere.
+/// Each rank sends two sizes, its summary (JSON bytes packed in f32 words) and its blocks' data.
+fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Vec<RankOutcome>>> {
+    let rank = comm.rank();
+    if rank != 0 {
+        let summary = RankSummary {
+            peak_bytes: outcome.peak_bytes,
+            param_bytes: outcome.param_bytes,
+            comm_bytes: CollectiveKind::ALL.iter().map(|&kind| outcome.comm.bytes(kind)).collect(),
+            blocks: outcome
+                .outputs
+                .iter()
+                .map(|block| BlockPlace {
+                    index: block.index,
+                    shape: block.shape.clone(),
+                    region: block.region.clone(),
+                })
+                .collect(),
+        };
+        let summary_words = bytes_to_words(&serde_json::to_vec(&summary)?);
+        let data: Vec<f32> = outcome.outputs.iter().flat_map(|block| block.data.iter().copied()).collect();
+        comm.send(0, &[f32::from_bits(summary_words.len() as u32), f32::from_bits(data.len() as u32)])?;
+        comm.send(0, &summary_words)?;
+        comm.send(0, &data)?;
+        return Ok(None);
+    }
+    let mut outcomes = vec![outcome];
+    for peer in 1..comm.world_size() {
+        let mut sizes = [0.0f32; 2];
+        comm.recv(peer, &mut sizes)?;
+        let mut summary_words = vec![0.0; sizes[0].to_bits() as usize];
+        comm.recv(peer, &mut summary_words)?;
+        let mut data = vec![0.0; sizes[1].to_bits() as usize];
+        comm.recv(peer, &mut data)?;
+        let summary: RankSummary = serde_json::from_slice(&words_to_bytes(&summary_words))
+            .with_context(|| format!("rank {peer} sent a summary rank {rank} cannot read"))?;
+        let mut comm_stats = CommStats::default();
+        for (&kind, &bytes) in CollectiveKind::ALL.iter().zip(&summary.comm_bytes) {
+            comm_stats.add(kind, bytes);
+        }
+        let mut offset = 0;
+        let mut outputs = Vec::with_capacity(summary.blocks.len());
+        for BlockPlace { index, shape, region } in summary.blocks {
+            let len = region.iter().map(|&(_, len)| len as usize).product::<usize>();
+            let block_data = data.get(offset..offset + len).with_context(|| {
+                format!("rank {peer} sent {} output elements, fewer than its blocks' regions hold", data.len())
+            })?;
+            offset += len;
+            outputs.push(OutputBlock { index, shape, region, data: block_data.to_vec() });
+        }
+        outcomes.push(RankOutcome {
+            rank: peer,
+            outputs,
+            peak_bytes: summary.peak_bytes,
+            param_bytes: summary.param_bytes,
+            comm: comm_stats,
+            activation_bytes: Vec::new(),
+            in_flight_peak_bytes: 0,
+            timings: Vec::new(),
+        });
+    }
+    Ok(Some(outcomes))
+}
+
+/// Bytes as f32 words (4 a word, the last zero-padded), prefixed by the byte count.
+fn bytes_to_words(bytes: &[u8]) -> Vec<f32> {
+    let mut words = vec![f32::from_bits(bytes.len() as u32)];
+    words.extend(bytes.chunks(4).map(|chunk| {
+        let mut word = [0u8; 4];
+        word[..chunk.len()].copy_from_slice(chunk);
+        f32::from_bits(u32::from_le_bytes(word))
+    }));
+    words
+}
+
+/// The inverse of [`bytes_to_words`].
+fn words_to_bytes(words: &[f32]) -> Vec<u8> {
+    let len = words.first().map_or(0, |word| word.to_bits() as usize);
+    let mut bytes: Vec<u8> = words.iter().skip(1).flat_map(|word| word.to_bits().to_le_bytes()).collect();
+    bytes.truncate(len);
+    bytes
+}
+
+/// A communicator that ends the process abruptly at one call (the test hook), else passes through.
+struct ExitAtCall<'a> {
+    inner: &'a mut MpiComm,
+    exit_at: Option<u64>,
+    calls: u64,
+}
+
+impl ExitAtCall<'_> {
+    fn count(&mut self) {
+        if self.exit_at == Some(self.calls) {
+            // Abrupt on purpose: no MPI_Finalize, no notice to peers, as a crashed process.
+            std::process::exit(EXIT_HOOK_STATUS);
+        }
+        self.calls += 1;
+    }
+}
+
+impl Communicator for ExitAtCall<'_> {
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> u32 {
+        self.inner.world_size()
+    }
+    fn all_reduce(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.all_reduce(group, buf)
+    }
+    fn reduce_scatter(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.reduce_scatter(group, input, output)
+    }
+    fn all_gather(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.all_gather(group, input, output)
+    }
+    fn broadcast(&mut self, group: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.broadcast(group, root, buf)
+    }
+    fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.all_to_all(group, input, output)
+    }
+    fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.send(peer, data)
+    }
+    fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
+        self.count();
+        self.inner.recv(peer, buf)
+    }
+    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
+        self.count();
+        self.inner.barrier(group)
+    }
+    fn stats(&self) -> &CommStats {
+        self.inner.stats()
+    }
+    fn reset_stats(&mut self) {
+        self.inner.reset_stats();
+    }
+    fn abort(&mut self, reason: &str) {
+        self.inner.abort(reason);
+    }
+}

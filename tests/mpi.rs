@@ -1,0 +1,153 @@
+//! Multi-process runs: `mpirun -np 4 pleat rank DIR` against the reference and against the threads
+//! communicator's byte counts, the world-size check, a rank that dies mid-step, and the MPI
+//! collective benchmark.
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[path = "support/cli.rs"]
+mod cli;
+
+use cli::{json_of, stdout_of, tempdir};
+
+/// One mpirun at a time: each starts 4 busy ranks, and the machine may have 2 cores.
+static MPIRUN: Mutex<()> = Mutex::new(());
+
+/// How long the fault test lets a job run before it calls it hung.
+const FAULT_DEADLINE: Duration = Duration::from_secs(30);
+
+fn mpirun_command(ranks: u32, args: &[&str]) -> Command {
+    let mut command = Command::new("mpirun");
+    command
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
+        .arg(env!("CARGO_BIN_EXE_pleat"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        // Containers often forbid the cross-process memory copy Open MPI's shared-memory transport
+        // prefers; plain copies work everywhere and the tensors here are tiny.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    command
+}
+
+fn mpirun(ranks: u32, args: &[&str]) -> Output {
+    let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    mpirun_command(ranks, args).output().expect("mpirun runs (install openmpi-bin)")
+}
+
+fn compile_tiny(dir: &Path, mesh: &str) -> String {
+    let out = dir.join(mesh.replace([',', '='], "-"));
+    let out = out.to_str().expect("utf-8 path").to_string();
+    stdout_of(&["compile", "tiny", "--mesh", mesh, "--batch", "2", "--seq", "16", "--out", &out]);
+    out
+}
+
+#[test]
+fn mpi_ranks_match_the_reference_and_the_threads_byte_counts() {
+    let dir = tempdir("mpi-equivalence");
+    for mesh in ["tp=4", "tsp=4", "dp=2,tsp=2"] {
+        let compiled = compile_tiny(&dir, mesh);
+        let output = mpirun(4, &["rank", &compiled, "--check", "--format", "json"]);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{mesh}: mpirun failed\nstdout:\n{stdout}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_str(&stdout).expect("rank 0 prints one JSON report");
+        assert_eq!(report["ranks"], 4, "{mesh}");
+        assert_eq!(report["logits_shape"], serde_json::json!([2, 16, 256]), "{mesh}");
+        let err = report["max_abs_err"].as_f64().expect("a number");
+        assert!(err < 1e-4, "{mesh}: max abs err {err}");
+        let threads = json_of(&["run", &compiled, "--format", "json"]);
+        assert_eq!(report["comm_bytes"], threads["comm_bytes"], "{mesh}: MPI sends what the threads fabric sends");
+    }
+}
+
+#[test]
+fn a_world_of_the_wrong_size_is_rejected_with_both_numbers() {
+    let dir = tempdir("mpi-world-size");
+    let compiled = compile_tiny(&dir, "tp=2");
+    let output = mpirun(4, &["rank", &compiled]);
+    assert!(!output.status.success(), "a 4-rank world cannot run a 2-rank plan");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("the MPI world has 4 ranks"), "{stderr}");
+    assert!(stderr.contains("compiled for 2 ranks"), "{stderr}");
+    assert!(stderr.contains("mpirun -np 2"), "{stderr}");
+}
+
+/// Rank 2 exits abruptly at its second communication call, in the middle of the forward pass; the
+/// job must end on its own, fail, and say which rank died.
+#[test]
+fn a_rank_that_dies_mid_step_ends_the_job_naming_it() {
+    let dir = tempdir("mpi-fault");
+    let compiled = compile_tiny(&dir, "tp=4");
+    let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut child = mpirun_command(4, &["rank", &compiled, "--timeout", "10"])
+        .env("PLEAT_TEST_EXIT_AT_COMM", "2:1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun runs");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("the job's status") {
+            break status;
+        }
+        if started.elapsed() > FAULT_DEADLINE {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("the job's output");
+            panic!(
+                "the job still ran after {FAULT_DEADLINE:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let output = child.wait_with_output().expect("the job's output");
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(!status.success(), "a job with a dead rank fails\n{text}");
+    assert!(mentions_dead_rank(&text, 2), "the output names rank 2\n{text}");
+}
+
+/// Whether mpirun's report (or a surviving rank's error) names `rank` as the one that failed.
+fn mentions_dead_rank(text: &str, rank: u32) -> bool {
+    // Open MPI names a process `[[job,1],rank]` and gives its exit code; pleat's own errors say
+    // `because rank N failed`.
+    (text.contains(&format!(",1],{rank}]")) && text.contains("Exit code:    3"))
+        || text.contains(&format!("because rank {rank} failed"))
+}
+
+#[test]
+fn the_mpi_benchmark_checks_results_and_sends_what_threads_send() {
+    let output =
+        mpirun(4, &["bench", "comm", "--comm", "mpi", "--sizes", "1KiB..16KiB", "--iters", "2", "--format", "json"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&output.stderr));
+    let mpi: serde_json::Value = serde_json::from_str(&stdout).expect("rank 0 prints one JSON report");
+    let threads =
+        json_of(&["bench", "comm", "--ranks", "4", "--sizes", "1KiB..16KiB", "--iters", "2", "--format", "json"]);
+    assert_eq!(mpi["schema"], "pleat.bench.comm/1");
+    let rows = |report: &serde_json::Value| -> Vec<(String, u64, u64)> {
+        report["results"]
+            .as_array()
+            .expect("results")
+            .iter()
+            .map(|row| {
+                let busbw = row["busbw_gbps"].as_f64().expect("busbw");
+                assert!(busbw.is_finite() && busbw > 0.0, "{row}");
+                (
+                    row["op"].as_str().expect("op").to_string(),
+                    row["bytes"].as_u64().unwrap(),
+                    row["bytes_sent_rank0"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let mpi_rows = rows(&mpi);
+    assert_eq!(mpi_rows.len(), 5 * 3, "5 sizes x 3 collectives");
+    assert_eq!(mpi_rows, rows(&threads));
+}
