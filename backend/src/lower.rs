@@ -86,6 +86,27 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
         let group = |axis: pleat_ir::AxisName| Group { axis: axis.to_string(), ranks: mesh.group(rank, axis) };
         let dim_index =
             |dim: DimName| graph.value(data.inputs[0]).ty.shape.position(dim).expect("verified: dim exists");
+        // The attention kernel of this node's local blocks (q, k as operands 0 and 1); `with_lse`
+        // makes it also return each row's log-sum-exp, for ring attention's merges.
+        let attention_kernel = |causal: bool, with_lse: bool| -> Result<Kernel> {
+            let (q, k) = (input_local(0)?, input_local(1)?);
+            let global_heads = graph.value(data.inputs[0]).ty.shape.dims()[2].size;
+            let global_kv_heads = graph.value(data.inputs[1]).ty.shape.dims()[2].size;
+            Ok(Kernel::Attention {
+                batch: q[0],
+                sq: q[1],
+                sk: k[1],
+                hq: q[2],
+                hkv: k[2],
+                head_dim: q[3],
+                q_head_offset: region(data.inputs[0])[2].0,
+                kv_head_offset: region(data.inputs[1])[2].0,
+                group: global_heads / global_kv_heads,
+                causal,
+                scale: 1.0 / (q[3] as f32).sqrt(),
+                with_lse,
+            })
+        };
         let instr = match &data.op {
             Op::Tokens => Instr::LoadTokens { out, region: region(value) },
             Op::Positions => Instr::LoadPositions { out, region: region(value) },
@@ -128,43 +149,11 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::Attention { causal } => {
-                let (q, k) = (input_local(0)?, input_local(1)?);
-                let global_heads = graph.value(data.inputs[0]).ty.shape.dims()[2].size;
-                let global_kv_heads = graph.value(data.inputs[1]).ty.shape.dims()[2].size;
-                let kernel = Kernel::Attention {
-                    batch: q[0],
-                    sq: q[1],
-                    sk: k[1],
-                    hq: q[2],
-                    hkv: k[2],
-                    head_dim: q[3],
-                    q_head_offset: region(data.inputs[0])[2].0,
-                    kv_head_offset: region(data.inputs[1])[2].0,
-                    group: global_heads / global_kv_heads,
-                    causal: *causal,
-                    scale: 1.0 / (q[3] as f32).sqrt(),
-                    with_lse: false,
-                };
+                let kernel = attention_kernel(*causal, false)?;
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::RingAttention { axis, causal } => {
-                let (q, k) = (input_local(0)?, input_local(1)?);
-                let global_heads = graph.value(data.inputs[0]).ty.shape.dims()[2].size;
-                let global_kv_heads = graph.value(data.inputs[1]).ty.shape.dims()[2].size;
-                let kernel = Kernel::Attention {
-                    batch: q[0],
-                    sq: q[1],
-                    sk: k[1],
-                    hq: q[2],
-                    hkv: k[2],
-                    head_dim: q[3],
-                    q_head_offset: region(data.inputs[0])[2].0,
-                    kv_head_offset: region(data.inputs[1])[2].0,
-                    group: global_heads / global_kv_heads,
-                    causal: *causal,
-                    scale: 1.0 / (q[3] as f32).sqrt(),
-                    with_lse: true,
-                };
+                let kernel = attention_kernel(*causal, true)?;
                 lower_ring_attention(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, kernel);
                 let mut freed: Vec<ValueId> = Vec::new();
                 for &input in &data.inputs {
