@@ -140,7 +140,7 @@ pub struct PlanFile {
     pub seq: u64,
     /// `program format` of the rank files.
     pub program_format_version: u32,
-    /// The plan's fingerprint: the sharded module's text and every rank's program (`Compiled::hash`);
+    /// The plan's fingerprint: the sharded module's text and every rank's program (`write_compiled`);
     /// reading the directory checks it.
     pub plan_hash: String,
 }
@@ -150,19 +150,6 @@ pub struct Compiled {
     pub sharded: Module,
     pub programs: Vec<Program>,
     pub report: PipelineReport,
-}
-
-impl Compiled {
-    /// The plan's fingerprint: FNV-1a over the sharded module's text and every rank's serialized
-    /// program, the files `pleat compile` writes. Equal plans, byte for byte, have equal hashes.
-    pub fn hash(&self) -> String {
-        let mut fingerprint = crate::fingerprint::Fingerprint::new();
-        fingerprint.part(pleat_ir::text::print_module(&self.sharded).as_bytes());
-        for program in &self.programs {
-            fingerprint.part(pleat_backend::to_json(program).as_bytes());
-        }
-        fingerprint.hex()
-    }
 }
 
 /// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs.
@@ -196,7 +183,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
-    write_compiled(&args.out, &config, &compiled, target.batch, target.seq, target.strategy.name())?;
+    let plan_hash = write_compiled(&args.out, &config, &compiled, target.batch, target.seq, target.strategy.name())?;
     let mesh = &compiled.sharded.mesh;
     println!(
         "compiled {} for {} into {}: {} rank programs, plan hash {}",
@@ -204,7 +191,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() },
         args.out.display(),
         compiled.programs.len(),
-        compiled.hash()
+        plan_hash
     );
     Ok(())
 }
@@ -225,7 +212,9 @@ fn planned_target(path: &Path) -> Result<ModelOnMesh> {
 }
 
 /// Writes the compiled directory into a temporary sibling, then renames it into place, so an
-/// interrupted compile never leaves a half-written directory.
+/// interrupted compile never leaves a half-written directory. Returns the plan's fingerprint:
+/// FNV-1a over the bytes of `module.pleat` and of every `rank<i>.program` as written, which
+/// `read_compiled` checks. Equal plans, byte for byte, have equal hashes.
 fn write_compiled(
     out: &Path,
     config: &ModelConfig,
@@ -233,7 +222,7 @@ fn write_compiled(
     batch: u64,
     seq: u64,
     strategy_name: &str,
-) -> Result<()> {
+) -> Result<String> {
     let parent = out.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     let name = out.file_name().map(|name| name.to_string_lossy().to_string()).unwrap_or_else(|| "out".into());
@@ -242,6 +231,14 @@ fn write_compiled(
         std::fs::remove_dir_all(&staging)?;
     }
     std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+    let module_text = pleat_ir::text::print_module(&compiled.sharded);
+    let program_texts: Vec<String> = compiled.programs.iter().map(pleat_backend::to_json).collect();
+    let mut fingerprint = crate::fingerprint::Fingerprint::new();
+    fingerprint.part(module_text.as_bytes());
+    for text in &program_texts {
+        fingerprint.part(text.as_bytes());
+    }
+    let plan_hash = fingerprint.hex();
     let plan = PlanFile {
         format_version: PLAN_FORMAT_VERSION,
         model: config.name.clone(),
@@ -251,20 +248,20 @@ fn write_compiled(
         batch,
         seq,
         program_format_version: pleat_backend::FORMAT_VERSION,
-        plan_hash: compiled.hash(),
+        plan_hash: plan_hash.clone(),
     };
     std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
     std::fs::write(staging.join("config.json"), config.to_hf_json())?;
-    std::fs::write(staging.join("module.pleat"), pleat_ir::text::print_module(&compiled.sharded))?;
-    for program in &compiled.programs {
-        std::fs::write(staging.join(format!("rank{}.program", program.rank)), pleat_backend::to_json(program))?;
+    std::fs::write(staging.join("module.pleat"), module_text)?;
+    for (program, text) in compiled.programs.iter().zip(program_texts) {
+        std::fs::write(staging.join(format!("rank{}.program", program.rank)), text)?;
         std::fs::write(staging.join(format!("rank{}.txt", program.rank)), pleat_backend::text::print_program(program))?;
     }
     if out.exists() {
         std::fs::remove_dir_all(out).with_context(|| format!("cannot replace {}", out.display()))?;
     }
     std::fs::rename(&staging, out).with_context(|| format!("cannot move the output into {}", out.display()))?;
-    Ok(())
+    Ok(plan_hash)
 }
 
 /// Reads a compiled directory back: its plan, config and programs.
@@ -282,7 +279,7 @@ pub fn read_compiled(dir: &Path) -> Result<(PlanFile, ModelConfig, Vec<Program>)
         );
     }
     let config = crate::model_arg::read_config(&dir.join("config.json"))?;
-    // The hash covers the files as written (`Compiled::hash`): a damaged or edited directory is
+    // The hash covers the files as written (`write_compiled`): a damaged or edited directory is
     // refused before anything runs.
     let mut fingerprint = crate::fingerprint::Fingerprint::new();
     let module_path = dir.join("module.pleat");
