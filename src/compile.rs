@@ -62,7 +62,7 @@ impl Strategy {
 
 /// What to compile: a model, the mesh and how to use it, and the input size. Shared by the
 /// commands that compile before they work (`compile`, `explain`, `trace`).
-#[derive(Args, Clone)]
+#[derive(Args)]
 pub struct ModelOnMesh {
     /// A preset name, a config.json, or a model directory.
     pub model: String,
@@ -172,11 +172,8 @@ pub fn compile_model(
 
 /// Runs `pleat compile`.
 pub fn compile(args: &CompileArgs) -> Result<()> {
-    let planned = args.plan.as_deref().map(planned_target).transpose()?;
-    let target = match &planned {
-        Some(target) => &ModelOnMesh { model: args.target.model.clone(), ..target.clone() },
-        None => &args.target,
-    };
+    let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan)).transpose()?;
+    let target = planned.as_ref().unwrap_or(&args.target);
     let config = target.config("compile")?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
     let compiled = target.compile(&config, dump)?;
@@ -196,14 +193,14 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     Ok(())
 }
 
-/// The mesh, strategy and input size a search plan file names (the model comes from the command line,
-/// so that a small stand-in can be compiled for a large model's plan).
-fn planned_target(path: &Path) -> Result<ModelOnMesh> {
+/// `model` on the mesh, strategy and input size the search plan file at `path` names (the model
+/// comes from the command line, so that a small stand-in can be compiled for a large model's plan).
+fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
     let choice = crate::search::PlanChoice::read(path)?;
     let strategy = <Strategy as clap::ValueEnum>::from_str(&choice.strategy, true)
         .map_err(|_| anyhow::anyhow!("{}: unknown strategy {:?}", path.display(), choice.strategy))?;
     Ok(ModelOnMesh {
-        model: choice.model,
+        model: model.to_string(),
         mesh: choice.mesh,
         strategy,
         seq: choice.seq,
