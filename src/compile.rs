@@ -46,7 +46,7 @@ impl Strategy {
                 anyhow::bail!("--strategy {} needs a {axis} axis in --mesh, e.g. --mesh {axis}=4", self.name());
             }
         }
-        Ok(PassCtx { verify_each: true, dump, sequence_parallel: self == Strategy::TpSp })
+        Ok(PassCtx { dump, sequence_parallel: self == Strategy::TpSp, ..PassCtx::default() })
     }
     fn name(self) -> &'static str {
         match self {

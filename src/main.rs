@@ -19,6 +19,7 @@ mod rank;
 mod run;
 mod search;
 mod trace;
+mod train;
 
 use std::process::ExitCode;
 

@@ -76,6 +76,8 @@ pub struct RunArgs {
     /// latency (e.g. `25,5`), so that communication costs time on one machine as on a network.
     #[arg(long, value_name = "GBPS,US")]
     pub emulate_link: Option<LinkSpec>,
+    #[command(flatten)]
+    pub training: crate::train::TrainFlags,
 }
 
 /// What a run produced.
@@ -91,6 +93,9 @@ pub struct RunResult {
 
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
+    if args.training.train {
+        return crate::train::run_training(args);
+    }
     let result = execute(args)?;
     report(args, &result)?;
     if let Some(path) = &args.trace {

@@ -60,3 +60,41 @@ fn context_parallel_one_layer_cp2() {
     config.num_layers = 1;
     snapshot_model(&config, "cp=2", "cp2-one-layer");
 }
+
+/// The training pipeline on a one-layer `tiny`: the forward passes, then `zero-partition` and
+/// `differentiate` (the backward graph with its conjugate collectives).
+fn snapshot_training(mesh: &str, suffix: &str, ctx: &PassCtx) {
+    let mut config = preset("tiny").expect("tiny");
+    config.num_layers = 1;
+    let mut module = pleat_ir::model::build_training(&config, 8, 16).expect("build");
+    module.mesh = Mesh::parse(mesh).expect("mesh");
+    let before = pleat_ir::text::print_module(&module);
+    let report = run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, ctx).expect("pipeline");
+    insta::with_settings!({ snapshot_suffix => suffix, prepend_module_to_snapshot => false }, {
+        insta::assert_snapshot!("before", before);
+        for (pass, text) in report.dumps {
+            insta::assert_snapshot!(format!("after_{pass}"), text);
+        }
+    });
+}
+
+#[test]
+fn training_tensor_parallel_one_layer_tp2() {
+    snapshot_training("tp=2", "train-tp2-one-layer", &PassCtx::for_tests());
+}
+
+#[test]
+fn training_sequence_parallel_with_full_recompute_one_layer_tp2() {
+    let ctx = PassCtx {
+        sequence_parallel: true,
+        recompute: pleat_passes::autodiff::Recompute::Full,
+        ..PassCtx::for_tests()
+    };
+    snapshot_training("tp=2", "train-tp2-sp-full-one-layer", &ctx);
+}
+
+#[test]
+fn training_zero3_one_layer_dp2() {
+    let ctx = PassCtx { zero_stage: 3, ..PassCtx::for_tests() };
+    snapshot_training("dp=2", "train-dp2-zero3-one-layer", &ctx);
+}

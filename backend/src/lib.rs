@@ -10,6 +10,7 @@ pub mod error;
 pub mod lower;
 pub mod matching;
 pub mod memory;
+pub mod optimizer;
 pub mod program;
 pub mod text;
 pub mod validate;

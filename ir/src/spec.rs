@@ -71,6 +71,23 @@ impl ShardSpec {
             })
             .collect()
     }
+    /// This spec with dim 0 also split over `axis` (innermost), when the mesh has `axis` with a
+    /// degree above 1, the spec does not use it yet and dim 0's local size divides by it; `None`
+    /// otherwise. It is ZeRO's partition of a parameter's rows over the data-parallel ranks: the rows
+    /// a rank owns are contiguous in its row-major block.
+    pub fn with_rows_split(&self, shape: &Shape, mesh: &Mesh, axis: AxisName) -> Option<ShardSpec> {
+        let degree = mesh.degree(axis);
+        if degree == 1 || self.uses_axis(axis) || shape.rank() == 0 {
+            return None;
+        }
+        let rows = self.local_sizes(shape, mesh).ok()?[0];
+        if rows % degree != 0 {
+            return None;
+        }
+        let mut spec = self.clone();
+        spec.dims[0].push(axis);
+        Some(spec)
+    }
     /// The block of the global tensor `rank` holds: per dim, `(start, len)`.
     /// The caller has checked divisibility (`local_sizes`).
     pub fn region(&self, shape: &Shape, mesh: &Mesh, rank: u32) -> Vec<(u64, u64)> {

@@ -32,6 +32,9 @@ pub enum Error {
     /// A model dimension that the mesh cannot split.
     #[error(transparent)]
     Ir(#[from] pleat_ir::Error),
+    /// The backward graph could not be built.
+    #[error("differentiate: {0}")]
+    Autodiff(#[from] crate::autodiff::AutodiffError),
     /// A mesh axis this build has no strategy for.
     #[error("mesh axis {axis} has no strategy in this build; use the axes {}", .available.join(", "))]
     UnsupportedAxis {

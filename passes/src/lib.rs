@@ -20,6 +20,7 @@ pub mod sharding;
 pub mod strategy;
 pub mod tsp;
 pub mod verify;
+pub mod zero;
 
 pub use error::{Error, Result};
 pub use manager::{run_pipeline, Dump, Pass, PassCtx, PipelineReport};
@@ -28,3 +29,14 @@ pub use verify::{verify, VerifierError, VerifierErrors};
 /// The pipeline that shards a forward graph over its module's mesh.
 pub const SHARD_PIPELINE: &[Pass] =
     &[tsp::FOLD_TSP, cp::FOLD_CP, propagate::PROPAGATE_SPECS, rewrite::REWRITE_COLLECTIVES];
+
+/// The pipeline that shards a training graph (`pleat_ir::model::build_training`) and appends its
+/// backward graph: every parameter's gradient, laid out as the parameter, is an output.
+pub const TRAIN_PIPELINE: &[Pass] = &[
+    tsp::FOLD_TSP,
+    cp::FOLD_CP,
+    propagate::PROPAGATE_SPECS,
+    rewrite::REWRITE_COLLECTIVES,
+    zero::ZERO_PARTITION,
+    autodiff::DIFFERENTIATE,
+];

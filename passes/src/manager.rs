@@ -49,18 +49,30 @@ pub struct PassCtx {
     /// Korthikanti et al.'s sequence parallelism on the `tp` axis: norms, residuals and the
     /// embedding output stay split on seq; reduce-scatter and all-gather replace all-reduce.
     pub sequence_parallel: bool,
+    /// ZeRO's stage over the `dp` axis when training (0: plain data parallelism): 1 splits the
+    /// optimizer state, 2 also the gradients (reduce-scattered), 3 also the parameters (gathered
+    /// before each use).
+    pub zero_stage: u8,
+    /// Which forward values the backward recomputes instead of keeping.
+    pub recompute: crate::autodiff::Recompute,
 }
 
 impl Default for PassCtx {
     fn default() -> Self {
-        PassCtx { verify_each: true, dump: Dump::Nothing, sequence_parallel: false }
+        PassCtx {
+            verify_each: true,
+            dump: Dump::Nothing,
+            sequence_parallel: false,
+            zero_stage: 0,
+            recompute: crate::autodiff::Recompute::None,
+        }
     }
 }
 
 impl PassCtx {
     /// Verify after each pass and dump every pass: what snapshot tests want.
     pub fn for_tests() -> PassCtx {
-        PassCtx { verify_each: true, dump: Dump::Every, sequence_parallel: false }
+        PassCtx { dump: Dump::Every, ..PassCtx::default() }
     }
     fn wants_dump(&self, pass: &str) -> bool {
         match &self.dump {

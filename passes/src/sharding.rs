@@ -142,28 +142,103 @@ pub fn output_spec(
             Ok(specs[0].clone())
         }
         Op::Attention { .. } => attention_spec(specs, shapes),
-        // The loss and the backward ops have rules only for whole operands until sharded training
-        // derives theirs; a sharded operand is a conflict, never a silent wrong layout.
-        Op::CrossEntropy
-        | Op::CrossEntropyGrad
-        | Op::MatMulGradInput { .. }
-        | Op::MatMulGradWeight { .. }
-        | Op::RmsNormGradInput { .. }
-        | Op::RmsNormGradWeight { .. }
-        | Op::RopeGrad { .. }
-        | Op::AttentionGradQuery { .. }
-        | Op::AttentionGradKey { .. }
-        | Op::AttentionGradValue { .. }
-        | Op::SiluMulGradGate
-        | Op::EmbeddingGrad { .. }
-        | Op::SumLeading { .. } => match specs.iter().position(|spec| !spec.is_replicated()) {
-            None => Ok(ShardSpec::replicated(out.rank())),
-            Some(operand) => Err(Conflict::Layout(format!(
-                "operand {operand} is sharded, and {} has a rule for replicated operands only; differentiate \
-                 the unsharded graph",
-                node.op.mnemonic()
-            ))),
-        },
+        Op::CrossEntropy => {
+            loss_operands(specs, shapes)?;
+            // Each rank's loss is its rows' sum over the global count of targets: a pending sum over
+            // the axes that split the batch.
+            let mut spec = ShardSpec::replicated(out.rank());
+            spec.partial = dim_axes(specs[0], shapes[0], Batch).to_vec();
+            Ok(spec)
+        }
+        Op::CrossEntropyGrad => {
+            loss_operands(specs, shapes)?;
+            Ok(specs[0].clone())
+        }
+        Op::MatMulGradInput { contract } => {
+            // dy[F.., G..] · w[G.., C..] -> dx[F.., C..], contracting G.
+            let contract = *contract as usize;
+            let g = shapes[1].rank() - contract;
+            let f = shapes[0].rank() - g;
+            let dy_labels: Vec<Label> = (0..f).map(Label::Out).chain((0..g).map(Label::Sum)).collect();
+            let w_labels: Vec<Label> = (0..g).map(Label::Sum).chain((0..contract).map(|i| Label::Out(f + i))).collect();
+            contraction_spec(specs, shapes, out, [&dy_labels, &w_labels])
+        }
+        Op::MatMulGradWeight { contract } => {
+            // dy[F.., G..] · x[F.., C..] -> dw[G.., C..], contracting F.
+            let contract = *contract as usize;
+            let f = shapes[1].rank() - contract;
+            let g = shapes[0].rank() - f;
+            let dy_labels: Vec<Label> = (0..f).map(Label::Sum).chain((0..g).map(Label::Out)).collect();
+            let x_labels: Vec<Label> = (0..f).map(Label::Sum).chain((0..contract).map(|i| Label::Out(g + i))).collect();
+            contraction_spec(specs, shapes, out, [&dy_labels, &x_labels])
+        }
+        Op::RmsNormGradInput { .. } => {
+            // (x, w, dy): row-local like the forward op.
+            no_partial(specs, &[0, 1, 2])?;
+            replicated_dim(specs, shapes, 0, Hidden, "rms_norm reduces over hidden")?;
+            replicated_dim(specs, shapes, 1, Hidden, "rms_norm's weight must be whole")?;
+            same_spec(specs, (0, 2), "x and dy")?;
+            Ok(specs[0].clone())
+        }
+        Op::RmsNormGradWeight { .. } => {
+            // (x, dy) -> [hidden]: a sum over the rows, pending over the axes that split them.
+            no_partial(specs, &[0, 1])?;
+            replicated_dim(specs, shapes, 0, Hidden, "rms_norm reduces over hidden")?;
+            same_spec(specs, (0, 1), "x and dy")?;
+            let mut spec = ShardSpec::replicated(out.rank());
+            spec.partial = specs[0].dims.iter().flatten().copied().collect();
+            Ok(spec)
+        }
+        Op::RopeGrad { .. } => {
+            no_partial(specs, &[0, 1])?;
+            replicated_dim(specs, shapes, 0, HeadDim, "rope rotates pairs across head_dim")?;
+            same_dim(specs, shapes, (0, 1), (Seq, Seq))?;
+            Ok(specs[0].clone())
+        }
+        Op::AttentionGradQuery { .. } | Op::AttentionGradKey { .. } | Op::AttentionGradValue { .. } => {
+            // (q, k, v, q_positions, k_positions, dy): the forward layouts, dy laid out as the output.
+            let query = attention_spec(&specs[..5], &shapes[..5])?;
+            no_partial(specs, &[5])?;
+            if *specs[5] != query {
+                return Err(Conflict::Layout("dy is laid out differently from the attention output".into()));
+            }
+            if matches!(node.op, Op::AttentionGradQuery { .. }) {
+                return Ok(query);
+            }
+            // Grouped-query attention with whole kv heads on ranks that split the query heads: each
+            // rank's key/value gradient holds its query heads' contributions only.
+            let mut spec = specs[1].clone();
+            let kv_axes = dim_axes(specs[1], shapes[1], KvHeads);
+            spec.partial =
+                dim_axes(specs[0], shapes[0], Heads).iter().filter(|axis| !kv_axes.contains(axis)).copied().collect();
+            Ok(spec)
+        }
+        Op::SiluMulGradGate => {
+            no_partial(specs, &[0, 1, 2])?;
+            same_spec(specs, (0, 1), "gate and up")?;
+            same_spec(specs, (0, 2), "gate and dy")?;
+            Ok(specs[0].clone())
+        }
+        Op::EmbeddingGrad { .. } => {
+            // (dy[batch, seq, hidden], tokens[batch, seq]) -> [vocab, hidden]: rows scattered by token,
+            // pending over the axes that split the tokens. The whole table's gradient on every rank:
+            // matching a vocab-split table is a slice of it.
+            no_partial(specs, &[0, 1])?;
+            same_dim(specs, shapes, (0, 1), (Batch, Batch))?;
+            same_dim(specs, shapes, (0, 1), (Seq, Seq))?;
+            let mut spec = ShardSpec::replicated(out.rank());
+            spec.dims[1] = dim_axes(specs[0], shapes[0], Hidden).to_vec();
+            spec.partial = [Batch, Seq].iter().flat_map(|&dim| dim_axes(specs[0], shapes[0], dim).to_vec()).collect();
+            Ok(spec)
+        }
+        Op::SumLeading { keep } => {
+            // Leading dims are summed away: their splits become pending sums.
+            let lead = shapes[0].rank() - *keep as usize;
+            let mut spec = ShardSpec::replicated(out.rank());
+            spec.dims = specs[0].dims[lead..].to_vec();
+            spec.partial = specs[0].partial.iter().chain(specs[0].dims[..lead].iter().flatten()).copied().collect();
+            Ok(spec)
+        }
         Op::SiluMul => {
             no_partial(specs, &[0, 1])?;
             if specs[0] != specs[1] {
@@ -331,6 +406,84 @@ fn matmul_spec(contract: usize, specs: &[&ShardSpec], shapes: &[&Shape], out: &S
     for (index, axes) in specs[0].dims[..x_rank - contract].iter().enumerate() {
         if let Some(&axis) = axes.iter().find(|axis| weight_axes.contains(axis)) {
             return Err(Conflict::SplitActivation { dim: shapes[0].dims()[index].name, axis });
+        }
+    }
+    let mut seen: Vec<AxisName> = Vec::new();
+    for &axis in spec.dims.iter().flatten().chain(&spec.partial) {
+        if seen.contains(&axis) {
+            return Err(Conflict::Layout(format!(
+                "axis {axis} would split two dims of the product at once; all-gather one operand first"
+            )));
+        }
+        seen.push(axis);
+    }
+    Ok(spec)
+}
+
+/// The loss's operands: logits with whole vocab and seq rows (each row's softmax needs every vocab
+/// entry and the next position's token), tokens split as the logits' batch.
+fn loss_operands(specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<(), Conflict> {
+    use DimName::*;
+    no_partial(specs, &[0, 1])?;
+    for dim in [Vocab, Seq] {
+        if let Some(&axis) = dim_axes(specs[0], shapes[0], dim).last() {
+            return Err(Conflict::SplitActivation { dim, axis });
+        }
+    }
+    replicated_dim(specs, shapes, 1, Seq, "each position's target is the next token")?;
+    same_dim(specs, shapes, (0, 1), (Batch, Batch))
+}
+
+fn same_spec(specs: &[&ShardSpec], (left, right): (usize, usize), what: &str) -> Result<(), Conflict> {
+    if specs[left] == specs[right] {
+        Ok(())
+    } else {
+        Err(Conflict::Layout(format!("{what} (operands {left} and {right}) are laid out differently")))
+    }
+}
+
+/// What a dim of a contraction's operand becomes: dim `i` of the result, or summed with the other
+/// operand's dim of the same index.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Label {
+    Out(usize),
+    Sum(usize),
+}
+
+/// The spec of a two-operand contraction: result dims take their operand's splits, summed dims
+/// must be split alike on both sides and make the result a pending sum over those axes, and a
+/// pending sum in one operand passes through (the product is linear in each).
+fn contraction_spec(
+    specs: &[&ShardSpec],
+    shapes: &[&Shape],
+    out: &Shape,
+    labels: [&[Label]; 2],
+) -> Result<ShardSpec, Conflict> {
+    if !specs[0].partial.is_empty() && !specs[1].partial.is_empty() {
+        return Err(Conflict::PartialInput { operand: 1, axes: specs[1].partial.clone() });
+    }
+    let mut spec = ShardSpec::replicated(out.rank());
+    spec.partial = specs[0].partial.iter().chain(&specs[1].partial).copied().collect();
+    for (operand, operand_labels) in labels.iter().enumerate() {
+        for (dim, label) in operand_labels.iter().enumerate() {
+            let axes = specs[operand].dim_axes(dim);
+            match *label {
+                Label::Out(index) => spec.dims[index] = axes.to_vec(),
+                Label::Sum(_) if operand == 1 => {}
+                Label::Sum(_) => {
+                    let other = labels[1].iter().position(|other| other == label).expect("a summed dim is on both sides");
+                    let other_axes = specs[1].dim_axes(other);
+                    if axes != other_axes {
+                        return Err(Conflict::Layout(format!(
+                            "summed dim {} is {} in operand 0 but {} in operand 1",
+                            shapes[0].dims()[dim].name,
+                            axes_text(axes),
+                            axes_text(other_axes)
+                        )));
+                    }
+                    spec.partial.extend_from_slice(axes);
+                }
+            }
         }
     }
     let mut seen: Vec<AxisName> = Vec::new();

@@ -92,10 +92,12 @@ pub fn verify(module: &Module) -> Result<(), VerifierErrors> {
         if !graph.has_value(output) {
             let last = *graph.order().last().expect("a graph with outputs has nodes");
             verifier.report(last, format!("graph output {output} does not exist"));
-        } else if !graph.value(output).spec.is_replicated() {
+        } else if !graph.value(output).spec.partial.is_empty() {
+            // A split output is assembled from the ranks' blocks (a gradient laid out as its
+            // parameter); a pending sum has no block to assemble.
             let def = graph.value(output).def;
             let spec = sharding::spec_text(&graph.value(output).spec, &graph.value(output).ty.shape);
-            verifier.report(def, format!("is a graph output but laid out {spec}; outputs must be replicated"));
+            verifier.report(def, format!("is a graph output but laid out {spec}; outputs must be summed first"));
         }
     }
     if verifier.errors.is_empty() {

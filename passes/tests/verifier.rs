@@ -84,11 +84,19 @@ fn wrong_result_shapes_are_rejected() {
 }
 
 #[test]
-fn outputs_must_be_replicated() {
-    let text = format!("{HEAD}v0: f32[ffn=8/tp, hidden=4] = param() name=\"a\"   # n0 a\noutputs(v0)\n");
+fn outputs_must_not_be_pending_sums() {
+    // A split output is fine (each rank returns its block); a pending sum is not.
+    let split = format!("{HEAD}v0: f32[ffn=8/tp, hidden=4] = param() name=\"a\"   # n0 a\noutputs(v0)\n");
+    assert_eq!(check(&split), "ok");
+    let text = format!(
+        "{HEAD}v0: f32[batch=2, ffn=8/tp] = param() name=\"x\"   # n0 x\n\
+         v1: f32[hidden=4, ffn=8/tp] = param() name=\"w\"   # n1 w\n\
+         v2: f32[batch=2, hidden=4] partial(tp) = matmul(v0, v1) contract=1   # n2 down\n\
+         outputs(v2)\n"
+    );
     assert_eq!(
         check(&text),
-        "n0 a (param): is a graph output but laid out [ffn/tp, hidden]; outputs must be replicated"
+        "n2 down (matmul): is a graph output but laid out [batch, hidden] partial(tp); outputs must be summed first"
     );
 }
 

@@ -7,7 +7,7 @@ use pleat_backend::Program;
 
 use crate::comm::{Communicator, LinkSpec, ThreadFabric};
 use crate::error::{Error, Result};
-use crate::executor::{execute, RankOutcome, RunInputs};
+use crate::executor::{execute, OutputBlock, RankOutcome, RunInputs};
 
 /// Runs `programs` (one a rank, in rank order) on threads; every collective wait gives up after
 /// `timeout`. When a rank fails, the others are told and fail fast; the error returned is the first
@@ -96,8 +96,14 @@ pub fn run_on_threads_with(
 /// Assembles graph output `index` from the ranks' blocks into a whole row-major tensor.
 /// Replicated blocks simply overwrite one another with equal data.
 pub fn assemble(outcomes: &[RankOutcome], index: u32) -> Option<(Vec<u64>, Vec<f32>)> {
-    let blocks: Vec<_> =
+    let blocks: Vec<&OutputBlock> =
         outcomes.iter().flat_map(|outcome| &outcome.outputs).filter(|block| block.index == index).collect();
+    assemble_blocks(&blocks)
+}
+
+/// Assembles one tensor from blocks of it (all of one global shape) into a whole row-major tensor;
+/// `None` when there are none.
+pub fn assemble_blocks(blocks: &[&OutputBlock]) -> Option<(Vec<u64>, Vec<f32>)> {
     let shape = blocks.first()?.shape.clone();
     let mut data = vec![0.0f32; shape.iter().product::<u64>() as usize];
     for block in blocks {

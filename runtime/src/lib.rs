@@ -13,6 +13,7 @@ pub mod error;
 pub mod executor;
 pub mod kernels;
 pub mod launch;
+pub mod train;
 pub mod weights;
 
 pub use error::{Error, Result};

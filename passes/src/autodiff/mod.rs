@@ -12,14 +12,65 @@
 //! The seed is implicit: `cross_entropy_grad` is the gradient of the loss itself (d loss / d loss =
 //! 1), which is why the loss must be a `cross_entropy` node.
 
+pub mod reference;
 pub mod rules;
 
 use std::collections::HashMap;
 
 use pleat_ir::entity::EntityRef;
-use pleat_ir::{DType, Graph, NodeId, Op, ValueId};
+use pleat_ir::{AxisName, DType, Graph, Mesh, NodeData, NodeId, Op, Shape, ShardSpec, ValueId};
 
+use crate::sharding::{output_spec, spec_text, Conflict};
 use rules::{operand_gradient, Vjp};
+
+/// Which forward values the backward graph recomputes instead of keeping alive until it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Keep every forward value the backward reads.
+    #[default]
+    None,
+    /// Korthikanti et al.'s selective recomputation: recompute the attention core (its output is
+    /// not kept; q, k and v are).
+    Selective,
+    /// Keep only the residual stream (the `add` results and operands: each block's input and
+    /// output) and the parameters; recompute the rest of each layer from them in its backward.
+    Full,
+}
+
+/// How `differentiate_with` builds the backward graph.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// What to recompute.
+    pub recompute: Recompute,
+    /// ZeRO's stage over `dp`: 2 lays each gradient out split over `dp` on its first dim (a
+    /// reduce-scatter instead of an all-reduce); 3 re-gathers each `dp`-split parameter in the
+    /// backward instead of keeping the forward's gathered copy.
+    pub zero_stage: u8,
+}
+
+impl Options {
+    /// Whether the backward recomputes `node` rather than reading the forward's result.
+    fn recomputes(&self, graph: &Graph, node: &NodeData) -> bool {
+        let gathers_param = |node: &NodeData| {
+            matches!(node.op, Op::AllGather { .. }) && matches!(graph.def(node.inputs[0]).op, Op::Param { .. })
+        };
+        if self.zero_stage >= 3 && gathers_param(node) {
+            return true;
+        }
+        match self.recompute {
+            Recompute::None => false,
+            Recompute::Selective => matches!(node.op, Op::Attention { .. }),
+            Recompute::Full => {
+                let on_residual_stream =
+                    graph.users(node.result).iter().any(|&user| graph.node(user).op == Op::Add);
+                node.op.arity() > 0
+                    && !matches!(node.op, Op::Add | Op::CrossEntropy)
+                    && !on_residual_stream
+                    && graph.value(node.result).ty.dtype != DType::I32
+            }
+        }
+    }
+}
 
 /// The gradient of one parameter.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,6 +128,14 @@ pub enum AutodiffError {
         /// What is missing, and how to avoid it.
         reason: String,
     },
+    /// A backward op's operands are laid out in a way no collective inserted here reconciles.
+    #[error("{name}: {reason}")]
+    NoLayout {
+        /// The backward node's name.
+        name: String,
+        /// The sharding rule's conflict.
+        reason: String,
+    },
     /// A parameter the loss does not depend on: it would get no gradient.
     #[error("parameter `{name}` does not reach the loss, so it has no gradient; remove it or use it")]
     UnusedParam {
@@ -85,9 +144,35 @@ pub enum AutodiffError {
     },
 }
 
+/// Differentiates a training graph's loss (its `cross_entropy` output), after sharding: the
+/// backward graph follows the forward's layouts and adds the conjugate collectives.
+pub const DIFFERENTIATE: crate::Pass = crate::Pass { name: "differentiate", run: differentiate_loss };
+
+fn differentiate_loss(module: &mut pleat_ir::Module, ctx: &crate::PassCtx) -> crate::Result<()> {
+    let graph = &module.graph;
+    let loss = graph.order().iter().map(|&node| graph.node(node)).find(|node| node.op == Op::CrossEntropy);
+    let Some(loss) = loss.map(|node| node.result) else {
+        return Err(crate::Error::UnexpectedGraph { pass: "differentiate", node: "loss".into() });
+    };
+    let options = Options { recompute: ctx.recompute, zero_stage: ctx.zero_stage };
+    differentiate_with(&mut module.graph, &module.mesh, loss, &options)?;
+    Ok(())
+}
+
 /// Appends the backward graph of `loss` (a `cross_entropy` value) to `graph` and returns the
 /// gradient of every parameter.
 pub fn differentiate(graph: &mut Graph, loss: ValueId) -> Result<Gradients, AutodiffError> {
+    differentiate_with(graph, &Mesh::default(), loss, &Options::default())
+}
+
+/// As `differentiate`, on a graph sharded over `mesh`, recomputing and laying out gradients as
+/// `options` say.
+pub fn differentiate_with(
+    graph: &mut Graph,
+    mesh: &Mesh,
+    loss: ValueId,
+    options: &Options,
+) -> Result<Gradients, AutodiffError> {
     if !graph.has_value(loss) {
         return Err(AutodiffError::UnknownLoss { value: loss });
     }
@@ -103,11 +188,20 @@ pub fn differentiate(graph: &mut Graph, loss: ValueId) -> Result<Gradients, Auto
     let depends_on_param = params_reach(graph, &forward);
     let first_new_value = graph.value_count();
 
-    let mut state = Backward { graph, cotangent: HashMap::new(), shared: HashMap::new() };
+    let mut state = Backward {
+        graph,
+        mesh,
+        options: *options,
+        first_new_value,
+        cotangent: HashMap::new(),
+        shared: HashMap::new(),
+        collectives: Vec::new(),
+        recomputed: HashMap::new(),
+    };
     let logits = loss_data.inputs[0];
     if depends_on_param[logits.index()] {
-        let seed = state.emit(Op::CrossEntropyGrad, &loss_data.inputs, logits, &format!("{}.d0", loss_data.name));
-        state.accumulate(logits, seed);
+        let seed = state.emit(Op::CrossEntropyGrad, &loss_data.inputs, logits, &format!("{}.d0", loss_data.name))?;
+        state.accumulate(logits, seed)?;
     }
     for &node_id in forward.iter().rev() {
         let node = state.graph.node(node_id).clone();
@@ -123,9 +217,13 @@ pub fn differentiate(graph: &mut Graph, loss: ValueId) -> Result<Gradients, Auto
             };
             let contribution = match operand_gradient(state.graph, &node, operand, dy).map_err(no_rule)? {
                 Vjp::Identity => dy,
-                Vjp::Apply(op, operands) => state.emit(op, &operands, input, &format!("{}.d{operand}", node.name)),
+                Vjp::Apply(op, operands) => {
+                    let operands =
+                        operands.into_iter().map(|operand| state.recompute(operand)).collect::<Result<Vec<_>, _>>()?;
+                    state.emit(op, &operands, input, &format!("{}.d{operand}", node.name))?
+                }
             };
-            state.accumulate(input, contribution);
+            state.accumulate(input, contribution)?;
         }
     }
     state.collect_params(&forward, first_new_value).map(|params| Gradients { loss, params })
@@ -146,31 +244,160 @@ fn params_reach(graph: &Graph, forward: &[NodeId]) -> Vec<bool> {
 
 struct Backward<'a> {
     graph: &'a mut Graph,
+    mesh: &'a Mesh,
+    options: Options,
+    /// Values from this index on are the backward graph's.
+    first_new_value: usize,
+    /// Forward values recomputed in the backward: forward value -> its recomputed copy.
+    recomputed: HashMap<ValueId, ValueId>,
     /// The accumulated gradient of each forward value that has one.
     cotangent: HashMap<ValueId, ValueId>,
     /// How many forward values hold each gradient value (an identity rule shares one).
     shared: HashMap<ValueId, usize>,
+    /// Collectives already emitted: (operand, op, result), so a second user reuses the first's.
+    collectives: Vec<(ValueId, Op, ValueId)>,
 }
 
 impl Backward<'_> {
-    /// Appends `op(operands)` with the type of `like` (a gradient has its primal's type).
-    fn emit(&mut self, op: Op, operands: &[ValueId], like: ValueId, name: &str) -> ValueId {
+    /// Appends `op(operands)` with the type of `like` (a gradient has its primal's type) and the
+    /// spec its sharding rule derives. An operand the rule rejects is first summed (a pending sum)
+    /// or gathered (a split activation) by a collective appended just before, which later users of
+    /// the same operand share; forward users are never rewired, so the forward graph is unchanged.
+    fn emit(&mut self, op: Op, operands: &[ValueId], like: ValueId, name: &str) -> Result<ValueId, AutodiffError> {
         let ty = self.graph.value(like).ty.clone();
-        self.graph.add(op, operands, ty, name)
+        let mut operands = operands.to_vec();
+        loop {
+            let graph = &*self.graph;
+            let specs: Vec<&ShardSpec> = operands.iter().map(|&operand| &graph.value(operand).spec).collect();
+            let shapes: Vec<&Shape> = operands.iter().map(|&operand| &graph.value(operand).ty.shape).collect();
+            let probe = NodeData { op: op.clone(), inputs: operands.clone(), result: like, name: name.to_string() };
+            match output_spec(&probe, &specs, &shapes, &ty.shape) {
+                Ok(spec) => {
+                    let result = self.graph.add(op, &operands, ty, name);
+                    self.graph.value_mut(result).spec = spec;
+                    return Ok(result);
+                }
+                Err(Conflict::PartialInput { operand, axes }) => {
+                    let mut current = operands[operand];
+                    for axis in axes {
+                        current = self.collective(current, Op::AllReduce { axis }, "all_reduce")?;
+                    }
+                    operands[operand] = current;
+                }
+                Err(Conflict::SplitActivation { dim, axis }) => {
+                    operands[0] = self.collective(operands[0], Op::AllGather { axis, dim }, "all_gather")?;
+                }
+                Err(Conflict::Layout(reason)) => {
+                    return Err(AutodiffError::NoLayout { name: name.to_string(), reason });
+                }
+            }
+        }
     }
 
-    /// Adds `contribution` to the gradient of `value`.
-    fn accumulate(&mut self, value: ValueId, contribution: ValueId) {
+    /// `value` as the backward reads it: the forward's result, or a copy recomputed here (with its
+    /// recomputed operands) when the options recompute its node.
+    fn recompute(&mut self, value: ValueId) -> Result<ValueId, AutodiffError> {
+        if value.index() >= self.first_new_value {
+            return Ok(value);
+        }
+        if let Some(&copy) = self.recomputed.get(&value) {
+            return Ok(copy);
+        }
+        let node = self.graph.def(value).clone();
+        if !self.options.recomputes(self.graph, &node) {
+            return Ok(value);
+        }
+        let inputs = node.inputs.iter().map(|&input| self.recompute(input)).collect::<Result<Vec<_>, _>>()?;
+        let ty = self.graph.value(value).ty.clone();
+        let copy = self.graph.add(node.op.clone(), &inputs, ty, &format!("{}.recompute", node.name));
+        self.graph.value_mut(copy).spec = self.graph.value(value).spec.clone();
+        self.recomputed.insert(value, copy);
+        Ok(copy)
+    }
+
+    /// `op` (a collective) on `value`, reusing one already emitted.
+    fn collective(&mut self, value: ValueId, op: Op, suffix: &str) -> Result<ValueId, AutodiffError> {
+        if let Some(&(_, _, result)) = self.collectives.iter().find(|(input, done, _)| *input == value && *done == op) {
+            return Ok(result);
+        }
+        let name = format!("{}.{suffix}", self.graph.def(value).name);
+        let result = self.emit(op.clone(), &[value], value, &name)?;
+        self.collectives.push((value, op, result));
+        Ok(result)
+    }
+
+    /// `value` converted to `target`'s layout: pending sums reduce-scattered onto the dim the target
+    /// splits over that axis (or all-reduced), splits the target lacks gathered, splits it has
+    /// sliced locally.
+    fn relayout(&mut self, value: ValueId, target: &ShardSpec) -> Result<ValueId, AutodiffError> {
+        let mut current = value;
+        let shape = self.graph.value(value).ty.shape.clone();
+        for axis in self.graph.value(value).spec.partial.clone() {
+            if target.partial.contains(&axis) {
+                continue;
+            }
+            let spec = &self.graph.value(current).spec;
+            let scatter = (0..shape.rank()).find(|&dim| {
+                let (have, want) = (&spec.dims[dim], &target.dims[dim]);
+                want.len() > have.len() && want.starts_with(have) && want[have.len()] == axis
+            });
+            current = match scatter {
+                Some(dim) => {
+                    let dim = shape.dims()[dim].name;
+                    self.collective(current, Op::ReduceScatter { axis, dim }, "reduce_scatter")?
+                }
+                None => self.collective(current, Op::AllReduce { axis }, "all_reduce")?,
+            };
+        }
+        for dim in 0..shape.rank() {
+            while let Some(&axis) = self.graph.value(current).spec.dims[dim]
+                .last()
+                .filter(|_| !target.dims[dim].starts_with(&self.graph.value(current).spec.dims[dim]))
+            {
+                let dim = shape.dims()[dim].name;
+                current = self.collective(current, Op::AllGather { axis, dim }, "all_gather")?;
+            }
+        }
+        for dim in 0..shape.rank() {
+            let have = self.graph.value(current).spec.dims[dim].len();
+            for &axis in &target.dims[dim][have..] {
+                let dim = shape.dims()[dim].name;
+                current = self.collective(current, Op::LocalSlice { axis, dim }, "local_slice")?;
+            }
+        }
+        let spec = &self.graph.value(current).spec;
+        if spec != target {
+            return Err(AutodiffError::NoLayout {
+                name: self.graph.def(value).name.clone(),
+                reason: format!(
+                    "its gradient is laid out {} and cannot be brought to {}",
+                    spec_text(spec, &shape),
+                    spec_text(target, &shape)
+                ),
+            });
+        }
+        Ok(current)
+    }
+
+    /// Adds `contribution` to the gradient of `value`, in the earlier contribution's layout.
+    fn accumulate(&mut self, value: ValueId, contribution: ValueId) -> Result<(), AutodiffError> {
         let total = match self.cotangent.get(&value) {
             None => contribution,
             Some(&earlier) => {
                 let name = format!("{}.dsum", self.graph.def(value).name);
                 self.release(earlier);
-                self.emit(Op::Add, &[earlier, contribution], value, &name)
+                let target = self.graph.value(earlier).spec.clone();
+                let contribution = if self.graph.value(contribution).spec.dims == target.dims {
+                    contribution
+                } else {
+                    self.relayout(contribution, &ShardSpec { partial: Vec::new(), ..target })?
+                };
+                self.emit(Op::Add, &[earlier, contribution], value, &name)?
             }
         };
         *self.shared.entry(total).or_default() += 1;
         self.cotangent.insert(value, total);
+        Ok(())
     }
 
     fn release(&mut self, gradient: ValueId) {
@@ -195,7 +422,9 @@ impl Backward<'_> {
                 Some(param) => {
                     param.params.push(value);
                     if let Some(gradient) = gradient {
-                        let sum = self.emit(Op::Add, &[param.grad, gradient], value, &format!("{name}.dsum"));
+                        let target = self.graph.value(param.grad).spec.clone();
+                        let gradient = self.relayout(gradient, &ShardSpec { partial: Vec::new(), ..target })?;
+                        let sum = self.emit(Op::Add, &[param.grad, gradient], value, &format!("{name}.dsum"))?;
                         param.grad = sum;
                     }
                 }
@@ -208,10 +437,19 @@ impl Backward<'_> {
         for param in &mut params {
             // A gradient node another value shares (an identity rule) or a forward node keeps its
             // name: the parameter gets its own copy (`sum_leading` keeping every dim).
+            // The gradient takes its parameter's layout, so each rank updates the block it holds;
+            // under ZeRO-2 only its data-parallel share of the rows.
+            let param_value = self.graph.value(param.params[0]);
+            let mut target = param_value.spec.clone();
+            if self.options.zero_stage == 2 {
+                let shape = &param_value.ty.shape;
+                target = target.with_rows_split(shape, self.mesh, AxisName::Dp).unwrap_or(target);
+            }
+            param.grad = self.relayout(param.grad, &target)?;
             let shared = self.shared.get(&param.grad).copied().unwrap_or(0) > 1;
             if shared || param.grad.index() < first_new_value {
                 let rank = self.graph.value(param.grad).ty.shape.rank() as u8;
-                param.grad = self.emit(Op::SumLeading { keep: rank }, &[param.grad], param.params[0], "copy");
+                param.grad = self.emit(Op::SumLeading { keep: rank }, &[param.grad], param.params[0], "copy")?;
             }
             let def = self.graph.value(param.grad).def;
             self.graph.node_mut(def).name = format!("grad.{}", param.name);

@@ -99,6 +99,17 @@ pub enum WeightError {
         /// Up to three names in the checkpoint that are closest to `name`.
         similar: Vec<String>,
     },
+    /// A training rank was asked for a block it does not hold.
+    #[error(
+        "tensor `{name}` block {region:?} is not one this rank holds between training steps; a training program \
+         must read the blocks it was started with"
+    )]
+    NotResident {
+        /// The tensor asked for.
+        name: String,
+        /// The block asked for.
+        region: Vec<(u64, u64)>,
+    },
     /// The file's tensor is not the model's view with adjacent dims merged.
     #[error(
         "tensor `{name}` in {} has shape {found:?} but the model expects {expected:?} (or that shape with \

@@ -1,0 +1,78 @@
+//! The single-device reference training run: the oracle sharded training is checked against.
+//!
+//! Each step runs the unsharded training graph and its backward graph (`differentiate`) in the
+//! reference interpreter and then the reference AdamW (`pleat_ir::optim`). Nothing here is shared
+//! with the runtime's training loop or kernels.
+
+use std::collections::HashMap;
+
+use pleat_ir::interp::{run, Inputs};
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::optim::{AdamW, AdamWConfig};
+
+use super::differentiate;
+
+/// What the reference run produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceTraining {
+    /// The loss of each step.
+    pub losses: Vec<f32>,
+    /// Each parameter's gradient at the first step, by checkpoint name.
+    pub first_grads: HashMap<String, Vec<f32>>,
+    /// Each parameter after the last step, by checkpoint name.
+    pub weights: HashMap<String, Vec<f32>>,
+}
+
+/// Why the reference could not train.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("reference training, step {step}: {reason}")]
+pub struct ReferenceError {
+    /// The step that failed (0 while building).
+    pub step: u32,
+    /// What went wrong.
+    pub reason: String,
+}
+
+/// Trains `config` for `steps` steps of `batch` sequences of `seq` tokens. `initial` gives each
+/// parameter's starting value (by name and shape), `batches` each step's tokens.
+pub fn train_reference(
+    config: &ModelConfig,
+    (batch, seq): (u64, u64),
+    steps: u32,
+    adamw: AdamWConfig,
+    initial: &dyn Fn(&str, &[u64]) -> Option<Vec<f32>>,
+    batches: &dyn Fn(u32) -> Vec<u32>,
+) -> Result<ReferenceTraining, ReferenceError> {
+    let error = |step: u32| move |reason: String| ReferenceError { step, reason };
+    let mut module = pleat_ir::model::build_training(config, batch, seq).map_err(|err| error(0)(err.to_string()))?;
+    let loss = module.graph.outputs()[0];
+    let gradients = differentiate(&mut module.graph, loss).map_err(|err| error(0)(err.to_string()))?;
+    let names: Vec<String> = gradients.params.iter().map(|param| param.name.clone()).collect();
+    let mut start = Vec::with_capacity(names.len());
+    for param in &gradients.params {
+        let shape = module.graph.value(param.params[0]).ty.shape.sizes();
+        let weights = initial(&param.name, &shape).ok_or_else(|| error(0)(format!("no weights for {}", param.name)))?;
+        start.push(weights);
+    }
+    let views: Vec<&[f32]> = start.iter().map(Vec::as_slice).collect();
+    let mut optimizer = AdamW::new(adamw, &views);
+    let positions: Vec<u32> = (0..seq as u32).collect();
+    let mut losses = Vec::new();
+    let mut first_grads = HashMap::new();
+    for step in 0..steps {
+        let weights: HashMap<&str, &[f32]> =
+            names.iter().zip(&optimizer.params).map(|(name, state)| (name.as_str(), state.master.as_slice())).collect();
+        let lookup = |name: &str, _shape: &[u64]| weights.get(name).map(|weight| weight.to_vec());
+        let tokens = batches(step);
+        let outputs = run(&module.graph, &Inputs { tokens: &tokens, positions: &positions, params: &lookup })
+            .map_err(|err| error(step)(err.to_string()))?;
+        losses.push(outputs[0].data[0]);
+        let grads: Vec<&[f32]> = outputs[1..].iter().map(|grad| grad.data.as_slice()).collect();
+        if step == 0 {
+            first_grads = names.iter().cloned().zip(grads.iter().map(|grad| grad.to_vec())).collect();
+        }
+        optimizer.step(&grads).map_err(|err| error(step)(err.to_string()))?;
+    }
+    let weights = names.into_iter().zip(optimizer.params.into_iter().map(|state| state.master)).collect();
+    Ok(ReferenceTraining { losses, first_grads, weights })
+}

@@ -1,0 +1,282 @@
+//! Training on threads: every rank runs its forward-and-backward program once a step, then updates
+//! the parameter elements its `OptimizerLayout` gives it with AdamW, and shares them again.
+//!
+//! Each rank keeps its parameter blocks resident between steps (the program reads them through
+//! `ResidentWeights`) and the two AdamW moments of the elements it updates; it holds no other rank's
+//! state. The optimizer is written here, apart from the reference (`pleat_ir::optim`), and follows
+//! the same `torch.optim.AdamW` arithmetic: f64 per element, moments rounded to f32. Gradient
+//! clipping uses the global L2 norm over every parameter element counted once (the lowest of the
+//! ranks holding the same elements counts them), summed by an all-reduce over every rank. With
+//! ZeRO-1 and 2 a rank updates only its `dp` share of rows and the group all-gathers them back into
+//! every member's block; with ZeRO-3 the block is the share.
+//!
+//! The memory a step reports is the executor's measured peak (resident parameters, activations,
+//! gradients) plus the moments: 8 bytes an updated element. Weights are f32, so the model's
+//! parameters are their own master weights.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use pleat_backend::optimizer::{OptimizerLayout, ParamUpdate};
+use pleat_backend::{Instr, Program};
+
+use crate::comm::{Communicator, Group, ThreadFabric};
+use crate::error::{Error, Result};
+use crate::executor::{execute, OutputBlock, RunInputs};
+use crate::weights::{WeightError, WeightSource};
+
+/// AdamW's settings (torch's names and defaults but the learning rate).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWSettings {
+    /// Learning rate.
+    pub learning_rate: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Clip the gradients to this global L2 norm first.
+    pub max_grad_norm: Option<f64>,
+}
+
+/// What to train for.
+pub struct TrainOptions<'a> {
+    /// Steps to take.
+    pub steps: u32,
+    /// The optimizer.
+    pub adamw: AdamWSettings,
+    /// Every step's global token ids, `[batch, seq]` row-major.
+    pub batches: &'a (dyn Fn(u32) -> Vec<u32> + Sync),
+    /// The positions, `[seq]`.
+    pub positions: &'a [u32],
+    /// The parameters before the first step.
+    pub initial: &'a dyn WeightSource,
+    /// How long any collective wait may take.
+    pub timeout: Duration,
+}
+
+/// What one rank's training produced.
+#[derive(Clone, Debug)]
+pub struct RankTraining {
+    /// The rank.
+    pub rank: u32,
+    /// The loss of each step (the whole batch's mean).
+    pub losses: Vec<f32>,
+    /// The first step's output blocks: the loss, then the gradients.
+    pub first_outputs: Vec<OutputBlock>,
+    /// The rank's parameter blocks after the last step (`index`: the parameter's position in the
+    /// program's loads), with their names.
+    pub params: Vec<(String, OutputBlock)>,
+    /// The most bytes a step held: the executor's peak plus the optimizer's moments.
+    pub peak_bytes: u64,
+    /// The optimizer's moments, in bytes.
+    pub optimizer_bytes: u64,
+}
+
+/// A parameter block a rank keeps between steps.
+struct Resident {
+    name: String,
+    shape: Vec<u64>,
+    region: Vec<(u64, u64)>,
+    data: Vec<f32>,
+}
+
+/// The rank's resident parameters as a weight source: a read must ask for exactly a held block.
+struct ResidentWeights<'a>(&'a [Resident]);
+
+impl WeightSource for ResidentWeights<'_> {
+    fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> std::result::Result<Vec<f32>, WeightError> {
+        self.0
+            .iter()
+            .find(|block| block.name == name && block.shape == shape && block.region == region)
+            .map(|block| block.data.clone())
+            .ok_or_else(|| WeightError::NotResident { name: name.to_string(), region: region.to_vec() })
+    }
+}
+
+/// Trains `programs` (one a rank, each with its optimizer layout) on threads.
+pub fn train_on_threads(
+    programs: &[Program],
+    layouts: &[OptimizerLayout],
+    options: &TrainOptions,
+) -> Result<Vec<RankTraining>> {
+    if layouts.len() != programs.len() {
+        return Err(Error::Inputs {
+            reason: format!("{} programs but {} optimizer layouts; give one a rank", programs.len(), layouts.len()),
+        });
+    }
+    let world_size = programs.len() as u32;
+    let comms = ThreadFabric::new(world_size, options.timeout);
+    let results: Vec<Result<RankTraining>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = programs
+            .iter()
+            .zip(layouts)
+            .zip(comms)
+            .map(|((program, layout), mut comm)| {
+                scope.spawn(move || {
+                    let outcome = train_rank(program, layout, &mut comm, options);
+                    if let Err(err) = &outcome {
+                        comm.abort(&err.to_string());
+                    }
+                    outcome
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, handle)| {
+                handle
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Panicked { rank: rank as u32, message: "training panicked".into() }))
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+fn train_rank(
+    program: &Program,
+    layout: &OptimizerLayout,
+    comm: &mut dyn Communicator,
+    options: &TrainOptions,
+) -> Result<RankTraining> {
+    let rank = program.rank;
+    let mut resident = Vec::new();
+    for instr in &program.instructions {
+        if let Instr::LoadParam { name, shape, region, .. } = instr {
+            let data = options
+                .initial
+                .read(name, shape, region)
+                .map_err(|source| Error::Weight { rank, source: Box::new(source) })?;
+            resident.push(Resident { name: name.clone(), shape: shape.clone(), region: region.clone(), data });
+        }
+    }
+    let mut moments: Vec<(Vec<f32>, Vec<f32>)> =
+        layout.params.iter().map(|param| (vec![0.0; param.update.1 as usize], vec![0.0; param.update.1 as usize])).collect();
+    let optimizer_bytes = 8 * layout.updated_elements();
+    let world = Group::new(layout.world.ranks.clone());
+    let mut losses = Vec::new();
+    let mut first_outputs = Vec::new();
+    let mut peak_bytes = 0;
+    let epoch = Instant::now();
+    for step in 0..options.steps {
+        let tokens = (options.batches)(step);
+        let inputs = RunInputs {
+            tokens: &tokens,
+            positions: options.positions,
+            weights: &ResidentWeights(&resident),
+            epoch,
+        };
+        let outcome = execute(program, comm, &inputs, 1)?;
+        peak_bytes = peak_bytes.max(outcome.peak_bytes + optimizer_bytes);
+        let loss = outcome.outputs.iter().find(|block| block.index == 0).and_then(|block| block.data.first());
+        losses.push(*loss.ok_or_else(|| Error::Inputs { reason: "the training program returns no loss".into() })?);
+        let grads: HashMap<u32, &OutputBlock> = outcome.outputs.iter().map(|block| (block.index, block)).collect();
+        let optimizer = Step { rank, step: step + 1, settings: options.adamw };
+        optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?;
+        if step == 0 {
+            first_outputs = outcome.outputs;
+        }
+    }
+    let params = resident
+        .into_iter()
+        .enumerate()
+        .map(|(index, block)| {
+            let output =
+                OutputBlock { index: index as u32, shape: block.shape, region: block.region, data: block.data };
+            (block.name, output)
+        })
+        .collect();
+    Ok(RankTraining { rank, losses, first_outputs, params, peak_bytes, optimizer_bytes })
+}
+
+/// One optimizer step of one rank.
+struct Step {
+    rank: u32,
+    step: u32,
+    settings: AdamWSettings,
+}
+
+impl Step {
+    fn error(&self, reason: String) -> Error {
+        Error::Inputs { reason: format!("rank {}: optimizer step {}: {reason}", self.rank, self.step) }
+    }
+
+    /// The gradient elements `param` updates with.
+    fn grad_range<'g>(&self, param: &ParamUpdate, grads: &HashMap<u32, &'g OutputBlock>) -> Result<&'g [f32]> {
+        let block = grads
+            .get(&param.grad_output)
+            .ok_or_else(|| self.error(format!("no gradient output {} for {}", param.grad_output, param.name)))?;
+        let (start, len) = (param.update.0 as usize, param.update.1 as usize);
+        let range = if param.grad_is_slice { Some(&block.data[..]) } else { block.data.get(start..start + len) };
+        match range {
+            Some(range) if range.len() == len => Ok(range),
+            _ => Err(self.error(format!(
+                "the gradient of {} has {} elements, which do not hold its update range {start}+{len}",
+                param.name,
+                block.data.len()
+            ))),
+        }
+    }
+
+    fn apply(
+        &self,
+        layout: &OptimizerLayout,
+        grads: &HashMap<u32, &OutputBlock>,
+        resident: &mut [Resident],
+        moments: &mut [(Vec<f32>, Vec<f32>)],
+        comm: &mut dyn Communicator,
+        world: &Group,
+    ) -> Result<()> {
+        let comm_error = |source| Error::Comm {
+            rank: self.rank,
+            instr: usize::MAX,
+            what: "optimizer".into(),
+            source: Box::new(source),
+        };
+        let mut square_sum = 0.0_f64;
+        for param in layout.params.iter().filter(|param| param.counts_in_norm) {
+            square_sum += self.grad_range(param, grads)?.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+        }
+        let mut total = [square_sum as f32];
+        comm.all_reduce(world, &mut total).map_err(comm_error)?;
+        let norm = f64::from(total[0]).sqrt();
+        if !norm.is_finite() {
+            return Err(self.error(format!("the gradient norm is {norm}; lower the learning rate")));
+        }
+        let AdamWSettings { learning_rate, beta1, beta2, eps, weight_decay, max_grad_norm } = self.settings;
+        let clip_scale = max_grad_norm.map_or(1.0, |max_norm| (max_norm / (norm + 1e-6)).min(1.0));
+        let exponent = i32::try_from(self.step).unwrap_or(i32::MAX);
+        let step_size = learning_rate / (1.0 - beta1.powi(exponent));
+        let bias_correction2_sqrt = (1.0 - beta2.powi(exponent)).sqrt();
+        for (param, (exp_avg, exp_avg_sq)) in layout.params.iter().zip(moments.iter_mut()) {
+            let grad = self.grad_range(param, grads)?;
+            let block = resident
+                .iter_mut()
+                .find(|block| block.name == param.name)
+                .ok_or_else(|| self.error(format!("no resident block of {}", param.name)))?;
+            let (start, len) = (param.update.0 as usize, param.update.1 as usize);
+            let weights = &mut block.data[start..start + len];
+            for index in 0..len {
+                let g = f64::from(grad[index]) * clip_scale;
+                let m = beta1 * f64::from(exp_avg[index]) + (1.0 - beta1) * g;
+                let v = beta2 * f64::from(exp_avg_sq[index]) + (1.0 - beta2) * g * g;
+                exp_avg[index] = m as f32;
+                exp_avg_sq[index] = v as f32;
+                let decayed = f64::from(weights[index]) * (1.0 - learning_rate * weight_decay);
+                let denominator = f64::from(v as f32).sqrt() / bias_correction2_sqrt + eps;
+                weights[index] = (decayed - step_size * f64::from(m as f32) / denominator) as f32;
+            }
+            if let Some(group) = &param.gather {
+                let mine = block.data[start..start + len].to_vec();
+                let group = Group::new(group.ranks.clone());
+                comm.all_gather(&group, &mine, &mut block.data).map_err(comm_error)?;
+            }
+        }
+        Ok(())
+    }
+}

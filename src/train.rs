@@ -1,0 +1,331 @@
+//! `pleat run --train`: compile the training graph (forward, loss, backward) for a mesh, train on
+//! threads with the sharded AdamW, and with `--check` compare against the single-device reference.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
+use pleat_backend::Program;
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::model::stream::synthetic_tokens;
+use pleat_ir::optim::AdamWConfig;
+use pleat_ir::{AxisName, Mesh, Module};
+use pleat_passes::autodiff::reference::train_reference;
+use pleat_passes::autodiff::Recompute;
+use pleat_passes::Dump;
+use pleat_runtime::train::{train_on_threads, AdamWSettings, RankTraining, TrainOptions};
+use pleat_runtime::weights::WeightSource;
+use pleat_runtime::OutputBlock;
+use serde_json::json;
+
+use crate::compile::Strategy;
+use crate::model_arg::{resolve, ModelSource};
+use crate::run::{human_bytes, weight_source, Format, RunArgs};
+
+/// The largest difference from the reference `--check` accepts: on the losses and the updated
+/// weights (absolute), and on each gradient (relative to that gradient's L2 norm).
+pub const TRAIN_TOL: f32 = 1e-4;
+
+/// `--recompute`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum RecomputeArg {
+    /// Keep every activation the backward reads.
+    #[default]
+    None,
+    /// Recompute the attention core in the backward (Korthikanti et al.).
+    Selective,
+    /// Keep only each layer's residual stream; recompute the rest in the backward.
+    Full,
+}
+
+impl From<RecomputeArg> for Recompute {
+    fn from(arg: RecomputeArg) -> Recompute {
+        match arg {
+            RecomputeArg::None => Recompute::None,
+            RecomputeArg::Selective => Recompute::Selective,
+            RecomputeArg::Full => Recompute::Full,
+        }
+    }
+}
+
+/// The flags of `pleat run` that train.
+#[derive(Args, Clone)]
+pub struct TrainFlags {
+    /// Train instead of running the forward pass: forward, loss, backward and AdamW a step.
+    #[arg(long)]
+    pub train: bool,
+    /// Training steps.
+    #[arg(long, default_value_t = 10, requires = "train")]
+    pub steps: u32,
+    /// AdamW's learning rate.
+    #[arg(long, default_value_t = 1e-3, requires = "train")]
+    pub lr: f64,
+    /// Clip the gradients to this global L2 norm (0: no clipping).
+    #[arg(long, default_value_t = 1.0, requires = "train")]
+    pub max_grad_norm: f64,
+    /// ZeRO stage over the dp axis: 1 splits the optimizer state, 2 also the gradients, 3 also the
+    /// parameters.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3), requires = "train")]
+    pub zero: u8,
+    /// Which activations the backward recomputes instead of keeping.
+    #[arg(long, value_enum, default_value_t = RecomputeArg::None, requires = "train")]
+    pub recompute: RecomputeArg,
+    /// Token ids to train on: integers separated by whitespace or commas; each step reads the next
+    /// batch·seq of them, wrapping around. Without it, a deterministic synthetic stream.
+    #[arg(long, requires = "train")]
+    pub data: Option<PathBuf>,
+}
+
+/// A compiled training plan.
+pub struct CompiledTraining {
+    pub module: Module,
+    pub programs: Vec<Program>,
+    pub layouts: Vec<OptimizerLayout>,
+}
+
+/// Builds `config`'s training graph, shards and differentiates it over `mesh`, and lowers it.
+pub fn compile_training(
+    config: &ModelConfig,
+    (batch, seq): (u64, u64),
+    mesh: &Mesh,
+    strategy: Strategy,
+    zero: u8,
+    recompute: Recompute,
+) -> Result<CompiledTraining> {
+    for axis in [AxisName::Tsp, AxisName::Cp] {
+        if mesh.axis(axis).is_some() {
+            bail!(
+                "training over a {axis} axis is not built yet (its ring collectives have no backward); train with \
+                 tp, tp-sp or dp axes, e.g. --mesh dp=2,tp=2"
+            );
+        }
+    }
+    if zero > 0 && mesh.degree(AxisName::Dp) == 1 {
+        bail!("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2");
+    }
+    let mut ctx = strategy.pass_ctx(mesh, Dump::Nothing)?;
+    ctx.zero_stage = zero;
+    ctx.recompute = recompute;
+    let mut module = pleat_ir::model::build_training(config, batch, seq)?;
+    module.mesh = mesh.clone();
+    pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
+    let programs = pleat_backend::lower(&module)?;
+    pleat_backend::verify_collectives(&programs)?;
+    let layouts = (0..programs.len() as u32)
+        .map(|rank| optimizer_layout(&module, rank, zero))
+        .collect::<pleat_backend::Result<Vec<_>>>()?;
+    Ok(CompiledTraining { module, programs, layouts })
+}
+
+/// Each step's tokens: the synthetic stream, or consecutive windows of a token file.
+pub fn token_batches(
+    data: Option<&Path>,
+    seed: u64,
+    (batch, seq): (u64, u64),
+    vocab: u64,
+) -> Result<Box<dyn Fn(u32) -> Vec<u32> + Sync>> {
+    let Some(path) = data else {
+        return Ok(Box::new(move |step| synthetic_tokens(seed, u64::from(step), batch, seq, vocab)));
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --data {}", path.display()))?;
+    let mut ids = Vec::new();
+    for (index, word) in text.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty()).enumerate() {
+        match word.parse::<u64>() {
+            Ok(id) if id < vocab => ids.push(id as u32),
+            _ => bail!(
+                "--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}",
+                path.display()
+            ),
+        }
+    }
+    if ids.is_empty() {
+        bail!("--data {}: no token ids; write integers separated by spaces or commas", path.display());
+    }
+    let window = (batch * seq) as usize;
+    Ok(Box::new(move |step| {
+        let start = step as usize * window;
+        (0..window).map(|offset| ids[(start + offset) % ids.len()]).collect()
+    }))
+}
+
+/// What a training run measured and checked.
+struct TrainReport {
+    losses: Vec<f32>,
+    reference_losses: Option<Vec<f32>>,
+    max_abs_err: Option<f32>,
+    max_grad_rel_err: Option<f32>,
+    peaks: Vec<u64>,
+    optimizer_bytes: Vec<u64>,
+}
+
+/// Runs `pleat run --train`.
+pub fn run_training(args: &RunArgs) -> Result<()> {
+    let flags = &args.training;
+    let (config, weights_path) = match resolve(&args.model)? {
+        ModelSource::Config { config, weights } => (config, args.weights.clone().or(weights)),
+        ModelSource::Compiled(_) => {
+            bail!("--train compiles its own training graph; pass the model (a preset, config.json or directory)")
+        }
+    };
+    if args.tokens.is_some() {
+        bail!("--train reads its tokens from --data (or the synthetic stream), not --tokens");
+    }
+    let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
+    let mesh = Mesh::parse(&args.mesh)?;
+    let compiled = compile_training(&config, shape, &mesh, args.strategy, flags.zero, flags.recompute.into())?;
+    let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    let batches = token_batches(flags.data.as_deref(), args.seed, shape, config.vocab_size)?;
+    let positions: Vec<u32> = (0..shape.1 as u32).collect();
+    let max_grad_norm = (flags.max_grad_norm > 0.0).then_some(flags.max_grad_norm);
+    let adamw = AdamWConfig { learning_rate: flags.lr, max_grad_norm, ..AdamWConfig::default() };
+    let options = TrainOptions {
+        steps: flags.steps,
+        adamw: AdamWSettings {
+            learning_rate: adamw.learning_rate,
+            beta1: adamw.beta1,
+            beta2: adamw.beta2,
+            eps: adamw.eps,
+            weight_decay: adamw.weight_decay,
+            max_grad_norm: adamw.max_grad_norm,
+        },
+        batches: &*batches,
+        positions: &positions,
+        initial: weights.as_ref(),
+        timeout: Duration::from_secs(args.timeout),
+    };
+    let ranks = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
+    let mut report = TrainReport {
+        losses: ranks[0].losses.clone(),
+        reference_losses: None,
+        max_abs_err: None,
+        max_grad_rel_err: None,
+        peaks: ranks.iter().map(|rank| rank.peak_bytes).collect(),
+        optimizer_bytes: ranks.iter().map(|rank| rank.optimizer_bytes).collect(),
+    };
+    if args.check {
+        check(&config, shape, flags.steps, adamw, weights.as_ref(), &*batches, &compiled, &ranks, &mut report)?;
+    }
+    print_report(args, &config, &mesh, &report)?;
+    for (name, err) in [("max_abs_err", report.max_abs_err), ("max_grad_rel_err", report.max_grad_rel_err)] {
+        if let Some(err) = err.filter(|err| err.is_nan() || *err > TRAIN_TOL) {
+            bail!("{name} = {err:e} exceeds the tolerance {TRAIN_TOL:e}");
+        }
+    }
+    Ok(())
+}
+
+/// Compares the run with the reference: losses and final weights (absolute), first-step
+/// gradients (relative to each gradient's norm).
+#[allow(clippy::too_many_arguments)]
+fn check(
+    config: &ModelConfig,
+    shape: (u64, u64),
+    steps: u32,
+    adamw: AdamWConfig,
+    weights: &dyn WeightSource,
+    batches: &(dyn Fn(u32) -> Vec<u32> + Sync),
+    compiled: &CompiledTraining,
+    ranks: &[RankTraining],
+    report: &mut TrainReport,
+) -> Result<()> {
+    let initial = |name: &str, shape: &[u64]| {
+        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+        weights.read(name, shape, &region).ok()
+    };
+    let reference = train_reference(config, shape, steps, adamw, &initial, batches)?;
+    let mut max_abs = report.losses.iter().zip(&reference.losses).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    if report.losses.len() != reference.losses.len() {
+        max_abs = f32::NAN;
+    }
+    // Final weights: assemble every parameter from the ranks' blocks.
+    let mut final_blocks: HashMap<&str, Vec<&OutputBlock>> = HashMap::new();
+    for rank in ranks {
+        for (name, block) in &rank.params {
+            final_blocks.entry(name.as_str()).or_default().push(block);
+        }
+    }
+    for (name, want) in &reference.weights {
+        let blocks = final_blocks.get(name.as_str()).with_context(|| format!("no rank holds {name}"))?;
+        let got = pleat_runtime::launch::assemble_blocks(blocks).map(|(_, data)| data);
+        max_abs = max_abs.max(max_diff(got.as_deref(), want));
+    }
+    // First-step gradients, by output index.
+    let graph = &compiled.module.graph;
+    let mut max_rel = 0.0_f32;
+    for (index, &output) in graph.outputs().iter().enumerate() {
+        let Some(name) = graph.def(output).name.strip_prefix("grad.") else { continue };
+        let blocks: Vec<&OutputBlock> = ranks
+            .iter()
+            .flat_map(|rank| &rank.first_outputs)
+            .filter(|block| block.index == index as u32)
+            .collect();
+        let got = pleat_runtime::launch::assemble_blocks(&blocks).map(|(_, data)| data);
+        let want = reference.first_grads.get(name).with_context(|| format!("the reference has no gradient of {name}"))?;
+        let norm = want.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt().max(1e-12) as f32;
+        max_rel = max_rel.max(max_diff(got.as_deref(), want) / norm);
+    }
+    report.reference_losses = Some(reference.losses);
+    report.max_abs_err = Some(max_abs);
+    report.max_grad_rel_err = Some(max_rel);
+    Ok(())
+}
+
+/// The largest absolute difference; NaN when a side is missing, differs in length or holds a NaN.
+fn max_diff(got: Option<&[f32]>, want: &[f32]) -> f32 {
+    match got {
+        Some(got) => crate::run::max_abs_diff(got, want),
+        None => f32::NAN,
+    }
+}
+
+fn print_report(args: &RunArgs, config: &ModelConfig, mesh: &Mesh, report: &TrainReport) -> Result<()> {
+    let flags = &args.training;
+    match args.format {
+        Format::Json => {
+            let object = json!({
+                "model": config.name,
+                "mesh": mesh.to_string(),
+                "ranks": report.peaks.len(),
+                "steps": flags.steps,
+                "zero": flags.zero,
+                "recompute": format!("{:?}", flags.recompute).to_lowercase(),
+                "losses": report.losses,
+                "reference_losses": report.reference_losses,
+                "max_abs_err": report.max_abs_err,
+                "max_grad_rel_err": report.max_grad_rel_err,
+                "peak_bytes_per_rank": report.peaks,
+                "optimizer_bytes_per_rank": report.optimizer_bytes,
+            });
+            println!("{}", serde_json::to_string_pretty(&object)?);
+        }
+        Format::Text => {
+            let mesh_text = if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() };
+            println!(
+                "trained {} on {mesh_text} for {} steps (zero {}, recompute {:?})",
+                config.name,
+                flags.steps,
+                flags.zero,
+                flags.recompute
+            );
+            for (step, loss) in report.losses.iter().enumerate() {
+                match &report.reference_losses {
+                    Some(reference) => println!("step {:>3}  loss {loss:.6}  reference {:.6}", step + 1, reference[step]),
+                    None => println!("step {:>3}  loss {loss:.6}", step + 1),
+                }
+            }
+            let peaks: Vec<String> = report.peaks.iter().map(|&peak| human_bytes(peak)).collect();
+            println!("peak bytes a rank: {}", peaks.join(", "));
+            if let (Some(abs), Some(rel)) = (report.max_abs_err, report.max_grad_rel_err) {
+                let verdict = if abs <= TRAIN_TOL && rel <= TRAIN_TOL { "ok" } else { "FAILED" };
+                println!(
+                    "check: max |loss or weight - reference| = {abs:.3e}, max |grad - reference| / |grad| = {rel:.3e} \
+                     (tolerance {TRAIN_TOL:e}): {verdict}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
