@@ -64,6 +64,20 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::Add => ("add", 0),
         Kernel::Permute { .. } => ("permute", 0),
         Kernel::Slice { .. } => ("slice", 0),
+        Kernel::CrossEntropy { .. } => ("cross_entropy", 0),
+        Kernel::CrossEntropyGrad { .. } => ("cross_entropy_grad", 0),
+        Kernel::MatMulGradInput { m, n, k } => ("matmul_grad_input", 2 * m * n * k),
+        Kernel::MatMulGradWeight { m, n, k } => ("matmul_grad_weight", 2 * m * n * k),
+        Kernel::RmsNormGradInput { .. } => ("rms_norm_grad_input", 0),
+        Kernel::RmsNormGradWeight { .. } => ("rms_norm_grad_weight", 0),
+        Kernel::RopeGrad { .. } => ("rope_grad", 0),
+        // Scores and the softmax's gradient (two products), then the gradient's own product.
+        Kernel::AttentionGrad { batch, sq, sk, hq, head_dim, .. } => {
+            ("attention_grad", 6 * batch * sq * sk * hq * head_dim)
+        }
+        Kernel::SiluMulGradGate => ("silu_mul_grad_gate", 0),
+        Kernel::EmbeddingGrad { .. } => ("embedding_grad", 0),
+        Kernel::SumLeading { .. } => ("sum_leading", 0),
     }
 }
 

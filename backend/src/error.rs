@@ -19,15 +19,23 @@ pub enum Error {
         /// The ranks splitting it.
         degree: u64,
     },
-    /// An op the lowering has no kernel for yet (the loss and the backward ops of training).
+    /// A loss whose operands are split on a dim its kernel needs whole on every rank: the sequence
+    /// (position `t` reads token `t + 1`) or the vocabulary (each row's softmax).
     #[error(
-        "{value}: op {op} has no kernel yet; run training graphs in the reference interpreter (`pleat_ir::interp`)"
+        "{value}: op {op} needs {dim} whole on every rank, but this rank holds {local} of {global}; \
+         keep {dim} unsplit for the loss (split batch instead)"
     )]
-    UnsupportedOp {
+    SplitLossDim {
         /// The value's name.
         value: String,
         /// The op's mnemonic.
         op: &'static str,
+        /// The dim that must be whole.
+        dim: String,
+        /// Its local size.
+        local: u64,
+        /// Its global size.
+        global: u64,
     },
 
     // === Collective matching ===

@@ -18,7 +18,7 @@ pub mod validate;
 pub use error::{Error, Result};
 pub use lower::lower;
 pub use matching::verify_collectives;
-pub use program::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
+pub use program::{AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
 
 /// Serializes a program (JSON, versioned).
 pub fn to_json(program: &Program) -> String {

@@ -11,7 +11,7 @@ use pleat_ir::op::{inverse_order, zigzag_order};
 use pleat_ir::{DimName, Module, Op, ValueId};
 
 use crate::error::{Error, Result};
-use crate::program::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
+use crate::program::{AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
 
 /// Lowers `module` (verified) into one program a rank of its mesh.
 pub fn lower(module: &Module) -> Result<Vec<Program>> {
@@ -225,20 +225,100 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
                 }
                 continue;
             }
-            Op::CrossEntropy
-            | Op::CrossEntropyGrad
-            | Op::MatMulGradInput { .. }
-            | Op::MatMulGradWeight { .. }
-            | Op::RmsNormGradInput { .. }
-            | Op::RmsNormGradWeight { .. }
-            | Op::RopeGrad { .. }
-            | Op::AttentionGradQuery { .. }
-            | Op::AttentionGradKey { .. }
-            | Op::AttentionGradValue { .. }
-            | Op::SiluMulGradGate
-            | Op::EmbeddingGrad { .. }
-            | Op::SumLeading { .. } => {
-                return Err(Error::UnsupportedOp { value: data.name.clone(), op: data.op.mnemonic() })
+            Op::CrossEntropy | Op::CrossEntropyGrad => {
+                let kernel =
+                    loss_kernel(&data.op, &data.name, &input_local(0)?, &graph.value(data.inputs[0]).ty.shape.sizes())?;
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::MatMulGradInput { contract } => {
+                let (dy, w) = (input_local(0)?, input_local(1)?);
+                let w_free = w.len().saturating_sub(*contract as usize);
+                let kernel = Kernel::MatMulGradInput {
+                    m: dy[..dy.len().saturating_sub(w_free)].iter().product(),
+                    n: w[..w_free].iter().product(),
+                    k: w[w_free..].iter().product(),
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::MatMulGradWeight { contract } => {
+                let (dy, x) = (input_local(0)?, input_local(1)?);
+                let x_free = x.len().saturating_sub(*contract as usize);
+                let kernel = Kernel::MatMulGradWeight {
+                    m: x[..x_free].iter().product(),
+                    n: dy[x_free.min(dy.len())..].iter().product(),
+                    k: x[x_free..].iter().product(),
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::RmsNormGradInput { eps } => {
+                let hidden = *input_local(0)?.last().unwrap_or(&1);
+                Instr::Kernel { kernel: Kernel::RmsNormGradInput { hidden, eps: *eps }, inputs, out }
+            }
+            Op::RmsNormGradWeight { eps } => {
+                let hidden = *input_local(0)?.last().unwrap_or(&1);
+                Instr::Kernel { kernel: Kernel::RmsNormGradWeight { hidden, eps: *eps }, inputs, out }
+            }
+            Op::RopeGrad { rope } => {
+                let dy = input_local(0)?;
+                let kernel = Kernel::RopeGrad {
+                    batch: dy[0],
+                    seq: dy[1],
+                    heads: dy[2],
+                    head_dim: dy[3],
+                    inv_freq: inv_freq(rope, dy[3]),
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::AttentionGradQuery { causal } | Op::AttentionGradKey { causal } | Op::AttentionGradValue { causal } => {
+                let wrt = match data.op {
+                    Op::AttentionGradQuery { .. } => AttentionOperand::Query,
+                    Op::AttentionGradKey { .. } => AttentionOperand::Key,
+                    _ => AttentionOperand::Value,
+                };
+                let Kernel::Attention {
+                    batch,
+                    sq,
+                    sk,
+                    hq,
+                    hkv,
+                    head_dim,
+                    q_head_offset,
+                    kv_head_offset,
+                    group,
+                    scale,
+                    ..
+                } = attention_kernel(*causal, false)?
+                else {
+                    unreachable!("attention_kernel builds an attention kernel")
+                };
+                let kernel = Kernel::AttentionGrad {
+                    wrt,
+                    batch,
+                    sq,
+                    sk,
+                    hq,
+                    hkv,
+                    head_dim,
+                    q_head_offset,
+                    kv_head_offset,
+                    group,
+                    causal: *causal,
+                    scale,
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::SiluMulGradGate => Instr::Kernel { kernel: Kernel::SiluMulGradGate, inputs, out },
+            Op::EmbeddingGrad { vocab } => {
+                let table = local(value)?;
+                let kernel = Kernel::EmbeddingGrad {
+                    hidden: *table.get(1).unwrap_or(&1),
+                    vocab_offset: region(value)[0].0,
+                    vocab_total: *vocab,
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::SumLeading { .. } => {
+                Instr::Kernel { kernel: Kernel::SumLeading { width: local(value)?.iter().product() }, inputs, out }
             }
             Op::LocalSlice { axis, dim } => {
                 let shape = input_local(0)?;
@@ -282,6 +362,31 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
         });
     }
     Ok(program)
+}
+
+/// The kernel of `CrossEntropy` or `CrossEntropyGrad` (`op`) on local logits `[batch, seq, vocab]` of
+/// the global `global` logits: the sequence and the vocabulary must be whole locally (the shift and
+/// the softmax read across them), the batch may be split; the mean divides by the global target count.
+fn loss_kernel(op: &Op, value: &str, local: &[u64], global: &[u64]) -> Result<Kernel> {
+    let (&[batch, seq, vocab], &[global_batch, global_seq, global_vocab]) = (local, global) else {
+        unreachable!("verified: logits are [batch, seq, vocab]")
+    };
+    for (dim, local, global) in [("seq", seq, global_seq), ("vocab", vocab, global_vocab)] {
+        if local != global {
+            return Err(Error::SplitLossDim {
+                value: value.to_string(),
+                op: op.mnemonic(),
+                dim: dim.to_string(),
+                local,
+                global,
+            });
+        }
+    }
+    let terms = global_batch * global_seq.saturating_sub(1);
+    Ok(match op {
+        Op::CrossEntropy => Kernel::CrossEntropy { batch, seq, vocab, terms },
+        _ => Kernel::CrossEntropyGrad { batch, seq, vocab, terms },
+    })
 }
 
 /// Local sizes of a ring MLP: `x` is `[rows, hidden]`, each ffn shard `ffn` wide.
@@ -499,3 +604,7 @@ fn lower_ring_attention(
     });
     program.instructions.push(Instr::Free { buf: state });
 }
+
+#[cfg(test)]
+#[path = "lower_tests.rs"]
+mod tests;

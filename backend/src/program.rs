@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -170,6 +170,140 @@ pub enum Kernel {
         /// Per dim `(start, len)`.
         region: Vec<(u64, u64)>,
     },
+
+    // === Training: the loss and the backward kernels ===
+    /// `(logits[batch, seq, vocab], tokens[batch, seq]) -> [1]`: the next-token cross-entropy of the
+    /// local rows (position `t` predicts token `t + 1`; the last position has no target), summed and
+    /// divided by `terms`, the global count of targets, so the ranks' results sum to the global mean.
+    CrossEntropy {
+        /// Local batch.
+        batch: u64,
+        /// The whole sequence (the shift reads the next token in the same block).
+        seq: u64,
+        /// The whole vocabulary.
+        vocab: u64,
+        /// Global `batch · (seq - 1)`: the mean's denominator.
+        terms: u64,
+    },
+    /// `(logits, tokens) -> [batch, seq, vocab]`: `(softmax(logits) - onehot(next token)) / terms` for
+    /// each position with a target, zeros at the last position.
+    CrossEntropyGrad {
+        /// Local batch.
+        batch: u64,
+        /// The whole sequence.
+        seq: u64,
+        /// The whole vocabulary.
+        vocab: u64,
+        /// Global `batch · (seq - 1)`.
+        terms: u64,
+    },
+    /// `dx[m, k] = dy[m, n] · w[n, k]`: the gradient of `MatMul` with respect to its activation.
+    MatMulGradInput {
+        /// Rows of dy (the activation's rows).
+        m: u64,
+        /// Columns of dy, rows of w (the forward result's columns).
+        n: u64,
+        /// Columns of w (the forward op's contracted length).
+        k: u64,
+    },
+    /// `dw[n, k] = dy[m, n]ᵀ · x[m, k]`: the gradient of `MatMul` with respect to its weight, summed over
+    /// the local rows.
+    MatMulGradWeight {
+        /// Rows of dy and x (summed over).
+        m: u64,
+        /// Columns of dy (the weight's rows).
+        n: u64,
+        /// Columns of x (the forward op's contracted length).
+        k: u64,
+    },
+    /// `(x[rows, hidden], weight[hidden], dy[rows, hidden]) -> [rows, hidden]`: per row, with
+    /// `r = rsqrt(mean(x²) + eps)` and `g = dy · weight`, `r·g - x·r³·mean(g·x)`.
+    RmsNormGradInput {
+        /// Row width.
+        hidden: u64,
+        /// Epsilon.
+        eps: f64,
+    },
+    /// `(x[rows, hidden], dy[rows, hidden]) -> [hidden]`: `Σ over the local rows of dy · x · r`.
+    RmsNormGradWeight {
+        /// Row width.
+        hidden: u64,
+        /// Epsilon.
+        eps: f64,
+    },
+    /// The transpose of `Rope` on `[batch, seq, heads, head_dim]`: the rotation by the opposite angles.
+    RopeGrad {
+        /// Local batch.
+        batch: u64,
+        /// Local sequence.
+        seq: u64,
+        /// Local heads.
+        heads: u64,
+        /// Head width.
+        head_dim: u64,
+        /// `head_dim / 2` inverse frequencies.
+        inv_freq: Vec<f32>,
+    },
+    /// `(q, k, v, q_pos, k_pos, dy) -> d(wrt)`: a gradient of `Attention` over the local query heads,
+    /// recomputing the softmax a query row at a time. The sizes and head mapping are `Attention`'s;
+    /// the key and value gradients cover the `hkv` local kv heads and sum the contributions of the
+    /// local query heads only (a partial sum when the query heads are split and the kv heads are not).
+    AttentionGrad {
+        /// Which operand the gradient is taken with respect to.
+        wrt: AttentionOperand,
+        /// Local batch.
+        batch: u64,
+        /// Local query positions.
+        sq: u64,
+        /// Local key positions.
+        sk: u64,
+        /// Local query heads.
+        hq: u64,
+        /// Local kv heads.
+        hkv: u64,
+        /// Head width.
+        head_dim: u64,
+        /// The global index of local query head 0.
+        q_head_offset: u64,
+        /// The global index of local kv head 0.
+        kv_head_offset: u64,
+        /// Query heads a kv head (global heads / global kv heads).
+        group: u64,
+        /// Mask keys after the query.
+        causal: bool,
+        /// Softmax scale.
+        scale: f32,
+    },
+    /// `(gate, up, dy) -> dy · up · silu'(gate)`, elementwise.
+    SiluMulGradGate,
+    /// `(dy[tokens, hidden], tokens) -> [rows, hidden]`: the gradient of `Embedding`'s table block that
+    /// holds global rows `vocab_offset..vocab_offset + rows`; row `v` sums dy over the tokens equal to
+    /// `vocab_offset + v`, and tokens outside the block contribute nothing.
+    EmbeddingGrad {
+        /// Row width.
+        hidden: u64,
+        /// The first global row of the block.
+        vocab_offset: u64,
+        /// The global vocabulary size (larger ids are errors).
+        vocab_total: u64,
+    },
+    /// `x[.., width] -> [width]`: the sum over every leading element (the trailing dims kept, flattened
+    /// into `width`; `width = 1` sums everything).
+    SumLeading {
+        /// Elements kept: the product of the local kept dims.
+        width: u64,
+    },
+}
+
+/// Which operand of attention a gradient kernel differentiates with respect to.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AttentionOperand {
+    /// The queries: the result is shaped as `q`.
+    Query,
+    /// The keys: the result is shaped as `k`.
+    Key,
+    /// The values: the result is shaped as `v`.
+    Value,
 }
 
 /// One step of a program.

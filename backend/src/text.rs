@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use pleat_ir::entity::EntityRef;
 
-use crate::program::{BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionOperand, BufferId, Instr, Kernel, Program};
 
 fn region_text(region: &[(u64, u64)]) -> String {
     let dims: Vec<String> = region.iter().map(|(start, len)| format!("{start}..{}", start + len)).collect();
@@ -48,6 +48,48 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::MergeAttention { rows, head_dim } => format!("merge_attention rows={rows} head_dim={head_dim}"),
         Kernel::SiluMul => "silu_mul".to_string(),
         Kernel::Add => "add".to_string(),
+        Kernel::CrossEntropy { batch, seq, vocab, terms } => {
+            format!("cross_entropy batch={batch} seq={seq} vocab={vocab} terms={terms}")
+        }
+        Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
+            format!("cross_entropy_grad batch={batch} seq={seq} vocab={vocab} terms={terms}")
+        }
+        Kernel::MatMulGradInput { m, n, k } => format!("matmul_grad_input m={m} n={n} k={k}"),
+        Kernel::MatMulGradWeight { m, n, k } => format!("matmul_grad_weight m={m} n={n} k={k}"),
+        Kernel::RmsNormGradInput { hidden, eps } => format!("rms_norm_grad_input hidden={hidden} eps={eps}"),
+        Kernel::RmsNormGradWeight { hidden, eps } => format!("rms_norm_grad_weight hidden={hidden} eps={eps}"),
+        Kernel::RopeGrad { batch, seq, heads, head_dim, .. } => {
+            format!("rope_grad batch={batch} seq={seq} heads={heads} head_dim={head_dim}")
+        }
+        Kernel::AttentionGrad {
+            wrt,
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            head_dim,
+            q_head_offset,
+            kv_head_offset,
+            group,
+            causal,
+            ..
+        } => {
+            let wrt = match wrt {
+                AttentionOperand::Query => "query",
+                AttentionOperand::Key => "key",
+                AttentionOperand::Value => "value",
+            };
+            format!(
+                "attention_grad_{wrt} batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} \
+                 q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}"
+            )
+        }
+        Kernel::SiluMulGradGate => "silu_mul_grad_gate".to_string(),
+        Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => {
+            format!("embedding_grad hidden={hidden} vocab_offset={vocab_offset} vocab_total={vocab_total}")
+        }
+        Kernel::SumLeading { width } => format!("sum_leading width={width}"),
         Kernel::Slice { region, .. } => format!("slice {}", region_text(region)),
         Kernel::Permute { dim, .. } => format!("permute dim={dim}"),
     }

@@ -3,7 +3,7 @@
 //! Lowering produces consistent programs by construction; this guards programs read from files.
 
 use crate::error::{Error, Result};
-use crate::program::{BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionOperand, BufferId, Instr, Kernel, Program};
 
 fn bad(index: usize, reason: String) -> Error {
     Error::Inconsistent { instr: index, reason }
@@ -101,6 +101,85 @@ pub fn validate(program: &Program) -> Result<()> {
                     return Err(bad(index, format!("a bias of {} elements does not tile {}", sizes[1], sizes[0])));
                 }
                 expect("the result", out, sizes[0])?;
+            }
+            Kernel::CrossEntropy { batch, seq, vocab, terms }
+            | Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
+                operands(2)?;
+                expect("the logits", sizes[0], batch * seq * vocab)?;
+                expect("the tokens", sizes[1], batch * seq)?;
+                let result = if matches!(kernel, Kernel::CrossEntropy { .. }) { 1 } else { batch * seq * vocab };
+                expect("the result", out, result)?;
+                if *terms == 0 {
+                    return Err(bad(index, "the loss averages over 0 targets".to_string()));
+                }
+            }
+            Kernel::MatMulGradInput { m, n, k } => {
+                operands(2)?;
+                expect("the result's gradient", sizes[0], m * n)?;
+                expect("the weight", sizes[1], n * k)?;
+                expect("the result", out, m * k)?;
+            }
+            Kernel::MatMulGradWeight { m, n, k } => {
+                operands(2)?;
+                expect("the result's gradient", sizes[0], m * n)?;
+                expect("the activation", sizes[1], m * k)?;
+                expect("the result", out, n * k)?;
+            }
+            Kernel::RmsNormGradInput { hidden, .. } => {
+                operands(3)?;
+                expect("the weight", sizes[1], *hidden)?;
+                expect("the result's gradient", sizes[2], sizes[0])?;
+                expect("the result", out, sizes[0])?;
+                if *hidden == 0 || sizes[0] % hidden != 0 {
+                    return Err(bad(index, format!("the input's {} elements are not rows of {hidden}", sizes[0])));
+                }
+            }
+            Kernel::RmsNormGradWeight { hidden, .. } => {
+                operands(2)?;
+                expect("the result's gradient", sizes[1], sizes[0])?;
+                expect("the result", out, *hidden)?;
+                if *hidden == 0 || sizes[0] % hidden != 0 {
+                    return Err(bad(index, format!("the input's {} elements are not rows of {hidden}", sizes[0])));
+                }
+            }
+            Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq } => {
+                operands(2)?;
+                expect("the gradient", sizes[0], batch * seq * heads * head_dim)?;
+                expect("the positions", sizes[1], *seq)?;
+                expect("the inverse frequencies", inv_freq.len() as u64, head_dim / 2)?;
+                expect("the result", out, sizes[0])?;
+            }
+            Kernel::AttentionGrad { wrt, batch, sq, sk, hq, hkv, head_dim, .. } => {
+                operands(6)?;
+                let (queries, keys) = (batch * sq * hq * head_dim, batch * sk * hkv * head_dim);
+                expect("the queries", sizes[0], queries)?;
+                expect("the keys", sizes[1], keys)?;
+                expect("the values", sizes[2], keys)?;
+                expect("the query positions", sizes[3], *sq)?;
+                expect("the key positions", sizes[4], *sk)?;
+                expect("the output's gradient", sizes[5], queries)?;
+                let result = if *wrt == AttentionOperand::Query { queries } else { keys };
+                expect("the result", out, result)?;
+            }
+            Kernel::SiluMulGradGate => {
+                operands(3)?;
+                expect("up", sizes[1], sizes[0])?;
+                expect("the result's gradient", sizes[2], sizes[0])?;
+                expect("the result", out, sizes[0])?;
+            }
+            Kernel::EmbeddingGrad { hidden, .. } => {
+                operands(2)?;
+                expect("the gradient", sizes[0], sizes[1] * hidden)?;
+                if *hidden == 0 || out % hidden != 0 {
+                    return Err(bad(index, format!("the table's {out} elements are not rows of {hidden}")));
+                }
+            }
+            Kernel::SumLeading { width } => {
+                operands(1)?;
+                expect("the result", out, *width)?;
+                if *width == 0 || sizes[0] % width != 0 {
+                    return Err(bad(index, format!("the input's {} elements are not rows of {width}", sizes[0])));
+                }
             }
             Kernel::Slice { shape, region } => {
                 operands(1)?;

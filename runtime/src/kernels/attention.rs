@@ -81,7 +81,7 @@ impl AttentionShape {
     }
 
     /// Local kv head read by local query head `query_head`, or the error saying it is elsewhere.
-    fn local_kv_head(&self, query_head: usize) -> Result<usize, KernelError> {
+    pub(super) fn local_kv_head(&self, query_head: usize) -> Result<usize, KernelError> {
         let global_query_head = self.q_head_offset + query_head;
         let kv_head = global_query_head / self.group;
         kv_head.checked_sub(self.kv_head_offset).filter(|&local| local < self.hkv).ok_or(KernelError::KvHeadNotLocal {
@@ -359,16 +359,30 @@ fn validate(
     k_pos: &[u32],
     out: &[f32],
 ) -> Result<(), KernelError> {
+    validate_operands("attention", shape, q, k, v, q_pos, k_pos)?;
+    check_len("attention", "out", q.len(), out.len())
+}
+
+/// Checks attention's operands against `shape` (for `kernel`'s messages): buffer lengths, a
+/// positive group, and every local query head's kv head local.
+pub(super) fn validate_operands(
+    kernel: &'static str,
+    shape: &AttentionShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_pos: &[u32],
+    k_pos: &[u32],
+) -> Result<(), KernelError> {
     let elements =
         |seq: usize, heads: usize| shape.batch.saturating_mul(seq).saturating_mul(heads).saturating_mul(shape.head_dim);
-    check_len("attention", "q", elements(shape.sq, shape.hq), q.len())?;
-    check_len("attention", "k", elements(shape.sk, shape.hkv), k.len())?;
-    check_len("attention", "v", elements(shape.sk, shape.hkv), v.len())?;
-    check_len("attention", "out", q.len(), out.len())?;
-    check_len("attention", "q_pos", shape.sq, q_pos.len())?;
-    check_len("attention", "k_pos", shape.sk, k_pos.len())?;
+    check_len(kernel, "q", elements(shape.sq, shape.hq), q.len())?;
+    check_len(kernel, "k", elements(shape.sk, shape.hkv), k.len())?;
+    check_len(kernel, "v", elements(shape.sk, shape.hkv), v.len())?;
+    check_len(kernel, "q_pos", shape.sq, q_pos.len())?;
+    check_len(kernel, "k_pos", shape.sk, k_pos.len())?;
     if shape.group == 0 {
-        return Err(KernelError::ZeroDim { kernel: "attention", what: "group" });
+        return Err(KernelError::ZeroDim { kernel, what: "group" });
     }
     for query_head in 0..shape.hq {
         shape.local_kv_head(query_head)?;

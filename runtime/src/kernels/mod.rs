@@ -15,18 +15,26 @@
 //! What this module is not: an oracle. The reference interpreter (`ir::interp`) stays independent.
 
 mod attention;
+mod attention_grad;
 mod elementwise;
+mod grad;
 mod layout;
+mod loss;
 mod matmul;
 mod norm;
 mod rope;
+mod row_grad;
 
 pub use attention::{attention, attention_with_lse, merge_attention, AttentionShape};
+pub use attention_grad::{attention_grad, AttentionGradOperand};
 pub use elementwise::{add, add_in_place, embedding, silu_mul};
+pub use grad::{embedding_grad, matmul_grad_input, matmul_grad_weight, sum_leading};
 pub use layout::{join_dim_chunks, slice_region, split_dim_chunks};
+pub use loss::{cross_entropy, cross_entropy_grad, LossShape};
 pub use matmul::matmul_nt;
 pub use norm::rms_norm;
-pub use rope::rope_in_place;
+pub use rope::{rope_grad_in_place, rope_in_place};
+pub use row_grad::{rms_norm_grad_input, rms_norm_grad_weight, silu_mul_grad_gate};
 
 /// Everything a kernel can reject. Messages name the kernel and the offending tensor or index.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -120,6 +128,22 @@ pub enum KernelError {
         /// Rows held.
         rows: usize,
         /// Size of the global vocabulary.
+        vocab_size: usize,
+    },
+
+    /// A next-token target outside the vocabulary (the loss kernels).
+    #[error(
+        "{kernel}: target at position {position} has id {token} but the vocabulary has {vocab_size} \
+         entries; check the tokenizer matches the model"
+    )]
+    TargetOutOfRange {
+        /// The kernel that read the target.
+        kernel: &'static str,
+        /// Index of the token in the block.
+        position: usize,
+        /// Its id.
+        token: u32,
+        /// Size of the vocabulary.
         vocab_size: usize,
     },
 

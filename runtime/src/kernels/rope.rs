@@ -25,6 +25,39 @@ pub fn rope_in_place(
     positions: &[u32],
     inv_freq: &[f32],
 ) {
+    rotate_in_place(x, batch, seq, heads, head_dim, positions, inv_freq, 1.0);
+}
+
+/// The gradient of [`rope_in_place`]: rotates `dy` (same layout) by the opposite angles, in place.
+/// The rotation is orthogonal, so its transpose is its inverse: `x[i] = x1*cos + x2*sin`,
+/// `x[i + head_dim/2] = x2*cos - x1*sin`, with the same f32 angles as the forward rotation.
+///
+/// # Panics
+/// As [`rope_in_place`].
+pub fn rope_grad_in_place(
+    dy: &mut [f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    positions: &[u32],
+    inv_freq: &[f32],
+) {
+    rotate_in_place(dy, batch, seq, heads, head_dim, positions, inv_freq, -1.0);
+}
+
+/// Rotates by the angles times `direction` (1 forward, -1 backward): `sin(-a) = -sin(a)` exactly.
+#[allow(clippy::too_many_arguments)] // rope's operands and the direction.
+fn rotate_in_place(
+    x: &mut [f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    positions: &[u32],
+    inv_freq: &[f32],
+    direction: f32,
+) {
     expect_valid(validate(x, batch, seq, heads, head_dim, positions, inv_freq));
     let half = head_dim / 2;
     if x.is_empty() || half == 0 {
@@ -37,7 +70,7 @@ pub fn rope_in_place(
         for (i, &frequency) in inv_freq.iter().enumerate() {
             let angle = position as f32 * frequency;
             cos_table[position_index * half + i] = (angle as f64).cos() as f32;
-            sin_table[position_index * half + i] = (angle as f64).sin() as f32;
+            sin_table[position_index * half + i] = direction * (angle as f64).sin() as f32;
         }
     }
     let position_stride = heads * head_dim;
@@ -128,6 +161,25 @@ mod tests {
         let mut y = vec![0.5, -2.0];
         rope_in_place(&mut y, 1, 1, 1, 2, &[0], &[1.0]);
         assert_eq!(y, [0.5, -2.0]);
+    }
+
+    #[test]
+    fn grad_is_the_transpose() {
+        // <rope(x), y> = <x, rope_grad(y)> for every x, y: the gradient is the adjoint.
+        let (batch, seq, heads, head_dim) = (2, 3, 2, 8);
+        let positions = [9, 0, 4];
+        let inv_freq: Vec<f32> = (0..head_dim / 2).map(|i| 1.0 / 100f32.powf(2.0 * i as f32 / 8.0)).collect();
+        let x = values(batch * seq * heads * head_dim, 21);
+        let y = values(x.len(), 22);
+        let mut rotated = x.clone();
+        rope_in_place(&mut rotated, batch, seq, heads, head_dim, &positions, &inv_freq);
+        let mut back = y.clone();
+        rope_grad_in_place(&mut back, batch, seq, heads, head_dim, &positions, &inv_freq);
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&p, &q)| p as f64 * q as f64).sum::<f64>();
+        assert!((dot(&rotated, &y) - dot(&x, &back)).abs() < 1e-5);
+        // And it undoes the rotation.
+        rope_grad_in_place(&mut rotated, batch, seq, heads, head_dim, &positions, &inv_freq);
+        assert_close(&rotated, &x.iter().map(|&value| value as f64).collect::<Vec<_>>(), 1e-6);
     }
 
     #[test]
