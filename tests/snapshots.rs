@@ -85,11 +85,8 @@ fn training_tensor_parallel_one_layer_tp2() {
 
 #[test]
 fn training_sequence_parallel_with_full_recompute_one_layer_tp2() {
-    let ctx = PassCtx {
-        sequence_parallel: true,
-        recompute: pleat_passes::autodiff::Recompute::Full,
-        ..PassCtx::for_tests()
-    };
+    let ctx =
+        PassCtx { sequence_parallel: true, recompute: pleat_passes::autodiff::Recompute::Full, ..PassCtx::for_tests() };
     snapshot_training("tp=2", "train-tp2-sp-full-one-layer", &ctx);
 }
 

@@ -67,7 +67,9 @@ pub fn optimizer_layout(module: &Module, rank: u32, zero_stage: u8) -> Result<Op
             .map(|&node| graph.node(node))
             .find(|node| matches!(&node.op, Op::Param { name: param } if param == name))
             .map(|node| node.result)
-            .ok_or_else(|| Error::Malformed { reason: format!("gradient output grad.{name} has no parameter {name}") })?;
+            .ok_or_else(|| Error::Malformed {
+                reason: format!("gradient output grad.{name} has no parameter {name}"),
+            })?;
         let shape = &graph.value(param).ty.shape;
         let param_spec = &graph.value(param).spec;
         let grad_spec = &graph.value(output).spec;

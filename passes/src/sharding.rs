@@ -471,7 +471,8 @@ fn contraction_spec(
                 Label::Out(index) => spec.dims[index] = axes.to_vec(),
                 Label::Sum(_) if operand == 1 => {}
                 Label::Sum(_) => {
-                    let other = labels[1].iter().position(|other| other == label).expect("a summed dim is on both sides");
+                    let other =
+                        labels[1].iter().position(|other| other == label).expect("a summed dim is on both sides");
                     let other_axes = specs[1].dim_axes(other);
                     if axes != other_axes {
                         return Err(Conflict::Layout(format!(

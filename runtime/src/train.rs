@@ -155,8 +155,11 @@ fn train_rank(
             resident.push(Resident { name: name.clone(), shape: shape.clone(), region: region.clone(), data });
         }
     }
-    let mut moments: Vec<(Vec<f32>, Vec<f32>)> =
-        layout.params.iter().map(|param| (vec![0.0; param.update.1 as usize], vec![0.0; param.update.1 as usize])).collect();
+    let mut moments: Vec<(Vec<f32>, Vec<f32>)> = layout
+        .params
+        .iter()
+        .map(|param| (vec![0.0; param.update.1 as usize], vec![0.0; param.update.1 as usize]))
+        .collect();
     let optimizer_bytes = 8 * layout.updated_elements();
     let world = Group::new(layout.world.ranks.clone());
     let mut losses = Vec::new();
@@ -165,12 +168,8 @@ fn train_rank(
     let epoch = Instant::now();
     for step in 0..options.steps {
         let tokens = (options.batches)(step);
-        let inputs = RunInputs {
-            tokens: &tokens,
-            positions: options.positions,
-            weights: &ResidentWeights(&resident),
-            epoch,
-        };
+        let inputs =
+            RunInputs { tokens: &tokens, positions: options.positions, weights: &ResidentWeights(&resident), epoch };
         let outcome = execute(program, comm, &inputs, 1)?;
         peak_bytes = peak_bytes.max(outcome.peak_bytes + optimizer_bytes);
         let loss = outcome.outputs.iter().find(|block| block.index == 0).and_then(|block| block.data.first());

@@ -61,8 +61,7 @@ impl Options {
             Recompute::None => false,
             Recompute::Selective => matches!(node.op, Op::Attention { .. }),
             Recompute::Full => {
-                let on_residual_stream =
-                    graph.users(node.result).iter().any(|&user| graph.node(user).op == Op::Add);
+                let on_residual_stream = graph.users(node.result).iter().any(|&user| graph.node(user).op == Op::Add);
                 node.op.arity() > 0
                     && !matches!(node.op, Op::Add | Op::CrossEntropy)
                     && !on_residual_stream
@@ -203,8 +202,21 @@ pub fn differentiate_with(
         let seed = state.emit(Op::CrossEntropyGrad, &loss_data.inputs, logits, &format!("{}.d0", loss_data.name))?;
         state.accumulate(logits, seed)?;
     }
+    // A parameter's gradient is complete once the backward has passed its first user: it is laid
+    // out as the parameter right there (all-reduced or reduce-scattered over dp), so that it does
+    // not wait, whole and pending, for the end of the backward.
+    let mut first_user: HashMap<ValueId, NodeId> = HashMap::new();
+    for &node_id in &forward {
+        for &input in &state.graph.node(node_id).inputs {
+            if matches!(state.graph.def(input).op, Op::Param { .. }) {
+                first_user.entry(input).or_insert(node_id);
+            }
+        }
+    }
     for &node_id in forward.iter().rev() {
         let node = state.graph.node(node_id).clone();
+        let complete: Vec<ValueId> =
+            node.inputs.iter().copied().filter(|input| first_user.get(input) == Some(&node_id)).collect();
         let Some(&dy) = state.cotangent.get(&node.result) else { continue };
         for (operand, &input) in node.inputs.iter().enumerate() {
             if !depends_on_param[input.index()] {
@@ -224,6 +236,9 @@ pub fn differentiate_with(
                 }
             };
             state.accumulate(input, contribution)?;
+        }
+        for param in complete {
+            state.finish_param(param)?;
         }
     }
     state.collect_params(&forward, first_new_value).map(|params| Gradients { loss, params })
@@ -406,6 +421,30 @@ impl Backward<'_> {
         }
     }
 
+    /// The layout of `param`'s gradient: the parameter's, so each rank updates the block it holds;
+    /// under ZeRO-2 only its data-parallel share of the rows.
+    fn param_target(&self, param: ValueId) -> ShardSpec {
+        let value = self.graph.value(param);
+        let spec = value.spec.clone();
+        if self.options.zero_stage == 2 {
+            return spec.with_rows_split(&value.ty.shape, self.mesh, AxisName::Dp).unwrap_or(spec);
+        }
+        spec
+    }
+
+    /// Lays out `param`'s complete gradient as `param_target` says.
+    fn finish_param(&mut self, param: ValueId) -> Result<(), AutodiffError> {
+        let Some(&gradient) = self.cotangent.get(&param) else { return Ok(()) };
+        let target = self.param_target(param);
+        let laid_out = self.relayout(gradient, &target)?;
+        if laid_out != gradient {
+            self.release(gradient);
+            *self.shared.entry(laid_out).or_default() += 1;
+            self.cotangent.insert(param, laid_out);
+        }
+        Ok(())
+    }
+
     /// Sums the gradients of same-named parameters, names them `grad.<name>` and marks them outputs.
     fn collect_params(
         mut self,
@@ -435,17 +474,10 @@ impl Backward<'_> {
             }
         }
         for param in &mut params {
+            let target = self.param_target(param.params[0]);
+            param.grad = self.relayout(param.grad, &target)?;
             // A gradient node another value shares (an identity rule) or a forward node keeps its
             // name: the parameter gets its own copy (`sum_leading` keeping every dim).
-            // The gradient takes its parameter's layout, so each rank updates the block it holds;
-            // under ZeRO-2 only its data-parallel share of the rows.
-            let param_value = self.graph.value(param.params[0]);
-            let mut target = param_value.spec.clone();
-            if self.options.zero_stage == 2 {
-                let shape = &param_value.ty.shape;
-                target = target.with_rows_split(shape, self.mesh, AxisName::Dp).unwrap_or(target);
-            }
-            param.grad = self.relayout(param.grad, &target)?;
             let shared = self.shared.get(&param.grad).copied().unwrap_or(0) > 1;
             if shared || param.grad.index() < first_new_value {
                 let rank = self.graph.value(param.grad).ty.shape.rank() as u8;
