@@ -64,6 +64,7 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::Add => ("add", 0),
         Kernel::Permute { .. } => ("permute", 0),
         Kernel::Slice { .. } => ("slice", 0),
+        Kernel::Zeros => ("zeros", 0),
         Kernel::CrossEntropy { .. } => ("cross_entropy", 0),
         Kernel::CrossEntropyGrad { .. } => ("cross_entropy_grad", 0),
         Kernel::MatMulGradInput { m, n, k } => ("matmul_grad_input", 2 * m * n * k),

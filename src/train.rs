@@ -104,14 +104,6 @@ pub fn compile_training(
     zero: u8,
     recompute: Recompute,
 ) -> Result<CompiledTraining> {
-    for axis in [AxisName::Tsp, AxisName::Cp] {
-        if mesh.axis(axis).is_some() {
-            bail!(
-                "training over a {axis} axis is not built yet (its ring collectives have no backward); train with \
-                 tp, tp-sp or dp axes, e.g. --mesh dp=2,tp=2"
-            );
-        }
-    }
     if zero > 0 && mesh.degree(AxisName::Dp) == 1 {
         bail!("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2");
     }

@@ -95,3 +95,13 @@ fn training_zero3_one_layer_dp2() {
     let ctx = PassCtx { zero_stage: 3, ..PassCtx::for_tests() };
     snapshot_training("dp=2", "train-dp2-zero3-one-layer", &ctx);
 }
+
+#[test]
+fn training_tensor_and_sequence_parallel_one_layer_tsp2() {
+    snapshot_training("tsp=2", "train-tsp2-one-layer", &PassCtx::for_tests());
+}
+
+#[test]
+fn training_context_parallel_one_layer_cp2() {
+    snapshot_training("cp=2", "train-cp2-one-layer", &PassCtx::for_tests());
+}

@@ -320,6 +320,16 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
             Op::SumLeading { .. } => {
                 Instr::Kernel { kernel: Kernel::SumLeading { width: local(value)?.iter().product() }, inputs, out }
             }
+            Op::ReduceToRoot { axis, root, .. } => {
+                let group = mesh.group(rank, *axis);
+                lower_reduce_to_root(&mut program, &data.name, inputs[0], out, &group, rank, *root as usize);
+                let input = data.inputs[0];
+                let resident = graph.outputs().contains(&input);
+                if last_use[input.as_u32() as usize] == Some(index) && !resident {
+                    program.instructions.push(Instr::Free { buf: inputs[0] });
+                }
+                continue;
+            }
             Op::LocalSlice { axis, dim } => {
                 let shape = input_local(0)?;
                 let split = dim_index(*dim);
@@ -402,6 +412,48 @@ fn new_buffer(program: &mut Program, name: String, shape: Vec<u64>, kind: Buffer
     let id = BufferId::new(program.buffers.len());
     program.buffers.push(Buffer { name, dtype, shape, kind });
     id
+}
+
+/// Expands a reduce-to-root: every member but the root sends its operand to the root and writes
+/// zeros; the root receives the others' operands in group order and sums them into its own.
+fn lower_reduce_to_root(
+    program: &mut Program,
+    name: &str,
+    input: BufferId,
+    out: BufferId,
+    group: &[u32],
+    rank: u32,
+    root: usize,
+) {
+    let root_rank = group[root];
+    if rank != root_rank {
+        program.instructions.push(Instr::Send { bufs: vec![input], peer: root_rank });
+        program.instructions.push(Instr::Kernel { kernel: Kernel::Zeros, inputs: Vec::new(), out });
+        return;
+    }
+    let shape = program.buffer(input).shape.clone();
+    let others: Vec<u32> = group.iter().copied().filter(|&member| member != rank).collect();
+    if others.is_empty() {
+        let region = shape.iter().map(|&len| (0, len)).collect();
+        program.instructions.push(Instr::Kernel { kernel: Kernel::Slice { shape, region }, inputs: vec![input], out });
+        return;
+    }
+    let mut sum = input;
+    for (index, &peer) in others.iter().enumerate() {
+        let received = new_buffer(program, format!("{name}.from{peer}"), shape.clone(), BufferKind::InFlight, input);
+        program.instructions.push(Instr::Recv { outs: vec![received], peer });
+        let total = if index + 1 == others.len() {
+            out
+        } else {
+            new_buffer(program, format!("{name}.sum{index}"), shape.clone(), BufferKind::Activation, input)
+        };
+        program.instructions.push(Instr::Kernel { kernel: Kernel::Add, inputs: vec![sum, received], out: total });
+        program.instructions.push(Instr::Free { buf: received });
+        if sum != input {
+            program.instructions.push(Instr::Free { buf: sum });
+        }
+        sum = total;
+    }
 }
 
 /// Expands a ring MLP: in step s the rank computes with the ffn shard it holds (its own at s = 0)

@@ -163,6 +163,9 @@ pub enum Kernel {
         /// The source of each slot.
         order: Vec<u64>,
     },
+    /// A zero-filled result of the output buffer's size; no operands (`reduce_to_root`'s result on
+    /// every rank but the root).
+    Zeros,
     /// Copy `region` out of a local tensor of `shape`.
     Slice {
         /// The input's local shape.

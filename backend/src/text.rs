@@ -90,6 +90,7 @@ fn kernel_text(kernel: &Kernel) -> String {
             format!("embedding_grad hidden={hidden} vocab_offset={vocab_offset} vocab_total={vocab_total}")
         }
         Kernel::SumLeading { width } => format!("sum_leading width={width}"),
+        Kernel::Zeros => "zeros".to_string(),
         Kernel::Slice { region, .. } => format!("slice {}", region_text(region)),
         Kernel::Permute { dim, .. } => format!("permute dim={dim}"),
     }

@@ -181,6 +181,7 @@ pub fn validate(program: &Program) -> Result<()> {
                     return Err(bad(index, format!("the input's {} elements are not rows of {width}", sizes[0])));
                 }
             }
+            Kernel::Zeros => operands(0)?,
             Kernel::Slice { shape, region } => {
                 operands(1)?;
                 expect("the input", sizes[0], shape.iter().product())?;

@@ -196,6 +196,17 @@ pub enum Op {
         /// The coordinate on `axis` of the rank that owns the block.
         root: u64,
     },
+    /// The conjugate of `broadcast_shard`: sums a pending sum over `axis` into the rank at coordinate
+    /// `root`, as that rank's block of `dim`; every other rank's block is zero. The result's `dim` is
+    /// the operand's times the degree of `axis` (the operand is one block's size).
+    ReduceToRoot {
+        /// The axis to reduce over.
+        axis: AxisName,
+        /// The dim the result is split on.
+        dim: DimName,
+        /// The coordinate on `axis` of the rank that receives the sum.
+        root: u64,
+    },
     /// Keeps each rank's block of `dim` of a value replicated over `axis`: no communication.
     LocalSlice {
         /// The axis that will split the dim.
@@ -250,6 +261,7 @@ impl Op {
             Op::AllGather { .. } => "all_gather",
             Op::LocalSlice { .. } => "local_slice",
             Op::BroadcastShard { .. } => "broadcast_shard",
+            Op::ReduceToRoot { .. } => "reduce_to_root",
             Op::RingGatedMlp { .. } => "ring_gated_mlp",
             Op::RingAttention { .. } => "ring_attention",
             Op::Zigzag { .. } => "zigzag",
@@ -265,6 +277,7 @@ impl Op {
             | Op::AllGather { .. }
             | Op::LocalSlice { .. }
             | Op::BroadcastShard { .. }
+            | Op::ReduceToRoot { .. }
             | Op::AllToAll { .. }
             | Op::Zigzag { .. } => 1,
             Op::RingGatedMlp { .. } => 4,
@@ -291,6 +304,7 @@ impl Op {
                 | Op::ReduceScatter { .. }
                 | Op::AllGather { .. }
                 | Op::BroadcastShard { .. }
+                | Op::ReduceToRoot { .. }
                 | Op::RingGatedMlp { .. }
                 | Op::RingAttention { .. }
                 | Op::AllToAll { .. }
@@ -304,6 +318,7 @@ impl Op {
             | Op::AllGather { axis, .. }
             | Op::LocalSlice { axis, .. }
             | Op::BroadcastShard { axis, .. }
+            | Op::ReduceToRoot { axis, .. }
             | Op::AllToAll { axis, .. }
             | Op::RingGatedMlp { axis } => Some(*axis),
             Op::RingAttention { axis, .. } => Some(*axis),

@@ -8,6 +8,12 @@
 //! the ring while each rank keeps its queries. The final logits are all-gathered on seq and put
 //! back in the original token order.
 //!
+//! A training graph (one with a `cross_entropy` loss) keeps plain attention instead of the ring:
+//! each layer all-gathers k and v (and attends with the whole zigzag position list), so the
+//! backward is the all-gathers' conjugates, reduce-scatters of dk and dv onto their owners (the
+//! all-gather form of context parallelism that Llama 3's training uses). It sends the same k and v
+//! a layer as the ring; what it gives up is the ring's overlap and its O(S/D) key/value memory.
+//!
 //! The rewrite composes with `dp` (batch split) and `tp` (heads and ffn split, Megatron's
 //! all-reduces stay, inserted by propagation). A mesh with both `tsp` and `cp` is refused: both
 //! would claim the sequence dim.
@@ -46,17 +52,43 @@ fn fold_cp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     if seq % (2 * degree) != 0 {
         return Err(Error::ZigzagSeq { seq, axis: AXIS.to_string(), degree });
     }
+    let loss = graph.order().iter().copied().find(|&node| graph.node(node).op == Op::CrossEntropy);
     let zigzag = Op::Zigzag { parts: degree, inverse: false };
     let local = Op::LocalSlice { axis: AXIS, dim: DimName::Seq };
+    let mut all_positions = positions;
     for (input, name) in [(tokens, "tokens"), (positions, "positions")] {
         let reordered = wrap(graph, input, zigzag.clone(), &format!("{name}.zigzag"));
         wrap(graph, reordered, local.clone(), &format!("{name}.local"));
+        all_positions = reordered;
+    }
+    // The loss compares the logits, put back in token order below, with the tokens in order.
+    if let Some(loss) = loss {
+        graph.node_mut(loss).inputs[1] = tokens;
     }
     let attention_nodes: Vec<_> =
         graph.order().iter().copied().filter(|&node| matches!(graph.node(node).op, Op::Attention { .. })).collect();
     for node in attention_nodes {
         let Op::Attention { causal } = graph.node(node).op else { unreachable!("filtered on attention") };
-        graph.node_mut(node).op = Op::RingAttention { axis: AXIS, causal };
+        if loss.is_none() {
+            graph.node_mut(node).op = Op::RingAttention { axis: AXIS, causal };
+            continue;
+        }
+        let gather = Op::AllGather { axis: AXIS, dim: DimName::Seq };
+        let name = graph.node(node).name.clone();
+        let position = graph.order().iter().position(|&id| id == node).expect("a node of the order");
+        let anchor = graph.order()[position - 1];
+        let [key, value] = [1, 2].map(|operand| graph.node(node).inputs[operand]);
+        let mut gathered = Vec::new();
+        for (input, part) in [(key, "k_all"), (value, "v_all")] {
+            let ty = graph.value(input).ty.clone();
+            let spec = ShardSpec::replicated(ty.shape.rank());
+            let anchor = gathered.last().map_or(anchor, |&last: &ValueId| graph.value(last).def);
+            gathered.push(graph.insert_after(anchor, gather.clone(), &[input], ty, spec, &format!("{name}.{part}")));
+        }
+        let inputs = &mut graph.node_mut(node).inputs;
+        inputs[1] = gathered[0];
+        inputs[2] = gathered[1];
+        inputs[4] = all_positions;
     }
     let gathered = wrap(graph, lm_head, Op::AllGather { axis: AXIS, dim: DimName::Seq }, "logits.all_gather_cp");
     wrap(graph, gathered, Op::Zigzag { parts: degree, inverse: true }, "logits.unzigzag");

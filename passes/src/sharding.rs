@@ -207,10 +207,16 @@ pub fn output_spec(
             }
             // Grouped-query attention with whole kv heads on ranks that split the query heads: each
             // rank's key/value gradient holds its query heads' contributions only.
+            // Likewise keys and values whole on seq (every rank's queries see all of them) while the
+            // queries are split on seq: each rank's gradient holds its queries' contributions.
             let mut spec = specs[1].clone();
-            let kv_axes = dim_axes(specs[1], shapes[1], KvHeads);
-            spec.partial =
-                dim_axes(specs[0], shapes[0], Heads).iter().filter(|axis| !kv_axes.contains(axis)).copied().collect();
+            spec.partial = [(Heads, KvHeads), (Seq, Seq)]
+                .iter()
+                .flat_map(|&(query_dim, kv_dim)| {
+                    let kv = dim_axes(specs[1], shapes[1], kv_dim);
+                    dim_axes(specs[0], shapes[0], query_dim).iter().filter(move |axis| !kv.contains(axis)).copied()
+                })
+                .collect();
             Ok(spec)
         }
         Op::SiluMulGradGate => {
@@ -313,6 +319,22 @@ pub fn output_spec(
                 )));
             }
             spec.dims[dim_index].pop();
+            Ok(spec)
+        }
+        Op::ReduceToRoot { axis, dim, .. } => {
+            // The root's sum becomes its block of `dim`; the other ranks' blocks are zero.
+            let mut spec = specs[0].clone();
+            let Some(position) = spec.partial.iter().position(|partial| partial == axis) else {
+                return Err(Conflict::Layout(format!(
+                    "reduce_to_root over {axis} needs an operand that is Partial({axis})"
+                )));
+            };
+            spec.partial.remove(position);
+            let dim_index = dim_position(shapes[0], *dim)?;
+            if spec.uses_axis(*axis) {
+                return Err(Conflict::Layout(format!("reduce_to_root over {axis} needs {axis} unused by the operand")));
+            }
+            spec.dims[dim_index].push(*axis);
             Ok(spec)
         }
         Op::Zigzag { .. } => {

@@ -349,6 +349,18 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             block.shape.0[position].size /= degree;
             Ok(block)
         }
+        Op::ReduceToRoot { axis, dim, root } => {
+            let Some(position) = inputs[0].shape.position(*dim) else {
+                return Err(format!("operand 0 {} has no dim {dim}", shape_text(&inputs[0].shape)));
+            };
+            let degree = mesh.degree(*axis);
+            if *root >= degree {
+                return Err(format!("root={root} is not a coordinate of {axis}={degree}"));
+            }
+            let mut whole = inputs[0].clone();
+            whole.shape.0[position].size *= degree;
+            Ok(whole)
+        }
         Op::Zigzag { parts, .. } => {
             let seq =
                 inputs[0].shape.size_of(Seq).ok_or_else(|| "zigzag needs an operand with a seq dim".to_string())?;

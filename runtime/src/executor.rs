@@ -642,6 +642,8 @@ fn run_kernel(
         )
         .map_err(kernel_error)?,
         Kernel::SumLeading { width } => kernels::sum_leading(f32_operand(0)?, *width as usize, &mut result),
+        // The result starts zeroed.
+        Kernel::Zeros => {}
         Kernel::Slice { .. } | Kernel::Permute { .. } => {
             return Err(machine.program_error("layout kernels run through `source_indices`".into()));
         }
@@ -671,6 +673,7 @@ fn unpack_rows(packed: &[f32], head_dim: usize) -> (Vec<f32>, Vec<f32>) {
 
 fn kernel_arity(kernel: &Kernel) -> usize {
     match kernel {
+        Kernel::Zeros => 0,
         Kernel::Slice { .. } | Kernel::Permute { .. } | Kernel::SumLeading { .. } => 1,
         Kernel::RmsNormGradInput { .. } | Kernel::SiluMulGradGate => 3,
         Kernel::Attention { .. } => 5,

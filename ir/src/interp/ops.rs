@@ -65,6 +65,7 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         | Op::AllGather { .. }
         | Op::LocalSlice { .. }
         | Op::BroadcastShard { .. }
+        | Op::ReduceToRoot { .. }
         | Op::AllToAll { .. } => Err(OpError::NotLocal),
     }
 }

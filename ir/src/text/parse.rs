@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 32] = [
+const OPS: [&str; 33] = [
     "tokens",
     "positions",
     "param",
@@ -43,6 +43,7 @@ const OPS: [&str; 32] = [
     "all_gather",
     "local_slice",
     "broadcast_shard",
+    "reduce_to_root",
     "ring_gated_mlp",
     "ring_attention",
     "zigzag",
@@ -409,6 +410,11 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
             gather_dim: dim_value(cursor, required("gather_dim", "heads")?)?,
         },
         "broadcast_shard" => Op::BroadcastShard {
+            axis: axis_value(cursor, required("axis", "tsp")?)?,
+            dim: dim_value(cursor, required("dim", "heads")?)?,
+            root: number(cursor, required("root", "0")?, "a whole number")?,
+        },
+        "reduce_to_root" => Op::ReduceToRoot {
             axis: axis_value(cursor, required("axis", "tsp")?)?,
             dim: dim_value(cursor, required("dim", "heads")?)?,
             root: number(cursor, required("root", "0")?, "a whole number")?,

@@ -176,7 +176,9 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::EmbeddingGrad { vocab } => write!(out, " vocab={vocab}"),
         Op::SumLeading { keep } => write!(out, " keep={keep}"),
         Op::AllReduce { axis } | Op::RingGatedMlp { axis } => write!(out, " axis={axis}"),
-        Op::BroadcastShard { axis, dim, root } => write!(out, " axis={axis} dim={dim} root={root}"),
+        Op::BroadcastShard { axis, dim, root } | Op::ReduceToRoot { axis, dim, root } => {
+            write!(out, " axis={axis} dim={dim} root={root}")
+        }
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
         Op::RingAttention { axis, causal } => write!(out, " axis={axis} causal={causal}"),
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {

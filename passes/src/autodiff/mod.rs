@@ -57,6 +57,11 @@ impl Options {
         if self.zero_stage >= 3 && gathers_param(node) {
             return true;
         }
+        // A broadcast weight block (TSP) is received again in the backward rather than kept from
+        // the forward: keeping every owner's blocks would hold the whole unsharded model.
+        if matches!(node.op, Op::BroadcastShard { .. }) {
+            return true;
+        }
         match self.recompute {
             Recompute::None => false,
             Recompute::Selective => matches!(node.op, Op::Attention { .. }),

@@ -63,9 +63,11 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
             }
         }
         (Op::Zigzag { parts, inverse }, 0) => apply(Op::Zigzag { parts: *parts, inverse: !inverse }, vec![dy]),
-        (Op::RingGatedMlp { .. }, _) => Err(NoRule {
-            reason: "ring_gated_mlp has no gradient rule; differentiate the graph before fold-tsp rewrites the MLP"
-                .into(),
+        (Op::RingGatedMlp { .. } | Op::RingAttention { .. }, _) => Err(NoRule {
+            reason: format!(
+                "{} has no gradient rule; fold-tsp and fold-cp write a training graph's layers without rings",
+                node.op.mnemonic()
+            ),
         }),
         (op, 0) if op.is_communication() || matches!(op, Op::LocalSlice { .. }) => {
             let partial = !graph.value(dy).spec.partial.is_empty();
@@ -94,10 +96,12 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
 /// | `all_gather` (shard(dim) -> replicated) | `local_slice` of `dim`  | `reduce_scatter` on dim |
 /// | `reduce_scatter` (partial -> shard)     | `all_gather` of `dim`   | (dy is never partial)   |
 /// | `local_slice` (replicated -> shard)     | `all_gather` of `dim`   | (dy is never partial)   |
-/// | `broadcast_shard` (root's block -> all) | reduce-to-root          | reduce-to-root          |
+/// | `broadcast_shard` (root's block -> all) | (no rule)               | `reduce_to_root`        |
 ///
-/// Reduce-to-root (sum the gradients of every rank's copy into the owner's block) has no op in the
-/// IR yet, so `broadcast_shard` is an error until sharded training adds one.
+/// A broadcast block's gradient is a pending sum wherever the ranks used their copies on their own
+/// tokens (TSP's projections contract the split sequence), and `reduce_to_root` sums it into the
+/// owner's block. A replicated gradient of a broadcast block (every rank holding the same whole
+/// gradient) does not arise from pleat's folds and has no rule.
 pub fn conjugate(op: &Op, dy_partial: bool) -> Result<Option<Op>, NoRule> {
     match op {
         Op::AllReduce { axis } => Ok(dy_partial.then_some(Op::AllReduce { axis: *axis })),
@@ -106,9 +110,12 @@ pub fn conjugate(op: &Op, dy_partial: bool) -> Result<Option<Op>, NoRule> {
         Op::ReduceScatter { axis, dim } | Op::LocalSlice { axis, dim } => {
             Ok(Some(Op::AllGather { axis: *axis, dim: *dim }))
         }
+        Op::BroadcastShard { axis, dim, root } if dy_partial => {
+            Ok(Some(Op::ReduceToRoot { axis: *axis, dim: *dim, root: *root }))
+        }
         Op::BroadcastShard { .. } => Err(NoRule {
-            reason: "broadcast_shard's gradient is a reduce-to-root, which the IR has no op for yet; differentiate \
-                     the graph before fold-tsp"
+            reason: "broadcast_shard's gradient is replicated, not a pending sum of the ranks' uses; reduce_to_root \
+                     needs the pending sum"
                 .into(),
         }),
         other => Err(NoRule { reason: format!("{} is not a communication op", other.mnemonic()) }),
@@ -131,6 +138,10 @@ mod tests {
         assert_eq!(conjugate(&Op::ReduceScatter { axis, dim }, false), Ok(Some(Op::AllGather { axis, dim })));
         assert_eq!(conjugate(&Op::LocalSlice { axis, dim }, false), Ok(Some(Op::AllGather { axis, dim })));
         assert!(conjugate(&Op::BroadcastShard { axis, dim, root: 0 }, false).is_err());
+        assert_eq!(
+            conjugate(&Op::BroadcastShard { axis, dim, root: 1 }, true),
+            Ok(Some(Op::ReduceToRoot { axis, dim, root: 1 }))
+        );
         assert!(conjugate(&Op::Add, false).is_err());
     }
 }

@@ -212,7 +212,8 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
         | Op::AttentionGradValue { .. }
         | Op::SiluMulGradGate
         | Op::EmbeddingGrad { .. }
-        | Op::SumLeading { .. } => return None,
+        | Op::SumLeading { .. }
+        | Op::ReduceToRoot { .. } => return None,
         Op::AllReduce { axis } => LayerLang::AllReduce([symbol(expr, axis.as_str()), x(0)]),
         Op::ReduceScatter { axis, dim } => {
             LayerLang::ReduceScatter([symbol(expr, axis.as_str()), symbol(expr, dim.as_str()), x(0)])
