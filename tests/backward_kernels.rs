@@ -1,10 +1,12 @@
 //! The runtime's loss and backward kernels agree with the reference interpreter end to end: the
 //! `tiny` training graph, differentiated by `pleat_passes::autodiff`, lowered for one rank and run on
-//! the threads runtime gives the interpreter's loss and every parameter gradient.
+//! the threads runtime gives the interpreter's loss and every parameter gradient; and so does a tied
+//! Qwen2 variant with biases.
 
 use std::time::{Duration, Instant};
 
 use pleat_ir::interp::{run, Inputs};
+use pleat_ir::model::config::{Architecture, ModelConfig};
 use pleat_ir::model::preset::preset;
 use pleat_ir::model::stream::synthetic_tokens;
 use pleat_passes::autodiff::differentiate;
@@ -13,9 +15,45 @@ use pleat_runtime::{assemble, run_on_threads, RunInputs};
 
 #[test]
 fn tiny_training_step_matches_the_interpreter() {
-    let (batch, seq) = (2, 16);
-    let config = preset("tiny").expect("tiny exists");
-    let mut module = pleat_ir::model::build_training(&config, batch, seq).expect("builds");
+    let kernels = check(&preset("tiny").expect("tiny exists"), 2, 16);
+    for kernel in BACKWARD_KERNELS {
+        assert!(kernels.contains(&kernel.to_string()), "the program runs no {kernel}: {kernels:?}");
+    }
+}
+
+/// Every backward kernel but `sum_leading` (biases), which Llama's graph does not need.
+const BACKWARD_KERNELS: [&str; 12] = [
+    "cross_entropy",
+    "cross_entropy_grad",
+    "matmul_grad_input",
+    "matmul_grad_weight",
+    "rms_norm_grad_input",
+    "rms_norm_grad_weight",
+    "rope_grad",
+    "attention_grad_query",
+    "attention_grad_key",
+    "attention_grad_value",
+    "silu_mul_grad_gate",
+    "embedding_grad",
+];
+
+/// Qwen2's q/k/v biases (their gradients are `sum_leading`) and tied embeddings (the table's
+/// gradient sums the embedding's and the LM head's).
+#[test]
+fn tied_qwen2_with_biases_matches_the_interpreter() {
+    let mut config = preset("tiny").expect("tiny exists");
+    config.architecture = Architecture::Qwen2;
+    config.attention_bias = true;
+    config.tie_word_embeddings = true;
+    let kernels = check(&config, 3, 8);
+    assert!(kernels.contains(&"sum_leading".to_string()), "the bias gradients: {kernels:?}");
+}
+
+/// Runs one training step of `config` on `batch` sequences of `seq` tokens in the interpreter and on
+/// the threads runtime (one rank), and compares the loss and every gradient; returns the names of the
+/// kernels the program ran, as its text form spells them.
+fn check(config: &ModelConfig, batch: u64, seq: u64) -> Vec<String> {
+    let mut module = pleat_ir::model::build_training(config, batch, seq).expect("builds");
     let loss = module.graph.outputs()[0];
     let gradients = differentiate(&mut module.graph, loss).expect("differentiates");
     pleat_passes::verify(&module).unwrap_or_else(|errors| panic!("{errors}"));
@@ -59,4 +97,11 @@ fn tiny_training_step_matches_the_interpreter() {
         checked += 1;
     }
     assert_eq!(checked, 1 + gradients.params.len());
+    let text = pleat_backend::text::print_program(&programs[0]);
+    // Kernel lines read `b7 = name key=value..(operands)`.
+    text.lines()
+        .filter_map(|line| line.split_once(" = ").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.split([' ', '(']).next())
+        .map(str::to_string)
+        .collect()
 }

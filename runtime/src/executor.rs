@@ -8,12 +8,15 @@
 
 use std::time::Instant;
 
-use pleat_backend::{AttentionOperand, BufferId, BufferKind, Instr, Kernel, Program};
+use pleat_backend::{BufferId, BufferKind, Instr, Kernel, Program};
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
-use crate::kernels::{self, AttentionGradOperand, AttentionShape, LossShape};
+use crate::kernels::{self, AttentionShape};
 use crate::weights::WeightSource;
+
+#[path = "executor_backward.rs"]
+mod backward;
 
 /// What every rank reads: the global token ids and positions, and the weights.
 #[derive(Clone, Copy)]
@@ -544,104 +547,19 @@ fn run_kernel(
                 }
             }
         }
-        Kernel::CrossEntropy { batch, seq, vocab, terms } => {
-            let shape = loss_shape(*batch, *seq, *vocab, *terms);
-            result[0] = kernels::cross_entropy(&shape, f32_operand(0)?, u32_operand(1)?).map_err(kernel_error)?;
+        Kernel::CrossEntropy { .. }
+        | Kernel::CrossEntropyGrad { .. }
+        | Kernel::MatMulGradInput { .. }
+        | Kernel::MatMulGradWeight { .. }
+        | Kernel::RmsNormGradInput { .. }
+        | Kernel::RmsNormGradWeight { .. }
+        | Kernel::RopeGrad { .. }
+        | Kernel::AttentionGrad { .. }
+        | Kernel::SiluMulGradGate
+        | Kernel::EmbeddingGrad { .. }
+        | Kernel::SumLeading { .. } => {
+            backward::run_backward_kernel(machine, kernel, operands, out, &mut result, gemm_threads)?
         }
-        Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
-            let shape = loss_shape(*batch, *seq, *vocab, *terms);
-            kernels::cross_entropy_grad(&shape, f32_operand(0)?, u32_operand(1)?, &mut result).map_err(kernel_error)?;
-        }
-        Kernel::MatMulGradInput { m, n, k } => kernels::matmul_grad_input(
-            *m as usize,
-            *n as usize,
-            *k as usize,
-            f32_operand(0)?,
-            f32_operand(1)?,
-            &mut result,
-            gemm_threads,
-        ),
-        Kernel::MatMulGradWeight { m, n, k } => kernels::matmul_grad_weight(
-            *m as usize,
-            *n as usize,
-            *k as usize,
-            f32_operand(0)?,
-            f32_operand(1)?,
-            &mut result,
-            gemm_threads,
-        ),
-        Kernel::RmsNormGradInput { hidden, eps } => kernels::rms_norm_grad_input(
-            f32_operand(0)?,
-            f32_operand(1)?,
-            f32_operand(2)?,
-            &mut result,
-            *hidden as usize,
-            *eps,
-        ),
-        Kernel::RmsNormGradWeight { hidden, eps } => {
-            kernels::rms_norm_grad_weight(f32_operand(0)?, f32_operand(1)?, &mut result, *hidden as usize, *eps)
-        }
-        Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq } => {
-            result.copy_from_slice(f32_operand(0)?);
-            kernels::rope_grad_in_place(
-                &mut result,
-                *batch as usize,
-                *seq as usize,
-                *heads as usize,
-                *head_dim as usize,
-                u32_operand(1)?,
-                inv_freq,
-            );
-        }
-        Kernel::AttentionGrad {
-            wrt,
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            scale,
-        } => {
-            let shape = AttentionShape {
-                batch: *batch as usize,
-                sq: *sq as usize,
-                sk: *sk as usize,
-                hq: *hq as usize,
-                hkv: *hkv as usize,
-                head_dim: *head_dim as usize,
-                q_head_offset: *q_head_offset as usize,
-                kv_head_offset: *kv_head_offset as usize,
-                group: *group as usize,
-                causal: *causal,
-                scale: *scale,
-            };
-            let wrt = match wrt {
-                AttentionOperand::Query => AttentionGradOperand::Query,
-                AttentionOperand::Key => AttentionGradOperand::Key,
-                AttentionOperand::Value => AttentionGradOperand::Value,
-            };
-            let (q, k, v) = (f32_operand(0)?, f32_operand(1)?, f32_operand(2)?);
-            let (q_pos, k_pos, dy) = (u32_operand(3)?, u32_operand(4)?, f32_operand(5)?);
-            kernels::attention_grad(&shape, wrt, q, k, v, q_pos, k_pos, dy, &mut result).map_err(kernel_error)?;
-        }
-        Kernel::SiluMulGradGate => {
-            kernels::silu_mul_grad_gate(f32_operand(0)?, f32_operand(1)?, f32_operand(2)?, &mut result)
-        }
-        Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => kernels::embedding_grad(
-            f32_operand(0)?,
-            u32_operand(1)?,
-            *hidden as usize,
-            *vocab_offset as usize,
-            *vocab_total as usize,
-            &mut result,
-        )
-        .map_err(kernel_error)?,
-        Kernel::SumLeading { width } => kernels::sum_leading(f32_operand(0)?, *width as usize, &mut result),
         // The result starts zeroed.
         Kernel::Zeros => {}
         Kernel::Slice { .. } | Kernel::Permute { .. } => {
@@ -680,10 +598,6 @@ fn kernel_arity(kernel: &Kernel) -> usize {
         Kernel::AttentionGrad { .. } => 6,
         _ => 2,
     }
-}
-
-fn loss_shape(batch: u64, seq: u64, vocab: u64, terms: u64) -> LossShape {
-    LossShape { batch: batch as usize, seq: seq as usize, vocab: vocab as usize, terms: terms as usize }
 }
 
 /// `data[sources[i]]` for each i, or `None` when an index is out of range.

@@ -62,12 +62,12 @@ pub fn attention_grad(
         for query_head in 0..hq {
             let kv_head = shape.local_kv_head(query_head)?;
             let kv_at = |key: usize| (batch_index * sk + key) * kv_row_stride + kv_head * head_dim;
-            for query in 0..sq {
+            for (query, &query_position) in q_pos.iter().enumerate() {
                 let q_start = (batch_index * sq + query) * q_row_stride + query_head * head_dim;
                 let query_row = &q[q_start..q_start + head_dim];
                 let gradient_row = &dy[q_start..q_start + head_dim];
                 visible.clear();
-                visible.extend((0..sk).filter(|&key| !causal || k_pos[key] <= q_pos[query]));
+                visible.extend((0..sk).filter(|&key| !causal || k_pos[key] <= query_position));
                 if visible.is_empty() {
                     continue;
                 }
