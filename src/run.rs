@@ -11,7 +11,7 @@ use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::Mesh;
 use pleat_passes::Dump;
-use pleat_runtime::comm::{CollectiveKind, LinkSpec};
+use pleat_runtime::comm::{CollectiveKind, CommStats, LinkSpec};
 use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
 use pleat_runtime::{assemble, run_on_threads_with, RankOutcome, RunInputs, ThreadRunOptions};
 use serde_json::json;
@@ -232,11 +232,17 @@ const KINDS: [(CollectiveKind, &str); 6] = [
 
 /// Bytes sent by kind, averaged over ranks.
 pub fn comm_bytes_mean(outcomes: &[RankOutcome]) -> BTreeMap<&'static str, u64> {
+    let stats: Vec<&CommStats> = outcomes.iter().map(|outcome| &outcome.comm).collect();
+    comm_stats_mean(&stats)
+}
+
+/// Bytes sent by kind, averaged over the ranks' statistics.
+pub fn comm_stats_mean(stats: &[&CommStats]) -> BTreeMap<&'static str, u64> {
     KINDS
         .iter()
         .map(|&(kind, name)| {
-            let total: u64 = outcomes.iter().map(|outcome| outcome.comm.bytes(kind)).sum();
-            (name, total / outcomes.len().max(1) as u64)
+            let total: u64 = stats.iter().map(|stats| stats.bytes(kind)).sum();
+            (name, total / stats.len().max(1) as u64)
         })
         .collect()
 }

@@ -1,7 +1,7 @@
 //! `pleat run --train`: compile the training graph (forward, loss, backward) for a mesh, train on
 //! threads with the sharded AdamW, and with `--check` compare against the single-device reference.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -23,7 +23,7 @@ use serde_json::json;
 
 use crate::compile::Strategy;
 use crate::model_arg::{resolve, ModelSource};
-use crate::run::{human_bytes, weight_source, Format, RunArgs};
+use crate::run::{comm_stats_mean, human_bytes, weight_source, Format, RunArgs};
 
 /// The largest difference from the reference `--check` accepts on the losses (absolute) and on
 /// each first-step gradient (relative to that gradient's L2 norm).
@@ -155,10 +155,12 @@ pub fn token_batches(
 /// What a training run measured and checked.
 struct TrainReport {
     losses: Vec<f32>,
+    grad_norms: Vec<f64>,
     reference_losses: Option<Vec<f32>>,
     errors: Option<CheckErrors>,
     peaks: Vec<u64>,
     optimizer_bytes: Vec<u64>,
+    comm_bytes: BTreeMap<&'static str, u64>,
 }
 
 /// Runs `pleat run --train`.
@@ -199,10 +201,12 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let ranks = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
     let mut report = TrainReport {
         losses: ranks[0].losses.clone(),
+        grad_norms: ranks[0].grad_norms.clone(),
         reference_losses: None,
         errors: None,
         peaks: ranks.iter().map(|rank| rank.peak_bytes).collect(),
         optimizer_bytes: ranks.iter().map(|rank| rank.optimizer_bytes).collect(),
+        comm_bytes: comm_stats_mean(&ranks.iter().map(|rank| &rank.first_comm).collect::<Vec<_>>()),
     };
     let weight_tol = TRAIN_TOL + WEIGHT_TOL_PER_LR_STEP * flags.lr as f32 * flags.steps as f32;
     if args.check {
@@ -319,6 +323,7 @@ fn print_report(
                 "zero": flags.zero,
                 "recompute": format!("{:?}", flags.recompute).to_lowercase(),
                 "losses": report.losses,
+                "grad_norms": report.grad_norms,
                 "reference_losses": report.reference_losses,
                 "max_abs_err": report.errors.as_ref().map(|errors| nan_max(errors.loss, errors.weight)),
                 "max_loss_err": report.errors.as_ref().map(|errors| errors.loss),
@@ -327,6 +332,7 @@ fn print_report(
                 "tolerances": {"loss": TRAIN_TOL, "grad_rel": TRAIN_TOL, "weight": weight_tol},
                 "peak_bytes_per_rank": report.peaks,
                 "optimizer_bytes_per_rank": report.optimizer_bytes,
+                "comm_bytes_per_step": report.comm_bytes,
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -346,6 +352,14 @@ fn print_report(
             }
             let peaks: Vec<String> = report.peaks.iter().map(|&peak| human_bytes(peak)).collect();
             println!("peak bytes a rank: {}", peaks.join(", "));
+            let sent: Vec<String> = report
+                .comm_bytes
+                .iter()
+                .filter(|&(_, &bytes)| bytes > 0)
+                .map(|(name, &bytes)| format!("{name} {}", human_bytes(bytes)))
+                .collect();
+            let sent = if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") };
+            println!("sent a rank in step 1, forward and backward (mean): {sent}");
             if let Some(errors) = &report.errors {
                 let verdict = |err: f32, tol: f32| if err <= tol { "ok" } else { "FAILED" };
                 println!(

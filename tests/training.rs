@@ -198,3 +198,17 @@ fn sharded_training_learns_the_synthetic_stream() {
     let last = losses[45..].iter().sum::<f64>() / 5.0;
     assert!(last < 0.5 * losses[0], "the loss fell from {} to {last}: {losses:?}", losses[0]);
 }
+
+#[test]
+fn training_reads_token_files() {
+    let dir = cli::tempdir("data");
+    let path = dir.join("tokens.txt");
+    let ids: Vec<String> = (0..100).map(|index| ((index * 7) % 256).to_string()).collect();
+    std::fs::write(&path, ids.join(" ")).expect("write tokens");
+    let path = path.to_str().expect("utf-8");
+    assert_matches_reference(&train("dp=2", 3, &["--data", path]), "--data");
+    std::fs::write(dir.join("bad.txt"), "1, 2, 300").expect("write tokens");
+    let bad = dir.join("bad.txt");
+    let error = error_of(&["run", "tiny", "--train", "--data", bad.to_str().expect("utf-8")]);
+    assert!(error.contains("token 2 is `300`, not an id below the vocabulary size 256"), "{error}");
+}

@@ -2,13 +2,10 @@
 //! all in the single-device interpreter, bring the loss of a small Llama well below where it starts
 //! (the stream's next token is a fixed function of the current one, so it is learnable).
 
-use std::collections::HashMap;
-
-use pleat_ir::interp::{run, Inputs};
 use pleat_ir::model::config::{Architecture, ConfigDtype, ModelConfig, RopeConfig, RopeScaling};
 use pleat_ir::model::stream::synthetic_tokens;
-use pleat_ir::optim::{AdamW, AdamWConfig};
-use pleat_passes::autodiff::differentiate;
+use pleat_ir::optim::AdamWConfig;
+use pleat_passes::autodiff::reference::train_reference;
 use pleat_runtime::weights::{SeededWeights, WeightSource};
 
 fn small_llama() -> ModelConfig {
@@ -36,40 +33,14 @@ fn small_llama() -> ModelConfig {
 fn loss_falls_over_50_steps_on_the_synthetic_stream() {
     let (batch, seq) = (4, 12);
     let config = small_llama();
-    let mut module = pleat_ir::model::build_training(&config, batch, seq).expect("builds");
-    let loss = module.graph.outputs()[0];
-    let gradients = differentiate(&mut module.graph, loss).expect("differentiates");
-    let names: Vec<String> = gradients.params.iter().map(|param| param.name.clone()).collect();
-    let shapes: HashMap<String, Vec<u64>> = module
-        .graph
-        .params()
-        .into_iter()
-        .map(|(value, name)| (name.to_string(), module.graph.value(value).ty.shape.sizes()))
-        .collect();
     let seeded = SeededWeights::new(11);
-    let initial: Vec<Vec<f32>> = names
-        .iter()
-        .map(|name| {
-            let shape = &shapes[name];
-            let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
-            seeded.read(name, shape, &region).expect("seeded weight")
-        })
-        .collect();
-    let views: Vec<&[f32]> = initial.iter().map(Vec::as_slice).collect();
-    let mut optimizer = AdamW::new(AdamWConfig { learning_rate: 1e-2, ..AdamWConfig::default() }, &views);
-    let positions: Vec<u32> = (0..seq as u32).collect();
-    let mut losses = Vec::new();
-    for step in 0..50 {
-        let weights: HashMap<&str, &[f32]> =
-            names.iter().zip(&optimizer.params).map(|(name, state)| (name.as_str(), state.master.as_slice())).collect();
-        let lookup = |name: &str, _shape: &[u64]| weights.get(name).map(|weight| weight.to_vec());
-        let tokens = synthetic_tokens(5, step, batch, seq, config.vocab_size);
-        let outputs = run(&module.graph, &Inputs { tokens: &tokens, positions: &positions, params: &lookup })
-            .expect("the interpreter runs a training step");
-        losses.push(outputs[0].data[0]);
-        let grads: Vec<&[f32]> = outputs[1..].iter().map(|grad| grad.data.as_slice()).collect();
-        optimizer.step(&grads).expect("a finite step");
-    }
+    let initial = |name: &str, shape: &[u64]| {
+        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+        seeded.read(name, shape, &region).ok()
+    };
+    let batches = |step: u32| synthetic_tokens(5, u64::from(step), batch, seq, config.vocab_size);
+    let adamw = AdamWConfig { learning_rate: 1e-2, ..AdamWConfig::default() };
+    let losses = train_reference(&config, (batch, seq), 50, adamw, &initial, &batches).expect("trains").losses;
     let first = losses[0];
     let last = losses[45..].iter().sum::<f32>() / 5.0;
     // Every target (tokens 1.. of a sequence) is the map of the token before it, so the loss can go

@@ -121,3 +121,66 @@ fn is_row_slice(outer: &[(u64, u64)], inner: &[(u64, u64)]) -> bool {
         && inner[0].0 >= outer[0].0
         && inner[0].0 + inner[0].1 <= outer[0].0 + outer[0].1
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_ir::text::parse_module;
+
+    /// A parameter `w` [ffn=8/tp, hidden=4] and its gradient laid out as `grad_spec`, on dp=2,tp=2
+    /// (rank = 2·dp + tp), with `param_spec` for the parameter.
+    fn module(param_spec: &str, grad_spec: &str) -> Module {
+        parse_module(&format!(
+            "; module m mesh=dp=2,tp=2\n\
+             v0: f32[{param_spec}, hidden=4] = param() name=\"w\"   # n0 w\n\
+             v1: f32[{grad_spec}, hidden=4] = sum_leading(v0) keep=2   # n1 grad.w\n\
+             outputs(v1)\n"
+        ))
+        .expect("the case parses")
+    }
+
+    fn update(module: &Module, rank: u32, stage: u8) -> ParamUpdate {
+        optimizer_layout(module, rank, stage).expect("a layout").params.remove(0)
+    }
+
+    #[test]
+    fn stage_zero_updates_whole_blocks_and_counts_each_once() {
+        let module = module("ffn=8/tp", "ffn=8/tp");
+        for rank in 0..4 {
+            let param = update(&module, rank, 0);
+            assert_eq!((param.update, param.grad_is_slice, param.gather.is_none()), ((0, 16), false, true));
+            // Ranks 0 and 2 (dp 0 and 1, tp 0) hold the same block: only rank 0 counts it.
+            assert_eq!(param.counts_in_norm, rank < 2, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn zero_stages_update_the_dp_share_of_the_rows() {
+        // Stage 1: the gradient is whole; the rank updates its dp half of its 4 rows (8 elements).
+        let module1 = module("ffn=8/tp", "ffn=8/tp");
+        // Stage 2: the gradient is already that half.
+        let module2 = module("ffn=8/tp", "ffn=8/tp/dp");
+        for rank in 0..4 {
+            let dp = u64::from(rank / 2);
+            let one = update(&module1, rank, 1);
+            assert_eq!((one.update, one.grad_is_slice, one.counts_in_norm), ((dp * 8, 8), false, true));
+            let two = update(&module2, rank, 2);
+            assert_eq!((two.update, two.grad_is_slice), ((dp * 8, 8), true));
+            for param in [one, two] {
+                let group = param.gather.expect("the dp group gathers");
+                assert_eq!(group.ranks, vec![rank % 2, rank % 2 + 2]);
+            }
+        }
+        // Stage 3: the parameter is the share; nothing to gather.
+        let module3 = module("ffn=8/tp/dp", "ffn=8/tp/dp");
+        let three = update(&module3, 3, 3);
+        assert_eq!((three.update, three.gather.is_none(), three.counts_in_norm), ((0, 8), true, true));
+    }
+
+    #[test]
+    fn a_gradient_that_is_not_a_row_block_is_an_error() {
+        let module = module("ffn=8/tp", "ffn=8");
+        let error = optimizer_layout(&module, 0, 0).unwrap_err();
+        assert!(error.to_string().contains("grad.w is not a block of rows"), "{error}");
+    }
+}

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use pleat_backend::optimizer::{OptimizerLayout, ParamUpdate};
 use pleat_backend::{Instr, Program};
 
-use crate::comm::{Communicator, Group, ThreadFabric};
+use crate::comm::{CommStats, Communicator, Group, ThreadFabric};
 use crate::error::{Error, Result};
 use crate::executor::{execute, OutputBlock, RunInputs};
 use crate::weights::{WeightError, WeightSource};
@@ -65,8 +65,12 @@ pub struct RankTraining {
     pub rank: u32,
     /// The loss of each step (the whole batch's mean).
     pub losses: Vec<f32>,
+    /// The global gradient norm of each step, before clipping.
+    pub grad_norms: Vec<f64>,
     /// The first step's output blocks: the loss, then the gradients.
     pub first_outputs: Vec<OutputBlock>,
+    /// What the first step's program (forward and backward, not the optimizer) sent.
+    pub first_comm: CommStats,
     /// The rank's parameter blocks after the last step (`index`: the parameter's position in the
     /// program's loads), with their names.
     pub params: Vec<(String, OutputBlock)>,
@@ -163,7 +167,9 @@ fn train_rank(
     let optimizer_bytes = 8 * layout.updated_elements();
     let world = Group::new(layout.world.ranks.clone());
     let mut losses = Vec::new();
+    let mut grad_norms = Vec::new();
     let mut first_outputs = Vec::new();
+    let mut first_comm = CommStats::default();
     let mut peak_bytes = 0;
     let epoch = Instant::now();
     for step in 0..options.steps {
@@ -176,9 +182,10 @@ fn train_rank(
         losses.push(*loss.ok_or_else(|| Error::Inputs { reason: "the training program returns no loss".into() })?);
         let grads: HashMap<u32, &OutputBlock> = outcome.outputs.iter().map(|block| (block.index, block)).collect();
         let optimizer = Step { rank, step: step + 1, settings: options.adamw };
-        optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?;
+        grad_norms.push(optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?);
         if step == 0 {
             first_outputs = outcome.outputs;
+            first_comm = outcome.comm;
         }
     }
     let params = resident
@@ -190,7 +197,7 @@ fn train_rank(
             (block.name, output)
         })
         .collect();
-    Ok(RankTraining { rank, losses, first_outputs, params, peak_bytes, optimizer_bytes })
+    Ok(RankTraining { rank, losses, grad_norms, first_outputs, first_comm, params, peak_bytes, optimizer_bytes })
 }
 
 /// One optimizer step of one rank.
@@ -230,7 +237,7 @@ impl Step {
         moments: &mut [(Vec<f32>, Vec<f32>)],
         comm: &mut dyn Communicator,
         world: &Group,
-    ) -> Result<()> {
+    ) -> Result<f64> {
         let comm_error = |source| Error::Comm {
             rank: self.rank,
             instr: usize::MAX,
@@ -276,6 +283,90 @@ impl Step {
                 comm.all_gather(&group, &mine, &mut block.data).map_err(comm_error)?;
             }
         }
-        Ok(())
+        Ok(norm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pleat_backend::Group as ProgramGroup;
+
+    fn settings(max_grad_norm: Option<f64>) -> AdamWSettings {
+        AdamWSettings { learning_rate: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, max_grad_norm }
+    }
+
+    /// Two ranks each update one of the two elements of `w` (ZeRO-2's layout: the gradient block
+    /// is the update range) and all-gather them; returns each rank's block, the norm and the first
+    /// moment of its element.
+    fn two_rank_step(grads: [f32; 2], max_grad_norm: Option<f64>) -> Vec<(Vec<f32>, f64, f32)> {
+        let comms = ThreadFabric::new(2, Duration::from_secs(10));
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut comm)| {
+                    scope.spawn(move || {
+                        let ranks = vec![0, 1];
+                        let layout = OptimizerLayout {
+                            params: vec![ParamUpdate {
+                                name: "w".into(),
+                                grad_output: 1,
+                                update: (rank as u64, 1),
+                                grad_is_slice: true,
+                                counts_in_norm: true,
+                                gather: Some(ProgramGroup { axis: "dp".into(), ranks: ranks.clone() }),
+                            }],
+                            world: ProgramGroup { axis: "world".into(), ranks },
+                        };
+                        let grad = OutputBlock {
+                            index: 1,
+                            shape: vec![2],
+                            region: vec![(rank as u64, 1)],
+                            data: vec![grads[rank]],
+                        };
+                        let grads = HashMap::from([(1, &grad)]);
+                        let mut resident = vec![Resident {
+                            name: "w".into(),
+                            shape: vec![2],
+                            region: vec![(0, 2)],
+                            data: vec![1.0, 1.0],
+                        }];
+                        let mut moments = vec![(vec![0.0], vec![0.0])];
+                        let step = Step { rank: rank as u32, step: 1, settings: settings(max_grad_norm) };
+                        let world = Group::new(vec![0, 1]);
+                        let norm = step.apply(&layout, &grads, &mut resident, &mut moments, &mut comm, &world).unwrap();
+                        (resident.remove(0).data, norm, moments[0].0[0])
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|handle| handle.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn each_rank_updates_its_share_and_the_group_gathers_it() {
+        // By hand (lr 0.1, betas 0.9/0.999, eps 1e-8, weight decay 0.01, w = 1): the first step
+        // decays w to 0.999 and moves it by lr·sign(g) (Adam's first step is m/sqrt(v) = g/|g|,
+        // up to eps): g = 0.5 gives 0.899, g = -0.25 gives 1.099.
+        for (rank, (block, norm, moment)) in two_rank_step([0.5, -0.25], None).into_iter().enumerate() {
+            assert!((block[0] - 0.899).abs() < 1e-6 && (block[1] - 1.099).abs() < 1e-6, "{block:?}");
+            assert!((moment - [0.05, -0.025][rank]).abs() < 1e-8, "{moment}");
+            // The norm counts each rank's element once: sqrt(0.25 + 0.0625).
+            assert!((norm - 0.3125_f64.sqrt()).abs() < 1e-7, "{norm}");
+        }
+    }
+
+    #[test]
+    fn clipping_scales_by_the_global_norm() {
+        // With g = (0.5, 0) and a max norm of 0.25 the clipped gradient is (0.25, 0) (scale
+        // 0.25 / (0.5 + 1e-6)): the first moments are 0.1·0.25 and 0. Adam's first step still moves
+        // the first element by lr (sign only) and leaves the second (g = 0) at its decayed value,
+        // 0.999; the reported norm is the unclipped 0.5.
+        for (rank, (block, norm, moment)) in two_rank_step([0.5, 0.0], Some(0.25)).into_iter().enumerate() {
+            assert!((block[0] - 0.899).abs() < 1e-6 && (block[1] - 0.999).abs() < 1e-6, "{block:?}");
+            assert!((moment - [0.025, 0.0][rank]).abs() < 1e-7, "{moment}");
+            assert!((norm - 0.5).abs() < 1e-7, "{norm}");
+        }
     }
 }

@@ -254,8 +254,9 @@ impl Builder {
             6 if !self.mesh.axes().is_empty() => {
                 let axis = self.mesh.axes()[choices.below(self.mesh.axes().len())].name;
                 let dim = choices.pick(STREAM);
-                let op = match choices.below(8) {
+                let op = match choices.below(9) {
                     0 => Op::AllReduce { axis },
+                    8 => Op::ReduceToRoot { axis, dim, root: u64::from(choices.take()) },
                     7 => Op::AllToAll { axis, split_dim: dim, gather_dim: choices.pick(STREAM) },
                     1 => Op::ReduceScatter { axis, dim },
                     2 => Op::AllGather { axis, dim },

@@ -310,7 +310,7 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "attention" => &["causal"],
         "all_reduce" | "ring_gated_mlp" => &["axis"],
         "reduce_scatter" | "all_gather" | "local_slice" => &["axis", "dim"],
-        "broadcast_shard" => &["axis", "dim", "root"],
+        "broadcast_shard" | "reduce_to_root" => &["axis", "dim", "root"],
         "zigzag" => &["parts", "inverse"],
         "matmul_grad_input" | "matmul_grad_weight" => &["contract"],
         "rms_norm_grad_input" | "rms_norm_grad_weight" => &["eps"],

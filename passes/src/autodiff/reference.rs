@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use pleat_ir::interp::{run, Inputs};
+use pleat_ir::interp::{run, Inputs, ParamLookup};
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::optim::{AdamW, AdamWConfig};
 
@@ -40,7 +40,7 @@ pub fn train_reference(
     (batch, seq): (u64, u64),
     steps: u32,
     adamw: AdamWConfig,
-    initial: &dyn Fn(&str, &[u64]) -> Option<Vec<f32>>,
+    initial: &ParamLookup,
     batches: &dyn Fn(u32) -> Vec<u32>,
 ) -> Result<ReferenceTraining, ReferenceError> {
     let error = |step: u32| move |reason: String| ReferenceError { step, reason };
