@@ -212,3 +212,19 @@ fn training_reads_token_files() {
     let error = error_of(&["run", "tiny", "--train", "--data", bad.to_str().expect("utf-8")]);
     assert!(error.contains("token 2 is `300`, not an id below the vocabulary size 256"), "{error}");
 }
+
+#[test]
+fn tsp_training_sends_what_the_derivation_says() {
+    // docs/training.md: a layer's weight blocks are broadcast in the forward and again in the
+    // backward, and each rank sends its summand of every other owner's gradient block home:
+    // broadcast 2·(D-1)/D·W and reduce-to-root sends (D-1)/D·W a layer, W the layer's weights.
+    // tiny: q and o 8 heads · 16 · 128, k and v 4 kv heads · 16 · 128, the MLP 3 · 256 · 128.
+    let weights_a_layer = 2 * 8 * 16 * 128 + 2 * 4 * 16 * 128 + 3 * 256 * 128;
+    let layers = 2;
+    for degree in [2, 4] {
+        let report = one_step(&format!("tsp={degree}"), "4", "16", &[]);
+        let share = |times: u64| 4 * times * layers * weights_a_layer * (degree - 1) / degree;
+        assert_eq!(report["comm_bytes_per_step"]["broadcast"].as_u64(), Some(share(2)), "tsp={degree}");
+        assert_eq!(report["comm_bytes_per_step"]["send"].as_u64(), Some(share(1)), "tsp={degree}");
+    }
+}
