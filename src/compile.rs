@@ -220,14 +220,6 @@ fn write_compiled(
     seq: u64,
     strategy_name: &str,
 ) -> Result<String> {
-    let parent = out.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let name = out.file_name().map(|name| name.to_string_lossy().to_string()).unwrap_or_else(|| "out".into());
-    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging)?;
-    }
-    std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
     let module_text = pleat_ir::text::print_module(&compiled.sharded);
     let program_texts: Vec<String> = compiled.programs.iter().map(pleat_backend::to_json).collect();
     let mut fingerprint = crate::fingerprint::Fingerprint::new();
@@ -247,17 +239,19 @@ fn write_compiled(
         program_format_version: pleat_backend::FORMAT_VERSION,
         plan_hash: plan_hash.clone(),
     };
-    std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
-    std::fs::write(staging.join("config.json"), config.to_hf_json())?;
-    std::fs::write(staging.join("module.pleat"), module_text)?;
-    for (program, text) in compiled.programs.iter().zip(program_texts) {
-        std::fs::write(staging.join(format!("rank{}.program", program.rank)), text)?;
-        std::fs::write(staging.join(format!("rank{}.txt", program.rank)), pleat_backend::text::print_program(program))?;
-    }
-    if out.exists() {
-        std::fs::remove_dir_all(out).with_context(|| format!("cannot replace {}", out.display()))?;
-    }
-    std::fs::rename(&staging, out).with_context(|| format!("cannot move the output into {}", out.display()))?;
+    crate::checkpoint::write_dir_atomically(out, |staging| {
+        std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
+        std::fs::write(staging.join("config.json"), config.to_hf_json())?;
+        std::fs::write(staging.join("module.pleat"), module_text)?;
+        for (program, text) in compiled.programs.iter().zip(program_texts) {
+            std::fs::write(staging.join(format!("rank{}.program", program.rank)), text)?;
+            std::fs::write(
+                staging.join(format!("rank{}.txt", program.rank)),
+                pleat_backend::text::print_program(program),
+            )?;
+        }
+        Ok(())
+    })?;
     Ok(plan_hash)
 }
 

@@ -5,6 +5,7 @@
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
 
 mod bench;
+mod checkpoint;
 mod compare;
 mod compile;
 mod demo;

@@ -9,11 +9,12 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 use pleat_backend::Program;
+use pleat_ir::interp::ParamLookup;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::model::stream::synthetic_tokens;
 use pleat_ir::optim::AdamWConfig;
 use pleat_ir::{AxisName, Mesh, Module};
-use pleat_passes::autodiff::reference::train_reference;
+use pleat_passes::autodiff::reference::{train_reference, ReferenceStart};
 use pleat_passes::autodiff::Recompute;
 use pleat_passes::Dump;
 use pleat_runtime::train::{train_on_threads, AdamWSettings, RankTraining, TrainOptions};
@@ -86,6 +87,14 @@ pub struct TrainFlags {
     /// batch·seq of them, wrapping around. Without it, a deterministic synthetic stream.
     #[arg(long, requires = "train")]
     pub data: Option<PathBuf>,
+    /// After the last step, write a checkpoint here: the model (a model directory `pleat run`
+    /// reads), the optimizer's moments and the steps taken, independent of the mesh.
+    #[arg(long, requires = "train")]
+    pub save: Option<PathBuf>,
+    /// Continue from a checkpoint `--save` wrote (on any mesh and ZeRO stage): its weights, moments
+    /// and step count; `--steps` more steps are taken.
+    #[arg(long, requires = "train")]
+    pub resume: Option<PathBuf>,
 }
 
 /// A compiled training plan.
@@ -154,6 +163,8 @@ pub fn token_batches(
 
 /// What a training run measured and checked.
 struct TrainReport {
+    /// Steps taken before this run (a resumed run's checkpoint).
+    start_step: u32,
     losses: Vec<f32>,
     grad_norms: Vec<f64>,
     reference_losses: Option<Vec<f32>>,
@@ -178,7 +189,19 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
     let mesh = Mesh::parse(&args.mesh)?;
     let compiled = compile_training(&config, shape, &mesh, args.strategy, flags.zero, flags.recompute.into())?;
-    let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
+    if resume.is_some() && args.weights.is_some() {
+        bail!("--resume reads the checkpoint's weights; drop --weights");
+    }
+    let given_weights;
+    let weights: &dyn WeightSource = match &resume {
+        Some(resume) => &resume.weights,
+        None => {
+            given_weights = weight_source(weights_path.as_ref(), args.seed)?;
+            given_weights.as_ref()
+        }
+    };
+    let start_step = resume.as_ref().map_or(0, |resume| resume.steps);
     let batches = token_batches(flags.data.as_deref(), args.seed, shape, config.vocab_size)?;
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
     let max_grad_norm = (flags.max_grad_norm > 0.0).then_some(flags.max_grad_norm);
@@ -195,11 +218,14 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         },
         batches: &*batches,
         positions: &positions,
-        initial: weights.as_ref(),
+        initial: weights,
+        moments: resume.as_ref().map(|resume| &resume.moments as &dyn WeightSource),
+        start_step,
         timeout: Duration::from_secs(args.timeout),
     };
     let ranks = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
     let mut report = TrainReport {
+        start_step,
         losses: ranks[0].losses.clone(),
         grad_norms: ranks[0].grad_norms.clone(),
         reference_losses: None,
@@ -210,7 +236,12 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     };
     let weight_tol = TRAIN_TOL + WEIGHT_TOL_PER_LR_STEP * flags.lr as f32 * flags.steps as f32;
     if args.check {
-        check(&config, shape, flags.steps, adamw, weights.as_ref(), &*batches, &compiled, &ranks, &mut report)?;
+        let moments = resume.as_ref().map(|resume| &resume.moments as &dyn WeightSource);
+        let start = (start_step, weights, moments);
+        check(&config, shape, flags.steps, adamw, start, &*batches, &compiled, &ranks, &mut report)?;
+    }
+    if let Some(dir) = &flags.save {
+        crate::checkpoint::write(dir, &config, start_step + flags.steps, &ranks)?;
     }
     print_report(args, &config, &mesh, &report, weight_tol)?;
     if let Some(errors) = &report.errors {
@@ -245,17 +276,24 @@ fn check(
     shape: (u64, u64),
     steps: u32,
     adamw: AdamWConfig,
-    weights: &dyn WeightSource,
+    (start_step, weights, moments): (u32, &dyn WeightSource, Option<&dyn WeightSource>),
     batches: &(dyn Fn(u32) -> Vec<u32> + Sync),
     compiled: &CompiledTraining,
     ranks: &[RankTraining],
     report: &mut TrainReport,
 ) -> Result<()> {
-    let initial = |name: &str, shape: &[u64]| {
+    let whole = |source: &dyn WeightSource, name: &str, shape: &[u64]| {
         let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
-        weights.read(name, shape, &region).ok()
+        source.read(name, shape, &region).ok()
     };
-    let reference = train_reference(config, shape, steps, adamw, &initial, batches)?;
+    let initial = |name: &str, shape: &[u64]| whole(weights, name, shape);
+    let initial_moments = |name: &str, shape: &[u64]| moments.and_then(|moments| whole(moments, name, shape));
+    let start = ReferenceStart {
+        weights: &initial,
+        step: start_step,
+        moments: moments.is_some().then_some(&initial_moments as &ParamLookup),
+    };
+    let reference = train_reference(config, shape, steps, adamw, &start, batches)?;
     let loss = max_diff(Some(&report.losses), &reference.losses);
     let mut weight = 0.0_f32;
     // Final weights: assemble every parameter from the ranks' blocks.
@@ -320,6 +358,7 @@ fn print_report(
                 "mesh": mesh.to_string(),
                 "ranks": report.peaks.len(),
                 "steps": flags.steps,
+                "start_step": report.start_step,
                 "zero": flags.zero,
                 "recompute": format!("{:?}", flags.recompute).to_lowercase(),
                 "losses": report.losses,
@@ -342,12 +381,11 @@ fn print_report(
                 "trained {} on {mesh_text} for {} steps (zero {}, recompute {:?})",
                 config.name, flags.steps, flags.zero, flags.recompute
             );
-            for (step, loss) in report.losses.iter().enumerate() {
+            for (index, loss) in report.losses.iter().enumerate() {
+                let step = report.start_step as usize + index + 1;
                 match &report.reference_losses {
-                    Some(reference) => {
-                        println!("step {:>3}  loss {loss:.6}  reference {:.6}", step + 1, reference[step])
-                    }
-                    None => println!("step {:>3}  loss {loss:.6}", step + 1),
+                    Some(reference) => println!("step {step:>3}  loss {loss:.6}  reference {:.6}", reference[index]),
+                    None => println!("step {step:>3}  loss {loss:.6}"),
                 }
             }
             let peaks: Vec<String> = report.peaks.iter().map(|&peak| human_bytes(peak)).collect();
@@ -374,7 +412,7 @@ fn print_report(
                 );
                 println!(
                     "check: max |weight - reference| after step {} = {:.3e} (tolerance {weight_tol:.1e}): {}",
-                    report.losses.len(),
+                    report.start_step as usize + report.losses.len(),
                     errors.weight,
                     verdict(errors.weight, weight_tol)
                 );

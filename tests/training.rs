@@ -228,3 +228,44 @@ fn tsp_training_sends_what_the_derivation_says() {
         assert_eq!(report["comm_bytes_per_step"]["send"].as_u64(), Some(share(1)), "tsp={degree}");
     }
 }
+
+#[test]
+fn a_checkpoint_resumes_on_another_mesh_as_if_never_stopped() {
+    let dir = cli::tempdir("checkpoint");
+    let path = |name: &str| dir.join(name).to_str().expect("utf-8").to_string();
+    let (straight, first_half, resumed) = (path("straight"), path("half"), path("resumed"));
+    let base = ["run", "tiny", "--train", "--batch", "4", "--seq", "16", "--lr", "1e-2", "--format", "json"];
+    let run = |extra: &[&str]| json_of(&[&base[..], extra].concat());
+    let all = run(&["--mesh", "dp=2", "--zero", "1", "--steps", "4", "--save", &straight]);
+    run(&["--mesh", "dp=2", "--zero", "1", "--steps", "2", "--save", &first_half]);
+    // Resumed on tp=2 with ZeRO off, and checked against the reference resumed from the same files.
+    let rest = run(&["--mesh", "tp=2", "--steps", "2", "--resume", &first_half, "--check", "--save", &resumed]);
+    assert_matches_reference(&rest, "resumed");
+    assert_eq!(rest["start_step"], 2);
+    let losses = |report: &Value| -> Vec<f64> {
+        report["losses"].as_array().expect("losses").iter().filter_map(Value::as_f64).collect()
+    };
+    for (straight, resumed) in losses(&all)[2..].iter().zip(losses(&rest)) {
+        assert!((straight - resumed).abs() <= 1e-5, "{:?} vs {:?}", losses(&all), losses(&rest));
+    }
+    // The two runs end with the same weights and moments.
+    use pleat_runtime::weights::{SafetensorsWeights, WeightSource};
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let open = |dir: &str| SafetensorsWeights::open(&std::path::Path::new(dir).join(file)).expect("opens");
+        let (a, b) = (open(&straight), open(&resumed));
+        for name in ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"] {
+            let name = if file == "model.safetensors" { name.to_string() } else { format!("{name}.exp_avg_sq") };
+            let shape = if name.starts_with("lm_head") { vec![256, 128] } else { vec![128, 256] };
+            let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+            let (x, y) = (a.read(&name, &shape, &region).expect("read"), b.read(&name, &shape, &region).expect("read"));
+            let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
+            assert!(diff <= 1e-4, "{file} {name}: {diff:e}");
+        }
+    }
+    // A checkpoint is a model directory: inference reads it.
+    let inference =
+        json_of(&["run", &resumed, "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
+    assert!(inference["max_abs_err"].as_f64().expect("checked") < 1e-4);
+    let error = error_of(&["run", "llama2-7b", "--train", "--resume", &resumed]);
+    assert!(error.contains("holds a checkpoint of tiny, not of llama2-7b"), "{error}");
+}

@@ -5,7 +5,7 @@
 use pleat_ir::model::config::{Architecture, ConfigDtype, ModelConfig, RopeConfig, RopeScaling};
 use pleat_ir::model::stream::synthetic_tokens;
 use pleat_ir::optim::AdamWConfig;
-use pleat_passes::autodiff::reference::train_reference;
+use pleat_passes::autodiff::reference::{train_reference, ReferenceStart};
 use pleat_runtime::weights::{SeededWeights, WeightSource};
 
 fn small_llama() -> ModelConfig {
@@ -40,7 +40,8 @@ fn loss_falls_over_50_steps_on_the_synthetic_stream() {
     };
     let batches = |step: u32| synthetic_tokens(5, u64::from(step), batch, seq, config.vocab_size);
     let adamw = AdamWConfig { learning_rate: 1e-2, ..AdamWConfig::default() };
-    let losses = train_reference(&config, (batch, seq), 50, adamw, &initial, &batches).expect("trains").losses;
+    let start = ReferenceStart { weights: &initial, step: 0, moments: None };
+    let losses = train_reference(&config, (batch, seq), 50, adamw, &start, &batches).expect("trains").losses;
     let first = losses[0];
     let last = losses[45..].iter().sum::<f32>() / 5.0;
     // Every target (tokens 1.. of a sequence) is the map of the token before it, so the loss can go

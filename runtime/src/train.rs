@@ -54,6 +54,12 @@ pub struct TrainOptions<'a> {
     pub positions: &'a [u32],
     /// The parameters before the first step.
     pub initial: &'a dyn WeightSource,
+    /// The optimizer's moments before the first step (`<name>.exp_avg` and `<name>.exp_avg_sq`, in
+    /// the parameter's shape); `None` starts them at zero.
+    pub moments: Option<&'a dyn WeightSource>,
+    /// Steps already taken (a resumed run): the first step here is step `start_step + 1` of Adam's
+    /// bias correction and reads the batch of step `start_step`.
+    pub start_step: u32,
     /// How long any collective wait may take.
     pub timeout: Duration,
 }
@@ -78,6 +84,9 @@ pub struct RankTraining {
     pub peak_bytes: u64,
     /// The optimizer's moments, in bytes.
     pub optimizer_bytes: u64,
+    /// After the last step, each parameter's name and the rank's blocks of its two moments (the
+    /// elements it updates), in the parameter's global shape.
+    pub moments: Vec<(String, OutputBlock, OutputBlock)>,
 }
 
 /// A parameter block a rank keeps between steps.
@@ -159,11 +168,21 @@ fn train_rank(
             resident.push(Resident { name: name.clone(), shape: shape.clone(), region: region.clone(), data });
         }
     }
-    let mut moments: Vec<(Vec<f32>, Vec<f32>)> = layout
-        .params
-        .iter()
-        .map(|param| (vec![0.0; param.update.1 as usize], vec![0.0; param.update.1 as usize]))
-        .collect();
+    let mut moments = Vec::with_capacity(layout.params.len());
+    for param in &layout.params {
+        let zeros = || vec![0.0; param.update.1 as usize];
+        let Some(source) = options.moments else {
+            moments.push((zeros(), zeros()));
+            continue;
+        };
+        let (shape, region) = update_region(param, &resident)?;
+        let read = |suffix: &str| {
+            source
+                .read(&format!("{}.{suffix}", param.name), &shape, &region)
+                .map_err(|source| Error::Weight { rank, source: Box::new(source) })
+        };
+        moments.push((read("exp_avg")?, read("exp_avg_sq")?));
+    }
     let optimizer_bytes = 8 * layout.updated_elements();
     let world = Group::new(layout.world.ranks.clone());
     let mut losses = Vec::new();
@@ -172,7 +191,7 @@ fn train_rank(
     let mut first_comm = CommStats::default();
     let mut peak_bytes = 0;
     let epoch = Instant::now();
-    for step in 0..options.steps {
+    for step in options.start_step..options.start_step + options.steps {
         let tokens = (options.batches)(step);
         let inputs =
             RunInputs { tokens: &tokens, positions: options.positions, weights: &ResidentWeights(&resident), epoch };
@@ -183,10 +202,16 @@ fn train_rank(
         let grads: HashMap<u32, &OutputBlock> = outcome.outputs.iter().map(|block| (block.index, block)).collect();
         let optimizer = Step { rank, step: step + 1, settings: options.adamw };
         grad_norms.push(optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?);
-        if step == 0 {
+        if step == options.start_step {
             first_outputs = outcome.outputs;
             first_comm = outcome.comm;
         }
+    }
+    let mut moment_blocks = Vec::with_capacity(layout.params.len());
+    for (param, (exp_avg, exp_avg_sq)) in layout.params.iter().zip(moments) {
+        let (shape, region) = update_region(param, &resident)?;
+        let block = |data| OutputBlock { index: 0, shape: shape.clone(), region: region.clone(), data };
+        moment_blocks.push((param.name.clone(), block(exp_avg), block(exp_avg_sq)));
     }
     let params = resident
         .into_iter()
@@ -197,7 +222,31 @@ fn train_rank(
             (block.name, output)
         })
         .collect();
-    Ok(RankTraining { rank, losses, grad_norms, first_outputs, first_comm, params, peak_bytes, optimizer_bytes })
+    Ok(RankTraining {
+        rank,
+        losses,
+        grad_norms,
+        first_outputs,
+        first_comm,
+        params,
+        peak_bytes,
+        optimizer_bytes,
+        moments: moment_blocks,
+    })
+}
+
+/// The global shape and region of the elements `param` updates: its resident block with the first
+/// dim narrowed to the updated rows (an update range is whole rows of the block).
+fn update_region(param: &ParamUpdate, resident: &[Resident]) -> Result<(Vec<u64>, Vec<(u64, u64)>)> {
+    let block = resident.iter().find(|block| block.name == param.name).ok_or_else(|| Error::Inputs {
+        reason: format!("the optimizer updates {}, which the program never loads", param.name),
+    })?;
+    let mut region = block.region.clone();
+    if let Some(first) = region.first_mut() {
+        let row_len: u64 = block.region[1..].iter().map(|&(_, len)| len).product();
+        *first = (first.0 + param.update.0 / row_len.max(1), param.update.1 / row_len.max(1));
+    }
+    Ok((block.shape.clone(), region))
 }
 
 /// One optimizer step of one rank.

@@ -33,14 +33,26 @@ pub struct ReferenceError {
     pub reason: String,
 }
 
-/// Trains `config` for `steps` steps of `batch` sequences of `seq` tokens. `initial` gives each
-/// parameter's starting value (by name and shape), `batches` each step's tokens.
+/// Where a reference run starts: the parameters, and for a resumed run the steps already taken and
+/// the optimizer's moments (`<name>.exp_avg`, `<name>.exp_avg_sq`).
+pub struct ReferenceStart<'a> {
+    /// Each parameter's starting value, by name and shape.
+    pub weights: &'a ParamLookup<'a>,
+    /// Steps already taken: the first step here reads the batch of this step and is this step
+    /// plus one for Adam's bias correction.
+    pub step: u32,
+    /// The moments; `None` starts them at zero.
+    pub moments: Option<&'a ParamLookup<'a>>,
+}
+
+/// Trains `config` for `steps` steps of `batch` sequences of `seq` tokens from `start`;
+/// `batches` gives each step's tokens.
 pub fn train_reference(
     config: &ModelConfig,
     (batch, seq): (u64, u64),
     steps: u32,
     adamw: AdamWConfig,
-    initial: &ParamLookup,
+    start: &ReferenceStart,
     batches: &dyn Fn(u32) -> Vec<u32>,
 ) -> Result<ReferenceTraining, ReferenceError> {
     let error = |step: u32| move |reason: String| ReferenceError { step, reason };
@@ -48,18 +60,31 @@ pub fn train_reference(
     let loss = module.graph.outputs()[0];
     let gradients = differentiate(&mut module.graph, loss).map_err(|err| error(0)(err.to_string()))?;
     let names: Vec<String> = gradients.params.iter().map(|param| param.name.clone()).collect();
-    let mut start = Vec::with_capacity(names.len());
+    let mut starting = Vec::with_capacity(names.len());
     for param in &gradients.params {
         let shape = module.graph.value(param.params[0]).ty.shape.sizes();
-        let weights = initial(&param.name, &shape).ok_or_else(|| error(0)(format!("no weights for {}", param.name)))?;
-        start.push(weights);
+        let weights =
+            (start.weights)(&param.name, &shape).ok_or_else(|| error(0)(format!("no weights for {}", param.name)))?;
+        starting.push(weights);
     }
-    let views: Vec<&[f32]> = start.iter().map(Vec::as_slice).collect();
+    let views: Vec<&[f32]> = starting.iter().map(Vec::as_slice).collect();
     let mut optimizer = AdamW::new(adamw, &views);
+    optimizer.step = u64::from(start.step);
+    if let Some(moments) = start.moments {
+        for (param, state) in gradients.params.iter().zip(&mut optimizer.params) {
+            let shape = module.graph.value(param.params[0]).ty.shape.sizes();
+            let read = |suffix: &str| {
+                moments(&format!("{}.{suffix}", param.name), &shape)
+                    .ok_or_else(|| error(0)(format!("no {suffix} moment for {}", param.name)))
+            };
+            state.exp_avg = read("exp_avg")?;
+            state.exp_avg_sq = read("exp_avg_sq")?;
+        }
+    }
     let positions: Vec<u32> = (0..seq as u32).collect();
     let mut losses = Vec::new();
     let mut first_grads = HashMap::new();
-    for step in 0..steps {
+    for step in start.step..start.step + steps {
         let weights: HashMap<&str, &[f32]> =
             names.iter().zip(&optimizer.params).map(|(name, state)| (name.as_str(), state.master.as_slice())).collect();
         let lookup = |name: &str, _shape: &[u64]| weights.get(name).map(|weight| weight.to_vec());
@@ -68,7 +93,7 @@ pub fn train_reference(
             .map_err(|err| error(step)(err.to_string()))?;
         losses.push(outputs[0].data[0]);
         let grads: Vec<&[f32]> = outputs[1..].iter().map(|grad| grad.data.as_slice()).collect();
-        if step == 0 {
+        if step == start.step {
             first_grads = names.iter().cloned().zip(grads.iter().map(|grad| grad.to_vec())).collect();
         }
         optimizer.step(&grads).map_err(|err| error(step)(err.to_string()))?;
