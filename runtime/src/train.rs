@@ -235,9 +235,12 @@ fn train_rank(
     })
 }
 
+/// A tensor's global shape and a block of it, per dim `(start, len)`.
+type ShapeAndRegion = (Vec<u64>, Vec<(u64, u64)>);
+
 /// The global shape and region of the elements `param` updates: its resident block with the first
 /// dim narrowed to the updated rows (an update range is whole rows of the block).
-fn update_region(param: &ParamUpdate, resident: &[Resident]) -> Result<(Vec<u64>, Vec<(u64, u64)>)> {
+fn update_region(param: &ParamUpdate, resident: &[Resident]) -> Result<ShapeAndRegion> {
     let block = resident.iter().find(|block| block.name == param.name).ok_or_else(|| Error::Inputs {
         reason: format!("the optimizer updates {}, which the program never loads", param.name),
     })?;
