@@ -76,8 +76,8 @@ pub fn write(dir: &Path, config: &ModelConfig, steps: u32, ranks: &[RankTraining
     let state = TrainerState { format_version: TRAINER_FORMAT_VERSION, model: config.name.clone(), steps };
     write_dir_atomically(dir, |staging| {
         std::fs::write(staging.join("config.json"), config.to_hf_json())?;
-        write_safetensors(&staging.join("model.safetensors"), &params)?;
-        write_safetensors(&staging.join("optimizer.safetensors"), &moments)?;
+        write_safetensors(staging.join("model.safetensors"), &params)?;
+        write_safetensors(staging.join("optimizer.safetensors"), &moments)?;
         std::fs::write(staging.join("trainer.json"), serde_json::to_string_pretty(&state)?)?;
         Ok(())
     })

@@ -251,7 +251,7 @@ fn a_checkpoint_resumes_on_another_mesh_as_if_never_stopped() {
     // The two runs end with the same weights and moments.
     use pleat_runtime::weights::{SafetensorsWeights, WeightSource};
     for file in ["model.safetensors", "optimizer.safetensors"] {
-        let open = |dir: &str| SafetensorsWeights::open(&std::path::Path::new(dir).join(file)).expect("opens");
+        let open = |dir: &str| SafetensorsWeights::open(std::path::Path::new(dir).join(file)).expect("opens");
         let (a, b) = (open(&straight), open(&resumed));
         for name in ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"] {
             let name = if file == "model.safetensors" { name.to_string() } else { format!("{name}.exp_avg_sq") };
