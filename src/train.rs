@@ -24,6 +24,7 @@ use serde_json::json;
 
 use crate::compile::Strategy;
 use crate::model_arg::{resolve, ModelSource};
+use crate::pipeline::ScheduleArg;
 use crate::run::{comm_stats_mean, human_bytes, weight_source, Format, RunArgs};
 
 /// The largest difference from the reference `--check` accepts on the losses (absolute) and on
@@ -87,6 +88,16 @@ pub struct TrainFlags {
     /// batch·seq of them, wrapping around. Without it, a deterministic synthetic stream.
     #[arg(long, requires = "train")]
     pub data: Option<PathBuf>,
+    /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,
+    /// with a pp axis in --mesh, which flow through the pipeline stages).
+    #[arg(long, default_value_t = 1, requires = "train")]
+    pub micro_batches: u32,
+    /// The pipeline schedule (with a pp axis).
+    #[arg(long, value_enum, default_value_t = ScheduleArg::OneFOneB, requires = "train")]
+    pub schedule: ScheduleArg,
+    /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (default: as even as they go).
+    #[arg(long, requires = "train")]
+    pub pp_layers: Option<String>,
     /// After the last step, write a checkpoint here: the model (a model directory `pleat run`
     /// reads), the optimizer's moments and the steps taken, independent of the mesh.
     #[arg(long, requires = "train")]
@@ -104,24 +115,55 @@ pub struct CompiledTraining {
     pub layouts: Vec<OptimizerLayout>,
 }
 
-/// Builds `config`'s training graph, shards and differentiates it over `mesh`, and lowers it.
+/// How a training step is split into micro-batches and pipeline stages.
+#[derive(Clone, Debug)]
+pub struct Pipelining {
+    /// Micro-batches a step (gradients accumulate over them).
+    pub micro_batches: u32,
+    /// The order of each stage's forward and backward steps.
+    pub schedule: ScheduleArg,
+    /// Layers a stage, first to last; `None`: as even as they go.
+    pub layers: Option<Vec<u64>>,
+}
+
+/// Builds `config`'s training graph, shards and differentiates it over `mesh`, and lowers it;
+/// with a `pp` axis or several micro-batches, into pipelined programs.
 pub fn compile_training(
     config: &ModelConfig,
     (batch, seq): (u64, u64),
     mesh: &Mesh,
     strategy: Strategy,
-    zero: u8,
-    recompute: Recompute,
+    (zero, recompute): (u8, Recompute),
+    pipelining: &Pipelining,
 ) -> Result<CompiledTraining> {
     if zero > 0 && mesh.degree(AxisName::Dp) == 1 {
         bail!("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2");
     }
-    let mut ctx = strategy.pass_ctx(mesh, Dump::Nothing)?;
+    let stages = mesh.degree(AxisName::Pp) as u32;
+    let micro_batches = pipelining.micro_batches;
+    if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
+        bail!(
+            "--batch {batch} does not split into --micro-batches {micro_batches}; use a count in {:?}",
+            pleat_ir::spec::valid_degrees(batch)
+        );
+    }
+    if stages > 1 && config.tie_word_embeddings {
+        bail!("pipelining a model with tied embeddings is not built yet (the first and last stages share a weight)");
+    }
+    let inner = crate::pipeline::inner_mesh(mesh)?;
+    let mut ctx = strategy.pass_ctx(&inner, Dump::Nothing)?;
     ctx.zero_stage = zero;
     ctx.recompute = recompute;
-    let mut module = pleat_ir::model::build_training(config, batch, seq)?;
-    module.mesh = mesh.clone();
+    let mut module = pleat_ir::model::build_training(config, batch / u64::from(micro_batches), seq)?;
+    module.mesh = inner;
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
+    if stages > 1 || micro_batches > 1 {
+        let layers = pipelining.layers.as_deref();
+        let stage_of = crate::pipeline::stage_of_nodes(&module, stages, layers, config.num_layers)?;
+        let schedule = crate::pipeline::schedule_steps(pipelining.schedule, stages, micro_batches);
+        let (programs, layouts) = crate::pipeline::pipelined(&module, &stage_of, &schedule, micro_batches, zero)?;
+        return Ok(CompiledTraining { module, programs, layouts });
+    }
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
     let layouts = (0..programs.len() as u32)
@@ -171,6 +213,7 @@ struct TrainReport {
     errors: Option<CheckErrors>,
     peaks: Vec<u64>,
     optimizer_bytes: Vec<u64>,
+    activation_peaks: Vec<u64>,
     comm_bytes: BTreeMap<&'static str, u64>,
 }
 
@@ -188,7 +231,13 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     }
     let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
     let mesh = Mesh::parse(&args.mesh)?;
-    let compiled = compile_training(&config, shape, &mesh, args.strategy, flags.zero, flags.recompute.into())?;
+    let pipelining = Pipelining {
+        micro_batches: flags.micro_batches,
+        schedule: flags.schedule,
+        layers: flags.pp_layers.as_deref().map(crate::pipeline::parse_pp_layers).transpose()?,
+    };
+    let state = (flags.zero, flags.recompute.into());
+    let compiled = compile_training(&config, shape, &mesh, args.strategy, state, &pipelining)?;
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {
         bail!("--resume reads the checkpoint's weights; drop --weights");
@@ -224,14 +273,19 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         timeout: Duration::from_secs(args.timeout),
     };
     let ranks = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
+    // Only the last pipeline stage computes the loss.
+    let Some(with_loss) = ranks.iter().find(|rank| !rank.losses.is_empty()) else {
+        bail!("no rank's program returns the loss");
+    };
     let mut report = TrainReport {
         start_step,
-        losses: ranks[0].losses.clone(),
-        grad_norms: ranks[0].grad_norms.clone(),
+        losses: with_loss.losses.clone(),
+        grad_norms: with_loss.grad_norms.clone(),
         reference_losses: None,
         errors: None,
         peaks: ranks.iter().map(|rank| rank.peak_bytes).collect(),
         optimizer_bytes: ranks.iter().map(|rank| rank.optimizer_bytes).collect(),
+        activation_peaks: ranks.iter().map(|rank| rank.activation_peak_bytes).collect(),
         comm_bytes: comm_stats_mean(&ranks.iter().map(|rank| &rank.first_comm).collect::<Vec<_>>()),
     };
     let weight_tol = TRAIN_TOL + WEIGHT_TOL_PER_LR_STEP * flags.lr as f32 * flags.steps as f32;
@@ -371,6 +425,7 @@ fn print_report(
                 "tolerances": {"loss": TRAIN_TOL, "grad_rel": TRAIN_TOL, "weight": weight_tol},
                 "peak_bytes_per_rank": report.peaks,
                 "optimizer_bytes_per_rank": report.optimizer_bytes,
+                "activation_peak_bytes_per_rank": report.activation_peaks,
                 "comm_bytes_per_step": report.comm_bytes,
             });
             println!("{}", serde_json::to_string_pretty(&object)?);

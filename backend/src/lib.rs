@@ -11,6 +11,7 @@ pub mod lower;
 pub mod matching;
 pub mod memory;
 pub mod optimizer;
+pub mod pipeline;
 pub mod program;
 pub mod text;
 pub mod validate;

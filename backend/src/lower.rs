@@ -21,6 +21,13 @@ pub fn lower(module: &Module) -> Result<Vec<Program>> {
 
 /// Lowers `module` for one rank.
 pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
+    lower_rank_traced(module, rank).map(|(program, _)| program)
+}
+
+/// As `lower_rank`, also returning for each instruction the position in the module's program
+/// order of the node it was lowered from (`None` for the trailing outputs).
+pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Option<usize>>)> {
+    let mut trace: Vec<Option<usize>> = Vec::new();
     let graph = &module.graph;
     let mesh = &module.mesh;
     let order = graph.order();
@@ -61,6 +68,8 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
         data.spec.region(&data.ty.shape, mesh, rank)
     };
     for (index, &node) in order.iter().enumerate() {
+        // Every instruction pushed since the previous node started belongs to that node.
+        trace.resize(program.instructions.len(), index.checked_sub(1));
         let data = graph.node(node);
         let value = data.result;
         let kind = match data.op {
@@ -363,6 +372,7 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
             program.instructions.push(Instr::Free { buf: out });
         }
     }
+    trace.resize(program.instructions.len(), order.len().checked_sub(1));
     for (index, &output) in graph.outputs().iter().enumerate() {
         program.instructions.push(Instr::Output {
             buf: buffer_of[output.as_u32() as usize].expect("verified: outputs exist"),
@@ -371,7 +381,8 @@ pub fn lower_rank(module: &Module, rank: u32) -> Result<Program> {
             region: region(output),
         });
     }
-    Ok(program)
+    trace.resize(program.instructions.len(), None);
+    Ok((program, trace))
 }
 
 /// The kernel of `CrossEntropy` or `CrossEntropyGrad` (`op`) on local logits `[batch, seq, vocab]` of

@@ -69,7 +69,8 @@ pub struct TrainOptions<'a> {
 pub struct RankTraining {
     /// The rank.
     pub rank: u32,
-    /// The loss of each step (the whole batch's mean).
+    /// The loss of each step (the whole batch's mean); empty on a rank whose program does not
+    /// compute it (a pipeline stage before the last).
     pub losses: Vec<f32>,
     /// The global gradient norm of each step, before clipping.
     pub grad_norms: Vec<f64>,
@@ -84,6 +85,8 @@ pub struct RankTraining {
     pub peak_bytes: u64,
     /// The optimizer's moments, in bytes.
     pub optimizer_bytes: u64,
+    /// The most bytes a step held in activation buffers (intermediate values, gradients included).
+    pub activation_peak_bytes: u64,
     /// After the last step, each parameter's name and the rank's blocks of its two moments (the
     /// elements it updates), in the parameter's global shape.
     pub moments: Vec<(String, OutputBlock, OutputBlock)>,
@@ -190,6 +193,7 @@ fn train_rank(
     let mut first_outputs = Vec::new();
     let mut first_comm = CommStats::default();
     let mut peak_bytes = 0;
+    let mut activation_peak_bytes = 0;
     let epoch = Instant::now();
     for step in options.start_step..options.start_step + options.steps {
         let tokens = (options.batches)(step);
@@ -197,8 +201,10 @@ fn train_rank(
             RunInputs { tokens: &tokens, positions: options.positions, weights: &ResidentWeights(&resident), epoch };
         let outcome = execute(program, comm, &inputs, 1)?;
         peak_bytes = peak_bytes.max(outcome.peak_bytes + optimizer_bytes);
+        activation_peak_bytes = activation_peak_bytes.max(outcome.activation_bytes.iter().copied().max().unwrap_or(0));
+        // A pipeline's earlier stages have no loss.
         let loss = outcome.outputs.iter().find(|block| block.index == 0).and_then(|block| block.data.first());
-        losses.push(*loss.ok_or_else(|| Error::Inputs { reason: "the training program returns no loss".into() })?);
+        losses.extend(loss.copied());
         let grads: HashMap<u32, &OutputBlock> = outcome.outputs.iter().map(|block| (block.index, block)).collect();
         let optimizer = Step { rank, step: step + 1, settings: options.adamw };
         grad_norms.push(optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?);
@@ -231,6 +237,7 @@ fn train_rank(
         params,
         peak_bytes,
         optimizer_bytes,
+        activation_peak_bytes,
         moments: moment_blocks,
     })
 }
