@@ -12,6 +12,7 @@ mod explain;
 mod fingerprint;
 mod inputs;
 mod model_arg;
+mod native;
 mod plan;
 mod predict;
 #[cfg(feature = "mpi")]

@@ -135,6 +135,10 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         function.add_attribute(inkwell::attributes::AttributeLoc::Function, nounwind);
         let entry = self.context.append_basic_block(function, "entry");
         self.builder.position_at_end(entry);
+        let out_names: &[&str] = if out_count == 1 { &["out"] } else { &["sum", "normed"] };
+        for (index, name) in ["inputs"].iter().chain(out_names).enumerate() {
+            self.parameter(function, index as u32)?.set_name(name);
+        }
         let inputs_array = self.parameter(function, 0)?;
         let mut inputs = Vec::with_capacity(input_count);
         for index in 0..input_count {
