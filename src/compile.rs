@@ -116,6 +116,14 @@ pub struct CompileArgs {
     /// micro-batch of every replica replace --mesh, --strategy, --seq and --batch.
     #[arg(long, conflicts_with_all = ["mesh", "strategy", "seq", "batch"])]
     pub plan: Option<PathBuf>,
+    /// Also write native code for each rank's elementwise and row-wise kernels (repeatable), as
+    /// `DIR/rank<i>.<ext>`; `so` is what `pleat run DIR` loads. Needs the `llvm` feature.
+    #[arg(long, value_enum)]
+    pub emit: Vec<crate::native::Emit>,
+    /// The CPU native code is generated for, in LLVM's names (e.g. `skylake`, `x86-64-v3`);
+    /// default: this machine's.
+    #[arg(long, requires = "emit")]
+    pub target_cpu: Option<String>,
 }
 
 /// The version of `plan.json`.
@@ -175,8 +183,12 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan)).transpose()?;
     let target = planned.as_ref().unwrap_or(&args.target);
     let config = target.config("compile")?;
+    crate::native::check_available(&args.emit)?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
-    let compiled = target.compile(&config, dump)?;
+    let mut compiled = target.compile(&config, dump)?;
+    if !args.emit.is_empty() {
+        crate::native::schedule(&mut compiled.programs);
+    }
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
@@ -190,6 +202,10 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         compiled.programs.len(),
         plan_hash
     );
+    if !args.emit.is_empty() {
+        let written = crate::native::emit(&compiled.programs, &args.emit, args.target_cpu.as_deref(), &args.out)?;
+        println!("native kernels: {}", written.join(", "));
+    }
     Ok(())
 }
 

@@ -13,6 +13,7 @@ mod explain;
 mod fingerprint;
 mod inputs;
 mod model_arg;
+mod native;
 mod pipeline;
 mod plan;
 mod predict;

@@ -13,7 +13,7 @@ use pleat_ir::Mesh;
 use pleat_passes::Dump;
 use pleat_runtime::comm::{CollectiveKind, CommStats, LinkSpec};
 use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
-use pleat_runtime::{assemble, run_on_threads_with, RankOutcome, RunInputs, ThreadRunOptions};
+use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, RankOutcome, RunInputs, ThreadRunOptions};
 use serde_json::json;
 
 use crate::compile::{compile_model, read_compiled, Strategy};
@@ -89,6 +89,8 @@ pub struct RunResult {
     pub outcomes: Vec<RankOutcome>,
     pub max_abs_err: Option<f32>,
     pub programs: Vec<Program>,
+    /// Native kernels each rank called from `DIR/rank<i>.so` (empty when none were loaded).
+    pub native_kernels: Vec<usize>,
 }
 
 /// Runs `pleat run`.
@@ -122,9 +124,11 @@ pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn Weight
 /// Compiles or loads, runs, and checks; prints nothing.
 pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
+    let mut native = Vec::new();
     let (config, programs, mesh, weights_path, batch, seq) = match resolve(&args.model)? {
         ModelSource::Compiled(dir) => {
             let (plan, config, programs) = read_compiled(&dir)?;
+            native = crate::native::load(&dir, &programs)?;
             for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
                 if given.is_some_and(|given| given != planned) {
                     bail!(
@@ -153,8 +157,10 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         None => random_tokens(batch, seq, config.vocab_size, args.seed),
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    let options = link_options(args.timeout, args.emulate_link);
     let (logits_shape, logits, outcomes) =
-        run_programs(&programs, &tokens, weights.as_ref(), &link_options(args.timeout, args.emulate_link))?;
+        run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
+    let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
     let max_abs_err = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
         Some(max_abs_diff(&logits, &reference))
@@ -168,7 +174,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         )
         .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, programs })
+    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, programs, native_kernels })
 }
 
 /// How ranks connect: a collective timeout of `timeout_s` seconds, over `link` if given.
@@ -183,9 +189,20 @@ pub fn run_programs(
     weights: &dyn WeightSource,
     options: &ThreadRunOptions,
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
+    run_programs_native(programs, tokens, weights, options, &[])
+}
+
+/// As [`run_programs`], rank `i` calling `native[i]`'s kernels where it has them.
+pub fn run_programs_native(
+    programs: &[Program],
+    tokens: &Tokens,
+    weights: &dyn WeightSource,
+    options: &ThreadRunOptions,
+    native: &[Option<NativeKernels>],
+) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
     let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
-    let outcomes = run_on_threads_with(programs, &inputs, options)?;
+    let outcomes = run_on_threads_native(programs, &inputs, options, native)?;
     let (shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
     Ok((shape, logits, outcomes))
 }
@@ -271,6 +288,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
                 "comm_bytes_per_rank": per_rank,
                 "emulated_link": args.emulate_link.map(|link| link.to_string()),
+                "native_kernels_per_rank": result.native_kernels,
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -294,6 +312,10 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 .map(|(name, bytes)| format!("{name} {}", human_bytes(bytes)))
                 .collect();
             println!("sent a rank (mean): {}", if comm.is_empty() { "nothing".to_string() } else { comm.join(", ") });
+            if result.native_kernels.iter().any(|&count| count > 0) {
+                let counts: Vec<String> = result.native_kernels.iter().map(usize::to_string).collect();
+                println!("native kernels (rank<i>.so) a rank: {}", counts.join(", "));
+            }
             if let Some(err) = result.max_abs_err {
                 let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
                 println!("check: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");

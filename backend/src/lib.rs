@@ -7,9 +7,12 @@
 //! it knows nothing of how communicators or kernels work.
 
 pub mod error;
+#[cfg(feature = "llvm")]
+pub mod llvm;
 pub mod lower;
 pub mod matching;
 pub mod memory;
+pub mod native;
 pub mod optimizer;
 pub mod pipeline;
 pub mod program;

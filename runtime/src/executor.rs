@@ -13,6 +13,7 @@ use pleat_backend::{BufferId, BufferKind, Instr, Kernel, Program};
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
 use crate::kernels::{self, AttentionShape};
+use crate::native::{NativeKernels, NativeOperand};
 use crate::weights::WeightSource;
 
 #[path = "executor_backward.rs"]
@@ -106,6 +107,13 @@ impl Machine<'_> {
             _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
         }
     }
+    fn native_operand(&self, id: BufferId) -> Result<NativeOperand<'_>> {
+        match self.buffers.get(id.as_u32() as usize) {
+            Some(Some(Storage::F32(data))) => Ok(NativeOperand::F32(data)),
+            Some(Some(Storage::U32(data))) => Ok(NativeOperand::U32(data)),
+            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        }
+    }
     fn u32(&self, id: BufferId) -> Result<&[u32]> {
         match self.buffers.get(id.as_u32() as usize) {
             Some(Some(Storage::U32(data))) => Ok(data),
@@ -167,6 +175,18 @@ pub fn execute(
     inputs: &RunInputs,
     gemm_threads: usize,
 ) -> Result<RankOutcome> {
+    execute_native(program, comm, inputs, gemm_threads, None)
+}
+
+/// As [`execute`], calling `native`'s function instead of the interpreted kernel for each
+/// instruction it covers.
+pub fn execute_native(
+    program: &Program,
+    comm: &mut dyn Communicator,
+    inputs: &RunInputs,
+    gemm_threads: usize,
+    native: Option<&NativeKernels>,
+) -> Result<RankOutcome> {
     let rank = program.rank;
     let tokens_shape = program.tokens_shape.clone();
     let seq = *tokens_shape.get(1).unwrap_or(&0);
@@ -197,6 +217,8 @@ pub fn execute(
     let mut activation_bytes = Vec::with_capacity(program.instructions.len());
     let mut timings = Vec::with_capacity(program.instructions.len());
     comm.reset_stats();
+    // A fused native kernel's second result, stored when its instruction comes.
+    let mut precomputed: Option<(usize, Vec<f32>)> = None;
     for (index, instr) in program.instructions.iter().enumerate() {
         machine.instr = index;
         let start_ns = nanos_since(inputs.epoch);
@@ -247,7 +269,23 @@ pub fn execute(
                 machine.store(*out, storage)?;
             }
             Instr::Kernel { kernel, inputs: operands, out } => {
-                let data = run_kernel(&machine, kernel, operands, *out, gemm_threads)?;
+                let data =
+                    match (precomputed.take_if(|(at, _)| *at == index), native.filter(|table| table.covers(index))) {
+                        (Some((_, data)), _) => data,
+                        (None, Some(table)) => {
+                            let operands = table
+                                .operand_buffers(index)
+                                .iter()
+                                .map(|&id| machine.native_operand(id))
+                                .collect::<Result<Vec<_>>>()?;
+                            let produced = table
+                                .call(index, &operands)
+                                .map_err(|error| machine.program_error(error.to_string()))?;
+                            precomputed = produced.fused;
+                            produced.out
+                        }
+                        (None, None) => run_kernel(&machine, kernel, operands, *out, gemm_threads)?,
+                    };
                 machine.store(*out, Storage::F32(data))?;
             }
             Instr::AllReduce { input, out, group } => {

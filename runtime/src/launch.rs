@@ -7,7 +7,8 @@ use pleat_backend::Program;
 
 use crate::comm::{Communicator, LinkSpec, ThreadFabric};
 use crate::error::{Error, Result};
-use crate::executor::{execute, OutputBlock, RankOutcome, RunInputs};
+use crate::executor::{execute_native, OutputBlock, RankOutcome, RunInputs};
+use crate::native::NativeKernels;
 
 /// Runs `programs` (one a rank, in rank order) on threads; every collective wait gives up after
 /// `timeout`. When a rank fails, the others are told and fail fast; the error returned is the first
@@ -31,6 +32,17 @@ pub fn run_on_threads_with(
     inputs: &RunInputs,
     options: &ThreadRunOptions,
 ) -> Result<Vec<RankOutcome>> {
+    run_on_threads_native(programs, inputs, options, &[])
+}
+
+/// As [`run_on_threads_with`], rank `i` calling `native[i]`'s kernels where it has them (ranks past
+/// the end of `native`, or with `None`, interpret every kernel).
+pub fn run_on_threads_native(
+    programs: &[Program],
+    inputs: &RunInputs,
+    options: &ThreadRunOptions,
+    native: &[Option<NativeKernels>],
+) -> Result<Vec<RankOutcome>> {
     let world_size = programs.len() as u32;
     for (rank, program) in programs.iter().enumerate() {
         if program.rank != rank as u32 || program.world_size != world_size {
@@ -50,9 +62,11 @@ pub fn run_on_threads_with(
         let handles: Vec<_> = programs
             .iter()
             .zip(comms)
-            .map(|(program, mut comm)| {
+            .enumerate()
+            .map(|(rank, (program, mut comm))| {
+                let table = native.get(rank).and_then(Option::as_ref);
                 scope.spawn(move || {
-                    let outcome = execute(program, &mut comm, inputs, gemm_threads);
+                    let outcome = execute_native(program, &mut comm, inputs, gemm_threads, table);
                     if let Err(err) = &outcome {
                         comm.abort(&err.to_string());
                     }

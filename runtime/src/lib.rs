@@ -13,9 +13,11 @@ pub mod error;
 pub mod executor;
 pub mod kernels;
 pub mod launch;
+pub mod native;
 pub mod train;
 pub mod weights;
 
 pub use error::{Error, Result};
-pub use executor::{execute, OutputBlock, RankOutcome, RunInputs};
-pub use launch::{assemble, run_on_threads, run_on_threads_with, ThreadRunOptions};
+pub use executor::{execute, execute_native, OutputBlock, RankOutcome, RunInputs};
+pub use launch::{assemble, run_on_threads, run_on_threads_native, run_on_threads_with, ThreadRunOptions};
+pub use native::{NativeError, NativeKernels, NativeOperand, NativeOutput};

@@ -1,0 +1,549 @@
+//! LLVM IR for pleat's elementwise and row-wise kernels: one function a [`NativeKernel`], every size
+//! a constant of the program.
+//!
+//! On the host, each function is a loop nest that repeats the interpreted kernel's arithmetic in the
+//! same order and precision (f64 sum of squares for RMSNorm, f64 cosine and sine for RoPE, libm's
+//! `expf` for SiLU), with no fast-math flags, so that its results equal the runtime's bit for bit.
+//! For NVPTX, each function is a `.entry` kernel (calling convention `ptx_kernel`) whose outer loop
+//! becomes one thread a row or element (`ctaid.x * ntid.x + tid.x`); there, `exp`, `sin` and `cos`
+//! use the GPU's approximate instructions.
+
+use inkwell::builder::Builder;
+use inkwell::context::Context;
+use inkwell::intrinsics::Intrinsic;
+use inkwell::module::{Linkage, Module};
+use inkwell::types::{BasicTypeEnum, FloatType, IntType, PointerType};
+use inkwell::values::{BasicMetadataValueEnum, FloatValue, FunctionValue, IntValue, PointerValue, ValueKind};
+use inkwell::{AddressSpace, IntPredicate};
+
+use crate::native::NativeKernel;
+use crate::program::{Instr, Kernel, Program};
+
+use super::LlvmError;
+
+/// LLVM's number of the `ptx_kernel` calling convention: the function becomes a PTX `.entry`.
+const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
+
+/// Which machine the functions are for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flavor {
+    /// The CPU: the outer loop is a loop.
+    Host,
+    /// NVPTX: the outer loop is the thread grid.
+    Ptx,
+}
+
+type Gen<T> = Result<T, LlvmError>;
+
+/// Builds kernel functions into one module.
+pub(crate) struct Codegen<'ctx, 'module> {
+    context: &'ctx Context,
+    module: &'module Module<'ctx>,
+    builder: Builder<'ctx>,
+    flavor: Flavor,
+    f32_type: FloatType<'ctx>,
+    f64_type: FloatType<'ctx>,
+    i64_type: IntType<'ctx>,
+    ptr_type: PointerType<'ctx>,
+}
+
+/// The function being built: its value and its pointer arguments.
+struct Frame<'ctx> {
+    function: FunctionValue<'ctx>,
+    /// The loaded `inputs[i]` pointers.
+    inputs: Vec<PointerValue<'ctx>>,
+    /// The output pointers (one, or two for a fused add + norm).
+    outs: Vec<PointerValue<'ctx>>,
+}
+
+impl<'ctx, 'module> Codegen<'ctx, 'module> {
+    /// A generator adding functions to `module`.
+    pub(crate) fn new(context: &'ctx Context, module: &'module Module<'ctx>, flavor: Flavor) -> Self {
+        Codegen {
+            context,
+            module,
+            builder: context.create_builder(),
+            flavor,
+            f32_type: context.f32_type(),
+            f64_type: context.f64_type(),
+            i64_type: context.i64_type(),
+            ptr_type: context.ptr_type(AddressSpace::default()),
+        }
+    }
+
+    /// Defines `u64 pleat_program_fingerprint(void)` returning `fingerprint`.
+    pub(crate) fn define_fingerprint(&self, fingerprint: u64) -> Gen<()> {
+        let function_type = self.i64_type.fn_type(&[], false);
+        let function =
+            self.module.add_function(crate::native::FINGERPRINT_SYMBOL, function_type, Some(Linkage::External));
+        let entry = self.context.append_basic_block(function, "entry");
+        self.builder.position_at_end(entry);
+        self.builder.build_return(Some(&self.i64_type.const_int(fingerprint, false)))?;
+        Ok(())
+    }
+
+    /// Defines the function of `native`, with the sizes `program` gives.
+    pub(crate) fn define(&self, program: &Program, native: &NativeKernel) -> Gen<FunctionValue<'ctx>> {
+        let kernel_at = |instr: usize| match program.instructions.get(instr) {
+            Some(Instr::Kernel { kernel, inputs, out }) => Ok((kernel, inputs, *out)),
+            _ => Err(LlvmError::NotAKernel { instr }),
+        };
+        let numel = |id: crate::BufferId| program.buffer(id).numel();
+        match native {
+            NativeKernel::Single { instr } => {
+                let (kernel, inputs, out) = kernel_at(*instr)?;
+                let frame = self.begin(&native.symbol(), 1, inputs.len())?;
+                match kernel {
+                    Kernel::Add => self.add(&frame, numel(inputs[0]), numel(inputs[1]))?,
+                    Kernel::SiluMul => self.silu_mul(&frame, numel(out))?,
+                    Kernel::RmsNorm { hidden, eps } => self.rms_norm(&frame, numel(out) / hidden, *hidden, *eps)?,
+                    Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
+                        self.rope(&frame, [*batch, *seq, *heads, *head_dim], inv_freq, *instr)?
+                    }
+                    _ => return Err(LlvmError::NotAKernel { instr: *instr }),
+                }
+                self.finish(frame)
+            }
+            NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } => {
+                let (_, add_inputs, _) = kernel_at(*add_instr)?;
+                let (Kernel::RmsNorm { hidden, eps }, _, _) = kernel_at(*norm_instr)? else {
+                    return Err(LlvmError::NotAKernel { instr: *norm_instr });
+                };
+                let frame = self.begin(&native.symbol(), 2, 3)?;
+                self.add_rms_norm(&frame, numel(add_inputs[0]) / hidden, *hidden, *eps)?;
+                self.finish(frame)
+            }
+        }
+    }
+
+    /// Declares `void name(ptr inputs, ptr out...)` and loads the `input_count` input pointers.
+    fn begin(&self, name: &str, out_count: usize, input_count: usize) -> Gen<Frame<'ctx>> {
+        let parameters = vec![self.ptr_type.into(); 1 + out_count];
+        let function_type = self.context.void_type().fn_type(&parameters, false);
+        let function = self.module.add_function(name, function_type, Some(Linkage::External));
+        if self.flavor == Flavor::Ptx {
+            function.set_call_conventions(PTX_KERNEL_CALLING_CONVENTION);
+        }
+        // The runtime allocates every result fresh: outputs alias nothing, which lets LLVM vectorize.
+        let noalias =
+            self.context.create_enum_attribute(inkwell::attributes::Attribute::get_named_enum_kind_id("noalias"), 0);
+        for out_index in 0..out_count {
+            function.add_attribute(inkwell::attributes::AttributeLoc::Param(1 + out_index as u32), noalias);
+        }
+        let nounwind =
+            self.context.create_enum_attribute(inkwell::attributes::Attribute::get_named_enum_kind_id("nounwind"), 0);
+        function.add_attribute(inkwell::attributes::AttributeLoc::Function, nounwind);
+        let entry = self.context.append_basic_block(function, "entry");
+        self.builder.position_at_end(entry);
+        let out_names: &[&str] = if out_count == 1 { &["out"] } else { &["sum", "normed"] };
+        for (index, name) in ["inputs"].iter().chain(out_names).enumerate() {
+            self.parameter(function, index as u32)?.set_name(name);
+        }
+        let inputs_array = self.parameter(function, 0)?;
+        let mut inputs = Vec::with_capacity(input_count);
+        for index in 0..input_count {
+            let slot = self.element(self.ptr_type.into(), inputs_array, self.index(index as u64))?;
+            let pointer = self.builder.build_load(self.ptr_type, slot, &format!("input{index}"))?;
+            inputs.push(pointer.into_pointer_value());
+        }
+        let outs = (1..=out_count).map(|index| self.parameter(function, index as u32)).collect::<Gen<Vec<_>>>()?;
+        Ok(Frame { function, inputs, outs })
+    }
+
+    fn finish(&self, frame: Frame<'ctx>) -> Gen<FunctionValue<'ctx>> {
+        self.builder.build_return(None)?;
+        Ok(frame.function)
+    }
+
+    fn parameter(&self, function: FunctionValue<'ctx>, index: u32) -> Gen<PointerValue<'ctx>> {
+        function
+            .get_nth_param(index)
+            .map(|value| value.into_pointer_value())
+            .ok_or(LlvmError::Builder { message: format!("the function has no parameter {index}") })
+    }
+
+    // === Kernels ===
+
+    /// `out = a + b`, `b` (of `b_len`) repeating over `a` (of `a_len`) when shorter.
+    fn add(&self, frame: &Frame<'ctx>, a_len: u64, b_len: u64) -> Gen<()> {
+        let (a, b, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
+        if a_len == b_len {
+            return self.parallel(frame, a_len, |index| {
+                let sum = self.builder.build_float_add(self.load(a, index)?, self.load(b, index)?, "sum")?;
+                self.store(out, index, sum)
+            });
+        }
+        self.parallel(frame, a_len / b_len, |row| {
+            let base = self.builder.build_int_mul(row, self.index(b_len), "base")?;
+            self.for_each(frame, b_len, |column| {
+                let index = self.builder.build_int_nuw_add(base, column, "index")?;
+                let sum = self.builder.build_float_add(self.load(a, index)?, self.load(b, column)?, "sum")?;
+                self.store(out, index, sum)
+            })
+        })
+    }
+
+    /// `out = gate / (1 + exp(-gate)) * up`, in the runtime's order.
+    fn silu_mul(&self, frame: &Frame<'ctx>, len: u64) -> Gen<()> {
+        let (gate, up, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
+        self.parallel(frame, len, |index| {
+            let gate_value = self.load(gate, index)?;
+            let negated = self.builder.build_float_neg(gate_value, "negated")?;
+            let exponential = self.exp(negated)?;
+            let denominator =
+                self.builder.build_float_add(self.f32_type.const_float(1.0), exponential, "denominator")?;
+            let silu = self.builder.build_float_div(gate_value, denominator, "silu")?;
+            let product = self.builder.build_float_mul(silu, self.load(up, index)?, "product")?;
+            self.store(out, index, product)
+        })
+    }
+
+    /// RMSNorm of `rows` rows of `hidden`: `out = weight * (x * (1 / sqrt(mean(x²) + eps)))`.
+    fn rms_norm(&self, frame: &Frame<'ctx>, rows: u64, hidden: u64, eps: f64) -> Gen<()> {
+        let (x, weight, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
+        self.parallel(frame, rows, |row| {
+            let base = self.builder.build_int_mul(row, self.index(hidden), "base")?;
+            let sum_of_squares = self.fold(frame, hidden, self.f64_type.const_float(0.0), |column, sum| {
+                let index = self.builder.build_int_nuw_add(base, column, "index")?;
+                self.accumulate_square(sum, self.load(x, index)?)
+            })?;
+            let inverse_rms = self.inverse_rms(sum_of_squares, hidden, eps)?;
+            self.scale_row(frame, base, hidden, x, weight, out, inverse_rms)
+        })
+    }
+
+    /// `sum = a + b` and `normed = rms_norm(sum, weight)` in one pass a row: the sum is written and
+    /// its squares summed in the same loop, then the row is scaled.
+    fn add_rms_norm(&self, frame: &Frame<'ctx>, rows: u64, hidden: u64, eps: f64) -> Gen<()> {
+        let (a, b, weight) = (frame.inputs[0], frame.inputs[1], frame.inputs[2]);
+        let (sum, normed) = (frame.outs[0], frame.outs[1]);
+        self.parallel(frame, rows, |row| {
+            let base = self.builder.build_int_mul(row, self.index(hidden), "base")?;
+            let sum_of_squares = self.fold(frame, hidden, self.f64_type.const_float(0.0), |column, total| {
+                let index = self.builder.build_int_nuw_add(base, column, "index")?;
+                let value = self.builder.build_float_add(self.load(a, index)?, self.load(b, index)?, "value")?;
+                self.store(sum, index, value)?;
+                self.accumulate_square(total, value)
+            })?;
+            let inverse_rms = self.inverse_rms(sum_of_squares, hidden, eps)?;
+            self.scale_row(frame, base, hidden, sum, weight, normed, inverse_rms)
+        })
+    }
+
+    /// `total + (value as f64)²`.
+    fn accumulate_square(&self, total: FloatValue<'ctx>, value: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let wide = self.builder.build_float_ext(value, self.f64_type, "wide")?;
+        let square = self.builder.build_float_mul(wide, wide, "square")?;
+        Ok(self.builder.build_float_add(total, square, "total")?)
+    }
+
+    /// `1 / sqrt((sum / hidden) as f32 + eps)`.
+    fn inverse_rms(&self, sum_of_squares: FloatValue<'ctx>, hidden: u64, eps: f64) -> Gen<FloatValue<'ctx>> {
+        let mean = self.builder.build_float_div(sum_of_squares, self.f64_type.const_float(hidden as f64), "mean")?;
+        let mean = self.builder.build_float_trunc(mean, self.f32_type, "mean_f32")?;
+        // The runtime rounds eps to f32 before adding it.
+        let shifted = self.builder.build_float_add(mean, self.f32_type.const_float(eps as f32 as f64), "shifted")?;
+        let root = self.call_float("llvm.sqrt", shifted)?;
+        Ok(self.builder.build_float_div(self.f32_type.const_float(1.0), root, "inverse_rms")?)
+    }
+
+    /// `out[base + c] = weight[c] * (x[base + c] * inverse_rms)` for each column.
+    #[allow(clippy::too_many_arguments)]
+    fn scale_row(
+        &self,
+        frame: &Frame<'ctx>,
+        base: IntValue<'ctx>,
+        hidden: u64,
+        x: PointerValue<'ctx>,
+        weight: PointerValue<'ctx>,
+        out: PointerValue<'ctx>,
+        inverse_rms: FloatValue<'ctx>,
+    ) -> Gen<()> {
+        self.for_each(frame, hidden, |column| {
+            let index = self.builder.build_int_nuw_add(base, column, "index")?;
+            let scaled = self.builder.build_float_mul(self.load(x, index)?, inverse_rms, "scaled")?;
+            let result = self.builder.build_float_mul(self.load(weight, column)?, scaled, "result")?;
+            self.store(out, index, result)
+        })
+    }
+
+    /// RoPE (rotate-half) of `x[batch, seq, heads, head_dim]` at `positions[seq]` into `out`.
+    fn rope(&self, frame: &Frame<'ctx>, dims: [u64; 4], inv_freq: &[f32], instr: usize) -> Gen<()> {
+        let [batch, seq, heads, head_dim] = dims;
+        let half = head_dim / 2;
+        if half == 0 {
+            return Ok(());
+        }
+        let (x, positions, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
+        let frequencies = self.constant_table(&format!("inv_freq.{instr}"), inv_freq)?;
+        let rotate = |base: IntValue<'ctx>, pair: IntValue<'ctx>, cos: FloatValue<'ctx>, sin: FloatValue<'ctx>| {
+            let first_index = self.builder.build_int_nuw_add(base, pair, "first")?;
+            let second_index = self.builder.build_int_nuw_add(first_index, self.index(half), "second")?;
+            let (first, second) = (self.load(x, first_index)?, self.load(x, second_index)?);
+            let first_cos = self.builder.build_float_mul(first, cos, "first_cos")?;
+            let second_sin = self.builder.build_float_mul(second, sin, "second_sin")?;
+            let second_cos = self.builder.build_float_mul(second, cos, "second_cos")?;
+            let first_sin = self.builder.build_float_mul(first, sin, "first_sin")?;
+            self.store(out, first_index, self.builder.build_float_sub(first_cos, second_sin, "rotated_first")?)?;
+            self.store(out, second_index, self.builder.build_float_add(second_cos, first_sin, "rotated_second")?)
+        };
+        match self.flavor {
+            Flavor::Host => {
+                // One cosine and sine table a position, shared by every batch entry and head.
+                let table_type = self.f32_type.array_type(half as u32);
+                let cos_table = self.builder.build_alloca(table_type, "cos_table")?;
+                let sin_table = self.builder.build_alloca(table_type, "sin_table")?;
+                self.for_each(frame, seq, |position_index| {
+                    let position = self.position(positions, position_index)?;
+                    self.for_each(frame, half, |pair| {
+                        let angle = self.angle(position, frequencies, pair)?;
+                        let wide = self.builder.build_float_ext(angle, self.f64_type, "angle_f64")?;
+                        let cos = self.call_float("llvm.cos", wide)?;
+                        let sin = self.call_float("llvm.sin", wide)?;
+                        let cos = self.builder.build_float_trunc(cos, self.f32_type, "cos")?;
+                        let sin = self.builder.build_float_trunc(sin, self.f32_type, "sin")?;
+                        self.store(cos_table, pair, cos)?;
+                        self.store(sin_table, pair, sin)
+                    })?;
+                    self.for_each(frame, batch, |batch_index| {
+                        self.for_each(frame, heads, |head| {
+                            let row = self.builder.build_int_mul(batch_index, self.index(seq), "row")?;
+                            let row = self.builder.build_int_nuw_add(row, position_index, "row")?;
+                            let row = self.builder.build_int_mul(row, self.index(heads), "row")?;
+                            let row = self.builder.build_int_nuw_add(row, head, "row")?;
+                            let base = self.builder.build_int_mul(row, self.index(head_dim), "base")?;
+                            self.for_each(frame, half, |pair| {
+                                rotate(base, pair, self.load(cos_table, pair)?, self.load(sin_table, pair)?)
+                            })
+                        })
+                    })
+                })
+            }
+            Flavor::Ptx => self.parallel(frame, batch * seq * heads, |head_row| {
+                let position_index = self.builder.build_int_unsigned_div(head_row, self.index(heads), "row")?;
+                let position_index =
+                    self.builder.build_int_unsigned_rem(position_index, self.index(seq), "position_index")?;
+                let position = self.position(positions, position_index)?;
+                let base = self.builder.build_int_mul(head_row, self.index(head_dim), "base")?;
+                self.for_each(frame, half, |pair| {
+                    let angle = self.angle(position, frequencies, pair)?;
+                    let reduced = self.reduce_angle(angle)?;
+                    let cos = self.call_nvvm("llvm.nvvm.cos.approx.f", reduced)?;
+                    let sin = self.call_nvvm("llvm.nvvm.sin.approx.f", reduced)?;
+                    rotate(base, pair, cos, sin)
+                })
+            }),
+        }
+    }
+
+    /// `positions[index]` (a `u32`) as f32.
+    fn position(&self, positions: PointerValue<'ctx>, index: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let i32_type = self.context.i32_type();
+        let slot = self.element(i32_type.into(), positions, index)?;
+        let position = self.builder.build_load(i32_type, slot, "position")?.into_int_value();
+        Ok(self.builder.build_unsigned_int_to_float(position, self.f32_type, "position_f32")?)
+    }
+
+    /// `position * inv_freq[pair]`, one f32 product as the runtime computes it.
+    fn angle(
+        &self,
+        position: FloatValue<'ctx>,
+        frequencies: PointerValue<'ctx>,
+        pair: IntValue<'ctx>,
+    ) -> Gen<FloatValue<'ctx>> {
+        Ok(self.builder.build_float_mul(position, self.load(frequencies, pair)?, "angle")?)
+    }
+
+    /// The angle reduced to [-π, π] in f64 (the GPU's approximate sine is accurate only there).
+    fn reduce_angle(&self, angle: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let tau = std::f64::consts::TAU;
+        let wide = self.builder.build_float_ext(angle, self.f64_type, "angle_f64")?;
+        let turns = self.builder.build_float_mul(wide, self.f64_type.const_float(1.0 / tau), "turns")?;
+        let whole = self.call_float("llvm.rint", turns)?;
+        let offset = self.builder.build_float_mul(whole, self.f64_type.const_float(tau), "offset")?;
+        let reduced = self.builder.build_float_sub(wide, offset, "reduced")?;
+        Ok(self.builder.build_float_trunc(reduced, self.f32_type, "reduced_f32")?)
+    }
+
+    /// `exp(value)` for f32: libm's `expf` on the host, `ex2.approx` on the GPU.
+    fn exp(&self, value: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        match self.flavor {
+            Flavor::Host => self.call_float("llvm.exp", value),
+            Flavor::Ptx => {
+                let log2_e = self.f32_type.const_float(std::f64::consts::LOG2_E);
+                let scaled = self.builder.build_float_mul(value, log2_e, "exponent")?;
+                self.call_nvvm("llvm.nvvm.ex2.approx.f", scaled)
+            }
+        }
+    }
+
+    // === Loops ===
+
+    /// `body(index)` for each `index` below `items`: a loop on the host, one thread an item on the
+    /// GPU (threads past the end do nothing).
+    fn parallel(&self, frame: &Frame<'ctx>, items: u64, body: impl FnOnce(IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
+        match self.flavor {
+            Flavor::Host => self.for_each(frame, items, body),
+            Flavor::Ptx => {
+                let read = |name: &str| -> Gen<IntValue<'ctx>> {
+                    let function = self.intrinsic(name, &[])?;
+                    let value = self.call(function, &[])?.into_int_value();
+                    Ok(self.builder.build_int_z_extend(value, self.i64_type, "sreg")?)
+                };
+                let (block, width, thread) = (
+                    read("llvm.nvvm.read.ptx.sreg.ctaid.x")?,
+                    read("llvm.nvvm.read.ptx.sreg.ntid.x")?,
+                    read("llvm.nvvm.read.ptx.sreg.tid.x")?,
+                );
+                let first = self.builder.build_int_mul(block, width, "block_start")?;
+                let index = self.builder.build_int_nuw_add(first, thread, "item")?;
+                let in_range =
+                    self.builder.build_int_compare(IntPredicate::ULT, index, self.index(items), "in_range")?;
+                let work = self.context.append_basic_block(frame.function, "work");
+                let done = self.context.append_basic_block(frame.function, "done");
+                self.builder.build_conditional_branch(in_range, work, done)?;
+                self.builder.position_at_end(work);
+                body(index)?;
+                self.builder.build_unconditional_branch(done)?;
+                self.builder.position_at_end(done);
+                Ok(())
+            }
+        }
+    }
+
+    /// `body(index)` for each `index` below `count`.
+    fn for_each(&self, frame: &Frame<'ctx>, count: u64, body: impl FnOnce(IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
+        self.counted_loop(frame, count, None, |index, _| body(index).map(|()| None)).map(|_| ())
+    }
+
+    /// Folds `body(index, accumulator)` over each `index` below `count`, starting from `init`.
+    fn fold(
+        &self,
+        frame: &Frame<'ctx>,
+        count: u64,
+        init: FloatValue<'ctx>,
+        body: impl FnOnce(IntValue<'ctx>, FloatValue<'ctx>) -> Gen<FloatValue<'ctx>>,
+    ) -> Gen<FloatValue<'ctx>> {
+        let result = self.counted_loop(frame, count, Some(init), |index, accumulator| {
+            let accumulator =
+                accumulator.ok_or(LlvmError::Builder { message: "a fold lost its accumulator".into() })?;
+            body(index, accumulator).map(Some)
+        })?;
+        Ok(result.unwrap_or(init))
+    }
+
+    /// A bottom-tested loop over `0..count` (skipped when `count` is 0), carrying an optional f32/f64
+    /// accumulator; returns the accumulator's final value.
+    fn counted_loop(
+        &self,
+        frame: &Frame<'ctx>,
+        count: u64,
+        init: Option<FloatValue<'ctx>>,
+        body: impl FnOnce(IntValue<'ctx>, Option<FloatValue<'ctx>>) -> Gen<Option<FloatValue<'ctx>>>,
+    ) -> Gen<Option<FloatValue<'ctx>>> {
+        if count == 0 {
+            return Ok(init);
+        }
+        let preheader = self.current_block()?;
+        let header = self.context.append_basic_block(frame.function, "loop");
+        let exit = self.context.append_basic_block(frame.function, "loop_end");
+        self.builder.build_unconditional_branch(header)?;
+        self.builder.position_at_end(header);
+        let index = self.builder.build_phi(self.i64_type, "i")?;
+        index.add_incoming(&[(&self.i64_type.const_zero(), preheader)]);
+        let accumulator = match init {
+            Some(init) => {
+                let phi = self.builder.build_phi(init.get_type(), "accumulator")?;
+                phi.add_incoming(&[(&init, preheader)]);
+                Some(phi)
+            }
+            None => None,
+        };
+        let index_value = index.as_basic_value().into_int_value();
+        let next_accumulator = body(index_value, accumulator.map(|phi| phi.as_basic_value().into_float_value()))?;
+        let next = self.builder.build_int_nuw_add(index_value, self.index(1), "next")?;
+        let latch = self.current_block()?;
+        index.add_incoming(&[(&next, latch)]);
+        if let (Some(phi), Some(value)) = (accumulator, next_accumulator) {
+            phi.add_incoming(&[(&value, latch)]);
+        }
+        let more = self.builder.build_int_compare(IntPredicate::ULT, next, self.index(count), "more")?;
+        self.builder.build_conditional_branch(more, header, exit)?;
+        self.builder.position_at_end(exit);
+        Ok(next_accumulator)
+    }
+
+    fn current_block(&self) -> Gen<inkwell::basic_block::BasicBlock<'ctx>> {
+        self.builder.get_insert_block().ok_or(LlvmError::Builder { message: "the builder has no block".into() })
+    }
+
+    // === Memory and calls ===
+
+    fn index(&self, value: u64) -> IntValue<'ctx> {
+        self.i64_type.const_int(value, false)
+    }
+
+    /// `&base[index]` for elements of `element_type`.
+    fn element(
+        &self,
+        element_type: BasicTypeEnum<'ctx>,
+        base: PointerValue<'ctx>,
+        index: IntValue<'ctx>,
+    ) -> Gen<PointerValue<'ctx>> {
+        // SAFETY: builds a GEP instruction; it dereferences nothing here. The kernels index within
+        // the sizes `native_kernels` checked against the buffer table.
+        Ok(unsafe { self.builder.build_in_bounds_gep(element_type, base, &[index], "at")? })
+    }
+
+    fn load(&self, base: PointerValue<'ctx>, index: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let slot = self.element(self.f32_type.into(), base, index)?;
+        Ok(self.builder.build_load(self.f32_type, slot, "value")?.into_float_value())
+    }
+
+    fn store(&self, base: PointerValue<'ctx>, index: IntValue<'ctx>, value: FloatValue<'ctx>) -> Gen<()> {
+        let slot = self.element(self.f32_type.into(), base, index)?;
+        self.builder.build_store(slot, value)?;
+        Ok(())
+    }
+
+    /// A private constant `[f32; n]` global.
+    fn constant_table(&self, name: &str, values: &[f32]) -> Gen<PointerValue<'ctx>> {
+        let elements: Vec<FloatValue> = values.iter().map(|&value| self.f32_type.const_float(value as f64)).collect();
+        let global = self.module.add_global(self.f32_type.array_type(values.len() as u32), None, name);
+        global.set_initializer(&self.f32_type.const_array(&elements));
+        global.set_constant(true);
+        global.set_linkage(Linkage::Private);
+        Ok(global.as_pointer_value())
+    }
+
+    fn intrinsic(&self, name: &str, types: &[BasicTypeEnum<'ctx>]) -> Gen<FunctionValue<'ctx>> {
+        Intrinsic::find(name)
+            .and_then(|intrinsic| intrinsic.get_declaration(self.module, types))
+            .ok_or_else(|| LlvmError::Intrinsic { name: name.to_string() })
+    }
+
+    /// Calls the overloaded float intrinsic `name` at the argument's type.
+    fn call_float(&self, name: &str, argument: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let function = self.intrinsic(name, &[argument.get_type().into()])?;
+        Ok(self.call(function, &[argument.into()])?.into_float_value())
+    }
+
+    /// Calls the non-overloaded f32 NVVM intrinsic `name`.
+    fn call_nvvm(&self, name: &str, argument: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let function = self.intrinsic(name, &[])?;
+        Ok(self.call(function, &[argument.into()])?.into_float_value())
+    }
+
+    fn call(
+        &self,
+        function: FunctionValue<'ctx>,
+        arguments: &[BasicMetadataValueEnum<'ctx>],
+    ) -> Gen<inkwell::values::BasicValueEnum<'ctx>> {
+        match self.builder.build_call(function, arguments, "call")?.try_as_basic_value() {
+            ValueKind::Basic(value) => Ok(value),
+            ValueKind::Instruction(_) => Err(LlvmError::Builder {
+                message: format!("{} returns nothing", function.get_name().to_string_lossy()),
+            }),
+        }
+    }
+}

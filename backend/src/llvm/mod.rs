@@ -1,0 +1,319 @@
+//! Native code through LLVM 19 (inkwell, feature `llvm`) for the elementwise and row-wise kernels of
+//! one rank's `Program`: residual adds, SiLU-mul, RMSNorm and RoPE, with a residual add and the
+//! RMSNorm reading it fused into one loop nest (see `crate::native` for which instructions and the
+//! functions' ABI).
+//!
+//! Every size is a constant of the program. Every module passes LLVM's verifier before it is
+//! optimized or emitted (a failure is an [`LlvmError::Verify`], never a panic). Host code is
+//! optimized with LLVM's `default<O3>` pipeline for the host CPU or [`CodegenOptions::target_cpu`],
+//! and computes exactly what the runtime's interpreted kernels compute. PTX is emitted for
+//! `nvptx64-nvidia-cuda` at sm_80 and sm_90, each kernel a `.entry`.
+
+mod codegen;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use inkwell::context::Context;
+use inkwell::module::Module;
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine, TargetTriple};
+use inkwell::OptimizationLevel;
+
+use crate::native::{native_kernels, program_fingerprint, NativeKernel};
+use crate::program::Program;
+use codegen::{Codegen, Flavor};
+
+/// The GPU architectures `--emit ptx` targets, with the PTX ISA version each needs.
+pub const PTX_ARCHES: [(&str, &str); 2] = [("sm_80", "+ptx70"), ("sm_90", "+ptx78")];
+
+/// Everything native code generation can reject.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LlvmError {
+    /// LLVM's verifier rejected a generated module.
+    #[error("llvm's verifier rejected module {module}: {message}; this is a pleat bug, report it with the program")]
+    Verify {
+        /// The module's name.
+        module: String,
+        /// The verifier's report.
+        message: String,
+    },
+    /// No target machine for a triple and CPU.
+    #[error("llvm cannot target {triple} (cpu {cpu:?}): {message}; pick another --target-cpu or an LLVM 19 with that target")]
+    Target {
+        /// The target triple.
+        triple: String,
+        /// The CPU asked for.
+        cpu: String,
+        /// LLVM's reason.
+        message: String,
+    },
+    /// The IR builder failed.
+    #[error("llvm's IR builder failed: {message}; this is a pleat bug, report it with the program")]
+    Builder {
+        /// LLVM's reason.
+        message: String,
+    },
+    /// An intrinsic LLVM does not know.
+    #[error("llvm has no intrinsic {name}; build pleat against LLVM 19")]
+    Intrinsic {
+        /// The intrinsic's name.
+        name: String,
+    },
+    /// A native kernel names an instruction that is not a kernel it can compile.
+    #[error("instruction {instr} is not a kernel with native code; take the kernels from native::native_kernels")]
+    NotAKernel {
+        /// The instruction's index.
+        instr: usize,
+    },
+    /// The optimization pipeline failed.
+    #[error("llvm's {passes} pipeline failed: {message}")]
+    Passes {
+        /// The pipeline.
+        passes: String,
+        /// LLVM's reason.
+        message: String,
+    },
+    /// Writing assembly, an object or a file failed.
+    #[error("cannot write {path}: {message}; check the output directory is writable")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The reason.
+        message: String,
+    },
+    /// `cc -shared` failed.
+    #[error("linking {object} into a shared library with `cc -shared` failed: {message}; install a C toolchain (build-essential)")]
+    Link {
+        /// The object file.
+        object: PathBuf,
+        /// The linker's report.
+        message: String,
+    },
+}
+
+impl From<inkwell::builder::BuilderError> for LlvmError {
+    fn from(error: inkwell::builder::BuilderError) -> Self {
+        LlvmError::Builder { message: error.to_string() }
+    }
+}
+
+/// What `emit` writes for one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Artifact {
+    /// Optimized LLVM IR text, `rank<i>.ll`.
+    LlvmIr,
+    /// Host assembly, `rank<i>.s`.
+    Asm,
+    /// A host object file, `rank<i>.o`.
+    Object,
+    /// A host shared library the runtime loads, `rank<i>.so`.
+    SharedLibrary,
+    /// PTX for each of [`PTX_ARCHES`], `rank<i>.<sm>.ptx`.
+    Ptx,
+}
+
+/// How host code is generated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CodegenOptions {
+    /// The CPU to tune and select instructions for (LLVM's names, e.g. `skylake`, `x86-64-v3`);
+    /// `None`: this machine's CPU and features.
+    pub target_cpu: Option<String>,
+}
+
+/// Writes `artifact` for `program` into `dir`; returns the files written.
+pub fn emit(
+    program: &Program,
+    artifact: Artifact,
+    options: &CodegenOptions,
+    dir: &Path,
+) -> Result<Vec<PathBuf>, LlvmError> {
+    let stem = dir.join(format!("rank{}", program.rank));
+    let with_extension = |extension: &str| stem.with_extension(extension);
+    match artifact {
+        Artifact::LlvmIr => {
+            let path = with_extension("ll");
+            write(&path, host_ir(program, options)?.as_bytes())?;
+            Ok(vec![path])
+        }
+        Artifact::Asm => {
+            let path = with_extension("s");
+            write(&path, &host_code(program, options, FileType::Assembly)?)?;
+            Ok(vec![path])
+        }
+        Artifact::Object => {
+            let path = with_extension("o");
+            write(&path, &host_code(program, options, FileType::Object)?)?;
+            Ok(vec![path])
+        }
+        Artifact::SharedLibrary => {
+            let library = with_extension("so");
+            let object = dir.join(format!(".rank{}.{}.o", program.rank, std::process::id()));
+            write(&object, &host_code(program, options, FileType::Object)?)?;
+            let linked = link_shared(&object, &library);
+            let _ = std::fs::remove_file(&object);
+            linked?;
+            Ok(vec![library])
+        }
+        Artifact::Ptx => PTX_ARCHES
+            .iter()
+            .map(|(arch, _)| {
+                let path = with_extension(&format!("{arch}.ptx"));
+                write(&path, ptx(program, arch)?.as_bytes())?;
+                Ok(path)
+            })
+            .collect(),
+    }
+}
+
+/// The optimized LLVM IR of `program`'s native kernels for the host.
+pub fn host_ir(program: &Program, options: &CodegenOptions) -> Result<String, LlvmError> {
+    let context = Context::create();
+    let (module, _machine) = optimized_host_module(&context, program, options)?;
+    Ok(module.print_to_string().to_string())
+}
+
+/// The host object code or assembly of `program`'s native kernels.
+pub fn host_code(program: &Program, options: &CodegenOptions, file_type: FileType) -> Result<Vec<u8>, LlvmError> {
+    let context = Context::create();
+    let (module, machine) = optimized_host_module(&context, program, options)?;
+    let buffer = machine
+        .write_to_memory_buffer(&module, file_type)
+        .map_err(|message| LlvmError::Write { path: PathBuf::from("<memory>"), message: message.to_string() })?;
+    Ok(buffer.as_slice().to_vec())
+}
+
+/// `program`'s native kernels as PTX for `arch` (one of [`PTX_ARCHES`], e.g. `sm_90`), each a
+/// `.entry` named by its symbol, optimized with `default<O3>`.
+pub fn ptx(program: &Program, arch: &str) -> Result<String, LlvmError> {
+    let features = PTX_ARCHES.iter().find(|(known, _)| *known == arch).map_or("", |(_, features)| features);
+    Target::initialize_nvptx(&InitializationConfig::default());
+    let triple = TargetTriple::create("nvptx64-nvidia-cuda");
+    let machine = target_machine(&triple, arch, features, RelocMode::Default)?;
+    let context = Context::create();
+    let module = kernel_module(&context, program, Flavor::Ptx, &format!("rank{}.{arch}", program.rank))?;
+    module.set_triple(&triple);
+    module.set_data_layout(&machine.get_target_data().get_data_layout());
+    verify(&module)?;
+    optimize(&module, &machine)?;
+    let buffer = machine
+        .write_to_memory_buffer(&module, FileType::Assembly)
+        .map_err(|message| LlvmError::Write { path: PathBuf::from("<memory>"), message: message.to_string() })?;
+    Ok(String::from_utf8_lossy(buffer.as_slice()).into_owned())
+}
+
+/// The unoptimized, target-independent LLVM IR of one native kernel on its own (for reading and
+/// for snapshots).
+pub fn kernel_ir(program: &Program, kernel: &NativeKernel) -> Result<String, LlvmError> {
+    let context = Context::create();
+    let module = context.create_module(&kernel.symbol());
+    Codegen::new(&context, &module, Flavor::Host).define(program, kernel)?;
+    verify(&module)?;
+    Ok(module.print_to_string().to_string())
+}
+
+/// Runs LLVM's verifier on `module`.
+pub fn verify(module: &Module) -> Result<(), LlvmError> {
+    module.verify().map_err(|message| LlvmError::Verify {
+        module: module.get_name().to_string_lossy().into_owned(),
+        message: message.to_string(),
+    })
+}
+
+/// Builds every native kernel of `program` (and the fingerprint function) into one module.
+fn kernel_module<'ctx>(
+    context: &'ctx Context,
+    program: &Program,
+    flavor: Flavor,
+    name: &str,
+) -> Result<Module<'ctx>, LlvmError> {
+    let module = context.create_module(name);
+    let codegen = Codegen::new(context, &module, flavor);
+    if flavor == Flavor::Host {
+        codegen.define_fingerprint(program_fingerprint(program))?;
+    }
+    for kernel in native_kernels(program) {
+        codegen.define(program, &kernel)?;
+    }
+    Ok(module)
+}
+
+/// The verified, `default<O3>`-optimized host module and its target machine.
+fn optimized_host_module<'ctx>(
+    context: &'ctx Context,
+    program: &Program,
+    options: &CodegenOptions,
+) -> Result<(Module<'ctx>, TargetMachine), LlvmError> {
+    Target::initialize_native(&InitializationConfig::default()).map_err(|message| LlvmError::Target {
+        triple: "native".into(),
+        cpu: String::new(),
+        message,
+    })?;
+    let triple = TargetMachine::get_default_triple();
+    let (cpu, features) = match &options.target_cpu {
+        Some(cpu) => (cpu.clone(), String::new()),
+        None => (TargetMachine::get_host_cpu_name().to_string(), TargetMachine::get_host_cpu_features().to_string()),
+    };
+    let machine = target_machine(&triple, &cpu, &features, RelocMode::PIC)?;
+    let module = kernel_module(context, program, Flavor::Host, &format!("rank{}", program.rank))?;
+    module.set_triple(&triple);
+    module.set_data_layout(&machine.get_target_data().get_data_layout());
+    verify(&module)?;
+    optimize(&module, &machine)?;
+    Ok((module, machine))
+}
+
+fn target_machine(
+    triple: &TargetTriple,
+    cpu: &str,
+    features: &str,
+    reloc_mode: RelocMode,
+) -> Result<TargetMachine, LlvmError> {
+    let target_error = |message: String| LlvmError::Target {
+        triple: triple.as_str().to_string_lossy().into_owned(),
+        cpu: cpu.to_string(),
+        message,
+    };
+    let target = Target::from_triple(triple).map_err(|message| target_error(message.to_string()))?;
+    target
+        .create_target_machine(triple, cpu, features, OptimizationLevel::Aggressive, reloc_mode, CodeModel::Default)
+        .ok_or_else(|| target_error("LLVM could not create the target machine".into()))
+}
+
+fn optimize(module: &Module, machine: &TargetMachine) -> Result<(), LlvmError> {
+    let passes = "default<O3>";
+    module
+        .run_passes(passes, machine, PassBuilderOptions::create())
+        .map_err(|message| LlvmError::Passes { passes: passes.into(), message: message.to_string() })?;
+    // Optimization must keep the module valid; checked again before anything is emitted.
+    verify(module)
+}
+
+fn write(path: &Path, bytes: &[u8]) -> Result<(), LlvmError> {
+    std::fs::write(path, bytes)
+        .map_err(|error| LlvmError::Write { path: path.to_path_buf(), message: error.to_string() })
+}
+
+/// Links `object` into the shared library `library` with the system C compiler (libm for `expf`,
+/// `cos` and `sin`).
+fn link_shared(object: &Path, library: &Path) -> Result<(), LlvmError> {
+    let output = Command::new("cc")
+        .arg("-shared")
+        .arg("-o")
+        .arg(library)
+        .arg(object)
+        .arg("-lm")
+        .output()
+        .map_err(|error| LlvmError::Link { object: object.to_path_buf(), message: error.to_string() })?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(LlvmError::Link {
+            object: object.to_path_buf(),
+            message: String::from_utf8_lossy(&output.stderr).trim().to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

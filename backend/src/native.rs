@@ -1,0 +1,300 @@
+//! The contract between native kernel code (`backend::llvm`, feature `llvm`) and the runtime that
+//! calls it: which instructions of a `Program` have native code, under which symbol names, and the
+//! program fingerprint a native library carries so that it is never called for another program.
+//!
+//! This module needs no LLVM, so the runtime reads the same contract whether or not pleat was built
+//! with the `llvm` feature. Guarantees:
+//! - [`native_kernels`] selects only kernels whose operand and result sizes agree with their
+//!   parameters (checked here, from the buffer table), so generated code with constant sizes never
+//!   reads or writes past a buffer of the program it was generated for.
+//! - A fused residual add + RMSNorm ([`NativeKernel::FusedAddRmsNorm`]) computes exactly what the
+//!   two kernels compute one after the other, and still writes the add's result.
+//!
+//! ABI of the generated functions (C calling convention):
+//! - `void pleat_kernel_<instr>(const float* const* inputs, float* out)`: the kernel of instruction
+//!   `instr`; `inputs[i]` is the instruction's `i`-th operand (a RoPE's positions are `uint32_t`).
+//! - `void pleat_fused_<add>(const float* const* inputs, float* sum, float* normed)`: the add at
+//!   instruction `add` and the RMSNorm after it; `inputs` are the add's two operands and the norm's
+//!   weight, `sum` the add's result and `normed` the norm's.
+//! - `uint64_t pleat_program_fingerprint(void)`: [`program_fingerprint`] of the program.
+
+use crate::program::{Instr, Kernel, Program};
+
+/// The symbol of the function that returns the program fingerprint a native library was built for.
+pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
+
+/// One native function of a program's library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NativeKernel {
+    /// The kernel of one instruction (`Add`, `SiluMul`, `RmsNorm` or `Rope`).
+    Single {
+        /// The instruction's index.
+        instr: usize,
+    },
+    /// A residual add and the RMSNorm that reads its result, in one loop nest a row; only `Free`
+    /// instructions lie between them.
+    FusedAddRmsNorm {
+        /// The add's instruction index.
+        add_instr: usize,
+        /// The norm's instruction index.
+        norm_instr: usize,
+    },
+}
+
+impl NativeKernel {
+    /// The exported symbol name.
+    pub fn symbol(&self) -> String {
+        match self {
+            NativeKernel::Single { instr } => format!("pleat_kernel_{instr}"),
+            NativeKernel::FusedAddRmsNorm { add_instr, .. } => format!("pleat_fused_{add_instr}"),
+        }
+    }
+
+    /// The instruction at which the runtime calls it.
+    pub fn first_instr(&self) -> usize {
+        match self {
+            NativeKernel::Single { instr } => *instr,
+            NativeKernel::FusedAddRmsNorm { add_instr, .. } => *add_instr,
+        }
+    }
+}
+
+/// FNV-1a (64-bit) over the program's serialized form: equal programs, equal fingerprints.
+pub fn program_fingerprint(program: &Program) -> u64 {
+    crate::to_json(program)
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// The instructions, in program order, that get native code: fused add + norm pairs where the
+/// program allows it, each other eligible kernel on its own.
+pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
+    let mut kernels = Vec::new();
+    let mut fused_norms = Vec::new();
+    for (index, instr) in program.instructions.iter().enumerate() {
+        if fused_norms.contains(&index) {
+            continue;
+        }
+        if let Some(norm_instr) = fusable_norm(program, index) {
+            fused_norms.push(norm_instr);
+            kernels.push(NativeKernel::FusedAddRmsNorm { add_instr: index, norm_instr });
+        } else if let Instr::Kernel { kernel, inputs, out } = instr {
+            if eligible(program, kernel, inputs, *out) {
+                kernels.push(NativeKernel::Single { instr: index });
+            }
+        }
+    }
+    kernels
+}
+
+/// Moves the `LoadParam` of each RMSNorm's weight that lies between a residual add and the norm
+/// reading it to just before the add, so that the two can fuse ([`native_kernels`]). Only
+/// `LoadParam` and `Free` instructions may lie between them; loading a weight a few steps earlier
+/// changes no value. Returns the number of loads moved.
+pub fn schedule_for_fusion(program: &mut Program) -> usize {
+    let mut moved = 0;
+    let mut index = 0;
+    while index < program.instructions.len() {
+        if let Some(load_at) = weight_load_to_hoist(program, index) {
+            let load = program.instructions.remove(load_at);
+            program.instructions.insert(index, load);
+            moved += 1;
+            // The add is now one further on.
+            index += 1;
+        }
+        index += 1;
+    }
+    moved
+}
+
+/// For an add at `add_at` followed, across only loads and frees, by an RMSNorm of its result whose
+/// weight is loaded in between: the index of that load.
+fn weight_load_to_hoist(program: &Program, add_at: usize) -> Option<usize> {
+    let Instr::Kernel { kernel: Kernel::Add, out: sum, .. } = &program.instructions[add_at] else {
+        return None;
+    };
+    for (offset, instr) in program.instructions[add_at + 1..].iter().enumerate() {
+        match instr {
+            Instr::Free { buf } if buf != sum => {}
+            Instr::LoadParam { .. } => {}
+            Instr::Kernel { kernel: Kernel::RmsNorm { .. }, inputs, .. } if inputs.first() == Some(sum) => {
+                let weight = *inputs.get(1)?;
+                return program.instructions[add_at + 1..add_at + 1 + offset]
+                    .iter()
+                    .position(|between| matches!(between, Instr::LoadParam { out, .. } if *out == weight))
+                    .map(|position| add_at + 1 + position);
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// The RMSNorm instruction that fuses with the add at `add_at`, if the program allows: the add is
+/// eligible and not a bias add, only frees (of neither the sum nor the weight) lie between, the
+/// norm reads the sum and is eligible, and its weight is written before the add.
+fn fusable_norm(program: &Program, add_at: usize) -> Option<usize> {
+    let Instr::Kernel { kernel: Kernel::Add, inputs: add_inputs, out: sum } = &program.instructions[add_at] else {
+        return None;
+    };
+    if !eligible(program, &Kernel::Add, add_inputs, *sum)
+        || program.buffer(add_inputs[0]).numel() != program.buffer(add_inputs[1]).numel()
+    {
+        return None;
+    }
+    let mut norm_at = add_at + 1;
+    loop {
+        match program.instructions.get(norm_at)? {
+            Instr::Free { .. } => norm_at += 1,
+            Instr::Kernel { kernel: kernel @ Kernel::RmsNorm { .. }, inputs, out } => {
+                let weight = *inputs.get(1)?;
+                let frees_between = program.instructions[add_at + 1..norm_at]
+                    .iter()
+                    .any(|instr| matches!(instr, Instr::Free { buf } if *buf == weight || buf == sum));
+                let weight_ready = program.instructions[..add_at].iter().any(|instr| instr.outs().contains(&weight));
+                let fits = inputs[0] == *sum && eligible(program, kernel, inputs, *out);
+                return (fits && weight_ready && !frees_between).then_some(norm_at);
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// Whether `kernel` has native code and its buffers agree with its parameters.
+fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::BufferId], out: crate::BufferId) -> bool {
+    let in_range = |id: crate::BufferId| (id.as_u32() as usize) < program.buffers.len();
+    if inputs.len() != 2 || !inputs.iter().copied().chain([out]).all(in_range) {
+        return false;
+    }
+    let numel = |id: crate::BufferId| program.buffer(id).numel();
+    let is_float = |id: crate::BufferId| !program.buffer(id).is_integer();
+    let (first, second) = (inputs[0], inputs[1]);
+    let floats = is_float(first) && is_float(out);
+    match kernel {
+        Kernel::Add => {
+            floats
+                && is_float(second)
+                && numel(first) == numel(out)
+                && numel(second) > 0
+                && numel(first) % numel(second) == 0
+        }
+        Kernel::SiluMul => floats && is_float(second) && numel(first) == numel(out) && numel(second) == numel(out),
+        Kernel::RmsNorm { hidden, .. } => {
+            floats
+                && is_float(second)
+                && *hidden > 0
+                && numel(first) == numel(out)
+                && numel(first) % hidden == 0
+                && numel(second) == *hidden
+        }
+        Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
+            floats
+                && program.buffer(second).is_integer()
+                && head_dim % 2 == 0
+                && inv_freq.len() as u64 == head_dim / 2
+                && numel(first) == batch * seq * heads * head_dim
+                && numel(out) == numel(first)
+                && numel(second) == *seq
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::program::{Buffer, BufferId, BufferKind, FORMAT_VERSION};
+    use pleat_ir::entity::EntityRef;
+    use pleat_ir::DType;
+
+    fn buffer(name: &str, shape: &[u64], kind: BufferKind) -> Buffer {
+        Buffer { name: name.into(), dtype: DType::F32, shape: shape.to_vec(), kind }
+    }
+
+    fn load(out: u32, name: &str) -> Instr {
+        Instr::LoadParam { out: BufferId::new(out as usize), name: name.into(), shape: vec![8], region: vec![(0, 8)] }
+    }
+
+    fn kernel(kernel: Kernel, inputs: &[u32], out: u32) -> Instr {
+        Instr::Kernel {
+            kernel,
+            inputs: inputs.iter().map(|&id| BufferId::new(id as usize)).collect(),
+            out: BufferId::new(out as usize),
+        }
+    }
+
+    /// `sum = a + b; free a; load w; normed = rms_norm(sum, w)`, then a bias add and a silu-mul.
+    pub(crate) fn residual_program() -> Program {
+        let activation = BufferKind::Activation;
+        Program {
+            format_version: FORMAT_VERSION,
+            model: "test".into(),
+            mesh: String::new(),
+            rank: 0,
+            world_size: 1,
+            tokens_shape: vec![],
+            buffers: vec![
+                buffer("a", &[2, 8], BufferKind::Param),
+                buffer("b", &[2, 8], BufferKind::Param),
+                buffer("sum", &[2, 8], activation),
+                buffer("w", &[8], BufferKind::Param),
+                buffer("normed", &[2, 8], activation),
+                buffer("biased", &[2, 8], activation),
+                buffer("gated", &[2, 8], activation),
+            ],
+            instructions: vec![
+                load(0, "a"),
+                load(1, "b"),
+                kernel(Kernel::Add, &[0, 1], 2),
+                Instr::Free { buf: BufferId::new(0) },
+                load(3, "w"),
+                kernel(Kernel::RmsNorm { hidden: 8, eps: 1e-5 }, &[2, 3], 4),
+                kernel(Kernel::Add, &[4, 3], 5),
+                kernel(Kernel::SiluMul, &[5, 2], 6),
+            ],
+        }
+    }
+
+    #[test]
+    fn loads_move_up_and_the_pair_fuses() {
+        let mut program = residual_program();
+        // The weight's load sits between the add and the norm: nothing fuses yet.
+        assert_eq!(native_kernels(&program)[0], NativeKernel::Single { instr: 2 });
+        assert_eq!(schedule_for_fusion(&mut program), 1);
+        assert!(matches!(program.instructions[2], Instr::LoadParam { ref name, .. } if name == "w"));
+        assert_eq!(
+            native_kernels(&program),
+            vec![
+                NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 5 },
+                NativeKernel::Single { instr: 6 },
+                NativeKernel::Single { instr: 7 },
+            ]
+        );
+        assert_eq!(schedule_for_fusion(&mut program), 0);
+        assert_eq!(native_kernels(&program)[0].symbol(), "pleat_fused_3");
+    }
+
+    #[test]
+    fn inconsistent_sizes_stay_interpreted() {
+        let mut program = residual_program();
+        program.instructions[5] = kernel(Kernel::RmsNorm { hidden: 5, eps: 1e-5 }, &[2, 3], 4);
+        schedule_for_fusion(&mut program);
+        assert_eq!(
+            native_kernels(&program),
+            vec![
+                NativeKernel::Single { instr: 3 },
+                NativeKernel::Single { instr: 6 },
+                NativeKernel::Single { instr: 7 },
+            ]
+        );
+    }
+
+    #[test]
+    fn fingerprint_follows_the_program() {
+        let program = residual_program();
+        let mut changed = program.clone();
+        changed.rank = 1;
+        assert_eq!(program_fingerprint(&program), program_fingerprint(&program.clone()));
+        assert_ne!(program_fingerprint(&program), program_fingerprint(&changed));
+    }
+}
