@@ -6,8 +6,9 @@
 //! rank's program into its stage's part and replays it in the schedule's order. Global rank
 //! `s · inner + i` is stage `s` of inner rank `i`.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
+pub use pleat_backend::pipeline::stage_of_nodes;
 use pleat_backend::pipeline::{pipeline_programs, Phase, PipelinePlan, ScheduleStep};
 use pleat_backend::{Group, Instr, Program};
 use pleat_ir::{AxisName, Mesh, Module};
@@ -39,61 +40,6 @@ pub fn schedule_steps(schedule: ScheduleArg, stages: u32, micro_batches: u32) ->
                 }
                 steps.extend((micro_batches - warm_up..micro_batches).map(backward));
                 steps
-            }
-        })
-        .collect()
-}
-
-/// The layer a node belongs to, from pleat's names (`layer3.…`, `model.layers.3.…`, `grad.…`).
-fn layer_of(name: &str) -> Option<u64> {
-    let name = name.strip_prefix("grad.").unwrap_or(name);
-    let rest = name.strip_prefix("layer").or_else(|| name.strip_prefix("model.layers."))?;
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
-
-/// The stage of every node of `module`, in program order: layers split into `stages` contiguous
-/// runs (`layers_per_stage`, or as even as they go, earlier stages taking the remainder).
-pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u64]>, layers: u64) -> Result<Vec<u32>> {
-    let counts: Vec<u64> = match layers_per_stage {
-        Some(counts) => counts.to_vec(),
-        None => (0..u64::from(stages))
-            .map(|stage| layers / u64::from(stages) + u64::from(stage < layers % u64::from(stages)))
-            .collect(),
-    };
-    if counts.len() != stages as usize || counts.iter().sum::<u64>() != layers || counts.contains(&0) {
-        bail!(
-            "--pp-layers {:?} must give each of the {stages} stages at least one layer and sum to the model's \
-             {layers} layers",
-            counts
-        );
-    }
-    let mut layer_stage = Vec::new();
-    for (stage, &count) in counts.iter().enumerate() {
-        layer_stage.extend(std::iter::repeat_n(stage as u32, count as usize));
-    }
-    let last = stages - 1;
-    let graph = &module.graph;
-    graph
-        .order()
-        .iter()
-        .map(|&node| {
-            let name = graph.node(node).name.as_str();
-            if let Some(layer) = layer_of(name) {
-                return layer_stage
-                    .get(layer as usize)
-                    .copied()
-                    .ok_or_else(|| anyhow::anyhow!("node `{name}` names layer {layer} of a {layers}-layer model"));
-            }
-            let bare = name.strip_prefix("grad.").unwrap_or(name);
-            let first = ["embed", "model.embed_tokens", "tokens", "positions"];
-            let final_stage = ["final_norm", "model.norm", "lm_head", "loss", "logits"];
-            if first.iter().any(|prefix| bare.starts_with(prefix)) {
-                Ok(0)
-            } else if final_stage.iter().any(|prefix| bare.starts_with(prefix)) {
-                Ok(last)
-            } else {
-                bail!("cannot place node `{name}` in a pipeline stage: it belongs to no layer, embedding or head")
             }
         })
         .collect()

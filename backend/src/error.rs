@@ -73,6 +73,12 @@ pub enum Error {
         /// What disagrees.
         reason: String,
     },
+    /// A pipeline plan that cannot be built: a stage split, a schedule or a graph it does not fit.
+    #[error("pipeline: {reason}")]
+    Pipeline {
+        /// What is wrong, and how to fix it.
+        reason: String,
+    },
     /// A serialized program that does not parse.
     #[error("cannot read the program: {reason}")]
     Malformed {

@@ -52,7 +52,64 @@ pub struct PipelinePlan<'a> {
 }
 
 fn malformed(reason: String) -> Error {
-    Error::Malformed { reason }
+    Error::Pipeline { reason }
+}
+
+/// The layer a node belongs to, from pleat's names (`layer3.…`, `model.layers.3.…`, `grad.…`).
+fn layer_of(name: &str) -> Option<u64> {
+    let name = name.strip_prefix("grad.").unwrap_or(name);
+    let rest = name.strip_prefix("layer").or_else(|| name.strip_prefix("model.layers."))?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// The stage of every node of `module`, in program order: layers split into `stages` contiguous
+/// runs (`layers_per_stage`, or as even as they go, earlier stages taking the remainder).
+pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u64]>, layers: u64) -> Result<Vec<u32>> {
+    let stages = stages.max(1);
+    let counts: Vec<u64> = match layers_per_stage {
+        Some(counts) => counts.to_vec(),
+        None => (0..u64::from(stages))
+            .map(|stage| layers / u64::from(stages) + u64::from(stage < layers % u64::from(stages)))
+            .collect(),
+    };
+    if counts.len() != stages as usize || counts.iter().sum::<u64>() != layers || counts.contains(&0) {
+        return Err(malformed(format!(
+            "--pp-layers {counts:?} must give each of the {stages} stages at least one layer and sum to the model's \
+             {layers} layers"
+        )));
+    }
+    let mut layer_stage = Vec::new();
+    for (stage, &count) in counts.iter().enumerate() {
+        layer_stage.extend(std::iter::repeat_n(stage as u32, count as usize));
+    }
+    let last = stages - 1;
+    let graph = &module.graph;
+    graph
+        .order()
+        .iter()
+        .map(|&node| {
+            let name = graph.node(node).name.as_str();
+            if let Some(layer) = layer_of(name) {
+                return layer_stage
+                    .get(layer as usize)
+                    .copied()
+                    .ok_or_else(|| malformed(format!("node `{name}` names layer {layer} of a {layers}-layer model")));
+            }
+            let bare = name.strip_prefix("grad.").unwrap_or(name);
+            let first = ["embed", "model.embed_tokens", "tokens", "positions"];
+            let final_stage = ["final_norm", "model.norm", "lm_head", "loss", "logits"];
+            if first.iter().any(|prefix| bare.starts_with(prefix)) {
+                Ok(0)
+            } else if final_stage.iter().any(|prefix| bare.starts_with(prefix)) {
+                Ok(last)
+            } else {
+                Err(malformed(format!(
+                    "cannot place node `{name}` in a pipeline stage: it belongs to no layer, embedding or head"
+                )))
+            }
+        })
+        .collect()
 }
 
 /// The programs of every pipeline rank, in global rank order (`stage · inner + inner_rank`).
@@ -76,6 +133,23 @@ pub fn pipeline_programs(module: &Module, plan: &PipelinePlan) -> Result<Vec<Pro
                 return Err(malformed(format!(
                     "stage {stage}'s schedule runs the {phase:?} of micro-batches {seen:?}, not each of 0..{} once",
                     plan.micro_batches
+                )));
+            }
+        }
+    }
+    // Messages between two stages match in order (a queue per pair of ranks), so neighbouring
+    // stages must run the micro-batches' forwards, and their backwards, in the same order.
+    for (stage, pair) in plan.schedule.windows(2).enumerate() {
+        for phase in [Phase::Forward, Phase::Backward] {
+            let order_of = |steps: &[ScheduleStep]| -> Vec<u32> {
+                steps.iter().filter(|step| step.phase == phase).map(|step| step.micro_batch).collect()
+            };
+            let (earlier, later) = (order_of(&pair[0]), order_of(&pair[1]));
+            if earlier != later {
+                return Err(malformed(format!(
+                    "stages {stage} and {} run the {phase:?} of the micro-batches in different orders ({earlier:?} and \
+                     {later:?}); their messages would pair up wrongly",
+                    stage + 1
                 )));
             }
         }

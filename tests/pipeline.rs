@@ -1,0 +1,148 @@
+//! Pipeline-parallel training (`--mesh pp=...`) against the single-device reference, its
+//! composition with the other axes, the memory each schedule holds, and the programs' static
+//! deadlock check on a schedule that cannot run.
+
+#[path = "support/cli.rs"]
+mod cli;
+
+use cli::{error_of, json_of};
+use serde_json::Value;
+
+/// tiny with four layers, as a config.json in a fresh directory.
+fn four_layers() -> String {
+    let dir = cli::tempdir("pipeline");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string("examples/tiny/config.json").expect("tiny's config"))
+            .expect("json");
+    config["num_hidden_layers"] = Value::from(4);
+    let path = dir.join("config.json");
+    std::fs::write(&path, config.to_string()).expect("write config");
+    path.to_str().expect("utf-8").to_string()
+}
+
+fn train(model: &str, mesh: &str, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "run", model, "--train", "--mesh", mesh, "--batch", "8", "--seq", "16", "--steps", "5", "--check", "--format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    json_of(&args)
+}
+
+#[track_caller]
+fn assert_matches_reference(report: &Value, what: &str) {
+    let loss = report["max_loss_err"].as_f64().expect("max_loss_err");
+    let rel = report["max_grad_rel_err"].as_f64().expect("max_grad_rel_err");
+    let weight = report["max_weight_err"].as_f64().expect("max_weight_err");
+    let weight_tol = report["tolerances"]["weight"].as_f64().expect("weight tolerance");
+    assert!(loss <= 1e-4 && rel <= 1e-4 && weight <= weight_tol, "{what}: {loss:e} {rel:e} {weight:e}");
+}
+
+#[test]
+fn every_schedule_and_depth_matches_the_reference() {
+    let model = four_layers();
+    for mesh in ["pp=2", "pp=4"] {
+        for schedule in ["gpipe", "1f1b"] {
+            for micro_batches in ["4", "8"] {
+                let report = train(&model, mesh, &["--schedule", schedule, "--micro-batches", micro_batches]);
+                assert_matches_reference(&report, &format!("{mesh} {schedule} m={micro_batches}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn pipelines_compose_with_the_other_axes() {
+    let model = four_layers();
+    for (mesh, extra) in [
+        ("pp=2,tp=2", &[][..]),
+        ("pp=2,tsp=2", &[][..]),
+        ("pp=2,dp=2", &["--zero", "2"][..]),
+        ("pp=2,tp=2", &["--strategy", "tp-sp"][..]),
+        ("pp=2", &["--pp-layers", "3,1"][..]),
+    ] {
+        let args = [&["--micro-batches", "2"][..], extra].concat();
+        assert_matches_reference(&train(&model, mesh, &args), mesh);
+    }
+}
+
+#[test]
+fn gradient_accumulation_gives_the_unsplit_step() {
+    for mesh in ["tp=2", "dp=2"] {
+        assert_matches_reference(&train("tiny", mesh, &["--micro-batches", "4"]), mesh);
+    }
+}
+
+#[test]
+fn one_f_one_b_holds_stages_not_micro_batches() {
+    // m = 8, p = 4, two sequences of 64 tokens a micro-batch, so activations dominate: GPipe's first
+    // stage holds all 8 micro-batches' activations before its first backward, 1F1B's at most 4
+    // (p), so GPipe's activation peak is about twice 1F1B's (8/4, less the gradients both hold).
+    let model = four_layers();
+    let peak = |schedule: &str| {
+        let report = json_of(&[
+            "run",
+            &model,
+            "--train",
+            "--mesh",
+            "pp=4",
+            "--batch",
+            "16",
+            "--seq",
+            "64",
+            "--steps",
+            "1",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            schedule,
+            "--format",
+            "json",
+        ]);
+        report["activation_peak_bytes_per_rank"][0].as_f64().expect("a number")
+    };
+    let ratio = peak("gpipe") / peak("1f1b");
+    assert!(ratio >= 1.5, "GPipe over 1F1B on the first stage: {ratio:.3}");
+}
+
+#[test]
+fn bad_pipelines_are_refused() {
+    let model = four_layers();
+    let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--pp-layers", "3,2"]);
+    assert!(error.contains("sum to the model's 4 layers"), "{error}");
+    let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--batch", "8", "--micro-batches", "3"]);
+    assert!(error.contains("--batch 8 does not split into --micro-batches 3"), "{error}");
+    let error = error_of(&["run", "tiny", "--train", "--mesh", "pp=4"]);
+    assert!(error.contains("at least one layer"), "{error}");
+}
+
+#[test]
+fn a_schedule_that_cannot_run_is_a_deadlock_the_verifier_names() {
+    use pleat_backend::pipeline::{pipeline_programs, stage_of_nodes, Phase, PipelinePlan, ScheduleStep};
+    let config = pleat_ir::model::preset::preset("tiny").expect("tiny");
+    let mut module = pleat_ir::model::build_training(&config, 1, 16).expect("builds");
+    pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &pleat_passes::PassCtx::default())
+        .expect("differentiates");
+    let stage_of = stage_of_nodes(&module, 2, None, config.num_layers).expect("two stages");
+    let step = |micro_batch, phase| ScheduleStep { micro_batch, phase };
+    let (forward, backward) = (Phase::Forward, Phase::Backward);
+    // Stage 0 waits for micro-batch 0's gradient before sending micro-batch 1's activations, while
+    // stage 1 wants micro-batch 1's activations before it returns micro-batch 0's gradient.
+    let schedule = vec![
+        vec![step(0, forward), step(0, backward), step(1, forward), step(1, backward)],
+        vec![step(0, forward), step(1, forward), step(0, backward), step(1, backward)],
+    ];
+    let plan = PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: 2 };
+    let programs = pipeline_programs(&module, &plan).expect("each stage's program is well formed");
+    let error = pleat_backend::verify_collectives(&programs).unwrap_err().to_string();
+    assert!(error.contains("rank 0 at instruction") && error.contains("waits for a message from rank 1"), "{error}");
+    assert!(error.contains("rank 1 at instruction") && error.contains("waits for a message from rank 0"), "{error}");
+    // Neighbouring stages that order their micro-batches differently are refused before lowering.
+    let swapped = vec![
+        vec![step(0, forward), step(1, forward), step(0, backward), step(1, backward)],
+        vec![step(1, forward), step(0, forward), step(0, backward), step(1, backward)],
+    ];
+    let plan = PipelinePlan { stage_of: &stage_of, schedule: &swapped, micro_batches: 2 };
+    let error = pipeline_programs(&module, &plan).unwrap_err().to_string();
+    assert!(error.contains("stages 0 and 1 run the Forward of the micro-batches in different orders"), "{error}");
+}
