@@ -430,6 +430,11 @@ fn matmul_spec(contract: usize, specs: &[&ShardSpec], shapes: &[&Shape], out: &S
             return Err(Conflict::SplitActivation { dim: shapes[0].dims()[index].name, axis });
         }
     }
+    each_axis_once(spec)
+}
+
+/// `spec`, if no axis splits two of its dims or a dim and the pending sum.
+fn each_axis_once(spec: ShardSpec) -> Result<ShardSpec, Conflict> {
     let mut seen: Vec<AxisName> = Vec::new();
     for &axis in spec.dims.iter().flatten().chain(&spec.partial) {
         if seen.contains(&axis) {
@@ -509,16 +514,7 @@ fn contraction_spec(
             }
         }
     }
-    let mut seen: Vec<AxisName> = Vec::new();
-    for &axis in spec.dims.iter().flatten().chain(&spec.partial) {
-        if seen.contains(&axis) {
-            return Err(Conflict::Layout(format!(
-                "axis {axis} would split two dims of the product at once; all-gather one operand first"
-            )));
-        }
-        seen.push(axis);
-    }
-    Ok(spec)
+    each_axis_once(spec)
 }
 
 /// Queries may be split on batch, seq and heads; keys and values must hold every position of the

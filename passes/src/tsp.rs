@@ -219,19 +219,24 @@ impl Rewriter<'_> {
             let output =
                 self.insert(at, Op::MatMul { contract: 2 }, &[attended, wo_block], out_ty.clone(), &name("o_proj"));
             at = output;
-            sum = Some(match sum {
-                None => output,
-                Some(previous) => {
-                    let total = self.insert(at, Op::Add, &[previous, output], out_ty, &name("o_sum"));
-                    at = total;
-                    total
-                }
-            });
+            self.add_to_sum(&mut sum, output, &mut at, out_ty, &name("o_sum"));
         }
         let total = sum.expect("a mesh axis has at least one rank");
         let total_node = self.graph.value(total).def;
         self.graph.replace_uses(old_output, total, total_node);
         Ok(())
+    }
+
+    /// Adds one owner's `output` to the running `sum` of the owners' outputs, just after `at`.
+    fn add_to_sum(&mut self, sum: &mut Option<ValueId>, output: ValueId, at: &mut ValueId, ty: TensorType, name: &str) {
+        *sum = Some(match *sum {
+            None => output,
+            Some(previous) => {
+                let total = self.insert(*at, Op::Add, &[previous, output], ty, name);
+                *at = total;
+                total
+            }
+        });
     }
 
     /// `block` was inserted right after its weight; move it to just after `at` so each owner's
@@ -291,14 +296,7 @@ impl Rewriter<'_> {
             let act = self.insert(up, Op::SiluMul, &[gate, up], hidden_ty, &name("silu_mul"));
             let output = self.insert(act, Op::MatMul { contract: 1 }, &[act, blocks[2]], x_ty.clone(), &name("down"));
             at = output;
-            sum = Some(match sum {
-                None => output,
-                Some(previous) => {
-                    let total = self.insert(at, Op::Add, &[previous, output], x_ty.clone(), &name("sum"));
-                    at = total;
-                    total
-                }
-            });
+            self.add_to_sum(&mut sum, output, &mut at, x_ty.clone(), &name("sum"));
         }
         let total = sum.expect("a mesh axis has at least one rank");
         let total_node = self.graph.value(total).def;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use pleat_backend::Program;
 
-use crate::comm::{Communicator, LinkSpec, ThreadFabric};
+use crate::comm::{Communicator, LinkSpec, ThreadComm, ThreadFabric};
 use crate::error::{Error, Result};
 use crate::executor::{execute_native, OutputBlock, RankOutcome, RunInputs};
 use crate::native::NativeKernels;
@@ -58,15 +58,27 @@ pub fn run_on_threads_native(
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let gemm_threads = if world_size == 1 { cores } else { 1 };
     let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
-    let results: Vec<Result<RankOutcome>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = programs
-            .iter()
-            .zip(comms)
+    on_threads(comms, |rank, comm| {
+        let table = native.get(rank as usize).and_then(Option::as_ref);
+        execute_native(&programs[rank as usize], comm, inputs, gemm_threads, table)
+    })
+}
+
+/// Runs `work` for every rank on a thread of its own, with that rank's communicator. A rank that
+/// fails tells its peers, which then fail fast; the error returned is the first rank's own failure
+/// rather than its peers' reports of it, and a panic is an error naming the rank.
+pub(crate) fn on_threads<T: Send>(
+    comms: Vec<ThreadComm>,
+    work: impl Fn(u32, &mut ThreadComm) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let work = &work;
+    let results: Vec<Result<T>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
             .enumerate()
-            .map(|(rank, (program, mut comm))| {
-                let table = native.get(rank).and_then(Option::as_ref);
+            .map(|(rank, mut comm)| {
                 scope.spawn(move || {
-                    let outcome = execute_native(program, &mut comm, inputs, gemm_threads, table);
+                    let outcome = work(rank as u32, &mut comm);
                     if let Err(err) = &outcome {
                         comm.abort(&err.to_string());
                     }

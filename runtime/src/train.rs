@@ -126,32 +126,9 @@ pub fn train_on_threads(
     }
     let world_size = programs.len() as u32;
     let comms = ThreadFabric::new(world_size, options.timeout);
-    let results: Vec<Result<RankTraining>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = programs
-            .iter()
-            .zip(layouts)
-            .zip(comms)
-            .map(|((program, layout), mut comm)| {
-                scope.spawn(move || {
-                    let outcome = train_rank(program, layout, &mut comm, options);
-                    if let Err(err) = &outcome {
-                        comm.abort(&err.to_string());
-                    }
-                    outcome
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, handle)| {
-                handle
-                    .join()
-                    .unwrap_or_else(|_| Err(Error::Panicked { rank: rank as u32, message: "training panicked".into() }))
-            })
-            .collect()
-    });
-    results.into_iter().collect()
+    crate::launch::on_threads(comms, |rank, comm| {
+        train_rank(&programs[rank as usize], &layouts[rank as usize], comm, options)
+    })
 }
 
 fn train_rank(
