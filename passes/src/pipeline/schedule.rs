@@ -123,6 +123,24 @@ impl ScheduleKind {
     }
 }
 
+impl ScheduleKind {
+    /// The published closed form of the bubble as bubble time over ideal compute time, for `stages`
+    /// ranks, `micro_batches` micro-batches and step costs `forward`, `backward_input`,
+    /// `backward_weight` with no point-to-point cost: `(p-1)/m` for GPipe and 1F1B, `(p-1)/(v·m)`
+    /// interleaved, and ZB-H1's `(p-1)(F + B - W) / (m(F + B + W))` (Qi et al., section 3).
+    pub fn closed_form_bubble(self, stages: u32, micro_batches: u32, forward: f64, backward_input: f64, backward_weight: f64) -> f64 {
+        let (p, m) = (f64::from(stages), f64::from(micro_batches));
+        match self {
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB => (p - 1.0) / m,
+            ScheduleKind::Interleaved { chunks } => (p - 1.0) / (f64::from(chunks) * m),
+            ScheduleKind::ZeroBubbleH1 => {
+                let step = forward + backward_input + backward_weight;
+                (p - 1.0) * (forward + backward_input - backward_weight) / (m * step)
+            }
+        }
+    }
+}
+
 /// A pipeline schedule: every stage's steps, in the order the stage runs them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {

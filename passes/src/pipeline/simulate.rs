@@ -291,3 +291,176 @@ fn peak_in_flight(steps: &[Step]) -> u32 {
     }
     peak
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::schedule::ScheduleKind;
+
+    const EQUAL: StepCosts = StepCosts::EQUAL_STAGES;
+
+    fn close(got: f64, want: f64) -> bool {
+        (got - want).abs() < 1e-12
+    }
+
+    fn timeline(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Timeline {
+        simulate(&Schedule::build(kind, stages, micro_batches).unwrap(), &EQUAL).unwrap()
+    }
+
+    #[test]
+    fn gpipe_and_1f1b_bubble_is_p_minus_1_over_m() {
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            for stages in 1..=6u32 {
+                for micro_batches in 1..=12u32 {
+                    let timeline = timeline(kind, stages, micro_batches);
+                    let (p, m) = (f64::from(stages), f64::from(micro_batches));
+                    assert!(close(timeline.bubble_over_compute, (p - 1.0) / m), "{kind:?} p={p} m={m}: {timeline:?}");
+                    assert!(close(timeline.bubble_share, (p - 1.0) / (m + p - 1.0)), "{kind:?} p={p} m={m}");
+                    assert!(close(timeline.bubble_over_compute, kind.closed_form_bubble(stages, micro_batches, 1.0, 1.0, 1.0)));
+                    // Every stage idles the same (p-1)(F+B) in total.
+                    assert!(timeline.idle.iter().all(|idle| close(*idle, (p - 1.0) * 3.0)), "{:?}", timeline.idle);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_bubble_is_p_minus_1_over_v_m() {
+        for stages in 1..=5u32 {
+            for chunks in 2..=4u32 {
+                for groups in 1..=4u32 {
+                    let micro_batches = groups * stages;
+                    let timeline = timeline(ScheduleKind::Interleaved { chunks }, stages, micro_batches);
+                    let want = f64::from(stages - 1) / f64::from(chunks * micro_batches);
+                    assert!(
+                        close(timeline.bubble_over_compute, want),
+                        "p={stages} v={chunks} m={micro_batches}: {} vs {want}",
+                        timeline.bubble_over_compute
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_bubble_h1_bubble_is_smaller_than_1f1b() {
+        for stages in 2..=6u32 {
+            for micro_batches in [stages, 2 * stages, 3 * stages + 1] {
+                let zero_bubble = timeline(ScheduleKind::ZeroBubbleH1, stages, micro_batches);
+                let one_f_one_b = timeline(ScheduleKind::OneFOneB, stages, micro_batches);
+                assert!(
+                    zero_bubble.bubble_over_compute < one_f_one_b.bubble_over_compute,
+                    "p={stages} m={micro_batches}: {} vs {}",
+                    zero_bubble.bubble_over_compute,
+                    one_f_one_b.bubble_over_compute
+                );
+                // With F = B = W the paper's H1 bubble is a third of 1F1B's: (p-1)/(3m).
+                let closed = ScheduleKind::ZeroBubbleH1.closed_form_bubble(stages, micro_batches, 1.0, 1.0, 1.0);
+                assert!(close(zero_bubble.bubble_over_compute, closed), "p={stages} m={micro_batches}: {} vs {closed}", zero_bubble.bubble_over_compute);
+                // And its memory is 1F1B's.
+                assert_eq!(zero_bubble.peak_in_flight, one_f_one_b.peak_in_flight);
+            }
+        }
+    }
+
+    #[test]
+    fn peak_in_flight_is_m_for_gpipe_and_p_minus_s_for_1f1b() {
+        let gpipe = timeline(ScheduleKind::GPipe, 4, 8);
+        let one_f_one_b = timeline(ScheduleKind::OneFOneB, 4, 8);
+        assert_eq!(gpipe.peak_in_flight, vec![8, 8, 8, 8]);
+        assert_eq!(one_f_one_b.peak_in_flight, vec![4, 3, 2, 1]);
+        assert_eq!(gpipe.peak_in_flight[0] / one_f_one_b.peak_in_flight[0], 2);
+        // Interleaving holds more: Megatron's warm-up plus one, in (micro-batch, chunk) units.
+        let interleaved = timeline(ScheduleKind::Interleaved { chunks: 2 }, 4, 8);
+        assert_eq!(interleaved.peak_in_flight, vec![11, 9, 7, 5]);
+    }
+
+    /// Counts each (micro-batch, phase, virtual stage) directly from the lists.
+    fn assert_each_step_once(schedule: &Schedule) {
+        let chunks = schedule.chunks();
+        let phases: &[Phase] = match schedule.kind {
+            ScheduleKind::ZeroBubbleH1 => &[Phase::Forward, Phase::BackwardInput, Phase::BackwardWeight],
+            _ => &[Phase::Forward, Phase::Backward],
+        };
+        for (stage, steps) in schedule.per_stage.iter().enumerate() {
+            assert_eq!(steps.len(), phases.len() * (schedule.micro_batches * chunks) as usize);
+            for chunk in 0..chunks {
+                for micro_batch in 0..schedule.micro_batches {
+                    for &phase in phases {
+                        let count = steps.iter().filter(|step| **step == Step { micro_batch, chunk, phase }).count();
+                        assert_eq!(count, 1, "{:?} stage {stage}: {phase} of {micro_batch} chunk {chunk}", schedule.kind);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_schedule_runs_each_step_once_and_completes() {
+        for stages in 1..=5u32 {
+            for micro_batches in 1..=10u32 {
+                let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1];
+                if micro_batches % stages == 0 {
+                    kinds.extend((2..=3).map(|chunks| ScheduleKind::Interleaved { chunks }));
+                }
+                for kind in kinds {
+                    let schedule = Schedule::build(kind, stages, micro_batches).unwrap();
+                    assert_each_step_once(&schedule);
+                    let costs = StepCosts { forward: 1.0, backward_input: 1.5, backward_weight: 0.75, p2p: 0.25 };
+                    let timeline = simulate(&schedule, &costs).unwrap();
+                    assert!(timeline.makespan >= timeline.ideal_compute);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn p2p_cost_is_paid_between_ranks() {
+        let costs = StepCosts { p2p: 0.5, ..EQUAL };
+        let timeline = simulate(&Schedule::build(ScheduleKind::GPipe, 2, 1).unwrap(), &costs).unwrap();
+        // F on stage 0, send, F then B on stage 1, send, B on stage 0: 1 + .5 + 1 + 2 + .5 + 2.
+        assert!(close(timeline.makespan, 7.0), "{}", timeline.makespan);
+    }
+
+    #[test]
+    fn a_backward_before_its_forward_is_reported_with_the_stage_and_step() {
+        let mut schedule = Schedule::build(ScheduleKind::OneFOneB, 4, 8).unwrap();
+        // The last stage runs F0 B0 ...; swapping them makes B0 wait on its own later F0.
+        schedule.per_stage[3].swap(0, 1);
+        let err = simulate(&schedule, &EQUAL).unwrap_err();
+        assert_eq!(
+            err,
+            ScheduleError::Deadlock {
+                stage: 0,
+                index: 4,
+                step: Step::new(0, Phase::Backward),
+                waits_for: Step::new(0, Phase::Backward),
+                waits_on_stage: 1,
+                other_blocked: vec![1, 2, 3],
+            }
+        );
+        assert!(err.to_string().contains("stages 1, 2, 3 are blocked too"), "{err}");
+        // Stage 3's own report names its step 0.
+        let mut only_last = Schedule::build(ScheduleKind::OneFOneB, 1, 2).unwrap();
+        only_last.per_stage[0].swap(0, 1);
+        assert_eq!(
+            simulate(&only_last, &EQUAL).unwrap_err().to_string(),
+            "the schedule cannot complete: stage 0 waits at step 0 (backward of micro-batch 0 on chunk 0) for forward of micro-batch 0 on chunk 0 on stage 0, which that stage's order never reaches first"
+        );
+    }
+
+    #[test]
+    fn incomplete_and_duplicated_schedules_are_rejected() {
+        let mut schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
+        schedule.per_stage[1].pop();
+        assert!(matches!(simulate(&schedule, &EQUAL), Err(ScheduleError::MissingStep { stage: 1, .. })));
+        let mut schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
+        schedule.per_stage[0][1] = schedule.per_stage[0][0];
+        assert!(matches!(simulate(&schedule, &EQUAL), Err(ScheduleError::DuplicateStep { stage: 0, first: 0, second: 1, .. })));
+        let mut schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
+        schedule.per_stage[0][0].micro_batch = 5;
+        assert!(matches!(simulate(&schedule, &EQUAL), Err(ScheduleError::StepOutOfRange { stage: 0, index: 0, .. })));
+        let bad = StepCosts { forward: f64::NAN, ..EQUAL };
+        assert!(matches!(simulate(&Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap(), &bad), Err(ScheduleError::BadCost { what: "forward", .. })));
+    }
+}
