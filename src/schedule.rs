@@ -122,12 +122,8 @@ pub fn text(args: &ScheduleArgs) -> Result<String> {
         "step: {} units, ideal compute {} a stage, bubble {}\n",
         timeline.makespan, timeline.ideal_compute, timeline.bubble
     ));
-    let peaks: Vec<String> = timeline
-        .peak_in_flight
-        .iter()
-        .enumerate()
-        .map(|(stage, peak)| format!("stage {stage}: {peak}"))
-        .collect();
+    let peaks: Vec<String> =
+        timeline.peak_in_flight.iter().enumerate().map(|(stage, peak)| format!("stage {stage}: {peak}")).collect();
     let unit = if timeline.chunks > 1 { "(micro-batch, chunk) pairs" } else { "micro-batches" };
     out.push_str(&format!("peak in flight ({unit} forwarded, not yet backward): {}\n", peaks.join(", ")));
     Ok(out)

@@ -22,7 +22,8 @@ fn json_numbers_match_the_closed_forms() {
         ("interleaved", Some("3"), 3.0 / 24.0),
         ("zb-h1", None, 3.0 / 24.0),
     ] {
-        let mut args = vec!["schedule", "--pp", "4", "--micro-batches", "8", "--schedule", schedule, "--format", "json"];
+        let mut args =
+            vec!["schedule", "--pp", "4", "--micro-batches", "8", "--schedule", schedule, "--format", "json"];
         if let Some(chunks) = extra {
             args.extend(["--chunks", chunks]);
         }
@@ -54,7 +55,8 @@ fn bad_input_says_what_to_use() {
 
 #[test]
 fn one_f_one_b_holds_p_micro_batches_on_the_first_stage_and_gpipe_m() {
-    let one_f_one_b = simulate(&Schedule::build(ScheduleKind::OneFOneB, 4, 8).unwrap(), &StepCosts::EQUAL_STAGES).unwrap();
+    let one_f_one_b =
+        simulate(&Schedule::build(ScheduleKind::OneFOneB, 4, 8).unwrap(), &StepCosts::EQUAL_STAGES).unwrap();
     let gpipe = simulate(&Schedule::build(ScheduleKind::GPipe, 4, 8).unwrap(), &StepCosts::EQUAL_STAGES).unwrap();
     assert_eq!(one_f_one_b.peak_in_flight[0], 4);
     assert_eq!(gpipe.peak_in_flight[0], 8);

@@ -83,8 +83,11 @@ pub fn balance(layer_costs: &[f64], first_extra: f64, last_extra: f64, stages: u
 pub fn parse_pp_layers(text: &str, total_layers: u32, stages: u32) -> Result<Vec<Range<u32>>> {
     let mut counts = Vec::new();
     for (position, entry) in text.split(',').enumerate() {
-        let entry_error =
-            || ScheduleError::PpLayersEntry { text: text.to_string(), position: position + 1, entry: entry.to_string() };
+        let entry_error = || ScheduleError::PpLayersEntry {
+            text: text.to_string(),
+            position: position + 1,
+            entry: entry.to_string(),
+        };
         let count: u32 = entry.trim().parse().map_err(|_| entry_error())?;
         if count == 0 {
             return Err(entry_error());

@@ -121,7 +121,9 @@ pub enum ScheduleError {
         value: f64,
     },
     /// A `--pp-layers` entry that is not a positive integer.
-    #[error("--pp-layers {text}: entry {position} ({entry:?}) is not a positive layer count; write counts like 9,8,8,7")]
+    #[error(
+        "--pp-layers {text}: entry {position} ({entry:?}) is not a positive layer count; write counts like 9,8,8,7"
+    )]
     PpLayersEntry {
         /// The whole argument.
         text: String,

@@ -12,7 +12,8 @@ use crate::pipeline::simulate::{StepCosts, Timeline};
 pub fn render_text(timeline: &Timeline, costs: &StepCosts) -> String {
     // The widest label: the last micro-batch on the last chunk.
     let label_width =
-        label(timeline, timeline.micro_batches.saturating_sub(1), timeline.chunks.saturating_sub(1), Phase::Forward).len();
+        label(timeline, timeline.micro_batches.saturating_sub(1), timeline.chunks.saturating_sub(1), Phase::Forward)
+            .len();
     let unit = [costs.forward, costs.backward_input, costs.backward_weight, costs.p2p]
         .into_iter()
         .filter(|cost| *cost > 0.0)

@@ -128,7 +128,14 @@ impl ScheduleKind {
     /// ranks, `micro_batches` micro-batches and step costs `forward`, `backward_input`,
     /// `backward_weight` with no point-to-point cost: `(p-1)/m` for GPipe and 1F1B, `(p-1)/(v·m)`
     /// interleaved, and ZB-H1's `(p-1)(F + B - W) / (m(F + B + W))` (Qi et al., section 3).
-    pub fn closed_form_bubble(self, stages: u32, micro_batches: u32, forward: f64, backward_input: f64, backward_weight: f64) -> f64 {
+    pub fn closed_form_bubble(
+        self,
+        stages: u32,
+        micro_batches: u32,
+        forward: f64,
+        backward_input: f64,
+        backward_weight: f64,
+    ) -> f64 {
         let (p, m) = (f64::from(stages), f64::from(micro_batches));
         match self {
             ScheduleKind::GPipe | ScheduleKind::OneFOneB => (p - 1.0) / m,
@@ -225,11 +232,8 @@ fn interleaved_step(stages: u32, chunks: u32, k: u32, phase: Phase) -> Step {
 
 fn interleaved(stages: u32, stage: u32, micro_batches: u32, chunks: u32) -> Vec<Step> {
     let total = micro_batches * chunks;
-    let warmup = if micro_batches == stages {
-        total
-    } else {
-        (2 * (stages - stage - 1) + (chunks - 1) * stages).min(total)
-    };
+    let warmup =
+        if micro_batches == stages { total } else { (2 * (stages - stage - 1) + (chunks - 1) * stages).min(total) };
     let forward = |k| interleaved_step(stages, chunks, k, Phase::Forward);
     let backward = |k| interleaved_step(stages, chunks, k, Phase::Backward);
     let mut steps: Vec<Step> = (0..warmup).map(forward).collect();
@@ -307,14 +311,8 @@ mod tests {
     fn zero_bubble_h1_defers_weights_by_the_stage_index() {
         let schedule = Schedule::build(ScheduleKind::ZeroBubbleH1, 4, 6).unwrap();
         // The first stage keeps W right behind its B; the last one defers three.
-        assert_eq!(
-            letters(&schedule.per_stage[0]),
-            "F0 F1 F2 F3 B0 F4 W0 B1 F5 W1 B2 W2 B3 W3 B4 W4 B5 W5"
-        );
-        assert_eq!(
-            letters(&schedule.per_stage[3]),
-            "F0 B0 F1 B1 F2 B2 F3 B3 F4 W0 B4 F5 W1 B5 W2 W3 W4 W5"
-        );
+        assert_eq!(letters(&schedule.per_stage[0]), "F0 F1 F2 F3 B0 F4 W0 B1 F5 W1 B2 W2 B3 W3 B4 W4 B5 W5");
+        assert_eq!(letters(&schedule.per_stage[3]), "F0 B0 F1 B1 F2 B2 F3 B3 F4 W0 B4 F5 W1 B5 W2 W3 W4 W5");
     }
 
     #[test]

@@ -125,7 +125,8 @@ pub fn check_complete(schedule: &Schedule) -> Result<()> {
         for chunk in 0..chunks {
             for micro_batch in 0..schedule.micro_batches {
                 let has = |phase| seen.contains_key(&Step { micro_batch, chunk, phase });
-                let missing = |phase| Err(ScheduleError::MissingStep { stage, step: Step { micro_batch, chunk, phase } });
+                let missing =
+                    |phase| Err(ScheduleError::MissingStep { stage, step: Step { micro_batch, chunk, phase } });
                 if !has(Phase::Forward) {
                     return missing(Phase::Forward);
                 }
@@ -186,14 +187,15 @@ pub fn simulate(schedule: &Schedule, costs: &StepCosts) -> Result<Timeline> {
             Phase::BackwardWeight => vec![at(virtual_stage, Phase::BackwardInput)],
         }
     };
-    let end_of = |forward_end: &HashMap<(u32, u32), f64>, input_grad_end: &HashMap<(u32, u32), f64>, dep: &Dependency| {
-        let key = (dep.step.micro_batch, dep.step.chunk * stages + dep.stage);
-        match dep.step.phase {
-            Phase::Forward => forward_end.get(&key).copied(),
-            // A whole backward or its input part both deliver the input gradient.
-            _ => input_grad_end.get(&key).copied(),
-        }
-    };
+    let end_of =
+        |forward_end: &HashMap<(u32, u32), f64>, input_grad_end: &HashMap<(u32, u32), f64>, dep: &Dependency| {
+            let key = (dep.step.micro_batch, dep.step.chunk * stages + dep.stage);
+            match dep.step.phase {
+                Phase::Forward => forward_end.get(&key).copied(),
+                // A whole backward or its input part both deliver the input gradient.
+                _ => input_grad_end.get(&key).copied(),
+            }
+        };
 
     loop {
         let mut progressed = false;
@@ -253,8 +255,7 @@ pub fn simulate(schedule: &Schedule, costs: &StepCosts) -> Result<Timeline> {
     }
 
     let makespan = free_at.iter().copied().fold(0.0, f64::max);
-    let busy: Vec<f64> =
-        timed.iter().map(|steps| steps.iter().map(|timed| timed.end - timed.start).sum()).collect();
+    let busy: Vec<f64> = timed.iter().map(|steps| steps.iter().map(|timed| timed.end - timed.start).sum()).collect();
     let idle = busy.iter().map(|busy| makespan - busy).collect();
     let ideal_compute = busy.iter().copied().fold(0.0, f64::max);
     let bubble = makespan - ideal_compute;
@@ -316,7 +317,10 @@ mod tests {
                     let (p, m) = (f64::from(stages), f64::from(micro_batches));
                     assert!(close(timeline.bubble_over_compute, (p - 1.0) / m), "{kind:?} p={p} m={m}: {timeline:?}");
                     assert!(close(timeline.bubble_share, (p - 1.0) / (m + p - 1.0)), "{kind:?} p={p} m={m}");
-                    assert!(close(timeline.bubble_over_compute, kind.closed_form_bubble(stages, micro_batches, 1.0, 1.0, 1.0)));
+                    assert!(close(
+                        timeline.bubble_over_compute,
+                        kind.closed_form_bubble(stages, micro_batches, 1.0, 1.0, 1.0)
+                    ));
                     // Every stage idles the same (p-1)(F+B) in total.
                     assert!(timeline.idle.iter().all(|idle| close(*idle, (p - 1.0) * 3.0)), "{:?}", timeline.idle);
                 }
@@ -356,7 +360,11 @@ mod tests {
                 );
                 // With F = B = W the paper's H1 bubble is a third of 1F1B's: (p-1)/(3m).
                 let closed = ScheduleKind::ZeroBubbleH1.closed_form_bubble(stages, micro_batches, 1.0, 1.0, 1.0);
-                assert!(close(zero_bubble.bubble_over_compute, closed), "p={stages} m={micro_batches}: {} vs {closed}", zero_bubble.bubble_over_compute);
+                assert!(
+                    close(zero_bubble.bubble_over_compute, closed),
+                    "p={stages} m={micro_batches}: {} vs {closed}",
+                    zero_bubble.bubble_over_compute
+                );
                 // And its memory is 1F1B's.
                 assert_eq!(zero_bubble.peak_in_flight, one_f_one_b.peak_in_flight);
             }
@@ -388,7 +396,11 @@ mod tests {
                 for micro_batch in 0..schedule.micro_batches {
                     for &phase in phases {
                         let count = steps.iter().filter(|step| **step == Step { micro_batch, chunk, phase }).count();
-                        assert_eq!(count, 1, "{:?} stage {stage}: {phase} of {micro_batch} chunk {chunk}", schedule.kind);
+                        assert_eq!(
+                            count, 1,
+                            "{:?} stage {stage}: {phase} of {micro_batch} chunk {chunk}",
+                            schedule.kind
+                        );
                     }
                 }
             }
@@ -456,11 +468,17 @@ mod tests {
         assert!(matches!(simulate(&schedule, &EQUAL), Err(ScheduleError::MissingStep { stage: 1, .. })));
         let mut schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
         schedule.per_stage[0][1] = schedule.per_stage[0][0];
-        assert!(matches!(simulate(&schedule, &EQUAL), Err(ScheduleError::DuplicateStep { stage: 0, first: 0, second: 1, .. })));
+        assert!(matches!(
+            simulate(&schedule, &EQUAL),
+            Err(ScheduleError::DuplicateStep { stage: 0, first: 0, second: 1, .. })
+        ));
         let mut schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
         schedule.per_stage[0][0].micro_batch = 5;
         assert!(matches!(simulate(&schedule, &EQUAL), Err(ScheduleError::StepOutOfRange { stage: 0, index: 0, .. })));
         let bad = StepCosts { forward: f64::NAN, ..EQUAL };
-        assert!(matches!(simulate(&Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap(), &bad), Err(ScheduleError::BadCost { what: "forward", .. })));
+        assert!(matches!(
+            simulate(&Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap(), &bad),
+            Err(ScheduleError::BadCost { what: "forward", .. })
+        ));
     }
 }
