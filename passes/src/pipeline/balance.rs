@@ -53,19 +53,19 @@ pub fn balance(layer_costs: &[f64], first_extra: f64, last_extra: f64, stages: u
     best[n_stages][layers] = (0.0, layers);
     for stage in (0..n_stages).rev() {
         let stages_after = n_stages - stage - 1;
-        for start in 0..layers {
+        let later = best[stage + 1].clone();
+        for (start, slot) in best[stage].iter_mut().enumerate().take(layers) {
             // Each later stage needs at least one layer.
             let last_end = layers - stages_after;
             let mut choice = (f64::INFINITY, 0usize);
-            for end in start + 1..=last_end {
-                let rest = best[stage + 1][end].0;
+            for (end, &(rest, _)) in later.iter().enumerate().take(last_end + 1).skip(start + 1) {
                 let largest = stage_cost(stage, start, end).max(rest);
                 // `<=` prefers the longest range among ties: earlier stages take more layers.
                 if largest <= choice.0 {
                     choice = (largest, end);
                 }
             }
-            best[stage][start] = choice;
+            *slot = choice;
         }
     }
     let mut ranges = Vec::with_capacity(n_stages);
@@ -132,12 +132,13 @@ mod tests {
     /// Every split of `layers` into `stages` non-empty contiguous ranges.
     fn all_splits(layers: u32, stages: u32) -> Vec<Vec<Range<u32>>> {
         if stages == 1 {
-            return vec![vec![0..layers]];
+            return vec![std::iter::once(0..layers).collect()];
         }
         let mut splits = Vec::new();
         for first_end in 1..=layers - (stages - 1) {
             for rest in all_splits(layers - first_end, stages - 1) {
-                let mut split = vec![0..first_end];
+                let mut split = Vec::with_capacity(stages as usize);
+                split.push(0..first_end);
                 split.extend(rest.into_iter().map(|range| range.start + first_end..range.end + first_end));
                 splits.push(split);
             }

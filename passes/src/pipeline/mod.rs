@@ -28,4 +28,4 @@ pub use balance::{balance, parse_pp_layers};
 pub use error::{Result, ScheduleError};
 pub use picture::render_text;
 pub use schedule::{Phase, Schedule, ScheduleKind, Step};
-pub use simulate::{simulate, StepCosts, TimedStep, Timeline};
+pub use simulate::{check_complete, simulate, StepCosts, TimedStep, Timeline};

@@ -237,20 +237,29 @@ pub fn simulate(schedule: &Schedule, costs: &StepCosts) -> Result<Timeline> {
 
     let blocked: Vec<u32> =
         (0..stages).filter(|&stage| next_index[stage as usize] < schedule.per_stage[stage as usize].len()).collect();
-    if let Some(&stage) = blocked.first() {
-        let index = next_index[stage as usize];
-        let step = schedule.per_stage[stage as usize][index];
-        let waiting = dependencies(stage, step)
-            .into_iter()
-            .find(|dep| end_of(&forward_end, &input_grad_end, dep).is_none())
-            .expect("a blocked step has an unfinished dependency");
+    // Each blocked stage with its step and the first dependency that never finished (a blocked
+    // step has one, or the loop above would have run it).
+    let waits: Vec<(u32, usize, Step, Dependency)> = blocked
+        .iter()
+        .filter_map(|&stage| {
+            let index = next_index[stage as usize];
+            let step = schedule.per_stage[stage as usize][index];
+            let waiting = dependencies(stage, step)
+                .into_iter()
+                .find(|dep| end_of(&forward_end, &input_grad_end, dep).is_none())?;
+            Some((stage, index, step, waiting))
+        })
+        .collect();
+    // A stage that waits on a later step of its own list is the cause; the others wait on it.
+    let cause = waits.iter().position(|(stage, _, _, dep)| dep.stage == *stage).unwrap_or(0);
+    if let Some((stage, index, step, waiting)) = waits.get(cause) {
         return Err(ScheduleError::Deadlock {
-            stage,
-            index,
-            step,
+            stage: *stage,
+            index: *index,
+            step: *step,
             waits_for: waiting.step,
             waits_on_stage: waiting.stage,
-            other_blocked: blocked[1..].to_vec(),
+            other_blocked: blocked.iter().copied().filter(|other| other != stage).collect(),
         });
     }
 
@@ -299,6 +308,12 @@ mod tests {
     use crate::pipeline::schedule::ScheduleKind;
 
     const EQUAL: StepCosts = StepCosts::EQUAL_STAGES;
+
+    /// `"F3"` or `"B3"` on chunk 0.
+    fn step_of(text: &str) -> Step {
+        let phase = if text.starts_with('F') { Phase::Forward } else { Phase::Backward };
+        Step::new(text[1..].parse().unwrap(), phase)
+    }
 
     fn close(got: f64, want: f64) -> bool {
         (got - want).abs() < 1e-12
@@ -437,22 +452,39 @@ mod tests {
     #[test]
     fn a_backward_before_its_forward_is_reported_with_the_stage_and_step() {
         let mut schedule = Schedule::build(ScheduleKind::OneFOneB, 4, 8).unwrap();
-        // The last stage runs F0 B0 ...; swapping them makes B0 wait on its own later F0.
+        // The last stage runs F0 B0 ...; swapping them makes B0 wait on its own later F0, and the
+        // stages above wait on stage 3: the report names stage 3's step 0 as the cause.
         schedule.per_stage[3].swap(0, 1);
         let err = simulate(&schedule, &EQUAL).unwrap_err();
         assert_eq!(
             err,
             ScheduleError::Deadlock {
+                stage: 3,
+                index: 0,
+                step: Step::new(0, Phase::Backward),
+                waits_for: Step::new(0, Phase::Forward),
+                waits_on_stage: 3,
+                other_blocked: vec![0, 1, 2],
+            }
+        );
+        assert!(err.to_string().contains("stages 0, 1, 2 are blocked too"), "{err}");
+        // A cycle across ranks: stage 0 waits for micro-batch 0's gradient before forwarding
+        // micro-batch 1, and stage 1 waits for micro-batch 1 before sending that gradient back.
+        let mut crossed = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
+        crossed.per_stage[0] = ["F0", "B0", "F1", "B1"].map(step_of).to_vec();
+        crossed.per_stage[1] = ["F0", "F1", "B0", "B1"].map(step_of).to_vec();
+        assert_eq!(
+            simulate(&crossed, &EQUAL).unwrap_err(),
+            ScheduleError::Deadlock {
                 stage: 0,
-                index: 4,
+                index: 1,
                 step: Step::new(0, Phase::Backward),
                 waits_for: Step::new(0, Phase::Backward),
                 waits_on_stage: 1,
-                other_blocked: vec![1, 2, 3],
+                other_blocked: vec![1],
             }
         );
-        assert!(err.to_string().contains("stages 1, 2, 3 are blocked too"), "{err}");
-        // Stage 3's own report names its step 0.
+        // One stage alone.
         let mut only_last = Schedule::build(ScheduleKind::OneFOneB, 1, 2).unwrap();
         only_last.per_stage[0].swap(0, 1);
         assert_eq!(
