@@ -3,10 +3,10 @@
 //! A pipeline splits the layers into `stages` ranks (or `stages · chunks` virtual stages when each
 //! rank holds several model chunks). A [`Schedule`] is the per-rank order of
 //! (micro-batch, chunk, phase) steps; the lowering will turn each into compute, send and receive
-//! instructions. [`simulate`] runs the steps under their data dependencies with given step costs
+//! instructions. [`simulate()`] runs the steps under their data dependencies with given step costs
 //! and reports the makespan, each rank's busy and idle time, the bubble and the peak number of
 //! micro-batches in flight a stage; a schedule whose order cannot complete is an error that names
-//! the stage and the step, never a hang. [`balance`] splits layer costs into contiguous stages that
+//! the stage and the step, never a hang. [`balance()`] splits layer costs into contiguous stages that
 //! minimize the largest stage; [`parse_pp_layers`] reads the `--pp-layers 9,8,8,7` override.
 //! [`render_text`] draws a timeline as one text row a stage.
 //!
