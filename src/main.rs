@@ -20,6 +20,7 @@ mod predict;
 #[cfg(feature = "mpi")]
 mod rank;
 mod run;
+mod schedule;
 mod search;
 mod trace;
 mod train;
@@ -50,6 +51,8 @@ enum Command {
     Compare(compare::CompareArgs),
     /// The best plans for a model on N GPUs under a memory cap, ranked by predicted step time.
     Search(search::SearchArgs),
+    /// A pipeline schedule as a picture, with its simulated bubble and peak micro-batches in flight.
+    Schedule(schedule::ScheduleArgs),
     /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace.
     Trace(trace::TraceArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::plan(&args),
         Command::Compare(args) => compare::compare(&args),
         Command::Trace(args) => trace::trace(&args),
+        Command::Schedule(args) => schedule::schedule(&args),
         Command::Bench(args) => bench::bench(&args),
         Command::Search(args) => search::run_search(&args),
         #[cfg(feature = "mpi")]

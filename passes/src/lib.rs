@@ -13,6 +13,7 @@ pub mod cp;
 pub mod error;
 pub mod explain;
 pub mod manager;
+pub mod pipeline;
 pub mod propagate;
 pub mod rewrite;
 pub mod search;
