@@ -6,54 +6,48 @@
 //! rank's program into its stage's part and replays it in the schedule's order. Global rank
 //! `s · inner + i` is stage `s` of inner rank `i`.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
 use pleat_backend::pipeline::{pipeline_programs, Phase, PipelinePlan, ScheduleStep};
 use pleat_backend::{Group, Instr, Program};
 use pleat_ir::{AxisName, Mesh, Module};
+use pleat_passes::pipeline::{parse_pp_layers, Phase as PlannedPhase, Schedule, ScheduleKind};
 
-/// The pipeline schedules pleat runs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum ScheduleArg {
-    /// Every micro-batch's forward, then every backward.
-    Gpipe,
-    /// PipeDream-flush: after a warm-up of (stages - stage - 1) forwards, one forward, one backward.
-    #[default]
-    #[value(name = "1f1b")]
-    OneFOneB,
+use crate::schedule::ScheduleName;
+
+/// Each stage's steps under `schedule`, from the planner's schedules (`pleat schedule` draws the
+/// same ones). Pipelined execution runs the schedules whose steps are whole forwards and
+/// backwards on one model chunk a rank.
+pub fn schedule_steps(schedule: ScheduleName, stages: u32, micro_batches: u32) -> Result<Vec<Vec<ScheduleStep>>> {
+    let kind = match schedule {
+        ScheduleName::Gpipe => ScheduleKind::GPipe,
+        ScheduleName::OneFOneB => ScheduleKind::OneFOneB,
+        ScheduleName::Interleaved | ScheduleName::ZbH1 => bail!(
+            "pleat trains with --schedule gpipe or 1f1b; interleaved and zb-h1 (model chunks, a split backward) are \
+             planned and drawn by `pleat schedule` only so far"
+        ),
+    };
+    let schedule = Schedule::build(kind, stages, micro_batches)?;
+    Ok(schedule
+        .per_stage
+        .iter()
+        .map(|steps| {
+            steps
+                .iter()
+                .map(|step| ScheduleStep {
+                    micro_batch: step.micro_batch,
+                    phase: if step.phase == PlannedPhase::Forward { Phase::Forward } else { Phase::Backward },
+                })
+                .collect()
+        })
+        .collect())
 }
 
-/// Each stage's steps under `schedule`.
-pub fn schedule_steps(schedule: ScheduleArg, stages: u32, micro_batches: u32) -> Vec<Vec<ScheduleStep>> {
-    let forward = |micro_batch| ScheduleStep { micro_batch, phase: Phase::Forward };
-    let backward = |micro_batch| ScheduleStep { micro_batch, phase: Phase::Backward };
-    (0..stages)
-        .map(|stage| match schedule {
-            ScheduleArg::Gpipe => (0..micro_batches).map(forward).chain((0..micro_batches).map(backward)).collect(),
-            ScheduleArg::OneFOneB => {
-                let warm_up = (stages - stage - 1).min(micro_batches);
-                let mut steps: Vec<ScheduleStep> = (0..warm_up).map(forward).collect();
-                for index in 0..micro_batches - warm_up {
-                    steps.push(forward(warm_up + index));
-                    steps.push(backward(index));
-                }
-                steps.extend((micro_batches - warm_up..micro_batches).map(backward));
-                steps
-            }
-        })
-        .collect()
-}
-
-/// Parses `--pp-layers 9,8,8,7`.
-pub fn parse_pp_layers(text: &str) -> Result<Vec<u64>> {
-    text.split(',')
-        .map(|part| {
-            part.trim()
-                .parse::<u64>()
-                .map_err(|_| anyhow::anyhow!("--pp-layers {text}: `{part}` is not a layer count; write e.g. 9,8,8,7"))
-        })
-        .collect()
+/// `--pp-layers 9,8,8,7`: layers a stage, checked against the model and the stages.
+pub fn layers_per_stage(text: &str, layers: u64, stages: u32) -> Result<Vec<u64>> {
+    let ranges = parse_pp_layers(text, layers as u32, stages)?;
+    Ok(ranges.iter().map(|range| u64::from(range.end - range.start)).collect())
 }
 
 /// The mesh inside a stage: `mesh` without its `pp` axis.

@@ -24,8 +24,8 @@ use serde_json::json;
 
 use crate::compile::Strategy;
 use crate::model_arg::{resolve, ModelSource};
-use crate::pipeline::ScheduleArg;
 use crate::run::{comm_stats_mean, human_bytes, weight_source, Format, RunArgs};
+use crate::schedule::ScheduleName;
 
 /// The largest difference from the reference `--check` accepts on the losses (absolute) and on
 /// each first-step gradient (relative to that gradient's L2 norm).
@@ -93,8 +93,8 @@ pub struct TrainFlags {
     #[arg(long, default_value_t = 1, requires = "train")]
     pub micro_batches: u32,
     /// The pipeline schedule (with a pp axis).
-    #[arg(long, value_enum, default_value_t = ScheduleArg::OneFOneB, requires = "train")]
-    pub schedule: ScheduleArg,
+    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB, requires = "train")]
+    pub schedule: ScheduleName,
     /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (default: as even as they go).
     #[arg(long, requires = "train")]
     pub pp_layers: Option<String>,
@@ -121,9 +121,9 @@ pub struct Pipelining {
     /// Micro-batches a step (gradients accumulate over them).
     pub micro_batches: u32,
     /// The order of each stage's forward and backward steps.
-    pub schedule: ScheduleArg,
-    /// Layers a stage, first to last; `None`: as even as they go.
-    pub layers: Option<Vec<u64>>,
+    pub schedule: ScheduleName,
+    /// `--pp-layers`: layers a stage, first to last; `None`: as even as they go.
+    pub layers: Option<String>,
 }
 
 /// Builds `config`'s training graph, shards and differentiates it over `mesh`, and lowers it;
@@ -158,9 +158,12 @@ pub fn compile_training(
     module.mesh = inner;
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
     if stages > 1 || micro_batches > 1 {
-        let layers = pipelining.layers.as_deref();
-        let stage_of = crate::pipeline::stage_of_nodes(&module, stages, layers, config.num_layers)?;
-        let schedule = crate::pipeline::schedule_steps(pipelining.schedule, stages, micro_batches);
+        let layers = match &pipelining.layers {
+            Some(text) => Some(crate::pipeline::layers_per_stage(text, config.num_layers, stages)?),
+            None => None,
+        };
+        let stage_of = crate::pipeline::stage_of_nodes(&module, stages, layers.as_deref(), config.num_layers)?;
+        let schedule = crate::pipeline::schedule_steps(pipelining.schedule, stages, micro_batches)?;
         let (programs, layouts) = crate::pipeline::pipelined(&module, &stage_of, &schedule, micro_batches, zero)?;
         return Ok(CompiledTraining { module, programs, layouts });
     }
@@ -231,11 +234,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     }
     let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
     let mesh = Mesh::parse(&args.mesh)?;
-    let pipelining = Pipelining {
-        micro_batches: flags.micro_batches,
-        schedule: flags.schedule,
-        layers: flags.pp_layers.as_deref().map(crate::pipeline::parse_pp_layers).transpose()?,
-    };
+    let pipelining =
+        Pipelining { micro_batches: flags.micro_batches, schedule: flags.schedule, layers: flags.pp_layers.clone() };
     let state = (flags.zero, flags.recompute.into());
     let compiled = compile_training(&config, shape, &mesh, args.strategy, state, &pipelining)?;
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;

@@ -109,11 +109,11 @@ fn one_f_one_b_holds_stages_not_micro_batches() {
 fn bad_pipelines_are_refused() {
     let model = four_layers();
     let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--pp-layers", "3,2"]);
-    assert!(error.contains("sum to the model's 4 layers"), "{error}");
+    assert!(error.contains("the counts sum to 5, the model has 4 layers"), "{error}");
     let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--batch", "8", "--micro-batches", "3"]);
     assert!(error.contains("--batch 8 does not split into --micro-batches 3"), "{error}");
     let error = error_of(&["run", "tiny", "--train", "--mesh", "pp=4"]);
-    assert!(error.contains("at least one layer"), "{error}");
+    assert!(error.contains("pp=4 needs at least one layer a stage, and the model has 2 layers"), "{error}");
 }
 
 #[test]

@@ -67,6 +67,11 @@ fn layer_of(name: &str) -> Option<u64> {
 /// runs (`layers_per_stage`, or as even as they go, earlier stages taking the remainder).
 pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u64]>, layers: u64) -> Result<Vec<u32>> {
     let stages = stages.max(1);
+    if layers_per_stage.is_none() && layers < u64::from(stages) {
+        return Err(malformed(format!(
+            "pp={stages} needs at least one layer a stage, and the model has {layers} layers; use pp <= {layers}"
+        )));
+    }
     let counts: Vec<u64> = match layers_per_stage {
         Some(counts) => counts.to_vec(),
         None => (0..u64::from(stages))
