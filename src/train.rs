@@ -217,6 +217,7 @@ struct TrainReport {
     peaks: Vec<u64>,
     optimizer_bytes: Vec<u64>,
     activation_peaks: Vec<u64>,
+    recv_wait_shares: Vec<f64>,
     comm_bytes: BTreeMap<&'static str, u64>,
 }
 
@@ -286,6 +287,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         peaks: ranks.iter().map(|rank| rank.peak_bytes).collect(),
         optimizer_bytes: ranks.iter().map(|rank| rank.optimizer_bytes).collect(),
         activation_peaks: ranks.iter().map(|rank| rank.activation_peak_bytes).collect(),
+        recv_wait_shares: ranks.iter().map(|rank| rank.first_recv_wait_share).collect(),
         comm_bytes: comm_stats_mean(&ranks.iter().map(|rank| &rank.first_comm).collect::<Vec<_>>()),
     };
     let weight_tol = TRAIN_TOL + WEIGHT_TOL_PER_LR_STEP * flags.lr as f32 * flags.steps as f32;
@@ -426,6 +428,7 @@ fn print_report(
                 "peak_bytes_per_rank": report.peaks,
                 "optimizer_bytes_per_rank": report.optimizer_bytes,
                 "activation_peak_bytes_per_rank": report.activation_peaks,
+                "recv_wait_share_per_rank": report.recv_wait_shares,
                 "comm_bytes_per_step": report.comm_bytes,
             });
             println!("{}", serde_json::to_string_pretty(&object)?);

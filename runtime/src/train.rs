@@ -87,6 +87,9 @@ pub struct RankTraining {
     pub optimizer_bytes: u64,
     /// The most bytes a step held in activation buffers (intermediate values, gradients included).
     pub activation_peak_bytes: u64,
+    /// The share of the first step's program time spent waiting in point-to-point receives: a
+    /// pipeline stage's measured bubble (collectives' waits are not counted).
+    pub first_recv_wait_share: f64,
     /// After the last step, each parameter's name and the rank's blocks of its two moments (the
     /// elements it updates), in the parameter's global shape.
     pub moments: Vec<(String, OutputBlock, OutputBlock)>,
@@ -171,6 +174,7 @@ fn train_rank(
     let mut first_comm = CommStats::default();
     let mut peak_bytes = 0;
     let mut activation_peak_bytes = 0;
+    let mut first_recv_wait_share = 0.0;
     let epoch = Instant::now();
     for step in options.start_step..options.start_step + options.steps {
         let tokens = (options.batches)(step);
@@ -186,6 +190,7 @@ fn train_rank(
         let optimizer = Step { rank, step: step + 1, settings: options.adamw };
         grad_norms.push(optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?);
         if step == options.start_step {
+            first_recv_wait_share = recv_wait_share(program, &outcome.timings);
             first_outputs = outcome.outputs;
             first_comm = outcome.comm;
         }
@@ -215,8 +220,27 @@ fn train_rank(
         peak_bytes,
         optimizer_bytes,
         activation_peak_bytes,
+        first_recv_wait_share,
         moments: moment_blocks,
     })
+}
+
+/// The share of a run's time (first instruction's start to last's end) its receives took.
+fn recv_wait_share(program: &Program, timings: &[(u64, u64)]) -> f64 {
+    let (Some(first), Some(last)) = (timings.first(), timings.last()) else { return 0.0 };
+    let total = last.1.saturating_sub(first.0);
+    let waiting: u64 = program
+        .instructions
+        .iter()
+        .zip(timings)
+        .filter(|(instr, _)| matches!(instr, Instr::Recv { .. }))
+        .map(|(_, &(start, end))| end.saturating_sub(start))
+        .sum();
+    if total == 0 {
+        0.0
+    } else {
+        waiting as f64 / total as f64
+    }
 }
 
 /// A tensor's global shape and a block of it, per dim `(start, len)`.
