@@ -233,6 +233,15 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     if args.tokens.is_some() {
         bail!("--train reads its tokens from --data (or the synthetic stream), not --tokens");
     }
+    for (flag, given) in [
+        ("--logits-out", args.logits_out.is_some()),
+        ("--trace", args.trace.is_some()),
+        ("--emulate-link", args.emulate_link.is_some()),
+    ] {
+        if given {
+            bail!("{flag} applies to inference runs; drop it or drop --train");
+        }
+    }
     let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
     let mesh = Mesh::parse(&args.mesh)?;
     let pipelining =
