@@ -514,33 +514,8 @@ fn run_kernel(
                 inv_freq,
             );
         }
-        Kernel::Attention {
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            scale,
-            with_lse,
-        } => {
-            let shape = AttentionShape {
-                batch: *batch as usize,
-                sq: *sq as usize,
-                sk: *sk as usize,
-                hq: *hq as usize,
-                hkv: *hkv as usize,
-                head_dim: *head_dim as usize,
-                q_head_offset: *q_head_offset as usize,
-                kv_head_offset: *kv_head_offset as usize,
-                group: *group as usize,
-                causal: *causal,
-                scale: *scale,
-            };
+        Kernel::Attention { with_lse, .. } => {
+            let shape = attention_shape(kernel).expect("an attention kernel");
             let (q, k, v, q_pos, k_pos) =
                 (f32_operand(0)?, f32_operand(1)?, f32_operand(2)?, u32_operand(3)?, u32_operand(4)?);
             if *with_lse {
@@ -605,6 +580,54 @@ fn run_kernel(
         }
     }
     Ok(result)
+}
+
+/// The local sizes of an attention kernel or of its gradient, as the runtime's kernels take them;
+/// `None` for any other kernel.
+pub(crate) fn attention_shape(kernel: &Kernel) -> Option<AttentionShape> {
+    match kernel {
+        Kernel::Attention {
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            head_dim,
+            q_head_offset,
+            kv_head_offset,
+            group,
+            causal,
+            scale,
+            ..
+        }
+        | Kernel::AttentionGrad {
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            head_dim,
+            q_head_offset,
+            kv_head_offset,
+            group,
+            causal,
+            scale,
+            ..
+        } => Some(AttentionShape {
+            batch: *batch as usize,
+            sq: *sq as usize,
+            sk: *sk as usize,
+            hq: *hq as usize,
+            hkv: *hkv as usize,
+            head_dim: *head_dim as usize,
+            q_head_offset: *q_head_offset as usize,
+            kv_head_offset: *kv_head_offset as usize,
+            group: *group as usize,
+            causal: *causal,
+            scale: *scale,
+        }),
+        _ => None,
+    }
 }
 
 /// Interleaves rows of `head_dim` outputs with their log-sum-exp: `[rows, head_dim + 1]`.

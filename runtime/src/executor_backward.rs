@@ -5,9 +5,9 @@
 
 use pleat_backend::{AttentionOperand, BufferId, Kernel};
 
-use super::Machine;
+use super::{attention_shape, Machine};
 use crate::error::{Error, Result};
-use crate::kernels::{self, AttentionGradOperand, AttentionShape, LossShape};
+use crate::kernels::{self, AttentionGradOperand, LossShape};
 
 /// Runs the backward `kernel` on `operands` into `result` (sized to `out`); the caller has checked the
 /// operand count.
@@ -80,33 +80,8 @@ pub(super) fn run_backward_kernel(
                 inv_freq,
             );
         }
-        Kernel::AttentionGrad {
-            wrt,
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            scale,
-        } => {
-            let shape = AttentionShape {
-                batch: *batch as usize,
-                sq: *sq as usize,
-                sk: *sk as usize,
-                hq: *hq as usize,
-                hkv: *hkv as usize,
-                head_dim: *head_dim as usize,
-                q_head_offset: *q_head_offset as usize,
-                kv_head_offset: *kv_head_offset as usize,
-                group: *group as usize,
-                causal: *causal,
-                scale: *scale,
-            };
+        Kernel::AttentionGrad { wrt, .. } => {
+            let shape = attention_shape(kernel).expect("an attention gradient kernel");
             let wrt = match wrt {
                 AttentionOperand::Query => AttentionGradOperand::Query,
                 AttentionOperand::Key => AttentionGradOperand::Key,
