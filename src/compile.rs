@@ -23,6 +23,10 @@ pub enum Strategy {
     Tp,
     /// Megatron tensor parallelism with Korthikanti's sequence parallelism on the tp axis.
     TpSp,
+    /// Sequence parallelism on the tp axis, and each block folded into TSP (weights broadcast or
+    /// passed around a ring instead of tokens gathered) where the cost model finds it cheaper:
+    /// egg's `fold-tp-sp-into-tsp` rules. Inference only.
+    TpSpOrTsp,
     /// Tensor-and-sequence parallelism on the tsp axis.
     Tsp,
     /// Data parallelism on the dp axis.
@@ -36,7 +40,7 @@ impl Strategy {
     pub fn pass_ctx(self, mesh: &Mesh, dump: Dump) -> Result<PassCtx> {
         let axis = match self {
             Strategy::Auto => None,
-            Strategy::Tp | Strategy::TpSp => Some("tp"),
+            Strategy::Tp | Strategy::TpSp | Strategy::TpSpOrTsp => Some("tp"),
             Strategy::Tsp => Some("tsp"),
             Strategy::Dp => Some("dp"),
             Strategy::Cp => Some("cp"),
@@ -46,13 +50,19 @@ impl Strategy {
                 anyhow::bail!("--strategy {} needs a {axis} axis in --mesh, e.g. --mesh {axis}=4", self.name());
             }
         }
-        Ok(PassCtx { dump, sequence_parallel: self == Strategy::TpSp, ..PassCtx::default() })
+        Ok(PassCtx {
+            dump,
+            sequence_parallel: matches!(self, Strategy::TpSp | Strategy::TpSpOrTsp),
+            fold_into_tsp: self == Strategy::TpSpOrTsp,
+            ..PassCtx::default()
+        })
     }
     fn name(self) -> &'static str {
         match self {
             Strategy::Auto => "auto",
             Strategy::Tp => "tp",
             Strategy::TpSp => "tp-sp",
+            Strategy::TpSpOrTsp => "tp-sp-or-tsp",
             Strategy::Tsp => "tsp",
             Strategy::Dp => "dp",
             Strategy::Cp => "cp",

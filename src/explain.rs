@@ -5,7 +5,9 @@ use std::fmt::Write;
 use anyhow::{bail, Result};
 use clap::Args;
 use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
+use pleat_passes::cp::FOLD_CP;
 use pleat_passes::propagate::PROPAGATE_SPECS;
+use pleat_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport, StopReason};
 use pleat_passes::tsp::FOLD_TSP;
 use pleat_passes::{Dump, PassCtx};
 use serde_json::json;
@@ -44,16 +46,82 @@ pub struct ExplainArgs {
     pub proof: Option<String>,
 }
 
+/// The model built and propagated (the passes before `rewrite-collectives`) under `ctx`.
+fn propagated(
+    target: &ModelOnMesh,
+    config: &pleat_ir::model::config::ModelConfig,
+    ctx: &PassCtx,
+) -> Result<pleat_ir::Module> {
+    let mut module = pleat_ir::model::build(config, target.batch, target.seq)?;
+    module.mesh = pleat_ir::Mesh::parse(&target.mesh)?;
+    pleat_passes::run_pipeline(&[FOLD_TSP, FOLD_CP, PROPAGATE_SPECS], &mut module, ctx)?;
+    Ok(module)
+}
+
 /// The proof text for `value`: the module is propagated without sequence parallelism (the tp
 /// form) and the rule tables are those the strategy enables.
 fn proof(target: &ModelOnMesh, config: &pleat_ir::model::config::ModelConfig, value: &str) -> Result<String> {
-    let mesh = pleat_ir::Mesh::parse(&target.mesh)?;
-    let ctx = target.strategy.pass_ctx(&mesh, Dump::Nothing)?;
-    let mut module = pleat_ir::model::build(config, target.batch, target.seq)?;
-    module.mesh = mesh;
+    let ctx = target.strategy.pass_ctx(&pleat_ir::Mesh::parse(&target.mesh)?, Dump::Nothing)?;
     let tp_form = PassCtx { sequence_parallel: false, ..ctx.clone() };
-    pleat_passes::run_pipeline(&[FOLD_TSP, PROPAGATE_SPECS], &mut module, &tp_form)?;
+    let module = propagated(target, config, &tp_form)?;
     Ok(pleat_passes::rewrite::proof(&module, &ctx, value)?)
+}
+
+/// What `rewrite-collectives` did on this plan: its e-graph, the rules that fired, the times.
+fn rewrite_report(target: &ModelOnMesh, config: &pleat_ir::model::config::ModelConfig) -> Result<RewriteReport> {
+    let ctx = target.strategy.pass_ctx(&pleat_ir::Mesh::parse(&target.mesh)?, Dump::Nothing)?;
+    let mut module = propagated(target, config, &ctx)?;
+    Ok(rewrite_collectives(&mut module, &ctx, &RewriteOptions::default())?)
+}
+
+fn stop_text(stop: &StopReason) -> String {
+    match stop {
+        StopReason::Saturated => "saturated".to_string(),
+        StopReason::IterationLimit(limit) => format!("stopped at the iteration limit ({limit})"),
+        StopReason::NodeLimit(nodes) => format!("stopped at the e-node limit ({nodes})"),
+        StopReason::TimeLimit(seconds) => format!("stopped at the time limit ({seconds:.1} s)"),
+        StopReason::Other(reason) => format!("stopped: {reason}"),
+    }
+}
+
+fn rewrite_json(report: &RewriteReport) -> serde_json::Value {
+    json!({
+        "tables": report.tables,
+        "stop": stop_text(&report.stop),
+        "iterations": report.iterations,
+        "enodes": report.enodes,
+        "eclasses": report.eclasses,
+        "rules_fired": report.rules_fired,
+        "layer_seconds_before": report.seconds_before,
+        "layer_seconds_after": report.seconds_after,
+        "layers_rewritten": report.layers_rewritten,
+    })
+}
+
+fn rewrite_text(report: &RewriteReport) -> String {
+    let mut out = format!(
+        "\nrewrite-collectives (egg, one layer template; tables {}): {} after {} iterations, {} e-nodes in {} classes\n",
+        report.tables.join(", "),
+        stop_text(&report.stop),
+        report.iterations,
+        report.enodes,
+        report.eclasses
+    );
+    let fired: Vec<String> = report.rules_fired.iter().map(|(rule, count)| format!("{rule} x{count}")).collect();
+    let fired = if fired.is_empty() { "none".to_string() } else { fired.join(", ") };
+    let _ = writeln!(out, "  rules fired: {fired}");
+    let verdict = if report.layers_rewritten == 0 {
+        "the propagated form is kept".to_string()
+    } else {
+        format!("the chosen form is written into {} layers", report.layers_rewritten)
+    };
+    let _ = writeln!(
+        out,
+        "  predicted time a layer: {:.3} us as propagated, {:.3} us chosen; {verdict}",
+        report.seconds_before * 1e6,
+        report.seconds_after * 1e6
+    );
+    out
 }
 
 fn collective_json(reason: &CollectiveReason) -> serde_json::Value {
@@ -82,6 +150,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
     }
     let compiled = target.compile(&config, Dump::Nothing)?;
     let module = &compiled.sharded;
+    let rewrite = rewrite_report(target, &config)?;
     let prefix = format!("layer{}.", args.layer);
     let all = explain_collectives(module);
     let selected =
@@ -112,6 +181,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                     "bytes_per_rank": layout.bytes_per_rank,
                 })).collect::<Vec<_>>(),
                 "collectives": collectives.iter().map(|reason| collective_json(reason)).collect::<Vec<_>>(),
+                "rewrite": rewrite_json(&rewrite),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -154,6 +224,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                     reason.reason
                 );
             }
+            out.push_str(&rewrite_text(&rewrite));
             print!("{out}");
         }
         ExplainFormat::Dot => print!("{}", dot(module, &prefix)),

@@ -49,6 +49,9 @@ pub struct PassCtx {
     /// Korthikanti et al.'s sequence parallelism on the `tp` axis: norms, residuals and the
     /// embedding output stay split on seq; reduce-scatter and all-gather replace all-reduce.
     pub sequence_parallel: bool,
+    /// Under sequence parallelism, let `rewrite-collectives` fold the tp axis into TSP where moving
+    /// the weights is cheaper than moving the tokens (the `fold-tp-sp-into-tsp` rule table).
+    pub fold_into_tsp: bool,
     /// ZeRO's stage over the `dp` axis when training (0: plain data parallelism): 1 splits the
     /// optimizer state, 2 also the gradients (reduce-scattered), 3 also the parameters (gathered
     /// before each use).
@@ -63,6 +66,7 @@ impl Default for PassCtx {
             verify_each: true,
             dump: Dump::Nothing,
             sequence_parallel: false,
+            fold_into_tsp: false,
             zero_stage: 0,
             recompute: crate::autodiff::Recompute::None,
         }

@@ -6,7 +6,8 @@
 //! of its axis on the hardware's nodes. A compute op costs the larger of its FLOPs at peak and its
 //! bytes at HBM bandwidth (the efficiencies of `HardwareSpec`), on the local blocks: so a norm on
 //! a `1/D` sequence shard costs `1/D` of one on the whole sequence. A local slice costs a copy of
-//! its block. Ties break on the number of e-nodes, then on egg's fixed order of a class's nodes,
+//! its block. The ring MLP costs D steps of its GEMMs, each at least one shard's point-to-point hop
+//! (the hop is double-buffered under the step). Ties break on the number of e-nodes, then on egg's fixed order of a class's nodes,
 //! so the choice is deterministic.
 
 use std::cmp::Ordering;
@@ -100,7 +101,12 @@ impl CostModel {
                 let element_bytes = dtype_bytes.max(1) as f64;
                 let weights: f64 = operands.iter().skip(1).map(|w| w.local_bytes as f64 / element_bytes).sum();
                 let tokens = output_bytes / element_bytes / out.ty.shape.size_of(DimName::Hidden).unwrap_or(1) as f64;
-                flops(2.0 * tokens * weights * degree as f64, hw.efficiency.matmul)
+                // D steps of one shard's GEMMs; each of the D-1 hops moves a shard and is
+                // double-buffered under a step, so a step takes the longer of the two.
+                let step = flops(2.0 * tokens * weights, hw.efficiency.matmul);
+                let shard_bytes: f64 = operands.iter().skip(1).map(|w| w.local_bytes as f64).sum();
+                let hop = time(Collective::SendRecv, shard_bytes, span, hw);
+                step + (degree.saturating_sub(1)) as f64 * step.max(hop)
             }
             // Streaming ops: read the operands, write the result.
             _ => {

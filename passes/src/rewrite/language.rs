@@ -85,7 +85,7 @@ impl LeafTable {
     }
     /// The symbol of `op`'s attributes, declared on first use. Two different ops never share one:
     /// a clash of spellings gets a `#n` suffix.
-    fn attribute(&mut self, op: &Op) -> Symbol {
+    pub fn attribute(&mut self, op: &Op) -> Symbol {
         let base = attribute_text(op);
         let mut text = base.clone();
         let mut suffix = 1;

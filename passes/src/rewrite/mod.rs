@@ -14,6 +14,7 @@
 
 pub mod analysis;
 pub mod cost;
+pub mod extract;
 pub mod language;
 mod proof;
 pub mod rules;
@@ -23,11 +24,12 @@ pub mod template;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use egg::{Extractor, Id, Language, Runner};
+use egg::{Id, Language, Runner};
 use pleat_ir::Module;
 
 use self::analysis::{LayerAnalysis, LayerGraph};
 use self::cost::{CostModel, LayerCostFunction};
+use self::extract::DagExtractor;
 use self::language::LayerLang;
 pub use self::proof::proof;
 use self::rules::{LayerRewrite, RuleTable};
@@ -115,22 +117,37 @@ struct Saturated {
     report: RewriteReport,
 }
 
-/// The rule tables `ctx` enables.
-pub fn enabled_tables(ctx: &PassCtx) -> Vec<RuleTable> {
+/// The rule tables `ctx` enables on `module`'s mesh.
+pub fn enabled_tables(module: &Module, ctx: &PassCtx) -> Vec<RuleTable> {
     let mut tables = vec![RuleTable::Collectives, RuleTable::Linear];
     if ctx.sequence_parallel {
         tables.push(RuleTable::SequenceParallel);
+        // Autodiff has no rule for the ring MLP, so a training graph keeps the tensor-parallel form.
+        if ctx.fold_into_tsp && !is_training(module) {
+            if let Some(axis) = module.mesh.axis(pleat_ir::AxisName::Tp) {
+                tables.push(RuleTable::FoldTpSpIntoTsp { degree: axis.size });
+            }
+        }
     }
     tables
 }
 
+/// Whether `module` computes a loss (a training graph).
+fn is_training(module: &Module) -> bool {
+    module.graph.order().iter().any(|&node| module.graph.node(node).op == pleat_ir::Op::CrossEntropy)
+}
+
 fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &RewriteOptions) -> Result<Saturated> {
-    let tables = enabled_tables(ctx);
+    let tables = enabled_tables(module, ctx);
     let mut rules: Vec<LayerRewrite> = Vec::new();
+    let mut leaves = template.leaves.clone();
     for table in &tables {
         rules.extend(table.rules()?);
+        if let RuleTable::FoldTpSpIntoTsp { degree } = table {
+            rules::fold_tsp::declare_roots(&mut leaves, *degree)?;
+        }
     }
-    let analysis = LayerAnalysis::new(module.mesh.clone(), template.leaves.clone());
+    let analysis = LayerAnalysis::new(module.mesh.clone(), leaves.clone());
     let mut egraph = LayerGraph::new(analysis);
     if options.explain {
         egraph = egraph.with_explanations_enabled();
@@ -141,7 +158,7 @@ fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &
         class_of.push(egraph.add(node));
     }
     egraph.rebuild();
-    let mut runner = Runner::new(LayerAnalysis::new(module.mesh.clone(), template.leaves.clone()))
+    let mut runner = Runner::new(LayerAnalysis::new(module.mesh.clone(), leaves))
         .with_egraph(egraph)
         .with_iter_limit(options.iterations)
         .with_node_limit(options.nodes)
@@ -185,7 +202,7 @@ fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &
 pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &RewriteOptions) -> Result<RewriteReport> {
     let Some(template) = layer_template(module)? else {
         return Ok(RewriteReport {
-            tables: enabled_tables(ctx).iter().map(|table| table.name()).collect(),
+            tables: enabled_tables(module, ctx).iter().map(|table| table.name()).collect(),
             stop: StopReason::Other("the module has no layer0 nodes".into()),
             iterations: 0,
             enodes: 0,
@@ -199,14 +216,14 @@ pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &Rewrite
     let Saturated { runner, class_of, mut report } = saturate(&template, module, ctx, options)?;
     let egraph = &runner.egraph;
     let model = CostModel { hardware: options.hardware.clone() };
-    let extractor = Extractor::new(egraph, LayerCostFunction::new(egraph, &model));
     let cost_fn = LayerCostFunction::new(egraph, &model);
-    report.seconds_before =
-        template.roots.iter().map(|(_, id)| original_seconds(&template, &class_of, &cost_fn, *id)).sum();
-    report.seconds_after =
-        template.roots.iter().map(|(_, id)| extractor.find_best_cost(class_of[usize::from(*id)]).seconds).sum();
+    let extractor = DagExtractor::new(egraph, &cost_fn);
     let roots: Vec<Id> = template.roots.iter().map(|(_, id)| class_of[usize::from(*id)]).collect();
-    if !changed(&template, egraph, &class_of, &roots, &|class| extractor.find_best_node(class).clone()) {
+    report.seconds_before = original_seconds(&template, &class_of, &cost_fn);
+    report.seconds_after = extractor.seconds_of(&roots);
+    // The propagated form stays unless the chosen one is strictly cheaper (a tie keeps it).
+    let cheaper = report.seconds_after < report.seconds_before;
+    if !cheaper || !changed(&template, egraph, &class_of, &roots, &|class| extractor.find_best_node(class).clone()) {
         return Ok(report);
     }
     template.write_back(module, egraph, &class_of, &|class| extractor.find_best_node(class).clone())?;
@@ -214,12 +231,21 @@ pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &Rewrite
     Ok(report)
 }
 
-/// Predicted seconds of template node `id` as propagated, counted as a tree like egg's extraction.
-fn original_seconds(template: &LayerTemplate, class_of: &[Id], cost_fn: &LayerCostFunction<'_>, id: Id) -> f64 {
-    let node = &template.expr[id];
-    let own = cost_fn.node_seconds(&node.clone().map_children(|child| class_of[usize::from(child)]));
-    let children: f64 = node.children().iter().map(|&child| original_seconds(template, class_of, cost_fn, child)).sum();
-    own.unwrap_or(f64::INFINITY) + children
+/// Predicted seconds of the layer as propagated: every template node below the roots, once.
+fn original_seconds(template: &LayerTemplate, class_of: &[Id], cost_fn: &LayerCostFunction<'_>) -> f64 {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut stack: Vec<Id> = template.roots.iter().map(|(_, id)| *id).collect();
+    let mut seconds = 0.0;
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) {
+            continue;
+        }
+        let node = &template.expr[id];
+        let own = cost_fn.node_seconds(&node.clone().map_children(|child| class_of[usize::from(child)]));
+        seconds += own.unwrap_or(f64::INFINITY);
+        stack.extend(node.children().iter().copied());
+    }
+    seconds
 }
 
 /// Whether the chosen form differs from the template anywhere below `roots` (e-classes).

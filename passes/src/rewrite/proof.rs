@@ -5,10 +5,11 @@
 //! terms of a layer are long, so each step is shown as the rule's name and the subterm it
 //! rewrote, before and after, printed a few levels deep (`…` below).
 
-use egg::{Extractor, FlatTerm};
+use egg::FlatTerm;
 use pleat_ir::Module;
 
 use super::cost::{CostModel, LayerCostFunction};
+use super::extract::DagExtractor;
 use super::language::LayerLang;
 use super::template::layer_template;
 use super::{changed, saturate, RewriteOptions, Saturated};
@@ -32,10 +33,10 @@ pub fn proof(module: &Module, ctx: &PassCtx, value_name: &str) -> Result<String>
     let class = class_of[usize::from(id)];
     let (best, is_changed) = {
         let egraph = &runner.egraph;
-        let extractor = Extractor::new(egraph, LayerCostFunction::new(egraph, &model));
+        let extractor = DagExtractor::new(egraph, &LayerCostFunction::new(egraph, &model));
         let is_changed =
             changed(&template, egraph, &class_of, &[class], &|class| extractor.find_best_node(class).clone());
-        (extractor.find_best(class).1, is_changed)
+        (extractor.best_expr(class), is_changed)
     };
     let start = template.sub_expr(id);
     let tables = report.tables.join(", ");

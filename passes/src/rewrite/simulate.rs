@@ -198,6 +198,20 @@ fn run_op(
                 .collect()
         }
         Op::BroadcastShard { root, .. } => vec![x[*root as usize].clone(); ranks],
+        Op::RingGatedMlp { .. } => {
+            // Every shard passes every rank once: the whole weights (gate and up are [ffn, hidden],
+            // down [hidden, ffn]) applied to the rank's own tokens.
+            let whole = [concat(operands[1], 0), concat(operands[2], 0), concat(operands[3], 1)];
+            (0..ranks)
+                .map(|rank| {
+                    eval(op, &[&x[rank], &whole[0], &whole[1], &whole[2]]).map_err(|error| SimulateError::Local {
+                        op: op.mnemonic(),
+                        rank,
+                        reason: error.to_string(),
+                    })
+                })
+                .collect::<Result<_, _>>()?
+        }
         Op::Zigzag { .. } | Op::Tokens | Op::Positions | Op::Param { .. } => {
             return Err(SimulateError::Unsupported { op: op.mnemonic() })
         }

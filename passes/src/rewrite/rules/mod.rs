@@ -9,9 +9,12 @@
 //! condition the types cannot express (`different_dims`, `not_normalized`).
 //!
 //! Tables: `collectives` (always), `linear` (always), `sequence-parallel` (only when the plan asks
-//! for sequence parallelism: under plain `tp` the user asked for all-reduces).
+//! for sequence parallelism: under plain `tp` the user asked for all-reduces), and
+//! `fold-tp-sp-into-tsp` (only when the plan lets the compiler move weights instead of activations
+//! on the sequence-parallel axis, `--strategy tp-sp-or-tsp`).
 
 pub mod collectives;
+pub mod fold_tsp;
 pub mod linear;
 pub mod sequence;
 #[cfg(test)]
@@ -39,6 +42,12 @@ pub enum RuleTable {
     /// Reduce-scatter and all-gather in place of all-reduce, norms and residuals on seq shards:
     /// only under sequence parallelism.
     SequenceParallel,
+    /// Broadcast or ring the weights instead of gathering the tokens (TSP), for an axis of
+    /// `degree` ranks: only when the plan allows it.
+    FoldTpSpIntoTsp {
+        /// The ranks of the sequence-parallel axis (the owners are unrolled).
+        degree: u64,
+    },
 }
 
 impl RuleTable {
@@ -48,6 +57,7 @@ impl RuleTable {
             RuleTable::Collectives => "collectives",
             RuleTable::Linear => "linear",
             RuleTable::SequenceParallel => "sequence-parallel",
+            RuleTable::FoldTpSpIntoTsp { .. } => "fold-tp-sp-into-tsp",
         }
     }
     /// The table's rules.
@@ -56,6 +66,7 @@ impl RuleTable {
             RuleTable::Collectives => collectives::rules(),
             RuleTable::Linear => linear::rules(),
             RuleTable::SequenceParallel => sequence::rules(),
+            RuleTable::FoldTpSpIntoTsp { degree } => fold_tsp::rules(degree),
         }
     }
 }
