@@ -73,6 +73,9 @@ struct IndexedBlock {
     shape: Vec<u64>,
 }
 
+/// A tensor to write: its key, shape and elements.
+type NamedTensor = (String, Vec<u64>, Vec<f32>);
+
 /// A checkpoint read back: where training resumes.
 pub struct Resume {
     /// Steps taken before the checkpoint.
@@ -91,7 +94,7 @@ pub fn write(dir: &Path, config: &ModelConfig, steps: u32, ranks: &[RankTraining
     let mut order: Vec<&RankTraining> = ranks.iter().collect();
     order.sort_by_key(|training| training.rank);
     // Each rank's blocks, keyed in its file; the index of where they went.
-    let mut files: BTreeMap<u32, Vec<(String, Vec<u64>, Vec<f32>)>> = BTreeMap::new();
+    let mut files: BTreeMap<u32, Vec<NamedTensor>> = BTreeMap::new();
     let mut tensors: BTreeMap<String, IndexedTensor> = BTreeMap::new();
     for training in order {
         let moments = training.moments.iter().flat_map(|(name, exp_avg, exp_avg_sq)| {
