@@ -1,12 +1,28 @@
-//! Training checkpoints: the whole model and optimizer state, independent of the mesh.
+//! Training checkpoints, sharded as the ranks hold them, and the atomic writes every artifact uses.
 //!
-//! A checkpoint directory holds `config.json` and `model.safetensors` (so it is also a model
-//! directory that `pleat run` and `--weights` read), `optimizer.safetensors` with each parameter's
-//! two AdamW moments (`<name>.exp_avg`, `<name>.exp_avg_sq`, in the parameter's shape) and
-//! `trainer.json` with the steps taken. Tensors are assembled from the ranks' blocks, so a run may
-//! resume on another mesh or ZeRO stage: each rank reads back only its blocks. The directory is
-//! written to a staging sibling and renamed into place, so a crash leaves the old checkpoint or
-//! the new one, never a mix.
+//! A checkpoint directory (format 2) holds:
+//!
+//! - `rank<i>.safetensors`: the blocks rank `i` holds of the parameters and of their AdamW moments
+//!   (`<name>.exp_avg`, `<name>.exp_avg_sq`, blocks of the parameter's shape). A block replicated on
+//!   several ranks (dp without ZeRO) is written once, by the lowest rank holding it; a rank left
+//!   with no block of its own writes no file. Each block is stored under the key
+//!   `<tensor>@<start>,<start>,...` in the block's own shape.
+//! - `index.json`: `format_version`, the `model`'s name, the `steps` taken, and for each global
+//!   tensor its `shape` and `blocks`, each `{file, key, offsets, shape}`: which file holds which
+//!   region. Its `content_hash` is an FNV-1a hash (the plan hash's, `crate::fingerprint`) over
+//!   `config.json`, every block file and the index itself without the hash; reading checks it, so a
+//!   changed file is an error, never a wrong run.
+//! - `config.json`: the model, so the directory is also a model directory `pleat run` reads.
+//!
+//! Any region of any tensor is assembled from the blocks it spans ([`BlockWeights`]), so a run may
+//! resume on another mesh or ZeRO stage, and inference reads the parameters. Format 1 (whole
+//! tensors in `model.safetensors` and `optimizer.safetensors`) is not read: save it again.
+//!
+//! Every directory or file pleat writes goes to a staging sibling first and is renamed into place
+//! ([`write_dir_atomically`], [`write_file_atomically`]): a process killed at any moment leaves the
+//! old artifact or the new one (a directory: or none, briefly, with the old one kept aside and put
+//! back by the next write or read), never a torn one. Staging siblings of killed processes are
+//! removed by the next write.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,101 +30,350 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use pleat_ir::model::config::ModelConfig;
 use pleat_runtime::train::RankTraining;
-use pleat_runtime::weights::{write_safetensors, SafetensorsWeights};
-use pleat_runtime::OutputBlock;
+use pleat_runtime::weights::{write_safetensors, BlockWeights, SafetensorsWeights, WeightSource};
 use serde::{Deserialize, Serialize};
 
-/// The version of `trainer.json` this build writes and reads.
-const TRAINER_FORMAT_VERSION: u32 = 1;
+use crate::fingerprint::Fingerprint;
 
-/// `trainer.json`.
-#[derive(Serialize, Deserialize)]
-struct TrainerState {
+/// The version of the checkpoint format this build writes and reads.
+pub const CHECKPOINT_FORMAT_VERSION: u32 = 2;
+
+/// The name of a checkpoint's index inside its directory.
+const INDEX_FILE: &str = "index.json";
+
+/// `index.json`.
+#[derive(Serialize, Deserialize, Clone)]
+struct Index {
     format_version: u32,
     model: String,
     /// Optimizer steps taken so far.
     steps: u32,
+    /// FNV-1a over `config.json`, the block files and this index with this field empty.
+    content_hash: String,
+    tensors: BTreeMap<String, IndexedTensor>,
 }
+
+/// A global tensor in `index.json`.
+#[derive(Serialize, Deserialize, Clone)]
+struct IndexedTensor {
+    shape: Vec<u64>,
+    blocks: Vec<IndexedBlock>,
+}
+
+/// Where one block of a tensor is stored.
+#[derive(Serialize, Deserialize, Clone)]
+struct IndexedBlock {
+    /// The file, in the checkpoint directory.
+    file: String,
+    /// The block's tensor name in that file.
+    key: String,
+    /// The block's first element, per dim.
+    offsets: Vec<u64>,
+    /// The block's shape.
+    shape: Vec<u64>,
+}
+
+/// A tensor to write: its key, shape and elements.
+type NamedTensor = (String, Vec<u64>, Vec<f32>);
 
 /// A checkpoint read back: where training resumes.
 pub struct Resume {
+    /// Steps taken before the checkpoint.
     pub steps: u32,
-    pub weights: SafetensorsWeights,
-    pub moments: SafetensorsWeights,
+    /// The parameters and their moments (`<name>.exp_avg`, `<name>.exp_avg_sq`).
+    pub state: BlockWeights,
 }
 
-/// Writes `dir` atomically: `fill` writes into a staging sibling, which then replaces `dir`.
-pub fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let parent = dir.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let name = dir.file_name().map(|name| name.to_string_lossy().to_string()).unwrap_or_else(|| "out".into());
-    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging)?;
-    }
-    std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
-    fill(&staging)?;
-    if dir.exists() {
-        std::fs::remove_dir_all(dir).with_context(|| format!("cannot replace {}", dir.display()))?;
-    }
-    std::fs::rename(&staging, dir).with_context(|| format!("cannot move the output into {}", dir.display()))
+/// Whether `path` is a checkpoint directory this module writes (it holds `index.json`).
+pub fn is_checkpoint(path: &Path) -> bool {
+    path.join(INDEX_FILE).is_file()
 }
 
-/// Writes the checkpoint of a run that has taken `steps` steps in all.
+/// Writes the checkpoint of a run that has taken `steps` steps in all, from its ranks' final state.
 pub fn write(dir: &Path, config: &ModelConfig, steps: u32, ranks: &[RankTraining]) -> Result<()> {
-    let mut params: BTreeMap<&str, Vec<&OutputBlock>> = BTreeMap::new();
-    let mut moments: BTreeMap<String, Vec<&OutputBlock>> = BTreeMap::new();
-    for rank in ranks {
-        for (name, block) in &rank.params {
-            params.entry(name).or_default().push(block);
-        }
-        for (name, exp_avg, exp_avg_sq) in &rank.moments {
-            moments.entry(format!("{name}.exp_avg")).or_default().push(exp_avg);
-            moments.entry(format!("{name}.exp_avg_sq")).or_default().push(exp_avg_sq);
+    let mut order: Vec<&RankTraining> = ranks.iter().collect();
+    order.sort_by_key(|training| training.rank);
+    // Each rank's blocks, keyed in its file; the index of where they went.
+    let mut files: BTreeMap<u32, Vec<NamedTensor>> = BTreeMap::new();
+    let mut tensors: BTreeMap<String, IndexedTensor> = BTreeMap::new();
+    for training in order {
+        let moments = training.moments.iter().flat_map(|(name, exp_avg, exp_avg_sq)| {
+            [(format!("{name}.exp_avg"), exp_avg), (format!("{name}.exp_avg_sq"), exp_avg_sq)]
+        });
+        let params = training.params.iter().map(|(name, block)| (name.clone(), block));
+        for (name, block) in params.chain(moments) {
+            if block.data.is_empty() {
+                continue;
+            }
+            let offsets: Vec<u64> = block.region.iter().map(|&(start, _)| start).collect();
+            let shape: Vec<u64> = block.region.iter().map(|&(_, len)| len).collect();
+            let starts: Vec<String> = offsets.iter().map(u64::to_string).collect();
+            let key = format!("{name}@{}", starts.join(","));
+            let file = format!("rank{}.safetensors", training.rank);
+            let tensor =
+                tensors.entry(name).or_insert_with(|| IndexedTensor { shape: block.shape.clone(), blocks: Vec::new() });
+            // A replica of a block a lower rank holds.
+            if tensor.blocks.iter().any(|held| held.offsets == offsets && held.shape == shape) {
+                continue;
+            }
+            tensor.blocks.push(IndexedBlock { file, key: key.clone(), offsets, shape: shape.clone() });
+            files.entry(training.rank).or_default().push((key, shape, block.data.clone()));
         }
     }
-    let assemble = |name: &str, blocks: &[&OutputBlock]| {
-        let (shape, data) = pleat_runtime::launch::assemble_blocks(blocks).context("a tensor without blocks")?;
-        anyhow::Ok((name.to_string(), shape, data))
+    let mut index = Index {
+        format_version: CHECKPOINT_FORMAT_VERSION,
+        model: config.name.clone(),
+        steps,
+        content_hash: String::new(),
+        tensors,
     };
-    let params = params.iter().map(|(name, blocks)| assemble(name, blocks)).collect::<Result<Vec<_>>>()?;
-    let moments = moments.iter().map(|(name, blocks)| assemble(name, blocks)).collect::<Result<Vec<_>>>()?;
-    let state = TrainerState { format_version: TRAINER_FORMAT_VERSION, model: config.name.clone(), steps };
     write_dir_atomically(dir, |staging| {
         std::fs::write(staging.join("config.json"), config.to_hf_json())?;
-        write_safetensors(staging.join("model.safetensors"), &params)?;
-        write_safetensors(staging.join("optimizer.safetensors"), &moments)?;
-        std::fs::write(staging.join("trainer.json"), serde_json::to_string_pretty(&state)?)?;
+        for (rank, blocks) in &files {
+            write_safetensors(staging.join(format!("rank{rank}.safetensors")), blocks)?;
+        }
+        index.content_hash = content_hash(staging, &index)?;
+        std::fs::write(staging.join(INDEX_FILE), serde_json::to_string_pretty(&index)?)?;
         Ok(())
     })
     .with_context(|| format!("cannot write the checkpoint {}", dir.display()))
 }
 
-/// Reads the checkpoint in `dir` for `config`.
-pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
-    let path: PathBuf = dir.join("trainer.json");
+/// The hash `index.json` records: over `config.json`, each block file (by name, in order) and the
+/// index with an empty `content_hash`.
+fn content_hash(dir: &Path, index: &Index) -> Result<String> {
+    let mut hash = Fingerprint::new();
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))
+    };
+    hash.part(&read("config.json")?);
+    let files: std::collections::BTreeSet<&str> =
+        index.tensors.values().flat_map(|tensor| &tensor.blocks).map(|block| block.file.as_str()).collect();
+    for file in files {
+        hash.part(file.as_bytes()).part(&read(file)?);
+    }
+    let mut unhashed = index.clone();
+    unhashed.content_hash.clear();
+    hash.part(serde_json::to_string(&unhashed)?.as_bytes());
+    Ok(hash.hex())
+}
+
+/// Reads and verifies the checkpoint in `dir`: its format version and content hash.
+fn read_index(dir: &Path) -> Result<Index> {
+    recover(dir)?;
+    let path: PathBuf = dir.join(INDEX_FILE);
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}; --resume takes a directory that --save wrote", path.display()))?;
-    let state: TrainerState =
-        serde_json::from_str(&text).with_context(|| format!("{} is not a pleat trainer state", path.display()))?;
-    if state.format_version != TRAINER_FORMAT_VERSION {
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let version = value.get("format_version").and_then(serde_json::Value::as_u64);
+    if version != Some(u64::from(CHECKPOINT_FORMAT_VERSION)) {
         bail!(
-            "{}: trainer format {} is not {TRAINER_FORMAT_VERSION}; this pleat cannot resume it",
+            "{}: checkpoint format {} is not {CHECKPOINT_FORMAT_VERSION}; this pleat cannot read it, save the \
+             checkpoint again with this pleat",
             path.display(),
-            state.format_version
+            version.map_or_else(|| "(none)".to_string(), |version| version.to_string())
         );
     }
-    if state.model != config.name {
+    let index: Index =
+        serde_json::from_value(value).with_context(|| format!("{} is not a pleat checkpoint index", path.display()))?;
+    let hash = content_hash(dir, &index)?;
+    if hash != index.content_hash {
+        bail!(
+            "checkpoint {} was changed after it was written (content hash {hash}, recorded {}); save it again",
+            dir.display(),
+            index.content_hash
+        );
+    }
+    Ok(index)
+}
+
+/// Reads every block of the checkpoint in `dir` (verified) into memory.
+fn read_blocks(dir: &Path, index: &Index) -> Result<BlockWeights> {
+    let mut opened: BTreeMap<&str, SafetensorsWeights> = BTreeMap::new();
+    let mut state = BlockWeights::new(dir.join(INDEX_FILE));
+    for (name, tensor) in &index.tensors {
+        for block in &tensor.blocks {
+            if !opened.contains_key(block.file.as_str()) {
+                let path = dir.join(&block.file);
+                let file =
+                    SafetensorsWeights::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+                opened.insert(&block.file, file);
+            }
+            let whole: Vec<(u64, u64)> = block.shape.iter().map(|&len| (0, len)).collect();
+            let data = opened[block.file.as_str()].read(&block.key, &block.shape, &whole)?;
+            let region: Vec<(u64, u64)> = block.offsets.iter().copied().zip(block.shape.iter().copied()).collect();
+            state.insert(name, &tensor.shape, &region, data)?;
+        }
+    }
+    Ok(state)
+}
+
+/// Reads the checkpoint in `dir` for `config`.
+pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
+    let index = read_index(dir)?;
+    if index.model != config.name {
         bail!(
             "{} holds a checkpoint of {}, not of {}; resume with that model",
             dir.display(),
-            state.model,
+            index.model,
             config.name
         );
     }
-    let open = |file: &str| {
-        let path = dir.join(file);
-        SafetensorsWeights::open(&path).with_context(|| format!("cannot open {}", path.display()))
+    Ok(Resume { steps: index.steps, state: read_blocks(dir, &index)? })
+}
+
+/// The parameters of the checkpoint in `dir` (verified), as a weight source for any mesh.
+pub fn read_weights(dir: &Path) -> Result<BlockWeights> {
+    let index = read_index(dir)?;
+    read_blocks(dir, &index)
+}
+
+/// `path`'s parent (`.` for a bare name) and file name.
+fn parent_and_name(path: &Path) -> Result<(PathBuf, String)> {
+    let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let Some(name) = path.file_name() else {
+        bail!("{} names no file or directory; give a path that ends in a name", path.display());
     };
-    Ok(Resume { steps: state.steps, weights: open("model.safetensors")?, moments: open("optimizer.safetensors")? })
+    Ok((parent.to_path_buf(), name.to_string_lossy().to_string()))
+}
+
+/// The siblings of `parent/name` that a process (by id) left with `tag`: `.name.<tag>-<pid>`.
+fn tagged_siblings(parent: &Path, name: &str, tag: &str) -> Vec<(PathBuf, u32)> {
+    let prefix = format!(".{name}.{tag}-");
+    let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
+    entries
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let pid = entry.file_name().to_str()?.strip_prefix(&prefix)?.parse().ok()?;
+            Some((entry.path(), pid))
+        })
+        .collect()
+}
+
+/// Whether the process `pid` has certainly ended (it is not this one and, where `/proc` lists
+/// processes, is not listed); elsewhere nothing is known to have ended.
+fn has_ended(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    pid != std::process::id() && proc.join("self").exists() && !proc.join(pid.to_string()).exists()
+}
+
+/// Puts back a directory that a write killed between its two renames left aside, and removes the
+/// staging siblings of writers that have ended.
+fn recover(dir: &Path) -> Result<()> {
+    let (parent, name) = parent_and_name(dir)?;
+    for (staging, pid) in tagged_siblings(&parent, &name, "tmp") {
+        if has_ended(pid) {
+            // Best effort: a leftover staging sibling only costs disk space.
+            let _ = std::fs::remove_dir_all(&staging).or_else(|_| std::fs::remove_file(&staging));
+        }
+    }
+    for (aside, pid) in tagged_siblings(&parent, &name, "old") {
+        if !has_ended(pid) {
+            continue;
+        }
+        if dir.exists() {
+            let _ = std::fs::remove_dir_all(&aside);
+        } else {
+            std::fs::rename(&aside, dir).with_context(|| format!("cannot put back {}", dir.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `dir` atomically: `fill` writes into a staging sibling, which then replaces `dir`.
+pub fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let (parent, name) = parent_and_name(dir)?;
+    std::fs::create_dir_all(&parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    recover(dir)?;
+    let pid = std::process::id();
+    let staging = parent.join(format!(".{name}.tmp-{pid}"));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+    if let Err(error) = fill(&staging) {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(error);
+    }
+    // A directory cannot be renamed over a full one: move the old one aside first, and remove it
+    // only once the new one is in place (`recover` puts it back if this process dies in between).
+    let aside = parent.join(format!(".{name}.old-{pid}"));
+    let replaced = dir.exists();
+    if replaced {
+        std::fs::rename(dir, &aside).with_context(|| format!("cannot replace {}", dir.display()))?;
+    }
+    std::fs::rename(&staging, dir).with_context(|| format!("cannot move the output into {}", dir.display()))?;
+    if replaced {
+        std::fs::remove_dir_all(&aside).with_context(|| format!("cannot remove {}", aside.display()))?;
+    }
+    Ok(())
+}
+
+/// Writes the file `path` atomically: `bytes` go to a staging sibling, which is renamed over it.
+pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let (parent, name) = parent_and_name(path)?;
+    for (staging, pid) in tagged_siblings(&parent, &name, "tmp") {
+        if has_ended(pid) {
+            let _ = std::fs::remove_file(staging);
+        }
+    }
+    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if let Err(error) = std::fs::write(&staging, bytes) {
+        let _ = std::fs::remove_file(&staging);
+        return Err(error).with_context(|| format!("cannot write {}", staging.display()));
+    }
+    std::fs::rename(&staging, path).with_context(|| format!("cannot move the output into {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("pleat-checkpoint-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_directory_left_aside_by_a_dead_writer_is_put_back_and_its_staging_removed() {
+        let root = scratch("recover");
+        let dir = root.join("out");
+        // No process has id u32::MAX - 1: both siblings belong to an ended writer.
+        let dead = u32::MAX - 1;
+        std::fs::create_dir_all(root.join(format!(".out.old-{dead}"))).unwrap();
+        std::fs::write(root.join(format!(".out.old-{dead}/a")), "old").unwrap();
+        std::fs::create_dir_all(root.join(format!(".out.tmp-{dead}"))).unwrap();
+        recover(&dir).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("a")).unwrap(), "old");
+        write_dir_atomically(&dir, |staging| Ok(std::fs::write(staging.join("b"), "new")?)).unwrap();
+        assert!(!dir.join("a").exists());
+        assert_eq!(std::fs::read_to_string(dir.join("b")).unwrap(), "new");
+        let names: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into())
+            .collect();
+        assert_eq!(names, vec!["out".to_string()]);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_failed_fill_keeps_the_old_directory() {
+        let root = scratch("failed");
+        let dir = root.join("out");
+        write_dir_atomically(&dir, |staging| Ok(std::fs::write(staging.join("a"), "old")?)).unwrap();
+        let failed = write_dir_atomically(&dir, |staging| {
+            std::fs::write(staging.join("a"), "new")?;
+            bail!("stopped")
+        });
+        assert!(failed.is_err());
+        assert_eq!(std::fs::read_to_string(dir.join("a")).unwrap(), "old");
+        write_file_atomically(&root.join("f.json"), b"{}").unwrap();
+        assert_eq!(std::fs::read_to_string(root.join("f.json")).unwrap(), "{}");
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 2);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }

@@ -15,7 +15,12 @@ pub enum ModelSource {
     Compiled(PathBuf),
 }
 
+/// The weights in a model directory: a pleat training checkpoint (the directory itself), or a
+/// Hugging Face `model.safetensors` or its sharded index.
 fn weights_beside(dir: &Path) -> Option<PathBuf> {
+    if crate::checkpoint::is_checkpoint(dir) {
+        return Some(dir.to_path_buf());
+    }
     ["model.safetensors", "model.safetensors.index.json"].iter().map(|name| dir.join(name)).find(|path| path.exists())
 }
 

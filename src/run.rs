@@ -114,6 +114,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
 /// The weights of a run: the safetensors at `path`, or seeded synthetic weights.
 pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn WeightSource>> {
     Ok(match path {
+        // A training checkpoint: its blocks, assembled for any mesh.
+        Some(path) if crate::checkpoint::is_checkpoint(path) => Box::new(
+            crate::checkpoint::read_weights(path).with_context(|| format!("cannot open weights {}", path.display()))?,
+        ),
         Some(path) => {
             Box::new(SafetensorsWeights::open(path).with_context(|| format!("cannot open weights {}", path.display()))?)
         }

@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use pleat_backend::Program;
 use pleat_passes::cost::HardwareSpec;
@@ -125,13 +125,7 @@ pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
 
 /// Writes `trace` to `path` through a temporary sibling and a rename.
 pub fn write_trace(path: &Path, trace: &Value) -> Result<()> {
-    let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map_or_else(|| "trace.json".into(), |name| name.to_string_lossy().to_string());
-    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    std::fs::write(&staging, serde_json::to_string(trace)?)
-        .with_context(|| format!("cannot write {}", staging.display()))?;
-    std::fs::rename(&staging, path).with_context(|| format!("cannot move the trace into {}", path.display()))?;
-    Ok(())
+    crate::checkpoint::write_file_atomically(path, serde_json::to_string(trace)?.as_bytes())
 }
 
 /// Writes the measured trace of a run.

@@ -17,8 +17,8 @@ use pleat_ir::{AxisName, Mesh, Module};
 use pleat_passes::autodiff::reference::{train_reference, ReferenceStart};
 use pleat_passes::autodiff::Recompute;
 use pleat_passes::Dump;
-use pleat_runtime::train::{train_on_threads, AdamWSettings, RankTraining, TrainOptions};
-use pleat_runtime::weights::WeightSource;
+use pleat_runtime::train::{final_state, train_on_threads, AdamWSettings, RankTraining, TrainOptions};
+use pleat_runtime::weights::{BlockWeights, WeightSource};
 use pleat_runtime::OutputBlock;
 use serde_json::json;
 
@@ -98,10 +98,15 @@ pub struct TrainFlags {
     /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (default: as even as they go).
     #[arg(long, requires = "train")]
     pub pp_layers: Option<String>,
-    /// After the last step, write a checkpoint here: the model (a model directory `pleat run`
-    /// reads), the optimizer's moments and the steps taken, independent of the mesh.
+    /// After the last step, write a checkpoint here: each rank's blocks of the model and of the
+    /// optimizer's moments, an index of them and the steps taken (also a model directory `pleat
+    /// run` reads, on any mesh).
     #[arg(long, requires = "train")]
     pub save: Option<PathBuf>,
+    /// Also write the --save checkpoint every this many steps (each write replaces the last one
+    /// atomically), so that a killed run resumes from the last one.
+    #[arg(long, requires = "save", value_parser = clap::value_parser!(u32).range(1..))]
+    pub save_every: Option<u32>,
     /// Continue from a checkpoint `--save` wrote (on any mesh and ZeRO stage): its weights, moments
     /// and step count; `--steps` more steps are taken.
     #[arg(long, requires = "train")]
@@ -254,7 +259,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     }
     let given_weights;
     let weights: &dyn WeightSource = match &resume {
-        Some(resume) => &resume.weights,
+        Some(resume) => &resume.state,
         None => {
             given_weights = weight_source(weights_path.as_ref(), args.seed)?;
             given_weights.as_ref()
@@ -265,24 +270,50 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
     let max_grad_norm = (flags.max_grad_norm > 0.0).then_some(flags.max_grad_norm);
     let adamw = AdamWConfig { learning_rate: flags.lr, max_grad_norm, ..AdamWConfig::default() };
-    let options = TrainOptions {
-        steps: flags.steps,
-        adamw: AdamWSettings {
-            learning_rate: adamw.learning_rate,
-            beta1: adamw.beta1,
-            beta2: adamw.beta2,
-            eps: adamw.eps,
-            weight_decay: adamw.weight_decay,
-            max_grad_norm: adamw.max_grad_norm,
-        },
-        batches: &*batches,
-        positions: &positions,
-        initial: weights,
-        moments: resume.as_ref().map(|resume| &resume.moments as &dyn WeightSource),
-        start_step,
-        timeout: Duration::from_secs(args.timeout),
+    let settings = AdamWSettings {
+        learning_rate: adamw.learning_rate,
+        beta1: adamw.beta1,
+        beta2: adamw.beta2,
+        eps: adamw.eps,
+        weight_decay: adamw.weight_decay,
+        max_grad_norm: adamw.max_grad_norm,
     };
-    let ranks = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
+    let resume_moments = resume.as_ref().map(|resume| &resume.state as &dyn WeightSource);
+    // Train in chunks of --save-every steps, each starting from the last one's state in memory
+    // (the same blocks, so the same numbers as one run), and save after each.
+    let chunk_steps = flags.save_every.unwrap_or(flags.steps).max(1);
+    let mut done = 0;
+    let mut carried: Option<(BlockWeights, BlockWeights)> = None;
+    let mut ranks: Vec<RankTraining> = Vec::new();
+    loop {
+        let steps = chunk_steps.min(flags.steps - done);
+        let (initial, moments) = match &carried {
+            Some((params, moments)) => (params as &dyn WeightSource, Some(moments as &dyn WeightSource)),
+            None => (weights, resume_moments),
+        };
+        let options = TrainOptions {
+            steps,
+            adamw: settings,
+            batches: &*batches,
+            positions: &positions,
+            initial,
+            moments,
+            start_step: start_step + done,
+            timeout: Duration::from_secs(args.timeout),
+        };
+        let trained = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
+        done += steps;
+        if let Some(dir) = &flags.save {
+            crate::checkpoint::write(dir, &config, start_step + done, &trained)?;
+        }
+        if done < flags.steps {
+            carried = Some(final_state(&trained)?);
+        }
+        ranks = if ranks.is_empty() { trained } else { merge_chunks(ranks, trained) };
+        if done >= flags.steps {
+            break;
+        }
+    }
     // Only the last pipeline stage computes the loss.
     let Some(with_loss) = ranks.iter().find(|rank| !rank.losses.is_empty()) else {
         bail!("no rank's program returns the loss");
@@ -301,12 +332,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     };
     let weight_tol = TRAIN_TOL + WEIGHT_TOL_PER_LR_STEP * flags.lr as f32 * flags.steps as f32;
     if args.check {
-        let moments = resume.as_ref().map(|resume| &resume.moments as &dyn WeightSource);
-        let start = (start_step, weights, moments);
+        let start = (start_step, weights, resume_moments);
         check(&config, shape, flags.steps, adamw, start, &*batches, &compiled, &ranks, &mut report)?;
-    }
-    if let Some(dir) = &flags.save {
-        crate::checkpoint::write(dir, &config, start_step + flags.steps, &ranks)?;
     }
     print_report(args, &config, &mesh, &report, weight_tol)?;
     if let Some(errors) = &report.errors {
@@ -321,6 +348,25 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// One run's ranks from two consecutive chunks of it: the steps' losses and norms in order, the
+/// first chunk's first-step measurements, the last chunk's state and the larger peaks.
+fn merge_chunks(earlier: Vec<RankTraining>, later: Vec<RankTraining>) -> Vec<RankTraining> {
+    earlier
+        .into_iter()
+        .zip(later)
+        .map(|(mut earlier, later)| {
+            earlier.losses.extend(later.losses);
+            earlier.grad_norms.extend(later.grad_norms);
+            earlier.params = later.params;
+            earlier.moments = later.moments;
+            earlier.peak_bytes = earlier.peak_bytes.max(later.peak_bytes);
+            earlier.optimizer_bytes = earlier.optimizer_bytes.max(later.optimizer_bytes);
+            earlier.activation_peak_bytes = earlier.activation_peak_bytes.max(later.activation_peak_bytes);
+            earlier
+        })
+        .collect()
 }
 
 /// How far a run is from the reference.

@@ -23,7 +23,7 @@ use pleat_backend::{Instr, Program};
 use crate::comm::{CommStats, Communicator, Group, ThreadFabric};
 use crate::error::{Error, Result};
 use crate::executor::{execute, OutputBlock, RunInputs};
-use crate::weights::{WeightError, WeightSource};
+use crate::weights::{BlockWeights, WeightError, WeightSource};
 
 /// AdamW's settings (torch's names and defaults but the learning rate).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -93,6 +93,32 @@ pub struct RankTraining {
     /// After the last step, each parameter's name and the rank's blocks of its two moments (the
     /// elements it updates), in the parameter's global shape.
     pub moments: Vec<(String, OutputBlock, OutputBlock)>,
+}
+
+/// The state of a run after its last step, as blocks that any mesh can read back: the parameters,
+/// and the AdamW moments as `<name>.exp_avg` and `<name>.exp_avg_sq` in the parameter's shape. A
+/// block several ranks hold (a replica under dp without ZeRO) is kept once, the lowest rank's.
+pub fn final_state(ranks: &[RankTraining]) -> Result<(BlockWeights, BlockWeights)> {
+    let mut order: Vec<&RankTraining> = ranks.iter().collect();
+    order.sort_by_key(|training| training.rank);
+    let mut params = BlockWeights::new("the training state");
+    let mut moments = BlockWeights::new("the training state's moments");
+    for training in order {
+        let weight_error = |source| Error::Weight { rank: training.rank, source: Box::new(source) };
+        for (name, block) in &training.params {
+            params.insert(name, &block.shape, &block.region, block.data.clone()).map_err(weight_error)?;
+        }
+        for (name, exp_avg, exp_avg_sq) in &training.moments {
+            for (suffix, block) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+                if block.data.is_empty() {
+                    continue;
+                }
+                let name = format!("{name}.{suffix}");
+                moments.insert(&name, &block.shape, &block.region, block.data.clone()).map_err(weight_error)?;
+            }
+        }
+    }
+    Ok((params, moments))
 }
 
 /// A parameter block a rank keeps between steps.

@@ -1,10 +1,12 @@
 //! Weight sources: where a rank gets the numbers for its slice of each parameter.
 //!
 //! A [`WeightSource`] reads a rectangular [`Region`] of a named tensor as `f32` in row-major order, so each
-//! rank reads only its own shard. Two sources exist:
+//! rank reads only its own shard. Three sources exist:
 //!
 //! - [`SafetensorsWeights`]: a memory-mapped `.safetensors` checkpoint, single-file or sharded with a
 //!   Hugging Face `model.safetensors.index.json`. Reading a region copies and converts only that region.
+//! - [`BlockWeights`]: blocks of global tensors (a training run's state, a sharded checkpoint), any region
+//!   assembled from the blocks it spans.
 //! - [`SeededWeights`]: deterministic synthetic weights, where each element depends only on the seed, the
 //!   tensor name and the element's flat index, so every rank and the single-device reference agree.
 //!
@@ -13,12 +15,14 @@
 //! A file tensor is accepted iff its shape is the model's shape with runs of adjacent dims merged.
 //! [`write_safetensors`] writes `f32` tensors atomically (logits dumps, tests).
 
+mod blocks;
 mod region;
 mod safetensors_file;
 mod seeded;
 
 use std::path::PathBuf;
 
+pub use blocks::{BlockWeights, TensorBlock};
 pub use safetensors_file::{write_safetensors, SafetensorsWeights};
 pub use seeded::SeededWeights;
 
@@ -109,6 +113,20 @@ pub enum WeightError {
         name: String,
         /// The block asked for.
         region: Vec<(u64, u64)>,
+    },
+    /// The blocks held of a tensor do not cover a region asked for.
+    #[error(
+        "tensor `{name}` region {region:?} is not wholly held by the blocks in {}: the checkpoint is \
+         incomplete; write it again from a run that holds every block",
+        .file.display()
+    )]
+    NotCovered {
+        /// The tensor asked for.
+        name: String,
+        /// The region asked for.
+        region: Vec<(u64, u64)>,
+        /// Where the blocks came from.
+        file: PathBuf,
     },
     /// The file's tensor is not the model's view with adjacent dims merged.
     #[error(

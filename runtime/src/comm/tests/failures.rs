@@ -91,6 +91,52 @@ fn timeout_names_the_rank_that_never_arrived() {
     assert!(timeouts >= 1, "{results:?}");
 }
 
+/// Rank 2 is stuck in a loop (it holds its endpoint and never calls, until the test lets it go once
+/// the others have returned): every other rank's all-reduce fails by the deadline, naming rank 2,
+/// and a receive from the stuck rank fails naming it too.
+#[test]
+fn a_rank_stuck_in_a_loop_makes_the_others_fail_naming_it() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let group = Group::world(4);
+    let returned = AtomicU32::new(0);
+    let results = run_ranks(4, SHORT, |comm| {
+        if comm.rank() == 2 {
+            // Spins, like a rank in an infinite loop, until the three others have given up.
+            while returned.load(Ordering::SeqCst) < 3 {
+                std::hint::spin_loop();
+                std::thread::yield_now();
+            }
+            return Ok(());
+        }
+        let result = comm.all_reduce(&group, &mut [1.0; 4]);
+        returned.fetch_add(1, Ordering::SeqCst);
+        result
+    });
+    for rank in [0, 1, 3] {
+        match &results[rank] {
+            Err(CommError::Timeout { waiting_for, .. }) => assert_eq!(waiting_for, &vec![2], "rank {rank}"),
+            Err(CommError::PeerFailed { reason, .. }) => {
+                assert!(reason.contains("waiting for rank(s) [2]"), "rank {rank}: {reason}")
+            }
+            other => panic!("rank {rank}: expected a timeout naming rank 2, got {other:?}"),
+        }
+    }
+    let returned = AtomicU32::new(0);
+    let results = run_ranks(2, SHORT, |comm| {
+        if comm.rank() == 1 {
+            while returned.load(Ordering::SeqCst) < 1 {
+                std::thread::yield_now();
+            }
+            return Ok(());
+        }
+        let result = comm.recv(1, &mut [0.0; 2]);
+        returned.fetch_add(1, Ordering::SeqCst);
+        result
+    });
+    let error = results[0].as_ref().unwrap_err();
+    assert!(matches!(error, CommError::Timeout { rank: 0, waiting_for, .. } if waiting_for == &vec![1]), "{error:?}");
+}
+
 #[test]
 fn recv_timeout_names_the_silent_peer() {
     let results = run_ranks(2, SHORT, |comm| {
