@@ -4,8 +4,8 @@ use std::fmt::Write;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
 use pleat_passes::cp::FOLD_CP;
+use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
 use pleat_passes::propagate::PROPAGATE_SPECS;
 use pleat_passes::rewrite::{rewrite_collectives, RewriteOptions, RewriteReport, StopReason};
 use pleat_passes::tsp::FOLD_TSP;

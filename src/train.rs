@@ -141,6 +141,12 @@ pub fn compile_training(
     (zero, recompute): (u8, Recompute),
     pipelining: &Pipelining,
 ) -> Result<CompiledTraining> {
+    if strategy == Strategy::TpSpOrTsp {
+        bail!(
+            "--strategy tp-sp-or-tsp folds inference graphs only (the backward has no rule for the ring MLP); \
+             train with --strategy tp-sp, or with --mesh tsp=D for TSP"
+        );
+    }
     if zero > 0 && mesh.degree(AxisName::Dp) == 1 {
         bail!("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2");
     }

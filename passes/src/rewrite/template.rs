@@ -319,7 +319,18 @@ impl Writer<'_> {
             .first()
             .map(|&input| self.module.graph.def(input).name.clone())
             .filter(|name| name.starts_with(&self.prefix));
-        let base = match (self.class_names.get(&class), self.shard_names.get(&class)) {
+        // An owner's block of a weight is named after the weight and the owner (`layer0.q_proj.block1`).
+        let weight_block = match (op, inputs.first()) {
+            (Op::BroadcastShard { root, .. }, Some(&input))
+                if matches!(self.module.graph.def(input).op, Op::Param { .. }) =>
+            {
+                let name = &self.module.graph.def(input).name;
+                let weight = name.strip_suffix(".weight").unwrap_or(name);
+                weight.rsplit('.').next().map(|short| format!("{}{short}.block{root}", self.prefix))
+            }
+            _ => None,
+        };
+        let base = weight_block.unwrap_or_else(|| match (self.class_names.get(&class), self.shard_names.get(&class)) {
             (Some((suffix, mnemonic)), _) if *mnemonic == op.mnemonic() => format!("{}{suffix}", self.prefix),
             _ if op.is_communication() || matches!(op, Op::LocalSlice { .. }) => match operand_name {
                 Some(name) => format!("{name}.{}", op.mnemonic()),
@@ -327,7 +338,7 @@ impl Writer<'_> {
             },
             (None, Some(suffix)) => format!("{}{suffix}", self.prefix),
             _ => format!("{semantic}.{}", op.mnemonic()),
-        };
+        });
         let mut name = base.clone();
         let mut copy = 2;
         while self.used.contains(&name) {
