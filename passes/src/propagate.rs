@@ -5,12 +5,11 @@
 //! rejects an operand because it is a pending sum (`Partial`), an all-reduce over those axes is
 //! inserted right after the operand's definition and every later use reads the sum: this is where
 //! Megatron's two all-reduces a layer come from (after the row-parallel o and down projections) and
-//! the vocab-parallel embedding's. Under sequence parallelism the sum is reduce-scattered onto seq
-//! instead, and an activation split on an axis its weight also splits is all-gathered first
-//! (Korthikanti's gather before the column-parallel projections). Graph outputs are made
-//! replicated at the end: pending sums are all-reduced and split dims all-gathered (the
-//! vocab-parallel LM head's logits). These are fixed, always-correct choices; choosing between
-//! collectives by cost is the job of a rewriting pass that does not exist yet.
+//! the vocab-parallel embedding's. An activation split on an axis its weight also splits is
+//! all-gathered first. Graph outputs are made replicated at the end: pending sums are all-reduced
+//! and split dims all-gathered (the vocab-parallel LM head's logits). These are fixed,
+//! always-correct choices, the same under every strategy; choosing between collectives by cost,
+//! sequence parallelism's reduce-scatters included, is `rewrite-collectives`' job.
 
 use pleat_ir::{AxisName, DimName, Graph, Module, Op, Shape, ShardSpec, ValueId};
 
@@ -29,7 +28,9 @@ fn propagate_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
 /// outputs replicated. Running it again on its own result changes nothing.
 pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     crate::strategy::seed_leaves(module)?;
-    let scatter_on_seq = sequence_parallel_axis(module, ctx)?;
+    // Sequence parallelism itself is egg's choice (`rewrite-collectives`); propagation only checks
+    // that the sequence splits.
+    sequence_parallel_axis(module, ctx)?;
     let graph = &mut module.graph;
     let mut cursor = 0;
     while cursor < graph.order().len() {
@@ -50,21 +51,7 @@ pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
                 }
                 Err(Conflict::PartialInput { operand, axes }) => {
                     let input = data.inputs[operand];
-                    let has_seq = graph.value(input).ty.shape.position(DimName::Seq);
-                    let seq_free = has_seq.is_some_and(|dim| graph.value(input).spec.dims[dim].is_empty());
-                    match scatter_on_seq {
-                        Some(axis) if axes == [axis] && seq_free => {
-                            collective_after_def(
-                                graph,
-                                input,
-                                Op::ReduceScatter { axis, dim: DimName::Seq },
-                                "reduce_scatter",
-                            )?;
-                        }
-                        _ => {
-                            all_reduce_after_def(graph, input, &axes)?;
-                        }
-                    }
+                    all_reduce_after_def(graph, input, &axes)?;
                     // The inserted nodes sit before this one; the cursor must still point past it.
                     cursor = graph.order().iter().position(|&id| id == node).map_or(cursor, |at| at + 1);
                 }

@@ -121,17 +121,23 @@ impl CostModel {
 pub struct LayerCostFunction<'a> {
     egraph: &'a LayerGraph,
     model: &'a CostModel,
+    /// A leaf the extracted form may not read (a layer input that does not exist in this form).
+    unavailable: Option<egg::Symbol>,
 }
 
 impl<'a> LayerCostFunction<'a> {
     /// The cost function of `model` over `egraph`.
     pub fn new(egraph: &'a LayerGraph, model: &'a CostModel) -> LayerCostFunction<'a> {
-        LayerCostFunction { egraph, model }
+        LayerCostFunction { egraph, model, unavailable: None }
     }
-    /// Seconds of one e-node, or `None` when it is ill-typed.
+    /// The same, with leaf `symbol` unavailable: no form that reads it can be chosen.
+    pub fn without_leaf(self, symbol: Option<egg::Symbol>) -> LayerCostFunction<'a> {
+        LayerCostFunction { unavailable: symbol, ..self }
+    }
+    /// Seconds of one e-node, or `None` when it is ill-typed or reads an unavailable leaf.
     pub fn node_seconds(&self, node: &LayerLang) -> Option<f64> {
-        if let LayerLang::Symbol(_) = node {
-            return Some(0.0);
+        if let LayerLang::Symbol(symbol) = node {
+            return (Some(*symbol) != self.unavailable).then_some(0.0);
         }
         let analysis = &self.egraph.analysis;
         let child = |id: Id| &self.egraph[id].data;

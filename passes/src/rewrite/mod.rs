@@ -24,16 +24,18 @@ pub mod template;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use egg::{Id, Language, Runner};
+use egg::{Id, Language, Runner, Symbol};
 use pleat_ir::Module;
+use pleat_ir::{AxisName, DimName};
 
-use self::analysis::{LayerAnalysis, LayerGraph};
+use self::analysis::{LayerAnalysis, LayerGraph, Meta};
 use self::cost::{CostModel, LayerCostFunction};
 use self::extract::DagExtractor;
 use self::language::LayerLang;
+use self::language::{Leaf, LeafTable};
 pub use self::proof::proof;
 use self::rules::{LayerRewrite, RuleTable};
-use self::template::{layer_template, LayerTemplate};
+use self::template::{layer_template, LayerTemplate, StreamSplit};
 use crate::cost::hw::HardwareSpec;
 use crate::error::{Error, Result};
 use crate::manager::{Pass, PassCtx};
@@ -108,6 +110,8 @@ pub struct RewriteReport {
     pub seconds_after: f64,
     /// Layers rewritten (0 when the propagated form was already the cheapest).
     pub layers_rewritten: usize,
+    /// Whether the residual stream is left split on seq between layers (sequence parallelism).
+    pub stream_split: bool,
 }
 
 /// A saturated layer e-graph.
@@ -115,6 +119,35 @@ struct Saturated {
     runner: Runner<LayerLang, LayerAnalysis>,
     class_of: Vec<Id>,
     report: RewriteReport,
+    stream: Option<StreamLeaves>,
+}
+
+/// Under sequence parallelism, the layer input as a leaf and as the gather of a shard leaf.
+#[derive(Clone, Copy, Debug)]
+struct StreamLeaves {
+    /// The layer input, whole.
+    input: Symbol,
+    /// Its shard on seq over tp.
+    shard: Symbol,
+}
+
+/// The axis and dim sequence parallelism splits the residual stream over.
+const STREAM_AXIS: AxisName = AxisName::Tp;
+const STREAM_DIM: DimName = DimName::Seq;
+
+/// Declares the shard of the layer's stream input on seq over tp, when it is whole there.
+fn stream_shard_leaf(template: &LayerTemplate, leaves: &mut LeafTable) -> Option<(StreamLeaves, Id)> {
+    let (input, id) = template.stream_input()?;
+    let Some(Leaf::Tensor { ty, spec }) = leaves.get(input).cloned() else { return None };
+    let dim = ty.shape.position(STREAM_DIM)?;
+    if !spec.dims[dim].is_empty() || spec.uses_axis(STREAM_AXIS) || !spec.partial.is_empty() {
+        return None;
+    }
+    let mut shard_spec = spec;
+    shard_spec.dims[dim].push(STREAM_AXIS);
+    let name = format!("{}.seq_shard", input.as_str().trim_start_matches('%'));
+    let shard = leaves.tensor(&name, ty, shard_spec);
+    Some((StreamLeaves { input, shard }, id))
 }
 
 /// The rule tables `ctx` enables on `module`'s mesh.
@@ -147,6 +180,13 @@ fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &
             rules::fold_tsp::declare_roots(&mut leaves, *degree)?;
         }
     }
+    // Under sequence parallelism the layer input is also the gather of its seq shard, so that egg
+    // can find a form of the layer that reads and writes shards: the stream split between layers.
+    let stream = if tables.contains(&RuleTable::SequenceParallel) && module.mesh.axis(STREAM_AXIS).is_some() {
+        stream_shard_leaf(template, &mut leaves)
+    } else {
+        None
+    };
     let analysis = LayerAnalysis::new(module.mesh.clone(), leaves.clone());
     let mut egraph = LayerGraph::new(analysis);
     if options.explain {
@@ -156,6 +196,13 @@ fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &
     for node in template.expr.as_ref() {
         let node = node.clone().map_children(|child| class_of[usize::from(child)]);
         class_of.push(egraph.add(node));
+    }
+    if let Some((leaves, input)) = &stream {
+        let axis = egraph.add(LayerLang::Symbol(Symbol::from(STREAM_AXIS.as_str())));
+        let dim = egraph.add(LayerLang::Symbol(Symbol::from(STREAM_DIM.as_str())));
+        let shard = egraph.add(LayerLang::Symbol(leaves.shard));
+        let gathered = egraph.add(LayerLang::AllGather([axis, dim, shard]));
+        egraph.union_trusted(class_of[usize::from(*input)], gathered, "stream-is-the-gather-of-its-shard");
     }
     egraph.rebuild();
     let mut runner = Runner::new(LayerAnalysis::new(module.mesh.clone(), leaves))
@@ -194,8 +241,9 @@ fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &
         seconds_before: 0.0,
         seconds_after: 0.0,
         layers_rewritten: 0,
+        stream_split: false,
     };
-    Ok(Saturated { runner, class_of, report })
+    Ok(Saturated { runner, class_of, report, stream: stream.map(|(leaves, _)| leaves) })
 }
 
 /// Runs the pass with `options` and reports what it did.
@@ -211,24 +259,56 @@ pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &Rewrite
             seconds_before: 0.0,
             seconds_after: 0.0,
             layers_rewritten: 0,
+            stream_split: false,
         });
     };
-    let Saturated { runner, class_of, mut report } = saturate(&template, module, ctx, options)?;
+    let Saturated { runner, class_of, mut report, stream } = saturate(&template, module, ctx, options)?;
     let egraph = &runner.egraph;
     let model = CostModel { hardware: options.hardware.clone() };
-    let cost_fn = LayerCostFunction::new(egraph, &model);
+    // The whole-input form may not read the shard leaf, which exists only in the split form.
+    let cost_fn = LayerCostFunction::new(egraph, &model).without_leaf(stream.map(|stream| stream.shard));
     let extractor = DagExtractor::new(egraph, &cost_fn);
     let roots: Vec<Id> = template.roots.iter().map(|(_, id)| class_of[usize::from(*id)]).collect();
     report.seconds_before = original_seconds(&template, &class_of, &cost_fn);
     report.seconds_after = extractor.seconds_of(&roots);
+    // The split form: the layer reads its input's shard and writes its output's, so the stream
+    // stays split between layers (sequence parallelism's norms and residuals on seq shards).
+    if let (Some(stream), [root]) = (stream, roots.as_slice()) {
+        let split_fn = LayerCostFunction::new(egraph, &model).without_leaf(Some(stream.input));
+        let split = DagExtractor::new(egraph, &split_fn);
+        if let Some(output_shard) = gathered_shard(egraph, *root) {
+            let seconds = split.seconds_of(&[output_shard]);
+            if seconds < report.seconds_after && seconds < report.seconds_before {
+                report.seconds_after = seconds;
+                let layout = StreamSplit { shard_leaf: stream.shard, output_shard, axis: STREAM_AXIS, dim: STREAM_DIM };
+                let choose = |class: Id| split.find_best_node(class).clone();
+                template.write_back(module, egraph, &class_of, &choose, Some(layout))?;
+                report.layers_rewritten = template.layers.len();
+                report.stream_split = true;
+                return Ok(report);
+            }
+        }
+    }
     // The propagated form stays unless the chosen one is strictly cheaper (a tie keeps it).
     let cheaper = report.seconds_after < report.seconds_before;
     if !cheaper || !changed(&template, egraph, &class_of, &roots, &|class| extractor.find_best_node(class).clone()) {
         return Ok(report);
     }
-    template.write_back(module, egraph, &class_of, &|class| extractor.find_best_node(class).clone())?;
+    template.write_back(module, egraph, &class_of, &|class| extractor.find_best_node(class).clone(), None)?;
     report.layers_rewritten = template.layers.len();
     Ok(report)
+}
+
+/// The shard `c` of a class holding `all_gather(tp, seq, c)`, if it holds one.
+fn gathered_shard(egraph: &LayerGraph, class: Id) -> Option<Id> {
+    egraph[class].nodes.iter().find_map(|node| match node {
+        LayerLang::AllGather([axis, dim, shard])
+            if egraph[*axis].data == Meta::Axis(STREAM_AXIS) && egraph[*dim].data == Meta::Dim(STREAM_DIM) =>
+        {
+            Some(egraph.find(*shard))
+        }
+        _ => None,
+    })
 }
 
 /// Predicted seconds of the layer as propagated: every template node below the roots, once.

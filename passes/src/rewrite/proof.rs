@@ -28,12 +28,15 @@ pub fn proof(module: &Module, ctx: &PassCtx, value_name: &str) -> Result<String>
     let template = layer_template(module)?.ok_or_else(unknown)?;
     let suffix = value_name.split_once('.').map(|(_, suffix)| suffix).ok_or_else(unknown)?;
     let &id = template.named.get(suffix).ok_or_else(unknown)?;
-    let Saturated { mut runner, class_of, report } = saturate(&template, module, ctx, &options)?;
+    let Saturated { mut runner, class_of, report, stream } = saturate(&template, module, ctx, &options)?;
     let model = CostModel { hardware: options.hardware.clone() };
     let class = class_of[usize::from(id)];
     let (best, is_changed) = {
         let egraph = &runner.egraph;
-        let extractor = DagExtractor::new(egraph, &LayerCostFunction::new(egraph, &model));
+        // Under sequence parallelism the pass keeps the stream split: explain the form that reads the
+        // layer input's shard.
+        let cost_fn = LayerCostFunction::new(egraph, &model).without_leaf(stream.map(|stream| stream.input));
+        let extractor = DagExtractor::new(egraph, &cost_fn);
         let is_changed =
             changed(&template, egraph, &class_of, &[class], &|class| extractor.find_best_node(class).clone());
         (extractor.best_expr(class), is_changed)

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use egg::{Id, Language, RecExpr, Symbol};
-use pleat_ir::{Module, Op, ValueId};
+use pleat_ir::{AxisName, DimName, Module, Op, ValueId};
 
 use super::analysis::{LayerGraph, Meta};
 use super::language::{push_op, to_op, ChildKind, LayerLang, LeafTable};
@@ -134,7 +134,31 @@ fn add_root(
     }
 }
 
+/// The residual stream kept split between layers: how `write_back` threads it.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamSplit {
+    /// The leaf standing for the layer input's shard.
+    pub shard_leaf: Symbol,
+    /// The e-class of the layer output's shard (its all-gather is the layer's root).
+    pub output_shard: Id,
+    /// The axis and dim the stream is split over.
+    pub axis: AxisName,
+    /// The split dim.
+    pub dim: DimName,
+}
+
 impl LayerTemplate {
+    /// The leaf that is the layer's input on the residual stream (what `attn_norm` normalizes),
+    /// and its expression node.
+    pub fn stream_input(&self) -> Option<(Symbol, Id)> {
+        let symbol = self.bindings.iter().find_map(|(symbol, binding)| match binding {
+            Binding::Operand { consumer, operand: 0 } if consumer == "attn_norm" => Some(*symbol),
+            _ => None,
+        })?;
+        let index = self.expr.as_ref().iter().position(|node| *node == LayerLang::Symbol(symbol))?;
+        Some((symbol, Id::from(index)))
+    }
+
     /// The sub-expression of the template that defines node `id`.
     pub fn sub_expr(&self, id: Id) -> RecExpr<LayerLang> {
         let mut out = RecExpr::default();
@@ -148,13 +172,16 @@ impl LayerTemplate {
     }
 
     /// Writes the form `choose` picks for each class into every layer of `module`, then drops the
-    /// replaced nodes. `class_of` maps template nodes to their e-classes.
+    /// replaced nodes. `class_of` maps template nodes to their e-classes. With `split`, each layer
+    /// reads the previous layer's output shard (the first layer a scatter of its input) and
+    /// writes its own output shard, gathered only for readers outside the layers.
     pub fn write_back(
         &self,
         module: &mut Module,
         egraph: &LayerGraph,
         class_of: &[Id],
         choose: &dyn Fn(Id) -> LayerLang,
+        split: Option<StreamSplit>,
     ) -> Result<()> {
         // Names the template gave each class, from its original node; and for a new class whose
         // all-gather is an original class, that class's name: it is the shard of that value.
@@ -175,10 +202,18 @@ impl LayerTemplate {
                 }
             }
         }
+        // The stream's shard entering the next layer.
+        let mut stream_shard: Option<ValueId> = None;
         for &layer in &self.layers {
             let prefix = format!("layer{layer}.");
+            if let (Some(split), None) = (split, stream_shard) {
+                stream_shard = Some(self.scatter_input(module, &prefix, split)?);
+            }
             let graph = &module.graph;
             let mut bound: HashMap<Symbol, ValueId> = HashMap::new();
+            if let (Some(split), Some(shard)) = (split, stream_shard) {
+                bound.insert(split.shard_leaf, shard);
+            }
             for (symbol, binding) in &self.bindings {
                 let value = match binding {
                     Binding::Operand { consumer, operand } => graph
@@ -222,7 +257,15 @@ impl LayerTemplate {
             let mut new_roots = Vec::new();
             for (&(old, class), (suffix, _)) in old_roots.iter().zip(&self.roots) {
                 let hint = format!("{}{suffix}", writer.prefix);
-                new_roots.push((old, writer.build(class, &hint)?));
+                match split {
+                    Some(split) => {
+                        let shard = writer.build(split.output_shard, &hint)?;
+                        stream_shard = Some(shard);
+                        let op = Op::AllGather { axis: split.axis, dim: split.dim };
+                        new_roots.push((old, writer.insert_after_value(shard, op, old)));
+                    }
+                    None => new_roots.push((old, writer.build(class, &hint)?)),
+                }
             }
             for (old, new) in new_roots {
                 if old != new {
@@ -233,6 +276,36 @@ impl LayerTemplate {
         }
         module.graph.compact();
         Ok(())
+    }
+}
+
+impl LayerTemplate {
+    /// The first layer's stream input as a shard: the reduce-scatter of the pending sum it was
+    /// all-reduced from, or else a local slice of it.
+    fn scatter_input(&self, module: &mut Module, prefix: &str, split: StreamSplit) -> Result<ValueId> {
+        let graph = &module.graph;
+        let consumer = format!("{prefix}attn_norm");
+        let input = graph
+            .find(&consumer)
+            .and_then(|value| graph.def(value).inputs.first().copied())
+            .ok_or(Error::UnexpectedGraph { pass: PASS, node: consumer })?;
+        let def = graph.def(input).clone();
+        let (op, operand) = match def.op {
+            Op::AllReduce { axis } if axis == split.axis => {
+                (Op::ReduceScatter { axis: split.axis, dim: split.dim }, def.inputs[0])
+            }
+            _ => (Op::LocalSlice { axis: split.axis, dim: split.dim }, input),
+        };
+        let mut spec = graph.value(input).spec.clone();
+        let dim = graph.value(input).ty.shape.position(split.dim).ok_or_else(|| Error::UnexpectedGraph {
+            pass: PASS,
+            node: format!("{} has no {} dim", def.name, split.dim),
+        })?;
+        spec.dims[dim].push(split.axis);
+        let ty = graph.value(input).ty.clone();
+        let name = format!("{}.{}", graph.def(operand).name, op.mnemonic());
+        let anchor = graph.value(input).def;
+        Ok(module.graph.insert_after(anchor, op, &[operand], ty, spec, &name))
     }
 }
 
@@ -308,6 +381,24 @@ impl Writer<'_> {
         self.anchor = graph.value(value).def;
         self.built.insert(class, value);
         Ok(value)
+    }
+
+    /// Inserts collective `op` on `input` (laid out like the graph's value `like`) after the
+    /// anchor, named after its operand.
+    fn insert_after_value(&mut self, input: ValueId, op: Op, like: ValueId) -> ValueId {
+        let graph = &self.module.graph;
+        let (ty, spec) = (graph.value(like).ty.clone(), graph.value(like).spec.clone());
+        let base = format!("{}.{}", graph.def(input).name, op.mnemonic());
+        let mut name = base.clone();
+        let mut copy = 2;
+        while self.used.contains(&name) {
+            name = format!("{base}.{copy}");
+            copy += 1;
+        }
+        self.used.insert(name.clone());
+        let value = self.module.graph.insert_after(self.anchor, op, &[input], ty, spec, &name);
+        self.anchor = self.module.graph.value(value).def;
+        value
     }
 
     /// The template's name where the op is the original one; a shard's compute op takes the name

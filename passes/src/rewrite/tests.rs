@@ -37,27 +37,37 @@ fn sequence_parallelism_is_derived_from_the_tp_form() {
     verify(&module).unwrap();
     assert_eq!(report.layers_rewritten, 2, "{report:?}");
     assert!(report.seconds_after < report.seconds_before, "{report:?}");
-    assert!(report.rules_fired.contains_key("all-reduce-is-rs-then-ag"), "{report:?}");
-    // Each layer: the two all-reduces become reduce-scatters onto seq, and the MLP norm runs on a
-    // seq shard.
-    assert_eq!(count(&module, "reduce_scatter"), 4);
-    assert_eq!(count(&module, "all_reduce"), 1, "only the embedding's sum stays");
+    assert!(report.stream_split, "{report:?}");
+    // Each layer: the two all-reduces become reduce-scatters onto seq, and the norms and residuals
+    // run on seq shards; the stream stays split between layers, so the embedding's sum is
+    // reduce-scattered too and gathered once after the last layer.
+    assert_eq!(count(&module, "reduce_scatter"), 1 + 2 * 2);
+    assert_eq!(count(&module, "all_reduce"), 0);
+    assert_eq!(count(&module, "all_gather"), 2 * 2 + 1 + 1, "before q/k/v and gate/up, after the stack, the logits");
     for layer in 0..2 {
-        let name = format!("layer{layer}.mlp_norm");
-        let text = pleat_ir::text::print_module(&module);
-        let norm = module.graph.find(&name).unwrap_or_else(|| panic!("no {name} in\n{text}"));
-        let value = module.graph.value(norm);
-        assert_eq!(value.spec.dims[1], vec![pleat_ir::AxisName::Tp], "layer{layer}.mlp_norm is not on a seq shard");
+        for value in ["attn_norm", "attn_residual", "mlp_norm", "mlp_residual"] {
+            let name = format!("layer{layer}.{value}");
+            let text = pleat_ir::text::print_module(&module);
+            let node = module.graph.find(&name).unwrap_or_else(|| panic!("no {name} in\n{text}"));
+            let spec = &module.graph.value(node).spec;
+            assert_eq!(spec.dims[1], vec![pleat_ir::AxisName::Tp], "{name} is not on a seq shard");
+        }
     }
-    // Numerically: the rewritten layer computes what the tp layer computes.
+    // Numerically: the rewritten layer maps the input's shards to the shards of what the tp
+    // layer computes.
     let after = layer_template(&module).unwrap().unwrap();
     let root = |template: &template::LayerTemplate| {
         assert_eq!(template.roots.len(), 1, "a layer has one output");
         template.sub_expr(template.roots[0].1)
     };
+    let (input, _) = before.stream_input().unwrap();
+    let (shard, _) = after.stream_input().unwrap();
+    let slice: egg::RecExpr<LayerLang> = format!("(local_slice tp seq {input})").parse().unwrap();
     for seed in 0..2 {
-        let inputs = random_inputs(&before.leaves, &module.mesh, seed);
+        let mut inputs = random_inputs(&before.leaves, &module.mesh, seed);
         let (old, old_meta) = simulate(&root(&before), &before.leaves, &module.mesh, &inputs).unwrap();
+        let (shards, _) = simulate(&slice, &before.leaves, &module.mesh, &inputs).unwrap();
+        inputs.insert(shard, shards);
         let (new, new_meta) = simulate(&root(&after), &after.leaves, &module.mesh, &inputs).unwrap();
         let (old, new) = (global(&old, &old_meta).unwrap(), global(&new, &new_meta).unwrap());
         let (at, diff) = old.max_abs_diff(&new).unwrap();
@@ -121,8 +131,8 @@ fn a_module_without_layers_is_left_alone() {
 fn the_proof_names_the_rules() {
     let module = tp_form("tp=2", 1);
     let text = proof(&module, &sequence_parallel(), "layer0.mlp_residual").unwrap();
-    assert!(text.contains("all-reduce-is-rs-then-ag"), "{text}");
-    assert!(text.contains("all_gather"), "{text}");
+    assert!(text.contains("stream-is-the-gather-of-its-shard"), "{text}");
+    assert!(text.contains("partial-then-reduce-scatter"), "{text}");
     let text = proof(&module, &PassCtx::default(), "layer0.mlp_residual").unwrap();
     assert!(text.contains("no rule"), "{text}");
     assert!(matches!(proof(&module, &PassCtx::default(), "layer0.nope"), Err(Error::UnknownValue { .. })));
