@@ -122,11 +122,11 @@ impl PlanChoice {
         let choice: PlanChoice =
             serde_json::from_str(&text).with_context(|| format!("{} is not a pleat search plan", path.display()))?;
         if choice.format_version != SEARCH_PLAN_VERSION {
-            anyhow::bail!(
-                "{}: plan format {} is not {SEARCH_PLAN_VERSION}; search again with this pleat",
-                path.display(),
-                choice.format_version
-            );
+            anyhow::bail!(crate::usage::UsageError::SearchPlanVersion {
+                path: path.to_path_buf(),
+                found: choice.format_version,
+                expected: SEARCH_PLAN_VERSION
+            });
         }
         Ok(choice)
     }
