@@ -26,7 +26,7 @@ pub const UNCLASSIFIED: &str = "E0700";
 pub const BAD_ARGUMENTS: &str = "E0701";
 
 /// The order of a location's parts in text: the file first, then narrower places.
-const ORDER: [&str; 14] = [
+const ORDER: [&str; 15] = [
     "file",
     "field",
     "line",
@@ -41,6 +41,7 @@ const ORDER: [&str; 14] = [
     "axis",
     "rank",
     "instruction",
+    "variable",
 ];
 
 /// How to print an error.
@@ -197,6 +198,8 @@ fn diagnostic_of<'a>(cause: &'a (dyn StdError + 'static)) -> Option<&'a dyn Diag
     );
     #[cfg(feature = "llvm")]
     first_of!(pleat_backend::llvm::LlvmError);
+    #[cfg(feature = "mpi")]
+    first_of!(pleat_runtime::comm::MpiInitError);
     None
 }
 

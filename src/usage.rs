@@ -59,7 +59,10 @@ pub enum UsageError {
     },
     /// A plan.json or search plan that is not one.
     #[error("{} is not a pleat {what}: {reason}", .path.display())]
-    #[diagnostic(code(E0523), help("pass a file written by `pleat compile` (plan.json) or `pleat search --out`"))]
+    #[diagnostic(
+        code(E0523),
+        help("pass a file written by `pleat compile` (plan.json) or `pleat search --emit-plan`")
+    )]
     NotAPlan {
         /// The file.
         path: PathBuf,
@@ -229,6 +232,46 @@ pub enum UsageError {
         unit: String,
     },
 
+    // === MPI launches ===
+    /// `pleat rank` launched with another number of processes than the directory's ranks.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
+    #[error(
+        "rank {rank}: the MPI world has {world} ranks but {} was compiled for {ranks} ranks; launch with mpirun -np \
+         {ranks}",
+        .dir.display()
+    )]
+    #[diagnostic(code(E0715), help("launch with mpirun -np equal to the compiled ranks (plan.json's `ranks`)"))]
+    MpiWorldSize {
+        /// This process's rank.
+        rank: u32,
+        /// The MPI world size.
+        world: u32,
+        /// The compiled directory.
+        dir: PathBuf,
+        /// The ranks it was compiled for.
+        ranks: u32,
+    },
+    /// `bench comm --ranks` that differs from the MPI world.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
+    #[error("--ranks {asked} differs from the MPI world size {world}; launch with mpirun -np {asked}")]
+    #[diagnostic(code(E0716), help("drop --ranks under mpirun, or launch with mpirun -np equal to it"))]
+    RanksDifferFromWorld {
+        /// The ranks asked for.
+        asked: u32,
+        /// The MPI world size.
+        world: u32,
+    },
+    /// A test hook variable that does not parse.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
+    #[error("{name}={value} is not <rank>:<call>, e.g. 2:3")]
+    #[diagnostic(code(E0717), help("unset the variable, or write it as <rank>:<call>"))]
+    ExitHookSyntax {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+    },
+
     // === Checks ===
     /// `--check` found logits off the reference.
     #[error("max |logits - reference| = {err:e} exceeds the tolerance {tolerance:e}")]
@@ -297,6 +340,9 @@ impl UsageError {
             }
             UsageError::NativeUnavailable => vec![("flag", "--emit".to_string())],
             UsageError::CompiledNotAccepted { model, .. } => vec![("file", model.clone())],
+            UsageError::MpiWorldSize { dir, .. } => vec![("file", dir.display().to_string())],
+            UsageError::RanksDifferFromWorld { .. } => vec![("flag", "--ranks".to_string())],
+            UsageError::ExitHookSyntax { name, .. } => vec![("variable", name.to_string())],
             UsageError::ProgramsStuck { .. }
             | UsageError::TokensShape { .. }
             | UsageError::LogitsMismatch { .. }

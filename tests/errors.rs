@@ -230,7 +230,19 @@ fn compiled_directories() {
     let garbled = compiled_copy("garbled");
     std::fs::write(garbled.join("plan.json"), "{ not json").expect("write");
     let compiled = path_str(compiled_tiny());
+    let plans = tempdir("errors-search-plans");
+    let not_json = write(&plans, "not-json.json", "{ not json");
+    let old_plan = path_str(&plans.join("old.json"));
+    let output = pleat(&["search", "tiny", "--gpus", "2", "--seq", "64", "--emit-plan", &old_plan]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let mut plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&old_plan).expect("plan")).expect("json");
+    plan["format_version"] = 999.into();
+    std::fs::write(&old_plan, plan.to_string()).expect("write");
+    let out = path_str(&plans.join("out"));
     let cases = [
+        case(&["compile", "tiny", "--out", &out, "--plan", &not_json], "E0523", "is not a pleat search plan"),
+        case(&["compile", "tiny", "--out", &out, "--plan", &old_plan], "E0524", "plan format 999"),
         case(&["run", &path_str(&tampered)], "E0521", "the directory was changed after `pleat compile`"),
         case(&["run", &path_str(&missing)], "E0522", "rank1.program"),
         case(&["run", &path_str(&version)], "E0520", "plan format 999"),
@@ -301,5 +313,57 @@ fn text_ir_errors_have_a_code_a_place_and_help() {
         assert_eq!((error.line, error.column), (line, column), "{error}");
         let label = error.labels().into_iter().flatten().next().expect("a label");
         assert_eq!(&text[label.offset()..label.offset() + label.len()], quoted, "{error}");
+    }
+}
+
+/// Every code the sources give, in the order found, from `#[diagnostic(code(E0xxx), ...)]` and the
+/// hand-written `"E0xxx"` codes of the parser and the report.
+fn codes_in_sources() -> Vec<(String, PathBuf)> {
+    fn walk(dir: &Path, found: &mut Vec<(String, PathBuf)>) {
+        for entry in std::fs::read_dir(dir).expect("a source directory") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                walk(&path, found);
+            } else if path.extension().is_some_and(|extension| extension == "rs") {
+                let text = std::fs::read_to_string(&path).expect("source");
+                for marker in ["code(E", "Box::new(\"E", "&str = \"E"] {
+                    for (start, _) in text.match_indices(marker) {
+                        let code = &text[start + marker.len() - 1..];
+                        let code: String = code.chars().take(5).collect();
+                        found.push((code, path.clone()));
+                    }
+                }
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    for dir in ["src", "ir/src", "passes/src", "backend/src", "runtime/src"] {
+        walk(&root.join(dir), &mut found);
+    }
+    found
+}
+
+#[test]
+fn every_code_is_given_once_and_documented() {
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/errors.md")).expect("docs");
+    let documented: Vec<&str> =
+        docs.lines().filter_map(|line| line.strip_prefix("| E")).map(|rest| &rest[..4]).collect();
+    let mut unique = documented.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), documented.len(), "docs/errors.md lists a code twice");
+    let found = codes_in_sources();
+    assert!(found.len() > 100, "only {} codes found in the sources", found.len());
+    let mut seen = std::collections::HashMap::new();
+    for (code, path) in &found {
+        assert!(code.len() == 5 && code[1..].chars().all(|c| c.is_ascii_digit()), "{code} in {}", path.display());
+        assert!(documented.contains(&&code[1..]), "{code} ({}) is not in docs/errors.md", path.display());
+        if let Some(first) = seen.insert(code.clone(), path.clone()) {
+            panic!("{code} is given twice: {} and {}", first.display(), path.display());
+        }
+    }
+    for code in &documented {
+        assert!(seen.contains_key(&format!("E{code}")), "docs/errors.md lists E{code}, which no error gives");
     }
 }

@@ -153,7 +153,7 @@ fn on_mpi(args: &CommBenchArgs, sizes: &[u64], timeout: Duration) -> Result<()> 
         .context("cannot start mpi; launch pleat bench comm --comm mpi with mpirun -np N")?;
     let n_ranks = comm.world_size();
     if let Some(asked) = args.ranks.filter(|&asked| asked != n_ranks) {
-        bail!("--ranks {asked} differs from the MPI world size {n_ranks}; launch with mpirun -np {asked}");
+        bail!(crate::usage::UsageError::RanksDifferFromWorld { asked, world: n_ranks });
     }
     let measurements = match measure(&mut comm, sizes, args.iters) {
         Ok(measurements) => measurements,
