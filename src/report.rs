@@ -225,9 +225,8 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
                 put("column", json!(column));
                 (Some(file), None)
             }
-            ConfigError::NotAnObject { file, .. }
-            | ConfigError::TooManyParameters { file }
-            | ConfigError::HeadsNotDivisible { file, .. } => (Some(file), None),
+            ConfigError::NotAnObject { file, .. } | ConfigError::TooManyParameters { file } => (Some(file), None),
+            ConfigError::HeadsNotDivisible { file, .. } => (Some(file), Some("num_key_value_heads")),
             ConfigError::HeadDimNotDerivable { file, .. } => (Some(file), Some("hidden_size")),
             ConfigError::OddHeadDim { file, .. } => (Some(file), Some("head_dim")),
             ConfigError::MissingField { file, field }

@@ -150,6 +150,9 @@ fn model_configs() {
     assert_eq!(error["location"]["file"], missing.as_str());
     assert_eq!(error["location"]["field"], "vocab_size");
     assert!(error["help"].as_str().is_some_and(|help| !help.is_empty()), "{error}");
+    let error = json_error(&["plan", &kv]);
+    assert_eq!(error["code"], "E0109");
+    assert_eq!(error["location"]["field"], "num_key_value_heads");
     let error = json_error(&["plan", &malformed]);
     assert_eq!(error["code"], "E0101");
     assert_eq!(error["location"]["line"], 3);
