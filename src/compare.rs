@@ -76,10 +76,10 @@ pub fn block(args: &CompareArgs, seq: u64) -> Result<(Vec<Estimate>, Skipped)> {
 /// Runs `pleat compare`.
 pub fn compare(args: &CompareArgs) -> Result<()> {
     if args.ranks == 0 {
-        bail!("--ranks 0: give at least 1 rank");
+        bail!(crate::usage::UsageError::ZeroFlag { flag: "--ranks", what: "rank" });
     }
     if args.seq.is_empty() {
-        bail!("--seq needs at least one length, e.g. --seq 4096,16384");
+        bail!(crate::usage::UsageError::EmptySeqList);
     }
     let mut blocks = Vec::new();
     for &seq in &args.seq {

@@ -11,6 +11,7 @@ use pleat_passes::{Dump, PassCtx, PipelineReport};
 use serde::{Deserialize, Serialize};
 
 use crate::model_arg::{resolve, ModelSource};
+use crate::usage::UsageError;
 
 /// How the mesh's axes are used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -47,7 +48,7 @@ impl Strategy {
         };
         if let Some(axis) = axis {
             if !mesh.axes().iter().any(|mesh_axis| mesh_axis.name.as_str() == axis) {
-                anyhow::bail!("--strategy {} needs a {axis} axis in --mesh, e.g. --mesh {axis}=4", self.name());
+                anyhow::bail!(UsageError::StrategyNeedsAxis { strategy: self.name(), axis });
             }
         }
         Ok(PassCtx {
@@ -96,10 +97,10 @@ impl ModelOnMesh {
         match resolve(&self.model)? {
             ModelSource::Config { config, .. } => Ok(config),
             ModelSource::Compiled(_) => {
-                anyhow::bail!(
-                    "{} is a compiled directory; {command} takes a preset, a config.json or a model directory",
-                    self.model
-                )
+                anyhow::bail!(UsageError::CompiledNotAccepted {
+                    model: self.model.clone(),
+                    command: command.to_string()
+                })
             }
         }
     }
@@ -224,7 +225,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
 fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
     let choice = crate::search::PlanChoice::read(path)?;
     let strategy = <Strategy as clap::ValueEnum>::from_str(&choice.strategy, true)
-        .map_err(|_| anyhow::anyhow!("{}: unknown strategy {:?}", path.display(), choice.strategy))?;
+        .map_err(|_| UsageError::UnknownPlanStrategy { path: path.to_path_buf(), strategy: choice.strategy.clone() })?;
     Ok(ModelOnMesh {
         model: model.to_string(),
         mesh: choice.mesh,
@@ -287,36 +288,38 @@ pub fn read_compiled(dir: &Path) -> Result<(PlanFile, ModelConfig, Vec<Program>)
     let plan: PlanFile = serde_json::from_str(
         &std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?,
     )
-    .with_context(|| format!("{} is not a pleat plan", plan_path.display()))?;
+    .map_err(|error| UsageError::NotAPlan { path: plan_path.clone(), what: "plan", reason: error.to_string() })?;
     if plan.format_version != PLAN_FORMAT_VERSION {
-        anyhow::bail!(
-            "{}: plan format {} is not {PLAN_FORMAT_VERSION}; recompile with this pleat",
-            plan_path.display(),
-            plan.format_version
-        );
+        anyhow::bail!(UsageError::PlanFormatVersion {
+            path: plan_path,
+            found: plan.format_version,
+            expected: PLAN_FORMAT_VERSION
+        });
     }
     let config = crate::model_arg::read_config(&dir.join("config.json"))?;
     // The hash covers the files as written (`write_compiled`): a damaged or edited directory is
     // refused before anything runs.
     let mut fingerprint = crate::fingerprint::Fingerprint::new();
     let module_path = dir.join("module.pleat");
-    fingerprint.part(&std::fs::read(&module_path).with_context(|| format!("cannot read {}", module_path.display()))?);
+    let unreadable = |path: &Path, error: std::io::Error| UsageError::CompiledFileUnreadable {
+        path: path.to_path_buf(),
+        reason: error.to_string(),
+    };
+    fingerprint.part(&std::fs::read(&module_path).map_err(|error| unreadable(&module_path, error))?);
     let programs = (0..plan.ranks)
         .map(|rank| {
             let path = dir.join(format!("rank{rank}.program"));
-            let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            let text = std::fs::read_to_string(&path).map_err(|error| unreadable(&path, error))?;
             fingerprint.part(text.as_bytes());
             pleat_backend::from_json(&text).with_context(|| format!("{}", path.display()))
         })
         .collect::<Result<Vec<_>>>()?;
     if fingerprint.hex() != plan.plan_hash {
-        anyhow::bail!(
-            "{}: the plan hash is {:?} but the files hash to {}; the directory was changed after `pleat compile` \
-             wrote it: compile it again",
-            plan_path.display(),
-            plan.plan_hash,
-            fingerprint.hex()
-        );
+        anyhow::bail!(UsageError::PlanHashMismatch {
+            path: plan_path,
+            recorded: plan.plan_hash,
+            actual: fingerprint.hex()
+        });
     }
     Ok((plan, config, programs))
 }

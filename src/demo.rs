@@ -50,7 +50,7 @@ pub fn demo() -> Result<()> {
     let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
     println!("checked against the reference interpreter: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");
     if err.is_nan() || err > F32_TOL {
-        bail!("the tp=4 logits differ from the reference by {err:e}");
+        bail!(crate::usage::UsageError::DemoMismatch { err });
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ use serde_json::json;
 
 use crate::compile::ModelOnMesh;
 use crate::run::human_bytes;
+use crate::usage::UsageError;
 
 /// Output formats of `explain`.
 #[derive(Clone, Copy, clap::ValueEnum, PartialEq, Eq)]
@@ -142,7 +143,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
     let target = &args.target;
     let config = target.config("explain")?;
     if args.layer >= config.num_layers {
-        bail!("--layer {} does not exist; {} has layers 0..{}", args.layer, config.name, config.num_layers);
+        bail!(UsageError::NoSuchLayer { layer: args.layer, model: config.name.clone(), layers: config.num_layers });
     }
     if let Some(value) = &args.proof {
         print!("{}", proof(target, &config, value)?);
@@ -163,7 +164,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
         .collect();
     if let Some(value) = &args.value {
         if values.is_empty() && collectives.is_empty() {
-            bail!("no value named {value} in layer {}; names look like {prefix}o_proj", args.layer);
+            bail!(UsageError::NoSuchValue { name: value.clone(), layer: args.layer, prefix });
         }
     }
     match args.format {

@@ -4,6 +4,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
+use crate::usage::UsageError;
+
 /// Token ids `[batch, seq]`, row-major.
 pub struct Tokens {
     pub batch: u64,
@@ -17,23 +19,23 @@ pub fn read_tokens(path: &Path) -> Result<Tokens> {
     let rows: Vec<Vec<i64>> = serde_json::from_str(&text).with_context(|| {
         format!("{}: expected a JSON array of arrays of token ids, [[1, 2, ...], ...]", path.display())
     })?;
-    let Some(first) = rows.first() else { bail!("{}: no sequences", path.display()) };
+    let problem = |problem: String| UsageError::TokensFile { path: path.to_path_buf(), problem };
+    let Some(first) = rows.first() else { bail!(problem("no sequences".into())) };
     let seq = first.len();
     if seq == 0 {
-        bail!("{}: sequence 0 is empty", path.display());
+        bail!(problem("sequence 0 is empty".into()));
     }
     let mut ids = Vec::with_capacity(rows.len() * seq);
     for (row_index, row) in rows.iter().enumerate() {
         if row.len() != seq {
-            bail!(
-                "{}: sequence {row_index} has {} tokens, sequence 0 has {seq}; all must be equal",
-                path.display(),
+            bail!(problem(format!(
+                "sequence {row_index} has {} tokens, sequence 0 has {seq}; all must be equal",
                 row.len()
-            );
+            )));
         }
         for (position, &id) in row.iter().enumerate() {
             let Ok(id) = u32::try_from(id) else {
-                bail!("{}: token [{row_index}][{position}] = {id} is not a valid id", path.display());
+                bail!(problem(format!("token [{row_index}][{position}] = {id} is not a valid id")));
             };
             ids.push(id);
         }

@@ -1,7 +1,8 @@
 //! The `pleat` command line: compile transformer models into per-rank programs and run them.
 //!
 //! This is the only layer that talks to the world: it reads files, prints, and turns library
-//! errors into messages (`anyhow` lives here only).
+//! errors into messages (`anyhow` lives here only). Every error is reported with a stable code
+//! (`report`, docs/errors.md): `error[E0xxx]: message` as text, or one JSON object under `--format json`.
 #![allow(clippy::print_stdout, clippy::print_stderr, reason = "the binary is the layer that prints")]
 
 mod bench;
@@ -19,11 +20,13 @@ mod plan;
 mod predict;
 #[cfg(feature = "mpi")]
 mod rank;
+mod report;
 mod run;
 mod schedule;
 mod search;
 mod trace;
 mod train;
+mod usage;
 
 use std::process::ExitCode;
 
@@ -64,6 +67,32 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+impl Command {
+    /// Whether the command was asked for JSON output, so that its error is JSON too.
+    fn error_format(&self) -> report::ErrorFormat {
+        let json = match self {
+            Command::Run(args) => args.format == run::Format::Json,
+            Command::Explain(args) => matches!(args.format, explain::ExplainFormat::Json),
+            Command::Plan(args) => matches!(args.format, plan::PlanFormat::Json),
+            Command::Compare(args) => matches!(args.format, compare::CompareFormat::Json),
+            Command::Search(args) => matches!(args.format, search::SearchFormat::Json),
+            Command::Schedule(args) => matches!(args.format, schedule::ScheduleFormat::Json),
+            #[cfg(feature = "mpi")]
+            Command::Rank(args) => args.format == run::Format::Json,
+            Command::Bench(args) => match &args.what {
+                bench::BenchCommand::Comm(args) => args.format == run::Format::Json,
+                bench::BenchCommand::Calibrate(_) => false,
+            },
+            Command::Compile(_) | Command::Trace(_) | Command::Demo => false,
+        };
+        if json {
+            report::ErrorFormat::Json
+        } else {
+            report::ErrorFormat::Text
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // A reader that stops early (`pleat run ... | head`) should end pleat quietly, as it ends other
     // Unix tools, instead of making `println!` panic on the closed pipe.
@@ -72,7 +101,16 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version are not errors; clap prints them and exits 0.
+        Err(err) if !err.use_stderr() => err.exit(),
+        Err(err) => {
+            eprint!("{}", report::clap_text(&err));
+            return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
+        }
+    };
+    let format = cli.command.error_format();
     let result = match cli.command {
         Command::Run(args) => run::run(&args),
         Command::Compile(args) => compile::compile(&args),
@@ -90,10 +128,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err}");
-            for cause in err.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
-            }
+            report::print(&err, format);
             ExitCode::FAILURE
         }
     }

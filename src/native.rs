@@ -28,10 +28,7 @@ pub enum Emit {
 /// Refuses `--emit` when pleat was built without LLVM, before any work is done.
 pub fn check_available(emit: &[Emit]) -> Result<()> {
     if !emit.is_empty() && !cfg!(feature = "llvm") {
-        anyhow::bail!(
-            "--emit needs native code generation, but pleat was built without the `llvm` feature; rebuild with \
-             the default features (`cargo build`, which needs llvm-19-dev) to use --emit"
-        );
+        anyhow::bail!(crate::usage::UsageError::NativeUnavailable);
     }
     Ok(())
 }

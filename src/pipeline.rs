@@ -23,10 +23,7 @@ pub fn schedule_steps(schedule: ScheduleName, stages: u32, micro_batches: u32) -
     let kind = match schedule {
         ScheduleName::Gpipe => ScheduleKind::GPipe,
         ScheduleName::OneFOneB => ScheduleKind::OneFOneB,
-        ScheduleName::Interleaved | ScheduleName::ZbH1 => bail!(
-            "pleat trains with --schedule gpipe or 1f1b; interleaved and zb-h1 (model chunks, a split backward) are \
-             planned and drawn by `pleat schedule` only so far"
-        ),
+        ScheduleName::Interleaved | ScheduleName::ZbH1 => bail!(crate::usage::UsageError::TrainSchedule),
     };
     let schedule = Schedule::build(kind, stages, micro_batches)?;
     Ok(schedule

@@ -283,7 +283,7 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                 .filter(|(state, program)| state.pc < program.instructions.len())
                 .map(|(state, program)| format!("rank {} at instruction {}", program.rank, state.pc))
                 .collect();
-            bail!("the programs wait on each other forever ({}); recompile them with this pleat", stuck.join(", "));
+            bail!(crate::usage::UsageError::ProgramsStuck { stuck });
         }
     }
 }

@@ -24,6 +24,7 @@ use serde_json::json;
 use crate::compile::read_compiled;
 use crate::inputs::random_tokens;
 use crate::run::{comm_bytes_mean, human_bytes, max_abs_diff, reference_logits, weight_source, Format, F32_TOL};
+use crate::usage::UsageError;
 
 /// The environment variable of the crash test hook (see the module documentation).
 const EXIT_HOOK_ENV: &str = "PLEAT_TEST_EXIT_AT_COMM";
@@ -81,13 +82,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     // rank alike and MPI finalizes normally.
     let (plan, config, programs) = read_compiled(&args.dir).with_context(|| format!("rank {rank}"))?;
     if comm.world_size() != plan.ranks {
-        bail!(
-            "rank {rank}: the MPI world has {} ranks but {} was compiled for {} ranks; launch with mpirun -np {}",
-            comm.world_size(),
-            args.dir.display(),
-            plan.ranks,
-            plan.ranks
-        );
+        bail!(UsageError::MpiWorldSize { rank, world: comm.world_size(), dir: args.dir.clone(), ranks: plan.ranks });
     }
     let tokens = random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed);
     let weights = weight_source(args.weights.as_ref(), args.seed)?;
@@ -171,7 +166,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     }
     if let Some(err) = max_abs_err {
         if err.is_nan() || err > F32_TOL {
-            bail!("max |logits - reference| = {err:e} exceeds the tolerance {F32_TOL:e}");
+            bail!(UsageError::LogitsMismatch { err, tolerance: F32_TOL });
         }
     }
     Ok(())
@@ -193,7 +188,7 @@ fn exit_hook(rank: u32) -> Result<Option<u64>> {
         .and_then(|(hook_rank, call)| Some((hook_rank.parse::<u32>().ok()?, call.parse::<u64>().ok()?)));
     match parsed {
         Some((hook_rank, call)) => Ok((hook_rank == rank).then_some(call)),
-        None => bail!("{EXIT_HOOK_ENV}={value} is not <rank>:<call>, e.g. 2:3"),
+        None => bail!(UsageError::ExitHookSyntax { name: EXIT_HOOK_ENV, value }),
     }
 }
 

@@ -19,6 +19,7 @@ use serde_json::json;
 use crate::compile::{compile_model, read_compiled, Strategy};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
+use crate::usage::UsageError;
 
 /// The largest absolute difference from the reference that `--check` accepts, in f32.
 pub const F32_TOL: f32 = 1e-4;
@@ -105,7 +106,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if let Some(err) = result.max_abs_err {
         if err.is_nan() || err > F32_TOL {
-            bail!("max |logits - reference| = {err:e} exceeds the tolerance {F32_TOL:e}");
+            bail!(UsageError::LogitsMismatch { err, tolerance: F32_TOL });
         }
     }
     Ok(())
@@ -135,10 +136,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             native = crate::native::load(&dir, &programs)?;
             for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
                 if given.is_some_and(|given| given != planned) {
-                    bail!(
-                        "{flag} {} differs from the compiled plan's {planned}; recompile, or drop {flag}",
-                        given.unwrap_or(0)
-                    );
+                    bail!(UsageError::DiffersFromPlan { flag, given: given.unwrap_or(0), planned });
                 }
             }
             (config, programs, plan.mesh, args.weights.clone(), plan.batch, plan.seq)
@@ -152,11 +150,9 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         }
     };
     let tokens = match given_tokens {
-        Some(tokens) if tokens.batch != batch || tokens.seq != seq => bail!(
-            "the tokens file holds {} sequences of {} tokens, but the run is for batch={batch} seq={seq}",
-            tokens.batch,
-            tokens.seq
-        ),
+        Some(tokens) if tokens.batch != batch || tokens.seq != seq => {
+            bail!(UsageError::TokensShape { batch: tokens.batch, seq: tokens.seq, run_batch: batch, run_seq: seq })
+        }
         Some(tokens) => tokens,
         None => random_tokens(batch, seq, config.vocab_size, args.seed),
     };

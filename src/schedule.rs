@@ -61,7 +61,7 @@ pub fn kind_of(args: &ScheduleArgs) -> Result<ScheduleKind> {
         (ScheduleName::Interleaved, chunks) => ScheduleKind::Interleaved { chunks: chunks.unwrap_or(2) },
         (other, Some(chunks)) => {
             let name = other.to_possible_value().map(|value| value.get_name().to_string()).unwrap_or_default();
-            bail!("--chunks {chunks} applies to --schedule interleaved only, not to {name}; drop --chunks or use --schedule interleaved")
+            bail!(crate::usage::UsageError::ChunksWithoutInterleaving { chunks, schedule: name })
         }
         (ScheduleName::Gpipe, None) => ScheduleKind::GPipe,
         (ScheduleName::OneFOneB, None) => ScheduleKind::OneFOneB,

@@ -119,14 +119,17 @@ impl PlanChoice {
     /// Reads a plan file.
     pub fn read(path: &std::path::Path) -> Result<PlanChoice> {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let choice: PlanChoice =
-            serde_json::from_str(&text).with_context(|| format!("{} is not a pleat search plan", path.display()))?;
+        let choice: PlanChoice = serde_json::from_str(&text).map_err(|error| crate::usage::UsageError::NotAPlan {
+            path: path.to_path_buf(),
+            what: "search plan",
+            reason: error.to_string(),
+        })?;
         if choice.format_version != SEARCH_PLAN_VERSION {
-            anyhow::bail!(
-                "{}: plan format {} is not {SEARCH_PLAN_VERSION}; search again with this pleat",
-                path.display(),
-                choice.format_version
-            );
+            anyhow::bail!(crate::usage::UsageError::SearchPlanVersion {
+                path: path.to_path_buf(),
+                found: choice.format_version,
+                expected: SEARCH_PLAN_VERSION
+            });
         }
         Ok(choice)
     }

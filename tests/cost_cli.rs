@@ -141,29 +141,31 @@ fn hardware_files_override_the_table() {
     assert_eq!(plan["hardware"], "tiny-gpu");
     assert_eq!(plan["memory"]["device_bytes"], 1e6);
     std::fs::write(&file, "name = 1").unwrap();
-    assert!(error_of(&["plan", "tiny", "--hw-file", path]).starts_with(&format!("error: {path}: ")));
+    assert!(error_of(&["plan", "tiny", "--hw-file", path]).starts_with(&format!("error[E0245]: {path}: ")));
     std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
 fn bad_input_gets_a_clear_error() {
+    // The first line: the code and message (help and location lines follow).
+    let first_line = |args: &[&str]| error_of(args).lines().next().unwrap_or_default().to_string();
     assert_eq!(
-        error_of(&["plan", "tsp-7b", "--mesh", "tp=3"]),
-        "error: 32 heads are not divisible by tp=3; use tp in {1,2,4,8,16,32}\n"
+        first_line(&["plan", "tsp-7b", "--mesh", "tp=3"]),
+        "error[E0210]: 32 heads are not divisible by tp=3; use tp in {1,2,4,8,16,32}"
     );
     assert_eq!(
-        error_of(&["plan", "tiny", "--mesh", "tq=2"]),
-        "error: mesh `tq=2`: unknown axis `tq`; axes are dp, tp, sp, cp, pp, tsp, ep\n"
+        first_line(&["plan", "tiny", "--mesh", "tq=2"]),
+        "error[E0202]: mesh `tq=2`: unknown axis `tq`; axes are dp, tp, sp, cp, pp, tsp, ep"
     );
     assert_eq!(
-        error_of(&["plan", "tiny", "--hw", "tpu"]),
-        "error: unknown hardware `tpu`; use one of h100-sxm, h200, a100-80gb, mi300x, cpu or --hw-file\n"
+        first_line(&["plan", "tiny", "--hw", "tpu"]),
+        "error[E0244]: unknown hardware `tpu`; use one of h100-sxm, h200, a100-80gb, mi300x, cpu or --hw-file"
     );
     assert_eq!(
-        error_of(&["plan", "tiny", "--mesh", "tsp=4", "--seq", "12"]),
-        "error: 12 tokens (seq; zigzag needs 2·tsp chunks) are not divisible by tsp=4; use tsp in {1,2,3,6}\n"
+        first_line(&["plan", "tiny", "--mesh", "tsp=4", "--seq", "12"]),
+        "error[E0210]: 12 tokens (seq; zigzag needs 2·tsp chunks) are not divisible by tsp=4; use tsp in {1,2,3,6}"
     );
-    assert_eq!(error_of(&["compare", "tiny", "--ranks", "0"]), "error: --ranks 0: give at least 1 rank\n");
+    assert_eq!(first_line(&["compare", "tiny", "--ranks", "0"]), "error[E0708]: --ranks 0: give at least 1 rank");
 }
 
 #[test]

@@ -4,11 +4,12 @@
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything lowering and program checks can fail with.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum Error {
     // === Lowering ===
     /// A value whose split dim does not divide (the verifier rejects these first).
     #[error("{value}: {dim}={size} does not divide by the {degree} ranks splitting it")]
+    #[diagnostic(code(E0501), help("use a mesh whose degrees divide the value's dims"))]
     Indivisible {
         /// The value's name.
         value: String,
@@ -25,6 +26,7 @@ pub enum Error {
         "{value}: op {op} needs {dim} whole on every rank, but this rank holds {local} of {global}; \
          keep {dim} unsplit for the loss (split batch instead)"
     )]
+    #[diagnostic(code(E0502), help("keep the loss's seq and vocab unsplit (split batch instead)"))]
     SplitLossDim {
         /// The value's name.
         value: String,
@@ -41,6 +43,7 @@ pub enum Error {
     // === Collective matching ===
     /// Members of a group reached different collectives at the same point.
     #[error("collective mismatch in group {axis}{ranks:?}: {}", .issued.join("; "))]
+    #[diagnostic(code(E0503), help("recompile; if it persists, report the plan"))]
     CollectiveMismatch {
         /// The group's axis.
         axis: String,
@@ -51,6 +54,7 @@ pub enum Error {
     },
     /// No rank can make progress: every unfinished rank waits on a collective some member never reaches.
     #[error("the programs deadlock: {}", .waiting.join("; "))]
+    #[diagnostic(code(E0504), help("recompile; if it persists, report the plan"))]
     Deadlock {
         /// What each blocked rank waits for.
         waiting: Vec<String>,
@@ -59,6 +63,7 @@ pub enum Error {
     // === Format ===
     /// A serialized program of another format version.
     #[error("program format version {found} is not {expected}; recompile with this pleat")]
+    #[diagnostic(code(E0505), help("recompile the directory with this pleat"))]
     FormatVersion {
         /// What the file says.
         found: u32,
@@ -67,6 +72,7 @@ pub enum Error {
     },
     /// A program whose instructions disagree with its buffers (a damaged or hand-edited file).
     #[error("the program is inconsistent at instruction {instr}: {reason}; recompile it")]
+    #[diagnostic(code(E0506), help("recompile the directory; do not edit program files"))]
     Inconsistent {
         /// The instruction index.
         instr: usize,
@@ -75,12 +81,14 @@ pub enum Error {
     },
     /// A pipeline plan that cannot be built: a stage split, a schedule or a graph it does not fit.
     #[error("pipeline: {reason}")]
+    #[diagnostic(code(E0507), help("change --pp, --pp-layers or --schedule as the message says"))]
     Pipeline {
         /// What is wrong, and how to fix it.
         reason: String,
     },
     /// A serialized program that does not parse.
     #[error("cannot read the program: {reason}")]
+    #[diagnostic(code(E0508), help("recompile the directory; the program file is damaged"))]
     Malformed {
         /// The serde error.
         reason: String,

@@ -4,11 +4,12 @@
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything that can go wrong in `pleat-ir`.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum Error {
     // === Mesh ===
     /// A mesh string part that is not `name=size`.
     #[error("mesh `{text}`: cannot read `{part}`; write axes as name=size separated by commas, e.g. dp=2,tp=4")]
+    #[diagnostic(code(E0201), help("write the mesh as name=size pairs separated by commas, e.g. --mesh dp=2,tp=4"))]
     MeshSyntax {
         /// The whole mesh string.
         text: String,
@@ -17,6 +18,7 @@ pub enum Error {
     },
     /// An axis name outside the known set.
     #[error("mesh `{text}`: unknown axis `{axis}`; axes are dp, tp, sp, cp, pp, tsp, ep")]
+    #[diagnostic(code(E0202), help("use the axes dp, tp, sp, cp, pp, tsp or ep"))]
     MeshUnknownAxis {
         /// The whole mesh string.
         text: String,
@@ -25,6 +27,7 @@ pub enum Error {
     },
     /// A mesh with more ranks than pleat addresses.
     #[error("a mesh of {ranks} ranks is more than pleat addresses ({max}); use fewer or smaller axes")]
+    #[diagnostic(code(E0203), help("use fewer or smaller axes"))]
     MeshTooLarge {
         /// The ranks asked for (saturating at `u64::MAX`).
         ranks: u64,
@@ -33,12 +36,14 @@ pub enum Error {
     },
     /// The same axis twice.
     #[error("mesh axis {axis} appears twice")]
+    #[diagnostic(code(E0204), help("name each axis once, e.g. --mesh dp=2,tp=4"))]
     MeshAxisRepeated {
         /// The axis.
         axis: String,
     },
     /// A zero-sized axis.
     #[error("mesh axis {axis} has size 0; sizes are at least 1")]
+    #[diagnostic(code(E0205), help("give every axis a size of at least 1"))]
     MeshAxisZero {
         /// The axis.
         axis: String,
@@ -47,6 +52,7 @@ pub enum Error {
     // === Sharding ===
     /// A model dimension that a mesh axis must split evenly, and does not.
     #[error("{node}: {count} {what} are not divisible by {axis}={degree}; use {axis} in {{{}}}", join(valid))]
+    #[diagnostic(code(E0206), help("pick an axis degree from the listed divisors, or change the model size"))]
     Indivisible {
         /// The node (or model part) whose dim it is.
         node: String,
@@ -65,6 +71,7 @@ pub enum Error {
     // === Model ===
     /// A model setting this build does not support for the requested run.
     #[error("{model}: {what}")]
+    #[diagnostic(code(E0114), help("use a model setting this build supports for the run"))]
     UnsupportedModel {
         /// The model.
         model: String,

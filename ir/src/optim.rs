@@ -78,10 +78,11 @@ pub struct StepReport {
 }
 
 /// Why a step was refused (the state is then unchanged).
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum OptimError {
     /// A gradient list of the wrong length.
     #[error("got {got} gradients for {expected} parameters; pass one gradient a parameter, in order")]
+    #[diagnostic(code(E0440), help("pass one gradient a parameter, in order"))]
     GradientCount {
         /// The parameters.
         expected: usize,
@@ -90,6 +91,7 @@ pub enum OptimError {
     },
     /// A gradient of the wrong size.
     #[error("gradient {index} has {got} elements but its parameter has {expected}; pass gradients in parameter order")]
+    #[diagnostic(code(E0441), help("pass gradients in parameter order"))]
     GradientLength {
         /// The parameter's position.
         index: usize,
@@ -100,6 +102,7 @@ pub enum OptimError {
     },
     /// A gradient norm that is NaN or infinite: the step would destroy the weights.
     #[error("the gradient norm is {norm}; skip this step or lower the learning rate (a loss scale overflowed)")]
+    #[diagnostic(code(E0442), help("skip the step or lower the learning rate"))]
     NonFinite {
         /// The norm.
         norm: f64,

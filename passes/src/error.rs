@@ -8,11 +8,12 @@ use crate::verify::VerifierErrors;
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything a pass can fail with.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum Error {
     // === Pass manager ===
     /// The verifier rejected the module after a pass: a bug in that pass.
     #[error("the IR is invalid after pass {pass}: {errors}")]
+    #[diagnostic(code(E0401), help("this is a pleat bug in the named pass; report it with the command line"))]
     Verify {
         /// The pass that ran last.
         pass: &'static str,
@@ -21,6 +22,7 @@ pub enum Error {
     },
     /// `--dump-after` named a pass the pipeline does not have.
     #[error("--dump-after {pass}: the pipeline has no such pass; passes are {}", .known.join(", "))]
+    #[diagnostic(code(E0402), help("name one of the listed passes in --dump-after"))]
     UnknownPass {
         /// The requested name.
         pass: String,
@@ -31,12 +33,15 @@ pub enum Error {
     // === Strategy ===
     /// A model dimension that the mesh cannot split.
     #[error(transparent)]
+    #[diagnostic(transparent)]
     Ir(#[from] pleat_ir::Error),
     /// The backward graph could not be built.
     #[error("differentiate: {0}")]
+    #[diagnostic(transparent)]
     Autodiff(#[from] crate::autodiff::AutodiffError),
     /// A mesh axis this build has no strategy for.
     #[error("mesh axis {axis} has no strategy in this build; use the axes {}", .available.join(", "))]
+    #[diagnostic(code(E0207), help("use a mesh axis this build has a strategy for"))]
     UnsupportedAxis {
         /// The axis.
         axis: String,
@@ -49,6 +54,7 @@ pub enum Error {
         2 * degree, 2 * degree, (seq / (2 * degree) + 1) * 2 * degree,
         (1..=*seq).filter(|d| seq % (2 * d) == 0).map(|d| d.to_string()).collect::<Vec<_>>().join(",")
     )]
+    #[diagnostic(code(E0208), help("make --seq a multiple of 2 x the cp degree"))]
     ZigzagSeq {
         /// The sequence length.
         seq: u64,
@@ -59,6 +65,7 @@ pub enum Error {
     },
     /// Two mesh axes whose strategies cannot share one mesh.
     #[error("mesh axes {first} and {second} cannot be combined: {reason}; use one of them")]
+    #[diagnostic(code(E0209), help("use one of the two axes"))]
     ConflictingAxes {
         /// The first axis.
         first: String,
@@ -69,6 +76,7 @@ pub enum Error {
     },
     /// The graph lacks a node a structural pass rewrites.
     #[error("{pass}: the graph has no node `{node}`; this pass rewrites graphs of pleat's model builder")]
+    #[diagnostic(code(E0403), help("compile graphs built by pleat's model builder"))]
     UnexpectedGraph {
         /// The pass.
         pass: &'static str,
@@ -77,6 +85,7 @@ pub enum Error {
     },
     /// Propagation met two layouts it cannot reconcile.
     #[error("{node} {name}: no collective makes its operands fit: {reason}")]
+    #[diagnostic(code(E0404), help("change the mesh or strategy so the node's operands agree, or report the node"))]
     NoLayout {
         /// The node.
         node: NodeId,
@@ -89,6 +98,7 @@ pub enum Error {
     // === Rewrite (egg) ===
     /// A rule's pattern does not parse: a bug in a rule table.
     #[error("rewrite rule {rule} is malformed: {reason}; fix its pattern in passes/src/rewrite/rules")]
+    #[diagnostic(code(E0405), help("this is a pleat bug in a rewrite rule table; report it"))]
     RuleTable {
         /// The rule's name.
         rule: String,
@@ -97,6 +107,7 @@ pub enum Error {
     },
     /// Two e-classes that disagree on type or layout were merged: an unsound rule.
     #[error("rewrite merged a value laid out as {left} with one laid out as {right}; a rule's typing is unsound")]
+    #[diagnostic(code(E0406), help("this is a pleat bug in a rewrite rule; report it"))]
     RewriteConflict {
         /// One side's type and layout.
         left: String,
@@ -105,6 +116,7 @@ pub enum Error {
     },
     /// `--proof` named no value of the first layer.
     #[error("no value `{name}` in the first layer; name a node of layer0, e.g. {example}")]
+    #[diagnostic(code(E0407), help("name a value of layer0, as `pleat explain` lists them"))]
     UnknownValue {
         /// The name asked for.
         name: String,

@@ -105,10 +105,11 @@ pub struct SearchOutcome {
 }
 
 /// Errors of the search's inputs.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum SearchError {
     /// A count that must be positive is zero.
     #[error("--{what} 0: give at least 1")]
+    #[diagnostic(code(E0240), help("give the flag a value of at least 1"))]
     Zero {
         /// The flag.
         what: &'static str,
@@ -118,6 +119,7 @@ pub enum SearchError {
         "no plan of {gpus} GPUs fits in {cap_gb:.1} GB a GPU ({costed} costed, {over_memory} over the cap, \
          {indivisible} indivisible layouts); add GPUs, raise --mem-cap, or shorten --seq"
     )]
+    #[diagnostic(code(E0241), help("add GPUs, raise --mem-cap, or shorten --seq"))]
     NothingFits {
         /// GPUs.
         gpus: u64,

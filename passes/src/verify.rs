@@ -22,8 +22,9 @@ use pleat_ir::{DType, DimName, Graph, Mesh, Module, NodeData, NodeId, Op, Shape,
 use crate::sharding;
 
 /// One verifier finding.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 #[error("{node} {name} ({op}): {message}")]
+#[diagnostic(code(E0408), help("fix the named node; if a pleat pass produced it, report it"))]
 pub struct VerifierError {
     /// The node at fault.
     pub node: NodeId,
@@ -36,8 +37,9 @@ pub struct VerifierError {
 }
 
 /// Every finding of one verification.
-#[derive(Debug, Clone, Default, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, Default, PartialEq, thiserror::Error, miette::Diagnostic)]
 #[error("{} verifier error(s); first: {}", .errors.len(), .errors.first().map(ToString::to_string).unwrap_or_default())]
+#[diagnostic(code(E0409), help("fix the first finding's node; the rest often follow from it"))]
 pub struct VerifierErrors {
     /// The findings, in program order.
     pub errors: Vec<VerifierError>,

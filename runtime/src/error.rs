@@ -8,10 +8,11 @@ use crate::weights::WeightError;
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything running a program can fail with.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum Error {
     /// A kernel rejected its operands.
     #[error("rank {rank}, instruction {instr} ({what}): {source}")]
+    #[diagnostic(code(E0601), help("check the program and inputs; recompile if the directory was edited"))]
     Kernel {
         /// The rank.
         rank: u32,
@@ -24,6 +25,7 @@ pub enum Error {
     },
     /// A collective failed (timeout, dead peer, mismatch).
     #[error("rank {rank}, instruction {instr} ({what}): {source}")]
+    #[diagnostic(code(E0602), help("make every rank run the same program; raise --timeout for slow links"))]
     Comm {
         /// The rank.
         rank: u32,
@@ -36,6 +38,7 @@ pub enum Error {
     },
     /// A weight could not be read.
     #[error("rank {rank}: {source}")]
+    #[diagnostic(code(E0603), help("use weights that match the model config"))]
     Weight {
         /// The rank.
         rank: u32,
@@ -44,6 +47,7 @@ pub enum Error {
     },
     /// The program is inconsistent with the inputs or itself.
     #[error("rank {rank}, instruction {instr}: {reason}")]
+    #[diagnostic(code(E0604), help("recompile the directory with this pleat"))]
     Program {
         /// The rank.
         rank: u32,
@@ -54,12 +58,14 @@ pub enum Error {
     },
     /// The inputs do not fit the programs.
     #[error("{reason}")]
+    #[diagnostic(code(E0605), help("give inputs of the program's batch and sequence"))]
     Inputs {
         /// What is wrong and how to fix it.
         reason: String,
     },
     /// A rank's thread panicked (a bug in pleat).
     #[error("rank {rank} panicked: {message}")]
+    #[diagnostic(code(E0606), help("this is a pleat bug; report it with the command line"))]
     Panicked {
         /// The rank.
         rank: u32,

@@ -24,10 +24,11 @@ type FusedFunction = unsafe extern "C" fn(*const *const f32, *mut f32, *mut f32)
 type FingerprintFunction = unsafe extern "C" fn() -> u64;
 
 /// Everything loading or calling native kernels can fail with.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum NativeError {
     /// The library could not be opened.
     #[error("cannot load native kernels from {path}: {message}; compile again with `pleat compile --emit so`")]
+    #[diagnostic(code(E0530), help("compile again with `pleat compile --emit so`"))]
     Open {
         /// The library.
         path: PathBuf,
@@ -36,6 +37,7 @@ pub enum NativeError {
     },
     /// The library lacks a function the program needs.
     #[error("{path} has no function {symbol}: {message}; compile again with `pleat compile --emit so`")]
+    #[diagnostic(code(E0531), help("compile again with `pleat compile --emit so`"))]
     MissingSymbol {
         /// The library.
         path: PathBuf,
@@ -49,6 +51,7 @@ pub enum NativeError {
         "{path} was generated for another program (fingerprint {found:#018x}, this program's is \
          {expected:#018x}); compile again with `pleat compile --emit so`"
     )]
+    #[diagnostic(code(E0532), help("compile again with `pleat compile --emit so`"))]
     Stale {
         /// The library.
         path: PathBuf,
@@ -59,6 +62,7 @@ pub enum NativeError {
     },
     /// No native function starts at this instruction.
     #[error("instruction {instr} has no native kernel; call only instructions the table covers")]
+    #[diagnostic(code(E0533), help("call only instructions the native table covers"))]
     NoKernel {
         /// The instruction.
         instr: usize,
@@ -68,6 +72,7 @@ pub enum NativeError {
         "native kernel of instruction {instr}: operand {operand} holds {got} {got_kind} elements, the \
          program declares {expected} {expected_kind}; pass the instruction's own buffers"
     )]
+    #[diagnostic(code(E0534), help("pass the instruction's own buffers"))]
     Operand {
         /// The instruction.
         instr: usize,

@@ -109,7 +109,7 @@ pub fn comm(args: &CommBenchArgs) -> Result<()> {
         CommChoice::Threads => {
             let n_ranks = args.ranks.unwrap_or(4);
             if n_ranks == 0 {
-                bail!("--ranks 0: a run needs at least one rank");
+                bail!(crate::usage::UsageError::ZeroFlag { flag: "--ranks", what: "rank" });
             }
             let measurements = on_threads(n_ranks, &sizes, args.iters, timeout)?;
             report(args, "threads", n_ranks, &measurements)
@@ -134,7 +134,10 @@ fn on_threads(n_ranks: u32, sizes: &[u64], iters: Option<u32>, timeout: Duration
                 })
             })
             .collect();
-        handles.into_iter().map(|handle| handle.join().unwrap_or_else(|_| bail!("a rank's thread panicked"))).collect()
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap_or_else(|_| bail!(crate::usage::UsageError::RankPanicked)))
+            .collect()
     });
     let mut rank_zero = None;
     for (rank, result) in results.into_iter().enumerate() {
@@ -150,7 +153,7 @@ fn on_mpi(args: &CommBenchArgs, sizes: &[u64], timeout: Duration) -> Result<()> 
         .context("cannot start mpi; launch pleat bench comm --comm mpi with mpirun -np N")?;
     let n_ranks = comm.world_size();
     if let Some(asked) = args.ranks.filter(|&asked| asked != n_ranks) {
-        bail!("--ranks {asked} differs from the MPI world size {n_ranks}; launch with mpirun -np {asked}");
+        bail!(crate::usage::UsageError::RanksDifferFromWorld { asked, world: n_ranks });
     }
     let measurements = match measure(&mut comm, sizes, args.iters) {
         Ok(measurements) => measurements,
@@ -243,13 +246,14 @@ fn check(comm: &mut dyn Communicator, world: &Group, op: Op, chunk: usize) -> Re
     };
     if got != expected {
         let first = got.iter().zip(&expected).position(|(a, b)| a != b).unwrap_or(0);
-        bail!(
-            "{} of {} elements gave a wrong result at element {first} on rank {rank}: got {}, expected {}",
-            op.name(),
+        bail!(crate::usage::UsageError::CollectiveWrongResult {
+            op: op.name(),
             elements,
-            got.get(first).copied().unwrap_or(f32::NAN),
-            expected.get(first).copied().unwrap_or(f32::NAN)
-        );
+            element: first,
+            rank,
+            got: got.get(first).copied().unwrap_or(f32::NAN),
+            expected: expected.get(first).copied().unwrap_or(f32::NAN)
+        });
     }
     Ok(())
 }
@@ -259,14 +263,14 @@ fn parse_sizes(text: &str) -> Result<Vec<u64>> {
     let sizes = if let Some((low, high)) = text.split_once("..") {
         let (low, high) = (parse_size(low)?, parse_size(high)?);
         if low == 0 || low > high {
-            bail!("--sizes {text}: the range must go from a positive size up to a larger one, e.g. 1KiB..4MiB");
+            bail!(crate::usage::UsageError::SizesRange { text: text.to_string() });
         }
         std::iter::successors(Some(low), |&size| size.checked_mul(2)).take_while(|&size| size <= high).collect()
     } else {
         text.split(',').map(parse_size).collect::<Result<Vec<_>>>()?
     };
     if sizes.contains(&0) {
-        bail!("--sizes {text}: a size of 0 bytes measures nothing; give sizes of at least 4 bytes");
+        bail!(crate::usage::UsageError::SizesZero { text: text.to_string() });
     }
     Ok(sizes)
 }
@@ -280,7 +284,7 @@ fn parse_size(text: &str) -> Result<u64> {
         "KiB" | "K" => 1 << 10,
         "MiB" | "M" => 1 << 20,
         "GiB" | "G" => 1 << 30,
-        other => bail!("size {text}: unknown unit {other:?}; use B, KiB, MiB or GiB"),
+        other => bail!(crate::usage::UsageError::SizeUnit { text: text.to_string(), unit: other.to_string() }),
     };
     let number: u64 =
         number.parse().with_context(|| format!("size {text}: expected a number then a unit, e.g. 64KiB"))?;

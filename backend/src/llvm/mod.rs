@@ -28,10 +28,11 @@ use codegen::{Codegen, Flavor};
 pub const PTX_ARCHES: [(&str, &str); 2] = [("sm_80", "+ptx70"), ("sm_90", "+ptx78")];
 
 /// Everything native code generation can reject.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum LlvmError {
     /// LLVM's verifier rejected a generated module.
     #[error("llvm's verifier rejected module {module}: {message}; this is a pleat bug, report it with the program")]
+    #[diagnostic(code(E0510), help("this is a pleat bug; report it with the program"))]
     Verify {
         /// The module's name.
         module: String,
@@ -40,6 +41,7 @@ pub enum LlvmError {
     },
     /// No target machine for a triple and CPU.
     #[error("llvm cannot target {triple} (cpu {cpu:?}): {message}; pick another --target-cpu or an LLVM 19 with that target")]
+    #[diagnostic(code(E0511), help("pick another --target-cpu, or an LLVM 19 with that target"))]
     Target {
         /// The target triple.
         triple: String,
@@ -50,24 +52,28 @@ pub enum LlvmError {
     },
     /// The IR builder failed.
     #[error("llvm's IR builder failed: {message}; this is a pleat bug, report it with the program")]
+    #[diagnostic(code(E0512), help("this is a pleat bug; report it with the program"))]
     Builder {
         /// LLVM's reason.
         message: String,
     },
     /// An intrinsic LLVM does not know.
     #[error("llvm has no intrinsic {name}; build pleat against LLVM 19")]
+    #[diagnostic(code(E0513), help("build pleat against LLVM 19"))]
     Intrinsic {
         /// The intrinsic's name.
         name: String,
     },
     /// A native kernel names an instruction that is not a kernel it can compile.
     #[error("instruction {instr} is not a kernel with native code; take the kernels from native::native_kernels")]
+    #[diagnostic(code(E0514), help("emit native code only for kernels pleat generates"))]
     NotAKernel {
         /// The instruction's index.
         instr: usize,
     },
     /// The optimization pipeline failed.
     #[error("llvm's {passes} pipeline failed: {message}")]
+    #[diagnostic(code(E0515), help("this is a pleat bug; report it with the program"))]
     Passes {
         /// The pipeline.
         passes: String,
@@ -76,6 +82,7 @@ pub enum LlvmError {
     },
     /// Writing assembly, an object or a file failed.
     #[error("cannot write {path}: {message}; check the output directory is writable")]
+    #[diagnostic(code(E0516), help("check that the output directory is writable"))]
     Write {
         /// The file.
         path: PathBuf,
@@ -84,6 +91,7 @@ pub enum LlvmError {
     },
     /// `cc -shared` failed.
     #[error("linking {object} into a shared library with `cc -shared` failed: {message}; install a C toolchain (build-essential)")]
+    #[diagnostic(code(E0517), help("install a linker (cc) or drop --emit so"))]
     Link {
         /// The object file.
         object: PathBuf,

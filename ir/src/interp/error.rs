@@ -7,11 +7,12 @@
 use crate::{NodeId, ValueId};
 
 /// A failure of one op on its operand tensors.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum OpError {
     // === Operands ===
     /// The op got the wrong number of operands.
     #[error("takes {expected} operands, got {got}; fix the node's inputs")]
+    #[diagnostic(code(E0430), help("give the node the op's number of operands"))]
     Arity {
         /// The op's arity.
         expected: usize,
@@ -20,6 +21,7 @@ pub enum OpError {
     },
     /// An operand whose data does not have one element for each index of its shape.
     #[error("operand {operand} has shape {shape:?} but {len} elements; build tensors with one element per index")]
+    #[diagnostic(code(E0431), help("build tensors with one element per index of their shape"))]
     Inconsistent {
         /// The operand's position.
         operand: usize,
@@ -30,6 +32,7 @@ pub enum OpError {
     },
     /// An operand whose shape the op cannot take.
     #[error("operand {operand} has shape {shape:?}, expected {expected}; fix the graph's types")]
+    #[diagnostic(code(E0432), help("fix the graph's value types"))]
     OperandShape {
         /// The operand's position.
         operand: usize,
@@ -43,6 +46,7 @@ pub enum OpError {
         "operand {operand} element {index:?} is {value}, not an integer in 0..16777216; token ids and positions \
          must be exact non-negative integers"
     )]
+    #[diagnostic(code(E0433), help("pass token ids and positions as exact integers below 2^24"))]
     NotAnIndex {
         /// The operand's position.
         operand: usize,
@@ -55,6 +59,7 @@ pub enum OpError {
     // === Model ===
     /// A token id outside the embedding table.
     #[error("token {token} at index {index:?} is outside the vocabulary of {vocab}; check that the tokenizer matches the model")]
+    #[diagnostic(code(E0434), help("use a tokenizer that matches the model's vocabulary"))]
     TokenOutOfRange {
         /// The token's multi-index in the token tensor (`[batch, seq]`).
         index: Vec<usize>,
@@ -65,6 +70,7 @@ pub enum OpError {
     },
     /// A rotary-embedding setting that gives no meaningful frequencies.
     #[error("rope setting {field} is {value}; it must be positive and finite, fix rope_theta or rope_scaling in config.json")]
+    #[diagnostic(code(E0435), help("make rope_theta and rope_scaling positive and finite in config.json"))]
     RopeSetting {
         /// The setting (`rope_theta`, `factor`, ...).
         field: &'static str,
@@ -74,11 +80,12 @@ pub enum OpError {
     /// An op whose result is not a function of its operands alone (inputs, parameters,
     /// communication): the driver evaluates it, never the op table.
     #[error("is not a function of its operand tensors; evaluate it in the interpreter's driver")]
+    #[diagnostic(code(E0436), help("evaluate this op in the interpreter's driver"))]
     NotLocal,
 }
 
 /// A failure of a whole interpreter run.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum InterpError {
     // === Graph ===
     /// A node the unsharded interpreter cannot run: a communication or layout op, or a value whose
@@ -87,6 +94,7 @@ pub enum InterpError {
         "{node} ({name}): {detail}; the reference interpreter runs unsharded graphs only (every spec replicated, \
          no communication ops), so interpret the graph before the sharding passes"
     )]
+    #[diagnostic(code(E0420), help("interpret the graph before the sharding passes"))]
     Sharded {
         /// The node.
         node: NodeId,
@@ -97,6 +105,7 @@ pub enum InterpError {
     },
     /// An operand read before any node in the program order computed it.
     #[error("{node} ({name}): operand {value} is not computed before this node; define every operand earlier in the program order")]
+    #[diagnostic(code(E0421), help("define every operand earlier in the program order"))]
     Undefined {
         /// The node.
         node: NodeId,
@@ -107,6 +116,7 @@ pub enum InterpError {
     },
     /// A graph output that no node in the program order computes.
     #[error("graph output {value} is not computed by any node in the program order; add its node to the order")]
+    #[diagnostic(code(E0422), help("add the output's node to the program order"))]
     MissingOutput {
         /// The output.
         value: ValueId,
@@ -115,6 +125,7 @@ pub enum InterpError {
     #[error(
         "{node} ({name}): computed shape {computed:?} but the graph declares {declared:?}; fix the node's result type"
     )]
+    #[diagnostic(code(E0423), help("fix the node's result type"))]
     ResultShape {
         /// The node.
         node: NodeId,
@@ -129,6 +140,7 @@ pub enum InterpError {
     // === Inputs ===
     /// Token ids or positions whose count differs from the graph's shape.
     #[error("{node} ({name}): {input} has {got} entries but the graph needs {expected} (shape {shape:?}); pass one entry per element")]
+    #[diagnostic(code(E0424), help("pass one token (or position) per element of the graph's input"))]
     InputLength {
         /// The node.
         node: NodeId,
@@ -145,6 +157,7 @@ pub enum InterpError {
     },
     /// A token id or position that f32 cannot hold exactly.
     #[error("{node} ({name}): {input} entry {index} is {value}, at or above 2^24 = 16777216, which f32 cannot hold exactly; use smaller ids")]
+    #[diagnostic(code(E0425), help("use ids below 2^24"))]
     InputTooLarge {
         /// The node.
         node: NodeId,
@@ -159,6 +172,7 @@ pub enum InterpError {
     },
     /// A parameter the caller's lookup does not have.
     #[error("{node} ({name}): parameter `{param}` with shape {shape:?} is missing; supply it from a checkpoint that matches the config")]
+    #[diagnostic(code(E0426), help("supply the parameter from a checkpoint that matches the config"))]
     MissingParam {
         /// The node.
         node: NodeId,
@@ -174,6 +188,7 @@ pub enum InterpError {
         "{node} ({name}): parameter `{param}` has {got} elements but shape {shape:?} needs {expected}; check that the \
          checkpoint matches the config"
     )]
+    #[diagnostic(code(E0427), help("use a checkpoint that matches the config"))]
     ParamLength {
         /// The node.
         node: NodeId,
@@ -192,6 +207,7 @@ pub enum InterpError {
     // === Ops ===
     /// An op that failed on its operands.
     #[error("{node} ({name}): {op}: {error}")]
+    #[diagnostic(code(E0428), help("fix the named node's operands"))]
     Op {
         /// The node.
         node: NodeId,

@@ -186,11 +186,15 @@ pub struct ModelConfig {
 }
 
 /// Why a configuration could not be read. Every variant names the file it came from.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum ConfigError {
     // === Syntax ===
     /// The text is not JSON.
     #[error("{file}:{line}:{column}: malformed json: {message}; fix the syntax at that position")]
+    #[diagnostic(
+        code(E0101),
+        help("fix the JSON syntax at the line and column shown (a missing comma, quote or brace)")
+    )]
     MalformedJson {
         /// The source name given by the caller.
         file: String,
@@ -203,6 +207,7 @@ pub enum ConfigError {
     },
     /// The JSON is not an object.
     #[error("{file}: the top level must be a json object {{...}}, found {found}")]
+    #[diagnostic(code(E0102), help("config.json must hold one JSON object {{\"hidden_size\": ..., ...}}"))]
     NotAnObject {
         /// The source name given by the caller.
         file: String,
@@ -213,6 +218,7 @@ pub enum ConfigError {
     // === Fields ===
     /// A required field is absent.
     #[error("{file}: missing required field `{field}`; add it as Hugging Face's config.json spells it")]
+    #[diagnostic(code(E0103), help("add the field with the value from the model's Hugging Face config.json"))]
     MissingField {
         /// The source name given by the caller.
         file: String,
@@ -221,6 +227,7 @@ pub enum ConfigError {
     },
     /// A field has the wrong JSON type.
     #[error("{file}: field `{field}` must be {expected}, found {found}")]
+    #[diagnostic(code(E0104), help("give the field the JSON type named in the message"))]
     BadField {
         /// The source name given by the caller.
         file: String,
@@ -233,6 +240,7 @@ pub enum ConfigError {
     },
     /// A field has the right type but an impossible value.
     #[error("{file}: field `{field}` = {value} is out of range; it must be {requirement}")]
+    #[diagnostic(code(E0105), help("change the field to a value within the stated range"))]
     BadValue {
         /// The source name given by the caller.
         file: String,
@@ -247,6 +255,10 @@ pub enum ConfigError {
     // === Support ===
     /// `architectures[0]` (or `model_type`) names a model pleat does not build.
     #[error("{file}: architecture `{architecture}` in `{field}` is not supported; use one of {}", supported.join(", "))]
+    #[diagnostic(
+        code(E0106),
+        help("use a Llama-family config (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+    )]
     UnknownArchitecture {
         /// The source name given by the caller.
         file: String,
@@ -259,6 +271,7 @@ pub enum ConfigError {
     },
     /// The RoPE scaling type is one pleat does not compute.
     #[error("{file}: rope type `{rope_type}` in `{field}` is not supported; pleat computes only {}", supported.join(", "))]
+    #[diagnostic(code(E0107), help("drop rope_scaling or use a rope type pleat computes"))]
     UnsupportedRopeType {
         /// The source name given by the caller.
         file: String,
@@ -271,6 +284,7 @@ pub enum ConfigError {
     },
     /// A valid Hugging Face setting that the Llama-style graph cannot express.
     #[error("{file}: `{field}` = {value} is not supported: {reason}")]
+    #[diagnostic(code(E0108), help("use a config without this setting"))]
     Unsupported {
         /// The source name given by the caller.
         file: String,
@@ -285,6 +299,7 @@ pub enum ConfigError {
     // === Consistency ===
     /// Grouped-query attention needs whole groups.
     #[error("{file}: num_attention_heads = {num_heads} is not a multiple of num_key_value_heads = {num_kv_heads}; every key/value head must serve the same number of query heads")]
+    #[diagnostic(code(E0109), help("make num_attention_heads a multiple of num_key_value_heads"))]
     HeadsNotDivisible {
         /// The source name given by the caller.
         file: String,
@@ -295,6 +310,7 @@ pub enum ConfigError {
     },
     /// `head_dim` is absent and cannot be derived.
     #[error("{file}: hidden_size = {hidden_size} is not divisible by num_attention_heads = {num_heads}; set `head_dim` explicitly or fix the sizes")]
+    #[diagnostic(code(E0110), help("set head_dim, or make hidden_size a multiple of num_attention_heads"))]
     HeadDimNotDerivable {
         /// The source name given by the caller.
         file: String,
@@ -307,6 +323,7 @@ pub enum ConfigError {
     #[error(
         "{file}: head_dim = {head_dim} is odd; rotary embeddings rotate pairs of channels, so use an even head_dim"
     )]
+    #[diagnostic(code(E0111), help("use an even head_dim (rotary embeddings rotate channel pairs)"))]
     OddHeadDim {
         /// The source name given by the caller.
         file: String,
@@ -315,6 +332,7 @@ pub enum ConfigError {
     },
     /// The sizes multiply past what a `u64` can count.
     #[error("{file}: the model would have more than 2^64 parameters; check the sizes")]
+    #[diagnostic(code(E0112), help("check the sizes in config.json for a typo"))]
     TooManyParameters {
         /// The source name given by the caller.
         file: String,
@@ -323,6 +341,7 @@ pub enum ConfigError {
     // === Presets ===
     /// No preset has that name.
     #[error("unknown preset `{name}`; use one of {} or a path to a config.json", known.join(", "))]
+    #[diagnostic(code(E0113), help("give a preset name from the list, or a path to a config.json"))]
     UnknownPreset {
         /// The name asked for.
         name: String,

@@ -75,7 +75,11 @@ impl std::fmt::Debug for ParseError {
 // By hand, because the span is two plain fields the caller can read, not a miette type.
 impl Diagnostic for ParseError {
     fn code<'a>(&'a self) -> Option<Box<dyn std::fmt::Display + 'a>> {
-        Some(Box::new("pleat::ir::parse"))
+        Some(Box::new("E0301"))
+    }
+
+    fn help<'a>(&'a self) -> Option<Box<dyn std::fmt::Display + 'a>> {
+        Some(Box::new("fix the text at the line and column shown; `pleat compile` writes module.pleat in this syntax"))
     }
 
     fn source_code(&self) -> Option<&dyn SourceCode> {

@@ -104,16 +104,18 @@ impl Gradients {
 }
 
 /// Why a graph cannot be differentiated.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum AutodiffError {
     /// The loss is not a value of the graph, or not in its program order.
     #[error("loss {value} is not computed by the graph; pass the value of its cross_entropy node")]
+    #[diagnostic(code(E0410), help("pass the value of the graph's cross_entropy node"))]
     UnknownLoss {
         /// The value given.
         value: ValueId,
     },
     /// The loss is not a `cross_entropy` node.
     #[error("loss {value} ({name}) is computed by {op}, not cross_entropy; build the graph with build_training")]
+    #[diagnostic(code(E0411), help("build the graph with build_training, whose loss is cross_entropy"))]
     NotCrossEntropy {
         /// The value given.
         value: ValueId,
@@ -124,6 +126,7 @@ pub enum AutodiffError {
     },
     /// A node on the path from a parameter to the loss has no gradient rule.
     #[error("{node} ({name}): {reason}")]
+    #[diagnostic(code(E0412), help("avoid the op on the path to the loss, or use a mesh whose ops have gradients"))]
     NoRule {
         /// The node.
         node: NodeId,
@@ -134,6 +137,7 @@ pub enum AutodiffError {
     },
     /// A backward op's operands are laid out in a way no collective inserted here reconciles.
     #[error("{name}: {reason}")]
+    #[diagnostic(code(E0413), help("use a mesh or strategy whose backward layouts agree"))]
     NoLayout {
         /// The backward node's name.
         name: String,
@@ -142,6 +146,7 @@ pub enum AutodiffError {
     },
     /// A parameter the loss does not depend on: it would get no gradient.
     #[error("parameter `{name}` does not reach the loss, so it has no gradient; remove it or use it")]
+    #[diagnostic(code(E0414), help("remove the parameter or use it in the forward graph"))]
     UnusedParam {
         /// The checkpoint name.
         name: String,

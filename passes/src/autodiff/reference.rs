@@ -24,8 +24,9 @@ pub struct ReferenceTraining {
 }
 
 /// Why the reference could not train.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 #[error("reference training, step {step}: {reason}")]
+#[diagnostic(code(E0415), help("check the model, batch and tokens of the reference run"))]
 pub struct ReferenceError {
     /// The step that failed (0 while building).
     pub step: u32,

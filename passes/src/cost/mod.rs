@@ -40,11 +40,12 @@ pub use model::ModelShape;
 pub use workload::{Mode, Recompute, Workload};
 
 /// Everything the cost model can reject.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum CostError {
     // === Layout ===
     /// A model dimension an axis must split evenly, and does not.
     #[error("{count} {what} are not divisible by {axis}={degree}; use {axis} in {{{}}}", join(valid))]
+    #[diagnostic(code(E0210), help("pick an axis degree from the listed divisors"))]
     Indivisible {
         /// What is split (`heads`, `ffn channels`, `tokens (seq)`, ...).
         what: String,
@@ -59,6 +60,7 @@ pub enum CostError {
     },
     /// An axis the model cannot use.
     #[error("mesh axis {axis}={degree}: {reason}")]
+    #[diagnostic(code(E0211), help("drop the axis or use the alternative the message names"))]
     UnusableAxis {
         /// The axis.
         axis: String,
@@ -69,6 +71,7 @@ pub enum CostError {
     },
     /// More pipeline stages than layers.
     #[error("pp={stages} is more than the model's {layers} layers; use pp <= {layers}")]
+    #[diagnostic(code(E0212), help("use a pp degree of at most the model's layers"))]
     TooManyStages {
         /// The pipeline degree.
         stages: u64,
@@ -79,12 +82,14 @@ pub enum CostError {
     // === Workload ===
     /// A workload size that must be at least 1.
     #[error("{what} = 0; it must be at least 1")]
+    #[diagnostic(code(E0242), help("give the workload setting a value of at least 1"))]
     Zero {
         /// The setting.
         what: &'static str,
     },
     /// A ZeRO stage outside 0..=3.
     #[error("zero stage {stage} does not exist; use 0, 1, 2 or 3")]
+    #[diagnostic(code(E0243), help("use --zero 0, 1, 2 or 3"))]
     ZeroStage {
         /// The stage given.
         stage: u8,
@@ -93,6 +98,7 @@ pub enum CostError {
     // === Hardware ===
     /// No built-in hardware has that name.
     #[error("unknown hardware `{name}`; use one of {} or --hw-file", .known.join(", "))]
+    #[diagnostic(code(E0244), help("use a built-in hardware name or --hw-file"))]
     UnknownHardware {
         /// The name asked for.
         name: String,
@@ -101,6 +107,7 @@ pub enum CostError {
     },
     /// A hardware file that does not parse.
     #[error("{file}: {reason}; write the fields of `pleat plan --help`'s hardware spec")]
+    #[diagnostic(code(E0245), help("fix the hardware file's fields (see `pleat bench calibrate`)"))]
     HardwareFile {
         /// The file name given by the caller.
         file: String,
@@ -109,6 +116,7 @@ pub enum CostError {
     },
     /// A hardware number that makes no sense (zero bandwidth, zero memory).
     #[error("hardware {name}: {field} = {value} must be positive")]
+    #[diagnostic(code(E0246), help("give the hardware field a positive value"))]
     HardwareValue {
         /// The hardware's name.
         name: String,

@@ -6,17 +6,19 @@ use crate::pipeline::schedule::Step;
 pub type Result<T> = std::result::Result<T, ScheduleError>;
 
 /// Everything building, simulating or balancing a pipeline schedule can fail with.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum ScheduleError {
     // === Building ===
     /// A count that must be at least one.
     #[error("{what} = 0: give at least 1")]
+    #[diagnostic(code(E0220), help("give a count of at least 1"))]
     Zero {
         /// The count (`stages`, `micro-batches`, `chunks`).
         what: &'static str,
     },
     /// Interleaving with one chunk a rank is plain 1F1B.
     #[error("interleaved 1F1B needs at least 2 chunks a rank (got {chunks}); use --schedule 1f1b for one chunk")]
+    #[diagnostic(code(E0221), help("use --chunks 2 or more, or --schedule 1f1b"))]
     TooFewChunks {
         /// The chunks given.
         chunks: u32,
@@ -26,6 +28,7 @@ pub enum ScheduleError {
         "interleaved 1F1B needs micro-batches divisible by the stages, as Megatron requires: {micro_batches} is not a multiple of pp={stages}; use --micro-batches in {{{}}}",
         (1..=4).map(|k| (k * stages).to_string()).collect::<Vec<_>>().join(", ") + ", ..."
     )]
+    #[diagnostic(code(E0222), help("make --micro-batches a multiple of the pp degree"))]
     MicroBatchesNotDivisible {
         /// The micro-batches given.
         micro_batches: u32,
@@ -36,6 +39,7 @@ pub enum ScheduleError {
     // === Simulation ===
     /// A step whose micro-batch or chunk lies outside the schedule's ranges.
     #[error("stage {stage}, step {index} ({step}) is out of range: the schedule has {micro_batches} micro-batches and {chunks} chunks a stage")]
+    #[diagnostic(code(E0223), help("keep steps within the schedule's micro-batches and chunks"))]
     StepOutOfRange {
         /// The stage (rank).
         stage: u32,
@@ -50,6 +54,7 @@ pub enum ScheduleError {
     },
     /// A step that appears twice on a stage.
     #[error("stage {stage} runs {step} twice (steps {first} and {second}); each step runs once")]
+    #[diagnostic(code(E0224), help("run each step once a stage"))]
     DuplicateStep {
         /// The stage.
         stage: u32,
@@ -62,6 +67,7 @@ pub enum ScheduleError {
     },
     /// A stage that never runs a step the pipeline needs.
     #[error("stage {stage} never runs {step}; every micro-batch needs a forward and a backward (or backward-input and backward-weight) on every chunk")]
+    #[diagnostic(code(E0225), help("give every stage a forward and a backward for every micro-batch and chunk"))]
     MissingStep {
         /// The stage.
         stage: u32,
@@ -70,6 +76,7 @@ pub enum ScheduleError {
     },
     /// A stage that mixes a whole backward with the split one for the same micro-batch and chunk.
     #[error("stage {stage} runs both a whole backward and a split one for micro-batch {micro_batch}, chunk {chunk}; use either backward or backward-input plus backward-weight")]
+    #[diagnostic(code(E0226), help("use a whole backward or backward-input plus backward-weight, not both"))]
     MixedBackward {
         /// The stage.
         stage: u32,
@@ -80,6 +87,7 @@ pub enum ScheduleError {
     },
     /// The stages' orders wait on each other in a cycle: the schedule would hang.
     #[error("the schedule cannot complete: stage {stage} waits at step {index} ({step}) for {waits_for} on stage {waits_on_stage}, which that stage's order never reaches first{}", if .other_blocked.is_empty() { String::new() } else { format!("; stages {} are blocked too", .other_blocked.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")) })]
+    #[diagnostic(code(E0227), help("reorder the stages' steps so each waits only for steps run earlier"))]
     Deadlock {
         /// The first blocked stage.
         stage: u32,
@@ -96,6 +104,7 @@ pub enum ScheduleError {
     },
     /// A step cost that is negative or not finite.
     #[error("step cost {what} = {value} must be finite and not negative")]
+    #[diagnostic(code(E0228), help("give finite, non-negative step costs"))]
     BadCost {
         /// The cost's name.
         what: &'static str,
@@ -106,6 +115,7 @@ pub enum ScheduleError {
     // === Balancing ===
     /// More stages than layers: a stage would hold no layer.
     #[error("{layers} layers cannot fill {stages} stages with at least one layer each; use at most {layers} stages")]
+    #[diagnostic(code(E0229), help("use at most as many stages as layers"))]
     TooFewLayers {
         /// The layers.
         layers: usize,
@@ -114,6 +124,7 @@ pub enum ScheduleError {
     },
     /// A layer cost that is negative or not finite.
     #[error("layer {layer}'s cost {value} must be finite and not negative")]
+    #[diagnostic(code(E0230), help("give finite, non-negative layer costs"))]
     BadLayerCost {
         /// The layer.
         layer: usize,
@@ -124,6 +135,7 @@ pub enum ScheduleError {
     #[error(
         "--pp-layers {text}: entry {position} ({entry:?}) is not a positive layer count; write counts like 9,8,8,7"
     )]
+    #[diagnostic(code(E0231), help("write --pp-layers as positive counts separated by commas, e.g. 9,8,8,7"))]
     PpLayersEntry {
         /// The whole argument.
         text: String,
@@ -134,6 +146,7 @@ pub enum ScheduleError {
     },
     /// A `--pp-layers` list with the wrong number of entries.
     #[error("--pp-layers {text}: {got} entries for {stages} stages; give one layer count a stage")]
+    #[diagnostic(code(E0232), help("give one --pp-layers count a pipeline stage"))]
     PpLayersCount {
         /// The whole argument.
         text: String,
@@ -144,6 +157,7 @@ pub enum ScheduleError {
     },
     /// A `--pp-layers` list that does not sum to the model's layers.
     #[error("--pp-layers {text}: the counts sum to {got}, the model has {total_layers} layers; make them sum to {total_layers}")]
+    #[diagnostic(code(E0233), help("make the --pp-layers counts sum to the model's layers"))]
     PpLayersSum {
         /// The whole argument.
         text: String,

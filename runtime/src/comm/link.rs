@@ -32,8 +32,9 @@ impl LinkSpec {
 }
 
 /// Why a link description (`--emulate-link`'s value) was refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, miette::Diagnostic)]
 #[error("{given:?} is not a link: {reason}; write GBPS,US, e.g. 25,5 for 25 GB/s and 5 µs")]
+#[diagnostic(code(E0620), help("write --emulate-link as GBPS,US, e.g. 25,5 for 25 GB/s and 5 us"))]
 pub struct LinkSpecError {
     /// The text given.
     pub given: String,

@@ -218,7 +218,7 @@ impl fmt::Display for MessageTag {
 }
 
 /// Errors of communicators. Every variant names the rank that reports it (`rank`) and the operation.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum CommError {
     // === Waiting ===
     /// A blocking wait ran past the communicator's timeout.
@@ -226,6 +226,7 @@ pub enum CommError {
         "rank {rank}: {op} timed out after {after:?} waiting for rank(s) {waiting_for:?}; make every \
          member of the group reach the same collective, or raise the timeout"
     )]
+    #[diagnostic(code(E0630), help("make every group member reach the same collective, or raise --timeout"))]
     Timeout {
         /// The rank that waited.
         rank: u32,
@@ -239,6 +240,7 @@ pub enum CommError {
     },
     /// A rank this operation depends on failed (aborted or panicked).
     #[error("rank {rank}: {op} cannot complete because rank {peer} failed: {reason}; fix rank {peer} first")]
+    #[diagnostic(code(E0631), help("fix the failed rank first; its error is reported too"))]
     PeerFailed {
         /// The rank that reports it.
         rank: u32,
@@ -254,6 +256,7 @@ pub enum CommError {
         "rank {rank}: rank {peer} sent a message of {got} where {expected} was expected; make every \
          member of the group call the same collectives with the same sizes in the same order"
     )]
+    #[diagnostic(code(E0632), help("make every member call the same collectives with the same sizes in order"))]
     Mismatch {
         /// The rank that received it.
         rank: u32,
@@ -266,6 +269,7 @@ pub enum CommError {
     },
     /// This communicator failed earlier (an error or `abort`), so it runs nothing more.
     #[error("rank {rank}: cannot run {op}: this communicator failed earlier ({reason}); start a new run")]
+    #[diagnostic(code(E0633), help("start a new run"))]
     Aborted {
         /// The rank.
         rank: u32,
@@ -278,6 +282,7 @@ pub enum CommError {
     // === Arguments ===
     /// The calling rank is not a member of the group.
     #[error("rank {rank}: cannot run {op}: rank {rank} is not in group {group}; call it only on members")]
+    #[diagnostic(code(E0634), help("call the collective only on group members"))]
     NotInGroup {
         /// The caller.
         rank: u32,
@@ -288,6 +293,7 @@ pub enum CommError {
     },
     /// The group has no member.
     #[error("rank {rank}: cannot run {op}: the group is empty; pass at least the calling rank")]
+    #[diagnostic(code(E0635), help("pass at least the calling rank"))]
     EmptyGroup {
         /// The caller.
         rank: u32,
@@ -296,6 +302,7 @@ pub enum CommError {
     },
     /// The group holds a rank outside the world.
     #[error("rank {rank}: cannot run {op}: member {member} is not a rank of this world of {world_size}; use ranks 0..{world_size}")]
+    #[diagnostic(code(E0636), help("use ranks of the world only"))]
     RankOutOfWorld {
         /// The caller.
         rank: u32,
@@ -308,6 +315,7 @@ pub enum CommError {
     },
     /// The group holds a rank twice.
     #[error("rank {rank}: cannot run {op}: rank {member} appears twice in the group; list each rank once")]
+    #[diagnostic(code(E0637), help("list each rank once in a group"))]
     DuplicateRank {
         /// The caller.
         rank: u32,
@@ -318,6 +326,7 @@ pub enum CommError {
     },
     /// A point-to-point peer is this rank itself or not a rank of the world.
     #[error("rank {rank}: cannot run {op}: peer {peer} must be another rank in 0..{world_size}")]
+    #[diagnostic(code(E0638), help("send to another rank of the world"))]
     InvalidPeer {
         /// The caller.
         rank: u32,
@@ -330,6 +339,7 @@ pub enum CommError {
     },
     /// A broadcast root index is not a position in the group.
     #[error("rank {rank}: cannot run {op}: root index {root} is not below the group size {group_size}; the root is an index into the group, not a rank")]
+    #[diagnostic(code(E0639), help("use a root inside the group"))]
     RootOutOfRange {
         /// The caller.
         rank: u32,
@@ -342,6 +352,7 @@ pub enum CommError {
     },
     /// A buffer that must split into one equal chunk a member does not.
     #[error("rank {rank}: cannot run {op}: {buffer} has {len} elements, not a multiple of the group size {group_size}; pad it to a multiple")]
+    #[diagnostic(code(E0641), help("make the buffer a multiple of the group size"))]
     NotDivisible {
         /// The caller.
         rank: u32,
@@ -356,6 +367,7 @@ pub enum CommError {
     },
     /// A buffer has the wrong length for the operation.
     #[error("rank {rank}: cannot run {op}: {buffer} has {got} elements where {expected} are needed")]
+    #[diagnostic(code(E0642), help("pass buffers of the collective's size"))]
     BufferLength {
         /// The caller.
         rank: u32,

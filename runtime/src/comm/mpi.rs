@@ -51,13 +51,15 @@ const MAX_REASON_BYTES: usize = 1024;
 const SPIN_POLLS: u32 = 2000;
 
 /// Errors starting the MPI communicator.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum MpiInitError {
     /// MPI was initialized before in this process.
     #[error("mpi is already initialized in this process; create one MpiComm a process")]
+    #[diagnostic(code(E0643), help("create one MpiComm a process"))]
     AlreadyInitialized,
     /// The MPI library cannot serialize calls from several threads.
     #[error("the mpi library provides thread level {provided}, pleat needs {required}; use an Open MPI built with thread support")]
+    #[diagnostic(code(E0644), help("use an Open MPI built with thread support"))]
     ThreadLevel {
         /// What pleat asked for.
         required: String,

@@ -37,7 +37,7 @@ pub use rope::{rope_grad_in_place, rope_in_place};
 pub use row_grad::{rms_norm_grad_input, rms_norm_grad_weight, silu_mul_grad_gate};
 
 /// Everything a kernel can reject. Messages name the kernel and the offending tensor or index.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum KernelError {
     // === Buffers ===
     /// A buffer's length disagrees with the dimensions passed with it.
@@ -45,6 +45,7 @@ pub enum KernelError {
         "{kernel}: {tensor} has {got} elements but the dimensions given need {expected}; \
          pass a buffer sized to the kernel's dimensions"
     )]
+    #[diagnostic(code(E0650), help("pass a buffer sized to the kernel's dimensions"))]
     LengthMismatch {
         /// The kernel that checked the buffer.
         kernel: &'static str,
@@ -57,6 +58,7 @@ pub enum KernelError {
     },
     /// A count that must split evenly does not.
     #[error("{kernel}: {what} = {count} is not divisible by {divisor}; make {what} a multiple of {divisor}")]
+    #[diagnostic(code(E0651), help("make the count a multiple of the divisor"))]
     NotDivisible {
         /// The kernel that checked the count.
         kernel: &'static str,
@@ -69,6 +71,7 @@ pub enum KernelError {
     },
     /// A dimension or count that must be positive is zero.
     #[error("{kernel}: {what} is 0; it must be at least 1")]
+    #[diagnostic(code(E0652), help("give the dimension a size of at least 1"))]
     ZeroDim {
         /// The kernel that checked it.
         kernel: &'static str,
@@ -79,6 +82,7 @@ pub enum KernelError {
     // === Layout ===
     /// A dimension index past the tensor's rank.
     #[error("{kernel}: dim {dim} is out of range for a tensor of rank {rank}; use a dim below {rank}")]
+    #[diagnostic(code(E0653), help("name a dimension within the tensor's rank"))]
     DimOutOfRange {
         /// The kernel that checked it.
         kernel: &'static str,
@@ -92,6 +96,7 @@ pub enum KernelError {
         "slice_region: dim {dim} asks for [{start}, {start} + {len}) but the dim has size {size}; \
          keep start + len <= {size}"
     )]
+    #[diagnostic(code(E0654), help("keep the region inside the tensor"))]
     RegionOutOfBounds {
         /// The dimension.
         dim: usize,
@@ -109,6 +114,7 @@ pub enum KernelError {
         "embedding: token at position {position} has id {token} but the vocabulary has {vocab_size} \
          entries; check the tokenizer matches the model"
     )]
+    #[diagnostic(code(E0655), help("use token ids below the vocabulary size"))]
     TokenOutOfRange {
         /// Index of the token in the input.
         position: usize,
@@ -122,6 +128,7 @@ pub enum KernelError {
         "embedding: the table shard holds rows [{vocab_offset}, {vocab_offset} + {rows}) but the \
          vocabulary has {vocab_size} entries; shard the table within the vocabulary"
     )]
+    #[diagnostic(code(E0656), help("use a shard index below the shard count"))]
     ShardOutOfRange {
         /// First global row held.
         vocab_offset: usize,
@@ -136,6 +143,7 @@ pub enum KernelError {
         "{kernel}: target at position {position} has id {token} but the vocabulary has {vocab_size} \
          entries; check the tokenizer matches the model"
     )]
+    #[diagnostic(code(E0657), help("use target ids below the vocabulary size"))]
     TargetOutOfRange {
         /// The kernel that read the target.
         kernel: &'static str,
@@ -153,6 +161,7 @@ pub enum KernelError {
         "attention: query head {query_head} needs kv head {kv_head}, but this rank holds kv heads \
          [{kv_head_offset}, {kv_head_offset} + {local_kv_heads}); shard query and kv heads together"
     )]
+    #[diagnostic(code(E0658), help("split heads so each rank holds its key/value heads"))]
     KvHeadNotLocal {
         /// Global index of the query head.
         query_head: usize,

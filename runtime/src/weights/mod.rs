@@ -39,7 +39,7 @@ pub trait WeightSource: Send + Sync {
 }
 
 /// Everything that can go wrong finding, reading or writing weights.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
 pub enum WeightError {
     // === Files ===
     /// The path given as the checkpoint does not exist.
@@ -47,6 +47,10 @@ pub enum WeightError {
         "weights file {} does not exist: pass a .safetensors file, a model.safetensors.index.json, \
          or a directory holding one of them",
         .path.display()
+    )]
+    #[diagnostic(
+        code(E0610),
+        help("pass a .safetensors file, a model.safetensors.index.json or a directory holding one")
     )]
     FileMissing {
         /// The path that was asked for.
@@ -58,6 +62,7 @@ pub enum WeightError {
          point at the checkpoint file itself or download the checkpoint into it",
         .dir.display()
     )]
+    #[diagnostic(code(E0611), help("point at the checkpoint file, or put model.safetensors in the directory"))]
     NoCheckpointInDirectory {
         /// The directory that was searched.
         dir: PathBuf,
@@ -67,6 +72,7 @@ pub enum WeightError {
         "cannot read weights file {}: {reason}; re-download or re-export the checkpoint",
         .path.display()
     )]
+    #[diagnostic(code(E0612), help("re-download or re-export the checkpoint"))]
     Malformed {
         /// The file that could not be read.
         path: PathBuf,
@@ -79,6 +85,7 @@ pub enum WeightError {
          into the same directory as the index",
         .index.display(), .file, .path.display()
     )]
+    #[diagnostic(code(E0613), help("download every shard the index lists next to the index"))]
     IndexedFileMissing {
         /// The index file.
         index: PathBuf,
@@ -95,6 +102,7 @@ pub enum WeightError {
          check the model config (architecture, num_hidden_layers, tie_word_embeddings)",
         .file.display(), similar_hint(.similar)
     )]
+    #[diagnostic(code(E0614), help("use a checkpoint of the model's architecture and layer count"))]
     TensorMissing {
         /// The tensor asked for.
         name: String,
@@ -108,6 +116,7 @@ pub enum WeightError {
         "tensor `{name}` block {region:?} is not one this rank holds between training steps; a training program \
          must read the blocks it was started with"
     )]
+    #[diagnostic(code(E0615), help("read only the blocks the training rank started with"))]
     NotResident {
         /// The tensor asked for.
         name: String,
@@ -135,6 +144,7 @@ pub enum WeightError {
          num_attention_heads, num_key_value_heads, intermediate_size and vocab_size",
         .file.display()
     )]
+    #[diagnostic(code(E0616), help("use a checkpoint whose sizes match config.json"))]
     ShapeMismatch {
         /// The tensor.
         name: String,
@@ -150,6 +160,7 @@ pub enum WeightError {
         "region {region:?} of tensor `{name}` does not fit its shape {shape:?}: give one (start, len) per dim \
          with start + len <= dim; a sharding whose slices miss the shape is a bug in the plan"
     )]
+    #[diagnostic(code(E0617), help("this is a bug in the plan; report it"))]
     RegionOutOfBounds {
         /// The tensor.
         name: String,
@@ -164,6 +175,7 @@ pub enum WeightError {
          F32, BF16 or F16",
         .file.display()
     )]
+    #[diagnostic(code(E0618), help("convert the checkpoint to F32, BF16 or F16"))]
     UnsupportedDtype {
         /// The tensor.
         name: String,
@@ -176,6 +188,7 @@ pub enum WeightError {
     // === Writing ===
     /// A tensor handed to [`write_safetensors`] is inconsistent.
     #[error("cannot write tensor `{name}`: {reason}; fix the caller that builds the tensor list")]
+    #[diagnostic(code(E0619), help("fix the tensor list given to the writer"))]
     InvalidTensorToWrite {
         /// The tensor.
         name: String,
@@ -187,6 +200,7 @@ pub enum WeightError {
         "cannot write {}: {reason}; check that the directory exists, is writable and has space",
         .path.display()
     )]
+    #[diagnostic(code(E0621), help("check that the directory exists, is writable and has space"))]
     WriteFailed {
         /// The file being written.
         path: PathBuf,

@@ -1,0 +1,354 @@
+//! The errors the command line itself raises: flags that do not fit together, input files of the
+//! binary's own formats (token files, compiled directories, search plans), and failed checks.
+//!
+//! Each variant has a stable code (`E05xx` for compiled directories and plan files, `E07xx` for
+//! usage and checks; docs/errors.md lists them all) and a help line, and names the file or flag at
+//! fault so that `report` can print its location.
+
+use std::path::PathBuf;
+
+/// An error of the `pleat` command line, with a stable code.
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
+pub enum UsageError {
+    // === Mesh and strategy ===
+    /// `--strategy` names an axis the mesh lacks.
+    #[error("--strategy {strategy} needs a {axis} axis in --mesh, e.g. --mesh {axis}=4")]
+    #[diagnostic(code(E0213), help("add the strategy's axis to --mesh, or use --strategy auto"))]
+    StrategyNeedsAxis {
+        /// The strategy's name.
+        strategy: &'static str,
+        /// The axis it splits.
+        axis: &'static str,
+    },
+
+    // === Compiled directories and plan files ===
+    /// A compiled directory's plan.json of another format version.
+    #[error("{}: plan format {found} is not {expected}; recompile with this pleat", .path.display())]
+    #[diagnostic(code(E0520), help("run `pleat compile` again with this pleat"))]
+    PlanFormatVersion {
+        /// The plan.json.
+        path: PathBuf,
+        /// The version the file says.
+        found: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
+    /// A compiled directory whose files do not hash to its plan's fingerprint.
+    #[error(
+        "{}: the plan hash is {recorded:?} but the files hash to {actual}; the directory was changed after \
+         `pleat compile` wrote it: compile it again",
+        .path.display()
+    )]
+    #[diagnostic(code(E0521), help("run `pleat compile` again; do not edit a compiled directory's files"))]
+    PlanHashMismatch {
+        /// The plan.json.
+        path: PathBuf,
+        /// The hash plan.json records.
+        recorded: String,
+        /// The hash of the files as read.
+        actual: String,
+    },
+    /// A file a compiled directory must hold is absent or unreadable.
+    #[error("cannot read {}: {reason}; the compiled directory is incomplete, compile it again", .path.display())]
+    #[diagnostic(code(E0522), help("run `pleat compile` again into a fresh directory"))]
+    CompiledFileUnreadable {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's reason.
+        reason: String,
+    },
+    /// A plan.json or search plan that is not one.
+    #[error("{} is not a pleat {what}: {reason}", .path.display())]
+    #[diagnostic(
+        code(E0523),
+        help("pass a file written by `pleat compile` (plan.json) or `pleat search --emit-plan`")
+    )]
+    NotAPlan {
+        /// The file.
+        path: PathBuf,
+        /// `plan` or `search plan`.
+        what: &'static str,
+        /// The JSON parser's message.
+        reason: String,
+    },
+    /// A search plan of another format version.
+    #[error("{}: plan format {found} is not {expected}; search again with this pleat", .path.display())]
+    #[diagnostic(code(E0524), help("run `pleat search` again with this pleat"))]
+    SearchPlanVersion {
+        /// The search plan.
+        path: PathBuf,
+        /// The version the file says.
+        found: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
+    /// A search plan naming a strategy this build does not have.
+    #[error("{}: unknown strategy {strategy:?}; search again with this pleat", .path.display())]
+    #[diagnostic(code(E0525), help("run `pleat search` again with this pleat"))]
+    UnknownPlanStrategy {
+        /// The search plan.
+        path: PathBuf,
+        /// The strategy it names.
+        strategy: String,
+    },
+    /// `--emit` in a build without LLVM.
+    #[error(
+        "--emit needs native code generation, but pleat was built without the `llvm` feature; rebuild with \
+         the default features (`cargo build`, which needs llvm-19-dev) to use --emit"
+    )]
+    #[diagnostic(code(E0526), help("drop --emit, or rebuild pleat with the default features"))]
+    NativeUnavailable,
+    /// Programs whose simulation cannot finish.
+    #[error("the programs wait on each other forever ({}); recompile them with this pleat", .stuck.join(", "))]
+    #[diagnostic(code(E0527), help("run `pleat compile` again with this pleat"))]
+    ProgramsStuck {
+        /// Each blocked rank and its instruction.
+        stuck: Vec<String>,
+    },
+
+    // === Usage ===
+    /// A compiled directory given to a command that compiles.
+    #[error("{model} is a compiled directory; {command} takes a preset, a config.json or a model directory")]
+    #[diagnostic(code(E0702), help("give the model the directory was compiled from (its config.json is inside)"))]
+    CompiledNotAccepted {
+        /// The MODEL argument.
+        model: String,
+        /// The command.
+        command: String,
+    },
+    /// `--layer` past the model's layers.
+    #[error("--layer {layer} does not exist; {model} has layers 0..{layers}")]
+    #[diagnostic(code(E0703), help("pick a --layer below the model's num_hidden_layers"))]
+    NoSuchLayer {
+        /// The layer asked for.
+        layer: u64,
+        /// The model's name.
+        model: String,
+        /// The model's layers.
+        layers: u64,
+    },
+    /// `--value` names nothing in the layer.
+    #[error("no value named {name} in layer {layer}; names look like {prefix}o_proj")]
+    #[diagnostic(code(E0704), help("run `pleat explain` without --value to list the layer's value names"))]
+    NoSuchValue {
+        /// The name asked for.
+        name: String,
+        /// The layer.
+        layer: u64,
+        /// The layer's name prefix, `layer0.`.
+        prefix: String,
+    },
+    /// A token file that is readable JSON but not a batch of token ids.
+    #[error("{}: {problem}", .path.display())]
+    #[diagnostic(
+        code(E0705),
+        help("write the tokens as a JSON array of equal-length arrays of ids, [[1, 2, ...], ...]")
+    )]
+    TokensFile {
+        /// The token file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A token file whose shape differs from the run's.
+    #[error(
+        "the tokens file holds {batch} sequences of {seq} tokens, but the run is for batch={run_batch} seq={run_seq}"
+    )]
+    #[diagnostic(code(E0706), help("drop --batch and --seq to take them from the tokens file, or give matching ones"))]
+    TokensShape {
+        /// Sequences in the file.
+        batch: u64,
+        /// Tokens a sequence in the file.
+        seq: u64,
+        /// The run's batch.
+        run_batch: u64,
+        /// The run's sequence length.
+        run_seq: u64,
+    },
+    /// A flag that contradicts the compiled plan.
+    #[error("{flag} {given} differs from the compiled plan's {planned}; recompile, or drop {flag}")]
+    #[diagnostic(code(E0707), help("a compiled directory fixes batch and seq; recompile to change them"))]
+    DiffersFromPlan {
+        /// The flag.
+        flag: &'static str,
+        /// Its value.
+        given: u64,
+        /// The plan's value.
+        planned: u64,
+    },
+    /// A count flag of zero.
+    #[error("{flag} 0: give at least 1 {what}")]
+    #[diagnostic(code(E0708), help("give the flag a value of at least 1"))]
+    ZeroFlag {
+        /// The flag.
+        flag: &'static str,
+        /// What it counts, singular.
+        what: &'static str,
+    },
+    /// `pleat compare --seq` with no lengths.
+    #[error("--seq needs at least one length, e.g. --seq 4096,16384")]
+    #[diagnostic(code(E0709), help("list the sequence lengths to compare, separated by commas"))]
+    EmptySeqList,
+    /// `--chunks` with a schedule that has no chunks.
+    #[error(
+        "--chunks {chunks} applies to --schedule interleaved only, not to {schedule}; drop --chunks or use \
+         --schedule interleaved"
+    )]
+    #[diagnostic(code(E0710), help("drop --chunks, or use --schedule interleaved"))]
+    ChunksWithoutInterleaving {
+        /// The chunks given.
+        chunks: u32,
+        /// The schedule named.
+        schedule: String,
+    },
+    /// A pipeline schedule training cannot run yet.
+    #[error(
+        "pleat trains with --schedule gpipe or 1f1b; interleaved and zb-h1 (model chunks, a split backward) are \
+         planned and drawn by `pleat schedule` only so far"
+    )]
+    #[diagnostic(code(E0711), help("use --schedule gpipe or --schedule 1f1b to train"))]
+    TrainSchedule,
+    /// A `--sizes` range that is empty or starts at zero.
+    #[error("--sizes {text}: the range must go from a positive size up to a larger one, e.g. 1KiB..4MiB")]
+    #[diagnostic(code(E0712), help("write --sizes as a list (4KiB,1MiB) or a range from a smaller to a larger size"))]
+    SizesRange {
+        /// The argument.
+        text: String,
+    },
+    /// A `--sizes` entry of zero bytes.
+    #[error("--sizes {text}: a size of 0 bytes measures nothing; give sizes of at least 4 bytes")]
+    #[diagnostic(code(E0713), help("give sizes of at least 4 bytes"))]
+    SizesZero {
+        /// The argument.
+        text: String,
+    },
+    /// A size with a unit pleat does not know.
+    #[error("size {text}: unknown unit {unit:?}; use B, KiB, MiB or GiB")]
+    #[diagnostic(code(E0714), help("write sizes like 512B, 4KiB, 16MiB or 1GiB"))]
+    SizeUnit {
+        /// The size.
+        text: String,
+        /// The unit found.
+        unit: String,
+    },
+
+    // === MPI launches ===
+    /// `pleat rank` launched with another number of processes than the directory's ranks.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
+    #[error(
+        "rank {rank}: the MPI world has {world} ranks but {} was compiled for {ranks} ranks; launch with mpirun -np \
+         {ranks}",
+        .dir.display()
+    )]
+    #[diagnostic(code(E0715), help("launch with mpirun -np equal to the compiled ranks (plan.json's `ranks`)"))]
+    MpiWorldSize {
+        /// This process's rank.
+        rank: u32,
+        /// The MPI world size.
+        world: u32,
+        /// The compiled directory.
+        dir: PathBuf,
+        /// The ranks it was compiled for.
+        ranks: u32,
+    },
+    /// `bench comm --ranks` that differs from the MPI world.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
+    #[error("--ranks {asked} differs from the MPI world size {world}; launch with mpirun -np {asked}")]
+    #[diagnostic(code(E0716), help("drop --ranks under mpirun, or launch with mpirun -np equal to it"))]
+    RanksDifferFromWorld {
+        /// The ranks asked for.
+        asked: u32,
+        /// The MPI world size.
+        world: u32,
+    },
+    /// A test hook variable that does not parse.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
+    #[error("{name}={value} is not <rank>:<call>, e.g. 2:3")]
+    #[diagnostic(code(E0717), help("unset the variable, or write it as <rank>:<call>"))]
+    ExitHookSyntax {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+    },
+
+    // === Checks ===
+    /// `--check` found logits off the reference.
+    #[error("max |logits - reference| = {err:e} exceeds the tolerance {tolerance:e}")]
+    #[diagnostic(code(E0720), help("this is a pleat bug for this mesh and strategy; report the command line"))]
+    LogitsMismatch {
+        /// The largest absolute difference.
+        err: f32,
+        /// The tolerance.
+        tolerance: f32,
+    },
+    /// `pleat demo`'s check failed.
+    #[error("the tp=4 logits differ from the reference by {err:e}")]
+    #[diagnostic(code(E0721), help("this is a pleat bug; report the output of `pleat demo`"))]
+    DemoMismatch {
+        /// The largest absolute difference.
+        err: f32,
+    },
+    /// A benchmark rank's thread panicked.
+    #[error("a rank's thread panicked")]
+    #[diagnostic(code(E0722), help("this is a pleat bug; report the command line"))]
+    RankPanicked,
+    /// A benchmarked collective computed a wrong result.
+    #[error(
+        "{op} of {elements} elements gave a wrong result at element {element} on rank {rank}: got {got}, expected \
+         {expected}"
+    )]
+    #[diagnostic(code(E0723), help("this is a pleat bug in the communicator; report the command line"))]
+    CollectiveWrongResult {
+        /// The collective.
+        op: &'static str,
+        /// Its element count.
+        elements: usize,
+        /// The first wrong element.
+        element: usize,
+        /// The rank that saw it.
+        rank: u32,
+        /// The value received.
+        got: f32,
+        /// The value expected.
+        expected: f32,
+    },
+}
+
+impl UsageError {
+    /// The file or flag at fault, as `(key, value)` pairs for the error's location.
+    pub fn location(&self) -> Vec<(&'static str, String)> {
+        match self {
+            UsageError::PlanFormatVersion { path, .. }
+            | UsageError::PlanHashMismatch { path, .. }
+            | UsageError::CompiledFileUnreadable { path, .. }
+            | UsageError::NotAPlan { path, .. }
+            | UsageError::SearchPlanVersion { path, .. }
+            | UsageError::UnknownPlanStrategy { path, .. }
+            | UsageError::TokensFile { path, .. } => vec![("file", path.display().to_string())],
+            UsageError::StrategyNeedsAxis { .. } => vec![("flag", "--strategy".to_string())],
+            UsageError::NoSuchLayer { .. } => vec![("flag", "--layer".to_string())],
+            UsageError::NoSuchValue { .. } => vec![("flag", "--value".to_string())],
+            UsageError::DiffersFromPlan { flag, .. } | UsageError::ZeroFlag { flag, .. } => {
+                vec![("flag", flag.to_string())]
+            }
+            UsageError::EmptySeqList => vec![("flag", "--seq".to_string())],
+            UsageError::ChunksWithoutInterleaving { .. } => vec![("flag", "--chunks".to_string())],
+            UsageError::TrainSchedule => vec![("flag", "--schedule".to_string())],
+            UsageError::SizesRange { .. } | UsageError::SizesZero { .. } | UsageError::SizeUnit { .. } => {
+                vec![("flag", "--sizes".to_string())]
+            }
+            UsageError::NativeUnavailable => vec![("flag", "--emit".to_string())],
+            UsageError::CompiledNotAccepted { model, .. } => vec![("file", model.clone())],
+            UsageError::MpiWorldSize { dir, .. } => vec![("file", dir.display().to_string())],
+            UsageError::RanksDifferFromWorld { .. } => vec![("flag", "--ranks".to_string())],
+            UsageError::ExitHookSyntax { name, .. } => vec![("variable", name.to_string())],
+            UsageError::ProgramsStuck { .. }
+            | UsageError::TokensShape { .. }
+            | UsageError::LogitsMismatch { .. }
+            | UsageError::DemoMismatch { .. }
+            | UsageError::RankPanicked
+            | UsageError::CollectiveWrongResult { .. } => Vec::new(),
+        }
+    }
+}

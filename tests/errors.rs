@@ -1,0 +1,372 @@
+//! The bad-input catalogue: every kind of input pleat reads, broken on purpose, must fail with its
+//! stable code (docs/errors.md), a message naming the problem, a help line, and never a panic.
+//!
+//! Each case runs the `pleat` binary and checks its exit status, that the first line of stderr is
+//! `error[CODE]: ...`, a substring of the message, and the help line; a few also run with
+//! `--format json` and read the error object. The text IR is not read by the command line, so its
+//! cases drive the parser through the library and check its diagnostic.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+#[path = "support/cli.rs"]
+mod cli;
+
+use cli::{pleat, tempdir};
+
+/// One bad input and what pleat must say about it.
+struct Case {
+    /// The command line.
+    args: Vec<String>,
+    /// The stable code.
+    code: &'static str,
+    /// A substring of the report.
+    says: String,
+}
+
+fn case(args: &[&str], code: &'static str, says: &str) -> Case {
+    Case { args: args.iter().map(|arg| arg.to_string()).collect(), code, says: says.to_string() }
+}
+
+/// Runs `case` and checks the report; returns stderr.
+#[track_caller]
+fn check(case: &Case) -> String {
+    let args: Vec<&str> = case.args.iter().map(String::as_str).collect();
+    let output = pleat(&args);
+    let stderr = String::from_utf8(output.stderr).expect("utf-8");
+    let expected_exit = if case.code == "E0701" || case.code == "E0620" { 2 } else { 1 };
+    assert_eq!(output.status.code(), Some(expected_exit), "pleat {args:?}: exit status\n{stderr}");
+    assert!(!stderr.contains("panicked at"), "pleat {args:?} panicked:\n{stderr}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(first.starts_with(&format!("error[{}]: ", case.code)), "pleat {args:?}: expected {}:\n{stderr}", case.code);
+    assert!(stderr.contains(&case.says), "pleat {args:?}: expected {:?} in\n{stderr}", case.says);
+    if expected_exit == 1 {
+        assert!(stderr.contains("\n  help: "), "pleat {args:?}: no help line\n{stderr}");
+    } else {
+        assert!(stderr.contains("--help"), "pleat {args:?}: no pointer to --help\n{stderr}");
+    }
+    stderr
+}
+
+/// Runs `args` with `--format json` and returns the error object.
+#[track_caller]
+fn json_error(args: &[&str]) -> serde_json::Value {
+    let mut args = args.to_vec();
+    args.extend(["--format", "json"]);
+    let output = pleat(&args);
+    assert_eq!(output.status.code(), Some(1), "pleat {args:?}");
+    let stderr = String::from_utf8(output.stderr).expect("utf-8");
+    let value: serde_json::Value =
+        serde_json::from_str(stderr.trim()).unwrap_or_else(|err| panic!("pleat {args:?}: not json ({err}):\n{stderr}"));
+    value["error"].clone()
+}
+
+fn path_str(path: &Path) -> String {
+    path.to_str().expect("utf-8 path").to_string()
+}
+
+/// A scratch directory with the tiny model compiled for tp=2, shared by the cases that read it.
+fn compiled_tiny() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempdir("errors-compiled").join("tiny-tp2");
+        let output =
+            pleat(&["compile", "tiny", "--mesh", "tp=2", "--batch", "1", "--seq", "8", "--out", &path_str(&dir)]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        dir
+    })
+}
+
+/// A copy of the compiled tiny directory in `name`, for a case to damage.
+fn compiled_copy(name: &str) -> PathBuf {
+    let source = compiled_tiny();
+    let copy = tempdir(&format!("errors-{name}"));
+    for entry in std::fs::read_dir(source).expect("compiled dir") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).expect("copy");
+    }
+    copy
+}
+
+/// The tiny model's config.json (from the compiled directory) with `edit` applied, written to `name`.
+fn config_with(name: &str, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> String {
+    let text = std::fs::read_to_string(compiled_tiny().join("config.json")).expect("config.json");
+    let mut value: serde_json::Value = serde_json::from_str(&text).expect("json");
+    edit(value.as_object_mut().expect("an object"));
+    let path = tempdir(&format!("errors-config-{name}")).join("config.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&value).expect("json")).expect("write");
+    path_str(&path)
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write");
+    path_str(&path)
+}
+
+#[test]
+fn model_configs() {
+    let missing = config_with("missing", |config| {
+        config.remove("vocab_size");
+    });
+    let zero_heads = config_with("zero-heads", |config| {
+        config.insert("num_attention_heads".into(), 0.into());
+    });
+    let hidden = config_with("hidden", |config| {
+        config.remove("head_dim");
+        config.insert("hidden_size".into(), 100.into());
+    });
+    let kv = config_with("kv", |config| {
+        config.insert("num_key_value_heads".into(), 3.into());
+    });
+    let arch = config_with("arch", |config| {
+        config.insert("architectures".into(), serde_json::json!(["GPT2LMHeadModel"]));
+    });
+    let wrong_type = config_with("type", |config| {
+        config.insert("hidden_size".into(), "big".into());
+    });
+    let odd = config_with("odd", |config| {
+        config.insert("head_dim".into(), 7.into());
+    });
+    let dir = tempdir("errors-config-malformed");
+    let malformed = write(&dir, "config.json", "{\n  \"hidden_size\": 64,\n  \"vocab_size\" 256\n}\n");
+    let not_object = write(&dir, "list.json", "[1, 2]");
+    let cases = [
+        case(&["plan", &missing], "E0103", "missing required field `vocab_size`"),
+        case(&["plan", &zero_heads], "E0105", "num_attention_heads"),
+        case(&["plan", &hidden], "E0110", "hidden_size = 100 is not divisible"),
+        case(&["plan", &kv], "E0109", "not a multiple of num_key_value_heads = 3"),
+        case(&["plan", &arch], "E0106", "GPT2LMHeadModel"),
+        case(&["plan", &wrong_type], "E0104", "field `hidden_size` must be"),
+        case(&["plan", &odd], "E0111", "head_dim = 7 is odd"),
+        case(&["plan", &malformed], "E0101", ":3:"),
+        case(&["plan", &not_object], "E0102", "json object"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+    let error = json_error(&["plan", &missing]);
+    assert_eq!(error["code"], "E0103");
+    assert_eq!(error["location"]["file"], missing.as_str());
+    assert_eq!(error["location"]["field"], "vocab_size");
+    assert!(error["help"].as_str().is_some_and(|help| !help.is_empty()), "{error}");
+    let error = json_error(&["plan", &kv]);
+    assert_eq!(error["code"], "E0109");
+    assert_eq!(error["location"]["field"], "num_key_value_heads");
+    let error = json_error(&["plan", &malformed]);
+    assert_eq!(error["code"], "E0101");
+    assert_eq!(error["location"]["line"], 3);
+    assert!(error["location"]["column"].as_u64().is_some(), "{error}");
+}
+
+#[test]
+fn meshes_and_strategies() {
+    let cases = [
+        case(&["plan", "llama2-7b", "--mesh", "tp=6"], "E0210", "32 heads are not divisible by tp=6"),
+        case(&["explain", "tiny", "--mesh", "tp=3"], "E0206", "not divisible by tp=3"),
+        case(&["plan", "tiny", "--mesh", "tq=2"], "E0202", "unknown axis `tq`"),
+        case(&["plan", "tiny", "--mesh", "tp=0"], "E0205", "mesh axis tp has size 0"),
+        case(&["plan", "tiny", "--mesh", "tp=2,tp=2"], "E0204", "mesh axis tp appears twice"),
+        case(&["plan", "tiny", "--mesh", "tp=99999999999,dp=99999999999"], "E0203", "more than pleat addresses"),
+        case(&["plan", "tiny", "--mesh", "tp=two"], "E0201", "write axes as name=size"),
+        case(&["explain", "tiny", "--mesh", "dp=2", "--strategy", "tp"], "E0213", "--strategy tp needs a tp axis"),
+        case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "6"], "E0208", "zigzag chunks"),
+        case(&["explain", "tiny", "--mesh", "tp=2", "--layer", "99"], "E0703", "--layer 99 does not exist"),
+        case(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"], "E0704", "no value named layer0.nope"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+    let error = json_error(&["plan", "tiny", "--mesh", "tq=2"]);
+    assert_eq!(error["code"], "E0202");
+    assert_eq!(error["location"]["flag"], "--mesh");
+    assert!(error["message"].as_str().is_some_and(|message| message.contains("unknown axis")), "{error}");
+    let error = json_error(&["explain", "tiny", "--mesh", "tp=3"]);
+    assert_eq!(error["code"], "E0206");
+    assert!(error["location"]["node"].is_string(), "{error}");
+}
+
+#[test]
+fn flags_schedules_and_hardware() {
+    let dir = tempdir("errors-flags");
+    let hw = write(&dir, "hw.toml", "this is not a hardware spec");
+    let cases = [
+        case(&["run", "tiny", "--emulate-link", "abc"], "E0620", "is not a link"),
+        case(&["run", "tiny", "--emulate-link", "0,5"], "E0620", "bandwidth must be a positive"),
+        case(&["plan", "tiny", "--no-such-flag"], "E0701", "--no-such-flag"),
+        case(&["schedule", "--pp", "4", "--micro-batches", "8", "--chunks", "2"], "E0710", "--chunks 2 applies to"),
+        case(
+            &["schedule", "--pp", "4", "--micro-batches", "6", "--schedule", "interleaved"],
+            "E0222",
+            "not a multiple of pp=4",
+        ),
+        case(&["compare", "tiny", "--ranks", "0"], "E0708", "--ranks 0"),
+        case(&["plan", "tiny", "--hw", "abacus"], "E0244", "unknown hardware `abacus`"),
+        case(&["plan", "tiny", "--hw-file", &hw], "E0245", &hw),
+        case(&["plan", "tiny", "--train", "--zero", "5"], "E0243", "zero stage 5"),
+        case(&["plan", "tiny", "--mesh", "pp=4"], "E0212", "pp=4 is more than the model's"),
+        case(&["run", "tiny", "--train", "--mesh", "pp=2", "--pp-layers", "1,x"], "E0231", "--pp-layers 1,x"),
+        case(&["run", "tiny", "--train", "--mesh", "pp=2", "--pp-layers", "1,1,1"], "E0232", "3 entries for 2 stages"),
+        case(&["bench", "comm", "--sizes", "4KiB..1KiB"], "E0712", "--sizes 4KiB..1KiB"),
+        case(&["bench", "comm", "--sizes", "4XB"], "E0714", "unknown unit"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+}
+
+#[test]
+fn compiled_directories() {
+    let tampered = compiled_copy("tampered");
+    let module = tampered.join("module.pleat");
+    let mut text = std::fs::read_to_string(&module).expect("module.pleat");
+    text.push_str("; an edit\n");
+    std::fs::write(&module, text).expect("write");
+    let missing = compiled_copy("missing-rank");
+    std::fs::remove_file(missing.join("rank1.program")).expect("remove");
+    let version = compiled_copy("version");
+    let plan_path = version.join("plan.json");
+    let mut plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan_path).expect("plan.json")).expect("json");
+    plan["format_version"] = 999.into();
+    std::fs::write(&plan_path, plan.to_string()).expect("write");
+    let garbled = compiled_copy("garbled");
+    std::fs::write(garbled.join("plan.json"), "{ not json").expect("write");
+    let compiled = path_str(compiled_tiny());
+    let plans = tempdir("errors-search-plans");
+    let not_json = write(&plans, "not-json.json", "{ not json");
+    let old_plan = path_str(&plans.join("old.json"));
+    let output = pleat(&["search", "tiny", "--gpus", "2", "--seq", "64", "--emit-plan", &old_plan]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let mut plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&old_plan).expect("plan")).expect("json");
+    plan["format_version"] = 999.into();
+    std::fs::write(&old_plan, plan.to_string()).expect("write");
+    let out = path_str(&plans.join("out"));
+    let cases = [
+        case(&["compile", "tiny", "--out", &out, "--plan", &not_json], "E0523", "is not a pleat search plan"),
+        case(&["compile", "tiny", "--out", &out, "--plan", &old_plan], "E0524", "plan format 999"),
+        case(&["run", &path_str(&tampered)], "E0521", "the directory was changed after `pleat compile`"),
+        case(&["run", &path_str(&missing)], "E0522", "rank1.program"),
+        case(&["run", &path_str(&version)], "E0520", "plan format 999"),
+        case(&["run", &path_str(&garbled)], "E0523", "is not a pleat plan"),
+        case(&["run", &compiled, "--seq", "16"], "E0707", "--seq 16 differs from the compiled plan's 8"),
+        case(&["explain", &compiled, "--mesh", "tp=2"], "E0702", "is a compiled directory"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+    let error = json_error(&["run", &path_str(&missing)]);
+    assert_eq!(error["code"], "E0522");
+    assert!(error["location"]["file"].as_str().is_some_and(|file| file.ends_with("rank1.program")), "{error}");
+}
+
+#[test]
+fn weights_and_tokens() {
+    let dir = tempdir("errors-weights");
+    let garbage = write(&dir, "model.safetensors", "this is not a safetensors file");
+    let empty_dir = dir.join("empty");
+    std::fs::create_dir_all(&empty_dir).expect("mkdir");
+    let ragged = write(&dir, "ragged.json", "[[1, 2, 3], [4, 5]]");
+    let negative = write(&dir, "negative.json", "[[1, -2]]");
+    let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
+    let missing = path_str(&dir.join("absent.safetensors"));
+    let cases = [
+        case(
+            &["run", "tiny", "--batch", "1", "--seq", "4", "--weights", &garbage],
+            "E0612",
+            "cannot read weights file",
+        ),
+        case(&["run", "tiny", "--batch", "1", "--seq", "4", "--weights", &missing], "E0610", "does not exist"),
+        case(
+            &["run", "tiny", "--batch", "1", "--seq", "4", "--weights", &path_str(&empty_dir)],
+            "E0611",
+            "holds neither",
+        ),
+        case(&["run", "tiny", "--tokens", &ragged], "E0705", "sequence 1 has 2 tokens"),
+        case(&["run", "tiny", "--tokens", &negative], "E0705", "is not a valid id"),
+        case(
+            &["run", "tiny", "--tokens", &tokens, "--seq", "8"],
+            "E0706",
+            "the tokens file holds 1 sequences of 4 tokens",
+        ),
+    ];
+    for case in &cases {
+        check(case);
+    }
+    let error = json_error(&["run", "tiny", "--batch", "1", "--seq", "4", "--weights", &garbage]);
+    assert_eq!(error["code"], "E0612");
+    assert_eq!(error["location"]["file"], garbage.as_str());
+    assert!(error["causes"].as_array().is_some_and(|causes| !causes.is_empty()), "{error}");
+}
+
+#[test]
+fn text_ir_errors_have_a_code_a_place_and_help() {
+    use miette::Diagnostic;
+    let header = "; module m mesh=tp=2\n";
+    let cases = [
+        (format!("{header}v0: f32[seq=4] = rms_nrom(v0, v0)\n"), 2, 18, "rms_nrom"),
+        (format!("{header}v0: f32[seq=4] = tokens()\nv0: f32[seq=4] = tokens()\n"), 3, 1, "v0"),
+        (format!("{header}v0: q32[seq=4] = tokens()\n"), 2, 5, "q32"),
+    ];
+    for (text, line, column, quoted) in cases {
+        let error = pleat_ir::text::parse_module(&text).expect_err("the text is invalid");
+        assert_eq!(error.code().map(|code| code.to_string()).as_deref(), Some("E0301"), "{error}");
+        assert!(error.help().is_some(), "{error}");
+        assert_eq!((error.line, error.column), (line, column), "{error}");
+        let label = error.labels().into_iter().flatten().next().expect("a label");
+        assert_eq!(&text[label.offset()..label.offset() + label.len()], quoted, "{error}");
+    }
+}
+
+/// Every code the sources give, in the order found, from `#[diagnostic(code(E0xxx), ...)]` and the
+/// hand-written `"E0xxx"` codes of the parser and the report.
+fn codes_in_sources() -> Vec<(String, PathBuf)> {
+    fn walk(dir: &Path, found: &mut Vec<(String, PathBuf)>) {
+        for entry in std::fs::read_dir(dir).expect("a source directory") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                walk(&path, found);
+            } else if path.extension().is_some_and(|extension| extension == "rs") {
+                let text = std::fs::read_to_string(&path).expect("source");
+                for marker in ["code(E", "Box::new(\"E", "&str = \"E"] {
+                    for (start, _) in text.match_indices(marker) {
+                        let code = &text[start + marker.len() - 1..];
+                        let code: String = code.chars().take(5).collect();
+                        found.push((code, path.clone()));
+                    }
+                }
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    for dir in ["src", "ir/src", "passes/src", "backend/src", "runtime/src"] {
+        walk(&root.join(dir), &mut found);
+    }
+    found
+}
+
+#[test]
+fn every_code_is_given_once_and_documented() {
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/errors.md")).expect("docs");
+    let documented: Vec<&str> =
+        docs.lines().filter_map(|line| line.strip_prefix("| E")).map(|rest| &rest[..4]).collect();
+    let mut unique = documented.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), documented.len(), "docs/errors.md lists a code twice");
+    let found = codes_in_sources();
+    assert!(found.len() > 100, "only {} codes found in the sources", found.len());
+    let mut seen = std::collections::HashMap::new();
+    for (code, path) in &found {
+        assert!(code.len() == 5 && code[1..].chars().all(|c| c.is_ascii_digit()), "{code} in {}", path.display());
+        assert!(documented.contains(&&code[1..]), "{code} ({}) is not in docs/errors.md", path.display());
+        if let Some(first) = seen.insert(code.clone(), path.clone()) {
+            panic!("{code} is given twice: {} and {}", first.display(), path.display());
+        }
+    }
+    for code in &documented {
+        assert!(seen.contains_key(&format!("E{code}")), "docs/errors.md lists E{code}, which no error gives");
+    }
+}
