@@ -251,4 +251,6 @@ fn changed(
 }
 
 #[cfg(test)]
+mod rules_props;
+#[cfg(test)]
 mod tests;
