@@ -121,12 +121,14 @@ proptest! {
     fn sharded_forward_graphs_lower_to_matching_programs(
         (mesh, sequence_parallel, config, batch, seq) in planned_models()
     ) {
-        let mut module = pleat_ir::model::build(&config, batch, seq).map_err(|error| TestCaseError::fail(error.to_string()))?;
+        let mut module = pleat_ir::model::build(&config, batch, seq)
+            .map_err(|error| TestCaseError::fail(error.to_string()))?;
         module.mesh = mesh;
         let ctx = PassCtx { sequence_parallel, ..PassCtx::default() };
-        let sharded = no_panic(|| run_pipeline(SHARD_PIPELINE, &mut module, &ctx))?;
-        prop_assert!(sharded.is_ok(), "sharding failed: {}", sharded.err().map(|error| error.to_string()).unwrap_or_default());
-        let programs = no_panic(|| lower(&module))?.map_err(|error| TestCaseError::fail(format!("lowering failed: {error}")))?;
+        no_panic(|| run_pipeline(SHARD_PIPELINE, &mut module, &ctx))?
+            .map_err(|error| TestCaseError::fail(format!("sharding failed: {error}")))?;
+        let programs = no_panic(|| lower(&module))?
+            .map_err(|error| TestCaseError::fail(format!("lowering failed: {error}")))?;
         check_programs(&module, &programs)?;
     }
 
