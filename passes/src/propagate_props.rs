@@ -191,7 +191,7 @@ fn check_compiled(module: &Module) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 384, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Any model on any mesh: a sharded module whose specs all divide, or an error that names one
     /// of the mesh's axes; never a panic, never a verifier failure.
@@ -209,7 +209,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Models whose every split dim divides by the world size always compile, on every mesh whose
     /// axes can be combined.
