@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use arbtest::arbitrary::{self, Unstructured};
 use pleat_ir::model::config::ModelConfig;
-use pleat_ir::Mesh;
+use pleat_ir::{AxisName, Mesh};
+use pleat_passes::pipeline::{self as planner, Schedule, ScheduleKind, StepCosts};
+use pleat_runtime::comm::{link::LinkClock, LinkSpec};
 use pleat_runtime::weights::{SafetensorsWeights, WeightSource};
 
 /// Edits that break parsers: numbers at and past the integer limits, non-finite floats,
@@ -178,6 +180,65 @@ fn safetensors_target(bytes: &[u8]) {
     let _ = std::fs::remove_file(&path);
 }
 
+/// The plan options a user types, one `option=value` a line (`mesh=dp=2,pp=4`, `layers=32`,
+/// `pp-layers=9,8,8,7`, `schedule=1f1b`, `chunks=2`, `micro-batches=8`, `emulate-link=25,5`), read
+/// by the library parsers behind the flags and then used as the commands use them: the pipeline
+/// stages a mesh's `pp` axis asks for, the stage layers, the schedule and its simulation, and the
+/// emulated link's timing. `--strategy`, `--zero` and `--recompute` are clap enums of the binary,
+/// with no library parser to fuzz.
+fn plan_target(bytes: &[u8]) {
+    let Ok(text) = std::str::from_utf8(bytes) else { return };
+    let (mut stages, mut layers, mut micro_batches, mut chunks) = (1u32, 1u32, 1u32, 2u32);
+    let (mut pp_layers, mut schedule) = (None, None);
+    for line in text.lines() {
+        let Some((option, value)) = line.split_once('=') else { continue };
+        let number = || value.trim().parse::<u32>().ok();
+        match option.trim() {
+            "mesh" => {
+                if let Ok(mesh) = Mesh::parse(value) {
+                    stages = u32::try_from(mesh.degree(AxisName::Pp)).unwrap_or(u32::MAX);
+                }
+            }
+            "layers" => layers = number().unwrap_or(layers),
+            "micro-batches" => micro_batches = number().unwrap_or(micro_batches),
+            "chunks" => chunks = number().unwrap_or(chunks),
+            "pp-layers" => pp_layers = Some(value.to_string()),
+            "schedule" => schedule = Some(value.trim().to_string()),
+            "emulate-link" => {
+                if let Ok(link) = value.parse::<LinkSpec>() {
+                    let _ = link.to_string();
+                    let now = std::time::Instant::now();
+                    let mut clock = LinkClock::default();
+                    for bytes in [0, 1, 1 << 20, 1 << 40] {
+                        let _ = link.serialization(bytes);
+                        let _ = clock.schedule(&link, now, bytes);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if let Some(text) = &pp_layers {
+        let _ = planner::parse_pp_layers(text, layers, stages);
+    }
+    // Planning is linear in the layers and quadratic in stages times micro-batches: keep each run
+    // short.
+    if layers <= 1024 && stages <= 64 {
+        let _ = planner::balance(&vec![1.0; layers as usize], 0.5, 0.5, stages);
+    }
+    let kinds =
+        [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved { chunks }, ScheduleKind::ZeroBubbleH1];
+    let kind = schedule.and_then(|name| kinds.into_iter().find(|kind| kind.name() == name));
+    if let Some(kind) = kind.filter(|_| stages <= 32 && micro_batches <= 64 && chunks <= 8) {
+        if let Ok(schedule) = Schedule::build(kind, stages, micro_batches) {
+            let _ = planner::check_complete(&schedule);
+            if let Ok(timeline) = planner::simulate(&schedule, &StepCosts::EQUAL_STAGES) {
+                let _ = planner::render_text(&timeline, &StepCosts::EQUAL_STAGES);
+            }
+        }
+    }
+}
+
 /// Seeds from the compiler as it is now, beside the checked-in ones (which may predate a format
 /// change).
 fn fresh_seeds(what: &str) -> Vec<Vec<u8>> {
@@ -221,6 +282,11 @@ fn fuzz_program_reader() {
     let mut seeds = corpus("program");
     seeds.extend(fresh_seeds("program"));
     fuzz("program", seeds, program_target);
+}
+
+#[test]
+fn fuzz_plan_strings() {
+    fuzz("plan", corpus("plan"), plan_target);
 }
 
 #[test]

@@ -10,6 +10,8 @@ pub mod error;
 #[cfg(feature = "llvm")]
 pub mod llvm;
 pub mod lower;
+#[cfg(test)]
+mod lower_props;
 pub mod matching;
 pub mod memory;
 pub mod native;

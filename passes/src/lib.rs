@@ -15,6 +15,8 @@ pub mod explain;
 pub mod manager;
 pub mod pipeline;
 pub mod propagate;
+#[cfg(test)]
+mod propagate_props;
 pub mod rewrite;
 pub mod search;
 pub mod sharding;

@@ -357,4 +357,6 @@ fn changed(
 }
 
 #[cfg(test)]
+mod rules_props;
+#[cfg(test)]
 mod tests;

@@ -42,6 +42,11 @@ pub struct LinkSpecError {
     pub reason: &'static str,
 }
 
+/// The slowest link `--emulate-link` takes, in GB/s: 1 kB/s.
+const MIN_GBPS: f64 = 1e-6;
+/// The longest latency `--emulate-link` takes, in µs: 1000 s.
+const MAX_US: f64 = 1e9;
+
 /// Parses `GBPS,US`: gigabytes (10^9 bytes) a second and microseconds of latency.
 impl FromStr for LinkSpec {
     type Err = LinkSpecError;
@@ -54,8 +59,16 @@ impl FromStr for LinkSpec {
         if !(gbps.is_finite() && gbps > 0.0) {
             return Err(error("the bandwidth must be a positive number of GB/s"));
         }
+        // The bounds keep every message's time on the wire and every arrival instant in range of
+        // `Duration` and `Instant` (a terabyte takes 1.1e9 s at the slowest link).
+        if gbps < MIN_GBPS {
+            return Err(error("the bandwidth must be at least 0.000001 GB/s (1 kB/s)"));
+        }
         if !(us.is_finite() && us >= 0.0) {
             return Err(error("the latency must be zero or more microseconds"));
+        }
+        if us > MAX_US {
+            return Err(error("the latency must be at most 1000000000 µs (1000 s)"));
         }
         Ok(LinkSpec { bytes_per_s: gbps * 1e9, latency: Duration::from_secs_f64(us * 1e-6) })
     }
@@ -95,10 +108,27 @@ mod tests {
         assert_eq!(spec.bytes_per_s, 25e9);
         assert_eq!(spec.latency, Duration::from_micros(5));
         assert_eq!(spec.to_string(), "25 GB/s, 5 µs");
-        for bad in ["25", "x,5", "0,5", "25,-1", "inf,1"] {
+        for bad in ["25", "x,5", "0,5", "25,-1", "inf,1", "1e-300,5", "25,1e300"] {
             let message = bad.parse::<LinkSpec>().expect_err(bad).to_string();
             assert!(message.contains("write GBPS,US"), "{message}");
         }
+    }
+
+    /// Found by fuzzing: a bandwidth near zero or a latency past `Duration`'s range panicked (in
+    /// the parser, or when a message was timed). They are refused; the extremes accepted still time
+    /// a terabyte message.
+    #[test]
+    fn links_out_of_range_are_refused_and_the_extremes_time_large_messages() {
+        for (bad, reason) in [("1e-300,5", "at least 0.000001 GB/s"), ("25,1e300", "at most 1000000000 µs")] {
+            let message = bad.parse::<LinkSpec>().expect_err(bad).to_string();
+            assert!(message.contains(reason), "{message}");
+        }
+        let slowest: LinkSpec = "0.000001,1000000000".parse().expect("the extremes are valid");
+        let terabyte = 1u64 << 40;
+        assert_eq!(slowest.serialization(terabyte), Duration::from_secs_f64(terabyte as f64 / 1e3));
+        let t0 = Instant::now();
+        let arrival = LinkClock::default().schedule(&slowest, t0, terabyte);
+        assert_eq!(arrival, t0 + slowest.serialization(terabyte) + Duration::from_secs(1000));
     }
 
     #[test]
