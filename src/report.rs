@@ -325,6 +325,7 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
             WeightError::NoCheckpointInDirectory { dir } => put("file", json!(dir.display().to_string())),
             WeightError::IndexedFileMissing { path, .. } => put("file", json!(path.display().to_string())),
             WeightError::TensorMissing { name, file, .. }
+            | WeightError::NotCovered { name, file, .. }
             | WeightError::ShapeMismatch { name, file, .. }
             | WeightError::UnsupportedDtype { name, file, .. } => {
                 put("file", json!(file.display().to_string()));

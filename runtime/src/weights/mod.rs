@@ -129,6 +129,7 @@ pub enum WeightError {
          incomplete; write it again from a run that holds every block",
         .file.display()
     )]
+    #[diagnostic(code(E0622), help("save the checkpoint again from a complete run; do not remove its rank files"))]
     NotCovered {
         /// The tensor asked for.
         name: String,
