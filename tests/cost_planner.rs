@@ -1,17 +1,20 @@
 //! The memory planner against the executor: for every layout of `tiny` that compiles, the planner's
 //! predicted peak (at the CPU runtime's 4 bytes an element, staging copies included) equals the
 //! peak the executor measures on the same program, rank by rank; the planner's arena never
-//! overlaps two live buffers; and the planner's parameter bytes equal the cost model's closed
-//! formula.
+//! overlaps two live buffers; the planner's parameter bytes equal the cost model's closed
+//! formula; and the cost model's closed-form peak plus the named terms of `cost::compiled` equals
+//! the planner's peak to the byte for tp, tp with Megatron SP, tsp, cp and dp at degrees 2 and 4.
 
 mod common;
 
 use pleat_backend::memory::{plan, ElementSize, Staging};
 use pleat_backend::{BufferKind, Instr};
 use pleat_ir::model::preset::preset;
-use pleat_ir::Mesh;
-use pleat_passes::cost::memory::stage_params;
+use pleat_ir::{AxisName, Mesh};
+use pleat_passes::cost::compiled::{compiled_forward_peak, compiled_workload, differences_from_closed_form};
+use pleat_passes::cost::memory::{memory_per_stage, stage_params};
 use pleat_passes::cost::{Layout, ModelShape, Workload};
+use pleat_passes::PassCtx;
 use pleat_runtime::weights::SeededWeights;
 
 const MESHES: [&str; 9] = ["", "tp=2", "tp=4", "tp=8", "dp=2", "dp=2,tp=2", "tsp=2", "tsp=4", "dp=2,tsp=2"];
@@ -115,4 +118,89 @@ fn planner_params_equal_the_closed_formula() {
             assert_eq!(plan(program, ElementSize::Declared).param_bytes, params);
         }
     }
+}
+
+/// The layouts of the activation cross-check: tp, tp with Megatron SP, tsp, cp and dp, at 2 and 4.
+const CROSS_CHECK: [(&str, bool); 10] = [
+    ("tp=2", false),
+    ("tp=4", false),
+    ("tp=2", true),
+    ("tp=4", true),
+    ("tsp=2", false),
+    ("tsp=4", false),
+    ("cp=2", false),
+    ("cp=4", false),
+    ("dp=2", false),
+    ("dp=4", false),
+];
+
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_peak() {
+    // Batch 4 so that dp=4 divides it; f32, the CPU runtime's 4 bytes an element.
+    let batch = 4;
+    let config = preset("tiny").unwrap();
+    let model = ModelShape::from_config(&config);
+    assert_eq!(model.dtype_bytes, 4);
+    for (mesh, sequence_parallel) in CROSS_CHECK {
+        let ctx = PassCtx { sequence_parallel, ..PassCtx::default() };
+        let (_, programs) = common::compile_with(&config, batch, SEQ, mesh, &ctx);
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
+        // The cost model counts sequences a replica.
+        let workload = compiled_workload(SEQ, batch / layout.degree(AxisName::Dp));
+        let label = format!("{}", layout);
+        let memory = &memory_per_stage(&model, &layout, &workload)[0];
+        let compiled = compiled_forward_peak(&model, &layout, &workload);
+        // The closed form's static bytes are the program's parameters, to the byte.
+        assert_eq!(memory.static_bytes(), compiled.all_params, "{label}");
+        let differences = differences_from_closed_form(memory, &compiled);
+        let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+        for program in &programs {
+            let planned = plan(program, ElementSize::Fixed(4));
+            assert_eq!(planned.param_bytes as f64, compiled.all_params, "{label} rank {}", program.rank);
+            assert_eq!(
+                planned.peak_bytes as f64, predicted,
+                "{label} rank {}: planner {} vs closed form {} + {differences:?}",
+                program.rank, planned.peak_bytes, memory.peak_bytes
+            );
+        }
+        // Where the closed form and the program hold the same buffer, the bytes are the same: the
+        // logits a rank computes (a vocabulary shard under tp, a batch shard under dp).
+        let phase = compiled.peak_phase();
+        let term = |name: &str| phase.terms.iter().find(|term| term.name == name).map(|term| term.bytes);
+        if mesh.starts_with("tp") {
+            assert_eq!(term("logits, vocabulary shard"), Some(memory.logits_bytes), "{label}");
+        }
+        if mesh.starts_with("dp") {
+            assert_eq!(term("logits, batch shard"), Some(memory.logits_bytes), "{label}");
+        }
+        // The phase each layout peaks in: tsp inside its MLP ring, every other layout at the logits.
+        let want = if mesh.starts_with("tsp") { "tsp mlp ring" } else { "logits" };
+        assert_eq!(phase.name, want, "{label}");
+    }
+}
+
+#[test]
+fn the_named_terms_by_hand() {
+    // tiny, 32 tokens (batch 4 x 8), h 128, V 256, f 256, 4 bytes: tp=4 holds its 64-column logits
+    // shard and stages the whole 256; tsp=4 holds 8 tokens' residual, norm and accumulator, and a
+    // held plus an arriving MLP shard of 3·128·64 (more than a step's 3·8·64).
+    let model = ModelShape::from_config(&preset("tiny").unwrap());
+    let workload = compiled_workload(SEQ, 4);
+    let tp = compiled_forward_peak(&model, &Layout::from_mesh(&Mesh::parse("tp=4").unwrap(), false), &workload);
+    let tp_terms: Vec<f64> = tp.peak_phase().terms.iter().map(|term| term.bytes).collect();
+    assert_eq!(tp_terms, vec![32.0 * 64.0 * 4.0, 32.0 * 256.0 * 4.0]);
+    let tsp = compiled_forward_peak(&model, &Layout::from_mesh(&Mesh::parse("tsp=4").unwrap(), false), &workload);
+    let names: Vec<&str> = tsp.peak_phase().terms.iter().map(|term| term.name).collect();
+    assert_eq!(
+        names,
+        [
+            "residual stream",
+            "mlp norm output",
+            "ring accumulator",
+            "held mlp shard (gate, up, down)",
+            "next mlp shard being received (staging)"
+        ]
+    );
+    let bytes: f64 = tsp.peak_phase().terms.iter().map(|term| term.bytes).sum();
+    assert_eq!(bytes, (3.0 * 8.0 * 128.0 + 2.0 * 3.0 * 128.0 * 64.0) * 4.0);
 }

@@ -15,6 +15,14 @@
 //! RMSNorm without dropout, flash attention (no score matrix; its fp32 log-sum-exp, 4 bytes a head
 //! and a token, is kept instead), and the tokens a rank holds under sp, cp or tsp. With the GPT
 //! settings it equals Table 2 to the byte (tests below and `tests/cost_reference.rs`).
+//!
+//! The sp axis (sequence split, weights replicated, attention over all-gathered K/V) adds one term
+//! Table 2 has no axis for, [`LayerActivations::gathered_kv`]: the attention kernel's backward reads
+//! the K and V it attended to, which under sp are the whole sequence's, not the rank's own. The
+//! gathered buffer is what is saved. Full recompute replays the layer from its input but not the
+//! all-gather (recomputation re-runs local kernels; re-gathering would add a collective to every
+//! layer's backward), so the gathered K/V of every layer stay saved next to the layer inputs. This
+//! is pleat's reading of the TSP paper's TP+SP baselines; see `memory`'s docs for the evidence.
 
 use pleat_ir::AxisName;
 
@@ -41,6 +49,10 @@ pub struct LayerActivations {
     pub dropout_masks: f64,
     /// Under full recompute, the layer's input replaces all of the above.
     pub layer_input: f64,
+    /// The sp axis's all-gathered K/V (the whole group's tokens, the rank's kv heads), kept for the
+    /// attention's backward: `2·s·b/(cp·tsp)·kv/t` elements under full recompute, the remote
+    /// `(sp-1)/sp` of it otherwise (the rank's own K/V are in [`Self::qkv`]). Zero without sp.
+    pub gathered_kv: f64,
 }
 
 impl LayerActivations {
@@ -54,6 +66,7 @@ impl LayerActivations {
             + self.mlp_hidden
             + self.dropout_masks
             + self.layer_input
+            + self.gathered_kv
     }
 }
 
@@ -88,6 +101,8 @@ pub fn layer_activations(
     // Megatron SP splits what tensor parallelism replicates.
     let replicated_split = if layout.sequence_parallel { tp } else { 1.0 };
     let kv_split = kv_split(model, layout) as f64;
+    let sp = layout.degree(AxisName::Sp) as f64;
+    let gathered_kv_elements = 2.0 * tokens * sp * model.kv_width() as f64 / kv_split;
     if recompute == Recompute::Full {
         return LayerActivations {
             norm_inputs: 0.0,
@@ -98,6 +113,7 @@ pub fn layer_activations(
             mlp_hidden: 0.0,
             dropout_masks: 0.0,
             layer_input: tokens * element * hidden / replicated_split,
+            gathered_kv: if sp > 1.0 { gathered_kv_elements * element } else { 0.0 },
         };
     }
     // Every query attends to the whole sequence of the keys (Table 2 counts s × s; causal
@@ -122,6 +138,7 @@ pub fn layer_activations(
         mlp_hidden: tokens * element * mlp_tensors * model.ffn as f64 / tp,
         dropout_masks: if model.dropout { 2.0 * tokens * hidden / replicated_split } else { 0.0 },
         layer_input: 0.0,
+        gathered_kv: gathered_kv_elements * element * (sp - 1.0) / sp,
     }
 }
 
@@ -169,6 +186,28 @@ mod tests {
         assert_eq!(flash.scores, 2048.0 * 4.0 * 4.0);
         let selective = layer_activations(&model, &layout, &materialized(2048, 1), Recompute::Selective);
         assert_eq!(flash.total() - flash.scores, selective.total());
+    }
+
+    #[test]
+    fn sp_keeps_the_gathered_kv_with_or_without_recompute() {
+        // tiny-like GQA: 8 heads, 4 kv heads of 16 channels; tp = 2 splits the kv heads.
+        let model = ModelShape { kv_heads: 4, head_dim: 16, ..gpt(128, 8) };
+        let layout = Layout::new(&[(AxisName::Sp, 4), (AxisName::Tp, 2)], false);
+        let workload = Workload::training(64, 2);
+        // The whole group's tokens (64 · 2), K and V of 2 kv heads of 16 channels, 2 bytes.
+        let whole = 2.0 * 128.0 * 32.0 * 2.0;
+        let full = layer_activations(&model, &layout, &workload, Recompute::Full);
+        assert_eq!(full.gathered_kv, whole);
+        assert_eq!(full.total(), full.layer_input + whole);
+        // Without recompute the rank's own quarter is in qkv already.
+        let none = layer_activations(&model, &layout, &workload, Recompute::None);
+        assert_eq!(none.gathered_kv, whole * 3.0 / 4.0);
+        let local_kv = 2.0 * 32.0 * 32.0 * 2.0;
+        assert_eq!(none.gathered_kv + local_kv, whole);
+        // No sp axis, no term.
+        let tp = Layout::new(&[(AxisName::Tp, 2)], false);
+        assert_eq!(layer_activations(&model, &tp, &workload, Recompute::Full).gathered_kv, 0.0);
+        assert_eq!(layer_activations(&model, &tp, &workload, Recompute::None).gathered_kv, 0.0);
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //!   last, split on vocabulary rows by tp (padded), and by tsp only when
 //!   `Workload::tsp_shards_embeddings` (see below); a tied table is copied to the last stage when
 //!   pp > 1, as Megatron does.
-//! - **Activations** kept for the backward ([`super::activation`]), times the micro-batches in
+//! - **Activations** kept for the backward ([`super::activation`]; under sp this includes every
+//!   layer's all-gathered K/V, which full recompute does not re-gather), times the micro-batches in
 //!   flight on the stage: 1F1B holds `min(m, p - stage)`, the interleaved schedule Megatron's
 //!   `1 + (p-1)/(p·v)` more on the first stage. Inference keeps the KV cache instead.
 //! - **Transients**, live while one layer runs: the working set of a recomputed layer (full
@@ -19,7 +20,7 @@
 //!   backward holds at once, and each strategy's buffers: TSP's gathered K/V of one
 //!   owner's heads, its double-buffered packed attention weights (broadcast) and MLP shards (ring),
 //!   and in the backward the travelling gradient shards and dK/dV before their reduce-scatter; the
-//!   sp axis's gathered K/V; cp's double-buffered ring chunks; Megatron SP's all-gathered input;
+//!   sp axis's whole-sequence dK/dV (training) or gathered K/V (inference); cp's double-buffered ring chunks; Megatron SP's all-gathered input;
 //!   ZeRO-3's gathered layer (and the next, prefetched); pipeline send and receive buffers.
 //! - **Logits**: the last stage's `[tokens, vocab/tp]` in the model's dtype plus the fp32 copy the
 //!   loss computes in (its gradient is written in place), 6 bytes an element for bf16.
@@ -35,6 +36,20 @@
 //! over 8 ranks costs TSP exactly 262,144,000·18·7/8 = 4.13 GB more than TP's vocab-parallel tables,
 //! which accounts for it; no other term of this size exists. `tests/cost_reference.rs` shows the
 //! figures term by term.
+//!
+//! What the TP+SP layouts hold. The paper (arXiv 2604.26294, and Zyphra's write-up) describes its
+//! TP+SP baselines as TP on one mesh axis and SP on an orthogonal one, `T·S` devices, SP sharding the
+//! tokens with the weights replicated, and its own TSP attention as a sequence-wise K/V exchange;
+//! the text available to pleat does not say what the baselines' SP attention keeps for the backward
+//! or which recompute they run. pleat's `sp` axis is the standard reading: attention over
+//! all-gathered K/V, the gathered K/V saved for the attention's backward (the flash backward reads
+//! the K/V it attended to), and full recompute that replays a layer's local kernels but not its
+//! all-gather ([`super::activation::LayerActivations::gathered_kv`]). That keeps
+//! `L·2·s·kv/t` bf16 elements a rank whatever S is: 17.2 GB at t = 4 and 34.4 GB at t = 2 for
+//! `tsp-7b` at 128K, which moves both TP+SP layouts above TP, as measured. No constant is fitted:
+//! the term's size follows from the shapes. Its form is checked against the one thing in the
+//! figures it was not derived from: what the paper measured beyond pleat's other terms is 21.0 GB
+//! for `t=4 x s=2` and 46.4 GB for `t=2 x s=4`, 2.2 times more, and the term's `1/t` gives 2.
 
 use pleat_ir::AxisName;
 
@@ -195,7 +210,9 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
         }
     };
     if !training || workload.recompute == Recompute::Full {
-        let working = layer_activations(model, layout, workload, Recompute::None).total();
+        // The sp axis's gathered K/V are either kept (training) or a transient of their own below.
+        let layer = layer_activations(model, layout, workload, Recompute::None);
+        let working = layer.total() - layer.gathered_kv;
         add(if training { "recomputed layer's activations" } else { "inference layer's activations" }, working);
     }
     if training {
@@ -220,7 +237,10 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     }
     let sp = layout.degree(AxisName::Sp) as f64;
     if sp > 1.0 {
-        add("sp gathered k/v", backward * 2.0 * tokens * sp * element * kv_local);
+        // Training keeps the forward's gathered K/V with the activations; the backward's dK/dV
+        // of the whole group's tokens wait here for their reduce-scatter.
+        let whole_kv = 2.0 * tokens * sp * element * kv_local;
+        add(if training { "sp dk/dv before the reduce-scatter" } else { "sp gathered k/v" }, whole_kv);
     }
     let cp = layout.degree(AxisName::Cp) as f64;
     if cp > 1.0 {

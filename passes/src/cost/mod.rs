@@ -11,6 +11,8 @@
 //! - [`layout`]: the degrees of the mesh axes, their validation and where each axis's links run.
 //! - [`activation`]: activation bytes a layer, term by term (Korthikanti et al. 2022).
 //! - [`memory`]: parameters, gradients, optimizer state, activations, transients, logits a rank.
+//! - [`compiled`]: the peak of a compiled forward program, term by term, and how it differs from
+//!   [`memory`]'s (checked against the backend's liveness planner).
 //! - [`megatron`]: Megatron-LM's `theoretical_memory_usage.py` and Korthikanti's Table 2, verbatim,
 //!   as the published reference the general model is checked against.
 //! - [`comm`]: alpha-beta costs of collectives (ring, tree, hierarchical).
@@ -23,6 +25,7 @@
 
 pub mod activation;
 pub mod comm;
+pub mod compiled;
 pub mod compute;
 pub mod estimate;
 pub mod hw;

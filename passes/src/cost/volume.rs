@@ -17,7 +17,8 @@
 //! Backward: the conjugate of each forward collective moves the same bytes (all-reduce stays,
 //! all-gather becomes reduce-scatter, broadcast becomes a reduce to the owner), and the strategies
 //! that move weights move them again plus their gradients (tsp), or move K/V again plus dK/dV
-//! (cp). Full recompute repeats the forward's collectives. A step adds, once, the gradient
+//! (cp). Full recompute repeats the forward's collectives, except the sp axis's K/V all-gather,
+//! whose output is kept (see `activation`). A step adds, once, the gradient
 //! synchronization over the axes that replicate weights (dp, sp, cp: an all-reduce, or with ZeRO a
 //! reduce-scatter of gradients and an all-gather of weights), ZeRO-3's per-layer weight gathers,
 //! and the pipeline's activation and gradient sends.
@@ -250,7 +251,13 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
             calls.push(CollectiveCall { phase: Phase::Backward, ..call.clone() });
         }
         if workload.recompute == Recompute::Full {
-            calls.extend(forward.iter().map(|call| CollectiveCall { phase: Phase::Backward, ..call.clone() }));
+            // The sp axis's gathered K/V are kept, not re-gathered (see `activation`).
+            calls.extend(
+                forward
+                    .iter()
+                    .filter(|call| call.axis != AxisName::Sp)
+                    .map(|call| CollectiveCall { phase: Phase::Backward, ..call.clone() }),
+            );
         }
     }
     forward.extend(calls);
