@@ -96,6 +96,7 @@ fn rewrite_json(report: &RewriteReport) -> serde_json::Value {
         "layer_seconds_before": report.seconds_before,
         "layer_seconds_after": report.seconds_after,
         "layers_rewritten": report.layers_rewritten,
+        "stream_split": report.stream_split,
     })
 }
 
@@ -111,10 +112,12 @@ fn rewrite_text(report: &RewriteReport) -> String {
     let fired: Vec<String> = report.rules_fired.iter().map(|(rule, count)| format!("{rule} x{count}")).collect();
     let fired = if fired.is_empty() { "none".to_string() } else { fired.join(", ") };
     let _ = writeln!(out, "  rules fired: {fired}");
-    let verdict = if report.layers_rewritten == 0 {
-        "the propagated form is kept".to_string()
-    } else {
-        format!("the chosen form is written into {} layers", report.layers_rewritten)
+    let verdict = match (report.layers_rewritten, report.stream_split) {
+        (0, _) => "the propagated form is kept".to_string(),
+        (layers, false) => format!("the chosen form is written into {layers} layers"),
+        (layers, true) => format!(
+            "the chosen form is written into {layers} layers, the residual stream split on seq between them"
+        ),
     };
     let _ = writeln!(
         out,

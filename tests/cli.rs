@@ -135,10 +135,11 @@ fn explain_proof_names_the_rules_that_replace_the_o_proj_all_reduce() {
     let args = ["explain", "tiny", "--mesh", "tp=2", "--seq", "16", "--strategy", "tp-sp", "--proof"];
     let text = stdout_of(&[&args[..], &["layer0.attn_residual"]].concat());
     assert!(text.starts_with("layer0.attn_residual: "), "{text}");
-    // The o_proj all-reduce is split into a reduce-scatter and an all-gather, and the residual add
-    // moves onto the seq shard.
-    assert!(text.contains("all-reduce-is-rs-then-ag: (all_reduce tp (matmul"), "{text}");
+    // The o_proj all-reduce becomes a reduce-scatter onto the residual's seq shard, and the layer
+    // input is read as its shard (the stream stays split between layers).
+    assert!(text.contains("partial-then-reduce-scatter: (local_slice tp seq (all_reduce tp (matmul"), "{text}");
     assert!(text.contains("slice-residual-to-meet-gather"), "{text}");
+    assert!(text.contains("stream-is-the-gather-of-its-shard"), "{text}");
     let text = stdout_of(&["explain", "tiny", "--mesh", "tp=2", "--seq", "16", "--proof", "layer0.attn_residual"]);
     assert!(text.contains("no rule"), "plain tp keeps its all-reduce: {text}");
     assert!(
