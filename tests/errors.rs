@@ -285,6 +285,7 @@ fn weights_and_tokens() {
         ),
         case(&["run", "tiny", "--tokens", &ragged], "E0705", "sequence 1 has 2 tokens"),
         case(&["run", "tiny", "--tokens", &negative], "E0705", "is not a valid id"),
+        case(&["run", "tiny", "--tokens", &garbage], "E0705", "expected a JSON array of arrays of token ids"),
         case(
             &["run", "tiny", "--tokens", &tokens, "--seq", "8"],
             "E0706",
