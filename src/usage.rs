@@ -3,8 +3,9 @@
 //! and failed checks.
 //!
 //! Each variant has a stable code (`E05xx` for compiled directories, plan files and training
-//! checkpoints, `E07xx` for usage and checks; docs/errors.md lists them all) and a help line, and names the file or flag at
-//! fault so that `report` can print its location.
+//! checkpoints, `E07xx` for usage and checks; docs/errors.md lists them all) and a help line, and
+//! names the file or flag at fault so that `report` can print its location. The variants that say
+//! "this is a pleat bug" guard invariants the compiler should keep, not user input.
 
 use std::path::PathBuf;
 
