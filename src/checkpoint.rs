@@ -34,6 +34,7 @@ use pleat_runtime::weights::{write_safetensors, BlockWeights, SafetensorsWeights
 use serde::{Deserialize, Serialize};
 
 use crate::fingerprint::Fingerprint;
+use crate::usage::UsageError;
 
 /// The version of the checkpoint format this build writes and reads.
 pub const CHECKPOINT_FORMAT_VERSION: u32 = 2;
@@ -165,26 +166,25 @@ fn read_index(dir: &Path) -> Result<Index> {
     let path: PathBuf = dir.join(INDEX_FILE);
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}; --resume takes a directory that --save wrote", path.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|error| UsageError::NotACheckpoint { path: path.clone(), reason: error.to_string() })?;
     let version = value.get("format_version").and_then(serde_json::Value::as_u64);
     if version != Some(u64::from(CHECKPOINT_FORMAT_VERSION)) {
-        bail!(
-            "{}: checkpoint format {} is not {CHECKPOINT_FORMAT_VERSION}; this pleat cannot read it, save the \
-             checkpoint again with this pleat",
-            path.display(),
-            version.map_or_else(|| "(none)".to_string(), |version| version.to_string())
-        );
+        bail!(UsageError::CheckpointFormatVersion {
+            path,
+            found: version.map_or_else(|| "(none)".to_string(), |version| version.to_string()),
+            expected: CHECKPOINT_FORMAT_VERSION,
+        });
     }
-    let index: Index =
-        serde_json::from_value(value).with_context(|| format!("{} is not a pleat checkpoint index", path.display()))?;
+    let index: Index = serde_json::from_value(value)
+        .map_err(|error| UsageError::NotACheckpoint { path, reason: error.to_string() })?;
     let hash = content_hash(dir, &index)?;
     if hash != index.content_hash {
-        bail!(
-            "checkpoint {} was changed after it was written (content hash {hash}, recorded {}); save it again",
-            dir.display(),
-            index.content_hash
-        );
+        bail!(UsageError::CheckpointHashMismatch {
+            dir: dir.to_path_buf(),
+            actual: hash,
+            recorded: index.content_hash,
+        });
     }
     Ok(index)
 }
@@ -214,12 +214,11 @@ fn read_blocks(dir: &Path, index: &Index) -> Result<BlockWeights> {
 pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
     let index = read_index(dir)?;
     if index.model != config.name {
-        bail!(
-            "{} holds a checkpoint of {}, not of {}; resume with that model",
-            dir.display(),
-            index.model,
-            config.name
-        );
+        bail!(UsageError::CheckpointOfAnotherModel {
+            dir: dir.to_path_buf(),
+            saved: index.model,
+            model: config.name.clone(),
+        });
     }
     Ok(Resume { steps: index.steps, state: read_blocks(dir, &index)? })
 }
@@ -234,7 +233,7 @@ pub fn read_weights(dir: &Path) -> Result<BlockWeights> {
 fn parent_and_name(path: &Path) -> Result<(PathBuf, String)> {
     let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let Some(name) = path.file_name() else {
-        bail!("{} names no file or directory; give a path that ends in a name", path.display());
+        bail!(UsageError::PathWithoutName { path: path.to_path_buf() });
     };
     Ok((parent.to_path_buf(), name.to_string_lossy().to_string()))
 }

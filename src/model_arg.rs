@@ -7,6 +7,8 @@ use anyhow::{bail, Context, Result};
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::model::preset::{preset, PRESET_NAMES};
 
+use crate::usage::UsageError;
+
 /// What MODEL named.
 pub enum ModelSource {
     /// A model configuration, with the weights found beside it, if any.
@@ -41,7 +43,7 @@ pub fn resolve(model: &str) -> Result<ModelSource> {
             let config = read_config(&path.join("config.json"))?;
             return Ok(ModelSource::Config { config, weights: weights_beside(path) });
         }
-        bail!("{model} is a directory without config.json or plan.json; give a config.json, a model directory, a compiled directory or a preset ({})", PRESET_NAMES.join(", "));
+        bail!(UsageError::DirectoryNotAModel { model: model.to_string(), presets: PRESET_NAMES.join(", ") });
     }
     if path.is_file() {
         let config = read_config(path)?;
@@ -50,8 +52,5 @@ pub fn resolve(model: &str) -> Result<ModelSource> {
     if PRESET_NAMES.contains(&model) {
         return Ok(ModelSource::Config { config: preset(model)?, weights: None });
     }
-    bail!(
-        "MODEL `{model}` is neither a preset ({}) nor an existing config.json, model directory or compiled directory",
-        PRESET_NAMES.join(", ")
-    )
+    bail!(UsageError::UnknownModel { model: model.to_string(), presets: PRESET_NAMES.join(", ") })
 }

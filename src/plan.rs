@@ -164,7 +164,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let mesh = Mesh::parse(&args.mesh)?;
     let layout = Layout::from_mesh(&mesh, args.sequence_parallel);
     if args.common.virtual_stages > 1 && layout.degree(pleat_ir::AxisName::Pp) == 1 {
-        bail!("--virtual-stages {} needs a pp axis in the mesh; add pp=2 or more", args.common.virtual_stages);
+        bail!(crate::usage::UsageError::VirtualStagesWithoutPp { virtual_stages: args.common.virtual_stages });
     }
     let result = estimate(&model, &layout, &args.common.workload(args.seq), &hw)?;
     let mut report = serde_json::to_value(&result)?;

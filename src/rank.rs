@@ -115,7 +115,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     comm.flush().with_context(|| format!("rank {rank}"))?;
     drop(comm);
     let Some(outcomes) = outcomes else { return Ok(()) };
-    let (logits_shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
+    let (logits_shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
     let max_abs_err = if args.check {
         Some(max_abs_diff(&logits, &reference_logits(&config, &tokens, weights.as_ref())?))
     } else {

@@ -203,7 +203,7 @@ pub fn run_programs_native(
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
     let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
     let outcomes = run_on_threads_native(programs, &inputs, options, native)?;
-    let (shape, logits) = assemble(&outcomes, 0).context("the programs returned no logits")?;
+    let (shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
     Ok((shape, logits, outcomes))
 }
 

@@ -164,7 +164,7 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
     let model = model_shape_of(&args.model)?;
     let mut hw = hardware_of(&args.hw, args.hw_file.as_deref())?;
     if let Some(per_node) = args.gpus_per_node {
-        anyhow::ensure!(per_node > 0, "--gpus-per-node 0: give at least 1");
+        anyhow::ensure!(per_node > 0, crate::usage::UsageError::ZeroFlag { flag: "--gpus-per-node", what: "GPU" });
         hw.gpus_per_node = per_node;
     }
     let cap = args.mem_cap.map_or(hw.memory_bytes as f64, |gigabytes| gigabytes * 1e9);
@@ -192,8 +192,7 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
         let winner = &outcome.plans[0];
         anyhow::ensure!(
             winner.layout.compiles_today(),
-            "the best plan, {}, uses an axis pleat cannot compile yet; drop --all-axes for the best plan it can build",
-            winner.estimate.layout
+            crate::usage::UsageError::PlanNotCompilable { layout: winner.estimate.layout.to_string() }
         );
         let choice = PlanChoice::of(&model.name, winner);
         std::fs::write(path, serde_json::to_string_pretty(&choice)? + "\n")

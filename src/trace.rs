@@ -56,7 +56,7 @@ pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome]) -> Result
     let mut slices = Vec::new();
     for outcome in outcomes {
         let Some(program) = programs.get(outcome.rank as usize) else {
-            bail!("rank {} has no program among the {} given", outcome.rank, programs.len());
+            bail!(crate::usage::UsageError::RankWithoutProgram { rank: outcome.rank, programs: programs.len() });
         };
         for (index, (instr, &(start_ns, end_ns))) in program.instructions.iter().zip(&outcome.timings).enumerate() {
             if let Some(work) = describe(program, instr) {

@@ -26,6 +26,7 @@ use crate::compile::Strategy;
 use crate::model_arg::{resolve, ModelSource};
 use crate::run::{comm_stats_mean, human_bytes, weight_source, Format, RunArgs};
 use crate::schedule::ScheduleName;
+use crate::usage::UsageError;
 
 /// The largest difference from the reference `--check` accepts on the losses (absolute) and on
 /// each first-step gradient (relative to that gradient's L2 norm).
@@ -142,24 +143,18 @@ pub fn compile_training(
     pipelining: &Pipelining,
 ) -> Result<CompiledTraining> {
     if strategy == Strategy::TpSpOrTsp {
-        bail!(
-            "--strategy tp-sp-or-tsp folds inference graphs only (the backward has no rule for the ring MLP); \
-             train with --strategy tp-sp, or with --mesh tsp=D for TSP"
-        );
+        bail!(UsageError::TrainFoldedStrategy);
     }
     if zero > 0 && mesh.degree(AxisName::Dp) == 1 {
-        bail!("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2");
+        bail!(UsageError::ZeroWithoutDp { zero });
     }
     let stages = mesh.degree(AxisName::Pp) as u32;
     let micro_batches = pipelining.micro_batches;
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
-        bail!(
-            "--batch {batch} does not split into --micro-batches {micro_batches}; use a count in {:?}",
-            pleat_ir::spec::valid_degrees(batch)
-        );
+        bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
     }
     if stages > 1 && config.tie_word_embeddings {
-        bail!("pipelining a model with tied embeddings is not built yet (the first and last stages share a weight)");
+        bail!(UsageError::PipelinedTiedEmbeddings { model: config.name.clone() });
     }
     let inner = crate::pipeline::inner_mesh(mesh)?;
     let mut ctx = strategy.pass_ctx(&inner, Dump::Nothing)?;
@@ -201,14 +196,11 @@ pub fn token_batches(
     for (index, word) in text.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty()).enumerate() {
         match word.parse::<u64>() {
             Ok(id) if id < vocab => ids.push(id as u32),
-            _ => bail!(
-                "--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}",
-                path.display()
-            ),
+            _ => bail!(UsageError::DataToken { path: path.to_path_buf(), index, word: word.to_string(), vocab }),
         }
     }
     if ids.is_empty() {
-        bail!("--data {}: no token ids; write integers separated by spaces or commas", path.display());
+        bail!(UsageError::DataEmpty { path: path.to_path_buf() });
     }
     let window = (batch * seq) as usize;
     Ok(Box::new(move |step| {
@@ -238,11 +230,11 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let (config, weights_path) = match resolve(&args.model)? {
         ModelSource::Config { config, weights } => (config, args.weights.clone().or(weights)),
         ModelSource::Compiled(_) => {
-            bail!("--train compiles its own training graph; pass the model (a preset, config.json or directory)")
+            bail!(UsageError::TrainCompiled { model: args.model.clone() })
         }
     };
     if args.tokens.is_some() {
-        bail!("--train reads its tokens from --data (or the synthetic stream), not --tokens");
+        bail!(UsageError::TrainWithTokens);
     }
     for (flag, given) in [
         ("--logits-out", args.logits_out.is_some()),
@@ -250,7 +242,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         ("--emulate-link", args.emulate_link.is_some()),
     ] {
         if given {
-            bail!("{flag} applies to inference runs; drop it or drop --train");
+            bail!(UsageError::InferenceFlagWithTrain { flag });
         }
     }
     let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
@@ -261,7 +253,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let compiled = compile_training(&config, shape, &mesh, args.strategy, state, &pipelining)?;
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {
-        bail!("--resume reads the checkpoint's weights; drop --weights");
+        bail!(UsageError::ResumeWithWeights);
     }
     let given_weights;
     let weights: &dyn WeightSource = match &resume {
@@ -322,7 +314,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     }
     // Only the last pipeline stage computes the loss.
     let Some(with_loss) = ranks.iter().find(|rank| !rank.losses.is_empty()) else {
-        bail!("no rank's program returns the loss");
+        bail!(UsageError::NoLossRank);
     };
     let mut report = TrainReport {
         start_step,
@@ -349,7 +341,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             ("the updated weights' difference", errors.weight, weight_tol),
         ] {
             if err.is_nan() || err > tol {
-                bail!("{name} from the reference, {err:e}, exceeds the tolerance {tol:e}");
+                bail!(UsageError::TrainCheckMismatch { quantity: name, err, tolerance: tol });
             }
         }
     }

@@ -1,9 +1,11 @@
 //! The errors the command line itself raises: flags that do not fit together, input files of the
-//! binary's own formats (token files, compiled directories, search plans), and failed checks.
+//! binary's own formats (token files, compiled directories, search plans, training checkpoints),
+//! and failed checks.
 //!
-//! Each variant has a stable code (`E05xx` for compiled directories and plan files, `E07xx` for
-//! usage and checks; docs/errors.md lists them all) and a help line, and names the file or flag at
-//! fault so that `report` can print its location.
+//! Each variant has a stable code (`E05xx` for compiled directories, plan files and training
+//! checkpoints, `E07xx` for usage and checks; docs/errors.md lists them all) and a help line, and
+//! names the file or flag at fault so that `report` can print its location. The variants that say
+//! "this is a pleat bug" guard invariants the compiler should keep, not user input.
 
 use std::path::PathBuf;
 
@@ -104,6 +106,63 @@ pub enum UsageError {
     ProgramsStuck {
         /// Each blocked rank and its instruction.
         stuck: Vec<String>,
+    },
+
+    // === Training checkpoints ===
+    /// A checkpoint index of another format version.
+    #[error(
+        "{}: checkpoint format {found} is not {expected}; this pleat cannot read it, save the checkpoint again with \
+         this pleat",
+        .path.display()
+    )]
+    #[diagnostic(
+        code(E0540),
+        help("train again with --save using this pleat, or resume with the pleat that saved it")
+    )]
+    CheckpointFormatVersion {
+        /// The index.json.
+        path: PathBuf,
+        /// The version the file says, `(none)` when it says none.
+        found: String,
+        /// The version this build reads.
+        expected: u32,
+    },
+    /// A checkpoint whose files do not hash to the hash its index records.
+    #[error(
+        "checkpoint {} was changed after it was written (content hash {actual}, recorded {recorded}); save it again",
+        .dir.display()
+    )]
+    #[diagnostic(code(E0541), help("save the checkpoint again with --save; do not edit a checkpoint's files"))]
+    CheckpointHashMismatch {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The hash of the files as read.
+        actual: String,
+        /// The hash index.json records.
+        recorded: String,
+    },
+    /// A checkpoint of another model than the run's.
+    #[error("{} holds a checkpoint of {saved}, not of {model}; resume with that model", .dir.display())]
+    #[diagnostic(
+        code(E0542),
+        help("pass the model the checkpoint was saved from, or --resume a checkpoint of this model")
+    )]
+    CheckpointOfAnotherModel {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The model the checkpoint holds.
+        saved: String,
+        /// The run's model.
+        model: String,
+    },
+    /// A checkpoint index that is not JSON of the index format.
+    #[error("{} is not a pleat checkpoint index: {reason}", .path.display())]
+    #[diagnostic(code(E0543), help("--resume takes a directory that `pleat run --train --save` wrote"))]
+    NotACheckpoint {
+        /// The index.json.
+        path: PathBuf,
+        /// The JSON parser's message.
+        reason: String,
     },
 
     // === Usage ===
@@ -231,6 +290,153 @@ pub enum UsageError {
         /// The unit found.
         unit: String,
     },
+    /// A size whose number does not parse.
+    #[error("size {text}: expected a number then a unit, e.g. 64KiB")]
+    #[diagnostic(code(E0737), help("write sizes like 512B, 4KiB, 16MiB or 1GiB"))]
+    SizeNumber {
+        /// The size.
+        text: String,
+    },
+    /// A size past 2^64 bytes.
+    #[error("size {text} is too large; give sizes below 16EiB")]
+    #[diagnostic(code(E0738), help("give a smaller size, e.g. 1GiB"))]
+    SizeTooLarge {
+        /// The size.
+        text: String,
+    },
+    /// `--virtual-stages` without a pipeline axis.
+    #[error("--virtual-stages {virtual_stages} needs a pp axis in the mesh; add pp=2 or more")]
+    #[diagnostic(code(E0732), help("add a pp axis to --mesh, e.g. --mesh pp=2, or drop --virtual-stages"))]
+    VirtualStagesWithoutPp {
+        /// The virtual stages asked for.
+        virtual_stages: u64,
+    },
+    /// A MODEL directory that holds neither a config.json nor a compiled plan.
+    #[error(
+        "{model} is a directory without config.json or plan.json; give a config.json, a model directory, a \
+         compiled directory or a preset ({presets})"
+    )]
+    #[diagnostic(
+        code(E0733),
+        help("point MODEL at a directory holding config.json (a Hugging Face model) or plan.json (`pleat compile`)")
+    )]
+    DirectoryNotAModel {
+        /// The MODEL argument.
+        model: String,
+        /// The preset names, comma-separated.
+        presets: String,
+    },
+    /// A MODEL that is no preset and no existing path.
+    #[error(
+        "MODEL `{model}` is neither a preset ({presets}) nor an existing config.json, model directory or compiled \
+         directory"
+    )]
+    #[diagnostic(
+        code(E0734),
+        help("give a preset name from the list, or the path of a config.json or a model directory")
+    )]
+    UnknownModel {
+        /// The MODEL argument.
+        model: String,
+        /// The preset names, comma-separated.
+        presets: String,
+    },
+    /// An output or checkpoint path that ends in no name (`/`, `..`).
+    #[error("{} names no file or directory; give a path that ends in a name", .path.display())]
+    #[diagnostic(code(E0735), help("give a path whose last part is a name, e.g. out/checkpoint"))]
+    PathWithoutName {
+        /// The path.
+        path: PathBuf,
+    },
+    /// `search --emit-plan` whose best plan uses an axis the compiler lacks.
+    #[error(
+        "the best plan, {layout}, uses an axis pleat cannot compile yet; drop --all-axes for the best plan it can \
+         build"
+    )]
+    #[diagnostic(code(E0736), help("drop --all-axes, or drop --emit-plan to only see the ranking"))]
+    PlanNotCompilable {
+        /// The plan's layout.
+        layout: String,
+    },
+
+    // === Training ===
+    /// `--strategy tp-sp-or-tsp` with `--train`.
+    #[error(
+        "--strategy tp-sp-or-tsp folds inference graphs only (the backward has no rule for the ring MLP); train \
+         with --strategy tp-sp, or with --mesh tsp=D for TSP"
+    )]
+    #[diagnostic(code(E0718), help("train with --strategy tp-sp, or with --mesh tsp=D for TSP"))]
+    TrainFoldedStrategy,
+    /// `--zero` without a data-parallel axis.
+    #[error("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2")]
+    #[diagnostic(code(E0719), help("add a dp axis to --mesh (e.g. dp=2), or drop --zero"))]
+    ZeroWithoutDp {
+        /// The ZeRO stage asked for.
+        zero: u8,
+    },
+    /// `--batch` that does not split into `--micro-batches`.
+    #[error("--batch {batch} does not split into --micro-batches {micro_batches}; use a count in {valid:?}")]
+    #[diagnostic(code(E0724), help("give --micro-batches a divisor of --batch"))]
+    BatchNotSplit {
+        /// The batch.
+        batch: u64,
+        /// The micro-batches asked for.
+        micro_batches: u32,
+        /// The counts that divide the batch.
+        valid: Vec<u64>,
+    },
+    /// A pp axis for a model whose embedding and output weight are one.
+    #[error(
+        "pipelining a model with tied embeddings is not built yet (the first and last stages share a weight); \
+         train {model} without a pp axis"
+    )]
+    #[diagnostic(code(E0725), help("drop the pp axis from --mesh, or train a model with tie_word_embeddings false"))]
+    PipelinedTiedEmbeddings {
+        /// The model's name.
+        model: String,
+    },
+    /// A `--data` word that is not a token id of the vocabulary.
+    #[error("--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}", .path.display())]
+    #[diagnostic(code(E0726), help("write the data as integer token ids below the model's vocab_size"))]
+    DataToken {
+        /// The data file.
+        path: PathBuf,
+        /// The token's index in the file.
+        index: usize,
+        /// The word found.
+        word: String,
+        /// The model's vocabulary size.
+        vocab: u64,
+    },
+    /// A `--data` file without tokens.
+    #[error("--data {}: no token ids; write integers separated by spaces or commas", .path.display())]
+    #[diagnostic(code(E0727), help("write the data as integer token ids separated by spaces or commas"))]
+    DataEmpty {
+        /// The data file.
+        path: PathBuf,
+    },
+    /// `--train` given a compiled directory.
+    #[error("--train compiles its own training graph; pass the model (a preset, config.json or directory)")]
+    #[diagnostic(code(E0728), help("give the model the directory was compiled from (its config.json is inside)"))]
+    TrainCompiled {
+        /// The MODEL argument.
+        model: String,
+    },
+    /// `--train` with `--tokens`.
+    #[error("--train reads its tokens from --data (or the synthetic stream), not --tokens")]
+    #[diagnostic(code(E0729), help("pass the training tokens with --data, or drop --tokens"))]
+    TrainWithTokens,
+    /// An inference-only flag with `--train`.
+    #[error("{flag} applies to inference runs; drop it or drop --train")]
+    #[diagnostic(code(E0730), help("drop the flag, or drop --train"))]
+    InferenceFlagWithTrain {
+        /// The flag.
+        flag: &'static str,
+    },
+    /// `--resume` with `--weights`.
+    #[error("--resume reads the checkpoint's weights; drop --weights")]
+    #[diagnostic(code(E0731), help("drop --weights: a resumed run starts from the checkpoint's weights"))]
+    ResumeWithWeights,
 
     // === MPI launches ===
     /// `pleat rank` launched with another number of processes than the directory's ranks.
@@ -313,6 +519,34 @@ pub enum UsageError {
         /// The value expected.
         expected: f32,
     },
+    /// `pleat run --train --check` found a quantity off the reference.
+    #[error("{quantity} from the reference, {err:e}, exceeds the tolerance {tolerance:e}")]
+    #[diagnostic(code(E0739), help("this is a pleat bug for this mesh and strategy; report the command line"))]
+    TrainCheckMismatch {
+        /// What was compared.
+        quantity: &'static str,
+        /// The difference.
+        err: f32,
+        /// The tolerance.
+        tolerance: f32,
+    },
+    /// No rank's training program returned the loss.
+    #[error("no rank's program returns the loss")]
+    #[diagnostic(code(E0740), help("this is a pleat bug; report the command line"))]
+    NoLossRank,
+    /// An outcome of a rank that has no program.
+    #[error("rank {rank} has no program among the {programs} given")]
+    #[diagnostic(code(E0741), help("this is a pleat bug; report the command line"))]
+    RankWithoutProgram {
+        /// The outcome's rank.
+        rank: u32,
+        /// The programs given.
+        programs: usize,
+    },
+    /// The programs returned no logits.
+    #[error("the programs returned no logits")]
+    #[diagnostic(code(E0742), help("this is a pleat bug; report the command line"))]
+    NoLogits,
 }
 
 impl UsageError {
@@ -325,7 +559,31 @@ impl UsageError {
             | UsageError::NotAPlan { path, .. }
             | UsageError::SearchPlanVersion { path, .. }
             | UsageError::UnknownPlanStrategy { path, .. }
-            | UsageError::TokensFile { path, .. } => vec![("file", path.display().to_string())],
+            | UsageError::TokensFile { path, .. }
+            | UsageError::CheckpointFormatVersion { path, .. }
+            | UsageError::NotACheckpoint { path, .. }
+            | UsageError::PathWithoutName { path }
+            | UsageError::DataToken { path, .. }
+            | UsageError::DataEmpty { path } => vec![("file", path.display().to_string())],
+            UsageError::CheckpointHashMismatch { dir, .. } | UsageError::CheckpointOfAnotherModel { dir, .. } => {
+                vec![("file", dir.display().to_string())]
+            }
+            UsageError::DirectoryNotAModel { model, .. } | UsageError::TrainCompiled { model } => {
+                vec![("file", model.clone())]
+            }
+            UsageError::UnknownModel { model, .. } | UsageError::PipelinedTiedEmbeddings { model } => {
+                vec![("model", model.clone())]
+            }
+            UsageError::SizeNumber { .. } | UsageError::SizeTooLarge { .. } => vec![("flag", "--sizes".to_string())],
+            UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
+            UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],
+            UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
+            UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],
+            UsageError::BatchNotSplit { .. } => vec![("flag", "--micro-batches".to_string())],
+            UsageError::TrainWithTokens => vec![("flag", "--tokens".to_string())],
+            UsageError::InferenceFlagWithTrain { flag } => vec![("flag", flag.to_string())],
+            UsageError::ResumeWithWeights => vec![("flag", "--weights".to_string())],
+            UsageError::RankWithoutProgram { rank, .. } => vec![("rank", rank.to_string())],
             UsageError::StrategyNeedsAxis { .. } => vec![("flag", "--strategy".to_string())],
             UsageError::NoSuchLayer { .. } => vec![("flag", "--layer".to_string())],
             UsageError::NoSuchValue { .. } => vec![("flag", "--value".to_string())],
@@ -348,7 +606,10 @@ impl UsageError {
             | UsageError::LogitsMismatch { .. }
             | UsageError::DemoMismatch { .. }
             | UsageError::RankPanicked
-            | UsageError::CollectiveWrongResult { .. } => Vec::new(),
+            | UsageError::CollectiveWrongResult { .. }
+            | UsageError::TrainCheckMismatch { .. }
+            | UsageError::NoLossRank
+            | UsageError::NoLogits => Vec::new(),
         }
     }
 }

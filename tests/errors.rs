@@ -285,6 +285,7 @@ fn weights_and_tokens() {
         ),
         case(&["run", "tiny", "--tokens", &ragged], "E0705", "sequence 1 has 2 tokens"),
         case(&["run", "tiny", "--tokens", &negative], "E0705", "is not a valid id"),
+        case(&["run", "tiny", "--tokens", &garbage], "E0705", "expected a JSON array of arrays of token ids"),
         case(
             &["run", "tiny", "--tokens", &tokens, "--seq", "8"],
             "E0706",
@@ -298,6 +299,134 @@ fn weights_and_tokens() {
     assert_eq!(error["code"], "E0612");
     assert_eq!(error["location"]["file"], garbage.as_str());
     assert!(error["causes"].as_array().is_some_and(|causes| !causes.is_empty()), "{error}");
+}
+
+/// A checkpoint of the tiny model after one training step, shared by the cases that damage copies.
+fn saved_tiny() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempdir("errors-checkpoint").join("saved");
+        let output =
+            pleat(&["run", "tiny", "--train", "--batch", "2", "--seq", "8", "--steps", "1", "--save", &path_str(&dir)]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        dir
+    })
+}
+
+/// A copy of the saved checkpoint in `name`, for a case to damage.
+fn saved_copy(name: &str) -> PathBuf {
+    let copy = tempdir(&format!("errors-ckpt-{name}")).join("saved");
+    std::fs::create_dir_all(&copy).expect("mkdir");
+    for entry in std::fs::read_dir(saved_tiny()).expect("checkpoint dir") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).expect("copy");
+    }
+    copy
+}
+
+#[test]
+fn training_flags() {
+    let dir = tempdir("errors-training");
+    let bad_data = write(&dir, "bad.txt", "1, 2, 300");
+    let empty_data = write(&dir, "empty.txt", " ,\n");
+    let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
+    let tied = config_with("tied", |config| {
+        config.insert("tie_word_embeddings".into(), true.into());
+    });
+    let compiled = path_str(compiled_tiny());
+    let cases = [
+        case(&["run", "tiny", "--train", "--mesh", "tp=2", "--strategy", "tp-sp-or-tsp"], "E0718", "folds inference"),
+        case(&["run", "tiny", "--train", "--mesh", "tp=2", "--zero", "1"], "E0719", "--zero 1 splits state"),
+        case(
+            &["run", "tiny", "--train", "--batch", "4", "--micro-batches", "3"],
+            "E0724",
+            "--batch 4 does not split into --micro-batches 3",
+        ),
+        case(&["run", &tied, "--train", "--mesh", "pp=2"], "E0725", "tied embeddings is not built yet"),
+        case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is `300`"),
+        case(&["run", "tiny", "--train", "--data", &empty_data], "E0727", "no token ids"),
+        case(&["run", &compiled, "--train"], "E0728", "--train compiles its own training graph"),
+        case(&["run", "tiny", "--train", "--tokens", &tokens], "E0729", "not --tokens"),
+        case(&["run", "tiny", "--train", "--logits-out", "l.bin"], "E0730", "--logits-out applies to inference"),
+        case(&["plan", "tiny", "--virtual-stages", "2"], "E0732", "--virtual-stages 2 needs a pp axis"),
+        case(&["bench", "comm", "--sizes", "KiB"], "E0737", "expected a number then a unit"),
+        case(&["bench", "comm", "--sizes", "99999999999999GiB"], "E0738", "is too large"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+    let error = json_error(&["run", "tiny", "--train", "--data", &bad_data]);
+    assert_eq!(error["code"], "E0726");
+    assert_eq!(error["location"]["file"], bad_data.as_str());
+    let error = json_error(&["run", "tiny", "--train", "--mesh", "tp=2", "--zero", "1"]);
+    assert_eq!(error["location"]["flag"], "--zero");
+}
+
+#[test]
+fn model_arguments() {
+    let dir = tempdir("errors-model-args");
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).expect("mkdir");
+    let cases = [
+        case(&["plan", &path_str(&empty)], "E0733", "is a directory without config.json or plan.json"),
+        case(&["plan", "no-such-model"], "E0734", "MODEL `no-such-model` is neither a preset"),
+        case(&["run", "no-such-model", "--train"], "E0734", "is neither a preset"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+}
+
+#[test]
+fn training_checkpoints() {
+    let saved = path_str(saved_tiny());
+    let resume = |dir: &str| -> Vec<String> {
+        ["run", "tiny", "--train", "--batch", "2", "--seq", "8", "--steps", "1", "--resume", dir]
+            .iter()
+            .map(|arg| arg.to_string())
+            .collect()
+    };
+    let tampered = saved_copy("tampered");
+    let weights = std::fs::read_dir(&tampered)
+        .expect("checkpoint")
+        .map(|entry| entry.expect("entry").path())
+        .find(|path| path.extension().is_some_and(|extension| extension == "safetensors"))
+        .expect("a block file");
+    let mut bytes = std::fs::read(&weights).expect("read");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&weights, bytes).expect("write");
+    let version = saved_copy("version");
+    let index_path = version.join("index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index_path).expect("index.json")).expect("json");
+    index["format_version"] = 999.into();
+    std::fs::write(&index_path, index.to_string()).expect("write");
+    let garbled = saved_copy("garbled");
+    std::fs::write(garbled.join("index.json"), "{ not json").expect("write");
+    let with = |dir: &Path, extra: &[&str]| -> Vec<String> {
+        let mut args = resume(&path_str(dir));
+        args.extend(extra.iter().map(|arg| arg.to_string()));
+        args
+    };
+    let cases = [
+        Case { args: with(&tampered, &[]), code: "E0541", says: "was changed after it was written".into() },
+        Case { args: with(&version, &[]), code: "E0540", says: "checkpoint format 999 is not".into() },
+        Case { args: with(&garbled, &[]), code: "E0543", says: "is not a pleat checkpoint index".into() },
+        Case {
+            args: with(saved_tiny(), &["--weights", &saved]),
+            code: "E0731",
+            says: "--resume reads the checkpoint's weights".into(),
+        },
+        Case { args: resume(".."), code: "E0735", says: ".. names no file or directory".into() },
+    ];
+    for case in &cases {
+        check(case);
+    }
+    let args: Vec<&str> = cases[0].args.iter().map(String::as_str).collect();
+    let error = json_error(&args);
+    assert_eq!(error["code"], "E0541");
+    assert_eq!(error["location"]["file"], path_str(&tampered).as_str());
 }
 
 #[test]

@@ -286,9 +286,8 @@ fn parse_size(text: &str) -> Result<u64> {
         "GiB" | "G" => 1 << 30,
         other => bail!(crate::usage::UsageError::SizeUnit { text: text.to_string(), unit: other.to_string() }),
     };
-    let number: u64 =
-        number.parse().with_context(|| format!("size {text}: expected a number then a unit, e.g. 64KiB"))?;
-    number.checked_mul(scale).with_context(|| format!("size {text} is too large"))
+    let number: u64 = number.parse().map_err(|_| crate::usage::UsageError::SizeNumber { text: text.to_string() })?;
+    Ok(number.checked_mul(scale).ok_or_else(|| crate::usage::UsageError::SizeTooLarge { text: text.to_string() })?)
 }
 
 fn report(args: &CommBenchArgs, comm: &str, n_ranks: u32, measurements: &[Measurement]) -> Result<()> {
