@@ -171,6 +171,8 @@ fn meshes_and_strategies() {
         case(&["plan", "tiny", "--mesh", "tp=two"], "E0201", "write axes as name=size"),
         case(&["explain", "tiny", "--mesh", "dp=2", "--strategy", "tp"], "E0213", "--strategy tp needs a tp axis"),
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "6"], "E0208", "zigzag chunks"),
+        case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "7"], "E0208", "multiple of 4 (e.g. 8)\n"),
+        case(&["explain", "tiny", "--mesh", "tp=2,tsp=2"], "E0209", "both split the weights"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--layer", "99"], "E0703", "--layer 99 does not exist"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"], "E0704", "no value named layer0.nope"),
     ];

@@ -50,9 +50,8 @@ pub enum Error {
     },
     /// A sequence the zigzag layout cannot cut into `2·degree` chunks.
     #[error(
-        "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {} (e.g. {}), or {axis} in {{{}}}",
-        2 * degree, 2 * degree, (seq / (2 * degree) + 1) * 2 * degree,
-        (1..=*seq).filter(|d| seq % (2 * d) == 0).map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+        "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {} (e.g. {}){}",
+        2 * degree, 2 * degree, (seq / (2 * degree) + 1) * 2 * degree, zigzag_degrees(*seq, axis)
     )]
     #[diagnostic(code(E0208), help("make --seq a multiple of 2 x the cp degree"))]
     ZigzagSeq {
@@ -123,4 +122,14 @@ pub enum Error {
         /// A name that exists.
         example: String,
     },
+}
+
+/// ", or AXIS in {..}": the degrees whose zigzag chunks split `seq`, when there are any.
+fn zigzag_degrees(seq: u64, axis: &str) -> String {
+    let degrees: Vec<String> = (1..=seq / 2).filter(|d| seq % (2 * d) == 0).map(|d| d.to_string()).collect();
+    if degrees.is_empty() {
+        String::new()
+    } else {
+        format!(", or {axis} in {{{}}}", degrees.join(","))
+    }
 }
