@@ -115,9 +115,9 @@ fn rewrite_text(report: &RewriteReport) -> String {
     let verdict = match (report.layers_rewritten, report.stream_split) {
         (0, _) => "the propagated form is kept".to_string(),
         (layers, false) => format!("the chosen form is written into {layers} layers"),
-        (layers, true) => format!(
-            "the chosen form is written into {layers} layers, the residual stream split on seq between them"
-        ),
+        (layers, true) => {
+            format!("the chosen form is written into {layers} layers, the residual stream split on seq between them")
+        }
     };
     let _ = writeln!(
         out,
