@@ -388,14 +388,7 @@ impl Writer<'_> {
     fn insert_after_value(&mut self, input: ValueId, op: Op, like: ValueId) -> ValueId {
         let graph = &self.module.graph;
         let (ty, spec) = (graph.value(like).ty.clone(), graph.value(like).spec.clone());
-        let base = format!("{}.{}", graph.def(input).name, op.mnemonic());
-        let mut name = base.clone();
-        let mut copy = 2;
-        while self.used.contains(&name) {
-            name = format!("{base}.{copy}");
-            copy += 1;
-        }
-        self.used.insert(name.clone());
+        let name = self.unique(format!("{}.{}", graph.def(input).name, op.mnemonic()));
         let value = self.module.graph.insert_after(self.anchor, op, &[input], ty, spec, &name);
         self.anchor = self.module.graph.value(value).def;
         value
@@ -430,6 +423,11 @@ impl Writer<'_> {
             (None, Some(suffix)) => format!("{}{suffix}", self.prefix),
             _ => format!("{semantic}.{}", op.mnemonic()),
         });
+        self.unique(base)
+    }
+
+    /// `base`, or `base.2`, `base.3`, ...: the first not yet used in the layer, now used.
+    fn unique(&mut self, base: String) -> String {
         let mut name = base.clone();
         let mut copy = 2;
         while self.used.contains(&name) {

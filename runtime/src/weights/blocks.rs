@@ -69,14 +69,7 @@ impl BlockWeights {
             .tensors
             .entry(name.to_string())
             .or_insert_with(|| BlockedTensor { shape: shape.to_vec(), blocks: Vec::new() });
-        if tensor.shape != shape {
-            return Err(WeightError::ShapeMismatch {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: tensor.shape.clone(),
-                file: self.origin.clone(),
-            });
-        }
+        check_shape(name, shape, &tensor.shape, &self.origin)?;
         if tensor.blocks.iter().any(|(held, _)| held == region) {
             return Ok(false);
         }
@@ -104,14 +97,7 @@ impl WeightSource for BlockWeights {
             file: self.origin.clone(),
             similar: Vec::new(),
         })?;
-        if tensor.shape != shape {
-            return Err(WeightError::ShapeMismatch {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: tensor.shape.clone(),
-                file: self.origin.clone(),
-            });
-        }
+        check_shape(name, shape, &tensor.shape, &self.origin)?;
         let count = check_region(name, shape, region)?;
         let mut values = vec![0.0_f32; count];
         let mut covered = vec![false; count];
@@ -193,6 +179,19 @@ fn copy_intersection(
             index[dim] = 0;
         }
     }
+}
+
+/// `held` is the shape `shape` asked for, or a mismatch naming the tensor and where it came from.
+fn check_shape(name: &str, shape: &[u64], held: &[u64], origin: &std::path::Path) -> Result<(), WeightError> {
+    if held == shape {
+        return Ok(());
+    }
+    Err(WeightError::ShapeMismatch {
+        name: name.to_string(),
+        expected: shape.to_vec(),
+        found: held.to_vec(),
+        file: origin.to_path_buf(),
+    })
 }
 
 #[cfg(test)]
