@@ -272,13 +272,15 @@ pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &Rewrite
     report.seconds_before = original_seconds(&template, &class_of, &cost_fn);
     report.seconds_after = extractor.seconds_of(&roots);
     // The split form: the layer reads its input's shard and writes its output's, so the stream
-    // stays split between layers (sequence parallelism's norms and residuals on seq shards).
+    // stays split between layers (sequence parallelism's norms and residuals on seq shards). The
+    // plan asked for sequence parallelism, so this layout of the stream is its seed and is taken
+    // whenever egg derives it; cost chooses the collectives within it.
     if let (Some(stream), [root]) = (stream, roots.as_slice()) {
         let split_fn = LayerCostFunction::new(egraph, &model).without_leaf(Some(stream.input));
         let split = DagExtractor::new(egraph, &split_fn);
         if let Some(output_shard) = gathered_shard(egraph, *root) {
             let seconds = split.seconds_of(&[output_shard]);
-            if seconds < report.seconds_after && seconds < report.seconds_before {
+            if seconds.is_finite() {
                 report.seconds_after = seconds;
                 let layout = StreamSplit { shard_leaf: stream.shard, output_shard, axis: STREAM_AXIS, dim: STREAM_DIM };
                 let choose = |class: Id| split.find_best_node(class).clone();

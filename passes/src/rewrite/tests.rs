@@ -31,12 +31,19 @@ fn count(module: &Module, mnemonic: &str) -> usize {
 
 #[test]
 fn sequence_parallelism_is_derived_from_the_tp_form() {
-    let mut module = tp_form("tp=2", 2);
+    // At tp=4 a tree all-reduce (2·log2(4) latencies) is predicted cheaper on tiny than a
+    // reduce-scatter and an all-gather (2·3): the plan's sequence parallelism is taken anyway.
+    for mesh in ["tp=2", "tp=4"] {
+        derives_sequence_parallelism(mesh);
+    }
+}
+
+fn derives_sequence_parallelism(mesh: &str) {
+    let mut module = tp_form(mesh, 2);
     let before = layer_template(&module).unwrap().unwrap();
     let report = rewrite_collectives(&mut module, &sequence_parallel(), &RewriteOptions::default()).unwrap();
     verify(&module).unwrap();
     assert_eq!(report.layers_rewritten, 2, "{report:?}");
-    assert!(report.seconds_after < report.seconds_before, "{report:?}");
     assert!(report.stream_split, "{report:?}");
     // Each layer: the two all-reduces become reduce-scatters onto seq, and the norms and residuals
     // run on seq shards; the stream stays split between layers, so the embedding's sum is
