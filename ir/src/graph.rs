@@ -176,6 +176,10 @@ impl Graph {
     pub fn find(&self, name: &str) -> Option<ValueId> {
         self.order.iter().map(|&node| &self.nodes[node]).find(|node| node.name == name).map(|node| node.result)
     }
+    /// The first node (in program order) computing a cross-entropy loss: a training graph's loss.
+    pub fn loss_node(&self) -> Option<NodeId> {
+        self.order.iter().copied().find(|&node| self.nodes[node].op == Op::CrossEntropy)
+    }
     /// The parameter values in program order, with their checkpoint names.
     pub fn params(&self) -> Vec<(ValueId, &str)> {
         self.order

@@ -52,7 +52,7 @@ fn fold_cp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     if seq % (2 * degree) != 0 {
         return Err(Error::ZigzagSeq { seq, axis: AXIS.to_string(), degree });
     }
-    let loss = graph.order().iter().copied().find(|&node| graph.node(node).op == Op::CrossEntropy);
+    let loss = graph.loss_node();
     let zigzag = Op::Zigzag { parts: degree, inverse: false };
     let local = Op::LocalSlice { axis: AXIS, dim: DimName::Seq };
     let mut all_positions = positions;

@@ -43,7 +43,7 @@ fn fold_tsp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         });
     }
     crate::strategy::seed_leaves(module)?;
-    let training = module.graph.order().iter().any(|&node| module.graph.node(node).op == Op::CrossEntropy);
+    let training = module.graph.loss_node().is_some();
     let mut rewriter = Rewriter { graph: &mut module.graph, degree, training };
     rewriter.fold()?;
     module.graph.compact();
@@ -91,7 +91,7 @@ impl Rewriter<'_> {
         let zigzag = Op::Zigzag { parts: self.degree, inverse: false };
         self.wrap(tokens, zigzag.clone(), "tokens.zigzag");
         // The loss compares the logits, put back in token order below, with the tokens in order.
-        let loss = self.graph.order().iter().copied().find(|&node| self.graph.node(node).op == Op::CrossEntropy);
+        let loss = self.graph.loss_node();
         if let Some(loss) = loss {
             self.graph.node_mut(loss).inputs[1] = tokens;
         }

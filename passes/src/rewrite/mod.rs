@@ -8,6 +8,12 @@
 //! the `RewriteReport`, not an error. When the cheapest form is the propagated one the module is
 //! left untouched. `proof` gives egg's explanation of how a value's form was derived.
 //!
+//! Extraction counts a value read twice once (`extract`). Under sequence parallelism the layer
+//! input also enters the e-graph as the all-gather of a seq-shard leaf, and a second extraction,
+//! which may not read the whole input, finds the layer that maps shards to shards: that form is
+//! written back with the residual stream split between layers (the strategy's seed), and cost
+//! chooses the collectives inside it.
+//!
 //! Guarantees: every rule is typed before it fires (the e-graph never merges differently laid-out
 //! values), the written-back graph passes the verifier, and every rule is checked numerically by
 //! the multi-rank simulator (`simulate`).
@@ -25,14 +31,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use egg::{Id, Language, Runner, Symbol};
-use pleat_ir::Module;
-use pleat_ir::{AxisName, DimName};
+use pleat_ir::{AxisName, DimName, Module};
 
 use self::analysis::{LayerAnalysis, LayerGraph, Meta};
 use self::cost::{CostModel, LayerCostFunction};
 use self::extract::DagExtractor;
-use self::language::LayerLang;
-use self::language::{Leaf, LeafTable};
+use self::language::{LayerLang, Leaf, LeafTable};
 pub use self::proof::proof;
 use self::rules::{LayerRewrite, RuleTable};
 use self::template::{layer_template, LayerTemplate, StreamSplit};
@@ -156,18 +160,13 @@ pub fn enabled_tables(module: &Module, ctx: &PassCtx) -> Vec<RuleTable> {
     if ctx.sequence_parallel {
         tables.push(RuleTable::SequenceParallel);
         // Autodiff has no rule for the ring MLP, so a training graph keeps the tensor-parallel form.
-        if ctx.fold_into_tsp && !is_training(module) {
-            if let Some(axis) = module.mesh.axis(pleat_ir::AxisName::Tp) {
+        if ctx.fold_into_tsp && module.graph.loss_node().is_none() {
+            if let Some(axis) = module.mesh.axis(STREAM_AXIS) {
                 tables.push(RuleTable::FoldTpSpIntoTsp { degree: axis.size });
             }
         }
     }
     tables
-}
-
-/// Whether `module` computes a loss (a training graph).
-fn is_training(module: &Module) -> bool {
-    module.graph.order().iter().any(|&node| module.graph.node(node).op == pleat_ir::Op::CrossEntropy)
 }
 
 fn saturate(template: &LayerTemplate, module: &Module, ctx: &PassCtx, options: &RewriteOptions) -> Result<Saturated> {
