@@ -144,7 +144,7 @@ fn the_cli_runs_checks_and_explains_the_folded_plan() {
         cli::json_of(&["explain", "tiny", "--mesh", "tp=2", "--strategy", "tp-sp-or-tsp", "--format", "json"]);
     let rewrite = &explained["rewrite"];
     assert!(rewrite["tables"].as_array().expect("tables").iter().any(|table| table == "fold-tp-sp-into-tsp"));
-    assert_eq!(rewrite["rules_fired"]["tsp-mlp-ring-moves-weights"], 1, "{rewrite}");
+    assert_eq!(rewrite["rules_fired"]["ring-weights-instead-of-gather-activations"], 1, "{rewrite}");
     assert!(rewrite["layer_seconds_after"].as_f64() < rewrite["layer_seconds_before"].as_f64(), "{rewrite}");
     let ops: Vec<&str> =
         explained["collectives"].as_array().expect("list").iter().filter_map(|c| c["op"].as_str()).collect();

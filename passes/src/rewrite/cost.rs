@@ -7,8 +7,8 @@
 //! bytes at HBM bandwidth (the efficiencies of `HardwareSpec`), on the local blocks: so a norm on
 //! a `1/D` sequence shard costs `1/D` of one on the whole sequence. A local slice costs a copy of
 //! its block. The ring MLP costs D steps of its GEMMs, each at least one shard's point-to-point hop
-//! (the hop is double-buffered under the step). Ties break on the number of e-nodes, then on egg's fixed order of a class's nodes,
-//! so the choice is deterministic.
+//! (the hop is double-buffered under the step). Ties break on the number of e-nodes, then on the
+//! fixed order of a class's nodes, so the choice is deterministic.
 
 use std::cmp::Ordering;
 use std::ops::Add;

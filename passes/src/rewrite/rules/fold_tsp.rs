@@ -6,23 +6,26 @@
 //! TSP's single axis: the tokens stay split through the block and the weight blocks travel instead,
 //! so a block's communication no longer grows with the tokens, only the gathered keys and values do.
 //!
-//! - `tsp-attention-broadcasts-weights`: `reduce_scatter(seq, o_proj(attention(q, k, v)))` of the
-//!   gathered input equals, summed over each owner j of the axis, the attention of the rank's own
-//!   tokens computed with owner j's broadcast blocks of Wq, Wk, Wv and Wo, against keys and values
-//!   all-gathered over the sequence, with the positions of the rank's own tokens for its queries
-//!   (`broadcast_shard`, `local_slice` of the positions, `all_gather` of k and v). It sends
+//! - `broadcast-weights-instead-of-gather-activations`: `reduce_scatter(seq, o_proj(attention(q, k,
+//!   v)))` of the gathered input equals, summed over each owner j of the axis, the attention of the
+//!   rank's own tokens computed with owner j's broadcast blocks of Wq, Wk, Wv and Wo, against keys
+//!   and values all-gathered over the sequence, with the positions of the rank's own tokens for its
+//!   queries (`broadcast_shard`, `local_slice` of the positions, `all_gather` of k and v). It sends
 //!   (D-1)/D of the attention weights and (D-1)/D of the keys and values, instead of gathering and
 //!   scattering the hidden states.
-//! - `tsp-mlp-ring-moves-weights`: the gathered gated MLP, reduce-scattered, equals the ring MLP on
-//!   the rank's own tokens (`ring_gated_mlp`: each rank applies the shard it holds while the
-//!   shards move one hop around the axis), which sends (D-1)/D of the MLP weights.
+//! - `ring-weights-instead-of-gather-activations`: the gathered gated MLP, reduce-scattered, equals
+//!   the ring MLP on the rank's own tokens (`ring_gated_mlp`: each rank applies the shard it holds
+//!   while the shards move one hop around the axis), which sends (D-1)/D of the MLP weights.
 //!
 //! The right-hand sides are the forms `fold-tsp` writes for `--mesh tsp=D` (without the zigzag
 //! token order, which only balances causal attention across ranks: every rank's queries carry
 //! their absolute positions, so any split of the tokens is exact). Both rules type-check like any
 //! other (`WellTyped`), so they fire only when the kv heads divide by the axis, and the cost model
-//! keeps whichever form is cheaper: moving weights wins when the tokens a block gathers outweigh
-//! its weights (B·S > 8h for an MHA layer with ffn = 4h), as the TSP paper derives.
+//! keeps whichever form is cheaper. By volume, the MLP's ring wins once the tokens outweigh its
+//! weights (2·B·S·h against 3·h·ffn, B·S > 6h at ffn = 4h); the attention's broadcasts only win
+//! with grouped-query attention, whose gathered k/v are smaller than the hidden states they
+//! replace by more than the attention weights (with as many kv heads as heads they are as large).
+//! Together the folded layer sends the TSP paper's (D-1)/D·(16h² + 2BSh).
 //!
 //! The owners are unrolled, so the table is made for one axis degree, and the broadcast roots are
 //! attribute leaves `root=j` that `declare_roots` adds to the layer's leaf table.
@@ -34,9 +37,9 @@ use crate::error::{Error, Result};
 use crate::rewrite::language::LeafTable;
 
 /// The name of the attention rule.
-pub const ATTENTION_RULE: &str = "tsp-attention-broadcasts-weights";
+pub const ATTENTION_RULE: &str = "broadcast-weights-instead-of-gather-activations";
 /// The name of the MLP rule.
-pub const MLP_RULE: &str = "tsp-mlp-ring-moves-weights";
+pub const MLP_RULE: &str = "ring-weights-instead-of-gather-activations";
 
 /// The spelling of owner `root`'s broadcast attribute.
 fn root_symbol(root: u64) -> String {
