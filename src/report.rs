@@ -25,6 +25,10 @@ pub const UNCLASSIFIED: &str = "E0700";
 /// The code of a command line the argument parser rejects.
 pub const BAD_ARGUMENTS: &str = "E0701";
 
+/// The code of a file the operating system would not let pleat read or write (the message names
+/// the file; the cause is the system's reason).
+pub const FILE_ACCESS: &str = "E0743";
+
 /// The order of a location's parts in text: the file first, then narrower places.
 const ORDER: [&str; 15] = [
     "file",
@@ -82,6 +86,12 @@ impl<'a> Report<'a> {
                 diagnostic.help().map(|help| help.to_string()),
                 location_of(cause),
                 Some(diagnostic),
+            ),
+            None if error.chain().any(|cause| cause.downcast_ref::<std::io::Error>().is_some()) => (
+                FILE_ACCESS.to_string(),
+                Some("check that the path exists and that pleat may read it (or write its directory)".to_string()),
+                Map::new(),
+                None,
             ),
             None => (UNCLASSIFIED.to_string(), None, Map::new(), None),
         };
@@ -437,6 +447,23 @@ mod tests {
         assert!(text.contains("\n  location: file /models/x/config.json, field vocab_size\n"), "{text}");
         assert!(text.contains("\n  help: "), "{text}");
         assert_eq!(report.json()["error"]["code"], "E0103");
+    }
+
+    #[test]
+    fn a_file_the_system_refuses_has_its_code() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        let error = anyhow::Error::new(io).context("cannot read --data /nonexistent");
+        let report = Report::of(&error);
+        assert_eq!(report.code, FILE_ACCESS);
+        assert!(
+            report.text().starts_with(
+                "error[E0743]: cannot read --data /nonexistent
+"
+            ),
+            "{}",
+            report.text()
+        );
+        assert!(report.text().contains("\n  help: check that the path exists"), "{}", report.text());
     }
 
     #[test]

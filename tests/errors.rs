@@ -173,6 +173,7 @@ fn meshes_and_strategies() {
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "6"], "E0208", "zigzag chunks"),
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "7"], "E0208", "multiple of 4 (e.g. 8)\n"),
         case(&["explain", "tiny", "--mesh", "tp=2,tsp=2"], "E0209", "both split the weights"),
+        case(&["run", "tiny", "--train", "--data", "/nonexistent/tokens.txt"], "E0743", "cannot read --data"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--layer", "99"], "E0703", "--layer 99 does not exist"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"], "E0704", "no value named layer0.nope"),
     ];
