@@ -5,7 +5,7 @@
 #[path = "support/cli.rs"]
 mod cli;
 
-use cli::{error_of, json_of};
+use cli::{assert_matches_reference, error_of, json_of};
 use serde_json::Value;
 
 /// tiny with four layers, as a config.json in a fresh directory.
@@ -27,15 +27,6 @@ fn train(model: &str, mesh: &str, extra: &[&str]) -> Value {
     ];
     args.extend_from_slice(extra);
     json_of(&args)
-}
-
-#[track_caller]
-fn assert_matches_reference(report: &Value, what: &str) {
-    let loss = report["max_loss_err"].as_f64().expect("max_loss_err");
-    let rel = report["max_grad_rel_err"].as_f64().expect("max_grad_rel_err");
-    let weight = report["max_weight_err"].as_f64().expect("max_weight_err");
-    let weight_tol = report["tolerances"]["weight"].as_f64().expect("weight tolerance");
-    assert!(loss <= 1e-4 && rel <= 1e-4 && weight <= weight_tol, "{what}: {loss:e} {rel:e} {weight:e}");
 }
 
 #[test]
