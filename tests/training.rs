@@ -200,6 +200,22 @@ fn training_reads_token_files() {
 }
 
 #[test]
+fn the_vocab_parallel_loss_sends_row_statistics_not_logits() {
+    // Under tp the LM head's logits stay split on vocab: each rank sends only its rows' (max, sum of
+    // exponentials, target logit), all-gathered once for the loss and once for its gradient, so
+    // tp's only all-gathers are 2 · (D-1) · rows · 3 f32 a rank, where gathering the logits would
+    // send (D-1)/D · rows · vocab (tiny: vocab 256, rows 4 · 16) in the forward alone.
+    let rows = 4 * 16;
+    for degree in [2u64, 4] {
+        let report = train(&format!("tp={degree}"), 2, &[]);
+        assert_matches_reference(&report, &format!("tp={degree}"));
+        let all_gather = report["comm_bytes_per_step"]["all_gather"].as_u64();
+        assert_eq!(all_gather, Some(2 * (degree - 1) * rows * 3 * 4), "tp={degree}");
+        assert!(2 * (degree - 1) * rows * 3 < (degree - 1) * rows * 256 / degree);
+    }
+}
+
+#[test]
 fn tsp_training_sends_what_the_derivation_says() {
     // docs/training.md: a layer's weight blocks are broadcast in the forward and again in the
     // backward, and each rank sends its summand of every other owner's gradient block home:

@@ -116,6 +116,8 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 with_lse,
             })
         };
+        // Buffers the node's own instructions need only until its last one (vocab-parallel loss).
+        let mut scratch: Vec<BufferId> = Vec::new();
         let instr = match &data.op {
             Op::Tokens => Instr::LoadTokens { out, region: region(value) },
             Op::Positions => Instr::LoadPositions { out, region: region(value) },
@@ -238,6 +240,18 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 let kernel =
                     loss_kernel(&data.op, &data.name, &input_local(0)?, &graph.value(data.inputs[0]).ty.shape.sizes())?;
                 Instr::Kernel { kernel, inputs, out }
+            }
+            Op::VocabParallelCrossEntropy { axis } | Op::VocabParallelCrossEntropyGrad { axis } => {
+                let logits = data.inputs[0];
+                let shard = VocabShard {
+                    local: input_local(0)?,
+                    global: graph.value(logits).ty.shape.sizes(),
+                    vocab_offset: region(logits)[2].0,
+                    parts: mesh.degree(*axis),
+                };
+                let stats = lower_loss_row_stats(&mut program, &data.op, &data.name, &inputs, group(*axis), &shard)?;
+                scratch.push(stats);
+                vocab_parallel_loss_instr(&data.op, &data.name, &inputs, stats, out, &shard)?
             }
             Op::MatMulGradInput { contract } => {
                 let (dy, w) = (input_local(0)?, input_local(1)?);
@@ -367,6 +381,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 program.instructions.push(Instr::Free { buf: buffer });
             }
         }
+        program.instructions.extend(scratch.into_iter().map(|buf| Instr::Free { buf }));
         if last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value) && kind != BufferKind::Param
         {
             program.instructions.push(Instr::Free { buf: out });
@@ -383,6 +398,96 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
     }
     trace.resize(program.instructions.len(), None);
     Ok((program, trace))
+}
+
+/// A rank's vocab shard of a vocab-parallel loss's logits.
+struct VocabShard {
+    /// The local logits' sizes, `[batch, seq, vocab shard]`.
+    local: Vec<u64>,
+    /// The global logits' sizes.
+    global: Vec<u64>,
+    /// The global id of the shard's first vocab entry.
+    vocab_offset: u64,
+    /// The ranks the vocabulary is split over.
+    parts: u64,
+}
+
+impl VocabShard {
+    /// `(batch, seq, vocab shard, global batch, global seq, global vocab)`, or the error naming a
+    /// sequence that is not whole.
+    fn sizes(&self, op: &Op, value: &str) -> Result<[u64; 6]> {
+        let (&[batch, seq, vocab], &[global_batch, global_seq, global_vocab]) = (&self.local[..], &self.global[..])
+        else {
+            unreachable!("verified: logits are [batch, seq, vocab]")
+        };
+        if seq != global_seq {
+            return Err(Error::SplitLossDim {
+                value: value.to_string(),
+                op: op.mnemonic(),
+                dim: "seq".to_string(),
+                local: seq,
+                global: global_seq,
+            });
+        }
+        Ok([batch, seq, vocab, global_batch, global_seq, global_vocab])
+    }
+}
+
+/// Emits the row statistics of the rank's vocab shard (`inputs`: logits, tokens) and their
+/// all-gather over `group`; returns the gathered `[parts, rows, 3]` buffer (f32 whatever the
+/// logits' dtype: the exchanged sums must not round to bf16).
+fn lower_loss_row_stats(
+    program: &mut Program,
+    op: &Op,
+    name: &str,
+    inputs: &[BufferId],
+    group: Group,
+    shard: &VocabShard,
+) -> Result<BufferId> {
+    let [batch, seq, vocab, _, _, global_vocab] = shard.sizes(op, name)?;
+    let rows = batch * seq;
+    let mut stats_buffer = |suffix: &str, parts: u64| {
+        let id =
+            new_buffer(program, format!("{name}.{suffix}"), vec![parts, rows, 3], BufferKind::Activation, inputs[0]);
+        program.buffers[id.as_u32() as usize].dtype = pleat_ir::DType::F32;
+        id
+    };
+    let local = stats_buffer("row_stats", 1);
+    let gathered = stats_buffer("row_stats_gathered", shard.parts);
+    program.instructions.push(Instr::Kernel {
+        kernel: Kernel::LossRowStats { batch, seq, vocab, vocab_offset: shard.vocab_offset, global_vocab },
+        inputs: inputs.to_vec(),
+        out: local,
+    });
+    program.instructions.push(Instr::AllGather { input: local, out: gathered, group, dim: 0 });
+    program.instructions.push(Instr::Free { buf: local });
+    Ok(gathered)
+}
+
+/// The instruction that turns the gathered row statistics into the loss or its gradient shard.
+fn vocab_parallel_loss_instr(
+    op: &Op,
+    name: &str,
+    inputs: &[BufferId],
+    stats: BufferId,
+    out: BufferId,
+    shard: &VocabShard,
+) -> Result<Instr> {
+    let [batch, seq, vocab, global_batch, global_seq, global_vocab] = shard.sizes(op, name)?;
+    let terms = global_batch * global_seq.saturating_sub(1);
+    let (parts, vocab_offset) = (shard.parts, shard.vocab_offset);
+    Ok(match op {
+        Op::VocabParallelCrossEntropy { .. } => Instr::Kernel {
+            kernel: Kernel::CrossEntropyFromStats { batch, seq, global_vocab, terms, parts },
+            inputs: vec![inputs[1], stats],
+            out,
+        },
+        _ => Instr::Kernel {
+            kernel: Kernel::CrossEntropyGradFromStats { batch, seq, vocab, vocab_offset, global_vocab, terms, parts },
+            inputs: vec![inputs[0], inputs[1], stats],
+            out,
+        },
+    })
 }
 
 /// The kernel of `CrossEntropy` or `CrossEntropyGrad` (`op`) on local logits `[batch, seq, vocab]` of

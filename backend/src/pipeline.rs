@@ -17,7 +17,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use pleat_ir::entity::EntityRef;
-use pleat_ir::{Module, Op};
+use pleat_ir::Module;
 
 use crate::error::{Error, Result};
 use crate::lower::lower_rank_traced;
@@ -161,7 +161,7 @@ pub fn pipeline_programs(module: &Module, plan: &PipelinePlan) -> Result<Vec<Pro
     }
     let loss = order
         .iter()
-        .position(|&node| graph.node(node).op == Op::CrossEntropy)
+        .position(|&node| graph.node(node).op.is_loss())
         .ok_or_else(|| malformed("a pipelined module must be a training graph with a cross_entropy loss".into()))?;
     let inner = module.mesh.world_size() as u32;
     let mut programs: Vec<Option<Program>> = (0..stages * inner).map(|_| None).collect();
@@ -462,18 +462,8 @@ impl<'a> StageProgram<'a> {
             Instr::Kernel { kernel, inputs, out } => {
                 // The loss of each micro-batch is divided by every micro-batch's targets, so the
                 // micro-batches' losses and gradients sum to the step's.
-                let kernel = match kernel.clone() {
-                    Kernel::CrossEntropy { batch, seq, vocab, terms } => {
-                        Kernel::CrossEntropy { batch, seq, vocab, terms: terms * u64::from(self.plan.micro_batches) }
-                    }
-                    Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => Kernel::CrossEntropyGrad {
-                        batch,
-                        seq,
-                        vocab,
-                        terms: terms * u64::from(self.plan.micro_batches),
-                    },
-                    other => other,
-                };
+                let mut kernel = kernel.clone();
+                kernel.scale_loss_terms(u64::from(self.plan.micro_batches));
                 Instr::Kernel { kernel, inputs: buffers(inputs), out: buffer(out) }
             }
             Instr::AllReduce { input, out, group: g } => {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -200,6 +200,53 @@ pub enum Kernel {
         /// Global `batch · (seq - 1)`.
         terms: u64,
     },
+    /// `(logits[batch, seq, vocab], tokens[batch, seq]) -> [1, batch·seq, 3]`: each row's maximum, sum
+    /// of `exp(logit - max)` and target logit (zero when the target lies outside the shard) over the
+    /// rank's vocab shard `[vocab_offset, vocab_offset + vocab)`, for a vocab-parallel loss.
+    LossRowStats {
+        /// Local batch.
+        batch: u64,
+        /// The whole sequence.
+        seq: u64,
+        /// The rank's vocab shard.
+        vocab: u64,
+        /// The global id of the shard's first entry.
+        vocab_offset: u64,
+        /// The whole vocabulary.
+        global_vocab: u64,
+    },
+    /// `(tokens[batch, seq], stats[parts, batch·seq, 3]) -> [1]`: the loss of `CrossEntropy` from the
+    /// row statistics of all `parts` vocab shards, gathered.
+    CrossEntropyFromStats {
+        /// Local batch.
+        batch: u64,
+        /// The whole sequence.
+        seq: u64,
+        /// The whole vocabulary, for checking target ids.
+        global_vocab: u64,
+        /// Global `batch · (seq - 1)`.
+        terms: u64,
+        /// Vocab shards (ranks of the split).
+        parts: u64,
+    },
+    /// `(logits[batch, seq, vocab], tokens, stats[parts, batch·seq, 3]) -> [batch, seq, vocab]`: the
+    /// rank's vocab shard of `CrossEntropyGrad`, normalised by the rows' global log-sum-exp.
+    CrossEntropyGradFromStats {
+        /// Local batch.
+        batch: u64,
+        /// The whole sequence.
+        seq: u64,
+        /// The rank's vocab shard.
+        vocab: u64,
+        /// The global id of the shard's first entry.
+        vocab_offset: u64,
+        /// The whole vocabulary.
+        global_vocab: u64,
+        /// Global `batch · (seq - 1)`.
+        terms: u64,
+        /// Vocab shards (ranks of the split).
+        parts: u64,
+    },
     /// `dx[m, k] = dy[m, n] · w[n, k]`: the gradient of `MatMul` with respect to its activation.
     MatMulGradInput {
         /// Rows of dy (the activation's rows).
@@ -296,6 +343,20 @@ pub enum Kernel {
         /// Elements kept: the product of the local kept dims.
         width: u64,
     },
+}
+
+impl Kernel {
+    /// Multiplies the target count a loss kernel divides by (`terms`) by `factor`; other kernels are
+    /// unchanged. Pipelining divides each micro-batch's loss by every micro-batch's targets.
+    pub fn scale_loss_terms(&mut self, factor: u64) {
+        match self {
+            Kernel::CrossEntropy { terms, .. }
+            | Kernel::CrossEntropyGrad { terms, .. }
+            | Kernel::CrossEntropyFromStats { terms, .. }
+            | Kernel::CrossEntropyGradFromStats { terms, .. } => *terms *= factor,
+            _ => {}
+        }
+    }
 }
 
 /// Which operand of attention a gradient kernel differentiates with respect to.

@@ -54,6 +54,16 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
             format!("cross_entropy_grad batch={batch} seq={seq} vocab={vocab} terms={terms}")
         }
+        Kernel::LossRowStats { batch, seq, vocab, vocab_offset, global_vocab } => format!(
+            "loss_row_stats batch={batch} seq={seq} vocab={vocab} vocab_offset={vocab_offset} global_vocab={global_vocab}"
+        ),
+        Kernel::CrossEntropyFromStats { batch, seq, global_vocab, terms, parts } => format!(
+            "cross_entropy_from_stats batch={batch} seq={seq} global_vocab={global_vocab} terms={terms} parts={parts}"
+        ),
+        Kernel::CrossEntropyGradFromStats { batch, seq, vocab, vocab_offset, global_vocab, terms, parts } => format!(
+            "cross_entropy_grad_from_stats batch={batch} seq={seq} vocab={vocab} vocab_offset={vocab_offset} \
+             global_vocab={global_vocab} terms={terms} parts={parts}"
+        ),
         Kernel::MatMulGradInput { m, n, k } => format!("matmul_grad_input m={m} n={n} k={k}"),
         Kernel::MatMulGradWeight { m, n, k } => format!("matmul_grad_weight m={m} n={n} k={k}"),
         Kernel::RmsNormGradInput { hidden, eps } => format!("rms_norm_grad_input hidden={hidden} eps={eps}"),

@@ -113,6 +113,40 @@ pub fn validate(program: &Program) -> Result<()> {
                     return Err(bad(index, "the loss averages over 0 targets".to_string()));
                 }
             }
+            Kernel::LossRowStats { batch, seq, vocab, vocab_offset, global_vocab } => {
+                operands(2)?;
+                expect("the logits", sizes[0], batch * seq * vocab)?;
+                expect("the tokens", sizes[1], batch * seq)?;
+                expect("the result", out, batch * seq * 3)?;
+                if vocab_offset + vocab > *global_vocab {
+                    return Err(bad(
+                        index,
+                        format!(
+                            "the vocab shard [{vocab_offset}, {}) lies outside {global_vocab}",
+                            vocab_offset + vocab
+                        ),
+                    ));
+                }
+            }
+            Kernel::CrossEntropyFromStats { batch, seq, terms, parts, .. } => {
+                operands(2)?;
+                expect("the tokens", sizes[0], batch * seq)?;
+                expect("the statistics", sizes[1], parts * batch * seq * 3)?;
+                expect("the result", out, 1)?;
+                if *terms == 0 {
+                    return Err(bad(index, "the loss averages over 0 targets".to_string()));
+                }
+            }
+            Kernel::CrossEntropyGradFromStats { batch, seq, vocab, vocab_offset, global_vocab, terms, parts } => {
+                operands(3)?;
+                expect("the logits", sizes[0], batch * seq * vocab)?;
+                expect("the tokens", sizes[1], batch * seq)?;
+                expect("the statistics", sizes[2], parts * batch * seq * 3)?;
+                expect("the result", out, batch * seq * vocab)?;
+                if *terms == 0 || vocab_offset + vocab > *global_vocab {
+                    return Err(bad(index, format!("terms={terms} or the vocab shard lies outside {global_vocab}")));
+                }
+            }
             Kernel::MatMulGradInput { m, n, k } => {
                 operands(2)?;
                 expect("the result's gradient", sizes[0], m * n)?;

@@ -178,7 +178,7 @@ impl Graph {
     }
     /// The first node (in program order) computing a cross-entropy loss: a training graph's loss.
     pub fn loss_node(&self) -> Option<NodeId> {
-        self.order.iter().copied().find(|&node| self.nodes[node].op == Op::CrossEntropy)
+        self.order.iter().copied().find(|&node| self.nodes[node].op.is_loss())
     }
     /// The parameter values in program order, with their checkpoint names.
     pub fn params(&self) -> Vec<(ValueId, &str)> {

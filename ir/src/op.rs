@@ -101,6 +101,22 @@ pub enum Op {
     /// loss is the root of the backward graph): `(softmax(logits[b, t]) - onehot(tokens[b, t + 1])) /
     /// (batch * (seq - 1))`, zero at the last position.
     CrossEntropyGrad,
+    /// The operands and meaning of `CrossEntropy`, computed with the logits split on `vocab` over
+    /// `axis` (Megatron's vocab-parallel cross-entropy): each rank reduces its vocab shard of every
+    /// row to (max, sum of exponentials, target logit if the target is in the shard), the ranks
+    /// exchange those three numbers a row, and each combines them into the loss. The full-vocab
+    /// logits never exist on one rank. On one rank it is the plain loss.
+    VocabParallelCrossEntropy {
+        /// The axis the vocabulary is split over.
+        axis: AxisName,
+    },
+    /// The operands and meaning of `CrossEntropyGrad`, computed on the rank's vocab shard of the
+    /// logits after the same exchange of row statistics as `VocabParallelCrossEntropy` (the
+    /// gradient needs each row's global log-sum-exp); the result stays split on `vocab`.
+    VocabParallelCrossEntropyGrad {
+        /// The axis the vocabulary is split over.
+        axis: AxisName,
+    },
     /// `(dy[F.., G..], w[G.., C..]) -> [F.., C..]`: the gradient of `MatMul { contract }` with respect
     /// to `x`, `dy · w` summed over the `G..` dims (`w.rank - contract` of them).
     MatMulGradInput {
@@ -245,6 +261,8 @@ impl Op {
             Op::Add => "add",
             Op::CrossEntropy => "cross_entropy",
             Op::CrossEntropyGrad => "cross_entropy_grad",
+            Op::VocabParallelCrossEntropy { .. } => "vocab_parallel_cross_entropy",
+            Op::VocabParallelCrossEntropyGrad { .. } => "vocab_parallel_cross_entropy_grad",
             Op::MatMulGradInput { .. } => "matmul_grad_input",
             Op::MatMulGradWeight { .. } => "matmul_grad_weight",
             Op::RmsNormGradInput { .. } => "rms_norm_grad_input",
@@ -286,6 +304,8 @@ impl Op {
             Op::SumLeading { .. } => 1,
             Op::CrossEntropy
             | Op::CrossEntropyGrad
+            | Op::VocabParallelCrossEntropy { .. }
+            | Op::VocabParallelCrossEntropyGrad { .. }
             | Op::MatMulGradInput { .. }
             | Op::MatMulGradWeight { .. }
             | Op::RmsNormGradWeight { .. }
@@ -307,8 +327,14 @@ impl Op {
                 | Op::ReduceToRoot { .. }
                 | Op::RingGatedMlp { .. }
                 | Op::RingAttention { .. }
+                | Op::VocabParallelCrossEntropy { .. }
+                | Op::VocabParallelCrossEntropyGrad { .. }
                 | Op::AllToAll { .. }
         )
+    }
+    /// Whether the op is the training loss (the root of the backward graph).
+    pub fn is_loss(&self) -> bool {
+        matches!(self, Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. })
     }
     /// The mesh axis a communication or layout op works over.
     pub fn axis(&self) -> Option<AxisName> {
@@ -322,6 +348,7 @@ impl Op {
             | Op::AllToAll { axis, .. }
             | Op::RingGatedMlp { axis } => Some(*axis),
             Op::RingAttention { axis, .. } => Some(*axis),
+            Op::VocabParallelCrossEntropy { axis } | Op::VocabParallelCrossEntropyGrad { axis } => Some(*axis),
             _ => None,
         }
     }

@@ -23,6 +23,7 @@ pub mod sharding;
 pub mod strategy;
 pub mod tsp;
 pub mod verify;
+pub mod vocab_loss;
 pub mod zero;
 
 pub use error::{Error, Result};
@@ -40,6 +41,7 @@ pub const TRAIN_PIPELINE: &[Pass] = &[
     cp::FOLD_CP,
     propagate::PROPAGATE_SPECS,
     rewrite::REWRITE_COLLECTIVES,
+    vocab_loss::VOCAB_PARALLEL_LOSS,
     zero::ZERO_PARTITION,
     autodiff::DIFFERENTIATE,
 ];

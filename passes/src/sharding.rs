@@ -154,6 +154,17 @@ pub fn output_spec(
             loss_operands(specs, shapes)?;
             Ok(specs[0].clone())
         }
+        Op::VocabParallelCrossEntropy { axis } => {
+            vocab_parallel_loss_operands(*axis, specs, shapes)?;
+            // Every rank of `axis` combines the same row statistics: the loss is whole on `axis`.
+            let mut spec = ShardSpec::replicated(out.rank());
+            spec.partial = dim_axes(specs[0], shapes[0], Batch).to_vec();
+            Ok(spec)
+        }
+        Op::VocabParallelCrossEntropyGrad { axis } => {
+            vocab_parallel_loss_operands(*axis, specs, shapes)?;
+            Ok(specs[0].clone())
+        }
         Op::MatMulGradInput { contract } => {
             // dy[F.., G..] · w[G.., C..] -> dx[F.., C..], contracting G.
             let contract = *contract as usize;
@@ -456,6 +467,25 @@ fn loss_operands(specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<(), Conflict
         if let Some(&axis) = dim_axes(specs[0], shapes[0], dim).last() {
             return Err(Conflict::SplitActivation { dim, axis });
         }
+    }
+    replicated_dim(specs, shapes, 1, Seq, "each position's target is the next token")?;
+    same_dim(specs, shapes, (0, 1), (Batch, Batch))
+}
+
+/// The operands of a vocab-parallel loss: as `loss_operands`, except that the logits' vocab must be
+/// split over exactly `axis` (the statistics the kernel exchanges cover one axis's shards).
+fn vocab_parallel_loss_operands(axis: AxisName, specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<(), Conflict> {
+    use DimName::*;
+    no_partial(specs, &[0, 1])?;
+    if let Some(&split) = dim_axes(specs[0], shapes[0], Seq).last() {
+        return Err(Conflict::SplitActivation { dim: Seq, axis: split });
+    }
+    let vocab_axes = dim_axes(specs[0], shapes[0], Vocab);
+    if vocab_axes != [axis] {
+        return Err(Conflict::Layout(format!(
+            "a vocab-parallel loss over {axis} needs the logits' vocab split over {axis} alone, not {}",
+            if vocab_axes.is_empty() { "whole".to_string() } else { axes_text(vocab_axes) }
+        )));
     }
     replicated_dim(specs, shapes, 1, Seq, "each position's target is the next token")?;
     same_dim(specs, shapes, (0, 1), (Batch, Batch))

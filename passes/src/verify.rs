@@ -327,6 +327,8 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
         }
         Op::CrossEntropy
         | Op::CrossEntropyGrad
+        | Op::VocabParallelCrossEntropy { .. }
+        | Op::VocabParallelCrossEntropyGrad { .. }
         | Op::MatMulGradInput { .. }
         | Op::MatMulGradWeight { .. }
         | Op::RmsNormGradInput { .. }
@@ -445,7 +447,10 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
         Ok(())
     };
     match &node.op {
-        Op::CrossEntropy | Op::CrossEntropyGrad => {
+        Op::CrossEntropy
+        | Op::CrossEntropyGrad
+        | Op::VocabParallelCrossEntropy { .. }
+        | Op::VocabParallelCrossEntropyGrad { .. } => {
             let logits = inputs[0];
             if logits.shape.names() != [Batch, Seq, Vocab] {
                 return Err(format!("operand 0 {} must be logits [batch, seq, vocab]", shape_text(&logits.shape)));
@@ -454,7 +459,10 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
             if logits.shape.size_of(Seq) < Some(2) {
                 return Err("seq must be at least 2 for a next-token loss; use a longer sequence".into());
             }
-            if node.op == Op::CrossEntropy {
+            if let Some(axis) = node.op.axis().filter(|&axis| mesh.axis(axis).is_none()) {
+                return Err(format!("{} over {axis}, which the mesh does not have", node.op.mnemonic()));
+            }
+            if node.op.is_loss() {
                 Ok(TensorType::new(DType::F32, &[]))
             } else {
                 Ok(logits.clone())

@@ -562,6 +562,9 @@ fn run_kernel(
         }
         Kernel::CrossEntropy { .. }
         | Kernel::CrossEntropyGrad { .. }
+        | Kernel::LossRowStats { .. }
+        | Kernel::CrossEntropyFromStats { .. }
+        | Kernel::CrossEntropyGradFromStats { .. }
         | Kernel::MatMulGradInput { .. }
         | Kernel::MatMulGradWeight { .. }
         | Kernel::RmsNormGradInput { .. }
@@ -654,7 +657,7 @@ fn kernel_arity(kernel: &Kernel) -> usize {
     match kernel {
         Kernel::Zeros => 0,
         Kernel::Slice { .. } | Kernel::Permute { .. } | Kernel::SumLeading { .. } => 1,
-        Kernel::RmsNormGradInput { .. } | Kernel::SiluMulGradGate => 3,
+        Kernel::RmsNormGradInput { .. } | Kernel::SiluMulGradGate | Kernel::CrossEntropyGradFromStats { .. } => 3,
         Kernel::Attention { .. } => 5,
         Kernel::AttentionGrad { .. } => 6,
         _ => 2,

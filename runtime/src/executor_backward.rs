@@ -7,7 +7,7 @@ use pleat_backend::{AttentionOperand, BufferId, Kernel};
 
 use super::{attention_shape, Machine};
 use crate::error::{Error, Result};
-use crate::kernels::{self, AttentionGradOperand, LossShape};
+use crate::kernels::{self, AttentionGradOperand, LossShape, VocabShardShape};
 
 /// Runs the backward `kernel` on `operands` into `result` (sized to `out`); the caller has checked the
 /// operand count.
@@ -38,6 +38,23 @@ pub(super) fn run_backward_kernel(
         Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
             let shape = loss_shape(*batch, *seq, *vocab, *terms);
             kernels::cross_entropy_grad(&shape, f32_operand(0)?, u32_operand(1)?, result).map_err(kernel_error)?;
+        }
+        Kernel::LossRowStats { batch, seq, vocab, vocab_offset, global_vocab } => {
+            let shape = vocab_shard_shape([*batch, *seq, *vocab, *vocab_offset, *global_vocab, 1, 1]);
+            kernels::loss_row_stats(&shape, f32_operand(0)?, u32_operand(1)?, result).map_err(kernel_error)?;
+        }
+        Kernel::CrossEntropyFromStats { batch, seq, global_vocab, terms, parts } => {
+            let shape = vocab_shard_shape([*batch, *seq, 1, 0, *global_vocab, *terms, *parts]);
+            let loss =
+                kernels::cross_entropy_from_stats(&shape, u32_operand(0)?, f32_operand(1)?).map_err(kernel_error)?;
+            let slot =
+                result.first_mut().ok_or_else(|| machine.program_error("the loss needs a 1-element result".into()))?;
+            *slot = loss;
+        }
+        Kernel::CrossEntropyGradFromStats { batch, seq, vocab, vocab_offset, global_vocab, terms, parts } => {
+            let shape = vocab_shard_shape([*batch, *seq, *vocab, *vocab_offset, *global_vocab, *terms, *parts]);
+            kernels::cross_entropy_grad_from_stats(&shape, f32_operand(0)?, u32_operand(1)?, f32_operand(2)?, result)
+                .map_err(kernel_error)?;
         }
         Kernel::MatMulGradInput { m, n, k } => kernels::matmul_grad_input(
             *m as usize,
@@ -107,6 +124,12 @@ pub(super) fn run_backward_kernel(
         _ => return Err(machine.program_error(format!("{kernel:?} is not a backward kernel"))),
     }
     Ok(())
+}
+
+/// `[batch, seq, vocab, vocab_offset, global_vocab, terms, parts]` as the runtime kernels take them.
+fn vocab_shard_shape(sizes: [u64; 7]) -> VocabShardShape {
+    let [batch, seq, vocab, vocab_offset, global_vocab, terms, parts] = sizes.map(|size| size as usize);
+    VocabShardShape { batch, seq, vocab, vocab_offset, global_vocab, terms, parts }
 }
 
 fn loss_shape(batch: u64, seq: u64, vocab: u64, terms: u64) -> LossShape {

@@ -39,8 +39,10 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::SiluMul => silu_mul(operands[0], operands[1]),
         Op::Add => add(operands[0], operands[1]),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
-        Op::CrossEntropy => grad::cross_entropy(operands[0], operands[1]),
-        Op::CrossEntropyGrad => grad::cross_entropy_grad(operands[0], operands[1]),
+        Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. } => grad::cross_entropy(operands[0], operands[1]),
+        Op::CrossEntropyGrad | Op::VocabParallelCrossEntropyGrad { .. } => {
+            grad::cross_entropy_grad(operands[0], operands[1])
+        }
         Op::MatMulGradInput { contract } => grad::matmul_grad_input(operands[0], operands[1], usize::from(*contract)),
         Op::MatMulGradWeight { contract } => grad::matmul_grad_weight(operands[0], operands[1], usize::from(*contract)),
         Op::RmsNormGradInput { eps } => grad::rms_norm_grad_input(operands[0], operands[1], operands[2], *eps),

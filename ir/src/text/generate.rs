@@ -284,6 +284,13 @@ impl Builder {
         }
     }
 
+    /// A mesh axis for a vocab-parallel loss, or `None` for the plain one.
+    fn vocab_axis(&self, choices: &mut Choices) -> Option<AxisName> {
+        let axes = self.mesh.axes();
+        let pick = choices.below(axes.len() + 1);
+        axes.get(pick).map(|axis| axis.name)
+    }
+
     /// Adds one loss or backward op; `x` is a `[batch, seq, hidden]` value.
     fn training_step(&mut self, x: ValueId, positions: ValueId, choices: &mut Choices) {
         const STREAM: &[DimName] = &[Batch, Seq, Hidden];
@@ -297,12 +304,20 @@ impl Builder {
             0 => {
                 let logits = self.param(&[Batch, Seq, Vocab], choices);
                 let ty = self.typed(DType::F32, &[]);
-                self.node(Op::CrossEntropy, &[logits, tokens], ty, choices);
+                let op = match self.vocab_axis(choices) {
+                    Some(axis) => Op::VocabParallelCrossEntropy { axis },
+                    None => Op::CrossEntropy,
+                };
+                self.node(op, &[logits, tokens], ty, choices);
                 return;
             }
             1 => {
                 let logits = self.param(&[Batch, Seq, Vocab], choices);
-                (Op::CrossEntropyGrad, vec![logits, tokens], &[Batch, Seq, Vocab])
+                let op = match self.vocab_axis(choices) {
+                    Some(axis) => Op::VocabParallelCrossEntropyGrad { axis },
+                    None => Op::CrossEntropyGrad,
+                };
+                (op, vec![logits, tokens], &[Batch, Seq, Vocab])
             }
             2 => {
                 let weight = self.param(&[Hidden, Ffn], choices);

@@ -14,7 +14,7 @@ use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 33] = [
+const OPS: [&str; 35] = [
     "tokens",
     "positions",
     "param",
@@ -27,6 +27,8 @@ const OPS: [&str; 33] = [
     "add",
     "cross_entropy",
     "cross_entropy_grad",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_grad",
     "matmul_grad_input",
     "matmul_grad_weight",
     "rms_norm_grad_input",
@@ -308,7 +310,9 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "matmul" => &["contract"],
         "rope" => &["theta", "scaling"],
         "attention" => &["causal"],
-        "all_reduce" | "ring_gated_mlp" => &["axis"],
+        "all_reduce" | "ring_gated_mlp" | "vocab_parallel_cross_entropy" | "vocab_parallel_cross_entropy_grad" => {
+            &["axis"]
+        }
         "reduce_scatter" | "all_gather" | "local_slice" => &["axis", "dim"],
         "broadcast_shard" | "reduce_to_root" => &["axis", "dim", "root"],
         "zigzag" => &["parts", "inverse"],
@@ -396,6 +400,12 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         }
         "all_reduce" => Op::AllReduce { axis: axis_value(cursor, required("axis", "tp")?)? },
         "ring_gated_mlp" => Op::RingGatedMlp { axis: axis_value(cursor, required("axis", "tsp")?)? },
+        "vocab_parallel_cross_entropy" => {
+            Op::VocabParallelCrossEntropy { axis: axis_value(cursor, required("axis", "tp")?)? }
+        }
+        "vocab_parallel_cross_entropy_grad" => {
+            Op::VocabParallelCrossEntropyGrad { axis: axis_value(cursor, required("axis", "tp")?)? }
+        }
         "zigzag" => Op::Zigzag {
             parts: number(cursor, required("parts", "4")?, "a whole number")?,
             inverse: number(cursor, required("inverse", "false")?, "`true` or `false`")?,

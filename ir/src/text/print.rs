@@ -175,7 +175,10 @@ fn write_attributes(out: &mut String, op: &Op) {
         }
         Op::EmbeddingGrad { vocab } => write!(out, " vocab={vocab}"),
         Op::SumLeading { keep } => write!(out, " keep={keep}"),
-        Op::AllReduce { axis } | Op::RingGatedMlp { axis } => write!(out, " axis={axis}"),
+        Op::AllReduce { axis }
+        | Op::RingGatedMlp { axis }
+        | Op::VocabParallelCrossEntropy { axis }
+        | Op::VocabParallelCrossEntropyGrad { axis } => write!(out, " axis={axis}"),
         Op::BroadcastShard { axis, dim, root } | Op::ReduceToRoot { axis, dim, root } => {
             write!(out, " axis={axis} dim={dim} root={root}")
         }

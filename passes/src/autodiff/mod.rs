@@ -68,7 +68,8 @@ impl Options {
             Recompute::Full => {
                 let on_residual_stream = graph.users(node.result).iter().any(|&user| graph.node(user).op == Op::Add);
                 node.op.arity() > 0
-                    && !matches!(node.op, Op::Add | Op::CrossEntropy)
+                    && !matches!(node.op, Op::Add)
+                    && !node.op.is_loss()
                     && !on_residual_stream
                     && graph.value(node.result).ty.dtype != DType::I32
             }
@@ -159,7 +160,7 @@ pub const DIFFERENTIATE: crate::Pass = crate::Pass { name: "differentiate", run:
 
 fn differentiate_loss(module: &mut pleat_ir::Module, ctx: &crate::PassCtx) -> crate::Result<()> {
     let graph = &module.graph;
-    let loss = graph.order().iter().map(|&node| graph.node(node)).find(|node| node.op == Op::CrossEntropy);
+    let loss = graph.loss_node().map(|node| graph.node(node));
     let Some(loss) = loss.map(|node| node.result) else {
         return Err(crate::Error::UnexpectedGraph { pass: "differentiate", node: "loss".into() });
     };
@@ -190,7 +191,7 @@ pub fn differentiate_with(
         return Err(AutodiffError::UnknownLoss { value: loss });
     };
     let loss_data = graph.node(loss_node).clone();
-    if loss_data.op != Op::CrossEntropy {
+    if !loss_data.op.is_loss() {
         return Err(AutodiffError::NotCrossEntropy { value: loss, name: loss_data.name, op: loss_data.op.mnemonic() });
     }
     let forward: Vec<NodeId> = graph.order()[..loss_step].to_vec();
@@ -209,7 +210,11 @@ pub fn differentiate_with(
     };
     let logits = loss_data.inputs[0];
     if depends_on_param[logits.index()] {
-        let seed = state.emit(Op::CrossEntropyGrad, &loss_data.inputs, logits, &format!("{}.d0", loss_data.name))?;
+        let seed_op = match loss_data.op {
+            Op::VocabParallelCrossEntropy { axis } => Op::VocabParallelCrossEntropyGrad { axis },
+            _ => Op::CrossEntropyGrad,
+        };
+        let seed = state.emit(seed_op, &loss_data.inputs, logits, &format!("{}.d0", loss_data.name))?;
         state.accumulate(logits, seed)?;
     }
     // A parameter's gradient is complete once the backward has passed its first user: it is laid

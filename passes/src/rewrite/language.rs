@@ -202,6 +202,8 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
         Op::RingAttention { .. }
         | Op::CrossEntropy
         | Op::CrossEntropyGrad
+        | Op::VocabParallelCrossEntropy { .. }
+        | Op::VocabParallelCrossEntropyGrad { .. }
         | Op::MatMulGradInput { .. }
         | Op::MatMulGradWeight { .. }
         | Op::RmsNormGradInput { .. }

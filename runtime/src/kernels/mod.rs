@@ -24,6 +24,7 @@ mod matmul;
 mod norm;
 mod rope;
 mod row_grad;
+mod vocab_loss;
 
 pub use attention::{attention, attention_with_lse, merge_attention, AttentionShape};
 pub use attention_grad::{attention_grad, AttentionGradOperand};
@@ -35,6 +36,9 @@ pub use matmul::matmul_nt;
 pub use norm::rms_norm;
 pub use rope::{rope_grad_in_place, rope_in_place};
 pub use row_grad::{rms_norm_grad_input, rms_norm_grad_weight, silu_mul_grad_gate};
+pub use vocab_loss::{
+    cross_entropy_from_stats, cross_entropy_grad_from_stats, loss_row_stats, VocabShardShape, STATS_PER_ROW,
+};
 
 /// Everything a kernel can reject. Messages name the kernel and the offending tensor or index.
 #[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
