@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use pleat_backend::Program;
-use pleat_ir::model::config::ModelConfig;
+use pleat_backend::{DType, Program};
+use pleat_ir::model::config::{ConfigDtype, ModelConfig};
 use pleat_ir::Mesh;
 use pleat_passes::Dump;
 use pleat_runtime::comm::{CollectiveKind, CommStats, LinkSpec};
@@ -23,6 +23,46 @@ use crate::usage::UsageError;
 
 /// The largest absolute difference from the reference that `--check` accepts, in f32.
 pub const F32_TOL: f32 = 1e-4;
+
+/// The logits' tolerance under bf16, as a share of the reference's largest logit: sixteen times
+/// bf16's unit roundoff 2^-9. The logits come out of bf16 activations and weights (8 significant
+/// bits each) through every layer, so they can be held to bf16's accuracy, not f32's.
+pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
+
+/// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
+/// reference's largest magnitude.
+fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
+    let bf16 = programs.iter().flat_map(|program| &program.buffers).any(|buffer| buffer.dtype == DType::Bf16);
+    if bf16 {
+        let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
+        F32_TOL.max(BF16_LOGITS_REL_TOL * largest)
+    } else {
+        F32_TOL
+    }
+}
+
+/// `--precision`: the element type of the ranks' weights, activations and gradients.
+#[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// Mixed precision: bf16 weights, activations and gradients (computed in f32, stored rounded to
+    /// bf16), the loss in f32, and in training f32 master weights and moments in the optimizer.
+    Bf16,
+}
+
+impl Precision {
+    /// `config` with its dtype set to this precision: the graph's params and activations take it.
+    pub fn apply(self, config: &ModelConfig) -> ModelConfig {
+        let mut config = config.clone();
+        config.dtype = match self {
+            Precision::F32 => ConfigDtype::F32,
+            Precision::Bf16 => ConfigDtype::Bf16,
+        };
+        config
+    }
+}
 
 /// Output formats.
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -77,6 +117,11 @@ pub struct RunArgs {
     /// latency (e.g. `25,5`), so that communication costs time on one machine as on a network.
     #[arg(long, value_name = "GBPS,US")]
     pub emulate_link: Option<LinkSpec>,
+    /// Element type of the ranks' weights, activations and gradients (a compiled directory keeps
+    /// the dtype it was compiled with).
+    /// [default: f32]
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
     #[command(flatten)]
     pub training: crate::train::TrainFlags,
 }
@@ -89,6 +134,8 @@ pub struct RunResult {
     pub logits_shape: Vec<u64>,
     pub outcomes: Vec<RankOutcome>,
     pub max_abs_err: Option<f32>,
+    /// What `max_abs_err` is held to.
+    pub tolerance: f32,
     pub programs: Vec<Program>,
     /// Native kernels each rank called from `DIR/rank<i>.so` (empty when none were loaded).
     pub native_kernels: Vec<usize>,
@@ -105,8 +152,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         crate::trace::write_measured(path, &result.programs, &result.outcomes)?;
     }
     if let Some(err) = result.max_abs_err {
-        if err.is_nan() || err > F32_TOL {
-            bail!(UsageError::LogitsMismatch { err, tolerance: F32_TOL });
+        if err.is_nan() || err > result.tolerance {
+            bail!(UsageError::LogitsMismatch { err, tolerance: result.tolerance });
         }
     }
     Ok(())
@@ -132,6 +179,9 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let mut native = Vec::new();
     let (config, programs, mesh, weights_path, batch, seq) = match resolve(&args.model)? {
         ModelSource::Compiled(dir) => {
+            if args.precision.is_some() {
+                bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
+            }
             let (plan, config, programs) = read_compiled(&dir)?;
             native = crate::native::load(&dir, &programs)?;
             for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
@@ -145,7 +195,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let batch = args.batch.or(given_tokens.as_ref().map(|tokens| tokens.batch)).unwrap_or(8);
             let seq = args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64);
             let mesh = Mesh::parse(&args.mesh)?;
-            let compiled = compile_model(&config, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
+            let compute = args.precision.unwrap_or_default().apply(&config);
+            let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
             (config, compiled.programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };
@@ -161,11 +212,11 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let (logits_shape, logits, outcomes) =
         run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
     let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
-    let max_abs_err = if args.check {
+    let (max_abs_err, tolerance) = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
-        Some(max_abs_diff(&logits, &reference))
+        (Some(max_abs_diff(&logits, &reference)), logits_tolerance(&programs, &reference))
     } else {
-        None
+        (None, F32_TOL)
     };
     if let Some(path) = &args.logits_out {
         pleat_runtime::weights::write_safetensors(
@@ -174,7 +225,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         )
         .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, programs, native_kernels })
+    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, tolerance, programs, native_kernels })
 }
 
 /// How ranks connect: a collective timeout of `timeout_s` seconds, over `link` if given.
@@ -283,6 +334,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "seq": result.tokens.seq,
                 "logits_shape": result.logits_shape,
                 "max_abs_err": result.max_abs_err,
+                "tolerance": result.tolerance,
                 "peak_bytes_per_rank": peaks,
                 "param_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.param_bytes).collect::<Vec<_>>(),
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
@@ -317,8 +369,9 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 println!("native kernels (rank<i>.so) a rank: {}", counts.join(", "));
             }
             if let Some(err) = result.max_abs_err {
-                let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
-                println!("check: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");
+                let tolerance = result.tolerance;
+                let verdict = if err <= tolerance { "ok" } else { "FAILED" };
+                println!("check: max |logits - reference| = {err:.3e} (tolerance {tolerance:.1e}): {verdict}");
             }
         }
     }

@@ -235,6 +235,13 @@ pub enum UsageError {
         /// The plan's value.
         planned: u64,
     },
+    /// `--precision` given with a compiled directory, whose programs fixed their dtypes.
+    #[error("--precision cannot change {dir}: a compiled directory runs in the dtype it was compiled with")]
+    #[diagnostic(code(E0780), help("drop --precision, or run the model itself (a preset or config) with it"))]
+    PrecisionOfCompiled {
+        /// The compiled directory.
+        dir: String,
+    },
     /// A count flag of zero.
     #[error("{flag} 0: give at least 1 {what}")]
     #[diagnostic(code(E0708), help("give the flag a value of at least 1"))]
@@ -571,6 +578,7 @@ impl UsageError {
             UsageError::DirectoryNotAModel { model, .. } | UsageError::TrainCompiled { model } => {
                 vec![("file", model.clone())]
             }
+            UsageError::PrecisionOfCompiled { dir } => vec![("flag", "--precision".to_string()), ("file", dir.clone())],
             UsageError::UnknownModel { model, .. } | UsageError::PipelinedTiedEmbeddings { model } => {
                 vec![("model", model.clone())]
             }

@@ -19,6 +19,41 @@ fn run_reports_json_with_the_check() {
 }
 
 #[test]
+fn bf16_inference_matches_the_reference_to_bf16_accuracy_with_half_the_bytes() {
+    // `--precision bf16` stores weights and activations as bf16; the check holds the logits to
+    // 16 · 2^-9 of the largest reference logit (`BF16_LOGITS_REL_TOL` says why).
+    let run = |mesh: &str, precision: &str| {
+        json_of(&[
+            "run",
+            "tiny",
+            "--mesh",
+            mesh,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--check",
+            "--precision",
+            precision,
+            "--format",
+            "json",
+        ])
+    };
+    for mesh in ["tp=1", "tp=2", "tsp=2", "cp=2"] {
+        let (f32_run, bf16_run) = (run(mesh, "f32"), run(mesh, "bf16"));
+        let err = bf16_run["max_abs_err"].as_f64().expect("a number");
+        let tolerance = bf16_run["tolerance"].as_f64().expect("a number");
+        assert!(err <= tolerance, "{mesh}: {err:e} over {tolerance:e}");
+        assert!(tolerance <= 0.2, "{mesh}: the logits of tiny are below 6.4, so the tolerance is below 0.2");
+        assert!(err > 1e-3, "{mesh}: {err:e} is f32 noise, nothing was rounded to bf16");
+        let peak = |report: &serde_json::Value| report["peak_bytes_per_rank"][0].as_f64().expect("bytes");
+        let ratio = peak(&bf16_run) / peak(&f32_run);
+        // Everything is bf16 but the token ids and positions (i32) and collective staging (f32).
+        assert!((0.45..=0.6).contains(&ratio), "{mesh}: bf16 peak is {ratio:.3} of f32's");
+    }
+}
+
+#[test]
 fn compiled_directory_runs_like_the_model() {
     let dir = tempdir("compiled");
     let out = dir.join("tiny-tp2");

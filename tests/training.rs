@@ -291,3 +291,49 @@ fn checkpoint_blocks(dir: &str) -> pleat_runtime::weights::BlockWeights {
     }
     blocks
 }
+
+#[test]
+fn mixed_precision_training_matches_the_reference_to_bf16_accuracy() {
+    // `--precision bf16`: bf16 weights, activations and gradients on the ranks, f32 master weights
+    // and moments in the optimizer. Checked against the f32 reference to 8 · 2^-9 (bf16's unit
+    // roundoff, `BF16_TOL` in src/train.rs says why), which is far above f32 noise and far below
+    // what a missing collective or a wrong shard gives (the loss is about 6).
+    let bf16_tol = 8.0 / 512.0;
+    for (mesh, extra) in [
+        ("tp=2", vec![]),
+        ("tp=2", vec!["--strategy", "tp-sp"]),
+        ("dp=2,tp=2", vec!["--zero", "1"]),
+        ("tsp=2", vec![]),
+        ("cp=2", vec![]),
+    ] {
+        let mut flags = vec!["--precision", "bf16"];
+        flags.extend(extra);
+        let report = train(mesh, 10, &flags);
+        assert_eq!(report["precision"], "bf16");
+        let loss = report["max_loss_err"].as_f64().expect("max_loss_err");
+        let rel = report["max_grad_rel_err"].as_f64().expect("max_grad_rel_err");
+        assert!(loss <= bf16_tol && rel <= bf16_tol, "{mesh} {flags:?}: loss {loss:e}, grad {rel:e}");
+        // The rounding is real: a bf16 run is not an f32 run.
+        assert!(rel > 1e-4, "{mesh}: gradients within f32 noise ({rel:e}), so nothing was rounded");
+        assert!(report["tolerances"]["weight"].is_null(), "weights are reported, not judged, under bf16");
+    }
+}
+
+#[test]
+fn mixed_precision_halves_activations_and_keeps_sixteen_bytes_of_state() {
+    // tp=2, batch 8, seq 64: with P parameters a rank, f32 training holds 4P weights + 4P
+    // gradients in the program and 8P of moments beside it; bf16 holds 2P + 2P in the program and
+    // 4P of f32 master weights + 8P of moments beside it: 16P either way (Megatron's count with
+    // bf16 gradients, `ir::optim::bytes_per_param(Bf16, Bf16)`), while every activation halves
+    // (all but the f32 loss and its row statistics).
+    let [f32_report, bf16_report] =
+        ["f32", "bf16"].map(|precision| one_step("tp=2", "8", "64", &["--precision", precision]));
+    let params = rank0(&f32_report, "optimizer_bytes_per_rank") / 8.0;
+    assert_eq!(rank0(&bf16_report, "optimizer_bytes_per_rank"), 12.0 * params, "4 master + 8 moments");
+    let activation_ratio =
+        rank0(&bf16_report, "activation_peak_bytes_per_rank") / rank0(&f32_report, "activation_peak_bytes_per_rank");
+    assert!((activation_ratio - 0.5).abs() <= 0.01, "activation peak ratio {activation_ratio:.4}");
+    let program = |report: &Value| rank0(report, "peak_bytes_per_rank") - rank0(report, "optimizer_bytes_per_rank");
+    let program_ratio = program(&bf16_report) / program(&f32_report);
+    assert!((program_ratio - 0.5).abs() <= 0.01, "program peak ratio {program_ratio:.4}");
+}

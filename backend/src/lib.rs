@@ -24,6 +24,8 @@ pub mod validate;
 pub use error::{Error, Result};
 pub use lower::lower;
 pub use matching::verify_collectives;
+/// The element types buffers declare (the IR's).
+pub use pleat_ir::DType;
 pub use program::{AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
 
 /// Serializes a program (JSON, versioned).

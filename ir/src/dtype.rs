@@ -1,7 +1,8 @@
 //! Element types of tensors.
 //!
-//! The CPU runtime and the reference interpreter compute in f32 whatever the declared type; the
-//! declared type sets the bytes the cost model and memory planner count.
+//! The reference interpreter computes in f32 whatever the declared type. The CPU runtime stores a
+//! bf16 buffer as bf16 (computing in f32 and rounding when it stores) and every other float buffer
+//! as f32; the declared type sets the bytes the cost model and memory planner count.
 
 use serde::{Deserialize, Serialize};
 

@@ -163,6 +163,13 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                     "queries, keys and values are split on seq over {axis} (context parallelism); each rank keeps its queries while the key/value blocks, with their positions, travel around the {axis} ring, one hop a step under the step's attention, and the partial results merge by log-sum-exp"
                 ),
             ),
+            Op::VocabParallelCrossEntropy { .. } | Op::VocabParallelCrossEntropyGrad { .. } => (
+                Some("vocab".to_string()),
+                "vocab-parallel-loss",
+                format!(
+                    "{input_name} is split on vocab over {axis}; the ranks all-gather three numbers a row (max, sum of exponentials, target logit) and combine them into the loss, so the whole logits never exist on a rank"
+                ),
+            ),
             Op::AllToAll { split_dim, gather_dim, .. } => (
                 Some(format!("{gather_dim}->{split_dim}")),
                 "reshard-via-all-to-all",
@@ -178,6 +185,15 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
             // The attention ring moves the key and value blocks and their positions at every hop.
             Op::RingAttention { .. } => {
                 [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum()
+            }
+            // Each rank's row statistics: three f32 a row of the logits' local block.
+            Op::VocabParallelCrossEntropy { .. } | Op::VocabParallelCrossEntropyGrad { .. } => {
+                let logits = graph.value(input);
+                let rows: u64 = logits
+                    .spec
+                    .local_sizes(&logits.ty.shape, &module.mesh)
+                    .map_or(0, |sizes| sizes[..sizes.len().saturating_sub(1)].iter().product());
+                rows * 3 * 4
             }
             _ => local_bytes(module, input),
         };

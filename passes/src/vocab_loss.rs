@@ -89,6 +89,10 @@ mod tests {
         };
         assert_eq!(gathers_on_vocab(&module), 0, "the logits gather is gone");
         assert!(before.contains("dim=vocab"), "the input had the gather");
+        // `explain` names it and counts each rank's row statistics: 2 · 8 rows of three f32.
+        let reasons = crate::explain::explain_collectives(&module);
+        let loss = reasons.iter().find(|reason| reason.rule == "vocab-parallel-loss").expect("explained");
+        assert_eq!(loss.bytes_per_rank, 2 * 8 * 3 * 4);
     }
 
     #[test]

@@ -1,14 +1,16 @@
 //! The executor: runs one rank's `Program` on the CPU kernels and a communicator.
 //!
 //! Buffers are allocated when an instruction writes them and dropped at their `Free`; the executor
-//! counts the bytes it actually holds (f32 and u32 storage, 4 bytes an element, plus the staging
-//! copies collectives need while they run), so `peak_bytes` is a measurement of this runtime, not a
-//! prediction. Each instruction's start and end are read from the monotonic clock against the run's
+//! counts the bytes it actually holds (f32 and u32 storage, 4 bytes an element, bf16 storage 2,
+//! plus the staging copies collectives need while they run, in f32: the communicators carry f32
+//! words), so `peak_bytes` is a measurement of this runtime, not a prediction. Each instruction's start and end are read from the monotonic clock against the run's
 //! shared epoch (`RunInputs::epoch`), so the ranks' timelines line up in one trace.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
-use pleat_backend::{BufferId, BufferKind, Instr, Kernel, Program};
+use half::bf16;
+use pleat_backend::{BufferId, BufferKind, DType, Instr, Kernel, Program};
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
@@ -69,16 +71,33 @@ pub struct RankOutcome {
     pub timings: Vec<(u64, u64)>,
 }
 
+/// A buffer's elements as the rank holds them: at the buffer's declared dtype, so that the measured
+/// bytes are the program's. bf16 buffers are computed on in f32 (kernels read a widened copy that
+/// lives only for the kernel, as a device kernel's registers would) and rounded to nearest-even when
+/// stored, like a GEMM with f32 accumulation writing a bf16 result.
 enum Storage {
     F32(Vec<f32>),
+    Bf16(Vec<bf16>),
     U32(Vec<u32>),
 }
 
 impl Storage {
+    fn len(&self) -> usize {
+        match self {
+            Storage::F32(data) => data.len(),
+            Storage::Bf16(data) => data.len(),
+            Storage::U32(data) => data.len(),
+        }
+    }
     fn bytes(&self) -> u64 {
-        4 * match self {
-            Storage::F32(data) => data.len() as u64,
-            Storage::U32(data) => data.len() as u64,
+        let element = if matches!(self, Storage::Bf16(_)) { 2 } else { 4 };
+        element * self.len() as u64
+    }
+    /// Floats as `dtype` holds them: bf16 rounds, every other float type keeps f32.
+    fn floats(data: Vec<f32>, dtype: DType) -> Storage {
+        match dtype {
+            DType::Bf16 => Storage::Bf16(data.into_iter().map(bf16::from_f32).collect()),
+            _ => Storage::F32(data),
         }
     }
 }
@@ -98,13 +117,21 @@ impl Machine<'_> {
     fn program_error(&self, reason: String) -> Error {
         Error::Program { rank: self.program.rank, instr: self.instr, reason }
     }
-    fn f32(&self, id: BufferId) -> Result<&[f32]> {
+    fn f32(&self, id: BufferId) -> Result<Cow<'_, [f32]>> {
         match self.buffers.get(id.as_u32() as usize) {
-            Some(Some(Storage::F32(data))) => Ok(data),
+            Some(Some(Storage::F32(data))) => Ok(Cow::Borrowed(data)),
+            Some(Some(Storage::Bf16(data))) => Ok(Cow::Owned(data.iter().map(|value| value.to_f32()).collect())),
             Some(Some(Storage::U32(_))) => {
                 Err(self.program_error(format!("{id} holds integers, an f32 operand is needed")))
             }
             _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        }
+    }
+    /// An f32 copy of a bf16 buffer; `None` for any other buffer.
+    fn widened(&self, id: BufferId) -> Option<Vec<f32>> {
+        match self.buffers.get(id.as_u32() as usize) {
+            Some(Some(Storage::Bf16(data))) => Some(data.iter().map(|value| value.to_f32()).collect()),
+            _ => None,
         }
     }
     fn native_operand(&self, id: BufferId) -> Result<NativeOperand<'_>> {
@@ -117,15 +144,20 @@ impl Machine<'_> {
     fn u32(&self, id: BufferId) -> Result<&[u32]> {
         match self.buffers.get(id.as_u32() as usize) {
             Some(Some(Storage::U32(data))) => Ok(data),
-            Some(Some(Storage::F32(_))) => {
+            Some(Some(Storage::F32(_) | Storage::Bf16(_))) => {
                 Err(self.program_error(format!("{id} holds floats, an integer operand is needed")))
             }
             _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
         }
     }
+    /// Stores computed floats at `id`'s declared dtype.
+    fn store_floats(&mut self, id: BufferId, data: Vec<f32>) -> Result<()> {
+        let dtype = self.program.buffers.get(id.as_u32() as usize).map_or(DType::F32, |buffer| buffer.dtype);
+        self.store(id, Storage::floats(data, dtype))
+    }
     fn store(&mut self, id: BufferId, storage: Storage) -> Result<()> {
         let expected = self.program.buffers.get(id.as_u32() as usize).map(|buffer| buffer.numel());
-        let got = storage.bytes() / 4;
+        let got = storage.len() as u64;
         if expected != Some(got) {
             return Err(self.program_error(format!("{id} should hold {expected:?} elements, got {got}")));
         }
@@ -228,8 +260,8 @@ pub fn execute_native(
                     .weights
                     .read(name, shape, region)
                     .map_err(|source| Error::Weight { rank, source: Box::new(source) })?;
-                param_bytes += 4 * data.len() as u64;
-                machine.store(*out, Storage::F32(data))?;
+                param_bytes += program.buffer(*out).bytes();
+                machine.store_floats(*out, data)?;
             }
             Instr::LoadTokens { out, region } => {
                 let block = gather(inputs.tokens, &region_indices(&tokens_shape, region)).ok_or_else(|| {
@@ -258,6 +290,9 @@ pub fn execute_native(
                         Some(Some(Storage::F32(data))) => Storage::F32(gather(data, &sources).ok_or_else(|| {
                             machine.program_error(format!("{input} is smaller than the layout reads"))
                         })?),
+                        Some(Some(Storage::Bf16(data))) => Storage::Bf16(gather(data, &sources).ok_or_else(|| {
+                            machine.program_error(format!("{input} is smaller than the layout reads"))
+                        })?),
                         Some(Some(Storage::U32(data))) => Storage::U32(gather(data, &sources).ok_or_else(|| {
                             machine.program_error(format!("{input} is smaller than the layout reads"))
                         })?),
@@ -273,10 +308,16 @@ pub fn execute_native(
                     match (precomputed.take_if(|(at, _)| *at == index), native.filter(|table| table.covers(index))) {
                         (Some((_, data)), _) => data,
                         (None, Some(table)) => {
-                            let operands = table
-                                .operand_buffers(index)
+                            // Native kernels take f32: bf16 operands are widened for the call.
+                            let ids = table.operand_buffers(index);
+                            let widened: Vec<Option<Vec<f32>>> = ids.iter().map(|&id| machine.widened(id)).collect();
+                            let operands = ids
                                 .iter()
-                                .map(|&id| machine.native_operand(id))
+                                .zip(&widened)
+                                .map(|(&id, copy)| match copy {
+                                    Some(data) => Ok(NativeOperand::F32(data)),
+                                    None => machine.native_operand(id),
+                                })
                                 .collect::<Result<Vec<_>>>()?;
                             let produced = table
                                 .call(index, &operands)
@@ -286,41 +327,41 @@ pub fn execute_native(
                         }
                         (None, None) => run_kernel(&machine, kernel, operands, *out, gemm_threads)?,
                     };
-                machine.store(*out, Storage::F32(data))?;
+                machine.store_floats(*out, data)?;
             }
             Instr::AllReduce { input, out, group } => {
                 let mut data = machine.f32(*input)?.to_vec();
                 comm.all_reduce(&CommGroup { ranks: group.ranks.clone() }, &mut data).map_err(|source| {
                     Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) }
                 })?;
-                machine.store(*out, Storage::F32(data))?;
+                machine.store_floats(*out, data)?;
             }
             Instr::ReduceScatter { input, out, group, dim } => {
                 let shape = local_shape(program, *input);
                 let parts = group.ranks.len();
-                let chunks = kernels::split_dim_chunks(machine.f32(*input)?, &shape, *dim, parts);
+                let chunks = kernels::split_dim_chunks(&machine.f32(*input)?, &shape, *dim, parts);
                 machine.transient(4 * chunks.len() as u64);
                 let mut data = vec![0.0; chunks.len() / parts];
                 comm.reduce_scatter(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut data).map_err(
                     |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
                 )?;
-                machine.store(*out, Storage::F32(data))?;
+                machine.store_floats(*out, data)?;
             }
             Instr::AllGather { input, out, group, dim } => {
                 let parts = group.ranks.len();
                 let input_data = machine.f32(*input)?;
                 let mut chunks = vec![0.0; input_data.len() * parts];
-                comm.all_gather(&CommGroup { ranks: group.ranks.clone() }, input_data, &mut chunks).map_err(
+                comm.all_gather(&CommGroup { ranks: group.ranks.clone() }, &input_data, &mut chunks).map_err(
                     |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
                 )?;
                 machine.transient(4 * chunks.len() as u64);
                 let data = kernels::join_dim_chunks(&chunks, &local_shape(program, *out), *dim, parts);
-                machine.store(*out, Storage::F32(data))?;
+                machine.store_floats(*out, data)?;
             }
             Instr::AllToAll { input, out, group, split_dim, gather_dim } => {
                 let parts = group.ranks.len();
                 let chunks =
-                    kernels::split_dim_chunks(machine.f32(*input)?, &local_shape(program, *input), *split_dim, parts);
+                    kernels::split_dim_chunks(&machine.f32(*input)?, &local_shape(program, *input), *split_dim, parts);
                 let mut received = vec![0.0; chunks.len()];
                 // Outgoing and incoming chunks are both alive during the exchange.
                 machine.transient(2 * 4 * chunks.len() as u64);
@@ -328,7 +369,7 @@ pub fn execute_native(
                     |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
                 )?;
                 let data = kernels::join_dim_chunks(&received, &local_shape(program, *out), *gather_dim, parts);
-                machine.store(*out, Storage::F32(data))?;
+                machine.store_floats(*out, data)?;
             }
             Instr::Output { buf, index: output, shape, region } => {
                 outputs.push(OutputBlock {
@@ -349,7 +390,7 @@ pub fn execute_native(
                 let mut packed = Vec::with_capacity(sizes.iter().sum());
                 if group.ranks.get(*root) == Some(&rank) {
                     for &source in sources {
-                        packed.extend_from_slice(machine.f32(source)?);
+                        packed.extend_from_slice(&machine.f32(source)?);
                     }
                 } else {
                     packed.resize(sizes.iter().sum(), 0.0);
@@ -365,6 +406,8 @@ pub fn execute_native(
                 for &buf in bufs {
                     match machine.buffers.get(buf.as_u32() as usize) {
                         Some(Some(Storage::F32(data))) => packed.extend_from_slice(data),
+                        // The threads and MPI communicators carry f32 words; a bf16 value is exact in one.
+                        Some(Some(Storage::Bf16(data))) => packed.extend(data.iter().map(|value| value.to_f32())),
                         // Positions travel with ring attention's key blocks, bit for bit.
                         Some(Some(Storage::U32(data))) => {
                             packed.extend(data.iter().map(|&value| f32::from_bits(value)))
@@ -424,7 +467,7 @@ fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f
         let storage = if machine.program.buffer(out).is_integer() {
             Storage::U32(part.iter().map(|value| value.to_bits()).collect())
         } else {
-            Storage::F32(part.to_vec())
+            Storage::floats(part.to_vec(), machine.program.buffer(out).dtype)
         };
         machine.store(out, storage)?;
         offset += size;
@@ -481,7 +524,7 @@ fn run_kernel(
     };
     match kernel {
         Kernel::Embedding { hidden, vocab_offset, vocab_total } => kernels::embedding(
-            f32_operand(0)?,
+            &f32_operand(0)?,
             *hidden as usize,
             *vocab_offset as usize,
             *vocab_total as usize,
@@ -490,20 +533,20 @@ fn run_kernel(
         )
         .map_err(kernel_error)?,
         Kernel::RmsNorm { hidden, eps } => {
-            kernels::rms_norm(f32_operand(0)?, f32_operand(1)?, &mut result, *hidden as usize, *eps as f32)
+            kernels::rms_norm(&f32_operand(0)?, &f32_operand(1)?, &mut result, *hidden as usize, *eps as f32)
         }
         Kernel::MatMul { m, n, k } => kernels::matmul_nt(
             *m as usize,
             *n as usize,
             *k as usize,
-            f32_operand(0)?,
-            f32_operand(1)?,
+            &f32_operand(0)?,
+            &f32_operand(1)?,
             &mut result,
             false,
             gemm_threads,
         ),
         Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
-            result.copy_from_slice(f32_operand(0)?);
+            result.copy_from_slice(&f32_operand(0)?);
             kernels::rope_in_place(
                 &mut result,
                 *batch as usize,
@@ -517,7 +560,7 @@ fn run_kernel(
         Kernel::Attention { with_lse, .. } => {
             let shape = attention_shape(kernel).expect("an attention kernel");
             let (q, k, v, q_pos, k_pos) =
-                (f32_operand(0)?, f32_operand(1)?, f32_operand(2)?, u32_operand(3)?, u32_operand(4)?);
+                (&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?, u32_operand(3)?, u32_operand(4)?);
             if *with_lse {
                 // The state ring attention merges: each row's output followed by its log-sum-exp.
                 let head_dim = shape.head_dim;
@@ -531,7 +574,7 @@ fn run_kernel(
         }
         Kernel::MergeAttention { rows, head_dim } => {
             let (rows, head_dim) = (*rows as usize, *head_dim as usize);
-            let (a, b) = (f32_operand(0)?, f32_operand(1)?);
+            let (a, b) = (&f32_operand(0)?, &f32_operand(1)?);
             if a.len() != rows * (head_dim + 1) || b.len() != a.len() {
                 return Err(machine.program_error(format!(
                     "merge_attention states of {} and {} elements are not {rows} rows of {}",
@@ -547,9 +590,9 @@ fn run_kernel(
                 .map_err(kernel_error)?;
             pack_rows(&out, &lse, head_dim, &mut result);
         }
-        Kernel::SiluMul => kernels::silu_mul(f32_operand(0)?, f32_operand(1)?, &mut result),
+        Kernel::SiluMul => kernels::silu_mul(&f32_operand(0)?, &f32_operand(1)?, &mut result),
         Kernel::Add => {
-            let (a, b) = (f32_operand(0)?, f32_operand(1)?);
+            let (a, b) = (&f32_operand(0)?, &f32_operand(1)?);
             if a.len() == b.len() {
                 kernels::add(a, b, &mut result);
             } else {

@@ -30,38 +30,38 @@ pub(super) fn run_backward_kernel(
     match kernel {
         Kernel::CrossEntropy { batch, seq, vocab, terms } => {
             let shape = loss_shape(*batch, *seq, *vocab, *terms);
-            let loss = kernels::cross_entropy(&shape, f32_operand(0)?, u32_operand(1)?).map_err(kernel_error)?;
+            let loss = kernels::cross_entropy(&shape, &f32_operand(0)?, u32_operand(1)?).map_err(kernel_error)?;
             let slot =
                 result.first_mut().ok_or_else(|| machine.program_error("the loss needs a 1-element result".into()))?;
             *slot = loss;
         }
         Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
             let shape = loss_shape(*batch, *seq, *vocab, *terms);
-            kernels::cross_entropy_grad(&shape, f32_operand(0)?, u32_operand(1)?, result).map_err(kernel_error)?;
+            kernels::cross_entropy_grad(&shape, &f32_operand(0)?, u32_operand(1)?, result).map_err(kernel_error)?;
         }
         Kernel::LossRowStats { batch, seq, vocab, vocab_offset, global_vocab } => {
             let shape = vocab_shard_shape([*batch, *seq, *vocab, *vocab_offset, *global_vocab, 1, 1]);
-            kernels::loss_row_stats(&shape, f32_operand(0)?, u32_operand(1)?, result).map_err(kernel_error)?;
+            kernels::loss_row_stats(&shape, &f32_operand(0)?, u32_operand(1)?, result).map_err(kernel_error)?;
         }
         Kernel::CrossEntropyFromStats { batch, seq, global_vocab, terms, parts } => {
             let shape = vocab_shard_shape([*batch, *seq, 1, 0, *global_vocab, *terms, *parts]);
             let loss =
-                kernels::cross_entropy_from_stats(&shape, u32_operand(0)?, f32_operand(1)?).map_err(kernel_error)?;
+                kernels::cross_entropy_from_stats(&shape, u32_operand(0)?, &f32_operand(1)?).map_err(kernel_error)?;
             let slot =
                 result.first_mut().ok_or_else(|| machine.program_error("the loss needs a 1-element result".into()))?;
             *slot = loss;
         }
         Kernel::CrossEntropyGradFromStats { batch, seq, vocab, vocab_offset, global_vocab, terms, parts } => {
             let shape = vocab_shard_shape([*batch, *seq, *vocab, *vocab_offset, *global_vocab, *terms, *parts]);
-            kernels::cross_entropy_grad_from_stats(&shape, f32_operand(0)?, u32_operand(1)?, f32_operand(2)?, result)
+            kernels::cross_entropy_grad_from_stats(&shape, &f32_operand(0)?, u32_operand(1)?, &f32_operand(2)?, result)
                 .map_err(kernel_error)?;
         }
         Kernel::MatMulGradInput { m, n, k } => kernels::matmul_grad_input(
             *m as usize,
             *n as usize,
             *k as usize,
-            f32_operand(0)?,
-            f32_operand(1)?,
+            &f32_operand(0)?,
+            &f32_operand(1)?,
             result,
             gemm_threads,
         ),
@@ -69,24 +69,24 @@ pub(super) fn run_backward_kernel(
             *m as usize,
             *n as usize,
             *k as usize,
-            f32_operand(0)?,
-            f32_operand(1)?,
+            &f32_operand(0)?,
+            &f32_operand(1)?,
             result,
             gemm_threads,
         ),
         Kernel::RmsNormGradInput { hidden, eps } => kernels::rms_norm_grad_input(
-            f32_operand(0)?,
-            f32_operand(1)?,
-            f32_operand(2)?,
+            &f32_operand(0)?,
+            &f32_operand(1)?,
+            &f32_operand(2)?,
             result,
             *hidden as usize,
             *eps,
         ),
         Kernel::RmsNormGradWeight { hidden, eps } => {
-            kernels::rms_norm_grad_weight(f32_operand(0)?, f32_operand(1)?, result, *hidden as usize, *eps)
+            kernels::rms_norm_grad_weight(&f32_operand(0)?, &f32_operand(1)?, result, *hidden as usize, *eps)
         }
         Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq } => {
-            result.copy_from_slice(f32_operand(0)?);
+            result.copy_from_slice(&f32_operand(0)?);
             kernels::rope_grad_in_place(
                 result,
                 *batch as usize,
@@ -104,15 +104,15 @@ pub(super) fn run_backward_kernel(
                 AttentionOperand::Key => AttentionGradOperand::Key,
                 AttentionOperand::Value => AttentionGradOperand::Value,
             };
-            let (q, k, v) = (f32_operand(0)?, f32_operand(1)?, f32_operand(2)?);
-            let (q_pos, k_pos, dy) = (u32_operand(3)?, u32_operand(4)?, f32_operand(5)?);
+            let (q, k, v) = (&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?);
+            let (q_pos, k_pos, dy) = (u32_operand(3)?, u32_operand(4)?, &f32_operand(5)?);
             kernels::attention_grad(&shape, wrt, q, k, v, q_pos, k_pos, dy, result).map_err(kernel_error)?;
         }
         Kernel::SiluMulGradGate => {
-            kernels::silu_mul_grad_gate(f32_operand(0)?, f32_operand(1)?, f32_operand(2)?, result)
+            kernels::silu_mul_grad_gate(&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?, result)
         }
         Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => kernels::embedding_grad(
-            f32_operand(0)?,
+            &f32_operand(0)?,
             u32_operand(1)?,
             *hidden as usize,
             *vocab_offset as usize,
@@ -120,7 +120,7 @@ pub(super) fn run_backward_kernel(
             result,
         )
         .map_err(kernel_error)?,
-        Kernel::SumLeading { width } => kernels::sum_leading(f32_operand(0)?, *width as usize, result),
+        Kernel::SumLeading { width } => kernels::sum_leading(&f32_operand(0)?, *width as usize, result),
         _ => return Err(machine.program_error(format!("{kernel:?} is not a backward kernel"))),
     }
     Ok(())

@@ -10,9 +10,13 @@
 //! ZeRO-1 and 2 a rank updates only its `dp` share of rows and the group all-gathers them back into
 //! every member's block; with ZeRO-3 the block is the share.
 //!
-//! The memory a step reports is the executor's measured peak (resident parameters, activations,
-//! gradients) plus the moments: 8 bytes an updated element. Weights are f32, so the model's
-//! parameters are their own master weights.
+//! The memory a step reports is the executor's measured peak (the program's parameters,
+//! activations, gradients) plus the optimizer's state: the moments, 8 bytes an updated element,
+//! and, when the program's parameters are bf16 (mixed precision), the f32 master weights the rank
+//! keeps resident, 4 bytes an element of its blocks (Megatron's 4 + 8 of optimizer state a
+//! parameter). The program reads the master weights rounded to bf16 each step and its bf16
+//! gradients update them in f32. With f32 parameters the resident blocks are the program's own
+//! weights and are not counted twice. ZeRO shards the moments here, not the master weights.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -192,7 +196,12 @@ fn train_rank(
         };
         moments.push((read("exp_avg")?, read("exp_avg_sq")?));
     }
-    let optimizer_bytes = 8 * layout.updated_elements();
+    let master_bytes = if program_params_are_bf16(program) {
+        4 * resident.iter().map(|block| block.data.len() as u64).sum::<u64>()
+    } else {
+        0
+    };
+    let optimizer_bytes = 8 * layout.updated_elements() + master_bytes;
     let world = Group::new(layout.world.ranks.clone());
     let mut losses = Vec::new();
     let mut grad_norms = Vec::new();
@@ -249,6 +258,15 @@ fn train_rank(
         first_recv_wait_share,
         moments: moment_blocks,
     })
+}
+
+/// Whether the program's parameters are bf16, so that the resident f32 blocks are master weights
+/// held beside it.
+fn program_params_are_bf16(program: &Program) -> bool {
+    program
+        .buffers
+        .iter()
+        .any(|buffer| buffer.kind == pleat_backend::BufferKind::Param && buffer.dtype == pleat_backend::DType::Bf16)
 }
 
 /// The share of a run's time (first instruction's start to last's end) its receives took.
