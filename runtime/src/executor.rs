@@ -3,8 +3,9 @@
 //! Buffers are allocated when an instruction writes them and dropped at their `Free`; the executor
 //! counts the bytes it actually holds (f32 and u32 storage, 4 bytes an element, bf16 storage 2,
 //! plus the staging copies collectives need while they run, in f32: the communicators carry f32
-//! words), so `peak_bytes` is a measurement of this runtime, not a prediction. Each instruction's start and end are read from the monotonic clock against the run's
-//! shared epoch (`RunInputs::epoch`), so the ranks' timelines line up in one trace.
+//! words), so `peak_bytes` is a measurement of this runtime, not a prediction. Each instruction's
+//! start and end are read from the monotonic clock against the run's shared epoch
+//! (`RunInputs::epoch`), so the ranks' timelines line up in one trace.
 
 use std::borrow::Cow;
 use std::time::Instant;
@@ -120,7 +121,7 @@ impl Machine<'_> {
     fn f32(&self, id: BufferId) -> Result<Cow<'_, [f32]>> {
         match self.buffers.get(id.as_u32() as usize) {
             Some(Some(Storage::F32(data))) => Ok(Cow::Borrowed(data)),
-            Some(Some(Storage::Bf16(data))) => Ok(Cow::Owned(data.iter().map(|value| value.to_f32()).collect())),
+            Some(Some(Storage::Bf16(_))) => Ok(Cow::Owned(self.widened(id).unwrap_or_default())),
             Some(Some(Storage::U32(_))) => {
                 Err(self.program_error(format!("{id} holds integers, an f32 operand is needed")))
             }
