@@ -36,6 +36,18 @@ fn targets(
     }
     let rows = batch.saturating_mul(seq);
     check_len(kernel, "logits", rows.saturating_mul(vocab), logits.len())?;
+    next_token_targets(kernel, rows, seq, vocab, tokens)
+}
+
+/// Each of `rows` rows' target (the next token of its sequence of `seq`; `None` at a sequence's
+/// last position), after checking `tokens` holds `rows` ids below `vocab_size`.
+pub(super) fn next_token_targets(
+    kernel: &'static str,
+    rows: usize,
+    seq: usize,
+    vocab_size: usize,
+    tokens: &[u32],
+) -> Result<Vec<Option<usize>>, KernelError> {
     check_len(kernel, "tokens", rows, tokens.len())?;
     (0..rows)
         .map(|row| {
@@ -43,8 +55,8 @@ fn targets(
                 return Ok(None);
             }
             let token = tokens[row + 1];
-            if token as usize >= vocab {
-                return Err(KernelError::TargetOutOfRange { kernel, position: row + 1, token, vocab_size: vocab });
+            if token as usize >= vocab_size {
+                return Err(KernelError::TargetOutOfRange { kernel, position: row + 1, token, vocab_size });
             }
             Ok(Some(token as usize))
         })

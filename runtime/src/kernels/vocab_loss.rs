@@ -10,6 +10,7 @@
 //! `(softmax - onehot) / terms`. Rows are `[batch, seq]` row-major; the last position of a sequence
 //! has no target, as in `loss`.
 
+use super::loss::next_token_targets;
 use super::{check_len, KernelError};
 
 /// The values a row keeps in the exchanged statistics: max, sum of exponentials, target logit.
@@ -47,25 +48,7 @@ fn targets(kernel: &'static str, shape: &VocabShardShape, tokens: &[u32]) -> Res
             return Err(KernelError::ZeroDim { kernel, what });
         }
     }
-    let (rows, seq) = (shape.rows(), shape.seq);
-    check_len(kernel, "tokens", rows, tokens.len())?;
-    (0..rows)
-        .map(|row| {
-            if row % seq + 1 == seq {
-                return Ok(None);
-            }
-            let token = tokens[row + 1];
-            if token as usize >= shape.global_vocab {
-                return Err(KernelError::TargetOutOfRange {
-                    kernel,
-                    position: row + 1,
-                    token,
-                    vocab_size: shape.global_vocab,
-                });
-            }
-            Ok(Some(token as usize))
-        })
-        .collect()
+    next_token_targets(kernel, shape.rows(), shape.seq, shape.global_vocab, tokens)
 }
 
 /// The target's index in the shard, if the shard holds it.
