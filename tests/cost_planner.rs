@@ -587,3 +587,35 @@ fn dp_by_tp_holds_one_more_tp_shard_than_tp_alone() {
     assert_eq!(term(DP_ALL_REDUCED_EMBEDDING_GRADIENT), Some(131072.0));
     assert_eq!(term(TP_EMBEDDING_SHARD_NOT_YET_SLICED), Some(-65536.0));
 }
+
+#[test]
+fn a_pipelined_stage_peak_by_hand() {
+    // Stage 0 of the four-layer tiny on pp=2 under GPipe with 2 micro-batches of 2 sequences (16
+    // tokens each; h 128, q 128, kv 64, f 256; 4 bytes an element). GPipe runs F0 F1 B0 B1; the
+    // stage peaks at the end of B0, as the last of micro-batch 0's gradients (the embedding's) is
+    // copied into its running sum. Live then, from the buffers' sizes:
+    let element = 4;
+    let tokens = 16;
+    // - the stage's parameters: the embedding [256, 128] and two layers of 147,712 elements
+    //   (q and o 2·128·128, k and v 2·128·64, the MLP 3·128·256, two norms of 128);
+    let layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128;
+    let params = (256 * 128 + 2 * layer) * element;
+    // - twice the gradients: micro-batch 0's (each a program output, kept to the end of its
+    //   backward) and their running sums over the micro-batches;
+    let gradients = 2 * params;
+    // - micro-batch 1's forward, kept for B1: its token ids and positions, the embedding's output,
+    //   and per layer the kept values (attn_norm, attn_residual, mlp_norm and the layer's output of
+    //   h; q_rope and attention of q; k_rope and v of kv; gate, up and their product of f);
+    let kept_layer = tokens * (4 * 128 + 2 * 128 + 2 * 64 + 3 * 256) * element;
+    let in_flight = tokens * element + 8 * element + tokens * 128 * element + 2 * kept_layer;
+    // - what micro-batch 0 still holds until the end of its backward step: its token ids, the
+    //   stage's output (sent to stage 1) and the embedding output's gradient.
+    let leftovers = tokens * element + 2 * tokens * 128 * element;
+    let config = four_layers();
+    let layout =
+        PipelinedLayout { mesh: "pp=2", schedule: ScheduleKind::GPipe, micro_batches: 2, recompute: Recompute::None };
+    let (programs, _) = compile_pipelined(&config, &layout);
+    let planned = plan(&programs[0], ElementSize::Fixed(4));
+    assert_eq!(planned.param_bytes, params);
+    assert_eq!(planned.peak_bytes, params + gradients + in_flight + leftovers);
+}

@@ -1,5 +1,4 @@
-//! The peak of a compiled inference forward (and of a training step), from closed forms, term by
-//! term.
+//! The peak of a compiled inference forward, from closed forms, term by term.
 //!
 //! [`super::memory`] models a device runtime: weights, a KV cache, and the larger of the logits and
 //! one layer's transients. A compiled `Program` (the backend's lowering of `--mesh` for one rank)
