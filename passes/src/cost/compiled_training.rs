@@ -23,10 +23,11 @@
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
 //! (`tests/cost_planner.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
-//! dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation). tsp (whose step peaks
-//! inside the first layer's MLP ring backward) and pipelined stages (which hold each
-//! micro-batch's gradients beside their running sums, and the other micro-batches' activations)
-//! peak elsewhere: [`compiled_training_peak`] returns `None` for them.
+//! dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation). tsp peaks inside the
+//! first layer's MLP backward instead: [`compiled_tsp_training_peak`] models tsp=2, rank by rank.
+//! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
+//! other micro-batches' activations) peak elsewhere too and are not modelled:
+//! [`compiled_training_peak`] returns `None` for them.
 
 use pleat_ir::AxisName;
 
@@ -34,7 +35,7 @@ use super::compiled::ForwardPhase;
 use super::layout::Layout;
 use super::memory::{stage_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
-use super::workload::Workload;
+use super::workload::{Recompute, Workload};
 
 /// The name of the gradients' term of [`compiled_training_peak`].
 pub const GRADIENTS: &str = "gradients of every parameter";
@@ -111,6 +112,109 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     Some(ForwardPhase { name: "end of backward", params, terms })
 }
 
+/// tsp=2's compiled training step on `rank` (0 or 1): the larger of two phases, the end of the
+/// first layer's MLP backward (below) and the end of the backward (as [`compiled_training_peak`]
+/// under tp: every gradient, the loss and the whole-vocabulary embedding gradient), or `None` for
+/// any other layout (tsp at other degrees, or beside other axes, is not modelled). On `tiny`, the
+/// MLP phase is the larger but on rank 1 with selective recompute. Under tsp the MLP's backward runs each owner's shard in turn, the owners in
+/// reverse (owner 1, then owner 0), re-receiving the owner's weights by broadcast; each rank
+/// computes its contribution to the owner's weight gradients and sends it to the owner, which adds
+/// it to its own (the conjugate of the broadcast). The phase's highest point is the last of these
+/// sums, the down projection's of owner 0, on each rank. Live then, beside the parameters (`T` the step's tokens,
+/// `D = 2`, `q` and `kv` the query and key/value widths, `f` the MLP's):
+/// - the gradients finished so far: every parameter's but the first layer's and the embedding's;
+/// - what the first layer's attention backward (still to run) reads: the whole batch's token ids
+///   in zigzag order, the zigzag and local positions, the embedding's output (the layer's input),
+///   the attention norm's output and the attention residual (`[T/D, h]` each), and for each owner
+///   its q and attention output (`[T/D, q/D]`) and its gathered k and v (`[T, kv/D]`); selective
+///   recompute keeps no attention output, full recompute only the input and the attention residual
+///   (the rest is recomputed when the attention's backward runs, after the peak);
+/// - the loss, and the gradients of the layer's output and of the MLP norm's output (`[T/D, h]`);
+/// - owner 1's MLP shard gradients (gate, up, down: `3·h·f/D`), finished earlier: on rank 1 the
+///   reduced sums, on rank 0 the zeros that are its share of that reduction;
+/// - the rank's contributions to owner 0's gate, up and down gradients (`3·h·f/D`), kept until the
+///   sums that read them are done;
+/// - owner 0's down-projection gradient being written (`h·f/D`: the sum on rank 0, zeros on rank 1);
+/// - on rank 0 only, rank 1's contribution to it, just received (`h·f/D`).
+pub fn compiled_tsp_training_peak(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    rank: u32,
+) -> Option<ForwardPhase> {
+    let tsp = layout.degree(AxisName::Tsp);
+    if tsp != 2 || layout.world_size() != tsp || rank >= 2 {
+        return None;
+    }
+    let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
+    let element = model.dtype_bytes as f64;
+    let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
+    let first_layer = stage_params(model, layout, &compiled, 1, 1) - stage_params(model, layout, &compiled, 1, 0);
+    let table = (model.vocab as f64 / tsp as f64).ceil() * model.hidden as f64;
+    let owners = tsp as f64;
+    let (seq, tokens) = (workload.seq as f64, (workload.seq * workload.micro_batch) as f64);
+    let local = tokens / owners;
+    let hidden = model.hidden as f64;
+    let (query, key_value) = (model.query_width() as f64, model.kv_width() as f64);
+    // One of the MLP's three matrices, one owner's shard.
+    let matrix = model.mlp_weights() as f64 / 3.0 / owners * element;
+    // Token ids and positions are 4-byte integers whatever the model's dtype.
+    let integers = 4.0 * (tokens + seq + seq / owners);
+    // What the first layer keeps for its attention backward: full recompute keeps the residual
+    // stream only (the layer's input and attention residual), selective also the attention norm's
+    // output and each owner's q and gathered k and v, none also each owner's attention output.
+    let gathered_key_value = 2.0 * tokens * key_value / owners;
+    let (kept_hidden, per_owner_attention) = match workload.recompute {
+        Recompute::None => (3.0, 2.0 * local * query / owners + gathered_key_value),
+        Recompute::Selective => (3.0, local * query / owners + gathered_key_value),
+        Recompute::Full => (2.0, 0.0),
+    };
+    let mut terms = vec![
+        Term { name: GRADIENTS, bytes: all_params },
+        Term {
+            name: "gradients of the first layer and the embedding, not finished yet (removed)",
+            bytes: -(first_layer + table) * element,
+        },
+        Term { name: "loss", bytes: element },
+        Term { name: "first layer's token ids and positions (zigzag and local)", bytes: integers },
+        Term {
+            name: "first layer's input and attention residual (and attention norm output, unless full recompute)",
+            bytes: kept_hidden * local * hidden * element,
+        },
+        Term {
+            name: "first layer's q and gathered k, v of every owner (and attention output, without recompute)",
+            bytes: owners * per_owner_attention * element,
+        },
+        Term {
+            name: "gradients of the layer's output and of the mlp norm's output",
+            bytes: 2.0 * local * hidden * element,
+        },
+        Term { name: "owner 1's mlp shard gradients (reduced on the owner, zeros elsewhere)", bytes: 3.0 * matrix },
+        Term { name: "this rank's contributions to owner 0's mlp shard gradients", bytes: 3.0 * matrix },
+        Term { name: "owner 0's down-projection gradient being summed", bytes: matrix },
+    ];
+    if rank == 0 {
+        terms.push(Term {
+            name: "rank 1's contribution to owner 0's down-projection gradient (received)",
+            bytes: matrix,
+        });
+    }
+    let mlp = ForwardPhase { name: "tsp first layer's mlp backward", params: all_params, terms };
+    // The end of the backward, as under tp: every gradient, the loss and the whole-vocabulary
+    // embedding gradient before the rank's vocabulary shard is sliced from it.
+    let whole = (model.vocab * model.hidden) as f64 * element;
+    let end = ForwardPhase {
+        name: "end of backward",
+        params: all_params,
+        terms: vec![
+            Term { name: GRADIENTS, bytes: all_params },
+            Term { name: "loss", bytes: element },
+            Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
+        ],
+    };
+    Some(if end.bytes() > mlp.bytes() { end } else { mlp })
+}
+
 /// The terms by which the compiled training step's peak `phase` (from [`compiled_training_peak`])
 /// differs from [`super::memory`]'s training peak `memory` of the same model, layout and workload:
 /// `memory.peak_bytes` plus these is `phase.bytes()`. Removed (negative): the optimizer state (kept
@@ -177,6 +281,28 @@ mod tests {
         let dp_tp = compiled_training_peak(&model, &layout, &workload).unwrap();
         assert_eq!(dp_tp.params, tp.params);
         assert_eq!(extra(&dp_tp) - extra(&tp), 65536.0);
+    }
+
+    #[test]
+    fn tsp_peak_by_hand() {
+        // tiny on tsp=2, 2 sequences of 8: T = 16, 8 local. Parameters 180864 elements; the first
+        // layer (73984) and the embedding's shard (128·128) have no gradient yet. Integers 16 + 8 +
+        // 4; three [8, 128]; per owner q and attention [8, 64] and k, v [16, 32]; two [8, 128];
+        // 3 + 3 + 1 (+ 1 on rank 0) matrices of 128·128.
+        let model = tiny();
+        let layout = Layout::new(&[(AxisName::Tsp, 2)], false);
+        let workload = Workload::training(8, 2);
+        let rank1 = 180864.0 * 2.0 - (73984.0 + 16384.0)
+            + 1.0
+            + (16.0 + 8.0 + 4.0)
+            + 3.0 * 8.0 * 128.0
+            + 2.0 * (2.0 * 8.0 * 64.0 + 2.0 * 16.0 * 32.0)
+            + 2.0 * 8.0 * 128.0
+            + 7.0 * 128.0 * 128.0;
+        let peak = |rank| compiled_tsp_training_peak(&model, &layout, &workload, rank).unwrap().bytes();
+        assert_eq!(peak(1), rank1 * 4.0);
+        assert_eq!(peak(0), (rank1 + 128.0 * 128.0) * 4.0);
+        assert_eq!(compiled_tsp_training_peak(&model, &Layout::new(&[(AxisName::Tsp, 4)], false), &workload, 0), None);
     }
 
     #[test]
