@@ -115,13 +115,15 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
 /// tsp=2's compiled training step on `rank` (0 or 1): the larger of two phases, the end of the
 /// first layer's MLP backward (below) and the end of the backward (as [`compiled_training_peak`]
 /// under tp: every gradient, the loss and the whole-vocabulary embedding gradient), or `None` for
-/// any other layout (tsp at other degrees, or beside other axes, is not modelled). On `tiny`, the
-/// MLP phase is the larger but on rank 1 with selective recompute. Under tsp the MLP's backward runs each owner's shard in turn, the owners in
-/// reverse (owner 1, then owner 0), re-receiving the owner's weights by broadcast; each rank
-/// computes its contribution to the owner's weight gradients and sends it to the owner, which adds
-/// it to its own (the conjugate of the broadcast). The phase's highest point is the last of these
-/// sums, the down projection's of owner 0, on each rank. Live then, beside the parameters (`T` the step's tokens,
-/// `D = 2`, `q` and `kv` the query and key/value widths, `f` the MLP's):
+/// any other layout (tsp at other degrees, or beside other axes, is not modelled). On `tiny` the
+/// MLP phase is the larger but on rank 1 with selective recompute.
+///
+/// Under tsp the MLP's backward runs each owner's shard in turn, the owners in reverse (owner 1,
+/// then owner 0), re-receiving the owner's weights by broadcast; each rank computes its
+/// contribution to the owner's weight gradients and sends it to the owner, which adds it to its
+/// own (the conjugate of the broadcast). The phase's highest point is the last of these sums, the
+/// down projection's of owner 0, on each rank. Live then, beside the parameters (`T` the step's
+/// tokens, `D = 2`, `q` and `kv` the query and key/value widths, `f` the MLP's):
 /// - the gradients finished so far: every parameter's but the first layer's and the embedding's;
 /// - what the first layer's attention backward (still to run) reads: the whole batch's token ids
 ///   in zigzag order, the zigzag and local positions, the embedding's output (the layer's input),
