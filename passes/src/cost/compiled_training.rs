@@ -22,7 +22,7 @@
 //!
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
-//! (`tests/cost_planner.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
+//! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation). tsp peaks inside the
 //! first layer's MLP backward instead: [`compiled_tsp_training_peak`] models tsp=2, rank by rank.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
