@@ -5,30 +5,18 @@
 //! formula; and the cost model's closed-form peak plus the named terms of `cost::compiled` equals
 //! the planner's peak to the byte for tp, tp with Megatron SP, tsp, cp and dp at degrees 2 and 4.
 //!
-//! Training: for `tiny`'s training step on tp=2, tp=2 with Megatron SP, dp=2 with ZeRO 0 to 3,
-//! tsp=2, cp=2 and dp=2×tp=2, the planner's peak of each rank's program plus the rank's AdamW
-//! moments (8 bytes an updated element, the one term the executor counts beside the program)
-//! equals the measured peak of one step to the byte; and the closed-form training peak plus the
-//! named terms of `cost::compiled` equals the planner's peak for tp (2, 4, with and without SP), dp
-//! and cp.
+//! The training step's planner, executor and closed-form checks are in `tests/cost_training.rs`.
 
 mod common;
 
-use std::time::Duration;
-
 use pleat_backend::memory::{plan, ElementSize, Staging};
-use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 use pleat_backend::{BufferKind, Instr};
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
-use pleat_passes::cost::compiled::{
-    compiled_forward_peak, compiled_training_peak, compiled_workload, differences_from_closed_form,
-    training_differences_from_closed_form,
-};
+use pleat_passes::cost::compiled::{compiled_forward_peak, compiled_workload, differences_from_closed_form};
 use pleat_passes::cost::memory::{memory_per_stage, stage_params};
 use pleat_passes::cost::{Layout, ModelShape, Workload};
 use pleat_passes::PassCtx;
-use pleat_runtime::train::{train_on_threads, AdamWSettings, TrainOptions};
 use pleat_runtime::weights::SeededWeights;
 
 const MESHES: [&str; 9] = ["", "tp=2", "tp=4", "tp=8", "dp=2", "dp=2,tp=2", "tsp=2", "tsp=4", "dp=2,tsp=2"];
@@ -217,134 +205,4 @@ fn the_named_terms_by_hand() {
     );
     let bytes: f64 = tsp.peak_phase().terms.iter().map(|term| term.bytes).sum();
     assert_eq!(bytes, (3.0 * 8.0 * 128.0 + 2.0 * 3.0 * 128.0 * 64.0) * 4.0);
-}
-
-/// A training layout of `tiny`: the mesh, Megatron SP on the tp axis, and the ZeRO stage.
-struct TrainingLayout {
-    mesh: &'static str,
-    sequence_parallel: bool,
-    zero_stage: u8,
-}
-
-/// Every training strategy that has landed, at degree 2 (and dp with tp).
-const TRAINING_LAYOUTS: [TrainingLayout; 9] = [
-    TrainingLayout { mesh: "tp=2", sequence_parallel: false, zero_stage: 0 },
-    TrainingLayout { mesh: "tp=2", sequence_parallel: true, zero_stage: 0 },
-    TrainingLayout { mesh: "dp=2", sequence_parallel: false, zero_stage: 0 },
-    TrainingLayout { mesh: "dp=2", sequence_parallel: false, zero_stage: 1 },
-    TrainingLayout { mesh: "dp=2", sequence_parallel: false, zero_stage: 2 },
-    TrainingLayout { mesh: "dp=2", sequence_parallel: false, zero_stage: 3 },
-    TrainingLayout { mesh: "tsp=2", sequence_parallel: false, zero_stage: 0 },
-    TrainingLayout { mesh: "cp=2", sequence_parallel: false, zero_stage: 0 },
-    TrainingLayout { mesh: "dp=2,tp=2", sequence_parallel: false, zero_stage: 0 },
-];
-
-/// Builds, differentiates, shards and lowers `tiny`'s training step for `layout`, as `pleat train`
-/// does without pipelining: one program and one optimizer layout a rank.
-fn compile_training(
-    config: &pleat_ir::model::config::ModelConfig,
-    layout: &TrainingLayout,
-) -> (Vec<pleat_backend::Program>, Vec<OptimizerLayout>) {
-    let mut module = pleat_ir::model::build_training(config, BATCH, SEQ).expect("build");
-    module.mesh = Mesh::parse(layout.mesh).expect("mesh");
-    let ctx =
-        PassCtx { sequence_parallel: layout.sequence_parallel, zero_stage: layout.zero_stage, ..PassCtx::default() };
-    pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)
-        .unwrap_or_else(|err| panic!("{}: {err}", layout.mesh));
-    let programs = pleat_backend::lower(&module).expect("lower");
-    pleat_backend::verify_collectives(&programs).expect("collectives match");
-    let layouts = (0..programs.len() as u32)
-        .map(|rank| optimizer_layout(&module, rank, layout.zero_stage).expect("optimizer layout"))
-        .collect();
-    (programs, layouts)
-}
-
-#[test]
-fn planner_peak_equals_the_measured_training_peak() {
-    // What each side counts. The executor's `peak_bytes` of a step is the most bytes its program
-    // held at once (resident parameter blocks, token ids and positions, activations, gradients,
-    // and the staging copies of collectives while they run, 4 bytes an element) plus the AdamW
-    // moments the rank keeps (8 bytes an updated element). The planner covers the program's
-    // buffers and staging only, so the moments are the one named term added to its side. The
-    // optimizer step runs after the program, outside the measured peak (its ZeRO all-gather
-    // writes into the resident block in place), so it is no term of either side.
-    let config = preset("tiny").unwrap();
-    let weights = SeededWeights::new(3);
-    let tokens = common::tokens(BATCH, SEQ, config.vocab_size);
-    let positions: Vec<u32> = (0..SEQ as u32).collect();
-    let batches = |_step: u32| tokens.clone();
-    let adamw = AdamWSettings {
-        learning_rate: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.0,
-        max_grad_norm: None,
-    };
-    for layout in &TRAINING_LAYOUTS {
-        let label = format!("{} sp={} zero={}", layout.mesh, layout.sequence_parallel, layout.zero_stage);
-        let (programs, optimizer_layouts) = compile_training(&config, layout);
-        let options = TrainOptions {
-            steps: 1,
-            adamw,
-            batches: &batches,
-            positions: &positions,
-            initial: &weights,
-            moments: None,
-            start_step: 0,
-            timeout: Duration::from_secs(60),
-        };
-        let trained = train_on_threads(&programs, &optimizer_layouts, &options).expect("train");
-        for ((program, optimizer), rank) in programs.iter().zip(&optimizer_layouts).zip(&trained) {
-            assert_eq!(rank.rank, program.rank);
-            let planned = plan(program, ElementSize::Fixed(4));
-            let moments = 8 * optimizer.updated_elements();
-            assert_eq!(rank.optimizer_bytes, moments, "{label} rank {}: moments", program.rank);
-            let predicted = planned.peak_bytes + moments;
-            let measured = rank.peak_bytes;
-            let error = (predicted as f64 - measured as f64).abs() / measured as f64;
-            assert!(error <= TOLERANCE, "{label} rank {}: planned {predicted} measured {measured}", program.rank);
-            assert_eq!(predicted, measured, "{label} rank {}: to the byte", program.rank);
-        }
-    }
-}
-
-/// The training layouts of the closed-form cross-check: tp at 2 and 4, with and without Megatron SP,
-/// dp and cp. (tsp and dp with tp peak elsewhere in the step; `compiled_training_peak` does not
-/// model them.)
-const TRAINING_CROSS_CHECK: [(&str, bool); 6] =
-    [("tp=2", false), ("tp=4", false), ("tp=2", true), ("tp=4", true), ("dp=2", false), ("cp=2", false)];
-
-#[test]
-fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
-    let config = preset("tiny").unwrap();
-    let model = ModelShape::from_config(&config);
-    assert_eq!(model.dtype_bytes, 4);
-    for (mesh, sequence_parallel) in TRAINING_CROSS_CHECK {
-        let training = TrainingLayout { mesh, sequence_parallel, zero_stage: 0 };
-        let (programs, optimizer_layouts) = compile_training(&config, &training);
-        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
-        let workload =
-            Workload { tsp_shards_embeddings: true, ..Workload::training(SEQ, BATCH / layout.degree(AxisName::Dp)) };
-        let label = format!("{layout}");
-        let memory = &memory_per_stage(&model, &layout, &workload)[0];
-        let phase = compiled_training_peak(&model, &layout, &workload);
-        let differences = training_differences_from_closed_form(memory, &phase);
-        // The closed form counts the program's weights and gradients to the byte.
-        let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
-        assert_eq!(otherwise.bytes, 0.0, "{label}");
-        let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
-        for (program, optimizer) in programs.iter().zip(&optimizer_layouts) {
-            let planned = plan(program, ElementSize::Fixed(4));
-            assert_eq!(planned.param_bytes as f64, phase.params, "{label} rank {}", program.rank);
-            // The closed form's optimizer state is the executor's moments (an f32 model needs no
-            // master copy): the term removed from the closed form is the one added to the planner.
-            assert_eq!(memory.optimizer_bytes, (8 * optimizer.updated_elements()) as f64, "{label}");
-            assert_eq!(
-                planned.peak_bytes as f64, predicted,
-                "{label} rank {}: planner {} vs closed form {} + {differences:?}",
-                program.rank, planned.peak_bytes, memory.peak_bytes
-            );
-        }
-    }
 }

@@ -17,6 +17,7 @@
 //! buffers live at once overlap in the arena.
 
 use crate::program::{BufferId, Instr, Program};
+use pleat_ir::entity::EntityRef;
 
 /// Offsets are multiples of this many bytes (a cache line; also cudaMalloc's minimum is larger).
 pub const ALIGNMENT: u64 = 64;
@@ -212,6 +213,33 @@ pub fn plan(program: &Program, sizing: ElementSize) -> MemoryPlan {
     result
 }
 
+/// The buffers live when instruction `at` of `program` starts (every write before it counted,
+/// every `Free` before it applied), in buffer order; `at == instructions.len()` gives those live at
+/// the end. With [`MemoryPlan::peak_instr`] this names what the peak holds: a peak inside a
+/// collective (`peak_staging` set) is `live_before(peak_instr)` plus the staging copy, any other
+/// peak is `live_before(peak_instr + 1)` (the peak instruction's outputs stored, nothing freed yet,
+/// since frees are instructions of their own).
+pub fn live_before(program: &Program, at: usize) -> Vec<BufferId> {
+    let mut live = vec![false; program.buffers.len()];
+    for instr in program.instructions.iter().take(at) {
+        match instr {
+            Instr::Free { buf } => {
+                if let Some(slot) = live.get_mut(buf.as_u32() as usize) {
+                    *slot = false;
+                }
+            }
+            _ => {
+                for out in instr.outs() {
+                    if let Some(slot) = live.get_mut(out.as_u32() as usize) {
+                        *slot = true;
+                    }
+                }
+            }
+        }
+    }
+    live.iter().enumerate().filter(|(_, &is_live)| is_live).map(|(slot, _)| BufferId::new(slot)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,6 +320,20 @@ mod tests {
         // w at 0, x at 64, y at 128; x's hole (64..128) is too small for z (128 bytes): z at 192.
         assert_eq!(result.offsets, vec![Some(0), Some(64), Some(128), Some(192)]);
         assert_eq!(result.arena_bytes, 320);
+    }
+
+    #[test]
+    fn live_before_names_the_peak() {
+        let program = small_program();
+        let b = BufferId::new;
+        // The peak is the all-gather (instruction 4) staging z: live then are w and y (x was freed).
+        let result = plan(&program, ElementSize::Declared);
+        assert_eq!(live_before(&program, result.peak_instr), vec![b(0), b(2)]);
+        let live: u64 = live_before(&program, result.peak_instr).iter().map(|&id| program.buffer(id).bytes()).sum();
+        assert_eq!(live + result.peak_staging.unwrap().1, result.peak_bytes);
+        // At the end: w and z (y freed after the gather).
+        assert_eq!(live_before(&program, program.instructions.len()), vec![b(0), b(3)]);
+        assert_eq!(live_before(&program, 0), Vec::<BufferId>::new());
     }
 
     #[test]

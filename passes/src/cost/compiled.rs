@@ -1,5 +1,4 @@
-//! The peak of a compiled inference forward (and of a training step), from closed forms, term by
-//! term.
+//! The peak of a compiled inference forward, from closed forms, term by term.
 //!
 //! [`super::memory`] models a device runtime: weights, a KV cache, and the larger of the logits and
 //! one layer's transients. A compiled `Program` (the backend's lowering of `--mesh` for one rank)
@@ -24,9 +23,8 @@
 //!   product (`3·T/D·f/D`) or, from the third step on (`D >= 3`), the next shard arriving before
 //!   the held one is freed (`3·h·f/D` of staging).
 //!
-//! [`compiled_training_peak`] and [`training_differences_from_closed_form`] do the same for a
-//! training step's program (tp, tp with Megatron SP, dp and cp), which peaks at the end of its
-//! backward.
+//! [`super::compiled_training`] does the same for a training step's program, which peaks at the
+//! end of its backward.
 //!
 //! The peak is the larger phase. Other phases (a layer's attention, TSP's weight broadcasts) are
 //! smaller at the sizes the tests compile; a layout whose peak fell there would make the planner's
@@ -159,59 +157,6 @@ pub fn differences_from_closed_form(memory: &MemoryBreakdown, compiled: &Compile
     terms
 }
 
-/// The name of the gradients' term of [`compiled_training_peak`].
-pub const GRADIENTS: &str = "gradients of every parameter";
-
-/// The peak of a compiled training step (forward and backward; no pipelining, ZeRO or
-/// recomputation) on one rank of a tp (with or without Megatron SP), dp or cp layout. The step
-/// peaks at the end of the backward, when the embedding's gradient is computed: by then every
-/// activation the backward kept is freed, and live are the parameters, the gradient of every
-/// parameter (each an output of the program), the loss, and the embedding's gradient over the whole
-/// vocabulary `[V, h]` (the scatter-add of the token gradients) before tp slices the rank's
-/// vocabulary shard from it, or while dp or cp all-reduces it into the parameter's gradient. The
-/// optimizer's moments are not the program's: the executor adds them beside it. (tsp and dp with tp
-/// peak elsewhere and are not modelled here.)
-pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> ForwardPhase {
-    let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
-    let element = model.dtype_bytes as f64;
-    let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
-    let terms = vec![
-        Term { name: GRADIENTS, bytes: all_params },
-        Term { name: "loss", bytes: element },
-        Term {
-            name: "embedding gradient over the whole vocabulary (before it is sliced or all-reduced)",
-            bytes: (model.vocab * model.hidden) as f64 * element,
-        },
-    ];
-    ForwardPhase { name: "end of backward", params: all_params, terms }
-}
-
-/// The terms by which the compiled training step's peak `phase` (from [`compiled_training_peak`])
-/// differs from [`super::memory`]'s training peak `memory` of the same model, layout and workload:
-/// `memory.peak_bytes` plus these is `phase.bytes()`. Removed (negative): the optimizer state (kept
-/// beside the program), the activations kept for the backward (all freed at the peak), and the
-/// closed form's larger-of-logits-and-transients; added: the phase's live buffers but the weights
-/// and gradients, which the closed form counts already.
-pub fn training_differences_from_closed_form(memory: &MemoryBreakdown, phase: &ForwardPhase) -> Vec<Term> {
-    let grads: f64 = phase.terms.iter().filter(|term| term.name == GRADIENTS).map(|term| term.bytes).sum();
-    let mut terms = vec![
-        Term { name: "optimizer state (kept beside the program)", bytes: -memory.optimizer_bytes },
-        Term { name: "activations kept for the backward (freed at the peak)", bytes: -memory.activations_bytes },
-        Term {
-            name: "closed form's logits or layer transients",
-            bytes: -f64::max(memory.logits_bytes, memory.transient_bytes),
-        },
-        // Zero when the closed form's weights and gradients are the program's (the test checks).
-        Term {
-            name: "parameters and gradients the closed form counts otherwise",
-            bytes: phase.params + grads - memory.params_bytes - memory.grads_bytes,
-        },
-    ];
-    // The closed form's own gradients stand for the phase's.
-    terms.extend(phase.terms.iter().filter(|term| term.name != GRADIENTS).cloned());
-    terms
-}
-
 /// The inference workload of a compiled forward in the cost model's terms: `seq` tokens, `batch`
 /// sequences a replica (a program compiled for batch B on dp ranks has `batch = B / dp`), the
 /// embedding and LM head split over tsp as the compiler splits them.
@@ -249,21 +194,6 @@ mod tests {
         assert_eq!(ring.params, peak.all_params - (128.0 + 128.0 * 128.0) * 4.0);
         let want = 3.0 * 8.0 * 128.0 + 3.0 * 128.0 * 256.0 / 2.0 + 3.0 * 8.0 * 128.0;
         assert_eq!(ring.bytes() - ring.params, want * 4.0);
-    }
-
-    #[test]
-    fn training_peak_by_hand() {
-        // tiny on tp=2: 180864 parameter elements a rank; twice that in bytes for weights and
-        // gradients, the loss, and the embedding's gradient over the whole vocabulary (256·128).
-        let model = tiny();
-        let workload = Workload::training(8, 2);
-        let layout = Layout::new(&[(AxisName::Tp, 2)], false);
-        let phase = compiled_training_peak(&model, &layout, &workload);
-        assert_eq!(phase.params, 180864.0 * 4.0);
-        assert_eq!(phase.bytes(), 2.0 * 180864.0 * 4.0 + 4.0 + 256.0 * 128.0 * 4.0);
-        let memory = &memory_per_stage(&model, &layout, &workload)[0];
-        let sum: f64 = training_differences_from_closed_form(memory, &phase).iter().map(|term| term.bytes).sum();
-        assert!((memory.peak_bytes + sum - phase.bytes()).abs() < 1e-6);
     }
 
     #[test]

@@ -13,6 +13,8 @@
 //! - [`memory`]: parameters, gradients, optimizer state, activations, transients, logits a rank.
 //! - [`compiled`]: the peak of a compiled forward program, term by term, and how it differs from
 //!   [`memory`]'s (checked against the backend's liveness planner).
+//! - [`compiled_training`]: the same for a training step's program (dp, tp, cp, dp × tp, ZeRO,
+//!   recompute), with every term by which it differs from [`memory`]'s training peak named.
 //! - [`megatron`]: Megatron-LM's `theoretical_memory_usage.py` and Korthikanti's Table 2, verbatim,
 //!   as the published reference the general model is checked against.
 //! - [`comm`]: alpha-beta costs of collectives (ring, tree, hierarchical).
@@ -26,6 +28,7 @@
 pub mod activation;
 pub mod comm;
 pub mod compiled;
+pub mod compiled_training;
 pub mod compute;
 pub mod estimate;
 pub mod hw;
