@@ -333,6 +333,11 @@ fn mixed_precision_halves_activations_and_keeps_sixteen_bytes_of_state() {
     let activation_ratio =
         rank0(&bf16_report, "activation_peak_bytes_per_rank") / rank0(&f32_report, "activation_peak_bytes_per_rank");
     assert!((activation_ratio - 0.5).abs() <= 0.01, "activation peak ratio {activation_ratio:.4}");
+    // ZeRO-1 at dp=4 splits the master weights with the moments: 12P/4 of optimizer state.
+    let [replicated, zero1] =
+        ["0", "1"].map(|zero| one_step("dp=4", "4", "16", &["--precision", "bf16", "--zero", zero]));
+    let dp_params = rank0(&replicated, "optimizer_bytes_per_rank") / 12.0;
+    assert_eq!(rank0(&zero1, "optimizer_bytes_per_rank"), 12.0 * dp_params / 4.0, "master weights split over dp");
     let program = |report: &Value| rank0(report, "peak_bytes_per_rank") - rank0(report, "optimizer_bytes_per_rank");
     let program_ratio = program(&bf16_report) / program(&f32_report);
     assert!((program_ratio - 0.5).abs() <= 0.01, "program peak ratio {program_ratio:.4}");

@@ -12,11 +12,14 @@
 //!
 //! The memory a step reports is the executor's measured peak (the program's parameters,
 //! activations, gradients) plus the optimizer's state: the moments, 8 bytes an updated element,
-//! and, when the program's parameters are bf16 (mixed precision), the f32 master weights the rank
-//! keeps resident, 4 bytes an element of its blocks (Megatron's 4 + 8 of optimizer state a
-//! parameter). The program reads the master weights rounded to bf16 each step and its bf16
-//! gradients update them in f32. With f32 parameters the resident blocks are the program's own
-//! weights and are not counted twice. ZeRO shards the moments here, not the master weights.
+//! and, when the program's parameters are bf16 (mixed precision), the f32 master weights of those
+//! elements, 4 bytes each (Megatron's 4 + 8 of optimizer state a parameter, split over `dp` by
+//! ZeRO like the moments: the distributed optimizer's 12/dp). The resident blocks stage the
+//! program's weights between steps: the program reads them rounded to bf16, its bf16 gradients
+//! update the rank's own elements in f32, and the updated rows travel back into every member's
+//! blocks. Only the elements a rank updates need f32 precision between steps, so only they are
+//! counted as master weights; the rest are the program's weights and are not counted twice, as
+//! with f32 parameters.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -196,11 +199,7 @@ fn train_rank(
         };
         moments.push((read("exp_avg")?, read("exp_avg_sq")?));
     }
-    let master_bytes = if program_params_are_bf16(program) {
-        4 * resident.iter().map(|block| block.data.len() as u64).sum::<u64>()
-    } else {
-        0
-    };
+    let master_bytes = if program_params_are_bf16(program) { 4 * layout.updated_elements() } else { 0 };
     let optimizer_bytes = 8 * layout.updated_elements() + master_bytes;
     let world = Group::new(layout.world.ranks.clone());
     let mut losses = Vec::new();
