@@ -7,6 +7,7 @@
 //! `s · inner + i` is stage `s` of inner rank `i`.
 
 use anyhow::{bail, Result};
+use clap::ValueEnum;
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
 use pleat_backend::pipeline::{pipeline_programs, Phase, PipelinePlan, ScheduleStep};
@@ -16,15 +17,25 @@ use pleat_passes::pipeline::{parse_pp_layers, Phase as PlannedPhase, Schedule, S
 
 use crate::schedule::ScheduleName;
 
-/// Each stage's steps under `schedule`, from the planner's schedules (`pleat schedule` draws the
-/// same ones). Pipelined execution runs the schedules whose steps are whole forwards and
-/// backwards on one model chunk a rank.
-pub fn schedule_steps(schedule: ScheduleName, stages: u32, micro_batches: u32) -> Result<Vec<Vec<ScheduleStep>>> {
-    let kind = match schedule {
-        ScheduleName::Gpipe => ScheduleKind::GPipe,
-        ScheduleName::OneFOneB => ScheduleKind::OneFOneB,
-        ScheduleName::Interleaved | ScheduleName::ZbH1 => bail!(crate::usage::UsageError::TrainSchedule),
-    };
+/// The planner's schedule for `schedule` (`chunks` model chunks a rank for interleaved, which
+/// needs at least 2; `None` takes 2).
+pub fn schedule_kind(schedule: ScheduleName, chunks: Option<u32>) -> Result<ScheduleKind> {
+    Ok(match (schedule, chunks) {
+        (ScheduleName::Interleaved, chunks) => ScheduleKind::Interleaved { chunks: chunks.unwrap_or(2) },
+        (other, Some(chunks)) => {
+            let name = other.to_possible_value().map(|value| value.get_name().to_string()).unwrap_or_default();
+            bail!(crate::usage::UsageError::ChunksWithoutInterleaving { chunks, schedule: name })
+        }
+        (ScheduleName::Gpipe, None) => ScheduleKind::GPipe,
+        (ScheduleName::OneFOneB, None) => ScheduleKind::OneFOneB,
+        (ScheduleName::ZbH1, None) => ScheduleKind::ZeroBubbleH1,
+    })
+}
+
+/// Each pipeline rank's steps under `kind`, from the planner's schedules (`pleat schedule` draws
+/// the same ones): every (micro-batch, chunk) forward, backward, or for ZB-H1 the backward's
+/// input-gradient and weight-gradient parts.
+pub fn schedule_steps(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Result<Vec<Vec<ScheduleStep>>> {
     let schedule = Schedule::build(kind, stages, micro_batches)?;
     Ok(schedule
         .per_stage
@@ -34,7 +45,13 @@ pub fn schedule_steps(schedule: ScheduleName, stages: u32, micro_batches: u32) -
                 .iter()
                 .map(|step| ScheduleStep {
                     micro_batch: step.micro_batch,
-                    phase: if step.phase == PlannedPhase::Forward { Phase::Forward } else { Phase::Backward },
+                    chunk: step.chunk,
+                    phase: match step.phase {
+                        PlannedPhase::Forward => Phase::Forward,
+                        PlannedPhase::Backward => Phase::Backward,
+                        PlannedPhase::BackwardInput => Phase::BackwardInput,
+                        PlannedPhase::BackwardWeight => Phase::BackwardWeight,
+                    },
                 })
                 .collect()
         })
@@ -55,15 +72,15 @@ pub fn inner_mesh(mesh: &Mesh) -> Result<Mesh> {
 }
 
 /// The pipelined programs and their optimizer layouts for `module` (one micro-batch, sharded over
-/// the inner mesh, differentiated).
+/// the inner mesh, differentiated), `stage_of` giving each node's virtual stage.
 pub fn pipelined(
     module: &Module,
     stage_of: &[u32],
     schedule: &[Vec<ScheduleStep>],
-    micro_batches: u32,
+    (micro_batches, chunks): (u32, u32),
     zero: u8,
 ) -> Result<(Vec<Program>, Vec<OptimizerLayout>)> {
-    let plan = PipelinePlan { stage_of, schedule, micro_batches };
+    let plan = PipelinePlan { stage_of, schedule, micro_batches, chunks };
     let programs = pipeline_programs(module, &plan)?;
     pleat_backend::verify_collectives(&programs)?;
     let inner = module.mesh.world_size() as u32;

@@ -5,7 +5,7 @@
 //! backward twice a forward (for ZB-H1, input and weight gradients one forward each) and free
 //! point-to-point transfers, the assumptions under which the closed forms hold.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
 use pleat_passes::pipeline::{render_text, simulate, Schedule, ScheduleKind, StepCosts, Timeline};
 use serde_json::{json, Value};
@@ -57,16 +57,7 @@ const COSTS: StepCosts = StepCosts::EQUAL_STAGES;
 
 /// The schedule `args` ask for.
 pub fn kind_of(args: &ScheduleArgs) -> Result<ScheduleKind> {
-    Ok(match (args.schedule, args.chunks) {
-        (ScheduleName::Interleaved, chunks) => ScheduleKind::Interleaved { chunks: chunks.unwrap_or(2) },
-        (other, Some(chunks)) => {
-            let name = other.to_possible_value().map(|value| value.get_name().to_string()).unwrap_or_default();
-            bail!(crate::usage::UsageError::ChunksWithoutInterleaving { chunks, schedule: name })
-        }
-        (ScheduleName::Gpipe, None) => ScheduleKind::GPipe,
-        (ScheduleName::OneFOneB, None) => ScheduleKind::OneFOneB,
-        (ScheduleName::ZbH1, None) => ScheduleKind::ZeroBubbleH1,
-    })
+    crate::pipeline::schedule_kind(args.schedule, args.chunks)
 }
 
 /// The closed form's formula, in words, and its value as bubble over ideal compute.

@@ -260,13 +260,6 @@ pub enum UsageError {
         /// The schedule named.
         schedule: String,
     },
-    /// A pipeline schedule training cannot run yet.
-    #[error(
-        "pleat trains with --schedule gpipe or 1f1b; interleaved and zb-h1 (model chunks, a split backward) are \
-         planned and drawn by `pleat schedule` only so far"
-    )]
-    #[diagnostic(code(E0711), help("use --schedule gpipe or --schedule 1f1b to train"))]
-    TrainSchedule,
     /// A `--sizes` range that is empty or starts at zero.
     #[error("--sizes {text}: the range must go from a positive size up to a larger one, e.g. 1KiB..4MiB")]
     #[diagnostic(code(E0712), help("write --sizes as a list (4KiB,1MiB) or a range from a smaller to a larger size"))]
@@ -384,16 +377,6 @@ pub enum UsageError {
         micro_batches: u32,
         /// The counts that divide the batch.
         valid: Vec<u64>,
-    },
-    /// A pp axis for a model whose embedding and output weight are one.
-    #[error(
-        "pipelining a model with tied embeddings is not built yet (the first and last stages share a weight); \
-         train {model} without a pp axis"
-    )]
-    #[diagnostic(code(E0725), help("drop the pp axis from --mesh, or train a model with tie_word_embeddings false"))]
-    PipelinedTiedEmbeddings {
-        /// The model's name.
-        model: String,
     },
     /// A `--data` word that is not a token id of the vocabulary.
     #[error("--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}", .path.display())]
@@ -571,7 +554,7 @@ impl UsageError {
             UsageError::DirectoryNotAModel { model, .. } | UsageError::TrainCompiled { model } => {
                 vec![("file", model.clone())]
             }
-            UsageError::UnknownModel { model, .. } | UsageError::PipelinedTiedEmbeddings { model } => {
+            UsageError::UnknownModel { model, .. } => {
                 vec![("model", model.clone())]
             }
             UsageError::SizeNumber { .. } | UsageError::SizeTooLarge { .. } => vec![("flag", "--sizes".to_string())],
@@ -592,7 +575,6 @@ impl UsageError {
             }
             UsageError::EmptySeqList => vec![("flag", "--seq".to_string())],
             UsageError::ChunksWithoutInterleaving { .. } => vec![("flag", "--chunks".to_string())],
-            UsageError::TrainSchedule => vec![("flag", "--schedule".to_string())],
             UsageError::SizesRange { .. } | UsageError::SizesZero { .. } | UsageError::SizeUnit { .. } => {
                 vec![("flag", "--sizes".to_string())]
             }
