@@ -2,7 +2,8 @@
 //!
 //! The training graph of one micro-batch is sharded over the mesh's other axes and differentiated
 //! as without `pp`; each node is then placed in a stage by its layer (the embedding on the first
-//! stage, the final norm, LM head and loss on the last), and `pleat_backend::pipeline` cuts every
+//! stage, the final norm, LM head and loss on the last; the layers a stage balanced by the cost
+//! model unless `--pp-layers` says), and `pleat_backend::pipeline` cuts every
 //! rank's program into its stage's part and replays it in the schedule's order. Global rank
 //! `s · inner + i` is stage `s` of inner rank `i`.
 
@@ -12,8 +13,10 @@ use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
 use pleat_backend::pipeline::{pipeline_programs, Phase, PipelinePlan, ScheduleStep};
 use pleat_backend::{Group, Instr, Program};
+use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{AxisName, Mesh, Module};
-use pleat_passes::pipeline::{parse_pp_layers, Phase as PlannedPhase, Schedule, ScheduleKind};
+use pleat_passes::cost::{HardwareSpec, Layout, ModelShape, Workload};
+use pleat_passes::pipeline::{parse_pp_layers, part_costs, Phase as PlannedPhase, Schedule, ScheduleKind};
 
 use crate::schedule::ScheduleName;
 
@@ -56,6 +59,24 @@ pub fn schedule_steps(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Re
                 .collect()
         })
         .collect())
+}
+
+/// Layers a virtual stage by the cost model (the default split): each layer, the embedding on the
+/// first stage and the LM head and loss on the last costed for one micro-batch of `(batch, seq)`
+/// on the mesh inside a stage, on the CPU the threads runtime trains on.
+pub fn cost_balanced_layers(
+    config: &ModelConfig,
+    inner: &Mesh,
+    sequence_parallel: bool,
+    (micro_batch, seq): (u64, u64),
+    virtual_stages: u32,
+) -> Result<Vec<u64>> {
+    let model = ModelShape::from_config(config);
+    let layout = Layout::from_mesh(inner, sequence_parallel);
+    let hw = HardwareSpec::builtin("cpu")?;
+    let costs = part_costs(&model, &layout, &Workload::training(seq, micro_batch), &hw);
+    let ranges = pleat_passes::pipeline::cost_balanced_layers(&model, &costs, virtual_stages)?;
+    Ok(ranges.iter().map(|range| u64::from(range.end - range.start)).collect())
 }
 
 /// `--pp-layers 9,8,8,7`: layers a stage, checked against the model and the stages.

@@ -100,7 +100,8 @@ pub struct TrainFlags {
     #[arg(long, requires = "train")]
     pub chunks: Option<u32>,
     /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (with --schedule interleaved, a
-    /// virtual stage: pp times --chunks counts); default: as even as they go.
+    /// virtual stage: pp times --chunks counts); default: balanced by the cost model, the
+    /// embedding counted on the first stage and the LM head and loss on the last.
     #[arg(long, requires = "train")]
     pub pp_layers: Option<String>,
     /// After the last step, write a checkpoint here: each rank's blocks of the model and of the
@@ -171,6 +172,18 @@ pub fn compile_training(
         let virtual_stages = stages * kind.chunks();
         let layers = match &pipelining.layers {
             Some(text) => Some(crate::pipeline::layers_per_stage(text, config.num_layers, virtual_stages)?),
+            None if u64::from(virtual_stages) <= config.num_layers => {
+                let micro_batch = (batch / u64::from(micro_batches), seq);
+                let sequence_parallel = strategy == Strategy::TpSp;
+                Some(crate::pipeline::cost_balanced_layers(
+                    config,
+                    &module.mesh,
+                    sequence_parallel,
+                    micro_batch,
+                    virtual_stages,
+                )?)
+            }
+            // Too few layers: stage_of_nodes says so.
             None => None,
         };
         let stage_of = crate::pipeline::stage_of_nodes(&module, virtual_stages, layers.as_deref(), config.num_layers)?;
