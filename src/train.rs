@@ -170,6 +170,15 @@ pub fn compile_training(
     if stages > 1 || micro_batches > 1 {
         let kind = crate::pipeline::schedule_kind(pipelining.schedule, pipelining.chunks)?;
         let virtual_stages = stages * kind.chunks();
+        if kind.chunks() > 1 && u64::from(virtual_stages) > config.num_layers {
+            bail!(UsageError::TooFewLayersForChunks {
+                model: config.name.clone(),
+                stages,
+                chunks: kind.chunks(),
+                virtual_stages,
+                layers: config.num_layers,
+            });
+        }
         let layers = match &pipelining.layers {
             Some(text) => Some(crate::pipeline::layers_per_stage(text, config.num_layers, virtual_stages)?),
             None if u64::from(virtual_stages) <= config.num_layers => {

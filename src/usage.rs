@@ -367,6 +367,24 @@ pub enum UsageError {
         /// The ZeRO stage asked for.
         zero: u8,
     },
+    /// An interleaved pipeline with more virtual stages than the model has layers.
+    #[error(
+        "pp={stages} with {chunks} chunks a rank has {virtual_stages} virtual stages, one layer each at least, and \
+         {model} has {layers} layers; use fewer --chunks or a smaller pp"
+    )]
+    #[diagnostic(code(E0791), help("lower --chunks or the pp degree, or use --schedule 1f1b"))]
+    TooFewLayersForChunks {
+        /// The model's name.
+        model: String,
+        /// Pipeline ranks.
+        stages: u32,
+        /// Model chunks a rank.
+        chunks: u32,
+        /// `stages · chunks`.
+        virtual_stages: u32,
+        /// The model's layers.
+        layers: u64,
+    },
     /// `--batch` that does not split into `--micro-batches`.
     #[error("--batch {batch} does not split into --micro-batches {micro_batches}; use a count in {valid:?}")]
     #[diagnostic(code(E0724), help("give --micro-batches a divisor of --batch"))]
@@ -574,7 +592,9 @@ impl UsageError {
                 vec![("flag", flag.to_string())]
             }
             UsageError::EmptySeqList => vec![("flag", "--seq".to_string())],
-            UsageError::ChunksWithoutInterleaving { .. } => vec![("flag", "--chunks".to_string())],
+            UsageError::ChunksWithoutInterleaving { .. } | UsageError::TooFewLayersForChunks { .. } => {
+                vec![("flag", "--chunks".to_string())]
+            }
             UsageError::SizesRange { .. } | UsageError::SizesZero { .. } | UsageError::SizeUnit { .. } => {
                 vec![("flag", "--sizes".to_string())]
             }

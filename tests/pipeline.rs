@@ -151,6 +151,11 @@ fn bad_pipelines_are_refused() {
     assert!(error.contains("--batch 8 does not split into --micro-batches 3"), "{error}");
     let error = error_of(&["run", "tiny", "--train", "--mesh", "pp=4"]);
     assert!(error.contains("pp=4 needs at least one layer a stage, and the model has 2 layers"), "{error}");
+    let error =
+        error_of(&["run", "tiny", "--train", "--mesh", "pp=2", "--schedule", "interleaved", "--micro-batches", "2"]);
+    assert!(error.contains("error[E0791]") && error.contains("4 virtual stages"), "{error}");
+    let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--schedule", "1f1b", "--chunks", "2"]);
+    assert!(error.contains("--chunks 2 applies to --schedule interleaved only"), "{error}");
 }
 
 #[test]
