@@ -11,12 +11,12 @@ use anyhow::{bail, Result};
 use clap::ValueEnum;
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
-use pleat_backend::pipeline::{pipeline_programs, Phase, PipelinePlan, ScheduleStep};
+use pleat_backend::pipeline::{pipeline_programs_with_spans, Phase, PipelinePlan, ScheduleStep, StepSpan};
 use pleat_backend::{Group, Instr, Program};
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{AxisName, Mesh, Module};
 use pleat_passes::cost::{HardwareSpec, Layout, ModelShape, Workload};
-use pleat_passes::pipeline::{parse_pp_layers, part_costs, Phase as PlannedPhase, Schedule, ScheduleKind};
+use pleat_passes::pipeline::{parse_pp_layers, part_costs, Phase as PlannedPhase, Schedule, ScheduleKind, Step};
 
 use crate::schedule::ScheduleName;
 
@@ -79,6 +79,17 @@ pub fn cost_balanced_layers(
     Ok(ranges.iter().map(|range| u64::from(range.end - range.start)).collect())
 }
 
+/// The planner's step for an executed one (pictures draw the planner's steps).
+pub fn planned_step(step: ScheduleStep) -> Step {
+    let phase = match step.phase {
+        Phase::Forward => PlannedPhase::Forward,
+        Phase::Backward => PlannedPhase::Backward,
+        Phase::BackwardInput => PlannedPhase::BackwardInput,
+        Phase::BackwardWeight => PlannedPhase::BackwardWeight,
+    };
+    Step { micro_batch: step.micro_batch, chunk: step.chunk, phase }
+}
+
 /// `--pp-layers 9,8,8,7`: layers a stage, checked against the model and the stages.
 pub fn layers_per_stage(text: &str, layers: u64, stages: u32) -> Result<Vec<u64>> {
     let ranges = parse_pp_layers(text, layers as u32, stages)?;
@@ -92,6 +103,9 @@ pub fn inner_mesh(mesh: &Mesh) -> Result<Mesh> {
     Ok(Mesh::new(&axes)?)
 }
 
+/// Every pipeline rank's program, optimizer layout and schedule steps' spans, in global rank order.
+pub type Pipelined = (Vec<Program>, Vec<OptimizerLayout>, Vec<Vec<StepSpan>>);
+
 /// The pipelined programs and their optimizer layouts for `module` (one micro-batch, sharded over
 /// the inner mesh, differentiated), `stage_of` giving each node's virtual stage.
 pub fn pipelined(
@@ -100,9 +114,10 @@ pub fn pipelined(
     schedule: &[Vec<ScheduleStep>],
     (micro_batches, chunks): (u32, u32),
     zero: u8,
-) -> Result<(Vec<Program>, Vec<OptimizerLayout>)> {
+) -> Result<Pipelined> {
     let plan = PipelinePlan { stage_of, schedule, micro_batches, chunks };
-    let programs = pipeline_programs(module, &plan)?;
+    let (programs, spans): (Vec<Program>, Vec<Vec<StepSpan>>) =
+        pipeline_programs_with_spans(module, &plan)?.into_iter().unzip();
     pleat_backend::verify_collectives(&programs)?;
     let inner = module.mesh.world_size() as u32;
     let world = Group { axis: "world".into(), ranks: (0..programs.len() as u32).collect() };
@@ -127,5 +142,5 @@ pub fn pipelined(
         layout.world = world.clone();
         layouts.push(layout);
     }
-    Ok((programs, layouts))
+    Ok((programs, layouts, spans))
 }

@@ -124,6 +124,8 @@ pub struct CompiledTraining {
     pub module: Module,
     pub programs: Vec<Program>,
     pub layouts: Vec<OptimizerLayout>,
+    /// Pipelined: each program's schedule steps and where their instructions lie; else empty.
+    pub step_spans: Vec<Vec<pleat_backend::pipeline::StepSpan>>,
 }
 
 /// How a training step is split into micro-batches and pipeline stages.
@@ -198,15 +200,15 @@ pub fn compile_training(
         let stage_of = crate::pipeline::stage_of_nodes(&module, virtual_stages, layers.as_deref(), config.num_layers)?;
         let schedule = crate::pipeline::schedule_steps(kind, stages, micro_batches)?;
         let plan = (micro_batches, kind.chunks());
-        let (programs, layouts) = crate::pipeline::pipelined(&module, &stage_of, &schedule, plan, zero)?;
-        return Ok(CompiledTraining { module, programs, layouts });
+        let (programs, layouts, step_spans) = crate::pipeline::pipelined(&module, &stage_of, &schedule, plan, zero)?;
+        return Ok(CompiledTraining { module, programs, layouts, step_spans });
     }
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
     let layouts = (0..programs.len() as u32)
         .map(|rank| optimizer_layout(&module, rank, zero))
         .collect::<pleat_backend::Result<Vec<_>>>()?;
-    Ok(CompiledTraining { module, programs, layouts })
+    Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new() })
 }
 
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file.

@@ -1,5 +1,6 @@
 //! `pleat explain` on a mesh with a pp axis: the stages' layers and the schedule's picture after
-//! the values and collectives of one stage's mesh (a snapshot), and the same in JSON.
+//! the values and collectives of one stage's mesh (a snapshot), and the same in JSON; `pleat
+//! trace` on one: a measured pipelined training step, its trace file and its picture.
 
 #[path = "support/cli.rs"]
 mod cli;
@@ -32,4 +33,37 @@ fn explain_json_names_the_stages() {
     // Without pp there is no pipeline.
     let report = json_of(&["explain", "tiny", "--mesh", "tp=2", "--format", "json"]);
     assert!(report["pipeline"].is_null());
+}
+
+#[test]
+fn trace_draws_a_measured_pipelined_step() {
+    let dir = cli::tempdir("pipeline-trace");
+    let out = dir.join("trace.json");
+    let out = out.to_str().expect("utf-8");
+    let text = stdout_of(&[
+        "trace",
+        "tiny",
+        "--mesh",
+        "pp=2",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--schedule",
+        "zb-h1",
+        "--out",
+        out,
+    ]);
+    assert!(text.contains("measured trace of one zb-h1 training step"), "{text}");
+    let rows: Vec<&str> = text.lines().filter(|line| line.starts_with("stage ")).collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    // Measured lengths vary, so only that each row draws blocks (a short one may round away).
+    assert!(rows.iter().all(|row| row.chars().any(|c| "FBW".contains(c))), "{text}");
+    assert!(text.contains("idle share of the step: stage 0: "), "{text}");
+    // The trace file holds both ranks' measured slices, sends and receives among them.
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out).expect("a trace")).expect("json");
+    let events = trace["traceEvents"].as_array().expect("events");
+    for rank in 0..2 {
+        assert!(events.iter().any(|event| event["pid"] == rank && event["ph"] == "X"), "no slice of rank {rank}");
+    }
 }

@@ -26,6 +26,7 @@
 mod phases;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::ops::Range;
 
 use pleat_ir::entity::EntityRef;
 use pleat_ir::{Module, Op};
@@ -233,15 +234,30 @@ pub fn node_phases(module: &Module, plan: &PipelinePlan) -> Result<Vec<Phase>> {
     Ok(phases::node_phases(module, loss, phases.len() == 3))
 }
 
+/// Where one schedule step's instructions lie in a rank's program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepSpan {
+    /// The step.
+    pub step: ScheduleStep,
+    /// Its instructions (receives first, then its compute and sends), as indices in the program.
+    pub instructions: Range<usize>,
+}
+
 /// The programs of every pipeline rank, in global rank order (`rank · inner + inner_rank`).
 pub fn pipeline_programs(module: &Module, plan: &PipelinePlan) -> Result<Vec<Program>> {
+    Ok(pipeline_programs_with_spans(module, plan)?.into_iter().map(|(program, _)| program).collect())
+}
+
+/// As [`pipeline_programs`], each program with its steps' spans in schedule order (what turns a
+/// measured run's instruction timings into a timeline of F/B/W blocks).
+pub fn pipeline_programs_with_spans(module: &Module, plan: &PipelinePlan) -> Result<Vec<(Program, Vec<StepSpan>)>> {
     let order_len = module.graph.order().len();
     let phases = phases_of(plan)?;
     check_plan(plan, order_len, phases)?;
     let node_phase = node_phases(module, plan)?;
     let ranks = plan.schedule.len() as u32;
     let inner = module.mesh.world_size() as u32;
-    let mut programs: Vec<Option<Program>> = (0..ranks * inner).map(|_| None).collect();
+    let mut programs: Vec<Option<(Program, Vec<StepSpan>)>> = (0..ranks * inner).map(|_| None).collect();
     for inner_rank in 0..inner {
         let (base, trace) = lower_rank_traced(module, inner_rank)?;
         let split = Split::new(&base, &trace, plan.stage_of, &node_phase, ranks);
@@ -249,7 +265,7 @@ pub fn pipeline_programs(module: &Module, plan: &PipelinePlan) -> Result<Vec<Pro
         // second receives in it.
         let mut queues: HashMap<(u32, u32), Vec<BufferId>> = HashMap::new();
         for rank in 0..ranks {
-            let program = StageProgram::new(&base, &split, plan, rank, inner_rank, inner, None).build()?;
+            let (program, _) = StageProgram::new(&base, &split, plan, rank, inner_rank, inner, None).build()?;
             for instr in &program.instructions {
                 if let Instr::Send { bufs, peer } = instr {
                     queues.entry((program.rank, *peer)).or_default().extend(bufs);
@@ -435,15 +451,18 @@ impl<'a> StageProgram<'a> {
         copy.as_u32() as usize / self.base.buffers.len()
     }
 
-    fn build(mut self) -> Result<Program> {
+    fn build(mut self) -> Result<(Program, Vec<StepSpan>)> {
         // Parameters load once, before the first step.
         for (instr, owner) in self.base.instructions.iter().zip(&self.split.owner) {
             if matches!(instr, Instr::LoadParam { .. }) && owner.is_some_and(|(stage, _)| self.holds(stage)) {
                 self.program.instructions.push(instr.clone());
             }
         }
+        let mut spans = Vec::with_capacity(self.plan.schedule[self.rank as usize].len());
         for step in &self.plan.schedule[self.rank as usize] {
+            let start = self.program.instructions.len();
             self.step(*step)?;
+            spans.push(StepSpan { step: *step, instructions: start..self.program.instructions.len() });
         }
         for instr in &self.base.instructions {
             let Instr::Output { buf, index, shape, region } = instr else { continue };
@@ -452,7 +471,7 @@ impl<'a> StageProgram<'a> {
                 self.program.instructions.push(Instr::Output { buf: sum, index, shape, region });
             }
         }
-        Ok(self.program)
+        Ok((self.program, spans))
     }
 
     /// Whether the base instruction at `at` runs in `virtual_stage`'s `phase`: its own, or an

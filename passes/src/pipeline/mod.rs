@@ -16,6 +16,7 @@
 //! - [`balance`](mod@balance): layer-to-stage assignment.
 //! - [`cost_split`]: the assignment the cost model's costs give.
 //! - [`picture`]: the text picture.
+//! - [`measured`]: a timeline from a run's measured step times, drawn like a simulation.
 //!
 //! Guarantees: everything is pure and deterministic, and bad input is a [`ScheduleError`], never a
 //! panic. Not here: executing a pipelined program (`pleat_backend::pipeline` lowers these schedules).
@@ -23,6 +24,7 @@
 pub mod balance;
 pub mod cost_split;
 pub mod error;
+pub mod measured;
 pub mod picture;
 pub mod schedule;
 pub mod simulate;
@@ -30,6 +32,7 @@ pub mod simulate;
 pub use balance::{balance, parse_pp_layers};
 pub use cost_split::{cost_balanced_layers, part_costs, PartCosts};
 pub use error::{Result, ScheduleError};
+pub use measured::{drawing_costs, measured_timeline};
 pub use picture::render_text;
 pub use schedule::{Phase, Schedule, ScheduleKind, Step};
 pub use simulate::{check_complete, simulate, StepCosts, TimedStep, Timeline};
