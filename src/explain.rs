@@ -4,6 +4,7 @@ use std::fmt::Write;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use pleat_ir::{AxisName, Mesh};
 use pleat_passes::cp::FOLD_CP;
 use pleat_passes::explain::{explain_collectives, value_layouts, CollectiveReason};
 use pleat_passes::propagate::PROPAGATE_SPECS;
@@ -14,6 +15,7 @@ use serde_json::json;
 
 use crate::compile::ModelOnMesh;
 use crate::run::human_bytes;
+use crate::schedule::ScheduleName;
 use crate::usage::UsageError;
 
 /// Output formats of `explain`.
@@ -45,6 +47,92 @@ pub struct ExplainArgs {
     /// propagation gives; with `--strategy tp-sp` it shows how sequence parallelism is derived.
     #[arg(long, value_name = "VALUE")]
     pub proof: Option<String>,
+    /// With a pp axis in --mesh: micro-batches a step in the pipeline picture (default 2·pp).
+    #[arg(long)]
+    pub micro_batches: Option<u32>,
+    /// With a pp axis in --mesh: the pipeline schedule the picture shows.
+    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
+    pub schedule: ScheduleName,
+    /// Model chunks a rank, for --schedule interleaved (default 2).
+    #[arg(long)]
+    pub chunks: Option<u32>,
+}
+
+/// What `explain` shows of a pipeline: the stages' layers and the schedule's picture.
+struct PipelineView {
+    /// Layers a virtual stage.
+    layers: Vec<u64>,
+    /// The schedule's name.
+    schedule: &'static str,
+    /// Pipeline ranks.
+    stages: u32,
+    /// Micro-batches a step.
+    micro_batches: u32,
+    /// Model chunks a rank.
+    chunks: u32,
+    /// The picture, bubble and peak in flight, as `pleat schedule` prints them.
+    text: String,
+}
+
+/// The pipeline `args` ask for on a mesh with `stages` pp ranks; `inner` is the mesh inside a stage.
+fn pipeline_view(
+    args: &ExplainArgs,
+    config: &pleat_ir::model::config::ModelConfig,
+    inner: &Mesh,
+    stages: u32,
+) -> Result<PipelineView> {
+    let kind = crate::pipeline::schedule_kind(args.schedule, args.chunks)?;
+    let micro_batches = args.micro_batches.unwrap_or(2 * stages);
+    let batch = args.target.batch;
+    if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
+        bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
+    }
+    let virtual_stages = stages * kind.chunks();
+    let micro_batch = (batch / u64::from(micro_batches), args.target.seq);
+    let sequence_parallel = args.target.strategy == crate::compile::Strategy::TpSp;
+    let layers = crate::pipeline::cost_balanced_layers(config, inner, sequence_parallel, micro_batch, virtual_stages)?;
+    Ok(PipelineView {
+        layers,
+        schedule: kind.name(),
+        stages,
+        micro_batches,
+        chunks: kind.chunks(),
+        text: crate::schedule::schedule_text(kind, stages, micro_batches)?,
+    })
+}
+
+impl PipelineView {
+    fn text(&self) -> String {
+        let mut first = 0;
+        let stages: Vec<String> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(stage, &count)| {
+                let range = format!("stage {stage}: layers {first}..{}", first + count);
+                first += count;
+                range
+            })
+            .collect();
+        let unit = if self.chunks > 1 { "virtual stage (chunk c of rank r is c·pp + r)" } else { "stage" };
+        format!(
+            "\npipeline: the layers a {unit}, balanced by the cost model with the embedding on the first and the LM \
+             head and loss on the last (--pp-layers overrides in training):\n  {}\n\n{}",
+            stages.join(", "),
+            self.text
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "schedule": self.schedule,
+            "pp": self.stages,
+            "micro_batches": self.micro_batches,
+            "chunks": self.chunks,
+            "layers_per_stage": self.layers,
+            "picture": self.text,
+        })
+    }
 }
 
 /// The model built and propagated (the passes before `rewrite-collectives`) under `ctx`.
@@ -148,6 +236,19 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
     if args.layer >= config.num_layers {
         bail!(UsageError::NoSuchLayer { layer: args.layer, model: config.name.clone(), layers: config.num_layers });
     }
+    // With a pp axis, the values and collectives are those of one stage's mesh.
+    let mesh = Mesh::parse(&target.mesh)?;
+    let stages = mesh.degree(AxisName::Pp) as u32;
+    let inner = crate::pipeline::inner_mesh(&mesh)?;
+    let pipeline = if stages > 1 { Some(pipeline_view(args, &config, &inner, stages)?) } else { None };
+    let inner_target = ModelOnMesh {
+        model: target.model.clone(),
+        mesh: if stages > 1 { inner.to_string() } else { target.mesh.clone() },
+        strategy: target.strategy,
+        seq: target.seq,
+        batch: target.batch,
+    };
+    let target = &inner_target;
     if let Some(value) = &args.proof {
         print!("{}", proof(target, &config, value)?);
         return Ok(());
@@ -186,6 +287,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                 })).collect::<Vec<_>>(),
                 "collectives": collectives.iter().map(|reason| collective_json(reason)).collect::<Vec<_>>(),
                 "rewrite": rewrite_json(&rewrite),
+                "pipeline": pipeline.as_ref().map(PipelineView::json),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -229,6 +331,9 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                 );
             }
             out.push_str(&rewrite_text(&rewrite));
+            if let Some(pipeline) = &pipeline {
+                out.push_str(&pipeline.text());
+            }
             print!("{out}");
         }
         ExplainFormat::Dot => print!("{}", dot(module, &prefix)),

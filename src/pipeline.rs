@@ -2,29 +2,43 @@
 //!
 //! The training graph of one micro-batch is sharded over the mesh's other axes and differentiated
 //! as without `pp`; each node is then placed in a stage by its layer (the embedding on the first
-//! stage, the final norm, LM head and loss on the last), and `pleat_backend::pipeline` cuts every
+//! stage, the final norm, LM head and loss on the last; the layers a stage balanced by the cost
+//! model unless `--pp-layers` says), and `pleat_backend::pipeline` cuts every
 //! rank's program into its stage's part and replays it in the schedule's order. Global rank
 //! `s · inner + i` is stage `s` of inner rank `i`.
 
 use anyhow::{bail, Result};
+use clap::ValueEnum;
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
-use pleat_backend::pipeline::{pipeline_programs, Phase, PipelinePlan, ScheduleStep};
+use pleat_backend::pipeline::{pipeline_programs_with_spans, Phase, PipelinePlan, ScheduleStep, StepSpan};
 use pleat_backend::{Group, Instr, Program};
+use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{AxisName, Mesh, Module};
-use pleat_passes::pipeline::{parse_pp_layers, Phase as PlannedPhase, Schedule, ScheduleKind};
+use pleat_passes::cost::{HardwareSpec, Layout, ModelShape, Workload};
+use pleat_passes::pipeline::{parse_pp_layers, part_costs, Phase as PlannedPhase, Schedule, ScheduleKind, Step};
 
 use crate::schedule::ScheduleName;
 
-/// Each stage's steps under `schedule`, from the planner's schedules (`pleat schedule` draws the
-/// same ones). Pipelined execution runs the schedules whose steps are whole forwards and
-/// backwards on one model chunk a rank.
-pub fn schedule_steps(schedule: ScheduleName, stages: u32, micro_batches: u32) -> Result<Vec<Vec<ScheduleStep>>> {
-    let kind = match schedule {
-        ScheduleName::Gpipe => ScheduleKind::GPipe,
-        ScheduleName::OneFOneB => ScheduleKind::OneFOneB,
-        ScheduleName::Interleaved | ScheduleName::ZbH1 => bail!(crate::usage::UsageError::TrainSchedule),
-    };
+/// The planner's schedule for `schedule` (`chunks` model chunks a rank for interleaved, which
+/// needs at least 2; `None` takes 2).
+pub fn schedule_kind(schedule: ScheduleName, chunks: Option<u32>) -> Result<ScheduleKind> {
+    Ok(match (schedule, chunks) {
+        (ScheduleName::Interleaved, chunks) => ScheduleKind::Interleaved { chunks: chunks.unwrap_or(2) },
+        (other, Some(chunks)) => {
+            let name = other.to_possible_value().map(|value| value.get_name().to_string()).unwrap_or_default();
+            bail!(crate::usage::UsageError::ChunksWithoutInterleaving { chunks, schedule: name })
+        }
+        (ScheduleName::Gpipe, None) => ScheduleKind::GPipe,
+        (ScheduleName::OneFOneB, None) => ScheduleKind::OneFOneB,
+        (ScheduleName::ZbH1, None) => ScheduleKind::ZeroBubbleH1,
+    })
+}
+
+/// Each pipeline rank's steps under `kind`, from the planner's schedules (`pleat schedule` draws
+/// the same ones): every (micro-batch, chunk) forward, backward, or for ZB-H1 the backward's
+/// input-gradient and weight-gradient parts.
+pub fn schedule_steps(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Result<Vec<Vec<ScheduleStep>>> {
     let schedule = Schedule::build(kind, stages, micro_batches)?;
     Ok(schedule
         .per_stage
@@ -34,11 +48,46 @@ pub fn schedule_steps(schedule: ScheduleName, stages: u32, micro_batches: u32) -
                 .iter()
                 .map(|step| ScheduleStep {
                     micro_batch: step.micro_batch,
-                    phase: if step.phase == PlannedPhase::Forward { Phase::Forward } else { Phase::Backward },
+                    chunk: step.chunk,
+                    phase: match step.phase {
+                        PlannedPhase::Forward => Phase::Forward,
+                        PlannedPhase::Backward => Phase::Backward,
+                        PlannedPhase::BackwardInput => Phase::BackwardInput,
+                        PlannedPhase::BackwardWeight => Phase::BackwardWeight,
+                    },
                 })
                 .collect()
         })
         .collect())
+}
+
+/// Layers a virtual stage by the cost model (the default split): each layer, the embedding on the
+/// first stage and the LM head and loss on the last costed for one micro-batch of `(batch, seq)`
+/// on the mesh inside a stage, on the CPU the threads runtime trains on.
+pub fn cost_balanced_layers(
+    config: &ModelConfig,
+    inner: &Mesh,
+    sequence_parallel: bool,
+    (micro_batch, seq): (u64, u64),
+    virtual_stages: u32,
+) -> Result<Vec<u64>> {
+    let model = ModelShape::from_config(config);
+    let layout = Layout::from_mesh(inner, sequence_parallel);
+    let hw = HardwareSpec::builtin("cpu")?;
+    let costs = part_costs(&model, &layout, &Workload::training(seq, micro_batch), &hw);
+    let ranges = pleat_passes::pipeline::cost_balanced_layers(&model, &costs, virtual_stages)?;
+    Ok(ranges.iter().map(|range| u64::from(range.end - range.start)).collect())
+}
+
+/// The planner's step for an executed one (pictures draw the planner's steps).
+pub fn planned_step(step: ScheduleStep) -> Step {
+    let phase = match step.phase {
+        Phase::Forward => PlannedPhase::Forward,
+        Phase::Backward => PlannedPhase::Backward,
+        Phase::BackwardInput => PlannedPhase::BackwardInput,
+        Phase::BackwardWeight => PlannedPhase::BackwardWeight,
+    };
+    Step { micro_batch: step.micro_batch, chunk: step.chunk, phase }
 }
 
 /// `--pp-layers 9,8,8,7`: layers a stage, checked against the model and the stages.
@@ -54,17 +103,21 @@ pub fn inner_mesh(mesh: &Mesh) -> Result<Mesh> {
     Ok(Mesh::new(&axes)?)
 }
 
+/// Every pipeline rank's program, optimizer layout and schedule steps' spans, in global rank order.
+pub type Pipelined = (Vec<Program>, Vec<OptimizerLayout>, Vec<Vec<StepSpan>>);
+
 /// The pipelined programs and their optimizer layouts for `module` (one micro-batch, sharded over
-/// the inner mesh, differentiated).
+/// the inner mesh, differentiated), `stage_of` giving each node's virtual stage.
 pub fn pipelined(
     module: &Module,
     stage_of: &[u32],
     schedule: &[Vec<ScheduleStep>],
-    micro_batches: u32,
+    (micro_batches, chunks): (u32, u32),
     zero: u8,
-) -> Result<(Vec<Program>, Vec<OptimizerLayout>)> {
-    let plan = PipelinePlan { stage_of, schedule, micro_batches };
-    let programs = pipeline_programs(module, &plan)?;
+) -> Result<Pipelined> {
+    let plan = PipelinePlan { stage_of, schedule, micro_batches, chunks };
+    let (programs, spans): (Vec<Program>, Vec<Vec<StepSpan>>) =
+        pipeline_programs_with_spans(module, &plan)?.into_iter().unzip();
     pleat_backend::verify_collectives(&programs)?;
     let inner = module.mesh.world_size() as u32;
     let world = Group { axis: "world".into(), ranks: (0..programs.len() as u32).collect() };
@@ -89,5 +142,5 @@ pub fn pipelined(
         layout.world = world.clone();
         layouts.push(layout);
     }
-    Ok((programs, layouts))
+    Ok((programs, layouts, spans))
 }

@@ -5,7 +5,7 @@
 //! backward twice a forward (for ZB-H1, input and weight gradients one forward each) and free
 //! point-to-point transfers, the assumptions under which the closed forms hold.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
 use pleat_passes::pipeline::{render_text, simulate, Schedule, ScheduleKind, StepCosts, Timeline};
 use serde_json::{json, Value};
@@ -57,16 +57,7 @@ const COSTS: StepCosts = StepCosts::EQUAL_STAGES;
 
 /// The schedule `args` ask for.
 pub fn kind_of(args: &ScheduleArgs) -> Result<ScheduleKind> {
-    Ok(match (args.schedule, args.chunks) {
-        (ScheduleName::Interleaved, chunks) => ScheduleKind::Interleaved { chunks: chunks.unwrap_or(2) },
-        (other, Some(chunks)) => {
-            let name = other.to_possible_value().map(|value| value.get_name().to_string()).unwrap_or_default();
-            bail!(crate::usage::UsageError::ChunksWithoutInterleaving { chunks, schedule: name })
-        }
-        (ScheduleName::Gpipe, None) => ScheduleKind::GPipe,
-        (ScheduleName::OneFOneB, None) => ScheduleKind::OneFOneB,
-        (ScheduleName::ZbH1, None) => ScheduleKind::ZeroBubbleH1,
-    })
+    crate::pipeline::schedule_kind(args.schedule, args.chunks)
 }
 
 /// The closed form's formula, in words, and its value as bubble over ideal compute.
@@ -90,12 +81,19 @@ pub fn build(args: &ScheduleArgs) -> Result<(ScheduleKind, Timeline)> {
 
 /// The text report.
 pub fn text(args: &ScheduleArgs) -> Result<String> {
-    let (kind, timeline) = build(args)?;
+    schedule_text(kind_of(args)?, args.pp, args.micro_batches)
+}
+
+/// `kind`'s report on `stages` ranks and `micro_batches` micro-batches: a title, the costs, the
+/// picture, the simulated bubble beside the closed form, the peak in flight (what `pleat schedule`
+/// prints, and `pleat explain` for a mesh with pp).
+pub fn schedule_text(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Result<String> {
+    let timeline = simulate(&Schedule::build(kind, stages, micro_batches)?, &COSTS)?;
     let chunks = match kind {
         ScheduleKind::Interleaved { chunks } => format!(", chunks={chunks}"),
         _ => String::new(),
     };
-    let mut out = format!("{} schedule: pp={}, micro-batches={}{chunks}\n", kind.name(), args.pp, args.micro_batches);
+    let mut out = format!("{} schedule: pp={stages}, micro-batches={micro_batches}{chunks}\n", kind.name());
     out.push_str(
         "costs a step on every stage, in units of one forward: forward 1, backward 2 \
          (input gradient 1 + weight gradient 1), p2p 0\n\n",
@@ -108,7 +106,7 @@ pub fn text(args: &ScheduleArgs) -> Result<String> {
     };
     let chunk_note = if timeline.chunks > 1 { " (:c the chunk)" } else { "" };
     out.push_str(&format!("{blocks}, each with its micro-batch{chunk_note}; . idle\n\n"));
-    let (formula, closed) = closed_form(kind, args.pp, args.micro_batches);
+    let (formula, closed) = closed_form(kind, stages, micro_batches);
     out.push_str(&format!(
         "bubble: simulated {:.4} of ideal compute ({:.2}% of the step)\n",
         timeline.bubble_over_compute,

@@ -1,5 +1,6 @@
 //! Chrome trace-event JSON (what ui.perfetto.dev and chrome://tracing open) of a run's timeline,
-//! and `pleat trace`, which writes the cost model's predicted timeline.
+//! and `pleat trace`, which writes the cost model's predicted timeline, or with a pp axis the
+//! measured one of a pipelined training step and its picture (one row of F/B/W blocks a stage).
 //!
 //! One process a rank (`rank N`), two threads a process: `compute` (tid 0: kernels and loads) and
 //! `comm` (tid 1: collectives, broadcasts, sends, receives). Each instruction is one complete
@@ -8,18 +9,23 @@
 //! are written to a temporary sibling and renamed, so a reader never sees half a trace.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use clap::Args;
 use pleat_backend::Program;
+use pleat_ir::model::stream::synthetic_tokens;
+use pleat_ir::{AxisName, Mesh};
 use pleat_passes::cost::HardwareSpec;
+use pleat_passes::pipeline::{drawing_costs, measured_timeline, render_text, TimedStep};
 use pleat_passes::Dump;
-use pleat_runtime::RankOutcome;
+use pleat_runtime::{run_on_threads, RankOutcome, RunInputs};
 use serde_json::{json, Value};
 
 use crate::compile::{read_compiled, ModelOnMesh};
 use crate::model_arg::{resolve, ModelSource};
 use crate::predict::{describe, predict, Stream, Work};
+use crate::schedule::ScheduleName;
 
 /// Arguments of `pleat trace`.
 #[derive(Args)]
@@ -34,6 +40,15 @@ pub struct TraceArgs {
     /// The trace file to write (Chrome trace-event JSON).
     #[arg(long)]
     pub out: PathBuf,
+    /// With a pp axis in --mesh: micro-batches of the training step traced (default 2·pp).
+    #[arg(long)]
+    pub micro_batches: Option<u32>,
+    /// With a pp axis in --mesh: the pipeline schedule of the training step traced.
+    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
+    pub schedule: ScheduleName,
+    /// Model chunks a rank, for --schedule interleaved (default 2).
+    #[arg(long)]
+    pub chunks: Option<u32>,
 }
 
 /// One slice of a trace: what ran, on which rank, when (microseconds).
@@ -134,8 +149,83 @@ pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome
     write_trace(path, &chrome_trace(&slices, programs.len() as u32))
 }
 
+/// With a pp axis: runs one pipelined training step on threads, writes its measured trace, and
+/// prints its timeline as one row of F/B/W blocks a stage (inner rank 0 of each stage).
+fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
+    let config = args.target.config("trace")?;
+    let stages = mesh.degree(AxisName::Pp) as u32;
+    let micro_batches = args.micro_batches.unwrap_or(2 * stages);
+    let pipelining =
+        crate::train::Pipelining { micro_batches, schedule: args.schedule, chunks: args.chunks, layers: None };
+    let shape = (args.target.batch, args.target.seq);
+    let state = (0, pleat_passes::autodiff::Recompute::None);
+    let compiled = crate::train::compile_training(&config, shape, mesh, args.target.strategy, state, &pipelining)?;
+    let tokens = synthetic_tokens(0, 0, shape.0, shape.1, config.vocab_size);
+    let positions: Vec<u32> = (0..shape.1 as u32).collect();
+    let weights = crate::run::weight_source(None, 0)?;
+    let inputs = RunInputs { tokens: &tokens, positions: &positions, weights: weights.as_ref(), epoch: Instant::now() };
+    let outcomes = run_on_threads(&compiled.programs, &inputs, Duration::from_secs(600))?;
+    write_measured(&args.out, &compiled.programs, &outcomes)?;
+    let inner = compiled.programs.len() as u32 / stages;
+    let mut per_stage = Vec::with_capacity(stages as usize);
+    for stage in 0..stages {
+        let rank = stage * inner;
+        let Some(outcome) = outcomes.iter().find(|outcome| outcome.rank == rank) else {
+            bail!(crate::usage::UsageError::RankWithoutProgram { rank, programs: compiled.programs.len() });
+        };
+        let spans = compiled.step_spans.get(rank as usize).map_or(&[][..], Vec::as_slice);
+        let steps: Vec<TimedStep> = spans
+            .iter()
+            .filter_map(|span| {
+                // A step starts its compute once its receives are in: waiting for them is idle.
+                let program = &compiled.programs[rank as usize];
+                let first = span
+                    .instructions
+                    .clone()
+                    .find(|&at| !matches!(program.instructions[at], pleat_backend::Instr::Recv { .. }))?;
+                let (start, _) = *outcome.timings.get(first)?;
+                let (_, end) = *outcome.timings.get(span.instructions.end.checked_sub(1)?)?;
+                let step = crate::pipeline::planned_step(span.step);
+                Some(TimedStep { step, start: start as f64 / 1e3, end: end as f64 / 1e3 })
+            })
+            .collect();
+        per_stage.push(steps);
+    }
+    let chunks = compiled.step_spans.iter().flatten().map(|span| span.step.chunk + 1).max().unwrap_or(1);
+    let timeline = measured_timeline(per_stage, micro_batches, chunks);
+    let kind = crate::pipeline::schedule_kind(args.schedule, args.chunks)?;
+    println!(
+        "wrote the measured trace of one {} training step of {} on {mesh} ({micro_batches} micro-batches) to {}",
+        kind.name(),
+        config.name,
+        args.out.display()
+    );
+    println!("measured timeline, one row a stage (its inner rank 0), step {:.0} us:\n", timeline.makespan);
+    print!("{}", render_text(&timeline, &drawing_costs(&timeline, 100)));
+    let blocks = if kind == pleat_passes::pipeline::ScheduleKind::ZeroBubbleH1 {
+        "F forward, B input gradient, W weight gradient"
+    } else {
+        "F forward, B backward"
+    };
+    let chunk_note = if chunks > 1 { " (:c the chunk)" } else { "" };
+    println!("{blocks}, each with its micro-batch{chunk_note}, from its first instruction after its receives; . idle");
+    let idle: Vec<String> = timeline
+        .idle
+        .iter()
+        .enumerate()
+        .map(|(stage, idle)| format!("stage {stage}: {:.1}%", 100.0 * idle / timeline.makespan.max(f64::MIN_POSITIVE)))
+        .collect();
+    println!("idle share of the step: {}", idle.join(", "));
+    println!("bubble: {:.4} of the busiest stage's compute", timeline.bubble_over_compute);
+    Ok(())
+}
+
 /// Runs `pleat trace`.
 pub fn trace(args: &TraceArgs) -> Result<()> {
+    let mesh = Mesh::parse(&args.target.mesh)?;
+    if mesh.degree(AxisName::Pp) > 1 && !matches!(resolve(&args.target.model)?, ModelSource::Compiled(_)) {
+        return trace_pipeline(args, &mesh);
+    }
     let hw = HardwareSpec::builtin(&args.hw)?;
     let programs = match resolve(&args.target.model)? {
         ModelSource::Compiled(dir) => read_compiled(&dir)?.2,

@@ -130,7 +130,12 @@ pub struct TrainFlags {
     /// The pipeline schedule (with a pp axis).
     #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB, requires = "train")]
     pub schedule: ScheduleName,
-    /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (default: as even as they go).
+    /// Model chunks a pipeline rank, for --schedule interleaved (default 2).
+    #[arg(long, requires = "train")]
+    pub chunks: Option<u32>,
+    /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (with --schedule interleaved, a
+    /// virtual stage: pp times --chunks counts); default: balanced by the cost model, the
+    /// embedding counted on the first stage and the LM head and loss on the last.
     #[arg(long, requires = "train")]
     pub pp_layers: Option<String>,
     /// After the last step, write a checkpoint here: each rank's blocks of the model and of the
@@ -153,6 +158,8 @@ pub struct CompiledTraining {
     pub module: Module,
     pub programs: Vec<Program>,
     pub layouts: Vec<OptimizerLayout>,
+    /// Pipelined: each program's schedule steps and where their instructions lie; else empty.
+    pub step_spans: Vec<Vec<pleat_backend::pipeline::StepSpan>>,
 }
 
 /// How a training step is split into micro-batches and pipeline stages.
@@ -162,6 +169,8 @@ pub struct Pipelining {
     pub micro_batches: u32,
     /// The order of each stage's forward and backward steps.
     pub schedule: ScheduleName,
+    /// `--chunks`: model chunks a rank for the interleaved schedule.
+    pub chunks: Option<u32>,
     /// `--pp-layers`: layers a stage, first to last; `None`: as even as they go.
     pub layers: Option<String>,
 }
@@ -187,9 +196,6 @@ pub fn compile_training(
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
     }
-    if stages > 1 && config.tie_word_embeddings {
-        bail!(UsageError::PipelinedTiedEmbeddings { model: config.name.clone() });
-    }
     let inner = crate::pipeline::inner_mesh(mesh)?;
     let mut ctx = strategy.pass_ctx(&inner, Dump::Nothing)?;
     ctx.zero_stage = zero;
@@ -198,21 +204,45 @@ pub fn compile_training(
     module.mesh = inner;
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
     if stages > 1 || micro_batches > 1 {
+        let kind = crate::pipeline::schedule_kind(pipelining.schedule, pipelining.chunks)?;
+        let virtual_stages = stages * kind.chunks();
+        if kind.chunks() > 1 && u64::from(virtual_stages) > config.num_layers {
+            bail!(UsageError::TooFewLayersForChunks {
+                model: config.name.clone(),
+                stages,
+                chunks: kind.chunks(),
+                virtual_stages,
+                layers: config.num_layers,
+            });
+        }
         let layers = match &pipelining.layers {
-            Some(text) => Some(crate::pipeline::layers_per_stage(text, config.num_layers, stages)?),
+            Some(text) => Some(crate::pipeline::layers_per_stage(text, config.num_layers, virtual_stages)?),
+            None if u64::from(virtual_stages) <= config.num_layers => {
+                let micro_batch = (batch / u64::from(micro_batches), seq);
+                let sequence_parallel = strategy == Strategy::TpSp;
+                Some(crate::pipeline::cost_balanced_layers(
+                    config,
+                    &module.mesh,
+                    sequence_parallel,
+                    micro_batch,
+                    virtual_stages,
+                )?)
+            }
+            // Too few layers: stage_of_nodes says so.
             None => None,
         };
-        let stage_of = crate::pipeline::stage_of_nodes(&module, stages, layers.as_deref(), config.num_layers)?;
-        let schedule = crate::pipeline::schedule_steps(pipelining.schedule, stages, micro_batches)?;
-        let (programs, layouts) = crate::pipeline::pipelined(&module, &stage_of, &schedule, micro_batches, zero)?;
-        return Ok(CompiledTraining { module, programs, layouts });
+        let stage_of = crate::pipeline::stage_of_nodes(&module, virtual_stages, layers.as_deref(), config.num_layers)?;
+        let schedule = crate::pipeline::schedule_steps(kind, stages, micro_batches)?;
+        let plan = (micro_batches, kind.chunks());
+        let (programs, layouts, step_spans) = crate::pipeline::pipelined(&module, &stage_of, &schedule, plan, zero)?;
+        return Ok(CompiledTraining { module, programs, layouts, step_spans });
     }
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
     let layouts = (0..programs.len() as u32)
         .map(|rank| optimizer_layout(&module, rank, zero))
         .collect::<pleat_backend::Result<Vec<_>>>()?;
-    Ok(CompiledTraining { module, programs, layouts })
+    Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new() })
 }
 
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file.
@@ -281,8 +311,12 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     }
     let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
     let mesh = Mesh::parse(&args.mesh)?;
-    let pipelining =
-        Pipelining { micro_batches: flags.micro_batches, schedule: flags.schedule, layers: flags.pp_layers.clone() };
+    let pipelining = Pipelining {
+        micro_batches: flags.micro_batches,
+        schedule: flags.schedule,
+        chunks: flags.chunks,
+        layers: flags.pp_layers.clone(),
+    };
     let state = (flags.zero, flags.recompute.into());
     let compute = args.precision.unwrap_or_default().apply(&config);
     let compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining)?;

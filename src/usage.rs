@@ -267,13 +267,6 @@ pub enum UsageError {
         /// The schedule named.
         schedule: String,
     },
-    /// A pipeline schedule training cannot run yet.
-    #[error(
-        "pleat trains with --schedule gpipe or 1f1b; interleaved and zb-h1 (model chunks, a split backward) are \
-         planned and drawn by `pleat schedule` only so far"
-    )]
-    #[diagnostic(code(E0711), help("use --schedule gpipe or --schedule 1f1b to train"))]
-    TrainSchedule,
     /// A `--sizes` range that is empty or starts at zero.
     #[error("--sizes {text}: the range must go from a positive size up to a larger one, e.g. 1KiB..4MiB")]
     #[diagnostic(code(E0712), help("write --sizes as a list (4KiB,1MiB) or a range from a smaller to a larger size"))]
@@ -381,6 +374,24 @@ pub enum UsageError {
         /// The ZeRO stage asked for.
         zero: u8,
     },
+    /// An interleaved pipeline with more virtual stages than the model has layers.
+    #[error(
+        "pp={stages} with {chunks} chunks a rank has {virtual_stages} virtual stages, one layer each at least, and \
+         {model} has {layers} layers; use fewer --chunks or a smaller pp"
+    )]
+    #[diagnostic(code(E0791), help("lower --chunks or the pp degree, or use --schedule 1f1b"))]
+    TooFewLayersForChunks {
+        /// The model's name.
+        model: String,
+        /// Pipeline ranks.
+        stages: u32,
+        /// Model chunks a rank.
+        chunks: u32,
+        /// `stages · chunks`.
+        virtual_stages: u32,
+        /// The model's layers.
+        layers: u64,
+    },
     /// `--batch` that does not split into `--micro-batches`.
     #[error("--batch {batch} does not split into --micro-batches {micro_batches}; use a count in {valid:?}")]
     #[diagnostic(code(E0724), help("give --micro-batches a divisor of --batch"))]
@@ -391,16 +402,6 @@ pub enum UsageError {
         micro_batches: u32,
         /// The counts that divide the batch.
         valid: Vec<u64>,
-    },
-    /// A pp axis for a model whose embedding and output weight are one.
-    #[error(
-        "pipelining a model with tied embeddings is not built yet (the first and last stages share a weight); \
-         train {model} without a pp axis"
-    )]
-    #[diagnostic(code(E0725), help("drop the pp axis from --mesh, or train a model with tie_word_embeddings false"))]
-    PipelinedTiedEmbeddings {
-        /// The model's name.
-        model: String,
     },
     /// A `--data` word that is not a token id of the vocabulary.
     #[error("--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}", .path.display())]
@@ -579,7 +580,7 @@ impl UsageError {
                 vec![("file", model.clone())]
             }
             UsageError::PrecisionOfCompiled { dir } => vec![("flag", "--precision".to_string()), ("file", dir.clone())],
-            UsageError::UnknownModel { model, .. } | UsageError::PipelinedTiedEmbeddings { model } => {
+            UsageError::UnknownModel { model, .. } => {
                 vec![("model", model.clone())]
             }
             UsageError::SizeNumber { .. } | UsageError::SizeTooLarge { .. } => vec![("flag", "--sizes".to_string())],
@@ -599,8 +600,9 @@ impl UsageError {
                 vec![("flag", flag.to_string())]
             }
             UsageError::EmptySeqList => vec![("flag", "--seq".to_string())],
-            UsageError::ChunksWithoutInterleaving { .. } => vec![("flag", "--chunks".to_string())],
-            UsageError::TrainSchedule => vec![("flag", "--schedule".to_string())],
+            UsageError::ChunksWithoutInterleaving { .. } | UsageError::TooFewLayersForChunks { .. } => {
+                vec![("flag", "--chunks".to_string())]
+            }
             UsageError::SizesRange { .. } | UsageError::SizesZero { .. } | UsageError::SizeUnit { .. } => {
                 vec![("flag", "--sizes".to_string())]
             }

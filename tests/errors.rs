@@ -334,9 +334,6 @@ fn training_flags() {
     let bad_data = write(&dir, "bad.txt", "1, 2, 300");
     let empty_data = write(&dir, "empty.txt", " ,\n");
     let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
-    let tied = config_with("tied", |config| {
-        config.insert("tie_word_embeddings".into(), true.into());
-    });
     let compiled = path_str(compiled_tiny());
     let cases = [
         case(&["run", "tiny", "--train", "--mesh", "tp=2", "--strategy", "tp-sp-or-tsp"], "E0718", "folds inference"),
@@ -346,7 +343,6 @@ fn training_flags() {
             "E0724",
             "--batch 4 does not split into --micro-batches 3",
         ),
-        case(&["run", &tied, "--train", "--mesh", "pp=2"], "E0725", "tied embeddings is not built yet"),
         case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is `300`"),
         case(&["run", "tiny", "--train", "--data", &empty_data], "E0727", "no token ids"),
         case(&["run", &compiled, "--train"], "E0728", "--train compiles its own training graph"),

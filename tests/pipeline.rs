@@ -43,6 +43,52 @@ fn every_schedule_and_depth_matches_the_reference() {
 }
 
 #[test]
+fn zero_bubble_h1_matches_the_reference() {
+    // The backward split into input-gradient and weight-gradient steps, the weight gradients
+    // deferred by the stage index: the same losses, gradients and weights as the reference.
+    let model = four_layers();
+    for mesh in ["pp=2", "pp=4"] {
+        for micro_batches in ["4", "8"] {
+            let report = train(&model, mesh, &["--schedule", "zb-h1", "--micro-batches", micro_batches]);
+            assert_matches_reference(&report, &format!("{mesh} zb-h1 m={micro_batches}"));
+        }
+    }
+    let report = train(&model, "pp=2,tp=2", &["--schedule", "zb-h1", "--micro-batches", "4"]);
+    assert_matches_reference(&report, "pp=2,tp=2 zb-h1");
+}
+
+#[test]
+fn interleaved_one_f_one_b_matches_the_reference() {
+    // Four layers in pp·v = 4 virtual stages: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3,
+    // so activations go 0 -> 1 -> 0 -> 1 and the queue from rank 0 to rank 1 carries chunk 0's
+    // activations and chunk 1's gradients interleaved.
+    let model = four_layers();
+    for (mesh, micro_batches) in [("pp=2", "2"), ("pp=2", "4"), ("pp=2,tp=2", "4")] {
+        let report =
+            train(&model, mesh, &["--schedule", "interleaved", "--chunks", "2", "--micro-batches", micro_batches]);
+        assert_matches_reference(&report, &format!("{mesh} interleaved v=2 m={micro_batches}"));
+    }
+}
+
+#[test]
+fn tied_embeddings_pipeline_like_the_reference() {
+    // The LM head on the last stage reads the embedding table the first stage owns; its part of
+    // the table's gradient travels back and is summed on the first stage.
+    let dir = cli::tempdir("pipeline-tied");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string("examples/tiny/config.json").expect("tiny's config"))
+            .expect("json");
+    config["tie_word_embeddings"] = Value::Bool(true);
+    let path = dir.join("config.json");
+    std::fs::write(&path, config.to_string()).expect("write config");
+    let path = path.to_str().expect("utf-8");
+    for schedule in ["1f1b", "gpipe", "zb-h1"] {
+        let report = train(path, "pp=2", &["--schedule", schedule, "--micro-batches", "4"]);
+        assert_matches_reference(&report, &format!("tied pp=2 {schedule}"));
+    }
+}
+
+#[test]
 fn pipelines_compose_with_the_other_axes() {
     let model = four_layers();
     for (mesh, extra) in [
@@ -105,6 +151,11 @@ fn bad_pipelines_are_refused() {
     assert!(error.contains("--batch 8 does not split into --micro-batches 3"), "{error}");
     let error = error_of(&["run", "tiny", "--train", "--mesh", "pp=4"]);
     assert!(error.contains("pp=4 needs at least one layer a stage, and the model has 2 layers"), "{error}");
+    let error =
+        error_of(&["run", "tiny", "--train", "--mesh", "pp=2", "--schedule", "interleaved", "--micro-batches", "2"]);
+    assert!(error.contains("error[E0791]") && error.contains("4 virtual stages"), "{error}");
+    let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--schedule", "1f1b", "--chunks", "2"]);
+    assert!(error.contains("--chunks 2 applies to --schedule interleaved only"), "{error}");
 }
 
 #[test]
@@ -115,7 +166,7 @@ fn a_schedule_that_cannot_run_is_a_deadlock_the_verifier_names() {
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &pleat_passes::PassCtx::default())
         .expect("differentiates");
     let stage_of = stage_of_nodes(&module, 2, None, config.num_layers).expect("two stages");
-    let step = |micro_batch, phase| ScheduleStep { micro_batch, phase };
+    let step = |micro_batch, phase| ScheduleStep { micro_batch, chunk: 0, phase };
     let (forward, backward) = (Phase::Forward, Phase::Backward);
     // Stage 0 waits for micro-batch 0's gradient before sending micro-batch 1's activations, while
     // stage 1 wants micro-batch 1's activations before it returns micro-batch 0's gradient.
@@ -123,7 +174,7 @@ fn a_schedule_that_cannot_run_is_a_deadlock_the_verifier_names() {
         vec![step(0, forward), step(0, backward), step(1, forward), step(1, backward)],
         vec![step(0, forward), step(1, forward), step(0, backward), step(1, backward)],
     ];
-    let plan = PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: 2 };
+    let plan = PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: 2, chunks: 1 };
     let programs = pipeline_programs(&module, &plan).expect("each stage's program is well formed");
     let error = pleat_backend::verify_collectives(&programs).unwrap_err().to_string();
     assert!(error.contains("rank 0 at instruction") && error.contains("waits for a message from rank 1"), "{error}");
@@ -133,7 +184,7 @@ fn a_schedule_that_cannot_run_is_a_deadlock_the_verifier_names() {
         vec![step(0, forward), step(1, forward), step(0, backward), step(1, backward)],
         vec![step(1, forward), step(0, forward), step(0, backward), step(1, backward)],
     ];
-    let plan = PipelinePlan { stage_of: &stage_of, schedule: &swapped, micro_batches: 2 };
+    let plan = PipelinePlan { stage_of: &stage_of, schedule: &swapped, micro_batches: 2, chunks: 1 };
     let error = pipeline_programs(&module, &plan).unwrap_err().to_string();
     assert!(error.contains("stages 0 and 1 run the Forward of the micro-batches in different orders"), "{error}");
 }

@@ -2,19 +2,35 @@
 //! in a schedule's order.
 //!
 //! The input is a differentiated training module for one micro-batch, sharded over the mesh
-//! inside a stage (tp, dp, ...), and the stage of every node. For each inner rank `i` the module is
-//! lowered once (`lower_rank_traced`); stage `s` of the pipeline then runs, on global rank
-//! `s · inner + i`, the instructions of its own nodes: its parameters are loaded once, and each
-//! schedule step replays its forward or its backward instructions on that micro-batch's own copy of
-//! every buffer. A value one stage defines and another reads travels as a `Send` right after its
-//! definition and a `Recv` at the start of the reader's step (activations forward, their gradients
-//! backward); a weight one stage owns and another reads (a tied LM head) travels the same way.
-//! Graph outputs (the loss and the gradients) are summed over the micro-batches. Everything a step
-//! wrote and no later step of that micro-batch reads is freed at the end of its backward, so the
+//! inside a stage (tp, dp, ...), and the virtual stage of every node. With `v` model chunks a
+//! rank (interleaved schedules) there are `p · v` virtual stages and pipeline rank `r` holds
+//! virtual stages `r, r + p, r + 2p, ...` (its chunks 0, 1, 2, ...); without, a virtual stage is a
+//! rank. For each inner rank `i` the module is lowered once (`lower_rank_traced`); pipeline rank
+//! `r` then runs, on global rank `r · inner + i`, the instructions of its own nodes: its
+//! parameters are loaded once, and each schedule step replays one chunk's forward or backward
+//! (or, for zero-bubble schedules, the backward's input-gradient part `B` or weight-gradient part
+//! `W`, see [`phases`]) on that micro-batch's own copy of every buffer.
+//!
+//! A value one rank defines and another reads travels as a `Send` right after its definition and
+//! a `Recv` in the reader's step (activations forward, their gradients backward). A weight one
+//! stage owns and another reads (a tied LM head reading the embedding table) is sent once a step,
+//! in the owner's first forward, and the reader's contribution to its gradient travels back like an
+//! activation's gradient, to be summed on the owner. Messages between two ranks pair up in order
+//! (a queue a pair), so a rank receives in its sender's order: when a step needs a message, the
+//! messages queued before it are received first and kept for their own steps. Graph outputs (the
+//! loss and the gradients) are summed over the micro-batches. Everything a micro-batch wrote and
+//! no later step of it reads is freed at the end of its last backward step on the rank, so the
 //! measured memory follows the schedule: O(stages) micro-batches in flight for 1F1B, O(micro-
 //! batches) for GPipe. Deadlock freedom is `verify_collectives`'s to prove on the result.
+//!
+//! Submodules: `phases` splits the backward into `B` and `W`; `plan` places the nodes in stages
+//! ([`stage_of_nodes`]) and checks a schedule before it is replayed.
 
-use std::collections::{BTreeSet, HashMap};
+mod phases;
+mod plan;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::ops::Range;
 
 use pleat_ir::entity::EntityRef;
 use pleat_ir::Module;
@@ -22,200 +38,197 @@ use pleat_ir::Module;
 use crate::error::{Error, Result};
 use crate::lower::lower_rank_traced;
 use crate::program::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program};
+pub use plan::stage_of_nodes;
+use plan::{check_plan, phases_of};
 
-/// Whether a schedule step runs a micro-batch's forward or its backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a schedule step runs of one micro-batch on one model chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Phase {
-    /// The stage's forward nodes.
+    /// The chunk's forward nodes.
     Forward,
-    /// The stage's backward nodes.
+    /// The chunk's whole backward.
     Backward,
+    /// The backward's input-gradient part (zero-bubble `B`): what the previous stage waits for.
+    BackwardInput,
+    /// The backward's weight-gradient part (zero-bubble `W`): what no other stage waits for.
+    BackwardWeight,
 }
 
-/// One step of one stage's schedule.
+impl Phase {
+    /// Steps of a micro-batch run in this order on a chunk: forward, then backward (input
+    /// gradient, then weight gradient).
+    fn rank(self) -> u8 {
+        match self {
+            Phase::Forward => 0,
+            Phase::Backward | Phase::BackwardInput => 1,
+            Phase::BackwardWeight => 2,
+        }
+    }
+}
+
+/// One step of one pipeline rank's schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScheduleStep {
     /// The micro-batch.
     pub micro_batch: u32,
-    /// Forward or backward.
+    /// The rank's model chunk (0 without interleaving): virtual stage `chunk · ranks + rank`.
+    pub chunk: u32,
+    /// What the step runs.
     pub phase: Phase,
 }
 
 /// How the module is pipelined.
 pub struct PipelinePlan<'a> {
-    /// For each node, in the module's program order, its stage.
+    /// For each node, in the module's program order, its virtual stage (`chunk · ranks + rank`).
     pub stage_of: &'a [u32],
-    /// Each stage's steps, in order; every micro-batch once forward, then once backward.
+    /// Each pipeline rank's steps, in order. Every (micro-batch, chunk) appears once a phase:
+    /// `Forward` and `Backward`, or `Forward`, `BackwardInput` and `BackwardWeight`.
     pub schedule: &'a [Vec<ScheduleStep>],
     /// Micro-batches a step (each is the module's batch).
     pub micro_batches: u32,
+    /// Model chunks a rank (1 without interleaving).
+    pub chunks: u32,
 }
 
 fn malformed(reason: String) -> Error {
     Error::Pipeline { reason }
 }
 
-/// The layer a node belongs to, from pleat's names (`layer3.…`, `model.layers.3.…`, `grad.…`).
-fn layer_of(name: &str) -> Option<u64> {
-    let name = name.strip_prefix("grad.").unwrap_or(name);
-    let rest = name.strip_prefix("layer").or_else(|| name.strip_prefix("model.layers."))?;
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
-
-/// The stage of every node of `module`, in program order: layers split into `stages` contiguous
-/// runs (`layers_per_stage`, or as even as they go, earlier stages taking the remainder).
-pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u64]>, layers: u64) -> Result<Vec<u32>> {
-    let stages = stages.max(1);
-    if layers_per_stage.is_none() && layers < u64::from(stages) {
-        return Err(malformed(format!(
-            "pp={stages} needs at least one layer a stage, and the model has {layers} layers; use pp <= {layers}"
-        )));
-    }
-    let counts: Vec<u64> = match layers_per_stage {
-        Some(counts) => counts.to_vec(),
-        None => (0..u64::from(stages))
-            .map(|stage| layers / u64::from(stages) + u64::from(stage < layers % u64::from(stages)))
-            .collect(),
-    };
-    if counts.len() != stages as usize || counts.iter().sum::<u64>() != layers || counts.contains(&0) {
-        return Err(malformed(format!(
-            "--pp-layers {counts:?} must give each of the {stages} stages at least one layer and sum to the model's \
-             {layers} layers"
-        )));
-    }
-    let mut layer_stage = Vec::new();
-    for (stage, &count) in counts.iter().enumerate() {
-        layer_stage.extend(std::iter::repeat_n(stage as u32, count as usize));
-    }
-    let last = stages - 1;
+/// The phase of every node of `module` under `plan`'s schedule, in program order.
+pub fn node_phases(module: &Module, plan: &PipelinePlan) -> Result<Vec<Phase>> {
+    let phases = phases_of(plan)?;
     let graph = &module.graph;
-    graph
+    let loss = graph
         .order()
-        .iter()
-        .map(|&node| {
-            let name = graph.node(node).name.as_str();
-            if let Some(layer) = layer_of(name) {
-                return layer_stage
-                    .get(layer as usize)
-                    .copied()
-                    .ok_or_else(|| malformed(format!("node `{name}` names layer {layer} of a {layers}-layer model")));
-            }
-            let bare = name.strip_prefix("grad.").unwrap_or(name);
-            let first = ["embed", "model.embed_tokens", "tokens", "positions"];
-            let final_stage = ["final_norm", "model.norm", "lm_head", "loss", "logits"];
-            if first.iter().any(|prefix| bare.starts_with(prefix)) {
-                Ok(0)
-            } else if final_stage.iter().any(|prefix| bare.starts_with(prefix)) {
-                Ok(last)
-            } else {
-                Err(malformed(format!(
-                    "cannot place node `{name}` in a pipeline stage: it belongs to no layer, embedding or head"
-                )))
-            }
-        })
-        .collect()
-}
-
-/// The programs of every pipeline rank, in global rank order (`stage · inner + inner_rank`).
-pub fn pipeline_programs(module: &Module, plan: &PipelinePlan) -> Result<Vec<Program>> {
-    let graph = &module.graph;
-    let order = graph.order();
-    let stages = plan.schedule.len() as u32;
-    if plan.stage_of.len() != order.len() || stages == 0 {
-        return Err(malformed(format!(
-            "{} stage assignments and {stages} stage schedules for {} nodes",
-            plan.stage_of.len(),
-            order.len()
-        )));
-    }
-    for (stage, steps) in plan.schedule.iter().enumerate() {
-        for phase in [Phase::Forward, Phase::Backward] {
-            let mut seen: Vec<u32> =
-                steps.iter().filter(|step| step.phase == phase).map(|step| step.micro_batch).collect();
-            seen.sort_unstable();
-            if seen != (0..plan.micro_batches).collect::<Vec<_>>() {
-                return Err(malformed(format!(
-                    "stage {stage}'s schedule runs the {phase:?} of micro-batches {seen:?}, not each of 0..{} once",
-                    plan.micro_batches
-                )));
-            }
-        }
-    }
-    // Messages between two stages match in order (a queue per pair of ranks), so neighbouring
-    // stages must run the micro-batches' forwards, and their backwards, in the same order.
-    for (stage, pair) in plan.schedule.windows(2).enumerate() {
-        for phase in [Phase::Forward, Phase::Backward] {
-            let order_of = |steps: &[ScheduleStep]| -> Vec<u32> {
-                steps.iter().filter(|step| step.phase == phase).map(|step| step.micro_batch).collect()
-            };
-            let (earlier, later) = (order_of(&pair[0]), order_of(&pair[1]));
-            if earlier != later {
-                return Err(malformed(format!(
-                    "stages {stage} and {} run the {phase:?} of the micro-batches in different orders ({earlier:?} and \
-                     {later:?}); their messages would pair up wrongly",
-                    stage + 1
-                )));
-            }
-        }
-    }
-    let loss = order
         .iter()
         .position(|&node| graph.node(node).op.is_loss())
         .ok_or_else(|| malformed("a pipelined module must be a training graph with a cross_entropy loss".into()))?;
+    Ok(phases::node_phases(module, loss, phases.len() == 3))
+}
+
+/// Where one schedule step's instructions lie in a rank's program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepSpan {
+    /// The step.
+    pub step: ScheduleStep,
+    /// Its instructions (receives first, then its compute and sends), as indices in the program.
+    pub instructions: Range<usize>,
+}
+
+/// The programs of every pipeline rank, in global rank order (`rank · inner + inner_rank`).
+pub fn pipeline_programs(module: &Module, plan: &PipelinePlan) -> Result<Vec<Program>> {
+    Ok(pipeline_programs_with_spans(module, plan)?.into_iter().map(|(program, _)| program).collect())
+}
+
+/// As [`pipeline_programs`], each program with its steps' spans in schedule order (what turns a
+/// measured run's instruction timings into a timeline of F/B/W blocks).
+pub fn pipeline_programs_with_spans(module: &Module, plan: &PipelinePlan) -> Result<Vec<(Program, Vec<StepSpan>)>> {
+    let order_len = module.graph.order().len();
+    let phases = phases_of(plan)?;
+    check_plan(plan, order_len, phases)?;
+    let node_phase = node_phases(module, plan)?;
+    let ranks = plan.schedule.len() as u32;
     let inner = module.mesh.world_size() as u32;
-    let mut programs: Vec<Option<Program>> = (0..stages * inner).map(|_| None).collect();
+    let mut programs: Vec<Option<(Program, Vec<StepSpan>)>> = (0..ranks * inner).map(|_| None).collect();
     for inner_rank in 0..inner {
         let (base, trace) = lower_rank_traced(module, inner_rank)?;
-        let split = Split::new(&base, &trace, plan.stage_of, loss);
-        for stage in 0..stages {
-            let program = StageProgram::new(&base, &split, plan, stage, inner_rank, inner).build()?;
-            programs[(stage * inner + inner_rank) as usize] = Some(program);
+        let split = Split::new(&base, &trace, plan.stage_of, &node_phase, ranks);
+        // Sends do not depend on where receives go: a first build gives every queue's order, the
+        // second receives in it.
+        let mut queues: HashMap<(u32, u32), Vec<BufferId>> = HashMap::new();
+        for rank in 0..ranks {
+            let (program, _) = StageProgram::new(&base, &split, plan, rank, inner_rank, inner, None).build()?;
+            for instr in &program.instructions {
+                if let Instr::Send { bufs, peer } = instr {
+                    queues.entry((program.rank, *peer)).or_default().extend(bufs);
+                }
+            }
+        }
+        for rank in 0..ranks {
+            let program = StageProgram::new(&base, &split, plan, rank, inner_rank, inner, Some(&queues)).build()?;
+            programs[(rank * inner + inner_rank) as usize] = Some(program);
         }
     }
     Ok(programs.into_iter().map(|program| program.expect("every rank was built")).collect())
 }
 
-/// Which stage and phase each instruction of a base program belongs to, and which buffers cross
-/// stages.
+/// Which virtual stage and phase each instruction of a base program belongs to, and who reads
+/// and writes each buffer.
 struct Split {
-    /// Per instruction: its stage and phase (`None`: the trailing outputs).
+    /// Pipeline ranks.
+    ranks: u32,
+    /// Per instruction: its virtual stage and phase (`None`: the trailing outputs).
     owner: Vec<Option<(u32, Phase)>>,
-    /// Per buffer: the stage and phase of the instruction that writes it.
+    /// Per buffer: the virtual stage and phase of the instruction that writes it.
     writer: HashMap<BufferId, (u32, Phase)>,
+    /// Per buffer: the virtual stages and phases of the instructions that read it.
+    readers: HashMap<BufferId, BTreeSet<(u32, Phase)>>,
+    /// Token and position buffers (every rank loads its own).
+    loads: HashSet<BufferId>,
+    /// Graph output buffers.
+    outputs: HashSet<BufferId>,
 }
 
 impl Split {
-    fn new(base: &Program, trace: &[Option<usize>], stage_of: &[u32], loss: usize) -> Split {
-        let owner: Vec<Option<(u32, Phase)>> = trace
-            .iter()
-            .map(|node| node.map(|node| (stage_of[node], if node <= loss { Phase::Forward } else { Phase::Backward })))
-            .collect();
+    fn new(base: &Program, trace: &[Option<usize>], stage_of: &[u32], phase_of: &[Phase], ranks: u32) -> Split {
+        let owner: Vec<Option<(u32, Phase)>> =
+            trace.iter().map(|node| node.map(|node| (stage_of[node], phase_of[node]))).collect();
         let mut writer = HashMap::new();
+        let mut readers: HashMap<BufferId, BTreeSet<(u32, Phase)>> = HashMap::new();
+        let mut loads = HashSet::new();
+        let mut outputs = HashSet::new();
         for (instr, owner) in base.instructions.iter().zip(&owner) {
+            match instr {
+                Instr::LoadTokens { out, .. } | Instr::LoadPositions { out, .. } => {
+                    loads.insert(*out);
+                }
+                Instr::Output { buf, .. } => {
+                    outputs.insert(*buf);
+                }
+                _ => {}
+            }
             if let Some(owner) = owner {
                 for out in instr.outs() {
                     writer.entry(out).or_insert(*owner);
                 }
+                if !matches!(instr, Instr::Free { .. }) {
+                    for input in instr.inputs() {
+                        readers.entry(input).or_default().insert(*owner);
+                    }
+                }
             }
         }
-        Split { owner, writer }
+        Split { ranks, owner, writer, readers, loads, outputs }
+    }
+
+    fn rank_of(&self, virtual_stage: u32) -> u32 {
+        virtual_stage % self.ranks
     }
 }
 
-/// Builds one stage's program for one inner rank.
+/// Builds one pipeline rank's program for one inner rank.
 struct StageProgram<'a> {
     base: &'a Program,
     split: &'a Split,
     plan: &'a PipelinePlan<'a>,
-    stage: u32,
+    rank: u32,
     inner_rank: u32,
     inner: u32,
     program: Program,
-    /// Per micro-batch, the buffers written and not yet freed.
+    /// Per micro-batch, the buffers written or received and not yet freed.
     live: Vec<BTreeSet<BufferId>>,
+    /// Per micro-batch, its last-phase backward steps still to run on this rank.
+    backwards_left: Vec<u32>,
+    /// Parameters received from their owner (once a step).
+    received_params: BTreeSet<BufferId>,
+    /// Parameters sent to the ranks that read them (once a step).
+    sent_params: BTreeSet<BufferId>,
     /// Per graph output buffer (base id): the running sum over micro-batches, if any yet.
     sums: HashMap<BufferId, BufferId>,
+    /// Each sender's messages to this rank in its order (global ranks), once known.
+    queues: Option<&'a HashMap<(u32, u32), Vec<BufferId>>>,
+    /// Per sender (global rank): how many of its messages this rank has received.
+    received: HashMap<u32, usize>,
 }
 
 impl<'a> StageProgram<'a> {
@@ -223,9 +236,10 @@ impl<'a> StageProgram<'a> {
         base: &'a Program,
         split: &'a Split,
         plan: &'a PipelinePlan,
-        stage: u32,
+        rank: u32,
         inner_rank: u32,
         inner: u32,
+        queues: Option<&'a HashMap<(u32, u32), Vec<BufferId>>>,
     ) -> Self {
         let micro_batches = plan.micro_batches as usize;
         let mut buffers = Vec::with_capacity(base.buffers.len() * micro_batches);
@@ -240,55 +254,87 @@ impl<'a> StageProgram<'a> {
         if let Some(batch) = tokens_shape.first_mut() {
             *batch *= u64::from(plan.micro_batches);
         }
+        let ranks = plan.schedule.len() as u32;
         let program = Program {
             format_version: base.format_version,
             model: base.model.clone(),
-            mesh: if base.mesh.is_empty() {
-                format!("pp={}", plan.schedule.len())
-            } else {
-                format!("pp={},{}", plan.schedule.len(), base.mesh)
-            },
-            rank: stage * inner + inner_rank,
-            world_size: plan.schedule.len() as u32 * inner,
+            mesh: if base.mesh.is_empty() { format!("pp={ranks}") } else { format!("pp={ranks},{}", base.mesh) },
+            rank: rank * inner + inner_rank,
+            world_size: ranks * inner,
             tokens_shape,
             buffers,
             instructions: Vec::new(),
         };
+        let last = if plan.schedule.iter().flatten().any(|step| step.phase == Phase::BackwardWeight) {
+            Phase::BackwardWeight
+        } else {
+            Phase::Backward
+        };
+        let mut backwards_left = vec![0; micro_batches];
+        for step in plan.schedule[rank as usize].iter().filter(|step| step.phase == last) {
+            backwards_left[step.micro_batch as usize] += 1;
+        }
         StageProgram {
             base,
             split,
             plan,
-            stage,
+            rank,
             inner_rank,
             inner,
             program,
             live: vec![BTreeSet::new(); micro_batches],
+            backwards_left,
+            received_params: BTreeSet::new(),
+            sent_params: BTreeSet::new(),
             sums: HashMap::new(),
+            queues,
+            received: HashMap::new(),
         }
     }
 
-    fn global(&self, stage: u32, inner_rank: u32) -> u32 {
-        stage * self.inner + inner_rank
+    fn global(&self, rank: u32, inner_rank: u32) -> u32 {
+        rank * self.inner + inner_rank
+    }
+
+    /// Whether virtual stage `virtual_stage` is one of this rank's chunks.
+    fn holds(&self, virtual_stage: u32) -> bool {
+        self.split.rank_of(virtual_stage) == self.rank
+    }
+
+    /// Whether `buffer` (a base buffer or a micro-batch's copy of one) is a parameter.
+    fn is_param(&self, buffer: BufferId) -> bool {
+        self.base.buffer(self.base_of(buffer)).kind == BufferKind::Param
     }
 
     /// Buffer `buffer` of the base program in micro-batch `micro_batch`'s copy (parameters have one).
     fn copy(&self, buffer: BufferId, micro_batch: u32) -> BufferId {
-        if self.base.buffer(buffer).kind == BufferKind::Param {
+        if self.is_param(buffer) {
             buffer
         } else {
             BufferId::new(buffer.as_u32() as usize + micro_batch as usize * self.base.buffers.len())
         }
     }
 
-    fn build(mut self) -> Result<Program> {
+    fn base_of(&self, copy: BufferId) -> BufferId {
+        BufferId::new(copy.as_u32() as usize % self.base.buffers.len())
+    }
+
+    fn micro_batch_of(&self, copy: BufferId) -> usize {
+        copy.as_u32() as usize / self.base.buffers.len()
+    }
+
+    fn build(mut self) -> Result<(Program, Vec<StepSpan>)> {
         // Parameters load once, before the first step.
         for (instr, owner) in self.base.instructions.iter().zip(&self.split.owner) {
-            if matches!(instr, Instr::LoadParam { .. }) && owner.map(|(stage, _)| stage) == Some(self.stage) {
+            if matches!(instr, Instr::LoadParam { .. }) && owner.is_some_and(|(stage, _)| self.holds(stage)) {
                 self.program.instructions.push(instr.clone());
             }
         }
-        for step in &self.plan.schedule[self.stage as usize] {
+        let mut spans = Vec::with_capacity(self.plan.schedule[self.rank as usize].len());
+        for step in &self.plan.schedule[self.rank as usize] {
+            let start = self.program.instructions.len();
             self.step(*step)?;
+            spans.push(StepSpan { step: *step, instructions: start..self.program.instructions.len() });
         }
         for instr in &self.base.instructions {
             let Instr::Output { buf, index, shape, region } = instr else { continue };
@@ -297,64 +343,131 @@ impl<'a> StageProgram<'a> {
                 self.program.instructions.push(Instr::Output { buf: sum, index, shape, region });
             }
         }
-        Ok(self.program)
+        Ok((self.program, spans))
     }
 
-    /// Whether the base instruction at `at` runs in this stage's `phase`: its own, or an input
-    /// load the phase's instructions read (every stage loads the tokens and positions it uses).
-    fn runs(&self, at: usize, phase: Phase) -> bool {
+    /// Whether the base instruction at `at` runs in `virtual_stage`'s `phase`: its own, or an
+    /// input load the stage reads (every rank loads the tokens and positions it uses).
+    fn runs(&self, at: usize, virtual_stage: u32, phase: Phase) -> bool {
         let instr = &self.base.instructions[at];
         if matches!(instr, Instr::LoadParam { .. } | Instr::Output { .. }) {
             return false;
         }
         if matches!(instr, Instr::LoadTokens { .. } | Instr::LoadPositions { .. }) {
             let out = instr.out().expect("a load writes one buffer");
-            return phase == Phase::Forward && self.reads_in_stage(out);
+            let read = self.split.readers.get(&out);
+            return phase == Phase::Forward && read.is_some_and(|read| read.iter().any(|&(s, _)| s == virtual_stage));
         }
-        self.split.owner[at] == Some((self.stage, phase))
+        self.split.owner[at] == Some((virtual_stage, phase))
     }
 
-    fn reads_in_stage(&self, buffer: BufferId) -> bool {
-        self.base
-            .instructions
-            .iter()
-            .zip(&self.split.owner)
-            .any(|(instr, owner)| owner.map(|(stage, _)| stage) == Some(self.stage) && instr.inputs().contains(&buffer))
+    /// Receives `copy` from global rank `peer`, and before it whatever `peer` queued ahead of it.
+    fn receive(&mut self, peer: u32, copy: BufferId) -> Result<()> {
+        if self.is_param(copy) && !self.received_params.insert(copy) {
+            return Ok(());
+        }
+        let Some(queues) = self.queues else {
+            if !self.is_param(copy) {
+                let micro_batch = self.micro_batch_of(copy);
+                self.live[micro_batch].insert(copy);
+            }
+            self.program.instructions.push(Instr::Recv { outs: vec![copy], peer });
+            return Ok(());
+        };
+        let queue = queues.get(&(peer, self.program.rank)).map_or(&[][..], Vec::as_slice);
+        loop {
+            let at = self.received.entry(peer).or_insert(0);
+            let Some(&next) = queue.get(*at) else {
+                return Err(malformed(format!(
+                    "rank {} waits for buffer {copy} from rank {peer}, which never sends it",
+                    self.program.rank
+                )));
+            };
+            *at += 1;
+            if self.is_param(next) {
+                self.received_params.insert(next);
+            } else {
+                let micro_batch = self.micro_batch_of(next);
+                self.live[micro_batch].insert(next);
+            }
+            self.program.instructions.push(Instr::Recv { outs: vec![next], peer });
+            if next == copy {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Whether this rank still holds `copy`: received or computed for its micro-batch and not freed.
+    fn has(&self, copy: BufferId) -> bool {
+        if self.is_param(copy) {
+            self.received_params.contains(&copy)
+        } else {
+            self.live[self.micro_batch_of(copy)].contains(&copy)
+        }
     }
 
     fn step(&mut self, step: ScheduleStep) -> Result<()> {
-        let ScheduleStep { micro_batch, phase } = step;
-        let mine: Vec<usize> = (0..self.base.instructions.len()).filter(|&at| self.runs(at, phase)).collect();
-        // Values other stages define in this phase that this stage reads arrive first, one message
-        // each. A forward value arrives in the forward step even when only the backward reads it.
+        let ScheduleStep { micro_batch, chunk, phase } = step;
+        let virtual_stage = chunk * self.split.ranks + self.rank;
+        // Values other ranks write in this phase that this stage reads arrive first. A forward
+        // value arrives in the forward step even when only the backward reads it, and a value
+        // of the backward's first part even when only its second part reads it.
         let mut incoming: BTreeSet<(u32, BufferId)> = BTreeSet::new();
         for (instr, owner) in self.base.instructions.iter().zip(&self.split.owner) {
             let Some((stage, reader_phase)) = *owner else { continue };
-            if stage != self.stage || (phase == Phase::Backward && reader_phase == Phase::Forward) {
+            if stage != virtual_stage || reader_phase.rank() < phase.rank() || matches!(instr, Instr::Free { .. }) {
                 continue;
             }
             for input in instr.inputs() {
                 let Some(&(writer_stage, writer_phase)) = self.split.writer.get(&input) else { continue };
-                if writer_stage != self.stage && writer_phase == phase && !self.is_load(input) {
-                    incoming.insert((writer_stage, input));
+                if !self.holds(writer_stage) && writer_phase == phase && !self.split.loads.contains(&input) {
+                    incoming.insert((self.split.rank_of(writer_stage), input));
                 }
             }
         }
-        for (stage, buffer) in incoming {
-            let out = self.copy(buffer, micro_batch);
-            if self.live[micro_batch as usize].insert(out) {
-                let peer = self.global(stage, self.inner_rank);
-                self.program.instructions.push(Instr::Recv { outs: vec![out], peer });
+        for (rank, buffer) in incoming {
+            let copy = self.copy(buffer, micro_batch);
+            if !self.has(copy) {
+                self.receive(self.global(rank, self.inner_rank), copy)?;
             }
         }
+        if phase == Phase::Forward {
+            // Weights this stage owns that other ranks read (a tied LM head) go out once a step.
+            let params: Vec<BufferId> = self
+                .base
+                .instructions
+                .iter()
+                .zip(&self.split.owner)
+                .filter_map(|(instr, owner)| match (instr, owner) {
+                    (Instr::LoadParam { out, .. }, Some((stage, _))) if *stage == virtual_stage => Some(*out),
+                    _ => None,
+                })
+                .collect();
+            for param in params {
+                if self.sent_params.insert(param) {
+                    self.send_to_readers(param, micro_batch, virtual_stage, phase);
+                }
+            }
+        }
+        let mine: Vec<usize> =
+            (0..self.base.instructions.len()).filter(|&at| self.runs(at, virtual_stage, phase)).collect();
         for at in mine {
             let instr = self.base.instructions[at].clone();
             if let Instr::Free { buf } = instr {
                 let copy = self.copy(buf, micro_batch);
-                if self.is_output(buf) || !self.live[micro_batch as usize].remove(&copy) {
+                if self.split.outputs.contains(&buf)
+                    || self.read_later(buf, virtual_stage, phase)
+                    || !self.live[micro_batch as usize].remove(&copy)
+                {
                     continue;
                 }
                 self.program.instructions.push(Instr::Free { buf: copy });
+                continue;
+            }
+            if matches!(instr, Instr::LoadTokens { .. } | Instr::LoadPositions { .. })
+                && instr.out().is_some_and(|out| self.has(self.copy(out, micro_batch)))
+            {
+                // Another chunk of this rank loaded it for the micro-batch already.
                 continue;
             }
             let remapped = self.remap(&instr, micro_batch);
@@ -362,57 +475,57 @@ impl<'a> StageProgram<'a> {
             for out in instr.outs() {
                 let copy = self.copy(out, micro_batch);
                 self.live[micro_batch as usize].insert(copy);
-                self.send_to_readers(out, micro_batch, phase);
-                if self.is_output(out) {
+                self.send_to_readers(out, micro_batch, virtual_stage, phase);
+                if self.split.outputs.contains(&out) {
                     self.accumulate(out, micro_batch);
                 }
             }
         }
-        if phase == Phase::Backward {
-            // The micro-batch is done on this stage: release what it still holds.
-            let held = std::mem::take(&mut self.live[micro_batch as usize]);
-            for buffer in held {
-                if self.base.buffer(self.base_of(buffer)).kind != BufferKind::Param {
-                    self.program.instructions.push(Instr::Free { buf: buffer });
+        if matches!(phase, Phase::Backward | Phase::BackwardWeight) {
+            let left = &mut self.backwards_left[micro_batch as usize];
+            *left = left.saturating_sub(1);
+            if *left == 0 {
+                // The micro-batch is done on this rank: release what it still holds.
+                let held = std::mem::take(&mut self.live[micro_batch as usize]);
+                for buffer in held {
+                    if !self.is_param(self.base_of(buffer)) {
+                        self.program.instructions.push(Instr::Free { buf: buffer });
+                    }
                 }
             }
         }
         Ok(())
     }
 
-    /// Whether `buffer` is a token or position load (every stage loads its own).
-    fn is_load(&self, buffer: BufferId) -> bool {
-        self.base.instructions.iter().any(
-            |instr| matches!(instr, Instr::LoadTokens { out, .. } | Instr::LoadPositions { out, .. } if *out == buffer),
-        )
+    /// Whether a step of this rank other than (`virtual_stage`, `phase`), and not before it, reads
+    /// `buffer`: then its free waits for the end of the micro-batch.
+    fn read_later(&self, buffer: BufferId, virtual_stage: u32, phase: Phase) -> bool {
+        self.split.readers.get(&buffer).is_some_and(|readers| {
+            readers.iter().any(|&(stage, reader_phase)| {
+                self.holds(stage)
+                    && (stage, reader_phase) != (virtual_stage, phase)
+                    && (stage != virtual_stage || reader_phase.rank() > phase.rank())
+            })
+        })
     }
 
-    fn base_of(&self, copy: BufferId) -> BufferId {
-        BufferId::new(copy.as_u32() as usize % self.base.buffers.len())
-    }
-
-    fn is_output(&self, buffer: BufferId) -> bool {
-        self.base.instructions.iter().any(|instr| matches!(instr, Instr::Output { buf, .. } if *buf == buffer))
-    }
-
-    /// Sends `buffer` (just written) to every other stage that reads it, once each.
-    fn send_to_readers(&mut self, buffer: BufferId, micro_batch: u32, phase: Phase) {
-        if self.is_load(buffer) {
+    /// Sends `buffer` (just written by `virtual_stage` in `phase`) to every other rank that reads
+    /// it, once each.
+    fn send_to_readers(&mut self, buffer: BufferId, micro_batch: u32, virtual_stage: u32, phase: Phase) {
+        if self.split.loads.contains(&buffer) {
             return;
         }
-        let mut readers: BTreeSet<u32> = BTreeSet::new();
-        for (instr, owner) in self.base.instructions.iter().zip(&self.split.owner) {
-            let Some((stage, reader_phase)) = *owner else { continue };
-            if stage != self.stage
-                && instr.inputs().contains(&buffer)
-                && (reader_phase == phase || phase == Phase::Forward)
-            {
-                readers.insert(stage);
-            }
-        }
+        let Some(readers) = self.split.readers.get(&buffer) else { return };
+        let ranks: BTreeSet<u32> = readers
+            .iter()
+            .filter(|&&(stage, reader_phase)| {
+                stage != virtual_stage && !self.holds(stage) && reader_phase.rank() >= phase.rank()
+            })
+            .map(|&(stage, _)| self.split.rank_of(stage))
+            .collect();
         let copy = self.copy(buffer, micro_batch);
-        for stage in readers {
-            let peer = self.global(stage, self.inner_rank);
+        for rank in ranks {
+            let peer = self.global(rank, self.inner_rank);
             self.program.instructions.push(Instr::Send { bufs: vec![copy], peer });
         }
     }
@@ -445,9 +558,9 @@ impl<'a> StageProgram<'a> {
         let buffers = |ids: &[BufferId]| ids.iter().map(buffer).collect::<Vec<_>>();
         let group = |group: &Group| Group {
             axis: group.axis.clone(),
-            ranks: group.ranks.iter().map(|&rank| self.global(self.stage, rank)).collect(),
+            ranks: group.ranks.iter().map(|&rank| self.global(self.rank, rank)).collect(),
         };
-        let peer = |peer: &u32| self.global(self.stage, *peer);
+        let peer = |peer: &u32| self.global(self.rank, *peer);
         match instr {
             Instr::LoadParam { .. } | Instr::Output { .. } | Instr::Free { .. } => instr.clone(),
             Instr::LoadTokens { out, region } => {

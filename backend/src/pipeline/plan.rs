@@ -1,0 +1,147 @@
+//! Where a pipelined module's nodes go and whether a schedule can be replayed: each node's
+//! virtual stage from its layer ([`stage_of_nodes`]), the phases a schedule uses, and the check
+//! that every rank runs every (micro-batch, chunk) once in each phase.
+//!
+//! Guarantee: a plan these checks accept names every node's stage in range and every step once;
+//! anything else is an `Error::Pipeline` that says what is wrong.
+
+use std::collections::BTreeSet;
+
+use pleat_ir::Module;
+
+use super::{malformed, Phase, PipelinePlan, ScheduleStep};
+use crate::error::Result;
+
+/// The layer a node belongs to, from pleat's names (`layer3.…`, `model.layers.3.…`, `grad.…`).
+fn layer_of(name: &str) -> Option<u64> {
+    let name = name.strip_prefix("grad.").unwrap_or(name);
+    let rest = name.strip_prefix("layer").or_else(|| name.strip_prefix("model.layers."))?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// The stage of every node of `module`, in program order: layers split into `stages` contiguous
+/// runs (`layers_per_stage`, or as even as they go, earlier stages taking the remainder).
+pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u64]>, layers: u64) -> Result<Vec<u32>> {
+    let stages = stages.max(1);
+    if layers_per_stage.is_none() && layers < u64::from(stages) {
+        return Err(malformed(format!(
+            "pp={stages} needs at least one layer a stage, and the model has {layers} layers; use pp <= {layers}"
+        )));
+    }
+    let counts: Vec<u64> = match layers_per_stage {
+        Some(counts) => counts.to_vec(),
+        None => (0..u64::from(stages))
+            .map(|stage| layers / u64::from(stages) + u64::from(stage < layers % u64::from(stages)))
+            .collect(),
+    };
+    if counts.len() != stages as usize || counts.iter().sum::<u64>() != layers || counts.contains(&0) {
+        return Err(malformed(format!(
+            "--pp-layers {counts:?} must give each of the {stages} stages at least one layer and sum to the model's \
+             {layers} layers"
+        )));
+    }
+    let mut layer_stage = Vec::new();
+    for (stage, &count) in counts.iter().enumerate() {
+        layer_stage.extend(std::iter::repeat_n(stage as u32, count as usize));
+    }
+    let last = stages - 1;
+    let graph = &module.graph;
+    graph
+        .order()
+        .iter()
+        .map(|&node| {
+            let name = graph.node(node).name.as_str();
+            if let Some(layer) = layer_of(name) {
+                return layer_stage
+                    .get(layer as usize)
+                    .copied()
+                    .ok_or_else(|| malformed(format!("node `{name}` names layer {layer} of a {layers}-layer model")));
+            }
+            let bare = name.strip_prefix("grad.").unwrap_or(name);
+            let first = ["embed", "model.embed_tokens", "tokens", "positions"];
+            let final_stage = ["final_norm", "model.norm", "lm_head", "loss", "logits"];
+            if first.iter().any(|prefix| bare.starts_with(prefix)) {
+                Ok(0)
+            } else if final_stage.iter().any(|prefix| bare.starts_with(prefix)) {
+                Ok(last)
+            } else {
+                Err(malformed(format!(
+                    "cannot place node `{name}` in a pipeline stage: it belongs to no layer, embedding or head"
+                )))
+            }
+        })
+        .collect()
+}
+
+/// The phases a schedule's steps use: `[Forward, Backward]`, or the zero-bubble split.
+pub(super) fn phases_of(plan: &PipelinePlan) -> Result<&'static [Phase]> {
+    const WHOLE: &[Phase] = &[Phase::Forward, Phase::Backward];
+    const SPLIT: &[Phase] = &[Phase::Forward, Phase::BackwardInput, Phase::BackwardWeight];
+    let used: BTreeSet<Phase> = plan.schedule.iter().flatten().map(|step| step.phase).collect();
+    if used.iter().all(|phase| WHOLE.contains(phase)) {
+        Ok(WHOLE)
+    } else if used.iter().all(|phase| SPLIT.contains(phase)) {
+        Ok(SPLIT)
+    } else {
+        Err(malformed(format!("the schedule mixes whole and split backwards ({used:?}); use one or the other")))
+    }
+}
+
+/// Checks that every rank runs every (micro-batch, chunk) once in each phase.
+pub(super) fn check_plan(plan: &PipelinePlan, order_len: usize, phases: &[Phase]) -> Result<()> {
+    let ranks = plan.schedule.len() as u32;
+    if plan.stage_of.len() != order_len || ranks == 0 || plan.chunks == 0 {
+        return Err(malformed(format!(
+            "{} stage assignments, {ranks} rank schedules and {} chunks a rank for {order_len} nodes",
+            plan.stage_of.len(),
+            plan.chunks
+        )));
+    }
+    if let Some(&stage) = plan.stage_of.iter().find(|&&stage| stage >= ranks * plan.chunks) {
+        return Err(malformed(format!(
+            "a node is placed in virtual stage {stage}, and {ranks} ranks of {} chunks have {}",
+            plan.chunks,
+            ranks * plan.chunks
+        )));
+    }
+    for (rank, steps) in plan.schedule.iter().enumerate() {
+        for chunk in 0..plan.chunks {
+            for &phase in phases {
+                let mut seen: Vec<u32> = steps
+                    .iter()
+                    .filter(|step| step.phase == phase && step.chunk == chunk)
+                    .map(|step| step.micro_batch)
+                    .collect();
+                seen.sort_unstable();
+                if seen != (0..plan.micro_batches).collect::<Vec<_>>() {
+                    return Err(malformed(format!(
+                        "rank {rank}'s schedule runs the {phase:?} of chunk {chunk} on micro-batches {seen:?}, not on \
+                         each of 0..{} once",
+                        plan.micro_batches
+                    )));
+                }
+            }
+        }
+    }
+    if plan.chunks == 1 {
+        // Neighbouring stages that order their micro-batches differently would make every message
+        // wait behind the others; refuse such a plan by name instead.
+        for (stage, pair) in plan.schedule.windows(2).enumerate() {
+            for &phase in phases {
+                let order_of = |steps: &[ScheduleStep]| -> Vec<u32> {
+                    steps.iter().filter(|step| step.phase == phase).map(|step| step.micro_batch).collect()
+                };
+                let (earlier, later) = (order_of(&pair[0]), order_of(&pair[1]));
+                if earlier != later {
+                    return Err(malformed(format!(
+                        "stages {stage} and {} run the {phase:?} of the micro-batches in different orders ({earlier:?} \
+                         and {later:?}); their messages would pair up wrongly",
+                        stage + 1
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
