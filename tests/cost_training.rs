@@ -163,12 +163,14 @@ fn compile_pipelined(
                 .iter()
                 .map(|step| ScheduleStep {
                     micro_batch: step.micro_batch,
+                    chunk: 0,
                     phase: if step.phase == PlannedPhase::Forward { Phase::Forward } else { Phase::Backward },
                 })
                 .collect()
         })
         .collect();
-    let plan = PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: layout.micro_batches };
+    let plan =
+        PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: layout.micro_batches, chunks: 1 };
     let programs = pipeline_programs(&module, &plan).expect("pipeline programs");
     pleat_backend::verify_collectives(&programs).expect("collectives match");
     // Each rank updates the parameters its stage loads (its dp share of them under ZeRO).
