@@ -10,11 +10,16 @@ use serde_json::Value;
 
 /// tiny with four layers, as a config.json in a fresh directory.
 fn four_layers() -> String {
+    tiny_with_layers(4)
+}
+
+/// tiny with `layers` layers, as a config.json in a fresh directory.
+fn tiny_with_layers(layers: u64) -> String {
     let dir = cli::tempdir("pipeline");
     let mut config: Value =
         serde_json::from_str(&std::fs::read_to_string("examples/tiny/config.json").expect("tiny's config"))
             .expect("json");
-    config["num_hidden_layers"] = Value::from(4);
+    config["num_hidden_layers"] = Value::from(layers);
     let path = dir.join("config.json");
     std::fs::write(&path, config.to_string()).expect("write config");
     path.to_str().expect("utf-8").to_string()
@@ -68,6 +73,21 @@ fn interleaved_one_f_one_b_matches_the_reference() {
             train(&model, mesh, &["--schedule", "interleaved", "--chunks", "2", "--micro-batches", micro_batches]);
         assert_matches_reference(&report, &format!("{mesh} interleaved v=2 m={micro_batches}"));
     }
+    // pp=4 with v=2 needs eight virtual stages: eight layers, one a virtual stage.
+    let eight = tiny_with_layers(8);
+    let report = train(&eight, "pp=4", &["--schedule", "interleaved", "--chunks", "2", "--micro-batches", "4"]);
+    assert_matches_reference(&report, "pp=4 interleaved v=2 m=4");
+}
+
+#[test]
+fn every_schedule_composes_with_tsp() {
+    let model = four_layers();
+    for schedule in ["gpipe", "1f1b", "zb-h1"] {
+        let report = train(&model, "pp=2,tsp=2", &["--schedule", schedule, "--micro-batches", "4"]);
+        assert_matches_reference(&report, &format!("pp=2,tsp=2 {schedule}"));
+    }
+    let report = train(&model, "pp=2,tsp=2", &["--schedule", "interleaved", "--chunks", "2", "--micro-batches", "2"]);
+    assert_matches_reference(&report, "pp=2,tsp=2 interleaved");
 }
 
 #[test]
