@@ -362,7 +362,22 @@ impl Backward<'_> {
     fn relayout(&mut self, value: ValueId, target: &ShardSpec) -> Result<ValueId, AutodiffError> {
         let mut current = value;
         let shape = self.graph.value(value).ty.shape.clone();
-        for axis in self.graph.value(value).spec.partial.clone() {
+        // Slice first what can be sliced while sums are still pending on other axes: the sums then
+        // move only the rank's block (a vocab-parallel embedding's gradient is sliced on tp before
+        // it is all-reduced over dp, not after).
+        for dim in 0..shape.rank() {
+            loop {
+                let spec = &self.graph.value(current).spec;
+                let (have, want) = (&spec.dims[dim], &target.dims[dim]);
+                let Some(&axis) = want.get(have.len()).filter(|_| want.starts_with(have)) else { break };
+                if spec.uses_axis(axis) {
+                    break;
+                }
+                let dim = shape.dims()[dim].name;
+                current = self.collective(current, Op::LocalSlice { axis, dim }, "local_slice")?;
+            }
+        }
+        for axis in self.graph.value(current).spec.partial.clone() {
             if target.partial.contains(&axis) {
                 continue;
             }

@@ -10,10 +10,8 @@
 //! gradient at the peak is the rest:
 //! - **tp** (with or without Megatron SP): slices its vocabulary shard, a gradient output (counted
 //!   with the gradients). **dp** and **cp**: all-reduce it into the gradient output.
-//! - **dp × tp**: all-reduces the whole `[V, h]` over dp *before* slicing the tp shard, so a second
-//!   whole-vocabulary buffer (the all-reduce's output) is live, and the rank's `[V/tp, h]` gradient
-//!   is not written yet: `V·h·(1 - 1/tp)` elements more than tp alone (65,536 bytes for `tiny`,
-//!   `V = 256`, `h = 128`, tp = 2, f32).
+//! - **dp × tp**: slices the tp shard first and all-reduces only the `[V/tp, h]` shard over dp
+//!   (autodiff slices before it reduces), so it peaks as tp alone does.
 //! - **ZeRO-2 and 3** over dp: reduce-scatter it instead, so the executor stages the whole input
 //!   (`[V, h]` more) while the rank's `[V/dp, h]` gradient shard is not written yet. ZeRO-2 also
 //!   holds only a dp shard of every other gradient, ZeRO-3 also of every parameter (nothing is
@@ -44,16 +42,6 @@ pub const GRADIENTS: &str = "gradients of every parameter";
 /// every row of the table, before tp slices the rank's rows from it or dp reduces it.
 pub const WHOLE_EMBEDDING_GRADIENT: &str =
     "embedding gradient over the whole vocabulary (before it is sliced or reduced)";
-
-/// dp × tp: the output of the dp all-reduce of the whole-vocabulary embedding gradient. The
-/// compiler reduces over dp before tp slices the vocabulary shard, so input and output (`[V, h]`
-/// each) are live together at the all-reduce, the step's peak.
-pub const DP_ALL_REDUCED_EMBEDDING_GRADIENT: &str =
-    "dp all-reduced copy of the whole-vocabulary embedding gradient (reduced before the tp slice)";
-
-/// dp × tp: the rank's `[V/tp, h]` embedding gradient, counted with the gradients but not written
-/// at the peak (it is sliced from the all-reduce's output after it), so negative.
-pub const TP_EMBEDDING_SHARD_NOT_YET_SLICED: &str = "embedding gradient's vocabulary shard, not sliced yet (removed)";
 
 /// ZeRO-2 and 3: the executor's staging of the reduce-scatter of the whole-vocabulary embedding
 /// gradient: its whole input, `[V, h]`, held while the collective runs, which is the step's peak.
@@ -100,11 +88,6 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
         Term { name: "loss", bytes: element },
         Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
     ];
-    if dp > 1.0 && tp > 1.0 {
-        terms.push(Term { name: DP_ALL_REDUCED_EMBEDDING_GRADIENT, bytes: whole });
-        let shard = (model.vocab as f64 / tp).ceil() * model.hidden as f64 * element;
-        terms.push(Term { name: TP_EMBEDDING_SHARD_NOT_YET_SLICED, bytes: -shard });
-    }
     if zero >= 2 {
         terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
         terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / dp });
@@ -273,16 +256,16 @@ mod tests {
     }
 
     #[test]
-    fn dp_by_tp_holds_the_all_reduced_copy_by_hand() {
-        // dp=2 x tp=2 against tp=2: a second [256, 128] buffer, less the [128, 128] shard not yet
-        // sliced: (32768 - 16384) · 4 = 65,536 bytes.
+    fn dp_by_tp_peaks_as_tp_alone_by_hand() {
+        // dp=2 x tp=2 slices the embedding gradient's tp shard before the dp all-reduce: the same
+        // buffers as tp=2 are live at the end of the backward.
         let model = tiny();
         let workload = Workload::training(8, 1);
         let tp = compiled_training_peak(&model, &Layout::new(&[(AxisName::Tp, 2)], false), &workload).unwrap();
         let layout = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false);
         let dp_tp = compiled_training_peak(&model, &layout, &workload).unwrap();
         assert_eq!(dp_tp.params, tp.params);
-        assert_eq!(extra(&dp_tp) - extra(&tp), 65536.0);
+        assert_eq!(extra(&dp_tp), extra(&tp));
     }
 
     #[test]
