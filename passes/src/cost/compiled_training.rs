@@ -70,7 +70,6 @@ fn zero_stage(workload: &Workload) -> u8 {
 /// executor adds them beside it.
 pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let dp = layout.degree(AxisName::Dp);
-    let tp = layout.degree(AxisName::Tp);
     let zero = if dp > 1 { zero_stage(workload) } else { 0 };
     let beside_dp = layout.world_size() / dp;
     if layout.degree(AxisName::Tsp) > 1 || layout.degree(AxisName::Pp) > 1 || (zero >= 2 && beside_dp > 1) {
@@ -79,7 +78,7 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let element = model.dtype_bytes as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
-    let (dp, tp) = (dp as f64, tp as f64);
+    let dp = dp as f64;
     let params = if zero >= 3 { all_params / dp } else { all_params };
     let grads = if zero >= 2 { all_params / dp } else { all_params };
     let whole = (model.vocab * model.hidden) as f64 * element;
