@@ -15,7 +15,6 @@ use serde_json::json;
 
 use crate::compile::ModelOnMesh;
 use crate::run::human_bytes;
-use crate::schedule::ScheduleName;
 use crate::usage::UsageError;
 
 /// Output formats of `explain`.
@@ -47,15 +46,8 @@ pub struct ExplainArgs {
     /// propagation gives; with `--strategy tp-sp` it shows how sequence parallelism is derived.
     #[arg(long, value_name = "VALUE")]
     pub proof: Option<String>,
-    /// With a pp axis in --mesh: micro-batches a step in the pipeline picture (default 2·pp).
-    #[arg(long)]
-    pub micro_batches: Option<u32>,
-    /// With a pp axis in --mesh: the pipeline schedule the picture shows.
-    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
-    pub schedule: ScheduleName,
-    /// Model chunks a rank, for --schedule interleaved (default 2).
-    #[arg(long)]
-    pub chunks: Option<u32>,
+    #[command(flatten)]
+    pub pipeline: crate::schedule::PipelineFlags,
 }
 
 /// What `explain` shows of a pipeline: the stages' layers and the schedule's picture.
@@ -81,8 +73,8 @@ fn pipeline_view(
     inner: &Mesh,
     stages: u32,
 ) -> Result<PipelineView> {
-    let kind = crate::pipeline::schedule_kind(args.schedule, args.chunks)?;
-    let micro_batches = args.micro_batches.unwrap_or(2 * stages);
+    let kind = crate::pipeline::schedule_kind(args.pipeline.schedule, args.pipeline.chunks)?;
+    let micro_batches = args.pipeline.micro_batches.unwrap_or(2 * stages);
     let batch = args.target.batch;
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });

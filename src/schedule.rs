@@ -33,6 +33,20 @@ pub enum ScheduleFormat {
 }
 
 /// Arguments of `pleat schedule`.
+/// The pipeline flags `pleat explain` and `pleat trace` share, read when the mesh has a pp axis.
+#[derive(Args, Clone)]
+pub struct PipelineFlags {
+    /// With a pp axis in --mesh: micro-batches a step (default 2·pp).
+    #[arg(long)]
+    pub micro_batches: Option<u32>,
+    /// With a pp axis in --mesh: the pipeline schedule.
+    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
+    pub schedule: ScheduleName,
+    /// Model chunks a rank, for --schedule interleaved (default 2).
+    #[arg(long)]
+    pub chunks: Option<u32>,
+}
+
 #[derive(Args)]
 pub struct ScheduleArgs {
     /// Pipeline stages.

@@ -25,7 +25,6 @@ use serde_json::{json, Value};
 use crate::compile::{read_compiled, ModelOnMesh};
 use crate::model_arg::{resolve, ModelSource};
 use crate::predict::{describe, predict, Stream, Work};
-use crate::schedule::ScheduleName;
 
 /// Arguments of `pleat trace`.
 #[derive(Args)]
@@ -40,15 +39,8 @@ pub struct TraceArgs {
     /// The trace file to write (Chrome trace-event JSON).
     #[arg(long)]
     pub out: PathBuf,
-    /// With a pp axis in --mesh: micro-batches of the training step traced (default 2·pp).
-    #[arg(long)]
-    pub micro_batches: Option<u32>,
-    /// With a pp axis in --mesh: the pipeline schedule of the training step traced.
-    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
-    pub schedule: ScheduleName,
-    /// Model chunks a rank, for --schedule interleaved (default 2).
-    #[arg(long)]
-    pub chunks: Option<u32>,
+    #[command(flatten)]
+    pub pipeline: crate::schedule::PipelineFlags,
 }
 
 /// One slice of a trace: what ran, on which rank, when (microseconds).
@@ -154,9 +146,13 @@ pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome
 fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let config = args.target.config("trace")?;
     let stages = mesh.degree(AxisName::Pp) as u32;
-    let micro_batches = args.micro_batches.unwrap_or(2 * stages);
-    let pipelining =
-        crate::train::Pipelining { micro_batches, schedule: args.schedule, chunks: args.chunks, layers: None };
+    let micro_batches = args.pipeline.micro_batches.unwrap_or(2 * stages);
+    let pipelining = crate::train::Pipelining {
+        micro_batches,
+        schedule: args.pipeline.schedule,
+        chunks: args.pipeline.chunks,
+        layers: None,
+    };
     let shape = (args.target.batch, args.target.seq);
     let state = (0, pleat_passes::autodiff::Recompute::None);
     let compiled = crate::train::compile_training(&config, shape, mesh, args.target.strategy, state, &pipelining)?;
@@ -193,7 +189,7 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     }
     let chunks = compiled.step_spans.iter().flatten().map(|span| span.step.chunk + 1).max().unwrap_or(1);
     let timeline = measured_timeline(per_stage, micro_batches, chunks);
-    let kind = crate::pipeline::schedule_kind(args.schedule, args.chunks)?;
+    let kind = crate::pipeline::schedule_kind(args.pipeline.schedule, args.pipeline.chunks)?;
     println!(
         "wrote the measured trace of one {} training step of {} on {mesh} ({micro_batches} micro-batches) to {}",
         kind.name(),
