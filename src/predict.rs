@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use anyhow::{bail, Result};
-use pleat_backend::{Instr, Kernel, Program};
+use pleat_backend::{AttentionDims, Instr, Kernel, Program};
 use pleat_passes::cost::comm::{self, Collective};
 use pleat_passes::cost::compute::{OpClass, OpCost};
 use pleat_passes::cost::layout::AxisSpan;
@@ -58,7 +58,9 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::RmsNorm { .. } => ("rms_norm", 0),
         Kernel::MatMul { m, n, k } => ("matmul", 2 * m * n * k),
         Kernel::Rope { .. } => ("rope", 0),
-        Kernel::Attention { batch, sq, sk, hq, head_dim, .. } => ("attention", 4 * batch * sq * sk * hq * head_dim),
+        Kernel::Attention { dims: AttentionDims { batch, sq, sk, hq, head_dim, .. }, .. } => {
+            ("attention", 4 * batch * sq * sk * hq * head_dim)
+        }
         Kernel::MergeAttention { .. } => ("merge_attention", 0),
         Kernel::SiluMul => ("silu_mul", 0),
         Kernel::Add => ("add", 0),
@@ -76,7 +78,7 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::RmsNormGradWeight { .. } => ("rms_norm_grad_weight", 0),
         Kernel::RopeGrad { .. } => ("rope_grad", 0),
         // Scores and the softmax's gradient (two products), then the gradient's own product.
-        Kernel::AttentionGrad { batch, sq, sk, hq, head_dim, .. } => {
+        Kernel::AttentionGrad { dims: AttentionDims { batch, sq, sk, hq, head_dim, .. }, .. } => {
             ("attention_grad", 6 * batch * sq * sk * hq * head_dim)
         }
         Kernel::SiluMulGradGate => ("silu_mul_grad_gate", 0),

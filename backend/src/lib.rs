@@ -26,7 +26,9 @@ pub use lower::lower;
 pub use matching::verify_collectives;
 /// The element types buffers declare (the IR's).
 pub use pleat_ir::DType;
-pub use program::{AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
+pub use program::{
+    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION,
+};
 
 /// Serializes a program (JSON, versioned).
 pub fn to_json(program: &Program) -> String {

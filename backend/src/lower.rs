@@ -11,7 +11,9 @@ use pleat_ir::op::{inverse_order, zigzag_order};
 use pleat_ir::{DimName, Module, Op, ValueId};
 
 use crate::error::{Error, Result};
-use crate::program::{AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
+use crate::program::{
+    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION,
+};
 
 /// Lowers `module` (verified) into one program a rank of its mesh.
 pub fn lower(module: &Module) -> Result<Vec<Program>> {
@@ -95,13 +97,13 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
         let group = |axis: pleat_ir::AxisName| Group { axis: axis.to_string(), ranks: mesh.group(rank, axis) };
         let dim_index =
             |dim: DimName| graph.value(data.inputs[0]).ty.shape.position(dim).expect("verified: dim exists");
-        // The attention kernel of this node's local blocks (q, k as operands 0 and 1); `with_lse`
-        // makes it also return each row's log-sum-exp, for ring attention's merges.
-        let attention_kernel = |causal: bool, with_lse: bool| -> Result<Kernel> {
+        // The sizes and head mapping of an attention kernel on this node's local blocks (q, k as
+        // operands 0 and 1).
+        let attention_dims = |causal: bool| -> Result<AttentionDims> {
             let (q, k) = (input_local(0)?, input_local(1)?);
             let global_heads = graph.value(data.inputs[0]).ty.shape.dims()[2].size;
             let global_kv_heads = graph.value(data.inputs[1]).ty.shape.dims()[2].size;
-            Ok(Kernel::Attention {
+            Ok(AttentionDims {
                 batch: q[0],
                 sq: q[1],
                 sk: k[1],
@@ -113,7 +115,6 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 group: global_heads / global_kv_heads,
                 causal,
                 scale: 1.0 / (q[3] as f32).sqrt(),
-                with_lse,
             })
         };
         // Buffers the node's own instructions need only until its last one (vocab-parallel loss).
@@ -160,12 +161,12 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::Attention { causal } => {
-                let kernel = attention_kernel(*causal, false)?;
+                let kernel = Kernel::Attention { dims: attention_dims(*causal)?, with_lse: false };
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::RingAttention { axis, causal } => {
-                let kernel = attention_kernel(*causal, true)?;
-                lower_ring_attention(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, kernel);
+                let dims = attention_dims(*causal)?;
+                lower_ring_attention(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, dims);
                 let mut freed: Vec<ValueId> = Vec::new();
                 for &input in &data.inputs {
                     let buffer = buffer_of[input.as_u32() as usize].expect("defined");
@@ -298,36 +299,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                     Op::AttentionGradKey { .. } => AttentionOperand::Key,
                     _ => AttentionOperand::Value,
                 };
-                let Kernel::Attention {
-                    batch,
-                    sq,
-                    sk,
-                    hq,
-                    hkv,
-                    head_dim,
-                    q_head_offset,
-                    kv_head_offset,
-                    group,
-                    scale,
-                    ..
-                } = attention_kernel(*causal, false)?
-                else {
-                    unreachable!("attention_kernel builds an attention kernel")
-                };
-                let kernel = Kernel::AttentionGrad {
-                    wrt,
-                    batch,
-                    sq,
-                    sk,
-                    hq,
-                    hkv,
-                    head_dim,
-                    q_head_offset,
-                    kv_head_offset,
-                    group,
-                    causal: *causal,
-                    scale,
-                };
+                let kernel = Kernel::AttentionGrad { wrt, dims: attention_dims(*causal)? };
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::SiluMulGradGate => Instr::Kernel { kernel: Kernel::SiluMulGradGate, inputs, out },
@@ -682,20 +654,17 @@ fn lower_ring_attention(
     out: BufferId,
     group: &[u32],
     rank: u32,
-    attend: Kernel,
+    dims: AttentionDims,
 ) {
-    let Kernel::Attention { batch, sq, hq, head_dim, .. } = attend else {
-        unreachable!("lowering passes an attention kernel")
-    };
+    let AttentionDims { batch, sq, hq, head_dim, .. } = dims;
     let steps = group.len();
     if steps == 1 {
-        let mut kernel = attend;
-        if let Kernel::Attention { with_lse, .. } = &mut kernel {
-            *with_lse = false;
-        }
+        let kernel = Kernel::Attention { dims, with_lse: false };
         program.instructions.push(Instr::Kernel { kernel, inputs: inputs.to_vec(), out });
         return;
     }
+    // Each step's partial result carries its rows' log-sum-exp, for the merges.
+    let attend = Kernel::Attention { dims, with_lse: true };
     let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
     let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
     let (q, q_pos) = (inputs[0], inputs[3]);

@@ -4,7 +4,7 @@ use pleat_ir::text::parse_module;
 
 use super::lower_rank;
 use crate::error::Error;
-use crate::program::{AttentionOperand, Instr, Kernel};
+use crate::program::{AttentionDims, AttentionOperand, Instr, Kernel};
 use crate::validate::validate;
 
 /// The kernels of `text`'s module lowered for `rank`, after checking the program is consistent.
@@ -77,17 +77,19 @@ fn attention_grads_map_split_query_heads_onto_whole_kv_heads() {
     );
     let grad = |wrt| Kernel::AttentionGrad {
         wrt,
-        batch: 1,
-        sq: 4,
-        sk: 4,
-        hq: 3,
-        hkv: 3,
-        head_dim: 4,
-        q_head_offset: 3,
-        kv_head_offset: 0,
-        group: 2,
-        causal: true,
-        scale: 0.5,
+        dims: AttentionDims {
+            batch: 1,
+            sq: 4,
+            sk: 4,
+            hq: 3,
+            hkv: 3,
+            head_dim: 4,
+            q_head_offset: 3,
+            kv_head_offset: 0,
+            group: 2,
+            causal: true,
+            scale: 0.5,
+        },
     };
     assert_eq!(
         kernels(&text, 1),

@@ -70,6 +70,34 @@ pub struct Group {
     pub ranks: Vec<u32>,
 }
 
+/// The local sizes and head mapping of an attention kernel, shared by `Kernel::Attention` and its
+/// gradients.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionDims {
+    /// Local batch.
+    pub batch: u64,
+    /// Local query positions.
+    pub sq: u64,
+    /// Local key positions.
+    pub sk: u64,
+    /// Local query heads.
+    pub hq: u64,
+    /// Local kv heads.
+    pub hkv: u64,
+    /// Head width.
+    pub head_dim: u64,
+    /// The global index of local query head 0.
+    pub q_head_offset: u64,
+    /// The global index of local kv head 0.
+    pub kv_head_offset: u64,
+    /// Query heads a kv head (global heads / global kv heads).
+    pub group: u64,
+    /// Mask keys after the query.
+    pub causal: bool,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
 /// A compute kernel with its local sizes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Kernel {
@@ -114,28 +142,8 @@ pub enum Kernel {
     },
     /// Causal grouped-query attention over local heads.
     Attention {
-        /// Local batch.
-        batch: u64,
-        /// Local query positions.
-        sq: u64,
-        /// Local key positions.
-        sk: u64,
-        /// Local query heads.
-        hq: u64,
-        /// Local kv heads.
-        hkv: u64,
-        /// Head width.
-        head_dim: u64,
-        /// The global index of local query head 0.
-        q_head_offset: u64,
-        /// The global index of local kv head 0.
-        kv_head_offset: u64,
-        /// Query heads a kv head (global heads / global kv heads).
-        group: u64,
-        /// Mask keys after the query.
-        causal: bool,
-        /// Softmax scale.
-        scale: f32,
+        /// The sizes and head mapping.
+        dims: AttentionDims,
         /// Also return each row's log-sum-exp: the result is then `[batch, sq, hq, head_dim + 1]`,
         /// each row's output followed by the log-sum-exp of its scores (`-inf` when it saw no key),
         /// the state ring attention merges (`MergeAttention`).
@@ -301,28 +309,8 @@ pub enum Kernel {
     AttentionGrad {
         /// Which operand the gradient is taken with respect to.
         wrt: AttentionOperand,
-        /// Local batch.
-        batch: u64,
-        /// Local query positions.
-        sq: u64,
-        /// Local key positions.
-        sk: u64,
-        /// Local query heads.
-        hq: u64,
-        /// Local kv heads.
-        hkv: u64,
-        /// Head width.
-        head_dim: u64,
-        /// The global index of local query head 0.
-        q_head_offset: u64,
-        /// The global index of local kv head 0.
-        kv_head_offset: u64,
-        /// Query heads a kv head (global heads / global kv heads).
-        group: u64,
-        /// Mask keys after the query.
-        causal: bool,
-        /// Softmax scale.
-        scale: f32,
+        /// The forward kernel's sizes and head mapping.
+        dims: AttentionDims,
     },
     /// `(gate, up, dy) -> dy · up · silu'(gate)`, elementwise.
     SiluMulGradGate,

@@ -4,7 +4,16 @@ use std::fmt::Write;
 
 use pleat_ir::entity::EntityRef;
 
-use crate::program::{AttentionOperand, BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, Program};
+
+/// An attention kernel's sizes and head mapping, as the text form lists them.
+fn attention_dims_text(dims: &AttentionDims) -> String {
+    let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, .. } = dims;
+    format!(
+        "batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} q_head_offset={q_head_offset} \
+         kv_head_offset={kv_head_offset} group={group} causal={causal}"
+    )
+}
 
 fn region_text(region: &[(u64, u64)]) -> String {
     let dims: Vec<String> = region.iter().map(|(start, len)| format!("{start}..{}", start + len)).collect();
@@ -25,25 +34,9 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::Rope { batch, seq, heads, head_dim, .. } => {
             format!("rope batch={batch} seq={seq} heads={heads} head_dim={head_dim}")
         }
-        Kernel::Attention {
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            with_lse,
-            ..
-        } => {
+        Kernel::Attention { dims, with_lse } => {
             let lse = if *with_lse { " with_lse" } else { "" };
-            format!(
-                "attention batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} \
-                 q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}{lse}"
-            )
+            format!("attention {}{lse}", attention_dims_text(dims))
         }
         Kernel::MergeAttention { rows, head_dim } => format!("merge_attention rows={rows} head_dim={head_dim}"),
         Kernel::SiluMul => "silu_mul".to_string(),
@@ -71,29 +64,13 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::RopeGrad { batch, seq, heads, head_dim, .. } => {
             format!("rope_grad batch={batch} seq={seq} heads={heads} head_dim={head_dim}")
         }
-        Kernel::AttentionGrad {
-            wrt,
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            ..
-        } => {
+        Kernel::AttentionGrad { wrt, dims } => {
             let wrt = match wrt {
                 AttentionOperand::Query => "query",
                 AttentionOperand::Key => "key",
                 AttentionOperand::Value => "value",
             };
-            format!(
-                "attention_grad_{wrt} batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} \
-                 q_head_offset={q_head_offset} kv_head_offset={kv_head_offset} group={group} causal={causal}"
-            )
+            format!("attention_grad_{wrt} {}", attention_dims_text(dims))
         }
         Kernel::SiluMulGradGate => "silu_mul_grad_gate".to_string(),
         Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => {

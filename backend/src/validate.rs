@@ -3,7 +3,7 @@
 //! Lowering produces consistent programs by construction; this guards programs read from files.
 
 use crate::error::{Error, Result};
-use crate::program::{AttentionOperand, BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, Program};
 
 fn bad(index: usize, reason: String) -> Error {
     Error::Inconsistent { instr: index, reason }
@@ -74,7 +74,7 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the inverse frequencies", inv_freq.len() as u64, head_dim / 2)?;
                 expect("the result", out, sizes[0])?;
             }
-            Kernel::Attention { batch, sq, sk, hq, hkv, head_dim, with_lse, .. } => {
+            Kernel::Attention { dims: AttentionDims { batch, sq, sk, hq, hkv, head_dim, .. }, with_lse } => {
                 operands(5)?;
                 expect("the queries", sizes[0], batch * sq * hq * head_dim)?;
                 expect("the keys", sizes[1], batch * sk * hkv * head_dim)?;
@@ -183,7 +183,7 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the inverse frequencies", inv_freq.len() as u64, head_dim / 2)?;
                 expect("the result", out, sizes[0])?;
             }
-            Kernel::AttentionGrad { wrt, batch, sq, sk, hq, hkv, head_dim, .. } => {
+            Kernel::AttentionGrad { wrt, dims: AttentionDims { batch, sq, sk, hq, hkv, head_dim, .. } } => {
                 operands(6)?;
                 let (queries, keys) = (batch * sq * hq * head_dim, batch * sk * hkv * head_dim);
                 expect("the queries", sizes[0], queries)?;

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use std::time::Instant;
 
 use half::bf16;
-use pleat_backend::{BufferId, BufferKind, DType, Instr, Kernel, Program};
+use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, Program};
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
@@ -558,8 +558,8 @@ fn run_kernel(
                 inv_freq,
             );
         }
-        Kernel::Attention { with_lse, .. } => {
-            let shape = attention_shape(kernel).expect("an attention kernel");
+        Kernel::Attention { dims, with_lse } => {
+            let shape = attention_shape(dims);
             let (q, k, v, q_pos, k_pos) =
                 (&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?, u32_operand(3)?, u32_operand(4)?);
             if *with_lse {
@@ -629,51 +629,21 @@ fn run_kernel(
     Ok(result)
 }
 
-/// The local sizes of an attention kernel or of its gradient, as the runtime's kernels take them;
-/// `None` for any other kernel.
-pub(crate) fn attention_shape(kernel: &Kernel) -> Option<AttentionShape> {
-    match kernel {
-        Kernel::Attention {
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            scale,
-            ..
-        }
-        | Kernel::AttentionGrad {
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            head_dim,
-            q_head_offset,
-            kv_head_offset,
-            group,
-            causal,
-            scale,
-            ..
-        } => Some(AttentionShape {
-            batch: *batch as usize,
-            sq: *sq as usize,
-            sk: *sk as usize,
-            hq: *hq as usize,
-            hkv: *hkv as usize,
-            head_dim: *head_dim as usize,
-            q_head_offset: *q_head_offset as usize,
-            kv_head_offset: *kv_head_offset as usize,
-            group: *group as usize,
-            causal: *causal,
-            scale: *scale,
-        }),
-        _ => None,
+/// An attention kernel's local sizes as the runtime's kernels take them.
+pub(crate) fn attention_shape(dims: &AttentionDims) -> AttentionShape {
+    let to_usize = |size: u64| size as usize;
+    AttentionShape {
+        batch: to_usize(dims.batch),
+        sq: to_usize(dims.sq),
+        sk: to_usize(dims.sk),
+        hq: to_usize(dims.hq),
+        hkv: to_usize(dims.hkv),
+        head_dim: to_usize(dims.head_dim),
+        q_head_offset: to_usize(dims.q_head_offset),
+        kv_head_offset: to_usize(dims.kv_head_offset),
+        group: to_usize(dims.group),
+        causal: dims.causal,
+        scale: dims.scale,
     }
 }
 

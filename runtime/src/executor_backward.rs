@@ -97,8 +97,8 @@ pub(super) fn run_backward_kernel(
                 inv_freq,
             );
         }
-        Kernel::AttentionGrad { wrt, .. } => {
-            let shape = attention_shape(kernel).expect("an attention gradient kernel");
+        Kernel::AttentionGrad { wrt, dims } => {
+            let shape = attention_shape(dims);
             let wrt = match wrt {
                 AttentionOperand::Query => AttentionGradOperand::Query,
                 AttentionOperand::Key => AttentionGradOperand::Key,
