@@ -171,7 +171,7 @@ pub struct Pipelining {
     pub schedule: ScheduleName,
     /// `--chunks`: model chunks a rank for the interleaved schedule.
     pub chunks: Option<u32>,
-    /// `--pp-layers`: layers a stage, first to last; `None`: as even as they go.
+    /// `--pp-layers`: layers a (virtual) stage, first to last; `None`: balanced by the cost model.
     pub layers: Option<String>,
 }
 
