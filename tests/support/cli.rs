@@ -33,9 +33,13 @@ pub fn json_of(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&stdout_of(args)).expect("json output")
 }
 
-/// A fresh scratch directory for this test process.
+/// A fresh scratch directory, its own for each call.
 pub fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pleat-test-{name}-{}", std::process::id()));
+    // Tests of one binary run in parallel threads of one process: each call gets its own
+    // directory, or two tests writing different files under the same name would race.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("pleat-test-{name}-{}-{call}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     dir
