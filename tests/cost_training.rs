@@ -8,10 +8,10 @@
 //! an updated element, the one term the executor counts beside the program) equals the measured
 //! peak of one step to the byte. The closed-form training peak plus the named terms of
 //! `cost::compiled_training` equals the planner's peak for tp (2, 4, with and without SP), dp (2,
-//! 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4), selective and full recomputation, and tsp=2 rank by
-//! rank (batch 2 and 4, each recompute); dp×tp's peak is traced to tp's buffers (the embedding
-//! gradient is sliced before it is reduced over dp); and one pipelined stage's peak is worked out by hand from its buffers (a closed
-//! form for pipelined stages is not built yet).
+//! 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4), selective and full recomputation, and tsp=2 and
+//! tsp=4 on every rank (batch 2 and 4, each recompute); dp×tp's peak is traced to tp's buffers
+//! (the embedding gradient is sliced before it is reduced over dp); and one pipelined stage's peak
+//! is worked out by hand from its buffers (a closed form for pipelined stages is not built yet).
 
 mod common;
 
@@ -487,31 +487,36 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
-    // tsp=2 peaks inside the first layer's MLP backward, rank 0 (the owner of the shard whose
-    // gradient is summed last) one received [128, 128] contribution above rank 1.
+    // tsp peaks inside the first layer's MLP ring backward (or, with full recompute on few tokens,
+    // at the end of the backward), every rank alike: the ring is symmetric.
     let config = preset("tiny").unwrap();
     let model = ModelShape::from_config(&config);
-    let layout = Layout::from_mesh(&Mesh::parse("tsp=2").unwrap(), false);
-    for batch in [2, 4] {
-        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-            let (programs, _) =
-                compile_training(&config, &TrainingLayout::recomputing("tsp=2", false, recompute), batch);
-            let workload = Workload {
-                tsp_shards_embeddings: true,
-                recompute: cost_recompute(recompute),
-                ..Workload::training(SEQ, batch)
-            };
-            let memory = &memory_per_stage(&model, &layout, &workload)[0];
-            for program in &programs {
-                let label = format!("tsp=2 batch {batch} {recompute:?} rank {}", program.rank);
-                let phase = compiled_tsp_training_peak(&model, &layout, &workload, program.rank).expect("tsp=2");
+    for mesh in ["tsp=2", "tsp=4"] {
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        for batch in [2, 4] {
+            for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                let (programs, _) =
+                    compile_training(&config, &TrainingLayout::recomputing(mesh, false, recompute), batch);
+                let workload = Workload {
+                    tsp_shards_embeddings: true,
+                    recompute: cost_recompute(recompute),
+                    ..Workload::training(SEQ, batch)
+                };
+                let memory = &memory_per_stage(&model, &layout, &workload)[0];
+                let phase = compiled_tsp_training_peak(&model, &layout, &workload).expect("tsp alone");
                 let differences = training_differences_from_closed_form(memory, &phase);
                 let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
-                assert_eq!(otherwise.bytes, 0.0, "{label}");
                 let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
-                let planned = plan(program, ElementSize::Fixed(4));
-                assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
-                assert_eq!(planned.peak_bytes as f64, predicted, "{label}: planner vs closed form + {differences:?}");
+                for program in &programs {
+                    let label = format!("{mesh} batch {batch} {recompute:?} rank {}", program.rank);
+                    assert_eq!(otherwise.bytes, 0.0, "{label}");
+                    let planned = plan(program, ElementSize::Fixed(4));
+                    assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
+                    assert_eq!(
+                        planned.peak_bytes as f64, predicted,
+                        "{label}: planner vs closed form + {differences:?}"
+                    );
+                }
             }
         }
     }

@@ -46,8 +46,8 @@ fn data_parallel_training_matches_the_reference() {
 
 #[test]
 fn tensor_and_sequence_parallel_training_matches_the_reference() {
-    // The TSP backward (docs/training.md): broadcast weight blocks reduced back to their owners,
-    // dk and dv reduce-scattered.
+    // The TSP backward (docs/training.md): broadcast attention blocks reduced back to their owners,
+    // dk and dv reduce-scattered, the MLP ring run again with each shard's gradient travelling home.
     for mesh in ["tsp=2", "tsp=4", "dp=2,tsp=2"] {
         assert_matches_reference(&train(mesh, 10, &[]), mesh);
     }
@@ -217,17 +217,20 @@ fn the_vocab_parallel_loss_sends_row_statistics_not_logits() {
 
 #[test]
 fn tsp_training_sends_what_the_derivation_says() {
-    // docs/training.md: a layer's weight blocks are broadcast in the forward and again in the
+    // docs/training.md: a layer's attention blocks are broadcast in the forward and again in the
     // backward, and each rank sends its summand of every other owner's gradient block home:
-    // broadcast 2·(D-1)/D·W and reduce-to-root sends (D-1)/D·W a layer, W the layer's weights.
+    // broadcast 2·(D-1)/D·A and reduce-to-root sends (D-1)/D·A a layer, A the attention weights.
+    // The MLP's shards go around the ring in the forward ((D-1)/D·M sent a rank) and again in the
+    // backward with their gradients (2·(D-1)/D·M), M the MLP weights.
     // tiny: q and o 8 heads · 16 · 128, k and v 4 kv heads · 16 · 128, the MLP 3 · 256 · 128.
-    let weights_a_layer = 2 * 8 * 16 * 128 + 2 * 4 * 16 * 128 + 3 * 256 * 128;
+    let attention = 2 * 8 * 16 * 128 + 2 * 4 * 16 * 128;
+    let mlp = 3 * 256 * 128;
     let layers = 2;
     for degree in [2, 4] {
         let report = one_step(&format!("tsp={degree}"), "4", "16", &[]);
-        let share = |times: u64| 4 * times * layers * weights_a_layer * (degree - 1) / degree;
-        assert_eq!(report["comm_bytes_per_step"]["broadcast"].as_u64(), Some(share(2)), "tsp={degree}");
-        assert_eq!(report["comm_bytes_per_step"]["send"].as_u64(), Some(share(1)), "tsp={degree}");
+        let share = |weights: u64| 4 * layers * weights * (degree - 1) / degree;
+        assert_eq!(report["comm_bytes_per_step"]["broadcast"].as_u64(), Some(share(2 * attention)), "tsp={degree}");
+        assert_eq!(report["comm_bytes_per_step"]["send"].as_u64(), Some(share(attention + 3 * mlp)), "tsp={degree}");
     }
 }
 

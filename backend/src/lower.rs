@@ -56,6 +56,8 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
     };
     // Value index -> buffer; every value in the order gets exactly one.
     let mut buffer_of: Vec<Option<BufferId>> = vec![None; graph.value_count()];
+    // Ring MLP gradients computed by an earlier sibling's ring.
+    let mut ring_gradients_lowered: Vec<ValueId> = Vec::new();
     let local = |value: ValueId| -> Result<Vec<u64>> {
         let data = graph.value(value);
         data.spec.local_sizes(&data.ty.shape, mesh).map_err(|(dim, degree)| Error::Indivisible {
@@ -80,14 +82,21 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
             Op::BroadcastShard { .. } => BufferKind::InFlight,
             _ => BufferKind::Activation,
         };
-        let out = BufferId::new(program.buffers.len());
-        program.buffers.push(Buffer {
-            name: data.name.clone(),
-            dtype: graph.value(value).ty.dtype,
-            shape: local(value)?,
-            kind,
-        });
-        buffer_of[value.as_u32() as usize] = Some(out);
+        // A ring MLP gradient's siblings were given their buffers by the first of them.
+        let out = match buffer_of[value.as_u32() as usize] {
+            Some(out) => out,
+            None => {
+                let out = BufferId::new(program.buffers.len());
+                program.buffers.push(Buffer {
+                    name: data.name.clone(),
+                    dtype: graph.value(value).ty.dtype,
+                    shape: local(value)?,
+                    kind,
+                });
+                buffer_of[value.as_u32() as usize] = Some(out);
+                out
+            }
+        };
         let inputs: Vec<BufferId> = data
             .inputs
             .iter()
@@ -167,18 +176,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
             Op::RingAttention { axis, causal } => {
                 let dims = attention_dims(*causal)?;
                 lower_ring_attention(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, dims);
-                let mut freed: Vec<ValueId> = Vec::new();
-                for &input in &data.inputs {
-                    let buffer = buffer_of[input.as_u32() as usize].expect("defined");
-                    if last_use[input.as_u32() as usize] == Some(index)
-                        && program.buffer(buffer).kind == BufferKind::Activation
-                        && !freed.contains(&input)
-                        && !graph.outputs().contains(&input)
-                    {
-                        freed.push(input);
-                        program.instructions.push(Instr::Free { buf: buffer });
-                    }
-                }
+                free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
                 continue;
             }
             Op::SiluMul => Instr::Kernel { kernel: Kernel::SiluMul, inputs, out },
@@ -227,14 +225,38 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                     ffn: input_local(1)?[0],
                 };
                 lower_ring_mlp(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, shapes);
-                for &input in &data.inputs {
-                    let buffer = buffer_of[input.as_u32() as usize].expect("defined");
-                    if last_use[input.as_u32() as usize] == Some(index)
-                        && program.buffer(buffer).kind == BufferKind::Activation
-                    {
-                        program.instructions.push(Instr::Free { buf: buffer });
+                free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
+                continue;
+            }
+            Op::RingGatedMlpGrad { axis, wrt } => {
+                // The first of an MLP's gradients lowers the ring that computes all of them.
+                if !ring_gradients_lowered.contains(&value) {
+                    let mut outs = [None; 4];
+                    outs[wrt.index()] = Some(out);
+                    for sibling in ring_gradient_siblings(graph, &order[index + 1..], data) {
+                        let sibling_data = graph.node(sibling);
+                        let Op::RingGatedMlpGrad { wrt: sibling_wrt, .. } = sibling_data.op else { continue };
+                        let buffer = BufferId::new(program.buffers.len());
+                        program.buffers.push(Buffer {
+                            name: sibling_data.name.clone(),
+                            dtype: graph.value(sibling_data.result).ty.dtype,
+                            shape: local(sibling_data.result)?,
+                            kind: BufferKind::Activation,
+                        });
+                        buffer_of[sibling_data.result.as_u32() as usize] = Some(buffer);
+                        ring_gradients_lowered.push(sibling_data.result);
+                        outs[sibling_wrt.index()] = Some(buffer);
                     }
+                    let x = input_local(0)?;
+                    let shapes = RingShapes {
+                        rows: x[..x.len() - 1].iter().product(),
+                        hidden: *x.last().unwrap_or(&1),
+                        ffn: input_local(1)?[0],
+                    };
+                    let group = mesh.group(rank, *axis);
+                    lower_ring_mlp_grad(&mut program, &data.name, &inputs, outs, &group, rank, shapes);
                 }
+                free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
                 continue;
             }
             Op::CrossEntropy | Op::CrossEntropyGrad => {
@@ -339,20 +361,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
             }
         };
         program.instructions.push(instr);
-        let mut freed: Vec<ValueId> = Vec::new();
-        for &input in &data.inputs {
-            // An operand used twice (attention reads the positions twice) dies once.
-            if freed.contains(&input) {
-                continue;
-            }
-            freed.push(input);
-            let buffer = buffer_of[input.as_u32() as usize].expect("defined");
-            let dies_here = last_use[input.as_u32() as usize] == Some(index);
-            let resident = program.buffer(buffer).kind == BufferKind::Param || graph.outputs().contains(&input);
-            if dies_here && !resident {
-                program.instructions.push(Instr::Free { buf: buffer });
-            }
-        }
+        free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
         program.instructions.extend(scratch.into_iter().map(|buf| Instr::Free { buf }));
         if last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value) && kind != BufferKind::Param
         {
@@ -370,6 +379,58 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
     }
     trace.resize(program.instructions.len(), None);
     Ok((program, trace))
+}
+
+/// Frees the operands of `data` (the node at `index` of the program order) whose last use it is,
+/// unless they stay resident (parameters, graph outputs). An operand read twice dies once.
+fn free_dead_operands(
+    program: &mut Program,
+    graph: &pleat_ir::Graph,
+    data: &pleat_ir::NodeData,
+    index: usize,
+    last_use: &[Option<usize>],
+    buffer_of: &[Option<BufferId>],
+) {
+    let mut freed: Vec<ValueId> = Vec::new();
+    for &input in &data.inputs {
+        if freed.contains(&input) {
+            continue;
+        }
+        freed.push(input);
+        let buffer = buffer_of[input.as_u32() as usize].expect("verified: defined before use");
+        let dies_here = last_use[input.as_u32() as usize] == Some(index);
+        let resident = program.buffer(buffer).kind == BufferKind::Param || graph.outputs().contains(&input);
+        if dies_here && !resident {
+            program.instructions.push(Instr::Free { buf: buffer });
+        }
+    }
+}
+
+/// The other gradients of the same ring MLP as `data` (a `RingGatedMlpGrad`) among `later` nodes:
+/// same axis, same operands, another operand differentiated.
+fn ring_gradient_siblings(
+    graph: &pleat_ir::Graph,
+    later: &[pleat_ir::NodeId],
+    data: &pleat_ir::NodeData,
+) -> Vec<pleat_ir::NodeId> {
+    let Op::RingGatedMlpGrad { axis, wrt } = data.op else { return Vec::new() };
+    let mut seen = vec![wrt];
+    later
+        .iter()
+        .copied()
+        .filter(|&node| {
+            let other = graph.node(node);
+            match other.op {
+                Op::RingGatedMlpGrad { axis: other_axis, wrt: other_wrt }
+                    if other_axis == axis && other.inputs == data.inputs && !seen.contains(&other_wrt) =>
+                {
+                    seen.push(other_wrt);
+                    true
+                }
+                _ => false,
+            }
+        })
+        .collect()
 }
 
 /// A rank's vocab shard of a vocab-parallel loss's logits.
@@ -486,6 +547,10 @@ fn loss_kernel(op: &Op, value: &str, local: &[u64], global: &[u64]) -> Result<Ke
         _ => Kernel::CrossEntropyGrad { batch, seq, vocab, terms },
     })
 }
+
+/// The order in which a ring MLP's backward computes, and sends, the weight gradients' parts
+/// (indices into gate, up, down): down's needs only the activations, gate's and up's their gradients.
+const FOLD_ORDER: [usize; 3] = [2, 0, 1];
 
 /// Local sizes of a ring MLP: `x` is `[rows, hidden]`, each ffn shard `ffn` wide.
 #[derive(Clone, Copy)]
@@ -635,6 +700,158 @@ fn lower_ring_mlp(
     if steps > 1 {
         for buf in shard {
             program.instructions.push(Instr::Free { buf });
+        }
+    }
+}
+
+/// Expands the gradients of a ring MLP (`inputs`: x, gate, up, down, dy; `outs`: the buffers of
+/// the gradients wanted, by operand) into the ring run again. In step s the rank holds the weight
+/// shard of the rank s places before it (its own at s = 0) and recomputes that shard's hidden
+/// activations on its own tokens (never kept from the forward). It adds the shard's contribution to
+/// its input gradient, and its tokens' contribution to the shard's weight gradients. Those travel
+/// with the shard: created by the first rank after the owner, handed on after each step, they reach
+/// the owner after the last one and are added to its own tokens' contribution (kept from step 0).
+/// Weights make D-1 hops, as in the forward, and so do the gradients (one message a part: down,
+/// gate, up, in the order they are computed). The weights are sent before the step's GEMMs and
+/// received after them; a gradient part is sent as soon as it is complete and received just
+/// before it is added to, so the transfers run under the compute and at most one part of the
+/// gradients in flight is live beside the shard's own.
+fn lower_ring_mlp_grad(
+    program: &mut Program,
+    name: &str,
+    inputs: &[BufferId],
+    outs: [Option<BufferId>; 4],
+    group: &[u32],
+    rank: u32,
+    shapes: RingShapes,
+) {
+    let RingShapes { rows, hidden, ffn } = shapes;
+    let steps = group.len();
+    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
+    let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    let (x, dy) = (inputs[0], inputs[4]);
+    let [dx_out, weight_outs @ ..] = outs;
+    let weight_shape = |part: usize| if part == 2 { vec![hidden, ffn] } else { vec![ffn, hidden] };
+    let part_name = ["gate", "up", "down"];
+    let mut shard = [inputs[1], inputs[2], inputs[3]];
+    let kernel = |program: &mut Program, kernel: Kernel, operands: Vec<BufferId>, out: BufferId| {
+        program.instructions.push(Instr::Kernel { kernel, inputs: operands, out });
+    };
+    let free = |program: &mut Program, bufs: &[BufferId]| {
+        program.instructions.extend(bufs.iter().map(|&buf| Instr::Free { buf }));
+    };
+    // One travelling gradient, received from the previous rank.
+    let receive = |program: &mut Program, buffer_name: &str, part: usize, peer: u32| {
+        let buffer = new_buffer(program, buffer_name.to_string(), weight_shape(part), BufferKind::InFlight, x);
+        program.instructions.push(Instr::Recv { outs: vec![buffer], peer });
+        buffer
+    };
+    let mut dx_sum: Option<BufferId> = None;
+    // The rank's own tokens' contribution to its own shard's gradients (step 0).
+    let mut home: [Option<BufferId>; 3] = [None; 3];
+    for step in 0..steps {
+        let last = step + 1 == steps;
+        if !last {
+            program.instructions.push(Instr::Send { bufs: shard.to_vec(), peer: next });
+        }
+        let new = |program: &mut Program, part: &str, shape: Vec<u64>| {
+            new_buffer(program, format!("{name}.step{step}.{part}"), shape, BufferKind::Activation, x)
+        };
+        // Recompute the shard's activations on the rank's tokens.
+        let gate = new(program, "gate", vec![rows, ffn]);
+        kernel(program, Kernel::MatMul { m: rows, n: ffn, k: hidden }, vec![x, shard[0]], gate);
+        let up = new(program, "up", vec![rows, ffn]);
+        kernel(program, Kernel::MatMul { m: rows, n: ffn, k: hidden }, vec![x, shard[1]], up);
+        // With one rank the contributions are the gradients themselves.
+        let contribution_buffer = |program: &mut Program, part: usize| match (steps, weight_outs[part]) {
+            (1, Some(out)) => out,
+            _ => new(program, &format!("grad_{}", part_name[part]), weight_shape(part)),
+        };
+        // Each contribution joins the gradient that came with the shard (received just now) as soon
+        // as it is computed and goes on to the next rank at once, so at most one is live; at step 0
+        // it is the owner's own part, kept at home. Down's is computed first, then gate's and up's.
+        let mut fold = |program: &mut Program, part: usize, contribution: BufferId| {
+            if step == 0 {
+                home[part] = Some(contribution);
+                return;
+            }
+            let total = if step == 1 {
+                contribution
+            } else {
+                let received = receive(program, &format!("{name}.grad{step}.{}", part_name[part]), part, previous);
+                let total = new(program, &format!("grad_{}_sum", part_name[part]), weight_shape(part));
+                kernel(program, Kernel::Add, vec![received, contribution], total);
+                free(program, &[received, contribution]);
+                total
+            };
+            program.instructions.push(Instr::Send { bufs: vec![total], peer: next });
+            free(program, &[total]);
+        };
+        if weight_outs[2].is_some() {
+            let act = new(program, "silu_mul", vec![rows, ffn]);
+            kernel(program, Kernel::SiluMul, vec![gate, up], act);
+            let contribution = contribution_buffer(program, 2);
+            kernel(program, Kernel::MatMulGradWeight { m: rows, n: hidden, k: ffn }, vec![dy, act], contribution);
+            free(program, &[act]);
+            fold(program, 2, contribution);
+        }
+        let d_act = new(program, "d_silu_mul", vec![rows, ffn]);
+        kernel(program, Kernel::MatMulGradInput { m: rows, n: hidden, k: ffn }, vec![dy, shard[2]], d_act);
+        let d_gate = new(program, "d_gate", vec![rows, ffn]);
+        kernel(program, Kernel::SiluMulGradGate, vec![gate, up, d_act], d_gate);
+        free(program, &[up]);
+        let d_up = new(program, "d_up", vec![rows, ffn]);
+        kernel(program, Kernel::SiluMul, vec![gate, d_act], d_up);
+        free(program, &[gate, d_act]);
+        for (part, d_projection) in [(0, d_gate), (1, d_up)] {
+            if weight_outs[part].is_some() {
+                let contribution = contribution_buffer(program, part);
+                let grad_weight = Kernel::MatMulGradWeight { m: rows, n: ffn, k: hidden };
+                kernel(program, grad_weight, vec![d_projection, x], contribution);
+                fold(program, part, contribution);
+            }
+            if let Some(dx_out) = dx_out {
+                let finishes = last && part == 1;
+                let target = if finishes && dx_sum.is_none() { dx_out } else { new(program, "dx", vec![rows, hidden]) };
+                let grad_input = Kernel::MatMulGradInput { m: rows, n: ffn, k: hidden };
+                kernel(program, grad_input, vec![d_projection, shard[part]], target);
+                dx_sum = Some(match dx_sum {
+                    None => target,
+                    Some(sum) => {
+                        let total = if finishes { dx_out } else { new(program, "dx_sum", vec![rows, hidden]) };
+                        kernel(program, Kernel::Add, vec![sum, target], total);
+                        free(program, &[sum, target]);
+                        total
+                    }
+                });
+            }
+            free(program, &[d_projection]);
+        }
+        if !last {
+            let received = [0, 1, 2].map(|part| {
+                new_buffer(
+                    program,
+                    format!("{name}.shard{}.{}", step + 1, part_name[part]),
+                    weight_shape(part),
+                    BufferKind::InFlight,
+                    x,
+                )
+            });
+            program.instructions.push(Instr::Recv { outs: received.to_vec(), peer: previous });
+            if step > 0 {
+                free(program, &shard);
+            }
+            shard = received;
+        }
+    }
+    if steps > 1 {
+        free(program, &shard);
+        // The gradients of the rank's own shard arrive complete but for its own tokens' part.
+        for part in FOLD_ORDER {
+            let (Some(own), Some(out)) = (home[part], weight_outs[part]) else { continue };
+            let arrived = receive(program, &format!("{name}.grad_home.{}", part_name[part]), part, previous);
+            kernel(program, Kernel::Add, vec![own, arrived], out);
+            free(program, &[own, arrived]);
         }
     }
 }

@@ -65,6 +65,19 @@ pub enum Op {
         /// The axis the weight shards travel around.
         axis: AxisName,
     },
+    /// `(x, gate, up, down, dy[batch, seq, hidden]) -> the type of operand `wrt``: the gradient of
+    /// `RingGatedMlp` with respect to one operand, computed as a ring over `axis` in reverse: each
+    /// weight shard travels around the ring again, every rank adds its own tokens' contribution to
+    /// the shard's gradient, which travels with the shard and arrives home complete. The four
+    /// gradients of one MLP share their operands, and lowering computes them in one ring (the
+    /// hidden activations are recomputed a step at a time, never kept). On one rank it is the
+    /// plain MLP's gradient.
+    RingGatedMlpGrad {
+        /// The axis the weight shards travel around.
+        axis: AxisName,
+        /// The operand the gradient is taken with respect to.
+        wrt: MlpOperand,
+    },
     /// The operands and meaning of `Attention`, computed as a ring over `axis` (context parallelism,
     /// ring attention): q, k, v and both position lists are split on `seq` over `axis` (zigzag
     /// layout). Each rank keeps its queries while the key/value blocks, with their positions, travel
@@ -281,6 +294,7 @@ impl Op {
             Op::BroadcastShard { .. } => "broadcast_shard",
             Op::ReduceToRoot { .. } => "reduce_to_root",
             Op::RingGatedMlp { .. } => "ring_gated_mlp",
+            Op::RingGatedMlpGrad { .. } => "ring_gated_mlp_grad",
             Op::RingAttention { .. } => "ring_attention",
             Op::Zigzag { .. } => "zigzag",
             Op::AllToAll { .. } => "all_to_all",
@@ -299,6 +313,7 @@ impl Op {
             | Op::AllToAll { .. }
             | Op::Zigzag { .. } => 1,
             Op::RingGatedMlp { .. } => 4,
+            Op::RingGatedMlpGrad { .. } => 5,
             Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
             Op::Attention { .. } => 5,
             Op::SumLeading { .. } => 1,
@@ -326,6 +341,7 @@ impl Op {
                 | Op::BroadcastShard { .. }
                 | Op::ReduceToRoot { .. }
                 | Op::RingGatedMlp { .. }
+                | Op::RingGatedMlpGrad { .. }
                 | Op::RingAttention { .. }
                 | Op::VocabParallelCrossEntropy { .. }
                 | Op::VocabParallelCrossEntropyGrad { .. }
@@ -346,11 +362,55 @@ impl Op {
             | Op::BroadcastShard { axis, .. }
             | Op::ReduceToRoot { axis, .. }
             | Op::AllToAll { axis, .. }
-            | Op::RingGatedMlp { axis } => Some(*axis),
+            | Op::RingGatedMlp { axis }
+            | Op::RingGatedMlpGrad { axis, .. } => Some(*axis),
             Op::RingAttention { axis, .. } => Some(*axis),
             Op::VocabParallelCrossEntropy { axis } | Op::VocabParallelCrossEntropyGrad { axis } => Some(*axis),
             _ => None,
         }
+    }
+}
+
+/// An operand of the gated MLP (`RingGatedMlp`), as a gradient names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MlpOperand {
+    /// The tokens' hidden states `x`.
+    Input,
+    /// The gate projection.
+    Gate,
+    /// The up projection.
+    Up,
+    /// The down projection.
+    Down,
+}
+
+impl MlpOperand {
+    /// Every operand, in the forward op's operand order.
+    pub const ALL: [MlpOperand; 4] = [MlpOperand::Input, MlpOperand::Gate, MlpOperand::Up, MlpOperand::Down];
+
+    /// The operand's position among `RingGatedMlp`'s operands.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The operand at `index` of `RingGatedMlp`'s operands.
+    pub fn at(index: usize) -> Option<MlpOperand> {
+        MlpOperand::ALL.get(index).copied()
+    }
+
+    /// The operand's spelling in the text format.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MlpOperand::Input => "x",
+            MlpOperand::Gate => "gate",
+            MlpOperand::Up => "up",
+            MlpOperand::Down => "down",
+        }
+    }
+
+    /// The operand spelled `text`.
+    pub fn parse(text: &str) -> Option<MlpOperand> {
+        MlpOperand::ALL.into_iter().find(|operand| operand.as_str() == text)
     }
 }
 

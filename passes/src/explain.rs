@@ -4,7 +4,7 @@
 //! it, and the op that could not take it so), so they stay true for any pass that produced the
 //! graph. This is an analysis: it reads a module and changes nothing.
 
-use pleat_ir::{Graph, Module, NodeId, Op, ValueId};
+use pleat_ir::{Graph, MlpOperand, Module, NodeId, Op, ValueId};
 
 use crate::sharding::spec_text;
 
@@ -156,6 +156,15 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                     "the gate/up/down shards (split on ffn over {axis}) travel around the {axis} ring, one hop a step under the step's GEMMs, while each rank's tokens stay put"
                 ),
             ),
+            // One ring computes all four gradients of an MLP: it is explained once, at its input's.
+            Op::RingGatedMlpGrad { wrt, .. } if *wrt != MlpOperand::Input => continue,
+            Op::RingGatedMlpGrad { .. } => (
+                Some("ffn".to_string()),
+                "ring-gradients-home-with-their-weights",
+                format!(
+                    "the backward runs the {axis} ring again: each gate/up/down shard travels with its gradient, every rank adds its own tokens' part, and the gradient arrives at the shard's owner complete, with no all-reduce"
+                ),
+            ),
             Op::RingAttention { .. } => (
                 Some("seq".to_string()),
                 "ring-kv-around-local-queries",
@@ -182,6 +191,10 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
         let bytes_per_rank = match &data.op {
             // The ring moves the three weight shards at every hop.
             Op::RingGatedMlp { .. } => data.inputs[1..].iter().map(|&weight| local_bytes(module, weight)).sum(),
+            // The backward ring moves the shards and, beside them, their gradients.
+            Op::RingGatedMlpGrad { .. } => {
+                2 * data.inputs[1..4].iter().map(|&weight| local_bytes(module, weight)).sum::<u64>()
+            }
             // The attention ring moves the key and value blocks and their positions at every hop.
             Op::RingAttention { .. } => {
                 [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum()

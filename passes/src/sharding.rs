@@ -6,7 +6,7 @@
 //! the verifier reports the reason. Communication ops have rules too: they are the only ops whose
 //! output spec differs from what their input allows locally.
 
-use pleat_ir::{AxisName, DimName, Graph, NodeData, Op, Shape, ShardSpec};
+use pleat_ir::{AxisName, DimName, Graph, MlpOperand, NodeData, Op, Shape, ShardSpec};
 
 /// Why an op cannot run locally on its inputs' layouts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -366,6 +366,31 @@ pub fn output_spec(
                 }
             }
             Ok(specs[0].clone())
+        }
+        Op::RingGatedMlpGrad { axis, wrt } => {
+            // (x, gate, up, down, dy): the forward's layouts, dy laid out as its output.
+            let forward = NodeData { op: Op::RingGatedMlp { axis: *axis }, ..node.clone() };
+            let output = output_spec(&forward, &specs[..4], &shapes[..4], shapes[0])?;
+            no_partial(specs, &[4])?;
+            if *specs[4] != output {
+                return Err(Conflict::Layout("dy is laid out differently from the MLP output".into()));
+            }
+            if *wrt == MlpOperand::Input {
+                return Ok(output);
+            }
+            // A shard's gradient sums the rows of every rank it visits: those rows must differ, so
+            // the ring's axis splits them. Other axes splitting the rows leave a pending sum.
+            let row_dims = &shapes[0].dims()[..shapes[0].rank() - 1];
+            let row_axes: Vec<AxisName> =
+                row_dims.iter().flat_map(|dim| dim_axes(specs[0], shapes[0], dim.name)).copied().collect();
+            if !row_axes.contains(axis) {
+                return Err(Conflict::Layout(format!(
+                    "the ring's weight gradients sum the rows of every rank on {axis}, but x's rows are not split over {axis}"
+                )));
+            }
+            let mut spec = specs[wrt.index()].clone();
+            spec.partial = row_axes.into_iter().filter(|row_axis| row_axis != axis).collect();
+            Ok(spec)
         }
         Op::RingAttention { axis, .. } => ring_attention_spec(*axis, specs, shapes),
         Op::LocalSlice { axis, dim } => {

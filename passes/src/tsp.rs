@@ -9,12 +9,9 @@
 //!   against the gathered keys (causal by the zigzag positions), and accumulates the output
 //!   projection into its own tokens. No all-reduce: each rank only ever adds to its own tokens.
 //! - MLP: one `ring_gated_mlp`, which lowering expands into D steps that compute with the shard a
-//!   rank holds while the shard moves on to the next rank (D-1 hops, double-buffered). In a training
-//!   graph (one with a `cross_entropy` loss) the MLP is written out like the attention instead: for
-//!   each owner j every rank receives owner j's gate, up and down blocks (`broadcast_shard`) and
-//!   adds their product to its own tokens. It sends the same (D-1)/D of the MLP weights a rank, and
-//!   its backward is plain: each owner's weight gradients are reduced back to the owner
-//!   (`reduce_to_root`, the conjugate of `broadcast_shard`); see docs/training.md.
+//!   rank holds while the shard moves on to the next rank (D-1 hops, double-buffered). Training
+//!   graphs keep the ring: its gradient (`ring_gated_mlp_grad`) runs the ring again, each shard's
+//!   weight gradient travelling with the shard and arriving home complete (docs/training.md).
 //! - the embedding stays vocab-parallel over all tokens (every rank holds every token id) and is
 //!   reduce-scattered onto the sequence; the LM head all-gathers the sequence first; the logits
 //!   are put back in the original token order.
@@ -43,8 +40,7 @@ fn fold_tsp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         });
     }
     crate::strategy::seed_leaves(module)?;
-    let training = module.graph.loss_node().is_some();
-    let mut rewriter = Rewriter { graph: &mut module.graph, degree, training };
+    let mut rewriter = Rewriter { graph: &mut module.graph, degree };
     rewriter.fold()?;
     module.graph.compact();
     derive_specs(module, ctx)
@@ -53,8 +49,6 @@ fn fold_tsp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
 struct Rewriter<'a> {
     graph: &'a mut Graph,
     degree: u64,
-    /// Whether the graph trains: the MLP is folded by owner rather than into a ring.
-    training: bool,
 }
 
 fn missing(what: &str) -> Error {
@@ -264,9 +258,6 @@ impl Rewriter<'_> {
             self.find(&format!("{prefix}.up_proj.weight"))?,
             self.find(&format!("{prefix}.down_proj.weight"))?,
         ];
-        if self.training {
-            return self.mlp_by_owner(layer, x, old_output, weights);
-        }
         let ty = self.graph.value(old_output).ty.clone();
         let ring = self.insert(
             old_output,
@@ -277,37 +268,6 @@ impl Rewriter<'_> {
         );
         let ring_node = self.graph.value(ring).def;
         self.graph.replace_uses(old_output, ring, ring_node);
-        Ok(())
-    }
-
-    /// The training form of the MLP: for each owner, its broadcast gate, up and down blocks applied
-    /// to the rank's own tokens, summed.
-    fn mlp_by_owner(&mut self, layer: u64, x: ValueId, old_output: ValueId, weights: [ValueId; 3]) -> Result<()> {
-        let x_ty = self.graph.value(x).ty.clone();
-        let mut sum: Option<ValueId> = None;
-        let mut at = old_output;
-        for owner in 0..self.degree {
-            let name = |part: &str| format!("layer{layer}.mlp.owner{owner}.{part}");
-            let mut blocks = Vec::new();
-            for (index, &weight) in weights.iter().enumerate() {
-                let block = self.block(weight, DimName::Ffn, owner, &name(["wgate", "wup", "wdown"][index]));
-                self.move_after(block, &mut at);
-                blocks.push(block);
-            }
-            let ffn = self.graph.value(blocks[0]).ty.shape.dims()[0];
-            let mut hidden_ty = x_ty.clone();
-            let last = hidden_ty.shape.0.len() - 1;
-            hidden_ty.shape.0[last] = ffn;
-            let gate = self.insert(at, Op::MatMul { contract: 1 }, &[x, blocks[0]], hidden_ty.clone(), &name("gate"));
-            let up = self.insert(gate, Op::MatMul { contract: 1 }, &[x, blocks[1]], hidden_ty.clone(), &name("up"));
-            let act = self.insert(up, Op::SiluMul, &[gate, up], hidden_ty, &name("silu_mul"));
-            let output = self.insert(act, Op::MatMul { contract: 1 }, &[act, blocks[2]], x_ty.clone(), &name("down"));
-            at = output;
-            self.add_to_sum(&mut sum, output, &mut at, x_ty.clone(), &name("sum"));
-        }
-        let total = sum.expect("a mesh axis has at least one rank");
-        let total_node = self.graph.value(total).def;
-        self.graph.replace_uses(old_output, total, total_node);
         Ok(())
     }
 }

@@ -339,7 +339,8 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
         | Op::AttentionGradValue { .. }
         | Op::SiluMulGradGate
         | Op::EmbeddingGrad { .. }
-        | Op::SumLeading { .. } => infer_training_type(node, inputs, mesh),
+        | Op::SumLeading { .. }
+        | Op::RingGatedMlpGrad { .. } => infer_training_type(node, inputs, mesh),
         Op::AllReduce { .. } => Ok(inputs[0].clone()),
         Op::BroadcastShard { axis, dim, root } => {
             let Some(position) = inputs[0].shape.position(*dim) else {
@@ -520,6 +521,11 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
             let output = forward(Op::Attention { causal: *causal }, 5)?;
             same_type(5, &output, "the attention output")?;
             Ok(if matches!(node.op, Op::AttentionGradQuery { .. }) { output } else { inputs[1].clone() })
+        }
+        Op::RingGatedMlpGrad { axis, wrt } => {
+            let output = forward(Op::RingGatedMlp { axis: *axis }, 4)?;
+            same_type(4, &output, "the MLP output")?;
+            Ok(inputs[wrt.index()].clone())
         }
         Op::SiluMulGradGate => {
             same_type(1, inputs[0], "operand 0")?;

@@ -93,3 +93,28 @@ fn the_loss_sums_over_the_batch_split_and_needs_whole_rows() {
         outputs(v2)\n";
     assert!(check(vocab_split).contains("the activation's vocab is split over tp"), "{}", check(vocab_split));
 }
+
+#[test]
+fn ring_mlp_weight_gradients_arrive_split_like_their_weights() {
+    // Each shard's gradient travels the ring over tsp and sums every rank's tokens (seq split over
+    // tsp): it lands home complete, split on ffn as the weight is; the batch split over dp leaves
+    // a pending sum.
+    let text = "; module m mesh=dp=2,tsp=2\n\
+        v0: f32[batch=2/dp, seq=4/tsp, hidden=4] = param() name=\"x\"   # n0 x\n\
+        v1: f32[ffn=8/tsp, hidden=4] = param() name=\"gate\"   # n1 gate\n\
+        v2: f32[ffn=8/tsp, hidden=4] = param() name=\"up\"   # n2 up\n\
+        v3: f32[hidden=4, ffn=8/tsp] = param() name=\"down\"   # n3 down\n\
+        v4: f32[batch=2/dp, seq=4/tsp, hidden=4] = param() name=\"dy\"   # n4 dy\n\
+        v5: f32[ffn=8/tsp, hidden=4] partial(dp) = ring_gated_mlp_grad(v0, v1, v2, v3, v4) axis=tsp wrt=gate   # n5 d_gate\n\
+        v6: f32[batch=2/dp, seq=4/tsp, hidden=4] = ring_gated_mlp_grad(v0, v1, v2, v3, v4) axis=tsp wrt=x   # n6 dx\n\
+        v7: f32[ffn=8/tsp, hidden=4] = all_reduce(v5) axis=dp   # n7 d_gate.sum\n\
+        outputs(v7, v6)\n";
+    assert_eq!(check(text), "ok");
+    // Tokens replicated over tsp: every rank would add the same rows to each shard's gradient.
+    let replicated = text.replace("seq=4/tsp", "seq=4");
+    assert_eq!(
+        check(&replicated),
+        "n5 d_gate (ring_gated_mlp_grad): the ring's weight gradients sum the rows of every rank on tsp, but x's \
+         rows are not split over tsp"
+    );
+}

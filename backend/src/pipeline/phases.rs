@@ -5,7 +5,9 @@
 //! `embedding_grad`, `sum_leading` of a bias), everything computed from them (the parameter
 //! gradients' relayout, reduction and accumulation), and the backward nodes off the gradient chain
 //! that only `W` reads (a relayout or recomputation of a forward value that only a weight gradient
-//! needs). Everything else after the loss is `B`.
+//! needs). Everything else after the loss is `B`, including TSP's ring MLP gradients: one ring
+//! computes the input and the weight gradients together (splitting it would run the ring, and
+//! move its weights, twice).
 //!
 //! Guarantee: no `B` node reads a `W` node's value (a node is `W` only when every reader is), so a
 //! stage may run a micro-batch's `W` at any time after its `B`, and every value a stage sends to

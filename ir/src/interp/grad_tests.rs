@@ -222,6 +222,18 @@ fn silu_mul_gradients_match_finite_differences() {
 }
 
 #[test]
+fn gated_mlp_gradients_match_finite_differences() {
+    let axis = crate::AxisName::Tsp;
+    let inputs = [random(&[2, 3, 4], 30), random(&[5, 4], 31), random(&[5, 4], 32), random(&[4, 5], 33)];
+    let dy = random(&[2, 3, 4], 34);
+    let operands: Vec<&Tensor> = inputs.iter().chain([&dy]).collect();
+    for wrt in crate::MlpOperand::ALL {
+        let gradient = run(&Op::RingGatedMlpGrad { axis, wrt }, &operands);
+        check_finite_differences(&Op::RingGatedMlp { axis }, &inputs, wrt.index(), &dy, &gradient);
+    }
+}
+
+#[test]
 fn embedding_and_bias_gradients_match_finite_differences() {
     let table = random(&[5, 3], 18);
     let tokens = tensor(&[2, 3], &[4.0, 0.0, 4.0, 1.0, 1.0, 4.0]);

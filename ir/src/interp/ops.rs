@@ -13,7 +13,7 @@ use super::error::OpError;
 use super::grad;
 use super::rope::rope;
 use super::tensor::{element_count, exact_index, unravel, Tensor};
-use crate::Op;
+use crate::{MlpOperand, Op};
 
 /// Applies compute op `op` to `operands`. Ops that read the run's inputs, parameters or other
 /// ranks (`Tokens`, `Positions`, `Param`, communication) are `OpError::NotLocal`.
@@ -39,6 +39,7 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::SiluMul => silu_mul(operands[0], operands[1]),
         Op::Add => add(operands[0], operands[1]),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
+        Op::RingGatedMlpGrad { wrt, .. } => gated_mlp_grad(operands, *wrt),
         Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. } => grad::cross_entropy(operands[0], operands[1]),
         Op::CrossEntropyGrad | Op::VocabParallelCrossEntropyGrad { .. } => {
             grad::cross_entropy_grad(operands[0], operands[1])
@@ -198,6 +199,27 @@ fn add(a: &Tensor, b: &Tensor) -> Result<Tensor, OpError> {
 fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor, OpError> {
     let hidden = matmul(&silu_mul(&matmul(x, gate, 1)?, &matmul(x, up, 1)?)?, down, 1)?;
     Ok(hidden)
+}
+
+/// The gradient of the gated MLP with respect to `wrt`, from its operands and `dy` (operand 4),
+/// composed of the single ops' gradients (the chain rule through `gated_mlp`).
+fn gated_mlp_grad(operands: &[&Tensor], wrt: MlpOperand) -> Result<Tensor, OpError> {
+    let [x, gate, up, down, dy] = [operands[0], operands[1], operands[2], operands[3], operands[4]];
+    if dy.shape != x.shape {
+        return Err(shape_error(4, dy, format!("{:?}, the shape of operand 0", x.shape)));
+    }
+    let (gated, upped) = (matmul(x, gate, 1)?, matmul(x, up, 1)?);
+    if wrt == MlpOperand::Down {
+        return grad::matmul_grad_weight(dy, &silu_mul(&gated, &upped)?, 1);
+    }
+    let d_hidden = grad::matmul_grad_input(dy, down, 1)?;
+    let d_gated = grad::silu_mul_grad_gate(&gated, &upped, &d_hidden)?;
+    let d_upped = silu_mul(&gated, &d_hidden)?;
+    match wrt {
+        MlpOperand::Gate => grad::matmul_grad_weight(&d_gated, x, 1),
+        MlpOperand::Up => grad::matmul_grad_weight(&d_upped, x, 1),
+        _ => add(&grad::matmul_grad_input(&d_gated, gate, 1)?, &grad::matmul_grad_input(&d_upped, up, 1)?),
+    }
 }
 
 /// Reorders dim `dim` of `x` so that slot `i` holds entry `order[i]`.

@@ -10,7 +10,9 @@ use proptest::prelude::*;
 
 use crate::entity::EntityRef;
 use crate::model::config::{RopeConfig, RopeScaling};
-use crate::{AxisName, DType, DimName, Graph, Mesh, Module, NodeData, NodeId, Op, ShardSpec, TensorType, ValueId};
+use crate::{
+    AxisName, DType, DimName, Graph, Mesh, MlpOperand, Module, NodeData, NodeId, Op, ShardSpec, TensorType, ValueId,
+};
 
 use DimName::{Batch, Ffn, HeadDim, Heads, Hidden, KvHeads, Seq, Vocab};
 
@@ -300,7 +302,7 @@ impl Builder {
         let stream = self.values_shaped(STREAM);
         let other = choices.pick(&stream);
         let vocab = self.sizes.iter().find(|(name, _)| *name == Vocab).map_or(1, |&(_, size)| size);
-        let (op, inputs, names): (Op, Vec<ValueId>, &[DimName]) = match choices.below(13) {
+        let (op, inputs, names): (Op, Vec<ValueId>, &[DimName]) = match choices.below(14) {
             0 => {
                 let logits = self.param(&[Batch, Seq, Vocab], choices);
                 let ty = self.typed(DType::F32, &[]);
@@ -350,6 +352,18 @@ impl Builder {
             }
             10 => (Op::SiluMulGradGate, vec![x, other, x], STREAM),
             11 => (Op::EmbeddingGrad { vocab }, vec![x, tokens], &[Vocab, Hidden]),
+            12 if !self.mesh.axes().is_empty() => {
+                let axis = self.mesh.axes()[choices.below(self.mesh.axes().len())].name;
+                let weights = [self.param(&[Ffn, Hidden], choices), self.param(&[Ffn, Hidden], choices)];
+                let down = self.param(&[Hidden, Ffn], choices);
+                let wrt = MlpOperand::ALL[choices.below(4)];
+                let names: &[DimName] = match wrt {
+                    MlpOperand::Input => STREAM,
+                    MlpOperand::Gate | MlpOperand::Up => &[Ffn, Hidden],
+                    MlpOperand::Down => &[Hidden, Ffn],
+                };
+                (Op::RingGatedMlpGrad { axis, wrt }, vec![x, weights[0], weights[1], down, other], names)
+            }
             _ => (Op::SumLeading { keep: 1 }, vec![x], &[Hidden]),
         };
         let ty = self.ty(names);

@@ -10,11 +10,11 @@ use super::cursor::{Cursor, Parsed};
 use super::error::{ParseError, Span};
 use crate::entity::EntityRef;
 use crate::model::config::{RopeConfig, RopeScaling};
-use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, Module, NodeData, NodeId, Op, Shape, ShardSpec};
+use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, MlpOperand, Module, NodeData, NodeId, Op, Shape, ShardSpec};
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 35] = [
+const OPS: [&str; 36] = [
     "tokens",
     "positions",
     "param",
@@ -47,6 +47,7 @@ const OPS: [&str; 35] = [
     "broadcast_shard",
     "reduce_to_root",
     "ring_gated_mlp",
+    "ring_gated_mlp_grad",
     "ring_attention",
     "zigzag",
     "all_to_all",
@@ -323,6 +324,7 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "embedding_grad" => &["vocab"],
         "sum_leading" => &["keep"],
         "ring_attention" => &["axis", "causal"],
+        "ring_gated_mlp_grad" => &["axis", "wrt"],
         "all_to_all" => &["axis", "split_dim", "gather_dim"],
         _ => &[],
     };
@@ -400,6 +402,10 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         }
         "all_reduce" => Op::AllReduce { axis: axis_value(cursor, required("axis", "tp")?)? },
         "ring_gated_mlp" => Op::RingGatedMlp { axis: axis_value(cursor, required("axis", "tsp")?)? },
+        "ring_gated_mlp_grad" => Op::RingGatedMlpGrad {
+            axis: axis_value(cursor, required("axis", "tsp")?)?,
+            wrt: mlp_operand_value(cursor, required("wrt", "gate")?)?,
+        },
         "vocab_parallel_cross_entropy" => {
             Op::VocabParallelCrossEntropy { axis: axis_value(cursor, required("axis", "tp")?)? }
         }
@@ -452,6 +458,14 @@ fn number<T: std::str::FromStr>(cursor: &Cursor<'_>, attribute: &Attribute<'_>, 
 
 fn axis_value(cursor: &Cursor<'_>, attribute: &Attribute<'_>) -> Parsed<AxisName> {
     parse_axis(cursor, &attribute.value, (attribute.value_start, attribute.value_end))
+}
+
+fn mlp_operand_value(cursor: &Cursor<'_>, attribute: &Attribute<'_>) -> Parsed<MlpOperand> {
+    MlpOperand::parse(&attribute.value).ok_or_else(|| {
+        let names: Vec<&str> = MlpOperand::ALL.iter().map(|operand| operand.as_str()).collect();
+        let message = format!("unknown MLP operand `{}`; operands are {}", attribute.value, names.join(", "));
+        cursor.error(attribute.value_start, attribute.value_end, message)
+    })
 }
 
 fn dim_value(cursor: &Cursor<'_>, attribute: &Attribute<'_>) -> Parsed<DimName> {

@@ -184,6 +184,7 @@ fn write_attributes(out: &mut String, op: &Op) {
         }
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
         Op::RingAttention { axis, causal } => write!(out, " axis={axis} causal={causal}"),
+        Op::RingGatedMlpGrad { axis, wrt } => write!(out, " axis={axis} wrt={}", wrt.as_str()),
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {
             write!(out, " axis={axis} dim={dim}")
         }

@@ -205,7 +205,7 @@ fn errors_say_what_was_expected_and_where() {
                matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, \
                rms_norm_grad_weight, rope_grad, attention_grad_query, attention_grad_key, attention_grad_value, \
                silu_mul_grad_gate, embedding_grad, sum_leading, all_reduce, reduce_scatter, all_gather, local_slice, \
-               broadcast_shard, reduce_to_root, ring_gated_mlp, ring_attention, zigzag, all_to_all";
+               broadcast_shard, reduce_to_root, ring_gated_mlp, ring_gated_mlp_grad, ring_attention, zigzag, all_to_all";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
@@ -489,7 +489,7 @@ fn generator_covers_every_op_and_feature() {
             features.insert("outputs");
         }
     }
-    assert_eq!(ops.len(), 35, "ops reached: {ops:?}");
+    assert_eq!(ops.len(), 36, "ops reached: {ops:?}");
     assert_eq!(features.len(), 7, "features reached: {features:?}");
 }
 

@@ -525,9 +525,9 @@ impl Backward<'_> {
 mod tests {
     use super::*;
     use pleat_ir::model::preset::preset;
-    use pleat_ir::{AxisName, DimName, TensorType};
+    use pleat_ir::{AxisName, DimName, MlpOperand, TensorType};
 
-    use DimName::{Batch, Ffn, Hidden, Seq, Vocab};
+    use DimName::{Batch, Hidden, Seq, Vocab};
 
     /// tokens -> embedding -> `middle` -> lm_head -> cross_entropy, on a one-token-wide toy model;
     /// `middle` adds nodes after the embedding and returns the value the head reads.
@@ -580,21 +580,61 @@ mod tests {
     }
 
     #[test]
+    fn the_ring_mlp_gets_one_ring_gradient_per_operand() {
+        let config = preset("tiny").expect("tiny");
+        let mut module = pleat_ir::model::build_training(&config, 2, 16).expect("builds");
+        module.mesh = pleat_ir::Mesh::parse("dp=2,tsp=2").expect("mesh");
+        crate::run_pipeline(crate::TRAIN_PIPELINE, &mut module, &crate::PassCtx::default()).expect("trains");
+        let graph = &module.graph;
+        let dp = AxisName::parse("dp").expect("dp is an axis");
+        for layer in 0..config.num_layers {
+            let ring = graph.def(graph.find(&format!("layer{layer}.mlp_ring")).expect("a ring MLP"));
+            let gradients: Vec<&NodeData> = graph
+                .order()
+                .iter()
+                .map(|&node| graph.node(node))
+                .filter(|node| matches!(node.op, Op::RingGatedMlpGrad { .. }) && node.inputs[..4] == ring.inputs[..])
+                .collect();
+            let wrts: Vec<MlpOperand> = gradients
+                .iter()
+                .filter_map(|node| match node.op {
+                    Op::RingGatedMlpGrad { wrt, .. } => Some(wrt),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(wrts, MlpOperand::ALL, "layer {layer}");
+            assert!(gradients.iter().all(|node| node.inputs[4] == gradients[0].inputs[4]), "one dy");
+            // x's rows are split over dp too: the weight gradients are pending over dp alone, and
+            // each parameter's gradient is their all-reduce.
+            for (node, projection) in gradients[1..].iter().zip(["gate_proj", "up_proj", "down_proj"]) {
+                assert_eq!(graph.value(node.result).spec.partial, [dp], "{}", node.name);
+                let name = format!("model.layers.{layer}.mlp.{projection}.weight");
+                let param_grad = graph.def(graph.find(&format!("grad.{name}")).expect("a gradient"));
+                assert_eq!((&param_grad.op, param_grad.inputs[0]), (&Op::AllReduce { axis: dp }, node.result));
+            }
+        }
+        // `explain` names one backward ring a layer, moving three [128, 128] f32 shards and their
+        // gradients a hop.
+        let rings: Vec<u64> = crate::explain::explain_collectives(&module)
+            .iter()
+            .filter(|reason| reason.rule == "ring-gradients-home-with-their-weights")
+            .map(|reason| reason.bytes_per_rank)
+            .collect();
+        assert_eq!(rings, vec![2 * 3 * 128 * 128 * 4; config.num_layers as usize]);
+    }
+
+    #[test]
     fn an_op_without_a_rule_is_named() {
         let (mut graph, loss) = toy(|graph, embedded| {
-            let weight = |graph: &mut Graph, name: &str, dims: &[(DimName, u64)]| {
-                graph.add(Op::Param { name: name.into() }, &[], TensorType::new(DType::F32, dims), name)
-            };
-            let gate = weight(graph, "gate", &[(Ffn, 4), (Hidden, 2)]);
-            let up = weight(graph, "up", &[(Ffn, 4), (Hidden, 2)]);
-            let down = weight(graph, "down", &[(Hidden, 2), (Ffn, 4)]);
             let ty = graph.value(embedded).ty.clone();
-            let axis = AxisName::parse("tsp").expect("tsp is an axis");
-            graph.add(Op::RingGatedMlp { axis }, &[embedded, gate, up, down], ty, "mlp")
+            let positions = graph.find("tokens").expect("tokens");
+            let axis = AxisName::parse("cp").expect("cp is an axis");
+            let operands = [embedded, embedded, embedded, positions, positions];
+            graph.add(Op::RingAttention { axis, causal: true }, &operands, ty, "attention")
         });
         let error = differentiate(&mut graph, loss).unwrap_err();
         assert!(
-            matches!(&error, AutodiffError::NoRule { name, reason, .. } if name == "mlp" && reason.contains("fold-tsp")),
+            matches!(&error, AutodiffError::NoRule { name, reason, .. } if name == "attention" && reason.contains("fold-cp")),
             "{error}"
         );
     }

@@ -6,7 +6,7 @@
 //! `SiluMul(gate, dy)`, ...). Communication ops map to their conjugate collectives
 //! (`conjugate`), so the same rules will differentiate a per-rank sharded graph.
 
-use pleat_ir::{Graph, NodeData, Op, ValueId};
+use pleat_ir::{Graph, MlpOperand, NodeData, Op, ValueId};
 
 /// How the gradient of one operand is computed.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,11 +63,15 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
             }
         }
         (Op::Zigzag { parts, inverse }, 0) => apply(Op::Zigzag { parts: *parts, inverse: !inverse }, vec![dy]),
-        (Op::RingGatedMlp { .. } | Op::RingAttention { .. }, _) => Err(NoRule {
-            reason: format!(
-                "{} has no gradient rule; fold-tsp and fold-cp write a training graph's layers without rings",
-                node.op.mnemonic()
-            ),
+        // The four gradients read the same operands; lowering runs them as one reverse ring.
+        (Op::RingGatedMlp { axis }, operand) if operand < 4 => {
+            let wrt = MlpOperand::at(operand).expect("operand < 4");
+            apply(Op::RingGatedMlpGrad { axis: *axis, wrt }, [&inputs[..], &[dy]].concat())
+        }
+        (Op::RingAttention { .. }, _) => Err(NoRule {
+            reason: "ring_attention has no gradient rule; fold-cp writes a training graph's attention as an \
+                     all-gather of the keys and values"
+                .into(),
         }),
         (op, 0) if op.is_communication() || matches!(op, Op::LocalSlice { .. }) => {
             let partial = !graph.value(dy).spec.partial.is_empty();

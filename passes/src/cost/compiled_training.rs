@@ -22,7 +22,7 @@
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation). tsp peaks inside the
-//! first layer's MLP backward instead: [`compiled_tsp_training_peak`] models tsp=2, rank by rank.
+//! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere too and are not modelled:
 //! [`compiled_training_peak`] returns `None` for them.
@@ -94,40 +94,36 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     Some(ForwardPhase { name: "end of backward", params, terms })
 }
 
-/// tsp=2's compiled training step on `rank` (0 or 1): the larger of two phases, the end of the
-/// first layer's MLP backward (below) and the end of the backward (as [`compiled_training_peak`]
-/// under tp: every gradient, the loss and the whole-vocabulary embedding gradient), or `None` for
-/// any other layout (tsp at other degrees, or beside other axes, is not modelled). On `tiny` the
-/// MLP phase is the larger but on rank 1 with selective recompute.
+/// A compiled tsp training step (tsp of degree D >= 2 the only axis; every rank peaks alike): the
+/// largest of the first layer's MLP-ring backward at its highest points (below) and the end of the
+/// backward (as [`compiled_training_peak`] under tp: every gradient, the loss and the
+/// whole-vocabulary embedding gradient), or `None` for any other layout (tsp beside other axes is
+/// not modelled). On `tiny` the ring's phase is the larger but with full recompute on few tokens.
 ///
-/// Under tsp the MLP's backward runs each owner's shard in turn, the owners in reverse (owner 1,
-/// then owner 0), re-receiving the owner's weights by broadcast; each rank computes its
-/// contribution to the owner's weight gradients and sends it to the owner, which adds it to its
-/// own (the conjugate of the broadcast). The phase's highest point is the last of these sums, the
-/// down projection's of owner 0, on each rank. Live then, beside the parameters (`T` the step's
-/// tokens, `D = 2`, `q` and `kv` the query and key/value widths, `f` the MLP's):
-/// - the gradients finished so far: every parameter's but the first layer's and the embedding's;
+/// The MLP's backward runs the ring again (`ring_gated_mlp_grad`, docs/training.md): in step s the
+/// rank holds the shard of the rank s before it, recomputes its activations on its own tokens and
+/// adds the shard's part to its input gradient and its tokens' part to the shard's gradient, which
+/// travels on with the shard. Beside the parameters, at any point of a step s >= 1 (`T` the step's
+/// tokens, `q` and `kv` the query and key/value widths, `f` the MLP's, `M` one MLP matrix's shard
+/// `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one hidden state `[T/D, h]`):
+/// - the gradients finished so far: every parameter's but the first layer's and the embedding's
+///   (the ring writes the layer's MLP gradients at its end);
 /// - what the first layer's attention backward (still to run) reads: the whole batch's token ids
-///   in zigzag order, the zigzag and local positions, the embedding's output (the layer's input),
-///   the attention norm's output and the attention residual (`[T/D, h]` each), and for each owner
-///   its q and attention output (`[T/D, q/D]`) and its gathered k and v (`[T, kv/D]`); selective
-///   recompute keeps no attention output, full recompute only the input and the attention residual
-///   (the rest is recomputed when the attention's backward runs, after the peak);
-/// - the loss, and the gradients of the layer's output and of the MLP norm's output (`[T/D, h]`);
-/// - owner 1's MLP shard gradients (gate, up, down: `3·h·f/D`), finished earlier: on rank 1 the
-///   reduced sums, on rank 0 the zeros that are its share of that reduction;
-/// - the rank's contributions to owner 0's gate, up and down gradients (`3·h·f/D`), kept until the
-///   sums that read them are done;
-/// - owner 0's down-projection gradient being written (`h·f/D`: the sum on rank 0, zeros on rank 1);
-/// - on rank 0 only, rank 1's contribution to it, just received (`h·f/D`).
-pub fn compiled_tsp_training_peak(
-    model: &ModelShape,
-    layout: &Layout,
-    workload: &Workload,
-    rank: u32,
-) -> Option<ForwardPhase> {
+///   in zigzag order, the zigzag and local positions, the layer's input, the attention norm's output
+///   and the attention residual (`H` each), and for each owner its q and attention output
+///   (`[T/D, q/D]`) and its gathered k and v (`[T, kv/D]`); selective recompute keeps no attention
+///   output, full recompute only the input and the attention residual;
+/// - the loss, the ring's operand x and its output's gradient dy (`H` each);
+/// - the owner's own tokens' part of its shard's gradients, kept from step 0 (`3M`), the shard held
+///   (`3M`), and the input gradient summed so far (`H`);
+/// - and what the step holds at its highest point, the largest of: the recomputed gate, up and
+///   their product with down's gradient part being written (`3A + M`); for D >= 3, a part received
+///   with the shard, the rank's own and their sum (`2A + 3M`, gate and up still live); the
+///   activations' gradients beside gate and up (`4A`); and a part of the input gradient added to the
+///   sum (`2A + 2H`).
+pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let tsp = layout.degree(AxisName::Tsp);
-    if tsp != 2 || layout.world_size() != tsp || rank >= 2 {
+    if tsp < 2 || layout.world_size() != tsp {
         return None;
     }
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
@@ -140,8 +136,10 @@ pub fn compiled_tsp_training_peak(
     let local = tokens / owners;
     let hidden = model.hidden as f64;
     let (query, key_value) = (model.query_width() as f64, model.kv_width() as f64);
-    // One of the MLP's three matrices, one owner's shard.
-    let matrix = model.mlp_weights() as f64 / 3.0 / owners * element;
+    let ffn_shard = model.mlp_weights() as f64 / 3.0 / hidden / owners;
+    // One of the MLP's three matrices, one owner's shard; one activation; one hidden state.
+    let (matrix, activation, hidden_state) =
+        (hidden * ffn_shard * element, local * ffn_shard * element, local * hidden * element);
     // Token ids and positions are 4-byte integers whatever the model's dtype.
     let integers = 4.0 * (tokens + seq + seq / owners);
     // What the first layer keeps for its attention backward: full recompute keeps the residual
@@ -153,7 +151,7 @@ pub fn compiled_tsp_training_peak(
         Recompute::Selective => (3.0, local * query / owners + gathered_key_value),
         Recompute::Full => (2.0, 0.0),
     };
-    let mut terms = vec![
+    let common = [
         Term { name: GRADIENTS, bytes: all_params },
         Term {
             name: "gradients of the first layer and the embedding, not finished yet (removed)",
@@ -163,27 +161,42 @@ pub fn compiled_tsp_training_peak(
         Term { name: "first layer's token ids and positions (zigzag and local)", bytes: integers },
         Term {
             name: "first layer's input and attention residual (and attention norm output, unless full recompute)",
-            bytes: kept_hidden * local * hidden * element,
+            bytes: kept_hidden * hidden_state,
         },
         Term {
             name: "first layer's q and gathered k, v of every owner (and attention output, without recompute)",
             bytes: owners * per_owner_attention * element,
         },
-        Term {
-            name: "gradients of the layer's output and of the mlp norm's output",
-            bytes: 2.0 * local * hidden * element,
-        },
-        Term { name: "owner 1's mlp shard gradients (reduced on the owner, zeros elsewhere)", bytes: 3.0 * matrix },
-        Term { name: "this rank's contributions to owner 0's mlp shard gradients", bytes: 3.0 * matrix },
-        Term { name: "owner 0's down-projection gradient being summed", bytes: matrix },
+        Term { name: "the mlp ring's input x and its output's gradient dy", bytes: 2.0 * hidden_state },
+        Term { name: "the owner's own tokens' part of its shard's gradients (kept from step 0)", bytes: 3.0 * matrix },
+        Term { name: "the mlp shard held (received)", bytes: 3.0 * matrix },
+        Term { name: "the ring's input gradient summed so far", bytes: hidden_state },
     ];
-    if rank == 0 {
-        terms.push(Term {
-            name: "rank 1's contribution to owner 0's down-projection gradient (received)",
-            bytes: matrix,
-        });
+    let mut highest_points = vec![
+        ("recomputed gate, up and their product, down's part being written", 3.0 * activation + matrix),
+        ("gate and up with the activations' gradients", 4.0 * activation),
+        (
+            "two activations' gradients and a part of the input gradient being added",
+            2.0 * activation + 2.0 * hidden_state,
+        ),
+    ];
+    if tsp >= 3 {
+        highest_points.push((
+            "gate and up, a gradient part received, the rank's own and their sum",
+            2.0 * activation + 3.0 * matrix,
+        ));
     }
-    let mlp = ForwardPhase { name: "tsp first layer's mlp backward", params: all_params, terms };
+    // The first of the largest, as the planner reports the first instruction at its peak.
+    let (name, bytes) = highest_points
+        .into_iter()
+        .fold(None::<(&'static str, f64)>, |best, point| match best {
+            Some(best) if best.1 >= point.1 => Some(best),
+            _ => Some(point),
+        })
+        .expect("candidates");
+    let mut terms = common.to_vec();
+    terms.push(Term { name, bytes });
+    let ring = ForwardPhase { name: "tsp first layer's mlp ring backward", params: all_params, terms };
     // The end of the backward, as under tp: every gradient, the loss and the whole-vocabulary
     // embedding gradient before the rank's vocabulary shard is sliced from it.
     let whole = (model.vocab * model.hidden) as f64 * element;
@@ -196,7 +209,7 @@ pub fn compiled_tsp_training_peak(
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
         ],
     };
-    Some(if end.bytes() > mlp.bytes() { end } else { mlp })
+    Some(if end.bytes() > ring.bytes() { end } else { ring })
 }
 
 /// The terms by which the compiled training step's peak `phase` (from [`compiled_training_peak`])
@@ -271,22 +284,34 @@ mod tests {
     fn tsp_peak_by_hand() {
         // tiny on tsp=2, 2 sequences of 8: T = 16, 8 local. Parameters 180864 elements; the first
         // layer (73984) and the embedding's shard (128·128) have no gradient yet. Integers 16 + 8 +
-        // 4; three [8, 128]; per owner q and attention [8, 64] and k, v [16, 32]; two [8, 128];
-        // 3 + 3 + 1 (+ 1 on rank 0) matrices of 128·128.
+        // 4; three [8, 128] kept for the attention; per owner q and attention [8, 64] and k, v
+        // [16, 32]; x, dy and the input gradient's sum [8, 128]; the ring's 3 + 3 matrices of
+        // 128·128 and, at the highest point, gate, up and their product [8, 128] with down's
+        // part, one more matrix.
         let model = tiny();
-        let layout = Layout::new(&[(AxisName::Tsp, 2)], false);
         let workload = Workload::training(8, 2);
-        let rank1 = 180864.0 * 2.0 - (73984.0 + 16384.0)
+        let common = 180864.0 * 2.0 - (73984.0 + 16384.0)
             + 1.0
             + (16.0 + 8.0 + 4.0)
             + 3.0 * 8.0 * 128.0
             + 2.0 * (2.0 * 8.0 * 64.0 + 2.0 * 16.0 * 32.0)
-            + 2.0 * 8.0 * 128.0
-            + 7.0 * 128.0 * 128.0;
-        let peak = |rank| compiled_tsp_training_peak(&model, &layout, &workload, rank).unwrap().bytes();
-        assert_eq!(peak(1), rank1 * 4.0);
-        assert_eq!(peak(0), (rank1 + 128.0 * 128.0) * 4.0);
-        assert_eq!(compiled_tsp_training_peak(&model, &Layout::new(&[(AxisName::Tsp, 4)], false), &workload, 0), None);
+            + 3.0 * 8.0 * 128.0;
+        let tsp2 = compiled_tsp_training_peak(&model, &Layout::new(&[(AxisName::Tsp, 2)], false), &workload).unwrap();
+        assert_eq!(tsp2.bytes(), (common + 6.0 * 128.0 * 128.0 + 3.0 * 8.0 * 128.0 + 128.0 * 128.0) * 4.0);
+        // tsp=4: 90752 parameter elements, the first layer 37120 and the embedding's 64·128; T/4 =
+        // 4 local; integers 16 + 8 + 2; per owner q and attention [4, 32], k and v [16, 16]; the
+        // matrices 128·64, activations [4, 64]; at the highest point a received part, the rank's
+        // own and their sum beside gate and up.
+        let common = 90752.0 * 2.0 - (37120.0 + 8192.0)
+            + 1.0
+            + (16.0 + 8.0 + 2.0)
+            + 3.0 * 4.0 * 128.0
+            + 4.0 * (2.0 * 4.0 * 32.0 + 2.0 * 16.0 * 16.0)
+            + 3.0 * 4.0 * 128.0;
+        let tsp4 = compiled_tsp_training_peak(&model, &Layout::new(&[(AxisName::Tsp, 4)], false), &workload).unwrap();
+        assert_eq!(tsp4.bytes(), (common + 6.0 * 128.0 * 64.0 + 2.0 * 4.0 * 64.0 + 3.0 * 128.0 * 64.0) * 4.0);
+        let beside = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 2)], false);
+        assert_eq!(compiled_tsp_training_peak(&model, &beside, &workload), None);
     }
 
     #[test]

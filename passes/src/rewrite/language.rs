@@ -200,6 +200,7 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
         // Ops no rule rewrites are fixed values of the template: context parallelism's ring (its
         // schedule is chosen by `fold-cp`), and the backward ops (training graphs are not rewritten).
         Op::RingAttention { .. }
+        | Op::RingGatedMlpGrad { .. }
         | Op::CrossEntropy
         | Op::CrossEntropyGrad
         | Op::VocabParallelCrossEntropy { .. }
