@@ -80,7 +80,17 @@ fn compile_training(
     layout: &TrainingLayout,
     batch: u64,
 ) -> (Vec<pleat_backend::Program>, Vec<OptimizerLayout>) {
-    let mut module = pleat_ir::model::build_training(config, batch, SEQ).expect("build");
+    compile_training_at(config, layout, batch, SEQ)
+}
+
+/// As `compile_training`, with sequences of `seq` tokens.
+fn compile_training_at(
+    config: &pleat_ir::model::config::ModelConfig,
+    layout: &TrainingLayout,
+    batch: u64,
+    seq: u64,
+) -> (Vec<pleat_backend::Program>, Vec<OptimizerLayout>) {
+    let mut module = pleat_ir::model::build_training(config, batch, seq).expect("build");
     module.mesh = Mesh::parse(layout.mesh).expect("mesh");
     let ctx = PassCtx {
         sequence_parallel: layout.sequence_parallel,
@@ -487,37 +497,59 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
-    // tsp peaks inside the first layer's MLP ring backward (or, with full recompute on few tokens,
-    // at the end of the backward), every rank alike: the ring is symmetric.
+    // tsp peaks at the end of the backward (the whole-vocabulary embedding gradient) on few
+    // tokens, and inside the first layer's MLP ring backward on more, every rank alike (the ring
+    // is symmetric); which of the ring's points is highest depends on the tokens too. With full
+    // recompute on many tokens the first layer's attention backward peaks instead (not modelled).
     let config = preset("tiny").unwrap();
     let model = ModelShape::from_config(&config);
+    let mut phases = std::collections::BTreeSet::new();
+    let mut attention_peaks = 0;
     for mesh in ["tsp=2", "tsp=4"] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
-        for batch in [2, 4] {
+        for (batch, seq) in [(2, SEQ), (4, SEQ), (2, 64), (4, 128)] {
             for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                let (programs, _) =
-                    compile_training(&config, &TrainingLayout::recomputing(mesh, false, recompute), batch);
+                let training = TrainingLayout::recomputing(mesh, false, recompute);
+                let (programs, _) = compile_training_at(&config, &training, batch, seq);
                 let workload = Workload {
                     tsp_shards_embeddings: true,
                     recompute: cost_recompute(recompute),
-                    ..Workload::training(SEQ, batch)
+                    ..Workload::training(seq, batch)
                 };
                 let memory = &memory_per_stage(&model, &layout, &workload)[0];
                 let phase = compiled_tsp_training_peak(&model, &layout, &workload).expect("tsp alone");
+                let highest = phase.terms.last().map_or("", |term| term.name);
+                phases.insert(if phase.name == "end of backward" { phase.name } else { highest });
                 let differences = training_differences_from_closed_form(memory, &phase);
                 let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
                 let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
                 for program in &programs {
-                    let label = format!("{mesh} batch {batch} {recompute:?} rank {}", program.rank);
+                    let label = format!("{mesh} batch {batch} seq {seq} {recompute:?} rank {}", program.rank);
                     assert_eq!(otherwise.bytes, 0.0, "{label}");
                     let planned = plan(program, ElementSize::Fixed(4));
                     assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
+                    // Full recompute on many tokens peaks in the first layer's attention backward,
+                    // which the closed form does not model: there it is a lower bound.
+                    let in_attention_backward = matches!(
+                        program.instructions[planned.peak_instr],
+                        Instr::Kernel { kernel: pleat_backend::Kernel::AttentionGrad { .. }, .. }
+                    );
+                    if in_attention_backward {
+                        assert_eq!(recompute, Recompute::Full, "{label}");
+                        assert!(planned.peak_bytes as f64 > predicted, "{label}");
+                        attention_peaks += 1;
+                        continue;
+                    }
                     assert_eq!(
                         planned.peak_bytes as f64, predicted,
-                        "{label}: planner vs closed form + {differences:?}"
+                        "{label}: planner vs closed form ({}, {highest}) + {differences:?}",
+                        phase.name
                     );
                 }
             }
         }
     }
+    // Both phases, and more than one of the ring's points, were checked against the planner.
+    assert!(phases.contains("end of backward") && phases.len() >= 3, "{phases:?}");
+    assert!(attention_peaks < 12, "most full-recompute cases are modelled: {attention_peaks} are not");
 }

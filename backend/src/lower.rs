@@ -548,10 +548,6 @@ fn loss_kernel(op: &Op, value: &str, local: &[u64], global: &[u64]) -> Result<Ke
     })
 }
 
-/// The order in which a ring MLP's backward computes, and sends, the weight gradients' parts
-/// (indices into gate, up, down): down's needs only the activations, gate's and up's their gradients.
-const FOLD_ORDER: [usize; 3] = [2, 0, 1];
-
 /// Local sizes of a ring MLP: `x` is `[rows, hidden]`, each ffn shard `ffn` wide.
 #[derive(Clone, Copy)]
 struct RingShapes {
@@ -705,17 +701,19 @@ fn lower_ring_mlp(
 }
 
 /// Expands the gradients of a ring MLP (`inputs`: x, gate, up, down, dy; `outs`: the buffers of
-/// the gradients wanted, by operand) into the ring run again. In step s the rank holds the weight
-/// shard of the rank s places before it (its own at s = 0) and recomputes that shard's hidden
-/// activations on its own tokens (never kept from the forward). It adds the shard's contribution to
-/// its input gradient, and its tokens' contribution to the shard's weight gradients. Those travel
-/// with the shard: created by the first rank after the owner, handed on after each step, they reach
-/// the owner after the last one and are added to its own tokens' contribution (kept from step 0).
-/// Weights make D-1 hops, as in the forward, and so do the gradients (one message a part: down,
-/// gate, up, in the order they are computed). The weights are sent before the step's GEMMs and
-/// received after them; a gradient part is sent as soon as it is complete and received just
-/// before it is added to, so the transfers run under the compute and at most one part of the
-/// gradients in flight is live beside the shard's own.
+/// the gradients wanted, by operand) into the forward's ring run in reverse order: in step t the
+/// rank holds the weight shard of the rank t + 1 after it, so the shards travel the other way
+/// round and each rank's own shard comes last. The rank recomputes the held shard's activations on
+/// its own tokens (never kept from the forward), adds the shard's part to its input gradient and
+/// its tokens' part to the shard's weight gradients. **The gradient travels with its weight:** the
+/// rank before the owner creates it at step 0, every rank adds its part and hands it on with the
+/// shard, and at the last step it reaches the owner, whose own part completes it. Weights make
+/// D-1 hops, as in the forward (the owner uses its own copy at the end), and so do the gradients
+/// (one message a part: down, gate, up, in the order they are computed). Step 0's shard is
+/// received before its GEMMs; every later shard is sent on before the step's GEMMs and received
+/// after them, and a gradient part is sent as soon as it is complete and received just before it
+/// is added to, so those transfers run under the compute and at most one gradient part in flight
+/// is live beside the shard.
 fn lower_ring_mlp_grad(
     program: &mut Program,
     name: &str,
@@ -728,31 +726,38 @@ fn lower_ring_mlp_grad(
     let RingShapes { rows, hidden, ffn } = shapes;
     let steps = group.len();
     let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
-    let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    // Reversed: the shards come from the next rank and go on to the previous one.
+    let (from, to) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
     let (x, dy) = (inputs[0], inputs[4]);
+    let own = [inputs[1], inputs[2], inputs[3]];
     let [dx_out, weight_outs @ ..] = outs;
     let weight_shape = |part: usize| if part == 2 { vec![hidden, ffn] } else { vec![ffn, hidden] };
     let part_name = ["gate", "up", "down"];
-    let mut shard = [inputs[1], inputs[2], inputs[3]];
     let kernel = |program: &mut Program, kernel: Kernel, operands: Vec<BufferId>, out: BufferId| {
         program.instructions.push(Instr::Kernel { kernel, inputs: operands, out });
     };
     let free = |program: &mut Program, bufs: &[BufferId]| {
         program.instructions.extend(bufs.iter().map(|&buf| Instr::Free { buf }));
     };
-    // One travelling gradient, received from the previous rank.
-    let receive = |program: &mut Program, buffer_name: &str, part: usize, peer: u32| {
-        let buffer = new_buffer(program, buffer_name.to_string(), weight_shape(part), BufferKind::InFlight, x);
-        program.instructions.push(Instr::Recv { outs: vec![buffer], peer });
-        buffer
+    let receive_shard = |program: &mut Program, step: usize| {
+        let shard = [0, 1, 2].map(|part| {
+            let buffer_name = format!("{name}.shard{step}.{}", part_name[part]);
+            new_buffer(program, buffer_name, weight_shape(part), BufferKind::InFlight, x)
+        });
+        program.instructions.push(Instr::Recv { outs: shard.to_vec(), peer: from });
+        shard
     };
+    let mut shard = own;
+    if steps > 1 {
+        program.instructions.push(Instr::Send { bufs: own.to_vec(), peer: to });
+        shard = receive_shard(program, 0);
+    }
     let mut dx_sum: Option<BufferId> = None;
-    // The rank's own tokens' contribution to its own shard's gradients (step 0).
-    let mut home: [Option<BufferId>; 3] = [None; 3];
     for step in 0..steps {
         let last = step + 1 == steps;
-        if !last {
-            program.instructions.push(Instr::Send { bufs: shard.to_vec(), peer: next });
+        // The shard goes on unless the next rank owns it.
+        if step + 2 < steps {
+            program.instructions.push(Instr::Send { bufs: shard.to_vec(), peer: to });
         }
         let new = |program: &mut Program, part: &str, shape: Vec<u64>| {
             new_buffer(program, format!("{name}.step{step}.{part}"), shape, BufferKind::Activation, x)
@@ -768,24 +773,30 @@ fn lower_ring_mlp_grad(
             _ => new(program, &format!("grad_{}", part_name[part]), weight_shape(part)),
         };
         // Each contribution joins the gradient that came with the shard (received just now) as soon
-        // as it is computed and goes on to the next rank at once, so at most one is live; at step 0
-        // it is the owner's own part, kept at home. Down's is computed first, then gate's and up's.
-        let mut fold = |program: &mut Program, part: usize, contribution: BufferId| {
-            if step == 0 {
-                home[part] = Some(contribution);
+        // as it is computed, and the sum goes on at once, so at most one part is live beside the
+        // shard; at the last step the sum is the owner's complete gradient.
+        let fold = |program: &mut Program, part: usize, contribution: BufferId| {
+            if steps == 1 {
                 return;
             }
-            let total = if step == 1 {
+            let total = if step == 0 {
                 contribution
             } else {
-                let received = receive(program, &format!("{name}.grad{step}.{}", part_name[part]), part, previous);
-                let total = new(program, &format!("grad_{}_sum", part_name[part]), weight_shape(part));
+                let received_name = format!("{name}.grad{step}.{}", part_name[part]);
+                let received = new_buffer(program, received_name, weight_shape(part), BufferKind::InFlight, x);
+                program.instructions.push(Instr::Recv { outs: vec![received], peer: from });
+                let total = match (last, weight_outs[part]) {
+                    (true, Some(out)) => out,
+                    _ => new(program, &format!("grad_{}_sum", part_name[part]), weight_shape(part)),
+                };
                 kernel(program, Kernel::Add, vec![received, contribution], total);
                 free(program, &[received, contribution]);
                 total
             };
-            program.instructions.push(Instr::Send { bufs: vec![total], peer: next });
-            free(program, &[total]);
+            if !last {
+                program.instructions.push(Instr::Send { bufs: vec![total], peer: to });
+                free(program, &[total]);
+            }
         };
         if weight_outs[2].is_some() {
             let act = new(program, "silu_mul", vec![rows, ffn]);
@@ -828,30 +839,9 @@ fn lower_ring_mlp_grad(
             free(program, &[d_projection]);
         }
         if !last {
-            let received = [0, 1, 2].map(|part| {
-                new_buffer(
-                    program,
-                    format!("{name}.shard{}.{}", step + 1, part_name[part]),
-                    weight_shape(part),
-                    BufferKind::InFlight,
-                    x,
-                )
-            });
-            program.instructions.push(Instr::Recv { outs: received.to_vec(), peer: previous });
-            if step > 0 {
-                free(program, &shard);
-            }
-            shard = received;
-        }
-    }
-    if steps > 1 {
-        free(program, &shard);
-        // The gradients of the rank's own shard arrive complete but for its own tokens' part.
-        for part in FOLD_ORDER {
-            let (Some(own), Some(out)) = (home[part], weight_outs[part]) else { continue };
-            let arrived = receive(program, &format!("{name}.grad_home.{}", part_name[part]), part, previous);
-            kernel(program, Kernel::Add, vec![own, arrived], out);
-            free(program, &[own, arrived]);
+            // Done with the shard (sent on already): the next one, or the rank's own at the end.
+            free(program, &shard);
+            shard = if step + 2 < steps { receive_shard(program, step + 1) } else { own };
         }
     }
 }

@@ -94,33 +94,28 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     Some(ForwardPhase { name: "end of backward", params, terms })
 }
 
-/// A compiled tsp training step (tsp of degree D >= 2 the only axis; every rank peaks alike): the
-/// largest of the first layer's MLP-ring backward at its highest points (below) and the end of the
-/// backward (as [`compiled_training_peak`] under tp: every gradient, the loss and the
-/// whole-vocabulary embedding gradient), or `None` for any other layout (tsp beside other axes is
-/// not modelled). On `tiny` the ring's phase is the larger but with full recompute on few tokens.
+/// A compiled tsp training step (tsp of degree D >= 2 the only axis; every rank peaks alike), or
+/// `None` for any other layout (tsp beside other axes is not modelled): the largest of four
+/// phases, each the buffers live at its highest point (`T` the step's tokens, `M` one MLP
+/// matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one hidden state `[T/D, h]`):
+/// - **the LM head's backward**, the backward's start: every layer's kept values (its input,
+///   attention residual, attention and mlp norms' outputs, and per owner q, attention output and
+///   gathered k and v; selective recompute keeps no attention output, full recompute the input and
+///   attention residual only), the final norm's input, its output gathered over the sequence, the
+///   logits' gradient shard, the head's input gradient and its weight gradient being written (or,
+///   under full recompute, the norm's output recomputed and gathered again);
+/// - **an MLP ring's backward** (`ring_gated_mlp_grad`, docs/training.md), the first layer's or
+///   the last's: the kept values of the layers up to it, the gradients of the layers above, the
+///   ring's dy (and x, recomputed under full recompute), and what the ring holds at its highest
+///   point ([`ring_backward_highest_point`]);
+/// - **the embedding's backward**: every gradient but the embedding's, every token's gradient
+///   gathered over the sequence and the whole-vocabulary gradient being scattered from them;
+/// - **the end of the backward** (as [`compiled_training_peak`] under tp): every gradient, the loss
+///   and the whole-vocabulary embedding gradient before the rank's shard is sliced from it.
 ///
-/// The MLP's backward runs the ring again (`ring_gated_mlp_grad`, docs/training.md): in step s the
-/// rank holds the shard of the rank s before it, recomputes its activations on its own tokens and
-/// adds the shard's part to its input gradient and its tokens' part to the shard's gradient, which
-/// travels on with the shard. Beside the parameters, at any point of a step s >= 1 (`T` the step's
-/// tokens, `q` and `kv` the query and key/value widths, `f` the MLP's, `M` one MLP matrix's shard
-/// `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one hidden state `[T/D, h]`):
-/// - the gradients finished so far: every parameter's but the first layer's and the embedding's
-///   (the ring writes the layer's MLP gradients at its end);
-/// - what the first layer's attention backward (still to run) reads: the whole batch's token ids
-///   in zigzag order, the zigzag and local positions, the layer's input, the attention norm's output
-///   and the attention residual (`H` each), and for each owner its q and attention output
-///   (`[T/D, q/D]`) and its gathered k and v (`[T, kv/D]`); selective recompute keeps no attention
-///   output, full recompute only the input and the attention residual;
-/// - the loss, the ring's operand x and its output's gradient dy (`H` each);
-/// - the owner's own tokens' part of its shard's gradients, kept from step 0 (`3M`), the shard held
-///   (`3M`), and the input gradient summed so far (`H`);
-/// - and what the step holds at its highest point, the largest of: the recomputed gate, up and
-///   their product with down's gradient part being written (`3A + M`); for D >= 3, a part received
-///   with the shard, the rank's own and their sum (`2A + 3M`, gate and up still live); the
-///   activations' gradients beside gate and up (`4A`); and a part of the input gradient added to the
-///   sum (`2A + 2H`).
+/// Every phase also holds the parameters, the loss and the token ids (and positions but at the
+/// end). Not modelled: the attention backward's own highest point, which only full recompute on
+/// many tokens reaches; there the result is a lower bound (`tests/cost_training.rs` checks both).
 pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let tsp = layout.degree(AxisName::Tsp);
     if tsp < 2 || layout.world_size() != tsp {
@@ -137,66 +132,94 @@ pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload:
     let hidden = model.hidden as f64;
     let (query, key_value) = (model.query_width() as f64, model.kv_width() as f64);
     let ffn_shard = model.mlp_weights() as f64 / 3.0 / hidden / owners;
-    // One of the MLP's three matrices, one owner's shard; one activation; one hidden state.
-    let (matrix, activation, hidden_state) =
-        (hidden * ffn_shard * element, local * ffn_shard * element, local * hidden * element);
+    let sizes = RingSizes {
+        matrix: hidden * ffn_shard * element,
+        activation: local * ffn_shard * element,
+        hidden_state: local * hidden * element,
+    };
     // Token ids and positions are 4-byte integers whatever the model's dtype.
     let integers = 4.0 * (tokens + seq + seq / owners);
-    // What the first layer keeps for its attention backward: full recompute keeps the residual
-    // stream only (the layer's input and attention residual), selective also the attention norm's
-    // output and each owner's q and gathered k and v, none also each owner's attention output.
     let gathered_key_value = 2.0 * tokens * key_value / owners;
-    let (kept_hidden, per_owner_attention) = match workload.recompute {
-        Recompute::None => (3.0, 2.0 * local * query / owners + gathered_key_value),
-        Recompute::Selective => (3.0, local * query / owners + gathered_key_value),
-        Recompute::Full => (2.0, 0.0),
+    // A layer keeps its input, attention residual, attention norm and mlp norm outputs (`H` each)
+    // and per owner its q, gathered k and v and attention output; selective recompute keeps no
+    // attention output, full recompute the input and attention residual only (its backward
+    // recomputes the ring's input x beside dy).
+    let (kept_hidden, per_owner_attention, recomputed_input) = match workload.recompute {
+        Recompute::None => (4.0, 2.0 * local * query / owners + gathered_key_value, 1.0),
+        Recompute::Selective => (4.0, local * query / owners + gathered_key_value, 1.0),
+        Recompute::Full => (2.0, 0.0, 2.0),
     };
-    let common = [
-        Term { name: GRADIENTS, bytes: all_params },
-        Term {
-            name: "gradients of the first layer and the embedding, not finished yet (removed)",
-            bytes: -(first_layer + table) * element,
-        },
-        Term { name: "loss", bytes: element },
-        Term { name: "first layer's token ids and positions (zigzag and local)", bytes: integers },
-        Term {
-            name: "first layer's input and attention residual (and attention norm output, unless full recompute)",
-            bytes: kept_hidden * hidden_state,
-        },
-        Term {
-            name: "first layer's q and gathered k, v of every owner (and attention output, without recompute)",
-            bytes: owners * per_owner_attention * element,
-        },
-        Term { name: "the mlp ring's input x and its output's gradient dy", bytes: 2.0 * hidden_state },
-        Term { name: "the owner's own tokens' part of its shard's gradients (kept from step 0)", bytes: 3.0 * matrix },
-        Term { name: "the mlp shard held (received)", bytes: 3.0 * matrix },
-        Term { name: "the ring's input gradient summed so far", bytes: hidden_state },
-    ];
-    let mut highest_points = vec![
-        ("recomputed gate, up and their product, down's part being written", 3.0 * activation + matrix),
-        ("gate and up with the activations' gradients", 4.0 * activation),
-        (
-            "two activations' gradients and a part of the input gradient being added",
-            2.0 * activation + 2.0 * hidden_state,
-        ),
-    ];
-    if tsp >= 3 {
-        highest_points.push((
-            "gate and up, a gradient part received, the rank's own and their sum",
-            2.0 * activation + 3.0 * matrix,
-        ));
+    let (name, ring_bytes) = ring_backward_highest_point(&sizes, tsp);
+    // Layer l's ring runs with the kept values of layers 0..=l still live and the gradients of the
+    // layers above finished: kept values grow with l and gradients shrink, so the highest is the
+    // first layer's or the last's.
+    let ring_phase = |layer: u64| {
+        let below = (layer + 1) as f64;
+        let layer_params = first_layer * below;
+        let terms = vec![
+            Term { name: GRADIENTS, bytes: all_params },
+            Term {
+                name: "gradients of the layers up to this one and the embedding, not finished yet (removed)",
+                bytes: -(layer_params + table) * element,
+            },
+            Term { name: "loss", bytes: element },
+            Term { name: "token ids and positions (zigzag and local)", bytes: integers },
+            Term {
+                name: "each layer's input, attention residual (and attention and mlp norm outputs, unless full recompute) up to this one",
+                bytes: below * kept_hidden * sizes.hidden_state,
+            },
+            Term {
+                name: "each layer's q and gathered k, v of every owner (and attention output, without recompute) up to this one",
+                bytes: below * owners * per_owner_attention * element,
+            },
+            Term {
+                name: "the mlp ring's output gradient dy (and its input x, recomputed under full recompute)",
+                bytes: recomputed_input * sizes.hidden_state,
+            },
+            Term { name, bytes: ring_bytes },
+        ];
+        ForwardPhase { name: "tsp mlp ring backward", params: all_params, terms }
+    };
+    let (first, last) = (ring_phase(0), ring_phase(model.layers.saturating_sub(1)));
+    let ring = if last.bytes() > first.bytes() { last } else { first };
+    // The backward's start, the LM head's: every layer's kept values, the final norm's input, its
+    // output gathered over the sequence, the logits' gradient (the rank's vocabulary shard), the
+    // head's input gradient, and its weight gradient being written. Full recompute gathers the
+    // norm's output again first: the recomputed output and the gather's staging copy instead.
+    let layers = model.layers as f64;
+    let head_phase = |last: Term| ForwardPhase {
+        name: "lm head backward",
+        params: all_params,
+        terms: vec![
+            Term { name: GRADIENTS, bytes: all_params },
+            Term { name: "gradients, none finished yet (removed)", bytes: -all_params },
+            Term { name: "loss", bytes: element },
+            Term { name: "token ids and positions (zigzag and local)", bytes: integers },
+            Term {
+                name: "every layer's kept values",
+                bytes: layers * (kept_hidden * sizes.hidden_state + owners * per_owner_attention * element),
+            },
+            Term { name: "the final norm's input", bytes: sizes.hidden_state },
+            Term {
+                name:
+                    "the final norm's output gathered over the sequence (or its staging), and the head's input gradient",
+                bytes: 2.0 * tokens * hidden * element,
+            },
+            Term {
+                name: "the logits' gradient (the rank's vocabulary shard)",
+                bytes: tokens * table / hidden * element,
+            },
+            last,
+        ],
+    };
+    let mut head = head_phase(Term { name: "the head's weight gradient being written", bytes: table * element });
+    if workload.recompute == Recompute::Full {
+        let gather = head_phase(Term { name: "the final norm's recomputed output", bytes: sizes.hidden_state });
+        if gather.bytes() > head.bytes() {
+            head = gather;
+        }
     }
-    // The first of the largest, as the planner reports the first instruction at its peak.
-    let (name, bytes) = highest_points
-        .into_iter()
-        .fold(None::<(&'static str, f64)>, |best, point| match best {
-            Some(best) if best.1 >= point.1 => Some(best),
-            _ => Some(point),
-        })
-        .expect("candidates");
-    let mut terms = common.to_vec();
-    terms.push(Term { name, bytes });
-    let ring = ForwardPhase { name: "tsp first layer's mlp ring backward", params: all_params, terms };
+    let ring = if head.bytes() > ring.bytes() { head } else { ring };
     // The end of the backward, as under tp: every gradient, the loss and the whole-vocabulary
     // embedding gradient before the rank's vocabulary shard is sliced from it.
     let whole = (model.vocab * model.hidden) as f64 * element;
@@ -209,7 +232,81 @@ pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload:
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
         ],
     };
+    // Just before: the whole-vocabulary gradient being scattered from every token's gradient (the
+    // sequence all-gathered, `[T, h]`) and the token ids, the rank's vocabulary shard not sliced.
+    let scatter = ForwardPhase {
+        name: "end of backward",
+        params: all_params,
+        terms: vec![
+            Term { name: GRADIENTS, bytes: all_params },
+            Term { name: "embedding gradient's vocabulary shard, not sliced yet (removed)", bytes: -table * element },
+            Term { name: "loss", bytes: element },
+            Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
+            Term {
+                name: "every token's gradient, gathered for the embedding's backward",
+                bytes: tokens * hidden * element,
+            },
+            Term { name: "token ids (zigzag)", bytes: 4.0 * tokens },
+        ],
+    };
+    let end = if scatter.bytes() > end.bytes() { scatter } else { end };
     Some(if end.bytes() > ring.bytes() { end } else { ring })
+}
+
+/// Bytes of one MLP matrix's shard, one activation of the rank's tokens and one hidden state.
+struct RingSizes {
+    matrix: f64,
+    activation: f64,
+    hidden_state: f64,
+}
+
+/// The most bytes the MLP ring's backward holds at once on a rank, beyond its operands, and where:
+/// the largest over its steps of the points below (`M`, `A`, `H` as in
+/// [`compiled_tsp_training_peak`]). A step computes down's gradient part from the recomputed
+/// gate, up and their product, then the activations' gradients, then gate's and up's parts and
+/// the input gradient's two parts; each weight part is added to the one received with the shard
+/// (from step 1 on) and sent on, or at the last step is the owner's finished gradient.
+/// - step 0 (a received shard, `3M`): down's part written beside gate, up and their product
+///   (`3A + M`), the activations' gradients beside gate and up (`4A`), the input gradient's
+///   first part (`2A + H`) or second part added to the first (`A + 3H`);
+/// - a middle step (D >= 3; the shard, `3M`, and the input gradient so far, `H`): as step 0, or a
+///   part received, the rank's own and their sum beside two activations (`2A + 3M`), or an input
+///   gradient part added (`2A + 2H`);
+/// - the last step (the owner's own shard, a parameter; the input gradient so far, `H`): as a
+///   middle step, but each finished gradient stays (down's, then gate's: up to `A + 5M` at up's sum).
+fn ring_backward_highest_point(sizes: &RingSizes, degree: u64) -> (&'static str, f64) {
+    let RingSizes { matrix: m, activation: a, hidden_state: h } = *sizes;
+    let mut points: Vec<(&'static str, f64)> = vec![
+        ("mlp ring backward, step 0: the shard, down's part beside gate, up and their product", 3.0 * m + 3.0 * a + m),
+        ("mlp ring backward, step 0: the shard, gate, up and the activations' gradients", 3.0 * m + 4.0 * a),
+        ("mlp ring backward, step 0: the shard, the input gradient's first part", 3.0 * m + 2.0 * a + h),
+        ("mlp ring backward, step 0: the shard, the input gradient's parts summed", 3.0 * m + a + 3.0 * h),
+    ];
+    if degree >= 3 {
+        let middle = 3.0 * m + h;
+        points.extend([
+            (
+                "mlp ring backward, middle step: the shard, down's part beside gate, up and their product",
+                middle + 3.0 * a + m,
+            ),
+            (
+                "mlp ring backward, middle step: the shard, a received part, the rank's and their sum",
+                middle + 2.0 * a + 3.0 * m,
+            ),
+            ("mlp ring backward, middle step: the shard, gate, up and the activations' gradients", middle + 4.0 * a),
+            ("mlp ring backward, middle step: the shard, an input gradient part added", middle + 2.0 * a + 2.0 * h),
+        ]);
+    }
+    points.extend([
+        ("mlp ring backward, last step: down's part beside gate, up and their product", h + 3.0 * a + m),
+        ("mlp ring backward, last step: down's gradient finished", h + 2.0 * a + 3.0 * m),
+        ("mlp ring backward, last step: down's gradient, gate, up and the activations' gradients", h + 4.0 * a + m),
+        ("mlp ring backward, last step: down's gradient, gate's finished", h + 2.0 * a + 4.0 * m),
+        ("mlp ring backward, last step: two gradients, an input gradient part added", h + 2.0 * a + 2.0 * h + 2.0 * m),
+        ("mlp ring backward, last step: two gradients, up's finished", h + a + 5.0 * m),
+        ("mlp ring backward, last step: three gradients, the input gradient's last part", h + a + 2.0 * h + 3.0 * m),
+    ]);
+    points.into_iter().fold(("", f64::NEG_INFINITY), |best, point| if point.1 > best.1 { point } else { best })
 }
 
 /// The terms by which the compiled training step's peak `phase` (from [`compiled_training_peak`])
@@ -282,36 +379,38 @@ mod tests {
 
     #[test]
     fn tsp_peak_by_hand() {
-        // tiny on tsp=2, 2 sequences of 8: T = 16, 8 local. Parameters 180864 elements; the first
-        // layer (73984) and the embedding's shard (128·128) have no gradient yet. Integers 16 + 8 +
-        // 4; three [8, 128] kept for the attention; per owner q and attention [8, 64] and k, v
-        // [16, 32]; x, dy and the input gradient's sum [8, 128]; the ring's 3 + 3 matrices of
-        // 128·128 and, at the highest point, gate, up and their product [8, 128] with down's
-        // part, one more matrix.
+        // tiny on tsp=2 (180864 parameter elements a rank: a layer 73984, the embedding's shard
+        // 128·128). Two sequences of 8 tokens: the end of the backward peaks, every gradient with
+        // the loss and the whole [256, 128] embedding gradient.
         let model = tiny();
-        let workload = Workload::training(8, 2);
-        let common = 180864.0 * 2.0 - (73984.0 + 16384.0)
+        let layout = Layout::new(&[(AxisName::Tsp, 2)], false);
+        let few = compiled_tsp_training_peak(&model, &layout, &Workload::training(8, 2)).unwrap();
+        assert_eq!((few.name, few.bytes()), ("end of backward", (2.0 * 180864.0 + 1.0 + 256.0 * 128.0) * 4.0));
+        // Two of 64 (T = 128, 64 a rank): the first layer's ring peaks, at its last step as up's
+        // gradient is finished. Beside the weights: the second layer's gradients and the head's
+        // (180864 - 73984 - 16384), the loss, token ids and positions (128 + 64 + 32, 4 bytes),
+        // the layer's input, attention norm, attention residual and mlp norm [64, 128], per owner
+        // q and attention [64, 64] and k, v [128, 32], dy [64, 128]; in the ring the input
+        // gradient so far [64, 128], up's gradient part [64, 128], and the part received, the
+        // rank's own and the finished down, gate and up gradients (5 of [128, 128]).
+        let many = compiled_tsp_training_peak(&model, &layout, &Workload::training(64, 2)).unwrap();
+        let elements = 180864.0 * 2.0 - 73984.0 - 16384.0
             + 1.0
-            + (16.0 + 8.0 + 4.0)
-            + 3.0 * 8.0 * 128.0
-            + 2.0 * (2.0 * 8.0 * 64.0 + 2.0 * 16.0 * 32.0)
-            + 3.0 * 8.0 * 128.0;
-        let tsp2 = compiled_tsp_training_peak(&model, &Layout::new(&[(AxisName::Tsp, 2)], false), &workload).unwrap();
-        assert_eq!(tsp2.bytes(), (common + 6.0 * 128.0 * 128.0 + 3.0 * 8.0 * 128.0 + 128.0 * 128.0) * 4.0);
-        // tsp=4: 90752 parameter elements, the first layer 37120 and the embedding's 64·128; T/4 =
-        // 4 local; integers 16 + 8 + 2; per owner q and attention [4, 32], k and v [16, 16]; the
-        // matrices 128·64, activations [4, 64]; at the highest point a received part, the rank's
-        // own and their sum beside gate and up.
-        let common = 90752.0 * 2.0 - (37120.0 + 8192.0)
-            + 1.0
-            + (16.0 + 8.0 + 2.0)
-            + 3.0 * 4.0 * 128.0
-            + 4.0 * (2.0 * 4.0 * 32.0 + 2.0 * 16.0 * 16.0)
-            + 3.0 * 4.0 * 128.0;
-        let tsp4 = compiled_tsp_training_peak(&model, &Layout::new(&[(AxisName::Tsp, 4)], false), &workload).unwrap();
-        assert_eq!(tsp4.bytes(), (common + 6.0 * 128.0 * 64.0 + 2.0 * 4.0 * 64.0 + 3.0 * 128.0 * 64.0) * 4.0);
+            + (128.0 + 64.0 + 32.0)
+            + 4.0 * 64.0 * 128.0
+            + 2.0 * (2.0 * 64.0 * 64.0 + 2.0 * 128.0 * 32.0)
+            + 64.0 * 128.0
+            + 64.0 * 128.0
+            + 64.0 * 128.0
+            + 5.0 * 128.0 * 128.0;
+        assert_eq!(many.name, "tsp mlp ring backward");
+        assert_eq!(
+            many.terms.last().map(|term| term.name),
+            Some("mlp ring backward, last step: two gradients, up's finished")
+        );
+        assert_eq!(many.bytes(), elements * 4.0);
         let beside = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 2)], false);
-        assert_eq!(compiled_tsp_training_peak(&model, &beside, &workload), None);
+        assert_eq!(compiled_tsp_training_peak(&model, &beside, &Workload::training(8, 2)), None);
     }
 
     #[test]
