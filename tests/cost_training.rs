@@ -1,18 +1,19 @@
 //! The memory planner against the executor and the closed form, for training steps of `tiny`.
 //!
-//! For the training step on tp=2, tp=2 with Megatron SP, dp=2 with ZeRO 0 to 3, tsp=2, cp=2 and
-//! dp=2×tp=2, each also with selective and with full recomputation, and for pipelined steps (a
-//! four-layer `tiny` on pp=2 and pp=4 under GPipe and 1F1B with 2 and 4 micro-batches, and pp=2
-//! with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0 and 2, selective and full
-//! recomputation), the planner's peak of each rank's program plus the rank's AdamW moments (8 bytes
-//! an updated element, the one term the executor counts beside the program) equals the measured
-//! peak of one step to the byte. The closed-form training peak plus the named terms of
-//! `cost::compiled_training` equals the planner's peak for tp (2, 4, with and without SP), dp (2,
-//! 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4), selective and full recomputation, and tsp=2 and
-//! tsp=4 on every rank (batch 2 and 4, each recompute); dp×tp's peak is traced to tp's buffers
-//! (the embedding gradient is sliced before it is reduced over dp); and one pipelined stage's peak
-//! is worked out by hand from its buffers (a closed form for pipelined stages is not built yet).
-
+//! For the training step on tp=2, tp=2 with Megatron SP, dp=2 with ZeRO 0 to 3, tsp=2, cp=2,
+//! dp=2×tp=2 (with and without SP, ZeRO 0, 2 and 3), each also with selective and with full
+//! recomputation, and for pipelined steps (a four-layer `tiny` on pp=2 and pp=4 under GPipe and
+//! 1F1B with 2 and 4 micro-batches, and pp=2 with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0
+//! and 2, selective and full recomputation), the planner's peak of each rank's program plus the
+//! rank's AdamW moments (8 bytes an updated element, the one term the executor counts beside the
+//! program) equals the measured peak of one step to the byte. The closed-form training peak plus
+//! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
+//! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
+//! and without SP), selective and full recomputation, and tsp=2 and tsp=4 on every rank (from 16
+//! to 512 tokens, each recompute; a lower bound where full recompute peaks in an attention
+//! backward); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
+//! reduced over dp); and one pipelined stage's peak is worked out by hand from its buffers (a
+//! closed form for pipelined stages is not built yet).
 mod common;
 
 use std::time::Duration;
@@ -61,7 +62,7 @@ impl TrainingLayout {
 }
 
 /// Every training strategy that has landed, at degree 2 (and dp with tp).
-const TRAINING_LAYOUTS: [TrainingLayout; 9] = [
+const TRAINING_LAYOUTS: [TrainingLayout; 13] = [
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("tp=2", true, 0),
     TrainingLayout::new("dp=2", false, 0),
@@ -71,6 +72,10 @@ const TRAINING_LAYOUTS: [TrainingLayout; 9] = [
     TrainingLayout::new("tsp=2", false, 0),
     TrainingLayout::new("cp=2", false, 0),
     TrainingLayout::new("dp=2,tp=2", false, 0),
+    TrainingLayout::new("dp=2,tp=2", false, 2),
+    TrainingLayout::new("dp=2,tp=2", false, 3),
+    TrainingLayout::new("dp=2,tp=2", true, 2),
+    TrainingLayout::new("dp=2,tp=2", true, 3),
 ];
 
 /// Builds, differentiates, shards and lowers `tiny`'s training step of `batch` sequences for
@@ -355,7 +360,7 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
 /// SP, dp at 2 and 4, cp, dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation.
 /// (tsp and pipelined stages peak elsewhere in the step; `compiled_training_peak` does not model
 /// them.)
-const TRAINING_CROSS_CHECK: [TrainingLayout; 23] = [
+const TRAINING_CROSS_CHECK: [TrainingLayout; 27] = [
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("tp=4", false, 0),
     TrainingLayout::new("tp=2", true, 0),
@@ -364,6 +369,10 @@ const TRAINING_CROSS_CHECK: [TrainingLayout; 23] = [
     TrainingLayout::new("dp=4", false, 0),
     TrainingLayout::new("cp=2", false, 0),
     TrainingLayout::new("dp=2,tp=2", false, 0),
+    TrainingLayout::new("dp=2,tp=2", false, 2),
+    TrainingLayout::new("dp=2,tp=2", false, 3),
+    TrainingLayout::new("dp=2,tp=2", true, 2),
+    TrainingLayout::new("dp=2,tp=2", true, 3),
     TrainingLayout::new("dp=2", false, 1),
     TrainingLayout::new("dp=2", false, 2),
     TrainingLayout::new("dp=2", false, 3),

@@ -17,11 +17,16 @@
 //!   holds only a dp shard of every other gradient, ZeRO-3 also of every parameter (nothing is
 //!   gathered at this point: the embedding's backward reads no weight). ZeRO-1 changes the
 //!   optimizer's layout only, so its program is plain dp's.
+//! - **ZeRO-2 beside tp**: tp's `[V/tp, h]` shard is sliced first and only it is reduce-scattered
+//!   over dp, so the peak is the slice, beside the whole; **ZeRO-3 beside tp** splits parameters
+//!   over dp outside tp, so the whole gradient is reduce-scattered over dp first (staged whole, as
+//!   above) and the rank's `[V/(dp·tp), h]` shard is not written yet in both.
 //!
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
-//! dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation). tsp peaks inside the
+//! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
+//! and full recomputation). tsp peaks inside the
 //! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere too and are not modelled:
@@ -47,7 +52,11 @@ pub const WHOLE_EMBEDDING_GRADIENT: &str =
 /// gradient: its whole input, `[V, h]`, held while the collective runs, which is the step's peak.
 pub const ZERO_REDUCE_SCATTER_STAGING: &str = "reduce-scatter staging of the whole-vocabulary embedding gradient";
 
-/// ZeRO-2 and 3: the rank's `[V/dp, h]` embedding gradient shard, counted with the (dp-sharded)
+/// ZeRO-2 beside tp: the rank's `[V/tp, h]` tp shard of the whole-vocabulary embedding gradient,
+/// sliced before the dp reduce-scatter, live beside the whole at the step's peak.
+pub const TP_SHARD_SLICED_BEFORE_DP: &str = "embedding gradient's tp shard, sliced before the dp reduce-scatter";
+
+/// ZeRO-2 and 3: the rank's `[V/(dp·tp), h]` embedding gradient shard, counted with the (dp-sharded)
 /// gradients but written only when the reduce-scatter ends, so negative.
 pub const ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN: &str =
     "embedding gradient's dp shard, not reduce-scattered yet (removed)";
@@ -63,7 +72,7 @@ fn zero_stage(workload: &Workload) -> u8 {
 
 /// The peak of a compiled training step on one rank of `layout` (no pipelining; any recompute),
 /// or `None` where the step peaks in a phase not modelled here: a tsp or pp axis, or ZeRO-2/3
-/// with an axis beside dp. `workload` is in the cost model's terms (`micro_batch` sequences a
+/// with an axis beside dp other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a
 /// replica). The phase's `params` are the program's (a dp shard under ZeRO-3); its terms are the
 /// gradients (a dp shard under ZeRO-2 and 3), the loss, the whole-vocabulary embedding gradient and
 /// the layout's terms of the module doc. The optimizer's moments are not the program's: the
@@ -71,8 +80,9 @@ fn zero_stage(workload: &Workload) -> u8 {
 pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let dp = layout.degree(AxisName::Dp);
     let zero = if dp > 1 { zero_stage(workload) } else { 0 };
+    let tp = layout.degree(AxisName::Tp);
     let beside_dp = layout.world_size() / dp;
-    if layout.degree(AxisName::Tsp) > 1 || layout.degree(AxisName::Pp) > 1 || (zero >= 2 && beside_dp > 1) {
+    if layout.degree(AxisName::Tsp) > 1 || layout.degree(AxisName::Pp) > 1 || (zero >= 2 && beside_dp != tp) {
         return None;
     }
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
@@ -88,8 +98,15 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
         Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
     ];
     if zero >= 2 {
-        terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
-        terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / dp });
+        // ZeRO-2 beside tp slices the rank's tp shard first and reduce-scatters only that (the
+        // peak is the slice, beside the whole); ZeRO-3's parameters are split over dp outside tp,
+        // so the whole gradient is reduce-scattered over dp before tp slices it.
+        if zero == 2 && tp > 1 {
+            terms.push(Term { name: TP_SHARD_SLICED_BEFORE_DP, bytes: whole / tp as f64 });
+        } else {
+            terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
+        }
+        terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / (dp * tp as f64) });
     }
     Some(ForwardPhase { name: "end of backward", params, terms })
 }
@@ -428,10 +445,19 @@ mod tests {
             let staged = if zero >= 2 { 32768.0 - 8192.0 } else { 0.0 };
             assert_eq!(phase.bytes(), (params + grads + 1.0 + 32768.0 + staged) * 4.0, "zero {zero}");
         }
-        // Not modelled: ZeRO-2 beside another axis, tsp and pp.
-        let zero2 = Workload { zero: 2, ..Workload::training(8, 1) };
+        // dp=2 x tp=2 (180864 elements a rank under tp): ZeRO-2 slices the [128, 128] tp shard
+        // beside the whole [256, 128] gradient, ZeRO-3 stages the whole for its dp reduce-scatter;
+        // the [64, 128] shard is not written yet in both.
         let dp_tp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false);
-        assert_eq!(compiled_training_peak(&model, &dp_tp, &zero2), None);
+        for (zero, params, extra) in [(2u8, 180864.0, 16384.0), (3, 90432.0, 32768.0)] {
+            let workload = Workload { zero, ..Workload::training(8, 1) };
+            let phase = compiled_training_peak(&model, &dp_tp, &workload).unwrap();
+            assert_eq!(phase.bytes(), (params + 90432.0 + 1.0 + 32768.0 + extra - 8192.0) * 4.0, "zero {zero}");
+        }
+        // Not modelled: ZeRO-2 beside another axis than tp, tsp and pp.
+        let zero2 = Workload { zero: 2, ..Workload::training(8, 1) };
+        let dp_cp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Cp, 2)], false);
+        assert_eq!(compiled_training_peak(&model, &dp_cp, &zero2), None);
         let tsp = Layout::new(&[(AxisName::Tsp, 2)], false);
         assert_eq!(compiled_training_peak(&model, &tsp, &Workload::training(8, 1)), None);
     }
