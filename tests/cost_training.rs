@@ -14,6 +14,7 @@
 //! backward); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
 //! reduced over dp); and one pipelined stage's peak is worked out by hand from its buffers (a
 //! closed form for pipelined stages is not built yet).
+
 mod common;
 
 use std::time::Duration;
@@ -562,3 +563,4 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     assert!(phases.contains("end of backward") && phases.len() >= 3, "{phases:?}");
     assert!(attention_peaks < 12, "most full-recompute cases are modelled: {attention_peaks} are not");
 }
+
