@@ -9,10 +9,10 @@
 
 use anyhow::{bail, Result};
 use clap::ValueEnum;
-use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
+use pleat_backend::optimizer::{pipelined_optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
 use pleat_backend::pipeline::{pipeline_programs_with_spans, Phase, PipelinePlan, ScheduleStep, StepSpan};
-use pleat_backend::{Group, Instr, Program};
+use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{AxisName, Mesh, Module};
 use pleat_passes::cost::{HardwareSpec, Layout, ModelShape, Workload};
@@ -119,28 +119,10 @@ pub fn pipelined(
     let (programs, spans): (Vec<Program>, Vec<Vec<StepSpan>>) =
         pipeline_programs_with_spans(module, &plan)?.into_iter().unzip();
     pleat_backend::verify_collectives(&programs)?;
-    let inner = module.mesh.world_size() as u32;
-    let world = Group { axis: "world".into(), ranks: (0..programs.len() as u32).collect() };
-    let mut layouts = Vec::with_capacity(programs.len());
-    for program in &programs {
-        let (stage, inner_rank) = (program.rank / inner, program.rank % inner);
-        let loaded: Vec<&str> = program
-            .instructions
-            .iter()
-            .filter_map(|instr| match instr {
-                Instr::LoadParam { name, .. } => Some(name.as_str()),
-                _ => None,
-            })
-            .collect();
-        let mut layout = optimizer_layout(module, inner_rank, zero)?;
-        layout.params.retain(|param| loaded.contains(&param.name.as_str()));
-        for param in &mut layout.params {
-            if let Some(group) = &mut param.gather {
-                group.ranks = group.ranks.iter().map(|&rank| stage * inner + rank).collect();
-            }
-        }
-        layout.world = world.clone();
-        layouts.push(layout);
-    }
+    let world_size = programs.len() as u32;
+    let layouts = programs
+        .iter()
+        .map(|program| pipelined_optimizer_layout(module, program, world_size, zero))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     Ok((programs, layouts, spans))
 }

@@ -20,9 +20,9 @@ mod common;
 use std::time::Duration;
 
 use pleat_backend::memory::{live_before, plan, ElementSize};
-use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
+use pleat_backend::optimizer::{optimizer_layout, pipelined_optimizer_layout, OptimizerLayout};
 use pleat_backend::pipeline::{pipeline_programs, stage_of_nodes, Phase, PipelinePlan, ScheduleStep};
-use pleat_backend::{Group, Instr};
+use pleat_backend::Instr;
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
 use pleat_passes::autodiff::Recompute;
@@ -189,31 +189,10 @@ fn compile_pipelined(
     let programs = pipeline_programs(&module, &plan).expect("pipeline programs");
     pleat_backend::verify_collectives(&programs).expect("collectives match");
     // Each rank updates the parameters its stage loads (its dp share of them under ZeRO).
-    let inner_size = module.mesh.world_size() as u32;
-    let world = Group { axis: "world".into(), ranks: (0..programs.len() as u32).collect() };
+    let world_size = programs.len() as u32;
     let layouts = programs
         .iter()
-        .map(|program| {
-            let loaded: Vec<&str> = program
-                .instructions
-                .iter()
-                .filter_map(|instr| match instr {
-                    Instr::LoadParam { name, .. } => Some(name.as_str()),
-                    _ => None,
-                })
-                .collect();
-            let (stage, inner_rank) = (program.rank / inner_size, program.rank % inner_size);
-            let mut optimizer = optimizer_layout(&module, inner_rank, layout.zero_stage).expect("optimizer layout");
-            optimizer.params.retain(|param| loaded.contains(&param.name.as_str()));
-            // ZeRO's gathers run over the stage's own dp group, in global ranks.
-            for param in &mut optimizer.params {
-                if let Some(group) = &mut param.gather {
-                    group.ranks = group.ranks.iter().map(|&rank| stage * inner_size + rank).collect();
-                }
-            }
-            optimizer.world = world.clone();
-            optimizer
-        })
+        .map(|program| pipelined_optimizer_layout(&module, program, world_size, layout.zero_stage).expect("layout"))
         .collect();
     (programs, layouts)
 }
@@ -563,4 +542,3 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     assert!(phases.contains("end of backward") && phases.len() >= 3, "{phases:?}");
     assert!(attention_peaks < 12, "most full-recompute cases are modelled: {attention_peaks} are not");
 }
-

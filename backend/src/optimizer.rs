@@ -114,6 +114,37 @@ pub fn optimizer_layout(module: &Module, rank: u32, zero_stage: u8) -> Result<Op
     Ok(OptimizerLayout { params, world })
 }
 
+/// The optimizer layout of one rank's pipelined `program` (`pipeline::pipeline_programs`) for
+/// `module`, the micro-batch's graph sharded over the mesh inside a stage: the inner rank's layout
+/// kept to the parameters the rank's stage loads, its ZeRO gathers over the stage's own ranks (in
+/// global ranks), and the world of every stage's ranks, `world_size` of them.
+pub fn pipelined_optimizer_layout(
+    module: &Module,
+    program: &crate::Program,
+    world_size: u32,
+    zero_stage: u8,
+) -> Result<OptimizerLayout> {
+    let inner = module.mesh.world_size() as u32;
+    let (stage, inner_rank) = (program.rank / inner, program.rank % inner);
+    let loaded: Vec<&str> = program
+        .instructions
+        .iter()
+        .filter_map(|instr| match instr {
+            crate::Instr::LoadParam { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
+    let mut layout = optimizer_layout(module, inner_rank, zero_stage)?;
+    layout.params.retain(|param| loaded.contains(&param.name.as_str()));
+    for param in &mut layout.params {
+        if let Some(group) = &mut param.gather {
+            group.ranks = group.ranks.iter().map(|&rank| stage * inner + rank).collect();
+        }
+    }
+    layout.world = Group { axis: "world".into(), ranks: (0..world_size).collect() };
+    Ok(layout)
+}
+
 /// Whether `inner` is `outer` with only its first dim narrowed.
 fn is_row_slice(outer: &[(u64, u64)], inner: &[(u64, u64)]) -> bool {
     outer.len() == inner.len()
