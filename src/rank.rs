@@ -23,7 +23,9 @@ use serde_json::json;
 
 use crate::compile::read_compiled;
 use crate::inputs::random_tokens;
-use crate::run::{comm_bytes_mean, human_bytes, max_abs_diff, reference_logits, weight_source, Format, F32_TOL};
+use crate::run::{
+    comm_bytes_mean, human_bytes, logits_tolerance, max_abs_diff, reference_logits, weight_source, Format,
+};
 use crate::usage::UsageError;
 
 /// The environment variable of the crash test hook (see the module documentation).
@@ -116,11 +118,14 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     drop(comm);
     let Some(outcomes) = outcomes else { return Ok(()) };
     let (logits_shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
-    let max_abs_err = if args.check {
-        Some(max_abs_diff(&logits, &reference_logits(&config, &tokens, weights.as_ref())?))
+    // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
+    let checked = if args.check {
+        let reference = reference_logits(&config, &tokens, weights.as_ref())?;
+        Some((max_abs_diff(&logits, &reference), logits_tolerance(&programs, &reference)))
     } else {
         None
     };
+    let max_abs_err = checked.map(|(err, _)| err);
     let peaks: Vec<u64> = outcomes.iter().map(|outcome| outcome.peak_bytes).collect();
     match args.format {
         Format::Json => {
@@ -158,15 +163,15 @@ pub fn rank(args: &RankArgs) -> Result<()> {
                 .map(|(name, bytes)| format!("{name} {}", human_bytes(bytes)))
                 .collect();
             println!("sent a rank (mean): {}", if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") });
-            if let Some(err) = max_abs_err {
-                let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
-                println!("check: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");
+            if let Some((err, tolerance)) = checked {
+                let verdict = if err <= tolerance { "ok" } else { "FAILED" };
+                println!("check: max |logits - reference| = {err:.3e} (tolerance {tolerance:e}): {verdict}");
             }
         }
     }
-    if let Some(err) = max_abs_err {
-        if err.is_nan() || err > F32_TOL {
-            bail!(UsageError::LogitsMismatch { err, tolerance: F32_TOL });
+    if let Some((err, tolerance)) = checked {
+        if err.is_nan() || err > tolerance {
+            bail!(UsageError::LogitsMismatch { err, tolerance });
         }
     }
     Ok(())

@@ -31,7 +31,7 @@ pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
 
 /// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
 /// reference's largest magnitude.
-fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
+pub fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
     let bf16 = programs.iter().flat_map(|program| &program.buffers).any(|buffer| buffer.dtype == DType::Bf16);
     if bf16 {
         let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
