@@ -148,11 +148,19 @@ fn proof(target: &ModelOnMesh, config: &pleat_ir::model::config::ModelConfig, va
     Ok(pleat_passes::rewrite::proof(&module, &ctx, value)?)
 }
 
-/// What `rewrite-collectives` did on this plan: its e-graph, the rules that fired, the times.
-fn rewrite_report(target: &ModelOnMesh, config: &pleat_ir::model::config::ModelConfig) -> Result<RewriteReport> {
+/// The plan's sharded module, as `pleat compile` builds it (`SHARD_PIPELINE`, verified and lowered
+/// to check it compiles), and what its `rewrite-collectives` did: its e-graph, the rules that
+/// fired, the times. The e-graph runs once, here.
+fn sharded_with_report(
+    target: &ModelOnMesh,
+    config: &pleat_ir::model::config::ModelConfig,
+) -> Result<(pleat_ir::Module, RewriteReport)> {
     let ctx = target.strategy.pass_ctx(&pleat_ir::Mesh::parse(&target.mesh)?, Dump::Nothing)?;
     let mut module = propagated(target, config, &ctx)?;
-    Ok(rewrite_collectives(&mut module, &ctx, &RewriteOptions::default())?)
+    let report = rewrite_collectives(&mut module, &ctx, &RewriteOptions::default())?;
+    pleat_passes::verify(&module)?;
+    pleat_backend::verify_collectives(&pleat_backend::lower(&module)?)?;
+    Ok((module, report))
 }
 
 fn stop_text(stop: &StopReason) -> String {
@@ -245,9 +253,8 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
         print!("{}", proof(target, &config, value)?);
         return Ok(());
     }
-    let compiled = target.compile(&config, Dump::Nothing)?;
-    let module = &compiled.sharded;
-    let rewrite = rewrite_report(target, &config)?;
+    let (sharded, rewrite) = sharded_with_report(target, &config)?;
+    let module = &sharded;
     let prefix = format!("layer{}.", args.layer);
     let all = explain_collectives(module);
     let selected =
