@@ -48,7 +48,8 @@ fn data_parallel_training_matches_the_reference() {
 fn tensor_and_sequence_parallel_training_matches_the_reference() {
     // The TSP backward (docs/training.md): broadcast attention blocks reduced back to their owners,
     // dk and dv reduce-scattered, the MLP ring run again with each shard's gradient travelling home.
-    for mesh in ["tsp=2", "tsp=4", "dp=2,tsp=2"] {
+    // tsp=1 is the ring of one step: each gradient is the rank's own part.
+    for mesh in ["tsp=1", "tsp=2", "tsp=4", "dp=2,tsp=2"] {
         assert_matches_reference(&train(mesh, 10, &[]), mesh);
     }
 }

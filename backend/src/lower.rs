@@ -177,6 +177,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 let dims = attention_dims(*causal)?;
                 lower_ring_attention(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, dims);
                 free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
+                free_unused_result(&mut program, graph, &last_use, value, out);
                 continue;
             }
             Op::SiluMul => Instr::Kernel { kernel: Kernel::SiluMul, inputs, out },
@@ -226,6 +227,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 };
                 lower_ring_mlp(&mut program, &data.name, &inputs, out, &mesh.group(rank, *axis), rank, shapes);
                 free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
+                free_unused_result(&mut program, graph, &last_use, value, out);
                 continue;
             }
             Op::RingGatedMlpGrad { axis, wrt } => {
@@ -257,6 +259,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                     lower_ring_mlp_grad(&mut program, &data.name, &inputs, outs, &group, rank, shapes);
                 }
                 free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
+                free_unused_result(&mut program, graph, &last_use, value, out);
                 continue;
             }
             Op::CrossEntropy | Op::CrossEntropyGrad => {
@@ -363,10 +366,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
         program.instructions.push(instr);
         free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
         program.instructions.extend(scratch.into_iter().map(|buf| Instr::Free { buf }));
-        if last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value) && kind != BufferKind::Param
-        {
-            program.instructions.push(Instr::Free { buf: out });
-        }
+        free_unused_result(&mut program, graph, &last_use, value, out);
     }
     trace.resize(program.instructions.len(), order.len().checked_sub(1));
     for (index, &output) in graph.outputs().iter().enumerate() {
@@ -403,6 +403,21 @@ fn free_dead_operands(
         if dies_here && !resident {
             program.instructions.push(Instr::Free { buf: buffer });
         }
+    }
+}
+
+/// Frees `out`, the buffer of `value`, right away when nothing reads it and it is not a graph
+/// output or a parameter (resident).
+fn free_unused_result(
+    program: &mut Program,
+    graph: &pleat_ir::Graph,
+    last_use: &[Option<usize>],
+    value: ValueId,
+    out: BufferId,
+) {
+    let unused = last_use[value.as_u32() as usize].is_none() && !graph.outputs().contains(&value);
+    if unused && program.buffer(out).kind != BufferKind::Param {
+        program.instructions.push(Instr::Free { buf: out });
     }
 }
 
