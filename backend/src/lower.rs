@@ -578,6 +578,13 @@ fn new_buffer(program: &mut Program, name: String, shape: Vec<u64>, kind: Buffer
     id
 }
 
+/// The ranks after and before `rank` in the ring of `group` (itself on a ring of one).
+fn ring_neighbours(group: &[u32], rank: u32) -> (u32, u32) {
+    let steps = group.len();
+    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
+    (group[(me + 1) % steps], group[(me + steps - 1) % steps])
+}
+
 /// Expands a reduce-to-root: every member but the root sends its operand to the root and writes
 /// zeros; the root receives the others' operands in group order and sums them into its own.
 fn lower_reduce_to_root(
@@ -635,8 +642,7 @@ fn lower_ring_mlp(
 ) {
     let RingShapes { rows, hidden, ffn } = shapes;
     let steps = group.len();
-    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
-    let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    let (next, previous) = ring_neighbours(group, rank);
     let x = inputs[0];
     let mut shard = [inputs[1], inputs[2], inputs[3]];
     let mut sum: Option<BufferId> = None;
@@ -740,9 +746,8 @@ fn lower_ring_mlp_grad(
 ) {
     let RingShapes { rows, hidden, ffn } = shapes;
     let steps = group.len();
-    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
     // Reversed: the shards come from the next rank and go on to the previous one.
-    let (from, to) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    let (from, to) = ring_neighbours(group, rank);
     let (x, dy) = (inputs[0], inputs[4]);
     let own = [inputs[1], inputs[2], inputs[3]];
     let [dx_out, weight_outs @ ..] = outs;
@@ -887,8 +892,7 @@ fn lower_ring_attention(
     }
     // Each step's partial result carries its rows' log-sum-exp, for the merges.
     let attend = Kernel::Attention { dims, with_lse: true };
-    let me = group.iter().position(|&member| member == rank).expect("a rank is in its own groups");
-    let (next, previous) = (group[(me + 1) % steps], group[(me + steps - 1) % steps]);
+    let (next, previous) = ring_neighbours(group, rank);
     let (q, q_pos) = (inputs[0], inputs[3]);
     let mut block = [inputs[1], inputs[2], inputs[4]];
     let state_shape = vec![batch, sq, hq, head_dim + 1];
