@@ -146,11 +146,12 @@ fn different_sizes_are_a_mismatch_and_peers_fail_fast() {
     let mut buf = vec![1.0; if rank == 3 { 9 } else { 8 }];
     let error = comm.all_reduce(&world, &mut buf).expect_err("sizes differ");
     match (rank, &error) {
-        // Rank 0 receives from rank 3 first; rank 3 from rank 2.
+        // Rank 0 receives from rank 3 first; rank 3 from rank 2, unless rank 0's failure notice
+        // reaches it first (a loaded machine delays rank 2).
         (0, CommError::Mismatch { peer: 3, expected, got, .. }) => {
             assert_eq!((expected.op_elements, got.op_elements), (8, 9), "{error}");
         }
-        (3, CommError::Mismatch { peer: 2, .. }) => {}
+        (3, CommError::Mismatch { peer: 2, .. } | CommError::PeerFailed { .. }) => {}
         (1 | 2, CommError::Mismatch { .. } | CommError::PeerFailed { .. }) => {}
         _ => panic!("rank {rank}: unexpected error {error}"),
     }
