@@ -370,6 +370,10 @@ fn compiled_native_kernels_pass_the_check() {
         assert!(ran.contains("native kernels (rank<i>.so) a rank: "), "{ran}");
         assert!(ran.contains("execution a rank: native-entry, native-entry"), "{ran}");
         assert!(ran.contains(": ok"), "{ran}");
+        // `launch` runs the same entry functions and reports as `run` does.
+        let launched = stdout_of(&["launch", out_str, "--check"]);
+        assert!(launched.contains("execution a rank: native-entry, native-entry"), "{launched}");
+        assert!(launched.contains(": ok"), "{launched}");
         // A library is refused for another rank's program.
         std::fs::copy(out.join("rank0.so"), out.join("rank1.so")).expect("copy");
         let error = error_of(&["run", out_str, "--check"]);
@@ -402,6 +406,9 @@ fn every_emit_kind_writes_its_files() {
     let ran = stdout_of(&["run", out_str, "--check"]);
     assert!(!ran.contains("native kernels"), "{ran}");
     assert!(ran.contains("execution a rank: bytecode, bytecode"), "{ran}");
+    // Without libraries there is nothing to launch.
+    let error = error_of(&["launch", out_str]);
+    assert!(error.contains("E0528") && error.contains("rank 0 has no library rank0.so"), "{error}");
 }
 
 #[cfg(not(feature = "llvm"))]
