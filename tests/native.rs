@@ -17,11 +17,13 @@ mod with_llvm {
     use std::time::{Duration, Instant};
 
     use pleat_backend::llvm::{emit, entry_ir, kernel_ir, Artifact, CodegenOptions};
+    use pleat_backend::native::abi::{runtime_call, INSTRUCTION_SYMBOLS};
     use pleat_backend::native::{native_kernels, schedule_for_fusion, NativeKernel};
     use pleat_backend::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
     use pleat_ir::entity::EntityRef;
     use pleat_ir::model::preset::preset;
     use pleat_ir::DType;
+    use pleat_runtime::capi::verify_entry;
     use pleat_runtime::comm::{CommError, Communicator, ThreadFabric};
     use pleat_runtime::kernels;
     use pleat_runtime::weights::{SeededWeights, WeightError, WeightSource};
@@ -291,6 +293,194 @@ mod with_llvm {
                 Instr::AllReduce { input: id(4), out: id(5), group: Group { axis: "tp".into(), ranks: vec![0, 1] } },
                 Instr::Output { buf: id(5), index: 0, shape: vec![2, 6], region: vec![(0, 2), (0, 3)] },
             ],
+        }
+    }
+
+    /// One instruction of every kind and one kernel of every kind (sizes need only agree where a
+    /// generated kernel reads them: nothing else runs), for checking that every `pleat_rt_*` call
+    /// carries its instruction whole. The runtime-called add, norm, RoPE and SiLU-mul write bf16.
+    fn every_kind_program() -> Program {
+        let mut buffers = Vec::new();
+        let mut fresh = |dtype: DType, shape: &[u64]| {
+            buffers.push(Buffer {
+                name: format!("b{}", buffers.len()),
+                dtype,
+                shape: shape.to_vec(),
+                kind: BufferKind::Activation,
+            });
+            BufferId::new(buffers.len() - 1)
+        };
+        let float = fresh(DType::F32, &[2, 4]);
+        let tokens = fresh(DType::I32, &[1, 2]);
+        let positions = fresh(DType::I32, &[2]);
+        let group = Group { axis: "tp".into(), ranks: vec![0, 1] };
+        let dims = pleat_backend::AttentionDims {
+            batch: 1,
+            sq: 2,
+            sk: 2,
+            hq: 2,
+            hkv: 1,
+            head_dim: 2,
+            q_head_offset: 2,
+            kv_head_offset: 1,
+            group: 2,
+            causal: true,
+            scale: 0.7,
+        };
+        let mut instructions = vec![
+            Instr::LoadParam { out: float, name: "f".into(), shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
+            Instr::LoadTokens { out: tokens, region: vec![(0, 1), (0, 2)] },
+            Instr::LoadPositions { out: positions, region: vec![(0, 2)] },
+            Instr::AllReduce { input: float, out: fresh(DType::F32, &[2, 4]), group: group.clone() },
+            Instr::ReduceScatter { input: float, out: fresh(DType::F32, &[2, 2]), group: group.clone(), dim: 1 },
+            Instr::AllGather { input: float, out: fresh(DType::F32, &[4, 4]), group: group.clone(), dim: 0 },
+            Instr::AllToAll {
+                input: float,
+                out: fresh(DType::F32, &[4, 2]),
+                group: group.clone(),
+                split_dim: 1,
+                gather_dim: 0,
+            },
+            Instr::Broadcast {
+                inputs: vec![float, positions],
+                outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])],
+                group: group.clone(),
+                root: 1,
+            },
+            Instr::Send { bufs: vec![float, positions], peer: 1 },
+            Instr::Recv { outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])], peer: 1 },
+            Instr::Output { buf: float, index: 3, shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
+        ];
+        let inv_freq = vec![1.0, 0.5];
+        let kernels: Vec<(Kernel, Vec<BufferId>, DType)> = vec![
+            (Kernel::Embedding { hidden: 4, vocab_offset: 8, vocab_total: 16 }, vec![float, tokens], DType::F32),
+            (Kernel::RmsNorm { hidden: 4, eps: 1e-6 }, vec![float, float], DType::Bf16),
+            (Kernel::MatMul { m: 2, n: 2, k: 4 }, vec![float, float], DType::F32),
+            (
+                Kernel::Rope { batch: 1, seq: 2, heads: 2, head_dim: 2, inv_freq: vec![0.25] },
+                vec![float, positions],
+                DType::Bf16,
+            ),
+            (
+                Kernel::Attention { dims: dims.clone(), with_lse: true },
+                vec![float, float, float, positions, positions],
+                DType::F32,
+            ),
+            (Kernel::MergeAttention { rows: 2, head_dim: 3 }, vec![float, float], DType::F32),
+            (Kernel::SiluMul, vec![float, float], DType::Bf16),
+            (Kernel::Add, vec![float, float], DType::Bf16),
+            (Kernel::Add, vec![float, float], DType::F32),
+            (Kernel::Permute { shape: vec![2, 4], dim: 1, order: vec![3, 2, 1, 0] }, vec![float], DType::F32),
+            (Kernel::Zeros, vec![], DType::F32),
+            (Kernel::Slice { shape: vec![2, 4], region: vec![(0, 2), (1, 3)] }, vec![float], DType::F32),
+            (Kernel::CrossEntropy { batch: 1, seq: 2, vocab: 4, terms: 3 }, vec![float, tokens], DType::F32),
+            (Kernel::CrossEntropyGrad { batch: 1, seq: 2, vocab: 4, terms: 3 }, vec![float, tokens], DType::F32),
+            (
+                Kernel::LossRowStats { batch: 1, seq: 2, vocab: 4, vocab_offset: 4, global_vocab: 8 },
+                vec![float, tokens],
+                DType::F32,
+            ),
+            (
+                Kernel::CrossEntropyFromStats { batch: 1, seq: 2, global_vocab: 8, terms: 3, parts: 2 },
+                vec![tokens, float],
+                DType::F32,
+            ),
+            (
+                Kernel::CrossEntropyGradFromStats {
+                    batch: 1,
+                    seq: 2,
+                    vocab: 4,
+                    vocab_offset: 4,
+                    global_vocab: 8,
+                    terms: 3,
+                    parts: 2,
+                },
+                vec![float, tokens, float],
+                DType::F32,
+            ),
+            (Kernel::MatMulGradInput { m: 2, n: 4, k: 2 }, vec![float, float], DType::F32),
+            (Kernel::MatMulGradWeight { m: 2, n: 4, k: 2 }, vec![float, float], DType::F32),
+            (Kernel::RmsNormGradInput { hidden: 4, eps: 1e-5 }, vec![float, float, float], DType::F32),
+            (Kernel::RmsNormGradWeight { hidden: 4, eps: 1e-5 }, vec![float, float], DType::F32),
+            (
+                Kernel::RopeGrad { batch: 1, seq: 2, heads: 2, head_dim: 2, inv_freq: inv_freq.clone() },
+                vec![float, positions],
+                DType::F32,
+            ),
+            (
+                Kernel::AttentionGrad { wrt: pleat_backend::AttentionOperand::Key, dims },
+                vec![float, float, float, positions, positions, float],
+                DType::F32,
+            ),
+            (Kernel::SiluMulGradGate, vec![float, float, float], DType::F32),
+            (Kernel::EmbeddingGrad { hidden: 4, vocab_offset: 8, vocab_total: 16 }, vec![float, tokens], DType::F32),
+            (Kernel::SumLeading { width: 4 }, vec![float], DType::F32),
+        ];
+        for (kernel, inputs, dtype) in kernels {
+            instructions.push(Instr::Kernel { kernel, inputs, out: fresh(dtype, &[2, 4]) });
+        }
+        instructions.push(Instr::Free { buf: float });
+        Program {
+            format_version: FORMAT_VERSION,
+            model: "every-kind".into(),
+            mesh: "tp=2".into(),
+            rank: 0,
+            world_size: 2,
+            tokens_shape: vec![1, 2],
+            buffers,
+            instructions,
+        }
+    }
+
+    #[test]
+    fn every_runtime_call_rebuilds_its_instruction() {
+        let program = every_kind_program();
+        // Kernels writing bf16 go through the runtime (which rounds as the bytecode path does).
+        let generated: Vec<usize> = native_kernels(&program)
+            .iter()
+            .map(NativeKernel::first_instr)
+            .filter(|&index| {
+                program.instructions[index].out().is_some_and(|out| program.buffer(out).dtype == DType::F32)
+            })
+            .collect();
+        // The f32 add is generated code; every other instruction is a runtime call, one of each symbol.
+        assert_eq!(generated.len(), 1, "{generated:?}");
+        let mut symbols: Vec<&str> = program
+            .instructions
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !generated.contains(index))
+            .map(|(_, instr)| runtime_call(instr).symbol)
+            .collect();
+        symbols.sort_unstable();
+        symbols.dedup();
+        let mut listed = INSTRUCTION_SYMBOLS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(symbols, listed);
+        let dir = tempdir("native-every-kind");
+        let paths = emit(&program, Artifact::SharedLibrary, &CodegenOptions::default(), &dir).expect("emit");
+        let library = NativeKernels::open(&paths[0], &program).expect("open");
+        let entry = library.entry().expect("an entry function");
+        assert_eq!(
+            verify_entry(&program, entry).expect("every call rebuilds its instruction"),
+            program.instructions.len()
+        );
+        // A program that differs in one constant is refused at that instruction.
+        let mut changed = program.clone();
+        let matmul_at = changed
+            .instructions
+            .iter()
+            .position(|instr| matches!(instr, Instr::Kernel { kernel: Kernel::MatMul { .. }, .. }))
+            .expect("a matmul");
+        if let Instr::Kernel { kernel: Kernel::MatMul { k, .. }, .. } = &mut changed.instructions[matmul_at] {
+            *k = 3;
+        }
+        match verify_entry(&changed, entry) {
+            Err(Error::Program { instr, reason, .. }) => {
+                assert_eq!(instr, matmul_at);
+                assert!(reason.contains("differs from the program's"), "{reason}");
+            }
+            other => panic!("a changed constant must be refused, got {other:?}"),
         }
     }
 

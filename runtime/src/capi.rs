@@ -35,6 +35,8 @@ pub struct RankContext<'a> {
     next_instr: usize,
     /// Whether the instruction `next_instr` has begun (its call is in progress).
     begun: bool,
+    /// Check each call's instruction against the program without running it ([`verify_entry`]).
+    check_only: bool,
     error: Option<Error>,
 }
 
@@ -49,7 +51,35 @@ pub fn execute_entry(
     // The linker keeps (and the executable exports) only functions something references.
     std::hint::black_box(exported_functions());
     let run = Run::new(program, comm, inputs, gemm_threads)?;
-    let mut context = RankContext { run, next_instr: 0, begun: false, error: None };
+    let context = call_entry(RankContext { run, next_instr: 0, begun: false, check_only: false, error: None }, entry)?;
+    Ok(context.run.finish())
+}
+
+/// Calls `entry` with every runtime call only checking its instruction against `program`, not
+/// running it (the generated kernels run on zeroed stand-in operands); returns the instructions
+/// checked. This proves that the library passes every instruction's constants so that the
+/// runtime rebuilds exactly the program's instruction, for programs that cannot run here (a
+/// training step's kernels, collectives of absent peers).
+pub fn verify_entry(program: &Program, entry: EntryFunction) -> Result<usize> {
+    std::hint::black_box(exported_functions());
+    let token_count = if program.tokens_shape.is_empty() { 0 } else { program.tokens_shape.iter().product::<u64>() };
+    let seq = program.tokens_shape.get(1).copied().unwrap_or(0);
+    let tokens = vec![0u32; token_count as usize];
+    let positions: Vec<u32> = (0..seq as u32).collect();
+    let weights = crate::weights::SeededWeights::new(0);
+    let inputs =
+        RunInputs { tokens: &tokens, positions: &positions, weights: &weights, epoch: std::time::Instant::now() };
+    // No collective runs: a communicator of one rank stands in for the program's world.
+    let mut comms = crate::comm::ThreadFabric::new(1, std::time::Duration::from_secs(1));
+    let run = Run::new(program, &mut comms[0], &inputs, 1)?;
+    let context = call_entry(RankContext { run, next_instr: 0, begun: false, check_only: true, error: None }, entry)?;
+    Ok(context.next_instr)
+}
+
+/// Calls `entry` on `context`; the context after a run that returned success having run every
+/// instruction, or the error.
+fn call_entry<'a>(mut context: RankContext<'a>, entry: EntryFunction) -> Result<RankContext<'a>> {
+    let program = context.run.program();
     // SAFETY: `entry` is the entry function of a library whose fingerprint matched `program`
     // (`NativeKernels::open`); it receives the context the `pleat_rt_*` functions expect, which
     // outlives the call.
@@ -76,7 +106,7 @@ pub fn execute_entry(
             ),
         });
     }
-    Ok(context.run.finish())
+    Ok(context)
 }
 
 /// Every `pleat_rt_*` function with its symbol.
@@ -167,7 +197,9 @@ impl RankContext<'_> {
                  again with `pleat compile --emit so`"
             )));
         }
-        self.run.step(index as usize, &instr, None)?;
+        if !self.check_only {
+            self.run.step(index as usize, &instr, None)?;
+        }
         self.end(index)
     }
 }
@@ -330,6 +362,9 @@ pub unsafe extern "C" fn pleat_rt_operand(ctx: *mut c_void, instr: u64, buf: u32
     unsafe {
         guarded(ctx, std::ptr::null(), |context| {
             context.begin(instr)?;
+            if context.check_only {
+                context.run.zero_if_unwritten(buffer(buf))?;
+            }
             context.run.operand_pointer(buffer(buf))
         })
     }

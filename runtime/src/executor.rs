@@ -336,6 +336,23 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Writes zeros of buffer `id`'s declared size and kind (u32 for integer buffers), unless it
+    /// holds data already: a stand-in operand when instructions are checked, not run.
+    pub(crate) fn zero_if_unwritten(&mut self, id: BufferId) -> Result<()> {
+        if matches!(self.machine.buffers.get(id.as_u32() as usize), Some(Some(_))) {
+            return Ok(());
+        }
+        let buffer = self
+            .machine
+            .program
+            .buffers
+            .get(id.as_u32() as usize)
+            .ok_or_else(|| self.program_error(format!("{id} is not a buffer of the program")))?;
+        let numel = buffer.numel() as usize;
+        let storage = if buffer.is_integer() { Storage::U32(vec![0; numel]) } else { Storage::F32(vec![0.0; numel]) };
+        self.machine.store(id, storage)
+    }
+
     /// Allocates buffer `id` (zeroed f32 of its declared size) for generated code to write, and
     /// returns its data. The data stays put until the buffer is freed: buffers are never moved.
     pub(crate) fn result_pointer(&mut self, id: BufferId) -> Result<*mut f32> {
