@@ -26,7 +26,7 @@ use pleat_ir::entity::EntityRef;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::executor::{RankOutcome, Run, RunInputs};
-use crate::native::EntryFunction;
+use crate::native::{EntryFunction, NativeKernels};
 
 /// What the C ABI's `void* ctx` points to: one rank's run and the first error it met.
 pub struct RankContext<'a> {
@@ -40,16 +40,18 @@ pub struct RankContext<'a> {
     error: Option<Error>,
 }
 
-/// Runs `program` by calling `entry`, the entry function of the rank library generated for it.
+/// Runs `program` by calling the entry function of `library`, which must have been generated for
+/// it (same fingerprint).
 pub fn execute_entry(
     program: &Program,
     comm: &mut dyn Communicator,
     inputs: &RunInputs,
     gemm_threads: usize,
-    entry: EntryFunction,
+    library: &NativeKernels,
 ) -> Result<RankOutcome> {
     // The linker keeps (and the executable exports) only functions something references.
     std::hint::black_box(exported_functions());
+    let entry = entry_for(program, library)?;
     let run = Run::new(program, comm, inputs, gemm_threads)?;
     let context = call_entry(RankContext { run, next_instr: 0, begun: false, check_only: false, error: None }, entry)?;
     Ok(context.run.finish())
@@ -60,8 +62,9 @@ pub fn execute_entry(
 /// checked. This proves that the library passes every instruction's constants so that the
 /// runtime rebuilds exactly the program's instruction, for programs that cannot run here (a
 /// training step's kernels, collectives of absent peers).
-pub fn verify_entry(program: &Program, entry: EntryFunction) -> Result<usize> {
+pub fn verify_entry(program: &Program, library: &NativeKernels) -> Result<usize> {
     std::hint::black_box(exported_functions());
+    let entry = entry_for(program, library)?;
     let token_count = if program.tokens_shape.is_empty() { 0 } else { program.tokens_shape.iter().product::<u64>() };
     let seq = program.tokens_shape.get(1).copied().unwrap_or(0);
     let tokens = vec![0u32; token_count as usize];
@@ -76,13 +79,31 @@ pub fn verify_entry(program: &Program, entry: EntryFunction) -> Result<usize> {
     Ok(context.next_instr)
 }
 
+/// `library`'s entry function, if it has one and was generated for `program`.
+fn entry_for(program: &Program, library: &NativeKernels) -> Result<EntryFunction> {
+    let refuse = |reason: String| Error::Program { rank: program.rank, instr: 0, reason };
+    if !library.is_for(program) {
+        return Err(refuse(format!(
+            "{} was generated for another program; compile again with `pleat compile --emit so`",
+            library.path().display()
+        )));
+    }
+    library.entry().ok_or_else(|| {
+        refuse(format!(
+            "{} has no entry function; compile again with `pleat compile --emit so`",
+            library.path().display()
+        ))
+    })
+}
+
 /// Calls `entry` on `context`; the context after a run that returned success having run every
 /// instruction, or the error.
 fn call_entry<'a>(mut context: RankContext<'a>, entry: EntryFunction) -> Result<RankContext<'a>> {
     let program = context.run.program();
-    // SAFETY: `entry` is the entry function of a library whose fingerprint matched `program`
-    // (`NativeKernels::open`); it receives the context the `pleat_rt_*` functions expect, which
-    // outlives the call.
+    // SAFETY: `entry` is the entry function of a library generated for `program` (`entry_for`
+    // checked the fingerprint); it receives the context the `pleat_rt_*` functions expect, which
+    // outlives the call. Its kernels touch only the data `pleat_rt_operand` and `pleat_rt_result`
+    // hand out, which check each buffer's size against the kernel's.
     let status = unsafe { entry(std::ptr::addr_of_mut!(context).cast()) };
     let rank = program.rank;
     if let Some(error) = context.error.take() {
@@ -184,6 +205,19 @@ impl RankContext<'_> {
         self.run.end();
         self.begun = false;
         self.next_instr += 1;
+        Ok(())
+    }
+
+    /// Checks that buffer `buf` is the program's and holds `numel` elements, as the generated
+    /// kernel that asks for it reads or writes.
+    fn check_numel(&self, buf: u32, numel: u64) -> Result<()> {
+        let declared = self.run.program().buffers.get(buf as usize).map(|declared| declared.numel());
+        if declared != Some(numel) {
+            return Err(self.run.program_error(format!(
+                "the library's kernel takes {numel} elements of buffer b{buf}, the program declares {declared:?}; \
+                 compile again with `pleat compile --emit so`"
+            )));
+        }
         Ok(())
     }
 
@@ -352,16 +386,18 @@ pub unsafe extern "C" fn pleat_rt_end(ctx: *mut c_void, instr: u64) -> i32 {
     }
 }
 
-/// The data of written buffer `buf` (f32, or u32 for ids and positions); null on error.
+/// The data of written buffer `buf` (f32, or u32 for ids and positions), which the calling kernel
+/// reads `numel` elements of; null on error (also when the buffer holds another count).
 ///
 /// # Safety
 /// `ctx` is the context the entry function received.
 #[no_mangle]
-pub unsafe extern "C" fn pleat_rt_operand(ctx: *mut c_void, instr: u64, buf: u32) -> *const c_void {
+pub unsafe extern "C" fn pleat_rt_operand(ctx: *mut c_void, instr: u64, buf: u32, numel: u64) -> *const c_void {
     // SAFETY: forwarded from the caller.
     unsafe {
         guarded(ctx, std::ptr::null(), |context| {
             context.begin(instr)?;
+            context.check_numel(buf, numel)?;
             if context.check_only {
                 context.run.zero_if_unwritten(buffer(buf))?;
             }
@@ -370,16 +406,19 @@ pub unsafe extern "C" fn pleat_rt_operand(ctx: *mut c_void, instr: u64, buf: u32
     }
 }
 
-/// Allocates buffer `buf` (zeroed f32 of its declared size) and returns its data; null on error.
+/// Allocates buffer `buf` (zeroed f32 of its declared size), which the calling kernel writes
+/// `numel` elements of, and returns its data; null on error (also when the buffer holds another
+/// count).
 ///
 /// # Safety
 /// `ctx` is the context the entry function received.
 #[no_mangle]
-pub unsafe extern "C" fn pleat_rt_result(ctx: *mut c_void, instr: u64, buf: u32) -> *mut f32 {
+pub unsafe extern "C" fn pleat_rt_result(ctx: *mut c_void, instr: u64, buf: u32, numel: u64) -> *mut f32 {
     // SAFETY: forwarded from the caller.
     unsafe {
         guarded(ctx, std::ptr::null_mut(), |context| {
             context.begin(instr)?;
+            context.check_numel(buf, numel)?;
             context.run.result_pointer(buffer(buf))
         })
     }
@@ -412,7 +451,7 @@ mod tests {
         // SAFETY: a null context is allowed: every function refuses it.
         unsafe {
             assert_eq!(pleat_rt_begin(std::ptr::null_mut(), 0), STATUS_ERROR);
-            assert!(pleat_rt_operand(std::ptr::null_mut(), 0, 0).is_null());
+            assert!(pleat_rt_operand(std::ptr::null_mut(), 0, 0, 1).is_null());
             assert_eq!(pleat_rt_free(std::ptr::null_mut(), 0, 0), STATUS_ERROR);
         }
     }

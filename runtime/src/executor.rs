@@ -221,8 +221,8 @@ pub fn execute_native(
     gemm_threads: usize,
     native: Option<&NativeKernels>,
 ) -> Result<RankOutcome> {
-    if let Some(entry) = native.and_then(NativeKernels::entry) {
-        return crate::capi::execute_entry(program, comm, inputs, gemm_threads, entry);
+    if let Some(library) = native.filter(|library| library.entry().is_some()) {
+        return crate::capi::execute_entry(program, comm, inputs, gemm_threads, library);
     }
     let mut run = Run::new(program, comm, inputs, gemm_threads)?;
     for (index, instr) in program.instructions.iter().enumerate() {

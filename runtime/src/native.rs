@@ -169,6 +169,8 @@ pub struct NativeKernels {
     path: PathBuf,
     entries: HashMap<usize, Entry>,
     entry: Option<EntryFunction>,
+    /// The fingerprint of the program the library was generated for.
+    fingerprint: u64,
     // The function pointers above point into the library: it lives as long as the table.
     _library: Library,
 }
@@ -272,7 +274,7 @@ impl NativeKernels {
             // Libraries from before the entry function hold only kernels; the executor calls those.
             Err(_) => None,
         };
-        Ok(NativeKernels { path: path.to_path_buf(), entries, entry, _library: library })
+        Ok(NativeKernels { path: path.to_path_buf(), entries, entry, fingerprint: found, _library: library })
     }
 
     /// The library's path.
@@ -288,6 +290,11 @@ impl NativeKernels {
     /// The library's entry function, which runs the whole program (`crate::capi`), if it has one.
     pub fn entry(&self) -> Option<EntryFunction> {
         self.entry
+    }
+
+    /// Whether the library was generated for `program` (its fingerprint is `program`'s).
+    pub fn is_for(&self, program: &Program) -> bool {
+        program_fingerprint(program) == self.fingerprint
     }
 
     /// Whether the table holds no function.

@@ -113,7 +113,7 @@ impl<'ctx> EntryCodegen<'ctx, '_> {
         self.bracket(BEGIN_SYMBOL, index)?;
         let ptr_type = self.context.ptr_type(AddressSpace::default());
         for (slot, &operand) in operands.iter().enumerate() {
-            let data = self.checked_pointer(OPERAND_SYMBOL, index, operand, &format!("operand{slot}"))?;
+            let data = self.checked_pointer(program, OPERAND_SYMBOL, index, operand, &format!("operand{slot}"))?;
             // SAFETY: a GEP within the operand array, sized for MAX_KERNEL_OPERANDS.
             let at = unsafe {
                 self.builder.build_in_bounds_gep(
@@ -127,7 +127,8 @@ impl<'ctx> EntryCodegen<'ctx, '_> {
         }
         let mut arguments: Vec<BasicMetadataValueEnum> = vec![self.operand_array.into()];
         for (slot, &result) in results.iter().enumerate() {
-            arguments.push(self.checked_pointer(RESULT_SYMBOL, index, result, &format!("result{slot}"))?.into());
+            let data = self.checked_pointer(program, RESULT_SYMBOL, index, result, &format!("result{slot}"))?;
+            arguments.push(data.into());
         }
         let function =
             self.module.get_function(&kernel.symbol()).ok_or(LlvmError::NotAKernel { instr: kernel.first_instr() })?;
@@ -143,15 +144,25 @@ impl<'ctx> EntryCodegen<'ctx, '_> {
         self.check_status(status.into_int_value(), &format!("instr{index}.{stage}"))
     }
 
-    /// `pleat_rt_operand` or `pleat_rt_result` for `buffer`, branching to the failure on null.
-    fn checked_pointer(&self, symbol: &str, index: usize, buffer: BufferId, name: &str) -> Gen<PointerValue<'ctx>> {
+    /// `pleat_rt_operand` or `pleat_rt_result` for `buffer`, with the element count the kernel reads
+    /// or writes (the program's, which the runtime checks), branching to the failure on null.
+    fn checked_pointer(
+        &self,
+        program: &Program,
+        symbol: &str,
+        index: usize,
+        buffer: BufferId,
+        name: &str,
+    ) -> Gen<PointerValue<'ctx>> {
         let i32_type = self.context.i32_type();
         let ptr_type = self.context.ptr_type(AddressSpace::default());
-        let function = self.runtime_function(symbol, &[i32_type.into()], ptr_type.into())?;
+        let function =
+            self.runtime_function(symbol, &[i32_type.into(), self.context.i64_type().into()], ptr_type.into())?;
         let arguments = [
             self.runtime_context.into(),
             self.i64(index as u64).into(),
             i32_type.const_int(u64::from(buffer.as_u32()), false).into(),
+            self.i64(program.buffer(buffer).numel()).into(),
         ];
         let pointer = self.call_value(function, &arguments)?.into_pointer_value();
         pointer.set_name(name);

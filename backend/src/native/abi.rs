@@ -15,10 +15,12 @@
 //! - `int32_t pleat_rank_main(void* ctx)`: the entry function, one a rank library.
 //! - `int32_t pleat_rt_begin(ctx, instr)` / `pleat_rt_end(ctx, instr)`: bracket an instruction run by
 //!   generated code (timings and memory are counted per instruction).
-//! - `const void* pleat_rt_operand(ctx, instr, uint32_t buf)`: the data of a written buffer (f32
-//!   elements, or u32 for token ids and positions); null on error.
-//! - `float* pleat_rt_result(ctx, instr, uint32_t buf)`: allocates buffer `buf` (f32, zeroed) and
-//!   returns its data; null on error.
+//! - `const void* pleat_rt_operand(ctx, instr, uint32_t buf, uint64_t numel)`: the data of a
+//!   written buffer (f32 elements, or u32 for token ids and positions) that the calling kernel reads
+//!   `numel` elements of; null on error, also when the buffer holds another count.
+//! - `float* pleat_rt_result(ctx, instr, uint32_t buf, uint64_t numel)`: allocates buffer `buf`
+//!   (f32, zeroed) that the calling kernel writes `numel` elements of, and returns its data; null
+//!   on error, also when the buffer holds another count.
 //! - one function a kind of instruction, listed by [`runtime_call`] (e.g.
 //!   `pleat_rt_matmul(ctx, instr, x, w, out, m, n, k)`).
 
