@@ -127,8 +127,9 @@ pub struct CompileArgs {
     /// micro-batch of every replica replace --mesh, --strategy, --seq and --batch.
     #[arg(long, conflicts_with_all = ["mesh", "strategy", "seq", "batch"])]
     pub plan: Option<PathBuf>,
-    /// Also write native code for each rank's elementwise and row-wise kernels (repeatable), as
-    /// `DIR/rank<i>.<ext>`; `so` is what `pleat run DIR` loads. Needs the `llvm` feature.
+    /// Also write native code for each rank (repeatable), as `DIR/rank<i>.<ext>`: its elementwise and
+    /// row-wise kernels and an entry function that runs the whole program; `so` is what
+    /// `pleat run DIR` and `pleat launch DIR` load. Needs the `llvm` feature.
     #[arg(long, value_enum)]
     pub emit: Vec<crate::native::Emit>,
     /// The CPU native code is generated for, in LLVM's names (e.g. `skylake`, `x86-64-v3`);

@@ -13,6 +13,7 @@ mod demo;
 mod explain;
 mod fingerprint;
 mod inputs;
+mod launch;
 mod model_arg;
 mod native;
 mod pipeline;
@@ -46,6 +47,9 @@ enum Command {
     Run(run::RunArgs),
     /// Compile MODEL for a mesh into a directory of per-rank programs.
     Compile(compile::CompileArgs),
+    /// Run a compiled directory's ranks on threads, each by calling its library's entry function
+    /// (`pleat compile --emit so`); takes `run`'s flags.
+    Launch(run::RunArgs),
     /// Show every value's layout in one layer, and every collective with the reason it is there.
     Explain(explain::ExplainArgs),
     /// Memory, communication and time a rank for MODEL on a mesh, from the cost model.
@@ -71,7 +75,7 @@ impl Command {
     /// Whether the command was asked for JSON output, so that its error is JSON too.
     fn error_format(&self) -> report::ErrorFormat {
         let json = match self {
-            Command::Run(args) => args.format == run::Format::Json,
+            Command::Run(args) | Command::Launch(args) => args.format == run::Format::Json,
             Command::Explain(args) => matches!(args.format, explain::ExplainFormat::Json),
             Command::Plan(args) => matches!(args.format, plan::PlanFormat::Json),
             Command::Compare(args) => matches!(args.format, compare::CompareFormat::Json),
@@ -114,6 +118,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(&args),
         Command::Compile(args) => compile::compile(&args),
+        Command::Launch(args) => launch::launch(&args),
         Command::Explain(args) => explain::explain(&args),
         Command::Demo => demo::demo(),
         Command::Plan(args) => plan::plan(&args),

@@ -1,5 +1,6 @@
-//! `pleat compile --emit`: native code for each rank's elementwise and row-wise kernels through
-//! LLVM (feature `llvm`), and `pleat run`'s loading of the shared libraries it writes.
+//! `pleat compile --emit`: native code for each rank through LLVM (feature `llvm`): its elementwise
+//! and row-wise kernels and an entry function that runs the whole program; and `pleat run`'s loading
+//! of the shared libraries it writes, with the path each rank takes ([`ExecutionPath`]).
 //!
 //! Without the `llvm` feature, `--emit` is refused with an error that says so; loading libraries
 //! that a build with the feature wrote needs no LLVM.
@@ -19,7 +20,7 @@ pub enum Emit {
     Asm,
     /// A host object file (`.o`).
     Obj,
-    /// A host shared library (`.so`) that `pleat run DIR` loads and calls.
+    /// A host shared library (`.so`) that `pleat run DIR` loads; its entry function runs the rank.
     So,
     /// PTX for sm_80 and sm_90 (`.sm_80.ptx`, `.sm_90.ptx`).
     Ptx,
@@ -67,6 +68,38 @@ pub fn emit(programs: &[Program], emit: &[Emit], target_cpu: Option<&str>, dir: 
 pub fn emit(_programs: &[Program], emit: &[Emit], _target_cpu: Option<&str>, _dir: &Path) -> Result<Vec<String>> {
     check_available(emit)?;
     Ok(Vec::new())
+}
+
+/// How a rank's program ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecutionPath {
+    /// The executor interpreted every instruction.
+    Bytecode,
+    /// The executor interpreted the program, calling the library's kernels (a library without an
+    /// entry function).
+    NativeKernels,
+    /// The library's entry function (`pleat_rank_main`) ran the program, calling the runtime's C ABI.
+    NativeEntry,
+}
+
+impl ExecutionPath {
+    /// The path a rank with `library` takes (`pleat_runtime::execute_native`'s choice).
+    pub fn of(library: Option<&NativeKernels>) -> Self {
+        match library {
+            None => ExecutionPath::Bytecode,
+            Some(library) if library.entry().is_some() => ExecutionPath::NativeEntry,
+            Some(_) => ExecutionPath::NativeKernels,
+        }
+    }
+
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExecutionPath::Bytecode => "bytecode",
+            ExecutionPath::NativeKernels => "bytecode+native-kernels",
+            ExecutionPath::NativeEntry => "native-entry",
+        }
+    }
 }
 
 /// Each rank's native kernels from `DIR/rank<i>.so`, where that file exists.

@@ -139,6 +139,8 @@ pub struct RunResult {
     pub programs: Vec<Program>,
     /// Native kernels each rank called from `DIR/rank<i>.so` (empty when none were loaded).
     pub native_kernels: Vec<usize>,
+    /// How each rank ran (empty when no library was loaded: every rank interpreted its program).
+    pub execution: Vec<crate::native::ExecutionPath>,
 }
 
 /// Runs `pleat run`.
@@ -171,6 +173,11 @@ pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn Weight
         }
         None => Box::new(SeededWeights::new(seed)),
     })
+}
+
+/// Each rank's execution path's name (`bytecode` for every rank when no library was loaded).
+fn execution_names(result: &RunResult) -> Vec<&'static str> {
+    (0..result.outcomes.len()).map(|rank| result.execution.get(rank).map_or("bytecode", |path| path.name())).collect()
 }
 
 /// Compiles or loads, runs, and checks; prints nothing.
@@ -212,6 +219,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let (logits_shape, logits, outcomes) =
         run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
     let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
+    let execution = native.iter().map(|table| crate::native::ExecutionPath::of(table.as_ref())).collect();
     let (max_abs_err, tolerance) = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
         (Some(max_abs_diff(&logits, &reference)), logits_tolerance(&programs, &reference))
@@ -225,7 +233,18 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         )
         .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    Ok(RunResult { config, mesh, tokens, logits_shape, outcomes, max_abs_err, tolerance, programs, native_kernels })
+    Ok(RunResult {
+        config,
+        mesh,
+        tokens,
+        logits_shape,
+        outcomes,
+        max_abs_err,
+        tolerance,
+        programs,
+        native_kernels,
+        execution,
+    })
 }
 
 /// How ranks connect: a collective timeout of `timeout_s` seconds, over `link` if given.
@@ -341,6 +360,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "comm_bytes_per_rank": per_rank,
                 "emulated_link": args.emulate_link.map(|link| link.to_string()),
                 "native_kernels_per_rank": result.native_kernels,
+                "execution_per_rank": execution_names(result),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -368,6 +388,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 let counts: Vec<String> = result.native_kernels.iter().map(usize::to_string).collect();
                 println!("native kernels (rank<i>.so) a rank: {}", counts.join(", "));
             }
+            println!("execution a rank: {}", execution_names(result).join(", "));
             if let Some(err) = result.max_abs_err {
                 let tolerance = result.tolerance;
                 let verdict = if err <= tolerance { "ok" } else { "FAILED" };

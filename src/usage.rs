@@ -100,6 +100,19 @@ pub enum UsageError {
     )]
     #[diagnostic(code(E0526), help("drop --emit, or rebuild pleat with the default features"))]
     NativeUnavailable,
+    /// `pleat launch` of something other than a compiled directory whose every rank has a library
+    /// with an entry function.
+    #[error("cannot launch {dir}: {reason}; compile it with `pleat compile MODEL --mesh ... --emit so --out DIR`")]
+    #[diagnostic(
+        code(E0528),
+        help("compile with `pleat compile MODEL --mesh ... --emit so --out DIR`, or use `pleat run`")
+    )]
+    NotLaunchable {
+        /// The directory (MODEL) given.
+        dir: String,
+        /// What it lacks.
+        reason: String,
+    },
     /// Programs whose simulation cannot finish.
     #[error("the programs wait on each other forever ({}); recompile them with this pleat", .stuck.join(", "))]
     #[diagnostic(code(E0527), help("run `pleat compile` again with this pleat"))]
@@ -607,6 +620,7 @@ impl UsageError {
                 vec![("flag", "--sizes".to_string())]
             }
             UsageError::NativeUnavailable => vec![("flag", "--emit".to_string())],
+            UsageError::NotLaunchable { dir, .. } => vec![("file", dir.clone())],
             UsageError::CompiledNotAccepted { model, .. } => vec![("file", model.clone())],
             UsageError::MpiWorldSize { dir, .. } => vec![("file", dir.display().to_string())],
             UsageError::RanksDifferFromWorld { .. } => vec![("flag", "--ranks".to_string())],

@@ -1,7 +1,8 @@
-//! Native kernels through LLVM (feature `llvm`) against the interpreter: every generated kernel of
-//! the tiny model's rank programs on random inputs, whole runs with and without the libraries, the
-//! CLI's `--emit so` then `run DIR --check`, and a snapshot of one fused kernel's IR. Without the
-//! feature, `--emit` must say that it is off.
+//! Native code through LLVM (feature `llvm`) against the interpreter: every generated kernel of
+//! the tiny model's rank programs on random inputs, whole runs through each rank's entry function
+//! against the bytecode path (bit for bit), a failing peer surfacing as errors, the CLI's
+//! `--emit so` then `run DIR --check`, and snapshots of one fused kernel's IR and of an entry
+//! function's IR. Without the feature, `--emit` must say that it is off.
 
 #[path = "support/cli.rs"]
 mod cli;
@@ -15,15 +16,21 @@ use cli::{error_of, tempdir};
 mod with_llvm {
     use std::time::{Duration, Instant};
 
-    use pleat_backend::llvm::{emit, kernel_ir, Artifact, CodegenOptions};
+    use pleat_backend::llvm::{emit, entry_ir, kernel_ir, Artifact, CodegenOptions};
+    use pleat_backend::native::abi::{runtime_call, INSTRUCTION_SYMBOLS};
     use pleat_backend::native::{native_kernels, schedule_for_fusion, NativeKernel};
-    use pleat_backend::{Buffer, BufferId, BufferKind, Instr, Kernel, Program, FORMAT_VERSION};
+    use pleat_backend::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
     use pleat_ir::entity::EntityRef;
     use pleat_ir::model::preset::preset;
     use pleat_ir::DType;
+    use pleat_runtime::capi::verify_entry;
+    use pleat_runtime::comm::{CommError, Communicator, ThreadFabric};
     use pleat_runtime::kernels;
-    use pleat_runtime::weights::SeededWeights;
-    use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, NativeOperand, RunInputs, ThreadRunOptions};
+    use pleat_runtime::weights::{SeededWeights, WeightError, WeightSource};
+    use pleat_runtime::{
+        assemble, execute_native, run_on_threads_native, Error, NativeKernels, NativeOperand, RunInputs,
+        ThreadRunOptions,
+    };
 
     use super::common;
     use super::tempdir;
@@ -163,10 +170,12 @@ mod with_llvm {
     }
 
     #[test]
-    fn whole_runs_match_with_and_without_native_kernels() {
+    fn entry_functions_give_the_bytecode_logits_bit_for_bit() {
         let config = preset("tiny").expect("tiny");
         for mesh in ["tp=2", "tsp=2"] {
             let (programs, libraries) = compiled(mesh, &format!("native-runs-{}", mesh.replace('=', "")));
+            // Every library has an entry function, so every rank runs through it.
+            assert!(libraries.iter().flatten().all(|library| library.entry().is_some()), "{mesh}");
             let tokens = common::tokens(2, 16, config.vocab_size);
             let weights = SeededWeights::new(7);
             let positions: Vec<u32> = (0..16).collect();
@@ -174,6 +183,12 @@ mod with_llvm {
             let options = ThreadRunOptions { timeout: Duration::from_secs(60), link: None };
             let native = run_on_threads_native(&programs, &inputs, &options, &libraries).expect("native run");
             let interpreted = run_on_threads_native(&programs, &inputs, &options, &[]).expect("interpreted run");
+            for (native_rank, interpreted_rank) in native.iter().zip(&interpreted) {
+                // The entry function walked every instruction, and moved the same bytes.
+                assert_eq!(native_rank.timings.len(), programs[native_rank.rank as usize].instructions.len());
+                assert_eq!(native_rank.comm, interpreted_rank.comm, "{mesh} rank {}", native_rank.rank);
+                assert_eq!(native_rank.param_bytes, interpreted_rank.param_bytes);
+            }
             let (_, native_logits) = assemble(&native, 0).expect("logits");
             let (_, interpreted_logits) = assemble(&interpreted, 0).expect("logits");
             assert_bitwise(mesh, &native_logits, &interpreted_logits);
@@ -182,6 +197,299 @@ mod with_llvm {
         }
     }
 
+    /// Seeded weights, except that every read of a block not starting at the origin (only rank 1
+    /// of a tp=2 program reads one) fails.
+    struct FailingOffOrigin(SeededWeights);
+
+    impl WeightSource for FailingOffOrigin {
+        fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<Vec<f32>, WeightError> {
+            if region.iter().any(|&(start, _)| start > 0) {
+                return Err(WeightError::NotResident { name: name.to_string(), region: region.to_vec() });
+            }
+            self.0.read(name, shape, region)
+        }
+    }
+
+    #[test]
+    fn a_failing_peer_is_an_error_from_the_entry_function_not_a_hang() {
+        let config = preset("tiny").expect("tiny");
+        let (programs, libraries) = compiled("tp=2", "native-failing-peer");
+        let tokens = common::tokens(2, 16, config.vocab_size);
+        let weights = FailingOffOrigin(SeededWeights::new(7));
+        let positions: Vec<u32> = (0..16).collect();
+        let inputs = RunInputs { tokens: &tokens, positions: &positions, weights: &weights, epoch: Instant::now() };
+        let started = Instant::now();
+        // Each rank on its own thread, as `pleat run` runs them: the failing rank tells its peer.
+        let results: Vec<Result<_, Error>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = ThreadFabric::new(2, Duration::from_secs(60))
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut comm)| {
+                    let (program, library, inputs) = (&programs[rank], libraries[rank].as_ref(), &inputs);
+                    scope.spawn(move || {
+                        let outcome = execute_native(program, &mut comm, inputs, 1, library);
+                        if let Err(error) = &outcome {
+                            comm.abort(&error.to_string());
+                        }
+                        outcome
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|handle| handle.join().expect("no panic crosses the entry function")).collect()
+        });
+        // Well before the 60 s collective timeout: the abort reached rank 0's collective.
+        assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+        match &results[1] {
+            Err(Error::Weight { rank: 1, .. }) => {}
+            other => panic!("rank 1 should fail reading its weight block, got {other:?}"),
+        }
+        match &results[0] {
+            Err(Error::Comm { rank: 0, source, .. }) if matches!(**source, CommError::PeerFailed { .. }) => {}
+            other => panic!("rank 0's collective should report its failed peer, got {other:?}"),
+        }
+    }
+
+    /// A program of every runtime call the tiny model's inference uses, sized small: loads, a RoPE
+    /// (generated), a matmul, an all-reduce over two ranks, a free and an output.
+    fn entry_program() -> Program {
+        let buffer = |name: &str, dtype: DType, shape: &[u64], kind| Buffer {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            kind,
+        };
+        let id = BufferId::new;
+        Program {
+            format_version: FORMAT_VERSION,
+            model: "entry".into(),
+            mesh: "tp=2".into(),
+            rank: 0,
+            world_size: 2,
+            tokens_shape: vec![1, 2],
+            buffers: vec![
+                buffer("x", DType::F32, &[1, 2, 1, 4], BufferKind::Param),
+                buffer("positions", DType::I32, &[2], BufferKind::Input),
+                buffer("rotated", DType::F32, &[1, 2, 1, 4], BufferKind::Activation),
+                buffer("w", DType::F32, &[3, 4], BufferKind::Param),
+                buffer("partial", DType::F32, &[2, 3], BufferKind::Activation),
+                buffer("summed", DType::F32, &[2, 3], BufferKind::Activation),
+            ],
+            instructions: vec![
+                Instr::LoadParam {
+                    out: id(0),
+                    name: "x".into(),
+                    shape: vec![1, 2, 1, 4],
+                    region: vec![(0, 1), (0, 2), (0, 1), (0, 4)],
+                },
+                Instr::LoadPositions { out: id(1), region: vec![(0, 2)] },
+                Instr::Kernel {
+                    kernel: Kernel::Rope { batch: 1, seq: 2, heads: 1, head_dim: 4, inv_freq: vec![1.0, 0.01] },
+                    inputs: vec![id(0), id(1)],
+                    out: id(2),
+                },
+                Instr::LoadParam { out: id(3), name: "w".into(), shape: vec![6, 4], region: vec![(0, 3), (0, 4)] },
+                Instr::Kernel { kernel: Kernel::MatMul { m: 2, n: 3, k: 4 }, inputs: vec![id(2), id(3)], out: id(4) },
+                Instr::Free { buf: id(2) },
+                Instr::AllReduce { input: id(4), out: id(5), group: Group { axis: "tp".into(), ranks: vec![0, 1] } },
+                Instr::Output { buf: id(5), index: 0, shape: vec![2, 6], region: vec![(0, 2), (0, 3)] },
+            ],
+        }
+    }
+
+    /// One instruction of every kind and one kernel of every kind (sizes need only agree where a
+    /// generated kernel reads them: nothing else runs), for checking that every `pleat_rt_*` call
+    /// carries its instruction whole. The runtime-called add, norm, RoPE and SiLU-mul write bf16.
+    fn every_kind_program() -> Program {
+        let mut buffers = Vec::new();
+        let mut fresh = |dtype: DType, shape: &[u64]| {
+            buffers.push(Buffer {
+                name: format!("b{}", buffers.len()),
+                dtype,
+                shape: shape.to_vec(),
+                kind: BufferKind::Activation,
+            });
+            BufferId::new(buffers.len() - 1)
+        };
+        let float = fresh(DType::F32, &[2, 4]);
+        let tokens = fresh(DType::I32, &[1, 2]);
+        let positions = fresh(DType::I32, &[2]);
+        let group = Group { axis: "tp".into(), ranks: vec![0, 1] };
+        let dims = pleat_backend::AttentionDims {
+            batch: 1,
+            sq: 2,
+            sk: 2,
+            hq: 2,
+            hkv: 1,
+            head_dim: 2,
+            q_head_offset: 2,
+            kv_head_offset: 1,
+            group: 2,
+            causal: true,
+            scale: 0.7,
+        };
+        let mut instructions = vec![
+            Instr::LoadParam { out: float, name: "f".into(), shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
+            Instr::LoadTokens { out: tokens, region: vec![(0, 1), (0, 2)] },
+            Instr::LoadPositions { out: positions, region: vec![(0, 2)] },
+            Instr::AllReduce { input: float, out: fresh(DType::F32, &[2, 4]), group: group.clone() },
+            Instr::ReduceScatter { input: float, out: fresh(DType::F32, &[2, 2]), group: group.clone(), dim: 1 },
+            Instr::AllGather { input: float, out: fresh(DType::F32, &[4, 4]), group: group.clone(), dim: 0 },
+            Instr::AllToAll {
+                input: float,
+                out: fresh(DType::F32, &[4, 2]),
+                group: group.clone(),
+                split_dim: 1,
+                gather_dim: 0,
+            },
+            Instr::Broadcast {
+                inputs: vec![float, positions],
+                outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])],
+                group: group.clone(),
+                root: 1,
+            },
+            Instr::Send { bufs: vec![float, positions], peer: 1 },
+            Instr::Recv { outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])], peer: 1 },
+            Instr::Output { buf: float, index: 3, shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
+        ];
+        let inv_freq = vec![1.0, 0.5];
+        let kernels: Vec<(Kernel, Vec<BufferId>, DType)> = vec![
+            (Kernel::Embedding { hidden: 4, vocab_offset: 8, vocab_total: 16 }, vec![float, tokens], DType::F32),
+            (Kernel::RmsNorm { hidden: 4, eps: 1e-6 }, vec![float, float], DType::Bf16),
+            (Kernel::MatMul { m: 2, n: 2, k: 4 }, vec![float, float], DType::F32),
+            (
+                Kernel::Rope { batch: 1, seq: 2, heads: 2, head_dim: 2, inv_freq: vec![0.25] },
+                vec![float, positions],
+                DType::Bf16,
+            ),
+            (
+                Kernel::Attention { dims: dims.clone(), with_lse: true },
+                vec![float, float, float, positions, positions],
+                DType::F32,
+            ),
+            (Kernel::MergeAttention { rows: 2, head_dim: 3 }, vec![float, float], DType::F32),
+            (Kernel::SiluMul, vec![float, float], DType::Bf16),
+            (Kernel::Add, vec![float, float], DType::Bf16),
+            (Kernel::Add, vec![float, float], DType::F32),
+            (Kernel::Permute { shape: vec![2, 4], dim: 1, order: vec![3, 2, 1, 0] }, vec![float], DType::F32),
+            (Kernel::Zeros, vec![], DType::F32),
+            (Kernel::Slice { shape: vec![2, 4], region: vec![(0, 2), (1, 3)] }, vec![float], DType::F32),
+            (Kernel::CrossEntropy { batch: 1, seq: 2, vocab: 4, terms: 3 }, vec![float, tokens], DType::F32),
+            (Kernel::CrossEntropyGrad { batch: 1, seq: 2, vocab: 4, terms: 3 }, vec![float, tokens], DType::F32),
+            (
+                Kernel::LossRowStats { batch: 1, seq: 2, vocab: 4, vocab_offset: 4, global_vocab: 8 },
+                vec![float, tokens],
+                DType::F32,
+            ),
+            (
+                Kernel::CrossEntropyFromStats { batch: 1, seq: 2, global_vocab: 8, terms: 3, parts: 2 },
+                vec![tokens, float],
+                DType::F32,
+            ),
+            (
+                Kernel::CrossEntropyGradFromStats {
+                    batch: 1,
+                    seq: 2,
+                    vocab: 4,
+                    vocab_offset: 4,
+                    global_vocab: 8,
+                    terms: 3,
+                    parts: 2,
+                },
+                vec![float, tokens, float],
+                DType::F32,
+            ),
+            (Kernel::MatMulGradInput { m: 2, n: 4, k: 2 }, vec![float, float], DType::F32),
+            (Kernel::MatMulGradWeight { m: 2, n: 4, k: 2 }, vec![float, float], DType::F32),
+            (Kernel::RmsNormGradInput { hidden: 4, eps: 1e-5 }, vec![float, float, float], DType::F32),
+            (Kernel::RmsNormGradWeight { hidden: 4, eps: 1e-5 }, vec![float, float], DType::F32),
+            (
+                Kernel::RopeGrad { batch: 1, seq: 2, heads: 2, head_dim: 2, inv_freq: inv_freq.clone() },
+                vec![float, positions],
+                DType::F32,
+            ),
+            (
+                Kernel::AttentionGrad { wrt: pleat_backend::AttentionOperand::Key, dims },
+                vec![float, float, float, positions, positions, float],
+                DType::F32,
+            ),
+            (Kernel::SiluMulGradGate, vec![float, float, float], DType::F32),
+            (Kernel::EmbeddingGrad { hidden: 4, vocab_offset: 8, vocab_total: 16 }, vec![float, tokens], DType::F32),
+            (Kernel::SumLeading { width: 4 }, vec![float], DType::F32),
+        ];
+        for (kernel, inputs, dtype) in kernels {
+            instructions.push(Instr::Kernel { kernel, inputs, out: fresh(dtype, &[2, 4]) });
+        }
+        instructions.push(Instr::Free { buf: float });
+        Program {
+            format_version: FORMAT_VERSION,
+            model: "every-kind".into(),
+            mesh: "tp=2".into(),
+            rank: 0,
+            world_size: 2,
+            tokens_shape: vec![1, 2],
+            buffers,
+            instructions,
+        }
+    }
+
+    #[test]
+    fn every_runtime_call_rebuilds_its_instruction() {
+        let program = every_kind_program();
+        // Kernels writing bf16 go through the runtime (which rounds as the bytecode path does).
+        let generated: Vec<usize> = native_kernels(&program)
+            .iter()
+            .map(NativeKernel::first_instr)
+            .filter(|&index| {
+                program.instructions[index].out().is_some_and(|out| program.buffer(out).dtype == DType::F32)
+            })
+            .collect();
+        // The f32 add is generated code; every other instruction is a runtime call, one of each symbol.
+        assert_eq!(generated.len(), 1, "{generated:?}");
+        let mut symbols: Vec<&str> = program
+            .instructions
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !generated.contains(index))
+            .map(|(_, instr)| runtime_call(instr).symbol)
+            .collect();
+        symbols.sort_unstable();
+        symbols.dedup();
+        let mut listed = INSTRUCTION_SYMBOLS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(symbols, listed);
+        let dir = tempdir("native-every-kind");
+        let paths = emit(&program, Artifact::SharedLibrary, &CodegenOptions::default(), &dir).expect("emit");
+        let library = NativeKernels::open(&paths[0], &program).expect("open");
+        assert_eq!(
+            verify_entry(&program, &library).expect("every call rebuilds its instruction"),
+            program.instructions.len()
+        );
+        // A program that differs in one constant is refused before the library runs anything.
+        let mut changed = program.clone();
+        let matmul_at = changed
+            .instructions
+            .iter()
+            .position(|instr| matches!(instr, Instr::Kernel { kernel: Kernel::MatMul { .. }, .. }))
+            .expect("a matmul");
+        if let Instr::Kernel { kernel: Kernel::MatMul { k, .. }, .. } = &mut changed.instructions[matmul_at] {
+            *k = 3;
+        }
+        match verify_entry(&changed, &library) {
+            Err(Error::Program { instr: 0, reason, .. }) => {
+                assert!(reason.contains("was generated for another program"), "{reason}");
+            }
+            other => panic!("a changed constant must be refused, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn entry_function_ir() {
+        let text = entry_ir(&entry_program()).expect("ir");
+        // The RoPE is generated code, called directly; everything else calls the runtime.
+        assert!(text.contains("call void @pleat_kernel_2("), "{text}");
+        assert!(!text.contains("@pleat_rt_rope("), "{text}");
+        insta::assert_snapshot!(text);
+    }
     /// `sum = a + b; normed = rms_norm(sum, w)` over `[4, 8]`.
     fn add_norm_program() -> Program {
         let buffer = |name: &str, shape: &[u64], kind| Buffer {
@@ -248,7 +556,12 @@ fn compiled_native_kernels_pass_the_check() {
         assert!(compiled.contains("native kernels: rank0.so, rank1.so"), "{compiled}");
         let ran = stdout_of(&["run", out_str, "--check"]);
         assert!(ran.contains("native kernels (rank<i>.so) a rank: "), "{ran}");
+        assert!(ran.contains("execution a rank: native-entry, native-entry"), "{ran}");
         assert!(ran.contains(": ok"), "{ran}");
+        // `launch` runs the same entry functions and reports as `run` does.
+        let launched = stdout_of(&["launch", out_str, "--check"]);
+        assert!(launched.contains("execution a rank: native-entry, native-entry"), "{launched}");
+        assert!(launched.contains(": ok"), "{launched}");
         // A library is refused for another rank's program.
         std::fs::copy(out.join("rank0.so"), out.join("rank1.so")).expect("copy");
         let error = error_of(&["run", out_str, "--check"]);
@@ -280,6 +593,10 @@ fn every_emit_kind_writes_its_files() {
     // Without a library, `run` interprets and says nothing of native kernels.
     let ran = stdout_of(&["run", out_str, "--check"]);
     assert!(!ran.contains("native kernels"), "{ran}");
+    assert!(ran.contains("execution a rank: bytecode, bytecode"), "{ran}");
+    // Without libraries there is nothing to launch.
+    let error = error_of(&["launch", out_str]);
+    assert!(error.contains("E0528") && error.contains("rank 0 has no library rank0.so"), "{error}");
 }
 
 #[cfg(not(feature = "llvm"))]

@@ -17,8 +17,12 @@
 //!   instruction `add` and the RMSNorm after it; `inputs` are the add's two operands and the norm's
 //!   weight, `sum` the add's result and `normed` the norm's.
 //! - `uint64_t pleat_program_fingerprint(void)`: [`program_fingerprint`] of the program.
+//! - `int32_t pleat_rank_main(void* ctx)`: the whole program, in order, calling the functions above
+//!   directly and the runtime's `pleat_rt_*` C ABI for everything else ([`abi`]).
 
 use crate::program::{Instr, Kernel, Program};
+
+pub mod abi;
 
 /// The symbol of the function that returns the program fingerprint a native library was built for.
 pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";

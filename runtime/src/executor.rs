@@ -212,7 +212,8 @@ pub fn execute(
 }
 
 /// As [`execute`], calling `native`'s function instead of the interpreted kernel for each
-/// instruction it covers.
+/// instruction it covers; when `native`'s library has an entry function (`pleat_rank_main`), the
+/// whole program runs by calling it (`crate::capi`).
 pub fn execute_native(
     program: &Program,
     comm: &mut dyn Communicator,
@@ -220,52 +221,185 @@ pub fn execute_native(
     gemm_threads: usize,
     native: Option<&NativeKernels>,
 ) -> Result<RankOutcome> {
-    let rank = program.rank;
-    let tokens_shape = program.tokens_shape.clone();
-    let seq = *tokens_shape.get(1).unwrap_or(&0);
-    // A program that reads no tokens (no `tokens` node: an empty shape) expects none.
-    let token_count = if tokens_shape.is_empty() { 0 } else { tokens_shape.iter().product::<u64>() };
-    if inputs.tokens.len() as u64 != token_count || inputs.positions.len() as u64 != seq {
-        return Err(Error::Inputs {
-            reason: format!(
-                "the program expects tokens {:?} and {seq} positions, got {} tokens and {} positions",
-                tokens_shape,
-                inputs.tokens.len(),
-                inputs.positions.len()
-            ),
-        });
+    if let Some(library) = native.filter(|library| library.entry().is_some()) {
+        return crate::capi::execute_entry(program, comm, inputs, gemm_threads, library);
     }
-    let mut machine = Machine {
-        program,
-        buffers: (0..program.buffers.len()).map(|_| None).collect(),
-        live_bytes: 0,
-        activation_bytes: 0,
-        in_flight_bytes: 0,
-        in_flight_peak_bytes: 0,
-        peak_bytes: 0,
-        instr: 0,
-    };
-    let mut outputs = Vec::new();
-    let mut param_bytes = 0;
-    let mut activation_bytes = Vec::with_capacity(program.instructions.len());
-    let mut timings = Vec::with_capacity(program.instructions.len());
-    comm.reset_stats();
-    // A fused native kernel's second result, stored when its instruction comes.
-    let mut precomputed: Option<(usize, Vec<f32>)> = None;
+    let mut run = Run::new(program, comm, inputs, gemm_threads)?;
     for (index, instr) in program.instructions.iter().enumerate() {
-        machine.instr = index;
-        let start_ns = nanos_since(inputs.epoch);
+        run.begin(index);
+        run.step(index, instr, native)?;
+        run.end();
+    }
+    Ok(run.finish())
+}
+
+/// One rank's run in progress: the buffers, the communicator and what is measured. The bytecode
+/// loop ([`execute_native`]) and the runtime's C ABI (`crate::capi`) both drive it, an instruction at
+/// a time, so that the two paths compute the same values.
+pub(crate) struct Run<'a> {
+    machine: Machine<'a>,
+    comm: &'a mut dyn Communicator,
+    inputs: &'a RunInputs<'a>,
+    gemm_threads: usize,
+    tokens_shape: Vec<u64>,
+    seq: u64,
+    outputs: Vec<OutputBlock>,
+    param_bytes: u64,
+    activation_bytes: Vec<u64>,
+    timings: Vec<(u64, u64)>,
+    /// The start of the instruction in progress.
+    start_ns: u64,
+    /// A fused native kernel's second result, stored when its instruction comes.
+    precomputed: Option<(usize, Vec<f32>)>,
+}
+
+impl<'a> Run<'a> {
+    /// Checks the inputs against `program` and starts a run with no buffer written.
+    pub(crate) fn new(
+        program: &'a Program,
+        comm: &'a mut dyn Communicator,
+        inputs: &'a RunInputs<'a>,
+        gemm_threads: usize,
+    ) -> Result<Self> {
+        let tokens_shape = program.tokens_shape.clone();
+        let seq = *tokens_shape.get(1).unwrap_or(&0);
+        // A program that reads no tokens (no `tokens` node: an empty shape) expects none.
+        let token_count = if tokens_shape.is_empty() { 0 } else { tokens_shape.iter().product::<u64>() };
+        if inputs.tokens.len() as u64 != token_count || inputs.positions.len() as u64 != seq {
+            return Err(Error::Inputs {
+                reason: format!(
+                    "the program expects tokens {:?} and {seq} positions, got {} tokens and {} positions",
+                    tokens_shape,
+                    inputs.tokens.len(),
+                    inputs.positions.len()
+                ),
+            });
+        }
+        comm.reset_stats();
+        Ok(Run {
+            machine: Machine {
+                program,
+                buffers: (0..program.buffers.len()).map(|_| None).collect(),
+                live_bytes: 0,
+                activation_bytes: 0,
+                in_flight_bytes: 0,
+                in_flight_peak_bytes: 0,
+                peak_bytes: 0,
+                instr: 0,
+            },
+            comm,
+            inputs,
+            gemm_threads,
+            tokens_shape,
+            seq,
+            outputs: Vec::new(),
+            param_bytes: 0,
+            activation_bytes: Vec::with_capacity(program.instructions.len()),
+            timings: Vec::with_capacity(program.instructions.len()),
+            start_ns: 0,
+            precomputed: None,
+        })
+    }
+
+    /// The program run.
+    pub(crate) fn program(&self) -> &'a Program {
+        self.machine.program
+    }
+
+    /// Starts instruction `index`: its timing, and the index errors name.
+    pub(crate) fn begin(&mut self, index: usize) {
+        self.machine.instr = index;
+        self.start_ns = nanos_since(self.inputs.epoch);
+    }
+
+    /// Ends the instruction begun last: records its timing and the activation bytes held after it.
+    pub(crate) fn end(&mut self) {
+        self.activation_bytes.push(self.machine.activation_bytes);
+        self.timings.push((self.start_ns, nanos_since(self.inputs.epoch)));
+    }
+
+    /// An error at the instruction in progress.
+    pub(crate) fn program_error(&self, reason: String) -> Error {
+        self.machine.program_error(reason)
+    }
+
+    /// The data of written buffer `id`, for generated code: f32 elements, or u32 for token ids and
+    /// positions (bf16 buffers are refused: generated code reads f32).
+    pub(crate) fn operand_pointer(&self, id: BufferId) -> Result<*const std::ffi::c_void> {
+        match self.machine.buffers.get(id.as_u32() as usize) {
+            Some(Some(Storage::F32(data))) => Ok(data.as_ptr().cast()),
+            Some(Some(Storage::U32(data))) => Ok(data.as_ptr().cast()),
+            Some(Some(Storage::Bf16(_))) => {
+                Err(self.program_error(format!("{id} holds bf16; generated code reads only f32 buffers")))
+            }
+            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        }
+    }
+
+    /// Writes zeros of buffer `id`'s declared size and kind (u32 for integer buffers), unless it
+    /// holds data already: a stand-in operand when instructions are checked, not run.
+    pub(crate) fn zero_if_unwritten(&mut self, id: BufferId) -> Result<()> {
+        if matches!(self.machine.buffers.get(id.as_u32() as usize), Some(Some(_))) {
+            return Ok(());
+        }
+        let buffer = self
+            .machine
+            .program
+            .buffers
+            .get(id.as_u32() as usize)
+            .ok_or_else(|| self.program_error(format!("{id} is not a buffer of the program")))?;
+        let numel = buffer.numel() as usize;
+        let storage = if buffer.is_integer() { Storage::U32(vec![0; numel]) } else { Storage::F32(vec![0.0; numel]) };
+        self.machine.store(id, storage)
+    }
+
+    /// Allocates buffer `id` (zeroed f32 of its declared size) for generated code to write, and
+    /// returns its data. The data stays put until the buffer is freed: buffers are never moved.
+    pub(crate) fn result_pointer(&mut self, id: BufferId) -> Result<*mut f32> {
+        let declared = self.machine.program.buffers.get(id.as_u32() as usize).map(|buffer| buffer.dtype);
+        if matches!(declared, Some(DType::Bf16 | DType::I32) | None) {
+            return Err(self.program_error(format!("{id} is not an f32 buffer; generated code writes only f32")));
+        }
+        let numel = self.machine.program.buffer(id).numel() as usize;
+        self.machine.store(id, Storage::F32(vec![0.0; numel]))?;
+        match self.machine.buffers.get_mut(id.as_u32() as usize) {
+            Some(Some(Storage::F32(data))) => Ok(data.as_mut_ptr()),
+            _ => Err(self.program_error(format!("{id} was not stored"))),
+        }
+    }
+
+    /// What the run produced and measured.
+    pub(crate) fn finish(self) -> RankOutcome {
+        RankOutcome {
+            rank: self.machine.program.rank,
+            outputs: self.outputs,
+            peak_bytes: self.machine.peak_bytes,
+            param_bytes: self.param_bytes,
+            comm: self.comm.stats().clone(),
+            activation_bytes: self.activation_bytes,
+            in_flight_peak_bytes: self.machine.in_flight_peak_bytes,
+            timings: self.timings,
+        }
+    }
+
+    /// Runs `instr`, the program's instruction `index`, calling `native`'s function instead of the
+    /// interpreted kernel where it has one.
+    pub(crate) fn step(&mut self, index: usize, instr: &Instr, native: Option<&NativeKernels>) -> Result<()> {
+        let Run { machine, comm, inputs, gemm_threads, tokens_shape, seq, outputs, param_bytes, precomputed, .. } =
+            self;
+        let (program, rank, gemm_threads, seq) = (machine.program, machine.program.rank, *gemm_threads, *seq);
+        let comm = &mut **comm;
         match instr {
             Instr::LoadParam { out, name, shape, region } => {
                 let data = inputs
                     .weights
                     .read(name, shape, region)
                     .map_err(|source| Error::Weight { rank, source: Box::new(source) })?;
-                param_bytes += program.buffer(*out).bytes();
+                *param_bytes += program.buffer(*out).bytes();
                 machine.store_floats(*out, data)?;
             }
             Instr::LoadTokens { out, region } => {
-                let block = gather(inputs.tokens, &region_indices(&tokens_shape, region)).ok_or_else(|| {
+                let block = gather(inputs.tokens, &region_indices(tokens_shape, region)).ok_or_else(|| {
                     machine.program_error(format!("token block {region:?} lies outside {tokens_shape:?}"))
                 })?;
                 machine.store(*out, Storage::U32(block))?;
@@ -323,10 +457,10 @@ pub fn execute_native(
                             let produced = table
                                 .call(index, &operands)
                                 .map_err(|error| machine.program_error(error.to_string()))?;
-                            precomputed = produced.fused;
+                            *precomputed = produced.fused;
                             produced.out
                         }
-                        (None, None) => run_kernel(&machine, kernel, operands, *out, gemm_threads)?,
+                        (None, None) => run_kernel(machine, kernel, operands, *out, gemm_threads)?,
                     };
                 machine.store_floats(*out, data)?;
             }
@@ -400,7 +534,7 @@ pub fn execute_native(
                 comm.broadcast(&CommGroup { ranks: group.ranks.clone() }, *root, &mut packed).map_err(|source| {
                     Error::Comm { rank, instr: index, what: machine.what(outs[0]), source: Box::new(source) }
                 })?;
-                unpack(&mut machine, outs, &sizes, &packed)?;
+                unpack(machine, outs, &sizes, &packed)?;
             }
             Instr::Send { bufs, peer } => {
                 let mut packed = Vec::new();
@@ -436,22 +570,11 @@ pub fn execute_native(
                     what: machine.what(outs[0]),
                     source: Box::new(source),
                 })?;
-                unpack(&mut machine, outs, &sizes, &packed)?;
+                unpack(machine, outs, &sizes, &packed)?;
             }
         }
-        activation_bytes.push(machine.activation_bytes);
-        timings.push((start_ns, nanos_since(inputs.epoch)));
+        Ok(())
     }
-    Ok(RankOutcome {
-        rank,
-        outputs,
-        peak_bytes: machine.peak_bytes,
-        param_bytes,
-        comm: comm.stats().clone(),
-        activation_bytes,
-        in_flight_peak_bytes: machine.in_flight_peak_bytes,
-        timings,
-    })
 }
 
 /// Nanoseconds from `epoch` to now (zero if `epoch` is in the future; saturating past 584 years).

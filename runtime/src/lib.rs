@@ -8,6 +8,7 @@
 //! interpreter, which stays independent as the oracle.
 
 pub mod calibrate;
+pub mod capi;
 pub mod comm;
 pub mod error;
 pub mod executor;

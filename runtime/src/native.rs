@@ -1,18 +1,22 @@
 //! Native kernels: a shared library that `pleat compile --emit so` generated for one rank's program
 //! (through `pleat_backend::llvm`), opened with `libloading`, as a table from instruction index to
 //! function. The executor calls a table's function instead of its interpreted kernel for those
-//! instructions (`executor::execute_native`).
+//! instructions (`executor::execute_native`). A library with an entry function (`pleat_rank_main`)
+//! runs the whole program instead, calling back into the runtime's C ABI (`crate::capi`).
 //!
 //! Guarantees: a library is accepted only for the program it was generated for (its
 //! `pleat_program_fingerprint` must equal `pleat_backend::native::program_fingerprint` of the
 //! program) and only if it exports every function `pleat_backend::native::native_kernels` selects;
 //! every call checks each operand's element count and kind against the program before it passes
-//! raw pointers, so a call never reads or writes past a buffer. Loading needs no LLVM.
+//! raw pointers, so a call never reads or writes past a buffer. Every symbol is bound at load, so a
+//! library that needs `pleat_rt_*` functions this process lacks is refused there. Loading needs no
+//! LLVM.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use libloading::Library;
+use pleat_backend::native::abi::ENTRY_SYMBOL;
 use pleat_backend::native::{native_kernels, program_fingerprint, NativeKernel, FINGERPRINT_SYMBOL};
 use pleat_backend::{BufferId, Instr, Program};
 
@@ -22,6 +26,9 @@ type KernelFunction = unsafe extern "C" fn(*const *const f32, *mut f32);
 type FusedFunction = unsafe extern "C" fn(*const *const f32, *mut f32, *mut f32);
 /// `uint64_t pleat_program_fingerprint(void)`.
 type FingerprintFunction = unsafe extern "C" fn() -> u64;
+/// `int32_t pleat_rank_main(void* ctx)`: a rank library's entry function, which runs the whole
+/// program through the `pleat_rt_*` C ABI (`crate::capi`); 0 on success.
+pub type EntryFunction = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;
 
 /// Everything loading or calling native kernels can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error, miette::Diagnostic)]
@@ -59,6 +66,18 @@ pub enum NativeError {
         expected: u64,
         /// The library's.
         found: u64,
+    },
+    /// The library calls the runtime's C ABI, but this executable does not export it.
+    #[error(
+        "{path} calls the runtime's pleat_rt_* functions, which this executable does not export ({message}); \
+         link the executable with `-Wl,--export-dynamic-symbol=pleat_rt_*` (pleat's build.rs does)"
+    )]
+    #[diagnostic(code(E0535), help("link the executable with -Wl,--export-dynamic-symbol=pleat_rt_*"))]
+    RuntimeNotExported {
+        /// The library.
+        path: PathBuf,
+        /// The loader's reason.
+        message: String,
     },
     /// No native function starts at this instruction.
     #[error("instruction {instr} has no native kernel; call only instructions the table covers")]
@@ -149,13 +168,21 @@ struct Entry {
 pub struct NativeKernels {
     path: PathBuf,
     entries: HashMap<usize, Entry>,
+    entry: Option<EntryFunction>,
+    /// The fingerprint of the program the library was generated for.
+    fingerprint: u64,
     // The function pointers above point into the library: it lives as long as the table.
     _library: Library,
 }
 
 impl std::fmt::Debug for NativeKernels {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("NativeKernels").field("path", &self.path).field("kernels", &self.entries.len()).finish()
+        formatter
+            .debug_struct("NativeKernels")
+            .field("path", &self.path)
+            .field("kernels", &self.entries.len())
+            .field("entry", &self.entry.is_some())
+            .finish()
     }
 }
 
@@ -164,8 +191,20 @@ impl NativeKernels {
     pub fn open(path: &Path, program: &Program) -> Result<Self, NativeError> {
         let open_error = |message: String| NativeError::Open { path: path.to_path_buf(), message };
         // SAFETY: loading runs the library's initializers; pleat's generated libraries have none
-        // (they hold only the kernel functions and the fingerprint function).
-        let library = unsafe { Library::new(path) }.map_err(|error| open_error(error.to_string()))?;
+        // (they hold only the kernel functions, the fingerprint function and the entry function).
+        // Every symbol is bound now (RTLD_NOW), so a library whose `pleat_rt_*` calls this process
+        // cannot satisfy fails here, not at its first call.
+        let flags = libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_LOCAL;
+        let library: Library = unsafe { libloading::os::unix::Library::open(Some(path), flags) }
+            .map_err(|error| {
+                let message = error.to_string();
+                if message.contains("pleat_rt_") {
+                    NativeError::RuntimeNotExported { path: path.to_path_buf(), message }
+                } else {
+                    open_error(message)
+                }
+            })?
+            .into();
         let lookup = |symbol: &str| -> Result<*const (), NativeError> {
             // SAFETY: the symbol is read as an address; it is called only through the type
             // `pleat_backend::native` documents for that name.
@@ -229,7 +268,13 @@ impl NativeKernels {
             };
             entries.insert(kernel.first_instr(), entry);
         }
-        Ok(NativeKernels { path: path.to_path_buf(), entries, _library: library })
+        let entry = match lookup(ENTRY_SYMBOL) {
+            // SAFETY: `pleat_rank_main` has this signature in every library pleat generates.
+            Ok(address) => Some(unsafe { std::mem::transmute::<*const (), EntryFunction>(address) }),
+            // Libraries from before the entry function hold only kernels; the executor calls those.
+            Err(_) => None,
+        };
+        Ok(NativeKernels { path: path.to_path_buf(), entries, entry, fingerprint: found, _library: library })
     }
 
     /// The library's path.
@@ -240,6 +285,16 @@ impl NativeKernels {
     /// How many native functions the table holds (a fused pair counts once).
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// The library's entry function, which runs the whole program (`crate::capi`), if it has one.
+    pub fn entry(&self) -> Option<EntryFunction> {
+        self.entry
+    }
+
+    /// Whether the library was generated for `program` (its fingerprint is `program`'s).
+    pub fn is_for(&self, program: &Program) -> bool {
+        program_fingerprint(program) == self.fingerprint
     }
 
     /// Whether the table holds no function.

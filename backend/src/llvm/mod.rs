@@ -1,7 +1,9 @@
 //! Native code through LLVM 19 (inkwell, feature `llvm`) for the elementwise and row-wise kernels of
 //! one rank's `Program`: residual adds, SiLU-mul, RMSNorm and RoPE, with a residual add and the
 //! RMSNorm reading it fused into one loop nest (see `crate::native` for which instructions and the
-//! functions' ABI).
+//! functions' ABI). Each host module also holds the rank's entry function, `pleat_rank_main`, which
+//! runs the whole program: it calls those kernels directly and the runtime's `pleat_rt_*` C ABI for
+//! every other instruction, with the instruction's constants baked in (`crate::native::abi`).
 //!
 //! Every size is a constant of the program. Every module passes LLVM's verifier before it is
 //! optimized or emitted (a failure is an [`LlvmError::Verify`], never a panic). Host code is
@@ -10,6 +12,7 @@
 //! `nvptx64-nvidia-cuda` at sm_80 and sm_90, each kernel a `.entry`.
 
 mod codegen;
+mod entry;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -220,6 +223,18 @@ pub fn kernel_ir(program: &Program, kernel: &NativeKernel) -> Result<String, Llv
     Ok(module.print_to_string().to_string())
 }
 
+/// The unoptimized LLVM IR of `program`'s entry function, `pleat_rank_main` (for reading and for
+/// snapshots; the module it is built in, with the kernels it calls, is verified first).
+pub fn entry_ir(program: &Program) -> Result<String, LlvmError> {
+    let context = Context::create();
+    let module = kernel_module(&context, program, Flavor::Host, &format!("rank{}", program.rank))?;
+    verify(&module)?;
+    let entry = module
+        .get_function(crate::native::abi::ENTRY_SYMBOL)
+        .ok_or(LlvmError::Builder { message: "the module has no entry function".into() })?;
+    Ok(inkwell::values::AnyValue::print_to_string(&entry).to_string())
+}
+
 /// Runs LLVM's verifier on `module`.
 pub fn verify(module: &Module) -> Result<(), LlvmError> {
     module.verify().map_err(|message| LlvmError::Verify {
@@ -228,7 +243,8 @@ pub fn verify(module: &Module) -> Result<(), LlvmError> {
     })
 }
 
-/// Builds every native kernel of `program` (and the fingerprint function) into one module.
+/// Builds every native kernel of `program` into one module; for the host, also the fingerprint
+/// function and the entry function that runs the whole program (`entry`).
 fn kernel_module<'ctx>(
     context: &'ctx Context,
     program: &Program,
@@ -242,6 +258,9 @@ fn kernel_module<'ctx>(
     }
     for kernel in native_kernels(program) {
         codegen.define(program, &kernel)?;
+    }
+    if flavor == Flavor::Host {
+        entry::define_entry(context, &module, program)?;
     }
     Ok(module)
 }
