@@ -11,12 +11,12 @@ use anyhow::{bail, Result};
 use clap::ValueEnum;
 use pleat_backend::optimizer::{pipelined_optimizer_layout, OptimizerLayout};
 pub use pleat_backend::pipeline::stage_of_nodes;
-use pleat_backend::pipeline::{pipeline_programs_with_spans, Phase, PipelinePlan, ScheduleStep, StepSpan};
+use pleat_backend::pipeline::{pipeline_programs_with_spans, PipelinePlan, ScheduleStep, StepSpan};
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{AxisName, Mesh, Module};
 use pleat_passes::cost::{HardwareSpec, Layout, ModelShape, Workload};
-use pleat_passes::pipeline::{parse_pp_layers, part_costs, Phase as PlannedPhase, Schedule, ScheduleKind, Step};
+use pleat_passes::pipeline::{parse_pp_layers, part_costs, Schedule, ScheduleKind};
 
 use crate::schedule::ScheduleName;
 
@@ -39,26 +39,7 @@ pub fn schedule_kind(schedule: ScheduleName, chunks: Option<u32>) -> Result<Sche
 /// the same ones): every (micro-batch, chunk) forward, backward, or for ZB-H1 the backward's
 /// input-gradient and weight-gradient parts.
 pub fn schedule_steps(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Result<Vec<Vec<ScheduleStep>>> {
-    let schedule = Schedule::build(kind, stages, micro_batches)?;
-    Ok(schedule
-        .per_stage
-        .iter()
-        .map(|steps| {
-            steps
-                .iter()
-                .map(|step| ScheduleStep {
-                    micro_batch: step.micro_batch,
-                    chunk: step.chunk,
-                    phase: match step.phase {
-                        PlannedPhase::Forward => Phase::Forward,
-                        PlannedPhase::Backward => Phase::Backward,
-                        PlannedPhase::BackwardInput => Phase::BackwardInput,
-                        PlannedPhase::BackwardWeight => Phase::BackwardWeight,
-                    },
-                })
-                .collect()
-        })
-        .collect())
+    Ok(pleat_backend::pipeline::schedule_steps(&Schedule::build(kind, stages, micro_batches)?))
 }
 
 /// Layers a virtual stage by the cost model (the default split): each layer, the embedding on the
@@ -77,17 +58,6 @@ pub fn cost_balanced_layers(
     let costs = part_costs(&model, &layout, &Workload::training(seq, micro_batch), &hw);
     let ranges = pleat_passes::pipeline::cost_balanced_layers(&model, &costs, virtual_stages)?;
     Ok(ranges.iter().map(|range| u64::from(range.end - range.start)).collect())
-}
-
-/// The planner's step for an executed one (pictures draw the planner's steps).
-pub fn planned_step(step: ScheduleStep) -> Step {
-    let phase = match step.phase {
-        Phase::Forward => PlannedPhase::Forward,
-        Phase::Backward => PlannedPhase::Backward,
-        Phase::BackwardInput => PlannedPhase::BackwardInput,
-        Phase::BackwardWeight => PlannedPhase::BackwardWeight,
-    };
-    Step { micro_batch: step.micro_batch, chunk: step.chunk, phase }
 }
 
 /// `--pp-layers 9,8,8,7`: layers a stage, checked against the model and the stages.

@@ -181,7 +181,7 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
                     .find(|&at| !matches!(program.instructions[at], pleat_backend::Instr::Recv { .. }))?;
                 let (start, _) = *outcome.timings.get(first)?;
                 let (_, end) = *outcome.timings.get(span.instructions.end.checked_sub(1)?)?;
-                let step = crate::pipeline::planned_step(span.step);
+                let step = pleat_passes::pipeline::Step::from(span.step);
                 Some(TimedStep { step, start: start as f64 / 1e3, end: end as f64 / 1e3 })
             })
             .collect();

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use pleat_backend::memory::{live_before, plan, ElementSize};
 use pleat_backend::optimizer::{optimizer_layout, pipelined_optimizer_layout, OptimizerLayout};
-use pleat_backend::pipeline::{pipeline_programs, stage_of_nodes, Phase, PipelinePlan, ScheduleStep};
+use pleat_backend::pipeline::{pipeline_programs, schedule_steps, stage_of_nodes, PipelinePlan};
 use pleat_backend::Instr;
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
@@ -31,7 +31,7 @@ use pleat_passes::cost::compiled_training::{
 };
 use pleat_passes::cost::memory::memory_per_stage;
 use pleat_passes::cost::{Layout, ModelShape, Recompute as CostRecompute, Workload};
-use pleat_passes::pipeline::{Phase as PlannedPhase, Schedule, ScheduleKind};
+use pleat_passes::pipeline::{Schedule, ScheduleKind};
 use pleat_passes::PassCtx;
 use pleat_runtime::train::{train_on_threads, AdamWSettings, RankTraining, TrainOptions};
 use pleat_runtime::weights::SeededWeights;
@@ -169,21 +169,7 @@ fn compile_pipelined(
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)
         .unwrap_or_else(|err| panic!("{}: {err}", layout.mesh));
     let stage_of = stage_of_nodes(&module, stages, None, config.num_layers).expect("stages");
-    let schedule: Vec<Vec<ScheduleStep>> = Schedule::build(layout.schedule, stages, layout.micro_batches)
-        .expect("schedule")
-        .per_stage
-        .iter()
-        .map(|steps| {
-            steps
-                .iter()
-                .map(|step| ScheduleStep {
-                    micro_batch: step.micro_batch,
-                    chunk: 0,
-                    phase: if step.phase == PlannedPhase::Forward { Phase::Forward } else { Phase::Backward },
-                })
-                .collect()
-        })
-        .collect();
+    let schedule = schedule_steps(&Schedule::build(layout.schedule, stages, layout.micro_batches).expect("schedule"));
     let plan =
         PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: layout.micro_batches, chunks: 1 };
     let programs = pipeline_programs(&module, &plan).expect("pipeline programs");

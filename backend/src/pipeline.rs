@@ -77,6 +77,39 @@ pub struct ScheduleStep {
     pub phase: Phase,
 }
 
+impl From<pleat_passes::pipeline::Step> for ScheduleStep {
+    /// The executed step of a planned one (`pleat_passes::pipeline::Schedule`).
+    fn from(step: pleat_passes::pipeline::Step) -> ScheduleStep {
+        use pleat_passes::pipeline::Phase as Planned;
+        let phase = match step.phase {
+            Planned::Forward => Phase::Forward,
+            Planned::Backward => Phase::Backward,
+            Planned::BackwardInput => Phase::BackwardInput,
+            Planned::BackwardWeight => Phase::BackwardWeight,
+        };
+        ScheduleStep { micro_batch: step.micro_batch, chunk: step.chunk, phase }
+    }
+}
+
+impl From<ScheduleStep> for pleat_passes::pipeline::Step {
+    /// The planned step of an executed one (pictures draw the planner's steps).
+    fn from(step: ScheduleStep) -> pleat_passes::pipeline::Step {
+        use pleat_passes::pipeline::Phase as Planned;
+        let phase = match step.phase {
+            Phase::Forward => Planned::Forward,
+            Phase::Backward => Planned::Backward,
+            Phase::BackwardInput => Planned::BackwardInput,
+            Phase::BackwardWeight => Planned::BackwardWeight,
+        };
+        pleat_passes::pipeline::Step { micro_batch: step.micro_batch, chunk: step.chunk, phase }
+    }
+}
+
+/// Each pipeline rank's steps of the planner's `schedule` (`pleat schedule` draws the same ones).
+pub fn schedule_steps(schedule: &pleat_passes::pipeline::Schedule) -> Vec<Vec<ScheduleStep>> {
+    schedule.per_stage.iter().map(|steps| steps.iter().map(|&step| ScheduleStep::from(step)).collect()).collect()
+}
+
 /// How the module is pipelined.
 pub struct PipelinePlan<'a> {
     /// For each node, in the module's program order, its virtual stage (`chunk · ranks + rank`).
