@@ -7,6 +7,7 @@ use clap::Args;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{Mesh, Module};
+use pleat_passes::cost::HardwareSpec;
 use pleat_passes::{Dump, PassCtx, PipelineReport};
 use serde::{Deserialize, Serialize};
 
@@ -89,6 +90,10 @@ pub struct ModelOnMesh {
     /// Sequences a batch.
     #[arg(long, default_value_t = 8)]
     pub batch: u64,
+    /// Keep every transfer blocking where lowering put it, instead of scheduling transfers to run
+    /// beside compute (`pleat_backend::overlap`).
+    #[arg(long)]
+    pub no_overlap: bool,
 }
 
 impl ModelOnMesh {
@@ -107,7 +112,11 @@ impl ModelOnMesh {
 
     /// Compiles `config` as these arguments say.
     pub fn compile(&self, config: &ModelConfig, dump: Dump) -> Result<Compiled> {
-        compile_model(config, self.batch, self.seq, &Mesh::parse(&self.mesh)?, self.strategy, dump)
+        let mut compiled = compile_model(config, self.batch, self.seq, &Mesh::parse(&self.mesh)?, self.strategy, dump)?;
+        if !self.no_overlap {
+            compiled.programs = crate::predict::overlap_programs(&compiled.programs, &HardwareSpec::builtin("cpu")?)?;
+        }
+        Ok(compiled)
     }
 }
 
@@ -172,7 +181,8 @@ pub struct Compiled {
     pub report: PipelineReport,
 }
 
-/// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs.
+/// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs, every
+/// transfer blocking (`crate::predict::overlap_programs` schedules them).
 pub fn compile_model(
     config: &ModelConfig,
     batch: u64,
@@ -233,6 +243,7 @@ fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
         strategy,
         seq: choice.seq,
         batch: choice.micro_batch * choice.dp,
+        no_overlap: false,
     })
 }
 

@@ -247,6 +247,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
         strategy: target.strategy,
         seq: target.seq,
         batch: target.batch,
+        no_overlap: target.no_overlap,
     };
     let target = &inner_target;
     if let Some(value) = &args.proof {

@@ -67,7 +67,8 @@ enum Command {
     /// Run one rank of a compiled directory as an MPI process: `mpirun -np N pleat rank DIR`.
     #[cfg(feature = "mpi")]
     Rank(rank::RankArgs),
-    /// Measure this machine: collective bandwidth (`comm`), a hardware spec for --hw-file (`calibrate`).
+    /// Measure this machine: collective bandwidth (`comm`), a hardware spec for --hw-file (`calibrate`),
+    /// the communication the overlap scheduler hides (`overlap`).
     Bench(bench::BenchArgs),
 }
 
@@ -85,6 +86,7 @@ impl Command {
             Command::Rank(args) => args.format == run::Format::Json,
             Command::Bench(args) => match &args.what {
                 bench::BenchCommand::Comm(args) => args.format == run::Format::Json,
+                bench::BenchCommand::Overlap(args) => args.format == run::Format::Json,
                 bench::BenchCommand::Calibrate(_) => false,
             },
             Command::Compile(_) | Command::Trace(_) | Command::Demo => false,

@@ -1,16 +1,22 @@
 //! What each instruction of a `Program` is (stream, name, bytes, flops) and the predicted timeline
 //! of every rank's program under the cost model.
 //!
-//! The prediction places each rank's instructions in program order on two streams, compute and
-//! comm, without reordering: an instruction starts when its stream is free and its inputs are
-//! ready; a collective starts when every member of its group has reached it; a `Recv` ends no
-//! earlier than the matching `Send`. Kernels cost their roofline (`passes::cost::compute`),
-//! transfers their alpha-beta time (`passes::cost::comm`). This lives in the binary because the
-//! backend must not know the cost model and the passes cannot see `Program`.
+//! The prediction runs each rank's program as the runtime does, on two streams. The compute stream
+//! runs the instructions in program order. A transfer starts on the communication stream when the
+//! compute stream reaches it and the transfers before it have ended; a collective begins when
+//! every member of its group has started it, and a `Recv` ends no earlier than the matching
+//! `Send`. A transfer that a `Wait` ends runs beside the instructions up to that wait, which holds
+//! the compute stream until the transfer has ended; any other transfer but a send holds it at
+//! once (a send never waits). Kernels cost their roofline (`passes::cost::compute`), transfers
+//! their alpha-beta time (`passes::cost::comm`). This lives in the binary because the backend must
+//! not know the cost model and the passes cannot see `Program`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use anyhow::{bail, Result};
+use pleat_backend::memory::ElementSize;
+use pleat_backend::overlap::{schedule, OverlapOptions, OverlapReport};
+use pleat_backend::transfers::{pair_transfers, TransferPairs};
 use pleat_backend::{AttentionDims, Instr, Kernel, Program};
 use pleat_passes::cost::comm::{self, Collective};
 use pleat_passes::cost::compute::{OpClass, OpCost};
@@ -87,7 +93,8 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
     }
 }
 
-/// What instruction `instr` of `program` does; `None` for bookkeeping (`Output`, `Free`).
+/// What instruction `instr` of `program` does; `None` for bookkeeping (`Output`, `Free`). A `Wait`
+/// is compute-stream time spent waiting for a transfer.
 pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
     let bytes_of = |ids: &[pleat_backend::BufferId]| ids.iter().map(|&id| program.buffer(id).bytes()).sum::<u64>();
     let name_of =
@@ -149,6 +156,15 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
         Instr::Recv { outs, peer } => {
             transfer("recv", Collective::SendRecv, name_of(outs), bytes_of(outs), vec![*peer, program.rank])
         }
+        Instr::Wait { handle } => Work {
+            stream: Stream::Compute,
+            op: "wait",
+            what: name_of(handle),
+            bytes: 0,
+            flops: 0,
+            collective: None,
+            ranks: Vec::new(),
+        },
         Instr::Output { .. } | Instr::Free { .. } => return None,
     })
 }
@@ -177,6 +193,37 @@ pub fn seconds(work: &Work, hw: &HardwareSpec, dtype_bytes: u64) -> f64 {
     }
 }
 
+/// Predicted seconds of `instr` of `program`, which does `work`, at the dtype it writes (or reads).
+fn instr_seconds(program: &Program, instr: &Instr, work: &Work, hw: &HardwareSpec) -> f64 {
+    let dtype_bytes =
+        instr.outs().first().or(instr.inputs().first()).map_or(4, |&id| program.buffer(id).dtype.size_bytes());
+    seconds(work, hw, dtype_bytes)
+}
+
+/// Schedules every program for overlap (`pleat_backend::overlap`), its choices driven by `hw`'s
+/// predicted seconds, and checks that the ranks' transfers still match.
+pub fn overlap_programs(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Program>> {
+    Ok(overlap_programs_reported(programs, hw)?.into_iter().map(|(program, _)| program).collect())
+}
+
+/// As [`overlap_programs`], each program with what the scheduler did.
+pub fn overlap_programs_reported(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<(Program, OverlapReport)>> {
+    let seconds = |program: &Program, instr: &Instr| {
+        describe(program, instr).map_or(0.0, |work| instr_seconds(program, instr, &work, hw))
+    };
+    // Prefetched weight broadcasts may leave their place among the transfers; when the ranks did
+    // not all move them alike, the transfers keep the lowered order.
+    let schedule_all = |prefetch_weights: bool| -> Result<Vec<(Program, OverlapReport)>> {
+        let options =
+            OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Declared, prefetch_weights };
+        let scheduled = programs.iter().map(|program| schedule(program, &options)).collect::<Result<Vec<_>, _>>()?;
+        let only_programs: Vec<Program> = scheduled.iter().map(|(program, _)| program.clone()).collect();
+        pleat_backend::verify_collectives(&only_programs)?;
+        Ok(scheduled)
+    };
+    schedule_all(true).or_else(|_| schedule_all(false))
+}
+
 /// One predicted slice: instruction `instr` of a rank from `start_s` to `end_s`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Predicted {
@@ -188,29 +235,59 @@ pub struct Predicted {
     pub start_s: f64,
     /// End, seconds.
     pub end_s: f64,
+    /// Seconds the compute stream was held waiting for communication here: a wait's stall, or a
+    /// blocking transfer's whole time.
+    pub exposed_s: f64,
 }
 
 struct RankState {
     pc: usize,
-    stream_free: [f64; 2],
-    ready: HashMap<u32, f64>,
+    compute_free: f64,
+    comm_free: f64,
+    pairs: TransferPairs,
+    transfer_end: HashMap<usize, f64>,
     group_calls: HashMap<Vec<u32>, usize>,
     slices: Vec<Predicted>,
+}
+
+/// What a prediction sums to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PredictedStep {
+    /// The step's time: the last rank's end.
+    pub step_s: f64,
+    /// The most communication seconds any rank's compute stream waited for.
+    pub exposed_comm_s: f64,
+    /// The most seconds of communication any rank's stream ran.
+    pub comm_s: f64,
+}
+
+/// Sums `timelines` (from [`predict`]).
+pub fn summarize(timelines: &[Vec<Predicted>]) -> PredictedStep {
+    let most = |of: &dyn Fn(&Predicted) -> f64| {
+        timelines.iter().map(|slices| slices.iter().map(of).sum::<f64>()).fold(0.0, f64::max)
+    };
+    PredictedStep {
+        step_s: timelines.iter().flatten().map(|slice| slice.end_s).fold(0.0, f64::max),
+        exposed_comm_s: most(&|slice| slice.exposed_s),
+        comm_s: most(&|slice| if slice.work.stream == Stream::Comm { slice.end_s - slice.start_s } else { 0.0 }),
+    }
 }
 
 /// The predicted timeline of every rank's program (in rank order), each rank's slices in program
 /// order. Fails when the programs cannot all finish (a collective or receive nobody matches).
 pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predicted>>> {
-    let mut states: Vec<RankState> = programs
-        .iter()
-        .map(|_| RankState {
+    let mut states = Vec::with_capacity(programs.len());
+    for program in programs {
+        states.push(RankState {
             pc: 0,
-            stream_free: [0.0; 2],
-            ready: HashMap::new(),
+            compute_free: 0.0,
+            comm_free: 0.0,
+            pairs: pair_transfers(program)?,
+            transfer_end: HashMap::new(),
             group_calls: HashMap::new(),
             slices: Vec::new(),
-        })
-        .collect();
+        });
+    }
     // (group, call index) -> each member's arrival time; (sender, receiver) -> sends in order.
     let mut arrivals: BTreeMap<(Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
     let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64)>> = HashMap::new();
@@ -224,19 +301,9 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                     progressed = true;
                     continue;
                 };
-                let dtype_bytes = instr
-                    .outs()
-                    .first()
-                    .or(instr.inputs().first())
-                    .map_or(4, |&id| program.buffer(id).dtype.size_bytes());
-                let cost = seconds(&work, hw, dtype_bytes);
-                let stream = work.stream as usize;
-                let inputs_ready = instr
-                    .inputs()
-                    .iter()
-                    .map(|id| state.ready.get(&id.as_u32()).copied().unwrap_or(0.0))
-                    .fold(0.0, f64::max);
-                let arrival = state.stream_free[stream].max(inputs_ready);
+                let cost = instr_seconds(program, instr, &work, hw);
+                let issue = state.compute_free;
+                let arrival = issue.max(state.comm_free);
                 let (start_s, end_s) = match instr {
                     Instr::AllReduce { group, .. }
                     | Instr::ReduceScatter { group, .. }
@@ -267,13 +334,37 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                         // The message is queued once sent: a late receiver finds it there.
                         (start, start.max(sent_end))
                     }
-                    _ => (arrival, arrival + cost),
+                    Instr::Wait { .. } => {
+                        let ended = state
+                            .pairs
+                            .start_of
+                            .get(&state.pc)
+                            .and_then(|start| state.transfer_end.get(start))
+                            .copied()
+                            .unwrap_or(issue);
+                        (issue, issue.max(ended))
+                    }
+                    _ => (issue, issue + cost),
                 };
-                state.stream_free[stream] = end_s;
-                for out in instr.outs() {
-                    state.ready.insert(out.as_u32(), end_s);
+                let mut exposed_s = 0.0;
+                if instr.is_transfer() {
+                    state.comm_free = end_s;
+                    state.transfer_end.insert(state.pc, end_s);
+                    let blocking = !state.pairs.wait_of.contains_key(&state.pc) && !matches!(instr, Instr::Send { .. });
+                    if blocking {
+                        exposed_s = end_s - issue;
+                        state.compute_free = end_s;
+                    }
+                } else {
+                    if matches!(instr, Instr::Wait { .. }) {
+                        exposed_s = end_s - start_s;
+                    }
+                    state.compute_free = end_s;
                 }
-                state.slices.push(Predicted { instr: state.pc, work, start_s, end_s });
+                // A wait that did not stall is no slice.
+                if !matches!(instr, Instr::Wait { .. }) || end_s > start_s {
+                    state.slices.push(Predicted { instr: state.pc, work, start_s, end_s, exposed_s });
+                }
                 state.pc += 1;
                 progressed = true;
             }
@@ -409,13 +500,61 @@ mod tests {
         let (send_slice, matmul_slice) = (&timelines[0][1], &timelines[0][2]);
         close(send_slice.start_s, load);
         close(send_slice.end_s, load + send);
-        // The matmul reads only the loaded weight: it runs beside the send.
+        // A send never waits: the matmul runs beside it.
         close(matmul_slice.start_s, load);
         let recv = &timelines[1][0];
         close(recv.start_s, load);
         close(recv.end_s, load + send);
-        // The receiver's load is on its compute stream and does not wait for the comm stream.
-        close(timelines[1][1].start_s, 0.0);
+        // The receive is blocking: the receiver's load waits for it.
+        close(recv.exposed_s, load + send);
+        close(timelines[1][1].start_s, load + send);
+    }
+
+    #[test]
+    fn a_transfer_runs_beside_the_instructions_before_its_wait() {
+        let hw = HardwareSpec::builtin("cpu").unwrap();
+        let scheduled = |rank: u32| {
+            let mut instructions = tp_pair()[rank as usize].instructions.clone();
+            // load x, load w, matmul, all-reduce, [matmul y2], wait, add, free.
+            let at = instructions.iter().position(|instr| matches!(instr, Instr::AllReduce { .. })).unwrap();
+            instructions.insert(
+                at + 1,
+                Instr::Kernel {
+                    kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
+                    inputs: vec![id(0), id(1)],
+                    out: id(5),
+                },
+            );
+            instructions.insert(at + 2, Instr::Wait { handle: vec![id(3)] });
+            let mut program = tp_pair()[rank as usize].clone();
+            program.instructions = instructions;
+            program
+        };
+        let timelines = predict(&[scheduled(0), scheduled(1)], &hw).unwrap();
+        let tile = 64.0 * 64.0 * 4.0;
+        let load = tile / (20e9 * 0.8);
+        let matmul = (2.0 * 64.0f64.powi(3) / (192e9 * 0.75)).max(3.0 * tile / (20e9 * 0.8));
+        let all_reduce = 2.0 * 0.5 * tile / (5e9 * 0.8) + 2.0 * 5e-6;
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+        // Rank 1 loads once more; the all-reduce starts when it arrives, and each rank's second
+        // matmul runs beside it; the wait holds the compute stream until the all-reduce ends.
+        let start = 3.0 * load + matmul;
+        for timeline in &timelines {
+            let ops: Vec<&str> = timeline.iter().map(|slice| slice.work.op).collect();
+            let reduce = timeline.iter().find(|slice| slice.work.op == "all_reduce").unwrap();
+            close(reduce.start_s, start);
+            close(reduce.end_s, start + all_reduce);
+            let wait = timeline.iter().find(|slice| slice.work.op == "wait").unwrap();
+            close(wait.end_s, start + all_reduce);
+            close(wait.exposed_s, wait.end_s - wait.start_s);
+            let last = timeline.last().unwrap();
+            assert_eq!(last.work.op, "add", "{ops:?}");
+            close(last.start_s, start + all_reduce);
+        }
+        let step = summarize(&timelines);
+        // Rank 0 computes its second matmul from 2·load + matmul; rank 1 a load later.
+        close(step.exposed_comm_s, all_reduce - matmul + load);
+        assert!(step.step_s < summarize(&predict(&tp_pair(), &hw).unwrap()).step_s + matmul - 1e-9);
     }
 
     #[test]

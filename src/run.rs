@@ -10,6 +10,7 @@ use clap::{Args, ValueEnum};
 use pleat_backend::{DType, Program};
 use pleat_ir::model::config::{ConfigDtype, ModelConfig};
 use pleat_ir::Mesh;
+use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
 use pleat_runtime::comm::{CollectiveKind, CommStats, LinkSpec};
 use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
@@ -113,6 +114,10 @@ pub struct RunArgs {
     /// Write the measured timeline of every rank as a Chrome/Perfetto trace to this JSON file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Keep every transfer blocking where lowering put it, instead of scheduling transfers to run
+    /// beside compute (a compiled directory keeps the schedule it was compiled with).
+    #[arg(long)]
+    pub no_overlap: bool,
     /// Deliver every message no faster than a link of GBPS gigabytes a second and US microseconds of
     /// latency (e.g. `25,5`), so that communication costs time on one machine as on a network.
     #[arg(long, value_name = "GBPS,US")]
@@ -204,7 +209,12 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
             let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
-            (config, compiled.programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
+            let programs = if args.no_overlap {
+                compiled.programs
+            } else {
+                crate::predict::overlap_programs(&compiled.programs, &HardwareSpec::builtin("cpu")?)?
+            };
+            (config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };
     let tokens = match given_tokens {

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 
 use crate::compile::{read_compiled, ModelOnMesh};
 use crate::model_arg::{resolve, ModelSource};
-use crate::predict::{describe, predict, Stream, Work};
+use crate::predict::{describe, overlap_programs, predict, summarize, Stream, Work};
 
 /// Arguments of `pleat trace`.
 #[derive(Args)]
@@ -223,9 +223,25 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
         return trace_pipeline(args, &mesh);
     }
     let hw = HardwareSpec::builtin(&args.hw)?;
-    let programs = match resolve(&args.target.model)? {
-        ModelSource::Compiled(dir) => read_compiled(&dir)?.2,
-        ModelSource::Config { config, .. } => args.target.compile(&config, Dump::Nothing)?.programs,
+    // The programs as lowered (every transfer blocking) and as the overlap scheduler orders them
+    // for `hw`; a compiled directory is traced as it was compiled.
+    let (blocking, programs) = match resolve(&args.target.model)? {
+        ModelSource::Compiled(dir) => (None, read_compiled(&dir)?.2),
+        ModelSource::Config { config, .. } => {
+            let mesh = Mesh::parse(&args.target.mesh)?;
+            let target = &args.target;
+            let lowered = crate::compile::compile_model(
+                &config,
+                target.batch,
+                target.seq,
+                &mesh,
+                target.strategy,
+                Dump::Nothing,
+            )?
+            .programs;
+            let scheduled = if target.no_overlap { lowered.clone() } else { overlap_programs(&lowered, &hw)? };
+            (Some(lowered), scheduled)
+        }
     };
     let slices = predicted_slices(&programs, &hw)?;
     write_trace(&args.out, &chrome_trace(&slices, programs.len() as u32))?;
@@ -238,6 +254,25 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
         slices.len(),
         step_us
     );
+    let traced = summarize(&predict(&programs, &hw)?);
+    if let Some(blocking) = blocking.filter(|_| !args.target.no_overlap) {
+        let before = summarize(&predict(&blocking, &hw)?);
+        println!(
+            "predicted step: {:.1} us with overlap, {:.1} us with every transfer blocking; exposed communication {:.1} us of {:.1} us (blocking: {:.1} us)",
+            traced.step_s * 1e6,
+            before.step_s * 1e6,
+            traced.exposed_comm_s * 1e6,
+            traced.comm_s * 1e6,
+            before.exposed_comm_s * 1e6
+        );
+    } else {
+        println!(
+            "predicted step: {:.1} us; exposed communication {:.1} us of {:.1} us",
+            traced.step_s * 1e6,
+            traced.exposed_comm_s * 1e6,
+            traced.comm_s * 1e6
+        );
+    }
     Ok(())
 }
 

@@ -120,6 +120,12 @@ pub enum UsageError {
         /// Each blocked rank and its instruction.
         stuck: Vec<String>,
     },
+    /// The overlap scheduler's programs computed other logits than the blocking ones.
+    #[error(
+        "the scheduled programs' logits differ from the blocking programs'; reordering must never change a number"
+    )]
+    #[diagnostic(code(E0529), help("report the model and mesh; compile with --no-overlap meanwhile"))]
+    OverlapChangedNumbers,
 
     // === Training checkpoints ===
     /// A checkpoint index of another format version.
@@ -626,6 +632,7 @@ impl UsageError {
             UsageError::RanksDifferFromWorld { .. } => vec![("flag", "--ranks".to_string())],
             UsageError::ExitHookSyntax { name, .. } => vec![("variable", name.to_string())],
             UsageError::ProgramsStuck { .. }
+            | UsageError::OverlapChangedNumbers
             | UsageError::TokensShape { .. }
             | UsageError::LogitsMismatch { .. }
             | UsageError::DemoMismatch { .. }

@@ -348,6 +348,7 @@ mod with_llvm {
                 root: 1,
             },
             Instr::Send { bufs: vec![float, positions], peer: 1 },
+            Instr::Wait { handle: vec![float, positions] },
             Instr::Recv { outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])], peer: 1 },
             Instr::Output { buf: float, index: 3, shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
         ];

@@ -158,3 +158,59 @@ fn executor_times_every_instruction_in_order() {
         }
     }
 }
+
+/// Whether, on some rank, a transfer on the comm track runs while a kernel (not a wait) runs on
+/// the compute track.
+fn some_rank_overlaps(events: &[Value]) -> bool {
+    let mut tracks: Tracks = BTreeMap::new();
+    for event in events.iter().filter(|event| event["ph"] == "X") {
+        let key = (event["pid"].as_u64().unwrap(), event["tid"].as_u64().unwrap());
+        let name = event["name"].as_str().unwrap().to_string();
+        tracks.entry(key).or_default().push((event["ts"].as_f64().unwrap(), event["dur"].as_f64().unwrap(), name));
+    }
+    tracks.iter().filter(|((_, tid), _)| *tid == 1).any(|((pid, _), transfers)| {
+        let kernels = tracks.get(&(*pid, 0)).map(Vec::as_slice).unwrap_or_default();
+        transfers.iter().any(|(start, duration, _)| {
+            kernels.iter().filter(|(_, _, name)| !name.starts_with("wait ") && !name.starts_with("load ")).any(
+                // More than a nanosecond in common: slices that only touch differ by rounding.
+                |(kernel_start, kernel_duration, _)| {
+                    (kernel_start + kernel_duration).min(start + duration) - kernel_start.max(*start) > 1e-3
+                },
+            )
+        })
+    })
+}
+
+#[test]
+fn scheduled_traces_overlap_transfers_with_kernels_and_blocking_ones_do_not() {
+    let dir = tempdir("overlap");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let sizes = ["--batch", "2", "--seq", "32"];
+    // Predicted: TP's all-reduces block the compute stream unless scheduled.
+    let trace = |mesh: &str, out: &str, extra: &[&str]| {
+        let mut args = vec!["trace", "tiny", "--mesh", mesh, "--hw", "cpu", "--out", out];
+        args.extend(sizes);
+        args.extend(extra);
+        pleat(&args);
+        let events = read(Path::new(out));
+        check(&events, mesh.trim_start_matches(|c: char| !c.is_ascii_digit()).parse().unwrap());
+        events
+    };
+    assert!(!some_rank_overlaps(&trace("tp=2", &path("tp-blocking.json"), &["--no-overlap"])));
+    assert!(some_rank_overlaps(&trace("tsp=4", &path("tsp-predicted.json"), &[])));
+    // Measured: over a slow emulated link the ring's next shard arrives while the current GEMM runs.
+    let measured = path("tsp-measured.json");
+    let mut args = vec!["run", "tiny", "--mesh", "tsp=4", "--emulate-link", "0.2,50", "--trace", &measured];
+    args.extend(sizes);
+    pleat(&args);
+    let events = read(Path::new(&measured));
+    check(&events, 4);
+    assert!(some_rank_overlaps(&events), "the measured scheduled run overlaps nothing");
+    let blocking = path("tp-measured-blocking.json");
+    let mut args = vec!["run", "tiny", "--mesh", "tp=2", "--no-overlap", "--trace", &blocking];
+    args.extend(sizes);
+    pleat(&args);
+    let events = read(Path::new(&blocking));
+    check(&events, 2);
+    assert!(!some_rank_overlaps(&events), "a blocking program's transfers run alone");
+}

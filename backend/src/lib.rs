@@ -16,9 +16,11 @@ pub mod matching;
 pub mod memory;
 pub mod native;
 pub mod optimizer;
+pub mod overlap;
 pub mod pipeline;
 pub mod program;
 pub mod text;
+pub mod transfers;
 pub mod validate;
 
 pub use error::{Error, Result};

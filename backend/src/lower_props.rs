@@ -109,6 +109,63 @@ fn check_programs(module: &Module, programs: &[Program]) -> Result<(), TestCaseE
             .map_err(|error| TestCaseError::fail(format!("rank {} does not read back: {error}", program.rank)))?;
         prop_assert_eq!(&read, program, "rank {} reads back different", program.rank);
     }
+    check_scheduled(programs)
+}
+
+/// The overlap scheduler's guarantees on `programs`: every rank's scheduled program holds the same
+/// instructions (frees aside) with every transfer a start and a wait, passes the hazard checks,
+/// keeps to its memory budget, and the ranks' collectives still match.
+fn check_scheduled(programs: &[Program]) -> Result<(), TestCaseError> {
+    use crate::memory::ElementSize;
+    use crate::overlap::{schedule, OverlapOptions};
+    use crate::Instr;
+    // Bytes stand in for seconds: a transfer or kernel costs what it writes.
+    let seconds = |program: &Program, instr: &Instr| -> f64 {
+        instr.outs().iter().map(|&out| program.buffer(out).bytes() as f64).sum::<f64>() * 1e-9
+    };
+    let options = OverlapOptions {
+        seconds: &seconds,
+        memory_budget: None,
+        sizing: ElementSize::Fixed(4),
+        prefetch_weights: false,
+    };
+    let mut scheduled = Vec::new();
+    for program in programs {
+        let (after, report) = no_panic(|| schedule(program, &options))?
+            .map_err(|error| TestCaseError::fail(format!("rank {} does not schedule: {error}", program.rank)))?;
+        let work = |program: &Program| {
+            let mut lines: Vec<String> = program
+                .instructions
+                .iter()
+                .filter(|instr| !matches!(instr, Instr::Free { .. } | Instr::Wait { .. }))
+                .map(|instr| format!("{instr:?}"))
+                .collect();
+            lines.sort();
+            lines
+        };
+        prop_assert_eq!(work(&after), work(program), "rank {} lost or gained an instruction", program.rank);
+        let transfers = program.instructions.iter().filter(|instr| instr.is_transfer()).count();
+        // Every transfer has a wait, unless no schedule kept to the budget and the program stayed
+        // as lowered.
+        prop_assert!(report.transfers == transfers || &after == program, "rank {}: {report:?}", program.rank);
+        prop_assert!(
+            report.peak_after_bytes <= report.budget_bytes,
+            "rank {}: peak {} over the budget {}",
+            program.rank,
+            report.peak_after_bytes,
+            report.budget_bytes
+        );
+        let read = from_json(&to_json(&after))
+            .map_err(|error| TestCaseError::fail(format!("scheduled rank {} is refused: {error}", program.rank)))?;
+        prop_assert_eq!(&read, &after);
+        scheduled.push(after);
+    }
+    let matched = verify_collectives(&scheduled);
+    prop_assert!(
+        matched.is_ok(),
+        "scheduled collectives do not match: {}",
+        matched.err().map(|e| e.to_string()).unwrap_or_default()
+    );
     Ok(())
 }
 

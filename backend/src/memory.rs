@@ -3,7 +3,7 @@
 //! A buffer is live from the instruction that writes it to its `Free` (parameters and outputs to
 //! the end), exactly as the executor holds it. [`plan`] walks the instructions once and returns:
 //! - the peak of the live bytes, and the peak including the **staging copies** collectives make
-//!   while they run, named by kind: an all-gather stages its whole output before it joins the
+//!   while they run (an asynchronous transfer's from its start to its `Wait`), named by kind: an all-gather stages its whole output before it joins the
 //!   blocks, a reduce-scatter stages its whole input split into chunks (the executor counts both;
 //!   a real NCCL collective runs in place and has neither, so they are kept apart);
 //! - an offset for every buffer in one arena, first fit (the lowest hole that holds it, holes
@@ -15,6 +15,8 @@
 //! 4 bytes, f32 or u32). Guarantees: with `Fixed(4)` the peak equals the executor's measured
 //! `peak_bytes` for the same program (tested on every layout of `tiny` that compiles), and no two
 //! buffers live at once overlap in the arena.
+
+use std::collections::HashMap;
 
 use crate::program::{BufferId, Instr, Program};
 use pleat_ir::entity::EntityRef;
@@ -78,7 +80,8 @@ pub struct MemoryPlan {
     pub arena_bytes: u64,
 }
 
-fn element_bytes(program: &Program, buffer: BufferId, sizing: ElementSize) -> u64 {
+/// The bytes of `buffer` with elements of `sizing`.
+pub(crate) fn element_bytes(program: &Program, buffer: BufferId, sizing: ElementSize) -> u64 {
     let buffer = program.buffer(buffer);
     match sizing {
         ElementSize::Declared => buffer.bytes(),
@@ -86,8 +89,9 @@ fn element_bytes(program: &Program, buffer: BufferId, sizing: ElementSize) -> u6
     }
 }
 
-/// The staging copy an instruction makes while it runs.
-fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Option<(Staging, u64)> {
+/// The staging copy an instruction makes while it runs (while it is in flight, for an
+/// asynchronous transfer).
+pub fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Option<(Staging, u64)> {
     match instr {
         Instr::AllGather { out, .. } => Some((Staging::AllGather, element_bytes(program, *out, sizing))),
         Instr::ReduceScatter { input, .. } => Some((Staging::ReduceScatter, element_bytes(program, *input, sizing))),
@@ -164,11 +168,19 @@ pub fn plan(program: &Program, sizing: ElementSize) -> MemoryPlan {
         offsets: Vec::new(),
         arena_bytes: 0,
     };
+    // An asynchronous transfer's staging copy lives from its start to its wait, beside the
+    // instructions between; a blocking one's only during its instruction.
+    let pairs = crate::transfers::pair_transfers(program).unwrap_or_default();
+    let mut in_flight_staging = 0u64;
+    let mut staging_until_wait: HashMap<usize, u64> = HashMap::new();
     for (index, instr) in program.instructions.iter().enumerate() {
         if let Some(staging) = staging_of(program, instr, sizing) {
-            // The executor stages while the operand is live and before the result exists.
-            if live_bytes + staging.1 > result.peak_bytes {
-                result.peak_bytes = live_bytes + staging.1;
+            if let Some(&wait) = pairs.wait_of.get(&index) {
+                in_flight_staging += staging.1;
+                staging_until_wait.insert(wait, staging.1);
+            } else if live_bytes + in_flight_staging + staging.1 > result.peak_bytes {
+                // The executor stages while the operand is live and before the result exists.
+                result.peak_bytes = live_bytes + in_flight_staging + staging.1;
                 result.peak_instr = index;
                 result.peak_staging = Some(staging);
             }
@@ -185,6 +197,7 @@ pub fn plan(program: &Program, sizing: ElementSize) -> MemoryPlan {
                     }
                 }
             }
+            Instr::Wait { .. } => in_flight_staging -= staging_until_wait.remove(&index).unwrap_or(0),
             _ => {
                 for out in instr.outs() {
                     let slot = out.as_u32() as usize;
@@ -199,8 +212,8 @@ pub fn plan(program: &Program, sizing: ElementSize) -> MemoryPlan {
                         result.param_bytes += bytes;
                     }
                     result.peak_live_bytes = result.peak_live_bytes.max(live_bytes);
-                    if live_bytes > result.peak_bytes {
-                        result.peak_bytes = live_bytes;
+                    if live_bytes + in_flight_staging > result.peak_bytes {
+                        result.peak_bytes = live_bytes + in_flight_staging;
                         result.peak_instr = index;
                         result.peak_staging = None;
                     }

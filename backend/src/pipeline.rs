@@ -596,6 +596,7 @@ impl<'a> StageProgram<'a> {
         let peer = |peer: &u32| self.global(self.rank, *peer);
         match instr {
             Instr::LoadParam { .. } | Instr::Output { .. } | Instr::Free { .. } => instr.clone(),
+            Instr::Wait { handle } => Instr::Wait { handle: buffers(handle) },
             Instr::LoadTokens { out, region } => {
                 let mut region = region.clone();
                 let rows = self.base.tokens_shape.first().copied().unwrap_or(1);

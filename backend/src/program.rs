@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -484,9 +484,46 @@ pub enum Instr {
         /// The buffer.
         buf: BufferId,
     },
+    /// Waits for the transfer that an earlier transfer instruction started: the earliest one whose
+    /// [`Instr::transfer_handle`] is `handle` and that no earlier `Wait` named
+    /// (`crate::transfers`).
+    ///
+    /// A transfer instruction (a collective, `Send`, `Recv`) starts its transfer on the rank's
+    /// communication stream. When a later `Wait` names it, the transfer is asynchronous: the
+    /// instructions between run beside it, and none of them may read its results or free (or
+    /// overwrite) what it reads or writes. A transfer no `Wait` names completes before the next
+    /// instruction. Transfers run one after another in program order on every rank.
+    Wait {
+        /// The transfer's handle: the buffers it writes, or a `Send`'s buffers.
+        handle: Vec<BufferId>,
+    },
 }
 
 impl Instr {
+    /// Whether the instruction starts a transfer on the communication stream.
+    pub fn is_transfer(&self) -> bool {
+        matches!(
+            self,
+            Instr::AllReduce { .. }
+                | Instr::ReduceScatter { .. }
+                | Instr::AllGather { .. }
+                | Instr::AllToAll { .. }
+                | Instr::Broadcast { .. }
+                | Instr::Send { .. }
+                | Instr::Recv { .. }
+        )
+    }
+
+    /// The buffers a `Wait` names a transfer by: those it writes, or a `Send`'s buffers; `None`
+    /// for an instruction that is not a transfer.
+    pub fn transfer_handle(&self) -> Option<Vec<BufferId>> {
+        match self {
+            Instr::Send { bufs, .. } => Some(bufs.clone()),
+            transfer if transfer.is_transfer() => Some(transfer.outs()),
+            _ => None,
+        }
+    }
+
     /// The buffers the instruction writes.
     pub fn outs(&self) -> Vec<BufferId> {
         match self {
@@ -507,7 +544,7 @@ impl Instr {
             | Instr::ReduceScatter { out, .. }
             | Instr::AllGather { out, .. }
             | Instr::AllToAll { out, .. } => Some(*out),
-            Instr::Output { .. } | Instr::Free { .. } => None,
+            Instr::Output { .. } | Instr::Free { .. } | Instr::Wait { .. } => None,
         }
     }
     /// The buffers the instruction reads.
@@ -522,9 +559,11 @@ impl Instr {
             Instr::Broadcast { inputs, .. } => inputs.clone(),
             Instr::Send { bufs, .. } => bufs.clone(),
             Instr::Recv { .. } => Vec::new(),
-            Instr::LoadParam { .. } | Instr::LoadTokens { .. } | Instr::LoadPositions { .. } | Instr::Free { .. } => {
-                Vec::new()
-            }
+            Instr::LoadParam { .. }
+            | Instr::LoadTokens { .. }
+            | Instr::LoadPositions { .. }
+            | Instr::Free { .. }
+            | Instr::Wait { .. } => Vec::new(),
         }
     }
     /// The group of a collective.

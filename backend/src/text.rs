@@ -132,6 +132,7 @@ pub fn print_program(program: &Program) -> String {
             }
             Instr::Send { bufs, peer } => format!("send({}) to rank {peer}", list(bufs)),
             Instr::Recv { outs, peer } => format!("{} = recv from rank {peer}", list(outs)),
+            Instr::Wait { handle } => format!("wait({})", list(handle)),
         };
         out.push_str(&line);
         out.push('\n');

@@ -1,6 +1,8 @@
 //! Checks that a `Program` is internally consistent before a runtime trusts it: every buffer an
 //! instruction names exists, and every kernel's sizes agree with its operands' and result's sizes.
 //! Lowering produces consistent programs by construction; this guards programs read from files.
+//! Asynchronous transfers are checked too (`crate::transfers`): nothing between a start and its
+//! wait reads the results or overwrites or frees what the transfer touches.
 
 use crate::error::{Error, Result};
 use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, Program};
@@ -16,6 +18,7 @@ pub fn validate(program: &Program) -> Result<()> {
             bad(index, format!("{buffer} is not a buffer of this program ({} buffers)", program.buffers.len()))
         })
     };
+    crate::transfers::check_transfers(program)?;
     for (index, instr) in program.instructions.iter().enumerate() {
         let mut sizes = Vec::new();
         for buffer in instr.inputs() {

@@ -152,6 +152,7 @@ pub fn exported_functions() -> Vec<(&'static str, *const ())> {
         pleat_rt_recv,
         pleat_rt_output,
         pleat_rt_free,
+        pleat_rt_wait,
         pleat_rt_embedding,
         pleat_rt_rms_norm,
         pleat_rt_matmul,

@@ -303,6 +303,16 @@ pub unsafe extern "C" fn pleat_rt_free(ctx: *mut c_void, instr: u64, buf: u32) -
     unsafe { instruction(ctx, instr, || Some(Instr::Free { buf: buffer(buf) })) }
 }
 
+/// Waits for the transfer named by `handle`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+pub unsafe extern "C" fn pleat_rt_wait(ctx: *mut c_void, instr: u64, handle: *const u32, count: u64) -> i32 {
+    // SAFETY: the module's contract; the pointers are read with their counts.
+    unsafe { instruction(ctx, instr, || Some(Instr::Wait { handle: buffers(handle, count) })) }
+}
+
 /// `Kernel::Embedding`: rows of `table` for `tokens`.
 ///
 /// # Safety

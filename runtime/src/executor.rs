@@ -11,12 +11,15 @@ use std::borrow::Cow;
 use std::time::Instant;
 
 use half::bf16;
+use pleat_backend::memory::{staging_of, ElementSize};
+use pleat_backend::transfers::{pair_transfers, TransferPairs};
 use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, Program};
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
 use crate::kernels::{self, AttentionShape};
 use crate::native::{NativeKernels, NativeOperand};
+use crate::stream::{CommStream, Transfer};
 use crate::weights::WeightSource;
 
 #[path = "executor_backward.rs"]
@@ -178,6 +181,15 @@ impl Machine<'_> {
             _ => {}
         }
     }
+    /// Counts `bytes` held by a transfer in flight, from its start.
+    fn reserve(&mut self, bytes: u64) {
+        self.live_bytes += bytes;
+        self.peak_bytes = self.peak_bytes.max(self.live_bytes);
+    }
+    /// Releases what [`Machine::reserve`] counted, at the transfer's wait.
+    fn release(&mut self, bytes: u64) {
+        self.live_bytes = self.live_bytes.saturating_sub(bytes);
+    }
     /// Counts a staging copy that lives only during the current instruction.
     fn transient(&mut self, bytes: u64) {
         self.peak_bytes = self.peak_bytes.max(self.live_bytes + bytes);
@@ -224,13 +236,53 @@ pub fn execute_native(
     if let Some(library) = native.filter(|library| library.entry().is_some()) {
         return crate::capi::execute_entry(program, comm, inputs, gemm_threads, library);
     }
-    let mut run = Run::new(program, comm, inputs, gemm_threads)?;
-    for (index, instr) in program.instructions.iter().enumerate() {
-        run.begin(index);
-        run.step(index, instr, native)?;
-        run.end();
+    let asynchronous = pair_transfers(program).is_ok_and(|pairs| !pairs.is_empty());
+    if asynchronous {
+        if let Some(comm) = comm.as_sendable() {
+            return execute_streamed(program, comm, inputs, gemm_threads, native);
+        }
     }
+    let mut run = Run::new(program, comm, inputs, gemm_threads)?;
+    run.run_all(native)?;
     Ok(run.finish())
+}
+
+/// As [`execute_native`] without an entry function, the transfers running on a communication
+/// thread of the rank (`crate::stream`) while this thread runs the kernels.
+fn execute_streamed(
+    program: &Program,
+    comm: &mut (dyn Communicator + Send),
+    inputs: &RunInputs,
+    gemm_threads: usize,
+    native: Option<&NativeKernels>,
+) -> Result<RankOutcome> {
+    comm.reset_stats();
+    let (stream, run_stream) = CommStream::new();
+    let epoch = inputs.epoch;
+    let outcome = std::thread::scope(|scope| {
+        let comm_thread = scope.spawn(|| run_stream(&mut *comm, epoch));
+        let outcome = Run::with_channel(program, Channel::Stream(stream), inputs, gemm_threads).and_then(|mut run| {
+            run.run_all(native)?;
+            Ok(run.finish())
+        });
+        // The run (and with it the stream's sending side) is gone: the thread ends once the
+        // transfers already started have.
+        if comm_thread.join().is_err() {
+            return Err(Error::Panicked { rank: program.rank, message: "the communication stream panicked".into() });
+        }
+        outcome
+    });
+    let mut outcome = outcome?;
+    outcome.comm = comm.stats().clone();
+    Ok(outcome)
+}
+
+/// Where a run's transfers go.
+enum Channel<'a> {
+    /// Run on the rank's thread, each at its start; a `Wait` finds it ended.
+    Inline(&'a mut dyn Communicator),
+    /// Run on the rank's communication stream, each from its start to its `Wait`.
+    Stream(CommStream),
 }
 
 /// One rank's run in progress: the buffers, the communicator and what is measured. The bytecode
@@ -238,7 +290,9 @@ pub fn execute_native(
 /// a time, so that the two paths compute the same values.
 pub(crate) struct Run<'a> {
     machine: Machine<'a>,
-    comm: &'a mut dyn Communicator,
+    channel: Channel<'a>,
+    /// The program's asynchronous transfers: which wait ends which start.
+    pairs: TransferPairs,
     inputs: &'a RunInputs<'a>,
     gemm_threads: usize,
     tokens_shape: Vec<u64>,
@@ -261,6 +315,22 @@ impl<'a> Run<'a> {
         inputs: &'a RunInputs<'a>,
         gemm_threads: usize,
     ) -> Result<Self> {
+        comm.reset_stats();
+        Self::with_channel(program, Channel::Inline(comm), inputs, gemm_threads)
+    }
+
+    /// As [`Run::new`], with the transfers going to `channel`.
+    fn with_channel(
+        program: &'a Program,
+        channel: Channel<'a>,
+        inputs: &'a RunInputs<'a>,
+        gemm_threads: usize,
+    ) -> Result<Self> {
+        let pairs = pair_transfers(program).map_err(|error| Error::Program {
+            rank: program.rank,
+            instr: 0,
+            reason: error.to_string(),
+        })?;
         let tokens_shape = program.tokens_shape.clone();
         let seq = *tokens_shape.get(1).unwrap_or(&0);
         // A program that reads no tokens (no `tokens` node: an empty shape) expects none.
@@ -275,7 +345,6 @@ impl<'a> Run<'a> {
                 ),
             });
         }
-        comm.reset_stats();
         Ok(Run {
             machine: Machine {
                 program,
@@ -287,7 +356,8 @@ impl<'a> Run<'a> {
                 peak_bytes: 0,
                 instr: 0,
             },
-            comm,
+            channel,
+            pairs,
             inputs,
             gemm_threads,
             tokens_shape,
@@ -299,6 +369,17 @@ impl<'a> Run<'a> {
             start_ns: 0,
             precomputed: None,
         })
+    }
+
+    /// Runs every instruction in order.
+    fn run_all(&mut self, native: Option<&NativeKernels>) -> Result<()> {
+        let program = self.machine.program;
+        for (index, instr) in program.instructions.iter().enumerate() {
+            self.begin(index);
+            self.step(index, instr, native)?;
+            self.end();
+        }
+        Ok(())
     }
 
     /// The program run.
@@ -375,7 +456,11 @@ impl<'a> Run<'a> {
             outputs: self.outputs,
             peak_bytes: self.machine.peak_bytes,
             param_bytes: self.param_bytes,
-            comm: self.comm.stats().clone(),
+            comm: match &self.channel {
+                Channel::Inline(comm) => comm.stats().clone(),
+                // The stream's communicator is read once its thread has ended (`execute_streamed`).
+                Channel::Stream(_) => CommStats::default(),
+            },
             activation_bytes: self.activation_bytes,
             in_flight_peak_bytes: self.machine.in_flight_peak_bytes,
             timings: self.timings,
@@ -385,10 +470,21 @@ impl<'a> Run<'a> {
     /// Runs `instr`, the program's instruction `index`, calling `native`'s function instead of the
     /// interpreted kernel where it has one.
     pub(crate) fn step(&mut self, index: usize, instr: &Instr, native: Option<&NativeKernels>) -> Result<()> {
-        let Run { machine, comm, inputs, gemm_threads, tokens_shape, seq, outputs, param_bytes, precomputed, .. } =
-            self;
+        let Run {
+            machine,
+            channel,
+            pairs,
+            inputs,
+            gemm_threads,
+            tokens_shape,
+            seq,
+            outputs,
+            param_bytes,
+            precomputed,
+            timings,
+            ..
+        } = self;
         let (program, rank, gemm_threads, seq) = (machine.program, machine.program.rank, *gemm_threads, *seq);
-        let comm = &mut **comm;
         match instr {
             Instr::LoadParam { out, name, shape, region } => {
                 let data = inputs
@@ -464,48 +560,6 @@ impl<'a> Run<'a> {
                     };
                 machine.store_floats(*out, data)?;
             }
-            Instr::AllReduce { input, out, group } => {
-                let mut data = machine.f32(*input)?.to_vec();
-                comm.all_reduce(&CommGroup { ranks: group.ranks.clone() }, &mut data).map_err(|source| {
-                    Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) }
-                })?;
-                machine.store_floats(*out, data)?;
-            }
-            Instr::ReduceScatter { input, out, group, dim } => {
-                let shape = local_shape(program, *input);
-                let parts = group.ranks.len();
-                let chunks = kernels::split_dim_chunks(&machine.f32(*input)?, &shape, *dim, parts);
-                machine.transient(4 * chunks.len() as u64);
-                let mut data = vec![0.0; chunks.len() / parts];
-                comm.reduce_scatter(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut data).map_err(
-                    |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
-                )?;
-                machine.store_floats(*out, data)?;
-            }
-            Instr::AllGather { input, out, group, dim } => {
-                let parts = group.ranks.len();
-                let input_data = machine.f32(*input)?;
-                let mut chunks = vec![0.0; input_data.len() * parts];
-                comm.all_gather(&CommGroup { ranks: group.ranks.clone() }, &input_data, &mut chunks).map_err(
-                    |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
-                )?;
-                machine.transient(4 * chunks.len() as u64);
-                let data = kernels::join_dim_chunks(&chunks, &local_shape(program, *out), *dim, parts);
-                machine.store_floats(*out, data)?;
-            }
-            Instr::AllToAll { input, out, group, split_dim, gather_dim } => {
-                let parts = group.ranks.len();
-                let chunks =
-                    kernels::split_dim_chunks(&machine.f32(*input)?, &local_shape(program, *input), *split_dim, parts);
-                let mut received = vec![0.0; chunks.len()];
-                // Outgoing and incoming chunks are both alive during the exchange.
-                machine.transient(2 * 4 * chunks.len() as u64);
-                comm.all_to_all(&CommGroup { ranks: group.ranks.clone() }, &chunks, &mut received).map_err(
-                    |source| Error::Comm { rank, instr: index, what: machine.what(*out), source: Box::new(source) },
-                )?;
-                let data = kernels::join_dim_chunks(&received, &local_shape(program, *out), *gather_dim, parts);
-                machine.store_floats(*out, data)?;
-            }
             Instr::Output { buf, index: output, shape, region } => {
                 outputs.push(OutputBlock {
                     index: *output,
@@ -520,57 +574,46 @@ impl<'a> Run<'a> {
                     machine.count_kind(*buf, -(storage.bytes() as i64));
                 }
             }
-            Instr::Broadcast { inputs: sources, outs, group, root } => {
-                let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
-                let mut packed = Vec::with_capacity(sizes.iter().sum());
-                if group.ranks.get(*root) == Some(&rank) {
-                    for &source in sources {
-                        packed.extend_from_slice(&machine.f32(source)?);
-                    }
-                } else {
-                    packed.resize(sizes.iter().sum(), 0.0);
+            Instr::Wait { .. } => {
+                // Inline, the transfer ended at its start.
+                if let Channel::Stream(stream) = channel {
+                    let start = *pairs
+                        .start_of
+                        .get(&index)
+                        .ok_or_else(|| machine.program_error("the wait names no transfer in flight".into()))?;
+                    let transfer = &program.instructions[start];
+                    let done = finish(stream, machine, start, transfer)?;
+                    machine.release(transfer_bytes(program, transfer));
+                    complete(machine, transfer, done.0)?;
+                    timings[start] = done.1;
                 }
-                machine.transient(4 * packed.len() as u64);
-                comm.broadcast(&CommGroup { ranks: group.ranks.clone() }, *root, &mut packed).map_err(|source| {
-                    Error::Comm { rank, instr: index, what: machine.what(outs[0]), source: Box::new(source) }
-                })?;
-                unpack(machine, outs, &sizes, &packed)?;
             }
-            Instr::Send { bufs, peer } => {
-                let mut packed = Vec::new();
-                for &buf in bufs {
-                    match machine.buffers.get(buf.as_u32() as usize) {
-                        Some(Some(Storage::F32(data))) => packed.extend_from_slice(data),
-                        // The threads and MPI communicators carry f32 words; a bf16 value is exact in one.
-                        Some(Some(Storage::Bf16(data))) => packed.extend(data.iter().map(|value| value.to_f32())),
-                        // Positions travel with ring attention's key blocks, bit for bit.
-                        Some(Some(Storage::U32(data))) => {
-                            packed.extend(data.iter().map(|&value| f32::from_bits(value)))
-                        }
-                        _ => {
-                            return Err(machine
-                                .program_error(format!("{buf} is read before it is written or after it is freed")))
-                        }
+            transfer => {
+                let staging = staging_of(program, transfer, ElementSize::Fixed(4)).map_or(0, |(_, bytes)| bytes);
+                let detached = detach(machine, transfer)?;
+                match channel {
+                    Channel::Inline(comm) => {
+                        machine.transient(staging);
+                        let data = detached.run(&mut **comm).map_err(|source| Error::Comm {
+                            rank,
+                            instr: index,
+                            what: transfer_what(machine, transfer),
+                            source: Box::new(source),
+                        })?;
+                        complete(machine, transfer, data)?;
+                    }
+                    Channel::Stream(stream) if pairs.wait_of.contains_key(&index) => {
+                        // In flight until its wait: its results and staging count from now.
+                        machine.reserve(transfer_bytes(program, transfer));
+                        stream.start(index, detached);
+                    }
+                    Channel::Stream(stream) => {
+                        machine.transient(staging);
+                        stream.start(index, detached);
+                        let (data, _) = finish(stream, machine, index, transfer)?;
+                        complete(machine, transfer, data)?;
                     }
                 }
-                comm.send(*peer, &packed).map_err(|source| Error::Comm {
-                    rank,
-                    instr: index,
-                    what: machine.what(bufs[0]),
-                    source: Box::new(source),
-                })?;
-            }
-            Instr::Recv { outs, peer } => {
-                let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
-                let mut packed = vec![0.0; sizes.iter().sum()];
-                machine.transient(4 * packed.len() as u64);
-                comm.recv(*peer, &mut packed).map_err(|source| Error::Comm {
-                    rank,
-                    instr: index,
-                    what: machine.what(outs[0]),
-                    source: Box::new(source),
-                })?;
-                unpack(machine, outs, &sizes, &packed)?;
             }
         }
         Ok(())
@@ -578,7 +621,7 @@ impl<'a> Run<'a> {
 }
 
 /// Nanoseconds from `epoch` to now (zero if `epoch` is in the future; saturating past 584 years).
-fn nanos_since(epoch: Instant) -> u64 {
+pub(crate) fn nanos_since(epoch: Instant) -> u64 {
     u64::try_from(Instant::now().saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
 }
 
@@ -597,6 +640,125 @@ fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f
         offset += size;
     }
     Ok(())
+}
+
+/// The bytes a transfer in flight holds from its start to its wait, as the memory planner counts
+/// them: its results and its staging copy.
+fn transfer_bytes(program: &Program, transfer: &Instr) -> u64 {
+    // Results as `Storage` holds them (bf16 in 2 bytes); staging in f32, as the communicators carry.
+    let stored = |out: BufferId| {
+        let buffer = program.buffer(out);
+        buffer.numel() * if buffer.dtype == DType::Bf16 { 2 } else { 4 }
+    };
+    let results: u64 = transfer.outs().into_iter().map(stored).sum();
+    results + staging_of(program, transfer, ElementSize::Fixed(4)).map_or(0, |(_, bytes)| bytes)
+}
+
+/// What errors name a transfer by: the first buffer of its handle.
+fn transfer_what(machine: &Machine, transfer: &Instr) -> String {
+    match transfer.transfer_handle().and_then(|handle| handle.first().copied()) {
+        Some(buffer) => machine.what(buffer),
+        None => "a transfer".to_string(),
+    }
+}
+
+/// Copies what `transfer` sends out of the rank's buffers.
+fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
+    let program = machine.program;
+    let group = |group: &pleat_backend::Group| CommGroup { ranks: group.ranks.clone() };
+    Ok(match transfer {
+        Instr::AllReduce { input, group: members, .. } => {
+            Transfer::AllReduce { group: group(members), data: machine.f32(*input)?.to_vec() }
+        }
+        Instr::ReduceScatter { input, out, group: members, dim } => {
+            let shape = local_shape(program, *input);
+            let chunks = kernels::split_dim_chunks(&machine.f32(*input)?, &shape, *dim, members.ranks.len());
+            Transfer::ReduceScatter { group: group(members), chunks, output_len: program.buffer(*out).numel() as usize }
+        }
+        Instr::AllGather { input, group: members, .. } => {
+            Transfer::AllGather { group: group(members), input: machine.f32(*input)?.to_vec() }
+        }
+        Instr::AllToAll { input, group: members, split_dim, .. } => {
+            let shape = local_shape(program, *input);
+            let chunks = kernels::split_dim_chunks(&machine.f32(*input)?, &shape, *split_dim, members.ranks.len());
+            Transfer::AllToAll { group: group(members), chunks }
+        }
+        Instr::Broadcast { inputs: sources, outs, group: members, root } => {
+            let size: usize = outs.iter().map(|&out| program.buffer(out).numel() as usize).sum();
+            let mut packed = Vec::with_capacity(size);
+            if members.ranks.get(*root) == Some(&program.rank) {
+                for &source in sources {
+                    packed.extend_from_slice(&machine.f32(source)?);
+                }
+            } else {
+                packed.resize(size, 0.0);
+            }
+            Transfer::Broadcast { group: group(members), root: *root, packed }
+        }
+        Instr::Send { bufs, peer } => {
+            let mut packed = Vec::new();
+            for &buf in bufs {
+                match machine.buffers.get(buf.as_u32() as usize) {
+                    Some(Some(Storage::F32(data))) => packed.extend_from_slice(data),
+                    // The threads and MPI communicators carry f32 words; a bf16 value is exact in one.
+                    Some(Some(Storage::Bf16(data))) => packed.extend(data.iter().map(|value| value.to_f32())),
+                    // Positions travel with ring attention's key blocks, bit for bit.
+                    Some(Some(Storage::U32(data))) => packed.extend(data.iter().map(|&value| f32::from_bits(value))),
+                    _ => {
+                        return Err(
+                            machine.program_error(format!("{buf} is read before it is written or after it is freed"))
+                        )
+                    }
+                }
+            }
+            Transfer::Send { peer: *peer, packed }
+        }
+        Instr::Recv { outs, peer } => {
+            Transfer::Recv { peer: *peer, len: outs.iter().map(|&out| program.buffer(out).numel() as usize).sum() }
+        }
+        other => return Err(machine.program_error(format!("{other:?} is not a transfer"))),
+    })
+}
+
+/// Stores what `transfer` delivered, `data`, into its results.
+fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<()> {
+    let program = machine.program;
+    match transfer {
+        Instr::AllReduce { out, .. } | Instr::ReduceScatter { out, .. } => machine.store_floats(*out, data),
+        Instr::AllGather { out, group, dim, .. } => {
+            let joined = kernels::join_dim_chunks(&data, &local_shape(program, *out), *dim, group.ranks.len());
+            machine.store_floats(*out, joined)
+        }
+        Instr::AllToAll { out, group, gather_dim, .. } => {
+            let joined = kernels::join_dim_chunks(&data, &local_shape(program, *out), *gather_dim, group.ranks.len());
+            machine.store_floats(*out, joined)
+        }
+        Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } => {
+            let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
+            unpack(machine, outs, &sizes, &data)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Waits on `stream` for the transfer of instruction `start`; returns its data and its span.
+fn finish(
+    stream: &mut CommStream,
+    machine: &Machine,
+    start: usize,
+    transfer: &Instr,
+) -> Result<(Vec<f32>, (u64, u64))> {
+    let rank = machine.program.rank;
+    let done = stream
+        .finish(start)
+        .ok_or_else(|| Error::Panicked { rank, message: "the communication stream stopped".into() })?;
+    let data = done.result.map_err(|source| Error::Comm {
+        rank,
+        instr: start,
+        what: transfer_what(machine, transfer),
+        source: Box::new(source),
+    })?;
+    Ok((data, done.span_ns))
 }
 
 /// For each element of a layout kernel's output, the index of the input element it copies.

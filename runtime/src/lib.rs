@@ -15,6 +15,7 @@ pub mod executor;
 pub mod kernels;
 pub mod launch;
 pub mod native;
+mod stream;
 pub mod train;
 pub mod weights;
 

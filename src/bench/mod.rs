@@ -3,9 +3,12 @@
 //! - `comm`: collective bandwidth over message sizes, threads or MPI ([`comm`]).
 //! - `calibrate`: one rank's GEMM rate, streaming bandwidth and link speed, written as a hardware
 //!   spec for `--hw-file` ([`calibrate`]).
+//! - `overlap`: a plan's step time with its transfers blocking and scheduled for overlap, over an
+//!   emulated link ([`overlap`]).
 
 mod calibrate;
 mod comm;
+pub mod overlap;
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
@@ -24,6 +27,9 @@ pub enum BenchCommand {
     Comm(comm::CommBenchArgs),
     /// Measure one rank of this machine and write a hardware spec for --hw-file.
     Calibrate(calibrate::CalibrateArgs),
+    /// Run a plan with its transfers blocking and as the overlap scheduler orders them, over an
+    /// emulated link: step times side by side and the communication hidden.
+    Overlap(overlap::OverlapArgs),
 }
 
 /// Runs `pleat bench`.
@@ -31,5 +37,6 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     match &args.what {
         BenchCommand::Comm(args) => comm::comm(args),
         BenchCommand::Calibrate(args) => calibrate::run_calibrate(args),
+        BenchCommand::Overlap(args) => overlap::run_overlap(args),
     }
 }

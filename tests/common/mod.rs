@@ -102,5 +102,27 @@ pub fn check_programs(
     let (logits, outcomes) = run(&programs, &ids, seq, &weights);
     let want = reference(config, batch, seq, &ids, &weights);
     assert_close(&format!("{} {mesh}", config.name), &logits, &want);
+    // The same programs scheduled for overlap compute the same numbers, bit for bit.
+    let (scheduled_logits, _) = run(&overlapped(&programs), &ids, seq, &weights);
+    assert!(scheduled_logits == logits, "{} {mesh}: the scheduled programs' logits differ", config.name);
     outcomes
+}
+
+/// `programs` scheduled for overlap (`pleat_backend::overlap`), a transfer's or kernel's cost
+/// standing in as the bytes it writes, weight broadcasts prefetched when every rank schedules
+/// them alike.
+pub fn overlapped(programs: &[Program]) -> Vec<Program> {
+    use pleat_backend::memory::ElementSize;
+    use pleat_backend::overlap::{schedule, OverlapOptions};
+    let seconds = |program: &Program, instr: &pleat_backend::Instr| -> f64 {
+        instr.outs().iter().map(|&out| program.buffer(out).bytes() as f64).sum::<f64>() * 1e-9
+    };
+    let schedule_all = |prefetch_weights: bool| {
+        let options =
+            OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Declared, prefetch_weights };
+        let scheduled: Vec<Program> =
+            programs.iter().map(|program| schedule(program, &options).expect("schedules").0).collect();
+        pleat_backend::verify_collectives(&scheduled).map(|()| scheduled)
+    };
+    schedule_all(true).or_else(|_| schedule_all(false)).expect("the scheduled transfers match")
 }

@@ -77,7 +77,7 @@ pub struct RuntimeCall {
 
 /// Every `pleat_rt_*` symbol that [`runtime_call`] can name, for checking that a runtime exports
 /// them all.
-pub const INSTRUCTION_SYMBOLS: [&str; 37] = [
+pub const INSTRUCTION_SYMBOLS: [&str; 38] = [
     "pleat_rt_load_param",
     "pleat_rt_load_tokens",
     "pleat_rt_load_positions",
@@ -90,6 +90,7 @@ pub const INSTRUCTION_SYMBOLS: [&str; 37] = [
     "pleat_rt_recv",
     "pleat_rt_output",
     "pleat_rt_free",
+    "pleat_rt_wait",
     "pleat_rt_embedding",
     "pleat_rt_rms_norm",
     "pleat_rt_matmul",
@@ -188,6 +189,7 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
             ("pleat_rt_output", vec![Buffer(*buf), U64(u64::from(*index)), AbiArg::U64s(shape.clone()), region(block)])
         }
         Instr::Free { buf } => ("pleat_rt_free", vec![Buffer(*buf)]),
+        Instr::Wait { handle } => ("pleat_rt_wait", vec![Buffers(handle.clone())]),
         Instr::Kernel { kernel, inputs, out } => {
             let (symbol, parameters) = kernel_call(kernel);
             let args = inputs.iter().map(|&id| Buffer(id)).chain([Buffer(*out)]).chain(parameters).collect();

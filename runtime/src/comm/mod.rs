@@ -429,4 +429,11 @@ pub trait Communicator: Send {
     /// Tells every peer this rank has failed: their waits that depend on it then fail quickly with
     /// [`CommError::PeerFailed`], naming this rank and `reason`. This communicator runs nothing more.
     fn abort(&mut self, reason: &str);
+
+    /// This communicator, when it may be moved to another thread: a program with asynchronous
+    /// transfers then runs them on a communication thread of the rank, beside its kernels. `None`
+    /// (the default) runs every transfer on the rank's own thread, at its start.
+    fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
+        None
+    }
 }

@@ -308,6 +308,10 @@ impl Communicator for ThreadComm {
         self.rank
     }
 
+    fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
+        Some(self)
+    }
+
     fn world_size(&self) -> u32 {
         self.world_size
     }

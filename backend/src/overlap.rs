@@ -1,0 +1,533 @@
+//! The overlap scheduler: reorders one rank's program so that its transfers run beside its
+//! compute, each started as early as its operands allow and waited for as late as its first
+//! reader allows, within a memory budget.
+//!
+//! A rank runs two streams: the compute stream runs the program's instructions in order, and the
+//! communication stream runs the transfers they start, one after another, in the order they were
+//! started (`crate::transfers`). Lowering writes every transfer blocking, at the point its
+//! result is first needed. [`schedule`] turns each into a start and a `Wait` and list-schedules
+//! the dependency graph over the two streams, driven by the cost model's predicted seconds:
+//!
+//! - the transfers keep their relative order, so every rank still issues its collectives and
+//!   messages in the order its peers expect (the matching check sees the same sequence), and a
+//!   start is issued as soon as its operands exist and the transfer before it was issued;
+//! - of the instructions that can run at the current simulated time, a start goes first (it costs
+//!   the compute stream nothing), then the wait of a transfer that has ended, then the first in
+//!   the lowered order (which frees each activation soon after making it). A `Wait` whose transfer
+//!   is still running is chosen only when nothing else can run, so it lands as late as its reader
+//!   allows, and the compute before it is what the predicted seconds say the transfer takes;
+//! - a choice that would take the live bytes (buffers, and the staging copies of transfers in
+//!   flight, as `crate::memory::plan` counts them) over the budget is deferred while another
+//!   choice fits;
+//! - every `Free` is placed right after the buffer's last use, its transfer's wait included.
+//!
+//! What this gives, with no pattern written for it: a TSP ring's next shard received while the
+//! current one's GEMM runs (double buffering), the next owner's attention weights broadcast while
+//! the current owner's attention runs, a ZeRO-3 parameter gathered while the previous layer runs,
+//! and a gradient reduced while the rest of the backward runs. Reordering never changes a number:
+//! every instruction reads what it read before, and transfers keep their order.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::error::{Error, Result};
+use crate::memory::{element_bytes, plan, staging_of, ElementSize};
+use crate::program::{BufferId, Instr, Program};
+
+/// How [`schedule`] weighs and bounds its choices.
+pub struct OverlapOptions<'a> {
+    /// Predicted seconds of an instruction of the program: a kernel's or a load's on the compute
+    /// stream, a transfer's on the communication stream.
+    pub seconds: &'a dyn Fn(&Program, &Instr) -> f64,
+    /// The most bytes live at once, in `sizing`'s bytes. `None`: the unscheduled program's peak
+    /// plus its largest transfer (results and staging), room for one transfer ahead.
+    pub memory_budget: Option<u64>,
+    /// Bytes an element, for the budget.
+    pub sizing: ElementSize,
+    /// Let broadcasts of weights (whose operands are only loaded parameters) start ahead of the
+    /// transfers before them, in their own order: prefetch. Every rank must then make the same
+    /// choices, which the caller checks (`crate::verify_collectives`) and, failing that,
+    /// schedules again without it.
+    pub prefetch_weights: bool,
+}
+
+/// What [`schedule`] did to one program.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OverlapReport {
+    /// Transfers in the program.
+    pub transfers: usize,
+    /// Transfers with at least one instruction other than a `Free` between start and wait.
+    pub overlapped: usize,
+    /// The budget the schedule kept to.
+    pub budget_bytes: u64,
+    /// The peak of the program as lowered, in the budget's bytes.
+    pub peak_before_bytes: u64,
+    /// The peak of the scheduled program.
+    pub peak_after_bytes: u64,
+    /// This rank's predicted time with every transfer blocking (peers assumed ready).
+    pub blocking_s: f64,
+    /// This rank's predicted time as scheduled (peers assumed ready).
+    pub scheduled_s: f64,
+}
+
+/// A node of the dependency graph: an instruction of the program as lowered, or the wait of a
+/// transfer. Node `2i` is instruction `i`; node `2i + 1` is its wait, when it is a transfer.
+type Node = usize;
+
+fn run_node(instr: usize) -> Node {
+    2 * instr
+}
+fn wait_node(instr: usize) -> Node {
+    2 * instr + 1
+}
+
+/// The dependency graph of a program's instructions (frees and waits left out).
+struct Graph<'a> {
+    instrs: Vec<&'a Instr>,
+    /// Per node: the nodes it waits for.
+    deps: Vec<Vec<Node>>,
+    /// Per node: the buffers whose last use it may be.
+    uses: Vec<Vec<BufferId>>,
+    /// Per buffer: how many nodes use it.
+    use_count: HashMap<BufferId, usize>,
+    /// Per instruction: whether it is a prefetched weight broadcast.
+    prefetch: Vec<bool>,
+}
+
+fn graph(program: &Program, prefetch_weights: bool) -> Result<Graph<'_>> {
+    let instrs: Vec<&Instr> =
+        program.instructions.iter().filter(|instr| !matches!(instr, Instr::Free { .. } | Instr::Wait { .. })).collect();
+    let mut deps = vec![Vec::new(); 2 * instrs.len()];
+    let mut uses = vec![Vec::new(); 2 * instrs.len()];
+    let mut available: HashMap<BufferId, Node> = HashMap::new();
+    let (mut last_start, mut last_prefetch, mut last_output) = (None, None, None);
+    let mut loaded: HashSet<BufferId> = HashSet::new();
+    let mut prefetched = vec![false; instrs.len()];
+    for (index, instr) in instrs.iter().enumerate() {
+        let transfer = instr.is_transfer();
+        if let Instr::LoadParam { out, .. } = instr {
+            loaded.insert(*out);
+        }
+        let prefetch = prefetch_weights
+            && matches!(instr, Instr::Broadcast { .. })
+            && instr.inputs().iter().all(|input| loaded.contains(input));
+        prefetched[index] = prefetch;
+        // A transfer's operands are in use until its wait.
+        let user = if transfer { wait_node(index) } else { run_node(index) };
+        for buffer in instr.inputs() {
+            if let Some(&node) = available.get(&buffer) {
+                deps[run_node(index)].push(node);
+            }
+            uses[user].push(buffer);
+        }
+        if prefetch {
+            deps[run_node(index)].extend(last_prefetch.map(run_node));
+            deps[wait_node(index)].push(run_node(index));
+            last_prefetch = Some(index);
+        } else if transfer {
+            // A prefetched broadcast issued before this transfer stays before it.
+            deps[run_node(index)].extend(last_start.into_iter().chain(last_prefetch).map(run_node));
+            deps[wait_node(index)].push(run_node(index));
+            last_start = Some(index);
+        }
+        if matches!(instr, Instr::Output { .. }) {
+            deps[run_node(index)].extend(last_output.map(run_node));
+            last_output = Some(index);
+        }
+        for buffer in instr.outs() {
+            if available.insert(buffer, user).is_some() {
+                return Err(Error::Inconsistent {
+                    instr: index,
+                    reason: format!("{buffer} is written twice; the overlap scheduler needs every buffer written once"),
+                });
+            }
+            // A result nobody reads is freed once it exists.
+            uses[user].push(buffer);
+        }
+    }
+    let mut use_count = HashMap::new();
+    for buffer in uses.iter().flatten() {
+        *use_count.entry(*buffer).or_insert(0) += 1;
+    }
+    Ok(Graph { instrs, deps, uses, use_count, prefetch: prefetched })
+}
+
+/// Reorders `program` for overlap (see the module's documentation); returns the scheduled program,
+/// in which every transfer is a start and a `Wait`, and what was done.
+///
+/// The budget is kept: the greedy choice can hold memory that a later instruction then needs, so a
+/// schedule over the budget is made again with the budget lowered by the excess (three times at
+/// most), and failing that the program is returned as lowered, every transfer blocking.
+pub fn schedule(program: &Program, options: &OverlapOptions) -> Result<(Program, OverlapReport)> {
+    let graph = graph(program, options.prefetch_weights)?;
+    let peak_before_bytes = plan(program, options.sizing).peak_bytes;
+    let largest_transfer = graph
+        .instrs
+        .iter()
+        .filter(|instr| instr.is_transfer())
+        .map(|instr| {
+            instr.outs().into_iter().map(|out| element_bytes(program, out, options.sizing)).sum::<u64>()
+                + staging_of(program, instr, options.sizing).map_or(0, |(_, size)| size)
+        })
+        .max()
+        .unwrap_or(0);
+    let budget_bytes = options.memory_budget.unwrap_or(peak_before_bytes + largest_transfer);
+    let mut aim = budget_bytes;
+    for _ in 0..4 {
+        let (scheduled, mut report) = list_schedule(program, &graph, options, aim)?;
+        report.peak_before_bytes = peak_before_bytes;
+        report.budget_bytes = budget_bytes;
+        if report.peak_after_bytes <= budget_bytes {
+            return Ok((scheduled, report));
+        }
+        aim = aim.saturating_sub(report.peak_after_bytes - budget_bytes);
+    }
+    let seconds: f64 = graph
+        .instrs
+        .iter()
+        .filter(|instr| !matches!(instr, Instr::Send { .. }))
+        .map(|instr| (options.seconds)(program, instr).max(0.0))
+        .sum();
+    let report = OverlapReport {
+        transfers: 0,
+        overlapped: 0,
+        budget_bytes,
+        peak_before_bytes,
+        peak_after_bytes: peak_before_bytes,
+        blocking_s: seconds,
+        scheduled_s: seconds,
+    };
+    Ok((program.clone(), report))
+}
+
+/// One list schedule of `graph` aiming at `budget_bytes`.
+fn list_schedule(
+    program: &Program,
+    graph: &Graph,
+    options: &OverlapOptions,
+    budget_bytes: u64,
+) -> Result<(Program, OverlapReport)> {
+    let count = graph.instrs.len();
+    let bytes = |buffer: BufferId| element_bytes(program, buffer, options.sizing);
+    let staging = |instr: &Instr| staging_of(program, instr, options.sizing).map_or(0, |(_, size)| size);
+    let seconds: Vec<f64> = graph.instrs.iter().map(|instr| (options.seconds)(program, instr).max(0.0)).collect();
+    let is_node = |node: Node| node % 2 == 0 || graph.instrs[node / 2].is_transfer();
+
+    let mut successors = vec![Vec::new(); 2 * count];
+    for (node, deps) in graph.deps.iter().enumerate() {
+        for &dep in deps {
+            successors[dep].push(node);
+        }
+    }
+
+    let freed: HashSet<BufferId> = program
+        .instructions
+        .iter()
+        .filter_map(|instr| match instr {
+            Instr::Free { buf } => Some(*buf),
+            _ => None,
+        })
+        .collect();
+    // The lowered order's live bytes before and at each of its instructions: an instruction run
+    // ahead of the lowered order (a transfer started early, compute run while a wait is pending)
+    // holds its results beside everything the lowered order holds until the instruction's own
+    // place in it.
+    let (mut live_before, mut live_at) = (Vec::with_capacity(count), Vec::with_capacity(count));
+    let mut lowered_live = 0u64;
+    for instr in &program.instructions {
+        match instr {
+            Instr::Free { buf } => lowered_live = lowered_live.saturating_sub(bytes(*buf)),
+            Instr::Wait { .. } => {}
+            _ => {
+                let results: u64 = instr.outs().into_iter().map(bytes).sum();
+                live_before.push(lowered_live);
+                live_at.push((lowered_live + staging(instr)).max(lowered_live + results));
+                lowered_live += results;
+            }
+        }
+    }
+    let mut scheduled_run = vec![false; count];
+    let mut progress = 0;
+    let mut waiting_on: Vec<usize> = graph.deps.iter().map(Vec::len).collect();
+    let mut candidates: Vec<Node> = (0..2 * count).filter(|&node| is_node(node) && waiting_on[node] == 0).collect();
+    let mut done_at = vec![0.0f64; 2 * count];
+    let mut transfer_end = vec![0.0f64; count];
+    let mut remaining_uses = graph.use_count.clone();
+    let (mut compute_free, mut comm_free) = (0.0f64, 0.0f64);
+    let mut live = 0u64;
+    let mut instructions = Vec::with_capacity(program.instructions.len() + count);
+    while !candidates.is_empty() {
+        let ready = |node: Node| {
+            let deps = graph.deps[node].iter().map(|&dep| done_at[dep]).fold(0.0, f64::max);
+            if node % 2 == 1 {
+                deps.max(transfer_end[node / 2])
+            } else if graph.prefetch[node / 2] {
+                // A prefetch only fills an idle communication stream: queued behind other
+                // transfers it would delay them.
+                deps.max(comm_free)
+            } else {
+                deps
+            }
+        };
+        let allocates = |node: Node| {
+            let instr = graph.instrs[node / 2];
+            if node % 2 == 1 {
+                0
+            } else {
+                instr.outs().into_iter().map(bytes).sum::<u64>() + staging(instr)
+            }
+        };
+        let fits = |node: Node| {
+            let index = node / 2;
+            if node % 2 == 0 && progress < index {
+                let extra = live.saturating_sub(live_before[progress]);
+                let ahead = live_at[progress..index].iter().copied().max().unwrap_or(0);
+                ahead + extra + allocates(node) <= budget_bytes
+            } else {
+                live + allocates(node) <= budget_bytes
+            }
+        };
+        let is_start = |node: Node| node % 2 == 0 && graph.instrs[node / 2].is_transfer();
+        // Starts first, then waits for ended transfers, then compute in the lowered order: the
+        // lowered order frees each activation soon after it is made, and the costs already decide
+        // how far ahead of a wait the compute runs.
+        let class = |node: Node| {
+            if is_start(node) {
+                0
+            } else if node % 2 == 1 {
+                1
+            } else {
+                2
+            }
+        };
+        let by_priority = |a: &&Node, b: &&Node| (class(**b), **b).cmp(&(class(**a), **a));
+        let now: Vec<Node> = candidates.iter().copied().filter(|&node| ready(node) <= compute_free).collect();
+        // When nothing that can run fits, waiting for a transfer in flight releases its staging
+        // and lets its operands be freed; only when there is none does the budget give, and then
+        // to the instruction first in the lowered order.
+        let in_flight_wait =
+            || candidates.iter().copied().filter(|&node| node % 2 == 1).min_by(|a, b| ready(*a).total_cmp(&ready(*b)));
+        let chosen = now
+            .iter()
+            .filter(|&&node| fits(node))
+            .max_by(by_priority)
+            .copied()
+            .or_else(|| if now.is_empty() { None } else { in_flight_wait() })
+            // Over the budget regardless: the lowered order, which fits its own peak.
+            .or_else(|| now.iter().min().copied())
+            .unwrap_or_else(|| {
+                // Nothing can run yet: the compute stream idles until the earliest candidate can.
+                *candidates
+                    .iter()
+                    .min_by(|a, b| ready(**a).total_cmp(&ready(**b)).then(by_priority(b, a)))
+                    .expect("candidates is not empty")
+            });
+        let start = compute_free.max(ready(chosen));
+        let index = chosen / 2;
+        let instr = graph.instrs[index];
+        if chosen % 2 == 1 {
+            compute_free = start;
+            live = live.saturating_sub(staging(instr));
+            instructions.push(Instr::Wait { handle: instr.transfer_handle().expect("a transfer") });
+        } else if instr.is_transfer() {
+            compute_free = start;
+            let begins = start.max(comm_free);
+            transfer_end[index] = begins + seconds[index];
+            comm_free = transfer_end[index];
+            live += allocates(chosen);
+            instructions.push(instr.clone());
+        } else {
+            compute_free = start + seconds[index];
+            live += allocates(chosen);
+            instructions.push(instr.clone());
+        }
+        done_at[chosen] = compute_free;
+        if chosen % 2 == 0 {
+            scheduled_run[index] = true;
+            while progress < count && scheduled_run[progress] {
+                progress += 1;
+            }
+        }
+        for &buffer in &graph.uses[chosen] {
+            let left = remaining_uses.get_mut(&buffer).expect("every use is counted");
+            *left -= 1;
+            if *left == 0 && freed.contains(&buffer) {
+                live = live.saturating_sub(bytes(buffer));
+                instructions.push(Instr::Free { buf: buffer });
+            }
+        }
+        candidates.retain(|&node| node != chosen);
+        for &next in &successors[chosen] {
+            waiting_on[next] -= 1;
+            if waiting_on[next] == 0 {
+                candidates.push(next);
+            }
+        }
+    }
+    let scheduled = Program { instructions, ..program.clone() };
+    let pairs = crate::transfers::check_transfers(&scheduled)?;
+    let overlapped = pairs
+        .wait_of
+        .iter()
+        .filter(|&(&start, &wait)| {
+            scheduled.instructions[start + 1..wait].iter().any(|between| !matches!(between, Instr::Free { .. }))
+        })
+        .count();
+    let blocking_s = graph
+        .instrs
+        .iter()
+        .zip(&seconds)
+        .filter(|(instr, _)| !matches!(instr, Instr::Send { .. }))
+        .map(|(_, seconds)| seconds)
+        .sum();
+    let report = OverlapReport {
+        transfers: pairs.wait_of.len(),
+        overlapped,
+        budget_bytes,
+        peak_before_bytes: 0,
+        peak_after_bytes: plan(&scheduled, options.sizing).peak_bytes,
+        blocking_s,
+        scheduled_s: compute_free.max(comm_free),
+    };
+    Ok((scheduled, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::program::{Buffer, BufferKind, Group, Kernel, FORMAT_VERSION};
+    use pleat_ir::entity::EntityRef;
+    use pleat_ir::DType;
+
+    fn id(index: usize) -> BufferId {
+        BufferId::new(index)
+    }
+
+    /// A Megatron block's tail on one rank: `y1 = x·w1` is all-reduced, `y2 = x·w2` does not need
+    /// it, and `z = y1' + y2` needs both. Lowered blocking: matmul, all-reduce, matmul, add.
+    fn block() -> Program {
+        let buffer = |name: &str, kind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![64, 64], kind };
+        let matmul = |w: usize, out: usize| Instr::Kernel {
+            kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
+            inputs: vec![id(0), id(w)],
+            out: id(out),
+        };
+        let load = |out: usize| Instr::LoadParam {
+            out: id(out),
+            name: format!("w{out}"),
+            shape: vec![64, 64],
+            region: vec![(0, 64), (0, 64)],
+        };
+        Program {
+            format_version: FORMAT_VERSION,
+            model: "hand".into(),
+            mesh: "tp=2".into(),
+            rank: 0,
+            world_size: 2,
+            tokens_shape: vec![],
+            buffers: vec![
+                buffer("x", BufferKind::Param),
+                buffer("w1", BufferKind::Param),
+                buffer("w2", BufferKind::Param),
+                buffer("y1", BufferKind::Activation),
+                buffer("y1.sum", BufferKind::Activation),
+                buffer("y2", BufferKind::Activation),
+                buffer("z", BufferKind::Activation),
+            ],
+            instructions: vec![
+                load(0),
+                load(1),
+                load(2),
+                matmul(1, 3),
+                Instr::AllReduce { input: id(3), out: id(4), group: Group { axis: "tp".into(), ranks: vec![0, 1] } },
+                Instr::Free { buf: id(3) },
+                matmul(2, 5),
+                Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(4), id(5)], out: id(6) },
+                Instr::Free { buf: id(4) },
+                Instr::Free { buf: id(5) },
+                Instr::Output { buf: id(6), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
+            ],
+        }
+    }
+
+    /// Seconds: a matmul 2, an all-reduce 1, anything else nothing.
+    fn seconds(_: &Program, instr: &Instr) -> f64 {
+        match instr {
+            Instr::Kernel { kernel: Kernel::MatMul { .. }, .. } => 2.0,
+            Instr::AllReduce { .. } => 1.0,
+            _ => 0.0,
+        }
+    }
+
+    fn text(program: &Program) -> Vec<String> {
+        crate::text::print_program(program)
+            .lines()
+            .skip_while(|line| !line.contains("load_param"))
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn the_all_reduce_runs_beside_the_independent_matmul_and_is_waited_for_by_its_reader() {
+        let options = OverlapOptions {
+            seconds: &seconds,
+            memory_budget: None,
+            sizing: ElementSize::Fixed(4),
+            prefetch_weights: false,
+        };
+        let (scheduled, report) = schedule(&block(), &options).unwrap();
+        assert_eq!(
+            text(&scheduled),
+            [
+                "b0 = load_param \"w0\" [0..64, 0..64]",
+                "b1 = load_param \"w1\" [0..64, 0..64]",
+                "b2 = load_param \"w2\" [0..64, 0..64]",
+                "b3 = matmul m=64 n=64 k=64(b0, b1)",
+                "b4 = all_reduce(b3) tp[0, 1]",
+                "b5 = matmul m=64 n=64 k=64(b0, b2)",
+                "wait(b4)",
+                "free b3",
+                "b6 = add(b4, b5)",
+                "free b4",
+                "free b5",
+                "output 0 = b6 [0..64, 0..64]",
+            ]
+        );
+        assert_eq!((report.transfers, report.overlapped), (1, 1));
+        // Blocking: 2 + 1 + 2; overlapped: the all-reduce hides behind the second matmul.
+        assert_eq!((report.blocking_s, report.scheduled_s), (5.0, 4.0));
+        // y1 stays until the wait, beside y2, where the lowered order had z: six 16 KiB buffers at
+        // the peak either way.
+        assert_eq!(report.peak_after_bytes, report.peak_before_bytes);
+        assert_eq!(report.peak_after_bytes, 6 * 64 * 64 * 4);
+    }
+
+    #[test]
+    fn a_budget_no_schedule_keeps_to_leaves_the_program_as_lowered() {
+        let options = OverlapOptions {
+            seconds: &seconds,
+            memory_budget: Some(0),
+            sizing: ElementSize::Fixed(4),
+            prefetch_weights: false,
+        };
+        let (scheduled, report) = schedule(&block(), &options).unwrap();
+        assert_eq!(scheduled, block());
+        assert_eq!((report.transfers, report.scheduled_s, report.blocking_s), (0, 5.0, 5.0));
+    }
+
+    #[test]
+    fn a_buffer_written_twice_is_refused() {
+        let mut program = block();
+        program.instructions.push(Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(0), id(0)], out: id(6) });
+        let err = schedule(
+            &program,
+            &OverlapOptions {
+                seconds: &seconds,
+                memory_budget: None,
+                sizing: ElementSize::Fixed(4),
+                prefetch_weights: false,
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("b6 is written twice"), "{err}");
+    }
+}

@@ -1,0 +1,131 @@
+//! The communication stream: a rank's transfers detached from its buffers, and the thread that
+//! runs them beside the rank's kernels.
+//!
+//! A program's transfer instruction packs what it sends into a [`Transfer`] (its own copy of the
+//! operands, so the kernels after it may run while it is in flight) and hands it to the stream;
+//! the matching `Wait` takes the result back and unpacks it into the program's buffers. The stream
+//! runs transfers one after another in the order they were started, which is the order every
+//! rank's program issues them, so the collectives of a group still meet in the same order on
+//! every member. With the threads communicator's link emulation, a receive on the stream waits
+//! for the emulated wire while the rank's kernels keep running: that is the overlap the
+//! scheduler (`pleat_backend::overlap`) plans.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::Instant;
+
+use crate::comm::{CommError, Communicator, Group};
+
+/// A transfer's data, detached from the program's buffers.
+pub(crate) enum Transfer {
+    /// Sum over the group.
+    AllReduce { group: Group, data: Vec<f32> },
+    /// Sum over the group, keeping this member's chunk of `output_len` elements.
+    ReduceScatter { group: Group, chunks: Vec<f32>, output_len: usize },
+    /// Every member's input, member by member.
+    AllGather { group: Group, input: Vec<f32> },
+    /// Chunk `j` to member `j`, chunk `i` of each member back.
+    AllToAll { group: Group, chunks: Vec<f32> },
+    /// The root's packed buffers to every member (zeros of the right size elsewhere).
+    Broadcast { group: Group, root: usize, packed: Vec<f32> },
+    /// One packed message to `peer`.
+    Send { peer: u32, packed: Vec<f32> },
+    /// One packed message of `len` elements from `peer`.
+    Recv { peer: u32, len: usize },
+}
+
+impl Transfer {
+    /// Runs the transfer on `comm`; returns what it delivers (nothing for a send).
+    pub(crate) fn run(self, comm: &mut dyn Communicator) -> Result<Vec<f32>, CommError> {
+        match self {
+            Transfer::AllReduce { group, mut data } => {
+                comm.all_reduce(&group, &mut data)?;
+                Ok(data)
+            }
+            Transfer::ReduceScatter { group, chunks, output_len } => {
+                let mut data = vec![0.0; output_len];
+                comm.reduce_scatter(&group, &chunks, &mut data)?;
+                Ok(data)
+            }
+            Transfer::AllGather { group, input } => {
+                let mut chunks = vec![0.0; input.len() * group.len()];
+                comm.all_gather(&group, &input, &mut chunks)?;
+                Ok(chunks)
+            }
+            Transfer::AllToAll { group, chunks } => {
+                let mut received = vec![0.0; chunks.len()];
+                comm.all_to_all(&group, &chunks, &mut received)?;
+                Ok(received)
+            }
+            Transfer::Broadcast { group, root, mut packed } => {
+                comm.broadcast(&group, root, &mut packed)?;
+                Ok(packed)
+            }
+            Transfer::Send { peer, packed } => {
+                comm.send(peer, &packed)?;
+                Ok(Vec::new())
+            }
+            Transfer::Recv { peer, len } => {
+                let mut packed = vec![0.0; len];
+                comm.recv(peer, &mut packed)?;
+                Ok(packed)
+            }
+        }
+    }
+}
+
+/// A transfer the stream has run.
+pub(crate) struct Done {
+    /// The instruction that started it.
+    pub instr: usize,
+    /// What it delivered, or why it failed.
+    pub result: Result<Vec<f32>, CommError>,
+    /// When the stream began and ended it, in nanoseconds since the run's epoch.
+    pub span_ns: (u64, u64),
+}
+
+/// The rank's side of its communication stream.
+pub(crate) struct CommStream {
+    jobs: Sender<(usize, Transfer)>,
+    done: Receiver<Done>,
+    /// Transfers that ended before their wait asked for them.
+    ended: HashMap<usize, Done>,
+}
+
+impl CommStream {
+    /// A stream and the loop its thread runs: `run_stream(comm, epoch)` runs every transfer
+    /// started, in order, until the stream is dropped.
+    pub(crate) fn new() -> (CommStream, impl FnOnce(&mut dyn Communicator, Instant)) {
+        let (jobs, job_queue) = channel::<(usize, Transfer)>();
+        let (ended, done) = channel::<Done>();
+        let run_stream = move |comm: &mut dyn Communicator, epoch: Instant| {
+            for (instr, transfer) in job_queue {
+                let begin = crate::executor::nanos_since(epoch);
+                let result = transfer.run(comm);
+                let span_ns = (begin, crate::executor::nanos_since(epoch));
+                if ended.send(Done { instr, result, span_ns }).is_err() {
+                    break;
+                }
+            }
+        };
+        (CommStream { jobs, done, ended: HashMap::new() }, run_stream)
+    }
+
+    /// Starts `transfer`, the transfer of instruction `instr`.
+    pub(crate) fn start(&mut self, instr: usize, transfer: Transfer) {
+        // The stream's thread only stops when this side is dropped; a send cannot fail before.
+        let _ = self.jobs.send((instr, transfer));
+    }
+
+    /// Blocks until the transfer of instruction `instr` has ended; `None` if the stream's thread
+    /// is gone (it panicked).
+    pub(crate) fn finish(&mut self, instr: usize) -> Option<Done> {
+        loop {
+            if let Some(done) = self.ended.remove(&instr) {
+                return Some(done);
+            }
+            let done = self.done.recv().ok()?;
+            self.ended.insert(done.instr, done);
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! `pleat bench overlap`: the same plan run with its transfers blocking and as the overlap
+//! scheduler orders them, side by side over an emulated link, and what the scheduler hid.
+//!
+//! Both programs come from one compile: the lowered ones (every transfer blocking) and the same
+//! scheduled by `pleat_backend::overlap`, its costs from the `cpu` spec with the emulated link as
+//! its link. Runs alternate (blocking, scheduled, blocking, ...) so that both see the same machine,
+//! and each figure is the median over `--repeats`. Measured, a rank a run:
+//! - the step: from its first instruction's start to its last one's end, the slowest rank's;
+//! - the exposed communication: the time its compute stream was held by communication (every
+//!   blocking transfer but a send, which never waits, and every `Wait`), the most of any rank.
+//!
+//! The fraction hidden is `1 - exposed(scheduled) / exposed(blocking)`: of the communication the
+//! blocking program waits for, the share the scheduled one no longer waits for.
+
+use anyhow::Result;
+use clap::Args;
+use pleat_backend::{Instr, Program};
+use pleat_passes::cost::HardwareSpec;
+use pleat_passes::Dump;
+use pleat_runtime::comm::LinkSpec;
+use pleat_runtime::RankOutcome;
+use serde_json::json;
+
+use crate::compile::ModelOnMesh;
+use crate::run::{link_options, run_programs, weight_source, Format};
+
+/// The version of the `--format json` output.
+const SCHEMA: &str = "pleat.bench.overlap/1";
+
+/// Arguments of `pleat bench overlap`.
+#[derive(Args)]
+pub struct OverlapArgs {
+    /// The model, mesh, strategy and input size (`--no-overlap` is ignored: both are run).
+    #[command(flatten)]
+    pub target: ModelOnMesh,
+    /// The link every message is delivered over, GBPS,US (e.g. `1,20`); pick one under which
+    /// communication takes about as long as compute (the report prints both).
+    #[arg(long, value_name = "GBPS,US")]
+    pub emulate_link: LinkSpec,
+    /// Runs of each program; the medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: u32,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// One run's measurements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Measured {
+    /// The step, seconds.
+    pub step_s: f64,
+    /// The most seconds any rank's compute stream waited for communication.
+    pub exposed_s: f64,
+}
+
+/// What a run of `programs` measured (`outcomes` in rank order).
+pub fn measure(programs: &[Program], outcomes: &[RankOutcome]) -> Measured {
+    let mut step_s = 0.0f64;
+    let mut exposed_s = 0.0f64;
+    for (program, outcome) in programs.iter().zip(outcomes) {
+        let first = outcome.timings.iter().map(|&(start, _)| start).min().unwrap_or(0);
+        let last = outcome.timings.iter().map(|&(_, end)| end).max().unwrap_or(0);
+        step_s = step_s.max(last.saturating_sub(first) as f64 / 1e9);
+        let pairs = pleat_backend::transfers::pair_transfers(program).unwrap_or_default();
+        let held: u64 = program
+            .instructions
+            .iter()
+            .zip(&outcome.timings)
+            .enumerate()
+            .filter(|(index, (instr, _))| match instr {
+                Instr::Wait { .. } => true,
+                Instr::Send { .. } => false,
+                transfer => transfer.is_transfer() && !pairs.wait_of.contains_key(index),
+            })
+            .map(|(_, (_, &(start, end)))| end.saturating_sub(start))
+            .sum();
+        exposed_s = exposed_s.max(held as f64 / 1e9);
+    }
+    Measured { step_s, exposed_s }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs `pleat bench overlap`.
+pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
+    let config = args.target.config("bench overlap")?;
+    let mesh = pleat_ir::Mesh::parse(&args.target.mesh)?;
+    let (batch, seq) = (args.target.batch, args.target.seq);
+    let compiled = crate::compile::compile_model(&config, batch, seq, &mesh, args.target.strategy, Dump::Nothing)?;
+    let mut hw = HardwareSpec::builtin("cpu")?;
+    hw.intra_node.bandwidth_bytes_per_s = args.emulate_link.bytes_per_s;
+    hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64();
+    hw.efficiency.link = 1.0;
+    let blocking = compiled.programs;
+    let reported = crate::predict::overlap_programs_reported(&blocking, &hw)?;
+    let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
+    let transfers: usize = reported.iter().map(|(_, report)| report.transfers).sum();
+    let scheduled: Vec<Program> = reported.into_iter().map(|(program, _)| program).collect();
+    let tokens = crate::inputs::random_tokens(batch, seq, config.vocab_size, 0);
+    let weights = weight_source(None, 0)?;
+    let options = link_options(120, Some(args.emulate_link));
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    let mut same_logits = true;
+    for _ in 0..args.repeats.max(1) {
+        let (_, logits_off, outcomes) = run_programs(&blocking, &tokens, weights.as_ref(), &options)?;
+        off.push(measure(&blocking, &outcomes));
+        let (_, logits_on, outcomes) = run_programs(&scheduled, &tokens, weights.as_ref(), &options)?;
+        on.push(measure(&scheduled, &outcomes));
+        same_logits &= logits_off == logits_on;
+    }
+    let step = |runs: &[Measured]| median(runs.iter().map(|run| run.step_s).collect());
+    let exposed = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_s).collect());
+    let (step_off, step_on, exposed_off, exposed_on) = (step(&off), step(&on), exposed(&off), exposed(&on));
+    let hidden = if exposed_off > 0.0 { 1.0 - exposed_on / exposed_off } else { 0.0 };
+    let ratio = if step_off > 0.0 { step_on / step_off } else { 1.0 };
+    match args.format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "schema": SCHEMA,
+                "model": config.name,
+                "mesh": mesh.to_string(),
+                "emulated_link": args.emulate_link.to_string(),
+                "repeats": args.repeats.max(1),
+                "transfers": transfers,
+                "overlapped_transfers": overlapped,
+                "blocking": { "step_s": step_off, "exposed_comm_s": exposed_off },
+                "scheduled": { "step_s": step_on, "exposed_comm_s": exposed_on },
+                "step_ratio": ratio,
+                "hidden_fraction": hidden,
+                "same_logits": same_logits,
+            }))?
+        ),
+        Format::Text => {
+            println!(
+                "{} on {} over an emulated {} link, median of {} runs each:",
+                config.name,
+                mesh,
+                args.emulate_link,
+                args.repeats.max(1)
+            );
+            println!("  {:<10} {:>12} {:>16} {:>12}", "program", "step ms", "exposed comm ms", "compute ms");
+            for (name, step_s, exposed_s) in [("blocking", step_off, exposed_off), ("scheduled", step_on, exposed_on)] {
+                println!(
+                    "  {name:<10} {:>12.2} {:>16.2} {:>12.2}",
+                    step_s * 1e3,
+                    exposed_s * 1e3,
+                    (step_s - exposed_s) * 1e3
+                );
+            }
+            println!(
+                "  step time scheduled / blocking: {ratio:.3}; communication hidden: {:.1}%; {overlapped} of {transfers} transfers overlapped; logits {}",
+                hidden * 100.0,
+                if same_logits { "bitwise equal" } else { "DIFFER" }
+            );
+        }
+    }
+    if !same_logits {
+        anyhow::bail!(crate::usage::UsageError::OverlapChangedNumbers);
+    }
+    Ok(())
+}
