@@ -12,10 +12,11 @@
 //!   messages in the order its peers expect (the matching check sees the same sequence), and a
 //!   start is issued as soon as its operands exist and the transfer before it was issued;
 //! - of the instructions that can run at the current simulated time, a start goes first (it costs
-//!   the compute stream nothing), then the wait of a transfer that has ended, then the first in
-//!   the lowered order (which frees each activation soon after making it). A `Wait` whose transfer
-//!   is still running is chosen only when nothing else can run, so it lands as late as its reader
-//!   allows, and the compute before it is what the predicted seconds say the transfer takes;
+//!   the compute stream nothing), then the first in the lowered order (which frees each activation
+//!   soon after making it). A `Wait` is chosen only when nothing else can run or fits, and then the
+//!   one the earliest instruction still to come needs, so it lands right before its first reader
+//!   whatever the predicted seconds; the seconds decide when a start can issue (its operands' and
+//!   a prefetch's stream's time) and so how much runs beside each transfer;
 //! - a choice that would take the live bytes (buffers, and the staging copies of transfers in
 //!   flight, as `crate::memory::plan` counts them) over the budget is deferred while another
 //!   choice fits;
@@ -287,33 +288,32 @@ fn list_schedule(
             }
         };
         let is_start = |node: Node| node % 2 == 0 && graph.instrs[node / 2].is_transfer();
-        // Starts first, then waits for ended transfers, then compute in the lowered order: the
-        // lowered order frees each activation soon after it is made, and the costs already decide
-        // how far ahead of a wait the compute runs.
-        let class = |node: Node| {
-            if is_start(node) {
-                0
-            } else if node % 2 == 1 {
-                1
-            } else {
-                2
-            }
+        // Starts first, then compute in the lowered order (which frees each activation soon
+        // after it is made).
+        let by_priority = |a: &&Node, b: &&Node| (!is_start(**b), **b).cmp(&(!is_start(**a), **a));
+        let work: Vec<Node> =
+            candidates.iter().copied().filter(|&node| node % 2 == 0 && ready(node) <= compute_free).collect();
+        // A wait only when nothing else can run or fits: the one the earliest instruction of the
+        // lowered order still to come needs, the earliest to end among equals. So each wait lands
+        // right before its first reader, whatever the predicted seconds (waiting early on a
+        // transfer the prediction thought fast would stall the compute stream), and when memory
+        // is short a wait releases the transfer's staging and lets its operands be freed.
+        let first_reader = |wait: Node| successors[wait].iter().map(|&next| next / 2).min().unwrap_or(usize::MAX);
+        let wait = || {
+            candidates
+                .iter()
+                .copied()
+                .filter(|&node| node % 2 == 1)
+                .min_by(|a, b| first_reader(*a).cmp(&first_reader(*b)).then(ready(*a).total_cmp(&ready(*b))))
         };
-        let by_priority = |a: &&Node, b: &&Node| (class(**b), **b).cmp(&(class(**a), **a));
-        let now: Vec<Node> = candidates.iter().copied().filter(|&node| ready(node) <= compute_free).collect();
-        // When nothing that can run fits, waiting for a transfer in flight releases its staging
-        // and lets its operands be freed; only when there is none does the budget give, and then
-        // to the instruction first in the lowered order.
-        let in_flight_wait =
-            || candidates.iter().copied().filter(|&node| node % 2 == 1).min_by(|a, b| ready(*a).total_cmp(&ready(*b)));
-        let chosen = now
+        let chosen = work
             .iter()
             .filter(|&&node| fits(node))
             .max_by(by_priority)
             .copied()
-            .or_else(|| if now.is_empty() { None } else { in_flight_wait() })
+            .or_else(wait)
             // Over the budget regardless: the lowered order, which fits its own peak.
-            .or_else(|| now.iter().min().copied())
+            .or_else(|| work.iter().min().copied())
             .unwrap_or_else(|| {
                 // Nothing can run yet: the compute stream idles until the earliest candidate can.
                 *candidates
