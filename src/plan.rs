@@ -252,5 +252,13 @@ fn print_table(result: &Estimate) {
         "time a step: compute {:.4} s + comm {:.4} s + bubble {:.4} s = {:.4} s",
         time.compute_s, time.comm_s, time.bubble_s, time.step_s
     );
+    println!(
+        "with overlap: compute {:.4} s + exposed comm {:.4} s + bubble {:.4} s = {:.4} s ({:.4} s of comm hidden behind compute)",
+        time.compute_s,
+        time.exposed_comm_s,
+        time.bubble_s,
+        time.overlapped_step_s,
+        time.comm_s - time.exposed_comm_s
+    );
     println!("throughput: {:.0} tokens/s, MFU {:.1}%", result.tokens_per_s, 100.0 * result.mfu);
 }

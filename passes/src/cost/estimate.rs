@@ -1,7 +1,10 @@
 //! One plan's estimate: memory by component, communication by kind and axis, time, tokens/s, MFU.
 //!
 //! The step time is `compute + communication + pipeline bubble`, with no overlap: an upper bound
-//! that the scheduler's overlap will lower. The bubble is 1F1B's `(p-1)/m` of the ideal compute
+//! that the scheduler's overlap will lower. With overlap, the collectives that move weights or
+//! gradients ([`CollectiveCall::hides_behind_compute`]) run beside the compute and cost only what
+//! exceeds it; the others stay exposed: `compute + exposed + bubble`, a lower bound on what the
+//! overlap scheduler can reach. The bubble is 1F1B's `(p-1)/m` of the ideal compute
 //! (`(p-1)/(v·m)` interleaved). A rank's numbers are those of its most loaded stage (the peak
 //! memory's stage for memory, the stage with the most layers for time). [`Estimate`] serializes
 //! to the JSON of `pleat plan --format json` (schema version [`SCHEMA_VERSION`]).
@@ -89,6 +92,11 @@ pub struct TimeSummary {
     pub bubble_s: f64,
     /// The sum.
     pub step_s: f64,
+    /// Communication the compute cannot hide: every collective that carries activations, and
+    /// what the weight and gradient collectives take beyond the compute.
+    pub exposed_comm_s: f64,
+    /// `compute + exposed communication + bubble`: the step with overlap.
+    pub overlapped_step_s: f64,
 }
 
 /// Everything `pleat plan` reports.
@@ -180,6 +188,10 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         0.0
     };
     let step_s = compute_s + comm_s + bubble_s;
+    let hideable_s: f64 =
+        comm.calls.iter().filter(|cost| cost.call.hides_behind_compute()).map(|cost| cost.seconds_per_step).sum();
+    let exposed_comm_s = (comm_s - hideable_s) + (hideable_s - compute_s).max(0.0);
+    let overlapped_step_s = compute_s + exposed_comm_s + bubble_s;
     let tokens_per_step =
         (workload.tokens_per_micro_batch() * workload.micro_batches * layout.degree(AxisName::Dp)) as f64;
     // Every model pleat builds is a causal decoder.
@@ -224,7 +236,7 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         },
         stages,
         comm,
-        time: TimeSummary { compute_s, comm_s, bubble_s, step_s },
+        time: TimeSummary { compute_s, comm_s, bubble_s, step_s, exposed_comm_s, overlapped_step_s },
         tokens_per_step,
         tokens_per_s: tokens_per_step / step_s,
         model_flops_per_step: model_flops,
@@ -256,11 +268,42 @@ mod tests {
         assert_eq!(estimate.tokens_per_step, 4096.0 * 4.0 * 4.0);
         let time = &estimate.time;
         assert_eq!(time.step_s, time.compute_s + time.comm_s + time.bubble_s);
+        // dp=4 × tp=2: the gradient all-reduce hides behind the compute; TP's all-reduces do not.
+        let tp_s: f64 = estimate
+            .comm
+            .calls
+            .iter()
+            .filter(|cost| cost.call.axis == AxisName::Tp)
+            .map(|cost| cost.seconds_per_step)
+            .sum();
+        let dp_s = time.comm_s - tp_s;
+        assert!(dp_s > 0.0 && tp_s > 0.0 && dp_s < time.compute_s);
+        assert!((time.exposed_comm_s - tp_s).abs() <= 1e-12 * time.comm_s, "{time:?}");
+        assert_eq!(time.overlapped_step_s, time.compute_s + time.exposed_comm_s + time.bubble_s);
         assert!(estimate.mfu > 0.0 && estimate.mfu < 1.0, "mfu {}", estimate.mfu);
         let by_kind: f64 = estimate.comm.bytes_by_kind.values().sum();
         assert!((by_kind - estimate.comm.bytes_per_step).abs() <= 1e-9 * by_kind);
         assert!(estimate.comm.bytes_by_axis.contains_key("dp") && estimate.comm.bytes_by_axis.contains_key("tp"));
         assert!(estimate.compiles_today && estimate.warnings.is_empty(), "{:?}", estimate.warnings);
+    }
+
+    #[test]
+    fn tsp_hides_its_weights_and_keeps_its_kv_gathers_exposed() {
+        let model = ModelShape::from_config(&preset("tsp-7b").unwrap());
+        let hw = HardwareSpec::builtin("h100-sxm").unwrap();
+        let layout = Layout::new(&[(AxisName::Tsp, 8)], false);
+        let estimate = estimate(&model, &layout, &Workload::inference(131072, 1), &hw).unwrap();
+        let seconds = |what: &str| -> f64 {
+            estimate.comm.calls.iter().filter(|cost| cost.call.what == what).map(|cost| cost.seconds_per_step).sum()
+        };
+        let weights = seconds("tsp broadcast of packed attention weights") + seconds("tsp ring of mlp shards");
+        let kv = seconds("tsp all-gather of k/v");
+        let time = &estimate.time;
+        assert!(weights > 0.0 && kv > 0.0);
+        assert_eq!(weights + kv, time.comm_s, "inference TSP moves weights and k/v only");
+        let want = kv + (weights - time.compute_s).max(0.0);
+        assert!((time.exposed_comm_s - want).abs() <= 1e-12 * time.comm_s, "{time:?}");
+        assert!(time.overlapped_step_s < time.step_s);
     }
 
     #[test]

@@ -60,11 +60,34 @@ pub struct CollectiveCall {
 }
 
 impl CollectiveCall {
+    /// Whether the overlap scheduler can run this collective beside compute: it moves weights (a
+    /// TSP owner's block, a ring shard, a ZeRO-3 gather), key/value blocks around ring attention's
+    /// ring, or gradients whose readers come later (a weight gradient's reduction); no compute is
+    /// waiting for it. The rest carry activations the next kernel reads (TP's all-reduces, SP's
+    /// gathers, K/V all-gathers, pipeline sends) and stay on the critical path.
+    pub fn hides_behind_compute(&self) -> bool {
+        HIDDEN_BEHIND_COMPUTE.contains(&self.what)
+    }
+
     /// Bytes one rank sends for all `count` calls, in a group of `ranks`.
     pub fn bytes_sent(&self, ranks: u64) -> f64 {
         self.count * bytes_sent(self.kind, self.bytes, ranks)
     }
 }
+
+/// The collectives [`CollectiveCall::hides_behind_compute`] says the scheduler can hide.
+const HIDDEN_BEHIND_COMPUTE: [&str; 10] = [
+    "tsp broadcast of packed attention weights",
+    "tsp ring of mlp shards",
+    "tsp reduce of attention weight gradients",
+    "tsp ring of mlp gradient shards",
+    "cp ring of k/v chunks",
+    "cp ring of dk/dv chunks",
+    "gradient reduce-scatter",
+    "zero-3 weight all-gather (forward and backward)",
+    "updated weight all-gather",
+    "gradient all-reduce",
+];
 
 /// The collectives of one layer for one micro-batch, forward then backward.
 pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<CollectiveCall> {
