@@ -2,9 +2,12 @@
 //! and communicator, for the cost model to predict this machine instead of a datasheet.
 //!
 //! Every figure is per rank, and a rank is one thread (ranks run as threads, one GEMM thread each;
-//! see [`crate::launch`]): the f32 GEMM rate of `matmul_nt` on one thread, the streaming bandwidth of
-//! an elementwise add on one thread (bytes read and written), and the threads communicator's
-//! point-to-point bandwidth and latency between two ranks. Each figure is the best of several
+//! see [`crate::launch`]); the kernels run on every core at once, as a run's ranks do, and a
+//! figure is the slowest core's: the f32 GEMM rate of `matmul_nt` on one thread, the streaming bandwidth of
+//! an elementwise add on one thread (bytes read and written), the rates the attention kernel and a
+//! row-wise kernel (RMSNorm over rows of a transformer's width) reach on one thread, counted as the
+//! cost model counts them (`4·b·sq·sk·h·d` FLOPs; bytes read and written), and the threads
+//! communicator's point-to-point bandwidth and latency between two ranks. Each figure is the best of several
 //! repeats, which is the usual way to measure a peak on a shared machine: noise only ever slows a
 //! run down.
 
@@ -45,6 +48,10 @@ pub struct Calibration {
     pub gemm_flops_per_s: f64,
     /// Bytes a second an elementwise kernel streams (two reads and a write an element).
     pub stream_bytes_per_s: f64,
+    /// Attention FLOP/s on one thread (causal, FLOPs counted as if every key were seen).
+    pub attention_flops_per_s: f64,
+    /// Bytes a second RMSNorm over rows of 128 reads and writes on one thread.
+    pub row_kernel_bytes_per_s: f64,
     /// Bytes a second one rank sends to another over the threads communicator.
     pub link_bytes_per_s: f64,
     /// Seconds of a one-element message's one-way trip.
@@ -62,17 +69,33 @@ fn fastest(repeats: usize, mut run: impl FnMut() -> Result<Duration, CommError>)
     Ok(best.max(Duration::from_nanos(1)))
 }
 
+/// The slowest of `cores` threads each running `work` at once (each times its own kernel, so that
+/// setting up its buffers is not counted), the fastest of `repeats` tries: what a rank reaches
+/// while every core runs a rank, as a run's ranks do.
+fn on_every_core(cores: usize, repeats: usize, work: impl Fn() -> Duration + Sync) -> Duration {
+    let mut best = Duration::MAX;
+    for _ in 0..repeats.max(1) {
+        let slowest = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..cores.max(1)).map(|_| scope.spawn(&work)).collect();
+            threads.into_iter().map(|thread| thread.join().unwrap_or(Duration::MAX)).max().unwrap_or(Duration::ZERO)
+        });
+        best = best.min(slowest);
+    }
+    best.max(Duration::from_nanos(1))
+}
+
 /// Measures this machine. Errors only if the threads communicator fails.
 pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError> {
     let size = options.gemm_size;
     let a: Vec<f32> = (0..size * size).map(|i| (i % 7) as f32 * 0.25).collect();
     let b: Vec<f32> = (0..size * size).map(|i| (i % 5) as f32 * 0.5).collect();
-    let mut c = vec![0.0f32; size * size];
-    let gemm = fastest(options.repeats, || {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let gemm = on_every_core(cores, options.repeats, || {
+        let mut c = vec![0.0f32; size * size];
         let start = Instant::now();
         kernels::matmul_nt(size, size, size, &a, &b, &mut c, false, 1);
-        Ok(start.elapsed())
-    })?;
+        start.elapsed()
+    });
     let gemm_flops_per_s = 2.0 * (size as f64).powi(3) / gemm.as_secs_f64();
 
     let x = vec![1.0f32; options.stream_elements];
@@ -85,6 +108,30 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
     })?;
     let stream_bytes_per_s = 3.0 * 4.0 * options.stream_elements as f64 / stream.as_secs_f64();
 
+    // Attention of a small transformer's shape: 4 sequences of 128, 4 heads of 32.
+    let shape = kernels::AttentionShape { causal: true, ..kernels::AttentionShape::new(4, 128, 128, 4, 4, 32) };
+    let (q, k, v) = (vec![0.1f32; 4 * 128 * 4 * 32], vec![0.2f32; 4 * 128 * 4 * 32], vec![0.3f32; 4 * 128 * 4 * 32]);
+    let positions: Vec<u32> = (0..128).collect();
+    let attention = on_every_core(cores, options.repeats, || {
+        let mut attended = vec![0.0f32; q.len()];
+        let start = Instant::now();
+        kernels::attention(&shape, &q, &k, &v, &positions, &positions, &mut attended)
+            .expect("the calibration's attention shape is valid");
+        start.elapsed()
+    });
+    let attention_flops_per_s = 4.0 * 4.0 * 128.0 * 128.0 * 4.0 * 32.0 / attention.as_secs_f64();
+
+    let hidden = 128;
+    let rows = (options.stream_elements / hidden).max(1);
+    let weight = vec![1.0f32; hidden];
+    let row_kernel = on_every_core(cores, options.repeats, || {
+        let mut normed = vec![0.0f32; rows * hidden];
+        let start = Instant::now();
+        kernels::rms_norm(&x[..rows * hidden], &weight, &mut normed, hidden, 1e-5);
+        start.elapsed()
+    });
+    let row_kernel_bytes_per_s = 2.0 * 4.0 * (rows * hidden) as f64 / row_kernel.as_secs_f64();
+
     let message = vec![0.5f32; options.message_elements];
     let bandwidth = fastest(options.repeats, || one_way(&message))?;
     let link_bytes_per_s = 4.0 * options.message_elements as f64 / bandwidth.as_secs_f64();
@@ -93,9 +140,11 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
     Ok(Calibration {
         gemm_flops_per_s,
         stream_bytes_per_s,
+        attention_flops_per_s,
+        row_kernel_bytes_per_s,
         link_bytes_per_s,
         link_latency_s: latency.as_secs_f64(),
-        cores: std::thread::available_parallelism().map_or(1, usize::from),
+        cores,
     })
 }
 
@@ -131,6 +180,8 @@ mod tests {
         for (name, value) in [
             ("gemm", calibration.gemm_flops_per_s),
             ("stream", calibration.stream_bytes_per_s),
+            ("attention", calibration.attention_flops_per_s),
+            ("row kernel", calibration.row_kernel_bytes_per_s),
             ("link", calibration.link_bytes_per_s),
         ] {
             assert!(value.is_finite() && value > 0.0, "{name}: {value}");

@@ -28,9 +28,11 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     let spec = spec_of(&calibration, memory_total_bytes()?).validate()?;
     let json = serde_json::to_string_pretty(&spec)?;
     eprintln!(
-        "one rank here: {:.1} GFLOP/s f32 GEMM, {:.1} GB/s streaming, link {:.2} GB/s and {:.1} µs, {} cores",
+        "one rank here: {:.1} GFLOP/s f32 GEMM, {:.1} GFLOP/s attention, {:.1} GB/s streaming, {:.1} GB/s row-wise, link {:.2} GB/s and {:.1} µs, {} cores",
         calibration.gemm_flops_per_s / 1e9,
+        calibration.attention_flops_per_s / 1e9,
         calibration.stream_bytes_per_s / 1e9,
+        calibration.row_kernel_bytes_per_s / 1e9,
         calibration.link_bytes_per_s / 1e9,
         calibration.link_latency_s * 1e6,
         calibration.cores
@@ -49,7 +51,6 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
 /// measured (the measurement already is what the kernels reach).
 fn spec_of(calibration: &Calibration, memory_bytes: u64) -> HardwareSpec {
     let link = LinkSpec { bandwidth_bytes_per_s: calibration.link_bytes_per_s, latency_s: calibration.link_latency_s };
-    let defaults = Efficiency::default();
     HardwareSpec {
         name: "cpu-calibrated".into(),
         memory_bytes,
@@ -62,9 +63,10 @@ fn spec_of(calibration: &Calibration, memory_bytes: u64) -> HardwareSpec {
         gpus_per_node: calibration.cores as u64,
         efficiency: Efficiency {
             matmul: 1.0,
-            // Not measured: attention keeps the default ratio of attention to GEMM efficiency.
-            attention: defaults.attention / defaults.matmul,
-            memory_bound: 1.0,
+            // Attention and row-wise kernels reach less than the GEMM and the streaming add: the
+            // measured ratios, so that the roofline of each class is what its kernel runs at.
+            attention: (calibration.attention_flops_per_s / calibration.gemm_flops_per_s).min(1.0),
+            memory_bound: (calibration.row_kernel_bytes_per_s / calibration.stream_bytes_per_s).min(1.0),
             link: 1.0,
         },
     }

@@ -9,6 +9,10 @@
 //! - the exposed communication: the time its compute stream was held by communication (every
 //!   blocking transfer but a send, which never waits, and every `Wait`), the most of any rank.
 //!
+//! Beside each measured step is the cost model's prediction of the same programs
+//! (`crate::predict`) on the spec the scheduler used (`--hw-file`, e.g. from `pleat bench
+//! calibrate`, with the emulated link), and its error.
+//!
 //! The fraction hidden is `1 - exposed(scheduled) / exposed(blocking)`: of the communication the
 //! blocking program waits for, the share the scheduled one no longer waits for. It is also given
 //! for the weights that move (broadcasts and point-to-point messages: TSP's owner blocks and ring
@@ -17,7 +21,6 @@
 use anyhow::Result;
 use clap::Args;
 use pleat_backend::{Instr, Program};
-use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
 use pleat_runtime::comm::LinkSpec;
 use pleat_runtime::RankOutcome;
@@ -42,6 +45,11 @@ pub struct OverlapArgs {
     /// Runs of each program; the medians are reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: u32,
+    /// A hardware spec (`pleat bench calibrate --out`) for the scheduler's costs and the
+    /// predicted step beside the measured one; its link is replaced by the emulated one.
+    /// Default: the built-in `cpu` entry.
+    #[arg(long)]
+    pub hw_file: Option<std::path::PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
@@ -90,6 +98,10 @@ pub fn measure(programs: &[Program], outcomes: &[RankOutcome]) -> Measured {
     measured
 }
 
+fn blocking_len(programs: &[Program]) -> usize {
+    programs.len().max(1)
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(0.0)
@@ -101,10 +113,16 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let mesh = pleat_ir::Mesh::parse(&args.target.mesh)?;
     let (batch, seq) = (args.target.batch, args.target.seq);
     let compiled = crate::compile::compile_model(&config, batch, seq, &mesh, args.target.strategy, Dump::Nothing)?;
-    let mut hw = HardwareSpec::builtin("cpu")?;
+    let mut hw = crate::plan::hardware_of("cpu", args.hw_file.as_deref())?;
     hw.intra_node.bandwidth_bytes_per_s = args.emulate_link.bytes_per_s;
     hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64();
     hw.efficiency.link = 1.0;
+    // The ranks are threads of this machine: when there are more than cores, they share them.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    let share = (cores / blocking_len(&compiled.programs) as f64).min(1.0);
+    hw.peak_f32_flops *= share;
+    hw.peak_bf16_flops *= share;
+    hw.hbm_bytes_per_s *= share;
     let blocking = compiled.programs;
     let reported = crate::predict::overlap_programs_reported(&blocking, &hw)?;
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
@@ -126,6 +144,10 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let exposed = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_s).collect());
     let weights = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_weights_s).collect());
     let (step_off, step_on, exposed_off, exposed_on) = (step(&off), step(&on), exposed(&off), exposed(&on));
+    let predicted = |programs: &[Program]| -> Result<f64> {
+        Ok(crate::predict::summarize(&crate::predict::predict(programs, &hw)?).step_s)
+    };
+    let (predicted_off, predicted_on) = (predicted(&blocking)?, predicted(&scheduled)?);
     let hidden_share = |off: f64, on: f64| if off > 0.0 { 1.0 - on / off } else { 0.0 };
     let hidden = hidden_share(exposed_off, exposed_on);
     let (weights_off, weights_on) = (weights(&off), weights(&on));
@@ -142,8 +164,9 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 "repeats": args.repeats.max(1),
                 "transfers": transfers,
                 "overlapped_transfers": overlapped,
-                "blocking": { "step_s": step_off, "exposed_comm_s": exposed_off, "exposed_weights_s": weights_off },
-                "scheduled": { "step_s": step_on, "exposed_comm_s": exposed_on, "exposed_weights_s": weights_on },
+                "hardware": hw.name,
+                "blocking": { "step_s": step_off, "exposed_comm_s": exposed_off, "exposed_weights_s": weights_off, "predicted_step_s": predicted_off },
+                "scheduled": { "step_s": step_on, "exposed_comm_s": exposed_on, "exposed_weights_s": weights_on, "predicted_step_s": predicted_on },
                 "step_ratio": ratio,
                 "hidden_fraction": hidden,
                 "hidden_weights_fraction": hidden_weights,
@@ -159,20 +182,24 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 args.repeats.max(1)
             );
             println!(
-                "  {:<10} {:>10} {:>16} {:>20} {:>11}",
-                "program", "step ms", "exposed comm ms", "of it bcast+p2p ms", "compute ms"
+                "  {:<10} {:>10} {:>16} {:>20} {:>11} {:>13} {:>7}",
+                "program", "step ms", "exposed comm ms", "of it bcast+p2p ms", "compute ms", "predicted ms", "error"
             );
-            for (name, step_s, exposed_s, weights_s) in
-                [("blocking", step_off, exposed_off, weights_off), ("scheduled", step_on, exposed_on, weights_on)]
-            {
+            for (name, step_s, exposed_s, weights_s, predicted_s) in [
+                ("blocking", step_off, exposed_off, weights_off, predicted_off),
+                ("scheduled", step_on, exposed_on, weights_on, predicted_on),
+            ] {
                 println!(
-                    "  {name:<10} {:>10.2} {:>16.2} {:>20.2} {:>11.2}",
+                    "  {name:<10} {:>10.2} {:>16.2} {:>20.2} {:>11.2} {:>13.2} {:>6.1}%",
                     step_s * 1e3,
                     exposed_s * 1e3,
                     weights_s * 1e3,
-                    (step_s - exposed_s) * 1e3
+                    (step_s - exposed_s) * 1e3,
+                    predicted_s * 1e3,
+                    100.0 * (predicted_s - step_s) / step_s
                 );
             }
+            println!("  predicted on {}", hw.name);
             println!(
                 "  step time scheduled / blocking: {ratio:.3}; communication hidden: {:.1}% (broadcasts and point-to-point: {:.1}%); {overlapped} of {transfers} transfers overlapped; logits {}",
                 hidden * 100.0,
