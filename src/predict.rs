@@ -211,7 +211,7 @@ pub fn overlap_programs_reported(programs: &[Program], hw: &HardwareSpec) -> Res
     let seconds = |program: &Program, instr: &Instr| {
         describe(program, instr).map_or(0.0, |work| instr_seconds(program, instr, &work, hw))
     };
-    // Prefetched weight broadcasts may leave their place among the transfers; when the ranks did
+    // Prefetched weight broadcasts and gathers may leave their place among the transfers; when the ranks did
     // not all move them alike, the transfers keep the lowered order.
     let schedule_all = |prefetch_weights: bool| -> Result<Vec<(Program, OverlapReport)>> {
         let options =

@@ -22,7 +22,7 @@
 //!   choice fits;
 //! - every `Free` is placed right after the buffer's last use, its transfer's wait included.
 //!
-//! What this gives, with no pattern written for it: a TSP ring's next shard received while the
+//! What this gives, with no pattern written for it (the prefetches with `prefetch_weights`): a TSP ring's next shard received while the
 //! current one's GEMM runs (double buffering), the next owner's attention weights broadcast while
 //! the current owner's attention runs, a ZeRO-3 parameter gathered while the previous layer runs,
 //! and a gradient reduced while the rest of the backward runs. Reordering never changes a number:
@@ -44,8 +44,9 @@ pub struct OverlapOptions<'a> {
     pub memory_budget: Option<u64>,
     /// Bytes an element, for the budget.
     pub sizing: ElementSize,
-    /// Let broadcasts of weights (whose operands are only loaded parameters) start ahead of the
-    /// transfers before them, in their own order: prefetch. Every rank must then make the same
+    /// Let broadcasts and all-gathers of weights (whose operands are only loaded parameters: TSP's
+    /// owner blocks, ZeRO-3's parameter shards) start ahead of the transfers before them, in their
+    /// own order: prefetch. Every rank must then make the same
     /// choices, which the caller checks (`crate::verify_collectives`) and, failing that,
     /// schedules again without it.
     pub prefetch_weights: bool,
@@ -109,7 +110,7 @@ fn graph(program: &Program, prefetch_weights: bool) -> Result<Graph<'_>> {
             loaded.insert(*out);
         }
         let prefetch = prefetch_weights
-            && matches!(instr, Instr::Broadcast { .. })
+            && matches!(instr, Instr::Broadcast { .. } | Instr::AllGather { .. })
             && instr.inputs().iter().all(|input| loaded.contains(input));
         prefetched[index] = prefetch;
         // A transfer's operands are in use until its wait.
