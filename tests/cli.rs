@@ -286,3 +286,37 @@ fn emulated_links_keep_the_numbers_and_bad_links_are_refused() {
     let message = String::from_utf8_lossy(&output.stderr);
     assert!(message.contains("\"fast\" is not a link: two numbers are needed; write GBPS,US"), "{message}");
 }
+
+#[test]
+fn bench_overlap_runs_both_programs_and_finds_equal_logits() {
+    let report = json_of(&[
+        "bench",
+        "overlap",
+        "tiny",
+        "--mesh",
+        "tsp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--emulate-link",
+        "1,10",
+        "--repeats",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(report["schema"], "pleat.bench.overlap/1");
+    assert_eq!(report["same_logits"], true);
+    let transfers = report["transfers"].as_u64().expect("a count");
+    let overlapped = report["overlapped_transfers"].as_u64().expect("a count");
+    assert!(transfers > 0 && overlapped > 0 && overlapped <= transfers, "{report}");
+    for program in ["blocking", "scheduled"] {
+        for field in ["step_s", "exposed_comm_s", "exposed_weights_s", "predicted_step_s"] {
+            let value = report[program][field].as_f64().expect("seconds");
+            assert!(value.is_finite() && value >= 0.0, "{program}.{field} = {value}");
+        }
+        // The weights' share of the exposed communication is part of it.
+        assert!(report[program]["exposed_weights_s"].as_f64() <= report[program]["exposed_comm_s"].as_f64());
+    }
+}

@@ -9,6 +9,11 @@
 //! - the exposed communication: the time its compute stream was held by communication (every
 //!   blocking transfer but a send, which never waits, and every `Wait`), the most of any rank.
 //!
+//! DESIGN's convention is reported too, from step times alone: each program is also run without
+//! the emulated link (communication at memory speed, nearly switched off); the link's cost to the
+//! blocking program is its serial communication, to the scheduled one its exposed communication,
+//! and the fraction hidden is `1 - exposed / serial`.
+//!
 //! Beside each measured step is the cost model's prediction of the same programs
 //! (`crate::predict`) on the spec the scheduler used (`--hw-file`, e.g. from `pleat bench
 //! calibrate`, with the emulated link), and its error.
@@ -131,7 +136,8 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let tokens = crate::inputs::random_tokens(batch, seq, config.vocab_size, 0);
     let weights = weight_source(None, 0)?;
     let options = link_options(120, Some(args.emulate_link));
-    let (mut off, mut on) = (Vec::new(), Vec::new());
+    let local = link_options(120, None);
+    let (mut off, mut on, mut off_local, mut on_local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut same_logits = true;
     for _ in 0..args.repeats.max(1) {
         let (_, logits_off, outcomes) = run_programs(&blocking, &tokens, weights.as_ref(), &options)?;
@@ -139,6 +145,11 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         let (_, logits_on, outcomes) = run_programs(&scheduled, &tokens, weights.as_ref(), &options)?;
         on.push(measure(&scheduled, &outcomes));
         same_logits &= logits_off == logits_on;
+        // Without the emulated link communication costs a memory copy: nearly switched off.
+        let (_, _, outcomes) = run_programs(&blocking, &tokens, weights.as_ref(), &local)?;
+        off_local.push(measure(&blocking, &outcomes));
+        let (_, _, outcomes) = run_programs(&scheduled, &tokens, weights.as_ref(), &local)?;
+        on_local.push(measure(&scheduled, &outcomes));
     }
     let step = |runs: &[Measured]| median(runs.iter().map(|run| run.step_s).collect());
     let exposed = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_s).collect());
@@ -153,6 +164,11 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let (weights_off, weights_on) = (weights(&off), weights(&on));
     let hidden_weights = hidden_share(weights_off, weights_on);
     let ratio = if step_off > 0.0 { step_on / step_off } else { 1.0 };
+    // By step times alone: the link's cost to the blocking program is its serial communication,
+    // to the scheduled one its exposed communication.
+    let serial_by_steps = step_off - step(&off_local);
+    let exposed_by_steps = step_on - step(&on_local);
+    let hidden_by_steps = hidden_share(serial_by_steps, exposed_by_steps);
     match args.format {
         Format::Json => println!(
             "{}",
@@ -170,6 +186,8 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 "step_ratio": ratio,
                 "hidden_fraction": hidden,
                 "hidden_weights_fraction": hidden_weights,
+                "link_cost_s": { "blocking": serial_by_steps, "scheduled": exposed_by_steps },
+                "hidden_fraction_by_steps": hidden_by_steps,
                 "same_logits": same_logits,
             }))?
         ),
@@ -200,6 +218,12 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 );
             }
             println!("  predicted on {}", hw.name);
+            println!(
+                "  by step times: the link costs the blocking program {:.2} ms and the scheduled one {:.2} ms over no link: {:.1}% hidden",
+                serial_by_steps * 1e3,
+                exposed_by_steps * 1e3,
+                hidden_by_steps * 100.0
+            );
             println!(
                 "  step time scheduled / blocking: {ratio:.3}; communication hidden: {:.1}% (broadcasts and point-to-point: {:.1}%); {overlapped} of {transfers} transfers overlapped; logits {}",
                 hidden * 100.0,
