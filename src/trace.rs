@@ -60,15 +60,22 @@ pub struct Slice {
 
 /// The measured slices of a run: `programs` in rank order, `outcomes` their ranks' outcomes.
 pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome]) -> Result<Vec<Slice>> {
+    let timings: Vec<(u32, &[(u64, u64)])> =
+        outcomes.iter().map(|outcome| (outcome.rank, outcome.timings.as_slice())).collect();
+    timed_slices(programs, &timings)
+}
+
+/// The slices of each rank's instruction timings (`(rank, timings)`, nanoseconds since one epoch).
+pub fn timed_slices(programs: &[Program], ranks: &[(u32, &[(u64, u64)])]) -> Result<Vec<Slice>> {
     let mut slices = Vec::new();
-    for outcome in outcomes {
-        let Some(program) = programs.get(outcome.rank as usize) else {
-            bail!(crate::usage::UsageError::RankWithoutProgram { rank: outcome.rank, programs: programs.len() });
+    for &(rank, timings) in ranks {
+        let Some(program) = programs.get(rank as usize) else {
+            bail!(crate::usage::UsageError::RankWithoutProgram { rank, programs: programs.len() });
         };
-        for (index, (instr, &(start_ns, end_ns))) in program.instructions.iter().zip(&outcome.timings).enumerate() {
+        for (index, (instr, &(start_ns, end_ns))) in program.instructions.iter().zip(timings).enumerate() {
             if let Some(work) = describe(program, instr) {
                 slices.push(Slice {
-                    rank: outcome.rank,
+                    rank,
                     instr: index,
                     work,
                     start_us: start_ns as f64 / 1e3,

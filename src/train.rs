@@ -300,11 +300,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     if args.tokens.is_some() {
         bail!(UsageError::TrainWithTokens);
     }
-    for (flag, given) in [
-        ("--logits-out", args.logits_out.is_some()),
-        ("--trace", args.trace.is_some()),
-        ("--emulate-link", args.emulate_link.is_some()),
-    ] {
+    for (flag, given) in [("--logits-out", args.logits_out.is_some())] {
         if given {
             bail!(UsageError::InferenceFlagWithTrain { flag });
         }
@@ -372,6 +368,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             moments,
             start_step: start_step + done,
             timeout: Duration::from_secs(args.timeout),
+            link: args.emulate_link,
         };
         let trained = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
         done += steps;
@@ -408,6 +405,17 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         check(&config, shape, flags.steps, adamw, start, &*batches, &compiled, &ranks, &mut report)?;
     }
     print_report(args, &config, &mesh, &report, tolerances)?;
+    if let Some(path) = &args.trace {
+        let timings: Vec<(u32, &[(u64, u64)])> =
+            ranks.iter().map(|rank| (rank.rank, rank.first_timings.as_slice())).collect();
+        crate::trace::write_trace(
+            path,
+            &crate::trace::chrome_trace(
+                &crate::trace::timed_slices(&compiled.programs, &timings)?,
+                compiled.programs.len() as u32,
+            ),
+        )?;
+    }
     if let Some(errors) = &report.errors {
         for (name, err, tol) in [
             ("the losses' difference", errors.loss, Some(tolerances.loss)),

@@ -207,6 +207,7 @@ fn train_one_step(programs: &[pleat_backend::Program], layouts: &[OptimizerLayou
         moments: None,
         start_step: 0,
         timeout: Duration::from_secs(60),
+        link: None,
     };
     train_on_threads(programs, layouts, &options).expect("train")
 }

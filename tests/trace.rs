@@ -214,3 +214,23 @@ fn scheduled_traces_overlap_transfers_with_kernels_and_blocking_ones_do_not() {
     check(&events, 2);
     assert!(!some_rank_overlaps(&events), "a blocking program's transfers run alone");
 }
+
+#[test]
+fn a_training_step_traces_its_gradient_reductions_beside_the_backward() {
+    let dir = tempdir("train");
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["run", "tiny", "--train", "--steps", "1", "--mesh", "dp=2", "--batch", "4", "--seq", "16"];
+        args.extend(["--emulate-link", "0.2,50", "--trace", out.to_str().unwrap()]);
+        args.extend(extra);
+        pleat(&args);
+        let events = read(out);
+        let tracks = check(&events, 2);
+        for rank in 0..2 {
+            let comm = names(&tracks, rank, 1);
+            assert!(comm.iter().any(|name| name.starts_with("all_reduce grad.")), "rank {rank}: {comm:?}");
+        }
+        events
+    };
+    assert!(some_rank_overlaps(&run(&dir.join("scheduled.json"), &[])), "gradients reduce beside the backward");
+    assert!(!some_rank_overlaps(&run(&dir.join("blocking.json"), &["--no-overlap"])));
+}

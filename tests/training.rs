@@ -83,8 +83,8 @@ fn training_refuses_what_it_cannot_do() {
     assert!(error.contains("--zero 2 splits state over the dp axis"), "{error}");
     let error = error_of(&["run", "tiny", "--train", "--mesh", "tsp=2", "--seq", "6"]);
     assert!(error.contains("seq=6 does not split into 2xtsp=4 zigzag chunks"), "{error}");
-    let error = error_of(&["run", "tiny", "--train", "--trace", "t.json"]);
-    assert!(error.contains("--trace applies to inference runs"), "{error}");
+    let error = error_of(&["run", "tiny", "--train", "--logits-out", "l.safetensors"]);
+    assert!(error.contains("--logits-out applies to inference runs"), "{error}");
     // Out-of-range flags are clap's usage errors (exit 2).
     let output = cli::pleat(&["run", "tiny", "--train", "--zero", "4"]);
     let stderr = String::from_utf8_lossy(&output.stderr);

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use pleat_backend::optimizer::{OptimizerLayout, ParamUpdate};
 use pleat_backend::{Instr, Program};
 
-use crate::comm::{CommStats, Communicator, Group, ThreadFabric};
+use crate::comm::{CommStats, Communicator, Group, LinkSpec, ThreadFabric};
 use crate::error::{Error, Result};
 use crate::executor::{execute, OutputBlock, RunInputs};
 use crate::weights::{BlockWeights, WeightError, WeightSource};
@@ -69,6 +69,8 @@ pub struct TrainOptions<'a> {
     pub start_step: u32,
     /// How long any collective wait may take.
     pub timeout: Duration,
+    /// The link every message is delivered over (`--emulate-link`); `None`: memory speed.
+    pub link: Option<LinkSpec>,
 }
 
 /// What one rank's training produced.
@@ -97,6 +99,8 @@ pub struct RankTraining {
     /// The share of the first step's program time spent waiting in point-to-point receives: a
     /// pipeline stage's measured bubble (collectives' waits are not counted).
     pub first_recv_wait_share: f64,
+    /// The first step's instruction timings (`RankOutcome::timings`), for its trace.
+    pub first_timings: Vec<(u64, u64)>,
     /// After the last step, each parameter's name and the rank's blocks of its two moments (the
     /// elements it updates), in the parameter's global shape.
     pub moments: Vec<(String, OutputBlock, OutputBlock)>,
@@ -161,7 +165,7 @@ pub fn train_on_threads(
         });
     }
     let world_size = programs.len() as u32;
-    let comms = ThreadFabric::new(world_size, options.timeout);
+    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
     crate::launch::on_threads(comms, |rank, comm| {
         train_rank(&programs[rank as usize], &layouts[rank as usize], comm, options)
     })
@@ -209,6 +213,7 @@ fn train_rank(
     let mut peak_bytes = 0;
     let mut activation_peak_bytes = 0;
     let mut first_recv_wait_share = 0.0;
+    let mut first_timings = Vec::new();
     let epoch = Instant::now();
     for step in options.start_step..options.start_step + options.steps {
         let tokens = (options.batches)(step);
@@ -225,6 +230,7 @@ fn train_rank(
         grad_norms.push(optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?);
         if step == options.start_step {
             first_recv_wait_share = recv_wait_share(program, &outcome.timings);
+            first_timings.clone_from(&outcome.timings);
             first_outputs = outcome.outputs;
             first_comm = outcome.comm;
         }
@@ -255,6 +261,7 @@ fn train_rank(
         optimizer_bytes,
         activation_peak_bytes,
         first_recv_wait_share,
+        first_timings,
         moments: moment_blocks,
     })
 }
