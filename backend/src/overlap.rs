@@ -22,10 +22,10 @@
 //!   choice fits;
 //! - every `Free` is placed right after the buffer's last use, its transfer's wait included.
 //!
-//! What this gives, with no pattern written for it (the prefetches with `prefetch_weights`): a TSP ring's next shard received while the
-//! current one's GEMM runs (double buffering), the next owner's attention weights broadcast while
-//! the current owner's attention runs, a ZeRO-3 parameter gathered while the previous layer runs,
-//! and a gradient reduced while the rest of the backward runs. Reordering never changes a number:
+//! What this gives, with no pattern written for it: a TSP ring's next shard received while the
+//! current one's GEMM runs (double buffering), a gradient reduced while the rest of the backward
+//! runs, and, with `prefetch_weights`, the next owner's attention weights broadcast while the
+//! current owner's attention runs and a ZeRO-3 parameter gathered while the previous layer runs. Reordering never changes a number:
 //! every instruction reads what it read before, and transfers keep their order.
 
 use std::collections::{HashMap, HashSet};
@@ -46,8 +46,8 @@ pub struct OverlapOptions<'a> {
     pub sizing: ElementSize,
     /// Let broadcasts and all-gathers of weights (whose operands are only loaded parameters: TSP's
     /// owner blocks, ZeRO-3's parameter shards) start ahead of the transfers before them, in their
-    /// own order: prefetch. Every rank must then make the same
-    /// choices, which the caller checks (`crate::verify_collectives`) and, failing that,
+    /// own order, when the communication stream is idle: prefetch. Every rank must then make the
+    /// same choices, which the caller checks (`crate::verify_collectives`) and, failing that,
     /// schedules again without it.
     pub prefetch_weights: bool,
 }
@@ -91,7 +91,7 @@ struct Graph<'a> {
     uses: Vec<Vec<BufferId>>,
     /// Per buffer: how many nodes use it.
     use_count: HashMap<BufferId, usize>,
-    /// Per instruction: whether it is a prefetched weight broadcast.
+    /// Per instruction: whether it is a prefetched weight broadcast or gather.
     prefetch: Vec<bool>,
 }
 
@@ -126,7 +126,7 @@ fn graph(program: &Program, prefetch_weights: bool) -> Result<Graph<'_>> {
             deps[wait_node(index)].push(run_node(index));
             last_prefetch = Some(index);
         } else if transfer {
-            // A prefetched broadcast issued before this transfer stays before it.
+            // A prefetch lowered before this transfer stays before it.
             deps[run_node(index)].extend(last_start.into_iter().chain(last_prefetch).map(run_node));
             deps[wait_node(index)].push(run_node(index));
             last_start = Some(index);
