@@ -7,7 +7,6 @@ use clap::Args;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{Mesh, Module};
-use pleat_passes::cost::HardwareSpec;
 use pleat_passes::{Dump, PassCtx, PipelineReport};
 use serde::{Deserialize, Serialize};
 
@@ -113,9 +112,7 @@ impl ModelOnMesh {
     /// Compiles `config` as these arguments say.
     pub fn compile(&self, config: &ModelConfig, dump: Dump) -> Result<Compiled> {
         let mut compiled = compile_model(config, self.batch, self.seq, &Mesh::parse(&self.mesh)?, self.strategy, dump)?;
-        if !self.no_overlap {
-            compiled.programs = crate::predict::overlap_programs(&compiled.programs, &HardwareSpec::builtin("cpu")?)?;
-        }
+        compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, self.no_overlap)?;
         Ok(compiled)
     }
 }

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use anyhow::{bail, Result};
 use pleat_backend::memory::ElementSize;
-use pleat_backend::overlap::{schedule, OverlapOptions, OverlapReport};
+use pleat_backend::overlap::{schedule_ranks, OverlapOptions, OverlapReport};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
 use pleat_backend::{AttentionDims, Instr, Kernel, Program};
 use pleat_passes::cost::comm::{self, Collective};
@@ -200,10 +200,20 @@ fn instr_seconds(program: &Program, instr: &Instr, work: &Work, hw: &HardwareSpe
     seconds(work, hw, dtype_bytes)
 }
 
-/// Schedules every program for overlap (`pleat_backend::overlap`), its choices driven by `hw`'s
-/// predicted seconds, and checks that the ranks' transfers still match.
+/// Schedules every program for overlap (`pleat_backend::overlap::schedule_ranks`, weights
+/// prefetched where every rank moves them alike), its choices driven by `hw`'s predicted seconds.
 pub fn overlap_programs(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Program>> {
     Ok(overlap_programs_reported(programs, hw)?.into_iter().map(|(program, _)| program).collect())
+}
+
+/// `programs` as the threads runtime is to run them: scheduled for overlap with the built-in
+/// `cpu` costs, or kept as lowered with `no_overlap`.
+pub fn overlap_for_cpu(programs: Vec<Program>, no_overlap: bool) -> Result<Vec<Program>> {
+    if no_overlap {
+        Ok(programs)
+    } else {
+        overlap_programs(&programs, &HardwareSpec::builtin("cpu")?)
+    }
 }
 
 /// As [`overlap_programs`], each program with what the scheduler did.
@@ -211,17 +221,13 @@ pub fn overlap_programs_reported(programs: &[Program], hw: &HardwareSpec) -> Res
     let seconds = |program: &Program, instr: &Instr| {
         describe(program, instr).map_or(0.0, |work| instr_seconds(program, instr, &work, hw))
     };
-    // Prefetched weight broadcasts and gathers may leave their place among the transfers; when the ranks did
-    // not all move them alike, the transfers keep the lowered order.
-    let schedule_all = |prefetch_weights: bool| -> Result<Vec<(Program, OverlapReport)>> {
-        let options =
-            OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Declared, prefetch_weights };
-        let scheduled = programs.iter().map(|program| schedule(program, &options)).collect::<Result<Vec<_>, _>>()?;
-        let only_programs: Vec<Program> = scheduled.iter().map(|(program, _)| program.clone()).collect();
-        pleat_backend::verify_collectives(&only_programs)?;
-        Ok(scheduled)
+    let options = OverlapOptions {
+        seconds: &seconds,
+        memory_budget: None,
+        sizing: ElementSize::Declared,
+        prefetch_weights: true,
     };
-    schedule_all(true).or_else(|_| schedule_all(false))
+    Ok(schedule_ranks(programs, &options)?)
 }
 
 /// One predicted slice: instruction `instr` of a rank from `start_s` to `end_s`.

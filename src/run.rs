@@ -10,7 +10,6 @@ use clap::{Args, ValueEnum};
 use pleat_backend::{DType, Program};
 use pleat_ir::model::config::{ConfigDtype, ModelConfig};
 use pleat_ir::Mesh;
-use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
 use pleat_runtime::comm::{CollectiveKind, CommStats, LinkSpec};
 use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
@@ -209,11 +208,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
             let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
-            let programs = if args.no_overlap {
-                compiled.programs
-            } else {
-                crate::predict::overlap_programs(&compiled.programs, &HardwareSpec::builtin("cpu")?)?
-            };
+            let programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
             (config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };

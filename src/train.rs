@@ -317,9 +317,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let compute = args.precision.unwrap_or_default().apply(&config);
     let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining)?;
     // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
-    if compiled.step_spans.is_empty() && !args.no_overlap {
-        compiled.programs =
-            crate::predict::overlap_programs(&compiled.programs, &pleat_passes::cost::HardwareSpec::builtin("cpu")?)?;
+    if compiled.step_spans.is_empty() {
+        compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
     }
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {

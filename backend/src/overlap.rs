@@ -35,6 +35,7 @@ use crate::memory::{element_bytes, plan, staging_of, ElementSize};
 use crate::program::{BufferId, Instr, Program};
 
 /// How [`schedule`] weighs and bounds its choices.
+#[derive(Clone, Copy)]
 pub struct OverlapOptions<'a> {
     /// Predicted seconds of an instruction of the program: a kernel's or a load's on the compute
     /// stream, a transfer's on the communication stream.
@@ -47,8 +48,8 @@ pub struct OverlapOptions<'a> {
     /// Let broadcasts and all-gathers of weights (whose operands are only loaded parameters: TSP's
     /// owner blocks, ZeRO-3's parameter shards) start ahead of the transfers before them, in their
     /// own order, when the communication stream is idle: prefetch. Every rank must then make the
-    /// same choices, which the caller checks (`crate::verify_collectives`) and, failing that,
-    /// schedules again without it.
+    /// same choices, which [`schedule_ranks`] checks (`crate::verify_collectives`) and, failing
+    /// that, schedules again without it.
     pub prefetch_weights: bool,
 }
 
@@ -199,6 +200,22 @@ pub fn schedule(program: &Program, options: &OverlapOptions) -> Result<(Program,
         scheduled_s: seconds,
     };
     Ok((program.clone(), report))
+}
+
+/// Schedules every rank's program (`programs`, in rank order) with `options`. With
+/// `prefetch_weights`, when the ranks did not all move their prefetches alike (their transfers no
+/// longer match), they are scheduled again without; the transfers of the result match.
+pub fn schedule_ranks(programs: &[Program], options: &OverlapOptions) -> Result<Vec<(Program, OverlapReport)>> {
+    let schedule_all = |options: &OverlapOptions| -> Result<Vec<(Program, OverlapReport)>> {
+        let scheduled = programs.iter().map(|program| schedule(program, options)).collect::<Result<Vec<_>>>()?;
+        let only_programs: Vec<Program> = scheduled.iter().map(|(program, _)| program.clone()).collect();
+        crate::verify_collectives(&only_programs)?;
+        Ok(scheduled)
+    };
+    match schedule_all(options) {
+        Err(_) if options.prefetch_weights => schedule_all(&OverlapOptions { prefetch_weights: false, ..*options }),
+        result => result,
+    }
 }
 
 /// One list schedule of `graph` aiming at `budget_bytes`.

@@ -103,10 +103,6 @@ pub fn measure(programs: &[Program], outcomes: &[RankOutcome]) -> Measured {
     measured
 }
 
-fn blocking_len(programs: &[Program]) -> usize {
-    programs.len().max(1)
-}
-
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(0.0)
@@ -124,7 +120,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     hw.efficiency.link = 1.0;
     // The ranks are threads of this machine: when there are more than cores, they share them.
     let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
-    let share = (cores / blocking_len(&compiled.programs) as f64).min(1.0);
+    let share = (cores / compiled.programs.len().max(1) as f64).min(1.0);
     hw.peak_f32_flops *= share;
     hw.peak_bf16_flops *= share;
     hw.hbm_bytes_per_s *= share;

@@ -113,16 +113,15 @@ pub fn check_programs(
 /// them alike.
 pub fn overlapped(programs: &[Program]) -> Vec<Program> {
     use pleat_backend::memory::ElementSize;
-    use pleat_backend::overlap::{schedule, OverlapOptions};
+    use pleat_backend::overlap::{schedule_ranks, OverlapOptions};
     let seconds = |program: &Program, instr: &pleat_backend::Instr| -> f64 {
         instr.outs().iter().map(|&out| program.buffer(out).bytes() as f64).sum::<f64>() * 1e-9
     };
-    let schedule_all = |prefetch_weights: bool| {
-        let options =
-            OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Declared, prefetch_weights };
-        let scheduled: Vec<Program> =
-            programs.iter().map(|program| schedule(program, &options).expect("schedules").0).collect();
-        pleat_backend::verify_collectives(&scheduled).map(|()| scheduled)
+    let options = OverlapOptions {
+        seconds: &seconds,
+        memory_budget: None,
+        sizing: ElementSize::Declared,
+        prefetch_weights: true,
     };
-    schedule_all(true).or_else(|_| schedule_all(false)).expect("the scheduled transfers match")
+    schedule_ranks(programs, &options).expect("the programs schedule").into_iter().map(|(program, _)| program).collect()
 }
