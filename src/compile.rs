@@ -99,7 +99,7 @@ impl ModelOnMesh {
     /// The model's configuration; `command` names who refuses a compiled directory.
     pub fn config(&self, command: &str) -> Result<ModelConfig> {
         match resolve(&self.model)? {
-            ModelSource::Config { config, .. } => Ok(config),
+            ModelSource::Config { config, .. } => Ok(*config),
             ModelSource::Compiled(_) => {
                 anyhow::bail!(UsageError::CompiledNotAccepted {
                     model: self.model.clone(),

@@ -12,7 +12,7 @@ use crate::usage::UsageError;
 /// What MODEL named.
 pub enum ModelSource {
     /// A model configuration, with the weights found beside it, if any.
-    Config { config: ModelConfig, weights: Option<PathBuf> },
+    Config { config: Box<ModelConfig>, weights: Option<PathBuf> },
     /// A compiled directory.
     Compiled(PathBuf),
 }
@@ -41,16 +41,16 @@ pub fn resolve(model: &str) -> Result<ModelSource> {
         }
         if path.join("config.json").exists() {
             let config = read_config(&path.join("config.json"))?;
-            return Ok(ModelSource::Config { config, weights: weights_beside(path) });
+            return Ok(ModelSource::Config { config: Box::new(config), weights: weights_beside(path) });
         }
         bail!(UsageError::DirectoryNotAModel { model: model.to_string(), presets: PRESET_NAMES.join(", ") });
     }
     if path.is_file() {
         let config = read_config(path)?;
-        return Ok(ModelSource::Config { config, weights: None });
+        return Ok(ModelSource::Config { config: Box::new(config), weights: None });
     }
     if PRESET_NAMES.contains(&model) {
-        return Ok(ModelSource::Config { config: preset(model)?, weights: None });
+        return Ok(ModelSource::Config { config: Box::new(preset(model)?), weights: None });
     }
     bail!(UsageError::UnknownModel { model: model.to_string(), presets: PRESET_NAMES.join(", ") })
 }

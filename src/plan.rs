@@ -110,13 +110,25 @@ impl WorkloadArgs {
 
 /// The shape of `model` (a preset, config.json, model or compiled directory).
 pub fn model_shape_of(model: &str) -> Result<ModelShape> {
-    match resolve(model)? {
-        ModelSource::Config { config, .. } => Ok(ModelShape::from_config(&config)),
-        ModelSource::Compiled(dir) => {
-            let config = crate::model_arg::read_config(&dir.join("config.json"))?;
-            Ok(ModelShape::from_config(&config))
-        }
+    let config = match resolve(model)? {
+        ModelSource::Config { config, .. } => *config,
+        ModelSource::Compiled(dir) => crate::model_arg::read_config(&dir.join("config.json"))?,
+    };
+    // The closed-form model counts one dense MLP a layer; a mixture of experts would be costed as
+    // if its experts were one MLP of an expert's width, which is wrong by the expert count.
+    if let Some(moe) = &config.moe {
+        anyhow::bail!(
+            "{} routes each token to {} of {} experts a layer ({} parameters, {} active), and the cost model of \
+             `plan` and `search` counts dense MLPs only; compile and run it (`pleat run {model} --mesh ep=N`) to \
+             measure it",
+            config.name,
+            moe.top_k,
+            moe.num_experts,
+            config.param_count(),
+            config.active_param_count(),
+        );
     }
+    Ok(ModelShape::from_config(&config))
 }
 
 /// The hardware: `file` when given, else the built-in `name`.

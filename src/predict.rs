@@ -88,6 +88,10 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
             ("attention_grad", 6 * batch * sq * sk * hq * head_dim)
         }
         Kernel::SiluMulGradGate => ("silu_mul_grad_gate", 0),
+        // The router, then three GEMMs for the rows a balanced routing sends to the local experts.
+        Kernel::MoeMlp { dims } => ("moe_mlp", moe_flops(dims)),
+        // The forward recomputed, and the two products of each of its GEMMs' gradient.
+        Kernel::MoeMlpGrad { dims, .. } => ("moe_mlp_grad", 3 * moe_flops(dims)),
         Kernel::EmbeddingGrad { .. } => ("embedding_grad", 0),
         Kernel::SumLeading { .. } => ("sum_leading", 0),
     }
@@ -388,6 +392,13 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
             bail!(crate::usage::UsageError::ProgramsStuck { stuck });
         }
     }
+}
+
+/// A mixture-of-experts kernel's flops when routing is balanced: the router on every row, and each
+/// of the `rows·top_k/experts` rows an expert expects through its three projections.
+fn moe_flops(dims: &pleat_backend::MoeDims) -> u64 {
+    let routed_rows = dims.rows * dims.top_k * dims.local_experts / dims.experts.max(1);
+    2 * dims.rows * dims.experts * dims.hidden + 6 * routed_rows * dims.hidden * dims.ffn
 }
 
 #[cfg(test)]

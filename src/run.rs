@@ -209,7 +209,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let compute = args.precision.unwrap_or_default().apply(&config);
             let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
             let programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
-            (config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
+            (*config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };
     let tokens = match given_tokens {

@@ -292,7 +292,7 @@ struct TrainReport {
 pub fn run_training(args: &RunArgs) -> Result<()> {
     let flags = &args.training;
     let (config, weights_path) = match resolve(&args.model)? {
-        ModelSource::Config { config, weights } => (config, args.weights.clone().or(weights)),
+        ModelSource::Config { config, weights } => (*config, args.weights.clone().or(weights)),
         ModelSource::Compiled(_) => {
             bail!(UsageError::TrainCompiled { model: args.model.clone() })
         }

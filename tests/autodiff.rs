@@ -65,6 +65,7 @@ fn small_config(architecture: Architecture, tied: bool, scaling: RopeScaling) ->
         attention_bias: architecture == Architecture::Qwen2,
         max_position_embeddings: 64,
         sliding_window: None,
+        moe: None,
         name: "small".to_string(),
     }
 }

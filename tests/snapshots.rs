@@ -64,7 +64,11 @@ fn context_parallel_one_layer_cp2() {
 /// The training pipeline on a one-layer `tiny`: the forward passes, then `zero-partition` and
 /// `differentiate` (the backward graph with its conjugate collectives).
 fn snapshot_training(mesh: &str, suffix: &str, ctx: &PassCtx) {
-    let mut config = preset("tiny").expect("tiny");
+    snapshot_training_of("tiny", mesh, suffix, ctx);
+}
+
+fn snapshot_training_of(model: &str, mesh: &str, suffix: &str, ctx: &PassCtx) {
+    let mut config = preset(model).expect("preset");
     config.num_layers = 1;
     let mut module = pleat_ir::model::build_training(&config, 8, 16).expect("build");
     module.mesh = Mesh::parse(mesh).expect("mesh");
@@ -104,4 +108,20 @@ fn training_tensor_and_sequence_parallel_one_layer_tsp2() {
 #[test]
 fn training_context_parallel_one_layer_cp2() {
     snapshot_training("cp=2", "train-cp2-one-layer", &PassCtx::for_tests());
+}
+
+/// Expert parallelism on a one-layer `tiny-moe`: the tokens all-gathered over `ep` before the
+/// experts, their pending sum reduce-scattered back onto the batch.
+#[test]
+fn expert_parallel_one_layer_ep2() {
+    let mut config = preset("tiny-moe").expect("tiny-moe");
+    config.num_layers = 1;
+    snapshot_model(&config, "ep=2", "moe-ep2-one-layer");
+}
+
+/// The expert-parallel backward: the gradient all-gathered before the experts' gradients, the
+/// input's pending sum reduce-scattered, the router's gradient summed over `ep`.
+#[test]
+fn training_expert_parallel_one_layer_ep2() {
+    snapshot_training_of("tiny-moe", "ep=2", "train-moe-ep2-one-layer", &PassCtx::for_tests());
 }

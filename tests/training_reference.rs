@@ -25,6 +25,7 @@ fn small_llama() -> ModelConfig {
         attention_bias: false,
         max_position_embeddings: 64,
         sliding_window: None,
+        moe: None,
         name: "small-llama".to_string(),
     }
 }

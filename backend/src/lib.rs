@@ -29,7 +29,8 @@ pub use matching::verify_collectives;
 /// The element types buffers declare (the IR's).
 pub use pleat_ir::DType;
 pub use program::{
-    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION,
+    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program,
+    FORMAT_VERSION,
 };
 
 /// Serializes a program (JSON, versioned).

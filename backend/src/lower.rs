@@ -12,7 +12,8 @@ use pleat_ir::{DimName, Module, Op, ValueId};
 
 use crate::error::{Error, Result};
 use crate::program::{
-    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION,
+    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program,
+    FORMAT_VERSION,
 };
 
 /// Lowers `module` (verified) into one program a rank of its mesh.
@@ -328,6 +329,24 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::SiluMulGradGate => Instr::Kernel { kernel: Kernel::SiluMulGradGate, inputs, out },
+            Op::MoeMlp { top_k, normalize } | Op::MoeMlpGrad { top_k, normalize, .. } => {
+                let (x, gate) = (input_local(0)?, input_local(2)?);
+                let dims = MoeDims {
+                    rows: x[..x.len() - 1].iter().product(),
+                    hidden: *x.last().unwrap_or(&1),
+                    experts: input_local(1)?[0],
+                    local_experts: gate[0],
+                    expert_offset: region(data.inputs[2])[0].0,
+                    ffn: gate[1],
+                    top_k: *top_k,
+                    normalize: *normalize,
+                };
+                let kernel = match data.op {
+                    Op::MoeMlpGrad { wrt, .. } => Kernel::MoeMlpGrad { wrt, dims },
+                    _ => Kernel::MoeMlp { dims },
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
             Op::EmbeddingGrad { vocab } => {
                 let table = local(value)?;
                 let kernel = Kernel::EmbeddingGrad {

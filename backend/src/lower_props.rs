@@ -40,6 +40,7 @@ fn dividing_model(ranks: u64) -> impl Strategy<Value = (ModelConfig, u64, u64)> 
                     attention_bias: qwen2,
                     max_position_embeddings: 4096,
                     sliding_window: None,
+                    moe: None,
                     name: "random".to_owned(),
                 };
                 (config, batch * ranks, seq * 2 * ranks)

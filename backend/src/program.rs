@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -68,6 +68,28 @@ pub struct Group {
     pub axis: String,
     /// Global ranks.
     pub ranks: Vec<u32>,
+}
+
+/// The local sizes of a mixture-of-experts kernel and the experts the rank holds, shared by
+/// `Kernel::MoeMlp` and its gradients.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeDims {
+    /// Local rows (tokens).
+    pub rows: u64,
+    /// Width of a row.
+    pub hidden: u64,
+    /// Every expert of the layer (the router's rows).
+    pub experts: u64,
+    /// The experts this rank holds.
+    pub local_experts: u64,
+    /// The global index of the first of them.
+    pub expert_offset: u64,
+    /// The ffn channels of each expert this rank holds.
+    pub ffn: u64,
+    /// Experts a row is sent to.
+    pub top_k: u64,
+    /// Whether the chosen probabilities are renormalized to sum to one.
+    pub normalize: bool,
 }
 
 /// The local sizes and head mapping of an attention kernel, shared by `Kernel::Attention` and its
@@ -314,6 +336,22 @@ pub enum Kernel {
     },
     /// `(gate, up, dy) -> dy · up · silu'(gate)`, elementwise.
     SiluMulGradGate,
+    /// `(x[rows, hidden], router[experts, hidden], gate[local_experts, ffn, hidden], up (as gate),
+    /// down[local_experts, hidden, ffn]) -> [rows, hidden]`: the rank's summand of the mixture of
+    /// experts (`MoeMlp`): every row routed with the whole router, the experts the rank holds run as
+    /// one grouped GEMM chain each.
+    MoeMlp {
+        /// Sizes and the experts held.
+        dims: MoeDims,
+    },
+    /// `(x, router, gate, up, down, dy[rows, hidden]) -> the operand's local type`: the rank's
+    /// summand of the gradient of `MoeMlp` with respect to `wrt`.
+    MoeMlpGrad {
+        /// The operand differentiated.
+        wrt: pleat_ir::MoeOperand,
+        /// Sizes and the experts held.
+        dims: MoeDims,
+    },
     /// `(dy[tokens, hidden], tokens) -> [rows, hidden]`: the gradient of `Embedding`'s table block that
     /// holds global rows `vocab_offset..vocab_offset + rows`; row `v` sums dy over the tokens equal to
     /// `vocab_offset + v`, and tokens outside the block contribute nothing.

@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use pleat_ir::entity::EntityRef;
 
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program};
 
 /// An attention kernel's sizes and head mapping, as the text form lists them.
 fn attention_dims_text(dims: &AttentionDims) -> String {
@@ -73,6 +73,8 @@ fn kernel_text(kernel: &Kernel) -> String {
             format!("attention_grad_{wrt} {}", attention_dims_text(dims))
         }
         Kernel::SiluMulGradGate => "silu_mul_grad_gate".to_string(),
+        Kernel::MoeMlp { dims } => format!("moe_mlp {}", moe_dims_text(dims)),
+        Kernel::MoeMlpGrad { wrt, dims } => format!("moe_mlp_grad_{} {}", wrt.as_str(), moe_dims_text(dims)),
         Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => {
             format!("embedding_grad hidden={hidden} vocab_offset={vocab_offset} vocab_total={vocab_total}")
         }
@@ -138,4 +140,12 @@ pub fn print_program(program: &Program) -> String {
         out.push('\n');
     }
     out
+}
+
+fn moe_dims_text(dims: &MoeDims) -> String {
+    let MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, normalize } = dims;
+    format!(
+        "rows={rows} hidden={hidden} experts={experts} local_experts={local_experts} expert_offset={expert_offset} \
+         ffn={ffn} top_k={top_k} normalize={normalize}"
+    )
 }

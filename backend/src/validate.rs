@@ -5,7 +5,7 @@
 //! wait reads the results or overwrites or frees what the transfer touches.
 
 use crate::error::{Error, Result};
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program};
 
 fn bad(index: usize, reason: String) -> Error {
     Error::Inconsistent { instr: index, reason }
@@ -196,6 +196,34 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the key positions", sizes[4], *sk)?;
                 expect("the output's gradient", sizes[5], queries)?;
                 let result = if *wrt == AttentionOperand::Query { queries } else { keys };
+                expect("the result", out, result)?;
+            }
+            Kernel::MoeMlp { dims } | Kernel::MoeMlpGrad { dims, .. } => {
+                let MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, .. } = *dims;
+                let grad = matches!(kernel, Kernel::MoeMlpGrad { .. });
+                operands(if grad { 6 } else { 5 })?;
+                if top_k == 0 || top_k > experts || expert_offset + local_experts > experts {
+                    return Err(bad(
+                        index,
+                        format!(
+                            "top_k={top_k} and experts {expert_offset}..{} do not fit the {experts} experts",
+                            expert_offset + local_experts
+                        ),
+                    ));
+                }
+                let weights = local_experts * ffn * hidden;
+                expect("the rows", sizes[0], rows * hidden)?;
+                expect("the router", sizes[1], experts * hidden)?;
+                expect("the gate projections", sizes[2], weights)?;
+                expect("the up projections", sizes[3], weights)?;
+                expect("the down projections", sizes[4], weights)?;
+                if grad {
+                    expect("the output's gradient", sizes[5], rows * hidden)?;
+                }
+                let result = match kernel {
+                    Kernel::MoeMlpGrad { wrt, .. } => sizes[wrt.index()],
+                    _ => rows * hidden,
+                };
                 expect("the result", out, result)?;
             }
             Kernel::SiluMulGradGate => {

@@ -25,6 +25,6 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{Graph, Module, NodeData, NodeId, ValueData, ValueId};
 pub use mesh::{AxisName, Mesh, MeshAxis};
-pub use op::{MlpOperand, Op};
+pub use op::{MlpOperand, MoeOperand, Op};
 pub use shape::{Dim, DimName, Shape, TensorType};
 pub use spec::ShardSpec;

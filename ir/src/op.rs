@@ -78,6 +78,35 @@ pub enum Op {
         /// The operand the gradient is taken with respect to.
         wrt: MlpOperand,
     },
+    /// `(x[.., hidden], router[experts, hidden], gate[experts, ffn, hidden], up[experts, ffn, hidden],
+    /// down[experts, hidden, ffn]) -> [.., hidden]`: a mixture of gated SiLU experts with Hugging
+    /// Face's dropless top-k routing. Each row's router logits `x · routerᵀ` go through a softmax
+    /// over all experts; the `top_k` largest probabilities (ties to the lower index) pick the row's
+    /// experts, renormalized to sum to one when `normalize`; the row's result is the sum over its
+    /// experts `e` of `weight_e · down_e(silu(x·gate_eᵀ) * (x·up_eᵀ))`.
+    ///
+    /// Under sharding each rank routes its rows with the whole router and computes only the experts
+    /// (and the ffn channels) it holds: the result is a pending sum over the axes that split the
+    /// experts or ffn (expert parallelism with the all-gather dispatcher, expert tensor
+    /// parallelism).
+    MoeMlp {
+        /// Experts a row is sent to.
+        top_k: u64,
+        /// Whether the chosen probabilities are renormalized to sum to one.
+        normalize: bool,
+    },
+    /// `(x, router, gate, up, down, dy[.., hidden]) -> the type of operand `wrt``: the gradient of
+    /// `MoeMlp` with respect to one operand, recomputing the routing and the experts' activations.
+    /// The routing is piecewise constant, so the router's gradient flows through the chosen
+    /// probabilities only (as in PyTorch's autograd of `topk`).
+    MoeMlpGrad {
+        /// The forward op's top-k.
+        top_k: u64,
+        /// The forward op's renormalization.
+        normalize: bool,
+        /// The operand the gradient is taken with respect to.
+        wrt: MoeOperand,
+    },
     /// The operands and meaning of `Attention`, computed as a ring over `axis` (context parallelism,
     /// ring attention): q, k, v and both position lists are split on `seq` over `axis` (zigzag
     /// layout). Each rank keeps its queries while the key/value blocks, with their positions, travel
@@ -298,6 +327,8 @@ impl Op {
             Op::RingAttention { .. } => "ring_attention",
             Op::Zigzag { .. } => "zigzag",
             Op::AllToAll { .. } => "all_to_all",
+            Op::MoeMlp { .. } => "moe_mlp",
+            Op::MoeMlpGrad { .. } => "moe_mlp_grad",
         }
     }
     /// The number of inputs the op takes.
@@ -313,6 +344,8 @@ impl Op {
             | Op::AllToAll { .. }
             | Op::Zigzag { .. } => 1,
             Op::RingGatedMlp { .. } => 4,
+            Op::MoeMlp { .. } => 5,
+            Op::MoeMlpGrad { .. } => 6,
             Op::RingGatedMlpGrad { .. } => 5,
             Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
             Op::Attention { .. } => 5,
@@ -411,6 +444,53 @@ impl MlpOperand {
     /// The operand spelled `text`.
     pub fn parse(text: &str) -> Option<MlpOperand> {
         MlpOperand::ALL.into_iter().find(|operand| operand.as_str() == text)
+    }
+}
+
+/// An operand of the mixture-of-experts MLP (`MoeMlp`), as a gradient names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MoeOperand {
+    /// The tokens' hidden states `x`.
+    Input,
+    /// The router (`[experts, hidden]`).
+    Router,
+    /// The experts' gate projections.
+    Gate,
+    /// The experts' up projections.
+    Up,
+    /// The experts' down projections.
+    Down,
+}
+
+impl MoeOperand {
+    /// Every operand, in the forward op's operand order.
+    pub const ALL: [MoeOperand; 5] =
+        [MoeOperand::Input, MoeOperand::Router, MoeOperand::Gate, MoeOperand::Up, MoeOperand::Down];
+
+    /// The operand's position among `MoeMlp`'s operands.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The operand at `index` of `MoeMlp`'s operands.
+    pub fn at(index: usize) -> Option<MoeOperand> {
+        MoeOperand::ALL.get(index).copied()
+    }
+
+    /// The operand's spelling in the text format.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MoeOperand::Input => "x",
+            MoeOperand::Router => "router",
+            MoeOperand::Gate => "gate",
+            MoeOperand::Up => "up",
+            MoeOperand::Down => "down",
+        }
+    }
+
+    /// The operand spelled `text`.
+    pub fn parse(text: &str) -> Option<MoeOperand> {
+        MoeOperand::ALL.into_iter().find(|operand| operand.as_str() == text)
     }
 }
 

@@ -25,11 +25,13 @@ pub enum DimName {
     Ffn,
     /// The vocabulary.
     Vocab,
+    /// The routed experts of a mixture-of-experts layer.
+    Experts,
 }
 
 impl DimName {
     /// Every name, in a fixed order.
-    pub const ALL: [DimName; 8] = [
+    pub const ALL: [DimName; 9] = [
         DimName::Batch,
         DimName::Seq,
         DimName::Hidden,
@@ -38,6 +40,7 @@ impl DimName {
         DimName::HeadDim,
         DimName::Ffn,
         DimName::Vocab,
+        DimName::Experts,
     ];
     /// The spelling in the text format.
     pub fn as_str(self) -> &'static str {
@@ -50,6 +53,7 @@ impl DimName {
             DimName::HeadDim => "head_dim",
             DimName::Ffn => "ffn",
             DimName::Vocab => "vocab",
+            DimName::Experts => "experts",
         }
     }
     /// Parses the text spelling.

@@ -48,6 +48,13 @@ pub enum Error {
         /// The axes that work.
         available: Vec<&'static str>,
     },
+    /// Expert parallelism on a model without routed experts.
+    #[error("mesh axis ep places routed experts, and model {model} has none; use a mixture-of-experts model (tiny-moe, mixtral-8x7b) or drop ep")]
+    #[diagnostic(code(E0210), help("drop ep from the mesh, or compile a mixture-of-experts model"))]
+    NoExperts {
+        /// The module's name.
+        model: String,
+    },
     /// A sequence the zigzag layout cannot cut into `2·degree` chunks.
     #[error(
         "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {} (e.g. {}){}",

@@ -69,6 +69,12 @@ pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
                     // The inserted nodes sit before this one; the cursor must still point past it.
                     cursor = graph.order().iter().position(|&id| id == node).map_or(cursor, |at| at + 1);
                 }
+                Err(Conflict::ScatterPartial { operand, axis, dim }) => {
+                    let input = data.inputs[operand];
+                    collective_after_def(graph, input, Op::ReduceScatter { axis, dim }, "reduce_scatter")?;
+                    // The inserted node sits before this one; the cursor must still point past it.
+                    cursor = graph.order().iter().position(|&id| id == node).map_or(cursor, |at| at + 1);
+                }
                 Err(Conflict::Layout(reason)) => {
                     return Err(Error::NoLayout { node, name: data.name.clone(), reason });
                 }

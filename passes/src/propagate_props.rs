@@ -46,6 +46,7 @@ fn config(sizes: &Sizes) -> ModelConfig {
         attention_bias: sizes.qwen2,
         max_position_embeddings: 4096,
         sliding_window: None,
+        moe: None,
         name: "random".to_owned(),
     }
 }

@@ -6,7 +6,7 @@
 //! the verifier reports the reason. Communication ops have rules too: they are the only ops whose
 //! output spec differs from what their input allows locally.
 
-use pleat_ir::{AxisName, DimName, Graph, MlpOperand, NodeData, Op, Shape, ShardSpec};
+use pleat_ir::{AxisName, DimName, Graph, MlpOperand, MoeOperand, NodeData, Op, Shape, ShardSpec};
 
 /// Why an op cannot run locally on its inputs' layouts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +28,17 @@ pub enum Conflict {
         /// The axis both sides use.
         axis: AxisName,
     },
+    /// Operand `operand` is a pending sum over `axis`, and the other operand of an elementwise op
+    /// splits `dim` over `axis` (innermost) where this one holds it whole: reduce-scatter it on
+    /// `dim` (the combine of expert parallelism's all-gather dispatch).
+    ScatterPartial {
+        /// The operand index.
+        operand: usize,
+        /// The pending axis.
+        axis: AxisName,
+        /// The dim the other operand splits over `axis`.
+        dim: DimName,
+    },
     /// Any other mismatch, in words.
     Layout(String),
 }
@@ -45,6 +56,11 @@ impl std::fmt::Display for Conflict {
                     "the activation's {dim} is split over {axis}, which the weight also splits; all-gather it first"
                 )
             }
+            Conflict::ScatterPartial { operand, axis, dim } => write!(
+                f,
+                "operand {operand} is Partial({axis}) and the other operand splits {dim} over {axis}; \
+                 reduce-scatter it on {dim}"
+            ),
             Conflict::Layout(reason) => f.write_str(reason),
         }
     }
@@ -266,6 +282,9 @@ pub fn output_spec(
         Op::Add => {
             // Pending sums first: summing one (all-reduce or reduce-scatter) may fix the layout too.
             if specs[0].partial != specs[1].partial {
+                if let Some(conflict) = scatter_partial(specs, shapes) {
+                    return Err(conflict);
+                }
                 if specs[0].partial.is_empty() {
                     return Err(Conflict::PartialInput { operand: 1, axes: specs[1].partial.clone() });
                 }
@@ -393,6 +412,32 @@ pub fn output_spec(
             Ok(spec)
         }
         Op::RingAttention { axis, .. } => ring_attention_spec(*axis, specs, shapes),
+        Op::MoeMlp { .. } => moe_spec(specs, shapes),
+        Op::MoeMlpGrad { wrt, .. } => {
+            // (x, router, gate, up, down, dy): the forward's layouts, dy laid out as its rows.
+            let output = moe_spec(&specs[..5], &shapes[..5])?;
+            no_partial(specs, &[5])?;
+            if specs[5].dims != output.dims {
+                return Err(Conflict::Layout("dy is laid out differently from the MoE output".into()));
+            }
+            let rows = &specs[0].dims[..shapes[0].rank() - 1];
+            let row_axes = rows.iter().flatten().copied();
+            match wrt {
+                MoeOperand::Input => Ok(output),
+                // Summed over the rows, and (linear in each expert's output) over the ranks that
+                // hold different experts or ffn channels.
+                MoeOperand::Router => {
+                    let mut spec = ShardSpec::replicated(shapes[1].rank());
+                    spec.partial = row_axes.chain(output.partial).collect();
+                    Ok(spec)
+                }
+                MoeOperand::Gate | MoeOperand::Up | MoeOperand::Down => {
+                    let mut spec = specs[wrt.index()].clone();
+                    spec.partial = row_axes.collect();
+                    Ok(spec)
+                }
+            }
+        }
         Op::LocalSlice { axis, dim } => {
             let mut spec = specs[0].clone();
             if spec.uses_axis(*axis) {
@@ -425,6 +470,64 @@ pub fn output_spec(
             Ok(spec)
         }
     }
+}
+
+/// An `Add` whose operands differ in pending sums, where one is pending over an axis that splits a
+/// dim of the other (innermost) that it holds whole: that operand is reduce-scattered on the dim.
+fn scatter_partial(specs: &[&ShardSpec], shapes: &[&Shape]) -> Option<Conflict> {
+    if shapes[0] != shapes[1] {
+        return None;
+    }
+    for (operand, other) in [(0, 1), (1, 0)] {
+        for &axis in specs[operand].partial.iter().filter(|axis| !specs[other].partial.contains(axis)) {
+            let split = specs[other].dims.iter().position(|axes| axes.last() == Some(&axis));
+            if let Some(index) = split {
+                let outer = &specs[other].dims[index][..specs[other].dims[index].len() - 1];
+                if specs[operand].dims[index] == outer {
+                    return Some(Conflict::ScatterPartial { operand, axis, dim: shapes[0].dims()[index].name });
+                }
+            }
+        }
+    }
+    None
+}
+
+/// `MoeMlp`'s layout: each rank routes its own rows with the whole router and runs the experts and
+/// ffn channels it holds, so the result keeps the rows' splits and is a pending sum over the axes
+/// that split the experts or ffn. An axis that splits both the rows and the experts (expert
+/// parallelism beside its data split) gathers the rows first.
+fn moe_spec(specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<ShardSpec, Conflict> {
+    use DimName::*;
+    no_partial(specs, &[0, 1, 2, 3, 4])?;
+    replicated_dim(specs, shapes, 0, Hidden, "each expert contracts hidden")?;
+    if specs[1].dims.iter().any(|axes| !axes.is_empty()) {
+        return Err(Conflict::Layout(format!(
+            "the router is {}, but every rank routes its rows over all experts with the whole router",
+            spec_text(specs[1], shapes[1])
+        )));
+    }
+    let experts = dim_axes(specs[2], shapes[2], Experts);
+    let ffn = dim_axes(specs[2], shapes[2], Ffn);
+    for operand in 2..5 {
+        replicated_dim(specs, shapes, operand, Hidden, "each expert contracts hidden")?;
+        if dim_axes(specs[operand], shapes[operand], Experts) != experts
+            || dim_axes(specs[operand], shapes[operand], Ffn) != ffn
+        {
+            return Err(Conflict::Layout(format!(
+                "operand {operand} splits experts or ffn differently from the gate projection ({})",
+                spec_text(specs[2], shapes[2])
+            )));
+        }
+    }
+    let row_count = shapes[0].rank() - 1;
+    for (index, axes) in specs[0].dims[..row_count].iter().enumerate() {
+        if let Some(&axis) = axes.iter().find(|axis| experts.contains(axis) || ffn.contains(axis)) {
+            return Err(Conflict::SplitActivation { dim: shapes[0].dims()[index].name, axis });
+        }
+    }
+    let mut spec = specs[0].clone();
+    spec.partial = experts.iter().chain(ffn).copied().collect();
+    each_axis_once(spec)
 }
 
 fn dim_position(shape: &Shape, dim: DimName) -> Result<usize, Conflict> {

@@ -15,6 +15,12 @@
 //! - `dp`, data parallelism: the batch is split; weights are replicated.
 //! - `cp`, context parallelism: weights are replicated (kv heads need not divide anything); the
 //!   zigzag token split and the ring attention come from the `fold-cp` pass.
+//! - `ep`, expert parallelism: each rank holds `experts/ep` of every layer's routed experts, and the
+//!   batch is split over `ep` as over `dp` (the dense layers are data parallel over it). The
+//!   experts' rule gathers each rank's tokens over `ep` and their pending sum is reduce-scattered
+//!   back (Megatron's all-gather token dispatcher). Under `tp` the experts are split on ffn (expert
+//!   tensor parallelism); under `tsp` they stay whole, so `tsp` shards attention and `ep` the
+//!   experts.
 
 use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, DimName, Module, Op};
@@ -22,7 +28,7 @@ use pleat_ir::{AxisName, DimName, Module, Op};
 use crate::error::{Error, Result};
 
 /// The axes this build has strategies for.
-pub const SUPPORTED_AXES: [AxisName; 4] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp, AxisName::Cp];
+pub const SUPPORTED_AXES: [AxisName; 5] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp, AxisName::Cp, AxisName::Ep];
 
 /// Seeds parameter and input specs for every axis of the module's mesh. Only leaves change, so the
 /// module is consistent again only once propagation has run: the two form one pass.
@@ -34,6 +40,7 @@ pub fn seed_leaves(module: &mut Module) -> Result<()> {
             // heads must divide too); `fold-tsp` restructures the layers and splits the tokens.
             AxisName::Tsp => seed_weight_splits(module, AxisName::Tsp, axis.size)?,
             AxisName::Dp => seed_data_parallel(module, axis.size)?,
+            AxisName::Ep => seed_expert_parallel(module, axis.size)?,
             // Weights stay whole on every cp rank; the sequence split is placed by `fold-cp`.
             AxisName::Cp => {}
             other => {
@@ -59,6 +66,7 @@ fn indivisible(node: &str, what: DimName, count: u64, axis: AxisName, degree: u6
             DimName::Seq => "tokens (seq)",
             DimName::Hidden => "hidden channels",
             DimName::HeadDim => "head_dim channels",
+            DimName::Experts => "experts",
         }
         .to_string(),
         count,
@@ -70,7 +78,7 @@ fn indivisible(node: &str, what: DimName, count: u64, axis: AxisName, degree: u6
 
 /// Which dim of a Hugging Face Llama-family weight tensor parallelism splits, if any.
 fn tensor_parallel_dim(name: &str) -> Option<DimName> {
-    const SPLITS: [(&str, DimName); 12] = [
+    const SPLITS: [(&str, DimName); 15] = [
         ("embed_tokens.weight", DimName::Vocab),
         ("lm_head.weight", DimName::Vocab),
         ("q_proj.weight", DimName::Heads),
@@ -83,6 +91,10 @@ fn tensor_parallel_dim(name: &str) -> Option<DimName> {
         ("gate_proj.weight", DimName::Ffn),
         ("up_proj.weight", DimName::Ffn),
         ("down_proj.weight", DimName::Ffn),
+        // Mixtral's experts (w1 gate, w3 up, w2 down): expert tensor parallelism.
+        ("experts.w1.weight", DimName::Ffn),
+        ("experts.w3.weight", DimName::Ffn),
+        ("experts.w2.weight", DimName::Ffn),
     ];
     SPLITS.iter().find(|(suffix, _)| name.ends_with(suffix)).map(|&(_, dim)| dim)
 }
@@ -94,6 +106,10 @@ fn seed_weight_splits(module: &mut Module, axis: AxisName, degree: u64) -> Resul
     for (value, name) in &params {
         let Some(dim) = tensor_parallel_dim(name) else { continue };
         let shape = &graph.value(*value).ty.shape;
+        // TSP's rings move dense weights; routed experts stay whole on its ranks (`ep` places them).
+        if axis == AxisName::Tsp && shape.position(DimName::Experts).is_some() {
+            continue;
+        }
         if let (Some(position), Some(count)) = (shape.position(dim), shape.size_of(dim)) {
             splits.push((*value, name.as_str(), dim, position, count));
         }
@@ -150,9 +166,55 @@ fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
         if batch % degree != 0 {
             return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Dp, degree));
         }
+        // Outermost: expert parallelism gathers its own (innermost) split of the batch.
         let axes = &mut graph.value_mut(value).spec.dims[0];
         if !axes.contains(&AxisName::Dp) {
-            axes.push(AxisName::Dp);
+            axes.insert(0, AxisName::Dp);
+        }
+    }
+    Ok(())
+}
+
+fn seed_expert_parallel(module: &mut Module, degree: u64) -> Result<()> {
+    let graph = &mut module.graph;
+    let experts: Vec<_> = graph
+        .params()
+        .into_iter()
+        .filter_map(|(value, name)| {
+            // The experts' projections; the router stays whole (every rank routes over all experts).
+            let shape = &graph.value(value).ty.shape;
+            shape.position(DimName::Ffn)?;
+            Some((value, name.to_string(), shape.position(DimName::Experts)?, shape.size_of(DimName::Experts)?))
+        })
+        .collect();
+    if experts.is_empty() {
+        return Err(Error::NoExperts { model: module.name.clone() });
+    }
+    for (value, name, position, count) in experts {
+        if count % degree != 0 {
+            return Err(indivisible(&name, DimName::Experts, count, AxisName::Ep, degree));
+        }
+        let axes = &mut graph.value_mut(value).spec.dims[position];
+        if !axes.contains(&AxisName::Ep) {
+            axes.push(AxisName::Ep);
+        }
+    }
+    let tokens: Vec<_> = graph
+        .order()
+        .iter()
+        .filter(|&&node| graph.node(node).op == Op::Tokens)
+        .map(|&node| graph.node(node).result)
+        .collect();
+    for value in tokens {
+        let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
+        let axes = &mut graph.value_mut(value).spec.dims[0];
+        if !axes.contains(&AxisName::Ep) {
+            axes.push(AxisName::Ep);
+        }
+        // The batch splits over every data axis at once.
+        let split: u64 = axes.iter().map(|&axis| module.mesh.degree(axis)).product();
+        if batch % split != 0 {
+            return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Ep, split));
         }
     }
     Ok(())

@@ -103,7 +103,11 @@ impl Rewriter<'_> {
         let mut layer = 0;
         while self.graph.find(&format!("layer{layer}.attn_norm")).is_some() {
             self.attention(layer, local_positions, all_positions)?;
-            self.mlp(layer)?;
+            // Routed experts stay as they are: each rank routes its own tokens (expert parallelism,
+            // when the mesh has `ep`, places the experts).
+            if self.graph.find(&format!("layer{layer}.moe")).is_none() {
+                self.mlp(layer)?;
+            }
             layer += 1;
         }
         let head = self.graph.def(self.find("lm_head")?).clone();

@@ -340,7 +340,8 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
         | Op::SiluMulGradGate
         | Op::EmbeddingGrad { .. }
         | Op::SumLeading { .. }
-        | Op::RingGatedMlpGrad { .. } => infer_training_type(node, inputs, mesh),
+        | Op::RingGatedMlpGrad { .. }
+        | Op::MoeMlpGrad { .. } => infer_training_type(node, inputs, mesh),
         Op::AllReduce { .. } => Ok(inputs[0].clone()),
         Op::BroadcastShard { axis, dim, root } => {
             let Some(position) = inputs[0].shape.position(*dim) else {
@@ -387,6 +388,30 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             same_size((0, Hidden), (1, Hidden))?;
             if inputs[1] != inputs[2] || size(1, Ffn) != size(3, Ffn) || size(3, Hidden) != size(0, Hidden) {
                 return Err("gate, up and down disagree on ffn or hidden".into());
+            }
+            Ok(inputs[0].clone())
+        }
+        Op::MoeMlp { top_k, .. } => {
+            expect_dims(1, &[Experts, Hidden])?;
+            expect_dims(2, &[Experts, Ffn, Hidden])?;
+            expect_dims(3, &[Experts, Ffn, Hidden])?;
+            expect_dims(4, &[Experts, Hidden, Ffn])?;
+            if inputs[0].shape.dims().last().map(|dim| dim.name) != Some(Hidden) {
+                return Err("operand 0 must end in hidden".into());
+            }
+            same_size((0, Hidden), (1, Hidden))?;
+            let experts = size(1, Experts);
+            if inputs[2] != inputs[3]
+                || size(2, Experts) != experts
+                || size(4, Experts) != experts
+                || size(2, Ffn) != size(4, Ffn)
+                || size(2, Hidden) != size(0, Hidden)
+                || size(4, Hidden) != size(0, Hidden)
+            {
+                return Err("the router, gate, up and down disagree on experts, ffn or hidden".into());
+            }
+            if *top_k == 0 || *top_k > experts {
+                return Err(format!("top_k={top_k} must be from 1 to the {experts} experts"));
             }
             Ok(inputs[0].clone())
         }
@@ -525,6 +550,11 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
         Op::RingGatedMlpGrad { axis, wrt } => {
             let output = forward(Op::RingGatedMlp { axis: *axis }, 4)?;
             same_type(4, &output, "the MLP output")?;
+            Ok(inputs[wrt.index()].clone())
+        }
+        Op::MoeMlpGrad { top_k, normalize, wrt } => {
+            let output = forward(Op::MoeMlp { top_k: *top_k, normalize: *normalize }, 5)?;
+            same_type(5, &output, "the MoE output")?;
             Ok(inputs[wrt.index()].clone())
         }
         Op::SiluMulGradGate => {

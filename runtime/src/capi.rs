@@ -20,7 +20,7 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pleat_backend::native::abi::{STATUS_ERROR, STATUS_OK};
-use pleat_backend::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, Program};
+use pleat_backend::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program};
 use pleat_ir::entity::EntityRef;
 
 use crate::comm::Communicator;
@@ -178,6 +178,8 @@ pub fn exported_functions() -> Vec<(&'static str, *const ())> {
         pleat_rt_silu_mul_grad_gate,
         pleat_rt_embedding_grad,
         pleat_rt_sum_leading,
+        pleat_rt_moe_mlp,
+        pleat_rt_moe_mlp_grad,
     ]
 }
 

@@ -900,6 +900,72 @@ pub unsafe extern "C" fn pleat_rt_silu_mul_grad_gate(
     unsafe { instruction(ctx, instr, || Some(kernel(Kernel::SiluMulGradGate, &[gate, up, dy], out))) }
 }
 
+/// `Kernel::MoeMlp`: the operands, the result, then `MoeDims` in order (`normalize` 0 or 1).
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_moe_mlp(
+    ctx: *mut c_void,
+    instr: u64,
+    x: u32,
+    router: u32,
+    gate: u32,
+    up: u32,
+    down: u32,
+    out: u32,
+    rows: u64,
+    hidden: u64,
+    experts: u64,
+    local_experts: u64,
+    expert_offset: u64,
+    ffn: u64,
+    top_k: u64,
+    normalize: u64,
+) -> i32 {
+    let dims = MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, normalize: normalize != 0 };
+    // SAFETY: the module's contract.
+    unsafe { instruction(ctx, instr, || Some(kernel(Kernel::MoeMlp { dims }, &[x, router, gate, up, down], out))) }
+}
+
+/// `Kernel::MoeMlpGrad`: `wrt` the operand's index (0 x, 1 router, 2 gate, 3 up, 4 down), then
+/// `MoeDims` in order.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_moe_mlp_grad(
+    ctx: *mut c_void,
+    instr: u64,
+    x: u32,
+    router: u32,
+    gate: u32,
+    up: u32,
+    down: u32,
+    dy: u32,
+    out: u32,
+    wrt: u64,
+    rows: u64,
+    hidden: u64,
+    experts: u64,
+    local_experts: u64,
+    expert_offset: u64,
+    ffn: u64,
+    top_k: u64,
+    normalize: u64,
+) -> i32 {
+    let dims = MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, normalize: normalize != 0 };
+    // SAFETY: the module's contract.
+    unsafe {
+        instruction(ctx, instr, || {
+            let wrt = pleat_ir::MoeOperand::at(usize::try_from(wrt).ok()?)?;
+            Some(kernel(Kernel::MoeMlpGrad { wrt, dims }, &[x, router, gate, up, down, dy], out))
+        })
+    }
+}
+
 /// `Kernel::EmbeddingGrad`.
 ///
 /// # Safety

@@ -13,11 +13,11 @@ use std::time::Instant;
 use half::bf16;
 use pleat_backend::memory::{staging_of, ElementSize};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
-use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, Program};
+use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program};
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
-use crate::kernels::{self, AttentionShape};
+use crate::kernels::{self, AttentionShape, MoeShape};
 use crate::native::{NativeKernels, NativeOperand};
 use crate::stream::{CommStream, Transfer};
 use crate::weights::WeightSource;
@@ -877,6 +877,10 @@ fn run_kernel(
             pack_rows(&out, &lse, head_dim, &mut result);
         }
         Kernel::SiluMul => kernels::silu_mul(&f32_operand(0)?, &f32_operand(1)?, &mut result),
+        Kernel::MoeMlp { dims } => {
+            let operands = [&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?, &f32_operand(3)?, &f32_operand(4)?];
+            kernels::moe_mlp(&moe_shape(dims), operands.map(|operand| operand.as_ref()), &mut result);
+        }
         Kernel::Add => {
             let (a, b) = (&f32_operand(0)?, &f32_operand(1)?);
             if a.len() == b.len() {
@@ -901,6 +905,7 @@ fn run_kernel(
         | Kernel::RopeGrad { .. }
         | Kernel::AttentionGrad { .. }
         | Kernel::SiluMulGradGate
+        | Kernel::MoeMlpGrad { .. }
         | Kernel::EmbeddingGrad { .. }
         | Kernel::SumLeading { .. } => {
             backward::run_backward_kernel(machine, kernel, operands, out, &mut result, gemm_threads)?
@@ -912,6 +917,21 @@ fn run_kernel(
         }
     }
     Ok(result)
+}
+
+/// A mixture-of-experts kernel's local sizes as the runtime's kernels take them.
+pub(crate) fn moe_shape(dims: &MoeDims) -> MoeShape {
+    let to_usize = |size: u64| size as usize;
+    MoeShape {
+        rows: to_usize(dims.rows),
+        hidden: to_usize(dims.hidden),
+        experts: to_usize(dims.experts),
+        local_experts: to_usize(dims.local_experts),
+        expert_offset: to_usize(dims.expert_offset),
+        ffn: to_usize(dims.ffn),
+        top_k: to_usize(dims.top_k),
+        normalize: dims.normalize,
+    }
 }
 
 /// An attention kernel's local sizes as the runtime's kernels take them.
@@ -957,8 +977,8 @@ fn kernel_arity(kernel: &Kernel) -> usize {
         Kernel::Zeros => 0,
         Kernel::Slice { .. } | Kernel::Permute { .. } | Kernel::SumLeading { .. } => 1,
         Kernel::RmsNormGradInput { .. } | Kernel::SiluMulGradGate | Kernel::CrossEntropyGradFromStats { .. } => 3,
-        Kernel::Attention { .. } => 5,
-        Kernel::AttentionGrad { .. } => 6,
+        Kernel::Attention { .. } | Kernel::MoeMlp { .. } => 5,
+        Kernel::AttentionGrad { .. } | Kernel::MoeMlpGrad { .. } => 6,
         _ => 2,
     }
 }

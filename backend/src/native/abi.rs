@@ -24,7 +24,7 @@
 //! - one function a kind of instruction, listed by [`runtime_call`] (e.g.
 //!   `pleat_rt_matmul(ctx, instr, x, w, out, m, n, k)`).
 
-use crate::program::{AttentionOperand, BufferId, Instr, Kernel};
+use crate::program::{AttentionOperand, BufferId, Instr, Kernel, MoeDims};
 
 /// The symbol of a rank library's entry function: `int32_t pleat_rank_main(void* ctx)`.
 pub const ENTRY_SYMBOL: &str = "pleat_rank_main";
@@ -77,7 +77,7 @@ pub struct RuntimeCall {
 
 /// Every `pleat_rt_*` symbol that [`runtime_call`] can name, for checking that a runtime exports
 /// them all.
-pub const INSTRUCTION_SYMBOLS: [&str; 38] = [
+pub const INSTRUCTION_SYMBOLS: [&str; 40] = [
     "pleat_rt_load_param",
     "pleat_rt_load_tokens",
     "pleat_rt_load_positions",
@@ -116,7 +116,26 @@ pub const INSTRUCTION_SYMBOLS: [&str; 38] = [
     "pleat_rt_silu_mul_grad_gate",
     "pleat_rt_embedding_grad",
     "pleat_rt_sum_leading",
+    "pleat_rt_moe_mlp",
+    "pleat_rt_moe_mlp_grad",
 ];
+
+/// A mixture-of-experts kernel's sizes, in `MoeDims` order (`normalize` as 0 or 1).
+fn moe_dims(dims: &MoeDims) -> Vec<AbiArg> {
+    [
+        dims.rows,
+        dims.hidden,
+        dims.experts,
+        dims.local_experts,
+        dims.expert_offset,
+        dims.ffn,
+        dims.top_k,
+        u64::from(dims.normalize),
+    ]
+    .into_iter()
+    .map(AbiArg::U64)
+    .collect()
+}
 
 /// A region's `(start, len)` pairs, flattened.
 fn region(pairs: &[(u64, u64)]) -> AbiArg {
@@ -257,6 +276,10 @@ fn kernel_call(kernel: &Kernel) -> (&'static str, Vec<AbiArg>) {
             ("pleat_rt_attention_grad", [U64(operand)].into_iter().chain(attention_dims(dims)).collect())
         }
         Kernel::SiluMulGradGate => ("pleat_rt_silu_mul_grad_gate", vec![]),
+        Kernel::MoeMlp { dims } => ("pleat_rt_moe_mlp", moe_dims(dims)),
+        Kernel::MoeMlpGrad { wrt, dims } => {
+            ("pleat_rt_moe_mlp_grad", [U64(wrt.index() as u64)].into_iter().chain(moe_dims(dims)).collect())
+        }
         Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => {
             ("pleat_rt_embedding_grad", vec![U64(*hidden), U64(*vocab_offset), U64(*vocab_total)])
         }

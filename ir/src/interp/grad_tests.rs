@@ -245,3 +245,45 @@ fn embedding_and_bias_gradients_match_finite_differences() {
     let d_bias = run(&Op::SumLeading { keep: 1 }, &[&dy]);
     check_finite_differences(&Op::Add, &[x, bias], 1, &dy, &d_bias);
 }
+
+#[test]
+fn moe_gradients_match_finite_differences() {
+    // 6 rows, hidden 4, 4 experts of width 3; the router is scaled so that the top-2 choice of every
+    // row has a probability gap far wider than the finite-difference step can close.
+    let mut router = random(&[4, 4], 41);
+    router.data.iter_mut().for_each(|value| *value *= 3.0);
+    let inputs =
+        [random(&[2, 3, 4], 40), router, random(&[4, 3, 4], 42), random(&[4, 3, 4], 43), random(&[4, 4, 3], 44)];
+    let dy = random(&[2, 3, 4], 45);
+    let operands: Vec<&Tensor> = inputs.iter().chain([&dy]).collect();
+    for normalize in [true, false] {
+        for wrt in crate::MoeOperand::ALL {
+            let gradient = run(&Op::MoeMlpGrad { top_k: 2, normalize, wrt }, &operands);
+            check_finite_differences(&Op::MoeMlp { top_k: 2, normalize }, &inputs, wrt.index(), &dy, &gradient);
+        }
+    }
+}
+
+#[test]
+fn moe_routes_each_row_to_its_top_experts() {
+    // One hidden channel, experts of width 1 whose output is exactly silu(x·g)·(x·u)·d. With x = 1 the
+    // logits are the router's entries [0, ln 3, ln 2]: probabilities 1/6, 1/2, 1/3; top-2 picks
+    // experts 1 and 2, renormalized to 3/5 and 2/5.
+    let x = tensor(&[1, 1], &[1.0]);
+    let router = tensor(&[3, 1], &[0.0, 3f32.ln(), 2f32.ln()]);
+    let gate = tensor(&[3, 1, 1], &[1.0, 2.0, 3.0]);
+    let up = tensor(&[3, 1, 1], &[1.0, 1.0, 1.0]);
+    let down = tensor(&[3, 1, 1], &[100.0, 10.0, 1.0]);
+    let silu = |value: f64| value / (1.0 + (-value).exp());
+    let operands = [&x, &router, &gate, &up, &down];
+    let normalized = run(&Op::MoeMlp { top_k: 2, normalize: true }, &operands);
+    let expected = 0.6 * silu(2.0) * 10.0 + 0.4 * silu(3.0);
+    assert!((f64::from(normalized.data[0]) - expected).abs() < 1e-5, "{normalized:?} vs {expected}");
+    let raw = run(&Op::MoeMlp { top_k: 2, normalize: false }, &operands);
+    let expected = 0.5 * silu(2.0) * 10.0 + silu(3.0) / 3.0;
+    assert!((f64::from(raw.data[0]) - expected).abs() < 1e-5, "{raw:?} vs {expected}");
+    // Top-1 of three equal logits takes the lowest index.
+    let even = tensor(&[3, 1], &[0.5, 0.5, 0.5]);
+    let first = run(&Op::MoeMlp { top_k: 1, normalize: true }, &[&x, &even, &gate, &up, &down]);
+    assert!((f64::from(first.data[0]) - silu(1.0) * 100.0).abs() < 1e-4, "{first:?}");
+}

@@ -22,6 +22,7 @@ mod error;
 mod grad;
 #[cfg(test)]
 mod grad_tests;
+mod moe;
 mod ops;
 mod rope;
 mod tensor;

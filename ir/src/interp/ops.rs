@@ -11,6 +11,7 @@ use super::attention::attention;
 use super::attention_grad::{attention_grad, AttentionOperand};
 use super::error::OpError;
 use super::grad;
+use super::moe;
 use super::rope::rope;
 use super::tensor::{element_count, exact_index, unravel, Tensor};
 use crate::{MlpOperand, Op};
@@ -40,6 +41,8 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::Add => add(operands[0], operands[1]),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
         Op::RingGatedMlpGrad { wrt, .. } => gated_mlp_grad(operands, *wrt),
+        Op::MoeMlp { top_k, normalize } => moe::moe_mlp(operands, *top_k, *normalize),
+        Op::MoeMlpGrad { top_k, normalize, wrt } => moe::moe_mlp_grad(operands, *top_k, *normalize, *wrt),
         Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. } => grad::cross_entropy(operands[0], operands[1]),
         Op::CrossEntropyGrad | Op::VocabParallelCrossEntropyGrad { .. } => {
             grad::cross_entropy_grad(operands[0], operands[1])

@@ -27,6 +27,7 @@ fn tiny_config() -> ModelConfig {
         attention_bias: false,
         max_position_embeddings: 128,
         sliding_window: None,
+        moe: None,
         name: "tiny-test".to_string(),
     }
 }

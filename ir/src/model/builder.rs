@@ -3,14 +3,15 @@
 //! The graph follows Hugging Face's `LlamaForCausalLM` (and its Mistral and Qwen2 siblings) op by
 //! op: token embedding; per layer RMSNorm, q/k/v projections (Qwen2 adds biases), rotary embedding,
 //! causal grouped-query attention, output projection, residual add, RMSNorm, gated SiLU MLP,
-//! residual add; final RMSNorm and the LM head (the embedding table itself when tied). Weights keep
+//! residual add; final RMSNorm and the LM head (the embedding table itself when tied). Mixtral
+//! replaces each MLP with one `moe_mlp` node over its router and stacked experts. Weights keep
 //! the checkpoint's layout (`[out, in]`), seen with split dims where that names heads. Each weight's
 //! `param` node sits just before its first use, so liveness-based planning sees short lifetimes.
 
-use crate::model::config::{Architecture, ConfigDtype, ModelConfig};
+use crate::model::config::{Architecture, ConfigDtype, ModelConfig, MoeConfig};
 use crate::{DType, DimName, Error, Graph, Mesh, Module, Op, Result, TensorType, ValueId};
 
-use DimName::{Batch, Ffn, HeadDim, Heads, Hidden, KvHeads, Seq, Vocab};
+use DimName::{Batch, Experts, Ffn, HeadDim, Heads, Hidden, KvHeads, Seq, Vocab};
 
 /// The forward graph of `config` for `batch` sequences of `seq` tokens; its one output is the
 /// logits `[batch, seq, vocab]`.
@@ -56,12 +57,21 @@ fn forward(config: &ModelConfig, batch: u64, seq: u64) -> Result<(Graph, ValueId
             });
         }
     }
-    if config.attention_bias && config.architecture != Architecture::Qwen2 {
+    if config.attention_bias && !config.architecture.has_qkv_bias() {
         return Err(Error::UnsupportedModel {
             model: config.name.clone(),
             what: "attention_bias=true (biases on q/k/v/o projections) is not supported for Llama or Mistral \
                    configs; set it to false (no published Llama or Mistral checkpoint uses it)"
                 .to_string(),
+        });
+    }
+    if let Some(width) = config.moe.as_ref().and_then(|moe| moe.shared_expert_intermediate_size) {
+        return Err(Error::UnsupportedModel {
+            model: config.name.clone(),
+            what: format!(
+                "Qwen2-MoE's shared expert (shared_expert_intermediate_size={width}) behind its sigmoid gate has no \
+                 graph op in pleat; pleat builds the routed experts of Mixtral-style configs"
+            ),
         });
     }
     let mut builder = Builder { graph: Graph::new(), config, dtype: dtype_of(config.dtype), batch, seq };
@@ -151,6 +161,10 @@ impl Builder<'_> {
 
         let norm_weight = self.param(&format!("{prefix}.post_attention_layernorm.weight"), &[(Hidden, hidden)]);
         let x = self.graph.add(Op::RmsNorm { eps }, &[residual, norm_weight], stream.clone(), &name("mlp_norm"));
+        if let Some(moe) = &config.moe {
+            let moe_out = self.experts(layer, x, moe);
+            return self.graph.add(Op::Add, &[residual, moe_out], stream, &name("moe_residual"));
+        }
         let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
         let w_gate = self.param(&format!("{prefix}.mlp.gate_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
         let gate = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_gate], inner.clone(), &name("gate_proj"));
@@ -160,6 +174,28 @@ impl Builder<'_> {
         let w_down = self.param(&format!("{prefix}.mlp.down_proj.weight"), &[(Hidden, hidden), (Ffn, ffn)]);
         let mlp_out = self.graph.add(Op::MatMul { contract: 1 }, &[act, w_down], stream.clone(), &name("down_proj"));
         self.graph.add(Op::Add, &[residual, mlp_out], stream, &name("mlp_residual"))
+    }
+
+    /// The routed experts of layer `layer` on its normed stream `x`. The experts of a layer are one
+    /// stacked tensor a projection, `[experts, ..]`: the name stands for Hugging Face's per-expert
+    /// tensors (`experts.E.w1.weight` is entry `E` of `experts.w1.weight`).
+    fn experts(&mut self, layer: u64, x: ValueId, moe: &MoeConfig) -> ValueId {
+        let (experts, ffn, hidden) = (moe.num_experts, moe.expert_intermediate_size, self.config.hidden_size);
+        let (block, [gate, up, down]) = match self.config.architecture {
+            Architecture::Qwen2Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            _ => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        };
+        let prefix = format!("model.layers.{layer}.{block}");
+        let router = self.param(&format!("{prefix}.gate.weight"), &[(Experts, experts), (Hidden, hidden)]);
+        let gate =
+            self.param(&format!("{prefix}.experts.{gate}.weight"), &[(Experts, experts), (Ffn, ffn), (Hidden, hidden)]);
+        let up =
+            self.param(&format!("{prefix}.experts.{up}.weight"), &[(Experts, experts), (Ffn, ffn), (Hidden, hidden)]);
+        let down =
+            self.param(&format!("{prefix}.experts.{down}.weight"), &[(Experts, experts), (Hidden, hidden), (Ffn, ffn)]);
+        let ty = self.graph.value(x).ty.clone();
+        let op = Op::MoeMlp { top_k: moe.top_k, normalize: moe.normalize_top_k };
+        self.graph.add(op, &[x, router, gate, up, down], ty, &format!("layer{layer}.moe"))
     }
 
     /// `x · Wᵀ (+ b)` for a q/k/v projection onto `heads` heads of `head_dim`.
@@ -185,6 +221,6 @@ impl Builder<'_> {
     }
 
     fn has_qkv_bias(&self) -> bool {
-        self.config.architecture == Architecture::Qwen2
+        self.config.architecture.has_qkv_bias()
     }
 }

@@ -1,7 +1,8 @@
 //! Model configurations read from Hugging Face `config.json` files.
 //!
 //! [`ModelConfig::from_json_str`] reads the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`) in both styles found in the wild: transformers 4 (top-level `rope_theta`,
+//! `Qwen2ForCausalLM`) and its mixture-of-experts siblings (`MixtralForCausalLM`, `Qwen2MoeForCausalLM`)
+//! in both styles found in the wild: transformers 4 (top-level `rope_theta`,
 //! `rope_scaling`, `torch_dtype`) and transformers 5 (`rope_parameters`, `dtype`). Optional fields take
 //! the defaults of the matching transformers config class, per architecture.
 //!
@@ -25,14 +26,26 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM` (`model_type` `qwen2`): Llama plus biases on the q, k and v projections.
     Qwen2,
+    /// `MixtralForCausalLM` (`model_type` `mixtral`): Mistral with every MLP replaced by routed experts.
+    Mixtral,
+    /// `Qwen2MoeForCausalLM` (`model_type` `qwen2_moe`): Qwen2 with routed experts beside a shared expert
+    /// behind a sigmoid gate.
+    Qwen2Moe,
 }
 
 impl Architecture {
     /// Every supported architecture, in the order error messages list them.
-    pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2];
+    pub const ALL: [Architecture; 5] = [
+        Architecture::Llama,
+        Architecture::Mistral,
+        Architecture::Qwen2,
+        Architecture::Mixtral,
+        Architecture::Qwen2Moe,
+    ];
 
     /// The Hugging Face class names of [`Architecture::ALL`], as `architectures` spells them.
-    pub const CLASS_NAMES: &'static [&'static str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+    pub const CLASS_NAMES: &'static [&'static str] =
+        &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"];
 
     /// The Hugging Face class name, as it appears in `architectures`.
     pub fn class_name(self) -> &'static str {
@@ -40,6 +53,8 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
         }
     }
 
@@ -49,7 +64,19 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen2Moe => "qwen2_moe",
         }
+    }
+
+    /// Whether the family replaces the dense MLP with routed experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Architecture::Mixtral | Architecture::Qwen2Moe)
+    }
+
+    /// Whether the q, k and v projections carry biases (the Qwen2 families).
+    pub fn has_qkv_bias(self) -> bool {
+        matches!(self, Architecture::Qwen2 | Architecture::Qwen2Moe)
     }
 
     /// The architecture whose class name or `model_type` is `name`, if any.
@@ -147,6 +174,34 @@ impl RopeScaling {
     pub const SUPPORTED_TYPES: &'static [&'static str] = &["default", "llama3"];
 }
 
+/// The routed experts that replace the dense MLP of every layer of a mixture-of-experts model.
+///
+/// Routing is Hugging Face's, dropless (no capacity factor): each token's router logits go through a
+/// softmax over all experts, the `top_k` largest probabilities pick its experts (ties to the lower
+/// index), optionally renormalized to sum to one, and the token's output is the weighted sum of those
+/// experts' gated SiLU MLPs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts a layer (`num_local_experts` for Mixtral, `num_experts` for Qwen2-MoE).
+    pub num_experts: u64,
+    /// Experts a token is sent to (`num_experts_per_tok`).
+    pub top_k: u64,
+    /// Width of each expert's gated MLP (Mixtral's `intermediate_size`, Qwen2-MoE's
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: u64,
+    /// Whether the top-k probabilities are renormalized to sum to one (always for Mixtral,
+    /// `norm_topk_prob` for Qwen2-MoE).
+    pub normalize_top_k: bool,
+    /// Width of Qwen2-MoE's shared expert, a gated MLP every token goes through, scaled by
+    /// `sigmoid(x · shared_expert_gate)`; `None` for Mixtral.
+    pub shared_expert_intermediate_size: Option<u64>,
+    /// The weight of the load-balancing loss in the training loss (`router_aux_loss_coef`).
+    pub router_aux_loss_coef: f64,
+    /// Whether training adds the load-balancing loss (`output_router_logits`; Hugging Face adds it
+    /// only then).
+    pub output_router_logits: bool,
+}
+
 /// A decoder-only Llama-family model, as read from a `config.json` or a preset.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -181,6 +236,8 @@ pub struct ModelConfig {
     /// Mistral's (and Qwen2's, when `use_sliding_window` is set) attention window, in tokens; `None` for
     /// full causal attention. The builder decides whether a window wider than the sequence matters.
     pub sliding_window: Option<u64>,
+    /// The routed experts of a mixture-of-experts model (Mixtral, Qwen2-MoE); `None` for a dense one.
+    pub moe: Option<MoeConfig>,
     /// A display name: `_name_or_path` when the file has one, otherwise taken from the source name.
     pub name: String,
 }
@@ -257,7 +314,7 @@ pub enum ConfigError {
     #[error("{file}: architecture `{architecture}` in `{field}` is not supported; use one of {}", supported.join(", "))]
     #[diagnostic(
         code(E0106),
-        help("use a Llama-family config (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+        help("use a Llama-family config (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM)")
     )]
     UnknownArchitecture {
         /// The source name given by the caller.
@@ -385,11 +442,30 @@ impl ModelConfig {
             "torch_dtype": self.dtype.hf_name(),
             "max_position_embeddings": self.max_position_embeddings,
         });
-        if self.architecture != Architecture::Qwen2 {
+        if !self.architecture.has_qkv_bias() {
             object["attention_bias"] = serde_json::Value::Bool(self.attention_bias);
         }
         if self.architecture != Architecture::Llama {
             object["sliding_window"] = self.sliding_window.map_or(serde_json::Value::Null, serde_json::Value::from);
+        }
+        if let Some(moe) = &self.moe {
+            object["num_experts_per_tok"] = moe.top_k.into();
+            object["router_aux_loss_coef"] = moe.router_aux_loss_coef.into();
+            object["output_router_logits"] = moe.output_router_logits.into();
+            match self.architecture {
+                Architecture::Qwen2Moe => {
+                    object["num_experts"] = moe.num_experts.into();
+                    object["moe_intermediate_size"] = moe.expert_intermediate_size.into();
+                    object["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size.unwrap_or(0).into();
+                    object["norm_topk_prob"] = moe.normalize_top_k.into();
+                    object["decoder_sparse_step"] = 1.into();
+                    object["mlp_only_layers"] = serde_json::json!([]);
+                }
+                _ => {
+                    object["num_local_experts"] = moe.num_experts.into();
+                    object["intermediate_size"] = moe.expert_intermediate_size.into();
+                }
+            }
         }
         serde_json::to_string_pretty(&object).expect("a JSON value always prints")
     }
@@ -402,14 +478,39 @@ impl ModelConfig {
     }
 
     /// The exact number of parameters: embedding; per layer q, k, v, o (plus q/k/v biases when
-    /// `attention_bias`), gate, up, down and two norms; the final norm; `lm_head` unless tied.
-    /// Saturates at `u64::MAX`, which no parsed config reaches.
+    /// `attention_bias`), the MLP (gate, up, down; or for a mixture of experts the router, every
+    /// expert's gate, up and down, and the shared expert with its gate) and two norms; the final norm;
+    /// `lm_head` unless tied. Saturates at `u64::MAX`, which no parsed config reaches.
     pub fn param_count(&self) -> u64 {
-        self.checked_param_count().unwrap_or(u64::MAX)
+        self.checked_param_count(self.moe.as_ref().map_or(0, |moe| moe.num_experts)).unwrap_or(u64::MAX)
     }
 
-    /// [`ModelConfig::param_count`], or `None` when it does not fit in a `u64`.
-    fn checked_param_count(&self) -> Option<u64> {
+    /// The parameters one token's forward pass reads: [`ModelConfig::param_count`] with only `top_k`
+    /// routed experts a layer (what Mixtral's "12.9B active" counts). Equal to the total for a dense
+    /// model.
+    pub fn active_param_count(&self) -> u64 {
+        self.checked_param_count(self.moe.as_ref().map_or(0, |moe| moe.top_k)).unwrap_or(u64::MAX)
+    }
+
+    /// The parameters of one layer's MLP block with `experts` routed experts counted (the router and
+    /// the shared expert always count), or `None` past `u64`.
+    fn checked_mlp_params(&self, experts: u64) -> Option<u64> {
+        let hidden = self.hidden_size;
+        let Some(moe) = &self.moe else {
+            return hidden.checked_mul(self.intermediate_size)?.checked_mul(3);
+        };
+        let router = moe.num_experts.checked_mul(hidden)?;
+        let routed = experts.checked_mul(hidden)?.checked_mul(moe.expert_intermediate_size)?.checked_mul(3)?;
+        let shared = match moe.shared_expert_intermediate_size {
+            Some(width) => hidden.checked_mul(width)?.checked_mul(3)?.checked_add(hidden)?,
+            None => 0,
+        };
+        router.checked_add(routed)?.checked_add(shared)
+    }
+
+    /// [`ModelConfig::param_count`] with `experts` routed experts a layer, or `None` when it does not
+    /// fit in a `u64`.
+    fn checked_param_count(&self, experts: u64) -> Option<u64> {
         let hidden = self.hidden_size;
         let query_width = self.num_heads.checked_mul(self.head_dim)?;
         let key_value_width = self.num_kv_heads.checked_mul(self.head_dim)?;
@@ -418,7 +519,7 @@ impl ModelConfig {
             true => query_width.checked_add(key_value_width.checked_mul(2)?)?,
             false => 0,
         };
-        let mlp = hidden.checked_mul(self.intermediate_size)?.checked_mul(3)?;
+        let mlp = self.checked_mlp_params(experts)?;
         let norms = hidden.checked_mul(2)?;
         let per_layer = attention_weights.checked_add(attention_biases)?.checked_add(mlp)?.checked_add(norms)?;
         let embedding = self.vocab_size.checked_mul(hidden)?;
@@ -460,8 +561,43 @@ impl ModelConfig {
             let value = self.rms_norm_eps.to_string();
             return Err(bad_value(source, "rms_norm_eps", &value, "a finite number >= 0"));
         }
-        if self.checked_param_count().is_none() {
+        if let Some(moe) = &self.moe {
+            self.validate_moe(moe, source)?;
+        }
+        let experts = self.moe.as_ref().map_or(0, |moe| moe.num_experts);
+        if self.checked_param_count(experts).is_none() {
             return Err(ConfigError::TooManyParameters { file: source.to_owned() });
+        }
+        Ok(())
+    }
+}
+
+impl ModelConfig {
+    fn validate_moe(&self, moe: &MoeConfig, source: &str) -> Result<()> {
+        let (experts_field, width_field) = match self.architecture {
+            Architecture::Qwen2Moe => ("num_experts", "moe_intermediate_size"),
+            _ => ("num_local_experts", "intermediate_size"),
+        };
+        for (field, size) in [(experts_field, moe.num_experts), (width_field, moe.expert_intermediate_size)] {
+            if size == 0 {
+                return Err(bad_value(source, field, "0", "at least 1"));
+            }
+        }
+        if moe.top_k == 0 || moe.top_k > moe.num_experts {
+            let value = moe.top_k.to_string();
+            return Err(bad_value(
+                source,
+                "num_experts_per_tok",
+                &value,
+                "at least 1 and at most the number of experts",
+            ));
+        }
+        if moe.shared_expert_intermediate_size == Some(0) {
+            return Err(bad_value(source, "shared_expert_intermediate_size", "0", "at least 1"));
+        }
+        if !(moe.router_aux_loss_coef.is_finite() && moe.router_aux_loss_coef >= 0.0) {
+            let value = moe.router_aux_loss_coef.to_string();
+            return Err(bad_value(source, "router_aux_loss_coef", &value, "a finite number >= 0"));
         }
         Ok(())
     }

@@ -5,7 +5,9 @@
 
 use serde_json::{Map, Value};
 
-use super::{bad_value, Architecture, ConfigDtype, ConfigError, ModelConfig, Result, RopeConfig, RopeScaling};
+use super::{
+    bad_value, Architecture, ConfigDtype, ConfigError, ModelConfig, MoeConfig, Result, RopeConfig, RopeScaling,
+};
 
 /// Parses `text` and reads every field; [`ModelConfig::validate`] checks the numbers afterwards.
 pub(super) fn read_config(text: &str, source: &str) -> Result<ModelConfig> {
@@ -43,9 +45,11 @@ fn read_fields(fields: &Fields<'_>) -> Result<ModelConfig> {
     let attention_bias = read_attention_bias(fields, architecture)?;
     let default_max_positions = match architecture {
         Architecture::Llama => 2048,
-        Architecture::Mistral => 4096 * 32,
-        Architecture::Qwen2 => 32768,
+        Architecture::Mistral | Architecture::Mixtral => 4096 * 32,
+        Architecture::Qwen2 | Architecture::Qwen2Moe => 32768,
     };
+    let default_eps = if architecture == Architecture::Mixtral { 1e-5 } else { 1e-6 };
+    let default_theta = if architecture == Architecture::Mixtral { 1e6 } else { 10000.0 };
     Ok(ModelConfig {
         architecture,
         vocab_size,
@@ -55,13 +59,14 @@ fn read_fields(fields: &Fields<'_>) -> Result<ModelConfig> {
         num_kv_heads,
         head_dim,
         intermediate_size,
-        rms_norm_eps: fields.optional_f64("rms_norm_eps")?.unwrap_or(1e-6),
-        rope: read_rope(fields)?,
+        rms_norm_eps: fields.optional_f64("rms_norm_eps")?.unwrap_or(default_eps),
+        rope: read_rope(fields, default_theta)?,
         tie_word_embeddings: fields.optional_bool("tie_word_embeddings")?.unwrap_or(false),
         dtype: read_dtype(fields)?,
         attention_bias,
         max_position_embeddings: fields.optional_u64("max_position_embeddings")?.unwrap_or(default_max_positions),
         sliding_window: read_sliding_window(fields, architecture, num_layers)?,
+        moe: read_moe(fields, architecture, intermediate_size)?,
         name: read_name(fields)?,
     })
 }
@@ -104,8 +109,9 @@ fn read_num_kv_heads(fields: &Fields<'_>, architecture: Architecture, num_heads:
     }
     Ok(match architecture {
         Architecture::Llama => num_heads,
-        Architecture::Mistral => 8,
+        Architecture::Mistral | Architecture::Mixtral => 8,
         Architecture::Qwen2 => 32,
+        Architecture::Qwen2Moe => 16,
     })
 }
 
@@ -113,8 +119,8 @@ fn read_num_kv_heads(fields: &Fields<'_>, architecture: Architecture, num_heads:
 /// `attention_bias` also puts a bias on the o projection, which [`ModelConfig`] cannot express.
 fn read_attention_bias(fields: &Fields<'_>, architecture: Architecture) -> Result<bool> {
     match architecture {
-        Architecture::Qwen2 => return Ok(true),
-        Architecture::Mistral => return Ok(false),
+        Architecture::Qwen2 | Architecture::Qwen2Moe => return Ok(true),
+        Architecture::Mistral | Architecture::Mixtral => return Ok(false),
         Architecture::Llama => {}
     }
     if fields.optional_bool("attention_bias")? == Some(true) {
@@ -151,7 +157,8 @@ fn read_sliding_window(fields: &Fields<'_>, architecture: Architecture, num_laye
             true => fields.optional_u64("sliding_window"),
             false => Ok(Some(4096)),
         },
-        Architecture::Qwen2 => {
+        Architecture::Mixtral => fields.optional_u64("sliding_window"),
+        Architecture::Qwen2 | Architecture::Qwen2Moe => {
             let enabled = fields.optional_bool("use_sliding_window")? == Some(true);
             let full_layers = fields.optional_u64("max_window_layers")?.unwrap_or(28);
             if enabled && full_layers < num_layers {
@@ -167,16 +174,78 @@ fn read_sliding_window(fields: &Fields<'_>, architecture: Architecture, num_laye
     }
 }
 
+/// The routed experts of Mixtral and Qwen2-MoE with transformers' class defaults; `None` for the dense
+/// families. Qwen2-MoE layers that keep a dense MLP (`decoder_sparse_step` > 1, `mlp_only_layers`) and
+/// Mixtral's router jitter are refused.
+fn read_moe(fields: &Fields<'_>, architecture: Architecture, intermediate_size: u64) -> Result<Option<MoeConfig>> {
+    match architecture {
+        Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => Ok(None),
+        Architecture::Mixtral => {
+            if let Some(jitter) = fields.optional_f64("router_jitter_noise")? {
+                if jitter != 0.0 {
+                    return Err(fields.unsupported(
+                        "router_jitter_noise",
+                        &jitter.to_string(),
+                        "pleat routes deterministically; use 0.0",
+                    ));
+                }
+            }
+            Ok(Some(MoeConfig {
+                num_experts: fields.optional_u64("num_local_experts")?.unwrap_or(8),
+                top_k: fields.optional_u64("num_experts_per_tok")?.unwrap_or(2),
+                expert_intermediate_size: intermediate_size,
+                normalize_top_k: true,
+                shared_expert_intermediate_size: None,
+                router_aux_loss_coef: fields.optional_f64("router_aux_loss_coef")?.unwrap_or(0.001),
+                output_router_logits: fields.optional_bool("output_router_logits")?.unwrap_or(false),
+            }))
+        }
+        Architecture::Qwen2Moe => {
+            let step = fields.optional_u64("decoder_sparse_step")?.unwrap_or(1);
+            if step != 1 {
+                return Err(fields.unsupported(
+                    "decoder_sparse_step",
+                    &step.to_string(),
+                    "pleat builds routed experts in every layer; use 1",
+                ));
+            }
+            match fields.get("mlp_only_layers") {
+                None => {}
+                Some(serde_json::Value::Array(layers)) if layers.is_empty() => {}
+                Some(other) => {
+                    return Err(fields.unsupported(
+                        "mlp_only_layers",
+                        &abbreviate(other),
+                        "pleat builds routed experts in every layer; use []",
+                    ))
+                }
+            }
+            Ok(Some(MoeConfig {
+                num_experts: fields.optional_u64("num_experts")?.unwrap_or(60),
+                top_k: fields.optional_u64("num_experts_per_tok")?.unwrap_or(4),
+                expert_intermediate_size: fields.optional_u64("moe_intermediate_size")?.unwrap_or(1408),
+                normalize_top_k: fields.optional_bool("norm_topk_prob")?.unwrap_or(false),
+                shared_expert_intermediate_size: Some(
+                    fields.optional_u64("shared_expert_intermediate_size")?.unwrap_or(5632),
+                ),
+                router_aux_loss_coef: fields.optional_f64("router_aux_loss_coef")?.unwrap_or(0.001),
+                output_router_logits: fields.optional_bool("output_router_logits")?.unwrap_or(false),
+            }))
+        }
+    }
+}
+
 /// The RoPE settings from `rope_parameters` (transformers 5), else `rope_scaling` (transformers 4).
-/// `rope_theta` is looked up in `rope_parameters` first, then at the top level, then defaults to 10000.
-fn read_rope(fields: &Fields<'_>) -> Result<RopeConfig> {
+/// `rope_theta` is looked up in `rope_parameters` first, then at the top level, then defaults to
+/// `default_theta` (the config class's).
+fn read_rope(fields: &Fields<'_>, default_theta: f64) -> Result<RopeConfig> {
     let parameters = fields.optional_object("rope_parameters")?;
     let theta_in_parameters = match &parameters {
         Some(parameters) => parameters.optional_f64("rope_theta")?.map(|theta| (parameters.path("rope_theta"), theta)),
         None => None,
     };
     let theta_at_top = fields.optional_f64("rope_theta")?.map(|theta| (fields.path("rope_theta"), theta));
-    let (theta_field, theta) = theta_in_parameters.or(theta_at_top).unwrap_or(("rope_theta".to_owned(), 10000.0));
+    let (theta_field, theta) = theta_in_parameters.or(theta_at_top).unwrap_or(("rope_theta".to_owned(), default_theta));
     if !(theta.is_finite() && theta > 0.0) {
         return Err(bad_value(fields.file, &theta_field, &theta.to_string(), "a finite number > 0"));
     }

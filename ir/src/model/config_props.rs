@@ -44,6 +44,7 @@ fn arbitrary_config() -> impl Strategy<Value = ModelConfig> {
             attention_bias: architecture == Architecture::Qwen2,
             max_position_embeddings: max_positions,
             sliding_window: (architecture == Architecture::Mistral).then_some(4096),
+            moe: None,
             name: "random".to_owned(),
         }
     })

@@ -349,13 +349,13 @@ fn values_out_of_range() {
 fn unknown_architectures_list_the_supported_ones() {
     check_error(
         &minimal("GPT2LMHeadModel").to_string(),
-        "models/test/config.json: architecture `GPT2LMHeadModel` in `architectures` is not supported; use one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+        "models/test/config.json: architecture `GPT2LMHeadModel` in `architectures` is not supported; use one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM",
     );
     let mut base = minimal("unused");
     base.as_object_mut().unwrap().remove("architectures");
     check_error(
         &with(base, &[("model_type", json!("gemma"))]),
-        "models/test/config.json: architecture `gemma` in `model_type` is not supported; use one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+        "models/test/config.json: architecture `gemma` in `model_type` is not supported; use one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM",
     );
 }
 
@@ -427,5 +427,96 @@ fn written_configs_read_back_equal() {
         let config = crate::model::preset::preset(name).expect("preset");
         let text = config.to_hf_json();
         assert_eq!(ModelConfig::from_json_str(&text, "written.json").expect("reads back"), config, "{name}");
+    }
+}
+
+/// `Qwen/Qwen1.5-MoE-A2.7B`'s config.json as published.
+const QWEN15_MOE_A27B: &str = r#"{
+  "architectures": ["Qwen2MoeForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "decoder_sparse_step": 1,
+  "eos_token_id": 151643,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 5632,
+  "max_position_embeddings": 8192,
+  "max_window_layers": 21,
+  "model_type": "qwen2_moe",
+  "moe_intermediate_size": 1408,
+  "norm_topk_prob": false,
+  "num_attention_heads": 16,
+  "num_experts": 60,
+  "num_experts_per_tok": 4,
+  "num_hidden_layers": 24,
+  "num_key_value_heads": 16,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001,
+  "shared_expert_intermediate_size": 5632,
+  "sliding_window": 32768,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.39.0.dev0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+}"#;
+
+#[test]
+fn reads_qwen2_moe_with_its_shared_expert() {
+    let config = parse(QWEN15_MOE_A27B);
+    assert_eq!(config.architecture, Architecture::Qwen2Moe);
+    assert!(config.attention_bias);
+    let moe = config.moe.clone().expect("a mixture of experts");
+    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate_size), (60, 4, 1408));
+    assert_eq!(moe.shared_expert_intermediate_size, Some(5632));
+    assert!(!moe.normalize_top_k);
+    // Qwen's name says 2.7B active; the model card gives 14.3B in all (both rounded to 0.1B).
+    assert!((config.param_count() as f64 - 14.3e9).abs() < 0.05e9, "{}", config.param_count());
+    assert!((config.active_param_count() as f64 - 2.7e9).abs() < 0.05e9, "{}", config.active_param_count());
+    // It survives a round trip through the writer.
+    assert_eq!(parse(&config.to_hf_json()), config);
+}
+
+#[test]
+fn mixtral_takes_its_class_defaults() {
+    let config = parse(&minimal("MixtralForCausalLM").to_string());
+    let moe = config.moe.clone().expect("a mixture of experts");
+    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate_size), (8, 2, 512));
+    assert!(moe.normalize_top_k && moe.shared_expert_intermediate_size.is_none() && !moe.output_router_logits);
+    assert_eq!((config.num_kv_heads, config.rope.theta, config.rms_norm_eps), (8, 1e6, 1e-5));
+    assert_eq!(config.sliding_window, None);
+    assert_eq!(parse(&config.to_hf_json()), config);
+}
+
+#[test]
+fn moe_settings_pleat_cannot_build_are_named() {
+    let cases = [
+        (
+            with(minimal("MixtralForCausalLM"), &[("num_experts_per_tok", json!(9))]),
+            "field `num_experts_per_tok` = 9 is out of range; it must be at least 1 and at most the number of experts",
+        ),
+        (
+            with(minimal("MixtralForCausalLM"), &[("num_local_experts", json!(0))]),
+            "field `num_local_experts` = 0 is out of range; it must be at least 1",
+        ),
+        (
+            with(minimal("MixtralForCausalLM"), &[("router_jitter_noise", json!(0.1))]),
+            "`router_jitter_noise` = 0.1 is not supported: pleat routes deterministically; use 0.0",
+        ),
+        (
+            with(minimal("Qwen2MoeForCausalLM"), &[("decoder_sparse_step", json!(2))]),
+            "`decoder_sparse_step` = 2 is not supported: pleat builds routed experts in every layer; use 1",
+        ),
+        (
+            with(minimal("Qwen2MoeForCausalLM"), &[("mlp_only_layers", json!([0, 3]))]),
+            "`mlp_only_layers` = [0,3] is not supported: pleat builds routed experts in every layer; use []",
+        ),
+    ];
+    for (text, message) in cases {
+        check_error(&text, &format!("models/test/config.json: {message}"));
     }
 }

@@ -4,10 +4,11 @@
 //! (a test checks this), and the Llama ones carry the values Meta published on the Hugging Face Hub.
 //! `tiny` is the model every test and snapshot runs; `tsp-7b` is the model of the TSP paper.
 
-use super::config::{Architecture, ConfigDtype, ConfigError, ModelConfig, RopeConfig, RopeScaling};
+use super::config::{Architecture, ConfigDtype, ConfigError, ModelConfig, MoeConfig, RopeConfig, RopeScaling};
 
 /// Every preset name, in the order error messages list them.
-pub const PRESET_NAMES: &[&str] = &["tiny", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "tsp-7b"];
+pub const PRESET_NAMES: &[&str] =
+    &["tiny", "tiny-moe", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "tsp-7b", "mixtral-8x7b"];
 
 /// The preset called `name`, or [`ConfigError::UnknownPreset`] listing [`PRESET_NAMES`].
 pub fn preset(name: &str) -> Result<ModelConfig, ConfigError> {
@@ -18,6 +19,8 @@ pub fn preset(name: &str) -> Result<ModelConfig, ConfigError> {
         "llama3-70b" => Ok(llama3(name, 8192, 80, 64, 28672, 8192, RopeScaling::None)),
         "llama3-405b" => Ok(llama3(name, 16384, 126, 128, 53248, 131072, llama31_rope_scaling())),
         "tsp-7b" => Ok(tsp_7b()),
+        "tiny-moe" => Ok(tiny_moe()),
+        "mixtral-8x7b" => Ok(mixtral_8x7b()),
         _ => Err(ConfigError::UnknownPreset { name: name.to_owned(), known: PRESET_NAMES }),
     }
 }
@@ -40,7 +43,59 @@ fn tiny() -> ModelConfig {
         attention_bias: false,
         max_position_embeddings: 512,
         sliding_window: None,
+        moe: None,
         name: "tiny".to_owned(),
+    }
+}
+
+/// `tiny` with a Mixtral block in place of each MLP: 8 experts of width 64, each token routed to 2.
+fn tiny_moe() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Mixtral,
+        intermediate_size: 64,
+        moe: Some(MoeConfig {
+            num_experts: 8,
+            top_k: 2,
+            expert_intermediate_size: 64,
+            normalize_top_k: true,
+            shared_expert_intermediate_size: None,
+            router_aux_loss_coef: 0.02,
+            output_router_logits: false,
+        }),
+        name: "tiny-moe".to_owned(),
+        ..tiny()
+    }
+}
+
+/// `mistralai/Mixtral-8x7B-v0.1`: Mistral 7B's attention (32 heads, 8 KV heads, RoPE theta 10^6) with
+/// 8 experts of width 14336 a layer and 2 a token, bfloat16; 46.7B parameters, 12.9B active.
+fn mixtral_8x7b() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Mixtral,
+        vocab_size: 32000,
+        hidden_size: 4096,
+        num_layers: 32,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        intermediate_size: 14336,
+        rms_norm_eps: 1e-5,
+        rope: RopeConfig { theta: 1e6, scaling: RopeScaling::None },
+        tie_word_embeddings: false,
+        dtype: ConfigDtype::Bf16,
+        attention_bias: false,
+        max_position_embeddings: 32768,
+        sliding_window: None,
+        moe: Some(MoeConfig {
+            num_experts: 8,
+            top_k: 2,
+            expert_intermediate_size: 14336,
+            normalize_top_k: true,
+            shared_expert_intermediate_size: None,
+            router_aux_loss_coef: 0.02,
+            output_router_logits: false,
+        }),
+        name: "mixtral-8x7b".to_owned(),
     }
 }
 
@@ -62,6 +117,7 @@ fn llama2_7b() -> ModelConfig {
         attention_bias: false,
         max_position_embeddings: 4096,
         sliding_window: None,
+        moe: None,
         name: "llama2-7b".to_owned(),
     }
 }
@@ -93,6 +149,7 @@ fn llama3(
         attention_bias: false,
         max_position_embeddings,
         sliding_window: None,
+        moe: None,
         name: name.to_owned(),
     }
 }
@@ -126,6 +183,7 @@ fn tsp_7b() -> ModelConfig {
         attention_bias: false,
         max_position_embeddings: 4096,
         sliding_window: None,
+        moe: None,
         name: "tsp-7b".to_owned(),
     }
 }
@@ -143,6 +201,8 @@ mod tests {
             "llama3-70b" => Some(include_str!("../../../examples/llama3-70b/config.json")),
             "llama3-405b" => Some(include_str!("../../../examples/llama3-405b/config.json")),
             "tsp-7b" => Some(include_str!("../../../examples/tsp-7b/config.json")),
+            "tiny-moe" => Some(include_str!("../../../examples/tiny-moe/config.json")),
+            "mixtral-8x7b" => Some(include_str!("../../../examples/mixtral-8x7b/config.json")),
             _ => None,
         }
     }
@@ -200,6 +260,26 @@ mod tests {
     }
 
     #[test]
+    fn mixtral_counts_match_the_published_totals() {
+        // Mixtral 8x7B, tensor by tensor: embed and lm_head 32000*4096 each; per layer q and o
+        // 4096*4096, k and v 4096*1024, the router 8*4096, each expert's w1, w3 14336*4096 and w2
+        // 4096*14336, two norms 4096; the final norm 4096.
+        let (embed, attention, router, expert, norms) =
+            (32000 * 4096, 2 * 4096 * 4096 + 2 * 4096 * 1024, 8 * 4096, 3 * 14336 * 4096, 2 * 4096);
+        let total = 2 * embed + 32 * (attention + router + 8 * expert + norms) + 4096;
+        let active = 2 * embed + 32 * (attention + router + 2 * expert + norms) + 4096;
+        let mixtral = preset("mixtral-8x7b").unwrap();
+        assert_eq!(mixtral.param_count(), total);
+        assert_eq!(mixtral.active_param_count(), active);
+        // Mistral AI's figures: 46.7B parameters, 12.9B used a token; within 0.5%.
+        assert!((total as f64 / 46.7e9 - 1.0).abs() < 0.005, "total {total}");
+        assert!((active as f64 / 12.9e9 - 1.0).abs() < 0.005, "active {active}");
+        // A dense model's active count is its total.
+        let llama = preset("llama3-8b").unwrap();
+        assert_eq!(llama.active_param_count(), llama.param_count());
+    }
+
+    #[test]
     fn tiny_is_exactly_as_specified() {
         let tiny = preset("tiny").unwrap();
         let sizes = [tiny.vocab_size, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads];
@@ -216,8 +296,8 @@ mod tests {
         let error = preset("llama4").unwrap_err();
         assert_eq!(
             error.to_string(),
-            "unknown preset `llama4`; use one of tiny, llama2-7b, llama3-8b, llama3-70b, llama3-405b, tsp-7b \
-             or a path to a config.json"
+            "unknown preset `llama4`; use one of tiny, tiny-moe, llama2-7b, llama3-8b, llama3-70b, llama3-405b, \
+             tsp-7b, mixtral-8x7b or a path to a config.json"
         );
     }
 }

@@ -10,11 +10,13 @@ use super::cursor::{Cursor, Parsed};
 use super::error::{ParseError, Span};
 use crate::entity::EntityRef;
 use crate::model::config::{RopeConfig, RopeScaling};
-use crate::{AxisName, DType, Dim, DimName, Graph, Mesh, MlpOperand, Module, NodeData, NodeId, Op, Shape, ShardSpec};
+use crate::{
+    AxisName, DType, Dim, DimName, Graph, Mesh, MlpOperand, Module, MoeOperand, NodeData, NodeId, Op, Shape, ShardSpec,
+};
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 36] = [
+const OPS: [&str; 38] = [
     "tokens",
     "positions",
     "param",
@@ -51,6 +53,8 @@ const OPS: [&str; 36] = [
     "ring_attention",
     "zigzag",
     "all_to_all",
+    "moe_mlp",
+    "moe_mlp_grad",
 ];
 
 /// The header every module text needs, as errors spell it.
@@ -325,6 +329,8 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "sum_leading" => &["keep"],
         "ring_attention" => &["axis", "causal"],
         "ring_gated_mlp_grad" => &["axis", "wrt"],
+        "moe_mlp" => &["top_k", "normalize"],
+        "moe_mlp_grad" => &["top_k", "normalize", "wrt"],
         "all_to_all" => &["axis", "split_dim", "gather_dim"],
         _ => &[],
     };
@@ -406,6 +412,15 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
             axis: axis_value(cursor, required("axis", "tsp")?)?,
             wrt: mlp_operand_value(cursor, required("wrt", "gate")?)?,
         },
+        "moe_mlp" => Op::MoeMlp {
+            top_k: number(cursor, required("top_k", "2")?, "a whole number")?,
+            normalize: number(cursor, required("normalize", "true")?, "`true` or `false`")?,
+        },
+        "moe_mlp_grad" => Op::MoeMlpGrad {
+            top_k: number(cursor, required("top_k", "2")?, "a whole number")?,
+            normalize: number(cursor, required("normalize", "true")?, "`true` or `false`")?,
+            wrt: moe_operand_value(cursor, required("wrt", "router")?)?,
+        },
         "vocab_parallel_cross_entropy" => {
             Op::VocabParallelCrossEntropy { axis: axis_value(cursor, required("axis", "tp")?)? }
         }
@@ -464,6 +479,14 @@ fn mlp_operand_value(cursor: &Cursor<'_>, attribute: &Attribute<'_>) -> Parsed<M
     MlpOperand::parse(&attribute.value).ok_or_else(|| {
         let names: Vec<&str> = MlpOperand::ALL.iter().map(|operand| operand.as_str()).collect();
         let message = format!("unknown MLP operand `{}`; operands are {}", attribute.value, names.join(", "));
+        cursor.error(attribute.value_start, attribute.value_end, message)
+    })
+}
+
+fn moe_operand_value(cursor: &Cursor<'_>, attribute: &Attribute<'_>) -> Parsed<MoeOperand> {
+    MoeOperand::parse(&attribute.value).ok_or_else(|| {
+        let names: Vec<&str> = MoeOperand::ALL.iter().map(|operand| operand.as_str()).collect();
+        let message = format!("unknown MoE operand `{}`; operands are {}", attribute.value, names.join(", "));
         cursor.error(attribute.value_start, attribute.value_end, message)
     })
 }

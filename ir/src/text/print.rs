@@ -185,6 +185,10 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
         Op::RingAttention { axis, causal } => write!(out, " axis={axis} causal={causal}"),
         Op::RingGatedMlpGrad { axis, wrt } => write!(out, " axis={axis} wrt={}", wrt.as_str()),
+        Op::MoeMlp { top_k, normalize } => write!(out, " top_k={top_k} normalize={normalize}"),
+        Op::MoeMlpGrad { top_k, normalize, wrt } => {
+            write!(out, " top_k={top_k} normalize={normalize} wrt={}", wrt.as_str())
+        }
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {
             write!(out, " axis={axis} dim={dim}")
         }

@@ -66,6 +66,7 @@ fn tiny_llama() -> ModelConfig {
         attention_bias: false,
         max_position_embeddings: 131072,
         sliding_window: None,
+        moe: None,
         name: "tiny-llama".to_string(),
     }
 }

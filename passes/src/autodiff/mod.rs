@@ -317,6 +317,10 @@ impl Backward<'_> {
                 Err(Conflict::SplitActivation { dim, axis }) => {
                     operands[0] = self.collective(operands[0], Op::AllGather { axis, dim }, "all_gather")?;
                 }
+                Err(Conflict::ScatterPartial { operand, axis, dim }) => {
+                    let op = Op::ReduceScatter { axis, dim };
+                    operands[operand] = self.collective(operands[operand], op, "reduce_scatter")?;
+                }
                 Err(Conflict::Layout(reason)) => {
                     return Err(AutodiffError::NoLayout { name: name.to_string(), reason });
                 }

@@ -6,7 +6,7 @@
 //! `SiluMul(gate, dy)`, ...). Communication ops map to their conjugate collectives
 //! (`conjugate`), so the same rules will differentiate a per-rank sharded graph.
 
-use pleat_ir::{Graph, MlpOperand, NodeData, Op, ValueId};
+use pleat_ir::{Graph, MlpOperand, MoeOperand, NodeData, Op, ValueId};
 
 /// How the gradient of one operand is computed.
 #[derive(Clone, Debug, PartialEq)]
@@ -67,6 +67,11 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
         (Op::RingGatedMlp { axis }, operand) if operand < 4 => {
             let wrt = MlpOperand::at(operand).expect("operand < 4");
             apply(Op::RingGatedMlpGrad { axis: *axis, wrt }, [&inputs[..], &[dy]].concat())
+        }
+        (Op::MoeMlp { top_k, normalize }, operand) if operand < 5 => {
+            let wrt = MoeOperand::at(operand).expect("operand < 5");
+            let op = Op::MoeMlpGrad { top_k: *top_k, normalize: *normalize, wrt };
+            apply(op, [&inputs[..], &[dy]].concat())
         }
         (Op::RingAttention { .. }, _) => Err(NoRule {
             reason: "ring_attention has no gradient rule; fold-cp writes a training graph's attention as an \

@@ -198,9 +198,11 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
     let node = match op {
         Op::Tokens | Op::Positions | Op::Param { .. } => return None,
         // Ops no rule rewrites are fixed values of the template: context parallelism's ring (its
-        // schedule is chosen by `fold-cp`), and the backward ops (training graphs are not rewritten).
+        // schedule is chosen by `fold-cp`), the routed experts, and the backward ops (training graphs are not rewritten).
         Op::RingAttention { .. }
         | Op::RingGatedMlpGrad { .. }
+        | Op::MoeMlp { .. }
+        | Op::MoeMlpGrad { .. }
         | Op::CrossEntropy
         | Op::CrossEntropyGrad
         | Op::VocabParallelCrossEntropy { .. }

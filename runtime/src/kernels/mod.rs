@@ -21,6 +21,7 @@ mod grad;
 mod layout;
 mod loss;
 mod matmul;
+mod moe;
 mod norm;
 mod rope;
 mod row_grad;
@@ -33,6 +34,7 @@ pub use grad::{embedding_grad, matmul_grad_input, matmul_grad_weight, sum_leadin
 pub use layout::{join_dim_chunks, slice_region, split_dim_chunks};
 pub use loss::{cross_entropy, cross_entropy_grad, LossShape};
 pub use matmul::matmul_nt;
+pub use moe::{moe_mlp, moe_mlp_grad, MoeGradOperand, MoeShape};
 pub use norm::rms_norm;
 pub use rope::{rope_grad_in_place, rope_in_place};
 pub use row_grad::{rms_norm_grad_input, rms_norm_grad_weight, silu_mul_grad_gate};
