@@ -153,15 +153,19 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
-    let graph = &mut module.graph;
-    let tokens: Vec<_> = graph
+/// The values of the graph's `tokens` nodes.
+fn token_values(graph: &pleat_ir::Graph) -> Vec<pleat_ir::ValueId> {
+    graph
         .order()
         .iter()
         .filter(|&&node| graph.node(node).op == Op::Tokens)
         .map(|&node| graph.node(node).result)
-        .collect();
-    for value in tokens {
+        .collect()
+}
+
+fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
+    let graph = &mut module.graph;
+    for value in token_values(graph) {
         let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
         if batch % degree != 0 {
             return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Dp, degree));
@@ -199,13 +203,7 @@ fn seed_expert_parallel(module: &mut Module, degree: u64) -> Result<()> {
             axes.push(AxisName::Ep);
         }
     }
-    let tokens: Vec<_> = graph
-        .order()
-        .iter()
-        .filter(|&&node| graph.node(node).op == Op::Tokens)
-        .map(|&node| graph.node(node).result)
-        .collect();
-    for value in tokens {
+    for value in token_values(graph) {
         let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
         let axes = &mut graph.value_mut(value).spec.dims[0];
         if !axes.contains(&AxisName::Ep) {
