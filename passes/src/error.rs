@@ -50,7 +50,7 @@ pub enum Error {
     },
     /// Expert parallelism on a model without routed experts.
     #[error("mesh axis ep places routed experts, and model {model} has none; use a mixture-of-experts model (tiny-moe, mixtral-8x7b) or drop ep")]
-    #[diagnostic(code(E0210), help("drop ep from the mesh, or compile a mixture-of-experts model"))]
+    #[diagnostic(code(E0214), help("drop ep from the mesh, or compile a mixture-of-experts model"))]
     NoExperts {
         /// The module's name.
         model: String,
