@@ -17,7 +17,8 @@ use crate::usage::UsageError;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Strategy {
     /// Each axis by its name: tp is Megatron tensor parallelism, tsp TSP, dp data parallelism, cp
-    /// context parallelism (ring attention).
+    /// context parallelism (ring attention), ep expert parallelism (tokens sent to their experts'
+    /// ranks by all-to-all).
     #[default]
     Auto,
     /// Megatron tensor parallelism on the tp axis.
@@ -34,6 +35,10 @@ pub enum Strategy {
     Dp,
     /// Context parallelism (ring attention over a zigzag sequence split) on the cp axis.
     Cp,
+    /// Expert parallelism on the ep axis with the all-gather token dispatcher: each rank's tokens
+    /// all-gathered over ep before the experts, their partial sums reduce-scattered after, instead
+    /// of the default all-to-all that sends each token only to its experts' ranks.
+    EpAllGather,
 }
 
 impl Strategy {
@@ -45,6 +50,7 @@ impl Strategy {
             Strategy::Tsp => Some("tsp"),
             Strategy::Dp => Some("dp"),
             Strategy::Cp => Some("cp"),
+            Strategy::EpAllGather => Some("ep"),
         };
         if let Some(axis) = axis {
             if !mesh.axes().iter().any(|mesh_axis| mesh_axis.name.as_str() == axis) {
@@ -55,6 +61,7 @@ impl Strategy {
             dump,
             sequence_parallel: matches!(self, Strategy::TpSp | Strategy::TpSpOrTsp),
             fold_into_tsp: self == Strategy::TpSpOrTsp,
+            expert_all_gather: self == Strategy::EpAllGather,
             ..PassCtx::default()
         })
     }
@@ -67,6 +74,7 @@ impl Strategy {
             Strategy::Tsp => "tsp",
             Strategy::Dp => "dp",
             Strategy::Cp => "cp",
+            Strategy::EpAllGather => "ep-all-gather",
         }
     }
 }

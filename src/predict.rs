@@ -88,6 +88,8 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
             ("attention_grad", 6 * batch * sq * sk * hq * head_dim)
         }
         Kernel::SiluMulGradGate => ("silu_mul_grad_gate", 0),
+        Kernel::SigmoidScale { .. } => ("sigmoid_scale", 0),
+        Kernel::SigmoidScaleGradGate { .. } => ("sigmoid_scale_grad_gate", 0),
         // The router, then three GEMMs for the rows a balanced routing sends to the local experts.
         Kernel::MoeMlp { dims } => ("moe_mlp", moe_flops(dims)),
         // The forward recomputed, and the two products of each of its GEMMs' gradient.
@@ -160,6 +162,24 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
         Instr::Recv { outs, peer } => {
             transfer("recv", Collective::SendRecv, name_of(outs), bytes_of(outs), vec![*peer, program.rank])
         }
+        // The rows a balanced routing sends away and gets back, and the experts' work between.
+        Instr::ExpertDispatch { outs, wrts, group, dims, .. } => {
+            let width = if wrts.is_empty() { dims.hidden + 1 } else { 2 * dims.hidden + 2 };
+            let members = group.ranks.len().max(1) as u64;
+            let away = dims.rows * dims.top_k * (members - 1) / members;
+            let mut work = transfer(
+                "expert_dispatch",
+                Collective::AllToAll,
+                name_of(outs),
+                away * (width + dims.hidden) * 4,
+                group.ranks.clone(),
+            );
+            // Under balanced routing each member's experts serve as many rows as it sends.
+            let forward =
+                2 * dims.rows * dims.experts * dims.hidden + 6 * dims.rows * dims.top_k * dims.hidden * dims.ffn;
+            work.flops = if wrts.is_empty() { forward } else { 3 * forward };
+            work
+        }
         Instr::Wait { handle } => Work {
             stream: Stream::Compute,
             op: "wait",
@@ -185,7 +205,16 @@ fn span_of(ranks: &[u32], gpus_per_node: u64) -> AxisSpan {
 /// Predicted seconds of `work` on `hw`, for elements of `dtype_bytes`.
 pub fn seconds(work: &Work, hw: &HardwareSpec, dtype_bytes: u64) -> f64 {
     match work.collective {
-        Some(kind) => comm::time(kind, work.bytes as f64, span_of(&work.ranks, hw.gpus_per_node), hw),
+        Some(kind) => {
+            let wire = comm::time(kind, work.bytes as f64, span_of(&work.ranks, hw.gpus_per_node), hw);
+            // An expert dispatch runs its experts' GEMMs between its exchanges.
+            let compute = match work.flops {
+                0 => 0.0,
+                flops => OpCost { what: work.op, class: OpClass::MatMul, flops: flops as f64, bytes: 0.0 }
+                    .time(hw, dtype_bytes),
+            };
+            wire + compute
+        }
         None => {
             let class = match work.op {
                 "matmul" => OpClass::MatMul,

@@ -65,6 +65,8 @@ struct RankSummary {
     comm_bytes: Vec<u64>,
     /// Each output block without its data, which follows in a message of its own, in this order.
     blocks: Vec<BlockPlace>,
+    /// The busiest expert's rows in one layer.
+    max_expert_rows: u64,
 }
 
 /// Where an output block lies: its graph output, that output's global shape, and its region.
@@ -206,6 +208,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             peak_bytes: outcome.peak_bytes,
             param_bytes: outcome.param_bytes,
             comm_bytes: CollectiveKind::ALL.iter().map(|&kind| outcome.comm.bytes(kind)).collect(),
+            max_expert_rows: outcome.max_expert_rows,
             blocks: outcome
                 .outputs
                 .iter()
@@ -256,6 +259,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             activation_bytes: Vec::new(),
             in_flight_peak_bytes: 0,
             timings: Vec::new(),
+            max_expert_rows: summary.max_expert_rows,
         });
     }
     Ok(Some(outcomes))
@@ -323,6 +327,15 @@ impl Communicator for ExitAtCall<'_> {
     fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
         self.count();
         self.inner.all_to_all(group, input, output)
+    }
+    fn all_to_all_v(
+        &mut self,
+        group: &Group,
+        send: (&[f32], &[usize]),
+        receive: (&mut [f32], &[usize]),
+    ) -> Result<(), CommError> {
+        self.count();
+        self.inner.all_to_all_v(group, send, receive)
     }
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
         self.count();

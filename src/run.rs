@@ -364,6 +364,10 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
                 "comm_bytes_per_rank": per_rank,
                 "emulated_link": args.emulate_link.map(|link| link.to_string()),
+                "expert_load": expert_load(result).map(|(busiest, balanced)| json!({
+                    "max_rows_per_rank": busiest,
+                    "balanced_rows": balanced,
+                })),
                 "native_kernels_per_rank": result.native_kernels,
                 "execution_per_rank": execution_names(result),
             });
@@ -394,6 +398,13 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 println!("native kernels (rank<i>.so) a rank: {}", counts.join(", "));
             }
             println!("execution a rank: {}", execution_names(result).join(", "));
+            if let Some((busiest, balanced)) = expert_load(result) {
+                let busiest: Vec<String> = busiest.iter().map(u64::to_string).collect();
+                println!(
+                    "expert load: the busiest expert a rank took {} token rows in a layer (balanced routing: {balanced})",
+                    busiest.join(", ")
+                );
+            }
             if let Some(err) = result.max_abs_err {
                 let tolerance = result.tolerance;
                 let verdict = if err <= tolerance { "ok" } else { "FAILED" };
@@ -402,6 +413,22 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// For a mixture of experts: each rank's busiest expert's rows in one layer, and what every expert
+/// would take under perfectly balanced routing (the tokens that reach one copy of an expert, times
+/// top-k, over the experts).
+fn expert_load(result: &RunResult) -> Option<(Vec<u64>, f64)> {
+    let moe = result.config.moe.as_ref()?;
+    let mesh = pleat_ir::Mesh::parse(&result.mesh).ok()?;
+    // Axes that split the tokens among copies of the same experts.
+    let copies: u64 = [pleat_ir::AxisName::Dp, pleat_ir::AxisName::Tsp, pleat_ir::AxisName::Cp]
+        .iter()
+        .map(|&axis| mesh.degree(axis))
+        .product();
+    let tokens = result.tokens.batch * result.tokens.seq / copies.max(1);
+    let balanced = (tokens * moe.top_k) as f64 / moe.num_experts as f64;
+    Some((result.outcomes.iter().map(|outcome| outcome.max_expert_rows).collect(), balanced))
 }
 
 /// Bytes in KiB/MiB/GiB, for people.

@@ -1,7 +1,9 @@
-//! Mixture of experts (`tiny-moe`, Mixtral-style: 8 experts, top-2) against the reference
-//! interpreter: the forward logits on every mesh that places the experts (ep, dp×ep, tsp×ep, expert
-//! tensor parallelism), training checked step by step, and the errors of meshes that cannot place
-//! them.
+//! Mixture of experts against the reference interpreter: `tiny-moe` (Mixtral-style: 8 experts,
+//! top-2, renormalized) and a tiny Qwen2-MoE (top-2 without renormalization, a sigmoid-gated shared
+//! expert), forward and training, on every mesh that places the experts: ep with the all-to-all
+//! dispatcher (the default) and the all-gather one, dp×ep, tsp×ep, expert tensor parallelism, pp×ep.
+//! Also what each dispatcher sends, the measured expert load, and the errors of meshes that cannot
+//! place the experts.
 
 mod common;
 
@@ -9,11 +11,25 @@ mod common;
 mod cli;
 
 use cli::{assert_matches_reference, error_of, json_of};
-use common::check_equivalence;
+use common::{check_equivalence, check_programs, compile_with};
+use pleat_backend::{Instr, Kernel, MoeDims};
+use pleat_ir::model::config::ModelConfig;
 use pleat_ir::model::preset::preset;
+use pleat_passes::PassCtx;
 
-fn tiny_moe() -> pleat_ir::model::config::ModelConfig {
+const QWEN2_MOE: &str = "tests/fixtures/tiny-qwen2-moe/config.json";
+
+fn tiny_moe() -> ModelConfig {
     preset("tiny-moe").expect("tiny-moe preset")
+}
+
+fn tiny_qwen2_moe() -> ModelConfig {
+    let text = std::fs::read_to_string(QWEN2_MOE).expect("fixture");
+    ModelConfig::from_json_str(&text, QWEN2_MOE).expect("a valid config")
+}
+
+fn all_gather_dispatch() -> PassCtx {
+    PassCtx { expert_all_gather: true, ..PassCtx::default() }
 }
 
 #[test]
@@ -21,42 +37,111 @@ fn expert_parallel_forward_matches_the_reference() {
     for mesh in ["", "ep=2", "ep=4", "ep=8", "dp=2,ep=2", "ep=2,dp=2", "tsp=2,ep=2", "tp=2", "ep=2,tp=2"] {
         check_equivalence(&tiny_moe(), 8, 16, mesh);
     }
+    for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "tsp=2,ep=2", "ep=2,tp=2"] {
+        let programs = compile_with(&tiny_moe(), 8, 16, mesh, &all_gather_dispatch()).1;
+        check_programs(&tiny_moe(), 8, 16, &format!("{mesh} all-gather"), programs);
+    }
+}
+
+#[test]
+fn qwen2_moe_with_its_shared_expert_matches_the_reference() {
+    for mesh in ["", "ep=2", "tp=2", "dp=2,ep=2", "tsp=2,ep=2", "tsp=2"] {
+        check_equivalence(&tiny_qwen2_moe(), 8, 16, mesh);
+    }
+}
+
+fn train(model: &str, mesh: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "run", model, "--train", "--mesh", mesh, "--batch", "4", "--seq", "16", "--steps", "5", "--lr", "1e-3",
+        "--check", "--format", "json",
+    ];
+    args.extend_from_slice(extra);
+    json_of(&args)
 }
 
 #[test]
 fn expert_parallel_training_matches_the_reference() {
     for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "tsp=2,ep=2", "ep=2,tp=2", "pp=2,ep=2"] {
-        let report = json_of(&[
-            "run", "tiny-moe", "--train", "--mesh", mesh, "--batch", "4", "--seq", "16", "--steps", "5", "--lr",
-            "1e-3", "--check", "--format", "json",
-        ]);
-        assert_matches_reference(&report, mesh);
+        assert_matches_reference(&train("tiny-moe", mesh, &[]), mesh);
     }
+    let report = train("tiny-moe", "ep=2", &["--strategy", "ep-all-gather"]);
+    assert_matches_reference(&report, "ep=2 all-gather");
+    for mesh in ["ep=2", "tp=2", "tsp=2,ep=2"] {
+        assert_matches_reference(&train(QWEN2_MOE, mesh, &[]), &format!("qwen2-moe {mesh}"));
+    }
+}
+
+/// The dispatch instruction or kernel of the first mixture in `program`.
+fn first_mixture(program: &pleat_backend::Program) -> (MoeDims, bool) {
+    program
+        .instructions
+        .iter()
+        .find_map(|instr| match instr {
+            Instr::Kernel { kernel: Kernel::MoeMlp { dims }, .. } => Some((dims.clone(), false)),
+            Instr::ExpertDispatch { dims, wrts, .. } if wrts.is_empty() => Some((dims.clone(), true)),
+            _ => None,
+        })
+        .expect("a mixture")
 }
 
 #[test]
 fn each_expert_parallel_rank_holds_its_share_of_the_experts() {
     // The experts' projections split over ep; the router, attention and norms stay whole.
-    let (module, programs) = common::compile(&tiny_moe(), 8, 16, "ep=4");
+    let (module, programs) = compile_with(&tiny_moe(), 8, 16, "ep=4", &PassCtx::default());
     let gate = module.graph.find("model.layers.0.block_sparse_moe.experts.w1.weight").expect("gate");
-    assert_eq!(
-        pleat_passes::sharding::spec_text(&module.graph.value(gate).spec, &module.graph.value(gate).ty.shape),
-        "[experts/ep, ffn, hidden]"
-    );
+    let value = module.graph.value(gate);
+    assert_eq!(pleat_passes::sharding::spec_text(&value.spec, &value.ty.shape), "[experts/ep, ffn, hidden]");
     for program in &programs {
-        let experts = program
-            .instructions
+        // The all-to-all dispatcher routes the rank's own 2 sequences.
+        let (dims, dispatched) = first_mixture(program);
+        assert!(dispatched);
+        assert_eq!((dims.local_experts, dims.expert_offset, dims.rows), (2, 2 * u64::from(program.rank), 2 * 16));
+    }
+    // The all-gather dispatcher routes every rank's tokens after gathering them.
+    for program in &compile_with(&tiny_moe(), 8, 16, "ep=4", &all_gather_dispatch()).1 {
+        let (dims, dispatched) = first_mixture(program);
+        assert!(!dispatched);
+        assert_eq!((dims.local_experts, dims.rows), (2, 8 * 16));
+    }
+}
+
+fn sent_bytes(report: &serde_json::Value) -> u64 {
+    report["comm_bytes"].as_object().expect("comm bytes").values().filter_map(serde_json::Value::as_u64).sum()
+}
+
+#[test]
+fn all_to_all_sends_less_than_all_gather_and_the_load_is_measured() {
+    let run = |mesh: &str, strategy: &str| {
+        json_of(&["run", "tiny-moe", "--mesh", mesh, "--strategy", strategy, "--seq", "32", "--format", "json"])
+    };
+    let single = run("", "auto");
+    let busiest = |report: &serde_json::Value| -> u64 {
+        report["expert_load"]["max_rows_per_rank"]
+            .as_array()
+            .expect("loads")
             .iter()
-            .find_map(|instr| match instr {
-                pleat_backend::Instr::Kernel { kernel: pleat_backend::Kernel::MoeMlp { dims }, .. } => {
-                    Some(dims.clone())
-                }
-                _ => None,
-            })
-            .expect("a moe kernel");
-        assert_eq!((experts.local_experts, experts.expert_offset), (2, 2 * u64::from(program.rank)));
-        // Every rank routes all 8 sequences' tokens after the all-gather.
-        assert_eq!(experts.rows, 8 * 16);
+            .filter_map(|rows| rows.as_u64())
+            .max()
+            .unwrap_or(0)
+    };
+    // 8 sequences of 32 tokens, top-2 of 8 experts: 64 rows an expert when balanced.
+    assert_eq!(single["expert_load"]["balanced_rows"].as_f64(), Some(64.0));
+    let busiest_single = busiest(&single);
+    assert!(busiest_single >= 64, "the busiest expert takes at least the mean: {busiest_single}");
+    for ep in [2, 4, 8] {
+        let mesh = format!("ep={ep}");
+        let all_to_all = run(&mesh, "auto");
+        let all_gather = run(&mesh, "ep-all-gather");
+        // Every expert sees the same tokens whichever rank holds it and however they travel.
+        assert_eq!(busiest(&all_to_all), busiest_single, "{mesh}");
+        assert_eq!(busiest(&all_gather), busiest_single, "{mesh} all-gather");
+        // A rank of T tokens: all-gather sends 2(ep-1)·T·h (the gather, then the sum scattered back);
+        // all-to-all about 2(ep-1)/ep·top_k·T·h (each token's top_k copies that leave, and their
+        // results back), top_k/ep of it: more at ep=2 (one word a row for the expert id), less from
+        // ep=4. The logits' final all-gather is the same in both.
+        if ep > 2 {
+            assert!(sent_bytes(&all_to_all) < sent_bytes(&all_gather), "{mesh}: {all_to_all} vs {all_gather}");
+        }
     }
 }
 
@@ -66,13 +151,6 @@ fn meshes_that_cannot_place_experts_say_why() {
     assert!(error.contains("mesh axis ep places routed experts, and model tiny has none"), "{error}");
     let error = error_of(&["run", "tiny-moe", "--mesh", "ep=3"]);
     assert!(error.contains("experts.w1.weight: 8 experts are not divisible by ep=3; use ep in {1,2,4,8}"), "{error}");
-}
-
-#[test]
-fn the_cost_model_refuses_experts_it_cannot_count() {
-    let error = error_of(&["plan", "mixtral-8x7b", "--mesh", "ep=8,tp=2"]);
-    assert!(
-        error.contains("2 of 8 experts") && error.contains("46702792704 parameters, 12879925248 active"),
-        "{error}"
-    );
+    let error = error_of(&["run", "tiny-moe", "--mesh", "tp=2", "--strategy", "ep-all-gather"]);
+    assert!(error.contains("ep"), "{error}");
 }

@@ -110,13 +110,34 @@ fn training_context_parallel_one_layer_cp2() {
     snapshot_training("cp=2", "train-cp2-one-layer", &PassCtx::for_tests());
 }
 
-/// Expert parallelism on a one-layer `tiny-moe`: the tokens all-gathered over `ep` before the
-/// experts, their pending sum reduce-scattered back onto the batch.
+/// Expert parallelism on a one-layer `tiny-moe`: the mixture dispatches its rows over `ep` (the
+/// all-to-all dispatcher), so nothing is gathered but the logits.
 #[test]
 fn expert_parallel_one_layer_ep2() {
     let mut config = preset("tiny-moe").expect("tiny-moe");
     config.num_layers = 1;
     snapshot_model(&config, "ep=2", "moe-ep2-one-layer");
+}
+
+/// The all-gather dispatcher: the tokens all-gathered over `ep` before the experts, their pending
+/// sum reduce-scattered back onto the batch.
+#[test]
+fn expert_parallel_all_gather_one_layer_ep2() {
+    let mut config = preset("tiny-moe").expect("tiny-moe");
+    config.num_layers = 1;
+    let ctx = PassCtx { expert_all_gather: true, ..PassCtx::for_tests() };
+    snapshot_with(&config, "ep=2", "moe-ep2-all-gather-one-layer", &ctx);
+}
+
+/// Qwen2-MoE under tsp and ep: attention folded into TSP, the shared expert on the TSP ring, the
+/// routed experts dispatched over ep, the shared expert's sigmoid gate on each rank's tokens.
+#[test]
+fn qwen2_moe_one_layer_tsp2_ep2() {
+    let path = "tests/fixtures/tiny-qwen2-moe/config.json";
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let mut config = pleat_ir::model::config::ModelConfig::from_json_str(&text, path).expect("config");
+    config.num_layers = 1;
+    snapshot_model(&config, "tsp=2,ep=2", "qwen2-moe-tsp2-ep2-one-layer");
 }
 
 /// The expert-parallel backward: the gradient all-gathered before the experts' gradients, the

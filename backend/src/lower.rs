@@ -59,6 +59,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
     let mut buffer_of: Vec<Option<BufferId>> = vec![None; graph.value_count()];
     // Ring MLP gradients computed by an earlier sibling's ring.
     let mut ring_gradients_lowered: Vec<ValueId> = Vec::new();
+    let mut moe_gradients_lowered: Vec<ValueId> = Vec::new();
     let local = |value: ValueId| -> Result<Vec<u64>> {
         let data = graph.value(value);
         data.spec.local_sizes(&data.ty.shape, mesh).map_err(|(dim, degree)| Error::Indivisible {
@@ -182,6 +183,14 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 continue;
             }
             Op::SiluMul => Instr::Kernel { kernel: Kernel::SiluMul, inputs, out },
+            Op::SigmoidScale | Op::SigmoidScaleGradGate => {
+                let hidden = *input_local(1)?.last().unwrap_or(&1);
+                let kernel = match data.op {
+                    Op::SigmoidScale => Kernel::SigmoidScale { hidden },
+                    _ => Kernel::SigmoidScaleGradGate { hidden },
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
             Op::Add => Instr::Kernel { kernel: Kernel::Add, inputs, out },
             Op::AllReduce { axis } => Instr::AllReduce { input: inputs[0], out, group: group(*axis) },
             Op::ReduceScatter { axis, dim } => {
@@ -329,7 +338,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::SiluMulGradGate => Instr::Kernel { kernel: Kernel::SiluMulGradGate, inputs, out },
-            Op::MoeMlp { top_k, normalize } | Op::MoeMlpGrad { top_k, normalize, .. } => {
+            Op::MoeMlp { top_k, normalize, dispatch } | Op::MoeMlpGrad { top_k, normalize, dispatch, .. } => {
                 let (x, gate) = (input_local(0)?, input_local(2)?);
                 let dims = MoeDims {
                     rows: x[..x.len() - 1].iter().product(),
@@ -341,11 +350,41 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                     top_k: *top_k,
                     normalize: *normalize,
                 };
-                let kernel = match data.op {
-                    Op::MoeMlpGrad { wrt, .. } => Kernel::MoeMlpGrad { wrt, dims },
-                    _ => Kernel::MoeMlp { dims },
-                };
-                Instr::Kernel { kernel, inputs, out }
+                if let Some(axis) = dispatch {
+                    // The gradients of one mixture share their dispatch: the first lowers it for
+                    // all of them.
+                    if moe_gradients_lowered.contains(&value) {
+                        free_dead_operands(&mut program, graph, data, index, &last_use, &buffer_of);
+                        free_unused_result(&mut program, graph, &last_use, value, out);
+                        continue;
+                    }
+                    let (mut outs, mut wrts) = (vec![out], Vec::new());
+                    if let Op::MoeMlpGrad { wrt, .. } = data.op {
+                        wrts.push(wrt);
+                        for sibling in moe_gradient_siblings(graph, &order[index + 1..], data) {
+                            let sibling_data = graph.node(sibling);
+                            let Op::MoeMlpGrad { wrt: sibling_wrt, .. } = sibling_data.op else { continue };
+                            let buffer = BufferId::new(program.buffers.len());
+                            program.buffers.push(Buffer {
+                                name: sibling_data.name.clone(),
+                                dtype: graph.value(sibling_data.result).ty.dtype,
+                                shape: local(sibling_data.result)?,
+                                kind: BufferKind::Activation,
+                            });
+                            buffer_of[sibling_data.result.as_u32() as usize] = Some(buffer);
+                            moe_gradients_lowered.push(sibling_data.result);
+                            outs.push(buffer);
+                            wrts.push(sibling_wrt);
+                        }
+                    }
+                    Instr::ExpertDispatch { inputs, outs, wrts, group: group(*axis), dims }
+                } else {
+                    let kernel = match data.op {
+                        Op::MoeMlpGrad { wrt, .. } => Kernel::MoeMlpGrad { wrt, dims },
+                        _ => Kernel::MoeMlp { dims },
+                    };
+                    Instr::Kernel { kernel, inputs, out }
+                }
             }
             Op::EmbeddingGrad { vocab } => {
                 let table = local(value)?;
@@ -458,6 +497,31 @@ fn ring_gradient_siblings(
                 Op::RingGatedMlpGrad { axis: other_axis, wrt: other_wrt }
                     if other_axis == axis && other.inputs == data.inputs && !seen.contains(&other_wrt) =>
                 {
+                    seen.push(other_wrt);
+                    true
+                }
+                _ => false,
+            }
+        })
+        .collect()
+}
+
+/// The other gradients of the same dispatched mixture as `data` (a `MoeMlpGrad`) among `later`
+/// nodes: same operands, another operand differentiated.
+fn moe_gradient_siblings(
+    graph: &pleat_ir::Graph,
+    later: &[pleat_ir::NodeId],
+    data: &pleat_ir::NodeData,
+) -> Vec<pleat_ir::NodeId> {
+    let Op::MoeMlpGrad { wrt, .. } = data.op else { return Vec::new() };
+    let mut seen = vec![wrt];
+    later
+        .iter()
+        .copied()
+        .filter(|&node| {
+            let other = graph.node(node);
+            match other.op {
+                Op::MoeMlpGrad { wrt: other_wrt, .. } if other.inputs == data.inputs && !seen.contains(&other_wrt) => {
                     seen.push(other_wrt);
                     true
                 }

@@ -102,6 +102,10 @@ pub fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Opti
         Instr::Recv { outs, .. } => {
             Some((Staging::Message, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))
         }
+        // The operands' copy the dispatch works from; its messages' sizes depend on the routing.
+        Instr::ExpertDispatch { inputs, .. } => {
+            Some((Staging::Message, inputs.iter().map(|&input| element_bytes(program, input, sizing)).sum()))
+        }
         _ => None,
     }
 }

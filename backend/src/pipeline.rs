@@ -597,6 +597,13 @@ impl<'a> StageProgram<'a> {
         match instr {
             Instr::LoadParam { .. } | Instr::Output { .. } | Instr::Free { .. } => instr.clone(),
             Instr::Wait { handle } => Instr::Wait { handle: buffers(handle) },
+            Instr::ExpertDispatch { inputs, outs, wrts, group: g, dims } => Instr::ExpertDispatch {
+                inputs: buffers(inputs),
+                outs: buffers(outs),
+                wrts: wrts.clone(),
+                group: group(g),
+                dims: dims.clone(),
+            },
             Instr::LoadTokens { out, region } => {
                 let mut region = region.clone();
                 let rows = self.base.tokens_shape.first().copied().unwrap_or(1);

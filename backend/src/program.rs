@@ -182,6 +182,16 @@ pub enum Kernel {
     },
     /// `silu(gate) * up`.
     SiluMul,
+    /// `(gate[rows], y[rows, hidden]) -> sigmoid(gate) * y`, row by row.
+    SigmoidScale {
+        /// Row width.
+        hidden: u64,
+    },
+    /// `(gate[rows], y[rows, hidden], dy[rows, hidden]) -> [rows]`: `sigmoid'(gate) · (dy · y)` a row.
+    SigmoidScaleGradGate {
+        /// Row width.
+        hidden: u64,
+    },
     /// `a + b`, `b` repeating over `a` when shorter (a bias).
     Add,
     /// Reorder dim `dim` of a local tensor of `shape`: slot `i` takes entry `order[i]`.
@@ -479,6 +489,28 @@ pub enum Instr {
         /// The dim index the input is split on, whole in the result.
         gather_dim: usize,
     },
+    /// The mixture of experts with its rows dispatched over `group` (expert parallelism's
+    /// all-to-all): every member routes its rows with the whole router, exchanges with each member
+    /// how many (row, expert) pairs it sends it, sends those rows (with the gradient's rows, in
+    /// the backward) to the member holding the expert, runs the rows it receives through its own
+    /// `dims.local_experts` experts, and sends the results back, which it combines.
+    ///
+    /// Operands: `x`, router, gate, up, down, and the output's gradient when `wrts` is not empty.
+    /// Results: the mixture's output (forward, `wrts` empty), or one gradient an entry of `wrts`,
+    /// in that order. How many rows travel depends on the routing, so the messages are sized at
+    /// run time; the staging the memory plan counts is the copy of the operands.
+    ExpertDispatch {
+        /// x, router, gate, up, down (and dy).
+        inputs: Vec<BufferId>,
+        /// The output, or the gradients.
+        outs: Vec<BufferId>,
+        /// The operands differentiated; empty for the forward.
+        wrts: Vec<pleat_ir::MoeOperand>,
+        /// The members holding the experts (member `j` holds experts `j·local_experts..`).
+        group: Group,
+        /// Local sizes and the experts this rank holds.
+        dims: MoeDims,
+    },
     /// Every member of `group` receives `root`'s buffers: on the root, `inputs[i]` is copied to
     /// `outs[i]`; elsewhere `inputs` only give the sizes. The buffers travel packed as one message.
     Broadcast {
@@ -549,6 +581,7 @@ impl Instr {
                 | Instr::Broadcast { .. }
                 | Instr::Send { .. }
                 | Instr::Recv { .. }
+                | Instr::ExpertDispatch { .. }
         )
     }
 
@@ -565,7 +598,9 @@ impl Instr {
     /// The buffers the instruction writes.
     pub fn outs(&self) -> Vec<BufferId> {
         match self {
-            Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } => outs.clone(),
+            Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } | Instr::ExpertDispatch { outs, .. } => {
+                outs.clone()
+            }
             other => other.out().into_iter().collect(),
         }
     }
@@ -573,7 +608,7 @@ impl Instr {
     /// The single buffer the instruction writes, if it writes exactly one.
     pub fn out(&self) -> Option<BufferId> {
         match self {
-            Instr::Broadcast { .. } | Instr::Send { .. } | Instr::Recv { .. } => None,
+            Instr::Broadcast { .. } | Instr::Send { .. } | Instr::Recv { .. } | Instr::ExpertDispatch { .. } => None,
             Instr::LoadParam { out, .. }
             | Instr::LoadTokens { out, .. }
             | Instr::LoadPositions { out, .. }
@@ -594,7 +629,7 @@ impl Instr {
             | Instr::AllGather { input, .. }
             | Instr::AllToAll { input, .. } => vec![*input],
             Instr::Output { buf, .. } => vec![*buf],
-            Instr::Broadcast { inputs, .. } => inputs.clone(),
+            Instr::Broadcast { inputs, .. } | Instr::ExpertDispatch { inputs, .. } => inputs.clone(),
             Instr::Send { bufs, .. } => bufs.clone(),
             Instr::Recv { .. } => Vec::new(),
             Instr::LoadParam { .. }
@@ -611,7 +646,8 @@ impl Instr {
             | Instr::ReduceScatter { group, .. }
             | Instr::AllGather { group, .. }
             | Instr::AllToAll { group, .. }
-            | Instr::Broadcast { group, .. } => Some(group),
+            | Instr::Broadcast { group, .. }
+            | Instr::ExpertDispatch { group, .. } => Some(group),
             _ => None,
         }
     }

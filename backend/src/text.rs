@@ -40,6 +40,8 @@ fn kernel_text(kernel: &Kernel) -> String {
         }
         Kernel::MergeAttention { rows, head_dim } => format!("merge_attention rows={rows} head_dim={head_dim}"),
         Kernel::SiluMul => "silu_mul".to_string(),
+        Kernel::SigmoidScale { hidden } => format!("sigmoid_scale hidden={hidden}"),
+        Kernel::SigmoidScaleGradGate { hidden } => format!("sigmoid_scale_grad_gate hidden={hidden}"),
         Kernel::Add => "add".to_string(),
         Kernel::CrossEntropy { batch, seq, vocab, terms } => {
             format!("cross_entropy batch={batch} seq={seq} vocab={vocab} terms={terms}")
@@ -135,6 +137,23 @@ pub fn print_program(program: &Program) -> String {
             Instr::Send { bufs, peer } => format!("send({}) to rank {peer}", list(bufs)),
             Instr::Recv { outs, peer } => format!("{} = recv from rank {peer}", list(outs)),
             Instr::Wait { handle } => format!("wait({})", list(handle)),
+            Instr::ExpertDispatch { inputs, outs, wrts, group, dims } => {
+                let what = match wrts.as_slice() {
+                    [] => "expert_dispatch".to_string(),
+                    wrts => {
+                        let names: Vec<&str> = wrts.iter().map(|wrt| wrt.as_str()).collect();
+                        format!("expert_dispatch_grad[{}]", names.join(","))
+                    }
+                };
+                format!(
+                    "{} = {what}({}) {} {}{:?}",
+                    list(outs),
+                    list(inputs),
+                    moe_dims_text(dims),
+                    group.axis,
+                    group.ranks
+                )
+            }
         };
         out.push_str(&line);
         out.push('\n');

@@ -5,7 +5,8 @@
 //! wait reads the results or overwrites or frees what the transfer touches.
 
 use crate::error::{Error, Result};
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program};
+use pleat_ir::MoeOperand;
 
 fn bad(index: usize, reason: String) -> Error {
     Error::Inconsistent { instr: index, reason }
@@ -32,6 +33,10 @@ pub fn validate(program: &Program) -> Result<()> {
             numel(index, *buf)?;
         }
         check_collective_shapes(program, index, instr)?;
+        if let Instr::ExpertDispatch { wrts, group, dims, .. } = instr {
+            check_expert_dispatch(program, index, (wrts, group, dims), &sizes, &out_sizes)?;
+            continue;
+        }
         let Instr::Kernel { kernel, .. } = instr else { continue };
         let out = out_sizes.first().copied().unwrap_or(0);
         let expect = |what: &str, got: u64, want: u64| -> Result<()> {
@@ -92,6 +97,15 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the first state", sizes[0], rows * (head_dim + 1))?;
                 expect("the second state", sizes[1], rows * (head_dim + 1))?;
                 expect("the result", out, rows * (head_dim + 1))?;
+            }
+            Kernel::SigmoidScale { hidden } | Kernel::SigmoidScaleGradGate { hidden } => {
+                let grad = matches!(kernel, Kernel::SigmoidScaleGradGate { .. });
+                operands(if grad { 3 } else { 2 })?;
+                expect("y", sizes[1], sizes[0] * hidden)?;
+                if grad {
+                    expect("the result's gradient", sizes[2], sizes[1])?;
+                }
+                expect("the result", out, if grad { sizes[0] } else { sizes[1] })?;
             }
             Kernel::SiluMul => {
                 operands(2)?;
@@ -199,32 +213,11 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the result", out, result)?;
             }
             Kernel::MoeMlp { dims } | Kernel::MoeMlpGrad { dims, .. } => {
-                let MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, .. } = *dims;
-                let grad = matches!(kernel, Kernel::MoeMlpGrad { .. });
-                operands(if grad { 6 } else { 5 })?;
-                if top_k == 0 || top_k > experts || expert_offset + local_experts > experts {
-                    return Err(bad(
-                        index,
-                        format!(
-                            "top_k={top_k} and experts {expert_offset}..{} do not fit the {experts} experts",
-                            expert_offset + local_experts
-                        ),
-                    ));
-                }
-                let weights = local_experts * ffn * hidden;
-                expect("the rows", sizes[0], rows * hidden)?;
-                expect("the router", sizes[1], experts * hidden)?;
-                expect("the gate projections", sizes[2], weights)?;
-                expect("the up projections", sizes[3], weights)?;
-                expect("the down projections", sizes[4], weights)?;
-                if grad {
-                    expect("the output's gradient", sizes[5], rows * hidden)?;
-                }
-                let result = match kernel {
-                    Kernel::MoeMlpGrad { wrt, .. } => sizes[wrt.index()],
-                    _ => rows * hidden,
+                let wrts = match kernel {
+                    Kernel::MoeMlpGrad { wrt, .. } => vec![*wrt],
+                    _ => Vec::new(),
                 };
-                expect("the result", out, result)?;
+                check_moe_sizes(index, dims, &wrts, &sizes, &[out])?;
             }
             Kernel::SiluMulGradGate => {
                 operands(3)?;
@@ -304,6 +297,87 @@ fn check_collective_shapes(program: &Program, index: usize, instr: &Instr) -> Re
     }
     if out_shape != expected {
         return Err(bad(index, format!("the result has shape {out_shape:?} where {expected:?} is needed")));
+    }
+    Ok(())
+}
+
+/// The operand and result sizes of a mixture of experts (a kernel, or a dispatch with several
+/// gradients): `x`, router, gate, up, down and, for gradients, dy; one result a gradient in `wrts`
+/// (the output when `wrts` is empty).
+fn check_moe_sizes(index: usize, dims: &MoeDims, wrts: &[MoeOperand], sizes: &[u64], results: &[u64]) -> Result<()> {
+    let MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, .. } = *dims;
+    if top_k == 0 || top_k > experts || expert_offset + local_experts > experts {
+        return Err(bad(
+            index,
+            format!(
+                "top_k={top_k} and experts {expert_offset}..{} do not fit the {experts} experts",
+                expert_offset + local_experts
+            ),
+        ));
+    }
+    let operands = if wrts.is_empty() { 5 } else { 6 };
+    if sizes.len() != operands || results.len() != wrts.len().max(1) {
+        return Err(bad(
+            index,
+            format!(
+                "a mixture of experts takes {operands} operands and gives {} results, the instruction has {} and {}",
+                wrts.len().max(1),
+                sizes.len(),
+                results.len()
+            ),
+        ));
+    }
+    let weights = local_experts * ffn * hidden;
+    let wants = [
+        ("the rows", rows * hidden),
+        ("the router", experts * hidden),
+        ("the gate projections", weights),
+        ("the up projections", weights),
+        ("the down projections", weights),
+        ("the output's gradient", rows * hidden),
+    ];
+    for (&(what, want), &got) in wants.iter().zip(sizes) {
+        if got != want {
+            return Err(bad(index, format!("{what} has {got} elements, the mixture's sizes need {want}")));
+        }
+    }
+    let result_sizes: Vec<u64> =
+        if wrts.is_empty() { vec![rows * hidden] } else { wrts.iter().map(|wrt| sizes[wrt.index()]).collect() };
+    if results != result_sizes {
+        return Err(bad(
+            index,
+            format!("the results have {results:?} elements, the mixture's sizes need {result_sizes:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// An expert dispatch: the mixture's sizes, and experts that the group's members hold in order
+/// (member `j` holds experts `j·local_experts..`), this rank among them.
+fn check_expert_dispatch(
+    program: &Program,
+    index: usize,
+    (wrts, group, dims): (&[MoeOperand], &Group, &MoeDims),
+    sizes: &[u64],
+    results: &[u64],
+) -> Result<()> {
+    check_moe_sizes(index, dims, wrts, sizes, results)?;
+    let Some(member) = group.ranks.iter().position(|&rank| rank == program.rank) else {
+        return Err(bad(index, format!("rank {} is not in the dispatch group {:?}", program.rank, group.ranks)));
+    };
+    let members = group.ranks.len() as u64;
+    if dims.local_experts * members != dims.experts || dims.expert_offset != member as u64 * dims.local_experts {
+        return Err(bad(
+            index,
+            format!(
+                "member {member} of {members} holds experts {}..{} of {}; a dispatch needs member j to hold experts \
+                 j*{}..",
+                dims.expert_offset,
+                dims.expert_offset + dims.local_experts,
+                dims.experts,
+                dims.local_experts
+            ),
+        ));
     }
     Ok(())
 }

@@ -85,15 +85,21 @@ pub enum Op {
     /// experts, renormalized to sum to one when `normalize`; the row's result is the sum over its
     /// experts `e` of `weight_e · down_e(silu(x·gate_eᵀ) * (x·up_eᵀ))`.
     ///
-    /// Under sharding each rank routes its rows with the whole router and computes only the experts
-    /// (and the ffn channels) it holds: the result is a pending sum over the axes that split the
-    /// experts or ffn (expert parallelism with the all-gather dispatcher, expert tensor
-    /// parallelism).
+    /// Under sharding each rank routes its rows with the whole router. Without `dispatch` it
+    /// computes only the experts (and ffn channels) it holds on its own rows: the result is a
+    /// pending sum over the axes that split the experts or ffn (expert parallelism with the
+    /// all-gather dispatcher, expert tensor parallelism). With `dispatch`, the rows and the experts
+    /// are both split over that axis: each rank sends each row to the ranks that hold its experts
+    /// (an all-to-all with variable counts, the counts exchanged first), they run it through those
+    /// experts and send the results back (the reverse all-to-all), and the rank combines them
+    /// (expert parallelism with the all-to-all dispatcher). On one rank both are the plain mixture.
     MoeMlp {
         /// Experts a row is sent to.
         top_k: u64,
         /// Whether the chosen probabilities are renormalized to sum to one.
         normalize: bool,
+        /// The axis the rows travel over to their experts, if any.
+        dispatch: Option<AxisName>,
     },
     /// `(x, router, gate, up, down, dy[.., hidden]) -> the type of operand `wrt``: the gradient of
     /// `MoeMlp` with respect to one operand, recomputing the routing and the experts' activations.
@@ -104,6 +110,9 @@ pub enum Op {
         top_k: u64,
         /// The forward op's renormalization.
         normalize: bool,
+        /// The forward op's dispatch axis: the rows and their gradients travel to the experts'
+        /// ranks and the input's gradient travels back.
+        dispatch: Option<AxisName>,
         /// The operand the gradient is taken with respect to.
         wrt: MoeOperand,
     },
@@ -127,6 +136,9 @@ pub enum Op {
         /// Undo the reordering.
         inverse: bool,
     },
+    /// `(gate[..], y[.., hidden]) -> sigmoid(gate) * y`, each row of `y` scaled by its gate's sigmoid
+    /// (Qwen2-MoE's gate on its shared expert).
+    SigmoidScale,
     /// `(a, b) -> a + b`, elementwise; `b`'s dims equal `a`'s or are a trailing run of them (a bias),
     /// and then `b` is broadcast over `a`'s leading dims.
     Add,
@@ -211,6 +223,10 @@ pub enum Op {
     /// `(gate, up, dy) -> dy * up * silu'(gate)`, elementwise: the gradient of `SiluMul` with respect
     /// to `gate` (the one with respect to `up` is `SiluMul(gate, dy)`).
     SiluMulGradGate,
+    /// `(gate[..], y[.., hidden], dy[.., hidden]) -> [..]`: the gradient of `SigmoidScale` with respect
+    /// to `gate`, `sigmoid'(gate) · sum over hidden of dy * y` (the one with respect to `y` is
+    /// `SigmoidScale(gate, dy)`).
+    SigmoidScaleGradGate,
     /// `(dy[batch, seq, hidden], tokens[batch, seq]) -> [vocab, hidden]`: the gradient of `Embedding`
     /// with respect to its table: row `v` is the sum of `dy` over the tokens equal to `v`.
     EmbeddingGrad {
@@ -300,6 +316,8 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::Attention { .. } => "attention",
             Op::SiluMul => "silu_mul",
+            Op::SigmoidScale => "sigmoid_scale",
+            Op::SigmoidScaleGradGate => "sigmoid_scale_grad_gate",
             Op::Add => "add",
             Op::CrossEntropy => "cross_entropy",
             Op::CrossEntropyGrad => "cross_entropy_grad",
@@ -347,7 +365,14 @@ impl Op {
             Op::MoeMlp { .. } => 5,
             Op::MoeMlpGrad { .. } => 6,
             Op::RingGatedMlpGrad { .. } => 5,
-            Op::Embedding | Op::RmsNorm { .. } | Op::MatMul { .. } | Op::Rope { .. } | Op::SiluMul | Op::Add => 2,
+            Op::Embedding
+            | Op::RmsNorm { .. }
+            | Op::MatMul { .. }
+            | Op::Rope { .. }
+            | Op::SiluMul
+            | Op::SigmoidScale
+            | Op::Add => 2,
+            Op::SigmoidScaleGradGate => 3,
             Op::Attention { .. } => 5,
             Op::SumLeading { .. } => 1,
             Op::CrossEntropy
@@ -379,6 +404,8 @@ impl Op {
                 | Op::VocabParallelCrossEntropy { .. }
                 | Op::VocabParallelCrossEntropyGrad { .. }
                 | Op::AllToAll { .. }
+                | Op::MoeMlp { dispatch: Some(_), .. }
+                | Op::MoeMlpGrad { dispatch: Some(_), .. }
         )
     }
     /// Whether the op is the training loss (the root of the backward graph).
@@ -399,6 +426,7 @@ impl Op {
             | Op::RingGatedMlpGrad { axis, .. } => Some(*axis),
             Op::RingAttention { axis, .. } => Some(*axis),
             Op::VocabParallelCrossEntropy { axis } | Op::VocabParallelCrossEntropyGrad { axis } => Some(*axis),
+            Op::MoeMlp { dispatch, .. } | Op::MoeMlpGrad { dispatch, .. } => *dispatch,
             _ => None,
         }
     }

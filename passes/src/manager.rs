@@ -58,6 +58,10 @@ pub struct PassCtx {
     pub zero_stage: u8,
     /// Which forward values the backward recomputes instead of keeping.
     pub recompute: crate::autodiff::Recompute,
+    /// Expert parallelism's token dispatcher: all-gather the tokens over `ep` and reduce-scatter
+    /// the experts' pending sums (Megatron's `allgather` dispatcher) instead of sending each token
+    /// to its experts' ranks and back (`alltoall`, the default).
+    pub expert_all_gather: bool,
 }
 
 impl Default for PassCtx {
@@ -69,6 +73,7 @@ impl Default for PassCtx {
             fold_into_tsp: false,
             zero_stage: 0,
             recompute: crate::autodiff::Recompute::None,
+            expert_all_gather: false,
         }
     }
 }

@@ -27,7 +27,7 @@ fn propagate_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
 /// Seeds the leaves, derives every spec, inserts the collectives the rules call for and makes the
 /// outputs replicated. Running it again on its own result changes nothing.
 pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
-    crate::strategy::seed_leaves(module)?;
+    crate::strategy::seed_leaves(module, ctx)?;
     // Sequence parallelism itself is egg's choice (`rewrite-collectives`); propagation only checks
     // that the sequence splits.
     sequence_parallel_axis(module, ctx)?;

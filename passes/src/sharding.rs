@@ -272,6 +272,27 @@ pub fn output_spec(
             spec.partial = specs[0].partial.iter().chain(specs[0].dims[..lead].iter().flatten()).copied().collect();
             Ok(spec)
         }
+        Op::SigmoidScale => {
+            // Linear in y: a pending sum of y passes through; each row's gate must be whole.
+            no_partial(specs, &[0])?;
+            let rows = specs[1].dims.len() - 1;
+            if specs[0].dims[..] != specs[1].dims[..rows] {
+                return Err(Conflict::Layout("the gates are laid out differently from y's rows".into()));
+            }
+            Ok(specs[1].clone())
+        }
+        Op::SigmoidScaleGradGate => {
+            // (gate, y, dy) -> [rows]: a sum over hidden of dy * y, pending where y is or where hidden is
+            // split.
+            no_partial(specs, &[0, 2])?;
+            let rows = specs[1].dims.len() - 1;
+            if specs[0].dims[..] != specs[1].dims[..rows] || specs[1].dims != specs[2].dims {
+                return Err(Conflict::Layout("the gates, y and dy are laid out differently".into()));
+            }
+            let mut spec = specs[0].clone();
+            spec.partial = specs[1].partial.iter().chain(&specs[1].dims[rows]).copied().collect();
+            each_axis_once(spec)
+        }
         Op::SiluMul => {
             no_partial(specs, &[0, 1])?;
             if specs[0] != specs[1] {
@@ -412,10 +433,10 @@ pub fn output_spec(
             Ok(spec)
         }
         Op::RingAttention { axis, .. } => ring_attention_spec(*axis, specs, shapes),
-        Op::MoeMlp { .. } => moe_spec(specs, shapes),
-        Op::MoeMlpGrad { wrt, .. } => {
+        Op::MoeMlp { dispatch, .. } => moe_spec(specs, shapes, *dispatch),
+        Op::MoeMlpGrad { wrt, dispatch, .. } => {
             // (x, router, gate, up, down, dy): the forward's layouts, dy laid out as its rows.
-            let output = moe_spec(&specs[..5], &shapes[..5])?;
+            let output = moe_spec(&specs[..5], &shapes[..5], *dispatch)?;
             no_partial(specs, &[5])?;
             if specs[5].dims != output.dims {
                 return Err(Conflict::Layout("dy is laid out differently from the MoE output".into()));
@@ -431,9 +452,11 @@ pub fn output_spec(
                     spec.partial = row_axes.chain(output.partial).collect();
                     Ok(spec)
                 }
+                // An expert's gradient sums the rows that reached it: with a dispatch, the rows of
+                // every rank of its axis.
                 MoeOperand::Gate | MoeOperand::Up | MoeOperand::Down => {
                     let mut spec = specs[wrt.index()].clone();
-                    spec.partial = row_axes.collect();
+                    spec.partial = row_axes.filter(|&axis| Some(axis) != *dispatch).collect();
                     Ok(spec)
                 }
             }
@@ -495,8 +518,9 @@ fn scatter_partial(specs: &[&ShardSpec], shapes: &[&Shape]) -> Option<Conflict> 
 /// `MoeMlp`'s layout: each rank routes its own rows with the whole router and runs the experts and
 /// ffn channels it holds, so the result keeps the rows' splits and is a pending sum over the axes
 /// that split the experts or ffn. An axis that splits both the rows and the experts (expert
-/// parallelism beside its data split) gathers the rows first.
-fn moe_spec(specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<ShardSpec, Conflict> {
+/// parallelism beside its data split) gathers the rows first, unless it is the `dispatch` axis:
+/// then the rows travel to their experts and back, and the result is whole over it.
+fn moe_spec(specs: &[&ShardSpec], shapes: &[&Shape], dispatch: Option<AxisName>) -> Result<ShardSpec, Conflict> {
     use DimName::*;
     no_partial(specs, &[0, 1, 2, 3, 4])?;
     replicated_dim(specs, shapes, 0, Hidden, "each expert contracts hidden")?;
@@ -520,13 +544,27 @@ fn moe_spec(specs: &[&ShardSpec], shapes: &[&Shape]) -> Result<ShardSpec, Confli
         }
     }
     let row_count = shapes[0].rank() - 1;
+    if let Some(axis) = dispatch {
+        if experts != [axis] {
+            return Err(Conflict::Layout(format!(
+                "the dispatch over {axis} sends rows to the experts' ranks, but the experts are split over {}",
+                if experts.is_empty() { "nothing".to_string() } else { axes_text(experts) }
+            )));
+        }
+        if !specs[0].dims[..row_count].iter().flatten().any(|&row_axis| row_axis == axis) {
+            return Err(Conflict::Layout(format!(
+                "the dispatch over {axis} needs the rows split over {axis}: each rank sends its own rows"
+            )));
+        }
+    }
+    let placed = |axis: &AxisName| (experts.contains(axis) || ffn.contains(axis)) && Some(*axis) != dispatch;
     for (index, axes) in specs[0].dims[..row_count].iter().enumerate() {
-        if let Some(&axis) = axes.iter().find(|axis| experts.contains(axis) || ffn.contains(axis)) {
+        if let Some(&axis) = axes.iter().find(|&axis| placed(axis)) {
             return Err(Conflict::SplitActivation { dim: shapes[0].dims()[index].name, axis });
         }
     }
     let mut spec = specs[0].clone();
-    spec.partial = experts.iter().chain(ffn).copied().collect();
+    spec.partial = experts.iter().chain(ffn).copied().filter(|&axis| Some(axis) != dispatch).collect();
     each_axis_once(spec)
 }
 

@@ -26,13 +26,14 @@ use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, DimName, Module, Op};
 
 use crate::error::{Error, Result};
+use crate::manager::PassCtx;
 
 /// The axes this build has strategies for.
 pub const SUPPORTED_AXES: [AxisName; 5] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp, AxisName::Cp, AxisName::Ep];
 
 /// Seeds parameter and input specs for every axis of the module's mesh. Only leaves change, so the
 /// module is consistent again only once propagation has run: the two form one pass.
-pub fn seed_leaves(module: &mut Module) -> Result<()> {
+pub fn seed_leaves(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     for axis in module.mesh.axes().to_vec() {
         match axis.name {
             AxisName::Tp => seed_weight_splits(module, AxisName::Tp, axis.size)?,
@@ -40,7 +41,7 @@ pub fn seed_leaves(module: &mut Module) -> Result<()> {
             // heads must divide too); `fold-tsp` restructures the layers and splits the tokens.
             AxisName::Tsp => seed_weight_splits(module, AxisName::Tsp, axis.size)?,
             AxisName::Dp => seed_data_parallel(module, axis.size)?,
-            AxisName::Ep => seed_expert_parallel(module, axis.size)?,
+            AxisName::Ep => seed_expert_parallel(module, axis.size, !ctx.expert_all_gather)?,
             // Weights stay whole on every cp rank; the sequence split is placed by `fold-cp`.
             AxisName::Cp => {}
             other => {
@@ -179,7 +180,7 @@ fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
     Ok(())
 }
 
-fn seed_expert_parallel(module: &mut Module, degree: u64) -> Result<()> {
+fn seed_expert_parallel(module: &mut Module, degree: u64, all_to_all: bool) -> Result<()> {
     let graph = &mut module.graph;
     let experts: Vec<_> = graph
         .params()
@@ -213,6 +214,15 @@ fn seed_expert_parallel(module: &mut Module, degree: u64) -> Result<()> {
         let split: u64 = axes.iter().map(|&axis| module.mesh.degree(axis)).product();
         if batch % split != 0 {
             return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Ep, split));
+        }
+    }
+    // The all-to-all dispatcher: each mixture sends its rows to their experts' ranks over ep.
+    if all_to_all {
+        let nodes: Vec<_> = graph.order().to_vec();
+        for node in nodes {
+            if let Op::MoeMlp { dispatch, .. } = &mut graph.node_mut(node).op {
+                *dispatch = Some(AxisName::Ep);
+            }
         }
     }
     Ok(())

@@ -39,7 +39,7 @@ fn fold_tsp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
             reason: "both split the weights (tsp already is tensor parallelism, with the tokens split too)".into(),
         });
     }
-    crate::strategy::seed_leaves(module)?;
+    crate::strategy::seed_leaves(module, ctx)?;
     let mut rewriter = Rewriter { graph: &mut module.graph, degree };
     rewriter.fold()?;
     module.graph.compact();
@@ -104,9 +104,12 @@ impl Rewriter<'_> {
         while self.graph.find(&format!("layer{layer}.attn_norm")).is_some() {
             self.attention(layer, local_positions, all_positions)?;
             // Routed experts stay as they are: each rank routes its own tokens (expert parallelism,
-            // when the mesh has `ep`, places the experts).
+            // when the mesh has `ep`, places the experts). A shared expert (Qwen2-MoE) is a dense
+            // MLP and rides the ring.
             if self.graph.find(&format!("layer{layer}.moe")).is_none() {
-                self.mlp(layer)?;
+                self.mlp(layer, "mlp", "down_proj")?;
+            } else if self.graph.find(&format!("layer{layer}.shared_expert.down_proj")).is_some() {
+                self.mlp(layer, "mlp.shared_expert", "shared_expert.down_proj")?;
             }
             layer += 1;
         }
@@ -253,10 +256,12 @@ impl Rewriter<'_> {
         *at = block;
     }
 
-    fn mlp(&mut self, layer: u64) -> Result<()> {
-        let prefix = format!("model.layers.{layer}.mlp");
+    /// Replaces the gated MLP whose weights are under `model.layers.{layer}.{block}` and whose
+    /// output is node `layer{layer}.{output}` with one ring.
+    fn mlp(&mut self, layer: u64, block: &str, output: &str) -> Result<()> {
+        let prefix = format!("model.layers.{layer}.{block}");
         let x = self.find(&format!("layer{layer}.mlp_norm"))?;
-        let old_output = self.find(&format!("layer{layer}.down_proj"))?;
+        let old_output = self.find(&format!("layer{layer}.{output}"))?;
         let weights = [
             self.find(&format!("{prefix}.gate_proj.weight"))?,
             self.find(&format!("{prefix}.up_proj.weight"))?,

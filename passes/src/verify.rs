@@ -341,7 +341,8 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
         | Op::EmbeddingGrad { .. }
         | Op::SumLeading { .. }
         | Op::RingGatedMlpGrad { .. }
-        | Op::MoeMlpGrad { .. } => infer_training_type(node, inputs, mesh),
+        | Op::MoeMlpGrad { .. }
+        | Op::SigmoidScaleGradGate => infer_training_type(node, inputs, mesh),
         Op::AllReduce { .. } => Ok(inputs[0].clone()),
         Op::BroadcastShard { axis, dim, root } => {
             let Some(position) = inputs[0].shape.position(*dim) else {
@@ -390,6 +391,17 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
                 return Err("gate, up and down disagree on ffn or hidden".into());
             }
             Ok(inputs[0].clone())
+        }
+        Op::SigmoidScale => {
+            let (gate, y) = (inputs[0], inputs[1]);
+            if y.shape.dims().split_last().map(|(_, leading)| leading) != Some(gate.shape.dims()) {
+                return Err(format!(
+                    "operand 1 {} must be operand 0 {} plus a trailing dim",
+                    shape_text(&y.shape),
+                    shape_text(&gate.shape)
+                ));
+            }
+            Ok(y.clone())
         }
         Op::MoeMlp { top_k, .. } => {
             expect_dims(1, &[Experts, Hidden])?;
@@ -552,10 +564,15 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
             same_type(4, &output, "the MLP output")?;
             Ok(inputs[wrt.index()].clone())
         }
-        Op::MoeMlpGrad { top_k, normalize, wrt } => {
-            let output = forward(Op::MoeMlp { top_k: *top_k, normalize: *normalize }, 5)?;
+        Op::MoeMlpGrad { top_k, normalize, dispatch, wrt } => {
+            let output = forward(Op::MoeMlp { top_k: *top_k, normalize: *normalize, dispatch: *dispatch }, 5)?;
             same_type(5, &output, "the MoE output")?;
             Ok(inputs[wrt.index()].clone())
+        }
+        Op::SigmoidScaleGradGate => {
+            let y = forward(Op::SigmoidScale, 2)?;
+            same_type(2, &y, "operand 1")?;
+            Ok(inputs[0].clone())
         }
         Op::SiluMulGradGate => {
             same_type(1, inputs[0], "operand 0")?;

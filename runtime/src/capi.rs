@@ -180,6 +180,9 @@ pub fn exported_functions() -> Vec<(&'static str, *const ())> {
         pleat_rt_sum_leading,
         pleat_rt_moe_mlp,
         pleat_rt_moe_mlp_grad,
+        pleat_rt_expert_dispatch,
+        pleat_rt_sigmoid_scale,
+        pleat_rt_sigmoid_scale_grad_gate,
     ]
 }
 

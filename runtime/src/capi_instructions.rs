@@ -233,6 +233,55 @@ pub unsafe extern "C" fn pleat_rt_broadcast(
     }
 }
 
+/// The mixture of experts dispatched over the group (`Instr::ExpertDispatch`): the operands, the
+/// results, the operands differentiated (0 x, 1 router, 2 gate, 3 up, 4 down; none for the
+/// forward), the group, then `MoeDims` in order.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_expert_dispatch(
+    ctx: *mut c_void,
+    instr: u64,
+    inputs: *const u32,
+    input_count: u64,
+    outs: *const u32,
+    out_count: u64,
+    wrts: *const u64,
+    wrt_count: u64,
+    axis: *const u8,
+    axis_length: u64,
+    ranks: *const u32,
+    rank_count: u64,
+    rows: u64,
+    hidden: u64,
+    experts: u64,
+    local_experts: u64,
+    expert_offset: u64,
+    ffn: u64,
+    top_k: u64,
+    normalize: u64,
+) -> i32 {
+    let dims = MoeDims { rows, hidden, experts, local_experts, expert_offset, ffn, top_k, normalize: normalize != 0 };
+    // SAFETY: the module's contract; the pointers are read with their counts.
+    unsafe {
+        instruction(ctx, instr, || {
+            let wrts = slice(wrts, wrt_count)
+                .iter()
+                .map(|&wrt| pleat_ir::MoeOperand::at(usize::try_from(wrt).ok()?))
+                .collect::<Option<Vec<_>>>()?;
+            Some(Instr::ExpertDispatch {
+                inputs: buffers(inputs, input_count),
+                outs: buffers(outs, out_count),
+                wrts,
+                group: group(axis, axis_length, ranks, rank_count),
+                dims,
+            })
+        })
+    }
+}
+
 /// Starts sending `bufs`, packed, to rank `peer`.
 ///
 /// # Safety
@@ -490,6 +539,43 @@ pub unsafe extern "C" fn pleat_rt_merge_attention(
 pub unsafe extern "C" fn pleat_rt_silu_mul(ctx: *mut c_void, instr: u64, gate: u32, up: u32, out: u32) -> i32 {
     // SAFETY: the module's contract.
     unsafe { instruction(ctx, instr, || Some(kernel(Kernel::SiluMul, &[gate, up], out))) }
+}
+
+/// `Kernel::SigmoidScale`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_sigmoid_scale(
+    ctx: *mut c_void,
+    instr: u64,
+    gate: u32,
+    y: u32,
+    out: u32,
+    hidden: u64,
+) -> i32 {
+    // SAFETY: the module's contract.
+    unsafe { instruction(ctx, instr, || Some(kernel(Kernel::SigmoidScale { hidden }, &[gate, y], out))) }
+}
+
+/// `Kernel::SigmoidScaleGradGate`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_sigmoid_scale_grad_gate(
+    ctx: *mut c_void,
+    instr: u64,
+    gate: u32,
+    y: u32,
+    dy: u32,
+    out: u32,
+    hidden: u64,
+) -> i32 {
+    // SAFETY: the module's contract.
+    unsafe { instruction(ctx, instr, || Some(kernel(Kernel::SigmoidScaleGradGate { hidden }, &[gate, y, dy], out))) }
 }
 
 /// `Kernel::Add`.

@@ -14,10 +14,11 @@ use half::bf16;
 use pleat_backend::memory::{staging_of, ElementSize};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
 use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program};
+use pleat_ir::MoeOperand;
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
-use crate::kernels::{self, AttentionShape, MoeShape};
+use crate::kernels::{self, AttentionShape, MoeGradOperand, MoeShape};
 use crate::native::{NativeKernels, NativeOperand};
 use crate::stream::{CommStream, Transfer};
 use crate::weights::WeightSource;
@@ -73,6 +74,9 @@ pub struct RankOutcome {
     /// For each instruction, in program order, its start and end in nanoseconds since
     /// `RunInputs::epoch`.
     pub timings: Vec<(u64, u64)>,
+    /// The most token rows one of its experts received in one forward mixture-of-experts layer
+    /// (0 for a dense model): the load imbalance a dropless router lets through.
+    pub max_expert_rows: u64,
 }
 
 /// A buffer's elements as the rank holds them: at the buffer's declared dtype, so that the measured
@@ -114,10 +118,18 @@ struct Machine<'a> {
     activation_bytes: u64,
     in_flight_bytes: u64,
     in_flight_peak_bytes: u64,
+    /// The busiest expert's rows in one forward mixture layer (a cell: kernels see the machine
+    /// shared).
+    max_expert_rows: std::cell::Cell<u64>,
     instr: usize,
 }
 
 impl Machine<'_> {
+    /// Records that one of the rank's experts received `rows` rows in a layer.
+    fn note_expert_rows(&self, rows: u64) {
+        self.max_expert_rows.set(self.max_expert_rows.get().max(rows));
+    }
+
     fn program_error(&self, reason: String) -> Error {
         Error::Program { rank: self.program.rank, instr: self.instr, reason }
     }
@@ -353,6 +365,7 @@ impl<'a> Run<'a> {
                 activation_bytes: 0,
                 in_flight_bytes: 0,
                 in_flight_peak_bytes: 0,
+                max_expert_rows: std::cell::Cell::new(0),
                 peak_bytes: 0,
                 instr: 0,
             },
@@ -463,6 +476,7 @@ impl<'a> Run<'a> {
             },
             activation_bytes: self.activation_bytes,
             in_flight_peak_bytes: self.machine.in_flight_peak_bytes,
+            max_expert_rows: self.machine.max_expert_rows.get(),
             timings: self.timings,
         }
     }
@@ -716,6 +730,15 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
         Instr::Recv { outs, peer } => {
             Transfer::Recv { peer: *peer, len: outs.iter().map(|&out| program.buffer(out).numel() as usize).sum() }
         }
+        Instr::ExpertDispatch { inputs, wrts, group: members, dims, .. } => Transfer::ExpertDispatch {
+            group: group(members),
+            shape: moe_shape(dims),
+            operands: inputs
+                .iter()
+                .map(|&input| machine.f32(input).map(|data| data.to_vec()))
+                .collect::<Result<_>>()?,
+            wrts: wrts.iter().map(|&wrt| moe_grad_operand(wrt)).collect(),
+        },
         other => return Err(machine.program_error(format!("{other:?} is not a transfer"))),
     })
 }
@@ -733,7 +756,14 @@ fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<(
             let joined = kernels::join_dim_chunks(&data, &local_shape(program, *out), *gather_dim, group.ranks.len());
             machine.store_floats(*out, joined)
         }
-        Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } => {
+        // A forward dispatch's experts' loads follow its output.
+        Instr::ExpertDispatch { outs, wrts, .. } if wrts.is_empty() => {
+            let size = program.buffer(outs[0]).numel() as usize;
+            let loads = data.get(size..).unwrap_or_default();
+            machine.note_expert_rows(loads.iter().fold(0.0f32, |max, &rows| max.max(rows)) as u64);
+            unpack(machine, outs, &[size], &data[..size.min(data.len())])
+        }
+        Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } | Instr::ExpertDispatch { outs, .. } => {
             let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
             unpack(machine, outs, &sizes, &data)
         }
@@ -877,9 +907,20 @@ fn run_kernel(
             pack_rows(&out, &lse, head_dim, &mut result);
         }
         Kernel::SiluMul => kernels::silu_mul(&f32_operand(0)?, &f32_operand(1)?, &mut result),
+        Kernel::SigmoidScale { hidden } => {
+            kernels::sigmoid_scale(&f32_operand(0)?, &f32_operand(1)?, *hidden as usize, &mut result)
+        }
+        Kernel::SigmoidScaleGradGate { hidden } => kernels::sigmoid_scale_grad_gate(
+            &f32_operand(0)?,
+            &f32_operand(1)?,
+            &f32_operand(2)?,
+            *hidden as usize,
+            &mut result,
+        ),
         Kernel::MoeMlp { dims } => {
             let operands = [&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?, &f32_operand(3)?, &f32_operand(4)?];
-            kernels::moe_mlp(&moe_shape(dims), operands.map(|operand| operand.as_ref()), &mut result);
+            let loads = kernels::moe_mlp(&moe_shape(dims), operands.map(|operand| operand.as_ref()), &mut result);
+            machine.note_expert_rows(loads.into_iter().max().unwrap_or(0) as u64);
         }
         Kernel::Add => {
             let (a, b) = (&f32_operand(0)?, &f32_operand(1)?);
@@ -934,6 +975,17 @@ pub(crate) fn moe_shape(dims: &MoeDims) -> MoeShape {
     }
 }
 
+/// The runtime kernels' name for a mixture operand.
+pub(crate) fn moe_grad_operand(wrt: MoeOperand) -> MoeGradOperand {
+    match wrt {
+        MoeOperand::Input => MoeGradOperand::Input,
+        MoeOperand::Router => MoeGradOperand::Router,
+        MoeOperand::Gate => MoeGradOperand::Gate,
+        MoeOperand::Up => MoeGradOperand::Up,
+        MoeOperand::Down => MoeGradOperand::Down,
+    }
+}
+
 /// An attention kernel's local sizes as the runtime's kernels take them.
 pub(crate) fn attention_shape(dims: &AttentionDims) -> AttentionShape {
     let to_usize = |size: u64| size as usize;
@@ -976,7 +1028,10 @@ fn kernel_arity(kernel: &Kernel) -> usize {
     match kernel {
         Kernel::Zeros => 0,
         Kernel::Slice { .. } | Kernel::Permute { .. } | Kernel::SumLeading { .. } => 1,
-        Kernel::RmsNormGradInput { .. } | Kernel::SiluMulGradGate | Kernel::CrossEntropyGradFromStats { .. } => 3,
+        Kernel::RmsNormGradInput { .. }
+        | Kernel::SiluMulGradGate
+        | Kernel::SigmoidScaleGradGate { .. }
+        | Kernel::CrossEntropyGradFromStats { .. } => 3,
         Kernel::Attention { .. } | Kernel::MoeMlp { .. } => 5,
         Kernel::AttentionGrad { .. } | Kernel::MoeMlpGrad { .. } => 6,
         _ => 2,

@@ -4,11 +4,10 @@
 //! `Machine`, as a child module.
 
 use pleat_backend::{AttentionOperand, BufferId, Kernel};
-use pleat_ir::MoeOperand;
 
-use super::{attention_shape, moe_shape, Machine};
+use super::{attention_shape, moe_grad_operand, moe_shape, Machine};
 use crate::error::{Error, Result};
-use crate::kernels::{self, AttentionGradOperand, LossShape, MoeGradOperand, VocabShardShape};
+use crate::kernels::{self, AttentionGradOperand, LossShape, VocabShardShape};
 
 /// Runs the backward `kernel` on `operands` into `result` (sized to `out`); the caller has checked the
 /// operand count.
@@ -110,13 +109,7 @@ pub(super) fn run_backward_kernel(
             kernels::attention_grad(&shape, wrt, q, k, v, q_pos, k_pos, dy, result).map_err(kernel_error)?;
         }
         Kernel::MoeMlpGrad { wrt, dims } => {
-            let wrt = match wrt {
-                MoeOperand::Input => MoeGradOperand::Input,
-                MoeOperand::Router => MoeGradOperand::Router,
-                MoeOperand::Gate => MoeGradOperand::Gate,
-                MoeOperand::Up => MoeGradOperand::Up,
-                MoeOperand::Down => MoeGradOperand::Down,
-            };
+            let wrt = moe_grad_operand(*wrt);
             let operands = [&f32_operand(0)?, &f32_operand(1)?, &f32_operand(2)?, &f32_operand(3)?, &f32_operand(4)?];
             let dy = f32_operand(5)?;
             kernels::moe_mlp_grad(&moe_shape(dims), operands.map(|operand| operand.as_ref()), &dy, wrt, result);

@@ -12,6 +12,7 @@ pub mod capi;
 pub mod comm;
 pub mod error;
 pub mod executor;
+mod expert_dispatch;
 pub mod kernels;
 pub mod launch;
 pub mod native;

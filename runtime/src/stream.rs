@@ -15,6 +15,8 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Instant;
 
 use crate::comm::{CommError, Communicator, Group};
+use crate::expert_dispatch::{expert_dispatch, DispatchOperands};
+use crate::kernels::{ExpertWeights, MoeGradOperand, MoeShape};
 
 /// A transfer's data, detached from the program's buffers.
 pub(crate) enum Transfer {
@@ -32,6 +34,9 @@ pub(crate) enum Transfer {
     Send { peer: u32, packed: Vec<f32> },
     /// One packed message of `len` elements from `peer`.
     Recv { peer: u32, len: usize },
+    /// The mixture of experts over `group` (`crate::expert_dispatch`): its operands `x`, router,
+    /// gate, up, down (and dy), and the gradients asked for (none: the forward).
+    ExpertDispatch { group: Group, shape: MoeShape, operands: Vec<Vec<f32>>, wrts: Vec<MoeGradOperand> },
 }
 
 impl Transfer {
@@ -69,6 +74,17 @@ impl Transfer {
                 let mut packed = vec![0.0; len];
                 comm.recv(peer, &mut packed)?;
                 Ok(packed)
+            }
+            Transfer::ExpertDispatch { group, shape, operands, wrts } => {
+                let [x, router, gate, up, down] = [0, 1, 2, 3, 4].map(|index| operands[index].as_slice());
+                let dispatch = DispatchOperands {
+                    x,
+                    router,
+                    weights: ExpertWeights { gate, up, down },
+                    dy: operands.get(5).map(Vec::as_slice),
+                };
+                let results = expert_dispatch(comm, &group, &shape, &dispatch, &wrts)?;
+                Ok(results.concat())
             }
         }
     }

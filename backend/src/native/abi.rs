@@ -77,7 +77,7 @@ pub struct RuntimeCall {
 
 /// Every `pleat_rt_*` symbol that [`runtime_call`] can name, for checking that a runtime exports
 /// them all.
-pub const INSTRUCTION_SYMBOLS: [&str; 40] = [
+pub const INSTRUCTION_SYMBOLS: [&str; 43] = [
     "pleat_rt_load_param",
     "pleat_rt_load_tokens",
     "pleat_rt_load_positions",
@@ -118,6 +118,9 @@ pub const INSTRUCTION_SYMBOLS: [&str; 40] = [
     "pleat_rt_sum_leading",
     "pleat_rt_moe_mlp",
     "pleat_rt_moe_mlp_grad",
+    "pleat_rt_expert_dispatch",
+    "pleat_rt_sigmoid_scale",
+    "pleat_rt_sigmoid_scale_grad_gate",
 ];
 
 /// A mixture-of-experts kernel's sizes, in `MoeDims` order (`normalize` as 0 or 1).
@@ -209,6 +212,18 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
         }
         Instr::Free { buf } => ("pleat_rt_free", vec![Buffer(*buf)]),
         Instr::Wait { handle } => ("pleat_rt_wait", vec![Buffers(handle.clone())]),
+        Instr::ExpertDispatch { inputs, outs, wrts, group: members, dims } => (
+            "pleat_rt_expert_dispatch",
+            [
+                Buffers(inputs.clone()),
+                Buffers(outs.clone()),
+                AbiArg::U64s(wrts.iter().map(|wrt| wrt.index() as u64).collect()),
+            ]
+            .into_iter()
+            .chain(group(members))
+            .chain(moe_dims(dims))
+            .collect(),
+        ),
         Instr::Kernel { kernel, inputs, out } => {
             let (symbol, parameters) = kernel_call(kernel);
             let args = inputs.iter().map(|&id| Buffer(id)).chain([Buffer(*out)]).chain(parameters).collect();
@@ -235,6 +250,8 @@ fn kernel_call(kernel: &Kernel) -> (&'static str, Vec<AbiArg>) {
         }
         Kernel::MergeAttention { rows, head_dim } => ("pleat_rt_merge_attention", vec![U64(*rows), U64(*head_dim)]),
         Kernel::SiluMul => ("pleat_rt_silu_mul", vec![]),
+        Kernel::SigmoidScale { hidden } => ("pleat_rt_sigmoid_scale", vec![U64(*hidden)]),
+        Kernel::SigmoidScaleGradGate { hidden } => ("pleat_rt_sigmoid_scale_grad_gate", vec![U64(*hidden)]),
         Kernel::Add => ("pleat_rt_add", vec![]),
         Kernel::Permute { shape, dim, order } => {
             ("pleat_rt_permute", vec![AbiArg::U64s(shape.clone()), U64(*dim as u64), AbiArg::U64s(order.clone())])

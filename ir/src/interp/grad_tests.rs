@@ -247,6 +247,18 @@ fn embedding_and_bias_gradients_match_finite_differences() {
 }
 
 #[test]
+fn sigmoid_scale_gradients_match_finite_differences() {
+    let (gate, y, dy) = (random(&[2, 3], 50), random(&[2, 3, 4], 51), random(&[2, 3, 4], 52));
+    let d_gate = run(&Op::SigmoidScaleGradGate, &[&gate, &y, &dy]);
+    let d_y = run(&Op::SigmoidScale, &[&gate, &dy]);
+    check_finite_differences(&Op::SigmoidScale, &[gate.clone(), y.clone()], 0, &dy, &d_gate);
+    check_finite_differences(&Op::SigmoidScale, &[gate, y], 1, &dy, &d_y);
+    // sigmoid(0) = 1/2 halves the row; a large gate passes it whole.
+    let halved = run(&Op::SigmoidScale, &[&tensor(&[2], &[0.0, 40.0]), &tensor(&[2, 2], &[2.0, 4.0, 6.0, 8.0])]);
+    assert_eq!(halved.data, vec![1.0, 2.0, 6.0, 8.0]);
+}
+
+#[test]
 fn moe_gradients_match_finite_differences() {
     // 6 rows, hidden 4, 4 experts of width 3; the router is scaled so that the top-2 choice of every
     // row has a probability gap far wider than the finite-difference step can close.
@@ -258,8 +270,14 @@ fn moe_gradients_match_finite_differences() {
     let operands: Vec<&Tensor> = inputs.iter().chain([&dy]).collect();
     for normalize in [true, false] {
         for wrt in crate::MoeOperand::ALL {
-            let gradient = run(&Op::MoeMlpGrad { top_k: 2, normalize, wrt }, &operands);
-            check_finite_differences(&Op::MoeMlp { top_k: 2, normalize }, &inputs, wrt.index(), &dy, &gradient);
+            let gradient = run(&Op::MoeMlpGrad { top_k: 2, normalize, dispatch: None, wrt }, &operands);
+            check_finite_differences(
+                &Op::MoeMlp { top_k: 2, normalize, dispatch: None },
+                &inputs,
+                wrt.index(),
+                &dy,
+                &gradient,
+            );
         }
     }
 }
@@ -276,14 +294,14 @@ fn moe_routes_each_row_to_its_top_experts() {
     let down = tensor(&[3, 1, 1], &[100.0, 10.0, 1.0]);
     let silu = |value: f64| value / (1.0 + (-value).exp());
     let operands = [&x, &router, &gate, &up, &down];
-    let normalized = run(&Op::MoeMlp { top_k: 2, normalize: true }, &operands);
+    let normalized = run(&Op::MoeMlp { top_k: 2, normalize: true, dispatch: None }, &operands);
     let expected = 0.6 * silu(2.0) * 10.0 + 0.4 * silu(3.0);
     assert!((f64::from(normalized.data[0]) - expected).abs() < 1e-5, "{normalized:?} vs {expected}");
-    let raw = run(&Op::MoeMlp { top_k: 2, normalize: false }, &operands);
+    let raw = run(&Op::MoeMlp { top_k: 2, normalize: false, dispatch: None }, &operands);
     let expected = 0.5 * silu(2.0) * 10.0 + silu(3.0) / 3.0;
     assert!((f64::from(raw.data[0]) - expected).abs() < 1e-5, "{raw:?} vs {expected}");
     // Top-1 of three equal logits takes the lowest index.
     let even = tensor(&[3, 1], &[0.5, 0.5, 0.5]);
-    let first = run(&Op::MoeMlp { top_k: 1, normalize: true }, &[&x, &even, &gate, &up, &down]);
+    let first = run(&Op::MoeMlp { top_k: 1, normalize: true, dispatch: None }, &[&x, &even, &gate, &up, &down]);
     assert!((f64::from(first.data[0]) - silu(1.0) * 100.0).abs() < 1e-4, "{first:?}");
 }

@@ -38,11 +38,14 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
             attention(operands[0], operands[1], operands[2], operands[3], operands[4], *causal)
         }
         Op::SiluMul => silu_mul(operands[0], operands[1]),
+        Op::SigmoidScale => sigmoid_scale(operands[0], operands[1]),
+        Op::SigmoidScaleGradGate => sigmoid_scale_grad_gate(operands[0], operands[1], operands[2]),
         Op::Add => add(operands[0], operands[1]),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
         Op::RingGatedMlpGrad { wrt, .. } => gated_mlp_grad(operands, *wrt),
-        Op::MoeMlp { top_k, normalize } => moe::moe_mlp(operands, *top_k, *normalize),
-        Op::MoeMlpGrad { top_k, normalize, wrt } => moe::moe_mlp_grad(operands, *top_k, *normalize, *wrt),
+        // The dispatch moves rows between ranks; on one rank it is the plain mixture.
+        Op::MoeMlp { top_k, normalize, .. } => moe::moe_mlp(operands, *top_k, *normalize),
+        Op::MoeMlpGrad { top_k, normalize, wrt, .. } => moe::moe_mlp_grad(operands, *top_k, *normalize, *wrt),
         Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. } => grad::cross_entropy(operands[0], operands[1]),
         Op::CrossEntropyGrad | Op::VocabParallelCrossEntropyGrad { .. } => {
             grad::cross_entropy_grad(operands[0], operands[1])
@@ -182,6 +185,53 @@ fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor, OpError> {
             let gate = f64::from(gate);
             let silu = (gate / (1.0 + (-gate).exp())) as f32;
             silu * up
+        })
+        .collect();
+    Ok(Tensor { shape: gate.shape.clone(), data })
+}
+
+/// The sigmoid of `value`, in f64.
+fn sigmoid(value: f32) -> f64 {
+    1.0 / (1.0 + (-f64::from(value)).exp())
+}
+
+/// Checks that `y` (operand 1) is `gate`'s shape plus a trailing dim; returns that dim's size.
+fn gated_rows(gate: &Tensor, y: &Tensor) -> Result<usize, OpError> {
+    match y.shape.split_last() {
+        Some((&hidden, leading)) if leading == gate.shape.as_slice() => Ok(hidden),
+        _ => Err(shape_error(1, y, format!("{:?} plus a trailing hidden dim", gate.shape))),
+    }
+}
+
+/// `(gate[..], y[.., hidden]) -> sigmoid(gate) * y`, the sigmoid rounded to f32 first, as torch
+/// computes `F.sigmoid(gate) * y`.
+fn sigmoid_scale(gate: &Tensor, y: &Tensor) -> Result<Tensor, OpError> {
+    let hidden = gated_rows(gate, y)?;
+    let data = y
+        .data
+        .iter()
+        .enumerate()
+        .map(|(flat, &value)| sigmoid(gate.data[flat / hidden.max(1)]) as f32 * value)
+        .collect();
+    Ok(Tensor { shape: y.shape.clone(), data })
+}
+
+/// `(gate, y, dy) -> sigmoid'(gate) · sum over hidden of dy * y`, a value a row.
+fn sigmoid_scale_grad_gate(gate: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Tensor, OpError> {
+    let hidden = gated_rows(gate, y)?;
+    if dy.shape != y.shape {
+        return Err(shape_error(2, dy, format!("{:?}, the shape of operand 1", y.shape)));
+    }
+    let data = gate
+        .data
+        .iter()
+        .enumerate()
+        .map(|(row, &gate)| {
+            let span = row * hidden..(row + 1) * hidden;
+            let inner: f64 =
+                y.data[span.clone()].iter().zip(&dy.data[span]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+            let s = sigmoid(gate);
+            (s * (1.0 - s) * inner) as f32
         })
         .collect();
     Ok(Tensor { shape: gate.shape.clone(), data })

@@ -65,15 +65,6 @@ fn forward(config: &ModelConfig, batch: u64, seq: u64) -> Result<(Graph, ValueId
                 .to_string(),
         });
     }
-    if let Some(width) = config.moe.as_ref().and_then(|moe| moe.shared_expert_intermediate_size) {
-        return Err(Error::UnsupportedModel {
-            model: config.name.clone(),
-            what: format!(
-                "Qwen2-MoE's shared expert (shared_expert_intermediate_size={width}) behind its sigmoid gate has no \
-                 graph op in pleat; pleat builds the routed experts of Mixtral-style configs"
-            ),
-        });
-    }
     let mut builder = Builder { graph: Graph::new(), config, dtype: dtype_of(config.dtype), batch, seq };
     let (logits, tokens) = builder.model();
     Ok((builder.graph, logits, tokens))
@@ -162,7 +153,11 @@ impl Builder<'_> {
         let norm_weight = self.param(&format!("{prefix}.post_attention_layernorm.weight"), &[(Hidden, hidden)]);
         let x = self.graph.add(Op::RmsNorm { eps }, &[residual, norm_weight], stream.clone(), &name("mlp_norm"));
         if let Some(moe) = &config.moe {
-            let moe_out = self.experts(layer, x, moe);
+            let mut moe_out = self.experts(layer, x, moe);
+            if let Some(width) = moe.shared_expert_intermediate_size {
+                let shared = self.shared_expert(layer, x, width);
+                moe_out = self.graph.add(Op::Add, &[moe_out, shared], stream.clone(), &name("moe_shared_sum"));
+            }
             return self.graph.add(Op::Add, &[residual, moe_out], stream, &name("moe_residual"));
         }
         let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
@@ -194,8 +189,30 @@ impl Builder<'_> {
         let down =
             self.param(&format!("{prefix}.experts.{down}.weight"), &[(Experts, experts), (Hidden, hidden), (Ffn, ffn)]);
         let ty = self.graph.value(x).ty.clone();
-        let op = Op::MoeMlp { top_k: moe.top_k, normalize: moe.normalize_top_k };
+        let op = Op::MoeMlp { top_k: moe.top_k, normalize: moe.normalize_top_k, dispatch: None };
         self.graph.add(op, &[x, router, gate, up, down], ty, &format!("layer{layer}.moe"))
+    }
+
+    /// Qwen2-MoE's shared expert of layer `layer`: a gated MLP of width `ffn` that every token goes
+    /// through, scaled by `sigmoid(x · shared_expert_gate)`.
+    fn shared_expert(&mut self, layer: u64, x: ValueId, ffn: u64) -> ValueId {
+        let (batch, seq, hidden) = (self.batch, self.seq, self.config.hidden_size);
+        let prefix = format!("model.layers.{layer}.mlp");
+        let name = |part: &str| format!("layer{layer}.shared_expert.{part}");
+        let stream = self.ty(&[(Batch, batch), (Seq, seq), (Hidden, hidden)]);
+        let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
+        let w_gate = self.param(&format!("{prefix}.shared_expert.gate_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
+        let gate = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_gate], inner.clone(), &name("gate_proj"));
+        let w_up = self.param(&format!("{prefix}.shared_expert.up_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
+        let up = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_up], inner.clone(), &name("up_proj"));
+        let act = self.graph.add(Op::SiluMul, &[gate, up], inner, &name("silu_mul"));
+        let w_down = self.param(&format!("{prefix}.shared_expert.down_proj.weight"), &[(Hidden, hidden), (Ffn, ffn)]);
+        let output = self.graph.add(Op::MatMul { contract: 1 }, &[act, w_down], stream.clone(), &name("down_proj"));
+        // The checkpoint's `[1, hidden]` gate, seen as `[hidden]`: one logit a token.
+        let w_shared_gate = self.param(&format!("{prefix}.shared_expert_gate.weight"), &[(Hidden, hidden)]);
+        let logits = self.ty(&[(Batch, batch), (Seq, seq)]);
+        let gate_logit = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_shared_gate], logits, &name("gate"));
+        self.graph.add(Op::SigmoidScale, &[gate_logit, output], stream, &name("scaled"))
     }
 
     /// `x · Wᵀ (+ b)` for a q/k/v projection onto `heads` heads of `head_dim`.

@@ -16,7 +16,7 @@ use crate::{
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 38] = [
+const OPS: [&str; 40] = [
     "tokens",
     "positions",
     "param",
@@ -55,6 +55,8 @@ const OPS: [&str; 38] = [
     "all_to_all",
     "moe_mlp",
     "moe_mlp_grad",
+    "sigmoid_scale",
+    "sigmoid_scale_grad_gate",
 ];
 
 /// The header every module text needs, as errors spell it.
@@ -329,8 +331,8 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "sum_leading" => &["keep"],
         "ring_attention" => &["axis", "causal"],
         "ring_gated_mlp_grad" => &["axis", "wrt"],
-        "moe_mlp" => &["top_k", "normalize"],
-        "moe_mlp_grad" => &["top_k", "normalize", "wrt"],
+        "moe_mlp" => &["top_k", "normalize", "dispatch"],
+        "moe_mlp_grad" => &["top_k", "normalize", "dispatch", "wrt"],
         "all_to_all" => &["axis", "split_dim", "gather_dim"],
         _ => &[],
     };
@@ -402,6 +404,8 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
             Op::AttentionGradValue { causal: number(cursor, required("causal", "true")?, "`true` or `false`")? }
         }
         "silu_mul_grad_gate" => Op::SiluMulGradGate,
+        "sigmoid_scale" => Op::SigmoidScale,
+        "sigmoid_scale_grad_gate" => Op::SigmoidScaleGradGate,
         "embedding_grad" => Op::EmbeddingGrad { vocab: number(cursor, required("vocab", "32000")?, "a whole number")? },
         "sum_leading" => {
             Op::SumLeading { keep: number(cursor, required("keep", "1")?, "a whole number from 0 to 255")? }
@@ -412,15 +416,24 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
             axis: axis_value(cursor, required("axis", "tsp")?)?,
             wrt: mlp_operand_value(cursor, required("wrt", "gate")?)?,
         },
-        "moe_mlp" => Op::MoeMlp {
-            top_k: number(cursor, required("top_k", "2")?, "a whole number")?,
-            normalize: number(cursor, required("normalize", "true")?, "`true` or `false`")?,
-        },
-        "moe_mlp_grad" => Op::MoeMlpGrad {
-            top_k: number(cursor, required("top_k", "2")?, "a whole number")?,
-            normalize: number(cursor, required("normalize", "true")?, "`true` or `false`")?,
-            wrt: moe_operand_value(cursor, required("wrt", "router")?)?,
-        },
+        "moe_mlp" | "moe_mlp_grad" => {
+            let top_k = number(cursor, required("top_k", "2")?, "a whole number")?;
+            let normalize = number(cursor, required("normalize", "true")?, "`true` or `false`")?;
+            // Absent: each rank runs its experts on its own rows.
+            let dispatch = match attributes.iter().find(|attribute| attribute.key == "dispatch") {
+                None => None,
+                Some(attribute) => Some(axis_value(cursor, attribute)?),
+            };
+            match mnemonic {
+                "moe_mlp" => Op::MoeMlp { top_k, normalize, dispatch },
+                _ => Op::MoeMlpGrad {
+                    top_k,
+                    normalize,
+                    dispatch,
+                    wrt: moe_operand_value(cursor, required("wrt", "router")?)?,
+                },
+            }
+        }
         "vocab_parallel_cross_entropy" => {
             Op::VocabParallelCrossEntropy { axis: axis_value(cursor, required("axis", "tp")?)? }
         }

@@ -167,7 +167,9 @@ fn write_attributes(out: &mut String, op: &Op) {
             }
         }
         Op::Attention { causal } => write!(out, " causal={causal}"),
-        Op::CrossEntropy | Op::CrossEntropyGrad | Op::SiluMulGradGate => Ok(()),
+        Op::CrossEntropy | Op::CrossEntropyGrad | Op::SiluMulGradGate | Op::SigmoidScale | Op::SigmoidScaleGradGate => {
+            Ok(())
+        }
         Op::MatMulGradInput { contract } | Op::MatMulGradWeight { contract } => write!(out, " contract={contract}"),
         Op::RmsNormGradInput { eps } | Op::RmsNormGradWeight { eps } => write!(out, " eps={eps}"),
         Op::AttentionGradQuery { causal } | Op::AttentionGradKey { causal } | Op::AttentionGradValue { causal } => {
@@ -185,9 +187,14 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
         Op::RingAttention { axis, causal } => write!(out, " axis={axis} causal={causal}"),
         Op::RingGatedMlpGrad { axis, wrt } => write!(out, " axis={axis} wrt={}", wrt.as_str()),
-        Op::MoeMlp { top_k, normalize } => write!(out, " top_k={top_k} normalize={normalize}"),
-        Op::MoeMlpGrad { top_k, normalize, wrt } => {
-            write!(out, " top_k={top_k} normalize={normalize} wrt={}", wrt.as_str())
+        Op::MoeMlp { top_k, normalize, dispatch } => {
+            let _ = write!(out, " top_k={top_k} normalize={normalize}");
+            dispatch.map_or(Ok(()), |axis| write!(out, " dispatch={axis}"))
+        }
+        Op::MoeMlpGrad { top_k, normalize, dispatch, wrt } => {
+            let _ = write!(out, " top_k={top_k} normalize={normalize}");
+            let _ = dispatch.map_or(Ok(()), |axis| write!(out, " dispatch={axis}"));
+            write!(out, " wrt={}", wrt.as_str())
         }
         Op::ReduceScatter { axis, dim } | Op::AllGather { axis, dim } | Op::LocalSlice { axis, dim } => {
             write!(out, " axis={axis} dim={dim}")

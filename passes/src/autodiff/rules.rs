@@ -52,6 +52,9 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
         (Op::SiluMul, 0) => apply(Op::SiluMulGradGate, vec![inputs[0], inputs[1], dy]),
         // d(silu(gate) * up) / d(up) = silu(gate): the forward op on (gate, dy).
         (Op::SiluMul, 1) => apply(Op::SiluMul, vec![inputs[0], dy]),
+        (Op::SigmoidScale, 0) => apply(Op::SigmoidScaleGradGate, vec![inputs[0], inputs[1], dy]),
+        // d(sigmoid(gate) * y) / dy = sigmoid(gate): the forward op on (gate, dy).
+        (Op::SigmoidScale, 1) => apply(Op::SigmoidScale, vec![inputs[0], dy]),
         (Op::Add, 0) => Ok(Vjp::Identity),
         (Op::Add, 1) => {
             let (a, b) = (&graph.value(inputs[0]).ty.shape, &graph.value(inputs[1]).ty.shape);
@@ -68,9 +71,9 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
             let wrt = MlpOperand::at(operand).expect("operand < 4");
             apply(Op::RingGatedMlpGrad { axis: *axis, wrt }, [&inputs[..], &[dy]].concat())
         }
-        (Op::MoeMlp { top_k, normalize }, operand) if operand < 5 => {
+        (Op::MoeMlp { top_k, normalize, dispatch }, operand) if operand < 5 => {
             let wrt = MoeOperand::at(operand).expect("operand < 5");
-            let op = Op::MoeMlpGrad { top_k: *top_k, normalize: *normalize, wrt };
+            let op = Op::MoeMlpGrad { top_k: *top_k, normalize: *normalize, dispatch: *dispatch, wrt };
             apply(op, [&inputs[..], &[dy]].concat())
         }
         (Op::RingAttention { .. }, _) => Err(NoRule {

@@ -203,6 +203,8 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
         | Op::RingGatedMlpGrad { .. }
         | Op::MoeMlp { .. }
         | Op::MoeMlpGrad { .. }
+        | Op::SigmoidScale
+        | Op::SigmoidScaleGradGate
         | Op::CrossEntropy
         | Op::CrossEntropyGrad
         | Op::VocabParallelCrossEntropy { .. }

@@ -411,6 +411,16 @@ pub trait Communicator: Send {
     /// member i.
     fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
 
+    /// All-to-all with sizes per member: `input` is member 0's chunk (`send_counts[0]` elements),
+    /// then member 1's, ..; `output` is what each member sent this one, `recv_counts[i]` elements
+    /// from member i, back to back. Every pair must agree on the sizes (exchange them first).
+    fn all_to_all_v(
+        &mut self,
+        group: &Group,
+        send: (&[f32], &[usize]),
+        receive: (&mut [f32], &[usize]),
+    ) -> Result<(), CommError>;
+
     /// Sends `data` to global rank `peer`, which must `recv` a buffer of the same length.
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError>;
 

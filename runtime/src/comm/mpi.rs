@@ -480,6 +480,16 @@ impl Communicator for MpiComm {
         })
     }
 
+    fn all_to_all_v(
+        &mut self,
+        group: &Group,
+        send: (&[f32], &[usize]),
+        receive: (&mut [f32], &[usize]),
+    ) -> Result<(), CommError> {
+        // The sizes differ between members; the operation's tag names none.
+        self.collective(CollectiveKind::AllToAll, group, 0, |comm, op| ring::all_to_all_v(comm, op, send, receive))
+    }
+
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![self.rank, peer]);
         let sequence = self.sends_to.get(peer as usize).copied().unwrap_or(0);

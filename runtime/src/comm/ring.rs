@@ -234,6 +234,45 @@ pub fn all_to_all<T: Transport + ?Sized>(
     Ok(())
 }
 
+/// All-to-all with per-member sizes: `input` holds the chunks for members 0, 1, .. back to back,
+/// `send_counts[j]` elements for member j; `output` receives `recv_counts[i]` elements from member i,
+/// back to back. The counts must agree pairwise (member i's `send_counts[j]` is member j's
+/// `recv_counts[i]`), which a message of the wrong size reports as a mismatch. The same pairwise
+/// schedule as [`all_to_all`].
+pub fn all_to_all_v<T: Transport + ?Sized>(
+    transport: &mut T,
+    op: &OpContext<'_>,
+    (input, send_counts): (&[f32], &[usize]),
+    (output, recv_counts): (&mut [f32], &[usize]),
+) -> Result<(), CommError> {
+    let my_index = member_index(transport, op)?;
+    let group_size = op.group.len();
+    check_length(transport, op, "send counts", group_size, send_counts.len())?;
+    check_length(transport, op, "receive counts", group_size, recv_counts.len())?;
+    check_length(transport, op, "input", send_counts.iter().sum(), input.len())?;
+    check_length(transport, op, "output", recv_counts.iter().sum(), output.len())?;
+    let offsets = |counts: &[usize]| -> Vec<usize> {
+        counts.iter().scan(0, |offset, &count| Some(std::mem::replace(offset, *offset + count))).collect()
+    };
+    let (send_at, recv_at) = (offsets(send_counts), offsets(recv_counts));
+    let sent = |member: usize| send_at[member]..send_at[member] + send_counts[member];
+    let received = |member: usize| recv_at[member]..recv_at[member] + recv_counts[member];
+    check_length(transport, op, "own chunk", send_counts[my_index], recv_counts[my_index])?;
+    output[received(my_index)].copy_from_slice(&input[sent(my_index)]);
+    for distance in 1..group_size {
+        let to = (my_index + distance) % group_size;
+        let from = (my_index + group_size - distance) % group_size;
+        transport.exchange(
+            op,
+            op.group.ranks[to],
+            &input[sent(to)],
+            op.group.ranks[from],
+            &mut output[received(from)],
+        )?;
+    }
+    Ok(())
+}
+
 /// Dissemination barrier: in round k each member signals the member 2^k after it and waits for the
 /// one 2^k before it; after ceil(log2 D) rounds every member has (transitively) heard from all.
 pub fn barrier<T: Transport + ?Sized>(transport: &mut T, op: &OpContext<'_>) -> Result<(), CommError> {

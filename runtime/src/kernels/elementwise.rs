@@ -22,6 +22,46 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `out[r, h] = sigmoid(gate[r]) * y[r, h]` over rows of `hidden`.
+///
+/// # Panics
+/// If `y` and `out` do not hold `gate.len() * hidden` elements.
+pub fn sigmoid_scale(gate: &[f32], y: &[f32], hidden: usize, out: &mut [f32]) {
+    let size = gate.len() * hidden;
+    expect_valid(check_len("sigmoid_scale", "y", size, y.len()).and(check_len(
+        "sigmoid_scale",
+        "out",
+        size,
+        out.len(),
+    )));
+    for ((out_row, y_row), &gate_value) in
+        out.chunks_exact_mut(hidden.max(1)).zip(y.chunks_exact(hidden.max(1))).zip(gate)
+    {
+        let scale = 1.0 / (1.0 + (-gate_value).exp());
+        out_row.iter_mut().zip(y_row).for_each(|(out_value, &value)| *out_value = scale * value);
+    }
+}
+
+/// `out[r] = sigmoid'(gate[r]) · Σ_h dy[r, h] · y[r, h]`: the gradient of [`sigmoid_scale`] with
+/// respect to `gate`.
+///
+/// # Panics
+/// If `y` or `dy` does not hold `gate.len() * hidden` elements, or `out` not `gate.len()`.
+pub fn sigmoid_scale_grad_gate(gate: &[f32], y: &[f32], dy: &[f32], hidden: usize, out: &mut [f32]) {
+    let size = gate.len() * hidden;
+    expect_valid(
+        check_len("sigmoid_scale_grad_gate", "y", size, y.len())
+            .and(check_len("sigmoid_scale_grad_gate", "dy", size, dy.len()))
+            .and(check_len("sigmoid_scale_grad_gate", "out", gate.len(), out.len())),
+    );
+    for (row, (out_value, &gate_value)) in out.iter_mut().zip(gate).enumerate() {
+        let span = row * hidden..(row + 1) * hidden;
+        let inner: f32 = y[span.clone()].iter().zip(&dy[span]).map(|(a, b)| a * b).sum();
+        let sigmoid = 1.0 / (1.0 + (-gate_value).exp());
+        *out_value = sigmoid * (1.0 - sigmoid) * inner;
+    }
+}
+
 /// `out = a + b` elementwise.
 ///
 /// # Panics

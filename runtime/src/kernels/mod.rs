@@ -29,12 +29,15 @@ mod vocab_loss;
 
 pub use attention::{attention, attention_with_lse, merge_attention, AttentionShape};
 pub use attention_grad::{attention_grad, AttentionGradOperand};
-pub use elementwise::{add, add_in_place, embedding, silu_mul};
+pub use elementwise::{add, add_in_place, embedding, sigmoid_scale, sigmoid_scale_grad_gate, silu_mul};
 pub use grad::{embedding_grad, matmul_grad_input, matmul_grad_weight, sum_leading};
 pub use layout::{join_dim_chunks, slice_region, split_dim_chunks};
 pub use loss::{cross_entropy, cross_entropy_grad, LossShape};
 pub use matmul::matmul_nt;
-pub use moe::{moe_mlp, moe_mlp_grad, MoeGradOperand, MoeShape};
+pub use moe::{
+    expert_backward, expert_forward, moe_mlp, moe_mlp_grad, route, route_backward, ExpertBackward, ExpertGrads,
+    ExpertWeights, MoeGradOperand, MoeShape, Routing,
+};
 pub use norm::rms_norm;
 pub use rope::{rope_grad_in_place, rope_in_place};
 pub use row_grad::{rms_norm_grad_input, rms_norm_grad_weight, silu_mul_grad_gate};

@@ -49,15 +49,21 @@ pub enum MoeGradOperand {
     Down,
 }
 
-/// Every row's routing: softmax probabilities, and its chosen experts with their weights.
-struct Routing {
-    probabilities: Vec<f32>,
-    chosen: Vec<usize>,
-    weights: Vec<f32>,
-    divisors: Vec<f32>,
+/// Every row's routing: softmax probabilities, and its chosen experts with their weights. Slot
+/// `row · top_k + k` is the row's `k`-th choice.
+pub struct Routing {
+    /// `[rows, experts]`.
+    pub probabilities: Vec<f32>,
+    /// The global expert of each slot.
+    pub chosen: Vec<usize>,
+    /// Each slot's weight in its row's sum.
+    pub weights: Vec<f32>,
+    /// Each row's renormalization divisor (1 without renormalization).
+    pub divisors: Vec<f32>,
 }
 
-fn route(shape: &MoeShape, x: &[f32], router: &[f32]) -> Routing {
+/// Routes every row of `x[rows, hidden]` with `router[experts, hidden]`.
+pub fn route(shape: &MoeShape, x: &[f32], router: &[f32]) -> Routing {
     let (rows, experts, top_k) = (shape.rows, shape.experts, shape.top_k);
     let mut probabilities = vec![0.0f32; rows * experts];
     matmul_nt(rows, experts, shape.hidden, x, router, &mut probabilities, false, 1);
@@ -84,75 +90,161 @@ fn route(shape: &MoeShape, x: &[f32], router: &[f32]) -> Routing {
     Routing { probabilities, chosen, weights, divisors }
 }
 
-/// The rows one local expert receives, with the slot (`row * top_k + k`) each came from.
+/// The slots routed to local expert `local` (global `expert_offset + local`), in slot order.
 fn expert_slots(shape: &MoeShape, routing: &Routing, local: usize) -> Vec<usize> {
     let expert = shape.expert_offset + local;
     (0..routing.chosen.len()).filter(|&slot| routing.chosen[slot] == expert).collect()
 }
 
-/// One local expert's recomputed block: its rows of `x`, the gate and up projections, and
-/// `silu(gate) * up`.
-struct ExpertBlock {
-    x: Vec<f32>,
+/// The rows of `data` (rows of `width`) that `slots` come from, back to back.
+fn gather_rows(data: &[f32], width: usize, slots: &[usize], top_k: usize) -> Vec<f32> {
+    let mut block = Vec::with_capacity(slots.len() * width);
+    for &slot in slots {
+        let row = slot / top_k;
+        block.extend_from_slice(&data[row * width..(row + 1) * width]);
+    }
+    block
+}
+
+/// The experts' projections this rank holds: gate and up `[local_experts, ffn, hidden]`, down
+/// `[local_experts, hidden, ffn]`.
+#[derive(Clone, Copy)]
+pub struct ExpertWeights<'a> {
+    /// Gate projections.
+    pub gate: &'a [f32],
+    /// Up projections.
+    pub up: &'a [f32],
+    /// Down projections.
+    pub down: &'a [f32],
+}
+
+impl ExpertWeights<'_> {
+    fn expert(&self, shape: &MoeShape, local: usize) -> (&[f32], &[f32], &[f32]) {
+        let size = shape.ffn * shape.hidden;
+        let range = local * size..(local + 1) * size;
+        (&self.gate[range.clone()], &self.up[range.clone()], &self.down[range])
+    }
+}
+
+/// One expert's activations for a block of rows: the gate and up projections and their product.
+struct Activations {
     gate: Vec<f32>,
     up: Vec<f32>,
     inner: Vec<f32>,
 }
 
-fn expert_block(shape: &MoeShape, slots: &[usize], local: usize, operands: [&[f32]; 4]) -> ExpertBlock {
-    let [x, gate_w, up_w, _] = operands;
-    let (hidden, ffn, count) = (shape.hidden, shape.ffn, slots.len());
-    let mut block = Vec::with_capacity(count * hidden);
-    for &slot in slots {
-        let row = slot / shape.top_k;
-        block.extend_from_slice(&x[row * hidden..(row + 1) * hidden]);
-    }
-    let expert = local * ffn * hidden..(local + 1) * ffn * hidden;
+fn activations(shape: &MoeShape, x: &[f32], weights: (&[f32], &[f32])) -> Activations {
+    let (count, ffn, hidden) = (x.len() / shape.hidden, shape.ffn, shape.hidden);
     let (mut gate, mut up, mut inner) = (vec![0.0; count * ffn], vec![0.0; count * ffn], vec![0.0; count * ffn]);
-    matmul_nt(count, ffn, hidden, &block, &gate_w[expert.clone()], &mut gate, false, 1);
-    matmul_nt(count, ffn, hidden, &block, &up_w[expert], &mut up, false, 1);
+    matmul_nt(count, ffn, hidden, x, weights.0, &mut gate, false, 1);
+    matmul_nt(count, ffn, hidden, x, weights.1, &mut up, false, 1);
     silu_mul(&gate, &up, &mut inner);
-    ExpertBlock { x: block, gate, up, inner }
+    Activations { gate, up, inner }
 }
 
-fn down_weights<'a>(shape: &MoeShape, down: &'a [f32], local: usize) -> &'a [f32] {
-    let size = shape.hidden * shape.ffn;
-    &down[local * size..(local + 1) * size]
+/// Local expert `local`'s output for the rows of `x` (`[count, hidden]`), unweighted.
+pub fn expert_forward(shape: &MoeShape, local: usize, x: &[f32], weights: ExpertWeights<'_>) -> Vec<f32> {
+    let (gate, up, down) = weights.expert(shape, local);
+    let block = activations(shape, x, (gate, up));
+    let count = x.len() / shape.hidden;
+    let mut output = vec![0.0; count * shape.hidden];
+    matmul_nt(count, shape.hidden, shape.ffn, &block.inner, down, &mut output, false, 1);
+    output
+}
+
+/// What the backward of one expert on a block of rows gives back to the rows' owners.
+pub struct ExpertBackward {
+    /// Each row's `dy · output`: the gradient of its routing weight.
+    pub weight_grads: Vec<f32>,
+    /// Each row's gradient through the expert (of `weight · output`), `[count, hidden]`.
+    pub input_grads: Vec<f32>,
+}
+
+/// Where an expert's parameter gradients go: its slices of the gate, up and down gradients, when
+/// asked for.
+#[derive(Default)]
+pub struct ExpertGrads<'a> {
+    /// `[ffn, hidden]`.
+    pub gate: Option<&'a mut [f32]>,
+    /// `[ffn, hidden]`.
+    pub up: Option<&'a mut [f32]>,
+    /// `[hidden, ffn]`.
+    pub down: Option<&'a mut [f32]>,
+}
+
+/// The backward of local expert `local` on the rows of `x` with their output gradients `dy` and
+/// routing weights: each row's routing-weight gradient and input gradient, and the expert's
+/// parameter gradients (summed over the rows) into `grads`.
+pub fn expert_backward(
+    shape: &MoeShape,
+    local: usize,
+    (x, dy, row_weights): (&[f32], &[f32], &[f32]),
+    weights: ExpertWeights<'_>,
+    grads: ExpertGrads<'_>,
+) -> ExpertBackward {
+    let (hidden, ffn, count) = (shape.hidden, shape.ffn, row_weights.len());
+    let (gate_w, up_w, down_w) = weights.expert(shape, local);
+    let block = activations(shape, x, (gate_w, up_w));
+    let mut output = vec![0.0; count * hidden];
+    matmul_nt(count, hidden, ffn, &block.inner, down_w, &mut output, false, 1);
+    let weight_grads = output
+        .chunks_exact(hidden)
+        .zip(dy.chunks_exact(hidden))
+        .map(|(out, grad)| out.iter().zip(grad).map(|(a, b)| a * b).sum())
+        .collect();
+    let d_out: Vec<f32> = dy
+        .chunks_exact(hidden)
+        .zip(row_weights)
+        .flat_map(|(grad, &weight)| grad.iter().map(move |g| g * weight))
+        .collect();
+    if let Some(down) = grads.down {
+        matmul_grad_weight(count, hidden, ffn, &d_out, &block.inner, down, 1);
+    }
+    let mut d_inner = vec![0.0; count * ffn];
+    matmul_grad_input(count, hidden, ffn, &d_out, down_w, &mut d_inner, 1);
+    let (mut d_gate, mut d_up) = (vec![0.0; count * ffn], vec![0.0; count * ffn]);
+    silu_mul_grad_gate(&block.gate, &block.up, &d_inner, &mut d_gate);
+    silu_mul(&block.gate, &d_inner, &mut d_up);
+    if let Some(gate) = grads.gate {
+        matmul_grad_weight(count, ffn, hidden, &d_gate, x, gate, 1);
+    }
+    if let Some(up) = grads.up {
+        matmul_grad_weight(count, ffn, hidden, &d_up, x, up, 1);
+    }
+    let (mut input_grads, mut through_up) = (vec![0.0; count * hidden], vec![0.0; count * hidden]);
+    matmul_grad_input(count, ffn, hidden, &d_gate, gate_w, &mut input_grads, 1);
+    matmul_grad_input(count, ffn, hidden, &d_up, up_w, &mut through_up, 1);
+    input_grads.iter_mut().zip(&through_up).for_each(|(total, value)| *total += value);
+    ExpertBackward { weight_grads, input_grads }
 }
 
 /// `out[rows, hidden]`: this rank's summand of the mixture for every row. Operands: `x[rows, hidden]`,
 /// `router[experts, hidden]`, `gate` and `up` `[local_experts, ffn, hidden]`, `down[local_experts,
-/// hidden, ffn]`.
-pub fn moe_mlp(shape: &MoeShape, operands: [&[f32]; 5], out: &mut [f32]) {
+/// hidden, ffn]`. Returns how many rows each local expert received (its load).
+pub fn moe_mlp(shape: &MoeShape, operands: [&[f32]; 5], out: &mut [f32]) -> Vec<usize> {
     let [x, router, gate, up, down] = operands;
     let routing = route(shape, x, router);
+    let weights = ExpertWeights { gate, up, down };
     out.fill(0.0);
     let hidden = shape.hidden;
+    let mut loads = vec![0; shape.local_experts];
     for local in 0..shape.local_experts {
         let slots = expert_slots(shape, &routing, local);
+        loads[local] = slots.len();
         if slots.is_empty() {
             continue;
         }
-        let block = expert_block(shape, &slots, local, [x, gate, up, down]);
-        let mut result = vec![0.0; slots.len() * hidden];
-        matmul_nt(
-            slots.len(),
-            hidden,
-            shape.ffn,
-            &block.inner,
-            down_weights(shape, down, local),
-            &mut result,
-            false,
-            1,
-        );
-        for (index, &slot) in slots.iter().enumerate() {
+        let result = expert_forward(shape, local, &gather_rows(x, hidden, &slots, shape.top_k), weights);
+        for (row_result, &slot) in result.chunks_exact(hidden).zip(&slots) {
             let row = slot / shape.top_k;
             let weight = routing.weights[slot];
-            for (total, &value) in out[row * hidden..(row + 1) * hidden].iter_mut().zip(&result[index * hidden..]) {
-                *total += weight * value;
-            }
+            out[row * hidden..(row + 1) * hidden]
+                .iter_mut()
+                .zip(row_result)
+                .for_each(|(total, &value)| *total += weight * value);
         }
     }
+    loads
 }
 
 /// This rank's summand of the gradient of `moe_mlp` with respect to `wrt`, given `dy[rows,
@@ -160,7 +252,8 @@ pub fn moe_mlp(shape: &MoeShape, operands: [&[f32]; 5], out: &mut [f32]) {
 pub fn moe_mlp_grad(shape: &MoeShape, operands: [&[f32]; 5], dy: &[f32], wrt: MoeGradOperand, out: &mut [f32]) {
     let [x, router, gate, up, down] = operands;
     let routing = route(shape, x, router);
-    let (hidden, ffn) = (shape.hidden, shape.ffn);
+    let weights = ExpertWeights { gate, up, down };
+    let (hidden, expert_size) = (shape.hidden, shape.ffn * shape.hidden);
     out.fill(0.0);
     // d loss / d (chosen weight) of every slot this rank's experts serve (zero elsewhere).
     let mut weight_grads = vec![0.0f32; routing.chosen.len()];
@@ -169,72 +262,57 @@ pub fn moe_mlp_grad(shape: &MoeShape, operands: [&[f32]; 5], dy: &[f32], wrt: Mo
         if slots.is_empty() {
             continue;
         }
-        let count = slots.len();
-        let block = expert_block(shape, &slots, local, [x, gate, up, down]);
-        let down_w = down_weights(shape, down, local);
-        let mut d_out = Vec::with_capacity(count * hidden);
-        for &slot in &slots {
-            let row = slot / shape.top_k;
-            d_out.extend(dy[row * hidden..(row + 1) * hidden].iter().map(|&value| value * routing.weights[slot]));
-        }
-        if matches!(wrt, MoeGradOperand::Input | MoeGradOperand::Router) {
-            let mut result = vec![0.0; count * hidden];
-            matmul_nt(count, hidden, ffn, &block.inner, down_w, &mut result, false, 1);
-            for (index, &slot) in slots.iter().enumerate() {
-                let row = slot / shape.top_k;
-                let dy_row = &dy[row * hidden..(row + 1) * hidden];
-                weight_grads[slot] = dy_row.iter().zip(&result[index * hidden..]).map(|(a, b)| a * b).sum();
-            }
-        }
-        let expert_size = ffn * hidden;
-        let expert_range = local * expert_size..(local + 1) * expert_size;
-        if wrt == MoeGradOperand::Down {
-            matmul_grad_weight(count, hidden, ffn, &d_out, &block.inner, &mut out[expert_range], 1);
-            continue;
-        }
-        if wrt == MoeGradOperand::Router {
-            continue;
-        }
-        let mut d_inner = vec![0.0; count * ffn];
-        matmul_grad_input(count, hidden, ffn, &d_out, down_w, &mut d_inner, 1);
-        let (mut d_gate, mut d_up) = (vec![0.0; count * ffn], vec![0.0; count * ffn]);
-        silu_mul_grad_gate(&block.gate, &block.up, &d_inner, &mut d_gate);
-        silu_mul(&block.gate, &d_inner, &mut d_up);
+        let row_weights: Vec<f32> = slots.iter().map(|&slot| routing.weights[slot]).collect();
+        let block =
+            (&gather_rows(x, hidden, &slots, shape.top_k)[..], &gather_rows(dy, hidden, &slots, shape.top_k)[..]);
+        let mut grads = ExpertGrads::default();
+        let expert = local * expert_size..(local + 1) * expert_size;
         match wrt {
-            MoeGradOperand::Gate => {
-                matmul_grad_weight(count, ffn, hidden, &d_gate, &block.x, &mut out[expert_range], 1)
-            }
-            MoeGradOperand::Up => matmul_grad_weight(count, ffn, hidden, &d_up, &block.x, &mut out[expert_range], 1),
-            _ => {
-                let (mut through_gate, mut through_up) = (vec![0.0; count * hidden], vec![0.0; count * hidden]);
-                matmul_grad_input(count, ffn, hidden, &d_gate, &gate[expert_range.clone()], &mut through_gate, 1);
-                matmul_grad_input(count, ffn, hidden, &d_up, &up[expert_range], &mut through_up, 1);
-                for (index, &slot) in slots.iter().enumerate() {
-                    let row = slot / shape.top_k;
-                    let span = index * hidden..(index + 1) * hidden;
-                    for ((total, a), b) in out[row * hidden..(row + 1) * hidden]
-                        .iter_mut()
-                        .zip(&through_gate[span.clone()])
-                        .zip(&through_up[span])
-                    {
-                        *total += a + b;
-                    }
-                }
+            MoeGradOperand::Gate => grads.gate = Some(&mut out[expert]),
+            MoeGradOperand::Up => grads.up = Some(&mut out[expert]),
+            MoeGradOperand::Down => grads.down = Some(&mut out[expert]),
+            MoeGradOperand::Input | MoeGradOperand::Router => {}
+        }
+        let backward = expert_backward(shape, local, (block.0, block.1, &row_weights), weights, grads);
+        for (index, &slot) in slots.iter().enumerate() {
+            weight_grads[slot] = backward.weight_grads[index];
+            if wrt == MoeGradOperand::Input {
+                let row = slot / shape.top_k;
+                out[row * hidden..(row + 1) * hidden]
+                    .iter_mut()
+                    .zip(&backward.input_grads[index * hidden..(index + 1) * hidden])
+                    .for_each(|(total, value)| *total += value);
             }
         }
     }
-    if !matches!(wrt, MoeGradOperand::Input | MoeGradOperand::Router) {
-        return;
-    }
-    let d_logits = logit_gradients(shape, &routing, &weight_grads);
+    route_backward(shape, &routing, &weight_grads, (x, router), wrt, out);
+}
+
+/// Adds the routing's part of the gradient with respect to `x` (`wrt` Input) or sets the router's
+/// gradient (`wrt` Router), from each slot's routing-weight gradient; nothing for the experts'
+/// weights.
+pub fn route_backward(
+    shape: &MoeShape,
+    routing: &Routing,
+    weight_grads: &[f32],
+    (x, router): (&[f32], &[f32]),
+    wrt: MoeGradOperand,
+    out: &mut [f32],
+) {
+    let hidden = shape.hidden;
     match wrt {
-        // d router[experts, hidden] = d_logitsᵀ · x.
-        MoeGradOperand::Router => matmul_grad_weight(shape.rows, shape.experts, hidden, &d_logits, x, out, 1),
-        _ => {
+        MoeGradOperand::Input => {
+            let d_logits = logit_gradients(shape, routing, weight_grads);
             let mut through_router = vec![0.0; shape.rows * hidden];
             matmul_grad_input(shape.rows, shape.experts, hidden, &d_logits, router, &mut through_router, 1);
             out.iter_mut().zip(&through_router).for_each(|(total, value)| *total += value);
         }
+        // d router[experts, hidden] = d_logitsᵀ · x.
+        MoeGradOperand::Router => {
+            let d_logits = logit_gradients(shape, routing, weight_grads);
+            matmul_grad_weight(shape.rows, shape.experts, hidden, &d_logits, x, out, 1);
+        }
+        MoeGradOperand::Gate | MoeGradOperand::Up | MoeGradOperand::Down => {}
     }
 }
 
