@@ -206,7 +206,8 @@ fn plan_of_mixtral_on_ep8_tp2_prints_the_totals() {
     // 32 layers x (4 exchanges x 7/8 x 2·4096·4096·2 bytes + 7/8 x 64 bytes of counts) = 7.52 GB.
     assert!(line("ep all-to-all").contains(" 7.52 GB a step"), "{table}");
     assert!(line("capacity:").contains("costed as balanced: an expert gets 8192 of the 32768 tokens"), "{table}");
-    assert!(line("expert load:").starts_with("expert load: 8192 tokens an expert a layer and micro-batch, up to 32768"));
+    let load = "expert load: 8192 tokens an expert a layer and micro-batch, up to 32768";
+    assert!(line("expert load:").starts_with(load), "{table}");
 
     let json =
         json_of(&["plan", "mixtral-8x7b", "--mesh", "ep=8,tp=2", "--seq", "4096", "--batch", "1", "--format", "json"]);

@@ -17,8 +17,9 @@
 //! The backward costs twice the forward; full recompute adds one forward, selective recompute the
 //! attention core. Model FLOPs (what MFU counts, recompute excluded) follow PaLM (Chowdhery et al.
 //! 2022, appendix B): `6·N` a token for the `N` matmul parameters (for a mixture of experts the
-//! active ones: the router and `top_k` experts a layer, [`ModelShape::matmul_params`]) plus `12·L·h_q·s` a token for
-//! attention (forward and backward, scores and values, without the causal halving), the same
+//! active ones: the router and `top_k` experts a layer, [`ModelShape::matmul_params`]) plus
+//! `12·L·h_q·s` a token for attention (forward and backward, scores and values, without the causal
+//! halving), the same
 //! count as Megatron's `72·B·s·L·h²·(1 + s/(6h) + V/(12·h·L))` (Narayanan et al. 2021, eq. 3)
 //! for a GPT with f = 4h, without recompute. For the causal decoders pleat compiles, the estimate
 //! halves the attention term, as Megatron-LM's current `num_floating_point_operations` does for
