@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use pleat_ir::Mesh;
-use pleat_passes::cost::{estimate, Estimate, HardwareSpec, Layout, ModelShape, Recompute, Workload};
+use pleat_passes::cost::memory::ExpertMemory;
+use pleat_passes::cost::{estimate, Estimate, HardwareSpec, Layout, Mode, ModelShape, Recompute, Workload};
 
 use crate::model_arg::{resolve, ModelSource};
 
@@ -40,7 +41,8 @@ impl From<RecomputeArg> for Recompute {
 pub struct WorkloadArgs {
     /// A preset name, a config.json, or a model directory.
     pub model: String,
-    /// Sequences a micro-batch, per model replica.
+    /// Sequences a micro-batch, per model replica (per dp×ep rank for a mixture of experts: ep
+    /// splits the batch as dp does).
     #[arg(long, default_value_t = 1)]
     pub batch: u64,
     /// Micro-batches a step, per replica (gradient accumulation; pipeline micro-batches).
@@ -114,20 +116,6 @@ pub fn model_shape_of(model: &str) -> Result<ModelShape> {
         ModelSource::Config { config, .. } => *config,
         ModelSource::Compiled(dir) => crate::model_arg::read_config(&dir.join("config.json"))?,
     };
-    // The closed-form model counts one dense MLP a layer; a mixture of experts would be costed as
-    // if its experts were one MLP of an expert's width, which is wrong by the expert count.
-    if let Some(moe) = &config.moe {
-        anyhow::bail!(
-            "{} routes each token to {} of {} experts a layer ({} parameters, {} active), and the cost model of \
-             `plan` and `search` counts dense MLPs only; compile and run it (`pleat run {model} --mesh ep=N`) to \
-             measure it",
-            config.name,
-            moe.top_k,
-            moe.num_experts,
-            config.param_count(),
-            config.active_param_count(),
-        );
-    }
     Ok(ModelShape::from_config(&config))
 }
 
@@ -199,6 +187,33 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// A mixture of experts' split of the memory line `name` (of `bytes`): weights by component, the
+/// routed experts' gradients and optimizer state against the rest (ZeRO shards them over different
+/// groups), the experts' kept activations.
+fn expert_terms(experts: &ExpertMemory, name: &str, bytes: f64) -> Vec<(&'static str, f64)> {
+    match name {
+        "params" => experts.weights.iter().map(|term| (term.name, term.bytes)).collect(),
+        "grads" | "optimizer" if bytes > 0.0 => {
+            let routed = if name == "grads" { experts.expert_grads_bytes } else { experts.expert_optimizer_bytes };
+            vec![
+                ("routed experts (zero shards them over dp)", routed),
+                ("the rest (zero shards it over dp x ep)", bytes - routed),
+            ]
+        }
+        "activations" if bytes > 0.0 => experts.activations.iter().map(|term| (term.name, term.bytes)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A parameter count for people: `46.70B`, `1.34M`, `5120`.
+fn count(params: u64) -> String {
+    match params as f64 {
+        billions if billions >= 1e9 => format!("{:.2}B", billions / 1e9),
+        millions if millions >= 1e6 => format!("{:.2}M", millions / 1e6),
+        _ => params.to_string(),
+    }
+}
+
 /// Gigabytes (10^9 bytes), for people.
 pub fn gb(bytes: f64) -> String {
     // `+ 0.0` turns the -0.0 of an empty sum into 0.0.
@@ -220,6 +235,16 @@ fn print_table(result: &Estimate) {
         workload.recompute.as_str(),
         workload.zero
     );
+    if let Some(experts) = &result.experts {
+        println!(
+            "parameters: {}, {} active a token ({} of {} experts a layer, {} a rank)",
+            count(experts.param_count),
+            count(experts.active_param_count),
+            experts.top_k,
+            experts.experts,
+            experts.experts_per_rank
+        );
+    }
     let memory = &result.memory;
     println!("memory a rank (stage {}):", memory.stage);
     for (name, bytes) in [
@@ -231,6 +256,11 @@ fn print_table(result: &Estimate) {
         ("logits", memory.logits_bytes),
     ] {
         println!("  {name:<12} {:>12}", gb(bytes));
+        if let Some(experts) = &memory.experts {
+            for (term, bytes) in expert_terms(experts, name, bytes) {
+                println!("    {term:<52} {:>12}", gb(bytes));
+            }
+        }
     }
     for term in &memory.transients {
         println!("    {:<52} {:>12}", term.name, gb(term.bytes));
@@ -258,6 +288,24 @@ fn print_table(result: &Estimate) {
     );
     for (axis, bytes) in &comm.bytes_by_axis {
         println!("  axis {axis:<4} {:>12} a step", gb(*bytes));
+    }
+    if let Some(experts) = &result.experts {
+        let gradients = if workload.mode == Mode::Train { ", their gradients" } else { "" };
+        println!(
+            "  ep all-to-all {:>12} a step, {:.4} s (dispatch and combine{gradients}, token counts)",
+            gb(experts.all_to_all_bytes_per_step),
+            experts.all_to_all_seconds_per_step
+        );
+        let load = &experts.load;
+        println!(
+            "expert load: {:.0} tokens an expert a layer and micro-batch, up to {:.0}; a step over all replicas \
+             {:.0}, up to {:.0}",
+            load.expected_tokens_per_rank,
+            load.worst_tokens_per_rank,
+            load.expected_tokens_per_step,
+            load.worst_tokens_per_step
+        );
+        println!("  capacity: {}", experts.note);
     }
     let time = &result.time;
     println!(

@@ -86,7 +86,8 @@ pub struct PlanChoice {
     pub micro_batch: u64,
     /// Micro-batches a step.
     pub micro_batches: u64,
-    /// Data-parallel replicas.
+    /// Ways the batch is split: dp, times ep for a mixture of experts (ep splits the batch as dp
+    /// does), so that `micro_batch · dp` is the batch `pleat compile --plan` builds.
     pub dp: u64,
     /// ZeRO stage.
     pub zero: u8,
@@ -108,7 +109,7 @@ impl PlanChoice {
             seq: plan.workload.seq,
             micro_batch: plan.workload.micro_batch,
             micro_batches: plan.workload.micro_batches,
-            dp: plan.layout.degree(pleat_ir::AxisName::Dp),
+            dp: plan.layout.batch_split(),
             zero: plan.workload.zero,
             recompute: plan.workload.recompute.as_str().to_string(),
             predicted_step_s: plan.estimate.time.step_s,

@@ -2,8 +2,8 @@
 //! top-2, renormalized) and a tiny Qwen2-MoE (top-2 without renormalization, a sigmoid-gated shared
 //! expert), forward and training, on every mesh that places the experts: ep with the all-to-all
 //! dispatcher (the default) and the all-gather one, dp×ep, tsp×ep, expert tensor parallelism, pp×ep.
-//! Also what each dispatcher sends, the measured expert load, and the errors of meshes that cannot
-//! place the experts.
+//! Also what each dispatcher sends, the measured expert load, the errors of meshes that cannot
+//! place the experts, and the parameters `pleat plan` counts.
 
 mod common;
 
@@ -153,4 +153,13 @@ fn meshes_that_cannot_place_experts_say_why() {
     assert!(error.contains("experts.w1.weight: 8 experts are not divisible by ep=3; use ep in {1,2,4,8}"), "{error}");
     let error = error_of(&["run", "tiny-moe", "--mesh", "tp=2", "--strategy", "ep-all-gather"]);
     assert!(error.contains("ep"), "{error}");
+}
+
+#[test]
+fn the_cost_model_counts_the_experts() {
+    // The plan's figures are checked by hand in tests/cost_moe.rs; here, that the model the
+    // compiler runs is the one the cost model counts.
+    let plan = json_of(&["plan", "mixtral-8x7b", "--mesh", "ep=8,tp=2", "--format", "json"]);
+    assert_eq!(plan["experts"]["param_count"], 46_702_792_704u64);
+    assert_eq!(plan["experts"]["active_param_count"], 12_879_925_248u64);
 }

@@ -6,10 +6,12 @@
 //! axis, every recompute mode when training, and every micro-batch size (a power of two up to
 //! [`SearchSpace::max_micro_batch`]) that divides the sequences a replica sees in a step; a wider
 //! search may take every axis the cost model knows ([`MODELLED_AXES`], pipelines included). Placement
-//! follows practice: the axes are ordered dp, pp, cp, sp, tsp, tp from the outside in (ranks are numbered
-//! row-major, so the weight-splitting axis is packed inside a node), the weight-splitting axis must
+//! follows practice: the axes are ordered dp, pp, ep, cp, sp, tsp, tp from the outside in (ranks are
+//! numbered row-major, so the weight-splitting axis is packed inside a node; ep sits outside the
+//! sequence and weight splits, as in Megatron-LM's expert groups), the weight-splitting axis must
 //! fit in a node, and tsp is combined neither with tp (both split the weights) nor with cp (both
-//! split the sequence). Layouts the model
+//! split the sequence). Only a mixture of experts takes ep, at the degrees that divide its experts
+//! (ep splits the batch as dp does, so a step's sequences divide over dp·ep). Layouts the model
 //! cannot take (heads, kv heads, vocabulary or sequence that do not divide) and plans over the cap
 //! are counted and dropped. The rest are ranked by predicted step time, then peak memory, then
 //! name, so the order is deterministic.
@@ -98,7 +100,7 @@ pub struct SearchOutcome {
     pub over_memory: u64,
     /// Layouts the model cannot take (a dim that does not divide).
     pub indivisible: u64,
-    /// Meshes whose dp degree does not divide the global batch.
+    /// Meshes whose dp·ep degree does not divide the global batch.
     pub batch_mismatch: u64,
     /// Plans not costed because a variant of them that needs less memory was already over the cap.
     pub pruned: u64,
@@ -135,11 +137,12 @@ pub enum SearchError {
 }
 
 /// The placement order, outermost first.
-const PLACEMENT: [AxisName; 6] = [AxisName::Dp, AxisName::Pp, AxisName::Cp, AxisName::Sp, AxisName::Tsp, AxisName::Tp];
+const PLACEMENT: [AxisName; 7] =
+    [AxisName::Dp, AxisName::Pp, AxisName::Ep, AxisName::Cp, AxisName::Sp, AxisName::Tsp, AxisName::Tp];
 
 /// Every axis the cost model knows, for searches that may propose plans the compiler cannot build
 /// yet ([`Layout::compiles_today`] marks them).
-pub const MODELLED_AXES: [AxisName; 6] = PLACEMENT;
+pub const MODELLED_AXES: [AxisName; 7] = PLACEMENT;
 
 /// Every assignment of degrees to `axes` (in placement order) whose product is `gpus`.
 fn factorizations(gpus: u64, axes: &[AxisName]) -> Vec<Vec<(AxisName, u64)>> {
@@ -176,7 +179,8 @@ pub fn layouts(space: &SearchSpace, gpus_per_node: u64) -> Vec<Layout> {
     layouts
 }
 
-/// The workloads tried on a mesh with `dp` replicas, one group a micro-batch size, smallest first.
+/// The workloads tried on a mesh whose batch splits `dp` ways (dp·ep), one group a micro-batch
+/// size, smallest first.
 /// For a fixed ZeRO stage and recompute mode, memory never falls as the micro-batch grows (its
 /// activations, logits and transients grow with it, and with pipelines the in-flight micro-batches
 /// hold `b·min(m, p)` sequences, `b·m` being fixed), so once a whole group is over the cap the
@@ -222,6 +226,14 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
             return Err(SearchError::Zero { what });
         }
     }
+    // Only a mixture of experts can use ep, and only at degrees that divide its experts.
+    let space = &match &model.experts {
+        Some(_) => space.clone(),
+        None => SearchSpace {
+            axes: space.axes.iter().copied().filter(|&axis| axis != AxisName::Ep).collect(),
+            ..space.clone()
+        },
+    };
     let mut outcome = SearchOutcome {
         plans: Vec::new(),
         feasible: 0,
@@ -234,12 +246,16 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
     };
     let keep = space.keep.max(1);
     for layout in layouts(space, hw.gpus_per_node) {
-        let dp = layout.degree(AxisName::Dp);
-        if space.global_batch % dp != 0 {
+        let experts = model.experts.as_ref().map_or(1, |experts| experts.count);
+        if experts % layout.degree(AxisName::Ep) != 0 {
+            continue;
+        }
+        let replicas = layout.batch_split();
+        if space.global_batch % replicas != 0 {
             outcome.batch_mismatch += 1;
             continue;
         }
-        let groups = workloads(space, dp);
+        let groups = workloads(space, replicas);
         'layout: for (index, group) in groups.iter().enumerate() {
             let mut any_fits = false;
             for workload in group {
@@ -454,6 +470,28 @@ mod tests {
         }
         assert_eq!(outcome.feasible, feasible);
         assert_eq!(outcome.plans[0].estimate.time.step_s, best);
+    }
+
+    #[test]
+    fn only_a_mixture_searches_ep_at_degrees_that_divide_its_experts() {
+        let hw = HardwareSpec::builtin("h100-sxm").unwrap();
+        let mut space = SearchSpace::new(16, 64, 16, Mode::Train, 1e12);
+        space.keep = usize::MAX / 16;
+        let ep_degrees = |name: &str| -> Vec<u64> {
+            let outcome = search(&ModelShape::from_config(&preset(name).unwrap()), &hw, &space).unwrap();
+            let mut degrees: Vec<u64> = outcome.plans.iter().map(|plan| plan.layout.degree(AxisName::Ep)).collect();
+            degrees.sort_unstable();
+            degrees.dedup();
+            degrees
+        };
+        // tiny-moe has 8 experts: ep=16 is not in the space; ep=8 x dp=2 and ep=2 x tp=8 are.
+        assert_eq!(ep_degrees("tiny-moe"), vec![1, 2, 4, 8]);
+        assert_eq!(ep_degrees("tiny"), vec![1]);
+        // ep splits the batch: ep=8 x dp=2 sees one sequence a rank of the 16.
+        let outcome = search(&ModelShape::from_config(&preset("tiny-moe").unwrap()), &hw, &space).unwrap();
+        let plan = outcome.plans.iter().find(|plan| plan.mesh() == "dp=2,ep=8").expect("a dp=2 x ep=8 plan");
+        assert_eq!(plan.workload.micro_batch * plan.workload.micro_batches, 1);
+        assert_eq!(plan.estimate.tokens_per_step, 16.0 * 64.0);
     }
 
     #[test]

@@ -23,6 +23,14 @@
 //! all-gather (recomputation re-runs local kernels; re-gathering would add a collective to every
 //! layer's backward), so the gathered K/V of every layer stay saved next to the layer inputs. This
 //! is pleat's reading of the TSP paper's TP+SP baselines; see `memory`'s docs for the evidence.
+//!
+//! A mixture of experts keeps three more terms a layer, sized for balanced routing (every expert
+//! gets `top_k·T/E` of the `T` tokens a rank routes; with ep the rank's `E/ep` experts receive the
+//! same `top_k·T` copies from the whole ep group): the router's logits `[T, E]`, the routed token
+//! copies the rank's experts take as input `[top_k·T, h]`, and those experts' gated-MLP tensors
+//! (gate, up and their product, as for a dense gated MLP) `3·[top_k·T, f_e/tp]`. Skewed routing
+//! sends an expert's rank up to every token of its group (`memory` reports that bound); the
+//! buffers here are not sized for it.
 
 use pleat_ir::AxisName;
 
@@ -53,6 +61,12 @@ pub struct LayerActivations {
     /// attention's backward: `2·s·b/(cp·tsp)·kv/t` elements under full recompute, the remote
     /// `(sp-1)/sp` of it otherwise (the rank's own K/V are in [`Self::qkv`]). Zero without sp.
     pub gathered_kv: f64,
+    /// A mixture's router logits, `[T, E]`. Zero for a dense model.
+    pub router_logits: f64,
+    /// The token copies the rank's experts receive (balanced routing), `[top_k·T, h]`.
+    pub routed_tokens: f64,
+    /// The rank's experts' gate, up and product tensors, `3·[top_k·T, f_e/tp]`.
+    pub expert_hidden: f64,
 }
 
 impl LayerActivations {
@@ -67,6 +81,15 @@ impl LayerActivations {
             + self.dropout_masks
             + self.layer_input
             + self.gathered_kv
+            + self.router_logits
+            + self.routed_tokens
+            + self.expert_hidden
+    }
+
+    /// The mixture-of-experts block's terms ([`Self::router_logits`], [`Self::routed_tokens`],
+    /// [`Self::expert_hidden`]).
+    pub fn experts(&self) -> f64 {
+        self.router_logits + self.routed_tokens + self.expert_hidden
     }
 }
 
@@ -114,6 +137,9 @@ pub fn layer_activations(
             dropout_masks: 0.0,
             layer_input: tokens * element * hidden / replicated_split,
             gathered_kv: if sp > 1.0 { gathered_kv_elements * element } else { 0.0 },
+            router_logits: 0.0,
+            routed_tokens: 0.0,
+            expert_hidden: 0.0,
         };
     }
     // Every query attends to the whole sequence of the keys (Table 2 counts s × s; causal
@@ -129,6 +155,17 @@ pub fn layer_activations(
         tokens * heads_local * keys * (element + dropout_bytes)
     };
     let mlp_tensors = if model.gated_mlp { 3.0 } else { 2.0 };
+    let (router_logits, routed_tokens, expert_hidden) = match &model.experts {
+        Some(experts) => {
+            let copies = experts.top_k as f64 * tokens;
+            (
+                tokens * experts.count as f64 * element,
+                copies * hidden * element,
+                3.0 * copies * experts.ffn as f64 / tp * element,
+            )
+        }
+        None => (0.0, 0.0, 0.0),
+    };
     LayerActivations {
         norm_inputs: 2.0 * tokens * element * hidden / replicated_split,
         linear_inputs: 2.0 * tokens * element * hidden / replicated_split,
@@ -139,6 +176,9 @@ pub fn layer_activations(
         dropout_masks: if model.dropout { 2.0 * tokens * hidden / replicated_split } else { 0.0 },
         layer_input: 0.0,
         gathered_kv: gathered_kv_elements * element * (sp - 1.0) / sp,
+        router_logits,
+        routed_tokens,
+        expert_hidden,
     }
 }
 
@@ -208,6 +248,21 @@ mod tests {
         let tp = Layout::new(&[(AxisName::Tp, 2)], false);
         assert_eq!(layer_activations(&model, &tp, &workload, Recompute::Full).gathered_kv, 0.0);
         assert_eq!(layer_activations(&model, &tp, &workload, Recompute::None).gathered_kv, 0.0);
+    }
+
+    #[test]
+    fn experts_keep_logits_routed_copies_and_their_hidden_tensors() {
+        // tiny-moe (f32): 8 experts of 64 channels, top-2, no dense MLP. ep=2 x tp=2, 16 tokens a
+        // rank: logits 16·8, copies 2·16·128, hidden 3·2·16·64/2, 4 bytes each.
+        let model = ModelShape::from_config(&pleat_ir::model::preset::preset("tiny-moe").unwrap());
+        let layout = Layout::new(&[(AxisName::Ep, 2), (AxisName::Tp, 2)], false);
+        let kept = layer_activations(&model, &layout, &Workload::training(16, 1), Recompute::None);
+        assert_eq!(kept.router_logits, 16.0 * 8.0 * 4.0);
+        assert_eq!(kept.routed_tokens, 2.0 * 16.0 * 128.0 * 4.0);
+        assert_eq!(kept.expert_hidden, 3.0 * 2.0 * 16.0 * 32.0 * 4.0);
+        assert_eq!(kept.mlp_hidden, 0.0, "no dense MLP");
+        let full = layer_activations(&model, &layout, &Workload::training(16, 1), Recompute::Full);
+        assert_eq!(full.experts(), 0.0, "full recompute keeps the layer input only");
     }
 
     #[test]

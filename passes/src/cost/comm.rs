@@ -7,12 +7,17 @@
 //! - reduce-scatter (`n` = the whole input) and all-gather (`n` = the whole output):
 //!   `(D-1)/D · n/β + (D-1)·α`;
 //! - broadcast of `n` bytes, pipelined along a chain: `n/β + (D-1)·α`;
-//! - all-to-all of an `n`-byte buffer a rank: `(D-1)/D · n/β + (D-1)·α`;
+//! - all-to-all of an `n`-byte buffer a rank, as a pairwise exchange (`D-1` steps, each sending
+//!   the `n/D` block of one peer): `(D-1)/D · n/β + (D-1)·α`; with variable counts (ep's token
+//!   dispatch) `n` is the mean buffer, which balanced routing makes every rank's;
 //! - send/recv of `n` bytes: `n/β + α`.
 //!
 //! When a group spans nodes (`AxisSpan::nodes > 1`) the collective is hierarchical: reduce-scatter
 //! inside the node, the inter-node part over `1/ranks_per_node` of the data (each GPU has its own
-//! NIC, so the node's GPUs cross in parallel), all-gather inside the node. The bytes a rank sends are
+//! NIC, so the node's GPUs cross in parallel), all-gather inside the node. An all-to-all keeps its
+//! pairwise steps: of the `D-1` peers, the `r-1` on the rank's node (`r` = ranks a node) cost
+//! `α + n/(D·β)` on the intra-node link and the other `D-r` the same on the inter-node link (each
+//! step one peer, one NIC a GPU). The bytes a rank sends are
 //! the same either way; only the time changes. `β` is the link's bandwidth times the hardware's link
 //! efficiency.
 
@@ -136,8 +141,15 @@ pub fn time(kind: Collective, bytes: f64, span: AxisSpan, hw: &HardwareSpec) -> 
         }
         Collective::ReduceScatter => intra(Collective::ReduceScatter, bytes) + inter(Collective::ReduceScatter, slice),
         Collective::AllGather => inter(Collective::AllGather, slice) + intra(Collective::AllGather, bytes),
+        Collective::AllToAll => {
+            let block = bytes / ranks as f64;
+            let step = |link: &LinkSpec| link.latency_s + block / (link.bandwidth_bytes_per_s * efficiency);
+            let same_node = (span.ranks_per_node - 1) as f64;
+            let other_nodes = (ranks - span.ranks_per_node) as f64;
+            same_node * step(&hw.intra_node) + other_nodes * step(&hw.inter_node)
+        }
         // No hierarchical form is modelled: the slowest hop sets the pace.
-        Collective::Broadcast | Collective::AllToAll | Collective::SendRecv => {
+        Collective::Broadcast | Collective::SendRecv => {
             flat_time(kind, bytes, ranks, &hw.inter_node, efficiency, Algorithm::Auto)
         }
     }
@@ -198,5 +210,21 @@ mod tests {
         // One rank a node: the flat ring on the NICs.
         let spread = AxisSpan { ranks_per_node: 1, nodes: 4 };
         close(time(Collective::AllGather, bytes, spread, &hw), 3.0 / 4.0 * bytes / beta_inter + 3.0 * 6e-6);
+    }
+
+    #[test]
+    fn all_to_all_across_nodes_pairs_up_by_link() {
+        // ep=8 over two nodes of 4: 3 peers on NVLink, 4 over the NICs, an eighth of 8 GB each.
+        let hw = HardwareSpec::builtin("h100-sxm").unwrap();
+        let span = AxisSpan { ranks_per_node: 4, nodes: 2 };
+        let (beta_intra, beta_inter) = (450e9 * hw.efficiency.link, 50e9 * hw.efficiency.link);
+        let want = 3.0 * (3e-6 + 1e9 / beta_intra) + 4.0 * (6e-6 + 1e9 / beta_inter);
+        close(time(Collective::AllToAll, 8e9, span, &hw), want);
+        // One node, or one rank a node: the flat exchange on that link.
+        let node = AxisSpan { ranks_per_node: 8, nodes: 1 };
+        close(time(Collective::AllToAll, 8e9, node, &hw), 7.0 * (3e-6 + 1e9 / beta_intra));
+        let spread = AxisSpan { ranks_per_node: 1, nodes: 8 };
+        close(time(Collective::AllToAll, 8e9, spread, &hw), 7.0 * (6e-6 + 1e9 / beta_inter));
+        assert_eq!(bytes_sent(Collective::AllToAll, 8e9, 8), 7e9);
     }
 }

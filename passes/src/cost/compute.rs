@@ -7,12 +7,19 @@
 //!   and the activations once;
 //! - causal attention: `2·n·s·h_q/tp` FLOPs (`QKᵀ` and `AV` at 2 FLOPs a multiply-add over the
 //!   `s/2` keys a query sees on average, which zigzag balances across ranks);
-//! - the memory-bound ops (two norms, rope, the gated activation, two residual adds), by bytes.
+//! - the memory-bound ops (two norms, rope, the gated activation, two residual adds), by bytes;
+//! - a mixture of experts' block, two more ops: its matrices, the router on every token
+//!   (`2·n·h·E`, whole on every tp rank) and, under balanced routing, the `top_k` experts of each
+//!   token (`top_k·6·n·h·f_e/tp`: gate, up and down), reading the rank's `E/ep` experts once; and
+//!   its memory-bound ops (the router's softmax, the experts' gated activation, the weighted
+//!   combine). Its shared expert, if any, is the dense MLP above.
 //!
 //! The backward costs twice the forward; full recompute adds one forward, selective recompute the
 //! attention core. Model FLOPs (what MFU counts, recompute excluded) follow PaLM (Chowdhery et al.
-//! 2022, appendix B): `6·N` a token for the `N` matmul parameters plus `12·L·h_q·s` a token for
-//! attention (forward and backward, scores and values, without the causal halving), the same
+//! 2022, appendix B): `6·N` a token for the `N` matmul parameters (for a mixture of experts the
+//! active ones: the router and `top_k` experts a layer, [`ModelShape::matmul_params`]) plus
+//! `12·L·h_q·s` a token for attention (forward and backward, scores and values, without the causal
+//! halving), the same
 //! count as Megatron's `72·B·s·L·h²·(1 + s/(6h) + V/(12·h·L))` (Narayanan et al. 2021, eq. 3)
 //! for a GPT with f = 4h, without recompute. For the causal decoders pleat compiles, the estimate
 //! halves the attention term, as Megatron-LM's current `num_floating_point_operations` does for
@@ -85,7 +92,7 @@ pub fn layer_forward_ops(model: &ModelShape, layout: &Layout, workload: &Workloa
     let attention_bytes = tokens * element * (2.0 * query + 2.0 * kv);
     // Two norms (read, write h), rope on q and k, the gated activation (read 2f, write f), two adds.
     let elementwise = tokens * element * (4.0 * hidden + 2.0 * (query + kv) + (mlp_outputs + 1.0) * ffn + 6.0 * hidden);
-    vec![
+    let mut ops = vec![
         OpCost {
             what: "matmuls",
             class: OpClass::MatMul,
@@ -94,7 +101,33 @@ pub fn layer_forward_ops(model: &ModelShape, layout: &Layout, workload: &Workloa
         },
         OpCost { what: "attention", class: OpClass::Attention, flops: attention_flops, bytes: attention_bytes },
         OpCost { what: "norms, rope, activation, adds", class: OpClass::MemoryBound, flops: 0.0, bytes: elementwise },
-    ]
+    ];
+    if let Some(experts) = &model.experts {
+        let count = experts.count as f64;
+        let copies = experts.top_k as f64 * tokens;
+        let expert_ffn = experts.ffn as f64 / tp;
+        let local_experts = count / layout.degree(AxisName::Ep) as f64;
+        let expert_weights = local_experts * 3.0 * hidden * expert_ffn + model.router_params() as f64;
+        // The router reads the tokens and writes their logits; each routed copy goes in (h), out of
+        // gate and up (2·f_e/tp), into down (f_e/tp) and out (h).
+        let moe_activations = tokens * (hidden + count) + copies * (2.0 * hidden + 3.0 * expert_ffn);
+        ops.push(OpCost {
+            what: "router and routed experts",
+            class: OpClass::MatMul,
+            flops: 2.0 * tokens * hidden * count + copies * 6.0 * hidden * expert_ffn,
+            bytes: element * (expert_weights + moe_activations),
+        });
+        // Softmax over the logits (read, write), the gated activation (read 2·f_e, write f_e), and
+        // the weighted combine (read the copies, write the tokens).
+        let routing = tokens * 2.0 * count + copies * 3.0 * expert_ffn + copies * hidden + tokens * hidden;
+        ops.push(OpCost {
+            what: "routing softmax, experts' activation, combine",
+            class: OpClass::MemoryBound,
+            flops: 0.0,
+            bytes: element * routing,
+        });
+    }
+    ops
 }
 
 /// The LM head's forward on the last stage: `[tokens, h] · [h, V/tp]`.
@@ -190,6 +223,24 @@ mod tests {
         let tp = flops(Layout::new(&[(AxisName::Tp, 8)], false));
         assert_eq!(tsp, tp);
         assert_eq!(tp, 2.0 * 16384.0 * model.layer_matrix_params() as f64 / 8.0);
+    }
+
+    #[test]
+    fn experts_cost_the_router_and_top_k_experts_a_token() {
+        // Mixtral at ep=8 x tp=2, 4096 tokens a rank: router 2·4096·4096·8, then 2 experts a token
+        // of 6·4096·(14336/2) FLOPs (gate, up, down), forward.
+        let model = ModelShape::from_config(&preset("mixtral-8x7b").unwrap());
+        let layout = Layout::new(&[(AxisName::Ep, 8), (AxisName::Tp, 2)], false);
+        let ops = layer_forward_ops(&model, &layout, &Workload::training(4096, 1));
+        let moe = ops.iter().find(|op| op.what == "router and routed experts").expect("an experts op");
+        let (n, h) = (4096.0, 4096.0);
+        assert_eq!(moe.flops, 2.0 * n * h * 8.0 + 2.0 * 6.0 * n * h * 7168.0);
+        // Model FLOPs: 6 a token for each active matmul parameter (32 layers of attention, router
+        // and two experts; the LM head), plus the causal attention term.
+        let active = 32.0 * (2.0 * h * h + 2.0 * h * 1024.0 + 8.0 * h + 2.0 * 3.0 * h * 14336.0) + 32000.0 * h;
+        let attention = 0.5 * 12.0 * 32.0 * h * 4096.0;
+        let got = model_flops_per_step(&model, &Workload::training(4096, 1), 4096.0, true);
+        assert_eq!(got, (6.0 * active + attention) * 4096.0);
     }
 
     #[test]

@@ -7,7 +7,13 @@
 //! overlap scheduler can reach. The bubble is 1F1B's `(p-1)/m` of the ideal compute
 //! (`(p-1)/(v·m)` interleaved). A rank's numbers are those of its most loaded stage (the peak
 //! memory's stage for memory, the stage with the most layers for time). [`Estimate`] serializes
-//! to the JSON of `pleat plan --format json` (schema version [`SCHEMA_VERSION`]).
+//! to the JSON of `pleat plan --format json` (schema version [`SCHEMA_VERSION`]; a mixture of
+//! experts adds the [`ExpertSummary`] under `experts` and [`ExpertMemory`] under `memory.experts`,
+//! keys a dense model's JSON does not have).
+//!
+//! For a mixture of experts, `--batch` is the sequences of each dp×ep rank (ep splits the batch as
+//! dp does), so a step's tokens are `s·b·m·dp·ep`. Its memory sizes the experts' buffers for
+//! balanced routing; [`ExpertLoad`] gives the tokens an expert's rank receives then and at worst.
 
 use std::collections::BTreeMap;
 
@@ -16,7 +22,7 @@ use pleat_ir::AxisName;
 use super::compute::{head_time, layer_time, mfu, model_flops_per_step};
 use super::hw::HardwareSpec;
 use super::layout::Layout;
-use super::memory::{memory_per_stage, peak_stage, MemoryBreakdown, Term};
+use super::memory::{memory_per_stage, peak_stage, ExpertMemory, MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::volume::{forward_elements_per_layer, layer_collectives, step_collectives, CollectiveCall, Phase};
 use super::workload::{Mode, Workload};
@@ -48,6 +54,47 @@ pub struct MemorySummary {
     pub device_bytes: f64,
     /// The transients by name.
     pub transients: Vec<Term>,
+    /// A mixture of experts' split of the above by component; absent for a dense model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertMemory>,
+}
+
+/// The tokens one expert receives, under balanced routing and at worst (dropless routing: no
+/// capacity factor drops a token, so nothing bounds an expert's load but the tokens routed).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ExpertLoad {
+    /// A step, over all replicas: `tokens · top_k / E` when every expert gets its share.
+    pub expected_tokens_per_step: f64,
+    /// A step, at worst: every token picks the expert, `tokens`.
+    pub worst_tokens_per_step: f64,
+    /// One rank's copy of an expert, a layer and micro-batch: the `T·ep` tokens of its ep group
+    /// (`T` = the tokens a rank routes) times `top_k / E`. The memory's buffers are sized for this.
+    pub expected_tokens_per_rank: f64,
+    /// The same at worst: `T·ep`.
+    pub worst_tokens_per_rank: f64,
+}
+
+/// What a mixture of experts adds to a plan.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ExpertSummary {
+    /// Routed experts a layer.
+    pub experts: u64,
+    /// Experts a token runs.
+    pub top_k: u64,
+    /// Experts a rank holds a layer (`E/ep`).
+    pub experts_per_rank: u64,
+    /// Every parameter of the model.
+    pub param_count: u64,
+    /// The parameters a token's forward pass reads (`top_k` experts a layer).
+    pub active_param_count: u64,
+    /// Bytes a rank sends a step in the ep all-to-alls (dispatch, combine, their gradients, counts).
+    pub all_to_all_bytes_per_step: f64,
+    /// Seconds a step of those all-to-alls.
+    pub all_to_all_seconds_per_step: f64,
+    /// The tokens an expert receives.
+    pub load: ExpertLoad,
+    /// The routing assumption behind the memory and time figures, in words.
+    pub note: String,
 }
 
 /// One collective's share of a step.
@@ -132,6 +179,9 @@ pub struct Estimate {
     pub model_flops_per_step: f64,
     /// Model FLOPs utilization.
     pub mfu: f64,
+    /// A mixture of experts' parameters, all-to-alls and expert load; absent for a dense model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertSummary>,
     /// What the user should know (memory over the device's, layouts the compiler lacks).
     pub warnings: Vec<String>,
 }
@@ -192,8 +242,7 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         comm.calls.iter().filter(|cost| cost.call.hides_behind_compute()).map(|cost| cost.seconds_per_step).sum();
     let exposed_comm_s = (comm_s - hideable_s) + (hideable_s - compute_s).max(0.0);
     let overlapped_step_s = compute_s + exposed_comm_s + bubble_s;
-    let tokens_per_step =
-        (workload.tokens_per_micro_batch() * workload.micro_batches * layout.degree(AxisName::Dp)) as f64;
+    let tokens_per_step = (workload.tokens_per_micro_batch() * workload.micro_batches * layout.batch_split()) as f64;
     // Every model pleat builds is a causal decoder.
     let model_flops = model_flops_per_step(model, workload, tokens_per_step, true);
     let mut warnings = Vec::new();
@@ -214,6 +263,7 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
     if workload.mode == Mode::Infer && workload.recompute != super::Recompute::None {
         warnings.push("recompute has no effect on inference".to_string());
     }
+    let experts = expert_summary(model, layout, workload, &comm.calls, tokens_per_step);
     Ok(Estimate {
         schema_version: SCHEMA_VERSION,
         model: model.name.clone(),
@@ -233,6 +283,7 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
             peak_bytes: peak.peak_bytes,
             device_bytes: hw.memory_bytes as f64,
             transients: peak.transients.clone(),
+            experts: peak.experts.clone(),
         },
         stages,
         comm,
@@ -241,7 +292,51 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         tokens_per_s: tokens_per_step / step_s,
         model_flops_per_step: model_flops,
         mfu: mfu(model_flops, step_s, layout.world_size(), hw, model.dtype_bytes),
+        experts,
         warnings,
+    })
+}
+
+/// The mixture-of-experts part of a plan; `None` for a dense model.
+fn expert_summary(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    calls: &[CallCost],
+    tokens_per_step: f64,
+) -> Option<ExpertSummary> {
+    let experts = model.experts.as_ref()?;
+    let ep = layout.degree(AxisName::Ep);
+    let all_to_alls = || calls.iter().filter(|cost| cost.call.kind == comm::Collective::AllToAll);
+    let share = experts.top_k as f64 / experts.count as f64;
+    let group_tokens = super::activation::local_tokens(layout, workload) * ep as f64;
+    let load = ExpertLoad {
+        expected_tokens_per_step: tokens_per_step * share,
+        worst_tokens_per_step: tokens_per_step,
+        expected_tokens_per_rank: group_tokens * share,
+        worst_tokens_per_rank: group_tokens,
+    };
+    let note = format!(
+        "dropless top-{} routing over {} experts, costed as balanced: an expert gets {:.0} of the {:.0} tokens its ep \
+         group routes a layer and micro-batch (the expert buffers and all-to-all sizes assume this); skewed routing \
+         can send it all {:.0} ({:.1}x)",
+        experts.top_k,
+        experts.count,
+        load.expected_tokens_per_rank,
+        load.worst_tokens_per_rank,
+        load.worst_tokens_per_rank,
+        load.worst_tokens_per_rank / load.expected_tokens_per_rank,
+    );
+    Some(ExpertSummary {
+        experts: experts.count,
+        top_k: experts.top_k,
+        experts_per_rank: experts.count / ep,
+        param_count: model.param_count(),
+        active_param_count: model.active_param_count(),
+        all_to_all_bytes_per_step: all_to_alls().map(|cost| cost.bytes_per_step).sum(),
+        all_to_all_seconds_per_step: all_to_alls().map(|cost| cost.seconds_per_step).sum(),
+        load,
+        note,
     })
 }
 

@@ -3,7 +3,9 @@
 //! Axes mean what they mean in `ir::mesh` and DESIGN.md section 4: `dp` splits the batch, `tp`
 //! splits weights (Megatron), `sp` splits the sequence with weights replicated (the orthogonal SP
 //! axis of the TSP paper's TP+SP layouts; attention all-gathers K/V), `cp` splits the sequence with
-//! ring attention, `pp` splits layers, `tsp` splits both weights and tokens, `ep` splits experts.
+//! ring attention, `pp` splits layers, `tsp` splits both weights and tokens, `ep` splits a mixture's
+//! routed experts and, as data parallelism does, the batch: each ep rank runs the attention and
+//! the router on sequences of its own and sends their tokens to the ranks of their experts.
 //! Megatron's sequence parallelism inside the tp group (Korthikanti et al.) is not an axis of its
 //! own: it is the [`Layout::sequence_parallel`] flag on `tp`.
 //!
@@ -59,6 +61,12 @@ impl Layout {
     /// Ranks in all.
     pub fn world_size(&self) -> u64 {
         self.axes.iter().map(|&(_, degree)| degree).product()
+    }
+
+    /// How many ways the batch is split: dp, and ep (which splits the batch as dp does, and the
+    /// routed experts besides). Each of these ranks sees a micro-batch of its own.
+    pub fn batch_split(&self) -> u64 {
+        self.degree(AxisName::Dp) * self.degree(AxisName::Ep)
     }
 
     /// The ranks that hold one copy of the model (everything but dp).
@@ -164,13 +172,22 @@ impl Layout {
         if stages > model.layers {
             return Err(CostError::TooManyStages { stages, layers: model.layers });
         }
-        let experts = self.degree(AxisName::Ep);
-        if experts > 1 {
-            return Err(CostError::UnusableAxis {
-                axis: "ep".to_string(),
-                degree: experts,
-                reason: format!("{} has no experts (a dense MLP); drop ep or use dp", model.name),
-            });
+        let ep = self.degree(AxisName::Ep);
+        match &model.experts {
+            None if ep > 1 => {
+                return Err(CostError::UnusableAxis {
+                    axis: "ep".to_string(),
+                    degree: ep,
+                    reason: format!("{} has no experts (a dense MLP); drop ep or use dp", model.name),
+                });
+            }
+            None => {}
+            Some(experts) => {
+                need("experts", experts.count, AxisName::Ep, ep)?;
+                // Expert tensor parallelism splits each expert's channels over tp; tsp keeps
+                // experts whole (each tsp rank runs its own tokens through its ep share).
+                need("expert ffn channels", experts.ffn, AxisName::Tp, self.degree(AxisName::Tp))?;
+            }
         }
         if self.sequence_parallel && self.degree(AxisName::Tp) == 1 {
             return Err(CostError::UnusableAxis {
@@ -232,6 +249,30 @@ mod tests {
         let stages = Layout::new(&[(AxisName::Pp, 64)], false).validate(&tsp_7b(), &workload).unwrap_err();
         assert_eq!(stages.to_string(), "pp=64 is more than the model's 32 layers; use pp <= 32");
         assert!(Layout::new(&[(AxisName::Tp, 4), (AxisName::Cp, 2)], true).validate(&tsp_7b(), &workload).is_ok());
+    }
+
+    #[test]
+    fn ep_splits_the_experts_of_a_mixture_only() {
+        let workload = Workload::training(4096, 1);
+        let mixtral = ModelShape::from_config(&preset("mixtral-8x7b").unwrap());
+        for ep in [1, 2, 4, 8] {
+            let layout = Layout::new(&[(AxisName::Ep, ep), (AxisName::Tp, 2)], false);
+            assert!(layout.validate(&mixtral, &workload).is_ok(), "ep={ep}");
+            assert_eq!(layout.batch_split(), ep);
+        }
+        let three = Layout::new(&[(AxisName::Ep, 3)], false).validate(&mixtral, &workload).unwrap_err();
+        assert_eq!(three.to_string(), "8 experts are not divisible by ep=3; use ep in {1,2,4,8}");
+        let tiny_moe = ModelShape::from_config(&preset("tiny-moe").unwrap());
+        // tiny-moe's 8 heads stop any tp that would not divide its experts' 64 channels; with 48
+        // heads, tp=48 passes the heads and reaches the experts' check.
+        let wide_heads = ModelShape { heads: 48, kv_heads: 48, ..tiny_moe };
+        let channels = Layout::new(&[(AxisName::Tp, 48)], false).validate(&wide_heads, &workload).unwrap_err();
+        assert_eq!(
+            channels.to_string(),
+            "64 expert ffn channels are not divisible by tp=48; use tp in {1,2,4,8,16,32,64}"
+        );
+        let dense = Layout::new(&[(AxisName::Ep, 2)], false).validate(&tsp_7b(), &workload).unwrap_err();
+        assert!(matches!(dense, CostError::UnusableAxis { .. }), "{dense}");
     }
 
     #[test]

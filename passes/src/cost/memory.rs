@@ -11,6 +11,12 @@
 //!   last, split on vocabulary rows by tp (padded), and by tsp only when
 //!   `Workload::tsp_shards_embeddings` (see below); a tied table is copied to the last stage when
 //!   pp > 1, as Megatron does.
+//! - **Experts** (a mixture of experts): every layer's router (and shared-expert gate) whole on every
+//!   rank; its routed experts split `E/ep` a rank, each expert's channels over tp, whole over tsp:
+//!   `layers · E/ep · 3·h·f_e/tp` elements ([`stage_expert_params`]). ep splits the batch as dp
+//!   does, so the dense parameters (attention, router, shared expert, norms, embeddings) have
+//!   `dp·ep` replicas and the routed experts `dp`: ZeRO shards each over its own replicas. The
+//!   peak stage's split by component is [`ExpertMemory`].
 //! - **Activations** kept for the backward ([`super::activation`]; under sp this includes every
 //!   layer's all-gathered K/V, which full recompute does not re-gather), times the micro-batches in
 //!   flight on the stage: 1F1B holds `min(m, p - stage)`, the interleaved schedule Megatron's
@@ -94,6 +100,28 @@ pub struct MemoryBreakdown {
     pub logits_bytes: f64,
     /// `static + activations + max(logits, transients)`.
     pub peak_bytes: f64,
+    /// A mixture of experts' share of the above, by component; absent for a dense model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertMemory>,
+}
+
+/// The memory of a mixture of experts' rank by component (already counted in [`MemoryBreakdown`]'s
+/// totals, which this splits).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ExpertMemory {
+    /// Bytes of weights by component (after ZeRO-3): attention, shared expert, router, expert
+    /// weights, norms, embedding and LM head. They sum to [`MemoryBreakdown::params_bytes`].
+    pub weights: Vec<Term>,
+    /// Routed experts' parameters the rank holds (elements), before ZeRO: `layers · E/ep · 3·h·f_e/tp`.
+    pub expert_param_count: f64,
+    /// Bytes of the routed experts' gradients (ZeRO-2 shards them over dp, their only replicas).
+    pub expert_grads_bytes: f64,
+    /// Bytes of the routed experts' optimizer state (ZeRO-1 shards it over dp).
+    pub expert_optimizer_bytes: f64,
+    /// The experts' blocks' kept activations, every layer of the stage and micro-batch in flight,
+    /// by term (part of [`MemoryBreakdown::activations_bytes`]; sized for balanced routing). Empty
+    /// for inference, which keeps only the KV cache.
+    pub activations: Vec<Term>,
 }
 
 impl MemoryBreakdown {
@@ -124,7 +152,13 @@ pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, st
     let biases =
         if model.qkv_bias { model.query_width() as f64 / tp + 2.0 * model.kv_width() as f64 / kv_split } else { 0.0 };
     let mlp = model.mlp_weights() as f64 / (tp * tsp);
-    let layer = query_and_output + key_and_value + biases + mlp + model.layer_norm_params() as f64;
+    let layer = query_and_output
+        + key_and_value
+        + biases
+        + mlp
+        + model.layer_norm_params() as f64
+        + model.router_params() as f64
+        + expert_layer_params(model, layout);
     let vocab_split = if workload.tsp_shards_embeddings { tp * tsp } else { tp };
     let table = (model.vocab as f64 / vocab_split).ceil() * hidden;
     let first = stage == 0;
@@ -141,6 +175,51 @@ pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, st
         }
     }
     params
+}
+
+/// One layer's routed-expert parameters on a rank: `E/ep` experts of `3·h·f_e/tp` (tsp keeps
+/// them whole). 0 for a dense model.
+fn expert_layer_params(model: &ModelShape, layout: &Layout) -> f64 {
+    let Some(experts) = &model.experts else { return 0.0 };
+    let local_experts = (experts.count / layout.degree(AxisName::Ep)) as f64;
+    local_experts * model.expert_weights() as f64 / layout.degree(AxisName::Tp) as f64
+}
+
+/// The routed-expert parameters (elements) one rank of a stage of `layers` layers holds, before
+/// ZeRO: `layers · E/ep · 3·h·f_e/tp`. Their replicas are the dp group only (ep splits them).
+pub fn stage_expert_params(model: &ModelShape, layout: &Layout, layers: u64) -> f64 {
+    layers as f64 * expert_layer_params(model, layout)
+}
+
+/// [`stage_params`] by component (elements): attention, shared expert, router, expert weights,
+/// norms, embedding and LM head. Only the mixture-of-experts report uses it.
+fn stage_param_parts(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    stage: u64,
+    layers: u64,
+) -> [(&'static str, f64); 6] {
+    let whole = |layers| stage_params(model, layout, workload, stage, layers);
+    let outside_layers = whole(0);
+    let layers = layers as f64;
+    let tp = layout.degree(AxisName::Tp) as f64;
+    let tsp = layout.degree(AxisName::Tsp) as f64;
+    let norms = model.layer_norm_params() as f64;
+    let final_norm = if stage + 1 == layout.degree(AxisName::Pp) { model.final_norm_params() as f64 } else { 0.0 };
+    let shared_expert = model.mlp_weights() as f64 / (tp * tsp);
+    let router = model.router_params() as f64;
+    let experts = expert_layer_params(model, layout);
+    let layer = whole(1) - outside_layers;
+    let attention = layer - shared_expert - router - experts - norms;
+    [
+        ("attention", layers * attention),
+        ("shared expert", layers * shared_expert),
+        ("router", layers * router),
+        ("expert weights", layers * experts),
+        ("norms", layers * norms + final_norm),
+        ("embedding and lm head", outside_layers - final_norm),
+    ]
 }
 
 /// Bytes a parameter for weights, gradients and optimizer state, before any sharding.
@@ -180,19 +259,31 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     let param_count = stage_params(model, layout, workload, stage, layers);
     let (weight, grad, optimizer) = bytes_per_param(model, workload);
     let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
-    let shard = |from_stage: u8| if zero >= from_stage { dp } else { 1.0 };
-    let params_bytes = param_count * weight / shard(3);
-    let grads_bytes = param_count * grad / shard(2);
-    let optimizer_bytes = param_count * optimizer / shard(1);
+    // ep splits the batch as dp does: the dense parameters have dp·ep replicas, the routed experts
+    // (split over ep) dp. ZeRO shards each over its replicas.
+    let dense_replicas = dp * layout.degree(AxisName::Ep) as f64;
+    let expert_count = stage_expert_params(model, layout, layers);
+    let dense_count = param_count - expert_count;
+    let shard = |from_stage: u8, replicas: f64| if zero >= from_stage { replicas } else { 1.0 };
+    let sharded = |per_param: f64, from_stage: u8| {
+        (dense_count * per_param / shard(from_stage, dense_replicas), expert_count * per_param / shard(from_stage, dp))
+    };
+    let (dense_weights, expert_weights) = sharded(weight, 3);
+    let (dense_grads, expert_grads) = sharded(grad, 2);
+    let (dense_optimizer, expert_optimizer) = sharded(optimizer, 1);
+    let params_bytes = dense_weights + expert_weights;
+    let grads_bytes = dense_grads + expert_grads;
+    let optimizer_bytes = dense_optimizer + expert_optimizer;
 
     let tokens = local_tokens(layout, workload);
     let kv_local = model.kv_width() as f64 / kv_split(model, layout) as f64;
     let last = stage + 1 == stages;
     let first = stage == 0;
 
+    let kept = layer_activations(model, layout, workload, workload.recompute);
     let (activations_bytes, in_flight) = if training {
         let in_flight = in_flight_micro_batches(stages, stage, workload);
-        let per_layer = layer_activations(model, layout, workload, workload.recompute).total();
+        let per_layer = kept.total();
         // Token ids on the first stage; the final norm's and LM head's inputs on the last.
         let ids = if first { 4.0 * tokens } else { 0.0 };
         let head_inputs = if last { 2.0 * tokens * element * hidden } else { 0.0 };
@@ -249,7 +340,7 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     if layout.sequence_parallel {
         add("megatron sp all-gathered layer input", tokens * element * hidden);
     }
-    if zero >= 3 && dp > 1.0 {
+    if zero >= 3 && dense_replicas > 1.0 {
         let layer = stage_params(model, layout, workload, 1, 1) - stage_params(model, layout, workload, 1, 0);
         add("zero-3 gathered layers (current and prefetched)", 2.0 * layer * weight);
     }
@@ -268,6 +359,39 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     };
     let static_bytes = params_bytes + grads_bytes + optimizer_bytes;
     let peak_bytes = static_bytes + activations_bytes + f64::max(logits_bytes, transient_bytes);
+    let experts = model.experts.as_ref().map(|_| {
+        let parts = stage_param_parts(model, layout, workload, stage, layers);
+        let dense_shard = shard(3, dense_replicas);
+        let weights = parts
+            .iter()
+            .filter(|(name, count)| *count > 0.0 || *name == "expert weights")
+            .map(|&(name, count)| {
+                let replicas = if name == "expert weights" { shard(3, dp) } else { dense_shard };
+                Term { name, bytes: count * weight / replicas }
+            })
+            .collect();
+        // Inference keeps the KV cache only; the experts' buffers are the layer's transients.
+        let kept_terms = if training {
+            vec![
+                ("router logits", kept.router_logits),
+                ("routed token copies", kept.routed_tokens),
+                ("expert hidden (gate, up, product)", kept.expert_hidden),
+            ]
+        } else {
+            Vec::new()
+        };
+        let activations = kept_terms
+            .into_iter()
+            .map(|(name, bytes)| Term { name, bytes: layers as f64 * in_flight * bytes })
+            .collect();
+        ExpertMemory {
+            weights,
+            expert_param_count: expert_count,
+            expert_grads_bytes: expert_grads,
+            expert_optimizer_bytes: expert_optimizer,
+            activations,
+        }
+    });
     MemoryBreakdown {
         stage,
         layers,
@@ -281,6 +405,7 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
         transients,
         logits_bytes,
         peak_bytes,
+        experts,
     }
 }
 

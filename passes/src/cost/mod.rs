@@ -7,7 +7,8 @@
 //! compile yet are modelled too: [`Layout::compiles_today`] says which.
 //!
 //! - [`hw`]: the hardware table and its TOML/JSON override.
-//! - [`model`]: the model's sizes and its parameter counts by part.
+//! - [`model`]: the model's sizes and its parameter counts by part (a mixture of experts' routed
+//!   experts, router and shared expert; total and active counts).
 //! - [`layout`]: the degrees of the mesh axes, their validation and where each axis's links run.
 //! - [`activation`]: activation bytes a layer, term by term (Korthikanti et al. 2022).
 //! - [`memory`]: parameters, gradients, optimizer state, activations, transients, logits a rank.
@@ -21,6 +22,11 @@
 //! - [`volume`]: the collectives each strategy issues a layer and a step.
 //! - [`compute`]: roofline time of a layer, model FLOPs, MFU.
 //! - [`estimate`]: all of it together for one plan (`pleat plan`, `pleat compare`).
+//!
+//! A mixture of experts is costed as pleat runs it: `ep` holds `E/ep` experts of every layer and
+//! splits the batch as dp does; tokens reach their experts by all-to-alls with variable counts
+//! (costed for balanced routing, with the worst case reported beside it); expert tensor
+//! parallelism splits each expert's channels over tp; tsp keeps experts whole.
 //!
 //! Guarantees: every function is deterministic and total over validated inputs; bad inputs (an
 //! axis that does not divide the heads, a zero sequence) are [`CostError`]s, never panics.

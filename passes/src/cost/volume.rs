@@ -12,22 +12,32 @@
 //!   for MHA with a gated MLP of width 4h is the paper's `(D-1)/D·(16h² + 2BSh)`;
 //! - cp (ring attention): `D-1` send/recv of the K/V chunk `2·(T/D)·kv`: `2(D-1)/D·T·kv`;
 //! - sp (sequence split, weights replicated): an all-gather of K/V, `(D-1)/D·2·T·kv`;
+//! - ep (a mixture of experts): the token counts each rank sends each other (`D` 8-byte integers:
+//!   an all-to-all that is all latency), then two all-to-alls with variable counts, dispatch (each
+//!   token's hidden vector to the ranks of its `top_k` experts) and combine (the experts' outputs
+//!   back), each sending `(D-1)/D·top_k·T·h` elements a rank when routing is balanced. With tp the
+//!   tp ranks dispatch the same tokens to their own tp peers, and the tp all-reduce after the MLP
+//!   follows the combine (which is linear, so each tp rank combines its partial sums first);
 //! - dp, pp: nothing inside a layer.
 //!
 //! Backward: the conjugate of each forward collective moves the same bytes (all-reduce stays,
 //! all-gather becomes reduce-scatter, broadcast becomes a reduce to the owner), and the strategies
 //! that move weights move them again plus their gradients (tsp), or move K/V again plus dK/dV
-//! (cp). Full recompute repeats the forward's collectives, except the sp axis's K/V all-gather,
-//! whose output is kept (see `activation`). A step adds, once, the gradient
-//! synchronization over the axes that replicate weights (dp, sp, cp: an all-reduce, or with ZeRO a
-//! reduce-scatter of gradients and an all-gather of weights), ZeRO-3's per-layer weight gathers,
-//! and the pipeline's activation and gradient sends.
+//! (cp), and ep sends the gradients of the combine and of the dispatch back the same ways (two more
+//! all-to-alls; the routing, and so the counts, are the forward's). Full recompute repeats the
+//! forward's collectives, except the sp axis's K/V all-gather, whose output is kept (see
+//! `activation`). A step adds, once, the gradient synchronization over the axes that replicate
+//! weights (dp, sp, cp, and for a mixture ep for the dense parameters and tsp for the experts and
+//! routers, which tsp keeps whole: an all-reduce, or with ZeRO a reduce-scatter of gradients and an
+//! all-gather of weights over ep and dp, the dense parameters' `dp·ep` replicas and the experts'
+//! `dp`), ZeRO-3's per-layer weight gathers, and the pipeline's activation and gradient sends.
 
 use pleat_ir::AxisName;
 
 use super::activation::{kv_split, local_tokens};
 use super::comm::{bytes_sent, Collective};
 use super::layout::Layout;
+use super::memory::stage_expert_params;
 use super::model::ModelShape;
 use super::workload::{Mode, Recompute, Workload};
 
@@ -88,6 +98,12 @@ const HIDDEN_BEHIND_COMPUTE: [&str; 10] = [
     "updated weight all-gather",
     "gradient all-reduce",
 ];
+
+/// What the ep axis's token all-to-alls are called.
+pub const EP_DISPATCH_COMBINE: &str =
+    "ep all-to-all: tokens to the ranks of their experts (dispatch) and back (combine)";
+/// What the ep axis's exchange of token counts is called.
+pub const EP_COUNTS: &str = "ep all-to-all of token counts (before the dispatch)";
 
 /// The collectives of one layer for one micro-batch, forward then backward.
 pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<CollectiveCall> {
@@ -268,6 +284,24 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
             );
         }
     }
+    let ep = layout.degree(AxisName::Ep);
+    if let (Some(experts), true) = (&model.experts, ep > 1) {
+        // Balanced routing: `top_k` copies of each local token, `1/ep` of which stay on the rank.
+        let routed = experts.top_k as f64 * local * hidden * element;
+        push(&mut forward, EP_COUNTS, Collective::AllToAll, AxisName::Ep, 8.0 * ep as f64, 1.0, Phase::Forward);
+        push(&mut forward, EP_DISPATCH_COMBINE, Collective::AllToAll, AxisName::Ep, routed, 2.0, Phase::Forward);
+        if training {
+            push(
+                &mut calls,
+                "ep all-to-all of gradients: the combine's back to the experts, the dispatch's back to the tokens",
+                Collective::AllToAll,
+                AxisName::Ep,
+                routed,
+                2.0,
+                Phase::Backward,
+            );
+        }
+    }
     if training {
         // The conjugates of tp's collectives move the same bytes.
         for call in forward.iter().filter(|call| call.axis == AxisName::Tp) {
@@ -313,16 +347,31 @@ pub fn step_collectives(
     if workload.mode == Mode::Train {
         let grad = if workload.fp32_grads { 4.0 } else { element };
         let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
-        for axis in [AxisName::Sp, AxisName::Cp, AxisName::Dp] {
+        // A mixture's routed experts are split over ep, the rest replicated over it; tsp keeps the
+        // experts and routers whole (each tsp rank routes its own tokens). All zero when dense.
+        let experts = stage_expert_params(model, layout, layers);
+        let dense = params_on_rank - experts;
+        let whole_under_tsp = experts + layers as f64 * model.router_params() as f64;
+        let ep = layout.degree(AxisName::Ep) as f64;
+        for axis in [AxisName::Sp, AxisName::Cp, AxisName::Tsp, AxisName::Ep, AxisName::Dp] {
             if layout.degree(axis) == 1 {
                 continue;
             }
-            if zero >= 1 && axis == AxisName::Dp {
+            // The parameters this axis replicates, and (under ZeRO, over ep then dp) the share of
+            // them the earlier axis of the data-parallel group has not yet scattered.
+            let params = match axis {
+                AxisName::Tsp if model.experts.is_some() => whole_under_tsp,
+                AxisName::Tsp => continue,
+                AxisName::Ep => dense,
+                AxisName::Dp if zero >= 1 => dense / ep + experts,
+                _ => params_on_rank,
+            };
+            if zero >= 1 && matches!(axis, AxisName::Dp | AxisName::Ep) {
                 let rs = CollectiveCall {
                     what: "gradient reduce-scatter",
                     kind: Collective::ReduceScatter,
                     axis,
-                    bytes: params_on_rank * grad,
+                    bytes: params * grad,
                     count: 1.0,
                     phase: Phase::Step,
                 };
@@ -333,7 +382,7 @@ pub fn step_collectives(
                         what: "zero-3 weight all-gather (forward and backward)",
                         kind: Collective::AllGather,
                         axis,
-                        bytes: params_on_rank * element / layers.max(1) as f64,
+                        bytes: params * element / layers.max(1) as f64,
                         count: 2.0 * layers as f64 * workload.micro_batches as f64,
                         phase: Phase::Step,
                     }
@@ -342,7 +391,7 @@ pub fn step_collectives(
                         what: "updated weight all-gather",
                         kind: Collective::AllGather,
                         axis,
-                        bytes: params_on_rank * element,
+                        bytes: params * element,
                         count: 1.0,
                         phase: Phase::Step,
                     }
@@ -353,7 +402,7 @@ pub fn step_collectives(
                     what: "gradient all-reduce",
                     kind: Collective::AllReduce,
                     axis,
-                    bytes: params_on_rank * grad,
+                    bytes: params * grad,
                     count: 1.0,
                     phase: Phase::Step,
                 });
