@@ -89,6 +89,10 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         }
         Kernel::SiluMulGradGate => ("silu_mul_grad_gate", 0),
         Kernel::SigmoidScale { .. } => ("sigmoid_scale", 0),
+        Kernel::ExpertCounts { dims, .. } => ("expert_counts", 2 * dims.rows * dims.experts * dims.hidden),
+        Kernel::RouterProbSum { dims } => ("router_prob_sum", 2 * dims.rows * dims.experts * dims.hidden),
+        Kernel::RouterProbSumGrad { dims, .. } => ("router_prob_sum_grad", 4 * dims.rows * dims.experts * dims.hidden),
+        Kernel::LoadBalancingLoss { .. } => ("load_balancing_loss", 0),
         Kernel::SigmoidScaleGradGate { .. } => ("sigmoid_scale_grad_gate", 0),
         // The router, then three GEMMs for the rows a balanced routing sends to the local experts.
         Kernel::MoeMlp { dims } => ("moe_mlp", moe_flops(dims)),

@@ -196,6 +196,10 @@ pub fn compile_training(
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
     }
+    let aux_loss = config.moe.as_ref().is_some_and(|moe| moe.output_router_logits);
+    if aux_loss && (stages > 1 || micro_batches > 1) {
+        bail!(UsageError::AuxLossPipelined { model: config.name.clone() });
+    }
     let inner = crate::pipeline::inner_mesh(mesh)?;
     let mut ctx = strategy.pass_ctx(&inner, Dump::Nothing)?;
     ctx.zero_stage = zero;

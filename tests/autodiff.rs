@@ -100,12 +100,31 @@ fn check_finite_differences(config: &ModelConfig) -> f64 {
     const NOISE: f64 = 3e-5;
     let (batch, seq) = (2, 6);
     let (module, gradients) = training_graph(config, batch, seq);
-    let forward = pleat_ir::model::build_training(config, batch, seq).expect("build_training");
+    let mut forward = pleat_ir::model::build_training(config, batch, seq).expect("build_training");
+    // A mixture's routing is piecewise constant: a step that moves a token to another expert makes
+    // the loss jump, and the difference quotient then measures the jump, not the gradient. The
+    // experts' counts of every layer are outputs too, and a step that changes them is not compared.
+    let counts: Vec<_> = forward
+        .graph
+        .order()
+        .iter()
+        .filter(|&&node| forward.graph.node(node).name.ends_with(".expert_counts"))
+        .map(|&node| forward.graph.node(node).result)
+        .collect();
+    for &value in &counts {
+        forward.graph.add_output(value);
+    }
     let params = random_params(&module, 7);
     let tokens: Vec<u32> = (0..batch * seq).map(|index| ((index * 7 + 3) % config.vocab_size) as u32).collect();
     let outputs = evaluate(&module, &tokens, seq, &params);
-    let loss_of = |params: &HashMap<String, Vec<f32>>| f64::from(evaluate(&forward, &tokens, seq, params)[0].data[0]);
-    assert_eq!(loss_of(&params), f64::from(outputs[0].data[0]), "the backward graph changes the loss");
+    let run_forward = |params: &HashMap<String, Vec<f32>>| {
+        let outputs = evaluate(&forward, &tokens, seq, params);
+        let routing: Vec<f32> = outputs[1..].iter().flat_map(|counts| counts.data.clone()).collect();
+        (f64::from(outputs[0].data[0]), routing)
+    };
+    let (loss, routing) = run_forward(&params);
+    assert_eq!(loss, f64::from(outputs[0].data[0]), "the backward graph changes the loss");
+    let (mut compared, mut rerouted) = (0, 0);
     let mut worst = 0.0_f64;
     for (index, param) in gradients.params.iter().enumerate() {
         let gradient = &outputs[index + 1].data;
@@ -121,9 +140,15 @@ fn check_finite_differences(config: &ModelConfig) -> f64 {
             let perturbed = |delta: f32| {
                 let mut params = params.clone();
                 params.get_mut(&param.name).expect("param")[entry] += delta;
-                loss_of(&params)
+                run_forward(&params)
             };
-            let numeric = (perturbed(STEP) - perturbed(-STEP)) / (2.0 * f64::from(STEP));
+            let ((above, above_routing), (below, below_routing)) = (perturbed(STEP), perturbed(-STEP));
+            if above_routing != routing || below_routing != routing {
+                rerouted += 1;
+                continue;
+            }
+            compared += 1;
+            let numeric = (above - below) / (2.0 * f64::from(STEP));
             let allowed = TOLERANCE * scale + NOISE;
             let error = (numeric - f64::from(gradient[entry])).abs() / allowed;
             assert!(
@@ -135,6 +160,7 @@ fn check_finite_differences(config: &ModelConfig) -> f64 {
             worst = worst.max(error);
         }
     }
+    assert!(rerouted * 5 <= compared, "{rerouted} of {} steps moved a token to another expert", compared + rerouted);
     worst
 }
 
@@ -154,6 +180,53 @@ fn tied_qwen2_gradients_with_llama3_rope_match_finite_differences() {
     };
     let worst = check_finite_differences(&small_config(Architecture::Qwen2, true, scaling));
     assert!(worst <= 1.0, "{worst}");
+}
+
+/// A Qwen2-MoE of the same size with the load-balancing loss at a weight that makes it count (the
+/// checkpoints use 0.001 to 0.02): routed experts, a sigmoid-gated shared expert, the router's
+/// gradient from both the mixture and the loss.
+fn small_moe_config() -> ModelConfig {
+    ModelConfig {
+        moe: Some(pleat_ir::model::config::MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+            expert_intermediate_size: 12,
+            normalize_top_k: false,
+            shared_expert_intermediate_size: Some(8),
+            router_aux_loss_coef: 0.5,
+            output_router_logits: true,
+        }),
+        ..small_config(Architecture::Qwen2Moe, false, RopeScaling::None)
+    }
+}
+
+#[test]
+fn mixture_of_experts_gradients_with_the_load_balancing_loss_match_finite_differences() {
+    let worst = check_finite_differences(&small_moe_config());
+    assert!(worst <= 1.0, "{worst}");
+}
+
+#[test]
+fn the_load_balancing_loss_of_an_untrained_router_is_top_k_times_its_weight() {
+    // A zero router gives every expert probability 1/E and routes every token to experts 0..k
+    // (ties to the lower index): Hugging Face's loss is E · Σ_k Σ_e tokens_per_expert[k, e] / E =
+    // top_k, whatever the tokens. The total is the cross-entropy plus 0.5 · 2.
+    let config = small_moe_config();
+    let (batch, seq) = (2, 6);
+    let module = pleat_ir::model::build_training(&config, batch, seq).expect("build_training");
+    let mut params = random_params(&module, 3);
+    for (name, values) in params.iter_mut() {
+        if name.ends_with("mlp.gate.weight") {
+            values.iter_mut().for_each(|value| *value = 0.0);
+        }
+    }
+    let tokens: Vec<u32> = (0..batch * seq).map(|index| ((index * 5 + 1) % config.vocab_size) as u32).collect();
+    let cross_entropy = module.graph.find("loss.cross_entropy").expect("the cross-entropy term");
+    let mut probe = module.clone();
+    probe.graph.add_output(cross_entropy);
+    let outputs = evaluate(&probe, &tokens, seq, &params);
+    let (total, cross_entropy) = (f64::from(outputs[0].data[0]), f64::from(outputs[1].data[0]));
+    assert!((total - cross_entropy - 0.5 * 2.0).abs() < 1e-5, "total {total}, cross-entropy {cross_entropy}");
 }
 
 #[test]

@@ -327,6 +327,17 @@ mod with_llvm {
             causal: true,
             scale: 0.7,
         };
+        let moe = pleat_backend::MoeDims {
+            rows: 2,
+            hidden: 4,
+            experts: 4,
+            local_experts: 2,
+            expert_offset: 2,
+            ffn: 3,
+            top_k: 2,
+            normalize: true,
+        };
+        let router = pleat_backend::RouterDims { rows: 2, hidden: 4, experts: 2 };
         let mut instructions = vec![
             Instr::LoadParam { out: float, name: "f".into(), shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
             Instr::LoadTokens { out: tokens, region: vec![(0, 1), (0, 2)] },
@@ -351,6 +362,13 @@ mod with_llvm {
             Instr::Wait { handle: vec![float, positions] },
             Instr::Recv { outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])], peer: 1 },
             Instr::Output { buf: float, index: 3, shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
+            Instr::ExpertDispatch {
+                inputs: vec![float; 6],
+                outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::F32, &[2, 4])],
+                wrts: vec![pleat_ir::MoeOperand::Input, pleat_ir::MoeOperand::Down],
+                group: group.clone(),
+                dims: moe.clone(),
+            },
         ];
         let inv_freq = vec![1.0, 0.5];
         let kernels: Vec<(Kernel, Vec<BufferId>, DType)> = vec![
@@ -416,6 +434,18 @@ mod with_llvm {
             (Kernel::SiluMulGradGate, vec![float, float, float], DType::F32),
             (Kernel::EmbeddingGrad { hidden: 4, vocab_offset: 8, vocab_total: 16 }, vec![float, tokens], DType::F32),
             (Kernel::SumLeading { width: 4 }, vec![float], DType::F32),
+            (Kernel::MoeMlp { dims: moe.clone() }, vec![float; 5], DType::F32),
+            (Kernel::MoeMlpGrad { wrt: pleat_ir::MoeOperand::Router, dims: moe.clone() }, vec![float; 6], DType::F32),
+            (Kernel::SigmoidScale { hidden: 4 }, vec![float, float], DType::F32),
+            (Kernel::SigmoidScaleGradGate { hidden: 4 }, vec![float, float, float], DType::F32),
+            (Kernel::ExpertCounts { dims: router.clone(), top_k: 1, scale: 0.25 }, vec![float, float], DType::F32),
+            (Kernel::RouterProbSum { dims: router.clone() }, vec![float, float], DType::F32),
+            (
+                Kernel::RouterProbSumGrad { wrt: pleat_ir::MoeOperand::Input, dims: router },
+                vec![float, float, float],
+                DType::F32,
+            ),
+            (Kernel::LoadBalancingLoss { experts: 2 }, vec![float, float], DType::F32),
         ];
         for (kernel, inputs, dtype) in kernels {
             instructions.push(Instr::Kernel { kernel, inputs, out: fresh(dtype, &[2, 4]) });

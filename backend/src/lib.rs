@@ -29,7 +29,7 @@ pub use matching::verify_collectives;
 /// The element types buffers declare (the IR's).
 pub use pleat_ir::DType;
 pub use program::{
-    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program,
+    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program, RouterDims,
     FORMAT_VERSION,
 };
 

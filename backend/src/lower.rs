@@ -12,7 +12,7 @@ use pleat_ir::{DimName, Module, Op, ValueId};
 
 use crate::error::{Error, Result};
 use crate::program::{
-    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program,
+    AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program, RouterDims,
     FORMAT_VERSION,
 };
 
@@ -183,6 +183,23 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 continue;
             }
             Op::SiluMul => Instr::Kernel { kernel: Kernel::SiluMul, inputs, out },
+            Op::ExpertCounts { .. } | Op::RouterProbSum | Op::RouterProbSumGrad { .. } => {
+                let x = input_local(0)?;
+                let dims = RouterDims {
+                    rows: x[..x.len() - 1].iter().product(),
+                    hidden: *x.last().unwrap_or(&1),
+                    experts: input_local(1)?[0],
+                };
+                let kernel = match data.op {
+                    Op::ExpertCounts { top_k, scale } => Kernel::ExpertCounts { dims, top_k, scale },
+                    Op::RouterProbSumGrad { wrt } => Kernel::RouterProbSumGrad { wrt, dims },
+                    _ => Kernel::RouterProbSum { dims },
+                };
+                Instr::Kernel { kernel, inputs, out }
+            }
+            Op::LoadBalancingLoss => {
+                Instr::Kernel { kernel: Kernel::LoadBalancingLoss { experts: input_local(0)?[0] }, inputs, out }
+            }
             Op::SigmoidScale | Op::SigmoidScaleGradGate => {
                 let hidden = *input_local(1)?.last().unwrap_or(&1);
                 let kernel = match data.op {

@@ -92,6 +92,17 @@ pub struct MoeDims {
     pub normalize: bool,
 }
 
+/// The local sizes of a router statistic: `x[rows, hidden]` routed over `experts`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterDims {
+    /// Local rows.
+    pub rows: u64,
+    /// Width of a row.
+    pub hidden: u64,
+    /// Every expert of the layer.
+    pub experts: u64,
+}
+
 /// The local sizes and head mapping of an attention kernel, shared by `Kernel::Attention` and its
 /// gradients.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -353,6 +364,34 @@ pub enum Kernel {
     MoeMlp {
         /// Sizes and the experts held.
         dims: MoeDims,
+    },
+    /// `(x[rows, hidden], router[experts, hidden]) -> [experts]`: the slots top-`top_k` routing sends
+    /// to each expert, times `scale`.
+    ExpertCounts {
+        /// Sizes.
+        dims: RouterDims,
+        /// Experts a row is sent to.
+        top_k: u64,
+        /// The factor of every count.
+        scale: f64,
+    },
+    /// `(x, router) -> [experts]`: the rows' router probabilities, summed.
+    RouterProbSum {
+        /// Sizes.
+        dims: RouterDims,
+    },
+    /// `(x, router, dy[experts]) -> x's or the router's local type`: the gradient of
+    /// `RouterProbSum` with respect to `wrt` (`Input` or `Router`).
+    RouterProbSumGrad {
+        /// The operand differentiated.
+        wrt: pleat_ir::MoeOperand,
+        /// Sizes.
+        dims: RouterDims,
+    },
+    /// `(counts[experts], probabilities[experts]) -> [1]`: their dot product.
+    LoadBalancingLoss {
+        /// The experts.
+        experts: u64,
     },
     /// `(x, router, gate, up, down, dy[rows, hidden]) -> the operand's local type`: the rank's
     /// summand of the gradient of `MoeMlp` with respect to `wrt`.

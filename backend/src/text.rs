@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use pleat_ir::entity::EntityRef;
 
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program, RouterDims};
 
 /// An attention kernel's sizes and head mapping, as the text form lists them.
 fn attention_dims_text(dims: &AttentionDims) -> String {
@@ -40,6 +40,14 @@ fn kernel_text(kernel: &Kernel) -> String {
         }
         Kernel::MergeAttention { rows, head_dim } => format!("merge_attention rows={rows} head_dim={head_dim}"),
         Kernel::SiluMul => "silu_mul".to_string(),
+        Kernel::ExpertCounts { dims, top_k, scale } => {
+            format!("expert_counts {} top_k={top_k} scale={scale}", router_dims_text(dims))
+        }
+        Kernel::RouterProbSum { dims } => format!("router_prob_sum {}", router_dims_text(dims)),
+        Kernel::RouterProbSumGrad { wrt, dims } => {
+            format!("router_prob_sum_grad_{} {}", wrt.as_str(), router_dims_text(dims))
+        }
+        Kernel::LoadBalancingLoss { experts } => format!("load_balancing_loss experts={experts}"),
         Kernel::SigmoidScale { hidden } => format!("sigmoid_scale hidden={hidden}"),
         Kernel::SigmoidScaleGradGate { hidden } => format!("sigmoid_scale_grad_gate hidden={hidden}"),
         Kernel::Add => "add".to_string(),
@@ -159,6 +167,10 @@ pub fn print_program(program: &Program) -> String {
         out.push('\n');
     }
     out
+}
+
+fn router_dims_text(RouterDims { rows, hidden, experts }: &RouterDims) -> String {
+    format!("rows={rows} hidden={hidden} experts={experts}")
 }
 
 fn moe_dims_text(dims: &MoeDims) -> String {

@@ -5,7 +5,7 @@
 //! wait reads the results or overwrites or frees what the transfer touches.
 
 use crate::error::{Error, Result};
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program, RouterDims};
 use pleat_ir::MoeOperand;
 
 fn bad(index: usize, reason: String) -> Error {
@@ -97,6 +97,33 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the first state", sizes[0], rows * (head_dim + 1))?;
                 expect("the second state", sizes[1], rows * (head_dim + 1))?;
                 expect("the result", out, rows * (head_dim + 1))?;
+            }
+            Kernel::ExpertCounts { dims, .. }
+            | Kernel::RouterProbSum { dims }
+            | Kernel::RouterProbSumGrad { dims, .. } => {
+                let RouterDims { rows, hidden, experts } = *dims;
+                let grad = matches!(kernel, Kernel::RouterProbSumGrad { .. });
+                operands(if grad { 3 } else { 2 })?;
+                expect("the rows", sizes[0], rows * hidden)?;
+                expect("the router", sizes[1], experts * hidden)?;
+                let result = match kernel {
+                    Kernel::RouterProbSumGrad { wrt: MoeOperand::Input, .. } => rows * hidden,
+                    Kernel::RouterProbSumGrad { wrt: MoeOperand::Router, .. } => experts * hidden,
+                    Kernel::RouterProbSumGrad { wrt, .. } => {
+                        return Err(bad(index, format!("router_prob_sum has no operand {}", wrt.as_str())))
+                    }
+                    _ => experts,
+                };
+                if grad {
+                    expect("the sums' gradient", sizes[2], experts)?;
+                }
+                expect("the result", out, result)?;
+            }
+            Kernel::LoadBalancingLoss { experts } => {
+                operands(2)?;
+                expect("the counts", sizes[0], *experts)?;
+                expect("the probabilities", sizes[1], *experts)?;
+                expect("the result", out, 1)?;
             }
             Kernel::SigmoidScale { hidden } | Kernel::SigmoidScaleGradGate { hidden } => {
                 let grad = matches!(kernel, Kernel::SigmoidScaleGradGate { .. });

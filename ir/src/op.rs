@@ -116,6 +116,30 @@ pub enum Op {
         /// The operand the gradient is taken with respect to.
         wrt: MoeOperand,
     },
+    /// `(x[.., hidden], router[experts, hidden]) -> f32[experts]`: how many (row, choice) pairs the
+    /// `top_k` routing of `MoeMlp` sends to each expert, times `scale`. Piecewise constant in its
+    /// operands: no gradient flows through it.
+    ExpertCounts {
+        /// Experts a row is sent to.
+        top_k: u64,
+        /// The factor every count is multiplied by (the load-balancing loss's constant).
+        scale: f64,
+    },
+    /// `(x[.., hidden], router[experts, hidden]) -> f32[experts]`: the router's softmax
+    /// probabilities summed over the rows.
+    RouterProbSum,
+    /// `(x, router, dy[experts]) -> the type of operand `wrt``: the gradient of `RouterProbSum`
+    /// with respect to `x` or the router.
+    RouterProbSumGrad {
+        /// `Input` or `Router`.
+        wrt: MoeOperand,
+    },
+    /// `(counts[experts], probabilities[experts]) -> f32[]`: Switch Transformer's load-balancing loss
+    /// as Hugging Face's `load_balancing_loss_func` computes it, the dot product of the (scaled)
+    /// expert counts and the summed router probabilities of every layer. A term of the training
+    /// loss beside the cross-entropy; its gradient with respect to the probabilities is the counts
+    /// (the counts carry none).
+    LoadBalancingLoss,
     /// The operands and meaning of `Attention`, computed as a ring over `axis` (context parallelism,
     /// ring attention): q, k, v and both position lists are split on `seq` over `axis` (zigzag
     /// layout). Each rank keeps its queries while the key/value blocks, with their positions, travel
@@ -346,6 +370,10 @@ impl Op {
             Op::Zigzag { .. } => "zigzag",
             Op::AllToAll { .. } => "all_to_all",
             Op::MoeMlp { .. } => "moe_mlp",
+            Op::ExpertCounts { .. } => "expert_counts",
+            Op::RouterProbSum => "router_prob_sum",
+            Op::RouterProbSumGrad { .. } => "router_prob_sum_grad",
+            Op::LoadBalancingLoss => "load_balancing_loss",
             Op::MoeMlpGrad { .. } => "moe_mlp_grad",
         }
     }
@@ -363,6 +391,8 @@ impl Op {
             | Op::Zigzag { .. } => 1,
             Op::RingGatedMlp { .. } => 4,
             Op::MoeMlp { .. } => 5,
+            Op::ExpertCounts { .. } | Op::RouterProbSum | Op::LoadBalancingLoss => 2,
+            Op::RouterProbSumGrad { .. } => 3,
             Op::MoeMlpGrad { .. } => 6,
             Op::RingGatedMlpGrad { .. } => 5,
             Op::Embedding
@@ -411,6 +441,11 @@ impl Op {
     /// Whether the op is the training loss (the root of the backward graph).
     pub fn is_loss(&self) -> bool {
         matches!(self, Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. })
+    }
+    /// Whether the op is a term added to the training loss besides it (its gradient is seeded
+    /// with 1 as the loss's is).
+    pub fn is_loss_term(&self) -> bool {
+        matches!(self, Op::LoadBalancingLoss)
     }
     /// The mesh axis a communication or layout op works over.
     pub fn axis(&self) -> Option<AxisName> {

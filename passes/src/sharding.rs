@@ -272,6 +272,37 @@ pub fn output_spec(
             spec.partial = specs[0].partial.iter().chain(specs[0].dims[..lead].iter().flatten()).copied().collect();
             Ok(spec)
         }
+        Op::ExpertCounts { .. } | Op::RouterProbSum => {
+            // A sum over the rows with the whole router: pending over the axes that split them.
+            no_partial(specs, &[0, 1])?;
+            replicated_dim(specs, shapes, 0, Hidden, "the router contracts hidden")?;
+            if specs[1].dims.iter().any(|axes| !axes.is_empty()) {
+                return Err(Conflict::Layout("the router must be whole to route every row".into()));
+            }
+            let mut spec = ShardSpec::replicated(out.rank());
+            spec.partial = specs[0].dims.iter().flatten().copied().collect();
+            Ok(spec)
+        }
+        Op::RouterProbSumGrad { wrt } => {
+            // (x, router, dy[experts]): x's rows keep their splits; the router's gradient sums them.
+            let forward = NodeData { op: Op::RouterProbSum, ..node.clone() };
+            let sums = output_spec(&forward, &specs[..2], &shapes[..2], shapes[2])?;
+            no_partial(specs, &[2])?;
+            if specs[2].dims != sums.dims {
+                return Err(Conflict::Layout("dy is laid out differently from the probability sums".into()));
+            }
+            match wrt {
+                MoeOperand::Router => {
+                    Ok(ShardSpec { partial: sums.partial, ..ShardSpec::replicated(shapes[1].rank()) })
+                }
+                _ => Ok(specs[0].clone()),
+            }
+        }
+        Op::LoadBalancingLoss => {
+            // A product of the two sums: both must be summed first.
+            no_partial(specs, &[0, 1])?;
+            Ok(ShardSpec::replicated(0))
+        }
         Op::SigmoidScale => {
             // Linear in y: a pending sum of y passes through; each row's gate must be whole.
             no_partial(specs, &[0])?;

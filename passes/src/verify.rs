@@ -342,7 +342,8 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
         | Op::SumLeading { .. }
         | Op::RingGatedMlpGrad { .. }
         | Op::MoeMlpGrad { .. }
-        | Op::SigmoidScaleGradGate => infer_training_type(node, inputs, mesh),
+        | Op::SigmoidScaleGradGate
+        | Op::RouterProbSumGrad { .. } => infer_training_type(node, inputs, mesh),
         Op::AllReduce { .. } => Ok(inputs[0].clone()),
         Op::BroadcastShard { axis, dim, root } => {
             let Some(position) = inputs[0].shape.position(*dim) else {
@@ -391,6 +392,24 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
                 return Err("gate, up and down disagree on ffn or hidden".into());
             }
             Ok(inputs[0].clone())
+        }
+        Op::ExpertCounts { .. } | Op::RouterProbSum => {
+            expect_dims(1, &[Experts, Hidden])?;
+            if inputs[0].shape.dims().last().map(|dim| dim.name) != Some(Hidden) {
+                return Err("operand 0 must end in hidden".into());
+            }
+            same_size((0, Hidden), (1, Hidden))?;
+            Ok(TensorType::new(DType::F32, &[(Experts, size(1, Experts))]))
+        }
+        Op::LoadBalancingLoss => {
+            if inputs[0].shape.names() != [Experts] || inputs[1] != inputs[0] {
+                return Err(format!(
+                    "operands {} and {} must both be [experts]",
+                    shape_text(&inputs[0].shape),
+                    shape_text(&inputs[1].shape)
+                ));
+            }
+            Ok(TensorType::new(DType::F32, &[]))
         }
         Op::SigmoidScale => {
             let (gate, y) = (inputs[0], inputs[1]);
@@ -568,6 +587,14 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
             let output = forward(Op::MoeMlp { top_k: *top_k, normalize: *normalize, dispatch: *dispatch }, 5)?;
             same_type(5, &output, "the MoE output")?;
             Ok(inputs[wrt.index()].clone())
+        }
+        Op::RouterProbSumGrad { wrt } => {
+            let sums = forward(Op::RouterProbSum, 2)?;
+            same_type(2, &sums, "the probability sums")?;
+            match wrt {
+                pleat_ir::MoeOperand::Input | pleat_ir::MoeOperand::Router => Ok(inputs[wrt.index()].clone()),
+                other => Err(format!("wrt={} is not an operand of router_prob_sum; use x or router", other.as_str())),
+            }
         }
         Op::SigmoidScaleGradGate => {
             let y = forward(Op::SigmoidScale, 2)?;

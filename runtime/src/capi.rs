@@ -20,7 +20,7 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pleat_backend::native::abi::{STATUS_ERROR, STATUS_OK};
-use pleat_backend::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program};
+use pleat_backend::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program, RouterDims};
 use pleat_ir::entity::EntityRef;
 
 use crate::comm::Communicator;
@@ -183,6 +183,10 @@ pub fn exported_functions() -> Vec<(&'static str, *const ())> {
         pleat_rt_expert_dispatch,
         pleat_rt_sigmoid_scale,
         pleat_rt_sigmoid_scale_grad_gate,
+        pleat_rt_expert_counts,
+        pleat_rt_router_prob_sum,
+        pleat_rt_router_prob_sum_grad,
+        pleat_rt_load_balancing_loss,
     ]
 }
 

@@ -578,6 +578,98 @@ pub unsafe extern "C" fn pleat_rt_sigmoid_scale_grad_gate(
     unsafe { instruction(ctx, instr, || Some(kernel(Kernel::SigmoidScaleGradGate { hidden }, &[gate, y, dy], out))) }
 }
 
+/// `Kernel::ExpertCounts`: `RouterDims` in order, `top_k`, `scale`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_expert_counts(
+    ctx: *mut c_void,
+    instr: u64,
+    x: u32,
+    router: u32,
+    out: u32,
+    rows: u64,
+    hidden: u64,
+    experts: u64,
+    top_k: u64,
+    scale: f64,
+) -> i32 {
+    let dims = RouterDims { rows, hidden, experts };
+    // SAFETY: the module's contract.
+    unsafe { instruction(ctx, instr, || Some(kernel(Kernel::ExpertCounts { dims, top_k, scale }, &[x, router], out))) }
+}
+
+/// `Kernel::RouterProbSum`: `RouterDims` in order.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_router_prob_sum(
+    ctx: *mut c_void,
+    instr: u64,
+    x: u32,
+    router: u32,
+    out: u32,
+    rows: u64,
+    hidden: u64,
+    experts: u64,
+) -> i32 {
+    let dims = RouterDims { rows, hidden, experts };
+    // SAFETY: the module's contract.
+    unsafe { instruction(ctx, instr, || Some(kernel(Kernel::RouterProbSum { dims }, &[x, router], out))) }
+}
+
+/// `Kernel::RouterProbSumGrad`: `wrt` (0 x, 1 router), then `RouterDims` in order.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_router_prob_sum_grad(
+    ctx: *mut c_void,
+    instr: u64,
+    x: u32,
+    router: u32,
+    dy: u32,
+    out: u32,
+    wrt: u64,
+    rows: u64,
+    hidden: u64,
+    experts: u64,
+) -> i32 {
+    let dims = RouterDims { rows, hidden, experts };
+    // SAFETY: the module's contract.
+    unsafe {
+        instruction(ctx, instr, || {
+            let wrt = pleat_ir::MoeOperand::at(usize::try_from(wrt).ok()?)?;
+            Some(kernel(Kernel::RouterProbSumGrad { wrt, dims }, &[x, router, dy], out))
+        })
+    }
+}
+
+/// `Kernel::LoadBalancingLoss`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_load_balancing_loss(
+    ctx: *mut c_void,
+    instr: u64,
+    counts: u32,
+    probabilities: u32,
+    out: u32,
+    experts: u64,
+) -> i32 {
+    // SAFETY: the module's contract.
+    unsafe {
+        instruction(ctx, instr, || Some(kernel(Kernel::LoadBalancingLoss { experts }, &[counts, probabilities], out)))
+    }
+}
+
 /// `Kernel::Add`.
 ///
 /// # Safety

@@ -13,7 +13,7 @@ use std::time::Instant;
 use half::bf16;
 use pleat_backend::memory::{staging_of, ElementSize};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
-use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program};
+use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program, RouterDims};
 use pleat_ir::MoeOperand;
 
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
@@ -907,6 +907,26 @@ fn run_kernel(
             pack_rows(&out, &lse, head_dim, &mut result);
         }
         Kernel::SiluMul => kernels::silu_mul(&f32_operand(0)?, &f32_operand(1)?, &mut result),
+        Kernel::ExpertCounts { dims, scale, top_k } => {
+            let shape = MoeShape { top_k: *top_k as usize, ..router_shape(dims) };
+            kernels::expert_counts(&shape, &f32_operand(0)?, &f32_operand(1)?, *scale, &mut result);
+        }
+        Kernel::RouterProbSum { dims } => {
+            kernels::router_prob_sum(&router_shape(dims), &f32_operand(0)?, &f32_operand(1)?, &mut result)
+        }
+        Kernel::RouterProbSumGrad { wrt, dims } => kernels::router_prob_sum_grad(
+            &router_shape(dims),
+            &f32_operand(0)?,
+            &f32_operand(1)?,
+            &f32_operand(2)?,
+            moe_grad_operand(*wrt),
+            &mut result,
+        ),
+        Kernel::LoadBalancingLoss { .. } => {
+            let (counts, probabilities) = (&f32_operand(0)?, &f32_operand(1)?);
+            result[0] =
+                counts.iter().zip(probabilities.iter()).map(|(c, p)| f64::from(*c) * f64::from(*p)).sum::<f64>() as f32;
+        }
         Kernel::SigmoidScale { hidden } => {
             kernels::sigmoid_scale(&f32_operand(0)?, &f32_operand(1)?, *hidden as usize, &mut result)
         }
@@ -975,6 +995,20 @@ pub(crate) fn moe_shape(dims: &MoeDims) -> MoeShape {
     }
 }
 
+/// A router statistic's sizes as the mixture kernels' shape (all experts local, no routing choice).
+fn router_shape(dims: &RouterDims) -> MoeShape {
+    MoeShape {
+        rows: dims.rows as usize,
+        hidden: dims.hidden as usize,
+        experts: dims.experts as usize,
+        local_experts: dims.experts as usize,
+        expert_offset: 0,
+        ffn: 0,
+        top_k: 0,
+        normalize: false,
+    }
+}
+
 /// The runtime kernels' name for a mixture operand.
 pub(crate) fn moe_grad_operand(wrt: MoeOperand) -> MoeGradOperand {
     match wrt {
@@ -1031,6 +1065,7 @@ fn kernel_arity(kernel: &Kernel) -> usize {
         Kernel::RmsNormGradInput { .. }
         | Kernel::SiluMulGradGate
         | Kernel::SigmoidScaleGradGate { .. }
+        | Kernel::RouterProbSumGrad { .. }
         | Kernel::CrossEntropyGradFromStats { .. } => 3,
         Kernel::Attention { .. } | Kernel::MoeMlp { .. } => 5,
         Kernel::AttentionGrad { .. } | Kernel::MoeMlpGrad { .. } => 6,

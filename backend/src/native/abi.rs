@@ -77,7 +77,7 @@ pub struct RuntimeCall {
 
 /// Every `pleat_rt_*` symbol that [`runtime_call`] can name, for checking that a runtime exports
 /// them all.
-pub const INSTRUCTION_SYMBOLS: [&str; 43] = [
+pub const INSTRUCTION_SYMBOLS: [&str; 47] = [
     "pleat_rt_load_param",
     "pleat_rt_load_tokens",
     "pleat_rt_load_positions",
@@ -121,7 +121,16 @@ pub const INSTRUCTION_SYMBOLS: [&str; 43] = [
     "pleat_rt_expert_dispatch",
     "pleat_rt_sigmoid_scale",
     "pleat_rt_sigmoid_scale_grad_gate",
+    "pleat_rt_expert_counts",
+    "pleat_rt_router_prob_sum",
+    "pleat_rt_router_prob_sum_grad",
+    "pleat_rt_load_balancing_loss",
 ];
+
+/// A router statistic's sizes, in `RouterDims` order.
+fn router_dims(dims: &crate::program::RouterDims) -> [AbiArg; 3] {
+    [AbiArg::U64(dims.rows), AbiArg::U64(dims.hidden), AbiArg::U64(dims.experts)]
+}
 
 /// A mixture-of-experts kernel's sizes, in `MoeDims` order (`normalize` as 0 or 1).
 fn moe_dims(dims: &MoeDims) -> Vec<AbiArg> {
@@ -250,6 +259,14 @@ fn kernel_call(kernel: &Kernel) -> (&'static str, Vec<AbiArg>) {
         }
         Kernel::MergeAttention { rows, head_dim } => ("pleat_rt_merge_attention", vec![U64(*rows), U64(*head_dim)]),
         Kernel::SiluMul => ("pleat_rt_silu_mul", vec![]),
+        Kernel::ExpertCounts { dims, top_k, scale } => {
+            ("pleat_rt_expert_counts", router_dims(dims).into_iter().chain([U64(*top_k), F64(*scale)]).collect())
+        }
+        Kernel::RouterProbSum { dims } => ("pleat_rt_router_prob_sum", router_dims(dims).to_vec()),
+        Kernel::RouterProbSumGrad { wrt, dims } => {
+            ("pleat_rt_router_prob_sum_grad", [U64(wrt.index() as u64)].into_iter().chain(router_dims(dims)).collect())
+        }
+        Kernel::LoadBalancingLoss { experts } => ("pleat_rt_load_balancing_loss", vec![U64(*experts)]),
         Kernel::SigmoidScale { hidden } => ("pleat_rt_sigmoid_scale", vec![U64(*hidden)]),
         Kernel::SigmoidScaleGradGate { hidden } => ("pleat_rt_sigmoid_scale_grad_gate", vec![U64(*hidden)]),
         Kernel::Add => ("pleat_rt_add", vec![]),

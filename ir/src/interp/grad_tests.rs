@@ -305,3 +305,27 @@ fn moe_routes_each_row_to_its_top_experts() {
     let first = run(&Op::MoeMlp { top_k: 1, normalize: true, dispatch: None }, &[&x, &even, &gate, &up, &down]);
     assert!((f64::from(first.data[0]) - silu(1.0) * 100.0).abs() < 1e-4, "{first:?}");
 }
+
+#[test]
+fn router_statistics_by_hand_and_their_gradients() {
+    // Two rows of one channel, x = 1 and x = -1, against a router of [0, ln 3, -ln 2]. Row 0's logits
+    // [0, ln 3, -ln 2] give probabilities 2/9, 6/9, 1/9; row 1's [0, -ln 3, ln 2] give 3/10, 1/10,
+    // 6/10. Top-1 picks expert 1 for row 0 and expert 2 for row 1.
+    let x = tensor(&[2, 1], &[1.0, -1.0]);
+    let router = tensor(&[3, 1], &[0.0, 3f32.ln(), -(2f32.ln())]);
+    let counts = run(&Op::ExpertCounts { top_k: 1, scale: 0.5 }, &[&x, &router]);
+    assert_eq!(counts.data, vec![0.0, 0.5, 0.5]);
+    let sums = run(&Op::RouterProbSum, &[&x, &router]);
+    let expected = [2.0 / 9.0 + 0.3, 6.0 / 9.0 + 0.1, 1.0 / 9.0 + 0.6];
+    for (got, want) in sums.data.iter().zip(expected) {
+        assert!((f64::from(*got) - want).abs() < 1e-6, "{got} vs {want}");
+    }
+    let loss = run(&Op::LoadBalancingLoss, &[&counts, &sums]);
+    assert!((f64::from(loss.data[0]) - 0.5 * (expected[1] + expected[2])).abs() < 1e-6);
+    // The sums' gradients against finite differences.
+    let (x, router, dy) = (random(&[2, 3, 4], 60), random(&[5, 4], 61), random(&[5], 62));
+    for wrt in [crate::MoeOperand::Input, crate::MoeOperand::Router] {
+        let gradient = run(&Op::RouterProbSumGrad { wrt }, &[&x, &router, &dy]);
+        check_finite_differences(&Op::RouterProbSum, &[x.clone(), router.clone()], wrt.index(), &dy, &gradient);
+    }
+}

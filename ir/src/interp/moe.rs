@@ -247,3 +247,87 @@ fn logit_gradient(routing: &Route, weight_grads: &[f64], normalize: bool, expert
     let inner: f64 = routing.probabilities.iter().zip(&d_probabilities).map(|(p, d)| p * d).sum();
     routing.probabilities.iter().zip(&d_probabilities).map(|(p, d)| p * (d - inner)).collect()
 }
+
+/// The row count and routing sizes of a router statistic's operands `x[.., hidden]` and
+/// `router[experts, hidden]`.
+fn router_dims(x: &Tensor, router: &Tensor) -> Result<MoeDims, OpError> {
+    let Some((&hidden, leading)) = x.shape.split_last() else {
+        return Err(shape_error(0, x, "[.., hidden] with at least one dim"));
+    };
+    match router.shape.as_slice() {
+        &[experts, router_hidden] if router_hidden == hidden => {
+            Ok(MoeDims { rows: element_count(leading), hidden, experts, ffn: 0 })
+        }
+        _ => Err(shape_error(1, router, format!("[experts, hidden] with hidden = {hidden}"))),
+    }
+}
+
+/// `(x, router) -> [experts]`: the slots each expert receives under top-`top_k` routing, times
+/// `scale`.
+pub(super) fn expert_counts(x: &Tensor, router: &Tensor, top_k: u64, scale: f64) -> Result<Tensor, OpError> {
+    let dims = router_dims(x, router)?;
+    let top_k = usize::try_from(top_k).unwrap_or(usize::MAX);
+    let mut counts = vec![0u64; dims.experts];
+    for row in 0..dims.rows {
+        let routing = route(&x.data[row * dims.hidden..(row + 1) * dims.hidden], router, &dims, top_k, false);
+        for expert in routing.chosen {
+            counts[expert] += 1;
+        }
+    }
+    Ok(Tensor { shape: vec![dims.experts], data: counts.iter().map(|&count| (count as f64 * scale) as f32).collect() })
+}
+
+/// `(x, router) -> [experts]`: every row's softmax probabilities, summed.
+pub(super) fn router_prob_sum(x: &Tensor, router: &Tensor) -> Result<Tensor, OpError> {
+    let dims = router_dims(x, router)?;
+    let mut sums = vec![0.0f64; dims.experts];
+    for row in 0..dims.rows {
+        let routing = route(&x.data[row * dims.hidden..(row + 1) * dims.hidden], router, &dims, 0, false);
+        sums.iter_mut().zip(&routing.probabilities).for_each(|(sum, p)| *sum += p);
+    }
+    Ok(Tensor { shape: vec![dims.experts], data: sums.iter().map(|&sum| sum as f32).collect() })
+}
+
+/// The gradient of `router_prob_sum` with respect to `x` or the router, given `dy[experts]`: each
+/// row's logits get `p * (dy - p·dy)`, then back through `x · routerᵀ`.
+pub(super) fn router_prob_sum_grad(
+    x: &Tensor,
+    router: &Tensor,
+    dy: &Tensor,
+    wrt: MoeOperand,
+) -> Result<Tensor, OpError> {
+    let dims = router_dims(x, router)?;
+    if dy.shape != [dims.experts] {
+        return Err(shape_error(2, dy, format!("[experts] with experts = {}", dims.experts)));
+    }
+    let hidden = dims.hidden;
+    let target = match wrt {
+        MoeOperand::Input => x,
+        MoeOperand::Router => router,
+        _ => return Err(shape_error(2, dy, "a gradient with respect to x or the router")),
+    };
+    let mut gradient = vec![0.0f64; target.data.len()];
+    for row in 0..dims.rows {
+        let x_row = &x.data[row * hidden..(row + 1) * hidden];
+        let routing = route(x_row, router, &dims, 0, false);
+        let inner: f64 = routing.probabilities.iter().zip(&dy.data).map(|(p, &d)| p * f64::from(d)).sum();
+        for (expert, p) in routing.probabilities.iter().enumerate() {
+            let d_logit = p * (f64::from(dy.data[expert]) - inner);
+            for input in 0..hidden {
+                match wrt {
+                    MoeOperand::Router => gradient[expert * hidden + input] += d_logit * f64::from(x_row[input]),
+                    _ => gradient[row * hidden + input] += d_logit * f64::from(router.data[expert * hidden + input]),
+                }
+            }
+        }
+    }
+    Ok(Tensor { shape: target.shape.clone(), data: gradient.iter().map(|&value| value as f32).collect() })
+}
+
+/// `(counts[experts], probabilities[experts]) -> []`: their dot product.
+pub(super) fn load_balancing_loss(counts: &Tensor, probabilities: &Tensor) -> Result<Tensor, OpError> {
+    if counts.rank() != 1 || probabilities.shape != counts.shape {
+        return Err(shape_error(1, probabilities, format!("{:?}, the shape of operand 0", counts.shape)));
+    }
+    Ok(Tensor { shape: Vec::new(), data: vec![dot(&counts.data, &probabilities.data)] })
+}

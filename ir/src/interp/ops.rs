@@ -45,6 +45,10 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::RingGatedMlpGrad { wrt, .. } => gated_mlp_grad(operands, *wrt),
         // The dispatch moves rows between ranks; on one rank it is the plain mixture.
         Op::MoeMlp { top_k, normalize, .. } => moe::moe_mlp(operands, *top_k, *normalize),
+        Op::ExpertCounts { top_k, scale } => moe::expert_counts(operands[0], operands[1], *top_k, *scale),
+        Op::RouterProbSum => moe::router_prob_sum(operands[0], operands[1]),
+        Op::RouterProbSumGrad { wrt } => moe::router_prob_sum_grad(operands[0], operands[1], operands[2], *wrt),
+        Op::LoadBalancingLoss => moe::load_balancing_loss(operands[0], operands[1]),
         Op::MoeMlpGrad { top_k, normalize, wrt, .. } => moe::moe_mlp_grad(operands, *top_k, *normalize, *wrt),
         Op::CrossEntropy | Op::VocabParallelCrossEntropy { .. } => grad::cross_entropy(operands[0], operands[1]),
         Op::CrossEntropyGrad | Op::VocabParallelCrossEntropyGrad { .. } => {

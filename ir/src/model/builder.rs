@@ -24,7 +24,11 @@ pub fn build(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
 /// The training graph of `config` for `batch` sequences of `seq` tokens: the forward graph of
 /// `build` and the loss `cross_entropy(logits, tokens)`, f32 `[]`, Hugging Face's causal-LM loss
 /// with the tokens as labels; the loss (node `loss`) is its one output. `seq` must be at least 2.
-/// `pleat_passes::autodiff::differentiate` appends the backward graph.
+/// A mixture of experts with `output_router_logits` adds Hugging Face's load-balancing loss
+/// (`router_aux_loss_coef` times `load_balancing_loss_func` over every layer's router logits):
+/// each layer's expert counts and summed router probabilities, summed over the layers, and their
+/// `load_balancing_loss` just before the cross-entropy (node `loss.cross_entropy`); node `loss` is
+/// then the sum. `pleat_passes::autodiff::differentiate` appends the backward graph.
 pub fn build_training(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
     if seq < 2 {
         return Err(Error::UnsupportedModel {
@@ -32,14 +36,47 @@ pub fn build_training(config: &ModelConfig, batch: u64, seq: u64) -> Result<Modu
             what: format!("seq={seq}: a next-token loss needs at least 2 tokens a sequence; use --seq 2 or more"),
         });
     }
-    let (mut graph, logits, tokens) = forward(config, batch, seq)?;
-    let loss = graph.add(Op::CrossEntropy, &[logits, tokens], TensorType::new(DType::F32, &[]), "loss");
+    let aux = config.moe.as_ref().filter(|moe| moe.output_router_logits).map(|moe| {
+        // load_balancing_loss_func averages the counts and the probabilities over every layer's
+        // tokens and multiplies by the experts: coef · E / (L·T)² · Σ counts · probabilities.
+        let rows = (config.num_layers * batch * seq) as f64;
+        (moe.top_k, moe.router_aux_loss_coef * moe.num_experts as f64 / (rows * rows))
+    });
+    let (mut graph, logits, tokens, stats) = forward_with(config, batch, seq, aux)?;
+    let scalar = TensorType::new(DType::F32, &[]);
+    let Some((counts, probabilities)) =
+        stats.into_iter().reduce(|(counts, probabilities), (layer_counts, layer_probabilities)| {
+            let ty = graph.value(counts).ty.clone();
+            let counts = graph.add(Op::Add, &[counts, layer_counts], ty.clone(), "aux.counts_sum");
+            (counts, graph.add(Op::Add, &[probabilities, layer_probabilities], ty, "aux.probabilities_sum"))
+        })
+    else {
+        let loss = graph.add(Op::CrossEntropy, &[logits, tokens], scalar, "loss");
+        graph.add_output(loss);
+        return Ok(Module { name: config.name.clone(), mesh: Mesh::default(), graph });
+    };
+    let aux_loss =
+        graph.add(Op::LoadBalancingLoss, &[counts, probabilities], scalar.clone(), "aux.load_balancing_loss");
+    let cross_entropy = graph.add(Op::CrossEntropy, &[logits, tokens], scalar.clone(), "loss.cross_entropy");
+    let loss = graph.add(Op::Add, &[cross_entropy, aux_loss], scalar, "loss");
     graph.add_output(loss);
     Ok(Module { name: config.name.clone(), mesh: Mesh::default(), graph })
 }
 
 /// The forward graph without outputs, its logits and its tokens.
 fn forward(config: &ModelConfig, batch: u64, seq: u64) -> Result<(Graph, ValueId, ValueId)> {
+    forward_with(config, batch, seq, None).map(|(graph, logits, tokens, _)| (graph, logits, tokens))
+}
+
+/// The forward graph, and with `aux` (`(top_k, scale)`) each layer's scaled expert counts and
+/// summed router probabilities.
+#[allow(clippy::type_complexity)] // The graph and the three kinds of value a caller builds on.
+fn forward_with(
+    config: &ModelConfig,
+    batch: u64,
+    seq: u64,
+    aux: Option<(u64, f64)>,
+) -> Result<(Graph, ValueId, ValueId, Vec<(ValueId, ValueId)>)> {
     if batch == 0 || seq == 0 {
         return Err(Error::UnsupportedModel {
             model: config.name.clone(),
@@ -65,9 +102,17 @@ fn forward(config: &ModelConfig, batch: u64, seq: u64) -> Result<(Graph, ValueId
                 .to_string(),
         });
     }
-    let mut builder = Builder { graph: Graph::new(), config, dtype: dtype_of(config.dtype), batch, seq };
+    let mut builder = Builder {
+        graph: Graph::new(),
+        config,
+        dtype: dtype_of(config.dtype),
+        batch,
+        seq,
+        aux,
+        router_stats: Vec::new(),
+    };
     let (logits, tokens) = builder.model();
-    Ok((builder.graph, logits, tokens))
+    Ok((builder.graph, logits, tokens, builder.router_stats))
 }
 
 fn dtype_of(dtype: ConfigDtype) -> DType {
@@ -84,6 +129,10 @@ struct Builder<'a> {
     dtype: DType,
     batch: u64,
     seq: u64,
+    /// The load-balancing loss's `(top_k, scale)`, when training adds it.
+    aux: Option<(u64, f64)>,
+    /// Each layer's `(expert_counts, router_prob_sum)`, with `aux`.
+    router_stats: Vec<(ValueId, ValueId)>,
 }
 
 impl Builder<'_> {
@@ -190,7 +239,19 @@ impl Builder<'_> {
             self.param(&format!("{prefix}.experts.{down}.weight"), &[(Experts, experts), (Hidden, hidden), (Ffn, ffn)]);
         let ty = self.graph.value(x).ty.clone();
         let op = Op::MoeMlp { top_k: moe.top_k, normalize: moe.normalize_top_k, dispatch: None };
-        self.graph.add(op, &[x, router, gate, up, down], ty, &format!("layer{layer}.moe"))
+        let output = self.graph.add(op, &[x, router, gate, up, down], ty, &format!("layer{layer}.moe"));
+        if let Some((top_k, scale)) = self.aux {
+            let stat = TensorType::new(DType::F32, &[(Experts, experts)]);
+            let counts = self.graph.add(
+                Op::ExpertCounts { top_k, scale },
+                &[x, router],
+                stat.clone(),
+                &format!("layer{layer}.expert_counts"),
+            );
+            let sums = self.graph.add(Op::RouterProbSum, &[x, router], stat, &format!("layer{layer}.router_prob_sum"));
+            self.router_stats.push((counts, sums));
+        }
+        output
     }
 
     /// Qwen2-MoE's shared expert of layer `layer`: a gated MLP of width `ffn` that every token goes

@@ -48,7 +48,8 @@ fn tiny() -> ModelConfig {
     }
 }
 
-/// `tiny` with a Mixtral block in place of each MLP: 8 experts of width 64, each token routed to 2.
+/// `tiny` with a Mixtral block in place of each MLP: 8 experts of width 64, each token routed to 2;
+/// training adds the load-balancing loss (`output_router_logits`, coefficient 0.02).
 fn tiny_moe() -> ModelConfig {
     ModelConfig {
         architecture: Architecture::Mixtral,
@@ -60,7 +61,7 @@ fn tiny_moe() -> ModelConfig {
             normalize_top_k: true,
             shared_expert_intermediate_size: None,
             router_aux_loss_coef: 0.02,
-            output_router_logits: false,
+            output_router_logits: true,
         }),
         name: "tiny-moe".to_owned(),
         ..tiny()

@@ -16,7 +16,7 @@ use crate::{
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 40] = [
+const OPS: [&str; 44] = [
     "tokens",
     "positions",
     "param",
@@ -57,6 +57,10 @@ const OPS: [&str; 40] = [
     "moe_mlp_grad",
     "sigmoid_scale",
     "sigmoid_scale_grad_gate",
+    "expert_counts",
+    "router_prob_sum",
+    "router_prob_sum_grad",
+    "load_balancing_loss",
 ];
 
 /// The header every module text needs, as errors spell it.
@@ -332,6 +336,8 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "ring_attention" => &["axis", "causal"],
         "ring_gated_mlp_grad" => &["axis", "wrt"],
         "moe_mlp" => &["top_k", "normalize", "dispatch"],
+        "expert_counts" => &["top_k", "scale"],
+        "router_prob_sum_grad" => &["wrt"],
         "moe_mlp_grad" => &["top_k", "normalize", "dispatch", "wrt"],
         "all_to_all" => &["axis", "split_dim", "gather_dim"],
         _ => &[],
@@ -405,6 +411,13 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         }
         "silu_mul_grad_gate" => Op::SiluMulGradGate,
         "sigmoid_scale" => Op::SigmoidScale,
+        "expert_counts" => Op::ExpertCounts {
+            top_k: number(cursor, required("top_k", "2")?, "a whole number")?,
+            scale: number(cursor, required("scale", "0.02")?, "a number")?,
+        },
+        "router_prob_sum" => Op::RouterProbSum,
+        "router_prob_sum_grad" => Op::RouterProbSumGrad { wrt: moe_operand_value(cursor, required("wrt", "router")?)? },
+        "load_balancing_loss" => Op::LoadBalancingLoss,
         "sigmoid_scale_grad_gate" => Op::SigmoidScaleGradGate,
         "embedding_grad" => Op::EmbeddingGrad { vocab: number(cursor, required("vocab", "32000")?, "a whole number")? },
         "sum_leading" => {

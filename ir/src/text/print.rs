@@ -187,6 +187,9 @@ fn write_attributes(out: &mut String, op: &Op) {
         Op::Zigzag { parts, inverse } => write!(out, " parts={parts} inverse={inverse}"),
         Op::RingAttention { axis, causal } => write!(out, " axis={axis} causal={causal}"),
         Op::RingGatedMlpGrad { axis, wrt } => write!(out, " axis={axis} wrt={}", wrt.as_str()),
+        Op::ExpertCounts { top_k, scale } => write!(out, " top_k={top_k} scale={scale}"),
+        Op::RouterProbSum | Op::LoadBalancingLoss => Ok(()),
+        Op::RouterProbSumGrad { wrt } => write!(out, " wrt={}", wrt.as_str()),
         Op::MoeMlp { top_k, normalize, dispatch } => {
             let _ = write!(out, " top_k={top_k} normalize={normalize}");
             dispatch.map_or(Ok(()), |axis| write!(out, " dispatch={axis}"))

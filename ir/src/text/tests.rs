@@ -206,7 +206,7 @@ fn errors_say_what_was_expected_and_where() {
                matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, \
                rms_norm_grad_weight, rope_grad, attention_grad_query, attention_grad_key, attention_grad_value, \
                silu_mul_grad_gate, embedding_grad, sum_leading, all_reduce, reduce_scatter, all_gather, local_slice, \
-               broadcast_shard, reduce_to_root, ring_gated_mlp, ring_gated_mlp_grad, ring_attention, zigzag, all_to_all";
+               broadcast_shard, reduce_to_root, ring_gated_mlp, ring_gated_mlp_grad, ring_attention, zigzag, all_to_all, moe_mlp, moe_mlp_grad, sigmoid_scale, sigmoid_scale_grad_gate, expert_counts, router_prob_sum, router_prob_sum_grad, load_balancing_loss";
     check_error(
         &format!("{HEADER}v0: f32[seq=4] = tokens()\nv1: f32[seq=4] = rms_nrom(v0, v0) eps=1"),
         &format!("line 3, column 18: unknown op `rms_nrom`; ops are {ops}"),
@@ -233,7 +233,7 @@ fn errors_say_what_was_expected_and_where() {
     );
     check_error(
         &format!("{HEADER}v0: f32[sq=4] = tokens()"),
-        "line 2, column 9: unknown dim `sq`; dims are batch, seq, hidden, heads, kv_heads, head_dim, ffn, vocab",
+        "line 2, column 9: unknown dim `sq`; dims are batch, seq, hidden, heads, kv_heads, head_dim, ffn, vocab, experts",
     );
     check_error(
         &format!("{HEADER}v0: f32[seq=4/tq] = tokens()"),
@@ -275,7 +275,7 @@ fn errors_say_what_was_expected_and_where() {
     );
     check_error(
         &format!("{HEADER}v0: f32[] = all_gather(v0) axis=tp dim=sq"),
-        "line 2, column 40: unknown dim `sq`; dims are batch, seq, hidden, heads, kv_heads, head_dim, ffn, vocab",
+        "line 2, column 40: unknown dim `sq`; dims are batch, seq, hidden, heads, kv_heads, head_dim, ffn, vocab, experts",
     );
     check_error(
         &format!("{HEADER}v0: f32[] = param() name=\"abc"),

@@ -186,7 +186,12 @@ pub fn differentiate_with(
     if !graph.has_value(loss) {
         return Err(AutodiffError::UnknownLoss { value: loss });
     }
-    let loss_node = graph.value(loss).def;
+    // A loss with extra terms (the load-balancing loss) is their sum with the cross-entropy; each
+    // term is seeded on its own below.
+    let loss_node = match graph.def(loss).op {
+        Op::Add => graph.loss_node().unwrap_or(graph.value(loss).def),
+        _ => graph.value(loss).def,
+    };
     let Some(loss_step) = graph.order().iter().position(|&node| node == loss_node) else {
         return Err(AutodiffError::UnknownLoss { value: loss });
     };
@@ -216,6 +221,15 @@ pub fn differentiate_with(
         };
         let seed = state.emit(seed_op, &loss_data.inputs, logits, &format!("{}.d0", loss_data.name))?;
         state.accumulate(logits, seed)?;
+    }
+    // The loss's other terms (the load-balancing loss, `counts · probabilities`) are seeded with 1
+    // too: the probabilities' gradient is the counts, which carry none themselves.
+    for &node_id in &forward {
+        let node = state.graph.node(node_id);
+        if node.op.is_loss_term() && depends_on_param[node.inputs[1].index()] {
+            let (counts, probabilities) = (node.inputs[0], node.inputs[1]);
+            state.accumulate(probabilities, counts)?;
+        }
     }
     // A parameter's gradient is complete once the backward has passed its first user: it is laid
     // out as the parameter right there (all-reduced or reduce-scattered over dp), so that it does

@@ -52,6 +52,10 @@ pub fn operand_gradient(graph: &Graph, node: &NodeData, operand: usize, dy: Valu
         (Op::SiluMul, 0) => apply(Op::SiluMulGradGate, vec![inputs[0], inputs[1], dy]),
         // d(silu(gate) * up) / d(up) = silu(gate): the forward op on (gate, dy).
         (Op::SiluMul, 1) => apply(Op::SiluMul, vec![inputs[0], dy]),
+        (Op::RouterProbSum, 0 | 1) => {
+            let wrt = if operand == 0 { MoeOperand::Input } else { MoeOperand::Router };
+            apply(Op::RouterProbSumGrad { wrt }, vec![inputs[0], inputs[1], dy])
+        }
         (Op::SigmoidScale, 0) => apply(Op::SigmoidScaleGradGate, vec![inputs[0], inputs[1], dy]),
         // d(sigmoid(gate) * y) / dy = sigmoid(gate): the forward op on (gate, dy).
         (Op::SigmoidScale, 1) => apply(Op::SigmoidScale, vec![inputs[0], dy]),

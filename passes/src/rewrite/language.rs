@@ -205,6 +205,10 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
         | Op::MoeMlpGrad { .. }
         | Op::SigmoidScale
         | Op::SigmoidScaleGradGate
+        | Op::ExpertCounts { .. }
+        | Op::RouterProbSum
+        | Op::RouterProbSumGrad { .. }
+        | Op::LoadBalancingLoss
         | Op::CrossEntropy
         | Op::CrossEntropyGrad
         | Op::VocabParallelCrossEntropy { .. }

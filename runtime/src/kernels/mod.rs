@@ -35,8 +35,8 @@ pub use layout::{join_dim_chunks, slice_region, split_dim_chunks};
 pub use loss::{cross_entropy, cross_entropy_grad, LossShape};
 pub use matmul::matmul_nt;
 pub use moe::{
-    expert_backward, expert_forward, moe_mlp, moe_mlp_grad, route, route_backward, ExpertBackward, ExpertGrads,
-    ExpertWeights, MoeGradOperand, MoeShape, Routing,
+    expert_backward, expert_counts, expert_forward, moe_mlp, moe_mlp_grad, route, route_backward, router_prob_sum,
+    router_prob_sum_grad, ExpertBackward, ExpertGrads, ExpertWeights, MoeGradOperand, MoeShape, Routing,
 };
 pub use norm::rms_norm;
 pub use rope::{rope_grad_in_place, rope_in_place};

@@ -228,9 +228,9 @@ pub fn moe_mlp(shape: &MoeShape, operands: [&[f32]; 5], out: &mut [f32]) -> Vec<
     out.fill(0.0);
     let hidden = shape.hidden;
     let mut loads = vec![0; shape.local_experts];
-    for local in 0..shape.local_experts {
+    for (local, load) in loads.iter_mut().enumerate() {
         let slots = expert_slots(shape, &routing, local);
-        loads[local] = slots.len();
+        *load = slots.len();
         if slots.is_empty() {
             continue;
         }
@@ -339,6 +339,50 @@ fn logit_gradients(shape: &MoeShape, routing: &Routing, weight_grads: &[f32]) ->
         }
     }
     d_logits
+}
+
+/// `out[experts]`: the slots top-`top_k` routing sends to each expert, times `scale`.
+pub fn expert_counts(shape: &MoeShape, x: &[f32], router: &[f32], scale: f64, out: &mut [f32]) {
+    let routing = route(shape, x, router);
+    let mut counts = vec![0u64; shape.experts];
+    for &expert in &routing.chosen {
+        counts[expert] += 1;
+    }
+    out.iter_mut().zip(&counts).for_each(|(value, &count)| *value = (count as f64 * scale) as f32);
+}
+
+/// `out[experts]`: every row's router probabilities, summed.
+pub fn router_prob_sum(shape: &MoeShape, x: &[f32], router: &[f32], out: &mut [f32]) {
+    let routing = route(&MoeShape { top_k: 0, ..*shape }, x, router);
+    out.fill(0.0);
+    for row in routing.probabilities.chunks_exact(shape.experts) {
+        out.iter_mut().zip(row).for_each(|(sum, &p)| *sum += p);
+    }
+}
+
+/// The gradient of [`router_prob_sum`] with respect to `x` (`wrt` Input, `[rows, hidden]`) or the
+/// router (`[experts, hidden]`), given `dy[experts]`.
+pub fn router_prob_sum_grad(
+    shape: &MoeShape,
+    x: &[f32],
+    router: &[f32],
+    dy: &[f32],
+    wrt: MoeGradOperand,
+    out: &mut [f32],
+) {
+    let routing = route(&MoeShape { top_k: 0, ..*shape }, x, router);
+    let experts = shape.experts;
+    let mut d_logits = vec![0.0f32; shape.rows * experts];
+    for (row, probabilities) in routing.probabilities.chunks_exact(experts).enumerate() {
+        let inner: f32 = probabilities.iter().zip(dy).map(|(p, d)| p * d).sum();
+        for ((d_logit, p), d) in d_logits[row * experts..(row + 1) * experts].iter_mut().zip(probabilities).zip(dy) {
+            *d_logit = p * (d - inner);
+        }
+    }
+    match wrt {
+        MoeGradOperand::Router => matmul_grad_weight(shape.rows, experts, shape.hidden, &d_logits, x, out, 1),
+        _ => matmul_grad_input(shape.rows, experts, shape.hidden, &d_logits, router, out, 1),
+    }
 }
 
 #[cfg(test)]
