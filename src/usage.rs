@@ -393,7 +393,7 @@ pub enum UsageError {
          product; train it with --mesh without pp and --micro-batches 1, or set output_router_logits to false in its \
          config.json"
     )]
-    #[diagnostic(code(E0743), help("drop pp and --micro-batches, or set output_router_logits to false"))]
+    #[diagnostic(code(E0744), help("drop pp and --micro-batches, or set output_router_logits to false"))]
     AuxLossPipelined {
         /// The model.
         model: String,

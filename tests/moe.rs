@@ -76,7 +76,7 @@ fn expert_parallel_training_matches_the_reference() {
 #[test]
 fn the_load_balancing_loss_is_not_pipelined() {
     let error = error_of(&["run", "tiny-moe", "--train", "--mesh", "pp=2,ep=2", "--batch", "4", "--seq", "16"]);
-    assert!(error.contains("E0743") && error.contains("set output_router_logits to false"), "{error}");
+    assert!(error.contains("E0744") && error.contains("set output_router_logits to false"), "{error}");
 }
 
 /// The dispatch instruction or kernel of the first mixture in `program`.
@@ -170,4 +170,37 @@ fn the_cost_model_counts_the_experts() {
     let plan = json_of(&["plan", "mixtral-8x7b", "--mesh", "ep=8,tp=2", "--format", "json"]);
     assert_eq!(plan["experts"]["param_count"], 46_702_792_704u64);
     assert_eq!(plan["experts"]["active_param_count"], 12_879_925_248u64);
+}
+
+#[test]
+fn a_checkpoint_with_one_tensor_an_expert_loads_into_the_stacked_experts() {
+    use pleat_runtime::weights::{write_safetensors, SafetensorsWeights, SeededWeights, WeightSource};
+    // Hugging Face's Mixtral files hold `experts.E.w1.weight` for each E; pleat's graph stacks them.
+    let config = tiny_moe();
+    let (module, programs) = compile_with(&config, 4, 16, "ep=2", &PassCtx::default());
+    let seeded = SeededWeights::new(7);
+    let mut tensors = Vec::new();
+    for (value, name) in module.graph.params() {
+        let shape = module.graph.value(value).ty.shape.sizes();
+        let whole: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+        let data = seeded.read(name, &shape, &whole).expect("seeded");
+        match name.rsplit_once(".experts.") {
+            Some((prefix, projection)) => {
+                let size = (shape[1] * shape[2]) as usize;
+                for (expert, block) in data.chunks_exact(size).enumerate() {
+                    let name = format!("{prefix}.experts.{expert}.{projection}");
+                    tensors.push((name, shape[1..].to_vec(), block.to_vec()));
+                }
+            }
+            None => tensors.push((name.to_string(), shape, data)),
+        }
+    }
+    assert!(tensors.iter().any(|(name, _, _)| name.ends_with("block_sparse_moe.experts.7.w2.weight")));
+    let path = cli::tempdir("moe-per-expert").join("model.safetensors");
+    write_safetensors(&path, &tensors).expect("write");
+    let file = SafetensorsWeights::open(&path).expect("open");
+    let tokens = common::tokens(4, 16, config.vocab_size);
+    let (from_file, _) = common::run(&programs, &tokens, 16, &file);
+    let (from_seed, _) = common::run(&programs, &tokens, 16, &seeded);
+    assert!(from_file == from_seed, "the per-expert checkpoint gives other logits");
 }

@@ -1,6 +1,6 @@
 //! Multi-process runs: `mpirun -np 4 pleat rank DIR` against the reference and against the threads
-//! communicator's byte counts, the world-size check, a rank that dies mid-step, and the MPI
-//! collective benchmark.
+//! communicator's byte counts (dense plans and a mixture of experts' token dispatch), the world-size
+//! check, a rank that dies mid-step, and the MPI collective benchmark.
 #![cfg(feature = "mpi")]
 
 use std::path::Path;
@@ -64,6 +64,27 @@ fn mpi_ranks_match_the_reference_and_the_threads_byte_counts() {
         let threads = json_of(&["run", &compiled, "--format", "json"]);
         assert_eq!(report["comm_bytes"], threads["comm_bytes"], "{mesh}: MPI sends what the threads fabric sends");
     }
+}
+
+#[test]
+fn mpi_ranks_send_tokens_to_their_experts_as_threads_do() {
+    // The all-to-all dispatcher's messages are sized by the routing (counts exchanged first).
+    let dir = tempdir("mpi-experts");
+    let out = dir.join("tiny-moe-ep4");
+    let out = out.to_str().expect("utf-8 path");
+    stdout_of(&["compile", "tiny-moe", "--mesh", "dp=2,ep=2", "--batch", "4", "--seq", "16", "--out", out]);
+    let output = mpirun(4, &["rank", out, "--check", "--format", "json"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "mpirun failed\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("rank 0 prints one JSON report");
+    let err = report["max_abs_err"].as_f64().expect("a number");
+    assert!(err < 1e-4, "max abs err {err}");
+    let threads = json_of(&["run", out, "--format", "json"]);
+    assert_eq!(report["comm_bytes"], threads["comm_bytes"], "MPI sends what the threads fabric sends");
 }
 
 #[test]

@@ -578,6 +578,19 @@ mod with_llvm {
 
 #[cfg(feature = "llvm")]
 #[test]
+fn a_mixture_of_experts_runs_through_the_entry_functions() {
+    // The token dispatch and the routed experts are runtime calls of the entry function.
+    let dir = tempdir("native-moe");
+    let out = dir.join("d");
+    let out_str = out.to_str().expect("utf-8 path");
+    stdout_of(&["compile", "tiny-moe", "--mesh", "ep=2", "--emit", "so", "--out", out_str]);
+    let ran = stdout_of(&["run", out_str, "--check"]);
+    assert!(ran.contains("execution a rank: native-entry, native-entry"), "{ran}");
+    assert!(ran.contains(": ok"), "{ran}");
+}
+
+#[cfg(feature = "llvm")]
+#[test]
 fn compiled_native_kernels_pass_the_check() {
     for mesh in ["tp=2", "tsp=2"] {
         let dir = tempdir(&format!("native-cli-{}", mesh.replace('=', "")));

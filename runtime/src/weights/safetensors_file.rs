@@ -136,6 +136,33 @@ impl SafetensorsWeights {
         Ok(Self { origin: index.to_path_buf(), shards, tensors })
     }
 
+    /// A mixture's stacked expert projection (`model.layers.0.block_sparse_moe.experts.w1.weight`,
+    /// `[experts, ..]` in pleat's graph) read from the checkpoint's one tensor an expert
+    /// (`..experts.0.w1.weight`, `..experts.1.w1.weight`, ..), as Hugging Face stores them: the
+    /// region's experts one after another. `None` when the checkpoint has no such per-expert tensors.
+    fn read_stacked_experts(
+        &self,
+        name: &str,
+        shape: &[u64],
+        region: &[(u64, u64)],
+    ) -> Result<Option<Vec<f32>>, WeightError> {
+        let Some((prefix, projection)) = name.rsplit_once(".experts.") else { return Ok(None) };
+        let (Some(&(first, count)), Some(inner_shape), Some(inner_region)) =
+            (region.first(), shape.get(1..), region.get(1..))
+        else {
+            return Ok(None);
+        };
+        let expert_name = |expert: u64| format!("{prefix}.experts.{expert}.{projection}");
+        if !self.tensors.contains_key(&expert_name(0)) {
+            return Ok(None);
+        }
+        let mut values = Vec::new();
+        for expert in first..first + count {
+            values.extend(self.read(&expert_name(expert), inner_shape, inner_region)?);
+        }
+        Ok(Some(values))
+    }
+
     /// Up to [`MAX_SIMILAR_NAMES`] tensor names closest to `name` by edit distance.
     fn similar_names(&self, name: &str) -> Vec<String> {
         let mut ranked: Vec<(usize, &String)> =
@@ -147,6 +174,11 @@ impl SafetensorsWeights {
 
 impl WeightSource for SafetensorsWeights {
     fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<Vec<f32>, WeightError> {
+        if !self.tensors.contains_key(name) {
+            if let Some(values) = self.read_stacked_experts(name, shape, region)? {
+                return Ok(values);
+            }
+        }
         let entry = self.tensors.get(name).ok_or_else(|| WeightError::TensorMissing {
             name: name.to_string(),
             file: self.origin.clone(),
