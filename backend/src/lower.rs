@@ -262,16 +262,10 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 if !ring_gradients_lowered.contains(&value) {
                     let mut outs = [None; 4];
                     outs[wrt.index()] = Some(out);
-                    for sibling in ring_gradient_siblings(graph, &order[index + 1..], data) {
+                    for sibling in gradient_siblings(graph, &order[index + 1..], data) {
                         let sibling_data = graph.node(sibling);
                         let Op::RingGatedMlpGrad { wrt: sibling_wrt, .. } = sibling_data.op else { continue };
-                        let buffer = BufferId::new(program.buffers.len());
-                        program.buffers.push(Buffer {
-                            name: sibling_data.name.clone(),
-                            dtype: graph.value(sibling_data.result).ty.dtype,
-                            shape: local(sibling_data.result)?,
-                            kind: BufferKind::Activation,
-                        });
+                        let buffer = sibling_buffer(&mut program, graph, sibling_data, local(sibling_data.result)?);
                         buffer_of[sibling_data.result.as_u32() as usize] = Some(buffer);
                         ring_gradients_lowered.push(sibling_data.result);
                         outs[sibling_wrt.index()] = Some(buffer);
@@ -378,16 +372,10 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                     let (mut outs, mut wrts) = (vec![out], Vec::new());
                     if let Op::MoeMlpGrad { wrt, .. } = data.op {
                         wrts.push(wrt);
-                        for sibling in moe_gradient_siblings(graph, &order[index + 1..], data) {
+                        for sibling in gradient_siblings(graph, &order[index + 1..], data) {
                             let sibling_data = graph.node(sibling);
                             let Op::MoeMlpGrad { wrt: sibling_wrt, .. } = sibling_data.op else { continue };
-                            let buffer = BufferId::new(program.buffers.len());
-                            program.buffers.push(Buffer {
-                                name: sibling_data.name.clone(),
-                                dtype: graph.value(sibling_data.result).ty.dtype,
-                                shape: local(sibling_data.result)?,
-                                kind: BufferKind::Activation,
-                            });
+                            let buffer = sibling_buffer(&mut program, graph, sibling_data, local(sibling_data.result)?);
                             buffer_of[sibling_data.result.as_u32() as usize] = Some(buffer);
                             moe_gradients_lowered.push(sibling_data.result);
                             outs.push(buffer);
@@ -496,23 +484,36 @@ fn free_unused_result(
     }
 }
 
-/// The other gradients of the same ring MLP as `data` (a `RingGatedMlpGrad`) among `later` nodes:
-/// same axis, same operands, another operand differentiated.
-fn ring_gradient_siblings(
+/// Which operand a gradient op that lowers with its siblings differentiates, and what its siblings
+/// share besides the operands: the op kind and its axis.
+fn sibling_gradient_of(op: &Op) -> Option<(usize, u8, Option<pleat_ir::AxisName>)> {
+    match op {
+        Op::RingGatedMlpGrad { axis, wrt } => Some((wrt.index(), 0, Some(*axis))),
+        Op::MoeMlpGrad { dispatch, wrt, .. } => Some((wrt.index(), 1, *dispatch)),
+        _ => None,
+    }
+}
+
+/// The other gradients of the same ring MLP or dispatched mixture as `data` among `later` nodes:
+/// same op and axis, same operands, another operand differentiated. The first of them lowers one
+/// instruction (or ring) that computes them all.
+fn gradient_siblings(
     graph: &pleat_ir::Graph,
     later: &[pleat_ir::NodeId],
     data: &pleat_ir::NodeData,
 ) -> Vec<pleat_ir::NodeId> {
-    let Op::RingGatedMlpGrad { axis, wrt } = data.op else { return Vec::new() };
+    let Some((wrt, kind, axis)) = sibling_gradient_of(&data.op) else { return Vec::new() };
     let mut seen = vec![wrt];
     later
         .iter()
         .copied()
         .filter(|&node| {
             let other = graph.node(node);
-            match other.op {
-                Op::RingGatedMlpGrad { axis: other_axis, wrt: other_wrt }
-                    if other_axis == axis && other.inputs == data.inputs && !seen.contains(&other_wrt) =>
+            match sibling_gradient_of(&other.op) {
+                Some((other_wrt, other_kind, other_axis))
+                    if (other_kind, other_axis) == (kind, axis)
+                        && other.inputs == data.inputs
+                        && !seen.contains(&other_wrt) =>
                 {
                     seen.push(other_wrt);
                     true
@@ -523,29 +524,21 @@ fn ring_gradient_siblings(
         .collect()
 }
 
-/// The other gradients of the same dispatched mixture as `data` (a `MoeMlpGrad`) among `later`
-/// nodes: same operands, another operand differentiated.
-fn moe_gradient_siblings(
+/// A new activation buffer of `shape` for a sibling gradient's result.
+fn sibling_buffer(
+    program: &mut Program,
     graph: &pleat_ir::Graph,
-    later: &[pleat_ir::NodeId],
-    data: &pleat_ir::NodeData,
-) -> Vec<pleat_ir::NodeId> {
-    let Op::MoeMlpGrad { wrt, .. } = data.op else { return Vec::new() };
-    let mut seen = vec![wrt];
-    later
-        .iter()
-        .copied()
-        .filter(|&node| {
-            let other = graph.node(node);
-            match other.op {
-                Op::MoeMlpGrad { wrt: other_wrt, .. } if other.inputs == data.inputs && !seen.contains(&other_wrt) => {
-                    seen.push(other_wrt);
-                    true
-                }
-                _ => false,
-            }
-        })
-        .collect()
+    sibling: &pleat_ir::NodeData,
+    shape: Vec<u64>,
+) -> BufferId {
+    let buffer = BufferId::new(program.buffers.len());
+    program.buffers.push(Buffer {
+        name: sibling.name.clone(),
+        dtype: graph.value(sibling.result).ty.dtype,
+        shape,
+        kind: BufferKind::Activation,
+    });
+    buffer
 }
 
 /// A rank's vocab shard of a vocab-parallel loss's logits.

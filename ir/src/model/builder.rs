@@ -209,15 +209,24 @@ impl Builder<'_> {
             }
             return self.graph.add(Op::Add, &[residual, moe_out], stream, &name("moe_residual"));
         }
-        let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
-        let w_gate = self.param(&format!("{prefix}.mlp.gate_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
-        let gate = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_gate], inner.clone(), &name("gate_proj"));
-        let w_up = self.param(&format!("{prefix}.mlp.up_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
-        let up = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_up], inner.clone(), &name("up_proj"));
-        let act = self.graph.add(Op::SiluMul, &[gate, up], inner, &name("silu_mul"));
-        let w_down = self.param(&format!("{prefix}.mlp.down_proj.weight"), &[(Hidden, hidden), (Ffn, ffn)]);
-        let mlp_out = self.graph.add(Op::MatMul { contract: 1 }, &[act, w_down], stream.clone(), &name("down_proj"));
+        let mlp_out = self.gated_mlp(x, &format!("{prefix}.mlp"), &format!("layer{layer}."), ffn);
         self.graph.add(Op::Add, &[residual, mlp_out], stream, &name("mlp_residual"))
+    }
+
+    /// `down(silu(x·gateᵀ) * (x·upᵀ))` of width `ffn`, its weights `{weights}.gate_proj.weight` (and
+    /// up, down), its nodes `{nodes}gate_proj` (and up_proj, silu_mul, down_proj).
+    fn gated_mlp(&mut self, x: ValueId, weights: &str, nodes: &str, ffn: u64) -> ValueId {
+        let (batch, seq, hidden) = (self.batch, self.seq, self.config.hidden_size);
+        let stream = self.ty(&[(Batch, batch), (Seq, seq), (Hidden, hidden)]);
+        let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
+        let w_gate = self.param(&format!("{weights}.gate_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
+        let gate =
+            self.graph.add(Op::MatMul { contract: 1 }, &[x, w_gate], inner.clone(), &format!("{nodes}gate_proj"));
+        let w_up = self.param(&format!("{weights}.up_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
+        let up = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_up], inner.clone(), &format!("{nodes}up_proj"));
+        let act = self.graph.add(Op::SiluMul, &[gate, up], inner, &format!("{nodes}silu_mul"));
+        let w_down = self.param(&format!("{weights}.down_proj.weight"), &[(Hidden, hidden), (Ffn, ffn)]);
+        self.graph.add(Op::MatMul { contract: 1 }, &[act, w_down], stream, &format!("{nodes}down_proj"))
     }
 
     /// The routed experts of layer `layer` on its normed stream `x`. The experts of a layer are one
@@ -261,14 +270,8 @@ impl Builder<'_> {
         let prefix = format!("model.layers.{layer}.mlp");
         let name = |part: &str| format!("layer{layer}.shared_expert.{part}");
         let stream = self.ty(&[(Batch, batch), (Seq, seq), (Hidden, hidden)]);
-        let inner = self.ty(&[(Batch, batch), (Seq, seq), (Ffn, ffn)]);
-        let w_gate = self.param(&format!("{prefix}.shared_expert.gate_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
-        let gate = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_gate], inner.clone(), &name("gate_proj"));
-        let w_up = self.param(&format!("{prefix}.shared_expert.up_proj.weight"), &[(Ffn, ffn), (Hidden, hidden)]);
-        let up = self.graph.add(Op::MatMul { contract: 1 }, &[x, w_up], inner.clone(), &name("up_proj"));
-        let act = self.graph.add(Op::SiluMul, &[gate, up], inner, &name("silu_mul"));
-        let w_down = self.param(&format!("{prefix}.shared_expert.down_proj.weight"), &[(Hidden, hidden), (Ffn, ffn)]);
-        let output = self.graph.add(Op::MatMul { contract: 1 }, &[act, w_down], stream.clone(), &name("down_proj"));
+        let output =
+            self.gated_mlp(x, &format!("{prefix}.shared_expert"), &format!("layer{layer}.shared_expert."), ffn);
         // The checkpoint's `[1, hidden]` gate, seen as `[hidden]`: one logit a token.
         let w_shared_gate = self.param(&format!("{prefix}.shared_expert_gate.weight"), &[(Hidden, hidden)]);
         let logits = self.ty(&[(Batch, batch), (Seq, seq)]);
