@@ -10,7 +10,7 @@ mod common;
 #[path = "support/cli.rs"]
 mod cli;
 
-use cli::{assert_matches_reference, error_of, json_of};
+use cli::{assert_matches_reference, error_of, json_of, stdout_of};
 use common::{check_equivalence, check_programs, compile_with};
 use pleat_backend::{Instr, Kernel, MoeDims};
 use pleat_ir::model::config::ModelConfig;
@@ -203,4 +203,13 @@ fn a_checkpoint_with_one_tensor_an_expert_loads_into_the_stacked_experts() {
     let (from_file, _) = common::run(&programs, &tokens, 16, &file);
     let (from_seed, _) = common::run(&programs, &tokens, 16, &seeded);
     assert!(from_file == from_seed, "the per-expert checkpoint gives other logits");
+}
+
+#[test]
+fn explain_says_why_tokens_travel() {
+    let text = stdout_of(&["explain", "tiny-moe", "--mesh", "ep=2"]);
+    assert!(text.contains("layer0.moe: moe_mlp over ep on experts"), "{text}");
+    assert!(text.contains("[tokens-travel-to-their-experts]"), "{text}");
+    let text = stdout_of(&["explain", "tiny-moe", "--mesh", "ep=2", "--strategy", "ep-all-gather"]);
+    assert!(text.contains("layer0.mlp_norm.all_gather: all_gather over ep on batch"), "{text}");
 }

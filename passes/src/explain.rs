@@ -4,7 +4,7 @@
 //! it, and the op that could not take it so), so they stay true for any pass that produced the
 //! graph. This is an analysis: it reads a module and changes nothing.
 
-use pleat_ir::{Graph, MlpOperand, Module, NodeId, Op, ValueId};
+use pleat_ir::{Graph, MlpOperand, Module, MoeOperand, NodeId, Op, ValueId};
 
 use crate::sharding::spec_text;
 
@@ -179,6 +179,22 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                     "{input_name} is split on vocab over {axis}; the ranks all-gather three numbers a row (max, sum of exponentials, target logit) and combine them into the loss, so the whole logits never exist on a rank"
                 ),
             ),
+            Op::MoeMlp { top_k, .. } => (
+                Some("experts".to_string()),
+                "tokens-travel-to-their-experts",
+                format!(
+                    "the experts are split over {axis} and so are {input_name}'s tokens: each rank sends each token to the ranks holding its {top_k} experts and gets their results back (an all-to-all with variable counts, the counts first), instead of gathering every token on every rank"
+                ),
+            ),
+            // One dispatch computes all of a mixture's gradients: it is explained once, at its input's.
+            Op::MoeMlpGrad { wrt, .. } if *wrt != MoeOperand::Input => continue,
+            Op::MoeMlpGrad { .. } => (
+                Some("experts".to_string()),
+                "gradients-travel-with-their-tokens",
+                format!(
+                    "the backward sends each token's output gradient with the token to its experts' ranks over {axis}; the experts' weight gradients stay with their owners and each token's input gradient comes back"
+                ),
+            ),
             Op::AllToAll { split_dim, gather_dim, .. } => (
                 Some(format!("{gather_dim}->{split_dim}")),
                 "reshard-via-all-to-all",
@@ -207,6 +223,12 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                     .local_sizes(&logits.ty.shape, &module.mesh)
                     .map_or(0, |sizes| sizes[..sizes.len().saturating_sub(1)].iter().product());
                 rows * 3 * 4
+            }
+            // Under balanced routing, the (D-1)/D of each token's top_k copies that leave the rank, out
+            // and back.
+            Op::MoeMlp { top_k, .. } | Op::MoeMlpGrad { top_k, .. } => {
+                let degree = data.op.axis().map_or(1, |axis| module.mesh.degree(axis));
+                2 * top_k * local_bytes(module, input) * degree.saturating_sub(1) / degree.max(1)
             }
             _ => local_bytes(module, input),
         };

@@ -445,3 +445,45 @@ fn emulated_link_holds_messages_back_and_keeps_results() {
     let expected: Vec<f32> = (0..7).map(|i| (i * 6) as f32).collect();
     assert!(sums.iter().all(|sum| *sum == expected), "{sums:?}");
 }
+
+/// Member i sends `(i + j) % 3` elements to member j, each naming the pair; every member receives
+/// what the others addressed to it, in member order, and sends exactly the elements that leave it.
+#[test]
+fn all_to_all_with_sizes_per_member_delivers_each_pair_its_chunk() {
+    let group = scrambled_group(4);
+    let count = |from: usize, to: usize| (from + to) % 3;
+    let results = run_ranks(4, GENEROUS, |comm| {
+        let me = group.index_of(comm.rank()).expect("member");
+        let send_counts: Vec<usize> = (0..4).map(|to| count(me, to)).collect();
+        let recv_counts: Vec<usize> = (0..4).map(|from| count(from, me)).collect();
+        let input: Vec<f32> =
+            (0..4).flat_map(|to| (0..count(me, to)).map(move |k| (me * 100 + to * 10 + k) as f32)).collect();
+        let mut output = vec![f32::NAN; recv_counts.iter().sum()];
+        comm.all_to_all_v(&group, (&input, &send_counts), (&mut output, &recv_counts)).expect("all_to_all_v");
+        let sent: usize = send_counts.iter().enumerate().filter(|&(to, _)| to != me).map(|(_, &n)| n).sum();
+        (me, output, comm.stats().bytes(CollectiveKind::AllToAll), sent)
+    });
+    for (me, output, bytes, sent) in results {
+        let expected: Vec<f32> =
+            (0..4).flat_map(|from| (0..count(from, me)).map(move |k| (from * 100 + me * 10 + k) as f32)).collect();
+        assert_eq!(output, expected, "member {me}");
+        assert_eq!(bytes, 4 * sent as u64, "member {me}");
+    }
+}
+
+/// A member that expects more than its peer sends gets an error naming the operation, not a hang.
+#[test]
+fn all_to_all_with_disagreeing_sizes_is_an_error() {
+    let group = Group::world(2);
+    let results = run_ranks(2, SHORT, |comm| {
+        let me = comm.rank() as usize;
+        // Member 0 sends 1 element to member 1, which expects 2.
+        let send_counts = [1, 1];
+        let recv_counts = if me == 1 { [1, 2] } else { [1, 1] };
+        let input = vec![1.0; 2];
+        let mut output = vec![0.0; recv_counts.iter().sum()];
+        comm.all_to_all_v(&group, (&input, &send_counts), (&mut output, &recv_counts))
+    });
+    let error = results[1].as_ref().expect_err("member 1 sees the mismatch");
+    assert!(error.to_string().contains("all_to_all"), "{error}");
+}
