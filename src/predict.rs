@@ -178,9 +178,9 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
                 away * (width + dims.hidden) * 4,
                 group.ranks.clone(),
             );
-            // Under balanced routing each member's experts serve as many rows as it sends.
-            let forward =
-                2 * dims.rows * dims.experts * dims.hidden + 6 * dims.rows * dims.top_k * dims.hidden * dims.ffn;
+            // Under balanced routing each member's experts serve as many rows as it sends: the
+            // kernel's flops with every expert local.
+            let forward = moe_flops(&pleat_backend::MoeDims { local_experts: dims.experts, ..dims.clone() });
             work.flops = if wrts.is_empty() { forward } else { 3 * forward };
             work
         }

@@ -212,33 +212,19 @@ pub fn all_to_all<T: Transport + ?Sized>(
     input: &[f32],
     output: &mut [f32],
 ) -> Result<(), CommError> {
-    let my_index = member_index(transport, op)?;
-    let group_size = op.group.len();
+    member_index(transport, op)?;
     check_divisible(transport, op, "input", input.len())?;
     check_length(transport, op, "output", input.len(), output.len())?;
-    let own = chunk_range(input.len(), group_size, my_index);
-    output[own.clone()].copy_from_slice(&input[own]);
-    // At step k every member sends to the member k after it and receives from the one k before it, so
-    // each pair meets in the same step on both sides.
-    for distance in 1..group_size {
-        let to = (my_index + distance) % group_size;
-        let from = (my_index + group_size - distance) % group_size;
-        transport.exchange(
-            op,
-            op.group.ranks[to],
-            &input[chunk_range(input.len(), group_size, to)],
-            op.group.ranks[from],
-            &mut output[chunk_range(input.len(), group_size, from)],
-        )?;
-    }
-    Ok(())
+    let counts = vec![input.len() / op.group.len(); op.group.len()];
+    all_to_all_v(transport, op, (input, &counts), (output, &counts))
 }
 
 /// All-to-all with per-member sizes: `input` holds the chunks for members 0, 1, .. back to back,
 /// `send_counts[j]` elements for member j; `output` receives `recv_counts[i]` elements from member i,
 /// back to back. The counts must agree pairwise (member i's `send_counts[j]` is member j's
-/// `recv_counts[i]`), which a message of the wrong size reports as a mismatch. The same pairwise
-/// schedule as [`all_to_all`].
+/// `recv_counts[i]`), which a message of the wrong size reports as a mismatch. At step k every member
+/// sends to the member k after it and receives from the one k before it, so each pair meets in the
+/// same step on both sides.
 pub fn all_to_all_v<T: Transport + ?Sized>(
     transport: &mut T,
     op: &OpContext<'_>,

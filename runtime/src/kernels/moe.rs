@@ -299,20 +299,39 @@ pub fn route_backward(
     wrt: MoeGradOperand,
     out: &mut [f32],
 ) {
-    let hidden = shape.hidden;
+    if matches!(wrt, MoeGradOperand::Input | MoeGradOperand::Router) {
+        let d_logits = logit_gradients(shape, routing, weight_grads);
+        logits_backward(shape, &d_logits, (x, router), wrt, out);
+    }
+}
+
+/// Back through `logits = x · routerᵀ` from `d_logits[rows, experts]`: adds `d_logits · router` to
+/// `out` (`wrt` Input) or sets `out` to `d_logitsᵀ · x` (`wrt` Router).
+fn logits_backward(
+    shape: &MoeShape,
+    d_logits: &[f32],
+    (x, router): (&[f32], &[f32]),
+    wrt: MoeGradOperand,
+    out: &mut [f32],
+) {
+    let (rows, experts, hidden) = (shape.rows, shape.experts, shape.hidden);
     match wrt {
         MoeGradOperand::Input => {
-            let d_logits = logit_gradients(shape, routing, weight_grads);
-            let mut through_router = vec![0.0; shape.rows * hidden];
-            matmul_grad_input(shape.rows, shape.experts, hidden, &d_logits, router, &mut through_router, 1);
+            let mut through_router = vec![0.0; rows * hidden];
+            matmul_grad_input(rows, experts, hidden, d_logits, router, &mut through_router, 1);
             out.iter_mut().zip(&through_router).for_each(|(total, value)| *total += value);
         }
-        // d router[experts, hidden] = d_logitsᵀ · x.
-        MoeGradOperand::Router => {
-            let d_logits = logit_gradients(shape, routing, weight_grads);
-            matmul_grad_weight(shape.rows, shape.experts, hidden, &d_logits, x, out, 1);
-        }
+        MoeGradOperand::Router => matmul_grad_weight(rows, experts, hidden, d_logits, x, out, 1),
         MoeGradOperand::Gate | MoeGradOperand::Up | MoeGradOperand::Down => {}
+    }
+}
+
+/// One row's gradient with respect to its logits from the one with respect to its softmax
+/// probabilities: `p * (d - p·d)`.
+fn softmax_backward(probabilities: &[f32], d_probabilities: &[f32], d_logits: &mut [f32]) {
+    let inner: f32 = probabilities.iter().zip(d_probabilities).map(|(p, d)| p * d).sum();
+    for ((d_logit, p), d) in d_logits.iter_mut().zip(probabilities).zip(d_probabilities) {
+        *d_logit = p * (d - inner);
     }
 }
 
@@ -332,11 +351,8 @@ fn logit_gradients(shape: &MoeShape, routing: &Routing, weight_grads: &[f32]) ->
         for slot in slots {
             d_probabilities[routing.chosen[slot]] = (weight_grads[slot] - mean) / routing.divisors[row];
         }
-        let probabilities = &routing.probabilities[row * experts..(row + 1) * experts];
-        let inner: f32 = probabilities.iter().zip(&d_probabilities).map(|(p, d)| p * d).sum();
-        for ((d_logit, p), d) in d_logits[row * experts..].iter_mut().zip(probabilities).zip(&d_probabilities) {
-            *d_logit = p * (d - inner);
-        }
+        let span = row * experts..(row + 1) * experts;
+        softmax_backward(&routing.probabilities[span.clone()], &d_probabilities, &mut d_logits[span]);
     }
     d_logits
 }
@@ -373,16 +389,13 @@ pub fn router_prob_sum_grad(
     let routing = route(&MoeShape { top_k: 0, ..*shape }, x, router);
     let experts = shape.experts;
     let mut d_logits = vec![0.0f32; shape.rows * experts];
-    for (row, probabilities) in routing.probabilities.chunks_exact(experts).enumerate() {
-        let inner: f32 = probabilities.iter().zip(dy).map(|(p, d)| p * d).sum();
-        for ((d_logit, p), d) in d_logits[row * experts..(row + 1) * experts].iter_mut().zip(probabilities).zip(dy) {
-            *d_logit = p * (d - inner);
-        }
+    for (probabilities, row_d_logits) in
+        routing.probabilities.chunks_exact(experts).zip(d_logits.chunks_exact_mut(experts))
+    {
+        softmax_backward(probabilities, dy, row_d_logits);
     }
-    match wrt {
-        MoeGradOperand::Router => matmul_grad_weight(shape.rows, experts, shape.hidden, &d_logits, x, out, 1),
-        _ => matmul_grad_input(shape.rows, experts, shape.hidden, &d_logits, router, out, 1),
-    }
+    out.fill(0.0);
+    logits_backward(shape, &d_logits, (x, router), wrt, out);
 }
 
 #[cfg(test)]
