@@ -35,8 +35,8 @@ pub enum Strategy {
     Dp,
     /// Context parallelism (ring attention over a zigzag sequence split) on the cp axis.
     Cp,
-    /// Expert parallelism on the ep axis with the all-gather token dispatcher: each rank's tokens
-    /// all-gathered over ep before the experts, their partial sums reduce-scattered after, instead
+    /// Expert parallelism (on ep, or on tsp without ep) with the all-gather token dispatcher: each
+    /// rank's tokens all-gathered over that axis before the experts, their partial sums reduce-scattered after, instead
     /// of the default all-to-all that sends each token only to its experts' ranks.
     EpAllGather,
 }
@@ -44,16 +44,18 @@ pub enum Strategy {
 impl Strategy {
     /// Checks the mesh has the strategy's axis and says what the passes should do.
     pub fn pass_ctx(self, mesh: &Mesh, dump: Dump) -> Result<PassCtx> {
-        let axis = match self {
-            Strategy::Auto => None,
-            Strategy::Tp | Strategy::TpSp | Strategy::TpSpOrTsp => Some("tp"),
-            Strategy::Tsp => Some("tsp"),
-            Strategy::Dp => Some("dp"),
-            Strategy::Cp => Some("cp"),
-            Strategy::EpAllGather => Some("ep"),
+        // The axes that can carry the strategy; the first is the one the error suggests.
+        let axes: &[&'static str] = match self {
+            Strategy::Auto => &[],
+            Strategy::Tp | Strategy::TpSp | Strategy::TpSpOrTsp => &["tp"],
+            Strategy::Tsp => &["tsp"],
+            Strategy::Dp => &["dp"],
+            Strategy::Cp => &["cp"],
+            // Experts are placed over ep, or over tsp when the mesh has no ep.
+            Strategy::EpAllGather => &["ep", "tsp"],
         };
-        if let Some(axis) = axis {
-            if !mesh.axes().iter().any(|mesh_axis| mesh_axis.name.as_str() == axis) {
+        if let Some(&axis) = axes.first() {
+            if !mesh.axes().iter().any(|mesh_axis| axes.contains(&mesh_axis.name.as_str())) {
                 anyhow::bail!(UsageError::StrategyNeedsAxis { strategy: self.name(), axis });
             }
         }

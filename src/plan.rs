@@ -292,7 +292,7 @@ fn print_table(result: &Estimate) {
     if let Some(experts) = &result.experts {
         let gradients = if workload.mode == Mode::Train { ", their gradients" } else { "" };
         println!(
-            "  ep all-to-all {:>12} a step, {:.4} s (dispatch and combine{gradients}, token counts)",
+            "  expert all-to-all {:>12} a step, {:.4} s (dispatch and combine{gradients}, token counts)",
             gb(experts.all_to_all_bytes_per_step),
             experts.all_to_all_seconds_per_step
         );

@@ -160,6 +160,11 @@ pub struct CompiledTraining {
     pub layouts: Vec<OptimizerLayout>,
     /// Pipelined: each program's schedule steps and where their instructions lie; else empty.
     pub step_spans: Vec<Vec<pleat_backend::pipeline::StepSpan>>,
+    /// The micro-batches whose losses the step's loss averages, as `--check`'s reference must
+    /// split it: `--micro-batches` when the loss has a load-balancing term (a product of
+    /// statistics over each micro-batch's tokens), else 1 (the cross-entropy's mean over the
+    /// micro-batches is the whole batch's).
+    pub loss_micro_batches: u64,
 }
 
 /// How a training step is split into micro-batches and pipeline stages.
@@ -197,9 +202,7 @@ pub fn compile_training(
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
     }
     let aux_loss = config.moe.as_ref().is_some_and(|moe| moe.output_router_logits);
-    if aux_loss && (stages > 1 || micro_batches > 1) {
-        bail!(UsageError::AuxLossPipelined { model: config.name.clone() });
-    }
+    let loss_micro_batches = if aux_loss { u64::from(micro_batches) } else { 1 };
     let inner = crate::pipeline::inner_mesh(mesh)?;
     let mut ctx = strategy.pass_ctx(&inner, Dump::Nothing)?;
     ctx.zero_stage = zero;
@@ -239,14 +242,14 @@ pub fn compile_training(
         let schedule = crate::pipeline::schedule_steps(kind, stages, micro_batches)?;
         let plan = (micro_batches, kind.chunks());
         let (programs, layouts, step_spans) = crate::pipeline::pipelined(&module, &stage_of, &schedule, plan, zero)?;
-        return Ok(CompiledTraining { module, programs, layouts, step_spans });
+        return Ok(CompiledTraining { module, programs, layouts, step_spans, loss_micro_batches });
     }
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
     let layouts = (0..programs.len() as u32)
         .map(|rank| optimizer_layout(&module, rank, zero))
         .collect::<pleat_backend::Result<Vec<_>>>()?;
-    Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new() })
+    Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new(), loss_micro_batches })
 }
 
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file.
@@ -488,7 +491,7 @@ fn check(
         step: start_step,
         moments: moments.is_some().then_some(&initial_moments as &ParamLookup),
     };
-    let reference = train_reference(config, shape, steps, adamw, &start, batches)?;
+    let reference = train_reference(config, shape, compiled.loss_micro_batches, steps, adamw, &start, batches)?;
     let loss = max_diff(Some(&report.losses), &reference.losses);
     let mut weight = 0.0_f32;
     // Final weights: assemble every parameter from the ranks' blocks.

@@ -386,18 +386,6 @@ pub enum UsageError {
     )]
     #[diagnostic(code(E0718), help("train with --strategy tp-sp, or with --mesh tsp=D for TSP"))]
     TrainFoldedStrategy,
-    /// The load-balancing loss with pipeline stages or micro-batches.
-    #[error(
-        "{model} adds the load-balancing loss (output_router_logits), a product of every layer's routing statistics \
-         over the whole batch: pipeline stages hold those layers apart and micro-batches would each get their own \
-         product; train it with --mesh without pp and --micro-batches 1, or set output_router_logits to false in its \
-         config.json"
-    )]
-    #[diagnostic(code(E0744), help("drop pp and --micro-batches, or set output_router_logits to false"))]
-    AuxLossPipelined {
-        /// The model.
-        model: String,
-    },
     /// `--zero` without a data-parallel axis.
     #[error("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2")]
     #[diagnostic(code(E0719), help("add a dp axis to --mesh (e.g. dp=2), or drop --zero"))]
@@ -618,7 +606,6 @@ impl UsageError {
             UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
             UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],
             UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
-            UsageError::AuxLossPipelined { model } => vec![("model", model.clone())],
             UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],
             UsageError::BatchNotSplit { .. } => vec![("flag", "--micro-batches".to_string())],
             UsageError::TrainWithTokens => vec![("flag", "--tokens".to_string())],

@@ -109,7 +109,7 @@ fn tiny_moe_all_to_all_volume_by_hand() {
     assert!(calls.iter().all(|call| call.kind == Collective::AllToAll && call.axis == AxisName::Ep), "{calls:?}");
     assert_eq!(sent(Phase::Forward), 2.0 * 24576.0 + 24.0);
     assert_eq!(sent(Phase::Backward), 2.0 * 24576.0);
-    let dispatch = calls.iter().find(|call| call.what.starts_with("ep all-to-all: tokens")).expect("dispatch");
+    let dispatch = calls.iter().find(|call| call.what.starts_with("expert all-to-all: tokens")).expect("dispatch");
     assert_eq!((dispatch.bytes, dispatch.count), (32768.0, 2.0));
     // Inference: the forward's only.
     let infer = layer_collectives(&model, &mesh, &Workload::inference(16, 2));
@@ -162,6 +162,40 @@ fn dense_gradients_sync_over_ep_and_experts_over_dp_only() {
 }
 
 #[test]
+fn tsp_alone_splits_the_experts_and_dispatches_over_tsp() {
+    // tiny-moe (f32, h = 128, 8 experts of 64 channels, top-2, 2 layers) on tsp=4, 2 sequences of
+    // 16: each rank holds 8/4 = 2 experts a layer and routes its own 2·16/4 = 8 tokens, 16 copies
+    // of 128 floats = 8192 bytes, three quarters of which (6144) leave it in each of dispatch and
+    // combine; the counts are 4 integers of 8 bytes, 24 sent.
+    let model = shape("tiny-moe");
+    let mesh = layout(&[(AxisName::Tsp, 4)]);
+    let workload = Workload::training(16, 2);
+    let calls = layer_collectives(&model, &mesh, &workload);
+    let all_to_alls: Vec<_> = calls.iter().filter(|call| call.kind == Collective::AllToAll).collect();
+    assert!(all_to_alls.iter().all(|call| call.axis == AxisName::Tsp), "{all_to_alls:?}");
+    let sent = |phase: Phase| -> f64 {
+        all_to_alls.iter().filter(|call| call.phase == phase).map(|call| call.bytes_sent(4)).sum()
+    };
+    assert_eq!(sent(Phase::Forward), 2.0 * 6144.0 + 24.0);
+    assert_eq!(sent(Phase::Backward), 2.0 * 6144.0);
+    // Memory: 2 layers x 2 experts x 3·128·64 weights a rank.
+    let memory = &memory_per_stage(&model, &mesh, &workload)[0];
+    let experts = memory.experts.as_ref().expect("a mixture reports its experts");
+    assert_eq!(experts.expert_param_count, 2.0 * 2.0 * 3.0 * 128.0 * 64.0);
+    // The experts' gradients are whole on their one tsp rank; only the routers' (2 layers of
+    // 8·128, fp32) are summed over tsp.
+    let step = step_collectives(&model, &mesh, &workload, 1e6, 2);
+    let over_tsp: Vec<_> = step.iter().filter(|call| call.axis == AxisName::Tsp).collect();
+    assert_eq!(over_tsp.len(), 1, "{over_tsp:?}");
+    assert_eq!((over_tsp[0].kind, over_tsp[0].bytes), (Collective::AllReduce, 4.0 * 2.0 * 8.0 * 128.0));
+    // Mixtral on tsp=8: one whole expert a rank and layer (32 · 3·4096·14336, bf16).
+    let mixtral = &memory_per_stage(&shape("mixtral-8x7b"), &layout(&[(AxisName::Tsp, 8)]), &workload)[0];
+    let weights = &mixtral.experts.as_ref().unwrap().weights;
+    let expert_bytes = weights.iter().find(|term| term.name == "expert weights").map(|term| term.bytes);
+    assert_eq!(expert_bytes, Some(32.0 * 3.0 * 4096.0 * 14336.0 * 2.0));
+}
+
+#[test]
 fn model_flops_count_active_parameters() {
     // Mixtral's matmul parameters a token reads: 32 layers of attention (q, o 4096², k, v 4096·1024),
     // router 8·4096 and two experts of 3·4096·14336; the LM head 32000·4096.
@@ -204,7 +238,7 @@ fn plan_of_mixtral_on_ep8_tp2_prints_the_totals() {
     assert!(line("attention").ends_with(" 1.34 GB"), "{table}");
     assert!(line("routed experts (zero shards them over dp)").ends_with("11.27 GB"), "{table}");
     // 32 layers x (4 exchanges x 7/8 x 2·4096·4096·2 bytes + 7/8 x 64 bytes of counts) = 7.52 GB.
-    assert!(line("ep all-to-all").contains(" 7.52 GB a step"), "{table}");
+    assert!(line("expert all-to-all").contains(" 7.52 GB a step"), "{table}");
     assert!(line("capacity:").contains("costed as balanced: an expert gets 8192 of the 32768 tokens"), "{table}");
     let load = "expert load: 8192 tokens an expert a layer and micro-batch, up to 32768";
     assert!(line("expert load:").starts_with(load), "{table}");
@@ -231,7 +265,7 @@ fn plan_of_tiny_moe_on_ep2_runs() {
     let expert_weights = weights.iter().find(|term| term["name"] == "expert weights").unwrap();
     assert_eq!(expert_weights["bytes"], 2.0 * 4.0 * 3.0 * 128.0 * 64.0 * 4.0);
     let table = stdout_of(&["plan", "tiny-moe", "--mesh", "ep=2"]);
-    assert!(table.contains("ep all-to-all"), "{table}");
+    assert!(table.contains("expert all-to-all"), "{table}");
 }
 
 #[test]
@@ -240,7 +274,7 @@ fn dense_plans_carry_no_expert_keys() {
     assert!(json.get("experts").is_none() && json["memory"].get("experts").is_none(), "{json}");
     assert!(json["stages"][0].get("experts").is_none());
     let table = stdout_of(&["plan", "llama3-8b", "--mesh", "dp=2,tp=4"]);
-    assert!(!table.contains("parameters:") && !table.contains("ep all-to-all"), "{table}");
+    assert!(!table.contains("parameters:") && !table.contains("expert all-to-all"), "{table}");
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! Mixture of experts against the reference interpreter: `tiny-moe` (Mixtral-style: 8 experts,
 //! top-2, renormalized) and a tiny Qwen2-MoE (top-2 without renormalization, a sigmoid-gated shared
 //! expert), forward and training, on every mesh that places the experts: ep with the all-to-all
-//! dispatcher (the default) and the all-gather one, dp×ep, tsp×ep, expert tensor parallelism, pp×ep.
+//! dispatcher (the default) and the all-gather one, dp×ep, tsp×ep, tsp alone (experts over tsp),
+//! expert tensor parallelism, pp×ep, and the load-balancing loss under pp and micro-batches.
 //! Also what each dispatcher sends, the measured expert load, the errors of meshes that cannot
 //! place the experts, and the parameters `pleat plan` counts.
 
@@ -34,10 +35,12 @@ fn all_gather_dispatch() -> PassCtx {
 
 #[test]
 fn expert_parallel_forward_matches_the_reference() {
-    for mesh in ["", "ep=2", "ep=4", "ep=8", "dp=2,ep=2", "ep=2,dp=2", "tsp=2,ep=2", "tp=2", "ep=2,tp=2"] {
+    let meshes =
+        ["", "ep=2", "ep=4", "ep=8", "dp=2,ep=2", "ep=2,dp=2", "tsp=2,ep=2", "tp=2", "ep=2,tp=2", "tsp=2", "tsp=4"];
+    for mesh in meshes {
         check_equivalence(&tiny_moe(), 8, 16, mesh);
     }
-    for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "tsp=2,ep=2", "ep=2,tp=2"] {
+    for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "tsp=2,ep=2", "ep=2,tp=2", "tsp=2"] {
         let programs = compile_with(&tiny_moe(), 8, 16, mesh, &all_gather_dispatch()).1;
         check_programs(&tiny_moe(), 8, 16, &format!("{mesh} all-gather"), programs);
     }
@@ -62,11 +65,13 @@ fn train(model: &str, mesh: &str, extra: &[&str]) -> serde_json::Value {
 #[test]
 fn expert_parallel_training_matches_the_reference() {
     // tiny-moe's loss adds the load-balancing loss (output_router_logits).
-    for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "tsp=2,ep=2", "ep=2,tp=2"] {
+    for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "tsp=2,ep=2", "ep=2,tp=2", "tsp=2", "dp=2,tsp=2"] {
         assert_matches_reference(&train("tiny-moe", mesh, &[]), mesh);
     }
-    let report = train("tiny-moe", "ep=2", &["--strategy", "ep-all-gather"]);
-    assert_matches_reference(&report, "ep=2 all-gather");
+    for mesh in ["ep=2", "tsp=2"] {
+        let report = train("tiny-moe", mesh, &["--strategy", "ep-all-gather"]);
+        assert_matches_reference(&report, &format!("{mesh} all-gather"));
+    }
     // The Qwen2-MoE config leaves it out, as Hugging Face does by default, so it also pipelines.
     for mesh in ["ep=2", "tp=2", "tsp=2,ep=2", "pp=2,ep=2"] {
         assert_matches_reference(&train(QWEN2_MOE, mesh, &[]), &format!("qwen2-moe {mesh}"));
@@ -74,9 +79,50 @@ fn expert_parallel_training_matches_the_reference() {
 }
 
 #[test]
-fn the_load_balancing_loss_is_not_pipelined() {
-    let error = error_of(&["run", "tiny-moe", "--train", "--mesh", "pp=2,ep=2", "--batch", "4", "--seq", "16"]);
-    assert!(error.contains("E0744") && error.contains("set output_router_logits to false"), "{error}");
+fn the_load_balancing_loss_pipelines_and_accumulates() {
+    // One micro-batch under pp: the statistics of the stages' layers meet on the last stage, and
+    // their gradient comes back in each stage's backward; the loss is the whole batch's.
+    assert_matches_reference(&train("tiny-moe", "pp=2,ep=2", &[]), "pp=2,ep=2");
+    // Several micro-batches: each has its own load-balancing loss, averaged, and `--check`'s
+    // reference accumulates the same way (`micro_batches_own_their_load_balancing_loss`).
+    for (mesh, extra) in [
+        ("ep=2", &["--micro-batches", "2"][..]),
+        ("pp=2,tsp=2", &["--micro-batches", "4", "--schedule", "1f1b"][..]),
+        ("pp=2,ep=2", &["--micro-batches", "2", "--schedule", "zb-h1"][..]),
+    ] {
+        assert_matches_reference(&train("tiny-moe", mesh, extra), &format!("{mesh} {extra:?}"));
+    }
+}
+
+#[test]
+fn micro_batches_own_their_load_balancing_loss() {
+    use pleat_ir::model::stream::synthetic_tokens;
+    use pleat_ir::optim::AdamWConfig;
+    use pleat_passes::autodiff::reference::{train_reference, ReferenceStart};
+    use pleat_runtime::weights::{SeededWeights, WeightSource};
+
+    let seeded = SeededWeights::new(0);
+    let initial = |name: &str, shape: &[u64]| {
+        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
+        seeded.read(name, shape, &region).ok()
+    };
+    let start = ReferenceStart { weights: &initial, step: 0, moments: None };
+    let first_step = |config: &ModelConfig, micro_batches: u64| {
+        let batches = |step: u32| synthetic_tokens(3, u64::from(step), 4, 16, config.vocab_size);
+        train_reference(config, (4, 16), micro_batches, 1, AdamWConfig::default(), &start, &batches)
+            .expect("trains")
+            .losses[0]
+    };
+    // The cross-entropy's mean over two micro-batches is the whole batch's ...
+    let dense = tiny_qwen2_moe();
+    let (whole, halves) = (first_step(&dense, 1), first_step(&dense, 2));
+    assert!((whole - halves).abs() < 1e-6, "qwen2-moe without the aux loss: {whole} vs {halves}");
+    // ... and the load-balancing loss is not: each half routes its own tokens, and a product of
+    // statistics does not average. The difference is far above the check's tolerance (1e-4), so
+    // a run that computed the whole batch's statistics would fail `--check`.
+    let moe = tiny_moe();
+    let (whole, halves) = (first_step(&moe, 1), first_step(&moe, 2));
+    assert!((whole - halves).abs() > 1e-3, "tiny-moe: whole batch {whole}, two micro-batches {halves}");
 }
 
 /// The dispatch instruction or kernel of the first mixture in `program`.

@@ -140,6 +140,15 @@ fn qwen2_moe_one_layer_tsp2_ep2() {
     snapshot_model(&config, "tsp=2,ep=2", "qwen2-moe-tsp2-ep2-one-layer");
 }
 
+/// Expert parallelism on the tsp axis itself (no ep): attention folded into TSP, the routed
+/// experts split over tsp and each rank's tokens dispatched to them over tsp.
+#[test]
+fn moe_one_layer_tsp2_experts_on_tsp() {
+    let mut config = preset("tiny-moe").expect("tiny-moe");
+    config.num_layers = 1;
+    snapshot_model(&config, "tsp=2", "moe-tsp2-one-layer");
+}
+
 /// The expert-parallel backward: the gradient all-gathered before the experts' gradients, the
 /// input's pending sum reduce-scattered, the router's gradient summed over `ep`.
 #[test]

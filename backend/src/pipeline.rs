@@ -444,7 +444,10 @@ impl<'a> StageProgram<'a> {
         let virtual_stage = chunk * self.split.ranks + self.rank;
         // Values other ranks write in this phase that this stage reads arrive first. A forward
         // value arrives in the forward step even when only the backward reads it, and a value
-        // of the backward's first part even when only its second part reads it.
+        // of the backward's first part even when only its second part reads it. A later stage's
+        // forward value that this stage's backward reads (the load-balancing loss's statistics,
+        // summed beside the loss) is written after this stage's forward, so it arrives in the
+        // reading step.
         let mut incoming: BTreeSet<(u32, BufferId)> = BTreeSet::new();
         for (instr, owner) in self.base.instructions.iter().zip(&self.split.owner) {
             let Some((stage, reader_phase)) = *owner else { continue };
@@ -453,7 +456,12 @@ impl<'a> StageProgram<'a> {
             }
             for input in instr.inputs() {
                 let Some(&(writer_stage, writer_phase)) = self.split.writer.get(&input) else { continue };
-                if !self.holds(writer_stage) && writer_phase == phase && !self.split.loads.contains(&input) {
+                let arrival = if writer_phase == Phase::Forward && writer_stage > virtual_stage {
+                    reader_phase
+                } else {
+                    writer_phase
+                };
+                if !self.holds(writer_stage) && arrival == phase && !self.split.loads.contains(&input) {
                     incoming.insert((self.split.rank_of(writer_stage), input));
                 }
             }

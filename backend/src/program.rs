@@ -421,14 +421,18 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// Multiplies the target count a loss kernel divides by (`terms`) by `factor`; other kernels are
-    /// unchanged. Pipelining divides each micro-batch's loss by every micro-batch's targets.
+    /// Multiplies the target count a loss kernel divides by (`terms`) by `factor`, and divides the
+    /// load-balancing loss's count scale by it; other kernels are unchanged. Pipelining divides
+    /// each micro-batch's cross-entropy by every micro-batch's targets, and takes the mean of the
+    /// micro-batches' load-balancing losses.
     pub fn scale_loss_terms(&mut self, factor: u64) {
         match self {
             Kernel::CrossEntropy { terms, .. }
             | Kernel::CrossEntropyGrad { terms, .. }
             | Kernel::CrossEntropyFromStats { terms, .. }
             | Kernel::CrossEntropyGradFromStats { terms, .. } => *terms *= factor,
+            // The load-balancing loss (and so its gradient) is a micro-batch's own, averaged.
+            Kernel::ExpertCounts { scale, .. } => *scale /= factor as f64,
             _ => {}
         }
     }

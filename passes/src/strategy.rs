@@ -20,7 +20,9 @@
 //!   experts' rule gathers each rank's tokens over `ep` and their pending sum is reduce-scattered
 //!   back (Megatron's all-gather token dispatcher). Under `tp` the experts are split on ffn (expert
 //!   tensor parallelism); under `tsp` they stay whole, so `tsp` shards attention and `ep` the
-//!   experts.
+//!   experts. Without `ep`, `tsp` places the experts itself (`experts/tsp` a rank): its tokens are
+//!   already split over it, so its ranks dispatch their own tokens to the experts' ranks (expert
+//!   parallelism on the same axis).
 
 use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, DimName, Module, Op};
@@ -39,9 +41,16 @@ pub fn seed_leaves(module: &mut Module, ctx: &PassCtx) -> Result<()> {
             AxisName::Tp => seed_weight_splits(module, AxisName::Tp, axis.size)?,
             // TSP splits every weight as TP does (its attention and MLP take whole kv groups, so kv
             // heads must divide too); `fold-tsp` restructures the layers and splits the tokens.
-            AxisName::Tsp => seed_weight_splits(module, AxisName::Tsp, axis.size)?,
+            AxisName::Tsp => {
+                seed_weight_splits(module, AxisName::Tsp, axis.size)?;
+                // Without an `ep` axis the routed experts are placed over `tsp` itself: its
+                // tokens are already split over it, so the same ranks dispatch them.
+                if module.mesh.degree(AxisName::Ep) == 1 && has_experts(&module.graph) {
+                    seed_expert_parallel(module, AxisName::Tsp, axis.size, !ctx.expert_all_gather)?;
+                }
+            }
             AxisName::Dp => seed_data_parallel(module, axis.size)?,
-            AxisName::Ep => seed_expert_parallel(module, axis.size, !ctx.expert_all_gather)?,
+            AxisName::Ep => seed_expert_parallel(module, AxisName::Ep, axis.size, !ctx.expert_all_gather)?,
             // Weights stay whole on every cp rank; the sequence split is placed by `fold-cp`.
             AxisName::Cp => {}
             other => {
@@ -180,7 +189,14 @@ fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
     Ok(())
 }
 
-fn seed_expert_parallel(module: &mut Module, degree: u64, all_to_all: bool) -> Result<()> {
+/// Whether the graph has routed experts (a weight with an `experts` dim).
+fn has_experts(graph: &pleat_ir::Graph) -> bool {
+    graph.params().into_iter().any(|(value, _)| graph.value(value).ty.shape.position(DimName::Experts).is_some())
+}
+
+/// Places each layer's routed experts over `axis`. Over `ep` the batch splits too (the dense layers
+/// are data parallel over it); over `tsp` the tokens are already split on seq by `fold-tsp`.
+fn seed_expert_parallel(module: &mut Module, axis: AxisName, degree: u64, all_to_all: bool) -> Result<()> {
     let graph = &mut module.graph;
     let experts: Vec<_> = graph
         .params()
@@ -197,14 +213,15 @@ fn seed_expert_parallel(module: &mut Module, degree: u64, all_to_all: bool) -> R
     }
     for (value, name, position, count) in experts {
         if count % degree != 0 {
-            return Err(indivisible(&name, DimName::Experts, count, AxisName::Ep, degree));
+            return Err(indivisible(&name, DimName::Experts, count, axis, degree));
         }
         let axes = &mut graph.value_mut(value).spec.dims[position];
-        if !axes.contains(&AxisName::Ep) {
-            axes.push(AxisName::Ep);
+        if !axes.contains(&axis) {
+            axes.push(axis);
         }
     }
-    for value in token_values(graph) {
+    let batch_values = if axis == AxisName::Ep { token_values(graph) } else { Vec::new() };
+    for value in batch_values {
         let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
         let axes = &mut graph.value_mut(value).spec.dims[0];
         if !axes.contains(&AxisName::Ep) {
@@ -216,12 +233,12 @@ fn seed_expert_parallel(module: &mut Module, degree: u64, all_to_all: bool) -> R
             return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Ep, split));
         }
     }
-    // The all-to-all dispatcher: each mixture sends its rows to their experts' ranks over ep.
+    // The all-to-all dispatcher: each mixture sends its rows to their experts' ranks over `axis`.
     if all_to_all {
         let nodes: Vec<_> = graph.order().to_vec();
         for node in nodes {
             if let Op::MoeMlp { dispatch, .. } = &mut graph.node_mut(node).op {
-                *dispatch = Some(AxisName::Ep);
+                *dispatch = Some(axis);
             }
         }
     }

@@ -60,7 +60,8 @@ pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u
             }
             let bare = name.strip_prefix("grad.").unwrap_or(name);
             let first = ["embed", "model.embed_tokens", "tokens", "positions"];
-            let final_stage = ["final_norm", "model.norm", "lm_head", "loss", "logits"];
+            // The load-balancing loss sums every layer's statistics beside the loss.
+            let final_stage = ["final_norm", "model.norm", "lm_head", "loss", "logits", "aux."];
             if first.iter().any(|prefix| bare.starts_with(prefix)) {
                 Ok(0)
             } else if final_stage.iter().any(|prefix| bare.starts_with(prefix)) {

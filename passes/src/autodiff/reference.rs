@@ -47,17 +47,26 @@ pub struct ReferenceStart<'a> {
 }
 
 /// Trains `config` for `steps` steps of `batch` sequences of `seq` tokens from `start`;
-/// `batches` gives each step's tokens.
+/// `batches` gives each step's tokens. With `micro_batches` above 1 each step runs the graph of
+/// `batch / micro_batches` sequences on consecutive slices of its tokens and takes the mean of
+/// their losses and gradients (gradient accumulation): for the cross-entropy that is the whole
+/// batch's, and the load-balancing loss becomes each micro-batch's own, as in Hugging Face and
+/// Megatron under gradient accumulation.
 pub fn train_reference(
     config: &ModelConfig,
     (batch, seq): (u64, u64),
+    micro_batches: u64,
     steps: u32,
     adamw: AdamWConfig,
     start: &ReferenceStart,
     batches: &dyn Fn(u32) -> Vec<u32>,
 ) -> Result<ReferenceTraining, ReferenceError> {
     let error = |step: u32| move |reason: String| ReferenceError { step, reason };
-    let mut module = pleat_ir::model::build_training(config, batch, seq).map_err(|err| error(0)(err.to_string()))?;
+    if micro_batches == 0 || batch % micro_batches != 0 {
+        return Err(error(0)(format!("{batch} sequences do not split into {micro_batches} micro-batches")));
+    }
+    let rows = batch / micro_batches;
+    let mut module = pleat_ir::model::build_training(config, rows, seq).map_err(|err| error(0)(err.to_string()))?;
     let loss = module.graph.outputs()[0];
     let gradients = differentiate(&mut module.graph, loss).map_err(|err| error(0)(err.to_string()))?;
     let names: Vec<String> = gradients.params.iter().map(|param| param.name.clone()).collect();
@@ -90,13 +99,29 @@ pub fn train_reference(
             names.iter().zip(&optimizer.params).map(|(name, state)| (name.as_str(), state.master.as_slice())).collect();
         let lookup = |name: &str, _shape: &[u64]| weights.get(name).map(|weight| weight.to_vec());
         let tokens = batches(step);
-        let outputs = run(&module.graph, &Inputs { tokens: &tokens, positions: &positions, params: &lookup })
-            .map_err(|err| error(step)(err.to_string()))?;
-        losses.push(outputs[0].data[0]);
-        let grads: Vec<&[f32]> = outputs[1..].iter().map(|grad| grad.data.as_slice()).collect();
-        if step == start.step {
-            first_grads = names.iter().cloned().zip(grads.iter().map(|grad| grad.to_vec())).collect();
+        let mut loss = 0.0_f32;
+        let mut grads: Vec<Vec<f32>> = Vec::new();
+        for micro_tokens in tokens.chunks((rows * seq) as usize) {
+            let outputs = run(&module.graph, &Inputs { tokens: micro_tokens, positions: &positions, params: &lookup })
+                .map_err(|err| error(step)(err.to_string()))?;
+            if micro_batches == 1 {
+                loss = outputs[0].data[0];
+                grads = outputs.into_iter().skip(1).map(|grad| grad.data).collect();
+                continue;
+            }
+            let share = 1.0 / micro_batches as f32;
+            loss += outputs[0].data[0] * share;
+            grads.resize_with(outputs.len() - 1, Vec::new);
+            for (sum, grad) in grads.iter_mut().zip(&outputs[1..]) {
+                sum.resize(grad.data.len(), 0.0);
+                sum.iter_mut().zip(&grad.data).for_each(|(sum, value)| *sum += value * share);
+            }
         }
+        losses.push(loss);
+        if step == start.step {
+            first_grads = names.iter().cloned().zip(grads.iter().cloned()).collect();
+        }
+        let grads: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
         optimizer.step(&grads).map_err(|err| error(step)(err.to_string()))?;
     }
     let weights = names.into_iter().zip(optimizer.params.into_iter().map(|state| state.master)).collect();

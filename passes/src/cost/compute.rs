@@ -106,7 +106,7 @@ pub fn layer_forward_ops(model: &ModelShape, layout: &Layout, workload: &Workloa
         let count = experts.count as f64;
         let copies = experts.top_k as f64 * tokens;
         let expert_ffn = experts.ffn as f64 / tp;
-        let local_experts = count / layout.degree(AxisName::Ep) as f64;
+        let local_experts = count / layout.expert_degree() as f64;
         let expert_weights = local_experts * 3.0 * hidden * expert_ffn + model.router_params() as f64;
         // The router reads the tokens and writes their logits; each routed copy goes in (h), out of
         // gate and up (2·f_e/tp), into down (f_e/tp) and out (h).

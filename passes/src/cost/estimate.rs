@@ -87,7 +87,8 @@ pub struct ExpertSummary {
     pub param_count: u64,
     /// The parameters a token's forward pass reads (`top_k` experts a layer).
     pub active_param_count: u64,
-    /// Bytes a rank sends a step in the ep all-to-alls (dispatch, combine, their gradients, counts).
+    /// Bytes a rank sends a step in the expert all-to-alls (over ep, or tsp without ep): dispatch,
+    /// combine, their gradients, counts.
     pub all_to_all_bytes_per_step: f64,
     /// Seconds a step of those all-to-alls.
     pub all_to_all_seconds_per_step: f64,
@@ -306,7 +307,7 @@ fn expert_summary(
     tokens_per_step: f64,
 ) -> Option<ExpertSummary> {
     let experts = model.experts.as_ref()?;
-    let ep = layout.degree(AxisName::Ep);
+    let ep = layout.expert_degree();
     let all_to_alls = || calls.iter().filter(|cost| cost.call.kind == comm::Collective::AllToAll);
     let share = experts.top_k as f64 / experts.count as f64;
     let group_tokens = super::activation::local_tokens(layout, workload) * ep as f64;
@@ -317,13 +318,14 @@ fn expert_summary(
         worst_tokens_per_rank: group_tokens,
     };
     let note = format!(
-        "dropless top-{} routing over {} experts, costed as balanced: an expert gets {:.0} of the {:.0} tokens its ep \
+        "dropless top-{} routing over {} experts, costed as balanced: an expert gets {:.0} of the {:.0} tokens its {} \
          group routes a layer and micro-batch (the expert buffers and all-to-all sizes assume this); skewed routing \
          can send it all {:.0} ({:.1}x)",
         experts.top_k,
         experts.count,
         load.expected_tokens_per_rank,
         load.worst_tokens_per_rank,
+        layout.expert_axis().unwrap_or(AxisName::Ep),
         load.worst_tokens_per_rank,
         load.worst_tokens_per_rank / load.expected_tokens_per_rank,
     );

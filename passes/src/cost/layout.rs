@@ -69,6 +69,18 @@ impl Layout {
         self.degree(AxisName::Dp) * self.degree(AxisName::Ep)
     }
 
+    /// The axis a mixture's routed experts are split over: `ep`, or `tsp` when there is no ep
+    /// (its tokens are already split over it, so the same ranks dispatch them to their experts);
+    /// `None` when neither splits anything.
+    pub fn expert_axis(&self) -> Option<AxisName> {
+        [AxisName::Ep, AxisName::Tsp].into_iter().find(|&axis| self.degree(axis) > 1)
+    }
+
+    /// How many ways the routed experts are split ([`Self::expert_axis`]'s degree, 1 when none).
+    pub fn expert_degree(&self) -> u64 {
+        self.expert_axis().map_or(1, |axis| self.degree(axis))
+    }
+
     /// The ranks that hold one copy of the model (everything but dp).
     pub fn model_parallel_size(&self) -> u64 {
         self.world_size() / self.degree(AxisName::Dp)
@@ -183,9 +195,11 @@ impl Layout {
             }
             None => {}
             Some(experts) => {
-                need("experts", experts.count, AxisName::Ep, ep)?;
-                // Expert tensor parallelism splits each expert's channels over tp; tsp keeps
-                // experts whole (each tsp rank runs its own tokens through its ep share).
+                if let Some(axis) = self.expert_axis() {
+                    need("experts", experts.count, axis, self.degree(axis))?;
+                }
+                // Expert tensor parallelism splits each expert's channels over tp; beside ep, tsp
+                // keeps experts whole (each tsp rank runs its own tokens through its ep share).
                 need("expert ffn channels", experts.ffn, AxisName::Tp, self.degree(AxisName::Tp))?;
             }
         }

@@ -177,11 +177,11 @@ pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, st
     params
 }
 
-/// One layer's routed-expert parameters on a rank: `E/ep` experts of `3·h·f_e/tp` (tsp keeps
-/// them whole). 0 for a dense model.
+/// One layer's routed-expert parameters on a rank: `E/ep` experts of `3·h·f_e/tp` (`E/tsp` when
+/// tsp places them, without ep). 0 for a dense model.
 fn expert_layer_params(model: &ModelShape, layout: &Layout) -> f64 {
     let Some(experts) = &model.experts else { return 0.0 };
-    let local_experts = (experts.count / layout.degree(AxisName::Ep)) as f64;
+    let local_experts = (experts.count / layout.expert_degree()) as f64;
     local_experts * model.expert_weights() as f64 / layout.degree(AxisName::Tp) as f64
 }
 

@@ -101,9 +101,9 @@ const HIDDEN_BEHIND_COMPUTE: [&str; 10] = [
 
 /// What the ep axis's token all-to-alls are called.
 pub const EP_DISPATCH_COMBINE: &str =
-    "ep all-to-all: tokens to the ranks of their experts (dispatch) and back (combine)";
+    "expert all-to-all: tokens to the ranks of their experts (dispatch) and back (combine)";
 /// What the ep axis's exchange of token counts is called.
-pub const EP_COUNTS: &str = "ep all-to-all of token counts (before the dispatch)";
+pub const EP_COUNTS: &str = "expert all-to-all of token counts (before the dispatch)";
 
 /// The collectives of one layer for one micro-batch, forward then backward.
 pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<CollectiveCall> {
@@ -284,18 +284,19 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
             );
         }
     }
-    let ep = layout.degree(AxisName::Ep);
-    if let (Some(experts), true) = (&model.experts, ep > 1) {
+    if let (Some(experts), Some(axis)) = (&model.experts, layout.expert_axis()) {
         // Balanced routing: `top_k` copies of each local token, `1/ep` of which stay on the rank.
+        // Without ep the experts sit on tsp, whose ranks hold their own tokens as ep's do.
+        let ep = layout.degree(axis);
         let routed = experts.top_k as f64 * local * hidden * element;
-        push(&mut forward, EP_COUNTS, Collective::AllToAll, AxisName::Ep, 8.0 * ep as f64, 1.0, Phase::Forward);
-        push(&mut forward, EP_DISPATCH_COMBINE, Collective::AllToAll, AxisName::Ep, routed, 2.0, Phase::Forward);
+        push(&mut forward, EP_COUNTS, Collective::AllToAll, axis, 8.0 * ep as f64, 1.0, Phase::Forward);
+        push(&mut forward, EP_DISPATCH_COMBINE, Collective::AllToAll, axis, routed, 2.0, Phase::Forward);
         if training {
             push(
                 &mut calls,
-                "ep all-to-all of gradients: the combine's back to the experts, the dispatch's back to the tokens",
+                "expert all-to-all of gradients: the combine's back to the experts, the dispatch's back to the tokens",
                 Collective::AllToAll,
-                AxisName::Ep,
+                axis,
                 routed,
                 2.0,
                 Phase::Backward,
@@ -348,10 +349,12 @@ pub fn step_collectives(
         let grad = if workload.fp32_grads { 4.0 } else { element };
         let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
         // A mixture's routed experts are split over ep, the rest replicated over it; tsp keeps the
-        // experts and routers whole (each tsp rank routes its own tokens). All zero when dense.
+        // routers whole (each tsp rank routes its own tokens), and the experts too unless it is
+        // the axis that splits them (no ep). All zero when dense.
         let experts = stage_expert_params(model, layout, layers);
         let dense = params_on_rank - experts;
-        let whole_under_tsp = experts + layers as f64 * model.router_params() as f64;
+        let routers = layers as f64 * model.router_params() as f64;
+        let whole_under_tsp = if layout.expert_axis() == Some(AxisName::Tsp) { routers } else { experts + routers };
         let ep = layout.degree(AxisName::Ep) as f64;
         for axis in [AxisName::Sp, AxisName::Cp, AxisName::Tsp, AxisName::Ep, AxisName::Dp] {
             if layout.degree(axis) == 1 {
