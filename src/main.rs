@@ -87,6 +87,7 @@ impl Command {
             Command::Bench(args) => match &args.what {
                 bench::BenchCommand::Comm(args) => args.format == run::Format::Json,
                 bench::BenchCommand::Overlap(args) => args.format == run::Format::Json,
+                bench::BenchCommand::Buckets(args) => args.format == run::Format::Json,
                 bench::BenchCommand::Calibrate(_) => false,
             },
             Command::Compile(_) | Command::Trace(_) | Command::Demo => false,

@@ -141,8 +141,17 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
                 ranks: Vec::new(),
             }
         }
-        Instr::AllReduce { input, out, group } => {
-            transfer("all_reduce", Collective::AllReduce, name_of(&[*out]), bytes_of(&[*input]), group.ranks.clone())
+        Instr::AllReduce { inputs, outs, group } => {
+            let what = match outs.as_slice() {
+                [first, .., last] => format!(
+                    "bucket of {}: {} .. {}",
+                    outs.len(),
+                    program.buffer(*first).name,
+                    program.buffer(*last).name
+                ),
+                _ => name_of(outs),
+            };
+            transfer("all_reduce", Collective::AllReduce, what, bytes_of(inputs), group.ranks.clone())
         }
         Instr::ReduceScatter { input, out, group, .. } => transfer(
             "reduce_scatter",
@@ -489,7 +498,7 @@ mod tests {
                     inputs: vec![id(0), id(1)],
                     out: id(2),
                 },
-                Instr::AllReduce { input: id(2), out: id(3), group: group.clone() },
+                Instr::AllReduce { inputs: vec![id(2)], outs: vec![id(3)], group: group.clone() },
                 Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(3), id(0)], out: id(4) },
                 Instr::Free { buf: id(2) },
             ]);

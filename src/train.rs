@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use pleat_backend::bucket::bucket_gradient_reductions;
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 use pleat_backend::Program;
 use pleat_ir::interp::ParamLookup;
@@ -123,6 +124,11 @@ pub struct TrainFlags {
     /// batch·seq of them, wrapping around. Without it, a deterministic synthetic stream.
     #[arg(long, requires = "train")]
     pub data: Option<PathBuf>,
+    /// Gradient buckets (MiB): the gradients' all-reduces over dp are merged into messages of up to
+    /// this size, each sent once its last gradient exists (PyTorch DDP's bucket_cap_mb); 0 sends
+    /// each gradient alone. Not applied to pipelined steps.
+    #[arg(long, default_value_t = 25, requires = "train")]
+    pub bucket_mb: u64,
     /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,
     /// with a pp axis in --mesh, which flow through the pipeline stages).
     #[arg(long, default_value_t = 1, requires = "train")]
@@ -325,6 +331,9 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining)?;
     // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
     if compiled.step_spans.is_empty() {
+        let cap = flags.bucket_mb.saturating_mul(1 << 20);
+        compiled.programs = compiled.programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
+        pleat_backend::verify_collectives(&compiled.programs)?;
         compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
     }
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;

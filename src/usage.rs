@@ -393,6 +393,13 @@ pub enum UsageError {
         /// The ZeRO stage asked for.
         zero: u8,
     },
+    /// `pleat bench buckets` without a data-parallel axis.
+    #[error("bench buckets compares the gradients' all-reduces over dp, and --mesh {mesh} has no dp axis above 1; add one, e.g. dp=2")]
+    #[diagnostic(code(E0745), help("add a dp axis to --mesh, e.g. --mesh dp=4 or dp=2,tp=2"))]
+    BucketsWithoutDp {
+        /// The mesh given.
+        mesh: String,
+    },
     /// An interleaved pipeline with more virtual stages than the model has layers.
     #[error(
         "pp={stages} with {chunks} chunks a rank has {virtual_stages} virtual stages, one layer each at least, and \
@@ -607,6 +614,7 @@ impl UsageError {
             UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],
             UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
             UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],
+            UsageError::BucketsWithoutDp { mesh } => vec![("mesh", mesh.clone())],
             UsageError::BatchNotSplit { .. } => vec![("flag", "--micro-batches".to_string())],
             UsageError::TrainWithTokens => vec![("flag", "--tokens".to_string())],
             UsageError::InferenceFlagWithTrain { flag } => vec![("flag", flag.to_string())],

@@ -320,3 +320,37 @@ fn bench_overlap_runs_both_programs_and_finds_equal_logits() {
         assert!(report[program]["exposed_weights_s"].as_f64() <= report[program]["exposed_comm_s"].as_f64());
     }
 }
+
+#[test]
+fn bench_buckets_sends_fewer_messages_for_the_same_losses() {
+    let report = json_of(&[
+        "bench",
+        "buckets",
+        "tiny",
+        "--mesh",
+        "dp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--emulate-link",
+        "1,10",
+        "--repeats",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(report["schema"], "pleat.bench.buckets/1");
+    assert_eq!(report["same_losses"], true);
+    // tiny has 22 gradients and the loss, each all-reduced alone; 25 MiB holds them all.
+    assert_eq!(report["alone"]["all_reduce_messages"], 22, "{report}");
+    assert_eq!(report["bucketed"]["all_reduce_messages"], 1, "{report}");
+    for program in ["alone", "bucketed"] {
+        let step = report[program]["step_s"].as_f64().expect("seconds");
+        assert!(step.is_finite() && step > 0.0, "{program}: {step}");
+    }
+    // A bucket holds its gradients until the last one and packs them: more memory, never less.
+    assert!(report["bucketed"]["planned_peak_bytes"].as_u64() > report["alone"]["planned_peak_bytes"].as_u64());
+    let error = cli::error_of(&["bench", "buckets", "tiny", "--mesh", "tp=2", "--emulate-link", "1,10"]);
+    assert!(error.contains("E0745") && error.contains("has no dp axis"), "{error}");
+}

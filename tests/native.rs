@@ -290,7 +290,11 @@ mod with_llvm {
                 Instr::LoadParam { out: id(3), name: "w".into(), shape: vec![6, 4], region: vec![(0, 3), (0, 4)] },
                 Instr::Kernel { kernel: Kernel::MatMul { m: 2, n: 3, k: 4 }, inputs: vec![id(2), id(3)], out: id(4) },
                 Instr::Free { buf: id(2) },
-                Instr::AllReduce { input: id(4), out: id(5), group: Group { axis: "tp".into(), ranks: vec![0, 1] } },
+                Instr::AllReduce {
+                    inputs: vec![id(4)],
+                    outs: vec![id(5)],
+                    group: Group { axis: "tp".into(), ranks: vec![0, 1] },
+                },
                 Instr::Output { buf: id(5), index: 0, shape: vec![2, 6], region: vec![(0, 2), (0, 3)] },
             ],
         }
@@ -342,7 +346,7 @@ mod with_llvm {
             Instr::LoadParam { out: float, name: "f".into(), shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
             Instr::LoadTokens { out: tokens, region: vec![(0, 1), (0, 2)] },
             Instr::LoadPositions { out: positions, region: vec![(0, 2)] },
-            Instr::AllReduce { input: float, out: fresh(DType::F32, &[2, 4]), group: group.clone() },
+            Instr::AllReduce { inputs: vec![float], outs: vec![fresh(DType::F32, &[2, 4])], group: group.clone() },
             Instr::ReduceScatter { input: float, out: fresh(DType::F32, &[2, 2]), group: group.clone(), dim: 1 },
             Instr::AllGather { input: float, out: fresh(DType::F32, &[4, 4]), group: group.clone(), dim: 0 },
             Instr::AllToAll {

@@ -218,7 +218,8 @@ fn scheduled_traces_overlap_transfers_with_kernels_and_blocking_ones_do_not() {
 #[test]
 fn a_training_step_traces_its_gradient_reductions_beside_the_backward() {
     let dir = tempdir("train");
-    let run = |out: &Path, extra: &[&str]| {
+    // `reduced`: how the trace names the gradients' all-reduces.
+    let run = |out: &Path, extra: &[&str], reduced: &str| {
         let mut args = vec!["run", "tiny", "--train", "--steps", "1", "--mesh", "dp=2", "--batch", "4", "--seq", "16"];
         args.extend(["--emulate-link", "0.2,50", "--trace", out.to_str().unwrap()]);
         args.extend(extra);
@@ -227,10 +228,16 @@ fn a_training_step_traces_its_gradient_reductions_beside_the_backward() {
         let tracks = check(&events, 2);
         for rank in 0..2 {
             let comm = names(&tracks, rank, 1);
-            assert!(comm.iter().any(|name| name.starts_with("all_reduce grad.")), "rank {rank}: {comm:?}");
+            assert!(comm.iter().any(|name| name.starts_with(reduced)), "rank {rank}: {comm:?}");
         }
         events
     };
-    assert!(some_rank_overlaps(&run(&dir.join("scheduled.json"), &[])), "gradients reduce beside the backward");
-    assert!(!some_rank_overlaps(&run(&dir.join("blocking.json"), &["--no-overlap"])));
+    let (alone, blocking) = (["--bucket-mb", "0"], ["--no-overlap", "--bucket-mb", "0"]);
+    let scheduled = run(&dir.join("scheduled.json"), &alone, "all_reduce grad.");
+    assert!(some_rank_overlaps(&scheduled), "gradients reduce beside the backward");
+    assert!(!some_rank_overlaps(&run(&dir.join("blocking.json"), &blocking, "all_reduce grad.")));
+    // tiny's gradients are 1.3 MB: a 1 MiB bucket fills before the backward ends, and the rest of
+    // the backward runs beside it.
+    let bucketed = run(&dir.join("bucketed.json"), &["--bucket-mb", "1"], "all_reduce bucket of ");
+    assert!(some_rank_overlaps(&bucketed), "a full bucket reduces beside the rest of the backward");
 }

@@ -6,6 +6,7 @@
 //! The runtime loads programs without the compiler. This crate declares what the runtime must do;
 //! it knows nothing of how communicators or kernels work.
 
+pub mod bucket;
 pub mod error;
 #[cfg(feature = "llvm")]
 pub mod llvm;

@@ -209,7 +209,9 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::Add => Instr::Kernel { kernel: Kernel::Add, inputs, out },
-            Op::AllReduce { axis } => Instr::AllReduce { input: inputs[0], out, group: group(*axis) },
+            Op::AllReduce { axis } => {
+                Instr::AllReduce { inputs: vec![inputs[0]], outs: vec![out], group: group(*axis) }
+            }
             Op::ReduceScatter { axis, dim } => {
                 Instr::ReduceScatter { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
             }

@@ -46,6 +46,8 @@ pub enum Staging {
     Broadcast,
     /// A packed point-to-point message being received (the TSP ring): the outputs' total size.
     Message,
+    /// A bucket of gradients all-reduced as one message: the operands' total size.
+    Bucket,
 }
 
 impl Staging {
@@ -57,6 +59,7 @@ impl Staging {
             Staging::AllToAll => "all_to_all staging",
             Staging::Broadcast => "broadcast staging",
             Staging::Message => "received message",
+            Staging::Bucket => "all_reduce bucket",
         }
     }
 }
@@ -95,6 +98,10 @@ pub fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Opti
     match instr {
         Instr::AllGather { out, .. } => Some((Staging::AllGather, element_bytes(program, *out, sizing))),
         Instr::ReduceScatter { input, .. } => Some((Staging::ReduceScatter, element_bytes(program, *input, sizing))),
+        // A single all-reduce works in place; a bucket packs its operands into one message.
+        Instr::AllReduce { inputs, .. } if inputs.len() > 1 => {
+            Some((Staging::Bucket, inputs.iter().map(|&input| element_bytes(program, input, sizing)).sum()))
+        }
         Instr::AllToAll { input, .. } => Some((Staging::AllToAll, 2 * element_bytes(program, *input, sizing))),
         Instr::Broadcast { outs, .. } => {
             Some((Staging::Broadcast, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))

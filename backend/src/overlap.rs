@@ -456,7 +456,11 @@ mod tests {
                 load(1),
                 load(2),
                 matmul(1, 3),
-                Instr::AllReduce { input: id(3), out: id(4), group: Group { axis: "tp".into(), ranks: vec![0, 1] } },
+                Instr::AllReduce {
+                    inputs: vec![id(3)],
+                    outs: vec![id(4)],
+                    group: Group { axis: "tp".into(), ranks: vec![0, 1] },
+                },
                 Instr::Free { buf: id(3) },
                 matmul(2, 5),
                 Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(4), id(5)], out: id(6) },

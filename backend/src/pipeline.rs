@@ -628,8 +628,8 @@ impl<'a> StageProgram<'a> {
                 kernel.scale_loss_terms(u64::from(self.plan.micro_batches));
                 Instr::Kernel { kernel, inputs: buffers(inputs), out: buffer(out) }
             }
-            Instr::AllReduce { input, out, group: g } => {
-                Instr::AllReduce { input: buffer(input), out: buffer(out), group: group(g) }
+            Instr::AllReduce { inputs, outs, group: g } => {
+                Instr::AllReduce { inputs: buffers(inputs), outs: buffers(outs), group: group(g) }
             }
             Instr::ReduceScatter { input, out, group: g, dim } => {
                 Instr::ReduceScatter { input: buffer(input), out: buffer(out), group: group(g), dim: *dim }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -486,12 +486,13 @@ pub enum Instr {
         /// Result.
         out: BufferId,
     },
-    /// Sums `input` over `group` into `out`.
+    /// Sums each of `inputs` over `group` into the `outs` at the same place. More than one is a
+    /// bucket (`crate::bucket`): one message for several gradients, packed while it runs.
     AllReduce {
-        /// Operand.
-        input: BufferId,
-        /// Result.
-        out: BufferId,
+        /// Operands.
+        inputs: Vec<BufferId>,
+        /// Results, one an operand, of the same shapes.
+        outs: Vec<BufferId>,
         /// The group.
         group: Group,
     },
@@ -641,9 +642,10 @@ impl Instr {
     /// The buffers the instruction writes.
     pub fn outs(&self) -> Vec<BufferId> {
         match self {
-            Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } | Instr::ExpertDispatch { outs, .. } => {
-                outs.clone()
-            }
+            Instr::Broadcast { outs, .. }
+            | Instr::Recv { outs, .. }
+            | Instr::ExpertDispatch { outs, .. }
+            | Instr::AllReduce { outs, .. } => outs.clone(),
             other => other.out().into_iter().collect(),
         }
     }
@@ -652,11 +654,14 @@ impl Instr {
     pub fn out(&self) -> Option<BufferId> {
         match self {
             Instr::Broadcast { .. } | Instr::Send { .. } | Instr::Recv { .. } | Instr::ExpertDispatch { .. } => None,
+            Instr::AllReduce { outs, .. } => match outs.as_slice() {
+                [out] => Some(*out),
+                _ => None,
+            },
             Instr::LoadParam { out, .. }
             | Instr::LoadTokens { out, .. }
             | Instr::LoadPositions { out, .. }
             | Instr::Kernel { out, .. }
-            | Instr::AllReduce { out, .. }
             | Instr::ReduceScatter { out, .. }
             | Instr::AllGather { out, .. }
             | Instr::AllToAll { out, .. } => Some(*out),
@@ -667,12 +672,13 @@ impl Instr {
     pub fn inputs(&self) -> Vec<BufferId> {
         match self {
             Instr::Kernel { inputs, .. } => inputs.clone(),
-            Instr::AllReduce { input, .. }
-            | Instr::ReduceScatter { input, .. }
-            | Instr::AllGather { input, .. }
-            | Instr::AllToAll { input, .. } => vec![*input],
+            Instr::ReduceScatter { input, .. } | Instr::AllGather { input, .. } | Instr::AllToAll { input, .. } => {
+                vec![*input]
+            }
             Instr::Output { buf, .. } => vec![*buf],
-            Instr::Broadcast { inputs, .. } | Instr::ExpertDispatch { inputs, .. } => inputs.clone(),
+            Instr::Broadcast { inputs, .. }
+            | Instr::ExpertDispatch { inputs, .. }
+            | Instr::AllReduce { inputs, .. } => inputs.clone(),
             Instr::Send { bufs, .. } => bufs.clone(),
             Instr::Recv { .. } => Vec::new(),
             Instr::LoadParam { .. }

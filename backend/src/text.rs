@@ -124,8 +124,8 @@ pub fn print_program(program: &Program) -> String {
             Instr::LoadTokens { out, region } => format!("{out} = load_tokens {}", region_text(region)),
             Instr::LoadPositions { out, region } => format!("{out} = load_positions {}", region_text(region)),
             Instr::Kernel { kernel, inputs, out } => format!("{out} = {}({})", kernel_text(kernel), list(inputs)),
-            Instr::AllReduce { input, out, group } => {
-                format!("{out} = all_reduce({input}) {}{:?}", group.axis, group.ranks)
+            Instr::AllReduce { inputs, outs, group } => {
+                format!("{} = all_reduce({}) {}{:?}", list(outs), list(inputs), group.axis, group.ranks)
             }
             Instr::ReduceScatter { input, out, group, dim } => {
                 format!("{out} = reduce_scatter({input}) dim={dim} {}{:?}", group.axis, group.ranks)

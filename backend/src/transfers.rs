@@ -119,7 +119,11 @@ mod tests {
     }
 
     fn all_reduce() -> Instr {
-        Instr::AllReduce { input: id(0), out: id(1), group: Group { axis: "tp".into(), ranks: vec![0, 1] } }
+        Instr::AllReduce {
+            inputs: vec![id(0)],
+            outs: vec![id(1)],
+            group: Group { axis: "tp".into(), ranks: vec![0, 1] },
+        }
     }
 
     fn add(inputs: [usize; 2], out: usize) -> Instr {

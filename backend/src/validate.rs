@@ -301,7 +301,23 @@ fn check_collective_shapes(program: &Program, index: usize, instr: &Instr) -> Re
     let shape = |buffer: BufferId| program.buffer(buffer).shape.clone();
     let (input, out, parts, split, join) = match instr {
         Instr::ReduceScatter { input, out, group, dim } => (*input, *out, group.ranks.len() as u64, Some(*dim), None),
-        Instr::AllReduce { input, out, group } => (*input, *out, group.ranks.len() as u64, None, None),
+        Instr::AllReduce { inputs, outs, .. } => {
+            if inputs.is_empty() || inputs.len() != outs.len() {
+                return Err(bad(
+                    index,
+                    format!("{} operands and {} results; each operand needs one", inputs.len(), outs.len()),
+                ));
+            }
+            for (&input, &out) in inputs.iter().zip(outs) {
+                if shape(input) != shape(out) {
+                    return Err(bad(
+                        index,
+                        format!("{input} has shape {:?} and its result {out} {:?}", shape(input), shape(out)),
+                    ));
+                }
+            }
+            return Ok(());
+        }
         Instr::AllGather { input, out, group, dim } => (*input, *out, group.ranks.len() as u64, None, Some(*dim)),
         Instr::AllToAll { input, out, group, split_dim, gather_dim } => {
             (*input, *out, group.ranks.len() as u64, Some(*split_dim), Some(*gather_dim))

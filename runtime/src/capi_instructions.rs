@@ -81,7 +81,7 @@ pub unsafe extern "C" fn pleat_rt_load_positions(
     }
 }
 
-/// Sums `input` over the group into `out`.
+/// Sums each of `inputs` over the group into the matching `outs` (several: one bucket).
 ///
 /// # Safety
 /// See the module's contract.
@@ -90,8 +90,10 @@ pub unsafe extern "C" fn pleat_rt_load_positions(
 pub unsafe extern "C" fn pleat_rt_all_reduce(
     ctx: *mut c_void,
     instr: u64,
-    input: u32,
-    out: u32,
+    inputs: *const u32,
+    input_count: u64,
+    outs: *const u32,
+    out_count: u64,
     axis: *const u8,
     axis_length: u64,
     ranks: *const u32,
@@ -101,8 +103,8 @@ pub unsafe extern "C" fn pleat_rt_all_reduce(
     unsafe {
         instruction(ctx, instr, || {
             Some(Instr::AllReduce {
-                input: buffer(input),
-                out: buffer(out),
+                inputs: buffers(inputs, input_count),
+                outs: buffers(outs, out_count),
                 group: group(axis, axis_length, ranks, rank_count),
             })
         })

@@ -681,8 +681,12 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
     let program = machine.program;
     let group = |group: &pleat_backend::Group| CommGroup { ranks: group.ranks.clone() };
     Ok(match transfer {
-        Instr::AllReduce { input, group: members, .. } => {
-            Transfer::AllReduce { group: group(members), data: machine.f32(*input)?.to_vec() }
+        Instr::AllReduce { inputs, group: members, .. } => {
+            let mut data = Vec::new();
+            for &input in inputs {
+                data.extend_from_slice(&machine.f32(input)?);
+            }
+            Transfer::AllReduce { group: group(members), data }
         }
         Instr::ReduceScatter { input, out, group: members, dim } => {
             let shape = local_shape(program, *input);
@@ -747,7 +751,7 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
 fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<()> {
     let program = machine.program;
     match transfer {
-        Instr::AllReduce { out, .. } | Instr::ReduceScatter { out, .. } => machine.store_floats(*out, data),
+        Instr::ReduceScatter { out, .. } => machine.store_floats(*out, data),
         Instr::AllGather { out, group, dim, .. } => {
             let joined = kernels::join_dim_chunks(&data, &local_shape(program, *out), *dim, group.ranks.len());
             machine.store_floats(*out, joined)
@@ -763,7 +767,10 @@ fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<(
             machine.note_expert_rows(loads.iter().fold(0.0f32, |max, &rows| max.max(rows)) as u64);
             unpack(machine, outs, &[size], &data[..size.min(data.len())])
         }
-        Instr::Broadcast { outs, .. } | Instr::Recv { outs, .. } | Instr::ExpertDispatch { outs, .. } => {
+        Instr::Broadcast { outs, .. }
+        | Instr::Recv { outs, .. }
+        | Instr::ExpertDispatch { outs, .. }
+        | Instr::AllReduce { outs, .. } => {
             let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
             unpack(machine, outs, &sizes, &data)
         }

@@ -5,7 +5,10 @@
 //!   spec for `--hw-file` ([`calibrate`]).
 //! - `overlap`: a plan's step time with its transfers blocking and scheduled for overlap, over an
 //!   emulated link ([`overlap`]).
+//! - `buckets`: a data-parallel training step with its gradients all-reduced alone and bucketed,
+//!   over an emulated link ([`buckets`]).
 
+pub mod buckets;
 mod calibrate;
 mod comm;
 pub mod overlap;
@@ -30,6 +33,9 @@ pub enum BenchCommand {
     /// Run a plan with its transfers blocking and as the overlap scheduler orders them, over an
     /// emulated link: step times side by side and the communication hidden.
     Overlap(overlap::OverlapArgs),
+    /// Run a data-parallel training step with each gradient all-reduced alone and with the
+    /// gradients bucketed, over an emulated link: step times and messages side by side.
+    Buckets(buckets::BucketArgs),
 }
 
 /// Runs `pleat bench`.
@@ -38,5 +44,6 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         BenchCommand::Comm(args) => comm::comm(args),
         BenchCommand::Calibrate(args) => calibrate::run_calibrate(args),
         BenchCommand::Overlap(args) => overlap::run_overlap(args),
+        BenchCommand::Buckets(args) => buckets::run_buckets(args),
     }
 }

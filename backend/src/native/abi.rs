@@ -187,9 +187,10 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
         }
         Instr::LoadTokens { out, region: block } => ("pleat_rt_load_tokens", vec![Buffer(*out), region(block)]),
         Instr::LoadPositions { out, region: block } => ("pleat_rt_load_positions", vec![Buffer(*out), region(block)]),
-        Instr::AllReduce { input, out, group: members } => {
-            ("pleat_rt_all_reduce", [Buffer(*input), Buffer(*out)].into_iter().chain(group(members)).collect())
-        }
+        Instr::AllReduce { inputs, outs, group: members } => (
+            "pleat_rt_all_reduce",
+            [Buffers(inputs.clone()), Buffers(outs.clone())].into_iter().chain(group(members)).collect(),
+        ),
         Instr::ReduceScatter { input, out, group: members, dim } => (
             "pleat_rt_reduce_scatter",
             [Buffer(*input), Buffer(*out)].into_iter().chain(group(members)).chain([U64(*dim as u64)]).collect(),
