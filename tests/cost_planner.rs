@@ -6,7 +6,8 @@
 //! the planner's peak to the byte for tp, tp with Megatron SP, tsp, cp and dp at degrees 2 and 4.
 //!
 //! The same planner-equals-executor check runs on `tiny-moe` over the meshes that place its
-//! experts. The training step's planner, executor and closed-form checks are in
+//! experts, and the closed form plus named terms equals the planner for `tiny-moe` and a
+//! Qwen2-MoE on them too. The training step's planner, executor and closed-form checks are in
 //! `tests/cost_training.rs`.
 
 mod common;
@@ -66,6 +67,46 @@ fn planner_peak_equals_the_executors_measurement_for_experts() {
         for (program, outcome) in programs.iter().zip(&outcomes) {
             let predicted = plan(program, ElementSize::Fixed(4));
             assert_eq!(predicted.peak_bytes, outcome.peak_bytes, "tiny-moe {mesh} rank {}", program.rank);
+        }
+    }
+}
+
+/// The closed form of a mixture of experts' compiled forward, against the planner: `tiny-moe`
+/// (Mixtral-style) and the Qwen2-MoE fixture (a shared expert, q/k/v biases) on every mesh that
+/// places their experts. With an expert axis the forward peaks inside the last layer's dispatch
+/// (its copy of the rows, the router and the rank's experts); without one, at the logits.
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_peak_for_experts() {
+    let path = "tests/fixtures/tiny-qwen2-moe/config.json";
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let qwen = pleat_ir::model::config::ModelConfig::from_json_str(&text, path).expect("config");
+    let batch = 4;
+    for config in [preset("tiny-moe").unwrap(), qwen] {
+        let model = ModelShape::from_config(&config);
+        for mesh in ["", "tp=2", "ep=2", "ep=4", "dp=2,ep=2", "ep=2,tp=2", "tsp=2", "tsp=4", "tsp=2,ep=2", "dp=2,tsp=2"]
+        {
+            let (_, programs) = common::compile(&config, batch, SEQ, mesh);
+            let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+            let workload = compiled_workload(SEQ, batch / layout.batch_split());
+            let label = format!("{} {layout}", config.name);
+            let memory = &memory_per_stage(&model, &layout, &workload)[0];
+            let compiled = compiled_forward_peak(&model, &layout, &workload);
+            assert_eq!(memory.static_bytes(), compiled.all_params, "{label}");
+            let differences = differences_from_closed_form(memory, &compiled);
+            let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+            for program in &programs {
+                let planned = plan(program, ElementSize::Fixed(4));
+                assert_eq!(planned.param_bytes as f64, compiled.all_params, "{label} rank {}", program.rank);
+                assert_eq!(planned.peak_bytes as f64, predicted, "{label} rank {}: {differences:?}", program.rank);
+            }
+            // tiny-moe's experts outweigh its logits wherever they are placed (Qwen2-MoE's do
+            // too but at ep=4, where a quarter of them is less than the logits' staging).
+            let phase = compiled.peak_phase().name;
+            if layout.expert_axis().is_none() {
+                assert_eq!(phase, "logits", "{label}");
+            } else if config.name == "tiny-moe" {
+                assert_eq!(phase, "expert dispatch", "{label}");
+            }
         }
     }
 }

@@ -9,9 +9,9 @@
 //! phase by phase, each live buffer a named [`Term`], and [`differences_from_closed_form`] names
 //! every term by which it differs from [`super::memory`]'s peak, so that `closed form + differences
 //! = planner` exactly (`tests/cost_planner.rs` checks it for tp, tp with Megatron SP, tsp, cp and
-//! dp at degrees 2 and 4).
+//! dp at degrees 2 and 4, and for two mixtures of experts on ep, tsp, dp and tp).
 //!
-//! The phases modelled are the two where the compiled forwards peak:
+//! The phases modelled are those where the compiled forwards peak:
 //! - **logits**: all parameters, plus what the layout holds while the logits are assembled. One
 //!   rank: the final norm's output `[T, h]` and the logits `[T, V]` (`T = s·b`). tp (with or
 //!   without Megatron SP): its vocabulary shard `[T, V/tp]` and the all-gather's staging `[T, V]`.
@@ -22,6 +22,15 @@
 //!   each), the received shard of the gated MLP (`3·h·f/D`), and either one step's gate, up and
 //!   product (`3·T/D·f/D`) or, from the third step on (`D >= 3`), the next shard arriving before
 //!   the held one is freed (`3·h·f/D` of staging).
+//!
+//! - **expert dispatch** (a mixture of experts with an expert axis, ep or tsp), inside the last
+//!   layer's dispatched mixture, before its shared expert (if any), the final norm and the LM head
+//!   are loaded: the residual stream and the MLP norm's output (`[T_local, h]` each) and the
+//!   instruction's copy of its operands: the rows, the router `[E, h]` and the rank's experts
+//!   (`E/ep · 3·h·f_e/tp`). The messages it sends and receives are sized by the routing, and
+//!   neither the planner nor the executor counts them.
+//!
+//! dp and ep split the batch alike: the program's batch is the replica's times both.
 //!
 //! [`super::compiled_training`] does the same for a training step's program, which peaks at the
 //! end of its backward.
@@ -40,7 +49,7 @@ use super::workload::Workload;
 /// One phase of the compiled forward: the live buffers at its highest point, by name.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct ForwardPhase {
-    /// `logits` or `tsp mlp ring`.
+    /// `logits`, `tsp mlp ring` or `expert dispatch`.
     pub name: &'static str,
     /// Parameters loaded by then (bytes).
     pub params: f64,
@@ -84,9 +93,10 @@ pub fn compiled_forward_peak(model: &ModelShape, layout: &Layout, workload: &Wor
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let element = model.dtype_bytes as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
-    let (dp, cp) = (layout.degree(AxisName::Dp) as f64, layout.degree(AxisName::Cp) as f64);
+    // dp, and ep beside it, split the batch: each holds a replica's sequences.
+    let (replicas, cp) = (layout.batch_split() as f64, layout.degree(AxisName::Cp) as f64);
     // The program's whole batch: every rank assembles all of its logits.
-    let tokens = (workload.seq * workload.micro_batch) as f64 * dp;
+    let tokens = (workload.seq * workload.micro_batch) as f64 * replicas;
     let (hidden, vocab) = (model.hidden as f64, model.vocab as f64);
     let (tp, tsp) = (layout.degree(AxisName::Tp) as f64, layout.degree(AxisName::Tsp) as f64);
     let whole_logits = tokens * vocab * element;
@@ -97,8 +107,8 @@ pub fn compiled_forward_peak(model: &ModelShape, layout: &Layout, workload: &Wor
         let name = if tsp > 1.0 { "un-zigzagged logits, vocabulary shard" } else { "logits, vocabulary shard" };
         logits.push(Term { name, bytes: shard });
         logits.push(Term { name: "all-gather staging of the logits", bytes: whole_logits });
-    } else if dp > 1.0 {
-        logits.push(Term { name: "logits, batch shard", bytes: whole_logits / dp });
+    } else if replicas > 1.0 {
+        logits.push(Term { name: "logits, batch shard", bytes: whole_logits / replicas });
         logits.push(Term { name: "all-gather staging of the logits", bytes: whole_logits });
     } else if cp > 1.0 {
         logits.push(Term { name: "cp all-gathered logits", bytes: whole_logits });
@@ -108,6 +118,9 @@ pub fn compiled_forward_peak(model: &ModelShape, layout: &Layout, workload: &Wor
         logits.push(Term { name: "logits", bytes: whole_logits });
     }
     let mut phases = vec![ForwardPhase { name: "logits", params: all_params, terms: logits }];
+    // The final norm and the LM head's shard, loaded only after the last layer.
+    let head = model.final_norm_params() as f64
+        + if model.tied_embeddings { 0.0 } else { (vocab / (tp * tsp)).ceil() * hidden };
 
     if tsp > 1.0 {
         let local_tokens = tokens / tsp;
@@ -126,9 +139,28 @@ pub fn compiled_forward_peak(model: &ModelShape, layout: &Layout, workload: &Wor
         } else {
             terms.push(Term { name: "ring step's gate, up and product", bytes: step_hidden });
         }
-        let head = model.final_norm_params() as f64
-            + if model.tied_embeddings { 0.0 } else { (vocab / (tp * tsp)).ceil() * hidden };
         phases.push(ForwardPhase { name: "tsp mlp ring", params: all_params - head * element, terms });
+    }
+    if let (Some(experts), Some(axis)) = (&model.experts, layout.expert_axis()) {
+        // The last layer's mixture, dispatched over the expert axis: the instruction works from a
+        // copy of its operands (the rows, the router and the rank's experts), which the executor
+        // stages while it runs.
+        let local_tokens = tokens / (replicas * layout.sequence_split() as f64);
+        let stream = local_tokens * hidden * element;
+        let local_experts = (experts.count / layout.degree(axis)) as f64;
+        let operands = stream
+            + experts.count as f64 * hidden * element
+            + local_experts * model.expert_weights() as f64 / tp * element;
+        let terms = vec![
+            Term { name: "residual stream", bytes: stream },
+            Term { name: "mlp norm output", bytes: stream },
+            Term { name: "expert dispatch staging (rows, router, the rank's experts)", bytes: operands },
+        ];
+        // A shared expert (Qwen2-MoE) runs after the routed ones: the last layer's is not loaded
+        // yet either (its matrices split as the dense MLP's are, its gate whole).
+        let shared = if experts.shared_expert { model.mlp_weights() as f64 / (tp * tsp) + hidden } else { 0.0 };
+        let params = all_params - (head + shared) * element;
+        phases.push(ForwardPhase { name: "expert dispatch", params, terms });
     }
     CompiledForwardPeak { phases, all_params }
 }
@@ -194,6 +226,21 @@ mod tests {
         assert_eq!(ring.params, peak.all_params - (128.0 + 128.0 * 128.0) * 4.0);
         let want = 3.0 * 8.0 * 128.0 + 3.0 * 128.0 * 256.0 / 2.0 + 3.0 * 8.0 * 128.0;
         assert_eq!(ring.bytes() - ring.params, want * 4.0);
+    }
+
+    #[test]
+    fn expert_dispatch_phase_by_hand() {
+        // tiny-moe on ep=2, 2 sequences of 8 a replica: 16 local rows of 128. The last layer's
+        // dispatch copies the rows (16·128), the router (8·128) and the rank's 4 experts
+        // (4·3·128·64); the residual stream and the norm's output are live; the final norm (128)
+        // and the LM head (256·128) are not loaded yet.
+        let model = ModelShape::from_config(&preset("tiny-moe").unwrap());
+        let peak = compiled_forward_peak(&model, &Layout::new(&[(AxisName::Ep, 2)], false), &compiled_workload(8, 2));
+        let dispatch = peak.phases.iter().find(|phase| phase.name == "expert dispatch").unwrap();
+        assert_eq!(dispatch.params, peak.all_params - (128.0 + 256.0 * 128.0) * 4.0);
+        let want = 2.0 * 16.0 * 128.0 + 16.0 * 128.0 + 8.0 * 128.0 + 4.0 * 3.0 * 128.0 * 64.0;
+        assert_eq!(dispatch.bytes() - dispatch.params, want * 4.0);
+        assert_eq!(peak.peak_phase().name, "expert dispatch");
     }
 
     #[test]

@@ -149,8 +149,12 @@ pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, st
     let kv_split = kv_split(model, layout) as f64;
     let query_and_output = 2.0 * hidden * model.query_width() as f64 / (tp * tsp);
     let key_and_value = 2.0 * hidden * model.kv_width() as f64 / (kv_split * tsp);
-    let biases =
-        if model.qkv_bias { model.query_width() as f64 / tp + 2.0 * model.kv_width() as f64 / kv_split } else { 0.0 };
+    // q, k and v's biases split with their projections (tsp splits them as tp does).
+    let biases = if model.qkv_bias {
+        model.query_width() as f64 / (tp * tsp) + 2.0 * model.kv_width() as f64 / (kv_split * tsp)
+    } else {
+        0.0
+    };
     let mlp = model.mlp_weights() as f64 / (tp * tsp);
     let layer = query_and_output
         + key_and_value
