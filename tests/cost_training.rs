@@ -12,8 +12,10 @@
 //! and without SP), selective and full recomputation, and tsp=2 and tsp=4 on every rank (from 16
 //! to 512 tokens, each recompute; a lower bound where full recompute peaks in an attention
 //! backward); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
-//! reduced over dp); and one pipelined stage's peak is worked out by hand from its buffers (a
-//! closed form for pipelined stages is not built yet).
+//! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
+//! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
+//! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, GPipe
+//! and 1F1B, 2 and 4 micro-batches.
 
 mod common;
 
@@ -27,6 +29,7 @@ use pleat_backend::Instr;
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
 use pleat_passes::autodiff::Recompute;
+use pleat_passes::cost::compiled_pipeline::{compiled_stage_peak, pipelined_differences_from_closed_form};
 use pleat_passes::cost::compiled_training::{
     compiled_training_peak, compiled_tsp_training_peak, training_differences_from_closed_form,
 };
@@ -496,6 +499,52 @@ fn a_pipelined_stage_peak_by_hand() {
     let planned = plan(&programs[0], ElementSize::Fixed(4));
     assert_eq!(planned.param_bytes, params);
     assert_eq!(planned.peak_bytes, params + gradients + in_flight + leftovers);
+    // The closed form names the same buffers.
+    let schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
+    let model = ModelShape::from_config(&config);
+    let layout = Layout::from_mesh(&Mesh::parse("pp=2").unwrap(), false);
+    let phase = compiled_stage_peak(&model, &layout, &Workload::training(SEQ, 2), &schedule, 0, 2).unwrap();
+    assert_eq!(phase.bytes(), (params + gradients + in_flight + leftovers) as f64);
+    let term = |name: &str| phase.terms.iter().find(|term| term.name == name).map(|term| term.bytes);
+    assert_eq!(term("other micro-batches in flight"), Some(in_flight as f64));
+}
+
+#[test]
+fn pipelined_stage_closed_form_equals_the_planners_peak() {
+    // The four-layer tiny on pp=2 and pp=4, GPipe and 1F1B, 2 and 4 micro-batches: every stage's
+    // closed form (the largest tail of its backwards) equals the planner's peak of its program.
+    let config = four_layers();
+    let model = ModelShape::from_config(&config);
+    for mesh in ["pp=2", "pp=4"] {
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            for micro_batches in [2, 4] {
+                let layout = PipelinedLayout::new(mesh, kind, micro_batches);
+                let (programs, _) = compile_pipelined(&config, &layout);
+                let stages = programs.len() as u32;
+                let schedule = Schedule::build(kind, stages, micro_batches).unwrap();
+                let cost_layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+                let workload = Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches));
+                // The closed form's stages (1F1B's in-flight count), beside the compiled ones.
+                let workload = Workload { micro_batches: u64::from(micro_batches), ..workload };
+                let memory = memory_per_stage(&model, &cost_layout, &workload);
+                for program in &programs {
+                    let label = format!("{mesh} {kind:?} m={micro_batches} stage {}", program.rank);
+                    let layers = u64::from(4 / stages);
+                    let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, program.rank, layers)
+                        .expect("a modelled layout");
+                    let planned = plan(program, ElementSize::Fixed(4));
+                    assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
+                    assert_eq!(planned.peak_bytes as f64, phase.bytes(), "{label}: {:?}", phase.terms);
+                    let stage = &memory[program.rank as usize];
+                    let differences = pipelined_differences_from_closed_form(stage, &phase);
+                    let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
+                    assert_eq!(otherwise.bytes, 0.0, "{label}");
+                    let predicted = stage.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+                    assert_eq!(planned.peak_bytes as f64, predicted, "{label}: {differences:?}");
+                }
+            }
+        }
+    }
 }
 
 #[test]

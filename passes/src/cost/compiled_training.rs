@@ -29,8 +29,8 @@
 //! and full recomputation). tsp peaks inside the
 //! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
-//! other micro-batches' activations) peak elsewhere too and are not modelled:
-//! [`compiled_training_peak`] returns `None` for them.
+//! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
+//! for them, and [`super::compiled_pipeline`] models them.
 
 use pleat_ir::AxisName;
 

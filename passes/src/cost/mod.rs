@@ -34,6 +34,7 @@
 pub mod activation;
 pub mod comm;
 pub mod compiled;
+pub mod compiled_pipeline;
 pub mod compiled_training;
 pub mod compute;
 pub mod estimate;

@@ -1,0 +1,172 @@
+//! The peak of a pipelined training stage's compiled program, from closed forms, term by term.
+//!
+//! A pipelined rank (`backend::pipeline`) replays its stage's part of one micro-batch's training
+//! program in its schedule's order, on each micro-batch's own copies of the buffers. What a stage
+//! holds at once, beside its parameters:
+//! - the **running sums** of its gradients over the micro-batches (program outputs are summed): the
+//!   first micro-batch's backward creates each sum as its gradient is finished, a later one adds into
+//!   it, the old sum and the new one both live for that instruction;
+//! - the **gradients of the micro-batch being backwarded**, each a program output, kept until the
+//!   end of its backward step;
+//! - every **other micro-batch in flight** (its forward done on this stage, its backward not yet):
+//!   all that its forward keeps for the backward, given by the schedule (GPipe: all of them; 1F1B:
+//!   up to `p - s` on stage `s`);
+//! - what the current micro-batch still holds of its forward and of its gradient chain.
+//!
+//! The stage peaks at the tail of a micro-batch's backward, as its last large weight gradient joins
+//! the sums: on the first stage the embedding's (the last gradient of the step), on the others the
+//! first layer's query projection's (only that layer's input norm follows). There the current
+//! micro-batch has freed its layers' activations but for its first layer's input and gradients. The
+//! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
+//! largest. The head of a backward (all activations and the first gradients live) is smaller
+//! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile;
+//! a stage peaking there would make the planner exceed this, which the test would report.
+//!
+//! Modelled: `pp` alone, GPipe and 1F1B, no recompute, an untied dense Llama-family model.
+//! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
+//! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
+//! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
+//! the byte on every stage.
+
+use pleat_ir::AxisName;
+
+use super::compiled::ForwardPhase;
+use super::layout::Layout;
+use super::memory::{stage_params, MemoryBreakdown, Term};
+use super::model::ModelShape;
+use super::workload::{Recompute, Workload};
+use crate::pipeline::{Phase, Schedule, ScheduleKind};
+
+/// Token ids and positions are `u32`.
+const ID_BYTES: f64 = 4.0;
+
+/// The peak of stage `stage` (holding `layers` layers) of `schedule` for `model` on `layout`,
+/// `workload` one micro-batch (`micro_batch` sequences of `seq`), elements of the model's dtype;
+/// `None` outside what is modelled (see the module doc). The phase's `params` are the stage's; its
+/// terms name every other buffer live at the peak.
+pub fn compiled_stage_peak(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    schedule: &Schedule,
+    stage: u32,
+    layers: u64,
+) -> Option<ForwardPhase> {
+    let stages = schedule.stages;
+    let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
+        && layout.world_size() == u64::from(stages)
+        && stages >= 2
+        && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
+        && workload.recompute == Recompute::None
+        && workload.zero == 0
+        && model.experts.is_none()
+        && !model.tied_embeddings;
+    if !modelled {
+        return None;
+    }
+    let element = model.dtype_bytes as f64;
+    let (first, last) = (stage == 0, stage + 1 == stages);
+    let tokens = workload.tokens_per_micro_batch() as f64;
+    let (hidden, query) = (model.hidden as f64, model.query_width() as f64);
+    let (kv, ffn, vocab) = (model.kv_width() as f64, model.ffn as f64, model.vocab as f64);
+    let ids = tokens * ID_BYTES;
+    let positions = workload.seq as f64 * ID_BYTES;
+    let stream = tokens * hidden * element;
+    // Per layer, what the forward keeps for the backward: the norms' outputs, the residuals and the
+    // layer's output (4 of h), q after RoPE and attention's output (2 of q), v and k after RoPE
+    // (2 of kv), and gate, up and their product (3 of f).
+    let kept_layer = tokens * (4.0 * hidden + 2.0 * query + 2.0 * kv + 3.0 * ffn) * element;
+    let params = stage_params(model, layout, workload, u64::from(stage), layers) * element;
+    let grads = params;
+    // A micro-batch in flight on this stage: its inputs, what its layers keep, and on the last
+    // stage the head's outputs.
+    let mut in_flight = positions + layers as f64 * kept_layer;
+    if first {
+        in_flight += ids + stream;
+    } else {
+        in_flight += stream;
+    }
+    if last {
+        in_flight += ids + stream + tokens * vocab * element + element;
+    }
+    // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
+    let (joining, grads_so_far, held): (f64, f64, Vec<Term>) = if first {
+        let table = (vocab * hidden) * element;
+        let held = vec![
+            Term { name: "token ids", bytes: ids },
+            Term { name: "stage output (sent on)", bytes: stream },
+            Term { name: "embedding output's gradient", bytes: stream },
+        ];
+        (table, grads, held)
+    } else {
+        let input_norm = model.norm.params(model.hidden) as f64 * element;
+        let mut held = vec![
+            Term { name: "positions", bytes: positions },
+            Term { name: "stage input (received)", bytes: stream },
+            Term { name: "first layer's attention norm output", bytes: stream },
+            Term { name: "first layer's attention residual gradient", bytes: stream },
+            Term { name: "first layer's q gradient", bytes: tokens * query * element },
+            Term { name: "first layer's attention norm gradient", bytes: stream },
+        ];
+        if last {
+            held.push(Term { name: "token ids (targets)", bytes: ids });
+            held.push(Term { name: "loss", bytes: element });
+        } else {
+            held.push(Term { name: "stage output (sent on)", bytes: stream });
+        }
+        (hidden * query * element, grads - input_norm, held)
+    };
+    // The last stage also sums the loss.
+    let loss_sum = if last { element } else { 0.0 };
+    let steps = schedule.per_stage.get(stage as usize)?;
+    let mut best: Option<ForwardPhase> = None;
+    for (at, step) in steps.iter().enumerate() {
+        if step.phase != Phase::Backward {
+            continue;
+        }
+        let forwards = steps[..at].iter().filter(|step| step.phase == Phase::Forward).count() as f64;
+        let backwards = steps[..at].iter().filter(|step| step.phase == Phase::Backward).count() as f64;
+        let others = forwards - backwards - 1.0;
+        let sums = if step.micro_batch == 0 {
+            Term { name: "gradient running sums, created so far", bytes: grads_so_far + loss_sum }
+        } else {
+            Term { name: "gradient running sums", bytes: grads + loss_sum }
+        };
+        let mut terms = vec![
+            sums,
+            Term { name: "the micro-batch's gradients so far", bytes: grads_so_far },
+            Term { name: "other micro-batches in flight", bytes: others * in_flight },
+        ];
+        if step.micro_batch > 0 {
+            terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: joining });
+        }
+        terms.extend(held.iter().cloned());
+        let phase = ForwardPhase { name: "tail of a backward", params, terms };
+        if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
+            best = Some(phase);
+        }
+    }
+    best
+}
+
+/// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the
+/// compiled stage's `phase` (from [`compiled_stage_peak`]): `memory.peak_bytes` plus these is
+/// `phase.bytes()`. Removed: the optimizer state (the executor keeps it beside the program), the
+/// closed form's activations of its in-flight micro-batches and its logits or transients, and its
+/// one copy of the gradients; added: the phase's buffers, whose running sums and in-flight
+/// micro-batches stand for those.
+pub fn pipelined_differences_from_closed_form(memory: &MemoryBreakdown, phase: &ForwardPhase) -> Vec<Term> {
+    let mut terms = vec![
+        Term { name: "optimizer state (kept beside the program)", bytes: -memory.optimizer_bytes },
+        Term { name: "closed form's activations of its in-flight micro-batches", bytes: -memory.activations_bytes },
+        Term {
+            name: "closed form's logits or layer transients",
+            bytes: -f64::max(memory.logits_bytes, memory.transient_bytes),
+        },
+        Term { name: "closed form's gradients (the running sums stand for them)", bytes: -memory.grads_bytes },
+        // Zero when the closed form's weights are the program's (the test checks).
+        Term { name: "parameters the closed form counts otherwise", bytes: phase.params - memory.params_bytes },
+    ];
+    terms.extend(phase.terms.iter().cloned());
+    terms
+}
