@@ -14,8 +14,8 @@
 //! backward); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
 //! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
-//! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, GPipe
-//! and 1F1B, 2 and 4 micro-batches.
+//! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
+//! and by dp=2, GPipe and 1F1B, 2 and 4 micro-batches.
 
 mod common;
 
@@ -511,35 +511,41 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn pipelined_stage_closed_form_equals_the_planners_peak() {
-    // The four-layer tiny on pp=2 and pp=4, GPipe and 1F1B, 2 and 4 micro-batches: every stage's
-    // closed form (the largest tail of its backwards) equals the planner's peak of its program.
+    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2, GPipe and 1F1B, 2 and 4
+    // micro-batches: every stage's closed form (the largest tail of its backwards) equals the
+    // planner's peak of its program.
     let config = four_layers();
     let model = ModelShape::from_config(&config);
-    for mesh in ["pp=2", "pp=4"] {
+    // (Four sequences a step: dp=2 takes two micro-batches of two.)
+    let cases: [(&str, &[u32]); 4] = [("pp=2", &[2, 4]), ("pp=4", &[2, 4]), ("pp=2,dp=2", &[2]), ("pp=4,dp=2", &[2])];
+    for (mesh, micro_batch_counts) in cases {
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
-            for micro_batches in [2, 4] {
+            for &micro_batches in micro_batch_counts {
                 let layout = PipelinedLayout::new(mesh, kind, micro_batches);
                 let (programs, _) = compile_pipelined(&config, &layout);
-                let stages = programs.len() as u32;
+                let parsed = Mesh::parse(mesh).unwrap();
+                let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
                 let schedule = Schedule::build(kind, stages, micro_batches).unwrap();
-                let cost_layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
-                let workload = Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches));
+                let cost_layout = Layout::from_mesh(&parsed, false);
+                let workload = Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp);
                 // The closed form's stages (1F1B's in-flight count), beside the compiled ones.
                 let workload = Workload { micro_batches: u64::from(micro_batches), ..workload };
                 let memory = memory_per_stage(&model, &cost_layout, &workload);
                 for program in &programs {
-                    let label = format!("{mesh} {kind:?} m={micro_batches} stage {}", program.rank);
+                    // Global rank `stage · dp + i`.
+                    let stage = program.rank / dp as u32;
+                    let label = format!("{mesh} {kind:?} m={micro_batches} rank {} stage {stage}", program.rank);
                     let layers = u64::from(4 / stages);
-                    let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, program.rank, layers)
+                    let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers)
                         .expect("a modelled layout");
                     let planned = plan(program, ElementSize::Fixed(4));
                     assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
                     assert_eq!(planned.peak_bytes as f64, phase.bytes(), "{label}: {:?}", phase.terms);
-                    let stage = &memory[program.rank as usize];
-                    let differences = pipelined_differences_from_closed_form(stage, &phase);
+                    let differences = pipelined_differences_from_closed_form(&memory[stage as usize], &phase);
                     let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
                     assert_eq!(otherwise.bytes, 0.0, "{label}");
-                    let predicted = stage.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+                    let predicted =
+                        memory[stage as usize].peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
                     assert_eq!(planned.peak_bytes as f64, predicted, "{label}: {differences:?}");
                 }
             }

@@ -22,7 +22,11 @@
 //! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile;
 //! a stage peaking there would make the planner exceed this, which the test would report.
 //!
-//! Modelled: `pp` alone, GPipe and 1F1B, no recompute, an untied dense Llama-family model.
+//! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
+//! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
+//!
+//! Modelled: `pp`, alone or with `dp`, GPipe and 1F1B, no recompute or ZeRO, an untied dense
+//! Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -53,8 +57,9 @@ pub fn compiled_stage_peak(
     layers: u64,
 ) -> Option<ForwardPhase> {
     let stages = schedule.stages;
+    let dp = layout.degree(AxisName::Dp);
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
-        && layout.world_size() == u64::from(stages)
+        && layout.world_size() == u64::from(stages) * dp
         && stages >= 2
         && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
         && workload.recompute == Recompute::None
@@ -90,24 +95,30 @@ pub fn compiled_stage_peak(
         in_flight += ids + stream + tokens * vocab * element + element;
     }
     // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
-    let (joining, grads_so_far, held): (f64, f64, Vec<Term>) = if first {
+    // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
+    // freed only after (the sum is taken right where the reduced gradient is written); by then the
+    // activations and activation gradients that computed it are freed.
+    let reduced = dp > 1;
+    let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
         let table = (vocab * hidden) * element;
-        let held = vec![
-            Term { name: "token ids", bytes: ids },
-            Term { name: "stage output (sent on)", bytes: stream },
-            Term { name: "embedding output's gradient", bytes: stream },
-        ];
+        let mut held = vec![Term { name: "stage output (sent on)", bytes: stream }];
+        if !reduced {
+            held.push(Term { name: "token ids", bytes: ids });
+            held.push(Term { name: "embedding output's gradient", bytes: stream });
+        }
         (table, grads, held)
     } else {
         let input_norm = model.norm.params(model.hidden) as f64 * element;
         let mut held = vec![
             Term { name: "positions", bytes: positions },
             Term { name: "stage input (received)", bytes: stream },
-            Term { name: "first layer's attention norm output", bytes: stream },
             Term { name: "first layer's attention residual gradient", bytes: stream },
-            Term { name: "first layer's q gradient", bytes: tokens * query * element },
             Term { name: "first layer's attention norm gradient", bytes: stream },
         ];
+        if !reduced {
+            held.push(Term { name: "first layer's attention norm output", bytes: stream });
+            held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
+        }
         if last {
             held.push(Term { name: "token ids (targets)", bytes: ids });
             held.push(Term { name: "loss", bytes: element });
@@ -116,6 +127,9 @@ pub fn compiled_stage_peak(
         }
         (hidden * query * element, grads - input_norm, held)
     };
+    if reduced {
+        held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
+    }
     // The last stage also sums the loss.
     let loss_sum = if last { element } else { 0.0 };
     let steps = schedule.per_stage.get(stage as usize)?;
