@@ -15,7 +15,7 @@
 //! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
 //! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
-//! and by dp=2, GPipe and 1F1B, 2 and 4 micro-batches.
+//! and by dp=2 or tp=2, GPipe and 1F1B, 2 and 4 micro-batches.
 
 mod common;
 
@@ -511,13 +511,20 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn pipelined_stage_closed_form_equals_the_planners_peak() {
-    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2, GPipe and 1F1B, 2 and 4
+    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2 or tp=2, GPipe and 1F1B, 2 and 4
     // micro-batches: every stage's closed form (the largest tail of its backwards) equals the
     // planner's peak of its program.
     let config = four_layers();
     let model = ModelShape::from_config(&config);
     // (Four sequences a step: dp=2 takes two micro-batches of two.)
-    let cases: [(&str, &[u32]); 4] = [("pp=2", &[2, 4]), ("pp=4", &[2, 4]), ("pp=2,dp=2", &[2]), ("pp=4,dp=2", &[2])];
+    let cases: [(&str, &[u32]); 6] = [
+        ("pp=2", &[2, 4]),
+        ("pp=4", &[2, 4]),
+        ("pp=2,dp=2", &[2]),
+        ("pp=4,dp=2", &[2]),
+        ("pp=2,tp=2", &[2, 4]),
+        ("pp=4,tp=2", &[2]),
+    ];
     for (mesh, micro_batch_counts) in cases {
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
             for &micro_batches in micro_batch_counts {
@@ -532,8 +539,8 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
                 let workload = Workload { micro_batches: u64::from(micro_batches), ..workload };
                 let memory = memory_per_stage(&model, &cost_layout, &workload);
                 for program in &programs {
-                    // Global rank `stage · dp + i`.
-                    let stage = program.rank / dp as u32;
+                    // Global rank `stage · inner + i`.
+                    let stage = program.rank / (programs.len() as u32 / stages);
                     let label = format!("{mesh} {kind:?} m={micro_batches} rank {} stage {stage}", program.rank);
                     let layers = u64::from(4 / stages);
                     let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers)

@@ -25,8 +25,12 @@
 //! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
 //! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
 //!
-//! Modelled: `pp`, alone or with `dp`, GPipe and 1F1B, no recompute or ZeRO, an untied dense
-//! Llama-family model.
+//! Under tp (without SP) each rank keeps its heads' and ffn channels' share of the activations and
+//! of the LM head's logits, and on the first stage the embedding's gradient over the whole
+//! vocabulary is live at the tail, as the rank's rows are sliced from it into their sum.
+//!
+//! Modelled: `pp`, alone or with `dp` or `tp` (not both, no SP), GPipe and 1F1B, no recompute or
+//! ZeRO, an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -34,6 +38,7 @@
 
 use pleat_ir::AxisName;
 
+use super::activation::kv_split;
 use super::compiled::ForwardPhase;
 use super::layout::Layout;
 use super::memory::{stage_params, MemoryBreakdown, Term};
@@ -57,9 +62,11 @@ pub fn compiled_stage_peak(
     layers: u64,
 ) -> Option<ForwardPhase> {
     let stages = schedule.stages;
-    let dp = layout.degree(AxisName::Dp);
+    let (dp, tp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp));
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
-        && layout.world_size() == u64::from(stages) * dp
+        && layout.world_size() == u64::from(stages) * dp * tp
+        && (dp == 1 || tp == 1)
+        && !layout.sequence_parallel
         && stages >= 2
         && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
         && workload.recompute == Recompute::None
@@ -72,8 +79,11 @@ pub fn compiled_stage_peak(
     let element = model.dtype_bytes as f64;
     let (first, last) = (stage == 0, stage + 1 == stages);
     let tokens = workload.tokens_per_micro_batch() as f64;
-    let (hidden, query) = (model.hidden as f64, model.query_width() as f64);
-    let (kv, ffn, vocab) = (model.kv_width() as f64, model.ffn as f64, model.vocab as f64);
+    // tp splits heads, kv heads (when they divide), ffn channels and the vocabulary; hidden stays.
+    let split = tp as f64;
+    let (hidden, query) = (model.hidden as f64, model.query_width() as f64 / split);
+    let kv = model.kv_width() as f64 / kv_split(model, layout) as f64;
+    let (ffn, vocab) = (model.ffn as f64 / split, model.vocab as f64);
     let ids = tokens * ID_BYTES;
     let positions = workload.seq as f64 * ID_BYTES;
     let stream = tokens * hidden * element;
@@ -92,21 +102,25 @@ pub fn compiled_stage_peak(
         in_flight += stream;
     }
     if last {
-        in_flight += ids + stream + tokens * vocab * element + element;
+        in_flight += ids + stream + tokens * (vocab / split).ceil() * element + element;
     }
     // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
     // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
     // freed only after (the sum is taken right where the reduced gradient is written); by then the
     // activations and activation gradients that computed it are freed.
+    // Under tp the embedding's gradient over the whole vocabulary is live as the rank's rows,
+    // sliced from it, join their sum.
     let reduced = dp > 1;
     let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
-        let table = (vocab * hidden) * element;
+        let whole = vocab * hidden * element;
         let mut held = vec![Term { name: "stage output (sent on)", bytes: stream }];
-        if !reduced {
+        if tp > 1 {
+            held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
+        } else if !reduced {
             held.push(Term { name: "token ids", bytes: ids });
             held.push(Term { name: "embedding output's gradient", bytes: stream });
         }
-        (table, grads, held)
+        ((vocab / split).ceil() * hidden * element, grads, held)
     } else {
         let input_norm = model.norm.params(model.hidden) as f64 * element;
         let mut held = vec![
