@@ -511,37 +511,53 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn pipelined_stage_closed_form_equals_the_planners_peak() {
-    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2 or tp=2, GPipe and 1F1B, 2 and 4
-    // micro-batches: every stage's closed form (the largest tail of its backwards) equals the
-    // planner's peak of its program.
+    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2 or tp=2 (with and without Megatron
+    // SP), with no, selective and full recomputation, GPipe and 1F1B, 2 and 4 micro-batches: every
+    // stage's closed form (the largest tail of its backwards) equals the planner's peak of its
+    // program.
     let config = four_layers();
     let model = ModelShape::from_config(&config);
     // (Four sequences a step: dp=2 takes two micro-batches of two.)
-    let cases: [(&str, &[u32]); 6] = [
-        ("pp=2", &[2, 4]),
-        ("pp=4", &[2, 4]),
-        ("pp=2,dp=2", &[2]),
-        ("pp=4,dp=2", &[2]),
-        ("pp=2,tp=2", &[2, 4]),
-        ("pp=4,tp=2", &[2]),
+    let none = Recompute::None;
+    let cases: [(&str, bool, Recompute, &[u32]); 13] = [
+        ("pp=2", false, none, &[2, 4]),
+        ("pp=4", false, none, &[2, 4]),
+        ("pp=2,dp=2", false, none, &[2]),
+        ("pp=4,dp=2", false, none, &[2]),
+        ("pp=2,tp=2", false, none, &[2, 4]),
+        ("pp=4,tp=2", false, none, &[2]),
+        ("pp=2,tp=2", true, none, &[2, 4]),
+        ("pp=2", false, Recompute::Selective, &[2, 4]),
+        ("pp=4,tp=2", true, Recompute::Selective, &[2]),
+        ("pp=2", false, Recompute::Full, &[2, 4]),
+        ("pp=4", false, Recompute::Full, &[2, 4]),
+        ("pp=2,tp=2", true, Recompute::Full, &[2, 4]),
+        ("pp=2,dp=2", false, Recompute::Full, &[2]),
     ];
-    for (mesh, micro_batch_counts) in cases {
+    for (mesh, sequence_parallel, recompute, micro_batch_counts) in cases {
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
             for &micro_batches in micro_batch_counts {
-                let layout = PipelinedLayout::new(mesh, kind, micro_batches);
+                let layout =
+                    PipelinedLayout { recompute, sequence_parallel, ..PipelinedLayout::new(mesh, kind, micro_batches) };
                 let (programs, _) = compile_pipelined(&config, &layout);
                 let parsed = Mesh::parse(mesh).unwrap();
                 let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
                 let schedule = Schedule::build(kind, stages, micro_batches).unwrap();
-                let cost_layout = Layout::from_mesh(&parsed, false);
-                let workload = Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp);
+                let cost_layout = Layout::from_mesh(&parsed, sequence_parallel);
                 // The closed form's stages (1F1B's in-flight count), beside the compiled ones.
-                let workload = Workload { micro_batches: u64::from(micro_batches), ..workload };
+                let workload = Workload {
+                    micro_batches: u64::from(micro_batches),
+                    recompute: cost_recompute(recompute),
+                    ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp)
+                };
                 let memory = memory_per_stage(&model, &cost_layout, &workload);
                 for program in &programs {
                     // Global rank `stage · inner + i`.
                     let stage = program.rank / (programs.len() as u32 / stages);
-                    let label = format!("{mesh} {kind:?} m={micro_batches} rank {} stage {stage}", program.rank);
+                    let label = format!(
+                        "{mesh} sp={sequence_parallel} {recompute:?} {kind:?} m={micro_batches} rank {} stage {stage}",
+                        program.rank
+                    );
                     let layers = u64::from(4 / stages);
                     let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers)
                         .expect("a modelled layout");

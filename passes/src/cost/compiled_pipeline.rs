@@ -29,8 +29,13 @@
 //! of the LM head's logits, and on the first stage the embedding's gradient over the whole
 //! vocabulary is live at the tail, as the rank's rows are sliced from it into their sum.
 //!
-//! Modelled: `pp`, alone or with `dp` or `tp` (not both, no SP), GPipe and 1F1B, no recompute or
-//! ZeRO, an untied dense Llama-family model.
+//! Megatron SP splits the residual stream on seq over tp; the norms' outputs (and their gradients)
+//! are kept all-gathered, and the last layer's output is gathered whole for the final norm.
+//! Selective recomputation keeps no attention output; full recomputation keeps each layer's
+//! attention residual and output, and recomputes the final norm's (gathered) input and output.
+//!
+//! Modelled: `pp`, alone or with `dp` or `tp` (not both; tp with or without SP), GPipe and 1F1B,
+//! any recomputation, no ZeRO, an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -63,13 +68,12 @@ pub fn compiled_stage_peak(
 ) -> Option<ForwardPhase> {
     let stages = schedule.stages;
     let (dp, tp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp));
+    let sequence_parallel = layout.sequence_parallel && tp > 1;
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp
         && (dp == 1 || tp == 1)
-        && !layout.sequence_parallel
         && stages >= 2
         && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
-        && workload.recompute == Recompute::None
         && workload.zero == 0
         && model.experts.is_none()
         && !model.tied_embeddings;
@@ -86,15 +90,24 @@ pub fn compiled_stage_peak(
     let (ffn, vocab) = (model.ffn as f64 / split, model.vocab as f64);
     let ids = tokens * ID_BYTES;
     let positions = workload.seq as f64 * ID_BYTES;
-    let stream = tokens * hidden * element;
-    // Per layer, what the forward keeps for the backward: the norms' outputs, the residuals and the
-    // layer's output (4 of h), q after RoPE and attention's output (2 of q), v and k after RoPE
-    // (2 of kv), and gate, up and their product (3 of f).
-    let kept_layer = tokens * (4.0 * hidden + 2.0 * query + 2.0 * kv + 3.0 * ffn) * element;
+    // The residual stream: split on seq over tp under Megatron SP; the norms' outputs are
+    // all-gathered whole before the projections read them.
+    let stream = tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
+    let gathered = tokens * hidden * element;
+    // Per layer, what the forward keeps for the backward: the two norms' outputs, the two
+    // residuals (one the layer's output), q after RoPE and attention's output (selective
+    // recomputation keeps no attention output), v and k after RoPE, and gate, up and their product.
+    let attention_kept = if workload.recompute == Recompute::Selective { 0.0 } else { query };
+    // Full recomputation keeps only the residual stream: each layer's attention residual and output.
+    let kept_layer = if workload.recompute == Recompute::Full {
+        2.0 * stream
+    } else {
+        2.0 * gathered + 2.0 * stream + tokens * (query + attention_kept + 2.0 * kv + 3.0 * ffn) * element
+    };
     let params = stage_params(model, layout, workload, u64::from(stage), layers) * element;
     let grads = params;
     // A micro-batch in flight on this stage: its inputs, what its layers keep, and on the last
-    // stage the head's outputs.
+    // stage the head's outputs (the final norm's input all-gathered under SP, its output whole).
     let mut in_flight = positions + layers as f64 * kept_layer;
     if first {
         in_flight += ids + stream;
@@ -102,7 +115,9 @@ pub fn compiled_stage_peak(
         in_flight += stream;
     }
     if last {
-        in_flight += ids + stream + tokens * (vocab / split).ceil() * element + element;
+        // Full recomputation recomputes the final norm's input gathered under SP and its output.
+        let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
+        in_flight += ids + final_norm + tokens * (vocab / split).ceil() * element + element;
     }
     // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
     // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
@@ -127,10 +142,10 @@ pub fn compiled_stage_peak(
             Term { name: "positions", bytes: positions },
             Term { name: "stage input (received)", bytes: stream },
             Term { name: "first layer's attention residual gradient", bytes: stream },
-            Term { name: "first layer's attention norm gradient", bytes: stream },
+            Term { name: "first layer's attention norm gradient", bytes: gathered },
         ];
         if !reduced {
-            held.push(Term { name: "first layer's attention norm output", bytes: stream });
+            held.push(Term { name: "first layer's attention norm output (recomputed under full)", bytes: gathered });
             held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
         }
         if last {
