@@ -357,7 +357,8 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
 /// SP, dp at 2 and 4, cp, dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation.
 /// (tsp and pipelined stages peak elsewhere in the step; `compiled_training_peak` does not model
 /// them.)
-const TRAINING_CROSS_CHECK: [TrainingLayout; 27] = [
+const TRAINING_CROSS_CHECK: [TrainingLayout; 28] = [
+    TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("tp=4", false, 0),
     TrainingLayout::new("tp=2", true, 0),
@@ -432,6 +433,30 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
                 "{label} rank {}: planner {} vs closed form {} + {differences:?}",
                 program.rank, planned.peak_bytes, memory.peak_bytes
             );
+        }
+    }
+}
+
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_training_peak_for_experts() {
+    // tiny-moe's training step (with its load-balancing loss) peaks at the end of the backward as
+    // a dense model's does: the routed experts' gradients are among the gradients, ep splits the
+    // batch as dp does, and the whole-vocabulary embedding gradient is all-reduced over ep.
+    let config = preset("tiny-moe").unwrap();
+    let model = ModelShape::from_config(&config);
+    for mesh in ["", "ep=2", "ep=4", "dp=2,ep=2", "tp=2", "ep=2,tp=2"] {
+        let (programs, _) = compile_training(&config, &TrainingLayout::new(mesh, false, 0), 4);
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let workload = Workload { tsp_shards_embeddings: true, ..Workload::training(SEQ, 4 / layout.batch_split()) };
+        let memory = &memory_per_stage(&model, &layout, &workload)[0];
+        let phase = compiled_training_peak(&model, &layout, &workload).expect("a modelled layout");
+        let differences = training_differences_from_closed_form(memory, &phase);
+        let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
+        assert_eq!(otherwise.bytes, 0.0, "tiny-moe {mesh}");
+        let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+        for program in &programs {
+            let planned = plan(program, ElementSize::Fixed(4));
+            assert_eq!(planned.peak_bytes as f64, predicted, "tiny-moe {mesh} rank {}: {differences:?}", program.rank);
         }
     }
 }

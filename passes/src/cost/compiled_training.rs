@@ -6,8 +6,9 @@
 //! what the backward holds before this point, not at it), and live are the parameters, the gradient
 //! of every parameter (each an output of the program), the loss, and the embedding's gradient over
 //! the whole vocabulary `[V, h]` (the scatter-add of the token gradients), before tp slices the
-//! rank's vocabulary shard from it or dp reduces it. What the layout does to that whole-vocabulary
-//! gradient at the peak is the rest:
+//! rank's vocabulary shard from it or dp reduces it (on one rank it is the gradient itself, written
+//! beside the token ids and the embedding output's gradient it is computed from). What the layout
+//! does to that whole-vocabulary gradient at the peak is the rest:
 //! - **tp** (with or without Megatron SP): slices its vocabulary shard, a gradient output (counted
 //!   with the gradients). **dp** and **cp**: all-reduce it into the gradient output.
 //! - **dp × tp**: slices the tp shard first and all-reduces only the `[V/tp, h]` shard over dp
@@ -92,6 +93,18 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     let params = if zero >= 3 { all_params / dp } else { all_params };
     let grads = if zero >= 2 { all_params / dp } else { all_params };
     let whole = (model.vocab * model.hidden) as f64 * element;
+    if layout.world_size() == 1 {
+        // One rank: the embedding's gradient is the program's own output, written in place from
+        // the token ids and the embedding output's gradient, which are live while it is.
+        let tokens = workload.tokens_per_micro_batch() as f64;
+        let terms = vec![
+            Term { name: GRADIENTS, bytes: grads },
+            Term { name: "loss", bytes: element },
+            Term { name: "embedding output's gradient", bytes: tokens * model.hidden as f64 * element },
+            Term { name: "token ids", bytes: tokens * 4.0 },
+        ];
+        return Some(ForwardPhase { name: "end of backward", params, terms });
+    }
     let mut terms = vec![
         Term { name: GRADIENTS, bytes: grads },
         Term { name: "loss", bytes: element },
