@@ -15,7 +15,8 @@
 //! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
 //! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
-//! and by dp=2 or tp=2, GPipe and 1F1B, 2 and 4 micro-batches.
+//! and by dp=2, cp=2 or tp=2 (with and without SP), each recomputation, GPipe and 1F1B, 2 and 4
+//! micro-batches.
 
 mod common;
 
@@ -536,15 +537,15 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn pipelined_stage_closed_form_equals_the_planners_peak() {
-    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2 or tp=2 (with and without Megatron
-    // SP), with no, selective and full recomputation, GPipe and 1F1B, 2 and 4 micro-batches: every
+    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2, cp=2 or tp=2 (with and without
+    // Megatron SP), with no, selective and full recomputation, GPipe and 1F1B, 2 and 4 micro-batches: every
     // stage's closed form (the largest tail of its backwards) equals the planner's peak of its
     // program.
     let config = four_layers();
     let model = ModelShape::from_config(&config);
     // (Four sequences a step: dp=2 takes two micro-batches of two.)
     let none = Recompute::None;
-    let cases: [(&str, bool, Recompute, &[u32]); 13] = [
+    let cases: [(&str, bool, Recompute, &[u32]); 15] = [
         ("pp=2", false, none, &[2, 4]),
         ("pp=4", false, none, &[2, 4]),
         ("pp=2,dp=2", false, none, &[2]),
@@ -558,6 +559,8 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=4", false, Recompute::Full, &[2, 4]),
         ("pp=2,tp=2", true, Recompute::Full, &[2, 4]),
         ("pp=2,dp=2", false, Recompute::Full, &[2]),
+        ("pp=2,cp=2", false, none, &[2, 4]),
+        ("pp=4,cp=2", false, none, &[2, 4]),
     ];
     for (mesh, sequence_parallel, recompute, micro_batch_counts) in cases {
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {

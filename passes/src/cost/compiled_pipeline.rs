@@ -34,8 +34,12 @@
 //! Selective recomputation keeps no attention output; full recomputation keeps each layer's
 //! attention residual and output, and recomputes the final norm's (gathered) input and output.
 //!
-//! Modelled: `pp`, alone or with `dp` or `tp` (not both; tp with or without SP), GPipe and 1F1B,
-//! any recomputation, no ZeRO, an untied dense Llama-family model.
+//! Under cp each rank keeps its zigzag share of the tokens' activations but every token's k and v
+//! (all-gathered), the last stage every token's logits, and the gradients are all-reduced as
+//! under dp.
+//!
+//! Modelled: `pp`, alone or with one of `dp`, `tp` (with or without SP) and `cp`, GPipe and 1F1B,
+//! any recomputation (none under cp), no ZeRO, an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -67,11 +71,12 @@ pub fn compiled_stage_peak(
     layers: u64,
 ) -> Option<ForwardPhase> {
     let stages = schedule.stages;
-    let (dp, tp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp));
+    let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
-        && layout.world_size() == u64::from(stages) * dp * tp
-        && (dp == 1 || tp == 1)
+        && layout.world_size() == u64::from(stages) * dp * tp * cp
+        && [dp, tp, cp].iter().filter(|&&degree| degree > 1).count() <= 1
+        && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
         && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
         && workload.zero == 0
@@ -83,26 +88,31 @@ pub fn compiled_stage_peak(
     let element = model.dtype_bytes as f64;
     let (first, last) = (stage == 0, stage + 1 == stages);
     let tokens = workload.tokens_per_micro_batch() as f64;
+    // cp splits the tokens (zigzag); its attention reads every token's k and v, all-gathered.
+    let local_tokens = tokens / cp as f64;
     // tp splits heads, kv heads (when they divide), ffn channels and the vocabulary; hidden stays.
     let split = tp as f64;
     let (hidden, query) = (model.hidden as f64, model.query_width() as f64 / split);
     let kv = model.kv_width() as f64 / kv_split(model, layout) as f64;
     let (ffn, vocab) = (model.ffn as f64 / split, model.vocab as f64);
     let ids = tokens * ID_BYTES;
-    let positions = workload.seq as f64 * ID_BYTES;
+    // Under cp the zigzag order's positions and the rank's own.
+    let positions = workload.seq as f64 * ID_BYTES * if cp > 1 { 1.0 + 1.0 / cp as f64 } else { 1.0 };
     // The residual stream: split on seq over tp under Megatron SP; the norms' outputs are
     // all-gathered whole before the projections read them.
-    let stream = tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
-    let gathered = tokens * hidden * element;
+    let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
+    let gathered = local_tokens * hidden * element;
     // Per layer, what the forward keeps for the backward: the two norms' outputs, the two
     // residuals (one the layer's output), q after RoPE and attention's output (selective
     // recomputation keeps no attention output), v and k after RoPE, and gate, up and their product.
+    // Under cp the all-gathered k and v are kept in place of the rank's own.
     let attention_kept = if workload.recompute == Recompute::Selective { 0.0 } else { query };
+    let kv_kept = if cp > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
     // Full recomputation keeps only the residual stream: each layer's attention residual and output.
     let kept_layer = if workload.recompute == Recompute::Full {
         2.0 * stream
     } else {
-        2.0 * gathered + 2.0 * stream + tokens * (query + attention_kept + 2.0 * kv + 3.0 * ffn) * element
+        2.0 * gathered + 2.0 * stream + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
     };
     let params = stage_params(model, layout, workload, u64::from(stage), layers) * element;
     let grads = params;
@@ -110,14 +120,18 @@ pub fn compiled_stage_peak(
     // stage the head's outputs (the final norm's input all-gathered under SP, its output whole).
     let mut in_flight = positions + layers as f64 * kept_layer;
     if first {
-        in_flight += ids + stream;
+        // Under cp the rank's own token ids too.
+        let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
+        in_flight += ids + local_ids + stream;
     } else {
         in_flight += stream;
     }
     if last {
         // Full recomputation recomputes the final norm's input gathered under SP and its output.
         let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
-        in_flight += ids + final_norm + tokens * (vocab / split).ceil() * element + element;
+        // cp gathers every token's logits (back in order) for the loss.
+        let logits = if cp > 1 { tokens * vocab } else { local_tokens * (vocab / split).ceil() } * element;
+        in_flight += ids + final_norm + logits + element;
     }
     // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
     // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
@@ -125,10 +139,14 @@ pub fn compiled_stage_peak(
     // activations and activation gradients that computed it are freed.
     // Under tp the embedding's gradient over the whole vocabulary is live as the rank's rows,
     // sliced from it, join their sum.
-    let reduced = dp > 1;
+    // cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
+    let reduced = dp > 1 || cp > 1;
     let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
         let whole = vocab * hidden * element;
         let mut held = vec![Term { name: "stage output (sent on)", bytes: stream }];
+        if cp > 1 {
+            held.push(Term { name: "token ids", bytes: ids });
+        }
         if tp > 1 {
             held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
         } else if !reduced {
@@ -149,7 +167,10 @@ pub fn compiled_stage_peak(
             held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
         }
         if last {
-            held.push(Term { name: "token ids (targets)", bytes: ids });
+            // cp's targets were read in the forward; dp and tp keep them to the loss's gradient.
+            if cp == 1 {
+                held.push(Term { name: "token ids (targets)", bytes: ids });
+            }
             held.push(Term { name: "loss", bytes: element });
         } else {
             held.push(Term { name: "stage output (sent on)", bytes: stream });
