@@ -10,8 +10,7 @@
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
 //! and without SP), selective and full recomputation, and tsp=2 and tsp=4 on every rank (from 16
-//! to 512 tokens, each recompute; a lower bound where full recompute peaks in an attention
-//! backward); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
+//! to 512 tokens, each recompute, full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
 //! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
 //! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
@@ -609,7 +608,7 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     // tsp peaks at the end of the backward (the whole-vocabulary embedding gradient) on few
     // tokens, and inside the first layer's MLP ring backward on more, every rank alike (the ring
     // is symmetric); which of the ring's points is highest depends on the tokens too. With full
-    // recompute on many tokens the first layer's attention backward peaks instead (not modelled).
+    // recompute on many tokens the first layer's attention backward peaks instead.
     let config = preset("tiny").unwrap();
     let model = ModelShape::from_config(&config);
     let mut phases = std::collections::BTreeSet::new();
@@ -637,17 +636,15 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
                     assert_eq!(otherwise.bytes, 0.0, "{label}");
                     let planned = plan(program, ElementSize::Fixed(4));
                     assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
-                    // Full recompute on many tokens peaks in the first layer's attention backward,
-                    // which the closed form does not model: there it is a lower bound.
+                    // Full recompute on many tokens peaks in the first layer's attention backward.
                     let in_attention_backward = matches!(
                         program.instructions[planned.peak_instr],
                         Instr::Kernel { kernel: pleat_backend::Kernel::AttentionGrad { .. }, .. }
                     );
                     if in_attention_backward {
                         assert_eq!(recompute, Recompute::Full, "{label}");
-                        assert!(planned.peak_bytes as f64 > predicted, "{label}");
+                        assert_eq!(phase.name, "first layer's attention backward", "{label}");
                         attention_peaks += 1;
-                        continue;
                     }
                     assert_eq!(
                         planned.peak_bytes as f64, predicted,
@@ -660,5 +657,5 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     }
     // Both phases, and more than one of the ring's points, were checked against the planner.
     assert!(phases.contains("end of backward") && phases.len() >= 3, "{phases:?}");
-    assert!(attention_peaks < 12, "most full-recompute cases are modelled: {attention_peaks} are not");
+    assert!(attention_peaks > 0, "some full-recompute case peaks in the attention backward");
 }
