@@ -3,9 +3,9 @@
 //! For the training step on tp=2, tp=2 with Megatron SP, dp=2 with ZeRO 0 to 3, tsp=2, cp=2,
 //! dp=2×tp=2 (with and without SP, ZeRO 0, 2 and 3), each also with selective and with full
 //! recomputation, and for pipelined steps (a four-layer `tiny` on pp=2 and pp=4 under GPipe and
-//! 1F1B with 2 and 4 micro-batches, and pp=2 with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0
-//! and 2, selective and full recomputation), the planner's peak of each rank's program plus the
-//! rank's AdamW moments (8 bytes an updated element, the one term the executor counts beside the
+//! 1F1B with 2 and 4 micro-batches, pp=2 with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0
+//! and 2, selective and full recomputation, and the interleaved and zero-bubble H1 schedules),
+//! the planner's peak of each rank's program plus the rank's AdamW moments (8 bytes an updated element, the one term the executor counts beside the
 //! program) equals the measured peak of one step to the byte. The closed-form training peak plus
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
@@ -172,10 +172,11 @@ fn compile_pipelined(
     };
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)
         .unwrap_or_else(|err| panic!("{}: {err}", layout.mesh));
-    let stage_of = stage_of_nodes(&module, stages, None, config.num_layers).expect("stages");
+    // Interleaved: `chunks` virtual stages a rank, a layer each at least.
+    let chunks = layout.schedule.chunks();
+    let stage_of = stage_of_nodes(&module, stages * chunks, None, config.num_layers).expect("stages");
     let schedule = schedule_steps(&Schedule::build(layout.schedule, stages, layout.micro_batches).expect("schedule"));
-    let plan =
-        PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: layout.micro_batches, chunks: 1 };
+    let plan = PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: layout.micro_batches, chunks };
     let programs = pipeline_programs(&module, &plan).expect("pipeline programs");
     pleat_backend::verify_collectives(&programs).expect("collectives match");
     // Each rank updates the parameters its stage loads (its dp share of them under ZeRO).
@@ -293,9 +294,10 @@ const RECOMPUTE_LAYOUTS: [TrainingLayout; 12] = [
 /// Sequences a step of the pipelined layouts: four, so that 2 and 4 micro-batches divide it.
 const PIPELINE_BATCH: u64 = 4;
 
-/// The pipelined layouts: pp=2 and pp=4 under GPipe and 1F1B with 2 and 4 micro-batches, and pp=2
+/// The pipelined layouts: pp=2 and pp=4 under GPipe and 1F1B with 2 and 4 micro-batches, pp=2
 /// with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0 and 2, and with selective and full
-/// recomputation.
+/// recomputation, and the interleaved (pp=2, two chunks a rank) and zero-bubble H1 (pp=2, pp=4,
+/// pp=2 by tp=2) schedules.
 fn pipelined_layouts() -> Vec<PipelinedLayout> {
     let mut layouts = Vec::new();
     for mesh in ["pp=2", "pp=4"] {
@@ -313,6 +315,11 @@ fn pipelined_layouts() -> Vec<PipelinedLayout> {
     layouts.push(PipelinedLayout { zero_stage: 2, ..one_f_one_b("pp=2,dp=2") });
     layouts.push(PipelinedLayout { recompute: Recompute::Selective, ..one_f_one_b("pp=2") });
     layouts.push(PipelinedLayout { recompute: Recompute::Full, ..one_f_one_b("pp=2") });
+    // Interleaved (two chunks a rank) and zero-bubble (the weight gradients deferred).
+    layouts.push(PipelinedLayout::new("pp=2", ScheduleKind::Interleaved { chunks: 2 }, 4));
+    layouts.push(PipelinedLayout::new("pp=2", ScheduleKind::ZeroBubbleH1, 4));
+    layouts.push(PipelinedLayout::new("pp=4", ScheduleKind::ZeroBubbleH1, 4));
+    layouts.push(PipelinedLayout::new("pp=2,tp=2", ScheduleKind::ZeroBubbleH1, 2));
     layouts
 }
 
