@@ -5,8 +5,9 @@
 //! recomputation, and for pipelined steps (a four-layer `tiny` on pp=2 and pp=4 under GPipe and
 //! 1F1B with 2 and 4 micro-batches, pp=2 with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0
 //! and 2, selective and full recomputation, and the interleaved and zero-bubble H1 schedules),
-//! the planner's peak of each rank's program plus the rank's AdamW moments (8 bytes an updated element, the one term the executor counts beside the
-//! program) equals the measured peak of one step to the byte. The closed-form training peak plus
+//! the planner's peak of each rank's program plus the rank's AdamW moments (8 bytes an updated
+//! element, the one term the executor counts beside the program) equals the measured peak of one
+//! step to the byte. The closed-form training peak plus
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
 //! and without SP), selective and full recomputation, and tsp=2 and tsp=4 on every rank (from 16
