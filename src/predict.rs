@@ -109,6 +109,13 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
     let bytes_of = |ids: &[pleat_backend::BufferId]| ids.iter().map(|&id| program.buffer(id).bytes()).sum::<u64>();
     let name_of =
         |ids: &[pleat_backend::BufferId]| ids.first().map_or_else(String::new, |&id| program.buffer(id).name.clone());
+    // A bucket's results by their first and last names.
+    let bucket_name = |outs: &[pleat_backend::BufferId]| match outs {
+        [first, .., last] => {
+            format!("bucket of {}: {} .. {}", outs.len(), program.buffer(*first).name, program.buffer(*last).name)
+        }
+        _ => name_of(outs),
+    };
     let transfer = |op: &'static str, kind: Collective, what: String, bytes: u64, ranks: Vec<u32>| Work {
         stream: Stream::Comm,
         op,
@@ -142,22 +149,13 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
             }
         }
         Instr::AllReduce { inputs, outs, group } => {
-            let what = match outs.as_slice() {
-                [first, .., last] => format!(
-                    "bucket of {}: {} .. {}",
-                    outs.len(),
-                    program.buffer(*first).name,
-                    program.buffer(*last).name
-                ),
-                _ => name_of(outs),
-            };
-            transfer("all_reduce", Collective::AllReduce, what, bytes_of(inputs), group.ranks.clone())
+            transfer("all_reduce", Collective::AllReduce, bucket_name(outs), bytes_of(inputs), group.ranks.clone())
         }
-        Instr::ReduceScatter { input, out, group, .. } => transfer(
+        Instr::ReduceScatter { inputs, outs, group, .. } => transfer(
             "reduce_scatter",
             Collective::ReduceScatter,
-            name_of(&[*out]),
-            bytes_of(&[*input]),
+            bucket_name(outs),
+            bytes_of(inputs),
             group.ranks.clone(),
         ),
         Instr::AllGather { out, group, .. } => {

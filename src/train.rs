@@ -124,9 +124,9 @@ pub struct TrainFlags {
     /// batch·seq of them, wrapping around. Without it, a deterministic synthetic stream.
     #[arg(long, requires = "train")]
     pub data: Option<PathBuf>,
-    /// Gradient buckets (MiB): the gradients' all-reduces over dp are merged into messages of up to
-    /// this size, each sent once its last gradient exists (PyTorch DDP's bucket_cap_mb); 0 sends
-    /// each gradient alone. Not applied to pipelined steps.
+    /// Gradient buckets (MiB): the gradients' all-reduces over dp (reduce-scatters under ZeRO-2
+    /// and 3) are merged into messages of up to this size, each sent once its last gradient exists
+    /// (PyTorch DDP's bucket_cap_mb); 0 sends each gradient alone. Not applied to pipelined steps.
     #[arg(long, default_value_t = 25, requires = "train")]
     pub bucket_mb: u64,
     /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,

@@ -254,22 +254,24 @@ fn planner_peak_equals_the_measured_peak_with_gradient_buckets() {
     // Bucketed, a gradient's operand stays live until its bucket's last gradient, and the bucket
     // packs its operands while it runs (`Staging::Bucket`); the planner and the executor count
     // both, so they still agree to the byte. Caps of 256 KiB (several buckets) and 25 MiB (one).
+    // ZeRO-2 and 3 bucket their reduce-scatters, which stage their operands as one alone does.
     let config = preset("tiny").unwrap();
-    for mesh in ["dp=2", "dp=4", "dp=2,tp=2"] {
-        let layout = TrainingLayout::new(mesh, false, 0);
+    for (mesh, zero) in [("dp=2", 0), ("dp=4", 0), ("dp=2,tp=2", 0), ("dp=2", 2), ("dp=4", 3)] {
+        let layout = TrainingLayout::new(mesh, false, zero);
         let (programs, optimizer_layouts) = compile_training(&config, &layout, 4);
         let all_reduces = |program: &pleat_backend::Program| {
-            program.instructions.iter().filter(|instr| matches!(instr, Instr::AllReduce { .. })).count()
+            let reduction = |instr: &&Instr| matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. });
+            program.instructions.iter().filter(reduction).count()
         };
         for cap in [256 << 10, 25 << 20] {
             let bucketed: Vec<_> = programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
             pleat_backend::verify_collectives(&bucketed).expect("collectives match");
-            assert!(all_reduces(&bucketed[0]) < all_reduces(&programs[0]), "{mesh} cap {cap}: fewer messages");
+            assert!(all_reduces(&bucketed[0]) < all_reduces(&programs[0]), "{mesh} zero {zero} cap {cap}: fewer");
             let trained = train_one_step(&bucketed, &optimizer_layouts, 4);
             for (program, rank) in bucketed.iter().zip(&trained) {
                 let planned = plan(program, ElementSize::Fixed(4));
                 let predicted = planned.peak_bytes + rank.optimizer_bytes;
-                assert_eq!(predicted, rank.peak_bytes, "{mesh} cap {cap} rank {}: to the byte", program.rank);
+                assert_eq!(predicted, rank.peak_bytes, "{mesh} zero {zero} cap {cap} rank {}", program.rank);
             }
         }
     }

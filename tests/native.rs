@@ -347,7 +347,12 @@ mod with_llvm {
             Instr::LoadTokens { out: tokens, region: vec![(0, 1), (0, 2)] },
             Instr::LoadPositions { out: positions, region: vec![(0, 2)] },
             Instr::AllReduce { inputs: vec![float], outs: vec![fresh(DType::F32, &[2, 4])], group: group.clone() },
-            Instr::ReduceScatter { input: float, out: fresh(DType::F32, &[2, 2]), group: group.clone(), dim: 1 },
+            Instr::ReduceScatter {
+                inputs: vec![float],
+                outs: vec![fresh(DType::F32, &[2, 2])],
+                group: group.clone(),
+                dims: vec![1],
+            },
             Instr::AllGather { input: float, out: fresh(DType::F32, &[4, 4]), group: group.clone(), dim: 0 },
             Instr::AllToAll {
                 input: float,

@@ -49,12 +49,13 @@ fn gradient_buckets_change_the_messages_not_the_numbers() {
     // The default buckets (25 MiB) hold all of tiny's gradients: one all-reduce over dp a step
     // for the gradients, where each gradient alone is one each. The bytes are the same, and so
     // are the losses, bit for bit (each element is summed over the same ranks in the same order).
-    for mesh in ["dp=4", "dp=2,tp=2"] {
-        let bucketed = train(mesh, 3, &[]);
-        let alone = train(mesh, 3, &["--bucket-mb", "0"]);
+    // Under ZeRO-2 and 3 the gradients' reduce-scatters are bucketed alike.
+    for (mesh, zero) in [("dp=4", "0"), ("dp=2,tp=2", "0"), ("dp=4", "2"), ("dp=2", "3")] {
+        let bucketed = train(mesh, 3, &["--zero", zero]);
+        let alone = train(mesh, 3, &["--zero", zero, "--bucket-mb", "0"]);
         assert_matches_reference(&bucketed, mesh);
-        assert_eq!(bucketed["losses"], alone["losses"], "{mesh}");
-        assert_eq!(bucketed["comm_bytes_per_step"], alone["comm_bytes_per_step"], "{mesh}");
+        assert_eq!(bucketed["losses"], alone["losses"], "{mesh} zero {zero}");
+        assert_eq!(bucketed["comm_bytes_per_step"], alone["comm_bytes_per_step"], "{mesh} zero {zero}");
     }
 }
 

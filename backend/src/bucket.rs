@@ -1,15 +1,17 @@
-//! Gradient bucketing: the gradients' all-reduces of a training step, merged into buckets of up to a
-//! size, each one message (PyTorch DDP's `bucket_cap_mb`, Megatron's grad buffer buckets).
+//! Gradient bucketing: the gradients' all-reduces (or, under ZeRO-2 and 3, reduce-scatters) of a
+//! training step, merged into buckets of up to a size, each one message (PyTorch DDP's
+//! `bucket_cap_mb`, DeepSpeed's `reduce_bucket_size`, Megatron's grad buffer buckets).
 //!
-//! A lowered data-parallel step all-reduces every gradient on its own as the backward finishes it,
-//! so a step pays each collective's latency once a parameter. Here consecutive all-reduces of the
-//! same group whose results only the program's outputs read are gathered, in program order, into
+//! A lowered data-parallel step reduces every gradient on its own as the backward finishes it, so
+//! a step pays each collective's latency once a parameter. Here consecutive reductions of one kind
+//! and group whose results only the program's outputs read are gathered, in program order, into
 //! buckets of at most `cap_bytes` of operands (a larger gradient is a bucket alone). A bucket runs
 //! where its last member did, so each earlier member's operand stays live until then (the frees
 //! between move after the bucket), and it packs its operands into one message while it runs
-//! (`memory::Staging::Bucket`): that is the memory a bucket costs, within the cap. Nothing else
-//! moves, so the overlap scheduler, which runs after, still starts each bucket as soon as its last
-//! gradient exists and the backward goes on beside it.
+//! (`memory::Staging::Bucket` for an all-reduce; a reduce-scatter stages its operands' blocks as
+//! one alone does): that is the memory a bucket costs, within the cap. Nothing else moves, so the
+//! overlap scheduler, which runs after, still starts each bucket as soon as its last gradient
+//! exists and the backward goes on beside it.
 //!
 //! Summing a concatenation is concatenating the sums, so the numbers are the same up to the order
 //! in which a ring adds the ranks' blocks (bit for bit on two ranks).
@@ -18,8 +20,9 @@ use std::collections::{HashMap, HashSet};
 
 use crate::program::{BufferId, Group, Instr, Program};
 
-/// The gradients' all-reduces of `program` merged into buckets of at most `cap_bytes` of operands;
-/// `cap_bytes = 0`, or a program with waits already placed, leaves it as it is.
+/// The gradients' all-reduces and reduce-scatters of `program` merged into buckets of at most
+/// `cap_bytes` of operands, each bucket of one kind and group; `cap_bytes = 0`, or a program with
+/// waits already placed, leaves it as it is.
 pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program {
     let instructions = &program.instructions;
     if cap_bytes == 0 || instructions.iter().any(|instr| matches!(instr, Instr::Wait { .. })) {
@@ -42,16 +45,17 @@ pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program 
     let mut open: Vec<usize> = Vec::new();
     let mut open_bytes = 0;
     for (at, instr) in instructions.iter().enumerate() {
-        let Some((input, _, group)) = candidate(instr) else { continue };
-        let bytes = program.buffer(input).bytes();
+        let Some(reduction) = candidate(instr) else { continue };
+        let bytes = program.buffer(reduction.input).bytes();
         let fits = open.first().is_some_and(|&first| {
-            let same_group = candidate(&instructions[first]).is_some_and(|(_, _, first_group)| first_group == group);
+            let first = candidate(&instructions[first]).expect("a member is a candidate");
+            let alike = first.group == reduction.group && first.dim.is_some() == reduction.dim.is_some();
             // The bucket runs here: every member's result must still be unread by then.
             let unread = open.iter().all(|&member| {
-                let (_, out, _) = candidate(&instructions[member]).expect("a member is a candidate");
-                first_output.get(&out).is_none_or(|&read| read > at)
+                let member = candidate(&instructions[member]).expect("a member is a candidate");
+                first_output.get(&member.out).is_none_or(|&read| read > at)
             });
-            same_group && unread && open_bytes + bytes <= cap_bytes
+            alike && unread && open_bytes + bytes <= cap_bytes
         });
         if !fits && !open.is_empty() {
             buckets.push(std::mem::take(&mut open));
@@ -70,8 +74,7 @@ pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program 
         let last = *bucket.last().expect("a bucket has members");
         runs_bucket.insert(last, bucket);
         for &member in &bucket[..bucket.len() - 1] {
-            let (input, _, _) = candidate(&instructions[member]).expect("a member is a candidate");
-            held.insert(input, last);
+            held.insert(candidate(&instructions[member]).expect("a member is a candidate").input, last);
         }
     }
     let merged: HashSet<usize> =
@@ -92,13 +95,18 @@ pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program 
         }
         match runs_bucket.get(&at) {
             Some(bucket) => {
-                let members: Vec<_> =
+                let members: Vec<Reduction> =
                     bucket.iter().map(|&member| candidate(&instructions[member]).expect("a member")).collect();
-                let group = members[0].2.clone();
-                out.push(Instr::AllReduce {
-                    inputs: members.iter().map(|member| member.0).collect(),
-                    outs: members.iter().map(|member| member.1).collect(),
-                    group,
+                let (inputs, outs) = members.iter().map(|member| (member.input, member.out)).unzip();
+                let group = members[0].group.clone();
+                out.push(match members[0].dim {
+                    None => Instr::AllReduce { inputs, outs, group },
+                    Some(_) => Instr::ReduceScatter {
+                        inputs,
+                        outs,
+                        group,
+                        dims: members.iter().filter_map(|member| member.dim).collect(),
+                    },
                 });
                 out.extend(deferred.remove(&at).unwrap_or_default());
             }
@@ -108,16 +116,24 @@ pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program 
     Program { instructions: out, ..program.clone() }
 }
 
-/// A single all-reduce whose result nothing but outputs and frees read (no buffer of
-/// `computed_from`): its operand, its result and its group.
-fn gradient_reduction<'p>(
-    instr: &'p Instr,
-    computed_from: &HashSet<BufferId>,
-) -> Option<(BufferId, BufferId, &'p Group)> {
-    match instr {
-        Instr::AllReduce { inputs, outs, group } if inputs.len() == 1 && !computed_from.contains(&outs[0]) => {
-            Some((inputs[0], outs[0], group))
-        }
+/// One gradient's reduction: a single all-reduce, or reduce-scatter on `dim`.
+struct Reduction<'p> {
+    input: BufferId,
+    out: BufferId,
+    group: &'p Group,
+    dim: Option<usize>,
+}
+
+/// A single all-reduce or reduce-scatter whose result nothing but outputs and frees read (no
+/// buffer of `computed_from`).
+fn gradient_reduction<'p>(instr: &'p Instr, computed_from: &HashSet<BufferId>) -> Option<Reduction<'p>> {
+    let (inputs, outs, group, dim) = match instr {
+        Instr::AllReduce { inputs, outs, group } => (inputs, outs, group, None),
+        Instr::ReduceScatter { inputs, outs, group, dims } => (inputs, outs, group, dims.first().copied()),
+        _ => return None,
+    };
+    match (inputs.as_slice(), outs.as_slice()) {
+        ([input], [out]) if !computed_from.contains(out) => Some(Reduction { input: *input, out: *out, group, dim }),
         _ => None,
     }
 }
@@ -200,6 +216,42 @@ mod tests {
         assert!(position(&Instr::Free { buf: id(0) }) > bucket);
         assert!(position(&Instr::Kernel { kernel: Kernel::Zeros, inputs: vec![], out: id(2) }) < bucket);
         assert_eq!(bucketed.instructions.len(), program.instructions.len() - 1);
+    }
+
+    #[test]
+    fn reduce_scatters_bucket_apart_from_all_reduces() {
+        // Two reduce-scatters (ZeRO-2's gradients) then two all-reduces: two buckets, one a kind,
+        // each member keeping its dim.
+        let mut program = gradients(&[100, 100, 100, 100]);
+        for (index, instr) in program.instructions.iter_mut().enumerate() {
+            if let Instr::AllReduce { inputs, outs, group } = instr {
+                if index < 6 {
+                    let (inputs, outs, group) = (inputs.clone(), outs.clone(), group.clone());
+                    *instr = Instr::ReduceScatter { inputs, outs, group, dims: vec![0] };
+                }
+            }
+        }
+        for out in [1, 3] {
+            program.buffers[out].shape = vec![50];
+        }
+        crate::validate::validate(&program).expect("a valid program");
+        let bucketed = bucket_gradient_reductions(&program, 1 << 20);
+        crate::validate::validate(&bucketed).expect("a valid program");
+        let id = BufferId::new;
+        let merged: Vec<_> = bucketed.instructions.iter().filter(|instr| instr.is_transfer()).cloned().collect();
+        let group = Group { axis: "dp".into(), ranks: vec![0, 1] };
+        assert_eq!(
+            merged,
+            vec![
+                Instr::ReduceScatter {
+                    inputs: vec![id(0), id(2)],
+                    outs: vec![id(1), id(3)],
+                    group: group.clone(),
+                    dims: vec![0, 0]
+                },
+                Instr::AllReduce { inputs: vec![id(4), id(6)], outs: vec![id(5), id(7)], group },
+            ]
+        );
     }
 
     #[test]

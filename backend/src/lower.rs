@@ -212,9 +212,12 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
             Op::AllReduce { axis } => {
                 Instr::AllReduce { inputs: vec![inputs[0]], outs: vec![out], group: group(*axis) }
             }
-            Op::ReduceScatter { axis, dim } => {
-                Instr::ReduceScatter { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
-            }
+            Op::ReduceScatter { axis, dim } => Instr::ReduceScatter {
+                inputs: vec![inputs[0]],
+                outs: vec![out],
+                group: group(*axis),
+                dims: vec![dim_index(*dim)],
+            },
             Op::AllGather { axis, dim } => {
                 Instr::AllGather { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
             }

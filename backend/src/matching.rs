@@ -13,7 +13,7 @@ fn describe(program: &Program, at: usize) -> String {
     let instr = &program.instructions[at];
     let (kind, dims) = match instr {
         Instr::AllReduce { .. } => ("all_reduce", String::new()),
-        Instr::ReduceScatter { dim, .. } => ("reduce_scatter", format!(" on dim {dim}")),
+        Instr::ReduceScatter { dims, .. } => ("reduce_scatter", format!(" on dims {dims:?}")),
         Instr::AllGather { dim, .. } => ("all_gather", format!(" on dim {dim}")),
         Instr::AllToAll { split_dim, gather_dim, .. } => {
             ("all_to_all", format!(" from dim {gather_dim} to dim {split_dim}"))

@@ -38,7 +38,7 @@ pub enum ElementSize {
 pub enum Staging {
     /// An all-gather's gathered blocks before they are joined: the output's size.
     AllGather,
-    /// A reduce-scatter's input split into chunks: the input's size.
+    /// A reduce-scatter's inputs split into chunks: the inputs' size.
     ReduceScatter,
     /// An all-to-all's outgoing chunks and incoming chunks: twice the input's size.
     AllToAll,
@@ -97,7 +97,9 @@ pub(crate) fn element_bytes(program: &Program, buffer: BufferId, sizing: Element
 pub fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Option<(Staging, u64)> {
     match instr {
         Instr::AllGather { out, .. } => Some((Staging::AllGather, element_bytes(program, *out, sizing))),
-        Instr::ReduceScatter { input, .. } => Some((Staging::ReduceScatter, element_bytes(program, *input, sizing))),
+        Instr::ReduceScatter { inputs, .. } => {
+            Some((Staging::ReduceScatter, inputs.iter().map(|&input| element_bytes(program, input, sizing)).sum()))
+        }
         // A single all-reduce works in place; a bucket packs its operands into one message.
         Instr::AllReduce { inputs, .. } if inputs.len() > 1 => {
             Some((Staging::Bucket, inputs.iter().map(|&input| element_bytes(program, input, sizing)).sum()))
@@ -329,7 +331,7 @@ mod tests {
         let group = Group { axis: "tp".into(), ranks: vec![0, 1] };
         // z = reduce_scatter(y) keeps half of y: [8, 2].
         program.buffers[3].shape = vec![8, 2];
-        program.instructions[4] = Instr::ReduceScatter { input: b(2), out: b(3), group, dim: 1 };
+        program.instructions[4] = Instr::ReduceScatter { inputs: vec![b(2)], outs: vec![b(3)], group, dims: vec![1] };
         let result = plan(&program, ElementSize::Declared);
         // Before: w 32 + y 64 = 96; staging y's 64 bytes: 160; storing z (32): 128.
         assert_eq!(result.peak_bytes, 160);

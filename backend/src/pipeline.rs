@@ -631,9 +631,12 @@ impl<'a> StageProgram<'a> {
             Instr::AllReduce { inputs, outs, group: g } => {
                 Instr::AllReduce { inputs: buffers(inputs), outs: buffers(outs), group: group(g) }
             }
-            Instr::ReduceScatter { input, out, group: g, dim } => {
-                Instr::ReduceScatter { input: buffer(input), out: buffer(out), group: group(g), dim: *dim }
-            }
+            Instr::ReduceScatter { inputs, outs, group: g, dims } => Instr::ReduceScatter {
+                inputs: buffers(inputs),
+                outs: buffers(outs),
+                group: group(g),
+                dims: dims.clone(),
+            },
             Instr::AllGather { input, out, group: g, dim } => {
                 Instr::AllGather { input: buffer(input), out: buffer(out), group: group(g), dim: *dim }
             }

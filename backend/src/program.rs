@@ -496,16 +496,18 @@ pub enum Instr {
         /// The group.
         group: Group,
     },
-    /// Sums `input` over `group` and keeps this rank's block of dim `dim`.
+    /// Sums each of `inputs` over `group` and keeps this rank's block of its dim in `dims` in the
+    /// `outs` at the same place. More than one is a bucket (`crate::bucket`): one message for
+    /// several gradients, each rank's blocks packed together while it runs.
     ReduceScatter {
-        /// Operand.
-        input: BufferId,
-        /// Result.
-        out: BufferId,
+        /// Operands.
+        inputs: Vec<BufferId>,
+        /// Results, one an operand.
+        outs: Vec<BufferId>,
         /// The group.
         group: Group,
-        /// The dim index split.
-        dim: usize,
+        /// The dim index each operand is split on.
+        dims: Vec<usize>,
     },
     /// Concatenates the group's blocks of dim `dim`.
     AllGather {
@@ -645,7 +647,8 @@ impl Instr {
             Instr::Broadcast { outs, .. }
             | Instr::Recv { outs, .. }
             | Instr::ExpertDispatch { outs, .. }
-            | Instr::AllReduce { outs, .. } => outs.clone(),
+            | Instr::AllReduce { outs, .. }
+            | Instr::ReduceScatter { outs, .. } => outs.clone(),
             other => other.out().into_iter().collect(),
         }
     }
@@ -654,7 +657,7 @@ impl Instr {
     pub fn out(&self) -> Option<BufferId> {
         match self {
             Instr::Broadcast { .. } | Instr::Send { .. } | Instr::Recv { .. } | Instr::ExpertDispatch { .. } => None,
-            Instr::AllReduce { outs, .. } => match outs.as_slice() {
+            Instr::AllReduce { outs, .. } | Instr::ReduceScatter { outs, .. } => match outs.as_slice() {
                 [out] => Some(*out),
                 _ => None,
             },
@@ -662,7 +665,6 @@ impl Instr {
             | Instr::LoadTokens { out, .. }
             | Instr::LoadPositions { out, .. }
             | Instr::Kernel { out, .. }
-            | Instr::ReduceScatter { out, .. }
             | Instr::AllGather { out, .. }
             | Instr::AllToAll { out, .. } => Some(*out),
             Instr::Output { .. } | Instr::Free { .. } | Instr::Wait { .. } => None,
@@ -672,13 +674,12 @@ impl Instr {
     pub fn inputs(&self) -> Vec<BufferId> {
         match self {
             Instr::Kernel { inputs, .. } => inputs.clone(),
-            Instr::ReduceScatter { input, .. } | Instr::AllGather { input, .. } | Instr::AllToAll { input, .. } => {
-                vec![*input]
-            }
+            Instr::AllGather { input, .. } | Instr::AllToAll { input, .. } => vec![*input],
             Instr::Output { buf, .. } => vec![*buf],
             Instr::Broadcast { inputs, .. }
             | Instr::ExpertDispatch { inputs, .. }
-            | Instr::AllReduce { inputs, .. } => inputs.clone(),
+            | Instr::AllReduce { inputs, .. }
+            | Instr::ReduceScatter { inputs, .. } => inputs.clone(),
             Instr::Send { bufs, .. } => bufs.clone(),
             Instr::Recv { .. } => Vec::new(),
             Instr::LoadParam { .. }

@@ -127,8 +127,9 @@ pub fn print_program(program: &Program) -> String {
             Instr::AllReduce { inputs, outs, group } => {
                 format!("{} = all_reduce({}) {}{:?}", list(outs), list(inputs), group.axis, group.ranks)
             }
-            Instr::ReduceScatter { input, out, group, dim } => {
-                format!("{out} = reduce_scatter({input}) dim={dim} {}{:?}", group.axis, group.ranks)
+            Instr::ReduceScatter { inputs, outs, group, dims } => {
+                let dims = dims.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+                format!("{} = reduce_scatter({}) dim={dims} {}{:?}", list(outs), list(inputs), group.axis, group.ranks)
             }
             Instr::AllGather { input, out, group, dim } => {
                 format!("{out} = all_gather({input}) dim={dim} {}{:?}", group.axis, group.ranks)

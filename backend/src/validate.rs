@@ -300,7 +300,26 @@ pub fn validate(program: &Program) -> Result<()> {
 fn check_collective_shapes(program: &Program, index: usize, instr: &Instr) -> Result<()> {
     let shape = |buffer: BufferId| program.buffer(buffer).shape.clone();
     let (input, out, parts, split, join) = match instr {
-        Instr::ReduceScatter { input, out, group, dim } => (*input, *out, group.ranks.len() as u64, Some(*dim), None),
+        Instr::ReduceScatter { inputs, outs, group, dims } => {
+            if inputs.is_empty() || inputs.len() != outs.len() || inputs.len() != dims.len() {
+                let counts = format!("{} operands, {} results and {} dims", inputs.len(), outs.len(), dims.len());
+                return Err(bad(index, format!("{counts}; each operand needs one of each")));
+            }
+            if inputs.len() > 1 {
+                // A bucket: each member as if alone.
+                for ((&input, &out), &dim) in inputs.iter().zip(outs).zip(dims) {
+                    let member = Instr::ReduceScatter {
+                        inputs: vec![input],
+                        outs: vec![out],
+                        group: group.clone(),
+                        dims: vec![dim],
+                    };
+                    check_collective_shapes(program, index, &member)?;
+                }
+                return Ok(());
+            }
+            (inputs[0], outs[0], group.ranks.len() as u64, Some(dims[0]), None)
+        }
         Instr::AllReduce { inputs, outs, .. } => {
             if inputs.is_empty() || inputs.len() != outs.len() {
                 return Err(bad(

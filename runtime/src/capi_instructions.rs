@@ -120,22 +120,25 @@ pub unsafe extern "C" fn pleat_rt_all_reduce(
 pub unsafe extern "C" fn pleat_rt_reduce_scatter(
     ctx: *mut c_void,
     instr: u64,
-    input: u32,
-    out: u32,
+    inputs: *const u32,
+    input_count: u64,
+    outs: *const u32,
+    out_count: u64,
     axis: *const u8,
     axis_length: u64,
     ranks: *const u32,
     rank_count: u64,
-    dim: u64,
+    dims: *const u64,
+    dim_count: u64,
 ) -> i32 {
     // SAFETY: the module's contract; the pointers are read with their counts.
     unsafe {
         instruction(ctx, instr, || {
             Some(Instr::ReduceScatter {
-                input: buffer(input),
-                out: buffer(out),
+                inputs: buffers(inputs, input_count),
+                outs: buffers(outs, out_count),
                 group: group(axis, axis_length, ranks, rank_count),
-                dim: dim as usize,
+                dims: slice(dims, dim_count).iter().map(|&dim| dim as usize).collect(),
             })
         })
     }

@@ -688,10 +688,23 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
             }
             Transfer::AllReduce { group: group(members), data }
         }
-        Instr::ReduceScatter { input, out, group: members, dim } => {
-            let shape = local_shape(program, *input);
-            let chunks = kernels::split_dim_chunks(&machine.f32(*input)?, &shape, *dim, members.ranks.len());
-            Transfer::ReduceScatter { group: group(members), chunks, output_len: program.buffer(*out).numel() as usize }
+        Instr::ReduceScatter { inputs, outs, group: members, dims } => {
+            // Each member's blocks; a bucket sends each rank its blocks of every member, packed.
+            let parts = members.ranks.len();
+            let mut split = Vec::with_capacity(inputs.len());
+            for (&input, &dim) in inputs.iter().zip(dims) {
+                let shape = local_shape(program, input);
+                split.push(kernels::split_dim_chunks(&machine.f32(input)?, &shape, dim, parts));
+            }
+            let mut chunks = Vec::with_capacity(split.iter().map(Vec::len).sum());
+            for part in 0..parts {
+                for member in &split {
+                    let run = member.len() / parts;
+                    chunks.extend_from_slice(&member[part * run..(part + 1) * run]);
+                }
+            }
+            let output_len = outs.iter().map(|&out| program.buffer(out).numel() as usize).sum();
+            Transfer::ReduceScatter { group: group(members), chunks, output_len }
         }
         Instr::AllGather { input, group: members, .. } => {
             Transfer::AllGather { group: group(members), input: machine.f32(*input)?.to_vec() }
@@ -751,7 +764,6 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
 fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<()> {
     let program = machine.program;
     match transfer {
-        Instr::ReduceScatter { out, .. } => machine.store_floats(*out, data),
         Instr::AllGather { out, group, dim, .. } => {
             let joined = kernels::join_dim_chunks(&data, &local_shape(program, *out), *dim, group.ranks.len());
             machine.store_floats(*out, joined)
@@ -770,7 +782,8 @@ fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<(
         Instr::Broadcast { outs, .. }
         | Instr::Recv { outs, .. }
         | Instr::ExpertDispatch { outs, .. }
-        | Instr::AllReduce { outs, .. } => {
+        | Instr::AllReduce { outs, .. }
+        | Instr::ReduceScatter { outs, .. } => {
             let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
             unpack(machine, outs, &sizes, &data)
         }

@@ -1,11 +1,11 @@
-//! `pleat bench buckets`: a data-parallel training step with every gradient all-reduced alone and
+//! `pleat bench buckets`: a data-parallel training step with every gradient reduced alone and
 //! with the gradients bucketed (`pleat_backend::bucket`), side by side over an emulated link.
 //!
 //! Both come from one compile of the training step; each is then scheduled for overlap as `pleat
 //! run --train` schedules it. Runs alternate (alone, bucketed, alone, ...) so that both see the
 //! same machine, and each figure is the median over `--repeats` of one step's time: from the
 //! first instruction's start to the last one's end, the slowest rank's (the optimizer's update is
-//! outside it). Also reported: the all-reduce messages a rank sends a step and the planned peak
+//! outside it). Also reported: the reductions (all-reduce or reduce-scatter messages) a rank sends a step and the planned peak
 //! of each program (a bucket holds its gradients until its last one, and packs them), and whether
 //! the two give bitwise the same losses.
 
@@ -38,6 +38,9 @@ pub struct BucketArgs {
     /// The bucketed program's cap, MiB.
     #[arg(long, default_value_t = 25)]
     pub bucket_mb: u64,
+    /// ZeRO stage over dp: 2 and 3 reduce-scatter the gradients instead of all-reducing them.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero: u8,
     /// The link every message is delivered over, GBPS,US (e.g. `10,200`): a latency a message
     /// is what buckets save.
     #[arg(long, value_name = "GBPS,US")]
@@ -50,9 +53,13 @@ pub struct BucketArgs {
     pub format: Format,
 }
 
-/// The all-reduce messages `program` sends a step.
-fn all_reduce_messages(program: &Program) -> usize {
-    program.instructions.iter().filter(|instr| matches!(instr, Instr::AllReduce { .. })).count()
+/// The reductions (all-reduces and reduce-scatters) `program` sends a step.
+fn reduction_messages(program: &Program) -> usize {
+    program
+        .instructions
+        .iter()
+        .filter(|instr| matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. }))
+        .count()
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -70,7 +77,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
     let shape = (args.target.batch, args.target.seq);
     let pipelining =
         Pipelining { micro_batches: 1, schedule: crate::schedule::ScheduleName::OneFOneB, chunks: None, layers: None };
-    let state = (0, pleat_passes::autodiff::Recompute::None);
+    let state = (args.zero, pleat_passes::autodiff::Recompute::None);
     let compiled = compile_training(&config, shape, &mesh, args.target.strategy, state, &pipelining)?;
     let prepare = |cap: u64| -> Result<Vec<Program>> {
         let programs: Vec<Program> =
@@ -126,12 +133,12 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
     let ratio = if alone_step > 0.0 { bucketed_step / alone_step } else { 1.0 };
     let peak = |programs: &[Program]| programs.iter().map(|p| plan(p, ElementSize::Fixed(4)).peak_bytes).max();
     let rows = [
-        ("alone", all_reduce_messages(&alone[0]), alone_step, peak(&alone).unwrap_or(0)),
-        ("bucketed", all_reduce_messages(&bucketed[0]), bucketed_step, peak(&bucketed).unwrap_or(0)),
+        ("alone", reduction_messages(&alone[0]), alone_step, peak(&alone).unwrap_or(0)),
+        ("bucketed", reduction_messages(&bucketed[0]), bucketed_step, peak(&bucketed).unwrap_or(0)),
     ];
     match args.format {
         Format::Json => {
-            let row = |(_, messages, step_s, peak): (&str, usize, f64, u64)| json!({ "all_reduce_messages": messages, "step_s": step_s, "planned_peak_bytes": peak });
+            let row = |(_, messages, step_s, peak): (&str, usize, f64, u64)| json!({ "reduction_messages": messages, "step_s": step_s, "planned_peak_bytes": peak });
             println!(
                 "{}",
                 serde_json::to_string_pretty(&json!({
@@ -156,10 +163,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
                 args.emulate_link,
                 args.repeats.max(1)
             );
-            println!(
-                "  {:<10} {:>20} {:>10} {:>18}",
-                "gradients", "all-reduce messages", "step ms", "planned peak MiB"
-            );
+            println!("  {:<10} {:>20} {:>10} {:>18}", "gradients", "reduction messages", "step ms", "planned peak MiB");
             for (name, messages, step_s, peak) in rows {
                 println!("  {name:<10} {messages:>20} {:>10.2} {:>18.2}", step_s * 1e3, peak as f64 / (1 << 20) as f64);
             }

@@ -191,9 +191,13 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
             "pleat_rt_all_reduce",
             [Buffers(inputs.clone()), Buffers(outs.clone())].into_iter().chain(group(members)).collect(),
         ),
-        Instr::ReduceScatter { input, out, group: members, dim } => (
+        Instr::ReduceScatter { inputs, outs, group: members, dims } => (
             "pleat_rt_reduce_scatter",
-            [Buffer(*input), Buffer(*out)].into_iter().chain(group(members)).chain([U64(*dim as u64)]).collect(),
+            [Buffers(inputs.clone()), Buffers(outs.clone())]
+                .into_iter()
+                .chain(group(members))
+                .chain([AbiArg::U64s(dims.iter().map(|&dim| dim as u64).collect())])
+                .collect(),
         ),
         Instr::AllGather { input, out, group: members, dim } => {
             let args = [Buffer(*input), Buffer(*out)].into_iter().chain(group(members)).chain([U64(*dim as u64)]);
