@@ -21,6 +21,7 @@ use pleat_runtime::comm::LinkSpec;
 use pleat_runtime::train::{train_on_threads, AdamWSettings, TrainOptions};
 use serde_json::json;
 
+use super::median;
 use crate::compile::ModelOnMesh;
 use crate::run::{weight_source, Format};
 use crate::train::{compile_training, Pipelining};
@@ -60,11 +61,6 @@ fn reduction_messages(program: &Program) -> usize {
         .iter()
         .filter(|instr| matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. }))
         .count()
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Runs `pleat bench buckets`.

@@ -38,6 +38,13 @@ pub enum BenchCommand {
     Buckets(buckets::BucketArgs),
 }
 
+/// The middle of `values` (the upper one of an even count; 0 for none): what a bench reports of
+/// its repeated runs.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// Runs `pleat bench`.
 pub fn bench(args: &BenchArgs) -> Result<()> {
     match &args.what {

@@ -31,6 +31,7 @@ use pleat_runtime::comm::LinkSpec;
 use pleat_runtime::RankOutcome;
 use serde_json::json;
 
+use super::median;
 use crate::compile::ModelOnMesh;
 use crate::run::{link_options, run_programs, weight_source, Format};
 
@@ -101,11 +102,6 @@ pub fn measure(programs: &[Program], outcomes: &[RankOutcome]) -> Measured {
         }
     }
     measured
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Runs `pleat bench overlap`.
