@@ -40,7 +40,9 @@ pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program 
             other => computed_from.extend(other.inputs()),
         }
     }
-    let candidate = |instr| gradient_reduction(instr, &computed_from);
+    // A reduction whose result is an output (a gradient): a dead result would be freed early.
+    let candidate =
+        |instr| gradient_reduction(instr, &computed_from).filter(|reduction| first_output.contains_key(&reduction.out));
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let mut open: Vec<usize> = Vec::new();
     let mut open_bytes = 0;
