@@ -491,7 +491,7 @@ pub enum Instr {
     AllReduce {
         /// Operands.
         inputs: Vec<BufferId>,
-        /// Results, one an operand, of the same shapes.
+        /// Results, one for each operand, of its shape.
         outs: Vec<BufferId>,
         /// The group.
         group: Group,
@@ -502,7 +502,7 @@ pub enum Instr {
     ReduceScatter {
         /// Operands.
         inputs: Vec<BufferId>,
-        /// Results, one an operand.
+        /// Results, one for each operand.
         outs: Vec<BufferId>,
         /// The group.
         group: Group,
