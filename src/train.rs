@@ -258,6 +258,16 @@ pub fn compile_training(
     Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new(), loss_micro_batches })
 }
 
+/// A training step's programs as the threads runtime runs them: the gradients' reductions in
+/// buckets of up to `bucket_mb` MiB (0: each alone), then scheduled for overlap unless
+/// `no_overlap`.
+pub fn bucket_and_schedule(programs: &[Program], bucket_mb: u64, no_overlap: bool) -> Result<Vec<Program>> {
+    let cap = bucket_mb.saturating_mul(1 << 20);
+    let bucketed: Vec<Program> = programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
+    pleat_backend::verify_collectives(&bucketed)?;
+    crate::predict::overlap_for_cpu(bucketed, no_overlap)
+}
+
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file.
 pub fn token_batches(
     data: Option<&Path>,
@@ -331,10 +341,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining)?;
     // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
     if compiled.step_spans.is_empty() {
-        let cap = flags.bucket_mb.saturating_mul(1 << 20);
-        compiled.programs = compiled.programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
-        pleat_backend::verify_collectives(&compiled.programs)?;
-        compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
+        compiled.programs = bucket_and_schedule(&compiled.programs, flags.bucket_mb, args.no_overlap)?;
     }
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {
@@ -353,14 +360,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
     let max_grad_norm = (flags.max_grad_norm > 0.0).then_some(flags.max_grad_norm);
     let adamw = AdamWConfig { learning_rate: flags.lr, max_grad_norm, ..AdamWConfig::default() };
-    let settings = AdamWSettings {
-        learning_rate: adamw.learning_rate,
-        beta1: adamw.beta1,
-        beta2: adamw.beta2,
-        eps: adamw.eps,
-        weight_decay: adamw.weight_decay,
-        max_grad_norm: adamw.max_grad_norm,
-    };
+    let settings = AdamWSettings::from(&adamw);
     let resume_moments = resume.as_ref().map(|resume| &resume.state as &dyn WeightSource);
     // Train in chunks of --save-every steps, each starting from the last one's state in memory
     // (the same blocks, so the same numbers as one run), and save after each.

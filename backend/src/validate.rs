@@ -297,52 +297,62 @@ pub fn validate(program: &Program) -> Result<()> {
 
 /// The shapes a collective's input and output must have: the executor splits and joins blocks along
 /// the named dims, so a dim outside the shape or a block that does not divide would be a crash there.
+/// A bucket's members (several operands) are each checked as if alone.
 fn check_collective_shapes(program: &Program, index: usize, instr: &Instr) -> Result<()> {
-    let shape = |buffer: BufferId| program.buffer(buffer).shape.clone();
-    let (input, out, parts, split, join) = match instr {
+    let members: Vec<Member> = match instr {
         Instr::ReduceScatter { inputs, outs, group, dims } => {
             if inputs.is_empty() || inputs.len() != outs.len() || inputs.len() != dims.len() {
                 let counts = format!("{} operands, {} results and {} dims", inputs.len(), outs.len(), dims.len());
                 return Err(bad(index, format!("{counts}; each operand needs one of each")));
             }
-            if inputs.len() > 1 {
-                // A bucket: each member as if alone.
-                for ((&input, &out), &dim) in inputs.iter().zip(outs).zip(dims) {
-                    let member = Instr::ReduceScatter {
-                        inputs: vec![input],
-                        outs: vec![out],
-                        group: group.clone(),
-                        dims: vec![dim],
-                    };
-                    check_collective_shapes(program, index, &member)?;
-                }
-                return Ok(());
-            }
-            (inputs[0], outs[0], group.ranks.len() as u64, Some(dims[0]), None)
+            let parts = group.ranks.len() as u64;
+            inputs
+                .iter()
+                .zip(outs)
+                .zip(dims)
+                .map(|((&input, &out), &dim)| Member { input, out, parts, split: Some(dim), join: None })
+                .collect()
         }
-        Instr::AllReduce { inputs, outs, .. } => {
+        Instr::AllReduce { inputs, outs, group } => {
             if inputs.is_empty() || inputs.len() != outs.len() {
-                return Err(bad(
-                    index,
-                    format!("{} operands and {} results; each operand needs one", inputs.len(), outs.len()),
-                ));
+                let counts = format!("{} operands and {} results", inputs.len(), outs.len());
+                return Err(bad(index, format!("{counts}; each operand needs one")));
             }
-            for (&input, &out) in inputs.iter().zip(outs) {
-                if shape(input) != shape(out) {
-                    return Err(bad(
-                        index,
-                        format!("{input} has shape {:?} and its result {out} {:?}", shape(input), shape(out)),
-                    ));
-                }
-            }
-            return Ok(());
+            let parts = group.ranks.len() as u64;
+            inputs
+                .iter()
+                .zip(outs)
+                .map(|(&input, &out)| Member { input, out, parts, split: None, join: None })
+                .collect()
         }
-        Instr::AllGather { input, out, group, dim } => (*input, *out, group.ranks.len() as u64, None, Some(*dim)),
-        Instr::AllToAll { input, out, group, split_dim, gather_dim } => {
-            (*input, *out, group.ranks.len() as u64, Some(*split_dim), Some(*gather_dim))
+        Instr::AllGather { input, out, group, dim } => {
+            vec![Member { input: *input, out: *out, parts: group.ranks.len() as u64, split: None, join: Some(*dim) }]
         }
+        Instr::AllToAll { input, out, group, split_dim, gather_dim } => vec![Member {
+            input: *input,
+            out: *out,
+            parts: group.ranks.len() as u64,
+            split: Some(*split_dim),
+            join: Some(*gather_dim),
+        }],
         _ => return Ok(()),
     };
+    members.iter().try_for_each(|member| check_member_shapes(program, index, member))
+}
+
+/// One operand of a collective and its result: `out` must be `input` with dim `split` divided
+/// and dim `join` multiplied by `parts` (the group's size).
+struct Member {
+    input: BufferId,
+    out: BufferId,
+    parts: u64,
+    split: Option<usize>,
+    join: Option<usize>,
+}
+
+fn check_member_shapes(program: &Program, index: usize, member: &Member) -> Result<()> {
+    let &Member { input, out, parts, split, join } = member;
+    let shape = |buffer: BufferId| program.buffer(buffer).shape.clone();
     let (input_shape, out_shape) = (shape(input), shape(out));
     let mut expected = input_shape.clone();
     for (dim, grow) in split.map(|dim| (dim, false)).into_iter().chain(join.map(|dim| (dim, true))) {

@@ -640,6 +640,15 @@ pub(crate) fn nanos_since(epoch: Instant) -> u64 {
 }
 
 /// Splits a packed message into `outs`, `sizes[i]` elements each.
+/// `buffers` as f32, one after another: what a transfer of several buffers sends.
+fn pack(machine: &Machine, buffers: &[BufferId]) -> Result<Vec<f32>> {
+    let mut packed = Vec::new();
+    for &buffer in buffers {
+        packed.extend_from_slice(&machine.f32(buffer)?);
+    }
+    Ok(packed)
+}
+
 fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f32]) -> Result<()> {
     let mut offset = 0;
     for (&out, &size) in outs.iter().zip(sizes) {
@@ -682,11 +691,7 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
     let group = |group: &pleat_backend::Group| CommGroup { ranks: group.ranks.clone() };
     Ok(match transfer {
         Instr::AllReduce { inputs, group: members, .. } => {
-            let mut data = Vec::new();
-            for &input in inputs {
-                data.extend_from_slice(&machine.f32(input)?);
-            }
-            Transfer::AllReduce { group: group(members), data }
+            Transfer::AllReduce { group: group(members), data: pack(machine, inputs)? }
         }
         Instr::ReduceScatter { inputs, outs, group: members, dims } => {
             // Each member's blocks; a bucket sends each rank its blocks of every member, packed.
@@ -715,15 +720,11 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
             Transfer::AllToAll { group: group(members), chunks }
         }
         Instr::Broadcast { inputs: sources, outs, group: members, root } => {
-            let size: usize = outs.iter().map(|&out| program.buffer(out).numel() as usize).sum();
-            let mut packed = Vec::with_capacity(size);
-            if members.ranks.get(*root) == Some(&program.rank) {
-                for &source in sources {
-                    packed.extend_from_slice(&machine.f32(source)?);
-                }
+            let packed = if members.ranks.get(*root) == Some(&program.rank) {
+                pack(machine, sources)?
             } else {
-                packed.resize(size, 0.0);
-            }
+                vec![0.0; outs.iter().map(|&out| program.buffer(out).numel() as usize).sum()]
+            };
             Transfer::Broadcast { group: group(members), root: *root, packed }
         }
         Instr::Send { bufs, peer } => {

@@ -49,6 +49,20 @@ pub struct AdamWSettings {
     pub max_grad_norm: Option<f64>,
 }
 
+impl From<&pleat_ir::optim::AdamWConfig> for AdamWSettings {
+    /// The reference optimizer's configuration, field for field.
+    fn from(config: &pleat_ir::optim::AdamWConfig) -> AdamWSettings {
+        AdamWSettings {
+            learning_rate: config.learning_rate,
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            weight_decay: config.weight_decay,
+            max_grad_norm: config.max_grad_norm,
+        }
+    }
+}
+
 /// What to train for.
 pub struct TrainOptions<'a> {
     /// Steps to take.

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pleat_backend::bucket::bucket_gradient_reductions;
 use pleat_backend::memory::{plan, ElementSize};
 use pleat_backend::{Instr, Program};
 use pleat_ir::model::stream::synthetic_tokens;
+use pleat_ir::optim::AdamWConfig;
 use pleat_runtime::comm::LinkSpec;
 use pleat_runtime::train::{train_on_threads, AdamWSettings, TrainOptions};
 use serde_json::json;
@@ -24,7 +24,7 @@ use serde_json::json;
 use super::median;
 use crate::compile::ModelOnMesh;
 use crate::run::{weight_source, Format};
-use crate::train::{compile_training, Pipelining};
+use crate::train::{bucket_and_schedule, compile_training, Pipelining};
 
 /// The version of the `--format json` output.
 const SCHEMA: &str = "pleat.bench.buckets/1";
@@ -75,25 +75,13 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
         Pipelining { micro_batches: 1, schedule: crate::schedule::ScheduleName::OneFOneB, chunks: None, layers: None };
     let state = (args.zero, pleat_passes::autodiff::Recompute::None);
     let compiled = compile_training(&config, shape, &mesh, args.target.strategy, state, &pipelining)?;
-    let prepare = |cap: u64| -> Result<Vec<Program>> {
-        let programs: Vec<Program> =
-            compiled.programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
-        pleat_backend::verify_collectives(&programs)?;
-        crate::predict::overlap_for_cpu(programs, args.target.no_overlap)
-    };
-    let alone = prepare(0)?;
-    let bucketed = prepare(args.bucket_mb.saturating_mul(1 << 20))?;
+    let alone = bucket_and_schedule(&compiled.programs, 0, args.target.no_overlap)?;
+    let bucketed = bucket_and_schedule(&compiled.programs, args.bucket_mb, args.target.no_overlap)?;
     let weights = weight_source(None, 0)?;
     let batches = |step: u32| synthetic_tokens(0, u64::from(step), shape.0, shape.1, config.vocab_size);
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
-    let adamw = AdamWSettings {
-        learning_rate: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.0,
-        max_grad_norm: None,
-    };
+    // The update is outside the timed step; no decay or clipping to perturb the losses compared.
+    let adamw = AdamWSettings::from(&AdamWConfig { weight_decay: 0.0, max_grad_norm: None, ..AdamWConfig::default() });
     let options = TrainOptions {
         steps: 1,
         adamw,
