@@ -26,7 +26,9 @@ pub fn launch(args: &RunArgs) -> Result<()> {
     for (rank, library) in libraries.iter().enumerate() {
         match ExecutionPath::of(library.as_ref()) {
             ExecutionPath::NativeEntry => {}
-            ExecutionPath::Bytecode => bail!(not_launchable(format!("rank {rank} has no library rank{rank}.so"))),
+            ExecutionPath::Bytecode | ExecutionPath::NativeExecutable => {
+                bail!(not_launchable(format!("rank {rank} has no library rank{rank}.so")))
+            }
             ExecutionPath::NativeKernels => {
                 bail!(not_launchable(format!("rank{rank}.so has no entry function (an older pleat wrote it)")))
             }

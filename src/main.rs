@@ -10,6 +10,7 @@ mod checkpoint;
 mod compare;
 mod compile;
 mod demo;
+mod exe;
 mod explain;
 mod fingerprint;
 mod inputs;

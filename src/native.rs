@@ -1,11 +1,12 @@
 //! `pleat compile --emit`: native code for each rank through LLVM (feature `llvm`): its elementwise
-//! and row-wise kernels and an entry function that runs the whole program; and `pleat run`'s loading
-//! of the shared libraries it writes, with the path each rank takes ([`ExecutionPath`]).
+//! and row-wise kernels and an entry function that runs the whole program, as a shared library or as
+//! an executable linked with the static runtime (`pleat-rt`); and `pleat run`'s loading of the
+//! shared libraries it writes, with the path each rank takes ([`ExecutionPath`]).
 //!
 //! Without the `llvm` feature, `--emit` is refused with an error that says so; loading libraries
 //! that a build with the feature wrote needs no LLVM.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use pleat_backend::Program;
@@ -22,14 +23,21 @@ pub enum Emit {
     Obj,
     /// A host shared library (`.so`) that `pleat run DIR` loads; its entry function runs the rank.
     So,
+    /// A rank executable (`rank<i>`, no extension): the rank's object linked with the static runtime
+    /// `libpleat_rt.a` and MPI; `pleat run DIR` starts one process a rank with mpirun.
+    Exe,
     /// PTX for sm_80 and sm_90 (`.sm_80.ptx`, `.sm_90.ptx`).
     Ptx,
 }
 
-/// Refuses `--emit` when pleat was built without LLVM, before any work is done.
+/// Refuses `--emit` when pleat was built without LLVM, and `--emit exe` when the static runtime
+/// cannot be found, before any work is done.
 pub fn check_available(emit: &[Emit]) -> Result<()> {
     if !emit.is_empty() && !cfg!(feature = "llvm") {
         anyhow::bail!(crate::usage::UsageError::NativeUnavailable);
+    }
+    if emit.contains(&Emit::Exe) {
+        runtime_library()?;
     }
     Ok(())
 }
@@ -40,11 +48,53 @@ pub fn schedule(programs: &mut [Program]) -> usize {
     programs.iter_mut().map(pleat_backend::native::schedule_for_fusion).sum()
 }
 
+/// The environment variable that names the static runtime `--emit exe` links with.
+pub const RUNTIME_LIBRARY_ENV: &str = "PLEAT_RUNTIME_LIB";
+
+/// The static runtime (`libpleat_rt.a`, package `pleat-rt`) that `--emit exe` links each rank with:
+/// `$PLEAT_RUNTIME_LIB`, else the file beside this executable (where `cargo build -p pleat-rt`
+/// puts it), else the newest in that directory's `deps/` (where `cargo test --workspace` builds it).
+pub fn runtime_library() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(RUNTIME_LIBRARY_ENV) {
+        let path = PathBuf::from(path);
+        if path.is_file() {
+            return Ok(path);
+        }
+        anyhow::bail!(crate::usage::UsageError::RuntimeLibraryNotFound {
+            searched: format!("{} (${RUNTIME_LIBRARY_ENV})", path.display())
+        });
+    }
+    let exe = std::env::current_exe()?;
+    let beside = exe.parent().unwrap_or(Path::new(".")).to_path_buf();
+    let named = beside.join("libpleat_rt.a");
+    if named.is_file() {
+        return Ok(named);
+    }
+    let deps = beside.join("deps");
+    let newest = std::fs::read_dir(&deps)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            name.starts_with("libpleat_rt-") && name.ends_with(".a")
+        })
+        .filter_map(|entry| Some((entry.metadata().ok()?.modified().ok()?, entry.path())))
+        .max();
+    newest.map(|(_, path)| path).ok_or_else(|| {
+        crate::usage::UsageError::RuntimeLibraryNotFound {
+            searched: format!("{} or {}/libpleat_rt-*.a", named.display(), deps.display()),
+        }
+        .into()
+    })
+}
+
 /// Writes every `emit` artifact for every program into `dir`; returns the file names written.
 #[cfg(feature = "llvm")]
 pub fn emit(programs: &[Program], emit: &[Emit], target_cpu: Option<&str>, dir: &Path) -> Result<Vec<String>> {
     use pleat_backend::llvm::{Artifact, CodegenOptions};
-    let options = CodegenOptions { target_cpu: target_cpu.map(str::to_string) };
+    let runtime_library = emit.contains(&Emit::Exe).then(runtime_library).transpose()?;
+    let options = CodegenOptions { target_cpu: target_cpu.map(str::to_string), runtime_library };
     let mut written = Vec::new();
     for &kind in emit {
         let artifact = match kind {
@@ -52,6 +102,7 @@ pub fn emit(programs: &[Program], emit: &[Emit], target_cpu: Option<&str>, dir: 
             Emit::Asm => Artifact::Asm,
             Emit::Obj => Artifact::Object,
             Emit::So => Artifact::SharedLibrary,
+            Emit::Exe => Artifact::Executable,
             Emit::Ptx => Artifact::Ptx,
         };
         for program in programs {
@@ -80,6 +131,9 @@ pub enum ExecutionPath {
     NativeKernels,
     /// The library's entry function (`pleat_rank_main`) ran the program, calling the runtime's C ABI.
     NativeEntry,
+    /// The rank's executable (`DIR/rank<i>`) ran the program as an MPI process through its entry
+    /// function, calling the static runtime's C ABI.
+    NativeExecutable,
 }
 
 impl ExecutionPath {
@@ -98,6 +152,7 @@ impl ExecutionPath {
             ExecutionPath::Bytecode => "bytecode",
             ExecutionPath::NativeKernels => "bytecode+native-kernels",
             ExecutionPath::NativeEntry => "native-entry",
+            ExecutionPath::NativeExecutable => "native-executable",
         }
     }
 }

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use pleat_runtime::comm::{CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm};
+use pleat_runtime::comm::{
+    gemm_threads_per_process, CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm,
+};
 use pleat_runtime::{assemble, execute, OutputBlock, RankOutcome, RunInputs};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -97,7 +99,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     let exit_at = exit_hook(rank)?;
     let outcome = {
         let mut hooked = ExitAtCall { inner: &mut comm, exit_at, calls: 0 };
-        execute(program, &mut hooked, &inputs, gemm_threads())
+        execute(program, &mut hooked, &inputs, gemm_threads_per_process())
     };
     let outcome = match outcome {
         Ok(outcome) => outcome,
@@ -177,14 +179,6 @@ pub fn rank(args: &RankArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// GEMM threads a rank: the cores shared among the ranks on this node (Open MPI says how many).
-fn gemm_threads() -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let local_ranks =
-        std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|value| value.parse::<usize>().ok()).unwrap_or(1);
-    (cores / local_ranks.max(1)).max(1)
 }
 
 /// The communication call at which the test hook stops this rank, if it names this rank.

@@ -188,6 +188,8 @@ fn execution_names(result: &RunResult) -> Vec<&'static str> {
 pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
     let mut native = Vec::new();
+    // A compiled directory's rank executables, when it has no libraries: they run as processes.
+    let mut executables = None;
     let (config, programs, mesh, weights_path, batch, seq) = match resolve(&args.model)? {
         ModelSource::Compiled(dir) => {
             if args.precision.is_some() {
@@ -195,6 +197,9 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             }
             let (plan, config, programs) = read_compiled(&dir)?;
             native = crate::native::load(&dir, &programs)?;
+            if native.iter().all(Option::is_none) {
+                executables = crate::exe::executables(&dir, &programs)?.map(|paths| (dir.clone(), paths));
+            }
             for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
                 if given.is_some_and(|given| given != planned) {
                     bail!(UsageError::DiffersFromPlan { flag, given: given.unwrap_or(0), planned });
@@ -221,10 +226,28 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
     let options = link_options(args.timeout, args.emulate_link);
-    let (logits_shape, logits, outcomes) =
-        run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
+    let (logits_shape, logits, outcomes, execution) = match &executables {
+        Some((dir, paths)) => {
+            if args.emulate_link.is_some() {
+                bail!(UsageError::ExecutablesFailed {
+                    dir: dir.display().to_string(),
+                    reason: "--emulate-link shapes the threads communicator; the executables talk over MPI".into(),
+                });
+            }
+            let inputs =
+                crate::exe::ExeInputs { weights: weights_path.as_deref(), seed: args.seed, timeout: args.timeout };
+            let outcomes = crate::exe::run_executables(dir, paths, &tokens, &inputs)?;
+            let (shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
+            (shape, logits, outcomes, vec![crate::native::ExecutionPath::NativeExecutable; paths.len()])
+        }
+        None => {
+            let (shape, logits, outcomes) =
+                run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
+            let execution = native.iter().map(|table| crate::native::ExecutionPath::of(table.as_ref())).collect();
+            (shape, logits, outcomes, execution)
+        }
+    };
     let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
-    let execution = native.iter().map(|table| crate::native::ExecutionPath::of(table.as_ref())).collect();
     let (max_abs_err, tolerance) = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
         (Some(max_abs_diff(&logits, &reference)), logits_tolerance(&programs, &reference))

@@ -100,6 +100,41 @@ pub enum UsageError {
     )]
     #[diagnostic(code(E0526), help("drop --emit, or rebuild pleat with the default features"))]
     NativeUnavailable,
+    /// `--emit exe` without the static runtime to link the ranks with.
+    #[error(
+        "--emit exe links each rank with the static runtime libpleat_rt.a, which is not at {searched}; build it with \
+         `cargo build --release -p pleat-rt` (it needs Open MPI: apt-get install libopenmpi-dev libclang-dev) or \
+         name it with PLEAT_RUNTIME_LIB=PATH"
+    )]
+    #[diagnostic(
+        code(E0537),
+        help("build the static runtime with `cargo build --release -p pleat-rt`, or set PLEAT_RUNTIME_LIB")
+    )]
+    RuntimeLibraryNotFound {
+        /// The places looked in.
+        searched: String,
+    },
+    /// A compiled directory with executables for some ranks only.
+    #[error("{dir} has rank executables, but not rank{rank}; compile it again with `pleat compile ... --emit exe`")]
+    #[diagnostic(code(E0538), help("compile the directory again with `--emit exe`"))]
+    ExecutablesIncomplete {
+        /// The directory.
+        dir: String,
+        /// A rank without an executable.
+        rank: u32,
+    },
+    /// Running a directory's rank executables failed or was refused.
+    #[error("cannot run the rank executables of {dir}: {reason}")]
+    #[diagnostic(
+        code(E0539),
+        help("the rank executables run under mpirun (install openmpi-bin); read the ranks' report above")
+    )]
+    ExecutablesFailed {
+        /// The directory.
+        dir: String,
+        /// What went wrong and how to fix it.
+        reason: String,
+    },
     /// `pleat launch` of something other than a compiled directory whose every rank has a library
     /// with an entry function.
     #[error("cannot launch {dir}: {reason}; compile it with `pleat compile MODEL --mesh ... --emit so --out DIR`")]
@@ -633,7 +668,12 @@ impl UsageError {
             UsageError::SizesRange { .. } | UsageError::SizesZero { .. } | UsageError::SizeUnit { .. } => {
                 vec![("flag", "--sizes".to_string())]
             }
-            UsageError::NativeUnavailable => vec![("flag", "--emit".to_string())],
+            UsageError::NativeUnavailable | UsageError::RuntimeLibraryNotFound { .. } => {
+                vec![("flag", "--emit".to_string())]
+            }
+            UsageError::ExecutablesIncomplete { dir, .. } | UsageError::ExecutablesFailed { dir, .. } => {
+                vec![("file", dir.clone())]
+            }
             UsageError::NotLaunchable { dir, .. } => vec![("file", dir.clone())],
             UsageError::CompiledNotAccepted { model, .. } => vec![("file", model.clone())],
             UsageError::MpiWorldSize { dir, .. } => vec![("file", dir.display().to_string())],

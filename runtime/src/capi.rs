@@ -49,9 +49,21 @@ pub fn execute_entry(
     gemm_threads: usize,
     library: &NativeKernels,
 ) -> Result<RankOutcome> {
+    let entry = entry_for(program, library)?;
+    execute_entry_function(program, comm, inputs, gemm_threads, entry)
+}
+
+/// Runs `program` by calling `entry`, the entry function generated for it (the caller has checked
+/// the fingerprint: a rank executable's own, linked beside it by `pleat compile --emit exe`).
+pub fn execute_entry_function(
+    program: &Program,
+    comm: &mut dyn Communicator,
+    inputs: &RunInputs,
+    gemm_threads: usize,
+    entry: EntryFunction,
+) -> Result<RankOutcome> {
     // The linker keeps (and the executable exports) only functions something references.
     std::hint::black_box(exported_functions());
-    let entry = entry_for(program, library)?;
     let run = Run::new(program, comm, inputs, gemm_threads)?;
     let context = call_entry(RankContext { run, next_instr: 0, begun: false, check_only: false, error: None }, entry)?;
     Ok(context.run.finish())

@@ -16,6 +16,7 @@ mod expert_dispatch;
 pub mod kernels;
 pub mod launch;
 pub mod native;
+pub mod outcome_file;
 mod stream;
 pub mod train;
 pub mod weights;

@@ -25,7 +25,7 @@ type KernelFunction = unsafe extern "C" fn(*const *const f32, *mut f32);
 /// `void pleat_fused_<i>(const float* const* inputs, float* sum, float* normed)`.
 type FusedFunction = unsafe extern "C" fn(*const *const f32, *mut f32, *mut f32);
 /// `uint64_t pleat_program_fingerprint(void)`.
-type FingerprintFunction = unsafe extern "C" fn() -> u64;
+pub type FingerprintFunction = unsafe extern "C" fn() -> u64;
 /// `int32_t pleat_rank_main(void* ctx)`: a rank library's entry function, which runs the whole
 /// program through the `pleat_rt_*` C ABI (`crate::capi`); 0 on success.
 pub type EntryFunction = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;

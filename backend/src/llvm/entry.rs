@@ -25,8 +25,8 @@ use inkwell::values::{
 use inkwell::{AddressSpace, IntPredicate};
 
 use crate::native::abi::{
-    runtime_call, AbiArg, BEGIN_SYMBOL, END_SYMBOL, ENTRY_SYMBOL, OPERAND_SYMBOL, RESULT_SYMBOL, STATUS_ERROR,
-    STATUS_OK,
+    runtime_call, AbiArg, BEGIN_SYMBOL, END_SYMBOL, ENTRY_SYMBOL, EXE_MAIN_SYMBOL, OPERAND_SYMBOL, RESULT_SYMBOL,
+    STATUS_ERROR, STATUS_OK,
 };
 use crate::native::{native_kernels, NativeKernel};
 use crate::program::{BufferId, Instr, Program};
@@ -38,6 +38,49 @@ type Gen<T> = Result<T, LlvmError>;
 
 /// The most operands a generated kernel reads (a fused add + norm: two addends and a weight).
 const MAX_KERNEL_OPERANDS: u32 = 3;
+
+/// Defines a rank executable's `int main(int argc, char** argv)` in `module`, which holds the entry
+/// function and the fingerprint function: it returns
+/// `pleat_rt_exe_main(argc, argv, rank, pleat_rank_main, pleat_program_fingerprint)`, the static
+/// runtime's main (`pleat-rt`), which runs the rank as an MPI process.
+pub(crate) fn define_main<'ctx>(context: &'ctx Context, module: &Module<'ctx>, rank: u32) -> Gen<()> {
+    let missing = |symbol: &str| LlvmError::Builder { message: format!("the module has no function {symbol}") };
+    let entry = module.get_function(ENTRY_SYMBOL).ok_or_else(|| missing(ENTRY_SYMBOL))?;
+    let fingerprint = module
+        .get_function(crate::native::FINGERPRINT_SYMBOL)
+        .ok_or_else(|| missing(crate::native::FINGERPRINT_SYMBOL))?;
+    let i32_type = context.i32_type();
+    let ptr_type = context.ptr_type(AddressSpace::default());
+    let exe_main = module.add_function(
+        EXE_MAIN_SYMBOL,
+        i32_type.fn_type(&[i32_type.into(), ptr_type.into(), i32_type.into(), ptr_type.into(), ptr_type.into()], false),
+        Some(Linkage::External),
+    );
+    let main = module.add_function("main", i32_type.fn_type(&[i32_type.into(), ptr_type.into()], false), None);
+    let (Some(argc), Some(argv)) = (main.get_nth_param(0), main.get_nth_param(1)) else {
+        return Err(LlvmError::Builder { message: "main has no argc, argv".into() });
+    };
+    let builder = context.create_builder();
+    builder.position_at_end(context.append_basic_block(main, "entry"));
+    let status = builder
+        .build_call(
+            exe_main,
+            &[
+                argc.into(),
+                argv.into(),
+                i32_type.const_int(u64::from(rank), false).into(),
+                entry.as_global_value().as_pointer_value().into(),
+                fingerprint.as_global_value().as_pointer_value().into(),
+            ],
+            "status",
+        )?
+        .try_as_basic_value();
+    let ValueKind::Basic(status) = status else {
+        return Err(LlvmError::Builder { message: format!("{EXE_MAIN_SYMBOL} returns nothing") });
+    };
+    builder.build_return(Some(&status))?;
+    Ok(())
+}
 
 /// Builds the entry function into a module that already defines `program`'s kernels.
 pub(crate) struct EntryCodegen<'ctx, 'module> {

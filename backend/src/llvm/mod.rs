@@ -92,6 +92,24 @@ pub enum LlvmError {
         /// The reason.
         message: String,
     },
+    /// A rank executable was asked for without the static runtime to link it with.
+    #[error("a rank executable links the static runtime libpleat_rt.a, and none was given; build it with `cargo build -p pleat-rt`")]
+    #[diagnostic(code(E0518), help("build the static runtime with `cargo build -p pleat-rt` (needs Open MPI)"))]
+    NoRuntimeLibrary,
+    /// Linking a rank executable failed.
+    #[error("linking {object} with the static runtime {runtime} into a rank executable with `mpicc` failed: {message}; install Open MPI (libopenmpi-dev) and build the runtime with `cargo build -p pleat-rt`")]
+    #[diagnostic(
+        code(E0519),
+        help("install Open MPI (libopenmpi-dev), and build the static runtime with `cargo build -p pleat-rt`")
+    )]
+    LinkExecutable {
+        /// The object file.
+        object: PathBuf,
+        /// The static runtime.
+        runtime: PathBuf,
+        /// The linker's report.
+        message: String,
+    },
     /// `cc -shared` failed.
     #[error("linking {object} into a shared library with `cc -shared` failed: {message}; install a C toolchain (build-essential)")]
     #[diagnostic(code(E0517), help("install a linker (cc) or drop --emit so"))]
@@ -120,6 +138,9 @@ pub enum Artifact {
     Object,
     /// A host shared library the runtime loads, `rank<i>.so`.
     SharedLibrary,
+    /// A rank executable, `rank<i>`: the rank's object linked with the static runtime
+    /// ([`CodegenOptions::runtime_library`]) and MPI; mpirun starts one process a rank.
+    Executable,
     /// PTX for each of [`PTX_ARCHES`], `rank<i>.<sm>.ptx`.
     Ptx,
 }
@@ -130,6 +151,9 @@ pub struct CodegenOptions {
     /// The CPU to tune and select instructions for (LLVM's names, e.g. `skylake`, `x86-64-v3`);
     /// `None`: this machine's CPU and features.
     pub target_cpu: Option<String>,
+    /// The static runtime (`libpleat_rt.a`, package `pleat-rt`) that [`Artifact::Executable`]
+    /// links each rank with.
+    pub runtime_library: Option<PathBuf>,
 }
 
 /// Writes `artifact` for `program` into `dir`; returns the files written.
@@ -144,27 +168,38 @@ pub fn emit(
     match artifact {
         Artifact::LlvmIr => {
             let path = with_extension("ll");
-            write(&path, host_ir(program, options)?.as_bytes())?;
+            let context = Context::create();
+            let (module, _machine) = optimized_host_module(&context, program, options, HostModule::Library)?;
+            write(&path, module.print_to_string().to_string().as_bytes())?;
             Ok(vec![path])
         }
         Artifact::Asm => {
             let path = with_extension("s");
-            write(&path, &host_code(program, options, FileType::Assembly)?)?;
+            write(&path, &host_code_of(program, options, FileType::Assembly, HostModule::Library)?)?;
             Ok(vec![path])
         }
         Artifact::Object => {
             let path = with_extension("o");
-            write(&path, &host_code(program, options, FileType::Object)?)?;
+            write(&path, &host_code_of(program, options, FileType::Object, HostModule::Library)?)?;
             Ok(vec![path])
         }
         Artifact::SharedLibrary => {
             let library = with_extension("so");
             let object = dir.join(format!(".rank{}.{}.o", program.rank, std::process::id()));
-            write(&object, &host_code(program, options, FileType::Object)?)?;
+            write(&object, &host_code_of(program, options, FileType::Object, HostModule::Library)?)?;
             let linked = link_shared(&object, &library);
             let _ = std::fs::remove_file(&object);
             linked?;
             Ok(vec![library])
+        }
+        Artifact::Executable => {
+            let runtime = options.runtime_library.as_deref().ok_or(LlvmError::NoRuntimeLibrary)?;
+            let object = dir.join(format!(".rank{}.{}.o", program.rank, std::process::id()));
+            write(&object, &host_code_of(program, options, FileType::Object, HostModule::Executable)?)?;
+            let linked = link_executable(&object, runtime, &stem);
+            let _ = std::fs::remove_file(&object);
+            linked?;
+            Ok(vec![stem])
         }
         Artifact::Ptx => PTX_ARCHES
             .iter()
@@ -177,17 +212,36 @@ pub fn emit(
     }
 }
 
+/// What a host module is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HostModule {
+    /// A library: kernels, the fingerprint function and the entry function.
+    Library,
+    /// A rank executable's object: a library's functions and `main`.
+    Executable,
+}
+
 /// The optimized LLVM IR of `program`'s native kernels for the host.
 pub fn host_ir(program: &Program, options: &CodegenOptions) -> Result<String, LlvmError> {
     let context = Context::create();
-    let (module, _machine) = optimized_host_module(&context, program, options)?;
+    let (module, _machine) = optimized_host_module(&context, program, options, HostModule::Library)?;
     Ok(module.print_to_string().to_string())
 }
 
 /// The host object code or assembly of `program`'s native kernels.
 pub fn host_code(program: &Program, options: &CodegenOptions, file_type: FileType) -> Result<Vec<u8>, LlvmError> {
+    host_code_of(program, options, file_type, HostModule::Library)
+}
+
+/// The host object code or assembly of `program`'s module of kind `kind`.
+fn host_code_of(
+    program: &Program,
+    options: &CodegenOptions,
+    file_type: FileType,
+    kind: HostModule,
+) -> Result<Vec<u8>, LlvmError> {
     let context = Context::create();
-    let (module, machine) = optimized_host_module(&context, program, options)?;
+    let (module, machine) = optimized_host_module(&context, program, options, kind)?;
     let buffer = machine
         .write_to_memory_buffer(&module, file_type)
         .map_err(|message| LlvmError::Write { path: PathBuf::from("<memory>"), message: message.to_string() })?;
@@ -270,6 +324,7 @@ fn optimized_host_module<'ctx>(
     context: &'ctx Context,
     program: &Program,
     options: &CodegenOptions,
+    kind: HostModule,
 ) -> Result<(Module<'ctx>, TargetMachine), LlvmError> {
     Target::initialize_native(&InitializationConfig::default()).map_err(|message| LlvmError::Target {
         triple: "native".into(),
@@ -283,6 +338,9 @@ fn optimized_host_module<'ctx>(
     };
     let machine = target_machine(&triple, &cpu, &features, RelocMode::PIC)?;
     let module = kernel_module(context, program, Flavor::Host, &format!("rank{}", program.rank))?;
+    if kind == HostModule::Executable {
+        entry::define_main(context, &module, program.rank)?;
+    }
     module.set_triple(&triple);
     module.set_data_layout(&machine.get_target_data().get_data_layout());
     verify(&module)?;
@@ -339,6 +397,30 @@ fn link_shared(object: &Path, library: &Path) -> Result<(), LlvmError> {
             object: object.to_path_buf(),
             message: String::from_utf8_lossy(&output.stderr).trim().to_string(),
         })
+    }
+}
+
+/// Links `object` (with its `main`) and the static runtime `runtime` into the executable
+/// `executable` with Open MPI's compiler wrapper, which adds MPI's libraries; the others are those
+/// a Rust static library needs on Linux (`rustc --print native-static-libs`).
+fn link_executable(object: &Path, runtime: &Path, executable: &Path) -> Result<(), LlvmError> {
+    let failed = |message: String| LlvmError::LinkExecutable {
+        object: object.to_path_buf(),
+        runtime: runtime.to_path_buf(),
+        message,
+    };
+    let output = Command::new("mpicc")
+        .arg("-o")
+        .arg(executable)
+        .arg(object)
+        .arg(runtime)
+        .args(["-ldl", "-lgcc_s", "-lutil", "-lrt", "-lpthread", "-lm", "-Wl,--gc-sections", "-Wl,--strip-debug"])
+        .output()
+        .map_err(|error| failed(format!("cannot run mpicc: {error}")))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(failed(String::from_utf8_lossy(&output.stderr).trim().to_string()))
     }
 }
 

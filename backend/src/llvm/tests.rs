@@ -61,7 +61,7 @@ fn host_ir_defines_every_kernel_and_the_fingerprint() {
     let program = program_with_rope();
     let kernels = native_kernels(&program);
     assert_eq!(kernels.len(), 4, "{kernels:?}");
-    let text = host_ir(&program, &CodegenOptions { target_cpu: Some("x86-64".into()) }).unwrap();
+    let text = host_ir(&program, &CodegenOptions { target_cpu: Some("x86-64".into()), ..Default::default() }).unwrap();
     for kernel in &kernels {
         assert!(text.contains(&format!("@{}(", kernel.symbol())), "{} missing from\n{text}", kernel.symbol());
     }

@@ -28,6 +28,9 @@ use crate::program::{AttentionOperand, BufferId, Instr, Kernel, MoeDims};
 
 /// The symbol of a rank library's entry function: `int32_t pleat_rank_main(void* ctx)`.
 pub const ENTRY_SYMBOL: &str = "pleat_rank_main";
+/// The static runtime's (`pleat-rt`) main for a rank executable, which a generated `main` calls:
+/// `int pleat_rt_exe_main(int argc, char** argv, uint32_t rank, entry, fingerprint)`.
+pub const EXE_MAIN_SYMBOL: &str = "pleat_rt_exe_main";
 /// Brackets the start of an instruction the generated code runs itself.
 pub const BEGIN_SYMBOL: &str = "pleat_rt_begin";
 /// Brackets the end of an instruction the generated code runs itself.

@@ -34,7 +34,7 @@ use std::fmt;
 use std::time::Duration;
 
 #[cfg(feature = "mpi")]
-pub use self::mpi::{MpiComm, MpiInitError};
+pub use self::mpi::{gemm_threads_per_process, MpiComm, MpiInitError};
 pub use link::{LinkSpec, LinkSpecError};
 pub use threads::{ThreadComm, ThreadFabric};
 

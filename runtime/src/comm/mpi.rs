@@ -99,6 +99,15 @@ pub struct MpiComm {
     peer_failures: Vec<(u32, String)>,
 }
 
+/// The GEMM threads each process of this node may use: the cores shared by the ranks mpirun placed
+/// here (Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`; all cores when it is unset).
+pub fn gemm_threads_per_process() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let local_ranks =
+        std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|value| value.parse::<usize>().ok()).unwrap_or(1);
+    (cores / local_ranks.max(1)).max(1)
+}
+
 // SAFETY: MPI is initialized with MPI_THREAD_SERIALIZED, which allows MPI calls from any thread as
 // long as no two overlap. `MpiComm` is the only user of MPI in the process (a second `init` fails),
 // and every MPI call it makes needs `&mut self` or happens in `drop`, so moving it to another thread

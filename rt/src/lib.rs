@@ -1,0 +1,78 @@
+//! pleat-rt: pleat's runtime as a static library, `libpleat_rt.a`, which `pleat compile --emit exe`
+//! links with each rank's object into the executable `DIR/rank<i>`.
+//!
+//! The object holds the rank's generated code: its kernels, its entry function `pleat_rank_main`
+//! (which calls the runtime's `pleat_rt_*` C ABI, `pleat_runtime::capi`) and a `main` that hands
+//! both to [`pleat_rt_exe_main`]. That function reads the rank's program from the compiled
+//! directory, joins the MPI job (mpirun starts one process a rank), runs the program through the
+//! entry function and writes the rank's outcome for `pleat run DIR` to collect
+//! (`pleat_runtime::outcome_file`).
+//!
+//! Guarantees: a rank executable runs only the program it was generated for (its fingerprint must
+//! equal the program file's) as the MPI rank it was generated for, in a job of the program's world
+//! size; a failure on any rank ends the whole job with the reason on standard error, never a hang.
+
+mod args;
+mod error;
+mod rank;
+
+use std::ffi::{c_char, c_int, CStr};
+
+use pleat_runtime::native::{EntryFunction, FingerprintFunction};
+
+pub use args::ExeArgs;
+pub use error::ExeError;
+pub use rank::run_rank;
+
+/// A rank executable's `main`: runs rank `rank` (whose generated entry function is `entry` and
+/// whose program's fingerprint `fingerprint` returns) with the command line `argc`, `argv`;
+/// returns the process's exit status (0, 1 when the run failed, 2 for a bad command line).
+///
+/// # Safety
+/// `argv` holds `argc` valid C strings; `entry` and `fingerprint` are the functions
+/// `pleat compile --emit exe` generated into the same executable.
+#[no_mangle]
+pub unsafe extern "C" fn pleat_rt_exe_main(
+    argc: c_int,
+    argv: *const *const c_char,
+    rank: u32,
+    entry: EntryFunction,
+    fingerprint: FingerprintFunction,
+) -> c_int {
+    let words: Vec<String> = (0..argc.max(0) as usize)
+        // SAFETY: the caller passes `argc` valid C strings in `argv`.
+        .map(|i| unsafe { CStr::from_ptr(*argv.add(i)) }.to_string_lossy().into_owned())
+        .collect();
+    // SAFETY: `fingerprint` is the generated function, which takes nothing and returns a constant.
+    let fingerprint = unsafe { fingerprint() };
+    let result = std::panic::catch_unwind(|| {
+        let args = ExeArgs::parse(&words)?;
+        run_rank(&args, rank, entry, fingerprint)
+    });
+    match result {
+        Ok(Ok(())) => 0,
+        Ok(Err(error)) => report(rank, &error),
+        Err(_) => 1,
+    }
+}
+
+/// Prints why this rank ends the job, before `MPI_Abort` does.
+#[allow(clippy::print_stderr, reason = "this is the rank executable's main: standard error is its report")]
+fn report_abort(message: &str) {
+    eprintln!("error: {message}");
+}
+
+/// Prints `error` as the process's last words; the exit status it deserves.
+#[allow(clippy::print_stderr, reason = "this is the rank executable's main: standard error is its report")]
+fn report(rank: u32, error: &ExeError) -> c_int {
+    match error {
+        ExeError::Usage(message) => {
+            eprintln!("error: rank{rank}: {message}\n\n{}", args::USAGE);
+            2
+        }
+        error => {
+            eprintln!("error: rank{rank}: {error}");
+            1
+        }
+    }
+}
