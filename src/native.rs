@@ -121,6 +121,29 @@ pub fn emit(_programs: &[Program], emit: &[Emit], _target_cpu: Option<&str>, _di
     Ok(Vec::new())
 }
 
+/// Generates every program's shared library (each first reordered so that adds fuse with their
+/// norms) into a scratch directory and loads them: `--native`. The scratch directory is removed
+/// once the libraries are loaded (a loaded library needs no file).
+#[cfg(feature = "llvm")]
+pub fn build_and_load(programs: &mut [Program]) -> Result<Vec<Option<NativeKernels>>> {
+    schedule(programs);
+    let scratch = std::env::temp_dir().join(format!(
+        "pleat-native-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_nanos())
+    ));
+    std::fs::create_dir_all(&scratch)?;
+    let loaded = emit(programs, &[Emit::So], None, &scratch).and_then(|_| load(&scratch, programs));
+    let _ = std::fs::remove_dir_all(&scratch);
+    loaded
+}
+
+/// Without LLVM, `--native` is refused.
+#[cfg(not(feature = "llvm"))]
+pub fn build_and_load(_programs: &mut [Program]) -> Result<Vec<Option<NativeKernels>>> {
+    anyhow::bail!(crate::usage::UsageError::NativeUnavailable)
+}
+
 /// How a rank's program ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExecutionPath {

@@ -126,6 +126,10 @@ pub struct RunArgs {
     /// [default: f32]
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
+    /// Generate every rank's native code (as `pleat compile --emit so` does) and run each rank
+    /// through its entry function, forward or training (a compiled directory runs the code it holds).
+    #[arg(long)]
+    pub native: bool,
     #[command(flatten)]
     pub training: crate::train::TrainFlags,
 }
@@ -195,6 +199,9 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             if args.precision.is_some() {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
             }
+            if args.native {
+                bail!(UsageError::NativeOfCompiled { dir: dir.display().to_string() });
+            }
             let (plan, config, programs) = read_compiled(&dir)?;
             native = crate::native::load(&dir, &programs)?;
             if native.iter().all(Option::is_none) {
@@ -213,7 +220,10 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
             let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
-            let programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
+            let mut programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
+            if args.native {
+                native = crate::native::build_and_load(&mut programs)?;
+            }
             (*config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };

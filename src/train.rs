@@ -309,6 +309,8 @@ struct TrainReport {
     activation_peaks: Vec<u64>,
     recv_wait_shares: Vec<f64>,
     comm_bytes: BTreeMap<&'static str, u64>,
+    /// How each rank ran its steps (`bytecode` or `native-entry`).
+    execution: Vec<&'static str>,
 }
 
 /// Runs `pleat run --train`.
@@ -343,6 +345,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     if compiled.step_spans.is_empty() {
         compiled.programs = bucket_and_schedule(&compiled.programs, flags.bucket_mb, args.no_overlap)?;
     }
+    let native = if args.native { crate::native::build_and_load(&mut compiled.programs)? } else { Vec::new() };
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {
         bail!(UsageError::ResumeWithWeights);
@@ -384,6 +387,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             start_step: start_step + done,
             timeout: Duration::from_secs(args.timeout),
             link: args.emulate_link,
+            native: &native,
         };
         let trained = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
         done += steps;
@@ -413,6 +417,9 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         activation_peaks: ranks.iter().map(|rank| rank.activation_peak_bytes).collect(),
         recv_wait_shares: ranks.iter().map(|rank| rank.first_recv_wait_share).collect(),
         comm_bytes: comm_stats_mean(&ranks.iter().map(|rank| &rank.first_comm).collect::<Vec<_>>()),
+        execution: (0..ranks.len())
+            .map(|rank| crate::native::ExecutionPath::of(native.get(rank).and_then(Option::as_ref)).name())
+            .collect(),
     };
     let tolerances = CheckTolerances::new(args.precision.unwrap_or_default(), flags.lr, flags.steps);
     if args.check {
@@ -582,6 +589,7 @@ fn print_report(
                 "activation_peak_bytes_per_rank": report.activation_peaks,
                 "recv_wait_share_per_rank": report.recv_wait_shares,
                 "comm_bytes_per_step": report.comm_bytes,
+                "execution_per_rank": report.execution,
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -608,6 +616,7 @@ fn print_report(
                 .collect();
             let sent = if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") };
             println!("sent a rank in step 1, forward and backward (mean): {sent}");
+            println!("execution a rank: {}", report.execution.join(", "));
             if let Some(errors) = &report.errors {
                 let verdict = |err: f32, tol: Option<f32>| match tol {
                     Some(tol) if err <= tol => format!("(tolerance {tol:.1e}): ok"),

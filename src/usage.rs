@@ -100,6 +100,13 @@ pub enum UsageError {
     )]
     #[diagnostic(code(E0526), help("drop --emit, or rebuild pleat with the default features"))]
     NativeUnavailable,
+    /// `--native` for a compiled directory, whose files decide how each rank runs.
+    #[error("--native generates code for a model; {dir} is compiled, and runs the code it holds (compile it with --emit so or --emit exe)")]
+    #[diagnostic(code(E0544), help("drop --native, or compile the directory with `--emit so`"))]
+    NativeOfCompiled {
+        /// The directory.
+        dir: String,
+    },
     /// `--emit exe` without the static runtime to link the ranks with.
     #[error(
         "--emit exe links each rank with the static runtime libpleat_rt.a, which is not at {searched}; build it with \
@@ -640,6 +647,7 @@ impl UsageError {
             UsageError::DirectoryNotAModel { model, .. } | UsageError::TrainCompiled { model } => {
                 vec![("file", model.clone())]
             }
+            UsageError::NativeOfCompiled { dir } => vec![("flag", "--native".to_string()), ("file", dir.clone())],
             UsageError::PrecisionOfCompiled { dir } => vec![("flag", "--precision".to_string()), ("file", dir.clone())],
             UsageError::UnknownModel { model, .. } => {
                 vec![("model", model.clone())]

@@ -214,6 +214,7 @@ fn train_one_step(programs: &[pleat_backend::Program], layouts: &[OptimizerLayou
         start_step: 0,
         timeout: Duration::from_secs(60),
         link: None,
+        native: &[],
     };
     train_on_threads(programs, layouts, &options).expect("train")
 }

@@ -8,9 +8,9 @@
 mod cli;
 mod common;
 
-#[cfg(feature = "llvm")]
-use cli::stdout_of;
 use cli::{error_of, tempdir};
+#[cfg(feature = "llvm")]
+use cli::{json_of, stdout_of};
 
 #[cfg(feature = "llvm")]
 mod with_llvm {
@@ -661,4 +661,45 @@ fn emit_says_the_llvm_feature_is_off() {
         error_of(&["compile", "tiny", "--mesh", "tp=2", "--emit", "so", "--out", out.to_str().expect("utf-8 path")]);
     assert!(error.contains("built without the `llvm` feature"), "{error}");
     assert!(!out.exists(), "nothing is written when --emit is refused");
+}
+
+#[cfg(feature = "llvm")]
+#[test]
+fn training_steps_run_through_the_entry_functions_bit_for_bit() {
+    // Every instruction of a training step (the backward kernels, the losses, the optimizer's
+    // gathers under ZeRO, a pipeline's sends) is a runtime call or a generated kernel of the entry
+    // function; the losses and gradient norms equal the bytecode path's exactly.
+    let runs: [&[&str]; 5] = [
+        &["tiny", "--mesh", "tp=2"],
+        &["tiny", "--mesh", "tsp=2"],
+        &["tiny", "--mesh", "pp=2", "--micro-batches", "2"],
+        &["tiny", "--mesh", "dp=2", "--zero", "3"],
+        &["tiny-moe", "--mesh", "ep=2"],
+    ];
+    let common = ["--train", "--steps", "2", "--batch", "4", "--seq", "16", "--format", "json"];
+    for run in runs {
+        let args = |extra: &[&'static str]| [&["run"][..], run, &common, extra].concat();
+        let native = json_of(&args(&["--native", "--check"]));
+        let ranks = native["ranks"].as_u64().expect("ranks") as usize;
+        assert_eq!(native["execution_per_rank"], serde_json::json!(vec!["native-entry"; ranks]), "{run:?}");
+        cli::assert_matches_reference(&native, &format!("{run:?}"));
+        let bytecode = json_of(&args(&[]));
+        assert_eq!(bytecode["execution_per_rank"], serde_json::json!(vec!["bytecode"; ranks]), "{run:?}");
+        assert_eq!(native["losses"], bytecode["losses"], "{run:?}");
+        assert_eq!(native["grad_norms"], bytecode["grad_norms"], "{run:?}");
+    }
+}
+
+#[cfg(feature = "llvm")]
+#[test]
+fn native_forward_runs_generate_their_code_and_compiled_directories_refuse_the_flag() {
+    let ran = stdout_of(&["run", "tiny", "--mesh", "tsp=2", "--batch", "2", "--seq", "16", "--native", "--check"]);
+    assert!(ran.contains("execution a rank: native-entry, native-entry"), "{ran}");
+    assert!(ran.contains(": ok"), "{ran}");
+    let dir = tempdir("native-flag-compiled");
+    let out = dir.join("d");
+    let out_str = out.to_str().expect("utf-8 path");
+    stdout_of(&["compile", "tiny", "--mesh", "tp=2", "--out", out_str]);
+    let error = error_of(&["run", out_str, "--native"]);
+    assert!(error.contains("E0544") && error.contains("--emit so"), "{error}");
 }

@@ -29,7 +29,8 @@ use pleat_backend::{Instr, Program};
 
 use crate::comm::{CommStats, Communicator, Group, LinkSpec, ThreadFabric};
 use crate::error::{Error, Result};
-use crate::executor::{execute, OutputBlock, RunInputs};
+use crate::executor::{execute_native, OutputBlock, RunInputs};
+use crate::native::NativeKernels;
 use crate::weights::{BlockWeights, WeightError, WeightSource};
 
 /// AdamW's settings (torch's names and defaults but the learning rate).
@@ -85,6 +86,9 @@ pub struct TrainOptions<'a> {
     pub timeout: Duration,
     /// The link every message is delivered over (`--emulate-link`); `None`: memory speed.
     pub link: Option<LinkSpec>,
+    /// Rank `i`'s native code at index `i`, generated for its program: a rank whose library has an
+    /// entry function runs every step through it (`crate::capi`); empty: every rank interprets.
+    pub native: &'a [Option<NativeKernels>],
 }
 
 /// What one rank's training produced.
@@ -233,7 +237,8 @@ fn train_rank(
         let tokens = (options.batches)(step);
         let inputs =
             RunInputs { tokens: &tokens, positions: options.positions, weights: &ResidentWeights(&resident), epoch };
-        let outcome = execute(program, comm, &inputs, 1)?;
+        let native = options.native.get(rank as usize).and_then(Option::as_ref);
+        let outcome = execute_native(program, comm, &inputs, 1, native)?;
         peak_bytes = peak_bytes.max(outcome.peak_bytes + optimizer_bytes);
         activation_peak_bytes = activation_peak_bytes.max(outcome.activation_bytes.iter().copied().max().unwrap_or(0));
         // A pipeline's earlier stages have no loss.

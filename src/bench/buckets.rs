@@ -92,6 +92,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
         start_step: 0,
         timeout: Duration::from_secs(120),
         link: Some(args.emulate_link),
+        native: &[],
     };
     // One step's time and loss.
     let step = |programs: &[Program]| -> Result<(f64, Vec<f32>)> {
