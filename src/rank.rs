@@ -254,6 +254,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             in_flight_peak_bytes: 0,
             timings: Vec::new(),
             max_expert_rows: summary.max_expert_rows,
+            arena_bytes: 0,
         });
     }
     Ok(Some(outcomes))

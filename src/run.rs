@@ -393,6 +393,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "max_abs_err": result.max_abs_err,
                 "tolerance": result.tolerance,
                 "peak_bytes_per_rank": peaks,
+                "arena_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.arena_bytes).collect::<Vec<_>>(),
                 "param_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.param_bytes).collect::<Vec<_>>(),
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
                 "comm_bytes_per_rank": per_rank,
@@ -420,6 +421,11 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "peak bytes a rank: {}",
                 peaks.iter().map(|peak| human_bytes(*peak)).collect::<Vec<_>>().join(", ")
             );
+            if result.outcomes.iter().any(|outcome| outcome.arena_bytes > 0) {
+                let arenas: Vec<String> =
+                    result.outcomes.iter().map(|outcome| human_bytes(outcome.arena_bytes)).collect();
+                println!("planned arena a rank (native code): {}", arenas.join(", "));
+            }
             let comm: Vec<String> = comm_bytes_mean(&result.outcomes)
                 .into_iter()
                 .filter(|&(_, bytes)| bytes > 0)

@@ -188,6 +188,13 @@ mod with_llvm {
                 assert_eq!(native_rank.timings.len(), programs[native_rank.rank as usize].instructions.len());
                 assert_eq!(native_rank.comm, interpreted_rank.comm, "{mesh} rank {}", native_rank.rank);
                 assert_eq!(native_rank.param_bytes, interpreted_rank.param_bytes);
+                // Its buffers lived in the arena the memory planner laid out, of the planned size.
+                let plan = pleat_backend::memory::plan(
+                    &programs[native_rank.rank as usize],
+                    pleat_backend::memory::ElementSize::Declared,
+                );
+                assert_eq!(native_rank.arena_bytes, plan.arena_bytes.next_multiple_of(8), "{mesh}");
+                assert!(native_rank.arena_bytes > 0 && interpreted_rank.arena_bytes == 0, "{mesh}");
             }
             let (_, native_logits) = assemble(&native, 0).expect("logits");
             let (_, interpreted_logits) = assemble(&interpreted, 0).expect("logits");

@@ -92,10 +92,24 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
 }
 
 /// Moves the `LoadParam` of each RMSNorm's weight that lies between a residual add and the norm
-/// reading it to just before the add, so that the two can fuse ([`native_kernels`]). Only
-/// `LoadParam` and `Free` instructions may lie between them; loading a weight a few steps earlier
-/// changes no value. Returns the number of loads moved.
+/// reading it to just before the add, so that the two can fuse ([`native_kernels`]), then moves
+/// the frees between each fused pair after the norm: the fused kernel writes both results while
+/// the add's operands are still live, and the program (so the memory planner's arena and the
+/// executor's measured peak) must say so. Only `LoadParam` and `Free` instructions may lie between
+/// them; loading a weight a few steps earlier or freeing a buffer one step later changes no value.
+/// Returns the number of loads moved.
 pub fn schedule_for_fusion(program: &mut Program) -> usize {
+    let moved = hoist_norm_weights(program);
+    for add_at in 0..program.instructions.len() {
+        if let Some(norm_at) = fusable_norm(program, add_at) {
+            program.instructions[add_at + 1..=norm_at].rotate_right(1);
+        }
+    }
+    moved
+}
+
+/// The first step of [`schedule_for_fusion`]: the weight loads hoisted before their adds.
+fn hoist_norm_weights(program: &mut Program) -> usize {
     let mut moved = 0;
     let mut index = 0;
     while index < program.instructions.len() {
@@ -266,10 +280,13 @@ pub(crate) mod tests {
         assert_eq!(native_kernels(&program)[0], NativeKernel::Single { instr: 2 });
         assert_eq!(schedule_for_fusion(&mut program), 1);
         assert!(matches!(program.instructions[2], Instr::LoadParam { ref name, .. } if name == "w"));
+        // The free between the pair moved after the norm: both results are written while `a` lives.
+        assert!(matches!(program.instructions[4], Instr::Kernel { kernel: Kernel::RmsNorm { .. }, .. }));
+        assert_eq!(program.instructions[5], Instr::Free { buf: BufferId::new(0) });
         assert_eq!(
             native_kernels(&program),
             vec![
-                NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 5 },
+                NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 4 },
                 NativeKernel::Single { instr: 6 },
                 NativeKernel::Single { instr: 7 },
             ]

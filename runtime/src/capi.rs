@@ -64,7 +64,7 @@ pub fn execute_entry_function(
 ) -> Result<RankOutcome> {
     // The linker keeps (and the executable exports) only functions something references.
     std::hint::black_box(exported_functions());
-    let run = Run::new(program, comm, inputs, gemm_threads)?;
+    let run = Run::new(program, comm, inputs, gemm_threads)?.with_planned_arena();
     let context = call_entry(RankContext { run, next_instr: 0, begun: false, check_only: false, error: None }, entry)?;
     Ok(context.run.finish())
 }

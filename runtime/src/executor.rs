@@ -16,6 +16,7 @@ use pleat_backend::transfers::{pair_transfers, TransferPairs};
 use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program, RouterDims};
 use pleat_ir::MoeOperand;
 
+use crate::arena::{Arena, Element};
 use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
 use crate::kernels::{self, AttentionShape, MoeGradOperand, MoeShape};
@@ -77,16 +78,33 @@ pub struct RankOutcome {
     /// The most token rows one of its experts received in one forward mixture-of-experts layer
     /// (0 for a dense model): the load imbalance a dropless router lets through.
     pub max_expert_rows: u64,
+    /// The size of the planned arena its buffers were stored in (the entry path); 0 when each
+    /// buffer had an allocation of its own.
+    pub arena_bytes: u64,
 }
 
 /// A buffer's elements as the rank holds them: at the buffer's declared dtype, so that the measured
 /// bytes are the program's. bf16 buffers are computed on in f32 (kernels read a widened copy that
 /// lives only for the kernel, as a device kernel's registers would) and rounded to nearest-even when
 /// stored, like a GEMM with f32 accumulation writing a bf16 result.
+/// With a planned arena (the entry path), a buffer's elements live in its slot there instead.
 enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
     U32(Vec<u32>),
+    /// `len` elements of `element` in the machine's arena at byte `offset`.
+    Placed {
+        element: Element,
+        offset: usize,
+        len: usize,
+    },
+}
+
+/// A stored buffer's elements, wherever they are.
+enum View<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    U32(&'a [u32]),
 }
 
 impl Storage {
@@ -95,10 +113,14 @@ impl Storage {
             Storage::F32(data) => data.len(),
             Storage::Bf16(data) => data.len(),
             Storage::U32(data) => data.len(),
+            Storage::Placed { len, .. } => *len,
         }
     }
     fn bytes(&self) -> u64 {
-        let element = if matches!(self, Storage::Bf16(_)) { 2 } else { 4 };
+        let element = match self {
+            Storage::Bf16(_) | Storage::Placed { element: Element::Bf16, .. } => 2,
+            _ => 4,
+        };
         element * self.len() as u64
     }
     /// Floats as `dtype` holds them: bf16 rounds, every other float type keeps f32.
@@ -122,6 +144,8 @@ struct Machine<'a> {
     /// shared).
     max_expert_rows: std::cell::Cell<u64>,
     instr: usize,
+    /// The planned arena the buffers are stored in (the entry path); `None`: each its own vector.
+    arena: Option<Arena>,
 }
 
 impl Machine<'_> {
@@ -133,37 +157,59 @@ impl Machine<'_> {
     fn program_error(&self, reason: String) -> Error {
         Error::Program { rank: self.program.rank, instr: self.instr, reason }
     }
-    fn f32(&self, id: BufferId) -> Result<Cow<'_, [f32]>> {
-        match self.buffers.get(id.as_u32() as usize) {
-            Some(Some(Storage::F32(data))) => Ok(Cow::Borrowed(data)),
-            Some(Some(Storage::Bf16(_))) => Ok(Cow::Owned(self.widened(id).unwrap_or_default())),
-            Some(Some(Storage::U32(_))) => {
-                Err(self.program_error(format!("{id} holds integers, an f32 operand is needed")))
+    /// Buffer `id`'s elements; `None` when it is not live.
+    fn view(&self, id: BufferId) -> Option<View<'_>> {
+        Some(match self.buffers.get(id.as_u32() as usize)?.as_ref()? {
+            Storage::F32(data) => View::F32(data),
+            Storage::Bf16(data) => View::Bf16(data),
+            Storage::U32(data) => View::U32(data),
+            &Storage::Placed { element, offset, len } => {
+                let arena = self.arena.as_ref()?;
+                // SAFETY: a placed buffer's slot was taken for it (`store`) and is given back only
+                // when the buffer is freed, which also removes it from `buffers`.
+                unsafe {
+                    match element {
+                        Element::F32 => View::F32(arena.slice(offset, len)),
+                        Element::Bf16 => View::Bf16(arena.slice(offset, len)),
+                        Element::U32 => View::U32(arena.slice(offset, len)),
+                    }
+                }
             }
-            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        })
+    }
+    /// The error of reading buffer `id`, which is not live.
+    fn not_live(&self, id: BufferId) -> Error {
+        self.program_error(format!("{id} is read before it is written or after it is freed"))
+    }
+    fn f32(&self, id: BufferId) -> Result<Cow<'_, [f32]>> {
+        match self.view(id) {
+            Some(View::F32(data)) => Ok(Cow::Borrowed(data)),
+            Some(View::Bf16(data)) => Ok(Cow::Owned(data.iter().map(|value| value.to_f32()).collect())),
+            Some(View::U32(_)) => Err(self.program_error(format!("{id} holds integers, an f32 operand is needed"))),
+            None => Err(self.not_live(id)),
         }
     }
     /// An f32 copy of a bf16 buffer; `None` for any other buffer.
     fn widened(&self, id: BufferId) -> Option<Vec<f32>> {
-        match self.buffers.get(id.as_u32() as usize) {
-            Some(Some(Storage::Bf16(data))) => Some(data.iter().map(|value| value.to_f32()).collect()),
+        match self.view(id) {
+            Some(View::Bf16(data)) => Some(data.iter().map(|value| value.to_f32()).collect()),
             _ => None,
         }
     }
     fn native_operand(&self, id: BufferId) -> Result<NativeOperand<'_>> {
-        match self.buffers.get(id.as_u32() as usize) {
-            Some(Some(Storage::F32(data))) => Ok(NativeOperand::F32(data)),
-            Some(Some(Storage::U32(data))) => Ok(NativeOperand::U32(data)),
-            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+        match self.view(id) {
+            Some(View::F32(data)) => Ok(NativeOperand::F32(data)),
+            Some(View::U32(data)) => Ok(NativeOperand::U32(data)),
+            _ => Err(self.not_live(id)),
         }
     }
     fn u32(&self, id: BufferId) -> Result<&[u32]> {
-        match self.buffers.get(id.as_u32() as usize) {
-            Some(Some(Storage::U32(data))) => Ok(data),
-            Some(Some(Storage::F32(_) | Storage::Bf16(_))) => {
+        match self.view(id) {
+            Some(View::U32(data)) => Ok(data),
+            Some(View::F32(_) | View::Bf16(_)) => {
                 Err(self.program_error(format!("{id} holds floats, an integer operand is needed")))
             }
-            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+            None => Err(self.not_live(id)),
         }
     }
     /// Stores computed floats at `id`'s declared dtype.
@@ -177,11 +223,79 @@ impl Machine<'_> {
         if expected != Some(got) {
             return Err(self.program_error(format!("{id} should hold {expected:?} elements, got {got}")));
         }
+        let storage = self.place(id, storage)?;
         self.live_bytes += storage.bytes();
         self.peak_bytes = self.peak_bytes.max(self.live_bytes);
         self.count_kind(id, storage.bytes() as i64);
         self.buffers[id.as_u32() as usize] = Some(storage);
         Ok(())
+    }
+    /// `storage` moved into buffer `id`'s slot of the arena, when there is an arena and the buffer
+    /// has a slot.
+    fn place(&mut self, id: BufferId, storage: Storage) -> Result<Storage> {
+        let (element, len) = match &storage {
+            Storage::F32(data) => (Element::F32, data.len()),
+            Storage::Bf16(data) => (Element::Bf16, data.len()),
+            Storage::U32(data) => (Element::U32, data.len()),
+            Storage::Placed { .. } => return Ok(storage),
+        };
+        let Some(offset) = self.take_slot(id, element, len)? else { return Ok(storage) };
+        let Some(arena) = self.arena.as_mut() else { return Ok(storage) };
+        // SAFETY: `take_slot` reserved `offset..offset + len * element.bytes()` for this buffer.
+        unsafe {
+            match &storage {
+                Storage::F32(data) => arena.slice_mut(offset, len).copy_from_slice(data),
+                Storage::Bf16(data) => arena.slice_mut(offset, len).copy_from_slice(data),
+                Storage::U32(data) => arena.slice_mut(offset, len).copy_from_slice(data),
+                Storage::Placed { .. } => {}
+            }
+        }
+        Ok(Storage::Placed { element, offset, len })
+    }
+    /// Takes buffer `id`'s slot of the arena (zeroed) for `len` elements of `element`, giving back
+    /// the one it holds if it is stored again while live; `None` without an arena or a slot.
+    fn take_slot(&mut self, id: BufferId, element: Element, len: usize) -> Result<Option<usize>> {
+        let held = match self.buffers.get(id.as_u32() as usize) {
+            Some(Some(Storage::Placed { offset, .. })) => Some(*offset),
+            _ => None,
+        };
+        let Some(arena) = self.arena.as_mut() else { return Ok(None) };
+        if let Some(offset) = held {
+            arena.give_back(offset);
+        }
+        let taken = arena.take(id, element, len);
+        taken.map_err(|reason| self.program_error(reason))
+    }
+    /// Frees buffer `id`: its storage dropped, its slot of the arena given back, its bytes no
+    /// longer counted.
+    fn free(&mut self, id: BufferId) {
+        let Some(storage) = self.buffers.get_mut(id.as_u32() as usize).and_then(Option::take) else { return };
+        if let (Storage::Placed { offset, .. }, Some(arena)) = (&storage, self.arena.as_mut()) {
+            arena.give_back(*offset);
+        }
+        self.live_bytes -= storage.bytes();
+        self.count_kind(id, -(storage.bytes() as i64));
+    }
+    /// Buffer `id`'s data, stored as zeroed f32 of its declared size, for generated code to write:
+    /// in its slot of the arena when there is one.
+    fn store_zeroed_f32(&mut self, id: BufferId) -> Result<*mut f32> {
+        let numel = self.program.buffer(id).numel() as usize;
+        let storage = match self.take_slot(id, Element::F32, numel)? {
+            Some(offset) => Storage::Placed { element: Element::F32, offset, len: numel },
+            None => Storage::F32(vec![0.0; numel]),
+        };
+        self.store(id, storage)?;
+        match (self.buffers.get_mut(id.as_u32() as usize), self.arena.as_mut()) {
+            (Some(Some(Storage::F32(data))), _) => Ok(data.as_mut_ptr()),
+            // SAFETY: the slot was taken for this buffer just now.
+            (Some(Some(Storage::Placed { offset, len, .. })), Some(arena)) => {
+                let data = unsafe { arena.slice_mut::<f32>(*offset, *len) };
+                // The slot holds whatever its last buffer left; generated code may accumulate.
+                data.fill(0.0);
+                Ok(data.as_mut_ptr())
+            }
+            _ => Err(self.program_error(format!("{id} was not stored"))),
+        }
     }
     fn count_kind(&mut self, id: BufferId, bytes: i64) {
         match self.program.buffers.get(id.as_u32() as usize).map(|buffer| buffer.kind) {
@@ -368,6 +482,7 @@ impl<'a> Run<'a> {
                 max_expert_rows: std::cell::Cell::new(0),
                 peak_bytes: 0,
                 instr: 0,
+                arena: None,
             },
             channel,
             pairs,
@@ -382,6 +497,14 @@ impl<'a> Run<'a> {
             start_ns: 0,
             precomputed: None,
         })
+    }
+
+    /// Stores the buffers in the arena the program's memory plan lays out
+    /// (`pleat_backend::memory::plan`): each in its slot, so that the rank's buffers take one
+    /// allocation of the planned size.
+    pub(crate) fn with_planned_arena(mut self) -> Self {
+        self.machine.arena = Arena::planned(self.machine.program);
+        self
     }
 
     /// Runs every instruction in order.
@@ -420,13 +543,13 @@ impl<'a> Run<'a> {
     /// The data of written buffer `id`, for generated code: f32 elements, or u32 for token ids and
     /// positions (bf16 buffers are refused: generated code reads f32).
     pub(crate) fn operand_pointer(&self, id: BufferId) -> Result<*const std::ffi::c_void> {
-        match self.machine.buffers.get(id.as_u32() as usize) {
-            Some(Some(Storage::F32(data))) => Ok(data.as_ptr().cast()),
-            Some(Some(Storage::U32(data))) => Ok(data.as_ptr().cast()),
-            Some(Some(Storage::Bf16(_))) => {
+        match self.machine.view(id) {
+            Some(View::F32(data)) => Ok(data.as_ptr().cast()),
+            Some(View::U32(data)) => Ok(data.as_ptr().cast()),
+            Some(View::Bf16(_)) => {
                 Err(self.program_error(format!("{id} holds bf16; generated code reads only f32 buffers")))
             }
-            _ => Err(self.program_error(format!("{id} is read before it is written or after it is freed"))),
+            None => Err(self.machine.not_live(id)),
         }
     }
 
@@ -454,12 +577,7 @@ impl<'a> Run<'a> {
         if matches!(declared, Some(DType::Bf16 | DType::I32) | None) {
             return Err(self.program_error(format!("{id} is not an f32 buffer; generated code writes only f32")));
         }
-        let numel = self.machine.program.buffer(id).numel() as usize;
-        self.machine.store(id, Storage::F32(vec![0.0; numel]))?;
-        match self.machine.buffers.get_mut(id.as_u32() as usize) {
-            Some(Some(Storage::F32(data))) => Ok(data.as_mut_ptr()),
-            _ => Err(self.program_error(format!("{id} was not stored"))),
-        }
+        self.machine.store_zeroed_f32(id)
     }
 
     /// What the run produced and measured.
@@ -478,6 +596,7 @@ impl<'a> Run<'a> {
             in_flight_peak_bytes: self.machine.in_flight_peak_bytes,
             max_expert_rows: self.machine.max_expert_rows.get(),
             timings: self.timings,
+            arena_bytes: self.machine.arena.as_ref().map_or(0, |arena| arena.bytes() as u64),
         }
     }
 
@@ -530,22 +649,13 @@ impl<'a> Run<'a> {
                     .first()
                     .copied()
                     .ok_or_else(|| machine.program_error("a layout kernel needs an operand".into()))?;
-                let storage =
-                    match machine.buffers.get(input.as_u32() as usize) {
-                        Some(Some(Storage::F32(data))) => Storage::F32(gather(data, &sources).ok_or_else(|| {
-                            machine.program_error(format!("{input} is smaller than the layout reads"))
-                        })?),
-                        Some(Some(Storage::Bf16(data))) => Storage::Bf16(gather(data, &sources).ok_or_else(|| {
-                            machine.program_error(format!("{input} is smaller than the layout reads"))
-                        })?),
-                        Some(Some(Storage::U32(data))) => Storage::U32(gather(data, &sources).ok_or_else(|| {
-                            machine.program_error(format!("{input} is smaller than the layout reads"))
-                        })?),
-                        _ => {
-                            return Err(machine
-                                .program_error(format!("{input} is read before it is written or after it is freed")))
-                        }
-                    };
+                let too_small = || machine.program_error(format!("{input} is smaller than the layout reads"));
+                let storage = match machine.view(input) {
+                    Some(View::F32(data)) => Storage::F32(gather(data, &sources).ok_or_else(too_small)?),
+                    Some(View::Bf16(data)) => Storage::Bf16(gather(data, &sources).ok_or_else(too_small)?),
+                    Some(View::U32(data)) => Storage::U32(gather(data, &sources).ok_or_else(too_small)?),
+                    None => return Err(machine.not_live(input)),
+                };
                 machine.store(*out, storage)?;
             }
             Instr::Kernel { kernel, inputs: operands, out } => {
@@ -583,10 +693,7 @@ impl<'a> Run<'a> {
                 });
             }
             Instr::Free { buf } => {
-                if let Some(storage) = machine.buffers.get_mut(buf.as_u32() as usize).and_then(Option::take) {
-                    machine.live_bytes -= storage.bytes();
-                    machine.count_kind(*buf, -(storage.bytes() as i64));
-                }
+                machine.free(*buf);
             }
             Instr::Wait { .. } => {
                 // Inline, the transfer ended at its start.
@@ -730,17 +837,13 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
         Instr::Send { bufs, peer } => {
             let mut packed = Vec::new();
             for &buf in bufs {
-                match machine.buffers.get(buf.as_u32() as usize) {
-                    Some(Some(Storage::F32(data))) => packed.extend_from_slice(data),
+                match machine.view(buf) {
+                    Some(View::F32(data)) => packed.extend_from_slice(data),
                     // The threads and MPI communicators carry f32 words; a bf16 value is exact in one.
-                    Some(Some(Storage::Bf16(data))) => packed.extend(data.iter().map(|value| value.to_f32())),
+                    Some(View::Bf16(data)) => packed.extend(data.iter().map(|value| value.to_f32())),
                     // Positions travel with ring attention's key blocks, bit for bit.
-                    Some(Some(Storage::U32(data))) => packed.extend(data.iter().map(|&value| f32::from_bits(value))),
-                    _ => {
-                        return Err(
-                            machine.program_error(format!("{buf} is read before it is written or after it is freed"))
-                        )
-                    }
+                    Some(View::U32(data)) => packed.extend(data.iter().map(|&value| f32::from_bits(value))),
+                    None => return Err(machine.not_live(buf)),
                 }
             }
             Transfer::Send { peer: *peer, packed }

@@ -7,6 +7,7 @@
 //! only the `Program` format of `pleat-backend`; it knows nothing of passes or of the reference
 //! interpreter, which stays independent as the oracle.
 
+mod arena;
 pub mod calibrate;
 pub mod capi;
 pub mod comm;

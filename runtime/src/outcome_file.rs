@@ -37,6 +37,7 @@ struct Summary {
     in_flight_peak_bytes: u64,
     timings: Vec<(u64, u64)>,
     max_expert_rows: u64,
+    arena_bytes: u64,
     blocks: Vec<BlockPlace>,
 }
 
@@ -80,6 +81,7 @@ pub fn write_outcome(dir: &Path, outcome: &RankOutcome) -> Result<(), OutcomeFil
         in_flight_peak_bytes: outcome.in_flight_peak_bytes,
         timings: outcome.timings.clone(),
         max_expert_rows: outcome.max_expert_rows,
+        arena_bytes: outcome.arena_bytes,
         blocks: outcome
             .outputs
             .iter()
@@ -139,6 +141,7 @@ pub fn read_outcome(dir: &Path, rank: u32) -> Result<RankOutcome, OutcomeFileErr
         in_flight_peak_bytes: summary.in_flight_peak_bytes,
         timings: summary.timings,
         max_expert_rows: summary.max_expert_rows,
+        arena_bytes: summary.arena_bytes,
     })
 }
 
@@ -169,6 +172,7 @@ mod tests {
             in_flight_peak_bytes: 7,
             timings: vec![(1, 2), (3, 5), (8, 13)],
             max_expert_rows: 3,
+            arena_bytes: 1 << 16,
         }
     }
 
@@ -189,6 +193,7 @@ mod tests {
             && left.in_flight_peak_bytes == right.in_flight_peak_bytes
             && left.timings == right.timings
             && left.max_expert_rows == right.max_expert_rows
+            && left.arena_bytes == right.arena_bytes
     }
 
     fn scratch(name: &str) -> PathBuf {
