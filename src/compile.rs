@@ -120,8 +120,9 @@ impl ModelOnMesh {
     }
 
     /// Compiles `config` as these arguments say.
-    pub fn compile(&self, config: &ModelConfig, dump: Dump) -> Result<Compiled> {
-        let mut compiled = compile_model(config, self.batch, self.seq, &Mesh::parse(&self.mesh)?, self.strategy, dump)?;
+    pub fn compile(&self, config: &ModelConfig, dump: Dump, kernels: Kernels) -> Result<Compiled> {
+        let mesh = Mesh::parse(&self.mesh)?;
+        let mut compiled = compile_model(config, self.batch, self.seq, &mesh, self.strategy, dump, kernels)?;
         compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, self.no_overlap)?;
         Ok(compiled)
     }
@@ -188,8 +189,34 @@ pub struct Compiled {
     pub report: PipelineReport,
 }
 
-/// Builds `config`'s forward graph, shards it over `mesh` and lowers it to per-rank programs, every
-/// transfer blocking (`crate::predict::overlap_programs` schedules them).
+/// Which kernels the programs are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// The runtime's interpreted kernels, one an op: the programs the cost model describes.
+    Interpreted,
+    /// Native code (`--emit`, `--native`): the graph is fused first (`pleat_passes::fuse`).
+    Native,
+}
+
+/// Runs `fuse` on a sharded module when the programs are for native code; its dumps join `report`'s.
+pub fn fuse_for(
+    kernels: Kernels,
+    module: &mut pleat_ir::Module,
+    ctx: &pleat_passes::PassCtx,
+    report: Option<&mut pleat_passes::PipelineReport>,
+) -> Result<()> {
+    if kernels == Kernels::Native {
+        let fused = pleat_passes::run_pipeline(&[pleat_passes::fuse::FUSE], module, ctx)?;
+        if let Some(report) = report {
+            report.dumps.extend(fused.dumps);
+        }
+    }
+    Ok(())
+}
+
+/// Builds `config`'s forward graph, shards it over `mesh` (fusing it for native `kernels`) and
+/// lowers it to per-rank programs, every transfer blocking (`crate::predict::overlap_programs`
+/// schedules them).
 pub fn compile_model(
     config: &ModelConfig,
     batch: u64,
@@ -197,11 +224,13 @@ pub fn compile_model(
     mesh: &Mesh,
     strategy: Strategy,
     dump: Dump,
+    kernels: Kernels,
 ) -> Result<Compiled> {
     let ctx = strategy.pass_ctx(mesh, dump)?;
     let mut module = pleat_ir::model::build(config, batch, seq)?;
     module.mesh = mesh.clone();
-    let report = pleat_passes::run_pipeline(pleat_passes::SHARD_PIPELINE, &mut module, &ctx)?;
+    let mut report = pleat_passes::run_pipeline(pleat_passes::SHARD_PIPELINE, &mut module, &ctx)?;
+    fuse_for(kernels, &mut module, &ctx, Some(&mut report))?;
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
     Ok(Compiled { sharded: module, programs, report })
@@ -214,7 +243,8 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let config = target.config("compile")?;
     crate::native::check_available(&args.emit)?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
-    let mut compiled = target.compile(&config, dump)?;
+    let kernels = if args.emit.is_empty() { Kernels::Interpreted } else { Kernels::Native };
+    let mut compiled = target.compile(&config, dump, kernels)?;
     if !args.emit.is_empty() {
         crate::native::schedule(&mut compiled.programs);
     }

@@ -25,7 +25,8 @@ pub fn demo() -> Result<()> {
         config.intermediate_size,
         config.vocab_size
     );
-    let compiled = compile_model(&config, batch, seq, &mesh, Strategy::Auto, Dump::Nothing)?;
+    let compiled =
+        compile_model(&config, batch, seq, &mesh, Strategy::Auto, Dump::Nothing, crate::compile::Kernels::Interpreted)?;
     let graph = &compiled.sharded.graph;
     let count = |want: fn(&Op) -> bool| graph.order().iter().filter(|&&node| want(&graph.node(node).op)).count();
     println!(

@@ -70,6 +70,7 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::MergeAttention { .. } => ("merge_attention", 0),
         Kernel::SiluMul => ("silu_mul", 0),
         Kernel::Add => ("add", 0),
+        Kernel::Sum => ("sum", 0),
         Kernel::Permute { .. } => ("permute", 0),
         Kernel::Slice { .. } => ("slice", 0),
         Kernel::Zeros => ("zeros", 0),
@@ -81,6 +82,7 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::MatMulGradInput { m, n, k } => ("matmul_grad_input", 2 * m * n * k),
         Kernel::MatMulGradWeight { m, n, k } => ("matmul_grad_weight", 2 * m * n * k),
         Kernel::RmsNormGradInput { .. } => ("rms_norm_grad_input", 0),
+        Kernel::RmsNormGradInputAdd { .. } => ("rms_norm_grad_input_add", 0),
         Kernel::RmsNormGradWeight { .. } => ("rms_norm_grad_weight", 0),
         Kernel::RopeGrad { .. } => ("rope_grad", 0),
         // Scores and the softmax's gradient (two products), then the gradient's own product.

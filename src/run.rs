@@ -16,7 +16,7 @@ use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
 use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, RankOutcome, RunInputs, ThreadRunOptions};
 use serde_json::json;
 
-use crate::compile::{compile_model, read_compiled, Strategy};
+use crate::compile::{compile_model, read_compiled, Kernels, Strategy};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
 use crate::usage::UsageError;
@@ -219,7 +219,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let seq = args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64);
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
-            let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing)?;
+            let kernels = if args.native { Kernels::Native } else { Kernels::Interpreted };
+            let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing, kernels)?;
             let mut programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
             if args.native {
                 native = crate::native::build_and_load(&mut programs)?;

@@ -162,7 +162,15 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     };
     let shape = (args.target.batch, args.target.seq);
     let state = (0, pleat_passes::autodiff::Recompute::None);
-    let compiled = crate::train::compile_training(&config, shape, mesh, args.target.strategy, state, &pipelining)?;
+    let compiled = crate::train::compile_training(
+        &config,
+        shape,
+        mesh,
+        args.target.strategy,
+        state,
+        &pipelining,
+        crate::compile::Kernels::Interpreted,
+    )?;
     let tokens = synthetic_tokens(0, 0, shape.0, shape.1, config.vocab_size);
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
     let weights = crate::run::weight_source(None, 0)?;
@@ -244,6 +252,7 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
                 &mesh,
                 target.strategy,
                 Dump::Nothing,
+                crate::compile::Kernels::Interpreted,
             )?
             .programs;
             let scheduled = if target.no_overlap { lowered.clone() } else { overlap_programs(&lowered, &hw)? };

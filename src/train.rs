@@ -195,6 +195,7 @@ pub fn compile_training(
     strategy: Strategy,
     (zero, recompute): (u8, Recompute),
     pipelining: &Pipelining,
+    kernels: crate::compile::Kernels,
 ) -> Result<CompiledTraining> {
     if strategy == Strategy::TpSpOrTsp {
         bail!(UsageError::TrainFoldedStrategy);
@@ -216,6 +217,7 @@ pub fn compile_training(
     let mut module = pleat_ir::model::build_training(config, batch / u64::from(micro_batches), seq)?;
     module.mesh = inner;
     pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
+    crate::compile::fuse_for(kernels, &mut module, &ctx, None)?;
     if stages > 1 || micro_batches > 1 {
         let kind = crate::pipeline::schedule_kind(pipelining.schedule, pipelining.chunks)?;
         let virtual_stages = stages * kind.chunks();
@@ -340,7 +342,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     };
     let state = (flags.zero, flags.recompute.into());
     let compute = args.precision.unwrap_or_default().apply(&config);
-    let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining)?;
+    let kernels = if args.native { crate::compile::Kernels::Native } else { crate::compile::Kernels::Interpreted };
+    let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining, kernels)?;
     // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
     if compiled.step_spans.is_empty() {
         compiled.programs = bucket_and_schedule(&compiled.programs, flags.bucket_mb, args.no_overlap)?;

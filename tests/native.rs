@@ -436,6 +436,8 @@ mod with_llvm {
             (Kernel::MatMulGradInput { m: 2, n: 4, k: 2 }, vec![float, float], DType::F32),
             (Kernel::MatMulGradWeight { m: 2, n: 4, k: 2 }, vec![float, float], DType::F32),
             (Kernel::RmsNormGradInput { hidden: 4, eps: 1e-5 }, vec![float, float, float], DType::F32),
+            (Kernel::RmsNormGradInputAdd { hidden: 4, eps: 1e-5 }, vec![float; 4], DType::F32),
+            (Kernel::Sum, vec![float; 3], DType::F32),
             (Kernel::RmsNormGradWeight { hidden: 4, eps: 1e-5 }, vec![float, float], DType::F32),
             (
                 Kernel::RopeGrad { batch: 1, seq: 2, heads: 2, head_dim: 2, inv_freq: inv_freq.clone() },

@@ -155,3 +155,26 @@ fn moe_one_layer_tsp2_experts_on_tsp() {
 fn training_expert_parallel_one_layer_ep2() {
     snapshot_training_of("tiny-moe", "ep=2", "train-moe-ep2-one-layer", &PassCtx::for_tests());
 }
+
+/// `fuse` after the training pipeline on a one-layer `tiny` at tp=2 and tsp=2: the gradients
+/// summed over q, k, v (and gate, up) become one `sum`, each norm's input gradient and the add
+/// after it one `rms_norm_grad_input_add`.
+#[test]
+fn fusing_a_training_step_one_layer() {
+    for (mesh, suffix) in [("tp=2", "fuse-train-tp2-one-layer"), ("tsp=2", "fuse-train-tsp2-one-layer")] {
+        let mut config = preset("tiny").expect("preset");
+        config.num_layers = 1;
+        let mut module = pleat_ir::model::build_training(&config, 8, 16).expect("build");
+        module.mesh = Mesh::parse(mesh).expect("mesh");
+        let ctx = PassCtx::for_tests();
+        run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx).expect("pipeline");
+        let before = pleat_ir::text::print_module(&module);
+        let report = run_pipeline(&[pleat_passes::fuse::FUSE], &mut module, &ctx).expect("fuse");
+        insta::with_settings!({ snapshot_suffix => suffix, prepend_module_to_snapshot => false }, {
+            insta::assert_snapshot!("before", before);
+            for (pass, text) in report.dumps {
+                insta::assert_snapshot!(format!("after_{pass}"), text);
+            }
+        });
+    }
+}

@@ -209,6 +209,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 Instr::Kernel { kernel, inputs, out }
             }
             Op::Add => Instr::Kernel { kernel: Kernel::Add, inputs, out },
+            Op::Sum { .. } => Instr::Kernel { kernel: Kernel::Sum, inputs, out },
             Op::AllReduce { axis } => {
                 Instr::AllReduce { inputs: vec![inputs[0]], outs: vec![out], group: group(*axis) }
             }
@@ -328,6 +329,10 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
             Op::RmsNormGradInput { eps } => {
                 let hidden = *input_local(0)?.last().unwrap_or(&1);
                 Instr::Kernel { kernel: Kernel::RmsNormGradInput { hidden, eps: *eps }, inputs, out }
+            }
+            Op::RmsNormGradInputAdd { eps } => {
+                let hidden = *input_local(0)?.last().unwrap_or(&1);
+                Instr::Kernel { kernel: Kernel::RmsNormGradInputAdd { hidden, eps: *eps }, inputs, out }
             }
             Op::RmsNormGradWeight { eps } => {
                 let hidden = *input_local(0)?.last().unwrap_or(&1);

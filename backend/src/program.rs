@@ -205,6 +205,8 @@ pub enum Kernel {
     },
     /// `a + b`, `b` repeating over `a` when shorter (a bias).
     Add,
+    /// `a + b + c + ..` over operands of one size, summed left to right (`passes::fuse`).
+    Sum,
     /// Reorder dim `dim` of a local tensor of `shape`: slot `i` takes entry `order[i]`.
     Permute {
         /// The local shape.
@@ -320,6 +322,14 @@ pub enum Kernel {
     /// `(x[rows, hidden], weight[hidden], dy[rows, hidden]) -> [rows, hidden]`: per row, with
     /// `r = rsqrt(mean(x²) + eps)` and `g = dy · weight`, `r·g - x·r³·mean(g·x)`.
     RmsNormGradInput {
+        /// Row width.
+        hidden: u64,
+        /// Epsilon.
+        eps: f64,
+    },
+    /// `(x, weight, dy, acc) -> acc + RmsNormGradInput(x, weight, dy)`: the norm's input gradient
+    /// added to the gradient already gathered (`passes::fuse`), never stored on its own.
+    RmsNormGradInputAdd {
         /// Row width.
         hidden: u64,
         /// Epsilon.

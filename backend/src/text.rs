@@ -51,6 +51,7 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::SigmoidScale { hidden } => format!("sigmoid_scale hidden={hidden}"),
         Kernel::SigmoidScaleGradGate { hidden } => format!("sigmoid_scale_grad_gate hidden={hidden}"),
         Kernel::Add => "add".to_string(),
+        Kernel::Sum => "sum".to_string(),
         Kernel::CrossEntropy { batch, seq, vocab, terms } => {
             format!("cross_entropy batch={batch} seq={seq} vocab={vocab} terms={terms}")
         }
@@ -70,6 +71,7 @@ fn kernel_text(kernel: &Kernel) -> String {
         Kernel::MatMulGradInput { m, n, k } => format!("matmul_grad_input m={m} n={n} k={k}"),
         Kernel::MatMulGradWeight { m, n, k } => format!("matmul_grad_weight m={m} n={n} k={k}"),
         Kernel::RmsNormGradInput { hidden, eps } => format!("rms_norm_grad_input hidden={hidden} eps={eps}"),
+        Kernel::RmsNormGradInputAdd { hidden, eps } => format!("rms_norm_grad_input_add hidden={hidden} eps={eps}"),
         Kernel::RmsNormGradWeight { hidden, eps } => format!("rms_norm_grad_weight hidden={hidden} eps={eps}"),
         Kernel::RopeGrad { batch, seq, heads, head_dim, .. } => {
             format!("rope_grad batch={batch} seq={seq} heads={heads} head_dim={head_dim}")

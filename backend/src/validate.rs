@@ -139,6 +139,15 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("up", sizes[1], sizes[0])?;
                 expect("the result", out, sizes[0])?;
             }
+            Kernel::Sum => {
+                if sizes.len() < 3 {
+                    return Err(bad(index, format!("a sum takes at least 3 operands, got {}", sizes.len())));
+                }
+                for (operand, &size) in sizes.iter().enumerate().skip(1) {
+                    expect(&format!("operand {operand}"), size, sizes[0])?;
+                }
+                expect("the result", out, sizes[0])?;
+            }
             Kernel::Add => {
                 operands(2)?;
                 if sizes[1] == 0 || sizes[0] % sizes[1] != 0 {
@@ -203,8 +212,11 @@ pub fn validate(program: &Program) -> Result<()> {
                 expect("the activation", sizes[1], m * k)?;
                 expect("the result", out, n * k)?;
             }
-            Kernel::RmsNormGradInput { hidden, .. } => {
-                operands(3)?;
+            Kernel::RmsNormGradInput { hidden, .. } | Kernel::RmsNormGradInputAdd { hidden, .. } => {
+                operands(if matches!(kernel, Kernel::RmsNormGradInput { .. }) { 3 } else { 4 })?;
+                if let Some(&acc) = sizes.get(3) {
+                    expect("the gradient added", acc, sizes[0])?;
+                }
                 expect("the weight", sizes[1], *hidden)?;
                 expect("the result's gradient", sizes[2], sizes[0])?;
                 expect("the result", out, sizes[0])?;

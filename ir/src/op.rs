@@ -166,6 +166,13 @@ pub enum Op {
     /// `(a, b) -> a + b`, elementwise; `b`'s dims equal `a`'s or are a trailing run of them (a bias),
     /// and then `b` is broadcast over `a`'s leading dims.
     Add,
+    /// `(a, b, c, ..) -> a + b + c + ..`, elementwise over `terms` operands of one type, summed in
+    /// operand order (`(a + b) + c`, so that it equals the chain of adds it replaces bit for bit).
+    /// `passes::fuse` makes it from a chain of `Add`s whose inner sums have no other reader.
+    Sum {
+        /// The number of operands (at least 3).
+        terms: u8,
+    },
 
     // === Training: the loss and the backward ops ===
     // `passes::autodiff` emits the backward ops. A node defines one value, so an op with several
@@ -211,6 +218,13 @@ pub enum Op {
     /// with respect to `x`, per row `r = rsqrt(mean(x^2) + eps)`, `g = dy * weight`:
     /// `r * g - x * r^3 * mean(g * x)`.
     RmsNormGradInput {
+        /// The forward op's eps.
+        eps: f64,
+    },
+    /// `(x, weight, dy, acc) -> acc + RmsNormGradInput(x, weight, dy)`: an RMSNorm's input gradient
+    /// added to the gradient already gathered for `x` (the residual stream's). `passes::fuse` makes
+    /// it from the pair, so that the norm's own input gradient is never stored.
+    RmsNormGradInputAdd {
         /// The forward op's eps.
         eps: f64,
     },
@@ -343,6 +357,7 @@ impl Op {
             Op::SigmoidScale => "sigmoid_scale",
             Op::SigmoidScaleGradGate => "sigmoid_scale_grad_gate",
             Op::Add => "add",
+            Op::Sum { .. } => "sum",
             Op::CrossEntropy => "cross_entropy",
             Op::CrossEntropyGrad => "cross_entropy_grad",
             Op::VocabParallelCrossEntropy { .. } => "vocab_parallel_cross_entropy",
@@ -350,6 +365,7 @@ impl Op {
             Op::MatMulGradInput { .. } => "matmul_grad_input",
             Op::MatMulGradWeight { .. } => "matmul_grad_weight",
             Op::RmsNormGradInput { .. } => "rms_norm_grad_input",
+            Op::RmsNormGradInputAdd { .. } => "rms_norm_grad_input_add",
             Op::RmsNormGradWeight { .. } => "rms_norm_grad_weight",
             Op::RopeGrad { .. } => "rope_grad",
             Op::AttentionGradQuery { .. } => "attention_grad_query",
@@ -415,6 +431,8 @@ impl Op {
             | Op::RopeGrad { .. }
             | Op::EmbeddingGrad { .. } => 2,
             Op::RmsNormGradInput { .. } | Op::SiluMulGradGate => 3,
+            Op::RmsNormGradInputAdd { .. } => 4,
+            Op::Sum { terms } => usize::from(*terms),
             Op::AttentionGradQuery { .. } | Op::AttentionGradKey { .. } | Op::AttentionGradValue { .. } => 6,
             Op::RingAttention { .. } => 5,
         }

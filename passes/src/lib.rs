@@ -12,6 +12,7 @@ pub mod cost;
 pub mod cp;
 pub mod error;
 pub mod explain;
+pub mod fuse;
 pub mod manager;
 pub mod pipeline;
 pub mod propagate;

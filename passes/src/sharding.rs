@@ -207,6 +207,24 @@ pub fn output_spec(
             same_spec(specs, (0, 2), "x and dy")?;
             Ok(specs[0].clone())
         }
+        Op::RmsNormGradInputAdd { .. } => {
+            // (x, w, dy, acc): the gradient's rule, and the sum laid out as the gradient.
+            no_partial(specs, &[0, 1, 2, 3])?;
+            replicated_dim(specs, shapes, 0, Hidden, "rms_norm reduces over hidden")?;
+            replicated_dim(specs, shapes, 1, Hidden, "rms_norm's weight must be whole")?;
+            same_spec(specs, (0, 2), "x and dy")?;
+            same_spec(specs, (0, 3), "x and the gradient added")?;
+            Ok(specs[0].clone())
+        }
+        Op::Sum { .. } => {
+            // Elementwise over operands laid out alike: pending sums stay pending.
+            if let Some(index) = specs.iter().position(|spec| *spec != specs[0]) {
+                return Err(Conflict::Layout(format!(
+                    "operand {index} is laid out differently from operand 0; a sum's operands share one layout"
+                )));
+            }
+            Ok(specs[0].clone())
+        }
         Op::RmsNormGradWeight { .. } => {
             // (x, dy) -> [hidden]: a sum over the rows, pending over the axes that split them.
             no_partial(specs, &[0, 1])?;

@@ -314,6 +314,19 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
             }
             Ok(inputs[0].clone())
         }
+        Op::Sum { terms } => {
+            if *terms < 3 {
+                return Err(format!("sum takes at least 3 operands, not {terms}; two are an add"));
+            }
+            if let Some(index) = inputs.iter().position(|input| *input != inputs[0]) {
+                return Err(format!(
+                    "operand {index} {} differs from operand 0 {}; a sum's operands have one type",
+                    shape_text(&inputs[index].shape),
+                    shape_text(&inputs[0].shape)
+                ));
+            }
+            Ok(inputs[0].clone())
+        }
         Op::Add => {
             let (a, b) = (inputs[0].shape.dims(), inputs[1].shape.dims());
             if b.len() > a.len() || a[a.len() - b.len()..] != *b {
@@ -332,6 +345,7 @@ pub fn infer_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> Resul
         | Op::MatMulGradInput { .. }
         | Op::MatMulGradWeight { .. }
         | Op::RmsNormGradInput { .. }
+        | Op::RmsNormGradInputAdd { .. }
         | Op::RmsNormGradWeight { .. }
         | Op::RopeGrad { .. }
         | Op::AttentionGradQuery { .. }
@@ -562,6 +576,12 @@ fn infer_training_type(node: &NodeData, inputs: &[&TensorType], mesh: &Mesh) -> 
         Op::RmsNormGradInput { eps } => {
             let x = forward(Op::RmsNorm { eps: *eps }, 2)?;
             same_type(2, &x, "operand 0")?;
+            Ok(x)
+        }
+        Op::RmsNormGradInputAdd { eps } => {
+            let x = forward(Op::RmsNorm { eps: *eps }, 2)?;
+            same_type(2, &x, "operand 0")?;
+            same_type(3, &x, "operand 0")?;
             Ok(x)
         }
         Op::RmsNormGradWeight { .. } => {

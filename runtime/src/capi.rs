@@ -173,6 +173,8 @@ pub fn exported_functions() -> Vec<(&'static str, *const ())> {
         pleat_rt_merge_attention,
         pleat_rt_silu_mul,
         pleat_rt_add,
+        pleat_rt_sum,
+        pleat_rt_rms_norm_grad_input_add,
         pleat_rt_permute,
         pleat_rt_zeros,
         pleat_rt_slice,

@@ -686,6 +686,20 @@ pub unsafe extern "C" fn pleat_rt_add(ctx: *mut c_void, instr: u64, a: u32, b: u
     unsafe { instruction(ctx, instr, || Some(kernel(Kernel::Add, &[a, b], out))) }
 }
 
+/// `Kernel::Sum` over the `count` buffers at `inputs`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+pub unsafe extern "C" fn pleat_rt_sum(ctx: *mut c_void, instr: u64, inputs: *const u32, count: u64, out: u32) -> i32 {
+    // SAFETY: the module's contract; the pointer is read with its count.
+    unsafe {
+        instruction(ctx, instr, || {
+            Some(Instr::Kernel { kernel: Kernel::Sum, inputs: buffers(inputs, count), out: buffer(out) })
+        })
+    }
+}
+
 /// `Kernel::Permute`.
 ///
 /// # Safety
@@ -955,6 +969,31 @@ pub unsafe extern "C" fn pleat_rt_rms_norm_grad_input(
 ) -> i32 {
     // SAFETY: the module's contract.
     unsafe { instruction(ctx, instr, || Some(kernel(Kernel::RmsNormGradInput { hidden, eps }, &[x, weight, dy], out))) }
+}
+
+/// `Kernel::RmsNormGradInputAdd`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_rms_norm_grad_input_add(
+    ctx: *mut c_void,
+    instr: u64,
+    x: u32,
+    weight: u32,
+    dy: u32,
+    acc: u32,
+    out: u32,
+    hidden: u64,
+    eps: f64,
+) -> i32 {
+    // SAFETY: the module's contract.
+    unsafe {
+        instruction(ctx, instr, || {
+            Some(kernel(Kernel::RmsNormGradInputAdd { hidden, eps }, &[x, weight, dy, acc], out))
+        })
+    }
 }
 
 /// `Kernel::RmsNormGradWeight`.

@@ -950,7 +950,8 @@ fn run_kernel(
 ) -> Result<Vec<f32>> {
     let numel = machine.program.buffer(out).numel() as usize;
     let mut result = vec![0.0f32; numel];
-    let operand_count = kernel_arity(kernel);
+    // A sum takes as many operands as it sums.
+    let operand_count = if matches!(kernel, Kernel::Sum) { operands.len().max(3) } else { kernel_arity(kernel) };
     if operands.len() != operand_count {
         return Err(machine.program_error(format!("the kernel takes {operand_count} operands, got {}", operands.len())));
     }
@@ -1066,6 +1067,13 @@ fn run_kernel(
             let loads = kernels::moe_mlp(&moe_shape(dims), operands.map(|operand| operand.as_ref()), &mut result);
             machine.note_expert_rows(loads.into_iter().max().unwrap_or(0) as u64);
         }
+        Kernel::Sum => {
+            // Left to right, as the chain of adds it replaces: bit for bit the same.
+            kernels::add(&f32_operand(0)?, &f32_operand(1)?, &mut result);
+            for index in 2..operands.len() {
+                kernels::add_in_place(&mut result, &f32_operand(index)?);
+            }
+        }
         Kernel::Add => {
             let (a, b) = (&f32_operand(0)?, &f32_operand(1)?);
             if a.len() == b.len() {
@@ -1086,6 +1094,7 @@ fn run_kernel(
         | Kernel::MatMulGradInput { .. }
         | Kernel::MatMulGradWeight { .. }
         | Kernel::RmsNormGradInput { .. }
+        | Kernel::RmsNormGradInputAdd { .. }
         | Kernel::RmsNormGradWeight { .. }
         | Kernel::RopeGrad { .. }
         | Kernel::AttentionGrad { .. }
@@ -1191,6 +1200,7 @@ fn kernel_arity(kernel: &Kernel) -> usize {
         | Kernel::SigmoidScaleGradGate { .. }
         | Kernel::RouterProbSumGrad { .. }
         | Kernel::CrossEntropyGradFromStats { .. } => 3,
+        Kernel::RmsNormGradInputAdd { .. } => 4,
         Kernel::Attention { .. } | Kernel::MoeMlp { .. } => 5,
         Kernel::AttentionGrad { .. } | Kernel::MoeMlpGrad { .. } => 6,
         _ => 2,

@@ -82,6 +82,18 @@ pub(super) fn run_backward_kernel(
             *hidden as usize,
             *eps,
         ),
+        Kernel::RmsNormGradInputAdd { hidden, eps } => {
+            kernels::rms_norm_grad_input(
+                &f32_operand(0)?,
+                &f32_operand(1)?,
+                &f32_operand(2)?,
+                result,
+                *hidden as usize,
+                *eps,
+            );
+            // Added after, as the add it replaces did: bit for bit the same.
+            kernels::add_in_place(result, &f32_operand(3)?);
+        }
         Kernel::RmsNormGradWeight { hidden, eps } => {
             kernels::rms_norm_grad_weight(&f32_operand(0)?, &f32_operand(1)?, result, *hidden as usize, *eps)
         }

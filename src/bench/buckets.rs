@@ -74,7 +74,15 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
     let pipelining =
         Pipelining { micro_batches: 1, schedule: crate::schedule::ScheduleName::OneFOneB, chunks: None, layers: None };
     let state = (args.zero, pleat_passes::autodiff::Recompute::None);
-    let compiled = compile_training(&config, shape, &mesh, args.target.strategy, state, &pipelining)?;
+    let compiled = compile_training(
+        &config,
+        shape,
+        &mesh,
+        args.target.strategy,
+        state,
+        &pipelining,
+        crate::compile::Kernels::Interpreted,
+    )?;
     let alone = bucket_and_schedule(&compiled.programs, 0, args.target.no_overlap)?;
     let bucketed = bucket_and_schedule(&compiled.programs, args.bucket_mb, args.target.no_overlap)?;
     let weights = weight_source(None, 0)?;

@@ -109,7 +109,15 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let config = args.target.config("bench overlap")?;
     let mesh = pleat_ir::Mesh::parse(&args.target.mesh)?;
     let (batch, seq) = (args.target.batch, args.target.seq);
-    let compiled = crate::compile::compile_model(&config, batch, seq, &mesh, args.target.strategy, Dump::Nothing)?;
+    let compiled = crate::compile::compile_model(
+        &config,
+        batch,
+        seq,
+        &mesh,
+        args.target.strategy,
+        Dump::Nothing,
+        crate::compile::Kernels::Interpreted,
+    )?;
     let mut hw = crate::plan::hardware_of("cpu", args.hw_file.as_deref())?;
     hw.intra_node.bandwidth_bytes_per_s = args.emulate_link.bytes_per_s;
     hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64();

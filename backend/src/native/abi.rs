@@ -80,7 +80,7 @@ pub struct RuntimeCall {
 
 /// Every `pleat_rt_*` symbol that [`runtime_call`] can name, for checking that a runtime exports
 /// them all.
-pub const INSTRUCTION_SYMBOLS: [&str; 47] = [
+pub const INSTRUCTION_SYMBOLS: [&str; 49] = [
     "pleat_rt_load_param",
     "pleat_rt_load_tokens",
     "pleat_rt_load_positions",
@@ -102,6 +102,8 @@ pub const INSTRUCTION_SYMBOLS: [&str; 47] = [
     "pleat_rt_merge_attention",
     "pleat_rt_silu_mul",
     "pleat_rt_add",
+    "pleat_rt_sum",
+    "pleat_rt_rms_norm_grad_input_add",
     "pleat_rt_permute",
     "pleat_rt_zeros",
     "pleat_rt_slice",
@@ -241,6 +243,10 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
             .chain(moe_dims(dims))
             .collect(),
         ),
+        // A sum's operands vary in number: one list, so that its symbol has one signature.
+        Instr::Kernel { kernel: Kernel::Sum, inputs, out } => {
+            ("pleat_rt_sum", vec![Buffers(inputs.clone()), Buffer(*out)])
+        }
         Instr::Kernel { kernel, inputs, out } => {
             let (symbol, parameters) = kernel_call(kernel);
             let args = inputs.iter().map(|&id| Buffer(id)).chain([Buffer(*out)]).chain(parameters).collect();
@@ -278,6 +284,8 @@ fn kernel_call(kernel: &Kernel) -> (&'static str, Vec<AbiArg>) {
         Kernel::SigmoidScale { hidden } => ("pleat_rt_sigmoid_scale", vec![U64(*hidden)]),
         Kernel::SigmoidScaleGradGate { hidden } => ("pleat_rt_sigmoid_scale_grad_gate", vec![U64(*hidden)]),
         Kernel::Add => ("pleat_rt_add", vec![]),
+        // Called with its operands as one list (`runtime_call`).
+        Kernel::Sum => ("pleat_rt_sum", vec![]),
         Kernel::Permute { shape, dim, order } => {
             ("pleat_rt_permute", vec![AbiArg::U64s(shape.clone()), U64(*dim as u64), AbiArg::U64s(order.clone())])
         }
@@ -304,6 +312,9 @@ fn kernel_call(kernel: &Kernel) -> (&'static str, Vec<AbiArg>) {
         Kernel::MatMulGradInput { m, n, k } => ("pleat_rt_matmul_grad_input", vec![U64(*m), U64(*n), U64(*k)]),
         Kernel::MatMulGradWeight { m, n, k } => ("pleat_rt_matmul_grad_weight", vec![U64(*m), U64(*n), U64(*k)]),
         Kernel::RmsNormGradInput { hidden, eps } => ("pleat_rt_rms_norm_grad_input", vec![U64(*hidden), F64(*eps)]),
+        Kernel::RmsNormGradInputAdd { hidden, eps } => {
+            ("pleat_rt_rms_norm_grad_input_add", vec![U64(*hidden), F64(*eps)])
+        }
         Kernel::RmsNormGradWeight { hidden, eps } => ("pleat_rt_rms_norm_grad_weight", vec![U64(*hidden), F64(*eps)]),
         Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq } => (
             "pleat_rt_rope_grad",

@@ -102,6 +102,7 @@ mod tests {
                 }
                 Op::MatMulGradInput { .. }
                 | Op::RmsNormGradInput { .. }
+                | Op::RmsNormGradInputAdd { .. }
                 | Op::AttentionGradQuery { .. }
                 | Op::CrossEntropyGrad
                 | Op::VocabParallelCrossEntropyGrad { .. } => Phase::BackwardInput,

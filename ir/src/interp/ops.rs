@@ -41,6 +41,7 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::SigmoidScale => sigmoid_scale(operands[0], operands[1]),
         Op::SigmoidScaleGradGate => sigmoid_scale_grad_gate(operands[0], operands[1], operands[2]),
         Op::Add => add(operands[0], operands[1]),
+        Op::Sum { .. } => sum(operands),
         Op::RingGatedMlp { .. } => gated_mlp(operands[0], operands[1], operands[2], operands[3]),
         Op::RingGatedMlpGrad { wrt, .. } => gated_mlp_grad(operands, *wrt),
         // The dispatch moves rows between ranks; on one rank it is the plain mixture.
@@ -57,6 +58,13 @@ pub fn eval(op: &Op, operands: &[&Tensor]) -> Result<Tensor, OpError> {
         Op::MatMulGradInput { contract } => grad::matmul_grad_input(operands[0], operands[1], usize::from(*contract)),
         Op::MatMulGradWeight { contract } => grad::matmul_grad_weight(operands[0], operands[1], usize::from(*contract)),
         Op::RmsNormGradInput { eps } => grad::rms_norm_grad_input(operands[0], operands[1], operands[2], *eps),
+        Op::RmsNormGradInputAdd { eps } => {
+            let gradient = grad::rms_norm_grad_input(operands[0], operands[1], operands[2], *eps)?;
+            if operands[3].shape != gradient.shape {
+                return Err(shape_error(3, operands[3], format!("{:?}, the shape of operand 0", gradient.shape)));
+            }
+            add(operands[3], &gradient)
+        }
         Op::RmsNormGradWeight { eps } => grad::rms_norm_grad_weight(operands[0], operands[1], *eps),
         Op::RopeGrad { rope: config } => grad::rope_grad(operands[0], operands[1], config),
         Op::AttentionGradQuery { causal } => attention_grad(six(operands), *causal, AttentionOperand::Query),
@@ -252,6 +260,18 @@ fn add(a: &Tensor, b: &Tensor) -> Result<Tensor, OpError> {
     Ok(Tensor { shape: a.shape.clone(), data })
 }
 
+/// `a + b + c + ..` over operands of one shape, summed left to right.
+fn sum(operands: &[&Tensor]) -> Result<Tensor, OpError> {
+    let mut total = operands[0].clone();
+    for (operand, term) in operands.iter().enumerate().skip(1) {
+        if term.shape != total.shape {
+            return Err(shape_error(operand, term, format!("{:?}, the shape of operand 0", total.shape)));
+        }
+        total = add(&total, term)?;
+    }
+    Ok(total)
+}
+
 /// The gated SiLU MLP on one device: `down(silu(x·gateᵀ) * (x·upᵀ))`, the meaning of the ring op.
 fn gated_mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor, OpError> {
     let hidden = matmul(&silu_mul(&matmul(x, gate, 1)?, &matmul(x, up, 1)?)?, down, 1)?;
@@ -393,6 +413,36 @@ mod tests {
         let gate = tensor(&[3], &[0.0, 1.0, -2.0]);
         let up = tensor(&[3], &[5.0, 2.0, 3.0]);
         check(Op::SiluMul, &[&gate, &up], &tensor(&[3], &[0.0, 1.462_117_2, -0.715_217_4]));
+    }
+
+    #[test]
+    fn sum_adds_left_to_right_over_one_shape() {
+        let a = tensor(&[2], &[1.0, 1e8]);
+        let b = tensor(&[2], &[2.0, -1e8]);
+        let c = tensor(&[2], &[3.0, 1.0]);
+        // (1e8 + -1e8) + 1 = 1; a right-to-left sum would give 1e8 + (-1e8 + 1) = 0 in f32.
+        check(Op::Sum { terms: 3 }, &[&a, &b, &c], &tensor(&[2], &[6.0, 1.0]));
+        check_error(
+            Op::Sum { terms: 3 },
+            &[&a, &b, &tensor(&[1], &[0.0])],
+            "operand 2 has shape [1], expected [2], the shape of operand 0; fix the graph's types",
+        );
+    }
+
+    #[test]
+    fn a_norm_gradient_with_its_add_is_the_two_ops() {
+        let x = tensor(&[2, 2], &[1.0, -2.0, 0.5, 3.0]);
+        let weight = tensor(&[2], &[0.5, 2.0]);
+        let dy = tensor(&[2, 2], &[0.25, -1.0, 2.0, 1.5]);
+        let acc = tensor(&[2, 2], &[10.0, 20.0, 30.0, 40.0]);
+        let gradient = grad::rms_norm_grad_input(&x, &weight, &dy, 1e-5).expect("gradient");
+        let expected = add(&acc, &gradient).expect("sum");
+        check(Op::RmsNormGradInputAdd { eps: 1e-5 }, &[&x, &weight, &dy, &acc], &expected);
+        check_error(
+            Op::RmsNormGradInputAdd { eps: 1e-5 },
+            &[&x, &weight, &dy, &weight],
+            "operand 3 has shape [2], expected [2, 2], the shape of operand 0; fix the graph's types",
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::{
 use crate::{TensorType, ValueData, ValueId};
 
 /// Every op's mnemonic, in `Op`'s order: what an unknown op's error lists.
-const OPS: [&str; 44] = [
+const OPS: [&str; 46] = [
     "tokens",
     "positions",
     "param",
@@ -27,6 +27,7 @@ const OPS: [&str; 44] = [
     "attention",
     "silu_mul",
     "add",
+    "sum",
     "cross_entropy",
     "cross_entropy_grad",
     "vocab_parallel_cross_entropy",
@@ -34,6 +35,7 @@ const OPS: [&str; 44] = [
     "matmul_grad_input",
     "matmul_grad_weight",
     "rms_norm_grad_input",
+    "rms_norm_grad_input_add",
     "rms_norm_grad_weight",
     "rope_grad",
     "attention_grad_query",
@@ -328,7 +330,8 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "broadcast_shard" | "reduce_to_root" => &["axis", "dim", "root"],
         "zigzag" => &["parts", "inverse"],
         "matmul_grad_input" | "matmul_grad_weight" => &["contract"],
-        "rms_norm_grad_input" | "rms_norm_grad_weight" => &["eps"],
+        "rms_norm_grad_input" | "rms_norm_grad_weight" | "rms_norm_grad_input_add" => &["eps"],
+        "sum" => &["terms"],
         "rope_grad" => &["theta", "scaling"],
         "attention_grad_query" | "attention_grad_key" | "attention_grad_value" => &["causal"],
         "embedding_grad" => &["vocab"],
@@ -420,6 +423,10 @@ fn build_op(cursor: &Cursor<'_>, mnemonic: &str, op_span: (usize, usize), attrib
         "load_balancing_loss" => Op::LoadBalancingLoss,
         "sigmoid_scale_grad_gate" => Op::SigmoidScaleGradGate,
         "embedding_grad" => Op::EmbeddingGrad { vocab: number(cursor, required("vocab", "32000")?, "a whole number")? },
+        "rms_norm_grad_input_add" => {
+            Op::RmsNormGradInputAdd { eps: number(cursor, required("eps", "0.00001")?, "a number")? }
+        }
+        "sum" => Op::Sum { terms: number(cursor, required("terms", "3")?, "a whole number from 3 to 255")? },
         "sum_leading" => {
             Op::SumLeading { keep: number(cursor, required("keep", "1")?, "a whole number from 0 to 255")? }
         }

@@ -171,7 +171,10 @@ fn write_attributes(out: &mut String, op: &Op) {
             Ok(())
         }
         Op::MatMulGradInput { contract } | Op::MatMulGradWeight { contract } => write!(out, " contract={contract}"),
-        Op::RmsNormGradInput { eps } | Op::RmsNormGradWeight { eps } => write!(out, " eps={eps}"),
+        Op::RmsNormGradInput { eps } | Op::RmsNormGradWeight { eps } | Op::RmsNormGradInputAdd { eps } => {
+            write!(out, " eps={eps}")
+        }
+        Op::Sum { terms } => write!(out, " terms={terms}"),
         Op::AttentionGradQuery { causal } | Op::AttentionGradKey { causal } | Op::AttentionGradValue { causal } => {
             write!(out, " causal={causal}")
         }

@@ -201,9 +201,9 @@ const HEADER: &str = "; module m mesh=tp=2\n";
 
 #[test]
 fn errors_say_what_was_expected_and_where() {
-    let ops = "tokens, positions, param, embedding, rms_norm, matmul, rope, attention, silu_mul, add, \
+    let ops = "tokens, positions, param, embedding, rms_norm, matmul, rope, attention, silu_mul, add, sum, \
                cross_entropy, cross_entropy_grad, vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_grad, \
-               matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, \
+               matmul_grad_input, matmul_grad_weight, rms_norm_grad_input, rms_norm_grad_input_add, \
                rms_norm_grad_weight, rope_grad, attention_grad_query, attention_grad_key, attention_grad_value, \
                silu_mul_grad_gate, embedding_grad, sum_leading, all_reduce, reduce_scatter, all_gather, local_slice, \
                broadcast_shard, reduce_to_root, ring_gated_mlp, ring_gated_mlp_grad, ring_attention, zigzag, all_to_all, moe_mlp, moe_mlp_grad, sigmoid_scale, sigmoid_scale_grad_gate, expert_counts, router_prob_sum, router_prob_sum_grad, load_balancing_loss";

@@ -216,6 +216,8 @@ pub fn push_op(expr: &mut egg::RecExpr<LayerLang>, leaves: &mut LeafTable, op: &
         | Op::MatMulGradInput { .. }
         | Op::MatMulGradWeight { .. }
         | Op::RmsNormGradInput { .. }
+        | Op::RmsNormGradInputAdd { .. }
+        | Op::Sum { .. }
         | Op::RmsNormGradWeight { .. }
         | Op::RopeGrad { .. }
         | Op::AttentionGradQuery { .. }
