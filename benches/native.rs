@@ -1,9 +1,11 @@
 //! Native kernels (feature `llvm`) against the interpreted ones on the elementwise and row-wise work
 //! of one layer of a mid-size model (hidden 1024, 16 heads of 64, 4 kv heads, MLP 2816, batch 1,
 //! sequence 2048): two residual adds each followed by an RMSNorm, RoPE on queries and keys, and
-//! SiLU-mul. The interpreted side calls the runtime's kernels as the executor does (a fresh result
-//! each); the native side calls the generated library, the adds fused with their norms. Report the
-//! ratio: this machine is shared and noisy.
+//! SiLU-mul. The interpreted side calls the runtime's kernels as the bytecode executor does (a
+//! fresh result each); the native side calls the generated library, the adds fused with their
+//! norms, once with fresh results and once writing into buffers allocated before, as the entry
+//! path writes into its planned arena (`pleat run --native`). Report the ratios: this machine is
+//! shared and noisy.
 
 use std::hint::black_box;
 
@@ -147,7 +149,7 @@ fn native_vs_interpreted(c: &mut Criterion) {
             black_box((normed1, q, k, gated, normed2))
         })
     });
-    group.bench_function("native, fused", |b| {
+    group.bench_function("native, fused, fresh results", |b| {
         b.iter(|| {
             let outputs: Vec<_> = calls
                 .iter()
@@ -157,6 +159,32 @@ fn native_vs_interpreted(c: &mut Criterion) {
                 })
                 .collect();
             black_box(outputs)
+        })
+    });
+    // The results' buffers, allocated once: the entry path's arena slots.
+    let mut slots: Vec<(Vec<f32>, Option<Vec<f32>>)> = calls
+        .iter()
+        .map(|(instr, _)| {
+            let out = program.instructions[*instr].out().expect("a kernel's result");
+            let normed = native_kernels(&program).into_iter().find_map(|native| match native {
+                pleat_backend::native::NativeKernel::FusedAddRmsNorm { add_instr, norm_instr }
+                    if add_instr == *instr =>
+                {
+                    program.instructions[norm_instr].out()
+                }
+                _ => None,
+            });
+            let buffer = |id: BufferId| vec![0.0f32; program.buffer(id).numel() as usize];
+            (buffer(out), normed.map(buffer))
+        })
+        .collect();
+    group.bench_function("native, fused, into the planned arena", |b| {
+        b.iter(|| {
+            for ((instr, operands), (out, normed)) in calls.iter().zip(slots.iter_mut()) {
+                let operands: Vec<NativeOperand> = operands.iter().map(|&index| operand(index)).collect();
+                library.call_into(*instr, &operands, out, normed.as_deref_mut()).expect("native call");
+            }
+            black_box(&slots);
         })
     });
     group.finish();

@@ -318,6 +318,67 @@ impl NativeKernels {
     /// [`Self::operand_buffers`].
     pub fn call(&self, instr: usize, operands: &[NativeOperand]) -> Result<NativeOutput, NativeError> {
         let entry = self.entries.get(&instr).ok_or(NativeError::NoKernel { instr })?;
+        let mut out = vec![0.0f32; entry.out_len];
+        match entry.function {
+            Function::Single(_) => {
+                self.call_into(instr, operands, &mut out, None)?;
+                Ok(NativeOutput { out, fused: None })
+            }
+            Function::Fused { norm_instr, norm_len, .. } => {
+                let mut normed = vec![0.0f32; norm_len];
+                self.call_into(instr, operands, &mut out, Some(&mut normed))?;
+                Ok(NativeOutput { out, fused: Some((norm_instr, normed)) })
+            }
+        }
+    }
+
+    /// As [`Self::call`], writing the result into `out` (and a fused kernel's norm into `normed`)
+    /// instead of fresh vectors, as the entry path writes into its planned arena.
+    pub fn call_into(
+        &self,
+        instr: usize,
+        operands: &[NativeOperand],
+        out: &mut [f32],
+        normed: Option<&mut [f32]>,
+    ) -> Result<(), NativeError> {
+        let entry = self.entries.get(&instr).ok_or(NativeError::NoKernel { instr })?;
+        self.check_operands(instr, operands)?;
+        let wrong_result = |operand: usize, expected: usize, got: usize| NativeError::Operand {
+            instr,
+            operand,
+            expected,
+            got,
+            expected_kind: "f32 result",
+            got_kind: "f32 result",
+        };
+        if out.len() != entry.out_len {
+            return Err(wrong_result(operands.len(), entry.out_len, out.len()));
+        }
+        let pointers: Vec<*const f32> = operands.iter().map(NativeOperand::pointer).collect();
+        match (entry.function, normed) {
+            (Function::Single(function), None) => {
+                // SAFETY: the library was generated for this program (fingerprint checked at open);
+                // its function reads exactly the operands' declared sizes, checked above, and writes
+                // `out_len` elements to `out`.
+                unsafe { function(pointers.as_ptr(), out.as_mut_ptr()) };
+                Ok(())
+            }
+            (Function::Fused { function, norm_len, .. }, Some(normed)) if normed.len() == norm_len => {
+                // SAFETY: as above; the fused function writes `out_len` sums and `norm_len` norms.
+                unsafe { function(pointers.as_ptr(), out.as_mut_ptr(), normed.as_mut_ptr()) };
+                Ok(())
+            }
+            (Function::Fused { norm_len, .. }, normed) => {
+                Err(wrong_result(operands.len() + 1, norm_len, normed.map_or(0, |normed| normed.len())))
+            }
+            (Function::Single(_), Some(normed)) => Err(wrong_result(operands.len() + 1, 0, normed.len())),
+        }
+    }
+
+    /// Checks `operands` against what instruction `instr`'s function reads: their number, each
+    /// one's element count and kind.
+    fn check_operands(&self, instr: usize, operands: &[NativeOperand]) -> Result<(), NativeError> {
+        let entry = self.entries.get(&instr).ok_or(NativeError::NoKernel { instr })?;
         let kind_name = |integer: bool| if integer { "u32" } else { "f32" };
         for (operand, (&(expected, integer), given)) in entry.operands.iter().zip(operands.iter()).enumerate() {
             if given.len() != expected || given.kind() != kind_name(integer) {
@@ -343,22 +404,6 @@ impl NativeKernels {
                 got_kind: "no",
             });
         }
-        let pointers: Vec<*const f32> = operands.iter().map(NativeOperand::pointer).collect();
-        let mut out = vec![0.0f32; entry.out_len];
-        match entry.function {
-            Function::Single(function) => {
-                // SAFETY: the library was generated for this program (fingerprint checked at open);
-                // its function reads exactly the operands' declared sizes, checked above, and writes
-                // `out_len` elements to `out`.
-                unsafe { function(pointers.as_ptr(), out.as_mut_ptr()) };
-                Ok(NativeOutput { out, fused: None })
-            }
-            Function::Fused { function, norm_instr, norm_len } => {
-                let mut normed = vec![0.0f32; norm_len];
-                // SAFETY: as above; the fused function writes `out_len` sums and `norm_len` norms.
-                unsafe { function(pointers.as_ptr(), out.as_mut_ptr(), normed.as_mut_ptr()) };
-                Ok(NativeOutput { out, fused: Some((norm_instr, normed)) })
-            }
-        }
+        Ok(())
     }
 }
