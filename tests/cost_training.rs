@@ -572,11 +572,22 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,cp=2", false, none, &[2, 4]),
         ("pp=4,cp=2", false, none, &[2, 4]),
     ];
-    for (mesh, sequence_parallel, recompute, micro_batch_counts) in cases {
+    // ZeRO-1 splits only the optimizer's state, which the programs do not hold: dp's closed form.
+    let zero1: [(&str, bool, Recompute, &[u32], u8); 3] = [
+        ("pp=2,dp=2", false, none, &[2], 1),
+        ("pp=4,dp=2", false, none, &[2], 1),
+        ("pp=2,dp=2", false, Recompute::Full, &[2], 1),
+    ];
+    let all = cases.iter().map(|&(mesh, sp, recompute, counts)| (mesh, sp, recompute, counts, 0)).chain(zero1);
+    for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in all {
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
             for &micro_batches in micro_batch_counts {
-                let layout =
-                    PipelinedLayout { recompute, sequence_parallel, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+                let layout = PipelinedLayout {
+                    recompute,
+                    sequence_parallel,
+                    zero_stage,
+                    ..PipelinedLayout::new(mesh, kind, micro_batches)
+                };
                 let (programs, _) = compile_pipelined(&config, &layout);
                 let parsed = Mesh::parse(mesh).unwrap();
                 let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
@@ -586,6 +597,7 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
                 let workload = Workload {
                     micro_batches: u64::from(micro_batches),
                     recompute: cost_recompute(recompute),
+                    zero: zero_stage,
                     ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp)
                 };
                 let memory = memory_per_stage(&model, &cost_layout, &workload);
@@ -593,7 +605,7 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
                     // Global rank `stage · inner + i`.
                     let stage = program.rank / (programs.len() as u32 / stages);
                     let label = format!(
-                        "{mesh} sp={sequence_parallel} {recompute:?} {kind:?} m={micro_batches} rank {} stage {stage}",
+                        "{mesh} sp={sequence_parallel} {recompute:?} zero={zero_stage} {kind:?} m={micro_batches} rank {} stage {stage}",
                         program.rank
                     );
                     let layers = u64::from(4 / stages);
