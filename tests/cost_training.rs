@@ -507,6 +507,36 @@ fn dp_by_tp_slices_the_embedding_gradient_before_it_reduces_over_dp() {
 }
 
 #[test]
+fn zero3_beside_tp_reduce_scatters_only_the_tp_shard_of_the_embedding_gradient() {
+    // Under ZeRO-3 the embedding is gathered over dp to its [128, 128] tp shard before each use;
+    // its gradient is brought to that layout (sliced to the rank's tp rows) before the gather's
+    // conjugate reduce-scatters it, so dp moves [128, 128], not the whole [256, 128], and no more
+    // than one whole-vocabulary buffer is ever live, with and without SP.
+    let config = preset("tiny").unwrap();
+    for sequence_parallel in [false, true] {
+        let programs = compile_training(&config, &TrainingLayout::new("dp=2,tp=2", sequence_parallel, 3), 4).0;
+        let program = &programs[0];
+        let embedding_scatter = program.instructions.iter().find_map(|instr| match instr {
+            Instr::ReduceScatter { inputs, group, .. } if group.axis == "dp" => {
+                let buffer = program.buffer(inputs[0]);
+                buffer.name.contains("embed").then(|| buffer.shape.clone())
+            }
+            _ => None,
+        });
+        assert_eq!(embedding_scatter, Some(vec![128, 128]), "sp={sequence_parallel}");
+        let gathers_back = program.instructions.iter().any(|instr| {
+            matches!(instr, Instr::AllGather { out, group, .. }
+                if group.axis == "dp" && program.buffer(*out).name.contains("embed") && program.buffer(*out).name.contains(".d0"))
+        });
+        assert!(!gathers_back, "sp={sequence_parallel}: the embedding's gradient is never gathered back over dp");
+        for at in 0..program.instructions.len() {
+            let whole = live_before(program, at).iter().filter(|&&id| program.buffer(id).shape == [256, 128]).count();
+            assert!(whole <= 1, "sp={sequence_parallel} instruction {at}: {whole} whole-vocabulary buffers live");
+        }
+    }
+}
+
+#[test]
 fn a_pipelined_stage_peak_by_hand() {
     // Stage 0 of the four-layer tiny on pp=2 under GPipe with 2 micro-batches of 2 sequences (16
     // tokens each; h 128, q 128, kv 64, f 256; 4 bytes an element). GPipe runs F0 F1 B0 B1; the

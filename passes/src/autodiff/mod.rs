@@ -247,6 +247,19 @@ pub fn differentiate_with(
         let complete: Vec<ValueId> =
             node.inputs.iter().copied().filter(|input| first_user.get(input) == Some(&node_id)).collect();
         let Some(&dy) = state.cotangent.get(&node.result) else { continue };
+        // A gathered value's gradient is brought to the gathered layout before the gather's
+        // conjugate sums it: a vocab-parallel embedding's gradient under ZeRO-3 is sliced to the
+        // rank's tp rows first, so that dp reduce-scatters `[V/tp, h]`, not the whole `[V, h]`.
+        let dy = match node.op {
+            Op::AllGather { .. } if state.graph.value(dy).spec.dims != state.graph.value(node.result).spec.dims => {
+                let target = ShardSpec {
+                    dims: state.graph.value(node.result).spec.dims.clone(),
+                    partial: state.graph.value(dy).spec.partial.clone(),
+                };
+                state.relayout(dy, &target)?
+            }
+            _ => dy,
+        };
         for (operand, &input) in node.inputs.iter().enumerate() {
             if !depends_on_param[input.index()] {
                 continue;

@@ -18,10 +18,10 @@
 //!   holds only a dp shard of every other gradient, ZeRO-3 also of every parameter (nothing is
 //!   gathered at this point: the embedding's backward reads no weight). ZeRO-1 changes the
 //!   optimizer's layout only, so its program is plain dp's.
-//! - **ZeRO-2 beside tp**: tp's `[V/tp, h]` shard is sliced first and only it is reduce-scattered
-//!   over dp, so the peak is the slice, beside the whole; **ZeRO-3 beside tp** splits parameters
-//!   over dp outside tp, so the whole gradient is reduce-scattered over dp first (staged whole, as
-//!   above) and the rank's `[V/(dp·tp), h]` shard is not written yet in both.
+//! - **ZeRO-2 and 3 beside tp**: tp's `[V/tp, h]` shard is sliced first and only it is
+//!   reduce-scattered over dp (under ZeRO-3 too: autodiff brings the gathered parameter's gradient
+//!   to the gathered `[V/tp, h]` layout before the gather's conjugate), so the peak is the slice,
+//!   beside the whole, and the rank's `[V/(dp·tp), h]` shard is not written yet.
 //!
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
@@ -53,7 +53,7 @@ pub const WHOLE_EMBEDDING_GRADIENT: &str =
 /// gradient: its whole input, `[V, h]`, held while the collective runs, which is the step's peak.
 pub const ZERO_REDUCE_SCATTER_STAGING: &str = "reduce-scatter staging of the whole-vocabulary embedding gradient";
 
-/// ZeRO-2 beside tp: the rank's `[V/tp, h]` tp shard of the whole-vocabulary embedding gradient,
+/// ZeRO-2 and 3 beside tp: the rank's `[V/tp, h]` tp shard of the whole-vocabulary embedding gradient,
 /// sliced before the dp reduce-scatter, live beside the whole at the step's peak.
 pub const TP_SHARD_SLICED_BEFORE_DP: &str = "embedding gradient's tp shard, sliced before the dp reduce-scatter";
 
@@ -111,10 +111,10 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
         Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
     ];
     if zero >= 2 {
-        // ZeRO-2 beside tp slices the rank's tp shard first and reduce-scatters only that (the
-        // peak is the slice, beside the whole); ZeRO-3's parameters are split over dp outside tp,
-        // so the whole gradient is reduce-scattered over dp before tp slices it.
-        if zero == 2 && tp > 1 {
+        // ZeRO-2 and 3 beside tp slice the rank's tp shard first and reduce-scatter only that
+        // (the peak is the slice, beside the whole; autodiff brings a gathered parameter's
+        // gradient to the gathered layout before the gather's conjugate reduce-scatters it).
+        if tp > 1 {
             terms.push(Term { name: TP_SHARD_SLICED_BEFORE_DP, bytes: whole / tp as f64 });
         } else {
             terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
@@ -509,11 +509,10 @@ mod tests {
             let staged = if zero >= 2 { 32768.0 - 8192.0 } else { 0.0 };
             assert_eq!(phase.bytes(), (params + grads + 1.0 + 32768.0 + staged) * 4.0, "zero {zero}");
         }
-        // dp=2 x tp=2 (180864 elements a rank under tp): ZeRO-2 slices the [128, 128] tp shard
-        // beside the whole [256, 128] gradient, ZeRO-3 stages the whole for its dp reduce-scatter;
-        // the [64, 128] shard is not written yet in both.
+        // dp=2 x tp=2 (180864 elements a rank under tp): ZeRO-2 and 3 slice the [128, 128] tp shard
+        // beside the whole [256, 128] gradient; the [64, 128] shard is not written yet.
         let dp_tp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false);
-        for (zero, params, extra) in [(2u8, 180864.0, 16384.0), (3, 90432.0, 32768.0)] {
+        for (zero, params, extra) in [(2u8, 180864.0, 16384.0), (3, 90432.0, 16384.0)] {
             let workload = Workload { zero, ..Workload::training(8, 1) };
             let phase = compiled_training_peak(&model, &dp_tp, &workload).unwrap();
             assert_eq!(phase.bytes(), (params + 90432.0 + 1.0 + 32768.0 + extra - 8192.0) * 4.0, "zero {zero}");
