@@ -2,13 +2,11 @@
 //! gradients bit for bit (reference interpreter, one rank), and its lowered programs hold fewer
 //! buffers and no higher peak (memory planner, sharded).
 
-use std::collections::HashMap;
-
 use pleat_backend::memory::{plan, ElementSize};
 use pleat_ir::model::preset::preset;
 use pleat_ir::{Mesh, Module, Op};
 use pleat_passes::{run_pipeline, PassCtx, TRAIN_PIPELINE};
-use pleat_runtime::weights::{SeededWeights, WeightSource};
+use pleat_runtime::weights::SeededWeights;
 
 mod common;
 
@@ -28,18 +26,8 @@ fn fused(module: &Module) -> Module {
 
 fn outputs(model: &str, module: &Module) -> Vec<Vec<u32>> {
     let config = preset(model).expect("preset");
-    let weights = SeededWeights::new(3);
-    let mut params = HashMap::new();
-    for (value, name) in module.graph.params() {
-        let shape = module.graph.value(value).ty.shape.sizes();
-        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
-        params.insert(name.to_string(), weights.read(name, &shape, &region).expect("weights"));
-    }
-    let lookup = |name: &str, _shape: &[u64]| params.get(name).cloned();
     let tokens = common::tokens(2, 16, config.vocab_size);
-    let positions: Vec<u32> = (0..16).collect();
-    let inputs = pleat_ir::interp::Inputs { tokens: &tokens, positions: &positions, params: &lookup };
-    let outputs = pleat_ir::interp::run(&module.graph, &inputs).expect("interp");
+    let outputs = common::interpret(&module.graph, 16, &tokens, &SeededWeights::new(3));
     outputs.iter().map(|tensor| tensor.data.iter().map(|value| value.to_bits()).collect()).collect()
 }
 

@@ -43,16 +43,26 @@ pub fn tokens(batch: u64, seq: u64, vocab: u64) -> Vec<u32> {
 /// The reference interpreter's logits for the unsharded model.
 pub fn reference(config: &ModelConfig, batch: u64, seq: u64, tokens: &[u32], weights: &dyn WeightSource) -> Vec<f32> {
     let module = pleat_ir::model::build(config, batch, seq).expect("build");
+    interpret(&module.graph, seq, tokens, weights).remove(0).data
+}
+
+/// Every output of `graph` by the reference interpreter, its parameters read whole from `weights`.
+pub fn interpret(
+    graph: &pleat_ir::Graph,
+    seq: u64,
+    tokens: &[u32],
+    weights: &dyn WeightSource,
+) -> Vec<pleat_ir::interp::Tensor> {
     let mut params = HashMap::new();
-    for (value, name) in module.graph.params() {
-        let shape = module.graph.value(value).ty.shape.sizes();
+    for (value, name) in graph.params() {
+        let shape = graph.value(value).ty.shape.sizes();
         let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
         params.insert(name.to_string(), weights.read(name, &shape, &region).expect("weights"));
     }
     let lookup = |name: &str, _shape: &[u64]| params.get(name).cloned();
     let positions: Vec<u32> = (0..seq as u32).collect();
     let inputs = pleat_ir::interp::Inputs { tokens, positions: &positions, params: &lookup };
-    pleat_ir::interp::run(&module.graph, &inputs).expect("interp").remove(0).data
+    pleat_ir::interp::run(graph, &inputs).expect("interp")
 }
 
 /// Runs `programs` on threads; returns the assembled logits and every rank's outcome.
