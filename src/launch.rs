@@ -27,7 +27,13 @@ pub fn launch(args: &RunArgs) -> Result<()> {
         match ExecutionPath::of(library.as_ref()) {
             ExecutionPath::NativeEntry => {}
             ExecutionPath::Bytecode | ExecutionPath::NativeExecutable => {
-                bail!(not_launchable(format!("rank {rank} has no library rank{rank}.so")))
+                // Rank executables run as processes, which `pleat run DIR` starts under mpirun.
+                let hint = if dir.join(format!("rank{rank}")).is_file() {
+                    "; it has rank executables (--emit exe), which `pleat run DIR` starts under mpirun"
+                } else {
+                    ""
+                };
+                bail!(not_launchable(format!("rank {rank} has no library rank{rank}.so{hint}")))
             }
             ExecutionPath::NativeKernels => {
                 bail!(not_launchable(format!("rank{rank}.so has no entry function (an older pleat wrote it)")))

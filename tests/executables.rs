@@ -140,8 +140,12 @@ fn libraries_win_over_executables_and_a_missing_rank_is_refused() {
     std::fs::remove_file(Path::new(&only).join("rank1")).expect("rank1 removed");
     let error = error_of(&["run", &only, "--check"]);
     assert!(error.contains("E0538") && error.contains("not rank1"), "{error}");
-    let error = error_of(&["run", &compile(&dir, "tp=2", &["exe"]), "--emulate-link", "10,5"]);
+    let executables = compile(&dir, "tp=2", &["exe"]);
+    let error = error_of(&["run", &executables, "--emulate-link", "10,5"]);
     assert!(error.contains("E0539") && error.contains("--emulate-link"), "{error}");
+    // `launch` runs libraries as threads; it points at `run` for executables.
+    let error = error_of(&["launch", &executables]);
+    assert!(error.contains("E0528") && error.contains("`pleat run DIR` starts under mpirun"), "{error}");
 }
 
 #[test]
