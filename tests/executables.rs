@@ -158,6 +158,9 @@ fn a_rank_in_the_wrong_place_or_failing_ends_the_job_with_its_reason() {
     let args = |_: u32| {
         vec!["--tokens".to_string(), tokens.clone(), "--out".to_string(), out.to_str().expect("utf-8").to_string()]
     };
+    // `--help` needs no MPI job.
+    let help = Command::new(Path::new(&compiled).join("rank0")).arg("--help").output().expect("rank0 runs");
+    assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("usage: rank<i> --tokens FILE"));
     // Started in order, the ranks run and each writes its outcome.
     let (output, _) = mpirun(&compiled, &[0, 1], args);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

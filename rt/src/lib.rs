@@ -43,6 +43,9 @@ pub unsafe extern "C" fn pleat_rt_exe_main(
         // SAFETY: the caller passes `argc` valid C strings in `argv`.
         .map(|i| unsafe { CStr::from_ptr(*argv.add(i)) }.to_string_lossy().into_owned())
         .collect();
+    if words.iter().skip(1).any(|word| word == "--help" || word == "-h") {
+        return print_usage();
+    }
     // SAFETY: `fingerprint` is the generated function, which takes nothing and returns a constant.
     let fingerprint = unsafe { fingerprint() };
     let result = std::panic::catch_unwind(|| {
@@ -54,6 +57,13 @@ pub unsafe extern "C" fn pleat_rt_exe_main(
         Ok(Err(error)) => report(rank, &error),
         Err(_) => 1,
     }
+}
+
+/// Prints how to call a rank executable (`--help`); exit status 0.
+#[allow(clippy::print_stdout, reason = "this is the rank executable's main: --help answers on standard output")]
+fn print_usage() -> c_int {
+    println!("{}", args::USAGE);
+    0
 }
 
 /// Prints why this rank ends the job, before `MPI_Abort` does.
