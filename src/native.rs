@@ -52,8 +52,9 @@ pub fn schedule(programs: &mut [Program]) -> usize {
 pub const RUNTIME_LIBRARY_ENV: &str = "PLEAT_RUNTIME_LIB";
 
 /// The static runtime (`libpleat_rt.a`, package `pleat-rt`) that `--emit exe` links each rank with:
-/// `$PLEAT_RUNTIME_LIB`, else the file beside this executable (where `cargo build -p pleat-rt`
-/// puts it), else the newest in that directory's `deps/` (where `cargo test --workspace` builds it).
+/// `$PLEAT_RUNTIME_LIB`, else the newest of the file beside this executable (where `cargo build -p
+/// pleat-rt` puts it) and those in that directory's `deps/` (where `cargo test --workspace` builds
+/// it), so that an old build never shadows a fresh one.
 pub fn runtime_library() -> Result<PathBuf> {
     if let Some(path) = std::env::var_os(RUNTIME_LIBRARY_ENV) {
         let path = PathBuf::from(path);
@@ -67,19 +68,14 @@ pub fn runtime_library() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let beside = exe.parent().unwrap_or(Path::new(".")).to_path_buf();
     let named = beside.join("libpleat_rt.a");
-    if named.is_file() {
-        return Ok(named);
-    }
     let deps = beside.join("deps");
-    let newest = std::fs::read_dir(&deps)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|entry| {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            name.starts_with("libpleat_rt-") && name.ends_with(".a")
-        })
-        .filter_map(|entry| Some((entry.metadata().ok()?.modified().ok()?, entry.path())))
+    let in_deps = std::fs::read_dir(&deps).into_iter().flatten().flatten().map(|entry| entry.path()).filter(|path| {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        name.starts_with("libpleat_rt-") && name.ends_with(".a")
+    });
+    let newest = std::iter::once(named.clone())
+        .chain(in_deps)
+        .filter_map(|path| Some((std::fs::metadata(&path).ok()?.modified().ok()?, path)))
         .max();
     newest.map(|(_, path)| path).ok_or_else(|| {
         crate::usage::UsageError::RuntimeLibraryNotFound {
