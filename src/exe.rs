@@ -59,15 +59,8 @@ pub fn run_executables(
                 .into()
         ));
     }
-    let scratch = std::env::temp_dir().join(format!(
-        "pleat-exe-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_nanos())
-    ));
-    std::fs::create_dir_all(&scratch)?;
-    let result = run_in(dir, executables, tokens, inputs, &scratch).map_err(|reason| failed(reason).into());
-    let _ = std::fs::remove_dir_all(&scratch);
-    result
+    let scratch = crate::scratch::ScratchDir::new("exe")?;
+    Ok(run_in(dir, executables, tokens, inputs, scratch.path()).map_err(failed)?)
 }
 
 /// [`run_executables`] with its files in `scratch`; the reason of a failure.

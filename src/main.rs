@@ -25,6 +25,7 @@ mod rank;
 mod report;
 mod run;
 mod schedule;
+mod scratch;
 mod search;
 mod trace;
 mod train;

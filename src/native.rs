@@ -123,15 +123,9 @@ pub fn emit(_programs: &[Program], emit: &[Emit], _target_cpu: Option<&str>, _di
 #[cfg(feature = "llvm")]
 pub fn build_and_load(programs: &mut [Program]) -> Result<Vec<Option<NativeKernels>>> {
     schedule(programs);
-    let scratch = std::env::temp_dir().join(format!(
-        "pleat-native-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_nanos())
-    ));
-    std::fs::create_dir_all(&scratch)?;
-    let loaded = emit(programs, &[Emit::So], None, &scratch).and_then(|_| load(&scratch, programs));
-    let _ = std::fs::remove_dir_all(&scratch);
-    loaded
+    let scratch = crate::scratch::ScratchDir::new("native")?;
+    emit(programs, &[Emit::So], None, scratch.path())?;
+    load(scratch.path(), programs)
 }
 
 /// Without LLVM, `--native` is refused.

@@ -134,6 +134,17 @@ pub struct RunArgs {
     pub training: crate::train::TrainFlags,
 }
 
+impl RunArgs {
+    /// The kernels the run compiles for: native with `--native`.
+    pub fn kernels(&self) -> Kernels {
+        if self.native {
+            Kernels::Native
+        } else {
+            Kernels::Interpreted
+        }
+    }
+}
+
 /// What a run produced.
 pub struct RunResult {
     pub config: ModelConfig,
@@ -219,8 +230,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let seq = args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64);
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
-            let kernels = if args.native { Kernels::Native } else { Kernels::Interpreted };
-            let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing, kernels)?;
+            let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing, args.kernels())?;
             let mut programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
             if args.native {
                 native = crate::native::build_and_load(&mut programs)?;

@@ -342,8 +342,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     };
     let state = (flags.zero, flags.recompute.into());
     let compute = args.precision.unwrap_or_default().apply(&config);
-    let kernels = if args.native { crate::compile::Kernels::Native } else { crate::compile::Kernels::Interpreted };
-    let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining, kernels)?;
+    let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining, args.kernels())?;
     // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
     if compiled.step_spans.is_empty() {
         compiled.programs = bucket_and_schedule(&compiled.programs, flags.bucket_mb, args.no_overlap)?;

@@ -100,6 +100,11 @@ enum Storage {
     },
 }
 
+/// bf16 elements as f32 (exact).
+fn widen(data: &[bf16]) -> Vec<f32> {
+    data.iter().map(|value| value.to_f32()).collect()
+}
+
 /// A stored buffer's elements, wherever they are.
 enum View<'a> {
     F32(&'a [f32]),
@@ -184,7 +189,7 @@ impl Machine<'_> {
     fn f32(&self, id: BufferId) -> Result<Cow<'_, [f32]>> {
         match self.view(id) {
             Some(View::F32(data)) => Ok(Cow::Borrowed(data)),
-            Some(View::Bf16(data)) => Ok(Cow::Owned(data.iter().map(|value| value.to_f32()).collect())),
+            Some(View::Bf16(data)) => Ok(Cow::Owned(widen(data))),
             Some(View::U32(_)) => Err(self.program_error(format!("{id} holds integers, an f32 operand is needed"))),
             None => Err(self.not_live(id)),
         }
@@ -192,7 +197,7 @@ impl Machine<'_> {
     /// An f32 copy of a bf16 buffer; `None` for any other buffer.
     fn widened(&self, id: BufferId) -> Option<Vec<f32>> {
         match self.view(id) {
-            Some(View::Bf16(data)) => Some(data.iter().map(|value| value.to_f32()).collect()),
+            Some(View::Bf16(data)) => Some(widen(data)),
             _ => None,
         }
     }
@@ -252,7 +257,7 @@ impl Machine<'_> {
         }
         Ok(Storage::Placed { element, offset, len })
     }
-    /// Takes buffer `id`'s slot of the arena (zeroed) for `len` elements of `element`, giving back
+    /// Takes buffer `id`'s slot of the arena for `len` elements of `element`, giving back
     /// the one it holds if it is stored again while live; `None` without an arena or a slot.
     fn take_slot(&mut self, id: BufferId, element: Element, len: usize) -> Result<Option<usize>> {
         let held = match self.buffers.get(id.as_u32() as usize) {

@@ -342,7 +342,7 @@ impl NativeKernels {
         normed: Option<&mut [f32]>,
     ) -> Result<(), NativeError> {
         let entry = self.entries.get(&instr).ok_or(NativeError::NoKernel { instr })?;
-        self.check_operands(instr, operands)?;
+        check_operands(entry, instr, operands)?;
         let wrong_result = |operand: usize, expected: usize, got: usize| NativeError::Operand {
             instr,
             operand,
@@ -374,36 +374,35 @@ impl NativeKernels {
             (Function::Single(_), Some(normed)) => Err(wrong_result(operands.len() + 1, 0, normed.len())),
         }
     }
+}
 
-    /// Checks `operands` against what instruction `instr`'s function reads: their number, each
-    /// one's element count and kind.
-    fn check_operands(&self, instr: usize, operands: &[NativeOperand]) -> Result<(), NativeError> {
-        let entry = self.entries.get(&instr).ok_or(NativeError::NoKernel { instr })?;
-        let kind_name = |integer: bool| if integer { "u32" } else { "f32" };
-        for (operand, (&(expected, integer), given)) in entry.operands.iter().zip(operands.iter()).enumerate() {
-            if given.len() != expected || given.kind() != kind_name(integer) {
-                return Err(NativeError::Operand {
-                    instr,
-                    operand,
-                    expected,
-                    got: given.len(),
-                    expected_kind: kind_name(integer),
-                    got_kind: given.kind(),
-                });
-            }
-        }
-        if operands.len() != entry.operands.len() {
-            let operand = operands.len().min(entry.operands.len());
-            let (expected, integer) = entry.operands.get(operand).copied().unwrap_or((0, false));
+/// Checks `operands` against what instruction `instr`'s function (`entry`) reads: their number,
+/// each one's element count and kind.
+fn check_operands(entry: &Entry, instr: usize, operands: &[NativeOperand]) -> Result<(), NativeError> {
+    let kind_name = |integer: bool| if integer { "u32" } else { "f32" };
+    for (operand, (&(expected, integer), given)) in entry.operands.iter().zip(operands.iter()).enumerate() {
+        if given.len() != expected || given.kind() != kind_name(integer) {
             return Err(NativeError::Operand {
                 instr,
                 operand,
                 expected,
-                got: 0,
+                got: given.len(),
                 expected_kind: kind_name(integer),
-                got_kind: "no",
+                got_kind: given.kind(),
             });
         }
-        Ok(())
     }
+    if operands.len() != entry.operands.len() {
+        let operand = operands.len().min(entry.operands.len());
+        let (expected, integer) = entry.operands.get(operand).copied().unwrap_or((0, false));
+        return Err(NativeError::Operand {
+            instr,
+            operand,
+            expected,
+            got: 0,
+            expected_kind: kind_name(integer),
+            got_kind: "no",
+        });
+    }
+    Ok(())
 }

@@ -168,9 +168,7 @@ pub fn emit(
     match artifact {
         Artifact::LlvmIr => {
             let path = with_extension("ll");
-            let context = Context::create();
-            let (module, _machine) = optimized_host_module(&context, program, options, HostModule::Library)?;
-            write(&path, module.print_to_string().to_string().as_bytes())?;
+            write(&path, host_ir(program, options)?.as_bytes())?;
             Ok(vec![path])
         }
         Artifact::Asm => {
@@ -185,20 +183,14 @@ pub fn emit(
         }
         Artifact::SharedLibrary => {
             let library = with_extension("so");
-            let object = dir.join(format!(".rank{}.{}.o", program.rank, std::process::id()));
-            write(&object, &host_code_of(program, options, FileType::Object, HostModule::Library)?)?;
-            let linked = link_shared(&object, &library);
-            let _ = std::fs::remove_file(&object);
-            linked?;
+            link_through_object(program, options, HostModule::Library, dir, |object| link_shared(object, &library))?;
             Ok(vec![library])
         }
         Artifact::Executable => {
             let runtime = options.runtime_library.as_deref().ok_or(LlvmError::NoRuntimeLibrary)?;
-            let object = dir.join(format!(".rank{}.{}.o", program.rank, std::process::id()));
-            write(&object, &host_code_of(program, options, FileType::Object, HostModule::Executable)?)?;
-            let linked = link_executable(&object, runtime, &stem);
-            let _ = std::fs::remove_file(&object);
-            linked?;
+            link_through_object(program, options, HostModule::Executable, dir, |object| {
+                link_executable(object, runtime, &stem)
+            })?;
             Ok(vec![stem])
         }
         Artifact::Ptx => PTX_ARCHES
@@ -379,49 +371,58 @@ fn write(path: &Path, bytes: &[u8]) -> Result<(), LlvmError> {
         .map_err(|error| LlvmError::Write { path: path.to_path_buf(), message: error.to_string() })
 }
 
-/// Links `object` into the shared library `library` with the system C compiler (libm for `expf`,
-/// `cos` and `sin`).
-fn link_shared(object: &Path, library: &Path) -> Result<(), LlvmError> {
-    let output = Command::new("cc")
-        .arg("-shared")
-        .arg("-o")
-        .arg(library)
-        .arg(object)
-        .arg("-lm")
-        .output()
-        .map_err(|error| LlvmError::Link { object: object.to_path_buf(), message: error.to_string() })?;
+/// Writes `program`'s host object of kind `kind` to a scratch file in `dir`, runs `link` on it and
+/// removes it.
+fn link_through_object(
+    program: &Program,
+    options: &CodegenOptions,
+    kind: HostModule,
+    dir: &Path,
+    link: impl FnOnce(&Path) -> Result<(), LlvmError>,
+) -> Result<(), LlvmError> {
+    let object = dir.join(format!(".rank{}.{}.o", program.rank, std::process::id()));
+    write(&object, &host_code_of(program, options, FileType::Object, kind)?)?;
+    let linked = link(&object);
+    let _ = std::fs::remove_file(&object);
+    linked
+}
+
+/// Runs a linker command; its standard error when it fails or cannot start.
+fn run_linker(command: &mut Command) -> Result<(), String> {
+    let output = command.output().map_err(|error| format!("cannot run {:?}: {error}", command.get_program()))?;
     if output.status.success() {
         Ok(())
     } else {
-        Err(LlvmError::Link {
-            object: object.to_path_buf(),
-            message: String::from_utf8_lossy(&output.stderr).trim().to_string(),
-        })
+        Err(String::from_utf8_lossy(&output.stderr).trim().to_string())
     }
+}
+
+/// Links `object` into the shared library `library` with the system C compiler (libm for `expf`,
+/// `cos` and `sin`).
+fn link_shared(object: &Path, library: &Path) -> Result<(), LlvmError> {
+    run_linker(Command::new("cc").arg("-shared").arg("-o").arg(library).arg(object).arg("-lm"))
+        .map_err(|message| LlvmError::Link { object: object.to_path_buf(), message })
 }
 
 /// Links `object` (with its `main`) and the static runtime `runtime` into the executable
 /// `executable` with Open MPI's compiler wrapper, which adds MPI's libraries; the others are those
 /// a Rust static library needs on Linux (`rustc --print native-static-libs`).
 fn link_executable(object: &Path, runtime: &Path, executable: &Path) -> Result<(), LlvmError> {
-    let failed = |message: String| LlvmError::LinkExecutable {
+    run_linker(Command::new("mpicc").arg("-o").arg(executable).arg(object).arg(runtime).args([
+        "-ldl",
+        "-lgcc_s",
+        "-lutil",
+        "-lrt",
+        "-lpthread",
+        "-lm",
+        "-Wl,--gc-sections",
+        "-Wl,--strip-debug",
+    ]))
+    .map_err(|message| LlvmError::LinkExecutable {
         object: object.to_path_buf(),
         runtime: runtime.to_path_buf(),
         message,
-    };
-    let output = Command::new("mpicc")
-        .arg("-o")
-        .arg(executable)
-        .arg(object)
-        .arg(runtime)
-        .args(["-ldl", "-lgcc_s", "-lutil", "-lrt", "-lpthread", "-lm", "-Wl,--gc-sections", "-Wl,--strip-debug"])
-        .output()
-        .map_err(|error| failed(format!("cannot run mpicc: {error}")))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(failed(String::from_utf8_lossy(&output.stderr).trim().to_string()))
-    }
+    })
 }
 
 #[cfg(test)]
