@@ -56,6 +56,10 @@ pub struct RankArgs {
     /// Output format (rank 0 prints).
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    /// Rank 0 writes every rank's measured timeline as a Chrome/Perfetto trace to this JSON file
+    /// (as `pleat run --trace`; the ranks start their clocks together, after a barrier).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
 }
 
 /// What a rank sends rank 0 besides its blocks' data.
@@ -69,6 +73,8 @@ struct RankSummary {
     blocks: Vec<BlockPlace>,
     /// The busiest expert's rows in one layer.
     max_expert_rows: u64,
+    /// Each instruction's start and end, nanoseconds since the rank's epoch.
+    timings: Vec<(u64, u64)>,
 }
 
 /// Where an output block lies: its graph output, that output's global shape, and its region.
@@ -93,6 +99,10 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     let tokens = random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed);
     let weights = weight_source(args.weights.as_ref(), args.seed)?;
     let positions: Vec<u32> = (0..plan.seq as u32).collect();
+    if args.trace.is_some() {
+        // One epoch for every rank's clock, to within a barrier's latency.
+        comm.barrier(&Group::world(comm.world_size())).with_context(|| format!("rank {rank}"))?;
+    }
     let inputs =
         RunInputs { tokens: &tokens.ids, positions: &positions, weights: weights.as_ref(), epoch: Instant::now() };
     let program = &programs[rank as usize];
@@ -121,6 +131,9 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     comm.flush().with_context(|| format!("rank {rank}"))?;
     drop(comm);
     let Some(outcomes) = outcomes else { return Ok(()) };
+    if let Some(path) = &args.trace {
+        crate::trace::write_measured(path, &programs, &outcomes)?;
+    }
     let (logits_shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
     let checked = if args.check {
@@ -203,6 +216,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             param_bytes: outcome.param_bytes,
             comm_bytes: CollectiveKind::ALL.iter().map(|&kind| outcome.comm.bytes(kind)).collect(),
             max_expert_rows: outcome.max_expert_rows,
+            timings: outcome.timings.clone(),
             blocks: outcome
                 .outputs
                 .iter()
@@ -252,7 +266,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             comm: comm_stats,
             activation_bytes: Vec::new(),
             in_flight_peak_bytes: 0,
-            timings: Vec::new(),
+            timings: summary.timings,
             max_expert_rows: summary.max_expert_rows,
             arena_bytes: 0,
         });
@@ -352,5 +366,9 @@ impl Communicator for ExitAtCall<'_> {
     }
     fn abort(&mut self, reason: &str) {
         self.inner.abort(reason);
+    }
+    fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
+        // As `MpiComm`'s: the hook then counts, and exits at, the calls the communication thread makes.
+        Some(self)
     }
 }

@@ -10,8 +10,11 @@ use std::time::{Duration, Instant};
 
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "support/trace.rs"]
+mod trace_events;
 
 use cli::{json_of, stdout_of, tempdir};
+use trace_events::some_rank_overlaps;
 
 /// One mpirun at a time: each starts 4 busy ranks, and the machine may have 2 cores.
 static MPIRUN: Mutex<()> = Mutex::new(());
@@ -85,6 +88,40 @@ fn mpi_ranks_send_tokens_to_their_experts_as_threads_do() {
     assert!(err < 1e-4, "max abs err {err}");
     let threads = json_of(&["run", out, "--format", "json"]);
     assert_eq!(report["comm_bytes"], threads["comm_bytes"], "MPI sends what the threads fabric sends");
+}
+
+/// A scheduled program's transfers run on each process's communication thread, the progress
+/// thread MPI needs, beside its kernels: its measured trace shows a transfer in flight while a
+/// kernel runs, with the reference's logits. A blocking program's transfers run alone.
+#[test]
+fn scheduled_programs_overlap_transfers_with_kernels_under_mpi() {
+    let dir = tempdir("mpi-overlap");
+    for (name, extra, overlaps) in [("scheduled", None, true), ("blocking", Some("--no-overlap"), false)] {
+        let out = dir.join(format!("tsp4-{name}"));
+        let out = out.to_str().expect("utf-8 path");
+        let mut args = vec!["compile", "tiny", "--mesh", "tsp=4", "--batch", "2", "--seq", "32", "--out", out];
+        args.extend(extra);
+        stdout_of(&args);
+        let trace = dir.join(format!("{name}.json"));
+        let trace = trace.to_str().expect("utf-8 path");
+        let output = mpirun(4, &["rank", out, "--check", "--trace", trace]);
+        assert!(
+            output.status.success(),
+            "{name}: mpirun failed\nstdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let events = trace_events::read(Path::new(trace));
+        for rank in 0..4u64 {
+            for tid in [0, 1] {
+                assert!(
+                    events.iter().any(|event| event["ph"] == "X" && event["pid"] == rank && event["tid"] == tid),
+                    "{name}: rank {rank} has no slice on thread {tid}"
+                );
+            }
+        }
+        assert_eq!(some_rank_overlaps(&events), overlaps, "{name}");
+    }
 }
 
 #[test]

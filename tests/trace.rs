@@ -9,6 +9,10 @@ use pleat_runtime::weights::SeededWeights;
 use serde_json::Value;
 
 mod common;
+#[path = "support/trace.rs"]
+mod trace_events;
+
+use trace_events::{read, some_rank_overlaps, Tracks};
 
 fn pleat(args: &[&str]) {
     let output = Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).output().expect("pleat runs");
@@ -20,15 +24,6 @@ fn tempdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Each track's slices: (start, duration, name), keyed by (pid, tid).
-type Tracks = BTreeMap<(u64, u64), Vec<(f64, f64, String)>>;
-
-fn read(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).expect("the trace file exists");
-    let document: Value = serde_json::from_str(&text).expect("the trace is JSON");
-    document["traceEvents"].as_array().expect("traceEvents").clone()
 }
 
 /// Checks the structure every trace of `ranks` ranks must have; returns the slices' names by
@@ -157,28 +152,6 @@ fn executor_times_every_instruction_in_order() {
             assert!(pair[1].0 >= pair[0].1, "rank {}: {pair:?}", outcome.rank);
         }
     }
-}
-
-/// Whether, on some rank, a transfer on the comm track runs while a kernel (not a wait) runs on
-/// the compute track.
-fn some_rank_overlaps(events: &[Value]) -> bool {
-    let mut tracks: Tracks = BTreeMap::new();
-    for event in events.iter().filter(|event| event["ph"] == "X") {
-        let key = (event["pid"].as_u64().unwrap(), event["tid"].as_u64().unwrap());
-        let name = event["name"].as_str().unwrap().to_string();
-        tracks.entry(key).or_default().push((event["ts"].as_f64().unwrap(), event["dur"].as_f64().unwrap(), name));
-    }
-    tracks.iter().filter(|((_, tid), _)| *tid == 1).any(|((pid, _), transfers)| {
-        let kernels = tracks.get(&(*pid, 0)).map(Vec::as_slice).unwrap_or_default();
-        transfers.iter().any(|(start, duration, _)| {
-            kernels.iter().filter(|(_, _, name)| !name.starts_with("wait ") && !name.starts_with("load ")).any(
-                // More than a nanosecond in common: slices that only touch differ by rounding.
-                |(kernel_start, kernel_duration, _)| {
-                    (kernel_start + kernel_duration).min(start + duration) - kernel_start.max(*start) > 1e-3
-                },
-            )
-        })
-    })
 }
 
 #[test]

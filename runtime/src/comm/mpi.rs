@@ -20,7 +20,9 @@
 //! - a process that dies abruptly is noticed by `mpirun`, which ends the job and names it.
 //!
 //! MPI is initialized with `MPI_THREAD_SERIALIZED`; this type is the only user of MPI in the process
-//! and needs `&mut self` for every call, so calls never overlap. Dropping it completes the pending
+//! and needs `&mut self` for every call, so calls never overlap. A program scheduled for overlap
+//! lends it to the rank's communication thread for the run ([`Communicator::as_sendable`]): every
+//! MPI call of the run is then made there, polling its messages beside the rank's kernels. Dropping it completes the pending
 //! sends (bounded by the timeout) and finalizes MPI.
 
 use std::fmt;
@@ -535,6 +537,14 @@ impl Communicator for MpiComm {
 
     fn abort(&mut self, reason: &str) {
         self.fail(reason);
+    }
+
+    /// A scheduled program's transfers then run on the rank's communication thread
+    /// (`crate::stream`), which makes every MPI call of the run while the rank's own thread runs the
+    /// kernels: that thread is the progress thread Open MPI needs for a transfer to advance beside
+    /// compute (it does not progress messages in the background).
+    fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
+        Some(self)
     }
 }
 
