@@ -13,8 +13,11 @@
 //! overlap scheduler, which runs after, still starts each bucket as soon as its last gradient
 //! exists and the backward goes on beside it.
 //!
-//! Summing a concatenation is concatenating the sums, so the numbers are the same up to the order
-//! in which a ring adds the ranks' blocks (bit for bit on two ranks).
+//! Summing a concatenation is concatenating the sums, and the order in which a ring adds the
+//! ranks' blocks is kept too: a reduce-scatter bucket sends each member's blocks of every gradient
+//! side by side, and an all-reduce bucket (whose gradients must each split into the group's equal
+//! chunks to join one) travels chunk by chunk in the runtime. So a bucketed step's numbers are the
+//! unbucketed ones bit for bit.
 
 use std::collections::{HashMap, HashSet};
 
@@ -40,9 +43,17 @@ pub fn bucket_gradient_reductions(program: &Program, cap_bytes: u64) -> Program 
             other => computed_from.extend(other.inputs()),
         }
     }
-    // A reduction whose result is an output (a gradient): a dead result would be freed early.
-    let candidate =
-        |instr| gradient_reduction(instr, &computed_from).filter(|reduction| first_output.contains_key(&reduction.out));
+    // A reduction whose result is an output (a gradient): a dead result would be freed early. An
+    // all-reduced one only when it splits into the group's equal chunks: the runtime then sends a
+    // bucket chunk by chunk, each member's chunk p in the ring's chunk p, so every element is added
+    // over the ranks in the order it would be alone.
+    let candidate = |instr| {
+        gradient_reduction(instr, &computed_from).filter(|reduction| {
+            first_output.contains_key(&reduction.out)
+                && (reduction.dim.is_some()
+                    || program.buffer(reduction.input).numel() % reduction.group.ranks.len() as u64 == 0)
+        })
+    };
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let mut open: Vec<usize> = Vec::new();
     let mut open_bytes = 0;
@@ -218,6 +229,18 @@ mod tests {
         assert!(position(&Instr::Free { buf: id(0) }) > bucket);
         assert!(position(&Instr::Kernel { kernel: Kernel::Zeros, inputs: vec![], out: id(2) }) < bucket);
         assert_eq!(bucketed.instructions.len(), program.instructions.len() - 1);
+    }
+
+    #[test]
+    fn a_gradient_that_does_not_split_into_the_groups_chunks_is_reduced_alone() {
+        // 101 elements do not split into two equal chunks: the ring would add some of its elements
+        // in another order inside a bucket than alone, so it is reduced alone where it was; the
+        // others share a bucket, which runs where the last of them did.
+        let program = gradients(&[100, 101, 100, 100]);
+        let bucketed = bucket_gradient_reductions(&program, 1 << 20);
+        let id = BufferId::new;
+        assert_eq!(all_reduces(&bucketed), vec![vec![id(2)], vec![id(0), id(4), id(6)]]);
+        crate::validate::validate(&bucketed).expect("a valid program");
     }
 
     #[test]

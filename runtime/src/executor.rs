@@ -777,6 +777,48 @@ fn unpack(machine: &mut Machine, outs: &[BufferId], sizes: &[usize], packed: &[f
     Ok(())
 }
 
+/// How many chunks an all-reduce bucket of buffers of `sizes` elements travels in over a group of
+/// `members`: one a member when there are several buffers and each splits into that many equal
+/// chunks. The message is then laid out chunk by chunk (chunk p of every buffer side by side, see
+/// [`chunk_major`]), so the ring's chunk p is every buffer's own chunk p and each element is added
+/// over the ranks in the order it would be were its buffer all-reduced alone: a bucket's sums are
+/// the unbucketed ones bit for bit. `None`: one buffer after another.
+fn bucket_chunks(sizes: &[usize], members: usize) -> Option<usize> {
+    (sizes.len() > 1 && members > 1 && sizes.iter().all(|&size| size % members == 0)).then_some(members)
+}
+
+/// The runs of a message of buffers of `sizes` one after another, in the order a chunk-by-chunk
+/// layout of `chunks` chunks holds them: chunk 0 of every buffer in turn, then chunk 1, ...
+fn chunk_runs(sizes: &[usize], chunks: usize) -> Vec<std::ops::Range<usize>> {
+    let starts: Vec<usize> =
+        sizes.iter().scan(0, |offset, &size| Some(std::mem::replace(offset, *offset + size))).collect();
+    (0..chunks)
+        .flat_map(|chunk| {
+            starts.iter().zip(sizes).map(move |(&start, &size)| {
+                let run = size / chunks;
+                start + chunk * run..start + (chunk + 1) * run
+            })
+        })
+        .collect()
+}
+
+/// `packed` (buffers of `sizes` one after another) laid out chunk by chunk ([`chunk_runs`]).
+fn chunk_major(packed: &[f32], sizes: &[usize], chunks: usize) -> Vec<f32> {
+    chunk_runs(sizes, chunks).into_iter().flat_map(|run| packed[run].iter().copied()).collect()
+}
+
+/// The inverse of [`chunk_major`]: buffers of `sizes` one after another.
+fn member_major(laid: &[f32], sizes: &[usize], chunks: usize) -> Vec<f32> {
+    let mut packed = vec![0.0; laid.len()];
+    let mut at = 0;
+    for run in chunk_runs(sizes, chunks) {
+        let len = run.len();
+        packed[run].copy_from_slice(&laid[at..at + len]);
+        at += len;
+    }
+    packed
+}
+
 /// The bytes a transfer in flight holds from its start to its wait, as the memory planner counts
 /// them: its results and its staging copy.
 fn transfer_bytes(program: &Program, transfer: &Instr) -> u64 {
@@ -803,7 +845,13 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
     let group = |group: &pleat_backend::Group| CommGroup { ranks: group.ranks.clone() };
     Ok(match transfer {
         Instr::AllReduce { inputs, group: members, .. } => {
-            Transfer::AllReduce { group: group(members), data: pack(machine, inputs)? }
+            let sizes: Vec<usize> = inputs.iter().map(|&input| program.buffer(input).numel() as usize).collect();
+            let packed = pack(machine, inputs)?;
+            let data = match bucket_chunks(&sizes, members.ranks.len()) {
+                Some(chunks) => chunk_major(&packed, &sizes, chunks),
+                None => packed,
+            };
+            Transfer::AllReduce { group: group(members), data }
         }
         Instr::ReduceScatter { inputs, outs, group: members, dims } => {
             // Each member's blocks; a bucket sends each rank its blocks of every member, packed.
@@ -888,10 +936,16 @@ fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<(
             machine.note_expert_rows(loads.iter().fold(0.0f32, |max, &rows| max.max(rows)) as u64);
             unpack(machine, outs, &[size], &data[..size.min(data.len())])
         }
+        Instr::AllReduce { outs, group, .. } => {
+            let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
+            match bucket_chunks(&sizes, group.ranks.len()) {
+                Some(chunks) => unpack(machine, outs, &sizes, &member_major(&data, &sizes, chunks)),
+                None => unpack(machine, outs, &sizes, &data),
+            }
+        }
         Instr::Broadcast { outs, .. }
         | Instr::Recv { outs, .. }
         | Instr::ExpertDispatch { outs, .. }
-        | Instr::AllReduce { outs, .. }
         | Instr::ReduceScatter { outs, .. } => {
             let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();
             unpack(machine, outs, &sizes, &data)
@@ -1215,4 +1269,28 @@ fn kernel_arity(kernel: &Kernel) -> usize {
 /// `data[sources[i]]` for each i, or `None` when an index is out of range.
 fn gather<T: Copy>(data: &[T], sources: &[usize]) -> Option<Vec<T>> {
     sources.iter().map(|&source| data.get(source).copied()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_travels_chunk_by_chunk_and_comes_back_member_by_member() {
+        let packed: Vec<f32> = (0..12).map(|value| value as f32).collect();
+        // Buffers of 4 and 8 over 2 members: each buffer's first half, then each one's second half.
+        let laid = chunk_major(&packed, &[4, 8], 2);
+        assert_eq!(laid, [0.0, 1.0, 4.0, 5.0, 6.0, 7.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0]);
+        assert_eq!(member_major(&laid, &[4, 8], 2), packed);
+        // The ring's chunk 1 of the message (elements 6..12) is chunk 1 of each buffer.
+        assert_eq!(crate::comm::ring::chunk_range(12, 2, 1), 6..12);
+    }
+
+    #[test]
+    fn only_buckets_of_buffers_that_split_evenly_travel_chunk_by_chunk() {
+        assert_eq!(bucket_chunks(&[4, 8], 2), Some(2));
+        assert_eq!(bucket_chunks(&[4, 6], 4), None, "6 does not split into 4 chunks");
+        assert_eq!(bucket_chunks(&[8], 4), None, "one buffer is its own layout");
+        assert_eq!(bucket_chunks(&[4, 8], 1), None, "a group of one sends nothing");
+    }
 }
