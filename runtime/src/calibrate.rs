@@ -125,7 +125,10 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
     let rows = (options.stream_elements / hidden).max(1);
     let weight = vec![1.0f32; hidden];
     let row_kernel = on_every_core(cores, options.repeats, || {
-        let mut normed = vec![0.0f32; rows * hidden];
+        // Written before the clock starts (a zeroed allocation is only mapped on first write), so
+        // the kernel is timed and not the page faults of a fresh buffer; a run's buffers are
+        // reused memory, as the add's result above is.
+        let mut normed = vec![1.0f32; rows * hidden];
         let start = Instant::now();
         kernels::rms_norm(&x[..rows * hidden], &weight, &mut normed, hidden, 1e-5);
         start.elapsed()

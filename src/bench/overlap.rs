@@ -23,7 +23,7 @@
 //! for the weights that move (broadcasts and point-to-point messages: TSP's owner blocks and ring
 //! shards), the part of TSP's communication that exists to be hidden.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use pleat_backend::{Instr, Program};
 use pleat_passes::Dump;
@@ -56,6 +56,11 @@ pub struct OverlapArgs {
     /// Default: the built-in `cpu` entry.
     #[arg(long)]
     pub hw_file: Option<std::path::PathBuf>,
+    /// Write into this directory the measured and the predicted trace of each program (the last
+    /// run over the emulated link): `blocking-measured.json`, `blocking-predicted.json`,
+    /// `scheduled-measured.json`, `scheduled-predicted.json`, to see where the prediction differs.
+    #[arg(long, value_name = "DIR")]
+    pub traces: Option<std::path::PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
@@ -119,15 +124,22 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         crate::compile::Kernels::Interpreted,
     )?;
     let mut hw = crate::plan::hardware_of("cpu", args.hw_file.as_deref())?;
-    hw.intra_node.bandwidth_bytes_per_s = args.emulate_link.bytes_per_s;
-    hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64();
-    hw.efficiency.link = 1.0;
-    // The ranks are threads of this machine: when there are more than cores, they share them.
+    // The ranks are threads of this machine: when there are more than cores, they share them, for
+    // their kernels and for the copies their messages cost.
     let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
     let share = (cores / compiled.programs.len().max(1) as f64).min(1.0);
     hw.peak_f32_flops *= share;
     hw.peak_bf16_flops *= share;
     hw.hbm_bytes_per_s *= share;
+    // The emulated wire delays each message on top of what the threads communicator itself costs
+    // (the spec's link, measured by `pleat bench calibrate` between two ranks with a core each:
+    // copying the message out on one side and in on the other), and the two run one after the
+    // other: their times add.
+    let own = hw.intra_node;
+    let own_bytes_per_s = own.bandwidth_bytes_per_s * hw.efficiency.link * share;
+    hw.intra_node.bandwidth_bytes_per_s = 1.0 / (1.0 / args.emulate_link.bytes_per_s + 1.0 / own_bytes_per_s);
+    hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64() + own.latency_s;
+    hw.efficiency.link = 1.0;
     let blocking = compiled.programs;
     let reported = crate::predict::overlap_programs_reported(&blocking, &hw)?;
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
@@ -139,12 +151,14 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let local = link_options(120, None);
     let (mut off, mut on, mut off_local, mut on_local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut same_logits = true;
+    let mut last_outcomes = (Vec::new(), Vec::new());
     for _ in 0..args.repeats.max(1) {
-        let (_, logits_off, outcomes) = run_programs(&blocking, &tokens, weights.as_ref(), &options)?;
-        off.push(measure(&blocking, &outcomes));
-        let (_, logits_on, outcomes) = run_programs(&scheduled, &tokens, weights.as_ref(), &options)?;
-        on.push(measure(&scheduled, &outcomes));
+        let (_, logits_off, outcomes_off) = run_programs(&blocking, &tokens, weights.as_ref(), &options)?;
+        off.push(measure(&blocking, &outcomes_off));
+        let (_, logits_on, outcomes_on) = run_programs(&scheduled, &tokens, weights.as_ref(), &options)?;
+        on.push(measure(&scheduled, &outcomes_on));
         same_logits &= logits_off == logits_on;
+        last_outcomes = (outcomes_off, outcomes_on);
         // Without the emulated link communication costs a memory copy: nearly switched off.
         let (_, _, outcomes) = run_programs(&blocking, &tokens, weights.as_ref(), &local)?;
         off_local.push(measure(&blocking, &outcomes));
@@ -159,6 +173,17 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         Ok(crate::predict::summarize(&crate::predict::predict(programs, &hw)?).step_s)
     };
     let (predicted_off, predicted_on) = (predicted(&blocking)?, predicted(&scheduled)?);
+    if let Some(dir) = &args.traces {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        for (name, programs, outcomes) in
+            [("blocking", &blocking, &last_outcomes.0), ("scheduled", &scheduled, &last_outcomes.1)]
+        {
+            crate::trace::write_measured(&dir.join(format!("{name}-measured.json")), programs, outcomes)?;
+            let slices = crate::trace::predicted_slices(programs, &hw)?;
+            let trace = crate::trace::chrome_trace(&slices, programs.len() as u32);
+            crate::trace::write_trace(&dir.join(format!("{name}-predicted.json")), &trace)?;
+        }
+    }
     let hidden_share = |off: f64, on: f64| if off > 0.0 { 1.0 - on / off } else { 0.0 };
     let hidden = hidden_share(exposed_off, exposed_on);
     let (weights_off, weights_on) = (weights(&off), weights(&on));

@@ -141,10 +141,28 @@ pub fn reduce_scatter<T: Transport + ?Sized>(
         output.copy_from_slice(input);
         return Ok(());
     }
-    // The ring sums into whole-buffer chunks, so it works on a copy and leaves the input unchanged.
-    let mut work = input.to_vec();
-    reduce_scatter_in_place(transport, op, my_index, &mut work)?;
-    output.copy_from_slice(&work[chunk_range(work.len(), group_size, my_index)]);
+    // The ring of `reduce_scatter_in_place`, with the running sum in a chunk of its own rather than
+    // in a copy of the whole input (a fresh buffer of the input's size costs its page faults, more
+    // than the ring's own copies): what a member forwards at step s is the sum it made at step
+    // s-1, and the last sum is its own chunk. Each sum is the received block plus this member's
+    // own, as in place, so the results are the same bit for bit.
+    let right = op.group.ranks[(my_index + 1) % group_size];
+    let left = op.group.ranks[(my_index + group_size - 1) % group_size];
+    let largest = chunk_range(input.len(), group_size, 0).len();
+    let (mut incoming, mut sum) = (vec![0.0; largest], Vec::with_capacity(largest));
+    for step in 0..group_size - 1 {
+        let recv_range = chunk_range(input.len(), group_size, (my_index + 2 * group_size - step - 2) % group_size);
+        let incoming = &mut incoming[..recv_range.len()];
+        if step == 0 {
+            let send_range = chunk_range(input.len(), group_size, (my_index + 2 * group_size - 1) % group_size);
+            transport.exchange(op, right, &input[send_range], left, incoming)?;
+        } else {
+            transport.exchange(op, right, &sum, left, incoming)?;
+        }
+        sum.clear();
+        sum.extend(input[recv_range].iter().zip(incoming.iter()).map(|(own, received)| own + received));
+    }
+    output.copy_from_slice(&sum);
     Ok(())
 }
 
