@@ -289,6 +289,7 @@ fn emulated_links_keep_the_numbers_and_bad_links_are_refused() {
 
 #[test]
 fn bench_overlap_runs_both_programs_and_finds_equal_logits() {
+    let traces = tempdir("overlap-traces");
     let report = json_of(&[
         "bench",
         "overlap",
@@ -303,10 +304,24 @@ fn bench_overlap_runs_both_programs_and_finds_equal_logits() {
         "1,10",
         "--repeats",
         "1",
+        "--traces",
+        traces.to_str().expect("utf-8 path"),
         "--format",
         "json",
     ]);
     assert_eq!(report["schema"], "pleat.bench.overlap/1");
+    // Each program's measured and predicted traces: every rank's compute and comm slices.
+    for file in ["blocking-measured", "blocking-predicted", "scheduled-measured", "scheduled-predicted"] {
+        let text = std::fs::read_to_string(traces.join(format!("{file}.json"))).expect("the trace is written");
+        let trace: serde_json::Value = serde_json::from_str(&text).expect("the trace is JSON");
+        let events = trace["traceEvents"].as_array().expect("traceEvents");
+        for (rank, tid) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+            assert!(
+                events.iter().any(|event| event["ph"] == "X" && event["pid"] == rank && event["tid"] == tid),
+                "{file}: rank {rank} has no slice on thread {tid}"
+            );
+        }
+    }
     assert_eq!(report["same_logits"], true);
     let transfers = report["transfers"].as_u64().expect("a count");
     let overlapped = report["overlapped_transfers"].as_u64().expect("a count");
