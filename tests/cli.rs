@@ -357,9 +357,11 @@ fn bench_buckets_sends_fewer_messages_for_the_same_losses() {
     ]);
     assert_eq!(report["schema"], "pleat.bench.buckets/1");
     assert_eq!(report["same_losses"], true);
-    // tiny has 22 gradients and the loss, each all-reduced alone; 25 MiB holds them all.
+    // tiny has 21 gradients and the loss, each all-reduced alone; 25 MiB holds the gradients. The
+    // loss, one number, does not split into dp=2 equal chunks, so it is still reduced alone (in a
+    // bucket the ring would add it in another order: see `pleat_backend::bucket`).
     assert_eq!(report["alone"]["reduction_messages"], 22, "{report}");
-    assert_eq!(report["bucketed"]["reduction_messages"], 1, "{report}");
+    assert_eq!(report["bucketed"]["reduction_messages"], 2, "{report}");
     for program in ["alone", "bucketed"] {
         let step = report[program]["step_s"].as_f64().expect("seconds");
         assert!(step.is_finite() && step > 0.0, "{program}: {step}");

@@ -22,8 +22,8 @@
 //! MPI is initialized with `MPI_THREAD_SERIALIZED`; this type is the only user of MPI in the process
 //! and needs `&mut self` for every call, so calls never overlap. A program scheduled for overlap
 //! lends it to the rank's communication thread for the run ([`Communicator::as_sendable`]): every
-//! MPI call of the run is then made there, polling its messages beside the rank's kernels. Dropping it completes the pending
-//! sends (bounded by the timeout) and finalizes MPI.
+//! MPI call of the run is then made there, polling its messages beside the rank's kernels.
+//! Dropping it completes the pending sends (bounded by the timeout) and finalizes MPI.
 
 use std::fmt;
 use std::time::{Duration, Instant};
