@@ -4,6 +4,8 @@ use std::path::Path;
 
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "support/trace.rs"]
+mod trace_events;
 
 use cli::{error_of, json_of, stdout_of, tempdir};
 
@@ -312,15 +314,8 @@ fn bench_overlap_runs_both_programs_and_finds_equal_logits() {
     assert_eq!(report["schema"], "pleat.bench.overlap/1");
     // Each program's measured and predicted traces: every rank's compute and comm slices.
     for file in ["blocking-measured", "blocking-predicted", "scheduled-measured", "scheduled-predicted"] {
-        let text = std::fs::read_to_string(traces.join(format!("{file}.json"))).expect("the trace is written");
-        let trace: serde_json::Value = serde_json::from_str(&text).expect("the trace is JSON");
-        let events = trace["traceEvents"].as_array().expect("traceEvents");
-        for (rank, tid) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-            assert!(
-                events.iter().any(|event| event["ph"] == "X" && event["pid"] == rank && event["tid"] == tid),
-                "{file}: rank {rank} has no slice on thread {tid}"
-            );
-        }
+        let events = trace_events::read(&traces.join(format!("{file}.json")));
+        trace_events::assert_every_rank_has_both_tracks(&events, 2, file);
     }
     assert_eq!(report["same_logits"], true);
     let transfers = report["transfers"].as_u64().expect("a count");

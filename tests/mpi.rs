@@ -112,14 +112,7 @@ fn scheduled_programs_overlap_transfers_with_kernels_under_mpi() {
             String::from_utf8_lossy(&output.stderr)
         );
         let events = trace_events::read(Path::new(trace));
-        for rank in 0..4u64 {
-            for tid in [0, 1] {
-                assert!(
-                    events.iter().any(|event| event["ph"] == "X" && event["pid"] == rank && event["tid"] == tid),
-                    "{name}: rank {rank} has no slice on thread {tid}"
-                );
-            }
-        }
+        trace_events::assert_every_rank_has_both_tracks(&events, 4, name);
         assert_eq!(some_rank_overlaps(&events), overlaps, "{name}");
     }
 }

@@ -39,3 +39,16 @@ pub fn some_rank_overlaps(events: &[Value]) -> bool {
         })
     })
 }
+
+/// Panics unless each of ranks `0..ranks` has a slice on its compute (0) and its comm (1) track.
+#[track_caller]
+pub fn assert_every_rank_has_both_tracks(events: &[Value], ranks: u64, what: &str) {
+    for rank in 0..ranks {
+        for tid in [0, 1] {
+            assert!(
+                events.iter().any(|event| event["ph"] == "X" && event["pid"] == rank && event["tid"] == tid),
+                "{what}: rank {rank} has no slice on thread {tid}"
+            );
+        }
+    }
+}
