@@ -140,6 +140,10 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     hw.intra_node.bandwidth_bytes_per_s = 1.0 / (1.0 / args.emulate_link.bytes_per_s + 1.0 / own_bytes_per_s);
     hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64() + own.latency_s;
     hw.efficiency.link = 1.0;
+    // Every rank is a thread of this process: whatever node size the spec gives, no group here
+    // crosses nodes, and its collectives run over the one (emulated) link.
+    hw.gpus_per_node = hw.gpus_per_node.max(compiled.programs.len() as u64);
+    hw.inter_node = hw.intra_node;
     let blocking = compiled.programs;
     let reported = crate::predict::overlap_programs_reported(&blocking, &hw)?;
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
