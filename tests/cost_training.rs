@@ -577,15 +577,16 @@ fn a_pipelined_stage_peak_by_hand() {
 
 #[test]
 fn pipelined_stage_closed_form_equals_the_planners_peak() {
-    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2, cp=2 or tp=2 (with and without
-    // Megatron SP), with no, selective and full recomputation, GPipe and 1F1B, 2 and 4 micro-batches: every
+    // The four-layer tiny on pp=2 and pp=4, alone and by dp=2, cp=2, tp=2 (with and without
+    // Megatron SP) or dp=2 × tp=2 and tp=4 (where the whole-vocabulary embedding gradient peaks
+    // before the rows' all-reduce), with no, selective and full recomputation, GPipe and 1F1B, 2 and 4 micro-batches: every
     // stage's closed form (the largest tail of its backwards) equals the planner's peak of its
     // program.
     let config = four_layers();
     let model = ModelShape::from_config(&config);
     // (Four sequences a step: dp=2 takes two micro-batches of two.)
     let none = Recompute::None;
-    let cases: [(&str, bool, Recompute, &[u32]); 15] = [
+    let cases: [(&str, bool, Recompute, &[u32]); 22] = [
         ("pp=2", false, none, &[2, 4]),
         ("pp=4", false, none, &[2, 4]),
         ("pp=2,dp=2", false, none, &[2]),
@@ -601,6 +602,13 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2", false, Recompute::Full, &[2]),
         ("pp=2,cp=2", false, none, &[2, 4]),
         ("pp=4,cp=2", false, none, &[2, 4]),
+        ("pp=2,dp=2,tp=2", false, none, &[2]),
+        ("pp=2,dp=2,tp=4", false, none, &[2]),
+        ("pp=4,dp=2,tp=2", false, none, &[2]),
+        ("pp=2,dp=2,tp=2", true, none, &[2]),
+        ("pp=2,dp=2,tp=2", true, Recompute::Selective, &[2]),
+        ("pp=2,dp=2,tp=2", false, Recompute::Full, &[2]),
+        ("pp=2,dp=2,tp=2", true, Recompute::Full, &[2]),
     ];
     // ZeRO-1 splits only the optimizer's state, which the programs do not hold: dp's closed form.
     let zero1: [(&str, bool, Recompute, &[u32], u8); 3] = [

@@ -38,7 +38,11 @@
 //! (all-gathered), the last stage every token's logits, and the gradients are all-reduced as
 //! under dp.
 //!
-//! Modelled: `pp`, alone or with one of `dp`, `tp` (with or without SP) and `cp`, GPipe and 1F1B,
+//! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
+//! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
+//! and the rows, not yet reduced nor summed), the larger where tp > 2.
+//!
+//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe and 1F1B,
 //! any recomputation (none under cp), ZeRO-1 at most (it splits only the optimizer's state, which
 //! the programs do not hold: they are dp's), an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
@@ -76,7 +80,7 @@ pub fn compiled_stage_peak(
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp
-        && [dp, tp, cp].iter().filter(|&&degree| degree > 1).count() <= 1
+        && (cp == 1 || dp * tp == 1)
         && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
         && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
@@ -148,9 +152,9 @@ pub fn compiled_stage_peak(
         if cp > 1 {
             held.push(Term { name: "token ids", bytes: ids });
         }
-        if tp > 1 {
+        if tp > 1 && !reduced {
             held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
-        } else if !reduced {
+        } else if tp == 1 && !reduced {
             held.push(Term { name: "token ids", bytes: ids });
             held.push(Term { name: "embedding output's gradient", bytes: stream });
         }
@@ -181,6 +185,14 @@ pub fn compiled_stage_peak(
     if reduced {
         held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
     }
+    // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are sliced
+    // from it, before their all-reduce: it is live a step earlier, beside the rows but without their
+    // reduced copy in the gradients and the sums (larger than the tail when tp > 2).
+    let slicing = (first && tp > 1 && reduced).then(|| {
+        let mut held = held.clone();
+        held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
+        held
+    });
     // The last stage also sums the loss.
     let loss_sum = if last { element } else { 0.0 };
     let steps = schedule.per_stage.get(stage as usize)?;
@@ -192,23 +204,40 @@ pub fn compiled_stage_peak(
         let forwards = steps[..at].iter().filter(|step| step.phase == Phase::Forward).count() as f64;
         let backwards = steps[..at].iter().filter(|step| step.phase == Phase::Backward).count() as f64;
         let others = forwards - backwards - 1.0;
-        let sums = if step.micro_batch == 0 {
-            Term { name: "gradient running sums, created so far", bytes: grads_so_far + loss_sum }
-        } else {
-            Term { name: "gradient running sums", bytes: grads + loss_sum }
+        let sums = |joined: f64| {
+            if step.micro_batch == 0 {
+                Term {
+                    name: "gradient running sums, created so far",
+                    bytes: grads_so_far - joining + joined + loss_sum,
+                }
+            } else {
+                Term { name: "gradient running sums", bytes: grads + loss_sum }
+            }
         };
+        let in_flight = Term { name: "other micro-batches in flight", bytes: others * in_flight };
         let mut terms = vec![
-            sums,
+            sums(joining),
             Term { name: "the micro-batch's gradients so far", bytes: grads_so_far },
-            Term { name: "other micro-batches in flight", bytes: others * in_flight },
+            in_flight.clone(),
         ];
         if step.micro_batch > 0 {
             terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: joining });
         }
         terms.extend(held.iter().cloned());
-        let phase = ForwardPhase { name: "tail of a backward", params, terms };
-        if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
-            best = Some(phase);
+        let mut candidates = vec![ForwardPhase { name: "tail of a backward", params, terms }];
+        if let Some(held) = &slicing {
+            let mut terms = vec![
+                sums(0.0),
+                Term { name: "the micro-batch's gradients so far", bytes: grads_so_far - joining },
+                in_flight,
+            ];
+            terms.extend(held.iter().cloned());
+            candidates.push(ForwardPhase { name: "embedding rows sliced for their dp all-reduce", params, terms });
+        }
+        for phase in candidates {
+            if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
+                best = Some(phase);
+            }
         }
     }
     best
