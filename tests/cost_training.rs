@@ -583,7 +583,6 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
     // stage's closed form (the largest tail of its backwards) equals the planner's peak of its
     // program.
     let config = four_layers();
-    let model = ModelShape::from_config(&config);
     // (Four sequences a step: dp=2 takes two micro-batches of two.)
     let none = Recompute::None;
     let cases: [(&str, bool, Recompute, &[u32]); 22] = [
@@ -618,7 +617,13 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
     ];
     let all = cases.iter().map(|&(mesh, sp, recompute, counts)| (mesh, sp, recompute, counts, 0)).chain(zero1);
     for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in all {
-        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+        let stages = Mesh::parse(mesh).unwrap().degree(AxisName::Pp) as u32;
+        let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+        // Interleaving needs a layer a virtual stage.
+        if stages * 2 <= 4 {
+            kinds.push(ScheduleKind::Interleaved { chunks: 2 });
+        }
+        for kind in kinds {
             for &micro_batches in micro_batch_counts {
                 let layout = PipelinedLayout {
                     recompute,
@@ -626,41 +631,75 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
                     zero_stage,
                     ..PipelinedLayout::new(mesh, kind, micro_batches)
                 };
-                let (programs, _) = compile_pipelined(&config, &layout);
-                let parsed = Mesh::parse(mesh).unwrap();
-                let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
-                let schedule = Schedule::build(kind, stages, micro_batches).unwrap();
-                let cost_layout = Layout::from_mesh(&parsed, sequence_parallel);
-                // The closed form's stages (1F1B's in-flight count), beside the compiled ones.
-                let workload = Workload {
-                    micro_batches: u64::from(micro_batches),
-                    recompute: cost_recompute(recompute),
-                    zero: zero_stage,
-                    ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp)
-                };
-                let memory = memory_per_stage(&model, &cost_layout, &workload);
-                for program in &programs {
-                    // Global rank `stage · inner + i`.
-                    let stage = program.rank / (programs.len() as u32 / stages);
-                    let label = format!(
-                        "{mesh} sp={sequence_parallel} {recompute:?} zero={zero_stage} {kind:?} m={micro_batches} rank {} stage {stage}",
-                        program.rank
-                    );
-                    let layers = u64::from(4 / stages);
-                    let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers)
-                        .expect("a modelled layout");
-                    let planned = plan(program, ElementSize::Fixed(4));
-                    assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
-                    assert_eq!(planned.peak_bytes as f64, phase.bytes(), "{label}: {:?}", phase.terms);
-                    let differences = pipelined_differences_from_closed_form(&memory[stage as usize], &phase);
-                    let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
-                    assert_eq!(otherwise.bytes, 0.0, "{label}");
-                    let predicted =
-                        memory[stage as usize].peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
-                    assert_eq!(planned.peak_bytes as f64, predicted, "{label}: {differences:?}");
-                }
+                check_stage_closed_form(&config, &layout);
             }
         }
+    }
+}
+
+#[test]
+fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
+    // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
+    // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads
+    // last until the micro-batch's backward is done on the stage.
+    let config = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
+    let none = Recompute::None;
+    let cases: [(&str, bool, Recompute, u32, u32); 7] = [
+        ("pp=2", false, none, 2, 2),
+        ("pp=2", false, none, 2, 4),
+        ("pp=2", false, none, 4, 2),
+        ("pp=4", false, none, 2, 4),
+        ("pp=2,tp=2", true, none, 2, 2),
+        ("pp=2,dp=2", false, Recompute::Full, 2, 2),
+        ("pp=2,tp=2", false, Recompute::Selective, 2, 4),
+    ];
+    for (mesh, sequence_parallel, recompute, chunks, micro_batches) in cases {
+        let layout = PipelinedLayout {
+            recompute,
+            sequence_parallel,
+            ..PipelinedLayout::new(mesh, ScheduleKind::Interleaved { chunks }, micro_batches)
+        };
+        check_stage_closed_form(&config, &layout);
+    }
+}
+
+/// Checks every stage of `config` compiled for `layout`: its closed form (the largest tail of its
+/// backwards) equals the planner's peak of its program, and so does [`memory_per_stage`]'s peak
+/// plus the named differences.
+fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout: &PipelinedLayout) {
+    let model = ModelShape::from_config(config);
+    let (programs, _) = compile_pipelined(config, layout);
+    let parsed = Mesh::parse(layout.mesh).unwrap();
+    let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
+    let (kind, micro_batches) = (layout.schedule, layout.micro_batches);
+    let schedule = Schedule::build(kind, stages, micro_batches).unwrap();
+    let cost_layout = Layout::from_mesh(&parsed, layout.sequence_parallel);
+    // The closed form's stages (1F1B's in-flight count), beside the compiled ones.
+    let workload = Workload {
+        micro_batches: u64::from(micro_batches),
+        recompute: cost_recompute(layout.recompute),
+        zero: layout.zero_stage,
+        ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp)
+    };
+    let memory = memory_per_stage(&model, &cost_layout, &workload);
+    for program in &programs {
+        // Global rank `stage · inner + i`.
+        let stage = program.rank / (programs.len() as u32 / stages);
+        let label = format!(
+            "{} sp={} {:?} zero={} {kind:?} m={micro_batches} rank {} stage {stage}",
+            layout.mesh, layout.sequence_parallel, layout.recompute, layout.zero_stage, program.rank
+        );
+        let layers = config.num_layers / u64::from(stages);
+        let phase =
+            compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers).expect("a modelled layout");
+        let planned = plan(program, ElementSize::Fixed(4));
+        assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
+        assert_eq!(planned.peak_bytes as f64, phase.bytes(), "{label}: {:?}", phase.terms);
+        let differences = pipelined_differences_from_closed_form(&memory[stage as usize], &phase);
+        let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
+        assert_eq!(otherwise.bytes, 0.0, "{label}");
+        let predicted = memory[stage as usize].peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+        assert_eq!(planned.peak_bytes as f64, predicted, "{label}: {differences:?}");
     }
 }
 

@@ -42,7 +42,15 @@
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
 //! and the rows, not yet reduced nor summed), the larger where tp > 2.
 //!
-//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe and 1F1B,
+//! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
+//! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
+//! micro-batch's positions are loaded once a stage. A micro-batch's gradients are outputs of its
+//! program, so a chunk's stay until the micro-batch's backward is done on every chunk of the
+//! stage, and so do the buffers another rank reads last (the output sent on, the input's gradient
+//! sent back, the attention norm's input gradient) and, on the last chunk, the targets and loss.
+//!
+//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
+//! and interleaved 1F1B,
 //! any recomputation (none under cp), ZeRO-1 at most (it splits only the optimizer's state, which
 //! the programs do not hold: they are dp's), an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
@@ -55,7 +63,7 @@ use pleat_ir::AxisName;
 use super::activation::kv_split;
 use super::compiled::ForwardPhase;
 use super::layout::Layout;
-use super::memory::{stage_params, MemoryBreakdown, Term};
+use super::memory::{chunk_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::workload::{Recompute, Workload};
 use crate::pipeline::{Phase, Schedule, ScheduleKind};
@@ -83,7 +91,7 @@ pub fn compiled_stage_peak(
         && (cp == 1 || dp * tp == 1)
         && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
-        && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
+        && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. })
         && workload.zero <= 1
         && model.experts.is_none()
         && !model.tied_embeddings;
@@ -91,7 +99,6 @@ pub fn compiled_stage_peak(
         return None;
     }
     let element = model.dtype_bytes as f64;
-    let (first, last) = (stage == 0, stage + 1 == stages);
     let tokens = workload.tokens_per_micro_batch() as f64;
     // cp splits the tokens (zigzag); its attention reads every token's k and v, all-gathered.
     let local_tokens = tokens / cp as f64;
@@ -119,117 +126,200 @@ pub fn compiled_stage_peak(
     } else {
         2.0 * gathered + 2.0 * stream + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
     };
-    let params = stage_params(model, layout, workload, u64::from(stage), layers) * element;
-    let grads = params;
-    // A micro-batch in flight on this stage: its inputs, what its layers keep, and on the last
-    // stage the head's outputs (the final norm's input all-gathered under SP, its output whole).
-    let mut in_flight = positions + layers as f64 * kept_layer;
-    if first {
-        // Under cp the rank's own token ids too.
-        let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
-        in_flight += ids + local_ids + stream;
-    } else {
-        in_flight += stream;
-    }
-    if last {
-        // Full recomputation recomputes the final norm's input gathered under SP and its output.
-        let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
-        // cp gathers every token's logits (back in order) for the loss.
-        let logits = if cp > 1 { tokens * vocab } else { local_tokens * (vocab / split).ceil() } * element;
-        in_flight += ids + final_norm + logits + element;
-    }
-    // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
-    // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
-    // freed only after (the sum is taken right where the reduced gradient is written); by then the
-    // activations and activation gradients that computed it are freed.
-    // Under tp the embedding's gradient over the whole vocabulary is live as the rank's rows,
-    // sliced from it, join their sum.
-    // cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
     let reduced = dp > 1 || cp > 1;
-    let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
-        let whole = vocab * hidden * element;
-        let mut held = vec![Term { name: "stage output (sent on)", bytes: stream }];
-        if cp > 1 {
-            held.push(Term { name: "token ids", bytes: ids });
-        }
-        if tp > 1 && !reduced {
-            held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
-        } else if tp == 1 && !reduced {
-            held.push(Term { name: "token ids", bytes: ids });
-            held.push(Term { name: "embedding output's gradient", bytes: stream });
-        }
-        ((vocab / split).ceil() * hidden * element, grads, held)
-    } else {
-        let input_norm = model.norm.params(model.hidden) as f64 * element;
-        let mut held = vec![
-            Term { name: "positions", bytes: positions },
-            Term { name: "stage input (received)", bytes: stream },
-            Term { name: "first layer's attention residual gradient", bytes: stream },
-            Term { name: "first layer's attention norm gradient", bytes: gathered },
-        ];
-        if !reduced {
-            held.push(Term { name: "first layer's attention norm output (recomputed under full)", bytes: gathered });
-            held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
+    // What one of the stage's chunks (the whole stage but under interleaving) holds, `first` and
+    // `last` saying whether it is the model's first or last virtual stage.
+    let hold = |first: bool, last: bool, layers: u64| -> ChunkHold {
+        let params = chunk_params(model, layout, workload, first, last, layers) * element;
+        let grads = params;
+        // A micro-batch in flight on this chunk: its inputs, what its layers keep, and on the last
+        // one the head's outputs (the final norm's input all-gathered under SP, its output whole);
+        // its positions, which every chunk of the stage reads, are counted once a micro-batch.
+        let mut in_flight = layers as f64 * kept_layer;
+        if first {
+            // Under cp the rank's own token ids too.
+            let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
+            in_flight += ids + local_ids + stream;
+        } else {
+            in_flight += stream;
         }
         if last {
-            // cp's targets were read in the forward; dp and tp keep them to the loss's gradient.
-            if cp == 1 {
-                held.push(Term { name: "token ids (targets)", bytes: ids });
-            }
-            held.push(Term { name: "loss", bytes: element });
-        } else {
-            held.push(Term { name: "stage output (sent on)", bytes: stream });
+            // Full recomputation recomputes the final norm's input gathered under SP and its output.
+            let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
+            // cp gathers every token's logits (back in order) for the loss.
+            let logits = if cp > 1 { tokens * vocab } else { local_tokens * (vocab / split).ceil() } * element;
+            in_flight += ids + final_norm + logits + element;
         }
-        (hidden * query * element, grads - input_norm, held)
+        // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
+        // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
+        // freed only after (the sum is taken right where the reduced gradient is written); by then
+        // the activations and activation gradients that computed it are freed.
+        // Under tp the embedding's gradient over the whole vocabulary is live as the rank's rows,
+        // sliced from it, join their sum.
+        // cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
+        let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
+            let whole = vocab * hidden * element;
+            let mut held = vec![Term { name: "stage output (sent on)", bytes: stream }];
+            if cp > 1 {
+                held.push(Term { name: "token ids", bytes: ids });
+            }
+            if tp > 1 && !reduced {
+                held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
+            } else if tp == 1 && !reduced {
+                held.push(Term { name: "token ids", bytes: ids });
+                held.push(Term { name: "embedding output's gradient", bytes: stream });
+            }
+            ((vocab / split).ceil() * hidden * element, grads, held)
+        } else {
+            let input_norm = model.norm.params(model.hidden) as f64 * element;
+            let mut held = vec![
+                Term { name: "positions", bytes: positions },
+                Term { name: "stage input (received)", bytes: stream },
+                Term { name: "first layer's attention residual gradient", bytes: stream },
+                Term { name: "first layer's attention norm gradient", bytes: gathered },
+            ];
+            if !reduced {
+                held.push(Term {
+                    name: "first layer's attention norm output (recomputed under full)",
+                    bytes: gathered,
+                });
+                held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
+            }
+            if last {
+                // cp's targets were read in the forward; dp and tp keep them to the loss's gradient.
+                if cp == 1 {
+                    held.push(Term { name: "token ids (targets)", bytes: ids });
+                }
+                held.push(Term { name: "loss", bytes: element });
+            } else {
+                held.push(Term { name: "stage output (sent on)", bytes: stream });
+            }
+            (hidden * query * element, grads - input_norm, held)
+        };
+        if reduced {
+            held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
+        }
+        // What stays after the chunk's backward until the micro-batch's ends on the stage: the
+        // buffers whose last reader is another rank (the output sent on, the input's gradient sent
+        // back and the attention norm's input gradient summed into it) or an output.
+        let mut remains = vec![
+            Term { name: "first layer's attention residual gradient", bytes: stream },
+            Term { name: "first layer's attention norm's input gradient", bytes: stream },
+        ];
+        if last {
+            // The targets and the loss, which the program outputs.
+            if cp == 1 {
+                remains.push(Term { name: "token ids (targets)", bytes: ids });
+            }
+            remains.push(Term { name: "loss", bytes: element });
+        } else {
+            remains.push(Term { name: "stage output (sent on)", bytes: stream });
+        }
+        // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are
+        // sliced from it, before their all-reduce: it is live a step earlier, beside the rows but
+        // without their reduced copy in the gradients and the sums (larger than the tail when tp > 2).
+        let slicing = (first && tp > 1 && reduced).then(|| {
+            let mut held = held.clone();
+            held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
+            held
+        });
+        ChunkHold { params, grads, in_flight, joining, grads_so_far, held, slicing, remains }
     };
-    if reduced {
-        held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
+    // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
+    let chunks = schedule.kind.chunks();
+    if layers % u64::from(chunks) != 0 {
+        return None;
     }
-    // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are sliced
-    // from it, before their all-reduce: it is live a step earlier, beside the rows but without their
-    // reduced copy in the gradients and the sums (larger than the tail when tp > 2).
-    let slicing = (first && tp > 1 && reduced).then(|| {
-        let mut held = held.clone();
-        held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
-        held
-    });
-    // The last stage also sums the loss.
-    let loss_sum = if last { element } else { 0.0 };
+    let virtual_stages = stages * chunks;
+    let holds: Vec<ChunkHold> = (0..chunks)
+        .map(|chunk| {
+            let virtual_stage = chunk * stages + stage;
+            hold(virtual_stage == 0, virtual_stage + 1 == virtual_stages, layers / u64::from(chunks))
+        })
+        .collect();
+    let params = holds.iter().map(|hold| hold.params).sum();
+    // The stage holding the model's last layers also sums the loss.
+    let loss_sum = if stage + 1 == stages { element } else { 0.0 };
     let steps = schedule.per_stage.get(stage as usize)?;
     let mut best: Option<ForwardPhase> = None;
     for (at, step) in steps.iter().enumerate() {
         if step.phase != Phase::Backward {
             continue;
         }
-        let forwards = steps[..at].iter().filter(|step| step.phase == Phase::Forward).count() as f64;
-        let backwards = steps[..at].iter().filter(|step| step.phase == Phase::Backward).count() as f64;
-        let others = forwards - backwards - 1.0;
+        let done = |chunk: u32, phase: Phase| {
+            steps[..at].iter().filter(|before| before.chunk == chunk && before.phase == phase).count() as f64
+        };
+        let current = &holds[step.chunk as usize];
+        // Every other micro-batch whose forward on a chunk is done and its backward there not yet,
+        // and the running sums of the chunks some backward has finished (the current one's so far).
+        let (mut others, mut other_sums) = (0.0, 0.0);
+        for (chunk, hold) in (0u32..).zip(&holds) {
+            let in_flight = done(chunk, Phase::Forward) - done(chunk, Phase::Backward);
+            others += (in_flight - f64::from(chunk == step.chunk)) * hold.in_flight;
+            if chunk != step.chunk && done(chunk, Phase::Backward) > 0.0 {
+                other_sums += hold.grads;
+            }
+        }
+        // Per micro-batch begun on the stage and not yet done: its positions (the current one's
+        // are in its held buffers, but on the first chunk of an interleaved stage), and of each
+        // chunk it has finished the backward of, the gradients (outputs of its program, freed once
+        // its backward is done on every chunk) and what remains.
+        let mut unfinished_grads = 0.0;
+        let mut remains = 0.0;
+        for micro_batch in 0..schedule.micro_batches {
+            let of = |phase: Phase| -> Vec<u32> {
+                steps[..at]
+                    .iter()
+                    .filter(|before| before.micro_batch == micro_batch && before.phase == phase)
+                    .map(|before| before.chunk)
+                    .collect()
+            };
+            let (forwarded, finished) = (of(Phase::Forward), of(Phase::Backward));
+            if forwarded.is_empty() || finished.len() == chunks as usize {
+                continue;
+            }
+            if micro_batch != step.micro_batch || (chunks > 1 && step.chunk == 0 && stage == 0) {
+                others += positions;
+            }
+            for &chunk in &finished {
+                let hold = &holds[chunk as usize];
+                unfinished_grads += hold.grads;
+                remains += hold.remains.iter().map(|term| term.bytes).sum::<f64>();
+            }
+        }
+        let first_backward = done(step.chunk, Phase::Backward) == 0.0;
         let sums = |joined: f64| {
-            if step.micro_batch == 0 {
+            if first_backward {
                 Term {
                     name: "gradient running sums, created so far",
-                    bytes: grads_so_far - joining + joined + loss_sum,
+                    bytes: other_sums + current.grads_so_far - current.joining + joined + loss_sum,
                 }
             } else {
-                Term { name: "gradient running sums", bytes: grads + loss_sum }
+                Term { name: "gradient running sums", bytes: other_sums + current.grads + loss_sum }
             }
         };
-        let in_flight = Term { name: "other micro-batches in flight", bytes: others * in_flight };
+        let in_flight = Term { name: "other micro-batches in flight", bytes: others };
+        let remains = Term { name: "what finished chunks keep to the micro-batch's end", bytes: remains };
         let mut terms = vec![
-            sums(joining),
-            Term { name: "the micro-batch's gradients so far", bytes: grads_so_far },
+            sums(current.joining),
+            Term { name: "the micro-batches' gradients so far", bytes: unfinished_grads + current.grads_so_far },
             in_flight.clone(),
+            remains.clone(),
         ];
-        if step.micro_batch > 0 {
-            terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: joining });
+        if !first_backward {
+            terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
         }
-        terms.extend(held.iter().cloned());
+        terms.extend(current.held.iter().cloned());
         let mut candidates = vec![ForwardPhase { name: "tail of a backward", params, terms }];
-        if let Some(held) = &slicing {
+        if let Some(held) = &current.slicing {
             let mut terms = vec![
                 sums(0.0),
-                Term { name: "the micro-batch's gradients so far", bytes: grads_so_far - joining },
+                Term {
+                    name: "the micro-batches' gradients so far",
+                    bytes: unfinished_grads + current.grads_so_far - current.joining,
+                },
                 in_flight,
+                remains,
             ];
             terms.extend(held.iter().cloned());
             candidates.push(ForwardPhase { name: "embedding rows sliced for their dp all-reduce", params, terms });
@@ -241,6 +331,27 @@ pub fn compiled_stage_peak(
         }
     }
     best
+}
+
+/// What one chunk of a stage holds (see [`compiled_stage_peak`]), in bytes.
+struct ChunkHold {
+    /// Its parameters.
+    params: f64,
+    /// Its gradients: one running sum of each.
+    grads: f64,
+    /// A micro-batch in flight on it.
+    in_flight: f64,
+    /// The last large weight gradient of its backward, which joins the sums at the tail.
+    joining: f64,
+    /// Its gradients finished by the tail, the joining one included.
+    grads_so_far: f64,
+    /// What the micro-batch still holds at the tail.
+    held: Vec<Term>,
+    /// Under dp × tp on the first chunk: what it holds as the embedding rows are sliced.
+    slicing: Option<Vec<Term>>,
+    /// What a micro-batch keeps of it after its backward there, until its backward on the stage
+    /// ends (interleaving: a later chunk's backward follows).
+    remains: Vec<Term>,
 }
 
 /// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the

@@ -142,9 +142,22 @@ pub fn stage_layers(layers: u64, stages: u64) -> Vec<u64> {
 
 /// Parameters (elements) one rank of `stage` holds, before ZeRO-3.
 pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, stage: u64, layers: u64) -> f64 {
+    let stages = layout.degree(AxisName::Pp);
+    chunk_params(model, layout, workload, stage == 0, stage + 1 == stages, layers)
+}
+
+/// Parameters (elements) one rank holds of `layers` layers, with the embedding table when `first`
+/// and the head when `last`, before ZeRO-3: a stage's, or one chunk's of an interleaved stage.
+pub fn chunk_params(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    first: bool,
+    last: bool,
+    layers: u64,
+) -> f64 {
     let tp = layout.degree(AxisName::Tp) as f64;
     let tsp = layout.degree(AxisName::Tsp) as f64;
-    let stages = layout.degree(AxisName::Pp);
     let hidden = model.hidden as f64;
     let kv_split = kv_split(model, layout) as f64;
     let query_and_output = 2.0 * hidden * model.query_width() as f64 / (tp * tsp);
@@ -165,8 +178,6 @@ pub fn stage_params(model: &ModelShape, layout: &Layout, workload: &Workload, st
         + expert_layer_params(model, layout);
     let vocab_split = if workload.tsp_shards_embeddings { tp * tsp } else { tp };
     let table = (model.vocab as f64 / vocab_split).ceil() * hidden;
-    let first = stage == 0;
-    let last = stage + 1 == stages;
     let mut params = layers as f64 * layer;
     if first {
         params += table;
