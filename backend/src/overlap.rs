@@ -318,11 +318,16 @@ fn list_schedule(
         // is short a wait releases the transfer's staging and lets its operands be freed.
         let first_reader = |wait: Node| successors[wait].iter().map(|&next| next / 2).min().unwrap_or(usize::MAX);
         let wait = || {
-            candidates
-                .iter()
-                .copied()
-                .filter(|&node| node % 2 == 1)
-                .min_by(|a, b| first_reader(*a).cmp(&first_reader(*b)).then(ready(*a).total_cmp(&ready(*b))))
+            let waits = || candidates.iter().copied().filter(|&node| node % 2 == 1);
+            let earliest_reader =
+                |a: &Node, b: &Node| first_reader(*a).cmp(&first_reader(*b)).then(ready(*a).total_cmp(&ready(*b)));
+            // A transfer predicted done costs no stall: waiting for it first lets its readers run
+            // while the others are still in flight (TSP's next owner block, prefetched, before the
+            // current owner's k/v all-gather).
+            waits()
+                .filter(|&node| ready(node) <= compute_free)
+                .min_by(earliest_reader)
+                .or_else(|| waits().min_by(earliest_reader))
         };
         let chosen = work
             .iter()
@@ -521,6 +526,79 @@ mod tests {
         // the peak either way.
         assert_eq!(report.peak_after_bytes, report.peak_before_bytes);
         assert_eq!(report.peak_after_bytes, 6 * 64 * 64 * 4);
+    }
+
+    #[test]
+    fn a_transfer_already_done_is_waited_for_first_so_its_reader_hides_a_slower_one() {
+        // y2 = x·w2 is all-reduced (fast) before y1 = x·w1 is (slow); the lowered order reads y1's
+        // sum first. Both are in flight once the matmuls are done: waiting for y2's first lets its
+        // matmul run while y1's all-reduce still travels.
+        let buffer = |name: &str, kind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![64, 64], kind };
+        let matmul = |a: usize, w: usize, out: usize| Instr::Kernel {
+            kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
+            inputs: vec![id(a), id(w)],
+            out: id(out),
+        };
+        let all_reduce = |input: usize, out: usize| Instr::AllReduce {
+            inputs: vec![id(input)],
+            outs: vec![id(out)],
+            group: Group { axis: "tp".into(), ranks: vec![0, 1] },
+        };
+        let load = |out: usize| Instr::LoadParam {
+            out: id(out),
+            name: format!("w{out}"),
+            shape: vec![64, 64],
+            region: vec![(0, 64), (0, 64)],
+        };
+        let names = ["x", "w1", "w2", "w3", "y2", "y2.sum", "y1", "y1.sum", "z", "u"];
+        let program = Program {
+            buffers: names
+                .iter()
+                .enumerate()
+                .map(|(at, name)| buffer(name, if at < 4 { BufferKind::Param } else { BufferKind::Activation }))
+                .collect(),
+            instructions: vec![
+                load(0),
+                load(1),
+                load(2),
+                load(3),
+                matmul(0, 2, 4),
+                all_reduce(4, 5),
+                matmul(0, 1, 6),
+                all_reduce(6, 7),
+                Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(7), id(0)], out: id(8) },
+                matmul(5, 3, 9),
+                Instr::Output { buf: id(8), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
+                Instr::Output { buf: id(9), index: 1, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
+            ],
+            ..block()
+        };
+        // A matmul 2 s, y2's all-reduce 1 s, y1's 4 s.
+        let seconds = |_: &Program, instr: &Instr| match instr {
+            Instr::Kernel { kernel: Kernel::MatMul { .. }, .. } => 2.0,
+            Instr::AllReduce { inputs, .. } => {
+                if inputs[0] == id(4) {
+                    1.0
+                } else {
+                    4.0
+                }
+            }
+            _ => 0.0,
+        };
+        let options = OverlapOptions {
+            seconds: &seconds,
+            memory_budget: None,
+            sizing: ElementSize::Fixed(4),
+            prefetch_weights: false,
+        };
+        let (scheduled, report) = schedule(&program, &options).unwrap();
+        let text = text(&scheduled);
+        let at = |line: &str| text.iter().position(|got| got == line).unwrap_or_else(|| panic!("{line} in {text:?}"));
+        assert!(at("wait(b5)") < at("wait(b7)"), "{text:?}");
+        assert!(at("b9 = matmul m=64 n=64 k=64(b5, b3)") < at("wait(b7)"), "{text:?}");
+        // matmul 0-2, y2's all-reduce 2-3, matmul 2-4, y1's all-reduce 4-8; y2's reader 4-6; the
+        // add after the wait at 8. Waiting for y1's first would stall 4-8 and end at 10.
+        assert_eq!((report.blocking_s, report.scheduled_s), (11.0, 8.0));
     }
 
     #[test]
