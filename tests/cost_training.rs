@@ -638,6 +638,25 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
 }
 
 #[test]
+fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
+    // ZB-H1: each micro-batch between its B and its W keeps what its weight gradients read, and W's
+    // tail the residual gradients B read too; pp=2 and pp=4 on four and eight layers, and tp=2.
+    let four = four_layers();
+    let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
+    for (config, mesh, micro_batches) in [
+        (&four, "pp=2", 2),
+        (&four, "pp=2", 4),
+        (&four, "pp=4", 4),
+        (&four, "pp=2,tp=2", 2),
+        (&four, "pp=2,tp=2", 4),
+        (&eight, "pp=2", 4),
+        (&eight, "pp=4", 4),
+    ] {
+        check_stage_closed_form(config, &PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
+    }
+}
+
+#[test]
 fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
     // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
     // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads

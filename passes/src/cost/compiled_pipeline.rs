@@ -49,9 +49,13 @@
 //! stage, and so do the buffers another rank reads last (the output sent on, the input's gradient
 //! sent back, the attention norm's input gradient) and, on the last chunk, the targets and loss.
 //!
+//! Under zero bubble (ZB-H1) the tail is a W's (the weight gradients' part of a backward): a
+//! micro-batch whose B is done and W not yet keeps what its weight gradients read, and the
+//! residual gradients, which B reads too, stay to the micro-batch's end.
+//!
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
-//! and interleaved 1F1B,
-//! any recomputation (none under cp), ZeRO-1 at most (it splits only the optimizer's state, which
+//! and interleaved 1F1B with any recomputation (none under cp), zero-bubble H1 alone or beside
+//! `tp` without SP or recomputation; ZeRO-1 at most (it splits only the optimizer's state, which
 //! the programs do not hold: they are dp's), an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
@@ -91,7 +95,13 @@ pub fn compiled_stage_peak(
         && (cp == 1 || dp * tp == 1)
         && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
-        && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. })
+        && match schedule.kind {
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. } => true,
+            // Zero bubble: without dp, cp, SP or recomputation.
+            ScheduleKind::ZeroBubbleH1 => {
+                dp * cp == 1 && !layout.sequence_parallel && workload.recompute == Recompute::None
+            }
+        }
         && workload.zero <= 1
         && model.experts.is_none()
         && !model.tied_embeddings;
@@ -223,7 +233,38 @@ pub fn compiled_stage_peak(
             held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
             held
         });
-        ChunkHold { params, grads, in_flight, joining, grads_so_far, held, slicing, remains }
+        // Zero bubble splits each backward into B (input gradients) and W (weight gradients, later).
+        // Between the two a micro-batch keeps what W reads: per layer the inputs of its weight
+        // gradients (both norms' outputs and inputs, attention's output, the SiLU product) and
+        // their output gradients (q, k, v, gate, up, both norms' outputs, both residuals); beside
+        // them its input (the stage's, or the embedding's output), its first layer's attention
+        // norm's input gradient, and on the last chunk the final norm's output and gradient, the
+        // logits' gradient, the targets and the loss. The residual gradients, which B reads too,
+        // stay to the micro-batch's end, so W's tail holds them as well.
+        let per_layer = 4.0 * gathered + 4.0 * stream + local_tokens * (2.0 * query + 3.0 * ffn + 2.0 * kv) * element;
+        let mut between = layers as f64 * per_layer + 2.0 * stream;
+        // (The first stage runs each W right after its B, forwards apart, so no other micro-batch
+        // is between there at a W's tail; its between is written by analogy, with the token ids.)
+        if first {
+            between += ids;
+        }
+        if last {
+            let logits = local_tokens * (vocab / split).ceil() * element;
+            between += ids + element + logits + 2.0 * gathered;
+        }
+        let residual_gradients = 2.0 * layers as f64 * stream;
+        ChunkHold {
+            params,
+            grads,
+            in_flight,
+            joining,
+            grads_so_far,
+            held,
+            slicing,
+            remains,
+            between,
+            residual_gradients,
+        }
     };
     // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
     let chunks = schedule.kind.chunks();
@@ -242,8 +283,12 @@ pub fn compiled_stage_peak(
     let loss_sum = if stage + 1 == stages { element } else { 0.0 };
     let steps = schedule.per_stage.get(stage as usize)?;
     let mut best: Option<ForwardPhase> = None;
+    // Where a micro-batch's last weight gradient is made: its backward, or zero bubble's W.
+    let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
+    let (input_phase, tail_phase) =
+        if zero_bubble { (Phase::BackwardInput, Phase::BackwardWeight) } else { (Phase::Backward, Phase::Backward) };
     for (at, step) in steps.iter().enumerate() {
-        if step.phase != Phase::Backward {
+        if step.phase != tail_phase {
             continue;
         }
         let done = |chunk: u32, phase: Phase| {
@@ -254,9 +299,15 @@ pub fn compiled_stage_peak(
         // and the running sums of the chunks some backward has finished (the current one's so far).
         let (mut others, mut other_sums) = (0.0, 0.0);
         for (chunk, hold) in (0u32..).zip(&holds) {
-            let in_flight = done(chunk, Phase::Forward) - done(chunk, Phase::Backward);
-            others += (in_flight - f64::from(chunk == step.chunk)) * hold.in_flight;
-            if chunk != step.chunk && done(chunk, Phase::Backward) > 0.0 {
+            let current = f64::from(chunk == step.chunk);
+            if zero_bubble {
+                // The current micro-batch's B is done: it is the one between B and W here.
+                others += (done(chunk, Phase::Forward) - done(chunk, input_phase)) * hold.in_flight;
+                others += (done(chunk, input_phase) - done(chunk, tail_phase) - current) * hold.between;
+            } else {
+                others += (done(chunk, Phase::Forward) - done(chunk, tail_phase) - current) * hold.in_flight;
+            }
+            if chunk != step.chunk && done(chunk, tail_phase) > 0.0 {
                 other_sums += hold.grads;
             }
         }
@@ -274,7 +325,7 @@ pub fn compiled_stage_peak(
                     .map(|before| before.chunk)
                     .collect()
             };
-            let (forwarded, finished) = (of(Phase::Forward), of(Phase::Backward));
+            let (forwarded, finished) = (of(Phase::Forward), of(tail_phase));
             if forwarded.is_empty() || finished.len() == chunks as usize {
                 continue;
             }
@@ -287,7 +338,7 @@ pub fn compiled_stage_peak(
                 remains += hold.remains.iter().map(|term| term.bytes).sum::<f64>();
             }
         }
-        let first_backward = done(step.chunk, Phase::Backward) == 0.0;
+        let first_backward = done(step.chunk, tail_phase) == 0.0;
         let sums = |joined: f64| {
             if first_backward {
                 Term {
@@ -310,6 +361,10 @@ pub fn compiled_stage_peak(
             terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
         }
         terms.extend(current.held.iter().cloned());
+        if zero_bubble {
+            terms
+                .push(Term { name: "residual gradients the weight gradients read", bytes: current.residual_gradients });
+        }
         let mut candidates = vec![ForwardPhase { name: "tail of a backward", params, terms }];
         if let Some(held) = &current.slicing {
             let mut terms = vec![
@@ -352,6 +407,10 @@ struct ChunkHold {
     /// What a micro-batch keeps of it after its backward there, until its backward on the stage
     /// ends (interleaving: a later chunk's backward follows).
     remains: Vec<Term>,
+    /// Zero bubble: a micro-batch between its B and its W (positions apart).
+    between: f64,
+    /// Zero bubble: the residual gradients W's tail still holds.
+    residual_gradients: f64,
 }
 
 /// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the
