@@ -610,17 +610,22 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2,tp=2", true, Recompute::Full, &[2]),
     ];
     // ZeRO-1 splits only the optimizer's state, which the programs do not hold: dp's closed form.
-    let zero1: [(&str, bool, Recompute, &[u32], u8); 3] = [
+    // ZeRO-2 shards the sums and reduce-scatters each gradient whole.
+    let zero1: [(&str, bool, Recompute, &[u32], u8); 7] = [
         ("pp=2,dp=2", false, none, &[2], 1),
         ("pp=4,dp=2", false, none, &[2], 1),
         ("pp=2,dp=2", false, Recompute::Full, &[2], 1),
+        ("pp=2,dp=2", false, none, &[2], 2),
+        ("pp=4,dp=2", false, none, &[2], 2),
+        ("pp=2,dp=2", false, Recompute::Selective, &[2], 2),
+        ("pp=2,dp=2", false, Recompute::Full, &[2], 2),
     ];
     let all = cases.iter().map(|&(mesh, sp, recompute, counts)| (mesh, sp, recompute, counts, 0)).chain(zero1);
     for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in all {
         let stages = Mesh::parse(mesh).unwrap().degree(AxisName::Pp) as u32;
         let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB];
-        // Interleaving needs a layer a virtual stage.
-        if stages * 2 <= 4 {
+        // Interleaving needs a layer a virtual stage (and is modelled up to ZeRO-1).
+        if stages * 2 <= 4 && zero_stage < 2 {
             kinds.push(ScheduleKind::Interleaved { chunks: 2 });
         }
         for kind in kinds {
@@ -653,6 +658,21 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
         (&eight, "pp=4", 4),
     ] {
         check_stage_closed_form(config, &PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
+    }
+}
+
+#[test]
+fn zero2_stage_closed_form_equals_the_planners_peak_on_deeper_stages() {
+    // Eight layers, four a stage: under ZeRO-2 a stage peaks at its last gradient's
+    // reduce-scatter or inside its first layer's backward, at the gate gradient's.
+    let config = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
+    for (kind, recompute) in [
+        (ScheduleKind::GPipe, Recompute::None),
+        (ScheduleKind::OneFOneB, Recompute::None),
+        (ScheduleKind::OneFOneB, Recompute::Full),
+    ] {
+        let layout = PipelinedLayout { recompute, zero_stage: 2, ..PipelinedLayout::new("pp=2,dp=2", kind, 2) };
+        check_stage_closed_form(&config, &layout);
     }
 }
 

@@ -55,8 +55,11 @@
 //!
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
 //! and interleaved 1F1B with any recomputation (none under cp), zero-bubble H1 alone or beside
-//! `tp` without SP or recomputation; ZeRO-1 at most (it splits only the optimizer's state, which
-//! the programs do not hold: they are dp's), an untied dense Llama-family model.
+//! `tp` without SP or recomputation; ZeRO-1 anywhere (it splits only the optimizer's state, which
+//! the programs do not hold: they are dp's); ZeRO-2 beside dp alone in GPipe or 1F1B order (the
+//! sums and gradients are dp's shards, each gradient is reduce-scattered and staged whole, and the
+//! stage's other candidate is inside its first layer's backward, as the gate gradient is
+//! scattered); an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -102,7 +105,12 @@ pub fn compiled_stage_peak(
                 dp * cp == 1 && !layout.sequence_parallel && workload.recompute == Recompute::None
             }
         }
-        && workload.zero <= 1
+        // ZeRO-2 beside dp alone, in GPipe or 1F1B order.
+        && (workload.zero <= 1
+            || (workload.zero == 2
+                && dp > 1
+                && tp * cp == 1
+                && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
         && model.experts.is_none()
         && !model.tied_embeddings;
     if !modelled {
@@ -137,11 +145,15 @@ pub fn compiled_stage_peak(
         2.0 * gathered + 2.0 * stream + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
     };
     let reduced = dp > 1 || cp > 1;
+    // ZeRO-2 reduce-scatters each gradient over dp: the sums and the micro-batch's gradients are
+    // its shards, and a gradient is whole (and staged whole) only while it is scattered.
+    let scattered = workload.zero >= 2 && dp > 1;
+    let shards = if scattered { dp as f64 } else { 1.0 };
     // What one of the stage's chunks (the whole stage but under interleaving) holds, `first` and
     // `last` saying whether it is the model's first or last virtual stage.
     let hold = |first: bool, last: bool, layers: u64| -> ChunkHold {
         let params = chunk_params(model, layout, workload, first, last, layers) * element;
-        let grads = params;
+        let grads = params / shards;
         // A micro-batch in flight on this chunk: its inputs, what its layers keep, and on the last
         // one the head's outputs (the final norm's input all-gathered under SP, its output whole);
         // its positions, which every chunk of the stage reads, are counted once a micro-batch.
@@ -179,7 +191,7 @@ pub fn compiled_stage_peak(
                 held.push(Term { name: "token ids", bytes: ids });
                 held.push(Term { name: "embedding output's gradient", bytes: stream });
             }
-            ((vocab / split).ceil() * hidden * element, grads, held)
+            ((vocab / split).ceil() * hidden * element, grads * shards, held)
         } else {
             let input_norm = model.norm.params(model.hidden) as f64 * element;
             let mut held = vec![
@@ -204,11 +216,60 @@ pub fn compiled_stage_peak(
             } else {
                 held.push(Term { name: "stage output (sent on)", bytes: stream });
             }
-            (hidden * query * element, grads - input_norm, held)
+            (hidden * query * element, grads * shards - input_norm, held)
         };
-        if reduced {
+        if scattered {
+            held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
+            held.push(Term { name: "its reduce-scatter's staging", bytes: joining });
+        } else if reduced {
             held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
         }
+        // In the sums and the micro-batch's gradients, the joining gradient's dp shard.
+        let (joining, grads_so_far) = (joining / shards, grads_so_far / shards);
+        // Under ZeRO-2 a stage may peak inside its first layer's backward instead, as the gate
+        // projection's gradient (the largest but the embedding's) is reduce-scattered: that
+        // layer's attention activations are still live, and of its gradients only the down and
+        // up projections' are done (and none of the embedding's).
+        let mid = scattered.then(|| {
+            let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
+            let attention_weights = 2.0 * hidden * (query + kv) + biases;
+            let norms = 2.0 * model.norm.params(model.hidden) as f64;
+            let gate = hidden * ffn * element;
+            let table = if first { (vocab / split).ceil() * hidden * element } else { 0.0 };
+            let so_far = grads - (gate + (attention_weights + norms) * element + table) / shards;
+            let mut held = vec![Term { name: "positions", bytes: positions }];
+            if first {
+                held.push(Term { name: "token ids", bytes: ids });
+                held.push(Term { name: "embedding output (the first layer's input)", bytes: stream });
+            } else {
+                held.push(Term { name: "stage input (received)", bytes: stream });
+            }
+            if last {
+                held.push(Term { name: "token ids (targets)", bytes: ids });
+                held.push(Term { name: "loss", bytes: element });
+            } else {
+                held.push(Term { name: "stage output (sent on)", bytes: stream });
+            }
+            // Full recomputation recomputes the attention's activations for its own backward.
+            let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
+            held.extend([
+                Term { name: "first layer's attention norm output", bytes: attention_live * gathered },
+                Term {
+                    name: "first layer's q, k and v after RoPE",
+                    bytes: attention_live * local_tokens * (query + 2.0 * kv) * element,
+                },
+                Term {
+                    name: "first layer's attention output",
+                    bytes: attention_live * local_tokens * attention_kept * element,
+                },
+                Term { name: "first layer's attention residual", bytes: stream },
+                Term { name: "first layer's output gradient", bytes: stream },
+                Term { name: "first layer's MLP norm output gradient", bytes: gathered },
+                Term { name: "first layer's gate gradient before its dp reduce-scatter", bytes: gate },
+                Term { name: "its reduce-scatter's staging", bytes: gate },
+            ]);
+            (so_far, held)
+        });
         // What stays after the chunk's backward until the micro-batch's ends on the stage: the
         // buffers whose last reader is another rank (the output sent on, the input's gradient sent
         // back and the attention norm's input gradient summed into it) or an output.
@@ -264,6 +325,7 @@ pub fn compiled_stage_peak(
             remains,
             between,
             residual_gradients,
+            mid,
         }
     };
     // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
@@ -351,13 +413,19 @@ pub fn compiled_stage_peak(
         };
         let in_flight = Term { name: "other micro-batches in flight", bytes: others };
         let remains = Term { name: "what finished chunks keep to the micro-batch's end", bytes: remains };
+        // Under ZeRO-2 the joining gradient's shard is written where its staging was (the planner
+        // counts the larger), and joins its sum after.
+        let joined = if scattered { 0.0 } else { current.joining };
         let mut terms = vec![
-            sums(current.joining),
-            Term { name: "the micro-batches' gradients so far", bytes: unfinished_grads + current.grads_so_far },
+            sums(joined),
+            Term {
+                name: "the micro-batches' gradients so far",
+                bytes: unfinished_grads + current.grads_so_far - current.joining + joined,
+            },
             in_flight.clone(),
             remains.clone(),
         ];
-        if !first_backward {
+        if !first_backward && !scattered {
             terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
         }
         terms.extend(current.held.iter().cloned());
@@ -373,11 +441,23 @@ pub fn compiled_stage_peak(
                     name: "the micro-batches' gradients so far",
                     bytes: unfinished_grads + current.grads_so_far - current.joining,
                 },
+                in_flight.clone(),
+                remains.clone(),
+            ];
+            terms.extend(held.iter().cloned());
+            candidates.push(ForwardPhase { name: "embedding rows sliced for their dp all-reduce", params, terms });
+        }
+        if let Some((so_far, held)) = &current.mid {
+            let sums =
+                if first_backward { other_sums + so_far + loss_sum } else { other_sums + current.grads + loss_sum };
+            let mut terms = vec![
+                Term { name: "gradient running sums", bytes: sums },
+                Term { name: "the micro-batches' gradients so far", bytes: unfinished_grads + so_far },
                 in_flight,
                 remains,
             ];
             terms.extend(held.iter().cloned());
-            candidates.push(ForwardPhase { name: "embedding rows sliced for their dp all-reduce", params, terms });
+            candidates.push(ForwardPhase { name: "first layer's gate gradient reduce-scattered", params, terms });
         }
         for phase in candidates {
             if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
@@ -411,6 +491,9 @@ struct ChunkHold {
     between: f64,
     /// Zero bubble: the residual gradients W's tail still holds.
     residual_gradients: f64,
+    /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
+    /// gradient is reduce-scattered.
+    mid: Option<(f64, Vec<Term>)>,
 }
 
 /// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the
