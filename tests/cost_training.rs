@@ -610,8 +610,9 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2,tp=2", true, Recompute::Full, &[2]),
     ];
     // ZeRO-1 splits only the optimizer's state, which the programs do not hold: dp's closed form.
-    // ZeRO-2 shards the sums and reduce-scatters each gradient whole.
-    let zero1: [(&str, bool, Recompute, &[u32], u8); 7] = [
+    // ZeRO-2 shards the sums and reduce-scatters each gradient whole; ZeRO-3 shards the parameters
+    // too, and frees each layer's gathered weights before the tails.
+    let zero1: [(&str, bool, Recompute, &[u32], u8); 10] = [
         ("pp=2,dp=2", false, none, &[2], 1),
         ("pp=4,dp=2", false, none, &[2], 1),
         ("pp=2,dp=2", false, Recompute::Full, &[2], 1),
@@ -619,6 +620,9 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=4,dp=2", false, none, &[2], 2),
         ("pp=2,dp=2", false, Recompute::Selective, &[2], 2),
         ("pp=2,dp=2", false, Recompute::Full, &[2], 2),
+        ("pp=2,dp=2", false, none, &[2], 3),
+        ("pp=4,dp=2", false, none, &[2], 3),
+        ("pp=2,dp=2", false, Recompute::Selective, &[2], 3),
     ];
     let all = cases.iter().map(|&(mesh, sp, recompute, counts)| (mesh, sp, recompute, counts, 0)).chain(zero1);
     for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in all {

@@ -59,7 +59,8 @@
 //! the programs do not hold: they are dp's); ZeRO-2 beside dp alone in GPipe or 1F1B order (the
 //! sums and gradients are dp's shards, each gradient is reduce-scattered and staged whole, and the
 //! stage's other candidate is inside its first layer's backward, as the gate gradient is
-//! scattered); an untied dense Llama-family model.
+//! scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards too (each layer's gathered
+//! weights are freed by then), but under full recomputation; an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -105,9 +106,10 @@ pub fn compiled_stage_peak(
                 dp * cp == 1 && !layout.sequence_parallel && workload.recompute == Recompute::None
             }
         }
-        // ZeRO-2 beside dp alone, in GPipe or 1F1B order.
+        // ZeRO-2 beside dp alone, in GPipe or 1F1B order; ZeRO-3 too but under full
+        // recomputation (which peaks with a layer's gathered weights recomputed).
         && (workload.zero <= 1
-            || (workload.zero == 2
+            || ((workload.zero == 2 || (workload.zero == 3 && workload.recompute != Recompute::Full))
                 && dp > 1
                 && tp * cp == 1
                 && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
@@ -340,7 +342,10 @@ pub fn compiled_stage_peak(
             hold(virtual_stage == 0, virtual_stage + 1 == virtual_stages, layers / u64::from(chunks))
         })
         .collect();
-    let params = holds.iter().map(|hold| hold.params).sum();
+    // ZeRO-3 keeps the rank's dp shard of the stage's parameters; each layer's gathered weights
+    // are freed by the tails modelled here.
+    let param_shards = if workload.zero >= 3 && dp > 1 { dp as f64 } else { 1.0 };
+    let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
     // The stage holding the model's last layers also sums the loss.
     let loss_sum = if stage + 1 == stages { element } else { 0.0 };
     let steps = schedule.per_stage.get(stage as usize)?;
