@@ -628,8 +628,8 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
     for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in all {
         let stages = Mesh::parse(mesh).unwrap().degree(AxisName::Pp) as u32;
         let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB];
-        // Interleaving needs a layer a virtual stage (and is modelled up to ZeRO-1).
-        if stages * 2 <= 4 && zero_stage < 2 {
+        // Interleaving needs a layer a virtual stage.
+        if stages * 2 <= 4 {
             kinds.push(ScheduleKind::Interleaved { chunks: 2 });
         }
         for kind in kinds {
@@ -649,7 +649,7 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
 #[test]
 fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
     // ZB-H1: each micro-batch between its B and its W keeps what its weight gradients read, and W's
-    // tail the residual gradients B read too; pp=2 and pp=4 on four and eight layers, and tp=2.
+    // tail the residual gradients B read too; pp=2 and pp=4 on four and eight layers, beside tp=2.
     let four = four_layers();
     let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
     for (config, mesh, micro_batches) in [
@@ -662,6 +662,13 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
         (&eight, "pp=4", 4),
     ] {
         check_stage_closed_form(config, &PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
+    }
+    // Beside dp, dp×tp, cp, and ZeRO-2 and 3 (their reduce-scatters at W's tail).
+    for (mesh, zero) in
+        [("pp=2,dp=2", 0u8), ("pp=2,dp=2,tp=2", 0), ("pp=2,cp=2", 0), ("pp=2,dp=2", 2), ("pp=2,dp=2", 3)]
+    {
+        let layout = PipelinedLayout { zero_stage: zero, ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, 2) };
+        check_stage_closed_form(&four, &layout);
     }
 }
 

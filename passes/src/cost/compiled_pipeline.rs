@@ -54,13 +54,13 @@
 //! residual gradients, which B reads too, stay to the micro-batch's end.
 //!
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
-//! and interleaved 1F1B with any recomputation (none under cp), zero-bubble H1 alone or beside
-//! `tp` without SP or recomputation; ZeRO-1 anywhere (it splits only the optimizer's state, which
-//! the programs do not hold: they are dp's); ZeRO-2 beside dp alone in GPipe or 1F1B order (the
-//! sums and gradients are dp's shards, each gradient is reduce-scattered and staged whole, and the
-//! stage's other candidate is inside its first layer's backward, as the gate gradient is
-//! scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards too (each layer's gathered
-//! weights are freed by then), but under full recomputation; an untied dense Llama-family model.
+//! and interleaved 1F1B with any recomputation (none under cp), and zero-bubble H1 without SP or
+//! recomputation; ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do
+//! not hold: they are dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each
+//! gradient is reduce-scattered and staged whole, and the stage's other candidate is inside its
+//! first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
+//! parameters dp's shards too (each layer's gathered weights are freed by then), but under full
+//! recomputation; an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -101,18 +101,16 @@ pub fn compiled_stage_peak(
         && stages >= 2
         && match schedule.kind {
             ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. } => true,
-            // Zero bubble: without dp, cp, SP or recomputation.
-            ScheduleKind::ZeroBubbleH1 => {
-                dp * cp == 1 && !layout.sequence_parallel && workload.recompute == Recompute::None
-            }
+            // Zero bubble: without SP or recomputation.
+            ScheduleKind::ZeroBubbleH1 => !layout.sequence_parallel && workload.recompute == Recompute::None,
         }
-        // ZeRO-2 beside dp alone, in GPipe or 1F1B order; ZeRO-3 too but under full
-        // recomputation (which peaks with a layer's gathered weights recomputed).
+        // ZeRO-2 beside dp alone; ZeRO-3 too but under full recomputation (which peaks with a
+        // layer's gathered weights recomputed).
         && (workload.zero <= 1
             || ((workload.zero == 2 || (workload.zero == 3 && workload.recompute != Recompute::Full))
                 && dp > 1
                 && tp * cp == 1
-                && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
+                ))
         && model.experts.is_none()
         && !model.tied_embeddings;
     if !modelled {
@@ -313,7 +311,9 @@ pub fn compiled_stage_peak(
         }
         if last {
             let logits = local_tokens * (vocab / split).ceil() * element;
-            between += ids + element + logits + 2.0 * gathered;
+            // cp's targets were read in the forward.
+            let targets = if cp == 1 { ids } else { 0.0 };
+            between += targets + element + logits + 2.0 * gathered;
         }
         let residual_gradients = 2.0 * layers as f64 * stream;
         ChunkHold {
