@@ -179,9 +179,22 @@ pub fn compiled_stage_peak(
         // Under tp the embedding's gradient over the whole vocabulary is live as the rank's rows,
         // sliced from it, join their sum.
         // cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
+        // The last chunk keeps the targets (cp's were read in the forward) and the loss to the
+        // loss's gradient, another chunk the output it sent on: to the micro-batch's end, as the
+        // program outputs them or another rank reads them last.
+        let chunk_end = if last {
+            let mut end = Vec::new();
+            if cp == 1 {
+                end.push(Term { name: "token ids (targets)", bytes: ids });
+            }
+            end.push(Term { name: "loss", bytes: element });
+            end
+        } else {
+            vec![Term { name: "stage output (sent on)", bytes: stream }]
+        };
         let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
             let whole = vocab * hidden * element;
-            let mut held = vec![Term { name: "stage output (sent on)", bytes: stream }];
+            let mut held = chunk_end.clone();
             if cp > 1 {
                 held.push(Term { name: "token ids", bytes: ids });
             }
@@ -207,15 +220,7 @@ pub fn compiled_stage_peak(
                 });
                 held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
             }
-            if last {
-                // cp's targets were read in the forward; dp and tp keep them to the loss's gradient.
-                if cp == 1 {
-                    held.push(Term { name: "token ids (targets)", bytes: ids });
-                }
-                held.push(Term { name: "loss", bytes: element });
-            } else {
-                held.push(Term { name: "stage output (sent on)", bytes: stream });
-            }
+            held.extend(chunk_end.iter().cloned());
             (hidden * query * element, grads * shards - input_norm, held)
         };
         if scattered {
@@ -244,12 +249,7 @@ pub fn compiled_stage_peak(
             } else {
                 held.push(Term { name: "stage input (received)", bytes: stream });
             }
-            if last {
-                held.push(Term { name: "token ids (targets)", bytes: ids });
-                held.push(Term { name: "loss", bytes: element });
-            } else {
-                held.push(Term { name: "stage output (sent on)", bytes: stream });
-            }
+            held.extend(chunk_end.iter().cloned());
             // Full recomputation recomputes the attention's activations for its own backward.
             let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
             held.extend([
@@ -277,15 +277,7 @@ pub fn compiled_stage_peak(
             Term { name: "first layer's attention residual gradient", bytes: stream },
             Term { name: "first layer's attention norm's input gradient", bytes: stream },
         ];
-        if last {
-            // The targets and the loss, which the program outputs.
-            if cp == 1 {
-                remains.push(Term { name: "token ids (targets)", bytes: ids });
-            }
-            remains.push(Term { name: "loss", bytes: element });
-        } else {
-            remains.push(Term { name: "stage output (sent on)", bytes: stream });
-        }
+        remains.extend(chunk_end.iter().cloned());
         // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are
         // sliced from it, before their all-reduce: it is live a step earlier, beside the rows but
         // without their reduced copy in the gradients and the sums (larger than the tail when tp > 2).
