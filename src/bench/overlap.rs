@@ -16,7 +16,8 @@
 //!
 //! Beside each measured step is the cost model's prediction of the same programs
 //! (`crate::predict`) on the spec the scheduler used (`--hw-file`, e.g. from `pleat bench
-//! calibrate`, with the emulated link), and its error.
+//! calibrate`, with the emulated link), and its error: the predicted timeline's end, or the
+//! core-seconds its kernels and message copies need over this machine's cores if more.
 //!
 //! The fraction hidden is `1 - exposed(scheduled) / exposed(blocking)`: of the communication the
 //! blocking program waits for, the share the scheduled one no longer waits for. It is also given
@@ -26,6 +27,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use pleat_backend::{Instr, Program};
+use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
 use pleat_runtime::comm::LinkSpec;
 use pleat_runtime::RankOutcome;
@@ -109,6 +111,25 @@ pub fn measure(programs: &[Program], outcomes: &[RankOutcome]) -> Measured {
     measured
 }
 
+/// The core-seconds `timelines` keep this machine's cores busy: every kernel's time at the rank's
+/// `share` of a core, and every transfer's copies (the threads communicator's own link, `own`,
+/// without its latency, at a whole core), a point-to-point message's split between its sender and
+/// its receiver. The emulated wire's delay and a wait's stall cost none.
+fn cores_bound_s(timelines: &[Vec<crate::predict::Predicted>], share: f64, own: &HardwareSpec) -> f64 {
+    use crate::predict::Stream;
+    use pleat_passes::cost::comm::Collective;
+    timelines
+        .iter()
+        .flatten()
+        .map(|slice| match (slice.work.stream, slice.work.collective) {
+            (Stream::Compute, _) if slice.work.op == "wait" => 0.0,
+            (Stream::Compute, _) => (slice.end_s - slice.start_s) * share,
+            (Stream::Comm, Some(Collective::SendRecv)) => crate::predict::seconds(&slice.work, own, 4) / 2.0,
+            (Stream::Comm, _) => crate::predict::seconds(&slice.work, own, 4),
+        })
+        .sum()
+}
+
 /// Runs `pleat bench overlap`.
 pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let config = args.target.config("bench overlap")?;
@@ -173,8 +194,16 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let exposed = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_s).collect());
     let weights = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_weights_s).collect());
     let (step_off, step_on, exposed_off, exposed_on) = (step(&off), step(&on), exposed(&off), exposed(&on));
+    // The cores bound the step too: a scheduled rank copies messages on its communication thread
+    // while its kernels run, two busy threads a rank, so what the timeline overlaps still shares
+    // the cores (only the emulated wire's delay costs none).
+    let mut own_link = hw.clone();
+    let full_core = pleat_passes::cost::hw::LinkSpec { bandwidth_bytes_per_s: own_bytes_per_s / share, latency_s: 0.0 };
+    (own_link.intra_node, own_link.inter_node) = (full_core, full_core);
     let predicted = |programs: &[Program]| -> Result<f64> {
-        Ok(crate::predict::summarize(&crate::predict::predict(programs, &hw)?).step_s)
+        let timelines = crate::predict::predict(programs, &hw)?;
+        let timeline_s = crate::predict::summarize(&timelines).step_s;
+        Ok(timeline_s.max(cores_bound_s(&timelines, share, &own_link) / cores))
     };
     let (predicted_off, predicted_on) = (predicted(&blocking)?, predicted(&scheduled)?);
     if let Some(dir) = &args.traces {
@@ -265,4 +294,46 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         anyhow::bail!(crate::usage::UsageError::OverlapChangedNumbers);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::predict::{Predicted, Stream, Work};
+    use pleat_passes::cost::comm::Collective;
+    use pleat_passes::cost::hw::LinkSpec;
+
+    fn slice(
+        stream: Stream,
+        op: &'static str,
+        collective: Option<Collective>,
+        bytes: u64,
+        span: (f64, f64),
+    ) -> Predicted {
+        let work = Work { stream, op, what: "x".into(), bytes, flops: 0, collective, ranks: vec![0, 1] };
+        Predicted { instr: 0, work, start_s: span.0, end_s: span.1, exposed_s: 0.0 }
+    }
+
+    #[test]
+    fn cores_are_kept_busy_by_kernels_at_their_share_and_by_copies_at_a_whole_core() {
+        let mut own = HardwareSpec::builtin("cpu").unwrap();
+        let link = LinkSpec { bandwidth_bytes_per_s: 1e9, latency_s: 0.0 };
+        (own.intra_node, own.inter_node, own.efficiency.link) = (link, link, 1.0);
+        // Each of two ranks: a 1 s kernel at half a core (0.5 core-s), a 2 s stall (none), and one
+        // side of a 1 GB message (0.5 s of its 1 s of copies); rank 0 also a 2-rank all-gather
+        // of 2 GB (1 GB sent and 1 GB received: 1 s).
+        let rank = |extra: Vec<Predicted>| {
+            let mut slices = vec![
+                slice(Stream::Compute, "matmul", None, 0, (0.0, 1.0)),
+                slice(Stream::Compute, "wait", None, 0, (1.0, 3.0)),
+                slice(Stream::Comm, "send", Some(Collective::SendRecv), 1_000_000_000, (3.0, 9.0)),
+            ];
+            slices.extend(extra);
+            slices
+        };
+        let gather = slice(Stream::Comm, "all_gather", Some(Collective::AllGather), 2_000_000_000, (9.0, 20.0));
+        let timelines = [rank(vec![gather]), rank(Vec::new())];
+        let busy = cores_bound_s(&timelines, 0.5, &own);
+        assert!((busy - (2.0 * (0.5 + 0.5) + 1.0)).abs() < 1e-9, "{busy}");
+    }
 }
