@@ -54,7 +54,7 @@
 //! residual gradients, which B reads too, stay to the micro-batch's end.
 //!
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
-//! and interleaved 1F1B with any recomputation (none under cp), and zero-bubble H1 without SP or
+//! and interleaved 1F1B with any recomputation (none under cp), and zero-bubble H1 without
 //! recomputation; ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do
 //! not hold: they are dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each
 //! gradient is reduce-scattered and staged whole, and the stage's other candidate is inside its
@@ -101,8 +101,8 @@ pub fn compiled_stage_peak(
         && stages >= 2
         && match schedule.kind {
             ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. } => true,
-            // Zero bubble: without SP or recomputation.
-            ScheduleKind::ZeroBubbleH1 => !layout.sequence_parallel && workload.recompute == Recompute::None,
+            // Zero bubble: without recomputation.
+            ScheduleKind::ZeroBubbleH1 => workload.recompute == Recompute::None,
         }
         // ZeRO-2 beside dp alone; ZeRO-3 too but under full recomputation (which peaks with a
         // layer's gathered weights recomputed).
@@ -296,6 +296,15 @@ pub fn compiled_stage_peak(
         // stay to the micro-batch's end, so W's tail holds them as well.
         let per_layer = 4.0 * gathered + 4.0 * stream + local_tokens * (2.0 * query + 3.0 * ffn + 2.0 * kv) * element;
         let mut between = layers as f64 * per_layer + 2.0 * stream;
+        // Under SP the projections' output gradients W reads are the gathered ones, and the first
+        // layer's attention residual gradient is kept beside them, the last layer's output
+        // gathered for the final norm.
+        if sequence_parallel {
+            between += stream;
+            if last {
+                between += gathered - stream;
+            }
+        }
         // (The first stage runs each W right after its B, forwards apart, so no other micro-batch
         // is between there at a W's tail; its between is written by analogy, with the token ids.)
         if first {
@@ -307,7 +316,8 @@ pub fn compiled_stage_peak(
             let targets = if cp == 1 { ids } else { 0.0 };
             between += targets + element + logits + 2.0 * gathered;
         }
-        let residual_gradients = 2.0 * layers as f64 * stream;
+        // (Under SP W reads their gathered copies, freed as it goes, instead.)
+        let residual_gradients = if sequence_parallel { 0.0 } else { 2.0 * layers as f64 * stream };
         ChunkHold {
             params,
             grads,
