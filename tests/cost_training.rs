@@ -670,6 +670,14 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
         let layout = PipelinedLayout { zero_stage: zero, ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, 2) };
         check_stage_closed_form(&four, &layout);
     }
+    // Selective recomputation: W recomputes attention's output from q, k and v, kept instead.
+    for (config, mesh, m) in [(&four, "pp=2", 2u32), (&four, "pp=2", 4), (&eight, "pp=4", 4), (&four, "pp=2,tp=2", 2)] {
+        let layout = PipelinedLayout {
+            recompute: Recompute::Selective,
+            ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, m)
+        };
+        check_stage_closed_form(config, &layout);
+    }
     // Beside tp with SP: the projections' output gradients W reads are the gathered ones.
     for (config, mesh, m) in
         [(&four, "pp=2,tp=2", 2u32), (&four, "pp=2,tp=2", 4), (&four, "pp=2,dp=2,tp=2", 2), (&eight, "pp=4,tp=2", 4)]

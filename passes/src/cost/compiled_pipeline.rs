@@ -54,7 +54,7 @@
 //! residual gradients, which B reads too, stay to the micro-batch's end.
 //!
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
-//! and interleaved 1F1B with any recomputation (none under cp), and zero-bubble H1 without
+//! and interleaved 1F1B with any recomputation (none under cp), and zero-bubble H1 without full
 //! recomputation; ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do
 //! not hold: they are dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each
 //! gradient is reduce-scattered and staged whole, and the stage's other candidate is inside its
@@ -101,8 +101,8 @@ pub fn compiled_stage_peak(
         && stages >= 2
         && match schedule.kind {
             ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. } => true,
-            // Zero bubble: without recomputation.
-            ScheduleKind::ZeroBubbleH1 => workload.recompute == Recompute::None,
+            // Zero bubble: without full recomputation.
+            ScheduleKind::ZeroBubbleH1 => workload.recompute != Recompute::Full,
         }
         // ZeRO-2 beside dp alone; ZeRO-3 too but under full recomputation (which peaks with a
         // layer's gathered weights recomputed).
@@ -294,7 +294,12 @@ pub fn compiled_stage_peak(
         // norm's input gradient, and on the last chunk the final norm's output and gradient, the
         // logits' gradient, the targets and the loss. The residual gradients, which B reads too,
         // stay to the micro-batch's end, so W's tail holds them as well.
-        let per_layer = 4.0 * gathered + 4.0 * stream + local_tokens * (2.0 * query + 3.0 * ffn + 2.0 * kv) * element;
+        // Selective recomputation keeps q, k and v after RoPE in place of attention's output, which
+        // W recomputes from them for the output projection's gradient.
+        let selective = workload.recompute == Recompute::Selective;
+        let attention_for_w = if selective { query + 2.0 * kv } else { query };
+        let per_layer =
+            4.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element;
         let mut between = layers as f64 * per_layer + 2.0 * stream;
         // Under SP the projections' output gradients W reads are the gathered ones, and the first
         // layer's attention residual gradient is kept beside them, the last layer's output
@@ -317,7 +322,15 @@ pub fn compiled_stage_peak(
             between += targets + element + logits + 2.0 * gathered;
         }
         // (Under SP W reads their gathered copies, freed as it goes, instead.)
-        let residual_gradients = if sequence_parallel { 0.0 } else { 2.0 * layers as f64 * stream };
+        let mut kept_for_weights = if sequence_parallel { 0.0 } else { 2.0 * layers as f64 * stream };
+        // Under selective recomputation W's tail still holds every layer's q, k and v (and the
+        // positions, on the first stage too).
+        if selective {
+            kept_for_weights += layers as f64 * local_tokens * (query + 2.0 * kv) * element;
+            if first {
+                kept_for_weights += positions;
+            }
+        }
         ChunkHold {
             params,
             grads,
@@ -328,7 +341,7 @@ pub fn compiled_stage_peak(
             slicing,
             remains,
             between,
-            residual_gradients,
+            kept_for_weights,
             mid,
         }
     };
@@ -437,8 +450,10 @@ pub fn compiled_stage_peak(
         }
         terms.extend(current.held.iter().cloned());
         if zero_bubble {
-            terms
-                .push(Term { name: "residual gradients the weight gradients read", bytes: current.residual_gradients });
+            terms.push(Term {
+                name: "what W still reads (residual gradients; q, k, v if selective)",
+                bytes: current.kept_for_weights,
+            });
         }
         let mut candidates = vec![ForwardPhase { name: "tail of a backward", params, terms }];
         if let Some(held) = &current.slicing {
@@ -496,8 +511,9 @@ struct ChunkHold {
     remains: Vec<Term>,
     /// Zero bubble: a micro-batch between its B and its W (positions apart).
     between: f64,
-    /// Zero bubble: the residual gradients W's tail still holds.
-    residual_gradients: f64,
+    /// Zero bubble: what W's tail still holds for the weight gradients: the residual gradients,
+    /// and under selective recomputation every layer's q, k and v.
+    kept_for_weights: f64,
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
     mid: Option<(f64, Vec<Term>)>,
