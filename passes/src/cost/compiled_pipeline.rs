@@ -270,9 +270,9 @@ pub fn compiled_stage_peak(
             ]);
             (so_far, held)
         });
-        // What stays after the chunk's backward until the micro-batch's ends on the stage: the
-        // buffers whose last reader is another rank (the output sent on, the input's gradient sent
-        // back and the attention norm's input gradient summed into it) or an output.
+        // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
+        // the buffers whose last reader is another rank (the output sent on, the input's gradient
+        // sent back and the attention norm's input gradient summed into it) or an output.
         let mut remains = vec![
             Term { name: "first layer's attention residual gradient", bytes: stream },
             Term { name: "first layer's attention norm's input gradient", bytes: stream },
