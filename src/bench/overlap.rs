@@ -200,6 +200,9 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let mut own_link = hw.clone();
     let full_core = pleat_passes::cost::hw::LinkSpec { bandwidth_bytes_per_s: own_bytes_per_s / share, latency_s: 0.0 };
     (own_link.intra_node, own_link.inter_node) = (full_core, full_core);
+    // (An expert dispatch's GEMMs, costed with its messages, at a whole core too.)
+    own_link.peak_f32_flops /= share;
+    own_link.peak_bf16_flops /= share;
     let predicted = |programs: &[Program]| -> Result<f64> {
         let timelines = crate::predict::predict(programs, &hw)?;
         let timeline_s = crate::predict::summarize(&timelines).step_s;
