@@ -107,10 +107,9 @@ pub fn compiled_stage_peak(
         // ZeRO-2 beside dp alone; ZeRO-3 too but under full recomputation (which peaks with a
         // layer's gathered weights recomputed).
         && (workload.zero <= 1
-            || ((workload.zero == 2 || (workload.zero == 3 && workload.recompute != Recompute::Full))
-                && dp > 1
+            || (dp > 1
                 && tp * cp == 1
-                ))
+                && (workload.zero == 2 || (workload.zero == 3 && workload.recompute != Recompute::Full))))
         && model.experts.is_none()
         && !model.tied_embeddings;
     if !modelled {
@@ -421,65 +420,44 @@ pub fn compiled_stage_peak(
             }
         }
         let first_backward = done(step.chunk, tail_phase) == 0.0;
-        let sums = |joined: f64| {
-            if first_backward {
-                Term {
-                    name: "gradient running sums, created so far",
-                    bytes: other_sums + current.grads_so_far - current.joining + joined + loss_sum,
-                }
+        // A candidate where the current micro-batch has made `so_far` of the chunk's gradients:
+        // the running sums (on its first backward of the chunk, only those made so far), the
+        // micro-batches' gradients, the others in flight, what finished chunks keep, and `held`.
+        let candidate = |name: &'static str, so_far: f64, held: &[Term]| {
+            let sums = if first_backward {
+                Term { name: "gradient running sums, created so far", bytes: other_sums + so_far + loss_sum }
             } else {
                 Term { name: "gradient running sums", bytes: other_sums + current.grads + loss_sum }
-            }
+            };
+            let mut terms = vec![
+                sums,
+                Term { name: "the micro-batches' gradients so far", bytes: unfinished_grads + so_far },
+                Term { name: "other micro-batches in flight", bytes: others },
+                Term { name: "what finished chunks keep to the micro-batch's end", bytes: remains },
+            ];
+            terms.extend(held.iter().cloned());
+            ForwardPhase { name, params, terms }
         };
-        let in_flight = Term { name: "other micro-batches in flight", bytes: others };
-        let remains = Term { name: "what finished chunks keep to the micro-batch's end", bytes: remains };
-        // Under ZeRO-2 the joining gradient's shard is written where its staging was (the planner
-        // counts the larger), and joins its sum after.
-        let joined = if scattered { 0.0 } else { current.joining };
-        let mut terms = vec![
-            sums(joined),
-            Term {
-                name: "the micro-batches' gradients so far",
-                bytes: unfinished_grads + current.grads_so_far - current.joining + joined,
-            },
-            in_flight.clone(),
-            remains.clone(),
-        ];
-        if !first_backward && !scattered {
-            terms.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
+        // The tail: the joining gradient joins its sum. Under ZeRO-2 its shard is written where its
+        // staging was (the planner counts the larger), and joins its sum after.
+        let before_joining = current.grads_so_far - current.joining;
+        let mut tail_held = current.held.clone();
+        if !scattered && !first_backward {
+            tail_held.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
         }
-        terms.extend(current.held.iter().cloned());
         if zero_bubble {
-            terms.push(Term {
+            tail_held.push(Term {
                 name: "what W still reads (residual gradients; q, k, v if selective)",
                 bytes: current.kept_for_weights,
             });
         }
-        let mut candidates = vec![ForwardPhase { name: "tail of a backward", params, terms }];
+        let joined = if scattered { 0.0 } else { current.joining };
+        let mut candidates = vec![candidate("tail of a backward", before_joining + joined, &tail_held)];
         if let Some(held) = &current.slicing {
-            let mut terms = vec![
-                sums(0.0),
-                Term {
-                    name: "the micro-batches' gradients so far",
-                    bytes: unfinished_grads + current.grads_so_far - current.joining,
-                },
-                in_flight.clone(),
-                remains.clone(),
-            ];
-            terms.extend(held.iter().cloned());
-            candidates.push(ForwardPhase { name: "embedding rows sliced for their dp all-reduce", params, terms });
+            candidates.push(candidate("embedding rows sliced for their dp all-reduce", before_joining, held));
         }
         if let Some((so_far, held)) = &current.mid {
-            let sums =
-                if first_backward { other_sums + so_far + loss_sum } else { other_sums + current.grads + loss_sum };
-            let mut terms = vec![
-                Term { name: "gradient running sums", bytes: sums },
-                Term { name: "the micro-batches' gradients so far", bytes: unfinished_grads + so_far },
-                in_flight,
-                remains,
-            ];
-            terms.extend(held.iter().cloned());
-            candidates.push(ForwardPhase { name: "first layer's gate gradient reduce-scattered", params, terms });
+            candidates.push(candidate("first layer's gate gradient reduce-scattered", *so_far, held));
         }
         for phase in candidates {
             if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
