@@ -150,6 +150,11 @@ fn four_layers() -> pleat_ir::model::config::ModelConfig {
     pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() }
 }
 
+/// `tiny` with eight layers: several a stage or an interleaved chunk.
+fn eight_layers() -> pleat_ir::model::config::ModelConfig {
+    pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() }
+}
+
 /// Compiles `config`'s training step for `layout` as `pleat run --train` does with a `pp` axis:
 /// one micro-batch's graph (PIPELINE_BATCH / micro-batches sequences) sharded over the mesh inside
 /// a stage, each node placed in a stage by its layer, and `backend::pipeline` replaying each
@@ -579,9 +584,9 @@ fn a_pipelined_stage_peak_by_hand() {
 fn pipelined_stage_closed_form_equals_the_planners_peak() {
     // The four-layer tiny on pp=2 and pp=4, alone and by dp=2, cp=2, tp=2 (with and without
     // Megatron SP) or dp=2 × tp=2 and tp=4 (where the whole-vocabulary embedding gradient peaks
-    // before the rows' all-reduce), with no, selective and full recomputation, GPipe and 1F1B, 2 and 4 micro-batches: every
-    // stage's closed form (the largest tail of its backwards) equals the planner's peak of its
-    // program.
+    // before the rows' all-reduce), with no, selective and full recomputation, GPipe, 1F1B and
+    // interleaved, 2 and 4 micro-batches, and ZeRO-1, 2 and 3 beside dp: every stage's closed form
+    // (the largest of its candidates) equals the planner's peak of its program.
     let config = four_layers();
     // (Four sequences a step: dp=2 takes two micro-batches of two.)
     let none = Recompute::None;
@@ -612,7 +617,7 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
     // ZeRO-1 splits only the optimizer's state, which the programs do not hold: dp's closed form.
     // ZeRO-2 shards the sums and reduce-scatters each gradient whole; ZeRO-3 shards the parameters
     // too, and frees each layer's gathered weights before the tails.
-    let zero1: [(&str, bool, Recompute, &[u32], u8); 10] = [
+    let zero_cases: [(&str, bool, Recompute, &[u32], u8); 10] = [
         ("pp=2,dp=2", false, none, &[2], 1),
         ("pp=4,dp=2", false, none, &[2], 1),
         ("pp=2,dp=2", false, Recompute::Full, &[2], 1),
@@ -624,7 +629,7 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         ("pp=4,dp=2", false, none, &[2], 3),
         ("pp=2,dp=2", false, Recompute::Selective, &[2], 3),
     ];
-    let all = cases.iter().map(|&(mesh, sp, recompute, counts)| (mesh, sp, recompute, counts, 0)).chain(zero1);
+    let all = cases.iter().map(|&(mesh, sp, recompute, counts)| (mesh, sp, recompute, counts, 0)).chain(zero_cases);
     for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in all {
         let stages = Mesh::parse(mesh).unwrap().degree(AxisName::Pp) as u32;
         let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB];
@@ -651,7 +656,7 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
     // ZB-H1: each micro-batch between its B and its W keeps what its weight gradients read, and W's
     // tail the residual gradients B read too; pp=2 and pp=4 on four and eight layers, beside tp=2.
     let four = four_layers();
-    let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
+    let eight = eight_layers();
     for (config, mesh, micro_batches) in [
         (&four, "pp=2", 2),
         (&four, "pp=2", 4),
@@ -692,7 +697,7 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
 fn zero2_stage_closed_form_equals_the_planners_peak_on_deeper_stages() {
     // Eight layers, four a stage: under ZeRO-2 a stage peaks at its last gradient's
     // reduce-scatter or inside its first layer's backward, at the gate gradient's.
-    let config = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
+    let config = eight_layers();
     for (kind, recompute) in [
         (ScheduleKind::GPipe, Recompute::None),
         (ScheduleKind::OneFOneB, Recompute::None),
@@ -708,7 +713,7 @@ fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
     // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
     // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads
     // last until the micro-batch's backward is done on the stage.
-    let config = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() };
+    let config = eight_layers();
     let none = Recompute::None;
     let cases: [(&str, bool, Recompute, u32, u32); 7] = [
         ("pp=2", false, none, 2, 2),
