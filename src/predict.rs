@@ -15,21 +15,30 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use anyhow::{bail, Result};
 use pleat_backend::memory::ElementSize;
-use pleat_backend::overlap::{schedule_ranks, OverlapOptions, OverlapReport};
+use pleat_backend::overlap::{schedule_ranks, OverlapOptions, OverlapReport, Prefetch};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
-use pleat_backend::{AttentionDims, Instr, Kernel, Program};
+use pleat_backend::{AttentionDims, Instr, Kernel, Program, TransferStream};
 use pleat_passes::cost::comm::{self, Collective};
 use pleat_passes::cost::compute::{OpClass, OpCost};
 use pleat_passes::cost::layout::AxisSpan;
 use pleat_passes::cost::HardwareSpec;
 
-/// The two streams of a rank: Chrome trace thread ids.
+/// The streams of a rank: Chrome trace thread ids.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Stream {
     /// Kernels and loads.
     Compute = 0,
     /// Collectives, broadcasts, sends and receives.
     Comm = 1,
+    /// Weight prefetches on the second communication stream (`TransferStream::Prefetch`).
+    Prefetch = 2,
+}
+
+impl Stream {
+    /// Whether it is a communication stream.
+    pub fn is_comm(self) -> bool {
+        self != Stream::Compute
+    }
 }
 
 /// What one instruction does, for a trace slice.
@@ -136,7 +145,7 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
         collective: None,
         ranks: Vec::new(),
     };
-    Some(match instr {
+    let work = match instr {
         Instr::LoadParam { out, .. } | Instr::LoadTokens { out, .. } | Instr::LoadPositions { out, .. } => load(*out),
         Instr::Kernel { kernel, inputs, out } => {
             let (op, flops) = kernel_op(kernel);
@@ -203,6 +212,10 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
             ranks: Vec::new(),
         },
         Instr::Output { .. } | Instr::Free { .. } => return None,
+    };
+    Some(match instr.transfer_stream() {
+        TransferStream::Main => work,
+        TransferStream::Prefetch => Work { stream: Stream::Prefetch, ..work },
     })
 }
 
@@ -249,7 +262,7 @@ fn instr_seconds(program: &Program, instr: &Instr, work: &Work, hw: &HardwareSpe
 /// Schedules every program for overlap (`pleat_backend::overlap::schedule_ranks`, weights
 /// prefetched where every rank moves them alike), its choices driven by `hw`'s predicted seconds.
 pub fn overlap_programs(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Program>> {
-    Ok(overlap_programs_reported(programs, hw)?.into_iter().map(|(program, _)| program).collect())
+    Ok(overlap_programs_reported(programs, hw, Prefetch::OwnStream)?.into_iter().map(|(program, _)| program).collect())
 }
 
 /// `programs` as the threads runtime is to run them: scheduled for overlap with the built-in
@@ -262,17 +275,17 @@ pub fn overlap_for_cpu(programs: Vec<Program>, no_overlap: bool) -> Result<Vec<P
     }
 }
 
-/// As [`overlap_programs`], each program with what the scheduler did.
-pub fn overlap_programs_reported(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<(Program, OverlapReport)>> {
+/// As [`overlap_programs`], the weights prefetched as `prefetch` says, each program with what the
+/// scheduler did.
+pub fn overlap_programs_reported(
+    programs: &[Program],
+    hw: &HardwareSpec,
+    prefetch: Prefetch,
+) -> Result<Vec<(Program, OverlapReport)>> {
     let seconds = |program: &Program, instr: &Instr| {
         describe(program, instr).map_or(0.0, |work| instr_seconds(program, instr, &work, hw))
     };
-    let options = OverlapOptions {
-        seconds: &seconds,
-        memory_budget: None,
-        sizing: ElementSize::Declared,
-        prefetch_weights: true,
-    };
+    let options = OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Declared, prefetch };
     Ok(schedule_ranks(programs, &options)?)
 }
 
@@ -295,11 +308,17 @@ pub struct Predicted {
 struct RankState {
     pc: usize,
     compute_free: f64,
-    comm_free: f64,
+    /// Per communication stream (main, prefetch): when its last transfer ends.
+    stream_free: [f64; 2],
+    /// Per communication stream: its transfers that may still be in flight.
+    in_flight: [Vec<usize>; 2],
     pairs: TransferPairs,
     transfer_end: HashMap<usize, f64>,
-    group_calls: HashMap<Vec<u32>, usize>,
+    /// Per stream and group: the collectives entered so far.
+    group_calls: HashMap<(usize, Vec<u32>), usize>,
     slices: Vec<Predicted>,
+    /// Per transfer instruction: its slice in `slices`.
+    slice_of: HashMap<usize, usize>,
 }
 
 /// What a prediction sums to.
@@ -321,7 +340,7 @@ pub fn summarize(timelines: &[Vec<Predicted>]) -> PredictedStep {
     PredictedStep {
         step_s: timelines.iter().flatten().map(|slice| slice.end_s).fold(0.0, f64::max),
         exposed_comm_s: most(&|slice| slice.exposed_s),
-        comm_s: most(&|slice| if slice.work.stream == Stream::Comm { slice.end_s - slice.start_s } else { 0.0 }),
+        comm_s: most(&|slice| if slice.work.stream.is_comm() { slice.end_s - slice.start_s } else { 0.0 }),
     }
 }
 
@@ -333,15 +352,18 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
         states.push(RankState {
             pc: 0,
             compute_free: 0.0,
-            comm_free: 0.0,
+            stream_free: [0.0; 2],
+            in_flight: [Vec::new(), Vec::new()],
             pairs: pair_transfers(program)?,
             transfer_end: HashMap::new(),
             group_calls: HashMap::new(),
             slices: Vec::new(),
+            slice_of: HashMap::new(),
         });
     }
-    // (group, call index) -> each member's arrival time; (sender, receiver) -> sends in order.
-    let mut arrivals: BTreeMap<(Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
+    // (stream, group, call index) -> each member's arrival time; (sender, receiver) -> sends in
+    // order.
+    let mut arrivals: BTreeMap<(usize, Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
     let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64)>> = HashMap::new();
     loop {
         let mut progressed = false;
@@ -355,20 +377,22 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                 };
                 let cost = instr_seconds(program, instr, &work, hw);
                 let issue = state.compute_free;
-                let arrival = issue.max(state.comm_free);
+                let stream = usize::from(instr.transfer_stream() == TransferStream::Prefetch);
+                let arrival = issue.max(state.stream_free[stream]);
                 let (start_s, end_s) = match instr {
                     Instr::AllReduce { group, .. }
                     | Instr::ReduceScatter { group, .. }
                     | Instr::AllGather { group, .. }
                     | Instr::AllToAll { group, .. }
                     | Instr::Broadcast { group, .. } => {
-                        let call = *state.group_calls.get(&group.ranks).unwrap_or(&0);
-                        let members = arrivals.entry((group.ranks.clone(), call)).or_default();
+                        let key = (stream, group.ranks.clone());
+                        let call = *state.group_calls.get(&key).unwrap_or(&0);
+                        let members = arrivals.entry((stream, group.ranks.clone(), call)).or_default();
                         members.insert(program.rank, arrival);
                         if group.ranks.iter().any(|member| !members.contains_key(member)) {
                             break;
                         }
-                        state.group_calls.insert(group.ranks.clone(), call + 1);
+                        state.group_calls.insert(key, call + 1);
                         let start = members.values().copied().fold(0.0, f64::max);
                         (start, start + cost)
                     }
@@ -399,8 +423,12 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                     _ => (issue, issue + cost),
                 };
                 let mut exposed_s = 0.0;
+                let mut end_s = end_s;
                 if instr.is_transfer() {
-                    state.comm_free = end_s;
+                    end_s += share_link(state, stream, start_s, end_s - start_s);
+                    state.stream_free[stream] = end_s;
+                    state.in_flight[stream].push(state.pc);
+                    state.slice_of.insert(state.pc, state.slices.len());
                     state.transfer_end.insert(state.pc, end_s);
                     let blocking = !state.pairs.wait_of.contains_key(&state.pc) && !matches!(instr, Instr::Send { .. });
                     if blocking {
@@ -434,6 +462,30 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
             bail!(crate::usage::UsageError::ProgramsStuck { stuck });
         }
     }
+}
+
+/// Processor sharing of a rank's links between its two communication streams: a transfer of
+/// `seconds` alone, beginning at `begins` on `stream` while the other stream is busy, moves at
+/// half speed beside it, as the other's transfers do. Stretches the other's transfers in flight
+/// (their ends, slices and the stream's end) and returns how much later this one ends. Nothing
+/// changes while only one stream carries transfers.
+fn share_link(state: &mut RankState, stream: usize, begins: f64, seconds: f64) -> f64 {
+    let other = 1 - stream;
+    let shared = (state.stream_free[other] - begins).clamp(0.0, seconds.max(0.0));
+    if shared <= 0.0 {
+        return 0.0;
+    }
+    let RankState { in_flight, transfer_end, slices, slice_of, stream_free, .. } = state;
+    in_flight[other].retain(|transfer| transfer_end.get(transfer).is_some_and(|&end| end > begins));
+    for transfer in &in_flight[other] {
+        let Some(end) = transfer_end.get_mut(transfer) else { continue };
+        *end += (*end - begins).min(shared);
+        if let Some(slice) = slice_of.get(transfer).and_then(|&at| slices.get_mut(at)) {
+            slice.end_s = *end;
+        }
+        stream_free[other] = stream_free[other].max(*end);
+    }
+    shared
 }
 
 /// A mixture-of-experts kernel's flops when routing is balanced: the router on every row, and each
@@ -614,6 +666,74 @@ mod tests {
         // Rank 0 computes its second matmul from 2·load + matmul; rank 1 a load later.
         close(step.exposed_comm_s, all_reduce - matmul + load);
         assert!(step.step_s < summarize(&predict(&tp_pair(), &hw).unwrap()).step_s + matmul - 1e-9);
+    }
+
+    /// A prefetch on the second stream and an all-reduce on the first, started together: the link
+    /// is shared while both run, so each is late by the time they share; on one stream the gather
+    /// would queue behind the all-reduce instead.
+    #[test]
+    fn two_streams_share_the_link_while_both_carry_a_transfer() {
+        let hw = HardwareSpec::builtin("cpu").unwrap();
+        let programs = |stream: TransferStream| {
+            (0..2)
+                .map(|rank| {
+                    let buffers = vec![
+                        buffer("a", &[64, 64], BufferKind::Param),
+                        buffer("b", &[64, 64], BufferKind::Param),
+                        buffer("a.sum", &[64, 64], BufferKind::Activation),
+                        buffer("b.gathered", &[128, 64], BufferKind::Activation),
+                    ];
+                    let load = |out: usize, name: &str| Instr::LoadParam {
+                        out: id(out),
+                        name: name.into(),
+                        shape: vec![64, 64],
+                        region: vec![(0, 64), (0, 64)],
+                    };
+                    let tp = Group { axis: "tp".into(), ranks: vec![0, 1] };
+                    program(
+                        rank,
+                        buffers,
+                        vec![
+                            load(0, "a"),
+                            load(1, "b"),
+                            Instr::AllReduce { inputs: vec![id(0)], outs: vec![id(2)], group: tp.clone() },
+                            Instr::AllGather { input: id(1), out: id(3), group: tp, dim: 0, stream },
+                            Instr::Wait { handle: vec![id(2)] },
+                            Instr::Wait { handle: vec![id(3)] },
+                        ],
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let cost = |programs: &[Program], at: usize| {
+            let instr = &programs[0].instructions[at];
+            instr_seconds(&programs[0], instr, &describe(&programs[0], instr).unwrap(), &hw)
+        };
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+        for (stream, track) in [(TransferStream::Prefetch, Stream::Prefetch), (TransferStream::Main, Stream::Comm)] {
+            let programs = programs(stream);
+            let (reduce, gather) = (cost(&programs, 2), cost(&programs, 3));
+            assert!(reduce > 0.0 && gather > 0.0);
+            let start = cost(&programs, 0) + cost(&programs, 1);
+            let shared = reduce.min(gather);
+            let timelines = predict(&programs, &hw).unwrap();
+            for timeline in &timelines {
+                let slice = |op: &str| timeline.iter().find(|slice| slice.work.op == op).unwrap();
+                assert_eq!(slice("all_gather").work.stream, track);
+                close(slice("all_reduce").start_s, start);
+                if stream == TransferStream::Prefetch {
+                    close(slice("all_gather").start_s, start);
+                    close(slice("all_reduce").end_s, start + reduce + shared);
+                    close(slice("all_gather").end_s, start + gather + shared);
+                } else {
+                    close(slice("all_reduce").end_s, start + reduce);
+                    close(slice("all_gather").start_s, start + reduce);
+                    close(slice("all_gather").end_s, start + reduce + gather);
+                }
+            }
+            // Shared or queued, the link carries both: the step ends when both are done.
+            close(summarize(&timelines).step_s, start + reduce + gather);
+        }
     }
 
     #[test]

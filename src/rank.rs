@@ -132,7 +132,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     drop(comm);
     let Some(outcomes) = outcomes else { return Ok(()) };
     if let Some(path) = &args.trace {
-        crate::trace::write_measured(path, &programs, &outcomes)?;
+        crate::trace::write_measured(path, &programs, &outcomes, crate::trace::RunStreams::One)?;
     }
     let (logits_shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.

@@ -59,21 +59,36 @@ pub struct Slice {
 }
 
 /// The measured slices of a run: `programs` in rank order, `outcomes` their ranks' outcomes.
-pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome]) -> Result<Vec<Slice>> {
+pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome], streams: RunStreams) -> Result<Vec<Slice>> {
     let timings: Vec<(u32, &[(u64, u64)])> =
         outcomes.iter().map(|outcome| (outcome.rank, outcome.timings.as_slice())).collect();
-    timed_slices(programs, &timings)
+    timed_slices(programs, &timings, streams)
 }
 
-/// The slices of each rank's instruction timings (`(rank, timings)`, nanoseconds since one epoch).
-pub fn timed_slices(programs: &[Program], ranks: &[(u32, &[(u64, u64)])]) -> Result<Vec<Slice>> {
+/// The communication streams the ranks of a measured run had, which decides the track of a
+/// program's prefetches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunStreams {
+    /// The threads communicator's two: prefetches ran on a thread of their own.
+    Two,
+    /// MPI's one (`pleat rank`, the rank executables): prefetches ran on the main comm thread,
+    /// in the order they were started, and show there.
+    One,
+}
+
+/// The slices of each rank's instruction timings (`(rank, timings)`, nanoseconds since one epoch),
+/// from a run whose ranks had `streams`.
+pub fn timed_slices(programs: &[Program], ranks: &[(u32, &[(u64, u64)])], streams: RunStreams) -> Result<Vec<Slice>> {
     let mut slices = Vec::new();
     for &(rank, timings) in ranks {
         let Some(program) = programs.get(rank as usize) else {
             bail!(crate::usage::UsageError::RankWithoutProgram { rank, programs: programs.len() });
         };
         for (index, (instr, &(start_ns, end_ns))) in program.instructions.iter().zip(timings).enumerate() {
-            if let Some(work) = describe(program, instr) {
+            if let Some(mut work) = describe(program, instr) {
+                if streams == RunStreams::One && work.stream == Stream::Prefetch {
+                    work.stream = Stream::Comm;
+                }
                 slices.push(Slice {
                     rank,
                     instr: index,
@@ -105,8 +120,8 @@ pub fn predicted_slices(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<S
         .collect())
 }
 
-/// The trace-event document of `slices` over `ranks` ranks: metadata naming every process and both
-/// of its threads, then one complete event a slice.
+/// The trace-event document of `slices` over `ranks` ranks: metadata naming every process and its
+/// threads (compute, comm, and prefetch where it has prefetches), then one complete event a slice.
 pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
     let mut events = Vec::with_capacity(slices.len() + 3 * ranks as usize);
     for rank in 0..ranks {
@@ -116,7 +131,10 @@ pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
         events.push(
             json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}),
         );
-        for (stream, name) in [(Stream::Compute, "compute"), (Stream::Comm, "comm")] {
+        // The prefetch stream's track only where the rank has one.
+        let prefetches = slices.iter().any(|slice| slice.rank == rank && slice.work.stream == Stream::Prefetch);
+        let tracks = [(Stream::Compute, "compute"), (Stream::Comm, "comm"), (Stream::Prefetch, "prefetch")];
+        for (stream, name) in tracks.into_iter().filter(|&(stream, _)| stream != Stream::Prefetch || prefetches) {
             events.push(
                 json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": stream as u32, "args": {"name": name}}),
             );
@@ -142,9 +160,9 @@ pub fn write_trace(path: &Path, trace: &Value) -> Result<()> {
     crate::checkpoint::write_file_atomically(path, serde_json::to_string(trace)?.as_bytes())
 }
 
-/// Writes the measured trace of a run.
-pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome]) -> Result<()> {
-    let slices = measured_slices(programs, outcomes)?;
+/// Writes the measured trace of a run whose ranks had `streams`.
+pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome], streams: RunStreams) -> Result<()> {
+    let slices = measured_slices(programs, outcomes, streams)?;
     write_trace(path, &chrome_trace(&slices, programs.len() as u32))
 }
 
@@ -176,7 +194,7 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let weights = crate::run::weight_source(None, 0)?;
     let inputs = RunInputs { tokens: &tokens, positions: &positions, weights: weights.as_ref(), epoch: Instant::now() };
     let outcomes = run_on_threads(&compiled.programs, &inputs, Duration::from_secs(600))?;
-    write_measured(&args.out, &compiled.programs, &outcomes)?;
+    write_measured(&args.out, &compiled.programs, &outcomes, RunStreams::Two)?;
     let inner = compiled.programs.len() as u32 / stages;
     let mut per_stage = Vec::with_capacity(stages as usize);
     for stage in 0..stages {

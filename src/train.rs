@@ -435,7 +435,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         crate::trace::write_trace(
             path,
             &crate::trace::chrome_trace(
-                &crate::trace::timed_slices(&compiled.programs, &timings)?,
+                &crate::trace::timed_slices(&compiled.programs, &timings, crate::trace::RunStreams::Two)?,
                 compiled.programs.len() as u32,
             ),
         )?;

@@ -19,7 +19,7 @@ mod with_llvm {
     use pleat_backend::llvm::{emit, entry_ir, kernel_ir, Artifact, CodegenOptions};
     use pleat_backend::native::abi::{runtime_call, INSTRUCTION_SYMBOLS};
     use pleat_backend::native::{native_kernels, schedule_for_fusion, NativeKernel};
-    use pleat_backend::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, FORMAT_VERSION};
+    use pleat_backend::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, TransferStream, FORMAT_VERSION};
     use pleat_ir::entity::EntityRef;
     use pleat_ir::model::preset::preset;
     use pleat_ir::DType;
@@ -204,6 +204,65 @@ mod with_llvm {
         }
     }
 
+    /// A scheduled program's entry function starts each transfer on the rank's communication
+    /// streams and waits for it at its `pleat_rt_wait`, as the bytecode loop does: over a slow
+    /// emulated link, some transfer is in flight while a kernel runs, and the logits are the
+    /// bytecode's bit for bit.
+    #[test]
+    fn scheduled_entry_functions_run_their_transfers_beside_their_kernels() {
+        let config = preset("tiny").expect("tiny");
+        let (_, programs) = common::compile(&config, 2, 16, "tsp=2");
+        // Scheduled, then ordered for fusion, as `pleat compile --emit so` does.
+        let mut programs = common::overlapped(&programs);
+        for program in &mut programs {
+            schedule_for_fusion(program);
+        }
+        assert!(programs
+            .iter()
+            .all(|program| program.instructions.iter().any(|instr| matches!(instr, Instr::Wait { .. }))));
+        let dir = tempdir("native-scheduled-tsp2");
+        let libraries: Vec<Option<NativeKernels>> = programs
+            .iter()
+            .map(|program| {
+                let paths = emit(program, Artifact::SharedLibrary, &CodegenOptions::default(), &dir).expect("emit");
+                Some(NativeKernels::open(&paths[0], program).expect("open"))
+            })
+            .collect();
+        let tokens = common::tokens(2, 16, config.vocab_size);
+        let weights = SeededWeights::new(5);
+        let positions: Vec<u32> = (0..16).collect();
+        let inputs = RunInputs { tokens: &tokens, positions: &positions, weights: &weights, epoch: Instant::now() };
+        let link = pleat_runtime::comm::LinkSpec { bytes_per_s: 0.2e9, latency: Duration::from_micros(50) };
+        let options = ThreadRunOptions { timeout: Duration::from_secs(60), link: Some(link) };
+        let native = run_on_threads_native(&programs, &inputs, &options, &libraries).expect("native run");
+        let interpreted = run_on_threads_native(&programs, &inputs, &options, &[]).expect("interpreted run");
+        let (_, native_logits) = assemble(&native, 0).expect("logits");
+        let (_, interpreted_logits) = assemble(&interpreted, 0).expect("logits");
+        assert_bitwise("scheduled tsp=2", &native_logits, &interpreted_logits);
+        // A transfer's span (start to end on its stream) meets a kernel's on the same rank.
+        let overlaps = native.iter().any(|outcome| {
+            let program = &programs[outcome.rank as usize];
+            let spans = |transfers: bool| {
+                program
+                    .instructions
+                    .iter()
+                    .zip(&outcome.timings)
+                    .filter(
+                        move |(instr, _)| {
+                            if transfers {
+                                instr.is_transfer()
+                            } else {
+                                matches!(instr, Instr::Kernel { .. })
+                            }
+                        },
+                    )
+                    .map(|(_, &span)| span)
+            };
+            spans(true).any(|(start, end)| spans(false).any(|(from, to)| from.max(start) < to.min(end)))
+        });
+        assert!(overlaps, "no transfer of the entry functions ran beside a kernel");
+    }
+
     /// Seeded weights, except that every read of a block not starting at the origin (only rank 1
     /// of a tp=2 program reads one) fails.
     struct FailingOffOrigin(SeededWeights);
@@ -360,7 +419,13 @@ mod with_llvm {
                 group: group.clone(),
                 dims: vec![1],
             },
-            Instr::AllGather { input: float, out: fresh(DType::F32, &[4, 4]), group: group.clone(), dim: 0 },
+            Instr::AllGather {
+                input: float,
+                out: fresh(DType::F32, &[4, 4]),
+                group: group.clone(),
+                dim: 0,
+                stream: TransferStream::Main,
+            },
             Instr::AllToAll {
                 input: float,
                 out: fresh(DType::F32, &[4, 2]),
@@ -373,6 +438,7 @@ mod with_llvm {
                 outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])],
                 group: group.clone(),
                 root: 1,
+                stream: TransferStream::Main,
             },
             Instr::Send { bufs: vec![float, positions], peer: 1 },
             Instr::Wait { handle: vec![float, positions] },

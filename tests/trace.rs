@@ -114,10 +114,23 @@ fn predicted_tsp_trace_has_broadcasts_and_ring_messages() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    let tracks = check(&read(&out), 2);
+    let events = read(&out);
+    let tracks = check(&events, 2);
     for rank in 0..2 {
+        // The owners' blocks are prefetched on the rank's second stream, the ring on the first.
+        let thread = |tid: u64, name: &str| {
+            events.iter().any(|event| {
+                event["name"] == "thread_name"
+                    && event["pid"] == rank
+                    && event["tid"] == tid
+                    && event["args"]["name"] == name
+            })
+        };
+        assert!(thread(2, "prefetch"), "rank {rank} has no prefetch thread");
+        let prefetch = names(&tracks, rank, 2);
+        assert!(prefetch.iter().any(|name| name.starts_with("broadcast layer0.attn.")), "rank {rank}: {prefetch:?}");
+        assert!(prefetch.iter().all(|name| name.starts_with("broadcast ")), "rank {rank}: {prefetch:?}");
         let comm = names(&tracks, rank, 1);
-        assert!(comm.iter().any(|name| name.starts_with("broadcast layer0.attn.")), "rank {rank}: {comm:?}");
         assert!(comm.iter().any(|name| name.starts_with("send ")), "rank {rank}: {comm:?}");
         assert!(comm.iter().any(|name| name.starts_with("recv layer0.mlp_ring")), "rank {rank}: {comm:?}");
     }

@@ -31,7 +31,7 @@ pub use matching::verify_collectives;
 pub use pleat_ir::DType;
 pub use program::{
     AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program, RouterDims,
-    FORMAT_VERSION,
+    TransferStream, FORMAT_VERSION,
 };
 
 /// Serializes a program (JSON, versioned).

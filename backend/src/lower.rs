@@ -13,7 +13,7 @@ use pleat_ir::{DimName, Module, Op, ValueId};
 use crate::error::{Error, Result};
 use crate::program::{
     AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program, RouterDims,
-    FORMAT_VERSION,
+    TransferStream, FORMAT_VERSION,
 };
 
 /// Lowers `module` (verified) into one program a rank of its mesh.
@@ -219,9 +219,13 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 group: group(*axis),
                 dims: vec![dim_index(*dim)],
             },
-            Op::AllGather { axis, dim } => {
-                Instr::AllGather { input: inputs[0], out, group: group(*axis), dim: dim_index(*dim) }
-            }
+            Op::AllGather { axis, dim } => Instr::AllGather {
+                input: inputs[0],
+                out,
+                group: group(*axis),
+                dim: dim_index(*dim),
+                stream: TransferStream::Main,
+            },
             Op::AllToAll { axis, split_dim, gather_dim } => Instr::AllToAll {
                 input: inputs[0],
                 out,
@@ -240,7 +244,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 let group = group(*axis);
                 let root = *root as usize;
                 // One owner's blocks travel as one packed message: join the broadcast just emitted.
-                if let Some(Instr::Broadcast { inputs: packed, outs, group: last_group, root: last_root }) =
+                if let Some(Instr::Broadcast { inputs: packed, outs, group: last_group, root: last_root, .. }) =
                     program.instructions.last_mut()
                 {
                     if *last_group == group && *last_root == root {
@@ -249,7 +253,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                         continue;
                     }
                 }
-                Instr::Broadcast { inputs, outs: vec![out], group, root }
+                Instr::Broadcast { inputs, outs: vec![out], group, root, stream: TransferStream::Main }
             }
             Op::RingGatedMlp { axis } => {
                 let x = input_local(0)?;
@@ -610,7 +614,13 @@ fn lower_loss_row_stats(
         inputs: inputs.to_vec(),
         out: local,
     });
-    program.instructions.push(Instr::AllGather { input: local, out: gathered, group, dim: 0 });
+    program.instructions.push(Instr::AllGather {
+        input: local,
+        out: gathered,
+        group,
+        dim: 0,
+        stream: TransferStream::Main,
+    });
     program.instructions.push(Instr::Free { buf: local });
     Ok(gathered)
 }

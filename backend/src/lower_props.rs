@@ -118,7 +118,7 @@ fn check_programs(module: &Module, programs: &[Program]) -> Result<(), TestCaseE
 /// keeps to its memory budget, and the ranks' collectives still match.
 fn check_scheduled(programs: &[Program]) -> Result<(), TestCaseError> {
     use crate::memory::ElementSize;
-    use crate::overlap::{schedule, OverlapOptions};
+    use crate::overlap::{schedule, OverlapOptions, Prefetch};
     use crate::Instr;
     // Bytes stand in for seconds: a transfer or kernel costs what it writes.
     let seconds = |program: &Program, instr: &Instr| -> f64 {
@@ -128,7 +128,7 @@ fn check_scheduled(programs: &[Program]) -> Result<(), TestCaseError> {
         seconds: &seconds,
         memory_budget: None,
         sizing: ElementSize::Fixed(4),
-        prefetch_weights: false,
+        prefetch: Prefetch::Off,
     };
     let mut scheduled = Vec::new();
     for program in programs {

@@ -5,9 +5,14 @@
 //! that group. If those members issued different collectives (kind, dim or size), the programs
 //! mismatch; if no group can complete while some rank is unfinished, they deadlock. Both errors name
 //! the ranks and the instructions.
+//!
+//! A program whose transfers run on two streams (`TransferStream`) is checked in its start order,
+//! each transfer blocking: if that completes, so do the streams, each of which only lets a rank run
+//! further ahead, and a runtime with one stream runs exactly this order. The members of a
+//! collective must put it on the same stream (the stream is part of what is compared).
 
 use crate::error::{Error, Result};
-use crate::program::{Instr, Program};
+use crate::program::{Instr, Program, TransferStream};
 
 fn describe(program: &Program, at: usize) -> String {
     let instr = &program.instructions[at];
@@ -22,7 +27,11 @@ fn describe(program: &Program, at: usize) -> String {
         _ => ("(not a collective)", String::new()),
     };
     let elements: u64 = instr.inputs().iter().map(|&input| program.buffer(input).numel()).sum();
-    format!("{kind}{dims} of {elements} elements")
+    let stream = match instr.transfer_stream() {
+        TransferStream::Main => "",
+        TransferStream::Prefetch => " on the prefetch stream",
+    };
+    format!("{kind}{dims} of {elements} elements{stream}")
 }
 
 /// Checks that `programs` (one a rank, indexed by rank) run to completion with matching collectives

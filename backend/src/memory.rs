@@ -269,7 +269,7 @@ pub fn live_before(program: &Program, at: usize) -> Vec<BufferId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::program::{Buffer, BufferKind, Group, Kernel, FORMAT_VERSION};
+    use crate::program::{Buffer, BufferKind, Group, Kernel, TransferStream, FORMAT_VERSION};
     use pleat_ir::entity::EntityRef;
     use pleat_ir::DType;
 
@@ -300,7 +300,7 @@ mod tests {
                 Instr::LoadTokens { out: b(1), region: vec![(0, 1), (0, 8)] },
                 Instr::Kernel { kernel: Kernel::MatMul { m: 8, n: 4, k: 4 }, inputs: vec![b(1), b(0)], out: b(2) },
                 Instr::Free { buf: b(1) },
-                Instr::AllGather { input: b(2), out: b(3), group, dim: 1 },
+                Instr::AllGather { input: b(2), out: b(3), group, dim: 1, stream: TransferStream::Main },
                 Instr::Free { buf: b(2) },
                 Instr::Output { buf: b(3), index: 0, shape: vec![8, 8], region: vec![(0, 8), (0, 8)] },
             ],

@@ -4,7 +4,8 @@
 //!
 //! A rank runs two streams: the compute stream runs the program's instructions in order, and the
 //! communication stream runs the transfers they start, one after another, in the order they were
-//! started (`crate::transfers`). Lowering writes every transfer blocking, at the point its
+//! started (`crate::transfers`). With [`Prefetch::OwnStream`] a second communication stream runs
+//! the weight prefetches, sharing the links with the first. Lowering writes every transfer blocking, at the point its
 //! result is first needed. [`schedule`] turns each into a start and a `Wait` and list-schedules
 //! the dependency graph over the two streams, driven by the cost model's predicted seconds:
 //!
@@ -24,15 +25,16 @@
 //!
 //! What this gives, with no pattern written for it: a TSP ring's next shard received while the
 //! current one's GEMM runs (double buffering), a gradient reduced while the rest of the backward
-//! runs, and, with `prefetch_weights`, the next owner's attention weights broadcast while the
-//! current owner's attention runs and a ZeRO-3 parameter gathered while the previous layer runs. Reordering never changes a number:
-//! every instruction reads what it read before, and transfers keep their order.
+//! runs, and, with a [`Prefetch`], the next owner's attention weights broadcast while the
+//! current owner's attention runs and a ZeRO-3 parameter gathered while the previous layer runs.
+//! Reordering never changes a number: every instruction reads what it read before, and the
+//! transfers of each stream keep their order.
 
 use std::collections::{HashMap, HashSet};
 
 use crate::error::{Error, Result};
 use crate::memory::{element_bytes, plan, staging_of, ElementSize};
-use crate::program::{BufferId, Instr, Program};
+use crate::program::{BufferId, Instr, Program, TransferStream};
 
 /// How [`schedule`] weighs and bounds its choices.
 #[derive(Clone, Copy)]
@@ -45,12 +47,27 @@ pub struct OverlapOptions<'a> {
     pub memory_budget: Option<u64>,
     /// Bytes an element, for the budget.
     pub sizing: ElementSize,
-    /// Let broadcasts and all-gathers of weights (whose operands are only loaded parameters: TSP's
-    /// owner blocks, ZeRO-3's parameter shards) start ahead of the transfers before them, in their
-    /// own order, when the communication stream is idle: prefetch. Every rank must then make the
-    /// same choices, which [`schedule_ranks`] checks (`crate::verify_collectives`) and, failing
-    /// that, schedules again without it.
-    pub prefetch_weights: bool,
+    /// Whether and where broadcasts and all-gathers of weights (whose operands are only loaded
+    /// parameters: TSP's owner blocks, ZeRO-3's parameter shards) start ahead of the transfers
+    /// before them, in their own order. Every rank must then make the same choices, which
+    /// [`schedule_ranks`] checks (`crate::verify_collectives`) and, failing that, schedules again
+    /// without prefetching.
+    pub prefetch: Prefetch,
+}
+
+/// Where [`schedule`] moves weight prefetches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefetch {
+    /// Nowhere: every transfer keeps its place among the others.
+    Off,
+    /// Ahead on the one communication stream, each only when that stream is idle (queued behind
+    /// other transfers it would delay them): for a runtime with one stream.
+    MainStream,
+    /// Ahead on the rank's second stream (`TransferStream::Prefetch`), each once the previous
+    /// prefetch has ended. The two streams share the rank's links: while both carry a transfer,
+    /// each moves at half the speed (processor sharing, as the threads communicator's paced link
+    /// interleaves their messages).
+    OwnStream,
 }
 
 /// What [`schedule`] did to one program.
@@ -161,7 +178,7 @@ fn graph(program: &Program, prefetch_weights: bool) -> Result<Graph<'_>> {
 /// schedule over the budget is made again with the budget lowered by the excess (three times at
 /// most), and failing that the program is returned as lowered, every transfer blocking.
 pub fn schedule(program: &Program, options: &OverlapOptions) -> Result<(Program, OverlapReport)> {
-    let graph = graph(program, options.prefetch_weights)?;
+    let graph = graph(program, options.prefetch != Prefetch::Off)?;
     let peak_before_bytes = plan(program, options.sizing).peak_bytes;
     let largest_transfer = graph
         .instrs
@@ -202,8 +219,8 @@ pub fn schedule(program: &Program, options: &OverlapOptions) -> Result<(Program,
     Ok((program.clone(), report))
 }
 
-/// Schedules every rank's program (`programs`, in rank order) with `options`. With
-/// `prefetch_weights`, when the ranks did not all move their prefetches alike (their transfers no
+/// Schedules every rank's program (`programs`, in rank order) with `options`. With a
+/// prefetch, when the ranks did not all move their prefetches alike (their transfers no
 /// longer match), they are scheduled again without; the transfers of the result match.
 pub fn schedule_ranks(programs: &[Program], options: &OverlapOptions) -> Result<Vec<(Program, OverlapReport)>> {
     let schedule_all = |options: &OverlapOptions| -> Result<Vec<(Program, OverlapReport)>> {
@@ -213,7 +230,9 @@ pub fn schedule_ranks(programs: &[Program], options: &OverlapOptions) -> Result<
         Ok(scheduled)
     };
     match schedule_all(options) {
-        Err(_) if options.prefetch_weights => schedule_all(&OverlapOptions { prefetch_weights: false, ..*options }),
+        Err(_) if options.prefetch != Prefetch::Off => {
+            schedule_all(&OverlapOptions { prefetch: Prefetch::Off, ..*options })
+        }
         result => result,
     }
 }
@@ -271,7 +290,13 @@ fn list_schedule(
     let mut done_at = vec![0.0f64; 2 * count];
     let mut transfer_end = vec![0.0f64; count];
     let mut remaining_uses = graph.use_count.clone();
-    let (mut compute_free, mut comm_free) = (0.0f64, 0.0f64);
+    let own_stream = options.prefetch == Prefetch::OwnStream;
+    // Per instruction: the stream its transfer runs on (0 main, 1 prefetch).
+    let stream_of = |index: usize| usize::from(own_stream && graph.prefetch[index]);
+    let mut compute_free = 0.0f64;
+    // Per stream: when its last transfer ends, and its transfers that may still be in flight.
+    let mut stream_free = [0.0f64; 2];
+    let mut in_flight: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
     let mut live = 0u64;
     let mut instructions = Vec::with_capacity(program.instructions.len() + count);
     while !candidates.is_empty() {
@@ -280,9 +305,10 @@ fn list_schedule(
             if node % 2 == 1 {
                 deps.max(transfer_end[node / 2])
             } else if graph.prefetch[node / 2] {
-                // A prefetch only fills an idle communication stream: queued behind other
-                // transfers it would delay them.
-                deps.max(comm_free)
+                // A prefetch only fills an idle stream: on the main one, queued behind other
+                // transfers it would delay them; on its own, one is in flight at a time (double
+                // buffering) rather than every weight at once.
+                deps.max(stream_free[stream_of(node / 2)])
             } else {
                 deps
             }
@@ -354,11 +380,24 @@ fn list_schedule(
             instructions.push(Instr::Wait { handle: instr.transfer_handle().expect("a transfer") });
         } else if instr.is_transfer() {
             compute_free = start;
-            let begins = start.max(comm_free);
-            transfer_end[index] = begins + seconds[index];
-            comm_free = transfer_end[index];
+            let stream = stream_of(index);
+            let begins = start.max(stream_free[stream]);
+            let other = 1 - stream;
+            in_flight[other].retain(|&transfer| transfer_end[transfer] > begins);
+            // Processor sharing: while the other stream is busy past `begins`, each moves at half
+            // speed, so both are late by the time they share (never with one stream: the other
+            // then carries nothing).
+            let shared = (stream_free[other] - begins).clamp(0.0, seconds[index]);
+            for &transfer in &in_flight[other] {
+                transfer_end[transfer] += (transfer_end[transfer] - begins).min(shared);
+                stream_free[other] = stream_free[other].max(transfer_end[transfer]);
+            }
+            transfer_end[index] = begins + seconds[index] + shared;
+            stream_free[stream] = transfer_end[index];
+            in_flight[stream].push(index);
             live += allocates(chosen);
-            instructions.push(instr.clone());
+            let on = if stream == 1 { TransferStream::Prefetch } else { TransferStream::Main };
+            instructions.push(instr.clone().on_stream(on));
         } else {
             compute_free = start + seconds[index];
             live += allocates(chosen);
@@ -410,7 +449,7 @@ fn list_schedule(
         peak_before_bytes: 0,
         peak_after_bytes: plan(&scheduled, options.sizing).peak_bytes,
         blocking_s,
-        scheduled_s: compute_free.max(comm_free),
+        scheduled_s: compute_free.max(stream_free[0]).max(stream_free[1]),
     };
     Ok((scheduled, report))
 }
@@ -418,7 +457,7 @@ fn list_schedule(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::program::{Buffer, BufferKind, Group, Kernel, FORMAT_VERSION};
+    use crate::program::{Buffer, BufferKind, Group, Kernel, TransferStream, FORMAT_VERSION};
     use pleat_ir::entity::EntityRef;
     use pleat_ir::DType;
 
@@ -500,7 +539,7 @@ mod tests {
             seconds: &seconds,
             memory_budget: None,
             sizing: ElementSize::Fixed(4),
-            prefetch_weights: false,
+            prefetch: Prefetch::Off,
         };
         let (scheduled, report) = schedule(&block(), &options).unwrap();
         assert_eq!(
@@ -590,7 +629,7 @@ mod tests {
             seconds: &seconds,
             memory_budget: None,
             sizing: ElementSize::Fixed(4),
-            prefetch_weights: false,
+            prefetch: Prefetch::Off,
         };
         let (scheduled, report) = schedule(&program, &options).unwrap();
         let text = text(&scheduled);
@@ -602,13 +641,77 @@ mod tests {
         assert_eq!((report.blocking_s, report.scheduled_s), (11.0, 8.0));
     }
 
+    /// `x` is all-reduced (3 s) and `w1` gathered (2 s, a weight: a prefetch) for `z = (x·w0)·w1'`,
+    /// `u = z + x'`. On the one stream the gather waits for the all-reduce; on its own it starts at
+    /// once and the two share the link: the gather ends at 4 (2 s at half speed, then none left
+    /// to share), the all-reduce at 5.
+    #[test]
+    fn a_prefetch_on_its_own_stream_shares_the_link_instead_of_queueing() {
+        let buffer = |name: &str, kind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![64, 64], kind };
+        let names = ["x", "w0", "w1", "x.sum", "y", "w1.gathered", "z", "u"];
+        let load = |out: usize| Instr::LoadParam {
+            out: id(out),
+            name: names[out].into(),
+            shape: vec![64, 64],
+            region: vec![(0, 64), (0, 64)],
+        };
+        let tp = Group { axis: "tp".into(), ranks: vec![0, 1] };
+        let matmul = |a: usize, w: usize, out: usize| Instr::Kernel {
+            kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
+            inputs: vec![id(a), id(w)],
+            out: id(out),
+        };
+        let program = Program {
+            buffers: names
+                .iter()
+                .enumerate()
+                .map(|(at, name)| buffer(name, if at < 3 { BufferKind::Param } else { BufferKind::Activation }))
+                .collect(),
+            instructions: vec![
+                load(0),
+                load(1),
+                load(2),
+                Instr::AllReduce { inputs: vec![id(0)], outs: vec![id(3)], group: tp.clone() },
+                matmul(0, 1, 4),
+                Instr::AllGather { input: id(2), out: id(5), group: tp, dim: 0, stream: TransferStream::Main },
+                matmul(4, 5, 6),
+                Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(6), id(3)], out: id(7) },
+                Instr::Output { buf: id(7), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
+            ],
+            ..block()
+        };
+        let seconds = |_: &Program, instr: &Instr| match instr {
+            Instr::Kernel { kernel: Kernel::MatMul { .. }, .. } => 2.0,
+            Instr::AllReduce { .. } => 3.0,
+            Instr::AllGather { .. } => 2.0,
+            _ => 0.0,
+        };
+        let scheduled = |prefetch| {
+            let options =
+                OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Fixed(4), prefetch };
+            let (program, report) = schedule(&program, &options).unwrap();
+            (text(&program), report.scheduled_s)
+        };
+        // One stream: the all-reduce 0-3, the gather 3-5; y 0-2, z 5-7.
+        let (one, one_s) = scheduled(Prefetch::MainStream);
+        assert_eq!(one_s, 7.0, "{one:?}");
+        assert!(one.iter().all(|line| !line.contains("on prefetch")), "{one:?}");
+        // Two: both from 0, at half speed while both run; z 4-6, then the add.
+        let (two, two_s) = scheduled(Prefetch::OwnStream);
+        assert_eq!(two_s, 6.0, "{two:?}");
+        let gather = two.iter().position(|line| line == "b5 = all_gather(b2) dim=0 tp[0, 1] on prefetch");
+        let all_reduce = two.iter().position(|line| line == "b3 = all_reduce(b0) tp[0, 1]");
+        assert!(gather.is_some() && all_reduce.is_some(), "{two:?}");
+        assert!(gather < two.iter().position(|line| line.starts_with("b4 = matmul")), "{two:?}");
+    }
+
     #[test]
     fn a_budget_no_schedule_keeps_to_leaves_the_program_as_lowered() {
         let options = OverlapOptions {
             seconds: &seconds,
             memory_budget: Some(0),
             sizing: ElementSize::Fixed(4),
-            prefetch_weights: false,
+            prefetch: Prefetch::Off,
         };
         let (scheduled, report) = schedule(&block(), &options).unwrap();
         assert_eq!(scheduled, block());
@@ -625,7 +728,7 @@ mod tests {
                 seconds: &seconds,
                 memory_budget: None,
                 sizing: ElementSize::Fixed(4),
-                prefetch_weights: false,
+                prefetch: Prefetch::Off,
             },
         )
         .unwrap_err();

@@ -637,8 +637,8 @@ impl<'a> StageProgram<'a> {
                 group: group(g),
                 dims: dims.clone(),
             },
-            Instr::AllGather { input, out, group: g, dim } => {
-                Instr::AllGather { input: buffer(input), out: buffer(out), group: group(g), dim: *dim }
+            Instr::AllGather { input, out, group: g, dim, stream } => {
+                Instr::AllGather { input: buffer(input), out: buffer(out), group: group(g), dim: *dim, stream: *stream }
             }
             Instr::AllToAll { input, out, group: g, split_dim, gather_dim } => Instr::AllToAll {
                 input: buffer(input),
@@ -647,9 +647,13 @@ impl<'a> StageProgram<'a> {
                 split_dim: *split_dim,
                 gather_dim: *gather_dim,
             },
-            Instr::Broadcast { inputs, outs, group: g, root } => {
-                Instr::Broadcast { inputs: buffers(inputs), outs: buffers(outs), group: group(g), root: *root }
-            }
+            Instr::Broadcast { inputs, outs, group: g, root, stream } => Instr::Broadcast {
+                inputs: buffers(inputs),
+                outs: buffers(outs),
+                group: group(g),
+                root: *root,
+                stream: *stream,
+            },
             Instr::Send { bufs, peer: p } => Instr::Send { bufs: buffers(bufs), peer: peer(p) },
             Instr::Recv { outs, peer: p } => Instr::Recv { outs: buffers(outs), peer: peer(p) },
         }

@@ -460,6 +460,23 @@ pub enum AttentionOperand {
 }
 
 /// One step of a program.
+/// Which of a rank's communication streams runs a transfer.
+///
+/// Transfers on one stream run one after another in the order they were started. A weight
+/// prefetch (a broadcast or gather whose operands are only loaded parameters) may run on a second
+/// stream, so that it travels while the main stream waits for the compute its next transfer needs
+/// instead of queueing behind that transfer. The two share the rank's links. A runtime with one
+/// stream runs both in start order, which is always safe: every rank issues its transfers in the
+/// order `crate::verify_collectives` checked, each blocking.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TransferStream {
+    /// Collectives, sends and receives, in program order.
+    #[default]
+    Main,
+    /// Weight prefetches, in their own program order.
+    Prefetch,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Instr {
     /// Reads `region` of checkpoint tensor `name` (global shape `shape`) into `out`.
@@ -529,6 +546,9 @@ pub enum Instr {
         group: Group,
         /// The dim index gathered.
         dim: usize,
+        /// The stream it runs on.
+        #[serde(default)]
+        stream: TransferStream,
     },
     /// Re-splits a tensor over `group`: the input is this rank's block of dim `gather_dim` (whole on
     /// `split_dim`); the output is this rank's block of `split_dim` (whole on `gather_dim`). Block `j`
@@ -578,6 +598,9 @@ pub enum Instr {
         group: Group,
         /// The index in `group.ranks` of the sender.
         root: usize,
+        /// The stream it runs on.
+        #[serde(default)]
+        stream: TransferStream,
     },
     /// Starts sending `bufs`, packed as one message, to rank `peer`. It never waits: the message is
     /// queued, so the computation after it overlaps the transfer.
@@ -639,6 +662,23 @@ impl Instr {
                 | Instr::Recv { .. }
                 | Instr::ExpertDispatch { .. }
         )
+    }
+
+    /// The communication stream a transfer runs on (`Main` for any other instruction).
+    pub fn transfer_stream(&self) -> TransferStream {
+        match self {
+            Instr::AllGather { stream, .. } | Instr::Broadcast { stream, .. } => *stream,
+            _ => TransferStream::Main,
+        }
+    }
+
+    /// The instruction with its transfer on `stream`; unchanged unless it is a broadcast or an
+    /// all-gather, the transfers that prefetch weights.
+    pub fn on_stream(mut self, stream: TransferStream) -> Instr {
+        if let Instr::AllGather { stream: on, .. } | Instr::Broadcast { stream: on, .. } = &mut self {
+            *on = stream;
+        }
+        self
     }
 
     /// The buffers a `Wait` names a transfer by: those it writes, or a `Send`'s buffers; `None`

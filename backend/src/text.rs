@@ -4,7 +4,9 @@ use std::fmt::Write;
 
 use pleat_ir::entity::EntityRef;
 
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program, RouterDims};
+use crate::program::{
+    AttentionDims, AttentionOperand, BufferId, Instr, Kernel, MoeDims, Program, RouterDims, TransferStream,
+};
 
 /// An attention kernel's sizes and head mapping, as the text form lists them.
 fn attention_dims_text(dims: &AttentionDims) -> String {
@@ -13,6 +15,14 @@ fn attention_dims_text(dims: &AttentionDims) -> String {
         "batch={batch} sq={sq} sk={sk} hq={hq} hkv={hkv} head_dim={head_dim} q_head_offset={q_head_offset} \
          kv_head_offset={kv_head_offset} group={group} causal={causal}"
     )
+}
+
+/// A transfer's stream, after its group: nothing for the main stream.
+fn stream_text(stream: TransferStream) -> &'static str {
+    match stream {
+        TransferStream::Main => "",
+        TransferStream::Prefetch => " on prefetch",
+    }
 }
 
 fn region_text(region: &[(u64, u64)]) -> String {
@@ -133,8 +143,8 @@ pub fn print_program(program: &Program) -> String {
                 let dims = dims.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
                 format!("{} = reduce_scatter({}) dim={dims} {}{:?}", list(outs), list(inputs), group.axis, group.ranks)
             }
-            Instr::AllGather { input, out, group, dim } => {
-                format!("{out} = all_gather({input}) dim={dim} {}{:?}", group.axis, group.ranks)
+            Instr::AllGather { input, out, group, dim, stream } => {
+                format!("{out} = all_gather({input}) dim={dim} {}{:?}{}", group.axis, group.ranks, stream_text(*stream))
             }
             Instr::AllToAll { input, out, group, split_dim, gather_dim } => format!(
                 "{out} = all_to_all({input}) split_dim={split_dim} gather_dim={gather_dim} {}{:?}",
@@ -142,9 +152,14 @@ pub fn print_program(program: &Program) -> String {
             ),
             Instr::Output { buf, index, region, .. } => format!("output {index} = {buf} {}", region_text(region)),
             Instr::Free { buf } => format!("free {buf}"),
-            Instr::Broadcast { inputs, outs, group, root } => {
-                format!("{} = broadcast({}) root={root} {}{:?}", list(outs), list(inputs), group.axis, group.ranks)
-            }
+            Instr::Broadcast { inputs, outs, group, root, stream } => format!(
+                "{} = broadcast({}) root={root} {}{:?}{}",
+                list(outs),
+                list(inputs),
+                group.axis,
+                group.ranks,
+                stream_text(*stream)
+            ),
             Instr::Send { bufs, peer } => format!("send({}) to rank {peer}", list(bufs)),
             Instr::Recv { outs, peer } => format!("{} = recv from rank {peer}", list(outs)),
             Instr::Wait { handle } => format!("wait({})", list(handle)),

@@ -337,7 +337,7 @@ fn check_collective_shapes(program: &Program, index: usize, instr: &Instr) -> Re
                 .map(|(&input, &out)| Member { input, out, parts, split: None, join: None })
                 .collect()
         }
-        Instr::AllGather { input, out, group, dim } => {
+        Instr::AllGather { input, out, group, dim, .. } => {
             vec![Member { input: *input, out: *out, parts: group.ranks.len() as u64, split: None, join: Some(*dim) }]
         }
         Instr::AllToAll { input, out, group, split_dim, gather_dim } => vec![Member {

@@ -20,7 +20,9 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pleat_backend::native::abi::{STATUS_ERROR, STATUS_OK};
-use pleat_backend::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program, RouterDims};
+use pleat_backend::{
+    AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program, RouterDims, TransferStream,
+};
 use pleat_ir::entity::EntityRef;
 
 use crate::comm::Communicator;
@@ -64,9 +66,20 @@ pub fn execute_entry_function(
 ) -> Result<RankOutcome> {
     // The linker keeps (and the executable exports) only functions something references.
     std::hint::black_box(exported_functions());
-    let run = Run::new(program, comm, inputs, gemm_threads)?.with_planned_arena();
-    let context = call_entry(RankContext { run, next_instr: 0, begun: false, check_only: false, error: None }, entry)?;
-    Ok(context.run.finish())
+    let drive = |run: Run<'_>| {
+        let run = run.with_planned_arena();
+        let context =
+            call_entry(RankContext { run, next_instr: 0, begun: false, check_only: false, error: None }, entry)?;
+        Ok(context.run.finish())
+    };
+    // A scheduled program's transfers run on the rank's communication streams from their
+    // `pleat_rt_*` call to their `pleat_rt_wait`, as in the bytecode loop.
+    if crate::executor::is_asynchronous(program) {
+        if let Some(comm) = comm.as_sendable() {
+            return crate::executor::run_streamed(program, comm, inputs, gemm_threads, drive);
+        }
+    }
+    drive(Run::new(program, comm, inputs, gemm_threads)?)
 }
 
 /// Calls `entry` with every runtime call only checking its instruction against `program`, not
@@ -249,14 +262,21 @@ impl RankContext<'_> {
     fn run_instruction(&mut self, index: u64, instr: Instr) -> Result<()> {
         self.begin(index)?;
         let program = self.run.program();
-        if program.instructions.get(index as usize) != Some(&instr) {
+        // The ABI carries no stream (an entry function runs its transfers at their start): a
+        // prefetch on its own stream is the same instruction.
+        let same = program.instructions.get(index as usize).is_some_and(|own| {
+            *own == instr
+                || own.transfer_stream() != TransferStream::Main && own.clone().on_stream(TransferStream::Main) == instr
+        });
+        if !same {
             return Err(self.run.program_error(format!(
                 "the library's instruction {index} is {instr:?}, which differs from the program's; compile \
                  again with `pleat compile --emit so`"
             )));
         }
         if !self.check_only {
-            self.run.step(index as usize, &instr, None)?;
+            // The program's own instruction, which names the stream its transfer runs on.
+            self.run.step(index as usize, &program.instructions[index as usize], None)?;
         }
         self.end(index)
     }

@@ -169,6 +169,9 @@ pub unsafe extern "C" fn pleat_rt_all_gather(
                 out: buffer(out),
                 group: group(axis, axis_length, ranks, rank_count),
                 dim: dim as usize,
+                // The ABI carries no stream: a native entry function runs its transfers in program
+                // order on one stream, always safe (`TransferStream`).
+                stream: TransferStream::Main,
             })
         })
     }
@@ -233,6 +236,7 @@ pub unsafe extern "C" fn pleat_rt_broadcast(
                 outs: buffers(outs, out_count),
                 group: group(axis, axis_length, ranks, rank_count),
                 root: root as usize,
+                stream: TransferStream::Main,
             })
         })
     }

@@ -13,7 +13,9 @@ use std::time::Instant;
 use half::bf16;
 use pleat_backend::memory::{staging_of, ElementSize};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
-use pleat_backend::{AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program, RouterDims};
+use pleat_backend::{
+    AttentionDims, BufferId, BufferKind, DType, Instr, Kernel, MoeDims, Program, RouterDims, TransferStream,
+};
 use pleat_ir::MoeOperand;
 
 use crate::arena::{Arena, Element};
@@ -21,7 +23,7 @@ use crate::comm::{CommStats, Communicator, Group as CommGroup};
 use crate::error::{Error, Result};
 use crate::kernels::{self, AttentionShape, MoeGradOperand, MoeShape};
 use crate::native::{NativeKernels, NativeOperand};
-use crate::stream::{CommStream, Transfer};
+use crate::stream::{CommStream, CommStreams, Transfer};
 use crate::weights::WeightSource;
 
 #[path = "executor_backward.rs"]
@@ -367,8 +369,7 @@ pub fn execute_native(
     if let Some(library) = native.filter(|library| library.entry().is_some()) {
         return crate::capi::execute_entry(program, comm, inputs, gemm_threads, library);
     }
-    let asynchronous = pair_transfers(program).is_ok_and(|pairs| !pairs.is_empty());
-    if asynchronous {
+    if is_asynchronous(program) {
         if let Some(comm) = comm.as_sendable() {
             return execute_streamed(program, comm, inputs, gemm_threads, native);
         }
@@ -379,7 +380,8 @@ pub fn execute_native(
 }
 
 /// As [`execute_native`] without an entry function, the transfers running on a communication
-/// thread of the rank (`crate::stream`) while this thread runs the kernels.
+/// thread of the rank (`crate::stream`) while this thread runs the kernels; the weight prefetches
+/// on a second one when the program has some and `comm` gives a second stream.
 fn execute_streamed(
     program: &Program,
     comm: &mut (dyn Communicator + Send),
@@ -387,33 +389,63 @@ fn execute_streamed(
     gemm_threads: usize,
     native: Option<&NativeKernels>,
 ) -> Result<RankOutcome> {
+    run_streamed(program, comm, inputs, gemm_threads, |mut run| {
+        run.run_all(native)?;
+        Ok(run.finish())
+    })
+}
+
+/// Makes a run of `program` whose transfers go to the rank's communication streams, each a thread
+/// running its transfers on `comm` (the prefetch stream on `comm`'s second stream, when the
+/// program has prefetches and `comm` has one), and has `drive` run it on this thread: the bytecode
+/// loop, or a native entry function (`crate::capi`). The outcome counts the bytes of both streams.
+pub(crate) fn run_streamed<'a>(
+    program: &'a Program,
+    comm: &mut (dyn Communicator + Send),
+    inputs: &'a RunInputs<'a>,
+    gemm_threads: usize,
+    drive: impl FnOnce(Run<'a>) -> Result<RankOutcome>,
+) -> Result<RankOutcome> {
     comm.reset_stats();
-    let (stream, run_stream) = CommStream::new();
+    let prefetches = program.instructions.iter().any(|instr| instr.transfer_stream() == TransferStream::Prefetch);
+    let mut second = if prefetches { comm.second_stream() } else { None };
+    let (main, run_main) = CommStream::new();
+    let (prefetch, run_prefetch) = CommStream::new();
     let epoch = inputs.epoch;
     let outcome = std::thread::scope(|scope| {
-        let comm_thread = scope.spawn(|| run_stream(&mut *comm, epoch));
-        let outcome = Run::with_channel(program, Channel::Stream(stream), inputs, gemm_threads).and_then(|mut run| {
-            run.run_all(native)?;
-            Ok(run.finish())
+        let mut threads = vec![scope.spawn(|| run_main(&mut *comm, epoch))];
+        let prefetch = second.as_mut().map(|second| {
+            threads.push(scope.spawn(move || run_prefetch(&mut **second, epoch)));
+            prefetch
         });
-        // The run (and with it the stream's sending side) is gone: the thread ends once the
+        let streams = CommStreams::new(main, prefetch);
+        let outcome = Run::with_channel(program, Channel::Stream(streams), inputs, gemm_threads).and_then(drive);
+        // The run (and with it the streams' sending sides) is gone: the threads end once the
         // transfers already started have.
-        if comm_thread.join().is_err() {
-            return Err(Error::Panicked { rank: program.rank, message: "the communication stream panicked".into() });
+        if threads.into_iter().map(|thread| thread.join()).any(|joined| joined.is_err()) {
+            return Err(Error::Panicked { rank: program.rank, message: "a communication stream panicked".into() });
         }
         outcome
     });
     let mut outcome = outcome?;
     outcome.comm = comm.stats().clone();
+    if let Some(second) = &second {
+        outcome.comm.merge(second.stats());
+    }
     Ok(outcome)
+}
+
+/// Whether `program` has transfers a `Wait` ends (and so something to run beside its kernels).
+pub(crate) fn is_asynchronous(program: &Program) -> bool {
+    pair_transfers(program).is_ok_and(|pairs| !pairs.is_empty())
 }
 
 /// Where a run's transfers go.
 enum Channel<'a> {
     /// Run on the rank's thread, each at its start; a `Wait` finds it ended.
     Inline(&'a mut dyn Communicator),
-    /// Run on the rank's communication stream, each from its start to its `Wait`.
-    Stream(CommStream),
+    /// Run on the rank's communication streams, each from its start to its `Wait`.
+    Stream(CommStreams),
 }
 
 /// One rank's run in progress: the buffers, the communicator and what is measured. The bytecode
@@ -731,11 +763,11 @@ impl<'a> Run<'a> {
                     Channel::Stream(stream) if pairs.wait_of.contains_key(&index) => {
                         // In flight until its wait: its results and staging count from now.
                         machine.reserve(transfer_bytes(program, transfer));
-                        stream.start(index, detached);
+                        stream.start(index, transfer.transfer_stream(), detached);
                     }
                     Channel::Stream(stream) => {
                         machine.transient(staging);
-                        stream.start(index, detached);
+                        stream.start(index, transfer.transfer_stream(), detached);
                         let (data, _) = finish(stream, machine, index, transfer)?;
                         complete(machine, transfer, data)?;
                     }
@@ -879,7 +911,7 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
             let chunks = kernels::split_dim_chunks(&machine.f32(*input)?, &shape, *split_dim, members.ranks.len());
             Transfer::AllToAll { group: group(members), chunks }
         }
-        Instr::Broadcast { inputs: sources, outs, group: members, root } => {
+        Instr::Broadcast { inputs: sources, outs, group: members, root, .. } => {
             let packed = if members.ranks.get(*root) == Some(&program.rank) {
                 pack(machine, sources)?
             } else {
@@ -956,15 +988,16 @@ fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<(
 
 /// Waits on `stream` for the transfer of instruction `start`; returns its data and its span.
 fn finish(
-    stream: &mut CommStream,
+    stream: &mut CommStreams,
     machine: &Machine,
     start: usize,
     transfer: &Instr,
 ) -> Result<(Vec<f32>, (u64, u64))> {
     let rank = machine.program.rank;
-    let done = stream
-        .finish(start)
-        .ok_or_else(|| Error::Panicked { rank, message: "the communication stream stopped".into() })?;
+    let done = stream.finish(start).ok_or_else(|| Error::Panicked {
+        rank,
+        message: "the communication stream stopped, or never ran this transfer".into(),
+    })?;
     let data = done.result.map_err(|source| Error::Comm {
         rank,
         instr: start,

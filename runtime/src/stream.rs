@@ -9,10 +9,16 @@
 //! every member. With the threads communicator's link emulation, a receive on the stream waits
 //! for the emulated wire while the rank's kernels keep running: that is the overlap the
 //! scheduler (`pleat_backend::overlap`) plans.
+//!
+//! [`CommStreams`] are a rank's streams: the main one, and a second for the weight prefetches
+//! (`TransferStream::Prefetch`) when the communicator gives one (`Communicator::second_stream`);
+//! without it, the main stream runs the prefetches too, in the order they were started.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Instant;
+
+use pleat_backend::TransferStream;
 
 use crate::comm::{CommError, Communicator, Group};
 use crate::expert_dispatch::{expert_dispatch, DispatchOperands};
@@ -142,6 +148,42 @@ impl CommStream {
             }
             let done = self.done.recv().ok()?;
             self.ended.insert(done.instr, done);
+        }
+    }
+}
+
+/// A rank's communication streams.
+pub(crate) struct CommStreams {
+    main: CommStream,
+    /// The prefetch stream; `None`: the main stream runs its transfers.
+    prefetch: Option<CommStream>,
+    /// The transfers started and not yet finished, and whether each went to the prefetch stream.
+    started: HashMap<usize, bool>,
+}
+
+impl CommStreams {
+    /// The main stream, and the prefetch stream if there is one.
+    pub(crate) fn new(main: CommStream, prefetch: Option<CommStream>) -> CommStreams {
+        CommStreams { main, prefetch, started: HashMap::new() }
+    }
+
+    /// Starts `transfer`, the transfer of instruction `instr`, on `stream` (the main one if the
+    /// rank has no other).
+    pub(crate) fn start(&mut self, instr: usize, stream: TransferStream, transfer: Transfer) {
+        let on_prefetch = stream == TransferStream::Prefetch && self.prefetch.is_some();
+        self.started.insert(instr, on_prefetch);
+        match &mut self.prefetch {
+            Some(prefetch) if on_prefetch => prefetch.start(instr, transfer),
+            _ => self.main.start(instr, transfer),
+        }
+    }
+
+    /// Blocks until the transfer of instruction `instr` has ended, on the stream it was started
+    /// on; `None` if it was never started or that stream's thread is gone.
+    pub(crate) fn finish(&mut self, instr: usize) -> Option<Done> {
+        match (self.started.remove(&instr)?, &mut self.prefetch) {
+            (true, Some(prefetch)) => prefetch.finish(instr),
+            _ => self.main.finish(instr),
         }
     }
 }

@@ -26,6 +26,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
+use pleat_backend::overlap::Prefetch;
 use pleat_backend::{Instr, Program};
 use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
@@ -50,6 +51,11 @@ pub struct OverlapArgs {
     /// communication takes about as long as compute (the report prints both).
     #[arg(long, value_name = "GBPS,US")]
     pub emulate_link: LinkSpec,
+    /// The scheduled program's communication streams a rank: 2 prefetches weights on a second
+    /// stream beside the first, 1 on the one stream when it is idle (as a runtime with one stream,
+    /// MPI's, runs them best).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub comm_streams: u8,
     /// Runs of each program; the medians are reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: u32,
@@ -124,8 +130,8 @@ fn cores_bound_s(timelines: &[Vec<crate::predict::Predicted>], share: f64, own: 
         .map(|slice| match (slice.work.stream, slice.work.collective) {
             (Stream::Compute, _) if slice.work.op == "wait" => 0.0,
             (Stream::Compute, _) => (slice.end_s - slice.start_s) * share,
-            (Stream::Comm, Some(Collective::SendRecv)) => crate::predict::seconds(&slice.work, own, 4) / 2.0,
-            (Stream::Comm, _) => crate::predict::seconds(&slice.work, own, 4),
+            (_, Some(Collective::SendRecv)) => crate::predict::seconds(&slice.work, own, 4) / 2.0,
+            (Stream::Comm | Stream::Prefetch, _) => crate::predict::seconds(&slice.work, own, 4),
         })
         .sum()
 }
@@ -166,7 +172,8 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     hw.gpus_per_node = hw.gpus_per_node.max(compiled.programs.len() as u64);
     hw.inter_node = hw.intra_node;
     let blocking = compiled.programs;
-    let reported = crate::predict::overlap_programs_reported(&blocking, &hw)?;
+    let prefetch = if args.comm_streams == 2 { Prefetch::OwnStream } else { Prefetch::MainStream };
+    let reported = crate::predict::overlap_programs_reported(&blocking, &hw, prefetch)?;
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
     let transfers: usize = reported.iter().map(|(_, report)| report.transfers).sum();
     let scheduled: Vec<Program> = reported.into_iter().map(|(program, _)| program).collect();
@@ -214,7 +221,12 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         for (name, programs, outcomes) in
             [("blocking", &blocking, &last_outcomes.0), ("scheduled", &scheduled, &last_outcomes.1)]
         {
-            crate::trace::write_measured(&dir.join(format!("{name}-measured.json")), programs, outcomes)?;
+            crate::trace::write_measured(
+                &dir.join(format!("{name}-measured.json")),
+                programs,
+                outcomes,
+                crate::trace::RunStreams::Two,
+            )?;
             let slices = crate::trace::predicted_slices(programs, &hw)?;
             let trace = crate::trace::chrome_trace(&slices, programs.len() as u32);
             crate::trace::write_trace(&dir.join(format!("{name}-predicted.json")), &trace)?;
@@ -239,6 +251,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 "mesh": mesh.to_string(),
                 "emulated_link": args.emulate_link.to_string(),
                 "repeats": args.repeats.max(1),
+                "comm_streams": args.comm_streams,
                 "transfers": transfers,
                 "overlapped_transfers": overlapped,
                 "hardware": hw.name,

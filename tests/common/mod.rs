@@ -123,7 +123,7 @@ pub fn check_programs(
 /// them alike.
 pub fn overlapped(programs: &[Program]) -> Vec<Program> {
     use pleat_backend::memory::ElementSize;
-    use pleat_backend::overlap::{schedule_ranks, OverlapOptions};
+    use pleat_backend::overlap::{schedule_ranks, OverlapOptions, Prefetch};
     let seconds = |program: &Program, instr: &pleat_backend::Instr| -> f64 {
         instr.outs().iter().map(|&out| program.buffer(out).bytes() as f64).sum::<f64>() * 1e-9
     };
@@ -131,7 +131,7 @@ pub fn overlapped(programs: &[Program]) -> Vec<Program> {
         seconds: &seconds,
         memory_budget: None,
         sizing: ElementSize::Declared,
-        prefetch_weights: true,
+        prefetch: Prefetch::OwnStream,
     };
     schedule_ranks(programs, &options).expect("the programs schedule").into_iter().map(|(program, _)| program).collect()
 }

@@ -18,7 +18,7 @@ pub fn read(path: &Path) -> Vec<Value> {
     document["traceEvents"].as_array().expect("traceEvents").clone()
 }
 
-/// Whether, on some rank, a transfer on the comm track runs while a kernel (not a wait or a load)
+/// Whether, on some rank, a transfer on a comm track runs while a kernel (not a wait or a load)
 /// runs on the compute track.
 pub fn some_rank_overlaps(events: &[Value]) -> bool {
     let mut tracks: Tracks = BTreeMap::new();
@@ -27,7 +27,8 @@ pub fn some_rank_overlaps(events: &[Value]) -> bool {
         let name = event["name"].as_str().unwrap().to_string();
         tracks.entry(key).or_default().push((event["ts"].as_f64().unwrap(), event["dur"].as_f64().unwrap(), name));
     }
-    tracks.iter().filter(|((_, tid), _)| *tid == 1).any(|((pid, _), transfers)| {
+    // Either communication track (1 the main stream, 2 the prefetches) against the compute track.
+    tracks.iter().filter(|((_, tid), _)| *tid != 0).any(|((pid, _), transfers)| {
         let kernels = tracks.get(&(*pid, 0)).map(Vec::as_slice).unwrap_or_default();
         transfers.iter().any(|(start, duration, _)| {
             kernels.iter().filter(|(_, _, name)| !name.starts_with("wait ") && !name.starts_with("load ")).any(

@@ -204,7 +204,7 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
                 .chain([AbiArg::U64s(dims.iter().map(|&dim| dim as u64).collect())])
                 .collect(),
         ),
-        Instr::AllGather { input, out, group: members, dim } => {
+        Instr::AllGather { input, out, group: members, dim, .. } => {
             let args = [Buffer(*input), Buffer(*out)].into_iter().chain(group(members)).chain([U64(*dim as u64)]);
             ("pleat_rt_all_gather", args.collect())
         }
@@ -216,7 +216,7 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
                 .chain([U64(*split_dim as u64), U64(*gather_dim as u64)])
                 .collect(),
         ),
-        Instr::Broadcast { inputs, outs, group: members, root } => (
+        Instr::Broadcast { inputs, outs, group: members, root, .. } => (
             "pleat_rt_broadcast",
             [Buffers(inputs.clone()), Buffers(outs.clone())]
                 .into_iter()
@@ -344,7 +344,7 @@ fn kernel_call(kernel: &Kernel) -> (&'static str, Vec<AbiArg>) {
 mod tests {
     use super::*;
     use crate::native::tests::residual_program;
-    use crate::program::Group;
+    use crate::program::{Group, TransferStream};
     use pleat_ir::entity::EntityRef;
 
     #[test]
@@ -386,6 +386,7 @@ mod tests {
             out: BufferId::new(1),
             group: Group { axis: "tp".into(), ranks: vec![2, 3] },
             dim: 1,
+            stream: TransferStream::Main,
         };
         let call = runtime_call(&gather);
         assert_eq!(call.symbol, "pleat_rt_all_gather");

@@ -186,6 +186,13 @@ impl CommStats {
     pub fn add(&mut self, kind: CollectiveKind, bytes: u64) {
         self.bytes_by_kind[kind.slot()] += bytes;
     }
+
+    /// Counts what `other` counted too (a rank's second stream's bytes beside its first's).
+    pub fn merge(&mut self, other: &CommStats) {
+        for (mine, theirs) in self.bytes_by_kind.iter_mut().zip(&other.bytes_by_kind) {
+            *mine += theirs;
+        }
+    }
 }
 
 /// What a message belongs to. Transports attach one to every message so that a receiver can check the
@@ -444,6 +451,16 @@ pub trait Communicator: Send {
     /// transfers then runs them on a communication thread of the rank, beside its kernels. `None`
     /// (the default) runs every transfer on the rank's own thread, at its start.
     fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
+        None
+    }
+
+    /// A second endpoint of this rank, for its second communication stream
+    /// (`TransferStream::Prefetch`): its collectives are sequenced and matched apart from this
+    /// endpoint's (with the peers' second streams), over the same links, and it runs on its own
+    /// thread beside this one. Every member of a collective must issue it on the same stream.
+    /// `None` (the default, and for a second stream itself): the rank has one stream, which then
+    /// runs both streams' transfers in the order they were started, always a safe order.
+    fn second_stream(&mut self) -> Option<Box<dyn Communicator>> {
         None
     }
 }

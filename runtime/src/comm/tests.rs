@@ -487,3 +487,59 @@ fn all_to_all_with_disagreeing_sizes_is_an_error() {
     let error = results[1].as_ref().expect_err("member 1 sees the mismatch");
     assert!(error.to_string().contains("all_to_all"), "{error}");
 }
+
+/// A rank's second stream runs its own collectives beside the first's, on the same group, at the
+/// same time: each matches only the peers' same stream, so both deliver their own results; a
+/// member that issues a collective on the other stream is not taken for a peer: the wait times
+/// out, naming who never came.
+#[test]
+fn a_second_stream_matches_only_the_peers_second_streams() {
+    let group = Group::world(3);
+    let results = run_ranks(3, GENEROUS, |comm| {
+        let rank = comm.rank();
+        let mut second = comm.second_stream().expect("the threads fabric has a second stream");
+        assert!(second.second_stream().is_none(), "a second stream has no third");
+        std::thread::scope(|scope| {
+            let prefetch = scope.spawn(|| {
+                let mut block = if rank == 2 { values(2, 5, 1) } else { vec![0.0; 5] };
+                second.broadcast(&group, 2, &mut block).expect("broadcast");
+                let mut gathered = vec![0.0; 6];
+                second.all_gather(&group, &values(rank, 2, 2), &mut gathered).expect("all_gather");
+                (block, gathered)
+            });
+            let mut sum = values(rank, 4, 3);
+            comm.all_reduce(&group, &mut sum).expect("all_reduce");
+            let mut gathered = vec![0.0; 3];
+            comm.all_gather(&group, &values(rank, 1, 4), &mut gathered).expect("all_gather");
+            (sum, gathered, prefetch.join().expect("the second stream's thread"))
+        })
+    });
+    let inputs = |len: usize, salt: u32| (0..3).map(|rank| values(rank, len, salt)).collect::<Vec<_>>();
+    for (sum, gathered, (block, prefetch_gathered)) in &results {
+        assert_eq!(*sum, naive(Collective::AllReduce, &inputs(4, 3))[0]);
+        assert_eq!(*gathered, inputs(1, 4).concat());
+        assert_eq!(*block, values(2, 5, 1));
+        assert_eq!(*prefetch_gathered, inputs(2, 2).concat());
+    }
+
+    let pair = Group::world(2);
+    let outcomes = run_ranks(2, SHORT, |comm| {
+        let mut buf = vec![1.0; 3];
+        if comm.rank() == 0 {
+            let mut second = comm.second_stream().expect("a second stream");
+            second.all_reduce(&pair, &mut buf)
+        } else {
+            comm.all_reduce(&pair, &mut buf)
+        }
+    });
+    // Whichever times out first names the other; the other then fails for it or times out too.
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let peer = 1 - rank as u32;
+        match outcome {
+            Err(CommError::Timeout { waiting_for, .. }) => assert_eq!(*waiting_for, vec![peer]),
+            Err(CommError::PeerFailed { peer: failed, .. }) => assert_eq!(*failed, peer),
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+    assert!(outcomes.iter().any(|outcome| matches!(outcome, Err(CommError::Timeout { .. }))), "{outcomes:?}");
+}

@@ -16,6 +16,13 @@
 //! With a [`LinkSpec`] ([`ThreadFabric::with_link`]) every message is held back until the emulated
 //! link would have delivered it (see [`super::link`]), so communication costs time as on a network.
 //!
+//! A rank may open a second stream ([`Communicator::second_stream`]): an endpoint of its own with its
+//! own mailboxes and sequence numbers, so that its collectives match only the peers' second streams,
+//! over the same links as the first. Once a rank has two, its sends are paced: a stream's sender
+//! waits until its message has left the emulated wire before handing over the next, so the two
+//! streams' messages interleave on a link (each gets about half of it while both send) instead of
+//! one transfer's whole backlog going first.
+//!
 //! The collectives are those of [`super::ring`], run over this fabric as their [`Transport`].
 
 use std::collections::{HashMap, VecDeque};
@@ -47,14 +54,21 @@ impl ThreadFabric {
     pub fn with_link(world_size: u32, timeout: Duration, link: Option<LinkSpec>) -> Vec<ThreadComm> {
         let n_ranks = world_size as usize;
         let shared = Arc::new(Shared {
-            mailboxes: (0..n_ranks)
+            mailboxes: (0..STREAMS * n_ranks)
                 .map(|_| Mailbox {
                     queues: Mutex::new((0..n_ranks).map(|_| VecDeque::new()).collect()),
                     arrived: Condvar::new(),
                 })
                 .collect(),
             failures: Mutex::new(Vec::new()),
-            arrivals: (0..n_ranks).map(|_| Mutex::new(HashMap::new())).collect(),
+            arrivals: (0..STREAMS * n_ranks).map(|_| Mutex::new(HashMap::new())).collect(),
+            point_to_point: (0..STREAMS * n_ranks)
+                .map(|_| Mutex::new(PointToPoint { sends_to: vec![0; n_ranks], recvs_from: vec![0; n_ranks] }))
+                .collect(),
+            links: (0..n_ranks)
+                .map(|_| Mutex::new(Links { clocks: vec![LinkClock::default(); n_ranks], paced: false }))
+                .collect(),
+            n_ranks,
         });
         (0..world_size)
             .map(|rank| ThreadComm {
@@ -63,11 +77,9 @@ impl ThreadFabric {
                 timeout,
                 shared: Arc::clone(&shared),
                 stats: CommStats::default(),
-                sends_to: vec![0; n_ranks],
-                recvs_from: vec![0; n_ranks],
                 failed: None,
                 link,
-                link_clocks: vec![LinkClock::default(); n_ranks],
+                stream: 0,
             })
             .collect()
     }
@@ -80,27 +92,46 @@ pub struct ThreadComm {
     timeout: Duration,
     shared: Arc<Shared>,
     stats: CommStats,
-    /// Point-to-point messages sent to each rank so far: the sequence number of the next one.
-    sends_to: Vec<u64>,
-    /// Point-to-point messages received from each rank so far.
-    recvs_from: Vec<u64>,
     /// Why this endpoint failed, once it has.
     failed: Option<String>,
     /// The emulated link, if any.
     link: Option<LinkSpec>,
-    /// Indexed by receiving rank: the clock of this rank's outgoing link to it.
-    link_clocks: Vec<LinkClock>,
+    /// Which of the rank's streams this endpoint is: 0, or 1 for [`Communicator::second_stream`].
+    stream: usize,
+}
+
+/// The streams a rank may have.
+const STREAMS: usize = 2;
+
+/// One stream's point-to-point sequence numbers: the next message to or from each rank.
+struct PointToPoint {
+    sends_to: Vec<u64>,
+    recvs_from: Vec<u64>,
+}
+
+/// One rank's outgoing links, which its streams share.
+struct Links {
+    /// Indexed by receiving rank: the clock of this rank's link to it.
+    clocks: Vec<LinkClock>,
+    /// Whether a sender waits until its message has left the wire (once the rank has two streams).
+    paced: bool,
 }
 
 /// What the endpoints of one fabric share.
 struct Shared {
-    /// Indexed by receiving rank.
+    /// Indexed by stream and receiving rank: `stream · n_ranks + rank`.
     mailboxes: Vec<Mailbox>,
     /// Failed ranks, in the order they failed.
     failures: Mutex<Vec<Failure>>,
-    /// Indexed by rank: how many collectives the rank has entered on each group. A member has reached
-    /// operation `s` of a group when its count is above `s`; timeouts use it to say who never came.
+    /// Indexed by stream and rank (`stream · n_ranks + rank`, as `mailboxes`): how many
+    /// collectives the rank's stream has entered on each group. A member has reached operation `s`
+    /// of a group when its count is above `s`; timeouts use it to say who never came.
     arrivals: Vec<Mutex<HashMap<Group, u64>>>,
+    /// Indexed as `arrivals`.
+    point_to_point: Vec<Mutex<PointToPoint>>,
+    /// Indexed by rank.
+    links: Vec<Mutex<Links>>,
+    n_ranks: usize,
 }
 
 struct Mailbox {
@@ -152,15 +183,16 @@ impl Shared {
             .map(|failure| (failure.rank, failure.reason.clone()))
     }
 
-    /// The members of `op`'s group, other than `me`, that have not yet entered `op`.
-    fn missing_members(&self, me: u32, op: &OpContext<'_>) -> Vec<u32> {
+    /// The members of `op`'s group, other than `me`, whose `stream` has not yet entered `op`.
+    fn missing_members(&self, me: u32, stream: usize, op: &OpContext<'_>) -> Vec<u32> {
         op.group
             .ranks
             .iter()
             .copied()
             .filter(|&member| member != me)
             .filter(|&member| {
-                let entered = lock(&self.arrivals[member as usize]).get(op.group).copied().unwrap_or(0);
+                let entered =
+                    lock(&self.arrivals[stream * self.n_ranks + member as usize]).get(op.group).copied().unwrap_or(0);
                 entered <= op.sequence
             })
             .collect()
@@ -168,6 +200,16 @@ impl Shared {
 }
 
 impl ThreadComm {
+    /// Where `rank`'s state for this endpoint's stream is, in `Shared`'s per-stream vectors.
+    fn slot(&self, rank: u32) -> usize {
+        self.stream * self.shared.n_ranks + rank as usize
+    }
+
+    /// Runs `with` on this stream's point-to-point sequence numbers.
+    fn point_to_point<T>(&self, with: impl FnOnce(&mut PointToPoint) -> T) -> T {
+        with(&mut lock(&self.shared.point_to_point[self.slot(self.rank)]))
+    }
+
     /// Runs `body` unless this endpoint already failed; any error it returns makes the endpoint fail.
     fn guarded(
         &mut self,
@@ -201,7 +243,7 @@ impl ThreadComm {
 
     /// Counts one more operation of this rank on `group` and returns its sequence number.
     fn enter(&self, group: &Group) -> u64 {
-        let mut entered = lock(&self.shared.arrivals[self.rank as usize]);
+        let mut entered = lock(&self.shared.arrivals[self.slot(self.rank)]);
         if let Some(count) = entered.get_mut(group) {
             *count += 1;
             return *count - 1;
@@ -228,7 +270,7 @@ impl ThreadComm {
     /// the timeout passes.
     fn wait_for_message(&self, op: &OpContext<'_>, peer: u32) -> Result<Message, CommError> {
         let deadline = Instant::now() + self.timeout;
-        let mailbox = &self.shared.mailboxes[self.rank as usize];
+        let mailbox = &self.shared.mailboxes[self.slot(self.rank)];
         let mut queues = lock(&mailbox.queues);
         loop {
             // A message already delivered is taken even if its sender failed since, so that a
@@ -250,7 +292,7 @@ impl ThreadComm {
                 drop(queues);
                 let mut waiting_for = match op.kind {
                     CollectiveKind::SendRecv => Vec::new(),
-                    _ => self.shared.missing_members(self.rank, op),
+                    _ => self.shared.missing_members(self.rank, self.stream, op),
                 };
                 if waiting_for.is_empty() {
                     waiting_for.push(peer);
@@ -283,12 +325,24 @@ impl Transport for ThreadComm {
             return Err(CommError::PeerFailed { rank: self.rank, peer: failed, reason, op: op.describe() });
         }
         let bytes = std::mem::size_of_val(data) as u64;
-        let arrives_at = self.link.map(|link| self.link_clocks[peer as usize].schedule(&link, Instant::now(), bytes));
+        let (arrives_at, paced) = match self.link {
+            Some(link) => {
+                let mut links = lock(&self.shared.links[self.rank as usize]);
+                let arrives_at = links.clocks[peer as usize].schedule(&link, Instant::now(), bytes);
+                (Some(arrives_at), links.paced.then(|| arrives_at - link.latency))
+            }
+            None => (None, None),
+        };
         let message = Message { tag: op.tag(data.len()), data: data.to_vec(), arrives_at };
-        let mailbox = &self.shared.mailboxes[peer as usize];
+        let mailbox = &self.shared.mailboxes[self.slot(peer)];
         lock(&mailbox.queues)[self.rank as usize].push_back(message);
         mailbox.arrived.notify_all();
         self.stats.add(op.kind, bytes);
+        // Paced: the next message of this stream is handed over once this one has left the wire,
+        // so that a message of the rank's other stream handed over meanwhile goes between.
+        if let Some(wait) = paced.and_then(|left| left.checked_duration_since(Instant::now())) {
+            std::thread::sleep(wait);
+        }
         Ok(())
     }
 
@@ -310,6 +364,23 @@ impl Communicator for ThreadComm {
 
     fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
         Some(self)
+    }
+
+    fn second_stream(&mut self) -> Option<Box<dyn Communicator>> {
+        if self.stream != 0 {
+            return None;
+        }
+        lock(&self.shared.links[self.rank as usize]).paced = true;
+        Some(Box::new(ThreadComm {
+            rank: self.rank,
+            world_size: self.world_size,
+            timeout: self.timeout,
+            shared: Arc::clone(&self.shared),
+            stats: CommStats::default(),
+            failed: None,
+            link: self.link,
+            stream: 1,
+        }))
     }
 
     fn world_size(&self) -> u32 {
@@ -356,22 +427,22 @@ impl Communicator for ThreadComm {
 
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![self.rank, peer]);
-        let sequence = self.sends_to.get(peer as usize).copied().unwrap_or(0);
+        let sequence = self.point_to_point(|counts| counts.sends_to.get(peer as usize).copied().unwrap_or(0));
         let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: data.len() };
         self.guarded(&op, |comm| {
             comm.check_peer(&op, peer)?;
-            comm.sends_to[peer as usize] += 1;
+            comm.point_to_point(|counts| counts.sends_to[peer as usize] += 1);
             comm.send_message(&op, peer, data)
         })
     }
 
     fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![peer, self.rank]);
-        let sequence = self.recvs_from.get(peer as usize).copied().unwrap_or(0);
+        let sequence = self.point_to_point(|counts| counts.recvs_from.get(peer as usize).copied().unwrap_or(0));
         let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: buf.len() };
         self.guarded(&op, |comm| {
             comm.check_peer(&op, peer)?;
-            comm.recvs_from[peer as usize] += 1;
+            comm.point_to_point(|counts| counts.recvs_from[peer as usize] += 1);
             comm.recv_message(&op, peer, buf)
         })
     }
@@ -411,6 +482,7 @@ impl fmt::Debug for ThreadComm {
             .field("stats", &self.stats)
             .field("failed", &self.failed)
             .field("link", &self.link)
+            .field("stream", &self.stream)
             .finish_non_exhaustive()
     }
 }
