@@ -5,9 +5,10 @@
 //! A rank runs two streams: the compute stream runs the program's instructions in order, and the
 //! communication stream runs the transfers they start, one after another, in the order they were
 //! started (`crate::transfers`). With [`Prefetch::OwnStream`] a second communication stream runs
-//! the weight prefetches, sharing the links with the first. Lowering writes every transfer blocking, at the point its
-//! result is first needed. [`schedule`] turns each into a start and a `Wait` and list-schedules
-//! the dependency graph over the two streams, driven by the cost model's predicted seconds:
+//! the weight prefetches, sharing the links with the first. Lowering writes every transfer
+//! blocking, at the point its result is first needed. [`schedule`] turns each into a start and a
+//! `Wait` and list-schedules the dependency graph over the streams, driven by the cost model's
+//! predicted seconds:
 //!
 //! - the transfers keep their relative order, so every rank still issues its collectives and
 //!   messages in the order its peers expect (the matching check sees the same sequence), and a

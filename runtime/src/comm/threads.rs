@@ -16,12 +16,12 @@
 //! With a [`LinkSpec`] ([`ThreadFabric::with_link`]) every message is held back until the emulated
 //! link would have delivered it (see [`super::link`]), so communication costs time as on a network.
 //!
-//! A rank may open a second stream ([`Communicator::second_stream`]): an endpoint of its own with its
-//! own mailboxes and sequence numbers, so that its collectives match only the peers' second streams,
-//! over the same links as the first. Once a rank has two, its sends are paced: a stream's sender
-//! waits until its message has left the emulated wire before handing over the next, so the two
-//! streams' messages interleave on a link (each gets about half of it while both send) instead of
-//! one transfer's whole backlog going first.
+//! A rank may open a second stream ([`Communicator::second_stream`]): an endpoint of its own, with
+//! its own mailboxes and sequence numbers so that its collectives match only the peers' second
+//! streams, over the same links as the first. Once a rank has two, its sends are paced: a stream's
+//! sender waits until its message has left the emulated wire before handing over the next, so the
+//! two streams' messages interleave on a link (each gets about half of it while both send) instead
+//! of one transfer's whole backlog going first.
 //!
 //! The collectives are those of [`super::ring`], run over this fabric as their [`Transport`].
 
