@@ -1,9 +1,11 @@
 //! What each instruction of a `Program` is (stream, name, bytes, flops) and the predicted timeline
 //! of every rank's program under the cost model.
 //!
-//! The prediction runs each rank's program as the runtime does, on two streams. The compute stream
-//! runs the instructions in program order. A transfer starts on the communication stream when the
-//! compute stream reaches it and the transfers before it have ended; a collective begins when
+//! The prediction runs each rank's program as the runtime does, on its streams. The compute stream
+//! runs the instructions in program order. A transfer starts on its communication stream (the main
+//! one, or the prefetch stream for a weight prefetch) when the compute stream reaches it and the
+//! transfers before it on that stream have ended; while both communication streams carry a
+//! transfer they share the link, each at half speed; a collective begins when
 //! every member of its group has started it, and a `Recv` ends no earlier than the matching
 //! `Send`. A transfer that a `Wait` ends runs beside the instructions up to that wait, which holds
 //! the compute stream until the transfer has ended; any other transfer but a send holds it at

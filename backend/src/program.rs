@@ -641,7 +641,8 @@ pub enum Instr {
     /// communication stream. When a later `Wait` names it, the transfer is asynchronous: the
     /// instructions between run beside it, and none of them may read its results or free (or
     /// overwrite) what it reads or writes. A transfer no `Wait` names completes before the next
-    /// instruction. Transfers run one after another in program order on every rank.
+    /// instruction. The transfers of a stream ([`TransferStream`]) run one after another in
+    /// program order on every rank.
     Wait {
         /// The transfer's handle: the buffers it writes, or a `Send`'s buffers.
         handle: Vec<BufferId>,
