@@ -262,8 +262,8 @@ impl RankContext<'_> {
     fn run_instruction(&mut self, index: u64, instr: Instr) -> Result<()> {
         self.begin(index)?;
         let program = self.run.program();
-        // The ABI carries no stream (an entry function runs its transfers at their start): a
-        // prefetch on its own stream is the same instruction.
+        // The ABI carries no stream: a prefetch on its own stream is the same instruction, and
+        // the program's own copy, which names the stream, is the one run.
         let same = program.instructions.get(index as usize).is_some_and(|own| {
             *own == instr
                 || own.transfer_stream() != TransferStream::Main && own.clone().on_stream(TransferStream::Main) == instr
@@ -275,7 +275,6 @@ impl RankContext<'_> {
             )));
         }
         if !self.check_only {
-            // The program's own instruction, which names the stream its transfer runs on.
             self.run.step(index as usize, &program.instructions[index as usize], None)?;
         }
         self.end(index)

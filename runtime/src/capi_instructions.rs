@@ -169,8 +169,8 @@ pub unsafe extern "C" fn pleat_rt_all_gather(
                 out: buffer(out),
                 group: group(axis, axis_length, ranks, rank_count),
                 dim: dim as usize,
-                // The ABI carries no stream: a native entry function runs its transfers in program
-                // order on one stream, always safe (`TransferStream`).
+                // The ABI carries no stream; the runtime runs the program's own instruction,
+                // which names it (`RankContext::run_instruction`).
                 stream: TransferStream::Main,
             })
         })
