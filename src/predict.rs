@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use anyhow::{bail, Result};
 use pleat_backend::memory::ElementSize;
-use pleat_backend::overlap::{schedule_ranks, OverlapOptions, OverlapReport, Prefetch};
+use pleat_backend::overlap::{schedule_ranks, OverlapOptions, OverlapReport, Prefetch, StreamClocks};
 use pleat_backend::transfers::{pair_transfers, TransferPairs};
 use pleat_backend::{AttentionDims, Instr, Kernel, Program, TransferStream};
 use pleat_passes::cost::comm::{self, Collective};
@@ -310,14 +310,12 @@ pub struct Predicted {
 struct RankState {
     pc: usize,
     compute_free: f64,
-    /// Per communication stream (main, prefetch): when its last transfer ends.
-    stream_free: [f64; 2],
-    /// Per communication stream: its transfers that may still be in flight.
-    in_flight: [Vec<usize>; 2],
+    /// The communication streams' clocks.
+    streams: StreamClocks,
     pairs: TransferPairs,
     transfer_end: HashMap<usize, f64>,
     /// Per stream and group: the collectives entered so far.
-    group_calls: HashMap<(usize, Vec<u32>), usize>,
+    group_calls: HashMap<(TransferStream, Vec<u32>), usize>,
     slices: Vec<Predicted>,
     /// Per transfer instruction: its slice in `slices`.
     slice_of: HashMap<usize, usize>,
@@ -354,8 +352,7 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
         states.push(RankState {
             pc: 0,
             compute_free: 0.0,
-            stream_free: [0.0; 2],
-            in_flight: [Vec::new(), Vec::new()],
+            streams: StreamClocks::default(),
             pairs: pair_transfers(program)?,
             transfer_end: HashMap::new(),
             group_calls: HashMap::new(),
@@ -365,7 +362,7 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
     }
     // (stream, group, call index) -> each member's arrival time; (sender, receiver) -> sends in
     // order.
-    let mut arrivals: BTreeMap<(usize, Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
+    let mut arrivals: BTreeMap<(TransferStream, Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
     let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64)>> = HashMap::new();
     loop {
         let mut progressed = false;
@@ -379,8 +376,8 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                 };
                 let cost = instr_seconds(program, instr, &work, hw);
                 let issue = state.compute_free;
-                let stream = usize::from(instr.transfer_stream() == TransferStream::Prefetch);
-                let arrival = issue.max(state.stream_free[stream]);
+                let stream = instr.transfer_stream();
+                let arrival = issue.max(state.streams.free(stream));
                 let (start_s, end_s) = match instr {
                     Instr::AllReduce { group, .. }
                     | Instr::ReduceScatter { group, .. }
@@ -427,9 +424,15 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                 let mut exposed_s = 0.0;
                 let mut end_s = end_s;
                 if instr.is_transfer() {
-                    end_s += share_link(state, stream, start_s, end_s - start_s);
-                    state.stream_free[stream] = end_s;
-                    state.in_flight[stream].push(state.pc);
+                    // The link is shared with the other stream's transfers in flight.
+                    let (ends, stretched) = state.streams.run(stream, state.pc, start_s, end_s - start_s);
+                    end_s = ends;
+                    for (transfer, end) in stretched {
+                        state.transfer_end.insert(transfer, end);
+                        if let Some(slice) = state.slice_of.get(&transfer).and_then(|&at| state.slices.get_mut(at)) {
+                            slice.end_s = end;
+                        }
+                    }
                     state.slice_of.insert(state.pc, state.slices.len());
                     state.transfer_end.insert(state.pc, end_s);
                     let blocking = !state.pairs.wait_of.contains_key(&state.pc) && !matches!(instr, Instr::Send { .. });
@@ -464,30 +467,6 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
             bail!(crate::usage::UsageError::ProgramsStuck { stuck });
         }
     }
-}
-
-/// Processor sharing of a rank's links between its two communication streams: a transfer of
-/// `seconds` alone, beginning at `begins` on `stream` while the other stream is busy, moves at
-/// half speed beside it, as the other's transfers do. Stretches the other's transfers in flight
-/// (their ends, slices and the stream's end) and returns how much later this one ends. Nothing
-/// changes while only one stream carries transfers.
-fn share_link(state: &mut RankState, stream: usize, begins: f64, seconds: f64) -> f64 {
-    let other = 1 - stream;
-    let shared = (state.stream_free[other] - begins).clamp(0.0, seconds.max(0.0));
-    if shared <= 0.0 {
-        return 0.0;
-    }
-    let RankState { in_flight, transfer_end, slices, slice_of, stream_free, .. } = state;
-    in_flight[other].retain(|transfer| transfer_end.get(transfer).is_some_and(|&end| end > begins));
-    for transfer in &in_flight[other] {
-        let Some(end) = transfer_end.get_mut(transfer) else { continue };
-        *end += (*end - begins).min(shared);
-        if let Some(slice) = slice_of.get(transfer).and_then(|&at| slices.get_mut(at)) {
-            slice.end_s = *end;
-        }
-        stream_free[other] = stream_free[other].max(*end);
-    }
-    shared
 }
 
 /// A mixture-of-experts kernel's flops when routing is balanced: the router on every row, and each

@@ -124,6 +124,9 @@ pub fn predicted_slices(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<S
 /// threads (compute, comm, and prefetch where it has prefetches), then one complete event a slice.
 pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
     let mut events = Vec::with_capacity(slices.len() + 3 * ranks as usize);
+    // The prefetch stream's track only where the rank has one.
+    let with_prefetches: std::collections::HashSet<u32> =
+        slices.iter().filter(|slice| slice.work.stream == Stream::Prefetch).map(|slice| slice.rank).collect();
     for rank in 0..ranks {
         events.push(
             json!({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": format!("rank {rank}")}}),
@@ -131,8 +134,7 @@ pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
         events.push(
             json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}}),
         );
-        // The prefetch stream's track only where the rank has one.
-        let prefetches = slices.iter().any(|slice| slice.rank == rank && slice.work.stream == Stream::Prefetch);
+        let prefetches = with_prefetches.contains(&rank);
         let tracks = [(Stream::Compute, "compute"), (Stream::Comm, "comm"), (Stream::Prefetch, "prefetch")];
         for (stream, name) in tracks.into_iter().filter(|&(stream, _)| stream != Stream::Prefetch || prefetches) {
             events.push(

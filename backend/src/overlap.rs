@@ -71,6 +71,51 @@ pub enum Prefetch {
     OwnStream,
 }
 
+/// The clocks of a rank's two communication streams, which share its links: while both carry a
+/// transfer each moves at half speed (processor sharing), so a transfer beginning beside the
+/// other stream's ends later by the time they share, and so does each of the other's in flight.
+/// With one stream in use nothing is shared. The scheduler and the binary's predictor both cost
+/// the streams with it.
+#[derive(Clone, Debug, Default)]
+pub struct StreamClocks {
+    /// Per stream (main, prefetch): when its last transfer ends.
+    free: [f64; 2],
+    /// Per stream: its transfers that may still be in flight, and their ends.
+    in_flight: [Vec<(usize, f64)>; 2],
+}
+
+impl StreamClocks {
+    fn slot(stream: TransferStream) -> usize {
+        usize::from(stream == TransferStream::Prefetch)
+    }
+
+    /// When `stream`'s last transfer ends.
+    pub fn free(&self, stream: TransferStream) -> f64 {
+        self.free[Self::slot(stream)]
+    }
+
+    /// Runs transfer `id`, of `seconds` alone, on `stream` from `begins` (no earlier than
+    /// [`StreamClocks::free`]); returns when it ends, and the other stream's transfers it slowed
+    /// with their new ends.
+    pub fn run(&mut self, stream: TransferStream, id: usize, begins: f64, seconds: f64) -> (f64, Vec<(usize, f64)>) {
+        let (own, other) = (Self::slot(stream), 1 - Self::slot(stream));
+        let shared = (self.free[other] - begins).clamp(0.0, seconds.max(0.0));
+        self.in_flight[other].retain(|&(_, end)| end > begins);
+        let mut stretched = Vec::new();
+        if shared > 0.0 {
+            for (transfer, end) in &mut self.in_flight[other] {
+                *end += (*end - begins).min(shared);
+                self.free[other] = self.free[other].max(*end);
+                stretched.push((*transfer, *end));
+            }
+        }
+        let ends = begins + seconds + shared;
+        self.free[own] = ends;
+        self.in_flight[own].push((id, ends));
+        (ends, stretched)
+    }
+}
+
 /// What [`schedule`] did to one program.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OverlapReport {
@@ -292,12 +337,16 @@ fn list_schedule(
     let mut transfer_end = vec![0.0f64; count];
     let mut remaining_uses = graph.use_count.clone();
     let own_stream = options.prefetch == Prefetch::OwnStream;
-    // Per instruction: the stream its transfer runs on (0 main, 1 prefetch).
-    let stream_of = |index: usize| usize::from(own_stream && graph.prefetch[index]);
+    // Per instruction: the stream its transfer runs on.
+    let stream_of = |index: usize| {
+        if own_stream && graph.prefetch[index] {
+            TransferStream::Prefetch
+        } else {
+            TransferStream::Main
+        }
+    };
     let mut compute_free = 0.0f64;
-    // Per stream: when its last transfer ends, and its transfers that may still be in flight.
-    let mut stream_free = [0.0f64; 2];
-    let mut in_flight: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+    let mut streams = StreamClocks::default();
     let mut live = 0u64;
     let mut instructions = Vec::with_capacity(program.instructions.len() + count);
     while !candidates.is_empty() {
@@ -309,7 +358,7 @@ fn list_schedule(
                 // A prefetch only fills an idle stream: on the main one, queued behind other
                 // transfers it would delay them; on its own, one is in flight at a time (double
                 // buffering) rather than every weight at once.
-                deps.max(stream_free[stream_of(node / 2)])
+                deps.max(streams.free(stream_of(node / 2)))
             } else {
                 deps
             }
@@ -382,23 +431,14 @@ fn list_schedule(
         } else if instr.is_transfer() {
             compute_free = start;
             let stream = stream_of(index);
-            let begins = start.max(stream_free[stream]);
-            let other = 1 - stream;
-            in_flight[other].retain(|&transfer| transfer_end[transfer] > begins);
-            // Processor sharing: while the other stream is busy past `begins`, each moves at half
-            // speed, so both are late by the time they share (never with one stream: the other
-            // then carries nothing).
-            let shared = (stream_free[other] - begins).clamp(0.0, seconds[index]);
-            for &transfer in &in_flight[other] {
-                transfer_end[transfer] += (transfer_end[transfer] - begins).min(shared);
-                stream_free[other] = stream_free[other].max(transfer_end[transfer]);
+            let begins = start.max(streams.free(stream));
+            let (ends, stretched) = streams.run(stream, index, begins, seconds[index]);
+            transfer_end[index] = ends;
+            for (transfer, end) in stretched {
+                transfer_end[transfer] = end;
             }
-            transfer_end[index] = begins + seconds[index] + shared;
-            stream_free[stream] = transfer_end[index];
-            in_flight[stream].push(index);
             live += allocates(chosen);
-            let on = if stream == 1 { TransferStream::Prefetch } else { TransferStream::Main };
-            instructions.push(instr.clone().on_stream(on));
+            instructions.push(instr.clone().on_stream(stream));
         } else {
             compute_free = start + seconds[index];
             live += allocates(chosen);
@@ -450,7 +490,7 @@ fn list_schedule(
         peak_before_bytes: 0,
         peak_after_bytes: plan(&scheduled, options.sizing).peak_bytes,
         blocking_s,
-        scheduled_s: compute_free.max(stream_free[0]).max(stream_free[1]),
+        scheduled_s: compute_free.max(streams.free(TransferStream::Main)).max(streams.free(TransferStream::Prefetch)),
     };
     Ok((scheduled, report))
 }

@@ -468,7 +468,7 @@ pub enum AttentionOperand {
 /// instead of queueing behind that transfer. The two share the rank's links. A runtime with one
 /// stream runs both in start order, which is always safe: every rank issues its transfers in the
 /// order `crate::verify_collectives` checked, each blocking.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum TransferStream {
     /// Collectives, sends and receives, in program order.
     #[default]

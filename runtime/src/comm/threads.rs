@@ -183,6 +183,12 @@ impl Shared {
             .map(|failure| (failure.rank, failure.reason.clone()))
     }
 
+    /// Where `rank`'s state for `stream` is in the per-stream vectors (`mailboxes`, `arrivals`,
+    /// `point_to_point`).
+    fn slot(&self, stream: usize, rank: u32) -> usize {
+        stream * self.n_ranks + rank as usize
+    }
+
     /// The members of `op`'s group, other than `me`, whose `stream` has not yet entered `op`.
     fn missing_members(&self, me: u32, stream: usize, op: &OpContext<'_>) -> Vec<u32> {
         op.group
@@ -191,8 +197,7 @@ impl Shared {
             .copied()
             .filter(|&member| member != me)
             .filter(|&member| {
-                let entered =
-                    lock(&self.arrivals[stream * self.n_ranks + member as usize]).get(op.group).copied().unwrap_or(0);
+                let entered = lock(&self.arrivals[self.slot(stream, member)]).get(op.group).copied().unwrap_or(0);
                 entered <= op.sequence
             })
             .collect()
@@ -202,7 +207,7 @@ impl Shared {
 impl ThreadComm {
     /// Where `rank`'s state for this endpoint's stream is, in `Shared`'s per-stream vectors.
     fn slot(&self, rank: u32) -> usize {
-        self.stream * self.shared.n_ranks + rank as usize
+        self.shared.slot(self.stream, rank)
     }
 
     /// Runs `with` on this stream's point-to-point sequence numbers.
