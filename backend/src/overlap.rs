@@ -400,9 +400,13 @@ fn list_schedule(
             // A transfer predicted done costs no stall: waiting for it first lets its readers run
             // while the others are still in flight (TSP's next owner block, prefetched, before the
             // current owner's k/v all-gather). On the one stream it started before every transfer
-            // not predicted done, so it ends before them whatever the prediction's error.
+            // not predicted done, so it ends before them whatever the prediction's error. Only
+            // where it is all a reader still waits for, though: a prefetch for a later layer,
+            // waited for now, would stall the compute stream if the prediction was short and let
+            // nothing run sooner if it was not.
+            let unblocks = |wait: Node| successors[wait].iter().any(|&next| waiting_on[next] == 1);
             waits()
-                .filter(|&node| ready(node) <= compute_free)
+                .filter(|&node| ready(node) <= compute_free && unblocks(node))
                 .min_by(earliest_reader)
                 .or_else(|| waits().min_by(earliest_reader))
         };
@@ -744,6 +748,69 @@ mod tests {
         let all_reduce = two.iter().position(|line| line == "b3 = all_reduce(b0) tp[0, 1]");
         assert!(gather.is_some() && all_reduce.is_some(), "{two:?}");
         assert!(gather < two.iter().position(|line| line.starts_with("b4 = matmul")), "{two:?}");
+    }
+
+    /// `y = x·w0` is all-reduced (4 s) for `u = y' + x`; `w1`, a weight, is gathered on the
+    /// prefetch stream (1 s) for `z = u·w1'`. Once `y` is made, the gather is predicted done and
+    /// the all-reduce is not, but waiting for the gather first lets nothing run sooner (`z` needs
+    /// `u` as well), and, were the gather slower than predicted, would stall the all-reduce's
+    /// reader behind it: the all-reduce's wait comes first.
+    #[test]
+    fn a_prefetch_predicted_done_is_not_waited_for_before_its_reader_could_run() {
+        let buffer = |name: &str, kind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![64, 64], kind };
+        let names = ["x", "w0", "w1", "y", "y.sum", "u", "w1.gathered", "z"];
+        let load = |out: usize| Instr::LoadParam {
+            out: id(out),
+            name: names[out].into(),
+            shape: vec![64, 64],
+            region: vec![(0, 64), (0, 64)],
+        };
+        let tp = Group { axis: "tp".into(), ranks: vec![0, 1] };
+        let matmul = |a: usize, w: usize, out: usize| Instr::Kernel {
+            kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
+            inputs: vec![id(a), id(w)],
+            out: id(out),
+        };
+        let program = Program {
+            buffers: names
+                .iter()
+                .enumerate()
+                .map(|(at, name)| buffer(name, if at < 3 { BufferKind::Param } else { BufferKind::Activation }))
+                .collect(),
+            instructions: vec![
+                load(0),
+                load(1),
+                load(2),
+                matmul(0, 1, 3),
+                Instr::AllReduce { inputs: vec![id(3)], outs: vec![id(4)], group: tp.clone() },
+                Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(4), id(0)], out: id(5) },
+                Instr::AllGather { input: id(2), out: id(6), group: tp, dim: 0, stream: TransferStream::Main },
+                matmul(5, 6, 7),
+                Instr::Output { buf: id(7), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
+            ],
+            ..block()
+        };
+        let seconds = |_: &Program, instr: &Instr| match instr {
+            Instr::Kernel { kernel: Kernel::MatMul { .. }, .. } => 2.0,
+            Instr::AllReduce { .. } => 4.0,
+            Instr::AllGather { .. } => 1.0,
+            _ => 0.0,
+        };
+        let options = OverlapOptions {
+            seconds: &seconds,
+            memory_budget: None,
+            sizing: ElementSize::Fixed(4),
+            prefetch: Prefetch::OwnStream,
+        };
+        let (scheduled, report) = schedule(&program, &options).unwrap();
+        let text = text(&scheduled);
+        let at = |line: &str| text.iter().position(|got| got == line).unwrap_or_else(|| panic!("{line} in {text:?}"));
+        // The gather started first, on its own stream, and is waited for only once `u` exists.
+        assert!(at("b6 = all_gather(b2) dim=0 tp[0, 1] on prefetch") < at("b3 = matmul m=64 n=64 k=64(b0, b1)"));
+        assert!(at("wait(b4)") < at("b5 = add(b4, b0)"), "{text:?}");
+        assert!(at("b5 = add(b4, b0)") < at("wait(b6)"), "{text:?}");
+        // y 0-2, its all-reduce 2-6, u at 6, z 6-8 (the gather was done at 1).
+        assert_eq!(report.scheduled_s, 8.0);
     }
 
     #[test]
