@@ -37,8 +37,13 @@ use ::mpi::topology::{Communicator as _, SimpleCommunicator};
 use super::ring::{self, OpContext, Transport};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTag};
 
-/// The MPI tag of data messages.
+/// The MPI tag of collectives' data messages.
 const DATA_TAG: i32 = 1;
+/// The MPI tag of point-to-point data messages: MPI matches a receive to the next message of its
+/// source and tag, so the two kinds never take each other's messages, whichever the receiver runs
+/// first, as on the threads fabric (point-to-point messages queue, collectives complete by group:
+/// what `pleat_backend::verify_collectives` checks programs against).
+const POINT_TO_POINT_TAG: i32 = 3;
 /// The MPI tag of failure notices (a rank's reason, as UTF-8 bytes).
 const FAILURE_TAG: i32 = 2;
 /// The first header word of every data message, to catch a message that is not pleat's.
@@ -68,6 +73,15 @@ pub enum MpiInitError {
         /// What the library gave.
         provided: String,
     },
+}
+
+/// The MPI tag data messages of `kind` are sent with.
+fn data_tag(kind: CollectiveKind) -> i32 {
+    if kind == CollectiveKind::SendRecv {
+        POINT_TO_POINT_TAG
+    } else {
+        DATA_TAG
+    }
 }
 
 /// A buffered send in flight: the request and the heap copy of the message it reads.
@@ -412,16 +426,16 @@ impl Transport for MpiComm {
         if let Some(error) = self.failure_affecting(op, peer) {
             return Err(error);
         }
-        self.post_send(peer, encode_message(&op.tag(data.len()), data), DATA_TAG);
+        self.post_send(peer, encode_message(&op.tag(data.len()), data), data_tag(op.kind));
         self.stats.add(op.kind, std::mem::size_of_val(data) as u64);
         Ok(())
     }
 
     fn recv_message(&mut self, op: &OpContext<'_>, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
         self.check_peer(op, peer)?;
-        let (message, status): (::mpi::point_to_point::Message, Status) = self.poll(op, peer, |comm| {
-            comm.world.process_at_rank(peer as i32).immediate_matched_probe_with_tag(DATA_TAG)
-        })?;
+        let tag = data_tag(op.kind);
+        let (message, status): (::mpi::point_to_point::Message, Status) =
+            self.poll(op, peer, |comm| comm.world.process_at_rank(peer as i32).immediate_matched_probe_with_tag(tag))?;
         let words = status.count(f32::equivalent_datatype()).max(0) as usize;
         let leaked: &'static mut [f32] = Box::leak(vec![0.0f32; words].into_boxed_slice());
         let buffer: *mut [f32] = leaked;

@@ -471,6 +471,30 @@ fn all_to_all_with_sizes_per_member_delivers_each_pair_its_chunk() {
     }
 }
 
+/// A message sent point to point before a collective between the same pair, and received after
+/// it, is not taken for the collective's (nor the collective's for it): the receiver gets the
+/// broadcast's data and then the message, as `verify_collectives` assumes. A TSP rank under one
+/// communication stream passes its ring shard on before its next owner's broadcast, which its
+/// neighbour, behind, runs before receiving the shard.
+#[test]
+fn a_message_sent_before_a_collective_is_received_after_it() {
+    let group = Group::world(3);
+    let results = run_ranks(3, GENEROUS, |comm| {
+        let rank = comm.rank();
+        // The broadcast's chain from root 0 runs 0 → 1 → 2, as the messages do.
+        comm.send((rank + 1) % 3, &values(rank, 5, 1)).unwrap();
+        let mut buf = if rank == 0 { values(0, 70_000, 2) } else { vec![0.0; 70_000] };
+        comm.broadcast(&group, 0, &mut buf).unwrap();
+        let mut received = vec![0.0; 5];
+        comm.recv((rank + 2) % 3, &mut received).unwrap();
+        (buf, received)
+    });
+    for (rank, (broadcast, received)) in results.into_iter().enumerate() {
+        assert_eq!(broadcast, values(0, 70_000, 2), "rank {rank}'s broadcast");
+        assert_eq!(received, values((rank as u32 + 2) % 3, 5, 1), "rank {rank}'s message");
+    }
+}
+
 /// A member that expects more than its peer sends gets an error naming the operation, not a hang.
 #[test]
 fn all_to_all_with_disagreeing_sizes_is_an_error() {

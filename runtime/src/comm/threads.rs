@@ -1,9 +1,13 @@
 //! The threads communicator: every rank is an OS thread of one process.
 //!
 //! [`ThreadFabric::new`] makes one [`ThreadComm`] per rank; move each into its thread. Messages go
-//! through one mailbox per receiving rank, holding a FIFO queue per sender, so messages between a
-//! (sender, receiver) pair arrive in the order they were sent. Sends are buffered and never block;
-//! receives block on the mailbox's condition variable, bounded by the fabric's timeout.
+//! through one mailbox per receiving rank, holding two FIFO queues per sender, one for the
+//! messages of collectives and one for point-to-point messages (`lane`), so that messages between
+//! a (sender, receiver) pair arrive in the order they were sent, and a message sent point to point
+//! is never taken for a collective's, nor the other way round, whichever of the two the receiver
+//! runs first. That is the order `pleat_backend::verify_collectives` checks programs against:
+//! point-to-point messages queue, collectives complete by group. Sends are buffered and never
+//! block; receives block on the mailbox's condition variable, bounded by the fabric's timeout.
 //!
 //! Every message carries a [`MessageTag`] (kind, group, per-group sequence number, sizes); a receiver
 //! whose own operation differs reports [`CommError::Mismatch`] instead of taking the data. Failures are
@@ -56,7 +60,7 @@ impl ThreadFabric {
         let shared = Arc::new(Shared {
             mailboxes: (0..STREAMS * n_ranks)
                 .map(|_| Mailbox {
-                    queues: Mutex::new((0..n_ranks).map(|_| VecDeque::new()).collect()),
+                    queues: Mutex::new((0..LANES * n_ranks).map(|_| VecDeque::new()).collect()),
                     arrived: Condvar::new(),
                 })
                 .collect(),
@@ -134,8 +138,16 @@ struct Shared {
     n_ranks: usize,
 }
 
+/// The queues a sender has in each mailbox: one for collectives' messages, one for point-to-point.
+const LANES: usize = 2;
+
+/// The queue of a mailbox that messages of `kind` from `sender` go through.
+fn lane(sender: u32, kind: CollectiveKind) -> usize {
+    LANES * sender as usize + usize::from(kind == CollectiveKind::SendRecv)
+}
+
 struct Mailbox {
-    /// Indexed by sending rank.
+    /// Indexed by [`lane`]: the sending rank and the kind of message.
     queues: Mutex<Vec<VecDeque<Message>>>,
     /// Signalled on every delivery and every failure.
     arrived: Condvar,
@@ -280,7 +292,7 @@ impl ThreadComm {
         loop {
             // A message already delivered is taken even if its sender failed since, so that a
             // mismatch is reported as such and not as the failure it caused.
-            if let Some(message) = queues[peer as usize].pop_front() {
+            if let Some(message) = queues[lane(peer, op.kind)].pop_front() {
                 // Held on the emulated wire: the sender is done with it, so this wait is bounded by
                 // the link's own delay, not by the timeout.
                 if let Some(wait) = message.arrives_at.and_then(|at| at.checked_duration_since(Instant::now())) {
@@ -340,7 +352,7 @@ impl Transport for ThreadComm {
         };
         let message = Message { tag: op.tag(data.len()), data: data.to_vec(), arrives_at };
         let mailbox = &self.shared.mailboxes[self.slot(peer)];
-        lock(&mailbox.queues)[self.rank as usize].push_back(message);
+        lock(&mailbox.queues)[lane(self.rank, op.kind)].push_back(message);
         mailbox.arrived.notify_all();
         self.stats.add(op.kind, bytes);
         // Paced: the next message of this stream is handed over once this one has left the wire,

@@ -89,6 +89,16 @@ fn script(comm: &mut dyn Communicator) -> Result<Vec<Vec<f32>>, CommError> {
     let mut received = vec![0.0; 6];
     comm.recv((rank + size - 1) % size, &mut received)?;
     outputs.push(received);
+    // A message sent before a collective between the same pair and received after it (a TSP ring
+    // shard passed on while the next owner's weights are broadcast): the broadcast, whose chain
+    // runs 1 → 2 → 3 → 0 as the messages do, must not take it.
+    comm.send((rank + 1) % size, &values(rank, 5, 7))?;
+    let mut buf = if rank == 1 { values(rank, 9, 8) } else { vec![0.0; 9] };
+    comm.broadcast(&world, 1, &mut buf)?;
+    outputs.push(buf);
+    let mut received = vec![0.0; 5];
+    comm.recv((rank + size - 1) % size, &mut received)?;
+    outputs.push(received);
     comm.barrier(&world)?;
     Ok(outputs)
 }
@@ -131,9 +141,11 @@ fn collectives_match_threads_and_naive_sums() {
     let sum: Vec<f32> = (0..10).map(|j| (0..RANKS).map(|member| values(member, 10, 0)[j]).sum()).collect();
     assert_eq!(outputs[0], sum, "rank {rank}: all_reduce");
     let gathered: Vec<f32> = [3, 1, 0, 2].iter().flat_map(|&member| values(member, 3, 3)).collect();
-    assert_eq!(outputs[outputs.len() - 4], gathered, "rank {rank}: all_gather");
-    assert_eq!(outputs[outputs.len() - 3], values(0, 70_000, 4), "rank {rank}: broadcast");
-    assert_eq!(outputs[outputs.len() - 1], values((rank + RANKS - 1) % RANKS, 6, 6), "rank {rank}: recv");
+    assert_eq!(outputs[outputs.len() - 6], gathered, "rank {rank}: all_gather");
+    assert_eq!(outputs[outputs.len() - 5], values(0, 70_000, 4), "rank {rank}: broadcast");
+    assert_eq!(outputs[outputs.len() - 3], values((rank + RANKS - 1) % RANKS, 6, 6), "rank {rank}: recv");
+    assert_eq!(outputs[outputs.len() - 2], values(1, 9, 8), "rank {rank}: the broadcast between a send and its recv");
+    assert_eq!(outputs[outputs.len() - 1], values((rank + RANKS - 1) % RANKS, 5, 7), "rank {rank}: that recv");
 }
 
 #[test]
