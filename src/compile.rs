@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use pleat_backend::overlap::Prefetch;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{Mesh, Module};
@@ -103,9 +104,24 @@ pub struct ModelOnMesh {
     /// beside compute (`pleat_backend::overlap`).
     #[arg(long)]
     pub no_overlap: bool,
+    /// The communication streams a rank of the runtime the programs are for has: 2 (the threads
+    /// runtime) prefetches weights on a second stream beside the first; 1 (MPI: `pleat rank`, the
+    /// rank executables under `mpirun`) prefetches them on the one stream while it is idle, since
+    /// a prefetch queued ahead of a transfer there would delay it.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub comm_streams: u8,
 }
 
 impl ModelOnMesh {
+    /// Where the overlap scheduler puts weight prefetches, for `--comm-streams`.
+    pub fn prefetch(&self) -> Prefetch {
+        if self.comm_streams == 2 {
+            Prefetch::OwnStream
+        } else {
+            Prefetch::MainStream
+        }
+    }
+
     /// The model's configuration; `command` names who refuses a compiled directory.
     pub fn config(&self, command: &str) -> Result<ModelConfig> {
         match resolve(&self.model)? {
@@ -123,7 +139,7 @@ impl ModelOnMesh {
     pub fn compile(&self, config: &ModelConfig, dump: Dump, kernels: Kernels) -> Result<Compiled> {
         let mesh = Mesh::parse(&self.mesh)?;
         let mut compiled = compile_model(config, self.batch, self.seq, &mesh, self.strategy, dump, kernels)?;
-        compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, self.no_overlap)?;
+        compiled.programs = crate::predict::overlap_for_cpu(compiled.programs, self.no_overlap, self.prefetch())?;
         Ok(compiled)
     }
 }
@@ -281,6 +297,7 @@ fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
         seq: choice.seq,
         batch: choice.micro_batch * choice.dp,
         no_overlap: false,
+        comm_streams: 2,
     })
 }
 

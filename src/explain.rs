@@ -248,6 +248,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
         seq: target.seq,
         batch: target.batch,
         no_overlap: target.no_overlap,
+        comm_streams: target.comm_streams,
     };
     let target = &inner_target;
     if let Some(value) = &args.proof {

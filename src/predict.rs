@@ -262,18 +262,19 @@ fn instr_seconds(program: &Program, instr: &Instr, work: &Work, hw: &HardwareSpe
 }
 
 /// Schedules every program for overlap (`pleat_backend::overlap::schedule_ranks`, weights
-/// prefetched where every rank moves them alike), its choices driven by `hw`'s predicted seconds.
-pub fn overlap_programs(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Program>> {
-    Ok(overlap_programs_reported(programs, hw, Prefetch::OwnStream)?.into_iter().map(|(program, _)| program).collect())
+/// prefetched as `prefetch` says where every rank moves them alike), its choices driven by `hw`'s
+/// predicted seconds.
+pub fn overlap_programs(programs: &[Program], hw: &HardwareSpec, prefetch: Prefetch) -> Result<Vec<Program>> {
+    Ok(overlap_programs_reported(programs, hw, prefetch)?.into_iter().map(|(program, _)| program).collect())
 }
 
-/// `programs` as the threads runtime is to run them: scheduled for overlap with the built-in
-/// `cpu` costs, or kept as lowered with `no_overlap`.
-pub fn overlap_for_cpu(programs: Vec<Program>, no_overlap: bool) -> Result<Vec<Program>> {
+/// `programs` as a CPU runtime is to run them: scheduled for overlap with the built-in `cpu`
+/// costs, weights prefetched as `prefetch` says, or kept as lowered with `no_overlap`.
+pub fn overlap_for_cpu(programs: Vec<Program>, no_overlap: bool, prefetch: Prefetch) -> Result<Vec<Program>> {
     if no_overlap {
         Ok(programs)
     } else {
-        overlap_programs(&programs, &HardwareSpec::builtin("cpu")?)
+        overlap_programs(&programs, &HardwareSpec::builtin("cpu")?, prefetch)
     }
 }
 

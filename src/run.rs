@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use pleat_backend::overlap::Prefetch;
 use pleat_backend::{DType, Program};
 use pleat_ir::model::config::{ConfigDtype, ModelConfig};
 use pleat_ir::Mesh;
@@ -237,7 +238,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
             let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing, args.kernels())?;
-            let mut programs = crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap)?;
+            let mut programs =
+                crate::predict::overlap_for_cpu(compiled.programs, args.no_overlap, Prefetch::OwnStream)?;
             if args.native {
                 native = crate::native::build_and_load(&mut programs)?;
             }

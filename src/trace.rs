@@ -275,7 +275,8 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
                 crate::compile::Kernels::Interpreted,
             )?
             .programs;
-            let scheduled = if target.no_overlap { lowered.clone() } else { overlap_programs(&lowered, &hw)? };
+            let scheduled =
+                if target.no_overlap { lowered.clone() } else { overlap_programs(&lowered, &hw, target.prefetch())? };
             (Some(lowered), scheduled)
         }
     };

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use pleat_backend::bucket::bucket_gradient_reductions;
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
+use pleat_backend::overlap::Prefetch;
 use pleat_backend::Program;
 use pleat_ir::interp::ParamLookup;
 use pleat_ir::model::config::ModelConfig;
@@ -267,7 +268,7 @@ pub fn bucket_and_schedule(programs: &[Program], bucket_mb: u64, no_overlap: boo
     let cap = bucket_mb.saturating_mul(1 << 20);
     let bucketed: Vec<Program> = programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
     pleat_backend::verify_collectives(&bucketed)?;
-    crate::predict::overlap_for_cpu(bucketed, no_overlap)
+    crate::predict::overlap_for_cpu(bucketed, no_overlap, Prefetch::OwnStream)
 }
 
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file.

@@ -55,6 +55,46 @@ fn bf16_inference_matches_the_reference_to_bf16_accuracy_with_half_the_bytes() {
     }
 }
 
+/// `--comm-streams 1` schedules for a runtime with one communication stream (MPI's): the weight
+/// broadcasts are prefetched on the one stream, none on a second, and the numbers are those of
+/// the default schedule (two streams).
+#[test]
+fn one_communication_stream_puts_no_prefetch_on_a_second() {
+    let dir = tempdir("comm-streams");
+    let mut logits = Vec::new();
+    for streams in ["2", "1"] {
+        let out = dir.join(format!("tiny-tsp2-{streams}"));
+        let out_str = out.to_str().expect("utf-8 path");
+        stdout_of(&[
+            "compile",
+            "tiny",
+            "--mesh",
+            "tsp=2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--comm-streams",
+            streams,
+            "--out",
+            out_str,
+        ]);
+        let text = std::fs::read_to_string(out.join("rank0.txt")).expect("rank0.txt");
+        let prefetches = text.lines().filter(|line| line.ends_with(" on prefetch")).count();
+        let broadcasts = text.lines().filter(|line| line.contains("= broadcast(")).count();
+        assert!(broadcasts > 0 && text.contains("wait("), "a scheduled TSP program: {text}");
+        if streams == "2" {
+            assert_eq!(prefetches, broadcasts, "every owner broadcast is prefetched on the second stream");
+        } else {
+            assert_eq!(prefetches, 0, "{text}");
+        }
+        let logits_out = dir.join(format!("logits-{streams}.safetensors"));
+        stdout_of(&["run", out_str, "--logits-out", logits_out.to_str().unwrap()]);
+        logits.push(std::fs::read(&logits_out).expect("logits written"));
+    }
+    assert_eq!(logits[0], logits[1], "the schedule changed the numbers");
+}
+
 #[test]
 fn compiled_directory_runs_like_the_model() {
     let dir = tempdir("compiled");

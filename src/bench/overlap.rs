@@ -26,7 +26,6 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use pleat_backend::overlap::Prefetch;
 use pleat_backend::{Instr, Program};
 use pleat_passes::cost::HardwareSpec;
 use pleat_passes::Dump;
@@ -51,11 +50,6 @@ pub struct OverlapArgs {
     /// communication takes about as long as compute (the report prints both).
     #[arg(long, value_name = "GBPS,US")]
     pub emulate_link: LinkSpec,
-    /// The scheduled program's communication streams a rank: 2 prefetches weights on a second
-    /// stream beside the first, 1 on the one stream when it is idle (as a runtime with one stream,
-    /// MPI's, runs them best).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
-    pub comm_streams: u8,
     /// Runs of each program; the medians are reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: u32,
@@ -172,7 +166,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     hw.gpus_per_node = hw.gpus_per_node.max(compiled.programs.len() as u64);
     hw.inter_node = hw.intra_node;
     let blocking = compiled.programs;
-    let prefetch = if args.comm_streams == 2 { Prefetch::OwnStream } else { Prefetch::MainStream };
+    let prefetch = args.target.prefetch();
     let reported = crate::predict::overlap_programs_reported(&blocking, &hw, prefetch)?;
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
     let transfers: usize = reported.iter().map(|(_, report)| report.transfers).sum();
@@ -251,7 +245,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 "mesh": mesh.to_string(),
                 "emulated_link": args.emulate_link.to_string(),
                 "repeats": args.repeats.max(1),
-                "comm_streams": args.comm_streams,
+                "comm_streams": args.target.comm_streams,
                 "transfers": transfers,
                 "overlapped_transfers": overlapped,
                 "hardware": hw.name,

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use pleat_backend::overlap::Prefetch;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{Mesh, Module};
@@ -112,26 +113,33 @@ pub fn check_programs(
     let (logits, outcomes) = run(&programs, &ids, seq, &weights);
     let want = reference(config, batch, seq, &ids, &weights);
     assert_close(&format!("{} {mesh}", config.name), &logits, &want);
-    // The same programs scheduled for overlap compute the same numbers, bit for bit.
-    let (scheduled_logits, _) = run(&overlapped(&programs), &ids, seq, &weights);
-    assert!(scheduled_logits == logits, "{} {mesh}: the scheduled programs' logits differ", config.name);
+    // The same programs scheduled for overlap compute the same numbers, bit for bit, with the
+    // weight prefetches on a second communication stream or on the one (as for MPI).
+    for prefetch in [Prefetch::OwnStream, Prefetch::MainStream] {
+        let (scheduled_logits, _) = run(&overlapped_with(&programs, prefetch), &ids, seq, &weights);
+        assert!(
+            scheduled_logits == logits,
+            "{} {mesh}: the scheduled programs' logits differ ({prefetch:?})",
+            config.name
+        );
+    }
     outcomes
 }
 
 /// `programs` scheduled for overlap (`pleat_backend::overlap`), a transfer's or kernel's cost
-/// standing in as the bytes it writes, weight broadcasts prefetched when every rank schedules
-/// them alike.
+/// standing in as the bytes it writes, weight broadcasts prefetched on their own stream when
+/// every rank schedules them alike.
 pub fn overlapped(programs: &[Program]) -> Vec<Program> {
+    overlapped_with(programs, Prefetch::OwnStream)
+}
+
+/// As [`overlapped`], the weight broadcasts prefetched as `prefetch` says.
+pub fn overlapped_with(programs: &[Program], prefetch: Prefetch) -> Vec<Program> {
     use pleat_backend::memory::ElementSize;
-    use pleat_backend::overlap::{schedule_ranks, OverlapOptions, Prefetch};
+    use pleat_backend::overlap::{schedule_ranks, OverlapOptions};
     let seconds = |program: &Program, instr: &pleat_backend::Instr| -> f64 {
         instr.outs().iter().map(|&out| program.buffer(out).bytes() as f64).sum::<f64>() * 1e-9
     };
-    let options = OverlapOptions {
-        seconds: &seconds,
-        memory_budget: None,
-        sizing: ElementSize::Declared,
-        prefetch: Prefetch::OwnStream,
-    };
+    let options = OverlapOptions { seconds: &seconds, memory_budget: None, sizing: ElementSize::Declared, prefetch };
     schedule_ranks(programs, &options).expect("the programs schedule").into_iter().map(|(program, _)| program).collect()
 }
