@@ -683,6 +683,26 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
         };
         check_stage_closed_form(config, &layout);
     }
+    // Full recomputation: B recomputes each layer's forward, and what W reads of it stays, beside
+    // the residual stream the forward kept, until W; alone, beside tp (±SP), dp, dp×tp and ZeRO-2.
+    let full = |mesh, m, sequence_parallel, zero_stage| PipelinedLayout {
+        recompute: Recompute::Full,
+        sequence_parallel,
+        zero_stage,
+        ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, m)
+    };
+    for (config, layout) in [
+        (&four, full("pp=2", 2, false, 0)),
+        (&four, full("pp=4", 4, false, 0)),
+        (&eight, full("pp=2", 4, false, 0)),
+        (&four, full("pp=2,tp=2", 4, false, 0)),
+        (&four, full("pp=2,dp=2,tp=2", 2, false, 0)),
+        (&four, full("pp=2,dp=2", 2, false, 2)),
+        (&four, full("pp=2,tp=2", 2, true, 0)),
+        (&eight, full("pp=4,tp=2", 4, true, 0)),
+    ] {
+        check_stage_closed_form(config, &layout);
+    }
     // Beside tp with SP: the projections' output gradients W reads are the gathered ones.
     for (config, mesh, m) in
         [(&four, "pp=2,tp=2", 2u32), (&four, "pp=2,tp=2", 4), (&four, "pp=2,dp=2,tp=2", 2), (&eight, "pp=4,tp=2", 4)]

@@ -51,16 +51,19 @@
 //!
 //! Under zero bubble (ZB-H1) the tail is a W's (the weight gradients' part of a backward): a
 //! micro-batch whose B is done and W not yet keeps what its weight gradients read, and the
-//! residual gradients, which B reads too, stay to the micro-batch's end.
+//! residual gradients, which B reads too, stay to the micro-batch's end. Under full
+//! recomputation B recomputes each layer's forward, and what W reads of it (q, k, v, gate and
+//! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
+//! the forward kept.
 //!
-//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe, 1F1B
-//! and interleaved 1F1B with any recomputation (none under cp), and zero-bubble H1 without full
-//! recomputation; ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do
-//! not hold: they are dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each
-//! gradient is reduce-scattered and staged whole, and the stage's other candidate is inside its
-//! first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
-//! parameters dp's shards too (each layer's gathered weights are freed by then), but under full
-//! recomputation; an untied dense Llama-family model.
+//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe,
+//! 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation (none under cp); ZeRO-1
+//! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
+//! dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each gradient is
+//! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
+//! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
+//! too (each layer's gathered weights are freed by then), but under full recomputation; an untied
+//! dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -99,11 +102,6 @@ pub fn compiled_stage_peak(
         && (cp == 1 || dp * tp == 1)
         && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
-        && match schedule.kind {
-            ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Interleaved { .. } => true,
-            // Zero bubble: without full recomputation.
-            ScheduleKind::ZeroBubbleH1 => workload.recompute != Recompute::Full,
-        }
         // ZeRO-2 beside dp alone; ZeRO-3 too but under full recomputation (which peaks with a
         // layer's gathered weights recomputed).
         && (workload.zero <= 1
@@ -297,8 +295,15 @@ pub fn compiled_stage_peak(
         // W recomputes from them for the output projection's gradient.
         let selective = workload.recompute == Recompute::Selective;
         let attention_for_w = if selective { query + 2.0 * kv } else { query };
-        let per_layer =
-            4.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element;
+        let full = workload.recompute == Recompute::Full;
+        // Under full recomputation, what B recomputed for W and the gradients W reads: both
+        // norms' outputs and output gradients, the attention residual's gradient, gate and up
+        // and their gradients, q, k and v and theirs.
+        let per_layer = if full {
+            4.0 * gathered + stream + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
+        } else {
+            4.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
+        };
         let mut between = layers as f64 * per_layer + 2.0 * stream;
         // Under SP the projections' output gradients W reads are the gathered ones, and the first
         // layer's attention residual gradient is kept beside them, the last layer's output
@@ -307,6 +312,17 @@ pub fn compiled_stage_peak(
             between += stream;
             if last {
                 between += gathered - stream;
+            }
+        }
+        // Full recomputation keeps beside those the residual stream its forward kept (but, under
+        // SP, the last layer's output on the last chunk: only its gathered copy, counted above),
+        // and each layer's output gradient (the last one's on the last chunk is the final norm's
+        // input gradient, counted above).
+        if full {
+            let last_layers = f64::from(u8::from(last));
+            between += layers as f64 * kept_layer + (layers as f64 - last_layers) * stream;
+            if sequence_parallel {
+                between -= last_layers * stream;
             }
         }
         // (The first stage runs each W right after its B, forwards apart, so no other micro-batch
@@ -323,9 +339,11 @@ pub fn compiled_stage_peak(
         // (Under SP W reads their gathered copies, freed as it goes, instead.)
         let mut kept_for_weights = if sequence_parallel { 0.0 } else { 2.0 * layers as f64 * stream };
         // Under selective recomputation W's tail still holds every layer's q, k and v (and the
-        // positions, on the first stage too).
-        if selective {
-            kept_for_weights += layers as f64 * local_tokens * (query + 2.0 * kv) * element;
+        // positions, on the first stage too); under full recomputation every layer's recomputed
+        // gate and up projections too.
+        if selective || full {
+            let recomputed = if full { query + 2.0 * kv + 2.0 * ffn } else { query + 2.0 * kv };
+            kept_for_weights += layers as f64 * local_tokens * recomputed * element;
             if first {
                 kept_for_weights += positions;
             }
@@ -447,7 +465,7 @@ pub fn compiled_stage_peak(
         }
         if zero_bubble {
             tail_held.push(Term {
-                name: "what W still reads (residual gradients; q, k, v if selective)",
+                name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
                 bytes: current.kept_for_weights,
             });
         }
@@ -490,7 +508,8 @@ struct ChunkHold {
     /// Zero bubble: a micro-batch between its B and its W (positions apart).
     between: f64,
     /// Zero bubble: what W's tail still holds for the weight gradients: the residual gradients,
-    /// and under selective recomputation every layer's q, k and v.
+    /// under selective recomputation every layer's q, k and v, under full recomputation also its
+    /// gate and up projections (all recomputed by B).
     kept_for_weights: f64,
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
