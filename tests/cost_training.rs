@@ -305,8 +305,8 @@ const PIPELINE_BATCH: u64 = 4;
 
 /// The pipelined layouts: pp=2 and pp=4 under GPipe and 1F1B with 2 and 4 micro-batches, pp=2
 /// with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0 and 2, and with selective and full
-/// recomputation, and the interleaved (pp=2, two chunks a rank) and zero-bubble H1 (pp=2, pp=4,
-/// pp=2 by tp=2) schedules.
+/// recomputation, ZeRO-3 under full recomputation, and the interleaved (pp=2, two chunks a rank)
+/// and zero-bubble H1 (pp=2, pp=4, pp=2 by tp=2; pp=2 under full recomputation) schedules.
 fn pipelined_layouts() -> Vec<PipelinedLayout> {
     let mut layouts = Vec::new();
     for mesh in ["pp=2", "pp=4"] {
@@ -329,6 +329,10 @@ fn pipelined_layouts() -> Vec<PipelinedLayout> {
     layouts.push(PipelinedLayout::new("pp=2", ScheduleKind::ZeroBubbleH1, 4));
     layouts.push(PipelinedLayout::new("pp=4", ScheduleKind::ZeroBubbleH1, 4));
     layouts.push(PipelinedLayout::new("pp=2,tp=2", ScheduleKind::ZeroBubbleH1, 2));
+    // Full recomputation under zero bubble, and under ZeRO-3 (the weights gathered again).
+    let zero_bubble = PipelinedLayout::new("pp=2", ScheduleKind::ZeroBubbleH1, 4);
+    layouts.push(PipelinedLayout { recompute: Recompute::Full, ..zero_bubble });
+    layouts.push(PipelinedLayout { recompute: Recompute::Full, zero_stage: 3, ..one_f_one_b("pp=2,dp=2") });
     layouts
 }
 
@@ -356,9 +360,10 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
         let trained = train_one_step(&programs, &optimizer_layouts, PIPELINE_BATCH);
         for (program, rank) in programs.iter().zip(&trained) {
             let planned = plan(program, ElementSize::Fixed(4));
-            // Without ZeRO every loaded element is updated; ZeRO-2 updates the rank's dp share.
+            // Without ZeRO every loaded element is updated; ZeRO-1 and 2 update the rank's dp
+            // share of them, ZeRO-3 all it loads (its share).
             let dp = Mesh::parse(layout.mesh).unwrap().degree(AxisName::Dp);
-            let share = if layout.zero_stage > 0 { dp } else { 1 };
+            let share = if matches!(layout.zero_stage, 1 | 2) { dp } else { 1 };
             assert_eq!(rank.optimizer_bytes, 2 * planned.param_bytes / share, "{label} rank {}: moments", program.rank);
             let predicted = planned.peak_bytes + rank.optimizer_bytes;
             let measured = rank.peak_bytes;
@@ -725,6 +730,27 @@ fn zero2_stage_closed_form_equals_the_planners_peak_on_deeper_stages() {
     ] {
         let layout = PipelinedLayout { recompute, zero_stage: 2, ..PipelinedLayout::new("pp=2,dp=2", kind, 2) };
         check_stage_closed_form(&config, &layout);
+    }
+}
+
+#[test]
+fn zero3_stage_closed_form_equals_the_planners_peak_under_full_recomputation() {
+    // The first layer's weights are gathered again for its recomputed forward: a stage peaks as
+    // its down projection's gradient is reduce-scattered beside the gathered MLP weights, or (on
+    // an interleaved chunk) its output projection's beside the gathered attention weights; under
+    // zero bubble the final norm's regathered weight stays to W.
+    let (four, eight) = (four_layers(), eight_layers());
+    for (config, kind) in [
+        (&four, ScheduleKind::OneFOneB),
+        (&eight, ScheduleKind::GPipe),
+        (&eight, ScheduleKind::OneFOneB),
+        (&eight, ScheduleKind::ZeroBubbleH1),
+        (&eight, ScheduleKind::Interleaved { chunks: 2 }),
+        (&eight, ScheduleKind::Interleaved { chunks: 4 }),
+    ] {
+        let layout =
+            PipelinedLayout { recompute: Recompute::Full, zero_stage: 3, ..PipelinedLayout::new("pp=2,dp=2", kind, 2) };
+        check_stage_closed_form(config, &layout);
     }
 }
 

@@ -62,8 +62,10 @@
 //! dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
 //! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
-//! too (each layer's gathered weights are freed by then), but under full recomputation; an untied
-//! dense Llama-family model.
+//! too (each layer's gathered weights are freed by then; under full recomputation the first
+//! layer's are gathered again for its recomputed forward, and the stage's other candidates are
+//! inside that layer's backward, as its down and output projections' gradients are scattered
+//! beside the weights they were recomputed with); an untied dense Llama-family model.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -102,12 +104,11 @@ pub fn compiled_stage_peak(
         && (cp == 1 || dp * tp == 1)
         && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
-        // ZeRO-2 beside dp alone; ZeRO-3 too but under full recomputation (which peaks with a
-        // layer's gathered weights recomputed).
+        // ZeRO-2 and 3 beside dp alone.
         && (workload.zero <= 1
             || (dp > 1
                 && tp * cp == 1
-                && (workload.zero == 2 || (workload.zero == 3 && workload.recompute != Recompute::Full))))
+                && (workload.zero == 2 || workload.zero == 3)))
         && model.experts.is_none()
         && !model.tied_embeddings;
     if !modelled {
@@ -232,21 +233,23 @@ pub fn compiled_stage_peak(
         // projection's gradient (the largest but the embedding's) is reduce-scattered: that
         // layer's attention activations are still live, and of its gradients only the down and
         // up projections' are done (and none of the embedding's).
+        let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
+        let attention_weights = 2.0 * hidden * (query + kv) + biases;
+        let norm = model.norm.params(model.hidden) as f64;
+        let gate = hidden * ffn * element;
+        let table = if first { (vocab / split).ceil() * hidden * element } else { 0.0 };
+        // Inside the first layer's backward: the chunk's inputs and what its end keeps.
+        let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
+        if first {
+            first_layer_held.push(Term { name: "token ids", bytes: ids });
+            first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: stream });
+        } else {
+            first_layer_held.push(Term { name: "stage input (received)", bytes: stream });
+        }
+        first_layer_held.extend(chunk_end.iter().cloned());
         let mid = scattered.then(|| {
-            let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
-            let attention_weights = 2.0 * hidden * (query + kv) + biases;
-            let norms = 2.0 * model.norm.params(model.hidden) as f64;
-            let gate = hidden * ffn * element;
-            let table = if first { (vocab / split).ceil() * hidden * element } else { 0.0 };
-            let so_far = grads - (gate + (attention_weights + norms) * element + table) / shards;
-            let mut held = vec![Term { name: "positions", bytes: positions }];
-            if first {
-                held.push(Term { name: "token ids", bytes: ids });
-                held.push(Term { name: "embedding output (the first layer's input)", bytes: stream });
-            } else {
-                held.push(Term { name: "stage input (received)", bytes: stream });
-            }
-            held.extend(chunk_end.iter().cloned());
+            let so_far = grads - (gate + (attention_weights + 2.0 * norm) * element + table) / shards;
+            let mut held = first_layer_held.clone();
             // Full recomputation recomputes the attention's activations for its own backward.
             let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
             held.extend([
@@ -267,6 +270,53 @@ pub fn compiled_stage_peak(
             ]);
             (so_far, held)
         });
+        // ZeRO-3 under full recomputation gathers the first layer's weights again for its
+        // recomputed forward: a stage may peak inside that layer's backward, as its down
+        // projection's gradient (none of the layer's done yet) is reduce-scattered, its MLP norm's,
+        // gate's and up's weights gathered whole beside the recomputed norm output, gate and up,
+        // and the gradient of the SiLU product; or as its output projection's gradient is (the
+        // MLP's done), its attention norm's, q's, k's and v's weights gathered beside the
+        // recomputed norm output, q, k and v, and the attention output's gradient.
+        let mut regathered = Vec::new();
+        if scattered && workload.zero >= 3 && workload.recompute == Recompute::Full {
+            let mut held = first_layer_held.clone();
+            held.extend([
+                Term { name: "first layer's attention residual", bytes: stream },
+                Term { name: "first layer's output gradient", bytes: stream },
+                Term { name: "first layer's SiLU product's gradient", bytes: local_tokens * ffn * element },
+                Term { name: "first layer's MLP norm weight, gathered", bytes: norm * element },
+                Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
+                Term { name: "first layer's gate and up weights, gathered", bytes: 2.0 * gate },
+                Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
+                Term { name: "first layer's down gradient before its dp reduce-scatter", bytes: gate },
+                Term { name: "its reduce-scatter's staging", bytes: gate },
+            ]);
+            let so_far = grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + table) / shards;
+            regathered.push(("first layer's down gradient reduce-scattered, its MLP regathered", so_far, held));
+            let output_projection = hidden * query * element;
+            let mut held = first_layer_held.clone();
+            held.extend([
+                Term { name: "first layer's attention residual gradient", bytes: stream },
+                Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
+                Term { name: "first layer's attention norm weight, gathered", bytes: norm * element },
+                Term { name: "first layer's attention norm output, recomputed", bytes: gathered },
+                Term {
+                    name: "first layer's q, k and v weights, gathered",
+                    bytes: hidden * (query + 2.0 * kv) * element,
+                },
+                Term {
+                    name: "first layer's q, k and v, recomputed",
+                    bytes: local_tokens * (query + 2.0 * kv) * element,
+                },
+                Term {
+                    name: "first layer's output projection gradient before its reduce-scatter",
+                    bytes: output_projection,
+                },
+                Term { name: "its reduce-scatter's staging", bytes: output_projection },
+            ]);
+            let so_far = grads - ((attention_weights + norm) * element + table) / shards;
+            regathered.push(("first layer's o gradient reduce-scattered, its attention regathered", so_far, held));
+        }
         // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
         // the buffers whose last reader is another rank (the output sent on, the input's gradient
         // sent back and the attention norm's input gradient summed into it) or an output.
@@ -318,7 +368,10 @@ pub fn compiled_stage_peak(
         // SP, the last layer's output on the last chunk: only its gathered copy, counted above),
         // and each layer's output gradient (the last one's on the last chunk is the final norm's
         // input gradient, counted above).
+        // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
+        let regathered_final_norm = if full && scattered && workload.zero >= 3 && last { norm * element } else { 0.0 };
         if full {
+            between += regathered_final_norm;
             let last_layers = f64::from(u8::from(last));
             between += layers as f64 * kept_layer + (layers as f64 - last_layers) * stream;
             if sequence_parallel {
@@ -341,6 +394,7 @@ pub fn compiled_stage_peak(
         // Under selective recomputation W's tail still holds every layer's q, k and v (and the
         // positions, on the first stage too); under full recomputation every layer's recomputed
         // gate and up projections too.
+        kept_for_weights += regathered_final_norm;
         if selective || full {
             let recomputed = if full { query + 2.0 * kv + 2.0 * ffn } else { query + 2.0 * kv };
             kept_for_weights += layers as f64 * local_tokens * recomputed * element;
@@ -360,6 +414,7 @@ pub fn compiled_stage_peak(
             between,
             kept_for_weights,
             mid,
+            regathered,
         }
     };
     // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
@@ -477,6 +532,9 @@ pub fn compiled_stage_peak(
         if let Some((so_far, held)) = &current.mid {
             candidates.push(candidate("first layer's gate gradient reduce-scattered", *so_far, held));
         }
+        for (name, so_far, held) in &current.regathered {
+            candidates.push(candidate(name, *so_far, held));
+        }
         for phase in candidates {
             if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
                 best = Some(phase);
@@ -514,6 +572,9 @@ struct ChunkHold {
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
     mid: Option<(f64, Vec<Term>)>,
+    /// ZeRO-3 under full recomputation: the gradients done, and what the micro-batch holds, as
+    /// its first layer's down and output projections' gradients are reduce-scattered.
+    regathered: Vec<(&'static str, f64, Vec<Term>)>,
 }
 
 /// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the
