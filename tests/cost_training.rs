@@ -305,7 +305,7 @@ const PIPELINE_BATCH: u64 = 4;
 
 /// The pipelined layouts: pp=2 and pp=4 under GPipe and 1F1B with 2 and 4 micro-batches, pp=2
 /// with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0 and 2, and with selective and full
-/// recomputation, ZeRO-3 under full recomputation, and the interleaved (pp=2, two chunks a rank)
+/// recomputation, ZeRO-3 under full recomputation, ZeRO-2 beside dp × tp, and the interleaved (pp=2, two chunks a rank)
 /// and zero-bubble H1 (pp=2, pp=4, pp=2 by tp=2; pp=2 under full recomputation) schedules.
 fn pipelined_layouts() -> Vec<PipelinedLayout> {
     let mut layouts = Vec::new();
@@ -333,6 +333,7 @@ fn pipelined_layouts() -> Vec<PipelinedLayout> {
     let zero_bubble = PipelinedLayout::new("pp=2", ScheduleKind::ZeroBubbleH1, 4);
     layouts.push(PipelinedLayout { recompute: Recompute::Full, ..zero_bubble });
     layouts.push(PipelinedLayout { recompute: Recompute::Full, zero_stage: 3, ..one_f_one_b("pp=2,dp=2") });
+    layouts.push(PipelinedLayout { zero_stage: 2, ..one_f_one_b("pp=2,dp=2,tp=2") });
     layouts
 }
 
@@ -750,6 +751,33 @@ fn zero3_stage_closed_form_equals_the_planners_peak_under_full_recomputation() {
     ] {
         let layout =
             PipelinedLayout { recompute: Recompute::Full, zero_stage: 3, ..PipelinedLayout::new("pp=2,dp=2", kind, 2) };
+        check_stage_closed_form(config, &layout);
+    }
+}
+
+#[test]
+fn zero_stage_closed_form_beside_tp_equals_the_planners_peak() {
+    // ZeRO-2 and 3 beside dp × tp: the first stage's other candidate is the embedding rows sliced
+    // from the whole-vocabulary gradient before their reduce-scatter starts (no staging yet; under
+    // zero bubble beside what W still reads).
+    let (four, eight) = (four_layers(), eight_layers());
+    let zero = |kind, zero_stage, recompute, sequence_parallel| PipelinedLayout {
+        recompute,
+        sequence_parallel,
+        zero_stage,
+        ..PipelinedLayout::new("pp=2,dp=2,tp=2", kind, 2)
+    };
+    let (none, full) = (Recompute::None, Recompute::Full);
+    for (config, layout) in [
+        (&four, zero(ScheduleKind::OneFOneB, 2, none, false)),
+        (&four, zero(ScheduleKind::GPipe, 3, none, false)),
+        (&four, zero(ScheduleKind::OneFOneB, 2, none, true)),
+        (&four, zero(ScheduleKind::OneFOneB, 3, full, true)),
+        (&four, zero(ScheduleKind::OneFOneB, 2, Recompute::Selective, false)),
+        (&four, zero(ScheduleKind::ZeroBubbleH1, 2, none, false)),
+        (&four, zero(ScheduleKind::ZeroBubbleH1, 3, full, false)),
+        (&eight, zero(ScheduleKind::Interleaved { chunks: 2 }, 3, none, true)),
+    ] {
         check_stage_closed_form(config, &layout);
     }
 }

@@ -59,7 +59,7 @@
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe,
 //! 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation (none under cp); ZeRO-1
 //! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp alone (the sums and gradients are dp's shards, each gradient is
+//! dp's); ZeRO-2 beside dp or dp × tp (±SP) (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
 //! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
 //! too (each layer's gathered weights are freed by then; under full recomputation the first
@@ -104,10 +104,10 @@ pub fn compiled_stage_peak(
         && (cp == 1 || dp * tp == 1)
         && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
-        // ZeRO-2 and 3 beside dp alone.
+        // ZeRO-2 and 3 beside dp, or dp × tp.
         && (workload.zero <= 1
             || (dp > 1
-                && tp * cp == 1
+                && cp == 1
                 && (workload.zero == 2 || workload.zero == 3)))
         && model.experts.is_none()
         && !model.tied_embeddings;
@@ -221,9 +221,11 @@ pub fn compiled_stage_peak(
             held.extend(chunk_end.iter().cloned());
             (hidden * query * element, grads * shards - input_norm, held)
         };
+        // The joining gradient's reduce-scatter stages it whole (the tail only: the rows are sliced
+        // before it starts).
+        let joining_staging = scattered.then(|| Term { name: "its reduce-scatter's staging", bytes: joining });
         if scattered {
             held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
-            held.push(Term { name: "its reduce-scatter's staging", bytes: joining });
         } else if reduced {
             held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
         }
@@ -326,13 +328,15 @@ pub fn compiled_stage_peak(
         ];
         remains.extend(chunk_end.iter().cloned());
         // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are
-        // sliced from it, before their all-reduce: it is live a step earlier, beside the rows but
-        // without their reduced copy in the gradients and the sums (larger than the tail when tp > 2).
+        // sliced from it, before their all-reduce (or reduce-scatter, under ZeRO-2 and 3): it is
+        // live a step earlier, beside the rows but without their reduced copy in the gradients and
+        // the sums (larger than the tail when tp > 2, or under ZeRO).
         let slicing = (first && tp > 1 && reduced).then(|| {
             let mut held = held.clone();
             held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
             held
         });
+        held.extend(joining_staging);
         // Zero bubble splits each backward into B (input gradients) and W (weight gradients, later).
         // Between the two a micro-batch keeps what W reads: per layer the inputs of its weight
         // gradients (both norms' outputs and inputs, attention's output, the SiLU product) and
@@ -518,16 +522,17 @@ pub fn compiled_stage_peak(
         if !scattered && !first_backward {
             tail_held.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
         }
-        if zero_bubble {
-            tail_held.push(Term {
-                name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
-                bytes: current.kept_for_weights,
-            });
-        }
+        // W's tail, and the embedding rows' slicing in it, hold what W still reads.
+        let w_reads = zero_bubble.then(|| Term {
+            name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
+            bytes: current.kept_for_weights,
+        });
+        tail_held.extend(w_reads.clone());
         let joined = if scattered { 0.0 } else { current.joining };
         let mut candidates = vec![candidate("tail of a backward", before_joining + joined, &tail_held)];
         if let Some(held) = &current.slicing {
-            candidates.push(candidate("embedding rows sliced for their dp all-reduce", before_joining, held));
+            let held: Vec<Term> = held.iter().cloned().chain(w_reads).collect();
+            candidates.push(candidate("embedding rows sliced for their dp reduction", before_joining, &held));
         }
         if let Some((so_far, held)) = &current.mid {
             candidates.push(candidate("first layer's gate gradient reduce-scattered", *so_far, held));
