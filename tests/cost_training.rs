@@ -783,6 +783,24 @@ fn zero_stage_closed_form_beside_tp_equals_the_planners_peak() {
 }
 
 #[test]
+fn cp_stage_closed_form_equals_the_planners_peak_under_recomputation() {
+    // Ring attention's k and v are every token's, all-gathered: recomputed so, and kept so for
+    // zero bubble's W under selective and full recomputation.
+    let (four, eight) = (four_layers(), eight_layers());
+    for (config, mesh, kind, recompute, micro_batches) in [
+        (&four, "pp=2,cp=2", ScheduleKind::OneFOneB, Recompute::Selective, 2u32),
+        (&four, "pp=4,cp=2", ScheduleKind::OneFOneB, Recompute::Full, 4),
+        (&four, "pp=2,cp=4", ScheduleKind::GPipe, Recompute::Full, 2),
+        (&four, "pp=2,cp=2", ScheduleKind::ZeroBubbleH1, Recompute::Selective, 2),
+        (&four, "pp=2,cp=2", ScheduleKind::ZeroBubbleH1, Recompute::Full, 4),
+        (&eight, "pp=2,cp=2", ScheduleKind::Interleaved { chunks: 2 }, Recompute::Full, 2),
+    ] {
+        let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+        check_stage_closed_form(config, &layout);
+    }
+}
+
+#[test]
 fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
     // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
     // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads

@@ -35,8 +35,8 @@
 //! attention residual and output, and recomputes the final norm's (gathered) input and output.
 //!
 //! Under cp each rank keeps its zigzag share of the tokens' activations but every token's k and v
-//! (all-gathered), the last stage every token's logits, and the gradients are all-reduced as
-//! under dp.
+//! (all-gathered; recomputed so under recomputation, and kept so for zero bubble's W), the last
+//! stage every token's logits, and the gradients are all-reduced as under dp.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -57,7 +57,7 @@
 //! the forward kept.
 //!
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe,
-//! 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation (none under cp); ZeRO-1
+//! 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation; ZeRO-1
 //! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 beside dp or dp × tp (±SP) (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
@@ -102,7 +102,6 @@ pub fn compiled_stage_peak(
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp
         && (cp == 1 || dp * tp == 1)
-        && (cp == 1 || workload.recompute == Recompute::None)
         && stages >= 2
         // ZeRO-2 and 3 beside dp, or dp × tp.
         && (workload.zero <= 1
@@ -353,11 +352,15 @@ pub fn compiled_stage_peak(
         // Under full recomputation, what B recomputed for W and the gradients W reads: both
         // norms' outputs and output gradients, the attention residual's gradient, gate and up
         // and their gradients, q, k and v and theirs.
-        let per_layer = if full {
+        let mut per_layer = if full {
             4.0 * gathered + stream + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
         } else {
             4.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
         };
+        // Under cp the k and v kept (or recomputed) for W are every token's, all-gathered.
+        if selective || full {
+            per_layer += (kv_kept - 2.0 * local_tokens * kv) * element;
+        }
         let mut between = layers as f64 * per_layer + 2.0 * stream;
         // Under SP the projections' output gradients W reads are the gathered ones, and the first
         // layer's attention residual gradient is kept beside them, the last layer's output
@@ -400,8 +403,9 @@ pub fn compiled_stage_peak(
         // gate and up projections too.
         kept_for_weights += regathered_final_norm;
         if selective || full {
-            let recomputed = if full { query + 2.0 * kv + 2.0 * ffn } else { query + 2.0 * kv };
-            kept_for_weights += layers as f64 * local_tokens * recomputed * element;
+            // (Under cp every token's k and v, all-gathered.)
+            let recomputed = if full { query + 2.0 * ffn } else { query };
+            kept_for_weights += layers as f64 * (local_tokens * recomputed + kv_kept) * element;
             if first {
                 kept_for_weights += positions;
             }
