@@ -561,6 +561,35 @@ mod tests {
         }
     }
 
+    /// `out = a · w'`, 64×64 by 64×64.
+    fn matmul(a: usize, w: usize, out: usize) -> Instr {
+        Instr::Kernel { kernel: Kernel::MatMul { m: 64, n: 64, k: 64 }, inputs: vec![id(a), id(w)], out: id(out) }
+    }
+
+    /// A program of 64×64 f32 buffers named `names`, the first `params` of them parameters
+    /// (loaded first, by these names), running `instructions` after the loads and writing buffer
+    /// `output` as its output.
+    fn program_of(names: &[&str], params: usize, instructions: Vec<Instr>, output: usize) -> Program {
+        let buffer = |at: usize| Buffer {
+            name: names[at].into(),
+            dtype: DType::F32,
+            shape: vec![64, 64],
+            kind: if at < params { BufferKind::Param } else { BufferKind::Activation },
+        };
+        let loads = (0..params).map(|at| Instr::LoadParam {
+            out: id(at),
+            name: names[at].into(),
+            shape: vec![64, 64],
+            region: vec![(0, 64), (0, 64)],
+        });
+        let output = Instr::Output { buf: id(output), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] };
+        Program {
+            buffers: (0..names.len()).map(buffer).collect(),
+            instructions: loads.chain(instructions).chain([output]).collect(),
+            ..block()
+        }
+    }
+
     /// Seconds: a matmul 2, an all-reduce 1, anything else nothing.
     fn seconds(_: &Program, instr: &Instr) -> f64 {
         match instr {
@@ -692,39 +721,20 @@ mod tests {
     /// to share), the all-reduce at 5.
     #[test]
     fn a_prefetch_on_its_own_stream_shares_the_link_instead_of_queueing() {
-        let buffer = |name: &str, kind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![64, 64], kind };
         let names = ["x", "w0", "w1", "x.sum", "y", "w1.gathered", "z", "u"];
-        let load = |out: usize| Instr::LoadParam {
-            out: id(out),
-            name: names[out].into(),
-            shape: vec![64, 64],
-            region: vec![(0, 64), (0, 64)],
-        };
         let tp = Group { axis: "tp".into(), ranks: vec![0, 1] };
-        let matmul = |a: usize, w: usize, out: usize| Instr::Kernel {
-            kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
-            inputs: vec![id(a), id(w)],
-            out: id(out),
-        };
-        let program = Program {
-            buffers: names
-                .iter()
-                .enumerate()
-                .map(|(at, name)| buffer(name, if at < 3 { BufferKind::Param } else { BufferKind::Activation }))
-                .collect(),
-            instructions: vec![
-                load(0),
-                load(1),
-                load(2),
+        let program = program_of(
+            &names,
+            3,
+            vec![
                 Instr::AllReduce { inputs: vec![id(0)], outs: vec![id(3)], group: tp.clone() },
                 matmul(0, 1, 4),
                 Instr::AllGather { input: id(2), out: id(5), group: tp, dim: 0, stream: TransferStream::Main },
                 matmul(4, 5, 6),
                 Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(6), id(3)], out: id(7) },
-                Instr::Output { buf: id(7), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
             ],
-            ..block()
-        };
+            7,
+        );
         let seconds = |_: &Program, instr: &Instr| match instr {
             Instr::Kernel { kernel: Kernel::MatMul { .. }, .. } => 2.0,
             Instr::AllReduce { .. } => 3.0,
@@ -757,39 +767,20 @@ mod tests {
     /// reader behind it: the all-reduce's wait comes first.
     #[test]
     fn a_prefetch_predicted_done_is_not_waited_for_before_its_reader_could_run() {
-        let buffer = |name: &str, kind| Buffer { name: name.into(), dtype: DType::F32, shape: vec![64, 64], kind };
         let names = ["x", "w0", "w1", "y", "y.sum", "u", "w1.gathered", "z"];
-        let load = |out: usize| Instr::LoadParam {
-            out: id(out),
-            name: names[out].into(),
-            shape: vec![64, 64],
-            region: vec![(0, 64), (0, 64)],
-        };
         let tp = Group { axis: "tp".into(), ranks: vec![0, 1] };
-        let matmul = |a: usize, w: usize, out: usize| Instr::Kernel {
-            kernel: Kernel::MatMul { m: 64, n: 64, k: 64 },
-            inputs: vec![id(a), id(w)],
-            out: id(out),
-        };
-        let program = Program {
-            buffers: names
-                .iter()
-                .enumerate()
-                .map(|(at, name)| buffer(name, if at < 3 { BufferKind::Param } else { BufferKind::Activation }))
-                .collect(),
-            instructions: vec![
-                load(0),
-                load(1),
-                load(2),
+        let program = program_of(
+            &names,
+            3,
+            vec![
                 matmul(0, 1, 3),
                 Instr::AllReduce { inputs: vec![id(3)], outs: vec![id(4)], group: tp.clone() },
                 Instr::Kernel { kernel: Kernel::Add, inputs: vec![id(4), id(0)], out: id(5) },
                 Instr::AllGather { input: id(2), out: id(6), group: tp, dim: 0, stream: TransferStream::Main },
                 matmul(5, 6, 7),
-                Instr::Output { buf: id(7), index: 0, shape: vec![64, 64], region: vec![(0, 64), (0, 64)] },
             ],
-            ..block()
-        };
+            7,
+        );
         let seconds = |_: &Program, instr: &Instr| match instr {
             Instr::Kernel { kernel: Kernel::MatMul { .. }, .. } => 2.0,
             Instr::AllReduce { .. } => 4.0,

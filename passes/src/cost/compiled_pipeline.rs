@@ -222,7 +222,7 @@ pub fn compiled_stage_peak(
         };
         // The joining gradient's reduce-scatter stages it whole (the tail only: the rows are sliced
         // before it starts).
-        let joining_staging = scattered.then(|| Term { name: "its reduce-scatter's staging", bytes: joining });
+        let joining_staging = scattered.then_some(Term { name: "its reduce-scatter's staging", bytes: joining });
         if scattered {
             held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
         } else if reduced {
@@ -527,7 +527,7 @@ pub fn compiled_stage_peak(
             tail_held.push(Term { name: "the joining gradient's new sum beside the old", bytes: current.joining });
         }
         // W's tail, and the embedding rows' slicing in it, hold what W still reads.
-        let w_reads = zero_bubble.then(|| Term {
+        let w_reads = zero_bubble.then_some(Term {
             name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
             bytes: current.kept_for_weights,
         });
