@@ -305,8 +305,9 @@ const PIPELINE_BATCH: u64 = 4;
 
 /// The pipelined layouts: pp=2 and pp=4 under GPipe and 1F1B with 2 and 4 micro-batches, pp=2
 /// with tp, tp with Megatron SP, tsp, cp, dp with ZeRO 0 and 2, and with selective and full
-/// recomputation, ZeRO-3 under full recomputation, ZeRO-2 beside dp × tp, and the interleaved (pp=2, two chunks a rank)
-/// and zero-bubble H1 (pp=2, pp=4, pp=2 by tp=2; pp=2 under full recomputation) schedules.
+/// recomputation, ZeRO-3 under full recomputation, ZeRO-2 beside dp × tp and dp × cp, and the
+/// interleaved (pp=2, two chunks a rank) and zero-bubble H1 (pp=2, pp=4, pp=2 by tp=2; pp=2 under
+/// full recomputation) schedules.
 fn pipelined_layouts() -> Vec<PipelinedLayout> {
     let mut layouts = Vec::new();
     for mesh in ["pp=2", "pp=4"] {
@@ -334,6 +335,7 @@ fn pipelined_layouts() -> Vec<PipelinedLayout> {
     layouts.push(PipelinedLayout { recompute: Recompute::Full, ..zero_bubble });
     layouts.push(PipelinedLayout { recompute: Recompute::Full, zero_stage: 3, ..one_f_one_b("pp=2,dp=2") });
     layouts.push(PipelinedLayout { zero_stage: 2, ..one_f_one_b("pp=2,dp=2,tp=2") });
+    layouts.push(PipelinedLayout { zero_stage: 2, ..one_f_one_b("pp=2,dp=2,cp=2") });
     layouts
 }
 
@@ -783,7 +785,7 @@ fn zero_stage_closed_form_beside_tp_equals_the_planners_peak() {
 }
 
 #[test]
-fn cp_stage_closed_form_equals_the_planners_peak_under_recomputation() {
+fn cp_stage_closed_form_equals_the_planners_peak_under_recomputation_and_beside_dp() {
     // Ring attention's k and v are every token's, all-gathered: recomputed so, and kept so for
     // zero bubble's W under selective and full recomputation.
     let (four, eight) = (four_layers(), eight_layers());
@@ -797,6 +799,20 @@ fn cp_stage_closed_form_equals_the_planners_peak_under_recomputation() {
     ] {
         let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
         check_stage_closed_form(config, &layout);
+    }
+    // Beside dp, with ZeRO 0, 2 and 3 (the gradients all-reduced over cp, reduce-scattered over
+    // dp): the first layer's kept k and v are every token's as its gate gradient is scattered.
+    for (kind, recompute, zero_stage) in [
+        (ScheduleKind::OneFOneB, Recompute::None, 0u8),
+        (ScheduleKind::GPipe, Recompute::Full, 0),
+        (ScheduleKind::OneFOneB, Recompute::None, 2),
+        (ScheduleKind::GPipe, Recompute::Selective, 2),
+        (ScheduleKind::OneFOneB, Recompute::None, 3),
+        (ScheduleKind::ZeroBubbleH1, Recompute::Full, 2),
+        (ScheduleKind::Interleaved { chunks: 2 }, Recompute::None, 2),
+    ] {
+        let layout = PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new("pp=2,dp=2,cp=2", kind, 2) };
+        check_stage_closed_form(&four, &layout);
     }
 }
 

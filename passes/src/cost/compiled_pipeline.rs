@@ -56,10 +56,10 @@
 //! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
 //! the forward kept.
 //!
-//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp`, GPipe,
-//! 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation; ZeRO-1
+//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp` (beside
+//! `dp` or not), GPipe, 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation; ZeRO-1
 //! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp or dp × tp (±SP) (the sums and gradients are dp's shards, each gradient is
+//! dp's); ZeRO-2 beside dp, dp × tp (±SP) or dp × cp (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
 //! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
 //! too (each layer's gathered weights are freed by then; under full recomputation the first
@@ -101,13 +101,11 @@ pub fn compiled_stage_peak(
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp
-        && (cp == 1 || dp * tp == 1)
+        && (cp == 1 || tp == 1)
         && stages >= 2
-        // ZeRO-2 and 3 beside dp, or dp × tp.
+        // ZeRO-2 and 3 beside dp, dp × tp or dp × cp.
         && (workload.zero <= 1
-            || (dp > 1
-                && cp == 1
-                && (workload.zero == 2 || workload.zero == 3)))
+            || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
         && model.experts.is_none()
         && !model.tied_embeddings;
     if !modelled {
@@ -256,8 +254,9 @@ pub fn compiled_stage_peak(
             held.extend([
                 Term { name: "first layer's attention norm output", bytes: attention_live * gathered },
                 Term {
+                    // (Under cp every token's k and v, all-gathered.)
                     name: "first layer's q, k and v after RoPE",
-                    bytes: attention_live * local_tokens * (query + 2.0 * kv) * element,
+                    bytes: attention_live * (local_tokens * query + kv_kept) * element,
                 },
                 Term {
                     name: "first layer's attention output",
