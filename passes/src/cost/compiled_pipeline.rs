@@ -59,9 +59,9 @@
 //! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp` (beside
 //! `dp` or not), GPipe, 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation; ZeRO-1
 //! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp, dp × tp (±SP) or dp × cp (the sums and gradients are dp's shards, each gradient is
-//! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
-//! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
+//! dp's); ZeRO-2 beside dp, dp × tp (±SP) or dp × cp (the sums and gradients are dp's shards,
+//! each gradient is reduce-scattered and staged whole, and the stage's other candidate is inside
+//! its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
 //! too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
@@ -228,10 +228,6 @@ pub fn compiled_stage_peak(
         }
         // In the sums and the micro-batch's gradients, the joining gradient's dp shard.
         let (joining, grads_so_far) = (joining / shards, grads_so_far / shards);
-        // Under ZeRO-2 a stage may peak inside its first layer's backward instead, as the gate
-        // projection's gradient (the largest but the embedding's) is reduce-scattered: that
-        // layer's attention activations are still live, and of its gradients only the down and
-        // up projections' are done (and none of the embedding's).
         let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
         let attention_weights = 2.0 * hidden * (query + kv) + biases;
         let norm = model.norm.params(model.hidden) as f64;
@@ -246,6 +242,10 @@ pub fn compiled_stage_peak(
             first_layer_held.push(Term { name: "stage input (received)", bytes: stream });
         }
         first_layer_held.extend(chunk_end.iter().cloned());
+        // Under ZeRO-2 a stage may peak inside its first layer's backward instead, as the gate
+        // projection's gradient (the largest but the embedding's) is reduce-scattered: that
+        // layer's attention activations are still live, and of its gradients only the down and
+        // up projections' are done (and none of the embedding's).
         let mid = scattered.then(|| {
             let so_far = grads - (gate + (attention_weights + 2.0 * norm) * element + table) / shards;
             let mut held = first_layer_held.clone();
@@ -370,12 +370,12 @@ pub fn compiled_stage_peak(
                 between += gathered - stream;
             }
         }
+        // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
+        let regathered_final_norm = if full && scattered && workload.zero >= 3 && last { norm * element } else { 0.0 };
         // Full recomputation keeps beside those the residual stream its forward kept (but, under
         // SP, the last layer's output on the last chunk: only its gathered copy, counted above),
         // and each layer's output gradient (the last one's on the last chunk is the final norm's
         // input gradient, counted above).
-        // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
-        let regathered_final_norm = if full && scattered && workload.zero >= 3 && last { norm * element } else { 0.0 };
         if full {
             between += regathered_final_norm;
             let last_layers = f64::from(u8::from(last));
