@@ -242,23 +242,16 @@ mod with_llvm {
         // A transfer's span (start to end on its stream) meets a kernel's on the same rank.
         let overlaps = native.iter().any(|outcome| {
             let program = &programs[outcome.rank as usize];
-            let spans = |transfers: bool| {
+            let spans = |keep: fn(&Instr) -> bool| {
                 program
                     .instructions
                     .iter()
                     .zip(&outcome.timings)
-                    .filter(
-                        move |(instr, _)| {
-                            if transfers {
-                                instr.is_transfer()
-                            } else {
-                                matches!(instr, Instr::Kernel { .. })
-                            }
-                        },
-                    )
+                    .filter(move |(instr, _)| keep(instr))
                     .map(|(_, &span)| span)
             };
-            spans(true).any(|(start, end)| spans(false).any(|(from, to)| from.max(start) < to.min(end)))
+            let kernel = |instr: &Instr| matches!(instr, Instr::Kernel { .. });
+            spans(Instr::is_transfer).any(|(start, end)| spans(kernel).any(|(from, to)| from.max(start) < to.min(end)))
         });
         assert!(overlaps, "no transfer of the entry functions ran beside a kernel");
     }

@@ -459,7 +459,6 @@ pub enum AttentionOperand {
     Value,
 }
 
-/// One step of a program.
 /// Which of a rank's communication streams runs a transfer.
 ///
 /// Transfers on one stream run one after another in the order they were started. A weight
@@ -477,6 +476,7 @@ pub enum TransferStream {
     Prefetch,
 }
 
+/// One step of a program.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Instr {
     /// Reads `region` of checkpoint tensor `name` (global shape `shape`) into `out`.
