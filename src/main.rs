@@ -10,6 +10,7 @@ mod checkpoint;
 mod compare;
 mod compile;
 mod demo;
+mod device;
 mod exe;
 mod explain;
 mod fingerprint;

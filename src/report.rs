@@ -350,11 +350,13 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
         match error {
             Error::Kernel { rank, instr, .. }
             | Error::Comm { rank, instr, .. }
+            | Error::Cuda { rank, instr, .. }
             | Error::Program { rank, instr, .. } => {
                 put("rank", json!(rank));
                 put("instruction", json!(instr));
             }
             Error::Weight { rank, .. } | Error::Panicked { rank, .. } => put("rank", json!(rank)),
+            Error::NoCudaDevice { .. } => put("flag", json!("--device")),
             Error::Inputs { .. } => {}
         }
     } else if let Some(error) = cause.downcast_ref::<pleat_backend::Error>() {

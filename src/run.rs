@@ -18,6 +18,7 @@ use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, RankOutcome,
 use serde_json::json;
 
 use crate::compile::{compile_model, read_compiled, Kernels, Strategy};
+use crate::device::{Device, DeviceReport, CUDA_F32_TOL};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
 use crate::usage::UsageError;
@@ -131,14 +132,19 @@ pub struct RunArgs {
     /// through its entry function, forward or training (a compiled directory runs the code it holds).
     #[arg(long)]
     pub native: bool,
+    /// Where the ranks run: `cpu` (threads), or `cuda`, every rank on the first NVIDIA GPU (a build
+    /// with `--features cuda`): GEMMs on cuBLAS, generated PTX kernels, the rest through the host.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
     #[command(flatten)]
     pub training: crate::train::TrainFlags,
 }
 
 impl RunArgs {
-    /// The kernels the run compiles for: native with `--native`.
+    /// The kernels the run compiles for: native with `--native`, and on a GPU where pleat generates
+    /// its kernels (the `llvm` feature).
     pub fn kernels(&self) -> Kernels {
-        if self.native {
+        if self.native || (self.device == Device::Cuda && cfg!(feature = "llvm")) {
             Kernels::Native
         } else {
             Kernels::Interpreted
@@ -161,10 +167,15 @@ pub struct RunResult {
     pub native_kernels: Vec<usize>,
     /// How each rank ran (empty when no library was loaded: every rank interpreted its program).
     pub execution: Vec<crate::native::ExecutionPath>,
+    /// The GPU the ranks ran on and where their instructions ran (`--device cuda`).
+    pub device: Option<DeviceReport>,
 }
 
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
+    if args.device == Device::Cuda && args.training.train {
+        bail!(UsageError::CpuOnlyFlag { flag: "--train" });
+    }
     if args.training.train {
         return crate::train::run_training(args);
     }
@@ -203,16 +214,28 @@ pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn Weight
 
 /// Each rank's execution path's name (`bytecode` for every rank when no library was loaded).
 fn execution_names(result: &RunResult) -> Vec<&'static str> {
+    if result.device.is_some() {
+        return vec!["cuda"; result.outcomes.len()];
+    }
     (0..result.outcomes.len()).map(|rank| result.execution.get(rank).map_or("bytecode", |path| path.name())).collect()
 }
 
 /// Compiles or loads, runs, and checks; prints nothing.
 pub fn execute(args: &RunArgs) -> Result<RunResult> {
+    let cuda = args.device == Device::Cuda;
+    if cuda && !cfg!(feature = "cuda") {
+        bail!(UsageError::CudaUnavailable);
+    }
+    if cuda && args.native {
+        bail!(UsageError::CpuOnlyFlag { flag: "--native" });
+    }
     let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
     let mut native = Vec::new();
     // A compiled directory's rank executables, when it has no libraries: they run as processes.
     let mut executables = None;
-    let (config, programs, mesh, weights_path, batch, seq) = match resolve(&args.model)? {
+    // A compiled directory, whose `--emit ptx` kernels a GPU run launches.
+    let mut compiled_dir = None;
+    let (config, mut programs, mesh, weights_path, batch, seq) = match resolve(&args.model)? {
         ModelSource::Compiled(dir) => {
             if args.precision.is_some() {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
@@ -221,8 +244,11 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
                 bail!(UsageError::NativeOfCompiled { dir: dir.display().to_string() });
             }
             let (plan, config, programs) = read_compiled(&dir)?;
-            native = crate::native::load(&dir, &programs)?;
-            if native.iter().all(Option::is_none) {
+            compiled_dir = Some(dir.clone());
+            if !cuda {
+                native = crate::native::load(&dir, &programs)?;
+            }
+            if !cuda && native.iter().all(Option::is_none) {
                 executables = crate::exe::executables(&dir, &programs)?.map(|paths| (dir.clone(), paths));
             }
             for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
@@ -255,7 +281,19 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
     let options = link_options(args.timeout, args.emulate_link);
+    let mut device = None;
     let (logits_shape, logits, outcomes, execution) = match &executables {
+        _ if cuda => {
+            let run = crate::device::run_on_cuda(
+                &mut programs,
+                compiled_dir.as_deref(),
+                &tokens,
+                weights.as_ref(),
+                &options,
+            )?;
+            device = Some(run.report);
+            (run.logits_shape, run.logits, run.outcomes, Vec::new())
+        }
         Some((dir, paths)) => {
             if args.emulate_link.is_some() {
                 bail!(UsageError::ExecutablesFailed {
@@ -279,7 +317,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
     let (max_abs_err, tolerance) = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
-        (Some(max_abs_diff(&logits, &reference)), logits_tolerance(&programs, &reference))
+        let tolerance = logits_tolerance(&programs, &reference);
+        (Some(max_abs_diff(&logits, &reference)), if cuda { tolerance.max(CUDA_F32_TOL) } else { tolerance })
     } else {
         (None, F32_TOL)
     };
@@ -301,6 +340,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         programs,
         native_kernels,
         execution,
+        device,
     })
 }
 
@@ -423,6 +463,13 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 })),
                 "native_kernels_per_rank": result.native_kernels,
                 "execution_per_rank": execution_names(result),
+                "device": result.device.as_ref().map(|report| json!({
+                    "name": report.device,
+                    "on_device_per_rank": report.on_device,
+                    "on_host_per_rank": report.on_host,
+                    "compute_seconds_per_rank": report.compute_seconds,
+                    "gemm_flops_per_second_per_rank": report.gemm_flops_per_second,
+                })),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -455,7 +502,10 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 let counts: Vec<String> = result.native_kernels.iter().map(usize::to_string).collect();
                 println!("native kernels (rank<i>.so) a rank: {}", counts.join(", "));
             }
-            println!("execution a rank: {}", execution_names(result).join(", "));
+            match &result.device {
+                Some(report) => crate::device::describe(report).iter().for_each(|line| println!("{line}")),
+                None => println!("execution a rank: {}", execution_names(result).join(", ")),
+            }
             if let Some((busiest, balanced)) = expert_load(result) {
                 let busiest: Vec<String> = busiest.iter().map(u64::to_string).collect();
                 println!(

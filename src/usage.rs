@@ -100,6 +100,20 @@ pub enum UsageError {
     )]
     #[diagnostic(code(E0526), help("drop --emit, or rebuild pleat with the default features"))]
     NativeUnavailable,
+    /// `--device cuda` in a build without the `cuda` feature.
+    #[error(
+        "--device cuda runs the ranks on an NVIDIA GPU, but pleat was built without the `cuda` feature; rebuild \
+         with `cargo build --release --features cuda` (it builds without CUDA and looks for the driver when run)"
+    )]
+    #[diagnostic(code(E0545), help("drop --device cuda, or rebuild pleat with --features cuda"))]
+    CudaUnavailable,
+    /// `--device cuda` beside a flag of the CPU runtime only.
+    #[error("{flag} is for the CPU runtime; --device cuda runs its own kernels, collectives through the host")]
+    #[diagnostic(code(E0546), help("drop {flag}, or run on the CPU (--device cpu)"))]
+    CpuOnlyFlag {
+        /// The flag.
+        flag: &'static str,
+    },
     /// `--native` for a compiled directory, whose files decide how each rank runs.
     #[error("--native generates code for a model; {dir} is compiled, and runs the code it holds (compile it with --emit so or --emit exe)")]
     #[diagnostic(code(E0544), help("drop --native, or compile the directory with `--emit so`"))]
@@ -676,6 +690,8 @@ impl UsageError {
             UsageError::SizesRange { .. } | UsageError::SizesZero { .. } | UsageError::SizeUnit { .. } => {
                 vec![("flag", "--sizes".to_string())]
             }
+            UsageError::CudaUnavailable => vec![("flag", "--device".to_string())],
+            UsageError::CpuOnlyFlag { flag } => vec![("flag", flag.to_string())],
             UsageError::NativeUnavailable | UsageError::RuntimeLibraryNotFound { .. } => {
                 vec![("flag", "--emit".to_string())]
             }

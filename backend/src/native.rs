@@ -28,7 +28,7 @@ pub mod abi;
 pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 
 /// One native function of a program's library.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
     /// The kernel of one instruction (`Add`, `SiluMul`, `RmsNorm` or `Rope`).
     Single {
@@ -61,6 +61,32 @@ impl NativeKernel {
             NativeKernel::FusedAddRmsNorm { add_instr, .. } => *add_instr,
         }
     }
+}
+
+/// A program's native kernels compiled for a GPU (`backend::llvm::device_code`, feature `llvm`):
+/// what the CUDA runtime loads and launches. Each kernel has the ABI above, its `inputs` a device
+/// array of device pointers, and runs one thread an item (a row or an element); threads past
+/// `threads` return at once, so any launch of at least that many threads computes the kernel.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceCode {
+    /// [`program_fingerprint`] of the program the kernels were generated for: the runtime launches
+    /// them for that program only.
+    pub fingerprint: u64,
+    /// The GPU architecture the PTX targets (`sm_80`, `sm_90`).
+    pub arch: String,
+    /// The PTX module, each kernel a `.entry` named by [`NativeKernel::symbol`].
+    pub ptx: String,
+    /// Every kernel of the module, in program order.
+    pub kernels: Vec<DeviceKernel>,
+}
+
+/// One kernel of a [`DeviceCode`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceKernel {
+    /// Which instructions it computes.
+    pub kernel: NativeKernel,
+    /// The threads it needs: one a row or element; 0 when it has no work.
+    pub threads: u64,
 }
 
 /// FNV-1a (64-bit) over the program's serialized form: equal programs, equal fingerprints.

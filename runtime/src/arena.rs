@@ -41,39 +41,45 @@ pub(crate) struct Arena {
     taken: BTreeMap<usize, usize>,
 }
 
-impl Arena {
-    /// The arena `program`'s memory plan lays out, zeroed; `None` when it does not fit in memory.
-    pub(crate) fn planned(program: &Program) -> Option<Arena> {
-        let plan = plan(program, ElementSize::Declared);
-        let bytes = usize::try_from(plan.arena_bytes).ok()?;
-        let mut lifetimes = vec![0u32; program.buffers.len()];
-        let mut live = vec![false; program.buffers.len()];
-        for instr in &program.instructions {
-            match instr {
-                Instr::Free { buf } => {
-                    if let Some(slot) = live.get_mut(buf.as_u32() as usize) {
-                        *slot = false;
-                    }
+/// The size of the arena `program`'s memory plan lays out (elements at their declared sizes) and
+/// each buffer's byte offset in it: `None` for a buffer never written, or written in more than one
+/// lifetime (it has no single slot); `None` overall when the arena does not fit the address space.
+pub(crate) fn planned_slots(program: &Program) -> Option<(usize, Vec<Option<usize>>)> {
+    let plan = plan(program, ElementSize::Declared);
+    let bytes = usize::try_from(plan.arena_bytes).ok()?;
+    let mut lifetimes = vec![0u32; program.buffers.len()];
+    let mut live = vec![false; program.buffers.len()];
+    for instr in &program.instructions {
+        match instr {
+            Instr::Free { buf } => {
+                if let Some(slot) = live.get_mut(buf.as_u32() as usize) {
+                    *slot = false;
                 }
-                _ => {
-                    for out in instr.outs() {
-                        let index = out.as_u32() as usize;
-                        if index < live.len() && !live[index] {
-                            live[index] = true;
-                            lifetimes[index] += 1;
-                        }
+            }
+            _ => {
+                for out in instr.outs() {
+                    let index = out.as_u32() as usize;
+                    if index < live.len() && !live[index] {
+                        live[index] = true;
+                        lifetimes[index] += 1;
                     }
                 }
             }
         }
-        let offsets = plan
-            .offsets
-            .iter()
-            .zip(&lifetimes)
-            .map(|(offset, &lifetimes)| {
-                offset.filter(|_| lifetimes == 1).and_then(|offset| usize::try_from(offset).ok())
-            })
-            .collect();
+    }
+    let offsets = plan
+        .offsets
+        .iter()
+        .zip(&lifetimes)
+        .map(|(offset, &lifetimes)| offset.filter(|_| lifetimes == 1).and_then(|offset| usize::try_from(offset).ok()))
+        .collect();
+    Some((bytes, offsets))
+}
+
+impl Arena {
+    /// The arena `program`'s memory plan lays out, zeroed; `None` when it does not fit in memory.
+    pub(crate) fn planned(program: &Program) -> Option<Arena> {
+        let (bytes, offsets) = planned_slots(program)?;
         debug_assert_eq!(ALIGNMENT % 8, 0, "slots are word-aligned");
         Some(Arena { words: vec![0; bytes.div_ceil(8)], offsets, taken: BTreeMap::new() })
     }

@@ -63,6 +63,31 @@ pub enum Error {
         /// What is wrong and how to fix it.
         reason: String,
     },
+    /// No CUDA device could be opened (`--device cuda`).
+    #[error("no CUDA device: {reason}")]
+    #[diagnostic(
+        code(E0607),
+        help(
+            "run on the CPU (drop --device cuda), or on a machine with an NVIDIA GPU, its driver and CUDA 12's cuBLAS"
+        )
+    )]
+    NoCudaDevice {
+        /// Why, naming the library or device missing.
+        reason: String,
+    },
+    /// A CUDA driver or cuBLAS call failed while a rank ran on a device.
+    #[error("rank {rank}, instruction {instr}: CUDA's {call} failed: {message}")]
+    #[diagnostic(code(E0608), help("check the device with nvidia-smi; run with --device cpu to compare"))]
+    Cuda {
+        /// The rank.
+        rank: u32,
+        /// The instruction index.
+        instr: usize,
+        /// The driver or cuBLAS call.
+        call: &'static str,
+        /// CUDA's error.
+        message: String,
+    },
     /// A rank's thread panicked (a bug in pleat).
     #[error("rank {rank} panicked: {message}")]
     #[diagnostic(code(E0606), help("this is a pleat bug; report it with the command line"))]

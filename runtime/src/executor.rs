@@ -304,6 +304,18 @@ impl Machine<'_> {
             _ => Err(self.program_error(format!("{id} was not stored"))),
         }
     }
+    /// Takes buffer `id`'s storage out of the machine, as [`Machine::free`] does, and returns it;
+    /// `None` when it is not live.
+    #[cfg(feature = "cuda")]
+    fn take(&mut self, id: BufferId) -> Option<Storage> {
+        let storage = self.buffers.get_mut(id.as_u32() as usize).and_then(Option::take)?;
+        if let (Storage::Placed { offset, .. }, Some(arena)) = (&storage, self.arena.as_mut()) {
+            arena.give_back(*offset);
+        }
+        self.live_bytes -= storage.bytes();
+        self.count_kind(id, -(storage.bytes() as i64));
+        Some(storage)
+    }
     fn count_kind(&mut self, id: BufferId, bytes: i64) {
         match self.program.buffers.get(id.as_u32() as usize).map(|buffer| buffer.kind) {
             Some(BufferKind::Activation) => self.activation_bytes = self.activation_bytes.saturating_add_signed(bytes),
@@ -330,6 +342,20 @@ impl Machine<'_> {
     fn what(&self, id: BufferId) -> String {
         self.program.buffers.get(id.as_u32() as usize).map_or_else(|| id.to_string(), |buffer| buffer.name.clone())
     }
+}
+
+/// A buffer's elements at its stored type, as a device runtime moves them to and from the host
+/// (`crate::cuda`): the host run holds a device program's operands only while it runs one of its
+/// instructions here.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum HostData {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements.
+    Bf16(Vec<bf16>),
+    /// Token ids and positions.
+    U32(Vec<u32>),
 }
 
 /// The row-major indices, in a tensor of `shape`, of the elements of `region`, in order.
@@ -615,6 +641,47 @@ impl<'a> Run<'a> {
             return Err(self.program_error(format!("{id} is not an f32 buffer; generated code writes only f32")));
         }
         self.machine.store_zeroed_f32(id)
+    }
+
+    /// Whether buffer `id` is live in the run.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn holds(&self, id: BufferId) -> bool {
+        matches!(self.machine.buffers.get(id.as_u32() as usize), Some(Some(_)))
+    }
+
+    /// Stores `data` as buffer `id` (its size checked against the program's).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn stage_in(&mut self, id: BufferId, data: HostData) -> Result<()> {
+        let storage = match data {
+            HostData::F32(data) => Storage::F32(data),
+            HostData::Bf16(data) => Storage::Bf16(data),
+            HostData::U32(data) => Storage::U32(data),
+        };
+        self.machine.store(id, storage)
+    }
+
+    /// Takes buffer `id` out of the run (it is no longer live here) and returns its elements;
+    /// `None` when it is not live.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn stage_out(&mut self, id: BufferId) -> Option<HostData> {
+        let storage = self.machine.take(id)?;
+        Some(match storage {
+            Storage::F32(data) => HostData::F32(data),
+            Storage::Bf16(data) => HostData::Bf16(data),
+            Storage::U32(data) => HostData::U32(data),
+            Storage::Placed { element, offset, len } => {
+                let arena = self.machine.arena.as_ref()?;
+                // SAFETY: the slot was this buffer's until `take` gave it back just now, and nothing
+                // has been stored since.
+                unsafe {
+                    match element {
+                        Element::F32 => HostData::F32(arena.slice(offset, len).to_vec()),
+                        Element::Bf16 => HostData::Bf16(arena.slice(offset, len).to_vec()),
+                        Element::U32 => HostData::U32(arena.slice(offset, len).to_vec()),
+                    }
+                }
+            }
+        })
     }
 
     /// What the run produced and measured.

@@ -43,6 +43,20 @@ pub fn run_on_threads_native(
     options: &ThreadRunOptions,
     native: &[Option<NativeKernels>],
 ) -> Result<Vec<RankOutcome>> {
+    check_ranks(programs)?;
+    let world_size = programs.len() as u32;
+    // Ranks already run in parallel; give GEMMs the cores only when there is one rank.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let gemm_threads = if world_size == 1 { cores } else { 1 };
+    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
+    on_threads(comms, |rank, comm| {
+        let table = native.get(rank as usize).and_then(Option::as_ref);
+        execute_native(&programs[rank as usize], comm, inputs, gemm_threads, table)
+    })
+}
+
+/// Checks that `programs` are one a rank of one world, in rank order.
+pub(crate) fn check_ranks(programs: &[Program]) -> Result<()> {
     let world_size = programs.len() as u32;
     for (rank, program) in programs.iter().enumerate() {
         if program.rank != rank as u32 || program.world_size != world_size {
@@ -54,14 +68,7 @@ pub fn run_on_threads_native(
             });
         }
     }
-    // Ranks already run in parallel; give GEMMs the cores only when there is one rank.
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let gemm_threads = if world_size == 1 { cores } else { 1 };
-    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
-    on_threads(comms, |rank, comm| {
-        let table = native.get(rank as usize).and_then(Option::as_ref);
-        execute_native(&programs[rank as usize], comm, inputs, gemm_threads, table)
-    })
+    Ok(())
 }
 
 /// Runs `work` for every rank on a thread of its own, with that rank's communicator. A rank that

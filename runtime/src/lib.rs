@@ -11,6 +11,8 @@ mod arena;
 pub mod calibrate;
 pub mod capi;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod executor;
 mod expert_dispatch;

@@ -45,6 +45,8 @@ pub(crate) struct Codegen<'ctx, 'module> {
     f64_type: FloatType<'ctx>,
     i64_type: IntType<'ctx>,
     ptr_type: PointerType<'ctx>,
+    /// The items (threads on a GPU) of the last kernel's `parallel` loop.
+    items: std::cell::Cell<u64>,
 }
 
 /// The function being built: its value and its pointer arguments.
@@ -68,7 +70,14 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             f64_type: context.f64_type(),
             i64_type: context.i64_type(),
             ptr_type: context.ptr_type(AddressSpace::default()),
+            items: std::cell::Cell::new(0),
         }
+    }
+
+    /// The items of the last kernel defined: its threads on a GPU, one a row or element (0 when
+    /// it has no work, as a RoPE of head width 1).
+    pub(crate) fn items(&self) -> u64 {
+        self.items.get()
     }
 
     /// Defines `u64 pleat_program_fingerprint(void)` returning `fingerprint`.
@@ -89,6 +98,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             _ => Err(LlvmError::NotAKernel { instr }),
         };
         let numel = |id: crate::BufferId| program.buffer(id).numel();
+        self.items.set(0);
         match native {
             NativeKernel::Single { instr } => {
                 let (kernel, inputs, out) = kernel_at(*instr)?;
@@ -388,6 +398,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     /// `body(index)` for each `index` below `items`: a loop on the host, one thread an item on the
     /// GPU (threads past the end do nothing).
     fn parallel(&self, frame: &Frame<'ctx>, items: u64, body: impl FnOnce(IntValue<'ctx>) -> Gen<()>) -> Gen<()> {
+        self.items.set(items);
         match self.flavor {
             Flavor::Host => self.for_each(frame, items, body),
             Flavor::Ptx => {

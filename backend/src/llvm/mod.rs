@@ -23,7 +23,7 @@ use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine, TargetTriple};
 use inkwell::OptimizationLevel;
 
-use crate::native::{native_kernels, program_fingerprint, NativeKernel};
+use crate::native::{native_kernels, program_fingerprint, DeviceCode, DeviceKernel, NativeKernel};
 use crate::program::Program;
 use codegen::{Codegen, Flavor};
 
@@ -193,14 +193,23 @@ pub fn emit(
             })?;
             Ok(vec![stem])
         }
-        Artifact::Ptx => PTX_ARCHES
-            .iter()
-            .map(|(arch, _)| {
+        // The PTX to read, and beside it what the CUDA runtime loads: the same module with each
+        // kernel's thread count (`pleat run DIR --device cuda`).
+        Artifact::Ptx => {
+            let mut written = Vec::new();
+            for (arch, _) in PTX_ARCHES {
+                let code = device_code(program, arch)?;
                 let path = with_extension(&format!("{arch}.ptx"));
-                write(&path, ptx(program, arch)?.as_bytes())?;
-                Ok(path)
-            })
-            .collect(),
+                write(&path, code.ptx.as_bytes())?;
+                written.push(path);
+                let path = with_extension(&format!("{arch}.cuda.json"));
+                let json = serde_json::to_string(&code)
+                    .map_err(|error| LlvmError::Write { path: path.clone(), message: error.to_string() })?;
+                write(&path, json.as_bytes())?;
+                written.push(path);
+            }
+            Ok(written)
+        }
     }
 }
 
@@ -243,12 +252,23 @@ fn host_code_of(
 /// `program`'s native kernels as PTX for `arch` (one of [`PTX_ARCHES`], e.g. `sm_90`), each a
 /// `.entry` named by its symbol, optimized with `default<O3>`.
 pub fn ptx(program: &Program, arch: &str) -> Result<String, LlvmError> {
+    device_code(program, arch).map(|code| code.ptx)
+}
+
+/// [`ptx`] with each kernel's thread count, what the CUDA runtime loads and launches.
+pub fn device_code(program: &Program, arch: &str) -> Result<DeviceCode, LlvmError> {
     let features = PTX_ARCHES.iter().find(|(known, _)| *known == arch).map_or("", |(_, features)| features);
     Target::initialize_nvptx(&InitializationConfig::default());
     let triple = TargetTriple::create("nvptx64-nvidia-cuda");
     let machine = target_machine(&triple, arch, features, RelocMode::Default)?;
     let context = Context::create();
-    let module = kernel_module(&context, program, Flavor::Ptx, &format!("rank{}.{arch}", program.rank))?;
+    let module = context.create_module(&format!("rank{}.{arch}", program.rank));
+    let codegen = Codegen::new(&context, &module, Flavor::Ptx);
+    let mut kernels = Vec::new();
+    for kernel in native_kernels(program) {
+        codegen.define(program, &kernel)?;
+        kernels.push(DeviceKernel { kernel, threads: codegen.items() });
+    }
     module.set_triple(&triple);
     module.set_data_layout(&machine.get_target_data().get_data_layout());
     verify(&module)?;
@@ -256,7 +276,8 @@ pub fn ptx(program: &Program, arch: &str) -> Result<String, LlvmError> {
     let buffer = machine
         .write_to_memory_buffer(&module, FileType::Assembly)
         .map_err(|message| LlvmError::Write { path: PathBuf::from("<memory>"), message: message.to_string() })?;
-    Ok(String::from_utf8_lossy(buffer.as_slice()).into_owned())
+    let ptx = String::from_utf8_lossy(buffer.as_slice()).into_owned();
+    Ok(DeviceCode { fingerprint: program_fingerprint(program), arch: arch.to_string(), ptx, kernels })
 }
 
 /// The unoptimized, target-independent LLVM IR of one native kernel on its own (for reading and
@@ -273,7 +294,7 @@ pub fn kernel_ir(program: &Program, kernel: &NativeKernel) -> Result<String, Llv
 /// snapshots; the module it is built in, with the kernels it calls, is verified first).
 pub fn entry_ir(program: &Program) -> Result<String, LlvmError> {
     let context = Context::create();
-    let module = kernel_module(&context, program, Flavor::Host, &format!("rank{}", program.rank))?;
+    let module = kernel_module(&context, program, &format!("rank{}", program.rank))?;
     verify(&module)?;
     let entry = module
         .get_function(crate::native::abi::ENTRY_SYMBOL)
@@ -289,25 +310,16 @@ pub fn verify(module: &Module) -> Result<(), LlvmError> {
     })
 }
 
-/// Builds every native kernel of `program` into one module; for the host, also the fingerprint
-/// function and the entry function that runs the whole program (`entry`).
-fn kernel_module<'ctx>(
-    context: &'ctx Context,
-    program: &Program,
-    flavor: Flavor,
-    name: &str,
-) -> Result<Module<'ctx>, LlvmError> {
+/// Builds every native kernel of `program` into one host module, with the fingerprint function and
+/// the entry function that runs the whole program (`entry`).
+fn kernel_module<'ctx>(context: &'ctx Context, program: &Program, name: &str) -> Result<Module<'ctx>, LlvmError> {
     let module = context.create_module(name);
-    let codegen = Codegen::new(context, &module, flavor);
-    if flavor == Flavor::Host {
-        codegen.define_fingerprint(program_fingerprint(program))?;
-    }
+    let codegen = Codegen::new(context, &module, Flavor::Host);
+    codegen.define_fingerprint(program_fingerprint(program))?;
     for kernel in native_kernels(program) {
         codegen.define(program, &kernel)?;
     }
-    if flavor == Flavor::Host {
-        entry::define_entry(context, &module, program)?;
-    }
+    entry::define_entry(context, &module, program)?;
     Ok(module)
 }
 
@@ -329,7 +341,7 @@ fn optimized_host_module<'ctx>(
         None => (TargetMachine::get_host_cpu_name().to_string(), TargetMachine::get_host_cpu_features().to_string()),
     };
     let machine = target_machine(&triple, &cpu, &features, RelocMode::PIC)?;
-    let module = kernel_module(context, program, Flavor::Host, &format!("rank{}", program.rank))?;
+    let module = kernel_module(context, program, &format!("rank{}", program.rank))?;
     if kind == HostModule::Executable {
         entry::define_main(context, &module, program.rank)?;
     }

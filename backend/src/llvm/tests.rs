@@ -88,6 +88,20 @@ fn ptx_declares_an_entry_per_kernel_for_each_arch() {
 }
 
 #[test]
+fn device_code_gives_each_kernel_a_thread_a_row_or_element() {
+    let program = program_with_rope();
+    let code = device_code(&program, "sm_90").unwrap();
+    assert_eq!(code.fingerprint, crate::native::program_fingerprint(&program));
+    assert_eq!(code.ptx, ptx(&program, "sm_90").unwrap());
+    let threads: Vec<(String, u64)> =
+        code.kernels.iter().map(|kernel| (kernel.kernel.symbol(), kernel.threads)).collect();
+    // The fused add + norm and the bias add a row of 8 (2 rows), the SiLU-mul an element (2 x 8),
+    // the RoPE a (batch, position, head) row (1 x 2 x 2).
+    let expected = [("pleat_fused_3", 2), ("pleat_kernel_6", 2), ("pleat_kernel_7", 16), ("pleat_kernel_9", 4)];
+    assert_eq!(threads, expected.map(|(symbol, threads)| (symbol.to_string(), threads)));
+}
+
+#[test]
 fn every_artifact_is_written() {
     let program = program_with_rope();
     let dir = std::env::temp_dir().join(format!("pleat-llvm-artifacts-{}", std::process::id()));
@@ -98,7 +112,7 @@ fn every_artifact_is_written() {
         (Artifact::Asm, vec!["rank0.s"]),
         (Artifact::Object, vec!["rank0.o"]),
         (Artifact::SharedLibrary, vec!["rank0.so"]),
-        (Artifact::Ptx, vec!["rank0.sm_80.ptx", "rank0.sm_90.ptx"]),
+        (Artifact::Ptx, vec!["rank0.sm_80.ptx", "rank0.sm_80.cuda.json", "rank0.sm_90.ptx", "rank0.sm_90.cuda.json"]),
     ] {
         let written = emit(&program, artifact, &options, &dir).unwrap();
         let written: Vec<String> =
@@ -111,7 +125,11 @@ fn every_artifact_is_written() {
     let assembly = std::fs::read_to_string(dir.join("rank0.s")).unwrap();
     assert!(assembly.contains("pleat_fused_3:"), "{assembly}");
     // Only the artifacts: the temporary object is gone.
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 6);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 8);
+    // What the CUDA runtime loads is the PTX written beside it, with the thread counts.
+    let code: crate::native::DeviceCode =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("rank0.sm_90.cuda.json")).unwrap()).unwrap();
+    assert_eq!(code.ptx, std::fs::read_to_string(dir.join("rank0.sm_90.ptx")).unwrap());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -1,0 +1,27 @@
+//! The CUDA runtime (feature `cuda`): each rank's `Program` on a GPU.
+//!
+//! Built on `cudarc` with dynamic loading, so pleat builds and runs its CPU path on a machine with
+//! no CUDA at all; opening a device there is an error that says why ([`CudaDevice::open`]).
+//!
+//! A rank's buffers live in device memory, in one allocation laid out by the memory planner
+//! (`pleat_backend::memory::plan`, each element at its declared size), so the measured peak is the
+//! planned one. Its instructions run on one CUDA stream of the rank:
+//! - GEMMs (`MatMul` and its two gradients) on cuBLAS, f32 in and out, f32 accumulation;
+//! - the elementwise and row-wise kernels that have generated code (residual adds, SiLU-mul,
+//!   RMSNorm, RoPE, and a residual add fused with the RMSNorm reading it) as the PTX
+//!   `pleat_backend::llvm::device_code` emits, one thread a row or element;
+//! - every other instruction (weight and token loads, collectives, the remaining kernels) on the
+//!   host: its operands are copied out of device memory, the CPU executor's own step runs it (so
+//!   its values are the CPU runtime's, and collectives go over the rank's communicator), and its
+//!   results are copied back. [`DeviceRankOutcome`] counts both kinds, so a report says how much
+//!   of a program ran on the GPU.
+//!
+//! Ranks are threads sharing one device (NCCL refuses two ranks on one GPU); their collectives run
+//! over the threads communicator through the host.
+
+mod device;
+mod memory;
+mod run;
+
+pub use device::CudaDevice;
+pub use run::{run_on_device, DeviceRankOutcome};

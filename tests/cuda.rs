@@ -1,0 +1,107 @@
+//! `pleat run --device cuda`: on a machine with an NVIDIA GPU, every layout's logits on the device
+//! equal the reference interpreter's within the GPU tolerance (`CUDA_F32_TOL`, 1e-3: approximate
+//! `ex2`/`sin`/`cos` and cuBLAS's summation order); without one, the run fails at once with E0607
+//! naming what is missing, and each equivalence case prints `skipped: no CUDA device` where the
+//! test output shows it. Without the `cuda` feature, `--device cuda` says to rebuild with it.
+
+use std::io::Write;
+
+#[path = "support/cli.rs"]
+mod cli;
+
+use cli::{error_of, json_of, pleat};
+
+/// The GPU tolerance the binary applies (`device::CUDA_F32_TOL`).
+const CUDA_F32_TOL: f64 = 1e-3;
+
+/// Why this machine cannot run on CUDA (the error's text), or `None` when it can.
+fn no_cuda() -> Option<String> {
+    let output = pleat(&["run", "tiny", "--device", "cuda", "--batch", "1", "--seq", "8"]);
+    (!output.status.success()).then(|| String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// Prints, past the test harness's capture, that `case` was skipped and why.
+fn skipped(case: &str, reason: &str) {
+    let reason = reason.lines().next().unwrap_or_default();
+    let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({case}): {reason}");
+}
+
+#[test]
+#[cfg(feature = "cuda")]
+fn without_a_device_the_run_fails_at_once_naming_what_is_missing() {
+    let Some(stderr) = no_cuda() else {
+        let _ = writeln!(std::io::stderr(), "a CUDA device is present: the no-device error is not exercised here");
+        return;
+    };
+    assert!(stderr.contains("E0607"), "{stderr}");
+    assert!(stderr.contains("no CUDA device"), "{stderr}");
+    // It names the missing piece: the driver library, a device, cuBLAS or the architecture.
+    assert!(
+        ["libcuda", "device", "cuBLAS", "sm_"].iter().any(|missing| stderr.contains(missing)),
+        "the error says what is missing: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn without_the_feature_device_cuda_says_to_rebuild_with_it() {
+    let stderr = error_of(&["run", "tiny", "--device", "cuda"]);
+    assert!(stderr.contains("E0545") && stderr.contains("--features cuda"), "{stderr}");
+}
+
+#[test]
+fn device_cuda_refuses_the_cpu_runtimes_own_flags() {
+    for (flags, flag) in [(vec!["--native"], "--native"), (vec!["--train", "--steps", "1"], "--train")] {
+        let mut args = vec!["run", "tiny", "--device", "cuda"];
+        args.extend(flags);
+        let stderr = error_of(&args);
+        assert!(stderr.contains("E0546") && stderr.contains(flag), "{stderr}");
+    }
+}
+
+/// Every layout of `tiny` the equivalence matrix runs, on the device against the reference.
+#[test]
+fn every_layout_on_the_device_matches_the_reference() {
+    let cases: [(&str, &str); 9] = [
+        ("", "auto"),
+        ("tp=2", "tp"),
+        ("tp=4", "tp-sp"),
+        ("tsp=2", "tsp"),
+        ("tsp=4", "tsp"),
+        ("dp=2", "dp"),
+        ("cp=2", "cp"),
+        ("dp=2,tp=2", "auto"),
+        ("dp=2,tsp=2", "auto"),
+    ];
+    let missing = no_cuda();
+    for (mesh, strategy) in cases {
+        let case = format!("mesh '{mesh}', strategy {strategy}");
+        if let Some(reason) = &missing {
+            skipped(&case, reason);
+            continue;
+        }
+        let report = json_of(&[
+            "run",
+            "tiny",
+            "--mesh",
+            mesh,
+            "--strategy",
+            strategy,
+            "--device",
+            "cuda",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--check",
+            "--format",
+            "json",
+        ]);
+        let err = report["max_abs_err"].as_f64().expect("max_abs_err");
+        assert!(err <= CUDA_F32_TOL, "{case}: max |logits - reference| = {err:e}");
+        let on_device = report["device"]["on_device_per_rank"].as_array().expect("on_device_per_rank");
+        // The GEMMs at least ran on the GPU on every rank.
+        assert!(on_device.iter().all(|count| count.as_u64().unwrap_or(0) > 0), "{case}: {on_device:?}");
+    }
+}
