@@ -43,20 +43,31 @@ pub fn run_on_threads_native(
     options: &ThreadRunOptions,
     native: &[Option<NativeKernels>],
 ) -> Result<Vec<RankOutcome>> {
+    on_rank_threads(programs, options, |program, comm, gemm_threads| {
+        let table = native.get(program.rank as usize).and_then(Option::as_ref);
+        execute_native(program, comm, inputs, gemm_threads, table)
+    })
+}
+
+/// Runs `work(program, comm, gemm_threads)` for every rank of `programs` (checked to be one a rank,
+/// in rank order) on a thread of its own, over the threads communicator `options` describe, as
+/// [`on_threads`] does; `gemm_threads` is the parallelism a rank's host kernels may take.
+pub(crate) fn on_rank_threads<T: Send>(
+    programs: &[Program],
+    options: &ThreadRunOptions,
+    work: impl Fn(&Program, &mut ThreadComm, usize) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
     check_ranks(programs)?;
     let world_size = programs.len() as u32;
     // Ranks already run in parallel; give GEMMs the cores only when there is one rank.
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let gemm_threads = if world_size == 1 { cores } else { 1 };
     let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
-    on_threads(comms, |rank, comm| {
-        let table = native.get(rank as usize).and_then(Option::as_ref);
-        execute_native(&programs[rank as usize], comm, inputs, gemm_threads, table)
-    })
+    on_threads(comms, |rank, comm| work(&programs[rank as usize], comm, gemm_threads))
 }
 
 /// Checks that `programs` are one a rank of one world, in rank order.
-pub(crate) fn check_ranks(programs: &[Program]) -> Result<()> {
+fn check_ranks(programs: &[Program]) -> Result<()> {
     let world_size = programs.len() as u32;
     for (rank, program) in programs.iter().enumerate() {
         if program.rank != rank as u32 || program.world_size != world_size {

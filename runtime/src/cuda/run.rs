@@ -12,10 +12,10 @@ use pleat_backend::{BufferId, BufferKind, DType, Instr, Kernel, Program};
 
 use super::device::CudaDevice;
 use super::memory::DeviceMemory;
-use crate::comm::{Communicator, ThreadFabric};
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::executor::{nanos_since, HostData, RankOutcome, Run, RunInputs};
-use crate::launch::{check_ranks, on_threads, ThreadRunOptions};
+use crate::launch::{on_rank_threads, ThreadRunOptions};
 
 /// Threads a block of a generated kernel.
 const BLOCK_THREADS: u64 = 256;
@@ -46,15 +46,8 @@ pub fn run_on_device(
     device: &CudaDevice,
     code: &[Option<DeviceCode>],
 ) -> Result<Vec<DeviceRankOutcome>> {
-    check_ranks(programs)?;
-    let world_size = programs.len() as u32;
-    // The host's share of the work (fallback kernels) gets the cores when there is one rank.
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let gemm_threads = if world_size == 1 { cores } else { 1 };
-    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
-    on_threads(comms, |rank, comm| {
-        let program = &programs[rank as usize];
-        let code = code.get(rank as usize).and_then(Option::as_ref);
+    on_rank_threads(programs, options, |program, comm, gemm_threads| {
+        let code = code.get(program.rank as usize).and_then(Option::as_ref);
         execute_on_device(program, comm, inputs, gemm_threads, device, code)
     })
 }
