@@ -20,7 +20,7 @@
 //! - `int32_t pleat_rank_main(void* ctx)`: the whole program, in order, calling the functions above
 //!   directly and the runtime's `pleat_rt_*` C ABI for everything else ([`abi`]).
 
-use crate::program::{Instr, Kernel, Program};
+use crate::program::{BufferId, Instr, Kernel, Program};
 
 pub mod abi;
 
@@ -51,6 +51,36 @@ impl NativeKernel {
         match self {
             NativeKernel::Single { instr } => format!("pleat_kernel_{instr}"),
             NativeKernel::FusedAddRmsNorm { add_instr, .. } => format!("pleat_fused_{add_instr}"),
+        }
+    }
+
+    /// The buffers the function reads, in the order of its `inputs` array, and those it writes
+    /// (`out`, or a fused kernel's `sum` and `normed`), as [`Self`]'s instructions in `program` name
+    /// them; `None` when one of those instructions is not a kernel.
+    pub fn buffers(&self, program: &Program) -> Option<(Vec<BufferId>, Vec<BufferId>)> {
+        let kernel_at = |instr: usize| match program.instructions.get(instr) {
+            Some(Instr::Kernel { inputs, out, .. }) => Some((inputs.clone(), *out)),
+            _ => None,
+        };
+        match *self {
+            NativeKernel::Single { instr } => {
+                let (inputs, out) = kernel_at(instr)?;
+                Some((inputs, vec![out]))
+            }
+            NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } => {
+                let (add_inputs, sum) = kernel_at(add_instr)?;
+                let (norm_inputs, normed) = kernel_at(norm_instr)?;
+                let inputs = add_inputs.into_iter().chain(norm_inputs.get(1).copied()).collect();
+                Some((inputs, vec![sum, normed]))
+            }
+        }
+    }
+
+    /// The instructions it computes, first to last (two for a fused add and norm).
+    pub fn instrs(&self) -> Vec<usize> {
+        match *self {
+            NativeKernel::Single { instr } => vec![instr],
+            NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } => vec![add_instr, norm_instr],
         }
     }
 
@@ -319,6 +349,20 @@ pub(crate) mod tests {
         );
         assert_eq!(schedule_for_fusion(&mut program), 0);
         assert_eq!(native_kernels(&program)[0].symbol(), "pleat_fused_3");
+    }
+
+    #[test]
+    fn a_fused_kernel_reads_the_adds_operands_and_the_norms_weight_and_writes_both_results() {
+        let mut program = residual_program();
+        schedule_for_fusion(&mut program);
+        let id = |index: usize| BufferId::new(index);
+        let fused = NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 4 };
+        assert_eq!(fused.buffers(&program), Some((vec![id(0), id(1), id(3)], vec![id(2), id(4)])));
+        assert_eq!(fused.instrs(), vec![3, 4]);
+        let silu = NativeKernel::Single { instr: 7 };
+        assert_eq!(silu.buffers(&program), Some((vec![id(5), id(2)], vec![id(6)])));
+        // A load is no kernel.
+        assert_eq!(NativeKernel::Single { instr: 0 }.buffers(&program), None);
     }
 
     #[test]

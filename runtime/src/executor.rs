@@ -276,12 +276,7 @@ impl Machine<'_> {
     /// Frees buffer `id`: its storage dropped, its slot of the arena given back, its bytes no
     /// longer counted.
     fn free(&mut self, id: BufferId) {
-        let Some(storage) = self.buffers.get_mut(id.as_u32() as usize).and_then(Option::take) else { return };
-        if let (Storage::Placed { offset, .. }, Some(arena)) = (&storage, self.arena.as_mut()) {
-            arena.give_back(*offset);
-        }
-        self.live_bytes -= storage.bytes();
-        self.count_kind(id, -(storage.bytes() as i64));
+        self.take(id);
     }
     /// Buffer `id`'s data, stored as zeroed f32 of its declared size, for generated code to write:
     /// in its slot of the arena when there is one.
@@ -304,9 +299,8 @@ impl Machine<'_> {
             _ => Err(self.program_error(format!("{id} was not stored"))),
         }
     }
-    /// Takes buffer `id`'s storage out of the machine, as [`Machine::free`] does, and returns it;
-    /// `None` when it is not live.
-    #[cfg(feature = "cuda")]
+    /// Takes buffer `id`'s storage out of the machine (its slot of the arena given back, its bytes
+    /// no longer counted) and returns it; `None` when it is not live.
     fn take(&mut self, id: BufferId) -> Option<Storage> {
         let storage = self.buffers.get_mut(id.as_u32() as usize).and_then(Option::take)?;
         if let (Storage::Placed { offset, .. }, Some(arena)) = (&storage, self.arena.as_mut()) {

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use libloading::Library;
 use pleat_backend::native::abi::ENTRY_SYMBOL;
 use pleat_backend::native::{native_kernels, program_fingerprint, NativeKernel, FINGERPRINT_SYMBOL};
-use pleat_backend::{BufferId, Instr, Program};
+use pleat_backend::{BufferId, Program};
 
 /// `void pleat_kernel_<i>(const float* const* inputs, float* out)`.
 type KernelFunction = unsafe extern "C" fn(*const *const f32, *mut f32);
@@ -228,43 +228,28 @@ impl NativeKernels {
             let buffer = program.buffer(id);
             (buffer.numel() as usize, buffer.is_integer())
         };
-        let kernel_at = |instr: usize| match program.instructions.get(instr) {
-            Some(Instr::Kernel { inputs, out, .. }) => Ok((inputs.clone(), *out)),
-            _ => Err(NativeError::NoKernel { instr }),
-        };
         let mut entries = HashMap::new();
         for kernel in native_kernels(program) {
             let address = lookup(&kernel.symbol())?;
-            let entry = match kernel {
-                NativeKernel::Single { instr } => {
-                    let (inputs, out) = kernel_at(instr)?;
-                    Entry {
-                        buffers: inputs.clone(),
-                        // SAFETY: `pleat_kernel_<i>` has this signature (see `pleat_backend::native`).
-                        function: Function::Single(unsafe {
-                            std::mem::transmute::<*const (), KernelFunction>(address)
-                        }),
-                        operands: inputs.into_iter().map(shape).collect(),
-                        out_len: shape(out).0,
-                    }
+            let (buffers, outs) =
+                kernel.buffers(program).ok_or(NativeError::NoKernel { instr: kernel.first_instr() })?;
+            let function = match kernel {
+                // SAFETY: `pleat_kernel_<i>` has this signature (see `pleat_backend::native`).
+                NativeKernel::Single { .. } => {
+                    Function::Single(unsafe { std::mem::transmute::<*const (), KernelFunction>(address) })
                 }
-                NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } => {
-                    let (add_inputs, sum) = kernel_at(add_instr)?;
-                    let (norm_inputs, normed) = kernel_at(norm_instr)?;
-                    let buffers: Vec<BufferId> =
-                        add_inputs.iter().copied().chain(norm_inputs.get(1).copied()).collect();
-                    Entry {
-                        buffers: buffers.clone(),
-                        function: Function::Fused {
-                            // SAFETY: `pleat_fused_<i>` has this signature (see `pleat_backend::native`).
-                            function: unsafe { std::mem::transmute::<*const (), FusedFunction>(address) },
-                            norm_instr,
-                            norm_len: shape(normed).0,
-                        },
-                        operands: buffers.into_iter().map(shape).collect(),
-                        out_len: shape(sum).0,
-                    }
-                }
+                NativeKernel::FusedAddRmsNorm { norm_instr, .. } => Function::Fused {
+                    // SAFETY: `pleat_fused_<i>` has this signature (see `pleat_backend::native`).
+                    function: unsafe { std::mem::transmute::<*const (), FusedFunction>(address) },
+                    norm_instr,
+                    norm_len: shape(outs[1]).0,
+                },
+            };
+            let entry = Entry {
+                operands: buffers.iter().copied().map(shape).collect(),
+                buffers,
+                function,
+                out_len: shape(outs[0]).0,
             };
             entries.insert(kernel.first_instr(), entry);
         }

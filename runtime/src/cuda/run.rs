@@ -1,6 +1,6 @@
 //! One rank's program on the device, and every rank of a world as threads sharing one device.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_void, CString};
 use std::time::Instant;
 
@@ -115,7 +115,7 @@ struct Kernels {
     module: Option<sys::CUmodule>,
     launches: HashMap<usize, Launch>,
     /// Instructions a launch at an earlier one already computed.
-    computed_earlier: HashMap<usize, usize>,
+    computed_earlier: HashSet<usize>,
     /// The operand tables (one allocation).
     tables: sys::CUdeviceptr,
 }
@@ -142,7 +142,7 @@ impl Kernels {
     fn load(program: &Program, memory: &DeviceMemory, code: Option<&DeviceCode>) -> Result<Kernels> {
         let rank = program.rank;
         let mut kernels =
-            Kernels { module: None, launches: HashMap::new(), computed_earlier: HashMap::new(), tables: 0 };
+            Kernels { module: None, launches: HashMap::new(), computed_earlier: HashSet::new(), tables: 0 };
         let Some(code) = code.filter(|code| !code.kernels.is_empty()) else { return Ok(kernels) };
         let expected = pleat_backend::native::program_fingerprint(program);
         if code.fingerprint != expected {
@@ -185,9 +185,7 @@ impl Kernels {
             .map_err(|error| cuda_error(rank, 0, "cuMemcpyHtoD", error))?;
         for (first, mut launch) in pending {
             launch.table = kernels.tables + (first * std::mem::size_of::<u64>()) as u64;
-            for &later in &launch.instrs[1..] {
-                kernels.computed_earlier.insert(later, launch.instrs[0]);
-            }
+            kernels.computed_earlier.extend(&launch.instrs[1..]);
             kernels.launches.insert(launch.instrs[0], launch);
         }
         Ok(kernels)
@@ -197,29 +195,17 @@ impl Kernels {
 /// A generated kernel's operands (what its `inputs` array holds), results and instructions, when
 /// the device can run it: every float it reads or writes is f32.
 fn launch_buffers(program: &Program, kernel: &NativeKernel) -> Option<(Vec<BufferId>, Vec<BufferId>, Vec<usize>)> {
-    let kernel_at = |instr: usize| match program.instructions.get(instr) {
-        Some(Instr::Kernel { inputs, out, .. }) => Some((inputs.clone(), *out)),
-        _ => None,
-    };
-    let (operands, outs, instrs) = match *kernel {
-        NativeKernel::Single { instr } => {
-            let (inputs, out) = kernel_at(instr)?;
-            (inputs, vec![out], vec![instr])
+    let (operands, outs) = kernel.buffers(program)?;
+    if let NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } = *kernel {
+        // The kernel writes the norm's result at the add: nothing may be freed in between, or the
+        // norm's slot could still be an operand's.
+        let frees_between =
+            program.instructions[add_instr + 1..norm_instr].iter().any(|instr| matches!(instr, Instr::Free { .. }));
+        if frees_between {
+            return None;
         }
-        NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } => {
-            let (add_inputs, sum) = kernel_at(add_instr)?;
-            let (norm_inputs, normed) = kernel_at(norm_instr)?;
-            // The kernel writes the norm's result at the add: nothing may be freed in between, or
-            // the norm's slot could still be an operand's.
-            let frees_between =
-                program.instructions[add_instr + 1..norm_instr].iter().any(|instr| matches!(instr, Instr::Free { .. }));
-            if frees_between {
-                return None;
-            }
-            let operands = add_inputs.iter().copied().chain(norm_inputs.get(1).copied()).collect();
-            (operands, vec![sum, normed], vec![add_instr, norm_instr])
-        }
-    };
+    }
+    let instrs = kernel.instrs();
     let device_ready = |id: &BufferId| {
         let buffer = program.buffer(*id);
         buffer.is_integer() || buffer.dtype == DType::F32
@@ -342,7 +328,7 @@ impl<'a> DeviceRun<'a> {
             Instr::Free { buf } => self.live.freed(program, *buf),
             // Transfers run to completion at their start here.
             Instr::Wait { .. } => {}
-            _ if self.kernels.computed_earlier.contains_key(&index) => self.on_device += 1,
+            _ if self.kernels.computed_earlier.contains(&index) => self.on_device += 1,
             Instr::Kernel { .. } if self.kernels.launches.contains_key(&index) => self.launch(index)?,
             Instr::Kernel { kernel, inputs, out } if gemm_on_device(program, kernel, inputs, *out) => {
                 self.gemm(index, kernel, inputs, *out)?;
@@ -357,14 +343,9 @@ impl<'a> DeviceRun<'a> {
     fn launch(&mut self, index: usize) -> Result<()> {
         let Some(launch) = self.kernels.launches.get(&index) else { return Ok(()) };
         let (program, stream) = (self.program, self.stream.0);
+        // Results are not zeroed first: every generated kernel stores each element of its results
+        // (`native_kernels` takes only kernels whose sizes agree, RoPE's head width even).
         let mut addresses: Vec<u64> = launch.outs.iter().map(|&out| self.memory.address(out)).collect();
-        for (&out, &address) in launch.outs.iter().zip(&addresses) {
-            // Results start zeroed, as the CPU runtime hands generated code its results.
-            let bytes = program.buffer(out).bytes() as usize;
-            // SAFETY: `address` is `out`'s allocation of `bytes`; the stream orders the fill first.
-            unsafe { driver::memset_d8_async(address, 0, bytes, stream) }
-                .map_err(|error| self.error(index, "cuMemsetD8Async", error))?;
-        }
         let blocks = launch.threads.div_ceil(BLOCK_THREADS);
         if blocks > 0 {
             let mut table = launch.table;
@@ -387,12 +368,11 @@ impl<'a> DeviceRun<'a> {
             }
             .map_err(|error| self.error(index, "cuLaunchKernel", error))?;
         }
-        let (outs, computed) = (launch.outs.clone(), launch.instrs.len());
-        for out in outs {
+        for out in launch.outs.clone() {
             self.live.written(program, out);
         }
-        // The later instructions of a fused launch count when they come.
-        self.on_device += usize::from(computed > 0);
+        // The later instruction of a fused launch counts when it comes.
+        self.on_device += 1;
         Ok(())
     }
 
