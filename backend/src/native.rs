@@ -20,7 +20,7 @@
 //! - `int32_t pleat_rank_main(void* ctx)`: the whole program, in order, calling the functions above
 //!   directly and the runtime's `pleat_rt_*` C ABI for everything else ([`abi`]).
 
-use crate::program::{BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionDims, BufferId, Instr, Kernel, Program};
 
 pub mod abi;
 
@@ -30,7 +30,8 @@ pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 /// One native function of a program's library.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
-    /// The kernel of one instruction (`Add`, `SiluMul`, `RmsNorm` or `Rope`).
+    /// The kernel of one instruction: `Add`, `SiluMul`, `RmsNorm` or `Rope` on every machine, and
+    /// on a GPU also `Attention` and `Embedding` ([`device_kernels`]).
     Single {
         /// The instruction's index.
         instr: usize,
@@ -126,8 +127,8 @@ pub fn program_fingerprint(program: &Program) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
-/// The instructions, in program order, that get native code: fused add + norm pairs where the
-/// program allows it, each other eligible kernel on its own.
+/// The instructions, in program order, that get native code on the host: fused add + norm pairs
+/// where the program allows it, each other eligible kernel on its own.
 pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
     let mut kernels = Vec::new();
     let mut fused_norms = Vec::new();
@@ -144,6 +145,25 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
             }
         }
     }
+    kernels
+}
+
+/// The instructions, in program order, that get generated code on a GPU: [`native_kernels`], and
+/// each attention forward (one query row a thread, an online softmax) and embedding lookup (one
+/// element a thread) whose buffers agree with its parameters. Those two stay with the runtime's
+/// kernels on the host, whose tiled GEMMs are faster there and whose results the host's generated
+/// code must equal bit for bit; on a GPU they spare the copies of their operands to the host (the
+/// embedding's whole table, attention's q, k and v) that running them there costs.
+pub fn device_kernels(program: &Program) -> Vec<NativeKernel> {
+    let mut kernels = native_kernels(program);
+    for (index, instr) in program.instructions.iter().enumerate() {
+        if let Instr::Kernel { kernel, inputs, out } = instr {
+            if device_eligible(program, kernel, inputs, *out) {
+                kernels.push(NativeKernel::Single { instr: index });
+            }
+        }
+    }
+    kernels.sort_by_key(NativeKernel::first_instr);
     kernels
 }
 
@@ -274,6 +294,52 @@ fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::Buffer
     }
 }
 
+/// Whether `kernel` has generated code on a GPU only ([`device_kernels`]) and its buffers agree
+/// with its parameters: an attention forward whose query heads all read local kv heads, an
+/// embedding lookup whose table shard lies inside the vocabulary.
+fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
+    let in_range = |id: BufferId| (id.as_u32() as usize) < program.buffers.len();
+    if !inputs.iter().copied().chain([out]).all(in_range) {
+        return false;
+    }
+    let numel = |id: BufferId| program.buffer(id).numel();
+    let is_float = |id: BufferId| !program.buffer(id).is_integer();
+    let is_integer = |id: BufferId| program.buffer(id).is_integer();
+    match kernel {
+        Kernel::Attention { dims, with_lse } => {
+            let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, .. } = *dims;
+            let [q, k, v, q_pos, k_pos] = inputs else { return false };
+            let kv_local = |head: u64| {
+                ((q_head_offset + head) / group).checked_sub(kv_head_offset).is_some_and(|local| local < hkv)
+            };
+            let row_width = head_dim + u64::from(*with_lse);
+            [*q, *k, *v, out].into_iter().all(is_float)
+                && is_integer(*q_pos)
+                && is_integer(*k_pos)
+                && group > 0
+                && head_dim > 0
+                && (0..hq).all(kv_local)
+                && numel(*q) == batch * sq * hq * head_dim
+                && numel(*k) == batch * sk * hkv * head_dim
+                && numel(*v) == numel(*k)
+                && numel(*q_pos) == sq
+                && numel(*k_pos) == sk
+                && numel(out) == batch * sq * hq * row_width
+        }
+        Kernel::Embedding { hidden, vocab_offset, vocab_total } => {
+            let [table, tokens] = inputs else { return false };
+            *hidden > 0
+                && is_float(*table)
+                && is_integer(*tokens)
+                && is_float(out)
+                && numel(*table) % hidden == 0
+                && vocab_offset + numel(*table) / hidden <= *vocab_total
+                && numel(out) == numel(*tokens) * hidden
+        }
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -378,6 +444,75 @@ pub(crate) mod tests {
                 NativeKernel::Single { instr: 7 },
             ]
         );
+    }
+
+    /// The residual program with an embedding lookup and an attention after it: the table
+    /// `[4, 8]` holds rows 4..8 of 8; attention over `[1, 2, hq = 2, 4]` with one local kv head.
+    fn program_with_device_kernels(kv_head_offset: u64) -> Program {
+        let mut program = residual_program();
+        let first = program.buffers.len() as u32;
+        let input = BufferKind::Input;
+        let integer = |name: &str, shape: &[u64]| Buffer { dtype: DType::I32, ..buffer(name, shape, input) };
+        program.buffers.extend([
+            buffer("table", &[4, 8], BufferKind::Param),
+            integer("tokens", &[1, 2]),
+            buffer("embedded", &[1, 2, 8], BufferKind::Activation),
+            buffer("q", &[1, 2, 2, 4], input),
+            buffer("kv", &[1, 2, 1, 4], input),
+            integer("positions", &[2]),
+            buffer("attended", &[1, 2, 2, 4], BufferKind::Activation),
+        ]);
+        let embedding = Kernel::Embedding { hidden: 8, vocab_offset: 4, vocab_total: 8 };
+        program.instructions.push(kernel(embedding, &[first, first + 1], first + 2));
+        let dims = AttentionDims {
+            batch: 1,
+            sq: 2,
+            sk: 2,
+            hq: 2,
+            hkv: 1,
+            head_dim: 4,
+            q_head_offset: 0,
+            kv_head_offset,
+            group: 2,
+            causal: true,
+            scale: 0.5,
+        };
+        let [q, kv, positions] = [first + 3, first + 4, first + 5];
+        program.instructions.push(kernel(
+            Kernel::Attention { dims, with_lse: false },
+            &[q, kv, kv, positions, positions],
+            first + 6,
+        ));
+        program
+    }
+
+    #[test]
+    fn attention_and_the_embedding_are_generated_for_a_gpu_only() {
+        let program = program_with_device_kernels(0);
+        let host = native_kernels(&program);
+        let device = device_kernels(&program);
+        assert_eq!(host.len(), 4, "{host:?}");
+        let added: Vec<&NativeKernel> = device.iter().filter(|kernel| !host.contains(kernel)).collect();
+        assert_eq!(added, [&NativeKernel::Single { instr: 8 }, &NativeKernel::Single { instr: 9 }]);
+        assert!(device.windows(2).all(|pair| pair[0].first_instr() < pair[1].first_instr()), "{device:?}");
+    }
+
+    #[test]
+    fn a_device_kernel_whose_buffers_disagree_stays_on_the_host() {
+        // The query heads read global kv head 0, which a kv head offset of 1 says is elsewhere.
+        assert_eq!(device_kernels(&program_with_device_kernels(1)).len(), 5);
+        // A table shard reaching past the vocabulary.
+        let mut program = program_with_device_kernels(0);
+        let Instr::Kernel { kernel: Kernel::Embedding { vocab_offset, .. }, .. } = &mut program.instructions[8] else {
+            panic!("the embedding is instruction 8");
+        };
+        *vocab_offset = 5;
+        assert_eq!(device_kernels(&program).len(), 5);
+        // Positions that are floats.
+        let mut program = program_with_device_kernels(0);
+        let positions = program.buffers.len() - 2;
+        program.buffers[positions].dtype = DType::F32;
+        assert_eq!(device_kernels(&program).len(), 5);
     }
 
     #[test]

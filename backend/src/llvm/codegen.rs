@@ -14,10 +14,10 @@ use inkwell::intrinsics::Intrinsic;
 use inkwell::module::{Linkage, Module};
 use inkwell::types::{BasicTypeEnum, FloatType, IntType, PointerType};
 use inkwell::values::{BasicMetadataValueEnum, FloatValue, FunctionValue, IntValue, PointerValue, ValueKind};
-use inkwell::{AddressSpace, IntPredicate};
+use inkwell::{AddressSpace, FloatPredicate, IntPredicate};
 
 use crate::native::NativeKernel;
-use crate::program::{Instr, Kernel, Program};
+use crate::program::{AttentionDims, Instr, Kernel, Program};
 
 use super::LlvmError;
 
@@ -109,6 +109,10 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                     Kernel::RmsNorm { hidden, eps } => self.rms_norm(&frame, numel(out) / hidden, *hidden, *eps)?,
                     Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
                         self.rope(&frame, [*batch, *seq, *heads, *head_dim], inv_freq, *instr)?
+                    }
+                    Kernel::Attention { dims, with_lse } => self.attention(&frame, dims, *with_lse)?,
+                    Kernel::Embedding { hidden, vocab_offset, .. } => {
+                        self.embedding(&frame, numel(inputs[1]), *hidden, *vocab_offset, numel(inputs[0]) / hidden)?
                     }
                     _ => return Err(LlvmError::NotAKernel { instr: *instr }),
                 }
@@ -349,10 +353,148 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
 
     /// `positions[index]` (a `u32`) as f32.
     fn position(&self, positions: PointerValue<'ctx>, index: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
-        let i32_type = self.context.i32_type();
-        let slot = self.element(i32_type.into(), positions, index)?;
-        let position = self.builder.build_load(i32_type, slot, "position")?.into_int_value();
+        let position = self.load_u32(positions, index)?;
         Ok(self.builder.build_unsigned_int_to_float(position, self.f32_type, "position_f32")?)
+    }
+
+    /// Scaled dot-product attention, one query row (batch entry, position, head) an item: an online
+    /// softmax over the keys in order, with the causal mask by absolute position (`k_pos[j] <=
+    /// q_pos[i]`, so sharded and zigzag orders need nothing special) and grouped query heads, as
+    /// the runtime's tiled kernel defines it. The row's running maximum, running sum and
+    /// unnormalized output live in the function's frame (registers and local memory on a GPU).
+    /// A row that sees no key gets zeros, and with `with_lse` a log-sum-exp of `-inf`.
+    fn attention(&self, frame: &Frame<'ctx>, dims: &AttentionDims, with_lse: bool) -> Gen<()> {
+        let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, scale } =
+            *dims;
+        let [q, k, v, q_pos, k_pos] = frame.inputs[..] else {
+            return Err(LlvmError::Builder {
+                message: format!("attention takes 5 operands, not {}", frame.inputs.len()),
+            });
+        };
+        let out = frame.outs[0];
+        let out_width = head_dim + u64::from(with_lse);
+        // In the entry block, so that a GPU keeps them in the thread's frame (no dynamic alloca).
+        let accumulator = self.builder.build_alloca(self.f32_type.array_type(head_dim as u32), "accumulator")?;
+        let running_max = self.builder.build_alloca(self.f32_type, "running_max")?;
+        let running_sum = self.builder.build_alloca(self.f32_type, "running_sum")?;
+        let negative_infinity = self.f32_type.const_float(f64::NEG_INFINITY);
+        let zero = self.f32_type.const_float(0.0);
+        self.parallel(frame, batch * sq * hq, |row| {
+            // row = (b·sq + i)·hq + h, the layout of q and of the output.
+            let head = self.builder.build_int_unsigned_rem(row, self.index(hq), "head")?;
+            let position_row = self.builder.build_int_unsigned_div(row, self.index(hq), "position_row")?;
+            let query_index = self.builder.build_int_unsigned_rem(position_row, self.index(sq), "query_index")?;
+            let batch_index = self.builder.build_int_unsigned_div(position_row, self.index(sq), "batch_index")?;
+            // Global query head q_head_offset + h reads global kv head (q_head_offset + h) / group,
+            // local (device_kernels checked) at that minus kv_head_offset.
+            let global_head = self.builder.build_int_nuw_add(head, self.index(q_head_offset), "global_head")?;
+            let kv_head = self.builder.build_int_unsigned_div(global_head, self.index(group), "global_kv_head")?;
+            let kv_head = self.builder.build_int_nuw_sub(kv_head, self.index(kv_head_offset), "kv_head")?;
+            let q_base = self.builder.build_int_mul(row, self.index(head_dim), "q_base")?;
+            let query_position = self.load_u32(q_pos, query_index)?;
+            self.builder.build_store(running_max, negative_infinity)?;
+            self.builder.build_store(running_sum, zero)?;
+            self.for_each(frame, head_dim, |dim| self.store(accumulator, dim, zero))?;
+            let first_key_row = self.builder.build_int_mul(batch_index, self.index(sk), "first_key_row")?;
+            self.for_each(frame, sk, |key| {
+                let next = if causal {
+                    let key_position = self.load_u32(k_pos, key)?;
+                    let visible =
+                        self.builder.build_int_compare(IntPredicate::ULE, key_position, query_position, "visible")?;
+                    let (seen, next) = (
+                        self.context.append_basic_block(frame.function, "visible_key"),
+                        self.context.append_basic_block(frame.function, "next_key"),
+                    );
+                    self.builder.build_conditional_branch(visible, seen, next)?;
+                    self.builder.position_at_end(seen);
+                    Some(next)
+                } else {
+                    None
+                };
+                let key_row = self.builder.build_int_nuw_add(first_key_row, key, "key_row")?;
+                let key_row = self.builder.build_int_mul(key_row, self.index(hkv), "key_row")?;
+                let key_row = self.builder.build_int_nuw_add(key_row, kv_head, "key_row")?;
+                let kv_base = self.builder.build_int_mul(key_row, self.index(head_dim), "kv_base")?;
+                let dot = self.fold(frame, head_dim, zero, |dim, total| {
+                    let query_at = self.builder.build_int_nuw_add(q_base, dim, "query_at")?;
+                    let key_at = self.builder.build_int_nuw_add(kv_base, dim, "key_at")?;
+                    let product =
+                        self.builder.build_float_mul(self.load(q, query_at)?, self.load(k, key_at)?, "product")?;
+                    Ok(self.builder.build_float_add(total, product, "dot")?)
+                })?;
+                let score = self.builder.build_float_mul(dot, self.f32_type.const_float(f64::from(scale)), "score")?;
+                let old_max = self.builder.build_load(self.f32_type, running_max, "old_max")?.into_float_value();
+                let new_max = self.call_binary_float("llvm.maxnum", old_max, score)?;
+                // exp(-inf) = 0 drops the empty history at a row's first visible key.
+                let correction = self.exp(self.builder.build_float_sub(old_max, new_max, "shift")?)?;
+                let weight = self.exp(self.builder.build_float_sub(score, new_max, "centered")?)?;
+                let old_sum = self.builder.build_load(self.f32_type, running_sum, "old_sum")?.into_float_value();
+                let rescaled = self.builder.build_float_mul(old_sum, correction, "rescaled_sum")?;
+                self.builder.build_store(running_sum, self.builder.build_float_add(rescaled, weight, "sum")?)?;
+                self.builder.build_store(running_max, new_max)?;
+                self.for_each(frame, head_dim, |dim| {
+                    let value_at = self.builder.build_int_nuw_add(kv_base, dim, "value_at")?;
+                    let kept = self.builder.build_float_mul(self.load(accumulator, dim)?, correction, "kept")?;
+                    let added = self.builder.build_float_mul(weight, self.load(v, value_at)?, "added")?;
+                    self.store(accumulator, dim, self.builder.build_float_add(kept, added, "accumulated")?)
+                })?;
+                if let Some(next) = next {
+                    self.builder.build_unconditional_branch(next)?;
+                    self.builder.position_at_end(next);
+                }
+                Ok(())
+            })?;
+            let sum = self.builder.build_load(self.f32_type, running_sum, "row_sum")?.into_float_value();
+            let seen_any = self.builder.build_float_compare(FloatPredicate::OGT, sum, zero, "seen_any")?;
+            let inverse = self.builder.build_float_div(self.f32_type.const_float(1.0), sum, "inverse_sum")?;
+            // (A row that saw nothing has a zero accumulator; 0 · 1/0 would be NaN.)
+            let inverse = self.builder.build_select(seen_any, inverse, zero, "inverse")?.into_float_value();
+            let out_base = self.builder.build_int_mul(row, self.index(out_width), "out_base")?;
+            self.for_each(frame, head_dim, |dim| {
+                let out_at = self.builder.build_int_nuw_add(out_base, dim, "out_at")?;
+                let normalized = self.builder.build_float_mul(self.load(accumulator, dim)?, inverse, "normalized")?;
+                self.store(out, out_at, normalized)
+            })?;
+            if with_lse {
+                let max = self.builder.build_load(self.f32_type, running_max, "row_max")?.into_float_value();
+                let lse = self.builder.build_float_add(max, self.ln(sum)?, "lse")?;
+                let lse = self.builder.build_select(seen_any, lse, negative_infinity, "lse")?.into_float_value();
+                let lse_at = self.builder.build_int_nuw_add(out_base, self.index(head_dim), "lse_at")?;
+                self.store(out, lse_at, lse)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// A vocabulary-parallel embedding lookup, one output element an item: row `t` of the output is
+    /// the token's row where this shard (`rows` rows from `vocab_offset`) holds it, zeros
+    /// elsewhere. Token ids past the vocabulary are the runtime's to refuse before the launch.
+    fn embedding(&self, frame: &Frame<'ctx>, tokens: u64, hidden: u64, vocab_offset: u64, rows: u64) -> Gen<()> {
+        let (table, token_ids, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
+        self.parallel(frame, tokens * hidden, |index| {
+            let token_index = self.builder.build_int_unsigned_div(index, self.index(hidden), "token_index")?;
+            let column = self.builder.build_int_unsigned_rem(index, self.index(hidden), "column")?;
+            let token = self.load_u32(token_ids, token_index)?;
+            // Below the shard the subtraction wraps past `rows`: one comparison covers both sides.
+            let local_row = self.builder.build_int_sub(token, self.index(vocab_offset), "local_row")?;
+            let held = self.builder.build_int_compare(IntPredicate::ULT, local_row, self.index(rows), "held")?;
+            let (copy, zero_fill, stored) = (
+                self.context.append_basic_block(frame.function, "held_row"),
+                self.context.append_basic_block(frame.function, "other_shard"),
+                self.context.append_basic_block(frame.function, "stored"),
+            );
+            self.builder.build_conditional_branch(held, copy, zero_fill)?;
+            self.builder.position_at_end(copy);
+            let source = self.builder.build_int_mul(local_row, self.index(hidden), "source")?;
+            let source = self.builder.build_int_nuw_add(source, column, "source")?;
+            self.store(out, index, self.load(table, source)?)?;
+            self.builder.build_unconditional_branch(stored)?;
+            self.builder.position_at_end(zero_fill);
+            self.store(out, index, self.f32_type.const_float(0.0))?;
+            self.builder.build_unconditional_branch(stored)?;
+            self.builder.position_at_end(stored);
+            Ok(())
+        })
     }
 
     /// `position * inv_freq[pair]`, one f32 product as the runtime computes it.
@@ -389,6 +531,17 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 let log2_e = self.f32_type.const_float(std::f64::consts::LOG2_E);
                 let scaled = self.builder.build_float_mul(value, log2_e, "exponent")?;
                 self.call_nvvm("llvm.nvvm.ex2.approx.f", scaled)
+            }
+        }
+    }
+
+    /// `ln(value)` for f32: libm's `logf` on the host, `lg2.approx` times ln 2 on the GPU.
+    fn ln(&self, value: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        match self.flavor {
+            Flavor::Host => self.call_libm("logf", value),
+            Flavor::Ptx => {
+                let log2 = self.call_nvvm("llvm.nvvm.lg2.approx.f", value)?;
+                Ok(self.builder.build_float_mul(log2, self.f32_type.const_float(std::f64::consts::LN_2), "ln")?)
             }
         }
     }
@@ -517,6 +670,14 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         Ok(self.builder.build_load(self.f32_type, slot, "value")?.into_float_value())
     }
 
+    /// `base[index]` for `u32` elements, widened to the index type.
+    fn load_u32(&self, base: PointerValue<'ctx>, index: IntValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let i32_type = self.context.i32_type();
+        let slot = self.element(i32_type.into(), base, index)?;
+        let value = self.builder.build_load(i32_type, slot, "u32")?.into_int_value();
+        Ok(self.builder.build_int_z_extend(value, self.i64_type, "widened")?)
+    }
+
     fn store(&self, base: PointerValue<'ctx>, index: IntValue<'ctx>, value: FloatValue<'ctx>) -> Gen<()> {
         let slot = self.element(self.f32_type.into(), base, index)?;
         self.builder.build_store(slot, value)?;
@@ -543,6 +704,12 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     fn call_float(&self, name: &str, argument: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         let function = self.intrinsic(name, &[argument.get_type().into()])?;
         Ok(self.call(function, &[argument.into()])?.into_float_value())
+    }
+
+    /// Calls the overloaded two-argument float intrinsic `name` (`llvm.maxnum`) at the arguments' type.
+    fn call_binary_float(&self, name: &str, left: FloatValue<'ctx>, right: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let function = self.intrinsic(name, &[left.get_type().into()])?;
+        Ok(self.call(function, &[left.into(), right.into()])?.into_float_value())
     }
 
     /// Calls the C math library's one-argument function `name` (`expf`, `cos`, ...) on `argument`,

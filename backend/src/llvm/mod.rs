@@ -9,7 +9,9 @@
 //! optimized or emitted (a failure is an [`LlvmError::Verify`], never a panic). Host code is
 //! optimized with LLVM's `default<O3>` pipeline for the host CPU or [`CodegenOptions::target_cpu`],
 //! and computes exactly what the runtime's interpreted kernels compute. PTX is emitted for
-//! `nvptx64-nvidia-cuda` at sm_80 and sm_90, each kernel a `.entry`.
+//! `nvptx64-nvidia-cuda` at sm_80 and sm_90, each kernel a `.entry`; a GPU also gets an attention
+//! forward (one query row a thread, an online softmax) and the embedding lookup
+//! (`crate::native::device_kernels`), whose host builds the tests check against a reference.
 
 mod codegen;
 mod entry;
@@ -23,7 +25,7 @@ use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine, TargetTriple};
 use inkwell::OptimizationLevel;
 
-use crate::native::{native_kernels, program_fingerprint, DeviceCode, DeviceKernel, NativeKernel};
+use crate::native::{device_kernels, native_kernels, program_fingerprint, DeviceCode, DeviceKernel, NativeKernel};
 use crate::program::Program;
 use codegen::{Codegen, Flavor};
 
@@ -249,8 +251,8 @@ fn host_code_of(
     Ok(buffer.as_slice().to_vec())
 }
 
-/// `program`'s native kernels as PTX for `arch` (one of [`PTX_ARCHES`], e.g. `sm_90`), each a
-/// `.entry` named by its symbol, optimized with `default<O3>`.
+/// `program`'s device kernels ([`device_kernels`]) as PTX for `arch` (one of [`PTX_ARCHES`], e.g.
+/// `sm_90`), each a `.entry` named by its symbol, optimized with `default<O3>`.
 pub fn ptx(program: &Program, arch: &str) -> Result<String, LlvmError> {
     device_code(program, arch).map(|code| code.ptx)
 }
@@ -265,7 +267,7 @@ pub fn device_code(program: &Program, arch: &str) -> Result<DeviceCode, LlvmErro
     let module = context.create_module(&format!("rank{}.{arch}", program.rank));
     let codegen = Codegen::new(&context, &module, Flavor::Ptx);
     let mut kernels = Vec::new();
-    for kernel in native_kernels(program) {
+    for kernel in device_kernels(program) {
         codegen.define(program, &kernel)?;
         kernels.push(DeviceKernel { kernel, threads: codegen.items() });
     }
@@ -437,5 +439,7 @@ fn link_executable(object: &Path, runtime: &Path, executable: &Path) -> Result<(
     })
 }
 
+#[cfg(test)]
+mod device_tests;
 #[cfg(test)]
 mod tests;

@@ -7,9 +7,11 @@
 //! (`pleat_backend::memory::plan`, each element at its declared size), so the measured peak is the
 //! planned one. Its instructions run on one CUDA stream of the rank:
 //! - GEMMs (`MatMul` and its two gradients) on cuBLAS, f32 in and out, f32 accumulation;
-//! - the elementwise and row-wise kernels that have generated code (residual adds, SiLU-mul,
-//!   RMSNorm, RoPE, and a residual add fused with the RMSNorm reading it) as the PTX
-//!   `pleat_backend::llvm::device_code` emits, one thread a row or element;
+//! - the kernels that have generated code (residual adds, SiLU-mul, RMSNorm, RoPE, a residual add
+//!   fused with the RMSNorm reading it, the embedding lookup and attention's forward) as the PTX
+//!   `pleat_backend::llvm::device_code` emits, one thread a row, element or query row; an
+//!   embedding's token ids are checked on the host before its launch, as the CPU kernel checks
+//!   them;
 //! - every other instruction (weight and token loads, collectives, the remaining kernels) on the
 //!   host: its operands are copied out of device memory, the CPU executor's own step runs it (so
 //!   its values are the CPU runtime's, and collectives go over the rank's communicator), and its

@@ -15,6 +15,7 @@ use super::memory::DeviceMemory;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::executor::{nanos_since, HostData, RankOutcome, Run, RunInputs};
+use crate::kernels;
 use crate::launch::{on_rank_threads, ThreadRunOptions};
 
 /// Threads a block of a generated kernel.
@@ -329,7 +330,14 @@ impl<'a> DeviceRun<'a> {
             // Transfers run to completion at their start here.
             Instr::Wait { .. } => {}
             _ if self.kernels.computed_earlier.contains(&index) => self.on_device += 1,
-            Instr::Kernel { .. } if self.kernels.launches.contains_key(&index) => self.launch(index)?,
+            Instr::Kernel { kernel, inputs, .. } if self.kernels.launches.contains_key(&index) => {
+                // The generated lookup cannot fail: the ids are checked here first, as the CPU
+                // kernel checks them (a few bytes a token, copied back).
+                if let (Kernel::Embedding { vocab_total, .. }, Some(&tokens)) = (kernel, inputs.get(1)) {
+                    self.check_token_ids(index, tokens, *vocab_total)?;
+                }
+                self.launch(index)?;
+            }
             Instr::Kernel { kernel, inputs, out } if gemm_on_device(program, kernel, inputs, *out) => {
                 self.gemm(index, kernel, inputs, *out)?;
             }
@@ -445,6 +453,23 @@ impl<'a> DeviceRun<'a> {
         }
         *self.on_host.entry(kind_name(instr)).or_default() += 1;
         Ok(())
+    }
+
+    /// Refuses a token id in buffer `tokens` past the vocabulary, as the CPU kernel does, naming
+    /// the instruction's result.
+    fn check_token_ids(&self, index: usize, tokens: BufferId, vocab_total: u64) -> Result<()> {
+        let HostData::U32(ids) = self.download(index, tokens)? else {
+            return Err(self.error(index, "cuMemcpyDtoH", format!("{tokens} holds no token ids")));
+        };
+        kernels::check_token_ids(&ids, vocab_total as usize).map_err(|source| Error::Kernel {
+            rank: self.program.rank,
+            instr: index,
+            what: self.program.instructions[index]
+                .outs()
+                .first()
+                .map_or_else(String::new, |&out| self.program.buffer(out).name.clone()),
+            source: Box::new(source),
+        })
     }
 
     /// Buffer `id`'s elements, copied from the device.

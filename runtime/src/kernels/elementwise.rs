@@ -84,6 +84,18 @@ pub fn add_in_place(acc: &mut [f32], b: &[f32]) {
     }
 }
 
+/// Refuses the first token id `>= vocab_total`: what every embedding lookup and its gradient check
+/// before writing anything, and what a device runtime checks before it launches one.
+///
+/// # Errors
+/// [`KernelError::TokenOutOfRange`], naming the token's position and id.
+pub fn check_token_ids(tokens: &[u32], vocab_total: usize) -> Result<(), KernelError> {
+    match tokens.iter().enumerate().find(|&(_, &token)| token as usize >= vocab_total) {
+        Some((position, &token)) => Err(KernelError::TokenOutOfRange { position, token, vocab_size: vocab_total }),
+        None => Ok(()),
+    }
+}
+
 /// Vocab-parallel embedding lookup (Megatron's `VocabParallelEmbedding`).
 ///
 /// `table` holds rows `[vocab_offset, vocab_offset + table.len() / hidden)` of the global
@@ -120,9 +132,7 @@ pub fn embedding(
         return Err(KernelError::ShardOutOfRange { vocab_offset, rows, vocab_size: vocab_total });
     }
     check_len("embedding", "out", tokens.len().saturating_mul(hidden), out.len())?;
-    if let Some((position, &token)) = tokens.iter().enumerate().find(|&(_, &token)| token as usize >= vocab_total) {
-        return Err(KernelError::TokenOutOfRange { position, token, vocab_size: vocab_total });
-    }
+    check_token_ids(tokens, vocab_total)?;
     for (&token, out_row) in tokens.iter().zip(out.chunks_exact_mut(hidden)) {
         match (token as usize).checked_sub(vocab_offset).filter(|&local_row| local_row < rows) {
             Some(local_row) => {

@@ -99,9 +99,7 @@ pub fn embedding_grad(
     if vocab_offset.saturating_add(rows) > vocab_total {
         return Err(KernelError::ShardOutOfRange { vocab_offset, rows, vocab_size: vocab_total });
     }
-    if let Some((position, &token)) = tokens.iter().enumerate().find(|(_, &token)| token as usize >= vocab_total) {
-        return Err(KernelError::TokenOutOfRange { position, token, vocab_size: vocab_total });
-    }
+    super::elementwise::check_token_ids(tokens, vocab_total)?;
     let mut sums = vec![0.0f64; out.len()];
     for (&token, gradient) in tokens.iter().zip(dy.chunks_exact(hidden)) {
         let Some(row) = (token as usize).checked_sub(vocab_offset).filter(|&row| row < rows) else { continue };

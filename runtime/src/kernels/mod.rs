@@ -29,7 +29,9 @@ mod vocab_loss;
 
 pub use attention::{attention, attention_with_lse, merge_attention, AttentionShape};
 pub use attention_grad::{attention_grad, AttentionGradOperand};
-pub use elementwise::{add, add_in_place, embedding, sigmoid_scale, sigmoid_scale_grad_gate, silu_mul};
+pub use elementwise::{
+    add, add_in_place, check_token_ids, embedding, sigmoid_scale, sigmoid_scale_grad_gate, silu_mul,
+};
 pub use grad::{embedding_grad, matmul_grad_input, matmul_grad_weight, sum_leading};
 pub use layout::{join_dim_chunks, slice_region, split_dim_chunks};
 pub use loss::{cross_entropy, cross_entropy_grad, LossShape};
