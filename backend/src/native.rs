@@ -31,7 +31,7 @@ pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
     /// The kernel of one instruction: `Add`, `SiluMul`, `RmsNorm` or `Rope` on every machine, and
-    /// on a GPU also `Attention` and `Embedding` ([`device_kernels`]).
+    /// on a GPU also `Attention`, `MergeAttention` and `Embedding` ([`device_kernels`]).
     Single {
         /// The instruction's index.
         instr: usize,
@@ -149,11 +149,12 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
 }
 
 /// The instructions, in program order, that get generated code on a GPU: [`native_kernels`], and
-/// each attention forward (one query row a thread, an online softmax) and embedding lookup (one
-/// element a thread) whose buffers agree with its parameters. Those two stay with the runtime's
-/// kernels on the host, whose tiled GEMMs are faster there and whose results the host's generated
-/// code must equal bit for bit; on a GPU they spare the copies of their operands to the host (the
-/// embedding's whole table, attention's q, k and v) that running them there costs.
+/// each attention forward (one query row a thread, an online softmax), merge of ring attention's
+/// states (one row a thread) and embedding lookup (one element a thread) whose buffers agree with
+/// its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
+/// are faster there, and the host's generated code must equal the runtime's bit for bit); on a GPU
+/// they spare the copies of their operands to the host (the embedding's whole table, attention's
+/// q, k and v) that running them there costs.
 pub fn device_kernels(program: &Program) -> Vec<NativeKernel> {
     let mut kernels = native_kernels(program);
     for (index, instr) in program.instructions.iter().enumerate() {
@@ -295,8 +296,8 @@ fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::Buffer
 }
 
 /// Whether `kernel` has generated code on a GPU only ([`device_kernels`]) and its buffers agree
-/// with its parameters: an attention forward whose query heads all read local kv heads, an
-/// embedding lookup whose table shard lies inside the vocabulary.
+/// with its parameters: an attention forward whose query heads all read local kv heads, a merge of
+/// two attention states, an embedding lookup whose table shard lies inside the vocabulary.
 fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
     let in_range = |id: BufferId| (id.as_u32() as usize) < program.buffers.len();
     if !inputs.iter().copied().chain([out]).all(in_range) {
@@ -325,6 +326,11 @@ fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out:
                 && numel(*q_pos) == sq
                 && numel(*k_pos) == sk
                 && numel(out) == batch * sq * hq * row_width
+        }
+        Kernel::MergeAttention { rows, head_dim } => {
+            let [first, second] = inputs else { return false };
+            let state = rows * (head_dim + 1);
+            [*first, *second, out].into_iter().all(|id| is_float(id) && numel(id) == state)
         }
         Kernel::Embedding { hidden, vocab_offset, vocab_total } => {
             let [table, tokens] = inputs else { return false };

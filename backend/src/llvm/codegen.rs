@@ -111,6 +111,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                         self.rope(&frame, [*batch, *seq, *heads, *head_dim], inv_freq, *instr)?
                     }
                     Kernel::Attention { dims, with_lse } => self.attention(&frame, dims, *with_lse)?,
+                    Kernel::MergeAttention { rows, head_dim } => self.merge_attention(&frame, *rows, *head_dim)?,
                     Kernel::Embedding { hidden, vocab_offset, .. } => {
                         self.embedding(&frame, numel(inputs[1]), *hidden, *vocab_offset, numel(inputs[0]) / hidden)?
                     }
@@ -463,6 +464,44 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 self.store(out, lse_at, lse)?;
             }
             Ok(())
+        })
+    }
+
+    /// Merges two attention states over disjoint key sets (rows of `head_dim` outputs then the
+    /// log-sum-exp, as attention with its log-sum-exp writes them), one row an item, by their
+    /// log-sum-exp weights as the runtime's `merge_attention` does: a row neither side saw stays
+    /// zeros and `-inf`.
+    fn merge_attention(&self, frame: &Frame<'ctx>, rows: u64, head_dim: u64) -> Gen<()> {
+        let (first, second, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
+        let width = head_dim + 1;
+        let zero = self.f32_type.const_float(0.0);
+        self.parallel(frame, rows, |row| {
+            let base = self.builder.build_int_mul(row, self.index(width), "base")?;
+            let lse_at = self.builder.build_int_nuw_add(base, self.index(head_dim), "lse_at")?;
+            let (first_lse, second_lse) = (self.load(first, lse_at)?, self.load(second, lse_at)?);
+            let max = self.call_binary_float("llvm.maxnum", first_lse, second_lse)?;
+            let negative_infinity = self.f32_type.const_float(f64::NEG_INFINITY);
+            let seen = self.builder.build_float_compare(FloatPredicate::ONE, max, negative_infinity, "seen")?;
+            // Shifted by 0 where neither side saw a key, so that no NaN is made; the row is then
+            // written as zeros and -inf below. exp(-inf) = 0 drops a side that saw nothing.
+            let shift = self.builder.build_select(seen, max, zero, "shift")?.into_float_value();
+            let first_weight = self.exp(self.builder.build_float_sub(first_lse, shift, "first_shifted")?)?;
+            let second_weight = self.exp(self.builder.build_float_sub(second_lse, shift, "second_shifted")?)?;
+            let total = self.builder.build_float_add(first_weight, second_weight, "total")?;
+            let first_weight = self.builder.build_float_div(first_weight, total, "first_weight")?;
+            let second_weight = self.builder.build_float_div(second_weight, total, "second_weight")?;
+            let first_weight = self.builder.build_select(seen, first_weight, zero, "first_weight")?.into_float_value();
+            let second_weight =
+                self.builder.build_select(seen, second_weight, zero, "second_weight")?.into_float_value();
+            self.for_each(frame, head_dim, |dim| {
+                let at = self.builder.build_int_nuw_add(base, dim, "at")?;
+                let left = self.builder.build_float_mul(first_weight, self.load(first, at)?, "left")?;
+                let right = self.builder.build_float_mul(second_weight, self.load(second, at)?, "right")?;
+                self.store(out, at, self.builder.build_float_add(left, right, "merged")?)
+            })?;
+            let lse = self.builder.build_float_add(max, self.ln(total)?, "lse")?;
+            let lse = self.builder.build_select(seen, lse, negative_infinity, "lse")?.into_float_value();
+            self.store(out, lse_at, lse)
         })
     }
 

@@ -1,5 +1,5 @@
-//! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention and the embedding
-//! lookup), built for the host and run here, against a direct computation: the PTX is the same IR
+//! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention, the merge of ring
+//! attention's states and the embedding lookup), built for the host and run here, against a direct computation: the PTX is the same IR
 //! but for the thread index and the approximate `exp` and `ln`, so this checks the indexing, the
 //! mask, the grouped heads and the online softmax without a GPU.
 
@@ -212,7 +212,7 @@ fn generated_embedding_copies_the_rows_its_shard_holds_and_zeros_the_others() {
 }
 
 #[test]
-fn device_code_launches_attention_a_query_row_a_thread_and_the_embedding_an_element_a_thread() {
+fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an_element_a_thread() {
     let dims = AttentionDims {
         batch: 2,
         sq: 4,
@@ -242,12 +242,52 @@ fn device_code_launches_attention_a_query_row_a_thread_and_the_embedding_an_elem
         &[("table", DType::F32, vec![16, 8]), ("tokens", DType::I32, vec![2, 3])],
         vec![2, 3, 8],
     );
-    for (program, threads) in [(attention, 2 * 4 * 2), (embedding, 2 * 3 * 8)] {
+    let merge = one_kernel_program(
+        Kernel::MergeAttention { rows: 5, head_dim: 8 },
+        &[("first", DType::F32, vec![5, 9]), ("second", DType::F32, vec![5, 9])],
+        vec![5, 9],
+    );
+    for (program, threads) in [(attention, 2 * 4 * 2), (embedding, 2 * 3 * 8), (merge, 5)] {
         for (arch, _) in PTX_ARCHES {
             let code = device_code(&program, arch).unwrap();
             assert_eq!(code.kernels.len(), 1);
             assert_eq!(code.kernels[0].threads, threads);
             assert!(code.ptx.contains(".visible .entry pleat_kernel_0("), "{}", code.ptx);
         }
+    }
+}
+
+#[test]
+fn generated_merge_weighs_two_attention_states_by_their_log_sum_exp() {
+    // Rows of 2 outputs then the lse: both sides seen, one side only (either), neither.
+    let neg = f32::NEG_INFINITY;
+    let first: [f32; 12] = [1.0, -2.0, 0.5, 3.0, 4.0, -1.5, 0.25, 0.5, neg, 7.0, 8.0, neg];
+    let second: [f32; 12] = [-3.0, 6.0, 1.5, 2.0, 1.0, neg, 5.0, -4.0, 2.0, 0.0, 0.0, neg];
+    let program = one_kernel_program(
+        Kernel::MergeAttention { rows: 4, head_dim: 2 },
+        &[("first", DType::F32, vec![4, 3]), ("second", DType::F32, vec![4, 3])],
+        vec![4, 3],
+    );
+    let generated = run_on_host(&program, &[&words(&first), &words(&second)], 12);
+    for row in 0..4 {
+        let (a, b) = (f64::from(first[row * 3 + 2]), f64::from(second[row * 3 + 2]));
+        let (output, lse) = (&generated[row * 3..row * 3 + 2], generated[row * 3 + 2]);
+        if a == f64::NEG_INFINITY && b == f64::NEG_INFINITY {
+            assert_eq!((output, lse), (&[0.0, 0.0][..], neg), "row {row}");
+            continue;
+        }
+        // exp(lse) is each side's softmax denominator: the union's is their sum.
+        let (weight_a, weight_b) = (a.exp(), b.exp());
+        let union = weight_a + weight_b;
+        for dim in 0..2 {
+            let want =
+                (weight_a * f64::from(first[row * 3 + dim]) + weight_b * f64::from(second[row * 3 + dim])) / union;
+            assert!(
+                (f64::from(output[dim]) - want).abs() < 1e-6,
+                "row {row} dim {dim}: {} against {want}",
+                output[dim]
+            );
+        }
+        assert!((f64::from(lse) - union.ln()).abs() < 1e-6, "row {row}: lse {lse} against {}", union.ln());
     }
 }

@@ -10,8 +10,8 @@
 //! optimized with LLVM's `default<O3>` pipeline for the host CPU or [`CodegenOptions::target_cpu`],
 //! and computes exactly what the runtime's interpreted kernels compute. PTX is emitted for
 //! `nvptx64-nvidia-cuda` at sm_80 and sm_90, each kernel a `.entry`; a GPU also gets an attention
-//! forward (one query row a thread, an online softmax) and the embedding lookup
-//! (`crate::native::device_kernels`), whose host builds the tests check against a reference.
+//! forward (one query row a thread, an online softmax), ring attention's merge and the embedding
+//! lookup (`crate::native::device_kernels`), whose host builds the tests check against a reference.
 
 mod codegen;
 mod entry;

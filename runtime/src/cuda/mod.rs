@@ -8,7 +8,8 @@
 //! planned one. Its instructions run on one CUDA stream of the rank:
 //! - GEMMs (`MatMul` and its two gradients) on cuBLAS, f32 in and out, f32 accumulation;
 //! - the kernels that have generated code (residual adds, SiLU-mul, RMSNorm, RoPE, a residual add
-//!   fused with the RMSNorm reading it, the embedding lookup and attention's forward) as the PTX
+//!   fused with the RMSNorm reading it, the embedding lookup, attention's forward and the merge of
+//!   ring attention's states) as the PTX
 //!   `pleat_backend::llvm::device_code` emits, one thread a row, element or query row; an
 //!   embedding's token ids are checked on the host before its launch, as the CPU kernel checks
 //!   them;
