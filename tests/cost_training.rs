@@ -817,6 +817,52 @@ fn cp_stage_closed_form_equals_the_planners_peak_under_recomputation_and_beside_
 }
 
 #[test]
+fn tp_cp_stage_closed_form_equals_the_planners_peak() {
+    // tp beside cp: heads and ffn channels split over tp, tokens over cp (every token's k and v,
+    // and the logits every token's over the rank's vocabulary shard). Under SP beside cp the
+    // stream is split only inside each layer: the embedding's output, each layer's output and what
+    // a stage sends on are whole over tp, and so are the input gradients a stage sends back.
+    let (four, eight) = (four_layers(), eight_layers());
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
+    let interleaved = ScheduleKind::Interleaved { chunks: 2 };
+    for sequence_parallel in [false, true] {
+        let cases = [
+            (&four, one_f_one_b, none, 2),
+            (&four, one_f_one_b, selective, 4),
+            (&four, one_f_one_b, full, 2),
+            (&four, gpipe, none, 2),
+            (&four, gpipe, full, 2),
+            (&four, zero_bubble, none, 2),
+            (&four, zero_bubble, selective, 2),
+            (&four, zero_bubble, full, 4),
+            (&eight, interleaved, none, 2),
+            (&eight, interleaved, full, 2),
+        ];
+        for (config, kind, recompute, micro_batches) in cases {
+            let layout = PipelinedLayout {
+                recompute,
+                sequence_parallel,
+                ..PipelinedLayout::new("pp=2,tp=2,cp=2", kind, micro_batches)
+            };
+            check_stage_closed_form(config, &layout);
+        }
+        // Beside dp, with ZeRO 0, 2 and 3.
+        for (kind, recompute, zero_stage) in
+            [(one_f_one_b, none, 0u8), (one_f_one_b, none, 2), (gpipe, full, 3), (zero_bubble, selective, 2)]
+        {
+            let layout = PipelinedLayout {
+                recompute,
+                sequence_parallel,
+                zero_stage,
+                ..PipelinedLayout::new("pp=2,dp=2,tp=2,cp=2", kind, 2)
+            };
+            check_stage_closed_form(&four, &layout);
+        }
+    }
+}
+
+#[test]
 fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
     // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
     // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads

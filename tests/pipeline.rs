@@ -116,6 +116,9 @@ fn pipelines_compose_with_the_other_axes() {
         ("pp=2,tsp=2", &[][..]),
         ("pp=2,dp=2", &["--zero", "2"][..]),
         ("pp=2,tp=2", &["--strategy", "tp-sp"][..]),
+        // SP beside cp gathers each layer's output whole over tp; under full recomputation that
+        // copy is kept as the residual stream (a stage recomputing the one it sent deadlocked).
+        ("pp=2,tp=2,cp=2", &["--strategy", "tp-sp", "--recompute", "full"][..]),
         ("pp=2", &["--pp-layers", "3,1"][..]),
     ] {
         let args = [&["--micro-batches", "2"][..], extra].concat();

@@ -33,7 +33,8 @@ pub enum Recompute {
     /// not kept; q, k and v are).
     Selective,
     /// Keep only the residual stream (the `add` results and operands: each block's input and
-    /// output) and the parameters; recompute the rest of each layer from them in its backward.
+    /// output, in the layout the next layer reads it in) and the parameters; recompute the rest
+    /// of each layer from them in its backward.
     Full,
 }
 
@@ -66,7 +67,18 @@ impl Options {
             Recompute::None => false,
             Recompute::Selective => matches!(node.op, Op::Attention { .. }),
             Recompute::Full => {
-                let on_residual_stream = graph.users(node.result).iter().any(|&user| graph.node(user).op == Op::Add);
+                let feeds_residual_add =
+                    |value: ValueId| graph.users(value).iter().any(|&user| graph.node(user).op == Op::Add);
+                // The stream in the layout the next layer reads it in is the stream too: beside cp,
+                // SP gathers each layer's output (and the embedding's) whole over tp, and the next
+                // layer's residual add reads its local slice of that. Recomputing the gathered copy
+                // would, in a pipeline, make the stage that sent it compute it again in its backward
+                // for the next stage's, which waits for it before sending that stage its gradient.
+                let sliced_into_residual_add = graph.users(node.result).iter().any(|&user| {
+                    let user = graph.node(user);
+                    matches!(user.op, Op::LocalSlice { .. }) && feeds_residual_add(user.result)
+                });
+                let on_residual_stream = feeds_residual_add(node.result) || sliced_into_residual_add;
                 node.op.arity() > 0
                     && !matches!(node.op, Op::Add)
                     && !node.op.is_loss()

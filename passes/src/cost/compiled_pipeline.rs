@@ -36,7 +36,12 @@
 //!
 //! Under cp each rank keeps its zigzag share of the tokens' activations but every token's k and v
 //! (all-gathered; recomputed so under recomputation, and kept so for zero bubble's W), the last
-//! stage every token's logits, and the gradients are all-reduced as under dp.
+//! stage every token's logits (over its tp shard of the vocabulary), and the gradients are
+//! all-reduced as under dp. Beside tp under SP, the stream is split on seq only inside each layer:
+//! between layers (the embedding's output, each layer's output, what a stage sends on and the input
+//! gradients it sends back) it is whole over tp, the attention norm runs on it whole and its output
+//! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
+//! last layer's on the last chunk, which only the final norm reads.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -56,12 +61,12 @@
 //! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
 //! the forward kept.
 //!
-//! Modelled: `pp`, alone or with `dp`, `tp` (with or without SP) or both, or with `cp` (beside
-//! `dp` or not), GPipe, 1F1B, interleaved 1F1B and zero-bubble H1 with any recomputation; ZeRO-1
-//! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp, dp × tp (±SP) or dp × cp (the sums and gradients are dp's shards,
-//! each gradient is reduce-scattered and staged whole, and the stage's other candidate is inside
-//! its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
+//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`; GPipe, 1F1B,
+//! interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1 anywhere (it splits only
+//! the optimizer's state, which the programs do not hold: they are dp's); ZeRO-2 beside dp, with
+//! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
+//! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
+//! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
 //! too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
@@ -101,7 +106,6 @@ pub fn compiled_stage_peak(
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp
-        && (cp == 1 || tp == 1)
         && stages >= 2
         // ZeRO-2 and 3 beside dp, dp × tp or dp × cp.
         && (workload.zero <= 1
@@ -127,6 +131,9 @@ pub fn compiled_stage_peak(
     // all-gathered whole before the projections read them.
     let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
     let gathered = local_tokens * hidden * element;
+    // Between layers (the embedding's output, each layer's output, what a stage sends on): the
+    // stream, but beside cp whole over tp, as SP's split is made and undone inside each layer.
+    let boundary = if sequence_parallel && cp > 1 { gathered } else { stream };
     // Per layer, what the forward keeps for the backward: the two norms' outputs, the two
     // residuals (one the layer's output), q after RoPE and attention's output (selective
     // recomputation keeps no attention output), v and k after RoPE, and gate, up and their product.
@@ -135,9 +142,9 @@ pub fn compiled_stage_peak(
     let kv_kept = if cp > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
     // Full recomputation keeps only the residual stream: each layer's attention residual and output.
     let kept_layer = if workload.recompute == Recompute::Full {
-        2.0 * stream
+        stream + boundary
     } else {
-        2.0 * gathered + 2.0 * stream + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
+        2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
     };
     let reduced = dp > 1 || cp > 1;
     // ZeRO-2 reduce-scatters each gradient over dp: the sums and the micro-batch's gradients are
@@ -153,18 +160,23 @@ pub fn compiled_stage_peak(
         // one the head's outputs (the final norm's input all-gathered under SP, its output whole);
         // its positions, which every chunk of the stage reads, are counted once a micro-batch.
         let mut in_flight = layers as f64 * kept_layer;
+        // Full recomputation beside cp under SP keeps the last layer's output split on the last
+        // chunk: the final norm's all-gather of it is recomputed, not kept as the stream.
+        if last && workload.recompute == Recompute::Full {
+            in_flight -= boundary - stream;
+        }
         if first {
             // Under cp the rank's own token ids too.
             let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
-            in_flight += ids + local_ids + stream;
+            in_flight += ids + local_ids + boundary;
         } else {
-            in_flight += stream;
+            in_flight += boundary;
         }
         if last {
             // Full recomputation recomputes the final norm's input gathered under SP and its output.
-            let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
+            let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
             // cp gathers every token's logits (back in order) for the loss.
-            let logits = if cp > 1 { tokens * vocab } else { local_tokens * (vocab / split).ceil() } * element;
+            let logits = if cp > 1 { tokens } else { local_tokens } * (vocab / split).ceil() * element;
             in_flight += ids + final_norm + logits + element;
         }
         // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
@@ -185,7 +197,7 @@ pub fn compiled_stage_peak(
             end.push(Term { name: "loss", bytes: element });
             end
         } else {
-            vec![Term { name: "stage output (sent on)", bytes: stream }]
+            vec![Term { name: "stage output (sent on)", bytes: boundary }]
         };
         let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
             let whole = vocab * hidden * element;
@@ -204,7 +216,7 @@ pub fn compiled_stage_peak(
             let input_norm = model.norm.params(model.hidden) as f64 * element;
             let mut held = vec![
                 Term { name: "positions", bytes: positions },
-                Term { name: "stage input (received)", bytes: stream },
+                Term { name: "stage input (received)", bytes: boundary },
                 Term { name: "first layer's attention residual gradient", bytes: stream },
                 Term { name: "first layer's attention norm gradient", bytes: gathered },
             ];
@@ -237,9 +249,9 @@ pub fn compiled_stage_peak(
         let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
         if first {
             first_layer_held.push(Term { name: "token ids", bytes: ids });
-            first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: stream });
+            first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: boundary });
         } else {
-            first_layer_held.push(Term { name: "stage input (received)", bytes: stream });
+            first_layer_held.push(Term { name: "stage input (received)", bytes: boundary });
         }
         first_layer_held.extend(chunk_end.iter().cloned());
         // Under ZeRO-2 a stage may peak inside its first layer's backward instead, as the gate
@@ -320,9 +332,10 @@ pub fn compiled_stage_peak(
         // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
         // the buffers whose last reader is another rank (the output sent on, the input's gradient
         // sent back and the attention norm's input gradient summed into it) or an output.
+        // (Beside cp under SP both are gradients of the whole boundary, sent back whole.)
         let mut remains = vec![
-            Term { name: "first layer's attention residual gradient", bytes: stream },
-            Term { name: "first layer's attention norm's input gradient", bytes: stream },
+            Term { name: "first layer's attention residual gradient", bytes: boundary },
+            Term { name: "first layer's attention norm's input gradient", bytes: boundary },
         ];
         remains.extend(chunk_end.iter().cloned());
         // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are
@@ -351,23 +364,30 @@ pub fn compiled_stage_peak(
         // Under full recomputation, what B recomputed for W and the gradients W reads: both
         // norms' outputs and output gradients, the attention residual's gradient, gate and up
         // and their gradients, q, k and v and theirs.
+        // (Beside cp under SP one of these stream-sized gradients is whole: the attention norm runs
+        // on the whole boundary there, and W reads its output gradient all-reduced.)
         let mut per_layer = if full {
-            4.0 * gathered + stream + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
+            4.0 * gathered + boundary + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
         } else {
-            4.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
+            // (Beside cp under SP the layer's output and the attention norm output's gradient,
+            // all-reduced over tp, are whole.)
+            4.0 * gathered
+                + 2.0 * stream
+                + 2.0 * boundary
+                + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
         };
         // Under cp the k and v kept (or recomputed) for W are every token's, all-gathered.
         if selective || full {
             per_layer += (kv_kept - 2.0 * local_tokens * kv) * element;
         }
-        let mut between = layers as f64 * per_layer + 2.0 * stream;
+        let mut between = layers as f64 * per_layer + 2.0 * boundary;
         // Under SP the projections' output gradients W reads are the gathered ones, and the first
         // layer's attention residual gradient is kept beside them, the last layer's output
         // gathered for the final norm.
         if sequence_parallel {
-            between += stream;
+            between += boundary;
             if last {
-                between += gathered - stream;
+                between += gathered - boundary;
             }
         }
         // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
@@ -409,6 +429,10 @@ pub fn compiled_stage_peak(
                 kept_for_weights += positions;
             }
         }
+        // Beside cp under SP, B's last step sends the first layer's input gradients back whole: the
+        // attention norm's input gradient and the residual's, which W's tail holds in place of the
+        // residual gradient's split sum (no other rank's B follows on the first stage).
+        let input_gradients_at_w = if sequence_parallel && cp > 1 && !first { 2.0 * boundary - stream } else { 0.0 };
         ChunkHold {
             params,
             grads,
@@ -420,6 +444,7 @@ pub fn compiled_stage_peak(
             remains,
             between,
             kept_for_weights,
+            input_gradients_at_w,
             mid,
             regathered,
         }
@@ -531,6 +556,12 @@ pub fn compiled_stage_peak(
             bytes: current.kept_for_weights,
         });
         tail_held.extend(w_reads.clone());
+        if zero_bubble && current.input_gradients_at_w > 0.0 {
+            tail_held.push(Term {
+                name: "first layer's input gradients, sent back whole (beyond the residual gradient's split sum)",
+                bytes: current.input_gradients_at_w,
+            });
+        }
         let joined = if scattered { 0.0 } else { current.joining };
         let mut candidates = vec![candidate("tail of a backward", before_joining + joined, &tail_held)];
         if let Some(held) = &current.slicing {
@@ -577,6 +608,9 @@ struct ChunkHold {
     /// under selective recomputation every layer's q, k and v, under full recomputation also its
     /// gate and up projections (all recomputed by B).
     kept_for_weights: f64,
+    /// Zero bubble: what W's tail holds of the input gradients B sent back, beyond the residual
+    /// gradient's split sum (beside cp under SP).
+    input_gradients_at_w: f64,
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
     mid: Option<(f64, Vec<Term>)>,
