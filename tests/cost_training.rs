@@ -863,6 +863,73 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
 }
 
 #[test]
+fn experts_stage_closed_form_equals_the_planners_peak() {
+    // tiny-moe (every expert on every rank, with its load-balancing loss) on two stages: a stage
+    // may peak inside its first layer's backward as a routed-expert gradient joins its sum, with
+    // that layer's attention activations still live (under dp the other two expert gradients wait
+    // unreduced beside it); the first stage keeps its layers' expert counts and router probability
+    // sums, sent on, the last their counts' sum, to each micro-batch's end.
+    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let mut phases = std::collections::BTreeSet::new();
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for (config, mesh, kind, micro_batches) in [
+            (&four, "pp=2", one_f_one_b, 2),
+            (&four, "pp=2", gpipe, 2),
+            (&eight, "pp=2", one_f_one_b, 4),
+            (&four, "pp=2,dp=2", one_f_one_b, 2),
+            (&four, "pp=2,dp=2", gpipe, 2),
+            (&four, "pp=2,tp=2", one_f_one_b, 2),
+            (&four, "pp=2,dp=2,tp=2", one_f_one_b, 2),
+        ] {
+            let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+            check_stage_closed_form(config, &layout);
+            phases.extend(stage_phase_names(config, &layout));
+        }
+    }
+    // Both kinds of peak occur.
+    assert!(phases.contains("first layer's expert gradient joins its sum"), "{phases:?}");
+    assert!(phases.contains("tail of a backward"), "{phases:?}");
+    // Outside what is modelled (ep, SP, zero bubble, deeper pipelines) there is no closed form.
+    let model = ModelShape::from_config(&four);
+    let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
+    for (mesh, sequence_parallel, kind, stages) in [
+        ("pp=2,ep=2", false, one_f_one_b, 2),
+        ("pp=2,tp=2", true, one_f_one_b, 2),
+        ("pp=2", false, ScheduleKind::ZeroBubbleH1, 2),
+        ("pp=4", false, one_f_one_b, 4),
+    ] {
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
+        let schedule = Schedule::build(kind, stages, 4).unwrap();
+        assert!(
+            compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 4 / u64::from(stages)).is_none(),
+            "{mesh}"
+        );
+    }
+}
+
+/// The names of the closed form's peaks of `layout`'s stages.
+fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &PipelinedLayout) -> Vec<&'static str> {
+    let parsed = Mesh::parse(layout.mesh).unwrap();
+    let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
+    let schedule = Schedule::build(layout.schedule, stages, layout.micro_batches).unwrap();
+    let workload = Workload {
+        micro_batches: u64::from(layout.micro_batches),
+        recompute: cost_recompute(layout.recompute),
+        zero: layout.zero_stage,
+        ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(layout.micro_batches) / dp)
+    };
+    let model = ModelShape::from_config(config);
+    let cost_layout = Layout::from_mesh(&parsed, layout.sequence_parallel);
+    let layers = config.num_layers / u64::from(stages);
+    (0..stages)
+        .filter_map(|stage| compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers))
+        .map(|phase| phase.name)
+        .collect()
+}
+
+#[test]
 fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
     // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
     // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads

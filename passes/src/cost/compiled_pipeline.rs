@@ -43,6 +43,14 @@
 //! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
 //! last layer's on the last chunk, which only the final norm reads.
 //!
+//! A mixture of experts (every expert on every rank) keeps no MLP activations (its backward
+//! recomputes the routed experts' from the MLP norm's output), and may peak inside its first
+//! layer's backward instead of at the tail, as one of that layer's routed-expert gradients (an
+//! `[E, h, f_e]` matrix) joins its sum beside the layer's attention activations: the last of the
+//! three, or under dp the first, the other two waiting unreduced. Its load-balancing loss keeps
+//! each layer's expert counts and router probability sums on the first stage (sent on) and their
+//! counts' sum on the last, to each micro-batch's end, the loss itself until the backward starts.
+//!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
 //! and the rows, not yet reduced nor summed), the larger where tp > 2.
@@ -70,7 +78,9 @@
 //! too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
-//! beside the weights they were recomputed with); an untied dense Llama-family model.
+//! beside the weights they were recomputed with); an untied Llama-family model, dense, or a
+//! mixture of experts (no shared expert) with every expert on every rank, on two stages under
+//! GPipe or 1F1B, beside dp and tp without SP, ZeRO-1 at most.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -110,7 +120,18 @@ pub fn compiled_stage_peak(
         // ZeRO-2 and 3 beside dp, dp × tp or dp × cp.
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
-        && model.experts.is_none()
+        // A mixture of experts whose every rank holds every expert (no ep, no tsp), without a
+        // shared expert, on two stages under GPipe or 1F1B, beside dp and tp without SP and ZeRO-1
+        // at most. (Deeper pipelines pass partial sums of the load-balancing statistics through
+        // their middle stages, which this does not model.)
+        && model.experts.as_ref().is_none_or(|experts| {
+            !experts.shared_expert
+                && stages == 2
+                && layout.expert_axis().is_none()
+                && workload.zero <= 1
+                && !sequence_parallel
+                && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
+        })
         && !model.tied_embeddings;
     if !modelled {
         return None;
@@ -147,6 +168,13 @@ pub fn compiled_stage_peak(
         2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
     };
     let reduced = dp > 1 || cp > 1;
+    // A mixture of experts' load-balancing loss: each layer's expert counts and router probability
+    // sums (`[E]` each), sent on to the last stage, which sums them over the layers (the counts'
+    // sum kept for the loss's backward, the loss itself until the backward starts).
+    let statistics = match &model.experts {
+        Some(experts) if experts.load_balancing_loss => experts.count as f64 * element,
+        _ => 0.0,
+    };
     // ZeRO-2 reduce-scatters each gradient over dp: the sums and the micro-batch's gradients are
     // its shards, and a gradient is whole (and staged whole) only while it is scattered.
     let scattered = workload.zero >= 2 && dp > 1;
@@ -173,6 +201,11 @@ pub fn compiled_stage_peak(
             in_flight += boundary;
         }
         if last {
+            in_flight += statistics + if statistics > 0.0 { element } else { 0.0 };
+        } else {
+            in_flight += 2.0 * layers as f64 * statistics;
+        }
+        if last {
             // Full recomputation recomputes the final norm's input gathered under SP and its output.
             let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
             // cp gathers every token's logits (back in order) for the loss.
@@ -189,15 +222,27 @@ pub fn compiled_stage_peak(
         // The last chunk keeps the targets (cp's were read in the forward) and the loss to the
         // loss's gradient, another chunk the output it sent on: to the micro-batch's end, as the
         // program outputs them or another rank reads them last.
+        // A mixture's load-balancing statistics stay as the loss's are: the last chunk's sum of
+        // the counts, read by the loss's backward, another chunk's layers' (sent on).
         let chunk_end = if last {
             let mut end = Vec::new();
             if cp == 1 {
                 end.push(Term { name: "token ids (targets)", bytes: ids });
             }
             end.push(Term { name: "loss", bytes: element });
+            if statistics > 0.0 {
+                end.push(Term { name: "expert counts summed over the layers", bytes: statistics });
+            }
             end
         } else {
-            vec![Term { name: "stage output (sent on)", bytes: boundary }]
+            let mut end = vec![Term { name: "stage output (sent on)", bytes: boundary }];
+            if statistics > 0.0 {
+                end.push(Term {
+                    name: "each layer's expert counts and router probability sums (sent on)",
+                    bytes: 2.0 * layers as f64 * statistics,
+                });
+            }
+            end
         };
         let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if first {
             let whole = vocab * hidden * element;
@@ -281,6 +326,41 @@ pub fn compiled_stage_peak(
                 Term { name: "its reduce-scatter's staging", bytes: gate },
             ]);
             (so_far, held)
+        });
+        // A mixture of experts may peak inside its first layer's backward instead, as one of that
+        // layer's routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
+        // joins its sum: the layer's attention activations are still live, and of its gradients
+        // only the router's and the experts' are done. Without dp it is the last of the three;
+        // under dp the first, reduced while the other two wait unreduced beside it (the mixture's
+        // backward makes all three at once), the MLP norm's output freed.
+        let experts_joining = model.experts.as_ref().map(|experts| {
+            let matrix = (experts.count * model.expert_weights() / 3) as f64 / split * element;
+            let waiting = if reduced { 2.0 * matrix } else { 0.0 };
+            let so_far = grads - (attention_weights + 2.0 * norm) * element - table - waiting;
+            // Full recomputation recomputes the attention's activations for its own backward.
+            let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
+            let mut held = first_layer_held.clone();
+            held.extend([
+                Term { name: "first layer's attention norm output", bytes: attention_live * gathered },
+                Term {
+                    name: "first layer's q, k and v after RoPE",
+                    bytes: attention_live * (local_tokens * query + kv_kept) * element,
+                },
+                Term {
+                    name: "first layer's attention output",
+                    bytes: attention_live * local_tokens * attention_kept * element,
+                },
+                Term { name: "first layer's attention residual", bytes: stream },
+                Term {
+                    name: "first layer's MLP norm output (but under dp) and its gradient",
+                    bytes: if reduced { gathered } else { 2.0 * gathered },
+                },
+                Term { name: "first layer's output gradient", bytes: stream },
+            ]);
+            if reduced {
+                held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
+            }
+            (matrix, so_far, held)
         });
         // ZeRO-3 under full recomputation gathers the first layer's weights again for its
         // recomputed forward: a stage may peak inside that layer's backward, as its down
@@ -445,6 +525,7 @@ pub fn compiled_stage_peak(
             between,
             kept_for_weights,
             input_gradients_at_w,
+            experts_joining,
             mid,
             regathered,
         }
@@ -571,6 +652,13 @@ pub fn compiled_stage_peak(
         if let Some((so_far, held)) = &current.mid {
             candidates.push(candidate("first layer's gate gradient reduce-scattered", *so_far, held));
         }
+        if let Some((matrix, so_far, held)) = &current.experts_joining {
+            let mut held = held.clone();
+            if !first_backward {
+                held.push(Term { name: "the joining expert gradient's new sum beside the old", bytes: *matrix });
+            }
+            candidates.push(candidate("first layer's expert gradient joins its sum", *so_far, &held));
+        }
         for (name, so_far, held) in &current.regathered {
             candidates.push(candidate(name, *so_far, held));
         }
@@ -611,6 +699,9 @@ struct ChunkHold {
     /// Zero bubble: what W's tail holds of the input gradients B sent back, beyond the residual
     /// gradient's split sum (beside cp under SP).
     input_gradients_at_w: f64,
+    /// A mixture of experts: the joining expert gradient, the gradients done with it, and what the
+    /// micro-batch holds, as the first layer's last expert gradient joins its sum.
+    experts_joining: Option<(f64, f64, Vec<Term>)>,
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
     mid: Option<(f64, Vec<Term>)>,

@@ -45,6 +45,9 @@ pub struct Experts {
     /// Whether a shared expert (Qwen2-MoE) runs beside the routed ones; its width is the shape's
     /// [`ModelShape::ffn`], and its sigmoid gate adds an `[h]` vector a layer.
     pub shared_expert: bool,
+    /// Whether training adds the router's load-balancing loss (`output_router_logits`): each
+    /// layer's expert counts and router probability sums are then kept for it.
+    pub load_balancing_loss: bool,
 }
 
 /// The sizes of a decoder-only transformer.
@@ -113,6 +116,7 @@ impl ModelShape {
             top_k: moe.top_k,
             ffn: moe.expert_intermediate_size,
             shared_expert: moe.shared_expert_intermediate_size.is_some(),
+            load_balancing_loss: moe.output_router_logits,
         });
         // A mixture's `intermediate_size` is not a layer's dense MLP: Mixtral's is the experts'
         // width, Qwen2-MoE's belongs to dense layers pleat does not build.
