@@ -105,9 +105,9 @@ pub struct ModelOnMesh {
     #[arg(long)]
     pub no_overlap: bool,
     /// The communication streams a rank of the runtime the programs are for has: 2 (the threads
-    /// runtime) prefetches weights on a second stream beside the first; 1 (MPI: `pleat rank`, the
-    /// rank executables under `mpirun`) prefetches them on the one stream while it is idle, since
-    /// a prefetch queued ahead of a transfer there would delay it.
+    /// runtime, and MPI with `MPI_THREAD_MULTIPLE`) prefetches weights on a second stream beside
+    /// the first; 1 (an MPI library that only serializes calls) prefetches them on the one stream
+    /// while it is idle, since a prefetch queued ahead of a transfer there would delay it.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
     pub comm_streams: u8,
 }

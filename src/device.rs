@@ -240,6 +240,7 @@ mod tests {
             timings: vec![(0, 1_000_000_000), (0, 2_000), (0, 3_000)],
             max_expert_rows: 0,
             arena_bytes: 0,
+            prefetch_stream: false,
         };
         let (seconds, rate) = compute_figures(&program, &outcome);
         assert!((seconds - 5e-6).abs() < 1e-12, "{seconds}");

@@ -60,6 +60,10 @@ pub struct RankArgs {
     /// (as `pleat run --trace`; the ranks start their clocks together, after a barrier).
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Rank 0 writes the logits (f32 [batch, seq, vocab], tensor `logits`) to this safetensors file
+    /// (as `pleat run --logits-out`).
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
 }
 
 /// What a rank sends rank 0 besides its blocks' data.
@@ -75,6 +79,8 @@ struct RankSummary {
     max_expert_rows: u64,
     /// Each instruction's start and end, nanoseconds since the rank's epoch.
     timings: Vec<(u64, u64)>,
+    /// Whether its prefetches ran on a stream of their own.
+    prefetch_stream: bool,
 }
 
 /// Where an output block lies: its graph output, that output's global shape, and its region.
@@ -132,9 +138,16 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     drop(comm);
     let Some(outcomes) = outcomes else { return Ok(()) };
     if let Some(path) = &args.trace {
-        crate::trace::write_measured(path, &programs, &outcomes, crate::trace::RunStreams::One)?;
+        crate::trace::write_measured(path, &programs, &outcomes)?;
     }
     let (logits_shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
+    if let Some(path) = &args.logits_out {
+        pleat_runtime::weights::write_safetensors(
+            path,
+            &[("logits".to_string(), logits_shape.clone(), logits.clone())],
+        )
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
     let checked = if args.check {
         let reference = reference_logits(&config, &tokens, weights.as_ref())?;
@@ -217,6 +230,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             comm_bytes: CollectiveKind::ALL.iter().map(|&kind| outcome.comm.bytes(kind)).collect(),
             max_expert_rows: outcome.max_expert_rows,
             timings: outcome.timings.clone(),
+            prefetch_stream: outcome.prefetch_stream,
             blocks: outcome
                 .outputs
                 .iter()
@@ -269,6 +283,7 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
             timings: summary.timings,
             max_expert_rows: summary.max_expert_rows,
             arena_bytes: 0,
+            prefetch_stream: summary.prefetch_stream,
         });
     }
     Ok(Some(outcomes))
@@ -370,5 +385,10 @@ impl Communicator for ExitAtCall<'_> {
     fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
         // As `MpiComm`'s: the hook then counts, and exits at, the calls the communication thread makes.
         Some(self)
+    }
+    fn second_stream(&mut self) -> Option<Box<dyn Communicator>> {
+        // The hook counts the main stream's calls only: the two streams' calls interleave in no
+        // fixed order, so a count over both would not name one call.
+        self.inner.second_stream()
     }
 }

@@ -182,13 +182,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let result = execute(args)?;
     report(args, &result)?;
     if let Some(path) = &args.trace {
-        // The rank executables talk over MPI, one stream a rank; the threads communicator has two.
-        let streams = if result.execution.contains(&crate::native::ExecutionPath::NativeExecutable) {
-            crate::trace::RunStreams::One
-        } else {
-            crate::trace::RunStreams::Two
-        };
-        crate::trace::write_measured(path, &result.programs, &result.outcomes, streams)?;
+        crate::trace::write_measured(path, &result.programs, &result.outcomes)?;
     }
     if let Some(err) = result.max_abs_err {
         if err.is_nan() || err > result.tolerance {

@@ -58,21 +58,27 @@ pub struct Slice {
     pub duration_us: f64,
 }
 
-/// The measured slices of a run: `programs` in rank order, `outcomes` their ranks' outcomes.
-pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome], streams: RunStreams) -> Result<Vec<Slice>> {
-    let timings: Vec<(u32, &[(u64, u64)])> =
-        outcomes.iter().map(|outcome| (outcome.rank, outcome.timings.as_slice())).collect();
-    timed_slices(programs, &timings, streams)
+/// The measured slices of a run: `programs` in rank order, `outcomes` their ranks' outcomes. Each
+/// rank's prefetches show on the track of the stream they ran on, as its outcome says.
+pub fn measured_slices(programs: &[Program], outcomes: &[RankOutcome]) -> Result<Vec<Slice>> {
+    let mut slices = Vec::new();
+    for outcome in outcomes {
+        let streams = if outcome.prefetch_stream { RunStreams::Two } else { RunStreams::One };
+        slices.extend(timed_slices(programs, &[(outcome.rank, outcome.timings.as_slice())], streams)?);
+    }
+    Ok(slices)
 }
 
 /// The communication streams the ranks of a measured run had, which decides the track of a
 /// program's prefetches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RunStreams {
-    /// The threads communicator's two: prefetches ran on a thread of their own.
+    /// Two (the threads communicator, and MPI with `MPI_THREAD_MULTIPLE`): prefetches ran on a
+    /// thread of their own.
     Two,
-    /// MPI's one (`pleat rank`, the rank executables): prefetches ran on the main comm thread,
-    /// in the order they were started, and show there.
+    /// One (an MPI library that only serializes calls, or transfers run on the rank's own thread,
+    /// as the CUDA runtime runs them): prefetches ran in the order they were started, among the
+    /// other transfers, and show on the comm track.
     One,
 }
 
@@ -162,9 +168,9 @@ pub fn write_trace(path: &Path, trace: &Value) -> Result<()> {
     crate::checkpoint::write_file_atomically(path, serde_json::to_string(trace)?.as_bytes())
 }
 
-/// Writes the measured trace of a run whose ranks had `streams`.
-pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome], streams: RunStreams) -> Result<()> {
-    let slices = measured_slices(programs, outcomes, streams)?;
+/// Writes the measured trace of a run.
+pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome]) -> Result<()> {
+    let slices = measured_slices(programs, outcomes)?;
     write_trace(path, &chrome_trace(&slices, programs.len() as u32))
 }
 
@@ -196,7 +202,7 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let weights = crate::run::weight_source(None, 0)?;
     let inputs = RunInputs { tokens: &tokens, positions: &positions, weights: weights.as_ref(), epoch: Instant::now() };
     let outcomes = run_on_threads(&compiled.programs, &inputs, Duration::from_secs(600))?;
-    write_measured(&args.out, &compiled.programs, &outcomes, RunStreams::Two)?;
+    write_measured(&args.out, &compiled.programs, &outcomes)?;
     let inner = compiled.programs.len() as u32 / stages;
     let mut per_stage = Vec::with_capacity(stages as usize);
     for stage in 0..stages {

@@ -55,7 +55,7 @@ fn bf16_inference_matches_the_reference_to_bf16_accuracy_with_half_the_bytes() {
     }
 }
 
-/// `--comm-streams 1` schedules for a runtime with one communication stream (MPI's): the weight
+/// `--comm-streams 1` schedules for a runtime with one communication stream: the weight
 /// broadcasts are prefetched on the one stream, none on a second, and the numbers are those of
 /// the default schedule (two streams).
 #[test]

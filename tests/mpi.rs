@@ -90,19 +90,22 @@ fn mpi_ranks_send_tokens_to_their_experts_as_threads_do() {
     assert_eq!(report["comm_bytes"], threads["comm_bytes"], "MPI sends what the threads fabric sends");
 }
 
-/// A scheduled program's transfers run on each process's communication thread, the progress
-/// thread MPI needs, beside its kernels: its measured trace shows a transfer in flight while a
-/// kernel runs, with the reference's logits. A blocking program's transfers run alone.
+/// A scheduled program's transfers run on each process's communication threads, the progress
+/// threads MPI needs, beside its kernels: its measured trace shows a transfer in flight while a
+/// kernel runs, with bitwise the logits of the threads runtime. Scheduled for two streams (the
+/// default), each process prefetches the owners' weights on a second thread of its own over a
+/// second communicator, as the threads runtime does; for one (`--comm-streams 1`), on the one
+/// stream. A blocking program's transfers run alone.
 #[test]
 fn scheduled_programs_overlap_transfers_with_kernels_under_mpi() {
     let dir = tempdir("mpi-overlap");
-    // One communication stream (`--comm-streams 1`), as the MPI runtime has: the prefetches on it.
-    let runs: [(&str, &[&str], bool); 3] = [
-        ("scheduled", &[], true),
-        ("one-stream", &["--comm-streams", "1"], true),
-        ("blocking", &["--no-overlap"], false),
+    // (name, compile flags, some transfer beside a kernel, prefetches on a track of their own)
+    let runs: [(&str, &[&str], bool, bool); 3] = [
+        ("scheduled", &[], true, true),
+        ("one-stream", &["--comm-streams", "1"], true, false),
+        ("blocking", &["--no-overlap"], false, false),
     ];
-    for (name, extra, overlaps) in runs {
+    for (name, extra, overlaps, prefetch_track) in runs {
         let out = dir.join(format!("tsp4-{name}"));
         let out = out.to_str().expect("utf-8 path");
         let mut args = vec!["compile", "tiny", "--mesh", "tsp=4", "--batch", "2", "--seq", "32", "--out", out];
@@ -110,7 +113,9 @@ fn scheduled_programs_overlap_transfers_with_kernels_under_mpi() {
         stdout_of(&args);
         let trace = dir.join(format!("{name}.json"));
         let trace = trace.to_str().expect("utf-8 path");
-        let output = mpirun(4, &["rank", out, "--check", "--trace", trace]);
+        let mpi_logits = dir.join(format!("{name}-mpi.safetensors"));
+        let mpi_logits = mpi_logits.to_str().expect("utf-8 path");
+        let output = mpirun(4, &["rank", out, "--check", "--trace", trace, "--logits-out", mpi_logits]);
         assert!(
             output.status.success(),
             "{name}: mpirun failed\nstdout:\n{}\nstderr:\n{}",
@@ -120,6 +125,15 @@ fn scheduled_programs_overlap_transfers_with_kernels_under_mpi() {
         let events = trace_events::read(Path::new(trace));
         trace_events::assert_every_rank_has_both_tracks(&events, 4, name);
         assert_eq!(some_rank_overlaps(&events), overlaps, "{name}");
+        for rank in 0..4u64 {
+            let prefetches = events.iter().any(|event| event["ph"] == "X" && event["pid"] == rank && event["tid"] == 2);
+            assert_eq!(prefetches, prefetch_track, "{name}: rank {rank} has a prefetch track");
+        }
+        let threads_logits = dir.join(format!("{name}-threads.safetensors"));
+        let threads_logits = threads_logits.to_str().expect("utf-8 path");
+        stdout_of(&["run", out, "--logits-out", threads_logits]);
+        let read = |path: &str| std::fs::read(path).expect("logits written");
+        assert!(read(mpi_logits) == read(threads_logits), "{name}: MPI's logits differ from the threads runtime's");
     }
 }
 

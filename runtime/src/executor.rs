@@ -83,6 +83,11 @@ pub struct RankOutcome {
     /// The size of the planned arena its buffers were stored in (the entry path); 0 when each
     /// buffer had an allocation of its own.
     pub arena_bytes: u64,
+    /// Whether its weight prefetches (`TransferStream::Prefetch`) ran on a communication stream of
+    /// their own, beside the main one; `false`: they ran on the main stream in the order they were
+    /// started (a communicator with one stream), or the program has none. Where a measured trace
+    /// shows them.
+    pub prefetch_stream: bool,
 }
 
 /// A buffer's elements as the rank holds them: at the buffer's declared dtype, so that the measured
@@ -451,6 +456,7 @@ pub(crate) fn run_streamed<'a>(
     outcome.comm = comm.stats().clone();
     if let Some(second) = &second {
         outcome.comm.merge(second.stats());
+        outcome.prefetch_stream = true;
     }
     Ok(outcome)
 }
@@ -695,6 +701,8 @@ impl<'a> Run<'a> {
             max_expert_rows: self.machine.max_expert_rows.get(),
             timings: self.timings,
             arena_bytes: self.machine.arena.as_ref().map_or(0, |arena| arena.bytes() as u64),
+            // Set by `run_streamed`, which alone knows whether the communicator gave a second stream.
+            prefetch_stream: false,
         }
     }
 

@@ -38,6 +38,7 @@ struct Summary {
     timings: Vec<(u64, u64)>,
     max_expert_rows: u64,
     arena_bytes: u64,
+    prefetch_stream: bool,
     blocks: Vec<BlockPlace>,
 }
 
@@ -82,6 +83,7 @@ pub fn write_outcome(dir: &Path, outcome: &RankOutcome) -> Result<(), OutcomeFil
         timings: outcome.timings.clone(),
         max_expert_rows: outcome.max_expert_rows,
         arena_bytes: outcome.arena_bytes,
+        prefetch_stream: outcome.prefetch_stream,
         blocks: outcome
             .outputs
             .iter()
@@ -142,6 +144,7 @@ pub fn read_outcome(dir: &Path, rank: u32) -> Result<RankOutcome, OutcomeFileErr
         timings: summary.timings,
         max_expert_rows: summary.max_expert_rows,
         arena_bytes: summary.arena_bytes,
+        prefetch_stream: summary.prefetch_stream,
     })
 }
 
@@ -173,6 +176,7 @@ mod tests {
             timings: vec![(1, 2), (3, 5), (8, 13)],
             max_expert_rows: 3,
             arena_bytes: 1 << 16,
+            prefetch_stream: true,
         }
     }
 
@@ -194,6 +198,7 @@ mod tests {
             && left.timings == right.timings
             && left.max_expert_rows == right.max_expert_rows
             && left.arena_bytes == right.arena_bytes
+            && left.prefetch_stream == right.prefetch_stream
     }
 
     fn scratch(name: &str) -> PathBuf {

@@ -11,8 +11,10 @@
 //! scheduler (`pleat_backend::overlap`) plans.
 //!
 //! [`CommStreams`] are a rank's streams: the main one, and a second for the weight prefetches
-//! (`TransferStream::Prefetch`) when the communicator gives one (`Communicator::second_stream`);
-//! without it, the main stream runs the prefetches too, in the order they were started.
+//! (`TransferStream::Prefetch`) when the communicator gives one (`Communicator::second_stream`:
+//! the threads fabric does, and MPI does at `MPI_THREAD_MULTIPLE`, each stream's thread then
+//! making its own MPI calls and progressing its own messages); without it, the main stream runs
+//! the prefetches too, in the order they were started.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};

@@ -215,12 +215,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         for (name, programs, outcomes) in
             [("blocking", &blocking, &last_outcomes.0), ("scheduled", &scheduled, &last_outcomes.1)]
         {
-            crate::trace::write_measured(
-                &dir.join(format!("{name}-measured.json")),
-                programs,
-                outcomes,
-                crate::trace::RunStreams::Two,
-            )?;
+            crate::trace::write_measured(&dir.join(format!("{name}-measured.json")), programs, outcomes)?;
             let slices = crate::trace::predicted_slices(programs, &hw)?;
             let trace = crate::trace::chrome_trace(&slices, programs.len() as u32);
             crate::trace::write_trace(&dir.join(format!("{name}-predicted.json")), &trace)?;

@@ -114,7 +114,7 @@ pub fn check_programs(
     let want = reference(config, batch, seq, &ids, &weights);
     assert_close(&format!("{} {mesh}", config.name), &logits, &want);
     // The same programs scheduled for overlap compute the same numbers, bit for bit, with the
-    // weight prefetches on a second communication stream or on the one (as for MPI).
+    // weight prefetches on a second communication stream or on the one (a runtime with one).
     for prefetch in [Prefetch::OwnStream, Prefetch::MainStream] {
         let (scheduled_logits, _) = run(&overlapped_with(&programs, prefetch), &ids, seq, &weights);
         assert!(

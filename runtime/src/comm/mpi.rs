@@ -19,13 +19,37 @@
 //!   a peer waiting on an operation that depends on it fails with [`CommError::PeerFailed`];
 //! - a process that dies abruptly is noticed by `mpirun`, which ends the job and names it.
 //!
-//! MPI is initialized with `MPI_THREAD_SERIALIZED`; this type is the only user of MPI in the process
-//! and needs `&mut self` for every call, so calls never overlap. A program scheduled for overlap
-//! lends it to the rank's communication thread for the run ([`Communicator::as_sendable`]): every
-//! MPI call of the run is then made there, polling its messages beside the rank's kernels.
-//! Dropping it completes the pending sends (bounded by the timeout) and finalizes MPI.
+//! A rank has two communication streams, as on the threads fabric ([`Communicator::second_stream`]):
+//! the first sends its data messages on `MPI_COMM_WORLD`, the second on a duplicate of it that every
+//! rank makes in `init` (`MPI_Comm_dup` is collective, so all ranks make it there, in the same
+//! order). MPI never matches a message of one communicator to a receive on another, so the two
+//! streams' messages cannot take each other's places whatever order they arrive in, and each stream
+//! keeps its own sequence numbers (in the rank's shared state, so that a second stream opened for
+//! each run continues the counts of the one before). Failure notices travel on `MPI_COMM_WORLD` for
+//! both streams and whichever of a rank's streams takes one records it for both, so a failure on
+//! either stream of a rank fails the waits of both streams of its peers; a rank that fails on one
+//! stream runs nothing more on the other either.
+//!
+//! MPI is initialized with `MPI_THREAD_MULTIPLE`, so that the two streams' threads may call MPI at
+//! the same time. A library that gives only `MPI_THREAD_SERIALIZED` still runs every program: the
+//! rank then has one stream (`second_stream` is `None`), which runs the prefetches too, in the
+//! order they were started, as before the second stream existed; refusing instead would lose runs
+//! that work for a speed-up. Less than that is refused ([`MpiInitError::ThreadLevel`]), since a
+//! program scheduled for overlap lends the endpoint to the rank's communication thread
+//! ([`Communicator::as_sendable`]), which then makes every MPI call of its stream there, polling its
+//! messages beside the rank's kernels.
+//!
+//! The first stream's endpoint owns MPI: dropping it completes its pending sends (bounded by the
+//! timeout) and finalizes MPI, on the thread that initialized it, as MPI asks. A second stream's
+//! endpoint completes its own pending sends when it is dropped; every MPI call it makes holds the
+//! rank's state open, so finalizing waits for a call in progress, and a second endpoint that
+//! outlives the first fails its later calls instead of calling into a finalized library.
+
+mod message;
+mod state;
 
 use std::fmt;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::mpi::datatype::Equivalence;
@@ -34,6 +58,8 @@ use ::mpi::point_to_point::{Destination, Source, Status};
 use ::mpi::request::{Request, StaticScope};
 use ::mpi::topology::{Communicator as _, SimpleCommunicator};
 
+use self::message::{decode_header, decode_notice, encode_message, encode_notice};
+use self::state::{lock, RankState, StreamCounts};
 use super::ring::{self, OpContext, Transport};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTag};
 
@@ -46,14 +72,6 @@ const DATA_TAG: i32 = 1;
 const POINT_TO_POINT_TAG: i32 = 3;
 /// The MPI tag of failure notices (a rank's reason, as UTF-8 bytes).
 const FAILURE_TAG: i32 = 2;
-/// The first header word of every data message, to catch a message that is not pleat's.
-const MAGIC: u32 = 0x706c_6174;
-/// Header words before the group's ranks: magic, kind, sequence (2), op elements (2), message
-/// elements (2), group length.
-const FIXED_HEADER_WORDS: usize = 9;
-/// Failure notices are cut to this many bytes, so that they go eagerly even to a rank that never
-/// receives them.
-const MAX_REASON_BYTES: usize = 1024;
 /// Polls that only yield the processor before waits start sleeping between polls.
 const SPIN_POLLS: u32 = 2000;
 
@@ -93,26 +111,22 @@ struct PendingSend {
     peer: u32,
 }
 
-/// One rank's endpoint of a job launched by `mpirun`.
+/// One rank's endpoint of a job launched by `mpirun`: its first stream ([`MpiComm::init`]), or
+/// its second ([`Communicator::second_stream`]).
 pub struct MpiComm {
-    /// Dropped last: finalizes MPI.
+    /// The first stream's endpoint owns MPI: dropping it finalizes. `None` for the second stream.
     universe: Option<Universe>,
+    state: Arc<RankState>,
+    /// Which of the rank's streams this endpoint is: 0 (data on `MPI_COMM_WORLD`), or 1 (data on
+    /// `state.second_world`).
+    stream: usize,
+    /// `MPI_COMM_WORLD`: the first stream's data messages and both streams' failure notices.
     world: SimpleCommunicator,
     rank: u32,
     world_size: u32,
     timeout: Duration,
     stats: CommStats,
-    /// Collectives this rank has entered on each group: the sequence number of the next one.
-    group_sequences: std::collections::HashMap<Group, u64>,
-    /// Point-to-point messages sent to each rank so far.
-    sends_to: Vec<u64>,
-    /// Point-to-point messages received from each rank so far.
-    recvs_from: Vec<u64>,
     pending_sends: Vec<PendingSend>,
-    /// Why this endpoint failed, once it has.
-    failed: Option<String>,
-    /// Failure notices received from peers, in arrival order.
-    peer_failures: Vec<(u32, String)>,
 }
 
 /// The GEMM threads each process of this node may use: the cores shared by the ranks mpirun placed
@@ -124,39 +138,45 @@ pub fn gemm_threads_per_process() -> usize {
     (cores / local_ranks.max(1)).max(1)
 }
 
-// SAFETY: MPI is initialized with MPI_THREAD_SERIALIZED, which allows MPI calls from any thread as
-// long as no two overlap. `MpiComm` is the only user of MPI in the process (a second `init` fails),
-// and every MPI call it makes needs `&mut self` or happens in `drop`, so moving it to another thread
-// cannot make calls overlap. The raw buffer pointers it holds are owned by it alone.
+// SAFETY: an endpoint's MPI calls need `&mut self` or happen in `drop`, so one endpoint never makes
+// two at once. With MPI_THREAD_MULTIPLE, MPI allows calls from any thread at any time, so moving an
+// endpoint to another thread, and the rank's two endpoints calling at once, are both allowed. With
+// MPI_THREAD_SERIALIZED the rank has one endpoint (`second_stream` gives none), so calls never
+// overlap, which is all that level asks. The raw buffer pointers it holds are owned by it alone.
 unsafe impl Send for MpiComm {}
 
 impl MpiComm {
     /// Initializes MPI and returns this process's endpoint; every wait gives up after `timeout`.
     pub fn init(timeout: Duration) -> Result<MpiComm, MpiInitError> {
         let (universe, provided) =
-            ::mpi::initialize_with_threading(Threading::Serialized).ok_or(MpiInitError::AlreadyInitialized)?;
-        if !matches!(provided, Threading::Serialized | Threading::Multiple) {
-            return Err(MpiInitError::ThreadLevel {
-                required: format!("{:?}", Threading::Serialized),
-                provided: format!("{provided:?}"),
-            });
-        }
+            ::mpi::initialize_with_threading(Threading::Multiple).ok_or(MpiInitError::AlreadyInitialized)?;
+        let concurrent_calls = match provided {
+            Threading::Multiple => true,
+            Threading::Serialized => false,
+            Threading::Single | Threading::Funneled => {
+                return Err(MpiInitError::ThreadLevel {
+                    required: format!("{:?}", Threading::Serialized),
+                    provided: format!("{provided:?}"),
+                })
+            }
+        };
         let world = universe.world();
+        // Collective: every rank makes it here, whatever thread level its library gave, so that the
+        // ranks' calls match.
+        let second_world = world.duplicate();
         let rank = world.rank() as u32;
         let world_size = world.size() as u32;
+        let state = RankState::new(world_size, second_world, concurrent_calls);
         Ok(MpiComm {
             universe: Some(universe),
+            state: Arc::new(state),
+            stream: 0,
             world,
             rank,
             world_size,
             timeout,
             stats: CommStats::default(),
-            group_sequences: std::collections::HashMap::new(),
-            sends_to: vec![0; world_size as usize],
-            recvs_from: vec![0; world_size as usize],
             pending_sends: Vec::new(),
-            failed: None,
-            peer_failures: Vec::new(),
         })
     }
 
@@ -165,7 +185,8 @@ impl MpiComm {
         self.timeout
     }
 
-    /// Sets how long any later wait may take.
+    /// Sets how long any later wait may take (of this endpoint, and of second streams opened
+    /// after).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
@@ -173,6 +194,44 @@ impl MpiComm {
     /// Waits (bounded by the timeout) until every buffered send has been delivered, so that the
     /// process may exit or finalize MPI.
     pub fn flush(&mut self) -> Result<(), CommError> {
+        let rank = self.rank;
+        self.while_mpi_open(Self::flush_open).unwrap_or_else(|| {
+            Err(CommError::Aborted {
+                rank,
+                op: "delivering buffered sends".to_string(),
+                reason: finalized_reason(rank),
+            })
+        })
+    }
+
+    /// Ends the whole job at once (`MPI_Abort`) with `exit_code`, after telling the peers why (as
+    /// [`Communicator::abort`] does). Use it when this rank cannot go on: the other ranks may be
+    /// blocked in MPI where no timeout of this process reaches them.
+    pub fn abort_job(&mut self, reason: &str, exit_code: i32) -> ! {
+        self.abort(reason);
+        // Give the notices a moment to leave, so that peers can report the cause if they are polling.
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while !self.pending_sends.is_empty() && Instant::now() < deadline {
+            if self.while_mpi_open(Self::progress_sends).is_none() {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        // Callable whether or not MPI is still initialized: a second stream has no `abort_job`, and
+        // the first keeps MPI initialized as long as it exists.
+        self.world.abort(exit_code)
+    }
+
+    /// Runs `with` while MPI stays initialized, or returns `None` if the rank's first endpoint has
+    /// finalized it. Every MPI call of an endpoint happens inside.
+    fn while_mpi_open<T>(&mut self, with: impl FnOnce(&mut Self) -> T) -> Option<T> {
+        let state = Arc::clone(&self.state);
+        let open = state.mpi_open.read().unwrap_or_else(PoisonError::into_inner);
+        (*open).then(|| with(self))
+    }
+
+    /// [`MpiComm::flush`], MPI being open.
+    fn flush_open(&mut self) -> Result<(), CommError> {
         let deadline = Instant::now() + self.timeout;
         let mut polls = 0;
         while !self.pending_sends.is_empty() {
@@ -196,20 +255,6 @@ impl MpiComm {
         Ok(())
     }
 
-    /// Ends the whole job at once (`MPI_Abort`) with `exit_code`, after telling the peers why (as
-    /// [`Communicator::abort`] does). Use it when this rank cannot go on: the other ranks may be
-    /// blocked in MPI where no timeout of this process reaches them.
-    pub fn abort_job(&mut self, reason: &str, exit_code: i32) -> ! {
-        self.fail(reason);
-        // Give the notices a moment to leave, so that peers can report the cause if they are polling.
-        let deadline = Instant::now() + Duration::from_millis(200);
-        while !self.pending_sends.is_empty() && Instant::now() < deadline {
-            self.progress_sends();
-            std::thread::yield_now();
-        }
-        self.world.abort(exit_code)
-    }
-
     /// Completes whatever buffered sends have been delivered and frees their buffers.
     fn progress_sends(&mut self) {
         let mut still_pending = Vec::with_capacity(self.pending_sends.len());
@@ -225,62 +270,71 @@ impl MpiComm {
         self.pending_sends = still_pending;
     }
 
+    /// The communicator this endpoint's data messages go on.
+    fn data_world(&self) -> &SimpleCommunicator {
+        if self.stream == 0 {
+            &self.world
+        } else {
+            &self.state.second_world
+        }
+    }
+
     /// Sends `message` to `peer` with `tag` without blocking; the send completes in later polls.
+    /// Failure notices go on `MPI_COMM_WORLD`, where either of the peer's streams takes them; data
+    /// messages on this stream's communicator.
     fn post_send(&mut self, peer: u32, message: Vec<f32>, tag: i32) {
         let leaked: &'static mut [f32] = Box::leak(message.into_boxed_slice());
         let buffer: *mut [f32] = leaked;
         // SAFETY: the request only reads the buffer, which stays alive until the request completes
         // (`progress_sends` frees it then) or forever if it never does.
         let shared: &'static [f32] = unsafe { &*buffer };
-        let request = self.world.process_at_rank(peer as i32).immediate_send_with_tag(StaticScope, shared, tag);
+        let communicator = if tag == FAILURE_TAG { &self.world } else { self.data_world() };
+        let request = communicator.process_at_rank(peer as i32).immediate_send_with_tag(StaticScope, shared, tag);
         self.pending_sends.push(PendingSend { request, buffer, peer });
     }
 
-    /// Records this rank's failure and tells every other rank, once.
+    /// Records this rank's failure and tells every other rank, once for both streams. MPI must be
+    /// open ([`MpiComm::while_mpi_open`]).
     fn fail(&mut self, reason: &str) {
-        if self.failed.is_some() {
+        if !self.record_failure(reason) {
             return;
         }
-        self.failed = Some(reason.to_string());
-        let mut cut = reason.len().min(MAX_REASON_BYTES);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let bytes = &reason.as_bytes()[..cut];
-        // The notice travels as f32 words like every message: the byte length, then the bytes.
-        let mut words = vec![f32::from_bits(bytes.len() as u32)];
-        words.extend(bytes.chunks(4).map(|chunk| {
-            let mut word = [0u8; 4];
-            word[..chunk.len()].copy_from_slice(chunk);
-            f32::from_bits(u32::from_le_bytes(word))
-        }));
+        let words = encode_notice(reason);
         let rank = self.rank;
         for peer in (0..self.world_size).filter(|&peer| peer != rank) {
             self.post_send(peer, words.clone(), FAILURE_TAG);
         }
     }
 
-    /// Takes every failure notice that has arrived.
+    /// Records `reason` as this rank's failure unless one is recorded already; whether it was.
+    fn record_failure(&self, reason: &str) -> bool {
+        let mut failed = lock(&self.state.failed);
+        if failed.is_some() {
+            return false;
+        }
+        *failed = Some(reason.to_string());
+        true
+    }
+
+    /// Takes every failure notice that has arrived, for both of the rank's streams.
     fn receive_failure_notices(&mut self) {
         while let Some((message, status)) = self.world.any_process().immediate_matched_probe_with_tag(FAILURE_TAG) {
             let (words, _) = ::mpi::point_to_point::MatchedReceiveVec::matched_receive_vec::<f32>((message, status));
-            let length = words.first().map_or(0, |word| word.to_bits() as usize);
-            let bytes: Vec<u8> = words.iter().skip(1).flat_map(|word| word.to_bits().to_le_bytes()).collect();
-            let reason = String::from_utf8_lossy(&bytes[..length.min(bytes.len())]).into_owned();
-            self.peer_failures.push((status.source_rank() as u32, reason));
+            lock(&self.state.peer_failures).push((status.source_rank() as u32, decode_notice(&words)));
         }
     }
 
     /// The earliest failure of `peer` or of a member of `op`'s group.
     fn failure_affecting(&self, op: &OpContext<'_>, peer: u32) -> Option<CommError> {
-        self.peer_failures.iter().find(|(failed, _)| *failed == peer || op.group.ranks.contains(failed)).map(
-            |(failed, reason)| CommError::PeerFailed {
+        lock(&self.state.peer_failures)
+            .iter()
+            .find(|(failed, _)| *failed == peer || op.group.ranks.contains(failed))
+            .map(|(failed, reason)| CommError::PeerFailed {
                 rank: self.rank,
                 peer: *failed,
                 reason: reason.clone(),
                 op: op.describe(),
-            },
-        )
+            })
     }
 
     /// Polls `attempt` until it gives a value, a peer that `op` depends on fails, or the timeout
@@ -316,23 +370,33 @@ impl MpiComm {
         }
     }
 
-    /// Runs `body` unless this endpoint already failed; any error it returns makes the endpoint fail.
+    /// Runs `body` with MPI open, unless this rank already failed (on either stream) or MPI was
+    /// finalized; any error it returns makes the rank fail.
     fn guarded(
         &mut self,
         op: &OpContext<'_>,
         body: impl FnOnce(&mut Self) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
-        if let Some(reason) = &self.failed {
-            return Err(CommError::Aborted { rank: self.rank, op: op.describe(), reason: reason.clone() });
-        }
-        let result = body(self);
-        if let Err(error) = &result {
-            self.fail(&error.to_string());
-        }
-        result
+        let rank = self.rank;
+        let outcome = self.while_mpi_open(|comm| {
+            if let Some(reason) = lock(&comm.state.failed).clone() {
+                return Err(CommError::Aborted { rank, op: op.describe(), reason });
+            }
+            let result = body(comm);
+            if let Err(error) = &result {
+                comm.fail(&error.to_string());
+            }
+            result
+        });
+        outcome.unwrap_or_else(|| Err(CommError::Aborted { rank, op: op.describe(), reason: finalized_reason(rank) }))
     }
 
-    /// Runs a collective of `kind` on `group` as this rank's next operation on that group.
+    /// Runs `with` on this stream's sequence numbers.
+    fn counts<T>(&self, with: impl FnOnce(&mut StreamCounts) -> T) -> T {
+        with(&mut lock(&self.state.counts[self.stream]))
+    }
+
+    /// Runs a collective of `kind` on `group` as this stream's next operation on that group.
     fn collective(
         &mut self,
         kind: CollectiveKind,
@@ -342,9 +406,11 @@ impl MpiComm {
     ) -> Result<(), CommError> {
         let unsequenced = OpContext { kind, group, sequence: 0, op_elements };
         self.guarded(&unsequenced, |comm| {
-            let counter = comm.group_sequences.entry(group.clone()).or_insert(0);
-            let sequence = *counter;
-            *counter += 1;
+            let sequence = comm.counts(|counts| {
+                let counter = counts.group_sequences.entry(group.clone()).or_insert(0);
+                *counter += 1;
+                *counter - 1
+            });
             body(comm, &OpContext { sequence, ..unsequenced })
         })
     }
@@ -357,6 +423,11 @@ impl MpiComm {
     }
 }
 
+/// Why a second stream's endpoint refuses to run once MPI is finalized.
+fn finalized_reason(rank: u32) -> String {
+    format!("mpi is finalized: rank {rank}'s first MpiComm was dropped before this second stream")
+}
+
 /// Yields the processor while a wait is young, then sleeps a little between polls, so that ranks
 /// oversubscribed on few cores let their peers run.
 fn back_off(polls: &mut u32) {
@@ -366,49 +437,6 @@ fn back_off(polls: &mut u32) {
     } else {
         std::thread::sleep(Duration::from_micros(50));
     }
-}
-
-fn push_u64(words: &mut Vec<f32>, value: u64) {
-    words.push(f32::from_bits(value as u32));
-    words.push(f32::from_bits((value >> 32) as u32));
-}
-
-fn read_u64(words: &[f32], at: usize) -> u64 {
-    u64::from(words[at].to_bits()) | (u64::from(words[at + 1].to_bits()) << 32)
-}
-
-/// A data message: the tag's words, then the payload.
-fn encode_message(tag: &MessageTag, payload: &[f32]) -> Vec<f32> {
-    let mut words = Vec::with_capacity(FIXED_HEADER_WORDS + tag.group.len() + payload.len());
-    words.push(f32::from_bits(MAGIC));
-    let kind = CollectiveKind::ALL.iter().position(|&kind| kind == tag.kind).unwrap_or(0);
-    words.push(f32::from_bits(kind as u32));
-    push_u64(&mut words, tag.sequence);
-    push_u64(&mut words, tag.op_elements as u64);
-    push_u64(&mut words, tag.message_elements as u64);
-    words.push(f32::from_bits(tag.group.len() as u32));
-    words.extend(tag.group.ranks.iter().map(|&rank| f32::from_bits(rank)));
-    words.extend_from_slice(payload);
-    words
-}
-
-/// The tag and the offset of the payload of a data message; `None` if it is not one of pleat's.
-fn decode_header(words: &[f32]) -> Option<(MessageTag, usize)> {
-    if words.len() < FIXED_HEADER_WORDS || words[0].to_bits() != MAGIC {
-        return None;
-    }
-    let kind = *CollectiveKind::ALL.get(words[1].to_bits() as usize)?;
-    let group_len = words[8].to_bits() as usize;
-    let payload_start = FIXED_HEADER_WORDS.checked_add(group_len)?;
-    let ranks = words.get(FIXED_HEADER_WORDS..payload_start)?.iter().map(|word| word.to_bits()).collect::<Vec<_>>();
-    let tag = MessageTag {
-        kind,
-        group: Group::new(ranks),
-        sequence: read_u64(words, 2),
-        op_elements: read_u64(words, 4) as usize,
-        message_elements: read_u64(words, 6) as usize,
-    };
-    Some((tag, payload_start))
 }
 
 impl Transport for MpiComm {
@@ -434,8 +462,9 @@ impl Transport for MpiComm {
     fn recv_message(&mut self, op: &OpContext<'_>, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
         self.check_peer(op, peer)?;
         let tag = data_tag(op.kind);
-        let (message, status): (::mpi::point_to_point::Message, Status) =
-            self.poll(op, peer, |comm| comm.world.process_at_rank(peer as i32).immediate_matched_probe_with_tag(tag))?;
+        let (message, status): (::mpi::point_to_point::Message, Status) = self.poll(op, peer, |comm| {
+            comm.data_world().process_at_rank(peer as i32).immediate_matched_probe_with_tag(tag)
+        })?;
         let words = status.count(f32::equivalent_datatype()).max(0) as usize;
         let leaked: &'static mut [f32] = Box::leak(vec![0.0f32; words].into_boxed_slice());
         let buffer: *mut [f32] = leaked;
@@ -517,22 +546,22 @@ impl Communicator for MpiComm {
 
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![self.rank, peer]);
-        let sequence = self.sends_to.get(peer as usize).copied().unwrap_or(0);
+        let sequence = self.counts(|counts| counts.sends_to.get(peer as usize).copied().unwrap_or(0));
         let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: data.len() };
         self.guarded(&op, |comm| {
             comm.check_peer(&op, peer)?;
-            comm.sends_to[peer as usize] += 1;
+            comm.counts(|counts| counts.sends_to[peer as usize] += 1);
             comm.send_message(&op, peer, data)
         })
     }
 
     fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
         let pair = Group::new(vec![peer, self.rank]);
-        let sequence = self.recvs_from.get(peer as usize).copied().unwrap_or(0);
+        let sequence = self.counts(|counts| counts.recvs_from.get(peer as usize).copied().unwrap_or(0));
         let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: buf.len() };
         self.guarded(&op, |comm| {
             comm.check_peer(&op, peer)?;
-            comm.recvs_from[peer as usize] += 1;
+            comm.counts(|counts| counts.recvs_from[peer as usize] += 1);
             comm.recv_message(&op, peer, buf)
         })
     }
@@ -550,7 +579,10 @@ impl Communicator for MpiComm {
     }
 
     fn abort(&mut self, reason: &str) {
-        self.fail(reason);
+        // Once MPI is finalized the peers cannot be told; the rank still runs nothing more.
+        if self.while_mpi_open(|comm| comm.fail(reason)).is_none() {
+            self.record_failure(reason);
+        }
     }
 
     /// A scheduled program's transfers then run on the rank's communication thread
@@ -560,22 +592,53 @@ impl Communicator for MpiComm {
     fn as_sendable(&mut self) -> Option<&mut (dyn Communicator + Send)> {
         Some(self)
     }
+
+    /// An endpoint of the rank's second stream, over the duplicate of `MPI_COMM_WORLD` made in
+    /// `init`: its messages never match the first stream's, its sequence numbers continue those of
+    /// the second streams opened before, and it runs on a thread of its own beside the first
+    /// (the prefetch stream of `crate::stream`, its own progress thread). `None` for a second
+    /// stream itself, and when the library gave less than `MPI_THREAD_MULTIPLE`.
+    fn second_stream(&mut self) -> Option<Box<dyn Communicator>> {
+        if self.stream != 0 || !self.state.concurrent_calls {
+            return None;
+        }
+        Some(Box::new(MpiComm {
+            universe: None,
+            state: Arc::clone(&self.state),
+            stream: 1,
+            world: SimpleCommunicator::world(),
+            rank: self.rank,
+            world_size: self.world_size,
+            timeout: self.timeout,
+            stats: CommStats::default(),
+            pending_sends: Vec::new(),
+        }))
+    }
 }
 
-/// A rank that panics tells its peers first, as one that fails does. Then the buffered sends are
-/// completed (bounded by the timeout) and MPI is finalized. Sends that never
-/// complete are left to the process's end rather than freed under MPI.
+/// A rank that panics tells its peers first, as one that fails does. Then the endpoint's buffered
+/// sends are completed (bounded by the timeout), and the first stream's endpoint finalizes MPI once
+/// no second stream's operation is in progress. Sends that never complete are left to the process's
+/// end rather than freed under MPI.
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.fail(&format!("rank {} panicked", self.rank));
-        }
-        if self.flush().is_err() {
+        let panicked = std::thread::panicking().then(|| format!("rank {} panicked", self.rank));
+        let delivered = self.while_mpi_open(|comm| {
+            if let Some(reason) = &panicked {
+                comm.fail(reason);
+            }
+            comm.flush_open().is_ok()
+        });
+        if delivered != Some(true) {
             for pending in self.pending_sends.drain(..) {
                 std::mem::forget(pending.request);
             }
         }
-        drop(self.universe.take());
+        if let Some(universe) = self.universe.take() {
+            let mut open = self.state.mpi_open.write().unwrap_or_else(PoisonError::into_inner);
+            *open = false;
+            drop(universe);
+        }
     }
 }
 
@@ -587,7 +650,8 @@ impl fmt::Debug for MpiComm {
             .field("timeout", &self.timeout)
             .field("stats", &self.stats)
             .field("pending_sends", &self.pending_sends.len())
-            .field("failed", &self.failed)
+            .field("stream", &self.stream)
+            .field("failed", &*lock(&self.state.failed))
             .finish_non_exhaustive()
     }
 }

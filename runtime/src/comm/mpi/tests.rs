@@ -202,3 +202,125 @@ fn a_missing_rank_is_a_timeout_that_names_it() {
         _ => panic!("rank {rank}: unexpected error {error}"),
     }
 }
+
+/// What [`two_streams`] returns: every output in order, then the bytes each stream sent.
+type TwoStreamRun = (Vec<Vec<f32>>, CommStats, CommStats);
+
+/// The main stream's part of [`two_streams`]: an all-reduce and an all-gather over `group`.
+fn main_stream_part(comm: &mut dyn Communicator, group: &Group) -> Result<Vec<Vec<f32>>, CommError> {
+    let rank = comm.rank();
+    let mut sum = values(rank, 4, 3);
+    comm.all_reduce(group, &mut sum)?;
+    let mut gathered = vec![0.0; group.len()];
+    comm.all_gather(group, &values(rank, 1, 4), &mut gathered)?;
+    Ok(vec![sum, gathered])
+}
+
+/// The second stream's part of [`two_streams`], on the same group: a broadcast longer than a
+/// segment (so that its chain pipelines while the main stream's ring runs) and an all-gather.
+fn second_stream_part(second: &mut dyn Communicator, group: &Group) -> Result<Vec<Vec<f32>>, CommError> {
+    let rank = second.rank();
+    let mut block = if rank == 2 { values(2, 70_000, 1) } else { vec![0.0; 70_000] };
+    second.broadcast(group, 2, &mut block)?;
+    let mut gathered = vec![0.0; 2 * group.len()];
+    second.all_gather(group, &values(rank, 2, 2), &mut gathered)?;
+    Ok(vec![block, gathered])
+}
+
+/// The two streams of a rank at once, as `a_second_stream_matches_only_the_peers_second_streams`
+/// runs them on threads, then one more broadcast on the second stream, which ranks 0 and 2 open
+/// anew for it: it matches the other ranks' only if a new endpoint continues the counts.
+fn two_streams(comm: &mut dyn Communicator) -> Result<TwoStreamRun, CommError> {
+    let rank = comm.rank();
+    let world = Group::world(comm.world_size());
+    let mut second = comm.second_stream().expect("a second stream");
+    assert!(second.second_stream().is_none(), "a second stream has no third");
+    let (main_outputs, second_outputs) = std::thread::scope(|scope| {
+        let prefetch = scope.spawn(|| second_stream_part(&mut *second, &world));
+        let main_outputs = main_stream_part(&mut *comm, &world);
+        (main_outputs, prefetch.join().expect("the second stream's thread"))
+    });
+    let mut outputs = main_outputs?;
+    outputs.extend(second_outputs?);
+    let mut second_stats = second.stats().clone();
+    if rank % 2 == 0 {
+        drop(second);
+        second = comm.second_stream().expect("a second stream again");
+    }
+    let mut buf = if rank == 1 { values(1, 9, 5) } else { vec![0.0; 9] };
+    second.broadcast(&world, 1, &mut buf)?;
+    outputs.push(buf);
+    second_stats.merge(second.stats());
+    Ok((outputs, comm.stats().clone(), second_stats))
+}
+
+#[test]
+fn a_second_stream_matches_only_the_peers_second_streams() {
+    if !in_child() {
+        run_ranks("a_second_stream_matches_only_the_peers_second_streams");
+        return;
+    }
+    let mut comm = MpiComm::init(Duration::from_secs(60)).expect("mpi starts");
+    let rank = comm.rank();
+    let (outputs, main_stats, second_stats) = two_streams(&mut comm).expect("both streams run over mpi");
+    let comms = ThreadFabric::new(RANKS, Duration::from_secs(60));
+    let on_threads: Vec<TwoStreamRun> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| scope.spawn(move || two_streams(&mut comm).expect("the threads fabric runs both streams")))
+            .collect();
+        handles.into_iter().map(|handle| handle.join().expect("a thread rank")).collect()
+    });
+    let (thread_outputs, thread_main_stats, thread_second_stats) = &on_threads[rank as usize];
+    assert_eq!(&outputs, thread_outputs, "rank {rank}: the same results as the threads fabric");
+    assert_eq!(&main_stats, thread_main_stats, "rank {rank}: the main stream sends what it sends on threads");
+    assert_eq!(&second_stats, thread_second_stats, "rank {rank}: the second stream sends what it sends on threads");
+    assert!(second_stats.bytes(CollectiveKind::Broadcast) > 0 && main_stats.bytes(CollectiveKind::Broadcast) == 0);
+    let inputs = |len: usize, salt: u32| (0..RANKS).map(|member| values(member, len, salt)).collect::<Vec<_>>();
+    let sum: Vec<f32> = (0..4).map(|j| inputs(4, 3).iter().map(|input| input[j]).sum()).collect();
+    assert_eq!(outputs[0], sum, "rank {rank}: the main stream's all_reduce");
+    assert_eq!(outputs[1], inputs(1, 4).concat(), "rank {rank}: the main stream's all_gather");
+    assert_eq!(outputs[2], values(2, 70_000, 1), "rank {rank}: the second stream's broadcast");
+    assert_eq!(outputs[3], inputs(2, 2).concat(), "rank {rank}: the second stream's all_gather");
+    assert_eq!(outputs[4], values(1, 9, 5), "rank {rank}: the broadcast on a reopened second stream");
+}
+
+#[test]
+fn a_failure_on_a_second_stream_fails_the_peers_waits_on_both_streams() {
+    if !in_child() {
+        run_ranks("a_failure_on_a_second_stream_fails_the_peers_waits_on_both_streams");
+        return;
+    }
+    const REASON: &str = "rank 1's prefetch stream failed on purpose";
+    // Long enough that only the failure notice, never the timeout, can end the peers' waits.
+    let mut comm = MpiComm::init(Duration::from_secs(60)).expect("mpi starts");
+    let rank = comm.rank();
+    let world = Group::world(RANKS);
+    let mut second = comm.second_stream().expect("MPI_THREAD_MULTIPLE gives a second stream");
+    if rank == 1 {
+        second.abort(REASON);
+        let mut buf = vec![1.0; 8];
+        let error = comm.all_reduce(&world, &mut buf).expect_err("a rank that failed runs nothing more");
+        assert!(matches!(&error, CommError::Aborted { reason, .. } if reason == REASON), "{error}");
+        return;
+    }
+    // Both streams wait on rank 1 at once; whichever hears of its failure first fails this rank,
+    // and the other then fails for it or refuses to start: either way rank 1's reason is named.
+    let (on_main, on_second) = std::thread::scope(|scope| {
+        let prefetch = scope.spawn(|| {
+            let mut gathered = vec![0.0; 2 * RANKS as usize];
+            second.all_gather(&world, &values(rank, 2, 2), &mut gathered)
+        });
+        let mut buf = vec![1.0; 8];
+        (comm.all_reduce(&world, &mut buf), prefetch.join().expect("the second stream's thread"))
+    });
+    let mut peer_failed = 0;
+    for (stream, outcome) in [("main", &on_main), ("second", &on_second)] {
+        match outcome {
+            Err(CommError::PeerFailed { reason, .. }) if reason.contains(REASON) => peer_failed += 1,
+            Err(CommError::Aborted { reason, .. }) if reason.contains(REASON) => {}
+            other => panic!("rank {rank}: the {stream} stream: {other:?}"),
+        }
+    }
+    assert!(peer_failed >= 1, "rank {rank}: some stream hears of rank 1's failure: {on_main:?}, {on_second:?}");
+}
