@@ -38,6 +38,9 @@ struct Summary {
     timings: Vec<(u64, u64)>,
     max_expert_rows: u64,
     arena_bytes: u64,
+    /// Absent from the outcomes of executables built before a rank could have two streams, which
+    /// had one.
+    #[serde(default)]
     prefetch_stream: bool,
     blocks: Vec<BlockPlace>,
 }
