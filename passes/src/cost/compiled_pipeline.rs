@@ -303,23 +303,27 @@ pub fn compiled_stage_peak(
         // projection's gradient (the largest but the embedding's) is reduce-scattered: that
         // layer's attention activations are still live, and of its gradients only the down and
         // up projections' are done (and none of the embedding's).
+        // Inside the first layer's backward, before its attention's: that layer's attention
+        // activations (which full recomputation recomputes only for the attention's own backward).
+        let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
+        let first_layer_attention = [
+            Term { name: "first layer's attention norm output", bytes: attention_live * gathered },
+            Term {
+                // (Under cp every token's k and v, all-gathered.)
+                name: "first layer's q, k and v after RoPE",
+                bytes: attention_live * (local_tokens * query + kv_kept) * element,
+            },
+            Term {
+                name: "first layer's attention output",
+                bytes: attention_live * local_tokens * attention_kept * element,
+            },
+            Term { name: "first layer's attention residual", bytes: stream },
+        ];
         let mid = scattered.then(|| {
             let so_far = grads - (gate + (attention_weights + 2.0 * norm) * element + table) / shards;
             let mut held = first_layer_held.clone();
-            // Full recomputation recomputes the attention's activations for its own backward.
-            let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
+            held.extend(first_layer_attention.iter().cloned());
             held.extend([
-                Term { name: "first layer's attention norm output", bytes: attention_live * gathered },
-                Term {
-                    // (Under cp every token's k and v, all-gathered.)
-                    name: "first layer's q, k and v after RoPE",
-                    bytes: attention_live * (local_tokens * query + kv_kept) * element,
-                },
-                Term {
-                    name: "first layer's attention output",
-                    bytes: attention_live * local_tokens * attention_kept * element,
-                },
-                Term { name: "first layer's attention residual", bytes: stream },
                 Term { name: "first layer's output gradient", bytes: stream },
                 Term { name: "first layer's MLP norm output gradient", bytes: gathered },
                 Term { name: "first layer's gate gradient before its dp reduce-scatter", bytes: gate },
@@ -337,20 +341,9 @@ pub fn compiled_stage_peak(
             let matrix = (experts.count * model.expert_weights() / 3) as f64 / split * element;
             let waiting = if reduced { 2.0 * matrix } else { 0.0 };
             let so_far = grads - (attention_weights + 2.0 * norm) * element - table - waiting;
-            // Full recomputation recomputes the attention's activations for its own backward.
-            let attention_live = if workload.recompute == Recompute::Full { 0.0 } else { 1.0 };
             let mut held = first_layer_held.clone();
+            held.extend(first_layer_attention.iter().cloned());
             held.extend([
-                Term { name: "first layer's attention norm output", bytes: attention_live * gathered },
-                Term {
-                    name: "first layer's q, k and v after RoPE",
-                    bytes: attention_live * (local_tokens * query + kv_kept) * element,
-                },
-                Term {
-                    name: "first layer's attention output",
-                    bytes: attention_live * local_tokens * attention_kept * element,
-                },
-                Term { name: "first layer's attention residual", bytes: stream },
                 Term {
                     name: "first layer's MLP norm output (but under dp) and its gradient",
                     bytes: if reduced { gathered } else { 2.0 * gathered },
