@@ -930,6 +930,47 @@ fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &Pip
 }
 
 #[test]
+fn tsp_stage_closed_form_equals_the_planners_peak() {
+    // tsp beside pp: tokens split as under cp (every token's k and v kept per owner), the MLP
+    // ring keeping nothing, the embeddings sharded, the head's input and every token's logits
+    // gathered. A stage peaks at its first backward's tail (the first: the whole-vocabulary
+    // embedding gradient) or inside its first layer's attention backward, as o's weight gradient
+    // is reduced to its owner beside the rank's contributions to the other owner's.
+    let (four, eight) = (four_layers(), eight_layers());
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let mut phases = std::collections::BTreeSet::new();
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for (config, mesh, kind, micro_batches) in [
+            (&four, "pp=2,tsp=2", one_f_one_b, 2),
+            (&four, "pp=2,tsp=2", gpipe, 2),
+            (&four, "pp=2,tsp=2", one_f_one_b, 4),
+            (&four, "pp=4,tsp=2", one_f_one_b, 4),
+            (&eight, "pp=2,tsp=2", gpipe, 4),
+        ] {
+            let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+            check_stage_closed_form(config, &layout);
+            phases.extend(stage_phase_names(config, &layout));
+        }
+    }
+    assert!(phases.contains("first layer's attention weight gradients reduced to their owners"), "{phases:?}");
+    assert!(phases.contains("tail of a backward"), "{phases:?}");
+    // tsp beside another axis, of 4 (the ranks of a stage peak apart, each as its own block's o
+    // gradient is reduced to it), or under zero bubble or interleaving, has none.
+    let model = ModelShape::from_config(&four);
+    let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
+    for (mesh, kind) in [
+        ("pp=2,dp=2,tsp=2", one_f_one_b),
+        ("pp=2,tsp=4", one_f_one_b),
+        ("pp=2,tsp=2", ScheduleKind::ZeroBubbleH1),
+        ("pp=2,tsp=2", ScheduleKind::Interleaved { chunks: 2 }),
+    ] {
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let schedule = Schedule::build(kind, 2, 4).unwrap();
+        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 2).is_none(), "{mesh} {kind:?}");
+    }
+}
+
+#[test]
 fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
     // Eight layers: two a chunk on pp=2 with two chunks, one a chunk with four chunks or on pp=4;
     // each finished chunk of a micro-batch keeps its gradients and the buffers another rank reads
@@ -971,6 +1012,8 @@ fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout
         micro_batches: u64::from(micro_batches),
         recompute: cost_recompute(layout.recompute),
         zero: layout.zero_stage,
+        // As the compiled programs do.
+        tsp_shards_embeddings: parsed.degree(AxisName::Tsp) > 1,
         ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(micro_batches) / dp)
     };
     let memory = memory_per_stage(&model, &cost_layout, &workload);

@@ -43,6 +43,14 @@
 //! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
 //! last layer's on the last chunk, which only the final norm reads.
 //!
+//! Under tsp (of 2) each rank keeps its share of the tokens' activations as under cp, and per
+//! attention owner its q, output and every token's k and v; the MLP ring keeps nothing (its
+//! backward recomputes from the norm's output). The embeddings are sharded, the first stage's
+//! tail holds the whole-vocabulary embedding gradient with every token's ids, and the last stage
+//! keeps the head's input gathered over the sequence and every token's logits. A stage may peak
+//! inside its first layer's attention backward, as o's weight gradient is reduced to its owner
+//! beside the rank's contributions to both owners' blocks.
+//!
 //! A mixture of experts (every expert on every rank) keeps no MLP activations (its backward
 //! recomputes the routed experts' from the MLP norm's output), and may peak inside its first
 //! layer's backward instead of at the tail, as one of that layer's routed-expert gradients (an
@@ -69,7 +77,8 @@
 //! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
 //! the forward kept.
 //!
-//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`; GPipe, 1F1B,
+//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
+//! of 2 alone (GPipe and 1F1B; on more ranks the ranks of a stage peak apart); GPipe, 1F1B,
 //! interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1 anywhere (it splits only
 //! the optimizer's state, which the programs do not hold: they are dp's); ZeRO-2 beside dp, with
 //! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
@@ -113,10 +122,20 @@ pub fn compiled_stage_peak(
 ) -> Option<ForwardPhase> {
     let stages = schedule.stages;
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+    let tsp = layout.degree(AxisName::Tsp);
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
-        && layout.world_size() == u64::from(stages) * dp * tp * cp
+        && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
         && stages >= 2
+        // tsp of 2 alone beside pp, under GPipe or 1F1B, a dense model. (On more ranks the ranks
+        // of a stage peak apart: each as o's gradient of its own block is reduced to it, beside
+        // the activations of the owners whose backward follows, which one stage's form cannot say.)
+        && (tsp == 1
+            || (tsp == 2
+                && dp * tp * cp == 1
+                && workload.zero <= 1
+                && model.experts.is_none()
+                && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
         // ZeRO-2 and 3 beside dp, dp × tp or dp × cp.
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
@@ -136,10 +155,15 @@ pub fn compiled_stage_peak(
     if !modelled {
         return None;
     }
+    // tsp's programs shard the embeddings over it.
+    let workload = &Workload { tsp_shards_embeddings: workload.tsp_shards_embeddings || tsp > 1, ..workload.clone() };
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
-    // cp splits the tokens (zigzag); its attention reads every token's k and v, all-gathered.
-    let local_tokens = tokens / cp as f64;
+    // cp and tsp split the tokens (zigzag); their attention reads every token's k and v, gathered.
+    let token_split = cp * tsp;
+    let local_tokens = tokens / token_split as f64;
+    // tp splits the vocabulary, as tsp does.
+    let vocab_split = (tp * tsp) as f64;
     // tp splits heads, kv heads (when they divide), ffn channels and the vocabulary; hidden stays.
     let split = tp as f64;
     let (hidden, query) = (model.hidden as f64, model.query_width() as f64 / split);
@@ -147,7 +171,7 @@ pub fn compiled_stage_peak(
     let (ffn, vocab) = (model.ffn as f64 / split, model.vocab as f64);
     let ids = tokens * ID_BYTES;
     // Under cp the zigzag order's positions and the rank's own.
-    let positions = workload.seq as f64 * ID_BYTES * if cp > 1 { 1.0 + 1.0 / cp as f64 } else { 1.0 };
+    let positions = workload.seq as f64 * ID_BYTES * if token_split > 1 { 1.0 + 1.0 / token_split as f64 } else { 1.0 };
     // The residual stream: split on seq over tp under Megatron SP; the norms' outputs are
     // all-gathered whole before the projections read them.
     let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
@@ -160,12 +184,14 @@ pub fn compiled_stage_peak(
     // recomputation keeps no attention output), v and k after RoPE, and gate, up and their product.
     // Under cp the all-gathered k and v are kept in place of the rank's own.
     let attention_kept = if workload.recompute == Recompute::Selective { 0.0 } else { query };
-    let kv_kept = if cp > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
+    let kv_kept = if token_split > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
+    // tsp's MLP ring keeps nothing for its backward, which recomputes from the norm's output.
+    let mlp_kept = if tsp > 1 { 0.0 } else { 3.0 * ffn };
     // Full recomputation keeps only the residual stream: each layer's attention residual and output.
     let kept_layer = if workload.recompute == Recompute::Full {
         stream + boundary
     } else {
-        2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
+        2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + mlp_kept) + kv_kept) * element
     };
     let reduced = dp > 1 || cp > 1;
     // A mixture of experts' load-balancing loss: each layer's expert counts and router probability
@@ -195,7 +221,13 @@ pub fn compiled_stage_peak(
         }
         if first {
             // Under cp the rank's own token ids too.
-            let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
+            let local_ids = if cp > 1 {
+                local_tokens * ID_BYTES
+            } else if tsp > 1 {
+                ids
+            } else {
+                0.0
+            };
             in_flight += ids + local_ids + boundary;
         } else {
             in_flight += boundary;
@@ -206,10 +238,17 @@ pub fn compiled_stage_peak(
             in_flight += 2.0 * layers as f64 * statistics;
         }
         if last {
-            // Full recomputation recomputes the final norm's input gathered under SP and its output.
-            let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
-            // cp gathers every token's logits (back in order) for the loss.
-            let logits = if cp > 1 { tokens } else { local_tokens } * (vocab / split).ceil() * element;
+            // Full recomputation recomputes the final norm's input gathered under SP and its output;
+            // tsp keeps its output gathered over the sequence (the head's input) instead.
+            let final_norm = if workload.recompute == Recompute::Full {
+                0.0
+            } else if tsp > 1 {
+                tokens * hidden * element
+            } else {
+                (gathered - boundary) + gathered
+            };
+            // cp and tsp gather every token's logits (back in order) for the loss.
+            let logits = if token_split > 1 { tokens } else { local_tokens } * (vocab / vocab_split).ceil() * element;
             in_flight += ids + final_norm + logits + element;
         }
         // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
@@ -226,7 +265,8 @@ pub fn compiled_stage_peak(
         // the counts, read by the loss's backward, another chunk's layers' (sent on).
         let chunk_end = if last {
             let mut end = Vec::new();
-            if cp == 1 {
+            // (cp's and tsp's were read in the forward.)
+            if token_split == 1 {
                 end.push(Term { name: "token ids (targets)", bytes: ids });
             }
             end.push(Term { name: "loss", bytes: element });
@@ -250,13 +290,17 @@ pub fn compiled_stage_peak(
             if cp > 1 {
                 held.push(Term { name: "token ids", bytes: ids });
             }
-            if tp > 1 && !reduced {
+            if vocab_split > 1.0 && !reduced {
                 held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
-            } else if tp == 1 && !reduced {
+                if tsp > 1 {
+                    // Scattered from every token's gradient, by their ids (the zigzag's gathered).
+                    held.push(Term { name: "token ids", bytes: ids });
+                }
+            } else if !reduced {
                 held.push(Term { name: "token ids", bytes: ids });
                 held.push(Term { name: "embedding output's gradient", bytes: stream });
             }
-            ((vocab / split).ceil() * hidden * element, grads * shards, held)
+            ((vocab / vocab_split).ceil() * hidden * element, grads * shards, held)
         } else {
             let input_norm = model.norm.params(model.hidden) as f64 * element;
             let mut held = vec![
@@ -289,7 +333,7 @@ pub fn compiled_stage_peak(
         let attention_weights = 2.0 * hidden * (query + kv) + biases;
         let norm = model.norm.params(model.hidden) as f64;
         let gate = hidden * ffn * element;
-        let table = if first { (vocab / split).ceil() * hidden * element } else { 0.0 };
+        let table = if first { (vocab / vocab_split).ceil() * hidden * element } else { 0.0 };
         // Inside the first layer's backward: the chunk's inputs and what its end keeps.
         let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
         if first {
@@ -354,6 +398,26 @@ pub fn compiled_stage_peak(
                 held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
             }
             (matrix, so_far, held)
+        });
+        // Under tsp (of 2) a stage may peak inside its first layer's attention backward instead, as
+        // o's weight gradient is reduced to its owner: each rank holds its contributions to both
+        // owners' blocks of that layer's attention weight gradients (half the layer's each; the
+        // other owner's awaiting their reduce), and o's contribution received beside their sum.
+        // The layer's attention norm and residual gradients are live; of its gradients only its
+        // attention's and its input norm's are not done.
+        let tsp_attention = (tsp > 1).then(|| {
+            let owners = tsp as f64;
+            let block = attention_weights / owners * element;
+            let o_block = hidden * query / owners * element;
+            let so_far = grads - block - norm * element - table;
+            let mut held = first_layer_held.clone();
+            held.extend([
+                Term { name: "first layer's attention norm output gradient", bytes: stream },
+                Term { name: "first layer's attention residual gradient", bytes: stream },
+                Term { name: "its contributions to both owners' attention weight gradients", bytes: owners * block },
+                Term { name: "o's: the other rank's contribution received, and their sum", bytes: 2.0 * o_block },
+            ]);
+            (so_far, held)
         });
         // ZeRO-3 under full recomputation gathers the first layer's weights again for its
         // recomputed forward: a stage may peak inside that layer's backward, as its down
@@ -483,7 +547,7 @@ pub fn compiled_stage_peak(
             between += ids;
         }
         if last {
-            let logits = local_tokens * (vocab / split).ceil() * element;
+            let logits = local_tokens * (vocab / vocab_split).ceil() * element;
             // cp's targets were read in the forward.
             let targets = if cp == 1 { ids } else { 0.0 };
             between += targets + element + logits + 2.0 * gathered;
@@ -519,6 +583,7 @@ pub fn compiled_stage_peak(
             kept_for_weights,
             input_gradients_at_w,
             experts_joining,
+            tsp_attention,
             mid,
             regathered,
         }
@@ -652,6 +717,13 @@ pub fn compiled_stage_peak(
             }
             candidates.push(candidate("first layer's expert gradient joins its sum", *so_far, &held));
         }
+        if let Some((so_far, held)) = &current.tsp_attention {
+            candidates.push(candidate(
+                "first layer's attention weight gradients reduced to their owners",
+                *so_far,
+                held,
+            ));
+        }
         for (name, so_far, held) in &current.regathered {
             candidates.push(candidate(name, *so_far, held));
         }
@@ -695,6 +767,9 @@ struct ChunkHold {
     /// A mixture of experts: the joining expert gradient, the gradients done with it, and what the
     /// micro-batch holds, as the first layer's last expert gradient joins its sum.
     experts_joining: Option<(f64, f64, Vec<Term>)>,
+    /// tsp: the gradients done, and what the micro-batch holds, as the first layer's o weight
+    /// gradient is reduced to its owner.
+    tsp_attention: Option<(f64, Vec<Term>)>,
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
     mid: Option<(f64, Vec<Term>)>,
