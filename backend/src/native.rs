@@ -109,6 +109,12 @@ pub struct DeviceCode {
     pub ptx: String,
     /// Every kernel of the module, in program order.
     pub kernels: Vec<DeviceKernel>,
+    /// Whether the kernels read and write each buffer at its declared dtype (a bf16 buffer as
+    /// bf16: widened when read, rounded to nearest even when written, as the host runtime stores
+    /// it). Code written before bf16 was generated says no: it reads every float as f32, so a
+    /// runtime launches its kernels on f32 buffers only.
+    #[serde(default)]
+    pub declared_elements: bool,
 }
 
 /// One kernel of a [`DeviceCode`].

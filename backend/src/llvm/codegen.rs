@@ -41,6 +41,7 @@ pub(crate) struct Codegen<'ctx, 'module> {
     module: &'module Module<'ctx>,
     builder: Builder<'ctx>,
     flavor: Flavor,
+    elements: Elements,
     f32_type: FloatType<'ctx>,
     f64_type: FloatType<'ctx>,
     i64_type: IntType<'ctx>,
@@ -49,23 +50,48 @@ pub(crate) struct Codegen<'ctx, 'module> {
     items: std::cell::Cell<u64>,
 }
 
+/// How a function's float operands lie in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Elements {
+    /// Every float operand is f32: the host runtime widens a bf16 buffer for a native call and
+    /// rounds the result it gets back.
+    Widened,
+    /// Each operand at its buffer's declared dtype (f32 or bf16), as a GPU's memory holds it: a
+    /// bf16 element is widened when read and rounded to nearest even when written, as the host
+    /// runtime stores a bf16 result.
+    Declared,
+}
+
 /// The function being built: its value and its pointer arguments.
 struct Frame<'ctx> {
     function: FunctionValue<'ctx>,
     /// The loaded `inputs[i]` pointers.
-    inputs: Vec<PointerValue<'ctx>>,
+    inputs: Vec<Operand<'ctx>>,
     /// The output pointers (one, or two for a fused add + norm).
-    outs: Vec<PointerValue<'ctx>>,
+    outs: Vec<Operand<'ctx>>,
+}
+
+/// One of a function's buffers: its pointer, and whether its floats are bf16 in memory.
+#[derive(Clone, Copy)]
+struct Operand<'ctx> {
+    pointer: PointerValue<'ctx>,
+    bf16: bool,
 }
 
 impl<'ctx, 'module> Codegen<'ctx, 'module> {
-    /// A generator adding functions to `module`.
-    pub(crate) fn new(context: &'ctx Context, module: &'module Module<'ctx>, flavor: Flavor) -> Self {
+    /// A generator adding functions to `module`, their operands laid out as `elements` says.
+    pub(crate) fn new(
+        context: &'ctx Context,
+        module: &'module Module<'ctx>,
+        flavor: Flavor,
+        elements: Elements,
+    ) -> Self {
         Codegen {
             context,
             module,
             builder: context.create_builder(),
             flavor,
+            elements,
             f32_type: context.f32_type(),
             f64_type: context.f64_type(),
             i64_type: context.i64_type(),
@@ -99,10 +125,12 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         };
         let numel = |id: crate::BufferId| program.buffer(id).numel();
         self.items.set(0);
+        let first = native.first_instr();
+        let (operands, results) = native.buffers(program).ok_or(LlvmError::NotAKernel { instr: first })?;
+        let frame = self.begin(program, &native.symbol(), &operands, &results)?;
         match native {
             NativeKernel::Single { instr } => {
                 let (kernel, inputs, out) = kernel_at(*instr)?;
-                let frame = self.begin(&native.symbol(), 1, inputs.len())?;
                 match kernel {
                     Kernel::Add => self.add(&frame, numel(inputs[0]), numel(inputs[1]))?,
                     Kernel::SiluMul => self.silu_mul(&frame, numel(out))?,
@@ -124,15 +152,25 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 let (Kernel::RmsNorm { hidden, eps }, _, _) = kernel_at(*norm_instr)? else {
                     return Err(LlvmError::NotAKernel { instr: *norm_instr });
                 };
-                let frame = self.begin(&native.symbol(), 2, 3)?;
                 self.add_rms_norm(&frame, numel(add_inputs[0]) / hidden, *hidden, *eps)?;
                 self.finish(frame)
             }
         }
     }
 
-    /// Declares `void name(ptr inputs, ptr out...)` and loads the `input_count` input pointers.
-    fn begin(&self, name: &str, out_count: usize, input_count: usize) -> Gen<Frame<'ctx>> {
+    /// Declares `void name(ptr inputs, ptr out...)` for `program`'s buffers `operands` and
+    /// `results`, and loads the operand pointers.
+    fn begin(
+        &self,
+        program: &Program,
+        name: &str,
+        operands: &[crate::BufferId],
+        results: &[crate::BufferId],
+    ) -> Gen<Frame<'ctx>> {
+        let bf16 = |id: &crate::BufferId| {
+            self.elements == Elements::Declared && program.buffer(*id).dtype == pleat_ir::DType::Bf16
+        };
+        let (out_count, input_count) = (results.len(), operands.len());
         let parameters = vec![self.ptr_type.into(); 1 + out_count];
         let function_type = self.context.void_type().fn_type(&parameters, false);
         let function = self.module.add_function(name, function_type, Some(Linkage::External));
@@ -156,12 +194,16 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         }
         let inputs_array = self.parameter(function, 0)?;
         let mut inputs = Vec::with_capacity(input_count);
-        for index in 0..input_count {
+        for (index, id) in operands.iter().enumerate() {
             let slot = self.element(self.ptr_type.into(), inputs_array, self.index(index as u64))?;
             let pointer = self.builder.build_load(self.ptr_type, slot, &format!("input{index}"))?;
-            inputs.push(pointer.into_pointer_value());
+            inputs.push(Operand { pointer: pointer.into_pointer_value(), bf16: bf16(id) });
         }
-        let outs = (1..=out_count).map(|index| self.parameter(function, index as u32)).collect::<Gen<Vec<_>>>()?;
+        let outs = results
+            .iter()
+            .enumerate()
+            .map(|(index, id)| Ok(Operand { pointer: self.parameter(function, 1 + index as u32)?, bf16: bf16(id) }))
+            .collect::<Gen<Vec<_>>>()?;
         Ok(Frame { function, inputs, outs })
     }
 
@@ -184,16 +226,16 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         let (a, b, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
         if a_len == b_len {
             return self.parallel(frame, a_len, |index| {
-                let sum = self.builder.build_float_add(self.load(a, index)?, self.load(b, index)?, "sum")?;
-                self.store(out, index, sum)
+                let sum = self.builder.build_float_add(self.read(a, index)?, self.read(b, index)?, "sum")?;
+                self.write(out, index, sum)
             });
         }
         self.parallel(frame, a_len / b_len, |row| {
             let base = self.builder.build_int_mul(row, self.index(b_len), "base")?;
             self.for_each(frame, b_len, |column| {
                 let index = self.builder.build_int_nuw_add(base, column, "index")?;
-                let sum = self.builder.build_float_add(self.load(a, index)?, self.load(b, column)?, "sum")?;
-                self.store(out, index, sum)
+                let sum = self.builder.build_float_add(self.read(a, index)?, self.read(b, column)?, "sum")?;
+                self.write(out, index, sum)
             })
         })
     }
@@ -202,14 +244,14 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     fn silu_mul(&self, frame: &Frame<'ctx>, len: u64) -> Gen<()> {
         let (gate, up, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
         self.parallel(frame, len, |index| {
-            let gate_value = self.load(gate, index)?;
+            let gate_value = self.read(gate, index)?;
             let negated = self.builder.build_float_neg(gate_value, "negated")?;
             let exponential = self.exp(negated)?;
             let denominator =
                 self.builder.build_float_add(self.f32_type.const_float(1.0), exponential, "denominator")?;
             let silu = self.builder.build_float_div(gate_value, denominator, "silu")?;
-            let product = self.builder.build_float_mul(silu, self.load(up, index)?, "product")?;
-            self.store(out, index, product)
+            let product = self.builder.build_float_mul(silu, self.read(up, index)?, "product")?;
+            self.write(out, index, product)
         })
     }
 
@@ -220,7 +262,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             let base = self.builder.build_int_mul(row, self.index(hidden), "base")?;
             let sum_of_squares = self.fold(frame, hidden, self.f64_type.const_float(0.0), |column, sum| {
                 let index = self.builder.build_int_nuw_add(base, column, "index")?;
-                self.accumulate_square(sum, self.load(x, index)?)
+                self.accumulate_square(sum, self.read(x, index)?)
             })?;
             let inverse_rms = self.inverse_rms(sum_of_squares, hidden, eps)?;
             self.scale_row(frame, base, hidden, x, weight, out, inverse_rms)
@@ -236,9 +278,10 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             let base = self.builder.build_int_mul(row, self.index(hidden), "base")?;
             let sum_of_squares = self.fold(frame, hidden, self.f64_type.const_float(0.0), |column, total| {
                 let index = self.builder.build_int_nuw_add(base, column, "index")?;
-                let value = self.builder.build_float_add(self.load(a, index)?, self.load(b, index)?, "value")?;
-                self.store(sum, index, value)?;
-                self.accumulate_square(total, value)
+                let value = self.builder.build_float_add(self.read(a, index)?, self.read(b, index)?, "value")?;
+                self.write(sum, index, value)?;
+                // The norm reads the sum as stored (rounded, when bf16), as the two kernels apart do.
+                self.accumulate_square(total, self.as_stored(sum, value)?)
             })?;
             let inverse_rms = self.inverse_rms(sum_of_squares, hidden, eps)?;
             self.scale_row(frame, base, hidden, sum, weight, normed, inverse_rms)
@@ -269,16 +312,16 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         frame: &Frame<'ctx>,
         base: IntValue<'ctx>,
         hidden: u64,
-        x: PointerValue<'ctx>,
-        weight: PointerValue<'ctx>,
-        out: PointerValue<'ctx>,
+        x: Operand<'ctx>,
+        weight: Operand<'ctx>,
+        out: Operand<'ctx>,
         inverse_rms: FloatValue<'ctx>,
     ) -> Gen<()> {
         self.for_each(frame, hidden, |column| {
             let index = self.builder.build_int_nuw_add(base, column, "index")?;
-            let scaled = self.builder.build_float_mul(self.load(x, index)?, inverse_rms, "scaled")?;
-            let result = self.builder.build_float_mul(self.load(weight, column)?, scaled, "result")?;
-            self.store(out, index, result)
+            let scaled = self.builder.build_float_mul(self.read(x, index)?, inverse_rms, "scaled")?;
+            let result = self.builder.build_float_mul(self.read(weight, column)?, scaled, "result")?;
+            self.write(out, index, result)
         })
     }
 
@@ -294,13 +337,13 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         let rotate = |base: IntValue<'ctx>, pair: IntValue<'ctx>, cos: FloatValue<'ctx>, sin: FloatValue<'ctx>| {
             let first_index = self.builder.build_int_nuw_add(base, pair, "first")?;
             let second_index = self.builder.build_int_nuw_add(first_index, self.index(half), "second")?;
-            let (first, second) = (self.load(x, first_index)?, self.load(x, second_index)?);
+            let (first, second) = (self.read(x, first_index)?, self.read(x, second_index)?);
             let first_cos = self.builder.build_float_mul(first, cos, "first_cos")?;
             let second_sin = self.builder.build_float_mul(second, sin, "second_sin")?;
             let second_cos = self.builder.build_float_mul(second, cos, "second_cos")?;
             let first_sin = self.builder.build_float_mul(first, sin, "first_sin")?;
-            self.store(out, first_index, self.builder.build_float_sub(first_cos, second_sin, "rotated_first")?)?;
-            self.store(out, second_index, self.builder.build_float_add(second_cos, first_sin, "rotated_second")?)
+            self.write(out, first_index, self.builder.build_float_sub(first_cos, second_sin, "rotated_first")?)?;
+            self.write(out, second_index, self.builder.build_float_add(second_cos, first_sin, "rotated_second")?)
         };
         match self.flavor {
             Flavor::Host => {
@@ -309,7 +352,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 let cos_table = self.builder.build_alloca(table_type, "cos_table")?;
                 let sin_table = self.builder.build_alloca(table_type, "sin_table")?;
                 self.for_each(frame, seq, |position_index| {
-                    let position = self.position(positions, position_index)?;
+                    let position = self.position(positions.pointer, position_index)?;
                     self.for_each(frame, half, |pair| {
                         let angle = self.angle(position, frequencies, pair)?;
                         let wide = self.builder.build_float_ext(angle, self.f64_type, "angle_f64")?;
@@ -339,7 +382,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 let position_index = self.builder.build_int_unsigned_div(head_row, self.index(heads), "row")?;
                 let position_index =
                     self.builder.build_int_unsigned_rem(position_index, self.index(seq), "position_index")?;
-                let position = self.position(positions, position_index)?;
+                let position = self.position(positions.pointer, position_index)?;
                 let base = self.builder.build_int_mul(head_row, self.index(head_dim), "base")?;
                 self.for_each(frame, half, |pair| {
                     let angle = self.angle(position, frequencies, pair)?;
@@ -392,14 +435,14 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             let kv_head = self.builder.build_int_unsigned_div(global_head, self.index(group), "global_kv_head")?;
             let kv_head = self.builder.build_int_nuw_sub(kv_head, self.index(kv_head_offset), "kv_head")?;
             let q_base = self.builder.build_int_mul(row, self.index(head_dim), "q_base")?;
-            let query_position = self.load_u32(q_pos, query_index)?;
+            let query_position = self.load_u32(q_pos.pointer, query_index)?;
             self.builder.build_store(running_max, negative_infinity)?;
             self.builder.build_store(running_sum, zero)?;
             self.for_each(frame, head_dim, |dim| self.store(accumulator, dim, zero))?;
             let first_key_row = self.builder.build_int_mul(batch_index, self.index(sk), "first_key_row")?;
             self.for_each(frame, sk, |key| {
                 let next = if causal {
-                    let key_position = self.load_u32(k_pos, key)?;
+                    let key_position = self.load_u32(k_pos.pointer, key)?;
                     let visible =
                         self.builder.build_int_compare(IntPredicate::ULE, key_position, query_position, "visible")?;
                     let (seen, next) = (
@@ -420,7 +463,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                     let query_at = self.builder.build_int_nuw_add(q_base, dim, "query_at")?;
                     let key_at = self.builder.build_int_nuw_add(kv_base, dim, "key_at")?;
                     let product =
-                        self.builder.build_float_mul(self.load(q, query_at)?, self.load(k, key_at)?, "product")?;
+                        self.builder.build_float_mul(self.read(q, query_at)?, self.read(k, key_at)?, "product")?;
                     Ok(self.builder.build_float_add(total, product, "dot")?)
                 })?;
                 let score = self.builder.build_float_mul(dot, self.f32_type.const_float(f64::from(scale)), "score")?;
@@ -436,7 +479,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 self.for_each(frame, head_dim, |dim| {
                     let value_at = self.builder.build_int_nuw_add(kv_base, dim, "value_at")?;
                     let kept = self.builder.build_float_mul(self.load(accumulator, dim)?, correction, "kept")?;
-                    let added = self.builder.build_float_mul(weight, self.load(v, value_at)?, "added")?;
+                    let added = self.builder.build_float_mul(weight, self.read(v, value_at)?, "added")?;
                     self.store(accumulator, dim, self.builder.build_float_add(kept, added, "accumulated")?)
                 })?;
                 if let Some(next) = next {
@@ -454,14 +497,14 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             self.for_each(frame, head_dim, |dim| {
                 let out_at = self.builder.build_int_nuw_add(out_base, dim, "out_at")?;
                 let normalized = self.builder.build_float_mul(self.load(accumulator, dim)?, inverse, "normalized")?;
-                self.store(out, out_at, normalized)
+                self.write(out, out_at, normalized)
             })?;
             if with_lse {
                 let max = self.builder.build_load(self.f32_type, running_max, "row_max")?.into_float_value();
                 let lse = self.builder.build_float_add(max, self.ln(sum)?, "lse")?;
                 let lse = self.builder.build_select(seen_any, lse, negative_infinity, "lse")?.into_float_value();
                 let lse_at = self.builder.build_int_nuw_add(out_base, self.index(head_dim), "lse_at")?;
-                self.store(out, lse_at, lse)?;
+                self.write(out, lse_at, lse)?;
             }
             Ok(())
         })
@@ -478,7 +521,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         self.parallel(frame, rows, |row| {
             let base = self.builder.build_int_mul(row, self.index(width), "base")?;
             let lse_at = self.builder.build_int_nuw_add(base, self.index(head_dim), "lse_at")?;
-            let (first_lse, second_lse) = (self.load(first, lse_at)?, self.load(second, lse_at)?);
+            let (first_lse, second_lse) = (self.read(first, lse_at)?, self.read(second, lse_at)?);
             let max = self.call_binary_float("llvm.maxnum", first_lse, second_lse)?;
             let negative_infinity = self.f32_type.const_float(f64::NEG_INFINITY);
             let seen = self.builder.build_float_compare(FloatPredicate::ONE, max, negative_infinity, "seen")?;
@@ -495,13 +538,13 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 self.builder.build_select(seen, second_weight, zero, "second_weight")?.into_float_value();
             self.for_each(frame, head_dim, |dim| {
                 let at = self.builder.build_int_nuw_add(base, dim, "at")?;
-                let left = self.builder.build_float_mul(first_weight, self.load(first, at)?, "left")?;
-                let right = self.builder.build_float_mul(second_weight, self.load(second, at)?, "right")?;
-                self.store(out, at, self.builder.build_float_add(left, right, "merged")?)
+                let left = self.builder.build_float_mul(first_weight, self.read(first, at)?, "left")?;
+                let right = self.builder.build_float_mul(second_weight, self.read(second, at)?, "right")?;
+                self.write(out, at, self.builder.build_float_add(left, right, "merged")?)
             })?;
             let lse = self.builder.build_float_add(max, self.ln(total)?, "lse")?;
             let lse = self.builder.build_select(seen, lse, negative_infinity, "lse")?.into_float_value();
-            self.store(out, lse_at, lse)
+            self.write(out, lse_at, lse)
         })
     }
 
@@ -513,7 +556,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         self.parallel(frame, tokens * hidden, |index| {
             let token_index = self.builder.build_int_unsigned_div(index, self.index(hidden), "token_index")?;
             let column = self.builder.build_int_unsigned_rem(index, self.index(hidden), "column")?;
-            let token = self.load_u32(token_ids, token_index)?;
+            let token = self.load_u32(token_ids.pointer, token_index)?;
             // Below the shard the subtraction wraps past `rows`: one comparison covers both sides.
             let local_row = self.builder.build_int_sub(token, self.index(vocab_offset), "local_row")?;
             let held = self.builder.build_int_compare(IntPredicate::ULT, local_row, self.index(rows), "held")?;
@@ -526,10 +569,10 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             self.builder.position_at_end(copy);
             let source = self.builder.build_int_mul(local_row, self.index(hidden), "source")?;
             let source = self.builder.build_int_nuw_add(source, column, "source")?;
-            self.store(out, index, self.load(table, source)?)?;
+            self.write(out, index, self.read(table, source)?)?;
             self.builder.build_unconditional_branch(stored)?;
             self.builder.position_at_end(zero_fill);
-            self.store(out, index, self.f32_type.const_float(0.0))?;
+            self.write(out, index, self.f32_type.const_float(0.0))?;
             self.builder.build_unconditional_branch(stored)?;
             self.builder.position_at_end(stored);
             Ok(())
@@ -707,6 +750,70 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     fn load(&self, base: PointerValue<'ctx>, index: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
         let slot = self.element(self.f32_type.into(), base, index)?;
         Ok(self.builder.build_load(self.f32_type, slot, "value")?.into_float_value())
+    }
+
+    /// `operand[index]` as f32, widened from bf16 where the operand holds bf16.
+    fn read(&self, operand: Operand<'ctx>, index: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        if !operand.bf16 {
+            return self.load(operand.pointer, index);
+        }
+        let i16_type = self.context.i16_type();
+        let slot = self.element(i16_type.into(), operand.pointer, index)?;
+        let bits = self.builder.build_load(i16_type, slot, "bf16")?.into_int_value();
+        self.widen_bf16(bits)
+    }
+
+    /// Stores `value` at `operand[index]`, rounded to bf16 where the operand holds bf16.
+    fn write(&self, operand: Operand<'ctx>, index: IntValue<'ctx>, value: FloatValue<'ctx>) -> Gen<()> {
+        if !operand.bf16 {
+            return self.store(operand.pointer, index, value);
+        }
+        let bits = self.bf16_bits(value)?;
+        let slot = self.element(self.context.i16_type().into(), operand.pointer, index)?;
+        self.builder.build_store(slot, bits)?;
+        Ok(())
+    }
+
+    /// `value` as `operand` stores it: what a later read returns.
+    fn as_stored(&self, operand: Operand<'ctx>, value: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        if !operand.bf16 {
+            return Ok(value);
+        }
+        self.widen_bf16(self.bf16_bits(value)?)
+    }
+
+    /// A bf16's 16 bits as the f32 of the same value (exact).
+    fn widen_bf16(&self, bits: IntValue<'ctx>) -> Gen<FloatValue<'ctx>> {
+        let i32_type = self.context.i32_type();
+        let wide = self.builder.build_int_z_extend(bits, i32_type, "bf16_bits")?;
+        let shifted = self.builder.build_left_shift(wide, i32_type.const_int(16, false), "f32_bits")?;
+        Ok(self.builder.build_bit_cast(shifted, self.f32_type, "widened")?.into_float_value())
+    }
+
+    /// `value` rounded to bf16, as 16 bits: to nearest, ties to even, a NaN kept a quiet NaN, as
+    /// the `half` crate's `bf16::from_f32` rounds (the host runtime's bf16 storage). Integer
+    /// arithmetic, so that the host and a GPU round alike without a conversion instruction.
+    fn bf16_bits(&self, value: FloatValue<'ctx>) -> Gen<IntValue<'ctx>> {
+        let i32_type = self.context.i32_type();
+        let constant = |bits: u64| i32_type.const_int(bits, false);
+        let bits = self.builder.build_bit_cast(value, i32_type, "f32_bits")?.into_int_value();
+        let magnitude = self.builder.build_and(bits, constant(0x7fff_ffff), "magnitude")?;
+        let is_nan = self.builder.build_int_compare(IntPredicate::UGT, magnitude, constant(0x7f80_0000), "is_nan")?;
+        let high = self.builder.build_right_shift(bits, constant(16), false, "high")?;
+        let quiet_nan = self.builder.build_or(high, constant(0x40), "quiet_nan")?;
+        // Up when the first dropped bit is set and either a later dropped bit or the kept low bit
+        // is (`bits & 0x17fff`: bit 16 and bits 0 to 14).
+        let halfway_or_more = self.builder.build_and(bits, constant(0x8000), "round_bit")?;
+        let halfway_or_more =
+            self.builder.build_int_compare(IntPredicate::NE, halfway_or_more, constant(0), "halfway_or_more")?;
+        let beyond_or_odd = self.builder.build_and(bits, constant(0x1_7fff), "sticky_or_odd")?;
+        let beyond_or_odd =
+            self.builder.build_int_compare(IntPredicate::NE, beyond_or_odd, constant(0), "beyond_or_odd")?;
+        let round_up = self.builder.build_and(halfway_or_more, beyond_or_odd, "round_up")?;
+        let round_up = self.builder.build_int_z_extend(round_up, i32_type, "increment")?;
+        let rounded = self.builder.build_int_add(high, round_up, "rounded")?;
+        let result = self.builder.build_select(is_nan, quiet_nan, rounded, "bf16_or_nan")?.into_int_value();
+        Ok(self.builder.build_int_truncate(result, self.context.i16_type(), "bf16")?)
     }
 
     /// `base[index]` for `u32` elements, widened to the index type.

@@ -7,14 +7,15 @@ use inkwell::context::Context;
 use inkwell::execution_engine::JitFunction;
 use inkwell::OptimizationLevel;
 
-use super::codegen::{Codegen, Flavor};
+use super::codegen::{Codegen, Elements, Flavor};
 use super::*;
-use crate::native::{device_kernels, native_kernels};
+use crate::native::{device_kernels, native_kernels, NativeKernel};
 use crate::program::{AttentionDims, Buffer, BufferId, BufferKind, Instr, Kernel, FORMAT_VERSION};
 use pleat_ir::entity::EntityRef;
 use pleat_ir::DType;
 
-type KernelFunction = unsafe extern "C" fn(*const *const f32, *mut f32);
+type KernelFunction = unsafe extern "C" fn(*const *const u8, *mut u8);
+type FusedFunction = unsafe extern "C" fn(*const *const u8, *mut u8, *mut u8);
 
 /// A program of one kernel over `operands` (name, dtype, shape) into `out_shape`.
 fn one_kernel_program(kernel: Kernel, operands: &[(&str, DType, Vec<u64>)], out_shape: Vec<u64>) -> Program {
@@ -44,27 +45,58 @@ fn one_kernel_program(kernel: Kernel, operands: &[(&str, DType, Vec<u64>)], out_
     }
 }
 
-/// Runs the host build of the program's one device kernel on `inputs` (each as raw 4-byte words),
-/// returning its result of `out_len` elements.
+/// Runs the host build of `kernel` of `program`, its operands laid out as `elements` says, on
+/// `inputs` (each operand's bytes), returning the bytes of each of its results.
+fn run_kernel(program: &Program, kernel: &NativeKernel, elements: Elements, inputs: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    Target::initialize_native(&InitializationConfig::default()).unwrap();
+    let context = Context::create();
+    let module = context.create_module("device_kernel_on_host");
+    Codegen::new(&context, &module, Flavor::Host, elements).define(program, kernel).unwrap();
+    verify(&module).unwrap();
+    let engine = module.create_jit_execution_engine(OptimizationLevel::Default).unwrap();
+    let (operands, results) = kernel.buffers(program).unwrap();
+    assert_eq!(operands.len(), inputs.len());
+    for (id, bytes) in operands.iter().zip(inputs) {
+        assert_eq!(bytes.len(), stored_bytes(program, *id, elements), "{id}'s bytes");
+    }
+    // NaN-filled: every element a kernel writes is checked, so an unwritten one shows.
+    let mut outs: Vec<Vec<u8>> = results.iter().map(|&id| vec![0xff; stored_bytes(program, id, elements)]).collect();
+    let pointers: Vec<*const u8> = inputs.iter().map(|bytes| bytes.as_ptr()).collect();
+    // SAFETY: the function has the ABI of `crate::native` and reads each operand and writes each
+    // result within the sizes checked against the buffers above.
+    unsafe {
+        match outs.as_mut_slice() {
+            [out] => {
+                let function: JitFunction<KernelFunction> = engine.get_function(&kernel.symbol()).unwrap();
+                function.call(pointers.as_ptr(), out.as_mut_ptr());
+            }
+            [sum, normed] => {
+                let function: JitFunction<FusedFunction> = engine.get_function(&kernel.symbol()).unwrap();
+                function.call(pointers.as_ptr(), sum.as_mut_ptr(), normed.as_mut_ptr());
+            }
+            _ => panic!("a kernel writes one or two results"),
+        }
+    }
+    outs
+}
+
+/// The bytes buffer `id` takes laid out as `elements` says.
+fn stored_bytes(program: &Program, id: BufferId, elements: Elements) -> usize {
+    let buffer = program.buffer(id);
+    let width = if elements == Elements::Declared && buffer.dtype == DType::Bf16 { 2 } else { 4 };
+    buffer.numel() as usize * width
+}
+
+/// Runs the program's one device kernel (f32 words in and out).
 fn run_on_host(program: &Program, inputs: &[&[u32]], out_len: usize) -> Vec<f32> {
     let kernels = device_kernels(program);
     assert_eq!(kernels.len(), 1, "the kernel is generated for a GPU: {kernels:?}");
     assert!(native_kernels(program).is_empty(), "it stays with the runtime on the host");
-    Target::initialize_native(&InitializationConfig::default()).unwrap();
-    let context = Context::create();
-    let module = context.create_module("device_kernel_on_host");
-    Codegen::new(&context, &module, Flavor::Host).define(program, &kernels[0]).unwrap();
-    verify(&module).unwrap();
-    let engine = module.create_jit_execution_engine(OptimizationLevel::Default).unwrap();
-    let mut out = vec![f32::NAN; out_len];
-    let pointers: Vec<*const f32> = inputs.iter().map(|words| words.as_ptr().cast::<f32>()).collect();
-    // SAFETY: the function has the ABI of `crate::native` and reads each operand and writes the
-    // result within the sizes `device_kernels` checked against the buffers, which these match.
-    unsafe {
-        let function: JitFunction<KernelFunction> = engine.get_function(&kernels[0].symbol()).unwrap();
-        function.call(pointers.as_ptr(), out.as_mut_ptr());
-    }
-    out
+    let inputs: Vec<Vec<u8>> =
+        inputs.iter().map(|words| words.iter().flat_map(|word| word.to_le_bytes()).collect()).collect();
+    let out = run_kernel(program, &kernels[0], Elements::Declared, &inputs).remove(0);
+    assert_eq!(out.len(), out_len * 4);
+    out.chunks_exact(4).map(|bytes| f32::from_le_bytes(bytes.try_into().unwrap())).collect()
 }
 
 /// Deterministic values in [-1, 1).
@@ -290,4 +322,189 @@ fn generated_merge_weighs_two_attention_states_by_their_log_sum_exp() {
         }
         assert!((f64::from(lse) - union.ln()).abs() < 1e-6, "row {row}: lse {lse} against {}", union.ln());
     }
+}
+
+/// `program` with every f32 buffer bf16.
+fn as_bf16(program: &Program) -> Program {
+    let mut program = program.clone();
+    for buffer in &mut program.buffers {
+        if buffer.dtype == DType::F32 {
+            buffer.dtype = DType::Bf16;
+        }
+    }
+    program
+}
+
+/// Runs `kernel` of `program` with its float buffers bf16 in memory (`Elements::Declared`) and
+/// checks each result bit for bit against the f32 kernel run on the same (widened) values with its
+/// results rounded by `half`'s `bf16::from_f32`, the host runtime's bf16 storage. `integers` are
+/// the integer operands' values, by operand index; the floats are drawn from `seed`.
+fn check_bf16_is_f32_rounded(program: &Program, kernel: &NativeKernel, integers: &[(usize, Vec<u32>)], seed: u64) {
+    let (operands, _) = kernel.buffers(program).unwrap();
+    let (mut wide, mut narrow) = (Vec::new(), Vec::new());
+    for (index, &id) in operands.iter().enumerate() {
+        if let Some((_, ids)) = integers.iter().find(|(at, _)| *at == index) {
+            let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+            (wide.push(bytes.clone()), narrow.push(bytes));
+            continue;
+        }
+        let values: Vec<half::bf16> = values(program.buffer(id).numel() as usize, seed + index as u64)
+            .into_iter()
+            .map(|value| half::bf16::from_f32(3.0 * value))
+            .collect();
+        wide.push(values.iter().flat_map(|value| value.to_f32().to_le_bytes()).collect());
+        narrow.push(values.iter().flat_map(|value| value.to_bits().to_le_bytes()).collect());
+    }
+    let expected = run_kernel(program, kernel, Elements::Declared, &wide);
+    let got = run_kernel(&as_bf16(program), kernel, Elements::Declared, &narrow);
+    for (result, (expected, got)) in expected.iter().zip(&got).enumerate() {
+        let rounded: Vec<u16> = expected
+            .chunks_exact(4)
+            .map(|bytes| half::bf16::from_f32(f32::from_le_bytes(bytes.try_into().unwrap())).to_bits())
+            .collect();
+        let got: Vec<u16> = got.chunks_exact(2).map(|bytes| u16::from_le_bytes(bytes.try_into().unwrap())).collect();
+        assert_eq!(got, rounded, "{kernel:?} result {result}");
+    }
+}
+
+#[test]
+fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written() {
+    let dims = AttentionDims {
+        batch: 2,
+        sq: 3,
+        sk: 3,
+        hq: 2,
+        hkv: 1,
+        head_dim: 8,
+        q_head_offset: 0,
+        kv_head_offset: 0,
+        group: 2,
+        causal: true,
+        scale: 0.35,
+    };
+    let positions = vec![2, 0, 1];
+    let f32_buffer = |name, shape: Vec<u64>| (name, DType::F32, shape);
+    let integer = |name, shape: Vec<u64>| (name, DType::I32, shape);
+    let single = NativeKernel::Single { instr: 0 };
+    let cases: Vec<(Program, Vec<(usize, Vec<u32>)>)> = vec![
+        (
+            one_kernel_program(Kernel::Add, &[f32_buffer("a", vec![4, 8]), f32_buffer("b", vec![4, 8])], vec![4, 8]),
+            vec![],
+        ),
+        (
+            one_kernel_program(Kernel::Add, &[f32_buffer("a", vec![4, 8]), f32_buffer("bias", vec![8])], vec![4, 8]),
+            vec![],
+        ),
+        (
+            one_kernel_program(Kernel::SiluMul, &[f32_buffer("g", vec![32]), f32_buffer("u", vec![32])], vec![32]),
+            vec![],
+        ),
+        (
+            one_kernel_program(
+                Kernel::RmsNorm { hidden: 8, eps: 1e-5 },
+                &[f32_buffer("x", vec![4, 8]), f32_buffer("w", vec![8])],
+                vec![4, 8],
+            ),
+            vec![],
+        ),
+        (
+            one_kernel_program(
+                Kernel::Rope { batch: 1, seq: 3, heads: 2, head_dim: 4, inv_freq: vec![1.0, 0.01] },
+                &[f32_buffer("x", vec![1, 3, 2, 4]), integer("positions", vec![3])],
+                vec![1, 3, 2, 4],
+            ),
+            vec![(1, positions.clone())],
+        ),
+        (
+            one_kernel_program(
+                Kernel::Attention { dims, with_lse: true },
+                &[
+                    f32_buffer("q", vec![2, 3, 2, 8]),
+                    f32_buffer("k", vec![2, 3, 1, 8]),
+                    f32_buffer("v", vec![2, 3, 1, 8]),
+                    integer("q_pos", vec![3]),
+                    integer("k_pos", vec![3]),
+                ],
+                vec![2, 3, 2, 9],
+            ),
+            vec![(3, positions.clone()), (4, positions)],
+        ),
+        (
+            one_kernel_program(
+                Kernel::MergeAttention { rows: 3, head_dim: 4 },
+                &[f32_buffer("first", vec![3, 5]), f32_buffer("second", vec![3, 5])],
+                vec![3, 5],
+            ),
+            vec![],
+        ),
+        (
+            one_kernel_program(
+                Kernel::Embedding { hidden: 8, vocab_offset: 2, vocab_total: 8 },
+                &[f32_buffer("table", vec![4, 8]), integer("tokens", vec![1, 5])],
+                vec![1, 5, 8],
+            ),
+            vec![(1, vec![0, 2, 5, 7, 3])],
+        ),
+    ];
+    for (seed, (program, integers)) in cases.iter().enumerate() {
+        check_bf16_is_f32_rounded(program, &single, integers, 100 * seed as u64);
+    }
+}
+
+#[test]
+fn a_fused_bf16_add_and_norm_normalizes_the_sum_as_stored() {
+    // The two kernels apart store the sum rounded and the norm reads that: the fused kernel must
+    // too, or its normed output would differ in the last bit.
+    let mut fused = crate::native::tests::residual_program();
+    crate::native::schedule_for_fusion(&mut fused);
+    let pair = NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 4 };
+    assert_eq!(native_kernels(&fused)[0], pair);
+    let bf16 =
+        |values: Vec<f32>| -> Vec<half::bf16> { values.into_iter().map(|x| half::bf16::from_f32(3.0 * x)).collect() };
+    let (a, b, weight) = (bf16(values(16, 1)), bf16(values(16, 2)), bf16(values(8, 3)));
+    let as_words = |values: &[half::bf16]| values.iter().flat_map(|x| x.to_f32().to_le_bytes()).collect::<Vec<u8>>();
+    let as_halves = |values: &[half::bf16]| values.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect::<Vec<u8>>();
+    let round = |bytes: &[u8]| -> Vec<half::bf16> {
+        bytes.chunks_exact(4).map(|word| half::bf16::from_f32(f32::from_le_bytes(word.try_into().unwrap()))).collect()
+    };
+    // The add, then the norm of its rounded sum, each as the f32 kernel and rounded.
+    let add = NativeKernel::Single { instr: 3 };
+    let sum = round(&run_kernel(&fused, &add, Elements::Declared, &[as_words(&a), as_words(&b)])[0]);
+    let norm = NativeKernel::Single { instr: 4 };
+    let normed = round(&run_kernel(&fused, &norm, Elements::Declared, &[as_words(&sum), as_words(&weight)])[0]);
+    let got =
+        run_kernel(&as_bf16(&fused), &pair, Elements::Declared, &[as_halves(&a), as_halves(&b), as_halves(&weight)]);
+    assert_eq!(got[0], as_halves(&sum));
+    assert_eq!(got[1], as_halves(&normed));
+}
+
+#[test]
+fn bf16_rounding_is_halfs_on_ties_overflow_and_nan() {
+    // Each case goes through `a + 0` from f32 operands into a bf16 result.
+    let program =
+        one_kernel_program(Kernel::Add, &[("a", DType::F32, vec![10]), ("zero", DType::F32, vec![10])], vec![10]);
+    let mut narrow_out = as_bf16(&program);
+    // Inputs stay f32; only the result is bf16.
+    narrow_out.buffers[0].dtype = DType::F32;
+    narrow_out.buffers[1].dtype = DType::F32;
+    let cases: [f32; 10] = [
+        f32::from_bits(0x3f80_8000), // a tie, even below: stays
+        f32::from_bits(0x3f81_8000), // a tie, odd below: up
+        f32::from_bits(0x3f80_8001), // past the tie: up
+        f32::from_bits(0x3f80_7fff), // below the tie: down
+        f32::MAX,                    // rounds up to infinity
+        f32::from_bits(0x7f80_0001), // a signalling NaN: quieted
+        f32::from_bits(0xffc1_2345), // a negative NaN
+        -0.0,
+        f32::from_bits(0x0000_8001), // a subnormal past the tie
+        f32::INFINITY,
+    ];
+    let words: Vec<u8> = cases.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let zeros = vec![0u8; 40];
+    let got = run_kernel(&narrow_out, &NativeKernel::Single { instr: 0 }, Elements::Declared, &[words, zeros]);
+    let got: Vec<u16> = got[0].chunks_exact(2).map(|bytes| u16::from_le_bytes(bytes.try_into().unwrap())).collect();
+    // x + 0 is x (-0 + 0 is +0), then `half`'s rounding.
+    let expected: Vec<u16> = cases.iter().map(|&x| half::bf16::from_f32(x + 0.0).to_bits()).collect();
+    assert_eq!(got, expected);
+    assert_eq!(&got[..5], &[0x3f80, 0x3f82, 0x3f81, 0x3f80, 0x7f80]);
 }

@@ -27,7 +27,7 @@ use inkwell::OptimizationLevel;
 
 use crate::native::{device_kernels, native_kernels, program_fingerprint, DeviceCode, DeviceKernel, NativeKernel};
 use crate::program::Program;
-use codegen::{Codegen, Flavor};
+use codegen::{Codegen, Elements, Flavor};
 
 /// The GPU architectures `--emit ptx` targets, with the PTX ISA version each needs.
 pub const PTX_ARCHES: [(&str, &str); 2] = [("sm_80", "+ptx70"), ("sm_90", "+ptx78")];
@@ -265,7 +265,7 @@ pub fn device_code(program: &Program, arch: &str) -> Result<DeviceCode, LlvmErro
     let machine = target_machine(&triple, arch, features, RelocMode::Default)?;
     let context = Context::create();
     let module = context.create_module(&format!("rank{}.{arch}", program.rank));
-    let codegen = Codegen::new(&context, &module, Flavor::Ptx);
+    let codegen = Codegen::new(&context, &module, Flavor::Ptx, Elements::Declared);
     let mut kernels = Vec::new();
     for kernel in device_kernels(program) {
         codegen.define(program, &kernel)?;
@@ -279,7 +279,13 @@ pub fn device_code(program: &Program, arch: &str) -> Result<DeviceCode, LlvmErro
         .write_to_memory_buffer(&module, FileType::Assembly)
         .map_err(|message| LlvmError::Write { path: PathBuf::from("<memory>"), message: message.to_string() })?;
     let ptx = String::from_utf8_lossy(buffer.as_slice()).into_owned();
-    Ok(DeviceCode { fingerprint: program_fingerprint(program), arch: arch.to_string(), ptx, kernels })
+    Ok(DeviceCode {
+        fingerprint: program_fingerprint(program),
+        arch: arch.to_string(),
+        ptx,
+        kernels,
+        declared_elements: true,
+    })
 }
 
 /// The unoptimized, target-independent LLVM IR of one native kernel on its own (for reading and
@@ -287,7 +293,7 @@ pub fn device_code(program: &Program, arch: &str) -> Result<DeviceCode, LlvmErro
 pub fn kernel_ir(program: &Program, kernel: &NativeKernel) -> Result<String, LlvmError> {
     let context = Context::create();
     let module = context.create_module(&kernel.symbol());
-    Codegen::new(&context, &module, Flavor::Host).define(program, kernel)?;
+    Codegen::new(&context, &module, Flavor::Host, Elements::Widened).define(program, kernel)?;
     verify(&module)?;
     Ok(module.print_to_string().to_string())
 }
@@ -316,7 +322,7 @@ pub fn verify(module: &Module) -> Result<(), LlvmError> {
 /// the entry function that runs the whole program (`entry`).
 fn kernel_module<'ctx>(context: &'ctx Context, program: &Program, name: &str) -> Result<Module<'ctx>, LlvmError> {
     let module = context.create_module(name);
-    let codegen = Codegen::new(context, &module, Flavor::Host);
+    let codegen = Codegen::new(context, &module, Flavor::Host, Elements::Widened);
     codegen.define_fingerprint(program_fingerprint(program))?;
     for kernel in native_kernels(program) {
         codegen.define(program, &kernel)?;

@@ -137,8 +137,9 @@ impl Drop for Kernels {
 }
 
 impl Kernels {
-    /// Loads `code`'s module and sets up each kernel whose buffers the device can run it on (f32
-    /// floats; a fused pair only where nothing is freed between the add and the norm, as
+    /// Loads `code`'s module and sets up each kernel whose buffers the device can run it on
+    /// ([`launch_buffers`]: f32 floats, or bf16 where the code reads them so; a fused pair only
+    /// where nothing is freed between the add and the norm, as
     /// `pleat_backend::native::schedule_for_fusion` leaves it). Others run on the host.
     fn load(program: &Program, memory: &DeviceMemory, code: Option<&DeviceCode>) -> Result<Kernels> {
         let rank = program.rank;
@@ -166,7 +167,10 @@ impl Kernels {
         let mut tables: Vec<u64> = Vec::new();
         let mut pending = Vec::new();
         for device_kernel in &code.kernels {
-            let Some((operands, outs, instrs)) = launch_buffers(program, &device_kernel.kernel) else { continue };
+            let Some((operands, outs, instrs)) = launch_buffers(program, &device_kernel.kernel, code.declared_elements)
+            else {
+                continue;
+            };
             let symbol = device_kernel.kernel.symbol();
             let name = CString::new(symbol.clone()).map_err(|_| cuda_error(rank, 0, "cuModuleGetFunction", &symbol))?;
             // SAFETY: `module` is loaded; `name` is NUL-terminated.
@@ -194,8 +198,13 @@ impl Kernels {
 }
 
 /// A generated kernel's operands (what its `inputs` array holds), results and instructions, when
-/// the device can run it: every float it reads or writes is f32.
-fn launch_buffers(program: &Program, kernel: &NativeKernel) -> Option<(Vec<BufferId>, Vec<BufferId>, Vec<usize>)> {
+/// the device can run it: every float it reads or writes is f32, or bf16 where the code reads
+/// each buffer at its declared dtype (`declared_elements`).
+fn launch_buffers(
+    program: &Program,
+    kernel: &NativeKernel,
+    declared_elements: bool,
+) -> Option<(Vec<BufferId>, Vec<BufferId>, Vec<usize>)> {
     let (operands, outs) = kernel.buffers(program)?;
     if let NativeKernel::FusedAddRmsNorm { add_instr, norm_instr } = *kernel {
         // The kernel writes the norm's result at the add: nothing may be freed in between, or the
@@ -209,7 +218,7 @@ fn launch_buffers(program: &Program, kernel: &NativeKernel) -> Option<(Vec<Buffe
     let instrs = kernel.instrs();
     let device_ready = |id: &BufferId| {
         let buffer = program.buffer(*id);
-        buffer.is_integer() || buffer.dtype == DType::F32
+        buffer.is_integer() || buffer.dtype == DType::F32 || (declared_elements && buffer.dtype == DType::Bf16)
     };
     (operands.iter().all(device_ready) && outs.iter().all(device_ready)).then_some((operands, outs, instrs))
 }
@@ -388,7 +397,7 @@ impl<'a> DeviceRun<'a> {
     fn gemm(&mut self, index: usize, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> Result<()> {
         let address = |id: BufferId| self.memory.address(id);
         let (a, b, c) = (address(inputs[0]), address(inputs[1]), address(out));
-        let int = |value: u64| i32::try_from(value).map_err(|_| self.error(index, "cublasSgemm", "a size past i32"));
+        let int = |value: u64| i32::try_from(value).map_err(|_| self.error(index, "cublasGemmEx", "a size past i32"));
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
         // (op_a, op_b, rows, cols, depth, first, lda, second, ldb, ldc) of C = op(first)·op(second).
         let call = match *kernel {
@@ -398,32 +407,47 @@ impl<'a> DeviceRun<'a> {
             Kernel::MatMulGradInput { m, n, k } => (N, N, int(k)?, int(m)?, int(n)?, b, int(k)?, a, int(n)?, int(k)?),
             // dw[n, k] = dy[m, n]ᵀ·x[m, k]: dwᵀ (k × n) = xᵀ (k × m) · dy.
             Kernel::MatMulGradWeight { m, n, k } => (N, T, int(k)?, int(n)?, int(m)?, b, int(k)?, a, int(n)?, int(k)?),
-            _ => return Err(self.error(index, "cublasSgemm", "not a GEMM")),
+            _ => return Err(self.error(index, "cublasGemmEx", "not a GEMM")),
         };
         let (op_a, op_b, rows, cols, depth, first, lda, second, ldb, ldc) = call;
+        // f32 or bf16 as each buffer is declared (`gemm_on_device` took the pairs cuBLAS has),
+        // accumulated in f32 (not TF32), a bf16 result rounded once at the end, as the host
+        // runtime's GEMM on widened operands stores it.
+        let element = |id: BufferId| match self.program.buffer(id).dtype {
+            DType::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            _ => blas_sys::cudaDataType::CUDA_R_32F,
+        };
+        // `first` is the column-major product's first operand: the instruction's second.
+        let (first_type, second_type, c_type) = (element(inputs[1]), element(inputs[0]), element(out));
         let (one, zero) = (1.0f32, 0.0f32);
         // SAFETY: the three addresses are the operands' and the result's allocations, of the sizes
-        // the kernel's dimensions give (lowering checked them against the buffer table); alpha and
-        // beta are host values, cuBLAS's default pointer mode.
+        // and element types the kernel's dimensions and the buffer table give (lowering checked the
+        // sizes); alpha and beta are host f32 values, cuBLAS's default pointer mode, as the f32
+        // compute type asks.
         unsafe {
-            blas::sgemm(
+            blas::gemm_ex(
                 self.blas.0,
                 op_a,
                 op_b,
                 rows,
                 cols,
                 depth,
-                &one,
-                first as *const f32,
+                std::ptr::from_ref(&one).cast(),
+                first as *const c_void,
+                first_type,
                 lda,
-                second as *const f32,
+                second as *const c_void,
+                second_type,
                 ldb,
-                &zero,
-                c as *mut f32,
+                std::ptr::from_ref(&zero).cast(),
+                c as *mut c_void,
+                c_type,
                 ldc,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|error| self.error(index, "cublasSgemm", error))?;
+        .map_err(|error| self.error(index, "cublasGemmEx", error))?;
         self.live.written(self.program, out);
         self.on_device += 1;
         Ok(())
@@ -533,13 +557,19 @@ impl<'a> DeviceRun<'a> {
     }
 }
 
-/// Whether `kernel` is a GEMM cuBLAS runs here: f32 operands and result.
+/// Whether `kernel` is a GEMM cuBLAS runs here.
 fn gemm_on_device(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
-    let f32_buffer = |id: &BufferId| program.buffer(*id).dtype == DType::F32;
-    matches!(kernel, Kernel::MatMul { .. } | Kernel::MatMulGradInput { .. } | Kernel::MatMulGradWeight { .. })
-        && inputs.len() == 2
-        && inputs.iter().all(f32_buffer)
-        && f32_buffer(&out)
+    let dtype = |id: &BufferId| program.buffer(*id).dtype;
+    // The type pairs cublasGemmEx computes in f32: f32 throughout, or bf16 operands into a bf16
+    // or f32 result.
+    let types = match inputs {
+        [x, w] => matches!(
+            (dtype(x), dtype(w), dtype(&out)),
+            (DType::F32, DType::F32, DType::F32) | (DType::Bf16, DType::Bf16, DType::Bf16 | DType::F32)
+        ),
+        _ => false,
+    };
+    types && matches!(kernel, Kernel::MatMul { .. } | Kernel::MatMulGradInput { .. } | Kernel::MatMulGradWeight { .. })
 }
 
 /// An instruction's kind, as reports count them: the kernel's name, or the instruction's.
@@ -596,7 +626,10 @@ mod tests {
         let program = add_then_norm(DType::F32, Vec::new());
         let fused = NativeKernel::FusedAddRmsNorm { add_instr: 0, norm_instr: 1 };
         let id = BufferId::new;
-        assert_eq!(launch_buffers(&program, &fused), Some((vec![id(0), id(1), id(3)], vec![id(2), id(4)], vec![0, 1])));
+        assert_eq!(
+            launch_buffers(&program, &fused, true),
+            Some((vec![id(0), id(1), id(3)], vec![id(2), id(4)], vec![0, 1]))
+        );
     }
 
     #[test]
@@ -604,17 +637,36 @@ mod tests {
         // Its slot could be the norm's: writing the norm at the add would overwrite a live operand.
         let program = add_then_norm(DType::F32, vec![Instr::Free { buf: BufferId::new(0) }]);
         let fused = NativeKernel::FusedAddRmsNorm { add_instr: 0, norm_instr: 2 };
-        assert_eq!(launch_buffers(&program, &fused), None);
+        assert_eq!(launch_buffers(&program, &fused, true), None);
     }
 
     #[test]
-    fn generated_kernels_and_gemms_take_f32_buffers_only() {
+    fn bf16_buffers_are_launched_only_where_the_code_reads_them_as_bf16() {
         let program = add_then_norm(DType::Bf16, Vec::new());
-        assert_eq!(launch_buffers(&program, &NativeKernel::Single { instr: 0 }), None);
+        let add = NativeKernel::Single { instr: 0 };
+        let id = BufferId::new;
+        assert_eq!(launch_buffers(&program, &add, true), Some((vec![id(0), id(1)], vec![id(2)], vec![0])));
+        // Code from before bf16 was generated reads every float as f32.
+        assert_eq!(launch_buffers(&program, &add, false), None);
+        assert!(launch_buffers(&add_then_norm(DType::F32, Vec::new()), &add, false).is_some());
+    }
+
+    #[test]
+    fn gemms_run_on_cublas_for_the_type_pairs_it_has() {
         let id = BufferId::new;
         let gemm = Kernel::MatMul { m: 2, n: 4, k: 4 };
-        assert!(!gemm_on_device(&program, &gemm, &[id(0), id(1)], id(2)));
-        assert!(gemm_on_device(&add_then_norm(DType::F32, Vec::new()), &gemm, &[id(0), id(1)], id(2)));
+        let [x, w, out] = [id(0), id(1), id(2)];
+        assert!(gemm_on_device(&add_then_norm(DType::F32, Vec::new()), &gemm, &[x, w], out));
+        let mut program = add_then_norm(DType::Bf16, Vec::new());
+        assert!(gemm_on_device(&program, &gemm, &[x, w], out));
+        // bf16 operands into an f32 result.
+        program.buffers[2].dtype = DType::F32;
+        assert!(gemm_on_device(&program, &gemm, &[x, w], out));
+        // One operand f32, the other bf16: no cuBLAS type pair; the host runs it.
+        program.buffers[0].dtype = DType::F32;
+        assert!(!gemm_on_device(&program, &gemm, &[x, w], out));
+        // Not a GEMM.
+        assert!(!gemm_on_device(&add_then_norm(DType::F32, Vec::new()), &Kernel::Add, &[x, w], out));
     }
 
     #[test]
