@@ -71,11 +71,13 @@ struct Frame<'ctx> {
     outs: Vec<Operand<'ctx>>,
 }
 
-/// One of a function's buffers: its pointer, and whether its floats are bf16 in memory.
+/// One of a function's buffers: its pointer, whether its floats are bf16 in memory, and whether
+/// the runtime stores them as bf16 (declared so, whatever the layout of the call).
 #[derive(Clone, Copy)]
 struct Operand<'ctx> {
     pointer: PointerValue<'ctx>,
     bf16: bool,
+    stored_bf16: bool,
 }
 
 impl<'ctx, 'module> Codegen<'ctx, 'module> {
@@ -167,8 +169,11 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         operands: &[crate::BufferId],
         results: &[crate::BufferId],
     ) -> Gen<Frame<'ctx>> {
-        let bf16 = |id: &crate::BufferId| {
-            self.elements == Elements::Declared && program.buffer(*id).dtype == pleat_ir::DType::Bf16
+        let stored_bf16 = |id: &crate::BufferId| program.buffer(*id).dtype == pleat_ir::DType::Bf16;
+        let operand = |pointer, id: &crate::BufferId| Operand {
+            pointer,
+            bf16: self.elements == Elements::Declared && stored_bf16(id),
+            stored_bf16: stored_bf16(id),
         };
         let (out_count, input_count) = (results.len(), operands.len());
         let parameters = vec![self.ptr_type.into(); 1 + out_count];
@@ -197,12 +202,12 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         for (index, id) in operands.iter().enumerate() {
             let slot = self.element(self.ptr_type.into(), inputs_array, self.index(index as u64))?;
             let pointer = self.builder.build_load(self.ptr_type, slot, &format!("input{index}"))?;
-            inputs.push(Operand { pointer: pointer.into_pointer_value(), bf16: bf16(id) });
+            inputs.push(operand(pointer.into_pointer_value(), id));
         }
         let outs = results
             .iter()
             .enumerate()
-            .map(|(index, id)| Ok(Operand { pointer: self.parameter(function, 1 + index as u32)?, bf16: bf16(id) }))
+            .map(|(index, id)| Ok(operand(self.parameter(function, 1 + index as u32)?, id)))
             .collect::<Gen<Vec<_>>>()?;
         Ok(Frame { function, inputs, outs })
     }
@@ -319,7 +324,9 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     ) -> Gen<()> {
         self.for_each(frame, hidden, |column| {
             let index = self.builder.build_int_nuw_add(base, column, "index")?;
-            let scaled = self.builder.build_float_mul(self.read(x, index)?, inverse_rms, "scaled")?;
+            // As stored: a fused add hands the host runtime its sum widened and unrounded.
+            let value = self.as_stored(x, self.read(x, index)?)?;
+            let scaled = self.builder.build_float_mul(value, inverse_rms, "scaled")?;
             let result = self.builder.build_float_mul(self.read(weight, column)?, scaled, "result")?;
             self.write(out, index, result)
         })
@@ -774,9 +781,10 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         Ok(())
     }
 
-    /// `value` as `operand` stores it: what a later read returns.
+    /// `value` as the runtime stores it in `operand`'s buffer: what a later instruction reads
+    /// (rounded through bf16 for a bf16 buffer, even where this call receives it widened).
     fn as_stored(&self, operand: Operand<'ctx>, value: FloatValue<'ctx>) -> Gen<FloatValue<'ctx>> {
-        if !operand.bf16 {
+        if !operand.stored_bf16 {
             return Ok(value);
         }
         self.widen_bf16(self.bf16_bits(value)?)

@@ -454,7 +454,8 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
 #[test]
 fn a_fused_bf16_add_and_norm_normalizes_the_sum_as_stored() {
     // The two kernels apart store the sum rounded and the norm reads that: the fused kernel must
-    // too, or its normed output would differ in the last bit.
+    // too, on a GPU and in the host's native library alike, or its normed output would differ in
+    // the last bit.
     let mut fused = crate::native::tests::residual_program();
     crate::native::schedule_for_fusion(&mut fused);
     let pair = NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 4 };
@@ -476,6 +477,11 @@ fn a_fused_bf16_add_and_norm_normalizes_the_sum_as_stored() {
         run_kernel(&as_bf16(&fused), &pair, Elements::Declared, &[as_halves(&a), as_halves(&b), as_halves(&weight)]);
     assert_eq!(got[0], as_halves(&sum));
     assert_eq!(got[1], as_halves(&normed));
+    // The host's native library gets the same buffers widened and returns f32 results, which the
+    // runtime rounds as it stores them: the same values.
+    let got = run_kernel(&as_bf16(&fused), &pair, Elements::Widened, &[as_words(&a), as_words(&b), as_words(&weight)]);
+    assert_eq!(round(&got[0]), sum);
+    assert_eq!(round(&got[1]), normed);
 }
 
 #[test]
