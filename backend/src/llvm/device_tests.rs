@@ -345,7 +345,8 @@ fn check_bf16_is_f32_rounded(program: &Program, kernel: &NativeKernel, integers:
     for (index, &id) in operands.iter().enumerate() {
         if let Some((_, ids)) = integers.iter().find(|(at, _)| *at == index) {
             let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
-            (wide.push(bytes.clone()), narrow.push(bytes));
+            wide.push(bytes.clone());
+            narrow.push(bytes);
             continue;
         }
         let values: Vec<half::bf16> = values(program.buffer(id).numel() as usize, seed + index as u64)
@@ -386,7 +387,9 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
     let f32_buffer = |name, shape: Vec<u64>| (name, DType::F32, shape);
     let integer = |name, shape: Vec<u64>| (name, DType::I32, shape);
     let single = NativeKernel::Single { instr: 0 };
-    let cases: Vec<(Program, Vec<(usize, Vec<u32>)>)> = vec![
+    // Each program, with its integer operands' values by operand index.
+    type Case = (Program, Vec<(usize, Vec<u32>)>);
+    let cases: Vec<Case> = vec![
         (
             one_kernel_program(Kernel::Add, &[f32_buffer("a", vec![4, 8]), f32_buffer("b", vec![4, 8])], vec![4, 8]),
             vec![],
