@@ -136,7 +136,7 @@ pub fn compiled_stage_peak(
                 && workload.zero <= 1
                 && model.experts.is_none()
                 && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
-        // ZeRO-2 and 3 beside dp, dp × tp or dp × cp.
+        // ZeRO-2 and 3 beside dp (with or without tp and cp).
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
         // A mixture of experts whose every rank holds every expert (no ep, no tsp), without a
@@ -170,7 +170,7 @@ pub fn compiled_stage_peak(
     let kv = model.kv_width() as f64 / kv_split(model, layout) as f64;
     let (ffn, vocab) = (model.ffn as f64 / split, model.vocab as f64);
     let ids = tokens * ID_BYTES;
-    // Under cp the zigzag order's positions and the rank's own.
+    // Under cp and tsp the zigzag order's positions and the rank's own.
     let positions = workload.seq as f64 * ID_BYTES * if token_split > 1 { 1.0 + 1.0 / token_split as f64 } else { 1.0 };
     // The residual stream: split on seq over tp under Megatron SP; the norms' outputs are
     // all-gathered whole before the projections read them.
