@@ -864,11 +864,13 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
 
 #[test]
 fn experts_stage_closed_form_equals_the_planners_peak() {
-    // tiny-moe (every expert on every rank, with its load-balancing loss) on two stages: a stage
-    // may peak inside its first layer's backward as a routed-expert gradient joins its sum, with
-    // that layer's attention activations still live (under dp the other two expert gradients wait
-    // unreduced beside it); the first stage keeps its layers' expert counts and router probability
-    // sums, sent on, the last their counts' sum, to each micro-batch's end.
+    // tiny-moe (every expert on every rank, with its load-balancing loss) on two and four stages:
+    // a stage may peak inside its first layer's backward as a routed-expert gradient joins its
+    // sum, with that layer's attention activations still live (under dp the other two expert
+    // gradients wait unreduced beside it); the stages but the last keep their layers' expert
+    // counts and router probability sums, sent on, the last their counts' sum, to each
+    // micro-batch's end; the last sends that sum back in its forward, which under GPipe the stage
+    // next to it takes for every micro-batch its own backward waits behind.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
@@ -882,6 +884,10 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
             (&four, "pp=2,dp=2", gpipe, 2),
             (&four, "pp=2,tp=2", one_f_one_b, 2),
             (&four, "pp=2,dp=2,tp=2", one_f_one_b, 2),
+            (&four, "pp=4", one_f_one_b, 4),
+            (&four, "pp=4", gpipe, 4),
+            (&eight, "pp=4", gpipe, 4),
+            (&four, "pp=4,dp=2", one_f_one_b, 2),
         ] {
             let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             check_stage_closed_form(config, &layout);
@@ -891,14 +897,14 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     // Both kinds of peak occur.
     assert!(phases.contains("first layer's expert gradient joins its sum"), "{phases:?}");
     assert!(phases.contains("tail of a backward"), "{phases:?}");
-    // Outside what is modelled (ep, SP, zero bubble, deeper pipelines) there is no closed form.
+    // Outside what is modelled (ep, SP, zero bubble, interleaving) there is no closed form.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     for (mesh, sequence_parallel, kind, stages) in [
         ("pp=2,ep=2", false, one_f_one_b, 2),
         ("pp=2,tp=2", true, one_f_one_b, 2),
         ("pp=2", false, ScheduleKind::ZeroBubbleH1, 2),
-        ("pp=4", false, one_f_one_b, 4),
+        ("pp=2", false, ScheduleKind::Interleaved { chunks: 2 }, 2),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
         let schedule = Schedule::build(kind, stages, 4).unwrap();

@@ -56,8 +56,11 @@
 //! layer's backward instead of at the tail, as one of that layer's routed-expert gradients (an
 //! `[E, h, f_e]` matrix) joins its sum beside the layer's attention activations: the last of the
 //! three, or under dp the first, the other two waiting unreduced. Its load-balancing loss keeps
-//! each layer's expert counts and router probability sums on the first stage (sent on) and their
-//! counts' sum on the last, to each micro-batch's end, the loss itself until the backward starts.
+//! each layer's expert counts and router probability sums on the stages but the last (sent on)
+//! and their counts' sum on the last, to each micro-batch's end, the loss itself until the
+//! backward starts. The last stage sends that sum back to every other in its forward, for their
+//! router probabilities' backward: the stage next to it takes those on its gradients' link in the
+//! order they were sent, so under GPipe it holds them for the micro-batches in flight too.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -88,8 +91,8 @@
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
 //! beside the weights they were recomputed with); an untied Llama-family model, dense, or a
-//! mixture of experts (no shared expert) with every expert on every rank, on two stages under
-//! GPipe or 1F1B, beside dp and tp without SP, ZeRO-1 at most.
+//! mixture of experts (no shared expert) with every expert on every rank, under GPipe or 1F1B,
+//! beside dp and tp without SP, ZeRO-1 at most.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -140,12 +143,9 @@ pub fn compiled_stage_peak(
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
         // A mixture of experts whose every rank holds every expert (no ep, no tsp), without a
-        // shared expert, on two stages under GPipe or 1F1B, beside dp and tp without SP and ZeRO-1
-        // at most. (Deeper pipelines pass partial sums of the load-balancing statistics through
-        // their middle stages, which this does not model.)
+        // shared expert, under GPipe or 1F1B, beside dp and tp without SP and ZeRO-1 at most.
         && model.experts.as_ref().is_none_or(|experts| {
             !experts.shared_expert
-                && stages == 2
                 && layout.expert_axis().is_none()
                 && workload.zero <= 1
                 && !sequence_parallel
@@ -316,6 +316,12 @@ pub fn compiled_stage_peak(
                 });
                 held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
             }
+            // Under full recomputation a stage between the first and the last still holds the
+            // mixture's summed counts it received from the last here, its recomputed first
+            // layer's router probabilities' backward reading them after.
+            if !last && statistics > 0.0 && workload.recompute == Recompute::Full {
+                held.push(Term { name: "the expert counts summed over the layers (received)", bytes: statistics });
+            }
             held.extend(chunk_end.iter().cloned());
             (hidden * query * element, grads * shards - input_norm, held)
         };
@@ -396,6 +402,11 @@ pub fn compiled_stage_peak(
             ]);
             if reduced {
                 held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
+            }
+            // Another stage than the last still holds the summed counts it received from the last
+            // (its first layer's router probabilities' backward reads them last).
+            if !last && statistics > 0.0 {
+                held.push(Term { name: "the expert counts summed over the layers (received)", bytes: statistics });
             }
             (matrix, so_far, held)
         });
@@ -661,6 +672,28 @@ pub fn compiled_stage_peak(
                 let hold = &holds[chunk as usize];
                 unfinished_grads += hold.grads;
                 remains += hold.remains.iter().map(|term| term.bytes).sum::<f64>();
+            }
+        }
+        // A mixture's expert counts summed over the layers, which the last stage sends every
+        // earlier one in its forward for their router probabilities' backward: the stage next to
+        // it takes them on the link its gradients come on, in the order they were sent, so as the
+        // current micro-batch's backward starts it has taken those of every micro-batch the last
+        // stage forwarded before that backward; the ones still in flight here hold theirs.
+        if statistics > 0.0 && chunks == 1 && stage + 2 == stages {
+            let last_steps = schedule.per_stage.get(stages as usize - 1)?;
+            let backward_there = last_steps
+                .iter()
+                .position(|there| there.micro_batch == step.micro_batch && there.phase == tail_phase)?;
+            for micro_batch in (0..schedule.micro_batches).filter(|&other| other != step.micro_batch) {
+                let forwarded_there = last_steps[..backward_there]
+                    .iter()
+                    .any(|there| there.micro_batch == micro_batch && there.phase == Phase::Forward);
+                let here = |phase: Phase| {
+                    steps[..at].iter().any(|before| before.micro_batch == micro_batch && before.phase == phase)
+                };
+                if forwarded_there && here(Phase::Forward) && !here(tail_phase) {
+                    others += statistics;
+                }
             }
         }
         let first_backward = done(step.chunk, tail_phase) == 0.0;
