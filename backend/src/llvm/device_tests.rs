@@ -243,12 +243,12 @@ fn generated_embedding_copies_the_rows_its_shard_holds_and_zeros_the_others() {
     assert_eq!(generated, expected);
 }
 
-#[test]
-fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an_element_a_thread() {
-    let dims = AttentionDims {
+/// Causal attention of 2 sequences of `seq` positions, two query heads of 8 reading one kv head.
+fn two_heads_on_one_kv_head(seq: u64) -> AttentionDims {
+    AttentionDims {
         batch: 2,
-        sq: 4,
-        sk: 4,
+        sq: seq,
+        sk: seq,
         hq: 2,
         hkv: 1,
         head_dim: 8,
@@ -257,7 +257,12 @@ fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an
         group: 2,
         causal: true,
         scale: 0.35,
-    };
+    }
+}
+
+#[test]
+fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an_element_a_thread() {
+    let dims = two_heads_on_one_kv_head(4);
     let attention = one_kernel_program(
         Kernel::Attention { dims, with_lse: false },
         &[
@@ -370,19 +375,7 @@ fn check_bf16_is_f32_rounded(program: &Program, kernel: &NativeKernel, integers:
 
 #[test]
 fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written() {
-    let dims = AttentionDims {
-        batch: 2,
-        sq: 3,
-        sk: 3,
-        hq: 2,
-        hkv: 1,
-        head_dim: 8,
-        q_head_offset: 0,
-        kv_head_offset: 0,
-        group: 2,
-        causal: true,
-        scale: 0.35,
-    };
+    let dims = two_heads_on_one_kv_head(3);
     let positions = vec![2, 0, 1];
     let f32_buffer = |name, shape: Vec<u64>| (name, DType::F32, shape);
     let integer = |name, shape: Vec<u64>| (name, DType::I32, shape);
