@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use pleat_runtime::comm::mpi::{bytes_to_words, words_to_bytes};
 use pleat_runtime::comm::{
     gemm_threads_per_process, CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm,
 };
@@ -287,25 +288,6 @@ fn gather_outcomes(comm: &mut MpiComm, outcome: RankOutcome) -> Result<Option<Ve
         });
     }
     Ok(Some(outcomes))
-}
-
-/// Bytes as f32 words (4 a word, the last zero-padded), prefixed by the byte count.
-fn bytes_to_words(bytes: &[u8]) -> Vec<f32> {
-    let mut words = vec![f32::from_bits(bytes.len() as u32)];
-    words.extend(bytes.chunks(4).map(|chunk| {
-        let mut word = [0u8; 4];
-        word[..chunk.len()].copy_from_slice(chunk);
-        f32::from_bits(u32::from_le_bytes(word))
-    }));
-    words
-}
-
-/// The inverse of [`bytes_to_words`].
-fn words_to_bytes(words: &[f32]) -> Vec<u8> {
-    let len = words.first().map_or(0, |word| word.to_bits() as usize);
-    let mut bytes: Vec<u8> = words.iter().skip(1).flat_map(|word| word.to_bits().to_le_bytes()).collect();
-    bytes.truncate(len);
-    bytes
 }
 
 /// A communicator that ends the process abruptly at one call (the test hook), else passes through.

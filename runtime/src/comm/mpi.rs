@@ -58,6 +58,7 @@ use ::mpi::point_to_point::{Destination, Source, Status};
 use ::mpi::request::{Request, StaticScope};
 use ::mpi::topology::{Communicator as _, SimpleCommunicator};
 
+pub use self::message::{bytes_to_words, words_to_bytes};
 use self::message::{decode_header, decode_notice, encode_message, encode_notice};
 use self::state::{lock, RankState, StreamCounts};
 use super::ring::{self, OpContext, Transport};

@@ -1,6 +1,6 @@
 //! The layout of the MPI communicator's messages, as f32 words (MPI moves them as such): a data
-//! message is its [`MessageTag`] then the payload; a failure notice is the byte length of the
-//! reason then its bytes.
+//! message is its [`MessageTag`] then the payload; a failure notice is the reason's bytes as words
+//! ([`bytes_to_words`], which `pleat rank` uses for the summaries it gathers too).
 //!
 //! A receiver that reads a header it cannot decode reports a mismatch rather than taking the words
 //! as data, so a message that is not pleat's is never mistaken for one.
@@ -66,7 +66,17 @@ pub(super) fn encode_notice(reason: &str) -> Vec<f32> {
     while !reason.is_char_boundary(cut) {
         cut -= 1;
     }
-    let bytes = &reason.as_bytes()[..cut];
+    bytes_to_words(&reason.as_bytes()[..cut])
+}
+
+/// The reason a failure notice carries.
+pub(super) fn decode_notice(words: &[f32]) -> String {
+    String::from_utf8_lossy(&words_to_bytes(words)).into_owned()
+}
+
+/// Bytes as f32 words, as the communicators carry them: the byte count, then the bytes four a
+/// word (the last zero-padded).
+pub fn bytes_to_words(bytes: &[u8]) -> Vec<f32> {
     let mut words = vec![f32::from_bits(bytes.len() as u32)];
     words.extend(bytes.chunks(4).map(|chunk| {
         let mut word = [0u8; 4];
@@ -76,9 +86,10 @@ pub(super) fn encode_notice(reason: &str) -> Vec<f32> {
     words
 }
 
-/// The reason a failure notice carries.
-pub(super) fn decode_notice(words: &[f32]) -> String {
-    let length = words.first().map_or(0, |word| word.to_bits() as usize);
-    let bytes: Vec<u8> = words.iter().skip(1).flat_map(|word| word.to_bits().to_le_bytes()).collect();
-    String::from_utf8_lossy(&bytes[..length.min(bytes.len())]).into_owned()
+/// The inverse of [`bytes_to_words`]; a count past the words gives the bytes they hold.
+pub fn words_to_bytes(words: &[f32]) -> Vec<u8> {
+    let len = words.first().map_or(0, |word| word.to_bits() as usize);
+    let mut bytes: Vec<u8> = words.iter().skip(1).flat_map(|word| word.to_bits().to_le_bytes()).collect();
+    bytes.truncate(len);
+    bytes
 }
