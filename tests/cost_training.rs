@@ -582,7 +582,7 @@ fn a_pipelined_stage_peak_by_hand() {
     let schedule = Schedule::build(ScheduleKind::GPipe, 2, 2).unwrap();
     let model = ModelShape::from_config(&config);
     let layout = Layout::from_mesh(&Mesh::parse("pp=2").unwrap(), false);
-    let phase = compiled_stage_peak(&model, &layout, &Workload::training(SEQ, 2), &schedule, 0, 2).unwrap();
+    let phase = compiled_stage_peak(&model, &layout, &Workload::training(SEQ, 2), &schedule, 0, 0, 2).unwrap();
     assert_eq!(phase.bytes(), (params + gradients + in_flight + leftovers) as f64);
     let term = |name: &str| phase.terms.iter().find(|term| term.name == name).map(|term| term.bytes);
     assert_eq!(term("other micro-batches in flight"), Some(in_flight as f64));
@@ -909,13 +909,13 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
         let schedule = Schedule::build(kind, stages, 4).unwrap();
         assert!(
-            compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 4 / u64::from(stages)).is_none(),
+            compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 4 / u64::from(stages)).is_none(),
             "{mesh}"
         );
     }
 }
 
-/// The names of the closed form's peaks of `layout`'s stages.
+/// The names of the closed form's peaks of `layout`'s stages (of each place on the tsp axis).
 fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &PipelinedLayout) -> Vec<&'static str> {
     let parsed = Mesh::parse(layout.mesh).unwrap();
     let (stages, dp) = (parsed.degree(AxisName::Pp) as u32, parsed.degree(AxisName::Dp));
@@ -929,8 +929,12 @@ fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &Pip
     let model = ModelShape::from_config(config);
     let cost_layout = Layout::from_mesh(&parsed, layout.sequence_parallel);
     let layers = config.num_layers / u64::from(stages);
+    let places = parsed.degree(AxisName::Tsp);
     (0..stages)
-        .filter_map(|stage| compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers))
+        .flat_map(|stage| (0..places).map(move |place| (stage, place)))
+        .filter_map(|(stage, place)| {
+            compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, place, layers)
+        })
         .map(|phase| phase.name)
         .collect()
 }
@@ -940,8 +944,10 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     // tsp beside pp: tokens split as under cp (every token's k and v kept per owner), the MLP
     // ring keeping nothing, the embeddings sharded, the head's input and every token's logits
     // gathered. A stage peaks at its first backward's tail (the first: the whole-vocabulary
-    // embedding gradient) or inside its first layer's attention backward, as o's weight gradient
-    // is reduced to its owner beside the rank's contributions to the other owner's.
+    // embedding gradient) or inside its first layer's attention backward, each rank apart: as o's
+    // weight gradient is reduced to it, beside the activations of the owners whose backward
+    // follows (more on each later place on the axis), or on the axis's last rank, whose owner
+    // goes first, as o's gradient joins its sum.
     let (four, eight) = (four_layers(), eight_layers());
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let mut phases = std::collections::BTreeSet::new();
@@ -952,28 +958,41 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
             (&four, "pp=2,tsp=2", one_f_one_b, 4),
             (&four, "pp=4,tsp=2", one_f_one_b, 4),
             (&eight, "pp=2,tsp=2", gpipe, 4),
+            (&four, "pp=2,tsp=4", one_f_one_b, 2),
+            (&four, "pp=2,tsp=4", gpipe, 2),
+            (&four, "pp=2,tsp=4", one_f_one_b, 4),
+            (&four, "pp=4,tsp=4", one_f_one_b, 4),
+            (&eight, "pp=2,tsp=4", gpipe, 4),
         ] {
             let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             check_stage_closed_form(config, &layout);
             phases.extend(stage_phase_names(config, &layout));
         }
     }
-    assert!(phases.contains("first layer's attention weight gradients reduced to their owners"), "{phases:?}");
-    assert!(phases.contains("tail of a backward"), "{phases:?}");
-    // tsp beside another axis, of 4 (the ranks of a stage peak apart, each as its own block's o
-    // gradient is reduced to it), or under zero bubble or interleaving, has none.
+    for phase in [
+        "first layer's o gradient reduced to this rank, its owner",
+        "first layer's o gradient joins its sum",
+        "tail of a backward",
+    ] {
+        assert!(phases.contains(phase), "{phase}: {phases:?}");
+    }
+    // tsp beside another axis, or under zero bubble or interleaving, has none; nor has a place
+    // past the axis.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     for (mesh, kind) in [
         ("pp=2,dp=2,tsp=2", one_f_one_b),
-        ("pp=2,tsp=4", one_f_one_b),
         ("pp=2,tsp=2", ScheduleKind::ZeroBubbleH1),
         ("pp=2,tsp=2", ScheduleKind::Interleaved { chunks: 2 }),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
         let schedule = Schedule::build(kind, 2, 4).unwrap();
-        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 2).is_none(), "{mesh} {kind:?}");
+        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh} {kind:?}");
     }
+    let layout = Layout::from_mesh(&Mesh::parse("pp=2,tsp=4").unwrap(), false);
+    let schedule = Schedule::build(one_f_one_b, 2, 4).unwrap();
+    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
+    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
 }
 
 #[test]
@@ -1025,14 +1044,17 @@ fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout
     let memory = memory_per_stage(&model, &cost_layout, &workload);
     for program in &programs {
         // Global rank `stage · inner + i`.
-        let stage = program.rank / (programs.len() as u32 / stages);
+        // Global rank `stage · inner + i`; under tsp (alone beside pp) `i` is the place on its axis.
+        let inner = programs.len() as u32 / stages;
+        let stage = program.rank / inner;
+        let tsp_rank = if parsed.degree(AxisName::Tsp) > 1 { u64::from(program.rank % inner) } else { 0 };
         let label = format!(
             "{} sp={} {:?} zero={} {kind:?} m={micro_batches} rank {} stage {stage}",
             layout.mesh, layout.sequence_parallel, layout.recompute, layout.zero_stage, program.rank
         );
         let layers = config.num_layers / u64::from(stages);
-        let phase =
-            compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, layers).expect("a modelled layout");
+        let phase = compiled_stage_peak(&model, &cost_layout, &workload, &schedule, stage, tsp_rank, layers)
+            .expect("a modelled layout");
         let planned = plan(program, ElementSize::Fixed(4));
         assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
         assert_eq!(planned.peak_bytes as f64, phase.bytes(), "{label}: {:?}", phase.terms);

@@ -43,13 +43,16 @@
 //! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
 //! last layer's on the last chunk, which only the final norm reads.
 //!
-//! Under tsp (of 2) each rank keeps its share of the tokens' activations as under cp, and per
-//! attention owner its q, output and every token's k and v; the MLP ring keeps nothing (its
-//! backward recomputes from the norm's output). The embeddings are sharded, the first stage's
-//! tail holds the whole-vocabulary embedding gradient with every token's ids, and the last stage
-//! keeps the head's input gathered over the sequence and every token's logits. A stage may peak
-//! inside its first layer's attention backward, as o's weight gradient is reduced to its owner
-//! beside the rank's contributions to both owners' blocks.
+//! Under tsp each rank keeps its share of the tokens' activations as under cp, and per attention
+//! owner its q, output and every token's k and v; the MLP ring keeps nothing (its backward
+//! recomputes from the norm's output). The embeddings are sharded, the first stage's tail holds
+//! the whole-vocabulary embedding gradient with every token's ids, and the last stage keeps the
+//! head's input gathered over the sequence and every token's logits. A stage's ranks may peak
+//! inside its first layer's attention backward, each at its own point: the backward takes the
+//! owners last first, so a rank peaks as o's weight gradient is reduced to it, beside its
+//! contributions to its block, the owners' results before it and the activations of the owners
+//! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
+//! as o's gradient joins its sum. The closed form takes the rank's place on the axis.
 //!
 //! A mixture of experts (every expert on every rank) keeps no MLP activations (its backward
 //! recomputes the routed experts' from the MLP norm's output), and may peak inside its first
@@ -81,7 +84,7 @@
 //! the forward kept.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! of 2 alone (GPipe and 1F1B; on more ranks the ranks of a stage peak apart); GPipe, 1F1B,
+//! alone (GPipe and 1F1B); GPipe, 1F1B,
 //! interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1 anywhere (it splits only
 //! the optimizer's state, which the programs do not hold: they are dp's); ZeRO-2 beside dp, with
 //! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
@@ -111,16 +114,19 @@ use crate::pipeline::{Phase, Schedule, ScheduleKind};
 /// Token ids and positions are `u32`.
 const ID_BYTES: f64 = 4.0;
 
-/// The peak of stage `stage` (holding `layers` layers) of `schedule` for `model` on `layout`,
-/// `workload` one micro-batch (`micro_batch` sequences of `seq`), elements of the model's dtype;
-/// `None` outside what is modelled (see the module doc). The phase's `params` are the stage's; its
-/// terms name every other buffer live at the peak.
+/// The peak of the rank at `tsp_rank` on the tsp axis (0 without one) of stage `stage` (holding
+/// `layers` layers) of `schedule` for `model` on `layout`, `workload` one micro-batch
+/// (`micro_batch` sequences of `seq`), elements of the model's dtype; `None` outside what is
+/// modelled (see the module doc). The phase's `params` are the stage's; its terms name every other
+/// buffer live at the peak. (Under tsp a stage's ranks peak apart, each as its own block's
+/// gradients are reduced to it, beside the activations of the owners whose backward follows.)
 pub fn compiled_stage_peak(
     model: &ModelShape,
     layout: &Layout,
     workload: &Workload,
     schedule: &Schedule,
     stage: u32,
+    tsp_rank: u64,
     layers: u64,
 ) -> Option<ForwardPhase> {
     let stages = schedule.stages;
@@ -130,12 +136,10 @@ pub fn compiled_stage_peak(
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
         && stages >= 2
-        // tsp of 2 alone beside pp, under GPipe or 1F1B, a dense model. (On more ranks the ranks
-        // of a stage peak apart: each as o's gradient of its own block is reduced to it, beside
-        // the activations of the owners whose backward follows, which one stage's form cannot say.)
+        // tsp alone beside pp, under GPipe or 1F1B, a dense model.
+        && tsp_rank < tsp
         && (tsp == 1
-            || (tsp == 2
-                && dp * tp * cp == 1
+            || (dp * tp * cp == 1
                 && workload.zero <= 1
                 && model.experts.is_none()
                 && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
@@ -410,26 +414,71 @@ pub fn compiled_stage_peak(
             }
             (matrix, so_far, held)
         });
-        // Under tsp (of 2) a stage may peak inside its first layer's attention backward instead, as
-        // o's weight gradient is reduced to its owner: each rank holds its contributions to both
-        // owners' blocks of that layer's attention weight gradients (half the layer's each; the
-        // other owner's awaiting their reduce), and o's contribution received beside their sum.
-        // The layer's attention norm and residual gradients are live; of its gradients only its
-        // attention's and its input norm's are not done.
-        let tsp_attention = (tsp > 1).then(|| {
+        // Under tsp a stage may peak inside its first layer's attention backward instead. That
+        // backward takes the owners in reverse (the last first): for each, the rank's
+        // contributions to the owner's q, k, v and o gradients (its block: the layer's attention
+        // weights over the owners), then their reduces to the owner, o's first; a
+        // reduce leaves zeros on the other ranks, and the owners' results are summed as they come
+        // (the rank's own gradient is its own owner's). The layer's attention norm and residual
+        // gradients are live throughout.
+        // - As o's gradient is reduced to this rank (all but the last owner, which is processed
+        //   first): the results of the owners before, summed (one block), its contributions to its
+        //   own block, and the reduce's chain: with one peer what it received and their sum, with
+        //   more the partial sum, what it received and the next sum. The owners processed after
+        //   it keep their activations (q, attention's output, every token's k and v, as the
+        //   forward kept them; under full recomputation each is recomputed at its owner's turn),
+        //   and the attention norm's output is kept for them. Of the layer's gradients only its
+        //   attention's and its input norm's are not done.
+        // - As o's gradient joins its sum (every rank, after the first owner's reduces of o): the
+        //   results summed (a block), the first owner's q, k and v contributions, o's result
+        //   for the first owner (zeros but on it), and o's gradient done.
+        let tsp_attention = if tsp > 1 {
             let owners = tsp as f64;
             let block = attention_weights / owners * element;
             let o_block = hidden * query / owners * element;
-            let so_far = grads - block - norm * element - table;
-            let mut held = first_layer_held.clone();
-            held.extend([
+            let gradients = [
                 Term { name: "first layer's attention norm output gradient", bytes: stream },
                 Term { name: "first layer's attention residual gradient", bytes: stream },
-                Term { name: "its contributions to both owners' attention weight gradients", bytes: owners * block },
-                Term { name: "o's: the other rank's contribution received, and their sum", bytes: 2.0 * o_block },
+            ];
+            let mut candidates = Vec::new();
+            if tsp_rank + 1 < tsp {
+                let so_far = grads - block - norm * element - table;
+                let mut held = first_layer_held.clone();
+                held.extend(gradients.iter().cloned());
+                held.extend([
+                    Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
+                    Term { name: "its contributions to its own attention weight gradients", bytes: block },
+                    Term {
+                        name: "o's reduce: what it received, and the partial sums beside it",
+                        bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+                    },
+                ]);
+                // The owners after it: its place on the axis.
+                let later = tsp_rank as f64;
+                if later > 0.0 {
+                    let per_owner = if workload.recompute == Recompute::Full {
+                        0.0
+                    } else {
+                        (local_tokens * (query + attention_kept) + kv_kept) * element / owners
+                    };
+                    held.push(Term { name: "first layer's attention norm output", bytes: gathered });
+                    held.push(Term { name: "the activations of the owners after it", bytes: later * per_owner });
+                }
+                candidates.push(("first layer's o gradient reduced to this rank, its owner", so_far, held, 0.0));
+            }
+            let so_far = grads - (block - o_block) - norm * element - table;
+            let mut held = first_layer_held.clone();
+            held.extend(gradients);
+            held.extend([
+                Term { name: "the owners' reduced attention weight gradients, summed", bytes: block },
+                Term { name: "the first owner's q, k and v contributions", bytes: block - o_block },
+                Term { name: "o's reduced gradient for the first owner", bytes: o_block },
             ]);
-            (so_far, held)
-        });
+            candidates.push(("first layer's o gradient joins its sum", so_far, held, o_block));
+            candidates
+        } else {
+            Vec::new()
+        };
         // ZeRO-3 under full recomputation gathers the first layer's weights again for its
         // recomputed forward: a stage may peak inside that layer's backward, as its down
         // projection's gradient (none of the layer's done yet) is reduce-scattered, its MLP norm's,
@@ -750,12 +799,12 @@ pub fn compiled_stage_peak(
             }
             candidates.push(candidate("first layer's expert gradient joins its sum", *so_far, &held));
         }
-        if let Some((so_far, held)) = &current.tsp_attention {
-            candidates.push(candidate(
-                "first layer's attention weight gradients reduced to their owners",
-                *so_far,
-                held,
-            ));
+        for (name, so_far, held, joining) in &current.tsp_attention {
+            let mut held = held.clone();
+            if *joining > 0.0 && !first_backward {
+                held.push(Term { name: "the joining o gradient's new sum beside the old", bytes: *joining });
+            }
+            candidates.push(candidate(name, *so_far, &held));
         }
         for (name, so_far, held) in &current.regathered {
             candidates.push(candidate(name, *so_far, held));
@@ -801,8 +850,9 @@ struct ChunkHold {
     /// micro-batch holds, as the first layer's last expert gradient joins its sum.
     experts_joining: Option<(f64, f64, Vec<Term>)>,
     /// tsp: the gradients done, and what the micro-batch holds, as the first layer's o weight
-    /// gradient is reduced to its owner.
-    tsp_attention: Option<(f64, Vec<Term>)>,
+    /// gradient is reduced to this rank (but on the axis's last), and as it joins its sum (the
+    /// gradient joining its running sum, zero where none joins).
+    tsp_attention: Vec<(&'static str, f64, Vec<Term>, f64)>,
     /// ZeRO-2: the gradients done, and what the micro-batch holds, as its first layer's gate
     /// gradient is reduce-scattered.
     mid: Option<(f64, Vec<Term>)>,
