@@ -83,9 +83,9 @@
 //! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
 //! the forward kept.
 //!
-//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone (GPipe and 1F1B); GPipe, 1F1B,
-//! interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1 anywhere (it splits only
+//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp` (GPipe, 1F1B,
+//! interleaved 1F1B and zero-bubble H1), or with `tsp` alone (GPipe, 1F1B and interleaved 1F1B),
+//! with any recomputation; ZeRO-1 anywhere (it splits only
 //! the optimizer's state, which the programs do not hold: they are dp's); ZeRO-2 beside dp, with
 //! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
@@ -136,13 +136,13 @@ pub fn compiled_stage_peak(
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
         && stages >= 2
-        // tsp alone beside pp, under GPipe or 1F1B, a dense model.
+        // tsp alone beside pp, but under zero bubble, a dense model.
         && tsp_rank < tsp
         && (tsp == 1
             || (dp * tp * cp == 1
                 && workload.zero <= 1
                 && model.experts.is_none()
-                && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)))
+                && schedule.kind != ScheduleKind::ZeroBubbleH1))
         // ZeRO-2 and 3 beside dp (with or without tp and cp).
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
