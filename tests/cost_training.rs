@@ -950,7 +950,7 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     // goes first, as o's gradient joins its sum.
     let (four, eight) = (four_layers(), eight_layers());
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
-    let interleaved = ScheduleKind::Interleaved { chunks: 2 };
+    let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let mut phases = std::collections::BTreeSet::new();
     for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
         for (config, mesh, kind, micro_batches) in [
@@ -968,6 +968,13 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
             (&eight, "pp=2,tsp=2", interleaved, 4),
             (&four, "pp=2,tsp=4", interleaved, 2),
             (&eight, "pp=4,tsp=4", interleaved, 4),
+            (&four, "pp=2,tsp=2", zero_bubble, 2),
+            (&four, "pp=2,tsp=2", zero_bubble, 4),
+            (&eight, "pp=2,tsp=2", zero_bubble, 4),
+            (&four, "pp=2,tsp=4", zero_bubble, 4),
+            (&eight, "pp=2,tsp=4", zero_bubble, 4),
+            (&four, "pp=4,tsp=2", zero_bubble, 4),
+            (&eight, "pp=4,tsp=4", zero_bubble, 4),
         ] {
             let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             check_stage_closed_form(config, &layout);
@@ -981,10 +988,10 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(phases.contains(phase), "{phase}: {phases:?}");
     }
-    // tsp beside another axis, or under zero bubble, has none; nor has a place past the axis.
+    // tsp beside another axis has none; nor has a place past the axis.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
-    for (mesh, kind) in [("pp=2,dp=2,tsp=2", one_f_one_b), ("pp=2,tsp=2", ScheduleKind::ZeroBubbleH1)] {
+    for (mesh, kind) in [("pp=2,dp=2,tsp=2", one_f_one_b), ("pp=2,tp=2,tsp=2", one_f_one_b)] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
         let schedule = Schedule::build(kind, 2, 4).unwrap();
         assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh} {kind:?}");

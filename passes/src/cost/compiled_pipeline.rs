@@ -52,7 +52,10 @@
 //! owners last first, so a rank peaks as o's weight gradient is reduced to it, beside its
 //! contributions to its block, the owners' results before it and the activations of the owners
 //! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
-//! as o's gradient joins its sum. The closed form takes the rank's place on the axis.
+//! as o's gradient joins its sum. The closed form takes the rank's place on the axis. Under zero
+//! bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it would run
+//! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
+//! what they read, W reads only the attention's, and the peak is inside the first layer's W.
 //!
 //! A mixture of experts (every expert on every rank) keeps no MLP activations (its backward
 //! recomputes the routed experts' from the MLP norm's output), and may peak inside its first
@@ -83,9 +86,8 @@
 //! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
 //! the forward kept.
 //!
-//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp` (GPipe, 1F1B,
-//! interleaved 1F1B and zero-bubble H1), or with `tsp` alone (GPipe, 1F1B and interleaved 1F1B),
-//! with any recomputation; ZeRO-1 anywhere (it splits only
+//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
+//! alone; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1 anywhere (it splits only
 //! the optimizer's state, which the programs do not hold: they are dp's); ZeRO-2 beside dp, with
 //! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
@@ -136,13 +138,9 @@ pub fn compiled_stage_peak(
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
         && stages >= 2
-        // tsp alone beside pp, but under zero bubble, a dense model.
+        // tsp alone beside pp, a dense model.
         && tsp_rank < tsp
-        && (tsp == 1
-            || (dp * tp * cp == 1
-                && workload.zero <= 1
-                && model.experts.is_none()
-                && schedule.kind != ScheduleKind::ZeroBubbleH1))
+        && (tsp == 1 || (dp * tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
         // ZeRO-2 and 3 beside dp (with or without tp and cp).
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
@@ -436,10 +434,32 @@ pub fn compiled_stage_peak(
             let owners = tsp as f64;
             let block = attention_weights / owners * element;
             let o_block = hidden * query / owners * element;
-            let gradients = [
+            let mut gradients = vec![
                 Term { name: "first layer's attention norm output gradient", bytes: stream },
                 Term { name: "first layer's attention residual gradient", bytes: stream },
             ];
+            // Under zero bubble this is W: B made the layer's input gradients, and the first
+            // layer's attention norm's (sent back) and every layer's attention residual's (which
+            // B reads too) stay to the micro-batch's end.
+            // Under either recomputation W still reads every layer's q, k and v (every token's k
+            // and v), which B recomputed for it.
+            let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
+            let recomputing = workload.recompute != Recompute::None;
+            if zero_bubble {
+                gradients.extend([
+                    Term { name: "first layer's attention norm's input gradient", bytes: boundary },
+                    Term {
+                        name: "the later layers' attention residual gradients",
+                        bytes: (layers as f64 - 1.0) * stream,
+                    },
+                ]);
+                if recomputing {
+                    gradients.push(Term {
+                        name: "every layer's q, k and v, kept or recomputed for W",
+                        bytes: layers as f64 * (local_tokens * query + kv_kept) * element,
+                    });
+                }
+            }
             let mut candidates = Vec::new();
             if tsp_rank + 1 < tsp {
                 let so_far = grads - block - norm * element - table;
@@ -456,7 +476,12 @@ pub fn compiled_stage_peak(
                 // The owners after it: its place on the axis.
                 let later = tsp_rank as f64;
                 if later > 0.0 {
-                    let per_owner = if workload.recompute == Recompute::Full {
+                    // (Under zero bubble: what W reads of them, q's, k's and v's gradients and
+                    // attention's output but under recomputation, their q, k and v counted above.)
+                    let per_owner = if zero_bubble {
+                        let output = if recomputing { 0.0 } else { query };
+                        local_tokens * (output + query + 2.0 * kv) * element / owners
+                    } else if workload.recompute == Recompute::Full {
                         0.0
                     } else {
                         (local_tokens * (query + attention_kept) + kv_kept) * element / owners
@@ -563,7 +588,21 @@ pub fn compiled_stage_peak(
         // and their gradients, q, k and v and theirs.
         // (Beside cp under SP one of these stream-sized gradients is whole: the attention norm runs
         // on the whole boundary there, and W reads its output gradient all-reduced.)
-        let mut per_layer = if full {
+        // Under tsp B runs the MLP ring's backward whole, its weight gradients too: a micro-batch
+        // between B and W keeps those gradients (outputs) instead of what they read (the MLP
+        // norm's output and its gradient, gate, up and their product).
+        // Per layer: the attention norm's output and its gradient, the attention residual and its
+        // gradient, the layer's output and the ring's input gradient; q's, k's and v's gradients,
+        // and attention's output (under either recomputation q, k and v, every token's k and v,
+        // which B recomputed under full).
+        let ring_gradients = 3.0 * hidden * model.ffn as f64 / tsp as f64 * element;
+        let attention_for_w = if tsp > 1 && full { query + 2.0 * kv } else { attention_for_w };
+        let mut per_layer = if tsp > 1 {
+            2.0 * gathered
+                + 4.0 * stream
+                + local_tokens * (attention_for_w + query + 2.0 * kv) * element
+                + ring_gradients
+        } else if full {
             4.0 * gathered + boundary + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
         } else {
             // (Beside cp under SP the layer's output and the attention norm output's gradient,
@@ -593,7 +632,7 @@ pub fn compiled_stage_peak(
         // SP, the last layer's output on the last chunk: only its gathered copy, counted above),
         // and each layer's output gradient (the last one's on the last chunk is the final norm's
         // input gradient, counted above).
-        if full {
+        if full && tsp == 1 {
             between += regathered_final_norm;
             let last_layers = f64::from(u8::from(last));
             between += layers as f64 * kept_layer + (layers as f64 - last_layers) * stream;
@@ -606,21 +645,31 @@ pub fn compiled_stage_peak(
         if first {
             between += ids;
         }
-        if last {
+        if last && tsp > 1 {
+            // The head's input gathered over the sequence (but under full recomputation), its
+            // gradient, every token's logits' gradient over the rank's vocabulary shard, the loss
+            // (the targets were read in the forward).
+            let logits = tokens * (vocab / vocab_split).ceil() * element;
+            let head_input = if full { 0.0 } else { tokens * hidden * element };
+            between += head_input + gathered + logits + element;
+        } else if last {
             let logits = local_tokens * (vocab / vocab_split).ceil() * element;
             // cp's targets were read in the forward.
             let targets = if cp == 1 { ids } else { 0.0 };
             between += targets + element + logits + 2.0 * gathered;
         }
         // (Under SP W reads their gathered copies, freed as it goes, instead.)
-        let mut kept_for_weights = if sequence_parallel { 0.0 } else { 2.0 * layers as f64 * stream };
+        // (Under tsp only the attention residual's: B made the MLP ring's weight gradients.)
+        let residual_gradients = if tsp > 1 { 1.0 } else { 2.0 };
+        let mut kept_for_weights = if sequence_parallel { 0.0 } else { residual_gradients * layers as f64 * stream };
         // Under selective recomputation W's tail still holds every layer's q, k and v (and the
         // positions, on the first stage too); under full recomputation every layer's recomputed
         // gate and up projections too.
         kept_for_weights += regathered_final_norm;
         if selective || full {
-            // (Under cp every token's k and v, all-gathered.)
-            let recomputed = if full { query + 2.0 * ffn } else { query };
+            // (Under cp every token's k and v, all-gathered; under tsp no gate or up, whose weight
+            // gradients B made.)
+            let recomputed = if full && tsp == 1 { query + 2.0 * ffn } else { query };
             kept_for_weights += layers as f64 * (local_tokens * recomputed + kv_kept) * element;
             if first {
                 kept_for_weights += positions;
