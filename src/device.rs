@@ -43,6 +43,44 @@ pub struct DeviceReport {
     pub gemm_flops_per_second: Vec<f64>,
 }
 
+impl DeviceReport {
+    /// The report of `programs`' run on `device`: each rank's instructions on the GPU, on the
+    /// host by kind, and its measured spans.
+    #[cfg(feature = "cuda")]
+    fn of<'a>(
+        device: &pleat_runtime::cuda::CudaDevice,
+        programs: &[Program],
+        ranks: impl Iterator<Item = (usize, &'a BTreeMap<String, usize>, &'a [(u64, u64)])>,
+    ) -> DeviceReport {
+        let mut report = DeviceReport {
+            device: device.describe(),
+            on_device: Vec::new(),
+            on_host: Vec::new(),
+            compute_seconds: Vec::new(),
+            gemm_flops_per_second: Vec::new(),
+        };
+        for (program, (on_device, on_host, timings)) in programs.iter().zip(ranks) {
+            let (seconds, rate) = compute_figures(program, timings);
+            report.on_device.push(on_device);
+            report.on_host.push(on_host.clone());
+            report.compute_seconds.push(seconds);
+            report.gemm_flops_per_second.push(rate);
+        }
+        report
+    }
+
+    /// The report as `--format json` prints it.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": self.device,
+            "on_device_per_rank": self.on_device,
+            "on_host_per_rank": self.on_host,
+            "compute_seconds_per_rank": self.compute_seconds,
+            "gemm_flops_per_second_per_rank": self.gemm_flops_per_second,
+        })
+    }
+}
+
 /// What a run on the GPU gives back.
 pub struct CudaRun {
     /// The logits' shape.
@@ -56,12 +94,12 @@ pub struct CudaRun {
 }
 
 /// A rank's seconds in compute (every instruction but loads, outputs and frees), and its GEMMs'
-/// FLOPs over their seconds, from its measured instruction spans.
+/// FLOPs over their seconds, from its measured instruction spans (`RankOutcome::timings`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "what a run on the GPU reports"))]
-pub fn compute_figures(program: &Program, outcome: &RankOutcome) -> (f64, f64) {
+pub fn compute_figures(program: &Program, timings: &[(u64, u64)]) -> (f64, f64) {
     use pleat_backend::{Instr, Kernel};
     let (mut compute_ns, mut gemm_ns, mut gemm_flops) = (0u64, 0u64, 0f64);
-    for (instr, &(start, end)) in program.instructions.iter().zip(&outcome.timings) {
+    for (instr, &(start, end)) in program.instructions.iter().zip(timings) {
         let span = end.saturating_sub(start);
         match instr {
             Instr::LoadParam { .. }
@@ -114,15 +152,11 @@ pub fn run_on_cuda(
         epoch: std::time::Instant::now(),
     };
     let ranks = run_on_device(programs, &inputs, options, &device, &code)?;
-    let figures: Vec<(f64, f64)> =
-        programs.iter().zip(&ranks).map(|(program, rank)| compute_figures(program, &rank.outcome)).collect();
-    let report = DeviceReport {
-        device: device.describe(),
-        on_device: ranks.iter().map(|rank| rank.on_device).collect(),
-        on_host: ranks.iter().map(|rank| rank.on_host.clone()).collect(),
-        compute_seconds: figures.iter().map(|figure| figure.0).collect(),
-        gemm_flops_per_second: figures.iter().map(|figure| figure.1).collect(),
-    };
+    let report = DeviceReport::of(
+        &device,
+        programs,
+        ranks.iter().map(|rank| (rank.on_device, &rank.on_host, rank.outcome.timings.as_slice())),
+    );
     let outcomes: Vec<RankOutcome> = ranks.into_iter().map(|rank| rank.outcome).collect();
     let (logits_shape, logits) = pleat_runtime::assemble(&outcomes, 0).ok_or(crate::usage::UsageError::NoLogits)?;
     Ok(CudaRun { logits_shape, logits, outcomes, report })
@@ -138,6 +172,63 @@ pub fn run_on_cuda(
     _options: &ThreadRunOptions,
 ) -> Result<CudaRun> {
     anyhow::bail!(crate::usage::UsageError::CudaUnavailable)
+}
+
+/// Training on the first CUDA device: the device opened and each rank's kernels generated once,
+/// for every chunk of steps a run trains.
+#[cfg(feature = "cuda")]
+pub struct CudaTrainer {
+    device: pleat_runtime::cuda::CudaDevice,
+    code: Vec<Option<pleat_backend::native::DeviceCode>>,
+}
+
+/// Without the `cuda` feature there is none (`open` says how to get one).
+#[cfg(not(feature = "cuda"))]
+pub struct CudaTrainer(std::convert::Infallible);
+
+#[cfg(feature = "cuda")]
+impl CudaTrainer {
+    /// Opens the first device and generates `programs`' kernels for it (see [`run_on_cuda`]).
+    pub fn open(programs: &mut [Program]) -> Result<CudaTrainer> {
+        let device = pleat_runtime::cuda::CudaDevice::open(0)?;
+        let code = device_code(programs, device.ptx_arch())?;
+        Ok(CudaTrainer { device, code })
+    }
+
+    /// Trains `programs` on the device as `options` say; returns each rank's training and where
+    /// the first step's instructions ran.
+    pub fn train(
+        &self,
+        programs: &[Program],
+        layouts: &[pleat_backend::optimizer::OptimizerLayout],
+        options: &pleat_runtime::train::TrainOptions,
+    ) -> Result<(Vec<pleat_runtime::train::RankTraining>, DeviceReport)> {
+        let ranks = pleat_runtime::cuda::train_on_device(programs, layouts, options, &self.device, &self.code)?;
+        let report = DeviceReport::of(
+            &self.device,
+            programs,
+            ranks.iter().map(|rank| (rank.on_device, &rank.on_host, rank.training.first_timings.as_slice())),
+        );
+        Ok((ranks.into_iter().map(|rank| rank.training).collect(), report))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+impl CudaTrainer {
+    /// Without the `cuda` feature: says to rebuild with it.
+    pub fn open(_programs: &mut [Program]) -> Result<CudaTrainer> {
+        anyhow::bail!(crate::usage::UsageError::CudaUnavailable)
+    }
+
+    /// Unreachable: there is no trainer to call it on.
+    pub fn train(
+        &self,
+        _programs: &[Program],
+        _layouts: &[pleat_backend::optimizer::OptimizerLayout],
+        _options: &pleat_runtime::train::TrainOptions,
+    ) -> Result<(Vec<pleat_runtime::train::RankTraining>, DeviceReport)> {
+        match self.0 {}
+    }
 }
 
 /// A compiled directory's kernels for `arch`, one file a rank; `None` when some rank has none.
@@ -228,21 +319,9 @@ mod tests {
             tokens_shape: Vec::new(),
             buffers: Vec::new(),
         };
-        let outcome = RankOutcome {
-            rank: 0,
-            outputs: Vec::new(),
-            peak_bytes: 0,
-            param_bytes: 0,
-            comm: Default::default(),
-            activation_bytes: Vec::new(),
-            in_flight_peak_bytes: 0,
-            // The free's 1 s is not compute; the GEMM takes 2 µs and the add 3 µs.
-            timings: vec![(0, 1_000_000_000), (0, 2_000), (0, 3_000)],
-            max_expert_rows: 0,
-            arena_bytes: 0,
-            prefetch_stream: false,
-        };
-        let (seconds, rate) = compute_figures(&program, &outcome);
+        // The free's 1 s is not compute; the GEMM takes 2 µs and the add 3 µs.
+        let timings = [(0, 1_000_000_000), (0, 2_000), (0, 3_000)];
+        let (seconds, rate) = compute_figures(&program, &timings);
         assert!((seconds - 5e-6).abs() < 1e-12, "{seconds}");
         // 2·10·20·30 = 12 000 FLOPs in 2 µs.
         assert!((rate - 6e9).abs() < 1.0, "{rate}");

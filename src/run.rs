@@ -173,9 +173,6 @@ pub struct RunResult {
 
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
-    if args.device == Device::Cuda && args.training.train {
-        bail!(UsageError::CpuOnlyFlag { flag: "--train" });
-    }
     if args.training.train {
         return crate::train::run_training(args);
     }
@@ -217,11 +214,12 @@ fn execution_names(result: &RunResult) -> Vec<&'static str> {
 /// Compiles or loads, runs, and checks; prints nothing.
 pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let cuda = args.device == Device::Cuda;
-    if cuda && !cfg!(feature = "cuda") {
-        bail!(UsageError::CudaUnavailable);
-    }
+    // (Refused whatever the build: --native never combines with --device cuda.)
     if cuda && args.native {
         bail!(UsageError::CpuOnlyFlag { flag: "--native" });
+    }
+    if cuda && !cfg!(feature = "cuda") {
+        bail!(UsageError::CudaUnavailable);
     }
     let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
     let mut native = Vec::new();
@@ -457,13 +455,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 })),
                 "native_kernels_per_rank": result.native_kernels,
                 "execution_per_rank": execution_names(result),
-                "device": result.device.as_ref().map(|report| json!({
-                    "name": report.device,
-                    "on_device_per_rank": report.on_device,
-                    "on_host_per_rank": report.on_host,
-                    "compute_seconds_per_rank": report.compute_seconds,
-                    "gemm_flops_per_second_per_rank": report.gemm_flops_per_second,
-                })),
+                "device": result.device.as_ref().map(DeviceReport::to_json),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }

@@ -25,6 +25,7 @@ use pleat_runtime::OutputBlock;
 use serde_json::json;
 
 use crate::compile::Strategy;
+use crate::device::{Device, DeviceReport, CUDA_F32_TOL};
 use crate::model_arg::{resolve, ModelSource};
 use crate::run::{comm_stats_mean, human_bytes, weight_source, Format, Precision, RunArgs};
 use crate::schedule::ScheduleName;
@@ -74,6 +75,17 @@ impl CheckTolerances {
             },
             Precision::Bf16 => CheckTolerances { loss: BF16_TOL, grad_rel: BF16_TOL, weight: None },
         }
+    }
+
+    /// The tolerances of the same run on a GPU: f32's widened to the forward's GPU tolerance
+    /// (`CUDA_F32_TOL`: the approximate `ex2`, `sin` and `cos` of the generated kernels and
+    /// cuBLAS's summation order), the weights' by the same learning-rate share a step; bf16's
+    /// already hold that.
+    pub fn on_cuda(self, lr: f64, steps: u32) -> CheckTolerances {
+        let loss = self.loss.max(CUDA_F32_TOL);
+        let grad_rel = self.grad_rel.max(CUDA_F32_TOL);
+        let weight = self.weight.map(|_| CUDA_F32_TOL + WEIGHT_TOL_PER_LR_STEP * lr as f32 * steps as f32);
+        CheckTolerances { loss, grad_rel, weight }
     }
 }
 
@@ -312,8 +324,10 @@ struct TrainReport {
     activation_peaks: Vec<u64>,
     recv_wait_shares: Vec<f64>,
     comm_bytes: BTreeMap<&'static str, u64>,
-    /// How each rank ran its steps (`bytecode` or `native-entry`).
+    /// How each rank ran its steps (`bytecode`, `native-entry` or `cuda`).
     execution: Vec<&'static str>,
+    /// The GPU the steps ran on and where the first step's instructions ran (`--device cuda`).
+    device: Option<DeviceReport>,
 }
 
 /// Runs `pleat run --train`.
@@ -348,6 +362,16 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     if compiled.step_spans.is_empty() {
         compiled.programs = bucket_and_schedule(&compiled.programs, flags.bucket_mb, args.no_overlap)?;
     }
+    // On a GPU each step runs there (GEMMs on cuBLAS, the generated kernels, the rest on the
+    // host), the optimizer on the host.
+    let cuda = if args.device == Device::Cuda {
+        if args.native {
+            bail!(UsageError::CpuOnlyFlag { flag: "--native" });
+        }
+        Some(crate::device::CudaTrainer::open(&mut compiled.programs)?)
+    } else {
+        None
+    };
     let native = if args.native { crate::native::build_and_load(&mut compiled.programs)? } else { Vec::new() };
     let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {
@@ -374,6 +398,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let mut done = 0;
     let mut carried: Option<(BlockWeights, BlockWeights)> = None;
     let mut ranks: Vec<RankTraining> = Vec::new();
+    // The first chunk's report of where a step's instructions ran on the GPU.
+    let mut device = None;
     loop {
         let steps = chunk_steps.min(flags.steps - done);
         let (initial, moments) = match &carried {
@@ -392,7 +418,14 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             link: args.emulate_link,
             native: &native,
         };
-        let trained = train_on_threads(&compiled.programs, &compiled.layouts, &options)?;
+        let trained = match &cuda {
+            Some(trainer) => {
+                let (trained, report) = trainer.train(&compiled.programs, &compiled.layouts, &options)?;
+                device.get_or_insert(report);
+                trained
+            }
+            None => train_on_threads(&compiled.programs, &compiled.layouts, &options)?,
+        };
         done += steps;
         if let Some(dir) = &flags.save {
             crate::checkpoint::write(dir, &config, start_step + done, &trained)?;
@@ -421,10 +454,17 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         recv_wait_shares: ranks.iter().map(|rank| rank.first_recv_wait_share).collect(),
         comm_bytes: comm_stats_mean(&ranks.iter().map(|rank| &rank.first_comm).collect::<Vec<_>>()),
         execution: (0..ranks.len())
-            .map(|rank| crate::native::ExecutionPath::of(native.get(rank).and_then(Option::as_ref)).name())
+            .map(|rank| match device {
+                Some(_) => "cuda",
+                None => crate::native::ExecutionPath::of(native.get(rank).and_then(Option::as_ref)).name(),
+            })
             .collect(),
+        device,
     };
-    let tolerances = CheckTolerances::new(args.precision.unwrap_or_default(), flags.lr, flags.steps);
+    let mut tolerances = CheckTolerances::new(args.precision.unwrap_or_default(), flags.lr, flags.steps);
+    if report.device.is_some() {
+        tolerances = tolerances.on_cuda(flags.lr, flags.steps);
+    }
     if args.check {
         let start = (start_step, weights, resume_moments);
         check(&config, shape, flags.steps, adamw, start, &*batches, &compiled, &ranks, &mut report)?;
@@ -593,6 +633,7 @@ fn print_report(
                 "recv_wait_share_per_rank": report.recv_wait_shares,
                 "comm_bytes_per_step": report.comm_bytes,
                 "execution_per_rank": report.execution,
+                "device": report.device.as_ref().map(DeviceReport::to_json),
             });
             println!("{}", serde_json::to_string_pretty(&object)?);
         }
@@ -619,7 +660,11 @@ fn print_report(
                 .collect();
             let sent = if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") };
             println!("sent a rank in step 1, forward and backward (mean): {sent}");
-            println!("execution a rank: {}", report.execution.join(", "));
+            match &report.device {
+                // (The first step's: forward, backward and the loss, the optimizer apart.)
+                Some(device) => crate::device::describe(device).iter().for_each(|line| println!("{line}")),
+                None => println!("execution a rank: {}", report.execution.join(", ")),
+            }
             if let Some(errors) = &report.errors {
                 let verdict = |err: f32, tol: Option<f32>| match tol {
                     Some(tol) if err <= tol => format!("(tolerance {tol:.1e}): ok"),
@@ -646,4 +691,21 @@ fn print_report(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_a_gpu_f32_checks_widen_to_the_gpu_tolerance_and_bf16_keeps_its_own() {
+        let (lr, steps) = (1e-3, 4);
+        let f32_checks = CheckTolerances::new(Precision::F32, lr, steps).on_cuda(lr, steps);
+        assert_eq!((f32_checks.loss, f32_checks.grad_rel), (1e-3, 1e-3));
+        // 1e-3 + 0.1 of the learning rate a step, by hand: 1e-3 + 0.1 · 1e-3 · 4.
+        let weight = f32_checks.weight.expect("f32 weights are checked");
+        assert!((weight - 1.4e-3).abs() < 1e-9, "{weight}");
+        let bf16_checks = CheckTolerances::new(Precision::Bf16, lr, steps).on_cuda(lr, steps);
+        assert_eq!((bf16_checks.loss, bf16_checks.grad_rel, bf16_checks.weight), (BF16_TOL, BF16_TOL, None));
+    }
 }

@@ -2,7 +2,9 @@
 //! equal the reference interpreter's within the GPU tolerance (`CUDA_F32_TOL`, 1e-3: approximate
 //! `ex2`/`sin`/`cos` and cuBLAS's summation order); without one, the run fails at once with E0607
 //! naming what is missing, and each equivalence case prints `skipped: no CUDA device` where the
-//! test output shows it. Without the `cuda` feature, `--device cuda` says to rebuild with it.
+//! test output shows it. Training on the device (`--train --device cuda`) matches the reference's
+//! losses, gradients and weights within the tolerances the run states. Without the `cuda` feature,
+//! `--device cuda` says to rebuild with it.
 
 use std::io::Write;
 
@@ -46,17 +48,33 @@ fn without_a_device_the_run_fails_at_once_naming_what_is_missing() {
 #[test]
 #[cfg(not(feature = "cuda"))]
 fn without_the_feature_device_cuda_says_to_rebuild_with_it() {
-    let stderr = error_of(&["run", "tiny", "--device", "cuda"]);
-    assert!(stderr.contains("E0545") && stderr.contains("--features cuda"), "{stderr}");
+    for training in [&[][..], &["--train", "--steps", "1"]] {
+        let mut args = vec!["run", "tiny", "--device", "cuda"];
+        args.extend(training);
+        let stderr = error_of(&args);
+        assert!(stderr.contains("E0545") && stderr.contains("--features cuda"), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+#[cfg(feature = "cuda")]
+fn without_a_device_training_fails_at_once_too() {
+    if no_cuda().is_none() {
+        let _ = writeln!(std::io::stderr(), "a CUDA device is present: the no-device error is not exercised here");
+        return;
+    }
+    let stderr = error_of(&["run", "tiny", "--train", "--steps", "1", "--device", "cuda"]);
+    assert!(stderr.contains("E0607") && stderr.contains("no CUDA device"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]
 fn device_cuda_refuses_the_cpu_runtimes_own_flags() {
-    for (flags, flag) in [(vec!["--native"], "--native"), (vec!["--train", "--steps", "1"], "--train")] {
-        let mut args = vec!["run", "tiny", "--device", "cuda"];
-        args.extend(flags);
+    for training in [&[][..], &["--train", "--steps", "1"]] {
+        let mut args = vec!["run", "tiny", "--device", "cuda", "--native"];
+        args.extend(training);
         let stderr = error_of(&args);
-        assert!(stderr.contains("E0546") && stderr.contains(flag), "{stderr}");
+        assert!(stderr.contains("E0546") && stderr.contains("--native"), "{args:?}: {stderr}");
     }
 }
 
@@ -112,5 +130,62 @@ fn every_layout_on_the_device_matches_the_reference() {
         let on_device = report["device"]["on_device_per_rank"].as_array().expect("on_device_per_rank");
         // The GEMMs at least ran on the GPU on every rank.
         assert!(on_device.iter().all(|count| count.as_u64().unwrap_or(0) > 0), "{case}: {on_device:?}");
+    }
+}
+
+/// Training on the device: each step's forward and backward on the GPU, the optimizer on the host;
+/// the losses, the first step's gradients and the updated weights against the reference, within
+/// the tolerances the run states (f32's widened to the GPU's; bf16's its own).
+#[test]
+fn training_on_the_device_matches_the_reference() {
+    let cases: [(&str, &str, &str); 5] = [
+        ("", "auto", "f32"),
+        ("tp=2", "tp", "f32"),
+        ("dp=2", "dp", "f32"),
+        ("tsp=2", "tsp", "f32"),
+        ("", "auto", "bf16"),
+    ];
+    let missing = no_cuda();
+    for (mesh, strategy, precision) in cases {
+        let case = format!("training, mesh '{mesh}', strategy {strategy}, {precision}");
+        if let Some(reason) = &missing {
+            skipped(&case, reason);
+            continue;
+        }
+        let report = json_of(&[
+            "run",
+            "tiny",
+            "--train",
+            "--steps",
+            "3",
+            "--mesh",
+            mesh,
+            "--strategy",
+            strategy,
+            "--precision",
+            precision,
+            "--device",
+            "cuda",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--check",
+            "--format",
+            "json",
+        ]);
+        let tolerances = &report["tolerances"];
+        for (err, tol) in [("max_loss_err", "loss"), ("max_grad_rel_err", "grad_rel")] {
+            let (err, tol) = (report[err].as_f64().expect(err), tolerances[tol].as_f64().expect(tol));
+            assert!(err <= tol, "{case}: {err:e} past {tol:e}");
+        }
+        if precision == "f32" {
+            assert_eq!(tolerances["loss"].as_f64(), Some(CUDA_F32_TOL), "{case}: the GPU's f32 tolerance");
+            let (err, tol) = (report["max_weight_err"].as_f64(), tolerances["weight"].as_f64());
+            assert!(err.zip(tol).is_some_and(|(err, tol)| err <= tol), "{case}: weights {err:?} against {tol:?}");
+        }
+        let on_device = report["device"]["on_device_per_rank"].as_array().expect("on_device_per_rank");
+        assert!(on_device.iter().all(|count| count.as_u64().unwrap_or(0) > 0), "{case}: {on_device:?}");
+        assert!(report["execution_per_rank"].as_array().is_some_and(|ranks| ranks.iter().all(|rank| rank == "cuda")));
     }
 }

@@ -1,5 +1,7 @@
 //! Training on threads: every rank runs its forward-and-backward program once a step, then updates
-//! the parameter elements its `OptimizerLayout` gives it with AdamW, and shares them again.
+//! the parameter elements its `OptimizerLayout` gives it with AdamW, and shares them again. The
+//! program runs on the CPU executor here, or on a GPU (`crate::cuda::train_on_device`, through the
+//! same `train_rank`); the optimizer always runs here.
 //!
 //! Each rank keeps its parameter blocks resident between steps (the program reads them through
 //! `ResidentWeights`) and the two AdamW moments of the elements it updates; it holds no other rank's
@@ -29,7 +31,7 @@ use pleat_backend::{Instr, Program};
 
 use crate::comm::{CommStats, Communicator, Group, LinkSpec, ThreadFabric};
 use crate::error::{Error, Result};
-use crate::executor::{execute_native, OutputBlock, RunInputs};
+use crate::executor::{execute_native, OutputBlock, RankOutcome, RunInputs};
 use crate::native::NativeKernels;
 use crate::weights::{BlockWeights, WeightError, WeightSource};
 
@@ -88,6 +90,7 @@ pub struct TrainOptions<'a> {
     pub link: Option<LinkSpec>,
     /// Rank `i`'s native code at index `i`, generated for its program: a rank whose library has an
     /// entry function runs every step through it (`crate::capi`); empty: every rank interprets.
+    /// (Training on a device does not read it.)
     pub native: &'a [Option<NativeKernels>],
 }
 
@@ -171,29 +174,45 @@ impl WeightSource for ResidentWeights<'_> {
     }
 }
 
+/// Runs one step's forward-and-backward program for a rank and returns what it measured and output
+/// (the loss, then the gradients): the CPU executor's, or a device's.
+pub(crate) type StepRunner<'r> = dyn FnMut(&Program, &mut dyn Communicator, &RunInputs) -> Result<RankOutcome> + 'r;
+
 /// Trains `programs` (one a rank, each with its optimizer layout) on threads.
 pub fn train_on_threads(
     programs: &[Program],
     layouts: &[OptimizerLayout],
     options: &TrainOptions,
 ) -> Result<Vec<RankTraining>> {
+    check_layouts(programs, layouts)?;
+    let world_size = programs.len() as u32;
+    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
+    crate::launch::on_threads(comms, |rank, comm| {
+        let native = options.native.get(rank as usize).and_then(Option::as_ref);
+        train_rank(&programs[rank as usize], &layouts[rank as usize], comm, options, &mut |program, comm, inputs| {
+            execute_native(program, comm, inputs, 1, native)
+        })
+    })
+}
+
+/// Refuses a world whose optimizer layouts are not one a program.
+pub(crate) fn check_layouts(programs: &[Program], layouts: &[OptimizerLayout]) -> Result<()> {
     if layouts.len() != programs.len() {
         return Err(Error::Inputs {
             reason: format!("{} programs but {} optimizer layouts; give one a rank", programs.len(), layouts.len()),
         });
     }
-    let world_size = programs.len() as u32;
-    let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
-    crate::launch::on_threads(comms, |rank, comm| {
-        train_rank(&programs[rank as usize], &layouts[rank as usize], comm, options)
-    })
+    Ok(())
 }
 
-fn train_rank(
+/// Trains one rank: `options.steps` steps, each running `program` through `run_step` and then the
+/// optimizer over `layout` on the host.
+pub(crate) fn train_rank(
     program: &Program,
     layout: &OptimizerLayout,
     comm: &mut dyn Communicator,
     options: &TrainOptions,
+    run_step: &mut StepRunner,
 ) -> Result<RankTraining> {
     let rank = program.rank;
     let mut resident = Vec::new();
@@ -237,8 +256,7 @@ fn train_rank(
         let tokens = (options.batches)(step);
         let inputs =
             RunInputs { tokens: &tokens, positions: options.positions, weights: &ResidentWeights(&resident), epoch };
-        let native = options.native.get(rank as usize).and_then(Option::as_ref);
-        let outcome = execute_native(program, comm, &inputs, 1, native)?;
+        let outcome = run_step(program, comm, &inputs)?;
         peak_bytes = peak_bytes.max(outcome.peak_bytes + optimizer_bytes);
         activation_peak_bytes = activation_peak_bytes.max(outcome.activation_bytes.iter().copied().max().unwrap_or(0));
         // A pipeline's earlier stages have no loss.

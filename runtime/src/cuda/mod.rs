@@ -22,11 +22,14 @@
 //!   of a program ran on the GPU.
 //!
 //! Ranks are threads sharing one device (NCCL refuses two ranks on one GPU); their collectives run
-//! over the threads communicator through the host.
+//! over the threads communicator through the host. Training ([`train_on_device`]) runs each step's
+//! forward-and-backward program so, and the optimizer on the host between steps.
 
 mod device;
 mod memory;
 mod run;
+mod train;
 
 pub use device::CudaDevice;
 pub use run::{run_on_device, DeviceRankOutcome};
+pub use train::{train_on_device, DeviceRankTraining};

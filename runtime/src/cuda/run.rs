@@ -54,7 +54,7 @@ pub fn run_on_device(
 }
 
 /// Runs `program` on `device` from the calling thread.
-fn execute_on_device(
+pub(super) fn execute_on_device(
     program: &Program,
     comm: &mut dyn Communicator,
     inputs: &RunInputs,
