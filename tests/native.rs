@@ -16,9 +16,9 @@ use cli::{json_of, stdout_of};
 mod with_llvm {
     use std::time::{Duration, Instant};
 
-    use pleat_backend::llvm::{emit, entry_ir, kernel_ir, Artifact, CodegenOptions};
+    use pleat_backend::llvm::{device_code, emit, entry_ir, kernel_ir, Artifact, CodegenOptions, PTX_ARCHES};
     use pleat_backend::native::abi::{runtime_call, INSTRUCTION_SYMBOLS};
-    use pleat_backend::native::{native_kernels, schedule_for_fusion, NativeKernel};
+    use pleat_backend::native::{device_kernels, native_kernels, schedule_for_fusion, NativeKernel};
     use pleat_backend::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program, TransferStream, FORMAT_VERSION};
     use pleat_ir::entity::EntityRef;
     use pleat_ir::model::preset::preset;
@@ -650,6 +650,44 @@ mod with_llvm {
         let kernels = native_kernels(&program);
         assert_eq!(kernels, vec![NativeKernel::FusedAddRmsNorm { add_instr: 3, norm_instr: 4 }]);
         insta::assert_snapshot!(kernel_ir(&program, &kernels[0]).expect("ir"));
+    }
+
+    #[test]
+    fn a_training_step_gets_device_code_for_its_backward_kernels() {
+        // tiny's training step, fused as `pleat run --train --device cuda` compiles it, in f32 and
+        // bf16, on one rank and at tp=2: PTX builds for every architecture, and the RoPE, SwiGLU
+        // gate and RMSNorm input gradients are among the kernels it launches (the last added to
+        // the gathered gradient, as `fuse` leaves it).
+        let f32_config = preset("tiny").expect("tiny");
+        let bf16_config = pleat_ir::model::config::ModelConfig {
+            dtype: pleat_ir::model::config::ConfigDtype::Bf16,
+            ..f32_config.clone()
+        };
+        for (config, mesh) in [(&f32_config, ""), (&f32_config, "tp=2"), (&bf16_config, "")] {
+            let mut module = pleat_ir::model::build_training(config, 2, 8).expect("build");
+            module.mesh = pleat_ir::Mesh::parse(mesh).expect("mesh");
+            let ctx = pleat_passes::PassCtx::default();
+            pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx).expect("differentiates");
+            pleat_passes::run_pipeline(&[pleat_passes::fuse::FUSE], &mut module, &ctx).expect("fuses");
+            for program in pleat_backend::lower(&module).expect("lower") {
+                let kinds: std::collections::BTreeSet<&str> = device_kernels(&program)
+                    .iter()
+                    .filter_map(|kernel| match &program.instructions[kernel.first_instr()] {
+                        Instr::Kernel { kernel: Kernel::RopeGrad { .. }, .. } => Some("rope_grad"),
+                        Instr::Kernel { kernel: Kernel::SiluMulGradGate, .. } => Some("silu_mul_grad_gate"),
+                        Instr::Kernel { kernel: Kernel::RmsNormGradInputAdd { .. }, .. } => Some("rms_norm_grad_input"),
+                        Instr::Kernel { kernel: Kernel::RmsNormGradInput { .. }, .. } => Some("rms_norm_grad_input"),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(kinds.len(), 3, "mesh '{mesh}' rank {}: {kinds:?}", program.rank);
+                for (arch, _) in PTX_ARCHES {
+                    let code = device_code(&program, arch).expect("device code");
+                    assert_eq!(code.kernels.len(), device_kernels(&program).len(), "{arch}");
+                    assert!(code.ptx.contains(".visible .entry"), "{arch}");
+                }
+            }
+        }
     }
 }
 

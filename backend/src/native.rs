@@ -31,7 +31,8 @@ pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
     /// The kernel of one instruction: `Add`, `SiluMul`, `RmsNorm` or `Rope` on every machine, and
-    /// on a GPU also `Attention`, `MergeAttention` and `Embedding` ([`device_kernels`]).
+    /// on a GPU also `Attention`, `MergeAttention`, `Embedding`, `RopeGrad`, `SiluMulGradGate`,
+    /// `RmsNormGradInput` and `RmsNormGradInputAdd` ([`device_kernels`]).
     Single {
         /// The instruction's index.
         instr: usize,
@@ -156,8 +157,9 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
 
 /// The instructions, in program order, that get generated code on a GPU: [`native_kernels`], and
 /// each attention forward (one query row a thread, an online softmax), merge of ring attention's
-/// states (one row a thread) and embedding lookup (one element a thread) whose buffers agree with
-/// its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
+/// states (one row a thread) and embedding lookup (one element a thread), and the training step's
+/// RoPE gradient, SwiGLU gate gradient (one element a thread) and RMSNorm input gradient (one row a
+/// thread, alone or added to a gathered gradient), whose buffers agree with its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
 /// are faster there, and the host's generated code must equal the runtime's bit for bit); on a GPU
 /// they spare the copies of their operands to the host (the embedding's whole table, attention's
 /// q, k and v) that running them there costs.
@@ -303,7 +305,8 @@ fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::Buffer
 
 /// Whether `kernel` has generated code on a GPU only ([`device_kernels`]) and its buffers agree
 /// with its parameters: an attention forward whose query heads all read local kv heads, a merge of
-/// two attention states, an embedding lookup whose table shard lies inside the vocabulary.
+/// two attention states, an embedding lookup whose table shard lies inside the vocabulary, a RoPE
+/// gradient, a SwiGLU gate gradient, an RMSNorm input gradient.
 fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
     let in_range = |id: BufferId| (id.as_u32() as usize) < program.buffers.len();
     if !inputs.iter().copied().chain([out]).all(in_range) {
@@ -347,6 +350,34 @@ fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out:
                 && numel(*table) % hidden == 0
                 && vocab_offset + numel(*table) / hidden <= *vocab_total
                 && numel(out) == numel(*tokens) * hidden
+        }
+        Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq } => {
+            let [dy, positions] = inputs else { return false };
+            is_float(*dy)
+                && is_float(out)
+                && is_integer(*positions)
+                && head_dim % 2 == 0
+                && inv_freq.len() as u64 == head_dim / 2
+                && numel(*dy) == batch * seq * heads * head_dim
+                && numel(out) == numel(*dy)
+                && numel(*positions) == *seq
+        }
+        Kernel::SiluMulGradGate => {
+            inputs.len() == 3 && inputs.iter().copied().chain([out]).all(|id| is_float(id) && numel(id) == numel(out))
+        }
+        Kernel::RmsNormGradInput { hidden, .. } | Kernel::RmsNormGradInputAdd { hidden, .. } => {
+            let accumulates = matches!(kernel, Kernel::RmsNormGradInputAdd { .. });
+            let (x, weight, dy) = match inputs {
+                [x, weight, dy] if !accumulates => (*x, *weight, *dy),
+                [x, weight, dy, accumulated] if accumulates && numel(*accumulated) == numel(out) => (*x, *weight, *dy),
+                _ => return false,
+            };
+            *hidden > 0
+                && inputs.iter().copied().chain([out]).all(is_float)
+                && numel(x) % hidden == 0
+                && numel(weight) == *hidden
+                && numel(dy) == numel(x)
+                && numel(out) == numel(x)
         }
         _ => false,
     }

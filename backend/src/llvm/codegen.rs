@@ -62,6 +62,13 @@ pub(crate) enum Elements {
     Declared,
 }
 
+/// Which way a RoPE kernel turns: the forward rotation, or its transpose (the gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rotation {
+    Forward,
+    Inverse,
+}
+
 /// The function being built: its value and its pointer arguments.
 struct Frame<'ctx> {
     function: FunctionValue<'ctx>,
@@ -138,7 +145,17 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                     Kernel::SiluMul => self.silu_mul(&frame, numel(out))?,
                     Kernel::RmsNorm { hidden, eps } => self.rms_norm(&frame, numel(out) / hidden, *hidden, *eps)?,
                     Kernel::Rope { batch, seq, heads, head_dim, inv_freq } => {
-                        self.rope(&frame, [*batch, *seq, *heads, *head_dim], inv_freq, *instr)?
+                        self.rope(&frame, [*batch, *seq, *heads, *head_dim], inv_freq, *instr, Rotation::Forward)?
+                    }
+                    Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq } => {
+                        self.rope(&frame, [*batch, *seq, *heads, *head_dim], inv_freq, *instr, Rotation::Inverse)?
+                    }
+                    Kernel::SiluMulGradGate => self.silu_mul_grad_gate(&frame, numel(out))?,
+                    Kernel::RmsNormGradInput { hidden, eps } => {
+                        self.rms_norm_grad_input(&frame, numel(out) / hidden, *hidden, *eps, false)?
+                    }
+                    Kernel::RmsNormGradInputAdd { hidden, eps } => {
+                        self.rms_norm_grad_input(&frame, numel(out) / hidden, *hidden, *eps, true)?
                     }
                     Kernel::Attention { dims, with_lse } => self.attention(&frame, dims, *with_lse)?,
                     Kernel::MergeAttention { rows, head_dim } => self.merge_attention(&frame, *rows, *head_dim)?,
@@ -332,8 +349,77 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         })
     }
 
-    /// RoPE (rotate-half) of `x[batch, seq, heads, head_dim]` at `positions[seq]` into `out`.
-    fn rope(&self, frame: &Frame<'ctx>, dims: [u64; 4], inv_freq: &[f32], instr: usize) -> Gen<()> {
+    /// `out = dy · up · silu'(gate)`, `silu'(g) = s·(1 + g·(1 - s))` with `s = sigmoid(g)`, in f32
+    /// (the runtime's kernel works in f64; this one runs on a GPU only).
+    fn silu_mul_grad_gate(&self, frame: &Frame<'ctx>, len: u64) -> Gen<()> {
+        let (gate, up, dy, out) = (frame.inputs[0], frame.inputs[1], frame.inputs[2], frame.outs[0]);
+        let one = self.f32_type.const_float(1.0);
+        self.parallel(frame, len, |index| {
+            let gate_value = self.read(gate, index)?;
+            let negated = self.builder.build_float_neg(gate_value, "negated")?;
+            let denominator = self.builder.build_float_add(one, self.exp(negated)?, "denominator")?;
+            let sigmoid = self.builder.build_float_div(one, denominator, "sigmoid")?;
+            let complement = self.builder.build_float_sub(one, sigmoid, "complement")?;
+            let slope = self.builder.build_float_mul(gate_value, complement, "slope")?;
+            let slope = self.builder.build_float_add(one, slope, "slope")?;
+            let derivative = self.builder.build_float_mul(sigmoid, slope, "derivative")?;
+            let upstream = self.builder.build_float_mul(self.read(dy, index)?, self.read(up, index)?, "upstream")?;
+            let result = self.builder.build_float_mul(upstream, derivative, "result")?;
+            self.write(out, index, result)
+        })
+    }
+
+    /// The gradient of RMSNorm with respect to its input, `rows` rows of `hidden` a thread each: with
+    /// `r = 1 / sqrt(mean(x²) + eps)` and `g = dy · weight`, `dx = r·g - x·r³·mean(g·x)`, the row's
+    /// sums and `r` in f64 as the runtime's kernel; with `accumulate` the result is added to the
+    /// fourth operand (`RmsNormGradInputAdd`) before it is stored.
+    fn rms_norm_grad_input(&self, frame: &Frame<'ctx>, rows: u64, hidden: u64, eps: f64, accumulate: bool) -> Gen<()> {
+        let (x, weight, dy, out) = (frame.inputs[0], frame.inputs[1], frame.inputs[2], frame.outs[0]);
+        let accumulated = accumulate.then(|| frame.inputs[3]);
+        let wide = |value: FloatValue<'ctx>, name: &str| self.builder.build_float_ext(value, self.f64_type, name);
+        self.parallel(frame, rows, |row| {
+            let base = self.builder.build_int_mul(row, self.index(hidden), "base")?;
+            let column_index = |column| self.builder.build_int_nuw_add(base, column, "index");
+            // `g` of a column, in f64.
+            let scaled = |column: IntValue<'ctx>, index: IntValue<'ctx>| -> Gen<FloatValue<'ctx>> {
+                let gradient = wide(self.read(dy, index)?, "dy")?;
+                Ok(self.builder.build_float_mul(gradient, wide(self.read(weight, column)?, "weight")?, "g")?)
+            };
+            let sum_of_squares = self.fold(frame, hidden, self.f64_type.const_float(0.0), |column, total| {
+                self.accumulate_square(total, self.read(x, column_index(column)?)?)
+            })?;
+            let sum_gx = self.fold(frame, hidden, self.f64_type.const_float(0.0), |column, total| {
+                let index = column_index(column)?;
+                let product =
+                    self.builder.build_float_mul(scaled(column, index)?, wide(self.read(x, index)?, "x")?, "gx")?;
+                Ok(self.builder.build_float_add(total, product, "sum_gx")?)
+            })?;
+            let count = self.f64_type.const_float(hidden as f64);
+            let mean_square = self.builder.build_float_div(sum_of_squares, count, "mean_square")?;
+            let shifted = self.builder.build_float_add(mean_square, self.f64_type.const_float(eps), "shifted")?;
+            let root = self.call_float("llvm.sqrt", shifted)?;
+            let r = self.builder.build_float_div(self.f64_type.const_float(1.0), root, "r")?;
+            let mean_gx = self.builder.build_float_div(sum_gx, count, "mean_gx")?;
+            let r_cubed = self.builder.build_float_mul(self.builder.build_float_mul(r, r, "r2")?, r, "r3")?;
+            let correction = self.builder.build_float_mul(r_cubed, mean_gx, "correction")?;
+            self.for_each(frame, hidden, |column| {
+                let index = column_index(column)?;
+                let direct = self.builder.build_float_mul(r, scaled(column, index)?, "direct")?;
+                let removed = self.builder.build_float_mul(wide(self.read(x, index)?, "x")?, correction, "removed")?;
+                let gradient = self.builder.build_float_sub(direct, removed, "dx")?;
+                let mut result = self.builder.build_float_trunc(gradient, self.f32_type, "dx_f32")?;
+                if let Some(accumulated) = accumulated {
+                    result = self.builder.build_float_add(result, self.read(accumulated, index)?, "dx_added")?;
+                }
+                self.write(out, index, result)
+            })
+        })
+    }
+
+    /// RoPE (rotate-half) of `x[batch, seq, heads, head_dim]` at `positions[seq]` into `out`, or with
+    /// [`Rotation::Inverse`] its gradient, the rotation by the opposite angles (`sin` negated,
+    /// exactly).
+    fn rope(&self, frame: &Frame<'ctx>, dims: [u64; 4], inv_freq: &[f32], instr: usize, rotation: Rotation) -> Gen<()> {
         let [batch, seq, heads, head_dim] = dims;
         let half = head_dim / 2;
         if half == 0 {
@@ -342,6 +428,10 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
         let (x, positions, out) = (frame.inputs[0], frame.inputs[1], frame.outs[0]);
         let frequencies = self.constant_table(&format!("inv_freq.{instr}"), inv_freq)?;
         let rotate = |base: IntValue<'ctx>, pair: IntValue<'ctx>, cos: FloatValue<'ctx>, sin: FloatValue<'ctx>| {
+            let sin = match rotation {
+                Rotation::Forward => sin,
+                Rotation::Inverse => self.builder.build_float_neg(sin, "inverse_sin")?,
+            };
             let first_index = self.builder.build_int_nuw_add(base, pair, "first")?;
             let second_index = self.builder.build_int_nuw_add(first_index, self.index(half), "second")?;
             let (first, second) = (self.read(x, first_index)?, self.read(x, second_index)?);

@@ -1,5 +1,7 @@
 //! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention, the merge of ring
-//! attention's states and the embedding lookup), built for the host and run here, against a direct computation: the PTX is the same IR
+//! attention's states, the embedding lookup, and the RoPE, SwiGLU gate and RMSNorm input
+//! gradients), built for the host and run here, against a direct computation (the gradients
+//! against central differences or the rotation's transpose): the PTX is the same IR
 //! but for the thread index and the approximate `exp` and `ln`, so this checks the indexing, the
 //! mask, the grouped heads and the online softmax without a GPU.
 
@@ -284,12 +286,142 @@ fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an
         &[("first", DType::F32, vec![5, 9]), ("second", DType::F32, vec![5, 9])],
         vec![5, 9],
     );
-    for (program, threads) in [(attention, 2 * 4 * 2), (embedding, 2 * 3 * 8), (merge, 5)] {
+    let norm_gradient = one_kernel_program(
+        Kernel::RmsNormGradInput { hidden: 8, eps: 1e-5 },
+        &[("x", DType::F32, vec![6, 8]), ("w", DType::F32, vec![8]), ("dy", DType::F32, vec![6, 8])],
+        vec![6, 8],
+    );
+    let gate_gradient = one_kernel_program(
+        Kernel::SiluMulGradGate,
+        &[("gate", DType::F32, vec![3, 7]), ("up", DType::F32, vec![3, 7]), ("dy", DType::F32, vec![3, 7])],
+        vec![3, 7],
+    );
+    let rope_gradient = one_kernel_program(
+        Kernel::RopeGrad { batch: 2, seq: 3, heads: 4, head_dim: 4, inv_freq: vec![1.0, 0.1] },
+        &[("dy", DType::F32, vec![2, 3, 4, 4]), ("positions", DType::I32, vec![3])],
+        vec![2, 3, 4, 4],
+    );
+    // A row, an element, a head's row a thread.
+    let cases = [
+        (attention, 2 * 4 * 2),
+        (embedding, 2 * 3 * 8),
+        (merge, 5),
+        (norm_gradient, 6),
+        (gate_gradient, 21),
+        (rope_gradient, 2 * 3 * 4),
+    ];
+    for (program, threads) in cases {
         for (arch, _) in PTX_ARCHES {
             let code = device_code(&program, arch).unwrap();
             assert_eq!(code.kernels.len(), 1);
             assert_eq!(code.kernels[0].threads, threads);
             assert!(code.ptx.contains(".visible .entry pleat_kernel_0("), "{}", code.ptx);
+        }
+    }
+}
+
+/// `Σ dy · rms_norm(x, w)` in f64: the scalar whose gradient with respect to `x` the RMSNorm input
+/// gradient is.
+fn norm_objective(x: &[f64], w: &[f32], dy: &[f32], hidden: usize, eps: f64) -> f64 {
+    let mut total = 0.0;
+    for (row_index, row) in x.chunks_exact(hidden).enumerate() {
+        let r = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / hidden as f64 + eps).sqrt();
+        for (column, value) in row.iter().enumerate() {
+            total += f64::from(dy[row_index * hidden + column]) * value * r * f64::from(w[column]);
+        }
+    }
+    total
+}
+
+#[test]
+fn generated_rms_norm_input_gradient_equals_central_differences() {
+    // Three rows of 8; with the accumulating form, the gathered gradient added.
+    let (rows, hidden, eps) = (3usize, 8usize, 1e-5);
+    let (x, w, dy, gathered) =
+        (values(rows * hidden, 11), values(hidden, 12), values(rows * hidden, 13), values(rows * hidden, 14));
+    let wide: Vec<f64> = x.iter().map(|&value| f64::from(value)).collect();
+    let numeric: Vec<f64> = (0..wide.len())
+        .map(|index| {
+            let (mut plus, mut minus) = (wide.clone(), wide.clone());
+            plus[index] += 1e-4;
+            minus[index] -= 1e-4;
+            (norm_objective(&plus, &w, &dy, hidden, eps) - norm_objective(&minus, &w, &dy, hidden, eps)) / 2e-4
+        })
+        .collect();
+    let shape = vec![rows as u64, hidden as u64];
+    let operands = [
+        ("x", DType::F32, shape.clone()),
+        ("w", DType::F32, vec![hidden as u64]),
+        ("dy", DType::F32, shape.clone()),
+        ("gathered", DType::F32, shape.clone()),
+    ];
+    let alone = one_kernel_program(Kernel::RmsNormGradInput { hidden: 8, eps }, &operands[..3], shape.clone());
+    let added = one_kernel_program(Kernel::RmsNormGradInputAdd { hidden: 8, eps }, &operands, shape);
+    let inputs = [words(&x), words(&w), words(&dy), words(&gathered)];
+    let inputs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+    let gradient = run_on_host(&alone, &inputs[..3], rows * hidden);
+    let summed = run_on_host(&added, &inputs, rows * hidden);
+    for index in 0..rows * hidden {
+        assert!(
+            (f64::from(gradient[index]) - numeric[index]).abs() < 1e-5,
+            "{index}: {} {}",
+            gradient[index],
+            numeric[index]
+        );
+        // Added after the gradient is rounded to f32, as the runtime's fused kernel adds it.
+        assert_eq!(summed[index], gradient[index] + gathered[index], "{index}");
+    }
+}
+
+#[test]
+fn generated_silu_mul_gate_gradient_equals_its_derivative() {
+    // d/dg of dy · up · silu(g), by its definition in f64, and by central differences.
+    let len = 40;
+    let gate: Vec<f32> = values(len, 21).iter().map(|value| 6.0 * value).collect();
+    let (up, dy) = (values(len, 22), values(len, 23));
+    let program = one_kernel_program(
+        Kernel::SiluMulGradGate,
+        &[
+            ("gate", DType::F32, vec![len as u64]),
+            ("up", DType::F32, vec![len as u64]),
+            ("dy", DType::F32, vec![len as u64]),
+        ],
+        vec![len as u64],
+    );
+    let generated = run_on_host(&program, &[&words(&gate), &words(&up), &words(&dy)], len);
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    for index in 0..len {
+        let g = f64::from(gate[index]);
+        let numeric = (silu(g + 1e-5) - silu(g - 1e-5)) / 2e-5 * f64::from(dy[index]) * f64::from(up[index]);
+        assert!((f64::from(generated[index]) - numeric).abs() < 1e-5, "{index}: {} {numeric}", generated[index]);
+    }
+}
+
+#[test]
+fn generated_rope_gradient_is_the_rotation_by_the_opposite_angles() {
+    // Two positions out of order, two heads of 6 (three pairs at their own frequencies): each pair
+    // (x1, x2) goes to (x1·cos + x2·sin, x2·cos - x1·sin) with the forward's f32 angle.
+    let (batch, seq, heads, head_dim) = (2u64, 2u64, 2u64, 6u64);
+    let inv_freq = vec![1.0f32, 0.1, 0.01];
+    let positions = [7u32, 3];
+    let len = (batch * seq * heads * head_dim) as usize;
+    let dy = values(len, 31);
+    let program = one_kernel_program(
+        Kernel::RopeGrad { batch, seq, heads, head_dim, inv_freq: inv_freq.clone() },
+        &[("dy", DType::F32, vec![batch, seq, heads, head_dim]), ("positions", DType::I32, vec![seq])],
+        vec![batch, seq, heads, head_dim],
+    );
+    let generated = run_on_host(&program, &[&words(&dy), &positions], len);
+    let half = (head_dim / 2) as usize;
+    for row in 0..(batch * seq * heads) as usize {
+        let position = positions[row / heads as usize % seq as usize];
+        for (pair, &frequency) in inv_freq.iter().enumerate() {
+            let angle = f64::from(position as f32 * frequency);
+            let (cos, sin) = (angle.cos(), angle.sin());
+            let (first, second) = (row * head_dim as usize + pair, row * head_dim as usize + pair + half);
+            let (x1, x2) = (f64::from(dy[first]), f64::from(dy[second]));
+            assert!((f64::from(generated[first]) - (x1 * cos + x2 * sin)).abs() < 1e-6, "{row} {pair}");
+            assert!((f64::from(generated[second]) - (x2 * cos - x1 * sin)).abs() < 1e-6, "{row} {pair}");
         }
     }
 }
@@ -440,6 +572,35 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
                 vec![1, 5, 8],
             ),
             vec![(1, vec![0, 2, 5, 7, 3])],
+        ),
+        (
+            one_kernel_program(
+                Kernel::RopeGrad { batch: 1, seq: 3, heads: 2, head_dim: 4, inv_freq: vec![1.0, 0.01] },
+                &[f32_buffer("dy", vec![1, 3, 2, 4]), integer("positions", vec![3])],
+                vec![1, 3, 2, 4],
+            ),
+            vec![(1, vec![2, 0, 1])],
+        ),
+        (
+            one_kernel_program(
+                Kernel::SiluMulGradGate,
+                &[f32_buffer("g", vec![32]), f32_buffer("u", vec![32]), f32_buffer("dy", vec![32])],
+                vec![32],
+            ),
+            vec![],
+        ),
+        (
+            one_kernel_program(
+                Kernel::RmsNormGradInputAdd { hidden: 8, eps: 1e-5 },
+                &[
+                    f32_buffer("x", vec![4, 8]),
+                    f32_buffer("w", vec![8]),
+                    f32_buffer("dy", vec![4, 8]),
+                    f32_buffer("gathered", vec![4, 8]),
+                ],
+                vec![4, 8],
+            ),
+            vec![],
         ),
     ];
     for (seed, (program, integers)) in cases.iter().enumerate() {
