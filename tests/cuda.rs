@@ -78,12 +78,34 @@ fn device_cuda_refuses_the_cpu_runtimes_own_flags() {
     }
 }
 
+/// Runs `pleat run tiny` on the device (batch 2 × seq 16, `--check`, JSON) for each (mesh,
+/// strategy, precision) of `cases` with the `extra` flags, handing `check` each case's name and
+/// report; without a device, prints a `skipped` line for each case instead.
+fn on_the_device(label: &str, cases: &[(&str, &str, &str)], extra: &[&str], check: impl Fn(&str, &serde_json::Value)) {
+    let missing = no_cuda();
+    for &(mesh, strategy, precision) in cases {
+        let case = format!("{label}mesh '{mesh}', strategy {strategy}, {precision}");
+        if let Some(reason) = &missing {
+            skipped(&case, reason);
+            continue;
+        }
+        let mut args = vec!["run", "tiny", "--mesh", mesh, "--strategy", strategy, "--precision", precision];
+        args.extend(["--device", "cuda", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
+        args.extend(extra);
+        let report = json_of(&args);
+        // The GEMMs at least ran on the GPU on every rank.
+        let on_device = report["device"]["on_device_per_rank"].as_array().expect("on_device_per_rank");
+        assert!(on_device.iter().all(|count| count.as_u64().unwrap_or(0) > 0), "{case}: {on_device:?}");
+        check(&case, &report);
+    }
+}
+
 /// Every layout of `tiny` the equivalence matrix runs, on the device against the reference; and
 /// two in bf16 (GEMMs on cublasGemmEx, the generated kernels on bf16 buffers), held to the bf16
 /// tolerance the run reports.
 #[test]
 fn every_layout_on_the_device_matches_the_reference() {
-    let cases: [(&str, &str, &str); 11] = [
+    let cases = [
         ("", "auto", "f32"),
         ("tp=2", "tp", "f32"),
         ("tp=4", "tp-sp", "f32"),
@@ -96,41 +118,13 @@ fn every_layout_on_the_device_matches_the_reference() {
         ("", "auto", "bf16"),
         ("tp=2", "tp", "bf16"),
     ];
-    let missing = no_cuda();
-    for (mesh, strategy, precision) in cases {
-        let case = format!("mesh '{mesh}', strategy {strategy}, {precision}");
-        if let Some(reason) = &missing {
-            skipped(&case, reason);
-            continue;
-        }
-        let report = json_of(&[
-            "run",
-            "tiny",
-            "--mesh",
-            mesh,
-            "--strategy",
-            strategy,
-            "--precision",
-            precision,
-            "--device",
-            "cuda",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--check",
-            "--format",
-            "json",
-        ]);
+    on_the_device("", &cases, &[], |case, report| {
         let err = report["max_abs_err"].as_f64().expect("max_abs_err");
         // f32's GPU tolerance; bf16's is the run's own (relative to the largest logit).
-        let tolerance =
-            if precision == "f32" { CUDA_F32_TOL } else { report["tolerance"].as_f64().expect("tolerance") };
+        let f32_case = case.ends_with("f32");
+        let tolerance = if f32_case { CUDA_F32_TOL } else { report["tolerance"].as_f64().expect("tolerance") };
         assert!(err <= tolerance, "{case}: max |logits - reference| = {err:e}, past {tolerance:e}");
-        let on_device = report["device"]["on_device_per_rank"].as_array().expect("on_device_per_rank");
-        // The GEMMs at least ran on the GPU on every rank.
-        assert!(on_device.iter().all(|count| count.as_u64().unwrap_or(0) > 0), "{case}: {on_device:?}");
-    }
+    });
 }
 
 /// Training on the device: each step's forward and backward on the GPU, the optimizer on the host;
@@ -138,54 +132,25 @@ fn every_layout_on_the_device_matches_the_reference() {
 /// the tolerances the run states (f32's widened to the GPU's; bf16's its own).
 #[test]
 fn training_on_the_device_matches_the_reference() {
-    let cases: [(&str, &str, &str); 5] = [
+    let cases = [
         ("", "auto", "f32"),
         ("tp=2", "tp", "f32"),
         ("dp=2", "dp", "f32"),
         ("tsp=2", "tsp", "f32"),
         ("", "auto", "bf16"),
     ];
-    let missing = no_cuda();
-    for (mesh, strategy, precision) in cases {
-        let case = format!("training, mesh '{mesh}', strategy {strategy}, {precision}");
-        if let Some(reason) = &missing {
-            skipped(&case, reason);
-            continue;
-        }
-        let report = json_of(&[
-            "run",
-            "tiny",
-            "--train",
-            "--steps",
-            "3",
-            "--mesh",
-            mesh,
-            "--strategy",
-            strategy,
-            "--precision",
-            precision,
-            "--device",
-            "cuda",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--check",
-            "--format",
-            "json",
-        ]);
+    on_the_device("training, ", &cases, &["--train", "--steps", "3"], |case, report| {
         let tolerances = &report["tolerances"];
         for (err, tol) in [("max_loss_err", "loss"), ("max_grad_rel_err", "grad_rel")] {
             let (err, tol) = (report[err].as_f64().expect(err), tolerances[tol].as_f64().expect(tol));
             assert!(err <= tol, "{case}: {err:e} past {tol:e}");
         }
-        if precision == "f32" {
+        if case.ends_with("f32") {
             assert_eq!(tolerances["loss"].as_f64(), Some(CUDA_F32_TOL), "{case}: the GPU's f32 tolerance");
             let (err, tol) = (report["max_weight_err"].as_f64(), tolerances["weight"].as_f64());
             assert!(err.zip(tol).is_some_and(|(err, tol)| err <= tol), "{case}: weights {err:?} against {tol:?}");
         }
-        let on_device = report["device"]["on_device_per_rank"].as_array().expect("on_device_per_rank");
-        assert!(on_device.iter().all(|count| count.as_u64().unwrap_or(0) > 0), "{case}: {on_device:?}");
-        assert!(report["execution_per_rank"].as_array().is_some_and(|ranks| ranks.iter().all(|rank| rank == "cuda")));
-    }
+        let execution = report["execution_per_rank"].as_array();
+        assert!(execution.is_some_and(|ranks| ranks.iter().all(|rank| rank == "cuda")), "{case}: {execution:?}");
+    });
 }
