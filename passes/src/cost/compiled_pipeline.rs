@@ -66,7 +66,10 @@
 //! and their counts' sum on the last, to each micro-batch's end, the loss itself until the
 //! backward starts. The last stage sends that sum back to every other in its forward, for their
 //! router probabilities' backward: the stage next to it takes those on its gradients' link in the
-//! order they were sent, so under GPipe it holds them for the micro-batches in flight too.
+//! order they were sent, so under GPipe it holds them for the micro-batches in flight too. Under
+//! interleaving every micro-batch holds the sum it received to its end on the stage (each chunk's
+//! routers read it), and the last stage's other chunks hand their layers' statistics to its last
+//! chunk on the same rank instead of sending them on.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -96,8 +99,8 @@
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
 //! beside the weights they were recomputed with); an untied Llama-family model, dense, or a
-//! mixture of experts (no shared expert) with every expert on every rank, under GPipe or 1F1B,
-//! beside dp and tp without SP, ZeRO-1 at most.
+//! mixture of experts (no shared expert) with every expert on every rank, under GPipe, 1F1B or
+//! interleaved 1F1B, beside dp and tp without SP, ZeRO-1 at most.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -151,7 +154,7 @@ pub fn compiled_stage_peak(
                 && layout.expert_axis().is_none()
                 && workload.zero <= 1
                 && !sequence_parallel
-                && matches!(schedule.kind, ScheduleKind::GPipe | ScheduleKind::OneFOneB)
+                && schedule.kind != ScheduleKind::ZeroBubbleH1
         })
         && !model.tied_embeddings;
     if !modelled {
@@ -207,6 +210,10 @@ pub fn compiled_stage_peak(
     // its shards, and a gradient is whole (and staged whole) only while it is scattered.
     let scattered = workload.zero >= 2 && dp > 1;
     let shards = if scattered { dp as f64 } else { 1.0 };
+    let chunks = schedule.kind.chunks();
+    // Under interleaving the last stage's other chunks hand their layers' statistics to its last
+    // chunk on the same rank: nothing is sent on, and they are freed once that chunk has summed them.
+    let statistics_sent_on = |last: bool| !last && (chunks == 1 || stage + 1 < stages);
     // What one of the stage's chunks (the whole stage but under interleaving) holds, `first` and
     // `last` saying whether it is the model's first or last virtual stage.
     let hold = |first: bool, last: bool, layers: u64| -> ChunkHold {
@@ -236,7 +243,7 @@ pub fn compiled_stage_peak(
         }
         if last {
             in_flight += statistics + if statistics > 0.0 { element } else { 0.0 };
-        } else {
+        } else if statistics_sent_on(last) {
             in_flight += 2.0 * layers as f64 * statistics;
         }
         if last {
@@ -278,7 +285,7 @@ pub fn compiled_stage_peak(
             end
         } else {
             let mut end = vec![Term { name: "stage output (sent on)", bytes: boundary }];
-            if statistics > 0.0 {
+            if statistics > 0.0 && statistics_sent_on(last) {
                 end.push(Term {
                     name: "each layer's expert counts and router probability sums (sent on)",
                     bytes: 2.0 * layers as f64 * statistics,
@@ -321,7 +328,8 @@ pub fn compiled_stage_peak(
             // Under full recomputation a stage between the first and the last still holds the
             // mixture's summed counts it received from the last here, its recomputed first
             // layer's router probabilities' backward reading them after.
-            if !last && statistics > 0.0 && workload.recompute == Recompute::Full {
+            // (Under interleaving every micro-batch holds them to its end: see `received` below.)
+            if !last && chunks == 1 && statistics > 0.0 && workload.recompute == Recompute::Full {
                 held.push(Term { name: "the expert counts summed over the layers (received)", bytes: statistics });
             }
             held.extend(chunk_end.iter().cloned());
@@ -407,7 +415,7 @@ pub fn compiled_stage_peak(
             }
             // Another stage than the last still holds the summed counts it received from the last
             // (its first layer's router probabilities' backward reads them last).
-            if !last && statistics > 0.0 {
+            if !last && chunks == 1 && statistics > 0.0 {
                 held.push(Term { name: "the expert counts summed over the layers (received)", bytes: statistics });
             }
             (matrix, so_far, held)
@@ -698,7 +706,6 @@ pub fn compiled_stage_peak(
         }
     };
     // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
-    let chunks = schedule.kind.chunks();
     if layers % u64::from(chunks) != 0 {
         return None;
     }
@@ -794,6 +801,53 @@ pub fn compiled_stage_peak(
                 }
             }
         }
+        // Under interleaving a stage before the last holds each micro-batch's summed counts from
+        // their receipt to the micro-batch's end (every chunk's routers read them): the stage next
+        // to the last takes them on its gradients' link, so it holds those sent before the
+        // gradient its current step takes; another takes them at a micro-batch's first backward.
+        // On the last stage, a micro-batch forwarded on another chunk and not yet on the last one
+        // holds that chunk's layers' statistics.
+        let mut received = 0.0;
+        if statistics > 0.0 && chunks > 1 {
+            let last_steps = schedule.per_stage.get(stages as usize - 1)?;
+            let forwarded = |steps: &[crate::pipeline::schedule::Step], micro_batch: u32, chunk: u32| {
+                steps.iter().any(|there| {
+                    there.micro_batch == micro_batch && there.chunk == chunk && there.phase == Phase::Forward
+                })
+            };
+            let gradient_sent_at = last_steps.iter().position(|there| {
+                there.micro_batch == step.micro_batch && there.chunk == step.chunk && there.phase == tail_phase
+            });
+            for micro_batch in 0..schedule.micro_batches {
+                let backwards = steps[..at]
+                    .iter()
+                    .filter(|before| before.micro_batch == micro_batch && before.phase == tail_phase)
+                    .count();
+                let begun = steps[..at].iter().any(|before| before.micro_batch == micro_batch);
+                if stage + 1 == stages {
+                    for chunk in 0..chunks - 1 {
+                        if forwarded(&steps[..at], micro_batch, chunk)
+                            && !forwarded(&steps[..at], micro_batch, chunks - 1)
+                        {
+                            others += 2.0 * (layers / u64::from(chunks)) as f64 * statistics;
+                        }
+                    }
+                    continue;
+                }
+                let holds = if micro_batch == step.micro_batch {
+                    true
+                } else if !begun || backwards == chunks as usize {
+                    false
+                } else if stage + 2 == stages {
+                    gradient_sent_at.is_some_and(|sent| forwarded(&last_steps[..sent], micro_batch, chunks - 1))
+                } else {
+                    backwards > 0
+                };
+                if holds {
+                    received += statistics;
+                }
+            }
+        }
         let first_backward = done(step.chunk, tail_phase) == 0.0;
         // A candidate where the current micro-batch has made `so_far` of the chunk's gradients:
         // the running sums (on its first backward of the chunk, only those made so far), the
@@ -810,6 +864,12 @@ pub fn compiled_stage_peak(
                 Term { name: "other micro-batches in flight", bytes: others },
                 Term { name: "what finished chunks keep to the micro-batch's end", bytes: remains },
             ];
+            if received > 0.0 {
+                terms.push(Term {
+                    name: "the micro-batches' received expert counts summed over the layers",
+                    bytes: received,
+                });
+            }
             terms.extend(held.iter().cloned());
             ForwardPhase { name, params, terms }
         };
