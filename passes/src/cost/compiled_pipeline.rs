@@ -90,8 +90,9 @@
 //! the forward kept.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1 anywhere (it splits only
-//! the optimizer's state, which the programs do not hold: they are dp's); ZeRO-2 beside dp, with
+//! alone; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1
+//! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
+//! dp's); ZeRO-2 beside dp, with
 //! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
 //! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
 //! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
@@ -423,10 +424,10 @@ pub fn compiled_stage_peak(
         // Under tsp a stage may peak inside its first layer's attention backward instead. That
         // backward takes the owners in reverse (the last first): for each, the rank's
         // contributions to the owner's q, k, v and o gradients (its block: the layer's attention
-        // weights over the owners), then their reduces to the owner, o's first; a
-        // reduce leaves zeros on the other ranks, and the owners' results are summed as they come
-        // (the rank's own gradient is its own owner's). The layer's attention norm and residual
-        // gradients are live throughout.
+        // weights over the owners), then their reduces to the owner, o's first; a reduce leaves
+        // zeros on the other ranks, and the owners' results are summed as they come (the rank's
+        // own gradient is its own owner's). The layer's attention norm and residual gradients are
+        // live throughout.
         // - As o's gradient is reduced to this rank (all but the last owner, which is processed
         //   first): the results of the owners before, summed (one block), its contributions to its
         //   own block, and the reduce's chain: with one peer what it received and their sum, with
