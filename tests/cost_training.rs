@@ -872,11 +872,13 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     // micro-batch's end; the last sends that sum back in its forward, which under GPipe the stage
     // next to it takes for every micro-batch its own backward waits behind. Under interleaving
     // every micro-batch holds the sum it received to its end, and the last stage's other chunks
-    // hand their statistics to its last chunk on the same rank.
+    // hand their statistics to its last chunk on the same rank. Under zero bubble B makes the
+    // experts' gradients: a micro-batch between B and W keeps them, and a stage may peak in B as
+    // one joins its sum.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
-    let interleaved = ScheduleKind::Interleaved { chunks: 2 };
+    let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let mut phases = std::collections::BTreeSet::new();
     for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
         for (config, mesh, kind, micro_batches) in [
@@ -897,22 +899,34 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
             (&eight, "pp=4", interleaved, 4),
             (&four, "pp=2,dp=2", interleaved, 2),
             (&four, "pp=2,dp=2,tp=2", interleaved, 2),
+            (&four, "pp=2", zero_bubble, 2),
+            (&four, "pp=2", zero_bubble, 4),
+            (&eight, "pp=2", zero_bubble, 4),
+            (&four, "pp=4", zero_bubble, 4),
+            (&eight, "pp=4", zero_bubble, 4),
+            (&four, "pp=2,tp=2", zero_bubble, 4),
+            (&eight, "pp=4,tp=2", zero_bubble, 4),
         ] {
             let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             check_stage_closed_form(config, &layout);
             phases.extend(stage_phase_names(config, &layout));
         }
     }
-    // Both kinds of peak occur.
-    assert!(phases.contains("first layer's expert gradient joins its sum"), "{phases:?}");
-    assert!(phases.contains("tail of a backward"), "{phases:?}");
-    // Outside what is modelled (ep, SP, zero bubble) there is no closed form.
+    // Every kind of peak occurs.
+    for phase in [
+        "first layer's expert gradient joins its sum",
+        "first layer's expert gradient joins its sum in B",
+        "tail of a backward",
+    ] {
+        assert!(phases.contains(phase), "{phase}: {phases:?}");
+    }
+    // Outside what is modelled (ep, SP, zero bubble beside dp) there is no closed form.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     for (mesh, sequence_parallel, kind, stages) in [
         ("pp=2,ep=2", false, one_f_one_b, 2),
         ("pp=2,tp=2", true, one_f_one_b, 2),
-        ("pp=2", false, ScheduleKind::ZeroBubbleH1, 2),
+        ("pp=2,dp=2", false, zero_bubble, 2),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
         let schedule = Schedule::build(kind, stages, 4).unwrap();

@@ -69,7 +69,12 @@
 //! order they were sent, so under GPipe it holds them for the micro-batches in flight too. Under
 //! interleaving every micro-batch holds the sum it received to its end on the stage (each chunk's
 //! routers read it), and the last stage's other chunks hand their layers' statistics to its last
-//! chunk on the same rank instead of sending them on.
+//! chunk on the same rank instead of sending them on. Under zero bubble B runs the experts' and
+//! the router's backward, their weight gradients too (none is a W op): a micro-batch between B
+//! and W keeps those gradients, W reads only the attention's inputs and the norms', and a stage
+//! may peak inside a B, as its first layer's last expert gradient joins its sum beside the
+//! micro-batches between B and W. The received counts' sum is freed after its last reader on the
+//! first stage (where the program's free lies) and at the micro-batch's end on the others.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -100,8 +105,8 @@
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
 //! beside the weights they were recomputed with); an untied Llama-family model, dense, or a
-//! mixture of experts (no shared expert) with every expert on every rank, under GPipe, 1F1B or
-//! interleaved 1F1B, beside dp and tp without SP, ZeRO-1 at most.
+//! mixture of experts (no shared expert) with every expert on every rank, beside dp and tp
+//! without SP, ZeRO-1 at most, under zero bubble beside tp only.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -149,13 +154,14 @@ pub fn compiled_stage_peak(
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
         // A mixture of experts whose every rank holds every expert (no ep, no tsp), without a
-        // shared expert, under GPipe or 1F1B, beside dp and tp without SP and ZeRO-1 at most.
+        // shared expert, beside dp and tp without SP and ZeRO-1 at most; under zero bubble, not
+        // beside dp (whose reductions of the experts' gradients in B are not modelled).
         && model.experts.as_ref().is_none_or(|experts| {
             !experts.shared_expert
                 && layout.expert_axis().is_none()
                 && workload.zero <= 1
                 && !sequence_parallel
-                && schedule.kind != ScheduleKind::ZeroBubbleH1
+                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
         })
         && !model.tied_embeddings;
     if !modelled {
@@ -212,6 +218,15 @@ pub fn compiled_stage_peak(
     let scattered = workload.zero >= 2 && dp > 1;
     let shards = if scattered { dp as f64 } else { 1.0 };
     let chunks = schedule.kind.chunks();
+    // The MLP's weight gradients B makes under zero bubble (tsp's ring, a mixture's experts and
+    // router: none of them is a W op), a layer.
+    let mlp_gradients_in_b = if tsp > 1 {
+        Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
+    } else if model.experts.is_some() {
+        Some((model.routed_expert_weights() as f64 / tp as f64 + model.router_params() as f64) * element)
+    } else {
+        None
+    };
     // Under interleaving the last stage's other chunks hand their layers' statistics to its last
     // chunk on the same rank: nothing is sent on, and they are freed once that chunk has summed them.
     let statistics_sent_on = |last: bool| !last && (chunks == 1 || stage + 1 < stages);
@@ -597,20 +612,20 @@ pub fn compiled_stage_peak(
         // and their gradients, q, k and v and theirs.
         // (Beside cp under SP one of these stream-sized gradients is whole: the attention norm runs
         // on the whole boundary there, and W reads its output gradient all-reduced.)
-        // Under tsp B runs the MLP ring's backward whole, its weight gradients too: a micro-batch
-        // between B and W keeps those gradients (outputs) instead of what they read (the MLP
-        // norm's output and its gradient, gate, up and their product).
+        // Under tsp B runs the MLP ring's backward whole, and a mixture's experts' and router's
+        // backward, their weight gradients too: a micro-batch between B and W keeps those
+        // gradients (outputs) instead of what they read (the MLP norm's output and its gradient,
+        // gate, up and their product).
         // Per layer: the attention norm's output and its gradient, the attention residual and its
-        // gradient, the layer's output and the ring's input gradient; q's, k's and v's gradients,
+        // gradient, the layer's output and the MLP's input gradient; q's, k's and v's gradients,
         // and attention's output (under either recomputation q, k and v, every token's k and v,
         // which B recomputed under full).
-        let ring_gradients = 3.0 * hidden * model.ffn as f64 / tsp as f64 * element;
-        let attention_for_w = if tsp > 1 && full { query + 2.0 * kv } else { attention_for_w };
-        let mut per_layer = if tsp > 1 {
+        let attention_for_w = if mlp_gradients_in_b.is_some() && full { query + 2.0 * kv } else { attention_for_w };
+        let mut per_layer = if let Some(mlp_gradients) = mlp_gradients_in_b {
             2.0 * gathered
                 + 4.0 * stream
                 + local_tokens * (attention_for_w + query + 2.0 * kv) * element
-                + ring_gradients
+                + mlp_gradients
         } else if full {
             4.0 * gathered + boundary + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
         } else {
@@ -641,7 +656,7 @@ pub fn compiled_stage_peak(
         // SP, the last layer's output on the last chunk: only its gathered copy, counted above),
         // and each layer's output gradient (the last one's on the last chunk is the final norm's
         // input gradient, counted above).
-        if full && tsp == 1 {
+        if full && mlp_gradients_in_b.is_none() {
             between += regathered_final_norm;
             let last_layers = f64::from(u8::from(last));
             between += layers as f64 * kept_layer + (layers as f64 - last_layers) * stream;
@@ -653,6 +668,14 @@ pub fn compiled_stage_peak(
         // is between there at a W's tail; its between is written by analogy, with the token ids.)
         if first {
             between += ids;
+        }
+        // A mixture's statistics stay to the micro-batch's end: its layers' (sent on), and on a
+        // stage between the first and the last the counts' sum it received (the program frees
+        // that after its last reader on the first stage, which holds the model's first layer,
+        // and the pipeline releases it at the micro-batch's end elsewhere).
+        if !last && statistics > 0.0 {
+            let received = if stage > 0 { statistics } else { 0.0 };
+            between += 2.0 * layers as f64 * statistics + received;
         }
         if last && tsp > 1 {
             // The head's input gathered over the sequence (but under full recomputation), its
@@ -666,10 +689,20 @@ pub fn compiled_stage_peak(
             // cp's targets were read in the forward.
             let targets = if cp == 1 { ids } else { 0.0 };
             between += targets + element + logits + 2.0 * gathered;
+            // A mixture's loss is two: the cross-entropy and the load-balancing loss, and the
+            // latter's backward reads the counts' sum.
+            if statistics > 0.0 {
+                between += element + statistics;
+            }
+            // When B made the MLP's gradients, full recomputation leaves W the final norm's input
+            // gradient but not its recomputed output (W reads only the head's input).
+            if full && mlp_gradients_in_b.is_some() {
+                between -= gathered;
+            }
         }
         // (Under SP W reads their gathered copies, freed as it goes, instead.)
         // (Under tsp only the attention residual's: B made the MLP ring's weight gradients.)
-        let residual_gradients = if tsp > 1 { 1.0 } else { 2.0 };
+        let residual_gradients = if mlp_gradients_in_b.is_some() { 1.0 } else { 2.0 };
         let mut kept_for_weights = if sequence_parallel { 0.0 } else { residual_gradients * layers as f64 * stream };
         // Under selective recomputation W's tail still holds every layer's q, k and v (and the
         // positions, on the first stage too); under full recomputation every layer's recomputed
@@ -678,7 +711,7 @@ pub fn compiled_stage_peak(
         if selective || full {
             // (Under cp every token's k and v, all-gathered; under tsp no gate or up, whose weight
             // gradients B made.)
-            let recomputed = if full && tsp == 1 { query + 2.0 * ffn } else { query };
+            let recomputed = if full && mlp_gradients_in_b.is_none() { query + 2.0 * ffn } else { query };
             kept_for_weights += layers as f64 * (local_tokens * recomputed + kv_kept) * element;
             if first {
                 kept_for_weights += positions;
@@ -701,6 +734,8 @@ pub fn compiled_stage_peak(
             kept_for_weights,
             input_gradients_at_w,
             experts_joining,
+            made_in_b: mlp_gradients_in_b.map(|per_layer| layers as f64 * per_layer),
+            later_w_reads: (layers as f64 - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
             tsp_attention,
             mid,
             regathered,
@@ -730,7 +765,9 @@ pub fn compiled_stage_peak(
     let (input_phase, tail_phase) =
         if zero_bubble { (Phase::BackwardInput, Phase::BackwardWeight) } else { (Phase::Backward, Phase::Backward) };
     for (at, step) in steps.iter().enumerate() {
-        if step.phase != tail_phase {
+        // A mixture's B under zero bubble makes the experts' gradients: a candidate too.
+        let in_b = zero_bubble && step.phase == input_phase && model.experts.is_some();
+        if step.phase != tail_phase && !in_b {
             continue;
         }
         let done = |chunk: u32, phase: Phase| {
@@ -743,9 +780,11 @@ pub fn compiled_stage_peak(
         for (chunk, hold) in (0u32..).zip(&holds) {
             let current = f64::from(chunk == step.chunk);
             if zero_bubble {
-                // The current micro-batch's B is done: it is the one between B and W here.
-                others += (done(chunk, Phase::Forward) - done(chunk, input_phase)) * hold.in_flight;
-                others += (done(chunk, input_phase) - done(chunk, tail_phase) - current) * hold.between;
+                // At a W the current micro-batch's B is done: it is the one between B and W there;
+                // in a B it is still in flight.
+                let (in_flight_current, between_current) = if in_b { (current, 0.0) } else { (0.0, current) };
+                others += (done(chunk, Phase::Forward) - done(chunk, input_phase) - in_flight_current) * hold.in_flight;
+                others += (done(chunk, input_phase) - done(chunk, tail_phase) - between_current) * hold.between;
             } else {
                 others += (done(chunk, Phase::Forward) - done(chunk, tail_phase) - current) * hold.in_flight;
             }
@@ -785,11 +824,17 @@ pub fn compiled_stage_peak(
         // it takes them on the link its gradients come on, in the order they were sent, so as the
         // current micro-batch's backward starts it has taken those of every micro-batch the last
         // stage forwarded before that backward; the ones still in flight here hold theirs.
-        if statistics > 0.0 && chunks == 1 && stage + 2 == stages {
+        // (Under zero bubble the gradients come in B: at a W the last taken is the latest B's, and
+        // the micro-batches between B and W hold theirs in `between`.)
+        let gradient_taken = if zero_bubble {
+            steps[..=at].iter().rev().find(|before| before.phase == input_phase).map(|before| before.micro_batch)
+        } else {
+            Some(step.micro_batch)
+        };
+        if let (true, Some(taken)) = (statistics > 0.0 && chunks == 1 && stage + 2 == stages, gradient_taken) {
             let last_steps = schedule.per_stage.get(stages as usize - 1)?;
-            let backward_there = last_steps
-                .iter()
-                .position(|there| there.micro_batch == step.micro_batch && there.phase == tail_phase)?;
+            let backward_there =
+                last_steps.iter().position(|there| there.micro_batch == taken && there.phase == input_phase)?;
             for micro_batch in (0..schedule.micro_batches).filter(|&other| other != step.micro_batch) {
                 let forwarded_there = last_steps[..backward_there]
                     .iter()
@@ -797,7 +842,7 @@ pub fn compiled_stage_peak(
                 let here = |phase: Phase| {
                     steps[..at].iter().any(|before| before.micro_batch == micro_batch && before.phase == phase)
                 };
-                if forwarded_there && here(Phase::Forward) && !here(tail_phase) {
+                if forwarded_there && here(Phase::Forward) && !here(input_phase) {
                     others += statistics;
                 }
             }
@@ -848,6 +893,53 @@ pub fn compiled_stage_peak(
                     received += statistics;
                 }
             }
+        }
+        // Under zero bubble a W on a stage between the first and the last still holds its
+        // micro-batch's received counts' sum (released at the micro-batch's end; full
+        // recomputation's held terms count it already).
+        if zero_bubble
+            && !in_b
+            && statistics > 0.0
+            && stage > 0
+            && stage + 1 < stages
+            && workload.recompute != Recompute::Full
+        {
+            received += statistics;
+        }
+        if in_b {
+            // Inside B, as the first layer's last expert gradient joins its sum: the stage's B
+            // gradients all made (the later layers' and this one's) and summed, the W gradients'
+            // sums if a W has run, the later layers' inputs for W, and the first layer's
+            // activations and MLP gradients as the experts' backward leaves them.
+            let (Some(made_in_b), Some((matrix, _, held))) = (current.made_in_b, current.experts_joining.as_ref())
+            else {
+                continue;
+            };
+            let w_sums = if done(step.chunk, tail_phase) > 0.0 { current.grads - made_in_b } else { 0.0 };
+            let mut terms = vec![
+                Term {
+                    name: "gradient running sums (B's made, W's once a W has run)",
+                    bytes: other_sums + w_sums + made_in_b + loss_sum,
+                },
+                Term { name: "the micro-batch's B gradients", bytes: made_in_b },
+                Term { name: "other micro-batches in flight or between B and W", bytes: others },
+                Term { name: "the later layers' inputs for W", bytes: current.later_w_reads },
+            ];
+            if received > 0.0 {
+                terms.push(Term {
+                    name: "the micro-batches' received expert counts summed over the layers",
+                    bytes: received,
+                });
+            }
+            terms.extend(held.iter().cloned());
+            if done(step.chunk, input_phase) > 0.0 {
+                terms.push(Term { name: "the joining expert gradient's new sum beside the old", bytes: *matrix });
+            }
+            let phase = ForwardPhase { name: "first layer's expert gradient joins its sum in B", params, terms };
+            if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
+                best = Some(phase);
+            }
+            continue;
         }
         let first_backward = done(step.chunk, tail_phase) == 0.0;
         // A candidate where the current micro-batch has made `so_far` of the chunk's gradients:
@@ -902,7 +994,8 @@ pub fn compiled_stage_peak(
         if let Some((so_far, held)) = &current.mid {
             candidates.push(candidate("first layer's gate gradient reduce-scattered", *so_far, held));
         }
-        if let Some((matrix, so_far, held)) = &current.experts_joining {
+        // (Under zero bubble the experts' gradients join their sums in B, not at a W.)
+        if let Some((matrix, so_far, held)) = current.experts_joining.as_ref().filter(|_| !zero_bubble) {
             let mut held = held.clone();
             if !first_backward {
                 held.push(Term { name: "the joining expert gradient's new sum beside the old", bytes: *matrix });
@@ -959,6 +1052,11 @@ struct ChunkHold {
     /// A mixture of experts: the joining expert gradient, the gradients done with it, and what the
     /// micro-batch holds, as the first layer's last expert gradient joins its sum.
     experts_joining: Option<(f64, f64, Vec<Term>)>,
+    /// Zero bubble: the MLP weight gradients B makes over the chunk's layers (tsp's ring, a
+    /// mixture's experts and router), if any.
+    made_in_b: Option<f64>,
+    /// Zero bubble: what the chunk's layers but the first keep for W once their B is done.
+    later_w_reads: f64,
     /// tsp: the gradients done, and what the micro-batch holds, as the first layer's o weight
     /// gradient is reduced to this rank (but on the axis's last), and as it joins its sum (the
     /// gradient joining its running sum, zero where none joins).
