@@ -969,7 +969,8 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     // embedding gradient) or inside its first layer's attention backward, each rank apart: as o's
     // weight gradient is reduced to it, beside the activations of the owners whose backward
     // follows (more on each later place on the axis), or on the axis's last rank, whose owner
-    // goes first, as o's gradient joins its sum.
+    // goes first, as o's gradient joins its sum (beside dp, which all-reduces it first, as o's
+    // reduce to the second owner processed leaves zeros there).
     let (four, eight) = (four_layers(), eight_layers());
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
@@ -997,6 +998,12 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
             (&eight, "pp=2,tsp=4", zero_bubble, 4),
             (&four, "pp=4,tsp=2", zero_bubble, 4),
             (&eight, "pp=4,tsp=4", zero_bubble, 4),
+            (&four, "pp=2,dp=2,tsp=2", one_f_one_b, 2),
+            (&four, "pp=2,dp=2,tsp=4", one_f_one_b, 2),
+            (&four, "pp=2,dp=2,tsp=4", gpipe, 2),
+            (&four, "pp=2,dp=2,tsp=4", zero_bubble, 2),
+            (&eight, "pp=2,dp=2,tsp=4", interleaved, 2),
+            (&eight, "pp=4,dp=2,tsp=2", one_f_one_b, 2),
         ] {
             let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             check_stage_closed_form(config, &layout);
@@ -1006,14 +1013,16 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     for phase in [
         "first layer's o gradient reduced to this rank, its owner",
         "first layer's o gradient joins its sum",
+        "first layer's o gradient reduced to the second owner processed",
+        "embedding rows sliced for their dp reduction",
         "tail of a backward",
     ] {
         assert!(phases.contains(phase), "{phase}: {phases:?}");
     }
-    // tsp beside another axis has none; nor has a place past the axis.
+    // tsp beside another axis than dp has none; nor has a place past the axis.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
-    for (mesh, kind) in [("pp=2,dp=2,tsp=2", one_f_one_b), ("pp=2,tp=2,tsp=2", one_f_one_b)] {
+    for (mesh, kind) in [("pp=2,tp=2,tsp=2", one_f_one_b), ("pp=2,cp=2,tsp=2", one_f_one_b)] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
         let schedule = Schedule::build(kind, 2, 4).unwrap();
         assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh} {kind:?}");
@@ -1073,10 +1082,12 @@ fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout
     let memory = memory_per_stage(&model, &cost_layout, &workload);
     for program in &programs {
         // Global rank `stage · inner + i`.
-        // Global rank `stage · inner + i`; under tsp (alone beside pp) `i` is the place on its axis.
+        // Global rank `stage · inner + i`; tsp is the innermost axis of the meshes here, so `i`
+        // modulo its degree is the place on it.
         let inner = programs.len() as u32 / stages;
         let stage = program.rank / inner;
-        let tsp_rank = if parsed.degree(AxisName::Tsp) > 1 { u64::from(program.rank % inner) } else { 0 };
+        let tsp = parsed.degree(AxisName::Tsp);
+        let tsp_rank = if tsp > 1 { u64::from(program.rank % inner) % tsp } else { 0 };
         let label = format!(
             "{} sp={} {:?} zero={} {kind:?} m={micro_batches} rank {} stage {stage}",
             layout.mesh, layout.sequence_parallel, layout.recompute, layout.zero_stage, program.rank

@@ -52,7 +52,10 @@
 //! owners last first, so a rank peaks as o's weight gradient is reduced to it, beside its
 //! contributions to its block, the owners' results before it and the activations of the owners
 //! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
-//! as o's gradient joins its sum. The closed form takes the rank's place on the axis. Under zero
+//! as o's gradient joins its sum (beside dp, which all-reduces that gradient first: as o's reduce
+//! to the second owner processed leaves zeros there, beside the activations of the owners after
+//! it). Beside dp the first stage's other candidate is the embedding rows' slicing, as under
+//! dp × tp. The closed form takes the rank's place on the axis. Under zero
 //! bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it would run
 //! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
 //! what they read, W reads only the attention's, and the peak is inside the first layer's W.
@@ -95,7 +98,8 @@
 //! the forward kept.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation; ZeRO-1
+//! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any
+//! recomputation; ZeRO-1
 //! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 beside dp, with
 //! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
@@ -147,9 +151,9 @@ pub fn compiled_stage_peak(
     let modelled = layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
         && stages >= 2
-        // tsp alone beside pp, a dense model.
+        // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
         && tsp_rank < tsp
-        && (tsp == 1 || (dp * tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
+        && (tsp == 1 || (tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
         // ZeRO-2 and 3 beside dp (with or without tp and cp).
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
@@ -349,7 +353,8 @@ pub fn compiled_stage_peak(
                 held.push(Term { name: "the expert counts summed over the layers (received)", bytes: statistics });
             }
             held.extend(chunk_end.iter().cloned());
-            (hidden * query * element, grads * shards - input_norm, held)
+            // (Under tsp the rank's own block of q.)
+            (hidden * query * element / tsp as f64, grads * shards - input_norm, held)
         };
         // The joining gradient's reduce-scatter stages it whole (the tail only: the rows are sliced
         // before it starts).
@@ -484,6 +489,17 @@ pub fn compiled_stage_peak(
                     });
                 }
             }
+            // What an owner whose backward is still to come keeps (under zero bubble: what W reads
+            // of it, q's, k's and v's gradients and attention's output but under recomputation,
+            // its q, k and v counted above).
+            let later_owner_activations = if zero_bubble {
+                let output = if recomputing { 0.0 } else { query };
+                local_tokens * (output + query + 2.0 * kv) * element / owners
+            } else if workload.recompute == Recompute::Full {
+                0.0
+            } else {
+                (local_tokens * (query + attention_kept) + kv_kept) * element / owners
+            };
             let mut candidates = Vec::new();
             if tsp_rank + 1 < tsp {
                 let so_far = grads - block - norm * element - table;
@@ -500,30 +516,44 @@ pub fn compiled_stage_peak(
                 // The owners after it: its place on the axis.
                 let later = tsp_rank as f64;
                 if later > 0.0 {
-                    // (Under zero bubble: what W reads of them, q's, k's and v's gradients and
-                    // attention's output but under recomputation, their q, k and v counted above.)
-                    let per_owner = if zero_bubble {
-                        let output = if recomputing { 0.0 } else { query };
-                        local_tokens * (output + query + 2.0 * kv) * element / owners
-                    } else if workload.recompute == Recompute::Full {
-                        0.0
-                    } else {
-                        (local_tokens * (query + attention_kept) + kv_kept) * element / owners
-                    };
                     held.push(Term { name: "first layer's attention norm output", bytes: gathered });
-                    held.push(Term { name: "the activations of the owners after it", bytes: later * per_owner });
+                    held.push(Term {
+                        name: "the activations of the owners after it",
+                        bytes: later * later_owner_activations,
+                    });
                 }
                 candidates.push(("first layer's o gradient reduced to this rank, its owner", so_far, held, 0.0));
             }
-            let so_far = grads - (block - o_block) - norm * element - table;
             let mut held = first_layer_held.clone();
             held.extend(gradients);
-            held.extend([
-                Term { name: "the owners' reduced attention weight gradients, summed", bytes: block },
-                Term { name: "the first owner's q, k and v contributions", bytes: block - o_block },
-                Term { name: "o's reduced gradient for the first owner", bytes: o_block },
-            ]);
-            candidates.push(("first layer's o gradient joins its sum", so_far, held, o_block));
+            if reduced {
+                // Under dp o's gradient is all-reduced before it joins its sum; the axis's last
+                // rank peaks earlier, as o's reduce to the second owner processed leaves zeros here
+                // beside its contributions to that owner's block, its own owner's results, and the
+                // activations (with the attention norm's output) of the owners after it.
+                let so_far = grads - block - norm * element - table;
+                held.extend([
+                    Term { name: "its own owner's reduced attention weight gradients", bytes: block },
+                    Term { name: "its contributions to the second owner's attention weight gradients", bytes: block },
+                    Term { name: "o's reduce to the second owner: zeros here", bytes: o_block },
+                ]);
+                if tsp > 2 {
+                    held.push(Term { name: "first layer's attention norm output", bytes: gathered });
+                    held.push(Term {
+                        name: "the activations of the owners after the second",
+                        bytes: (owners - 2.0) * later_owner_activations,
+                    });
+                }
+                candidates.push(("first layer's o gradient reduced to the second owner processed", so_far, held, 0.0));
+            } else {
+                let so_far = grads - (block - o_block) - norm * element - table;
+                held.extend([
+                    Term { name: "the owners' reduced attention weight gradients, summed", bytes: block },
+                    Term { name: "the first owner's q, k and v contributions", bytes: block - o_block },
+                    Term { name: "o's reduced gradient for the first owner", bytes: o_block },
+                ]);
+                candidates.push(("first layer's o gradient joins its sum", so_far, held, o_block));
+            }
             candidates
         } else {
             Vec::new()
@@ -584,13 +614,17 @@ pub fn compiled_stage_peak(
             Term { name: "first layer's attention norm's input gradient", bytes: boundary },
         ];
         remains.extend(chunk_end.iter().cloned());
-        // Under dp × tp the whole-vocabulary embedding gradient is freed once the rank's rows are
-        // sliced from it, before their all-reduce (or reduce-scatter, under ZeRO-2 and 3): it is
+        // Under dp × tp (or tsp) the whole-vocabulary embedding gradient is freed once the rank's
+        // rows are sliced from it, before their all-reduce (or reduce-scatter, under ZeRO-2 and 3): it is
         // live a step earlier, beside the rows but without their reduced copy in the gradients and
         // the sums (larger than the tail when tp > 2, or under ZeRO).
-        let slicing = (first && tp > 1 && reduced).then(|| {
+        let slicing = (first && vocab_split > 1.0 && reduced).then(|| {
             let mut held = held.clone();
             held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
+            if tsp > 1 {
+                // Scattered from every token's gradient, by their ids (the zigzag's gathered).
+                held.push(Term { name: "token ids", bytes: ids });
+            }
             held
         });
         held.extend(joining_staging);
