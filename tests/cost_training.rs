@@ -970,7 +970,7 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     // weight gradient is reduced to it, beside the activations of the owners whose backward
     // follows (more on each later place on the axis), or on the axis's last rank, whose owner
     // goes first, as o's gradient joins its sum (beside dp, which all-reduces it first, as o's
-    // reduce to the second owner processed leaves zeros there).
+    // reduce to another owner leaves zeros there).
     let (four, eight) = (four_layers(), eight_layers());
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
@@ -1013,7 +1013,7 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     for phase in [
         "first layer's o gradient reduced to this rank, its owner",
         "first layer's o gradient joins its sum",
-        "first layer's o gradient reduced to the second owner processed",
+        "first layer's o gradient reduced to another owner",
         "embedding rows sliced for their dp reduction",
         "tail of a backward",
     ] {

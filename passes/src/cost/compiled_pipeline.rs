@@ -52,10 +52,11 @@
 //! owners last first, so a rank peaks as o's weight gradient is reduced to it, beside its
 //! contributions to its block, the owners' results before it and the activations of the owners
 //! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
-//! as o's gradient joins its sum (beside dp, which all-reduces that gradient first: as o's reduce
-//! to the second owner processed leaves zeros there, beside the activations of the owners after
-//! it). Beside dp the first stage's other candidate is the embedding rows' slicing, as under
-//! dp × tp. The closed form takes the rank's place on the axis. Under zero
+//! as o's gradient joins its sum; any rank also as o's reduce to another owner leaves zeros there,
+//! beside the activations of the owners after that one (the point where the axis's last rank peaks
+//! beside dp, which all-reduces o's gradient before it joins its sum). Beside dp the first stage's
+//! other candidate is the embedding rows' slicing, as under dp × tp. The closed form takes the
+//! rank's place on the axis. Under zero
 //! bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it would run
 //! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
 //! what they read, W reads only the attention's, and the peak is inside the first layer's W.
@@ -524,29 +525,35 @@ pub fn compiled_stage_peak(
                 }
                 candidates.push(("first layer's o gradient reduced to this rank, its owner", so_far, held, 0.0));
             }
-            let mut held = first_layer_held.clone();
-            held.extend(gradients);
-            if reduced {
-                // Under dp o's gradient is all-reduced before it joins its sum; the axis's last
-                // rank peaks earlier, as o's reduce to the second owner processed leaves zeros here
-                // beside its contributions to that owner's block, its own owner's results, and the
-                // activations (with the attention norm's output) of the owners after it.
+            // - As o's gradient is reduced to another owner, leaving zeros here: the owners' results
+            //   before it, summed (a block), the rank's contributions to that owner's block, the
+            //   zeros, and the activations of the owners after it. The latest such owner has the
+            //   most after it: the second processed (the third where that one is this rank).
+            let other = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) };
+            if let Some(other) = other {
                 let so_far = grads - block - norm * element - table;
+                let mut held = first_layer_held.clone();
+                held.extend(gradients.iter().cloned());
                 held.extend([
-                    Term { name: "its own owner's reduced attention weight gradients", bytes: block },
-                    Term { name: "its contributions to the second owner's attention weight gradients", bytes: block },
-                    Term { name: "o's reduce to the second owner: zeros here", bytes: o_block },
+                    Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
+                    Term { name: "its contributions to that owner's attention weight gradients", bytes: block },
+                    Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
                 ]);
-                if tsp > 2 {
+                if other > 0 {
                     held.push(Term { name: "first layer's attention norm output", bytes: gathered });
                     held.push(Term {
-                        name: "the activations of the owners after the second",
-                        bytes: (owners - 2.0) * later_owner_activations,
+                        name: "the activations of the owners after that one",
+                        bytes: other as f64 * later_owner_activations,
                     });
                 }
-                candidates.push(("first layer's o gradient reduced to the second owner processed", so_far, held, 0.0));
-            } else {
+                candidates.push(("first layer's o gradient reduced to another owner", so_far, held, 0.0));
+            }
+            // - As o's gradient joins its sum, on the axis's last rank (but beside dp, which
+            //   all-reduces it first).
+            if !reduced {
                 let so_far = grads - (block - o_block) - norm * element - table;
+                let mut held = first_layer_held.clone();
+                held.extend(gradients);
                 held.extend([
                     Term { name: "the owners' reduced attention weight gradients, summed", bytes: block },
                     Term { name: "the first owner's q, k and v contributions", bytes: block - o_block },
