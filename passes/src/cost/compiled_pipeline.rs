@@ -223,6 +223,7 @@ pub fn compiled_stage_peak(
     let scattered = workload.zero >= 2 && dp > 1;
     let shards = if scattered { dp as f64 } else { 1.0 };
     let chunks = schedule.kind.chunks();
+    let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
     // The MLP's weight gradients B makes under zero bubble (tsp's ring, a mixture's experts and
     // router: none of them is a W op), a layer.
     let mlp_gradients_in_b = if tsp > 1 {
@@ -448,18 +449,7 @@ pub fn compiled_stage_peak(
         // weights over the owners), then their reduces to the owner, o's first; a reduce leaves
         // zeros on the other ranks, and the owners' results are summed as they come (the rank's
         // own gradient is its own owner's). The layer's attention norm and residual gradients are
-        // live throughout.
-        // - As o's gradient is reduced to this rank (all but the last owner, which is processed
-        //   first): the results of the owners before, summed (one block), its contributions to its
-        //   own block, and the reduce's chain: with one peer what it received and their sum, with
-        //   more the partial sum, what it received and the next sum. The owners processed after
-        //   it keep their activations (q, attention's output, every token's k and v, as the
-        //   forward kept them; under full recomputation each is recomputed at its owner's turn),
-        //   and the attention norm's output is kept for them. Of the layer's gradients only its
-        //   attention's and its input norm's are not done.
-        // - As o's gradient joins its sum (every rank, after the first owner's reduces of o): the
-        //   results summed (a block), the first owner's q, k and v contributions, o's result
-        //   for the first owner (zeros but on it), and o's gradient done.
+        // live throughout. The candidates are below.
         let tsp_attention = if tsp > 1 {
             let owners = tsp as f64;
             let block = attention_weights / owners * element;
@@ -473,7 +463,6 @@ pub fn compiled_stage_peak(
             // B reads too) stay to the micro-batch's end.
             // Under either recomputation W still reads every layer's q, k and v (every token's k
             // and v), which B recomputed for it.
-            let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
             let recomputing = workload.recompute != Recompute::None;
             if zero_bubble {
                 gradients.extend([
@@ -490,9 +479,11 @@ pub fn compiled_stage_peak(
                     });
                 }
             }
-            // What an owner whose backward is still to come keeps (under zero bubble: what W reads
-            // of it, q's, k's and v's gradients and attention's output but under recomputation,
-            // its q, k and v counted above).
+            // What an owner whose backward is still to come keeps: its q, attention's output and
+            // every token's k and v as the forward kept them (none under full recomputation,
+            // which recomputes each at its owner's turn); under zero bubble what W reads of it,
+            // q's, k's and v's gradients and attention's output but under recomputation (its q,
+            // k and v counted above).
             let later_owner_activations = if zero_bubble {
                 let output = if recomputing { 0.0 } else { query };
                 local_tokens * (output + query + 2.0 * kv) * element / owners
@@ -501,55 +492,58 @@ pub fn compiled_stage_peak(
             } else {
                 (local_tokens * (query + attention_kept) + kv_kept) * element / owners
             };
-            let mut candidates = Vec::new();
-            if tsp_rank + 1 < tsp {
-                let so_far = grads - block - norm * element - table;
+            // As o's gradient of an owner is reduced, the rank holds the owners' results before
+            // that one, summed (a block), its contributions to that owner's block, the reduce's
+            // own buffers, and, with `after` owners still to come, their activations and the
+            // attention norm's output they read. Of the layer's gradients only its attention's
+            // and its input norm's are not done.
+            let reducing_so_far = grads - block - norm * element - table;
+            let reducing = |contributions: &'static str, reduce: Term, after: u64| {
                 let mut held = first_layer_held.clone();
                 held.extend(gradients.iter().cloned());
                 held.extend([
                     Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
-                    Term { name: "its contributions to its own attention weight gradients", bytes: block },
-                    Term {
-                        name: "o's reduce: what it received, and the partial sums beside it",
-                        bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
-                    },
+                    Term { name: contributions, bytes: block },
+                    reduce,
                 ]);
-                // The owners after it: its place on the axis.
-                let later = tsp_rank as f64;
-                if later > 0.0 {
+                if after > 0 {
                     held.push(Term { name: "first layer's attention norm output", bytes: gathered });
                     held.push(Term {
-                        name: "the activations of the owners after it",
-                        bytes: later * later_owner_activations,
+                        name: "the activations of the owners still to come",
+                        bytes: after as f64 * later_owner_activations,
                     });
                 }
-                candidates.push(("first layer's o gradient reduced to this rank, its owner", so_far, held, 0.0));
+                held
+            };
+            let mut candidates = Vec::new();
+            // - Its own owner's (but the axis's last, whose owner goes first): the reduce's chain
+            //   is what it received and their sum with one peer, the partial sum, the message and
+            //   the next sum with more; the owners after it are its place on the axis.
+            if tsp_rank + 1 < tsp {
+                let chain = Term {
+                    name: "o's reduce: what it received, and the partial sums beside it",
+                    bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+                };
+                let held = reducing("its contributions to its own attention weight gradients", chain, tsp_rank);
+                candidates.push((
+                    "first layer's o gradient reduced to this rank, its owner",
+                    reducing_so_far,
+                    held,
+                    0.0,
+                ));
             }
-            // - As o's gradient is reduced to another owner, leaving zeros here: the owners' results
-            //   before it, summed (a block), the rank's contributions to that owner's block, the
-            //   zeros, and the activations of the owners after it. The latest such owner has the
-            //   most after it: the second processed (the third where that one is this rank).
+            // - Another owner's, leaving zeros here. The latest such owner has the most after it:
+            //   the second processed (the third where that one is this rank).
             let other = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) };
             if let Some(other) = other {
-                let so_far = grads - block - norm * element - table;
-                let mut held = first_layer_held.clone();
-                held.extend(gradients.iter().cloned());
-                held.extend([
-                    Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
-                    Term { name: "its contributions to that owner's attention weight gradients", bytes: block },
-                    Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
-                ]);
-                if other > 0 {
-                    held.push(Term { name: "first layer's attention norm output", bytes: gathered });
-                    held.push(Term {
-                        name: "the activations of the owners after that one",
-                        bytes: other as f64 * later_owner_activations,
-                    });
-                }
-                candidates.push(("first layer's o gradient reduced to another owner", so_far, held, 0.0));
+                let zeros = Term { name: "o's reduce to that owner: zeros here", bytes: o_block };
+                let held = reducing("its contributions to that owner's attention weight gradients", zeros, other);
+                candidates.push(("first layer's o gradient reduced to another owner", reducing_so_far, held, 0.0));
             }
             // - As o's gradient joins its sum, on the axis's last rank (but beside dp, which
-            //   all-reduces it first).
+            //   all-reduces it first): the results summed (a block), the first owner's q, k and v
+            //   contributions, o's result for the first owner (zeros but on it), and o's gradient
+            //   done.
             if !reduced {
                 let so_far = grads - (block - o_block) - norm * element - table;
                 let mut held = first_layer_held.clone();
@@ -802,7 +796,6 @@ pub fn compiled_stage_peak(
     let steps = schedule.per_stage.get(stage as usize)?;
     let mut best: Option<ForwardPhase> = None;
     // Where a micro-batch's last weight gradient is made: its backward, or zero bubble's W.
-    let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
     let (input_phase, tail_phase) =
         if zero_bubble { (Phase::BackwardInput, Phase::BackwardWeight) } else { (Phase::Backward, Phase::Backward) };
     for (at, step) in steps.iter().enumerate() {
