@@ -1111,54 +1111,91 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     // tsp peaks at the end of the backward (the whole-vocabulary embedding gradient) on few
     // tokens, and inside the first layer's MLP ring backward on more, every rank alike (the ring
     // is symmetric); which of the ring's points is highest depends on the tokens too. With full
-    // recompute on many tokens the first layer's attention backward peaks instead.
-    let config = preset("tiny").unwrap();
-    let model = ModelShape::from_config(&config);
+    // recompute on many tokens an attention backward peaks instead, at its last owner's dv. On a
+    // model whose attention outweighs its MLP and vocabulary (tiny with ffn 32 and 64 tokens in
+    // its vocabulary, two and three layers), an attention backward peaks, each rank at its own
+    // point: as o's gradient is reduced to it or to another owner, or inside the last owner's
+    // backward; the first layer's or the last's.
+    let tiny = preset("tiny").unwrap();
+    let attention_heavy =
+        pleat_ir::model::config::ModelConfig { intermediate_size: 32, vocab_size: 64, ..tiny.clone() };
+    let deeper = pleat_ir::model::config::ModelConfig { num_layers: 3, ..attention_heavy.clone() };
     let mut phases = std::collections::BTreeSet::new();
     let mut attention_peaks = 0;
-    for mesh in ["tsp=2", "tsp=4"] {
-        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
-        for (batch, seq) in [(2, SEQ), (4, SEQ), (2, 64), (4, 128)] {
-            for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                let training = TrainingLayout::recomputing(mesh, false, recompute);
-                let (programs, _) = compile_training_at(&config, &training, batch, seq);
-                let workload = Workload {
-                    tsp_shards_embeddings: true,
-                    recompute: cost_recompute(recompute),
-                    ..Workload::training(seq, batch)
-                };
-                let memory = &memory_per_stage(&model, &layout, &workload)[0];
-                let phase = compiled_tsp_training_peak(&model, &layout, &workload).expect("tsp alone");
-                let highest = phase.terms.last().map_or("", |term| term.name);
-                phases.insert(if phase.name == "end of backward" { phase.name } else { highest });
-                let differences = training_differences_from_closed_form(memory, &phase);
-                let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
-                let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
-                for program in &programs {
-                    let label = format!("{mesh} batch {batch} seq {seq} {recompute:?} rank {}", program.rank);
-                    assert_eq!(otherwise.bytes, 0.0, "{label}");
-                    let planned = plan(program, ElementSize::Fixed(4));
-                    assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
-                    // Full recompute on many tokens peaks in the first layer's attention backward.
-                    let in_attention_backward = matches!(
-                        program.instructions[planned.peak_instr],
-                        Instr::Kernel { kernel: pleat_backend::Kernel::AttentionGrad { .. }, .. }
-                    );
-                    if in_attention_backward {
-                        assert_eq!(recompute, Recompute::Full, "{label}");
-                        assert_eq!(phase.name, "first layer's attention backward", "{label}");
-                        attention_peaks += 1;
+    for (config, shapes) in [
+        (&tiny, &[(2, SEQ), (4, SEQ), (2, 64), (4, 128)][..]),
+        (&attention_heavy, &[(2, 16), (2, 32), (2, 64), (2, 128)][..]),
+        (&deeper, &[(2, 32), (2, 128)][..]),
+    ] {
+        let model = ModelShape::from_config(config);
+        // Beside dp (ZeRO-1 splitting only the optimizer's state) a replica peaks as tsp alone
+        // does on its share of the batch.
+        for (mesh, zero) in [("tsp=2", 0), ("tsp=4", 0), ("dp=2,tsp=2", 0), ("dp=2,tsp=4", 1)] {
+            let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+            let dp = layout.degree(AxisName::Dp);
+            for &(batch, seq) in shapes {
+                for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                    let training =
+                        TrainingLayout { zero_stage: zero, ..TrainingLayout::recomputing(mesh, false, recompute) };
+                    let (programs, _) = compile_training_at(config, &training, batch, seq);
+                    let workload = Workload {
+                        tsp_shards_embeddings: true,
+                        recompute: cost_recompute(recompute),
+                        zero,
+                        ..Workload::training(seq, batch / dp)
+                    };
+                    let memory = &memory_per_stage(&model, &layout, &workload)[0];
+                    for program in &programs {
+                        // tsp is the innermost axis: the rank modulo its degree is the place on it.
+                        let tsp_rank = u64::from(program.rank) % layout.degree(AxisName::Tsp);
+                        let phase = compiled_tsp_training_peak(&model, &layout, &workload, tsp_rank)
+                            .expect("tsp, alone or beside dp");
+                        let highest = phase.terms.last().map_or("", |term| term.name);
+                        phases.insert(match phase.name {
+                            "tsp mlp ring backward" => highest,
+                            name => name,
+                        });
+                        let differences = training_differences_from_closed_form(memory, &phase);
+                        let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
+                        let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
+                        let label = format!(
+                            "{} layers {} ffn {mesh} batch {batch} seq {seq} {recompute:?} rank {}",
+                            config.num_layers, config.intermediate_size, program.rank
+                        );
+                        assert_eq!(otherwise.bytes, 0.0, "{label}");
+                        let planned = plan(program, ElementSize::Fixed(4));
+                        assert_eq!(planned.param_bytes as f64, phase.params, "{label}");
+                        // Only full recompute peaks in an attention kernel's backward.
+                        let in_attention_backward = matches!(
+                            program.instructions[planned.peak_instr],
+                            Instr::Kernel { kernel: pleat_backend::Kernel::AttentionGrad { .. }, .. }
+                        );
+                        if in_attention_backward {
+                            assert_eq!(recompute, Recompute::Full, "{label}");
+                            assert_eq!(phase.name, "an attention backward's last owner's dv", "{label}");
+                            attention_peaks += 1;
+                        }
+                        assert_eq!(
+                            planned.peak_bytes as f64, predicted,
+                            "{label}: planner vs closed form ({}, {highest}) + {differences:?}",
+                            phase.name
+                        );
                     }
-                    assert_eq!(
-                        planned.peak_bytes as f64, predicted,
-                        "{label}: planner vs closed form ({}, {highest}) + {differences:?}",
-                        phase.name
-                    );
                 }
             }
         }
     }
-    // Both phases, and more than one of the ring's points, were checked against the planner.
-    assert!(phases.contains("end of backward") && phases.len() >= 3, "{phases:?}");
+    // Every phase, and more than one of the ring's points, was checked against the planner.
+    for phase in [
+        "end of backward",
+        "lm head backward",
+        "an attention backward's last owner's dv",
+        "an attention o gradient reduced to this rank, its owner",
+        "an attention o gradient reduced to another owner",
+        "an attention backward's last owner's q input gradient",
+    ] {
+        assert!(phases.contains(phase), "{phase} not among {phases:?}");
+    }
+    assert!(phases.iter().filter(|phase| phase.starts_with("mlp ring backward")).count() >= 2, "{phases:?}");
     assert!(attention_peaks > 0, "some full-recompute case peaks in the attention backward");
 }

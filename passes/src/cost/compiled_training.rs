@@ -28,7 +28,8 @@
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation). tsp peaks inside the
-//! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree.
+//! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree,
+//! alone or beside dp.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -124,10 +125,12 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     Some(ForwardPhase { name: "end of backward", params, terms })
 }
 
-/// A compiled tsp training step (tsp of degree D >= 2 the only axis; every rank peaks alike), or
-/// `None` for any other layout (tsp beside other axes is not modelled): the largest of five
-/// phases, each the buffers live at its highest point (`T` the step's tokens, `M` one MLP
-/// matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one hidden state `[T/D, h]`):
+/// The peak of the rank at `tsp_rank` on the tsp axis of a compiled tsp training step (tsp of
+/// degree D >= 2, alone or beside dp with ZeRO-1 at most), or `None` for any other layout (tsp
+/// beside another axis, or ZeRO-2 and 3, whose sharded gradients move the peak, are not
+/// modelled): the largest of these phases, each the buffers live at its highest point (`T` the
+/// step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one
+/// hidden state `[T/D, h]`):
 /// - **the LM head's backward**, the backward's start: every layer's kept values (its input,
 ///   attention residual, attention and mlp norms' outputs, and per owner q, attention output and
 ///   gathered k and v; selective recompute keeps no attention output, full recompute the input and
@@ -138,21 +141,37 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
 ///   the last's: the kept values of the layers up to it, the gradients of the layers above, the
 ///   ring's dy (and x, recomputed under full recompute), and what the ring holds at its highest
 ///   point ([`ring_backward_highest_point`]);
-/// - **the first layer's attention backward** (full recompute only), at the last owner's dv: the
-///   layer's input and recomputed attention norm and their gradients, one owner's block of
-///   attention weight gradients, this owner's q/k/v weights broadcast again with its q and gathered
-///   k, v recomputed, the attention output's gradient, o's weight gradient, dq, dk and dv;
+/// - **an attention backward**, the first layer's or the last's (which takes the owners last
+///   first, each owner's block of weight gradients reduced to it): under full recompute at the
+///   last owner's dv (the layer's input and recomputed attention norm and their gradients, one
+///   owner's block of attention weight gradients, this owner's q/k/v weights broadcast again with
+///   its q and gathered k, v recomputed, the attention output's gradient, o's weight gradient,
+///   dq, dk and dv); as o's gradient is reduced to this rank or to another owner (the rank's
+///   contributions to that owner's block, the owners' results before it and the activations of
+///   the owners after it, which differ with the rank's place on the axis); or, without full
+///   recompute, inside the last owner's backward as q's input gradient is made;
 /// - **the embedding's backward**: every gradient but the embedding's, every token's gradient
 ///   gathered over the sequence and the whole-vocabulary gradient being scattered from them;
 /// - **the end of the backward** (as [`compiled_training_peak`] under tp): every gradient, the loss
 ///   and the whole-vocabulary embedding gradient before the rank's shard is sliced from it.
 ///
-/// Every phase also holds the parameters, the loss and the token ids (and positions but at the
-/// end). `tests/cost_training.rs` checks the result against the planner to the byte for each
-/// recomputation from 16 to 512 tokens.
-pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
+/// Every phase also holds the parameters, the loss and the token ids (and positions while a
+/// layer's backward still reads them). Beside dp (`workload` a replica's micro-batch) every phase
+/// is tsp's alone: each gradient's dp all-reduce runs as the backward makes it, its sum replacing
+/// it (the phases hold the same bytes), and the embedding gradient's vocabulary shard is sliced
+/// before it is reduced, as under dp × tp. ZeRO-1 splits only the optimizer's state.
+/// `tests/cost_training.rs` checks the result against the planner to the byte for every rank, each
+/// recomputation and 16 to 512 tokens, alone and beside dp, on `tiny` and on a variant whose
+/// attention outweighs its MLP and vocabulary.
+pub fn compiled_tsp_training_peak(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    tsp_rank: u64,
+) -> Option<ForwardPhase> {
     let tsp = layout.degree(AxisName::Tsp);
-    if tsp < 2 || layout.world_size() != tsp {
+    let dp = layout.degree(AxisName::Dp);
+    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp || (dp > 1 && zero_stage(workload) >= 2) {
         return None;
     }
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
@@ -254,36 +273,57 @@ pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload:
         }
     }
     let mut ring = if head.bytes() > ring.bytes() { head } else { ring };
-    // Full recompute, the first layer's attention backward, at the last owner's dv: its layer's
-    // input and attention norm recomputed, the residual's and the norm's gradients, one owner's
-    // block of attention weight gradients (on two ranks the other owner's, awaiting its reduce; on
-    // more, the rank's own, summed from the others' reduces), this owner's q, k
-    // and v weights broadcast again with its q and gathered k, v recomputed, and the attention's
-    // output gradient, o's weight gradient, dq, dk and dv. The first layer's attention weights, its
-    // input norm and the embedding have no gradient yet.
-    if workload.recompute == Recompute::Full {
-        let block = model.attention_weights() as f64 / owners;
-        let qkv_weights = (query + 2.0 * key_value) * hidden / owners;
-        let owner_query = local * query / owners;
-        let input_norm = model.norm.params(model.hidden) as f64;
-        let attention = ForwardPhase {
-            name: "first layer's attention backward",
-            params: all_params,
-            terms: vec![
-                Term { name: GRADIENTS, bytes: all_params },
-                Term {
-                    name: "the first layer's attention and input norm gradients and the embedding's, not finished yet (removed)",
-                    bytes: -(block + model.attention_biases() as f64 / owners + input_norm + table) * element,
-                },
-                Term { name: "loss", bytes: element },
-                Term { name: "token ids and positions (zigzag and local)", bytes: integers },
+    // A layer's attention backward takes the owners last first: for each, the rank's
+    // contributions to the owner's q, k, v and o gradients (its block), then their reduces to the
+    // owner, o's first; a reduce leaves zeros on the other ranks, and the owners' results are
+    // summed as they come. Inside layer `layer`'s, the layers below keep what their forward kept;
+    // of the gradients, theirs, the layer's attention's and input norm's, and the embedding's are
+    // not done; the positions are live until the first layer's last owner no longer reads them.
+    // The first layer's or the last's is the highest (kept values grow with the layer as
+    // gradients shrink), at one of the points below.
+    let block = (model.attention_weights() + model.attention_biases()) as f64 / owners * element;
+    let o_block = hidden * query / owners * element;
+    let input_norm = model.norm.params(model.hidden) as f64 * element;
+    let owner_query = local * query / owners;
+    let inside_attention_backward = |layer: u64, positions: bool| {
+        let below = layer as f64;
+        let mut terms = vec![
+            Term { name: GRADIENTS, bytes: all_params },
+            Term {
+                name: "the layers' below it, its attention's and input norm's, and the embedding's gradients, not finished yet (removed)",
+                bytes: -(below * first_layer * element + block + input_norm + table * element),
+            },
+            Term { name: "loss", bytes: element },
+            Term { name: "token ids (zigzag)", bytes: 4.0 * tokens },
+            Term {
+                name: "the layers' below it kept values",
+                bytes: below * (kept_hidden * sizes.hidden_state + owners * per_owner_attention * element),
+            },
+        ];
+        if positions || layer > 0 {
+            terms.push(Term { name: "positions (zigzag and local)", bytes: 4.0 * (seq + seq / owners) });
+        }
+        terms
+    };
+    let mut candidates = Vec::new();
+    for layer in [0, model.layers.saturating_sub(1)] {
+        // Full recompute, at the last owner's dv: the layer's input and attention norm output
+        // recomputed, and their gradients; one owner's block of attention weight gradients (on
+        // two ranks the other owner's, awaiting its reduce; on more, the rank's own, summed from
+        // the others' reduces); this owner's q, k and v weights broadcast again with its q and
+        // gathered k, v recomputed; and the attention output's gradient, o's weight gradient, dq,
+        // dk and dv.
+        if workload.recompute == Recompute::Full {
+            let qkv_weights = (query + 2.0 * key_value) * hidden / owners;
+            let mut terms = inside_attention_backward(layer, true);
+            terms.extend([
                 Term {
                     name: "the layer's input, its attention norm output recomputed, their gradients",
                     bytes: 4.0 * sizes.hidden_state,
                 },
                 Term {
                     name: "one owner's attention weight gradients (in flight to its owner, or the rank's own sum)",
-                    bytes: block * element,
+                    bytes: block,
                 },
                 Term { name: "this owner's q, k and v weights, broadcast again", bytes: qkv_weights * element },
                 Term {
@@ -295,10 +335,90 @@ pub fn compiled_tsp_training_peak(model: &ModelShape, layout: &Layout, workload:
                     bytes: (owner_query + hidden * query / owners) * element,
                 },
                 Term { name: "dq, dk and dv", bytes: (owner_query + gathered_key_value) * element },
-            ],
+            ]);
+            candidates.push(ForwardPhase {
+                name: "an attention backward's last owner's dv",
+                params: all_params,
+                terms,
+            });
+        }
+        // As o's gradient of an owner is reduced: the owners' results before that one, summed (a
+        // block), the rank's contributions to that owner's block, the reduce's own buffers, the
+        // layer's input, its attention norm's and residual's gradients, and, with `after` owners
+        // still to come, the norm's output and those owners' activations.
+        let reducing = |name: &'static str, contributions: &'static str, reduce: Term, after: u64| {
+            let mut terms = inside_attention_backward(layer, after > 0);
+            terms.extend([
+                Term {
+                    name: "the layer's input, its attention norm's and residual's gradients",
+                    bytes: 3.0 * sizes.hidden_state,
+                },
+                Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
+                Term { name: contributions, bytes: block },
+                reduce,
+            ]);
+            if after > 0 {
+                terms.extend([
+                    Term { name: "the layer's attention norm output", bytes: sizes.hidden_state },
+                    Term {
+                        name: "the activations of the owners still to come",
+                        bytes: after as f64 * per_owner_attention * element,
+                    },
+                ]);
+            }
+            ForwardPhase { name, params: all_params, terms }
         };
-        if attention.bytes() > ring.bytes() {
-            ring = attention;
+        // - Its own owner's (but the axis's last, whose owner goes first): the reduce's chain is
+        //   what it received and their sum with one peer, the partial sum, the message and the
+        //   next sum with more; the owners after it are its place on the axis.
+        if tsp_rank + 1 < tsp {
+            let chain = Term {
+                name: "o's reduce: what it received, and the partial sums beside it",
+                bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+            };
+            candidates.push(reducing(
+                "an attention o gradient reduced to this rank, its owner",
+                "its contributions to its own attention weight gradients",
+                chain,
+                tsp_rank,
+            ));
+        }
+        // - Another owner's, leaving zeros here. The latest such owner has the most after it: the
+        //   second processed (the third where that one is this rank).
+        if let Some(other) = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) } {
+            candidates.push(reducing(
+                "an attention o gradient reduced to another owner",
+                "its contributions to that owner's attention weight gradients",
+                Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
+                other,
+            ));
+        }
+        // - Without full recompute, inside the last owner's backward (the axis's first), as q's
+        //   input gradient is made from q's gradient after RoPE and q's weights, broadcast again:
+        //   the rank's contributions to that owner's k, v and o gradients so far, and the layer's
+        //   attention norm output (q's weight gradient reads it next).
+        if workload.recompute != Recompute::Full {
+            let q_weights = hidden * query / owners * element;
+            let mut phase = reducing(
+                "an attention backward's last owner's q input gradient",
+                "its contributions to the last owner's k, v and o gradients",
+                Term { name: "q's gradient after RoPE", bytes: owner_query * element },
+                0,
+            );
+            for term in phase.terms.iter_mut().filter(|term| term.name.starts_with("its contributions")) {
+                term.bytes -= q_weights;
+            }
+            phase.terms.extend([
+                Term { name: "the layer's attention norm output", bytes: sizes.hidden_state },
+                Term { name: "the last owner's q weights, broadcast again", bytes: q_weights },
+                Term { name: "q's input gradient being made", bytes: sizes.hidden_state },
+            ]);
+            candidates.push(phase);
+        }
+    }
+    for phase in candidates {
+        if phase.bytes() > ring.bytes() {
+            ring = phase;
         }
     }
     // The end of the backward, as under tp: every gradient, the loss and the whole-vocabulary
@@ -465,7 +585,7 @@ mod tests {
         // the loss and the whole [256, 128] embedding gradient.
         let model = tiny();
         let layout = Layout::new(&[(AxisName::Tsp, 2)], false);
-        let few = compiled_tsp_training_peak(&model, &layout, &Workload::training(8, 2)).unwrap();
+        let few = compiled_tsp_training_peak(&model, &layout, &Workload::training(8, 2), 0).unwrap();
         assert_eq!((few.name, few.bytes()), ("end of backward", (2.0 * 180864.0 + 1.0 + 256.0 * 128.0) * 4.0));
         // Two of 64 (T = 128, 64 a rank): the first layer's ring peaks, at its last step as up's
         // gradient is finished. Beside the weights: the second layer's gradients and the head's
@@ -474,7 +594,7 @@ mod tests {
         // q and attention [64, 64] and k, v [128, 32], dy [64, 128]; in the ring the input
         // gradient so far [64, 128], up's gradient part [64, 128], and the part received, the
         // rank's own and the finished down, gate and up gradients (5 of [128, 128]).
-        let many = compiled_tsp_training_peak(&model, &layout, &Workload::training(64, 2)).unwrap();
+        let many = compiled_tsp_training_peak(&model, &layout, &Workload::training(64, 2), 0).unwrap();
         let elements = 180864.0 * 2.0 - 73984.0 - 16384.0
             + 1.0
             + (128.0 + 64.0 + 32.0)
@@ -490,8 +610,14 @@ mod tests {
             Some("mlp ring backward, last step: two gradients, up's finished")
         );
         assert_eq!(many.bytes(), elements * 4.0);
-        let beside = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 2)], false);
-        assert_eq!(compiled_tsp_training_peak(&model, &beside, &Workload::training(8, 2)), None);
+        // Beside dp, a replica's two sequences peak as tsp's alone do; ZeRO-2 (sharded gradients)
+        // and tsp beside tp are not modelled.
+        let beside_dp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 2)], false);
+        assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &Workload::training(64, 2), 0).as_ref(), Some(&many));
+        let zero2 = Workload { zero: 2, ..Workload::training(8, 2) };
+        assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &zero2, 0), None);
+        let beside_tp = Layout::new(&[(AxisName::Tp, 2), (AxisName::Tsp, 2)], false);
+        assert_eq!(compiled_tsp_training_peak(&model, &beside_tp, &Workload::training(8, 2), 0), None);
     }
 
     #[test]
