@@ -33,7 +33,7 @@
 //! dp and ep split the batch alike: the program's batch is the replica's times both.
 //!
 //! [`super::compiled_training`] does the same for a training step's program, which peaks at the
-//! end of its backward.
+//! head of its backward, inside a layer's backward, or at its end.
 //!
 //! The peak is the larger phase. Other phases (a layer's attention, TSP's weight broadcasts) are
 //! smaller at the sizes the tests compile; a layout whose peak fell there would make the planner's

@@ -1,14 +1,35 @@
 //! The peak of a compiled training step (forward and backward of one rank's program), from closed
 //! forms, term by term.
 //!
-//! The step peaks at the end of its backward, when the embedding's gradient is computed: by then
-//! every activation the backward kept is freed (whatever was recomputed: recomputation changes
-//! what the backward holds before this point, not at it), and live are the parameters, the gradient
-//! of every parameter (each an output of the program), the loss, and the embedding's gradient over
-//! the whole vocabulary `[V, h]` (the scatter-add of the token gradients), before tp slices the
-//! rank's vocabulary shard from it or dp reduces it (on one rank it is the gradient itself, written
-//! beside the token ids and the embedding output's gradient it is computed from). What the layout
-//! does to that whole-vocabulary gradient at the peak is the rest:
+//! A step's backward holds the most either at its head, where every activation the forward kept
+//! is live beside the logits and their gradient, or at its end, where every gradient is; between
+//! the two, activations are freed as gradients are made, and the peak moves from the head to the
+//! end as the tokens shrink against the parameters. [`compiled_training_peak`] is the largest of
+//! the live sets at these points (each one point of the program, term by term):
+//! - **the head of the backward**: the loss's backward (the logits beside their gradient, and the
+//!   vocabulary-parallel loss's row statistics under tp), the LM head's input gradient and its
+//!   weight gradient (the final norm's output recomputed for them under full recomputation);
+//! - **inside a layer's MLP backward**, the first layer's or the last's: as the down projection's
+//!   weight gradient is made (and, beside dp or cp, reduced), and as the MLP norm output's
+//!   gradients from gate and up are summed;
+//! - under full recomputation, **inside a layer's recomputed attention backward**: at the attention
+//!   kernel's dv, and as the attention norm output's gradients from v, k and q are summed;
+//! - **the embedding's backward**, as the whole-vocabulary gradient is scattered from the token
+//!   gradients;
+//! - **the end of the backward**, below.
+//!
+//! Each is exact where the program peaks there; where it peaks at a point not modelled (a
+//! crossover token count, a narrow MLP, dp's reduction of another gradient, a mixture of experts'
+//! or a tied head's backward, for which only the end is modelled) the result is below the
+//! planner's peak, never above (`tests/cost_training.rs` checks both).
+//!
+//! At the end of the backward, when the embedding's gradient is computed, every activation the
+//! backward kept is freed, and live are the parameters, the gradient of every parameter (each an
+//! output of the program), the loss, and the embedding's gradient over the whole vocabulary
+//! `[V, h]` (the scatter-add of the token gradients), before tp slices the rank's vocabulary
+//! shard from it or dp reduces it (on one rank it is the gradient itself, written beside the
+//! token ids and the embedding output's gradient it is computed from). What the layout does to
+//! that whole-vocabulary gradient there is the rest:
 //! - **tp** (with or without Megatron SP): slices its vocabulary shard, a gradient output (counted
 //!   with the gradients). **dp** and **cp**: all-reduce it into the gradient output.
 //! - **dp × tp**: slices the tp shard first and all-reduces only the `[V/tp, h]` shard over dp
@@ -27,7 +48,7 @@
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
-//! and full recomputation). tsp peaks inside the
+//! and full recomputation, each on 8, 32 and 128 tokens a sequence). tsp peaks inside the
 //! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree,
 //! alone or beside dp.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
@@ -72,14 +93,327 @@ fn zero_stage(workload: &Workload) -> u8 {
     }
 }
 
-/// The peak of a compiled training step on one rank of `layout` (no pipelining; any recompute),
-/// or `None` where the step peaks in a phase not modelled here: a tsp or pp axis, or ZeRO-2/3
-/// with an axis beside dp other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a
-/// replica). The phase's `params` are the program's (a dp shard under ZeRO-3); its terms are the
-/// gradients (a dp shard under ZeRO-2 and 3), the loss, the whole-vocabulary embedding gradient and
-/// the layout's terms of the module doc. The optimizer's moments are not the program's: the
-/// executor adds them beside it.
+/// The peak of a compiled training step on one rank of `layout` (no pipelining; any recompute):
+/// the largest phase of the module doc, exact where the program peaks at one of them and below
+/// the planner's peak otherwise; `None` for a tsp or pp axis, or ZeRO-2/3 with an axis beside dp
+/// other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a replica).
+/// The phase's `params` are the program's (a dp shard under ZeRO-3); its terms are every
+/// gradient (a dp shard under ZeRO-2 and 3), less those not made at that point, and the buffers
+/// live there. The optimizer's moments are not the program's: the executor adds them beside it.
 pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
+    let end = end_of_backward(model, layout, workload)?;
+    let mut phases = head_of_backward(model, layout, workload, end.params);
+    // Each of those names the gradients made so far; beside the step's gradients (as the end's
+    // are counted, so that the closed form's stand for them) the rest are removed.
+    let grads = end.terms.iter().find(|term| term.name == GRADIENTS).map_or(0.0, |term| term.bytes);
+    for phase in &mut phases {
+        phase.terms.splice(
+            0..0,
+            [
+                Term { name: GRADIENTS, bytes: grads },
+                Term { name: "every gradient, none made at this point (removed; those made are named)", bytes: -grads },
+            ],
+        );
+    }
+    phases.extend(embedding_backward(model, layout, workload, &end));
+    Some(phases.into_iter().fold(end, |best, phase| if phase.bytes() > best.bytes() { phase } else { best }))
+}
+
+/// Just before the end of the backward (on more than one rank): the whole-vocabulary embedding
+/// gradient being scattered from the embedding output's gradient (gathered under SP) by the token
+/// ids, every other gradient done and the rank's vocabulary shard of the embedding's not sliced
+/// yet.
+fn embedding_backward(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    end: &ForwardPhase,
+) -> Option<ForwardPhase> {
+    if layout.world_size() == 1 {
+        return None;
+    }
+    let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+    let shards = if dp > 1 && zero_stage(workload) >= 2 { dp as f64 } else { 1.0 };
+    let element = model.dtype_bytes as f64;
+    let tokens = workload.tokens_per_micro_batch() as f64;
+    let shard = (model.vocab as f64 / tp as f64).ceil() * model.hidden as f64 * element;
+    let grads = end.terms.iter().find(|term| term.name == GRADIENTS)?.bytes;
+    Some(ForwardPhase {
+        name: "the embedding's backward",
+        params: end.params,
+        terms: vec![
+            Term { name: GRADIENTS, bytes: grads },
+            Term {
+                name: "the embedding gradient's vocabulary shard, not sliced yet (removed)",
+                bytes: -shard / shards,
+            },
+            Term { name: "loss", bytes: element },
+            Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: (model.vocab * model.hidden) as f64 * element },
+            Term {
+                name: "the embedding output's gradient (gathered under SP)",
+                bytes: tokens / cp as f64 * model.hidden as f64 * element,
+            },
+            Term { name: "token ids", bytes: 4.0 * tokens },
+        ],
+    })
+}
+
+/// The head of the backward of a step without pipelining or tsp (a dense model): every layer's
+/// kept activations, the final norm's input and output, the token ids and positions and the loss,
+/// beside the loss's backward and the LM head's.
+fn head_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
+    if model.experts.is_some() || model.tied_embeddings {
+        return Vec::new();
+    }
+    let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+    let zero = if dp > 1 { zero_stage(workload) } else { 0 };
+    let sequence_parallel = layout.sequence_parallel && tp > 1;
+    let element = model.dtype_bytes as f64;
+    let tokens = workload.tokens_per_micro_batch() as f64;
+    let local_tokens = tokens / cp as f64;
+    let split = tp as f64;
+    let (hidden, query) = (model.hidden as f64, model.query_width() as f64 / split);
+    let kv = model.kv_width() as f64 / super::activation::kv_split(model, layout) as f64;
+    let ffn = model.ffn as f64 / split;
+    let vocab_shard = (model.vocab as f64 / split).ceil();
+    let ids = tokens * 4.0;
+    let local_ids = if cp > 1 { local_tokens * 4.0 } else { 0.0 };
+    let positions = workload.seq as f64 * 4.0 * if cp > 1 { 1.0 + 1.0 / cp as f64 } else { 1.0 };
+    let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
+    let gathered = local_tokens * hidden * element;
+    let boundary = if sequence_parallel && cp > 1 { gathered } else { stream };
+    let attention_kept = if workload.recompute == Recompute::Selective { 0.0 } else { query };
+    let kv_kept = if cp > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
+    let kept_layer = if workload.recompute == Recompute::Full {
+        stream + boundary
+    } else {
+        2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
+    };
+    let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
+    let logits = if cp > 1 { tokens } else { local_tokens } * vocab_shard * element;
+    // (Full recomputation beside cp under SP keeps the last layer's output split: the final
+    // norm's all-gather of it is recomputed, not kept as the stream.)
+    let last_output_split = if workload.recompute == Recompute::Full { boundary - stream } else { 0.0 };
+    // The places in `base` of the kept activations, the token ids and positions, and the final
+    // norm's buffers (a later phase's own terms replace them).
+    const KEPT: usize = 0;
+    const IDS: usize = 1;
+    const FINAL_NORM: usize = 3;
+    let base = vec![
+        Term { name: "every layer's kept activations", bytes: model.layers as f64 * kept_layer - last_output_split },
+        Term { name: "token ids and positions", bytes: ids + local_ids + positions },
+        Term { name: "embedding output (the first layer's input)", bytes: boundary },
+        Term { name: "the final norm's input (gathered under SP) and output", bytes: final_norm },
+        Term { name: "loss", bytes: element },
+    ];
+    let mut loss_backward = base.clone();
+    loss_backward
+        .extend([Term { name: "logits", bytes: logits }, Term { name: "the logits' gradient", bytes: logits }]);
+    if tp > 1 {
+        // The vocabulary-parallel loss's row statistics (three f32 a row from each tp rank).
+        let rows = logits / vocab_shard / element;
+        loss_backward
+            .push(Term { name: "the loss's row statistics, gathered over tp", bytes: 3.0 * 4.0 * split * rows });
+    }
+    // Past the loss's backward, cp's logits' gradient is the rank's tokens' again, and the whole
+    // sequence's token ids are freed.
+    let mut past_loss = base.clone();
+    if cp > 1 {
+        past_loss[IDS].bytes -= ids;
+    }
+    // Full recomputation recomputes the final norm for the head's gradients: its output (and,
+    // under SP, its input all-gathered again, the last layer's split output then freed).
+    let norm_weight = model.norm.params(model.hidden) as f64 * element;
+    let mut input_gradient = past_loss.clone();
+    if workload.recompute == Recompute::Full {
+        let gathered_input = if sequence_parallel { gathered } else { 0.0 };
+        if sequence_parallel {
+            input_gradient[KEPT].bytes -= stream;
+        }
+        // (ZeRO-3 gathers the final norm's weight again for it.)
+        if zero >= 3 {
+            input_gradient.push(Term { name: "the final norm's weight, gathered again", bytes: norm_weight });
+        }
+        input_gradient[FINAL_NORM] = Term {
+            name: "the final norm's input gathered (under SP) and output, recomputed",
+            bytes: gathered_input + gathered,
+        };
+    }
+    input_gradient.extend([
+        Term { name: "the logits' gradient", bytes: local_tokens * vocab_shard * element },
+        Term { name: "the LM head's input gradient", bytes: gathered },
+    ]);
+    let head_gradient = vocab_shard * hidden * element;
+    let mut weight_gradient = input_gradient.clone();
+    weight_gradient.push(Term { name: "the LM head's weight gradient", bytes: head_gradient });
+    let mut phases = vec![
+        ForwardPhase { name: "the loss's backward", params, terms: loss_backward },
+        ForwardPhase { name: "the LM head's input gradient", params, terms: input_gradient },
+        ForwardPhase { name: "the LM head's weight gradient", params, terms: weight_gradient },
+    ];
+    // Inside layer `l`'s MLP backward (the first layer's or the last's: kept activations shrink
+    // with the layer as gradients grow): the kept activations of the layers up to it but its
+    // output (freed by the backward above it), its MLP's activations (recomputed under full
+    // recomputation: the MLP norm's output, gate, up and their product), the gradients of the
+    // head, the final norm and the layers above (dp shards under ZeRO-2 and 3), and its output
+    // gradient.
+    let shards = if zero >= 2 { dp as f64 } else { 1.0 };
+    let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
+    let layer_params =
+        (stage_params(model, layout, &compiled, 1, 1) - stage_params(model, layout, &compiled, 1, 0)) * element;
+    let matrix = hidden * ffn * element;
+    let activation = local_tokens * ffn * element;
+    let full = workload.recompute == Recompute::Full;
+    for layer in [model.layers.saturating_sub(1), 0] {
+        let above = (model.layers - 1 - layer) as f64;
+        let mut mlp = past_loss.clone();
+        mlp[KEPT] = Term {
+            name: "the kept activations of the layers up to it but its output",
+            bytes: (layer + 1) as f64 * kept_layer - boundary,
+        };
+        mlp[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
+        if full {
+            mlp.push(Term {
+                name: "its MLP norm's output, gate, up and their product, recomputed",
+                bytes: gathered + 3.0 * activation,
+            });
+            // ZeRO-3 gathered their weights again for the recomputation.
+            if zero >= 3 {
+                mlp.push(Term {
+                    name: "its MLP norm's, gate's and up's weights, gathered again",
+                    bytes: norm_weight + 2.0 * matrix,
+                });
+            }
+        }
+        mlp.push(Term {
+            name: "the gradients of the head, the final norm and the layers above",
+            bytes: (head_gradient + norm_weight + above * layer_params) / shards,
+        });
+        // As the down projection's weight gradient is made: the SiLU product's gradient beside it.
+        // (Under SP the down projection's output gradient is all-gathered over tp for it.)
+        let mut down = mlp.clone();
+        if sequence_parallel {
+            down.push(Term { name: "the down projection's output gradient, all-gathered", bytes: gathered });
+        }
+        down.extend([
+            Term { name: "the SiLU product's gradient", bytes: activation },
+            Term { name: "the down projection's weight gradient", bytes: matrix },
+        ]);
+        phases.push(ForwardPhase { name: "an MLP's down projection weight gradient", params, terms: down.clone() });
+        // dp and cp then all-reduce it into a new buffer (ZeRO-2 and 3 reduce-scatter it over dp,
+        // staging it whole); the SiLU product and (under SP) the gathered output gradient, whose
+        // last reader made it, are freed.
+        if dp > 1 || cp > 1 {
+            down.push(Term { name: "the SiLU product, freed", bytes: -activation });
+            down.retain(|term| !term.name.ends_with("all-gathered"));
+            let reduce = if zero >= 2 { "its reduce-scatter's staging" } else { "its all-reduce's result" };
+            down.push(Term { name: reduce, bytes: matrix });
+            phases.push(ForwardPhase { name: "an MLP's down projection weight gradient reduced", params, terms: down });
+        }
+        // As the MLP norm output's gradient sums the gate's and up's: the down and up weight
+        // gradients done, gate's output gradient (its weight gradient is next), the two input
+        // gradients and their sum; gate, up and their product freed.
+        let mut norm = mlp;
+        norm.retain(|term| !term.name.ends_with("gathered again"));
+        norm.push(Term { name: "gate, up and their product, freed", bytes: -3.0 * activation });
+        norm.extend([
+            Term { name: "the down and up projections' weight gradients", bytes: 2.0 * matrix / shards },
+            Term { name: "gate's output gradient", bytes: activation },
+            Term { name: "the MLP norm output's gradients from gate and up, and their sum", bytes: 3.0 * gathered },
+        ]);
+        phases.push(ForwardPhase { name: "an MLP norm output's gradient", params, terms: norm });
+        // Full recomputation, inside layer `l`'s attention backward (recomputed from its input):
+        // the kept activations of the layers below and its input, the gradients of its MLP, MLP
+        // norm and output projection done too, its attention residual's gradient, and its
+        // attention norm's output, q, k and v recomputed.
+        if full {
+            let mut attention = past_loss.clone();
+            attention[KEPT] =
+                Term { name: "the kept activations of the layers below", bytes: layer as f64 * kept_layer };
+            attention[FINAL_NORM] = Term { name: "its attention residual's gradient", bytes: stream };
+            let layer_mlp = 3.0 * matrix + norm_weight + hidden * query * element;
+            attention.extend([
+                Term {
+                    name:
+                        "the gradients of the head, the final norm, the layers above and its MLP and output projection",
+                    bytes: (head_gradient + norm_weight + above * layer_params + layer_mlp) / shards,
+                },
+                Term { name: "its attention norm's output, recomputed", bytes: gathered },
+            ]);
+            // At the attention kernel's dv: q, k and v (cp's every token's k and v) recomputed,
+            // attention's output gradient, dq and dk made, dv being made.
+            let mut dv = attention.clone();
+            dv.extend([
+                Term { name: "its q, k and v, recomputed", bytes: (local_tokens * query + kv_kept) * element },
+                Term { name: "attention's output gradient", bytes: local_tokens * query * element },
+                Term { name: "dq, dk and dv", bytes: (local_tokens * query + kv_kept) * element },
+            ]);
+            // (ZeRO-3 gathered its attention norm's, q's, k's and v's weights again for the
+            // recomputation; k's and v's are freed once their input gradients are made.)
+            if zero >= 3 {
+                dv.push(Term {
+                    name: "its attention norm's, q's, k's and v's weights, gathered again",
+                    bytes: norm_weight + hidden * (query + 2.0 * kv) * element,
+                });
+            }
+            phases.push(ForwardPhase { name: "an attention kernel's backward (full recompute)", params, terms: dv });
+            // As the attention norm output's gradients from v and k are summed: q's and k's
+            // gradients after RoPE (their weight gradients are still to come), v's weight gradient
+            // done, and the two input gradients and their sum.
+            // In the first layer every token's positions were last read by the attention kernel's
+            // backward and the rank's own by q's RoPE backward, which comes before this sum but
+            // under SP.
+            let mut norm = attention;
+            if layer == 0 {
+                let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * 4.0 } else { 0.0 };
+                norm[IDS].bytes -= positions - local_positions;
+            }
+            if zero >= 3 {
+                norm.push(Term {
+                    name: "its attention norm's and q's weights, gathered again",
+                    bytes: norm_weight + hidden * query * element,
+                });
+            }
+            norm.extend([
+                Term { name: "its v projection's weight gradient", bytes: hidden * kv * element / shards },
+                Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
+                Term {
+                    name: "the attention norm output's gradients from v and k, and their sum",
+                    bytes: 3.0 * gathered,
+                },
+            ]);
+            // Then as q's input gradient joins that sum: k's weight gradient done and k's gradient
+            // freed (under ZeRO-3 q's gathered weight too, its last reader done; in the first
+            // layer under SP the rank's positions, q's RoPE backward done).
+            let mut with_q = norm.clone();
+            if layer == 0 && sequence_parallel {
+                with_q[IDS].bytes -= workload.seq as f64 / cp as f64 * 4.0;
+            }
+            with_q.retain(|term| term.name != "its attention norm's and q's weights, gathered again");
+            if zero >= 3 {
+                with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
+            }
+            with_q.extend([
+                Term { name: "its k projection's weight gradient", bytes: hidden * kv * element / shards },
+                Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
+            ]);
+            phases.push(ForwardPhase {
+                name: "an attention norm output's gradient (full recompute)",
+                params,
+                terms: norm,
+            });
+            phases.push(ForwardPhase {
+                name: "an attention norm output's gradient from q (full recompute)",
+                params,
+                terms: with_q,
+            });
+        }
+    }
+    phases
+}
+
+/// The end of the backward (see [`compiled_training_peak`]).
+fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let dp = layout.degree(AxisName::Dp);
     let zero = if dp > 1 { zero_stage(workload) } else { 0 };
     let tp = layout.degree(AxisName::Tp);
@@ -563,6 +897,26 @@ mod tests {
         let memory = &memory_per_stage(&model, &layout, &workload)[0];
         let sum: f64 = training_differences_from_closed_form(memory, &phase).iter().map(|term| term.bytes).sum();
         assert!((memory.peak_bytes + sum - phase.bytes()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn head_of_backward_by_hand() {
+        // tiny on one rank, four sequences of 128 (T = 512 tokens): the loss's backward peaks,
+        // every activation kept and the logits beside their gradient. A layer keeps its two norms'
+        // outputs, its attention residual and its output ([T, 128] each: 4·262144 bytes), q after
+        // RoPE and attention's output ([T, 128] each), gate, up and their product ([T, 256] each:
+        // together 512·(128 + 128 + 768)·4 = 2097152), and k and v after RoPE ([T, 64] each:
+        // 262144): 3407872 bytes. Beside two of those: the weights (361088 elements), the token
+        // ids (2048) and positions (512), the embedding's output (262144), the final norm's output
+        // (262144), the loss (4), and the logits and their gradient ([T, 256]: 524288 each).
+        let model = tiny();
+        let phase = compiled_training_peak(&model, &Layout::new(&[], false), &Workload::training(128, 4)).unwrap();
+        assert_eq!(phase.name, "the loss's backward");
+        let expected = 361088.0 * 4.0 + 2.0 * 3407872.0 + 2048.0 + 512.0 + 2.0 * 262144.0 + 4.0 + 2.0 * 524288.0;
+        assert_eq!(phase.bytes(), expected);
+        // On eight tokens the gradients outweigh the activations: the end of the backward peaks.
+        let few = compiled_training_peak(&model, &Layout::new(&[], false), &Workload::training(8, 1)).unwrap();
+        assert_eq!(few.name, "end of backward");
     }
 
     #[test]
