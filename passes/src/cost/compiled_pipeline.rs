@@ -18,9 +18,11 @@
 //! first layer's query projection's (only that layer's input norm follows). There the current
 //! micro-batch has freed its layers' activations but for its first layer's input and gradients. The
 //! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
-//! largest. The head of a backward (all activations and the first gradients live) is smaller
-//! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile
-//! with 8 tokens a sequence; on more tokens a stage peaks there, which is not modelled, and the
+//! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
+//! the gate projection's weight gradient joins its sum (modelled without dp, cp, tsp or full
+//! recomputation). The head of a backward (all activations and the first gradients live) is
+//! smaller wherever the gradients outweigh a micro-batch's activations, as on the models the tests
+//! compile with 8 tokens a sequence; on more tokens a stage peaks there, which is not modelled, and the
 //! result is below the planner's peak (every candidate is the live set at one point of the
 //! program, so never above: `tests/cost_training.rs` checks both).
 //!
@@ -416,6 +418,25 @@ pub fn compiled_stage_peak(
             ]);
             (so_far, held)
         });
+        // A dense stage may peak inside its first layer's MLP backward on more tokens, as the gate
+        // projection's weight gradient joins its sum: the layer's attention activations and MLP
+        // norm output are live, with the norm output's gradient from up, gate's output gradient
+        // (its input gradient is next) and the layer's output gradient; of its gradients only the
+        // down, up and gate projections' are done. (Not modelled beside dp or cp, which reduce
+        // the gradient first; under tsp, whose ring makes the MLP's gradients; or under full
+        // recomputation, which recomputes the MLP.)
+        let gate_joining = (model.experts.is_none() && !reduced && tsp == 1 && workload.recompute != Recompute::Full)
+            .then(|| {
+                let so_far = grads - (attention_weights + 2.0 * norm) * element - table;
+                let mut held = first_layer_held.clone();
+                held.extend(first_layer_attention.iter().cloned());
+                held.extend([
+                    Term { name: "first layer's MLP norm output and its gradient from up", bytes: 2.0 * gathered },
+                    Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
+                    Term { name: "first layer's output gradient", bytes: stream },
+                ]);
+                (gate, so_far, held)
+            });
         // A mixture of experts may peak inside its first layer's backward instead, as one of that
         // layer's routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
         // joins its sum: the layer's attention activations are still live, and of its gradients
@@ -772,6 +793,7 @@ pub fn compiled_stage_peak(
             kept_for_weights,
             input_gradients_at_w,
             experts_joining,
+            gate_joining,
             made_in_b: mlp_gradients_in_b.map(|per_layer| layers as f64 * per_layer),
             later_w_reads: (layers as f64 - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
             tsp_attention,
@@ -1039,6 +1061,13 @@ pub fn compiled_stage_peak(
             }
             candidates.push(candidate("first layer's expert gradient joins its sum", *so_far, &held));
         }
+        if let Some((matrix, so_far, held)) = current.gate_joining.as_ref().filter(|_| !zero_bubble) {
+            let mut held = held.clone();
+            if !first_backward {
+                held.push(Term { name: "the joining gate gradient's new sum beside the old", bytes: *matrix });
+            }
+            candidates.push(candidate("first layer's gate gradient joins its sum", *so_far, &held));
+        }
         for (name, so_far, held, joining) in &current.tsp_attention {
             let mut held = held.clone();
             if *joining > 0.0 && !first_backward {
@@ -1089,6 +1118,9 @@ struct ChunkHold {
     /// A mixture of experts: the joining expert gradient, the gradients done with it, and what the
     /// micro-batch holds, as the first layer's last expert gradient joins its sum.
     experts_joining: Option<(f64, f64, Vec<Term>)>,
+    /// A dense chunk on more tokens: the joining gate gradient, the gradients done with it, and
+    /// what the micro-batch holds, as the first layer's gate gradient joins its sum.
+    gate_joining: Option<(f64, f64, Vec<Term>)>,
     /// Zero bubble: the MLP weight gradients B makes over the chunk's layers (tsp's ring, a
     /// mixture's experts and router), if any.
     made_in_b: Option<f64>,
