@@ -1226,16 +1226,17 @@ fn stage_closed_forms(
 fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() {
     // The stage forms model each backward's tail, where a stage peaks while a micro-batch's
     // gradients outweigh its activations (8 tokens a sequence in the tests above), and a dense
-    // stage's first layer's gate gradient joining its sum, where it peaks on somewhat more. On
-    // more still a backward's head peaks, which they do not model: there every candidate is still
-    // the live set at one point of the program, so the form is below the planner's peak, never
-    // above.
+    // stage's first layer's gate gradient joining its sum, where it peaks on somewhat more, and
+    // the last stage's loss's backward and LM head gradient. On more still a stage peaks at other
+    // points of a backward's head, which they do not model: there every candidate is still the
+    // live set at one point of the program, so the form is below the planner's peak, never above.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
+    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight_experts = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
-    let (mut below, mut gate_joining_exact) = (0, 0);
+    let (mut below, mut gate_joining_exact, mut head_exact) = (0, 0, 0);
     for recompute in [Recompute::None, Recompute::Full] {
         for (config, mesh, kind, micro_batches, sequence_parallel, zero_stage) in [
             (&four, "pp=2", one_f_one_b, 4, false, 0),
@@ -1246,6 +1247,8 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&four, "pp=2,cp=2", one_f_one_b, 2, false, 0),
             (&four, "pp=2,tsp=2", one_f_one_b, 2, false, 0),
             (&four, "pp=2", interleaved, 2, false, 0),
+            (&wide_vocabulary, "pp=2", one_f_one_b, 4, false, 0),
+            (&wide_vocabulary, "pp=2,tp=2", one_f_one_b, 2, true, 0),
             (&four_experts, "pp=2", one_f_one_b, 2, false, 0),
             (&eight_experts, "pp=2", one_f_one_b, 4, false, 0),
             (&four_experts, "pp=4", one_f_one_b, 4, false, 0),
@@ -1266,18 +1269,20 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                         stage.phase.bytes()
                     );
                     below += usize::from(stage.phase.bytes() < planned);
-                    gate_joining_exact += usize::from(
-                        stage.phase.name == "first layer's gate gradient joins its sum"
-                            && stage.phase.bytes() == planned,
-                    );
+                    let exact = stage.phase.bytes() == planned;
+                    gate_joining_exact +=
+                        usize::from(stage.phase.name == "first layer's gate gradient joins its sum" && exact);
+                    head_exact +=
+                        usize::from(stage.phase.name == "the LM head's weight gradient joins its sum" && exact);
                 }
             }
         }
     }
     // The head of a backward does peak on these (or the check would be idle); a dense stage's
-    // first layer's gate gradient joining its sum, modelled, is exact where it peaks.
+    // first layer's gate gradient, and the last stage's LM head gradient (beside a wide
+    // vocabulary), joining their sums, both modelled, are exact where they peak.
     assert!(below > 0);
-    assert!(gate_joining_exact > 0);
+    assert!(gate_joining_exact > 0 && head_exact > 0, "{gate_joining_exact} {head_exact}");
 }
 
 #[test]

@@ -20,11 +20,13 @@
 //! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
 //! the gate projection's weight gradient joins its sum (modelled without dp, cp, tsp or full
-//! recomputation). The head of a backward (all activations and the first gradients live) is
-//! smaller wherever the gradients outweigh a micro-batch's activations, as on the models the tests
-//! compile with 8 tokens a sequence; on more tokens a stage peaks there, which is not modelled, and the
-//! result is below the planner's peak (every candidate is the live set at one point of the
-//! program, so never above: `tests/cost_training.rs` checks both).
+//! recomputation), and the last stage at the head of a backward: the loss's backward, or (a dense
+//! model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins its
+//! sum. The head of a backward (all activations and the first gradients live) is smaller
+//! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile
+//! with 8 tokens a sequence; on more tokens a stage may peak at other points of it, not modelled,
+//! and the result is below the planner's peak (every candidate is the live set at one point of
+//! the program, so never above: `tests/cost_training.rs` checks both).
 //!
 //! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
 //! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
@@ -245,6 +247,10 @@ pub fn compiled_stage_peak(
     let hold = |first: bool, last: bool, layers: u64| -> ChunkHold {
         let params = chunk_params(model, layout, workload, first, last, layers) * element;
         let grads = params / shards;
+        // On the last chunk the loss's backward, the head of a micro-batch's backward there, makes
+        // the logits' gradient beside them (and, under tp, gathers the vocabulary-parallel loss's
+        // row statistics, three f32 a row from each tp rank): the bytes it adds to the micro-batch.
+        let mut loss_backward = None;
         // A micro-batch in flight on this chunk: its inputs, what its layers keep, and on the last
         // one the head's outputs (the final norm's input all-gathered under SP, its output whole);
         // its positions, which every chunk of the stage reads, are counted once a micro-batch.
@@ -285,6 +291,14 @@ pub fn compiled_stage_peak(
             // cp and tsp gather every token's logits (back in order) for the loss.
             let logits = if token_split > 1 { tokens } else { local_tokens } * (vocab / vocab_split).ceil() * element;
             in_flight += ids + final_norm + logits + element;
+            let rows = logits / (vocab / vocab_split).ceil() / element;
+            let statistics = if vocab_split > 1.0 { 3.0 * 4.0 * vocab_split * rows } else { 0.0 };
+            loss_backward = Some(HeadBackward {
+                loss: logits + statistics,
+                logits,
+                input_gradient: gathered,
+                weight_gradient: (vocab / vocab_split).ceil() * hidden * element,
+            });
         }
         // The tail of a backward: the gradient joining the sums, what the micro-batch still holds.
         // Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is
@@ -784,6 +798,7 @@ pub fn compiled_stage_peak(
             params,
             grads,
             in_flight,
+            loss_backward,
             joining,
             grads_so_far,
             held,
@@ -1061,6 +1076,36 @@ pub fn compiled_stage_peak(
             }
             candidates.push(candidate("first layer's expert gradient joins its sum", *so_far, &held));
         }
+        // The head of the micro-batch's backward on the last chunk: all it holds in flight, its
+        // positions, and the loss's backward's own buffers; none of its gradients made yet.
+        if let Some(head) = current.loss_backward.filter(|_| !zero_bubble) {
+            let held = [
+                Term { name: "its positions", bytes: positions },
+                Term { name: "what it holds in flight", bytes: current.in_flight },
+                Term { name: "the logits' gradient (and under tp the loss's row statistics)", bytes: head.loss },
+            ];
+            candidates.push(candidate("the loss's backward", 0.0, &held));
+            // Then, as the LM head's weight gradient joins its sum: the logits freed, their
+            // gradient and the head's input gradient beside it. (Not modelled beside dp, which
+            // reduces the gradient first; beside cp or tsp, whose logits' gradient is sliced back
+            // to the rank's tokens; under full recomputation, which recomputes the final norm
+            // for it; or for a mixture, whose load-balancing loss's buffers differ there.)
+            if !reduced && token_split == 1 && workload.recompute != Recompute::Full && model.experts.is_none() {
+                let mut held = vec![
+                    Term { name: "its positions", bytes: positions },
+                    Term { name: "what it holds in flight but the logits", bytes: current.in_flight - head.logits },
+                    Term { name: "the logits' gradient", bytes: head.logits },
+                    Term { name: "the LM head's input gradient", bytes: head.input_gradient },
+                ];
+                if !first_backward {
+                    held.push(Term {
+                        name: "the joining head gradient's new sum beside the old",
+                        bytes: head.weight_gradient,
+                    });
+                }
+                candidates.push(candidate("the LM head's weight gradient joins its sum", head.weight_gradient, &held));
+            }
+        }
         if let Some((matrix, so_far, held)) = current.gate_joining.as_ref().filter(|_| !zero_bubble) {
             let mut held = held.clone();
             if !first_backward {
@@ -1087,6 +1132,20 @@ pub fn compiled_stage_peak(
     best
 }
 
+/// The head of a micro-batch's backward on the last chunk, in bytes.
+#[derive(Clone, Copy)]
+struct HeadBackward {
+    /// What the loss's backward adds to the micro-batch: the logits' gradient, and under tp the
+    /// loss's row statistics gathered over it.
+    loss: f64,
+    /// The logits (freed once the loss's backward has read them).
+    logits: f64,
+    /// The LM head's input gradient.
+    input_gradient: f64,
+    /// The LM head's weight gradient.
+    weight_gradient: f64,
+}
+
 /// What one chunk of a stage holds (see [`compiled_stage_peak`]), in bytes.
 struct ChunkHold {
     /// Its parameters.
@@ -1095,6 +1154,8 @@ struct ChunkHold {
     grads: f64,
     /// A micro-batch in flight on it.
     in_flight: f64,
+    /// The last chunk: the buffers of the head of a micro-batch's backward there.
+    loss_backward: Option<HeadBackward>,
     /// The last large weight gradient of its backward, which joins the sums at the tail.
     joining: f64,
     /// Its gradients finished by the tail, the joining one included.
