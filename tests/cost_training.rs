@@ -1227,7 +1227,8 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     // The stage forms model each backward's tail, where a stage peaks while a micro-batch's
     // gradients outweigh its activations (8 tokens a sequence in the tests above), and a dense
     // stage's first layer's gate gradient joining its sum, where it peaks on somewhat more, and
-    // the last stage's loss's backward and LM head gradient. On more still a stage peaks at other
+    // the heads of the backwards (the last stage's loss's backward and LM head gradient, another
+    // stage's last layer's down gradient). On more still a stage peaks at other
     // points of a backward's head, which they do not model: there every candidate is still the
     // live set at one point of the program, so the form is below the planner's peak, never above.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
@@ -1236,7 +1237,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     let eight_experts = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
-    let (mut below, mut gate_joining_exact, mut head_exact) = (0, 0, 0);
+    let (mut below, mut gate_joining_exact, mut head_exact, mut down_exact) = (0, 0, 0, 0);
     for recompute in [Recompute::None, Recompute::Full] {
         for (config, mesh, kind, micro_batches, sequence_parallel, zero_stage) in [
             (&four, "pp=2", one_f_one_b, 4, false, 0),
@@ -1259,7 +1260,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                 zero_stage,
                 ..PipelinedLayout::new(mesh, kind, micro_batches)
             };
-            for seq in [32, 64] {
+            for seq in [32, 64, 128] {
                 for stage in stage_closed_forms(config, &layout, seq) {
                     let planned = stage.planned.peak_bytes as f64;
                     assert!(
@@ -1274,15 +1275,21 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                         usize::from(stage.phase.name == "first layer's gate gradient joins its sum" && exact);
                     head_exact +=
                         usize::from(stage.phase.name == "the LM head's weight gradient joins its sum" && exact);
+                    down_exact +=
+                        usize::from(stage.phase.name == "the last layer's down gradient joins its sum" && exact);
                 }
             }
         }
     }
     // The head of a backward does peak on these (or the check would be idle); a dense stage's
-    // first layer's gate gradient, and the last stage's LM head gradient (beside a wide
-    // vocabulary), joining their sums, both modelled, are exact where they peak.
+    // first layer's gate gradient, another stage's last layer's down gradient and the last
+    // stage's LM head gradient (beside a wide vocabulary) joining their sums, all modelled, are
+    // exact where they peak.
     assert!(below > 0);
-    assert!(gate_joining_exact > 0 && head_exact > 0, "{gate_joining_exact} {head_exact}");
+    assert!(
+        gate_joining_exact > 0 && head_exact > 0 && down_exact > 0,
+        "{gate_joining_exact} {head_exact} {down_exact}"
+    );
 }
 
 #[test]

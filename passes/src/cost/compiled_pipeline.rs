@@ -20,9 +20,10 @@
 //! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
 //! the gate projection's weight gradient joins its sum (modelled without dp, cp, tsp or full
-//! recomputation), and the last stage at the head of a backward: the loss's backward, or (a dense
-//! model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins its
-//! sum. The head of a backward (all activations and the first gradients live) is smaller
+//! recomputation), and at the head of a backward: the last stage in the loss's backward, or (a
+//! dense model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins
+//! its sum; another (the same, without tp) as its last layer's down projection gradient does.
+//! The head of a backward (all activations and the first gradients live) is smaller
 //! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile
 //! with 8 tokens a sequence; on more tokens a stage may peak at other points of it, not modelled,
 //! and the result is below the planner's peak (every candidate is the live set at one point of
@@ -451,6 +452,19 @@ pub fn compiled_stage_peak(
                 ]);
                 (gate, so_far, held)
             });
+        // At the head of a micro-batch's backward on a chunk before the last, the chunk's last
+        // layer's down projection's weight gradient joins its sum: the micro-batch holds all it
+        // holds in flight, beside the output gradient it received and the SiLU product's
+        // gradient. (Modelled as the gate's joining is, and without tp, under which the output
+        // gradient has another copy there.)
+        let down_joining = (gate_joining.is_some() && tp == 1).then(|| {
+            let held = vec![
+                Term { name: "what it holds in flight", bytes: in_flight },
+                Term { name: "its output gradient (received)", bytes: boundary },
+                Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
+            ];
+            (gate, held)
+        });
         // A mixture of experts may peak inside its first layer's backward instead, as one of that
         // layer's routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
         // joins its sum: the layer's attention activations are still live, and of its gradients
@@ -809,6 +823,7 @@ pub fn compiled_stage_peak(
             input_gradients_at_w,
             experts_joining,
             gate_joining,
+            down_joining: down_joining.filter(|_| !last),
             made_in_b: mlp_gradients_in_b.map(|per_layer| layers as f64 * per_layer),
             later_w_reads: (layers as f64 - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
             tsp_attention,
@@ -1106,6 +1121,14 @@ pub fn compiled_stage_peak(
                 candidates.push(candidate("the LM head's weight gradient joins its sum", head.weight_gradient, &held));
             }
         }
+        if let Some((matrix, held)) = current.down_joining.as_ref().filter(|_| !zero_bubble) {
+            let mut held = held.clone();
+            held.insert(0, Term { name: "its positions", bytes: positions });
+            if !first_backward {
+                held.push(Term { name: "the joining down gradient's new sum beside the old", bytes: *matrix });
+            }
+            candidates.push(candidate("the last layer's down gradient joins its sum", *matrix, &held));
+        }
         if let Some((matrix, so_far, held)) = current.gate_joining.as_ref().filter(|_| !zero_bubble) {
             let mut held = held.clone();
             if !first_backward {
@@ -1182,6 +1205,9 @@ struct ChunkHold {
     /// A dense chunk on more tokens: the joining gate gradient, the gradients done with it, and
     /// what the micro-batch holds, as the first layer's gate gradient joins its sum.
     gate_joining: Option<(f64, f64, Vec<Term>)>,
+    /// A dense chunk before the last: the joining down projection gradient and what the
+    /// micro-batch holds, as its last layer's down gradient joins its sum (the backward's head).
+    down_joining: Option<(f64, Vec<Term>)>,
     /// Zero bubble: the MLP weight gradients B makes over the chunk's layers (tsp's ring, a
     /// mixture's experts and router), if any.
     made_in_b: Option<f64>,
