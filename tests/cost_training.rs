@@ -1228,7 +1228,8 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     // gradients outweigh its activations (8 tokens a sequence in the tests above), and a dense
     // stage's first layer's gate gradient joining its sum, where it peaks on somewhat more, and
     // the heads of the backwards (the last stage's loss's backward and LM head gradient, another
-    // stage's last layer's down gradient). On more still a stage peaks at other
+    // stage's last layer's down gradient and MLP norm output gradient). On more still a stage
+    // peaks at other
     // points of a backward's head, which they do not model: there every candidate is still the
     // live set at one point of the program, so the form is below the planner's peak, never above.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
@@ -1238,6 +1239,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let (mut below, mut gate_joining_exact, mut head_exact, mut down_exact) = (0, 0, 0, 0);
+    let mut mlp_norm_exact = 0;
     for recompute in [Recompute::None, Recompute::Full] {
         for (config, mesh, kind, micro_batches, sequence_parallel, zero_stage) in [
             (&four, "pp=2", one_f_one_b, 4, false, 0),
@@ -1245,6 +1247,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&four, "pp=2,dp=2", one_f_one_b, 2, false, 2),
             (&four, "pp=2,dp=2", one_f_one_b, 2, false, 3),
             (&four, "pp=2,tp=2", zero_bubble, 2, true, 0),
+            (&four, "pp=4,tp=2", one_f_one_b, 4, false, 0),
             (&four, "pp=2,cp=2", one_f_one_b, 2, false, 0),
             (&four, "pp=2,tsp=2", one_f_one_b, 2, false, 0),
             (&four, "pp=2", interleaved, 2, false, 0),
@@ -1277,18 +1280,20 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                         usize::from(stage.phase.name == "the LM head's weight gradient joins its sum" && exact);
                     down_exact +=
                         usize::from(stage.phase.name == "the last layer's down gradient joins its sum" && exact);
+                    mlp_norm_exact +=
+                        usize::from(stage.phase.name == "the last layer's MLP norm output gradient" && exact);
                 }
             }
         }
     }
     // The head of a backward does peak on these (or the check would be idle); a dense stage's
     // first layer's gate gradient, another stage's last layer's down gradient and the last
-    // stage's LM head gradient (beside a wide vocabulary) joining their sums, all modelled, are
-    // exact where they peak.
+    // stage's LM head gradient (beside a wide vocabulary) joining their sums, and another stage's
+    // last layer's MLP norm output gradient, all modelled, are exact where they peak.
     assert!(below > 0);
     assert!(
-        gate_joining_exact > 0 && head_exact > 0 && down_exact > 0,
-        "{gate_joining_exact} {head_exact} {down_exact}"
+        gate_joining_exact > 0 && head_exact > 0 && down_exact > 0 && mlp_norm_exact > 0,
+        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact}"
     );
 }
 

@@ -22,8 +22,8 @@
 //! the gate projection's weight gradient joins its sum (modelled without dp, cp, tsp or full
 //! recomputation), and at the head of a backward: the last stage in the loss's backward, or (a
 //! dense model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins
-//! its sum; another (the same, without tp) as its last layer's down projection gradient does.
-//! The head of a backward (all activations and the first gradients live) is smaller
+//! its sum; another (the same, without tp) as its last layer's down projection gradient does,
+//! or (with tp too) as that layer's MLP norm output's gradients are summed. The head of a backward (all activations and the first gradients live) is smaller
 //! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile
 //! with 8 tokens a sequence; on more tokens a stage may peak at other points of it, not modelled,
 //! and the result is below the planner's peak (every candidate is the live set at one point of
@@ -465,6 +465,25 @@ pub fn compiled_stage_peak(
             ];
             (gate, held)
         });
+        // Then, as that layer's MLP norm output's gradients from gate and up are summed: its
+        // down and up gradients made, its gate, up and their product freed, beside the output
+        // gradient, gate's output gradient (its weight gradient is next) and the two input
+        // gradients and their sum.
+        let mlp_norm_gradient = gate_joining.is_some().then(|| {
+            let held = vec![
+                Term {
+                    name: "what it holds in flight but its last layer's gate, up and their product",
+                    bytes: in_flight - 3.0 * local_tokens * ffn * element,
+                },
+                Term { name: "its output gradient (received)", bytes: boundary },
+                Term { name: "its last layer's gate output gradient", bytes: local_tokens * ffn * element },
+                Term {
+                    name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
+                    bytes: 3.0 * gathered,
+                },
+            ];
+            (2.0 * gate, held)
+        });
         // A mixture of experts may peak inside its first layer's backward instead, as one of that
         // layer's routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
         // joins its sum: the layer's attention activations are still live, and of its gradients
@@ -824,6 +843,7 @@ pub fn compiled_stage_peak(
             experts_joining,
             gate_joining,
             down_joining: down_joining.filter(|_| !last),
+            mlp_norm_gradient: mlp_norm_gradient.filter(|_| !last),
             made_in_b: mlp_gradients_in_b.map(|per_layer| layers as f64 * per_layer),
             later_w_reads: (layers as f64 - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
             tsp_attention,
@@ -1129,6 +1149,11 @@ pub fn compiled_stage_peak(
             }
             candidates.push(candidate("the last layer's down gradient joins its sum", *matrix, &held));
         }
+        if let Some((so_far, held)) = current.mlp_norm_gradient.as_ref().filter(|_| !zero_bubble) {
+            let mut held = held.clone();
+            held.insert(0, Term { name: "its positions", bytes: positions });
+            candidates.push(candidate("the last layer's MLP norm output gradient", *so_far, &held));
+        }
         if let Some((matrix, so_far, held)) = current.gate_joining.as_ref().filter(|_| !zero_bubble) {
             let mut held = held.clone();
             if !first_backward {
@@ -1208,6 +1233,9 @@ struct ChunkHold {
     /// A dense chunk before the last: the joining down projection gradient and what the
     /// micro-batch holds, as its last layer's down gradient joins its sum (the backward's head).
     down_joining: Option<(f64, Vec<Term>)>,
+    /// The same chunk: the gradients made and what the micro-batch holds as its last layer's MLP
+    /// norm output's gradients are summed.
+    mlp_norm_gradient: Option<(f64, Vec<Term>)>,
     /// Zero bubble: the MLP weight gradients B makes over the chunk's layers (tsp's ring, a
     /// mixture's experts and router), if any.
     made_in_b: Option<f64>,
