@@ -23,11 +23,12 @@
 //! recomputation), and at the head of a backward: the last stage in the loss's backward, or (a
 //! dense model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins
 //! its sum; another (the same, without tp) as its last layer's down projection gradient does,
-//! or (with tp too) as that layer's MLP norm output's gradients are summed. The head of a backward (all activations and the first gradients live) is smaller
-//! wherever the gradients outweigh a micro-batch's activations, as on the models the tests compile
-//! with 8 tokens a sequence; on more tokens a stage may peak at other points of it, not modelled,
-//! and the result is below the planner's peak (every candidate is the live set at one point of
-//! the program, so never above: `tests/cost_training.rs` checks both).
+//! or (with tp too) as that layer's MLP norm output's gradients are summed. The head of a
+//! backward (all activations and the first gradients live) is smaller wherever the gradients
+//! outweigh a micro-batch's activations, as on the models the tests compile with 8 tokens a
+//! sequence; on more tokens a stage may peak at other points of it, not modelled, and the result
+//! is below the planner's peak (every candidate is the live set at one point of the program, so
+//! never above: `tests/cost_training.rs` checks both).
 //!
 //! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
 //! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
