@@ -102,7 +102,7 @@ fn zero_stage(workload: &Workload) -> u8 {
 /// live there. The optimizer's moments are not the program's: the executor adds them beside it.
 pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let end = end_of_backward(model, layout, workload)?;
-    let mut phases = head_of_backward(model, layout, workload, end.params);
+    let mut phases = backward_phases(model, layout, workload, end.params);
     // Each of those names the gradients made so far; beside the step's gradients (as the end's
     // are counted, so that the closed form's stand for them) the rest are removed.
     let grads = end.terms.iter().find(|term| term.name == GRADIENTS).map_or(0.0, |term| term.bytes);
@@ -158,10 +158,12 @@ fn embedding_backward(
     })
 }
 
-/// The head of the backward of a step without pipelining or tsp (a dense model): every layer's
-/// kept activations, the final norm's input and output, the token ids and positions and the loss,
-/// beside the loss's backward and the LM head's.
-fn head_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
+/// The phases of the backward of a step without pipelining or tsp before its end (a dense,
+/// untied model; none otherwise): its head (every layer's kept activations, the final norm's input
+/// and output, the token ids and positions and the loss, beside the loss's backward and the LM
+/// head's), and the points inside a layer's MLP and recomputed attention backward of the module
+/// doc, each with the gradients made by then.
+fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
     if model.experts.is_some() || model.tied_embeddings {
         return Vec::new();
     }
