@@ -127,16 +127,13 @@
 
 use pleat_ir::AxisName;
 
-use super::activation::kv_split;
 use super::compiled::ForwardPhase;
 use super::layout::Layout;
 use super::memory::{chunk_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
+use super::step_sizes::{StepSizes, ID_BYTES};
 use super::workload::{Recompute, Workload};
 use crate::pipeline::{Phase, Schedule, ScheduleKind};
-
-/// Token ids and positions are `u32`.
-const ID_BYTES: f64 = 4.0;
 
 /// The peak of the rank at `tsp_rank` on the tsp axis (0 without one) of stage `stage` (holding
 /// `layers` layers) of `schedule` for `model` on `layout`, `workload` one micro-batch
@@ -182,42 +179,29 @@ pub fn compiled_stage_peak(
     }
     // tsp's programs shard the embeddings over it.
     let workload = &Workload { tsp_shards_embeddings: workload.tsp_shards_embeddings || tsp > 1, ..workload.clone() };
-    let element = model.dtype_bytes as f64;
-    let tokens = workload.tokens_per_micro_batch() as f64;
-    // cp and tsp split the tokens (zigzag); their attention reads every token's k and v, gathered.
-    let token_split = cp * tsp;
-    let local_tokens = tokens / token_split as f64;
-    // tp splits the vocabulary, as tsp does.
-    let vocab_split = (tp * tsp) as f64;
-    // tp splits heads, kv heads (when they divide), ffn channels and the vocabulary; hidden stays.
-    let split = tp as f64;
-    let (hidden, query) = (model.hidden as f64, model.query_width() as f64 / split);
-    let kv = model.kv_width() as f64 / kv_split(model, layout) as f64;
-    let (ffn, vocab) = (model.ffn as f64 / split, model.vocab as f64);
-    let ids = tokens * ID_BYTES;
-    // Under cp and tsp the zigzag order's positions and the rank's own.
-    let positions = workload.seq as f64 * ID_BYTES * if token_split > 1 { 1.0 + 1.0 / token_split as f64 } else { 1.0 };
-    // The residual stream: split on seq over tp under Megatron SP; the norms' outputs are
-    // all-gathered whole before the projections read them.
-    let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
-    let gathered = local_tokens * hidden * element;
-    // Between layers (the embedding's output, each layer's output, what a stage sends on): the
-    // stream, but beside cp whole over tp, as SP's split is made and undone inside each layer.
-    let boundary = if sequence_parallel && cp > 1 { gathered } else { stream };
-    // Per layer, what the forward keeps for the backward: the two norms' outputs, the two
-    // residuals (one the layer's output), q after RoPE and attention's output (selective
-    // recomputation keeps no attention output), v and k after RoPE, and gate, up and their product.
-    // Under cp the all-gathered k and v are kept in place of the rank's own.
-    let attention_kept = if workload.recompute == Recompute::Selective { 0.0 } else { query };
-    let kv_kept = if token_split > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
-    // tsp's MLP ring keeps nothing for its backward, which recomputes from the norm's output.
-    let mlp_kept = if tsp > 1 { 0.0 } else { 3.0 * ffn };
-    // Full recomputation keeps only the residual stream: each layer's attention residual and output.
-    let kept_layer = if workload.recompute == Recompute::Full {
-        stream + boundary
-    } else {
-        2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + mlp_kept) + kv_kept) * element
-    };
+    let sizes = StepSizes::new(model, layout, workload);
+    let StepSizes {
+        element,
+        tokens,
+        token_split,
+        local_tokens,
+        vocab_split,
+        split,
+        hidden,
+        query,
+        kv,
+        ffn,
+        vocab,
+        ids,
+        positions,
+        stream,
+        gathered,
+        boundary,
+        attention_kept,
+        kv_kept,
+        kept_layer,
+        ..
+    } = sizes;
     let reduced = dp > 1 || cp > 1;
     // A mixture of experts' load-balancing loss: each layer's expert counts and router probability
     // sums (`[E]` each), sent on to the last stage, which sums them over the layers (the counts'
@@ -294,9 +278,8 @@ pub fn compiled_stage_peak(
             let logits = if token_split > 1 { tokens } else { local_tokens } * (vocab / vocab_split).ceil() * element;
             in_flight += ids + final_norm + logits + element;
             let rows = logits / (vocab / vocab_split).ceil() / element;
-            let statistics = if vocab_split > 1.0 { 3.0 * 4.0 * vocab_split * rows } else { 0.0 };
             loss_backward = Some(HeadBackward {
-                loss: logits + statistics,
+                loss: logits + sizes.loss_row_statistics(rows),
                 logits,
                 input_gradient: gathered,
                 weight_gradient: (vocab / vocab_split).ceil() * hidden * element,
@@ -588,29 +571,13 @@ pub fn compiled_stage_peak(
                 held
             };
             let mut candidates = Vec::new();
-            // - Its own owner's (but the axis's last, whose owner goes first): the reduce's chain
-            //   is what it received and their sum with one peer, the partial sum, the message and
-            //   the next sum with more; the owners after it are its place on the axis.
-            if tsp_rank + 1 < tsp {
-                let chain = Term {
-                    name: "o's reduce: what it received, and the partial sums beside it",
-                    bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+            for point in tsp_o_reduces(tsp, tsp_rank, o_block) {
+                let name = if point.to_this_rank {
+                    "first layer's o gradient reduced to this rank, its owner"
+                } else {
+                    "first layer's o gradient reduced to another owner"
                 };
-                let held = reducing("its contributions to its own attention weight gradients", chain, tsp_rank);
-                candidates.push((
-                    "first layer's o gradient reduced to this rank, its owner",
-                    reducing_so_far,
-                    held,
-                    0.0,
-                ));
-            }
-            // - Another owner's, leaving zeros here. The latest such owner has the most after it:
-            //   the second processed (the third where that one is this rank).
-            let other = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) };
-            if let Some(other) = other {
-                let zeros = Term { name: "o's reduce to that owner: zeros here", bytes: o_block };
-                let held = reducing("its contributions to that owner's attention weight gradients", zeros, other);
-                candidates.push(("first layer's o gradient reduced to another owner", reducing_so_far, held, 0.0));
+                candidates.push((name, reducing_so_far, reducing(point.contributions, point.reduce, point.after), 0.0));
             }
             // - As o's gradient joins its sum, on the axis's last rank (but beside dp, which
             //   all-reduces it first): the results summed (a block), the first owner's q, k and v
@@ -1179,6 +1146,49 @@ pub fn compiled_stage_peak(
         }
     }
     best
+}
+
+/// A point of a tsp attention backward, which takes the owners last first, where o's weight
+/// gradient is reduced to an owner and a rank may peak (see [`tsp_o_reduces`]).
+pub(super) struct TspOReduce {
+    /// Whether the owner is this rank (else another, whose reduce leaves zeros here).
+    pub to_this_rank: bool,
+    /// The name of the rank's contributions to that owner's block of attention weight gradients.
+    pub contributions: &'static str,
+    /// The reduce's own buffers on this rank.
+    pub reduce: Term,
+    /// The owners whose backward is still to come.
+    pub after: u64,
+}
+
+/// Where the rank at `tsp_rank` on a tsp axis of degree `tsp` may peak as o's gradient (an
+/// owner's `o_block` bytes) is reduced: to itself (but the axis's last rank, whose owner goes
+/// first), its chain what it received and their sum with one peer, the partial sum, the message
+/// and the next sum with more, its place on the axis the owners after it; and to another owner,
+/// leaving zeros here, the latest such owner having the most after it: the second processed (the
+/// third where that one is this rank).
+pub(super) fn tsp_o_reduces(tsp: u64, tsp_rank: u64, o_block: f64) -> Vec<TspOReduce> {
+    let mut points = Vec::new();
+    if tsp_rank + 1 < tsp {
+        points.push(TspOReduce {
+            to_this_rank: true,
+            contributions: "its contributions to its own attention weight gradients",
+            reduce: Term {
+                name: "o's reduce: what it received, and the partial sums beside it",
+                bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+            },
+            after: tsp_rank,
+        });
+    }
+    if let Some(other) = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) } {
+        points.push(TspOReduce {
+            to_this_rank: false,
+            contributions: "its contributions to that owner's attention weight gradients",
+            reduce: Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
+            after: other,
+        });
+    }
+    points
 }
 
 /// The head of a micro-batch's backward on the last chunk, in bytes.

@@ -58,9 +58,11 @@
 use pleat_ir::AxisName;
 
 use super::compiled::ForwardPhase;
+use super::compiled_pipeline::tsp_o_reduces;
 use super::layout::Layout;
 use super::memory::{stage_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
+use super::step_sizes::{StepSizes, ID_BYTES};
 use super::workload::{Recompute, Workload};
 
 /// The name of the gradients' term of [`compiled_training_peak`].
@@ -115,19 +117,20 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
             ],
         );
     }
-    phases.extend(embedding_backward(model, layout, workload, &end));
+    phases.extend(embedding_backward(model, layout, workload, end.params, grads));
     Some(phases.into_iter().fold(end, |best, phase| if phase.bytes() > best.bytes() { phase } else { best }))
 }
 
 /// Just before the end of the backward (on more than one rank): the whole-vocabulary embedding
 /// gradient being scattered from the embedding output's gradient (gathered under SP) by the token
-/// ids, every other gradient done and the rank's vocabulary shard of the embedding's not sliced
-/// yet.
+/// ids, every other gradient done (`grads` the step's) and the rank's vocabulary shard of the
+/// embedding's not sliced yet.
 fn embedding_backward(
     model: &ModelShape,
     layout: &Layout,
     workload: &Workload,
-    end: &ForwardPhase,
+    params: f64,
+    grads: f64,
 ) -> Option<ForwardPhase> {
     if layout.world_size() == 1 {
         return None;
@@ -137,10 +140,9 @@ fn embedding_backward(
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
     let shard = (model.vocab as f64 / tp as f64).ceil() * model.hidden as f64 * element;
-    let grads = end.terms.iter().find(|term| term.name == GRADIENTS)?.bytes;
     Some(ForwardPhase {
         name: "the embedding's backward",
-        params: end.params,
+        params,
         terms: vec![
             Term { name: GRADIENTS, bytes: grads },
             Term {
@@ -153,7 +155,7 @@ fn embedding_backward(
                 name: "the embedding output's gradient (gathered under SP)",
                 bytes: tokens / cp as f64 * model.hidden as f64 * element,
             },
-            Term { name: "token ids", bytes: 4.0 * tokens },
+            Term { name: "token ids", bytes: ID_BYTES * tokens },
         ],
     })
 }
@@ -169,28 +171,27 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let zero = if dp > 1 { zero_stage(workload) } else { 0 };
-    let sequence_parallel = layout.sequence_parallel && tp > 1;
-    let element = model.dtype_bytes as f64;
-    let tokens = workload.tokens_per_micro_batch() as f64;
-    let local_tokens = tokens / cp as f64;
-    let split = tp as f64;
-    let (hidden, query) = (model.hidden as f64, model.query_width() as f64 / split);
-    let kv = model.kv_width() as f64 / super::activation::kv_split(model, layout) as f64;
-    let ffn = model.ffn as f64 / split;
-    let vocab_shard = (model.vocab as f64 / split).ceil();
-    let ids = tokens * 4.0;
-    let local_ids = if cp > 1 { local_tokens * 4.0 } else { 0.0 };
-    let positions = workload.seq as f64 * 4.0 * if cp > 1 { 1.0 + 1.0 / cp as f64 } else { 1.0 };
-    let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
-    let gathered = local_tokens * hidden * element;
-    let boundary = if sequence_parallel && cp > 1 { gathered } else { stream };
-    let attention_kept = if workload.recompute == Recompute::Selective { 0.0 } else { query };
-    let kv_kept = if cp > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
-    let kept_layer = if workload.recompute == Recompute::Full {
-        stream + boundary
-    } else {
-        2.0 * gathered + stream + boundary + (local_tokens * (query + attention_kept + 3.0 * ffn) + kv_kept) * element
-    };
+    let sizes = StepSizes::new(model, layout, workload);
+    let StepSizes {
+        element,
+        tokens,
+        local_tokens,
+        sequence_parallel,
+        hidden,
+        query,
+        kv,
+        ffn,
+        ids,
+        positions,
+        stream,
+        gathered,
+        boundary,
+        kv_kept,
+        kept_layer,
+        ..
+    } = sizes;
+    let vocab_shard = (sizes.vocab / sizes.vocab_split).ceil();
+    let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
     let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
     let logits = if cp > 1 { tokens } else { local_tokens } * vocab_shard * element;
     // (Full recomputation beside cp under SP keeps the last layer's output split: the final
@@ -212,10 +213,9 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     loss_backward
         .extend([Term { name: "logits", bytes: logits }, Term { name: "the logits' gradient", bytes: logits }]);
     if tp > 1 {
-        // The vocabulary-parallel loss's row statistics (three f32 a row from each tp rank).
         let rows = logits / vocab_shard / element;
         loss_backward
-            .push(Term { name: "the loss's row statistics, gathered over tp", bytes: 3.0 * 4.0 * split * rows });
+            .push(Term { name: "the loss's row statistics, gathered over tp", bytes: sizes.loss_row_statistics(rows) });
     }
     // Past the loss's backward, cp's logits' gradient is the rank's tokens' again, and the whole
     // sequence's token ids are freed.
@@ -367,7 +367,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // under SP.
             let mut norm = attention;
             if layer == 0 {
-                let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * 4.0 } else { 0.0 };
+                let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * ID_BYTES } else { 0.0 };
                 norm[IDS].bytes -= positions - local_positions;
             }
             if zero >= 3 {
@@ -389,7 +389,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // layer under SP the rank's positions, q's RoPE backward done).
             let mut with_q = norm.clone();
             if layer == 0 && sequence_parallel {
-                with_q[IDS].bytes -= workload.seq as f64 / cp as f64 * 4.0;
+                with_q[IDS].bytes -= workload.seq as f64 / cp as f64 * ID_BYTES;
             }
             with_q.retain(|term| term.name != "its attention norm's and q's weights, gathered again");
             if zero >= 3 {
@@ -704,30 +704,14 @@ pub fn compiled_tsp_training_peak(
             }
             ForwardPhase { name, params: all_params, terms }
         };
-        // - Its own owner's (but the axis's last, whose owner goes first): the reduce's chain is
-        //   what it received and their sum with one peer, the partial sum, the message and the
-        //   next sum with more; the owners after it are its place on the axis.
-        if tsp_rank + 1 < tsp {
-            let chain = Term {
-                name: "o's reduce: what it received, and the partial sums beside it",
-                bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+        // - As o's gradient is reduced to this rank or to another owner.
+        for point in tsp_o_reduces(tsp, tsp_rank, o_block) {
+            let name = if point.to_this_rank {
+                "an attention o gradient reduced to this rank, its owner"
+            } else {
+                "an attention o gradient reduced to another owner"
             };
-            candidates.push(reducing(
-                "an attention o gradient reduced to this rank, its owner",
-                "its contributions to its own attention weight gradients",
-                chain,
-                tsp_rank,
-            ));
-        }
-        // - Another owner's, leaving zeros here. The latest such owner has the most after it: the
-        //   second processed (the third where that one is this rank).
-        if let Some(other) = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) } {
-            candidates.push(reducing(
-                "an attention o gradient reduced to another owner",
-                "its contributions to that owner's attention weight gradients",
-                Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
-                other,
-            ));
+            candidates.push(reducing(name, point.contributions, point.reduce, point.after));
         }
         // - Without full recompute, inside the last owner's backward (the axis's first), as q's
         //   input gradient is made from q's gradient after RoPE and q's weights, broadcast again:

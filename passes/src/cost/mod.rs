@@ -43,6 +43,7 @@ pub mod layout;
 pub mod megatron;
 pub mod memory;
 pub mod model;
+mod step_sizes;
 pub mod volume;
 mod workload;
 
