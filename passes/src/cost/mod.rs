@@ -15,7 +15,9 @@
 //! - [`compiled`]: the peak of a compiled forward program, term by term, and how it differs from
 //!   [`memory`]'s (checked against the backend's liveness planner).
 //! - [`compiled_training`]: the same for a training step's program (dp, tp, cp, dp × tp, ZeRO,
-//!   recompute), with every term by which it differs from [`memory`]'s training peak named.
+//!   recompute), with every term by which it differs from [`memory`]'s training peak named;
+//!   [`compiled_pipeline`] for a pipelined stage's; `step_sizes` the rank's buffer sizes both
+//!   read.
 //! - [`megatron`]: Megatron-LM's `theoretical_memory_usage.py` and Korthikanti's Table 2, verbatim,
 //!   as the published reference the general model is checked against.
 //! - [`comm`]: alpha-beta costs of collectives (ring, tree, hierarchical).
