@@ -9,7 +9,7 @@
 //! `r` then runs, on global rank `r · inner + i`, the instructions of its own nodes: its
 //! parameters are loaded once, and each schedule step replays one chunk's forward or backward
 //! (or, for zero-bubble schedules, the backward's input-gradient part `B` or weight-gradient part
-//! `W`, see [`phases`]) on that micro-batch's own copy of every buffer.
+//! `W`, see the `phases` module) on that micro-batch's own copy of every buffer.
 //!
 //! A value one rank defines and another reads travels as a `Send` right after its definition and
 //! a `Recv` in the reader's step (activations forward, their gradients backward). A weight one

@@ -16,7 +16,7 @@
 //! are counted and dropped. The rest are ranked by predicted step time, then peak memory, then
 //! name, so the order is deterministic.
 //!
-//! Every plan is one closed-form [`estimate`] (layers are identical, so the model costs one layer
+//! Every plan is one closed-form [`estimate()`] (layers are identical, so the model costs one layer
 //! and multiplies), which is why the largest models answer in milliseconds.
 
 use pleat_ir::AxisName;

@@ -476,7 +476,7 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// - **an MLP ring's backward** (`ring_gated_mlp_grad`, docs/training.md), the first layer's or
 ///   the last's: the kept values of the layers up to it, the gradients of the layers above, the
 ///   ring's dy (and x, recomputed under full recompute), and what the ring holds at its highest
-///   point ([`ring_backward_highest_point`]);
+///   point (`ring_backward_highest_point`);
 /// - **an attention backward**, the first layer's or the last's (which takes the owners last
 ///   first, each owner's block of weight gradients reduced to it): under full recompute at the
 ///   last owner's dv (the layer's input and recomputed attention norm and their gradients, one

@@ -23,7 +23,7 @@
 //! - [`comm`]: alpha-beta costs of collectives (ring, tree, hierarchical).
 //! - [`volume`]: the collectives each strategy issues a layer and a step.
 //! - [`compute`]: roofline time of a layer, model FLOPs, MFU.
-//! - [`estimate`]: all of it together for one plan (`pleat plan`, `pleat compare`).
+//! - [`mod@estimate`]: all of it together for one plan (`pleat plan`, `pleat compare`).
 //!
 //! A mixture of experts is costed as pleat runs it: `ep` holds `E/ep` experts of every layer and
 //! splits the batch as dp does; tokens reach their experts by all-to-alls with variable counts
