@@ -14,6 +14,7 @@ use super::workload::{Recompute, Workload};
 pub(super) const ID_BYTES: f64 = 4.0;
 
 /// One rank's buffer sizes for `model` on `layout`, `workload` one micro-batch.
+#[derive(Clone, Copy)]
 pub(super) struct StepSizes {
     /// Bytes an element of the model's dtype.
     pub element: f64,

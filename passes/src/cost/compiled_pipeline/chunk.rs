@@ -1,0 +1,311 @@
+//! What one chunk of a stage (the whole stage but under interleaving) holds: a micro-batch in
+//! flight on it, what it keeps to the micro-batch's end, and the points of a backward on it where
+//! the stage may peak.
+
+use super::super::memory::{chunk_params, Term};
+use super::super::step_sizes::{StepSizes, ID_BYTES};
+use super::super::workload::Recompute;
+use super::zero_bubble::BetweenBAndW;
+use super::{first_layer, head, zero_bubble, StageShape};
+
+/// What one chunk of a stage holds (see [`super::compiled_stage_peak`]), in bytes.
+pub(super) struct ChunkHold {
+    /// Its layers.
+    pub layers: u64,
+    /// Its parameters.
+    pub params: f64,
+    /// Its gradients: one running sum of each.
+    pub grads: f64,
+    /// A micro-batch in flight on it.
+    pub in_flight: f64,
+    /// What a micro-batch keeps of it after its backward there, until its backward on the stage
+    /// ends (interleaving: a later chunk's backward follows).
+    pub remains: f64,
+    /// Zero bubble: what a micro-batch between its B and its W holds, and what B made.
+    pub between_b_and_w: BetweenBAndW,
+    /// The points of a micro-batch's backward on it (zero bubble: of its W) where the stage may
+    /// peak, in the order they are weighed (the first of equals wins).
+    pub backward: Vec<Candidate>,
+    /// A mixture of experts: as the first layer's last expert gradient joins its sum (under zero
+    /// bubble in B).
+    pub experts_joining: Option<Candidate>,
+}
+
+/// A point of a micro-batch's backward on a chunk where the stage may peak.
+#[derive(Clone)]
+pub(super) struct Candidate {
+    pub name: &'static str,
+    /// The chunk's gradients the micro-batch has made by then.
+    pub so_far: f64,
+    /// What the micro-batch holds there beside its gradients.
+    pub held: Vec<Term>,
+    /// The gradient joining its running sum there: its new sum is live beside the old one once
+    /// an earlier micro-batch has created the sum.
+    pub new_sum: Option<Term>,
+}
+
+/// A chunk's place in the model and what its points share.
+pub(super) struct Chunk {
+    /// Whether it is the model's first or last virtual stage, and its layers.
+    pub first: bool,
+    pub last: bool,
+    pub layers: u64,
+    /// Its gradients (dp's shard of them under ZeRO-2 and 3).
+    pub grads: f64,
+    /// On the first chunk, the rank's rows of the embedding table (bytes; else 0).
+    pub table: f64,
+    /// A micro-batch in flight on it.
+    pub in_flight: f64,
+    /// What the micro-batch keeps of it to its end: the last chunk the targets and the loss,
+    /// another the output it sent on (and a mixture's statistics).
+    pub end: Vec<Term>,
+    /// Inside the first layer's backward: the chunk's inputs and what its end keeps.
+    pub first_layer_held: Vec<Term>,
+}
+
+/// What one of the stage's chunks holds, `first` and `last` saying whether it is the model's
+/// first or last virtual stage.
+pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u64) -> ChunkHold {
+    let StepSizes { element, vocab, vocab_split, hidden, ids, positions, boundary, .. } = shape.sizes;
+    let params = chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element;
+    let grads = params / shape.shards;
+    let end = chunk_end(shape, last, layers);
+    let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
+    if first {
+        first_layer_held.push(Term { name: "token ids", bytes: ids });
+        first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: boundary });
+    } else {
+        first_layer_held.push(Term { name: "stage input (received)", bytes: boundary });
+    }
+    first_layer_held.extend(end.iter().cloned());
+    let chunk = Chunk {
+        first,
+        last,
+        layers,
+        grads,
+        table: if first { (vocab / vocab_split).ceil() * hidden * element } else { 0.0 },
+        in_flight: in_flight(shape, first, last, layers),
+        end,
+        first_layer_held,
+    };
+    let between_b_and_w = zero_bubble::between_b_and_w(shape, &chunk);
+    // W's tail, and the embedding rows' slicing in it, hold what W still reads.
+    let w_reads = shape.zero_bubble.then_some(Term {
+        name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
+        bytes: between_b_and_w.kept_for_weights,
+    });
+    let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads);
+    let experts_joining = first_layer::experts_joining(shape, &chunk);
+    backward.extend(first_layer::gate_scattered(shape, &chunk));
+    // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
+    // a backward is a B's.)
+    if !shape.zero_bubble {
+        backward.extend(experts_joining.clone());
+        backward.extend(head::head_of_backward(shape, &chunk));
+        backward.extend(first_layer::gate_joining(shape, &chunk));
+    }
+    backward.extend(first_layer::tsp_attention(shape, &chunk));
+    backward.extend(first_layer::regathered(shape, &chunk));
+    // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
+    // the buffers whose last reader is another rank (the output sent on, the input's gradient
+    // sent back and the attention norm's input gradient summed into it) or an output.
+    // (Beside cp under SP both are gradients of the whole boundary, sent back whole.)
+    let mut remains = vec![
+        Term { name: "first layer's attention residual gradient", bytes: boundary },
+        Term { name: "first layer's attention norm's input gradient", bytes: boundary },
+    ];
+    remains.extend(chunk.end.iter().cloned());
+    ChunkHold {
+        layers,
+        params,
+        grads,
+        in_flight: chunk.in_flight,
+        remains: remains.iter().map(|term| term.bytes).sum(),
+        between_b_and_w,
+        backward,
+        experts_joining,
+    }
+}
+
+/// A micro-batch in flight on a chunk: its inputs, what its layers keep, and on the last one the
+/// head's outputs (the final norm's input all-gathered under SP, its output whole); its positions,
+/// which every chunk of the stage reads, are counted once a micro-batch.
+fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
+    let StepSizes { element, tokens, local_tokens, hidden, ids, stream, gathered, boundary, kept_layer, .. } =
+        shape.sizes;
+    let statistics = shape.statistics;
+    let mut in_flight = layers as f64 * kept_layer;
+    // Full recomputation beside cp under SP keeps the last layer's output split on the last
+    // chunk: the final norm's all-gather of it is recomputed, not kept as the stream.
+    if last && shape.recompute() == Recompute::Full {
+        in_flight -= boundary - stream;
+    }
+    if first {
+        // Under cp the rank's own token ids too.
+        let local_ids = if shape.cp > 1 {
+            local_tokens * ID_BYTES
+        } else if shape.tsp > 1 {
+            ids
+        } else {
+            0.0
+        };
+        in_flight += ids + local_ids + boundary;
+    } else {
+        in_flight += boundary;
+    }
+    if last {
+        in_flight += statistics + if statistics > 0.0 { element } else { 0.0 };
+    } else if shape.statistics_sent_on(last) {
+        in_flight += 2.0 * layers as f64 * statistics;
+    }
+    if last {
+        // Full recomputation recomputes the final norm's input gathered under SP and its output;
+        // tsp keeps its output gathered over the sequence (the head's input) instead.
+        let final_norm = if shape.recompute() == Recompute::Full {
+            0.0
+        } else if shape.tsp > 1 {
+            tokens * hidden * element
+        } else {
+            (gathered - boundary) + gathered
+        };
+        in_flight += ids + final_norm + shape.logits() + element;
+    }
+    in_flight
+}
+
+/// What a micro-batch keeps of a chunk to its end. The last chunk keeps the targets (cp's and
+/// tsp's were read in the forward) and the loss to the loss's gradient, another chunk the output
+/// it sent on: to the micro-batch's end, as the program outputs them or another rank reads them
+/// last. A mixture's load-balancing statistics stay as the loss's do: the last chunk's sum of the
+/// counts, read by the loss's backward, another chunk's layers' (sent on).
+fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
+    let StepSizes { element, token_split, ids, boundary, .. } = shape.sizes;
+    let statistics = shape.statistics;
+    if last {
+        let mut end = Vec::new();
+        if token_split == 1 {
+            end.push(Term { name: "token ids (targets)", bytes: ids });
+        }
+        end.push(Term { name: "loss", bytes: element });
+        if statistics > 0.0 {
+            end.push(Term { name: "expert counts summed over the layers", bytes: statistics });
+        }
+        end
+    } else {
+        let mut end = vec![Term { name: "stage output (sent on)", bytes: boundary }];
+        if statistics > 0.0 && shape.statistics_sent_on(last) {
+            end.push(Term {
+                name: "each layer's expert counts and router probability sums (sent on)",
+                bytes: 2.0 * layers as f64 * statistics,
+            });
+        }
+        end
+    }
+}
+
+/// The tail of a backward, where its last large weight gradient joins the sums (the embedding's
+/// on the first chunk, the first layer's query projection's on another), and on the first chunk
+/// beside dp (or cp) and a split vocabulary the embedding rows' slicing just before it. `w_reads`
+/// is what a W's tail still reads under zero bubble.
+///
+/// Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is freed
+/// only after (the sum is taken right where the reduced gradient is written); by then the
+/// activations and activation gradients that computed it are freed. Under tp the embedding's
+/// gradient over the whole vocabulary is live as the rank's rows, sliced from it, join their sum.
+/// cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
+fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_reads: Option<Term>) -> Vec<Candidate> {
+    let StepSizes { element, tokens, vocab, vocab_split, hidden, query, ids, positions, .. } = shape.sizes;
+    let StepSizes { stream, gathered, boundary, .. } = shape.sizes;
+    let (reduced, scattered, shards) = (shape.reduced, shape.scattered, shape.shards);
+    let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if chunk.first {
+        let whole = vocab * hidden * element;
+        let mut held = chunk.end.clone();
+        if shape.cp > 1 {
+            held.push(Term { name: "token ids", bytes: ids });
+        }
+        if vocab_split > 1.0 && !reduced {
+            held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
+            if shape.tsp > 1 {
+                // Scattered from every token's gradient, by their ids (the zigzag's gathered).
+                held.push(Term { name: "token ids", bytes: ids });
+            }
+        } else if !reduced {
+            held.push(Term { name: "token ids", bytes: ids });
+            held.push(Term { name: "embedding output's gradient", bytes: stream });
+        }
+        ((vocab / vocab_split).ceil() * hidden * element, chunk.grads * shards, held)
+    } else {
+        let input_norm = shape.norm * element;
+        let mut held = vec![
+            Term { name: "positions", bytes: positions },
+            Term { name: "stage input (received)", bytes: boundary },
+            Term { name: "first layer's attention residual gradient", bytes: stream },
+            Term { name: "first layer's attention norm gradient", bytes: gathered },
+        ];
+        if !reduced {
+            held.push(Term { name: "first layer's attention norm output (recomputed under full)", bytes: gathered });
+            held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
+        }
+        // Under full recomputation a stage between the first and the last still holds the
+        // mixture's summed counts it received from the last here, its recomputed first layer's
+        // router probabilities' backward reading them after. (Under interleaving every
+        // micro-batch holds them to its end: see the walk's `received`.)
+        if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 && shape.recompute() == Recompute::Full {
+            held.push(Term { name: "the expert counts summed over the layers (received)", bytes: shape.statistics });
+        }
+        held.extend(chunk.end.iter().cloned());
+        // (Under tsp the rank's own block of q.)
+        (hidden * query * element / shape.tsp as f64, chunk.grads * shards - input_norm, held)
+    };
+    if scattered {
+        held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
+    } else if reduced {
+        held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
+    }
+    // Under dp × tp (or tsp) the whole-vocabulary embedding gradient is freed once the rank's rows
+    // are sliced from it, before their all-reduce (or reduce-scatter, under ZeRO-2 and 3): it is
+    // live a step earlier, beside the rows but without their reduced copy in the gradients and the
+    // sums (larger than the tail when tp > 2, or under ZeRO).
+    let slicing = (chunk.first && vocab_split > 1.0 && reduced).then(|| {
+        let mut held = held.clone();
+        held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
+        if shape.tsp > 1 {
+            // Scattered from every token's gradient, by their ids (the zigzag's gathered).
+            held.push(Term { name: "token ids", bytes: ids });
+        }
+        held.extend(w_reads.clone());
+        held
+    });
+    // The joining gradient's reduce-scatter stages it whole (the tail only: the rows are sliced
+    // before it starts).
+    if scattered {
+        held.push(Term { name: "its reduce-scatter's staging", bytes: joining });
+    }
+    held.extend(w_reads);
+    if shape.zero_bubble && between_b_and_w.input_gradients_at_w > 0.0 {
+        held.push(Term {
+            name: "first layer's input gradients, sent back whole (beyond the residual gradient's split sum)",
+            bytes: between_b_and_w.input_gradients_at_w,
+        });
+    }
+    // In the sums and the micro-batch's gradients, the joining gradient's dp shard. Under ZeRO-2
+    // its shard is written where its staging was (the planner counts the larger), and joins its
+    // sum after.
+    let (joining, grads_so_far) = (joining / shards, grads_so_far / shards);
+    let before_joining = grads_so_far - joining;
+    let mut candidates = vec![Candidate {
+        name: "tail of a backward",
+        so_far: if scattered { before_joining } else { before_joining + joining },
+        held,
+        new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
+    }];
+    if let Some(held) = slicing {
+        candidates.push(Candidate {
+            name: "embedding rows sliced for their dp reduction",
+            so_far: before_joining,
+            held,
+            new_sum: None,
+        });
+    }
+    candidates
+}

@@ -1,0 +1,109 @@
+//! The head of a micro-batch's backward on a chunk, where a stage may peak on more tokens: all
+//! that the micro-batch holds in flight is still live beside the first gradients.
+
+use super::super::memory::Term;
+use super::super::step_sizes::StepSizes;
+use super::chunk::{Candidate, Chunk};
+use super::StageShape;
+
+/// The points at the head of a micro-batch's backward on `chunk`: on the last chunk the loss's
+/// backward and the LM head's weight gradient joining its sum; on another its last layer's down
+/// projection's gradient joining its sum and its MLP norm output's gradients being summed.
+pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    if chunk.last {
+        last_chunk(shape, chunk)
+    } else {
+        other_chunk(shape, chunk)
+    }
+}
+
+/// The head of the micro-batch's backward on the last chunk: all it holds in flight, its
+/// positions, and the loss's backward's own buffers (the logits' gradient beside them, and under
+/// tp the vocabulary-parallel loss's row statistics, three f32 a row from each tp rank); none of
+/// its gradients made yet.
+fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, vocab, vocab_split, hidden, positions, gathered, .. } = shape.sizes;
+    let logits = shape.logits();
+    let rows = logits / (vocab / vocab_split).ceil() / element;
+    let mut candidates = vec![Candidate {
+        name: "the loss's backward",
+        so_far: 0.0,
+        held: vec![
+            Term { name: "its positions", bytes: positions },
+            Term { name: "what it holds in flight", bytes: chunk.in_flight },
+            Term {
+                name: "the logits' gradient (and under tp the loss's row statistics)",
+                bytes: logits + shape.sizes.loss_row_statistics(rows),
+            },
+        ],
+        new_sum: None,
+    }];
+    // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
+    // the head's input gradient beside it. (Not modelled beside dp, which reduces the gradient
+    // first; beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens; under
+    // full recomputation, which recomputes the final norm for it; or for a mixture, whose
+    // load-balancing loss's buffers differ there.)
+    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() {
+        let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
+        candidates.push(Candidate {
+            name: "the LM head's weight gradient joins its sum",
+            so_far: weight_gradient,
+            held: vec![
+                Term { name: "its positions", bytes: positions },
+                Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
+                Term { name: "the logits' gradient", bytes: logits },
+                Term { name: "the LM head's input gradient", bytes: gathered },
+            ],
+            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+        });
+    }
+    candidates
+}
+
+/// The head of a micro-batch's backward on a chunk before the last, a dense one's (as a gate
+/// gradient's joining is modelled): first its last layer's down projection's weight gradient
+/// joins its sum, the micro-batch holding all it holds in flight beside the output gradient it
+/// received and the SiLU product's gradient (not modelled under tp, under which the output
+/// gradient has another copy there); then that layer's MLP norm output's gradients from gate and
+/// up are summed, its down and up gradients made, its gate, up and their product freed, beside
+/// the output gradient, gate's output gradient (its weight gradient is next) and the two input
+/// gradients and their sum.
+fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, positions, gathered, boundary, .. } = shape.sizes;
+    if !shape.mlp_backward_modelled() {
+        return Vec::new();
+    }
+    let mut candidates = Vec::new();
+    if shape.tp == 1 {
+        candidates.push(Candidate {
+            name: "the last layer's down gradient joins its sum",
+            so_far: shape.gate,
+            held: vec![
+                Term { name: "its positions", bytes: positions },
+                Term { name: "what it holds in flight", bytes: chunk.in_flight },
+                Term { name: "its output gradient (received)", bytes: boundary },
+                Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
+            ],
+            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+        });
+    }
+    candidates.push(Candidate {
+        name: "the last layer's MLP norm output gradient",
+        so_far: 2.0 * shape.gate,
+        held: vec![
+            Term { name: "its positions", bytes: positions },
+            Term {
+                name: "what it holds in flight but its last layer's gate, up and their product",
+                bytes: chunk.in_flight - 3.0 * local_tokens * ffn * element,
+            },
+            Term { name: "its output gradient (received)", bytes: boundary },
+            Term { name: "its last layer's gate output gradient", bytes: local_tokens * ffn * element },
+            Term {
+                name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
+                bytes: 3.0 * gathered,
+            },
+        ],
+        new_sum: None,
+    });
+    candidates
+}

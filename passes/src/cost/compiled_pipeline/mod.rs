@@ -1,0 +1,409 @@
+//! The peak of a pipelined training stage's compiled program, from closed forms, term by term.
+//!
+//! A pipelined rank (`backend::pipeline`) replays its stage's part of one micro-batch's training
+//! program in its schedule's order, on each micro-batch's own copies of the buffers. What a stage
+//! holds at once, beside its parameters:
+//! - the **running sums** of its gradients over the micro-batches (program outputs are summed): the
+//!   first micro-batch's backward creates each sum as its gradient is finished, a later one adds into
+//!   it, the old sum and the new one both live for that instruction;
+//! - the **gradients of the micro-batch being backwarded**, each a program output, kept until the
+//!   end of its backward step;
+//! - every **other micro-batch in flight** (its forward done on this stage, its backward not yet):
+//!   all that its forward keeps for the backward, given by the schedule (GPipe: all of them; 1F1B:
+//!   up to `p - s` on stage `s`);
+//! - what the current micro-batch still holds of its forward and of its gradient chain.
+//!
+//! The stage peaks at the tail of a micro-batch's backward, as its last large weight gradient joins
+//! the sums: on the first stage the embedding's (the last gradient of the step), on the others the
+//! first layer's query projection's (only that layer's input norm follows). There the current
+//! micro-batch has freed its layers' activations but for its first layer's input and gradients. The
+//! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
+//! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
+//! the gate projection's weight gradient joins its sum (modelled without dp, cp, tsp or full
+//! recomputation), and at the head of a backward: the last stage in the loss's backward, or (a
+//! dense model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins
+//! its sum; another (the same, without tp) as its last layer's down projection gradient does,
+//! or (with tp too) as that layer's MLP norm output's gradients are summed. The head of a
+//! backward (all activations and the first gradients live) is smaller wherever the gradients
+//! outweigh a micro-batch's activations, as on the models the tests compile with 8 tokens a
+//! sequence; on more tokens a stage may peak at other points of it, not modelled, and the result
+//! is below the planner's peak (every candidate is the live set at one point of the program, so
+//! never above: `tests/cost_training.rs` checks both).
+//!
+//! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
+//! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
+//!
+//! Under tp (without SP) each rank keeps its heads' and ffn channels' share of the activations and
+//! of the LM head's logits, and on the first stage the embedding's gradient over the whole
+//! vocabulary is live at the tail, as the rank's rows are sliced from it into their sum.
+//!
+//! Megatron SP splits the residual stream on seq over tp; the norms' outputs (and their gradients)
+//! are kept all-gathered, and the last layer's output is gathered whole for the final norm.
+//! Selective recomputation keeps no attention output; full recomputation keeps each layer's
+//! attention residual and output, and recomputes the final norm's (gathered) input and output.
+//!
+//! Under cp each rank keeps its zigzag share of the tokens' activations but every token's k and v
+//! (all-gathered; recomputed so under recomputation, and kept so for zero bubble's W), the last
+//! stage every token's logits (over its tp shard of the vocabulary), and the gradients are
+//! all-reduced as under dp. Beside tp under SP, the stream is split on seq only inside each layer:
+//! between layers (the embedding's output, each layer's output, what a stage sends on and the input
+//! gradients it sends back) it is whole over tp, the attention norm runs on it whole and its output
+//! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
+//! last layer's on the last chunk, which only the final norm reads.
+//!
+//! Under tsp each rank keeps its share of the tokens' activations as under cp, and per attention
+//! owner its q, output and every token's k and v; the MLP ring keeps nothing (its backward
+//! recomputes from the norm's output). The embeddings are sharded, the first stage's tail holds
+//! the whole-vocabulary embedding gradient with every token's ids, and the last stage keeps the
+//! head's input gathered over the sequence and every token's logits. A stage's ranks may peak
+//! inside its first layer's attention backward, each at its own point: the backward takes the
+//! owners last first, so a rank peaks as o's weight gradient is reduced to it, beside its
+//! contributions to its block, the owners' results before it and the activations of the owners
+//! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
+//! as o's gradient joins its sum; any rank also as o's reduce to another owner leaves zeros there,
+//! beside the activations of the owners after that one (the point where the axis's last rank peaks
+//! beside dp, which all-reduces o's gradient before it joins its sum). Beside dp the first stage's
+//! other candidate is the embedding rows' slicing, as under dp × tp. The closed form takes the
+//! rank's place on the axis. Under zero
+//! bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it would run
+//! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
+//! what they read, W reads only the attention's, and the peak is inside the first layer's W.
+//!
+//! A mixture of experts (every expert on every rank) keeps no MLP activations (its backward
+//! recomputes the routed experts' from the MLP norm's output), and may peak inside its first
+//! layer's backward instead of at the tail, as one of that layer's routed-expert gradients (an
+//! `[E, h, f_e]` matrix) joins its sum beside the layer's attention activations: the last of the
+//! three, or under dp the first, the other two waiting unreduced. Its load-balancing loss keeps
+//! each layer's expert counts and router probability sums on the stages but the last (sent on)
+//! and their counts' sum on the last, to each micro-batch's end, the loss itself until the
+//! backward starts. The last stage sends that sum back to every other in its forward, for their
+//! router probabilities' backward: the stage next to it takes those on its gradients' link in the
+//! order they were sent, so under GPipe it holds them for the micro-batches in flight too. Under
+//! interleaving every micro-batch holds the sum it received to its end on the stage (each chunk's
+//! routers read it), and the last stage's other chunks hand their layers' statistics to its last
+//! chunk on the same rank instead of sending them on. Under zero bubble B runs the experts' and
+//! the router's backward, their weight gradients too (none is a W op): a micro-batch between B
+//! and W keeps those gradients, W reads only the attention's inputs and the norms', and a stage
+//! may peak inside a B, as its first layer's last expert gradient joins its sum beside the
+//! micro-batches between B and W. The received counts' sum is freed after its last reader on the
+//! first stage (where the program's free lies) and at the micro-batch's end on the others.
+//!
+//! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
+//! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
+//! and the rows, not yet reduced nor summed), the larger where tp > 2.
+//!
+//! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
+//! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
+//! micro-batch's positions are loaded once a stage. A micro-batch's gradients are outputs of its
+//! program, so a chunk's stay until the micro-batch's backward is done on every chunk of the
+//! stage, and so do the buffers another rank reads last (the output sent on, the input's gradient
+//! sent back, the attention norm's input gradient) and, on the last chunk, the targets and loss.
+//!
+//! Under zero bubble (ZB-H1) the tail is a W's (the weight gradients' part of a backward): a
+//! micro-batch whose B is done and W not yet keeps what its weight gradients read, and the
+//! residual gradients, which B reads too, stay to the micro-batch's end. Under full
+//! recomputation B recomputes each layer's forward, and what W reads of it (q, k, v, gate and
+//! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
+//! the forward kept.
+//!
+//! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
+//! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any
+//! recomputation; ZeRO-1
+//! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
+//! dp's); ZeRO-2 beside dp, with
+//! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
+//! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
+//! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
+//! too (each layer's gathered weights are freed by then; under full recomputation the first
+//! layer's are gathered again for its recomputed forward, and the stage's other candidates are
+//! inside that layer's backward, as its down and output projections' gradients are scattered
+//! beside the weights they were recomputed with); an untied Llama-family model, dense, or a
+//! mixture of experts (no shared expert) with every expert on every rank, beside dp and tp
+//! without SP, ZeRO-1 at most, under zero bubble beside tp only.
+//! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
+//! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
+//! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
+//! the byte on every stage.
+//!
+//! The form is built in parts: `chunk` holds what one chunk of the stage keeps (a micro-batch in
+//! flight, what stays to its end, the tail of a backward), `head` and `first_layer` the points
+//! at the head of a backward and inside its first layer's, `zero_bubble` what a micro-batch holds
+//! between its B and its W, and `walk` weighs every point of every step of the stage's schedule
+//! beside what the other micro-batches hold there.
+mod chunk;
+mod first_layer;
+mod head;
+mod walk;
+mod zero_bubble;
+
+use pleat_ir::AxisName;
+
+use super::compiled::ForwardPhase;
+use super::layout::Layout;
+use super::memory::{MemoryBreakdown, Term};
+use super::model::ModelShape;
+use super::step_sizes::StepSizes;
+use super::workload::{Recompute, Workload};
+use crate::pipeline::{Schedule, ScheduleKind};
+use chunk::ChunkHold;
+
+/// The peak of the rank at `tsp_rank` on the tsp axis (0 without one) of stage `stage` (holding
+/// `layers` layers) of `schedule` for `model` on `layout`, `workload` one micro-batch
+/// (`micro_batch` sequences of `seq`), elements of the model's dtype; `None` outside what is
+/// modelled (see the module doc). The phase's `params` are the stage's; its terms name every other
+/// buffer live at the peak. (Under tsp a stage's ranks peak apart, each as its own block's
+/// gradients are reduced to it, beside the activations of the owners whose backward follows.)
+pub fn compiled_stage_peak(
+    model: &ModelShape,
+    layout: &Layout,
+    workload: &Workload,
+    schedule: &Schedule,
+    stage: u32,
+    tsp_rank: u64,
+    layers: u64,
+) -> Option<ForwardPhase> {
+    if !modelled(model, layout, workload, schedule, tsp_rank) {
+        return None;
+    }
+    // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
+    let chunks = schedule.kind.chunks();
+    if layers % u64::from(chunks) != 0 {
+        return None;
+    }
+    // tsp's programs shard the embeddings over it.
+    let tsp = layout.degree(AxisName::Tsp);
+    let workload = &Workload { tsp_shards_embeddings: workload.tsp_shards_embeddings || tsp > 1, ..workload.clone() };
+    let shape = StageShape::new(model, layout, workload, schedule, stage, tsp_rank);
+    let virtual_stages = schedule.stages * chunks;
+    let holds: Vec<ChunkHold> = (0..chunks)
+        .map(|chunk| {
+            let virtual_stage = chunk * schedule.stages + stage;
+            chunk::chunk_hold(
+                &shape,
+                virtual_stage == 0,
+                virtual_stage + 1 == virtual_stages,
+                layers / u64::from(chunks),
+            )
+        })
+        .collect();
+    // ZeRO-3 keeps the rank's dp shard of the stage's parameters; each layer's gathered weights
+    // are freed by the points modelled here.
+    let param_shards = if workload.zero >= 3 && shape.dp > 1 { shape.dp as f64 } else { 1.0 };
+    let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
+    walk::stage_peak(&shape, schedule, &holds, params)
+}
+
+/// Whether [`compiled_stage_peak`] models `model` on `layout` under `workload` and `schedule` (see
+/// the module doc).
+fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: &Schedule, tsp_rank: u64) -> bool {
+    let stages = schedule.stages;
+    let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+    let tsp = layout.degree(AxisName::Tsp);
+    let sequence_parallel = layout.sequence_parallel && tp > 1;
+    layout.degree(AxisName::Pp) == u64::from(stages)
+        && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
+        && stages >= 2
+        // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
+        && tsp_rank < tsp
+        && (tsp == 1 || (tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
+        // ZeRO-2 and 3 beside dp (with or without tp and cp).
+        && (workload.zero <= 1
+            || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
+        // A mixture of experts whose every rank holds every expert (no ep, no tsp), without a
+        // shared expert, beside dp and tp without SP and ZeRO-1 at most; under zero bubble, not
+        // beside dp (whose reductions of the experts' gradients in B are not modelled).
+        && model.experts.as_ref().is_none_or(|experts| {
+            !experts.shared_expert
+                && layout.expert_axis().is_none()
+                && workload.zero <= 1
+                && !sequence_parallel
+                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
+        })
+        && !model.tied_embeddings
+}
+
+/// What every chunk of a stage shares: the model and the step, the layout's degrees, one rank's
+/// buffer sizes, and what the strategies make of them.
+struct StageShape<'a> {
+    model: &'a ModelShape,
+    layout: &'a Layout,
+    workload: &'a Workload,
+    sizes: StepSizes,
+    dp: u64,
+    tp: u64,
+    cp: u64,
+    tsp: u64,
+    /// The rank's place on the tsp axis (0 without one).
+    tsp_rank: u64,
+    /// The stage, the schedule's stages, and its chunks a stage.
+    stage: u32,
+    stages: u32,
+    chunks: u32,
+    zero_bubble: bool,
+    /// dp or cp reduce each gradient before it joins its sum.
+    reduced: bool,
+    /// ZeRO-2 reduce-scatters each gradient over dp: the sums and the micro-batch's gradients are
+    /// its shards (`shards` of them), and a gradient is whole (and staged whole) only while it is
+    /// scattered.
+    scattered: bool,
+    shards: f64,
+    /// A mixture of experts' load-balancing loss: each layer's expert counts and router
+    /// probability sums (`[E]` each), sent on to the last stage, which sums them over the layers
+    /// (the counts' sum kept for the loss's backward, the loss itself until the backward starts).
+    statistics: f64,
+    /// The MLP's weight gradients B makes under zero bubble (tsp's ring, a mixture's experts and
+    /// router: none of them is a W op), a layer.
+    mlp_gradients_in_b: Option<f64>,
+    /// A layer's attention weights and one norm's (elements), and one MLP projection's (bytes).
+    attention_weights: f64,
+    norm: f64,
+    gate: f64,
+}
+
+impl<'a> StageShape<'a> {
+    fn new(
+        model: &'a ModelShape,
+        layout: &'a Layout,
+        workload: &'a Workload,
+        schedule: &Schedule,
+        stage: u32,
+        tsp_rank: u64,
+    ) -> StageShape<'a> {
+        let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+        let tsp = layout.degree(AxisName::Tsp);
+        let sizes = StepSizes::new(model, layout, workload);
+        let element = sizes.element;
+        let statistics = match &model.experts {
+            Some(experts) if experts.load_balancing_loss => experts.count as f64 * element,
+            _ => 0.0,
+        };
+        let scattered = workload.zero >= 2 && dp > 1;
+        let mlp_gradients_in_b = if tsp > 1 {
+            Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
+        } else if model.experts.is_some() {
+            Some((model.routed_expert_weights() as f64 / tp as f64 + model.router_params() as f64) * element)
+        } else {
+            None
+        };
+        let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
+        StageShape {
+            model,
+            layout,
+            workload,
+            sizes,
+            dp,
+            tp,
+            cp,
+            tsp,
+            tsp_rank,
+            stage,
+            stages: schedule.stages,
+            chunks: schedule.kind.chunks(),
+            zero_bubble: schedule.kind == ScheduleKind::ZeroBubbleH1,
+            reduced: dp > 1 || cp > 1,
+            scattered,
+            shards: if scattered { dp as f64 } else { 1.0 },
+            statistics,
+            mlp_gradients_in_b,
+            attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
+            norm: model.norm.params(model.hidden) as f64,
+            gate: sizes.hidden * sizes.ffn * element,
+        }
+    }
+
+    fn recompute(&self) -> Recompute {
+        self.workload.recompute
+    }
+
+    /// Whether Megatron SP splits the residual stream on seq over tp.
+    fn sequence_parallel(&self) -> bool {
+        self.sizes.sequence_parallel
+    }
+
+    /// The logits the last chunk keeps for the loss: over the rank's shard of the vocabulary, and
+    /// under cp and tsp every token's (gathered back in order).
+    fn logits(&self) -> f64 {
+        let StepSizes { tokens, local_tokens, token_split, vocab, vocab_split, element, .. } = self.sizes;
+        let rows = if token_split > 1 { tokens } else { local_tokens };
+        rows * (vocab / vocab_split).ceil() * element
+    }
+
+    /// Whether a chunk sends its layers' load-balancing statistics on: under interleaving the
+    /// last stage's other chunks hand theirs to its last chunk on the same rank instead, which
+    /// frees them once it has summed them.
+    fn statistics_sent_on(&self, last: bool) -> bool {
+        !last && (self.chunks == 1 || self.stage + 1 < self.stages)
+    }
+
+    /// Whether a dense stage's MLP backward points are modelled: not beside dp or cp, which reduce
+    /// each gradient first; under tsp, whose ring makes the MLP's gradients; or under full
+    /// recomputation, which recomputes the MLP.
+    fn mlp_backward_modelled(&self) -> bool {
+        self.model.experts.is_none() && !self.reduced && self.tsp == 1 && self.recompute() != Recompute::Full
+    }
+}
+
+/// A point of a tsp attention backward, which takes the owners last first, where o's weight
+/// gradient is reduced to an owner and a rank may peak (see [`tsp_o_reduces`]).
+pub(super) struct TspOReduce {
+    /// Whether the owner is this rank (else another, whose reduce leaves zeros here).
+    pub to_this_rank: bool,
+    /// The name of the rank's contributions to that owner's block of attention weight gradients.
+    pub contributions: &'static str,
+    /// The reduce's own buffers on this rank.
+    pub reduce: Term,
+    /// The owners whose backward is still to come.
+    pub after: u64,
+}
+
+/// Where the rank at `tsp_rank` on a tsp axis of degree `tsp` may peak as o's gradient (an
+/// owner's `o_block` bytes) is reduced: to itself (but the axis's last rank, whose owner goes
+/// first), its chain what it received and their sum with one peer, the partial sum, the message
+/// and the next sum with more, its place on the axis the owners after it; and to another owner,
+/// leaving zeros here, the latest such owner having the most after it: the second processed (the
+/// third where that one is this rank).
+pub(super) fn tsp_o_reduces(tsp: u64, tsp_rank: u64, o_block: f64) -> Vec<TspOReduce> {
+    let mut points = Vec::new();
+    if tsp_rank + 1 < tsp {
+        points.push(TspOReduce {
+            to_this_rank: true,
+            contributions: "its contributions to its own attention weight gradients",
+            reduce: Term {
+                name: "o's reduce: what it received, and the partial sums beside it",
+                bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+            },
+            after: tsp_rank,
+        });
+    }
+    if let Some(other) = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) } {
+        points.push(TspOReduce {
+            to_this_rank: false,
+            contributions: "its contributions to that owner's attention weight gradients",
+            reduce: Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
+            after: other,
+        });
+    }
+    points
+}
+
+/// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the
+/// compiled stage's `phase` (from [`compiled_stage_peak`]): `memory.peak_bytes` plus these is
+/// `phase.bytes()`. Removed: the optimizer state (the executor keeps it beside the program), the
+/// closed form's activations of its in-flight micro-batches and its logits or transients, and its
+/// one copy of the gradients; added: the phase's buffers, whose running sums and in-flight
+/// micro-batches stand for those.
+pub fn pipelined_differences_from_closed_form(memory: &MemoryBreakdown, phase: &ForwardPhase) -> Vec<Term> {
+    let mut terms = vec![
+        Term { name: "optimizer state (kept beside the program)", bytes: -memory.optimizer_bytes },
+        Term { name: "closed form's activations of its in-flight micro-batches", bytes: -memory.activations_bytes },
+        Term {
+            name: "closed form's logits or layer transients",
+            bytes: -f64::max(memory.logits_bytes, memory.transient_bytes),
+        },
+        Term { name: "closed form's gradients (the running sums stand for them)", bytes: -memory.grads_bytes },
+        // Zero when the closed form's weights are the program's (the test checks).
+        Term { name: "parameters the closed form counts otherwise", bytes: phase.params - memory.params_bytes },
+    ];
+    terms.extend(phase.terms.iter().cloned());
+    terms
+}

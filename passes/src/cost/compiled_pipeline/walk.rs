@@ -1,0 +1,323 @@
+//! The walk over a stage's schedule: at each step that makes a micro-batch's gradients, what the
+//! stage holds besides (the running sums, the other micro-batches in flight or unfinished, the
+//! load-balancing statistics received), and the largest of the step's points.
+
+use super::super::compiled::ForwardPhase;
+use super::super::memory::Term;
+use super::super::workload::Recompute;
+use super::chunk::{Candidate, ChunkHold};
+use super::StageShape;
+use crate::pipeline::{Phase, Schedule, Step};
+
+/// The stage's peak over its schedule: the largest of the points of each step that makes a
+/// micro-batch's gradients (a backward, or zero bubble's W; a mixture's B too), `params` the
+/// stage's parameters.
+pub(super) fn stage_peak(
+    shape: &StageShape,
+    schedule: &Schedule,
+    holds: &[ChunkHold],
+    params: f64,
+) -> Option<ForwardPhase> {
+    let steps = schedule.per_stage.get(shape.stage as usize)?;
+    // Where a micro-batch's last weight gradient is made: its backward, or zero bubble's W.
+    let (input_phase, tail_phase) = if shape.zero_bubble {
+        (Phase::BackwardInput, Phase::BackwardWeight)
+    } else {
+        (Phase::Backward, Phase::Backward)
+    };
+    let mut best: Option<ForwardPhase> = None;
+    for (at, step) in steps.iter().enumerate() {
+        // A mixture's B under zero bubble makes the experts' gradients: a candidate too.
+        let in_b = shape.zero_bubble && step.phase == input_phase && shape.model.experts.is_some();
+        if step.phase != tail_phase && !in_b {
+            continue;
+        }
+        let point = Point { shape, schedule, holds, before: &steps[..at], step, in_b, input_phase, tail_phase };
+        let beside = point.beside()?;
+        let phases =
+            if in_b { point.in_b(&beside, params).into_iter().collect() } else { point.backward(&beside, params) };
+        for phase in phases {
+            if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
+                best = Some(phase);
+            }
+        }
+    }
+    best
+}
+
+/// A step of the stage's schedule where a micro-batch's gradients are made.
+struct Point<'a> {
+    shape: &'a StageShape<'a>,
+    schedule: &'a Schedule,
+    holds: &'a [ChunkHold],
+    /// The stage's steps before it.
+    before: &'a [Step],
+    step: &'a Step,
+    /// Zero bubble: a B making a mixture's expert gradients (else a backward, or a W).
+    in_b: bool,
+    /// The phase that makes the input gradients, and the one that makes the last weight gradient.
+    input_phase: Phase,
+    tail_phase: Phase,
+}
+
+/// What the stage holds at a point beside the current micro-batch's own buffers, in bytes.
+struct Beside {
+    /// The running sums of the chunks but the current one that some backward has finished.
+    other_sums: f64,
+    /// Every other micro-batch in flight (or, under zero bubble, between its B and its W), the
+    /// positions of each begun and not done, and the statistics they hold.
+    others: f64,
+    /// The gradients of the chunks the unfinished micro-batches have finished (program outputs,
+    /// freed once a micro-batch's backward is done on every chunk), and what those chunks keep.
+    unfinished_grads: f64,
+    remains: f64,
+    /// A mixture's expert counts summed over the layers, which the micro-batches received.
+    received: f64,
+    /// The loss's sum over the micro-batches, on the stage holding the model's last layers.
+    loss_sum: f64,
+}
+
+impl Point<'_> {
+    /// How many steps before this one ran `phase` on `chunk`.
+    fn done(&self, chunk: u32, phase: Phase) -> f64 {
+        self.before.iter().filter(|before| before.chunk == chunk && before.phase == phase).count() as f64
+    }
+
+    fn beside(&self) -> Option<Beside> {
+        let shape = self.shape;
+        let (others, other_sums) = self.in_flight_and_sums();
+        let (positions, unfinished_grads, remains) = self.unfinished();
+        let (last_stage_statistics, mut received) = self.interleaved_counts()?;
+        // Under zero bubble a W on a stage between the first and the last still holds its
+        // micro-batch's received counts' sum (released at the micro-batch's end; full
+        // recomputation's held terms count it already).
+        if shape.zero_bubble
+            && !self.in_b
+            && shape.statistics > 0.0
+            && shape.stage > 0
+            && shape.stage + 1 < shape.stages
+            && shape.recompute() != Recompute::Full
+        {
+            received += shape.statistics;
+        }
+        Some(Beside {
+            other_sums,
+            others: others + positions + self.counts_taken()? + last_stage_statistics,
+            unfinished_grads,
+            remains,
+            received,
+            loss_sum: if shape.stage + 1 == shape.stages { shape.sizes.element } else { 0.0 },
+        })
+    }
+
+    /// Every other micro-batch whose forward on a chunk is done and its backward there not yet,
+    /// and the running sums of the chunks some backward has finished (but the current one's).
+    fn in_flight_and_sums(&self) -> (f64, f64) {
+        let (mut others, mut other_sums) = (0.0, 0.0);
+        for (chunk, hold) in (0u32..).zip(self.holds) {
+            let current = f64::from(chunk == self.step.chunk);
+            if self.shape.zero_bubble {
+                // At a W the current micro-batch's B is done: it is the one between B and W there;
+                // in a B it is still in flight.
+                let (in_flight_current, between_current) = if self.in_b { (current, 0.0) } else { (0.0, current) };
+                others += (self.done(chunk, Phase::Forward) - self.done(chunk, self.input_phase) - in_flight_current)
+                    * hold.in_flight;
+                others += (self.done(chunk, self.input_phase) - self.done(chunk, self.tail_phase) - between_current)
+                    * hold.between_b_and_w.between;
+            } else {
+                others +=
+                    (self.done(chunk, Phase::Forward) - self.done(chunk, self.tail_phase) - current) * hold.in_flight;
+            }
+            if chunk != self.step.chunk && self.done(chunk, self.tail_phase) > 0.0 {
+                other_sums += hold.grads;
+            }
+        }
+        (others, other_sums)
+    }
+
+    /// Per micro-batch begun on the stage and not yet done: its positions (the current one's are
+    /// in its held buffers, but on the first chunk of an interleaved stage), and of each chunk it
+    /// has finished the backward of, the gradients and what remains.
+    fn unfinished(&self) -> (f64, f64, f64) {
+        let (mut positions, mut grads, mut remains) = (0.0, 0.0, 0.0);
+        let (chunks, step) = (self.shape.chunks, self.step);
+        for micro_batch in 0..self.schedule.micro_batches {
+            let of = |phase: Phase| -> Vec<u32> {
+                self.before
+                    .iter()
+                    .filter(|before| before.micro_batch == micro_batch && before.phase == phase)
+                    .map(|before| before.chunk)
+                    .collect()
+            };
+            let (forwarded, finished) = (of(Phase::Forward), of(self.tail_phase));
+            if forwarded.is_empty() || finished.len() == chunks as usize {
+                continue;
+            }
+            if micro_batch != step.micro_batch || (chunks > 1 && step.chunk == 0 && self.shape.stage == 0) {
+                positions += self.shape.sizes.positions;
+            }
+            for &chunk in &finished {
+                let hold = &self.holds[chunk as usize];
+                grads += hold.grads;
+                remains += hold.remains;
+            }
+        }
+        (positions, grads, remains)
+    }
+
+    /// A mixture's expert counts summed over the layers, which the last stage sends every earlier
+    /// one in its forward for their router probabilities' backward: the stage next to it takes
+    /// them on the link its gradients come on, in the order they were sent, so as the current
+    /// micro-batch's backward starts it has taken those of every micro-batch the last stage
+    /// forwarded before that backward; the ones still in flight here hold theirs. (Under zero
+    /// bubble the gradients come in B: at a W the last taken is the latest B's, and the
+    /// micro-batches between B and W hold theirs in `between`.) Without interleaving.
+    fn counts_taken(&self) -> Option<f64> {
+        let (shape, step) = (self.shape, self.step);
+        let taken = if shape.zero_bubble {
+            let at_and_before = self.before.iter().chain(std::iter::once(step));
+            at_and_before.rev().find(|before| before.phase == self.input_phase).map(|before| before.micro_batch)
+        } else {
+            Some(step.micro_batch)
+        };
+        let Some(taken) =
+            taken.filter(|_| shape.statistics > 0.0 && shape.chunks == 1 && shape.stage + 2 == shape.stages)
+        else {
+            return Some(0.0);
+        };
+        let last_steps = self.schedule.per_stage.get(shape.stages as usize - 1)?;
+        let backward_there =
+            last_steps.iter().position(|there| there.micro_batch == taken && there.phase == self.input_phase)?;
+        let mut held = 0.0;
+        for micro_batch in (0..self.schedule.micro_batches).filter(|&other| other != step.micro_batch) {
+            let forwarded_there = last_steps[..backward_there]
+                .iter()
+                .any(|there| there.micro_batch == micro_batch && there.phase == Phase::Forward);
+            let here = |phase: Phase| {
+                self.before.iter().any(|before| before.micro_batch == micro_batch && before.phase == phase)
+            };
+            if forwarded_there && here(Phase::Forward) && !here(self.input_phase) {
+                held += shape.statistics;
+            }
+        }
+        Some(held)
+    }
+
+    /// Under interleaving a stage before the last holds each micro-batch's summed counts from
+    /// their receipt to the micro-batch's end (every chunk's routers read them): the stage next to
+    /// the last takes them on its gradients' link, so it holds those sent before the gradient its
+    /// current step takes; another takes them at a micro-batch's first backward (the second
+    /// figure). On the last stage, a micro-batch forwarded on another chunk and not yet on the last
+    /// one holds that chunk's layers' statistics (the first).
+    fn interleaved_counts(&self) -> Option<(f64, f64)> {
+        let (shape, step) = (self.shape, self.step);
+        let (mut last_stage, mut received) = (0.0, 0.0);
+        if shape.statistics == 0.0 || shape.chunks == 1 {
+            return Some((last_stage, received));
+        }
+        let chunks = shape.chunks;
+        let last_steps = self.schedule.per_stage.get(shape.stages as usize - 1)?;
+        let forwarded = |steps: &[Step], micro_batch: u32, chunk: u32| {
+            steps
+                .iter()
+                .any(|there| there.micro_batch == micro_batch && there.chunk == chunk && there.phase == Phase::Forward)
+        };
+        let gradient_sent_at = last_steps.iter().position(|there| {
+            there.micro_batch == step.micro_batch && there.chunk == step.chunk && there.phase == self.tail_phase
+        });
+        for micro_batch in 0..self.schedule.micro_batches {
+            let backwards = self
+                .before
+                .iter()
+                .filter(|before| before.micro_batch == micro_batch && before.phase == self.tail_phase)
+                .count();
+            let begun = self.before.iter().any(|before| before.micro_batch == micro_batch);
+            if shape.stage + 1 == shape.stages {
+                for (chunk, hold) in (0..chunks - 1).zip(self.holds) {
+                    if forwarded(self.before, micro_batch, chunk) && !forwarded(self.before, micro_batch, chunks - 1) {
+                        last_stage += 2.0 * hold.layers as f64 * shape.statistics;
+                    }
+                }
+                continue;
+            }
+            let holds = if micro_batch == step.micro_batch {
+                true
+            } else if !begun || backwards == chunks as usize {
+                false
+            } else if shape.stage + 2 == shape.stages {
+                gradient_sent_at.is_some_and(|sent| forwarded(&last_steps[..sent], micro_batch, chunks - 1))
+            } else {
+                backwards > 0
+            };
+            if holds {
+                received += shape.statistics;
+            }
+        }
+        Some((last_stage, received))
+    }
+
+    /// Inside B, as the first layer's last expert gradient joins its sum: the stage's B gradients
+    /// all made (the later layers' and this one's) and summed, the W gradients' sums if a W has
+    /// run, the later layers' inputs for W, and the first layer's activations and MLP gradients
+    /// as the experts' backward leaves them.
+    fn in_b(&self, beside: &Beside, params: f64) -> Option<ForwardPhase> {
+        let current = &self.holds[self.step.chunk as usize];
+        let made_in_b = current.between_b_and_w.made_in_b?;
+        let joining = current.experts_joining.as_ref()?;
+        let w_sums = if self.done(self.step.chunk, self.tail_phase) > 0.0 { current.grads - made_in_b } else { 0.0 };
+        let mut terms = vec![
+            Term {
+                name: "gradient running sums (B's made, W's once a W has run)",
+                bytes: beside.other_sums + w_sums + made_in_b + beside.loss_sum,
+            },
+            Term { name: "the micro-batch's B gradients", bytes: made_in_b },
+            Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
+            Term { name: "the later layers' inputs for W", bytes: current.between_b_and_w.later_w_reads },
+        ];
+        terms.extend(received(beside));
+        terms.extend(joining.held.iter().cloned());
+        if self.done(self.step.chunk, self.input_phase) > 0.0 {
+            terms.extend(joining.new_sum.clone());
+        }
+        Some(ForwardPhase { name: "first layer's expert gradient joins its sum in B", params, terms })
+    }
+
+    /// The chunk's points of a backward (or W): at each the running sums (on the micro-batch's
+    /// first backward of the chunk, only those made so far), the micro-batches' gradients, the
+    /// others in flight, what finished chunks keep, and what the point holds.
+    fn backward(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
+        let current = &self.holds[self.step.chunk as usize];
+        let first_backward = self.done(self.step.chunk, self.tail_phase) == 0.0;
+        let phase = |candidate: &Candidate| {
+            let sums = if first_backward {
+                Term {
+                    name: "gradient running sums, created so far",
+                    bytes: beside.other_sums + candidate.so_far + beside.loss_sum,
+                }
+            } else {
+                Term { name: "gradient running sums", bytes: beside.other_sums + current.grads + beside.loss_sum }
+            };
+            let mut terms = vec![
+                sums,
+                Term { name: "the micro-batches' gradients so far", bytes: beside.unfinished_grads + candidate.so_far },
+                Term { name: "other micro-batches in flight", bytes: beside.others },
+                Term { name: "what finished chunks keep to the micro-batch's end", bytes: beside.remains },
+            ];
+            terms.extend(received(beside));
+            terms.extend(candidate.held.iter().cloned());
+            if !first_backward {
+                terms.extend(candidate.new_sum.clone());
+            }
+            ForwardPhase { name: candidate.name, params, terms }
+        };
+        current.backward.iter().map(phase).collect()
+    }
+}
+
+/// The micro-batches' received expert counts, where they hold any.
+fn received(beside: &Beside) -> Option<Term> {
+    (beside.received > 0.0).then_some(Term {
+        name: "the micro-batches' received expert counts summed over the layers",
+        bytes: beside.received,
+    })
+}

@@ -1,0 +1,162 @@
+//! Zero bubble (ZB-H1) splits each backward into B (input gradients) and W (weight gradients,
+//! later): what a micro-batch holds between its B and its W on a chunk, and what a W still reads.
+
+use super::super::step_sizes::StepSizes;
+use super::super::workload::Recompute;
+use super::chunk::Chunk;
+use super::StageShape;
+
+/// What a micro-batch holds of a chunk between its B and its W, in bytes.
+pub(super) struct BetweenBAndW {
+    /// All of it (positions apart).
+    pub between: f64,
+    /// What W's tail still holds for the weight gradients: the residual gradients, under selective
+    /// recomputation every layer's q, k and v, under full recomputation also its gate and up
+    /// projections (all recomputed by B).
+    pub kept_for_weights: f64,
+    /// What W's tail holds of the input gradients B sent back, beyond the residual gradient's
+    /// split sum (beside cp under SP).
+    pub input_gradients_at_w: f64,
+    /// The MLP weight gradients B makes over the chunk's layers (tsp's ring, a mixture's experts
+    /// and router), if any.
+    pub made_in_b: Option<f64>,
+    /// What the chunk's layers but the first keep for W once their B is done.
+    pub later_w_reads: f64,
+}
+
+/// Between B and W a micro-batch keeps what W reads: per layer the inputs of its weight gradients
+/// (both norms' outputs and inputs, attention's output, the SiLU product) and their output
+/// gradients (q, k, v, gate, up, both norms' outputs, both residuals); beside them its input (the
+/// stage's, or the embedding's output), its first layer's attention norm's input gradient, and on
+/// the last chunk the final norm's output and gradient, the logits' gradient, the targets and the
+/// loss. The residual gradients, which B reads too, stay to the micro-batch's end, so W's tail
+/// holds them as well. Selective recomputation keeps q, k and v after RoPE in place of attention's
+/// output, which W recomputes from them for the output projection's gradient.
+pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW {
+    let StepSizes { element, tokens, local_tokens, vocab, vocab_split, hidden, query, kv, ffn, .. } = shape.sizes;
+    let StepSizes { ids, positions, stream, gathered, boundary, kv_kept, kept_layer, .. } = shape.sizes;
+    let (first, last, layers) = (chunk.first, chunk.last, chunk.layers as f64);
+    let (sequence_parallel, statistics) = (shape.sequence_parallel(), shape.statistics);
+    let mlp_gradients_in_b = shape.mlp_gradients_in_b;
+    let selective = shape.recompute() == Recompute::Selective;
+    let full = shape.recompute() == Recompute::Full;
+    let attention_for_w = if selective { query + 2.0 * kv } else { query };
+    // Under full recomputation, what B recomputed for W and the gradients W reads: both norms'
+    // outputs and output gradients, the attention residual's gradient, gate and up and their
+    // gradients, q, k and v and theirs. (Beside cp under SP one of these stream-sized gradients is
+    // whole: the attention norm runs on the whole boundary there, and W reads its output gradient
+    // all-reduced.)
+    // Under tsp B runs the MLP ring's backward whole, and a mixture's experts' and router's
+    // backward, their weight gradients too: a micro-batch between B and W keeps those gradients
+    // (outputs) instead of what they read (the MLP norm's output and its gradient, gate, up and
+    // their product). Per layer: the attention norm's output and its gradient, the attention
+    // residual and its gradient, the layer's output and the MLP's input gradient; q's, k's and v's
+    // gradients, and attention's output (under either recomputation q, k and v, every token's k
+    // and v, which B recomputed under full).
+    let attention_for_w = if mlp_gradients_in_b.is_some() && full { query + 2.0 * kv } else { attention_for_w };
+    let mut per_layer = if let Some(mlp_gradients) = mlp_gradients_in_b {
+        2.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 2.0 * kv) * element + mlp_gradients
+    } else if full {
+        4.0 * gathered + boundary + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
+    } else {
+        // (Beside cp under SP the layer's output and the attention norm output's gradient,
+        // all-reduced over tp, are whole.)
+        4.0 * gathered
+            + 2.0 * stream
+            + 2.0 * boundary
+            + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
+    };
+    // Under cp the k and v kept (or recomputed) for W are every token's, all-gathered.
+    if selective || full {
+        per_layer += (kv_kept - 2.0 * local_tokens * kv) * element;
+    }
+    let mut between = layers * per_layer + 2.0 * boundary;
+    // Under SP the projections' output gradients W reads are the gathered ones, and the first
+    // layer's attention residual gradient is kept beside them, the last layer's output gathered
+    // for the final norm.
+    if sequence_parallel {
+        between += boundary;
+        if last {
+            between += gathered - boundary;
+        }
+    }
+    // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
+    let regathered_final_norm =
+        if full && shape.scattered && shape.workload.zero >= 3 && last { shape.norm * element } else { 0.0 };
+    // Full recomputation keeps beside those the residual stream its forward kept (but, under SP,
+    // the last layer's output on the last chunk: only its gathered copy, counted above), and each
+    // layer's output gradient (the last one's on the last chunk is the final norm's input gradient,
+    // counted above).
+    if full && mlp_gradients_in_b.is_none() {
+        between += regathered_final_norm;
+        let last_layers = f64::from(u8::from(last));
+        between += layers * kept_layer + (layers - last_layers) * stream;
+        if sequence_parallel {
+            between -= last_layers * stream;
+        }
+    }
+    // (The first stage runs each W right after its B, forwards apart, so no other micro-batch is
+    // between there at a W's tail; its between is written by analogy, with the token ids.)
+    if first {
+        between += ids;
+    }
+    // A mixture's statistics stay to the micro-batch's end: its layers' (sent on), and on a stage
+    // between the first and the last the counts' sum it received (the program frees that after its
+    // last reader on the first stage, which holds the model's first layer, and the pipeline
+    // releases it at the micro-batch's end elsewhere).
+    if !last && statistics > 0.0 {
+        let received = if shape.stage > 0 { statistics } else { 0.0 };
+        between += 2.0 * layers * statistics + received;
+    }
+    if last && shape.tsp > 1 {
+        // The head's input gathered over the sequence (but under full recomputation), its
+        // gradient, every token's logits' gradient over the rank's vocabulary shard, the loss (the
+        // targets were read in the forward).
+        let logits = tokens * (vocab / vocab_split).ceil() * element;
+        let head_input = if full { 0.0 } else { tokens * hidden * element };
+        between += head_input + gathered + logits + element;
+    } else if last {
+        let logits = local_tokens * (vocab / vocab_split).ceil() * element;
+        // cp's targets were read in the forward.
+        let targets = if shape.cp == 1 { ids } else { 0.0 };
+        between += targets + element + logits + 2.0 * gathered;
+        // A mixture's loss is two: the cross-entropy and the load-balancing loss, and the latter's
+        // backward reads the counts' sum.
+        if statistics > 0.0 {
+            between += element + statistics;
+        }
+        // When B made the MLP's gradients, full recomputation leaves W the final norm's input
+        // gradient but not its recomputed output (W reads only the head's input).
+        if full && mlp_gradients_in_b.is_some() {
+            between -= gathered;
+        }
+    }
+    // (Under SP W reads their gathered copies, freed as it goes, instead.)
+    // (Under tsp only the attention residual's: B made the MLP ring's weight gradients.)
+    let residual_gradients = if mlp_gradients_in_b.is_some() { 1.0 } else { 2.0 };
+    let mut kept_for_weights = if sequence_parallel { 0.0 } else { residual_gradients * layers * stream };
+    // Under selective recomputation W's tail still holds every layer's q, k and v (and the
+    // positions, on the first stage too); under full recomputation every layer's recomputed gate
+    // and up projections too.
+    kept_for_weights += regathered_final_norm;
+    if selective || full {
+        // (Under cp every token's k and v, all-gathered; under tsp no gate or up, whose weight
+        // gradients B made.)
+        let recomputed = if full && mlp_gradients_in_b.is_none() { query + 2.0 * ffn } else { query };
+        kept_for_weights += layers * (local_tokens * recomputed + kv_kept) * element;
+        if first {
+            kept_for_weights += positions;
+        }
+    }
+    // Beside cp under SP, B's last step sends the first layer's input gradients back whole: the
+    // attention norm's input gradient and the residual's, which W's tail holds in place of the
+    // residual gradient's split sum (no other rank's B follows on the first stage).
+    let input_gradients_at_w = if sequence_parallel && shape.cp > 1 && !first { 2.0 * boundary - stream } else { 0.0 };
+    BetweenBAndW {
+        between,
+        kept_for_weights,
+        input_gradients_at_w,
+        made_in_b: mlp_gradients_in_b.map(|per_layer| layers * per_layer),
+        later_w_reads: (layers - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
+    }
+}
