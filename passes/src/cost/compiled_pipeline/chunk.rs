@@ -66,13 +66,16 @@ pub(super) struct Chunk {
 /// What one of the stage's chunks holds, `first` and `last` saying whether it is the model's
 /// first or last virtual stage.
 pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u64) -> ChunkHold {
-    let StepSizes { element, vocab, vocab_split, hidden, ids, positions, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, vocab, vocab_split, hidden, ids, positions, boundary, .. } = shape.sizes;
     let params = chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element;
     let grads = params / shape.shards;
     let end = chunk_end(shape, last, layers);
     let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
     if first {
         first_layer_held.push(Term { name: "token ids", bytes: ids });
+        if shape.cp > 1 {
+            first_layer_held.push(Term { name: "the rank's own token ids", bytes: local_tokens * ID_BYTES });
+        }
         first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: boundary });
     } else {
         first_layer_held.push(Term { name: "stage input (received)", bytes: boundary });
@@ -103,6 +106,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(experts_joining.clone());
         backward.extend(head::head_of_backward(shape, &chunk));
         backward.extend(first_layer::gate_joining(shape, &chunk));
+        backward.extend(first_layer::attention_norm_gradient(shape, &chunk));
+        backward.extend(first_layer::attention_backward(shape, &chunk));
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk));
     backward.extend(first_layer::regathered(shape, &chunk));

@@ -64,22 +64,93 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candid
 /// projection's weight gradient joins its sum: the layer's attention activations and MLP norm
 /// output are live, with the norm output's gradient from up, gate's output gradient (its input
 /// gradient is next) and the layer's output gradient; of its gradients only the down, up and gate
-/// projections' are done.
+/// projections' are done. Beside dp (or cp) the gate's input gradient comes first, the norm
+/// output's gradients summed, and its weight gradient last, the norm output and gate's output
+/// gradient freed before it is all-reduced: its unreduced copy is live beside the reduced one.
+/// (Not under ZeRO-2 and 3, which scatter it; under tsp, whose ring makes the MLP's gradients; or
+/// under full recomputation, which recomputes the MLP.)
 pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    shape.mlp_backward_modelled().then(|| Candidate {
+    let mlp = if shape.reduced {
+        [
+            Term { name: "first layer's MLP norm output's gradient", bytes: gathered },
+            Term { name: "first layer's output gradient", bytes: stream },
+            Term { name: "first layer's gate gradient before its dp all-reduce", bytes: shape.gate },
+        ]
+    } else {
+        [
+            Term { name: "first layer's MLP norm output and its gradient from up", bytes: 2.0 * gathered },
+            Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
+            Term { name: "first layer's output gradient", bytes: stream },
+        ]
+    };
+    (shape.mlp_backward_modelled() && !(shape.reduced && shape.tp > 1)).then(|| Candidate {
         name: "first layer's gate gradient joins its sum",
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
-        held: before_attention(
-            shape,
-            chunk,
-            [
-                Term { name: "first layer's MLP norm output and its gradient from up", bytes: 2.0 * gathered },
-                Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
-                Term { name: "first layer's output gradient", bytes: stream },
-            ],
-        ),
+        held: before_attention(shape, chunk, mlp),
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
+    })
+}
+
+/// Beside dp (or cp) a chunk but the first may peak as its first layer's attention norm output's
+/// gradient from q joins the sum of those from k and v: q's weight gradient, whose all-reduce ends
+/// the chunk's backward, is not yet made, and the norm's output and q's output gradient it reads
+/// are live beside q's input gradient and the two sums. (Modelled as the gate's joining is, without
+/// tp.)
+pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, hidden, query, positions, stream, gathered, boundary, .. } = shape.sizes;
+    if chunk.first || !shape.reduced || shape.tp > 1 || !shape.mlp_backward_modelled() {
+        return None;
+    }
+    let mut held = vec![
+        Term { name: "positions", bytes: positions },
+        Term { name: "stage input (received)", bytes: boundary },
+        Term { name: "first layer's attention residual gradient", bytes: stream },
+        Term { name: "first layer's attention norm output", bytes: gathered },
+        Term { name: "first layer's q output gradient", bytes: local_tokens * query * element },
+        Term { name: "first layer's q input gradient", bytes: gathered },
+        Term {
+            name: "first layer's attention norm output gradients from k and v, and with q's",
+            bytes: 2.0 * gathered,
+        },
+    ];
+    held.extend(chunk.end.iter().cloned());
+    Some(Candidate {
+        name: "first layer's attention norm output gradient from q",
+        so_far: chunk.grads - (shape.norm + hidden * query) * element,
+        held,
+        new_sum: None,
+    })
+}
+
+/// A chunk may peak inside its first layer's attention backward, as the attention kernel makes
+/// v's gradient beside q's and k's: every gradient of the layer but q's, k's, v's and its input
+/// norm's is made, attention's output freed (its gradient live), and its inputs (the norm's output,
+/// q, and every token's k and v under cp) live beside the kernel's three gradients (k's and v's
+/// every token's under cp, before their reduce-scatter). (Not under full recomputation, which
+/// recomputes them; or for a mixture or under tsp, whose attention backwards differ.)
+pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, .. } = shape.sizes;
+    if shape.model.experts.is_some() || shape.tsp > 1 || shape.recompute() == Recompute::Full {
+        return None;
+    }
+    let mut held = chunk.first_layer_held.clone();
+    held.extend([
+        Term { name: "first layer's attention residual gradient", bytes: stream },
+        Term { name: "first layer's attention norm output", bytes: gathered },
+        Term { name: "first layer's q, k and v after RoPE", bytes: (local_tokens * query + kv_kept) * element },
+        Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
+        Term {
+            name: "first layer's attention q, k and v gradients",
+            bytes: (local_tokens * query + kv_kept) * element,
+        },
+    ]);
+    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
+    Some(Candidate {
+        name: "first layer's attention backward",
+        so_far: chunk.grads - not_made / shape.shards,
+        held,
+        new_sum: None,
     })
 }
 

@@ -43,7 +43,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // first; beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens; under
     // full recomputation, which recomputes the final norm for it; or for a mixture, whose
     // load-balancing loss's buffers differ there.)
-    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() {
+    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced {
         let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
         candidates.push(Candidate {
             name: "the LM head's weight gradient joins its sum",
@@ -55,6 +55,65 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "the LM head's input gradient", bytes: gathered },
             ],
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+        });
+    }
+    // Beside dp, as the last layer's down projection's weight gradient joins its sum, reduced, its
+    // unreduced copy beside it: the head's and the final norm's gradients made, the logits, the
+    // final norm's buffers, the last layer's output and SiLU product freed, its output gradient
+    // and the SiLU product's gradient live.
+    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced && shape.tp == 1 {
+        let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
+        let final_norm = (gathered - boundary) + gathered;
+        let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
+        // First as the LM head's weight gradient joins its sum: the logits' gradient and the
+        // final norm's output (the head's input) freed before it was all-reduced, the head's input
+        // gradient and the unreduced copy beside it.
+        candidates.push(Candidate {
+            name: "the LM head's weight gradient joins its sum",
+            so_far: weight_gradient,
+            held: vec![
+                Term { name: "its positions", bytes: positions },
+                Term {
+                    name: "what it holds in flight but the logits and the final norm's output",
+                    bytes: chunk.in_flight - logits - gathered,
+                },
+                Term { name: "the LM head's input gradient", bytes: gathered },
+                Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
+            ],
+            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+        });
+        let so_far = weight_gradient + shape.norm * element + shape.gate;
+        let in_flight = Term {
+            name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and SiLU product",
+            bytes: chunk.in_flight - logits - final_norm - boundary - local_tokens * ffn * element,
+        };
+        candidates.push(Candidate {
+            name: "the last layer's down gradient joins its sum",
+            so_far,
+            held: vec![
+                Term { name: "its positions", bytes: positions },
+                in_flight.clone(),
+                Term { name: "its last layer's output gradient", bytes: stream },
+                Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
+                Term { name: "the down gradient before its dp all-reduce", bytes: shape.gate },
+            ],
+            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+        });
+        // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
+        // gradient freed (as on a chunk before the last).
+        candidates.push(Candidate {
+            name: "the last layer's gate output gradient",
+            so_far,
+            held: vec![
+                Term { name: "its positions", bytes: positions },
+                in_flight,
+                Term { name: "its last layer's output gradient", bytes: stream },
+                Term {
+                    name: "its last layer's SiLU product's and gate output's gradients",
+                    bytes: 2.0 * local_tokens * ffn * element,
+                },
+            ],
+            new_sum: None,
         });
     }
     candidates
@@ -70,8 +129,30 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, positions, gathered, boundary, .. } = shape.sizes;
-    if !shape.mlp_backward_modelled() {
+    if !shape.mlp_backward_modelled() || (shape.reduced && shape.tp > 1) {
         return Vec::new();
+    }
+    if shape.reduced && shape.tp == 1 {
+        // Beside dp the down gradient is all-reduced before it joins its sum and its unreduced
+        // copy freed; the SiLU product is freed by then, and the stage peaks as gate's output
+        // gradient is made beside the product's.
+        return vec![Candidate {
+            name: "the last layer's gate output gradient",
+            so_far: shape.gate,
+            held: vec![
+                Term { name: "its positions", bytes: positions },
+                Term {
+                    name: "what it holds in flight but its last layer's SiLU product",
+                    bytes: chunk.in_flight - local_tokens * ffn * element,
+                },
+                Term { name: "its output gradient (received)", bytes: boundary },
+                Term {
+                    name: "its last layer's SiLU product's and gate output's gradients",
+                    bytes: 2.0 * local_tokens * ffn * element,
+                },
+            ],
+            new_sum: None,
+        }];
     }
     let mut candidates = Vec::new();
     if shape.tp == 1 {

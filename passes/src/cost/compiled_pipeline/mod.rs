@@ -19,20 +19,31 @@
 //! micro-batch has freed its layers' activations but for its first layer's input and gradients. The
 //! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
-//! the gate projection's weight gradient joins its sum (modelled without dp, cp, tsp or full
-//! recomputation), and at the head of a backward: the last stage in the loss's backward, or (a
-//! dense model without dp, cp, tsp or full recomputation) as the LM head's weight gradient joins
-//! its sum; another (the same, without tp) as its last layer's down projection gradient does,
-//! or (with tp too) as that layer's MLP norm output's gradients are summed. The head of a
-//! backward (all activations and the first gradients live) is smaller wherever the gradients
-//! outweigh a micro-batch's activations, as on the models the tests compile with 8 tokens a
-//! sequence; on more tokens a stage may peak at other points of it, not modelled, and the result
-//! is below the planner's peak (every candidate is the live set at one point of the program, so
-//! never above: `tests/cost_training.rs` checks both).
+//! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
+//! recomputation, and beside dp or cp without tp), or inside its attention backward, as the
+//! attention kernel makes v's gradient beside q's and k's (every token's under cp; not under tsp,
+//! full recomputation or for a mixture), and at the head of a backward: the last stage in the
+//! loss's backward, or (a dense model without cp, tsp, ZeRO-2 and 3 or full recomputation, and
+//! beside dp without tp) as the LM head's weight gradient joins its sum; another (the same,
+//! without tp) as its last layer's down projection gradient does, or (with tp too, but not beside
+//! dp) as that layer's MLP norm output's gradients are summed. The head of a backward (all
+//! activations and the first gradients live) is smaller wherever the gradients outweigh a
+//! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on
+//! more tokens a stage may peak at other points of it, not modelled, and the result is below the
+//! planner's peak (every candidate is the live set at one point of the program, so never above:
+//! `tests/cost_training.rs` checks both).
 //!
 //! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
 //! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
-//!
+//! A projection's input gradient comes before its weight gradient there, so the head of a backward
+//! and the first layer's backward peak elsewhere than without dp: on the last stage as the LM
+//! head's, then the last layer's down projection's, gradient joins its sum beside its unreduced
+//! copy (the logits, their gradient and the final norm's output freed by then), and on any stage as
+//! the last layer's gate output gradient is made beside the SiLU product's (the down gradient
+//! reduced and summed); inside the first layer as the gate's gradient joins its sum, the MLP norm
+//! output's gradients summed, and on a stage but the first as the attention norm output's gradient
+//! from q joins those from k and v, q's weight gradient not yet made. cp reduces as dp does.
+
 //! Under tp (without SP) each rank keeps its heads' and ffn channels' share of the activations and
 //! of the LM head's logits, and on the first stage the embedding's gradient over the whole
 //! vocabulary is live at the tail, as the rank's rows are sliced from it into their sum.
@@ -335,11 +346,11 @@ impl<'a> StageShape<'a> {
         !last && (self.chunks == 1 || self.stage + 1 < self.stages)
     }
 
-    /// Whether a dense stage's MLP backward points are modelled: not beside dp or cp, which reduce
-    /// each gradient first; under tsp, whose ring makes the MLP's gradients; or under full
+    /// Whether a dense stage's MLP backward points are modelled: not under ZeRO-2 and 3, which
+    /// scatter each gradient; under tsp, whose ring makes the MLP's gradients; or under full
     /// recomputation, which recomputes the MLP.
     fn mlp_backward_modelled(&self) -> bool {
-        self.model.experts.is_none() && !self.reduced && self.tsp == 1 && self.recompute() != Recompute::Full
+        self.model.experts.is_none() && !self.scattered && self.tsp == 1 && self.recompute() != Recompute::Full
     }
 }
 
