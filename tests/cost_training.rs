@@ -1224,28 +1224,35 @@ fn stage_closed_forms(
 }
 
 #[test]
-fn pipelined_stage_closed_form_beside_dp_and_cp_equals_the_planners_peak_on_more_tokens() {
+fn pipelined_stage_closed_form_beside_dp_cp_and_full_recomputation_equals_the_planners_peak_on_more_tokens() {
     // Beside dp (or cp) each gradient is all-reduced before it joins its sum, the unreduced copy
     // live beside the reduced one, and the input gradients of a projection come before its
     // weight gradient: a stage's other peaks are the LM head's and the last layer's down
     // gradients joining their sums, the last layer's gate output gradient, the first layer's gate
-    // gradient, its attention norm output's gradient from q, and inside its attention backward.
-    // Each is modelled; on these layouts every stage matches to the byte from 32 to 256 tokens.
+    // gradient, its attention norm output's gradient from q, and inside its attention backward;
+    // under full recomputation inside the first layer's backward, as its down gradient joins its
+    // sum beside the recomputed MLP, or as its attention kernel makes the recomputed q's, k's and
+    // v's gradients. Each is modelled; on these layouts every stage matches to the byte from 32 to
+    // 256 tokens (eight interleaved layers under full recomputation once counted the first chunk's
+    // positions twice, 1 KB above the planner at 256 tokens).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let eight = eight_layers();
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let interleaved = ScheduleKind::Interleaved { chunks: 2 };
     let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
-    for recompute in [Recompute::None, Recompute::Selective] {
-        for (config, mesh, kind, micro_batches, zero_stage) in [
-            (&four, "pp=2,dp=2", one_f_one_b, 2, 0),
-            (&four, "pp=4,dp=2", one_f_one_b, 2, 0),
-            (&wide_vocabulary, "pp=2,dp=2", gpipe, 2, 1),
-            (&eight, "pp=2,dp=2", interleaved, 2, 0),
-            (&four, "pp=2,cp=2", one_f_one_b, 2, 0),
-            (&four, "pp=2,dp=2,cp=2", one_f_one_b, 1, 0),
-        ] {
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    for (config, mesh, kind, micro_batches, zero_stage, recomputes) in [
+        (&four, "pp=2,dp=2", one_f_one_b, 2, 0, &[none, selective, full][..]),
+        (&four, "pp=4,dp=2", one_f_one_b, 2, 0, &[none, selective, full]),
+        (&wide_vocabulary, "pp=2,dp=2", gpipe, 2, 1, &[none, selective, full]),
+        (&eight, "pp=2,dp=2", interleaved, 2, 0, &[none, selective, full]),
+        (&four, "pp=2,cp=2", one_f_one_b, 2, 0, &[none, selective, full]),
+        (&four, "pp=2,dp=2,cp=2", one_f_one_b, 1, 0, &[none, selective, full]),
+        // Full recomputation alone: its first layer's recomputed MLP and attention backward.
+        (&four, "pp=2", one_f_one_b, 4, 0, &[full]),
+    ] {
+        for &recompute in recomputes {
             let layout = PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             for seq in [32, 128, 256] {
                 for stage in stage_closed_forms(config, &layout, seq) {
@@ -1269,6 +1276,7 @@ fn pipelined_stage_closed_form_beside_dp_and_cp_equals_the_planners_peak_on_more
         "first layer's gate gradient joins its sum",
         "first layer's attention norm output gradient from q",
         "first layer's attention backward",
+        "first layer's down gradient joins its sum, its MLP recomputed",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }

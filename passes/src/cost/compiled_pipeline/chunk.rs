@@ -54,6 +54,9 @@ pub(super) struct Chunk {
     pub grads: f64,
     /// On the first chunk, the rank's rows of the embedding table (bytes; else 0).
     pub table: f64,
+    /// The micro-batch's positions where its points hold them: on the first chunk of an
+    /// interleaved stage the walk counts them instead (0 there).
+    pub positions: f64,
     /// A micro-batch in flight on it.
     pub in_flight: f64,
     /// What the micro-batch keeps of it to its end: the last chunk the targets and the loss,
@@ -70,6 +73,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let params = chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element;
     let grads = params / shape.shards;
     let end = chunk_end(shape, last, layers);
+    let positions = if first && shape.chunks > 1 { 0.0 } else { positions };
     let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
     if first {
         first_layer_held.push(Term { name: "token ids", bytes: ids });
@@ -87,6 +91,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         layers,
         grads,
         table: if first { (vocab / vocab_split).ceil() * hidden * element } else { 0.0 },
+        positions,
         in_flight: in_flight(shape, first, last, layers),
         end,
         first_layer_held,
@@ -108,6 +113,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::gate_joining(shape, &chunk));
         backward.extend(first_layer::attention_norm_gradient(shape, &chunk));
         backward.extend(first_layer::attention_backward(shape, &chunk));
+        backward.extend(first_layer::recomputed_down_joining(shape, &chunk));
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk));
     backward.extend(first_layer::regathered(shape, &chunk));

@@ -95,11 +95,12 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
 /// Beside dp (or cp) a chunk but the first may peak as its first layer's attention norm output's
 /// gradient from q joins the sum of those from k and v: q's weight gradient, whose all-reduce ends
 /// the chunk's backward, is not yet made, and the norm's output and q's output gradient it reads
-/// are live beside q's input gradient and the two sums. (Modelled as the gate's joining is, without
-/// tp.)
+/// are live beside q's input gradient and the two sums (the norm's output recomputed under full
+/// recomputation). (Not under tp, ZeRO-2 and 3, tsp, or for a mixture.)
 pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, positions, stream, gathered, boundary, .. } = shape.sizes;
-    if chunk.first || !shape.reduced || shape.tp > 1 || !shape.mlp_backward_modelled() {
+    let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
+    if chunk.first || !shape.reduced || shape.tp > 1 || !dense {
         return None;
     }
     let mut held = vec![
@@ -131,7 +132,7 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
 /// recomputes them; or for a mixture or under tsp, whose attention backwards differ.)
 pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, .. } = shape.sizes;
-    if shape.model.experts.is_some() || shape.tsp > 1 || shape.recompute() == Recompute::Full {
+    if shape.model.experts.is_some() || shape.tsp > 1 {
         return None;
     }
     let mut held = chunk.first_layer_held.clone();
@@ -151,6 +152,43 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         so_far: chunk.grads - not_made / shape.shards,
         held,
         new_sum: None,
+    })
+}
+
+/// Under full recomputation a chunk may peak inside its first layer's backward as the down
+/// projection's gradient joins its sum (none of the layer's others made), beside the layer's
+/// recomputed MLP norm output, gate, up and (but beside dp, which frees it before the all-reduce)
+/// SiLU product, the product's gradient and the layer's output gradient; beside dp the unreduced
+/// copy is live too. (Not under ZeRO-2 and 3, modelled apart; or for a mixture or under tsp, whose
+/// MLPs differ.)
+pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    if shape.recompute() != Recompute::Full
+        || shape.scattered
+        || shape.model.experts.is_some()
+        || shape.tsp > 1
+        || shape.tp > 1
+    {
+        return None;
+    }
+    let mut held = chunk.first_layer_held.clone();
+    held.extend([
+        Term { name: "first layer's attention residual", bytes: stream },
+        Term { name: "first layer's output gradient", bytes: stream },
+        Term { name: "first layer's SiLU product's gradient", bytes: local_tokens * ffn * element },
+        Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
+        Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
+    ]);
+    if shape.reduced {
+        held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
+    } else {
+        held.push(Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
+    }
+    Some(Candidate {
+        name: "first layer's down gradient joins its sum, its MLP recomputed",
+        so_far: chunk.grads - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
+        held,
+        new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
     })
 }
 

@@ -3,6 +3,7 @@
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
+use super::super::workload::Recompute;
 use super::chunk::{Candidate, Chunk};
 use super::StageShape;
 
@@ -22,14 +23,15 @@ pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candida
 /// tp the vocabulary-parallel loss's row statistics, three f32 a row from each tp rank); none of
 /// its gradients made yet.
 fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, vocab, vocab_split, hidden, positions, gathered, .. } = shape.sizes;
+    let StepSizes { element, vocab, vocab_split, hidden, gathered, .. } = shape.sizes;
     let logits = shape.logits();
     let rows = logits / (vocab / vocab_split).ceil() / element;
+    let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
     let mut candidates = vec![Candidate {
         name: "the loss's backward",
         so_far: 0.0,
         held: vec![
-            Term { name: "its positions", bytes: positions },
+            Term { name: "its positions", bytes: chunk.positions },
             Term { name: "what it holds in flight", bytes: chunk.in_flight },
             Term {
                 name: "the logits' gradient (and under tp the loss's row statistics)",
@@ -44,12 +46,11 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // full recomputation, which recomputes the final norm for it; or for a mixture, whose
     // load-balancing loss's buffers differ there.)
     if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced {
-        let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
         candidates.push(Candidate {
             name: "the LM head's weight gradient joins its sum",
             so_far: weight_gradient,
             held: vec![
-                Term { name: "its positions", bytes: positions },
+                Term { name: "its positions", bytes: chunk.positions },
                 Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
                 Term { name: "the logits' gradient", bytes: logits },
                 Term { name: "the LM head's input gradient", bytes: gathered },
@@ -61,27 +62,32 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // unreduced copy beside it: the head's and the final norm's gradients made, the logits, the
     // final norm's buffers, the last layer's output and SiLU product freed, its output gradient
     // and the SiLU product's gradient live.
-    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced && shape.tp == 1 {
-        let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
-        let final_norm = (gathered - boundary) + gathered;
-        let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
+    let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
+    let full = shape.recompute() == Recompute::Full;
+    if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
-        // final norm's output (the head's input) freed before it was all-reduced, the head's input
-        // gradient and the unreduced copy beside it.
+        // final norm's output (the head's input; recomputed for it under full recomputation)
+        // freed before it was all-reduced, the head's input gradient and the unreduced copy
+        // beside it.
+        let final_norm_output = if full { 0.0 } else { gathered };
         candidates.push(Candidate {
             name: "the LM head's weight gradient joins its sum",
             so_far: weight_gradient,
             held: vec![
-                Term { name: "its positions", bytes: positions },
+                Term { name: "its positions", bytes: chunk.positions },
                 Term {
                     name: "what it holds in flight but the logits and the final norm's output",
-                    bytes: chunk.in_flight - logits - gathered,
+                    bytes: chunk.in_flight - logits - final_norm_output,
                 },
                 Term { name: "the LM head's input gradient", bytes: gathered },
                 Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
             ],
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
         });
+    }
+    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced && shape.tp == 1 {
+        let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
+        let final_norm = (gathered - boundary) + gathered;
         let so_far = weight_gradient + shape.norm * element + shape.gate;
         let in_flight = Term {
             name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and SiLU product",
@@ -91,7 +97,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "the last layer's down gradient joins its sum",
             so_far,
             held: vec![
-                Term { name: "its positions", bytes: positions },
+                Term { name: "its positions", bytes: chunk.positions },
                 in_flight.clone(),
                 Term { name: "its last layer's output gradient", bytes: stream },
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
@@ -105,7 +111,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "the last layer's gate output gradient",
             so_far,
             held: vec![
-                Term { name: "its positions", bytes: positions },
+                Term { name: "its positions", bytes: chunk.positions },
                 in_flight,
                 Term { name: "its last layer's output gradient", bytes: stream },
                 Term {
@@ -128,7 +134,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// the output gradient, gate's output gradient (its weight gradient is next) and the two input
 /// gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, positions, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, gathered, boundary, .. } = shape.sizes;
     if !shape.mlp_backward_modelled() || (shape.reduced && shape.tp > 1) {
         return Vec::new();
     }
@@ -140,7 +146,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "the last layer's gate output gradient",
             so_far: shape.gate,
             held: vec![
-                Term { name: "its positions", bytes: positions },
+                Term { name: "its positions", bytes: chunk.positions },
                 Term {
                     name: "what it holds in flight but its last layer's SiLU product",
                     bytes: chunk.in_flight - local_tokens * ffn * element,
@@ -160,7 +166,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "the last layer's down gradient joins its sum",
             so_far: shape.gate,
             held: vec![
-                Term { name: "its positions", bytes: positions },
+                Term { name: "its positions", bytes: chunk.positions },
                 Term { name: "what it holds in flight", bytes: chunk.in_flight },
                 Term { name: "its output gradient (received)", bytes: boundary },
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
@@ -172,7 +178,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         name: "the last layer's MLP norm output gradient",
         so_far: 2.0 * shape.gate,
         held: vec![
-            Term { name: "its positions", bytes: positions },
+            Term { name: "its positions", bytes: chunk.positions },
             Term {
                 name: "what it holds in flight but its last layer's gate, up and their product",
                 bytes: chunk.in_flight - 3.0 * local_tokens * ffn * element,

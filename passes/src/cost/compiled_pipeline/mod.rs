@@ -21,10 +21,12 @@
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
 //! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
 //! recomputation, and beside dp or cp without tp), or inside its attention backward, as the
-//! attention kernel makes v's gradient beside q's and k's (every token's under cp; not under tsp,
-//! full recomputation or for a mixture), and at the head of a backward: the last stage in the
-//! loss's backward, or (a dense model without cp, tsp, ZeRO-2 and 3 or full recomputation, and
-//! beside dp without tp) as the LM head's weight gradient joins its sum; another (the same,
+//! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed
+//! under full recomputation; not under tsp or for a mixture), or under full recomputation as the
+//! first layer's down gradient joins its sum beside the MLP recomputed for it (without tp, tsp or
+//! ZeRO-2 and 3), and at the head of a backward: the last stage in the loss's backward, or (a
+//! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp
+//! without tp) as the LM head's weight gradient joins its sum; another (the same,
 //! without tp) as its last layer's down projection gradient does, or (with tp too, but not beside
 //! dp) as that layer's MLP norm output's gradients are summed. The head of a backward (all
 //! activations and the first gradients live) is smaller wherever the gradients outweigh a
