@@ -1306,6 +1306,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&four, "pp=4", gpipe, 4, false, 0),
             (&four, "pp=2,dp=2", one_f_one_b, 2, false, 2),
             (&four, "pp=2,dp=2", one_f_one_b, 2, false, 3),
+            (&four, "pp=2,dp=2,tp=2", one_f_one_b, 2, false, 0),
             (&four, "pp=2,tp=2", zero_bubble, 2, true, 0),
             (&four, "pp=4,tp=2", one_f_one_b, 4, false, 0),
             (&four, "pp=2,cp=2", one_f_one_b, 2, false, 0),

@@ -84,7 +84,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
             Term { name: "first layer's output gradient", bytes: stream },
         ]
     };
-    (shape.mlp_backward_modelled() && !(shape.reduced && shape.tp > 1)).then(|| Candidate {
+    shape.mlp_backward_modelled().then(|| Candidate {
         name: "first layer's gate gradient joins its sum",
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held: before_attention(shape, chunk, mlp),

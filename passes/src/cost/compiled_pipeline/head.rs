@@ -64,6 +64,22 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // and the SiLU product's gradient live.
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
     let full = shape.recompute() == Recompute::Full;
+    if shape.sizes.token_split == 1 && dense && shape.reduced {
+        // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
+        // their gradient, the head's input gradient (partial under tp, before its all-reduce)
+        // and the unreduced weight gradient live, no gradient of the micro-batch's made yet.
+        let mut held = vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
+            Term { name: "the logits' gradient", bytes: logits },
+            Term { name: "the LM head's input gradient", bytes: gathered },
+            Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
+        ];
+        if full {
+            held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
+        }
+        candidates.push(Candidate { name: "the LM head's weight gradient", so_far: 0.0, held, new_sum: None });
+    }
     if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
         // final norm's output (the head's input; recomputed for it under full recomputation)
@@ -85,7 +101,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
         });
     }
-    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced && shape.tp == 1 {
+    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced {
         let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
         let final_norm = (gathered - boundary) + gathered;
         let so_far = weight_gradient + shape.norm * element + shape.gate;
@@ -129,20 +145,22 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// gradient's joining is modelled): first its last layer's down projection's weight gradient
 /// joins its sum, the micro-batch holding all it holds in flight beside the output gradient it
 /// received and the SiLU product's gradient (not modelled under tp, under which the output
-/// gradient has another copy there); then that layer's MLP norm output's gradients from gate and
-/// up are summed, its down and up gradients made, its gate, up and their product freed, beside
-/// the output gradient, gate's output gradient (its weight gradient is next) and the two input
-/// gradients and their sum.
+/// gradient has another copy there; beside dp, which reduces the gradient first, as gate's output
+/// gradient is made instead, the product freed); then that layer's MLP norm output's gradients
+/// from gate and up are summed, its down and up gradients made, its gate, up and their product
+/// freed, beside the output gradient, gate's output gradient (its weight gradient is next) and the
+/// two input gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, gathered, boundary, .. } = shape.sizes;
-    if !shape.mlp_backward_modelled() || (shape.reduced && shape.tp > 1) {
+    if !shape.mlp_backward_modelled() {
         return Vec::new();
     }
-    if shape.reduced && shape.tp == 1 {
+    let mut candidates = Vec::new();
+    if shape.reduced {
         // Beside dp the down gradient is all-reduced before it joins its sum and its unreduced
-        // copy freed; the SiLU product is freed by then, and the stage peaks as gate's output
+        // copy freed; the SiLU product is freed by then, and the stage may peak as gate's output
         // gradient is made beside the product's.
-        return vec![Candidate {
+        candidates.push(Candidate {
             name: "the last layer's gate output gradient",
             so_far: shape.gate,
             held: vec![
@@ -158,10 +176,8 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 },
             ],
             new_sum: None,
-        }];
-    }
-    let mut candidates = Vec::new();
-    if shape.tp == 1 {
+        });
+    } else if shape.tp == 1 {
         candidates.push(Candidate {
             name: "the last layer's down gradient joins its sum",
             so_far: shape.gate,

@@ -25,10 +25,10 @@
 //! under full recomputation; not under tsp or for a mixture), or under full recomputation as the
 //! first layer's down gradient joins its sum beside the MLP recomputed for it (without tp, tsp or
 //! ZeRO-2 and 3), and at the head of a backward: the last stage in the loss's backward, or (a
-//! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp
-//! without tp) as the LM head's weight gradient joins its sum; another (the same,
-//! without tp) as its last layer's down projection gradient does, or (with tp too, but not beside
-//! dp) as that layer's MLP norm output's gradients are summed. The head of a backward (all
+//! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp) as
+//! the LM head's weight gradient is made or joins its sum; another (the same, without tp) as its
+//! last layer's down projection gradient does, or (with tp too) as that layer's MLP norm output's
+//! gradients are summed. The head of a backward (all
 //! activations and the first gradients live) is smaller wherever the gradients outweigh a
 //! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on
 //! more tokens a stage may peak at other points of it, not modelled, and the result is below the
@@ -40,7 +40,8 @@
 //! A projection's input gradient comes before its weight gradient there, so the head of a backward
 //! and the first layer's backward peak elsewhere than without dp: on the last stage as the LM
 //! head's, then the last layer's down projection's, gradient joins its sum beside its unreduced
-//! copy (the logits, their gradient and the final norm's output freed by then), and on any stage as
+//! copy (the logits, their gradient and the final norm's output freed by then; before it, as the
+//! head's gradient is made beside the logits' gradient, where tp splits the head), and on any stage as
 //! the last layer's gate output gradient is made beside the SiLU product's (the down gradient
 //! reduced and summed); inside the first layer as the gate's gradient joins its sum, the MLP norm
 //! output's gradients summed, and on a stage but the first as the attention norm output's gradient
