@@ -87,10 +87,31 @@ fn rewrite_benches(c: &mut Criterion) {
     }
 }
 
+fn overlap_benches(c: &mut Criterion) {
+    // The overlap scheduler on one rank of a deep model (`pleat compile llama3-8b --mesh tsp=8
+    // --seq 16`): every weight load is a candidate at every step, so its cost grows with depth.
+    let mut module = pleat_ir::model::build(&preset("llama3-8b").expect("preset"), 1, 16).expect("build");
+    module.mesh = Mesh::parse("tsp=8").expect("mesh");
+    run_pipeline(SHARD_PIPELINE, &mut module, &PassCtx::default()).expect("passes");
+    let program = pleat_backend::lower(&module).expect("lower").swap_remove(0);
+    let seconds =
+        |_: &pleat_backend::Program, instr: &pleat_backend::Instr| if instr.is_transfer() { 2e-4 } else { 1e-4 };
+    let options = pleat_backend::overlap::OverlapOptions {
+        seconds: &seconds,
+        memory_budget: None,
+        sizing: pleat_backend::memory::ElementSize::Declared,
+        prefetch: pleat_backend::overlap::Prefetch::OwnStream,
+    };
+    let instructions = program.instructions.len();
+    c.bench_function(&format!("overlap schedule llama3-8b tsp=8, one rank ({instructions} instructions)"), |b| {
+        b.iter(|| pleat_backend::overlap::schedule(black_box(&program), &options).expect("schedule"))
+    });
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = compile_benches, plan_benches, search_benches
+    targets = compile_benches, plan_benches, search_benches, overlap_benches
 }
 criterion_group! {
     name = rewrite;

@@ -20,6 +20,7 @@ pub mod optimizer;
 pub mod overlap;
 pub mod pipeline;
 pub mod program;
+mod range_max;
 pub mod text;
 pub mod transfers;
 pub mod validate;

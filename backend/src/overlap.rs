@@ -36,6 +36,7 @@ use std::collections::{HashMap, HashSet};
 use crate::error::{Error, Result};
 use crate::memory::{element_bytes, plan, staging_of, ElementSize};
 use crate::program::{BufferId, Instr, Program, TransferStream};
+use crate::range_max::RangeMax;
 
 /// How [`schedule`] weighs and bounds its choices.
 #[derive(Clone, Copy)]
@@ -329,6 +330,7 @@ fn list_schedule(
             }
         }
     }
+    let ahead_of = RangeMax::new(&live_at);
     let mut scheduled_run = vec![false; count];
     let mut progress = 0;
     let mut waiting_on: Vec<usize> = graph.deps.iter().map(Vec::len).collect();
@@ -375,7 +377,7 @@ fn list_schedule(
             let index = node / 2;
             if node % 2 == 0 && progress < index {
                 let extra = live.saturating_sub(live_before[progress]);
-                let ahead = live_at[progress..index].iter().copied().max().unwrap_or(0);
+                let ahead = ahead_of.max(progress..index);
                 ahead + extra + allocates(node) <= budget_bytes
             } else {
                 live + allocates(node) <= budget_bytes
