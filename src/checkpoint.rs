@@ -128,7 +128,7 @@ pub fn write(dir: &Path, config: &ModelConfig, steps: u32, ranks: &[RankTraining
         content_hash: String::new(),
         tensors,
     };
-    write_dir_atomically(dir, |staging| {
+    write_dir_atomically(dir, INDEX_FILE, |staging| {
         std::fs::write(staging.join("config.json"), config.to_hf_json())?;
         for (rank, blocks) in &files {
             write_safetensors(staging.join(format!("rank{rank}.safetensors")), blocks)?;
@@ -282,10 +282,14 @@ fn recover(dir: &Path) -> Result<()> {
 }
 
 /// Writes `dir` atomically: `fill` writes into a staging sibling, which then replaces `dir`.
-pub fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+/// `marker` is the file `fill` writes that says what pleat output `dir` is (`plan.json`,
+/// `index.json`): an existing `dir` is replaced only if it is empty or holds that file, so that
+/// a mistyped `--out` never deletes a directory pleat did not write.
+pub fn write_dir_atomically(dir: &Path, marker: &str, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let (parent, name) = parent_and_name(dir)?;
     std::fs::create_dir_all(&parent).with_context(|| format!("cannot create {}", parent.display()))?;
     recover(dir)?;
+    refuse_to_replace_foreign(dir, marker)?;
     let pid = std::process::id();
     let staging = parent.join(format!(".{name}.tmp-{pid}"));
     if staging.exists() {
@@ -310,8 +314,34 @@ pub fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) 
     Ok(())
 }
 
+/// Refuses to replace `dir` unless it is absent, an empty directory, or one holding `marker`.
+fn refuse_to_replace_foreign(dir: &Path, marker: &str) -> Result<()> {
+    let metadata = match std::fs::symlink_metadata(dir) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(error).with_context(|| format!("cannot read {}", dir.display())),
+    };
+    let what = if !metadata.is_dir() {
+        "is not a directory".to_string()
+    } else if dir.join(marker).is_file() {
+        return Ok(());
+    } else if std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?.next().is_some() {
+        format!("holds files but no {marker}, so pleat did not write it")
+    } else {
+        return Ok(());
+    };
+    bail!(UsageError::OutputOccupied { path: dir.to_path_buf(), what })
+}
+
 /// Writes the file `path` atomically: `bytes` go to a staging sibling, which is renamed over it.
+/// A path that is not a regular file (a link such as `/dev/stdout`, a pipe, a device) is written
+/// through instead: renaming over it would replace the link or node itself.
 pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Ok(metadata) = std::fs::symlink_metadata(path) {
+        if !metadata.is_file() && !metadata.is_dir() {
+            return std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()));
+        }
+    }
     let (parent, name) = parent_and_name(path)?;
     for (staging, pid) in tagged_siblings(&parent, &name, "tmp") {
         if has_ended(pid) {
@@ -344,11 +374,12 @@ mod tests {
         // No process has id u32::MAX - 1: both siblings belong to an ended writer.
         let dead = u32::MAX - 1;
         std::fs::create_dir_all(root.join(format!(".out.old-{dead}"))).unwrap();
+        std::fs::write(root.join(format!(".out.old-{dead}/b")), "old").unwrap();
         std::fs::write(root.join(format!(".out.old-{dead}/a")), "old").unwrap();
         std::fs::create_dir_all(root.join(format!(".out.tmp-{dead}"))).unwrap();
         recover(&dir).unwrap();
         assert_eq!(std::fs::read_to_string(dir.join("a")).unwrap(), "old");
-        write_dir_atomically(&dir, |staging| Ok(std::fs::write(staging.join("b"), "new")?)).unwrap();
+        write_dir_atomically(&dir, "b", |staging| Ok(std::fs::write(staging.join("b"), "new")?)).unwrap();
         assert!(!dir.join("a").exists());
         assert_eq!(std::fs::read_to_string(dir.join("b")).unwrap(), "new");
         let names: Vec<String> = std::fs::read_dir(&root)
@@ -363,8 +394,8 @@ mod tests {
     fn a_failed_fill_keeps_the_old_directory() {
         let root = scratch("failed");
         let dir = root.join("out");
-        write_dir_atomically(&dir, |staging| Ok(std::fs::write(staging.join("a"), "old")?)).unwrap();
-        let failed = write_dir_atomically(&dir, |staging| {
+        write_dir_atomically(&dir, "a", |staging| Ok(std::fs::write(staging.join("a"), "old")?)).unwrap();
+        let failed = write_dir_atomically(&dir, "a", |staging| {
             std::fs::write(staging.join("a"), "new")?;
             bail!("stopped")
         });

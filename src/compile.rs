@@ -332,7 +332,7 @@ fn write_compiled(
         program_format_version: pleat_backend::FORMAT_VERSION,
         plan_hash: plan_hash.clone(),
     };
-    crate::checkpoint::write_dir_atomically(out, |staging| {
+    crate::checkpoint::write_dir_atomically(out, "plan.json", |staging| {
         std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
         std::fs::write(staging.join("config.json"), config.to_hf_json())?;
         std::fs::write(staging.join("module.pleat"), module_text)?;

@@ -423,6 +423,18 @@ pub enum UsageError {
         /// The path.
         path: PathBuf,
     },
+    /// An output directory that exists and is not one pleat wrote: replacing it would delete it.
+    #[error(
+        "{} exists and {what}; pleat replaces its output directory whole, so it will not write there",
+        .path.display()
+    )]
+    #[diagnostic(code(E0746), help("give a new or empty directory, or remove this one yourself"))]
+    OutputOccupied {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead of a pleat output.
+        what: String,
+    },
     /// `search --emit-plan` whose best plan uses an axis the compiler lacks.
     #[error(
         "the best plan, {layout}, uses an axis pleat cannot compile yet; drop --all-axes for the best plan it can \
@@ -653,6 +665,7 @@ impl UsageError {
             | UsageError::CheckpointFormatVersion { path, .. }
             | UsageError::NotACheckpoint { path, .. }
             | UsageError::PathWithoutName { path }
+            | UsageError::OutputOccupied { path, .. }
             | UsageError::DataToken { path, .. }
             | UsageError::DataEmpty { path } => vec![("file", path.display().to_string())],
             UsageError::CheckpointHashMismatch { dir, .. } | UsageError::CheckpointOfAnotherModel { dir, .. } => {

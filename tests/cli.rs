@@ -123,6 +123,46 @@ fn compiled_directory_runs_like_the_model() {
 }
 
 #[test]
+fn outputs_never_replace_what_pleat_did_not_write() {
+    let dir = tempdir("outputs");
+    fn compile_into(out: &Path) -> Vec<String> {
+        ["compile", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "8", "--out", out.to_str().unwrap()]
+            .map(String::from)
+            .to_vec()
+    }
+    fn args(owned: &[String]) -> Vec<&str> {
+        owned.iter().map(String::as_str).collect()
+    }
+    // A directory of the user's own files, and a file: refused, both left as they were.
+    let theirs = dir.join("theirs");
+    std::fs::create_dir_all(&theirs).unwrap();
+    std::fs::write(theirs.join("notes.txt"), "keep me").unwrap();
+    let error = error_of(&args(&compile_into(&theirs)));
+    assert!(error.contains("E0746") && error.contains("no plan.json"), "{error}");
+    assert_eq!(std::fs::read_to_string(theirs.join("notes.txt")).unwrap(), "keep me");
+    let file = dir.join("file.txt");
+    std::fs::write(&file, "keep me too").unwrap();
+    let error = error_of(&args(&compile_into(&file)));
+    assert!(error.contains("E0746") && error.contains("is not a directory"), "{error}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me too");
+    // An empty directory, and pleat's own output again: written.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    stdout_of(&args(&compile_into(&empty)));
+    stdout_of(&args(&compile_into(&empty)));
+    assert!(empty.join("plan.json").exists());
+    // A trace written through a link replaces what the link points to, not the link.
+    let target = dir.join("target.json");
+    std::fs::write(&target, "").unwrap();
+    let link = dir.join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    stdout_of(&["trace", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "8", "--out", link.to_str().unwrap()]);
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced");
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&target).unwrap()).unwrap();
+    assert!(trace["traceEvents"].as_array().is_some_and(|events| !events.is_empty()));
+}
+
+#[test]
 fn dump_after_prints_the_ir() {
     let dir = tempdir("dump");
     let text = stdout_of(&[

@@ -321,6 +321,11 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &[(String, Vec<u64>, V
     }
     let serialized = safetensors::serialize(views, None).map_err(|error| write_failed(error.to_string()))?;
 
+    // A link (`/dev/stdout`), a pipe or a device is written through: renaming over it would
+    // replace the link or the node itself.
+    if fs::symlink_metadata(path).is_ok_and(|metadata| !metadata.is_file() && !metadata.is_dir()) {
+        return fs::write(path, &serialized).map_err(|error| write_failed(error.to_string()));
+    }
     let file_name =
         path.file_name().ok_or_else(|| write_failed("the path names no file".to_string()))?.to_string_lossy();
     let temporary = path.with_file_name(format!(".{file_name}.tmp.{}", std::process::id()));
