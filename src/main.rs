@@ -14,6 +14,7 @@ mod device;
 mod exe;
 mod explain;
 mod fingerprint;
+mod host_memory;
 mod inputs;
 mod launch;
 mod model_arg;

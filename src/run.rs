@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use pleat_backend::memory::{plan, ElementSize};
 use pleat_backend::overlap::Prefetch;
 use pleat_backend::{DType, Program};
 use pleat_ir::model::config::{ConfigDtype, ModelConfig};
@@ -359,6 +360,10 @@ pub fn run_programs_native(
     options: &ThreadRunOptions,
     native: &[Option<NativeKernels>],
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
+    // Every rank is a thread here: their planned peaks (f32 buffers, weights included) add up.
+    let needed =
+        programs.iter().map(|program| plan(program, ElementSize::Fixed(4)).peak_bytes).fold(0u64, u64::saturating_add);
+    crate::host_memory::ensure_available(&format!("running {} ranks' programs", programs.len()), needed)?;
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
     let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
     let outcomes = run_on_threads_native(programs, &inputs, options, native)?;

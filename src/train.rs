@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use pleat_backend::bucket::bucket_gradient_reductions;
+use pleat_backend::memory::{plan, ElementSize};
 use pleat_backend::optimizer::{optimizer_layout, OptimizerLayout};
 use pleat_backend::overlap::Prefetch;
 use pleat_backend::Program;
@@ -424,7 +425,21 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
                 device.get_or_insert(report);
                 trained
             }
-            None => train_on_threads(&compiled.programs, &compiled.layouts, &options)?,
+            None => {
+                // Every rank is a thread here: their planned peaks add up, beside AdamW's two f32
+                // moments of every parameter.
+                let needed = compiled
+                    .programs
+                    .iter()
+                    .map(|program| {
+                        let planned = plan(program, ElementSize::Fixed(4));
+                        planned.peak_bytes.saturating_add(planned.param_bytes.saturating_mul(2))
+                    })
+                    .fold(0u64, u64::saturating_add);
+                let what = format!("training {} ranks' programs", compiled.programs.len());
+                crate::host_memory::ensure_available(&what, needed)?;
+                train_on_threads(&compiled.programs, &compiled.layouts, &options)?
+            }
         };
         done += steps;
         if let Some(dir) = &flags.save {

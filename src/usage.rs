@@ -326,6 +326,24 @@ pub enum UsageError {
         /// What it counts, singular.
         what: &'static str,
     },
+    /// A run or benchmark that needs more memory than this machine has available.
+    #[error(
+        "{what} needs about {:.2} GB and this machine has {:.2} GB available; it would abort in the allocator",
+        *.needed as f64 / 1e9,
+        *.available as f64 / 1e9
+    )]
+    #[diagnostic(
+        code(E0747),
+        help("use a smaller model, batch, sequence or --sizes, or more ranks over more machines")
+    )]
+    NotEnoughMemory {
+        /// What needs it.
+        what: String,
+        /// Bytes it needs.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
     /// `pleat compare --seq` with no lengths.
     #[error("--seq needs at least one length, e.g. --seq 4096,16384")]
     #[diagnostic(code(E0709), help("list the sequence lengths to compare, separated by commas"))]
@@ -725,7 +743,8 @@ impl UsageError {
             | UsageError::CollectiveWrongResult { .. }
             | UsageError::TrainCheckMismatch { .. }
             | UsageError::NoLossRank
-            | UsageError::NoLogits => Vec::new(),
+            | UsageError::NoLogits
+            | UsageError::NotEnoughMemory { .. } => Vec::new(),
         }
     }
 }

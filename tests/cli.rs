@@ -163,6 +163,30 @@ fn outputs_never_replace_what_pleat_did_not_write() {
 }
 
 #[test]
+fn runs_larger_than_the_machine_are_refused_before_they_allocate() {
+    // No machine holds a trillion-row embedding, or 3 x 2^64 bytes of messages.
+    let dir = tempdir("too-large");
+    let tiny =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/tiny/config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&tiny).unwrap();
+    config["vocab_size"] = serde_json::json!(1_000_000_000_000u64);
+    let path = dir.join("huge-vocab.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    for train in [false, true] {
+        let mut args = vec!["run", path.to_str().unwrap(), "--mesh", "tp=2", "--batch", "2", "--seq", "8"];
+        if train {
+            args.push("--train");
+        }
+        let error = error_of(&args);
+        assert!(error.contains("E0747") && error.contains("GB available"), "{error}");
+    }
+    let error = error_of(&["bench", "comm", "--ranks", "2", "--sizes", "18446744073709551615B"]);
+    assert!(error.contains("E0747"), "{error}");
+    let error = error_of(&["bench", "comm", "--ranks", "2", "--sizes", "1KiB", "--iters", "0"]);
+    assert!(error.contains("E0708") && error.contains("--iters"), "{error}");
+}
+
+#[test]
 fn dump_after_prints_the_ir() {
     let dir = tempdir("dump");
     let text = stdout_of(&[

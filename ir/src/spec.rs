@@ -107,9 +107,14 @@ impl ShardSpec {
     }
 }
 
-/// The degrees in `1..=count` that divide `count`: what an error offers instead of a bad degree.
+/// The largest degree an error suggests: no mesh axis is larger, and a count near 2^64 would
+/// otherwise take minutes to factor.
+pub const MAX_SUGGESTED_DEGREE: u64 = 1 << 16;
+
+/// The degrees up to [`MAX_SUGGESTED_DEGREE`] that divide `count`: what an error offers instead
+/// of a bad degree.
 pub fn valid_degrees(count: u64) -> Vec<u64> {
-    (1..=count).filter(|degree| count % degree == 0).collect()
+    (1..=count.min(MAX_SUGGESTED_DEGREE)).filter(|degree| count % degree == 0).collect()
 }
 
 #[cfg(test)]
@@ -128,5 +133,10 @@ mod tests {
         let bad = ShardSpec::replicated(2).with_shard(1, AxisName::Dp).with_shard(1, AxisName::Cp);
         assert_eq!(bad.local_sizes(&Shape::new(&[(DimName::Batch, 8), (DimName::Seq, 6)]), &mesh), Err((1, 4)));
         assert_eq!(valid_degrees(12), vec![1, 2, 3, 4, 6, 12]);
+        assert_eq!(valid_degrees(0), Vec::<u64>::new());
+        // u64::MAX = 3·5·17·257·641·65537·6700417: its divisors up to 2^16, at once.
+        let small = [1, 3, 5, 15, 17, 51, 85, 255, 257, 641, 771, 1285, 1923, 3205, 3855, 4369, 9615, 10897, 13107];
+        let large = [21845, 32691, 54485, 65535];
+        assert_eq!(valid_degrees(u64::MAX), [&small[..], &large[..]].concat());
     }
 }

@@ -57,10 +57,10 @@ pub enum Error {
     },
     /// A sequence the zigzag layout cannot cut into `2·degree` chunks.
     #[error(
-        "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {} (e.g. {}){}",
-        2 * degree, 2 * degree, (seq / (2 * degree) + 1) * 2 * degree, zigzag_degrees(*seq, axis)
+        "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {}{}{}",
+        2 * degree, 2 * degree, next_multiple(*seq, 2 * degree), zigzag_degrees(*seq, axis)
     )]
-    #[diagnostic(code(E0208), help("make --seq a multiple of 2 x the cp degree"))]
+    #[diagnostic(code(E0208), help("make --seq a multiple of 2 x the degree of the axis that splits it (cp or tsp)"))]
     ZigzagSeq {
         /// The sequence length.
         seq: u64,
@@ -131,9 +131,18 @@ pub enum Error {
     },
 }
 
+/// " (e.g. N)": the next multiple of `chunks` above `seq`, where one fits in a `u64`.
+fn next_multiple(seq: u64, chunks: u64) -> String {
+    (seq / chunks)
+        .checked_add(1)
+        .and_then(|count| count.checked_mul(chunks))
+        .map_or(String::new(), |next| format!(" (e.g. {next})"))
+}
+
 /// ", or AXIS in {..}": the degrees whose zigzag chunks split `seq`, when there are any.
 fn zigzag_degrees(seq: u64, axis: &str) -> String {
-    let degrees: Vec<String> = (1..=seq / 2).filter(|d| seq % (2 * d) == 0).map(|d| d.to_string()).collect();
+    let halves = if seq % 2 == 0 { pleat_ir::spec::valid_degrees(seq / 2) } else { Vec::new() };
+    let degrees: Vec<String> = halves.iter().map(u64::to_string).collect();
     if degrees.is_empty() {
         String::new()
     } else {

@@ -25,7 +25,7 @@ pub struct CalibrateArgs {
 pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     let options = if args.quick { CalibrationOptions::quick() } else { CalibrationOptions::full() };
     let calibration = calibrate(&options)?;
-    let spec = spec_of(&calibration, memory_total_bytes()?).validate()?;
+    let spec = spec_of(&calibration, crate::host_memory::total_bytes()?).validate()?;
     let json = serde_json::to_string_pretty(&spec)?;
     eprintln!(
         "one rank here: {:.1} GFLOP/s f32 GEMM, {:.1} GFLOP/s attention, {:.1} GB/s streaming, {:.1} GB/s row-wise, link {:.2} GB/s and {:.1} µs, {} cores",
@@ -72,15 +72,4 @@ fn spec_of(calibration: &Calibration, memory_bytes: u64) -> HardwareSpec {
             link: 1.0,
         },
     }
-}
-
-/// This machine's memory, from `/proc/meminfo`.
-fn memory_total_bytes() -> Result<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").context("cannot read /proc/meminfo for the memory size")?;
-    let kib = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .context("/proc/meminfo has no MemTotal line")?;
-    Ok(kib * 1024)
 }

@@ -104,6 +104,9 @@ struct Measurement {
 /// Runs `pleat bench comm`.
 pub fn comm(args: &CommBenchArgs) -> Result<()> {
     let sizes = parse_sizes(&args.sizes)?;
+    if args.iters == Some(0) {
+        bail!(crate::usage::UsageError::ZeroFlag { flag: "--iters", what: "iteration" });
+    }
     let timeout = Duration::from_secs(args.timeout);
     match args.comm {
         CommChoice::Threads => {
@@ -111,6 +114,10 @@ pub fn comm(args: &CommBenchArgs) -> Result<()> {
             if n_ranks == 0 {
                 bail!(crate::usage::UsageError::ZeroFlag { flag: "--ranks", what: "rank" });
             }
+            // Each rank holds a message, its chunk and the copies in flight: about three messages.
+            let largest = sizes.iter().copied().max().unwrap_or(0);
+            let needed = largest.saturating_mul(3).saturating_mul(u64::from(n_ranks));
+            crate::host_memory::ensure_available(&format!("--sizes up to {largest} B on {n_ranks} ranks"), needed)?;
             let measurements = on_threads(n_ranks, &sizes, args.iters, timeout)?;
             report(args, "threads", n_ranks, &measurements)
         }

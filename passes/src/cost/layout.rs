@@ -163,7 +163,8 @@ impl Layout {
                     count: seq,
                     axis: axis.to_string(),
                     degree,
-                    valid: if seq % 2 == 0 { divisors(seq / 2) } else { Vec::new() },
+                    // (Any degree d with 2·d dividing seq; 1 alone, no split, for an odd one.)
+                    valid: if seq % 2 == 0 { divisors(seq / 2) } else { vec![1] },
                 });
             }
         }

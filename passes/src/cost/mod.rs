@@ -152,23 +152,7 @@ fn join(values: &[u64]) -> String {
 
 /// The degrees that divide `count`, for error messages.
 pub(crate) fn divisors(count: u64) -> Vec<u64> {
-    if count == 0 {
-        return Vec::new();
-    }
-    let mut small = Vec::new();
-    let mut large = Vec::new();
-    let mut candidate = 1;
-    while candidate * candidate <= count {
-        if count % candidate == 0 {
-            small.push(candidate);
-            if candidate != count / candidate {
-                large.push(count / candidate);
-            }
-        }
-        candidate += 1;
-    }
-    small.extend(large.into_iter().rev());
-    small
+    pleat_ir::spec::valid_degrees(count)
 }
 
 #[cfg(test)]

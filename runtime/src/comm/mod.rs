@@ -31,7 +31,7 @@ mod tests;
 
 use std::collections::HashSet;
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{gemm_threads_per_process, MpiComm, MpiInitError};
@@ -463,4 +463,11 @@ pub trait Communicator: Send {
     fn second_stream(&mut self) -> Option<Box<dyn Communicator>> {
         None
     }
+}
+
+/// When a wait of `timeout` from now gives up: a timeout past what an `Instant` can hold (a
+/// `--timeout` of 2^64 seconds) waits about a century instead of overflowing.
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(u64::from(u32::MAX)))
 }

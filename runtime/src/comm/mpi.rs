@@ -233,7 +233,7 @@ impl MpiComm {
 
     /// [`MpiComm::flush`], MPI being open.
     fn flush_open(&mut self) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = super::deadline_after(self.timeout);
         let mut polls = 0;
         while !self.pending_sends.is_empty() {
             self.progress_sends();
@@ -346,7 +346,7 @@ impl MpiComm {
         peer: u32,
         mut attempt: impl FnMut(&mut Self) -> Option<T>,
     ) -> Result<T, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = super::deadline_after(self.timeout);
         let mut polls = 0;
         loop {
             self.progress_sends();

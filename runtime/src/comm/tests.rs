@@ -567,3 +567,9 @@ fn a_second_stream_matches_only_the_peers_second_streams() {
     }
     assert!(outcomes.iter().any(|outcome| matches!(outcome, Err(CommError::Timeout { .. }))), "{outcomes:?}");
 }
+
+#[test]
+fn a_timeout_past_what_an_instant_holds_waits_instead_of_overflowing() {
+    let deadline = super::deadline_after(Duration::from_secs(u64::MAX));
+    assert!(deadline > std::time::Instant::now() + Duration::from_secs(86_400 * 365 * 100));
+}

@@ -286,7 +286,7 @@ impl ThreadComm {
     /// Blocks until a message from `peer` is queued for this rank, a rank `op` depends on fails, or
     /// the timeout passes.
     fn wait_for_message(&self, op: &OpContext<'_>, peer: u32) -> Result<Message, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = super::deadline_after(self.timeout);
         let mailbox = &self.shared.mailboxes[self.slot(self.rank)];
         let mut queues = lock(&mailbox.queues);
         loop {
