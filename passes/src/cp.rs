@@ -34,13 +34,7 @@ const AXIS: AxisName = AxisName::Cp;
 
 fn fold_cp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     let Some(degree) = module.mesh.axis(AXIS).map(|axis| axis.size) else { return Ok(()) };
-    if module.mesh.axis(AxisName::Tsp).is_some() {
-        return Err(Error::ConflictingAxes {
-            first: AxisName::Tsp.to_string(),
-            second: AXIS.to_string(),
-            reason: "both split the sequence".into(),
-        });
-    }
+    crate::strategy::conflict(&module.mesh, AxisName::Tsp, AXIS)?;
     let graph = &mut module.graph;
     let find = |graph: &Graph, name: &str| {
         graph.find(name).ok_or_else(|| Error::UnexpectedGraph { pass: FOLD_CP.name, node: name.to_string() })

@@ -33,6 +33,28 @@ use crate::manager::PassCtx;
 /// The axes this build has strategies for.
 pub const SUPPORTED_AXES: [AxisName; 5] = [AxisName::Dp, AxisName::Tp, AxisName::Tsp, AxisName::Cp, AxisName::Ep];
 
+/// Pairs of supported axes no one mesh may hold together, and why: `fold-tsp` and `fold-cp`
+/// refuse them with these reasons.
+pub const CONFLICTING_AXES: [(AxisName, AxisName, &str); 2] = [
+    (
+        AxisName::Tsp,
+        AxisName::Tp,
+        "both split the weights (tsp already is tensor parallelism, with the tokens split too)",
+    ),
+    (AxisName::Tsp, AxisName::Cp, "both split the sequence"),
+];
+
+/// The conflicting pair's error, if `mesh` holds `first` and `second`.
+pub(crate) fn conflict(mesh: &pleat_ir::Mesh, first: AxisName, second: AxisName) -> Result<()> {
+    let pair = CONFLICTING_AXES.iter().find(|(a, b, _)| (*a, *b) == (first, second) || (*a, *b) == (second, first));
+    match pair {
+        Some((a, b, reason)) if mesh.axis(first).is_some() && mesh.axis(second).is_some() => {
+            Err(Error::ConflictingAxes { first: a.to_string(), second: b.to_string(), reason: (*reason).into() })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Seeds parameter and input specs for every axis of the module's mesh. Only leaves change, so the
 /// module is consistent again only once propagation has run: the two form one pass.
 pub fn seed_leaves(module: &mut Module, ctx: &PassCtx) -> Result<()> {

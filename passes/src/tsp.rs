@@ -32,13 +32,7 @@ const AXIS: AxisName = AxisName::Tsp;
 
 fn fold_tsp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     let Some(degree) = module.mesh.axis(AXIS).map(|axis| axis.size) else { return Ok(()) };
-    if module.mesh.axis(AxisName::Tp).is_some() {
-        return Err(Error::ConflictingAxes {
-            first: AXIS.to_string(),
-            second: AxisName::Tp.to_string(),
-            reason: "both split the weights (tsp already is tensor parallelism, with the tokens split too)".into(),
-        });
-    }
+    crate::strategy::conflict(&module.mesh, AXIS, AxisName::Tp)?;
     crate::strategy::seed_leaves(module, ctx)?;
     let mut rewriter = Rewriter { graph: &mut module.graph, degree };
     rewriter.fold()?;

@@ -113,9 +113,12 @@ impl Layout {
     }
 
     /// Whether pleat's compiler has strategies for every axis of this layout today (Megatron SP on
-    /// tp is `--strategy tp-sp`); the cost model covers the others analytically.
+    /// tp is `--strategy tp-sp`), none of them a pair it refuses together (tsp beside tp or cp);
+    /// the cost model covers the others analytically.
     pub fn compiles_today(&self) -> bool {
+        let has = |axis: AxisName| self.axes.iter().any(|&(name, _)| name == axis);
         self.axes.iter().all(|(axis, _)| crate::strategy::SUPPORTED_AXES.contains(axis))
+            && !crate::strategy::CONFLICTING_AXES.iter().any(|&(first, second, _)| has(first) && has(second))
     }
 
     /// How the groups of `axis` sit on nodes of `gpus_per_node` GPUs (ranks are numbered row-major
@@ -299,5 +302,8 @@ mod tests {
         assert!(Layout::new(&[(AxisName::Cp, 2)], false).compiles_today());
         assert!(!Layout::new(&[(AxisName::Pp, 2), (AxisName::Tp, 2)], false).compiles_today());
         assert!(!Layout::new(&[(AxisName::Sp, 2)], false).compiles_today());
+        // Axes the compiler has, in pairs it refuses.
+        assert!(!Layout::new(&[(AxisName::Tsp, 2), (AxisName::Tp, 2)], false).compiles_today());
+        assert!(!Layout::new(&[(AxisName::Cp, 2), (AxisName::Tsp, 2)], false).compiles_today());
     }
 }
