@@ -19,6 +19,7 @@ mod inputs;
 mod launch;
 mod model_arg;
 mod native;
+mod number_flags;
 mod pipeline;
 mod plan;
 mod predict;

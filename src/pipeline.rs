@@ -96,3 +96,9 @@ pub fn pipelined(
         .collect::<std::result::Result<Vec<_>, _>>()?;
     Ok((programs, layouts, spans))
 }
+
+/// Micro-batches a step when `--micro-batches` is not given: 2·pp (each stage busy with a second
+/// while the first moves on), or the largest count below it that splits `batch`.
+pub fn default_micro_batches(batch: u64, stages: u32) -> u32 {
+    (1..=2 * stages).rev().find(|&count| batch % u64::from(count) == 0).unwrap_or(1)
+}

@@ -36,14 +36,15 @@ pub enum ScheduleFormat {
 /// The pipeline flags `pleat explain` and `pleat trace` share, read when the mesh has a pp axis.
 #[derive(Args, Clone)]
 pub struct PipelineFlags {
-    /// With a pp axis in --mesh: micro-batches a step (default 2·pp).
-    #[arg(long)]
+    /// With a pp axis in --mesh: micro-batches a step (default 2·pp, or the largest count below it
+    /// that splits --batch).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub micro_batches: Option<u32>,
     /// With a pp axis in --mesh: the pipeline schedule.
     #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
     pub schedule: ScheduleName,
     /// Model chunks a rank, for --schedule interleaved (default 2).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub chunks: Option<u32>,
 }
 

@@ -43,13 +43,13 @@ pub struct SearchArgs {
     #[arg(long)]
     pub global_batch: Option<u64>,
     /// The most memory a GPU may use, GB (default: the device's).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::number_flags::positive)]
     pub mem_cap: Option<f64>,
     /// Inference (one forward pass) instead of training.
     #[arg(long)]
     pub infer: bool,
     /// Plans shown.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u64).range(1..), |top| top as usize))]
     pub top: usize,
     /// Output format.
     #[arg(long, value_enum, default_value_t = SearchFormat::Table)]

@@ -119,13 +119,13 @@ pub struct TrainFlags {
     #[arg(long)]
     pub train: bool,
     /// Training steps.
-    #[arg(long, default_value_t = 10, requires = "train")]
+    #[arg(long, default_value_t = 10, requires = "train", value_parser = clap::value_parser!(u32).range(1..))]
     pub steps: u32,
     /// AdamW's learning rate.
-    #[arg(long, default_value_t = 1e-3, requires = "train")]
+    #[arg(long, default_value_t = 1e-3, requires = "train", value_parser = crate::number_flags::positive)]
     pub lr: f64,
     /// Clip the gradients to this global L2 norm (0: no clipping).
-    #[arg(long, default_value_t = 1.0, requires = "train")]
+    #[arg(long, default_value_t = 1.0, requires = "train", value_parser = crate::number_flags::non_negative)]
     pub max_grad_norm: f64,
     /// ZeRO stage over the dp axis: 1 splits the optimizer state, 2 also the gradients, 3 also the
     /// parameters.
@@ -145,13 +145,13 @@ pub struct TrainFlags {
     pub bucket_mb: u64,
     /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,
     /// with a pp axis in --mesh, which flow through the pipeline stages).
-    #[arg(long, default_value_t = 1, requires = "train")]
+    #[arg(long, default_value_t = 1, requires = "train", value_parser = clap::value_parser!(u32).range(1..))]
     pub micro_batches: u32,
     /// The pipeline schedule (with a pp axis).
     #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB, requires = "train")]
     pub schedule: ScheduleName,
     /// Model chunks a pipeline rank, for --schedule interleaved (default 2).
-    #[arg(long, requires = "train")]
+    #[arg(long, requires = "train", value_parser = clap::value_parser!(u32).range(1..))]
     pub chunks: Option<u32>,
     /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (with --schedule interleaved, a
     /// virtual stage: pp times --chunks counts); default: balanced by the cost model, the

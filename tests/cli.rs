@@ -187,6 +187,16 @@ fn runs_larger_than_the_machine_are_refused_before_they_allocate() {
 }
 
 #[test]
+fn pipelines_default_to_micro_batches_that_split_the_batch() {
+    // 2·pp = 4 micro-batches do not split a batch of 2: the default falls to 2.
+    let dir = tempdir("default-micro-batches");
+    let out = dir.join("trace.json");
+    stdout_of(&["trace", "tiny", "--mesh", "pp=2", "--batch", "2", "--seq", "16", "--out", out.to_str().unwrap()]);
+    assert!(out.exists());
+    stdout_of(&["explain", "tiny", "--mesh", "pp=2", "--batch", "2", "--seq", "16"]);
+}
+
+#[test]
 fn dump_after_prints_the_ir() {
     let dir = tempdir("dump");
     let text = stdout_of(&[

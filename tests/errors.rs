@@ -204,6 +204,21 @@ fn flags_schedules_and_hardware() {
             "not a multiple of pp=4",
         ),
         case(&["compare", "tiny", "--ranks", "0"], "E0708", "--ranks 0"),
+        // Counts of at least 1 and finite numbers, checked as the flags are read: each used to
+        // fail later, as a pleat bug (--steps 0), a NaN gradient norm (--lr nan), no clipping at
+        // all (--max-grad-norm nan), a wrong flag named (--chunks 0) or a run with nothing in it.
+        case(&["run", "tiny", "--train", "--steps", "0"], "E0701", "'0' for '--steps"),
+        case(&["run", "tiny", "--train", "--lr", "nan"], "E0701", "nan is not a finite number"),
+        case(&["run", "tiny", "--train", "--lr=-1"], "E0701", "-1 is not above 0"),
+        case(&["run", "tiny", "--train", "--max-grad-norm", "inf"], "E0701", "inf is not a finite number"),
+        case(
+            &["run", "tiny", "--train", "--mesh", "pp=2", "--schedule", "interleaved", "--chunks", "0"],
+            "E0701",
+            "'0' for '--chunks",
+        ),
+        case(&["compare", "tiny", "--ranks", "4", "--seq", "4096,0"], "E0701", "'0' for '--seq"),
+        case(&["search", "tiny", "--gpus", "4", "--top", "0"], "E0701", "'0' for '--top"),
+        case(&["search", "tiny", "--gpus", "4", "--mem-cap", "nan"], "E0701", "nan is not a finite number"),
         case(&["plan", "tiny", "--hw", "abacus"], "E0244", "unknown hardware `abacus`"),
         case(&["plan", "tiny", "--hw-file", &hw], "E0245", &hw),
         case(&["plan", "tiny", "--train", "--zero", "5"], "E0243", "zero stage 5"),
