@@ -48,6 +48,15 @@ pub enum Error {
         /// The axes that work.
         available: Vec<&'static str>,
     },
+    /// A pp axis on an inference (forward-only) graph: pleat pipelines training steps.
+    #[error(
+        "mesh axis pp pipelines training steps, and this is a forward pass; add --train, or drop pp from the mesh"
+    )]
+    #[diagnostic(
+        code(E0215),
+        help("pipeline a training step with --train, or run the forward pass on the other axes")
+    )]
+    PipelineInference,
     /// Expert parallelism on a model without routed experts.
     #[error("mesh axis ep places routed experts, and model {model} has none; use a mixture-of-experts model (tiny-moe, mixtral-8x7b) or drop ep")]
     #[diagnostic(code(E0214), help("drop ep from the mesh, or compile a mixture-of-experts model"))]

@@ -60,6 +60,8 @@ pub(crate) fn conflict(mesh: &pleat_ir::Mesh, first: AxisName, second: AxisName)
 pub fn seed_leaves(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     for axis in module.mesh.axes().to_vec() {
         match axis.name {
+            // (A training step's pp axis is taken off the mesh before its stages are sharded.)
+            AxisName::Pp => return Err(Error::PipelineInference),
             AxisName::Tp => seed_weight_splits(module, AxisName::Tp, axis.size)?,
             // TSP splits every weight as TP does (its attention and MLP take whole kv groups, so kv
             // heads must divide too); `fold-tsp` restructures the layers and splits the tokens.
