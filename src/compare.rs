@@ -34,8 +34,12 @@ pub struct CompareArgs {
 }
 
 /// The layouts of `ranks` ranks: dp, tp, tp with Megatron SP, cp, tsp, and tp x sp, tp x cp for
-/// every split of `ranks` into two factors above 1.
+/// every split of `ranks` into two factors above 1 (one rank: the one plan).
 pub fn layouts(ranks: u64) -> Vec<Layout> {
+    // One rank has one layout: every axis of degree 1 is the same plan.
+    if ranks == 1 {
+        return vec![Layout::new(&[(AxisName::Dp, 1)], false)];
+    }
     let mut layouts = vec![
         Layout::new(&[(AxisName::Dp, ranks)], false),
         Layout::new(&[(AxisName::Tp, ranks)], false),

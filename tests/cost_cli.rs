@@ -121,6 +121,9 @@ fn compare_rows_are_sorted_by_peak_and_cover_the_splits() {
     assert!(position("tsp=8") < position("tp=8"));
     let table = stdout_of(&["compare", "tsp-7b", "--ranks", "8", "--seq", "4096,8192"]);
     assert_eq!(table.matches("tsp-7b on 8 ranks").count(), 2, "{table}");
+    // One rank is one plan, one row (every axis of degree 1 gave the same row four times).
+    let one = json_of(&["compare", "tiny", "--ranks", "1", "--seq", "64", "--format", "json"]);
+    assert_eq!(one["blocks"][0]["rows"].as_array().unwrap().len(), 1, "{one}");
 }
 
 #[test]
