@@ -13,11 +13,12 @@
 //! them, a sequence split must divide the tokens (twice the degree for the zigzag layouts of cp
 //! and tsp). The vocabulary is padded, as Megatron pads it, rather than refused.
 
+use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, Mesh};
 
 use super::model::ModelShape;
 use super::workload::Workload;
-use super::{divisors, CostError, Result};
+use super::{CostError, Result};
 
 /// The degrees of the mesh axes, in mesh order, plus Megatron sequence parallelism on `tp`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -143,7 +144,7 @@ impl Layout {
                     count,
                     axis: axis.to_string(),
                     degree,
-                    valid: divisors(count),
+                    valid: valid_degrees(count),
                 });
             }
             Ok(())
@@ -167,7 +168,7 @@ impl Layout {
                     axis: axis.to_string(),
                     degree,
                     // (Any degree d with 2·d dividing seq; 1 alone, no split, for an odd one.)
-                    valid: if seq % 2 == 0 { divisors(seq / 2) } else { vec![1] },
+                    valid: if seq % 2 == 0 { valid_degrees(seq / 2) } else { vec![1] },
                 });
             }
         }
@@ -181,7 +182,7 @@ impl Layout {
                 count: seq,
                 axis: "sp x cp x tsp".to_string(),
                 degree: self.sequence_split(),
-                valid: divisors(seq),
+                valid: valid_degrees(seq),
             });
         }
         let stages = self.degree(AxisName::Pp);

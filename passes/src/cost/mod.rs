@@ -150,23 +150,9 @@ fn join(values: &[u64]) -> String {
     values.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
 }
 
-/// The degrees that divide `count`, for error messages.
-pub(crate) fn divisors(count: u64) -> Vec<u64> {
-    pleat_ir::spec::valid_degrees(count)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn divisors_are_sorted_and_complete() {
-        assert_eq!(divisors(12), vec![1, 2, 3, 4, 6, 12]);
-        assert_eq!(divisors(1), vec![1]);
-        assert_eq!(divisors(49), vec![1, 7, 49]);
-        let naive: Vec<u64> = (1..=360).filter(|d| 360 % d == 0).collect();
-        assert_eq!(divisors(360), naive);
-    }
 
     #[test]
     fn errors_read_like_the_ir_errors() {
@@ -175,7 +161,7 @@ mod tests {
             count: 32,
             axis: "tp".into(),
             degree: 3,
-            valid: divisors(32),
+            valid: pleat_ir::spec::valid_degrees(32),
         };
         assert_eq!(error.to_string(), "32 heads are not divisible by tp=3; use tp in {1,2,4,8,16,32}");
     }
