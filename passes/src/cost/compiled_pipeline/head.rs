@@ -41,9 +41,9 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         new_sum: None,
     }];
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
-    // the head's input gradient beside it. (Not modelled beside dp, which reduces the gradient
-    // first; beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens; under
-    // full recomputation, which recomputes the final norm for it; or for a mixture, whose
+    // the head's input gradient beside it. (Beside dp, which reduces the gradient first, below;
+    // not modelled beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens;
+    // under full recomputation, which recomputes the final norm for it; or for a mixture, whose
     // load-balancing loss's buffers differ there.)
     if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced {
         candidates.push(Candidate {
@@ -58,10 +58,6 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
         });
     }
-    // Beside dp, as the last layer's down projection's weight gradient joins its sum, reduced, its
-    // unreduced copy beside it: the head's and the final norm's gradients made, the logits, the
-    // final norm's buffers, the last layer's output and SiLU product freed, its output gradient
-    // and the SiLU product's gradient live.
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
     let full = shape.recompute() == Recompute::Full;
     if shape.sizes.token_split == 1 && dense && shape.reduced {
@@ -101,6 +97,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
         });
     }
+    // Beside dp, as the last layer's down projection's weight gradient joins its sum, reduced, its
+    // unreduced copy beside it: the head's and the final norm's gradients made, the logits, the
+    // final norm's buffers, the last layer's output and SiLU product freed, its output gradient
+    // and the SiLU product's gradient live.
     if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced {
         let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
         let final_norm = (gathered - boundary) + gathered;
