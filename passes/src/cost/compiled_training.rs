@@ -190,7 +190,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         kept_layer,
         ..
     } = sizes;
-    let vocab_shard = (sizes.vocab / sizes.vocab_split).ceil();
+    let vocab_shard = sizes.vocab_shard;
     let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
     let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
     let logits = if cp > 1 { tokens } else { local_tokens } * vocab_shard * element;

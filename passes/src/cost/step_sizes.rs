@@ -26,6 +26,8 @@ pub(super) struct StepSizes {
     pub local_tokens: f64,
     /// How many ways tp and tsp split the vocabulary.
     pub vocab_split: f64,
+    /// The rank's rows of the vocabulary (of the embedding, the LM head and the logits).
+    pub vocab_shard: f64,
     /// How many ways tp splits heads, kv heads (when they divide) and ffn channels.
     pub split: f64,
     /// Whether Megatron SP splits the residual stream on seq over tp.
@@ -97,6 +99,7 @@ impl StepSizes {
             token_split,
             local_tokens,
             vocab_split: (tp * tsp) as f64,
+            vocab_shard: (model.vocab as f64 / (tp * tsp) as f64).ceil(),
             split,
             sequence_parallel,
             hidden,

@@ -69,7 +69,7 @@ pub(super) struct Chunk {
 /// What one of the stage's chunks holds, `first` and `last` saying whether it is the model's
 /// first or last virtual stage.
 pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u64) -> ChunkHold {
-    let StepSizes { element, local_tokens, vocab, vocab_split, hidden, ids, positions, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ids, positions, boundary, .. } = shape.sizes;
     let params = chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element;
     let grads = params / shape.shards;
     let end = chunk_end(shape, last, layers);
@@ -90,7 +90,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         last,
         layers,
         grads,
-        table: if first { (vocab / vocab_split).ceil() * hidden * element } else { 0.0 },
+        table: if first { vocab_shard * hidden * element } else { 0.0 },
         positions,
         in_flight: in_flight(shape, first, last, layers),
         end,
@@ -225,7 +225,7 @@ fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
 /// gradient over the whole vocabulary is live as the rank's rows, sliced from it, join their sum.
 /// cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
 fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_reads: Option<Term>) -> Vec<Candidate> {
-    let StepSizes { element, tokens, vocab, vocab_split, hidden, query, ids, positions, .. } = shape.sizes;
+    let StepSizes { element, tokens, vocab, vocab_split, vocab_shard, hidden, query, ids, positions, .. } = shape.sizes;
     let StepSizes { stream, gathered, boundary, .. } = shape.sizes;
     let (reduced, scattered, shards) = (shape.reduced, shape.scattered, shape.shards);
     let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if chunk.first {
@@ -244,7 +244,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
             held.push(Term { name: "token ids", bytes: ids });
             held.push(Term { name: "embedding output's gradient", bytes: stream });
         }
-        ((vocab / vocab_split).ceil() * hidden * element, chunk.grads * shards, held)
+        (vocab_shard * hidden * element, chunk.grads * shards, held)
     } else {
         let input_norm = shape.norm * element;
         let mut held = vec![

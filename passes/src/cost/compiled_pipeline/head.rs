@@ -23,10 +23,10 @@ pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candida
 /// tp the vocabulary-parallel loss's row statistics, three f32 a row from each tp rank); none of
 /// its gradients made yet.
 fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, vocab, vocab_split, hidden, gathered, .. } = shape.sizes;
+    let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
     let logits = shape.logits();
-    let rows = logits / (vocab / vocab_split).ceil() / element;
-    let weight_gradient = (vocab / vocab_split).ceil() * hidden * element;
+    let rows = logits / vocab_shard / element;
+    let weight_gradient = vocab_shard * hidden * element;
     let mut candidates = vec![Candidate {
         name: "the loss's backward",
         so_far: 0.0,

@@ -337,9 +337,9 @@ impl<'a> StageShape<'a> {
     /// The logits the last chunk keeps for the loss: over the rank's shard of the vocabulary, and
     /// under cp and tsp every token's (gathered back in order).
     fn logits(&self) -> f64 {
-        let StepSizes { tokens, local_tokens, token_split, vocab, vocab_split, element, .. } = self.sizes;
+        let StepSizes { tokens, local_tokens, token_split, vocab_shard, element, .. } = self.sizes;
         let rows = if token_split > 1 { tokens } else { local_tokens };
-        rows * (vocab / vocab_split).ceil() * element
+        rows * vocab_shard * element
     }
 
     /// Whether a chunk sends its layers' load-balancing statistics on: under interleaving the

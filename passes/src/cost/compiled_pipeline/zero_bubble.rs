@@ -33,7 +33,7 @@ pub(super) struct BetweenBAndW {
 /// holds them as well. Selective recomputation keeps q, k and v after RoPE in place of attention's
 /// output, which W recomputes from them for the output projection's gradient.
 pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW {
-    let StepSizes { element, tokens, local_tokens, vocab, vocab_split, hidden, query, kv, ffn, .. } = shape.sizes;
+    let StepSizes { element, tokens, local_tokens, vocab_shard, hidden, query, kv, ffn, .. } = shape.sizes;
     let StepSizes { ids, positions, stream, gathered, boundary, kv_kept, kept_layer, .. } = shape.sizes;
     let (first, last, layers) = (chunk.first, chunk.last, chunk.layers as f64);
     let (sequence_parallel, statistics) = (shape.sequence_parallel(), shape.statistics);
@@ -112,11 +112,11 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         // The head's input gathered over the sequence (but under full recomputation), its
         // gradient, every token's logits' gradient over the rank's vocabulary shard, the loss (the
         // targets were read in the forward).
-        let logits = tokens * (vocab / vocab_split).ceil() * element;
+        let logits = tokens * vocab_shard * element;
         let head_input = if full { 0.0 } else { tokens * hidden * element };
         between += head_input + gathered + logits + element;
     } else if last {
-        let logits = local_tokens * (vocab / vocab_split).ceil() * element;
+        let logits = local_tokens * vocab_shard * element;
         // cp's targets were read in the forward.
         let targets = if shape.cp == 1 { ids } else { 0.0 };
         between += targets + element + logits + 2.0 * gathered;
