@@ -329,3 +329,19 @@ fn router_statistics_by_hand_and_their_gradients() {
         check_finite_differences(&Op::RouterProbSum, &[x.clone(), router.clone()], wrt.index(), &dy, &gradient);
     }
 }
+
+#[test]
+fn the_routing_margin_is_the_gap_at_the_top_k_cut_relative_to_the_logits_magnitudes() {
+    // Two channels. Row 0, x = [1, 2], against router rows [1, 1], [2, 0], [0, 1]: logits 3, 2, 2,
+    // each product sum of magnitudes 3, 2, 2; top-1 keeps 3, leaves 2: (3 - 2) / max(3, 2) = 1/3.
+    // Row 1, x = [1, -1]: logits 0, 2, -1 with magnitudes 2, 2, 1; top-1 keeps 2, leaves 0:
+    // (2 - 0) / 2 = 1. The margin is the smaller, 1/3; top-2 cuts row 0 between 2 and 2: a tie, 0.
+    let x = tensor(&[2, 2], &[1.0, 2.0, 1.0, -1.0]);
+    let router = tensor(&[3, 2], &[1.0, 1.0, 2.0, 0.0, 0.0, 1.0]);
+    let top1 = super::routing_margin(&x, &router, 1).expect("a margin");
+    assert!((top1 - 1.0 / 3.0).abs() < 1e-12, "{top1}");
+    assert_eq!(super::routing_margin(&x, &router, 2).expect("a margin"), 0.0);
+    // Every expert (or none) chosen: no choice to flip.
+    assert_eq!(super::routing_margin(&x, &router, 3).expect("a margin"), f64::INFINITY);
+    assert_eq!(super::routing_margin(&x, &router, 0).expect("a margin"), f64::INFINITY);
+}

@@ -31,6 +31,7 @@ mod tensor;
 mod tests;
 
 pub use error::{InterpError, OpError};
+pub use moe::routing_margin;
 pub use ops::eval;
 pub use tensor::Tensor;
 

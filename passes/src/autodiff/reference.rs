@@ -6,9 +6,10 @@
 
 use std::collections::HashMap;
 
-use pleat_ir::interp::{run, Inputs, ParamLookup};
+use pleat_ir::interp::{routing_margin, run, run_all, Inputs, ParamLookup};
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::optim::{AdamW, AdamWConfig};
+use pleat_ir::{Op, ValueId};
 
 use super::differentiate;
 
@@ -21,6 +22,12 @@ pub struct ReferenceTraining {
     pub first_grads: HashMap<String, Vec<f32>>,
     /// Each parameter after the last step, by checkpoint name.
     pub weights: HashMap<String, Vec<f32>>,
+    /// Each parameter's shape, by checkpoint name.
+    pub shapes: HashMap<String, Vec<u64>>,
+    /// For each step, how near the top-k routing of the mixture-of-experts layers came to choosing
+    /// differently (`pleat_ir::interp::routing_margin`, the smallest over the layers and
+    /// micro-batches); infinite without experts.
+    pub routing_margins: Vec<f64>,
 }
 
 /// Why the reference could not train.
@@ -70,6 +77,11 @@ pub fn train_reference(
     let loss = module.graph.outputs()[0];
     let gradients = differentiate(&mut module.graph, loss).map_err(|err| error(0)(err.to_string()))?;
     let names: Vec<String> = gradients.params.iter().map(|param| param.name.clone()).collect();
+    let shapes = gradients
+        .params
+        .iter()
+        .map(|param| (param.name.clone(), module.graph.value(param.params[0]).ty.shape.sizes()))
+        .collect();
     let mut starting = Vec::with_capacity(names.len());
     for param in &gradients.params {
         let shape = module.graph.value(param.params[0]).ty.shape.sizes();
@@ -92,6 +104,19 @@ pub fn train_reference(
         }
     }
     let positions: Vec<u32> = (0..seq as u32).collect();
+    let routers: Vec<(ValueId, ValueId, u64)> = module
+        .graph
+        .order()
+        .iter()
+        .filter_map(|&node| {
+            let data = module.graph.node(node);
+            match data.op {
+                Op::MoeMlp { top_k, .. } => Some((data.inputs[0], data.inputs[1], top_k)),
+                _ => None,
+            }
+        })
+        .collect();
+    let mut routing_margins = Vec::new();
     let mut losses = Vec::new();
     let mut first_grads = HashMap::new();
     for step in start.step..start.step + steps {
@@ -101,9 +126,21 @@ pub fn train_reference(
         let tokens = batches(step);
         let mut loss = 0.0_f32;
         let mut grads: Vec<Vec<f32>> = Vec::new();
+        let mut margin = f64::INFINITY;
         for micro_tokens in tokens.chunks((rows * seq) as usize) {
-            let outputs = run(&module.graph, &Inputs { tokens: micro_tokens, positions: &positions, params: &lookup })
-                .map_err(|err| error(step)(err.to_string()))?;
+            let inputs = Inputs { tokens: micro_tokens, positions: &positions, params: &lookup };
+            let outputs = if routers.is_empty() {
+                run(&module.graph, &inputs).map_err(|err| error(step)(err.to_string()))?
+            } else {
+                // Keep every value to read each mixture's router inputs.
+                let values = run_all(&module.graph, &inputs).map_err(|err| error(step)(err.to_string()))?;
+                for &(x, router, top_k) in &routers {
+                    let (Some(x), Some(router)) = (values.get(x), values.get(router)) else { continue };
+                    let layer = routing_margin(x, router, top_k).map_err(|err| error(step)(err.to_string()))?;
+                    margin = margin.min(layer);
+                }
+                module.graph.outputs().iter().filter_map(|&value| values.get(value).cloned()).collect()
+            };
             if micro_batches == 1 {
                 loss = outputs[0].data[0];
                 grads = outputs.into_iter().skip(1).map(|grad| grad.data).collect();
@@ -118,6 +155,7 @@ pub fn train_reference(
             }
         }
         losses.push(loss);
+        routing_margins.push(margin);
         if step == start.step {
             first_grads = names.iter().cloned().zip(grads.iter().cloned()).collect();
         }
@@ -125,5 +163,5 @@ pub fn train_reference(
         optimizer.step(&grads).map_err(|err| error(step)(err.to_string()))?;
     }
     let weights = names.into_iter().zip(optimizer.params.into_iter().map(|state| state.master)).collect();
-    Ok(ReferenceTraining { losses, first_grads, weights })
+    Ok(ReferenceTraining { losses, first_grads, weights, shapes, routing_margins })
 }
