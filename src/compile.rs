@@ -258,6 +258,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let target = planned.as_ref().unwrap_or(&args.target);
     let config = target.config("compile")?;
     crate::native::check_available(&args.emit)?;
+    crate::native::check_target_cpu(args.target_cpu.as_deref())?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
     let kernels = if args.emit.is_empty() { Kernels::Interpreted } else { Kernels::Native };
     let mut compiled = target.compile(&config, dump, kernels)?;

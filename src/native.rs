@@ -110,6 +110,19 @@ pub fn emit(programs: &[Program], emit: &[Emit], target_cpu: Option<&str>, dir: 
     Ok(written)
 }
 
+/// Refuses a `--target-cpu` LLVM cannot generate code for, before anything is compiled or
+/// written (LLVM itself would abort the process halfway through emitting).
+#[cfg(feature = "llvm")]
+pub fn check_target_cpu(target_cpu: Option<&str>) -> Result<()> {
+    Ok(target_cpu.map(pleat_backend::llvm::check_host_target_cpu).transpose().map(drop)?)
+}
+
+/// Without LLVM nothing is emitted (`check_available` refuses any `--emit`).
+#[cfg(not(feature = "llvm"))]
+pub fn check_target_cpu(_target_cpu: Option<&str>) -> Result<()> {
+    Ok(())
+}
+
 /// Without LLVM: `check_available` has already refused any `--emit`.
 #[cfg(not(feature = "llvm"))]
 pub fn emit(_programs: &[Program], emit: &[Emit], _target_cpu: Option<&str>, _dir: &Path) -> Result<Vec<String>> {

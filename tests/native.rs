@@ -758,6 +758,22 @@ fn every_emit_kind_writes_its_files() {
     assert!(error.contains("E0528") && error.contains("rank 0 has no library rank0.so"), "{error}");
 }
 
+/// A CPU LLVM does not know is refused before anything is compiled or written: LLVM itself would
+/// fall back to a 32-bit subtarget and abort the process halfway through emitting.
+#[cfg(all(feature = "llvm", target_arch = "x86_64"))]
+#[test]
+fn an_unknown_target_cpu_is_refused_before_anything_is_written() {
+    let dir = tempdir("native-bad-cpu");
+    let out = dir.join("d");
+    let out_str = out.to_str().expect("utf-8 path");
+    for cpu in ["bogus", "i686"] {
+        let error =
+            error_of(&["compile", "tiny", "--mesh", "tp=2", "--out", out_str, "--emit", "obj", "--target-cpu", cpu]);
+        assert!(error.contains("E0511") && error.contains(cpu) && error.contains("x86-64-v3"), "{error}");
+        assert!(!out.exists(), "{cpu}: nothing is written");
+    }
+}
+
 #[cfg(not(feature = "llvm"))]
 #[test]
 fn emit_says_the_llvm_feature_is_off() {

@@ -14,7 +14,10 @@
 //! lookup (`crate::native::device_kernels`), whose host builds the tests check against a reference.
 
 mod codegen;
+mod cpus;
 mod entry;
+
+pub use cpus::{check_host_target_cpu, X86_64_CPUS};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -345,7 +348,10 @@ fn optimized_host_module<'ctx>(
     })?;
     let triple = TargetMachine::get_default_triple();
     let (cpu, features) = match &options.target_cpu {
-        Some(cpu) => (cpu.clone(), String::new()),
+        Some(cpu) => {
+            cpus::check_target_cpu(&triple, cpu)?;
+            (cpu.clone(), String::new())
+        }
         None => (TargetMachine::get_host_cpu_name().to_string(), TargetMachine::get_host_cpu_features().to_string()),
     };
     let machine = target_machine(&triple, &cpu, &features, RelocMode::PIC)?;
