@@ -124,6 +124,11 @@ fn compare_rows_are_sorted_by_peak_and_cover_the_splits() {
     // One rank is one plan, one row (every axis of degree 1 gave the same row four times).
     let one = json_of(&["compare", "tiny", "--ranks", "1", "--seq", "64", "--format", "json"]);
     assert_eq!(one["blocks"][0]["rows"].as_array().unwrap().len(), 1, "{one}");
+    // dp sends nothing in the forward: 0, not the "-0" of an empty f64 sum.
+    let csv = stdout_of(&["compare", "tiny", "--ranks", "4", "--format", "csv"]);
+    let dp = csv.lines().find(|line| line.contains(",dp=4,")).unwrap_or_else(|| panic!("{csv}"));
+    assert_eq!(dp.split(',').nth(10), Some("0"), "{dp}");
+    assert!(!csv.contains(",-0,"), "{csv}");
 }
 
 #[test]

@@ -26,7 +26,7 @@ use super::memory::{memory_per_stage, peak_stage, ExpertMemory, MemoryBreakdown,
 use super::model::ModelShape;
 use super::volume::{forward_elements_per_layer, layer_collectives, step_collectives, CollectiveCall, Phase};
 use super::workload::{Mode, Workload};
-use super::{comm, Result};
+use super::{comm, total, Result};
 
 /// The version of the estimate's JSON.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -208,24 +208,25 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         calls.push(cost_call(call, 1.0, layout, hw));
     }
     let forward_calls: Vec<&CallCost> = calls.iter().filter(|cost| cost.call.phase == Phase::Forward).collect();
-    let bytes_per_layer_fwd: f64 =
-        forward_calls.iter().map(|cost| cost.call.bytes_sent(layout.degree(cost.call.axis))).sum();
-    let seconds_per_layer_fwd: f64 = forward_calls
-        .iter()
-        .map(|cost| cost.call.count * comm::time(cost.call.kind, cost.call.bytes, span(cost.call.axis), hw))
-        .sum();
+    let bytes_per_layer_fwd =
+        total(forward_calls.iter().map(|cost| cost.call.bytes_sent(layout.degree(cost.call.axis))));
+    let seconds_per_layer_fwd = total(
+        forward_calls
+            .iter()
+            .map(|cost| cost.call.count * comm::time(cost.call.kind, cost.call.bytes, span(cost.call.axis), hw)),
+    );
     let mut bytes_by_kind = BTreeMap::new();
     let mut bytes_by_axis = BTreeMap::new();
     for cost in &calls {
         *bytes_by_kind.entry(cost.call.kind.as_str()).or_insert(0.0) += cost.bytes_per_step;
         *bytes_by_axis.entry(cost.call.axis.as_str()).or_insert(0.0) += cost.bytes_per_step;
     }
-    let comm_s: f64 = calls.iter().map(|cost| cost.seconds_per_step).sum();
+    let comm_s = total(calls.iter().map(|cost| cost.seconds_per_step));
     let comm = CommSummary {
         bytes_per_layer_fwd,
         elements_per_layer_fwd: forward_elements_per_layer(model, layout, workload),
         seconds_per_layer_fwd,
-        bytes_per_step: calls.iter().map(|cost| cost.bytes_per_step).sum(),
+        bytes_per_step: total(calls.iter().map(|cost| cost.bytes_per_step)),
         bytes_by_kind,
         bytes_by_axis,
         calls,
@@ -239,8 +240,8 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         0.0
     };
     let step_s = compute_s + comm_s + bubble_s;
-    let hideable_s: f64 =
-        comm.calls.iter().filter(|cost| cost.call.hides_behind_compute()).map(|cost| cost.seconds_per_step).sum();
+    let hideable_s =
+        total(comm.calls.iter().filter(|cost| cost.call.hides_behind_compute()).map(|cost| cost.seconds_per_step));
     let exposed_comm_s = (comm_s - hideable_s) + (hideable_s - compute_s).max(0.0);
     let overlapped_step_s = compute_s + exposed_comm_s + bubble_s;
     let tokens_per_step = (workload.tokens_per_micro_batch() * workload.micro_batches * layout.batch_split()) as f64;
@@ -335,8 +336,8 @@ fn expert_summary(
         experts_per_rank: experts.count / ep,
         param_count: model.param_count(),
         active_param_count: model.active_param_count(),
-        all_to_all_bytes_per_step: all_to_alls().map(|cost| cost.bytes_per_step).sum(),
-        all_to_all_seconds_per_step: all_to_alls().map(|cost| cost.seconds_per_step).sum(),
+        all_to_all_bytes_per_step: total(all_to_alls().map(|cost| cost.bytes_per_step)),
+        all_to_all_seconds_per_step: total(all_to_alls().map(|cost| cost.seconds_per_step)),
         load,
         note,
     })

@@ -49,6 +49,13 @@ mod step_sizes;
 pub mod volume;
 mod workload;
 
+/// The sum of `values`, 0 when there are none. `Iterator::sum` of f64 starts from -0.0 (the IEEE
+/// identity of addition), so an empty sum, a layout without forward collectives, reached `pleat plan`
+/// and `pleat compare` as "-0".
+pub(crate) fn total(values: impl IntoIterator<Item = f64>) -> f64 {
+    values.into_iter().fold(0.0, |sum, value| sum + value)
+}
+
 pub use estimate::{estimate, Estimate};
 pub use hw::HardwareSpec;
 pub use layout::Layout;

@@ -325,12 +325,12 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
 /// Elements one rank sends in the forward pass of one layer (one micro-batch): the quantity of the
 /// published closed forms.
 pub fn forward_elements_per_layer(model: &ModelShape, layout: &Layout, workload: &Workload) -> f64 {
-    layer_collectives(model, layout, workload)
+    let forward = layer_collectives(model, layout, workload);
+    let bytes = forward
         .iter()
         .filter(|call| call.phase == Phase::Forward)
-        .map(|call| call.bytes_sent(layout.degree(call.axis)))
-        .sum::<f64>()
-        / model.dtype_bytes as f64
+        .map(|call| call.bytes_sent(layout.degree(call.axis)));
+    super::total(bytes) / model.dtype_bytes as f64
 }
 
 /// The collectives of a step outside the layers: gradient synchronization, ZeRO-3 gathers, and
