@@ -107,9 +107,10 @@ impl HardwareSpec {
         spec.validate()
     }
 
-    /// Rejects zero or negative figures, which would make every time infinite.
+    /// Rejects zero or negative figures, which would make every time infinite, and efficiencies
+    /// above 1, which would have a device beat its own peak.
     pub fn validate(self) -> Result<HardwareSpec> {
-        let fields = [
+        let positive = [
             ("memory_bytes", self.memory_bytes as f64),
             ("peak_bf16_flops", self.peak_bf16_flops),
             ("peak_f32_flops", self.peak_f32_flops),
@@ -117,21 +118,23 @@ impl HardwareSpec {
             ("intra_node.bandwidth_bytes_per_s", self.intra_node.bandwidth_bytes_per_s),
             ("inter_node.bandwidth_bytes_per_s", self.inter_node.bandwidth_bytes_per_s),
             ("gpus_per_node", self.gpus_per_node as f64),
+        ];
+        let shares = [
             ("efficiency.matmul", self.efficiency.matmul),
             ("efficiency.attention", self.efficiency.attention),
             ("efficiency.memory_bound", self.efficiency.memory_bound),
             ("efficiency.link", self.efficiency.link),
         ];
-        for (field, value) in fields {
-            if !(value.is_finite() && value > 0.0) {
-                return Err(CostError::HardwareValue { name: self.name.clone(), field, value });
-            }
-        }
-        for (field, value) in
-            [("intra_node.latency_s", self.intra_node.latency_s), ("inter_node.latency_s", self.inter_node.latency_s)]
-        {
-            if !(value.is_finite() && value >= 0.0) {
-                return Err(CostError::HardwareValue { name: self.name.clone(), field, value });
+        let latencies =
+            [("intra_node.latency_s", self.intra_node.latency_s), ("inter_node.latency_s", self.inter_node.latency_s)];
+        let checks = positive
+            .into_iter()
+            .map(|(field, value)| (field, value, value > 0.0, "positive"))
+            .chain(shares.into_iter().map(|(field, value)| (field, value, value > 0.0 && value <= 1.0, "in (0, 1]")))
+            .chain(latencies.into_iter().map(|(field, value)| (field, value, value >= 0.0, "zero or positive")));
+        for (field, value, within, must) in checks {
+            if !(value.is_finite() && within) {
+                return Err(CostError::HardwareValue { name: self.name.clone(), field, value, must });
             }
         }
         Ok(self)
@@ -301,6 +304,15 @@ mod tests {
         assert_eq!(
             HardwareSpec::from_json_str(&text, "cpu.json").unwrap_err().to_string(),
             "hardware cpu: hbm_bytes_per_s = 0 must be positive"
+        );
+        let mut fast = HardwareSpec::builtin("cpu").unwrap();
+        fast.efficiency.matmul = 1.5;
+        assert_eq!(fast.validate().unwrap_err().to_string(), "hardware cpu: efficiency.matmul = 1.5 must be in (0, 1]");
+        let mut early = HardwareSpec::builtin("cpu").unwrap();
+        early.inter_node.latency_s = -1e-6;
+        assert_eq!(
+            early.validate().unwrap_err().to_string(),
+            "hardware cpu: inter_node.latency_s = -0.000001 must be zero or positive"
         );
         let typo = serde_json::to_string(&spec).unwrap().replace("gpus_per_node", "gpus_a_node");
         assert!(HardwareSpec::from_json_str(&typo, "t.json").unwrap_err().to_string().contains("gpus_a_node"));

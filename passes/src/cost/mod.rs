@@ -137,9 +137,9 @@ pub enum CostError {
         /// The parser's message.
         reason: String,
     },
-    /// A hardware number that makes no sense (zero bandwidth, zero memory).
-    #[error("hardware {name}: {field} = {value} must be positive")]
-    #[diagnostic(code(E0246), help("give the hardware field a positive value"))]
+    /// A hardware number that makes no sense (zero bandwidth, zero memory, an efficiency above 1).
+    #[error("hardware {name}: {field} = {value} must be {must}")]
+    #[diagnostic(code(E0246), help("give the hardware field a value in its range"))]
     HardwareValue {
         /// The hardware's name.
         name: String,
@@ -147,6 +147,8 @@ pub enum CostError {
         field: &'static str,
         /// The value found.
         value: f64,
+        /// The range it must lie in, in words.
+        must: &'static str,
     },
 }
 
