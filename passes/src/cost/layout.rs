@@ -135,46 +135,69 @@ impl Layout {
         AxisSpan { ranks_per_node, nodes: degree.div_ceil(ranks_per_node) }
     }
 
+    /// What `axis` splits, each as (what, count, chunks a rank): a degree `d` above 1 needs
+    /// `count` divisible by `chunks · d`.
+    fn splits(&self, model: &ModelShape, workload: &Workload, axis: AxisName) -> Vec<(String, u64, u64)> {
+        let seq = workload.seq;
+        // Zigzag: 2·D chunks of the sequence for cp and tsp.
+        let zigzag = || (format!("tokens (seq; zigzag needs 2·{axis} chunks)"), seq, 2);
+        let mut splits = match axis {
+            AxisName::Tp => {
+                let mut splits =
+                    vec![("heads".to_string(), model.heads, 1), ("ffn channels".to_string(), model.ffn, 1)];
+                if self.sequence_parallel {
+                    let local_seq = seq / self.sequence_split();
+                    splits.push(("tokens (seq) after the sequence split".to_string(), local_seq, 1));
+                }
+                splits
+            }
+            // TSP owners hold whole kv heads; tp keeps k/v whole when they do not divide (strategy.rs).
+            AxisName::Tsp => vec![
+                ("heads".to_string(), model.heads, 1),
+                ("ffn channels".to_string(), model.ffn, 1),
+                ("kv heads".to_string(), model.kv_heads, 1),
+                zigzag(),
+            ],
+            AxisName::Cp => vec![zigzag()],
+            AxisName::Sp => vec![("tokens (seq)".to_string(), seq, 1)],
+            _ => Vec::new(),
+        };
+        if let Some(experts) = &model.experts {
+            if self.expert_axis() == Some(axis) {
+                splits.push(("experts".to_string(), experts.count, 1));
+            }
+            // Expert tensor parallelism splits each expert's channels over tp; beside ep, tsp
+            // keeps experts whole (each tsp rank runs its own tokens through its ep share).
+            if axis == AxisName::Tp {
+                splits.push(("expert ffn channels".to_string(), experts.ffn, 1));
+            }
+        }
+        splits
+    }
+
     /// Checks the layout against the model and workload.
     pub fn validate(&self, model: &ModelShape, workload: &Workload) -> Result<()> {
-        let need = |what: &str, count: u64, axis: AxisName, degree: u64| -> Result<()> {
-            if degree > 1 && count % degree != 0 {
-                return Err(CostError::Indivisible {
-                    what: what.to_string(),
-                    count,
-                    axis: axis.to_string(),
-                    degree,
-                    valid: valid_degrees(count),
-                });
-            }
-            Ok(())
-        };
-        for axis in [AxisName::Tp, AxisName::Tsp] {
-            let degree = self.degree(axis);
-            need("heads", model.heads, axis, degree)?;
-            need("ffn channels", model.ffn, axis, degree)?;
-        }
-        // TSP owners hold whole kv heads; tp keeps k/v whole when they do not divide (strategy.rs).
-        need("kv heads", model.kv_heads, AxisName::Tsp, self.degree(AxisName::Tsp))?;
         let seq = workload.seq;
-        need("tokens (seq)", seq, AxisName::Sp, self.degree(AxisName::Sp))?;
-        // Zigzag: 2·D chunks of the sequence for cp and tsp.
-        for axis in [AxisName::Cp, AxisName::Tsp] {
+        for axis in [AxisName::Tp, AxisName::Tsp, AxisName::Sp, AxisName::Cp, AxisName::Ep] {
             let degree = self.degree(axis);
-            if degree > 1 && seq % (2 * degree) != 0 {
-                return Err(CostError::Indivisible {
-                    what: format!("tokens (seq; zigzag needs 2·{axis} chunks)"),
-                    count: seq,
-                    axis: axis.to_string(),
-                    degree,
-                    // (Any degree d with 2·d dividing seq; 1 alone, no split, for an odd one.)
-                    valid: if seq % 2 == 0 { valid_degrees(seq / 2) } else { vec![1] },
-                });
+            let splits = self.splits(model, workload, axis);
+            let fits =
+                |degree: u64| degree == 1 || splits.iter().all(|(_, count, chunks)| count % (chunks * degree) == 0);
+            if fits(degree) {
+                continue;
             }
-        }
-        let local_seq = seq / self.sequence_split();
-        if self.sequence_parallel {
-            need("tokens (seq) after the sequence split", local_seq, AxisName::Tp, self.degree(AxisName::Tp))?;
+            let Some((what, count, _)) = splits.iter().find(|(_, count, chunks)| count % (chunks * degree) != 0) else {
+                continue;
+            };
+            // Every degree that splits all of them, not just the first that failed.
+            let valid = splits.first().map_or_else(Vec::new, |(_, first, _)| valid_degrees(*first));
+            return Err(CostError::Indivisible {
+                what: what.clone(),
+                count: *count,
+                axis: axis.to_string(),
+                degree,
+                valid: valid.into_iter().filter(|&degree| fits(degree)).collect(),
+            });
         }
         if seq % self.sequence_split() != 0 {
             return Err(CostError::Indivisible {
@@ -198,15 +221,7 @@ impl Layout {
                     reason: format!("{} has no experts (a dense MLP); drop ep or use dp", model.name),
                 });
             }
-            None => {}
-            Some(experts) => {
-                if let Some(axis) = self.expert_axis() {
-                    need("experts", experts.count, axis, self.degree(axis))?;
-                }
-                // Expert tensor parallelism splits each expert's channels over tp; beside ep, tsp
-                // keeps experts whole (each tsp rank runs its own tokens through its ep share).
-                need("expert ffn channels", experts.ffn, AxisName::Tp, self.degree(AxisName::Tp))?;
-            }
+            _ => {}
         }
         if self.sequence_parallel && self.degree(AxisName::Tp) == 1 {
             return Err(CostError::UnusableAxis {
@@ -283,13 +298,18 @@ mod tests {
         assert_eq!(three.to_string(), "8 experts are not divisible by ep=3; use ep in {1,2,4,8}");
         let tiny_moe = ModelShape::from_config(&preset("tiny-moe").unwrap());
         // tiny-moe's 8 heads stop any tp that would not divide its experts' 64 channels; with 48
-        // heads, tp=48 passes the heads and reaches the experts' check.
+        // heads, tp=48 passes the heads and reaches the experts' check. The degrees it suggests
+        // split both: 48's divisors that divide 64.
         let wide_heads = ModelShape { heads: 48, kv_heads: 48, ..tiny_moe };
         let channels = Layout::new(&[(AxisName::Tp, 48)], false).validate(&wide_heads, &workload).unwrap_err();
-        assert_eq!(
-            channels.to_string(),
-            "64 expert ffn channels are not divisible by tp=48; use tp in {1,2,4,8,16,32,64}"
-        );
+        assert_eq!(channels.to_string(), "64 expert ffn channels are not divisible by tp=48; use tp in {1,2,4,8,16}");
+        // tsp splits the heads, the kv heads and the zigzag's 2·tsp chunks: llama3-8b's 8 kv heads
+        // leave {1, 2, 4, 8} of 32 heads' divisors, whichever of them failed.
+        let llama = ModelShape::from_config(&preset("llama3-8b").unwrap());
+        for tsp in [6, 16] {
+            let error = Layout::new(&[(AxisName::Tsp, tsp)], false).validate(&llama, &workload).unwrap_err();
+            assert!(error.to_string().ends_with("use tsp in {1,2,4,8}"), "{error}");
+        }
         let dense = Layout::new(&[(AxisName::Ep, 2)], false).validate(&tsp_7b(), &workload).unwrap_err();
         assert!(matches!(dense, CostError::UnusableAxis { .. }), "{dense}");
     }
