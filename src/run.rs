@@ -107,7 +107,8 @@ pub struct RunArgs {
     /// Write the logits (f32 [batch, seq, vocab], tensor `logits`) to this safetensors file.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
-    /// Seconds a rank waits on a collective before it reports the peers that did not arrive.
+    /// Seconds a rank waits on a collective before it reports the peers that did not arrive. A
+    /// message already sent but held by --emulate-link is not late: its link delay does not count.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
     /// Output format.

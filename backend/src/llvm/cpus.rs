@@ -120,7 +120,8 @@ pub fn check_target_cpu(triple: &TargetTriple, cpu: &str) -> Result<(), LlvmErro
     })
 }
 
-/// [`check_target_cpu`] for this machine's target, the one host code is generated for.
+/// Whether LLVM can generate code for `cpu` on this machine's target, the one host code is
+/// generated for (see `check_target_cpu`).
 pub fn check_host_target_cpu(cpu: &str) -> Result<(), LlvmError> {
     check_target_cpu(&TargetMachine::get_default_triple(), cpu)
 }
