@@ -137,7 +137,12 @@ fn main() -> ExitCode {
         // Help and version are not errors; clap prints them and exits 0.
         Err(err) if !err.use_stderr() => err.exit(),
         Err(err) => {
-            eprint!("{}", report::clap_text(&err));
+            let args: Vec<String> = std::env::args().collect();
+            if report::asks_for_json(&args) {
+                eprintln!("{}", report::clap_json(&err));
+            } else {
+                eprint!("{}", report::clap_text(&err));
+            }
             return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
         }
     };

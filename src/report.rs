@@ -162,16 +162,45 @@ pub fn print(error: &anyhow::Error, format: ErrorFormat) {
 /// The text of a command line the argument parser rejected, with a code: `E0620` for a link that
 /// does not parse, `E0701` otherwise. clap's own first line `error: ...` becomes `error[CODE]: ...`.
 pub fn clap_text(error: &clap::Error) -> String {
-    let code = match error.source() {
-        Some(source) => diagnostic_of(source)
-            .and_then(|diagnostic| diagnostic.code().map(|code| code.to_string()))
-            .unwrap_or_else(|| BAD_ARGUMENTS.to_string()),
-        None => BAD_ARGUMENTS.to_string(),
-    };
+    let code = clap_code(error);
     let rendered = error.render().to_string();
     match rendered.strip_prefix("error:") {
         Some(rest) => format!("error[{code}]:{rest}"),
         None => format!("error[{code}]: {rendered}"),
+    }
+}
+
+/// The same rejection as one JSON object, for a command line that asked for `--format json`:
+/// clap's first line is the message, its tips and usage the help.
+pub fn clap_json(error: &clap::Error) -> Value {
+    let rendered = error.render().to_string();
+    let rendered = rendered.strip_prefix("error:").unwrap_or(&rendered);
+    let (message, rest) = rendered.split_once('\n').unwrap_or((rendered, ""));
+    let help: Vec<&str> = rest.lines().map(str::trim).filter(|line| !line.is_empty()).collect();
+    let report = Report {
+        code: clap_code(error),
+        message: message.trim().to_string(),
+        help: (!help.is_empty()).then(|| help.join("\n")),
+        location: Map::new(),
+        causes: Vec::new(),
+        diagnostic: None,
+    };
+    report.json()
+}
+
+/// Whether a command line asks for JSON output (`--format json` or `--format=json`), read from the
+/// raw arguments because the parser has rejected them.
+pub fn asks_for_json(args: &[String]) -> bool {
+    args.windows(2).any(|pair| pair[0] == "--format" && pair[1] == "json")
+        || args.iter().any(|arg| arg == "--format=json")
+}
+
+fn clap_code(error: &clap::Error) -> String {
+    match error.source() {
+        Some(source) => diagnostic_of(source)
+            .and_then(|diagnostic| diagnostic.code().map(|code| code.to_string()))
+            .unwrap_or_else(|| BAD_ARGUMENTS.to_string()),
+        None => BAD_ARGUMENTS.to_string(),
     }
 }
 

@@ -234,6 +234,27 @@ fn flags_schedules_and_hardware() {
     }
 }
 
+/// A command line the argument parser rejects is one JSON object too when it asks for
+/// `--format json`: the parser's first line the message, its tips and usage the help.
+#[test]
+fn argument_parser_errors_are_json_under_format_json() {
+    for (args, code, message) in [
+        (&["plan", "tiny", "--format", "json", "--no-such-flag"][..], "E0701", "unexpected argument '--no-such-flag'"),
+        (&["run", "tiny", "--format=json", "--emulate-link", "abc"][..], "E0620", "is not a link"),
+        (&["compare", "tiny", "--ranks", "4", "--seq", "0", "--format", "json"][..], "E0701", "'0' for '--seq"),
+    ] {
+        let output = pleat(args);
+        assert_eq!(output.status.code(), Some(2), "pleat {args:?}");
+        let stderr = String::from_utf8(output.stderr).expect("utf-8");
+        let value: serde_json::Value = serde_json::from_str(stderr.trim())
+            .unwrap_or_else(|err| panic!("pleat {args:?}: not json ({err}):\n{stderr}"));
+        let error = &value["error"];
+        assert_eq!(error["code"], code, "{value}");
+        assert!(error["message"].as_str().is_some_and(|text| text.contains(message)), "{value}");
+        assert!(error["help"].as_str().is_some_and(|help| help.contains("--help")), "{value}");
+    }
+}
+
 #[test]
 fn compiled_directories() {
     let tampered = compiled_copy("tampered");
