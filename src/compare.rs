@@ -26,7 +26,7 @@ pub struct CompareArgs {
     #[arg(long)]
     pub ranks: u64,
     /// Sequence lengths, comma-separated: one block each.
-    #[arg(long, value_delimiter = ',', default_value = "4096,16384,131072", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384,131072", value_parser = crate::number_flags::count::<u64>)]
     pub seq: Vec<u64>,
     /// Output format (`csv` is plot-ready: one row a layout and length).
     #[arg(long, value_enum, default_value_t = CompareFormat::Table)]

@@ -21,6 +21,17 @@ pub fn non_negative(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A whole number of at least 1 (`--steps`, `--seq`, `--micro-batches`, ...): clap's own range
+/// check answered `0 is not in 1..=4294967295`.
+pub fn count<T: std::str::FromStr + PartialEq + From<u8>>(text: &str) -> Result<T, String> {
+    let value: T = text.trim().parse().map_err(|_| format!("{text} is not a whole number (1 or more)"))?;
+    if value == T::from(0) {
+        Err("give 1 or more".to_string())
+    } else {
+        Ok(value)
+    }
+}
+
 fn finite(text: &str) -> Result<f64, String> {
     let value: f64 = text.trim().parse().map_err(|_| format!("{text} is not a number"))?;
     if value.is_finite() {
@@ -41,6 +52,15 @@ mod tests {
         }
         for bad in ["nan", "inf", "-0.5"] {
             assert!(super::non_negative(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn counts_are_whole_numbers_from_one() {
+        assert_eq!(super::count::<u32>("7"), Ok(7));
+        assert_eq!(super::count::<u64>("0"), Err("give 1 or more".to_string()));
+        for bad in ["-1", "1.5", "x", "4294967296"] {
+            assert_eq!(super::count::<u32>(bad), Err(format!("{bad} is not a whole number (1 or more)")));
         }
     }
 }

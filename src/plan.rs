@@ -43,7 +43,7 @@ pub struct WorkloadArgs {
     pub model: String,
     /// Sequences a micro-batch, per model replica (per dp×ep rank for a mixture of experts: ep
     /// splits the batch as dp does).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 1, value_parser = crate::number_flags::count::<u64>)]
     pub batch: u64,
     /// Micro-batches a step, per replica (gradient accumulation; pipeline micro-batches).
     #[arg(long, default_value_t = 1)]
@@ -150,7 +150,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
     /// Tokens a sequence.
-    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 4096, value_parser = crate::number_flags::count::<u64>)]
     pub seq: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = PlanFormat::Table)]

@@ -38,13 +38,13 @@ pub enum ScheduleFormat {
 pub struct PipelineFlags {
     /// With a pp axis in --mesh: micro-batches a step (default 2·pp, or the largest count below it
     /// that splits --batch).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = crate::number_flags::count::<u32>)]
     pub micro_batches: Option<u32>,
     /// With a pp axis in --mesh: the pipeline schedule.
     #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB)]
     pub schedule: ScheduleName,
     /// Model chunks a rank, for --schedule interleaved (default 2).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = crate::number_flags::count::<u32>)]
     pub chunks: Option<u32>,
 }
 

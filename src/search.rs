@@ -49,7 +49,7 @@ pub struct SearchArgs {
     #[arg(long)]
     pub infer: bool,
     /// Plans shown.
-    #[arg(long, default_value_t = 10, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u64).range(1..), |top| top as usize))]
+    #[arg(long, default_value_t = 10, value_parser = crate::number_flags::count::<usize>)]
     pub top: usize,
     /// Output format.
     #[arg(long, value_enum, default_value_t = SearchFormat::Table)]

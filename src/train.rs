@@ -117,7 +117,7 @@ pub struct TrainFlags {
     #[arg(long)]
     pub train: bool,
     /// Training steps.
-    #[arg(long, default_value_t = 10, requires = "train", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 10, requires = "train", value_parser = crate::number_flags::count::<u32>)]
     pub steps: u32,
     /// AdamW's learning rate.
     #[arg(long, default_value_t = 1e-3, requires = "train", value_parser = crate::number_flags::positive)]
@@ -143,13 +143,13 @@ pub struct TrainFlags {
     pub bucket_mb: u64,
     /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,
     /// with a pp axis in --mesh, which flow through the pipeline stages).
-    #[arg(long, default_value_t = 1, requires = "train", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 1, requires = "train", value_parser = crate::number_flags::count::<u32>)]
     pub micro_batches: u32,
     /// The pipeline schedule (with a pp axis).
     #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB, requires = "train")]
     pub schedule: ScheduleName,
     /// Model chunks a pipeline rank, for --schedule interleaved (default 2).
-    #[arg(long, requires = "train", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, requires = "train", value_parser = crate::number_flags::count::<u32>)]
     pub chunks: Option<u32>,
     /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (with --schedule interleaved, a
     /// virtual stage: pp times --chunks counts); default: balanced by the cost model, the
@@ -163,7 +163,7 @@ pub struct TrainFlags {
     pub save: Option<PathBuf>,
     /// Also write the --save checkpoint every this many steps (each write replaces the last one
     /// atomically), so that a killed run resumes from the last one.
-    #[arg(long, requires = "save", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, requires = "save", value_parser = crate::number_flags::count::<u32>)]
     pub save_every: Option<u32>,
     /// Continue from a checkpoint `--save` wrote (on any mesh and ZeRO stage): its weights, moments
     /// and step count; `--steps` more steps are taken.
