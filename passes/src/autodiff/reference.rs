@@ -77,27 +77,24 @@ pub fn train_reference(
     let loss = module.graph.outputs()[0];
     let gradients = differentiate(&mut module.graph, loss).map_err(|err| error(0)(err.to_string()))?;
     let names: Vec<String> = gradients.params.iter().map(|param| param.name.clone()).collect();
-    let shapes = gradients
+    let shapes: HashMap<String, Vec<u64>> = gradients
         .params
         .iter()
         .map(|param| (param.name.clone(), module.graph.value(param.params[0]).ty.shape.sizes()))
         .collect();
     let mut starting = Vec::with_capacity(names.len());
-    for param in &gradients.params {
-        let shape = module.graph.value(param.params[0]).ty.shape.sizes();
-        let weights =
-            (start.weights)(&param.name, &shape).ok_or_else(|| error(0)(format!("no weights for {}", param.name)))?;
+    for name in &names {
+        let weights = (start.weights)(name, &shapes[name]).ok_or_else(|| error(0)(format!("no weights for {name}")))?;
         starting.push(weights);
     }
     let views: Vec<&[f32]> = starting.iter().map(Vec::as_slice).collect();
     let mut optimizer = AdamW::new(adamw, &views);
     optimizer.step = u64::from(start.step);
     if let Some(moments) = start.moments {
-        for (param, state) in gradients.params.iter().zip(&mut optimizer.params) {
-            let shape = module.graph.value(param.params[0]).ty.shape.sizes();
+        for (name, state) in names.iter().zip(&mut optimizer.params) {
             let read = |suffix: &str| {
-                moments(&format!("{}.{suffix}", param.name), &shape)
-                    .ok_or_else(|| error(0)(format!("no {suffix} moment for {}", param.name)))
+                moments(&format!("{name}.{suffix}"), &shapes[name])
+                    .ok_or_else(|| error(0)(format!("no {suffix} moment for {name}")))
             };
             state.exp_avg = read("exp_avg")?;
             state.exp_avg_sq = read("exp_avg_sq")?;

@@ -183,12 +183,8 @@ impl Layout {
             let splits = self.splits(model, workload, axis);
             let fits =
                 |degree: u64| degree == 1 || splits.iter().all(|(_, count, chunks)| count % (chunks * degree) == 0);
-            if fits(degree) {
-                continue;
-            }
-            let Some((what, count, _)) = splits.iter().find(|(_, count, chunks)| count % (chunks * degree) != 0) else {
-                continue;
-            };
+            let failed = splits.iter().find(|(_, count, chunks)| degree > 1 && count % (chunks * degree) != 0);
+            let Some((what, count, _)) = failed else { continue };
             // Every degree that splits all of them, not just the first that failed.
             let valid = splits.first().map_or_else(Vec::new, |(_, first, _)| valid_degrees(*first));
             return Err(CostError::Indivisible {
