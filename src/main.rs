@@ -137,7 +137,7 @@ fn main() -> ExitCode {
         // Help and version are not errors; clap prints them and exits 0.
         Err(err) if !err.use_stderr() => err.exit(),
         Err(err) => {
-            let args: Vec<String> = std::env::args().collect();
+            let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
             if report::asks_for_json(&args) {
                 eprintln!("{}", report::clap_json(&err));
             } else {

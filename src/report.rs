@@ -189,8 +189,9 @@ pub fn clap_json(error: &clap::Error) -> Value {
 }
 
 /// Whether a command line asks for JSON output (`--format json` or `--format=json`), read from the
-/// raw arguments because the parser has rejected them.
-pub fn asks_for_json(args: &[String]) -> bool {
+/// raw arguments because the parser has rejected them (not necessarily UTF-8: a bad path is one
+/// reason it may have).
+pub fn asks_for_json(args: &[std::ffi::OsString]) -> bool {
     args.windows(2).any(|pair| pair[0] == "--format" && pair[1] == "json")
         || args.iter().any(|arg| arg == "--format=json")
 }
