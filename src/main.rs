@@ -25,6 +25,7 @@ mod plan;
 mod predict;
 #[cfg(feature = "mpi")]
 mod rank;
+mod reference;
 mod report;
 mod run;
 mod schedule;

@@ -26,9 +26,8 @@ use serde_json::json;
 
 use crate::compile::read_compiled;
 use crate::inputs::random_tokens;
-use crate::run::{
-    comm_bytes_mean, human_bytes, logits_tolerance, max_abs_diff, reference_logits, weight_source, Format,
-};
+use crate::reference::{forward_reference, routing_tie_margin, stores_bf16};
+use crate::run::{comm_bytes_mean, human_bytes, logits_tolerance, weight_source, Format};
 use crate::usage::UsageError;
 
 /// The environment variable of the crash test hook (see the module documentation).
@@ -151,12 +150,13 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     }
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
     let checked = if args.check {
-        let reference = reference_logits(&config, &tokens, weights.as_ref())?;
-        Some((max_abs_diff(&logits, &reference), logits_tolerance(&programs, &reference)))
+        let bf16 = stores_bf16(&programs);
+        let reference = forward_reference(&config, &tokens, weights.as_ref(), bf16, routing_tie_margin(bf16, false))?;
+        Some((reference.compare(&logits), logits_tolerance(&programs, &reference.logits)))
     } else {
         None
     };
-    let max_abs_err = checked.map(|(err, _)| err);
+    let max_abs_err = checked.and_then(|(check, _)| check.max_abs_err);
     let peaks: Vec<u64> = outcomes.iter().map(|outcome| outcome.peak_bytes).collect();
     match args.format {
         Format::Json => {
@@ -169,6 +169,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
                 "seq": plan.seq,
                 "logits_shape": logits_shape,
                 "max_abs_err": max_abs_err,
+                "routing_ties": checked.map(|(check, _)| check.ties_json()),
                 "peak_bytes_per_rank": peaks,
                 "comm_bytes": comm_bytes_mean(&outcomes),
             });
@@ -194,13 +195,12 @@ pub fn rank(args: &RankArgs) -> Result<()> {
                 .map(|(name, bytes)| format!("{name} {}", human_bytes(bytes)))
                 .collect();
             println!("sent a rank (mean): {}", if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") });
-            if let Some((err, tolerance)) = checked {
-                let verdict = if err <= tolerance { "ok" } else { "FAILED" };
-                println!("check: max |logits - reference| = {err:.3e} (tolerance {tolerance:e}): {verdict}");
+            if let Some((check, tolerance)) = checked {
+                check.describe(tolerance).iter().for_each(|line| println!("{line}"));
             }
         }
     }
-    if let Some((err, tolerance)) = checked {
+    if let Some((err, tolerance)) = checked.and_then(|(check, tolerance)| Some((check.max_abs_err?, tolerance))) {
         if err.is_nan() || err > tolerance {
             bail!(UsageError::LogitsMismatch { err, tolerance });
         }

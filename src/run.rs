@@ -1,7 +1,7 @@
 //! `pleat run`: compile (or load) per-rank programs, run them on threads, and optionally check the
 //! logits against the reference interpreter.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use pleat_backend::memory::{plan, ElementSize};
 use pleat_backend::overlap::Prefetch;
-use pleat_backend::{DType, Program};
+use pleat_backend::Program;
 use pleat_ir::model::config::{ConfigDtype, ModelConfig};
 use pleat_ir::Mesh;
 use pleat_passes::Dump;
@@ -22,21 +22,21 @@ use crate::compile::{compile_model, read_compiled, Kernels, Strategy};
 use crate::device::{Device, DeviceReport, CUDA_F32_TOL};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
+use crate::reference::{forward_reference, routing_tie_margin, stores_bf16, LogitsCheck};
 use crate::usage::UsageError;
 
 /// The largest absolute difference from the reference that `--check` accepts, in f32.
 pub const F32_TOL: f32 = 1e-4;
 
-/// The logits' tolerance under bf16, as a share of the reference's largest logit: sixteen times
-/// bf16's unit roundoff 2^-9. The logits come out of bf16 activations and weights (8 significant
+/// The logits' tolerance under bf16, as a share of the reference's largest logit: eight times
+/// bf16's unit roundoff 2^-8. The logits come out of bf16 activations and weights (8 significant
 /// bits each) through every layer, so they can be held to bf16's accuracy, not f32's.
 pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
 
 /// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
 /// reference's largest magnitude.
 pub fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
-    let bf16 = programs.iter().flat_map(|program| &program.buffers).any(|buffer| buffer.dtype == DType::Bf16);
-    if bf16 {
+    if crate::reference::stores_bf16(programs) {
         let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
         F32_TOL.max(BF16_LOGITS_REL_TOL * largest)
     } else {
@@ -161,8 +161,9 @@ pub struct RunResult {
     pub tokens: Tokens,
     pub logits_shape: Vec<u64>,
     pub outcomes: Vec<RankOutcome>,
-    pub max_abs_err: Option<f32>,
-    /// What `max_abs_err` is held to.
+    /// The logits beside the reference's (`--check`).
+    pub check: Option<LogitsCheck>,
+    /// What the check's `max_abs_err` is held to.
     pub tolerance: f32,
     pub programs: Vec<Program>,
     /// Native kernels each rank called from `DIR/rank<i>.so` (empty when none were loaded).
@@ -183,7 +184,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.trace {
         crate::trace::write_measured(path, &result.programs, &result.outcomes)?;
     }
-    if let Some(err) = result.max_abs_err {
+    if let Some(err) = result.check.and_then(|check| check.max_abs_err) {
         if err.is_nan() || err > result.tolerance {
             bail!(UsageError::LogitsMismatch { err, tolerance: result.tolerance });
         }
@@ -309,10 +310,12 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         }
     };
     let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
-    let (max_abs_err, tolerance) = if args.check {
-        let reference = reference_logits(&config, &tokens, weights.as_ref())?;
-        let tolerance = logits_tolerance(&programs, &reference);
-        (Some(max_abs_diff(&logits, &reference)), if cuda { tolerance.max(CUDA_F32_TOL) } else { tolerance })
+    let (check, tolerance) = if args.check {
+        let bf16 = stores_bf16(&programs);
+        let margin = routing_tie_margin(bf16, cuda);
+        let reference = forward_reference(&config, &tokens, weights.as_ref(), bf16, margin)?;
+        let tolerance = logits_tolerance(&programs, &reference.logits);
+        (Some(reference.compare(&logits)), if cuda { tolerance.max(CUDA_F32_TOL) } else { tolerance })
     } else {
         (None, F32_TOL)
     };
@@ -329,7 +332,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         tokens,
         logits_shape,
         outcomes,
-        max_abs_err,
+        check,
         tolerance,
         programs,
         native_kernels,
@@ -370,23 +373,6 @@ pub fn run_programs_native(
     let outcomes = run_on_threads_native(programs, &inputs, options, native)?;
     let (shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
     Ok((shape, logits, outcomes))
-}
-
-/// The reference interpreter's logits for the unsharded model.
-pub fn reference_logits(config: &ModelConfig, tokens: &Tokens, weights: &dyn WeightSource) -> Result<Vec<f32>> {
-    let module = pleat_ir::model::build(config, tokens.batch, tokens.seq)?;
-    let mut params = HashMap::new();
-    for (_, name) in module.graph.params() {
-        let value = module.graph.find(name).expect("a param's node carries its name");
-        let shape = module.graph.value(value).ty.shape.sizes();
-        let region: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
-        params.insert(name.to_string(), weights.read(name, &shape, &region)?);
-    }
-    let lookup = |name: &str, _shape: &[u64]| params.get(name).cloned();
-    let positions: Vec<u32> = (0..tokens.seq as u32).collect();
-    let inputs = pleat_ir::interp::Inputs { tokens: &tokens.ids, positions: &positions, params: &lookup };
-    let mut outputs = pleat_ir::interp::run(&module.graph, &inputs)?;
-    Ok(outputs.remove(0).data)
 }
 
 /// The largest absolute elementwise difference (NaN if either holds a NaN).
@@ -447,7 +433,8 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "batch": result.tokens.batch,
                 "seq": result.tokens.seq,
                 "logits_shape": result.logits_shape,
-                "max_abs_err": result.max_abs_err,
+                "max_abs_err": result.check.and_then(|check| check.max_abs_err),
+                "routing_ties": result.check.map(|check| check.ties_json()),
                 "tolerance": result.tolerance,
                 "peak_bytes_per_rank": peaks,
                 "arena_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.arena_bytes).collect::<Vec<_>>(),
@@ -505,10 +492,8 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                     busiest.join(", ")
                 );
             }
-            if let Some(err) = result.max_abs_err {
-                let tolerance = result.tolerance;
-                let verdict = if err <= tolerance { "ok" } else { "FAILED" };
-                println!("check: max |logits - reference| = {err:.3e} (tolerance {tolerance:.1e}): {verdict}");
+            if let Some(check) = result.check {
+                check.describe(result.tolerance).iter().for_each(|line| println!("{line}"));
             }
         }
     }

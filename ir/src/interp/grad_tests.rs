@@ -341,6 +341,10 @@ fn the_routing_margin_is_the_gap_at_the_top_k_cut_relative_to_the_logits_magnitu
     let top1 = super::routing_margin(&x, &router, 1).expect("a margin");
     assert!((top1 - 1.0 / 3.0).abs() < 1e-12, "{top1}");
     assert_eq!(super::routing_margin(&x, &router, 2).expect("a margin"), 0.0);
+    // Row by row: top-2 keeps row 1's 2 and 0 and leaves -1 (magnitude 1): (0 + 1) / max(2, 1).
+    let rows = super::routing_margins(&x, &router, 1).expect("margins");
+    assert!((rows[0] - 1.0 / 3.0).abs() < 1e-12 && rows[1] == 1.0, "{rows:?}");
+    assert_eq!(super::routing_margins(&x, &router, 2).expect("margins"), [0.0, 0.5]);
     // Every expert (or none) chosen: no choice to flip.
     assert_eq!(super::routing_margin(&x, &router, 3).expect("a margin"), f64::INFINITY);
     assert_eq!(super::routing_margin(&x, &router, 0).expect("a margin"), f64::INFINITY);

@@ -31,7 +31,7 @@ mod tensor;
 mod tests;
 
 pub use error::{InterpError, OpError};
-pub use moe::routing_margin;
+pub use moe::{routing_margin, routing_margins};
 pub use ops::eval;
 pub use tensor::Tensor;
 
@@ -76,7 +76,21 @@ impl Values {
 /// Runs every node in program order; returns the graph outputs. Each value is dropped after its
 /// last use, so memory stays near one layer's weights and activations.
 pub fn run(graph: &Graph, inputs: &Inputs) -> Result<Vec<Tensor>, InterpError> {
-    let values = execute(graph, inputs, Retention::OutputsOnly)?;
+    outputs(graph, inputs, Storage::F32)
+}
+
+/// As `run`, with every value stored as the runtime stores its declared dtype: a bf16 value is
+/// rounded to nearest even as soon as it is computed, as the runtime rounds what it writes to a
+/// bf16 buffer (it keeps every other float dtype in f32).
+/// The reference of a bf16 program: both round at the same values, so what is left between them
+/// is f32 summation order (a rounding flipped here and there by a last bit), not the compounded
+/// error of running every layer in another precision.
+pub fn run_as_stored(graph: &Graph, inputs: &Inputs) -> Result<Vec<Tensor>, InterpError> {
+    outputs(graph, inputs, Storage::AsDeclared)
+}
+
+fn outputs(graph: &Graph, inputs: &Inputs, storage: Storage) -> Result<Vec<Tensor>, InterpError> {
+    let values = execute(graph, inputs, Retention::OutputsOnly, storage)?;
     graph
         .outputs()
         .iter()
@@ -86,7 +100,16 @@ pub fn run(graph: &Graph, inputs: &Inputs) -> Result<Vec<Tensor>, InterpError> {
 
 /// Same as `run`, but returns every value computed (for debugging and per-value comparisons).
 pub fn run_all(graph: &Graph, inputs: &Inputs) -> Result<Values, InterpError> {
-    let values = execute(graph, inputs, Retention::All)?;
+    all_values(graph, inputs, Storage::F32)
+}
+
+/// As `run_all`, every value stored at its declared dtype (`run_as_stored`).
+pub fn run_all_as_stored(graph: &Graph, inputs: &Inputs) -> Result<Values, InterpError> {
+    all_values(graph, inputs, Storage::AsDeclared)
+}
+
+fn all_values(graph: &Graph, inputs: &Inputs, storage: Storage) -> Result<Values, InterpError> {
+    let values = execute(graph, inputs, Retention::All, storage)?;
     if let Some(&value) = graph.outputs().iter().find(|&&value| values.get(value).is_none()) {
         return Err(InterpError::MissingOutput { value });
     }
@@ -100,13 +123,25 @@ enum Retention {
     OutputsOnly,
 }
 
-fn execute(graph: &Graph, inputs: &Inputs, retention: Retention) -> Result<Values, InterpError> {
+/// How a run stores the values it computes.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Storage {
+    /// In f32, whatever dtype the graph declares.
+    F32,
+    /// Rounded to the declared dtype.
+    AsDeclared,
+}
+
+fn execute(graph: &Graph, inputs: &Inputs, retention: Retention, storage: Storage) -> Result<Values, InterpError> {
     check_unsharded(graph)?;
     let last_use = last_uses(graph);
     let mut values = Values { tensors: (0..graph.value_count()).map(|_| None).collect() };
     for (step, &node_id) in graph.order().iter().enumerate() {
         let node = graph.node(node_id);
-        let tensor = evaluate(graph, node_id, node, inputs, &values)?;
+        let mut tensor = evaluate(graph, node_id, node, inputs, &values)?;
+        if storage == Storage::AsDeclared {
+            tensor.round_to(graph.value(node.result).ty.dtype);
+        }
         let declared = declared_shape(graph, node.result);
         if tensor.shape != declared {
             return Err(InterpError::ResultShape {

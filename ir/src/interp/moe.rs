@@ -277,20 +277,25 @@ pub(super) fn expert_counts(x: &Tensor, router: &Tensor, top_k: u64, scale: f64)
     Ok(Tensor { shape: vec![dims.experts], data: counts.iter().map(|&count| (count as f64 * scale) as f32).collect() })
 }
 
-/// How near `top_k` routing of `(x, router)` is to choosing differently: the smallest gap, over
-/// the rows, between the router logit of a row's last chosen expert and that of its first expert
-/// left out (infinite when every expert, or none, is chosen). Routing is piecewise constant, so
-/// where this gap is within rounding two runs of the same weights can route a row differently
-/// and the mixture's output jumps: an f32 comparison with another implementation is not
-/// meaningful there.
+/// How near `top_k` routing of `(x, router)` is to choosing differently: the smallest of
+/// [`routing_margins`] over the rows (infinite without rows).
 pub fn routing_margin(x: &Tensor, router: &Tensor, top_k: u64) -> Result<f64, OpError> {
+    Ok(routing_margins(x, router, top_k)?.into_iter().fold(f64::INFINITY, f64::min))
+}
+
+/// How near `top_k` routing of each row of `(x, router)` is to choosing differently: the gap
+/// between the router logit of the row's last chosen expert and that of its first expert left
+/// out, relative to the magnitudes summed into them (infinite when every expert, or none, is
+/// chosen). Routing is piecewise constant, so where this gap is within rounding two runs of the
+/// same weights can route the row differently and the mixture's output for it jumps: an
+/// elementwise comparison with another implementation is not meaningful there.
+pub fn routing_margins(x: &Tensor, router: &Tensor, top_k: u64) -> Result<Vec<f64>, OpError> {
     let dims = router_dims(x, router)?;
     let top_k = usize::try_from(top_k).unwrap_or(usize::MAX);
     if top_k == 0 || top_k >= dims.experts {
-        return Ok(f64::INFINITY);
+        return Ok(vec![f64::INFINITY; dims.rows]);
     }
-    let mut margin = f64::INFINITY;
-    for row in x.data.chunks_exact(dims.hidden) {
+    let margin = |row: &[f32]| {
         // Each logit with the sum of its products' magnitudes, the scale of its rounding error.
         let mut logits: Vec<(f64, f64)> = router
             .data
@@ -302,9 +307,9 @@ pub fn routing_margin(x: &Tensor, router: &Tensor, top_k: u64) -> Result<f64, Op
             .collect();
         logits.sort_by(|a, b| b.0.total_cmp(&a.0));
         let ((kept, kept_scale), (left, left_scale)) = (logits[top_k - 1], logits[top_k]);
-        margin = margin.min((kept - left) / kept_scale.max(left_scale).max(f64::MIN_POSITIVE));
-    }
-    Ok(margin)
+        (kept - left) / kept_scale.max(left_scale).max(f64::MIN_POSITIVE)
+    };
+    Ok(x.data.chunks_exact(dims.hidden).map(margin).collect())
 }
 
 /// `(x, router) -> [experts]`: every row's softmax probabilities, summed.

@@ -21,6 +21,15 @@ pub struct Tensor {
 pub(crate) const EXACT_INTEGER_LIMIT: u32 = 1 << 24;
 
 impl Tensor {
+    /// Rounds every element to bf16 (to nearest even, as `half` converts) when `dtype` is bf16,
+    /// kept as f32: what the runtime's bf16 buffer of it holds. The runtime stores every other
+    /// dtype in f32, so the others are left as they are.
+    pub(crate) fn round_to(&mut self, dtype: crate::DType) {
+        if dtype == crate::DType::Bf16 {
+            self.data.iter_mut().for_each(|value| *value = half::bf16::from_f32(*value).to_f32());
+        }
+    }
+
     /// A tensor of `shape` holding `data`, or `None` when `data` does not have one element for each
     /// index of `shape`.
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Option<Tensor> {

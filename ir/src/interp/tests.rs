@@ -184,6 +184,42 @@ fn run_all_keeps_every_value() {
 }
 
 #[test]
+fn stored_as_declared_every_bf16_value_is_rounded_and_nothing_else() {
+    // The bf16 graph: every value but the token ids, positions and logits is declared bf16.
+    let bf16 = ModelConfig { dtype: ConfigDtype::Bf16, ..tiny_config() };
+    let graph = tiny_graph(&bf16, 1, 4);
+    let (tokens, positions) = ([4, 8, 15, 16], natural_positions(4));
+    let inputs = Inputs { tokens: &tokens, positions: &positions, params: &seeded_param };
+    let stored = run_all_as_stored(&graph, &inputs).unwrap();
+    let plain = run_all(&graph, &inputs).unwrap();
+    let mut rounded = 0;
+    for (value, tensor) in stored.iter() {
+        let declared = graph.value(value).ty.dtype;
+        // A bf16 value holds bf16 numbers only: the low 16 bits of each f32 are zero.
+        let representable = tensor.data.iter().all(|x| x.to_bits() & 0xffff == 0);
+        if declared == DType::Bf16 {
+            assert!(representable, "{} is declared bf16", graph.def(value).name);
+            rounded += 1;
+        }
+    }
+    assert!(rounded > 10, "{rounded} bf16 values");
+    // The parameters are the seeded ones rounded once, to nearest even.
+    let weight = graph.find("model.layers.0.mlp.up_proj.weight").unwrap();
+    let seeded = seeded_param("model.layers.0.mlp.up_proj.weight", &[48, 32]).unwrap();
+    let want: Vec<f32> = seeded.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
+    assert_eq!(stored.get(weight).unwrap().data, want);
+    assert_eq!(plain.get(weight).unwrap().data, seeded);
+    // The logits come out of rounded activations, a bf16 value apart from f32's.
+    let (stored, plain) = (stored.get(graph.outputs()[0]).unwrap(), plain.get(graph.outputs()[0]).unwrap());
+    let apart = stored.data.iter().zip(&plain.data).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(apart > 1e-4 && apart < 0.1, "{apart}");
+    // An f32 graph is unchanged.
+    let graph = tiny_graph(&tiny_config(), 1, 4);
+    let outputs = run_as_stored(&graph, &inputs).unwrap();
+    assert_eq!(outputs[0], logits(&graph, &tokens, &positions));
+}
+
+#[test]
 fn qwen2_biases_and_tied_embeddings_are_read() {
     let config = ModelConfig { architecture: Architecture::Qwen2, tie_word_embeddings: true, ..tiny_config() };
     let graph = tiny_graph(&config, 1, 3);

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use pleat_ir::interp::{routing_margin, run, run_all, Inputs, ParamLookup};
+use pleat_ir::interp::{routing_margin, run_all_as_stored, run_as_stored, Inputs, ParamLookup};
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::optim::{AdamW, AdamWConfig};
 use pleat_ir::{Op, ValueId};
@@ -127,10 +127,10 @@ pub fn train_reference(
         for micro_tokens in tokens.chunks((rows * seq) as usize) {
             let inputs = Inputs { tokens: micro_tokens, positions: &positions, params: &lookup };
             let outputs = if routers.is_empty() {
-                run(&module.graph, &inputs).map_err(|err| error(step)(err.to_string()))?
+                run_as_stored(&module.graph, &inputs).map_err(|err| error(step)(err.to_string()))?
             } else {
                 // Keep every value to read each mixture's router inputs.
-                let values = run_all(&module.graph, &inputs).map_err(|err| error(step)(err.to_string()))?;
+                let values = run_all_as_stored(&module.graph, &inputs).map_err(|err| error(step)(err.to_string()))?;
                 for &(x, router, top_k) in &routers {
                     let (Some(x), Some(router)) = (values.get(x), values.get(router)) else { continue };
                     let layer = routing_margin(x, router, top_k).map_err(|err| error(step)(err.to_string()))?;
