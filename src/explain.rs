@@ -74,10 +74,7 @@ fn pipeline_view(
     stages: u32,
 ) -> Result<PipelineView> {
     let kind = crate::pipeline::schedule_kind(args.pipeline.schedule, args.pipeline.chunks)?;
-    let micro_batches = args
-        .pipeline
-        .micro_batches
-        .unwrap_or_else(|| crate::pipeline::default_micro_batches(args.target.batch, stages));
+    let micro_batches = args.pipeline.micro_batches_or_default(args.target.batch, stages);
     let batch = args.target.batch;
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });

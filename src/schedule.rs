@@ -32,7 +32,6 @@ pub enum ScheduleFormat {
     Json,
 }
 
-/// Arguments of `pleat schedule`.
 /// The pipeline flags `pleat explain` and `pleat trace` share, read when the mesh has a pp axis.
 #[derive(Args, Clone)]
 pub struct PipelineFlags {
@@ -48,6 +47,15 @@ pub struct PipelineFlags {
     pub chunks: Option<u32>,
 }
 
+impl PipelineFlags {
+    /// The micro-batches a step of `batch` sequences over `stages` stages: --micro-batches, or
+    /// the default (`crate::pipeline::default_micro_batches`).
+    pub fn micro_batches_or_default(&self, batch: u64, stages: u32) -> u32 {
+        self.micro_batches.unwrap_or_else(|| crate::pipeline::default_micro_batches(batch, stages))
+    }
+}
+
+/// Arguments of `pleat schedule`.
 #[derive(Args)]
 pub struct ScheduleArgs {
     /// Pipeline stages.

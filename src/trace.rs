@@ -179,10 +179,7 @@ pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome
 fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let config = args.target.config("trace")?;
     let stages = mesh.degree(AxisName::Pp) as u32;
-    let micro_batches = args
-        .pipeline
-        .micro_batches
-        .unwrap_or_else(|| crate::pipeline::default_micro_batches(args.target.batch, stages));
+    let micro_batches = args.pipeline.micro_batches_or_default(args.target.batch, stages);
     let pipelining = crate::train::Pipelining {
         micro_batches,
         schedule: args.pipeline.schedule,

@@ -255,6 +255,25 @@ fn argument_parser_errors_are_json_under_format_json() {
     }
 }
 
+/// An argument that is not UTF-8 is a parser error too, as JSON when asked for, never a panic
+/// (`std::env::args` panics on one; the arguments are read as `OsString`).
+#[cfg(unix)]
+#[test]
+fn a_non_utf8_argument_is_a_parser_error_not_a_panic() {
+    use std::os::unix::ffi::OsStrExt;
+    let model = std::ffi::OsStr::from_bytes(b"\xff");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_pleat"))
+        .args(["plan".as_ref(), model, "--format".as_ref(), "json".as_ref(), "--bogus".as_ref()])
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("pleat runs");
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8(output.stderr).expect("utf-8");
+    let value: serde_json::Value =
+        serde_json::from_str(stderr.trim()).unwrap_or_else(|err| panic!("not json ({err}):\n{stderr}"));
+    assert_eq!(value["error"]["code"], "E0701", "{value}");
+}
+
 #[test]
 fn compiled_directories() {
     let tampered = compiled_copy("tampered");
