@@ -169,6 +169,11 @@ pub struct CompileArgs {
     /// default: this machine's.
     #[arg(long, requires = "emit")]
     pub target_cpu: Option<String>,
+    /// The element type of the ranks' weights, activations and gradients, as `pleat run
+    /// --precision` takes it (default f32, whatever the config's `torch_dtype`), so that `pleat run
+    /// DIR` runs what `pleat run MODEL` would.
+    #[arg(long, value_enum)]
+    pub precision: Option<crate::run::Precision>,
 }
 
 /// The version of `plan.json`.
@@ -256,7 +261,7 @@ pub fn compile_model(
 pub fn compile(args: &CompileArgs) -> Result<()> {
     let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan)).transpose()?;
     let target = planned.as_ref().unwrap_or(&args.target);
-    let config = target.config("compile")?;
+    let config = args.precision.unwrap_or_default().apply(&target.config("compile")?);
     crate::native::check_available(&args.emit)?;
     crate::native::check_target_cpu(args.target_cpu.as_deref())?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };

@@ -123,6 +123,49 @@ fn compiled_directory_runs_like_the_model() {
 }
 
 #[test]
+fn compile_takes_the_precision_run_takes() {
+    // `pleat run MODEL` runs in f32 unless --precision says otherwise, whatever the config's
+    // torch_dtype; `pleat compile` did follow torch_dtype, so a bf16 config compiled to bf16
+    // programs that `pleat run DIR` ran, unlike `pleat run MODEL`, and could not be told otherwise.
+    // Both now take --precision alike: the same programs, the same logits bit for bit.
+    let dir = tempdir("precision");
+    let path = |name: &str| dir.join(name).to_str().expect("utf-8 path").to_string();
+    let shape = ["--mesh", "tp=2", "--batch", "2", "--seq", "8"];
+    let compile = |model: &str, out: &str, extra: &[&str]| {
+        let mut args = vec!["compile", model, "--out", out];
+        args.extend(shape);
+        args.extend(extra);
+        stdout_of(&args);
+    };
+    // A compiled directory runs its plan's mesh and shape; a model is given them.
+    let logits = |model: &str, extra: &[&str], file: &str| {
+        let mut args = vec!["run", model, "--check", "--format", "json", "--logits-out", file];
+        if !Path::new(model).join("plan.json").exists() {
+            args.extend(shape);
+        }
+        args.extend(extra);
+        let report = json_of(&args);
+        (std::fs::read(file).expect("logits written"), report["tolerance"].as_f64().expect("a tolerance"))
+    };
+    // tiny's config with torch_dtype bfloat16.
+    compile("tiny", &path("f32"), &[]);
+    let config = std::fs::read_to_string(dir.join("f32").join("config.json")).expect("config.json");
+    assert!(config.contains("\"float32\""), "{config}");
+    std::fs::write(dir.join("bf16.json"), config.replace("\"float32\"", "\"bfloat16\"")).expect("write");
+    let bf16_config = path("bf16.json");
+    compile(&bf16_config, &path("default"), &[]);
+    let (direct, tolerance) = logits(&bf16_config, &[], &path("direct.safetensors"));
+    let (compiled, compiled_tolerance) = logits(&path("default"), &[], &path("compiled.safetensors"));
+    assert!(direct == compiled, "the config's torch_dtype does not change what either runs");
+    assert_eq!((tolerance, compiled_tolerance), (f64::from(1e-4f32), f64::from(1e-4f32)), "f32's tolerance");
+    compile("tiny", &path("bf16"), &["--precision", "bf16"]);
+    let (direct, tolerance) = logits("tiny", &["--precision", "bf16"], &path("direct-bf16.safetensors"));
+    let (compiled, compiled_tolerance) = logits(&path("bf16"), &[], &path("compiled-bf16.safetensors"));
+    assert!(direct == compiled, "--precision bf16 compiles what it runs");
+    assert!(tolerance > 1e-4 && tolerance == compiled_tolerance, "bf16's tolerance: {tolerance}, {compiled_tolerance}");
+}
+
+#[test]
 fn outputs_never_replace_what_pleat_did_not_write() {
     let dir = tempdir("outputs");
     fn compile_into(out: &Path) -> Vec<String> {
