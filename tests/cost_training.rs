@@ -34,6 +34,7 @@ use pleat_passes::autodiff::Recompute;
 use pleat_passes::cost::compiled_pipeline::{compiled_stage_peak, pipelined_differences_from_closed_form};
 use pleat_passes::cost::compiled_training::{
     compiled_training_peak, compiled_tsp_training_peak, training_differences_from_closed_form,
+    TSP_SHARD_SLICED_BEFORE_DP,
 };
 use pleat_passes::cost::memory::memory_per_stage;
 use pleat_passes::cost::{Layout, ModelShape, Recompute as CostRecompute, Workload};
@@ -1374,6 +1375,8 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     let deeper = pleat_ir::model::config::ModelConfig { num_layers: 3, ..attention_heavy.clone() };
     let mut phases = std::collections::BTreeSet::new();
     let mut attention_peaks = 0;
+    // ZeRO-2 peaks holding a gradient kept whole, and with the embedding's tsp shard sliced.
+    let (mut kept_whole_peaks, mut sliced_peaks) = (0, 0);
     for (config, shapes) in [
         (&tiny, &[(2, SEQ), (4, SEQ), (2, 64), (4, 128)][..]),
         (&attention_heavy, &[(2, 16), (2, 32), (2, 64), (2, 128)][..]),
@@ -1382,10 +1385,15 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
         let model = ModelShape::from_config(config);
         // Beside dp (ZeRO-1 splitting only the optimizer's state) a replica peaks as tsp alone
         // does on its share of the batch.
-        for (mesh, zero) in [("tsp=2", 0), ("tsp=4", 0), ("dp=2,tsp=2", 0), ("dp=2,tsp=4", 1)] {
+        // Under ZeRO-2 each finished gradient is its dp shard (whole where its rows do not divide
+        // over dp: tiny's k and v beside tsp=4, or dp=4), and the embedding's tsp shard is sliced
+        // before its reduce-scatter.
+        let meshes = [("tsp=2", 0), ("tsp=4", 0), ("dp=2,tsp=2", 0), ("dp=2,tsp=4", 1)];
+        let zero2 = [("dp=2,tsp=2", 2), ("dp=2,tsp=4", 2), ("dp=4,tsp=2", 2)];
+        for (mesh, zero) in meshes.into_iter().chain(zero2) {
             let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
             let dp = layout.degree(AxisName::Dp);
-            for &(batch, seq) in shapes {
+            for &(batch, seq) in shapes.iter().filter(|&&(batch, _)| batch % dp == 0) {
                 for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
                     let training =
                         TrainingLayout { zero_stage: zero, ..TrainingLayout::recomputing(mesh, false, recompute) };
@@ -1407,6 +1415,16 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
                             "tsp mlp ring backward" => highest,
                             name => name,
                         });
+                        let bytes_of = |name: &str| {
+                            phase
+                                .terms
+                                .iter()
+                                .filter(|term| term.name.starts_with(name))
+                                .map(|term| term.bytes)
+                                .sum::<f64>()
+                        };
+                        kept_whole_peaks += usize::from(bytes_of("finished gradients ZeRO-2 keeps whole") > 0.0);
+                        sliced_peaks += usize::from(bytes_of(TSP_SHARD_SLICED_BEFORE_DP) > 0.0);
                         let differences = training_differences_from_closed_form(memory, &phase);
                         let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
                         let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
@@ -1450,4 +1468,5 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
     }
     assert!(phases.iter().filter(|phase| phase.starts_with("mlp ring backward")).count() >= 2, "{phases:?}");
     assert!(attention_peaks > 0, "some full-recompute case peaks in the attention backward");
+    assert!(kept_whole_peaks > 0 && sliced_peaks > 0, "{kept_whole_peaks} {sliced_peaks}");
 }

@@ -50,7 +50,7 @@
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence). tsp peaks inside the
 //! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree,
-//! alone or beside dp.
+//! alone or beside dp (ZeRO-2 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -80,6 +80,10 @@ pub const ZERO_REDUCE_SCATTER_STAGING: &str = "reduce-scatter staging of the who
 /// ZeRO-2 and 3 beside tp: the rank's `[V/tp, h]` tp shard of the whole-vocabulary embedding gradient,
 /// sliced before the dp reduce-scatter, live beside the whole at the step's peak.
 pub const TP_SHARD_SLICED_BEFORE_DP: &str = "embedding gradient's tp shard, sliced before the dp reduce-scatter";
+
+/// ZeRO-2 beside tsp: the rank's `[V/tsp, h]` tsp shard of the whole-vocabulary embedding
+/// gradient, sliced before the dp reduce-scatter, live beside the whole at the step's end.
+pub const TSP_SHARD_SLICED_BEFORE_DP: &str = "embedding gradient's tsp shard, sliced before the dp reduce-scatter";
 
 /// ZeRO-2 and 3: the rank's `[V/(dp·tp), h]` embedding gradient shard, counted with the (dp-sharded)
 /// gradients but written only when the reduce-scatter ends, so negative.
@@ -462,8 +466,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 }
 
 /// The peak of the rank at `tsp_rank` on the tsp axis of a compiled tsp training step (tsp of
-/// degree D >= 2, alone or beside dp with ZeRO-1 at most), or `None` for any other layout (tsp
-/// beside another axis, or ZeRO-2 and 3, whose sharded gradients move the peak, are not
+/// degree D >= 2, alone or beside dp with ZeRO-2 at most), or `None` for any other layout (tsp
+/// beside another axis, or ZeRO-3, whose parameters gathered over dp move the peak, are not
 /// modelled): the largest of these phases, each the buffers live at its highest point (`T` the
 /// step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one
 /// hidden state `[T/D, h]`):
@@ -495,10 +499,14 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// layer's backward still reads them). Beside dp (`workload` a replica's micro-batch) every phase
 /// is tsp's alone: each gradient's dp all-reduce runs as the backward makes it, its sum replacing
 /// it (the phases hold the same bytes), and the embedding gradient's vocabulary shard is sliced
-/// before it is reduced, as under dp × tp. ZeRO-1 splits only the optimizer's state.
+/// before it is reduced, as under dp × tp. ZeRO-1 splits only the optimizer's state. ZeRO-2
+/// reduce-scatters each gradient over dp as the backward finishes it: every phase holds the dp
+/// shard of each finished gradient, or the whole of one whose rows (after tsp's split) do not
+/// divide over dp (`ZeroKeptWhole`), and at the end the rank's tsp shard of the embedding
+/// gradient is sliced, beside the whole, before its reduce-scatter writes the rank's dp shard.
 /// `tests/cost_training.rs` checks the result against the planner to the byte for every rank, each
-/// recomputation and 16 to 512 tokens, alone and beside dp, on `tiny` and on a variant whose
-/// attention outweighs its MLP and vocabulary.
+/// recomputation and 16 to 512 tokens, alone and beside dp (with ZeRO-2 at dp 2 and 4), on `tiny`
+/// and on a variant whose attention outweighs its MLP and vocabulary.
 pub fn compiled_tsp_training_peak(
     model: &ModelShape,
     layout: &Layout,
@@ -507,9 +515,15 @@ pub fn compiled_tsp_training_peak(
 ) -> Option<ForwardPhase> {
     let tsp = layout.degree(AxisName::Tsp);
     let dp = layout.degree(AxisName::Dp);
-    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp || (dp > 1 && zero_stage(workload) >= 2) {
+    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp || (dp > 1 && zero_stage(workload) >= 3) {
         return None;
     }
+    // ZeRO-2 reduce-scatters each gradient over dp as the backward finishes it: a rank holds its
+    // dp shard of every finished gradient (`shard` of it), but of a parameter whose rows do not
+    // divide over dp the whole (`ZeroKeptWhole`).
+    let scattered = dp > 1 && zero_stage(workload) >= 2;
+    let shard = if scattered { 1.0 / dp as f64 } else { 1.0 };
+    let kept_whole = ZeroKeptWhole::new(model, tsp, if scattered { dp } else { 1 });
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let element = model.dtype_bytes as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
@@ -546,11 +560,12 @@ pub fn compiled_tsp_training_peak(
         let below = (layer + 1) as f64;
         let layer_params = first_layer * below;
         let terms = vec![
-            Term { name: GRADIENTS, bytes: all_params },
+            Term { name: GRADIENTS, bytes: all_params * shard },
             Term {
                 name: "gradients of the layers up to this one and the embedding, not finished yet (removed)",
-                bytes: -(layer_params + table) * element,
+                bytes: -(layer_params + table) * element * shard,
             },
+            kept_whole.term(model.layers - layer - 1, false, true),
             Term { name: "loss", bytes: element },
             Term { name: "token ids and positions (zigzag and local)", bytes: integers },
             Term {
@@ -580,8 +595,8 @@ pub fn compiled_tsp_training_peak(
         name: "lm head backward",
         params: all_params,
         terms: vec![
-            Term { name: GRADIENTS, bytes: all_params },
-            Term { name: "gradients, none finished yet (removed)", bytes: -all_params },
+            Term { name: GRADIENTS, bytes: all_params * shard },
+            Term { name: "gradients, none finished yet (removed)", bytes: -all_params * shard },
             Term { name: "loss", bytes: element },
             Term { name: "token ids and positions (zigzag and local)", bytes: integers },
             Term {
@@ -624,11 +639,12 @@ pub fn compiled_tsp_training_peak(
     let inside_attention_backward = |layer: u64, positions: bool| {
         let below = layer as f64;
         let mut terms = vec![
-            Term { name: GRADIENTS, bytes: all_params },
+            Term { name: GRADIENTS, bytes: all_params * shard },
             Term {
                 name: "the layers' below it, its attention's and input norm's, and the embedding's gradients, not finished yet (removed)",
-                bytes: -(below * first_layer * element + block + input_norm + table * element),
+                bytes: -(below * first_layer * element + block + input_norm + table * element) * shard,
             },
+            kept_whole.term(model.layers - layer - 1, true, true),
             Term { name: "loss", bytes: element },
             Term { name: "token ids (zigzag)", bytes: 4.0 * tokens },
             Term {
@@ -744,23 +760,36 @@ pub fn compiled_tsp_training_peak(
     // The end of the backward, as under tp: every gradient, the loss and the whole-vocabulary
     // embedding gradient before the rank's vocabulary shard is sliced from it.
     let whole = (model.vocab * model.hidden) as f64 * element;
-    let end = ForwardPhase {
+    let mut end = ForwardPhase {
         name: "end of backward",
         params: all_params,
         terms: vec![
-            Term { name: GRADIENTS, bytes: all_params },
+            Term { name: GRADIENTS, bytes: all_params * shard },
+            kept_whole.term(model.layers, false, true),
             Term { name: "loss", bytes: element },
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
         ],
     };
+    // Under ZeRO-2 the rank's vocabulary shard is sliced first and reduce-scattered over dp (as
+    // beside tp): the slice beside the whole, the rank's dp shard of it not written yet.
+    if scattered {
+        end.terms.extend([
+            Term { name: TSP_SHARD_SLICED_BEFORE_DP, bytes: table * element },
+            Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -table * element * shard },
+        ]);
+    }
     // Just before: the whole-vocabulary gradient being scattered from every token's gradient (the
     // sequence all-gathered, `[T, h]`) and the token ids, the rank's vocabulary shard not sliced.
     let scatter = ForwardPhase {
         name: "end of backward",
         params: all_params,
         terms: vec![
-            Term { name: GRADIENTS, bytes: all_params },
-            Term { name: "embedding gradient's vocabulary shard, not sliced yet (removed)", bytes: -table * element },
+            Term { name: GRADIENTS, bytes: all_params * shard },
+            Term {
+                name: "embedding gradient's vocabulary shard, not sliced yet (removed)",
+                bytes: -table * element * shard,
+            },
+            kept_whole.term(model.layers, false, true),
             Term { name: "loss", bytes: element },
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
             Term {
@@ -772,6 +801,63 @@ pub fn compiled_tsp_training_peak(
     };
     let end = if scatter.bytes() > end.bytes() { scatter } else { end };
     Some(if end.bytes() > ring.bytes() { end } else { ring })
+}
+
+/// What ZeRO-2 keeps of the gradients beyond their dp shards: a gradient is reduce-scattered over
+/// dp on its rows (its first dim, after tsp's split) only where they divide over dp
+/// (`pleat_ir::spec::ShardSpec::with_rows_split`); otherwise it stays whole. Of one layer, on a
+/// rank of tsp `tsp` (q, k and v split by heads, gate and up by channels; o, down and the norms
+/// keep `h` rows), and of the head (the LM head's `V/tsp` rows and the final norm's `h`).
+struct ZeroKeptWhole {
+    /// A layer's attention and input norm, its MLP and MLP norm, and the head, bytes beyond the
+    /// shards.
+    attention: f64,
+    mlp: f64,
+    head: f64,
+}
+
+impl ZeroKeptWhole {
+    /// Nothing kept whole when `dp` is 1 (no ZeRO-2).
+    fn new(model: &ModelShape, tsp: u64, dp: u64) -> ZeroKeptWhole {
+        let element = model.dtype_bytes as f64;
+        // The bytes beyond the shard of a gradient of `elements` whose `rows` do not divide.
+        let beyond = |rows: u64, elements: u64| {
+            if dp > 1 && rows % dp != 0 {
+                elements as f64 * element * (1.0 - 1.0 / dp as f64)
+            } else {
+                0.0
+            }
+        };
+        let (hidden, head_dim) = (model.hidden, model.head_dim);
+        let heads = |count: u64| {
+            let weights = beyond(count / tsp, count / tsp * head_dim * hidden);
+            let biases = if model.qkv_bias { beyond(count / tsp, count / tsp * head_dim) } else { 0.0 };
+            weights + biases
+        };
+        let norm = beyond(hidden, model.norm.params(hidden));
+        let ffn = model.ffn / tsp;
+        let attention = heads(model.heads)
+            + 2.0 * heads(model.kv_heads)
+            + beyond(hidden, hidden * model.heads * head_dim / tsp)
+            + norm;
+        let projections = if model.gated_mlp { 2.0 } else { 1.0 };
+        let mlp = projections * beyond(ffn, ffn * hidden) + beyond(hidden, hidden * ffn) + norm;
+        let vocab = model.vocab.div_ceil(tsp);
+        let head = beyond(vocab, vocab * hidden) + beyond(hidden, model.norm.params(hidden));
+        ZeroKeptWhole { attention, mlp, head }
+    }
+
+    /// The term of `layers` finished layers (and the MLP of one more, with `mlp`), and the head's
+    /// with `head`.
+    fn term(&self, layers: u64, mlp: bool, head: bool) -> Term {
+        let bytes = layers as f64 * (self.attention + self.mlp)
+            + if mlp { self.mlp } else { 0.0 }
+            + if head { self.head } else { 0.0 };
+        Term {
+            name: "finished gradients ZeRO-2 keeps whole (their rows do not divide over dp), beyond their shards",
+            bytes,
+        }
+    }
 }
 
 /// Bytes of one MLP matrix's shard, one activation of the rank's tokens and one hidden state.
