@@ -1,6 +1,7 @@
 //! Element types of tensors.
 //!
-//! The reference interpreter computes in f32 whatever the declared type. The CPU runtime stores a
+//! The reference interpreter computes in f32 whatever the declared type (and, run as stored,
+//! rounds each bf16 value as the runtime does). The CPU runtime stores a
 //! bf16 buffer as bf16 (computing in f32 and rounding when it stores) and every other float buffer
 //! as f32; the declared type sets the bytes the cost model and memory planner count.
 

@@ -10,7 +10,8 @@
 //! right over being fast: no tiling, no threads, no unsafe. Sums accumulate in f64 and round once,
 //! so its own error is far below the tolerances it is compared with and does not depend on loop order.
 //!
-//! Values are f32 whatever dtype the graph declares. Ops are functions of their operand tensors
+//! Values are f32 whatever dtype the graph declares; `run_as_stored` and `run_all_as_stored` also
+//! round each bf16 value as the runtime stores it, to be the reference of bf16 programs. Ops are functions of their operand tensors
 //! (`eval`); only the driver here reads the run's inputs and parameters, so a lock-step multi-rank
 //! simulation can reuse the op functions on local blocks. For now a graph with a non-replicated spec
 //! or a communication op is `InterpError::Sharded`. Bad graphs and bad inputs are errors, never

@@ -58,7 +58,9 @@ pub struct ReferenceStart<'a> {
 /// `batch / micro_batches` sequences on consecutive slices of its tokens and takes the mean of
 /// their losses and gradients (gradient accumulation): for the cross-entropy that is the whole
 /// batch's, and the load-balancing loss becomes each micro-batch's own, as in Hugging Face and
-/// Megatron under gradient accumulation.
+/// Megatron under gradient accumulation. The graphs run at `config`'s dtype as the runtime stores
+/// it (`pleat_ir::interp::run_as_stored`: under bf16 every bf16 value rounded as it is computed);
+/// the optimizer keeps f32 master weights and moments.
 pub fn train_reference(
     config: &ModelConfig,
     (batch, seq): (u64, u64),

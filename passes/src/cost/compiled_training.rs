@@ -1036,12 +1036,19 @@ mod tests {
             Some("mlp ring backward, last step: two gradients, up's finished")
         );
         assert_eq!(many.bytes(), elements * 4.0);
-        // Beside dp, a replica's two sequences peak as tsp's alone do; ZeRO-2 (sharded gradients)
-        // and tsp beside tp are not modelled.
+        // Beside dp, a replica's two sequences peak as tsp's alone do; tsp beside tp is not
+        // modelled.
         let beside_dp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 2)], false);
         assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &Workload::training(64, 2), 0).as_ref(), Some(&many));
+        // ZeRO-2 holds the dp half of each finished gradient (every row count of tiny at tsp=2
+        // divides over dp=2, so none is kept whole); ZeRO-3 is not modelled.
         let zero2 = Workload { zero: 2, ..Workload::training(8, 2) };
-        assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &zero2, 0), None);
+        let phase = compiled_tsp_training_peak(&model, &beside_dp, &zero2, 0).expect("ZeRO-2 is modelled");
+        let term = |name: &str| phase.terms.iter().find(|term| term.name.starts_with(name)).map(|term| term.bytes);
+        assert_eq!(term(GRADIENTS), Some(180864.0 * 4.0 / 2.0));
+        assert_eq!(term("finished gradients ZeRO-2 keeps whole"), Some(0.0));
+        let zero3 = Workload { zero: 3, ..Workload::training(8, 2) };
+        assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &zero3, 0), None);
         let beside_tp = Layout::new(&[(AxisName::Tp, 2), (AxisName::Tsp, 2)], false);
         assert_eq!(compiled_tsp_training_peak(&model, &beside_tp, &Workload::training(8, 2), 0), None);
     }
