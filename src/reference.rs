@@ -21,6 +21,7 @@ use pleat_ir::{Graph, Op};
 use pleat_runtime::weights::WeightSource;
 
 use crate::inputs::Tokens;
+use crate::run::{max_abs_diff, nan_max};
 
 /// The router-logit gap, relative to the magnitudes summed into the logits, below which an f32
 /// run is at a routing tie (`pleat_ir::interp::routing_margin`): 16 units of f32's roundoff. In
@@ -124,7 +125,7 @@ impl ForwardReference {
         let (mut judged, mut tie) = (None::<f32>, 0.0f32);
         let pairs = logits.chunks_exact(vocab).zip(self.logits.chunks_exact(vocab));
         for ((got, want), &at_tie) in pairs.zip(&self.at_tie) {
-            let err = crate::run::max_abs_diff(got, want);
+            let err = max_abs_diff(got, want);
             if at_tie {
                 tie = nan_max(tie, err);
             } else {
@@ -133,15 +134,6 @@ impl ForwardReference {
         }
         let tie_tokens = self.at_tie.iter().filter(|&&at_tie| at_tie).count();
         LogitsCheck { max_abs_err: judged, tie_tokens, tie_max_abs_err: tie, tokens }
-    }
-}
-
-/// The larger of two differences, NaN if either is.
-fn nan_max(left: f32, right: f32) -> f32 {
-    if left.is_nan() || right.is_nan() {
-        f32::NAN
-    } else {
-        left.max(right)
     }
 }
 

@@ -375,18 +375,21 @@ pub fn run_programs_native(
     Ok((shape, logits, outcomes))
 }
 
+/// The larger of two errors, NaN when either is.
+pub fn nan_max(left: f32, right: f32) -> f32 {
+    if left.is_nan() || right.is_nan() {
+        f32::NAN
+    } else {
+        left.max(right)
+    }
+}
+
 /// The largest absolute elementwise difference (NaN if either holds a NaN).
 pub fn max_abs_diff(left: &[f32], right: &[f32]) -> f32 {
     if left.len() != right.len() {
         return f32::NAN;
     }
-    left.iter().zip(right).map(|(a, b)| (a - b).abs()).fold(0.0, |worst, diff| {
-        if diff.is_nan() || worst.is_nan() {
-            f32::NAN
-        } else {
-            worst.max(diff)
-        }
-    })
+    left.iter().zip(right).map(|(a, b)| (a - b).abs()).fold(0.0, nan_max)
 }
 
 const KINDS: [(CollectiveKind, &str); 6] = [

@@ -29,7 +29,7 @@ use crate::compile::Strategy;
 use crate::device::{Device, DeviceReport, CUDA_F32_TOL};
 use crate::model_arg::{resolve, ModelSource};
 use crate::reference::{routing_tie_margin, BF16_ROUTING_TIE_MARGIN, ROUTING_TIE_MARGIN};
-use crate::run::{comm_stats_mean, human_bytes, weight_source, Format, Precision, RunArgs};
+use crate::run::{comm_stats_mean, human_bytes, nan_max, weight_source, Format, Precision, RunArgs};
 use crate::schedule::ScheduleName;
 use crate::usage::UsageError;
 
@@ -737,15 +737,6 @@ fn relative_update_error(got: Option<&[f32]>, want: &[f32], before: &[f32]) -> f
         0.0
     } else {
         (diff / update.max(f64::MIN_POSITIVE)) as f32
-    }
-}
-
-/// The larger of two errors, NaN when either is.
-fn nan_max(left: f32, right: f32) -> f32 {
-    if left.is_nan() || right.is_nan() {
-        f32::NAN
-    } else {
-        left.max(right)
     }
 }
 
