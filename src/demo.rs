@@ -8,8 +8,8 @@ use pleat_runtime::weights::SeededWeights;
 
 use crate::compile::{compile_model, Strategy};
 use crate::inputs::random_tokens;
-use crate::reference::{forward_reference, ROUTING_TIE_MARGIN};
-use crate::run::{comm_bytes_mean, human_bytes, link_options, run_programs, F32_TOL};
+use crate::reference::check_logits;
+use crate::run::{comm_bytes_mean, human_bytes, link_options, run_programs};
 
 /// Runs the demo and prints its summary.
 pub fn demo() -> Result<()> {
@@ -37,7 +37,7 @@ pub fn demo() -> Result<()> {
         2,
         count(|op| matches!(op, Op::AllGather { .. }))
     );
-    let tokens = random_tokens(batch, seq, config.vocab_size, 0);
+    let tokens = random_tokens(batch, seq, config.vocab_size, 0)?;
     let weights = SeededWeights::new(0);
     let (_, logits, outcomes) = run_programs(&compiled.programs, &tokens, &weights, &link_options(120, None))?;
     let peak = outcomes.iter().map(|outcome| outcome.peak_bytes).max().unwrap_or(0);
@@ -48,11 +48,11 @@ pub fn demo() -> Result<()> {
         .collect();
     println!("ran on {} threads: peak {} a rank; sent a rank: {}", outcomes.len(), human_bytes(peak), sent.join(", "));
     // The demo's model has no mixture of experts, so every token is judged.
-    let reference = forward_reference(&config, &tokens, &weights, false, ROUTING_TIE_MARGIN)?;
-    let err = reference.compare(&logits).max_abs_err.unwrap_or(f32::NAN);
-    let verdict = if err <= F32_TOL { "ok" } else { "FAILED" };
-    println!("checked against the reference interpreter: max |logits - reference| = {err:.3e} (tolerance {F32_TOL:e}): {verdict}");
-    if err.is_nan() || err > F32_TOL {
+    let (check, tolerance) = check_logits(&config, &tokens, &weights, &compiled.programs, &logits, false)?;
+    let err = check.max_abs_err.unwrap_or(f32::NAN);
+    let verdict = if err <= tolerance { "ok" } else { "FAILED" };
+    println!("checked against the reference interpreter: max |logits - reference| = {err:.3e} (tolerance {tolerance:e}): {verdict}");
+    if err.is_nan() || err > tolerance {
         bail!(crate::usage::UsageError::DemoMismatch { err });
     }
     Ok(())

@@ -43,8 +43,11 @@ pub fn read_tokens(path: &Path) -> Result<Tokens> {
     Ok(Tokens { batch: rows.len() as u64, seq: seq as u64, ids })
 }
 
-/// A deterministic batch of ids below `vocab`, from `seed`.
-pub fn random_tokens(batch: u64, seq: u64, vocab: u64, seed: u64) -> Tokens {
+/// A deterministic batch of ids below `vocab`, from `seed`; an error when this machine has no room
+/// for its ids.
+pub fn random_tokens(batch: u64, seq: u64, vocab: u64, seed: u64) -> Result<Tokens> {
+    let needed = batch.checked_mul(seq).and_then(|count| count.checked_mul(4)).unwrap_or(u64::MAX);
+    crate::host_memory::ensure_available(&format!("a batch of {batch} sequences of {seq} token ids"), needed)?;
     let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
     let ids = (0..batch * seq)
         .map(|_| {
@@ -56,5 +59,5 @@ pub fn random_tokens(batch: u64, seq: u64, vocab: u64, seed: u64) -> Tokens {
             ((z ^ (z >> 31)) % vocab) as u32
         })
         .collect();
-    Tokens { batch, seq, ids }
+    Ok(Tokens { batch, seq, ids })
 }

@@ -26,8 +26,8 @@ use serde_json::json;
 
 use crate::compile::read_compiled;
 use crate::inputs::random_tokens;
-use crate::reference::{forward_reference, routing_tie_margin, stores_bf16};
-use crate::run::{comm_bytes_mean, human_bytes, logits_tolerance, weight_source, Format};
+use crate::reference::check_logits;
+use crate::run::{comm_bytes_mean, human_bytes, weight_source, Format};
 use crate::usage::UsageError;
 
 /// The environment variable of the crash test hook (see the module documentation).
@@ -102,7 +102,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     if comm.world_size() != plan.ranks {
         bail!(UsageError::MpiWorldSize { rank, world: comm.world_size(), dir: args.dir.clone(), ranks: plan.ranks });
     }
-    let tokens = random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed);
+    let tokens = random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed)?;
     let weights = weight_source(args.weights.as_ref(), args.seed)?;
     let positions: Vec<u32> = (0..plan.seq as u32).collect();
     if args.trace.is_some() {
@@ -150,9 +150,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     }
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
     let checked = if args.check {
-        let bf16 = stores_bf16(&programs);
-        let reference = forward_reference(&config, &tokens, weights.as_ref(), bf16, routing_tie_margin(bf16, false))?;
-        Some((reference.compare(&logits), logits_tolerance(&programs, &reference.logits)))
+        Some(check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, false)?)
     } else {
         None
     };

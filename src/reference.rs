@@ -20,8 +20,9 @@ use pleat_ir::model::config::{ConfigDtype, ModelConfig};
 use pleat_ir::{Graph, Op};
 use pleat_runtime::weights::WeightSource;
 
+use crate::device::CUDA_F32_TOL;
 use crate::inputs::Tokens;
-use crate::run::{max_abs_diff, nan_max};
+use crate::run::{max_abs_diff, nan_max, F32_TOL};
 
 /// The router-logit gap, relative to the magnitudes summed into the logits, below which an f32
 /// run is at a routing tie (`pleat_ir::interp::routing_margin`): 16 units of f32's roundoff. In
@@ -135,6 +136,40 @@ impl ForwardReference {
         let tie_tokens = self.at_tie.iter().filter(|&&at_tie| at_tie).count();
         LogitsCheck { max_abs_err: judged, tie_tokens, tie_max_abs_err: tie, tokens }
     }
+}
+
+/// The logits' tolerance under bf16, as a share of the reference's largest logit: eight times
+/// bf16's unit roundoff 2^-8. The logits come out of bf16 activations and weights (8 significant
+/// bits each) through every layer, so they can be held to bf16's accuracy, not f32's.
+pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
+
+/// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
+/// reference's largest magnitude.
+pub fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
+    if stores_bf16(programs) {
+        let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
+        F32_TOL.max(BF16_LOGITS_REL_TOL * largest)
+    } else {
+        F32_TOL
+    }
+}
+
+/// `--check` of a forward run's `logits`: the reference at the programs' precision, with the
+/// routing tie margin of that precision (or of a GPU, with `cuda`), compared with them; and the
+/// tolerance they are held to (at least `CUDA_F32_TOL` on a GPU).
+pub fn check_logits(
+    config: &ModelConfig,
+    tokens: &Tokens,
+    weights: &dyn WeightSource,
+    programs: &[Program],
+    logits: &[f32],
+    cuda: bool,
+) -> Result<(LogitsCheck, f32)> {
+    let bf16 = stores_bf16(programs);
+    let reference = forward_reference(config, tokens, weights, bf16, routing_tie_margin(bf16, cuda))?;
+    let tolerance = logits_tolerance(programs, &reference.logits);
+    let tolerance = if cuda { tolerance.max(CUDA_F32_TOL) } else { tolerance };
+    Ok((reference.compare(logits), tolerance))
 }
 
 /// The reference's forward run of `config` on `tokens` with `weights`, at bf16 when `bf16` (the

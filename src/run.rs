@@ -19,30 +19,14 @@ use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, RankOutcome,
 use serde_json::json;
 
 use crate::compile::{compile_model, read_compiled, Kernels, Strategy};
-use crate::device::{Device, DeviceReport, CUDA_F32_TOL};
+use crate::device::{Device, DeviceReport};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
-use crate::reference::{forward_reference, routing_tie_margin, stores_bf16, LogitsCheck};
+use crate::reference::{check_logits, LogitsCheck};
 use crate::usage::UsageError;
 
 /// The largest absolute difference from the reference that `--check` accepts, in f32.
 pub const F32_TOL: f32 = 1e-4;
-
-/// The logits' tolerance under bf16, as a share of the reference's largest logit: eight times
-/// bf16's unit roundoff 2^-8. The logits come out of bf16 activations and weights (8 significant
-/// bits each) through every layer, so they can be held to bf16's accuracy, not f32's.
-pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
-
-/// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
-/// reference's largest magnitude.
-pub fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
-    if crate::reference::stores_bf16(programs) {
-        let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
-        F32_TOL.max(BF16_LOGITS_REL_TOL * largest)
-    } else {
-        F32_TOL
-    }
-}
 
 /// `--precision`: the element type of the ranks' weights, activations and gradients.
 #[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
@@ -272,7 +256,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             bail!(UsageError::TokensShape { batch: tokens.batch, seq: tokens.seq, run_batch: batch, run_seq: seq })
         }
         Some(tokens) => tokens,
-        None => random_tokens(batch, seq, config.vocab_size, args.seed),
+        None => random_tokens(batch, seq, config.vocab_size, args.seed)?,
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
     let options = link_options(args.timeout, args.emulate_link);
@@ -311,11 +295,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     };
     let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
     let (check, tolerance) = if args.check {
-        let bf16 = stores_bf16(&programs);
-        let margin = routing_tie_margin(bf16, cuda);
-        let reference = forward_reference(&config, &tokens, weights.as_ref(), bf16, margin)?;
-        let tolerance = logits_tolerance(&programs, &reference.logits);
-        (Some(reference.compare(&logits)), if cuda { tolerance.max(CUDA_F32_TOL) } else { tolerance })
+        let (check, tolerance) = check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, cuda)?;
+        (Some(check), tolerance)
     } else {
         (None, F32_TOL)
     };

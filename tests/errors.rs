@@ -174,6 +174,25 @@ fn meshes_and_strategies() {
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "6"], "E0208", "zigzag chunks"),
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "7"], "E0208", "multiple of 4 (e.g. 8)\n"),
         case(&["explain", "tiny", "--mesh", "tp=2,tsp=2"], "E0209", "both split the weights"),
+        // The degrees offered pass every check on the axis, not only the one that failed: tsp=3
+        // makes zigzag chunks of seq 6 but does not split 4 kv heads.
+        case(&["explain", "tiny", "--mesh", "tsp=4", "--seq", "6"], "E0208", "or tsp in {1}\n"),
+        case(&["explain", "tiny", "--mesh", "tsp=3", "--seq", "6"], "E0206", "use tsp in {1}\n"),
+        case(&["explain", "tiny", "--mesh", "tp=4", "--seq", "6", "--strategy", "tp-sp"], "E0206", "use tp in {1,2}\n"),
+        // dp and ep split the batch together, in either order on the mesh.
+        case(
+            &["explain", "tiny-moe", "--mesh", "ep=2,dp=2", "--batch", "2"],
+            "E0206",
+            "1 sequences (a rank's share of batch 2 over ep=2) are not divisible by dp=2; use dp in {1}",
+        ),
+        case(
+            &["explain", "tiny-moe", "--mesh", "dp=2,ep=2", "--batch", "2"],
+            "E0206",
+            "over dp=2) are not divisible by ep=2; use ep in {1}",
+        ),
+        // A batch too large for this machine is refused before its token ids are made.
+        case(&["run", "tiny", "--seq", "4294967296"], "E0747", "a batch of 8 sequences of 4294967296 token ids needs"),
+        case(&["run", "tiny", "--batch", "4294967295", "--seq", "4294967295"], "E0747", "token ids needs"),
         case(&["run", "tiny", "--train", "--data", "/nonexistent/tokens.txt"], "E0743", "cannot read --data"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--layer", "99"], "E0703", "--layer 99 does not exist"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"], "E0704", "no value named layer0.nope"),

@@ -44,7 +44,12 @@ fn fold_cp(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     let lm_head = find(graph, "lm_head")?;
     let seq = graph.value(tokens).ty.shape.size_of(DimName::Seq).unwrap_or(0);
     if seq % (2 * degree) != 0 {
-        return Err(Error::ZigzagSeq { seq, axis: AXIS.to_string(), degree });
+        return Err(Error::ZigzagSeq {
+            seq,
+            axis: AXIS.to_string(),
+            degree,
+            valid: crate::error::zigzag_valid_degrees(seq),
+        });
     }
     let loss = graph.loss_node();
     let zigzag = Op::Zigzag { parts: degree, inverse: false };

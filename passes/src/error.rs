@@ -67,7 +67,7 @@ pub enum Error {
     /// A sequence the zigzag layout cannot cut into `2·degree` chunks.
     #[error(
         "seq={seq} does not split into 2x{axis}={} zigzag chunks; use a --seq that is a multiple of {}{}{}",
-        2 * degree, 2 * degree, next_multiple(*seq, 2 * degree), zigzag_degrees(*seq, axis)
+        2 * degree, 2 * degree, next_multiple(*seq, 2 * degree), zigzag_degrees(valid, axis)
     )]
     #[diagnostic(code(E0208), help("make --seq a multiple of 2 x the degree of the axis that splits it (cp or tsp)"))]
     ZigzagSeq {
@@ -77,6 +77,8 @@ pub enum Error {
         axis: String,
         /// Its degree.
         degree: u64,
+        /// The degrees of the axis that split it, and pass every other check on the axis.
+        valid: Vec<u64>,
     },
     /// Two mesh axes whose strategies cannot share one mesh.
     #[error("mesh axes {first} and {second} cannot be combined: {reason}; use one of them")]
@@ -148,13 +150,21 @@ fn next_multiple(seq: u64, chunks: u64) -> String {
         .map_or(String::new(), |next| format!(" (e.g. {next})"))
 }
 
-/// ", or AXIS in {..}": the degrees whose zigzag chunks split `seq`, when there are any.
-fn zigzag_degrees(seq: u64, axis: &str) -> String {
-    let halves = if seq % 2 == 0 { pleat_ir::spec::valid_degrees(seq / 2) } else { Vec::new() };
-    let degrees: Vec<String> = halves.iter().map(u64::to_string).collect();
-    if degrees.is_empty() {
+/// ", or AXIS in {..}": the degrees offered, when there are any.
+fn zigzag_degrees(valid: &[u64], axis: &str) -> String {
+    if valid.is_empty() {
         String::new()
     } else {
+        let degrees: Vec<String> = valid.iter().map(u64::to_string).collect();
         format!(", or {axis} in {{{}}}", degrees.join(","))
+    }
+}
+
+/// The degrees whose `2·degree` zigzag chunks split `seq`.
+pub(crate) fn zigzag_valid_degrees(seq: u64) -> Vec<u64> {
+    if seq % 2 == 0 {
+        pleat_ir::spec::valid_degrees(seq / 2)
+    } else {
+        Vec::new()
     }
 }

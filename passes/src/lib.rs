@@ -10,6 +10,7 @@
 pub mod autodiff;
 pub mod cost;
 pub mod cp;
+pub mod degrees;
 pub mod error;
 pub mod explain;
 pub mod fuse;

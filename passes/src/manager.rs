@@ -114,7 +114,7 @@ pub fn run_pipeline(passes: &[Pass], module: &mut Module, ctx: &PassCtx) -> Resu
     let mut report = PipelineReport::default();
     for pass in passes {
         let started = Instant::now();
-        (pass.run)(module, ctx)?;
+        (pass.run)(module, ctx).map_err(|error| crate::degrees::narrow_offered_degrees(error, module, ctx))?;
         report.timings.push((pass.name, started.elapsed()));
         if ctx.verify_each {
             verify(module).map_err(|errors| Error::Verify { pass: pass.name, errors })?;

@@ -133,45 +133,70 @@ fn tensor_parallel_dim(name: &str) -> Option<DimName> {
     SPLITS.iter().find(|(suffix, _)| name.ends_with(suffix)).map(|&(_, dim)| dim)
 }
 
-fn seed_weight_splits(module: &mut Module, axis: AxisName, degree: u64) -> Result<()> {
-    let graph = &mut module.graph;
-    let params: Vec<_> = graph.params().into_iter().map(|(value, name)| (value, name.to_string())).collect();
+/// A weight `axis` splits: its value, name, the dim split, that dim's position and size.
+pub(crate) struct WeightSplit<'a> {
+    value: pleat_ir::ValueId,
+    name: &'a str,
+    dim: DimName,
+    position: usize,
+    count: u64,
+}
+
+/// Every weight `axis` (tp or tsp) splits, with the dim it splits.
+pub(crate) fn weight_splits(graph: &pleat_ir::Graph, axis: AxisName) -> Vec<WeightSplit<'_>> {
     let mut splits = Vec::new();
-    for (value, name) in &params {
+    for (value, name) in graph.params() {
         let Some(dim) = tensor_parallel_dim(name) else { continue };
-        let shape = &graph.value(*value).ty.shape;
+        let shape = &graph.value(value).ty.shape;
         // TSP's rings move dense weights; routed experts stay whole on its ranks (`ep` places them).
         if axis == AxisName::Tsp && shape.position(DimName::Experts).is_some() {
             continue;
         }
         if let (Some(position), Some(count)) = (shape.position(dim), shape.size_of(dim)) {
-            splits.push((*value, name.as_str(), dim, position, count));
+            splits.push(WeightSplit { value, name, dim, position, count });
         }
     }
-    // Every split dim but the kv heads (which may stay whole) must divide; the error names the
-    // first one a user thinks of (heads, then ffn, then vocab) and offers the degrees that divide
-    // all of them.
-    let must_divide = |dim: DimName| dim != DimName::KvHeads || axis == AxisName::Tsp;
-    let common = splits.iter().filter(|split| must_divide(split.2)).fold(0, |acc, split| gcd(acc, split.4));
-    let priority = |dim: DimName| [DimName::Heads, DimName::Ffn, DimName::Vocab].iter().position(|&d| d == dim);
-    if let Some(&(_, name, dim, _, count)) = splits
+    splits
+}
+
+/// Whether `axis` must divide a weight's `dim`: every split dim but tp's kv heads, which may stay
+/// whole (TSP's attention and MLP take whole kv groups).
+pub(crate) fn must_divide(dim: DimName, axis: AxisName) -> bool {
+    dim != DimName::KvHeads || axis == AxisName::Tsp
+}
+
+/// The count every degree of `axis` must divide for its weight splits: their sizes' gcd (0 when
+/// it splits none).
+pub(crate) fn weight_split_gcd(graph: &pleat_ir::Graph, axis: AxisName) -> u64 {
+    weight_splits(graph, axis)
         .iter()
-        .filter(|split| must_divide(split.2) && split.4 % degree != 0)
-        .min_by_key(|split| priority(split.2))
+        .filter(|split| must_divide(split.dim, axis))
+        .fold(0, |acc, split| gcd(acc, split.count))
+}
+
+fn seed_weight_splits(module: &mut Module, axis: AxisName, degree: u64) -> Result<()> {
+    let graph = &module.graph;
+    let splits = weight_splits(graph, axis);
+    // Every split dim but the kv heads (which may stay whole) must divide; the error names the
+    // first one a user thinks of (heads, then ffn, then vocab); the pass manager narrows the
+    // degrees it offers to those every check on the axis accepts (`degrees`).
+    let priority = |dim: DimName| [DimName::Heads, DimName::Ffn, DimName::Vocab].iter().position(|&d| d == dim);
+    if let Some(split) = splits
+        .iter()
+        .filter(|split| must_divide(split.dim, axis) && split.count % degree != 0)
+        .min_by_key(|split| priority(split.dim))
     {
-        let mut error = indivisible(name, dim, count, axis, degree);
-        if let Error::Ir(pleat_ir::Error::Indivisible { valid, .. }) = &mut error {
-            *valid = valid_degrees(common);
-        }
-        return Err(error);
+        return Err(indivisible(split.name, split.dim, split.count, axis, degree));
     }
-    for (value, _, dim, position, count) in splits {
+    let placed: Vec<_> = splits
+        .into_iter()
         // Grouped-query attention with more ranks than kv heads: keep k/v whole on every rank.
-        if dim == DimName::KvHeads && count % degree != 0 {
-            continue;
-        }
+        .filter(|split| split.dim != DimName::KvHeads || split.count % degree == 0)
+        .map(|split| (split.value, split.position))
+        .collect();
+    for (value, position) in placed {
         // Seeding runs again when several passes propagate; an axis is placed once.
-        let axes = &mut graph.value_mut(value).spec.dims[position];
+        let axes = &mut module.graph.value_mut(value).spec.dims[position];
         if !axes.contains(&axis) {
             axes.push(axis);
         }
@@ -179,7 +204,7 @@ fn seed_weight_splits(module: &mut Module, axis: AxisName, degree: u64) -> Resul
     Ok(())
 }
 
-fn gcd(a: u64, b: u64) -> u64 {
+pub(crate) fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {
         a
     } else {
@@ -188,7 +213,7 @@ fn gcd(a: u64, b: u64) -> u64 {
 }
 
 /// The values of the graph's `tokens` nodes.
-fn token_values(graph: &pleat_ir::Graph) -> Vec<pleat_ir::ValueId> {
+pub(crate) fn token_values(graph: &pleat_ir::Graph) -> Vec<pleat_ir::ValueId> {
     graph
         .order()
         .iter()
@@ -198,12 +223,9 @@ fn token_values(graph: &pleat_ir::Graph) -> Vec<pleat_ir::ValueId> {
 }
 
 fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
+    check_batch_split(module, AxisName::Dp, degree)?;
     let graph = &mut module.graph;
     for value in token_values(graph) {
-        let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
-        if batch % degree != 0 {
-            return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Dp, degree));
-        }
         // Outermost: expert parallelism gathers its own (innermost) split of the batch.
         let axes = &mut graph.value_mut(value).spec.dims[0];
         if !axes.contains(&AxisName::Dp) {
@@ -213,8 +235,39 @@ fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
     Ok(())
 }
 
+/// The axes that split the batch: dp, and ep (the dense layers are data parallel over it).
+pub(crate) const BATCH_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Ep];
+
+/// Checks that the batch splits over `axis` (of `degree`) beside the batch axes before it in the
+/// mesh: the batch splits over all of them at once, so each is checked against what the earlier
+/// ones leave a rank, and the error names those.
+fn check_batch_split(module: &Module, axis: AxisName, degree: u64) -> Result<()> {
+    let earlier: Vec<_> = module
+        .mesh
+        .axes()
+        .iter()
+        .take_while(|earlier| earlier.name != axis)
+        .filter(|earlier| BATCH_AXES.contains(&earlier.name))
+        .collect();
+    let before: u64 = earlier.iter().map(|earlier| earlier.size).product();
+    for value in token_values(&module.graph) {
+        let batch = module.graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
+        let share = batch / before;
+        if share % degree != 0 {
+            let mut error = indivisible("tokens", DimName::Batch, share, axis, degree);
+            if let (Error::Ir(pleat_ir::Error::Indivisible { what, .. }), false) = (&mut error, earlier.is_empty()) {
+                let over: Vec<String> =
+                    earlier.iter().map(|earlier| format!("{}={}", earlier.name, earlier.size)).collect();
+                *what = format!("sequences (a rank's share of batch {batch} over {})", over.join(","));
+            }
+            return Err(error);
+        }
+    }
+    Ok(())
+}
+
 /// Whether the graph has routed experts (a weight with an `experts` dim).
-fn has_experts(graph: &pleat_ir::Graph) -> bool {
+pub(crate) fn has_experts(graph: &pleat_ir::Graph) -> bool {
     graph.params().into_iter().any(|(value, _)| graph.value(value).ty.shape.position(DimName::Experts).is_some())
 }
 
@@ -235,10 +288,14 @@ fn seed_expert_parallel(module: &mut Module, axis: AxisName, degree: u64, all_to
     if experts.is_empty() {
         return Err(Error::NoExperts { model: module.name.clone() });
     }
-    for (value, name, position, count) in experts {
-        if count % degree != 0 {
-            return Err(indivisible(&name, DimName::Experts, count, axis, degree));
-        }
+    if let Some((_, name, _, count)) = experts.iter().find(|expert| expert.3 % degree != 0) {
+        return Err(indivisible(name, DimName::Experts, *count, axis, degree));
+    }
+    if axis == AxisName::Ep {
+        check_batch_split(module, AxisName::Ep, degree)?;
+    }
+    let graph = &mut module.graph;
+    for (value, _, position, _) in experts {
         let axes = &mut graph.value_mut(value).spec.dims[position];
         if !axes.contains(&axis) {
             axes.push(axis);
@@ -246,15 +303,9 @@ fn seed_expert_parallel(module: &mut Module, axis: AxisName, degree: u64, all_to
     }
     let batch_values = if axis == AxisName::Ep { token_values(graph) } else { Vec::new() };
     for value in batch_values {
-        let batch = graph.value(value).ty.shape.size_of(DimName::Batch).unwrap_or(1);
         let axes = &mut graph.value_mut(value).spec.dims[0];
         if !axes.contains(&AxisName::Ep) {
             axes.push(AxisName::Ep);
-        }
-        // The batch splits over every data axis at once.
-        let split: u64 = axes.iter().map(|&axis| module.mesh.degree(axis)).product();
-        if batch % split != 0 {
-            return Err(indivisible("tokens", DimName::Batch, batch, AxisName::Ep, split));
         }
     }
     // The all-to-all dispatcher: each mixture sends its rows to their experts' ranks over `axis`.

@@ -74,7 +74,12 @@ impl Rewriter<'_> {
         let (tokens, positions) = (self.find("tokens")?, self.find("positions")?);
         let seq = self.graph.value(tokens).ty.shape.size_of(DimName::Seq).unwrap_or(0);
         if seq % (2 * self.degree) != 0 {
-            return Err(Error::ZigzagSeq { seq, axis: AXIS.to_string(), degree: self.degree });
+            return Err(Error::ZigzagSeq {
+                seq,
+                axis: AXIS.to_string(),
+                degree: self.degree,
+                valid: crate::error::zigzag_valid_degrees(seq),
+            });
         }
         let zigzag = Op::Zigzag { parts: self.degree, inverse: false };
         self.wrap(tokens, zigzag.clone(), "tokens.zigzag");

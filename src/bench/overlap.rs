@@ -171,7 +171,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
     let transfers: usize = reported.iter().map(|(_, report)| report.transfers).sum();
     let scheduled: Vec<Program> = reported.into_iter().map(|(program, _)| program).collect();
-    let tokens = crate::inputs::random_tokens(batch, seq, config.vocab_size, 0);
+    let tokens = crate::inputs::random_tokens(batch, seq, config.vocab_size, 0)?;
     let weights = weight_source(None, 0)?;
     let options = link_options(120, Some(args.emulate_link));
     let local = link_options(120, None);
