@@ -10,7 +10,8 @@
 //! step to the byte. The closed-form training peak plus
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
-//! and without SP), selective and full recomputation, and tsp=2 and tsp=4 on every rank (from 16
+//! and without SP), selective and full recomputation, with the embedding untied and tied, and
+//! tsp=2 and tsp=4 on every rank (from 16
 //! to 512 tokens, each recompute, full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
 //! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
@@ -33,7 +34,7 @@ use pleat_ir::{AxisName, Mesh};
 use pleat_passes::autodiff::Recompute;
 use pleat_passes::cost::compiled_pipeline::{compiled_stage_peak, pipelined_differences_from_closed_form};
 use pleat_passes::cost::compiled_training::{
-    compiled_training_peak, compiled_tsp_training_peak, training_differences_from_closed_form,
+    compiled_training_peak, compiled_tsp_training_peak, training_differences_from_closed_form, TIED_HEAD_GRADIENT,
     TSP_SHARD_SLICED_BEFORE_DP,
 };
 use pleat_passes::cost::memory::memory_per_stage;
@@ -438,14 +439,48 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
     // activations and the end of the backward peaks; on 128 the head of the backward (the loss's
     // or the LM head's gradients) or, under full recomputation, a recomputed layer's backward; 32
     // lies between, where a layer's MLP backward can peak.
+    let phases = check_training_closed_form(&preset("tiny").unwrap());
+    // The grid reaches both ends of the backward and the layers between.
+    for name in [
+        "end of backward",
+        "the loss's backward",
+        "the LM head's weight gradient",
+        "an MLP's down projection weight gradient",
+        "an MLP's down projection weight gradient reduced",
+        "an MLP norm output's gradient",
+        "an attention kernel's backward (full recompute)",
+    ] {
+        assert!(phases.contains_key(name), "{name} not among {phases:?}");
+    }
+}
+
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_training_peak_with_tied_embeddings() {
+    // A tied table's gradient sums the LM head's part, made at the head of the backward, and the
+    // embedding's, made at its end: the head's part is held between the two (whole over dp under
+    // ZeRO-2 and 3, reduced with the table's gradient at the end), a named term.
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..preset("tiny").unwrap() };
+    let phases = check_training_closed_form(&tied);
+    for name in ["end of backward", "the loss's backward", "an MLP's down projection weight gradient"] {
+        assert!(phases.contains_key(name), "{name} not among {phases:?}");
+    }
+    assert!(phases.values().any(|terms| terms.contains(&TIED_HEAD_GRADIENT)), "{phases:?}");
+}
+
+/// Checks that the closed form plus the named terms of `compiled_training_peak` equals the
+/// planner's peak on every rank of `config`'s training step, for every layout of
+/// `TRAINING_CROSS_CHECK` on 8, 32 and 128 tokens a sequence; returns each peak phase's name with
+/// the names of its terms.
+fn check_training_closed_form(
+    config: &pleat_ir::model::config::ModelConfig,
+) -> std::collections::BTreeMap<&'static str, Vec<&'static str>> {
     let batch = 4;
-    let config = preset("tiny").unwrap();
-    let model = ModelShape::from_config(&config);
+    let model = ModelShape::from_config(config);
     assert_eq!(model.dtype_bytes, 4);
-    let mut phases = std::collections::BTreeSet::new();
+    let mut phases = std::collections::BTreeMap::new();
     for seq in [SEQ, 32, 128] {
         for training in &TRAINING_CROSS_CHECK {
-            let (programs, optimizer_layouts) = compile_training_at(&config, training, batch, seq);
+            let (programs, optimizer_layouts) = compile_training_at(config, training, batch, seq);
             let layout = Layout::from_mesh(&Mesh::parse(training.mesh).unwrap(), training.sequence_parallel);
             let workload = Workload {
                 tsp_shards_embeddings: true,
@@ -456,7 +491,8 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
             let label = format!("{layout} seq {seq} zero={} recompute={:?}", training.zero_stage, training.recompute);
             let memory = &memory_per_stage(&model, &layout, &workload)[0];
             let phase = compiled_training_peak(&model, &layout, &workload).expect("a modelled layout");
-            phases.insert(phase.name);
+            let named = phases.entry(phase.name).or_insert_with(Vec::new);
+            named.extend(phase.terms.iter().filter(|term| term.bytes != 0.0).map(|term| term.name));
             let differences = training_differences_from_closed_form(memory, &phase);
             // The closed form counts the program's weights and gradients to the byte.
             let otherwise = differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
@@ -477,18 +513,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
             }
         }
     }
-    // The grid reaches both ends of the backward and the layers between.
-    for name in [
-        "end of backward",
-        "the loss's backward",
-        "the LM head's weight gradient",
-        "an MLP's down projection weight gradient",
-        "an MLP's down projection weight gradient reduced",
-        "an MLP norm output's gradient",
-        "an attention kernel's backward (full recompute)",
-    ] {
-        assert!(phases.contains(name), "{name} not among {phases:?}");
-    }
+    phases
 }
 
 #[test]
@@ -496,13 +521,20 @@ fn training_closed_form_never_exceeds_the_planners_peak() {
     // Every phase of the closed form is the live set at one point of the program, so on shapes
     // whose peak falls at a point it does not model (few tokens beside a narrow MLP or a large
     // vocabulary, where dp's gradient reductions or a layer's q projection peak) it is below the
-    // planner's peak, never above: checked here on three shapes, each recomputation, from 8 to
-    // 256 tokens a sequence.
+    // planner's peak, never above: checked here on four shapes (one with a tied embedding), each
+    // recomputation, from 8 to 256 tokens a sequence.
     let tiny = preset("tiny").unwrap();
     let shapes = [
         pleat_ir::model::config::ModelConfig { intermediate_size: 64, vocab_size: 64, num_layers: 3, ..tiny.clone() },
         pleat_ir::model::config::ModelConfig { intermediate_size: 512, vocab_size: 128, ..tiny.clone() },
         pleat_ir::model::config::ModelConfig { intermediate_size: 128, vocab_size: 512, num_layers: 3, ..tiny.clone() },
+        pleat_ir::model::config::ModelConfig {
+            intermediate_size: 64,
+            vocab_size: 64,
+            num_layers: 3,
+            tie_word_embeddings: true,
+            ..tiny.clone()
+        },
     ];
     let layouts = [
         ("", false, 0),

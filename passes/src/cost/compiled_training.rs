@@ -20,8 +20,13 @@
 //!
 //! Each is exact where the program peaks there; where it peaks at a point not modelled (a
 //! crossover token count, a narrow MLP, dp's reduction of another gradient, a mixture of experts'
-//! or a tied head's backward, for which only the end is modelled) the result is below the
-//! planner's peak, never above (`tests/cost_training.rs` checks both).
+//! backward, for which only the end is modelled) the result is below the planner's peak, never
+//! above (`tests/cost_training.rs` checks both).
+//!
+//! A tied embedding's gradient is the sum of the LM head's part, made at the head of the backward,
+//! and the embedding's, made at its end. The head's part is held from one to the other
+//! ([`TIED_HEAD_GRADIENT`] at the end; whole over dp under ZeRO-2 and 3, since it is reduced with
+//! the table's gradient only then), and the two are summed before the rank's shard is reduced.
 //!
 //! At the end of the backward, when the embedding's gradient is computed, every activation the
 //! backward kept is freed, and live are the parameters, the gradient of every parameter (each an
@@ -48,7 +53,8 @@
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
-//! and full recomputation, each on 8, 32 and 128 tokens a sequence). tsp peaks inside the
+//! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
+//! tied). tsp peaks inside the
 //! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree,
 //! alone or beside dp (ZeRO-2 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
@@ -84,6 +90,10 @@ pub const TP_SHARD_SLICED_BEFORE_DP: &str = "embedding gradient's tp shard, slic
 /// ZeRO-2 beside tsp: the rank's `[V/tsp, h]` tsp shard of the whole-vocabulary embedding
 /// gradient, sliced before the dp reduce-scatter, live beside the whole at the step's end.
 pub const TSP_SHARD_SLICED_BEFORE_DP: &str = "embedding gradient's tsp shard, sliced before the dp reduce-scatter";
+
+/// A tied embedding: the LM head's `[V/tp, h]` part of the table's gradient, made at the head of
+/// the backward and held, a gradient not yet summed, until the embedding's part joins it at the end.
+pub const TIED_HEAD_GRADIENT: &str = "the LM head's part of the tied embedding's gradient, held until the end";
 
 /// ZeRO-2 and 3: the rank's `[V/(dp·tp), h]` embedding gradient shard, counted with the (dp-sharded)
 /// gradients but written only when the reduce-scatter ends, so negative.
@@ -144,33 +154,30 @@ fn embedding_backward(
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
     let shard = (model.vocab as f64 / tp as f64).ceil() * model.hidden as f64 * element;
-    Some(ForwardPhase {
-        name: "the embedding's backward",
-        params,
-        terms: vec![
-            Term { name: GRADIENTS, bytes: grads },
-            Term {
-                name: "the embedding gradient's vocabulary shard, not sliced yet (removed)",
-                bytes: -shard / shards,
-            },
-            Term { name: "loss", bytes: element },
-            Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: (model.vocab * model.hidden) as f64 * element },
-            Term {
-                name: "the embedding output's gradient (gathered under SP)",
-                bytes: tokens / cp as f64 * model.hidden as f64 * element,
-            },
-            Term { name: "token ids", bytes: ID_BYTES * tokens },
-        ],
-    })
+    let mut terms = vec![
+        Term { name: GRADIENTS, bytes: grads },
+        Term { name: "the embedding gradient's vocabulary shard, not sliced yet (removed)", bytes: -shard / shards },
+        Term { name: "loss", bytes: element },
+        Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: (model.vocab * model.hidden) as f64 * element },
+        Term {
+            name: "the embedding output's gradient (gathered under SP)",
+            bytes: tokens / cp as f64 * model.hidden as f64 * element,
+        },
+        Term { name: "token ids", bytes: ID_BYTES * tokens },
+    ];
+    if model.tied_embeddings {
+        terms.push(Term { name: TIED_HEAD_GRADIENT, bytes: shard });
+    }
+    Some(ForwardPhase { name: "the embedding's backward", params, terms })
 }
 
-/// The phases of the backward of a step without pipelining or tsp before its end (a dense,
-/// untied model; none otherwise): its head (every layer's kept activations, the final norm's input
+/// The phases of the backward of a step without pipelining or tsp before its end (a dense model;
+/// none for a mixture of experts): its head (every layer's kept activations, the final norm's input
 /// and output, the token ids and positions and the loss, beside the loss's backward and the LM
 /// head's), and the points inside a layer's MLP and recomputed attention backward of the module
 /// doc, each with the gradients made by then.
 fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
-    if model.experts.is_some() || model.tied_embeddings {
+    if model.experts.is_some() {
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
@@ -264,6 +271,9 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // head, the final norm and the layers above (dp shards under ZeRO-2 and 3), and its output
     // gradient.
     let shards = if zero >= 2 { dp as f64 } else { 1.0 };
+    // A tied head's gradient is the table's gradient in part: it is reduced over dp with the
+    // embedding's part at the end, so ZeRO-2 and 3 hold it whole until then.
+    let head_held = if model.tied_embeddings { head_gradient * shards } else { head_gradient };
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let layer_params =
         (stage_params(model, layout, &compiled, 1, 1) - stage_params(model, layout, &compiled, 1, 0)) * element;
@@ -293,7 +303,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         }
         mlp.push(Term {
             name: "the gradients of the head, the final norm and the layers above",
-            bytes: (head_gradient + norm_weight + above * layer_params) / shards,
+            bytes: (head_held + norm_weight + above * layer_params) / shards,
         });
         // As the down projection's weight gradient is made: the SiLU product's gradient beside it.
         // (Under SP the down projection's output gradient is all-gathered over tp for it.)
@@ -342,7 +352,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 Term {
                     name:
                         "the gradients of the head, the final norm, the layers above and its MLP and output projection",
-                    bytes: (head_gradient + norm_weight + above * layer_params + layer_mlp) / shards,
+                    bytes: (head_held + norm_weight + above * layer_params + layer_mlp) / shards,
                 },
                 Term { name: "its attention norm's output, recomputed", bytes: gathered },
             ]);
@@ -434,6 +444,20 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
     let params = if zero >= 3 { all_params / dp } else { all_params };
     let grads = if zero >= 2 { all_params / dp } else { all_params };
     let whole = (model.vocab * model.hidden) as f64 * element;
+    // A tied table's gradient is the sum of the head's part, held since the head's backward, and
+    // the embedding's (`[V/tp, h]` on each rank, as is the table).
+    let tied_head = Term { name: TIED_HEAD_GRADIENT, bytes: whole / tp as f64 };
+    if layout.world_size() == 1 && model.tied_embeddings {
+        // One rank: the peak is as the two parts are summed into the gradient: the embedding's
+        // part over the whole vocabulary beside the head's.
+        let terms = vec![
+            Term { name: GRADIENTS, bytes: grads },
+            Term { name: "loss", bytes: element },
+            Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
+            tied_head,
+        ];
+        return Some(ForwardPhase { name: "end of backward", params, terms });
+    }
     if layout.world_size() == 1 {
         // One rank: the embedding's gradient is the program's own output, written in place from
         // the token ids and the embedding output's gradient, which are live while it is.
@@ -461,6 +485,9 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
             terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
         }
         terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / (dp * tp as f64) });
+    }
+    if model.tied_embeddings {
+        terms.push(tied_head);
     }
     Some(ForwardPhase { name: "end of backward", params, terms })
 }
