@@ -45,6 +45,18 @@ pub enum Strategy {
 impl Strategy {
     /// Checks the mesh has the strategy's axis and says what the passes should do.
     pub fn pass_ctx(self, mesh: &Mesh, dump: Dump) -> Result<PassCtx> {
+        self.check_axis(mesh)?;
+        Ok(PassCtx {
+            dump,
+            sequence_parallel: matches!(self, Strategy::TpSp | Strategy::TpSpOrTsp),
+            fold_into_tsp: self == Strategy::TpSpOrTsp,
+            expert_all_gather: self == Strategy::EpAllGather,
+            ..PassCtx::default()
+        })
+    }
+
+    /// Checks that `mesh` has an axis the strategy works on.
+    pub fn check_axis(self, mesh: &Mesh) -> Result<()> {
         // The axes that can carry the strategy; the first is the one the error suggests.
         let axes: &[&'static str] = match self {
             Strategy::Auto => &[],
@@ -60,13 +72,7 @@ impl Strategy {
                 anyhow::bail!(UsageError::StrategyNeedsAxis { strategy: self.name(), axis });
             }
         }
-        Ok(PassCtx {
-            dump,
-            sequence_parallel: matches!(self, Strategy::TpSp | Strategy::TpSpOrTsp),
-            fold_into_tsp: self == Strategy::TpSpOrTsp,
-            expert_all_gather: self == Strategy::EpAllGather,
-            ..PassCtx::default()
-        })
+        Ok(())
     }
     fn name(self) -> &'static str {
         match self {

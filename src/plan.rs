@@ -9,6 +9,7 @@ use pleat_ir::Mesh;
 use pleat_passes::cost::memory::ExpertMemory;
 use pleat_passes::cost::{estimate, Estimate, HardwareSpec, Layout, Mode, ModelShape, Recompute, Workload};
 
+use crate::compile::Strategy;
 use crate::model_arg::{resolve, ModelSource};
 
 /// Output formats of `plan`.
@@ -138,6 +139,41 @@ fn read_hardware(path: &Path) -> Result<HardwareSpec> {
     Ok(spec)
 }
 
+/// `pleat plan --strategy`: the strategies of `run --strategy` whose layout the cost model prices
+/// (`tp-sp-or-tsp` picks a layout a block as it compiles, and the cost model prices the experts'
+/// all-to-all dispatcher only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum PlanStrategy {
+    /// Each axis by its name: tp is Megatron tensor parallelism, tsp TSP, dp data parallelism, cp
+    /// context parallelism, ep expert parallelism, pp pipeline parallelism.
+    #[default]
+    Auto,
+    /// Megatron tensor parallelism on the tp axis.
+    Tp,
+    /// Megatron tensor parallelism with Korthikanti's sequence parallelism on the tp axis.
+    TpSp,
+    /// Tensor-and-sequence parallelism on the tsp axis.
+    Tsp,
+    /// Data parallelism on the dp axis.
+    Dp,
+    /// Context parallelism (ring attention) on the cp axis.
+    Cp,
+}
+
+impl PlanStrategy {
+    /// The compiler's strategy of the same name.
+    fn strategy(self) -> Strategy {
+        match self {
+            PlanStrategy::Auto => Strategy::Auto,
+            PlanStrategy::Tp => Strategy::Tp,
+            PlanStrategy::TpSp => Strategy::TpSp,
+            PlanStrategy::Tsp => Strategy::Tsp,
+            PlanStrategy::Dp => Strategy::Dp,
+            PlanStrategy::Cp => Strategy::Cp,
+        }
+    }
+}
+
 /// Arguments of `pleat plan`.
 #[derive(Args)]
 pub struct PlanArgs {
@@ -146,7 +182,11 @@ pub struct PlanArgs {
     /// The device mesh, e.g. `tp=8`, `dp=128,pp=16,tp=8`, `tp=4,sp=2`, `tsp=8`.
     #[arg(long, default_value = "")]
     pub mesh: String,
-    /// Megatron sequence parallelism on the tp axis (norms and residuals split on seq).
+    /// How to use the mesh's axes, as `run --strategy` (the layouts the cost model prices).
+    #[arg(long, value_enum, default_value_t = PlanStrategy::Auto)]
+    pub strategy: PlanStrategy,
+    /// Megatron sequence parallelism on the tp axis (norms and residuals split on seq); the same
+    /// as `--strategy tp-sp`.
     #[arg(long)]
     pub sequence_parallel: bool,
     /// Tokens a sequence.
@@ -162,7 +202,8 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let model = args.common.model_shape()?;
     let hw = args.common.hardware()?;
     let mesh = Mesh::parse(&args.mesh)?;
-    let layout = Layout::from_mesh(&mesh, args.sequence_parallel);
+    args.strategy.strategy().check_axis(&mesh)?;
+    let layout = Layout::from_mesh(&mesh, args.sequence_parallel || args.strategy == PlanStrategy::TpSp);
     if args.common.virtual_stages > 1 && layout.degree(pleat_ir::AxisName::Pp) == 1 {
         bail!(crate::usage::UsageError::VirtualStagesWithoutPp { virtual_stages: args.common.virtual_stages });
     }

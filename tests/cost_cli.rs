@@ -30,6 +30,24 @@ fn plan_json_has_the_documented_keys() {
 }
 
 #[test]
+fn plan_takes_the_strategy_run_takes() {
+    // `--strategy tp-sp` is Megatron SP on the tp axis, as `--sequence-parallel` is: the norms'
+    // and residuals' activations split over tp make the peak lower than tp's alone.
+    let peak = |args: &[&str]| {
+        let mut all = vec!["plan", "llama2-7b", "--mesh", "tp=8", "--seq", "8192", "--format", "json"];
+        all.extend_from_slice(args);
+        json_of(&all)["memory"]["peak_bytes"].as_f64().expect("a peak")
+    };
+    let (sp, flag, tp) = (peak(&["--strategy", "tp-sp"]), peak(&["--sequence-parallel"]), peak(&["--strategy", "tp"]));
+    assert_eq!(sp, flag);
+    assert!(sp < tp, "tp-sp {sp} vs tp {tp}");
+    assert_eq!(tp, peak(&[]));
+    // A strategy whose axis the mesh lacks is refused, as by run.
+    let error = error_of(&["plan", "tiny", "--mesh", "dp=2", "--strategy", "tsp"]);
+    assert!(error.contains("--strategy tsp needs a tsp axis in --mesh"), "{error}");
+}
+
+#[test]
 fn plan_warns_when_the_peak_exceeds_the_device() {
     let output = pleat(&["plan", "llama3-70b", "--mesh", "tp=2", "--hw", "h100-sxm"]);
     assert!(output.status.success());
