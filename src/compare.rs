@@ -134,10 +134,7 @@ pub fn compare(args: &CompareArgs) -> Result<()> {
                     })
                 })
                 .collect();
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&json!({"schema_version": 1, "ranks": args.ranks, "blocks": value}))?
-            );
+            crate::json_output::print(json!({"ranks": args.ranks, "blocks": value}))?;
         }
     }
     Ok(())

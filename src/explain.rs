@@ -290,7 +290,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                 "rewrite": rewrite_json(&rewrite),
                 "pipeline": pipeline.as_ref().map(PipelineView::json),
             });
-            println!("{}", serde_json::to_string_pretty(&object)?);
+            crate::json_output::print(object)?;
         }
         ExplainFormat::Text => {
             let mut out = String::new();

@@ -16,6 +16,7 @@ mod explain;
 mod fingerprint;
 mod host_memory;
 mod inputs;
+mod json_output;
 mod launch;
 mod model_arg;
 mod native;

@@ -171,7 +171,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
                 "peak_bytes_per_rank": peaks,
                 "comm_bytes": comm_bytes_mean(&outcomes),
             });
-            println!("{}", serde_json::to_string_pretty(&object)?);
+            crate::json_output::print(object)?;
         }
         Format::Text => {
             println!(

@@ -120,7 +120,7 @@ impl<'a> Report<'a> {
 
     /// The JSON rendering.
     pub fn json(&self) -> Value {
-        json!({
+        crate::json_output::versioned(json!({
             "error": {
                 "code": self.code,
                 "message": self.message,
@@ -128,7 +128,7 @@ impl<'a> Report<'a> {
                 "location": self.location,
                 "causes": self.causes,
             }
-        })
+        }))
     }
 
     /// miette's graphical rendering, with the outermost message and the typed error's code, help,

@@ -434,7 +434,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "execution_per_rank": execution_names(result),
                 "device": result.device.as_ref().map(DeviceReport::to_json),
             });
-            println!("{}", serde_json::to_string_pretty(&object)?);
+            crate::json_output::print(object)?;
         }
         Format::Text => {
             println!(

@@ -204,7 +204,7 @@ pub fn json(args: &ScheduleArgs) -> Result<Value> {
 pub fn schedule(args: &ScheduleArgs) -> Result<()> {
     match args.format {
         ScheduleFormat::Text => print!("{}", text(args)?),
-        ScheduleFormat::Json => println!("{}", serde_json::to_string_pretty(&json(args)?)?),
+        ScheduleFormat::Json => crate::json_output::print(json(args)?)?,
     }
     Ok(())
 }

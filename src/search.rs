@@ -220,7 +220,7 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
                 "why_first_single_axis": why_single,
                 "tsp_vs_tp": why_tsp_tp,
             });
-            println!("{}", serde_json::to_string_pretty(&object)?);
+            crate::json_output::print(object)?;
         }
         SearchFormat::Table => {
             println!(

@@ -790,7 +790,7 @@ fn print_report(
                 "execution_per_rank": report.execution,
                 "device": report.device.as_ref().map(DeviceReport::to_json),
             });
-            println!("{}", serde_json::to_string_pretty(&object)?);
+            crate::json_output::print(object)?;
         }
         Format::Text => {
             let mesh_text = if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() };

@@ -523,3 +523,30 @@ fn bench_buckets_sends_fewer_messages_for_the_same_losses() {
     let error = cli::error_of(&["bench", "buckets", "tiny", "--mesh", "tp=2", "--emulate-link", "1,10"]);
     assert!(error.contains("E0745") && error.contains("has no dp axis"), "{error}");
 }
+
+#[test]
+fn every_json_document_carries_its_schema_version() {
+    // DESIGN's contract: JSON output has a versioned schema. One document a command, and an error's.
+    let commands: [&[&str]; 8] = [
+        &["run", "tiny", "--mesh", "tp=2", "--seq", "8", "--batch", "2", "--format", "json"],
+        &["run", "tiny", "--mesh", "dp=2", "--seq", "8", "--batch", "2", "--train", "--steps", "1", "--format", "json"],
+        &["explain", "tiny", "--mesh", "tp=2", "--format", "json"],
+        &["plan", "tiny", "--mesh", "tp=2", "--format", "json"],
+        &["compare", "tiny", "--ranks", "2", "--format", "json"],
+        &["search", "tiny", "--gpus", "2", "--format", "json"],
+        &["schedule", "--pp", "2", "--micro-batches", "4", "--format", "json"],
+        &["bench", "comm", "--ranks", "2", "--sizes", "1KiB", "--format", "json"],
+    ];
+    for args in commands {
+        let document = json_of(args);
+        match args[0] {
+            // The benchmarks name their schema and its version.
+            "bench" => assert_eq!(document["schema"], "pleat.bench.comm/1", "{args:?}"),
+            _ => assert_eq!(document["schema_version"], 1, "{args:?}: {document}"),
+        }
+    }
+    let output = cli::pleat(&["run", "tiny", "--mesh", "tp=3", "--format", "json"]);
+    let error: serde_json::Value = serde_json::from_slice(&output.stderr).expect("the error as JSON on stderr");
+    assert_eq!(error["schema_version"], 1, "{error}");
+    assert_eq!(error["error"]["code"], "E0206");
+}

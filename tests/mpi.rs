@@ -61,6 +61,7 @@ fn mpi_ranks_match_the_reference_and_the_threads_byte_counts() {
         );
         let report: serde_json::Value = serde_json::from_str(&stdout).expect("rank 0 prints one JSON report");
         assert_eq!(report["ranks"], 4, "{mesh}");
+        assert_eq!(report["schema_version"], 1, "{mesh}");
         assert_eq!(report["logits_shape"], serde_json::json!([2, 16, 256]), "{mesh}");
         let err = report["max_abs_err"].as_f64().expect("a number");
         assert!(err < 1e-4, "{mesh}: max abs err {err}");
