@@ -74,7 +74,7 @@ impl Strategy {
         }
         Ok(())
     }
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Strategy::Auto => "auto",
             Strategy::Tp => "tp",
@@ -317,7 +317,7 @@ fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
 /// interrupted compile never leaves a half-written directory. Returns the plan's fingerprint:
 /// FNV-1a over the bytes of `module.pleat` and of every `rank<i>.program` as written, which
 /// `read_compiled` checks. Equal plans, byte for byte, have equal hashes.
-fn write_compiled(
+pub(crate) fn write_compiled(
     out: &Path,
     config: &ModelConfig,
     compiled: &Compiled,

@@ -63,6 +63,24 @@ pub fn run_executables(
     Ok(run_in(dir, executables, tokens, inputs, scratch.path()).map_err(failed)?)
 }
 
+/// `mpirun` as pleat starts it on this machine: more ranks than cores allowed (one process a rank).
+pub fn mpirun() -> Command {
+    let mut command = Command::new("mpirun");
+    command.arg("--oversubscribe");
+    // Open MPI refuses root unless told twice; containers often forbid the cross-process copy its
+    // shared-memory transport prefers. A caller's own setting wins.
+    for (name, value) in [
+        ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+        ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+        ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
+    ] {
+        if std::env::var_os(name).is_none() {
+            command.env(name, value);
+        }
+    }
+    command
+}
+
 /// [`run_executables`] with its files in `scratch`; the reason of a failure.
 fn run_in(
     dir: &Path,
@@ -83,24 +101,12 @@ fn run_in(
         let weights = std::path::absolute(weights).map_err(|error| error.to_string())?;
         args.extend(["--weights".into(), weights.display().to_string()]);
     }
-    let mut command = Command::new("mpirun");
-    command.arg("--oversubscribe");
+    let mut command = mpirun();
     for (rank, executable) in executables.iter().enumerate() {
         if rank > 0 {
             command.arg(":");
         }
         command.args(["-np", "1"]).arg(executable).args(&args);
-    }
-    // Open MPI refuses root unless told twice; containers often forbid the cross-process copy its
-    // shared-memory transport prefers. A caller's own setting wins.
-    for (name, value) in [
-        ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
-        ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
-        ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
-    ] {
-        if std::env::var_os(name).is_none() {
-            command.env(name, value);
-        }
     }
     let output = command.output().map_err(|error| {
         format!("cannot start mpirun ({error}); install Open MPI (openmpi-bin), or compile with --emit so to run the ranks as threads")

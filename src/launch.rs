@@ -18,6 +18,12 @@ pub fn launch(args: &RunArgs) -> Result<()> {
     if args.training.train {
         bail!(not_launchable("--train runs through `pleat run`; launch runs a compiled forward pass".into()));
     }
+    #[cfg(feature = "mpi")]
+    if args.comm == crate::run::CommChoice::Mpi {
+        bail!(not_launchable(
+            "launch calls the libraries' entry functions on threads; --comm mpi runs `pleat run`".into()
+        ));
+    }
     let ModelSource::Compiled(dir) = resolve(&args.model)? else {
         bail!(not_launchable("it is not a compiled directory (`pleat compile ... --emit so --out DIR`)".into()));
     };

@@ -29,6 +29,8 @@ mod rank;
 mod reference;
 mod report;
 mod run;
+#[cfg(feature = "mpi")]
+mod run_mpi;
 mod schedule;
 mod scratch;
 mod search;
@@ -50,7 +52,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Compile MODEL for a mesh and run every rank's program on threads.
+    /// Compile MODEL for a mesh and run every rank's program on threads (or, in a build with the mpi
+    /// feature, as MPI processes: --comm mpi).
     Run(run::RunArgs),
     /// Compile MODEL for a mesh into a directory of per-rank programs.
     Compile(compile::CompileArgs),

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::compile::read_compiled;
-use crate::inputs::random_tokens;
+use crate::inputs::{random_tokens, read_tokens};
 use crate::reference::check_logits;
 use crate::run::{comm_bytes_mean, human_bytes, weight_source, Format};
 use crate::usage::UsageError;
@@ -47,6 +47,10 @@ pub struct RankArgs {
     /// Seed of the random tokens and synthetic weights (as `pleat run`'s).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Token ids as JSON, `[[id, ...], ...]`, of the directory's batch and sequence length (every
+    /// rank reads the file); else a seeded random batch.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
     /// Rank 0 also runs the reference interpreter and reports the largest logit difference.
     #[arg(long)]
     pub check: bool,
@@ -102,7 +106,21 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     if comm.world_size() != plan.ranks {
         bail!(UsageError::MpiWorldSize { rank, world: comm.world_size(), dir: args.dir.clone(), ranks: plan.ranks });
     }
-    let tokens = random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed)?;
+    let tokens = match &args.tokens {
+        Some(path) => {
+            let tokens = read_tokens(path).with_context(|| format!("rank {rank}"))?;
+            if (tokens.batch, tokens.seq) != (plan.batch, plan.seq) {
+                bail!(UsageError::TokensShape {
+                    batch: tokens.batch,
+                    seq: tokens.seq,
+                    run_batch: plan.batch,
+                    run_seq: plan.seq
+                });
+            }
+            tokens
+        }
+        None => random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed)?,
+    };
     let weights = weight_source(args.weights.as_ref(), args.seed)?;
     let positions: Vec<u32> = (0..plan.seq as u32).collect();
     if args.trace.is_some() {

@@ -28,6 +28,16 @@ use crate::usage::UsageError;
 /// The largest absolute difference from the reference that `--check` accepts, in f32.
 pub const F32_TOL: f32 = 1e-4;
 
+/// `--comm`: which communicator carries the ranks' messages (of `run` and `bench comm`).
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum CommChoice {
+    /// Ranks are threads of this process.
+    Threads,
+    /// Ranks are the processes of an `mpirun` launch.
+    #[cfg(feature = "mpi")]
+    Mpi,
+}
+
 /// `--precision`: the element type of the ranks' weights, activations and gradients.
 #[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
 pub enum Precision {
@@ -118,6 +128,11 @@ pub struct RunArgs {
     /// through its entry function, forward or training (a compiled directory runs the code it holds).
     #[arg(long)]
     pub native: bool,
+    /// Which communicator carries the ranks' messages: `threads` (each rank a thread of this
+    /// process) or, in a build with the `mpi` feature, `mpi` (each rank an MPI process that pleat
+    /// starts with `mpirun -np N pleat rank`; the forward pass only).
+    #[arg(long, value_enum, default_value_t = CommChoice::Threads)]
+    pub comm: CommChoice,
     /// Where the ranks run: `cpu` (threads), or `cuda`, every rank on the first NVIDIA GPU (a build
     /// with `--features cuda`): GEMMs on cuBLAS, generated PTX kernels, the rest through the host.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
@@ -160,6 +175,10 @@ pub struct RunResult {
 
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
+    #[cfg(feature = "mpi")]
+    if args.comm == CommChoice::Mpi {
+        return crate::run_mpi::run_under_mpi(args);
+    }
     if args.training.train {
         return crate::train::run_training(args);
     }
@@ -425,6 +444,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "param_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.param_bytes).collect::<Vec<_>>(),
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
                 "comm_bytes_per_rank": per_rank,
+                "comm": "threads",
                 "emulated_link": args.emulate_link.map(|link| link.to_string()),
                 "expert_load": expert_load(result).map(|(busiest, balanced)| json!({
                     "max_rows_per_rank": busiest,

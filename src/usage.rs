@@ -577,6 +577,30 @@ pub enum UsageError {
         /// The ranks it was compiled for.
         ranks: u32,
     },
+    /// `run --comm mpi` with a flag `pleat rank` does not take.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only --comm mpi raises it"))]
+    #[error("--comm mpi runs the forward pass of the compiled programs on the CPU (pleat rank), which takes no {flag}; drop {flag} or run with --comm threads")]
+    #[diagnostic(code(E0748), help("drop the flag, or run on threads (--comm threads, the default)"))]
+    NotUnderMpi {
+        /// The flag.
+        flag: &'static str,
+    },
+    /// `run --comm mpi` whose mpirun would not start.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only --comm mpi raises it"))]
+    #[error("--comm mpi cannot start mpirun ({reason}); install Open MPI (openmpi-bin)")]
+    #[diagnostic(code(E0744), help("install Open MPI, or run on threads (--comm threads, the default)"))]
+    MpirunMissing {
+        /// Why it did not start.
+        reason: String,
+    },
+    /// `run --comm mpi` whose MPI job failed; its ranks reported why above.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only --comm mpi raises it"))]
+    #[error("the MPI job of --comm mpi failed ({status}); its ranks' errors are above")]
+    #[diagnostic(code(E0749), help("read the ranks' errors above; rerun with --comm threads to compare"))]
+    MpiJobFailed {
+        /// mpirun's exit status.
+        status: String,
+    },
     /// `bench comm --ranks` that differs from the MPI world.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code, reason = "only MPI launches raise it"))]
     #[error("--ranks {asked} differs from the MPI world size {world}; launch with mpirun -np {asked}")]
@@ -733,6 +757,8 @@ impl UsageError {
             UsageError::CompiledNotAccepted { model, .. } => vec![("file", model.clone())],
             UsageError::MpiWorldSize { dir, .. } => vec![("file", dir.display().to_string())],
             UsageError::RanksDifferFromWorld { .. } => vec![("flag", "--ranks".to_string())],
+            UsageError::NotUnderMpi { flag } => vec![("flag", flag.to_string())],
+            UsageError::MpirunMissing { .. } | UsageError::MpiJobFailed { .. } => vec![("flag", "--comm".to_string())],
             UsageError::ExitHookSyntax { name, .. } => vec![("variable", name.to_string())],
             UsageError::ProgramsStuck { .. }
             | UsageError::OverlapChangedNumbers

@@ -40,6 +40,37 @@ fn mpirun(ranks: u32, args: &[&str]) -> Output {
     mpirun_command(ranks, args).output().expect("mpirun runs (install openmpi-bin)")
 }
 
+#[test]
+fn run_comm_mpi_starts_the_job_itself_and_matches_the_threads() {
+    // `pleat run --comm mpi` compiles, starts mpirun over `pleat rank` itself and prints rank 0's
+    // report: the logits, the peaks and the bytes sent are the threads run's.
+    let dir = tempdir("run-comm-mpi");
+    for mesh in ["tp=2", "dp=2,tsp=2"] {
+        let logits = |comm: &str| dir.join(format!("{}-{comm}.safetensors", mesh.replace([',', '='], "-")));
+        let run = |comm: &str| {
+            let out = logits(comm);
+            let out = out.to_str().expect("utf-8 path").to_string();
+            let args = ["run", "tiny", "--mesh", mesh, "--seq", "16", "--batch", "2", "--check", "--format", "json"];
+            let mut args: Vec<&str> = args.to_vec();
+            args.extend(["--comm", comm, "--logits-out", &out]);
+            let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            json_of(&args)
+        };
+        let (mpi, threads) = (run("mpi"), run("threads"));
+        assert_eq!((&mpi["comm"], &threads["comm"]), (&"mpi".into(), &"threads".into()), "{mesh}");
+        assert_eq!(mpi["schema_version"], 1, "{mesh}");
+        assert!(mpi["max_abs_err"].as_f64().is_some_and(|err| err < 1e-4), "{mesh}: {mpi}");
+        for key in ["ranks", "logits_shape", "peak_bytes_per_rank", "comm_bytes"] {
+            assert_eq!(mpi[key], threads[key], "{mesh}: {key}");
+        }
+        let (mpi_logits, threads_logits) = (std::fs::read(logits("mpi")), std::fs::read(logits("threads")));
+        assert_eq!(mpi_logits.expect("mpi logits"), threads_logits.expect("threads logits"), "{mesh}: logits");
+    }
+    // `pleat rank` runs a forward pass; training stays on threads.
+    let error = cli::error_of(&["run", "tiny", "--mesh", "tp=2", "--comm", "mpi", "--train"]);
+    assert!(error.contains("takes no --train"), "{error}");
+}
+
 fn compile_tiny(dir: &Path, mesh: &str) -> String {
     let out = dir.join(mesh.replace([',', '='], "-"));
     let out = out.to_str().expect("utf-8 path").to_string();

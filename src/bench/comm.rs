@@ -13,11 +13,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::Args;
 use pleat_runtime::comm::{Communicator, Group, ThreadFabric};
 use serde_json::json;
 
-use crate::run::Format;
+use crate::run::{CommChoice, Format};
 
 /// The version of the `--format json` output.
 const SCHEMA: &str = "pleat.bench.comm/1";
@@ -25,16 +25,6 @@ const SCHEMA: &str = "pleat.bench.comm/1";
 const BYTES_PER_SIZE: u64 = 16 << 20;
 const MIN_ITERATIONS: u32 = 3;
 const MAX_ITERATIONS: u32 = 50;
-
-/// Which communicator carries the collectives.
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
-pub enum CommChoice {
-    /// Ranks are threads of this process.
-    Threads,
-    /// Ranks are the processes of an `mpirun` launch.
-    #[cfg(feature = "mpi")]
-    Mpi,
-}
 
 /// Arguments of `pleat bench comm`.
 #[derive(Args)]
