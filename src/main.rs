@@ -24,6 +24,7 @@ mod number_flags;
 mod pipeline;
 mod plan;
 mod predict;
+mod progress;
 #[cfg(feature = "mpi")]
 mod rank;
 mod reference;

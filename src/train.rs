@@ -432,6 +432,9 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     }
     // The first chunk's report of where a step's instructions ran on the GPU.
     let mut device = None;
+    let progress =
+        crate::progress::Progress::new("training", "step", u64::from(flags.steps), args.format == Format::Text);
+    let on_step = |step: u32| progress.set(u64::from(step - start_step));
     loop {
         let steps = chunk_steps.min(flags.steps - done);
         let (initial, moments) = match &carried {
@@ -449,6 +452,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             timeout: Duration::from_secs(args.timeout),
             link: args.emulate_link,
             native: &native,
+            on_step: Some(&on_step),
         };
         let trained = match &cuda {
             Some(trainer) => {
@@ -506,6 +510,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             break;
         }
     }
+    progress.finish();
     // Only the last pipeline stage computes the loss.
     let Some(with_loss) = ranks.iter().find(|rank| !rank.losses.is_empty()) else {
         bail!(UsageError::NoLossRank);

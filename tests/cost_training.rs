@@ -232,6 +232,7 @@ fn train_one_step(programs: &[pleat_backend::Program], layouts: &[OptimizerLayou
         timeout: Duration::from_secs(60),
         link: None,
         native: &[],
+        on_step: None,
     };
     train_on_threads(programs, layouts, &options).expect("train")
 }

@@ -386,3 +386,28 @@ fn mixed_precision_halves_activations_and_keeps_sixteen_bytes_of_state() {
     let program_ratio = program(&bf16_report) / program(&f32_report);
     assert!((program_ratio - 0.5).abs() <= 0.01, "program peak ratio {program_ratio:.4}");
 }
+
+#[test]
+fn training_draws_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe() {
+    let args = ["run", "tiny", "--train", "--steps", "3", "--mesh", "dp=2", "--seq", "8", "--batch", "2"];
+    // In a pipe (as here): the report alone, nothing on stderr.
+    let output = cli::pleat(&args);
+    assert!(output.status.success());
+    assert!(output.stderr.is_empty(), "{}", String::from_utf8_lossy(&output.stderr));
+    // On a terminal (`script`, from util-linux, gives the command a pseudo-terminal): the bar, drawn
+    // before the first step ends, then cleared for the report.
+    let command = format!("{} {}", env!("CARGO_BIN_EXE_pleat"), args.join(" "));
+    let output = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("script (util-linux) runs");
+    let terminal = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{terminal}");
+    assert!(terminal.contains("training step 0/3"), "{terminal}");
+    assert!(terminal.contains("step   3  loss"), "the report follows: {terminal}");
+    // Under --format json the terminal gets the JSON alone.
+    let json = format!("{command} --format json");
+    let output = std::process::Command::new("script").args(["-qec", &json, "/dev/null"]).output().expect("script runs");
+    assert!(!String::from_utf8_lossy(&output.stdout).contains("training step"));
+}

@@ -92,6 +92,9 @@ pub struct TrainOptions<'a> {
     /// entry function runs every step through it (`crate::capi`); empty: every rank interprets.
     /// (Training on a device does not read it.)
     pub native: &'a [Option<NativeKernels>],
+    /// Called by rank 0 as it finishes each step, with the step's number (1-based, counting the
+    /// steps of a resumed run): what a progress display reads.
+    pub on_step: Option<&'a (dyn Fn(u32) + Sync)>,
 }
 
 /// What one rank's training produced.
@@ -265,6 +268,9 @@ pub(crate) fn train_rank(
         let grads: HashMap<u32, &OutputBlock> = outcome.outputs.iter().map(|block| (block.index, block)).collect();
         let optimizer = Step { rank, step: step + 1, settings: options.adamw };
         grad_norms.push(optimizer.apply(layout, &grads, &mut resident, &mut moments, comm, &world)?);
+        if let (0, Some(on_step)) = (rank, options.on_step) {
+            on_step(step + 1);
+        }
         if step == options.start_step {
             first_recv_wait_share = recv_wait_share(program, &outcome.timings);
             first_timings.clone_from(&outcome.timings);

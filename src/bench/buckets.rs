@@ -101,6 +101,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
         timeout: Duration::from_secs(120),
         link: Some(args.emulate_link),
         native: &[],
+        on_step: None,
     };
     // One step's time and loss.
     let step = |programs: &[Program]| -> Result<(f64, Vec<f32>)> {
