@@ -109,7 +109,9 @@ mod tests {
         // tiny: 8 heads, 4 kv heads, ffn 64, vocab 256. Each case's first failing check sees one
         // dimension; the degrees offered must pass all of them, and do: each is compiled.
         let sp = PassCtx { sequence_parallel: true, ..PassCtx::default() };
-        let cases: [(&str, &str, u64, u64, &PassCtx, &[u64]); 6] = [
+        // (model, mesh, batch, seq, context, the degrees offered)
+        type Case<'a> = (&'a str, &'a str, u64, u64, &'a PassCtx, &'a [u64]);
+        let cases: [Case; 6] = [
             // seq 6 makes zigzag chunks at tsp 1 and 3; 4 kv heads leave 1 alone.
             ("tiny", "tsp=4", 8, 6, &PassCtx::default(), &[1]),
             ("tiny", "tsp=3", 8, 6, &PassCtx::default(), &[1]),
