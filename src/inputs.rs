@@ -13,6 +13,16 @@ pub struct Tokens {
     pub ids: Vec<u32>,
 }
 
+impl Tokens {
+    /// Refuses tokens other than `batch` sequences of `seq` (what a run is compiled for).
+    pub fn expect_shape(&self, batch: u64, seq: u64) -> Result<()> {
+        if (self.batch, self.seq) != (batch, seq) {
+            bail!(UsageError::TokensShape { batch: self.batch, seq: self.seq, run_batch: batch, run_seq: seq });
+        }
+        Ok(())
+    }
+}
+
 /// Reads `[batch][seq]` integers from a JSON file.
 pub fn read_tokens(path: &Path) -> Result<Tokens> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;

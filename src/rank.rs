@@ -109,14 +109,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     let tokens = match &args.tokens {
         Some(path) => {
             let tokens = read_tokens(path).with_context(|| format!("rank {rank}"))?;
-            if (tokens.batch, tokens.seq) != (plan.batch, plan.seq) {
-                bail!(UsageError::TokensShape {
-                    batch: tokens.batch,
-                    seq: tokens.seq,
-                    run_batch: plan.batch,
-                    run_seq: plan.seq
-                });
-            }
+            tokens.expect_shape(plan.batch, plan.seq)?;
             tokens
         }
         None => random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed)?,

@@ -271,10 +271,10 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         }
     };
     let tokens = match given_tokens {
-        Some(tokens) if tokens.batch != batch || tokens.seq != seq => {
-            bail!(UsageError::TokensShape { batch: tokens.batch, seq: tokens.seq, run_batch: batch, run_seq: seq })
+        Some(tokens) => {
+            tokens.expect_shape(batch, seq)?;
+            tokens
         }
-        Some(tokens) => tokens,
         None => random_tokens(batch, seq, config.vocab_size, args.seed)?,
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;

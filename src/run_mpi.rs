@@ -62,15 +62,7 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
     let (plan, _, _) = read_compiled(&dir)?;
     // Refused here once rather than by every rank.
     if let Some(path) = &args.tokens {
-        let tokens = read_tokens(path)?;
-        if (tokens.batch, tokens.seq) != (plan.batch, plan.seq) {
-            bail!(UsageError::TokensShape {
-                batch: tokens.batch,
-                seq: tokens.seq,
-                run_batch: plan.batch,
-                run_seq: plan.seq
-            });
-        }
+        read_tokens(path)?.expect_shape(plan.batch, plan.seq)?;
     }
     let mut command = crate::exe::mpirun();
     command.args(["-np", &plan.ranks.to_string()]);
