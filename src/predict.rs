@@ -73,10 +73,10 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
     match kernel {
         Kernel::Embedding { .. } => ("embedding", 0),
         Kernel::RmsNorm { .. } => ("rms_norm", 0),
-        Kernel::MatMul { m, n, k } => ("matmul", 2 * m * n * k),
+        Kernel::MatMul { m, n, k } => ("matmul", flops(&[2, *m, *n, *k])),
         Kernel::Rope { .. } => ("rope", 0),
         Kernel::Attention { dims: AttentionDims { batch, sq, sk, hq, head_dim, .. }, .. } => {
-            ("attention", 4 * batch * sq * sk * hq * head_dim)
+            ("attention", flops(&[4, *batch, *sq, *sk, *hq, *head_dim]))
         }
         Kernel::MergeAttention { .. } => ("merge_attention", 0),
         Kernel::SiluMul => ("silu_mul", 0),
@@ -90,27 +90,29 @@ fn kernel_op(kernel: &Kernel) -> (&'static str, u64) {
         Kernel::LossRowStats { .. } => ("loss_row_stats", 0),
         Kernel::CrossEntropyFromStats { .. } => ("cross_entropy_from_stats", 0),
         Kernel::CrossEntropyGradFromStats { .. } => ("cross_entropy_grad_from_stats", 0),
-        Kernel::MatMulGradInput { m, n, k } => ("matmul_grad_input", 2 * m * n * k),
-        Kernel::MatMulGradWeight { m, n, k } => ("matmul_grad_weight", 2 * m * n * k),
+        Kernel::MatMulGradInput { m, n, k } => ("matmul_grad_input", flops(&[2, *m, *n, *k])),
+        Kernel::MatMulGradWeight { m, n, k } => ("matmul_grad_weight", flops(&[2, *m, *n, *k])),
         Kernel::RmsNormGradInput { .. } => ("rms_norm_grad_input", 0),
         Kernel::RmsNormGradInputAdd { .. } => ("rms_norm_grad_input_add", 0),
         Kernel::RmsNormGradWeight { .. } => ("rms_norm_grad_weight", 0),
         Kernel::RopeGrad { .. } => ("rope_grad", 0),
         // Scores and the softmax's gradient (two products), then the gradient's own product.
         Kernel::AttentionGrad { dims: AttentionDims { batch, sq, sk, hq, head_dim, .. }, .. } => {
-            ("attention_grad", 6 * batch * sq * sk * hq * head_dim)
+            ("attention_grad", flops(&[6, *batch, *sq, *sk, *hq, *head_dim]))
         }
         Kernel::SiluMulGradGate => ("silu_mul_grad_gate", 0),
         Kernel::SigmoidScale { .. } => ("sigmoid_scale", 0),
-        Kernel::ExpertCounts { dims, .. } => ("expert_counts", 2 * dims.rows * dims.experts * dims.hidden),
-        Kernel::RouterProbSum { dims } => ("router_prob_sum", 2 * dims.rows * dims.experts * dims.hidden),
-        Kernel::RouterProbSumGrad { dims, .. } => ("router_prob_sum_grad", 4 * dims.rows * dims.experts * dims.hidden),
+        Kernel::ExpertCounts { dims, .. } => ("expert_counts", flops(&[2, dims.rows, dims.experts, dims.hidden])),
+        Kernel::RouterProbSum { dims } => ("router_prob_sum", flops(&[2, dims.rows, dims.experts, dims.hidden])),
+        Kernel::RouterProbSumGrad { dims, .. } => {
+            ("router_prob_sum_grad", flops(&[4, dims.rows, dims.experts, dims.hidden]))
+        }
         Kernel::LoadBalancingLoss { .. } => ("load_balancing_loss", 0),
         Kernel::SigmoidScaleGradGate { .. } => ("sigmoid_scale_grad_gate", 0),
         // The router, then three GEMMs for the rows a balanced routing sends to the local experts.
         Kernel::MoeMlp { dims } => ("moe_mlp", moe_flops(dims)),
         // The forward recomputed, and the two products of each of its GEMMs' gradient.
-        Kernel::MoeMlpGrad { dims, .. } => ("moe_mlp_grad", 3 * moe_flops(dims)),
+        Kernel::MoeMlpGrad { dims, .. } => ("moe_mlp_grad", moe_flops(dims).saturating_mul(3)),
         Kernel::EmbeddingGrad { .. } => ("embedding_grad", 0),
         Kernel::SumLeading { .. } => ("sum_leading", 0),
     }
@@ -201,7 +203,7 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
             // Under balanced routing each member's experts serve as many rows as it sends: the
             // kernel's flops with every expert local.
             let forward = moe_flops(&pleat_backend::MoeDims { local_experts: dims.experts, ..dims.clone() });
-            work.flops = if wrts.is_empty() { forward } else { 3 * forward };
+            work.flops = if wrts.is_empty() { forward } else { forward.saturating_mul(3) };
             work
         }
         Instr::Wait { handle } => Work {
@@ -473,8 +475,14 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
 /// A mixture-of-experts kernel's flops when routing is balanced: the router on every row, and each
 /// of the `rows·top_k/experts` rows an expert expects through its three projections.
 fn moe_flops(dims: &pleat_backend::MoeDims) -> u64 {
-    let routed_rows = dims.rows * dims.top_k * dims.local_experts / dims.experts.max(1);
-    2 * dims.rows * dims.experts * dims.hidden + 6 * routed_rows * dims.hidden * dims.ffn
+    let routed_rows = flops(&[dims.rows, dims.top_k, dims.local_experts]) / dims.experts.max(1);
+    flops(&[2, dims.rows, dims.experts, dims.hidden]).saturating_add(flops(&[6, routed_rows, dims.hidden, dims.ffn]))
+}
+
+/// The product of `factors`, saturating: a kernel's flops on any shape a program may hold (a
+/// sequence of 2^32 tokens makes attention's exceed `u64`); the cost model reads them as `f64`.
+fn flops(factors: &[u64]) -> u64 {
+    factors.iter().fold(1, |product: u64, &factor| product.saturating_mul(factor))
 }
 
 #[cfg(test)]

@@ -270,6 +270,10 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             (*config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };
+    // Refused before the batch's token ids are made (the run checks again as it starts).
+    if !cuda && executables.is_none() {
+        ensure_threads_fit(&programs)?;
+    }
     let tokens = match given_tokens {
         Some(tokens) => {
             tokens.expect_shape(batch, seq)?;
@@ -356,6 +360,14 @@ pub fn run_programs(
     run_programs_native(programs, tokens, weights, options, &[])
 }
 
+/// Refuses `programs` whose ranks, as threads of this process, need more memory than this machine
+/// has available: their planned peaks (f32 buffers, weights included) add up.
+fn ensure_threads_fit(programs: &[Program]) -> Result<()> {
+    let needed =
+        programs.iter().map(|program| plan(program, ElementSize::Fixed(4)).peak_bytes).fold(0u64, u64::saturating_add);
+    crate::host_memory::ensure_available(&format!("running {} ranks' programs", programs.len()), needed)
+}
+
 /// As [`run_programs`], rank `i` calling `native[i]`'s kernels where it has them.
 pub fn run_programs_native(
     programs: &[Program],
@@ -364,10 +376,7 @@ pub fn run_programs_native(
     options: &ThreadRunOptions,
     native: &[Option<NativeKernels>],
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
-    // Every rank is a thread here: their planned peaks (f32 buffers, weights included) add up.
-    let needed =
-        programs.iter().map(|program| plan(program, ElementSize::Fixed(4)).peak_bytes).fold(0u64, u64::saturating_add);
-    crate::host_memory::ensure_available(&format!("running {} ranks' programs", programs.len()), needed)?;
+    ensure_threads_fit(programs)?;
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
     let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
     let outcomes = run_on_threads_native(programs, &inputs, options, native)?;

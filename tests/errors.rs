@@ -190,9 +190,16 @@ fn meshes_and_strategies() {
             "E0206",
             "over dp=2) are not divisible by ep=2; use ep in {1}",
         ),
-        // A batch too large for this machine is refused before its token ids are made.
-        case(&["run", "tiny", "--seq", "4294967296"], "E0747", "a batch of 8 sequences of 4294967296 token ids needs"),
-        case(&["run", "tiny", "--batch", "4294967295", "--seq", "4294967295"], "E0747", "token ids needs"),
+        // Programs index a batch's tokens with 32 bits; a batch too large for this machine is
+        // refused before its token ids are made; a step beyond 2^53 tokens before it is costed.
+        case(&["run", "tiny", "--seq", "4294967296"], "E0114", "batch=8 seq=4294967296: more than 2^32 - 1 tokens"),
+        case(&["explain", "tiny", "--batch", "4294967295", "--seq", "4294967295"], "E0114", "more than 2^32 - 1"),
+        case(&["run", "tiny", "--batch", "1", "--seq", "4294967295"], "E0747", "running 1 ranks' programs needs"),
+        case(
+            &["plan", "llama3-405b", "--mesh", "dp=128,pp=16,tp=8", "--seq", "4294967295", "--batch", "4294967295"],
+            "E0247",
+            "more than the 2^53 tokens a step",
+        ),
         case(&["run", "tiny", "--train", "--data", "/nonexistent/tokens.txt"], "E0743", "cannot read --data"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--layer", "99"], "E0703", "--layer 99 does not exist"),
         case(&["explain", "tiny", "--mesh", "tp=2", "--value", "layer0.nope"], "E0704", "no value named layer0.nope"),

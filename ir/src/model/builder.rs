@@ -83,6 +83,16 @@ fn forward_with(
             what: format!("batch={batch} seq={seq}: both must be at least 1"),
         });
     }
+    // Positions and token indices are u32 in the programs and the runtime.
+    if batch.checked_mul(seq).is_none_or(|tokens| tokens > u64::from(u32::MAX)) {
+        return Err(Error::UnsupportedModel {
+            model: config.name.clone(),
+            what: format!(
+                "batch={batch} seq={seq}: more than 2^32 - 1 tokens a batch, which programs index with 32 bits; \
+                 use a smaller --batch or --seq"
+            ),
+        });
+    }
     if let Some(window) = config.sliding_window {
         if seq > window {
             return Err(Error::UnsupportedModel {

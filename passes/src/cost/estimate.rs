@@ -26,7 +26,7 @@ use super::memory::{memory_per_stage, peak_stage, ExpertMemory, MemoryBreakdown,
 use super::model::ModelShape;
 use super::volume::{forward_elements_per_layer, layer_collectives, step_collectives, CollectiveCall, Phase};
 use super::workload::{Mode, Workload};
-use super::{comm, total, Result};
+use super::{comm, total, CostError, Result};
 
 /// The version of the estimate's JSON.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -190,6 +190,17 @@ pub struct Estimate {
 /// Estimates one plan.
 pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &HardwareSpec) -> Result<Estimate> {
     workload.validate()?;
+    // Token counts are integers up to here and f64 after: both exact below 2^53.
+    let factors = [workload.seq, workload.micro_batch, workload.micro_batches, layout.batch_split()];
+    let tokens = factors.iter().try_fold(1u64, |product, &factor| product.checked_mul(factor));
+    if tokens.is_none_or(|tokens| tokens > 1 << 53) {
+        return Err(CostError::TooManyTokens {
+            seq: workload.seq,
+            micro_batch: workload.micro_batch,
+            micro_batches: workload.micro_batches,
+            replicas: layout.batch_split(),
+        });
+    }
     layout.validate(model, workload)?;
     let stages = memory_per_stage(model, layout, workload);
     let peak = peak_stage(&stages).expect("a layout has at least one stage").clone();

@@ -137,6 +137,19 @@ pub enum CostError {
         /// The parser's message.
         reason: String,
     },
+    /// A step of more tokens than the cost model counts exactly.
+    #[error("{seq} tokens a sequence x {micro_batch} a micro-batch x {micro_batches} micro-batches x {replicas} replicas is more than the 2^53 tokens a step the cost model counts exactly")]
+    #[diagnostic(code(E0247), help("use a shorter --seq, a smaller --batch or fewer micro-batches or replicas"))]
+    TooManyTokens {
+        /// Tokens a sequence.
+        seq: u64,
+        /// Sequences a micro-batch.
+        micro_batch: u64,
+        /// Micro-batches a step.
+        micro_batches: u64,
+        /// Replicas (dp·ep).
+        replicas: u64,
+    },
     /// A hardware number that makes no sense (zero bandwidth, zero memory, an efficiency above 1).
     #[error("hardware {name}: {field} = {value} must be {must}")]
     #[diagnostic(code(E0246), help("give the hardware field a value in its range"))]
