@@ -116,13 +116,18 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
     };
     let (mut alone_s, mut bucketed_s) = (Vec::new(), Vec::new());
     let mut same_losses = true;
-    for _ in 0..args.repeats.max(1) {
+    let repeats = args.repeats.max(1);
+    let progress =
+        crate::progress::Progress::new("bench buckets", "repeat", u64::from(repeats), args.format == Format::Text);
+    for repeat in 0..repeats {
+        progress.set(u64::from(repeat));
         let (seconds, losses_alone) = step(&alone)?;
         alone_s.push(seconds);
         let (seconds, losses_bucketed) = step(&bucketed)?;
         bucketed_s.push(seconds);
         same_losses &= losses_alone == losses_bucketed;
     }
+    progress.finish();
     let (alone_step, bucketed_step) = (median(alone_s), median(bucketed_s));
     let ratio = if alone_step > 0.0 { bucketed_step / alone_step } else { 1.0 };
     let peak = |programs: &[Program]| programs.iter().map(|p| plan(p, ElementSize::Fixed(4)).peak_bytes).max();

@@ -178,7 +178,11 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let (mut off, mut on, mut off_local, mut on_local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut same_logits = true;
     let mut last_outcomes = (Vec::new(), Vec::new());
-    for _ in 0..args.repeats.max(1) {
+    let repeats = args.repeats.max(1);
+    let progress =
+        crate::progress::Progress::new("bench overlap", "repeat", u64::from(repeats), args.format == Format::Text);
+    for repeat in 0..repeats {
+        progress.set(u64::from(repeat));
         let (_, logits_off, outcomes_off) = run_programs(&blocking, &tokens, weights.as_ref(), &options)?;
         off.push(measure(&blocking, &outcomes_off));
         let (_, logits_on, outcomes_on) = run_programs(&scheduled, &tokens, weights.as_ref(), &options)?;
@@ -191,6 +195,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         let (_, _, outcomes) = run_programs(&scheduled, &tokens, weights.as_ref(), &local)?;
         on_local.push(measure(&scheduled, &outcomes));
     }
+    progress.finish();
     let step = |runs: &[Measured]| median(runs.iter().map(|run| run.step_s).collect());
     let exposed = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_s).collect());
     let weights = |runs: &[Measured]| median(runs.iter().map(|run| run.exposed_weights_s).collect());
