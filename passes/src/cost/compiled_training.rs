@@ -54,9 +54,8 @@
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
-//! tied). tsp peaks inside the
-//! first layer's MLP ring backward instead: [`compiled_tsp_training_peak`] models tsp at any degree,
-//! alone or beside dp (ZeRO-2 included).
+//! tied). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
+//! models tsp at any degree, alone or beside dp (ZeRO-2 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -446,7 +445,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
     let whole = (model.vocab * model.hidden) as f64 * element;
     // A tied table's gradient is the sum of the head's part, held since the head's backward, and
     // the embedding's (`[V/tp, h]` on each rank, as is the table).
-    let tied_head = Term { name: TIED_HEAD_GRADIENT, bytes: whole / tp as f64 };
+    let head_shard = (model.vocab as f64 / tp as f64).ceil() * model.hidden as f64 * element;
+    let tied_head = Term { name: TIED_HEAD_GRADIENT, bytes: head_shard };
     if layout.world_size() == 1 && model.tied_embeddings {
         // One rank: the peak is as the two parts are summed into the gradient: the embedding's
         // part over the whole vocabulary beside the head's.
