@@ -409,5 +409,7 @@ fn training_draws_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe() {
     // Under --format json the terminal gets the JSON alone.
     let json = format!("{command} --format json");
     let output = std::process::Command::new("script").args(["-qec", &json, "/dev/null"]).output().expect("script runs");
-    assert!(!String::from_utf8_lossy(&output.stdout).contains("training step"));
+    let terminal = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success() && terminal.contains("\"schema_version\": 1"), "{terminal}");
+    assert!(!terminal.contains("training step"), "{terminal}");
 }
