@@ -40,7 +40,7 @@ pub const ROUTING_TIE_MARGIN: f64 = 16.0 * f32::EPSILON as f64 / 2.0;
 pub const BF16_ROUTING_TIE_MARGIN: f64 = 1.0 / 256.0;
 
 /// Whether any of `programs` stores a buffer in bf16 (`--precision bf16`).
-pub fn stores_bf16(programs: &[Program]) -> bool {
+fn stores_bf16(programs: &[Program]) -> bool {
     programs.iter().flat_map(|program| &program.buffers).any(|buffer| buffer.dtype == DType::Bf16)
 }
 
@@ -145,7 +145,7 @@ pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
 
 /// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
 /// reference's largest magnitude.
-pub fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
+fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
     if stores_bf16(programs) {
         let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
         F32_TOL.max(BF16_LOGITS_REL_TOL * largest)

@@ -142,6 +142,24 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// The batch and sequence length a model run compiles for: the flags', else the tokens
+    /// file's, else 8 sequences of 64.
+    pub fn sizes(&self, given_tokens: Option<&Tokens>) -> (u64, u64) {
+        let batch = self.batch.or(given_tokens.map(|tokens| tokens.batch)).unwrap_or(8);
+        let seq = self.seq.or(given_tokens.map(|tokens| tokens.seq)).unwrap_or(64);
+        (batch, seq)
+    }
+
+    /// Refuses `--batch` or `--seq` other than a compiled directory's.
+    pub fn check_sizes_against(&self, batch: u64, seq: u64) -> Result<()> {
+        for (flag, given, planned) in [("--batch", self.batch, batch), ("--seq", self.seq, seq)] {
+            if given.is_some_and(|given| given != planned) {
+                bail!(UsageError::DiffersFromPlan { flag, given: given.unwrap_or(0), planned });
+            }
+        }
+        Ok(())
+    }
+
     /// The kernels the run compiles for: native with `--native`, and on a GPU where pleat generates
     /// its kernels (the `llvm` feature).
     pub fn kernels(&self) -> Kernels {
@@ -249,16 +267,11 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             if !cuda && native.iter().all(Option::is_none) {
                 executables = crate::exe::executables(&dir, &programs)?.map(|paths| (dir.clone(), paths));
             }
-            for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
-                if given.is_some_and(|given| given != planned) {
-                    bail!(UsageError::DiffersFromPlan { flag, given: given.unwrap_or(0), planned });
-                }
-            }
+            args.check_sizes_against(plan.batch, plan.seq)?;
             (config, programs, plan.mesh, args.weights.clone(), plan.batch, plan.seq)
         }
         ModelSource::Config { config, weights } => {
-            let batch = args.batch.or(given_tokens.as_ref().map(|tokens| tokens.batch)).unwrap_or(8);
-            let seq = args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64);
+            let (batch, seq) = args.sizes(given_tokens.as_ref());
             let mesh = Mesh::parse(&args.mesh)?;
             let compute = args.precision.unwrap_or_default().apply(&config);
             let compiled = compile_model(&compute, batch, seq, &mesh, args.strategy, Dump::Nothing, args.kernels())?;

@@ -28,44 +28,40 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
         bail!(UsageError::NotUnderMpi { flag });
     }
     let scratch = ScratchDir::new("mpi")?;
-    let (dir, weights) = match resolve(&args.model)? {
+    let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
+    let (dir, weights, ranks, batch, seq) = match resolve(&args.model)? {
         ModelSource::Compiled(dir) => {
             if args.precision.is_some() {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
             }
             let (plan, _, _) = read_compiled(&dir)?;
-            for (flag, given, planned) in [("--batch", args.batch, plan.batch), ("--seq", args.seq, plan.seq)] {
-                if given.is_some_and(|given| given != planned) {
-                    bail!(UsageError::DiffersFromPlan { flag, given: given.unwrap_or(0), planned });
-                }
-            }
-            (dir, args.weights.clone())
+            args.check_sizes_against(plan.batch, plan.seq)?;
+            (dir, args.weights.clone(), plan.ranks, plan.batch, plan.seq)
         }
         ModelSource::Config { config, weights } => {
-            let given_tokens = args.tokens.as_ref().map(|path| read_tokens(path)).transpose()?;
+            let (batch, seq) = args.sizes(given_tokens.as_ref());
             let target = ModelOnMesh {
                 model: args.model.clone(),
                 mesh: args.mesh.clone(),
                 strategy: args.strategy,
-                batch: args.batch.or(given_tokens.as_ref().map(|tokens| tokens.batch)).unwrap_or(8),
-                seq: args.seq.or(given_tokens.as_ref().map(|tokens| tokens.seq)).unwrap_or(64),
+                batch,
+                seq,
                 no_overlap: args.no_overlap,
                 comm_streams: 2,
             };
             let config = args.precision.unwrap_or_default().apply(&config);
             let compiled = target.compile(&config, pleat_passes::Dump::Nothing, Kernels::Interpreted)?;
             let dir = scratch.path().join("compiled");
-            write_compiled(&dir, &config, &compiled, target.batch, target.seq, target.strategy.name())?;
-            (dir, args.weights.clone().or(weights))
+            write_compiled(&dir, &config, &compiled, batch, seq, target.strategy.name())?;
+            (dir, args.weights.clone().or(weights), compiled.programs.len() as u32, batch, seq)
         }
     };
-    let (plan, _, _) = read_compiled(&dir)?;
     // Refused here once rather than by every rank.
-    if let Some(path) = &args.tokens {
-        read_tokens(path)?.expect_shape(plan.batch, plan.seq)?;
+    if let Some(tokens) = &given_tokens {
+        tokens.expect_shape(batch, seq)?;
     }
     let mut command = crate::exe::mpirun();
-    command.args(["-np", &plan.ranks.to_string()]);
+    command.args(["-np", &ranks.to_string()]);
     command.arg(std::env::current_exe().context("cannot find the pleat executable to start under mpirun")?);
     command.arg("rank").arg(&dir);
     command.args(["--seed", &args.seed.to_string(), "--timeout", &args.timeout.to_string()]);
