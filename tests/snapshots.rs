@@ -100,6 +100,15 @@ fn training_zero3_one_layer_dp2() {
     snapshot_training("dp=2", "train-dp2-zero3-one-layer", &ctx);
 }
 
+/// ZeRO-3 beside TSP: each parameter's rows split over dp too, gathered before the run of
+/// broadcasts of its owner's blocks (so that they still travel as one message), and gathered again
+/// in the backward.
+#[test]
+fn training_zero3_beside_tsp_one_layer_dp2_tsp2() {
+    let ctx = PassCtx { zero_stage: 3, ..PassCtx::for_tests() };
+    snapshot_training("dp=2,tsp=2", "train-dp2-tsp2-zero3-one-layer", &ctx);
+}
+
 #[test]
 fn training_tensor_and_sequence_parallel_one_layer_tsp2() {
     snapshot_training("tsp=2", "train-tsp2-one-layer", &PassCtx::for_tests());

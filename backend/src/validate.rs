@@ -2,10 +2,13 @@
 //! instruction names exists, and every kernel's sizes agree with its operands' and result's sizes.
 //! Lowering produces consistent programs by construction; this guards programs read from files.
 //! Asynchronous transfers are checked too (`crate::transfers`): nothing between a start and its
-//! wait reads the results or overwrites or frees what the transfer touches.
+//! wait reads the results or overwrites or frees what the transfer touches. Nothing but the
+//! parameters and the outputs is left allocated at the end.
 
 use crate::error::{Error, Result};
-use crate::program::{AttentionDims, AttentionOperand, BufferId, Group, Instr, Kernel, MoeDims, Program, RouterDims};
+use crate::program::{
+    AttentionDims, AttentionOperand, BufferId, BufferKind, Group, Instr, Kernel, MoeDims, Program, RouterDims,
+};
 use pleat_ir::MoeOperand;
 
 fn bad(index: usize, reason: String) -> Error {
@@ -20,6 +23,7 @@ pub fn validate(program: &Program) -> Result<()> {
         })
     };
     crate::transfers::check_transfers(program)?;
+    check_nothing_left_allocated(program)?;
     for (index, instr) in program.instructions.iter().enumerate() {
         let mut sizes = Vec::new();
         for buffer in instr.inputs() {
@@ -305,6 +309,39 @@ pub fn validate(program: &Program) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Checks that every buffer the program writes, but for a parameter or an output, is freed by its
+/// end: one left allocated would stay live for the rest of the step, above every peak the memory
+/// planner and the cost model predict.
+fn check_nothing_left_allocated(program: &Program) -> Result<()> {
+    let mut written = vec![None; program.buffers.len()];
+    let mut released = vec![false; program.buffers.len()];
+    for (index, instr) in program.instructions.iter().enumerate() {
+        for buffer in instr.outs() {
+            if let Some(slot) = written.get_mut(buffer.as_u32() as usize) {
+                slot.get_or_insert(index);
+            }
+        }
+        if let Instr::Free { buf } | Instr::Output { buf, .. } = instr {
+            if let Some(slot) = released.get_mut(buf.as_u32() as usize) {
+                *slot = true;
+            }
+        }
+    }
+    let leaked = written.iter().enumerate().find(|&(buffer, first)| {
+        first.is_some() && !released[buffer] && program.buffers[buffer].kind != BufferKind::Param
+    });
+    match leaked {
+        Some((buffer, &Some(index))) => Err(bad(
+            index,
+            format!(
+                "b{buffer} ({}) is written here and never freed: free it after its last reader, or make it an output",
+                program.buffers[buffer].name
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The shapes a collective's input and output must have: the executor splits and joins blocks along

@@ -30,10 +30,17 @@ fn partition_params(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         let dim = ty.shape.dims()[0].name;
         graph.value_mut(value).spec = split;
         // Gather just before the first use, not where the parameter is declared, so that only the
-        // layer at work holds its whole parameters.
+        // layer at work holds its whole parameters; before the run of broadcasts a TSP owner's
+        // blocks make when the first use is one of them, so that they still travel as one message.
         let users = graph.users(value);
         let order = graph.order();
-        let first_use = order.iter().position(|node| users.contains(node)).unwrap_or(order.len());
+        let mut first_use = order.iter().position(|node| users.contains(node)).unwrap_or(order.len());
+        if let Some(Op::BroadcastShard { axis, root, .. }) = order.get(first_use).map(|&node| &graph.node(node).op) {
+            let same_message = |node| matches!(graph.node(node).op, Op::BroadcastShard { axis: a, root: r, .. } if a == *axis && r == *root);
+            while first_use > 0 && same_message(order[first_use - 1]) {
+                first_use -= 1;
+            }
+        }
         let anchor = order[first_use.saturating_sub(1)];
         let op = Op::AllGather { axis: AxisName::Dp, dim };
         let gathered = graph.insert_after(anchor, op, &[value], ty, whole, &format!("{name}.zero_gather"));

@@ -9,7 +9,7 @@ use pleat_backend::overlap::Prefetch;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{Mesh, Module};
-use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
+use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE, TRAIN_PIPELINE};
 use pleat_runtime::weights::{SeededWeights, WeightSource};
 use pleat_runtime::{assemble, run_on_threads, RankOutcome, RunInputs};
 
@@ -31,6 +31,23 @@ pub fn compile_with(config: &ModelConfig, batch: u64, seq: u64, mesh: &str, ctx:
     let mut module = pleat_ir::model::build(config, batch, seq).expect("build");
     module.mesh = Mesh::parse(mesh).expect("mesh");
     run_pipeline(SHARD_PIPELINE, &mut module, ctx).unwrap_or_else(|err| panic!("{mesh}: {err}"));
+    let programs = pleat_backend::lower(&module).expect("lower");
+    pleat_backend::verify_collectives(&programs).expect("collectives match");
+    (module, programs)
+}
+
+/// Builds, differentiates, shards and lowers `config`'s training step for `mesh`, as `pleat run
+/// --train` does without pipelining.
+pub fn compile_training(
+    config: &ModelConfig,
+    batch: u64,
+    seq: u64,
+    mesh: &str,
+    ctx: &PassCtx,
+) -> (Module, Vec<Program>) {
+    let mut module = pleat_ir::model::build_training(config, batch, seq).expect("build");
+    module.mesh = Mesh::parse(mesh).expect("mesh");
+    run_pipeline(TRAIN_PIPELINE, &mut module, ctx).unwrap_or_else(|err| panic!("{mesh}: {err}"));
     let programs = pleat_backend::lower(&module).expect("lower");
     pleat_backend::verify_collectives(&programs).expect("collectives match");
     (module, programs)

@@ -55,7 +55,7 @@
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
 //! tied). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
-//! models tsp at any degree, alone or beside dp (ZeRO-2 included).
+//! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -72,6 +72,17 @@ use super::workload::{Recompute, Workload};
 
 /// The name of the gradients' term of [`compiled_training_peak`].
 pub const GRADIENTS: &str = "gradients of every parameter";
+/// ZeRO-3 beside tsp: a layer's attention weights (those ZeRO-3 splits), gathered over dp again in
+/// its backward and kept until the last owner's broadcast of them: every rank passes its own to
+/// each owner's broadcast.
+const ATTENTION_GATHERED: &str =
+    "the layer's attention weights, gathered over dp again until the last owner's broadcasts";
+/// ZeRO-3 beside tsp under full recomputation: the final norm's weights gathered over dp again.
+const FINAL_NORM_GATHERED: &str = "the final norm's weights, gathered over dp again for its recomputation";
+/// ZeRO-3 beside tsp: the parameters whose rows (after tsp's split) do not divide over dp are held
+/// whole, beyond their dp shards.
+pub const PARAMS_KEPT_WHOLE: &str =
+    "parameters ZeRO-3 keeps whole (their rows do not divide over dp), beyond their shards";
 
 /// The whole-vocabulary embedding gradient `[V, h]`: the scatter-add of the token gradients into
 /// every row of the table, before tp slices the rank's rows from it or dp reduces it.
@@ -493,9 +504,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 }
 
 /// The peak of the rank at `tsp_rank` on the tsp axis of a compiled tsp training step (tsp of
-/// degree D >= 2, alone or beside dp with ZeRO-2 at most), or `None` for any other layout (tsp
-/// beside another axis, or ZeRO-3, whose parameters gathered over dp move the peak, are not
-/// modelled): the largest of these phases, each the buffers live at its highest point (`T` the
+/// degree D >= 2, alone or beside dp), or `None` for any other layout (tsp beside another axis is
+/// not modelled): the largest of these phases, each the buffers live at its highest point (`T` the
 /// step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one
 /// hidden state `[T/D, h]`):
 /// - **the LM head's backward**, the backward's start: every layer's kept values (its input,
@@ -529,11 +539,22 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// before it is reduced, as under dp × tp. ZeRO-1 splits only the optimizer's state. ZeRO-2
 /// reduce-scatters each gradient over dp as the backward finishes it: every phase holds the dp
 /// shard of each finished gradient, or the whole of one whose rows (after tsp's split) do not
-/// divide over dp (`ZeroKeptWhole`), and at the end the rank's tsp shard of the embedding
+/// divide over dp (`ZeroSplits`), and at the end the rank's tsp shard of the embedding
 /// gradient is sliced, beside the whole, before its reduce-scatter writes the rank's dp shard.
-/// `tests/cost_training.rs` checks the result against the planner to the byte for every rank, each
-/// recomputation and 16 to 512 tokens, alone and beside dp (with ZeRO-2 at dp 2 and 4), on `tiny`
-/// and on a variant whose attention outweighs its MLP and vocabulary.
+/// ZeRO-3 holds the dp shard of each parameter too, or the whole of one whose rows do not divide
+/// ([`PARAMS_KEPT_WHOLE`]), and gathers the parameters whole again in the backward: an MLP
+/// ring's phase holds its layer's MLP weights, an attention phase the layer's attention weights
+/// while an owner's broadcast is still to come (every rank passes its own to each owner's
+/// broadcast, so they stay until the last owner's; on three or more ranks the second owner's dv is
+/// then a candidate), and under full recomputation the norm recomputed for the phase holds its
+/// weights until its backward. The rank's own attention o reduce as the first owner (the axis's
+/// last rank) and another rank's to it, with no owners' results before them, are candidates too.
+/// With the embedding tied to the head, every phase after the head's holds the head's part of the
+/// table's gradient, `[V/D, h]`, whole over dp until the embedding's part joins it at the end
+/// ([`TIED_HEAD_GRADIENT`]). `tests/cost_training.rs` checks the result against the planner to the
+/// byte for every rank, each recomputation and 16 to 512 tokens, alone and beside dp (with ZeRO-2
+/// and 3 at dp 2 and 4), on `tiny` and on a variant whose attention outweighs its MLP and
+/// vocabulary, each also with the embedding tied.
 pub fn compiled_tsp_training_peak(
     model: &ModelShape,
     layout: &Layout,
@@ -542,21 +563,27 @@ pub fn compiled_tsp_training_peak(
 ) -> Option<ForwardPhase> {
     let tsp = layout.degree(AxisName::Tsp);
     let dp = layout.degree(AxisName::Dp);
-    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp || (dp > 1 && zero_stage(workload) >= 3) {
+    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp {
         return None;
     }
     // ZeRO-2 reduce-scatters each gradient over dp as the backward finishes it: a rank holds its
     // dp shard of every finished gradient (`shard` of it), but of a parameter whose rows do not
-    // divide over dp the whole (`ZeroKeptWhole`).
+    // divide over dp the whole (`ZeroSplits`). ZeRO-3 holds the parameters so too, and gathers
+    // each whole again where the backward reads it.
     let scattered = dp > 1 && zero_stage(workload) >= 2;
+    let gathers = dp > 1 && zero_stage(workload) >= 3;
     let shard = if scattered { 1.0 / dp as f64 } else { 1.0 };
-    let kept_whole = ZeroKeptWhole::new(model, tsp, if scattered { dp } else { 1 });
+    let splits = ZeroSplits::new(model, tsp, if scattered { dp } else { 1 });
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let element = model.dtype_bytes as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
+    let held_params = if gathers { all_params / dp as f64 } else { all_params };
     let first_layer = stage_params(model, layout, &compiled, 1, 1) - stage_params(model, layout, &compiled, 1, 0);
     let table = (model.vocab as f64 / tsp as f64).ceil() * model.hidden as f64;
     let owners = tsp as f64;
+    // A tied table's gradient is the LM head's part, made at the backward's start, plus the
+    // embedding's, made at its end: the head's part is held whole (over dp too) in between.
+    let tied_head = if model.tied_embeddings { table * element } else { 0.0 };
     let (seq, tokens) = (workload.seq as f64, (workload.seq * workload.micro_batch) as f64);
     let local = tokens / owners;
     let hidden = model.hidden as f64;
@@ -586,13 +613,14 @@ pub fn compiled_tsp_training_peak(
     let ring_phase = |layer: u64| {
         let below = (layer + 1) as f64;
         let layer_params = first_layer * below;
-        let terms = vec![
+        let mut terms = vec![
             Term { name: GRADIENTS, bytes: all_params * shard },
             Term {
                 name: "gradients of the layers up to this one and the embedding, not finished yet (removed)",
                 bytes: -(layer_params + table) * element * shard,
             },
-            kept_whole.term(model.layers - layer - 1, false, true),
+            splits.grads_term(model.layers - layer - 1, false, true),
+            Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
             Term { name: "token ids and positions (zigzag and local)", bytes: integers },
             Term {
@@ -607,9 +635,21 @@ pub fn compiled_tsp_training_peak(
                 name: "the mlp ring's output gradient dy (and its input x, recomputed under full recompute)",
                 bytes: recomputed_input * sizes.hidden_state,
             },
-            Term { name, bytes: ring_bytes },
         ];
-        ForwardPhase { name: "tsp mlp ring backward", params: all_params, terms }
+        if gathers {
+            terms.push(Term {
+                name: "the layer's MLP weights, gathered over dp again for its backward",
+                bytes: splits.mlp_gathered,
+            });
+            if workload.recompute == Recompute::Full {
+                terms.push(Term {
+                    name: "its MLP norm's weights, gathered over dp again for its recomputation",
+                    bytes: splits.norm_gathered,
+                });
+            }
+        }
+        terms.push(Term { name, bytes: ring_bytes });
+        ForwardPhase { name: "tsp mlp ring backward", params: held_params, terms }
     };
     let (first, last) = (ring_phase(0), ring_phase(model.layers.saturating_sub(1)));
     let ring = if last.bytes() > first.bytes() { last } else { first };
@@ -620,7 +660,7 @@ pub fn compiled_tsp_training_peak(
     let layers = model.layers as f64;
     let head_phase = |last: Term| ForwardPhase {
         name: "lm head backward",
-        params: all_params,
+        params: held_params,
         terms: vec![
             Term { name: GRADIENTS, bytes: all_params * shard },
             Term { name: "gradients, none finished yet (removed)", bytes: -all_params * shard },
@@ -645,7 +685,13 @@ pub fn compiled_tsp_training_peak(
     };
     let mut head = head_phase(Term { name: "the head's weight gradient being written", bytes: table * element });
     if workload.recompute == Recompute::Full {
-        let gather = head_phase(Term { name: "the final norm's recomputed output", bytes: sizes.hidden_state });
+        let mut gather = head_phase(Term { name: "the final norm's recomputed output", bytes: sizes.hidden_state });
+        if gathers {
+            // ZeRO-3 gathers the final norm's weights again to recompute it; its backward reads them.
+            for phase in [&mut head, &mut gather] {
+                phase.terms.push(Term { name: FINAL_NORM_GATHERED, bytes: splits.norm_gathered });
+            }
+        }
         if gather.bytes() > head.bytes() {
             head = gather;
         }
@@ -671,7 +717,8 @@ pub fn compiled_tsp_training_peak(
                 name: "the layers' below it, its attention's and input norm's, and the embedding's gradients, not finished yet (removed)",
                 bytes: -(below * first_layer * element + block + input_norm + table * element) * shard,
             },
-            kept_whole.term(model.layers - layer - 1, true, true),
+            splits.grads_term(model.layers - layer - 1, true, true),
+            Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
             Term { name: "token ids (zigzag)", bytes: 4.0 * tokens },
             Term {
@@ -682,45 +729,74 @@ pub fn compiled_tsp_training_peak(
         if positions || layer > 0 {
             terms.push(Term { name: "positions (zigzag and local)", bytes: 4.0 * (seq + seq / owners) });
         }
+        if gathers && workload.recompute == Recompute::Full {
+            terms.push(Term {
+                name: "its input norm's weights, gathered over dp again for its recomputation",
+                bytes: splits.norm_gathered,
+            });
+        }
         terms
     };
     let mut candidates = Vec::new();
     for layer in [0, model.layers.saturating_sub(1)] {
-        // Full recompute, at the last owner's dv: the layer's input and attention norm output
-        // recomputed, and their gradients; one owner's block of attention weight gradients (on
-        // two ranks the other owner's, awaiting its reduce; on more, the rank's own, summed from
-        // the others' reduces); this owner's q, k and v weights broadcast again with its q and
-        // gathered k, v recomputed; and the attention output's gradient, o's weight gradient, dq,
-        // dk and dv.
-        if workload.recompute == Recompute::Full {
+        // At the last owner's dv: one owner's block of attention weight gradients (on two ranks
+        // the other owner's, awaiting its reduce; on more, the rank's own, summed from the others'
+        // reduces); this owner's q and gathered k, v; the attention output's gradient, o's weight
+        // gradient, dq, dk and dv; the layer's input and attention norm output (recomputed under
+        // full recompute) and their gradients. Under full recompute also this owner's q, k and v
+        // weights broadcast again for the recomputation; otherwise, under ZeRO-3, the layer's q, k
+        // and v weights gathered again, which the last owner's input gradients still broadcast
+        // (full recompute broadcast them already).
+        let full = workload.recompute == Recompute::Full;
+        let mut terms = inside_attention_backward(layer, true);
+        terms.extend([
+            Term {
+                name: if full {
+                    "the layer's input, its attention norm output recomputed, their gradients"
+                } else {
+                    "the layer's input, its attention norm output, their gradients"
+                },
+                bytes: 4.0 * sizes.hidden_state,
+            },
+            Term {
+                name: "one owner's attention weight gradients (in flight to its owner, or the rank's own sum)",
+                bytes: block,
+            },
+            Term {
+                name: if full {
+                    "this owner's q and gathered k, v recomputed"
+                } else {
+                    "this owner's q and gathered k, v"
+                },
+                bytes: (owner_query + gathered_key_value) * element,
+            },
+            Term {
+                name: "the attention output's gradient and o's weight gradient",
+                bytes: (owner_query + hidden * query / owners) * element,
+            },
+            Term { name: "dq, dk and dv", bytes: (owner_query + gathered_key_value) * element },
+        ]);
+        if full {
             let qkv_weights = (query + 2.0 * key_value) * hidden / owners;
-            let mut terms = inside_attention_backward(layer, true);
-            terms.extend([
-                Term {
-                    name: "the layer's input, its attention norm output recomputed, their gradients",
-                    bytes: 4.0 * sizes.hidden_state,
-                },
-                Term {
-                    name: "one owner's attention weight gradients (in flight to its owner, or the rank's own sum)",
-                    bytes: block,
-                },
-                Term { name: "this owner's q, k and v weights, broadcast again", bytes: qkv_weights * element },
-                Term {
-                    name: "this owner's q and gathered k, v recomputed",
-                    bytes: (owner_query + gathered_key_value) * element,
-                },
-                Term {
-                    name: "the attention output's gradient and o's weight gradient",
-                    bytes: (owner_query + hidden * query / owners) * element,
-                },
-                Term { name: "dq, dk and dv", bytes: (owner_query + gathered_key_value) * element },
-            ]);
-            candidates.push(ForwardPhase {
-                name: "an attention backward's last owner's dv",
-                params: all_params,
-                terms,
+            terms.push(Term { name: "this owner's q, k and v weights, broadcast again", bytes: qkv_weights * element });
+            // Under ZeRO-3 the weights gathered again for the owners' broadcasts stay until the
+            // last owner's: on three or more ranks the second owner's dv holds them too.
+            if gathers && tsp >= 3 {
+                let mut second = terms.clone();
+                second.push(Term { name: ATTENTION_GATHERED, bytes: splits.attention_gathered() });
+                candidates.push(ForwardPhase {
+                    name: "an attention backward's second owner's dv",
+                    params: held_params,
+                    terms: second,
+                });
+            }
+        } else if gathers {
+            terms.push(Term {
+                name: "the layer's q, k and v weights, gathered over dp again for the last owner's input gradients",
+                bytes: splits.qkv_gathered,
             });
         }
+        candidates.push(ForwardPhase { name: "an attention backward's last owner's dv", params: held_params, terms });
         // As o's gradient of an owner is reduced: the owners' results before that one, summed (a
         // block), the rank's contributions to that owner's block, the reduce's own buffers, the
         // layer's input, its attention norm's and residual's gradients, and, with `after` owners
@@ -736,6 +812,9 @@ pub fn compiled_tsp_training_peak(
                 Term { name: contributions, bytes: block },
                 reduce,
             ]);
+            if gathers && after > 0 {
+                terms.push(Term { name: ATTENTION_GATHERED, bytes: splits.attention_gathered() });
+            }
             if after > 0 {
                 terms.extend([
                     Term { name: "the layer's attention norm output", bytes: sizes.hidden_state },
@@ -745,7 +824,7 @@ pub fn compiled_tsp_training_peak(
                     },
                 ]);
             }
-            ForwardPhase { name, params: all_params, terms }
+            ForwardPhase { name, params: held_params, terms }
         };
         // - As o's gradient is reduced to this rank or to another owner.
         for point in tsp_o_reduces(tsp, tsp_rank, o_block) {
@@ -756,6 +835,26 @@ pub fn compiled_tsp_training_peak(
             };
             candidates.push(reducing(name, point.contributions, point.reduce, point.after));
         }
+        let mut first = if tsp_rank + 1 == tsp {
+            reducing(
+                "an attention o gradient reduced to this rank, the first owner",
+                "its contributions to its own attention weight gradients",
+                Term {
+                    name: "o's reduce: what it received, and the partial sums beside it",
+                    bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+                },
+                tsp - 1,
+            )
+        } else {
+            reducing(
+                "an attention o gradient reduced to the first owner",
+                "its contributions to that owner's attention weight gradients",
+                Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
+                tsp - 1,
+            )
+        };
+        first.terms.retain(|term| !term.name.starts_with("the owners' reduced"));
+        candidates.push(first);
         // - Without full recompute, inside the last owner's backward (the axis's first), as q's
         //   input gradient is made from q's gradient after RoPE and q's weights, broadcast again:
         //   the rank's contributions to that owner's k, v and o gradients so far, and the layer's
@@ -789,10 +888,11 @@ pub fn compiled_tsp_training_peak(
     let whole = (model.vocab * model.hidden) as f64 * element;
     let mut end = ForwardPhase {
         name: "end of backward",
-        params: all_params,
+        params: held_params,
         terms: vec![
             Term { name: GRADIENTS, bytes: all_params * shard },
-            kept_whole.term(model.layers, false, true),
+            splits.grads_term(model.layers, false, true),
+            Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
         ],
@@ -809,14 +909,15 @@ pub fn compiled_tsp_training_peak(
     // sequence all-gathered, `[T, h]`) and the token ids, the rank's vocabulary shard not sliced.
     let scatter = ForwardPhase {
         name: "end of backward",
-        params: all_params,
+        params: held_params,
         terms: vec![
             Term { name: GRADIENTS, bytes: all_params * shard },
             Term {
                 name: "embedding gradient's vocabulary shard, not sliced yet (removed)",
                 bytes: -table * element * shard,
             },
-            kept_whole.term(model.layers, false, true),
+            splits.grads_term(model.layers, false, true),
+            Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
             Term {
@@ -827,25 +928,38 @@ pub fn compiled_tsp_training_peak(
         ],
     };
     let end = if scatter.bytes() > end.bytes() { scatter } else { end };
-    Some(if end.bytes() > ring.bytes() { end } else { ring })
+    let mut peak = if end.bytes() > ring.bytes() { end } else { ring };
+    if gathers {
+        peak.terms.insert(0, splits.params_term(model.layers));
+    }
+    Some(peak)
 }
 
-/// What ZeRO-2 keeps of the gradients beyond their dp shards: a gradient is reduce-scattered over
-/// dp on its rows (its first dim, after tsp's split) only where they divide over dp
-/// (`pleat_ir::spec::ShardSpec::with_rows_split`); otherwise it stays whole. Of one layer, on a
-/// rank of tsp `tsp` (q, k and v split by heads, gate and up by channels; o, down and the norms
-/// keep `h` rows), and of the head (the LM head's `V/tsp` rows and the final norm's `h`).
-struct ZeroKeptWhole {
+/// How ZeRO-2 and 3 split a tsp rank's tensors over dp: a gradient is reduce-scattered over dp on
+/// its rows (its first dim, after tsp's split), and under ZeRO-3 a parameter split so and gathered
+/// whole before each use, only where they divide over dp (`pleat_ir::spec::ShardSpec::with_rows_split`);
+/// otherwise it stays whole. Of one layer, on a rank of tsp `tsp` (q, k and v split by heads, gate
+/// and up by channels; o, down and the norms keep `h` rows), and of the head (the LM head's `V/tsp`
+/// rows and the final norm's `h`).
+struct ZeroSplits {
     /// A layer's attention and input norm, its MLP and MLP norm, and the head, bytes beyond the
-    /// shards.
+    /// shards of what is kept whole.
     attention: f64,
     mlp: f64,
     head: f64,
+    /// The embedding table, when not tied to the head.
+    embedding: f64,
+    /// ZeRO-3's gathers, whole: a layer's MLP matrices, its q, k and v weights and its o weights
+    /// whose rows divide over dp, and a norm's weights when `h` does.
+    mlp_gathered: f64,
+    qkv_gathered: f64,
+    o_gathered: f64,
+    norm_gathered: f64,
 }
 
-impl ZeroKeptWhole {
-    /// Nothing kept whole when `dp` is 1 (no ZeRO-2).
-    fn new(model: &ModelShape, tsp: u64, dp: u64) -> ZeroKeptWhole {
+impl ZeroSplits {
+    /// Nothing split or kept whole when `dp` is 1 (no ZeRO-2).
+    fn new(model: &ModelShape, tsp: u64, dp: u64) -> ZeroSplits {
         let element = model.dtype_bytes as f64;
         // The bytes beyond the shard of a gradient of `elements` whose `rows` do not divide.
         let beyond = |rows: u64, elements: u64| {
@@ -871,12 +985,39 @@ impl ZeroKeptWhole {
         let mlp = projections * beyond(ffn, ffn * hidden) + beyond(hidden, hidden * ffn) + norm;
         let vocab = model.vocab.div_ceil(tsp);
         let head = beyond(vocab, vocab * hidden) + beyond(hidden, model.norm.params(hidden));
-        ZeroKeptWhole { attention, mlp, head }
+        let embedding = if model.tied_embeddings { 0.0 } else { beyond(vocab, vocab * hidden) };
+        // The bytes of a parameter that ZeRO-3 splits, gathered whole.
+        let gathered =
+            |rows: u64, elements: u64| if dp > 1 && rows % dp == 0 { elements as f64 * element } else { 0.0 };
+        let mlp_gathered = projections * gathered(ffn, ffn * hidden) + gathered(hidden, hidden * ffn);
+        let gathered_heads = |count: u64| {
+            let weights = gathered(count / tsp, count / tsp * head_dim * hidden);
+            let biases = if model.qkv_bias { gathered(count / tsp, count / tsp * head_dim) } else { 0.0 };
+            weights + biases
+        };
+        let qkv_gathered = gathered_heads(model.heads) + 2.0 * gathered_heads(model.kv_heads);
+        let o_gathered = gathered(hidden, hidden * model.heads * head_dim / tsp);
+        let norm_gathered = gathered(hidden, model.norm.params(hidden));
+        ZeroSplits { attention, mlp, head, embedding, mlp_gathered, qkv_gathered, o_gathered, norm_gathered }
+    }
+
+    /// A layer's attention weights ZeRO-3 gathers, whole.
+    fn attention_gathered(&self) -> f64 {
+        self.qkv_gathered + self.o_gathered
+    }
+
+    /// ZeRO-3's parameters kept whole, beyond their shards: every layer's, the head's and the
+    /// embedding's.
+    fn params_term(&self, layers: u64) -> Term {
+        Term {
+            name: PARAMS_KEPT_WHOLE,
+            bytes: layers as f64 * (self.attention + self.mlp) + self.head + self.embedding,
+        }
     }
 
     /// The term of `layers` finished layers (and the MLP of one more, with `mlp`), and the head's
     /// with `head`.
-    fn term(&self, layers: u64, mlp: bool, head: bool) -> Term {
+    fn grads_term(&self, layers: u64, mlp: bool, head: bool) -> Term {
         let bytes = layers as f64 * (self.attention + self.mlp)
             + if mlp { self.mlp } else { 0.0 }
             + if head { self.head } else { 0.0 };
@@ -1068,14 +1209,30 @@ mod tests {
         let beside_dp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 2)], false);
         assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &Workload::training(64, 2), 0).as_ref(), Some(&many));
         // ZeRO-2 holds the dp half of each finished gradient (every row count of tiny at tsp=2
-        // divides over dp=2, so none is kept whole); ZeRO-3 is not modelled.
+        // divides over dp=2, so none is kept whole).
         let zero2 = Workload { zero: 2, ..Workload::training(8, 2) };
         let phase = compiled_tsp_training_peak(&model, &beside_dp, &zero2, 0).expect("ZeRO-2 is modelled");
         let term = |name: &str| phase.terms.iter().find(|term| term.name.starts_with(name)).map(|term| term.bytes);
         assert_eq!(term(GRADIENTS), Some(180864.0 * 4.0 / 2.0));
         assert_eq!(term("finished gradients ZeRO-2 keeps whole"), Some(0.0));
-        let zero3 = Workload { zero: 3, ..Workload::training(8, 2) };
-        assert_eq!(compiled_tsp_training_peak(&model, &beside_dp, &zero3, 0), None);
+        // ZeRO-3 on two sequences of 64: the dp half of the weights (90432) and of the finished
+        // gradients make the last layer's ring peak, with both layers' kept values and only the
+        // head's gradients finished ((180864 - 2·73984 - 16384) / 2), and the layer's three MLP
+        // matrices gathered whole again for its backward (3 of [128, 128]).
+        let zero3 = Workload { zero: 3, ..Workload::training(64, 2) };
+        let phase = compiled_tsp_training_peak(&model, &beside_dp, &zero3, 0).expect("ZeRO-3 is modelled");
+        let elements = 90432.0
+            + (180864.0 - 2.0 * 73984.0 - 16384.0) / 2.0
+            + 1.0
+            + (128.0 + 64.0 + 32.0)
+            + 2.0 * 4.0 * 64.0 * 128.0
+            + 2.0 * 2.0 * (2.0 * 64.0 * 64.0 + 2.0 * 128.0 * 32.0)
+            + 64.0 * 128.0
+            + 3.0 * 128.0 * 128.0
+            + 2.0 * 64.0 * 128.0
+            + 5.0 * 128.0 * 128.0;
+        assert_eq!(phase.name, "tsp mlp ring backward");
+        assert_eq!(phase.bytes(), elements * 4.0);
         let beside_tp = Layout::new(&[(AxisName::Tp, 2), (AxisName::Tsp, 2)], false);
         assert_eq!(compiled_tsp_training_peak(&model, &beside_tp, &Workload::training(8, 2), 0), None);
     }
