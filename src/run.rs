@@ -283,7 +283,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             (*config, programs, mesh.to_string(), args.weights.clone().or(weights), batch, seq)
         }
     };
-    // Refused before the batch's token ids are made (the run checks again as it starts).
+    // Refused before the batch's token ids are made.
     if !cuda && executables.is_none() {
         ensure_threads_fit(&programs)?;
     }
@@ -324,7 +324,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         }
         None => {
             let (shape, logits, outcomes) =
-                run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
+                run_fitting_programs(&programs, &tokens, weights.as_ref(), &options, &native)?;
             let execution = native.iter().map(|table| crate::native::ExecutionPath::of(table.as_ref())).collect();
             (shape, logits, outcomes, execution)
         }
@@ -390,6 +390,17 @@ pub fn run_programs_native(
     native: &[Option<NativeKernels>],
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
     ensure_threads_fit(programs)?;
+    run_fitting_programs(programs, tokens, weights, options, native)
+}
+
+/// As [`run_programs_native`], for programs [`ensure_threads_fit`] has let through.
+fn run_fitting_programs(
+    programs: &[Program],
+    tokens: &Tokens,
+    weights: &dyn WeightSource,
+    options: &ThreadRunOptions,
+    native: &[Option<NativeKernels>],
+) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
     let positions: Vec<u32> = (0..tokens.seq as u32).collect();
     let inputs = RunInputs { tokens: &tokens.ids, positions: &positions, weights, epoch: Instant::now() };
     let outcomes = run_on_threads_native(programs, &inputs, options, native)?;
