@@ -213,5 +213,18 @@ fn calibrated_specs_drive_the_plan() {
     let nominal = json_of(&["plan", "tiny", "--mesh", "tp=2", "--seq", "64", "--hw", "cpu", "--format", "json"]);
     assert!(plan["time"]["compute_s"].as_f64().unwrap() > 0.0);
     assert_ne!(plan["time"]["compute_s"], nominal["time"]["compute_s"]);
+    // In a pipe (as above) no bar; on a terminal (`script` gives the command a pseudo-terminal) a
+    // bar counts the measurements, cleared for the report.
+    let quiet = pleat(&["bench", "calibrate", "--quick", "--out", path]);
+    assert!(!String::from_utf8_lossy(&quiet.stderr).contains("calibrating"));
+    let command = format!("{} bench calibrate --quick --out {path}", env!("CARGO_BIN_EXE_pleat"));
+    let output = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .output()
+        .expect("script (util-linux) runs");
+    let terminal = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{terminal}");
+    assert!(terminal.contains("calibrating measurement"), "{terminal}");
+    assert!(terminal.contains("wrote "), "the report follows: {terminal}");
     std::fs::remove_dir_all(&dir).ok();
 }

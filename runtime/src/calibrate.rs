@@ -84,8 +84,12 @@ fn on_every_core(cores: usize, repeats: usize, work: impl Fn() -> Duration + Syn
     best.max(Duration::from_nanos(1))
 }
 
-/// Measures this machine. Errors only if the threads communicator fails.
-pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError> {
+/// How many measurements [`calibrate`] makes, one after another.
+pub const MEASUREMENTS: u64 = 6;
+
+/// Measures this machine, calling `measured` with the count done after each of its
+/// [`MEASUREMENTS`] (for a progress bar). Errors only if the threads communicator fails.
+pub fn calibrate(options: &CalibrationOptions, measured: &mut dyn FnMut(u64)) -> Result<Calibration, CommError> {
     let size = options.gemm_size;
     let a: Vec<f32> = (0..size * size).map(|i| (i % 7) as f32 * 0.25).collect();
     let b: Vec<f32> = (0..size * size).map(|i| (i % 5) as f32 * 0.5).collect();
@@ -97,6 +101,7 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
         start.elapsed()
     });
     let gemm_flops_per_s = 2.0 * (size as f64).powi(3) / gemm.as_secs_f64();
+    measured(1);
 
     let x = vec![1.0f32; options.stream_elements];
     let y = vec![2.0f32; options.stream_elements];
@@ -107,6 +112,7 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
         Ok(start.elapsed())
     })?;
     let stream_bytes_per_s = 3.0 * 4.0 * options.stream_elements as f64 / stream.as_secs_f64();
+    measured(2);
 
     // Attention of a small transformer's shape: 4 sequences of 128, 4 heads of 32.
     let shape = kernels::AttentionShape { causal: true, ..kernels::AttentionShape::new(4, 128, 128, 4, 4, 32) };
@@ -120,6 +126,7 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
         start.elapsed()
     });
     let attention_flops_per_s = 4.0 * 4.0 * 128.0 * 128.0 * 4.0 * 32.0 / attention.as_secs_f64();
+    measured(3);
 
     let hidden = 128;
     let rows = (options.stream_elements / hidden).max(1);
@@ -134,11 +141,14 @@ pub fn calibrate(options: &CalibrationOptions) -> Result<Calibration, CommError>
         start.elapsed()
     });
     let row_kernel_bytes_per_s = 2.0 * 4.0 * (rows * hidden) as f64 / row_kernel.as_secs_f64();
+    measured(4);
 
     let message = vec![0.5f32; options.message_elements];
     let bandwidth = fastest(options.repeats, || one_way(&message))?;
     let link_bytes_per_s = 4.0 * options.message_elements as f64 / bandwidth.as_secs_f64();
+    measured(5);
     let latency = fastest(options.repeats.max(10), || one_way(&[0.0]))?;
+    measured(MEASUREMENTS);
 
     Ok(Calibration {
         gemm_flops_per_s,
@@ -179,7 +189,9 @@ mod tests {
     #[test]
     fn quick_calibration_gives_positive_finite_figures() {
         let options = CalibrationOptions { gemm_size: 64, stream_elements: 4096, message_elements: 4096, repeats: 1 };
-        let calibration = calibrate(&options).expect("the threads communicator works");
+        let mut counts = Vec::new();
+        let calibration = calibrate(&options, &mut |done| counts.push(done)).expect("the threads communicator works");
+        assert_eq!(counts, (1..=MEASUREMENTS).collect::<Vec<_>>(), "one call a measurement, in order");
         for (name, value) in [
             ("gemm", calibration.gemm_flops_per_s),
             ("stream", calibration.stream_bytes_per_s),

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use pleat_passes::cost::hw::{Efficiency, HardwareSpec, LinkSpec};
-use pleat_runtime::calibrate::{calibrate, Calibration, CalibrationOptions};
+use pleat_runtime::calibrate::{calibrate, Calibration, CalibrationOptions, MEASUREMENTS};
+
+use crate::progress::Progress;
 
 /// Arguments of `pleat bench calibrate`.
 #[derive(Args)]
@@ -24,7 +26,10 @@ pub struct CalibrateArgs {
 /// Runs `pleat bench calibrate`.
 pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     let options = if args.quick { CalibrationOptions::quick() } else { CalibrationOptions::full() };
-    let calibration = calibrate(&options)?;
+    let progress = Progress::new("calibrating", "measurement", MEASUREMENTS, true);
+    let calibration = calibrate(&options, &mut |done| progress.set(done));
+    progress.finish();
+    let calibration = calibration?;
     let spec = spec_of(&calibration, crate::host_memory::total_bytes()?).validate()?;
     let json = serde_json::to_string_pretty(&spec)?;
     eprintln!(
