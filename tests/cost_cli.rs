@@ -217,13 +217,9 @@ fn calibrated_specs_drive_the_plan() {
     // bar counts the measurements, cleared for the report.
     let quiet = pleat(&["bench", "calibrate", "--quick", "--out", path]);
     assert!(!String::from_utf8_lossy(&quiet.stderr).contains("calibrating"));
-    let command = format!("{} bench calibrate --quick --out {path}", env!("CARGO_BIN_EXE_pleat"));
-    let output = std::process::Command::new("script")
-        .args(["-qec", &command, "/dev/null"])
-        .output()
-        .expect("script (util-linux) runs");
-    let terminal = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{terminal}");
+    let (success, terminal) =
+        cli::on_terminal(&format!("{} bench calibrate --quick --out {path}", env!("CARGO_BIN_EXE_pleat")));
+    assert!(success, "{terminal}");
     assert!(terminal.contains("calibrating measurement"), "{terminal}");
     assert!(terminal.contains("wrote "), "the report follows: {terminal}");
     std::fs::remove_dir_all(&dir).ok();

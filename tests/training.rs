@@ -397,19 +397,12 @@ fn training_draws_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe() {
     // On a terminal (`script`, from util-linux, gives the command a pseudo-terminal): the bar, drawn
     // before the first step ends, then cleared for the report.
     let command = format!("{} {}", env!("CARGO_BIN_EXE_pleat"), args.join(" "));
-    let output = std::process::Command::new("script")
-        .args(["-qec", &command, "/dev/null"])
-        .env_remove("NO_COLOR")
-        .output()
-        .expect("script (util-linux) runs");
-    let terminal = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{terminal}");
+    let (success, terminal) = cli::on_terminal(&command);
+    assert!(success, "{terminal}");
     assert!(terminal.contains("training step 0/3"), "{terminal}");
     assert!(terminal.contains("step   3  loss"), "the report follows: {terminal}");
     // Under --format json the terminal gets the JSON alone.
-    let json = format!("{command} --format json");
-    let output = std::process::Command::new("script").args(["-qec", &json, "/dev/null"]).output().expect("script runs");
-    let terminal = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success() && terminal.contains("\"schema_version\": 1"), "{terminal}");
+    let (success, terminal) = cli::on_terminal(&format!("{command} --format json"));
+    assert!(success && terminal.contains("\"schema_version\": 1"), "{terminal}");
     assert!(!terminal.contains("training step"), "{terminal}");
 }

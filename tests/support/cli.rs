@@ -10,6 +10,17 @@ pub fn pleat(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).env("NO_COLOR", "1").output().expect("pleat runs")
 }
 
+/// Runs the shell `command` under `script` (util-linux), which gives it a pseudo-terminal: whether
+/// it succeeded, and what the terminal showed (stdout and stderr together).
+pub fn on_terminal(command: &str) -> (bool, String) {
+    let output = Command::new("script")
+        .args(["-qec", command, "/dev/null"])
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("script (util-linux) runs");
+    (output.status.success(), String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 /// The standard output of a run that must succeed.
 #[track_caller]
 pub fn stdout_of(args: &[&str]) -> String {
