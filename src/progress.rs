@@ -1,6 +1,7 @@
 //! The progress bar of long work (training steps, the repeats of `bench overlap` and `bench
-//! buckets`, the measurements of `bench calibrate`), on stderr while it is a terminal and the report is text; in a pipe, or under
-//! `--format json`, nothing is drawn, so scripts read the report alone.
+//! buckets`, the measurements of `bench calibrate`), on stderr while it is a terminal and the
+//! report is text; in a pipe, or under `--format json`, nothing is drawn, so scripts read the
+//! report alone.
 
 use std::io::IsTerminal;
 

@@ -246,10 +246,10 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
                 // One owner's blocks travel as one packed message: join the broadcast just emitted
                 // (past the frees of the blocks it was the last reader of, such as ZeRO-3's
                 // gathered weights), and free this block too where the message is its last reader.
-                let last_transfer =
+                let last_emitted =
                     program.instructions.iter_mut().rev().find(|instr| !matches!(instr, Instr::Free { .. }));
                 if let Some(Instr::Broadcast { inputs: packed, outs, group: last_group, root: last_root, .. }) =
-                    last_transfer
+                    last_emitted
                 {
                     if *last_group == group && *last_root == root {
                         packed.push(inputs[0]);

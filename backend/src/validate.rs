@@ -1,6 +1,6 @@
 //! Checks that a `Program` is internally consistent before a runtime trusts it: every buffer an
 //! instruction names exists, and every kernel's sizes agree with its operands' and result's sizes.
-//! Lowering produces consistent programs by construction; this guards programs read from files.
+//! It guards programs read from files, and `lower` checks each program it makes with it too.
 //! Asynchronous transfers are checked too (`crate::transfers`): nothing between a start and its
 //! wait reads the results or overwrites or frees what the transfer touches. Nothing but the
 //! parameters and the outputs is left allocated at the end.

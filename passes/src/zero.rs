@@ -35,8 +35,11 @@ fn partition_params(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         let users = graph.users(value);
         let order = graph.order();
         let mut first_use = order.iter().position(|node| users.contains(node)).unwrap_or(order.len());
-        if let Some(Op::BroadcastShard { axis, root, .. }) = order.get(first_use).map(|&node| &graph.node(node).op) {
-            let same_message = |node| matches!(graph.node(node).op, Op::BroadcastShard { axis: a, root: r, .. } if a == *axis && r == *root);
+        if let Some(&Op::BroadcastShard { axis, root, .. }) = order.get(first_use).map(|&node| &graph.node(node).op) {
+            let same_message = |node| {
+                let op = &graph.node(node).op;
+                matches!(*op, Op::BroadcastShard { axis: other, root: owner, .. } if other == axis && owner == root)
+            };
             while first_use > 0 && same_message(order[first_use - 1]) {
                 first_use -= 1;
             }

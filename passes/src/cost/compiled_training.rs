@@ -812,10 +812,10 @@ pub fn compiled_tsp_training_peak(
                 Term { name: contributions, bytes: block },
                 reduce,
             ]);
-            if gathers && after > 0 {
-                terms.push(Term { name: ATTENTION_GATHERED, bytes: splits.attention_gathered() });
-            }
             if after > 0 {
+                if gathers {
+                    terms.push(Term { name: ATTENTION_GATHERED, bytes: splits.attention_gathered() });
+                }
                 terms.extend([
                     Term { name: "the layer's attention norm output", bytes: sizes.hidden_state },
                     Term {
@@ -936,18 +936,18 @@ pub fn compiled_tsp_training_peak(
 }
 
 /// How ZeRO-2 and 3 split a tsp rank's tensors over dp: a gradient is reduce-scattered over dp on
-/// its rows (its first dim, after tsp's split), and under ZeRO-3 a parameter split so and gathered
-/// whole before each use, only where they divide over dp (`pleat_ir::spec::ShardSpec::with_rows_split`);
-/// otherwise it stays whole. Of one layer, on a rank of tsp `tsp` (q, k and v split by heads, gate
-/// and up by channels; o, down and the norms keep `h` rows), and of the head (the LM head's `V/tsp`
-/// rows and the final norm's `h`).
+/// its rows (its first dim, after tsp's split), and under ZeRO-3 a parameter is split so and
+/// gathered whole before each use, only where the rows divide over dp
+/// (`pleat_ir::spec::ShardSpec::with_rows_split`); otherwise it stays whole. Of one layer, on a
+/// rank of tsp `tsp` (q, k and v split by heads, gate and up by channels; o, down and the norms
+/// keep `h` rows), and of the head (the LM head's `V/tsp` rows and the final norm's `h`).
 struct ZeroSplits {
     /// A layer's attention and input norm, its MLP and MLP norm, and the head, bytes beyond the
     /// shards of what is kept whole.
     attention: f64,
     mlp: f64,
     head: f64,
-    /// The embedding table, when not tied to the head.
+    /// The embedding table's bytes beyond its shard, when it is not tied to the head.
     embedding: f64,
     /// ZeRO-3's gathers, whole: a layer's MLP matrices, its q, k and v weights and its o weights
     /// whose rows divide over dp, and a norm's weights when `h` does.
