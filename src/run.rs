@@ -324,7 +324,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         }
         None => {
             let (shape, logits, outcomes) =
-                run_fitting_programs(&programs, &tokens, weights.as_ref(), &options, &native)?;
+                run_programs_native(&programs, &tokens, weights.as_ref(), &options, &native)?;
             let execution = native.iter().map(|table| crate::native::ExecutionPath::of(table.as_ref())).collect();
             (shape, logits, outcomes, execution)
         }
@@ -370,6 +370,7 @@ pub fn run_programs(
     weights: &dyn WeightSource,
     options: &ThreadRunOptions,
 ) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
+    ensure_threads_fit(programs)?;
     run_programs_native(programs, tokens, weights, options, &[])
 }
 
@@ -381,20 +382,9 @@ fn ensure_threads_fit(programs: &[Program]) -> Result<()> {
     crate::host_memory::ensure_available(&format!("running {} ranks' programs", programs.len()), needed)
 }
 
-/// As [`run_programs`], rank `i` calling `native[i]`'s kernels where it has them.
-pub fn run_programs_native(
-    programs: &[Program],
-    tokens: &Tokens,
-    weights: &dyn WeightSource,
-    options: &ThreadRunOptions,
-    native: &[Option<NativeKernels>],
-) -> Result<(Vec<u64>, Vec<f32>, Vec<RankOutcome>)> {
-    ensure_threads_fit(programs)?;
-    run_fitting_programs(programs, tokens, weights, options, native)
-}
-
-/// As [`run_programs_native`], for programs [`ensure_threads_fit`] has let through.
-fn run_fitting_programs(
+/// As [`run_programs`], rank `i` calling `native[i]`'s kernels where it has them, for programs
+/// [`ensure_threads_fit`] has let through.
+fn run_programs_native(
     programs: &[Program],
     tokens: &Tokens,
     weights: &dyn WeightSource,

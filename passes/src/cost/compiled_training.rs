@@ -798,9 +798,10 @@ pub fn compiled_tsp_training_peak(
         }
         candidates.push(ForwardPhase { name: "an attention backward's last owner's dv", params: held_params, terms });
         // As o's gradient of an owner is reduced: the owners' results before that one, summed (a
-        // block), the rank's contributions to that owner's block, the reduce's own buffers, the
-        // layer's input, its attention norm's and residual's gradients, and, with `after` owners
-        // still to come, the norm's output and those owners' activations.
+        // block; none before the first, the axis's last, with `tsp - 1` owners after it), the
+        // rank's contributions to that owner's block, the reduce's own buffers, the layer's input,
+        // its attention norm's and residual's gradients, and, with `after` owners still to come,
+        // the norm's output and those owners' activations.
         let reducing = |name: &'static str, contributions: &'static str, reduce: Term, after: u64| {
             let mut terms = inside_attention_backward(layer, after > 0);
             terms.extend([
@@ -808,10 +809,15 @@ pub fn compiled_tsp_training_peak(
                     name: "the layer's input, its attention norm's and residual's gradients",
                     bytes: 3.0 * sizes.hidden_state,
                 },
-                Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
                 Term { name: contributions, bytes: block },
                 reduce,
             ]);
+            if after + 1 < tsp {
+                terms.push(Term {
+                    name: "the owners' reduced attention weight gradients before it, summed",
+                    bytes: block,
+                });
+            }
             if after > 0 {
                 if gathers {
                     terms.push(Term { name: ATTENTION_GATHERED, bytes: splits.attention_gathered() });
@@ -835,7 +841,7 @@ pub fn compiled_tsp_training_peak(
             };
             candidates.push(reducing(name, point.contributions, point.reduce, point.after));
         }
-        let mut first = if tsp_rank + 1 == tsp {
+        let first = if tsp_rank + 1 == tsp {
             reducing(
                 "an attention o gradient reduced to this rank, the first owner",
                 "its contributions to its own attention weight gradients",
@@ -853,7 +859,6 @@ pub fn compiled_tsp_training_peak(
                 tsp - 1,
             )
         };
-        first.terms.retain(|term| !term.name.starts_with("the owners' reduced"));
         candidates.push(first);
         // - Without full recompute, inside the last owner's backward (the axis's first), as q's
         //   input gradient is made from q's gradient after RoPE and q's weights, broadcast again:
