@@ -18,7 +18,7 @@
 //! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
 //! and by dp=2, cp=2 or tp=2 (with and without SP), each recomputation, GPipe and 1F1B, 2 and 4
 //! micro-batches, and beside dp and cp also on 32 to 256 tokens a sequence, where the head of a
-//! backward and the first layer's peak.
+//! backward and the first layer's peak; with the embedding tied too (by hand on one stage).
 
 mod common;
 
@@ -32,7 +32,9 @@ use pleat_backend::Instr;
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
 use pleat_passes::autodiff::Recompute;
-use pleat_passes::cost::compiled_pipeline::{compiled_stage_peak, pipelined_differences_from_closed_form};
+use pleat_passes::cost::compiled_pipeline::{
+    compiled_stage_peak, pipelined_differences_from_closed_form, TIED_HEAD_PART, TIED_TABLE_RECEIVED,
+};
 use pleat_passes::cost::compiled_training::{
     compiled_training_peak, compiled_tsp_training_peak, training_differences_from_closed_form, PARAMS_KEPT_WHOLE,
     TIED_HEAD_GRADIENT, TSP_SHARD_SLICED_BEFORE_DP,
@@ -708,6 +710,28 @@ fn a_pipelined_stage_peak_by_hand() {
     assert_eq!(phase.bytes(), (params + gradients + in_flight + leftovers) as f64);
     let term = |name: &str| phase.terms.iter().find(|term| term.name == name).map(|term| term.bytes);
     assert_eq!(term("other micro-batches in flight"), Some(in_flight as f64));
+
+    // Tied, the same stage holds at that point, instead of the token ids and the embedding
+    // output's gradient (freed as the embedding's part of the table's gradient is made), that part
+    // and the head's part received from stage 1, both [256, 128], beside their sum (the gradient)
+    // and its running sum.
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..config };
+    let table = 256 * 128 * element;
+    let stage_output = tokens * 128 * element;
+    let by_hand = params + gradients + in_flight + stage_output + 2 * table;
+    let (programs, _) = compile_pipelined(&tied, &PipelinedLayout::new("pp=2", ScheduleKind::GPipe, 2));
+    let planned = plan(&programs[0], ElementSize::Fixed(4));
+    assert_eq!((planned.param_bytes, planned.peak_bytes), (params, by_hand));
+    let model = ModelShape::from_config(&tied);
+    let phase = compiled_stage_peak(&model, &layout, &Workload::training(SEQ, 2), &schedule, 0, 0, 2).unwrap();
+    assert_eq!(phase.bytes(), by_hand as f64);
+    // Stage 1 holds no head of its own: the table it reads is received, not loaded.
+    let planned = plan(&programs[1], ElementSize::Fixed(4));
+    assert_eq!(planned.param_bytes, (2 * layer + 128) * element);
+    let phase = compiled_stage_peak(&model, &layout, &Workload::training(SEQ, 2), &schedule, 1, 0, 2).unwrap();
+    assert_eq!(phase.params, planned.param_bytes as f64);
+    let received = phase.terms.iter().find(|term| term.name == TIED_TABLE_RECEIVED).map(|term| term.bytes);
+    assert_eq!(received, Some(table as f64));
 }
 
 #[test]
@@ -1059,6 +1083,103 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     }
 }
 
+#[test]
+fn tied_stage_closed_form_equals_the_planners_peak() {
+    // A tied table beside pp: the last stage receives the first's table once a step and holds,
+    // per micro-batch, the head's part of its gradient (sent back, no running sum of its own); the
+    // first stage receives that part with the micro-batch's backward and adds it to the
+    // embedding's part before the sum joins its running sum (beside dp × tp the last stage reduces
+    // it over dp first, at the end of its backward). The four-layer tiny tied, with its vocabulary
+    // and a wide one (2048 tokens, where the table outweighs a layer), on pp=2 and pp=4, alone and
+    // by dp, tp (±SP), cp and dp × tp, each recomputation, GPipe, 1F1B and interleaved where it is
+    // modelled, and ZeRO-1.
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
+    let wide = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..tied.clone() };
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    let cases: [(&str, bool, Recompute, &[u32], u8); 13] = [
+        ("pp=2", false, none, &[2, 4], 0),
+        ("pp=2", false, full, &[2], 0),
+        ("pp=4", false, none, &[2], 0),
+        ("pp=2,dp=2", false, none, &[2], 0),
+        ("pp=2,dp=2", false, selective, &[2], 1),
+        ("pp=4,dp=2", false, full, &[2], 0),
+        ("pp=2,tp=2", false, none, &[2], 0),
+        ("pp=2,tp=2", true, selective, &[2, 4], 0),
+        ("pp=2,tp=2", true, full, &[2], 0),
+        ("pp=2,cp=2", false, none, &[2], 0),
+        ("pp=2,dp=2,tp=2", false, none, &[2], 0),
+        ("pp=2,dp=2,tp=2", true, full, &[2], 1),
+        ("pp=2,tp=2,cp=2", true, none, &[2], 0),
+    ];
+    let mut names = std::collections::BTreeSet::new();
+    for config in [&tied, &wide] {
+        for (mesh, sequence_parallel, recompute, micro_batch_counts, zero_stage) in cases {
+            let parsed = Mesh::parse(mesh).unwrap();
+            let stages = parsed.degree(AxisName::Pp) as u32;
+            let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB];
+            // Interleaved on two stages, but beside dp (or cp) × tp (see `compiled_stage_peak`).
+            let reduced = parsed.degree(AxisName::Dp) * parsed.degree(AxisName::Cp) > 1;
+            if stages == 2 && !(reduced && parsed.degree(AxisName::Tp) > 1) {
+                kinds.push(ScheduleKind::Interleaved { chunks: 2 });
+            }
+            for kind in kinds {
+                for &micro_batches in micro_batch_counts {
+                    let layout = PipelinedLayout {
+                        recompute,
+                        sequence_parallel,
+                        zero_stage,
+                        ..PipelinedLayout::new(mesh, kind, micro_batches)
+                    };
+                    check_stage_closed_form(config, &layout);
+                    for stage in stage_closed_forms(config, &layout, SEQ) {
+                        let last = stage.label.ends_with(&format!("stage {}", stages - 1));
+                        let holds = |name: &str| stage.phase.terms.iter().any(|term| term.name == name);
+                        // The last stage holds the received table at every peak, and the head's
+                        // part of its gradient past the head of its backward.
+                        assert_eq!(holds(TIED_TABLE_RECEIVED), last, "{}", stage.label);
+                        if holds(TIED_HEAD_PART) {
+                            names.insert((last, stage.phase.name));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Both stages peak holding the head's part: the first at its backward's tail or (beside
+    // dp × tp) as the embedding's rows are sliced, the last at its tail or (beside dp × tp) as the
+    // head's part is reduced.
+    for expected in [
+        (false, "tail of a backward"),
+        (false, "embedding rows sliced for their dp reduction"),
+        (true, "tail of a backward"),
+        (true, "the LM head's part of the tied table's gradient reduced over dp"),
+    ] {
+        assert!(names.contains(&expected), "{expected:?}: {names:?}");
+    }
+    // Not modelled: zero bubble (whose W makes the head's part), ZeRO-2 and 3, tsp, interleaving
+    // beside dp × tp or on more than two stages.
+    let model = ModelShape::from_config(&tied);
+    let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
+    let interleaved = ScheduleKind::Interleaved { chunks: 2 };
+    for (mesh, kind, stages, zero) in [
+        ("pp=2", ScheduleKind::ZeroBubbleH1, 2, 0),
+        ("pp=2,dp=2", ScheduleKind::OneFOneB, 2, 2),
+        ("pp=2,dp=2", ScheduleKind::OneFOneB, 2, 3),
+        ("pp=2,tsp=2", ScheduleKind::OneFOneB, 2, 0),
+        ("pp=2,dp=2,tp=2", interleaved, 2, 0),
+        ("pp=4", interleaved, 4, 0),
+    ] {
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let schedule = Schedule::build(kind, stages, 4).unwrap();
+        let workload = Workload { zero, ..workload.clone() };
+        let layers = 8 / u64::from(stages);
+        assert!(
+            compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, layers).is_none(),
+            "{mesh} {kind:?} zero={zero}"
+        );
+    }
+}
+
 /// The names of the closed form's peaks of `layout`'s stages (of each place on the tsp axis).
 fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &PipelinedLayout) -> Vec<&'static str> {
     let parsed = Mesh::parse(layout.mesh).unwrap();
@@ -1189,8 +1310,12 @@ fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout
         let (label, planned) = (&stage.label, &stage.planned);
         assert_eq!(planned.param_bytes as f64, stage.phase.params, "{label}");
         assert_eq!(planned.peak_bytes as f64, stage.phase.bytes(), "{label}: {:?}", stage.phase.terms);
+        // The closed form's weights are the program's, but the copy of a tied table the last stage
+        // receives (a buffer to the program, a parameter to Megatron's accounting).
         let otherwise = stage.differences.iter().find(|term| term.name.contains("counts otherwise")).unwrap();
-        assert_eq!(otherwise.bytes, 0.0, "{label}");
+        let received: f64 =
+            stage.phase.terms.iter().filter(|term| term.name == TIED_TABLE_RECEIVED).map(|term| term.bytes).sum();
+        assert_eq!(otherwise.bytes, -received, "{label}");
         assert_eq!(planned.peak_bytes as f64, stage.predicted, "{label}: {:?}", stage.differences);
     }
 }
@@ -1325,10 +1450,12 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight_experts = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    let tied_wide = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..wide_vocabulary.clone() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let (mut below, mut gate_joining_exact, mut head_exact, mut down_exact) = (0, 0, 0, 0);
-    let mut mlp_norm_exact = 0;
+    let (mut mlp_norm_exact, mut tied_down_exact) = (0, 0);
     for recompute in [Recompute::None, Recompute::Full] {
         for (config, mesh, kind, micro_batches, sequence_parallel, zero_stage) in [
             (&four, "pp=2", one_f_one_b, 4, false, 0),
@@ -1346,6 +1473,10 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&four_experts, "pp=2", one_f_one_b, 2, false, 0),
             (&eight_experts, "pp=2", one_f_one_b, 4, false, 0),
             (&four_experts, "pp=4", one_f_one_b, 4, false, 0),
+            (&tied, "pp=2", one_f_one_b, 2, false, 0),
+            (&tied, "pp=2,tp=2", interleaved, 2, true, 0),
+            (&tied_wide, "pp=2,dp=2,tp=2", gpipe, 2, false, 0),
+            (&tied_wide, "pp=2,cp=2", interleaved, 2, false, 0),
         ] {
             let layout = PipelinedLayout {
                 recompute,
@@ -1372,6 +1503,12 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                         usize::from(stage.phase.name == "the last layer's down gradient joins its sum" && exact);
                     mlp_norm_exact +=
                         usize::from(stage.phase.name == "the last layer's MLP norm output gradient" && exact);
+                    // Beside a tied table the head's part joins no sum, and the last stage peaks
+                    // next as its last layer's down gradient does.
+                    let holds_head_part = stage.phase.terms.iter().any(|term| term.name == TIED_HEAD_PART);
+                    tied_down_exact += usize::from(
+                        stage.phase.name == "the last layer's down gradient joins its sum" && holds_head_part && exact,
+                    );
                 }
             }
         }
@@ -1382,8 +1519,8 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     // last layer's MLP norm output gradient, all modelled, are exact where they peak.
     assert!(below > 0);
     assert!(
-        gate_joining_exact > 0 && head_exact > 0 && down_exact > 0 && mlp_norm_exact > 0,
-        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact}"
+        gate_joining_exact > 0 && head_exact > 0 && down_exact > 0 && mlp_norm_exact > 0 && tied_down_exact > 0,
+        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact} {tied_down_exact}"
     );
 }
 

@@ -12,8 +12,11 @@ use super::{first_layer, head, zero_bubble, StageShape};
 pub(super) struct ChunkHold {
     /// Its layers.
     pub layers: u64,
-    /// Its parameters.
+    /// Its parameters, but a tied table's copy received for the LM head.
     pub params: f64,
+    /// The last chunk beside a tied embedding: the first stage's table, received for the LM
+    /// head (bytes; else 0).
+    pub received_table: f64,
     /// Its gradients: one running sum of each.
     pub grads: f64,
     /// A micro-batch in flight on it.
@@ -70,7 +73,10 @@ pub(super) struct Chunk {
 /// first or last virtual stage.
 pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u64) -> ChunkHold {
     let StepSizes { element, local_tokens, vocab_shard, hidden, ids, positions, boundary, .. } = shape.sizes;
-    let params = chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element;
+    // The head reads a tied table received from the first stage, which sums its gradient.
+    let received_table = if shape.tied && last && !first { vocab_shard * hidden * element } else { 0.0 };
+    let params =
+        chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element - received_table;
     let grads = params / shape.shards;
     let end = chunk_end(shape, last, layers);
     let positions = if first && shape.chunks > 1 { 0.0 } else { positions };
@@ -104,6 +110,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     });
     let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads);
     let experts_joining = first_layer::experts_joining(shape, &chunk);
+    let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
@@ -117,6 +124,20 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk));
     backward.extend(first_layer::regathered(shape, &chunk));
+    // Beside a tied table the first stage receives the head's part of its gradient with the
+    // micro-batch's first backward there and holds it to the first chunk's tail (which counts it
+    // itself).
+    if let Some(head_part) = shape.tied_head_part().filter(|_| shape.stage == 0 && !last) {
+        let counted = if first { tail_points } else { 0 };
+        for candidate in &mut backward[counted..] {
+            candidate.held.push(head_part.clone());
+        }
+    }
+    // Beside dp × tp the last chunk reduces the head's part over dp at the end of its backward,
+    // to send it back.
+    if shape.tied && last && shape.reduced && shape.sizes.vocab_split > 1.0 {
+        backward.push(head_part_reduced(shape, &chunk));
+    }
     // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
     // the buffers whose last reader is another rank (the output sent on, the input's gradient
     // sent back and the attention norm's input gradient summed into it) or an output.
@@ -129,6 +150,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     ChunkHold {
         layers,
         params,
+        received_table,
         grads,
         in_flight: chunk.in_flight,
         remains: remains.iter().map(|term| term.bytes).sum(),
@@ -198,6 +220,8 @@ fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
             end.push(Term { name: "token ids (targets)", bytes: ids });
         }
         end.push(Term { name: "loss", bytes: element });
+        // Made at the head of its backward, sent back to the first stage, freed at the end.
+        end.extend(shape.tied_head_part());
         if statistics > 0.0 {
             end.push(Term { name: "expert counts summed over the layers", bytes: statistics });
         }
@@ -234,7 +258,18 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         if shape.cp > 1 {
             held.push(Term { name: "token ids", bytes: ids });
         }
-        if vocab_split > 1.0 && !reduced {
+        let head_part = shape.tied_head_part().filter(|_| !reduced && !chunk.last);
+        if let Some(head_part) = head_part {
+            // Beside a tied table the embedding's part of its gradient (the rank's rows, sliced
+            // from the whole vocabulary's under tp, which is freed) is added to the head's part:
+            // both are live as their sum joins the running sum, the token ids and the embedding
+            // output's gradient freed before.
+            held.push(Term {
+                name: "the embedding's part of the tied table's gradient",
+                bytes: vocab_shard * hidden * element,
+            });
+            held.push(head_part);
+        } else if vocab_split > 1.0 && !reduced {
             held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: whole });
             if shape.tsp > 1 {
                 // Scattered from every token's gradient, by their ids (the zigzag's gathered).
@@ -277,8 +312,14 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
     // are sliced from it, before their all-reduce (or reduce-scatter, under ZeRO-2 and 3): it is
     // live a step earlier, beside the rows but without their reduced copy in the gradients and the
     // sums (larger than the tail when tp > 2, or under ZeRO).
-    let slicing = (chunk.first && vocab_split > 1.0 && reduced).then(|| {
+    // Beside a tied table (without dp, the whole vocabulary's gradient beside both parts) the
+    // rows are sliced before they are added to the head's part of its gradient.
+    let tied_first = shape.tied && chunk.first && !chunk.last;
+    let slicing = (chunk.first && vocab_split > 1.0 && (reduced || tied_first)).then(|| {
         let mut held = held.clone();
+        if reduced {
+            held.extend(shape.tied_head_part().filter(|_| tied_first));
+        }
         held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
         if shape.tsp > 1 {
             // Scattered from every token's gradient, by their ids (the zigzag's gathered).
@@ -312,11 +353,35 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
     }];
     if let Some(held) = slicing {
         candidates.push(Candidate {
-            name: "embedding rows sliced for their dp reduction",
+            name: if reduced {
+                "embedding rows sliced for their dp reduction"
+            } else {
+                "embedding rows sliced to join the head's part of the tied table's gradient"
+            },
             so_far: before_joining,
             held,
             new_sum: None,
         });
     }
     candidates
+}
+
+/// Beside dp × tp, at the end of the last chunk's backward, as the head's part of a tied table's
+/// gradient is reduced over dp to be sent back: every gradient of the chunk made and summed, its
+/// input's gradients sent back but kept, the head's part and its reduced copy.
+fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
+    let StepSizes { element, vocab_shard, hidden, boundary, .. } = shape.sizes;
+    let mut held = vec![
+        Term { name: "positions", bytes: chunk.positions },
+        Term { name: "first layer's attention residual gradient", bytes: boundary },
+        Term { name: "first layer's attention norm's input gradient", bytes: boundary },
+    ];
+    held.extend(chunk.end.iter().cloned());
+    held.push(Term { name: "the head's part, reduced over dp", bytes: vocab_shard * hidden * element });
+    Candidate {
+        name: "the LM head's part of the tied table's gradient reduced over dp",
+        so_far: chunk.grads * shape.shards,
+        held,
+        new_sum: None,
+    }
 }

@@ -27,6 +27,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let logits = shape.logits();
     let rows = logits / vocab_shard / element;
     let weight_gradient = vocab_shard * hidden * element;
+    // Beside a tied table the head's part of its gradient joins no sum here: it is sent back
+    // and held to the micro-batch's end (and beside dp reduced on the first stage).
+    let head_part = shape.tied_head_part();
+    let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
     let mut candidates = vec![Candidate {
         name: "the loss's backward",
         so_far: 0.0,
@@ -46,16 +50,50 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // under full recomputation, which recomputes the final norm for it; or for a mixture, whose
     // load-balancing loss's buffers differ there.)
     if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced {
+        let mut held = vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
+            Term { name: "the logits' gradient", bytes: logits },
+            Term { name: "the LM head's input gradient", bytes: gathered },
+        ];
+        held.extend(head_part.clone());
         candidates.push(Candidate {
-            name: "the LM head's weight gradient joins its sum",
-            so_far: weight_gradient,
+            name: if head_part.is_some() {
+                "the LM head's part of the tied table's gradient is made"
+            } else {
+                "the LM head's weight gradient joins its sum"
+            },
+            so_far: head_sum,
+            held,
+            new_sum: head_part
+                .is_none()
+                .then_some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+        });
+    }
+    // Beside a tied table without dp, next as the last layer's down projection's weight gradient
+    // joins its sum: the head's part joined none, so this may be larger. The logits, the final
+    // norm's buffers and the last layer's output are freed; the SiLU product (which made the
+    // gradient), the last layer's output gradient and the SiLU product's gradient are live.
+    if let Some(head_part) =
+        head_part.clone().filter(|_| shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced)
+    {
+        let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
+        let final_norm = (gathered - boundary) + gathered;
+        candidates.push(Candidate {
+            name: "the last layer's down gradient joins its sum",
+            so_far: shape.norm * element + shape.gate,
             held: vec![
                 Term { name: "its positions", bytes: chunk.positions },
-                Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
-                Term { name: "the logits' gradient", bytes: logits },
-                Term { name: "the LM head's input gradient", bytes: gathered },
+                Term {
+                    name:
+                        "what it holds in flight but the logits, the final norm's buffers and its last layer's output",
+                    bytes: chunk.in_flight - logits - final_norm - boundary,
+                },
+                Term { name: "its last layer's output gradient", bytes: stream },
+                Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
+                head_part,
             ],
-            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
         });
     }
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
@@ -69,14 +107,17 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
             Term { name: "the logits' gradient", bytes: logits },
             Term { name: "the LM head's input gradient", bytes: gathered },
-            Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
+            match &head_part {
+                Some(head_part) => head_part.clone(),
+                None => Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
+            },
         ];
         if full {
             held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
         }
         candidates.push(Candidate { name: "the LM head's weight gradient", so_far: 0.0, held, new_sum: None });
     }
-    if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 {
+    if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 && head_part.is_none() {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
         // final norm's output (the head's input; recomputed for it under full recomputation)
         // freed before it was all-reduced, the head's input gradient and the unreduced copy
@@ -104,7 +145,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced {
         let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
         let final_norm = (gathered - boundary) + gathered;
-        let so_far = weight_gradient + shape.norm * element + shape.gate;
+        let so_far = head_sum + shape.norm * element + shape.gate;
         let in_flight = Term {
             name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and SiLU product",
             bytes: chunk.in_flight - logits - final_norm - boundary - local_tokens * ffn * element,
@@ -118,7 +159,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "its last layer's output gradient", bytes: stream },
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
                 Term { name: "the down gradient before its dp all-reduce", bytes: shape.gate },
-            ],
+            ]
+            .into_iter()
+            .chain(head_part.clone())
+            .collect(),
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
         });
         // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
@@ -134,7 +178,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                     name: "its last layer's SiLU product's and gate output's gradients",
                     bytes: 2.0 * local_tokens * ffn * element,
                 },
-            ],
+            ]
+            .into_iter()
+            .chain(head_part)
+            .collect(),
             new_sum: None,
         });
     }

@@ -106,6 +106,17 @@
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
 //! and the rows, not yet reduced nor summed), the larger where tp > 2.
 //!
+//! Beside a tied table the last stage receives the first stage's table once a step (a buffer to
+//! the program, a parameter to Megatron's accounting: [`TIED_TABLE_RECEIVED`]) and makes, at the
+//! head of each micro-batch's backward, the head's part of the table's gradient, which joins no
+//! sum there: it is sent back and held to the micro-batch's end ([`TIED_HEAD_PART`]), so the
+//! stage may next peak as its last layer's down gradient joins its sum. Beside dp × tp the last
+//! stage reduces it over dp at the end of its backward, another point. The first stage receives
+//! it with the micro-batch's first backward there and adds it to the embedding's part: at the
+//! tail both parts are live beside their sum (the token ids and the embedding output's gradient
+//! freed), and the rows are sliced from the whole vocabulary's gradient under tp beside the head's
+//! part.
+//!
 //! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
 //! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
 //! micro-batch's positions are loaded once a stage. A micro-batch's gradients are outputs of its
@@ -131,9 +142,11 @@
 //! too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered
-//! beside the weights they were recomputed with); an untied Llama-family model, dense, or a
-//! mixture of experts (no shared expert) with every expert on every rank, beside dp and tp
-//! without SP, ZeRO-1 at most, under zero bubble beside tp only.
+//! beside the weights they were recomputed with); a Llama-family model, dense, or a mixture of
+//! experts (no shared expert) with every expert on every rank, beside dp and tp without SP,
+//! ZeRO-1 at most, under zero bubble beside tp only; its embedding untied, or tied on a dense
+//! model without tsp, ZeRO-1 at most, not under zero bubble, interleaved on two stages only and
+//! not beside dp (or cp) × tp.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -204,8 +217,24 @@ pub fn compiled_stage_peak(
     // are freed by the points modelled here.
     let param_shards = if workload.zero >= 3 && shape.dp > 1 { shape.dp as f64 } else { 1.0 };
     let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
-    walk::stage_peak(&shape, schedule, &holds, params)
+    let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
+    let received_table: f64 = holds.iter().map(|hold| hold.received_table).sum();
+    if received_table > 0.0 {
+        // Received in the stage's first forward, held to the end of the step.
+        phase.terms.push(Term { name: TIED_TABLE_RECEIVED, bytes: received_table });
+    }
+    Some(phase)
 }
+
+/// The term naming the head's part of a tied table's gradient: held by the stage holding the LM
+/// head from its making to the micro-batch's end (sent back), and by the first stage from the
+/// start of the micro-batch's backward until it is added to the embedding's part.
+pub const TIED_HEAD_PART: &str = "the LM head's part of the tied table's gradient (sent back to the first stage)";
+
+/// The term naming the copy of a tied embedding table that the stage holding the LM head
+/// receives from the first stage once a step: Megatron's accounting counts it a parameter, the
+/// program a buffer received.
+pub const TIED_TABLE_RECEIVED: &str = "the tied embedding table, received from the first stage for the LM head";
 
 /// Whether [`compiled_stage_peak`] models `model` on `layout` under `workload` and `schedule` (see
 /// the module doc).
@@ -233,7 +262,16 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && !sequence_parallel
                 && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
         })
-        && !model.tied_embeddings
+        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most, not under zero
+        // bubble (whose W makes the head's part of the table's gradient). Interleaved, on two
+        // stages and not beside dp (or cp) × tp: elsewhere the first stage takes the head's part
+        // when a message queued after it is needed, which depends on the schedule.
+        && (!model.tied_embeddings
+            || (model.experts.is_none()
+                && tsp == 1
+                && workload.zero <= 1
+                && schedule.kind != ScheduleKind::ZeroBubbleH1
+                && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
 
 /// What every chunk of a stage shares: the model and the step, the layout's degrees, one rank's
@@ -268,6 +306,10 @@ struct StageShape<'a> {
     /// The MLP's weight gradients B makes under zero bubble (tsp's ring, a mixture's experts and
     /// router: none of them is a W op), a layer.
     mlp_gradients_in_b: Option<f64>,
+    /// The embedding is tied to the LM head: the stage holding the head reads the first stage's
+    /// table and sends back the head's part of its gradient, which the first stage adds to the
+    /// embedding's part before it joins its sum.
+    tied: bool,
     /// A layer's attention weights and one norm's (elements), and one MLP projection's (bytes).
     attention_weights: f64,
     norm: f64,
@@ -319,6 +361,7 @@ impl<'a> StageShape<'a> {
             shards: if scattered { dp as f64 } else { 1.0 },
             statistics,
             mlp_gradients_in_b,
+            tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
             norm: model.norm.params(model.hidden) as f64,
             gate: sizes.hidden * sizes.ffn * element,
@@ -340,6 +383,13 @@ impl<'a> StageShape<'a> {
         let StepSizes { tokens, local_tokens, token_split, vocab_shard, element, .. } = self.sizes;
         let rows = if token_split > 1 { tokens } else { local_tokens };
         rows * vocab_shard * element
+    }
+
+    /// The head's part of a tied table's gradient, the rank's rows of it (bytes): made at the head
+    /// of the last chunk's backward and sent back, received at the start of the first chunk's.
+    fn tied_head_part(&self) -> Option<Term> {
+        let StepSizes { element, vocab_shard, hidden, .. } = self.sizes;
+        self.tied.then_some(Term { name: TIED_HEAD_PART, bytes: vocab_shard * hidden * element })
     }
 
     /// Whether a chunk sends its layers' load-balancing statistics on: under interleaving the

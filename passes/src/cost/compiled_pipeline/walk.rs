@@ -161,6 +161,12 @@ impl Point<'_> {
                 grads += hold.grads;
                 remains += hold.remains;
             }
+            // The first stage holds the head's part of a tied table's gradient from the
+            // micro-batch's first backward there to its first chunk's (the current one's points
+            // count their own).
+            if !finished.is_empty() && self.shape.stage == 0 && micro_batch != step.micro_batch {
+                remains += self.shape.tied_head_part().map_or(0.0, |head_part| head_part.bytes);
+            }
         }
         (positions, grads, remains)
     }
