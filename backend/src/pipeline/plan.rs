@@ -5,9 +5,9 @@
 //! Guarantee: a plan these checks accept names every node's stage in range and every step once;
 //! anything else is an `Error::Pipeline` that says what is wrong.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
-use pleat_ir::Module;
+use pleat_ir::{Module, Op, ValueId};
 
 use super::{malformed, Phase, PipelinePlan, ScheduleStep};
 use crate::error::Result;
@@ -47,7 +47,7 @@ pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u
     }
     let last = stages - 1;
     let graph = &module.graph;
-    graph
+    let mut stage_of = graph
         .order()
         .iter()
         .map(|&node| {
@@ -72,7 +72,39 @@ pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u
                 )))
             }
         })
-        .collect()
+        .collect::<Result<Vec<u32>>>()?;
+    move_param_gathers_to_readers(module, &mut stage_of);
+    Ok(stage_of)
+}
+
+/// Moves each gather of a parameter (ZeRO-3's) whose readers all lie on one other stage to that
+/// stage, which then gathers the rank's shard itself (the shard is sent once a step, as a tied
+/// head's table is). A tied table's gather for the backward is one: placed by its name on the
+/// first stage, it would run in that stage's backward, after the last stage's backward that
+/// reads it, and the two would wait on each other.
+fn move_param_gathers_to_readers(module: &Module, stage_of: &mut [u32]) {
+    let graph = &module.graph;
+    let order = graph.order();
+    let gathers: HashMap<ValueId, usize> = order
+        .iter()
+        .enumerate()
+        .filter(|&(_, &node)| {
+            let data = graph.node(node);
+            matches!(data.op, Op::AllGather { .. }) && matches!(graph.def(data.inputs[0]).op, Op::Param { .. })
+        })
+        .map(|(at, &node)| (graph.node(node).result, at))
+        .collect();
+    let mut readers: HashMap<ValueId, BTreeSet<u32>> = HashMap::new();
+    for (at, &node) in order.iter().enumerate() {
+        for input in graph.node(node).inputs.iter().filter(|input| gathers.contains_key(input)) {
+            readers.entry(*input).or_default().insert(stage_of[at]);
+        }
+    }
+    for (gathered, at) in gathers {
+        if let Some(stages) = readers.get(&gathered).filter(|stages| stages.len() == 1) {
+            stage_of[at] = *stages.first().expect("one stage");
+        }
+    }
 }
 
 /// The phases a schedule's steps use: `[Forward, Backward]`, or the zero-bubble split.
