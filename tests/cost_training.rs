@@ -1092,11 +1092,11 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     // it over dp first, at the end of its backward). The four-layer tiny tied, with its vocabulary
     // and a wide one (2048 tokens, where the table outweighs a layer), on pp=2 and pp=4, alone and
     // by dp, tp (±SP), cp and dp × tp, each recomputation, GPipe, 1F1B and interleaved where it is
-    // modelled, and ZeRO-1.
+    // modelled, ZeRO-1, and ZeRO-2 beside dp without tp.
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
     let wide = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..tied.clone() };
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
-    let cases: [(&str, bool, Recompute, &[u32], u8); 13] = [
+    let cases: [(&str, bool, Recompute, &[u32], u8); 16] = [
         ("pp=2", false, none, &[2, 4], 0),
         ("pp=2", false, full, &[2], 0),
         ("pp=4", false, none, &[2], 0),
@@ -1110,6 +1110,9 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2,tp=2", false, none, &[2], 0),
         ("pp=2,dp=2,tp=2", true, full, &[2], 1),
         ("pp=2,tp=2,cp=2", true, none, &[2], 0),
+        ("pp=2,dp=2", false, none, &[2], 2),
+        ("pp=4,dp=2", false, full, &[2], 2),
+        ("pp=2,dp=2,cp=2", false, selective, &[2], 2),
     ];
     let mut names = std::collections::BTreeSet::new();
     for config in [&tied, &wide] {
@@ -1145,25 +1148,26 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
             }
         }
     }
-    // Both stages peak holding the head's part: the first at its backward's tail or (beside
-    // dp × tp) as the embedding's rows are sliced, the last at its tail or (beside dp × tp) as the
-    // head's part is reduced.
+    // Both stages peak holding the head's part: the first at its backward's tail, (beside dp × tp)
+    // as the embedding's rows are sliced, or (under ZeRO-2) as the two parts are summed, the last
+    // at its tail or (beside dp × tp) as the head's part is reduced.
     for expected in [
         (false, "tail of a backward"),
         (false, "embedding rows sliced for their dp reduction"),
+        (false, "the embedding's and the head's parts of the tied table's gradient summed"),
         (true, "tail of a backward"),
         (true, "the LM head's part of the tied table's gradient reduced over dp"),
     ] {
         assert!(names.contains(&expected), "{expected:?}: {names:?}");
     }
-    // Not modelled: zero bubble (whose W makes the head's part), ZeRO-2 and 3, tsp, interleaving
-    // beside dp × tp or on more than two stages.
+    // Not modelled: zero bubble (whose W makes the head's part), ZeRO-3, ZeRO-2 beside tp, tsp,
+    // interleaving beside dp × tp or on more than two stages.
     let model = ModelShape::from_config(&tied);
     let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
     let interleaved = ScheduleKind::Interleaved { chunks: 2 };
     for (mesh, kind, stages, zero) in [
         ("pp=2", ScheduleKind::ZeroBubbleH1, 2, 0),
-        ("pp=2,dp=2", ScheduleKind::OneFOneB, 2, 2),
+        ("pp=2,dp=2,tp=2", ScheduleKind::OneFOneB, 2, 2),
         ("pp=2,dp=2", ScheduleKind::OneFOneB, 2, 3),
         ("pp=2,tsp=2", ScheduleKind::OneFOneB, 2, 0),
         ("pp=2,dp=2,tp=2", interleaved, 2, 0),

@@ -303,6 +303,17 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         // (Under tsp the rank's own block of q.)
         (hidden * query * element / shape.tsp as f64, chunk.grads * shards - input_norm, held)
     };
+    // Beside dp (or cp) without tp, a tied table's two parts are summed before the sum is
+    // reduced: first the two parts and their sum are live (under ZeRO-2 more than the
+    // reduce-scatter after; beside an all-reduce as much as the tail after).
+    let parts_summed = (shape.tied && chunk.first && !chunk.last && reduced && vocab_split == 1.0).then(|| {
+        let mut held = held.clone();
+        let part = vocab_shard * hidden * element;
+        held.push(Term { name: "the embedding's part of the tied table's gradient", bytes: part });
+        held.extend(shape.tied_head_part());
+        held.push(Term { name: "the parts' sum, before its dp reduction", bytes: part });
+        held
+    });
     if scattered {
         held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
     } else if reduced {
@@ -351,6 +362,14 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         held,
         new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
     }];
+    if let Some(held) = parts_summed {
+        candidates.push(Candidate {
+            name: "the embedding's and the head's parts of the tied table's gradient summed",
+            so_far: before_joining,
+            held,
+            new_sum: None,
+        });
+    }
     if let Some(held) = slicing {
         candidates.push(Candidate {
             name: if reduced {

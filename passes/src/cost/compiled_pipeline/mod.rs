@@ -115,7 +115,8 @@
 //! it with the micro-batch's first backward there and adds it to the embedding's part: at the
 //! tail both parts are live beside their sum (the token ids and the embedding output's gradient
 //! freed), and the rows are sliced from the whole vocabulary's gradient under tp beside the head's
-//! part.
+//! part; beside dp (or cp) without tp the two parts and their sum are live before the sum is
+//! reduced (under ZeRO-2 more than at the reduce-scatter after).
 //!
 //! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
 //! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
@@ -145,8 +146,8 @@
 //! beside the weights they were recomputed with); a Llama-family model, dense, or a mixture of
 //! experts (no shared expert) with every expert on every rank, beside dp and tp without SP,
 //! ZeRO-1 at most, under zero bubble beside tp only; its embedding untied, or tied on a dense
-//! model without tsp, ZeRO-1 at most, not under zero bubble, interleaved on two stages only and
-//! not beside dp (or cp) × tp.
+//! model without tsp, ZeRO-1 at most (ZeRO-2 without tp), not under zero bubble, interleaved on
+//! two stages only and not beside dp (or cp) × tp.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -262,14 +263,15 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && !sequence_parallel
                 && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
         })
-        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most, not under zero
-        // bubble (whose W makes the head's part of the table's gradient). Interleaved, on two
-        // stages and not beside dp (or cp) × tp: elsewhere the first stage takes the head's part
-        // when a message queued after it is needed, which depends on the schedule.
+        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 without tp),
+        // not under zero bubble (whose W makes the head's part of the table's gradient).
+        // Interleaved, on two stages and not beside dp (or cp) × tp: elsewhere the first stage
+        // takes the head's part when a message queued after it is needed, which depends on the
+        // schedule.
         && (!model.tied_embeddings
             || (model.experts.is_none()
                 && tsp == 1
-                && workload.zero <= 1
+                && (workload.zero <= 1 || (workload.zero == 2 && tp == 1))
                 && schedule.kind != ScheduleKind::ZeroBubbleH1
                 && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
