@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 use clap::ValueEnum;
 use pleat_backend::optimizer::{pipelined_optimizer_layout, OptimizerLayout};
-pub use pleat_backend::pipeline::stage_of_nodes;
+pub use pleat_backend::pipeline::{gather_params_on_each_stage, stage_of_nodes};
 use pleat_backend::pipeline::{pipeline_programs_with_spans, PipelinePlan, ScheduleStep, StepSpan};
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;

@@ -280,7 +280,13 @@ pub fn compile_training(
             // Too few layers: stage_of_nodes says so.
             None => None,
         };
-        let stage_of = crate::pipeline::stage_of_nodes(&module, virtual_stages, layers.as_deref(), config.num_layers)?;
+        let mut stage_of =
+            crate::pipeline::stage_of_nodes(&module, virtual_stages, layers.as_deref(), config.num_layers)?;
+        // A parameter gathered for readers on several stages (a tied table under ZeRO-3) is
+        // gathered by each of them.
+        if crate::pipeline::gather_params_on_each_stage(&mut module, &stage_of) > 0 {
+            stage_of = crate::pipeline::stage_of_nodes(&module, virtual_stages, layers.as_deref(), config.num_layers)?;
+        }
         let schedule = crate::pipeline::schedule_steps(kind, stages, micro_batches)?;
         let plan = (micro_batches, kind.chunks());
         let (programs, layouts, step_spans) = crate::pipeline::pipelined(&module, &stage_of, &schedule, plan, zero)?;

@@ -27,7 +27,9 @@ use std::time::Duration;
 use pleat_backend::bucket::bucket_gradient_reductions;
 use pleat_backend::memory::{live_before, plan, ElementSize};
 use pleat_backend::optimizer::{optimizer_layout, pipelined_optimizer_layout, OptimizerLayout};
-use pleat_backend::pipeline::{pipeline_programs, schedule_steps, stage_of_nodes, PipelinePlan};
+use pleat_backend::pipeline::{
+    gather_params_on_each_stage, pipeline_programs, schedule_steps, stage_of_nodes, PipelinePlan,
+};
 use pleat_backend::Instr;
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
@@ -189,7 +191,10 @@ fn compile_pipelined_at(
         .unwrap_or_else(|err| panic!("{}: {err}", layout.mesh));
     // Interleaved: `chunks` virtual stages a rank, a layer each at least.
     let chunks = layout.schedule.chunks();
-    let stage_of = stage_of_nodes(&module, stages * chunks, None, config.num_layers).expect("stages");
+    let mut stage_of = stage_of_nodes(&module, stages * chunks, None, config.num_layers).expect("stages");
+    if gather_params_on_each_stage(&mut module, &stage_of) > 0 {
+        stage_of = stage_of_nodes(&module, stages * chunks, None, config.num_layers).expect("stages");
+    }
     let schedule = schedule_steps(&Schedule::build(layout.schedule, stages, layout.micro_batches).expect("schedule"));
     let plan = PipelinePlan { stage_of: &stage_of, schedule: &schedule, micro_batches: layout.micro_batches, chunks };
     let programs = pipeline_programs(&module, &plan).expect("pipeline programs");
@@ -1092,11 +1097,12 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     // it over dp first, at the end of its backward). The four-layer tiny tied, with its vocabulary
     // and a wide one (2048 tokens, where the table outweighs a layer), on pp=2 and pp=4, alone and
     // by dp, tp (±SP), cp and dp × tp, each recomputation, GPipe, 1F1B and interleaved where it is
-    // modelled, ZeRO-1, and ZeRO-2 beside dp without tp.
+    // modelled, ZeRO-1, and ZeRO-2 and 3 beside dp without tp (under ZeRO-3 the last stage
+    // gathers the table's shard itself).
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
     let wide = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..tied.clone() };
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
-    let cases: [(&str, bool, Recompute, &[u32], u8); 16] = [
+    let cases: [(&str, bool, Recompute, &[u32], u8); 19] = [
         ("pp=2", false, none, &[2, 4], 0),
         ("pp=2", false, full, &[2], 0),
         ("pp=4", false, none, &[2], 0),
@@ -1113,6 +1119,9 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2", false, none, &[2], 2),
         ("pp=4,dp=2", false, full, &[2], 2),
         ("pp=2,dp=2,cp=2", false, selective, &[2], 2),
+        ("pp=2,dp=2", false, none, &[2], 3),
+        ("pp=4,dp=2", false, selective, &[2], 3),
+        ("pp=2,dp=2,cp=2", false, none, &[2], 3),
     ];
     let mut names = std::collections::BTreeSet::new();
     for config in [&tied, &wide] {
@@ -1160,7 +1169,7 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(names.contains(&expected), "{expected:?}: {names:?}");
     }
-    // Not modelled: zero bubble (whose W makes the head's part), ZeRO-3, ZeRO-2 beside tp, tsp,
+    // Not modelled: zero bubble (whose W makes the head's part), ZeRO-2 and 3 beside tp, tsp,
     // interleaving beside dp × tp or on more than two stages.
     let model = ModelShape::from_config(&tied);
     let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
@@ -1168,7 +1177,7 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     for (mesh, kind, stages, zero) in [
         ("pp=2", ScheduleKind::ZeroBubbleH1, 2, 0),
         ("pp=2,dp=2,tp=2", ScheduleKind::OneFOneB, 2, 2),
-        ("pp=2,dp=2", ScheduleKind::OneFOneB, 2, 3),
+        ("pp=2,dp=2,tp=2", ScheduleKind::OneFOneB, 2, 3),
         ("pp=2,tsp=2", ScheduleKind::OneFOneB, 2, 0),
         ("pp=2,dp=2,tp=2", interleaved, 2, 0),
         ("pp=4", interleaved, 4, 0),
@@ -1181,6 +1190,39 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
             compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, layers).is_none(),
             "{mesh} {kind:?} zero={zero}"
         );
+    }
+}
+
+#[test]
+fn a_tied_table_under_zero3_is_gathered_by_the_last_stage_itself() {
+    // The first stage sends the rank's dp shard of the table once a step; the last gathers it for
+    // its head in each micro-batch's forward and again in its backward. (Gathered on the first
+    // stage, the whole table went every micro-batch and stayed there to each one's end.)
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
+    let layout = PipelinedLayout { zero_stage: 3, ..PipelinedLayout::new("pp=2,dp=2", ScheduleKind::OneFOneB, 2) };
+    let (programs, _) = compile_pipelined(&tied, &layout);
+    let table_shard = 128 * 128;
+    let reads_table = |program: &pleat_backend::Program, instr: &Instr| {
+        instr.inputs().iter().any(|&buffer| program.buffer(buffer).name.starts_with("model.embed_tokens.weight"))
+    };
+    for rank in [0, 1] {
+        let program = &programs[rank];
+        let sent: Vec<u64> = program
+            .instructions
+            .iter()
+            .filter_map(|instr| match instr {
+                Instr::Send { bufs, .. } if reads_table(program, instr) => Some(program.buffer(bufs[0]).numel()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sent, [table_shard], "rank {rank}");
+        let last = &programs[rank + 2];
+        let gathers = last
+            .instructions
+            .iter()
+            .filter(|instr| matches!(instr, Instr::AllGather { .. }) && reads_table(last, instr))
+            .count();
+        assert_eq!(gathers, 2 * 2, "rank {}", rank + 2);
     }
 }
 

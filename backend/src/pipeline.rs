@@ -38,8 +38,8 @@ use pleat_ir::Module;
 use crate::error::{Error, Result};
 use crate::lower::lower_rank_traced;
 use crate::program::{Buffer, BufferId, BufferKind, Group, Instr, Kernel, Program};
-pub use plan::stage_of_nodes;
 use plan::{check_plan, phases_of};
+pub use plan::{gather_params_on_each_stage, stage_of_nodes};
 
 /// What a schedule step runs of one micro-batch on one model chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -5,9 +5,9 @@
 //! Guarantee: a plan these checks accept names every node's stage in range and every step once;
 //! anything else is an `Error::Pipeline` that says what is wrong.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use pleat_ir::{Module, Op, ValueId};
+use pleat_ir::{Module, NodeId, Op, ValueId};
 
 use super::{malformed, Phase, PipelinePlan, ScheduleStep};
 use crate::error::Result;
@@ -77,6 +77,53 @@ pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u
     Ok(stage_of)
 }
 
+/// Whether `node` gathers a parameter (ZeRO-3's gather of the rank's shard).
+fn gathers_param(graph: &pleat_ir::Graph, node: NodeId) -> bool {
+    let data = graph.node(node);
+    matches!(data.op, Op::AllGather { .. }) && matches!(graph.def(data.inputs[0]).op, Op::Param { .. })
+}
+
+/// Gives every stage that reads a parameter's gather (ZeRO-3's) beside the gather's own its own
+/// gather of the rank's shard, just before its first reader there, and returns how many it added
+/// (the caller places the nodes again with [`stage_of_nodes`]). A tied table's forward gather is
+/// read by the embedding on the first stage and the LM head on the last: the last then receives
+/// the shard once a step and gathers it itself, instead of receiving the whole gathered table every
+/// micro-batch, which the first stage would hold to each micro-batch's end (another rank reads it
+/// last).
+pub fn gather_params_on_each_stage(module: &mut Module, stage_of: &[u32]) -> usize {
+    let graph = &mut module.graph;
+    let order = graph.order().to_vec();
+    let mut added = 0;
+    for (at, &node) in order.iter().enumerate() {
+        if !gathers_param(graph, node) {
+            continue;
+        }
+        let gathered = graph.node(node).result;
+        let mut readers: BTreeMap<u32, Vec<NodeId>> = BTreeMap::new();
+        for (reader_at, &reader) in order.iter().enumerate().skip(at + 1) {
+            if graph.node(reader).inputs.contains(&gathered) {
+                readers.entry(stage_of[reader_at]).or_default().push(reader);
+            }
+        }
+        let own = stage_of[at];
+        for (stage, nodes) in readers.into_iter().filter(|&(stage, _)| stage != own) {
+            let first = graph.order().iter().position(|&id| id == nodes[0]).expect("a reader in the order");
+            let anchor = graph.order()[first - 1];
+            let data = graph.node(node).clone();
+            let value = graph.value(gathered).clone();
+            let name = format!("{}.stage{stage}", data.name);
+            let copy = graph.insert_after(anchor, data.op, &data.inputs, value.ty, value.spec, &name);
+            for reader in nodes {
+                for input in graph.node_mut(reader).inputs.iter_mut().filter(|input| **input == gathered) {
+                    *input = copy;
+                }
+            }
+            added += 1;
+        }
+    }
+    added
+}
+
 /// Moves each gather of a parameter (ZeRO-3's) whose readers all lie on one other stage to that
 /// stage, which then gathers the rank's shard itself (the shard is sent once a step, as a tied
 /// head's table is). A tied table's gather for the backward is one: placed by its name on the
@@ -88,10 +135,7 @@ fn move_param_gathers_to_readers(module: &Module, stage_of: &mut [u32]) {
     let gathers: HashMap<ValueId, usize> = order
         .iter()
         .enumerate()
-        .filter(|&(_, &node)| {
-            let data = graph.node(node);
-            matches!(data.op, Op::AllGather { .. }) && matches!(graph.def(data.inputs[0]).op, Op::Param { .. })
-        })
+        .filter(|&(_, &node)| gathers_param(graph, node))
         .map(|(at, &node)| (graph.node(node).result, at))
         .collect();
     let mut readers: HashMap<ValueId, BTreeSet<u32>> = HashMap::new();

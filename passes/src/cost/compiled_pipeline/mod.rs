@@ -116,7 +116,9 @@
 //! tail both parts are live beside their sum (the token ids and the embedding output's gradient
 //! freed), and the rows are sliced from the whole vocabulary's gradient under tp beside the head's
 //! part; beside dp (or cp) without tp the two parts and their sum are live before the sum is
-//! reduced (under ZeRO-2 more than at the reduce-scatter after).
+//! reduced (under ZeRO-2 more than at the reduce-scatter after). Under ZeRO-3 the last stage
+//! receives the table's dp shard and gathers it itself, in its forward and again in its backward
+//! (`pipeline::gather_params_on_each_stage`); those copies are freed by the points modelled.
 //!
 //! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
 //! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
@@ -146,8 +148,8 @@
 //! beside the weights they were recomputed with); a Llama-family model, dense, or a mixture of
 //! experts (no shared expert) with every expert on every rank, beside dp and tp without SP,
 //! ZeRO-1 at most, under zero bubble beside tp only; its embedding untied, or tied on a dense
-//! model without tsp, ZeRO-1 at most (ZeRO-2 without tp), not under zero bubble, interleaved on
-//! two stages only and not beside dp (or cp) × tp.
+//! model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp), not under zero bubble,
+//! interleaved on two stages only and not beside dp (or cp) × tp.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -219,7 +221,8 @@ pub fn compiled_stage_peak(
     let param_shards = if workload.zero >= 3 && shape.dp > 1 { shape.dp as f64 } else { 1.0 };
     let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
-    let received_table: f64 = holds.iter().map(|hold| hold.received_table).sum();
+    // (Under ZeRO-3 the rank's dp shard of it, gathered by the stage itself for its head.)
+    let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
     if received_table > 0.0 {
         // Received in the stage's first forward, held to the end of the step.
         phase.terms.push(Term { name: TIED_TABLE_RECEIVED, bytes: received_table });
@@ -263,7 +266,7 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && !sequence_parallel
                 && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
         })
-        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 without tp),
+        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp),
         // not under zero bubble (whose W makes the head's part of the table's gradient).
         // Interleaved, on two stages and not beside dp (or cp) × tp: elsewhere the first stage
         // takes the head's part when a message queued after it is needed, which depends on the
@@ -271,7 +274,7 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && (!model.tied_embeddings
             || (model.experts.is_none()
                 && tsp == 1
-                && (workload.zero <= 1 || (workload.zero == 2 && tp == 1))
+                && (workload.zero <= 1 || tp == 1)
                 && schedule.kind != ScheduleKind::ZeroBubbleH1
                 && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
