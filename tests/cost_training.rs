@@ -796,18 +796,30 @@ fn pipelined_stage_closed_form_equals_the_planners_peak() {
         if stages * 2 <= 4 {
             kinds.push(ScheduleKind::Interleaved { chunks: 2 });
         }
-        for kind in kinds {
-            for &micro_batches in micro_batch_counts {
-                let layout = PipelinedLayout {
-                    recompute,
-                    sequence_parallel,
-                    zero_stage,
-                    ..PipelinedLayout::new(mesh, kind, micro_batches)
-                };
-                check_stage_closed_form(&config, &layout);
-            }
+        for layout in layouts_of(mesh, sequence_parallel, recompute, zero_stage, &kinds, micro_batch_counts) {
+            check_stage_closed_form(&config, &layout);
         }
     }
+}
+
+/// `mesh`'s pipelined layouts in each of `kinds` with each of `micro_batch_counts`.
+fn layouts_of(
+    mesh: &'static str,
+    sequence_parallel: bool,
+    recompute: Recompute,
+    zero_stage: u8,
+    kinds: &[ScheduleKind],
+    micro_batch_counts: &[u32],
+) -> Vec<PipelinedLayout> {
+    let each = |&kind| {
+        micro_batch_counts.iter().map(move |&micro_batches| PipelinedLayout {
+            recompute,
+            sequence_parallel,
+            zero_stage,
+            ..PipelinedLayout::new(mesh, kind, micro_batches)
+        })
+    };
+    kinds.iter().flat_map(each).collect()
 }
 
 #[test]
@@ -1134,24 +1146,16 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
             if stages == 2 && !(reduced && parsed.degree(AxisName::Tp) > 1) {
                 kinds.push(ScheduleKind::Interleaved { chunks: 2 });
             }
-            for kind in kinds {
-                for &micro_batches in micro_batch_counts {
-                    let layout = PipelinedLayout {
-                        recompute,
-                        sequence_parallel,
-                        zero_stage,
-                        ..PipelinedLayout::new(mesh, kind, micro_batches)
-                    };
-                    check_stage_closed_form(config, &layout);
-                    for stage in stage_closed_forms(config, &layout, SEQ) {
-                        let last = stage.label.ends_with(&format!("stage {}", stages - 1));
-                        let holds = |name: &str| stage.phase.terms.iter().any(|term| term.name == name);
-                        // The last stage holds the received table at every peak, and the head's
-                        // part of its gradient past the head of its backward.
-                        assert_eq!(holds(TIED_TABLE_RECEIVED), last, "{}", stage.label);
-                        if holds(TIED_HEAD_PART) {
-                            names.insert((last, stage.phase.name));
-                        }
+            for layout in layouts_of(mesh, sequence_parallel, recompute, zero_stage, &kinds, micro_batch_counts) {
+                check_stage_closed_form(config, &layout);
+                for stage in stage_closed_forms(config, &layout, SEQ) {
+                    let last = stage.label.ends_with(&format!("stage {}", stages - 1));
+                    let holds = |name: &str| stage.phase.terms.iter().any(|term| term.name == name);
+                    // The last stage holds the received table at every peak, and the head's part
+                    // of its gradient past the head of its backward.
+                    assert_eq!(holds(TIED_TABLE_RECEIVED), last, "{}", stage.label);
+                    if holds(TIED_HEAD_PART) {
+                        names.insert((last, stage.phase.name));
                     }
                 }
             }
