@@ -1108,8 +1108,9 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     // embedding's part before the sum joins its running sum (beside dp × tp the last stage reduces
     // it over dp first, at the end of its backward). The four-layer tiny tied, with its vocabulary
     // and a wide one (2048 tokens, where the table outweighs a layer), on pp=2 and pp=4, alone and
-    // by dp, tp (±SP), cp and dp × tp, each recomputation, GPipe, 1F1B and interleaved where it is
-    // modelled, ZeRO-1, and ZeRO-2 and 3 beside dp without tp (under ZeRO-3 the last stage
+    // by dp, tp (±SP), cp and dp × tp, each recomputation, GPipe, 1F1B, zero bubble (where the
+    // first stage of two takes the last's input gradients of the B steps before the head's part,
+    // made in W) and interleaved where they are modelled, ZeRO-1, and ZeRO-2 and 3 beside dp without tp (under ZeRO-3 the last stage
     // gathers the table's shard itself).
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
     let wide = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..tied.clone() };
@@ -1141,9 +1142,14 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
             let parsed = Mesh::parse(mesh).unwrap();
             let stages = parsed.degree(AxisName::Pp) as u32;
             let mut kinds = vec![ScheduleKind::GPipe, ScheduleKind::OneFOneB];
-            // Interleaved on two stages, but beside dp (or cp) × tp (see `compiled_stage_peak`).
+            // Zero bubble (ZeRO-1 at most) and interleaved (on two stages), but beside dp (or
+            // cp) × tp (see `compiled_stage_peak`).
             let reduced = parsed.degree(AxisName::Dp) * parsed.degree(AxisName::Cp) > 1;
-            if stages == 2 && !(reduced && parsed.degree(AxisName::Tp) > 1) {
+            let beside_dp_by_tp = reduced && parsed.degree(AxisName::Tp) > 1;
+            if zero_stage <= 1 && !beside_dp_by_tp {
+                kinds.push(ScheduleKind::ZeroBubbleH1);
+            }
+            if stages == 2 && !beside_dp_by_tp {
                 kinds.push(ScheduleKind::Interleaved { chunks: 2 });
             }
             for layout in layouts_of(mesh, sequence_parallel, recompute, zero_stage, &kinds, micro_batch_counts) {
@@ -1173,17 +1179,18 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(names.contains(&expected), "{expected:?}: {names:?}");
     }
-    // Not modelled: zero bubble (whose W makes the head's part), ZeRO-2 and 3 beside tp, tsp,
-    // interleaving beside dp × tp or on more than two stages.
+    // Not modelled: ZeRO-2 and 3 beside tp or under zero bubble, tsp, interleaving beside dp × tp
+    // or on more than two stages.
     let model = ModelShape::from_config(&tied);
     let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
     let interleaved = ScheduleKind::Interleaved { chunks: 2 };
     for (mesh, kind, stages, zero) in [
-        ("pp=2", ScheduleKind::ZeroBubbleH1, 2, 0),
+        ("pp=2,dp=2", ScheduleKind::ZeroBubbleH1, 2, 2),
         ("pp=2,dp=2,tp=2", ScheduleKind::OneFOneB, 2, 2),
         ("pp=2,dp=2,tp=2", ScheduleKind::OneFOneB, 2, 3),
         ("pp=2,tsp=2", ScheduleKind::OneFOneB, 2, 0),
         ("pp=2,dp=2,tp=2", interleaved, 2, 0),
+        ("pp=2,dp=2,tp=2", ScheduleKind::ZeroBubbleH1, 2, 0),
         ("pp=4", interleaved, 4, 0),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);

@@ -119,6 +119,9 @@
 //! reduced (under ZeRO-2 more than at the reduce-scatter after). Under ZeRO-3 the last stage
 //! receives the table's dp shard and gathers it itself, in its forward and again in its backward
 //! (`pipeline::gather_params_on_each_stage`); those copies are freed by the points modelled.
+//! Under zero bubble the head's part is made in the last stage's W and added in the first
+//! stage's; on two stages the first takes, before it, the input gradients the last sent from the
+//! B steps it ran in between, and holds them to their own B.
 //!
 //! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
 //! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
@@ -148,8 +151,8 @@
 //! beside the weights they were recomputed with); a Llama-family model, dense, or a mixture of
 //! experts (no shared expert) with every expert on every rank, beside dp and tp without SP,
 //! ZeRO-1 at most, under zero bubble beside tp only; its embedding untied, or tied on a dense
-//! model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp), not under zero bubble,
-//! interleaved on two stages only and not beside dp (or cp) × tp.
+//! model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under zero bubble), under
+//! zero bubble or interleaved not beside dp (or cp) × tp, interleaved on two stages only.
 //! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
 //! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
 //! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
@@ -266,16 +269,15 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && !sequence_parallel
                 && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
         })
-        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp),
-        // not under zero bubble (whose W makes the head's part of the table's gradient).
-        // Interleaved, on two stages and not beside dp (or cp) × tp: elsewhere the first stage
-        // takes the head's part when a message queued after it is needed, which depends on the
-        // schedule.
+        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without
+        // tp, not under zero bubble). Under zero bubble or interleaved, not beside dp (or cp) × tp;
+        // interleaved on two stages only: elsewhere the first stage takes the head's part when a
+        // message queued after it is needed, which depends on the schedule.
         && (!model.tied_embeddings
             || (model.experts.is_none()
                 && tsp == 1
                 && (workload.zero <= 1 || tp == 1)
-                && schedule.kind != ScheduleKind::ZeroBubbleH1
+                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || (workload.zero <= 1 && (dp * cp == 1 || tp == 1)))
                 && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
 

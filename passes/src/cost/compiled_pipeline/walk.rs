@@ -102,7 +102,7 @@ impl Point<'_> {
         }
         Some(Beside {
             other_sums,
-            others: others + positions + self.counts_taken()? + last_stage_statistics,
+            others: others + positions + self.counts_taken()? + last_stage_statistics + self.gradients_taken_early()?,
             unfinished_grads,
             remains,
             received,
@@ -207,6 +207,29 @@ impl Point<'_> {
             }
         }
         Some(held)
+    }
+
+    /// Under zero bubble on two stages, the head's part of a tied table's gradient comes from the
+    /// last stage's W, after the input gradients of the micro-batches whose B ran there before
+    /// it: at its W the first stage has taken those first, and holds them (the two input
+    /// gradients of the last stage's first layer) until their B here.
+    fn gradients_taken_early(&self) -> Option<f64> {
+        let shape = self.shape;
+        if !(shape.tied && shape.zero_bubble && !self.in_b && shape.stage == 0 && shape.stages == 2) {
+            return Some(0.0);
+        }
+        let last_steps = self.schedule.per_stage.get(1)?;
+        let sent_at = last_steps
+            .iter()
+            .position(|there| there.micro_batch == self.step.micro_batch && there.phase == self.tail_phase)?;
+        let taken = (0..self.schedule.micro_batches)
+            .filter(|&other| other != self.step.micro_batch)
+            .filter(|&other| {
+                let b = |step: &Step| step.micro_batch == other && step.phase == self.input_phase;
+                last_steps[..sent_at].iter().any(b) && !self.before.iter().any(b)
+            })
+            .count();
+        Some(taken as f64 * 2.0 * shape.sizes.boundary)
     }
 
     /// Under interleaving a stage before the last holds each micro-batch's summed counts from
