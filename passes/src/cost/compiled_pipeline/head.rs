@@ -28,7 +28,8 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let rows = logits / vocab_shard / element;
     let weight_gradient = vocab_shard * hidden * element;
     // Beside a tied table the head's part of its gradient joins no sum here: it is sent back
-    // and held to the micro-batch's end (and beside dp reduced on the first stage).
+    // and held to the micro-batch's end (reduced over dp on the first stage, or beside dp × tp at
+    // the end of this stage's backward).
     let head_part = shape.tied_head_part();
     let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
     let mut candidates = vec![Candidate {
