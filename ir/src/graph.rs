@@ -144,6 +144,10 @@ impl Graph {
     pub fn def(&self, value: ValueId) -> &NodeData {
         &self.nodes[self.values[value].def]
     }
+    /// Whether `node` gathers a parameter (ZeRO-3's gather of the rank's shard).
+    pub fn gathers_param(&self, node: &NodeData) -> bool {
+        matches!(node.op, Op::AllGather { .. }) && matches!(self.def(node.inputs[0]).op, Op::Param { .. })
+    }
     /// Whether `id` names a node of this graph.
     pub fn has_node(&self, id: NodeId) -> bool {
         self.nodes.is_valid(id)

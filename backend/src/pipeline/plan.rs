@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use pleat_ir::{Module, NodeId, Op, ValueId};
+use pleat_ir::{Module, NodeId, ValueId};
 
 use super::{malformed, Phase, PipelinePlan, ScheduleStep};
 use crate::error::Result;
@@ -77,12 +77,6 @@ pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u
     Ok(stage_of)
 }
 
-/// Whether `node` gathers a parameter (ZeRO-3's gather of the rank's shard).
-fn gathers_param(graph: &pleat_ir::Graph, node: NodeId) -> bool {
-    let data = graph.node(node);
-    matches!(data.op, Op::AllGather { .. }) && matches!(graph.def(data.inputs[0]).op, Op::Param { .. })
-}
-
 /// Gives every stage that reads a parameter's gather (ZeRO-3's) beside the gather's own its own
 /// gather of the rank's shard, just before its first reader there, and returns how many it added
 /// (the caller places the nodes again with [`stage_of_nodes`]). A tied table's forward gather is
@@ -95,7 +89,7 @@ pub fn gather_params_on_each_stage(module: &mut Module, stage_of: &[u32]) -> usi
     let order = graph.order().to_vec();
     let mut added = 0;
     for (at, &node) in order.iter().enumerate() {
-        if !gathers_param(graph, node) {
+        if !graph.gathers_param(graph.node(node)) {
             continue;
         }
         let gathered = graph.node(node).result;
@@ -135,7 +129,7 @@ fn move_param_gathers_to_readers(module: &Module, stage_of: &mut [u32]) {
     let gathers: HashMap<ValueId, usize> = order
         .iter()
         .enumerate()
-        .filter(|&(_, &node)| gathers_param(graph, node))
+        .filter(|&(_, &node)| graph.gathers_param(graph.node(node)))
         .map(|(at, &node)| (graph.node(node).result, at))
         .collect();
     let mut readers: HashMap<ValueId, BTreeSet<u32>> = HashMap::new();

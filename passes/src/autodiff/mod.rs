@@ -52,10 +52,7 @@ pub struct Options {
 impl Options {
     /// Whether the backward recomputes `node` rather than reading the forward's result.
     fn recomputes(&self, graph: &Graph, node: &NodeData) -> bool {
-        let gathers_param = |node: &NodeData| {
-            matches!(node.op, Op::AllGather { .. }) && matches!(graph.def(node.inputs[0]).op, Op::Param { .. })
-        };
-        if self.zero_stage >= 3 && gathers_param(node) {
+        if self.zero_stage >= 3 && graph.gathers_param(node) {
             return true;
         }
         // A broadcast weight block (TSP) is received again in the backward rather than kept from
