@@ -10,10 +10,12 @@
 //! step to the byte. The closed-form training peak plus
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
-//! and without SP), selective and full recomputation, with the embedding untied and tied, and
-//! tsp=2 and tsp=4 on every rank (from 16
-//! to 512 tokens, each recompute, full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the embedding gradient is sliced before it is
-//! reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
+//! and without SP), selective and full recomputation, with the embedding untied and tied, for
+//! `tiny-moe` (every expert on every rank, with and without its load-balancing loss: one rank, tp,
+//! dp, cp, dp×tp, ZeRO 2 and 3, each recompute, 8 to 256 tokens a sequence, where a mixture's
+//! backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
+//! full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the
+//! embedding gradient is sliced before it is reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
 //! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
 //! and by dp=2, cp=2 or tp=2 (with and without SP), each recomputation, GPipe and 1F1B, 2 and 4
@@ -442,7 +444,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
     // activations and the end of the backward peaks; on 128 the head of the backward (the loss's
     // or the LM head's gradients) or, under full recomputation, a recomputed layer's backward; 32
     // lies between, where a layer's MLP backward can peak.
-    let phases = check_training_closed_form(&preset("tiny").unwrap());
+    let phases = check_training_closed_form(&preset("tiny").unwrap(), &TRAINING_CROSS_CHECK, &[SEQ, 32, 128]);
     // The grid reaches both ends of the backward and the layers between.
     for name in [
         "end of backward",
@@ -451,7 +453,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
         "an MLP's down projection weight gradient",
         "an MLP's down projection weight gradient reduced",
         "an MLP norm output's gradient",
-        "an attention kernel's backward (full recompute)",
+        "an attention kernel's backward",
     ] {
         assert!(phases.contains_key(name), "{name} not among {phases:?}");
     }
@@ -463,7 +465,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_with_tied_embe
     // embedding's, made at its end: the head's part is held between the two (whole over dp under
     // ZeRO-2 and 3, reduced with the table's gradient at the end), a named term.
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..preset("tiny").unwrap() };
-    let phases = check_training_closed_form(&tied);
+    let phases = check_training_closed_form(&tied, &TRAINING_CROSS_CHECK, &[SEQ, 32, 128]);
     for name in ["end of backward", "the loss's backward", "an MLP's down projection weight gradient"] {
         assert!(phases.contains_key(name), "{name} not among {phases:?}");
     }
@@ -471,18 +473,19 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_with_tied_embe
 }
 
 /// Checks that the closed form plus the named terms of `compiled_training_peak` equals the
-/// planner's peak on every rank of `config`'s training step, for every layout of
-/// `TRAINING_CROSS_CHECK` on 8, 32 and 128 tokens a sequence; returns each peak phase's name with
-/// the names of its terms.
+/// planner's peak on every rank of `config`'s training step, for every one of `layouts` on each of
+/// `seqs` tokens a sequence; returns each peak phase's name with the names of its terms.
 fn check_training_closed_form(
     config: &pleat_ir::model::config::ModelConfig,
+    layouts: &[TrainingLayout],
+    seqs: &[u64],
 ) -> std::collections::BTreeMap<&'static str, Vec<&'static str>> {
     let batch = 4;
     let model = ModelShape::from_config(config);
     assert_eq!(model.dtype_bytes, 4);
     let mut phases = std::collections::BTreeMap::new();
-    for seq in [SEQ, 32, 128] {
-        for training in &TRAINING_CROSS_CHECK {
+    for &seq in seqs {
+        for training in layouts {
             let (programs, optimizer_layouts) = compile_training_at(config, training, batch, seq);
             let layout = Layout::from_mesh(&Mesh::parse(training.mesh).unwrap(), training.sequence_parallel);
             let workload = Workload {
@@ -524,7 +527,8 @@ fn training_closed_form_never_exceeds_the_planners_peak() {
     // Every phase of the closed form is the live set at one point of the program, so on shapes
     // whose peak falls at a point it does not model (few tokens beside a narrow MLP or a large
     // vocabulary, where dp's gradient reductions or a layer's q projection peak) it is below the
-    // planner's peak, never above: checked here on four shapes (one with a tied embedding), each
+    // planner's peak, never above: checked here on five shapes (one with a tied embedding, and a
+    // mixture of experts, whose backward under SP is modelled only at its end), each
     // recomputation, from 8 to 256 tokens a sequence.
     let tiny = preset("tiny").unwrap();
     let shapes = [
@@ -538,6 +542,7 @@ fn training_closed_form_never_exceeds_the_planners_peak() {
             tie_word_embeddings: true,
             ..tiny.clone()
         },
+        pleat_ir::model::config::ModelConfig { num_layers: 3, ..preset("tiny-moe").unwrap() },
     ];
     let layouts = [
         ("", false, 0),
@@ -611,6 +616,57 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_for_experts() 
             let planned = plan(program, ElementSize::Fixed(4));
             assert_eq!(planned.peak_bytes as f64, predicted, "tiny-moe {mesh} rank {}: {differences:?}", program.rank);
         }
+    }
+}
+
+/// The layouts of a mixture of experts with every expert on every rank whose backward the closed
+/// form models (no SP: it gathers the mixture's whole input and output).
+const MIXTURE_CROSS_CHECK: [TrainingLayout; 17] = [
+    TrainingLayout::new("", false, 0),
+    TrainingLayout::new("tp=2", false, 0),
+    TrainingLayout::new("dp=2", false, 0),
+    TrainingLayout::new("cp=2", false, 0),
+    TrainingLayout::new("dp=2,tp=2", false, 0),
+    TrainingLayout::new("dp=2", false, 2),
+    TrainingLayout::new("dp=2", false, 3),
+    TrainingLayout::new("dp=4", false, 3),
+    TrainingLayout::new("dp=2,tp=2", false, 2),
+    TrainingLayout::recomputing("", false, Recompute::Selective),
+    TrainingLayout::recomputing("", false, Recompute::Full),
+    TrainingLayout::recomputing("tp=2", false, Recompute::Full),
+    TrainingLayout::recomputing("dp=2", false, Recompute::Full),
+    TrainingLayout::recomputing("cp=2", false, Recompute::Selective),
+    TrainingLayout::recomputing("cp=2", false, Recompute::Full),
+    TrainingLayout { mesh: "dp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
+    TrainingLayout { mesh: "dp=2,tp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
+];
+
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_training_peak_inside_a_mixtures_backward() {
+    // tiny-moe keeps no MLP activations (its backward recomputes the experts' from the MLP norm's
+    // output), so on more tokens its step peaks at the head of the backward, inside a layer's
+    // mixture backward (as the MLP norm output's gradient is made, as the experts' gradients are
+    // made or reduced over dp, as the attention residual's gradient is summed) or, once the
+    // experts' gradients outweigh its tokens, in its attention backward. With and without the
+    // load-balancing loss (whose expert counts are kept for the routers' backward, and whose
+    // router gradients sit beside the experts' input gradient).
+    let config = preset("tiny-moe").unwrap();
+    let without_balancing = pleat_ir::model::config::ModelConfig {
+        moe: config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { output_router_logits: false, ..moe }),
+        ..config.clone()
+    };
+    let mut phases = check_training_closed_form(&config, &MIXTURE_CROSS_CHECK, &[SEQ, 32, 128, 256]);
+    phases.extend(check_training_closed_form(&without_balancing, &MIXTURE_CROSS_CHECK, &[SEQ, 32, 128, 256]));
+    for name in [
+        "end of backward",
+        "the loss's backward",
+        "a mixture's MLP norm output's gradient",
+        "a mixture's expert gradients made",
+        "a mixture's expert gradients reduced",
+        "a mixture's attention residual gradient",
+        "an attention kernel's backward",
+    ] {
+        assert!(phases.contains_key(name), "{name} not among {:?}", phases.keys());
     }
 }
 

@@ -12,16 +12,26 @@
 //! - **inside a layer's MLP backward**, the first layer's or the last's: as the down projection's
 //!   weight gradient is made (and, beside dp or cp, reduced), and as the MLP norm output's
 //!   gradients from gate and up are summed;
-//! - under full recomputation, **inside a layer's recomputed attention backward**: at the attention
-//!   kernel's dv, and as the attention norm output's gradients from v, k and q are summed;
+//! - **inside a layer's attention backward** (its attention recomputed under selective
+//!   recomputation, all of it under full): at the attention kernel's dv, and as the attention norm
+//!   output's gradients from v, k and q are summed;
+//! - a mixture of experts' layer in place of the MLP's points, the first layer's or the last's: **as
+//!   the MLP norm output's gradient is made** (the experts' input gradient, all-reduced over tp,
+//!   beside the router's from the load-balancing loss), **as the experts' last weight gradient is
+//!   made** (under ZeRO-3 beside their weights gathered again), **as dp or cp reduces the first of
+//!   them**, and **as the attention residual's gradient is summed** past the MLP norm's backward;
+//!   a mixture's expert counts summed over the layers are live until the first layer's router
+//!   backward;
+//! - under cp, **the forward's end**, as every token's logits are gathered and put back in order
+//!   (a mixture's per-layer statistics not yet summed);
 //! - **the embedding's backward**, as the whole-vocabulary gradient is scattered from the token
 //!   gradients;
 //! - **the end of the backward**, below.
 //!
 //! Each is exact where the program peaks there; where it peaks at a point not modelled (a
-//! crossover token count, a narrow MLP, dp's reduction of another gradient, a mixture of experts'
-//! backward, for which only the end is modelled) the result is below the planner's peak, never
-//! above (`tests/cost_training.rs` checks both).
+//! crossover token count, a narrow MLP, dp's reduction of another gradient, or a mixture of
+//! experts split over ep, with a shared expert, or under SP, for which only the end is modelled)
+//! the result is below the planner's peak, never above (`tests/cost_training.rs` checks both).
 //!
 //! A tied embedding's gradient is the sum of the LM head's part, made at the head of the backward,
 //! and the embedding's, made at its end. The head's part is held from one to the other
@@ -54,7 +64,8 @@
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
-//! tied). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
+//! tied; and a mixture of experts with every expert on every rank alone, on tp, dp, cp and dp × tp,
+//! ZeRO 2 and 3 and each recomputation, on 8 to 256 tokens a sequence). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
@@ -181,18 +192,30 @@ fn embedding_backward(
     Some(ForwardPhase { name: "the embedding's backward", params, terms })
 }
 
-/// The phases of the backward of a step without pipelining or tsp before its end (a dense model;
-/// none for a mixture of experts): its head (every layer's kept activations, the final norm's input
-/// and output, the token ids and positions and the loss, beside the loss's backward and the LM
-/// head's), and the points inside a layer's MLP and recomputed attention backward of the module
-/// doc, each with the gradients made by then.
+/// The phases of the backward of a step without pipelining or tsp before its end (a dense model,
+/// or a mixture of experts with every expert on every rank, no shared expert and no SP; none for
+/// other mixtures): its head (every layer's kept activations, the final norm's input and output,
+/// the token ids and positions, the loss and a mixture's expert counts, beside the loss's backward
+/// and the LM head's), under cp the forward's end, and the points inside a layer's MLP (or
+/// mixture) and attention backward of the module doc, each with the gradients made by then.
 fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
-    if model.experts.is_some() {
+    // A mixture's backward is modelled with every expert on every rank (no ep, no tsp), no shared
+    // expert, and tp without SP (SP gathers the mixture's whole input and output).
+    let sequence_parallel = layout.sequence_parallel && layout.degree(AxisName::Tp) > 1;
+    if model
+        .experts
+        .as_ref()
+        .is_some_and(|experts| experts.shared_expert || layout.expert_axis().is_some() || sequence_parallel)
+    {
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let zero = if dp > 1 { zero_stage(workload) } else { 0 };
     let sizes = StepSizes::new(model, layout, workload);
+    let statistics = match &model.experts {
+        Some(experts) if experts.load_balancing_loss => experts.count as f64 * sizes.element,
+        _ => 0.0,
+    };
     let StepSizes {
         element,
         tokens,
@@ -223,12 +246,15 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     const KEPT: usize = 0;
     const IDS: usize = 1;
     const FINAL_NORM: usize = 3;
+    const LOSS: usize = 4;
+    const STATISTICS: usize = 5;
     let base = vec![
         Term { name: "every layer's kept activations", bytes: model.layers as f64 * kept_layer - last_output_split },
         Term { name: "token ids and positions", bytes: ids + local_ids + positions },
         Term { name: "embedding output (the first layer's input)", bytes: boundary },
         Term { name: "the final norm's input (gathered under SP) and output", bytes: final_norm },
         Term { name: "loss", bytes: element },
+        Term { name: "expert counts summed over the layers", bytes: statistics },
     ];
     let mut loss_backward = base.clone();
     loss_backward
@@ -237,6 +263,23 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         let rows = logits / vocab_shard / element;
         loss_backward
             .push(Term { name: "the loss's row statistics, gathered over tp", bytes: sizes.loss_row_statistics(rows) });
+    }
+    // At the forward's end under cp, every token's logits gathered and put back in order, before
+    // the loss (and a mixture's expert counts summed over the layers: each layer's counts and
+    // router probability sums are live).
+    let mut in_order = Vec::new();
+    if cp > 1 {
+        let mut ordered = base.clone();
+        ordered[LOSS].bytes = 0.0;
+        ordered[STATISTICS] = Term {
+            name: "each layer's expert counts and router probability sums",
+            bytes: 2.0 * model.layers as f64 * statistics,
+        };
+        ordered.extend([
+            Term { name: "every token's logits, gathered over cp", bytes: logits },
+            Term { name: "every token's logits, put back in order", bytes: logits },
+        ]);
+        in_order.push(ForwardPhase { name: "the logits put back in order (cp)", params, terms: ordered });
     }
     // Past the loss's backward, cp's logits' gradient is the rank's tokens' again, and the whole
     // sequence's token ids are freed.
@@ -274,6 +317,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         ForwardPhase { name: "the LM head's input gradient", params, terms: input_gradient },
         ForwardPhase { name: "the LM head's weight gradient", params, terms: weight_gradient },
     ];
+    phases.extend(in_order);
     // Inside layer `l`'s MLP backward (the first layer's or the last's: kept activations shrink
     // with the layer as gradients grow): the kept activations of the layers up to it but its
     // output (freed by the backward above it), its MLP's activations (recomputed under full
@@ -290,99 +334,217 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     let matrix = hidden * ffn * element;
     let activation = local_tokens * ffn * element;
     let full = workload.recompute == Recompute::Full;
+    // A mixture's router and routed experts, a layer (its MLP's weights in place of gate, up and
+    // down).
+    let mixture_weights = (model.routed_expert_weights() as f64 / tp as f64 + model.router_params() as f64) * element;
     for layer in [model.layers.saturating_sub(1), 0] {
         let above = (model.layers - 1 - layer) as f64;
-        let mut mlp = past_loss.clone();
-        mlp[KEPT] = Term {
-            name: "the kept activations of the layers up to it but its output",
-            bytes: (layer + 1) as f64 * kept_layer - boundary,
-        };
-        mlp[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
-        if full {
-            mlp.push(Term {
-                name: "its MLP norm's output, gate, up and their product, recomputed",
-                bytes: gathered + 3.0 * activation,
-            });
-            // ZeRO-3 gathered their weights again for the recomputation.
-            if zero >= 3 {
-                mlp.push(Term {
-                    name: "its MLP norm's, gate's and up's weights, gathered again",
-                    bytes: norm_weight + 2.0 * matrix,
-                });
-            }
+        // The layer's MLP weight gradients, and the attention output projection's and MLP norm's,
+        // which its backward makes before it reaches its attention.
+        let layer_mlp = if model.experts.is_some() { mixture_weights } else { 3.0 * matrix }
+            + norm_weight
+            + hidden * query * element;
+        let mut layer_base = past_loss.clone();
+        // The first layer's router backward is the last reader of the expert counts' sum.
+        if layer == 0 {
+            layer_base[STATISTICS].bytes = 0.0;
         }
-        mlp.push(Term {
+        let mut gradients_above = layer_base.clone();
+        gradients_above.push(Term {
             name: "the gradients of the head, the final norm and the layers above",
             bytes: (head_held + norm_weight + above * layer_params) / shards,
         });
-        // As the down projection's weight gradient is made: the SiLU product's gradient beside it.
-        // (Under SP the down projection's output gradient is all-gathered over tp for it.)
-        let mut down = mlp.clone();
-        if sequence_parallel {
-            down.push(Term { name: "the down projection's output gradient, all-gathered", bytes: gathered });
+        if let Some(experts) = &model.experts {
+            let kept_to_it = (layer + 1) as f64 * kept_layer - boundary;
+            let mut mixture = gradients_above;
+            mixture[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
+            // Inside the mixture's backward: its MLP norm's output (the experts' input) live
+            // (recomputed under full recomputation), and under ZeRO-3 its router and experts
+            // gathered over dp again for it (under full recomputation its MLP norm too).
+            let mut inside = mixture.clone();
+            inside[KEPT] =
+                Term { name: "the kept activations of the layers up to it but its output", bytes: kept_to_it };
+            if full {
+                inside.push(Term { name: "its MLP norm's output, recomputed", bytes: gathered });
+            }
+            if zero >= 3 {
+                inside.push(Term { name: "its router's and experts' weights, gathered again", bytes: mixture_weights });
+                // (And the MLP norm's, for its recomputation.)
+                if full {
+                    inside.push(Term { name: "its MLP norm's weight, gathered again", bytes: norm_weight });
+                }
+            }
+            // As the MLP norm output's gradient is made: the experts' input gradient beside (with
+            // the load-balancing loss) the router's input gradient and its weight gradient from
+            // that loss, and then their sum; under tp the experts' (each rank's part of every
+            // expert's channels) is all-reduced first, into a new buffer.
+            let statistics_gradients = if experts.load_balancing_loss {
+                (experts.count as f64 * hidden + local_tokens * hidden) * element
+            } else {
+                0.0
+            };
+            let mut router = inside.clone();
+            router.extend([
+                Term {
+                    name: "the router's input and weight gradients from the load-balancing loss",
+                    bytes: statistics_gradients,
+                },
+                Term { name: "the experts' input gradient", bytes: gathered },
+                Term {
+                    name: "the experts' input gradient all-reduced over tp, or summed with the router's",
+                    bytes: if tp > 1 || experts.load_balancing_loss { gathered } else { 0.0 },
+                },
+            ]);
+            phases.push(ForwardPhase { name: "a mixture's MLP norm output's gradient", params, terms: router });
+            let router_gradient = experts.count as f64 * hidden * element;
+            let expert_matrix = model.routed_expert_weights() as f64 / 3.0 / tp as f64 * element;
+            // As the experts' last weight gradient is made: the router's gradient done (ZeRO-3, and
+            // ZeRO-2 beside tp, reduce it whole and take the rank's dp shard of it only after the
+            // experts' backward), the MLP norm output's gradient.
+            let mut made = inside;
+            made.extend([
+                Term {
+                    name: "its router's gradient",
+                    bytes: if zero >= 3 || (zero >= 2 && tp > 1) { router_gradient } else { router_gradient / shards },
+                },
+                Term { name: "its experts' gradients", bytes: 3.0 * expert_matrix },
+                Term { name: "its MLP norm output's gradient", bytes: gathered },
+            ]);
+            phases.push(ForwardPhase { name: "a mixture's expert gradients made", params, terms: made });
+            // Past the experts' backward, their MLP norm's output (their input) freed.
+            mixture[KEPT] = Term {
+                name: "the kept activations of the layers up to it but its output and MLP norm's output",
+                bytes: kept_to_it - if full { 0.0 } else { gathered },
+            };
+            // dp and cp then all-reduce the experts' three gradients one by one, each into a new
+            // buffer: the first beside the three.
+            if dp > 1 || cp > 1 {
+                let mut reduced = mixture.clone();
+                reduced.extend([
+                    Term { name: "its router's gradient", bytes: router_gradient / shards },
+                    Term {
+                        name: "its experts' gradients, and the first's all-reduce result",
+                        bytes: 4.0 * expert_matrix,
+                    },
+                    Term { name: "its MLP norm output's gradient", bytes: gathered },
+                ]);
+                phases.push(ForwardPhase { name: "a mixture's expert gradients reduced", params, terms: reduced });
+            }
+            // As the attention residual's gradient is summed, past the MLP norm's backward: the
+            // router's and experts' gradients done, the MLP norm output's gradient, the norm's
+            // input gradient and their sum, the attention residual's gradient.
+            mixture.extend([
+                Term { name: "its router's and experts' gradients", bytes: mixture_weights / shards },
+                Term { name: "its MLP norm output's gradient", bytes: gathered },
+                Term {
+                    name: "its MLP norm's input gradient and the attention residual's gradient",
+                    bytes: 2.0 * stream,
+                },
+            ]);
+            phases.push(ForwardPhase { name: "a mixture's attention residual gradient", params, terms: mixture });
+        } else {
+            let mut mlp = layer_base.clone();
+            mlp[KEPT] = Term {
+                name: "the kept activations of the layers up to it but its output",
+                bytes: (layer + 1) as f64 * kept_layer - boundary,
+            };
+            mlp[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
+            if full {
+                mlp.push(Term {
+                    name: "its MLP norm's output, gate, up and their product, recomputed",
+                    bytes: gathered + 3.0 * activation,
+                });
+                // ZeRO-3 gathered their weights again for the recomputation.
+                if zero >= 3 {
+                    mlp.push(Term {
+                        name: "its MLP norm's, gate's and up's weights, gathered again",
+                        bytes: norm_weight + 2.0 * matrix,
+                    });
+                }
+            }
+            mlp.push(Term {
+                name: "the gradients of the head, the final norm and the layers above",
+                bytes: (head_held + norm_weight + above * layer_params) / shards,
+            });
+            // As the down projection's weight gradient is made: the SiLU product's gradient beside it.
+            // (Under SP the down projection's output gradient is all-gathered over tp for it.)
+            let mut down = mlp.clone();
+            if sequence_parallel {
+                down.push(Term { name: "the down projection's output gradient, all-gathered", bytes: gathered });
+            }
+            down.extend([
+                Term { name: "the SiLU product's gradient", bytes: activation },
+                Term { name: "the down projection's weight gradient", bytes: matrix },
+            ]);
+            phases.push(ForwardPhase { name: "an MLP's down projection weight gradient", params, terms: down.clone() });
+            // dp and cp then all-reduce it into a new buffer (ZeRO-2 and 3 reduce-scatter it over dp,
+            // staging it whole); the SiLU product and (under SP) the gathered output gradient, whose
+            // last reader made it, are freed.
+            if dp > 1 || cp > 1 {
+                down.push(Term { name: "the SiLU product, freed", bytes: -activation });
+                down.retain(|term| !term.name.ends_with("all-gathered"));
+                let reduce = if zero >= 2 { "its reduce-scatter's staging" } else { "its all-reduce's result" };
+                down.push(Term { name: reduce, bytes: matrix });
+                phases.push(ForwardPhase {
+                    name: "an MLP's down projection weight gradient reduced",
+                    params,
+                    terms: down,
+                });
+            }
+            // As the MLP norm output's gradient sums the gate's and up's: the down and up weight
+            // gradients done, gate's output gradient (its weight gradient is next), the two input
+            // gradients and their sum; gate, up and their product freed.
+            let mut norm = mlp;
+            norm.retain(|term| !term.name.ends_with("gathered again"));
+            norm.push(Term { name: "gate, up and their product, freed", bytes: -3.0 * activation });
+            norm.extend([
+                Term { name: "the down and up projections' weight gradients", bytes: 2.0 * matrix / shards },
+                Term { name: "gate's output gradient", bytes: activation },
+                Term { name: "the MLP norm output's gradients from gate and up, and their sum", bytes: 3.0 * gathered },
+            ]);
+            phases.push(ForwardPhase { name: "an MLP norm output's gradient", params, terms: norm });
         }
-        down.extend([
-            Term { name: "the SiLU product's gradient", bytes: activation },
-            Term { name: "the down projection's weight gradient", bytes: matrix },
-        ]);
-        phases.push(ForwardPhase { name: "an MLP's down projection weight gradient", params, terms: down.clone() });
-        // dp and cp then all-reduce it into a new buffer (ZeRO-2 and 3 reduce-scatter it over dp,
-        // staging it whole); the SiLU product and (under SP) the gathered output gradient, whose
-        // last reader made it, are freed.
-        if dp > 1 || cp > 1 {
-            down.push(Term { name: "the SiLU product, freed", bytes: -activation });
-            down.retain(|term| !term.name.ends_with("all-gathered"));
-            let reduce = if zero >= 2 { "its reduce-scatter's staging" } else { "its all-reduce's result" };
-            down.push(Term { name: reduce, bytes: matrix });
-            phases.push(ForwardPhase { name: "an MLP's down projection weight gradient reduced", params, terms: down });
-        }
-        // As the MLP norm output's gradient sums the gate's and up's: the down and up weight
-        // gradients done, gate's output gradient (its weight gradient is next), the two input
-        // gradients and their sum; gate, up and their product freed.
-        let mut norm = mlp;
-        norm.retain(|term| !term.name.ends_with("gathered again"));
-        norm.push(Term { name: "gate, up and their product, freed", bytes: -3.0 * activation });
-        norm.extend([
-            Term { name: "the down and up projections' weight gradients", bytes: 2.0 * matrix / shards },
-            Term { name: "gate's output gradient", bytes: activation },
-            Term { name: "the MLP norm output's gradients from gate and up, and their sum", bytes: 3.0 * gathered },
-        ]);
-        phases.push(ForwardPhase { name: "an MLP norm output's gradient", params, terms: norm });
-        // Full recomputation, inside layer `l`'s attention backward (recomputed from its input):
-        // the kept activations of the layers below and its input, the gradients of its MLP, MLP
-        // norm and output projection done too, its attention residual's gradient, and its
-        // attention norm's output, q, k and v recomputed.
-        if full {
-            let mut attention = past_loss.clone();
+        // Inside layer `l`'s attention backward: the kept activations of the layers below and its
+        // input, the gradients of its MLP, MLP norm and output projection done too, its attention
+        // residual's gradient, and its attention norm's output, q, k and v (kept, or recomputed
+        // from its input under full recomputation: the same buffers).
+        {
+            let mut attention = layer_base.clone();
             attention[KEPT] =
                 Term { name: "the kept activations of the layers below", bytes: layer as f64 * kept_layer };
             attention[FINAL_NORM] = Term { name: "its attention residual's gradient", bytes: stream };
-            let layer_mlp = 3.0 * matrix + norm_weight + hidden * query * element;
             attention.extend([
                 Term {
                     name:
                         "the gradients of the head, the final norm, the layers above and its MLP and output projection",
                     bytes: (head_held + norm_weight + above * layer_params + layer_mlp) / shards,
                 },
-                Term { name: "its attention norm's output, recomputed", bytes: gathered },
+                Term {
+                    name: if full { "its attention norm's output, recomputed" } else { "its attention norm's output" },
+                    bytes: gathered,
+                },
             ]);
-            // At the attention kernel's dv: q, k and v (cp's every token's k and v) recomputed,
-            // attention's output gradient, dq and dk made, dv being made.
+            // At the attention kernel's dv: q, k and v (cp's every token's k and v), attention's
+            // output gradient, dq and dk made, dv being made (attention's output, kept or
+            // recomputed, freed: the output projection's weight gradient was its last reader).
             let mut dv = attention.clone();
             dv.extend([
-                Term { name: "its q, k and v, recomputed", bytes: (local_tokens * query + kv_kept) * element },
+                Term {
+                    name: if full { "its q, k and v, recomputed" } else { "its q, k and v" },
+                    bytes: (local_tokens * query + kv_kept) * element,
+                },
                 Term { name: "attention's output gradient", bytes: local_tokens * query * element },
                 Term { name: "dq, dk and dv", bytes: (local_tokens * query + kv_kept) * element },
             ]);
             // (ZeRO-3 gathered its attention norm's, q's, k's and v's weights again for the
             // recomputation; k's and v's are freed once their input gradients are made.)
-            if zero >= 3 {
+            if full && zero >= 3 {
                 dv.push(Term {
                     name: "its attention norm's, q's, k's and v's weights, gathered again",
                     bytes: norm_weight + hidden * (query + 2.0 * kv) * element,
                 });
             }
-            phases.push(ForwardPhase { name: "an attention kernel's backward (full recompute)", params, terms: dv });
+            phases.push(ForwardPhase { name: "an attention kernel's backward", params, terms: dv });
             // As the attention norm output's gradients from v and k are summed: q's and k's
             // gradients after RoPE (their weight gradients are still to come), v's weight gradient
             // done, and the two input gradients and their sum.
@@ -394,7 +556,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * ID_BYTES } else { 0.0 };
                 norm[IDS].bytes -= positions - local_positions;
             }
-            if zero >= 3 {
+            if full && zero >= 3 {
                 norm.push(Term {
                     name: "its attention norm's and q's weights, gathered again",
                     bytes: norm_weight + hidden * query * element,
@@ -416,23 +578,15 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 with_q[IDS].bytes -= workload.seq as f64 / cp as f64 * ID_BYTES;
             }
             with_q.retain(|term| term.name != "its attention norm's and q's weights, gathered again");
-            if zero >= 3 {
+            if full && zero >= 3 {
                 with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
             }
             with_q.extend([
                 Term { name: "its k projection's weight gradient", bytes: hidden * kv * element / shards },
                 Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
             ]);
-            phases.push(ForwardPhase {
-                name: "an attention norm output's gradient (full recompute)",
-                params,
-                terms: norm,
-            });
-            phases.push(ForwardPhase {
-                name: "an attention norm output's gradient from q (full recompute)",
-                params,
-                terms: with_q,
-            });
+            phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
+            phases.push(ForwardPhase { name: "an attention norm output's gradient from q", params, terms: with_q });
         }
     }
     phases
