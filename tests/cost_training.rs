@@ -11,8 +11,8 @@
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
 //! and without SP), selective and full recomputation, with the embedding untied and tied, for
-//! `tiny-moe` (every expert on every rank, with and without its load-balancing loss: one rank, tp,
-//! dp, cp, dp×tp, ZeRO 2 and 3, each recompute, 8 to 256 tokens a sequence, where a mixture's
+//! `tiny-moe` (with and without its load-balancing loss: one rank, tp, dp, cp, dp×tp, ZeRO 2 and
+//! 3, ep, dp×ep, ep×tp, ep×cp, each recompute, 8 to 256 tokens a sequence, where a mixture's
 //! backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
 //! full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the
 //! embedding gradient is sliced before it is reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
@@ -492,7 +492,7 @@ fn check_training_closed_form(
                 tsp_shards_embeddings: true,
                 zero: training.zero_stage,
                 recompute: cost_recompute(training.recompute),
-                ..Workload::training(seq, batch / layout.degree(AxisName::Dp))
+                ..Workload::training(seq, batch / layout.batch_split())
             };
             let label = format!("{layout} seq {seq} zero={} recompute={:?}", training.zero_stage, training.recompute);
             let memory = &memory_per_stage(&model, &layout, &workload)[0];
@@ -619,9 +619,9 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_for_experts() 
     }
 }
 
-/// The layouts of a mixture of experts with every expert on every rank whose backward the closed
-/// form models (no SP: it gathers the mixture's whole input and output).
-const MIXTURE_CROSS_CHECK: [TrainingLayout; 17] = [
+/// The layouts of a mixture of experts whose backward the closed form models (no SP: it gathers
+/// the mixture's whole input and output).
+const MIXTURE_CROSS_CHECK: [TrainingLayout; 23] = [
     TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("dp=2", false, 0),
@@ -639,6 +639,14 @@ const MIXTURE_CROSS_CHECK: [TrainingLayout; 17] = [
     TrainingLayout::recomputing("cp=2", false, Recompute::Full),
     TrainingLayout { mesh: "dp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
     TrainingLayout { mesh: "dp=2,tp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
+    TrainingLayout::new("ep=2", false, 0),
+    TrainingLayout::new("ep=4", false, 0),
+    // (ZeRO 0: under ep the executor shards the optimizer state over dp alone, where the cost model
+    // shards the dense parameters' over dp × ep, as DeepSpeed-MoE does.)
+    TrainingLayout::new("dp=2,ep=2", false, 0),
+    TrainingLayout::new("ep=2,tp=2", false, 0),
+    TrainingLayout::new("cp=2,ep=2", false, 0),
+    TrainingLayout::recomputing("ep=2", false, Recompute::Full),
 ];
 
 #[test]
@@ -646,8 +654,9 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_inside_a_mixtu
     // tiny-moe keeps no MLP activations (its backward recomputes the experts' from the MLP norm's
     // output), so on more tokens its step peaks at the head of the backward, inside a layer's
     // mixture backward (as the MLP norm output's gradient is made, as the experts' gradients are
-    // made or reduced over dp, as the attention residual's gradient is summed) or, once the
-    // experts' gradients outweigh its tokens, in its attention backward. With and without the
+    // made or reduced over dp, as the attention residual's gradient is summed; over ep as the
+    // dispatch's backward copies its operands) or, once the experts' gradients outweigh its
+    // tokens, in its attention backward. With and without the
     // load-balancing loss (whose expert counts are kept for the routers' backward, and whose
     // router gradients sit beside the experts' input gradient).
     let config = preset("tiny-moe").unwrap();
@@ -664,6 +673,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_inside_a_mixtu
         "a mixture's expert gradients made",
         "a mixture's expert gradients reduced",
         "a mixture's attention residual gradient",
+        "a mixture's dispatched backward",
         "an attention kernel's backward",
     ] {
         assert!(phases.contains_key(name), "{name} not among {:?}", phases.keys());

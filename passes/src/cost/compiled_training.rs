@@ -18,10 +18,11 @@
 //! - a mixture of experts' layer in place of the MLP's points, the first layer's or the last's: **as
 //!   the MLP norm output's gradient is made** (the experts' input gradient, all-reduced over tp,
 //!   beside the router's from the load-balancing loss), **as the experts' last weight gradient is
-//!   made** (under ZeRO-3 beside their weights gathered again), **as dp or cp reduces the first of
-//!   them**, and **as the attention residual's gradient is summed** past the MLP norm's backward;
-//!   a mixture's expert counts summed over the layers are live until the first layer's router
-//!   backward;
+//!   made** (under ZeRO-3 beside their weights gathered again), or over ep **as the dispatch's
+//!   backward copies its operands** (it makes all of those gradients at once); **as dp or cp
+//!   reduces the first expert gradient**, and **as the attention residual's gradient is summed**
+//!   past the MLP norm's backward; a mixture's expert counts summed over the layers are live until
+//!   the first layer's router backward;
 //! - under cp, **the forward's end**, as every token's logits are gathered and put back in order
 //!   (a mixture's per-layer statistics not yet summed);
 //! - **the embedding's backward**, as the whole-vocabulary gradient is scattered from the token
@@ -30,7 +31,7 @@
 //!
 //! Each is exact where the program peaks there; where it peaks at a point not modelled (a
 //! crossover token count, a narrow MLP, dp's reduction of another gradient, or a mixture of
-//! experts split over ep, with a shared expert, or under SP, for which only the end is modelled)
+//! experts with a shared expert or under SP, for which only the end is modelled)
 //! the result is below the planner's peak, never above (`tests/cost_training.rs` checks both).
 //!
 //! A tied embedding's gradient is the sum of the LM head's part, made at the head of the backward,
@@ -64,8 +65,8 @@
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
-//! tied; and a mixture of experts with every expert on every rank alone, on tp, dp, cp and dp × tp,
-//! ZeRO 2 and 3 and each recomputation, on 8 to 256 tokens a sequence). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
+//! tied; and a mixture of experts alone, on tp, dp, cp, dp × tp, ZeRO 2 and 3, ep, dp × ep,
+//! ep × tp and ep × cp, each recomputation, on 8 to 256 tokens a sequence). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
@@ -193,19 +194,18 @@ fn embedding_backward(
 }
 
 /// The phases of the backward of a step without pipelining or tsp before its end (a dense model,
-/// or a mixture of experts with every expert on every rank, no shared expert and no SP; none for
-/// other mixtures): its head (every layer's kept activations, the final norm's input and output,
+/// or a mixture of experts without a shared expert or SP; none for other mixtures): its head (every layer's kept activations, the final norm's input and output,
 /// the token ids and positions, the loss and a mixture's expert counts, beside the loss's backward
 /// and the LM head's), under cp the forward's end, and the points inside a layer's MLP (or
 /// mixture) and attention backward of the module doc, each with the gradients made by then.
 fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
-    // A mixture's backward is modelled with every expert on every rank (no ep, no tsp), no shared
-    // expert, and tp without SP (SP gathers the mixture's whole input and output).
+    // A mixture's backward is modelled without tsp, a shared expert or SP (which gathers the
+    // mixture's whole input and output).
     let sequence_parallel = layout.sequence_parallel && layout.degree(AxisName::Tp) > 1;
     if model
         .experts
         .as_ref()
-        .is_some_and(|experts| experts.shared_expert || layout.expert_axis().is_some() || sequence_parallel)
+        .is_some_and(|experts| experts.shared_expert || layout.degree(AxisName::Tsp) > 1 || sequence_parallel)
     {
         return Vec::new();
     }
@@ -336,7 +336,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     let full = workload.recompute == Recompute::Full;
     // A mixture's router and routed experts, a layer (its MLP's weights in place of gate, up and
     // down).
-    let mixture_weights = (model.routed_expert_weights() as f64 / tp as f64 + model.router_params() as f64) * element;
+    let routed = model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64 * element;
+    let mixture_weights = routed + model.router_params() as f64 * element;
     for layer in [model.layers.saturating_sub(1), 0] {
         let above = (model.layers - 1 - layer) as f64;
         // The layer's MLP weight gradients, and the attention output projection's and MLP norm's,
@@ -383,34 +384,58 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             } else {
                 0.0
             };
-            let mut router = inside.clone();
-            router.extend([
-                Term {
-                    name: "the router's input and weight gradients from the load-balancing loss",
-                    bytes: statistics_gradients,
-                },
-                Term { name: "the experts' input gradient", bytes: gathered },
-                Term {
-                    name: "the experts' input gradient all-reduced over tp, or summed with the router's",
-                    bytes: if tp > 1 || experts.load_balancing_loss { gathered } else { 0.0 },
-                },
-            ]);
-            phases.push(ForwardPhase { name: "a mixture's MLP norm output's gradient", params, terms: router });
             let router_gradient = experts.count as f64 * hidden * element;
-            let expert_matrix = model.routed_expert_weights() as f64 / 3.0 / tp as f64 * element;
-            // As the experts' last weight gradient is made: the router's gradient done (ZeRO-3, and
-            // ZeRO-2 beside tp, reduce it whole and take the rank's dp shard of it only after the
-            // experts' backward), the MLP norm output's gradient.
-            let mut made = inside;
-            made.extend([
-                Term {
-                    name: "its router's gradient",
-                    bytes: if zero >= 3 || (zero >= 2 && tp > 1) { router_gradient } else { router_gradient / shards },
-                },
-                Term { name: "its experts' gradients", bytes: 3.0 * expert_matrix },
-                Term { name: "its MLP norm output's gradient", bytes: gathered },
-            ]);
-            phases.push(ForwardPhase { name: "a mixture's expert gradients made", params, terms: made });
+            let expert_matrix = routed / 3.0;
+            if layout.expert_axis().is_some() {
+                // Over ep one instruction makes the experts' input, router and weight gradients
+                // at once, dispatching the rows to the experts' ranks and back. It works from a
+                // copy of its operands (the MLP norm's output, the router, the rank's experts and
+                // the output gradient), made before its results are written: as the copy is
+                // made, its results are not yet live, and their sum with the router's beside.
+                let mut dispatch = inside.clone();
+                dispatch.extend([
+                    Term {
+                        name: "the router's input and weight gradients from the load-balancing loss",
+                        bytes: statistics_gradients,
+                    },
+                    Term {
+                        name: "the dispatch's copy of its operands",
+                        bytes: gathered + router_gradient + routed + stream,
+                    },
+                ]);
+                phases.push(ForwardPhase { name: "a mixture's dispatched backward", params, terms: dispatch });
+            } else {
+                let mut router = inside.clone();
+                router.extend([
+                    Term {
+                        name: "the router's input and weight gradients from the load-balancing loss",
+                        bytes: statistics_gradients,
+                    },
+                    Term { name: "the experts' input gradient", bytes: gathered },
+                    Term {
+                        name: "the experts' input gradient all-reduced over tp, or summed with the router's",
+                        bytes: if tp > 1 || experts.load_balancing_loss { gathered } else { 0.0 },
+                    },
+                ]);
+                phases.push(ForwardPhase { name: "a mixture's MLP norm output's gradient", params, terms: router });
+                // As the experts' last weight gradient is made: the router's gradient done (ZeRO-3, and
+                // ZeRO-2 beside tp, reduce it whole and take the rank's dp shard of it only after the
+                // experts' backward), the MLP norm output's gradient.
+                let mut made = inside;
+                made.extend([
+                    Term {
+                        name: "its router's gradient",
+                        bytes: if zero >= 3 || (zero >= 2 && tp > 1) {
+                            router_gradient
+                        } else {
+                            router_gradient / shards
+                        },
+                    },
+                    Term { name: "its experts' gradients", bytes: 3.0 * expert_matrix },
+                    Term { name: "its MLP norm output's gradient", bytes: gathered },
+                ]);
+                phases.push(ForwardPhase { name: "a mixture's expert gradients made", params, terms: made });
+            }
             // Past the experts' backward, their MLP norm's output (their input) freed.
             mixture[KEPT] = Term {
                 name: "the kept activations of the layers up to it but its output and MLP norm's output",
