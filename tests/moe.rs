@@ -44,12 +44,23 @@ fn expert_parallel_forward_matches_the_reference() {
         let programs = compile_with(&tiny_moe(), 8, 16, mesh, &all_gather_dispatch()).1;
         check_programs(&tiny_moe(), 8, 16, &format!("{mesh} all-gather"), programs);
     }
+    // Under Megatron SP the experts read their input gathered from the MLP norm's seq shard.
+    let sequence_parallel = PassCtx { sequence_parallel: true, ..PassCtx::default() };
+    for mesh in ["tp=2", "tp=4", "ep=2,tp=2", "dp=2,tp=2"] {
+        let programs = compile_with(&tiny_moe(), 8, 16, mesh, &sequence_parallel).1;
+        check_programs(&tiny_moe(), 8, 16, &format!("{mesh} sp"), programs);
+    }
 }
 
 #[test]
 fn qwen2_moe_with_its_shared_expert_matches_the_reference() {
     for mesh in ["", "ep=2", "tp=2", "dp=2,ep=2", "tsp=2,ep=2", "tsp=2"] {
         check_equivalence(&tiny_qwen2_moe(), 8, 16, mesh);
+    }
+    let sequence_parallel = PassCtx { sequence_parallel: true, ..PassCtx::default() };
+    for mesh in ["tp=2", "ep=2,tp=2"] {
+        let programs = compile_with(&tiny_qwen2_moe(), 8, 16, mesh, &sequence_parallel).1;
+        check_programs(&tiny_qwen2_moe(), 8, 16, &format!("{mesh} sp"), programs);
     }
 }
 
@@ -72,10 +83,14 @@ fn expert_parallel_training_matches_the_reference() {
         let report = train("tiny-moe", mesh, &["--strategy", "ep-all-gather"]);
         assert_matches_reference(&report, &format!("{mesh} all-gather"));
     }
+    for mesh in ["tp=2", "ep=2,tp=2"] {
+        assert_matches_reference(&train("tiny-moe", mesh, &["--strategy", "tp-sp"]), &format!("{mesh} sp"));
+    }
     // The Qwen2-MoE config leaves it out, as Hugging Face does by default, so it also pipelines.
     for mesh in ["ep=2", "tp=2", "tsp=2,ep=2", "pp=2,ep=2"] {
         assert_matches_reference(&train(QWEN2_MOE, mesh, &[]), &format!("qwen2-moe {mesh}"));
     }
+    assert_matches_reference(&train(QWEN2_MOE, "tp=2", &["--strategy", "tp-sp"]), "qwen2-moe tp=2 sp");
 }
 
 #[test]

@@ -128,6 +128,17 @@ fn expert_parallel_one_layer_ep2() {
     snapshot_model(&config, "ep=2", "moe-ep2-one-layer");
 }
 
+/// A mixture under Megatron SP: the norms and residuals on seq shards, and the experts (which the
+/// e-graph cannot express) reading their input gathered from the MLP norm's shard, their pending
+/// sum reduce-scattered back onto it; the attention is computed once.
+#[test]
+fn mixture_with_sequence_parallelism_one_layer_tp2() {
+    let mut config = preset("tiny-moe").expect("tiny-moe");
+    config.num_layers = 1;
+    let ctx = PassCtx { sequence_parallel: true, ..PassCtx::for_tests() };
+    snapshot_with(&config, "tp=2", "moe-tp2-sp-one-layer", &ctx);
+}
+
 /// The all-gather dispatcher: the tokens all-gathered over `ep` before the experts, their pending
 /// sum reduce-scattered back onto the batch.
 #[test]

@@ -12,7 +12,8 @@
 //! input also enters the e-graph as the all-gather of a seq-shard leaf, and a second extraction,
 //! which may not read the whole input, finds the layer that maps shards to shards: that form is
 //! written back with the residual stream split between layers (the strategy's seed), and cost
-//! chooses the collectives inside it.
+//! chooses the collectives inside it. The values the layer's inexpressible nodes read (a mixture's
+//! input) are extracted and costed beside its roots.
 //!
 //! Guarantees: every rule is typed before it fires (the e-graph never merges differently laid-out
 //! values), the written-back graph passes the verifier, and every rule is checked numerically by
@@ -268,36 +269,49 @@ pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &Rewrite
     let cost_fn = LayerCostFunction::new(egraph, &model).without_leaf(stream.map(|stream| stream.shard));
     let extractor = DagExtractor::new(egraph, &cost_fn);
     let roots: Vec<Id> = template.roots.iter().map(|(_, id)| class_of[usize::from(*id)]).collect();
+    // What the layer computes: its roots, and what its inexpressible nodes read.
+    let mut computed = roots.clone();
+    computed.extend(opaque_operands(&template, &class_of));
     report.seconds_before = original_seconds(&template, &class_of, &cost_fn);
-    report.seconds_after = extractor.seconds_of(&roots);
+    report.seconds_after = extractor.seconds_of(&computed);
     // The split form: the layer reads its input's shard and writes its output's, so the stream
     // stays split between layers (sequence parallelism's norms and residuals on seq shards). The
     // plan asked for sequence parallelism, so this layout of the stream is its seed and is taken
     // whenever egg derives it; cost chooses the collectives within it.
-    if let (Some(stream), [root]) = (stream, roots.as_slice()) {
+    // The layer's output is its one root gathered from a shard; the others (values read outside
+    // the layers, such as a mixture's router statistics) and what its inexpressible nodes read
+    // are computed beside it.
+    let gathered: Vec<Id> = roots.iter().filter_map(|&root| gathered_shard(egraph, root)).collect();
+    if let (Some(stream), &[output_shard]) = (stream, gathered.as_slice()) {
         let split_fn = LayerCostFunction::new(egraph, &model).without_leaf(Some(stream.input));
         let split = DagExtractor::new(egraph, &split_fn);
-        if let Some(output_shard) = gathered_shard(egraph, *root) {
-            let seconds = split.seconds_of(&[output_shard]);
-            if seconds.is_finite() {
-                report.seconds_after = seconds;
-                let layout = StreamSplit { shard_leaf: stream.shard, output_shard, axis: STREAM_AXIS, dim: STREAM_DIM };
-                let choose = |class: Id| split.find_best_node(class).clone();
-                template.write_back(module, egraph, &class_of, &choose, Some(layout))?;
-                report.layers_rewritten = template.layers.len();
-                report.stream_split = true;
-                return Ok(report);
-            }
+        let mut needed = vec![output_shard];
+        needed.extend(computed.iter().filter(|&&class| gathered_shard(egraph, class) != Some(output_shard)));
+        let seconds = split.seconds_of(&needed);
+        if seconds.is_finite() {
+            report.seconds_after = seconds;
+            let layout = StreamSplit { shard_leaf: stream.shard, output_shard, axis: STREAM_AXIS, dim: STREAM_DIM };
+            let choose = |class: Id| split.find_best_node(class).clone();
+            template.write_back(module, egraph, &class_of, &choose, Some(layout))?;
+            report.layers_rewritten = template.layers.len();
+            report.stream_split = true;
+            return Ok(report);
         }
     }
     // The propagated form stays unless the chosen one is strictly cheaper (a tie keeps it).
     let cheaper = report.seconds_after < report.seconds_before;
-    if !cheaper || !changed(&template, egraph, &class_of, &roots, &|class| extractor.find_best_node(class).clone()) {
+    if !cheaper || !changed(&template, egraph, &class_of, &computed, &|class| extractor.find_best_node(class).clone()) {
         return Ok(report);
     }
     template.write_back(module, egraph, &class_of, &|class| extractor.find_best_node(class).clone(), None)?;
     report.layers_rewritten = template.layers.len();
     Ok(report)
+}
+
+/// The e-classes read by the layer's nodes the e-graph cannot express (leaves of the template
+/// whose operands are rebuilt in the chosen form).
+fn opaque_operands(template: &LayerTemplate, class_of: &[Id]) -> Vec<Id> {
+    template.opaque_operands().map(|id| class_of[usize::from(id)]).collect()
 }
 
 /// The shard `c` of a class holding `all_gather(tp, seq, c)`, if it holds one.
@@ -312,10 +326,11 @@ fn gathered_shard(egraph: &LayerGraph, class: Id) -> Option<Id> {
     })
 }
 
-/// Predicted seconds of the layer as propagated: every template node below the roots, once.
+/// Predicted seconds of the layer as propagated: every template node below the roots and the
+/// inexpressible nodes' operands, once.
 fn original_seconds(template: &LayerTemplate, class_of: &[Id], cost_fn: &LayerCostFunction<'_>) -> f64 {
     let mut seen = std::collections::BTreeSet::new();
-    let mut stack: Vec<Id> = template.roots.iter().map(|(_, id)| *id).collect();
+    let mut stack: Vec<Id> = template.roots.iter().map(|(_, id)| *id).chain(template.opaque_operands()).collect();
     let mut seconds = 0.0;
     while let Some(id) = stack.pop() {
         if !seen.insert(id) {

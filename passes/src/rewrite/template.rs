@@ -6,7 +6,10 @@
 //! through the same consumer and operand as in the template, and its roots (values used outside
 //! it) through the same name. Nodes keep their names where the op is unchanged; new nodes are
 //! named after their first operand and their op (`layer3.o_proj.reduce_scatter`), as propagation
-//! names the collectives it inserts.
+//! names the collectives it inserts. A layer node whose op the e-graph cannot express (a mixture's
+//! experts, its router statistics) is a leaf of the expression; written back, it reads the chosen
+//! forms of its operands and moves after them, so that the propagated form of what it reads is
+//! not kept alive beside the chosen one.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -24,8 +27,10 @@ const PASS: &str = "rewrite-collectives";
 enum Binding {
     /// Operand `operand` of the layer's node `{prefix}{consumer}`.
     Operand { consumer: String, operand: usize },
-    /// The layer's own leaf node `{prefix}{suffix}`.
-    Node { suffix: String },
+    /// The layer's own node `{prefix}{suffix}`, whose op the e-graph cannot express (a mixture's
+    /// experts, its router statistics): a leaf of the expression, read as it is. `operands` are
+    /// the expression nodes of its inputs: written back, it reads their chosen forms.
+    Node { suffix: String, operands: Vec<Id> },
 }
 
 /// One layer as an expression.
@@ -96,7 +101,7 @@ pub fn layer_template(module: &Module) -> Result<Option<LayerTemplate>> {
             Some(id) => id,
             None => {
                 let symbol = leaves.tensor(&data.name, value.ty.clone(), value.spec.clone());
-                bindings.push((symbol, Binding::Node { suffix: suffix.to_string() }));
+                bindings.push((symbol, Binding::Node { suffix: suffix.to_string(), operands: operands.clone() }));
                 expr.add(LayerLang::Symbol(symbol))
             }
         };
@@ -159,6 +164,17 @@ impl LayerTemplate {
         Some((symbol, Id::from(index)))
     }
 
+    /// The expression nodes read by the layer's nodes the e-graph cannot express.
+    pub fn opaque_operands(&self) -> impl Iterator<Item = Id> + '_ {
+        self.bindings
+            .iter()
+            .flat_map(|(_, binding)| match binding {
+                Binding::Node { operands, .. } => operands.as_slice(),
+                Binding::Operand { .. } => &[],
+            })
+            .copied()
+    }
+
     /// The sub-expression of the template that defines node `id`.
     pub fn sub_expr(&self, id: Id) -> RecExpr<LayerLang> {
         let mut out = RecExpr::default();
@@ -202,6 +218,17 @@ impl LayerTemplate {
                 }
             }
         }
+        // The operands' e-classes of the nodes the e-graph cannot express, by their leaves.
+        let opaque: HashMap<Symbol, Vec<Id>> = self
+            .bindings
+            .iter()
+            .filter_map(|(symbol, binding)| match binding {
+                Binding::Node { operands, .. } => {
+                    Some((*symbol, operands.iter().map(|&id| egraph.find(class_of[usize::from(id)])).collect()))
+                }
+                Binding::Operand { .. } => None,
+            })
+            .collect();
         // The stream's shard entering the next layer.
         let mut stream_shard: Option<ValueId> = None;
         for &layer in &self.layers {
@@ -219,7 +246,7 @@ impl LayerTemplate {
                     Binding::Operand { consumer, operand } => graph
                         .find(&format!("{prefix}{consumer}"))
                         .and_then(|value| graph.def(value).inputs.get(*operand).copied()),
-                    Binding::Node { suffix } => graph.find(&format!("{prefix}{suffix}")),
+                    Binding::Node { suffix, .. } => graph.find(&format!("{prefix}{suffix}")),
                 };
                 let value = value.ok_or_else(|| Error::UnexpectedGraph {
                     pass: PASS,
@@ -250,6 +277,7 @@ impl LayerTemplate {
                 shard_names: &shard_names,
                 prefix,
                 bound,
+                opaque: &opaque,
                 anchor,
                 built: HashMap::new(),
                 used: BTreeSet::new(),
@@ -257,7 +285,15 @@ impl LayerTemplate {
             let mut new_roots = Vec::new();
             for (&(old, class), (suffix, _)) in old_roots.iter().zip(&self.roots) {
                 let hint = format!("{}{suffix}", writer.prefix);
-                match split {
+                // The layer's output is the root gathered from the output's shard; other roots
+                // (values read outside the layers, such as a mixture's router statistics) are
+                // built as they are.
+                let stream = split.filter(|split| {
+                    egraph[class].nodes.iter().any(|node| {
+                        matches!(node, LayerLang::AllGather([_, _, shard]) if egraph.find(*shard) == split.output_shard)
+                    })
+                });
+                match stream {
                     Some(split) => {
                         let shard = writer.build(split.output_shard, &hint)?;
                         stream_shard = Some(shard);
@@ -312,7 +348,7 @@ impl LayerTemplate {
 fn binding_name(binding: &Binding) -> &str {
     match binding {
         Binding::Operand { consumer, .. } => consumer,
-        Binding::Node { suffix } => suffix,
+        Binding::Node { suffix, .. } => suffix,
     }
 }
 
@@ -335,6 +371,8 @@ struct Writer<'a> {
     shard_names: &'a BTreeMap<Id, String>,
     prefix: String,
     bound: HashMap<Symbol, ValueId>,
+    /// The operands' e-classes of the layer's nodes the e-graph cannot express, by their leaves.
+    opaque: &'a HashMap<Symbol, Vec<Id>>,
     anchor: pleat_ir::NodeId,
     built: HashMap<Id, ValueId>,
     used: BTreeSet<String>,
@@ -351,6 +389,20 @@ impl Writer<'_> {
         let unexpected = |what: String| Error::UnexpectedGraph { pass: PASS, node: what };
         if let LayerLang::Symbol(symbol) = &node {
             let value = *self.bound.get(symbol).ok_or_else(|| unexpected(format!("leaf {symbol}")))?;
+            // A node the e-graph cannot express reads the chosen forms of its operands: built
+            // first, it moves after them (otherwise it would keep the propagated form alive).
+            if let Some(operands) = self.opaque.get(symbol) {
+                let mut inputs = Vec::with_capacity(operands.len());
+                for &operand in operands {
+                    inputs.push(self.build(operand, hint)?);
+                }
+                let def = self.module.graph.value(value).def;
+                if self.module.graph.node(def).inputs != inputs {
+                    self.module.graph.node_mut(def).inputs = inputs;
+                    self.module.graph.move_after(def, self.anchor);
+                    self.anchor = def;
+                }
+            }
             self.built.insert(class, value);
             return Ok(value);
         }

@@ -145,3 +145,33 @@ fn the_proof_names_the_rules() {
     assert!(matches!(proof(&module, &PassCtx::default(), "layer0.nope"), Err(Error::UnknownValue { .. })));
     let _ = Op::Add;
 }
+
+#[test]
+fn a_mixtures_layer_under_sequence_parallelism_computes_its_attention_once() {
+    // The experts' op is not in the e-graph's language: a leaf of the layer's expression. Its
+    // operand (the MLP norm's output) is built in the chosen form too, here gathered from the
+    // norm's seq shard, so the propagated form (the attention behind an all-reduce) does not stay
+    // alive beside the split one.
+    let mut config = preset("tiny-moe").unwrap();
+    config.num_layers = 2;
+    let mut module = pleat_ir::model::build(&config, 2, 8).unwrap();
+    module.mesh = Mesh::parse("tp=2").unwrap();
+    run_pipeline(&[tsp::FOLD_TSP, propagate::PROPAGATE_SPECS], &mut module, &PassCtx::default()).unwrap();
+    let report = rewrite_collectives(&mut module, &sequence_parallel(), &RewriteOptions::default()).unwrap();
+    verify(&module).unwrap();
+    assert!(report.stream_split, "{report:?}");
+    let text = pleat_ir::text::print_module(&module);
+    assert_eq!(count(&module, "attention"), 2, "one attention a layer:\n{text}");
+    assert_eq!(count(&module, "all_reduce"), 0, "{text}");
+    assert_eq!(count(&module, "reduce_scatter"), 1 + 2 * 2, "{text}");
+    for layer in 0..2 {
+        let graph = &module.graph;
+        let moe = graph.find(&format!("layer{layer}.moe")).unwrap();
+        let input = graph.def(moe).inputs[0];
+        assert!(
+            matches!(graph.def(input).op, Op::AllGather { .. }),
+            "layer{layer}'s experts read {}:\n{text}",
+            graph.def(input).name
+        );
+    }
+}
