@@ -11,9 +11,9 @@
 //! the named terms of `cost::compiled_training` equals the planner's peak for tp (2, 4, with and
 //! without SP), dp (2, 4), cp, dp×tp, ZeRO 1 to 3 (dp 2 and 4, and ZeRO-2 and 3 beside tp with
 //! and without SP), selective and full recomputation, with the embedding untied and tied, for
-//! `tiny-moe` (with and without its load-balancing loss: one rank, tp, dp, cp, dp×tp, ZeRO 2 and
-//! 3, ep, dp×ep, ep×tp, ep×cp, each recompute, 8 to 256 tokens a sequence, where a mixture's
-//! backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
+//! `tiny-moe` (with and without its load-balancing loss: one rank, tp with and without SP, dp, cp,
+//! dp×tp, ZeRO 2 and 3, ep, dp×ep, ep×tp, ep×cp, each recompute, 8 to 256 tokens a sequence,
+//! where a mixture's backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
 //! full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the
 //! embedding gradient is sliced before it is reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
@@ -527,9 +527,8 @@ fn training_closed_form_never_exceeds_the_planners_peak() {
     // Every phase of the closed form is the live set at one point of the program, so on shapes
     // whose peak falls at a point it does not model (few tokens beside a narrow MLP or a large
     // vocabulary, where dp's gradient reductions or a layer's q projection peak) it is below the
-    // planner's peak, never above: checked here on five shapes (one with a tied embedding, and a
-    // mixture of experts, whose backward under SP is modelled only at its end), each
-    // recomputation, from 8 to 256 tokens a sequence.
+    // planner's peak, never above: checked here on five shapes (one with a tied embedding, one a
+    // mixture of experts), each recomputation, from 8 to 256 tokens a sequence.
     let tiny = preset("tiny").unwrap();
     let shapes = [
         pleat_ir::model::config::ModelConfig { intermediate_size: 64, vocab_size: 64, num_layers: 3, ..tiny.clone() },
@@ -619,9 +618,8 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_for_experts() 
     }
 }
 
-/// The layouts of a mixture of experts whose backward the closed form models (no SP: it gathers
-/// the mixture's whole input and output).
-const MIXTURE_CROSS_CHECK: [TrainingLayout; 23] = [
+/// The layouts of a mixture of experts whose backward the closed form models.
+const MIXTURE_CROSS_CHECK: [TrainingLayout; 27] = [
     TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("dp=2", false, 0),
@@ -647,6 +645,10 @@ const MIXTURE_CROSS_CHECK: [TrainingLayout; 23] = [
     TrainingLayout::new("ep=2,tp=2", false, 0),
     TrainingLayout::new("cp=2,ep=2", false, 0),
     TrainingLayout::recomputing("ep=2", false, Recompute::Full),
+    TrainingLayout::new("tp=2", true, 0),
+    TrainingLayout::new("dp=2,tp=2", true, 3),
+    TrainingLayout::new("ep=2,tp=2", true, 0),
+    TrainingLayout::recomputing("tp=2", true, Recompute::Full),
 ];
 
 #[test]

@@ -31,7 +31,7 @@
 //!
 //! Each is exact where the program peaks there; where it peaks at a point not modelled (a
 //! crossover token count, a narrow MLP, dp's reduction of another gradient, or a mixture of
-//! experts with a shared expert or under SP, for which only the end is modelled)
+//! experts with a shared expert, for which only the end is modelled)
 //! the result is below the planner's peak, never above (`tests/cost_training.rs` checks both).
 //!
 //! A tied embedding's gradient is the sum of the LM head's part, made at the head of the backward,
@@ -65,8 +65,9 @@
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
-//! tied; and a mixture of experts alone, on tp, dp, cp, dp × tp, ZeRO 2 and 3, ep, dp × ep,
-//! ep × tp and ep × cp, each recomputation, on 8 to 256 tokens a sequence). tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
+//! tied; and a mixture of experts alone, on tp (with and without SP), dp, cp, dp × tp, ZeRO 2
+//! and 3, ep, dp × ep, ep × tp and ep × cp, each recomputation, on 8 to 256 tokens a sequence).
+//! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
@@ -194,19 +195,13 @@ fn embedding_backward(
 }
 
 /// The phases of the backward of a step without pipelining or tsp before its end (a dense model,
-/// or a mixture of experts without a shared expert or SP; none for other mixtures): its head (every layer's kept activations, the final norm's input and output,
+/// or a mixture of experts without a shared expert; none for other mixtures): its head (every layer's kept activations, the final norm's input and output,
 /// the token ids and positions, the loss and a mixture's expert counts, beside the loss's backward
 /// and the LM head's), under cp the forward's end, and the points inside a layer's MLP (or
 /// mixture) and attention backward of the module doc, each with the gradients made by then.
 fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
-    // A mixture's backward is modelled without tsp, a shared expert or SP (which gathers the
-    // mixture's whole input and output).
-    let sequence_parallel = layout.sequence_parallel && layout.degree(AxisName::Tp) > 1;
-    if model
-        .experts
-        .as_ref()
-        .is_some_and(|experts| experts.shared_expert || layout.degree(AxisName::Tsp) > 1 || sequence_parallel)
-    {
+    // A mixture's backward is modelled without tsp or a shared expert.
+    if model.experts.as_ref().is_some_and(|experts| experts.shared_expert || layout.degree(AxisName::Tsp) > 1) {
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
@@ -368,6 +363,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             if full {
                 inside.push(Term { name: "its MLP norm's output, recomputed", bytes: gathered });
             }
+            // (Under SP the experts' output gradient is all-gathered over tp for their backward.)
+            if sequence_parallel {
+                inside.push(Term { name: "the experts' output gradient, all-gathered", bytes: gathered });
+            }
             if zero >= 3 {
                 inside.push(Term { name: "its router's and experts' weights, gathered again", bytes: mixture_weights });
                 // (And the MLP norm's, for its recomputation.)
@@ -390,8 +389,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 // Over ep one instruction makes the experts' input, router and weight gradients
                 // at once, dispatching the rows to the experts' ranks and back. It works from a
                 // copy of its operands (the MLP norm's output, the router, the rank's experts and
-                // the output gradient), made before its results are written: as the copy is
-                // made, its results are not yet live, and their sum with the router's beside.
+                // the output gradient, gathered under SP), made before its results are written:
+                // as the copy is made, its results are not yet live.
                 let mut dispatch = inside.clone();
                 dispatch.extend([
                     Term {
@@ -400,7 +399,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     },
                     Term {
                         name: "the dispatch's copy of its operands",
-                        bytes: gathered + router_gradient + routed + stream,
+                        bytes: 2.0 * gathered + router_gradient + routed,
                     },
                 ]);
                 phases.push(ForwardPhase { name: "a mixture's dispatched backward", params, terms: dispatch });
