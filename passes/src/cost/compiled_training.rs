@@ -31,8 +31,8 @@
 //!
 //! Each is exact where the program peaks there; where it peaks at a point not modelled (a
 //! crossover token count, a narrow MLP, dp's reduction of another gradient, or a mixture of
-//! experts with a shared expert, for which only the end is modelled)
-//! the result is below the planner's peak, never above (`tests/cost_training.rs` checks both).
+//! experts with a shared expert, for which only the end is modelled) the result is below the
+//! planner's peak, never above (`tests/cost_training.rs` checks both).
 //!
 //! A tied embedding's gradient is the sum of the LM head's part, made at the head of the backward,
 //! and the embedding's, made at its end. The head's part is held from one to the other
@@ -195,10 +195,11 @@ fn embedding_backward(
 }
 
 /// The phases of the backward of a step without pipelining or tsp before its end (a dense model,
-/// or a mixture of experts without a shared expert; none for other mixtures): its head (every layer's kept activations, the final norm's input and output,
-/// the token ids and positions, the loss and a mixture's expert counts, beside the loss's backward
-/// and the LM head's), under cp the forward's end, and the points inside a layer's MLP (or
-/// mixture) and attention backward of the module doc, each with the gradients made by then.
+/// or a mixture of experts without a shared expert; none for other mixtures): its head (every
+/// layer's kept activations, the final norm's input and output, the token ids and positions, the
+/// loss and a mixture's expert counts, beside the loss's backward and the LM head's), under cp the
+/// forward's end, and the points inside a layer's MLP (or mixture) and attention backward of the
+/// module doc, each with the gradients made by then.
 fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
     // A mixture's backward is modelled without tsp or a shared expert.
     if model.experts.as_ref().is_some_and(|experts| experts.shared_expert || layout.degree(AxisName::Tsp) > 1) {
@@ -467,7 +468,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             ]);
             phases.push(ForwardPhase { name: "a mixture's attention residual gradient", params, terms: mixture });
         } else {
-            let mut mlp = layer_base.clone();
+            let mut mlp = gradients_above;
             mlp[KEPT] = Term {
                 name: "the kept activations of the layers up to it but its output",
                 bytes: (layer + 1) as f64 * kept_layer - boundary,
@@ -486,10 +487,6 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     });
                 }
             }
-            mlp.push(Term {
-                name: "the gradients of the head, the final norm and the layers above",
-                bytes: (head_held + norm_weight + above * layer_params) / shards,
-            });
             // As the down projection's weight gradient is made: the SiLU product's gradient beside it.
             // (Under SP the down projection's output gradient is all-gathered over tp for it.)
             let mut down = mlp.clone();
@@ -532,86 +529,79 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         // input, the gradients of its MLP, MLP norm and output projection done too, its attention
         // residual's gradient, and its attention norm's output, q, k and v (kept, or recomputed
         // from its input under full recomputation: the same buffers).
-        {
-            let mut attention = layer_base.clone();
-            attention[KEPT] =
-                Term { name: "the kept activations of the layers below", bytes: layer as f64 * kept_layer };
-            attention[FINAL_NORM] = Term { name: "its attention residual's gradient", bytes: stream };
-            attention.extend([
-                Term {
-                    name:
-                        "the gradients of the head, the final norm, the layers above and its MLP and output projection",
-                    bytes: (head_held + norm_weight + above * layer_params + layer_mlp) / shards,
-                },
-                Term {
-                    name: if full { "its attention norm's output, recomputed" } else { "its attention norm's output" },
-                    bytes: gathered,
-                },
-            ]);
-            // At the attention kernel's dv: q, k and v (cp's every token's k and v), attention's
-            // output gradient, dq and dk made, dv being made (attention's output, kept or
-            // recomputed, freed: the output projection's weight gradient was its last reader).
-            let mut dv = attention.clone();
-            dv.extend([
-                Term {
-                    name: if full { "its q, k and v, recomputed" } else { "its q, k and v" },
-                    bytes: (local_tokens * query + kv_kept) * element,
-                },
-                Term { name: "attention's output gradient", bytes: local_tokens * query * element },
-                Term { name: "dq, dk and dv", bytes: (local_tokens * query + kv_kept) * element },
-            ]);
-            // (ZeRO-3 gathered its attention norm's, q's, k's and v's weights again for the
-            // recomputation; k's and v's are freed once their input gradients are made.)
-            if full && zero >= 3 {
-                dv.push(Term {
-                    name: "its attention norm's, q's, k's and v's weights, gathered again",
-                    bytes: norm_weight + hidden * (query + 2.0 * kv) * element,
-                });
-            }
-            phases.push(ForwardPhase { name: "an attention kernel's backward", params, terms: dv });
-            // As the attention norm output's gradients from v and k are summed: q's and k's
-            // gradients after RoPE (their weight gradients are still to come), v's weight gradient
-            // done, and the two input gradients and their sum.
-            // In the first layer every token's positions were last read by the attention kernel's
-            // backward and the rank's own by q's RoPE backward, which comes before this sum but
-            // under SP.
-            let mut norm = attention;
-            if layer == 0 {
-                let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * ID_BYTES } else { 0.0 };
-                norm[IDS].bytes -= positions - local_positions;
-            }
-            if full && zero >= 3 {
-                norm.push(Term {
-                    name: "its attention norm's and q's weights, gathered again",
-                    bytes: norm_weight + hidden * query * element,
-                });
-            }
-            norm.extend([
-                Term { name: "its v projection's weight gradient", bytes: hidden * kv * element / shards },
-                Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
-                Term {
-                    name: "the attention norm output's gradients from v and k, and their sum",
-                    bytes: 3.0 * gathered,
-                },
-            ]);
-            // Then as q's input gradient joins that sum: k's weight gradient done and k's gradient
-            // freed (under ZeRO-3 q's gathered weight too, its last reader done; in the first
-            // layer under SP the rank's positions, q's RoPE backward done).
-            let mut with_q = norm.clone();
-            if layer == 0 && sequence_parallel {
-                with_q[IDS].bytes -= workload.seq as f64 / cp as f64 * ID_BYTES;
-            }
-            with_q.retain(|term| term.name != "its attention norm's and q's weights, gathered again");
-            if full && zero >= 3 {
-                with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
-            }
-            with_q.extend([
-                Term { name: "its k projection's weight gradient", bytes: hidden * kv * element / shards },
-                Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
-            ]);
-            phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
-            phases.push(ForwardPhase { name: "an attention norm output's gradient from q", params, terms: with_q });
+        let mut attention = layer_base.clone();
+        attention[KEPT] = Term { name: "the kept activations of the layers below", bytes: layer as f64 * kept_layer };
+        attention[FINAL_NORM] = Term { name: "its attention residual's gradient", bytes: stream };
+        attention.extend([
+            Term {
+                name: "the gradients of the head, the final norm, the layers above and its MLP and output projection",
+                bytes: (head_held + norm_weight + above * layer_params + layer_mlp) / shards,
+            },
+            Term {
+                name: if full { "its attention norm's output, recomputed" } else { "its attention norm's output" },
+                bytes: gathered,
+            },
+        ]);
+        // At the attention kernel's dv: q, k and v (cp's every token's k and v), attention's
+        // output gradient, dq and dk made, dv being made (attention's output, kept or
+        // recomputed, freed: the output projection's weight gradient was its last reader).
+        let mut dv = attention.clone();
+        dv.extend([
+            Term {
+                name: if full { "its q, k and v, recomputed" } else { "its q, k and v" },
+                bytes: (local_tokens * query + kv_kept) * element,
+            },
+            Term { name: "attention's output gradient", bytes: local_tokens * query * element },
+            Term { name: "dq, dk and dv", bytes: (local_tokens * query + kv_kept) * element },
+        ]);
+        // (ZeRO-3 gathered its attention norm's, q's, k's and v's weights again for the
+        // recomputation; k's and v's are freed once their input gradients are made.)
+        if full && zero >= 3 {
+            dv.push(Term {
+                name: "its attention norm's, q's, k's and v's weights, gathered again",
+                bytes: norm_weight + hidden * (query + 2.0 * kv) * element,
+            });
         }
+        phases.push(ForwardPhase { name: "an attention kernel's backward", params, terms: dv });
+        // As the attention norm output's gradients from v and k are summed: q's and k's
+        // gradients after RoPE (their weight gradients are still to come), v's weight gradient
+        // done, and the two input gradients and their sum.
+        // In the first layer every token's positions were last read by the attention kernel's
+        // backward and the rank's own by q's RoPE backward, which comes before this sum but
+        // under SP.
+        let mut norm = attention;
+        if layer == 0 {
+            let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * ID_BYTES } else { 0.0 };
+            norm[IDS].bytes -= positions - local_positions;
+        }
+        if full && zero >= 3 {
+            norm.push(Term {
+                name: "its attention norm's and q's weights, gathered again",
+                bytes: norm_weight + hidden * query * element,
+            });
+        }
+        norm.extend([
+            Term { name: "its v projection's weight gradient", bytes: hidden * kv * element / shards },
+            Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
+            Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
+        ]);
+        // Then as q's input gradient joins that sum: k's weight gradient done and k's gradient
+        // freed (under ZeRO-3 q's gathered weight too, its last reader done; in the first
+        // layer under SP the rank's positions, q's RoPE backward done).
+        let mut with_q = norm.clone();
+        if layer == 0 && sequence_parallel {
+            with_q[IDS].bytes -= workload.seq as f64 / cp as f64 * ID_BYTES;
+        }
+        with_q.retain(|term| term.name != "its attention norm's and q's weights, gathered again");
+        if full && zero >= 3 {
+            with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
+        }
+        with_q.extend([
+            Term { name: "its k projection's weight gradient", bytes: hidden * kv * element / shards },
+            Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
+        ]);
+        phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
+        phases.push(ForwardPhase { name: "an attention norm output's gradient from q", params, terms: with_q });
     }
     phases
 }
