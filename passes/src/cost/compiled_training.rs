@@ -208,10 +208,6 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let zero = if dp > 1 { zero_stage(workload) } else { 0 };
     let sizes = StepSizes::new(model, layout, workload);
-    let statistics = match &model.experts {
-        Some(experts) if experts.load_balancing_loss => experts.count as f64 * sizes.element,
-        _ => 0.0,
-    };
     let StepSizes {
         element,
         tokens,
@@ -228,6 +224,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         boundary,
         kv_kept,
         kept_layer,
+        statistics,
         ..
     } = sizes;
     let vocab_shard = sizes.vocab_shard;

@@ -57,6 +57,9 @@ pub(super) struct StepSizes {
     pub kv_kept: f64,
     /// What one layer's forward keeps for the backward.
     pub kept_layer: f64,
+    /// A mixture's load-balancing loss: one layer's expert counts, or its router probability sums
+    /// (`[E]` each); 0 without the loss.
+    pub statistics: f64,
 }
 
 impl StepSizes {
@@ -115,6 +118,10 @@ impl StepSizes {
             attention_kept,
             kv_kept,
             kept_layer,
+            statistics: match &model.experts {
+                Some(experts) if experts.load_balancing_loss => experts.count as f64 * element,
+                _ => 0.0,
+            },
         }
     }
 

@@ -281,16 +281,18 @@ pub fn rewrite_collectives(module: &mut Module, ctx: &PassCtx, options: &Rewrite
     // The layer's output is its one root gathered from a shard; the others (values read outside
     // the layers, such as a mixture's router statistics) and what its inexpressible nodes read
     // are computed beside it.
-    let gathered: Vec<Id> = roots.iter().filter_map(|&root| gathered_shard(egraph, root)).collect();
-    if let (Some(stream), &[output_shard]) = (stream, gathered.as_slice()) {
+    let gathered: Vec<(Id, Id)> =
+        roots.iter().filter_map(|&root| Some((egraph.find(root), gathered_shard(egraph, root)?))).collect();
+    if let (Some(stream), &[(output, output_shard)]) = (stream, gathered.as_slice()) {
         let split_fn = LayerCostFunction::new(egraph, &model).without_leaf(Some(stream.input));
         let split = DagExtractor::new(egraph, &split_fn);
         let mut needed = vec![output_shard];
-        needed.extend(computed.iter().filter(|&&class| gathered_shard(egraph, class) != Some(output_shard)));
+        needed.extend(computed.iter().filter(|&&class| egraph.find(class) != output));
         let seconds = split.seconds_of(&needed);
         if seconds.is_finite() {
             report.seconds_after = seconds;
-            let layout = StreamSplit { shard_leaf: stream.shard, output_shard, axis: STREAM_AXIS, dim: STREAM_DIM };
+            let layout =
+                StreamSplit { shard_leaf: stream.shard, output, output_shard, axis: STREAM_AXIS, dim: STREAM_DIM };
             let choose = |class: Id| split.find_best_node(class).clone();
             template.write_back(module, egraph, &class_of, &choose, Some(layout))?;
             report.layers_rewritten = template.layers.len();

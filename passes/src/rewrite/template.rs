@@ -144,7 +144,9 @@ fn add_root(
 pub struct StreamSplit {
     /// The leaf standing for the layer input's shard.
     pub shard_leaf: Symbol,
-    /// The e-class of the layer output's shard (its all-gather is the layer's root).
+    /// The e-class of the layer's output, the root the stream leaves the layer by.
+    pub output: Id,
+    /// The e-class of the layer output's shard (its all-gather is the layer's output).
     pub output_shard: Id,
     /// The axis and dim the stream is split over.
     pub axis: AxisName,
@@ -285,14 +287,9 @@ impl LayerTemplate {
             let mut new_roots = Vec::new();
             for (&(old, class), (suffix, _)) in old_roots.iter().zip(&self.roots) {
                 let hint = format!("{}{suffix}", writer.prefix);
-                // The layer's output is the root gathered from the output's shard; other roots
-                // (values read outside the layers, such as a mixture's router statistics) are
-                // built as they are.
-                let stream = split.filter(|split| {
-                    egraph[class].nodes.iter().any(|node| {
-                        matches!(node, LayerLang::AllGather([_, _, shard]) if egraph.find(*shard) == split.output_shard)
-                    })
-                });
+                // The layer's output is gathered from its shard; other roots (values read outside
+                // the layers, such as a mixture's router statistics) are built as they are.
+                let stream = split.filter(|split| class == split.output);
                 match stream {
                     Some(split) => {
                         let shard = writer.build(split.output_shard, &hint)?;

@@ -336,10 +336,6 @@ impl<'a> StageShape<'a> {
         let tsp = layout.degree(AxisName::Tsp);
         let sizes = StepSizes::new(model, layout, workload);
         let element = sizes.element;
-        let statistics = match &model.experts {
-            Some(experts) if experts.load_balancing_loss => experts.count as f64 * element,
-            _ => 0.0,
-        };
         let scattered = workload.zero >= 2 && dp > 1;
         let mlp_gradients_in_b = if tsp > 1 {
             Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
@@ -366,7 +362,7 @@ impl<'a> StageShape<'a> {
             reduced: dp > 1 || cp > 1,
             scattered,
             shards: if scattered { dp as f64 } else { 1.0 },
-            statistics,
+            statistics: sizes.statistics,
             mlp_gradients_in_b,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
