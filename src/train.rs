@@ -234,7 +234,7 @@ pub fn compile_training(
     if strategy == Strategy::TpSpOrTsp {
         bail!(UsageError::TrainFoldedStrategy);
     }
-    if zero > 0 && mesh.degree(AxisName::Dp) == 1 {
+    if zero > 0 && pleat_ir::ZERO_AXES.iter().all(|&axis| mesh.degree(axis) == 1) {
         bail!(UsageError::ZeroWithoutDp { zero });
     }
     let stages = mesh.degree(AxisName::Pp) as u32;

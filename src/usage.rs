@@ -473,7 +473,10 @@ pub enum UsageError {
     #[diagnostic(code(E0718), help("train with --strategy tp-sp, or with --mesh tsp=D for TSP"))]
     TrainFoldedStrategy,
     /// `--zero` without a data-parallel axis.
-    #[error("--zero {zero} splits state over the dp axis, and --mesh has no dp axis above 1; add one, e.g. dp=2")]
+    #[error(
+        "--zero {zero} splits state over the dp axis (and over ep, which splits the batch as dp does), and --mesh \
+         has neither above 1; add one, e.g. dp=2"
+    )]
     #[diagnostic(code(E0719), help("add a dp axis to --mesh (e.g. dp=2), or drop --zero"))]
     ZeroWithoutDp {
         /// The ZeRO stage asked for.

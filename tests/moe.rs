@@ -94,6 +94,23 @@ fn expert_parallel_training_matches_the_reference() {
 }
 
 #[test]
+fn zero_over_dp_and_ep_trains_as_the_reference() {
+    // ZeRO shards the dense parameters over dp × ep (ep alone without dp) and the experts over
+    // dp: the gradients reduce-scatter over dp and then ep, the ZeRO-3 parameters gather over ep
+    // and then dp, and the updated rows gather over both. Pipelined, each stage gathers its own.
+    for (mesh, zero, extra) in [
+        ("dp=2,ep=2", "1", &[][..]),
+        ("dp=2,ep=2", "2", &[][..]),
+        ("dp=2,ep=2", "3", &[][..]),
+        ("ep=2", "3", &[][..]),
+        ("pp=2,dp=2,ep=2", "3", &["--schedule", "1f1b"][..]),
+    ] {
+        let args = [&["--zero", zero][..], extra].concat();
+        assert_matches_reference(&train("tiny-moe", mesh, &args), &format!("{mesh} zero {zero}"));
+    }
+}
+
+#[test]
 fn the_load_balancing_loss_pipelines_and_accumulates() {
     // One micro-batch under pp: the statistics of the stages' layers meet on the last stage, and
     // their gradient comes back in each stage's backward; the loss is the whole batch's.

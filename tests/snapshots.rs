@@ -169,6 +169,15 @@ fn moe_one_layer_tsp2_experts_on_tsp() {
     snapshot_model(&config, "tsp=2", "moe-tsp2-one-layer");
 }
 
+/// ZeRO-3 beside ep: a dense parameter's rows split over dp and then ep (ep splits the batch as dp
+/// does), gathered over ep and then over dp before the first use and again in the backward; an
+/// expert's over dp alone. A dense gradient reduce-scatters over dp and then over ep.
+#[test]
+fn training_zero3_over_dp_and_ep_one_layer_dp2_ep2() {
+    let ctx = PassCtx { zero_stage: 3, ..PassCtx::for_tests() };
+    snapshot_training_of("tiny-moe", "dp=2,ep=2", "train-moe-dp2-ep2-zero3-one-layer", &ctx);
+}
+
 /// The expert-parallel backward: the gradient all-gathered before the experts' gradients, the
 /// input's pending sum reduce-scattered, the router's gradient summed over `ep`.
 #[test]

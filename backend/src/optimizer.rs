@@ -2,15 +2,16 @@
 //! blocks are shared again.
 //!
 //! A training module's outputs are the loss and one `grad.<name>` a parameter, each laid out as
-//! the backward graph left it: as the parameter, or (ZeRO-2) further split over `dp` on the first
-//! dim. `optimizer_layout` turns that, and the ZeRO stage, into one `ParamUpdate` a parameter for a
+//! the backward graph left it: as the parameter, or (ZeRO-2) further split on the first dim over
+//! its data-parallel axes (`pleat_ir::ZERO_AXES`: `dp`, and `ep` where `ep` does not split it).
+//! `optimizer_layout` turns that, and the ZeRO stage, into one `ParamUpdate` a parameter for a
 //! rank: the rows of the rank's parameter block it updates (and keeps optimizer state for), the
 //! gradient output that covers them, and the group that all-gathers the updated rows when the rank
 //! holds more of the parameter than it updates (ZeRO-1 and 2). ZeRO splits a parameter on its first
 //! dim, so a rank's rows are contiguous in its row-major block. The runtime applies it without
 //! knowing meshes or specs.
 
-use pleat_ir::{AxisName, Module, Op};
+use pleat_ir::{Module, Op, ZERO_AXES};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -79,8 +80,7 @@ pub fn optimizer_layout(module: &Module, rank: u32, zero_stage: u8) -> Result<Op
         let update_spec = if grad_spec != param_spec {
             Some(grad_spec.clone())
         } else {
-            let value = graph.value(param);
-            (zero_stage >= 1).then(|| value.spec.with_rows_split(&value.ty.shape, mesh, AxisName::Dp)).flatten()
+            (zero_stage >= 1).then(|| param_spec.with_rows_split(shape, mesh, &ZERO_AXES)).flatten()
         };
         let (update, gather) = match &update_spec {
             None => ((0, block_len), None),
@@ -92,7 +92,9 @@ pub fn optimizer_layout(module: &Module, rank: u32, zero_stage: u8) -> Result<Op
                     });
                 }
                 let start = (rows.0 - block[0].0) * row_len;
-                let group = Group { axis: AxisName::Dp.to_string(), ranks: mesh.group(rank, AxisName::Dp) };
+                let axes = spec.rows_split_beyond(param_spec);
+                let axis = axes.iter().map(|axis| axis.as_str()).collect::<Vec<_>>().join(",");
+                let group = Group { axis, ranks: mesh.group_over(rank, axes) };
                 ((start, rows.1 * row_len), Some(group))
             }
         };
@@ -161,8 +163,12 @@ mod tests {
     /// A parameter `w` [ffn=8/tp, hidden=4] and its gradient laid out as `grad_spec`, on dp=2,tp=2
     /// (rank = 2·dp + tp), with `param_spec` for the parameter.
     fn module(param_spec: &str, grad_spec: &str) -> Module {
+        module_on("dp=2,tp=2", param_spec, grad_spec)
+    }
+
+    fn module_on(mesh: &str, param_spec: &str, grad_spec: &str) -> Module {
         parse_module(&format!(
-            "; module m mesh=dp=2,tp=2\n\
+            "; module m mesh={mesh}\n\
              v0: f32[{param_spec}, hidden=4] = param() name=\"w\"   # n0 w\n\
              v1: f32[{grad_spec}, hidden=4] = sum_leading(v0) keep=2   # n1 grad.w\n\
              outputs(v1)\n"
@@ -206,6 +212,32 @@ mod tests {
         let module3 = module("ffn=8/tp/dp", "ffn=8/tp/dp");
         let three = update(&module3, 3, 3);
         assert_eq!((three.update, three.gather.is_none(), three.counts_in_norm), ((0, 8), true, true));
+    }
+
+    #[test]
+    fn zero_shares_a_dense_parameter_over_dp_and_ep_and_an_expert_over_dp() {
+        // dp=2, ep=2 (rank = 2·dp + ep). A dense `w` [8, 4] has four replicas: rank r updates rows
+        // 2r and 2r+1 and gathers over all four, in block order. An expert weight ep splits
+        // (rows 4·ep..) has two, over dp: the rank updates its dp half of its 4 rows.
+        for (stage, grad) in [(1, "ffn=8"), (2, "ffn=8/dp/ep")] {
+            let dense = module_on("dp=2,ep=2", "ffn=8", grad);
+            for rank in 0..4 {
+                let param = update(&dense, rank, stage);
+                assert_eq!(
+                    (param.update, param.grad_is_slice, param.counts_in_norm),
+                    ((8 * u64::from(rank), 8), stage == 2, true)
+                );
+                let group = param.gather.expect("dp and ep gather");
+                assert_eq!((group.axis.as_str(), group.ranks), ("dp,ep", vec![0, 1, 2, 3]), "rank {rank}");
+            }
+        }
+        let expert = module_on("dp=2,ep=2", "ffn=8/ep", "ffn=8/ep");
+        for rank in 0..4 {
+            let param = update(&expert, rank, 1);
+            assert_eq!(param.update, (8 * u64::from(rank / 2), 8), "rank {rank}");
+            let group = param.gather.expect("dp gathers");
+            assert_eq!((group.axis.as_str(), group.ranks), ("dp", vec![rank % 2, rank % 2 + 2]));
+        }
     }
 
     #[test]

@@ -178,6 +178,10 @@ fn graph(program: &Program, prefetch_weights: bool) -> Result<Graph<'_>> {
             && matches!(instr, Instr::Broadcast { .. } | Instr::AllGather { .. })
             && instr.inputs().iter().all(|input| loaded.contains(input));
         prefetched[index] = prefetch;
+        if prefetch {
+            // Over dp × ep, ZeRO-3 gathers the ep gather of a weight over dp: a prefetch too.
+            loaded.extend(instr.out());
+        }
         // A transfer's operands are in use until its wait.
         let user = if transfer { wait_node(index) } else { run_node(index) };
         for buffer in instr.inputs() {
@@ -760,6 +764,36 @@ mod tests {
         let all_reduce = two.iter().position(|line| line == "b3 = all_reduce(b0) tp[0, 1]");
         assert!(gather.is_some() && all_reduce.is_some(), "{two:?}");
         assert!(gather < two.iter().position(|line| line.starts_with("b4 = matmul")), "{two:?}");
+    }
+
+    /// ZeRO-3 over dp × ep gathers a weight's shard over ep, then that over dp: both run on the
+    /// prefetch stream ahead of the matmul that reads the whole weight.
+    #[test]
+    fn a_gather_of_a_prefetched_weight_gather_is_a_prefetch_too() {
+        let names = ["x", "w", "w.ep", "w.whole", "y"];
+        let group = |axis: &str| Group { axis: axis.into(), ranks: vec![0, 1] };
+        let program = program_of(
+            &names,
+            2,
+            vec![
+                Instr::AllGather { input: id(1), out: id(2), group: group("ep"), dim: 0, stream: TransferStream::Main },
+                Instr::AllGather { input: id(2), out: id(3), group: group("dp"), dim: 0, stream: TransferStream::Main },
+                matmul(0, 3, 4),
+            ],
+            4,
+        );
+        let seconds = |_: &Program, instr: &Instr| if instr.is_transfer() { 1.0 } else { 2.0 };
+        let options = OverlapOptions {
+            seconds: &seconds,
+            memory_budget: None,
+            sizing: ElementSize::Fixed(4),
+            prefetch: Prefetch::OwnStream,
+        };
+        let lines = text(&schedule(&program, &options).unwrap().0);
+        for line in ["b2 = all_gather(b1) dim=0 ep[0, 1] on prefetch", "b3 = all_gather(b2) dim=0 dp[0, 1] on prefetch"]
+        {
+            assert!(lines.iter().any(|printed| printed == line), "{line} not in {lines:?}");
+        }
     }
 
     /// `y = x·w0` is all-reduced (4 s) for `u = y' + x`; `w1`, a weight, is gathered on the

@@ -144,9 +144,14 @@ impl Graph {
     pub fn def(&self, value: ValueId) -> &NodeData {
         &self.nodes[self.values[value].def]
     }
-    /// Whether `node` gathers a parameter (ZeRO-3's gather of the rank's shard).
+    /// Whether `node` gathers a parameter (ZeRO-3's gather of the rank's shard, or over dp × ep
+    /// the gather of that gather).
     pub fn gathers_param(&self, node: &NodeData) -> bool {
-        matches!(node.op, Op::AllGather { .. }) && matches!(self.def(node.inputs[0]).op, Op::Param { .. })
+        if !matches!(node.op, Op::AllGather { .. }) {
+            return false;
+        }
+        let input = self.def(node.inputs[0]);
+        matches!(input.op, Op::Param { .. }) || self.gathers_param(input)
     }
     /// Whether `id` names a node of this graph.
     pub fn has_node(&self, id: NodeId) -> bool {

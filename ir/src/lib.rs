@@ -27,4 +27,4 @@ pub use graph::{Graph, Module, NodeData, NodeId, ValueData, ValueId};
 pub use mesh::{AxisName, Mesh, MeshAxis};
 pub use op::{MlpOperand, MoeOperand, Op};
 pub use shape::{Dim, DimName, Shape, TensorType};
-pub use spec::ShardSpec;
+pub use spec::{ShardSpec, ZERO_AXES};

@@ -143,12 +143,23 @@ impl Mesh {
     }
     /// The ranks of `rank`'s group along `name`, ordered by their coordinate on that axis.
     pub fn group(&self, rank: u32, name: AxisName) -> Vec<u32> {
-        let Some(position) = self.position(name) else {
-            return vec![rank];
-        };
-        let inner: u64 = self.axes[position + 1..].iter().map(|axis| axis.size).product();
-        let base = u64::from(rank) - self.coord(rank, name) * inner;
-        (0..self.axes[position].size).map(|coord| (base + coord * inner) as u32).collect()
+        self.group_over(rank, &[name])
+    }
+    /// The ranks that share `rank`'s coordinates on every axis but `names`, ordered as a dim split
+    /// over `names` (outermost first) orders its blocks: by the first axis's coordinate, then the
+    /// second's. An axis the mesh lacks adds nothing.
+    pub fn group_over(&self, rank: u32, names: &[AxisName]) -> Vec<u32> {
+        let mut group = vec![u64::from(rank)];
+        for &name in names {
+            let Some(position) = self.position(name) else { continue };
+            let inner: u64 = self.axes[position + 1..].iter().map(|axis| axis.size).product();
+            let offset = self.coord(rank, name) * inner;
+            group = group
+                .iter()
+                .flat_map(|&member| (0..self.axes[position].size).map(move |coord| member - offset + coord * inner))
+                .collect();
+        }
+        group.into_iter().map(|member| member as u32).collect()
     }
 }
 
@@ -178,6 +189,18 @@ mod tests {
         assert_eq!(mesh.coord(6, AxisName::Dp), 1);
         assert_eq!(mesh.group(3, AxisName::Pp), vec![3]);
         assert_eq!(mesh.to_string(), "dp=2,tp=4");
+    }
+
+    #[test]
+    fn a_group_over_two_axes_orders_its_ranks_as_a_dim_split_over_both() {
+        // dp=2, ep=2, tp=2: rank = 4·dp + 2·ep + tp. Rank 7 (dp 1, ep 1, tp 1) shares tp 1 with
+        // 1, 3, 5, 7; split over [dp, ep], block b = 2·dp + ep, and [ep, dp] gives b = 2·ep + dp.
+        let mesh = Mesh::parse("dp=2,ep=2,tp=2").unwrap();
+        assert_eq!(mesh.group_over(7, &[AxisName::Dp, AxisName::Ep]), vec![1, 3, 5, 7]);
+        assert_eq!(mesh.group_over(7, &[AxisName::Ep, AxisName::Dp]), vec![1, 5, 3, 7]);
+        assert_eq!(mesh.group_over(2, &[AxisName::Dp, AxisName::Cp, AxisName::Ep]), vec![0, 2, 4, 6]);
+        assert_eq!(mesh.group_over(2, &[]), vec![2]);
+        assert_eq!(mesh.group_over(6, &[AxisName::Dp]), mesh.group(6, AxisName::Dp));
     }
 
     #[test]

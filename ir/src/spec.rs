@@ -71,22 +71,35 @@ impl ShardSpec {
             })
             .collect()
     }
-    /// This spec with dim 0 also split over `axis` (innermost), when the mesh has `axis` with a
-    /// degree above 1, the spec does not use it yet and dim 0's local size divides by it; `None`
-    /// otherwise. It is ZeRO's partition of a parameter's rows over the data-parallel ranks: the rows
-    /// a rank owns are contiguous in its row-major block.
-    pub fn with_rows_split(&self, shape: &Shape, mesh: &Mesh, axis: AxisName) -> Option<ShardSpec> {
-        let degree = mesh.degree(axis);
-        if degree == 1 || self.uses_axis(axis) || shape.rank() == 0 {
+    /// This spec with dim 0 also split over each of `axes` in turn (innermost last) that the mesh
+    /// has with a degree above 1, that the spec does not use yet and that dim 0's local size still
+    /// divides by; `None` when no axis is added. It is ZeRO's partition of a parameter's rows over
+    /// its data-parallel ranks ([`ZERO_AXES`]): the rows a rank owns are contiguous in its row-major
+    /// block.
+    pub fn with_rows_split(&self, shape: &Shape, mesh: &Mesh, axes: &[AxisName]) -> Option<ShardSpec> {
+        if shape.rank() == 0 {
             return None;
         }
-        let rows = self.local_sizes(shape, mesh).ok()?[0];
-        if rows % degree != 0 {
-            return None;
-        }
+        let mut rows = self.local_sizes(shape, mesh).ok()?[0];
         let mut spec = self.clone();
-        spec.dims[0].push(axis);
-        Some(spec)
+        for &axis in axes {
+            let degree = mesh.degree(axis);
+            if degree > 1 && !spec.uses_axis(axis) && rows % degree == 0 {
+                spec.dims[0].push(axis);
+                rows /= degree;
+            }
+        }
+        (spec != *self).then_some(spec)
+    }
+    /// The axes `self` splits dim 0 over beyond `outer`'s, when `self` is `outer` with dim 0 split
+    /// further (ZeRO's partition of a parameter): the group that gathers the rows back.
+    pub fn rows_split_beyond<'a>(&'a self, outer: &ShardSpec) -> &'a [AxisName] {
+        let (mine, theirs) = (&self.dims[0], &outer.dims[0]);
+        if mine.starts_with(theirs) {
+            &mine[theirs.len()..]
+        } else {
+            &[]
+        }
     }
     /// The block of the global tensor `rank` holds: per dim, `(start, len)`.
     /// The caller has checked divisibility (`local_sizes`).
@@ -106,6 +119,11 @@ impl ShardSpec {
             .collect()
     }
 }
+
+/// The axes ZeRO shards a parameter's rows over, outermost first: its data-parallel replicas.
+/// `dp`, and `ep` for every parameter `ep` does not split: `ep` splits the batch as `dp` does, so
+/// the dense parameters have `dp·ep` replicas and the routed experts `dp` (DeepSpeed-MoE's layout).
+pub const ZERO_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Ep];
 
 /// The largest degree an error suggests: no mesh axis is larger, and a count near 2^64 would
 /// otherwise take minutes to factor.
@@ -138,5 +156,27 @@ mod tests {
         let small = [1, 3, 5, 15, 17, 51, 85, 255, 257, 641, 771, 1285, 1923, 3205, 3855, 4369, 9615, 10897, 13107];
         let large = [21845, 32691, 54485, 65535];
         assert_eq!(valid_degrees(u64::MAX), [&small[..], &large[..]].concat());
+    }
+
+    #[test]
+    fn zero_splits_rows_over_each_data_parallel_axis_the_spec_leaves_free() {
+        let mesh = Mesh::parse("dp=2,ep=2,tp=2").unwrap();
+        let shape = Shape::new(&[(DimName::Hidden, 8), (DimName::Ffn, 6)]);
+        // A dense weight split over tp on its rows: [tp] then dp, then ep (8/2/2/2 = 1 row a rank).
+        let dense = ShardSpec::replicated(2).with_shard(0, AxisName::Tp);
+        let split = dense.with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap();
+        assert_eq!(split.dims[0], [AxisName::Tp, AxisName::Dp, AxisName::Ep]);
+        assert_eq!(split.rows_split_beyond(&dense), [AxisName::Dp, AxisName::Ep]);
+        assert_eq!(split.region(&shape, &mesh, 7)[0], (7, 1));
+        // An expert weight ep already splits: dp alone.
+        let expert = ShardSpec::replicated(2).with_shard(0, AxisName::Ep);
+        assert_eq!(expert.with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap().dims[0], [AxisName::Ep, AxisName::Dp]);
+        // Rows that divide by dp but not by dp·ep: dp alone; by neither, or no free axis: none.
+        let odd = Shape::new(&[(DimName::Hidden, 6), (DimName::Ffn, 6)]);
+        assert_eq!(ShardSpec::replicated(2).with_rows_split(&odd, &mesh, &ZERO_AXES).unwrap().dims[0], [AxisName::Dp]);
+        let odder = Shape::new(&[(DimName::Hidden, 3), (DimName::Ffn, 6)]);
+        assert_eq!(ShardSpec::replicated(2).with_rows_split(&odder, &mesh, &ZERO_AXES), None);
+        assert_eq!(ShardSpec::replicated(2).with_rows_split(&shape, &Mesh::parse("tp=2").unwrap(), &ZERO_AXES), None);
+        assert_eq!(dense.rows_split_beyond(&expert), [] as [AxisName; 0]);
     }
 }

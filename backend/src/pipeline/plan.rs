@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use pleat_ir::{Module, NodeId, ValueId};
+use pleat_ir::{Graph, Module, NodeId, ValueId};
 
 use super::{malformed, Phase, PipelinePlan, ScheduleStep};
 use crate::error::Result;
@@ -103,19 +103,33 @@ pub fn gather_params_on_each_stage(module: &mut Module, stage_of: &[u32]) -> usi
         for (stage, nodes) in readers.into_iter().filter(|&(stage, _)| stage != own) {
             let first = graph.order().iter().position(|&id| id == nodes[0]).expect("a reader in the order");
             let anchor = graph.order()[first - 1];
-            let data = graph.node(node).clone();
-            let value = graph.value(gathered).clone();
-            let name = format!("{}.stage{stage}", data.name);
-            let copy = graph.insert_after(anchor, data.op, &data.inputs, value.ty, value.spec, &name);
+            let copy = copy_param_gather(graph, node, anchor, stage, &mut added);
             for reader in nodes {
                 for input in graph.node_mut(reader).inputs.iter_mut().filter(|input| **input == gathered) {
                     *input = copy;
                 }
             }
-            added += 1;
         }
     }
     added
+}
+
+/// Inserts after `anchor` a copy of the parameter gather `node` for `stage`, and before it copies
+/// of the gathers it reads (over dp × ep it reads the ep gather of the shard), so that the stage
+/// starts from the shard; returns the copy's value and counts the nodes in `added`.
+fn copy_param_gather(graph: &mut Graph, node: NodeId, anchor: NodeId, stage: u32, added: &mut usize) -> ValueId {
+    let data = graph.node(node).clone();
+    let input_def = graph.value(data.inputs[0]).def;
+    let (input, anchor) = if graph.gathers_param(graph.node(input_def)) {
+        let input = copy_param_gather(graph, input_def, anchor, stage, added);
+        (input, graph.value(input).def)
+    } else {
+        (data.inputs[0], anchor)
+    };
+    let value = graph.value(data.result).clone();
+    let name = format!("{}.stage{stage}", data.name);
+    *added += 1;
+    graph.insert_after(anchor, data.op, &[input], value.ty, value.spec, &name)
 }
 
 /// Moves each gather of a parameter (ZeRO-3's) whose readers all lie on one other stage to that
@@ -126,21 +140,27 @@ pub fn gather_params_on_each_stage(module: &mut Module, stage_of: &[u32]) -> usi
 fn move_param_gathers_to_readers(module: &Module, stage_of: &mut [u32]) {
     let graph = &module.graph;
     let order = graph.order();
-    let gathers: HashMap<ValueId, usize> = order
+    let gathers: Vec<(ValueId, usize)> = order
         .iter()
         .enumerate()
         .filter(|&(_, &node)| graph.gathers_param(graph.node(node)))
         .map(|(at, &node)| (graph.node(node).result, at))
         .collect();
-    let mut readers: HashMap<ValueId, BTreeSet<u32>> = HashMap::new();
+    let mut readers: HashMap<ValueId, Vec<usize>> =
+        gathers.iter().map(|&(gathered, _)| (gathered, Vec::new())).collect();
     for (at, &node) in order.iter().enumerate() {
-        for input in graph.node(node).inputs.iter().filter(|input| gathers.contains_key(input)) {
-            readers.entry(*input).or_default().insert(stage_of[at]);
+        for input in graph.node(node).inputs.iter() {
+            if let Some(positions) = readers.get_mut(input) {
+                positions.push(at);
+            }
         }
     }
-    for (gathered, at) in gathers {
-        if let Some(stages) = readers.get(&gathered).filter(|stages| stages.len() == 1) {
-            stage_of[at] = *stages.first().expect("one stage");
+    // Last first: over dp × ep the gather of the ep gather moves before the ep gather asks where
+    // its reader is.
+    for &(gathered, at) in gathers.iter().rev() {
+        let stages: BTreeSet<u32> = readers[&gathered].iter().map(|&reader| stage_of[reader]).collect();
+        if let Some(&stage) = stages.first().filter(|_| stages.len() == 1) {
+            stage_of[at] = stage;
         }
     }
 }

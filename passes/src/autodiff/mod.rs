@@ -18,7 +18,7 @@ pub mod rules;
 use std::collections::HashMap;
 
 use pleat_ir::entity::EntityRef;
-use pleat_ir::{AxisName, DType, Graph, Mesh, NodeData, NodeId, Op, Shape, ShardSpec, ValueId};
+use pleat_ir::{AxisName, DType, Graph, Mesh, NodeData, NodeId, Op, Shape, ShardSpec, ValueId, ZERO_AXES};
 
 use crate::sharding::{output_spec, spec_text, Conflict};
 use rules::{operand_gradient, Vjp};
@@ -43,9 +43,10 @@ pub enum Recompute {
 pub struct Options {
     /// What to recompute.
     pub recompute: Recompute,
-    /// ZeRO's stage over `dp`: 2 lays each gradient out split over `dp` on its first dim (a
-    /// reduce-scatter instead of an all-reduce); 3 re-gathers each `dp`-split parameter in the
-    /// backward instead of keeping the forward's gathered copy.
+    /// ZeRO's stage over a parameter's data-parallel axes (`pleat_ir::ZERO_AXES`: `dp`, and `ep`
+    /// where `ep` does not split it): 2 lays each gradient out split over them on its first dim
+    /// (reduce-scatters instead of all-reduces); 3 re-gathers each split parameter in the backward
+    /// instead of keeping the forward's gathered copy.
     pub zero_stage: u8,
 }
 
@@ -417,16 +418,32 @@ impl Backward<'_> {
                 current = self.collective(current, Op::LocalSlice { axis, dim }, "local_slice")?;
             }
         }
-        for axis in self.graph.value(current).spec.partial.clone() {
-            if target.partial.contains(&axis) {
-                continue;
-            }
+        let mut pending: Vec<AxisName> = self
+            .graph
+            .value(current)
+            .spec
+            .partial
+            .iter()
+            .copied()
+            .filter(|axis| !target.partial.contains(axis))
+            .collect();
+        while !pending.is_empty() {
             let spec = &self.graph.value(current).spec;
-            let scatter = (0..shape.rank()).find(|&dim| {
-                let (have, want) = (&spec.dims[dim], &target.dims[dim]);
-                want.len() > have.len() && want.starts_with(have) && want[have.len()] == axis
-            });
-            current = match scatter {
+            let scatter_dim = |axis: AxisName| {
+                (0..shape.rank()).find(|&dim| {
+                    let (have, want) = (&spec.dims[dim], &target.dims[dim]);
+                    want.len() > have.len() && want.starts_with(have) && want[have.len()] == axis
+                })
+            };
+            // A sum the target splits a dim over after another pending sum's split waits for that
+            // one: ZeRO's `[dp, ep]` rows reduce-scatter over dp, then over ep, whatever order the
+            // sums are pending in, instead of all-reducing over ep and slicing.
+            let next = pending
+                .iter()
+                .position(|&axis| scatter_dim(axis).is_some() || target.dim_sharded_by(axis).is_none())
+                .unwrap_or(0);
+            let axis = pending.remove(next);
+            current = match scatter_dim(axis) {
                 Some(dim) => {
                     let dim = shape.dims()[dim].name;
                     self.collective(current, Op::ReduceScatter { axis, dim }, "reduce_scatter")?
@@ -492,12 +509,12 @@ impl Backward<'_> {
     }
 
     /// The layout of `param`'s gradient: the parameter's, so each rank updates the block it holds;
-    /// under ZeRO-2 only its data-parallel share of the rows.
+    /// under ZeRO-2 only its data-parallel share of the rows (over `ZERO_AXES`).
     fn param_target(&self, param: ValueId) -> ShardSpec {
         let value = self.graph.value(param);
         let spec = value.spec.clone();
         if self.options.zero_stage == 2 {
-            return spec.with_rows_split(&value.ty.shape, self.mesh, AxisName::Dp).unwrap_or(spec);
+            return spec.with_rows_split(&value.ty.shape, self.mesh, &ZERO_AXES).unwrap_or(spec);
         }
         spec
     }
