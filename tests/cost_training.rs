@@ -668,7 +668,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_for_experts() 
 }
 
 /// The layouts of a mixture of experts whose backward the closed form models.
-const MIXTURE_CROSS_CHECK: [TrainingLayout; 29] = [
+const MIXTURE_CROSS_CHECK: [TrainingLayout; 36] = [
     TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("dp=2", false, 0),
@@ -689,10 +689,17 @@ const MIXTURE_CROSS_CHECK: [TrainingLayout; 29] = [
     TrainingLayout::new("ep=2", false, 0),
     TrainingLayout::new("ep=4", false, 0),
     TrainingLayout::new("dp=2,ep=2", false, 0),
-    // ZeRO-1 shards the dense parameters' optimizer state over dp × ep (over ep alone without
-    // dp) and the experts' over dp, in the cost model and the executor alike.
+    // ZeRO shards the dense parameters' state over dp × ep (over ep alone without dp) and the
+    // experts' over dp, in the cost model and the executor alike.
     TrainingLayout::new("dp=2,ep=2", false, 1),
     TrainingLayout::new("ep=2", false, 1),
+    TrainingLayout::new("dp=2,ep=2", false, 2),
+    TrainingLayout::new("dp=2,ep=2", false, 3),
+    TrainingLayout::new("ep=2", false, 2),
+    TrainingLayout::new("ep=4", false, 3),
+    TrainingLayout::new("ep=2,tp=2", false, 2),
+    TrainingLayout::new("ep=2,tp=2", true, 3),
+    TrainingLayout { mesh: "dp=2,ep=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
     TrainingLayout::new("ep=2,tp=2", false, 0),
     TrainingLayout::new("cp=2,ep=2", false, 0),
     TrainingLayout::recomputing("ep=2", false, Recompute::Full),

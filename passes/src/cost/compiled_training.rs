@@ -59,6 +59,11 @@
 //!   reduce-scattered over dp (under ZeRO-3 too: autodiff brings the gathered parameter's gradient
 //!   to the gathered `[V/tp, h]` layout before the gather's conjugate), so the peak is the slice,
 //!   beside the whole, and the rank's `[V/(dp·tp), h]` shard is not written yet.
+//! - **ZeRO beside ep**: a dense parameter's replicas are dp·ep (ep splits the batch as dp does),
+//!   a routed expert's dp, and ZeRO shards each over its own (`pleat_ir::ZERO_AXES`): every dp
+//!   shard above is a dp·ep shard for a dense gradient or parameter, the embedding's included (its
+//!   reduce-scatter over ep follows the one over dp and peaks lower), and on ep alone the experts
+//!   are neither sharded nor gathered.
 //!
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
@@ -66,7 +71,8 @@
 //! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
 //! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
 //! tied; and a mixture of experts alone, on tp (with and without SP), dp, cp, dp × tp, ZeRO 2
-//! and 3, ep, dp × ep, ep × tp and ep × cp, each recomputation, on 8 to 256 tokens a sequence).
+//! and 3, ep, dp × ep, ep × tp and ep × cp, ZeRO 1 to 3 beside ep (on ep alone, dp × ep and
+//! ep × tp), each recomputation, on 8 to 256 tokens a sequence).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
@@ -78,7 +84,7 @@ use pleat_ir::AxisName;
 use super::compiled::ForwardPhase;
 use super::compiled_pipeline::tsp_o_reduces;
 use super::layout::Layout;
-use super::memory::{stage_params, MemoryBreakdown, Term};
+use super::memory::{stage_expert_params, stage_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::step_sizes::{StepSizes, ID_BYTES};
 use super::workload::{Recompute, Workload};
@@ -135,9 +141,9 @@ fn zero_stage(workload: &Workload) -> u8 {
 /// The peak of a compiled training step on one rank of `layout` (no pipelining; any recompute):
 /// the largest phase of the module doc, exact where the program peaks at one of them and below
 /// the planner's peak otherwise; `None` for a tsp or pp axis, or ZeRO-2/3 with an axis beside dp
-/// other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a replica).
-/// The phase's `params` are the program's (a dp shard under ZeRO-3); its terms are every
-/// gradient (a dp shard under ZeRO-2 and 3), less those not made at that point, and the buffers
+/// and ep other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a
+/// replica). The phase's `params` are the program's (a ZeRO shard under ZeRO-3); its terms are
+/// every gradient (a ZeRO shard under ZeRO-2 and 3), less those not made at that point, and the buffers
 /// live there. The optimizer's moments are not the program's: the executor adds them beside it.
 pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let end = end_of_backward(model, layout, workload)?;
@@ -173,7 +179,8 @@ fn embedding_backward(
         return None;
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-    let shards = if dp > 1 && zero_stage(workload) >= 2 { dp as f64 } else { 1.0 };
+    let replicas = dp * layout.degree(AxisName::Ep);
+    let shards = if replicas > 1 && zero_stage(workload) >= 2 { replicas as f64 } else { 1.0 };
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
     let shard = (model.vocab as f64 / tp as f64).ceil() * model.hidden as f64 * element;
@@ -206,7 +213,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-    let zero = if dp > 1 { zero_stage(workload) } else { 0 };
+    let ep = layout.degree(AxisName::Ep);
+    let zero = if dp * ep > 1 { zero_stage(workload) } else { 0 };
     let sizes = StepSizes::new(model, layout, workload);
     let StepSizes {
         element,
@@ -317,7 +325,9 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // recomputation: the MLP norm's output, gate, up and their product), the gradients of the
     // head, the final norm and the layers above (dp shards under ZeRO-2 and 3), and its output
     // gradient.
-    let shards = if zero >= 2 { dp as f64 } else { 1.0 };
+    // ZeRO-2 and 3 hold the shard of a gradient over its replicas: a dense parameter's dp·ep (ep
+    // splits the batch as dp does), a routed expert's dp.
+    let (shards, expert_shards) = if zero >= 2 { ((dp * ep) as f64, dp as f64) } else { (1.0, 1.0) };
     // A tied head's gradient is the table's gradient in part: it is reduced over dp with the
     // embedding's part at the end, so ZeRO-2 and 3 hold it whole until then.
     let head_held = if model.tied_embeddings { head_gradient * shards } else { head_gradient };
@@ -331,6 +341,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // down).
     let routed = model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64 * element;
     let mixture_weights = routed + model.router_params() as f64 * element;
+    // What ZeRO-2 and 3 hold of `dense` bytes of gradients and `experts` of routed experts'.
+    let held = |dense: f64, experts: f64| dense / shards + experts / expert_shards;
     for layer in [model.layers.saturating_sub(1), 0] {
         let above = (model.layers - 1 - layer) as f64;
         // The layer's MLP weight gradients, and the attention output projection's and MLP norm's,
@@ -346,7 +358,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         let mut gradients_above = layer_base.clone();
         gradients_above.push(Term {
             name: "the gradients of the head, the final norm and the layers above",
-            bytes: (head_held + norm_weight + above * layer_params) / shards,
+            bytes: held(head_held + norm_weight + above * (layer_params - routed), above * routed),
         });
         if let Some(experts) = &model.experts {
             let kept_to_it = (layer + 1) as f64 * kept_layer - boundary;
@@ -366,7 +378,12 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 inside.push(Term { name: "the experts' output gradient, all-gathered", bytes: gathered });
             }
             if zero >= 3 {
-                inside.push(Term { name: "its router's and experts' weights, gathered again", bytes: mixture_weights });
+                // (The experts only beside dp: on ep alone a rank's experts have no replica.)
+                let experts_gathered = if dp > 1 { routed } else { 0.0 };
+                inside.push(Term {
+                    name: "its router's and experts' weights, gathered again",
+                    bytes: mixture_weights - routed + experts_gathered,
+                });
                 // (And the MLP norm's, for its recomputation.)
                 if full {
                     inside.push(Term { name: "its MLP norm's weight, gathered again", bytes: norm_weight });
@@ -456,7 +473,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // router's and experts' gradients done, the MLP norm output's gradient, the norm's
             // input gradient and their sum, the attention residual's gradient.
             mixture.extend([
-                Term { name: "its router's and experts' gradients", bytes: mixture_weights / shards },
+                Term { name: "its router's and experts' gradients", bytes: held(mixture_weights - routed, routed) },
                 Term { name: "its MLP norm output's gradient", bytes: gathered },
                 Term {
                     name: "its MLP norm's input gradient and the attention residual's gradient",
@@ -532,7 +549,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         attention.extend([
             Term {
                 name: "the gradients of the head, the final norm, the layers above and its MLP and output projection",
-                bytes: (head_held + norm_weight + above * layer_params + layer_mlp) / shards,
+                bytes: held(
+                    head_held + norm_weight + above * (layer_params - routed) + layer_mlp - routed,
+                    (above + 1.0) * routed,
+                ),
             },
             Term {
                 name: if full { "its attention norm's output, recomputed" } else { "its attention norm's output" },
@@ -606,18 +626,22 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
 /// The end of the backward (see [`compiled_training_peak`]).
 fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let dp = layout.degree(AxisName::Dp);
-    let zero = if dp > 1 { zero_stage(workload) } else { 0 };
+    // A dense parameter's replicas: ep splits the batch as dp does.
+    let replicas = dp * layout.degree(AxisName::Ep);
+    let zero = if replicas > 1 { zero_stage(workload) } else { 0 };
     let tp = layout.degree(AxisName::Tp);
-    let beside_dp = layout.world_size() / dp;
-    if layout.degree(AxisName::Tsp) > 1 || layout.degree(AxisName::Pp) > 1 || (zero >= 2 && beside_dp != tp) {
+    let beside_replicas = layout.world_size() / replicas;
+    if layout.degree(AxisName::Tsp) > 1 || layout.degree(AxisName::Pp) > 1 || (zero >= 2 && beside_replicas != tp) {
         return None;
     }
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let element = model.dtype_bytes as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
-    let dp = dp as f64;
-    let params = if zero >= 3 { all_params / dp } else { all_params };
-    let grads = if zero >= 2 { all_params / dp } else { all_params };
+    let experts = stage_expert_params(model, layout, model.layers) * element;
+    // ZeRO shards a dense parameter over its dp·ep replicas, a routed expert over dp.
+    let sharded = (all_params - experts) / replicas as f64 + experts / dp as f64;
+    let params = if zero >= 3 { sharded } else { all_params };
+    let grads = if zero >= 2 { sharded } else { all_params };
     let whole = (model.vocab * model.hidden) as f64 * element;
     // A tied table's gradient is the sum of the head's part, held since the head's backward, and
     // the embedding's (`[V/tp, h]` on each rank, as is the table).
@@ -660,7 +684,7 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
         } else {
             terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
         }
-        terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / (dp * tp as f64) });
+        terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / (replicas * tp) as f64 });
     }
     if model.tied_embeddings {
         terms.push(tied_head);
