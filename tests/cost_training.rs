@@ -1153,7 +1153,8 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
 
 #[test]
 fn experts_stage_closed_form_equals_the_planners_peak() {
-    // tiny-moe (every expert on every rank, with its load-balancing loss) on two and four stages:
+    // tiny-moe (every expert on every rank, or experts/ep over ep; with its load-balancing loss)
+    // on two and four stages:
     // a stage may peak inside its first layer's backward as a routed-expert gradient joins its
     // sum, with that layer's attention activations still live (under dp the other two expert
     // gradients wait unreduced beside it); the stages but the last keep their layers' expert
@@ -1163,7 +1164,10 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     // every micro-batch holds the sum it received to its end, and the last stage's other chunks
     // hand their statistics to its last chunk on the same rank. Under zero bubble B makes the
     // experts' gradients: a micro-batch between B and W keeps them, and a stage may peak in B as
-    // one joins its sum.
+    // one joins its sum. A stage between the first and the last keeps the counts' sum it received
+    // to the end of the micro-batch's backward. Over ep the dense gradients are all-reduced over
+    // it (as over dp) and the experts' not, and the router's gradients from the load-balancing
+    // loss wait for the dispatch's.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
@@ -1195,6 +1199,20 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
             (&eight, "pp=4", zero_bubble, 4),
             (&four, "pp=2,tp=2", zero_bubble, 4),
             (&eight, "pp=4,tp=2", zero_bubble, 4),
+            // Over ep (the dense gradients all-reduced over it as over dp, the experts' not).
+            (&four, "pp=2,ep=2", one_f_one_b, 2),
+            (&four, "pp=2,ep=2", gpipe, 2),
+            (&eight, "pp=2,ep=2", one_f_one_b, 2),
+            (&four, "pp=2,ep=2", interleaved, 2),
+            (&eight, "pp=2,ep=2", interleaved, 2),
+            (&four, "pp=2,ep=2", zero_bubble, 2),
+            (&four, "pp=2,ep=2,tp=2", one_f_one_b, 2),
+            (&four, "pp=2,ep=2,tp=2", zero_bubble, 2),
+            (&four, "pp=2,dp=2,ep=2", one_f_one_b, 1),
+            (&four, "pp=2,dp=2,ep=2", gpipe, 1),
+            (&four, "pp=4,ep=2", one_f_one_b, 2),
+            (&four, "pp=4,ep=2", gpipe, 2),
+            (&four, "pp=4,ep=2", zero_bubble, 2),
         ] {
             let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             check_stage_closed_form(config, &layout);
@@ -1209,11 +1227,12 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(phases.contains(phase), "{phase}: {phases:?}");
     }
-    // Outside what is modelled (ep, SP, zero bubble beside dp) there is no closed form.
+    // Outside what is modelled (tsp placing the experts, SP, zero bubble beside dp) there is no
+    // closed form.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     for (mesh, sequence_parallel, kind, stages) in [
-        ("pp=2,ep=2", false, one_f_one_b, 2),
+        ("pp=2,tsp=2", false, one_f_one_b, 2),
         ("pp=2,tp=2", true, one_f_one_b, 2),
         ("pp=2,dp=2", false, zero_bubble, 2),
     ] {
@@ -1534,7 +1553,7 @@ fn stage_closed_forms(
         zero: layout.zero_stage,
         // As the compiled programs do.
         tsp_shards_embeddings: parsed.degree(AxisName::Tsp) > 1,
-        ..Workload::training(seq, PIPELINE_BATCH / u64::from(micro_batches) / dp)
+        ..Workload::training(seq, PIPELINE_BATCH / u64::from(micro_batches) / dp / parsed.degree(AxisName::Ep))
     };
     let memory = memory_per_stage(&model, &cost_layout, &workload);
     programs
@@ -1656,6 +1675,8 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&four_experts, "pp=2", one_f_one_b, 2, false, 0),
             (&eight_experts, "pp=2", one_f_one_b, 4, false, 0),
             (&four_experts, "pp=4", one_f_one_b, 4, false, 0),
+            (&four_experts, "pp=2,ep=2", one_f_one_b, 2, false, 0),
+            (&four_experts, "pp=4,ep=2", gpipe, 2, false, 0),
             (&tied, "pp=2", one_f_one_b, 2, false, 0),
             (&tied, "pp=2,tp=2", interleaved, 2, true, 0),
             (&tied_wide, "pp=2,dp=2,tp=2", gpipe, 2, false, 0),

@@ -206,6 +206,10 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
     in_flight
 }
 
+/// The term naming the expert counts summed over the layers that a stage between the first and
+/// the last received from the last.
+pub(super) const RECEIVED_COUNTS: &str = "the expert counts summed over the layers (received)";
+
 /// What a micro-batch keeps of a chunk to its end. The last chunk keeps the targets (cp's and
 /// tsp's were read in the forward) and the loss to the loss's gradient, another chunk the output
 /// it sent on: to the micro-batch's end, as the program outputs them or another rank reads them
@@ -292,12 +296,14 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
             held.push(Term { name: "first layer's attention norm output (recomputed under full)", bytes: gathered });
             held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
         }
-        // Under full recomputation a stage between the first and the last still holds the
-        // mixture's summed counts it received from the last here, its recomputed first layer's
-        // router probabilities' backward reading them after. (Under interleaving every
+        // A stage between the first and the last still holds the mixture's summed counts it
+        // received from the last here: to the end of the micro-batch's backward, or under zero
+        // bubble to B's end, where under full recomputation its recomputed first layer's router
+        // probabilities' backward reads them after the tail. (Under interleaving every
         // micro-batch holds them to its end: see the walk's `received`.)
-        if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 && shape.recompute() == Recompute::Full {
-            held.push(Term { name: "the expert counts summed over the layers (received)", bytes: shape.statistics });
+        let full = shape.recompute() == Recompute::Full;
+        if (full || !shape.zero_bubble) && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+            held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
         }
         held.extend(chunk.end.iter().cloned());
         // (Under tsp the rank's own block of q.)

@@ -3,10 +3,12 @@
 //! dense gate's, a mixture's experts', tsp's o) or is reduce-scattered (ZeRO-2 and 3), beside the
 //! layer's attention activations.
 
+use pleat_ir::AxisName;
+
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{Candidate, Chunk};
+use super::chunk::{Candidate, Chunk, RECEIVED_COUNTS};
 use super::{tsp_o_reduces, StageShape};
 
 /// Inside the first layer's backward, before its attention's: that layer's attention activations
@@ -201,8 +203,10 @@ pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Opti
 pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, split, stream, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
-    let reduced = shape.reduced;
-    let matrix = (experts.count * shape.model.expert_weights() / 3) as f64 / split * element;
+    let reduced = shape.experts_reduced;
+    let matrix =
+        (experts.count * shape.model.expert_weights() / 3) as f64 / split / shape.layout.expert_degree() as f64
+            * element;
     let waiting = if reduced { 2.0 * matrix } else { 0.0 };
     let mut held = before_attention(
         shape,
@@ -219,10 +223,20 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
         held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
     }
     // A stage between the first and the last still holds the summed counts it received from the
-    // last here; the first has freed them, its first layer's router probabilities' backward, which
-    // runs before the experts', having read them last.
+    // last here; the first has freed them, its first layer's router probabilities' backward,
+    // which runs before the experts', having read them last.
     if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        held.push(Term { name: "the expert counts summed over the layers (received)", bytes: shape.statistics });
+        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
+    // Over ep one instruction makes the experts' input, router and weight gradients; the router's
+    // input and weight gradients from the load-balancing loss, made before it, are summed with
+    // its results after them.
+    if shape.layout.degree(AxisName::Ep) > 1 && experts.load_balancing_loss {
+        let StepSizes { local_tokens, hidden, .. } = shape.sizes;
+        held.push(Term {
+            name: "the router's input and weight gradients from the load-balancing loss",
+            bytes: (experts.count as f64 + local_tokens) * hidden * element,
+        });
     }
     Some(Candidate {
         name: "first layer's expert gradient joins its sum",

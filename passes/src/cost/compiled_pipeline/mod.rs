@@ -83,24 +83,29 @@
 //! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
 //! what they read, W reads only the attention's, and the peak is inside the first layer's W.
 //!
-//! A mixture of experts (every expert on every rank) keeps no MLP activations (its backward
-//! recomputes the routed experts' from the MLP norm's output), and may peak inside its first
-//! layer's backward instead of at the tail, as one of that layer's routed-expert gradients (an
-//! `[E, h, f_e]` matrix) joins its sum beside the layer's attention activations: the last of the
-//! three, or under dp the first, the other two waiting unreduced. Its load-balancing loss keeps
-//! each layer's expert counts and router probability sums on the stages but the last (sent on)
-//! and their counts' sum on the last, to each micro-batch's end, the loss itself until the
-//! backward starts. The last stage sends that sum back to every other in its forward, for their
-//! router probabilities' backward: the stage next to it takes those on its gradients' link in the
-//! order they were sent, so under GPipe it holds them for the micro-batches in flight too. Under
-//! interleaving every micro-batch holds the sum it received to its end on the stage (each chunk's
-//! routers read it), and the last stage's other chunks hand their layers' statistics to its last
-//! chunk on the same rank instead of sending them on. Under zero bubble B runs the experts' and
-//! the router's backward, their weight gradients too (none is a W op): a micro-batch between B
-//! and W keeps those gradients, W reads only the attention's inputs and the norms', and a stage
-//! may peak inside a B, as its first layer's last expert gradient joins its sum beside the
-//! micro-batches between B and W. The received counts' sum is freed after its last reader on the
-//! first stage (where the program's free lies) and at the micro-batch's end on the others.
+//! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
+//! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
+//! peak inside its first layer's backward instead of at the tail, as one of that layer's
+//! routed-expert gradients (an `[E, h, f_e]` matrix) joins its sum beside the layer's attention
+//! activations: the last of the three, or under dp the first, the other two waiting unreduced. Its
+//! load-balancing loss keeps each layer's expert counts and router probability sums on the stages
+//! but the last (sent on) and their counts' sum on the last, to each micro-batch's end, the loss
+//! itself until the backward starts. The last stage sends that sum back to every other in its
+//! forward, for their router probabilities' backward: the stage next to it takes those on its
+//! gradients' link in the order they were sent, so under GPipe it holds them for the micro-batches
+//! in flight too. Under interleaving every micro-batch holds the sum it received to its end on the
+//! stage (each chunk's routers read it), and the last stage's other chunks hand their layers'
+//! statistics to its last chunk on the same rank instead of sending them on. Under zero bubble B
+//! runs the experts' and the router's backward, their weight gradients too (none is a W op): a
+//! micro-batch between B and W keeps those gradients, W reads only the attention's inputs and the
+//! norms', and a stage may peak inside a B, as its first layer's last expert gradient joins its sum
+//! beside the micro-batches between B and W. The received counts' sum is freed after its last
+//! reader on the first stage (where the program's free lies) and at the micro-batch's end on the
+//! others. Over ep the dense gradients are all-reduced over it as over dp, and the experts' (which
+//! ep splits) are not; one instruction makes the experts' input, router and weight gradients, the
+//! router's input and weight gradients from the load-balancing loss waiting beside it; and under
+//! full recomputation the last stage all-reduces the counts' sum over ep again in each backward and
+//! sends that, so no stage holds it for a micro-batch whose backward has not started.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -138,25 +143,23 @@
 //! the forward kept.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any
-//! recomputation; ZeRO-1
-//! anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp, with
-//! or without tp (±SP) and cp (the sums and gradients are dp's shards, each gradient is
-//! reduce-scattered and staged whole, and the stage's other candidate is inside its first layer's
-//! backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the parameters dp's shards
-//! too (each layer's gathered weights are freed by then; under full recomputation the first
-//! layer's are gathered again for its recomputed forward, and the stage's other candidates are
-//! inside that layer's backward, as its down and output projections' gradients are scattered
-//! beside the weights they were recomputed with); a Llama-family model, dense, or a mixture of
-//! experts (no shared expert) with every expert on every rank, beside dp and tp without SP,
-//! ZeRO-1 at most, under zero bubble beside tp only; its embedding untied, or tied on a dense
-//! model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under zero bubble), under
-//! zero bubble or interleaved not beside dp (or cp) × tp, interleaved on two stages only.
-//! [`pipelined_differences_from_closed_form`] names the terms by which [`super::memory`]'s stage
-//! peak (1F1B's in-flight activations by Korthikanti's formulas) differs from it;
-//! `tests/cost_training.rs` checks that closed form plus those terms equals the planner's peak to
-//! the byte on every stage.
+//! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
+//! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
+//! dp's); ZeRO-2 beside dp, with or without tp (±SP) and cp (the sums and gradients are dp's
+//! shards, each gradient is reduce-scattered and staged whole, and the stage's other candidate is
+//! inside its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
+//! parameters dp's shards too (each layer's gathered weights are freed by then; under full
+//! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
+//! other candidates are inside that layer's backward, as its down and output projections' gradients
+//! are scattered beside the weights they were recomputed with); a Llama-family model, dense, or a
+//! mixture of experts (no shared expert) with every expert on every rank or split over ep, beside
+//! dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep only; its embedding
+//! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
+//! zero bubble), under zero bubble or interleaved not beside dp (or cp) × tp, interleaved on two
+//! stages only. [`pipelined_differences_from_closed_form`] names the terms by which
+//! [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's formulas) differs
+//! from it; `tests/cost_training.rs` checks that closed form plus those terms equals the planner's
+//! peak to the byte on every stage.
 //!
 //! The form is built in parts: `chunk` holds what one chunk of the stage keeps (a micro-batch in
 //! flight, what stays to its end, the tail of a backward), `head` and `first_layer` the points
@@ -251,7 +254,7 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
     let tsp = layout.degree(AxisName::Tsp);
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     layout.degree(AxisName::Pp) == u64::from(stages)
-        && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp
+        && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp * layout.degree(AxisName::Ep)
         && stages >= 2
         // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
         && tsp_rank < tsp
@@ -259,12 +262,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // ZeRO-2 and 3 beside dp (with or without tp and cp).
         && (workload.zero <= 1
             || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
-        // A mixture of experts whose every rank holds every expert (no ep, no tsp), without a
-        // shared expert, beside dp and tp without SP and ZeRO-1 at most; under zero bubble, not
-        // beside dp (whose reductions of the experts' gradients in B are not modelled).
+        // A mixture of experts whose every rank holds every expert or experts/ep of them (not
+        // tsp's), without a shared expert, beside dp, ep and tp without SP and ZeRO-1 at most;
+        // under zero bubble, not beside dp (whose reductions of the experts' gradients in B are
+        // not modelled).
         && model.experts.as_ref().is_none_or(|experts| {
             !experts.shared_expert
-                && layout.expert_axis().is_none()
+                && layout.expert_axis() != Some(AxisName::Tsp)
                 && workload.zero <= 1
                 && !sequence_parallel
                 && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
@@ -299,8 +303,11 @@ struct StageShape<'a> {
     stages: u32,
     chunks: u32,
     zero_bubble: bool,
-    /// dp or cp reduce each gradient before it joins its sum.
+    /// dp or cp (or for a dense parameter ep, which splits the batch as dp does) reduce each
+    /// gradient before it joins its sum.
     reduced: bool,
+    /// dp or cp reduce each routed expert's gradient before it joins its sum (ep splits them).
+    experts_reduced: bool,
     /// ZeRO-2 reduce-scatters each gradient over dp: the sums and the micro-batch's gradients are
     /// its shards (`shards` of them), and a gradient is whole (and staged whole) only while it is
     /// scattered.
@@ -340,7 +347,11 @@ impl<'a> StageShape<'a> {
         let mlp_gradients_in_b = if tsp > 1 {
             Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
         } else if model.experts.is_some() {
-            Some((model.routed_expert_weights() as f64 / tp as f64 + model.router_params() as f64) * element)
+            Some(
+                (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64
+                    + model.router_params() as f64)
+                    * element,
+            )
         } else {
             None
         };
@@ -359,7 +370,8 @@ impl<'a> StageShape<'a> {
             stages: schedule.stages,
             chunks: schedule.kind.chunks(),
             zero_bubble: schedule.kind == ScheduleKind::ZeroBubbleH1,
-            reduced: dp > 1 || cp > 1,
+            reduced: dp > 1 || cp > 1 || layout.degree(AxisName::Ep) > 1,
+            experts_reduced: dp > 1 || cp > 1,
             scattered,
             shards: if scattered { dp as f64 } else { 1.0 },
             statistics: sizes.statistics,

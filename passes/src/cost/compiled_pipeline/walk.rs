@@ -2,6 +2,8 @@
 //! stage holds besides (the running sums, the other micro-batches in flight or unfinished, the
 //! load-balancing statistics received), and the largest of the step's points.
 
+use pleat_ir::AxisName;
+
 use super::super::compiled::ForwardPhase;
 use super::super::memory::Term;
 use super::super::workload::Recompute;
@@ -180,6 +182,11 @@ impl Point<'_> {
     /// micro-batches between B and W hold theirs in `between`.) Without interleaving.
     fn counts_taken(&self) -> Option<f64> {
         let (shape, step) = (self.shape, self.step);
+        // (Over ep under full recomputation the last stage all-reduces the sum over ep again in
+        // each backward and sends that: a micro-batch takes it only as its own backward starts.)
+        if shape.layout.degree(AxisName::Ep) > 1 && shape.recompute() == Recompute::Full {
+            return Some(0.0);
+        }
         let taken = if shape.zero_bubble {
             let at_and_before = self.before.iter().chain(std::iter::once(step));
             at_and_before.rev().find(|before| before.phase == self.input_phase).map(|before| before.micro_batch)
