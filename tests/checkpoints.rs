@@ -1,6 +1,7 @@
 //! Sharded checkpoints (`pleat run --train --save DIR --save-every N --resume DIR`): saving in the
 //! middle of a run changes nothing, a resumed run continues bit for bit on the same mesh and within
-//! 1e-5 on another (tp=4 resumed at tsp=2 and at dp=2,tp=2), a changed or stale checkpoint is
+//! 1e-5 on another (tp=4 resumed at tsp=2 and at dp=2,tp=2; a mixture's ZeRO-3 shards over dp × ep
+//! resumed at ep=2), a changed or stale checkpoint is
 //! refused, and a run killed at any moment leaves the last complete checkpoint or none.
 
 use std::process::{Command, Stdio};
@@ -68,6 +69,28 @@ fn a_tp4_checkpoint_resumes_at_tsp2_and_at_dp2_tp2_like_the_uninterrupted_run() 
     let inference =
         json_of(&["run", &saved, "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
     assert!(inference["max_abs_err"].as_f64().expect("checked") < 1e-4);
+}
+
+#[test]
+fn a_mixtures_zero3_checkpoint_over_dp_and_ep_resumes_bit_for_bit_and_reshards() {
+    // ZeRO-3 over dp × ep splits a dense parameter's rows four ways and an expert's two: the
+    // blocks saved are those shards, and they load back on the same mesh and on another.
+    let dir = tempdir("ckpt-moe-zero");
+    let saved = path_in(&dir, "saved");
+    let moe = |extra: &[&str]| {
+        let base = ["run", "tiny-moe", "--train", "--batch", "4", "--seq", "16", "--lr", "1e-2", "--format", "json"];
+        json_of(&[&base[..], extra].concat())
+    };
+    let zero3 = ["--mesh", "dp=2,ep=2", "--zero", "3"];
+    let reference = losses(&moe(&[&zero3[..], &["--steps", "4"]].concat()));
+    moe(&[&zero3[..], &["--steps", "2", "--save", &saved]].concat());
+    let resumed = losses(&moe(&[&zero3[..], &["--steps", "2", "--resume", &saved]].concat()));
+    assert_eq!(resumed, reference[2..], "the resumed run is not the uninterrupted one");
+    let report = moe(&["--mesh", "ep=2", "--zero", "1", "--steps", "2", "--resume", &saved, "--check"]);
+    assert!(report["max_loss_err"].as_f64().expect("checked") <= 1e-4, "{report}");
+    for (got, want) in losses(&report).iter().zip(&reference[2..]) {
+        assert!((got - want).abs() <= 1e-5, "ep=2: {got} vs {want}");
+    }
 }
 
 #[test]
