@@ -1,8 +1,8 @@
 //! Sharded checkpoints (`pleat run --train --save DIR --save-every N --resume DIR`): saving in the
 //! middle of a run changes nothing, a resumed run continues bit for bit on the same mesh and within
 //! 1e-5 on another (tp=4 resumed at tsp=2 and at dp=2,tp=2; a mixture's ZeRO-3 shards over dp × ep
-//! resumed at ep=2), a changed or stale checkpoint is
-//! refused, and a run killed at any moment leaves the last complete checkpoint or none.
+//! resumed at ep=2), a changed or stale checkpoint is refused, and a run killed at any moment
+//! leaves the last complete checkpoint or none.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
