@@ -178,8 +178,9 @@ fn embedding_backward(
     if layout.world_size() == 1 {
         return None;
     }
-    let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-    let replicas = dp * layout.degree(AxisName::Ep);
+    let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+    // A dense parameter's replicas: ep splits the batch as dp does.
+    let replicas = layout.batch_split();
     let shards = if replicas > 1 && zero_stage(workload) >= 2 { replicas as f64 } else { 1.0 };
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
@@ -213,8 +214,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-    let ep = layout.degree(AxisName::Ep);
-    let zero = if dp * ep > 1 { zero_stage(workload) } else { 0 };
+    let replicas = layout.batch_split();
+    let zero = if replicas > 1 { zero_stage(workload) } else { 0 };
     let sizes = StepSizes::new(model, layout, workload);
     let StepSizes {
         element,
@@ -327,7 +328,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // gradient.
     // ZeRO-2 and 3 hold the shard of a gradient over its replicas: a dense parameter's dp·ep (ep
     // splits the batch as dp does), a routed expert's dp.
-    let (shards, expert_shards) = if zero >= 2 { ((dp * ep) as f64, dp as f64) } else { (1.0, 1.0) };
+    let (shards, expert_shards) = if zero >= 2 { (replicas as f64, dp as f64) } else { (1.0, 1.0) };
     // A tied head's gradient is the table's gradient in part: it is reduced over dp with the
     // embedding's part at the end, so ZeRO-2 and 3 hold it whole until then.
     let head_held = if model.tied_embeddings { head_gradient * shards } else { head_gradient };
@@ -627,7 +628,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
 fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
     let dp = layout.degree(AxisName::Dp);
     // A dense parameter's replicas: ep splits the batch as dp does.
-    let replicas = dp * layout.degree(AxisName::Ep);
+    let replicas = layout.batch_split();
     let zero = if replicas > 1 { zero_stage(workload) } else { 0 };
     let tp = layout.degree(AxisName::Tp);
     let beside_replicas = layout.world_size() / replicas;

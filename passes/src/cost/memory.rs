@@ -276,7 +276,7 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
     // ep splits the batch as dp does: the dense parameters have dp·ep replicas, the routed experts
     // (split over ep) dp. ZeRO shards each over its replicas.
-    let dense_replicas = dp * layout.degree(AxisName::Ep) as f64;
+    let dense_replicas = layout.batch_split() as f64;
     let expert_count = stage_expert_params(model, layout, layers);
     let dense_count = param_count - expert_count;
     let shard = |from_stage: u8, replicas: f64| if zero >= from_stage { replicas } else { 1.0 };

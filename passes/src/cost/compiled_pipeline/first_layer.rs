@@ -3,8 +3,6 @@
 //! dense gate's, a mixture's experts', tsp's o) or is reduce-scattered (ZeRO-2 and 3), beside the
 //! layer's attention activations.
 
-use pleat_ir::AxisName;
-
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
@@ -231,7 +229,7 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
     // Over ep one instruction makes the experts' input, router and weight gradients; the router's
     // input and weight gradients from the load-balancing loss, made before it, are summed with
     // its results after them.
-    if shape.layout.degree(AxisName::Ep) > 1 && experts.load_balancing_loss {
+    if shape.ep > 1 && experts.load_balancing_loss {
         let StepSizes { local_tokens, hidden, .. } = shape.sizes;
         held.push(Term {
             name: "the router's input and weight gradients from the load-balancing loss",

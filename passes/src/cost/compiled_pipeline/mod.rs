@@ -254,7 +254,7 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
     let tsp = layout.degree(AxisName::Tsp);
     let sequence_parallel = layout.sequence_parallel && tp > 1;
     layout.degree(AxisName::Pp) == u64::from(stages)
-        && layout.world_size() == u64::from(stages) * dp * tp * cp * tsp * layout.degree(AxisName::Ep)
+        && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
         // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
         && tsp_rank < tsp
@@ -296,6 +296,7 @@ struct StageShape<'a> {
     tp: u64,
     cp: u64,
     tsp: u64,
+    ep: u64,
     /// The rank's place on the tsp axis (0 without one).
     tsp_rank: u64,
     /// The stage, the schedule's stages, and its chunks a stage.
@@ -340,7 +341,7 @@ impl<'a> StageShape<'a> {
         tsp_rank: u64,
     ) -> StageShape<'a> {
         let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-        let tsp = layout.degree(AxisName::Tsp);
+        let (tsp, ep) = (layout.degree(AxisName::Tsp), layout.degree(AxisName::Ep));
         let sizes = StepSizes::new(model, layout, workload);
         let element = sizes.element;
         let scattered = workload.zero >= 2 && dp > 1;
@@ -365,12 +366,13 @@ impl<'a> StageShape<'a> {
             tp,
             cp,
             tsp,
+            ep,
             tsp_rank,
             stage,
             stages: schedule.stages,
             chunks: schedule.kind.chunks(),
             zero_bubble: schedule.kind == ScheduleKind::ZeroBubbleH1,
-            reduced: dp > 1 || cp > 1 || layout.degree(AxisName::Ep) > 1,
+            reduced: dp > 1 || cp > 1 || ep > 1,
             experts_reduced: dp > 1 || cp > 1,
             scattered,
             shards: if scattered { dp as f64 } else { 1.0 },

@@ -2,8 +2,6 @@
 //! stage holds besides (the running sums, the other micro-batches in flight or unfinished, the
 //! load-balancing statistics received), and the largest of the step's points.
 
-use pleat_ir::AxisName;
-
 use super::super::compiled::ForwardPhase;
 use super::super::memory::Term;
 use super::super::workload::Recompute;
@@ -184,7 +182,7 @@ impl Point<'_> {
         let (shape, step) = (self.shape, self.step);
         // (Over ep under full recomputation the last stage all-reduces the sum over ep again in
         // each backward and sends that: a micro-batch takes it only as its own backward starts.)
-        if shape.layout.degree(AxisName::Ep) > 1 && shape.recompute() == Recompute::Full {
+        if shape.ep > 1 && shape.recompute() == Recompute::Full {
             return Some(0.0);
         }
         let taken = if shape.zero_bubble {
