@@ -40,8 +40,8 @@ use pleat_passes::cost::compiled_pipeline::{
     compiled_stage_peak, pipelined_differences_from_closed_form, TIED_HEAD_PART, TIED_TABLE_RECEIVED,
 };
 use pleat_passes::cost::compiled_training::{
-    compiled_training_peak, compiled_tsp_training_peak, training_differences_from_closed_form, PARAMS_KEPT_WHOLE,
-    TIED_HEAD_GRADIENT, TSP_SHARD_SLICED_BEFORE_DP,
+    compiled_training_peak, compiled_tsp_training_peak, optimizer_kept_whole, training_differences_from_closed_form,
+    GRADS_KEPT_WHOLE, OPTIMIZER_KEPT_WHOLE, PARAMS_KEPT_WHOLE, TIED_HEAD_GRADIENT, TSP_SHARD_SLICED_BEFORE_DP,
 };
 use pleat_passes::cost::memory::memory_per_stage;
 use pleat_passes::cost::{Layout, ModelShape, Recompute as CostRecompute, Workload};
@@ -283,10 +283,12 @@ fn zero_shards_a_mixtures_dense_state_over_dp_and_ep_in_the_executor_and_the_cos
     let config = preset("tiny-moe").unwrap();
     let model = ModelShape::from_config(&config);
     let batch = 4;
-    // (Beside tp the cost model still divides every dense parameter by dp·ep, where the executor
-    // splits a parameter's rows over dp alone once they do not divide by dp·ep further: tiny-moe's
-    // k and v have 4 kv heads, 2 a tp rank.)
-    for (mesh, zero) in [("dp=2,ep=2", 1), ("dp=2,ep=2", 2), ("dp=2,ep=2", 3), ("ep=2", 3), ("ep=4", 2)] {
+    // Beside tp, tiny-moe's k and v (4 kv heads) have 2 rows a rank: the executor splits them over
+    // dp alone, 2 layers × 2 × 1,024 f32 elements beyond the closed form's dp·ep shards, whose
+    // state the closed form names (`OPTIMIZER_KEPT_WHOLE`): 8 bytes each, 32,768.
+    let layouts =
+        [("dp=2,ep=2", 1), ("dp=2,ep=2", 2), ("dp=2,ep=2", 3), ("ep=2", 3), ("ep=4", 2), ("dp=2,ep=2,tp=2", 2)];
+    for (mesh, zero) in layouts {
         let training = TrainingLayout::new(mesh, false, zero);
         let (programs, optimizer_layouts) = compile_training(&config, &training, batch);
         let trained = train_one_step(&programs, &optimizer_layouts, batch);
@@ -297,11 +299,14 @@ fn zero_shards_a_mixtures_dense_state_over_dp_and_ep_in_the_executor_and_the_cos
         if mesh == "dp=2,ep=2" && zero == 1 {
             assert_eq!(memory.optimizer_bytes, 1_119_488.0);
         }
+        let kept_whole = optimizer_kept_whole(&model, &layout, &workload);
+        assert_eq!(kept_whole.name, OPTIMIZER_KEPT_WHOLE);
+        assert_eq!(kept_whole.bytes, if mesh.contains("tp") { 32_768.0 } else { 0.0 }, "{mesh}");
         for ((program, optimizer), rank) in programs.iter().zip(&optimizer_layouts).zip(&trained) {
             let label = format!("{mesh} zero={zero} rank {}", program.rank);
             let planned = plan(program, ElementSize::Fixed(4));
             assert_eq!(rank.optimizer_bytes, 8 * optimizer.updated_elements(), "{label}");
-            assert_eq!(rank.optimizer_bytes as f64, memory.optimizer_bytes, "{label}: moments");
+            assert_eq!(rank.optimizer_bytes as f64, memory.optimizer_bytes + kept_whole.bytes, "{label}: moments");
             if zero == 3 {
                 assert_eq!(planned.param_bytes as f64, memory.params_bytes, "{label}: parameters");
             }
@@ -314,7 +319,8 @@ fn zero_shards_a_mixtures_dense_state_over_dp_and_ep_in_the_executor_and_the_cos
                 }
                 _ => None,
             });
-            if zero >= 2 {
+            // (Beside tp, its activations are all-reduced too, and k's and v's gradients over ep.)
+            if zero >= 2 && !mesh.contains("tp") {
                 assert!(all_reduced.max().unwrap_or(0) <= 16, "{label}");
             }
         }
@@ -447,7 +453,7 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
 /// SP, dp at 2 and 4, cp, dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation.
 /// (tsp and pipelined stages peak elsewhere in the step; `compiled_training_peak` does not model
 /// them.)
-const TRAINING_CROSS_CHECK: [TrainingLayout; 28] = [
+const TRAINING_CROSS_CHECK: [TrainingLayout; 33] = [
     TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("tp=4", false, 0),
@@ -476,6 +482,12 @@ const TRAINING_CROSS_CHECK: [TrainingLayout; 28] = [
     TrainingLayout::recomputing("cp=2", false, Recompute::Full),
     TrainingLayout::recomputing("dp=2,tp=2", false, Recompute::Selective),
     TrainingLayout::recomputing("dp=2,tp=2", false, Recompute::Full),
+    // k and v keep 4/2 = 2 rows a rank at tp=2, 1 at tp=4: dp=4 and dp=2 leave them whole.
+    TrainingLayout::new("dp=4,tp=2", false, 1),
+    TrainingLayout::new("dp=4,tp=2", false, 2),
+    TrainingLayout::new("dp=4,tp=2", true, 3),
+    TrainingLayout { mesh: "dp=4,tp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
+    TrainingLayout::new("dp=2,tp=4", false, 3),
 ];
 
 /// The cost model's recompute setting for the compiler's.
@@ -505,6 +517,10 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak() {
         "an attention kernel's backward",
     ] {
         assert!(phases.contains_key(name), "{name} not among {phases:?}");
+    }
+    // dp=4 × tp=2 and dp=2 × tp=4 keep k and v whole: ZeRO-2's and 3's peaks hold them so.
+    for name in [GRADS_KEPT_WHOLE, PARAMS_KEPT_WHOLE] {
+        assert!(phases.values().any(|terms| terms.contains(&name)), "{name} in no peak");
     }
 }
 
@@ -555,11 +571,21 @@ fn check_training_closed_form(
             let predicted = memory.peak_bytes + differences.iter().map(|term| term.bytes).sum::<f64>();
             for (program, optimizer) in programs.iter().zip(&optimizer_layouts) {
                 let planned = plan(program, ElementSize::Fixed(4));
-                assert_eq!(planned.param_bytes as f64, phase.params, "{label} rank {}", program.rank);
-                // The closed form's optimizer state is the executor's moments (an f32 model needs no
-                // master copy; ZeRO 1 to 3 divide both by dp): the term removed from the closed form is
-                // the one added to the planner.
-                assert_eq!(memory.optimizer_bytes, (8 * optimizer.updated_elements()) as f64, "{label}");
+                // ZeRO-3's parameters are the closed form's shards and those it keeps whole (or
+                // splits over fewer replicas) beyond them.
+                let kept_whole =
+                    phase.terms.iter().filter(|term| term.name == PARAMS_KEPT_WHOLE).map(|term| term.bytes);
+                assert_eq!(
+                    planned.param_bytes as f64,
+                    phase.params + kept_whole.sum::<f64>(),
+                    "{label} rank {}",
+                    program.rank
+                );
+                // The closed form's optimizer state and what ZeRO keeps whole beyond its shards are
+                // the executor's moments (an f32 model needs no master copy): the term removed
+                // from the closed form is the one added to the planner.
+                let state = memory.optimizer_bytes + optimizer_kept_whole(&model, &layout, &workload).bytes;
+                assert_eq!(state, (8 * optimizer.updated_elements()) as f64, "{label}");
                 assert_eq!(
                     planned.peak_bytes as f64, predicted,
                     "{label} rank {}: planner {} vs closed form {} + {differences:?}",
@@ -668,7 +694,7 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_for_experts() 
 }
 
 /// The layouts of a mixture of experts whose backward the closed form models.
-const MIXTURE_CROSS_CHECK: [TrainingLayout; 36] = [
+const MIXTURE_CROSS_CHECK: [TrainingLayout; 39] = [
     TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("dp=2", false, 0),
@@ -707,6 +733,10 @@ const MIXTURE_CROSS_CHECK: [TrainingLayout; 36] = [
     TrainingLayout::new("dp=2,tp=2", true, 3),
     TrainingLayout::new("ep=2,tp=2", true, 0),
     TrainingLayout::recomputing("tp=2", true, Recompute::Full),
+    // k and v keep 2 rows a rank at tp=2: ZeRO splits them over dp but not ep.
+    TrainingLayout::new("dp=2,ep=2,tp=2", false, 1),
+    TrainingLayout::new("dp=2,ep=2,tp=2", false, 2),
+    TrainingLayout { mesh: "dp=2,ep=2,tp=2", sequence_parallel: true, zero_stage: 3, recompute: Recompute::Full },
 ];
 
 #[test]
@@ -737,6 +767,10 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_inside_a_mixtu
         "an attention kernel's backward",
     ] {
         assert!(phases.contains_key(name), "{name} not among {:?}", phases.keys());
+    }
+    // dp × ep × tp splits k and v over dp alone: both peaks hold them so.
+    for name in [GRADS_KEPT_WHOLE, PARAMS_KEPT_WHOLE] {
+        assert!(phases.values().any(|terms| terms.contains(&name)), "{name} in no peak");
     }
 }
 

@@ -64,15 +64,23 @@
 //!   shard above is a dp·ep shard for a dense gradient or parameter, the embedding's included (its
 //!   reduce-scatter over ep follows the one over dp and peaks lower), and on ep alone the experts
 //!   are neither sharded nor gathered.
+//! - **ZeRO on rows that do not divide**: the executor splits a parameter's rows over each of its
+//!   replicas' axes that divides them and keeps the rest whole (`super::zero_rows`), where the
+//!   closed form divides every parameter by all its replicas. Every phase holds the difference as
+//!   named terms: [`PARAMS_KEPT_WHOLE`] under ZeRO-3, [`GRADS_KEPT_WHOLE`] at the end under ZeRO-2
+//!   and 3 (the gradients made before it, exactly), and [`optimizer_kept_whole`] beside the
+//!   program. On `tiny` at dp=4 × tp=2, k and v (2 rows a rank) stay whole; on `tiny-moe` at
+//!   dp=2 × ep=2 × tp=2 they split over dp alone.
 //!
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
 //! (`tests/cost_training.rs` checks tp and tp with Megatron SP at 2 and 4, dp at 2 and 4, cp,
-//! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO-2 and 3 beside tp with and without SP, and selective
-//! and full recomputation, each on 8, 32 and 128 tokens a sequence, with the embedding untied and
-//! tied; and a mixture of experts alone, on tp (with and without SP), dp, cp, dp × tp, ZeRO 2
-//! and 3, ep, dp × ep, ep × tp and ep × cp, ZeRO 1 to 3 beside ep (on ep alone, dp × ep and
-//! ep × tp), each recomputation, on 8 to 256 tokens a sequence).
+//! dp × tp, ZeRO 1 to 3 at dp 2 and 4, ZeRO 1 to 3 beside tp with and without SP (also where k's
+//! and v's rows do not divide: dp=4 × tp=2, dp=2 × tp=4), and selective and full recomputation,
+//! each on 8, 32 and 128 tokens a sequence, with the embedding untied and tied; and a mixture of
+//! experts alone, on tp (with and without SP), dp, cp, dp × tp, ZeRO 2 and 3, ep, dp × ep, ep × tp
+//! and ep × cp, ZeRO 1 to 3 beside ep (on ep alone, dp × ep, ep × tp and dp × ep × tp), each
+//! recomputation, on 8 to 256 tokens a sequence).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
@@ -81,13 +89,15 @@
 
 use pleat_ir::AxisName;
 
+use super::activation::kv_split;
 use super::compiled::ForwardPhase;
 use super::compiled_pipeline::tsp_o_reduces;
 use super::layout::Layout;
-use super::memory::{stage_expert_params, stage_params, MemoryBreakdown, Term};
+use super::memory::{bytes_per_param, stage_expert_params, stage_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::step_sizes::{StepSizes, ID_BYTES};
 use super::workload::{Recompute, Workload};
+use super::zero_rows::ZeroRows;
 
 /// The name of the gradients' term of [`compiled_training_peak`].
 pub const GRADIENTS: &str = "gradients of every parameter";
@@ -98,10 +108,17 @@ const ATTENTION_GATHERED: &str =
     "the layer's attention weights, gathered over dp again until the last owner's broadcasts";
 /// ZeRO-3 beside tsp under full recomputation: the final norm's weights gathered over dp again.
 const FINAL_NORM_GATHERED: &str = "the final norm's weights, gathered over dp again for its recomputation";
-/// ZeRO-3 beside tsp: the parameters whose rows (after tsp's split) do not divide over dp are held
-/// whole, beyond their dp shards.
+/// ZeRO-3: the parameters whose rows (after tp's or tsp's split) do not divide over their replicas
+/// are held whole, or split over the replicas that divide them, beyond the closed form's shards
+/// (`super::zero_rows`).
 pub const PARAMS_KEPT_WHOLE: &str =
-    "parameters ZeRO-3 keeps whole (their rows do not divide over dp), beyond their shards";
+    "parameters ZeRO-3 keeps whole or splits over fewer replicas (their rows do not divide), beyond their shards";
+/// ZeRO-1 to 3: the same of the optimizer's state.
+pub const OPTIMIZER_KEPT_WHOLE: &str =
+    "optimizer state ZeRO keeps whole or splits over fewer replicas (their rows do not divide), beyond its shards";
+/// ZeRO-2 and 3: the same of the finished gradients.
+pub const GRADS_KEPT_WHOLE: &str =
+    "finished gradients ZeRO-2 keeps whole or splits over fewer replicas (their rows do not divide), beyond their shards";
 
 /// The whole-vocabulary embedding gradient `[V, h]`: the scatter-add of the token gradients into
 /// every row of the table, before tp slices the rank's rows from it or dp reduces it.
@@ -161,7 +178,37 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
         );
     }
     phases.extend(embedding_backward(model, layout, workload, end.params, grads));
-    Some(phases.into_iter().fold(end, |best, phase| if phase.bytes() > best.bytes() { phase } else { best }))
+    let mut peak = phases.into_iter().fold(end, |best, phase| if phase.bytes() > best.bytes() { phase } else { best });
+    // Every phase holds the parameters ZeRO-3 keeps whole beyond their shards, the same bytes.
+    if layout.batch_split() > 1 && zero_stage(workload) >= 3 {
+        let beyond = ZeroRows::new(model, layout).beyond_shards(model.layers, true, true);
+        peak.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: beyond * model.dtype_bytes as f64 });
+    }
+    Some(peak)
+}
+
+/// The optimizer state a rank holds beyond the closed form's ZeRO shards (from ZeRO-1 on, and under
+/// Megatron's distributed optimizer): the state of the parameters whose rows do not divide over
+/// their replicas (`super::zero_rows`). Kept beside the program, as the closed form's state is.
+pub fn optimizer_kept_whole(model: &ModelShape, layout: &Layout, workload: &Workload) -> Term {
+    let (_, _, per_param) = bytes_per_param(model, workload);
+    let bytes = if layout.batch_split() > 1 && zero_stage(workload) >= 1 {
+        ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) * per_param
+    } else {
+        0.0
+    };
+    Term { name: OPTIMIZER_KEPT_WHOLE, bytes }
+}
+
+/// The finished gradients ZeRO-2 and 3 hold beyond the closed form's shards at the end of the
+/// backward, where every gradient is done (`super::zero_rows`).
+fn grads_kept_whole(model: &ModelShape, layout: &Layout, workload: &Workload) -> Term {
+    let bytes = if layout.batch_split() > 1 && zero_stage(workload) >= 2 {
+        ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) * model.dtype_bytes as f64
+    } else {
+        0.0
+    };
+    Term { name: GRADS_KEPT_WHOLE, bytes }
 }
 
 /// Just before the end of the backward (on more than one rank): the whole-vocabulary embedding
@@ -180,14 +227,16 @@ fn embedding_backward(
     }
     let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     // A dense parameter's replicas: ep splits the batch as dp does.
-    let replicas = layout.batch_split();
-    let shards = if replicas > 1 && zero_stage(workload) >= 2 { replicas as f64 } else { 1.0 };
+    let scattered = layout.batch_split() > 1 && zero_stage(workload) >= 2;
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
-    let shard = (model.vocab as f64 / tp as f64).ceil() * model.hidden as f64 * element;
+    let rows = model.vocab.div_ceil(tp);
+    let shard = rows as f64 * model.hidden as f64 * element;
+    let held = if scattered { ZeroRows::new(model, layout).shard(rows, shard, false) } else { shard };
     let mut terms = vec![
         Term { name: GRADIENTS, bytes: grads },
-        Term { name: "the embedding gradient's vocabulary shard, not sliced yet (removed)", bytes: -shard / shards },
+        grads_kept_whole(model, layout, workload),
+        Term { name: "the embedding gradient's vocabulary shard, not sliced yet (removed)", bytes: -held },
         Term { name: "loss", bytes: element },
         Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: (model.vocab * model.hidden) as f64 * element },
         Term {
@@ -329,6 +378,14 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // ZeRO-2 and 3 hold the shard of a gradient over its replicas: a dense parameter's dp·ep (ep
     // splits the batch as dp does), a routed expert's dp.
     let (shards, expert_shards) = if zero >= 2 { (replicas as f64, dp as f64) } else { (1.0, 1.0) };
+    // Beyond those, what ZeRO-2 and 3 hold whole (or split over fewer replicas) of a gradient whose
+    // rows do not divide over them, and ZeRO-3 gathers only what it split (`super::zero_rows`).
+    let zero_rows = ZeroRows::new(model, layout);
+    let held_dense = |rows: u64, bytes: f64| if zero >= 2 { zero_rows.shard(rows, bytes, false) } else { bytes };
+    let beyond = |elements: f64| if zero >= 2 { elements * element } else { 0.0 };
+    let gathered_again = |rows: u64, bytes: f64| if zero_rows.splits(rows, false) { bytes } else { 0.0 };
+    let (ffn_rows, kv_rows) = (model.ffn / tp, model.kv_heads / kv_split(model, layout));
+    let query_rows = model.heads / tp;
     // A tied head's gradient is the table's gradient in part: it is reduced over dp with the
     // embedding's part at the end, so ZeRO-2 and 3 hold it whole until then.
     let head_held = if model.tied_embeddings { head_gradient * shards } else { head_gradient };
@@ -359,10 +416,13 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         let mut gradients_above = layer_base.clone();
         gradients_above.push(Term {
             name: "the gradients of the head, the final norm and the layers above",
-            bytes: held(head_held + norm_weight + above * (layer_params - routed), above * routed),
+            bytes: held(head_held + norm_weight + above * (layer_params - routed), above * routed)
+                + beyond(zero_rows.beyond_shards(above as u64, true, false)),
         });
         if let Some(experts) = &model.experts {
             let kept_to_it = (layer + 1) as f64 * kept_layer - boundary;
+            let local_experts = experts.count / layout.expert_degree();
+            let held_experts = |bytes: f64| if zero >= 2 { zero_rows.shard(local_experts, bytes, true) } else { bytes };
             let mut mixture = gradients_above;
             mixture[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
             // Inside the mixture's backward: its MLP norm's output (the experts' input) live
@@ -380,10 +440,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             }
             if zero >= 3 {
                 // (The experts only beside dp: on ep alone a rank's experts have no replica.)
-                let experts_gathered = if dp > 1 { routed } else { 0.0 };
+                let experts_gathered = if zero_rows.splits(local_experts, true) { routed } else { 0.0 };
                 inside.push(Term {
                     name: "its router's and experts' weights, gathered again",
-                    bytes: mixture_weights - routed + experts_gathered,
+                    bytes: gathered_again(experts.count, mixture_weights - routed) + experts_gathered,
                 });
                 // (And the MLP norm's, for its recomputation.)
                 if full {
@@ -443,7 +503,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                         bytes: if zero >= 3 || (zero >= 2 && tp > 1) {
                             router_gradient
                         } else {
-                            router_gradient / shards
+                            held_dense(experts.count, router_gradient)
                         },
                     },
                     Term { name: "its experts' gradients", bytes: 3.0 * expert_matrix },
@@ -461,7 +521,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             if dp > 1 || cp > 1 {
                 let mut reduced = mixture.clone();
                 reduced.extend([
-                    Term { name: "its router's gradient", bytes: router_gradient / shards },
+                    Term { name: "its router's gradient", bytes: held_dense(experts.count, router_gradient) },
                     Term {
                         name: "its experts' gradients, and the first's all-reduce result",
                         bytes: 4.0 * expert_matrix,
@@ -474,7 +534,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // router's and experts' gradients done, the MLP norm output's gradient, the norm's
             // input gradient and their sum, the attention residual's gradient.
             mixture.extend([
-                Term { name: "its router's and experts' gradients", bytes: held(mixture_weights - routed, routed) },
+                Term {
+                    name: "its router's and experts' gradients",
+                    bytes: held_dense(experts.count, router_gradient) + held_experts(routed),
+                },
                 Term { name: "its MLP norm output's gradient", bytes: gathered },
                 Term {
                     name: "its MLP norm's input gradient and the attention residual's gradient",
@@ -498,7 +561,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 if zero >= 3 {
                     mlp.push(Term {
                         name: "its MLP norm's, gate's and up's weights, gathered again",
-                        bytes: norm_weight + 2.0 * matrix,
+                        bytes: norm_weight + 2.0 * gathered_again(ffn_rows, matrix),
                     });
                 }
             }
@@ -534,7 +597,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             norm.retain(|term| !term.name.ends_with("gathered again"));
             norm.push(Term { name: "gate, up and their product, freed", bytes: -3.0 * activation });
             norm.extend([
-                Term { name: "the down and up projections' weight gradients", bytes: 2.0 * matrix / shards },
+                Term {
+                    name: "the down and up projections' weight gradients",
+                    bytes: held_dense(model.hidden, matrix) + held_dense(ffn_rows, matrix),
+                },
                 Term { name: "gate's output gradient", bytes: activation },
                 Term { name: "the MLP norm output's gradients from gate and up, and their sum", bytes: 3.0 * gathered },
             ]);
@@ -553,6 +619,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 bytes: held(
                     head_held + norm_weight + above * (layer_params - routed) + layer_mlp - routed,
                     (above + 1.0) * routed,
+                ) + beyond(
+                    zero_rows.beyond_shards(above as u64, true, false) + zero_rows.beyond_shards_past_attention(),
                 ),
             },
             Term {
@@ -577,7 +645,9 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         if full && zero >= 3 {
             dv.push(Term {
                 name: "its attention norm's, q's, k's and v's weights, gathered again",
-                bytes: norm_weight + hidden * (query + 2.0 * kv) * element,
+                bytes: norm_weight
+                    + gathered_again(query_rows, hidden * query * element)
+                    + 2.0 * gathered_again(kv_rows, hidden * kv * element),
             });
         }
         phases.push(ForwardPhase { name: "an attention kernel's backward", params, terms: dv });
@@ -595,11 +665,11 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         if full && zero >= 3 {
             norm.push(Term {
                 name: "its attention norm's and q's weights, gathered again",
-                bytes: norm_weight + hidden * query * element,
+                bytes: norm_weight + gathered_again(query_rows, hidden * query * element),
             });
         }
         norm.extend([
-            Term { name: "its v projection's weight gradient", bytes: hidden * kv * element / shards },
+            Term { name: "its v projection's weight gradient", bytes: held_dense(kv_rows, hidden * kv * element) },
             Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
             Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
         ]);
@@ -615,7 +685,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
         }
         with_q.extend([
-            Term { name: "its k projection's weight gradient", bytes: hidden * kv * element / shards },
+            Term { name: "its k projection's weight gradient", bytes: held_dense(kv_rows, hidden * kv * element) },
             Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
         ]);
         phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
@@ -673,6 +743,7 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
     }
     let mut terms = vec![
         Term { name: GRADIENTS, bytes: grads },
+        grads_kept_whole(model, layout, workload),
         Term { name: "loss", bytes: element },
         Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
     ];
@@ -685,7 +756,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
         } else {
             terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
         }
-        terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -whole / (replicas * tp) as f64 });
+        let shard = ZeroRows::new(model, layout).shard(model.vocab.div_ceil(tp), whole / tp as f64, false);
+        terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -shard });
     }
     if model.tied_embeddings {
         terms.push(tied_head);
@@ -1156,13 +1228,11 @@ impl ZeroSplits {
     /// Nothing split or kept whole when `dp` is 1 (no ZeRO-2).
     fn new(model: &ModelShape, tsp: u64, dp: u64) -> ZeroSplits {
         let element = model.dtype_bytes as f64;
-        // The bytes beyond the shard of a gradient of `elements` whose `rows` do not divide.
+        let zero_rows = ZeroRows::new(model, &Layout::new(&[(AxisName::Tsp, tsp), (AxisName::Dp, dp)], false));
+        // The bytes beyond the dp shard of a gradient of `elements` whose `rows` do not divide.
         let beyond = |rows: u64, elements: u64| {
-            if dp > 1 && rows % dp != 0 {
-                elements as f64 * element * (1.0 - 1.0 / dp as f64)
-            } else {
-                0.0
-            }
+            let elements = elements as f64;
+            (zero_rows.shard(rows, elements, false) - elements / dp as f64) * element
         };
         let (hidden, head_dim) = (model.hidden, model.head_dim);
         let heads = |count: u64| {
@@ -1183,7 +1253,7 @@ impl ZeroSplits {
         let embedding = if model.tied_embeddings { 0.0 } else { beyond(vocab, vocab * hidden) };
         // The bytes of a parameter that ZeRO-3 splits, gathered whole.
         let gathered =
-            |rows: u64, elements: u64| if dp > 1 && rows % dp == 0 { elements as f64 * element } else { 0.0 };
+            |rows: u64, elements: u64| if zero_rows.splits(rows, false) { elements as f64 * element } else { 0.0 };
         let mlp_gathered = projections * gathered(ffn, ffn * hidden) + gathered(hidden, hidden * ffn);
         let gathered_heads = |count: u64| {
             let weights = gathered(count / tsp, count / tsp * head_dim * hidden);
@@ -1216,10 +1286,7 @@ impl ZeroSplits {
         let bytes = layers as f64 * (self.attention + self.mlp)
             + if mlp { self.mlp } else { 0.0 }
             + if head { self.head } else { 0.0 };
-        Term {
-            name: "finished gradients ZeRO-2 keeps whole (their rows do not divide over dp), beyond their shards",
-            bytes,
-        }
+        Term { name: GRADS_KEPT_WHOLE, bytes }
     }
 }
 

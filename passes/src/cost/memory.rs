@@ -275,7 +275,8 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     let (weight, grad, optimizer) = bytes_per_param(model, workload);
     let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
     // ep splits the batch as dp does: the dense parameters have dp·ep replicas, the routed experts
-    // (split over ep) dp. ZeRO shards each over its replicas.
+    // (split over ep) dp. ZeRO shards each over its replicas, as flat buffers do (the executor's
+    // rows that do not divide stay whole: `zero_rows`, a named term of the compiled forms).
     let dense_replicas = layout.batch_split() as f64;
     let expert_count = stage_expert_params(model, layout, layers);
     let dense_count = param_count - expert_count;

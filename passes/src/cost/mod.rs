@@ -17,7 +17,7 @@
 //! - [`compiled_training`]: the same for a training step's program (dp, tp, cp, dp × tp, ZeRO,
 //!   recompute), with every term by which it differs from [`memory`]'s training peak named;
 //!   [`compiled_pipeline`] for a pipelined stage's; `step_sizes` the rank's buffer sizes both
-//!   read.
+//!   read; [`zero_rows`] which of a rank's parameters ZeRO splits, and over how many replicas.
 //! - [`megatron`]: Megatron-LM's `theoretical_memory_usage.py` and Korthikanti's Table 2, verbatim,
 //!   as the published reference the general model is checked against.
 //! - [`comm`]: alpha-beta costs of collectives (ring, tree, hierarchical).
@@ -48,6 +48,7 @@ pub mod model;
 mod step_sizes;
 pub mod volume;
 mod workload;
+pub mod zero_rows;
 
 /// The sum of `values`, 0 when there are none. `Iterator::sum` of f64 starts from -0.0 (the IEEE
 /// identity of addition), so an empty sum, a layout without forward collectives, reached `pleat plan`
