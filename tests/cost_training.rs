@@ -1510,6 +1510,15 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     let schedule = Schedule::build(one_f_one_b, 2, 4).unwrap();
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
+    // Nor has ZeRO-2 or 3 where a parameter's rows do not divide over dp (k and v, 2 rows a rank
+    // at tp=2, stay whole at dp=4, which the stage's points do not count); dp=2 divides them.
+    let schedule = Schedule::build(one_f_one_b, 2, 1).unwrap();
+    for (mesh, modelled) in [("pp=2,dp=4,tp=2", false), ("pp=2,dp=2,tp=2", true)] {
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let workload = Workload { zero: 2, ..Workload::training(SEQ, 1) };
+        let phase = compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2);
+        assert_eq!(phase.is_some(), modelled, "{mesh}");
+    }
 }
 
 #[test]

@@ -145,7 +145,8 @@
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp, with or without tp (±SP) and cp (the sums and gradients are dp's
+//! dp's); ZeRO-2 beside dp, with or without tp (±SP) and cp, where every parameter's rows divide
+//! over dp (the sums and gradients are dp's
 //! shards, each gradient is reduce-scattered and staged whole, and the stage's other candidate is
 //! inside its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
 //! parameters dp's shards too (each layer's gathered weights are freed by then; under full
@@ -180,6 +181,7 @@ use super::memory::{MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
+use super::zero_rows::ZeroRows;
 use crate::pipeline::{Schedule, ScheduleKind};
 use chunk::ChunkHold;
 
@@ -259,9 +261,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
         && tsp_rank < tsp
         && (tsp == 1 || (tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
-        // ZeRO-2 and 3 beside dp (with or without tp and cp).
+        // ZeRO-2 and 3 beside dp (with or without tp and cp), where every parameter's rows divide
+        // over dp (`super::zero_rows`: k and v at dp=4 × tp=2 stay whole, which the stage's
+        // points do not count).
         && (workload.zero <= 1
-            || (dp > 1 && (workload.zero == 2 || workload.zero == 3)))
+            || (dp > 1
+                && (workload.zero == 2 || workload.zero == 3)
+                && ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) == 0.0))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), without a shared expert, beside dp, ep and tp without SP and ZeRO-1 at most;
         // under zero bubble, not beside dp (whose reductions of the experts' gradients in B are
