@@ -474,8 +474,8 @@ pub enum UsageError {
     TrainFoldedStrategy,
     /// `--zero` without a data-parallel axis.
     #[error(
-        "--zero {zero} splits state over the dp axis (and over ep, which splits the batch as dp does), and --mesh \
-         has neither above 1; add one, e.g. dp=2"
+        "--zero {zero} splits state over the ranks that replicate the parameters (dp, cp, and ep, which splits the \
+         batch as dp does), and --mesh has none of them above 1; add one, e.g. dp=2"
     )]
     #[diagnostic(code(E0719), help("add a dp axis to --mesh (e.g. dp=2), or drop --zero"))]
     ZeroWithoutDp {

@@ -328,6 +328,51 @@ fn zero_shards_a_mixtures_dense_state_over_dp_and_ep_in_the_executor_and_the_cos
 }
 
 #[test]
+fn zero_shards_the_state_over_dp_and_cp_in_the_executor_and_the_cost_model() {
+    // cp's ranks hold the same weights and sum their gradients, so ZeRO shards over dp × cp, as
+    // Megatron's distributed optimizer does (and over cp alone): the executor's moments are the
+    // cost model's optimizer state, its ZeRO-3 parameter blocks the cost model's, and the planner
+    // still equals the measured peak. tiny's 361,088 parameters at dp=2 × cp=2, ZeRO-1: 8 bytes of
+    // moments each over 4 ranks, 722,176 bytes (over dp alone 1,444,352).
+    let config = preset("tiny").unwrap();
+    let model = ModelShape::from_config(&config);
+    let batch = 4;
+    for (mesh, zero) in [("dp=2,cp=2", 1), ("dp=2,cp=2", 2), ("dp=2,cp=2", 3), ("cp=2", 2), ("cp=4", 3)] {
+        let training = TrainingLayout::new(mesh, false, zero);
+        let (programs, optimizer_layouts) = compile_training(&config, &training, batch);
+        let trained = train_one_step(&programs, &optimizer_layouts, batch);
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let workload =
+            Workload { zero, tsp_shards_embeddings: true, ..Workload::training(SEQ, batch / layout.batch_split()) };
+        let memory = &memory_per_stage(&model, &layout, &workload)[0];
+        if mesh == "dp=2,cp=2" && zero == 1 {
+            assert_eq!(memory.optimizer_bytes, 722_176.0);
+        }
+        for ((program, optimizer), rank) in programs.iter().zip(&optimizer_layouts).zip(&trained) {
+            let label = format!("{mesh} zero={zero} rank {}", program.rank);
+            let planned = plan(program, ElementSize::Fixed(4));
+            assert_eq!(rank.optimizer_bytes, 8 * optimizer.updated_elements(), "{label}");
+            assert_eq!(rank.optimizer_bytes as f64, memory.optimizer_bytes, "{label}: moments");
+            if zero == 3 {
+                assert_eq!(planned.param_bytes as f64, memory.params_bytes, "{label}: parameters");
+            }
+            assert_eq!(planned.peak_bytes + rank.optimizer_bytes, rank.peak_bytes, "{label}: peak");
+            // Under ZeRO-2 and 3 every gradient is reduce-scattered, over dp and then over cp:
+            // what is still all-reduced is the loss alone.
+            let all_reduced = program.instructions.iter().filter_map(|instr| match instr {
+                Instr::AllReduce { inputs, .. } => {
+                    Some(inputs.iter().map(|&id| program.buffer(id).numel()).sum::<u64>())
+                }
+                _ => None,
+            });
+            if zero >= 2 {
+                assert!(all_reduced.max().unwrap_or(0) <= 1, "{label}");
+            }
+        }
+    }
+}
+
+#[test]
 fn planner_peak_equals_the_measured_peak_with_gradient_buckets() {
     // Bucketed, a gradient's operand stays live until its bucket's last gradient, and the bucket
     // packs its operands while it runs (`Staging::Bucket`); the planner and the executor count
@@ -437,8 +482,10 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
             let planned = plan(program, ElementSize::Fixed(4));
             // Without ZeRO every loaded element is updated; ZeRO-1 and 2 update the rank's dp
             // share of them, ZeRO-3 all it loads (its share).
-            let dp = Mesh::parse(layout.mesh).unwrap().degree(AxisName::Dp);
-            let share = if matches!(layout.zero_stage, 1 | 2) { dp } else { 1 };
+            // (Its replicas: dp and cp, whose ranks hold the same weights.)
+            let mesh = Mesh::parse(layout.mesh).unwrap();
+            let replicas = mesh.degree(AxisName::Dp) * mesh.degree(AxisName::Cp);
+            let share = if matches!(layout.zero_stage, 1 | 2) { replicas } else { 1 };
             assert_eq!(rank.optimizer_bytes, 2 * planned.param_bytes / share, "{label} rank {}: moments", program.rank);
             let predicted = planned.peak_bytes + rank.optimizer_bytes;
             let measured = rank.peak_bytes;
@@ -453,7 +500,7 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
 /// SP, dp at 2 and 4, cp, dp × tp, ZeRO 1 to 3 at dp 2 and 4, and selective and full recomputation.
 /// (tsp and pipelined stages peak elsewhere in the step; `compiled_training_peak` does not model
 /// them.)
-const TRAINING_CROSS_CHECK: [TrainingLayout; 33] = [
+const TRAINING_CROSS_CHECK: [TrainingLayout; 37] = [
     TrainingLayout::new("", false, 0),
     TrainingLayout::new("tp=2", false, 0),
     TrainingLayout::new("tp=4", false, 0),
@@ -488,6 +535,11 @@ const TRAINING_CROSS_CHECK: [TrainingLayout; 33] = [
     TrainingLayout::new("dp=4,tp=2", true, 3),
     TrainingLayout { mesh: "dp=4,tp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
     TrainingLayout::new("dp=2,tp=4", false, 3),
+    // cp's ranks hold the same weights: ZeRO shards over dp × cp, and over cp alone.
+    TrainingLayout::new("dp=2,cp=2", false, 2),
+    TrainingLayout::new("cp=2", false, 3),
+    TrainingLayout { mesh: "dp=2,cp=2", sequence_parallel: false, zero_stage: 3, recompute: Recompute::Full },
+    TrainingLayout::new("cp=2,tp=2", true, 2),
 ];
 
 /// The cost model's recompute setting for the compiler's.
@@ -1123,20 +1175,29 @@ fn cp_stage_closed_form_equals_the_planners_peak_under_recomputation_and_beside_
         let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
         check_stage_closed_form(config, &layout);
     }
-    // Beside dp, with ZeRO 0, 2 and 3 (the gradients all-reduced over cp, reduce-scattered over
-    // dp): the first layer's kept k and v are every token's as its gate gradient is scattered.
-    for (kind, recompute, zero_stage) in [
-        (ScheduleKind::OneFOneB, Recompute::None, 0u8),
-        (ScheduleKind::GPipe, Recompute::Full, 0),
-        (ScheduleKind::OneFOneB, Recompute::None, 2),
-        (ScheduleKind::GPipe, Recompute::Selective, 2),
-        (ScheduleKind::OneFOneB, Recompute::None, 3),
-        (ScheduleKind::ZeroBubbleH1, Recompute::Full, 2),
-        (ScheduleKind::Interleaved { chunks: 2 }, Recompute::None, 2),
+    // Beside dp, with ZeRO 0, 2 and 3 (the gradients reduce-scattered over dp and then over cp,
+    // whose ranks hold the same weights): the first layer's kept k and v are every token's as its
+    // gate gradient is scattered. And on cp alone, ZeRO over cp.
+    for (mesh, kind, recompute, zero_stage) in [
+        ("pp=2,dp=2,cp=2", ScheduleKind::OneFOneB, Recompute::None, 0u8),
+        ("pp=2,dp=2,cp=2", ScheduleKind::GPipe, Recompute::Full, 0),
+        ("pp=2,dp=2,cp=2", ScheduleKind::OneFOneB, Recompute::None, 2),
+        ("pp=2,dp=2,cp=2", ScheduleKind::GPipe, Recompute::Selective, 2),
+        ("pp=2,dp=2,cp=2", ScheduleKind::OneFOneB, Recompute::None, 3),
+        ("pp=2,dp=2,cp=2", ScheduleKind::Interleaved { chunks: 2 }, Recompute::None, 2),
+        ("pp=2,cp=2", ScheduleKind::OneFOneB, Recompute::None, 2),
+        ("pp=2,cp=2", ScheduleKind::ZeroBubbleH1, Recompute::Full, 2),
+        ("pp=2,cp=2", ScheduleKind::GPipe, Recompute::Full, 3),
     ] {
-        let layout = PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new("pp=2,dp=2,cp=2", kind, 2) };
+        let layout = PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, 2) };
         check_stage_closed_form(&four, &layout);
     }
+    // Zero bubble's W beside both (two reduce-scatters a gradient) is not modelled.
+    let model = ModelShape::from_config(&four);
+    let layout = Layout::from_mesh(&Mesh::parse("pp=2,dp=2,cp=2").unwrap(), false);
+    let schedule = Schedule::build(ScheduleKind::ZeroBubbleH1, 2, 2).unwrap();
+    let workload = Workload { zero: 2, micro_batches: 2, ..Workload::training(SEQ, 1) };
+    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 0, 2).is_none());
 }
 
 #[test]
@@ -1170,9 +1231,12 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
             };
             check_stage_closed_form(config, &layout);
         }
-        // Beside dp, with ZeRO 0, 2 and 3.
+        // Beside dp, with ZeRO 0, 2 and 3 (over dp × cp: with 8 kv heads, so that k's and v's 4 rows
+        // a tp rank divide over it; 4 kv heads leave them split over dp alone, which the stage's
+        // closed form declines).
+        let heads = pleat_ir::model::config::ModelConfig { num_kv_heads: 8, ..four.clone() };
         for (kind, recompute, zero_stage) in
-            [(one_f_one_b, none, 0u8), (one_f_one_b, none, 2), (gpipe, full, 3), (zero_bubble, selective, 2)]
+            [(one_f_one_b, none, 0u8), (one_f_one_b, none, 2), (gpipe, full, 3), (zero_bubble, selective, 0)]
         {
             let layout = PipelinedLayout {
                 recompute,
@@ -1180,7 +1244,7 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
                 zero_stage,
                 ..PipelinedLayout::new("pp=2,dp=2,tp=2,cp=2", kind, 2)
             };
-            check_stage_closed_form(&four, &layout);
+            check_stage_closed_form(if zero_stage >= 2 { &heads } else { &four }, &layout);
         }
     }
 }
@@ -1289,8 +1353,8 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     // and a wide one (2048 tokens, where the table outweighs a layer), on pp=2 and pp=4, alone and
     // by dp, tp (±SP), cp and dp × tp, each recomputation, GPipe, 1F1B, zero bubble (where the
     // first stage of two takes the last's input gradients of the B steps before the head's part,
-    // made in W) and interleaved where they are modelled, ZeRO-1, and ZeRO-2 and 3 beside dp without tp (under ZeRO-3 the last stage
-    // gathers the table's shard itself).
+    // made in W) and interleaved where they are modelled, ZeRO-1, and ZeRO-2 and 3 beside dp or cp without tp (under ZeRO-3 the last
+    // stage gathers the table's shard itself).
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
     let wide = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..tied.clone() };
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
@@ -1313,7 +1377,7 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2,cp=2", false, selective, &[2], 2),
         ("pp=2,dp=2", false, none, &[2], 3),
         ("pp=4,dp=2", false, selective, &[2], 3),
-        ("pp=2,dp=2,cp=2", false, none, &[2], 3),
+        ("pp=2,cp=2", false, none, &[2], 3),
     ];
     let mut names = std::collections::BTreeSet::new();
     for config in [&tied, &wide] {

@@ -86,6 +86,15 @@ fn zero_stages_match_the_reference() {
 }
 
 #[test]
+fn zero_over_dp_and_cp_matches_the_reference() {
+    // cp's ranks hold the same weights and sum their gradients: ZeRO shards over dp × cp (as
+    // Megatron's distributed optimizer does), and over cp alone.
+    for (mesh, zero) in [("dp=2,cp=2", "1"), ("dp=2,cp=2", "2"), ("dp=2,cp=2", "3"), ("cp=2", "3")] {
+        assert_matches_reference(&train(mesh, 10, &["--zero", zero]), &format!("{mesh} zero {zero}"));
+    }
+}
+
+#[test]
 fn recomputation_matches_the_reference() {
     for recompute in ["selective", "full"] {
         assert_matches_reference(&train("tp=2", 3, &["--recompute", recompute]), recompute);
@@ -113,7 +122,7 @@ fn the_check_takes_each_step_from_the_runs_own_state() {
 #[test]
 fn training_refuses_what_it_cannot_do() {
     let error = error_of(&["run", "tiny", "--train", "--mesh", "tp=2", "--zero", "2"]);
-    assert!(error.contains("--zero 2 splits state over the dp axis"), "{error}");
+    assert!(error.contains("--zero 2 splits state over the ranks that replicate the parameters"), "{error}");
     let error = error_of(&["run", "tiny", "--train", "--mesh", "tsp=2", "--seq", "6"]);
     assert!(error.contains("seq=6 does not split into 2xtsp=4 zigzag chunks"), "{error}");
     let error = error_of(&["run", "tiny", "--train", "--logits-out", "l.safetensors"]);

@@ -3,7 +3,8 @@
 //!
 //! A training module's outputs are the loss and one `grad.<name>` a parameter, each laid out as
 //! the backward graph left it: as the parameter, or (ZeRO-2) further split on the first dim over
-//! its data-parallel axes (`pleat_ir::ZERO_AXES`: `dp`, and `ep` where `ep` does not split it).
+//! its data-parallel axes (`pleat_ir::ZERO_AXES`: `dp`, `cp`, and `ep` where `ep` does not split
+//! it).
 //! `optimizer_layout` turns that, and the ZeRO stage, into one `ParamUpdate` a parameter for a
 //! rank: the rows of the rank's parameter block it updates (and keeps optimizer state for), the
 //! gradient output that covers them, and the group that all-gathers the updated rows when the rank

@@ -121,9 +121,11 @@ impl ShardSpec {
 }
 
 /// The axes ZeRO shards a parameter's rows over, outermost first: its data-parallel replicas.
-/// `dp`, and `ep` for every parameter `ep` does not split: `ep` splits the batch as `dp` does, so
-/// the dense parameters have `dp·ep` replicas and the routed experts `dp` (DeepSpeed-MoE's layout).
-pub const ZERO_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Ep];
+/// `dp`; `cp`, whose ranks hold the same weights and sum their gradients (Megatron's distributed
+/// optimizer shards over dp × cp); and `ep` for every parameter `ep` does not split: `ep` splits
+/// the batch as `dp` does, so the dense parameters have `dp·cp·ep` replicas and the routed experts
+/// `dp·cp` (DeepSpeed-MoE's layout).
+pub const ZERO_AXES: [AxisName; 3] = [AxisName::Dp, AxisName::Cp, AxisName::Ep];
 
 /// The largest degree an error suggests: no mesh axis is larger, and a count near 2^64 would
 /// otherwise take minutes to factor.
@@ -178,5 +180,13 @@ mod tests {
         assert_eq!(ShardSpec::replicated(2).with_rows_split(&odder, &mesh, &ZERO_AXES), None);
         assert_eq!(ShardSpec::replicated(2).with_rows_split(&shape, &Mesh::parse("tp=2").unwrap(), &ZERO_AXES), None);
         assert_eq!(dense.rows_split_beyond(&expert), [] as [AxisName; 0]);
+        // cp's ranks hold the same weights: dp, then cp; an expert's too, beside ep.
+        let mesh = Mesh::parse("dp=2,cp=2,ep=2").unwrap();
+        let split = ShardSpec::replicated(2).with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap();
+        assert_eq!(split.dims[0], [AxisName::Dp, AxisName::Cp, AxisName::Ep]);
+        assert_eq!(
+            expert.with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap().dims[0],
+            [AxisName::Ep, AxisName::Dp, AxisName::Cp]
+        );
     }
 }

@@ -179,20 +179,21 @@ pub fn layouts(space: &SearchSpace, gpus_per_node: u64) -> Vec<Layout> {
     layouts
 }
 
-/// The workloads tried on a mesh whose batch splits `dp` ways (dp·ep), one group a micro-batch
-/// size, smallest first.
+/// The workloads tried on `layout` (whose batch splits dp·ep ways; ZeRO stages where dp, cp or ep
+/// replicates the parameters), one group a micro-batch size, smallest first.
 /// For a fixed ZeRO stage and recompute mode, memory never falls as the micro-batch grows (its
 /// activations, logits and transients grow with it, and with pipelines the in-flight micro-batches
 /// hold `b·min(m, p)` sequences, `b·m` being fixed), so once a whole group is over the cap the
 /// search skips the larger ones. (Within a group it is not monotone: ZeRO-3's gathered layers and
 /// full recompute's working set are transients the other settings do not have.)
-fn workloads(space: &SearchSpace, dp: u64) -> Vec<Vec<Workload>> {
-    let per_replica = space.global_batch / dp;
+fn workloads(space: &SearchSpace, layout: &Layout) -> Vec<Vec<Workload>> {
+    let per_replica = space.global_batch / layout.batch_split();
     let recomputes: &[Recompute] = match space.mode {
         Mode::Train => &[Recompute::None, Recompute::Selective, Recompute::Full],
         Mode::Infer => &[Recompute::None],
     };
-    let zero_stages: &[u8] = if dp > 1 && space.mode == Mode::Train { &[0, 1, 2, 3] } else { &[0] };
+    // ZeRO shards over a parameter's replicas: dp, cp and ep.
+    let zero_stages: &[u8] = if layout.zero_replicas() > 1 && space.mode == Mode::Train { &[0, 1, 2, 3] } else { &[0] };
     let micro_batches = (0..).map(|power| 1u64 << power).take_while(|&size| size <= space.max_micro_batch);
     micro_batches
         .filter(|size| per_replica % size == 0)
@@ -255,7 +256,7 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
             outcome.batch_mismatch += 1;
             continue;
         }
-        let groups = workloads(space, replicas);
+        let groups = workloads(space, &layout);
         'layout: for (index, group) in groups.iter().enumerate() {
             let mut any_fits = false;
             for workload in group {
@@ -455,11 +456,10 @@ mod tests {
         let mut feasible = 0;
         let mut best = f64::INFINITY;
         for layout in layouts(&space, hw.gpus_per_node) {
-            let dp = layout.degree(AxisName::Dp);
-            if space.global_batch % dp != 0 {
+            if space.global_batch % layout.batch_split() != 0 {
                 continue;
             }
-            for workload in workloads(&space, dp).into_iter().flatten() {
+            for workload in workloads(&space, &layout).into_iter().flatten() {
                 if let Ok(estimate) = estimate(&model, &layout, &workload, &hw) {
                     if estimate.memory.peak_bytes <= space.mem_cap_bytes {
                         feasible += 1;

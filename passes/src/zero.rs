@@ -2,9 +2,10 @@
 //! gathered just before use.
 //!
 //! Runs on a sharded forward graph (after propagation): a parameter whose first dim divides over
-//! `dp` (after its other splits) gets `dp` as the innermost split of that dim, then `ep` too when
-//! `ep` does not split it and the rows still divide (`pleat_ir::ZERO_AXES`: ep splits the batch as
-//! dp does). An `all_gather` over each of those axes, innermost first, just before its first use
+//! `dp` (after its other splits) gets `dp` as the innermost split of that dim, then `cp` and `ep`
+//! too while the rows still divide and `ep` does not split it (`pleat_ir::ZERO_AXES`: cp's ranks
+//! hold the same weights, and ep splits the batch as dp does). An `all_gather` over each of those
+//! axes, innermost first, just before its first use
 //! hands every user the layout it had before, so nothing else changes.
 //! Differentiating then gives each gather's conjugate, a reduce-scatter of the gradient onto the
 //! same rows, and `autodiff::Options { zero_stage: 3 }` gathers again in the backward instead of

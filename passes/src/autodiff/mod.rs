@@ -43,8 +43,8 @@ pub enum Recompute {
 pub struct Options {
     /// What to recompute.
     pub recompute: Recompute,
-    /// ZeRO's stage over a parameter's data-parallel axes (`pleat_ir::ZERO_AXES`: `dp`, and `ep`
-    /// where `ep` does not split it): 2 lays each gradient out split over them on its first dim
+    /// ZeRO's stage over a parameter's data-parallel axes (`pleat_ir::ZERO_AXES`: `dp`, `cp`, and
+    /// `ep` where `ep` does not split it): 2 lays each gradient out split over them on its first dim
     /// (reduce-scatters instead of all-reduces); 3 re-gathers each split parameter in the backward
     /// instead of keeping the forward's gathered copy.
     pub zero_stage: u8,

@@ -180,7 +180,7 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
     phases.extend(embedding_backward(model, layout, workload, end.params, grads));
     let mut peak = phases.into_iter().fold(end, |best, phase| if phase.bytes() > best.bytes() { phase } else { best });
     // Every phase holds the parameters ZeRO-3 keeps whole beyond their shards, the same bytes.
-    if layout.batch_split() > 1 && zero_stage(workload) >= 3 {
+    if layout.zero_replicas() > 1 && zero_stage(workload) >= 3 {
         let beyond = ZeroRows::new(model, layout).beyond_shards(model.layers, true, true);
         peak.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: beyond * model.dtype_bytes as f64 });
     }
@@ -192,7 +192,7 @@ pub fn compiled_training_peak(model: &ModelShape, layout: &Layout, workload: &Wo
 /// their replicas (`super::zero_rows`). Kept beside the program, as the closed form's state is.
 pub fn optimizer_kept_whole(model: &ModelShape, layout: &Layout, workload: &Workload) -> Term {
     let (_, _, per_param) = bytes_per_param(model, workload);
-    let bytes = if layout.batch_split() > 1 && zero_stage(workload) >= 1 {
+    let bytes = if layout.zero_replicas() > 1 && zero_stage(workload) >= 1 {
         ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) * per_param
     } else {
         0.0
@@ -203,7 +203,7 @@ pub fn optimizer_kept_whole(model: &ModelShape, layout: &Layout, workload: &Work
 /// The finished gradients ZeRO-2 and 3 hold beyond the closed form's shards at the end of the
 /// backward, where every gradient is done (`super::zero_rows`).
 fn grads_kept_whole(model: &ModelShape, layout: &Layout, workload: &Workload) -> Term {
-    let bytes = if layout.batch_split() > 1 && zero_stage(workload) >= 2 {
+    let bytes = if layout.zero_replicas() > 1 && zero_stage(workload) >= 2 {
         ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) * model.dtype_bytes as f64
     } else {
         0.0
@@ -227,7 +227,7 @@ fn embedding_backward(
     }
     let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     // A dense parameter's replicas: ep splits the batch as dp does.
-    let scattered = layout.batch_split() > 1 && zero_stage(workload) >= 2;
+    let scattered = layout.zero_replicas() > 1 && zero_stage(workload) >= 2;
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
     let rows = model.vocab.div_ceil(tp);
@@ -263,7 +263,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-    let replicas = layout.batch_split();
+    let replicas = layout.zero_replicas();
     let zero = if replicas > 1 { zero_stage(workload) } else { 0 };
     let sizes = StepSizes::new(model, layout, workload);
     let StepSizes {
@@ -377,7 +377,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // gradient.
     // ZeRO-2 and 3 hold the shard of a gradient over its replicas: a dense parameter's dp·ep (ep
     // splits the batch as dp does), a routed expert's dp.
-    let (shards, expert_shards) = if zero >= 2 { (replicas as f64, dp as f64) } else { (1.0, 1.0) };
+    let (shards, expert_shards) =
+        if zero >= 2 { (replicas as f64, layout.expert_zero_replicas() as f64) } else { (1.0, 1.0) };
     // Beyond those, what ZeRO-2 and 3 hold whole (or split over fewer replicas) of a gradient whose
     // rows do not divide over them, and ZeRO-3 gathers only what it split (`super::zero_rows`).
     let zero_rows = ZeroRows::new(model, layout);
@@ -696,9 +697,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
 
 /// The end of the backward (see [`compiled_training_peak`]).
 fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
-    let dp = layout.degree(AxisName::Dp);
     // A dense parameter's replicas: ep splits the batch as dp does.
-    let replicas = layout.batch_split();
+    let replicas = layout.zero_replicas();
     let zero = if replicas > 1 { zero_stage(workload) } else { 0 };
     let tp = layout.degree(AxisName::Tp);
     let beside_replicas = layout.world_size() / replicas;
@@ -710,7 +710,7 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
     let experts = stage_expert_params(model, layout, model.layers) * element;
     // ZeRO shards a dense parameter over its dp·ep replicas, a routed expert over dp.
-    let sharded = (all_params - experts) / replicas as f64 + experts / dp as f64;
+    let sharded = (all_params - experts) / replicas as f64 + experts / layout.expert_zero_replicas() as f64;
     let params = if zero >= 3 { sharded } else { all_params };
     let grads = if zero >= 2 { sharded } else { all_params };
     let whole = (model.vocab * model.hidden) as f64 * element;
@@ -1522,10 +1522,7 @@ mod tests {
             let phase = compiled_training_peak(&model, &dp_tp, &workload).unwrap();
             assert_eq!(phase.bytes(), (params + 90432.0 + 1.0 + 32768.0 + extra - 8192.0) * 4.0, "zero {zero}");
         }
-        // Not modelled: ZeRO-2 beside another axis than tp, tsp and pp.
-        let zero2 = Workload { zero: 2, ..Workload::training(8, 1) };
-        let dp_cp = Layout::new(&[(AxisName::Dp, 2), (AxisName::Cp, 2)], false);
-        assert_eq!(compiled_training_peak(&model, &dp_cp, &zero2), None);
+        // Not modelled: tsp and pp.
         let tsp = Layout::new(&[(AxisName::Tsp, 2)], false);
         assert_eq!(compiled_training_peak(&model, &tsp, &Workload::training(8, 1)), None);
     }

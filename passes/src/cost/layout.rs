@@ -70,6 +70,18 @@ impl Layout {
         self.degree(AxisName::Dp) * self.degree(AxisName::Ep)
     }
 
+    /// The replicas of a dense parameter, which ZeRO shards it over: dp, cp (whose ranks hold the
+    /// same weights and sum their gradients, as Megatron's distributed optimizer shards over
+    /// dp × cp) and ep (which splits the batch as dp does). `pleat_ir::ZERO_AXES`.
+    pub fn zero_replicas(&self) -> u64 {
+        self.degree(AxisName::Dp) * self.degree(AxisName::Cp) * self.degree(AxisName::Ep)
+    }
+
+    /// The replicas of a routed expert, which ZeRO shards it over: dp and cp (ep splits them).
+    pub fn expert_zero_replicas(&self) -> u64 {
+        self.degree(AxisName::Dp) * self.degree(AxisName::Cp)
+    }
+
     /// The axis a mixture's routed experts are split over: `ep`, or `tsp` when there is no ep
     /// (its tokens are already split over it, so the same ranks dispatch them to their experts);
     /// `None` when neither splits anything.

@@ -264,7 +264,6 @@ pub fn peak_stage(stages: &[MemoryBreakdown]) -> Option<&MemoryBreakdown> {
 }
 
 fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage: u64, layers: u64) -> MemoryBreakdown {
-    let dp = layout.degree(AxisName::Dp) as f64;
     let tp = layout.degree(AxisName::Tp) as f64;
     let tsp = layout.degree(AxisName::Tsp) as f64;
     let stages = layout.degree(AxisName::Pp);
@@ -274,15 +273,20 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     let param_count = stage_params(model, layout, workload, stage, layers);
     let (weight, grad, optimizer) = bytes_per_param(model, workload);
     let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
-    // ep splits the batch as dp does: the dense parameters have dp·ep replicas, the routed experts
-    // (split over ep) dp. ZeRO shards each over its replicas, as flat buffers do (the executor's
-    // rows that do not divide stay whole: `zero_rows`, a named term of the compiled forms).
-    let dense_replicas = layout.batch_split() as f64;
+    // cp's ranks hold the same weights, and ep splits the batch as dp does: the dense parameters
+    // have dp·cp·ep replicas, the routed experts (split over ep) dp·cp. ZeRO shards each over its
+    // replicas, as flat buffers do (the executor's rows that do not divide stay whole:
+    // `zero_rows`, a named term of the compiled forms).
+    let dense_replicas = layout.zero_replicas() as f64;
+    let expert_replicas = layout.expert_zero_replicas() as f64;
     let expert_count = stage_expert_params(model, layout, layers);
     let dense_count = param_count - expert_count;
     let shard = |from_stage: u8, replicas: f64| if zero >= from_stage { replicas } else { 1.0 };
     let sharded = |per_param: f64, from_stage: u8| {
-        (dense_count * per_param / shard(from_stage, dense_replicas), expert_count * per_param / shard(from_stage, dp))
+        (
+            dense_count * per_param / shard(from_stage, dense_replicas),
+            expert_count * per_param / shard(from_stage, expert_replicas),
+        )
     };
     let (dense_weights, expert_weights) = sharded(weight, 3);
     let (dense_grads, expert_grads) = sharded(grad, 2);
@@ -382,7 +386,7 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
             .iter()
             .filter(|(name, count)| *count > 0.0 || *name == "expert weights")
             .map(|&(name, count)| {
-                let replicas = if name == "expert weights" { shard(3, dp) } else { dense_shard };
+                let replicas = if name == "expert weights" { shard(3, expert_replicas) } else { dense_shard };
                 Term { name, bytes: count * weight / replicas }
             })
             .collect();

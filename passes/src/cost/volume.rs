@@ -356,20 +356,22 @@ pub fn step_collectives(
         let routers = layers as f64 * model.router_params() as f64;
         let whole_under_tsp = if layout.expert_axis() == Some(AxisName::Tsp) { routers } else { experts + routers };
         let ep = layout.degree(AxisName::Ep) as f64;
+        // Under ZeRO cp reduce-scatters first: the later axes scatter its shard.
+        let cp_scattered = if zero >= 1 { layout.degree(AxisName::Cp) as f64 } else { 1.0 };
         for axis in [AxisName::Sp, AxisName::Cp, AxisName::Tsp, AxisName::Ep, AxisName::Dp] {
             if layout.degree(axis) == 1 {
                 continue;
             }
-            // The parameters this axis replicates, and (under ZeRO, over ep then dp) the share of
-            // them the earlier axis of the data-parallel group has not yet scattered.
+            // The parameters this axis replicates, and (under ZeRO, over cp, ep then dp) the share
+            // of them the earlier axes of the data-parallel group have not yet scattered.
             let params = match axis {
                 AxisName::Tsp if model.experts.is_some() => whole_under_tsp,
                 AxisName::Tsp => continue,
-                AxisName::Ep => dense,
-                AxisName::Dp if zero >= 1 => dense / ep + experts,
+                AxisName::Ep => dense / cp_scattered,
+                AxisName::Dp if zero >= 1 => (dense / ep + experts) / cp_scattered,
                 _ => params_on_rank,
             };
-            if zero >= 1 && matches!(axis, AxisName::Dp | AxisName::Ep) {
+            if zero >= 1 && matches!(axis, AxisName::Dp | AxisName::Cp | AxisName::Ep) {
                 let rs = CollectiveCall {
                     what: "gradient reduce-scatter",
                     kind: Collective::ReduceScatter,
@@ -508,8 +510,13 @@ mod tests {
         let axes: Vec<_> = calls.iter().map(|call| call.axis).collect();
         assert_eq!(axes, vec![AxisName::Cp, AxisName::Dp]);
         assert!(calls.iter().all(|call| call.bytes == 4e9 && call.kind == Collective::AllReduce));
+        // ZeRO shards over dp × cp: cp reduce-scatters the gradients and gathers the updated
+        // weights, then dp its shard of them.
         let zero = Workload { zero: 1, ..Workload::training(4096, 1) };
-        let kinds: Vec<_> = step_collectives(&model, &layout, &zero, 1e9, 32).iter().map(|c| c.kind).collect();
-        assert_eq!(kinds, vec![Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather]);
+        let calls = step_collectives(&model, &layout, &zero, 1e9, 32);
+        let kinds: Vec<_> = calls.iter().map(|call| (call.axis, call.kind, call.bytes)).collect();
+        let (rs, ag) = (Collective::ReduceScatter, Collective::AllGather);
+        let (cp, dp) = (AxisName::Cp, AxisName::Dp);
+        assert_eq!(kinds, vec![(cp, rs, 4e9), (cp, ag, 2e9), (dp, rs, 2e9), (dp, ag, 1e9)]);
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! The executor splits a parameter's rows (its first dim, after the layout's own splits) over each
 //! of its data-parallel axes in turn whose degree still divides them, and keeps the rest of them
-//! whole (`pleat_ir::ShardSpec::with_rows_split`): a dense parameter over dp and then ep (ep splits
-//! the batch as dp does), a routed expert, which ep (or tsp without ep) already splits, over dp.
+//! whole (`pleat_ir::ShardSpec::with_rows_split`): a dense parameter over dp, cp and then ep (cp's
+//! ranks hold the same weights, and ep splits the batch as dp does), a routed expert, which ep (or
+//! tsp without ep) already splits, over dp and cp.
 //! [`super::memory`]'s closed form divides every parameter by all of its replicas, as Megatron's
 //! distributed optimizer and DeepSpeed do with their flat buffers. The two differ by the bytes of
 //! the parameters whose rows do not divide, beyond their closed-form shards: on `tiny` (4 kv
@@ -24,7 +25,9 @@ use super::model::ModelShape;
 
 /// A rank's parameters by their rows, and the replicas ZeRO splits them over.
 pub struct ZeroRows {
+    /// The degrees of dp, cp and ep (`pleat_ir::ZERO_AXES`).
     dp: u64,
+    cp: u64,
     ep: u64,
     /// One layer's parameters as `(rows, elements, routed expert)`: those its attention reads
     /// (the attention norm, q, k, v), and the rest (o, the MLP norm, the MLP or the mixture), which
@@ -80,6 +83,7 @@ impl ZeroRows {
         }
         ZeroRows {
             dp: layout.degree(AxisName::Dp),
+            cp: layout.degree(AxisName::Cp),
             ep: layout.degree(AxisName::Ep),
             attention_inputs,
             past_attention: layer,
@@ -88,19 +92,20 @@ impl ZeroRows {
         }
     }
 
-    /// The replicas ZeRO splits a parameter of `rows` rows over: a dense one over dp, then ep,
-    /// each while it divides the rows left; a routed expert over dp where it divides them.
+    /// The replicas ZeRO splits a parameter of `rows` rows over: a dense one over dp, cp, then
+    /// ep, a routed expert over dp and cp, each axis while it divides the rows left.
     pub fn replicas(&self, rows: u64, expert: bool) -> u64 {
-        let axes: &[u64] = if expert { &[self.dp] } else { &[self.dp, self.ep] };
+        let axes: &[u64] = if expert { &[self.dp, self.cp] } else { &[self.dp, self.cp, self.ep] };
         axes.iter().fold(1, |split, &degree| if (rows / split) % degree == 0 { split * degree } else { split })
     }
 
-    /// The replicas the closed form divides a parameter by: a dense one's dp·ep, an expert's dp.
+    /// The replicas the closed form divides a parameter by: a dense one's dp·cp·ep, an expert's
+    /// dp·cp.
     fn closed_form_replicas(&self, expert: bool) -> u64 {
         if expert {
-            self.dp
+            self.dp * self.cp
         } else {
-            self.dp * self.ep
+            self.dp * self.cp * self.ep
         }
     }
 

@@ -145,18 +145,19 @@
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 beside dp, with or without tp (±SP) and cp, where every parameter's rows divide
-//! over dp (the sums and gradients are dp's
+//! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp
+//! (±SP), where every parameter's rows divide over them, and over both not under zero bubble (the
+//! sums and gradients are their
 //! shards, each gradient is reduce-scattered and staged whole, and the stage's other candidate is
 //! inside its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
-//! parameters dp's shards too (each layer's gathered weights are freed by then; under full
+//! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
 //! other candidates are inside that layer's backward, as its down and output projections' gradients
 //! are scattered beside the weights they were recomputed with); a Llama-family model, dense, or a
 //! mixture of experts (no shared expert) with every expert on every rank or split over ep, beside
 //! dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep only; its embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
-//! zero bubble), under zero bubble or interleaved not beside dp (or cp) × tp, interleaved on two
+//! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp (or cp) × tp, interleaved on two
 //! stages only. [`pipelined_differences_from_closed_form`] names the terms by which
 //! [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's formulas) differs
 //! from it; `tests/cost_training.rs` checks that closed form plus those terms equals the planner's
@@ -224,9 +225,10 @@ pub fn compiled_stage_peak(
             )
         })
         .collect();
-    // ZeRO-3 keeps the rank's dp shard of the stage's parameters; each layer's gathered weights
-    // are freed by the points modelled here.
-    let param_shards = if workload.zero >= 3 && shape.dp > 1 { shape.dp as f64 } else { 1.0 };
+    // ZeRO-3 keeps the rank's dp × cp shard of the stage's parameters; each layer's gathered
+    // weights are freed by the points modelled here.
+    let replicas = layout.zero_replicas();
+    let param_shards = if workload.zero >= 3 && replicas > 1 { replicas as f64 } else { 1.0 };
     let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
     // (Under ZeRO-3 the rank's dp shard of it, gathered by the stage itself for its head.)
@@ -261,13 +263,20 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
         && tsp_rank < tsp
         && (tsp == 1 || (tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
-        // ZeRO-2 and 3 beside dp (with or without tp and cp), where every parameter's rows divide
-        // over dp (`super::zero_rows`: k and v at dp=4 × tp=2 stay whole, which the stage's
-        // points do not count).
+        // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
+        // divide over them (`super::zero_rows`: k and v at dp=4 × tp=2 stay whole, which the
+        // stage's points do not count).
         && (workload.zero <= 1
-            || (dp > 1
+            || (layout.zero_replicas() > 1
                 && (workload.zero == 2 || workload.zero == 3)
-                && ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) == 0.0))
+                && ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) == 0.0
+                // Over dp and cp both, each gradient is reduce-scattered, and under ZeRO-3 each
+                // parameter gathered, in two steps: not modelled under zero bubble, nor for a tied
+                // table under ZeRO-3 (its gather over cp, beside the one over dp, can peak).
+                && (dp == 1
+                    || cp == 1
+                    || (schedule.kind != ScheduleKind::ZeroBubbleH1
+                        && (workload.zero == 2 || !model.tied_embeddings)))))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), without a shared expert, beside dp, ep and tp without SP and ZeRO-1 at most;
         // under zero bubble, not beside dp (whose reductions of the experts' gradients in B are
@@ -298,7 +307,6 @@ struct StageShape<'a> {
     layout: &'a Layout,
     workload: &'a Workload,
     sizes: StepSizes,
-    dp: u64,
     tp: u64,
     cp: u64,
     tsp: u64,
@@ -350,7 +358,9 @@ impl<'a> StageShape<'a> {
         let (tsp, ep) = (layout.degree(AxisName::Tsp), layout.degree(AxisName::Ep));
         let sizes = StepSizes::new(model, layout, workload);
         let element = sizes.element;
-        let scattered = workload.zero >= 2 && dp > 1;
+        // ZeRO shards a (dense: pipelined mixtures run ZeRO-1 at most) gradient over dp × cp.
+        let replicas = layout.zero_replicas();
+        let scattered = workload.zero >= 2 && replicas > 1;
         let mlp_gradients_in_b = if tsp > 1 {
             Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
         } else if model.experts.is_some() {
@@ -368,7 +378,6 @@ impl<'a> StageShape<'a> {
             layout,
             workload,
             sizes,
-            dp,
             tp,
             cp,
             tsp,
@@ -381,7 +390,7 @@ impl<'a> StageShape<'a> {
             reduced: dp > 1 || cp > 1 || ep > 1,
             experts_reduced: dp > 1 || cp > 1,
             scattered,
-            shards: if scattered { dp as f64 } else { 1.0 },
+            shards: if scattered { replicas as f64 } else { 1.0 },
             statistics: sizes.statistics,
             mlp_gradients_in_b,
             tied: model.tied_embeddings,
