@@ -276,100 +276,82 @@ fn planner_peak_equals_the_measured_training_peak() {
 fn zero_shards_a_mixtures_dense_state_over_dp_and_ep_in_the_executor_and_the_cost_model() {
     // ep splits the batch as dp does, so a mixture's dense parameters (attention, norms, router,
     // embedding) have dp·ep replicas and its experts dp: ZeRO shards each over its replicas
-    // (DeepSpeed-MoE's layout). The executor's moments are the cost model's optimizer state, its
-    // ZeRO-3 parameter blocks the cost model's, and the planner still equals the measured peak.
-    // On dp=2 × ep=2 at ZeRO-1, dp alone would leave 1,452,544 bytes of moments; dp × ep leaves
-    // 1,119,488.
+    // (DeepSpeed-MoE's layout). On dp=2 × ep=2 at ZeRO-1, dp alone would leave 1,452,544 bytes of
+    // moments; dp × ep leaves 1,119,488.
     let config = preset("tiny-moe").unwrap();
-    let model = ModelShape::from_config(&config);
-    let batch = 4;
     // Beside tp, tiny-moe's k and v (4 kv heads) have 2 rows a rank: the executor splits them over
     // dp alone, 2 layers × 2 × 1,024 f32 elements beyond the closed form's dp·ep shards, whose
     // state the closed form names (`OPTIMIZER_KEPT_WHOLE`): 8 bytes each, 32,768.
     let layouts =
         [("dp=2,ep=2", 1), ("dp=2,ep=2", 2), ("dp=2,ep=2", 3), ("ep=2", 3), ("ep=4", 2), ("dp=2,ep=2,tp=2", 2)];
     for (mesh, zero) in layouts {
-        let training = TrainingLayout::new(mesh, false, zero);
-        let (programs, optimizer_layouts) = compile_training(&config, &training, batch);
-        let trained = train_one_step(&programs, &optimizer_layouts, batch);
-        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
-        let workload =
-            Workload { zero, tsp_shards_embeddings: true, ..Workload::training(SEQ, batch / layout.batch_split()) };
-        let memory = &memory_per_stage(&model, &layout, &workload)[0];
+        let (memory, kept_whole) = check_zero_state(&config, mesh, zero, 16);
         if mesh == "dp=2,ep=2" && zero == 1 {
             assert_eq!(memory.optimizer_bytes, 1_119_488.0);
         }
-        let kept_whole = optimizer_kept_whole(&model, &layout, &workload);
-        assert_eq!(kept_whole.name, OPTIMIZER_KEPT_WHOLE);
         assert_eq!(kept_whole.bytes, if mesh.contains("tp") { 32_768.0 } else { 0.0 }, "{mesh}");
-        for ((program, optimizer), rank) in programs.iter().zip(&optimizer_layouts).zip(&trained) {
-            let label = format!("{mesh} zero={zero} rank {}", program.rank);
-            let planned = plan(program, ElementSize::Fixed(4));
-            assert_eq!(rank.optimizer_bytes, 8 * optimizer.updated_elements(), "{label}");
-            assert_eq!(rank.optimizer_bytes as f64, memory.optimizer_bytes + kept_whole.bytes, "{label}: moments");
-            if zero == 3 {
-                assert_eq!(planned.param_bytes as f64, memory.params_bytes, "{label}: parameters");
-            }
-            assert_eq!(planned.peak_bytes + rank.optimizer_bytes, rank.peak_bytes, "{label}: peak");
-            // Under ZeRO-2 and 3 every gradient is reduce-scattered, over dp and then over ep for a
-            // dense one: what is still all-reduced is the loss and the routers' statistics.
-            let all_reduced = program.instructions.iter().filter_map(|instr| match instr {
-                Instr::AllReduce { inputs, .. } => {
-                    Some(inputs.iter().map(|&id| program.buffer(id).numel()).sum::<u64>())
-                }
-                _ => None,
-            });
-            // (Beside tp, its activations are all-reduced too, and k's and v's gradients over ep.)
-            if zero >= 2 && !mesh.contains("tp") {
-                assert!(all_reduced.max().unwrap_or(0) <= 16, "{label}");
-            }
-        }
     }
 }
 
 #[test]
 fn zero_shards_the_state_over_dp_and_cp_in_the_executor_and_the_cost_model() {
     // cp's ranks hold the same weights and sum their gradients, so ZeRO shards over dp × cp, as
-    // Megatron's distributed optimizer does (and over cp alone): the executor's moments are the
-    // cost model's optimizer state, its ZeRO-3 parameter blocks the cost model's, and the planner
-    // still equals the measured peak. tiny's 361,088 parameters at dp=2 × cp=2, ZeRO-1: 8 bytes of
-    // moments each over 4 ranks, 722,176 bytes (over dp alone 1,444,352).
+    // Megatron's distributed optimizer does (and over cp alone). tiny's 361,088 parameters at
+    // dp=2 × cp=2, ZeRO-1: 8 bytes of moments each over 4 ranks, 722,176 bytes (over dp alone
+    // 1,444,352).
     let config = preset("tiny").unwrap();
-    let model = ModelShape::from_config(&config);
-    let batch = 4;
     for (mesh, zero) in [("dp=2,cp=2", 1), ("dp=2,cp=2", 2), ("dp=2,cp=2", 3), ("cp=2", 2), ("cp=4", 3)] {
-        let training = TrainingLayout::new(mesh, false, zero);
-        let (programs, optimizer_layouts) = compile_training(&config, &training, batch);
-        let trained = train_one_step(&programs, &optimizer_layouts, batch);
-        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
-        let workload =
-            Workload { zero, tsp_shards_embeddings: true, ..Workload::training(SEQ, batch / layout.batch_split()) };
-        let memory = &memory_per_stage(&model, &layout, &workload)[0];
+        let (memory, kept_whole) = check_zero_state(&config, mesh, zero, 1);
         if mesh == "dp=2,cp=2" && zero == 1 {
             assert_eq!(memory.optimizer_bytes, 722_176.0);
         }
-        for ((program, optimizer), rank) in programs.iter().zip(&optimizer_layouts).zip(&trained) {
-            let label = format!("{mesh} zero={zero} rank {}", program.rank);
-            let planned = plan(program, ElementSize::Fixed(4));
-            assert_eq!(rank.optimizer_bytes, 8 * optimizer.updated_elements(), "{label}");
-            assert_eq!(rank.optimizer_bytes as f64, memory.optimizer_bytes, "{label}: moments");
-            if zero == 3 {
-                assert_eq!(planned.param_bytes as f64, memory.params_bytes, "{label}: parameters");
-            }
-            assert_eq!(planned.peak_bytes + rank.optimizer_bytes, rank.peak_bytes, "{label}: peak");
-            // Under ZeRO-2 and 3 every gradient is reduce-scattered, over dp and then over cp:
-            // what is still all-reduced is the loss alone.
-            let all_reduced = program.instructions.iter().filter_map(|instr| match instr {
-                Instr::AllReduce { inputs, .. } => {
-                    Some(inputs.iter().map(|&id| program.buffer(id).numel()).sum::<u64>())
-                }
-                _ => None,
-            });
-            if zero >= 2 {
-                assert!(all_reduced.max().unwrap_or(0) <= 1, "{label}");
-            }
+        assert_eq!(kept_whole.bytes, 0.0, "{mesh}");
+    }
+}
+
+/// Trains `config` one step on `mesh` under ZeRO `zero` and checks the executor against the cost
+/// model on every rank: its moments are the cost model's optimizer state (with what ZeRO keeps
+/// whole, `OPTIMIZER_KEPT_WHOLE`), its ZeRO-3 parameter blocks the cost model's, the planner plus
+/// the moments its measured peak, and under ZeRO-2 and 3 no all-reduce but of at most
+/// `all_reduced` elements (the loss, a mixture's routing statistics), every gradient being
+/// reduce-scattered, unless tp's activations are all-reduced too. Returns the cost model's memory
+/// and the optimizer state it names beyond its shards.
+fn check_zero_state(
+    config: &pleat_ir::model::config::ModelConfig,
+    mesh: &'static str,
+    zero: u8,
+    all_reduced: u64,
+) -> (pleat_passes::cost::memory::MemoryBreakdown, pleat_passes::cost::memory::Term) {
+    let model = ModelShape::from_config(config);
+    let batch = 4;
+    let (programs, optimizer_layouts) = compile_training(config, &TrainingLayout::new(mesh, false, zero), batch);
+    let trained = train_one_step(&programs, &optimizer_layouts, batch);
+    let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+    let workload =
+        Workload { zero, tsp_shards_embeddings: true, ..Workload::training(SEQ, batch / layout.batch_split()) };
+    let memory = memory_per_stage(&model, &layout, &workload).remove(0);
+    let kept_whole = optimizer_kept_whole(&model, &layout, &workload);
+    assert_eq!(kept_whole.name, OPTIMIZER_KEPT_WHOLE);
+    for ((program, optimizer), rank) in programs.iter().zip(&optimizer_layouts).zip(&trained) {
+        let label = format!("{mesh} zero={zero} rank {}", program.rank);
+        let planned = plan(program, ElementSize::Fixed(4));
+        assert_eq!(rank.optimizer_bytes, 8 * optimizer.updated_elements(), "{label}");
+        assert_eq!(rank.optimizer_bytes as f64, memory.optimizer_bytes + kept_whole.bytes, "{label}: moments");
+        if zero == 3 {
+            assert_eq!(planned.param_bytes as f64, memory.params_bytes, "{label}: parameters");
+        }
+        assert_eq!(planned.peak_bytes + rank.optimizer_bytes, rank.peak_bytes, "{label}: peak");
+        let largest = program.instructions.iter().filter_map(|instr| match instr {
+            Instr::AllReduce { inputs, .. } => Some(inputs.iter().map(|&id| program.buffer(id).numel()).sum::<u64>()),
+            _ => None,
+        });
+        // (Beside tp its activations are all-reduced too, and k's and v's gradients where their
+        // rows do not divide.)
+        if zero >= 2 && !mesh.contains("tp") {
+            assert!(largest.max().unwrap_or(0) <= all_reduced, "{label}");
         }
     }
+    (memory, kept_whole)
 }
 
 #[test]
