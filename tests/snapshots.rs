@@ -178,6 +178,15 @@ fn training_zero3_over_dp_and_ep_one_layer_dp2_ep2() {
     snapshot_training_of("tiny-moe", "dp=2,ep=2", "train-moe-dp2-ep2-zero3-one-layer", &ctx);
 }
 
+/// ZeRO-3 over dp × cp (cp's ranks hold the same weights) at tp=4, where a rank holds one of the
+/// 4 kv heads: k and v split over dp and cp on head_dim, gathered over cp and then dp on head_dim;
+/// q's 2 heads a rank over dp on heads and then over cp on head_dim.
+#[test]
+fn training_zero3_over_dp_and_cp_one_head_a_rank_dp2_cp2_tp4() {
+    let ctx = PassCtx { zero_stage: 3, ..PassCtx::for_tests() };
+    snapshot_training_of("tiny", "dp=2,cp=2,tp=4", "train-dp2-cp2-tp4-zero3-one-layer", &ctx);
+}
+
 /// The expert-parallel backward: the gradient all-gathered before the experts' gradients, the
 /// input's pending sum reduce-scattered, the router's gradient summed over `ep`.
 #[test]

@@ -95,6 +95,15 @@ fn zero_over_dp_and_cp_matches_the_reference() {
 }
 
 #[test]
+fn zero_over_one_head_a_rank_matches_the_reference() {
+    // At dp=2 × tp=4 a rank holds one of tiny's 4 kv heads: ZeRO splits k and v over dp on
+    // head_dim instead of keeping them whole.
+    for zero in ["1", "2", "3"] {
+        assert_matches_reference(&train("dp=2,tp=4", 10, &["--zero", zero]), &format!("dp=2,tp=4 zero {zero}"));
+    }
+}
+
+#[test]
 fn recomputation_matches_the_reference() {
     for recompute in ["selective", "full"] {
         assert_matches_reference(&train("tp=2", 3, &["--recompute", recompute]), recompute);

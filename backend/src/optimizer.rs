@@ -77,7 +77,6 @@ pub fn optimizer_layout(module: &Module, rank: u32, zero_stage: u8) -> Result<Op
         let grad_spec = &graph.value(output).spec;
         let block = param_spec.region(shape, mesh, rank);
         let block_len: u64 = block.iter().map(|&(_, len)| len).product();
-        let row_len = block_len / block[0].1.max(1);
         let update_spec = if grad_spec != param_spec {
             Some(grad_spec.clone())
         } else {
@@ -86,17 +85,15 @@ pub fn optimizer_layout(module: &Module, rank: u32, zero_stage: u8) -> Result<Op
         let (update, gather) = match &update_spec {
             None => ((0, block_len), None),
             Some(spec) => {
-                let rows = spec.region(shape, mesh, rank)[0];
-                if !is_row_slice(&block, &spec.region(shape, mesh, rank)) {
+                let Some(update) = contiguous_part(&block, &spec.region(shape, mesh, rank)) else {
                     return Err(Error::Malformed {
-                        reason: format!("grad.{name} is not a block of rows of its parameter's block"),
+                        reason: format!("grad.{name} is not a contiguous part of its parameter's block"),
                     });
-                }
-                let start = (rows.0 - block[0].0) * row_len;
-                let axes = spec.rows_split_beyond(param_spec);
+                };
+                let axes: Vec<_> = spec.rows_split_beyond(param_spec).into_iter().map(|(_, axis)| axis).collect();
                 let axis = axes.iter().map(|axis| axis.as_str()).collect::<Vec<_>>().join(",");
-                let group = Group { axis, ranks: mesh.group_over(rank, axes) };
-                ((start, rows.1 * row_len), Some(group))
+                let group = Group { axis, ranks: mesh.group_over(rank, &axes) };
+                (update, Some(group))
             }
         };
         let region_of = |other: u32| match &update_spec {
@@ -149,11 +146,20 @@ pub fn pipelined_optimizer_layout(
 }
 
 /// Whether `inner` is `outer` with only its first dim narrowed.
-fn is_row_slice(outer: &[(u64, u64)], inner: &[(u64, u64)]) -> bool {
-    outer.len() == inner.len()
-        && outer[1..] == inner[1..]
-        && inner[0].0 >= outer[0].0
-        && inner[0].0 + inner[0].1 <= outer[0].0 + outer[0].1
+/// Where `inner` (per dim, `(start, len)` of the global tensor) lies in the row-major block `outer`,
+/// as `(offset, len)` in elements, when it is one contiguous run of it: whole in every dim after
+/// its last partial one, one element wide in every dim before that. `None` otherwise.
+fn contiguous_part(outer: &[(u64, u64)], inner: &[(u64, u64)]) -> Option<(u64, u64)> {
+    if outer.len() != inner.len() {
+        return None;
+    }
+    let inside = outer.iter().zip(inner).all(|(&(o, olen), &(i, ilen))| i >= o && i + ilen <= o + olen);
+    let last_partial = outer.iter().zip(inner).rposition(|(o, i)| o != i).unwrap_or(0);
+    if !inside || inner[..last_partial].iter().any(|&(_, len)| len != 1) {
+        return None;
+    }
+    let offset = outer.iter().zip(inner).fold(0, |offset, (&(o, olen), &(i, _))| offset * olen + (i - o));
+    Some((offset, inner.iter().map(|&(_, len)| len).product()))
 }
 
 #[cfg(test)]
@@ -245,6 +251,18 @@ mod tests {
     fn a_gradient_that_is_not_a_row_block_is_an_error() {
         let module = module("ffn=8/tp", "ffn=8");
         let error = optimizer_layout(&module, 0, 0).unwrap_err();
-        assert!(error.to_string().contains("grad.w is not a block of rows"), "{error}");
+        assert!(error.to_string().contains("grad.w is not a contiguous part"), "{error}");
+    }
+
+    #[test]
+    fn a_contiguous_part_is_rows_or_a_run_inside_one_row() {
+        // A rank's block of k: 2 heads, head_dim 16, hidden 128.
+        let block = [(0, 2), (0, 16), (0, 128)];
+        // Its second head: rows; half of its first head's head_dim: a run inside one row.
+        assert_eq!(contiguous_part(&block, &[(1, 1), (0, 16), (0, 128)]), Some((16 * 128, 16 * 128)));
+        assert_eq!(contiguous_part(&block, &[(0, 1), (8, 8), (0, 128)]), Some((8 * 128, 8 * 128)));
+        // Half of head_dim in both heads is two runs; a part outside the block none.
+        assert_eq!(contiguous_part(&block, &[(0, 2), (0, 8), (0, 128)]), None);
+        assert_eq!(contiguous_part(&block, &[(2, 1), (0, 16), (0, 128)]), None);
     }
 }

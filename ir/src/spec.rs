@@ -71,35 +71,40 @@ impl ShardSpec {
             })
             .collect()
     }
-    /// This spec with dim 0 also split over each of `axes` in turn (innermost last) that the mesh
-    /// has with a degree above 1, that the spec does not use yet and that dim 0's local size still
-    /// divides by; `None` when no axis is added. It is ZeRO's partition of a parameter's rows over
-    /// its data-parallel ranks ([`ZERO_AXES`]): the rows a rank owns are contiguous in its row-major
-    /// block.
+    /// This spec with its rows also split over each of `axes` in turn (innermost last) that the mesh
+    /// has with a degree above 1 and that the spec does not use yet; `None` when no axis is added.
+    /// An axis splits the first dim whose local size is above one, when that size divides by its
+    /// degree (dim 0, or once a rank holds one row of it, the next: k's one head a tp rank of a GQA
+    /// model splits on head_dim), so that a rank's part is contiguous in its row-major block. It is
+    /// ZeRO's partition of a parameter over its data-parallel ranks ([`ZERO_AXES`]).
     pub fn with_rows_split(&self, shape: &Shape, mesh: &Mesh, axes: &[AxisName]) -> Option<ShardSpec> {
-        if shape.rank() == 0 {
-            return None;
-        }
-        let mut rows = self.local_sizes(shape, mesh).ok()?[0];
+        let mut sizes = self.local_sizes(shape, mesh).ok()?;
         let mut spec = self.clone();
         for &axis in axes {
             let degree = mesh.degree(axis);
-            if degree > 1 && !spec.uses_axis(axis) && rows % degree == 0 {
-                spec.dims[0].push(axis);
-                rows /= degree;
+            if degree == 1 || spec.uses_axis(axis) {
+                continue;
+            }
+            let Some(dim) = sizes.iter().position(|&size| size != 1) else { continue };
+            if sizes[dim] % degree == 0 {
+                spec.dims[dim].push(axis);
+                sizes[dim] /= degree;
             }
         }
         (spec != *self).then_some(spec)
     }
-    /// The axes `self` splits dim 0 over beyond `outer`'s, when `self` is `outer` with dim 0 split
-    /// further (ZeRO's partition of a parameter): the group that gathers the rows back.
-    pub fn rows_split_beyond<'a>(&'a self, outer: &ShardSpec) -> &'a [AxisName] {
-        let (mine, theirs) = (&self.dims[0], &outer.dims[0]);
-        if mine.starts_with(theirs) {
-            &mine[theirs.len()..]
-        } else {
-            &[]
+    /// The axes `self` splits beyond `outer`'s, each with its dim, in the order
+    /// [`Self::with_rows_split`] adds them, when `self` is `outer` split further (ZeRO's partition
+    /// of a parameter): the group that gathers the rows back.
+    pub fn rows_split_beyond(&self, outer: &ShardSpec) -> Vec<(usize, AxisName)> {
+        let mut beyond = Vec::new();
+        for (dim, (mine, theirs)) in self.dims.iter().zip(&outer.dims).enumerate() {
+            if !mine.starts_with(theirs) {
+                return Vec::new();
+            }
+            beyond.extend(mine[theirs.len()..].iter().map(|&axis| (dim, axis)));
         }
+        beyond
     }
     /// The block of the global tensor `rank` holds: per dim, `(start, len)`.
     /// The caller has checked divisibility (`local_sizes`).
@@ -168,7 +173,7 @@ mod tests {
         let dense = ShardSpec::replicated(2).with_shard(0, AxisName::Tp);
         let split = dense.with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap();
         assert_eq!(split.dims[0], [AxisName::Tp, AxisName::Dp, AxisName::Ep]);
-        assert_eq!(split.rows_split_beyond(&dense), [AxisName::Dp, AxisName::Ep]);
+        assert_eq!(split.rows_split_beyond(&dense), [(0, AxisName::Dp), (0, AxisName::Ep)]);
         assert_eq!(split.region(&shape, &mesh, 7)[0], (7, 1));
         // An expert weight ep already splits: dp alone.
         let expert = ShardSpec::replicated(2).with_shard(0, AxisName::Ep);
@@ -179,7 +184,7 @@ mod tests {
         let odder = Shape::new(&[(DimName::Hidden, 3), (DimName::Ffn, 6)]);
         assert_eq!(ShardSpec::replicated(2).with_rows_split(&odder, &mesh, &ZERO_AXES), None);
         assert_eq!(ShardSpec::replicated(2).with_rows_split(&shape, &Mesh::parse("tp=2").unwrap(), &ZERO_AXES), None);
-        assert_eq!(dense.rows_split_beyond(&expert), [] as [AxisName; 0]);
+        assert_eq!(dense.rows_split_beyond(&expert), []);
         // cp's ranks hold the same weights: dp, then cp; an expert's too, beside ep.
         let mesh = Mesh::parse("dp=2,cp=2,ep=2").unwrap();
         let split = ShardSpec::replicated(2).with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap();
@@ -188,5 +193,24 @@ mod tests {
             expert.with_rows_split(&shape, &mesh, &ZERO_AXES).unwrap().dims[0],
             [AxisName::Ep, AxisName::Dp, AxisName::Cp]
         );
+        // Once a rank holds one row, the next dim splits: k's one head a tp rank on head_dim, so a
+        // rank's part is still contiguous; rows that neither divide nor are one stop the split.
+        let mesh = Mesh::parse("dp=2,ep=2,tp=2").unwrap();
+        let heads = Shape::new(&[(DimName::KvHeads, 2), (DimName::HeadDim, 8), (DimName::Hidden, 4)]);
+        let one_head = ShardSpec::replicated(3).with_shard(0, AxisName::Tp);
+        let split = one_head.with_rows_split(&heads, &mesh, &ZERO_AXES).unwrap();
+        assert_eq!(
+            (split.dims[0].as_slice(), split.dims[1].as_slice()),
+            (&[AxisName::Tp][..], &[AxisName::Dp, AxisName::Ep][..])
+        );
+        assert_eq!(split.rows_split_beyond(&one_head), [(1, AxisName::Dp), (1, AxisName::Ep)]);
+        assert_eq!(split.region(&heads, &mesh, 7), [(1, 1), (6, 2), (0, 4)]);
+        let two_rows = ShardSpec::replicated(3).with_rows_split(&heads, &mesh, &ZERO_AXES).unwrap();
+        assert_eq!(
+            (two_rows.dims[0].as_slice(), two_rows.dims[1].as_slice()),
+            (&[AxisName::Dp][..], &[AxisName::Ep][..])
+        );
+        let three = Shape::new(&[(DimName::KvHeads, 3), (DimName::HeadDim, 8)]);
+        assert_eq!(ShardSpec::replicated(2).with_rows_split(&three, &mesh, &ZERO_AXES), None);
     }
 }

@@ -4,7 +4,8 @@
 //! Runs on a sharded forward graph (after propagation): a parameter whose first dim divides over
 //! `dp` (after its other splits) gets `dp` as the innermost split of that dim, then `cp` and `ep`
 //! too while the rows still divide and `ep` does not split it (`pleat_ir::ZERO_AXES`: cp's ranks
-//! hold the same weights, and ep splits the batch as dp does). An `all_gather` over each of those
+//! hold the same weights, and ep splits the batch as dp does); once a rank holds one row, the next
+//! dim takes the split (`ShardSpec::with_rows_split`). An `all_gather` over each of those
 //! axes, innermost first, just before its first use
 //! hands every user the layout it had before, so nothing else changes.
 //! Differentiating then gives each gather's conjugate, a reduce-scatter of the gradient onto the
@@ -32,8 +33,7 @@ fn partition_params(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         let data = graph.value(value);
         let Some(split) = data.spec.with_rows_split(&data.ty.shape, &mesh, &ZERO_AXES) else { continue };
         let ty = data.ty.clone();
-        let axes = split.rows_split_beyond(&data.spec).to_vec();
-        let dim = ty.shape.dims()[0].name;
+        let axes = split.rows_split_beyond(&data.spec);
         graph.value_mut(value).spec = split.clone();
         // Gather just before the first use, not where the parameter is declared, so that only the
         // layer at work holds its whole parameters; before the run of broadcasts a TSP owner's
@@ -54,10 +54,10 @@ fn partition_params(module: &mut Module, ctx: &PassCtx) -> Result<()> {
         // Each gather undoes the innermost split left (over dp × ep: ep's, then dp's); the last
         // hands the users the parameter's layout before the partition.
         let (mut gathered, mut spec) = (value, split);
-        for (index, &axis) in axes.iter().enumerate().rev() {
-            spec.dims[0].pop();
+        for (index, &(dim, axis)) in axes.iter().enumerate().rev() {
+            spec.dims[dim].pop();
             let suffix = if index == 0 { "zero_gather".to_string() } else { format!("zero_gather.{axis}") };
-            let op = Op::AllGather { axis, dim };
+            let op = Op::AllGather { axis, dim: ty.shape.dims()[dim].name };
             let next =
                 graph.insert_after(anchor, op, &[gathered], ty.clone(), spec.clone(), &format!("{name}.{suffix}"));
             anchor = graph.value(next).def;

@@ -339,18 +339,46 @@ fn recv_wait_share(program: &Program, timings: &[(u64, u64)]) -> f64 {
 /// A tensor's global shape and a block of it, per dim `(start, len)`.
 type ShapeAndRegion = (Vec<u64>, Vec<(u64, u64)>);
 
-/// The global shape and region of the elements `param` updates: its resident block with the first
-/// dim narrowed to the updated rows (an update range is whole rows of the block).
+/// The global shape and region of the elements `param` updates: its resident block narrowed to
+/// the update range, a contiguous run of the row-major block (whole rows, or under ZeRO a run
+/// inside one row once a rank's share is less than one).
 fn update_region(param: &ParamUpdate, resident: &[Resident]) -> Result<ShapeAndRegion> {
     let block = resident.iter().find(|block| block.name == param.name).ok_or_else(|| Error::Inputs {
         reason: format!("the optimizer updates {}, which the program never loads", param.name),
     })?;
-    let mut region = block.region.clone();
-    if let Some(first) = region.first_mut() {
-        let row_len: u64 = block.region[1..].iter().map(|&(_, len)| len).product();
-        *first = (first.0 + param.update.0 / row_len.max(1), param.update.1 / row_len.max(1));
-    }
+    let region = run_region(&block.region, param.update).ok_or_else(|| Error::Inputs {
+        reason: format!(
+            "the update range {}+{} of {} is not a box of its block {:?}",
+            param.update.0, param.update.1, param.name, block.region
+        ),
+    })?;
     Ok((block.shape.clone(), region))
+}
+
+/// The box of the global tensor that the run `(offset, len)` of the row-major block `block`
+/// (per dim, `(start, len)`) covers: one index in each dim before some dim `d`, a range of `d`,
+/// and every dim after it whole; `None` when the run is no such box.
+fn run_region(block: &[(u64, u64)], (offset, len): (u64, u64)) -> Option<Vec<(u64, u64)>> {
+    let lens: Vec<u64> = block.iter().map(|&(_, len)| len).collect();
+    // The elements one index of each dim spans.
+    let strides: Vec<u64> = (0..lens.len()).map(|dim| lens[dim + 1..].iter().product()).collect();
+    let dim = (0..lens.len()).find(|&dim| {
+        let stride = strides[dim].max(1);
+        len % stride == 0 && offset % stride == 0 && (offset / stride) % lens[dim] + len / stride <= lens[dim]
+    })?;
+    Some(
+        block
+            .iter()
+            .enumerate()
+            .map(|(index, &(start, whole))| match index.cmp(&dim) {
+                std::cmp::Ordering::Less => (start + (offset / strides[index]) % whole, 1),
+                std::cmp::Ordering::Equal => {
+                    (start + (offset / strides[index].max(1)) % whole, len / strides[index].max(1))
+                }
+                std::cmp::Ordering::Greater => (start, whole),
+            })
+            .collect(),
+    )
 }
 
 /// One optimizer step of one rank.
@@ -444,6 +472,18 @@ impl Step {
 mod tests {
     use super::*;
     use pleat_backend::Group as ProgramGroup;
+
+    #[test]
+    fn an_update_run_is_a_box_of_the_block() {
+        // A rank's block of k (heads 2..4 of a tensor, head_dim 16, hidden 128).
+        let block = [(2, 2), (0, 16), (0, 128)];
+        assert_eq!(run_region(&block, (16 * 128, 16 * 128)), Some(vec![(3, 1), (0, 16), (0, 128)]));
+        assert_eq!(run_region(&block, (0, 2 * 16 * 128)), Some(block.to_vec()));
+        // A run inside the first head: half its head_dim.
+        assert_eq!(run_region(&block, (8 * 128, 8 * 128)), Some(vec![(2, 1), (8, 8), (0, 128)]));
+        // Across the two heads it is no box.
+        assert_eq!(run_region(&block, (8 * 128, 16 * 128)), None);
+    }
 
     fn settings(max_grad_norm: Option<f64>) -> AdamWSettings {
         AdamWSettings { learning_rate: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, max_grad_norm }

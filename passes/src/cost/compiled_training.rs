@@ -232,7 +232,7 @@ fn embedding_backward(
     let tokens = workload.tokens_per_micro_batch() as f64;
     let rows = model.vocab.div_ceil(tp);
     let shard = rows as f64 * model.hidden as f64 * element;
-    let held = if scattered { ZeroRows::new(model, layout).shard(rows, shard, false) } else { shard };
+    let held = if scattered { ZeroRows::new(model, layout).shard(&[rows, model.hidden], shard, false) } else { shard };
     let mut terms = vec![
         Term { name: GRADIENTS, bytes: grads },
         grads_kept_whole(model, layout, workload),
@@ -382,11 +382,14 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // Beyond those, what ZeRO-2 and 3 hold whole (or split over fewer replicas) of a gradient whose
     // rows do not divide over them, and ZeRO-3 gathers only what it split (`super::zero_rows`).
     let zero_rows = ZeroRows::new(model, layout);
-    let held_dense = |rows: u64, bytes: f64| if zero >= 2 { zero_rows.shard(rows, bytes, false) } else { bytes };
+    let held_dense = |dims: &[u64], bytes: f64| if zero >= 2 { zero_rows.shard(dims, bytes, false) } else { bytes };
     let beyond = |elements: f64| if zero >= 2 { elements * element } else { 0.0 };
-    let gathered_again = |rows: u64, bytes: f64| if zero_rows.splits(rows, false) { bytes } else { 0.0 };
-    let (ffn_rows, kv_rows) = (model.ffn / tp, model.kv_heads / kv_split(model, layout));
-    let query_rows = model.heads / tp;
+    let gathered_again = |dims: &[u64], bytes: f64| if zero_rows.splits(dims, false) { bytes } else { 0.0 };
+    // The local dims of a rank's q, k and v weights, its gate's and up's, and its router's.
+    let kv_rows = model.kv_heads / kv_split(model, layout);
+    let (query_dims, kv_dims) =
+        ([model.heads / tp, model.head_dim, model.hidden], [kv_rows, model.head_dim, model.hidden]);
+    let (ffn_dims, down_dims) = ([model.ffn / tp, model.hidden], [model.hidden, model.ffn / tp]);
     // A tied head's gradient is the table's gradient in part: it is reduced over dp with the
     // embedding's part at the end, so ZeRO-2 and 3 hold it whole until then.
     let head_held = if model.tied_embeddings { head_gradient * shards } else { head_gradient };
@@ -422,8 +425,14 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         });
         if let Some(experts) = &model.experts {
             let kept_to_it = (layer + 1) as f64 * kept_layer - boundary;
-            let local_experts = experts.count / layout.expert_degree();
-            let held_experts = |bytes: f64| if zero >= 2 { zero_rows.shard(local_experts, bytes, true) } else { bytes };
+            let router_dims = [experts.count, model.hidden];
+            // What ZeRO-2 and 3 hold of the three expert matrices' gradients, `bytes` in all.
+            let held_experts = |bytes: f64| {
+                let dims = ZeroRows::expert_dims(model, layout);
+                let held =
+                    |dims: &[u64]| if zero >= 2 { zero_rows.shard(dims, bytes / 3.0, true) } else { bytes / 3.0 };
+                dims.iter().map(|dims| held(dims)).sum::<f64>()
+            };
             let mut mixture = gradients_above;
             mixture[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
             // Inside the mixture's backward: its MLP norm's output (the experts' input) live
@@ -441,10 +450,13 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             }
             if zero >= 3 {
                 // (The experts only beside dp: on ep alone a rank's experts have no replica.)
-                let experts_gathered = if zero_rows.splits(local_experts, true) { routed } else { 0.0 };
+                let experts_gathered: f64 = ZeroRows::expert_dims(model, layout)
+                    .iter()
+                    .map(|dims| if zero_rows.splits(dims, true) { routed / 3.0 } else { 0.0 })
+                    .sum();
                 inside.push(Term {
                     name: "its router's and experts' weights, gathered again",
-                    bytes: gathered_again(experts.count, mixture_weights - routed) + experts_gathered,
+                    bytes: gathered_again(&router_dims, mixture_weights - routed) + experts_gathered,
                 });
                 // (And the MLP norm's, for its recomputation.)
                 if full {
@@ -504,7 +516,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                         bytes: if zero >= 3 || (zero >= 2 && tp > 1) {
                             router_gradient
                         } else {
-                            held_dense(experts.count, router_gradient)
+                            held_dense(&router_dims, router_gradient)
                         },
                     },
                     Term { name: "its experts' gradients", bytes: 3.0 * expert_matrix },
@@ -522,7 +534,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             if dp > 1 || cp > 1 {
                 let mut reduced = mixture.clone();
                 reduced.extend([
-                    Term { name: "its router's gradient", bytes: held_dense(experts.count, router_gradient) },
+                    Term { name: "its router's gradient", bytes: held_dense(&router_dims, router_gradient) },
                     Term {
                         name: "its experts' gradients, and the first's all-reduce result",
                         bytes: 4.0 * expert_matrix,
@@ -537,7 +549,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             mixture.extend([
                 Term {
                     name: "its router's and experts' gradients",
-                    bytes: held_dense(experts.count, router_gradient) + held_experts(routed),
+                    bytes: held_dense(&router_dims, router_gradient) + held_experts(routed),
                 },
                 Term { name: "its MLP norm output's gradient", bytes: gathered },
                 Term {
@@ -562,7 +574,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 if zero >= 3 {
                     mlp.push(Term {
                         name: "its MLP norm's, gate's and up's weights, gathered again",
-                        bytes: norm_weight + 2.0 * gathered_again(ffn_rows, matrix),
+                        bytes: norm_weight + 2.0 * gathered_again(&ffn_dims, matrix),
                     });
                 }
             }
@@ -600,7 +612,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             norm.extend([
                 Term {
                     name: "the down and up projections' weight gradients",
-                    bytes: held_dense(model.hidden, matrix) + held_dense(ffn_rows, matrix),
+                    bytes: held_dense(&down_dims, matrix) + held_dense(&ffn_dims, matrix),
                 },
                 Term { name: "gate's output gradient", bytes: activation },
                 Term { name: "the MLP norm output's gradients from gate and up, and their sum", bytes: 3.0 * gathered },
@@ -647,8 +659,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             dv.push(Term {
                 name: "its attention norm's, q's, k's and v's weights, gathered again",
                 bytes: norm_weight
-                    + gathered_again(query_rows, hidden * query * element)
-                    + 2.0 * gathered_again(kv_rows, hidden * kv * element),
+                    + gathered_again(&query_dims, hidden * query * element)
+                    + 2.0 * gathered_again(&kv_dims, hidden * kv * element),
             });
         }
         phases.push(ForwardPhase { name: "an attention kernel's backward", params, terms: dv });
@@ -666,11 +678,11 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         if full && zero >= 3 {
             norm.push(Term {
                 name: "its attention norm's and q's weights, gathered again",
-                bytes: norm_weight + gathered_again(query_rows, hidden * query * element),
+                bytes: norm_weight + gathered_again(&query_dims, hidden * query * element),
             });
         }
         norm.extend([
-            Term { name: "its v projection's weight gradient", bytes: held_dense(kv_rows, hidden * kv * element) },
+            Term { name: "its v projection's weight gradient", bytes: held_dense(&kv_dims, hidden * kv * element) },
             Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
             Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
         ]);
@@ -686,7 +698,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
         }
         with_q.extend([
-            Term { name: "its k projection's weight gradient", bytes: held_dense(kv_rows, hidden * kv * element) },
+            Term { name: "its k projection's weight gradient", bytes: held_dense(&kv_dims, hidden * kv * element) },
             Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
         ]);
         phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
@@ -756,7 +768,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
         } else {
             terms.push(Term { name: ZERO_REDUCE_SCATTER_STAGING, bytes: whole });
         }
-        let shard = ZeroRows::new(model, layout).shard(model.vocab.div_ceil(tp), whole / tp as f64, false);
+        let rows = model.vocab.div_ceil(tp);
+        let shard = ZeroRows::new(model, layout).shard(&[rows, model.hidden], whole / tp as f64, false);
         terms.push(Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -shard });
     }
     if model.tied_embeddings {
@@ -1229,40 +1242,46 @@ impl ZeroSplits {
     fn new(model: &ModelShape, tsp: u64, dp: u64) -> ZeroSplits {
         let element = model.dtype_bytes as f64;
         let zero_rows = ZeroRows::new(model, &Layout::new(&[(AxisName::Tsp, tsp), (AxisName::Dp, dp)], false));
-        // The bytes beyond the dp shard of a gradient of `elements` whose `rows` do not divide.
-        let beyond = |rows: u64, elements: u64| {
-            let elements = elements as f64;
-            (zero_rows.shard(rows, elements, false) - elements / dp as f64) * element
+        // The bytes beyond the dp shard of a gradient of local `dims` (`copies` of them) whose
+        // rows do not divide.
+        let beyond = |dims: &[u64], copies: u64| {
+            let elements = (copies * dims.iter().product::<u64>()) as f64;
+            (zero_rows.shard(dims, elements, false) - elements / dp as f64) * element
         };
         let (hidden, head_dim) = (model.hidden, model.head_dim);
+        let norms = model.norm.params(hidden) / hidden;
         let heads = |count: u64| {
-            let weights = beyond(count / tsp, count / tsp * head_dim * hidden);
-            let biases = if model.qkv_bias { beyond(count / tsp, count / tsp * head_dim) } else { 0.0 };
+            let weights = beyond(&[count / tsp, head_dim, hidden], 1);
+            let biases = if model.qkv_bias { beyond(&[count / tsp, head_dim], 1) } else { 0.0 };
             weights + biases
         };
-        let norm = beyond(hidden, model.norm.params(hidden));
+        let norm = beyond(&[hidden], norms);
         let ffn = model.ffn / tsp;
-        let attention = heads(model.heads)
-            + 2.0 * heads(model.kv_heads)
-            + beyond(hidden, hidden * model.heads * head_dim / tsp)
-            + norm;
+        let o_dims = [hidden, model.heads / tsp, head_dim];
+        let attention = heads(model.heads) + 2.0 * heads(model.kv_heads) + beyond(&o_dims, 1) + norm;
         let projections = if model.gated_mlp { 2.0 } else { 1.0 };
-        let mlp = projections * beyond(ffn, ffn * hidden) + beyond(hidden, hidden * ffn) + norm;
+        let mlp = projections * beyond(&[ffn, hidden], 1) + beyond(&[hidden, ffn], 1) + norm;
         let vocab = model.vocab.div_ceil(tsp);
-        let head = beyond(vocab, vocab * hidden) + beyond(hidden, model.norm.params(hidden));
-        let embedding = if model.tied_embeddings { 0.0 } else { beyond(vocab, vocab * hidden) };
-        // The bytes of a parameter that ZeRO-3 splits, gathered whole.
-        let gathered =
-            |rows: u64, elements: u64| if zero_rows.splits(rows, false) { elements as f64 * element } else { 0.0 };
-        let mlp_gathered = projections * gathered(ffn, ffn * hidden) + gathered(hidden, hidden * ffn);
+        let head = beyond(&[vocab, hidden], 1) + beyond(&[hidden], norms);
+        let embedding = if model.tied_embeddings { 0.0 } else { beyond(&[vocab, hidden], 1) };
+        // The bytes of a parameter of local `dims` (`copies` of them) that ZeRO-3 splits, gathered
+        // whole.
+        let gathered = |dims: &[u64], copies: u64| {
+            if zero_rows.splits(dims, false) {
+                (copies * dims.iter().product::<u64>()) as f64 * element
+            } else {
+                0.0
+            }
+        };
+        let mlp_gathered = projections * gathered(&[ffn, hidden], 1) + gathered(&[hidden, ffn], 1);
         let gathered_heads = |count: u64| {
-            let weights = gathered(count / tsp, count / tsp * head_dim * hidden);
-            let biases = if model.qkv_bias { gathered(count / tsp, count / tsp * head_dim) } else { 0.0 };
+            let weights = gathered(&[count / tsp, head_dim, hidden], 1);
+            let biases = if model.qkv_bias { gathered(&[count / tsp, head_dim], 1) } else { 0.0 };
             weights + biases
         };
         let qkv_gathered = gathered_heads(model.heads) + 2.0 * gathered_heads(model.kv_heads);
-        let o_gathered = gathered(hidden, hidden * model.heads * head_dim / tsp);
-        let norm_gathered = gathered(hidden, model.norm.params(hidden));
+        let o_gathered = gathered(&o_dims, 1);
+        let norm_gathered = gathered(&[hidden], norms);
         ZeroSplits { attention, mlp, head, embedding, mlp_gathered, qkv_gathered, o_gathered, norm_gathered }
     }
 

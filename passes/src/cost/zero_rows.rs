@@ -1,15 +1,16 @@
 //! Which of a rank's parameters ZeRO splits, and over how many replicas.
 //!
-//! The executor splits a parameter's rows (its first dim, after the layout's own splits) over each
-//! of its data-parallel axes in turn whose degree still divides them, and keeps the rest of them
-//! whole (`pleat_ir::ShardSpec::with_rows_split`): a dense parameter over dp, cp and then ep (cp's
+//! The executor splits a parameter's rows (its first dim, after the layout's own splits; once a
+//! rank holds one row, the next dim) over each of its data-parallel axes in turn whose degree
+//! still divides them, and keeps the rest of them whole (`pleat_ir::ShardSpec::with_rows_split`): a dense parameter over dp, cp and then ep (cp's
 //! ranks hold the same weights, and ep splits the batch as dp does), a routed expert, which ep (or
 //! tsp without ep) already splits, over dp and cp.
 //! [`super::memory`]'s closed form divides every parameter by all of its replicas, as Megatron's
 //! distributed optimizer and DeepSpeed do with their flat buffers. The two differ by the bytes of
 //! the parameters whose rows do not divide, beyond their closed-form shards: on `tiny` (4 kv
-//! heads) at dp=4 × tp=2 each k and v projection keeps its 2 rows a rank whole, and on `tiny-moe`
-//! at dp=2 × ep=2 × tp=2 splits them over dp alone.
+//! heads) at dp=4 × tp=2 each k and v projection keeps its 2 rows a rank whole. (Once a rank holds
+//! one row the split goes on in the next dim: at dp=2 × tp=4, k's one head a rank splits on
+//! head_dim, as at dp=2 × ep=2 × tp=2 once dp has split its 2 rows.)
 //!
 //! The rows a rank's parameters have: q, k and v (and their biases) their heads over tp (k and v
 //! whole when tp does not divide the kv heads) and over tsp; o, down, the norms and the shared
@@ -23,63 +24,83 @@ use super::activation::kv_split;
 use super::layout::Layout;
 use super::model::ModelShape;
 
-/// A rank's parameters by their rows, and the replicas ZeRO splits them over.
+/// A parameter tensor a rank holds: its local dims (after the layout's own splits), how many
+/// such tensors (a LayerNorm's scale and bias), and whether it is a routed expert's.
+#[derive(Clone)]
+struct RankParam {
+    dims: Vec<u64>,
+    copies: u64,
+    expert: bool,
+}
+
+impl RankParam {
+    fn dense(dims: &[u64]) -> RankParam {
+        RankParam { dims: dims.to_vec(), copies: 1, expert: false }
+    }
+
+    fn elements(&self) -> f64 {
+        (self.copies * self.dims.iter().product::<u64>()) as f64
+    }
+}
+
+/// A rank's parameters by their dims, and the replicas ZeRO splits them over.
 pub struct ZeroRows {
     /// The degrees of dp, cp and ep (`pleat_ir::ZERO_AXES`).
     dp: u64,
     cp: u64,
     ep: u64,
-    /// One layer's parameters as `(rows, elements, routed expert)`: those its attention reads
-    /// (the attention norm, q, k, v), and the rest (o, the MLP norm, the MLP or the mixture), which
-    /// its backward finishes first.
-    attention_inputs: Vec<(u64, u64, bool)>,
-    past_attention: Vec<(u64, u64, bool)>,
+    /// One layer's parameters: those its attention reads (the attention norm, q, k, v), and the
+    /// rest (o, the MLP norm, the MLP or the mixture), which its backward finishes first.
+    attention_inputs: Vec<RankParam>,
+    past_attention: Vec<RankParam>,
     /// The final norm's and the LM head's (the head's only when the embedding is untied).
-    head: Vec<(u64, u64, bool)>,
+    head: Vec<RankParam>,
     /// The embedding table's.
-    embedding: (u64, u64, bool),
+    embedding: RankParam,
 }
 
 impl ZeroRows {
-    /// The parameters of a rank of `layout` (tp, tsp and ep splits; dp and ep replicas).
+    /// The parameters of a rank of `layout` (tp, tsp and ep splits; dp, cp and ep replicas).
     pub fn new(model: &ModelShape, layout: &Layout) -> ZeroRows {
-        let split = layout.degree(AxisName::Tp) * layout.degree(AxisName::Tsp);
+        let tp = layout.degree(AxisName::Tp);
+        let split = tp * layout.degree(AxisName::Tsp);
         let (hidden, head_dim) = (model.hidden, model.head_dim);
         let kv_split = kv_split(model, layout) * layout.degree(AxisName::Tsp);
-        let norm = (hidden, model.norm.params(hidden), false);
-        let mut attention_inputs = vec![norm];
+        let norm = RankParam { dims: vec![hidden], copies: model.norm.params(hidden) / hidden, expert: false };
+        let mut attention_inputs = vec![norm.clone()];
         let mut heads = |count: u64, split: u64| {
             let rows = count / split;
-            attention_inputs.push((rows, rows * head_dim * hidden, false));
+            attention_inputs.push(RankParam::dense(&[rows, head_dim, hidden]));
             if model.qkv_bias {
-                attention_inputs.push((rows, rows * head_dim, false));
+                attention_inputs.push(RankParam::dense(&[rows, head_dim]));
             }
         };
         heads(model.heads, split);
         heads(model.kv_heads, kv_split);
         heads(model.kv_heads, kv_split);
-        let mut layer = vec![(hidden, hidden * model.query_width() / split, false), norm];
+        let mut layer = vec![RankParam::dense(&[hidden, model.heads / split, head_dim]), norm];
         // The dense MLP, or a mixture's shared expert (none when its width is 0): gate and up (or
         // in) split by channels, down (or out) keeps `h` rows.
         let channels = model.ffn / split;
         for _ in 1..model.mlp_matrices() {
-            layer.push((channels, channels * hidden, false));
+            layer.push(RankParam::dense(&[channels, hidden]));
         }
-        layer.push((hidden, hidden * channels, false));
+        layer.push(RankParam::dense(&[hidden, channels]));
         if let Some(experts) = &model.experts {
-            layer.push((experts.count, experts.count * hidden, false));
+            layer.push(RankParam::dense(&[experts.count, hidden]));
             if experts.shared_expert {
-                layer.push((hidden, hidden, false));
+                layer.push(RankParam::dense(&[hidden]));
             }
-            let local = experts.count / layout.expert_degree();
-            let matrix = local * hidden * experts.ffn / layout.degree(AxisName::Tp);
-            layer.extend([(local, matrix, true); 3]);
+            for dims in ZeroRows::expert_dims(model, layout) {
+                layer.push(RankParam { dims: dims.to_vec(), copies: 1, expert: true });
+            }
         }
         let vocab = model.vocab.div_ceil(split);
-        let table = (vocab, vocab * hidden, false);
-        let mut head = vec![(hidden, model.final_norm_params(), false)];
+        let table = RankParam::dense(&[vocab, hidden]);
+        let mut head =
+            vec![RankParam { dims: vec![hidden], copies: model.final_norm_params() / hidden, expert: false }];
         if !model.tied_embeddings {
-            head.push(table);
+            head.push(table.clone());
         }
         ZeroRows {
             dp: layout.degree(AxisName::Dp),
@@ -92,11 +113,31 @@ impl ZeroRows {
         }
     }
 
-    /// The replicas ZeRO splits a parameter of `rows` rows over: a dense one over dp, cp, then
-    /// ep, a routed expert over dp and cp, each axis while it divides the rows left.
-    pub fn replicas(&self, rows: u64, expert: bool) -> u64 {
+    /// The local dims of a layer's three routed expert matrices on a rank: gate and up
+    /// `[E/ep, f/tp, h]`, down `[E/ep, h, f/tp]`.
+    pub fn expert_dims(model: &ModelShape, layout: &Layout) -> [[u64; 3]; 3] {
+        let Some(experts) = &model.experts else { return [[0; 3]; 3] };
+        let local = experts.count / layout.expert_degree();
+        let channels = experts.ffn / layout.degree(AxisName::Tp);
+        [[local, channels, model.hidden], [local, channels, model.hidden], [local, model.hidden, channels]]
+    }
+
+    /// The replicas ZeRO splits a parameter of local `dims` over: a dense one over dp, cp, then
+    /// ep, a routed expert over dp and cp; each axis splits the first dim whose size left is above
+    /// one, where it divides it (`pleat_ir::ShardSpec::with_rows_split`).
+    pub fn replicas(&self, dims: &[u64], expert: bool) -> u64 {
         let axes: &[u64] = if expert { &[self.dp, self.cp] } else { &[self.dp, self.cp, self.ep] };
-        axes.iter().fold(1, |split, &degree| if (rows / split) % degree == 0 { split * degree } else { split })
+        let mut sizes = dims.to_vec();
+        let mut replicas = 1;
+        for &degree in axes.iter().filter(|&&degree| degree > 1) {
+            if let Some(size) = sizes.iter_mut().find(|size| **size != 1) {
+                if *size % degree == 0 {
+                    *size /= degree;
+                    replicas *= degree;
+                }
+            }
+        }
+        replicas
     }
 
     /// The replicas the closed form divides a parameter by: a dense one's dp·cp·ep, an expert's
@@ -110,12 +151,13 @@ impl ZeroRows {
     }
 
     /// The elements of `params` a rank holds beyond the closed form's shards.
-    fn beyond<'a>(&self, params: impl IntoIterator<Item = &'a (u64, u64, bool)>) -> f64 {
+    fn beyond<'a>(&self, params: impl IntoIterator<Item = &'a RankParam>) -> f64 {
         params
             .into_iter()
-            .map(|&(rows, elements, expert)| {
-                let elements = elements as f64;
-                elements / self.replicas(rows, expert) as f64 - elements / self.closed_form_replicas(expert) as f64
+            .map(|param| {
+                let elements = param.elements();
+                elements / self.replicas(&param.dims, param.expert) as f64
+                    - elements / self.closed_form_replicas(param.expert) as f64
             })
             .sum()
     }
@@ -139,14 +181,14 @@ impl ZeroRows {
         self.beyond(&self.past_attention)
     }
 
-    /// A rank's ZeRO shard of `amount` (elements or bytes) of a parameter of `rows` rows.
-    pub fn shard(&self, rows: u64, amount: f64, expert: bool) -> f64 {
-        amount / self.replicas(rows, expert) as f64
+    /// A rank's ZeRO shard of `amount` (elements or bytes) of a parameter of local `dims`.
+    pub fn shard(&self, dims: &[u64], amount: f64, expert: bool) -> f64 {
+        amount / self.replicas(dims, expert) as f64
     }
 
-    /// Whether ZeRO splits a parameter of `rows` rows (so that ZeRO-3 gathers it before use).
-    pub fn splits(&self, rows: u64, expert: bool) -> bool {
-        self.replicas(rows, expert) > 1
+    /// Whether ZeRO splits a parameter of local `dims` (so that ZeRO-3 gathers it before use).
+    pub fn splits(&self, dims: &[u64], expert: bool) -> bool {
+        self.replicas(dims, expert) > 1
     }
 }
 
@@ -177,9 +219,9 @@ mod tests {
             let model = shape(name);
             let layout = Layout::new(&axes, false);
             let rows = ZeroRows::new(&model, &layout);
-            let elements = |params: &[(u64, u64, bool)]| params.iter().map(|param| param.1 as f64).sum::<f64>();
+            let elements = |params: &[RankParam]| params.iter().map(RankParam::elements).sum::<f64>();
             let layer = elements(&rows.attention_inputs) + elements(&rows.past_attention);
-            let listed = model.layers as f64 * layer + elements(&rows.head) + rows.embedding.1 as f64;
+            let listed = model.layers as f64 * layer + elements(&rows.head) + rows.embedding.elements();
             assert_eq!(listed, stage_params(&model, &layout, &workload, 0, model.layers), "{name} {layout}");
         }
     }
@@ -191,18 +233,20 @@ mod tests {
         // and two layers. Everything else divides.
         let tiny = shape("tiny");
         let rows = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 4), (AxisName::Tp, 2)], false));
-        assert_eq!(rows.replicas(2, false), 1);
+        assert_eq!(rows.replicas(&[2, 16, 128], false), 1);
         assert_eq!(rows.beyond_shards(2, true, true), 2.0 * 2.0 * 3072.0);
-        // tiny-moe at dp=2 × ep=2 × tp=2: k and v split over dp (2 → 1 row) but not ep, 2,048
-        // elements instead of 1,024 each; the experts' 4 rows a rank divide over dp.
+        // tiny-moe at dp=2 × ep=2 × tp=2: k and v split over dp (2 rows → 1) and then, one row a
+        // rank, over ep on head_dim; the experts' 4 rows a rank divide over dp. Six rows would
+        // split over dp alone (3 rows left, which ep does not divide).
         let moe = shape("tiny-moe");
         let layout = Layout::new(&[(AxisName::Dp, 2), (AxisName::Ep, 2), (AxisName::Tp, 2)], false);
         let rows = ZeroRows::new(&moe, &layout);
-        assert_eq!((rows.replicas(2, false), rows.replicas(4, true)), (2, 2));
-        assert_eq!(rows.beyond_shards(1, false, false), 2.0 * 1024.0);
-        assert_eq!(rows.beyond_shards(2, true, true), 4.0 * 1024.0);
-        // dp=2 × tp=2 divides everything: nothing beyond.
-        let even = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false));
-        assert_eq!(even.beyond_shards(2, true, true), 0.0);
+        assert_eq!((rows.replicas(&[2, 16, 128], false), rows.replicas(&[4, 32, 128], true)), (4, 2));
+        assert_eq!(rows.replicas(&[6, 16, 128], false), 2);
+        assert_eq!(rows.beyond_shards(2, true, true), 0.0);
+        // tiny at dp=2 × tp=4: k and v have one row a rank, split over dp on head_dim.
+        let one_row = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 4)], false));
+        assert_eq!(one_row.replicas(&[1, 16, 128], false), 2);
+        assert_eq!(one_row.beyond_shards(2, true, true), 0.0);
     }
 }
