@@ -61,7 +61,7 @@ pub struct WorkloadArgs {
     /// Inference: one forward pass keeping the KV cache.
     #[arg(long)]
     pub infer: bool,
-    /// ZeRO stage over dp (0-3).
+    /// ZeRO stage (0-3), over the ranks that replicate the parameters: dp, cp and ep.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
     /// Megatron's distributed optimizer (optimizer state over dp, like ZeRO-1).
@@ -237,8 +237,8 @@ fn expert_terms(experts: &ExpertMemory, name: &str, bytes: f64) -> Vec<(&'static
         "grads" | "optimizer" if bytes > 0.0 => {
             let routed = if name == "grads" { experts.expert_grads_bytes } else { experts.expert_optimizer_bytes };
             vec![
-                ("routed experts (zero shards them over dp)", routed),
-                ("the rest (zero shards it over dp x ep)", bytes - routed),
+                ("routed experts (zero shards them over dp x cp)", routed),
+                ("the rest (zero shards it over dp x cp x ep)", bytes - routed),
             ]
         }
         "activations" if bytes > 0.0 => experts.activations.iter().map(|term| (term.name, term.bytes)).collect(),

@@ -147,8 +147,8 @@ pub struct TrainFlags {
     /// Clip the gradients to this global L2 norm (0: no clipping).
     #[arg(long, default_value_t = 1.0, requires = "train", value_parser = crate::number_flags::non_negative)]
     pub max_grad_norm: f64,
-    /// ZeRO stage over the dp axis: 1 splits the optimizer state, 2 also the gradients, 3 also the
-    /// parameters.
+    /// ZeRO stage over the ranks that replicate the parameters (dp, cp, and ep for a mixture's
+    /// dense ones): 1 splits the optimizer state, 2 also the gradients, 3 also the parameters.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3), requires = "train")]
     pub zero: u8,
     /// Which activations the backward recomputes instead of keeping.

@@ -236,7 +236,7 @@ fn plan_of_mixtral_on_ep8_tp2_prints_the_totals() {
     assert!(line("expert weights").ends_with(" 5.64 GB"), "{table}");
     assert!(line("router ").ends_with(" 0.00 GB"), "{table}");
     assert!(line("attention").ends_with(" 1.34 GB"), "{table}");
-    assert!(line("routed experts (zero shards them over dp)").ends_with("11.27 GB"), "{table}");
+    assert!(line("routed experts (zero shards them over dp x cp)").ends_with("11.27 GB"), "{table}");
     // 32 layers x (4 exchanges x 7/8 x 2·4096·4096·2 bytes + 7/8 x 64 bytes of counts) = 7.52 GB.
     assert!(line("expert all-to-all").contains(" 7.52 GB a step"), "{table}");
     assert!(line("capacity:").contains("costed as balanced: an expert gets 8192 of the 32768 tokens"), "{table}");

@@ -436,8 +436,8 @@ impl Backward<'_> {
                 })
             };
             // A sum the target splits a dim over after another pending sum's split waits for that
-            // one: ZeRO's `[dp, ep]` rows reduce-scatter over dp, then over ep, whatever order the
-            // sums are pending in, instead of all-reducing over ep and slicing.
+            // one: ZeRO's `[dp, cp, ep]` rows reduce-scatter over dp, then cp, then ep, whatever
+            // order the sums are pending in, instead of all-reducing over ep and slicing.
             let next = pending
                 .iter()
                 .position(|&axis| scatter_dim(axis).is_some() || target.dim_sharded_by(axis).is_none())

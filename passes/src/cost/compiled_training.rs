@@ -69,8 +69,10 @@
 //!   closed form divides every parameter by all its replicas. Every phase holds the difference as
 //!   named terms: [`PARAMS_KEPT_WHOLE`] under ZeRO-3, [`GRADS_KEPT_WHOLE`] at the end under ZeRO-2
 //!   and 3 (the gradients made before it, exactly), and [`optimizer_kept_whole`] beside the
-//!   program. On `tiny` at dp=4 × tp=2, k and v (2 rows a rank) stay whole; on `tiny-moe` at
-//!   dp=2 × ep=2 × tp=2 they split over dp alone.
+//!   program. On `tiny` at dp=4 × tp=2, k and v (2 rows a rank) stay whole; at dp=2 × tp=4
+//!   (one row a rank) they split over dp on head_dim, and nothing is kept whole.
+//! - **ZeRO beside cp**: cp's ranks hold the same weights, so a dense parameter's replicas are
+//!   dp·cp·ep and a routed expert's dp·cp; the reduce-scatter over cp follows the one over dp.
 //!
 //! [`training_differences_from_closed_form`] names every term by which the closed form of
 //! [`super::memory`] differs from this, so that `closed form + differences = planner` to the byte
@@ -157,8 +159,8 @@ fn zero_stage(workload: &Workload) -> u8 {
 
 /// The peak of a compiled training step on one rank of `layout` (no pipelining; any recompute):
 /// the largest phase of the module doc, exact where the program peaks at one of them and below
-/// the planner's peak otherwise; `None` for a tsp or pp axis, or ZeRO-2/3 with an axis beside dp
-/// and ep other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a
+/// the planner's peak otherwise; `None` for a tsp or pp axis, or ZeRO-2/3 with an axis beside dp,
+/// cp and ep other than tp. `workload` is in the cost model's terms (`micro_batch` sequences a
 /// replica). The phase's `params` are the program's (a ZeRO shard under ZeRO-3); its terms are
 /// every gradient (a ZeRO shard under ZeRO-2 and 3), less those not made at that point, and the buffers
 /// live there. The optimizer's moments are not the program's: the executor adds them beside it.
@@ -226,7 +228,7 @@ fn embedding_backward(
         return None;
     }
     let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
-    // A dense parameter's replicas: ep splits the batch as dp does.
+    // A dense parameter's replicas: dp, cp (whose ranks hold the same weights) and ep.
     let scattered = layout.zero_replicas() > 1 && zero_stage(workload) >= 2;
     let element = model.dtype_bytes as f64;
     let tokens = workload.tokens_per_micro_batch() as f64;
@@ -375,8 +377,9 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // recomputation: the MLP norm's output, gate, up and their product), the gradients of the
     // head, the final norm and the layers above (dp shards under ZeRO-2 and 3), and its output
     // gradient.
-    // ZeRO-2 and 3 hold the shard of a gradient over its replicas: a dense parameter's dp·ep (ep
-    // splits the batch as dp does), a routed expert's dp.
+    // ZeRO-2 and 3 hold the shard of a gradient over its replicas: a dense parameter's dp·cp·ep
+    // (cp's ranks hold the same weights, and ep splits the batch as dp does), a routed expert's
+    // dp·cp.
     let (shards, expert_shards) =
         if zero >= 2 { (replicas as f64, layout.expert_zero_replicas() as f64) } else { (1.0, 1.0) };
     // Beyond those, what ZeRO-2 and 3 hold whole (or split over fewer replicas) of a gradient whose
@@ -709,7 +712,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
 
 /// The end of the backward (see [`compiled_training_peak`]).
 fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> Option<ForwardPhase> {
-    // A dense parameter's replicas: ep splits the batch as dp does.
+    // A dense parameter's replicas: dp, cp (whose ranks hold the same weights) and ep.
     let replicas = layout.zero_replicas();
     let zero = if replicas > 1 { zero_stage(workload) } else { 0 };
     let tp = layout.degree(AxisName::Tp);
@@ -721,7 +724,7 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
     let element = model.dtype_bytes as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
     let experts = stage_expert_params(model, layout, model.layers) * element;
-    // ZeRO shards a dense parameter over its dp·ep replicas, a routed expert over dp.
+    // ZeRO shards a dense parameter over its dp·cp·ep replicas, a routed expert over dp·cp.
     let sharded = (all_params - experts) / replicas as f64 + experts / layout.expert_zero_replicas() as f64;
     let params = if zero >= 3 { sharded } else { all_params };
     let grads = if zero >= 2 { sharded } else { all_params };

@@ -114,9 +114,10 @@ pub struct ExpertMemory {
     pub weights: Vec<Term>,
     /// Routed experts' parameters the rank holds (elements), before ZeRO: `layers · E/ep · 3·h·f_e/tp`.
     pub expert_param_count: f64,
-    /// Bytes of the routed experts' gradients (ZeRO-2 shards them over dp, their only replicas).
+    /// Bytes of the routed experts' gradients (ZeRO-2 shards them over dp × cp, their only
+    /// replicas).
     pub expert_grads_bytes: f64,
-    /// Bytes of the routed experts' optimizer state (ZeRO-1 shards it over dp).
+    /// Bytes of the routed experts' optimizer state (ZeRO-1 shards it over dp × cp).
     pub expert_optimizer_bytes: f64,
     /// The experts' blocks' kept activations, every layer of the stage and micro-batch in flight,
     /// by term (part of [`MemoryBreakdown::activations_bytes`]; sized for balanced routing). Empty

@@ -47,7 +47,8 @@ pub struct Workload {
     pub mode: Mode,
     /// Activation recompute.
     pub recompute: Recompute,
-    /// ZeRO stage over dp: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.
+    /// ZeRO stage over the parameters' replicas (dp, cp, ep): 0 none, 1 optimizer state,
+    /// 2 + gradients, 3 + parameters.
     pub zero: u8,
     /// Megatron's distributed optimizer (`--use-distributed-optimizer`): optimizer state and fp32
     /// master weights sharded over dp, 6 + 12/dp bytes a parameter. The same as ZeRO-1.

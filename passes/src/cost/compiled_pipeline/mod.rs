@@ -147,8 +147,8 @@
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp
 //! (±SP), where every parameter's rows divide over them, and over both not under zero bubble (the
-//! sums and gradients are their
-//! shards, each gradient is reduce-scattered and staged whole, and the stage's other candidate is
+//! sums and gradients are their shards, each gradient is reduce-scattered and staged whole, and
+//! the stage's other candidate is
 //! inside its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
@@ -157,8 +157,8 @@
 //! mixture of experts (no shared expert) with every expert on every rank or split over ep, beside
 //! dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep only; its embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
-//! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp (or cp) × tp, interleaved on two
-//! stages only. [`pipelined_differences_from_closed_form`] names the terms by which
+//! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
+//! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names the terms by which
 //! [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's formulas) differs
 //! from it; `tests/cost_training.rs` checks that closed form plus those terms equals the planner's
 //! peak to the byte on every stage.
@@ -231,7 +231,7 @@ pub fn compiled_stage_peak(
     let param_shards = if workload.zero >= 3 && replicas > 1 { replicas as f64 } else { 1.0 };
     let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
-    // (Under ZeRO-3 the rank's dp shard of it, gathered by the stage itself for its head.)
+    // (Under ZeRO-3 the rank's dp × cp shard of it, gathered by the stage itself for its head.)
     let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
     if received_table > 0.0 {
         // Received in the stage's first forward, held to the end of the step.
