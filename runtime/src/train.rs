@@ -359,6 +359,10 @@ fn update_region(param: &ParamUpdate, resident: &[Resident]) -> Result<ShapeAndR
 /// (per dim, `(start, len)`) covers: one index in each dim before some dim `d`, a range of `d`,
 /// and every dim after it whole; `None` when the run is no such box.
 fn run_region(block: &[(u64, u64)], (offset, len): (u64, u64)) -> Option<Vec<(u64, u64)>> {
+    // A scalar's one element is its whole block.
+    if block.is_empty() {
+        return (offset == 0 && len == 1).then(Vec::new);
+    }
     let lens: Vec<u64> = block.iter().map(|&(_, len)| len).collect();
     // The elements one index of each dim spans.
     let strides: Vec<u64> = (0..lens.len()).map(|dim| lens[dim + 1..].iter().product()).collect();
@@ -483,6 +487,8 @@ mod tests {
         assert_eq!(run_region(&block, (8 * 128, 8 * 128)), Some(vec![(2, 1), (8, 8), (0, 128)]));
         // Across the two heads it is no box.
         assert_eq!(run_region(&block, (8 * 128, 16 * 128)), None);
+        // A scalar's block is its one element.
+        assert_eq!(run_region(&[], (0, 1)), Some(Vec::new()));
     }
 
     fn settings(max_grad_norm: Option<f64>) -> AdamWSettings {
