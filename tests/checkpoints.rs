@@ -81,15 +81,27 @@ fn a_mixtures_zero3_checkpoint_over_dp_and_ep_resumes_bit_for_bit_and_reshards()
         let base = ["run", "tiny-moe", "--train", "--batch", "4", "--seq", "16", "--lr", "1e-2", "--format", "json"];
         json_of(&[&base[..], extra].concat())
     };
-    let zero3 = ["--mesh", "dp=2,ep=2", "--zero", "3"];
-    let reference = losses(&moe(&[&zero3[..], &["--steps", "4"]].concat()));
-    moe(&[&zero3[..], &["--steps", "2", "--save", &saved]].concat());
-    let resumed = losses(&moe(&[&zero3[..], &["--steps", "2", "--resume", &saved]].concat()));
-    assert_eq!(resumed, reference[2..], "the resumed run is not the uninterrupted one");
-    let report = moe(&["--mesh", "ep=2", "--zero", "1", "--steps", "2", "--resume", &saved, "--check"]);
+    resumes_bit_for_bit_and_reshards(
+        &moe,
+        &["--mesh", "dp=2,ep=2", "--zero", "3"],
+        &["--mesh", "ep=2", "--zero", "1"],
+        &saved,
+    );
+}
+
+/// Trains four steps with `run` on `layout`'s flags, and two saving to `saved`, then resumes the
+/// last two from it: on `layout`, where the losses must be the uninterrupted run's bit for bit,
+/// and on `other`, where they must be within 1e-5 and checked against the reference.
+fn resumes_bit_for_bit_and_reshards(run: &dyn Fn(&[&str]) -> Value, layout: &[&str], other: &[&str], saved: &str) {
+    let label = layout.join(" ");
+    let reference = losses(&run(&[layout, &["--steps", "4"]].concat()));
+    run(&[layout, &["--steps", "2", "--save", saved]].concat());
+    let resumed = losses(&run(&[layout, &["--steps", "2", "--resume", saved]].concat()));
+    assert_eq!(resumed, reference[2..], "{label}: the resumed run is not the uninterrupted one");
+    let report = run(&[other, &["--steps", "2", "--resume", saved, "--check"]].concat());
     assert!(report["max_loss_err"].as_f64().expect("checked") <= 1e-4, "{report}");
     for (got, want) in losses(&report).iter().zip(&reference[2..]) {
-        assert!((got - want).abs() <= 1e-5, "ep=2: {got} vs {want}");
+        assert!((got - want).abs() <= 1e-5, "{label} on {}: {got} vs {want}", other.join(" "));
     }
 }
 
@@ -101,16 +113,7 @@ fn a_checkpoint_whose_zero_shards_split_head_dim_resumes_bit_for_bit_and_reshard
     let dir = tempdir("ckpt-head-dim");
     for zero in ["1", "3"] {
         let saved = path_in(&dir, &format!("zero{zero}"));
-        let mesh = ["--mesh", "dp=2,tp=4", "--zero", zero];
-        let reference = losses(&train(&[&mesh[..], &["--steps", "4"]].concat()));
-        train(&[&mesh[..], &["--steps", "2", "--save", &saved]].concat());
-        let resumed = losses(&train(&[&mesh[..], &["--steps", "2", "--resume", &saved]].concat()));
-        assert_eq!(resumed, reference[2..], "zero {zero}: the resumed run is not the uninterrupted one");
-        let report = train(&["--mesh", "tp=2", "--steps", "2", "--resume", &saved, "--check"]);
-        assert!(report["max_loss_err"].as_f64().expect("checked") <= 1e-4, "{report}");
-        for (got, want) in losses(&report).iter().zip(&reference[2..]) {
-            assert!((got - want).abs() <= 1e-5, "zero {zero} on tp=2: {got} vs {want}");
-        }
+        resumes_bit_for_bit_and_reshards(&train, &["--mesh", "dp=2,tp=4", "--zero", zero], &["--mesh", "tp=2"], &saved);
     }
 }
 

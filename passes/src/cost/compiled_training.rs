@@ -428,13 +428,12 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         });
         if let Some(experts) = &model.experts {
             let kept_to_it = (layer + 1) as f64 * kept_layer - boundary;
-            let router_dims = [experts.count, model.hidden];
+            let (router_dims, expert_dims) = ([experts.count, model.hidden], ZeroRows::expert_dims(model, layout));
             // What ZeRO-2 and 3 hold of the three expert matrices' gradients, `bytes` in all.
             let held_experts = |bytes: f64| {
-                let dims = ZeroRows::expert_dims(model, layout);
                 let held =
                     |dims: &[u64]| if zero >= 2 { zero_rows.shard(dims, bytes / 3.0, true) } else { bytes / 3.0 };
-                dims.iter().map(|dims| held(dims)).sum::<f64>()
+                expert_dims.iter().map(|dims| held(dims)).sum::<f64>()
             };
             let mut mixture = gradients_above;
             mixture[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
@@ -453,10 +452,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             }
             if zero >= 3 {
                 // (The experts only beside dp: on ep alone a rank's experts have no replica.)
-                let experts_gathered: f64 = ZeroRows::expert_dims(model, layout)
-                    .iter()
-                    .map(|dims| if zero_rows.splits(dims, true) { routed / 3.0 } else { 0.0 })
-                    .sum();
+                let experts_gathered: f64 =
+                    expert_dims.iter().map(|dims| if zero_rows.splits(dims, true) { routed / 3.0 } else { 0.0 }).sum();
                 inside.push(Term {
                     name: "its router's and experts' weights, gathered again",
                     bytes: gathered_again(&router_dims, mixture_weights - routed) + experts_gathered,
