@@ -124,11 +124,12 @@ fn compile_training_at(
 }
 
 /// A pipelined training layout of `tiny` with four layers: the mesh (with its `pp` axis), the
-/// schedule, the micro-batches a step, what the backward recomputes, Megatron SP on the tp axis and
-/// the ZeRO stage.
+/// schedule, the sequences and micro-batches a step, what the backward recomputes, Megatron SP on
+/// the tp axis and the ZeRO stage.
 struct PipelinedLayout {
     mesh: &'static str,
     schedule: ScheduleKind,
+    batch: u64,
     micro_batches: u32,
     recompute: Recompute,
     sequence_parallel: bool,
@@ -136,11 +137,12 @@ struct PipelinedLayout {
 }
 
 impl PipelinedLayout {
-    /// No recomputation, SP or ZeRO.
+    /// `PIPELINE_BATCH` sequences a step; no recomputation, SP or ZeRO.
     const fn new(mesh: &'static str, schedule: ScheduleKind, micro_batches: u32) -> PipelinedLayout {
         PipelinedLayout {
             mesh,
             schedule,
+            batch: PIPELINE_BATCH,
             micro_batches,
             recompute: Recompute::None,
             sequence_parallel: false,
@@ -160,7 +162,7 @@ fn eight_layers() -> pleat_ir::model::config::ModelConfig {
 }
 
 /// Compiles `config`'s training step for `layout` as `pleat run --train` does with a `pp` axis:
-/// one micro-batch's graph (PIPELINE_BATCH / micro-batches sequences) sharded over the mesh inside
+/// one micro-batch's graph (the layout's batch / micro-batches sequences) sharded over the mesh inside
 /// a stage, each node placed in a stage by its layer, and `backend::pipeline` replaying each
 /// stage's part in the schedule's order. Returns the programs in global rank order and their optimizer layouts.
 fn compile_pipelined(
@@ -181,7 +183,7 @@ fn compile_pipelined_at(
     let inner: Vec<(AxisName, u64)> =
         mesh.axes().iter().filter(|axis| axis.name != AxisName::Pp).map(|axis| (axis.name, axis.size)).collect();
     let mut module =
-        pleat_ir::model::build_training(config, PIPELINE_BATCH / u64::from(layout.micro_batches), seq).expect("build");
+        pleat_ir::model::build_training(config, layout.batch / u64::from(layout.micro_batches), seq).expect("build");
     module.mesh = Mesh::new(&inner).expect("inner mesh");
     let ctx = PassCtx {
         recompute: layout.recompute,
@@ -468,7 +470,7 @@ fn planner_peak_equals_the_measured_pipelined_peak() {
             layout.zero_stage
         );
         let (programs, optimizer_layouts) = compile_pipelined(&config, &layout);
-        let trained = train_one_step(&programs, &optimizer_layouts, PIPELINE_BATCH);
+        let trained = train_one_step(&programs, &optimizer_layouts, layout.batch);
         for (program, rank) in programs.iter().zip(&trained) {
             let planned = plan(program, ElementSize::Fixed(4));
             // Without ZeRO every loaded element is updated; ZeRO-1 and 2 update the rank's dp
@@ -1091,6 +1093,110 @@ fn zero_bubble_stage_closed_form_equals_the_planners_peak() {
 }
 
 #[test]
+fn zero_bubble_zero_stages_peak_inside_w_as_the_gate_gradient_is_scattered() {
+    // Under ZeRO-2 and 3 with micro-batches enough that others wait between their B and W, the
+    // last stage peaks inside a W, as its first layer's gate gradient is reduce-scattered: beside
+    // what W still reads (the residual gradients; q, k and v under selective recomputation), the
+    // layer's attention norm's input gradient (sent back by B), q's, k's and v's gradients in
+    // place of q, k and v, both norm outputs' gradients and, under SP, the attention residual's
+    // gradient and its gathered copy. (Before, the form took a backward's point there, 20,480 B
+    // below the planner at pp=2 × dp=4.) Under full recomputation with ZeRO-3, W gathers no weight:
+    // B does, for its recomputed forward.
+    let (four, eight) = (four_layers(), eight_layers());
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    let mut names = std::collections::BTreeSet::new();
+    for (config, mesh, zero_stage, micro_batches, recompute, sequence_parallel) in [
+        (&four, "pp=2,dp=4", 2u8, 4u32, none, false),
+        (&four, "pp=2,dp=4", 3, 4, none, false),
+        (&four, "pp=2,dp=4", 2, 4, selective, false),
+        (&four, "pp=2,dp=4", 3, 4, full, false),
+        (&four, "pp=2,dp=2", 3, 8, selective, false),
+        (&four, "pp=4,dp=2", 2, 8, none, false),
+        (&four, "pp=4,dp=2", 3, 8, full, false),
+        (&eight, "pp=2,dp=2", 2, 4, none, false),
+        (&eight, "pp=2,dp=2", 3, 4, full, false),
+        (&four, "pp=2,cp=2", 2, 4, none, false),
+        (&four, "pp=2,cp=2", 3, 4, full, false),
+        (&four, "pp=2,dp=2,tp=2", 2, 4, none, false),
+        (&four, "pp=2,dp=2,tp=2", 3, 4, selective, false),
+        (&four, "pp=2,dp=2,tp=2", 2, 4, selective, true),
+        (&four, "pp=2,dp=2,tp=2", 3, 4, none, true),
+        (&four, "pp=2,dp=2,tp=2", 3, 4, full, true),
+    ] {
+        let dp = Mesh::parse(mesh).unwrap().degree(AxisName::Dp);
+        let layout = PipelinedLayout {
+            zero_stage,
+            recompute,
+            sequence_parallel,
+            batch: dp * u64::from(micro_batches),
+            ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches)
+        };
+        check_stage_closed_form(config, &layout);
+        names.extend(stage_phase_names(config, &layout));
+    }
+    assert!(names.contains("first layer's gate gradient reduce-scattered"), "{names:?}");
+    assert!(!names.iter().any(|name| name.contains("regathered")), "{names:?}");
+}
+
+#[test]
+fn stages_whose_key_values_zero_keeps_whole_equal_the_planners_peak() {
+    // tiny's 4 kv heads are 2 rows a rank at tp=2, which dp=4 does not divide (nor 4 rows at dp=8
+    // without tp): ZeRO-2 and 3 keep k and v whole (`zero_rows`), their running sums and each
+    // micro-batch's gradients (named `GRADS_KEPT_WHOLE`), and ZeRO-3 their weights
+    // (`PARAMS_KEPT_WHOLE`), which it does not gather for the recomputed forward. Every schedule,
+    // recomputation and SP; a tied table at dp=8.
+    let (four, eight) = (four_layers(), eight_layers());
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four_layers() };
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let (zero_bubble, interleaved) = (ScheduleKind::ZeroBubbleH1, ScheduleKind::Interleaved { chunks: 2 });
+    let mut names = std::collections::BTreeSet::new();
+    for (config, mesh, zero_stage, kind, micro_batches, recompute, sequence_parallel) in [
+        (&four, "pp=2,dp=4,tp=2", 2u8, one_f_one_b, 2u32, none, false),
+        (&four, "pp=2,dp=4,tp=2", 3, one_f_one_b, 4, full, false),
+        (&four, "pp=2,dp=4,tp=2", 3, one_f_one_b, 4, selective, true),
+        (&four, "pp=2,dp=4,tp=2", 2, gpipe, 4, selective, false),
+        (&four, "pp=2,dp=4,tp=2", 3, gpipe, 4, full, true),
+        (&four, "pp=4,dp=4,tp=2", 2, one_f_one_b, 4, none, false),
+        (&four, "pp=2,dp=4,tp=2", 2, zero_bubble, 4, none, false),
+        (&four, "pp=2,dp=4,tp=2", 3, zero_bubble, 4, full, false),
+        (&eight, "pp=2,dp=4,tp=2", 2, interleaved, 4, none, false),
+        (&eight, "pp=2,dp=4,tp=2", 3, interleaved, 4, selective, false),
+        (&four, "pp=2,dp=8", 3, one_f_one_b, 2, full, false),
+        (&four, "pp=2,dp=8", 3, zero_bubble, 4, selective, false),
+        (&tied, "pp=2,dp=8", 2, one_f_one_b, 2, none, false),
+        (&tied, "pp=2,dp=8", 3, gpipe, 2, selective, false),
+    ] {
+        let dp = Mesh::parse(mesh).unwrap().degree(AxisName::Dp);
+        let layout = PipelinedLayout {
+            zero_stage,
+            recompute,
+            sequence_parallel,
+            batch: dp * u64::from(micro_batches),
+            ..PipelinedLayout::new(mesh, kind, micro_batches)
+        };
+        check_stage_closed_form(config, &layout);
+        for stage in stage_closed_forms(config, &layout, SEQ) {
+            let bytes_of = |name: &str| -> f64 {
+                stage.phase.terms.iter().filter(|term| term.name == name).map(|term| term.bytes).sum()
+            };
+            // Every peak holds some k and v gradient whole; ZeRO-3 the stage's layers' k and v
+            // weights, each beyond its shard by 2·16·128 − 2·16·128/4 = 3,072 elements at
+            // dp=4 × tp=2 and by 4·16·128 − 4·16·128/8 = 7,168 at dp=8, 4 bytes an element.
+            assert!(bytes_of(GRADS_KEPT_WHOLE) > 0.0, "{}", stage.label);
+            let beyond = if dp == 8 { 7168.0 } else { 3072.0 };
+            let layers = (config.num_layers / Mesh::parse(mesh).unwrap().degree(AxisName::Pp)) as f64;
+            let params_kept_whole = if zero_stage == 3 { layers * 2.0 * beyond * 4.0 } else { 0.0 };
+            assert_eq!(bytes_of(PARAMS_KEPT_WHOLE), params_kept_whole, "{}", stage.label);
+            names.insert(stage.phase.name);
+        }
+    }
+    for name in ["tail of a backward", "first layer's gate gradient reduce-scattered"] {
+        assert!(names.contains(name), "{name}: {names:?}");
+    }
+}
+
+#[test]
 fn zero2_stage_closed_form_equals_the_planners_peak_on_deeper_stages() {
     // Eight layers, four a stage: under ZeRO-2 a stage peaks at its last gradient's
     // reduce-scatter or inside its first layer's backward, at the gate gradient's.
@@ -1483,7 +1589,7 @@ fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &Pip
         micro_batches: u64::from(layout.micro_batches),
         recompute: cost_recompute(layout.recompute),
         zero: layout.zero_stage,
-        ..Workload::training(SEQ, PIPELINE_BATCH / u64::from(layout.micro_batches) / dp)
+        ..Workload::training(SEQ, layout.batch / u64::from(layout.micro_batches) / dp)
     };
     let model = ModelShape::from_config(config);
     let cost_layout = Layout::from_mesh(&parsed, layout.sequence_parallel);
@@ -1568,10 +1674,11 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     let schedule = Schedule::build(one_f_one_b, 2, 4).unwrap();
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
-    // Nor has ZeRO-2 or 3 where a parameter's rows do not divide over dp (k and v, 2 rows a rank
-    // at tp=2, stay whole at dp=4, which the stage's points do not count); dp=2 divides them.
+    // Nor has ZeRO-2 or 3 where the rows of a parameter but k and v do not divide over dp (gate's
+    // and up's 256 and the MLP norm's 128 at dp=3); k's and v's (2 rows a rank at tp=2, kept
+    // whole at dp=4) are counted apart.
     let schedule = Schedule::build(one_f_one_b, 2, 1).unwrap();
-    for (mesh, modelled) in [("pp=2,dp=4,tp=2", false), ("pp=2,dp=2,tp=2", true)] {
+    for (mesh, modelled) in [("pp=2,dp=3,tp=2", false), ("pp=2,dp=4,tp=2", true), ("pp=2,dp=2,tp=2", true)] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
         let workload = Workload { zero: 2, ..Workload::training(SEQ, 1) };
         let phase = compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2);
@@ -1611,7 +1718,10 @@ fn interleaved_stage_closed_form_equals_the_planners_peak_on_deeper_chunks() {
 fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout: &PipelinedLayout) {
     for stage in stage_closed_forms(config, layout, SEQ) {
         let (label, planned) = (&stage.label, &stage.planned);
-        assert_eq!(planned.param_bytes as f64, stage.phase.params, "{label}");
+        // ZeRO-3's parameters are the closed form's shards and those it keeps whole beyond them.
+        let kept_whole: f64 =
+            stage.phase.terms.iter().filter(|term| term.name == PARAMS_KEPT_WHOLE).map(|term| term.bytes).sum();
+        assert_eq!(planned.param_bytes as f64, stage.phase.params + kept_whole, "{label}");
         assert_eq!(planned.peak_bytes as f64, stage.phase.bytes(), "{label}: {:?}", stage.phase.terms);
         // The closed form's weights are the program's, but the copy of a tied table the last stage
         // receives (a buffer to the program, a parameter to Megatron's accounting).
@@ -1654,7 +1764,7 @@ fn stage_closed_forms(
         zero: layout.zero_stage,
         // As the compiled programs do.
         tsp_shards_embeddings: parsed.degree(AxisName::Tsp) > 1,
-        ..Workload::training(seq, PIPELINE_BATCH / u64::from(micro_batches) / dp / parsed.degree(AxisName::Ep))
+        ..Workload::training(seq, layout.batch / u64::from(micro_batches) / dp / parsed.degree(AxisName::Ep))
     };
     let memory = memory_per_stage(&model, &cost_layout, &workload);
     programs

@@ -49,9 +49,11 @@ pub struct ZeroRows {
     dp: u64,
     cp: u64,
     ep: u64,
-    /// One layer's parameters: those its attention reads (the attention norm, q, k, v), and the
-    /// rest (o, the MLP norm, the MLP or the mixture), which its backward finishes first.
+    /// One layer's parameters: those its attention reads (the attention norm and q; k and v
+    /// apart), and the rest (o, the MLP norm, the MLP or the mixture), which its backward
+    /// finishes first.
     attention_inputs: Vec<RankParam>,
+    key_values: Vec<RankParam>,
     past_attention: Vec<RankParam>,
     /// The final norm's and the LM head's (the head's only when the embedding is untied).
     head: Vec<RankParam>,
@@ -67,17 +69,18 @@ impl ZeroRows {
         let (hidden, head_dim) = (model.hidden, model.head_dim);
         let kv_split = kv_split(model, layout) * layout.degree(AxisName::Tsp);
         let norm = RankParam { dims: vec![hidden], copies: model.norm.params(hidden) / hidden, expert: false };
-        let mut attention_inputs = vec![norm.clone()];
-        let mut heads = |count: u64, split: u64| {
+        let heads = |params: &mut Vec<RankParam>, count: u64, split: u64| {
             let rows = count / split;
-            attention_inputs.push(RankParam::dense(&[rows, head_dim, hidden]));
+            params.push(RankParam::dense(&[rows, head_dim, hidden]));
             if model.qkv_bias {
-                attention_inputs.push(RankParam::dense(&[rows, head_dim]));
+                params.push(RankParam::dense(&[rows, head_dim]));
             }
         };
-        heads(model.heads, split);
-        heads(model.kv_heads, kv_split);
-        heads(model.kv_heads, kv_split);
+        let mut attention_inputs = vec![norm.clone()];
+        heads(&mut attention_inputs, model.heads, split);
+        let mut key_values = Vec::new();
+        heads(&mut key_values, model.kv_heads, kv_split);
+        heads(&mut key_values, model.kv_heads, kv_split);
         let mut layer = vec![RankParam::dense(&[hidden, model.heads / split, head_dim]), norm];
         // The dense MLP, or a mixture's shared expert (none when its width is 0): gate and up (or
         // in) split by channels, down (or out) keeps `h` rows.
@@ -107,6 +110,7 @@ impl ZeroRows {
             cp: layout.degree(AxisName::Cp),
             ep: layout.degree(AxisName::Ep),
             attention_inputs,
+            key_values,
             past_attention: layer,
             head,
             embedding: table,
@@ -165,7 +169,8 @@ impl ZeroRows {
     /// The elements of `layers` layers, and of the head (final norm and an untied LM head) and
     /// the embedding table where asked, that a rank holds beyond the closed form's ZeRO shards.
     pub fn beyond_shards(&self, layers: u64, head: bool, embedding: bool) -> f64 {
-        let mut elements = layers as f64 * (self.beyond(&self.attention_inputs) + self.beyond(&self.past_attention));
+        let layer = self.beyond(&self.attention_inputs) + self.beyond_key_values() + self.beyond(&self.past_attention);
+        let mut elements = layers as f64 * layer;
         if head {
             elements += self.beyond(&self.head);
         }
@@ -179,6 +184,18 @@ impl ZeroRows {
     /// MLP or the mixture) that a rank holds beyond the closed form's ZeRO shards.
     pub fn beyond_shards_past_attention(&self) -> f64 {
         self.beyond(&self.past_attention)
+    }
+
+    /// The elements of one layer's k and v projections (and their biases) that a rank holds
+    /// beyond the closed form's ZeRO shards.
+    pub fn beyond_key_values(&self) -> f64 {
+        self.beyond(&self.key_values)
+    }
+
+    /// Whether ZeRO splits a layer's k and v projections (and their biases, of the same rows), so
+    /// that ZeRO-3 gathers them whole before use; else it keeps them whole.
+    pub fn splits_key_values(&self) -> bool {
+        self.key_values.iter().all(|param| self.splits(&param.dims, false))
     }
 
     /// A rank's ZeRO shard of `amount` (elements or bytes) of a parameter of local `dims`.
@@ -220,7 +237,7 @@ mod tests {
             let layout = Layout::new(&axes, false);
             let rows = ZeroRows::new(&model, &layout);
             let elements = |params: &[RankParam]| params.iter().map(RankParam::elements).sum::<f64>();
-            let layer = elements(&rows.attention_inputs) + elements(&rows.past_attention);
+            let layer = elements(&rows.attention_inputs) + elements(&rows.key_values) + elements(&rows.past_attention);
             let listed = model.layers as f64 * layer + elements(&rows.head) + rows.embedding.elements();
             assert_eq!(listed, stage_params(&model, &layout, &workload, 0, model.layers), "{name} {layout}");
         }
@@ -235,6 +252,8 @@ mod tests {
         let rows = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 4), (AxisName::Tp, 2)], false));
         assert_eq!(rows.replicas(&[2, 16, 128], false), 1);
         assert_eq!(rows.beyond_shards(2, true, true), 2.0 * 2.0 * 3072.0);
+        // All of it k's and v's, neither of which ZeRO-3 gathers.
+        assert_eq!((rows.beyond_key_values(), rows.splits_key_values()), (2.0 * 3072.0, false));
         // tiny-moe at dp=2 × ep=2 × tp=2: k and v split over dp (2 rows → 1) and then, one row a
         // rank, over ep on head_dim; the experts' 4 rows a rank divide over dp. Six rows would
         // split over dp alone (3 rows left, which ep does not divide).
@@ -248,5 +267,6 @@ mod tests {
         let one_row = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 4)], false));
         assert_eq!(one_row.replicas(&[1, 16, 128], false), 2);
         assert_eq!(one_row.beyond_shards(2, true, true), 0.0);
+        assert_eq!((one_row.beyond_key_values(), one_row.splits_key_values()), (0.0, true));
     }
 }

@@ -17,8 +17,11 @@ pub(super) struct ChunkHold {
     /// The last chunk beside a tied embedding: the first stage's table, received for the LM
     /// head (bytes; else 0).
     pub received_table: f64,
-    /// Its gradients: one running sum of each.
+    /// Its gradients: one running sum of each (ZeRO-2 and 3: their shards).
     pub grads: f64,
+    /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' k and
+    /// v where their rows do not divide): the sum and the micro-batch's gradient of each.
+    pub grads_kept_whole: f64,
     /// A micro-batch in flight on it.
     pub in_flight: f64,
     /// What a micro-batch keeps of it after its backward there, until its backward on the stage
@@ -45,6 +48,9 @@ pub(super) struct Candidate {
     /// The gradient joining its running sum there: its new sum is live beside the old one once
     /// an earlier micro-batch has created the sum.
     pub new_sum: Option<Term>,
+    /// Whether the first layer's k and v gradients are still to be made there (the micro-batch's
+    /// gradients ZeRO keeps whole, [`ChunkHold::grads_kept_whole`], are made but theirs).
+    pub key_values_pending: bool,
 }
 
 /// A chunk's place in the model and what its points share.
@@ -108,10 +114,10 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
         bytes: between_b_and_w.kept_for_weights,
     });
-    let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads);
+    let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads.clone());
     let experts_joining = first_layer::experts_joining(shape, &chunk);
     let tail_points = backward.len();
-    backward.extend(first_layer::gate_scattered(shape, &chunk));
+    backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
@@ -152,6 +158,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         params,
         received_table,
         grads,
+        grads_kept_whole: layers as f64 * shape.key_values_kept_whole,
         in_flight: chunk.in_flight,
         remains: remains.iter().map(|term| term.bytes).sum(),
         between_b_and_w,
@@ -367,6 +374,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         so_far: if scattered { before_joining } else { before_joining + joining },
         held,
         new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
+        key_values_pending: false,
     }];
     if let Some(held) = parts_summed {
         candidates.push(Candidate {
@@ -374,6 +382,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
             so_far: before_joining,
             held,
             new_sum: None,
+            key_values_pending: false,
         });
     }
     if let Some(held) = slicing {
@@ -386,6 +395,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
             so_far: before_joining,
             held,
             new_sum: None,
+            key_values_pending: false,
         });
     }
     candidates
@@ -408,5 +418,6 @@ fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
         so_far: chunk.grads * shape.shards,
         held,
         new_sum: None,
+        key_values_pending: false,
     }
 }

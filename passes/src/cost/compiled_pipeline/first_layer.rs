@@ -39,24 +39,58 @@ fn before_attention(shape: &StageShape, chunk: &Chunk, more: impl IntoIterator<I
 /// Under ZeRO-2 a stage may peak inside its first layer's backward, as the gate projection's
 /// gradient (the largest but the embedding's) is reduce-scattered: that layer's attention
 /// activations are still live, and of its gradients only the down and up projections' are done
-/// (and none of the embedding's).
-pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, stream, gathered, .. } = shape.sizes;
+/// (and none of the embedding's). Under zero bubble this is inside W, `w_reads` what W's tail
+/// still reads: B has made the input gradients, so the layer's attention norm's input gradient
+/// (sent back) is live, and in place of q, k and v the gradients W reads for their weights
+/// (under selective recomputation q, k and v themselves, in `w_reads`, attention's output not
+/// yet recomputed), with both norm outputs' gradients (under SP their reduce-scattered shards).
+pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, query, kv, stream, gathered, boundary, .. } = shape.sizes;
     let (gate, norm) = (shape.gate, shape.norm);
-    shape.scattered.then(|| Candidate {
-        name: "first layer's gate gradient reduce-scattered",
-        so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
-        held: before_attention(
+    let staged = [
+        Term { name: "first layer's gate gradient before its dp reduce-scatter", bytes: gate },
+        Term { name: "its reduce-scatter's staging", bytes: gate },
+    ];
+    let held = if let Some(w_reads) = w_reads {
+        let live = if shape.recompute() == Recompute::None { 1.0 } else { 0.0 };
+        let mut held = chunk.first_layer_held.clone();
+        held.extend([
+            w_reads,
+            Term { name: "first layer's attention norm's input gradient (sent back)", bytes: boundary },
+            Term { name: "first layer's attention norm output", bytes: gathered },
+            Term { name: "first layer's attention output", bytes: live * local_tokens * query * element },
+            Term { name: "first layer's attention residual", bytes: stream },
+            Term { name: "first layer's q, k and v gradients", bytes: local_tokens * (query + 2.0 * kv) * element },
+            Term { name: "first layer's attention and MLP norm outputs' gradients", bytes: 2.0 * stream },
+        ]);
+        // Under SP W reads the residual gradients' gathered copies, not kept in `w_reads`: the
+        // attention residual's gradient and its copy gathered for o's weight gradient are live.
+        if shape.sequence_parallel() {
+            held.push(Term {
+                name: "first layer's attention residual gradient, and gathered for o's",
+                bytes: stream + gathered,
+            });
+        }
+        held.extend(staged);
+        held
+    } else {
+        before_attention(
             shape,
             chunk,
             [
                 Term { name: "first layer's output gradient", bytes: stream },
                 Term { name: "first layer's MLP norm output gradient", bytes: gathered },
-                Term { name: "first layer's gate gradient before its dp reduce-scatter", bytes: gate },
-                Term { name: "its reduce-scatter's staging", bytes: gate },
-            ],
-        ),
+            ]
+            .into_iter()
+            .chain(staged),
+        )
+    };
+    shape.scattered.then(|| Candidate {
+        name: "first layer's gate gradient reduce-scattered",
+        so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
+        held,
         new_sum: None,
+        key_values_pending: true,
     })
 }
 
@@ -89,6 +123,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held: before_attention(shape, chunk, mlp),
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
+        key_values_pending: false,
     })
 }
 
@@ -121,6 +156,7 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
         so_far: chunk.grads - (shape.norm + hidden * query) * element,
         held,
         new_sum: None,
+        key_values_pending: false,
     })
 }
 
@@ -152,6 +188,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         so_far: chunk.grads - not_made / shape.shards,
         held,
         new_sum: None,
+        key_values_pending: true,
     })
 }
 
@@ -189,6 +226,7 @@ pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Opti
         so_far: chunk.grads - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
         held,
         new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+        key_values_pending: false,
     })
 }
 
@@ -241,6 +279,7 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table - waiting,
         held,
         new_sum: Some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
+        key_values_pending: false,
     })
 }
 
@@ -326,6 +365,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
                 so_far: reducing_so_far,
                 held,
                 new_sum: None,
+                key_values_pending: false,
             }
         })
         .collect();
@@ -345,6 +385,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
             so_far: chunk.grads - (block - o_block) - shape.norm * element - chunk.table,
             held,
             new_sum: Some(Term { name: "the joining o gradient's new sum beside the old", bytes: o_block }),
+            key_values_pending: false,
         });
     }
     candidates
@@ -356,10 +397,11 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
 /// gathered whole beside the recomputed norm output, gate and up, and the gradient of the SiLU
 /// product; or as its output projection's gradient is (the MLP's done), its attention norm's,
 /// q's, k's and v's weights gathered beside the recomputed norm output, q, k and v, and the
-/// attention output's gradient.
+/// attention output's gradient. (Not under zero bubble: B recomputes the forward, gathering the
+/// weights, and W, which makes the weight gradients, reads what B kept, no weight.)
 pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, ffn, stream, gathered, .. } = shape.sizes;
-    if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full) {
+    if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full) || shape.zero_bubble {
         return Vec::new();
     }
     let (gate, norm, attention_weights, shards) = (shape.gate, shape.norm, shape.attention_weights, shape.shards);
@@ -382,7 +424,11 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
         Term { name: "first layer's attention norm weight, gathered", bytes: norm * element },
         Term { name: "first layer's attention norm output, recomputed", bytes: gathered },
-        Term { name: "first layer's q, k and v weights, gathered", bytes: hidden * (query + 2.0 * kv) * element },
+        Term {
+            // (But k and v where ZeRO keeps them whole.)
+            name: "first layer's q, k and v weights, gathered",
+            bytes: hidden * (query + if shape.key_values_gathered { 2.0 * kv } else { 0.0 }) * element,
+        },
         Term { name: "first layer's q, k and v, recomputed", bytes: local_tokens * (query + 2.0 * kv) * element },
         Term { name: "first layer's output projection gradient before its reduce-scatter", bytes: output_projection },
         Term { name: "its reduce-scatter's staging", bytes: output_projection },
@@ -393,12 +439,14 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             so_far: chunk.grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + chunk.table) / shards,
             held: mlp,
             new_sum: None,
+            key_values_pending: true,
         },
         Candidate {
             name: "first layer's o gradient reduce-scattered, its attention regathered",
             so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,
             held: attention,
             new_sum: None,
+            key_values_pending: true,
         },
     ]
 }

@@ -44,6 +44,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             },
         ],
         new_sum: None,
+        key_values_pending: false,
     }];
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it. (Beside dp, which reduces the gradient first, below;
@@ -69,6 +70,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             new_sum: head_part
                 .is_none()
                 .then_some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+            key_values_pending: false,
         });
     }
     // Beside a tied table without dp, next as the last layer's down projection's weight gradient
@@ -95,6 +97,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 head_part,
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+            key_values_pending: false,
         });
     }
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
@@ -116,7 +119,13 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if full {
             held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
         }
-        candidates.push(Candidate { name: "the LM head's weight gradient", so_far: 0.0, held, new_sum: None });
+        candidates.push(Candidate {
+            name: "the LM head's weight gradient",
+            so_far: 0.0,
+            held,
+            new_sum: None,
+            key_values_pending: false,
+        });
     }
     if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 && head_part.is_none() {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
@@ -137,6 +146,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
             ],
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+            key_values_pending: false,
         });
     }
     // Beside dp, as the last layer's down projection's weight gradient joins its sum, reduced, its
@@ -165,6 +175,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .chain(head_part.clone())
             .collect(),
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+            key_values_pending: false,
         });
         // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
         // gradient freed (as on a chunk before the last).
@@ -184,6 +195,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .chain(head_part)
             .collect(),
             new_sum: None,
+            key_values_pending: false,
         });
     }
     candidates
@@ -224,6 +236,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 },
             ],
             new_sum: None,
+            key_values_pending: false,
         });
     } else if shape.tp == 1 {
         candidates.push(Candidate {
@@ -236,6 +249,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+            key_values_pending: false,
         });
     }
     candidates.push(Candidate {
@@ -255,6 +269,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             },
         ],
         new_sum: None,
+        key_values_pending: false,
     });
     candidates
 }

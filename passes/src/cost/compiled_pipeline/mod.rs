@@ -146,14 +146,17 @@
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp
-//! (±SP), where every parameter's rows divide over them, and over both not under zero bubble (the
-//! sums and gradients are their shards, each gradient is reduce-scattered and staged whole, and
-//! the stage's other candidate is
-//! inside its first layer's backward, as the gate gradient is scattered); ZeRO-3 as ZeRO-2 with the
-//! parameters their shards too (each layer's gathered weights are freed by then; under full
-//! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
-//! other candidates are inside that layer's backward, as its down and output projections' gradients
-//! are scattered beside the weights they were recomputed with); a Llama-family model, dense, or a
+//! (±SP), where every parameter's rows divide over them but perhaps k's and v's, and over both not
+//! under zero bubble (the sums and gradients are their shards, each gradient is reduce-scattered
+//! and staged whole, and the stage's other candidate is inside its first layer's backward, or W,
+//! as the gate gradient is scattered; k and v, where ZeRO keeps them whole, are named apart,
+//! [`super::compiled_training::GRADS_KEPT_WHOLE`]); ZeRO-3 as ZeRO-2 with the parameters their
+//! shards too (each layer's gathered weights are freed by then; under full recomputation the first
+//! layer's are gathered again for its recomputed forward, and the stage's other candidates are
+//! inside that layer's backward, as its down and output projections' gradients are scattered
+//! beside the weights they were recomputed with, but under zero bubble, where B regathers them
+//! and W reads none; k and v kept whole are
+//! [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family model, dense, or a
 //! mixture of experts (no shared expert) with every expert on every rank or split over ep, beside
 //! dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep only; its embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
@@ -177,6 +180,7 @@ mod zero_bubble;
 use pleat_ir::AxisName;
 
 use super::compiled::ForwardPhase;
+use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
 use super::memory::{MemoryBreakdown, Term};
 use super::model::ModelShape;
@@ -231,6 +235,10 @@ pub fn compiled_stage_peak(
     let param_shards = if workload.zero >= 3 && replicas > 1 { replicas as f64 } else { 1.0 };
     let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
+    // Every point holds the k and v projections ZeRO-3 keeps whole beyond their shards.
+    if workload.zero >= 3 && shape.key_values_kept_whole > 0.0 {
+        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: layers as f64 * shape.key_values_kept_whole });
+    }
     // (Under ZeRO-3 the rank's dp × cp shard of it, gathered by the stage itself for its head.)
     let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
     if received_table > 0.0 {
@@ -264,12 +272,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && tsp_rank < tsp
         && (tsp == 1 || (tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
-        // divide over them (`super::zero_rows`: k and v at dp=4 × tp=2 stay whole, which the
-        // stage's points do not count).
+        // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
+        // whole; the stage's points count them apart).
         && (workload.zero <= 1
             || (layout.zero_replicas() > 1
                 && (workload.zero == 2 || workload.zero == 3)
-                && ZeroRows::new(model, layout).beyond_shards(model.layers, true, true) == 0.0
+                && only_key_values_kept_whole(model, layout)
                 // Over dp and cp both, each gradient is reduce-scattered, and under ZeRO-3 each
                 // parameter gathered, in two steps: not modelled under zero bubble, nor for a tied
                 // table under ZeRO-3 (its gather over cp, beside the one over dp, can peak).
@@ -300,6 +308,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
 
+/// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
+/// perhaps k's and v's.
+fn only_key_values_kept_whole(model: &ModelShape, layout: &Layout) -> bool {
+    let zero_rows = ZeroRows::new(model, layout);
+    zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * zero_rows.beyond_key_values()
+}
+
 /// What every chunk of a stage shares: the model and the step, the layout's degrees, one rank's
 /// buffer sizes, and what the strategies make of them.
 struct StageShape<'a> {
@@ -328,6 +343,11 @@ struct StageShape<'a> {
     /// scattered.
     scattered: bool,
     shards: f64,
+    /// A layer's k and v gradients (bytes) that ZeRO-2 and 3 hold beyond their shards, where the
+    /// rows do not divide over the replicas; and whether ZeRO-3 gathers k and v (else it keeps
+    /// them whole).
+    key_values_kept_whole: f64,
+    key_values_gathered: bool,
     /// A mixture of experts' load-balancing loss: each layer's expert counts and router
     /// probability sums (`[E]` each), sent on to the last stage, which sums them over the layers
     /// (the counts' sum kept for the loss's backward, the loss itself until the backward starts).
@@ -372,6 +392,8 @@ impl<'a> StageShape<'a> {
         } else {
             None
         };
+        let zero_rows = ZeroRows::new(model, layout);
+        let key_values_kept_whole = if scattered { zero_rows.beyond_key_values() * element } else { 0.0 };
         let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
         StageShape {
             model,
@@ -391,6 +413,8 @@ impl<'a> StageShape<'a> {
             experts_reduced: dp > 1 || cp > 1,
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
+            key_values_kept_whole,
+            key_values_gathered: zero_rows.splits_key_values(),
             statistics: sizes.statistics,
             mlp_gradients_in_b,
             tied: model.tied_embeddings,

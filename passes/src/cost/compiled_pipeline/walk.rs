@@ -3,6 +3,7 @@
 //! load-balancing statistics received), and the largest of the step's points.
 
 use super::super::compiled::ForwardPhase;
+use super::super::compiled_training::GRADS_KEPT_WHOLE;
 use super::super::memory::Term;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, ChunkHold};
@@ -64,6 +65,9 @@ struct Point<'a> {
 struct Beside {
     /// The running sums of the chunks but the current one that some backward has finished.
     other_sums: f64,
+    /// Of those and of `unfinished_grads`, the gradients ZeRO keeps whole beyond their shards.
+    other_sums_kept_whole: f64,
+    unfinished_kept_whole: f64,
     /// Every other micro-batch in flight (or, under zero bubble, between its B and its W), the
     /// positions of each begun and not done, and the statistics they hold.
     others: f64,
@@ -85,8 +89,8 @@ impl Point<'_> {
 
     fn beside(&self) -> Option<Beside> {
         let shape = self.shape;
-        let (others, other_sums) = self.in_flight_and_sums();
-        let (positions, unfinished_grads, remains) = self.unfinished();
+        let (others, other_sums, other_sums_kept_whole) = self.in_flight_and_sums();
+        let (positions, unfinished_grads, unfinished_kept_whole, remains) = self.unfinished();
         let (last_stage_statistics, mut received) = self.interleaved_counts()?;
         // Under zero bubble a W on a stage between the first and the last still holds its
         // micro-batch's received counts' sum (released at the micro-batch's end; full
@@ -102,6 +106,8 @@ impl Point<'_> {
         }
         Some(Beside {
             other_sums,
+            other_sums_kept_whole,
+            unfinished_kept_whole,
             others: others + positions + self.counts_taken()? + last_stage_statistics + self.gradients_taken_early()?,
             unfinished_grads,
             remains,
@@ -111,9 +117,10 @@ impl Point<'_> {
     }
 
     /// Every other micro-batch whose forward on a chunk is done and its backward there not yet,
-    /// and the running sums of the chunks some backward has finished (but the current one's).
-    fn in_flight_and_sums(&self) -> (f64, f64) {
-        let (mut others, mut other_sums) = (0.0, 0.0);
+    /// and the running sums of the chunks some backward has finished (but the current one's), and
+    /// of those the gradients kept whole.
+    fn in_flight_and_sums(&self) -> (f64, f64, f64) {
+        let (mut others, mut other_sums, mut kept_whole) = (0.0, 0.0, 0.0);
         for (chunk, hold) in (0u32..).zip(self.holds) {
             let current = f64::from(chunk == self.step.chunk);
             if self.shape.zero_bubble {
@@ -130,16 +137,17 @@ impl Point<'_> {
             }
             if chunk != self.step.chunk && self.done(chunk, self.tail_phase) > 0.0 {
                 other_sums += hold.grads;
+                kept_whole += hold.grads_kept_whole;
             }
         }
-        (others, other_sums)
+        (others, other_sums, kept_whole)
     }
 
     /// Per micro-batch begun on the stage and not yet done: its positions (the current one's are
     /// in its held buffers, but on the first chunk of an interleaved stage), and of each chunk it
-    /// has finished the backward of, the gradients and what remains.
-    fn unfinished(&self) -> (f64, f64, f64) {
-        let (mut positions, mut grads, mut remains) = (0.0, 0.0, 0.0);
+    /// has finished the backward of, the gradients (and of them those kept whole) and what remains.
+    fn unfinished(&self) -> (f64, f64, f64, f64) {
+        let (mut positions, mut grads, mut kept_whole, mut remains) = (0.0, 0.0, 0.0, 0.0);
         let (chunks, step) = (self.shape.chunks, self.step);
         for micro_batch in 0..self.schedule.micro_batches {
             let of = |phase: Phase| -> Vec<u32> {
@@ -159,6 +167,7 @@ impl Point<'_> {
             for &chunk in &finished {
                 let hold = &self.holds[chunk as usize];
                 grads += hold.grads;
+                kept_whole += hold.grads_kept_whole;
                 remains += hold.remains;
             }
             // The first stage holds the head's part of a tied table's gradient from the
@@ -168,7 +177,7 @@ impl Point<'_> {
                 remains += self.shape.tied_head_part().map_or(0.0, |head_part| head_part.bytes);
             }
         }
-        (positions, grads, remains)
+        (positions, grads, kept_whole, remains)
     }
 
     /// A mixture's expert counts summed over the layers, which the last stage sends every earlier
@@ -331,12 +340,21 @@ impl Point<'_> {
             } else {
                 Term { name: "gradient running sums", bytes: beside.other_sums + current.grads + beside.loss_sum }
             };
+            // The gradients kept whole beyond their shards, in the sums and the micro-batches'.
+            let pending = if candidate.key_values_pending { self.shape.key_values_kept_whole } else { 0.0 };
+            let so_far_kept_whole = current.grads_kept_whole - pending;
+            let sums_kept_whole = beside.other_sums_kept_whole
+                + if first_backward { so_far_kept_whole } else { current.grads_kept_whole };
             let mut terms = vec![
                 sums,
                 Term { name: "the micro-batches' gradients so far", bytes: beside.unfinished_grads + candidate.so_far },
                 Term { name: "other micro-batches in flight", bytes: beside.others },
                 Term { name: "what finished chunks keep to the micro-batch's end", bytes: beside.remains },
             ];
+            let kept_whole = sums_kept_whole + beside.unfinished_kept_whole + so_far_kept_whole;
+            if kept_whole > 0.0 {
+                terms.push(Term { name: GRADS_KEPT_WHOLE, bytes: kept_whole });
+            }
             terms.extend(received(beside));
             terms.extend(candidate.held.iter().cloned());
             if !first_backward {
