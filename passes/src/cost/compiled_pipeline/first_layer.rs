@@ -45,6 +45,9 @@ fn before_attention(shape: &StageShape, chunk: &Chunk, more: impl IntoIterator<I
 /// (under selective recomputation q, k and v themselves, in `w_reads`, attention's output not
 /// yet recomputed), with both norm outputs' gradients (under SP their reduce-scattered shards).
 pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Option<Candidate> {
+    if !shape.scattered {
+        return None;
+    }
     let StepSizes { element, local_tokens, query, kv, stream, gathered, boundary, .. } = shape.sizes;
     let (gate, norm) = (shape.gate, shape.norm);
     let staged = [
@@ -85,7 +88,7 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
             .chain(staged),
         )
     };
-    shape.scattered.then(|| Candidate {
+    Some(Candidate {
         name: "first layer's gate gradient reduce-scattered",
         so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
         held,

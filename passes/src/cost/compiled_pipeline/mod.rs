@@ -343,9 +343,9 @@ struct StageShape<'a> {
     /// scattered.
     scattered: bool,
     shards: f64,
-    /// A layer's k and v gradients (bytes) that ZeRO-2 and 3 hold beyond their shards, where the
-    /// rows do not divide over the replicas; and whether ZeRO-3 gathers k and v (else it keeps
-    /// them whole).
+    /// The bytes of a layer's k and v projections that ZeRO-2 and 3 hold beyond their shards,
+    /// where the rows do not divide over the replicas (of their gradients, and under ZeRO-3 of
+    /// their weights too); and whether ZeRO-3 gathers k and v (else it keeps them whole).
     key_values_kept_whole: f64,
     key_values_gathered: bool,
     /// A mixture of experts' load-balancing loss: each layer's expert counts and router
