@@ -13,7 +13,8 @@
 //! and without SP), selective and full recomputation, with the embedding untied and tied, for
 //! `tiny-moe` (with and without its load-balancing loss: one rank, tp with and without SP, dp, cp,
 //! dp×tp, ZeRO 2 and 3, ep, dp×ep, ep×tp, ep×cp, each recompute, 8 to 256 tokens a sequence,
-//! where a mixture's backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
+//! where a mixture's backward peaks; and with a Qwen2-MoE shared expert of several widths, on 8 to
+//! 512, where the shared expert's own backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
 //! full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the
 //! embedding gradient is sliced before it is reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
@@ -648,8 +649,9 @@ fn training_closed_form_never_exceeds_the_planners_peak() {
     // Every phase of the closed form is the live set at one point of the program, so on shapes
     // whose peak falls at a point it does not model (few tokens beside a narrow MLP or a large
     // vocabulary, where dp's gradient reductions or a layer's q projection peak) it is below the
-    // planner's peak, never above: checked here on five shapes (one with a tied embedding, one a
-    // mixture of experts), each recomputation, from 8 to 256 tokens a sequence.
+    // planner's peak, never above: checked here on six shapes (one with a tied embedding, two
+    // mixtures of experts, one with a shared expert), each recomputation, from 8 to 256 tokens a
+    // sequence.
     let tiny = preset("tiny").unwrap();
     let shapes = [
         pleat_ir::model::config::ModelConfig { intermediate_size: 64, vocab_size: 64, num_layers: 3, ..tiny.clone() },
@@ -663,6 +665,7 @@ fn training_closed_form_never_exceeds_the_planners_peak() {
             ..tiny.clone()
         },
         pleat_ir::model::config::ModelConfig { num_layers: 3, ..preset("tiny-moe").unwrap() },
+        pleat_ir::model::config::ModelConfig { num_layers: 3, ..with_a_shared_expert(96, true) },
     ];
     let layouts = [
         ("", false, 0),
@@ -820,6 +823,55 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_inside_a_mixtu
     // dp=4 × tp=2 keeps k and v whole: ZeRO-3's peaks hold them so (ZeRO-2's peak inside a
     // mixture's backward, which holds the gradients made so far, exactly, without the term).
     assert!(phases.values().any(|terms| terms.contains(&PARAMS_KEPT_WHOLE)), "{PARAMS_KEPT_WHOLE} in no peak");
+}
+
+/// `tiny-moe` with a Qwen2-MoE shared expert of `width` channels, with or without its
+/// load-balancing loss.
+fn with_a_shared_expert(width: u64, load_balancing_loss: bool) -> pleat_ir::model::config::ModelConfig {
+    let config = preset("tiny-moe").unwrap();
+    pleat_ir::model::config::ModelConfig {
+        moe: config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig {
+            shared_expert_intermediate_size: Some(width),
+            output_router_logits: load_balancing_loss,
+            ..moe
+        }),
+        ..config
+    }
+}
+
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_training_peak_with_a_shared_expert() {
+    // A shared expert's forward keeps gate, up, their product, its output and its gate's logit, and
+    // its backward comes before the routed experts'. It peaks as its down projection's input and
+    // weight gradients are made (and reduced over the replicas), as up's input gradient is made, as
+    // gate's joins the MLP norm output's gradient, and as up's and gate's weight gradients are
+    // reduced; past it, the routed experts' points hold its gradients and the sum of its input
+    // gradients. Without SP its gate vector's backward comes first; under SP last, and with the
+    // load-balancing loss the router's backward comes first and each input gradient is all-reduced
+    // over tp. Widths of a quarter, three quarters and eight times the hidden size, with and
+    // without the loss, on every layout of the mixture's cross-check, 8 to 512 tokens a sequence.
+    let mut phases = std::collections::BTreeMap::new();
+    for width in [32, 96, 1024] {
+        for load_balancing_loss in [true, false] {
+            let config = with_a_shared_expert(width, load_balancing_loss);
+            phases.extend(check_training_closed_form(&config, &MIXTURE_CROSS_CHECK, &[SEQ, 32, 128, 512]));
+        }
+    }
+    for name in [
+        "a shared expert's down projection input gradient",
+        "a shared expert's down projection weight gradient",
+        "a shared expert's down projection weight gradient reduced",
+        "a shared expert's up projection input gradient",
+        "a shared expert's MLP norm output's gradient",
+        "a shared expert's gate projection weight gradient reduced",
+        "a mixture's MLP norm output's gradient",
+        "a mixture's dispatched backward",
+        "a mixture's expert gradients reduced",
+        "the loss's backward",
+        "end of backward",
+    ] {
+        assert!(phases.contains_key(name), "{name} not among {:?}", phases.keys());
+    }
 }
 
 #[test]

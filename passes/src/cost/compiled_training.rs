@@ -23,6 +23,13 @@
 //!   reduces the first expert gradient**, and **as the attention residual's gradient is summed**
 //!   past the MLP norm's backward; a mixture's expert counts summed over the layers are live until
 //!   the first layer's router backward;
+//! - a mixture's **shared expert** (Qwen2-MoE), whose backward comes before the routed experts':
+//!   **as its down projection's input and weight gradients are made** (and reduced over dp, cp and
+//!   ep), **as up's input gradient is made**, **as gate's joins the MLP norm output's gradient**,
+//!   and **as gate's weight gradient is reduced**; without SP its gate vector's backward comes
+//!   first, under SP last (and, with the load-balancing loss, the router's first, each input
+//!   gradient all-reduced over tp before it is summed). Past it, the routed experts' points hold
+//!   its gradients and the sum of its input gradients, and not its kept activations;
 //! - under cp, **the forward's end**, as every token's logits are gathered and put back in order
 //!   (a mixture's per-layer statistics not yet summed);
 //! - **the embedding's backward**, as the whole-vocabulary gradient is scattered from the token
@@ -30,9 +37,8 @@
 //! - **the end of the backward**, below.
 //!
 //! Each is exact where the program peaks there; where it peaks at a point not modelled (a
-//! crossover token count, a narrow MLP, dp's reduction of another gradient, or a mixture of
-//! experts with a shared expert, for which only the end is modelled) the result is below the
-//! planner's peak, never above (`tests/cost_training.rs` checks both).
+//! crossover token count, a narrow MLP, dp's reduction of another gradient) the result is below
+//! the planner's peak, never above (`tests/cost_training.rs` checks both).
 //!
 //! A tied embedding's gradient is the sum of the LM head's part, made at the head of the backward,
 //! and the embedding's, made at its end. The head's part is held from one to the other
@@ -82,7 +88,9 @@
 //! each on 8, 32 and 128 tokens a sequence, with the embedding untied and tied; and a mixture of
 //! experts alone, on tp (with and without SP), dp, cp, dp × tp, ZeRO 2 and 3, ep, dp × ep, ep × tp
 //! and ep × cp, ZeRO 1 to 3 beside ep (on ep alone, dp × ep, ep × tp and dp × ep × tp), each
-//! recomputation, on 8 to 256 tokens a sequence).
+//! recomputation, on 8 to 256 tokens a sequence; the same with a shared expert of a quarter, three
+//! quarters and eight times the hidden size, with and without the load-balancing loss, on 8 to
+//! 512).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
@@ -253,15 +261,15 @@ fn embedding_backward(
     Some(ForwardPhase { name: "the embedding's backward", params, terms })
 }
 
-/// The phases of the backward of a step without pipelining or tsp before its end (a dense model,
-/// or a mixture of experts without a shared expert; none for other mixtures): its head (every
+/// The phases of the backward of a step without pipelining before its end (a dense model, or a
+/// mixture of experts not under tsp; none for a mixture under tsp): its head (every
 /// layer's kept activations, the final norm's input and output, the token ids and positions, the
 /// loss and a mixture's expert counts, beside the loss's backward and the LM head's), under cp the
 /// forward's end, and the points inside a layer's MLP (or mixture) and attention backward of the
 /// module doc, each with the gradients made by then.
 fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, params: f64) -> Vec<ForwardPhase> {
-    // A mixture's backward is modelled without tsp or a shared expert.
-    if model.experts.as_ref().is_some_and(|experts| experts.shared_expert || layout.degree(AxisName::Tsp) > 1) {
+    // A mixture's backward is modelled without tsp.
+    if model.experts.is_some() && layout.degree(AxisName::Tsp) > 1 {
         return Vec::new();
     }
     let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
@@ -406,13 +414,22 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // down).
     let routed = model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64 * element;
     let mixture_weights = routed + model.router_params() as f64 * element;
+    // A shared expert's gate, up and down matrices (split over tp as a dense MLP's are) and its
+    // gate vector `[h]` (whole, and counted with the router's parameters above), a layer.
+    let shared_expert = model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_matrices = if shared_expert { 3.0 * matrix } else { 0.0 };
+    let shared_gate = if shared_expert { hidden * element } else { 0.0 };
+    // What it keeps of a layer's forward: gate, up and their product, its output and its gate's
+    // logit (none under full recomputation, whose backward recomputes them).
+    let shared_kept =
+        if shared_expert && !full { activation * 3.0 + local_tokens * (hidden + 1.0) * element } else { 0.0 };
     // What ZeRO-2 and 3 hold of `dense` bytes of gradients and `experts` of routed experts'.
     let held = |dense: f64, experts: f64| dense / shards + experts / expert_shards;
     for layer in [model.layers.saturating_sub(1), 0] {
         let above = (model.layers - 1 - layer) as f64;
         // The layer's MLP weight gradients, and the attention output projection's and MLP norm's,
         // which its backward makes before it reaches its attention.
-        let layer_mlp = if model.experts.is_some() { mixture_weights } else { 3.0 * matrix }
+        let layer_mlp = if model.experts.is_some() { mixture_weights + shared_matrices } else { 3.0 * matrix }
             + norm_weight
             + hidden * query * element;
         let mut layer_base = past_loss.clone();
@@ -437,12 +454,72 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             };
             let mut mixture = gradients_above;
             mixture[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
+            // The load-balancing loss's gradients of the router's input and weight.
+            let statistics_gradients = if experts.load_balancing_loss {
+                (experts.count as f64 * hidden + local_tokens * hidden) * element
+            } else {
+                0.0
+            };
+            let router_gradient = experts.count as f64 * hidden * element;
+            // A shared expert's backward comes before the routed experts': its gradients are made
+            // and its kept activations freed.
+            if shared_expert {
+                // (Without SP its backward comes before the router's: in the first layer, the
+                // expert counts' sum is still live.)
+                let mut base = mixture.clone();
+                if !sequence_parallel {
+                    base[STATISTICS].bytes = statistics;
+                }
+                let shared_gradients = SharedExpertGradients {
+                    gate_vector: held_dense(&[model.hidden], shared_gate),
+                    gate_or_up: held_dense(&ffn_dims, matrix),
+                    down: held_dense(&down_dims, matrix),
+                };
+                phases.extend(shared_expert_backward(
+                    base,
+                    SharedExpertPoint {
+                        kept: kept_to_it - shared_kept,
+                        full,
+                        sequence_parallel,
+                        gathered,
+                        activation,
+                        logit_gradient: local_tokens * element,
+                        statistics_gradients,
+                        load_balancing_loss: experts.load_balancing_loss,
+                        gradients: shared_gradients,
+                        reduced: replicas > 1,
+                        matrix,
+                        gathered_again: if zero >= 3 {
+                            SharedExpertGathered {
+                                norm: norm_weight,
+                                gate_and_up: gathered_again(&ffn_dims, matrix),
+                                down: gathered_again(&down_dims, matrix),
+                                gate_vector: gathered_again(&[model.hidden], shared_gate),
+                                router: if experts.load_balancing_loss {
+                                    gathered_again(&router_dims, router_gradient)
+                                } else {
+                                    0.0
+                                },
+                            }
+                        } else {
+                            SharedExpertGathered::default()
+                        },
+                    },
+                    params,
+                ));
+                mixture.push(Term {
+                    name: "its shared expert's gradients",
+                    bytes: shared_gradients.gate_vector + 2.0 * shared_gradients.gate_or_up + shared_gradients.down,
+                });
+            }
             // Inside the mixture's backward: its MLP norm's output (the experts' input) live
             // (recomputed under full recomputation), and under ZeRO-3 its router and experts
             // gathered over dp again for it (under full recomputation its MLP norm too).
             let mut inside = mixture.clone();
-            inside[KEPT] =
-                Term { name: "the kept activations of the layers up to it but its output", bytes: kept_to_it };
+            inside[KEPT] = Term {
+                name: "the kept activations of the layers up to it but its output (and its shared expert's)",
+                bytes: kept_to_it - shared_kept,
+            };
             if full {
                 inside.push(Term { name: "its MLP norm's output, recomputed", bytes: gathered });
             }
@@ -456,7 +533,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     expert_dims.iter().map(|dims| if zero_rows.splits(dims, true) { routed / 3.0 } else { 0.0 }).sum();
                 inside.push(Term {
                     name: "its router's and experts' weights, gathered again",
-                    bytes: gathered_again(&router_dims, mixture_weights - routed) + experts_gathered,
+                    bytes: gathered_again(&router_dims, mixture_weights - routed - shared_gate) + experts_gathered,
                 });
                 // (And the MLP norm's, for its recomputation.)
                 if full {
@@ -467,13 +544,12 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // the load-balancing loss) the router's input gradient and its weight gradient from
             // that loss, and then their sum; under tp the experts' (each rank's part of every
             // expert's channels) is all-reduced first, into a new buffer.
-            let statistics_gradients = if experts.load_balancing_loss {
-                (experts.count as f64 * hidden + local_tokens * hidden) * element
-            } else {
-                0.0
-            };
-            let router_gradient = experts.count as f64 * hidden * element;
             let expert_matrix = routed / 3.0;
+            // A shared expert's input gradients are summed before the routed experts' backward
+            // (the router's from the load-balancing loss join that sum, in place of their own
+            // buffer).
+            let shared_sum = (shared_expert && !experts.load_balancing_loss)
+                .then_some(Term { name: "its shared expert's input gradients, summed", bytes: gathered });
             if layout.expert_axis().is_some() {
                 // Over ep one instruction makes the experts' input, router and weight gradients
                 // at once, dispatching the rows to the experts' ranks and back. It works from a
@@ -481,6 +557,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 // the output gradient, gathered under SP), made before its results are written:
                 // as the copy is made, its results are not yet live.
                 let mut dispatch = inside.clone();
+                dispatch.extend(shared_sum.clone());
                 dispatch.extend([
                     Term {
                         name: "the router's input and weight gradients from the load-balancing loss",
@@ -494,6 +571,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 phases.push(ForwardPhase { name: "a mixture's dispatched backward", params, terms: dispatch });
             } else {
                 let mut router = inside.clone();
+                router.extend(shared_sum);
                 router.extend([
                     Term {
                         name: "the router's input and weight gradients from the load-balancing loss",
@@ -501,8 +579,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     },
                     Term { name: "the experts' input gradient", bytes: gathered },
                     Term {
-                        name: "the experts' input gradient all-reduced over tp, or summed with the router's",
-                        bytes: if tp > 1 || experts.load_balancing_loss { gathered } else { 0.0 },
+                        name: "the experts' input gradient all-reduced over tp, or summed with the router's or the shared expert's",
+                        bytes: if tp > 1 || experts.load_balancing_loss || shared_expert { gathered } else { 0.0 },
                     },
                 ]);
                 phases.push(ForwardPhase { name: "a mixture's MLP norm output's gradient", params, terms: router });
@@ -526,8 +604,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             }
             // Past the experts' backward, their MLP norm's output (their input) freed.
             mixture[KEPT] = Term {
-                name: "the kept activations of the layers up to it but its output and MLP norm's output",
-                bytes: kept_to_it - if full { 0.0 } else { gathered },
+                name: "the kept activations of the layers up to it but its output and MLP norm's output (and its shared expert's)",
+                bytes: kept_to_it - shared_kept - if full { 0.0 } else { gathered },
             };
             // dp and cp then all-reduce the experts' three gradients one by one, each into a new
             // buffer: the first beside the three.
@@ -703,6 +781,219 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         ]);
         phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
         phases.push(ForwardPhase { name: "an attention norm output's gradient from q", params, terms: with_q });
+    }
+    phases
+}
+
+/// A layer's shared expert's buffers in its backward (in bytes): the kept activations up to it
+/// (none of its own), the layer's sizes, and the gradients made by then.
+struct SharedExpertPoint {
+    /// The kept activations of the layers up to it but its output and its shared expert's.
+    kept: f64,
+    full: bool,
+    sequence_parallel: bool,
+    /// A hidden state of the rank's tokens, whole over tp (the MLP norm's output, an input
+    /// gradient).
+    gathered: f64,
+    /// One of gate, up, their product or a gradient of those (the rank's tokens by its channels).
+    activation: f64,
+    /// The gate logit's gradient, a scalar a token.
+    logit_gradient: f64,
+    /// The load-balancing loss's router input and weight gradients (0 without the loss).
+    statistics_gradients: f64,
+    load_balancing_loss: bool,
+    /// Its gradients as ZeRO-2 and 3 hold them (whole otherwise).
+    gradients: SharedExpertGradients,
+    /// Whether its gradients are reduced over their replicas (dp, cp and ep).
+    reduced: bool,
+    /// One of its matrices, whole (a weight gradient before its replicas reduce it).
+    matrix: f64,
+    gathered_again: SharedExpertGathered,
+}
+
+/// A shared expert's gradients as ZeRO-2 and 3 hold them (whole otherwise).
+#[derive(Clone, Copy)]
+struct SharedExpertGradients {
+    gate_vector: f64,
+    /// Gate's or up's (the same size).
+    gate_or_up: f64,
+    down: f64,
+}
+
+/// ZeRO-3: the shared expert's weights (and its MLP norm's), each as gathered over dp again where
+/// it splits them (0 where it does not, and without ZeRO-3).
+#[derive(Default)]
+struct SharedExpertGathered {
+    norm: f64,
+    /// Gate's or up's (the same size).
+    gate_and_up: f64,
+    down: f64,
+    gate_vector: f64,
+    /// The router's, which under SP the load-balancing loss's backward reads before the shared
+    /// expert's and the routed experts' backward reads after it (0 without the loss).
+    router: f64,
+}
+
+/// The points inside a layer's shared expert's backward: as its down projection's input
+/// gradient is made, as its weight gradient is (and, over the replicas, reduced), as up's input
+/// gradient is made (and summed, or all-reduced), as gate's is summed into the MLP norm output's
+/// gradient, and as gate's weight gradient is reduced; `mixture` is the layer's base (the
+/// gradients above it, its output gradient).
+///
+/// Without SP, the gate vector's backward comes first (its input gradient is live until the first
+/// sum, with up's). Under SP the gate vector's backward comes last (its logit's gradient is live
+/// until then); with the load-balancing loss the router's backward comes first (its gradients live
+/// from then on), and each input gradient is all-reduced over tp before it joins the router's
+/// input gradient; without it, up's and gate's input gradients are summed.
+///
+/// ZeRO-3 gathers each weight again just before the backward reads it, and frees it after its
+/// last reader; under full recomputation, the recomputed forward gathers them all (and the MLP
+/// norm's), each live until its last reader in the backward.
+fn shared_expert_backward(mut mixture: Vec<Term>, point: SharedExpertPoint, params: f64) -> Vec<ForwardPhase> {
+    const KEPT: usize = 0;
+    let again = &point.gathered_again;
+    let (sp, lbl) = (point.sequence_parallel, point.load_balancing_loss);
+    mixture[KEPT] = Term {
+        name: "the kept activations of the layers up to it but its output and its shared expert's",
+        bytes: point.kept,
+    };
+    if point.full {
+        mixture.push(Term { name: "its MLP norm's output, recomputed", bytes: point.gathered });
+    }
+    // What of its weights ZeRO-3 holds gathered beside down's, up's and gate's: under full
+    // recomputation the MLP norm's (and, under SP, the gate vector's, whose backward is last);
+    // under SP with the load-balancing loss, the router's.
+    let held_gathered = if point.full { again.norm + if sp { again.gate_vector } else { 0.0 } } else { 0.0 }
+        + if sp && lbl { again.router } else { 0.0 };
+    let gate_and_up_gathered = if point.full { again.gate_and_up } else { 0.0 };
+    if sp {
+        mixture.extend([
+            Term { name: "the experts' output gradient, all-gathered", bytes: point.gathered },
+            Term { name: "its shared expert's gate logit's gradient", bytes: point.logit_gradient },
+        ]);
+    } else {
+        mixture.push(Term {
+            name: "its shared expert's gate vector's weight gradient",
+            bytes: point.gradients.gate_vector,
+        });
+    }
+    // Before the first sum: the gate vector's input gradient (without SP), or the router's
+    // gradients from the load-balancing loss (under SP).
+    let before_sum = if sp {
+        Term {
+            name: "the router's input and weight gradients from the load-balancing loss",
+            bytes: point.statistics_gradients,
+        }
+    } else {
+        Term { name: "its shared expert's gate vector's input gradient", bytes: point.gathered }
+    };
+    let mut input = mixture.clone();
+    input.extend([
+        before_sum.clone(),
+        Term {
+            name: if point.full {
+                "its shared expert's gate, up and their product, recomputed"
+            } else {
+                "its shared expert's gate, up and their product"
+            },
+            bytes: 3.0 * point.activation,
+        },
+        Term { name: "its shared expert's output gradient", bytes: point.gathered },
+        Term { name: "its shared expert's SiLU product's gradient", bytes: point.activation },
+    ]);
+    let mut weight = input.clone();
+    input.push(Term {
+        name: "weights ZeRO-3 gathered again for its shared expert (its down, gate and up projections')",
+        bytes: held_gathered + 2.0 * gate_and_up_gathered + again.down,
+    });
+    // Its down projection's weight gradient, whole until its replicas reduce it; the gathered down
+    // projection's weight freed (its input gradient was the last reader).
+    weight.extend([
+        Term {
+            name: "weights ZeRO-3 gathered again for its shared expert (its gate and up projections')",
+            bytes: held_gathered + 2.0 * gate_and_up_gathered,
+        },
+        Term { name: "its shared expert's down projection's weight gradient, whole", bytes: point.matrix },
+    ]);
+    // dp, cp and ep then reduce it (all-reduced into a new buffer, or reduce-scattered by ZeRO-2
+    // and 3, staged whole); its product and its output gradient are freed (it was their last
+    // reader).
+    let mut reduced = weight.clone();
+    reduced.extend([
+        Term { name: "its shared expert's SiLU product, freed", bytes: -point.activation },
+        Term { name: "its shared expert's output gradient, freed", bytes: -point.gathered },
+        Term { name: "its reduction's result or staging", bytes: point.matrix },
+    ]);
+    // Gate and up (kept or recomputed) and their product are freed once the SiLU product's two
+    // gradients are made, and the gathered down and up weights once their input gradients are.
+    mixture.push(Term { name: "its shared expert's down projection's weight gradient", bytes: point.gradients.down });
+    let mut up = mixture.clone();
+    up.extend([
+        before_sum,
+        Term {
+            name: "weights ZeRO-3 gathered again for its shared expert (its gate projection's)",
+            bytes: held_gathered + gate_and_up_gathered,
+        },
+        Term { name: "its shared expert's SiLU product's two gradients", bytes: 2.0 * point.activation },
+        Term {
+            name: match (sp, lbl) {
+                (false, _) => "its shared expert's up projection's input gradient, and its sum with the gate vector's",
+                (true, true) => "its shared expert's up projection's input gradient, and its all-reduce over tp",
+                (true, false) => "its shared expert's up projection's input gradient",
+            },
+            bytes: if sp && !lbl { point.gathered } else { 2.0 * point.gathered },
+        },
+    ]);
+    // As gate's weight gradient is reduced over the replicas (whole, beside its reduction's result
+    // or staging; the SiLU product's gradient it read freed): up's weight gradient done, the MLP
+    // norm output's gradient summed so far, and under SP the router's weight gradient from the
+    // load-balancing loss. (Up's reduction, before it, holds gate's SiLU product's gradient in
+    // place of up's held gradient, and on `tiny-moe` never peaks: below gate's, or below down's.)
+    let router_weight_gradient = if sp && lbl { point.statistics_gradients - point.gathered } else { 0.0 };
+    let mut gate_reduced = mixture.clone();
+    gate_reduced.extend([
+        Term { name: "the router's weight gradient from the load-balancing loss", bytes: router_weight_gradient },
+        Term { name: "weights ZeRO-3 gathered again for its shared expert", bytes: held_gathered },
+        Term { name: "its shared expert's up projection's weight gradient", bytes: point.gradients.gate_or_up },
+        Term { name: "the MLP norm output's gradient summed so far", bytes: point.gathered },
+        Term {
+            name: "its shared expert's gate projection's weight gradient, whole, and its reduction's result or staging",
+            bytes: 2.0 * point.matrix,
+        },
+    ]);
+    // As gate's input gradient joins the sum (or, under SP with the load-balancing loss, is
+    // all-reduced first): up's weight gradient done, the SiLU product's gradient for gate, the sum
+    // so far, gate's input gradient and the new sum (or its all-reduce); the router's weight
+    // gradient from the load-balancing loss (its input gradient was summed).
+    mixture.extend([
+        Term { name: "weights ZeRO-3 gathered again for its shared expert", bytes: held_gathered },
+        Term { name: "its shared expert's up projection's weight gradient", bytes: point.gradients.gate_or_up },
+        Term { name: "its shared expert's SiLU product's gradient for gate", bytes: point.activation },
+        Term {
+            name:
+                "the MLP norm output's gradient summed so far, gate's input gradient and their sum (or its all-reduce)",
+            bytes: 3.0 * point.gathered,
+        },
+    ]);
+    mixture.push(Term {
+        name: "the router's weight gradient from the load-balancing loss",
+        bytes: router_weight_gradient,
+    });
+    let mut phases = vec![
+        ForwardPhase { name: "a shared expert's down projection input gradient", params, terms: input },
+        ForwardPhase { name: "a shared expert's down projection weight gradient", params, terms: weight },
+        ForwardPhase { name: "a shared expert's up projection input gradient", params, terms: up },
+        ForwardPhase { name: "a shared expert's MLP norm output's gradient", params, terms: mixture },
+    ];
+    if point.reduced {
+        phases.extend([
+            ForwardPhase { name: "a shared expert's down projection weight gradient reduced", params, terms: reduced },
+            ForwardPhase {
+                name: "a shared expert's gate projection weight gradient reduced",
+                params,
+                terms: gate_reduced,
+            },
+        ]);
     }
     phases
 }
