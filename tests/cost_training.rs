@@ -14,7 +14,8 @@
 //! `tiny-moe` (with and without its load-balancing loss: one rank, tp with and without SP, dp, cp,
 //! dp×tp, ZeRO 2 and 3, ep, dp×ep, ep×tp, ep×cp, each recompute, 8 to 256 tokens a sequence,
 //! where a mixture's backward peaks; and with a Qwen2-MoE shared expert of several widths, on 8 to
-//! 512, where the shared expert's own backward peaks), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
+//! 512, where the shared expert's own backward peaks), with Qwen2's q, k and v biases (dense
+//! `tiny` and the Qwen2-MoE fixture, 8 to 512 tokens), and tsp=2 and tsp=4 on every rank (from 16 to 512 tokens, each recompute,
 //! full recompute's attention backward included); dp×tp's peak is traced to tp's buffers (the
 //! embedding gradient is sliced before it is reduced over dp); one pipelined stage's peak is worked out by hand from its buffers; and the
 //! closed form of a pipelined stage (`cost::compiled_pipeline`, and the terms by which the cost
@@ -872,6 +873,39 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_with_a_shared_
     ] {
         assert!(phases.contains_key(name), "{name} not among {:?}", phases.keys());
     }
+}
+
+#[test]
+fn closed_form_plus_named_terms_equals_the_planners_training_peak_with_qkv_biases() {
+    // Qwen2 adds a bias to q, k and v: their gradients are made beside the projections' weight
+    // gradients (v's and k's at the attention norm's point, q's where q's weight gradient is made),
+    // and under full recomputation the bias adds are recomputed with their projections, not kept.
+    // A dense `tiny` with the biases on the dense cross-check, and the Qwen2-MoE fixture (biases and
+    // a shared expert) on the mixture's, 8 to 512 tokens a sequence.
+    let dense = pleat_ir::model::config::ModelConfig {
+        architecture: pleat_ir::model::config::Architecture::Qwen2,
+        attention_bias: true,
+        ..preset("tiny").unwrap()
+    };
+    let path = "tests/fixtures/tiny-qwen2-moe/config.json";
+    let text = std::fs::read_to_string(path).expect("the Qwen2-MoE fixture");
+    let mixture = pleat_ir::model::config::ModelConfig::from_json_str(&text, path).expect("its config");
+    assert!(mixture.attention_bias && dense.attention_bias);
+    let dense_phases = check_training_closed_form(&dense, &TRAINING_CROSS_CHECK, &[SEQ, 32, 128, 512]);
+    let mixture_phases = check_training_closed_form(&mixture, &MIXTURE_CROSS_CHECK, &[SEQ, 32, 128, 512]);
+    for name in ["end of backward", "the loss's backward", "an attention kernel's backward"] {
+        assert!(dense_phases.contains_key(name), "{name} not among {:?}", dense_phases.keys());
+    }
+    for name in ["end of backward", "a shared expert's MLP norm output's gradient"] {
+        assert!(mixture_phases.contains_key(name), "{name} not among {:?}", mixture_phases.keys());
+    }
+    // Some peak holds a bias gradient.
+    let bias_terms = ["its v and k projections' bias gradients", "its q projection's bias gradient"];
+    let holds_a_bias_gradient = |terms: &Vec<&str>| terms.iter().any(|term| bias_terms.contains(term));
+    assert!(
+        dense_phases.values().chain(mixture_phases.values()).any(holds_a_bias_gradient),
+        "no peak holds a bias gradient: {dense_phases:?} {mixture_phases:?}"
+    );
 }
 
 #[test]

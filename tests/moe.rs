@@ -2,9 +2,9 @@
 //! top-2, renormalized) and a tiny Qwen2-MoE (top-2 without renormalization, a sigmoid-gated shared
 //! expert), forward and training, on every mesh that places the experts: ep with the all-to-all
 //! dispatcher (the default) and the all-gather one, dp×ep, tsp×ep, tsp alone (experts over tsp),
-//! expert tensor parallelism, pp×ep, and the load-balancing loss under pp and micro-batches.
-//! Also what each dispatcher sends, the measured expert load, the errors of meshes that cannot
-//! place the experts, and the parameters `pleat plan` counts.
+//! expert tensor parallelism, pp×ep, recomputation, and the load-balancing loss under pp and
+//! micro-batches. Also what each dispatcher sends, the measured expert load, the errors of meshes
+//! that cannot place the experts, and the parameters `pleat plan` counts.
 
 mod common;
 
@@ -91,6 +91,16 @@ fn expert_parallel_training_matches_the_reference() {
         assert_matches_reference(&train(QWEN2_MOE, mesh, &[]), &format!("qwen2-moe {mesh}"));
     }
     assert_matches_reference(&train(QWEN2_MOE, "tp=2", &["--strategy", "tp-sp"]), "qwen2-moe tp=2 sp");
+}
+
+#[test]
+fn qwen2_moe_recomputation_trains_as_the_reference() {
+    // Full recomputation recomputes q's, k's and v's bias adds with their projections (and the
+    // shared expert with the routed ones) from the kept residual stream; selective, the attention.
+    for (mesh, recompute) in [("tp=2", "full"), ("ep=2", "full"), ("dp=2", "full"), ("tp=2", "selective")] {
+        let report = train(QWEN2_MOE, mesh, &["--recompute", recompute]);
+        assert_matches_reference(&report, &format!("qwen2-moe {mesh} {recompute}"));
+    }
 }
 
 #[test]

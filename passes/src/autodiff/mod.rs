@@ -32,9 +32,9 @@ pub enum Recompute {
     /// Korthikanti et al.'s selective recomputation: recompute the attention core (its output is
     /// not kept; q, k and v are).
     Selective,
-    /// Keep only the residual stream (the `add` results and operands: each block's input and
-    /// output, in the layout the next layer reads it in) and the parameters; recompute the rest
-    /// of each layer from them in its backward.
+    /// Keep only the residual stream (the residual `add` results and operands: each block's input
+    /// and output, in the layout the next layer reads it in) and the parameters; recompute the
+    /// rest of each layer (bias adds included) from them in its backward.
     Full,
 }
 
@@ -65,8 +65,14 @@ impl Options {
             Recompute::None => false,
             Recompute::Selective => matches!(node.op, Op::Attention { .. }),
             Recompute::Full => {
+                // A residual add sums two values of its own shape; a bias add (q, k and v's under
+                // Qwen2) broadcasts its bias, and is recomputed with the projection it follows.
+                let residual_add = |node: &NodeData| {
+                    let shape = &graph.value(node.result).ty.shape;
+                    node.op == Op::Add && node.inputs.iter().all(|&input| &graph.value(input).ty.shape == shape)
+                };
                 let feeds_residual_add =
-                    |value: ValueId| graph.users(value).iter().any(|&user| graph.node(user).op == Op::Add);
+                    |value: ValueId| graph.users(value).iter().any(|&user| residual_add(graph.node(user)));
                 // The stream in the layout the next layer reads it in is the stream too: beside cp,
                 // SP gathers each layer's output (and the embedding's) whole over tp, and the next
                 // layer's residual add reads its local slice of that. Recomputing the gathered copy
@@ -78,7 +84,7 @@ impl Options {
                 });
                 let on_residual_stream = feeds_residual_add(node.result) || sliced_into_residual_add;
                 node.op.arity() > 0
-                    && !matches!(node.op, Op::Add)
+                    && !residual_add(node)
                     && !node.op.is_loss()
                     && !on_residual_stream
                     && graph.value(node.result).ty.dtype != DType::I32
@@ -617,6 +623,31 @@ mod tests {
         );
         let missing = ValueId::new(module.graph.value_count());
         assert_eq!(differentiate(&mut module.graph, missing), Err(AutodiffError::UnknownLoss { value: missing }));
+    }
+
+    #[test]
+    fn full_recomputation_keeps_the_residual_adds_and_recomputes_the_bias_adds() {
+        // Qwen2's q, k and v bias adds broadcast a [heads, head_dim] bias over the tokens: keeping
+        // them would hold three activations a layer across the backward that full recomputation
+        // exists to drop. The residual adds (each block's input and output) are the stream it keeps.
+        let config = pleat_ir::model::config::ModelConfig {
+            architecture: pleat_ir::model::config::Architecture::Qwen2,
+            attention_bias: true,
+            ..preset("tiny").expect("tiny")
+        };
+        let module = pleat_ir::model::build_training(&config, 2, 16).expect("builds");
+        let graph = &module.graph;
+        let full = Options { recompute: Recompute::Full, zero_stage: 0 };
+        let adds: Vec<&NodeData> =
+            graph.order().iter().map(|&node| graph.node(node)).filter(|node| node.op == Op::Add).collect();
+        let (bias_adds, residual_adds): (Vec<&NodeData>, Vec<&NodeData>) =
+            adds.iter().partition(|node| node.name.ends_with("_bias"));
+        assert_eq!(bias_adds.len() as u64, 3 * config.num_layers);
+        assert_eq!(residual_adds.len() as u64, 2 * config.num_layers);
+        assert!(bias_adds.iter().all(|node| full.recomputes(graph, node)), "a bias add is kept");
+        assert!(residual_adds.iter().all(|node| !full.recomputes(graph, node)), "a residual add is recomputed");
+        // Without recomputation both are kept.
+        assert!(adds.iter().all(|node| !Options::default().recomputes(graph, node)));
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //!   gradients from gate and up are summed;
 //! - **inside a layer's attention backward** (its attention recomputed under selective
 //!   recomputation, all of it under full): at the attention kernel's dv, and as the attention norm
-//!   output's gradients from v, k and q are summed;
+//!   output's gradients from v, k and q are summed (under Qwen2 beside q's, k's and v's bias
+//!   gradients, which are made before their inputs' gradients);
 //! - a mixture of experts' layer in place of the MLP's points, the first layer's or the last's: **as
 //!   the MLP norm output's gradient is made** (the experts' input gradient, all-reduced over tp,
 //!   beside the router's from the load-balancing loss), **as the experts' last weight gradient is
@@ -90,7 +91,7 @@
 //! and ep × cp, ZeRO 1 to 3 beside ep (on ep alone, dp × ep, ep × tp and dp × ep × tp), each
 //! recomputation, on 8 to 256 tokens a sequence; the same with a shared expert of a quarter, three
 //! quarters and eight times the hidden size, with and without the load-balancing loss, on 8 to
-//! 512).
+//! 512; and with Qwen2's q, k and v biases, dense and in the Qwen2-MoE fixture, on 8 to 512).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
@@ -759,7 +760,17 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 bytes: norm_weight + gathered_again(&query_dims, hidden * query * element),
             });
         }
+        // (Under Qwen2 q's, k's and v's bias gradients are made before their inputs' gradients.)
+        let bias_gradient = |rows: u64| {
+            let bytes = (rows * model.head_dim) as f64 * element;
+            if model.qkv_bias {
+                held_dense(&[rows, model.head_dim], bytes)
+            } else {
+                0.0
+            }
+        };
         norm.extend([
+            Term { name: "its v and k projections' bias gradients", bytes: 2.0 * bias_gradient(kv_rows) },
             Term { name: "its v projection's weight gradient", bytes: held_dense(&kv_dims, hidden * kv * element) },
             Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
             Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
@@ -776,6 +787,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
         }
         with_q.extend([
+            Term { name: "its q projection's bias gradient", bytes: bias_gradient(model.heads / tp) },
             Term { name: "its k projection's weight gradient", bytes: held_dense(&kv_dims, hidden * kv * element) },
             Term { name: "k's gradient, freed", bytes: -local_tokens * kv * element },
         ]);
