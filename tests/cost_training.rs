@@ -22,7 +22,8 @@
 //! model's stage peak differs from it) equals the planner on every stage of pp=2 and pp=4, alone
 //! and by dp=2, cp=2 or tp=2 (with and without SP), each recomputation, GPipe and 1F1B, 2 and 4
 //! micro-batches, and beside dp and cp also on 32 to 256 tokens a sequence, where the head of a
-//! backward and the first layer's peak; with the embedding tied too (by hand on one stage).
+//! backward and the first layer's peak; with the embedding tied too (by hand on one stage); and
+//! for `tiny-moe`'s stages, with and without a shared expert, on 8 tokens a sequence.
 
 mod common;
 
@@ -1530,6 +1531,67 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
 }
 
 #[test]
+fn shared_expert_stage_closed_form_equals_the_planners_peak() {
+    // A Qwen2-MoE shared expert beside tiny-moe's routed experts on two and four stages: each
+    // micro-batch in flight keeps its gate, up, product, output and gate logit, and a stage may
+    // peak as its first layer's shared gate gradient (the last of the shared expert's, made before
+    // the routed experts' and the router's backward) joins its sum, beside the MLP norm output the
+    // routed experts still read; over ep, where the routed experts' gradients are a rank's share,
+    // and on a wide shared expert, that point is above theirs (without replicas, on one 32 times
+    // the hidden size). Under interleaving with the load-balancing loss the last stage's first
+    // chunk holds its own layers' statistics and those the stage before sent with its output.
+    // Widths of a quarter, three quarters, eight and 32 times the hidden size, with and without
+    // the loss, each recomputation.
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let interleaved = ScheduleKind::Interleaved { chunks: 2 };
+    let mut phases = std::collections::BTreeSet::new();
+    for width in [32, 96, 1024, 4096] {
+        for load_balancing_loss in [true, false] {
+            let config = with_a_shared_expert(width, load_balancing_loss);
+            let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() };
+            let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..config };
+            for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                for (config, mesh, kind, micro_batches) in [
+                    (&four, "pp=2", one_f_one_b, 2),
+                    (&four, "pp=2", gpipe, 2),
+                    (&eight, "pp=2", one_f_one_b, 4),
+                    (&four, "pp=2,dp=2", one_f_one_b, 2),
+                    (&four, "pp=2,dp=2", gpipe, 2),
+                    (&four, "pp=2,tp=2", one_f_one_b, 2),
+                    (&four, "pp=2,dp=2,tp=2", one_f_one_b, 2),
+                    (&four, "pp=4", one_f_one_b, 4),
+                    (&eight, "pp=4", gpipe, 4),
+                    (&four, "pp=4,dp=2", one_f_one_b, 2),
+                    (&four, "pp=2", interleaved, 2),
+                    (&eight, "pp=2", interleaved, 4),
+                    (&eight, "pp=4", interleaved, 4),
+                    (&four, "pp=2,dp=2", interleaved, 2),
+                    (&four, "pp=2,ep=2", one_f_one_b, 2),
+                    (&four, "pp=2,ep=2", gpipe, 2),
+                    (&four, "pp=2,ep=2", interleaved, 2),
+                    (&four, "pp=2,ep=2,tp=2", one_f_one_b, 2),
+                    (&four, "pp=2,dp=2,ep=2", one_f_one_b, 1),
+                    (&four, "pp=4,ep=2", gpipe, 2),
+                ] {
+                    let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+                    check_stage_closed_form(config, &layout);
+                    phases.extend(stage_phase_names(config, &layout));
+                }
+            }
+        }
+    }
+    for phase in ["first layer's shared expert's gate gradient joins its sum", "tail of a backward"] {
+        assert!(phases.contains(phase), "{phase}: {phases:?}");
+    }
+    // Under zero bubble the shared expert's weight gradients are W's: not modelled.
+    let model = ModelShape::from_config(&with_a_shared_expert(96, true));
+    let layout = Layout::from_mesh(&Mesh::parse("pp=2").unwrap(), false);
+    let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
+    let schedule = Schedule::build(ScheduleKind::ZeroBubbleH1, 2, 2).unwrap();
+    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 1).is_none());
+}
+
+#[test]
 fn tied_stage_closed_form_equals_the_planners_peak() {
     // A tied table beside pp: the last stage receives the first's table once a step and holds,
     // per micro-batch, the head's part of its gradient (sent back, no running sum of its own); the
@@ -1675,7 +1737,7 @@ fn stage_phase_names(config: &pleat_ir::model::config::ModelConfig, layout: &Pip
         micro_batches: u64::from(layout.micro_batches),
         recompute: cost_recompute(layout.recompute),
         zero: layout.zero_stage,
-        ..Workload::training(SEQ, layout.batch / u64::from(layout.micro_batches) / dp)
+        ..Workload::training(SEQ, layout.batch / u64::from(layout.micro_batches) / dp / parsed.degree(AxisName::Ep))
     };
     let model = ModelShape::from_config(config);
     let cost_layout = Layout::from_mesh(&parsed, layout.sequence_parallel);

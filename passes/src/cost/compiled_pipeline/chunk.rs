@@ -122,6 +122,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     // a backward is a B's.)
     if !shape.zero_bubble {
         backward.extend(experts_joining.clone());
+        backward.extend(first_layer::shared_expert_gate_joining(shape, &chunk));
         backward.extend(head::head_of_backward(shape, &chunk));
         backward.extend(first_layer::gate_joining(shape, &chunk));
         backward.extend(first_layer::attention_norm_gradient(shape, &chunk));

@@ -286,6 +286,42 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
     })
 }
 
+/// A mixture with a shared expert (Qwen2-MoE) may peak inside its first layer's backward as the
+/// shared expert's gate projection gradient, the last of its three, joins its sum: the shared
+/// expert's backward comes before the routed experts' (and, with the load-balancing loss, the
+/// router's), so the layer's attention activations, the MLP norm output the routed experts still
+/// read and its gradient's running sum are live beside the layer's output gradient; of the layer's
+/// gradients the shared expert's (and its gate vector's) are done. Beside dp, cp or ep (its
+/// replicas) the input gradient comes first and the weight gradient is all-reduced: its unreduced
+/// copy is live beside the reduced one; otherwise the weight gradient comes first, beside the gate
+/// output's gradient and the norm output's gradient from up. A stage but the last still holds the
+/// expert counts it received, which the router's backward reads.
+pub(super) fn shared_expert_gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    let experts = shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
+    let mut mlp = vec![
+        Term { name: "first layer's MLP norm output and its gradient from the shared expert", bytes: 2.0 * gathered },
+        Term { name: "first layer's output gradient", bytes: stream },
+    ];
+    mlp.push(if shape.reduced {
+        Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate }
+    } else {
+        Term { name: "first layer's shared gate output gradient", bytes: local_tokens * ffn * element }
+    });
+    if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        mlp.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
+    let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
+    let router = (experts.count * shape.model.hidden) as f64;
+    Some(Candidate {
+        name: "first layer's shared expert's gate gradient joins its sum",
+        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm + routed + router) * element - chunk.table,
+        held: before_attention(shape, chunk, mlp),
+        new_sum: Some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
+        key_values_pending: false,
+    })
+}
+
 /// Under tsp a stage may peak inside its first layer's attention backward. That backward takes
 /// the owners in reverse (the last first): for each, the rank's contributions to the owner's q,
 /// k, v and o gradients (its block: the layer's attention weights over the owners), then their

@@ -95,7 +95,9 @@
 //! gradients' link in the order they were sent, so under GPipe it holds them for the micro-batches
 //! in flight too. Under interleaving every micro-batch holds the sum it received to its end on the
 //! stage (each chunk's routers read it), and the last stage's other chunks hand their layers'
-//! statistics to its last chunk on the same rank instead of sending them on. Under zero bubble B
+//! statistics to its last chunk on the same rank instead of sending them on; the stage before
+//! sends its chunk's statistics to that last chunk ahead of the chunk's output, so a micro-batch
+//! forwarded on the last stage's other chunk holds those too. Under zero bubble B
 //! runs the experts' and the router's backward, their weight gradients too (none is a W op): a
 //! micro-batch between B and W keeps those gradients, W reads only the attention's inputs and the
 //! norms', and a stage may peak inside a B, as its first layer's last expert gradient joins its sum
@@ -106,6 +108,14 @@
 //! router's input and weight gradients from the load-balancing loss waiting beside it; and under
 //! full recomputation the last stage all-reduces the counts' sum over ep again in each backward and
 //! sends that, so no stage holds it for a micro-batch whose backward has not started.
+//!
+//! A shared expert (Qwen2-MoE) is a dense gated MLP beside the routed experts: a micro-batch in
+//! flight keeps its gate, up, product, output and gate logit, and its backward comes before the
+//! routed experts' (and the router's), so a stage may also peak as its first layer's shared gate
+//! projection gradient, the last of its three, joins its sum, the MLP norm output the routed
+//! experts still read and its gradient live, the gradient's unreduced copy beside it over dp, cp or
+//! ep (its replicas). Over ep, where the routed experts' gradients are a rank's share, that point
+//! is above theirs.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -157,8 +167,9 @@
 //! beside the weights they were recomputed with, but under zero bubble, where B regathers them
 //! and W reads none; k and v kept whole are
 //! [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family model, dense, or a
-//! mixture of experts (no shared expert) with every expert on every rank or split over ep, beside
-//! dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep only; its embedding
+//! mixture of experts with every expert on every rank or split over ep, beside dp, ep and tp
+//! without SP, ZeRO-1 at most, under zero bubble beside tp and ep only and without a shared
+//! expert (Qwen2-MoE's, modelled in the other schedules); its embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
 //! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names the terms by which
@@ -286,11 +297,11 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                     || (schedule.kind != ScheduleKind::ZeroBubbleH1
                         && (workload.zero == 2 || !model.tied_embeddings)))))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
-        // tsp's), without a shared expert, beside dp, ep and tp without SP and ZeRO-1 at most;
-        // under zero bubble, not beside dp (whose reductions of the experts' gradients in B are
-        // not modelled).
+        // tsp's), beside dp, ep and tp without SP and ZeRO-1 at most; under zero bubble, not beside
+        // dp (whose reductions of the experts' gradients in B are not modelled), nor with a shared
+        // expert (whose weight gradients are W's, reading what B leaves).
         && model.experts.as_ref().is_none_or(|experts| {
-            !experts.shared_expert
+            (!experts.shared_expert || schedule.kind != ScheduleKind::ZeroBubbleH1)
                 && layout.expert_axis() != Some(AxisName::Tsp)
                 && workload.zero <= 1
                 && !sequence_parallel

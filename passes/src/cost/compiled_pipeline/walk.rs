@@ -251,7 +251,9 @@ impl Point<'_> {
     /// the last takes them on its gradients' link, so it holds those sent before the gradient its
     /// current step takes; another takes them at a micro-batch's first backward (the second
     /// figure). On the last stage, a micro-batch forwarded on another chunk and not yet on the last
-    /// one holds that chunk's layers' statistics (the first).
+    /// one holds that chunk's layers' statistics and those of the stage before's same chunk, which
+    /// that stage sent to the last chunk here ahead of the chunk's output, and so arrived with it
+    /// (the first).
     fn interleaved_counts(&self) -> Option<(f64, f64)> {
         let (shape, step) = (self.shape, self.step);
         let (mut last_stage, mut received) = (0.0, 0.0);
@@ -278,7 +280,7 @@ impl Point<'_> {
             if shape.stage + 1 == shape.stages {
                 for (chunk, hold) in (0..chunks - 1).zip(self.holds) {
                     if forwarded(self.before, micro_batch, chunk) && !forwarded(self.before, micro_batch, chunks - 1) {
-                        last_stage += 2.0 * hold.layers as f64 * shape.statistics;
+                        last_stage += 2.0 * 2.0 * hold.layers as f64 * shape.statistics;
                     }
                 }
                 continue;
