@@ -2007,12 +2007,17 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     // peaks at other
     // points of a backward's head, which they do not model: there every candidate is still the
     // live set at one point of the program, so the form is below the planner's peak, never above.
+    // Mixtures too, with and without a shared expert, from 32 to 256 tokens (where a
+    // micro-batch's two losses are summed by its loss's backward, and under full recomputation
+    // beside dp the last stage sends the counts' sum again in each backward).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight_experts = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
     let tied_wide = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..wide_vocabulary.clone() };
+    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
+    let shared_wide = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(1024, true) };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let (mut below, mut gate_joining_exact, mut head_exact, mut down_exact) = (0, 0, 0, 0);
@@ -2036,6 +2041,11 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&four_experts, "pp=4", one_f_one_b, 4, false, 0),
             (&four_experts, "pp=2,ep=2", one_f_one_b, 2, false, 0),
             (&four_experts, "pp=4,ep=2", gpipe, 2, false, 0),
+            (&four_experts, "pp=2,dp=2", gpipe, 2, false, 0),
+            (&shared, "pp=2", one_f_one_b, 2, false, 0),
+            (&shared, "pp=2,dp=2", gpipe, 2, false, 0),
+            (&shared_wide, "pp=2,ep=2", one_f_one_b, 2, false, 0),
+            (&shared_wide, "pp=2", interleaved, 2, false, 0),
             (&tied, "pp=2", one_f_one_b, 2, false, 0),
             (&tied, "pp=2,tp=2", interleaved, 2, true, 0),
             (&tied_wide, "pp=2,dp=2,tp=2", gpipe, 2, false, 0),
@@ -2047,7 +2057,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                 zero_stage,
                 ..PipelinedLayout::new(mesh, kind, micro_batches)
             };
-            for seq in [32, 64, 128] {
+            for seq in [32, 64, 128, 256] {
                 for stage in stage_closed_forms(config, &layout, seq) {
                     let planned = stage.planned.peak_bytes as f64;
                     assert!(

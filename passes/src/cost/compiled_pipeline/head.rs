@@ -32,12 +32,15 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // the end of this stage's backward).
     let head_part = shape.tied_head_part();
     let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
+    // A micro-batch in flight holds its cross-entropy and load-balancing loss apart; by the loss's
+    // backward they are summed into its loss, one scalar fewer.
+    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
     let mut candidates = vec![Candidate {
         name: "the loss's backward",
         so_far: 0.0,
         held: vec![
             Term { name: "its positions", bytes: chunk.positions },
-            Term { name: "what it holds in flight", bytes: chunk.in_flight },
+            Term { name: "what it holds in flight, its two losses summed", bytes: chunk.in_flight - summed },
             Term {
                 name: "the logits' gradient (and under tp the loss's row statistics)",
                 bytes: logits + shape.sizes.loss_row_statistics(rows),

@@ -105,9 +105,11 @@
 //! reader on the first stage (where the program's free lies) and at the micro-batch's end on the
 //! others. Over ep the dense gradients are all-reduced over it as over dp, and the experts' (which
 //! ep splits) are not; one instruction makes the experts' input, router and weight gradients, the
-//! router's input and weight gradients from the load-balancing loss waiting beside it; and under
-//! full recomputation the last stage all-reduces the counts' sum over ep again in each backward and
-//! sends that, so no stage holds it for a micro-batch whose backward has not started.
+//! router's input and weight gradients from the load-balancing loss waiting beside it. Under
+//! full recomputation beside dp, cp or ep the last stage all-reduces the counts' sum over them
+//! again in each backward and sends that, so no stage holds it for a micro-batch whose backward
+//! has not started. A micro-batch in flight on the last stage holds its cross-entropy and its
+//! load-balancing loss apart, summed into its loss by the loss's backward.
 //!
 //! A shared expert (Qwen2-MoE) is a dense gated MLP beside the routed experts: a micro-batch in
 //! flight keeps its gate, up, product, output and gate logit, and its backward comes before the
