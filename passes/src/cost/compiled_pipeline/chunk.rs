@@ -117,12 +117,16 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads.clone());
     let experts_joining = first_layer::experts_joining(shape, &chunk);
     let tail_points = backward.len();
-    backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads));
+    backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
+    // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
+    if shape.zero_bubble {
+        backward.extend(first_layer::shared_expert_gate_joining(shape, &chunk, w_reads));
+    }
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
         backward.extend(experts_joining.clone());
-        backward.extend(first_layer::shared_expert_gate_joining(shape, &chunk));
+        backward.extend(first_layer::shared_expert_gate_joining(shape, &chunk, None));
         backward.extend(head::head_of_backward(shape, &chunk));
         backward.extend(first_layer::gate_joining(shape, &chunk));
         backward.extend(first_layer::attention_norm_gradient(shape, &chunk));

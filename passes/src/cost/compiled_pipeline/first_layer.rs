@@ -296,27 +296,69 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
 /// copy is live beside the reduced one; otherwise the weight gradient comes first, beside the gate
 /// output's gradient and the norm output's gradient from up. A stage but the last still holds the
 /// expert counts it received, which the router's backward reads.
-pub(super) fn shared_expert_gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+///
+/// Under zero bubble the shared expert's weight gradients are W's, made before the layer's
+/// attention's and norms': `w_reads` is what W's tail still reads, and beside it the layer's
+/// attention inputs and gradients, both norm outputs' gradients and gate's output gradient are
+/// live (the attention norm's input gradient sent back by B).
+pub(super) fn shared_expert_gate_joining(
+    shape: &StageShape,
+    chunk: &Chunk,
+    w_reads: Option<Term>,
+) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, query, kv, ffn, stream, gathered, boundary, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
-    let mut mlp = vec![
-        Term { name: "first layer's MLP norm output and its gradient from the shared expert", bytes: 2.0 * gathered },
-        Term { name: "first layer's output gradient", bytes: stream },
-    ];
-    mlp.push(if shape.reduced {
-        Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate }
-    } else {
-        Term { name: "first layer's shared gate output gradient", bytes: local_tokens * ffn * element }
-    });
-    if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        mlp.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    let unreduced = shape
+        .reduced
+        .then_some(Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate });
+    let gate_output_gradient =
+        Term { name: "first layer's shared gate output gradient", bytes: local_tokens * ffn * element };
+    // (Under zero bubble B made the routed experts' and the router's gradients.)
+    let in_w = w_reads.is_some();
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
-    let router = (experts.count * shape.model.hidden) as f64;
+    let routing = if in_w { 0.0 } else { routed + (experts.count * shape.model.hidden) as f64 };
+    let held = if let Some(w_reads) = w_reads {
+        let full = shape.recompute() == Recompute::Full;
+        let live = if shape.recompute() == Recompute::None { 1.0 } else { 0.0 };
+        // (The first stage's B read its positions last, but where W recomputes: `w_reads` then.)
+        let mut held: Vec<Term> =
+            chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != "positions").cloned().collect();
+        held.extend([
+            w_reads,
+            Term { name: "first layer's attention norm's input gradient (sent back)", bytes: boundary },
+            Term { name: "first layer's attention norm output", bytes: gathered },
+            Term { name: "first layer's attention output", bytes: live * local_tokens * query * element },
+            Term { name: "first layer's attention residual", bytes: stream },
+            Term { name: "first layer's q, k and v gradients", bytes: local_tokens * (query + 2.0 * kv) * element },
+            Term { name: "first layer's attention and MLP norm outputs' gradients", bytes: 2.0 * stream },
+        ]);
+        // Beside its replicas gate's output gradient is freed before its weight gradient's
+        // all-reduce.
+        held.push(unreduced.unwrap_or(gate_output_gradient));
+        // Under full recomputation a stage between the first and the last still holds the
+        // counts' sum it received, as at W's tail.
+        if full && !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+            held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        }
+        held
+    } else {
+        let mut mlp = vec![
+            Term {
+                name: "first layer's MLP norm output and its gradient from the shared expert",
+                bytes: 2.0 * gathered,
+            },
+            Term { name: "first layer's output gradient", bytes: stream },
+        ];
+        mlp.push(unreduced.unwrap_or(gate_output_gradient));
+        if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+            mlp.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        }
+        before_attention(shape, chunk, mlp)
+    };
     Some(Candidate {
         name: "first layer's shared expert's gate gradient joins its sum",
-        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm + routed + router) * element - chunk.table,
-        held: before_attention(shape, chunk, mlp),
+        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm + routing) * element - chunk.table,
+        held,
         new_sum: Some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
         key_values_pending: false,
     })

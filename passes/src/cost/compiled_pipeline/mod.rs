@@ -117,7 +117,10 @@
 //! projection gradient, the last of its three, joins its sum, the MLP norm output the routed
 //! experts still read and its gradient live, the gradient's unreduced copy beside it over dp, cp or
 //! ep (its replicas). Over ep, where the routed experts' gradients are a rank's share, that point
-//! is above theirs.
+//! is above theirs. Under zero bubble its weight gradients (its gate vector's too) are W's: a
+//! micro-batch between B and W keeps what they read (the MLP norm's output, to its end since B
+//! reads it too, and the product) and their output gradients, and the gate gradient joins its sum
+//! in the first layer's W, beside the attention inputs and gradients W reads next.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -169,9 +172,9 @@
 //! beside the weights they were recomputed with, but under zero bubble, where B regathers them
 //! and W reads none; k and v kept whole are
 //! [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family model, dense, or a
-//! mixture of experts with every expert on every rank or split over ep, beside dp, ep and tp
-//! without SP, ZeRO-1 at most, under zero bubble beside tp and ep only and without a shared
-//! expert (Qwen2-MoE's, modelled in the other schedules); its embedding
+//! mixture of experts (with or without a shared expert) with every expert on every rank or split
+//! over ep, beside dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep
+//! only; its embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
 //! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names the terms by which
@@ -300,15 +303,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                         && (workload.zero == 2 || !model.tied_embeddings)))))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, ep and tp without SP and ZeRO-1 at most; under zero bubble, not beside
-        // dp (whose reductions of the experts' gradients in B are not modelled), nor with a shared
-        // expert (whose weight gradients are W's, reading what B leaves).
-        && model.experts.as_ref().is_none_or(|experts| {
-            (!experts.shared_expert || schedule.kind != ScheduleKind::ZeroBubbleH1)
-                && layout.expert_axis() != Some(AxisName::Tsp)
+        // dp (whose reductions of the experts' gradients in B are not modelled).
+        && (model.experts.is_none()
+            || (layout.expert_axis() != Some(AxisName::Tsp)
                 && workload.zero <= 1
                 && !sequence_parallel
-                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)
-        })
+                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)))
         // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without
         // tp, not under zero bubble). Under zero bubble or interleaved, not beside dp (or cp) × tp;
         // interleaved on two stages only: elsewhere the first stage takes the head's part when a
@@ -396,14 +396,13 @@ impl<'a> StageShape<'a> {
         let scattered = workload.zero >= 2 && replicas > 1;
         let mlp_gradients_in_b = if tsp > 1 {
             Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
-        } else if model.experts.is_some() {
-            Some(
-                (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64
-                    + model.router_params() as f64)
-                    * element,
-            )
         } else {
-            None
+            // (Not a shared expert's gate vector, whose weight gradient is W's.)
+            model.experts.as_ref().map(|experts| {
+                (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64
+                    + (experts.count * model.hidden) as f64)
+                    * element
+            })
         };
         let zero_rows = ZeroRows::new(model, layout);
         let key_values_kept_whole = if scattered { zero_rows.beyond_key_values() * element } else { 0.0 };

@@ -66,6 +66,13 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
             + 2.0 * boundary
             + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
     };
+    // A shared expert's weight gradients are W's: it keeps what they read, the MLP norm's output
+    // and the product, and their output gradients (the gate logit's, the scaled output's, gate's
+    // and up's).
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    if shared_expert {
+        per_layer += gathered + stream + local_tokens * (3.0 * ffn + 1.0) * element;
+    }
     // Under cp the k and v kept (or recomputed) for W are every token's, all-gathered.
     if selective || full {
         per_layer += (kv_kept - 2.0 * local_tokens * kv) * element;
@@ -135,6 +142,11 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // (Under tsp only the attention residual's: B made the MLP ring's weight gradients.)
     let residual_gradients = if mlp_gradients_in_b.is_some() { 1.0 } else { 2.0 };
     let mut kept_for_weights = if sequence_parallel { 0.0 } else { residual_gradients * layers * stream };
+    // B reads a shared expert's MLP norm output too (the routed experts' backward): it stays to
+    // the micro-batch's end.
+    if shared_expert {
+        kept_for_weights += layers * gathered;
+    }
     // Under selective recomputation W's tail still holds every layer's q, k and v (and the
     // positions, on the first stage too); under full recomputation every layer's recomputed gate
     // and up projections too.
