@@ -1436,6 +1436,66 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
     }
 }
 
+/// The pipelined layouts a mixture of experts' stage closed form is checked on: layers (of
+/// `tiny-moe`'s shape), mesh, schedule and micro-batches. Every expert on every rank or experts/ep
+/// over ep, beside dp, tp and ep; GPipe, 1F1B, interleaved and zero bubble (beside tp and ep only).
+const MIXTURE_STAGE_CROSS_CHECK: [(u64, &str, ScheduleKind, u32); 37] = [
+    (4, "pp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2", ScheduleKind::GPipe, 2),
+    (8, "pp=2", ScheduleKind::OneFOneB, 4),
+    (4, "pp=2,dp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2,dp=2", ScheduleKind::GPipe, 2),
+    (4, "pp=2,tp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2,dp=2,tp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=4", ScheduleKind::OneFOneB, 4),
+    (4, "pp=4", ScheduleKind::GPipe, 4),
+    (8, "pp=4", ScheduleKind::GPipe, 4),
+    (4, "pp=4,dp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2", ScheduleKind::Interleaved { chunks: 2 }, 2),
+    (4, "pp=2", ScheduleKind::Interleaved { chunks: 2 }, 4),
+    (8, "pp=2", ScheduleKind::Interleaved { chunks: 2 }, 4),
+    (8, "pp=4", ScheduleKind::Interleaved { chunks: 2 }, 4),
+    (4, "pp=2,dp=2", ScheduleKind::Interleaved { chunks: 2 }, 2),
+    (4, "pp=2,dp=2,tp=2", ScheduleKind::Interleaved { chunks: 2 }, 2),
+    (4, "pp=2", ScheduleKind::ZeroBubbleH1, 2),
+    (4, "pp=2", ScheduleKind::ZeroBubbleH1, 4),
+    (8, "pp=2", ScheduleKind::ZeroBubbleH1, 4),
+    (4, "pp=4", ScheduleKind::ZeroBubbleH1, 4),
+    (8, "pp=4", ScheduleKind::ZeroBubbleH1, 4),
+    (4, "pp=2,tp=2", ScheduleKind::ZeroBubbleH1, 4),
+    (8, "pp=4,tp=2", ScheduleKind::ZeroBubbleH1, 4),
+    // Over ep (the dense gradients all-reduced over it as over dp, the experts' not).
+    (4, "pp=2,ep=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2,ep=2", ScheduleKind::GPipe, 2),
+    (8, "pp=2,ep=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2,ep=2", ScheduleKind::Interleaved { chunks: 2 }, 2),
+    (8, "pp=2,ep=2", ScheduleKind::Interleaved { chunks: 2 }, 2),
+    (4, "pp=2,ep=2", ScheduleKind::ZeroBubbleH1, 2),
+    (4, "pp=2,ep=2,tp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2,ep=2,tp=2", ScheduleKind::ZeroBubbleH1, 2),
+    (4, "pp=2,dp=2,ep=2", ScheduleKind::OneFOneB, 1),
+    (4, "pp=2,dp=2,ep=2", ScheduleKind::GPipe, 1),
+    (4, "pp=4,ep=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=4,ep=2", ScheduleKind::GPipe, 2),
+    (4, "pp=4,ep=2", ScheduleKind::ZeroBubbleH1, 2),
+];
+
+/// Checks the stage closed form of `config` (its layers set to each of
+/// [`MIXTURE_STAGE_CROSS_CHECK`]'s) on every layout there, each recomputation; returns the names
+/// of the peaks.
+fn check_mixture_stages(config: &pleat_ir::model::config::ModelConfig) -> std::collections::BTreeSet<&'static str> {
+    let mut phases = std::collections::BTreeSet::new();
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for (layers, mesh, kind, micro_batches) in MIXTURE_STAGE_CROSS_CHECK {
+            let config = pleat_ir::model::config::ModelConfig { num_layers: layers, ..config.clone() };
+            let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+            check_stage_closed_form(&config, &layout);
+            phases.extend(stage_phase_names(&config, &layout));
+        }
+    }
+    phases
+}
+
 #[test]
 fn experts_stage_closed_form_equals_the_planners_peak() {
     // tiny-moe (every expert on every rank, or experts/ep over ep; with its load-balancing loss)
@@ -1453,57 +1513,8 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     // to the end of the micro-batch's backward. Over ep the dense gradients are all-reduced over
     // it (as over dp) and the experts' not, and the router's gradients from the load-balancing
     // loss wait for the dispatch's.
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
-    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
-    let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
-    let mut phases = std::collections::BTreeSet::new();
-    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-        for (config, mesh, kind, micro_batches) in [
-            (&four, "pp=2", one_f_one_b, 2),
-            (&four, "pp=2", gpipe, 2),
-            (&eight, "pp=2", one_f_one_b, 4),
-            (&four, "pp=2,dp=2", one_f_one_b, 2),
-            (&four, "pp=2,dp=2", gpipe, 2),
-            (&four, "pp=2,tp=2", one_f_one_b, 2),
-            (&four, "pp=2,dp=2,tp=2", one_f_one_b, 2),
-            (&four, "pp=4", one_f_one_b, 4),
-            (&four, "pp=4", gpipe, 4),
-            (&eight, "pp=4", gpipe, 4),
-            (&four, "pp=4,dp=2", one_f_one_b, 2),
-            (&four, "pp=2", interleaved, 2),
-            (&four, "pp=2", interleaved, 4),
-            (&eight, "pp=2", interleaved, 4),
-            (&eight, "pp=4", interleaved, 4),
-            (&four, "pp=2,dp=2", interleaved, 2),
-            (&four, "pp=2,dp=2,tp=2", interleaved, 2),
-            (&four, "pp=2", zero_bubble, 2),
-            (&four, "pp=2", zero_bubble, 4),
-            (&eight, "pp=2", zero_bubble, 4),
-            (&four, "pp=4", zero_bubble, 4),
-            (&eight, "pp=4", zero_bubble, 4),
-            (&four, "pp=2,tp=2", zero_bubble, 4),
-            (&eight, "pp=4,tp=2", zero_bubble, 4),
-            // Over ep (the dense gradients all-reduced over it as over dp, the experts' not).
-            (&four, "pp=2,ep=2", one_f_one_b, 2),
-            (&four, "pp=2,ep=2", gpipe, 2),
-            (&eight, "pp=2,ep=2", one_f_one_b, 2),
-            (&four, "pp=2,ep=2", interleaved, 2),
-            (&eight, "pp=2,ep=2", interleaved, 2),
-            (&four, "pp=2,ep=2", zero_bubble, 2),
-            (&four, "pp=2,ep=2,tp=2", one_f_one_b, 2),
-            (&four, "pp=2,ep=2,tp=2", zero_bubble, 2),
-            (&four, "pp=2,dp=2,ep=2", one_f_one_b, 1),
-            (&four, "pp=2,dp=2,ep=2", gpipe, 1),
-            (&four, "pp=4,ep=2", one_f_one_b, 2),
-            (&four, "pp=4,ep=2", gpipe, 2),
-            (&four, "pp=4,ep=2", zero_bubble, 2),
-        ] {
-            let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
-            check_stage_closed_form(config, &layout);
-            phases.extend(stage_phase_names(config, &layout));
-        }
-    }
+    let config = preset("tiny-moe").unwrap();
+    let phases = check_mixture_stages(&config);
     // Every kind of peak occurs.
     for phase in [
         "first layer's expert gradient joins its sum",
@@ -1514,12 +1525,12 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     }
     // Outside what is modelled (tsp placing the experts, SP, zero bubble beside dp) there is no
     // closed form.
-    let model = ModelShape::from_config(&four);
+    let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config });
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     for (mesh, sequence_parallel, kind, stages) in [
-        ("pp=2,tsp=2", false, one_f_one_b, 2),
-        ("pp=2,tp=2", true, one_f_one_b, 2),
-        ("pp=2,dp=2", false, zero_bubble, 2),
+        ("pp=2,tsp=2", false, ScheduleKind::OneFOneB, 2),
+        ("pp=2,tp=2", true, ScheduleKind::OneFOneB, 2),
+        ("pp=2,dp=2", false, ScheduleKind::ZeroBubbleH1, 2),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
         let schedule = Schedule::build(kind, stages, 4).unwrap();
@@ -1545,49 +1556,10 @@ fn shared_expert_stage_closed_form_equals_the_planners_peak() {
     // W's: a micro-batch between B and W keeps the MLP norm output (to its end: B reads it too),
     // the product and the output gradients they read, and the gate gradient joins its sum in W,
     // beside the first layer's attention inputs and gradients W reads next.
-    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
-    let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let mut phases = std::collections::BTreeSet::new();
     for width in [32, 96, 1024, 4096] {
         for load_balancing_loss in [true, false] {
-            let config = with_a_shared_expert(width, load_balancing_loss);
-            let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() };
-            let eight = pleat_ir::model::config::ModelConfig { num_layers: 8, ..config };
-            for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                for (config, mesh, kind, micro_batches) in [
-                    (&four, "pp=2", one_f_one_b, 2),
-                    (&four, "pp=2", gpipe, 2),
-                    (&eight, "pp=2", one_f_one_b, 4),
-                    (&four, "pp=2,dp=2", one_f_one_b, 2),
-                    (&four, "pp=2,dp=2", gpipe, 2),
-                    (&four, "pp=2,tp=2", one_f_one_b, 2),
-                    (&four, "pp=2,dp=2,tp=2", one_f_one_b, 2),
-                    (&four, "pp=4", one_f_one_b, 4),
-                    (&eight, "pp=4", gpipe, 4),
-                    (&four, "pp=4,dp=2", one_f_one_b, 2),
-                    (&four, "pp=2", interleaved, 2),
-                    (&eight, "pp=2", interleaved, 4),
-                    (&eight, "pp=4", interleaved, 4),
-                    (&four, "pp=2,dp=2", interleaved, 2),
-                    (&four, "pp=2,ep=2", one_f_one_b, 2),
-                    (&four, "pp=2,ep=2", gpipe, 2),
-                    (&four, "pp=2,ep=2", interleaved, 2),
-                    (&four, "pp=2,ep=2,tp=2", one_f_one_b, 2),
-                    (&four, "pp=2,dp=2,ep=2", one_f_one_b, 1),
-                    (&four, "pp=4,ep=2", gpipe, 2),
-                    (&four, "pp=2", zero_bubble, 2),
-                    (&eight, "pp=2", zero_bubble, 4),
-                    (&four, "pp=4", zero_bubble, 4),
-                    (&eight, "pp=4,tp=2", zero_bubble, 4),
-                    (&four, "pp=2,ep=2", zero_bubble, 2),
-                    (&four, "pp=2,ep=2,tp=2", zero_bubble, 2),
-                    (&four, "pp=4,ep=2", zero_bubble, 2),
-                ] {
-                    let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
-                    check_stage_closed_form(config, &layout);
-                    phases.extend(stage_phase_names(config, &layout));
-                }
-            }
+            phases.extend(check_mixture_stages(&with_a_shared_expert(width, load_balancing_loss)));
         }
     }
     for phase in ["first layer's shared expert's gate gradient joins its sum", "tail of a backward"] {

@@ -36,6 +36,25 @@ fn before_attention(shape: &StageShape, chunk: &Chunk, more: impl IntoIterator<I
     held
 }
 
+/// Inside the first layer's W, before its attention's weight gradients: `w_reads` (what W's tail
+/// still reads), the attention norm's input gradient B sent back, and what the attention's and
+/// the norms' weight gradients read (the attention norm's output, attention's output but where it
+/// is recomputed, the attention residual, q's, k's and v's gradients, both norm outputs'
+/// gradients).
+fn read_by_w(shape: &StageShape, w_reads: Term) -> [Term; 7] {
+    let StepSizes { element, local_tokens, query, kv, stream, gathered, boundary, .. } = shape.sizes;
+    let live = if shape.recompute() == Recompute::None { 1.0 } else { 0.0 };
+    [
+        w_reads,
+        Term { name: "first layer's attention norm's input gradient (sent back)", bytes: boundary },
+        Term { name: "first layer's attention norm output", bytes: gathered },
+        Term { name: "first layer's attention output", bytes: live * local_tokens * query * element },
+        Term { name: "first layer's attention residual", bytes: stream },
+        Term { name: "first layer's q, k and v gradients", bytes: local_tokens * (query + 2.0 * kv) * element },
+        Term { name: "first layer's attention and MLP norm outputs' gradients", bytes: 2.0 * stream },
+    ]
+}
+
 /// Under ZeRO-2 a stage may peak inside its first layer's backward, as the gate projection's
 /// gradient (the largest but the embedding's) is reduce-scattered: that layer's attention
 /// activations are still live, and of its gradients only the down and up projections' are done
@@ -48,24 +67,15 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
     if !shape.scattered {
         return None;
     }
-    let StepSizes { element, local_tokens, query, kv, stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, stream, gathered, .. } = shape.sizes;
     let (gate, norm) = (shape.gate, shape.norm);
     let staged = [
         Term { name: "first layer's gate gradient before its dp reduce-scatter", bytes: gate },
         Term { name: "its reduce-scatter's staging", bytes: gate },
     ];
     let held = if let Some(w_reads) = w_reads {
-        let live = if shape.recompute() == Recompute::None { 1.0 } else { 0.0 };
         let mut held = chunk.first_layer_held.clone();
-        held.extend([
-            w_reads,
-            Term { name: "first layer's attention norm's input gradient (sent back)", bytes: boundary },
-            Term { name: "first layer's attention norm output", bytes: gathered },
-            Term { name: "first layer's attention output", bytes: live * local_tokens * query * element },
-            Term { name: "first layer's attention residual", bytes: stream },
-            Term { name: "first layer's q, k and v gradients", bytes: local_tokens * (query + 2.0 * kv) * element },
-            Term { name: "first layer's attention and MLP norm outputs' gradients", bytes: 2.0 * stream },
-        ]);
+        held.extend(read_by_w(shape, w_reads));
         // Under SP W reads the residual gradients' gathered copies, not kept in `w_reads`: the
         // attention residual's gradient and its copy gathered for o's weight gradient are live.
         if shape.sequence_parallel() {
@@ -306,7 +316,7 @@ pub(super) fn shared_expert_gate_joining(
     chunk: &Chunk,
     w_reads: Option<Term>,
 ) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, query, kv, ffn, stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
     let unreduced = shape
         .reduced
@@ -319,19 +329,10 @@ pub(super) fn shared_expert_gate_joining(
     let routing = if in_w { 0.0 } else { routed + (experts.count * shape.model.hidden) as f64 };
     let held = if let Some(w_reads) = w_reads {
         let full = shape.recompute() == Recompute::Full;
-        let live = if shape.recompute() == Recompute::None { 1.0 } else { 0.0 };
         // (The first stage's B read its positions last, but where W recomputes: `w_reads` then.)
         let mut held: Vec<Term> =
             chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != "positions").cloned().collect();
-        held.extend([
-            w_reads,
-            Term { name: "first layer's attention norm's input gradient (sent back)", bytes: boundary },
-            Term { name: "first layer's attention norm output", bytes: gathered },
-            Term { name: "first layer's attention output", bytes: live * local_tokens * query * element },
-            Term { name: "first layer's attention residual", bytes: stream },
-            Term { name: "first layer's q, k and v gradients", bytes: local_tokens * (query + 2.0 * kv) * element },
-            Term { name: "first layer's attention and MLP norm outputs' gradients", bytes: 2.0 * stream },
-        ]);
+        held.extend(read_by_w(shape, w_reads));
         // Beside its replicas gate's output gradient is freed before its weight gradient's
         // all-reduce.
         held.push(unreduced.unwrap_or(gate_output_gradient));
