@@ -152,6 +152,26 @@ impl PipelinedLayout {
             zero_stage: 0,
         }
     }
+
+    /// One sequence a micro-batch on each dp rank of `mesh` (dp at 4 and 8 with ZeRO, where
+    /// `PIPELINE_BATCH` would not divide), with ZeRO's `zero_stage`, `recompute` and SP.
+    fn one_sequence_a_micro_batch(
+        mesh: &'static str,
+        schedule: ScheduleKind,
+        micro_batches: u32,
+        zero_stage: u8,
+        recompute: Recompute,
+        sequence_parallel: bool,
+    ) -> PipelinedLayout {
+        let dp = Mesh::parse(mesh).unwrap().degree(AxisName::Dp);
+        PipelinedLayout {
+            zero_stage,
+            recompute,
+            sequence_parallel,
+            batch: dp * u64::from(micro_batches),
+            ..PipelinedLayout::new(mesh, schedule, micro_batches)
+        }
+    }
 }
 
 /// `tiny` with four layers, so that pp=4 has a layer a stage.
@@ -1210,14 +1230,14 @@ fn zero_bubble_zero_stages_peak_inside_w_as_the_gate_gradient_is_scattered() {
         (&four, "pp=2,dp=2,tp=2", 3, 4, none, true),
         (&four, "pp=2,dp=2,tp=2", 3, 4, full, true),
     ] {
-        let dp = Mesh::parse(mesh).unwrap().degree(AxisName::Dp);
-        let layout = PipelinedLayout {
+        let layout = PipelinedLayout::one_sequence_a_micro_batch(
+            mesh,
+            ScheduleKind::ZeroBubbleH1,
+            micro_batches,
             zero_stage,
             recompute,
             sequence_parallel,
-            batch: dp * u64::from(micro_batches),
-            ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches)
-        };
+        );
         check_stage_closed_form(config, &layout);
         names.extend(stage_phase_names(config, &layout));
     }
@@ -1255,13 +1275,14 @@ fn stages_whose_key_values_zero_keeps_whole_equal_the_planners_peak() {
         (&tied, "pp=2,dp=8", 3, gpipe, 2, selective, false),
     ] {
         let dp = Mesh::parse(mesh).unwrap().degree(AxisName::Dp);
-        let layout = PipelinedLayout {
+        let layout = PipelinedLayout::one_sequence_a_micro_batch(
+            mesh,
+            kind,
+            micro_batches,
             zero_stage,
             recompute,
             sequence_parallel,
-            batch: dp * u64::from(micro_batches),
-            ..PipelinedLayout::new(mesh, kind, micro_batches)
-        };
+        );
         check_stage_closed_form(config, &layout);
         for stage in stage_closed_forms(config, &layout, SEQ) {
             let bytes_of = |name: &str| -> f64 {
