@@ -1459,8 +1459,8 @@ fn tp_cp_stage_closed_form_equals_the_planners_peak() {
 
 /// The pipelined layouts a mixture of experts' stage closed form is checked on: layers (of
 /// `tiny-moe`'s shape), mesh, schedule and micro-batches. Every expert on every rank or experts/ep
-/// over ep, beside dp, tp and ep; GPipe, 1F1B, interleaved and zero bubble (beside tp and ep only).
-const MIXTURE_STAGE_CROSS_CHECK: [(u64, &str, ScheduleKind, u32); 37] = [
+/// over ep, beside dp, cp, tp and ep; GPipe, 1F1B, interleaved and zero bubble.
+const MIXTURE_STAGE_CROSS_CHECK: [(u64, &str, ScheduleKind, u32); 46] = [
     (4, "pp=2", ScheduleKind::OneFOneB, 2),
     (4, "pp=2", ScheduleKind::GPipe, 2),
     (8, "pp=2", ScheduleKind::OneFOneB, 4),
@@ -1499,6 +1499,17 @@ const MIXTURE_STAGE_CROSS_CHECK: [(u64, &str, ScheduleKind, u32); 37] = [
     (4, "pp=4,ep=2", ScheduleKind::OneFOneB, 2),
     (4, "pp=4,ep=2", ScheduleKind::GPipe, 2),
     (4, "pp=4,ep=2", ScheduleKind::ZeroBubbleH1, 2),
+    // Zero bubble beside dp: B reduces the first expert gradient while the other two wait.
+    (4, "pp=2,dp=2", ScheduleKind::ZeroBubbleH1, 2),
+    (8, "pp=2,dp=2", ScheduleKind::ZeroBubbleH1, 2),
+    (4, "pp=4,dp=2", ScheduleKind::ZeroBubbleH1, 2),
+    (4, "pp=2,dp=2,tp=2", ScheduleKind::ZeroBubbleH1, 2),
+    (4, "pp=2,dp=2,ep=2", ScheduleKind::ZeroBubbleH1, 1),
+    // Beside cp (which reduces the gradients as dp does).
+    (4, "pp=2,cp=2", ScheduleKind::OneFOneB, 2),
+    (4, "pp=2,cp=2", ScheduleKind::GPipe, 4),
+    (4, "pp=2,cp=2", ScheduleKind::ZeroBubbleH1, 4),
+    (4, "pp=2,dp=2,cp=2", ScheduleKind::ZeroBubbleH1, 2),
 ];
 
 /// Checks the stage closed form of `config` (its layers set to each of
@@ -1544,15 +1555,12 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(phases.contains(phase), "{phase}: {phases:?}");
     }
-    // Outside what is modelled (tsp placing the experts, SP, zero bubble beside dp) there is no
-    // closed form.
+    // Outside what is modelled (tsp placing the experts, SP) there is no closed form.
     let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config });
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
-    for (mesh, sequence_parallel, kind, stages) in [
-        ("pp=2,tsp=2", false, ScheduleKind::OneFOneB, 2),
-        ("pp=2,tp=2", true, ScheduleKind::OneFOneB, 2),
-        ("pp=2,dp=2", false, ScheduleKind::ZeroBubbleH1, 2),
-    ] {
+    for (mesh, sequence_parallel, kind, stages) in
+        [("pp=2,tsp=2", false, ScheduleKind::OneFOneB, 2), ("pp=2,tp=2", true, ScheduleKind::OneFOneB, 2)]
+    {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
         let schedule = Schedule::build(kind, stages, 4).unwrap();
         assert!(
@@ -2045,6 +2053,9 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             (&shared_wide, "pp=2", interleaved, 2, false, 0),
             (&shared, "pp=4", zero_bubble, 4, false, 0),
             (&shared_wide, "pp=2,ep=2", zero_bubble, 2, false, 0),
+            (&four_experts, "pp=2,dp=2", zero_bubble, 2, false, 0),
+            (&shared, "pp=2,cp=2", zero_bubble, 2, false, 0),
+            (&shared_wide, "pp=2,dp=2", one_f_one_b, 2, false, 0),
             (&tied, "pp=2", one_f_one_b, 2, false, 0),
             (&tied, "pp=2,tp=2", interleaved, 2, true, 0),
             (&tied_wide, "pp=2,dp=2,tp=2", gpipe, 2, false, 0),

@@ -243,6 +243,21 @@ pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Opti
     })
 }
 
+/// Under dp (or cp) the two routed-expert gradients of the first layer that wait unreduced while
+/// the first is reduced and joins its sum (bytes; else 0).
+pub(super) fn experts_waiting(shape: &StageShape) -> f64 {
+    let StepSizes { element, split, .. } = shape.sizes;
+    match &shape.model.experts {
+        Some(experts) if shape.experts_reduced => {
+            let matrix =
+                (experts.count * shape.model.expert_weights() / 3) as f64 / split / shape.layout.expert_degree() as f64
+                    * element;
+            2.0 * matrix
+        }
+        _ => 0.0,
+    }
+}
+
 /// A mixture of experts may peak inside its first layer's backward, as one of that layer's
 /// routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection) joins its sum:
 /// the layer's attention activations are still live, and of its gradients only the router's and
@@ -256,7 +271,7 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
     let matrix =
         (experts.count * shape.model.expert_weights() / 3) as f64 / split / shape.layout.expert_degree() as f64
             * element;
-    let waiting = if reduced { 2.0 * matrix } else { 0.0 };
+    let waiting = experts_waiting(shape);
     let mut held = before_attention(
         shape,
         chunk,

@@ -101,7 +101,8 @@
 //! runs the experts' and the router's backward, their weight gradients too (none is a W op): a
 //! micro-batch between B and W keeps those gradients, W reads only the attention's inputs and the
 //! norms', and a stage may peak inside a B, as its first layer's last expert gradient joins its sum
-//! beside the micro-batches between B and W. The received counts' sum is freed after its last
+//! beside the micro-batches between B and W (beside dp or cp the first, reduced while the other
+//! two wait unreduced, as outside zero bubble). The received counts' sum is freed after its last
 //! reader on the first stage (where the program's free lies) and at the micro-batch's end on the
 //! others. Over ep the dense gradients are all-reduced over it as over dp, and the experts' (which
 //! ep splits) are not; one instruction makes the experts' input, router and weight gradients, the
@@ -173,8 +174,7 @@
 //! and W reads none; k and v kept whole are
 //! [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family model, dense, or a
 //! mixture of experts (with or without a shared expert) with every expert on every rank or split
-//! over ep, beside dp, ep and tp without SP, ZeRO-1 at most, under zero bubble beside tp and ep
-//! only; its embedding
+//! over ep, beside dp, cp, ep and tp without SP, ZeRO-1 at most; its embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
 //! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names the terms by which
@@ -302,13 +302,9 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                     || (schedule.kind != ScheduleKind::ZeroBubbleH1
                         && (workload.zero == 2 || !model.tied_embeddings)))))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
-        // tsp's), beside dp, ep and tp without SP and ZeRO-1 at most; under zero bubble, not beside
-        // dp (whose reductions of the experts' gradients in B are not modelled).
+        // tsp's), beside dp, cp, ep and tp without SP and ZeRO-1 at most.
         && (model.experts.is_none()
-            || (layout.expert_axis() != Some(AxisName::Tsp)
-                && workload.zero <= 1
-                && !sequence_parallel
-                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || dp * cp == 1)))
+            || (layout.expert_axis() != Some(AxisName::Tsp) && workload.zero <= 1 && !sequence_parallel))
         // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without
         // tp, not under zero bubble). Under zero bubble or interleaved, not beside dp (or cp) × tp;
         // interleaved on two stages only: elsewhere the first stage takes the head's part when a

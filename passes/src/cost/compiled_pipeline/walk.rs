@@ -281,7 +281,10 @@ impl Point<'_> {
             if shape.stage + 1 == shape.stages {
                 for (chunk, hold) in (0..chunks - 1).zip(self.holds) {
                     if forwarded(self.before, micro_batch, chunk) && !forwarded(self.before, micro_batch, chunks - 1) {
-                        last_stage += 2.0 * 2.0 * hold.layers as f64 * shape.statistics;
+                        // (This chunk's layers and the stage before's same chunk's: the
+                        // chunks hold equal layers.)
+                        let layers = 2.0 * hold.layers as f64;
+                        last_stage += 2.0 * layers * shape.statistics;
                     }
                 }
                 continue;
@@ -316,7 +319,11 @@ impl Point<'_> {
                 name: "gradient running sums (B's made, W's once a W has run)",
                 bytes: beside.other_sums + w_sums + made_in_b + beside.loss_sum,
             },
-            Term { name: "the micro-batch's B gradients", bytes: made_in_b },
+            // (Under dp two of the first layer's expert gradients wait unreduced, in `held`.)
+            Term {
+                name: "the micro-batch's B gradients",
+                bytes: made_in_b - super::first_layer::experts_waiting(self.shape),
+            },
             Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
             Term { name: "the later layers' inputs for W", bytes: current.between_b_and_w.later_w_reads },
         ];
