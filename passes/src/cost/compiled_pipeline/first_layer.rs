@@ -286,6 +286,11 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
     if reduced {
         held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
     }
+    // Under SP the experts read the output gradient all-gathered over tp (their output's
+    // reduce-scatter's backward), freed with the MLP norm's output before dp's all-reduce.
+    if shape.sequence_parallel() && !reduced {
+        held.push(Term { name: "first layer's output gradient, all-gathered", bytes: gathered });
+    }
     // A stage between the first and the last still holds the summed counts it received from the
     // last here; the first has freed them, its first layer's router probabilities' backward,
     // which runs before the experts', having read them last.

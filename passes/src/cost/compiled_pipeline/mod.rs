@@ -107,6 +107,8 @@
 //! others. Over ep the dense gradients are all-reduced over it as over dp, and the experts' (which
 //! ep splits) are not; one instruction makes the experts' input, router and weight gradients, the
 //! router's input and weight gradients from the load-balancing loss waiting beside it. Under
+//! Megatron SP the experts read the output gradient all-gathered over tp (but beside dp, where it
+//! is freed with the MLP norm's output before the all-reduce). Under
 //! full recomputation beside dp, cp or ep the last stage all-reduces the counts' sum over them
 //! again in each backward and sends that, so no stage holds it for a micro-batch whose backward
 //! has not started. A micro-batch in flight on the last stage holds its cross-entropy and its
@@ -174,7 +176,8 @@
 //! and W reads none; k and v kept whole are
 //! [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family model, dense, or a
 //! mixture of experts (with or without a shared expert) with every expert on every rank or split
-//! over ep, beside dp, cp, ep and tp without SP, ZeRO-1 at most; its embedding
+//! over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-1 at most; its
+//! embedding
 //! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, not under
 //! zero bubble, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names the terms by which
@@ -302,9 +305,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                     || (schedule.kind != ScheduleKind::ZeroBubbleH1
                         && (workload.zero == 2 || !model.tied_embeddings)))))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
-        // tsp's), beside dp, cp, ep and tp without SP and ZeRO-1 at most.
-        && (model.experts.is_none()
-            || (layout.expert_axis() != Some(AxisName::Tsp) && workload.zero <= 1 && !sequence_parallel))
+        // tsp's), beside dp, cp, ep and tp (with SP but for a shared expert, whose backward's order
+        // differs there) and ZeRO-1 at most.
+        && model.experts.as_ref().is_none_or(|experts| {
+            layout.expert_axis() != Some(AxisName::Tsp)
+                && workload.zero <= 1
+                && (!sequence_parallel || !experts.shared_expert)
+        })
         // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without
         // tp, not under zero bubble). Under zero bubble or interleaved, not beside dp (or cp) × tp;
         // interleaved on two stages only: elsewhere the first stage takes the head's part when a
