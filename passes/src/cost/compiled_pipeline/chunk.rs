@@ -32,9 +32,10 @@ pub(super) struct ChunkHold {
     /// The points of a micro-batch's backward on it (zero bubble: of its W) where the stage may
     /// peak, in the order they are weighed (the first of equals wins).
     pub backward: Vec<Candidate>,
-    /// A mixture of experts: as the first layer's last expert gradient joins its sum (under zero
-    /// bubble in B).
-    pub experts_joining: Option<Candidate>,
+    /// Under zero bubble, a mixture of experts: the points of a micro-batch's B inside its first
+    /// layer's backward (all the stage's B gradients made by then) where the stage may peak: as
+    /// the first layer's last expert gradient joins its sum, and its attention kernel's backward.
+    pub in_b: Vec<Candidate>,
 }
 
 /// A point of a micro-batch's backward on a chunk where the stage may peak.
@@ -51,6 +52,11 @@ pub(super) struct Candidate {
     /// Whether the first layer's k and v gradients are still to be made there (the micro-batch's
     /// gradients ZeRO keeps whole, [`ChunkHold::grads_kept_whole`], are made but theirs).
     pub key_values_pending: bool,
+    /// Of `so_far`, the bytes whose running sum is made later in the backward: on a micro-batch's
+    /// first backward of the chunk their sums do not exist yet (over ep beside the load-balancing
+    /// loss, the router's gradient from the experts' backward, not yet summed with its gradient
+    /// from the loss).
+    pub sum_pending: f64,
 }
 
 /// A chunk's place in the model and what its points share.
@@ -86,7 +92,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let grads = params / shape.shards;
     let end = chunk_end(shape, last, layers);
     let positions = if first && shape.chunks > 1 { 0.0 } else { positions };
-    let mut first_layer_held = vec![Term { name: "positions", bytes: positions }];
+    let mut first_layer_held = vec![Term { name: POSITIONS, bytes: positions }];
     if first {
         first_layer_held.push(Term { name: "token ids", bytes: ids });
         if shape.cp > 1 {
@@ -115,22 +121,23 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         bytes: between_b_and_w.kept_for_weights,
     });
     let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads.clone());
-    let experts_joining = first_layer::experts_joining(shape, &chunk);
+    let in_b = if shape.zero_bubble { first_layer::in_b(shape, &chunk) } else { Vec::new() };
     let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
-    if shape.zero_bubble {
-        backward.extend(first_layer::shared_expert_gate_joining(shape, &chunk, w_reads));
+    if let Some(w_reads) = w_reads {
+        backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));
     }
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
-        backward.extend(experts_joining.clone());
-        backward.extend(first_layer::shared_expert_gate_joining(shape, &chunk, None));
+        backward.extend(first_layer::mixture_mlp_backward(shape, &chunk));
         backward.extend(head::head_of_backward(shape, &chunk));
         backward.extend(first_layer::gate_joining(shape, &chunk));
         backward.extend(first_layer::attention_norm_gradient(shape, &chunk));
         backward.extend(first_layer::attention_backward(shape, &chunk));
+        backward.extend(head::last_layer_attention_backward(shape, &chunk));
+        backward.extend(first_layer::first_layer_attention_input_gradients(shape, &chunk));
         backward.extend(first_layer::recomputed_down_joining(shape, &chunk));
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk));
@@ -168,7 +175,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         remains: remains.iter().map(|term| term.bytes).sum(),
         between_b_and_w,
         backward,
-        experts_joining,
+        in_b,
     }
 }
 
@@ -217,6 +224,10 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
     }
     in_flight
 }
+
+/// The name of the micro-batch's positions among a chunk's `first_layer_held`, by which a
+/// point that no longer holds them (a first stage's W) leaves them out.
+pub(super) const POSITIONS: &str = "positions";
 
 /// The term naming the expert counts summed over the layers that a stage between the first and
 /// the last received from the last.
@@ -380,6 +391,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         held,
         new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
         key_values_pending: false,
+        sum_pending: 0.0,
     }];
     if let Some(held) = parts_summed {
         candidates.push(Candidate {
@@ -388,6 +400,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
             held,
             new_sum: None,
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     if let Some(held) = slicing {
@@ -401,6 +414,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
             held,
             new_sum: None,
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     candidates
@@ -424,5 +438,6 @@ fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
         held,
         new_sum: None,
         key_values_pending: false,
+        sum_pending: 0.0,
     }
 }

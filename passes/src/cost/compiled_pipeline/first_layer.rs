@@ -6,8 +6,10 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{Candidate, Chunk, RECEIVED_COUNTS};
-use super::{tsp_o_reduces, StageShape};
+use super::chunk::{Candidate, Chunk, POSITIONS, RECEIVED_COUNTS};
+use super::experts::{self, experts_points};
+use super::shared_expert::shared_expert_points;
+use super::{tsp_o_reduces, Place, StageShape};
 
 /// Inside the first layer's backward, before its attention's: that layer's attention activations
 /// (which full recomputation recomputes only for the attention's own backward), and its attention
@@ -104,6 +106,7 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
         held,
         new_sum: None,
         key_values_pending: true,
+        sum_pending: 0.0,
     })
 }
 
@@ -137,6 +140,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
         held: before_attention(shape, chunk, mlp),
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
         key_values_pending: false,
+        sum_pending: 0.0,
     })
 }
 
@@ -170,6 +174,7 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
         held,
         new_sum: None,
         key_values_pending: false,
+        sum_pending: 0.0,
     })
 }
 
@@ -177,14 +182,18 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
 /// v's gradient beside q's and k's: every gradient of the layer but q's, k's, v's and its input
 /// norm's is made, attention's output freed (its gradient live), and its inputs (the norm's output,
 /// q, and every token's k and v under cp) live beside the kernel's three gradients (k's and v's
-/// every token's under cp, before their reduce-scatter). (Not under full recomputation, which
-/// recomputes them; or for a mixture or under tsp, whose attention backwards differ.)
+/// every token's under cp, before their reduce-scatter); a stage between the first and the last
+/// still holds a mixture's summed expert counts it received. (Not under tsp, whose attention
+/// backward differs.)
 pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, .. } = shape.sizes;
-    if shape.model.experts.is_some() || shape.tsp > 1 {
+    if shape.tsp > 1 {
         return None;
     }
     let mut held = chunk.first_layer_held.clone();
+    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
     held.extend([
         Term { name: "first layer's attention residual gradient", bytes: stream },
         Term { name: "first layer's attention norm output", bytes: gathered },
@@ -202,7 +211,88 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         held,
         new_sum: None,
         key_values_pending: true,
+        sum_pending: 0.0,
     })
+}
+
+/// A mixture's first layer's [`attention_input_gradients`].
+pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, hidden, query, .. } = shape.sizes;
+    // (On the first stage the first layer's RoPE backward read its positions last.)
+    let mut context: Vec<Term> =
+        chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != POSITIONS).cloned().collect();
+    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        context.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
+    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
+    attention_input_gradients(
+        shape,
+        [
+            "first layer's attention norm output's gradients from v and k",
+            "first layer's attention norm output's gradient from q",
+        ],
+        context,
+        chunk.grads - not_made,
+    )
+}
+
+/// After a mixture's attention kernel backward (not beside cp or tsp, whose k and v gradients are
+/// every token's), the attention norm output's gradients from v, k and q are summed as they are
+/// made, each of the whole hidden size (under tp partial, before their all-reduce), the attention
+/// residual's gradient and the norm's output live: a stage may peak as the gradients from v and k
+/// are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's backward done,
+/// live beside the two and their sum), or as the one from q joins them (k's weight gradient made
+/// too, k's gradient freed). `context` is what the micro-batch holds beside the layer's attention
+/// buffers, `attention_so_far` the gradients made by its attention kernel's backward, `names`
+/// the two points'.
+pub(super) fn attention_input_gradients(
+    shape: &StageShape,
+    names: [&'static str; 2],
+    context: Vec<Term>,
+    attention_so_far: f64,
+) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, token_split, .. } = shape.sizes;
+    if shape.model.experts.is_none() || token_split > 1 {
+        return Vec::new();
+    }
+    let mut common = context;
+    common.extend([
+        Term { name: "the layer's attention residual gradient", bytes: stream },
+        Term { name: "the layer's attention norm output", bytes: gathered },
+    ]);
+    let mut from_v_and_k = common.clone();
+    from_v_and_k.extend([
+        Term { name: "the layer's q and k gradients", bytes: local_tokens * (query + kv) * element },
+        Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
+    ]);
+    let mut from_q = common;
+    from_q.extend([
+        Term { name: "the layer's q gradient", bytes: local_tokens * query * element },
+        Term {
+            name: "the attention norm output's gradients from v and k summed, from q, and the three's sum",
+            bytes: 3.0 * gathered,
+        },
+    ]);
+    // A k or v projection's weight and bias gradient.
+    let key_value = (hidden * kv + if shape.model.qkv_bias { kv } else { 0.0 }) * element;
+    vec![
+        Candidate {
+            name: names[0],
+            so_far: attention_so_far + key_value,
+            held: from_v_and_k,
+            new_sum: None,
+            key_values_pending: true,
+            sum_pending: 0.0,
+        },
+        Candidate {
+            name: names[1],
+            so_far: attention_so_far + 2.0 * key_value,
+            held: from_q,
+            new_sum: None,
+            key_values_pending: false,
+            sum_pending: 0.0,
+        },
+    ]
 }
 
 /// Under full recomputation a chunk may peak inside its first layer's backward as the down
@@ -240,148 +330,140 @@ pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Opti
         held,
         new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
         key_values_pending: false,
+        sum_pending: 0.0,
     })
 }
 
-/// Under dp (or cp) the two routed-expert gradients of the first layer that wait unreduced while
-/// the first is reduced and joins its sum (bytes; else 0).
-pub(super) fn experts_waiting(shape: &StageShape) -> f64 {
-    let StepSizes { element, split, .. } = shape.sizes;
-    match &shape.model.experts {
-        Some(experts) if shape.experts_reduced => {
-            let matrix =
-                (experts.count * shape.model.expert_weights() / 3) as f64 / split / shape.layout.expert_degree() as f64
-                    * element;
-            2.0 * matrix
-        }
-        _ => 0.0,
+/// What a micro-batch holds inside its first layer's backward beside the layer's MLP buffers: the
+/// chunk's inputs, what its end keeps, the layer's attention activations, the MLP norm's output and
+/// the layer's output gradient; and on a stage between the first and the last the expert counts
+/// it received (`with_counts_on_the_first`: on the first stage too, before the router's backward,
+/// which reads them last there).
+fn mlp_context(shape: &StageShape, chunk: &Chunk, with_counts_on_the_first: bool) -> Vec<Term> {
+    let StepSizes { stream, gathered, .. } = shape.sizes;
+    let mut mlp = vec![
+        Term { name: "first layer's MLP norm output", bytes: gathered },
+        Term { name: "first layer's output gradient", bytes: stream },
+    ];
+    if (!chunk.first || with_counts_on_the_first) && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        mlp.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
     }
+    before_attention(shape, chunk, mlp)
 }
 
-/// A mixture of experts may peak inside its first layer's backward, as one of that layer's
-/// routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection) joins its sum:
-/// the layer's attention activations are still live, and of its gradients only the router's and
-/// the experts' are done. Without dp it is the last of the three; under dp the first, reduced
-/// while the other two wait unreduced beside it (the mixture's backward makes all three at once),
-/// the MLP norm's output freed.
+/// The chunk's gradients made before its first layer's MLP backward: all but that layer's.
+fn made_before_first_mlp(shape: &StageShape, chunk: &Chunk) -> f64 {
+    let layer = (shape.attention_weights + 2.0 * shape.norm) * shape.sizes.element + shape.layer_mlp_gradients();
+    chunk.grads - layer - chunk.table
+}
+
+/// A mixture may peak inside its first layer's MLP backward: in a shared expert's (Qwen2-MoE,
+/// [`shared_expert_points`]), which comes first, the received expert counts still live on every
+/// stage but the last; then in the routed experts' ([`experts_points`]), the router's backward
+/// having freed the counts on the first stage.
+pub(super) fn mixture_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let made_before = made_before_first_mlp(shape, chunk);
+    let mut points = shared_expert_points(shape, Place::FirstLayer, &mlp_context(shape, chunk, true), made_before);
+    points.extend(experts_points(shape, Place::FirstLayer, &mlp_context(shape, chunk, false), made_before));
+    points
+}
+
+/// As one of the first layer's routed-expert gradients joins its sum ([`experts::joining`]).
 pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, split, stream, gathered, .. } = shape.sizes;
-    let experts = shape.model.experts.as_ref()?;
-    let reduced = shape.experts_reduced;
-    let matrix =
-        (experts.count * shape.model.expert_weights() / 3) as f64 / split / shape.layout.expert_degree() as f64
-            * element;
-    let waiting = experts_waiting(shape);
-    let mut held = before_attention(
-        shape,
-        chunk,
-        [
-            Term {
-                name: "first layer's MLP norm output (but under dp) and its gradient",
-                bytes: if reduced { gathered } else { 2.0 * gathered },
-            },
-            Term { name: "first layer's output gradient", bytes: stream },
-        ],
-    );
-    if reduced {
-        held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
+    experts::joining(shape, Place::FirstLayer, &mlp_context(shape, chunk, false), made_before_first_mlp(shape, chunk))
+}
+
+/// Under zero bubble a mixture's B (which makes its experts' and router's weight gradients, none a
+/// W op) may peak inside its first layer's backward: as the last expert gradient joins its sum
+/// ([`experts_joining`]), and on more tokens in its attention kernel's backward, as v's
+/// gradient is made beside q's and k's. There the MLP norm's output is freed, but its gradient,
+/// which the norm's weight gradient (a W op) reads, stays, as do the attention's output and
+/// residual (o's and the MLP norm's weight gradients read them), beside the attention residual's
+/// gradient, attention's output gradient and the kernel's three gradients. (Not beside cp, whose k
+/// and v gradients are every token's.)
+pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, query, stream, gathered, boundary, kv_kept, token_split, .. } = shape.sizes;
+    let Some(mut joining) = experts_joining(shape, chunk) else { return Vec::new() };
+    // What W reads beyond the later layers' inputs: the first layer's output, which the next
+    // layer's attention norm's weight gradient reads (on a chunk of one layer its output sent on,
+    // or on the last the final norm's input, counted apart), and on the last chunk the head's:
+    // the final norm's output and its gradient, the logits' gradient and the load-balancing loss
+    // beside the cross-entropy.
+    let mut for_w = Vec::new();
+    if chunk.layers > 1 && chunk.last {
+        for_w.push(Term { name: "first layer's output (the next layer's input, for W)", bytes: boundary });
     }
-    // Under SP the experts read the output gradient all-gathered over tp (their output's
-    // reduce-scatter's backward), freed with the MLP norm's output before dp's all-reduce.
-    if shape.sequence_parallel() && !reduced {
-        held.push(Term { name: "first layer's output gradient, all-gathered", bytes: gathered });
-    }
-    // A stage between the first and the last still holds the summed counts it received from the
-    // last here; the first has freed them, its first layer's router probabilities' backward,
-    // which runs before the experts', having read them last.
-    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
-    // Over ep one instruction makes the experts' input, router and weight gradients; the router's
-    // input and weight gradients from the load-balancing loss, made before it, are summed with
-    // its results after them.
-    if shape.ep > 1 && experts.load_balancing_loss {
-        let StepSizes { local_tokens, hidden, .. } = shape.sizes;
-        held.push(Term {
-            name: "the router's input and weight gradients from the load-balancing loss",
-            bytes: (experts.count as f64 + local_tokens) * hidden * element,
+    if chunk.last {
+        for_w.push(Term {
+            name: "the final norm's output and its gradient, the logits' gradient (for W)",
+            bytes: 2.0 * gathered + local_tokens * shape.sizes.vocab_shard * element,
         });
     }
-    Some(Candidate {
-        name: "first layer's expert gradient joins its sum",
-        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table - waiting,
-        held,
-        new_sum: Some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
-        key_values_pending: false,
-    })
-}
-
-/// A mixture with a shared expert (Qwen2-MoE) may peak inside its first layer's backward as the
-/// shared expert's gate projection gradient, the last of its three, joins its sum: the shared
-/// expert's backward comes before the routed experts' (and, with the load-balancing loss, the
-/// router's), so the layer's attention activations, the MLP norm output the routed experts still
-/// read and its gradient's running sum are live beside the layer's output gradient; of the layer's
-/// gradients the shared expert's (and its gate vector's) are done. Beside dp, cp or ep (its
-/// replicas) the input gradient comes first and the weight gradient is all-reduced: its unreduced
-/// copy is live beside the reduced one; otherwise the weight gradient comes first, beside the gate
-/// output's gradient and the norm output's gradient from up. A stage but the last still holds the
-/// expert counts it received, which the router's backward reads.
-///
-/// Under zero bubble the shared expert's weight gradients are W's, made before the layer's
-/// attention's and norms': `w_reads` is what W's tail still reads, and beside it the layer's
-/// attention inputs and gradients, both norm outputs' gradients and gate's output gradient are
-/// live (the attention norm's input gradient sent back by B).
-pub(super) fn shared_expert_gate_joining(
-    shape: &StageShape,
-    chunk: &Chunk,
-    w_reads: Option<Term>,
-) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    let experts = shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
-    let unreduced = shape
-        .reduced
-        .then_some(Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate });
-    let gate_output_gradient =
-        Term { name: "first layer's shared gate output gradient", bytes: local_tokens * ffn * element };
-    // (Under zero bubble B made the routed experts' and the router's gradients.)
-    let in_w = w_reads.is_some();
-    let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
-    let routing = if in_w { 0.0 } else { routed + (experts.count * shape.model.hidden) as f64 };
-    let held = if let Some(w_reads) = w_reads {
-        let full = shape.recompute() == Recompute::Full;
-        // (The first stage's B read its positions last, but where W recomputes: `w_reads` then.)
-        let mut held: Vec<Term> =
-            chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != "positions").cloned().collect();
-        held.extend(read_by_w(shape, w_reads));
-        // Beside its replicas gate's output gradient is freed before its weight gradient's
-        // all-reduce.
-        held.push(unreduced.unwrap_or(gate_output_gradient));
-        // Under full recomputation a stage between the first and the last still holds the
-        // counts' sum it received, as at W's tail.
-        if full && !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+    joining.held.extend(for_w.iter().cloned());
+    let mut points = vec![Candidate { name: "first layer's expert gradient joins its sum in B", ..joining }];
+    if token_split == 1 {
+        let mut held = before_attention(
+            shape,
+            chunk,
+            [
+                Term { name: "first layer's MLP norm output's gradient (for W)", bytes: gathered },
+                Term { name: "first layer's attention residual gradient", bytes: stream },
+                Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
+                Term {
+                    name: "first layer's attention q, k and v gradients",
+                    bytes: (local_tokens * query + kv_kept) * element,
+                },
+            ],
+        );
+        if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
             held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
         }
-        held
+        held.extend(for_w);
+        points.push(Candidate {
+            name: "first layer's attention backward in B",
+            so_far: 0.0,
+            held,
+            new_sum: None,
+            key_values_pending: false,
+            sum_pending: 0.0,
+        });
+    }
+    points
+}
+
+/// Under zero bubble a shared expert's weight gradients (its gate vector's too) are W's, made
+/// before the layer's attention's and norms', and a stage may peak as the first layer's shared
+/// gate projection gradient, the last of its three, joins its sum: `w_reads` is what W's tail
+/// still reads, and beside it the layer's attention inputs and gradients, both norm outputs'
+/// gradients and gate's output gradient are live (the attention norm's input gradient sent back
+/// by B). Beside its replicas (dp, cp or ep) the weight gradient is all-reduced, gate's output
+/// gradient freed before: the unreduced copy is live beside the reduced one.
+pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, ffn, .. } = shape.sizes;
+    shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
+    let full = shape.recompute() == Recompute::Full;
+    // (The first stage's B read its positions last, but where W recomputes: `w_reads` then.)
+    let mut held: Vec<Term> =
+        chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != POSITIONS).cloned().collect();
+    held.extend(read_by_w(shape, w_reads));
+    held.push(if shape.reduced {
+        Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate }
     } else {
-        let mut mlp = vec![
-            Term {
-                name: "first layer's MLP norm output and its gradient from the shared expert",
-                bytes: 2.0 * gathered,
-            },
-            Term { name: "first layer's output gradient", bytes: stream },
-        ];
-        mlp.push(unreduced.unwrap_or(gate_output_gradient));
-        if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-            mlp.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-        }
-        before_attention(shape, chunk, mlp)
-    };
+        Term { name: "first layer's shared gate output gradient", bytes: local_tokens * ffn * element }
+    });
+    // Under full recomputation a stage between the first and the last still holds the counts'
+    // sum it received, as at W's tail.
+    if full && !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
     Some(Candidate {
         name: "first layer's shared expert's gate gradient joins its sum",
-        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm + routing) * element - chunk.table,
+        // (B made the routed experts' and the router's gradients.)
+        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held,
         new_sum: Some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
         key_values_pending: false,
+        sum_pending: 0.0,
     })
 }
 
@@ -468,6 +550,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
                 held,
                 new_sum: None,
                 key_values_pending: false,
+                sum_pending: 0.0,
             }
         })
         .collect();
@@ -488,6 +571,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
             held,
             new_sum: Some(Term { name: "the joining o gradient's new sum beside the old", bytes: o_block }),
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     candidates
@@ -542,6 +626,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             held: mlp,
             new_sum: None,
             key_values_pending: true,
+            sum_pending: 0.0,
         },
         Candidate {
             name: "first layer's o gradient reduce-scattered, its attention regathered",
@@ -549,6 +634,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             held: attention,
             new_sum: None,
             key_values_pending: true,
+            sum_pending: 0.0,
         },
     ]
 }

@@ -4,12 +4,15 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{Candidate, Chunk};
-use super::StageShape;
+use super::chunk::{Candidate, Chunk, RECEIVED_COUNTS};
+use super::experts::experts_points;
+use super::shared_expert::shared_expert_points;
+use super::{Place, StageShape};
 
 /// The points at the head of a micro-batch's backward on `chunk`: on the last chunk the loss's
-/// backward and the LM head's weight gradient joining its sum; on another its last layer's down
-/// projection's gradient joining its sum and its MLP norm output's gradients being summed.
+/// backward and the LM head's weight gradient joining its sum; on another a dense last layer's
+/// down projection's gradient joining its sum and its MLP norm output's gradients being summed;
+/// and a mixture's last layer's MLP backward on either ([`mixture_head`]).
 pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if chunk.last {
         last_chunk(shape, chunk)
@@ -48,16 +51,20 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         ],
         new_sum: None,
         key_values_pending: false,
+        sum_pending: 0.0,
     }];
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it. (Beside dp, which reduces the gradient first, below;
     // not modelled beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens;
-    // under full recomputation, which recomputes the final norm for it; or for a mixture, whose
-    // load-balancing loss's buffers differ there.)
-    if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced {
+    // or under full recomputation, which recomputes the final norm for it.)
+    let mixture = shape.model.experts.is_some() && shape.recompute() != Recompute::Full;
+    if shape.sizes.token_split == 1 && (shape.mlp_backward_modelled() || mixture) && !shape.reduced {
         let mut held = vec![
             Term { name: "its positions", bytes: chunk.positions },
-            Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
+            Term {
+                name: "what it holds in flight but the logits, its two losses summed",
+                bytes: chunk.in_flight - logits - summed,
+            },
             Term { name: "the logits' gradient", bytes: logits },
             Term { name: "the LM head's input gradient", bytes: gathered },
         ];
@@ -74,6 +81,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 .is_none()
                 .then_some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     // Beside a tied table without dp, next as the last layer's down projection's weight gradient
@@ -101,6 +109,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
@@ -128,6 +137,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             held,
             new_sum: None,
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 && head_part.is_none() {
@@ -150,6 +160,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             ],
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     // Beside dp, as the last layer's down projection's weight gradient joins its sum, reduced, its
@@ -179,6 +190,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .collect(),
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
             key_values_pending: false,
+            sum_pending: 0.0,
         });
         // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
         // gradient freed (as on a chunk before the last).
@@ -199,8 +211,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .collect(),
             new_sum: None,
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
+    candidates.extend(mixture_head(shape, chunk));
     candidates
 }
 
@@ -215,6 +229,9 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// two input gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, gathered, boundary, .. } = shape.sizes;
+    if shape.model.experts.is_some() {
+        return mixture_head(shape, chunk);
+    }
     if !shape.mlp_backward_modelled() {
         return Vec::new();
     }
@@ -240,6 +257,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             ],
             new_sum: None,
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     } else if shape.tp == 1 {
         candidates.push(Candidate {
@@ -253,6 +271,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
             key_values_pending: false,
+            sum_pending: 0.0,
         });
     }
     candidates.push(Candidate {
@@ -273,6 +292,139 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         ],
         new_sum: None,
         key_values_pending: false,
+        sum_pending: 0.0,
     });
+    candidates
+}
+
+/// The head of a mixture's backward on a chunk (not under full recomputation, which recomputes
+/// the layer first; nor beside cp on the last chunk): its last layer's MLP backward, a shared
+/// expert's ([`shared_expert_points`]) then the routed experts' ([`experts_points`]), and on a
+/// chunk before the last the output gradient's arrival. The micro-batch holds all it holds in
+/// flight but (on the last chunk) the logits, the final norm's buffers and its last layer's
+/// output, and its last layer's shared expert's activations (its backward comes first, the
+/// gradients of the head and the final norm made before it), beside that layer's output gradient
+/// (on another chunk the one it received). The summed expert counts a stage before the last
+/// received are live there: the first layer's router reads them last.
+fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, hidden, stream, gathered, boundary, .. } = shape.sizes;
+    let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
+    // (Not beside cp on the last chunk, whose logits' gradient is sliced back to the rank's
+    // tokens.)
+    if shape.recompute() == Recompute::Full || (chunk.last && shape.sizes.token_split > 1) {
+        return Vec::new();
+    }
+    let shared_kept = if experts.shared_expert { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
+    let (head_gradients, in_flight, output_gradient) = if chunk.last {
+        let final_norm = (gathered - boundary) + gathered;
+        // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
+        let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+        (
+            (shape.sizes.vocab_shard * hidden + shape.norm) * element,
+            Term {
+                name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations",
+                bytes: chunk.in_flight - shape.logits() - final_norm - boundary - summed - shared_kept,
+            },
+            Term { name: "its last layer's output gradient", bytes: stream },
+        )
+    } else {
+        (
+            0.0,
+            Term {
+                name: "what it holds in flight but its last layer's shared expert's activations",
+                bytes: chunk.in_flight - shared_kept,
+            },
+            Term { name: "its output gradient (received)", bytes: boundary },
+        )
+    };
+    let mut routed = vec![Term { name: "its positions", bytes: chunk.positions }, in_flight, output_gradient];
+    let mut shared = routed.clone();
+    // (On the first stage the first layer's router probabilities' backward, after its shared
+    // expert's and before its routed experts', frees them.)
+    if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        shared.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        if !(chunk.first && chunk.layers == 1) {
+            routed.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        }
+    }
+    let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);
+    candidates.extend(experts_points(shape, Place::LastLayer, &routed, head_gradients));
+    // On a chunk before the last the backward starts as the two parts of the output gradient the
+    // next stage sent back (its first layer's attention residual gradient and attention norm's
+    // input gradient) are summed: all the micro-batch holds in flight is live beside the three,
+    // none of its gradients made. (Above the points after it once a shared expert's activations
+    // outweigh the last layer's MLP gradients.)
+    if !chunk.last {
+        let mut received = vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight", bytes: chunk.in_flight },
+            Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * boundary },
+        ];
+        if shape.chunks == 1 && shape.statistics > 0.0 {
+            received.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        }
+        candidates.push(Candidate {
+            name: "the output gradient received",
+            so_far: 0.0,
+            held: received,
+            new_sum: None,
+            key_values_pending: false,
+            sum_pending: 0.0,
+        });
+    }
+    candidates
+}
+
+/// Under full recomputation a mixture's chunk of more than one layer may peak inside its last
+/// layer's attention backward, as the attention kernel makes v's gradient beside q's and k's (recomputed
+/// for it): as inside its first layer's (`first_layer::attention_backward`), but the residual
+/// stream every layer below kept is still live, and of the chunk's gradients only the head's (on
+/// the last chunk) and the last layer's MLP's, MLP norm's and output projection's are made.
+pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, kept_layer, .. } = shape.sizes;
+    if shape.recompute() != Recompute::Full || chunk.layers < 2 || shape.model.experts.is_none() {
+        return Vec::new();
+    }
+    let mut context = chunk.first_layer_held.clone();
+    if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        context.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
+    context.push(Term {
+        name: "the residual stream the layers below its last kept",
+        bytes: (chunk.layers - 1) as f64 * kept_layer,
+    });
+    let mut held = context.clone();
+    held.extend([
+        Term { name: "its last layer's attention residual gradient", bytes: stream },
+        Term { name: "its last layer's attention norm output, recomputed", bytes: gathered },
+        Term {
+            name: "its last layer's q, k and v after RoPE, recomputed",
+            bytes: (local_tokens * query + kv_kept) * element,
+        },
+        Term { name: "its last layer's attention output gradient", bytes: local_tokens * query * element },
+        Term {
+            name: "its last layer's attention q, k and v gradients",
+            bytes: (local_tokens * query + kv_kept) * element,
+        },
+    ]);
+    let head = if chunk.last { (shape.sizes.vocab_shard * hidden + shape.norm) * element } else { 0.0 };
+    let so_far = head + shape.layer_mlp_gradients() + (shape.norm + hidden * query) * element;
+    let mut candidates = vec![Candidate {
+        name: "the last layer's attention backward",
+        so_far,
+        held,
+        new_sum: None,
+        key_values_pending: true,
+        sum_pending: 0.0,
+    }];
+    candidates.extend(super::first_layer::attention_input_gradients(
+        shape,
+        [
+            "the last layer's attention norm output's gradients from v and k",
+            "the last layer's attention norm output's gradient from q",
+        ],
+        context,
+        so_far,
+    ));
     candidates
 }

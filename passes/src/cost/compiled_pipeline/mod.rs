@@ -22,7 +22,7 @@
 //! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
 //! recomputation, and beside dp or cp without tp), or inside its attention backward, as the
 //! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed
-//! under full recomputation; not under tsp or for a mixture), or under full recomputation as the
+//! under full recomputation; not under tsp), or under full recomputation as the
 //! first layer's down gradient joins its sum beside the MLP recomputed for it (without tp, tsp or
 //! ZeRO-2 and 3), and at the head of a backward: the last stage in the loss's backward, or (a
 //! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp) as
@@ -125,6 +125,26 @@
 //! reads it too, and the product) and their output gradients, and the gate gradient joins its sum
 //! in the first layer's W, beside the attention inputs and gradients W reads next.
 //!
+//! On more tokens a mixture's activations outweigh its gradients and a stage peaks inside a
+//! backward (outside zero bubble; not under tsp). At the head of a chunk's backward (`head`), all
+//! that the micro-batch holds in flight live: as the two parts of the output gradient the next
+//! stage sent back are summed; in the last layer's shared expert's backward (`shared_expert`: its
+//! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
+//! sum); as the routed experts' backward is dispatched over ep (from a copy of its operands) or
+//! their input gradient all-reduced over tp (without SP, ep or a shared expert); as an expert
+//! gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
+//! gradients from the router and the experts are summed; and as the attention residual's gradient
+//! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
+//! weight gradient joins its sum. Inside the first layer's backward: the same points of its MLP
+//! backward beside the layer's attention activations, its attention kernel's backward, and (not
+//! beside cp) the attention norm output's gradients from v and k summed, then from q. Under full
+//! recomputation the head's MLP points are not modelled, but the last layer's attention kernel's
+//! backward and input gradients are, the layers below holding their residual stream. Over ep
+//! beside the load-balancing loss the router's gradient from the experts' backward has no running
+//! sum until it is summed with its gradient from the loss. `tests/cost_training.rs` checks the
+//! form exact to 1024 tokens beside dp and ep, and beside tp without a shared expert (but ep × tp
+//! under full recomputation); elsewhere (beside cp, tp with a shared expert) below, never above.
+//!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
 //! and the rows, not yet reduced nor summed), the larger where tp > 2.
@@ -191,8 +211,10 @@
 //! between its B and its W, and `walk` weighs every point of every step of the stage's schedule
 //! beside what the other micro-batches hold there.
 mod chunk;
+mod experts;
 mod first_layer;
 mod head;
+mod shared_expert;
 mod walk;
 mod zero_bubble;
 
@@ -329,6 +351,15 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
 fn only_key_values_kept_whole(model: &ModelShape, layout: &Layout) -> bool {
     let zero_rows = ZeroRows::new(model, layout);
     zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * zero_rows.beyond_key_values()
+}
+
+/// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
+/// activations live, every later layer's gradients made), or at the head of the chunk's backward,
+/// in its last layer's (all that the micro-batch holds in flight live).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    FirstLayer,
+    LastLayer,
 }
 
 /// What every chunk of a stage shares: the model and the step, the layout's degrees, one rank's
@@ -468,6 +499,15 @@ impl<'a> StageShape<'a> {
     /// frees them once it has summed them.
     fn statistics_sent_on(&self, last: bool) -> bool {
         !last && (self.chunks == 1 || self.stage + 1 < self.stages)
+    }
+
+    /// One layer's MLP gradients on the rank (bytes): a dense MLP's or a mixture's shared
+    /// expert's projections (tp's shard), the routed experts' (tp's and ep's shard) and the
+    /// routing parameters (whole).
+    fn layer_mlp_gradients(&self) -> f64 {
+        let model = self.model;
+        let routed = model.routed_expert_weights() as f64 / (self.tp * self.layout.expert_degree()) as f64;
+        (model.mlp_weights() as f64 / self.tp as f64 + routed + model.router_params() as f64) * self.sizes.element
     }
 
     /// Whether a dense stage's MLP backward points are modelled: not under ZeRO-2 and 3, which

@@ -35,8 +35,7 @@ pub(super) fn stage_peak(
         }
         let point = Point { shape, schedule, holds, before: &steps[..at], step, in_b, input_phase, tail_phase };
         let beside = point.beside()?;
-        let phases =
-            if in_b { point.in_b(&beside, params).into_iter().collect() } else { point.backward(&beside, params) };
+        let phases = if in_b { point.in_b(&beside, params) } else { point.backward(&beside, params) };
         for phase in phases {
             if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
                 best = Some(phase);
@@ -305,34 +304,36 @@ impl Point<'_> {
         Some((last_stage, received))
     }
 
-    /// Inside B, as the first layer's last expert gradient joins its sum: the stage's B gradients
-    /// all made (the later layers' and this one's) and summed, the W gradients' sums if a W has
-    /// run, the later layers' inputs for W, and the first layer's activations and MLP gradients
-    /// as the experts' backward leaves them.
-    fn in_b(&self, beside: &Beside, params: f64) -> Option<ForwardPhase> {
+    /// Inside B, at the points of its first layer's backward ([`ChunkHold::in_b`]): the stage's B
+    /// gradients all made (the later layers' and this one's) and summed, the W gradients' sums if a
+    /// W has run, the later layers' inputs for W, and what the first layer holds at each point.
+    fn in_b(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
         let current = &self.holds[self.step.chunk as usize];
-        let made_in_b = current.between_b_and_w.made_in_b?;
-        let joining = current.experts_joining.as_ref()?;
+        let Some(made_in_b) = current.between_b_and_w.made_in_b else { return Vec::new() };
         let w_sums = if self.done(self.step.chunk, self.tail_phase) > 0.0 { current.grads - made_in_b } else { 0.0 };
-        let mut terms = vec![
-            Term {
-                name: "gradient running sums (B's made, W's once a W has run)",
-                bytes: beside.other_sums + w_sums + made_in_b + beside.loss_sum,
-            },
-            // (Under dp two of the first layer's expert gradients wait unreduced, in `held`.)
-            Term {
-                name: "the micro-batch's B gradients",
-                bytes: made_in_b - super::first_layer::experts_waiting(self.shape),
-            },
-            Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
-            Term { name: "the later layers' inputs for W", bytes: current.between_b_and_w.later_w_reads },
-        ];
-        terms.extend(received(beside));
-        terms.extend(joining.held.iter().cloned());
-        if self.done(self.step.chunk, self.input_phase) > 0.0 {
-            terms.extend(joining.new_sum.clone());
-        }
-        Some(ForwardPhase { name: "first layer's expert gradient joins its sum in B", params, terms })
+        let b_done_before = self.done(self.step.chunk, self.input_phase) > 0.0;
+        let phase = |point: &Candidate| {
+            let mut terms = vec![
+                Term {
+                    name: "gradient running sums (B's made, W's once a W has run)",
+                    bytes: beside.other_sums + w_sums + made_in_b + beside.loss_sum,
+                },
+                // (Under dp two of the first layer's expert gradients wait unreduced, in `held`.)
+                Term {
+                    name: "the micro-batch's B gradients",
+                    bytes: made_in_b - super::experts::experts_waiting(self.shape),
+                },
+                Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
+                Term { name: "the later layers' inputs for W", bytes: current.between_b_and_w.later_w_reads },
+            ];
+            terms.extend(received(beside));
+            terms.extend(point.held.iter().cloned());
+            if b_done_before {
+                terms.extend(point.new_sum.clone());
+            }
+            ForwardPhase { name: point.name, params, terms }
+        };
+        current.in_b.iter().map(phase).collect()
     }
 
     /// The chunk's points of a backward (or W): at each the running sums (on the micro-batch's
@@ -345,7 +346,7 @@ impl Point<'_> {
             let sums = if first_backward {
                 Term {
                     name: "gradient running sums, created so far",
-                    bytes: beside.other_sums + candidate.so_far + beside.loss_sum,
+                    bytes: beside.other_sums + candidate.so_far - candidate.sum_pending + beside.loss_sum,
                 }
             } else {
                 Term { name: "gradient running sums", bytes: beside.other_sums + current.grads + beside.loss_sum }

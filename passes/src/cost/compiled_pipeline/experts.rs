@@ -1,0 +1,228 @@
+//! The points of a layer's routed experts' backward (a mixture of experts) where a stage may peak,
+//! in a chunk's first layer or at the head of its backward ([`Place`]).
+//!
+//! A layer's MLP backward (after a shared expert's, [`super::shared_expert`]) runs the router's
+//! backward for the load-balancing loss (its input and weight gradients), then the routed experts':
+//! over ep one instruction dispatching the rows to the experts' ranks and back, else one kernel a
+//! gradient, the input gradient first (under tp each rank's partial sum over its share of the
+//! experts' channels, all-reduced over tp), then the router's, then the three `[E, h, f_e]` weight
+//! gradients; beside dp or cp each weight gradient is all-reduced before it joins its sum, the
+//! MLP norm's output freed first. Then the MLP norm's backward, whose input gradient is summed
+//! into the attention residual's gradient.
+
+use super::super::memory::Term;
+use super::super::step_sizes::StepSizes;
+use super::chunk::Candidate;
+use super::{Place, StageShape};
+
+impl Place {
+    /// The names of the routed experts' points there.
+    fn experts_names(self) -> ExpertsNames {
+        match self {
+            Place::FirstLayer => ExpertsNames {
+                dispatched: "first layer's experts' backward dispatched",
+                input_gradient_reduced: "first layer's routed experts' input gradient all-reduced over tp",
+                joining: "first layer's expert gradient joins its sum",
+                summed: "first layer's MLP norm output's gradients summed",
+                residual_gradient: "first layer's attention residual gradient",
+            },
+            Place::LastLayer => ExpertsNames {
+                dispatched: "the last layer's experts' backward dispatched",
+                input_gradient_reduced: "the last layer's routed experts' input gradient all-reduced over tp",
+                joining: "the last layer's expert gradient joins its sum",
+                summed: "the last layer's MLP norm output's gradients summed",
+                residual_gradient: "the last layer's attention residual gradient",
+            },
+        }
+    }
+}
+
+struct ExpertsNames {
+    dispatched: &'static str,
+    input_gradient_reduced: &'static str,
+    joining: &'static str,
+    summed: &'static str,
+    residual_gradient: &'static str,
+}
+
+/// The points of a mixture's routed experts' backward at `place`, in order: `context` is what the
+/// micro-batch holds there beyond the MLP's own buffers (the MLP norm's output and the layer's
+/// output gradient among them; and the received expert counts where they are still live),
+/// `made_before` the chunk's gradients made before the layer's MLP backward. Empty for a dense
+/// model.
+pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Vec<Candidate> {
+    let StepSizes { stream, gathered, .. } = shape.sizes;
+    if shape.model.experts.is_none() {
+        return Vec::new();
+    }
+    let names = place.experts_names();
+    let mut points: Vec<Candidate> = dispatched(shape, names.dispatched, context, made_before)
+        .into_iter()
+        .chain(input_gradient_reduced(shape, names.input_gradient_reduced, context, made_before))
+        .collect();
+    if let Some(joining) = joining(shape, place, context, made_before) {
+        let summed = summed(shape, names.summed, &joining);
+        points.push(joining);
+        points.extend(summed);
+    }
+    // As the attention residual's gradient is summed, past the MLP norm's backward: the router's
+    // and experts' gradients made, reduced and summed, the MLP norm's output freed, its output's
+    // gradient live beside the norm's input gradient and their sum.
+    let mut held = context.to_vec();
+    held.extend([
+        Term { name: "the MLP norm output's gradient", bytes: gathered },
+        Term { name: "the MLP norm output, freed", bytes: -gathered },
+        Term { name: "the MLP norm's input gradient and the attention residual's gradient", bytes: 2.0 * stream },
+    ]);
+    points.push(Candidate {
+        name: names.residual_gradient,
+        so_far: made_before + shape.layer_mlp_gradients(),
+        held,
+        new_sum: None,
+        key_values_pending: false,
+        sum_pending: 0.0,
+    });
+    points
+}
+
+/// As one of the routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
+/// joins its sum, the router's and the experts' gradients made: without dp the last of the three;
+/// under dp (or cp) the first, reduced while the other two wait unreduced beside it (the mixture's
+/// backward makes all three at once), the MLP norm's output freed. Under SP the experts read the
+/// output gradient all-gathered over tp (their output's reduce-scatter's backward), freed with the
+/// MLP norm's output before dp's all-reduce. Over ep the router's input and weight gradients from
+/// the load-balancing loss, made before the dispatch, are summed with its results after them.
+pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
+    let experts = shape.model.experts.as_ref()?;
+    let reduced = shape.experts_reduced;
+    let matrix = expert_matrix(shape);
+    let mut held = context.to_vec();
+    held.push(Term { name: "the MLP norm output's gradient", bytes: gathered });
+    if reduced {
+        held.push(Term { name: "the MLP norm output, freed", bytes: -gathered });
+        held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
+    }
+    if shape.sequence_parallel() && !reduced {
+        held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
+    }
+    if shape.ep > 1 && experts.load_balancing_loss {
+        held.push(Term {
+            name: "the router's input and weight gradients from the load-balancing loss",
+            bytes: (experts.count as f64 + local_tokens) * hidden * element,
+        });
+    }
+    Some(Candidate {
+        name: place.experts_names().joining,
+        so_far: made_before + shape.layer_mlp_gradients() - experts_waiting(shape),
+        held,
+        new_sum: Some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
+        key_values_pending: false,
+        sum_pending: router_sum_pending(shape),
+    })
+}
+
+/// Over ep beside the load-balancing loss, next as the MLP norm output's gradients from the router
+/// (made before the experts' backward) and from the experts are summed: every buffer of the
+/// experts' `joining` point is live, and the sum beside them. (Not beside dp or cp, which reduce
+/// the experts' gradients first.)
+fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option<Candidate> {
+    let experts = shape.model.experts.as_ref()?;
+    if shape.ep == 1 || !experts.load_balancing_loss || shape.experts_reduced {
+        return None;
+    }
+    let mut held = joining.held.clone();
+    held.push(Term {
+        name: "the MLP norm output's gradients from the router and the experts, summed",
+        bytes: shape.sizes.gathered,
+    });
+    Some(Candidate { name, new_sum: None, held, ..joining.clone() })
+}
+
+/// Under tp (without SP or ep; not beside a shared expert, whose backward comes first) the routed
+/// experts' input gradient, each rank's partial sum over its share of their channels, is
+/// all-reduced over tp before it joins the MLP norm output's gradient: a stage may peak there,
+/// beside the router's gradients from the load-balancing loss (made just before), none of the
+/// layer's MLP weight gradients made yet.
+fn input_gradient_reduced(
+    shape: &StageShape,
+    name: &'static str,
+    context: &[Term],
+    made_before: f64,
+) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
+    let experts = shape.model.experts.as_ref()?;
+    if shape.tp == 1 || shape.sequence_parallel() || shape.ep > 1 || experts.shared_expert {
+        return None;
+    }
+    let mut held = context.to_vec();
+    if experts.load_balancing_loss {
+        held.push(Term {
+            name: "the router's input and weight gradients from the load-balancing loss",
+            bytes: (experts.count as f64 + local_tokens) * hidden * element,
+        });
+    }
+    held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
+    Some(Candidate { name, so_far: made_before, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 })
+}
+
+/// Over ep one instruction makes the routed experts' input, router and weight gradients at once,
+/// dispatching the rows to the experts' ranks and back, from a copy of its operands (the MLP
+/// norm's output, the router, the rank's experts and the output gradient, gathered under SP) made
+/// before its results are written: a stage may peak as it makes that copy, beside the router's
+/// gradients from the load-balancing loss and a shared expert's input gradients' sum (with the
+/// loss, the router's input gradient joined that sum), the shared expert's gradients made.
+fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_before: f64) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
+    let experts = shape.model.experts.as_ref()?;
+    if shape.ep == 1 {
+        return None;
+    }
+    let router = experts.count as f64 * hidden * element;
+    let mut held = context.to_vec();
+    let mut so_far = made_before;
+    if experts.shared_expert {
+        so_far += hidden * element + 3.0 * shape.gate;
+        if !experts.load_balancing_loss {
+            held.push(Term { name: "the shared expert's input gradients, summed", bytes: gathered });
+        }
+    }
+    if experts.load_balancing_loss {
+        held.push(Term {
+            name: "the router's input and weight gradients from the load-balancing loss",
+            bytes: router + local_tokens * hidden * element,
+        });
+    }
+    let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
+    held.push(Term { name: "the dispatch's copy of its operands", bytes: 2.0 * gathered + router + routed * element });
+    Some(Candidate { name, so_far, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 })
+}
+
+/// Under dp (or cp) the two routed-expert gradients of a layer that wait unreduced while the first
+/// is reduced and joins its sum (bytes; else 0).
+pub(super) fn experts_waiting(shape: &StageShape) -> f64 {
+    if shape.experts_reduced {
+        2.0 * expert_matrix(shape)
+    } else {
+        0.0
+    }
+}
+
+/// One of a layer's three routed-expert weight gradients on the rank (an `[E, h, f_e]` matrix, its
+/// tp and ep share), in bytes; 0 for a dense model.
+fn expert_matrix(shape: &StageShape) -> f64 {
+    let StepSizes { element, split, .. } = shape.sizes;
+    (shape.model.routed_expert_weights() / 3) as f64 / split / shape.layout.expert_degree() as f64 * element
+}
+
+/// Over ep beside the load-balancing loss, the router's gradient from the experts' backward, made
+/// with the experts' and summed with its gradient from the loss only after them: its running sum
+/// is made then (bytes; else 0).
+fn router_sum_pending(shape: &StageShape) -> f64 {
+    match &shape.model.experts {
+        Some(experts) if shape.ep > 1 && experts.load_balancing_loss => {
+            (experts.count * shape.model.hidden) as f64 * shape.sizes.element
+        }
+        _ => 0.0,
+    }
+}

@@ -1,0 +1,140 @@
+//! The points of a shared expert's backward (Qwen2-MoE) where a stage may peak: its backward comes
+//! before the routed experts' in each layer's, and on more tokens or a wide shared expert its
+//! `[tokens, ffn]` buffers outweigh the rest of the MLP's.
+//!
+//! The order: the gate logit's gradient, the output and the logit freed; the scaled output's
+//! gradient; the gate vector's input and weight gradients; down's input gradient and weight
+//! gradient. Without replicas (dp, cp or ep, which all-reduce its weight gradients) down's weight
+//! gradient joins its sum there (the first point: gate, up and their product still live); then
+//! the product is freed, gate's and up's output gradients made, gate and up freed, up's and
+//! gate's input gradients summed with the gate vector's and their weight gradients made, gate's
+//! joining its sum last (the second point: gate's output gradient still live). Beside replicas
+//! each weight gradient is all-reduced before it joins its sum, its unreduced copy live as it
+//! does, and the buffers it was made from are freed before the all-reduce: a stage may peak as
+//! down's weight gradient is made (the scaled output's gradient and the product still live), as
+//! it joins its sum, as up's output gradient is made (beside gate, down's input gradient and
+//! gate's output gradient: down's is freed only then), and as gate's joins its sum (gate's output
+//! gradient freed). (Up's weight gradient joining its sum, between, is below the point before it
+//! wherever a micro-batch has as many tokens as the hidden size: two or three `[tokens, ffn]`
+//! buffers fewer there, one or two `[hidden, ffn]` gradients more; not modelled.)
+
+use super::super::memory::Term;
+use super::super::step_sizes::StepSizes;
+use super::chunk::Candidate;
+use super::{Place, StageShape};
+
+impl Place {
+    /// The names of the shared expert's points there: down's weight gradient made and joining its
+    /// sum, up's output gradient made, and gate's weight gradient joining its sum.
+    fn shared_expert_names(self) -> [&'static str; 4] {
+        match self {
+            Place::FirstLayer => [
+                "first layer's shared expert's down gradient",
+                "first layer's shared expert's down gradient joins its sum",
+                "first layer's shared expert's up output gradient",
+                "first layer's shared expert's gate gradient joins its sum",
+            ],
+            Place::LastLayer => [
+                "the last layer's shared expert's down gradient",
+                "the last layer's shared expert's down gradient joins its sum",
+                "the last layer's shared expert's up output gradient",
+                "the last layer's shared expert's gate gradient joins its sum",
+            ],
+        }
+    }
+}
+
+/// The points of a shared expert's backward at `place`: `beside` is what the micro-batch holds
+/// there beyond the shared expert's own buffers (the MLP norm's output, which the routed experts
+/// still read, and the layer's output gradient among them), `made_before` the chunk's gradients
+/// made before it. Empty for a model without a shared expert.
+pub(super) fn shared_expert_points(
+    shape: &StageShape,
+    place: Place,
+    beside: &[Term],
+    made_before: f64,
+) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, hidden, gathered, .. } = shape.sizes;
+    if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+        return Vec::new();
+    }
+    let [down_made, down_joins, up_output_gradient, gate_joins] = place.shared_expert_names();
+    let intermediate = local_tokens * ffn * element;
+    let gate_vector = hidden * element;
+    let new_sum = |name| Some(Term { name, bytes: shape.gate });
+    let point = |name, so_far, own: Vec<Term>, new_sum| {
+        let mut held = beside.to_vec();
+        held.extend(own);
+        Candidate { name, so_far, held, new_sum, key_values_pending: false, sum_pending: 0.0 }
+    };
+    let gate_point = point(
+        gate_joins,
+        made_before + gate_vector + 3.0 * shape.gate,
+        vec![
+            Term { name: "the MLP norm output's gradient from the shared expert", bytes: gathered },
+            // Beside its replicas gate's output gradient is freed before its weight gradient's
+            // all-reduce.
+            if shape.reduced {
+                Term { name: "the shared gate gradient before its all-reduce", bytes: shape.gate }
+            } else {
+                Term { name: "the shared gate output gradient", bytes: intermediate }
+            },
+        ],
+        new_sum("the joining shared gate gradient's new sum beside the old"),
+    );
+    // As down's weight gradient is made: gate, up and their product (kept) still live, beside the
+    // scaled output's gradient, the gate vector's input gradient and down's input gradient.
+    let down_gradient_made = vec![
+        Term { name: "the shared expert's gate, up and their product (kept)", bytes: 3.0 * intermediate },
+        Term {
+            name: "the shared expert's scaled output's gradient and the gate vector's input gradient",
+            bytes: 2.0 * gathered,
+        },
+        Term { name: "the shared down projection's input gradient", bytes: intermediate },
+    ];
+    if shape.reduced {
+        let unreduced = |name| Term { name, bytes: shape.gate };
+        return vec![
+            point(
+                down_made,
+                made_before + gate_vector,
+                [down_gradient_made, vec![unreduced("the shared down gradient before its all-reduce")]].concat(),
+                None,
+            ),
+            point(
+                down_joins,
+                made_before + gate_vector + shape.gate,
+                vec![
+                    Term { name: "the shared expert's gate and up (kept)", bytes: 2.0 * intermediate },
+                    Term { name: "the gate vector's input gradient", bytes: gathered },
+                    Term { name: "the shared down projection's input gradient", bytes: intermediate },
+                    unreduced("the shared down gradient before its all-reduce"),
+                ],
+                new_sum("the joining shared down gradient's new sum beside the old"),
+            ),
+            point(
+                up_output_gradient,
+                made_before + gate_vector + shape.gate,
+                vec![
+                    Term { name: "the shared expert's gate (kept)", bytes: intermediate },
+                    Term { name: "the gate vector's input gradient", bytes: gathered },
+                    Term {
+                        name: "the shared down projection's input gradient, gate's and up's output gradients",
+                        bytes: 3.0 * intermediate,
+                    },
+                ],
+                None,
+            ),
+            gate_point,
+        ];
+    }
+    vec![
+        point(
+            down_joins,
+            made_before + gate_vector + shape.gate,
+            down_gradient_made,
+            new_sum("the joining shared down gradient's new sum beside the old"),
+        ),
+        gate_point,
+    ]
+}
