@@ -2110,7 +2110,8 @@ fn pipelined_stage_closed_form_beside_dp_cp_and_full_recomputation_equals_the_pl
 fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() {
     // The stage forms model each backward's tail, where a stage peaks while a micro-batch's
     // gradients outweigh its activations (8 tokens a sequence in the tests above), and a dense
-    // stage's first layer's gate gradient joining its sum, where it peaks on somewhat more, and
+    // stage's first layer's gate gradient joining its sum, where it peaks on somewhat more (under
+    // tp also as its attention norm output's gradients are summed), and
     // the heads of the backwards (the last stage's loss's backward and LM head gradient, another
     // stage's last layer's down gradient and MLP norm output gradient). On more still a stage
     // peaks at other
@@ -2130,7 +2131,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let (mut below, mut gate_joining_exact, mut head_exact, mut down_exact) = (0, 0, 0, 0);
-    let (mut mlp_norm_exact, mut tied_down_exact) = (0, 0);
+    let (mut mlp_norm_exact, mut tied_down_exact, mut input_gradients_exact) = (0, 0, 0);
     for recompute in [Recompute::None, Recompute::Full] {
         for (config, mesh, kind, micro_batches, sequence_parallel, zero_stage) in [
             (&four, "pp=2", one_f_one_b, 4, false, 0),
@@ -2192,6 +2193,12 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                         usize::from(stage.phase.name == "the last layer's down gradient joins its sum" && exact);
                     mlp_norm_exact +=
                         usize::from(stage.phase.name == "the last layer's MLP norm output gradient" && exact);
+                    // (A dense stage's: a mixture's are checked apart.)
+                    input_gradients_exact += usize::from(
+                        config.moe.is_none()
+                            && stage.phase.name.starts_with("first layer's attention norm output's gradient")
+                            && exact,
+                    );
                     // Beside a tied table the head's part joins no sum, and the last stage peaks
                     // next as its last layer's down gradient does.
                     let holds_head_part = stage.phase.terms.iter().any(|term| term.name == TIED_HEAD_PART);
@@ -2208,8 +2215,13 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     // last layer's MLP norm output gradient, all modelled, are exact where they peak.
     assert!(below > 0);
     assert!(
-        gate_joining_exact > 0 && head_exact > 0 && down_exact > 0 && mlp_norm_exact > 0 && tied_down_exact > 0,
-        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact} {tied_down_exact}"
+        gate_joining_exact > 0
+            && head_exact > 0
+            && down_exact > 0
+            && mlp_norm_exact > 0
+            && tied_down_exact > 0
+            && input_gradients_exact > 0,
+        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact} {tied_down_exact} {input_gradients_exact}"
     );
 }
 

@@ -215,7 +215,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
     })
 }
 
-/// A mixture's first layer's [`attention_input_gradients`].
+/// The first layer's [`attention_input_gradients`].
 pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, hidden, query, .. } = shape.sizes;
     // (On the first stage the first layer's RoPE backward read its positions last.)
@@ -236,8 +236,8 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
     )
 }
 
-/// After a mixture's attention kernel backward (not beside cp or tsp, whose k and v gradients are
-/// every token's), the attention norm output's gradients from v, k and q are summed as they are
+/// After the attention kernel's backward (not beside cp or tsp, whose k and v gradients are every
+/// token's, or under ZeRO-2 and 3, which scatter the weight gradients), the attention norm output's gradients from v, k and q are summed as they are
 /// made, each of the whole hidden size (under tp partial, before their all-reduce), the attention
 /// residual's gradient and the norm's output live: a stage may peak as the gradients from v and k
 /// are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's backward done,
@@ -252,7 +252,7 @@ pub(super) fn attention_input_gradients(
     attention_so_far: f64,
 ) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, token_split, .. } = shape.sizes;
-    if shape.model.experts.is_none() || token_split > 1 {
+    if shape.scattered || shape.tsp > 1 || token_split > 1 {
         return Vec::new();
     }
     let mut common = context;

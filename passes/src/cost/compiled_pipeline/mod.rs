@@ -22,7 +22,9 @@
 //! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
 //! recomputation, and beside dp or cp without tp), or inside its attention backward, as the
 //! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed
-//! under full recomputation; not under tsp), or under full recomputation as the
+//! under full recomputation; not under tsp), then as the attention norm output's gradients from v
+//! and k, then from q, are summed (under tp partial sums of the whole hidden size; not beside cp,
+//! under tsp or ZeRO-2 and 3), or under full recomputation as the
 //! first layer's down gradient joins its sum beside the MLP recomputed for it (without tp, tsp or
 //! ZeRO-2 and 3), and at the head of a backward: the last stage in the loss's backward, or (a
 //! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp) as
@@ -207,7 +209,8 @@
 //!
 //! The form is built in parts: `chunk` holds what one chunk of the stage keeps (a micro-batch in
 //! flight, what stays to its end, the tail of a backward), `head` and `first_layer` the points
-//! at the head of a backward and inside its first layer's, `zero_bubble` what a micro-batch holds
+//! at the head of a backward and inside its first layer's, `experts` and `shared_expert` a
+//! mixture's MLP backward's points at either place, `zero_bubble` what a micro-batch holds
 //! between its B and its W, and `walk` weighs every point of every step of the stage's schedule
 //! beside what the other micro-batches hold there.
 mod chunk;
