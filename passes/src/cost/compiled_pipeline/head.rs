@@ -114,13 +114,16 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
     let full = shape.recompute() == Recompute::Full;
-    if shape.sizes.token_split == 1 && dense && shape.reduced {
+    if shape.sizes.token_split == 1 && (dense || mixture) && shape.reduced {
         // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
         // their gradient, the head's input gradient (partial under tp, before its all-reduce)
         // and the unreduced weight gradient live, no gradient of the micro-batch's made yet.
         let mut held = vec![
             Term { name: "its positions", bytes: chunk.positions },
-            Term { name: "what it holds in flight but the logits", bytes: chunk.in_flight - logits },
+            Term {
+                name: "what it holds in flight but the logits, its two losses summed",
+                bytes: chunk.in_flight - logits - summed,
+            },
             Term { name: "the logits' gradient", bytes: logits },
             Term { name: "the LM head's input gradient", bytes: gathered },
             match &head_part {
@@ -298,7 +301,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 }
 
 /// The head of a mixture's backward on a chunk (not under full recomputation, which recomputes
-/// the layer first; nor beside cp on the last chunk): its last layer's MLP backward, a shared
+/// the layer first): its last layer's MLP backward, a shared
 /// expert's ([`shared_expert_points`]) then the routed experts' ([`experts_points`]), and on a
 /// chunk before the last the output gradient's arrival. The micro-batch holds all it holds in
 /// flight but (on the last chunk) the logits, the final norm's buffers and its last layer's
@@ -309,21 +312,21 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, hidden, stream, gathered, boundary, .. } = shape.sizes;
     let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
-    // (Not beside cp on the last chunk, whose logits' gradient is sliced back to the rank's
-    // tokens.)
-    if shape.recompute() == Recompute::Full || (chunk.last && shape.sizes.token_split > 1) {
+    if shape.recompute() == Recompute::Full {
         return Vec::new();
     }
     let shared_kept = if experts.shared_expert { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         let final_norm = (gathered - boundary) + gathered;
-        // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
+        // By the loss's backward a micro-batch's two losses are summed, one scalar fewer; under cp
+        // it read the targets (every token's) last.
         let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+        let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         (
             (shape.sizes.vocab_shard * hidden + shape.norm) * element,
             Term {
-                name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations",
-                bytes: chunk.in_flight - shape.logits() - final_norm - boundary - summed - shared_kept,
+                name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations (and under cp the targets)",
+                bytes: chunk.in_flight - shape.logits() - final_norm - boundary - summed - shared_kept - targets,
             },
             Term { name: "its last layer's output gradient", bytes: stream },
         )

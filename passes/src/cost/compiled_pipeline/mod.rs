@@ -128,7 +128,8 @@
 //! in the first layer's W, beside the attention inputs and gradients W reads next.
 //!
 //! On more tokens a mixture's activations outweigh its gradients and a stage peaks inside a
-//! backward (outside zero bubble; not under tsp). At the head of a chunk's backward (`head`), all
+//! backward (under zero bubble modelled only in the first layer's B, as its attention kernel's
+//! backward runs). At the head of a chunk's backward (`head`), all
 //! that the micro-batch holds in flight live: as the two parts of the output gradient the next
 //! stage sent back are summed; in the last layer's shared expert's backward (`shared_expert`: its
 //! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
@@ -137,15 +138,16 @@
 //! gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
 //! gradients from the router and the experts are summed; and as the attention residual's gradient
 //! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
-//! weight gradient joins its sum. Inside the first layer's backward: the same points of its MLP
-//! backward beside the layer's attention activations, its attention kernel's backward, and (not
-//! beside cp) the attention norm output's gradients from v and k summed, then from q. Under full
-//! recomputation the head's MLP points are not modelled, but the last layer's attention kernel's
-//! backward and input gradients are, the layers below holding their residual stream. Over ep
-//! beside the load-balancing loss the router's gradient from the experts' backward has no running
-//! sum until it is summed with its gradient from the loss. `tests/cost_training.rs` checks the
-//! form exact to 1024 tokens beside dp and ep, and beside tp without a shared expert (but ep × tp
-//! under full recomputation); elsewhere (beside cp, tp with a shared expert) below, never above.
+//! weight gradient is made (beside dp, before its all-reduce) or joins its sum. Inside the first
+//! layer's backward: the same points of its MLP backward beside the layer's attention activations,
+//! its attention kernel's backward, and (not beside cp) the attention norm output's gradients from
+//! v and k summed, then from q. Under full recomputation the head's MLP points are not modelled,
+//! but the last layer's attention kernel's backward and input gradients are, the layers below
+//! holding their residual stream. Over ep beside the load-balancing loss the router's gradient from
+//! the experts' backward has no running sum until it is summed with its gradient from the loss.
+//! `tests/cost_training.rs` checks the form exact to 1024 tokens beside dp, ep and tp (but under
+//! full recomputation beside tp with a shared expert or ep); elsewhere (there, beside cp, under
+//! zero bubble) below, never above.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
