@@ -33,8 +33,9 @@ pub(super) struct ChunkHold {
     /// peak, in the order they are weighed (the first of equals wins).
     pub backward: Vec<Candidate>,
     /// Under zero bubble, a mixture of experts: the points of a micro-batch's B inside its first
-    /// layer's backward (all the stage's B gradients made by then) where the stage may peak: as
-    /// the first layer's last expert gradient joins its sum, and its attention kernel's backward.
+    /// layer's backward (all the stage's B gradients made by then, `so_far` those of them live as
+    /// the micro-batch's) where the stage may peak: as the first layer's last expert gradient joins
+    /// its sum, and its attention kernel's backward.
     pub in_b: Vec<Candidate>,
 }
 

@@ -384,6 +384,9 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
 pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, query, stream, gathered, boundary, kv_kept, token_split, .. } = shape.sizes;
     let Some(mut joining) = experts_joining(shape, chunk) else { return Vec::new() };
+    // The stage's B gradients (its layers' experts' and routers'), all made by then; under dp two
+    // of the first layer's wait unreduced as the first joins its sum (`joining.held` counts them).
+    let made_in_b = shape.mlp_gradients_in_b.unwrap_or(0.0) * chunk.layers as f64;
     // What W reads beyond the later layers' inputs: the first layer's output, which the next
     // layer's attention norm's weight gradient reads (on a chunk of one layer its output sent on,
     // or on the last the final norm's input, counted apart), and on the last chunk the head's:
@@ -400,7 +403,11 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     joining.held.extend(for_w.iter().cloned());
-    let mut points = vec![Candidate { name: "first layer's expert gradient joins its sum in B", ..joining }];
+    let mut points = vec![Candidate {
+        name: "first layer's expert gradient joins its sum in B",
+        so_far: made_in_b - experts::experts_waiting(shape),
+        ..joining
+    }];
     if token_split == 1 {
         let mut held = before_attention(
             shape,
@@ -421,7 +428,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         held.extend(for_w);
         points.push(Candidate {
             name: "first layer's attention backward in B",
-            so_far: 0.0,
+            so_far: made_in_b,
             held,
             new_sum: None,
             key_values_pending: false,

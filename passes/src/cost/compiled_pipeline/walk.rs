@@ -305,8 +305,9 @@ impl Point<'_> {
     }
 
     /// Inside B, at the points of its first layer's backward ([`ChunkHold::in_b`]): the stage's B
-    /// gradients all made (the later layers' and this one's) and summed, the W gradients' sums if a
-    /// W has run, the later layers' inputs for W, and what the first layer holds at each point.
+    /// gradients all made (the later layers' and this one's; each point's `so_far`) and summed,
+    /// the W gradients' sums if a W has run, the later layers' inputs for W, and what the first
+    /// layer holds at each point.
     fn in_b(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
         let current = &self.holds[self.step.chunk as usize];
         let Some(made_in_b) = current.between_b_and_w.made_in_b else { return Vec::new() };
@@ -318,11 +319,7 @@ impl Point<'_> {
                     name: "gradient running sums (B's made, W's once a W has run)",
                     bytes: beside.other_sums + w_sums + made_in_b + beside.loss_sum,
                 },
-                // (Under dp two of the first layer's expert gradients wait unreduced, in `held`.)
-                Term {
-                    name: "the micro-batch's B gradients",
-                    bytes: made_in_b - super::experts::experts_waiting(self.shape),
-                },
+                Term { name: "the micro-batch's B gradients", bytes: point.so_far },
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
                 Term { name: "the later layers' inputs for W", bytes: current.between_b_and_w.later_w_reads },
             ];
