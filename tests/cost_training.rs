@@ -1605,12 +1605,12 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
     // sequence, every layout of the stage table. Exact beside dp, ep and tp (but under full
     // recomputation beside tp with a shared expert or ep, whose head of a backward is not
     // modelled there); there, beside cp (whose attention input gradients' point, with every
-    // token's k and v gradients, is not modelled) and under zero bubble (whose B is modelled
-    // inside the first layer's backward, as its expert gradient joins its sum and its attention
-    // kernel's backward runs, but not at its head) the form is below the planner's peak, never
-    // above.
+    // token's k and v gradients, is not modelled) and under zero bubble (whose B, W's head and
+    // forwards are modelled, beside the micro-batches between their B and W: within 3% and exact
+    // on nine stages in ten) the form is below the planner's peak, never above.
     let configs = [preset("tiny-moe").unwrap(), with_a_shared_expert(32, true), with_a_shared_expert(1024, false)];
     let (mut exact_at, mut below) = (std::collections::BTreeMap::<&str, usize>::new(), 0);
+    let (mut zero_bubble_stages, mut zero_bubble_exact) = (0, 0);
     for config in &configs {
         let shared = config.moe.as_ref().unwrap().shared_expert_intermediate_size.is_some();
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
@@ -1635,6 +1635,19 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
                                 "{}: closed form {form} above the planner's {planned}",
                                 stage.label
                             );
+                            // Under zero bubble the points of B, W's head and the forwards are
+                            // modelled: what is left is within 3% (a wide shared expert at 1024
+                            // tokens was 48% below with B's first-layer points alone).
+                            if zero_bubble {
+                                zero_bubble_stages += 1;
+                                zero_bubble_exact += usize::from(form == planned);
+                                assert!(
+                                    form >= 0.97 * planned,
+                                    "{}: closed form {form} more than 3% below the planner's {planned} at '{}'",
+                                    stage.label,
+                                    stage.phase.name
+                                );
+                            }
                             below += usize::from(form < planned);
                             if form == planned {
                                 *exact_at.entry(stage.phase.name).or_default() += 1;
@@ -1669,10 +1682,23 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
         "first layer's MLP norm output's gradients summed",
         "the loss's backward",
         "first layer's attention backward in B",
+        "first layer's attention norm output's gradients summed in B",
+        "first layer's shared expert's gate output gradient in B",
+        "first layer's expert gradient joins its sum in B",
+        "the LM head's weight gradient joins its sum in W",
+        "the LM head's weight gradient in W",
+        "the last layer's down gradient joins its sum in W",
+        "the last layer's down gradient in W",
+        "the last layer's output in a forward",
+        "the last layer's routed and shared experts' outputs summed in a forward",
+        "the last layer's shared expert's product in a forward",
+        "every token's logits gathered in a forward",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
     assert!(below > 0);
+    // Most zero-bubble stages are exact to the byte (2230 of 2430 when this was written).
+    assert!(10 * zero_bubble_exact > 9 * zero_bubble_stages, "{zero_bubble_exact} of {zero_bubble_stages} exact");
 }
 
 #[test]
@@ -2364,4 +2390,71 @@ fn tsp_closed_form_plus_named_terms_equals_the_planners_training_peak() {
         "{params_kept_whole_peaks} {attention_gathered_peaks} {mlp_gathered_peaks}"
     );
     assert!(tied_peaks > 0, "some tied case peaks holding the head's part of the table's gradient");
+}
+
+#[test]
+fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
+    // Under zero bubble the micro-batches between their B and W keep what W reads, more than one
+    // in flight keeps, so on more tokens a dense stage peaks beside them in a B (its first layer's
+    // attention backward, then as the attention norm output's gradients from v, k and q are
+    // summed, the layer's MLP inputs and output gradients kept for W), at the head of a W (as the
+    // LM head's, or another chunk's last down projection's, weight gradient is made or joins its
+    // sum) or in a forward (as its last layer's output is made). Each is modelled: from 64 to 1024
+    // tokens the form is never above the planner's peak and within 5% below it (4% at most when
+    // this was written, down from 64%: the remaining gaps are W's later points, SP's order of B's
+    // input gradients and the cp head's), exact on most stages.
+    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
+    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let (mut stages, mut exact) = (0, 0);
+    let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
+    for config in [&four, &wide_vocabulary] {
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            for (mesh, micro_batches, sequence_parallel) in [
+                ("pp=2", 4, false),
+                ("pp=2", 2, false),
+                ("pp=4", 4, false),
+                ("pp=2,dp=2", 2, false),
+                ("pp=2,tp=2", 2, false),
+                ("pp=2,tp=2", 2, true),
+                ("pp=2,cp=2", 2, false),
+                ("pp=2,dp=2,tp=2", 2, false),
+                ("pp=4,tp=2", 4, false),
+            ] {
+                let layout = PipelinedLayout {
+                    recompute,
+                    sequence_parallel,
+                    ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches)
+                };
+                for seq in [64, 256, 1024] {
+                    for stage in stage_closed_forms(config, &layout, seq) {
+                        let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
+                        assert!(form <= planned, "{}: closed form {form} above the planner's {planned}", stage.label);
+                        assert!(
+                            form >= 0.95 * planned,
+                            "{}: closed form {form} more than 5% below the planner's {planned} at '{}'",
+                            stage.label,
+                            stage.phase.name
+                        );
+                        stages += 1;
+                        if form == planned {
+                            exact += 1;
+                            *exact_at.entry(stage.phase.name).or_default() += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for name in [
+        "first layer's attention backward in B",
+        "first layer's attention norm output's gradients summed in B",
+        "the LM head's weight gradient in W",
+        "the LM head's weight gradient joins its sum in W",
+        "the last layer's down gradient in W",
+        "the last layer's down gradient joins its sum in W",
+        "the last layer's output in a forward",
+    ] {
+        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
+    }
+    assert!(2 * exact > stages, "{exact} of {stages} exact");
 }

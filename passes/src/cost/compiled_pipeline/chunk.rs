@@ -6,7 +6,7 @@ use super::super::memory::{chunk_params, Term};
 use super::super::step_sizes::{StepSizes, ID_BYTES};
 use super::super::workload::Recompute;
 use super::zero_bubble::BetweenBAndW;
-use super::{first_layer, head, zero_bubble, StageShape};
+use super::{first_layer, forward, head, zero_bubble, StageShape};
 
 /// What one chunk of a stage holds (see [`super::compiled_stage_peak`]), in bytes.
 pub(super) struct ChunkHold {
@@ -32,11 +32,12 @@ pub(super) struct ChunkHold {
     /// The points of a micro-batch's backward on it (zero bubble: of its W) where the stage may
     /// peak, in the order they are weighed (the first of equals wins).
     pub backward: Vec<Candidate>,
-    /// Under zero bubble, a mixture of experts: the points of a micro-batch's B inside its first
-    /// layer's backward (all the stage's B gradients made by then, `so_far` those of them live as
-    /// the micro-batch's) where the stage may peak: as the first layer's last expert gradient joins
-    /// its sum, and its attention kernel's backward.
+    /// Under zero bubble, the points of a micro-batch's B inside its first layer's backward
+    /// (`so_far` the stage's B gradients made by then, a mixture's experts' and routers') where
+    /// the stage may peak ([`first_layer::in_b`]).
     pub in_b: Vec<Candidate>,
+    /// Under zero bubble, the points of a micro-batch's forward on it where the stage may peak.
+    pub forward: Vec<Candidate>,
 }
 
 /// A point of a micro-batch's backward on a chunk where the stage may peak.
@@ -53,11 +54,19 @@ pub(super) struct Candidate {
     /// Whether the first layer's k and v gradients are still to be made there (the micro-batch's
     /// gradients ZeRO keeps whole, [`ChunkHold::grads_kept_whole`], are made but theirs).
     pub key_values_pending: bool,
-    /// Of `so_far`, the bytes whose running sum is made later in the backward: on a micro-batch's
-    /// first backward of the chunk their sums do not exist yet (over ep beside the load-balancing
-    /// loss, the router's gradient from the experts' backward, not yet summed with its gradient
-    /// from the loss).
+    /// The bytes whose running sum is made later in the backward: on a micro-batch's first
+    /// backward of the chunk their sums do not exist yet. Of `so_far` at a backward's point (over
+    /// ep beside the load-balancing loss, the router's gradient from the experts' backward, not
+    /// yet summed with its gradient from the loss); of all the chunk's B gradients at a B's (those
+    /// not made yet).
     pub sum_pending: f64,
+}
+
+impl Candidate {
+    /// A point where the micro-batch has made none of its gradients and none joins a sum.
+    pub(super) fn before_gradients(name: &'static str, held: Vec<Term>) -> Candidate {
+        Candidate { name, so_far: 0.0, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 }
+    }
 }
 
 /// A chunk's place in the model and what its points share.
@@ -129,6 +138,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     if let Some(w_reads) = w_reads {
         backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));
     }
+    backward.extend(zero_bubble::head_of_w(shape, &chunk, &between_b_and_w));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
@@ -177,6 +187,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         between_b_and_w,
         backward,
         in_b,
+        forward: forward::forward_points(shape, &chunk),
     }
 }
 

@@ -374,68 +374,207 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
 }
 
 /// Under zero bubble a mixture's B (which makes its experts' and router's weight gradients, none a
-/// W op) may peak inside its first layer's backward: as the last expert gradient joins its sum
-/// ([`experts_joining`]), and on more tokens in its attention kernel's backward, as v's
-/// gradient is made beside q's and k's. There the MLP norm's output is freed, but its gradient,
-/// which the norm's weight gradient (a W op) reads, stays, as do the attention's output and
-/// residual (o's and the MLP norm's weight gradients read them), beside the attention residual's
-/// gradient, attention's output gradient and the kernel's three gradients. (Not beside cp, whose k
-/// and v gradients are every token's.)
+/// W op) may peak inside its first layer's backward: in its shared expert's backward
+/// ([`shared_expert_in_b`]), as the last expert gradient joins its sum ([`experts_joining`]), and
+/// on more tokens in its attention kernel's backward, as v's gradient is made beside q's and k's,
+/// then as the attention norm output's gradients are summed
+/// ([`attention_input_gradients_in_b`]). At the kernel the MLP norm's output is freed (but beside
+/// a shared expert, whose weight gradients read it in W), but its gradient, which the norm's weight
+/// gradient (a W op) reads, stays, as do the attention's output and residual (o's and the MLP
+/// norm's weight gradients read them), beside the attention residual's gradient, attention's
+/// output gradient and the kernel's three gradients (under cp k's and v's every token's, before
+/// their reduce-scatter). A dense stage's B may peak at the same attention points, its first
+/// layer's MLP inputs and output gradients kept for W.
 pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, query, stream, gathered, boundary, kv_kept, token_split, .. } = shape.sizes;
-    let Some(mut joining) = experts_joining(shape, chunk) else { return Vec::new() };
+    let StepSizes { element, local_tokens, ffn, query, stream, gathered, boundary, kv_kept, .. } = shape.sizes;
+    let mixture = shape.model.experts.is_some();
+    // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
+    // runs the MLP ring's, ZeRO-2 and 3, which shard the sums, full recomputation, which
+    // recomputes the MLP for W, or a tied table.)
+    let dense_modelled = shape.tsp == 1 && !shape.scattered && !shape.tied && shape.recompute() != Recompute::Full;
+    if !mixture && !dense_modelled {
+        return Vec::new();
+    }
     // The stage's B gradients (its layers' experts' and routers'), all made by then; under dp two
     // of the first layer's wait unreduced as the first joins its sum (`joining.held` counts them).
     let made_in_b = shape.mlp_gradients_in_b.unwrap_or(0.0) * chunk.layers as f64;
     // What W reads beyond the later layers' inputs: the first layer's output, which the next
-    // layer's attention norm's weight gradient reads (on a chunk of one layer its output sent on,
-    // or on the last the final norm's input, counted apart), and on the last chunk the head's:
-    // the final norm's output and its gradient, the logits' gradient and the load-balancing loss
-    // beside the cross-entropy.
+    // layer's attention norm's weight gradient reads, or on a chunk of one layer the final norm's
+    // (on another chunk its output sent on, counted apart), and on the last chunk the head's:
+    // the final norm's output (but under full recomputation, where W recomputes it) and its
+    // gradient, the logits' gradient and the load-balancing loss beside the cross-entropy.
     let mut for_w = Vec::new();
-    if chunk.layers > 1 && chunk.last {
-        for_w.push(Term { name: "first layer's output (the next layer's input, for W)", bytes: boundary });
-    }
     if chunk.last {
         for_w.push(Term {
+            name: "first layer's output (the next layer's or the final norm's input, for W)",
+            bytes: boundary,
+        });
+        let final_norm_output = if shape.recompute() == Recompute::Full { 0.0 } else { gathered };
+        for_w.push(Term {
             name: "the final norm's output and its gradient, the logits' gradient (for W)",
-            bytes: 2.0 * gathered + local_tokens * shape.sizes.vocab_shard * element,
+            bytes: final_norm_output + gathered + local_tokens * shape.sizes.vocab_shard * element,
         });
-    }
-    joining.held.extend(for_w.iter().cloned());
-    let mut points = vec![Candidate {
-        name: "first layer's expert gradient joins its sum in B",
-        so_far: made_in_b - experts::experts_waiting(shape),
-        ..joining
-    }];
-    if token_split == 1 {
-        let mut held = before_attention(
-            shape,
-            chunk,
-            [
-                Term { name: "first layer's MLP norm output's gradient (for W)", bytes: gathered },
-                Term { name: "first layer's attention residual gradient", bytes: stream },
-                Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
-                Term {
-                    name: "first layer's attention q, k and v gradients",
-                    bytes: (local_tokens * query + kv_kept) * element,
-                },
-            ],
-        );
-        if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-            held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        if shape.statistics > 0.0 {
+            for_w.push(Term { name: "the load-balancing loss beside the cross-entropy", bytes: element });
         }
-        held.extend(for_w);
+    }
+    let mut points: Vec<Candidate> = shared_expert_in_b(shape, chunk, &for_w, made_in_b).into_iter().collect();
+    // Past the first layer's shared expert's B, W also reads what its weight gradients read; past
+    // the routed experts' backward, the MLP norm's output among them.
+    let for_w_past_shared: Vec<Term> = shared_expert_read_by_w(shape, false).into_iter().chain(for_w.clone()).collect();
+    let mut for_w: Vec<Term> = shared_expert_read_by_w(shape, true).into_iter().chain(for_w).collect();
+    if let Some(mut joining) = experts_joining(shape, chunk) {
+        joining.held.extend(for_w_past_shared);
         points.push(Candidate {
-            name: "first layer's attention backward in B",
-            so_far: made_in_b,
-            held,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
+            name: "first layer's expert gradient joins its sum in B",
+            so_far: made_in_b - experts::experts_waiting(shape),
+            ..joining
         });
     }
+    // A dense first layer's MLP weight gradients are W's: it reads the MLP norm's output, the
+    // SiLU product, and the layer's output gradient and gate's and up's output gradients.
+    if !mixture {
+        for_w.push(Term {
+            name: "first layer's MLP norm output, SiLU product and output gradients (for W)",
+            bytes: gathered + stream + 3.0 * local_tokens * ffn * element,
+        });
+    }
+    let mut held = before_attention(
+        shape,
+        chunk,
+        [
+            Term { name: "first layer's MLP norm output's gradient (for W)", bytes: gathered },
+            Term { name: "first layer's attention residual gradient", bytes: stream },
+            Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
+            Term {
+                name: "first layer's attention q, k and v gradients",
+                bytes: (local_tokens * query + kv_kept) * element,
+            },
+        ],
+    );
+    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
+    held.extend(for_w.iter().cloned());
+    points.push(Candidate {
+        name: "first layer's attention backward in B",
+        so_far: made_in_b,
+        held,
+        new_sum: None,
+        key_values_pending: false,
+        sum_pending: 0.0,
+    });
+    points.push(attention_input_gradients_in_b(shape, chunk, for_w, made_in_b));
     points
+}
+
+/// Under zero bubble, what W reads of a layer's shared expert once its B is done (its weight
+/// gradients are W's): the product and the gradients of the gate logit, the scaled output, gate
+/// and up, and (`with_input`: once the routed experts' backward, which reads it too, is done) the
+/// MLP norm's output. Empty without a shared expert.
+fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+        return Vec::new();
+    }
+    let mut terms = vec![Term {
+        name: "first layer's shared expert's product and its projections' output gradients (for W)",
+        bytes: stream + local_tokens * (3.0 * ffn + 1.0) * element,
+    }];
+    if with_input {
+        terms.push(Term { name: "first layer's MLP norm output (the shared expert's input, for W)", bytes: gathered });
+    }
+    terms
+}
+
+/// Under zero bubble B runs the first layer's shared expert's backward first (its weight
+/// gradients are W's), before the routed experts' and the router's: the stage may peak as gate's
+/// output gradient is made, beside gate, up and their product (W reads the product), down's
+/// input gradient, the gate logit's and the scaled output's gradients (for W) and the gate
+/// vector's input gradient. Of the stage's B gradients only the later layers' are made. (Under
+/// full recomputation B has recomputed the layer's MLP norm output, gate, up and product from the
+/// attention residual kept, its attention not yet.)
+fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
+    shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
+    let intermediate = local_tokens * ffn * element;
+    let mut held = mlp_context(shape, chunk, true);
+    held.extend([
+        Term { name: "first layer's shared expert's gate, up and their product", bytes: 3.0 * intermediate },
+        Term {
+            name: "first layer's shared expert's gate logit's and scaled output's gradients, the gate vector's input gradient",
+            bytes: local_tokens * element + 2.0 * gathered,
+        },
+        Term {
+            name: "first layer's shared down projection's input gradient and gate's output gradient",
+            bytes: 2.0 * intermediate,
+        },
+    ]);
+    held.extend(for_w.iter().cloned());
+    let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+    Some(Candidate {
+        name: "first layer's shared expert's gate output gradient in B",
+        so_far: made_in_b - layer,
+        held,
+        new_sum: None,
+        key_values_pending: false,
+        sum_pending: layer,
+    })
+}
+
+/// Under zero bubble B next makes the first layer's attention norm output's gradients from v, k
+/// and q (each of the whole hidden size, under tp partial) and sums them as they come: the stage
+/// may peak as the gradients from v and k are summed (the one from q joining them is as large: the
+/// three projections' gradients all stay for W, which makes their weight gradients). The kernel's
+/// inputs and the attention output's gradient are freed by then; what W reads of the attention
+/// (its output, or under either recomputation q, k and v after RoPE, which B recomputed) is live
+/// beside the norm's output (recomputed by B under full recomputation), the attention residual and
+/// the gradients W reads (under cp k's and v's reduce-scattered to the rank's tokens by then).
+fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<Term>, made_in_b: f64) -> Candidate {
+    let StepSizes { element, local_tokens, query, kv, stream, gathered, attention_kept, kv_kept, .. } = shape.sizes;
+    // (On the first stage the first layer's RoPE backward read its positions last, but where W
+    // recomputes attention's output from q, k and v: under either recomputation, whose B
+    // recomputed q, k and v, under full recomputation the attention norm's output too.)
+    let recomputed = shape.recompute() != Recompute::None;
+    let mut held: Vec<Term> = chunk
+        .first_layer_held
+        .iter()
+        .filter(|term| !chunk.first || recomputed || term.name != POSITIONS)
+        .cloned()
+        .collect();
+    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
+        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    }
+    let read_of_attention = if recomputed {
+        Term {
+            name: "first layer's q, k and v after RoPE, recomputed (for W)",
+            bytes: (local_tokens * query + kv_kept) * element,
+        }
+    } else {
+        Term { name: "first layer's attention output (for W)", bytes: local_tokens * attention_kept * element }
+    };
+    held.extend([
+        Term { name: "first layer's attention norm output", bytes: gathered },
+        read_of_attention,
+        Term { name: "first layer's attention residual", bytes: stream },
+        Term { name: "first layer's MLP norm output's gradient (for W)", bytes: gathered },
+        Term { name: "first layer's attention residual gradient", bytes: stream },
+        // (Under cp k's and v's reduce-scattered to the rank's tokens.)
+        Term {
+            name: "first layer's attention q, k and v gradients (for W)",
+            bytes: local_tokens * (query + 2.0 * kv) * element,
+        },
+        Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
+    ]);
+    held.extend(for_w);
+    Candidate {
+        name: "first layer's attention norm output's gradients summed in B",
+        so_far: made_in_b,
+        held,
+        new_sum: None,
+        key_values_pending: false,
+        sum_pending: 0.0,
+    }
 }
 
 /// Under zero bubble a shared expert's weight gradients (its gate vector's too) are W's, made

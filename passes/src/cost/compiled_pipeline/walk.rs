@@ -11,8 +11,8 @@ use super::StageShape;
 use crate::pipeline::{Phase, Schedule, Step};
 
 /// The stage's peak over its schedule: the largest of the points of each step that makes a
-/// micro-batch's gradients (a backward, or zero bubble's W; a mixture's B too), `params` the
-/// stage's parameters.
+/// micro-batch's gradients (a backward, or zero bubble's W and B) and, under zero bubble, of each
+/// forward, `params` the stage's parameters.
 pub(super) fn stage_peak(
     shape: &StageShape,
     schedule: &Schedule,
@@ -28,14 +28,25 @@ pub(super) fn stage_peak(
     };
     let mut best: Option<ForwardPhase> = None;
     for (at, step) in steps.iter().enumerate() {
-        // A mixture's B under zero bubble makes the experts' gradients: a candidate too.
-        let in_b = shape.zero_bubble && step.phase == input_phase && shape.model.experts.is_some();
-        if step.phase != tail_phase && !in_b {
+        let kind = if step.phase == tail_phase {
+            StepKind::Tail
+        } else if shape.zero_bubble && step.phase == input_phase {
+            // Under zero bubble a B runs beside the micro-batches between their B and W (and a
+            // mixture's makes the experts' gradients).
+            StepKind::InB
+        } else if shape.zero_bubble && step.phase == Phase::Forward {
+            // Under zero bubble a forward runs beside the micro-batches between their B and W.
+            StepKind::Forward
+        } else {
             continue;
-        }
-        let point = Point { shape, schedule, holds, before: &steps[..at], step, in_b, input_phase, tail_phase };
+        };
+        let point = Point { shape, schedule, holds, before: &steps[..at], step, kind, input_phase, tail_phase };
         let beside = point.beside()?;
-        let phases = if in_b { point.in_b(&beside, params) } else { point.backward(&beside, params) };
+        let phases = match kind {
+            StepKind::Tail => point.backward(&beside, params),
+            StepKind::InB => point.in_b(&beside, params),
+            StepKind::Forward => point.forward(&beside, params),
+        };
         for phase in phases {
             if best.as_ref().is_none_or(|best| phase.bytes() > best.bytes()) {
                 best = Some(phase);
@@ -53,11 +64,21 @@ struct Point<'a> {
     /// The stage's steps before it.
     before: &'a [Step],
     step: &'a Step,
-    /// Zero bubble: a B making a mixture's expert gradients (else a backward, or a W).
-    in_b: bool,
+    kind: StepKind,
     /// The phase that makes the input gradients, and the one that makes the last weight gradient.
     input_phase: Phase,
     tail_phase: Phase,
+}
+
+/// Which step a point lies in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StepKind {
+    /// A backward, or zero bubble's W: where a micro-batch's last weight gradient is made.
+    Tail,
+    /// Zero bubble: a B (a mixture's makes its experts' gradients).
+    InB,
+    /// Zero bubble: a forward.
+    Forward,
 }
 
 /// What the stage holds at a point beside the current micro-batch's own buffers, in bytes.
@@ -95,7 +116,7 @@ impl Point<'_> {
         // micro-batch's received counts' sum (released at the micro-batch's end; full
         // recomputation's held terms count it already).
         if shape.zero_bubble
-            && !self.in_b
+            && self.kind == StepKind::Tail
             && shape.statistics > 0.0
             && shape.stage > 0
             && shape.stage + 1 < shape.stages
@@ -124,8 +145,12 @@ impl Point<'_> {
             let current = f64::from(chunk == self.step.chunk);
             if self.shape.zero_bubble {
                 // At a W the current micro-batch's B is done: it is the one between B and W there;
-                // in a B it is still in flight.
-                let (in_flight_current, between_current) = if self.in_b { (current, 0.0) } else { (0.0, current) };
+                // in a B it is still in flight; in a forward it is neither yet.
+                let (in_flight_current, between_current) = match self.kind {
+                    StepKind::Tail => (0.0, current),
+                    StepKind::InB => (current, 0.0),
+                    StepKind::Forward => (0.0, 0.0),
+                };
                 others += (self.done(chunk, Phase::Forward) - self.done(chunk, self.input_phase) - in_flight_current)
                     * hold.in_flight;
                 others += (self.done(chunk, self.input_phase) - self.done(chunk, self.tail_phase) - between_current)
@@ -160,7 +185,16 @@ impl Point<'_> {
             if forwarded.is_empty() || finished.len() == chunks as usize {
                 continue;
             }
-            if micro_batch != step.micro_batch || (chunks > 1 && step.chunk == 0 && self.shape.stage == 0) {
+            // (Under zero bubble the first stage's B reads them last, unless W recomputes: the
+            // program's free lies there, and a micro-batch between its B and W no longer holds
+            // them. Another stage releases them at the micro-batch's end.)
+            let freed_in_b = self.shape.zero_bubble
+                && self.shape.stage == 0
+                && self.shape.recompute() == Recompute::None
+                && !of(self.input_phase).is_empty();
+            if (micro_batch != step.micro_batch || (chunks > 1 && step.chunk == 0 && self.shape.stage == 0))
+                && !freed_in_b
+            {
                 positions += self.shape.sizes.positions;
             }
             for &chunk in &finished {
@@ -229,7 +263,7 @@ impl Point<'_> {
     /// gradients of the last stage's first layer) until their B here.
     fn gradients_taken_early(&self) -> Option<f64> {
         let shape = self.shape;
-        if !(shape.tied && shape.zero_bubble && !self.in_b && shape.stage == 0 && shape.stages == 2) {
+        if !(shape.tied && shape.zero_bubble && self.kind == StepKind::Tail && shape.stage == 0 && shape.stages == 2) {
             return Some(0.0);
         }
         let last_steps = self.schedule.per_stage.get(1)?;
@@ -305,19 +339,24 @@ impl Point<'_> {
     }
 
     /// Inside B, at the points of its first layer's backward ([`ChunkHold::in_b`]): the stage's B
-    /// gradients all made (the later layers' and this one's; each point's `so_far`) and summed,
-    /// the W gradients' sums if a W has run, the later layers' inputs for W, and what the first
-    /// layer holds at each point.
+    /// gradients made by then (each point's `so_far`) and their sums (on the micro-batch's first B
+    /// of the chunk but those not yet made, `sum_pending`), the W gradients' sums if a W has run,
+    /// the later layers' inputs for W, and what the first layer holds at each point.
     fn in_b(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
         let current = &self.holds[self.step.chunk as usize];
-        let Some(made_in_b) = current.between_b_and_w.made_in_b else { return Vec::new() };
-        let w_sums = if self.done(self.step.chunk, self.tail_phase) > 0.0 { current.grads - made_in_b } else { 0.0 };
+        let made_in_b = current.between_b_and_w.made_in_b.unwrap_or(0.0);
+        let w_done = self.done(self.step.chunk, self.tail_phase) > 0.0;
+        let w_sums = if w_done { current.grads - made_in_b } else { 0.0 };
         let b_done_before = self.done(self.step.chunk, self.input_phase) > 0.0;
+        let loss_sum = self.zero_bubble_loss_sum(beside, true);
         let phase = |point: &Candidate| {
             let mut terms = vec![
+                // (On the micro-batch's first B of the chunk, the sums of the B gradients not yet
+                // made do not exist.)
                 Term {
                     name: "gradient running sums (B's made, W's once a W has run)",
-                    bytes: beside.other_sums + w_sums + made_in_b + beside.loss_sum,
+                    bytes: beside.other_sums + w_sums + made_in_b + loss_sum
+                        - if b_done_before { 0.0 } else { point.sum_pending },
                 },
                 Term { name: "the micro-batch's B gradients", bytes: point.so_far },
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
@@ -331,6 +370,50 @@ impl Point<'_> {
             ForwardPhase { name: point.name, params, terms }
         };
         current.in_b.iter().map(phase).collect()
+    }
+
+    /// Under zero bubble, the loss's sum over the micro-batches, if the stage has made it by this
+    /// point (`b_made` whether the current micro-batch's B has made its loss's part): a
+    /// micro-batch's loss joins it in W where W makes it (beside dp, cp or ep, which all-reduce it
+    /// there; beside the load-balancing loss, added to the cross-entropy there), else in B.
+    fn zero_bubble_loss_sum(&self, beside: &Beside, b_made: bool) -> f64 {
+        let (shape, chunk) = (self.shape, self.step.chunk);
+        let loss_in_w = shape.reduced || shape.statistics > 0.0;
+        let made = self.done(chunk, self.tail_phase) > 0.0
+            || (!loss_in_w && (b_made || self.done(chunk, self.input_phase) > 0.0));
+        if made {
+            beside.loss_sum
+        } else {
+            0.0
+        }
+    }
+
+    /// Under zero bubble, inside a forward ([`ChunkHold::forward`]): the running sums made so far
+    /// (the chunk's B gradients' once a B has run, all its gradients' once a W has), the other
+    /// micro-batches in flight or between B and W, and what the forwarded micro-batch holds there.
+    fn forward(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
+        let chunk = self.step.chunk;
+        let current = &self.holds[chunk as usize];
+        let sums = if self.done(chunk, self.tail_phase) > 0.0 {
+            current.grads
+        } else if self.done(chunk, self.input_phase) > 0.0 {
+            current.between_b_and_w.made_in_b.unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        let phase = |point: &Candidate| {
+            let mut terms = vec![
+                Term {
+                    name: "gradient running sums, created so far",
+                    bytes: beside.other_sums + sums + self.zero_bubble_loss_sum(beside, false),
+                },
+                Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
+            ];
+            terms.extend(received(beside));
+            terms.extend(point.held.iter().cloned());
+            ForwardPhase { name: point.name, params, terms }
+        };
+        current.forward.iter().map(phase).collect()
     }
 
     /// The chunk's points of a backward (or W): at each the running sums (on the micro-batch's

@@ -1,9 +1,10 @@
 //! Zero bubble (ZB-H1) splits each backward into B (input gradients) and W (weight gradients,
 //! later): what a micro-batch holds between its B and its W on a chunk, and what a W still reads.
 
+use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::Chunk;
+use super::chunk::{Candidate, Chunk};
 use super::StageShape;
 
 /// What a micro-batch holds of a chunk between its B and its W, in bytes.
@@ -171,4 +172,72 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         made_in_b: mlp_gradients_in_b.map(|per_layer| layers * per_layer),
         later_w_reads: (layers - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
     }
+}
+
+/// The head of W, where a stage may peak on more tokens: W's first weight gradient joins its sum
+/// beside all the micro-batch held between B and W (its B gradients among its gradients). On the
+/// last chunk W first sums the micro-batch's two losses (a mixture's) and makes the LM head's
+/// weight gradient, under full recomputation from the final norm's output it recomputes; on
+/// another the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's
+/// routed experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its
+/// sum, and the gradient) as the gradient is made, before its all-reduce. (Not beside cp or tsp on
+/// the last chunk, whose logits are every token's; under tsp, whose B makes the MLP's gradients;
+/// under ZeRO-2 and 3, which scatter it; or beside a tied table, whose head part joins no sum.)
+pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
+    if !shape.zero_bubble || shape.tsp > 1 || shape.scattered || shape.tied {
+        return None;
+    }
+    let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
+    // gradient freed after.)
+    let (gradient, names, made_before, freed_before) = if chunk.last {
+        let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
+        (vocab_shard * hidden * element, names, 0.0, 0.0)
+    } else if shape.model.experts.is_none() || shared_expert {
+        let names = ["the last layer's down gradient in W", "the last layer's down gradient joins its sum in W"];
+        let (gate_vector, gate_logit_gradient) =
+            if shared_expert { (hidden * element, local_tokens * element) } else { (0.0, 0.0) };
+        (shape.gate, names, gate_vector, gate_logit_gradient)
+    } else {
+        return None;
+    };
+    // (The first stage's B read the positions last, but where W recomputes.)
+    let positions = if shape.stage == 0 && shape.recompute() == Recompute::None { 0.0 } else { chunk.positions };
+    let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
+    let mut held = vec![
+        Term { name: "its positions", bytes: positions },
+        Term {
+            name: "what it holds between B and W but its B gradients (on the last chunk its two losses summed)",
+            bytes: between_b_and_w.between - made_in_b - summed - freed_before,
+        },
+    ];
+    let made_in_b = made_in_b + made_before;
+    if chunk.last && shape.recompute() == Recompute::Full {
+        held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
+    }
+    // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
+    if !chunk.last && shape.model.experts.is_none() && shape.recompute() == Recompute::Full {
+        held.push(Term { name: "the last layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
+    }
+    if shape.reduced {
+        held.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
+        return Some(Candidate {
+            name: names[0],
+            so_far: made_in_b,
+            held,
+            new_sum: None,
+            key_values_pending: false,
+            sum_pending: 0.0,
+        });
+    }
+    Some(Candidate {
+        name: names[1],
+        so_far: made_in_b + gradient,
+        held,
+        new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: gradient }),
+        key_values_pending: false,
+        sum_pending: 0.0,
+    })
 }

@@ -1,0 +1,108 @@
+//! Under zero bubble a stage may peak inside a forward: the micro-batches between their B and
+//! their W keep what their W reads (more than a micro-batch in flight keeps for its backward), and
+//! a forward runs beside them as soon as the schedule allows, the forwarded micro-batch holding all
+//! it keeps for its backward beside its last layer's transient outputs.
+
+use super::super::memory::Term;
+use super::super::step_sizes::StepSizes;
+use super::super::workload::Recompute;
+use super::chunk::{Candidate, Chunk};
+use super::StageShape;
+
+/// The points of a micro-batch's forward on a chunk, at its last layer's MLP: as the MLP's output
+/// is added to its residual (the layer's output made beside it), or beside a shared expert as the
+/// routed experts' output and the shared expert's scaled output are summed (the layer's output not
+/// yet made), and under full recomputation as the shared expert's product is made. The micro-batch
+/// holds all it keeps in flight there but what the rest of its forward makes (on the last chunk
+/// the head's buffers, and a mixture's counts' sum over the layers, whose statistics are all live
+/// instead). On the last chunk beside cp also [`logits_gathered`]. (Under zero bubble only, without
+/// tsp, whose forward differs, ZeRO-2 and 3, which shard the sums, or a tied table.)
+pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, stream, gathered, boundary, .. } = shape.sizes;
+    if !shape.zero_bubble || shape.tsp > 1 || shape.scattered || shape.tied {
+        return Vec::new();
+    }
+    let statistics = shape.statistics;
+    let full = shape.recompute() == Recompute::Full;
+    // On the last chunk the head is still to run: the final norm's buffers (recomputed under full
+    // recomputation, not kept), the logits and the loss, and a mixture's counts' sum and
+    // load-balancing loss, in place of which every layer's statistics are live (the earlier
+    // stages' received).
+    let kept = if chunk.last {
+        let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
+        let mixture_head =
+            if statistics > 0.0 { statistics + element - 2.0 * shape.model.layers as f64 * statistics } else { 0.0 };
+        chunk.in_flight - final_norm - shape.logits() - element - mixture_head
+    } else {
+        chunk.in_flight
+    };
+    let point = Candidate::before_gradients;
+    let positions = Term { name: "its positions", bytes: chunk.positions };
+    let mut points = vec![point(
+        "the last layer's output in a forward",
+        vec![
+            positions.clone(),
+            Term { name: "what it holds in flight by then", bytes: kept },
+            Term { name: "its last layer's MLP output", bytes: stream },
+        ],
+    )];
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    // Under full recomputation the forward keeps none of the last layer's MLP activations, which
+    // are live as it runs: as the shared expert's product is made, its gate and up, the MLP norm's
+    // output and the routed experts' output beside it (the layer's statistics not yet made).
+    if shared_expert && full {
+        let intermediate = local_tokens * ffn * element;
+        points.push(point(
+            "the last layer's shared expert's product in a forward",
+            vec![
+                positions.clone(),
+                Term {
+                    name: "what it holds in flight by then but its last layer's output and statistics",
+                    bytes: kept - boundary - 2.0 * statistics,
+                },
+                Term { name: "its last layer's MLP norm output", bytes: gathered },
+                Term { name: "its last layer's routed experts' output", bytes: stream },
+                Term { name: "its last layer's shared expert's gate, up and product", bytes: 3.0 * intermediate },
+            ],
+        ));
+    }
+    if shared_expert {
+        points.push(point(
+            "the last layer's routed and shared experts' outputs summed in a forward",
+            vec![
+                positions,
+                Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - boundary },
+                Term { name: "its last layer's routed and shared experts' outputs and their sum", bytes: 3.0 * stream },
+            ],
+        ));
+    }
+    if chunk.last {
+        points.extend(logits_gathered(shape, chunk));
+    }
+    points
+}
+
+/// Beside cp the last chunk's forward gathers every token's logits over cp and reorders them out
+/// of the zigzag: the stage may peak as it does, the gathered copy beside the reordered one (the
+/// logits the micro-batch keeps), before the loss, and a mixture's counts' sum and load-balancing
+/// loss, are made (every layer's statistics, the earlier stages' received, still live).
+fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, token_split, .. } = shape.sizes;
+    if token_split == 1 || shape.cp == 1 {
+        return None;
+    }
+    let statistics = shape.statistics;
+    let not_made = element + if statistics > 0.0 { element + statistics } else { 0.0 };
+    Some(Candidate::before_gradients(
+        "every token's logits gathered in a forward",
+        vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight but its losses and counts' sum", bytes: chunk.in_flight - not_made },
+            Term {
+                name: "every layer's expert counts and router probability sums",
+                bytes: 2.0 * shape.model.layers as f64 * statistics,
+            },
+            Term { name: "every token's logits, gathered before their reordering", bytes: shape.logits() },
+        ],
+    ))
+}
