@@ -2399,15 +2399,17 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // attention backward, then as the attention norm output's gradients from v, k and q are
     // summed, the layer's MLP inputs and output gradients kept for W), at the head of a W (as the
     // LM head's, or another chunk's last down projection's, weight gradient is made or joins its
-    // sum) or in a forward (as its last layer's output is made). Each is modelled: from 64 to 1024
-    // tokens the form is never above the planner's peak and within 5% below it (4% at most when
-    // this was written, down from 64%: the remaining gaps are W's later points, SP's order of B's
-    // input gradients and the cp head's), exact on most stages.
+    // sum; beside a tied table the head's part of it made, sent back and held by the first stage)
+    // or in a forward (as its last layer's output is made). Each is modelled: from 64 to 1024
+    // tokens, tied or not, the form is never above the planner's peak and within 5% below it (4%
+    // at most when this was written, down from 64%: the remaining gaps are W's later points and
+    // SP's order of B's input gradients), exact on most stages.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
     let (mut stages, mut exact) = (0, 0);
     let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
-    for config in [&four, &wide_vocabulary] {
+    for config in [&four, &wide_vocabulary, &tied] {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
             for (mesh, micro_batches, sequence_parallel) in [
                 ("pp=2", 4, false),
@@ -2420,6 +2422,10 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
                 ("pp=2,dp=2,tp=2", 2, false),
                 ("pp=4,tp=2", 4, false),
             ] {
+                // (A tied table under zero bubble beside dp × tp is not modelled.)
+                if config.tie_word_embeddings && mesh == "pp=2,dp=2,tp=2" {
+                    continue;
+                }
                 let layout = PipelinedLayout {
                     recompute,
                     sequence_parallel,
@@ -2453,6 +2459,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
         "the last layer's down gradient in W",
         "the last layer's down gradient joins its sum in W",
         "the last layer's output in a forward",
+        "the LM head's part of the tied table's gradient is made in W",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }

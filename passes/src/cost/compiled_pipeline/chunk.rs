@@ -65,7 +65,13 @@ pub(super) struct Candidate {
 impl Candidate {
     /// A point where the micro-batch has made none of its gradients and none joins a sum.
     pub(super) fn before_gradients(name: &'static str, held: Vec<Term>) -> Candidate {
-        Candidate { name, so_far: 0.0, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 }
+        Candidate::made(name, 0.0, held)
+    }
+
+    /// A point where the micro-batch has made `so_far` of the chunk's gradients and none joins a
+    /// sum.
+    pub(super) fn made(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
+        Candidate { name, so_far, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 }
     }
 }
 

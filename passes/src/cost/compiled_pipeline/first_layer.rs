@@ -389,9 +389,9 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, query, stream, gathered, boundary, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
     // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
-    // runs the MLP ring's, ZeRO-2 and 3, which shard the sums, full recomputation, which
-    // recomputes the MLP for W, or a tied table.)
-    let dense_modelled = shape.tsp == 1 && !shape.scattered && !shape.tied && shape.recompute() != Recompute::Full;
+    // runs the MLP ring's, ZeRO-2 and 3, which shard the sums, or full recomputation, which
+    // recomputes the MLP for W.)
+    let dense_modelled = shape.tsp == 1 && !shape.scattered && shape.recompute() != Recompute::Full;
     if !mixture && !dense_modelled {
         return Vec::new();
     }
@@ -416,6 +416,14 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
         if shape.statistics > 0.0 {
             for_w.push(Term { name: "the load-balancing loss beside the cross-entropy", bytes: element });
+        }
+        // (Beside a tied table the head's part of its gradient, which the chunk's end holds, is
+        // made in W.)
+        if let Some(head_part) = shape.tied_head_part() {
+            for_w.push(Term {
+                name: "the LM head's part of the tied table's gradient, made in W",
+                bytes: -head_part.bytes,
+            });
         }
     }
     let mut points: Vec<Candidate> = shared_expert_in_b(shape, chunk, &for_w, made_in_b).into_iter().collect();

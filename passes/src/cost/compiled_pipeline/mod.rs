@@ -188,16 +188,18 @@
 //! backward; the attention norm output's gradients from v, k and q summed, each projection's
 //! gradient kept for W), the B gradients made so far and their sums beside it; at the head of a
 //! W, as its first weight gradient (the LM head's on the last chunk, after the micro-batch's two
-//! losses are summed; the last layer's down projection's, dense or a shared expert's, on another)
-//! is made or joins its sum, all the micro-batch held between B and W still live; and in a
+//! losses are summed, or beside a tied table the head's part of it; the last layer's down
+//! projection's, dense or a shared expert's, on another) is made or joins its sum, all the
+//! micro-batch held between B and W still live; and (but beside a tied table) in a
 //! forward, at its last layer's MLP (its output made; a shared expert's and the routed experts'
 //! outputs summed; under full recomputation the shared expert's product made) beside all the
 //! micro-batch keeps, and beside cp as the last chunk gathers every token's logits. A micro-batch's
 //! loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
 //! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 5%
-//! (dense stages) below it, exact on most stages; the points left are W's later ones, SP's order
-//! of B's input gradients, and (not modelled at these steps) tsp, ZeRO-2 and 3 and a tied table.
+//! (dense stages, tied or not) below it, exact on most stages; the points left are W's later
+//! ones and SP's order of B's input gradients, and these steps are not modelled under tsp or
+//! ZeRO-2 and 3.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;

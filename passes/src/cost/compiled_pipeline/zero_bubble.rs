@@ -180,12 +180,13 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// weight gradient, under full recomputation from the final norm's output it recomputes; on
 /// another the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's
 /// routed experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its
-/// sum, and the gradient) as the gradient is made, before its all-reduce. (Not beside cp or tsp on
-/// the last chunk, whose logits are every token's; under tsp, whose B makes the MLP's gradients;
-/// under ZeRO-2 and 3, which scatter it; or beside a tied table, whose head part joins no sum.)
+/// sum, and the gradient) as the gradient is made, before its all-reduce. Beside a tied table, on
+/// the last chunk as the head's part of its gradient is made (it joins no sum), and on the first
+/// stage beside the head's parts received (`chunk_hold` adds them). (Not under tsp, whose B makes
+/// the MLP's gradients, or ZeRO-2 and 3, which scatter it.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
     let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
-    if !shape.zero_bubble || shape.tsp > 1 || shape.scattered || shape.tied {
+    if !shape.zero_bubble || shape.tsp > 1 || shape.scattered {
         return None;
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
@@ -221,16 +222,15 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     if !chunk.last && shape.model.experts.is_none() && shape.recompute() == Recompute::Full {
         held.push(Term { name: "the last layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     }
+    // Beside a tied table the head's part of its gradient joins no sum here: it is sent back to
+    // the first stage (beside dp × tp reduced first, at the end of the W).
+    if let Some(head_part) = shape.tied_head_part().filter(|_| chunk.last) {
+        held.push(head_part);
+        return Some(Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held));
+    }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
-        return Some(Candidate {
-            name: names[0],
-            so_far: made_in_b,
-            held,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        return Some(Candidate::made(names[0], made_in_b, held));
     }
     Some(Candidate {
         name: names[1],
