@@ -2403,7 +2403,8 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // or in a forward (as its last layer's output is made). Each is modelled: from 64 to 1024
     // tokens, tied or not, the form is never above the planner's peak and within 5% below it (4%
     // at most when this was written, down from 64%: the remaining gaps are W's later points and
-    // SP's order of B's input gradients), exact on most stages.
+    // SP's order of B's input gradients), under ZeRO-2 and 3 over dp within 10% (7.9%, down from
+    // 40%), exact on most stages.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
@@ -2411,33 +2412,38 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
     for config in [&four, &wide_vocabulary, &tied] {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-            for (mesh, micro_batches, sequence_parallel) in [
-                ("pp=2", 4, false),
-                ("pp=2", 2, false),
-                ("pp=4", 4, false),
-                ("pp=2,dp=2", 2, false),
-                ("pp=2,tp=2", 2, false),
-                ("pp=2,tp=2", 2, true),
-                ("pp=2,cp=2", 2, false),
-                ("pp=2,dp=2,tp=2", 2, false),
-                ("pp=4,tp=2", 4, false),
+            for (mesh, micro_batches, sequence_parallel, zero_stage) in [
+                ("pp=2", 4, false, 0),
+                ("pp=2", 2, false, 0),
+                ("pp=4", 4, false, 0),
+                ("pp=2,dp=2", 2, false, 0),
+                ("pp=2,tp=2", 2, false, 0),
+                ("pp=2,tp=2", 2, true, 0),
+                ("pp=2,cp=2", 2, false, 0),
+                ("pp=2,dp=2,tp=2", 2, false, 0),
+                ("pp=4,tp=2", 4, false, 0),
+                ("pp=2,dp=2", 2, false, 2),
+                ("pp=2,dp=2", 2, false, 3),
             ] {
-                // (A tied table under zero bubble beside dp × tp is not modelled.)
-                if config.tie_word_embeddings && mesh == "pp=2,dp=2,tp=2" {
+                // (A tied table under zero bubble beside dp × tp is not modelled, nor under ZeRO-2
+                // and 3.)
+                if config.tie_word_embeddings && (mesh == "pp=2,dp=2,tp=2" || zero_stage >= 2) {
                     continue;
                 }
                 let layout = PipelinedLayout {
                     recompute,
                     sequence_parallel,
+                    zero_stage,
                     ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches)
                 };
+                let bound = if zero_stage >= 2 { 0.90 } else { 0.95 };
                 for seq in [64, 256, 1024] {
                     for stage in stage_closed_forms(config, &layout, seq) {
                         let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
                         assert!(form <= planned, "{}: closed form {form} above the planner's {planned}", stage.label);
                         assert!(
-                            form >= 0.95 * planned,
-                            "{}: closed form {form} more than 5% below the planner's {planned} at '{}'",
+                            form >= bound * planned,
+                            "{}: closed form {form} further below the planner's {planned} than {bound} at '{}'",
                             stage.label,
                             stage.phase.name
                         );

@@ -389,9 +389,8 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, query, stream, gathered, boundary, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
     // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
-    // runs the MLP ring's, ZeRO-2 and 3, which shard the sums, or full recomputation, which
-    // recomputes the MLP for W.)
-    let dense_modelled = shape.tsp == 1 && !shape.scattered && shape.recompute() != Recompute::Full;
+    // runs the MLP ring's, or full recomputation, which recomputes the MLP for W.)
+    let dense_modelled = shape.tsp == 1 && shape.recompute() != Recompute::Full;
     if !mixture && !dense_modelled {
         return Vec::new();
     }

@@ -197,9 +197,9 @@
 //! loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
 //! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 5%
-//! (dense stages, tied or not) below it, exact on most stages; the points left are W's later
-//! ones and SP's order of B's input gradients, and these steps are not modelled under tsp or
-//! ZeRO-2 and 3.
+//! (dense stages, tied or not; 10% under ZeRO-2 and 3 over dp) below it, exact on most stages;
+//! the points left are W's later ones and SP's order of B's input gradients, and these steps are
+//! not modelled under tsp (nor forwards under ZeRO-2 and 3).
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;

@@ -180,13 +180,13 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// weight gradient, under full recomputation from the final norm's output it recomputes; on
 /// another the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's
 /// routed experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its
-/// sum, and the gradient) as the gradient is made, before its all-reduce. Beside a tied table, on
-/// the last chunk as the head's part of its gradient is made (it joins no sum), and on the first
-/// stage beside the head's parts received (`chunk_hold` adds them). (Not under tsp, whose B makes
-/// the MLP's gradients, or ZeRO-2 and 3, which scatter it.)
+/// sum, and the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
+/// reduce-scatter, the sums the rank's shards). Beside a tied table, on the last chunk as the
+/// head's part of its gradient is made (it joins no sum), and on the first stage beside the head's
+/// parts received (`chunk_hold` adds them). (Not under tsp, whose B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
     let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
-    if !shape.zero_bubble || shape.tsp > 1 || shape.scattered {
+    if !shape.zero_bubble || shape.tsp > 1 {
         return None;
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
@@ -229,7 +229,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         return Some(Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held));
     }
     if shape.reduced {
-        held.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
+        held.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
         return Some(Candidate::made(names[0], made_in_b, held));
     }
     Some(Candidate {
