@@ -249,7 +249,17 @@ pub(super) const POSITIONS: &str = "positions";
 
 /// The term naming the expert counts summed over the layers that a stage between the first and
 /// the last received from the last.
-pub(super) const RECEIVED_COUNTS: &str = "the expert counts summed over the layers (received)";
+const RECEIVED_COUNTS: &str = "the expert counts summed over the layers (received)";
+
+/// The expert counts summed over the layers that a stage before the last received for its routers'
+/// backward, where a point of `chunk`'s backward still holds them: on a stage between the first and
+/// the last, or (`on_the_first`) on the first too, before its first layer's router backward frees
+/// them. (Not under interleaving, where the walk counts them; not on the last stage, which makes
+/// the sum.)
+pub(super) fn received_counts(shape: &StageShape, chunk: &Chunk, on_the_first: bool) -> Option<Term> {
+    ((!chunk.first || on_the_first) && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0)
+        .then_some(Term { name: RECEIVED_COUNTS, bytes: shape.statistics })
+}
 
 /// What a micro-batch keeps of a chunk to its end. The last chunk keeps the targets (cp's and
 /// tsp's were read in the forward) and the loss to the loss's gradient, another chunk the output
@@ -343,8 +353,8 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         // probabilities' backward reads them after the tail. (Under interleaving every
         // micro-batch holds them to its end: see the walk's `received`.)
         let full = shape.recompute() == Recompute::Full;
-        if (full || !shape.zero_bubble) && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-            held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+        if full || !shape.zero_bubble {
+            held.extend(received_counts(shape, chunk, true));
         }
         held.extend(chunk.end.iter().cloned());
         // (Under tsp the rank's own block of q.)

@@ -6,7 +6,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{Candidate, Chunk, POSITIONS, RECEIVED_COUNTS};
+use super::chunk::{received_counts, Candidate, Chunk, POSITIONS};
 use super::experts::{self, experts_points};
 use super::shared_expert::shared_expert_points;
 use super::{tsp_o_reduces, Place, StageShape};
@@ -191,9 +191,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         return None;
     }
     let mut held = chunk.first_layer_held.clone();
-    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    held.extend(received_counts(shape, chunk, false));
     held.extend([
         Term { name: "first layer's attention residual gradient", bytes: stream },
         Term { name: "first layer's attention norm output", bytes: gathered },
@@ -221,9 +219,7 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
     // (On the first stage the first layer's RoPE backward read its positions last.)
     let mut context: Vec<Term> =
         chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != POSITIONS).cloned().collect();
-    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        context.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    context.extend(received_counts(shape, chunk, false));
     let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
     attention_input_gradients(
         shape,
@@ -345,9 +341,7 @@ fn mlp_context(shape: &StageShape, chunk: &Chunk, with_counts_on_the_first: bool
         Term { name: "first layer's MLP norm output", bytes: gathered },
         Term { name: "first layer's output gradient", bytes: stream },
     ];
-    if (!chunk.first || with_counts_on_the_first) && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        mlp.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    mlp.extend(received_counts(shape, chunk, with_counts_on_the_first));
     before_attention(shape, chunk, mlp)
 }
 
@@ -459,9 +453,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             },
         ],
     );
-    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    held.extend(received_counts(shape, chunk, false));
     held.extend(for_w.iter().cloned());
     points.push(Candidate {
         name: "first layer's attention backward in B",
@@ -549,9 +541,7 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
         .filter(|term| !chunk.first || recomputed || term.name != POSITIONS)
         .cloned()
         .collect();
-    if !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    held.extend(received_counts(shape, chunk, false));
     let read_of_attention = if recomputed {
         Term {
             name: "first layer's q, k and v after RoPE, recomputed (for W)",
@@ -606,8 +596,8 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
     });
     // Under full recomputation a stage between the first and the last still holds the counts'
     // sum it received, as at W's tail.
-    if full && !chunk.first && !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        held.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
+    if full {
+        held.extend(received_counts(shape, chunk, false));
     }
     Some(Candidate {
         name: "first layer's shared expert's gate gradient joins its sum",

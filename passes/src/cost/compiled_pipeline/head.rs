@@ -4,7 +4,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{Candidate, Chunk, RECEIVED_COUNTS};
+use super::chunk::{received_counts, Candidate, Chunk};
 use super::experts::experts_points;
 use super::shared_expert::shared_expert_points;
 use super::{Place, StageShape};
@@ -344,11 +344,10 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let mut shared = routed.clone();
     // (On the first stage the first layer's router probabilities' backward, after its shared
     // expert's and before its routed experts', frees them.)
-    if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        shared.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-        if !(chunk.first && chunk.layers == 1) {
-            routed.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-        }
+    let counts = received_counts(shape, chunk, true);
+    shared.extend(counts.clone());
+    if !(chunk.first && chunk.layers == 1) {
+        routed.extend(counts);
     }
     let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);
     candidates.extend(experts_points(shape, Place::LastLayer, &routed, head_gradients));
@@ -363,9 +362,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "what it holds in flight", bytes: chunk.in_flight },
             Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * boundary },
         ];
-        if shape.chunks == 1 && shape.statistics > 0.0 {
-            received.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-        }
+        received.extend(received_counts(shape, chunk, true));
         candidates.push(Candidate {
             name: "the output gradient received",
             so_far: 0.0,
@@ -389,9 +386,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         return Vec::new();
     }
     let mut context = chunk.first_layer_held.clone();
-    if !chunk.last && shape.chunks == 1 && shape.statistics > 0.0 {
-        context.push(Term { name: RECEIVED_COUNTS, bytes: shape.statistics });
-    }
+    context.extend(received_counts(shape, chunk, true));
     context.push(Term {
         name: "the residual stream the layers below its last kept",
         bytes: (chunk.layers - 1) as f64 * kept_layer,
