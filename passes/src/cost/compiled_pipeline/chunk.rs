@@ -63,11 +63,6 @@ pub(super) struct Candidate {
 }
 
 impl Candidate {
-    /// A point where the micro-batch has made none of its gradients and none joins a sum.
-    pub(super) fn before_gradients(name: &'static str, held: Vec<Term>) -> Candidate {
-        Candidate::made(name, 0.0, held)
-    }
-
     /// A point where the micro-batch has made `so_far` of the chunk's gradients and none joins a
     /// sum.
     pub(super) fn made(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
@@ -422,28 +417,22 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         sum_pending: 0.0,
     }];
     if let Some(held) = parts_summed {
-        candidates.push(Candidate {
-            name: "the embedding's and the head's parts of the tied table's gradient summed",
-            so_far: before_joining,
+        candidates.push(Candidate::made(
+            "the embedding's and the head's parts of the tied table's gradient summed",
+            before_joining,
             held,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        ));
     }
     if let Some(held) = slicing {
-        candidates.push(Candidate {
-            name: if reduced {
+        candidates.push(Candidate::made(
+            if reduced {
                 "embedding rows sliced for their dp reduction"
             } else {
                 "embedding rows sliced to join the head's part of the tied table's gradient"
             },
-            so_far: before_joining,
+            before_joining,
             held,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        ));
     }
     candidates
 }
@@ -460,12 +449,5 @@ fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
     ];
     held.extend(chunk.end.iter().cloned());
     held.push(Term { name: "the head's part, reduced over dp", bytes: vocab_shard * hidden * element });
-    Candidate {
-        name: "the LM head's part of the tied table's gradient reduced over dp",
-        so_far: chunk.grads * shape.shards,
-        held,
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    }
+    Candidate::made("the LM head's part of the tied table's gradient reduced over dp", chunk.grads * shape.shards, held)
 }

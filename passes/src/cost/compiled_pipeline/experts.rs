@@ -74,14 +74,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
         Term { name: "the MLP norm output, freed", bytes: -gathered },
         Term { name: "the MLP norm's input gradient and the attention residual's gradient", bytes: 2.0 * stream },
     ]);
-    points.push(Candidate {
-        name: names.residual_gradient,
-        so_far: made_before + shape.layer_mlp_gradients(),
-        held,
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    });
+    points.push(Candidate::made(names.residual_gradient, made_before + shape.layer_mlp_gradients(), held));
     points
 }
 
@@ -163,7 +156,7 @@ fn input_gradient_reduced(
         });
     }
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
-    Some(Candidate { name, so_far: made_before, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 })
+    Some(Candidate::made(name, made_before, held))
 }
 
 /// Over ep one instruction makes the routed experts' input, router and weight gradients at once,
@@ -195,7 +188,7 @@ fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_bef
     }
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
     held.push(Term { name: "the dispatch's copy of its operands", bytes: 2.0 * gathered + router + routed * element });
-    Some(Candidate { name, so_far, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 })
+    Some(Candidate::made(name, so_far, held))
 }
 
 /// Under dp (or cp) the two routed-expert gradients of a layer that wait unreduced while the first

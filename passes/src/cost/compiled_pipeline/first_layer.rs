@@ -168,14 +168,11 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
         },
     ];
     held.extend(chunk.end.iter().cloned());
-    Some(Candidate {
-        name: "first layer's attention norm output gradient from q",
-        so_far: chunk.grads - (shape.norm + hidden * query) * element,
+    Some(Candidate::made(
+        "first layer's attention norm output gradient from q",
+        chunk.grads - (shape.norm + hidden * query) * element,
         held,
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    })
+    ))
 }
 
 /// A chunk may peak inside its first layer's attention backward, as the attention kernel makes
@@ -280,14 +277,7 @@ pub(super) fn attention_input_gradients(
             key_values_pending: true,
             sum_pending: 0.0,
         },
-        Candidate {
-            name: names[1],
-            so_far: attention_so_far + 2.0 * key_value,
-            held: from_q,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        },
+        Candidate::made(names[1], attention_so_far + 2.0 * key_value, from_q),
     ]
 }
 
@@ -455,14 +445,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     );
     held.extend(received_counts(shape, chunk, false));
     held.extend(for_w.iter().cloned());
-    points.push(Candidate {
-        name: "first layer's attention backward in B",
-        so_far: made_in_b,
-        held,
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    });
+    points.push(Candidate::made("first layer's attention backward in B", made_in_b, held));
     points.push(attention_input_gradients_in_b(shape, chunk, for_w, made_in_b));
     points
 }
@@ -564,14 +547,7 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
         Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
     ]);
     held.extend(for_w);
-    Candidate {
-        name: "first layer's attention norm output's gradients summed in B",
-        so_far: made_in_b,
-        held,
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    }
+    Candidate::made("first layer's attention norm output's gradients summed in B", made_in_b, held)
 }
 
 /// Under zero bubble a shared expert's weight gradients (its gate vector's too) are W's, made
@@ -683,18 +659,15 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
                     bytes: point.after as f64 * later_owner_activations,
                 });
             }
-            Candidate {
-                name: if point.to_this_rank {
+            Candidate::made(
+                if point.to_this_rank {
                     "first layer's o gradient reduced to this rank, its owner"
                 } else {
                     "first layer's o gradient reduced to another owner"
                 },
-                so_far: reducing_so_far,
+                reducing_so_far,
                 held,
-                new_sum: None,
-                key_values_pending: false,
-                sum_pending: 0.0,
-            }
+            )
         })
         .collect();
     // As o's gradient joins its sum, on the axis's last rank: the results summed (a block), the

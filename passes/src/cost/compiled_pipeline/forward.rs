@@ -36,7 +36,8 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     } else {
         chunk.in_flight
     };
-    let point = Candidate::before_gradients;
+    // (None of the micro-batch's gradients made.)
+    let point = |name, held| Candidate::made(name, 0.0, held);
     let positions = Term { name: "its positions", bytes: chunk.positions };
     let mut points = vec![point(
         "the last layer's output in a forward",
@@ -93,8 +94,9 @@ fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     }
     let statistics = shape.statistics;
     let not_made = element + if statistics > 0.0 { element + statistics } else { 0.0 };
-    Some(Candidate::before_gradients(
+    Some(Candidate::made(
         "every token's logits gathered in a forward",
+        0.0,
         vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term { name: "what it holds in flight but its losses and counts' sum", bytes: chunk.in_flight - not_made },

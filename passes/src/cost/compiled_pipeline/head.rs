@@ -38,10 +38,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // A micro-batch in flight holds its cross-entropy and load-balancing loss apart; by the loss's
     // backward they are summed into its loss, one scalar fewer.
     let summed = if shape.statistics > 0.0 { element } else { 0.0 };
-    let mut candidates = vec![Candidate {
-        name: "the loss's backward",
-        so_far: 0.0,
-        held: vec![
+    let mut candidates = vec![Candidate::made(
+        "the loss's backward",
+        0.0,
+        vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term { name: "what it holds in flight, its two losses summed", bytes: chunk.in_flight - summed },
             Term {
@@ -49,10 +49,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 bytes: logits + shape.sizes.loss_row_statistics(rows),
             },
         ],
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    }];
+    )];
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it. (Beside dp, which reduces the gradient first, below;
     // not modelled beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens;
@@ -134,14 +131,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if full {
             held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
         }
-        candidates.push(Candidate {
-            name: "the LM head's weight gradient",
-            so_far: 0.0,
-            held,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held));
     }
     if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 && head_part.is_none() {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
@@ -197,10 +187,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
         // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
         // gradient freed (as on a chunk before the last).
-        candidates.push(Candidate {
-            name: "the last layer's gate output gradient",
+        candidates.push(Candidate::made(
+            "the last layer's gate output gradient",
             so_far,
-            held: vec![
+            vec![
                 Term { name: "its positions", bytes: chunk.positions },
                 in_flight,
                 Term { name: "its last layer's output gradient", bytes: stream },
@@ -212,10 +202,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .into_iter()
             .chain(head_part)
             .collect(),
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        ));
     }
     candidates.extend(mixture_head(shape, chunk));
     candidates
@@ -243,10 +230,10 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // Beside dp the down gradient is all-reduced before it joins its sum and its unreduced
         // copy freed; the SiLU product is freed by then, and the stage may peak as gate's output
         // gradient is made beside the product's.
-        candidates.push(Candidate {
-            name: "the last layer's gate output gradient",
-            so_far: shape.gate,
-            held: vec![
+        candidates.push(Candidate::made(
+            "the last layer's gate output gradient",
+            shape.gate,
+            vec![
                 Term { name: "its positions", bytes: chunk.positions },
                 Term {
                     name: "what it holds in flight but its last layer's SiLU product",
@@ -258,10 +245,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                     bytes: 2.0 * local_tokens * ffn * element,
                 },
             ],
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        ));
     } else if shape.tp == 1 {
         candidates.push(Candidate {
             name: "the last layer's down gradient joins its sum",
@@ -277,10 +261,10 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
-    candidates.push(Candidate {
-        name: "the last layer's MLP norm output gradient",
-        so_far: 2.0 * shape.gate,
-        held: vec![
+    candidates.push(Candidate::made(
+        "the last layer's MLP norm output gradient",
+        2.0 * shape.gate,
+        vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term {
                 name: "what it holds in flight but its last layer's gate, up and their product",
@@ -293,10 +277,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 bytes: 3.0 * gathered,
             },
         ],
-        new_sum: None,
-        key_values_pending: false,
-        sum_pending: 0.0,
-    });
+    ));
     candidates
 }
 
@@ -363,14 +344,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * boundary },
         ];
         received.extend(received_counts(shape, chunk, true));
-        candidates.push(Candidate {
-            name: "the output gradient received",
-            so_far: 0.0,
-            held: received,
-            new_sum: None,
-            key_values_pending: false,
-            sum_pending: 0.0,
-        });
+        candidates.push(Candidate::made("the output gradient received", 0.0, received));
     }
     candidates
 }
