@@ -514,14 +514,13 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
 /// the gradients W reads (under cp k's and v's reduce-scattered to the rank's tokens by then).
 fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<Term>, made_in_b: f64) -> Candidate {
     let StepSizes { element, local_tokens, query, kv, stream, gathered, attention_kept, kv_kept, .. } = shape.sizes;
-    // (On the first stage the first layer's RoPE backward read its positions last, but where W
-    // recomputes attention's output from q, k and v: under either recomputation, whose B
-    // recomputed q, k and v, under full recomputation the attention norm's output too.)
+    // (Under either recomputation B recomputed q, k and v for W, under full recomputation the
+    // attention norm's output too.)
     let recomputed = shape.recompute() != Recompute::None;
     let mut held: Vec<Term> = chunk
         .first_layer_held
         .iter()
-        .filter(|term| !chunk.first || recomputed || term.name != POSITIONS)
+        .filter(|term| !shape.positions_freed_in_b() || term.name != POSITIONS)
         .cloned()
         .collect();
     held.extend(received_counts(shape, chunk, false));

@@ -534,6 +534,14 @@ impl<'a> StageShape<'a> {
         (model.mlp_weights() as f64 / self.tp as f64 + routed + model.router_params() as f64) * self.sizes.element
     }
 
+    /// Under zero bubble, whether the first stage's B frees a micro-batch's positions: its first
+    /// layer's RoPE backward reads them last, but under either recomputation W reads them too (to
+    /// recompute attention's output from q, k and v). A micro-batch between its B and W there no
+    /// longer holds them; another stage releases them at the micro-batch's end.
+    fn positions_freed_in_b(&self) -> bool {
+        self.zero_bubble && self.stage == 0 && self.recompute() == Recompute::None
+    }
+
     /// Whether a dense stage's MLP backward points are modelled: not under ZeRO-2 and 3, which
     /// scatter each gradient; under tsp, whose ring makes the MLP's gradients; or under full
     /// recomputation, which recomputes the MLP.

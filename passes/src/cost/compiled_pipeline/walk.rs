@@ -185,13 +185,7 @@ impl Point<'_> {
             if forwarded.is_empty() || finished.len() == chunks as usize {
                 continue;
             }
-            // (Under zero bubble the first stage's B reads them last, unless W recomputes: the
-            // program's free lies there, and a micro-batch between its B and W no longer holds
-            // them. Another stage releases them at the micro-batch's end.)
-            let freed_in_b = self.shape.zero_bubble
-                && self.shape.stage == 0
-                && self.shape.recompute() == Recompute::None
-                && !of(self.input_phase).is_empty();
+            let freed_in_b = self.shape.positions_freed_in_b() && !of(self.input_phase).is_empty();
             if (micro_batch != step.micro_batch || (chunks > 1 && step.chunk == 0 && self.shape.stage == 0))
                 && !freed_in_b
             {

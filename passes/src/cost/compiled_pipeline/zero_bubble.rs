@@ -204,8 +204,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     } else {
         return None;
     };
-    // (The first stage's B read the positions last, but where W recomputes.)
-    let positions = if shape.stage == 0 && shape.recompute() == Recompute::None { 0.0 } else { chunk.positions };
+    let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
     let mut held = vec![
         Term { name: "its positions", bytes: positions },
