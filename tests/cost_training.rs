@@ -2408,35 +2408,73 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    let layout = |mesh, micro_batches, sequence_parallel, zero_stage| PipelinedLayout {
+        sequence_parallel,
+        zero_stage,
+        ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches)
+    };
+    let untied_only = [&four, &wide_vocabulary];
+    // (A tied table under zero bubble beside dp × tp is not modelled, nor under ZeRO-2 and 3.)
+    let tallies = [
+        tally_stage_closed_forms(
+            &[&four, &wide_vocabulary, &tied],
+            &[
+                layout("pp=2", 4, false, 0),
+                layout("pp=2", 2, false, 0),
+                layout("pp=4", 4, false, 0),
+                layout("pp=2,dp=2", 2, false, 0),
+                layout("pp=2,tp=2", 2, false, 0),
+                layout("pp=2,tp=2", 2, true, 0),
+                layout("pp=2,cp=2", 2, false, 0),
+                layout("pp=4,tp=2", 4, false, 0),
+            ],
+            0.95,
+        ),
+        tally_stage_closed_forms(&untied_only, &[layout("pp=2,dp=2,tp=2", 2, false, 0)], 0.95),
+        tally_stage_closed_forms(
+            &untied_only,
+            &[layout("pp=2,dp=2", 2, false, 2), layout("pp=2,dp=2", 2, false, 3)],
+            0.90,
+        ),
+    ];
     let (mut stages, mut exact) = (0, 0);
     let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
-    for config in [&four, &wide_vocabulary, &tied] {
+    for (tally_stages, tally_exact, tally_at) in tallies {
+        stages += tally_stages;
+        exact += tally_exact;
+        for (name, count) in tally_at {
+            *exact_at.entry(name).or_default() += count;
+        }
+    }
+    for name in [
+        "first layer's attention backward in B",
+        "first layer's attention norm output's gradients summed in B",
+        "the LM head's weight gradient in W",
+        "the LM head's weight gradient joins its sum in W",
+        "the last layer's down gradient in W",
+        "the last layer's down gradient joins its sum in W",
+        "the last layer's output in a forward",
+        "the LM head's part of the tied table's gradient is made in W",
+    ] {
+        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
+    }
+    assert!(2 * exact > stages, "{exact} of {stages} exact");
+}
+
+/// Every stage's closed form of each layout in `layouts`, for each recomputation, on each of
+/// `configs` at 64, 256 and 1024 tokens, beside its planned peak: never above it and at least
+/// `bound` of it. Returns the stages weighed, how many were exact, and where those peaked.
+fn tally_stage_closed_forms(
+    configs: &[&pleat_ir::model::config::ModelConfig],
+    layouts: &[PipelinedLayout],
+    bound: f64,
+) -> (usize, usize, std::collections::BTreeMap<&'static str, usize>) {
+    let (mut stages, mut exact) = (0, 0);
+    let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
+    for config in configs {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-            for (mesh, micro_batches, sequence_parallel, zero_stage) in [
-                ("pp=2", 4, false, 0),
-                ("pp=2", 2, false, 0),
-                ("pp=4", 4, false, 0),
-                ("pp=2,dp=2", 2, false, 0),
-                ("pp=2,tp=2", 2, false, 0),
-                ("pp=2,tp=2", 2, true, 0),
-                ("pp=2,cp=2", 2, false, 0),
-                ("pp=2,dp=2,tp=2", 2, false, 0),
-                ("pp=4,tp=2", 4, false, 0),
-                ("pp=2,dp=2", 2, false, 2),
-                ("pp=2,dp=2", 2, false, 3),
-            ] {
-                // (A tied table under zero bubble beside dp × tp is not modelled, nor under ZeRO-2
-                // and 3.)
-                if config.tie_word_embeddings && (mesh == "pp=2,dp=2,tp=2" || zero_stage >= 2) {
-                    continue;
-                }
-                let layout = PipelinedLayout {
-                    recompute,
-                    sequence_parallel,
-                    zero_stage,
-                    ..PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches)
-                };
-                let bound = if zero_stage >= 2 { 0.90 } else { 0.95 };
+            for layout in layouts {
+                let layout = PipelinedLayout { recompute, ..*layout };
                 for seq in [64, 256, 1024] {
                     for stage in stage_closed_forms(config, &layout, seq) {
                         let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
@@ -2457,17 +2495,78 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
             }
         }
     }
+    (stages, exact, exact_at)
+}
+
+#[test]
+fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
+    // Under zero bubble with tsp, B runs the MLP ring's backward whole (its weight gradients too),
+    // so on more tokens a stage peaks inside its first layer's ring in B (as the input gradient's
+    // parts are summed, or a shard's weight gradient joins its sum), beside the micro-batches
+    // between B and W; in a forward, inside its last layer's ring or as the last chunk reorders
+    // every token's logits; on the first stage as B gathers the embedding output's gradient over
+    // the sequence; on the last at the head of W, as the LM head's weight gradient is made. Each is
+    // modelled: from 64 to 1024 tokens, tsp at 2 and 4, beside dp, the form is never above the
+    // planner's peak and within 15% below it (12.1% at most when this was written, down from 42%:
+    // the rest is B's attention backward under tsp, and the ring's gradients' dp reduction), exact
+    // on three stages in four.
+    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
+    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let layouts = [
+        ("pp=2,tsp=2", 2),
+        ("pp=2,tsp=2", 4),
+        ("pp=2,tsp=4", 2),
+        ("pp=2,tsp=4", 4),
+        ("pp=4,tsp=2", 4),
+        ("pp=2,dp=2,tsp=2", 2),
+    ]
+    .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
+    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.85);
     for name in [
-        "first layer's attention backward in B",
-        "first layer's attention norm output's gradients summed in B",
+        "first layer's MLP ring backward: the input gradient's parts summed",
+        "first layer's MLP ring backward: a weight gradient joins its sum",
+        "first layer's MLP ring backward: a contribution joins the partial gradient received",
+        "first layer's MLP ring backward: the down contribution from the SiLU product",
+        "the last layer's MLP ring: the SiLU product in a forward",
+        "the last layer's MLP ring: the next shard received in a forward",
+        "the last layer's MLP ring: the output's parts summed in a forward",
         "the LM head's weight gradient in W",
+        "every token's logits reordered in a forward",
+        "the embedding output's gradient gathered in B",
         "the LM head's weight gradient joins its sum in W",
-        "the last layer's down gradient in W",
-        "the last layer's down gradient joins its sum in W",
-        "the last layer's output in a forward",
-        "the LM head's part of the tied table's gradient is made in W",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(2 * exact > stages, "{exact} of {stages} exact");
+    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
+}
+
+#[test]
+fn tsp_stage_closed_form_on_more_tokens() {
+    // Outside zero bubble a tsp stage on more tokens peaks inside an MLP ring's backward: on a
+    // chunk but the last, its last layer's (the head of the backward, all the micro-batch holds in
+    // flight live), else its first layer's (the later layers' activations freed), as the input
+    // gradient's parts are summed or a shard's weight gradient joins its sum; on the last stage as
+    // the LM head's weight gradient joins its sum, or under full recomputation as the final norm's
+    // output is recomputed and gathered for it. Modelled: from 64 to 1024 tokens, tsp at 2 and 4,
+    // beside dp, the form is never above the planner's peak and within 15% below it (13.5% at
+    // most when this was written, down from 41%: the rest is inside the loss's and the attention's
+    // backward under tsp, and the ring's gradients' dp reduction), exact on seven stages in ten.
+    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
+    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let layouts = [("pp=2,tsp=2", 2), ("pp=2,tsp=2", 4), ("pp=2,tsp=4", 4), ("pp=4,tsp=2", 4), ("pp=2,dp=2,tsp=2", 2)]
+        .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches));
+    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.85);
+    for name in [
+        "the last layer's MLP ring backward: the input gradient's parts summed",
+        "the last layer's MLP ring backward: a weight gradient joins its sum",
+        "the last layer's MLP ring backward: a contribution joins the partial gradient received",
+        "first layer's MLP ring backward: the input gradient's parts summed",
+        "first layer's MLP ring backward: a weight gradient joins its sum",
+        "first layer's MLP ring backward: a weight gradient made, unreduced",
+        "the final norm's output regathered for the LM head's gradient",
+        "the LM head's weight gradient joins its sum",
+    ] {
+        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
+    }
+    assert!(10 * exact >= 7 * stages, "{exact} of {stages} exact");
 }

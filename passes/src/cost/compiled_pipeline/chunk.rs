@@ -132,7 +132,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         bytes: between_b_and_w.kept_for_weights,
     });
     let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads.clone());
-    let in_b = if shape.zero_bubble { first_layer::in_b(shape, &chunk) } else { Vec::new() };
+    let mut in_b = if shape.zero_bubble { first_layer::in_b(shape, &chunk) } else { Vec::new() };
+    in_b.extend(zero_bubble::tsp_embedding_gradient_gathered(shape, &chunk, &between_b_and_w));
     let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
@@ -153,6 +154,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::recomputed_down_joining(shape, &chunk));
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk));
+    backward.extend(first_layer::tsp_ring_backward(shape, &chunk));
     backward.extend(first_layer::regathered(shape, &chunk));
     // Beside a tied table the first stage receives the head's part of its gradient with the
     // micro-batch's first backward there and holds it to the first chunk's tail (which counts it
@@ -335,10 +337,22 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         let mut held = vec![
             Term { name: "positions", bytes: positions },
             Term { name: "stage input (received)", bytes: boundary },
-            Term { name: "first layer's attention residual gradient", bytes: stream },
-            Term { name: "first layer's attention norm gradient", bytes: gathered },
         ];
-        if !reduced {
+        // (Under tsp outside zero bubble the first layer's input gradients are sent back by then.)
+        if shape.tsp == 1 || shape.zero_bubble {
+            held.push(Term { name: "first layer's attention residual gradient", bytes: stream });
+            held.push(Term { name: "first layer's attention norm gradient", bytes: gathered });
+        }
+        if !reduced && shape.tsp > 1 {
+            // Under tsp q's weight gradient is made as a contribution to each owner's block, the
+            // attention norm's output and q's gradient freed after the last; of the
+            // contributions, the rank's own is still live at the tail (with tsp = 2 the other
+            // owner's too: not counted).
+            held.push(Term {
+                name: "first layer's q weight-gradient contribution to the rank's own block",
+                bytes: hidden * query * element / shape.tsp as f64,
+            });
+        } else if !reduced {
             held.push(Term { name: "first layer's attention norm output (recomputed under full)", bytes: gathered });
             held.push(Term { name: "first layer's q gradient", bytes: tokens * query * element });
         }

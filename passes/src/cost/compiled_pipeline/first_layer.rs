@@ -9,7 +9,7 @@ use super::super::workload::Recompute;
 use super::chunk::{received_counts, Candidate, Chunk, POSITIONS};
 use super::experts::{self, experts_points};
 use super::shared_expert::shared_expert_points;
-use super::{tsp_o_reduces, Place, StageShape};
+use super::{tsp_o_reduces, tsp_ring, Place, StageShape};
 
 /// Inside the first layer's backward, before its attention's: that layer's attention activations
 /// (which full recomputation recomputes only for the attention's own backward), and its attention
@@ -372,6 +372,9 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
 pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, query, stream, gathered, boundary, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
+    if shape.tsp > 1 && !mixture {
+        return tsp_ring_in_b(shape, chunk);
+    }
     // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
     // runs the MLP ring's, or full recomputation, which recomputes the MLP for W.)
     let dense_modelled = shape.tsp == 1 && shape.recompute() != Recompute::Full;
@@ -448,6 +451,69 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     points.push(Candidate::made("first layer's attention backward in B", made_in_b, held));
     points.push(attention_input_gradients_in_b(shape, chunk, for_w, made_in_b));
     points
+}
+
+/// What the micro-batch holds beside a tsp stage's first layer's MLP ring backward: its chunk's
+/// inputs and end, the layer's attention activations, the MLP norm's output (the ring's input,
+/// recomputed under full recomputation) and the MLP's output gradient, and on the first chunk the
+/// token ids in zigzag order too (the embedding's backward reads them).
+fn beside_tsp_first_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
+    let StepSizes { ids, stream, gathered, .. } = shape.sizes;
+    let mut held = before_attention(
+        shape,
+        chunk,
+        [
+            Term { name: "first layer's MLP norm output (the ring's input)", bytes: gathered },
+            Term { name: "first layer's MLP output gradient", bytes: stream },
+        ],
+    );
+    if chunk.first {
+        held.push(Term { name: "token ids in zigzag order", bytes: ids });
+    }
+    held
+}
+
+/// Under zero bubble a tsp stage's B may peak inside its first layer's MLP ring backward
+/// ([`tsp_ring::ring_backward`]), the later layers' ring gradients made: beside the ring's
+/// buffers the micro-batch holds [`beside_tsp_first_ring`] and what W reads of the layer and the
+/// head: the layer's output (the next layer's attention norm's input, or the final norm's), and
+/// on the last chunk the head's input gathered over the sequence (but under full recomputation),
+/// the final norm output's gradient and every token's logits' gradient.
+fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, tokens, hidden, vocab_shard, gathered, boundary, .. } = shape.sizes;
+    let per_layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+    let mut held = beside_tsp_first_ring(shape, chunk);
+    // (On another chunk the stage's output sent on, which its end keeps, stands for the first
+    // layer's: the later layers' inputs for W count the last layer's output.)
+    if chunk.last {
+        held.push(Term {
+            name: "first layer's output (the next layer's or the final norm's input, for W)",
+            bytes: boundary,
+        });
+        let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { tokens * hidden * element };
+        held.push(Term {
+            name: "the head's input gathered, the final norm output's and the logits' gradients (for W)",
+            bytes: head_input + gathered + tokens * vocab_shard * element,
+        });
+    }
+    let layers = chunk.layers as f64;
+    tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, (layers - 1.0) * per_layer, Some(layers * per_layer))
+}
+
+/// Outside zero bubble a tsp stage may peak inside its first layer's MLP ring backward too
+/// ([`tsp_ring::ring_backward`]), the later layers' gradients made and their activations freed,
+/// the micro-batch holding [`beside_tsp_first_ring`]. (A dense model's.)
+pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
+        return Vec::new();
+    }
+    let held = beside_tsp_first_ring(shape, chunk);
+    // All the chunk's gradients but the first layer's (the rank's blocks of its attention and MLP
+    // weights, both norms) and the embedding's.
+    let element = shape.sizes.element;
+    let blocks = (shape.attention_weights * element + shape.layer_mlp_gradients()) / shape.tsp as f64;
+    let made_before = chunk.grads - blocks - 2.0 * shape.norm * element - chunk.table;
+    tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, made_before, None)
 }
 
 /// Under zero bubble, what W reads of a layer's shared expert once its B is done (its weight

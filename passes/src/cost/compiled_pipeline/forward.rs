@@ -7,7 +7,7 @@ use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, Chunk};
-use super::StageShape;
+use super::{tsp_ring, StageShape};
 
 /// The points of a micro-batch's forward on a chunk, at its last layer's MLP: as the MLP's output
 /// is added to its residual (the layer's output made beside it), or beside a shared expert as the
@@ -15,21 +15,28 @@ use super::StageShape;
 /// yet made), and under full recomputation as the shared expert's product is made. The micro-batch
 /// holds all it keeps in flight there but what the rest of its forward makes (on the last chunk
 /// the head's buffers, and a mixture's counts' sum over the layers, whose statistics are all live
-/// instead). On the last chunk beside cp also [`logits_gathered`]. (Under zero bubble only, without
-/// tsp, whose forward differs, ZeRO-2 and 3, which shard the sums, or a tied table.)
+/// instead). On the last chunk beside cp also [`logits_gathered`]; under tsp only
+/// [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard the sums,
+/// or a tied table.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, boundary, .. } = shape.sizes;
-    if !shape.zero_bubble || shape.tsp > 1 || shape.scattered || shape.tied {
+    if !shape.zero_bubble || shape.scattered || shape.tied {
         return Vec::new();
     }
     let statistics = shape.statistics;
     let full = shape.recompute() == Recompute::Full;
     // On the last chunk the head is still to run: the final norm's buffers (recomputed under full
-    // recomputation, not kept), the logits and the loss, and a mixture's counts' sum and
-    // load-balancing loss, in place of which every layer's statistics are live (the earlier
-    // stages' received).
+    // recomputation, not kept; under tsp its output gathered over the sequence), the logits and
+    // the loss, and a mixture's counts' sum and load-balancing loss, in place of which every
+    // layer's statistics are live (the earlier stages' received).
     let kept = if chunk.last {
-        let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
+        let final_norm = if full {
+            0.0
+        } else if shape.tsp > 1 {
+            shape.sizes.tokens * shape.sizes.hidden * element
+        } else {
+            (gathered - boundary) + gathered
+        };
         let mixture_head =
             if statistics > 0.0 { statistics + element - 2.0 * shape.model.layers as f64 * statistics } else { 0.0 };
         chunk.in_flight - final_norm - shape.logits() - element - mixture_head
@@ -47,6 +54,19 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             Term { name: "its last layer's MLP output", bytes: stream },
         ],
     )];
+    // Under tsp the last layer's MLP is a ring, its output not yet made.
+    if shape.tsp > 1 {
+        if shape.model.experts.is_some() {
+            return Vec::new();
+        }
+        let before_ring = vec![
+            positions,
+            Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - boundary },
+        ];
+        points.extend(tsp_ring::ring_forward(shape, before_ring));
+        points.extend(tsp_logits_reordered(shape, chunk));
+        return points;
+    }
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
     // Under full recomputation the forward keeps none of the last layer's MLP activations, which
     // are live as it runs: as the shared expert's product is made, its gate and up, the MLP norm's
@@ -105,6 +125,25 @@ fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
                 bytes: 2.0 * shape.model.layers as f64 * statistics,
             },
             Term { name: "every token's logits, gathered before their reordering", bytes: shape.logits() },
+        ],
+    ))
+}
+
+/// Under tsp the last chunk's forward makes every token's logits over the rank's vocabulary shard
+/// from the head's input gathered over the sequence, and reorders them out of the zigzag: the stage
+/// may peak as it does, the logits beside their reordered copy (which the micro-batch keeps),
+/// before the loss is made. (A dense model's.)
+fn tsp_logits_reordered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    if !chunk.last {
+        return None;
+    }
+    Some(Candidate::made(
+        "every token's logits reordered in a forward",
+        0.0,
+        vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight but its loss", bytes: chunk.in_flight - shape.sizes.element },
+            Term { name: "every token's logits, before their reordering", bytes: shape.logits() },
         ],
     ))
 }

@@ -7,12 +7,13 @@ use super::super::workload::Recompute;
 use super::chunk::{received_counts, Candidate, Chunk};
 use super::experts::experts_points;
 use super::shared_expert::shared_expert_points;
-use super::{Place, StageShape};
+use super::{tsp_ring, Place, StageShape};
 
 /// The points at the head of a micro-batch's backward on `chunk`: on the last chunk the loss's
 /// backward and the LM head's weight gradient joining its sum; on another a dense last layer's
-/// down projection's gradient joining its sum and its MLP norm output's gradients being summed;
-/// and a mixture's last layer's MLP backward on either ([`mixture_head`]).
+/// down projection's gradient joining its sum and its MLP norm output's gradients being summed
+/// (under tsp its MLP ring's backward, [`tsp_last_ring`]); and a mixture's last layer's MLP
+/// backward on either ([`mixture_head`]).
 pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if chunk.last {
         last_chunk(shape, chunk)
@@ -81,6 +82,8 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
+    candidates.extend(tsp_final_norm_regathered(shape, chunk));
+    candidates.extend(tsp_head_gradient_joining(shape, chunk));
     // Beside a tied table without dp, next as the last layer's down projection's weight gradient
     // joins its sum: the head's part joined none, so this may be larger. The logits, the final
     // norm's buffers and the last layer's output are freed; the SiLU product (which made the
@@ -221,6 +224,9 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, gathered, boundary, .. } = shape.sizes;
     if shape.model.experts.is_some() {
         return mixture_head(shape, chunk);
+    }
+    if shape.tsp > 1 {
+        return tsp_last_ring(shape, chunk);
     }
     if !shape.mlp_backward_modelled() {
         return Vec::new();
@@ -399,4 +405,77 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         so_far,
     ));
     candidates
+}
+
+/// Under tsp (outside zero bubble, without full recomputation) the head of the backward on a chunk
+/// but the last is its last layer's MLP ring backward ([`tsp_ring::ring_backward`]): all the
+/// micro-batch holds in flight is live beside the ring's buffers and its output gradient
+/// (received), none of its gradients made before.
+fn tsp_last_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    if shape.zero_bubble || shape.recompute() == Recompute::Full {
+        return Vec::new();
+    }
+    let held = vec![
+        Term { name: "its positions", bytes: chunk.positions },
+        Term { name: "what it holds in flight", bytes: chunk.in_flight },
+        Term { name: "its output gradient (received)", bytes: shape.sizes.boundary },
+    ];
+    tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, 0.0, None)
+}
+
+/// Under tsp with full recomputation (outside zero bubble) the last chunk's backward recomputes
+/// the final norm's output and gathers it over the sequence for the LM head's weight gradient,
+/// after the head's input gradient: the stage may peak as it does, the gathered copy staged beside
+/// the rank's share, the logits' gradient and the head's input gradient (every token's), the
+/// logits and the targets freed. (A dense model's.)
+fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, tokens, hidden, ids, stream, .. } = shape.sizes;
+    if shape.tsp == 1 || shape.zero_bubble || shape.recompute() != Recompute::Full || shape.model.experts.is_some() {
+        return None;
+    }
+    let every_token = tokens * hidden * element;
+    Some(Candidate::made(
+        "the final norm's output regathered for the LM head's gradient",
+        0.0,
+        vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            // (The logits' gradient in place of the logits.)
+            Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids },
+            Term { name: "the LM head's input gradient, every token's", bytes: every_token },
+            Term {
+                name: "the final norm's output recomputed, and its gathered copy staged",
+                bytes: stream + every_token,
+            },
+        ],
+    ))
+}
+
+/// Under tsp (outside zero bubble, without full recomputation or dp) the stage may peak as the LM
+/// head's weight gradient joins its sum: beside the head's input (gathered over the sequence), the
+/// logits' gradient and the head's input gradient (every token's), the logits and the targets
+/// freed. (A dense model's.)
+fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, tokens, hidden, ids, vocab_shard, .. } = shape.sizes;
+    if shape.tsp == 1
+        || shape.zero_bubble
+        || shape.reduced
+        || shape.recompute() == Recompute::Full
+        || shape.model.experts.is_some()
+    {
+        return None;
+    }
+    let weight_gradient = vocab_shard * hidden * element;
+    Some(Candidate {
+        name: "the LM head's weight gradient joins its sum",
+        so_far: weight_gradient,
+        held: vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            // (The logits' gradient in place of the logits.)
+            Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids },
+            Term { name: "the LM head's input gradient, every token's", bytes: tokens * hidden * element },
+        ],
+        new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+        key_values_pending: false,
+        sum_pending: 0.0,
+    })
 }

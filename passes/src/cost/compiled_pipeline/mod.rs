@@ -80,10 +80,20 @@
 //! beside the activations of the owners after that one (the point where the axis's last rank peaks
 //! beside dp, which all-reduces o's gradient before it joins its sum). Beside dp the first stage's
 //! other candidate is the embedding rows' slicing, as under dp × tp. The closed form takes the
-//! rank's place on the axis. Under zero
+//! rank's place on the axis. On more tokens a stage peaks inside an MLP ring's backward
+//! (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds, makes
+//! their gradients, the shard's weight-gradient contributions, joined to the partial gradient
+//! that travels with the shard, and the input gradient's parts, summed as they come): on a chunk
+//! but the last its last layer's, at the head of the backward; on any its first layer's, the later
+//! layers' activations freed. On the last chunk it may peak as the LM head's weight gradient joins
+//! its sum beside every token's logits' and head input's gradients, or under full recomputation as
+//! the final norm's output is recomputed and gathered over the sequence for it. Under zero
 //! bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it would run
 //! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
-//! what they read, W reads only the attention's, and the peak is inside the first layer's W.
+//! what they read, W reads only the attention's; the stage may peak inside a B's first layer's
+//! ring, in a forward's last layer's ring or as the last chunk makes every token's logits, as the
+//! first stage's B gathers the embedding output's gradient over the sequence (W reads every
+//! token's), or at the head of the last chunk's W (the LM head's gradient).
 //!
 //! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
 //! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
@@ -198,8 +208,9 @@
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
 //! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 5%
 //! (dense stages, tied or not; 10% under ZeRO-2 and 3 over dp) below it, exact on most stages;
-//! the points left are W's later ones and SP's order of B's input gradients, and these steps are
-//! not modelled under tsp (nor forwards under ZeRO-2 and 3).
+//! the points left are W's later ones and SP's order of B's input gradients (forwards are not
+//! modelled under ZeRO-2 and 3); under tsp within 15% (the attention's backward in B under full
+//! recomputation), exact on three stages in four.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
@@ -231,7 +242,7 @@
 //! at the head of a backward and inside its first layer's, `experts` and `shared_expert` a
 //! mixture's MLP backward's points at either place, `zero_bubble` what a micro-batch holds
 //! between its B and its W (and the head of its W), `forward` the points of a forward under zero
-//! bubble, and `walk` weighs every point of every step of the stage's schedule beside what the
+//! bubble, `tsp_ring` the points inside a tsp MLP ring, and `walk` weighs every point of every step of the stage's schedule beside what the
 //! other micro-batches hold there.
 mod chunk;
 mod experts;
@@ -239,6 +250,7 @@ mod first_layer;
 mod forward;
 mod head;
 mod shared_expert;
+mod tsp_ring;
 mod walk;
 mod zero_bubble;
 

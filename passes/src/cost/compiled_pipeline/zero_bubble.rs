@@ -105,8 +105,10 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     }
     // (The first stage runs each W right after its B, forwards apart, so no other micro-batch is
     // between there at a W's tail; its between is written by analogy, with the token ids.)
+    // (Under tsp in zigzag order too, and W reads the embedding output's gradient gathered over
+    // the sequence in place of the first layer's attention norm's input gradient.)
     if first {
-        between += ids;
+        between += if shape.tsp > 1 { 2.0 * ids + tokens * hidden * element - boundary } else { ids };
     }
     // A mixture's statistics stay to the micro-batch's end: its layers' (sent on), and on a stage
     // between the first and the last the counts' sum it received (the program frees that after its
@@ -183,10 +185,11 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// sum, and the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
 /// reduce-scatter, the sums the rank's shards). Beside a tied table, on the last chunk as the
 /// head's part of its gradient is made (it joins no sum), and on the first stage beside the head's
-/// parts received (`chunk_hold` adds them). (Not under tsp, whose B makes the MLP's gradients.)
+/// parts received (`chunk_hold` adds them). (Under tsp only on the last chunk: B makes the MLP's
+/// gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
-    if !shape.zero_bubble || shape.tsp > 1 {
+    let StepSizes { element, tokens, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
+    if !shape.zero_bubble || (shape.tsp > 1 && !chunk.last) {
         return None;
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
@@ -214,8 +217,10 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         },
     ];
     let made_in_b = made_in_b + made_before;
+    // (Under tsp gathered over the sequence: the head's input.)
     if chunk.last && shape.recompute() == Recompute::Full {
-        held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
+        let recomputed = if shape.tsp > 1 { tokens * hidden * element } else { gathered };
+        held.push(Term { name: "the final norm's output, recomputed", bytes: recomputed });
     }
     // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
     if !chunk.last && shape.model.experts.is_none() && shape.recompute() == Recompute::Full {
@@ -239,4 +244,35 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         key_values_pending: false,
         sum_pending: 0.0,
     })
+}
+
+/// Under tsp the first chunk's B ends by gathering the embedding output's gradient over the
+/// sequence (the embedding's weight gradient, a W op, reads every token's): the stage may peak as
+/// it does, the gathered copy staged beside the rank's share (the first layer's input gradient,
+/// which the micro-batch holds between B and W) and all else it holds there (its positions but
+/// where B frees them). (A dense model's.)
+pub(super) fn tsp_embedding_gradient_gathered(
+    shape: &StageShape,
+    chunk: &Chunk,
+    between_b_and_w: &BetweenBAndW,
+) -> Option<Candidate> {
+    let boundary = shape.sizes.boundary;
+    if !shape.zero_bubble || shape.tsp == 1 || !chunk.first || shape.model.experts.is_some() {
+        return None;
+    }
+    let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
+    let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
+    Some(Candidate::made(
+        "the embedding output's gradient gathered in B",
+        made_in_b,
+        vec![
+            Term { name: "its positions", bytes: positions },
+            // (The gathered copy among them, staged.)
+            Term {
+                name: "what it holds between B and W but its B gradients and the later layers' inputs for W",
+                bytes: between_b_and_w.between - made_in_b - between_b_and_w.later_w_reads,
+            },
+            Term { name: "the embedding output's gradient, the rank's share", bytes: boundary },
+        ],
+    ))
 }

@@ -1,0 +1,184 @@
+//! Inside a tsp MLP ring (`backend::lower`'s ring MLP and its backward), where a zero-bubble stage
+//! may peak: the points of each step, as its activations (recomputed in the backward), their
+//! gradients, the shard's weight-gradient contributions and the partial sums are made.
+
+use super::super::memory::Term;
+use super::chunk::Candidate;
+use super::StageShape;
+
+/// The names of a ring backward's points, by the layer it runs in.
+pub(super) struct BackwardPointNames {
+    down_contribution: &'static str,
+    made_unreduced: &'static str,
+    joins_its_sum: &'static str,
+    joins_the_partial: &'static str,
+    gate_output_gradient: &'static str,
+    contribution: &'static str,
+    input_gradient_summed: &'static str,
+}
+
+/// The first layer's ring backward: a tail of the backward (zero bubble: of B).
+pub(super) const FIRST_LAYER: BackwardPointNames = BackwardPointNames {
+    down_contribution: "first layer's MLP ring backward: the down contribution from the SiLU product",
+    made_unreduced: "first layer's MLP ring backward: a weight gradient made, unreduced",
+    joins_its_sum: "first layer's MLP ring backward: a weight gradient joins its sum",
+    joins_the_partial: "first layer's MLP ring backward: a contribution joins the partial gradient received",
+    gate_output_gradient: "first layer's MLP ring backward: gate's output gradient",
+    contribution: "first layer's MLP ring backward: a contribution",
+    input_gradient_summed: "first layer's MLP ring backward: the input gradient's parts summed",
+};
+
+/// The last layer's ring backward on a chunk but the last: the head of the backward.
+pub(super) const LAST_LAYER: BackwardPointNames = BackwardPointNames {
+    down_contribution: "the last layer's MLP ring backward: the down contribution from the SiLU product",
+    made_unreduced: "the last layer's MLP ring backward: a weight gradient made, unreduced",
+    joins_its_sum: "the last layer's MLP ring backward: a weight gradient joins its sum",
+    joins_the_partial: "the last layer's MLP ring backward: a contribution joins the partial gradient received",
+    gate_output_gradient: "the last layer's MLP ring backward: gate's output gradient",
+    contribution: "the last layer's MLP ring backward: a contribution",
+    input_gradient_summed: "the last layer's MLP ring backward: the input gradient's parts summed",
+};
+
+/// The ring's own buffers and the gradients it has made, as its backward goes.
+struct RingWalk {
+    /// Bytes of the ring's buffers live now (recomputed activations, their gradients, the shard
+    /// in flight, contributions, the input gradient's partial sum).
+    live: f64,
+    /// The micro-batch's gradients made by now (the ring's outputs among them).
+    so_far: f64,
+    /// Everything the micro-batch holds beside the ring's buffers.
+    held: Vec<Term>,
+    /// Under zero bubble all the chunk's gradients B makes: on the micro-batch's first B of the
+    /// chunk the running sums exist only of those made so far (none pending outside zero bubble,
+    /// where the sums of the later layers' gradients exist).
+    made_in_b: Option<f64>,
+    points: Vec<Candidate>,
+}
+
+impl RingWalk {
+    /// A point with `extra` bytes of the ring's live beside `live`, `joining` the bytes of a
+    /// ring output joining its running sum there.
+    fn point(&mut self, name: &'static str, extra: f64, joining: Option<f64>) {
+        let mut held = self.held.clone();
+        held.push(Term { name: "the MLP ring's backward buffers", bytes: self.live + extra });
+        self.points.push(Candidate {
+            name,
+            so_far: self.so_far,
+            held,
+            new_sum: joining.map(|bytes| Term { name: "the ring's output joining its sum, new beside old", bytes }),
+            key_values_pending: false,
+            sum_pending: self.made_in_b.map_or(0.0, |made_in_b| made_in_b - self.so_far),
+        });
+    }
+}
+
+/// The first layer's MLP ring backward (tsp, `backend::lower::lower_ring_mlp_grad`), which under
+/// zero bubble B runs whole: at each of the axis's `tsp` steps the rank recomputes
+/// gate and up on its tokens with the shard it holds (in flight but at the last step, which uses
+/// its own), makes the down shard's weight-gradient contribution from their SiLU product, then the
+/// product's gradient, gate's and up's, and for gate and up their contributions and the input
+/// gradient's parts, summed as they come. A contribution from the second step on joins the partial
+/// gradient received with the shard (freed with it), and at the last step that sum is the rank's
+/// own gradient of the shard, which joins its running sum at once (beside dp or cp it waits
+/// unreduced to the ring's end, its reduction not modelled here). `held` is all the micro-batch
+/// holds beside the ring (its inputs, its output gradient, under zero bubble what W reads),
+/// `made_before` the gradients made before the ring, `made_in_b` under zero bubble all the chunk's
+/// B gradients; `names` says which layer's ring it is.
+pub(super) fn ring_backward(
+    shape: &StageShape,
+    names: &BackwardPointNames,
+    held: Vec<Term>,
+    made_before: f64,
+    made_in_b: Option<f64>,
+) -> Vec<Candidate> {
+    let (element, tsp) = (shape.sizes.element, shape.tsp);
+    // The rank's tokens' recomputed activations (its shard's channels), the input gradient's
+    // parts, and a shard's projection (its weight-gradient contribution).
+    let channels = shape.sizes.local_tokens * shape.sizes.ffn / tsp as f64 * element;
+    let input_gradient = shape.sizes.gathered;
+    let projection = shape.sizes.hidden * shape.sizes.ffn / tsp as f64 * element;
+    let reduced = shape.reduced;
+    let mut ring = RingWalk { live: 0.0, so_far: made_before, held, made_in_b, points: Vec::new() };
+    // The first step's shard comes from the next rank (the rank's own goes on).
+    ring.live += 3.0 * projection;
+    let mut partial_sum = false;
+    for step in 0..tsp {
+        let last = step + 1 == tsp;
+        if last {
+            // The last step uses the rank's own shard (a parameter).
+            ring.live -= 3.0 * projection;
+        }
+        // Gate and up recomputed; the down contribution from their product.
+        ring.live += 2.0 * channels;
+        ring.point(names.down_contribution, channels + projection, None);
+        // Each part: its contribution (the product freed for down's), then from the second step on
+        // its sum with the partial gradient received, the rank's own at the last step.
+        let fold = |ring: &mut RingWalk| {
+            if step == 0 {
+                return;
+            }
+            if last && reduced {
+                // Beside dp (or cp) the rank's gradient waits unreduced to the ring's end.
+                ring.point(names.made_unreduced, 3.0 * projection, None);
+                ring.live += projection;
+            } else if last {
+                ring.so_far += projection;
+                ring.point(names.joins_its_sum, 2.0 * projection, Some(projection));
+            } else {
+                ring.point(names.joins_the_partial, 3.0 * projection, None);
+            }
+        };
+        fold(&mut ring);
+        // The product's gradient, then gate's beside gate, up and it (up freed, up's gradient
+        // made, gate and the product's gradient freed).
+        ring.point(names.gate_output_gradient, 2.0 * channels, None);
+        for _gate_then_up in 0..2 {
+            // The part's contribution, folded; then its input gradient, summed into the partial
+            // sum (the first becomes it).
+            ring.point(names.contribution, projection, None);
+            fold(&mut ring);
+            if partial_sum {
+                ring.point(names.input_gradient_summed, 2.0 * input_gradient, None);
+            } else {
+                ring.live += input_gradient;
+                ring.point(names.input_gradient_summed, 0.0, None);
+                partial_sum = true;
+            }
+            // The part's output gradient freed.
+            ring.live -= channels;
+        }
+        // (Then the shard is freed and the next received: `live` keeps one in flight.)
+    }
+    ring.points
+}
+
+/// The ring MLP's forward: at each of the axis's `tsp` steps the rank computes gate, up and their
+/// SiLU product on its tokens with the shard it holds (its own at the first step, then the one
+/// received from the previous rank, in flight), then the down projection's part of the output,
+/// summed as they come; the next shard is received after the step's GEMMs, before the one it held
+/// is freed. `held` is all the micro-batch holds beside the ring.
+pub(super) fn ring_forward(shape: &StageShape, held: Vec<Term>) -> Vec<Candidate> {
+    let (element, tsp) = (shape.sizes.element, shape.tsp);
+    let channels = shape.sizes.local_tokens * shape.sizes.ffn / tsp as f64 * element;
+    let output = shape.sizes.gathered;
+    let shard = 3.0 * shape.sizes.hidden * shape.sizes.ffn / tsp as f64 * element;
+    let mut ring = RingWalk { live: 0.0, so_far: 0.0, held, made_in_b: None, points: Vec::new() };
+    for step in 0..tsp {
+        let last = step + 1 == tsp;
+        ring.point("the last layer's MLP ring: the SiLU product in a forward", 3.0 * channels, None);
+        ring.point("the last layer's MLP ring: a step's output part in a forward", channels + output, None);
+        if step == 0 {
+            ring.live += output;
+        } else {
+            ring.point("the last layer's MLP ring: the output's parts summed in a forward", 2.0 * output, None);
+        }
+        if !last {
+            if step == 0 {
+                ring.live += shard;
+            } else {
+                ring.point("the last layer's MLP ring: the next shard received in a forward", shard, None);
+            }
+        }
+    }
+    ring.points
+}
