@@ -22,24 +22,18 @@ pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candida
     }
 }
 
-/// The head of the micro-batch's backward on the last chunk: all it holds in flight, its
-/// positions, and the loss's backward's own buffers (the logits' gradient beside them, and under
-/// tp the vocabulary-parallel loss's row statistics, three f32 a row from each tp rank); none of
-/// its gradients made yet.
-fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
+/// The loss's backward, at the head of the micro-batch's backward on the last chunk: all it holds
+/// in flight (its two losses summed), its positions, and the logits' gradient beside them (and
+/// under tp the vocabulary-parallel loss's row statistics, three f32 a row from each tp rank); none
+/// of its gradients made yet.
+pub(super) fn loss_backward(shape: &StageShape, chunk: &Chunk) -> Candidate {
+    let StepSizes { element, vocab_shard, .. } = shape.sizes;
     let logits = shape.logits();
     let rows = logits / vocab_shard / element;
-    let weight_gradient = vocab_shard * hidden * element;
-    // Beside a tied table the head's part of its gradient joins no sum here: it is sent back
-    // and held to the micro-batch's end (reduced over dp on the first stage, or beside dp × tp at
-    // the end of this stage's backward).
-    let head_part = shape.tied_head_part();
-    let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
     // A micro-batch in flight holds its cross-entropy and load-balancing loss apart; by the loss's
     // backward they are summed into its loss, one scalar fewer.
     let summed = if shape.statistics > 0.0 { element } else { 0.0 };
-    let mut candidates = vec![Candidate::made(
+    Candidate::made(
         "the loss's backward",
         0.0,
         vec![
@@ -50,7 +44,23 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 bytes: logits + shape.sizes.loss_row_statistics(rows),
             },
         ],
-    )];
+    )
+}
+
+/// The head of the micro-batch's backward on the last chunk: the loss's backward
+/// ([`loss_backward`]), then the LM head's weight gradient.
+fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
+    let logits = shape.logits();
+    let weight_gradient = vocab_shard * hidden * element;
+    // Beside a tied table the head's part of its gradient joins no sum here: it is sent back
+    // and held to the micro-batch's end (reduced over dp on the first stage, or beside dp × tp at
+    // the end of this stage's backward).
+    let head_part = shape.tied_head_part();
+    let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
+    // (By the loss's backward a mixture's two losses are summed into one.)
+    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let mut candidates = vec![loss_backward(shape, chunk)];
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it. (Beside dp, which reduces the gradient first, below;
     // not modelled beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens;

@@ -196,8 +196,9 @@
 //! forwards' points): in a B, inside its first layer's backward (a shared expert's, as gate's
 //! output gradient is made; a mixture's expert gradient joining its sum; the attention kernel's
 //! backward; the attention norm output's gradients from v, k and q summed, each projection's
-//! gradient kept for W), the B gradients made so far and their sums beside it; at the head of a
-//! W, as its first weight gradient (the LM head's on the last chunk, after the micro-batch's two
+//! gradient kept for W), the B gradients made so far and their sums beside it, and on the last
+//! chunk at its head, as the loss's backward makes the logits' gradient beside all the forward
+//! kept (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM head's on the last chunk, after the micro-batch's two
 //! losses are summed, or beside a tied table the head's part of it; the last layer's down
 //! projection's, dense or a shared expert's, on another) is made or joins its sum, all the
 //! micro-batch held between B and W still live; and (but beside a tied table) in a
@@ -207,7 +208,7 @@
 //! loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
 //! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 5%
-//! (dense stages, tied or not; 10% under ZeRO-2 and 3 over dp) below it, exact on most stages;
+//! (dense stages, tied or not; 10% under ZeRO-2 and 3 over dp or cp) below it, exact on most stages;
 //! the points left are W's later ones and SP's order of B's input gradients (forwards are not
 //! modelled under ZeRO-2 and 3); under tsp within 15% (the attention's backward in B under full
 //! recomputation), exact on three stages in four.

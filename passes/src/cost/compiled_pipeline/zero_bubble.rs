@@ -5,7 +5,7 @@ use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, Chunk};
-use super::StageShape;
+use super::{head, StageShape};
 
 /// What a micro-batch holds of a chunk between its B and its W, in bytes.
 pub(super) struct BetweenBAndW {
@@ -275,4 +275,25 @@ pub(super) fn tsp_embedding_gradient_gathered(
             Term { name: "the embedding output's gradient, the rank's share", bytes: boundary },
         ],
     ))
+}
+
+/// Under zero bubble the last chunk's B begins with the loss's backward ([`head::loss_backward`]):
+/// the micro-batch holds all its forward kept and the logits' gradient beside the micro-batches
+/// between B and W, none of its B gradients made, nor yet what its W reads of the later layers
+/// (which the walk counts at B's other points).
+pub(super) fn loss_backward_in_b(
+    shape: &StageShape,
+    chunk: &Chunk,
+    between_b_and_w: &BetweenBAndW,
+) -> Option<Candidate> {
+    if !shape.zero_bubble || !chunk.last {
+        return None;
+    }
+    let mut point = head::loss_backward(shape, chunk);
+    point.name = "the loss's backward in B";
+    point
+        .held
+        .push(Term { name: "the later layers' inputs for W (none made yet)", bytes: -between_b_and_w.later_w_reads });
+    point.sum_pending = between_b_and_w.made_in_b.unwrap_or(0.0);
+    Some(point)
 }
