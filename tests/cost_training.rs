@@ -2507,11 +2507,12 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
     // parts are summed, or a shard's weight gradient joins its sum), beside the micro-batches
     // between B and W; in a forward, inside its last layer's ring or as the last chunk reorders
     // every token's logits; on the first stage as B gathers the embedding output's gradient over
-    // the sequence; on the last at the head of W, as the LM head's weight gradient is made. Each is
+    // the sequence; on the last as B reduce-scatters the LM head's input gradient over the
+    // sequence, or at the head of W, as the LM head's weight gradient is made. Each is
     // modelled: from 64 to 1024 tokens, tsp at 2 and 4, beside dp, the form is never above the
     // planner's peak and within 15% below it (12.1% at most when this was written, down from 42%:
     // the rest is B's attention backward under tsp, and the ring's gradients' dp reduction), exact
-    // on three stages in four.
+    // on five stages in six (630 of 720 when this was written).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let layouts = [
@@ -2536,23 +2537,26 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
         "every token's logits reordered in a forward",
         "the embedding output's gradient gathered in B",
         "the LM head's weight gradient joins its sum in W",
+        "the LM head's input gradient reduce-scattered in B",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
+    assert!(6 * exact >= 5 * stages, "{exact} of {stages} exact");
 }
 
 #[test]
 fn tsp_stage_closed_form_on_more_tokens() {
-    // Outside zero bubble a tsp stage on more tokens peaks inside an MLP ring's backward: on a
-    // chunk but the last, its last layer's (the head of the backward, all the micro-batch holds in
-    // flight live), else its first layer's (the later layers' activations freed), as the input
+    // Outside zero bubble a tsp stage on more tokens peaks inside an MLP ring's backward: its last
+    // layer's (at the head of the backward, all the micro-batch holds in flight live; on the last
+    // chunk after the head's gradients), or its first layer's (the later layers' activations
+    // freed), as the input
     // gradient's parts are summed or a shard's weight gradient joins its sum; on the last stage as
     // the LM head's weight gradient joins its sum, or under full recomputation as the final norm's
     // output is recomputed and gathered for it. Modelled: from 64 to 1024 tokens, tsp at 2 and 4,
     // beside dp, the form is never above the planner's peak and within 15% below it (13.5% at
     // most when this was written, down from 41%: the rest is inside the loss's and the attention's
-    // backward under tsp, and the ring's gradients' dp reduction), exact on seven stages in ten.
+    // backward under tsp, and the ring's gradients' dp reduction), exact on three stages in four
+    // (448 of 576 when this was written).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let layouts = [("pp=2,tsp=2", 2), ("pp=2,tsp=2", 4), ("pp=2,tsp=4", 4), ("pp=4,tsp=2", 4), ("pp=2,dp=2,tsp=2", 2)]
@@ -2570,5 +2574,5 @@ fn tsp_stage_closed_form_on_more_tokens() {
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(10 * exact >= 7 * stages, "{exact} of {stages} exact");
+    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
 }

@@ -135,6 +135,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let mut in_b = if shape.zero_bubble { first_layer::in_b(shape, &chunk) } else { Vec::new() };
     in_b.extend(zero_bubble::tsp_embedding_gradient_gathered(shape, &chunk, &between_b_and_w));
     in_b.extend(zero_bubble::loss_backward_in_b(shape, &chunk, &between_b_and_w));
+    in_b.extend(zero_bubble::tsp_head_input_gradient_scattered_in_b(shape, &chunk, &between_b_and_w));
     let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)

@@ -59,9 +59,12 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         if shape.model.experts.is_some() {
             return Vec::new();
         }
+        // (Under full recomputation the forward keeps none of the ring's input, live as it runs.)
+        let ring_input = if full { gathered } else { 0.0 };
         let before_ring = vec![
             positions,
             Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - boundary },
+            Term { name: "its last layer's MLP norm output (the ring's input), not kept", bytes: ring_input },
         ];
         points.extend(tsp_ring::ring_forward(shape, before_ring));
         points.extend(tsp_logits_reordered(shape, chunk));

@@ -93,6 +93,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     candidates.extend(tsp_final_norm_regathered(shape, chunk));
+    candidates.extend(tsp_last_chunk_ring(shape, chunk));
     candidates.extend(tsp_head_gradient_joining(shape, chunk));
     // Beside a tied table without dp, next as the last layer's down projection's weight gradient
     // joins its sum: the head's part joined none, so this may be larger. The logits, the final
@@ -488,4 +489,28 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candid
         key_values_pending: false,
         sum_pending: 0.0,
     })
+}
+
+/// Under tsp (outside zero bubble, without full recomputation) the last chunk's backward next runs
+/// its last layer's MLP ring backward ([`tsp_ring::ring_backward`]), the head's and the final
+/// norm's gradients made: the micro-batch holds all it kept in flight but the head's (the logits,
+/// the head's input gathered over the sequence, the targets) and the last layer's output, beside
+/// the final norm's input gradient, the ring's output gradient. (A dense model's.)
+fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, tokens, hidden, ids, vocab_shard, stream, boundary, .. } = shape.sizes;
+    if shape.tsp == 1 || shape.zero_bubble || shape.recompute() == Recompute::Full || shape.model.experts.is_some() {
+        return Vec::new();
+    }
+    // (The last layer's output too, which the final norm's backward read last.)
+    let head = shape.logits() + tokens * hidden * element + ids + boundary;
+    let held = vec![
+        Term { name: "its positions", bytes: chunk.positions },
+        Term {
+            name: "what it holds in flight but the head's and its last layer's output",
+            bytes: chunk.in_flight - head,
+        },
+        Term { name: "the final norm's input gradient", bytes: stream },
+    ];
+    let made_before = (vocab_shard * hidden + shape.norm) * element;
+    tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, made_before, None)
 }

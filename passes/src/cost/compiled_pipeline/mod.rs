@@ -81,19 +81,20 @@
 //! beside dp, which all-reduces o's gradient before it joins its sum). Beside dp the first stage's
 //! other candidate is the embedding rows' slicing, as under dp × tp. The closed form takes the
 //! rank's place on the axis. On more tokens a stage peaks inside an MLP ring's backward
-//! (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds, makes
-//! their gradients, the shard's weight-gradient contributions, joined to the partial gradient
-//! that travels with the shard, and the input gradient's parts, summed as they come): on a chunk
-//! but the last its last layer's, at the head of the backward; on any its first layer's, the later
-//! layers' activations freed. On the last chunk it may peak as the LM head's weight gradient joins
-//! its sum beside every token's logits' and head input's gradients, or under full recomputation as
-//! the final norm's output is recomputed and gathered over the sequence for it. Under zero
-//! bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it would run
-//! the ring twice): a micro-batch between B and W keeps the ring's weight gradients instead of
-//! what they read, W reads only the attention's; the stage may peak inside a B's first layer's
-//! ring, in a forward's last layer's ring or as the last chunk makes every token's logits, as the
-//! first stage's B gathers the embedding output's gradient over the sequence (W reads every
-//! token's), or at the head of the last chunk's W (the LM head's gradient).
+//! (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds, makes their
+//! gradients, the shard's weight-gradient contributions, joined to the partial gradient that
+//! travels with the shard, and the input gradient's parts, summed as they come): its last layer's,
+//! at the head of the backward (on the last chunk after the head's gradients); its first layer's,
+//! the later layers' activations freed. On the last chunk it may peak as the LM head's weight
+//! gradient joins its sum beside every token's logits' and head input's gradients, or under full
+//! recomputation as the final norm's output is recomputed and gathered over the sequence for it.
+//! Under zero bubble B runs the MLP ring's backward whole, its weight gradients too (splitting it
+//! would run the ring twice): a micro-batch between B and W keeps the ring's weight gradients
+//! instead of what they read, W reads only the attention's; the stage may peak inside a B's first
+//! layer's ring, in a forward's last layer's ring or as the last chunk makes every token's logits,
+//! as the first stage's B gathers the embedding output's gradient over the sequence (W reads every
+//! token's), as the last stage's B reduce-scatters the LM head's input gradient over it, or at the
+//! head of the last chunk's W (the LM head's gradient).
 //!
 //! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
 //! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
@@ -211,7 +212,7 @@
 //! (dense stages, tied or not; 10% under ZeRO-2 and 3 over dp or cp) below it, exact on most stages;
 //! the points left are W's later ones and SP's order of B's input gradients (forwards are not
 //! modelled under ZeRO-2 and 3); under tsp within 15% (the attention's backward in B under full
-//! recomputation), exact on three stages in four.
+//! recomputation), exact on five stages in six.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;

@@ -28,7 +28,8 @@ pub(super) const FIRST_LAYER: BackwardPointNames = BackwardPointNames {
     input_gradient_summed: "first layer's MLP ring backward: the input gradient's parts summed",
 };
 
-/// The last layer's ring backward on a chunk but the last: the head of the backward.
+/// The last layer's ring backward: at the head of the backward (on the last chunk after the
+/// head's).
 pub(super) const LAST_LAYER: BackwardPointNames = BackwardPointNames {
     down_contribution: "the last layer's MLP ring backward: the down contribution from the SiLU product",
     made_unreduced: "the last layer's MLP ring backward: a weight gradient made, unreduced",

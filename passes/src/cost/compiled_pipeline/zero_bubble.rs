@@ -297,3 +297,33 @@ pub(super) fn loss_backward_in_b(
     point.sum_pending = between_b_and_w.made_in_b.unwrap_or(0.0);
     Some(point)
 }
+
+/// Under zero bubble with tsp the last chunk's B next makes the LM head's input gradient, every
+/// token's, and reduce-scatters it over the sequence (staged whole): beside it the micro-batch
+/// holds all its forward kept but the logits (their gradient in their place) and the targets, and
+/// nothing yet of what its W reads of the later layers. (A dense model's.)
+pub(super) fn tsp_head_input_gradient_scattered_in_b(
+    shape: &StageShape,
+    chunk: &Chunk,
+    between_b_and_w: &BetweenBAndW,
+) -> Option<Candidate> {
+    let StepSizes { element, tokens, hidden, ids, .. } = shape.sizes;
+    if !shape.zero_bubble || !chunk.last || shape.tsp == 1 || shape.model.experts.is_some() {
+        return None;
+    }
+    let every_token = tokens * hidden * element;
+    Some(Candidate {
+        sum_pending: between_b_and_w.made_in_b.unwrap_or(0.0),
+        ..Candidate::made(
+            "the LM head's input gradient reduce-scattered in B",
+            0.0,
+            vec![
+                Term { name: "its positions", bytes: chunk.positions },
+                // (The logits' gradient in place of the logits.)
+                Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids },
+                Term { name: "the LM head's input gradient, every token's, and its staging", bytes: 2.0 * every_token },
+                Term { name: "the later layers' inputs for W (none made yet)", bytes: -between_b_and_w.later_w_reads },
+            ],
+        )
+    })
+}
