@@ -2548,20 +2548,20 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
 fn tsp_stage_closed_form_on_more_tokens() {
     // Outside zero bubble a tsp stage on more tokens peaks inside an MLP ring's backward: its last
     // layer's (at the head of the backward, all the micro-batch holds in flight live; on the last
-    // chunk after the head's gradients), or its first layer's (the later layers' activations
-    // freed), as the input
-    // gradient's parts are summed or a shard's weight gradient joins its sum; on the last stage as
-    // the LM head's weight gradient joins its sum, or under full recomputation as the final norm's
-    // output is recomputed and gathered for it. Modelled: from 64 to 1024 tokens, tsp at 2 and 4,
-    // beside dp, the form is never above the planner's peak and within 15% below it (13.5% at
-    // most when this was written, down from 41%: the rest is inside the loss's and the attention's
-    // backward under tsp, and the ring's gradients' dp reduction), exact on three stages in four
-    // (448 of 576 when this was written).
+    // chunk after the head's gradients) or its first layer's (the later layers' activations
+    // freed), as the input gradient's parts are summed or a shard's weight gradient joins its sum;
+    // on the last stage as the LM head's weight gradient joins its sum (beside dp after its
+    // all-reduce), or under full recomputation as the final norm's output is recomputed and
+    // gathered for it. Modelled: from 64 to 1024 tokens, tsp at 2 and 4, beside dp, the form is
+    // never above the planner's peak and within 12% below it (10.0% at most when this was written,
+    // down from 41%: the rest is inside the attention's backward under tsp beside dp and under full
+    // recomputation, and the ring's gradients' dp reduction), exact on four stages in five (474 of
+    // 576 when this was written).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let layouts = [("pp=2,tsp=2", 2), ("pp=2,tsp=2", 4), ("pp=2,tsp=4", 4), ("pp=4,tsp=2", 4), ("pp=2,dp=2,tsp=2", 2)]
         .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches));
-    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.85);
+    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.88);
     for name in [
         "the last layer's MLP ring backward: the input gradient's parts summed",
         "the last layer's MLP ring backward: a weight gradient joins its sum",
@@ -2574,5 +2574,5 @@ fn tsp_stage_closed_form_on_more_tokens() {
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
+    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact");
 }

@@ -461,30 +461,39 @@ fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candid
     ))
 }
 
-/// Under tsp (outside zero bubble, without full recomputation or dp) the stage may peak as the LM
-/// head's weight gradient joins its sum: beside the head's input (gathered over the sequence), the
-/// logits' gradient and the head's input gradient (every token's), the logits and the targets
-/// freed. (A dense model's.)
+/// Under tsp (outside zero bubble) the stage may peak as the LM head's weight gradient joins its
+/// sum: beside the head's input (gathered over the sequence; under full recomputation recomputed
+/// so), the logits' gradient and the head's input gradient (every token's), the logits and the
+/// targets freed; beside dp (or cp, not under full recomputation) after its all-reduce, the
+/// unreduced copy live and the logits' gradient and the head's input freed by then. (A dense
+/// model's.)
 fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, tokens, hidden, ids, vocab_shard, .. } = shape.sizes;
-    if shape.tsp == 1
-        || shape.zero_bubble
-        || shape.reduced
-        || shape.recompute() == Recompute::Full
-        || shape.model.experts.is_some()
-    {
+    let full = shape.recompute() == Recompute::Full;
+    if shape.tsp == 1 || shape.zero_bubble || (full && shape.reduced) || shape.model.experts.is_some() {
         return None;
     }
     let weight_gradient = vocab_shard * hidden * element;
+    let every_token = tokens * hidden * element;
+    let mut held = vec![Term { name: "its positions", bytes: chunk.positions }];
+    if shape.reduced {
+        held.push(Term {
+            name: "what it holds in flight but the targets, the logits and the head's input",
+            bytes: chunk.in_flight - ids - shape.logits() - every_token,
+        });
+        held.push(Term { name: "the LM head's weight gradient before its all-reduce", bytes: weight_gradient });
+    } else {
+        // (The logits' gradient in place of the logits.)
+        held.push(Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids });
+    }
+    if full {
+        held.push(Term { name: "the final norm's output recomputed, gathered over the sequence", bytes: every_token });
+    }
+    held.push(Term { name: "the LM head's input gradient, every token's", bytes: every_token });
     Some(Candidate {
         name: "the LM head's weight gradient joins its sum",
         so_far: weight_gradient,
-        held: vec![
-            Term { name: "its positions", bytes: chunk.positions },
-            // (The logits' gradient in place of the logits.)
-            Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids },
-            Term { name: "the LM head's input gradient, every token's", bytes: tokens * hidden * element },
-        ],
+        held,
         new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
         key_values_pending: false,
         sum_pending: 0.0,
