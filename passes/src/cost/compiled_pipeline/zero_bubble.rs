@@ -179,18 +179,18 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// The head of W, where a stage may peak on more tokens: W's first weight gradient joins its sum
 /// beside all the micro-batch held between B and W (its B gradients among its gradients). On the
 /// last chunk W first sums the micro-batch's two losses (a mixture's) and makes the LM head's
-/// weight gradient, under full recomputation from the final norm's output it recomputes; on
-/// another the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's
-/// routed experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its
-/// sum, and the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
-/// reduce-scatter, the sums the rank's shards). Beside a tied table, on the last chunk as the
-/// head's part of its gradient is made (it joins no sum), and on the first stage beside the head's
-/// parts received (`chunk_hold` adds them). (Under tsp only on the last chunk: B makes the MLP's
-/// gradients.)
-pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
+/// weight gradient, under full recomputation from the final norm's output it recomputes; on another
+/// the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's routed
+/// experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its sum, and
+/// the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
+/// reduce-scatter, the sums the rank's shards), and a dense LM head's as it joins its sum after it.
+/// Beside a tied table, on the last chunk as the head's part of its gradient is made (it joins no
+/// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). (Under
+/// tsp only on the last chunk: B makes the MLP's gradients.)
+pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
     let StepSizes { element, tokens, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
     if !shape.zero_bubble || (shape.tsp > 1 && !chunk.last) {
-        return None;
+        return Vec::new();
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
@@ -205,7 +205,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             if shared_expert { (hidden * element, local_tokens * element) } else { (0.0, 0.0) };
         (shape.gate, names, gate_vector, gate_logit_gradient)
     } else {
-        return None;
+        return Vec::new();
     };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
@@ -230,20 +230,37 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // the first stage (beside dp × tp reduced first, at the end of the W).
     if let Some(head_part) = shape.tied_head_part().filter(|_| chunk.last) {
         held.push(head_part);
-        return Some(Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held));
+        return vec![Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held)];
     }
-    if shape.reduced {
-        held.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
-        return Some(Candidate::made(names[0], made_in_b, held));
-    }
-    Some(Candidate {
-        name: names[1],
+    let joining = |name, held| Candidate {
+        name,
         so_far: made_in_b + gradient,
         held,
         new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: gradient }),
         key_values_pending: false,
         sum_pending: 0.0,
-    })
+    };
+    if !shape.reduced {
+        return vec![joining(names[1], held)];
+    }
+    let mut before = held.clone();
+    before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
+    let mut points = vec![Candidate::made(names[0], made_in_b, before)];
+    // Beside dp (or cp) a dense LM head's gradient then joins its sum once all-reduced, its
+    // unreduced copy live and what made it (the logits' gradient and the head's input, gathered
+    // over the sequence under tsp) freed. (Not under ZeRO-2 and 3, full recomputation or a
+    // mixture.)
+    if chunk.last && !shape.scattered && shape.recompute() != Recompute::Full && shape.model.experts.is_none() {
+        let head_input = if shape.tsp > 1 { tokens * hidden * element } else { gathered };
+        let mut after = held;
+        after.push(Term {
+            name: "the logits' gradient and the head's input, freed",
+            bytes: -(shape.logits() + head_input),
+        });
+        after.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
+        points.push(joining("the LM head's weight gradient joins its sum in W, all-reduced", after));
+    }
+    points
 }
 
 /// Under tsp the first chunk's B ends by gathering the embedding output's gradient over the
