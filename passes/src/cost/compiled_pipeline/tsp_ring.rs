@@ -1,6 +1,6 @@
-//! Inside a tsp MLP ring (`backend::lower`'s ring MLP and its backward), where a zero-bubble stage
-//! may peak: the points of each step, as its activations (recomputed in the backward), their
-//! gradients, the shard's weight-gradient contributions and the partial sums are made.
+//! Inside a tsp MLP ring (`backend::lower`'s ring MLP and its backward), where a pipelined stage may
+//! peak on more tokens: the points of each step, as its activations (recomputed in the backward),
+//! their gradients, the shard's weight-gradient contributions and the partial sums are made.
 
 use super::super::memory::Term;
 use super::chunk::Candidate;
@@ -40,7 +40,7 @@ pub(super) const LAST_LAYER: BackwardPointNames = BackwardPointNames {
     input_gradient_summed: "the last layer's MLP ring backward: the input gradient's parts summed",
 };
 
-/// The ring's own buffers and the gradients it has made, as its backward goes.
+/// The ring's own buffers and the gradients it has made, as it goes (forward or backward).
 struct RingWalk {
     /// Bytes of the ring's buffers live now (recomputed activations, their gradients, the shard
     /// in flight, contributions, the input gradient's partial sum).
@@ -61,7 +61,7 @@ impl RingWalk {
     /// ring output joining its running sum there.
     fn point(&mut self, name: &'static str, extra: f64, joining: Option<f64>) {
         let mut held = self.held.clone();
-        held.push(Term { name: "the MLP ring's backward buffers", bytes: self.live + extra });
+        held.push(Term { name: "the MLP ring's own buffers", bytes: self.live + extra });
         self.points.push(Candidate {
             name,
             so_far: self.so_far,
@@ -73,8 +73,8 @@ impl RingWalk {
     }
 }
 
-/// The first layer's MLP ring backward (tsp, `backend::lower::lower_ring_mlp_grad`), which under
-/// zero bubble B runs whole: at each of the axis's `tsp` steps the rank recomputes
+/// A layer's MLP ring backward (tsp, `backend::lower::lower_ring_mlp_grad`; under zero bubble B
+/// runs it whole): at each of the axis's `tsp` steps the rank recomputes
 /// gate and up on its tokens with the shard it holds (in flight but at the last step, which uses
 /// its own), makes the down shard's weight-gradient contribution from their SiLU product, then the
 /// product's gradient, gate's and up's, and for gate and up their contributions and the input
