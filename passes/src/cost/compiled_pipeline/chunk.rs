@@ -36,6 +36,9 @@ pub(super) struct ChunkHold {
     /// (`so_far` the stage's B gradients made by then, a mixture's experts' and routers') where
     /// the stage may peak ([`first_layer::in_b`]).
     pub in_b: Vec<Candidate>,
+    /// Under zero bubble, the points at the head of a micro-batch's B on the last chunk, before
+    /// any of its B gradients or what its W reads of the later layers is made.
+    pub head_of_b: Vec<Candidate>,
     /// Under zero bubble, the points of a micro-batch's forward on it where the stage may peak.
     pub forward: Vec<Candidate>,
 }
@@ -134,8 +137,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads.clone());
     let mut in_b = if shape.zero_bubble { first_layer::in_b(shape, &chunk) } else { Vec::new() };
     in_b.extend(zero_bubble::tsp_embedding_gradient_gathered(shape, &chunk, &between_b_and_w));
-    in_b.extend(zero_bubble::loss_backward_in_b(shape, &chunk, &between_b_and_w));
-    in_b.extend(zero_bubble::tsp_head_input_gradient_scattered_in_b(shape, &chunk, &between_b_and_w));
+    let head_of_b = zero_bubble::head_of_b(shape, &chunk, &between_b_and_w);
     let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
@@ -192,6 +194,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         between_b_and_w,
         backward,
         in_b,
+        head_of_b,
         forward: forward::forward_points(shape, &chunk),
     }
 }

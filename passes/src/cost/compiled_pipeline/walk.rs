@@ -332,10 +332,11 @@ impl Point<'_> {
         Some((last_stage, received))
     }
 
-    /// Inside B, at the points of its first layer's backward ([`ChunkHold::in_b`]): the stage's B
-    /// gradients made by then (each point's `so_far`) and their sums (on the micro-batch's first B
-    /// of the chunk but those not yet made, `sum_pending`), the W gradients' sums if a W has run,
-    /// the later layers' inputs for W, and what the first layer holds at each point.
+    /// Inside B, at the points of its first layer's backward ([`ChunkHold::in_b`]) and of its head
+    /// ([`ChunkHold::head_of_b`]): the stage's B gradients made by then (each point's `so_far`) and
+    /// their sums (on the micro-batch's first B of the chunk but those not yet made,
+    /// `sum_pending`), the W gradients' sums if a W has run, the later layers' inputs for W (but at
+    /// the head), and what the micro-batch holds at each point.
     fn in_b(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
         let current = &self.holds[self.step.chunk as usize];
         let made_in_b = current.between_b_and_w.made_in_b.unwrap_or(0.0);
@@ -343,7 +344,7 @@ impl Point<'_> {
         let w_sums = if w_done { current.grads - made_in_b } else { 0.0 };
         let b_done_before = self.done(self.step.chunk, self.input_phase) > 0.0;
         let loss_sum = self.zero_bubble_loss_sum(beside, true);
-        let phase = |point: &Candidate| {
+        let phase = |point: &Candidate, later_w_reads: f64| {
             let mut terms = vec![
                 // (On the micro-batch's first B of the chunk, the sums of the B gradients not yet
                 // made do not exist.)
@@ -354,7 +355,7 @@ impl Point<'_> {
                 },
                 Term { name: "the micro-batch's B gradients", bytes: point.so_far },
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
-                Term { name: "the later layers' inputs for W", bytes: current.between_b_and_w.later_w_reads },
+                Term { name: "the later layers' inputs for W", bytes: later_w_reads },
             ];
             terms.extend(received(beside));
             terms.extend(point.held.iter().cloned());
@@ -363,7 +364,10 @@ impl Point<'_> {
             }
             ForwardPhase { name: point.name, params, terms }
         };
-        current.in_b.iter().map(phase).collect()
+        // (At the head of B none of them is made yet.)
+        let later_w_reads = current.between_b_and_w.later_w_reads;
+        let inside = current.in_b.iter().map(|point| phase(point, later_w_reads));
+        inside.chain(current.head_of_b.iter().map(|point| phase(point, 0.0))).collect()
     }
 
     /// Under zero bubble, the loss's sum over the micro-batches, if the stage has made it by this

@@ -296,42 +296,19 @@ pub(super) fn tsp_embedding_gradient_gathered(
 
 /// Under zero bubble the last chunk's B begins with the loss's backward ([`head::loss_backward`]):
 /// the micro-batch holds all its forward kept and the logits' gradient beside the micro-batches
-/// between B and W, none of its B gradients made, nor yet what its W reads of the later layers
-/// (which the walk counts at B's other points).
-pub(super) fn loss_backward_in_b(
-    shape: &StageShape,
-    chunk: &Chunk,
-    between_b_and_w: &BetweenBAndW,
-) -> Option<Candidate> {
-    if !shape.zero_bubble || !chunk.last {
-        return None;
-    }
-    let mut point = head::loss_backward(shape, chunk);
-    point.name = "the loss's backward in B";
-    point
-        .held
-        .push(Term { name: "the later layers' inputs for W (none made yet)", bytes: -between_b_and_w.later_w_reads });
-    point.sum_pending = between_b_and_w.made_in_b.unwrap_or(0.0);
-    Some(point)
-}
-
-/// Under zero bubble with tsp the last chunk's B next makes the LM head's input gradient, every
-/// token's, and reduce-scatters it over the sequence (staged whole): beside it the micro-batch
-/// holds all its forward kept but the logits (their gradient in their place) and the targets, and
-/// nothing yet of what its W reads of the later layers. (A dense model's.)
-pub(super) fn tsp_head_input_gradient_scattered_in_b(
-    shape: &StageShape,
-    chunk: &Chunk,
-    between_b_and_w: &BetweenBAndW,
-) -> Option<Candidate> {
+/// between B and W, none of its B gradients made (on its first B of the chunk none of their sums
+/// exist), nor yet what its W reads of the later layers. Under tsp B next makes the LM head's
+/// input gradient, every token's, and reduce-scatters it over the sequence (staged whole), the
+/// logits (their gradient in their place) and the targets freed: a dense model's point too.
+pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
     let StepSizes { element, tokens, hidden, ids, .. } = shape.sizes;
-    if !shape.zero_bubble || !chunk.last || shape.tsp == 1 || shape.model.experts.is_some() {
-        return None;
+    if !shape.zero_bubble || !chunk.last {
+        return Vec::new();
     }
-    let every_token = tokens * hidden * element;
-    Some(Candidate {
-        sum_pending: between_b_and_w.made_in_b.unwrap_or(0.0),
-        ..Candidate::made(
+    let mut points = vec![Candidate { name: "the loss's backward in B", ..head::loss_backward(shape, chunk) }];
+    if shape.tsp > 1 && shape.model.experts.is_none() {
+        let every_token = tokens * hidden * element;
+        points.push(Candidate::made(
             "the LM head's input gradient reduce-scattered in B",
             0.0,
             vec![
@@ -339,8 +316,9 @@ pub(super) fn tsp_head_input_gradient_scattered_in_b(
                 // (The logits' gradient in place of the logits.)
                 Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids },
                 Term { name: "the LM head's input gradient, every token's, and its staging", bytes: 2.0 * every_token },
-                Term { name: "the later layers' inputs for W (none made yet)", bytes: -between_b_and_w.later_w_reads },
             ],
-        )
-    })
+        ));
+    }
+    let pending = between_b_and_w.made_in_b.unwrap_or(0.0);
+    points.into_iter().map(|point| Candidate { sum_pending: pending, ..point }).collect()
 }
