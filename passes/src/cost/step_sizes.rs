@@ -48,6 +48,9 @@ pub(super) struct StepSizes {
     /// A hidden state of the rank's tokens, whole: the norms' outputs, all-gathered before the
     /// projections read them.
     pub gathered: f64,
+    /// A hidden state of every token of the micro-batch, whole: under tsp the LM head's input,
+    /// gathered over the sequence, and its gradient.
+    pub every_token: f64,
     /// Between layers (the embedding's output, each layer's output, what a stage sends on): the
     /// stream, but beside cp whole over tp, as SP's split is made and undone inside each layer.
     pub boundary: f64,
@@ -117,6 +120,7 @@ impl StepSizes {
             positions,
             stream,
             gathered,
+            every_token: tokens * hidden * element,
             boundary,
             attention_kept,
             kv_kept,

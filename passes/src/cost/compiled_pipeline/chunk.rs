@@ -203,8 +203,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
 /// head's outputs (the final norm's input all-gathered under SP, its output whole); its positions,
 /// which every chunk of the stage reads, are counted once a micro-batch.
 fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
-    let StepSizes { element, tokens, local_tokens, hidden, ids, stream, gathered, boundary, kept_layer, .. } =
-        shape.sizes;
+    let StepSizes { element, local_tokens, ids, stream, gathered, boundary, kept_layer, every_token, .. } = shape.sizes;
     let statistics = shape.statistics;
     let mut in_flight = layers as f64 * kept_layer;
     // Full recomputation beside cp under SP keeps the last layer's output split on the last
@@ -236,7 +235,7 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
         let final_norm = if shape.recompute() == Recompute::Full {
             0.0
         } else if shape.tsp > 1 {
-            tokens * hidden * element
+            every_token
         } else {
             (gathered - boundary) + gathered
         };

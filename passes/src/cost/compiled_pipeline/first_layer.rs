@@ -480,7 +480,7 @@ fn beside_tsp_first_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
 /// on the last chunk the head's input gathered over the sequence (but under full recomputation),
 /// the final norm output's gradient and every token's logits' gradient.
 fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, tokens, hidden, vocab_shard, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, tokens, vocab_shard, gathered, boundary, every_token, .. } = shape.sizes;
     let per_layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
     let mut held = beside_tsp_first_ring(shape, chunk);
     // (On another chunk the stage's output sent on, which its end keeps, stands for the first
@@ -490,7 +490,7 @@ fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "first layer's output (the next layer's or the final norm's input, for W)",
             bytes: boundary,
         });
-        let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { tokens * hidden * element };
+        let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
         held.push(Term {
             name: "the head's input gathered, the final norm output's and the logits' gradients (for W)",
             bytes: head_input + gathered + tokens * vocab_shard * element,

@@ -440,11 +440,10 @@ fn tsp_last_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// the rank's share, the logits' gradient and the head's input gradient (every token's), the
 /// logits and the targets freed. (A dense model's.)
 fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, tokens, hidden, ids, stream, .. } = shape.sizes;
+    let StepSizes { ids, stream, every_token, .. } = shape.sizes;
     if shape.tsp == 1 || shape.zero_bubble || shape.recompute() != Recompute::Full || shape.model.experts.is_some() {
         return None;
     }
-    let every_token = tokens * hidden * element;
     Some(Candidate::made(
         "the final norm's output regathered for the LM head's gradient",
         0.0,
@@ -468,13 +467,12 @@ fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candid
 /// unreduced copy live and the logits' gradient and the head's input freed by then. (A dense
 /// model's.)
 fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, tokens, hidden, ids, vocab_shard, .. } = shape.sizes;
+    let StepSizes { element, hidden, ids, vocab_shard, every_token, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
     if shape.tsp == 1 || shape.zero_bubble || (full && shape.reduced) || shape.model.experts.is_some() {
         return None;
     }
     let weight_gradient = vocab_shard * hidden * element;
-    let every_token = tokens * hidden * element;
     let mut held = vec![Term { name: "its positions", bytes: chunk.positions }];
     if shape.reduced {
         held.push(Term {
@@ -506,12 +504,12 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candid
 /// the head's input gathered over the sequence, the targets) and the last layer's output, beside
 /// the final norm's input gradient, the ring's output gradient. (A dense model's.)
 fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, tokens, hidden, ids, vocab_shard, stream, boundary, .. } = shape.sizes;
+    let StepSizes { element, hidden, ids, vocab_shard, stream, boundary, every_token, .. } = shape.sizes;
     if shape.tsp == 1 || shape.zero_bubble || shape.recompute() == Recompute::Full || shape.model.experts.is_some() {
         return Vec::new();
     }
     // (The last layer's output too, which the final norm's backward read last.)
-    let head = shape.logits() + tokens * hidden * element + ids + boundary;
+    let head = shape.logits() + every_token + ids + boundary;
     let held = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term {

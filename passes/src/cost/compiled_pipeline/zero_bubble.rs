@@ -34,8 +34,8 @@ pub(super) struct BetweenBAndW {
 /// holds them as well. Selective recomputation keeps q, k and v after RoPE in place of attention's
 /// output, which W recomputes from them for the output projection's gradient.
 pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW {
-    let StepSizes { element, tokens, local_tokens, vocab_shard, hidden, query, kv, ffn, .. } = shape.sizes;
-    let StepSizes { ids, positions, stream, gathered, boundary, kv_kept, kept_layer, .. } = shape.sizes;
+    let StepSizes { element, tokens, local_tokens, vocab_shard, query, kv, ffn, .. } = shape.sizes;
+    let StepSizes { ids, positions, stream, gathered, boundary, kv_kept, kept_layer, every_token, .. } = shape.sizes;
     let (first, last, layers) = (chunk.first, chunk.last, chunk.layers as f64);
     let (sequence_parallel, statistics) = (shape.sequence_parallel(), shape.statistics);
     let mlp_gradients_in_b = shape.mlp_gradients_in_b;
@@ -108,7 +108,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // (Under tsp in zigzag order too, and W reads the embedding output's gradient gathered over
     // the sequence in place of the first layer's attention norm's input gradient.)
     if first {
-        between += if shape.tsp > 1 { 2.0 * ids + tokens * hidden * element - boundary } else { ids };
+        between += if shape.tsp > 1 { 2.0 * ids + every_token - boundary } else { ids };
     }
     // A mixture's statistics stay to the micro-batch's end: its layers' (sent on), and on a stage
     // between the first and the last the counts' sum it received (the program frees that after its
@@ -123,7 +123,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         // gradient, every token's logits' gradient over the rank's vocabulary shard, the loss (the
         // targets were read in the forward).
         let logits = tokens * vocab_shard * element;
-        let head_input = if full { 0.0 } else { tokens * hidden * element };
+        let head_input = if full { 0.0 } else { every_token };
         between += head_input + gathered + logits + element;
     } else if last {
         let logits = local_tokens * vocab_shard * element;
@@ -188,7 +188,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). (Under
 /// tsp only on the last chunk: B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
-    let StepSizes { element, tokens, local_tokens, vocab_shard, hidden, ffn, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, gathered, every_token, .. } = shape.sizes;
     if !shape.zero_bubble || (shape.tsp > 1 && !chunk.last) {
         return Vec::new();
     }
@@ -219,7 +219,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let made_in_b = made_in_b + made_before;
     // (Under tsp gathered over the sequence: the head's input.)
     if chunk.last && shape.recompute() == Recompute::Full {
-        let recomputed = if shape.tsp > 1 { tokens * hidden * element } else { gathered };
+        let recomputed = if shape.tsp > 1 { every_token } else { gathered };
         held.push(Term { name: "the final norm's output, recomputed", bytes: recomputed });
     }
     // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
@@ -251,7 +251,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // over the sequence under tsp) freed. (Not under ZeRO-2 and 3, full recomputation or a
     // mixture.)
     if chunk.last && !shape.scattered && shape.recompute() != Recompute::Full && shape.model.experts.is_none() {
-        let head_input = if shape.tsp > 1 { tokens * hidden * element } else { gathered };
+        let head_input = if shape.tsp > 1 { every_token } else { gathered };
         let mut after = held;
         after.push(Term {
             name: "the logits' gradient and the head's input, freed",
@@ -301,13 +301,12 @@ pub(super) fn tsp_embedding_gradient_gathered(
 /// input gradient, every token's, and reduce-scatters it over the sequence (staged whole), the
 /// logits (their gradient in their place) and the targets freed: a dense model's point too.
 pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
-    let StepSizes { element, tokens, hidden, ids, .. } = shape.sizes;
+    let StepSizes { ids, every_token, .. } = shape.sizes;
     if !shape.zero_bubble || !chunk.last {
         return Vec::new();
     }
     let mut points = vec![Candidate { name: "the loss's backward in B", ..head::loss_backward(shape, chunk) }];
     if shape.tsp > 1 && shape.model.experts.is_none() {
-        let every_token = tokens * hidden * element;
         points.push(Candidate::made(
             "the LM head's input gradient reduce-scattered in B",
             0.0,
