@@ -373,7 +373,9 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, query, stream, gathered, boundary, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
     if shape.tsp > 1 && !mixture {
-        return tsp_ring_in_b(shape, chunk);
+        let mut points = tsp_ring_in_b(shape, chunk);
+        points.push(tsp_attention_in_b(shape, chunk));
+        return points;
     }
     // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
     // runs the MLP ring's, or full recomputation, which recomputes the MLP for W.)
@@ -458,46 +460,116 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// recomputed under full recomputation) and the MLP's output gradient, and on the first chunk the
 /// token ids in zigzag order too (the embedding's backward reads them).
 fn beside_tsp_first_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
-    let StepSizes { ids, stream, gathered, .. } = shape.sizes;
-    let mut held = before_attention(
+    let StepSizes { stream, gathered, .. } = shape.sizes;
+    beside_tsp_first_layer(
         shape,
         chunk,
         [
             Term { name: "first layer's MLP norm output (the ring's input)", bytes: gathered },
             Term { name: "first layer's MLP output gradient", bytes: stream },
         ],
-    );
+    )
+}
+
+/// Inside a tsp stage's first layer's backward: [`before_attention`] with `more`, and on the first
+/// chunk the token ids in zigzag order (the embedding's backward reads them).
+fn beside_tsp_first_layer(shape: &StageShape, chunk: &Chunk, more: [Term; 2]) -> Vec<Term> {
+    let mut held = before_attention(shape, chunk, more);
     if chunk.first {
-        held.push(Term { name: "token ids in zigzag order", bytes: ids });
+        held.push(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
     }
     held
 }
 
-/// Under zero bubble a tsp stage's B may peak inside its first layer's MLP ring backward
-/// ([`tsp_ring::ring_backward`]), the later layers' ring gradients made: beside the ring's
-/// buffers the micro-batch holds [`beside_tsp_first_ring`] and what W reads of the layer and the
-/// head: the layer's output (the next layer's attention norm's input, or the final norm's), and
-/// on the last chunk the head's input gathered over the sequence (but under full recomputation),
-/// the final norm output's gradient and every token's logits' gradient.
-fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+/// What a tsp stage's last chunk holds in B for its W beyond the later layers' inputs: the first
+/// layer's output (the next layer's attention norm's input, or the final norm's), the head's
+/// input gathered over the sequence (but under full recomputation), the final norm output's
+/// gradient and every token's logits' gradient. (On another chunk the stage's output sent on,
+/// which its end keeps, stands for the first layer's: the later layers' inputs for W count the
+/// last layer's output.)
+fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
     let StepSizes { element, tokens, vocab_shard, gathered, boundary, every_token, .. } = shape.sizes;
-    let per_layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
-    let mut held = beside_tsp_first_ring(shape, chunk);
-    // (On another chunk the stage's output sent on, which its end keeps, stands for the first
-    // layer's: the later layers' inputs for W count the last layer's output.)
-    if chunk.last {
-        held.push(Term {
-            name: "first layer's output (the next layer's or the final norm's input, for W)",
-            bytes: boundary,
-        });
-        let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
-        held.push(Term {
+    if !chunk.last {
+        return Vec::new();
+    }
+    let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
+    vec![
+        Term { name: "first layer's output (the next layer's or the final norm's input, for W)", bytes: boundary },
+        Term {
             name: "the head's input gathered, the final norm output's and the logits' gradients (for W)",
             bytes: head_input + gathered + tokens * vocab_shard * element,
-        });
-    }
+        },
+    ]
+}
+
+/// Under zero bubble a tsp stage's B may peak inside its first layer's MLP ring backward
+/// ([`tsp_ring::ring_backward`]), the later layers' ring gradients made: beside the ring's
+/// buffers the micro-batch holds [`beside_tsp_first_ring`] and what W reads of the head
+/// ([`tsp_head_read_by_w`]).
+fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let per_layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+    let mut held = beside_tsp_first_ring(shape, chunk);
+    held.extend(tsp_head_read_by_w(shape, chunk));
     let layers = chunk.layers as f64;
     tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, (layers - 1.0) * per_layer, Some(layers * per_layer))
+}
+
+/// Under zero bubble a tsp stage's B may then peak inside its first layer's attention backward
+/// (the input gradients'; W makes the weight gradients), which takes the owners last first: for
+/// each, o's block broadcast again and attention's output gradient, under full recomputation q,
+/// k and v recomputed with their blocks broadcast again (the attention norm's output once, for all
+/// owners), the attention kernel's backward, k's and v's gradients reduce-scattered over the
+/// sequence, and the attention norm output's gradient from each of v, k and q summed as it comes.
+/// What W reads of an owner stays: q's, k's and v's gradients, and q, k and v (every token's k and
+/// v) where W recomputes attention's output from them (freed without recomputation, where the
+/// forward kept that output). The point: as the last owner's v's (or, the same bytes, k's) part of
+/// the gradient joins the sum, beside the earlier owners' gradients for W, the last owner's
+/// gradients and (recomputed) q and k blocks, the part and the sum before and after it. Beside it
+/// the MLP ring's input gradient (the MLP norm's weight gradient reads it in W), the attention
+/// residual's gradient, and the layer's and the head's activations W reads. (A dense model's.)
+fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
+    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, kv_kept, .. } = shape.sizes;
+    let owners = shape.tsp as f64;
+    let recompute = shape.recompute();
+    let mut held = beside_tsp_first_layer(
+        shape,
+        chunk,
+        [
+            Term { name: "first layer's MLP ring's input gradient (for W)", bytes: gathered },
+            Term { name: "first layer's attention residual gradient", bytes: stream },
+        ],
+    );
+    held.extend(tsp_head_read_by_w(shape, chunk));
+    let every_owner_qkv = (local_tokens * query + kv_kept) * element;
+    let gradients_for_w = local_tokens * (query + 2.0 * kv) * element;
+    if recompute == Recompute::Full {
+        held.extend([
+            Term { name: "first layer's attention norm output, recomputed", bytes: gathered },
+            Term { name: "every owner's q, k and v, recomputed (for W)", bytes: every_owner_qkv },
+            Term {
+                name: "the last owner's q and k blocks, broadcast again",
+                bytes: hidden * (query + kv) / owners * element,
+            },
+        ]);
+    } else if recompute == Recompute::None {
+        held.push(Term {
+            name: "every owner's q, k and v, freed (the forward kept attention's output)",
+            bytes: -every_owner_qkv,
+        });
+    }
+    held.extend([
+        Term {
+            name: "the earlier owners' q, k and v gradients (for W)",
+            bytes: (owners - 1.0) / owners * gradients_for_w,
+        },
+        Term { name: "the last owner's q gradient, and k's and v's reduce-scattered", bytes: gradients_for_w / owners },
+        Term {
+            name: "v's part of the attention norm output's gradient, and the sum before and after it",
+            bytes: 3.0 * gathered,
+        },
+    ]);
+    let made_in_b = shape.mlp_gradients_in_b.unwrap_or(0.0) * chunk.layers as f64;
+    Candidate::made("first layer's attention backward in B: v's part of the input gradient summed", made_in_b, held)
 }
 
 /// Outside zero bubble a tsp stage may peak inside its first layer's MLP ring backward too
@@ -657,8 +729,9 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
 /// reduces to the owner, o's first; a reduce leaves zeros on the other ranks, and the owners'
 /// results are summed as they come (the rank's own gradient is its own owner's). The layer's
 /// attention norm and residual gradients are live throughout. The points: as o's gradient is
-/// reduced to an owner ([`tsp_o_reduces`]), and on the axis's last rank (but beside dp, which
-/// all-reduces it first) as it joins its sum.
+/// reduced to an owner ([`tsp_o_reduces`]), on the axis's last rank (but beside dp, which
+/// all-reduces it first) as it joins its sum, and outside zero bubble (whose W runs no kernel) as
+/// the last owner's attention kernel makes v's gradient.
 pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, boundary, .. } = shape.sizes;
     let StepSizes { attention_kept, kv_kept, .. } = shape.sizes;
@@ -735,6 +808,35 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
             )
         })
         .collect();
+    // Outside zero bubble, at the last owner's attention kernel backward as v's gradient is made:
+    // the earlier owners' results summed (a block), the attention norm's output, o's contribution
+    // and attention's output gradient, the owner's q, k and v (every token's k and v; recomputed
+    // under full recomputation with their blocks, which the input gradients read next), and the
+    // kernel's three gradients (k's and v's every token's, before their reduce-scatter).
+    if !shape.zero_bubble {
+        let owner_qkv = (local_tokens * query + kv_kept) * element / owners;
+        let mut held = chunk.first_layer_held.clone();
+        held.extend(gradients.iter().cloned());
+        held.extend([
+            Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
+            Term { name: "first layer's attention norm output", bytes: gathered },
+            Term { name: "the last owner's attention output gradient", bytes: local_tokens * query / owners * element },
+            Term { name: "its contribution to o's gradient", bytes: o_block },
+            Term { name: "its q, k and v (every token's k and v)", bytes: owner_qkv },
+            Term { name: "their gradients, made by the attention kernel's backward", bytes: owner_qkv },
+        ]);
+        if recompute == Recompute::Full {
+            held.push(Term {
+                name: "its q, k and v blocks, broadcast again to recompute them",
+                bytes: hidden * (query + 2.0 * kv) / owners * element,
+            });
+        }
+        candidates.push(Candidate::made(
+            "first layer's attention kernel backward: the last owner's v gradient",
+            reducing_so_far,
+            held,
+        ));
+    }
     // As o's gradient joins its sum, on the axis's last rank: the results summed (a block), the
     // first owner's q, k and v contributions, o's result for the first owner (zeros but on it),
     // and o's gradient done.

@@ -418,20 +418,29 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
     candidates
 }
 
-/// Under tsp (outside zero bubble, without full recomputation) the head of the backward on a chunk
-/// but the last is its last layer's MLP ring backward ([`tsp_ring::ring_backward`]): all the
-/// micro-batch holds in flight is live beside the ring's buffers and its output gradient
-/// (received), none of its gradients made before.
+/// Under tsp (outside zero bubble) the head of the backward on a chunk but the last is its last
+/// layer's MLP ring backward ([`tsp_ring::ring_backward`]): all the micro-batch holds in flight is
+/// live beside the ring's buffers and its output gradient (received), none of its gradients made
+/// before; under full recomputation beside the ring's input too ([`ring_input_recomputed`]).
 fn tsp_last_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    if shape.zero_bubble || shape.recompute() == Recompute::Full {
+    if shape.zero_bubble {
         return Vec::new();
     }
-    let held = vec![
+    let mut held = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term { name: "what it holds in flight", bytes: chunk.in_flight },
         Term { name: "its output gradient (received)", bytes: shape.sizes.boundary },
     ];
+    held.extend(ring_input_recomputed(shape));
     tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, 0.0, None)
+}
+
+/// Under full recomputation a layer's MLP ring backward recomputes the MLP norm's output (the
+/// ring's input) from the attention residual the forward kept; the attention's own recomputation
+/// waits for its backward.
+fn ring_input_recomputed(shape: &StageShape) -> Option<Term> {
+    (shape.recompute() == Recompute::Full)
+        .then_some(Term { name: "the last layer's MLP norm output, recomputed", bytes: shape.sizes.gathered })
 }
 
 /// Under tsp with full recomputation (outside zero bubble) the last chunk's backward recomputes
@@ -463,28 +472,30 @@ fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candid
 /// Under tsp (outside zero bubble) the stage may peak as the LM head's weight gradient joins its
 /// sum: beside the head's input (gathered over the sequence; under full recomputation recomputed
 /// so), the logits' gradient and the head's input gradient (every token's), the logits and the
-/// targets freed; beside dp (or cp, not under full recomputation) after its all-reduce, the
-/// unreduced copy live and the logits' gradient and the head's input freed by then. (A dense
-/// model's.)
+/// targets freed; beside dp (or cp) after its all-reduce, the unreduced copy live and the logits'
+/// gradient and the head's input (under full recomputation its recomputed copy) freed by then. (A
+/// dense model's.)
 fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, hidden, ids, vocab_shard, every_token, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
-    if shape.tsp == 1 || shape.zero_bubble || (full && shape.reduced) || shape.model.experts.is_some() {
+    if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
         return None;
     }
     let weight_gradient = vocab_shard * hidden * element;
     let mut held = vec![Term { name: "its positions", bytes: chunk.positions }];
     if shape.reduced {
+        // (Under full recomputation the forward kept no head input.)
+        let head_input = if full { 0.0 } else { every_token };
         held.push(Term {
             name: "what it holds in flight but the targets, the logits and the head's input",
-            bytes: chunk.in_flight - ids - shape.logits() - every_token,
+            bytes: chunk.in_flight - ids - shape.logits() - head_input,
         });
         held.push(Term { name: "the LM head's weight gradient before its all-reduce", bytes: weight_gradient });
     } else {
         // (The logits' gradient in place of the logits.)
         held.push(Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids });
     }
-    if full {
+    if full && !shape.reduced {
         held.push(Term { name: "the final norm's output recomputed, gathered over the sequence", bytes: every_token });
     }
     held.push(Term { name: "the LM head's input gradient, every token's", bytes: every_token });
@@ -498,19 +509,21 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candid
     })
 }
 
-/// Under tsp (outside zero bubble, without full recomputation) the last chunk's backward next runs
-/// its last layer's MLP ring backward ([`tsp_ring::ring_backward`]), the head's and the final
-/// norm's gradients made: the micro-batch holds all it kept in flight but the head's (the logits,
-/// the head's input gathered over the sequence, the targets) and the last layer's output, beside
-/// the final norm's input gradient, the ring's output gradient. (A dense model's.)
+/// Under tsp (outside zero bubble) the last chunk's backward next runs its last layer's MLP ring
+/// backward ([`tsp_ring::ring_backward`]), the head's and the final norm's gradients made: the
+/// micro-batch holds all it kept in flight but the head's (the logits, the head's input gathered
+/// over the sequence but under full recomputation, the targets) and the last layer's output,
+/// beside the final norm's input gradient, the ring's output gradient (and under full
+/// recomputation the ring's input, [`ring_input_recomputed`]). (A dense model's.)
 fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, hidden, ids, vocab_shard, stream, boundary, every_token, .. } = shape.sizes;
-    if shape.tsp == 1 || shape.zero_bubble || shape.recompute() == Recompute::Full || shape.model.experts.is_some() {
+    if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
         return Vec::new();
     }
     // (The last layer's output too, which the final norm's backward read last.)
-    let head = shape.logits() + every_token + ids + boundary;
-    let held = vec![
+    let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
+    let head = shape.logits() + head_input + ids + boundary;
+    let mut held = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term {
             name: "what it holds in flight but the head's and its last layer's output",
@@ -518,6 +531,7 @@ fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         },
         Term { name: "the final norm's input gradient", bytes: stream },
     ];
+    held.extend(ring_input_recomputed(shape));
     let made_before = (vocab_shard * hidden + shape.norm) * element;
     tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, made_before, None)
 }

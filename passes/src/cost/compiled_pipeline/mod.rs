@@ -78,21 +78,27 @@
 //! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
 //! as o's gradient joins its sum; any rank also as o's reduce to another owner leaves zeros there,
 //! beside the activations of the owners after that one (the point where the axis's last rank peaks
-//! beside dp, which all-reduces o's gradient before it joins its sum). Beside dp the first stage's
-//! other candidate is the embedding rows' slicing, as under dp × tp. The closed form takes the
+//! beside dp, which all-reduces o's gradient before it joins its sum); outside zero bubble any rank
+//! also as the last owner's attention kernel makes v's gradient, beside that owner's q, k and v
+//! (recomputed under full recomputation, their blocks broadcast again) and the kernel's other
+//! gradients. Beside dp the first stage's other candidate is the embedding rows' slicing, as under
+//! dp × tp. The closed form takes the
 //! rank's place on the axis. On more tokens a stage peaks inside an MLP ring's backward
 //! (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds, makes their
 //! gradients, the shard's weight-gradient contributions, joined to the partial gradient that
 //! travels with the shard, and the input gradient's parts, summed as they come): its last layer's,
-//! at the head of the backward (on the last chunk after the head's gradients); its first layer's,
-//! the later layers' activations freed. On the last chunk it may peak as the LM head's weight
+//! at the head of the backward (on the last chunk after the head's gradients; under full
+//! recomputation beside the ring's input, recomputed); its first layer's, the later layers'
+//! activations freed. On the last chunk it may peak as the LM head's weight
 //! gradient joins its sum beside every token's logits' and head input's gradients (beside dp after
 //! its all-reduce, its unreduced copy live), or under full recomputation as the final norm's output
 //! is recomputed and gathered over the sequence for it, and as the gradient joins its sum beside
-//! that. Under zero bubble B runs the MLP ring's backward whole, its weight gradients too
+//! that (beside dp after its all-reduce, that copy freed). Under zero bubble B runs the MLP ring's backward whole, its weight gradients too
 //! (splitting it would run the ring twice): a micro-batch between B and W keeps the ring's weight
 //! gradients instead of what they read, W reads only the attention's; the stage may peak inside a
-//! B's first layer's ring, in a forward's last layer's ring or as the last chunk makes every
+//! B's first layer's ring, or its attention backward (the input gradients; under full
+//! recomputation B recomputes every owner's q, k and v, which W reads) as the last owner's part of
+//! the input gradient is summed, in a forward's last layer's ring or as the last chunk makes every
 //! token's logits, as the first stage's B gathers the embedding output's gradient over the sequence
 //! (W reads every token's), as the last stage's B reduce-scatters the LM head's input gradient over
 //! it, or at the head of the last chunk's W (the LM head's gradient).
