@@ -2512,9 +2512,9 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
     // recomputation, which recomputes every owner's q, k and v in B for W) inside B's first layer's
     // attention backward, as the last owner's part of the input gradient is summed. Each is
     // modelled: from 64 to 1024 tokens, tsp at 2 and 4, beside dp, the form is never above the
-    // planner's peak and within 8% below it (6.5% at most when this was written, down from 42%:
-    // the rest is the ring's gradients' dp reduction, and W's attention points of a layer but the
-    // first), exact on nine stages in ten (674 of 720 when this was written).
+    // planner's peak and within 5% below it (3.2% at most when this was written, down from 42%:
+    // the rest is W's attention points of a layer but the first, and the ring's gradients' dp
+    // reduction), exact on nine stages in ten (678 of 720 when this was written).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let layouts = [
@@ -2526,7 +2526,7 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
         ("pp=2,dp=2,tsp=2", 2),
     ]
     .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
-    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.92);
+    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.95);
     for name in [
         "first layer's MLP ring backward: the input gradient's parts summed",
         "first layer's MLP ring backward: a weight gradient joins its sum",

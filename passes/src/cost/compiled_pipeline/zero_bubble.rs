@@ -248,9 +248,9 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let mut points = vec![Candidate::made(names[0], made_in_b, before)];
     // Beside dp (or cp) a dense LM head's gradient then joins its sum once all-reduced, its
     // unreduced copy live and what made it (the logits' gradient and the head's input, gathered
-    // over the sequence under tsp) freed. (Not under ZeRO-2 and 3, full recomputation or a
-    // mixture.)
-    if chunk.last && !shape.scattered && shape.recompute() != Recompute::Full && shape.model.experts.is_none() {
+    // over the sequence under tsp; under full recomputation the copy W recomputed) freed. (Not
+    // under ZeRO-2 and 3 or for a mixture.)
+    if chunk.last && !shape.scattered && shape.model.experts.is_none() {
         let head_input = if shape.tsp > 1 { every_token } else { gathered };
         let mut after = held;
         after.push(Term {
