@@ -218,6 +218,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .collect(),
         ));
     }
+    candidates.extend(scattered_head_of_backward(shape, chunk));
     candidates.extend(mixture_head(shape, chunk));
     candidates
 }
@@ -238,6 +239,9 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     if shape.tsp > 1 {
         return tsp_last_ring(shape, chunk);
+    }
+    if shape.scattered {
+        return scattered_head_of_backward(shape, chunk);
     }
     if !shape.mlp_backward_modelled() {
         return Vec::new();
@@ -296,6 +300,111 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         ],
     ));
     candidates
+}
+
+/// Under ZeRO-2 and 3 (a dense stage's, without tp, tsp or cp) the head of the backward is its
+/// last layer's down projection's (on the last chunk after the LM head's and the final norm's
+/// gradients, the logits, the final norm's buffers and the last layer's output freed): the stage
+/// may peak as its weight gradient is made whole, beside the SiLU product's gradient (made first,
+/// from the output gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed
+/// after; under full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's
+/// and up's weights gathered again), or as it is reduce-scattered (staged whole), the SiLU
+/// product freed. On the last chunk, before those, as the LM head's weight gradient is
+/// reduce-scattered (staged whole), the logits and the head's input freed, beside the head's
+/// input gradient; beside a tied table as the head's part of the table's gradient is made (it
+/// joins no sum: [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps
+/// k's and v's rows whole the walk would count them made there: not modelled.)
+fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, boundary, .. } = shape.sizes;
+    let modelled = shape.scattered
+        && shape.model.experts.is_none()
+        && shape.tp == 1
+        && shape.tsp == 1
+        && shape.sizes.token_split == 1
+        && shape.key_values_kept_whole == 0.0;
+    if !modelled {
+        return Vec::new();
+    }
+    let full = shape.recompute() == Recompute::Full;
+    let product = local_tokens * ffn * element;
+    // Beside a tied table the last chunk makes the head's part of its gradient whole, which joins
+    // no sum here: it is sent back and held to the micro-batch's end.
+    let head_part = shape.tied_head_part().filter(|_| chunk.last);
+    let weight_gradient = vocab_shard * hidden * element;
+    let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
+    let (in_flight, output_gradient, so_far) = if chunk.last {
+        // (Under full recomputation the forward kept neither the final norm's buffers nor the
+        // head's input.)
+        let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
+        (
+            Term {
+                name: "what it holds in flight but the logits, the final norm's buffers and its last layer's output",
+                bytes: chunk.in_flight - shape.logits() - final_norm - boundary,
+            },
+            Term { name: "its last layer's output gradient", bytes: stream },
+            (head_sum + shape.norm * element) / shape.shards,
+        )
+    } else {
+        (
+            Term { name: "what it holds in flight", bytes: chunk.in_flight },
+            Term { name: "its output gradient (received)", bytes: boundary },
+            0.0,
+        )
+    };
+    let beside: Vec<Term> = [
+        Term { name: "its positions", bytes: chunk.positions },
+        output_gradient,
+        Term { name: "its last layer's SiLU product gradient", bytes: product },
+        Term { name: "its down gradient, whole (under ZeRO-3 first its weight, gathered)", bytes: shape.gate },
+    ]
+    .into_iter()
+    .chain(head_part.clone())
+    .collect();
+    // Under full recomputation the down gradient reads the SiLU product recomputed, with the MLP
+    // norm's output, gate and up, after the product's gradient is made.
+    // (Under ZeRO-3 with the MLP norm's, gate's and up's weights gathered again for it, which
+    // their input gradients read next.)
+    let regathered = if shape.workload.zero >= 3 { 2.0 * shape.gate + shape.norm * element } else { 0.0 };
+    let recomputed = full.then_some(Term {
+        name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
+        bytes: gathered + 3.0 * product + regathered,
+    });
+    let made = beside.iter().cloned().chain([in_flight.clone()]).chain(recomputed.clone()).collect();
+    let scattered = beside
+        .into_iter()
+        .chain(recomputed)
+        .chain([
+            Term { name: in_flight.name, bytes: in_flight.bytes },
+            Term { name: "its last layer's SiLU product, freed", bytes: -product },
+            Term { name: "its reduce-scatter's staging", bytes: shape.gate },
+        ])
+        .collect();
+    let mut points = vec![
+        Candidate::made("the last layer's down gradient made, before its reduce-scatter", so_far, made),
+        Candidate::made("the last layer's down gradient reduce-scattered", so_far, scattered),
+    ];
+    if chunk.last {
+        let mut held = vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term {
+                name: "what it holds in flight but the logits and the head's input",
+                bytes: chunk.in_flight - shape.logits() - if full { 0.0 } else { gathered },
+            },
+            Term { name: "the LM head's input gradient", bytes: gathered },
+        ];
+        let name = if let Some(head_part) = head_part {
+            held.push(head_part);
+            "the LM head's part of the tied table's gradient is made"
+        } else {
+            held.extend([
+                Term { name: "the LM head's weight gradient, whole", bytes: weight_gradient },
+                Term { name: "its reduce-scatter's staging", bytes: weight_gradient },
+            ]);
+            "the LM head's weight gradient reduce-scattered"
+        };
+        points.push(Candidate::made(name, 0.0, held));
+    }
+    points
 }
 
 /// The head of a mixture's backward on a chunk (not under full recomputation, which recomputes
