@@ -302,14 +302,14 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     candidates
 }
 
-/// Under ZeRO-2 and 3 (a dense stage's, without tp, tsp or cp) the head of the backward is its
+/// Under ZeRO-2 and 3 (a dense stage's, without tp or tsp) the head of the backward is its
 /// last layer's down projection's (on the last chunk after the LM head's and the final norm's
 /// gradients, the logits, the final norm's buffers and the last layer's output freed): the stage
 /// may peak as its weight gradient is made whole, beside the SiLU product's gradient (made first,
 /// from the output gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed
 /// after; under full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's
 /// and up's weights gathered again), or as it is reduce-scattered (staged whole), the SiLU
-/// product freed. On the last chunk, before those, as the LM head's weight gradient is
+/// product freed. On the last chunk (not beside cp), before those, as the LM head's weight gradient is
 /// reduce-scattered (staged whole), the logits and the head's input freed, beside the head's
 /// input gradient; beside a tied table as the head's part of the table's gradient is made (it
 /// joins no sum: [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps
@@ -320,7 +320,6 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
         && shape.model.experts.is_none()
         && shape.tp == 1
         && shape.tsp == 1
-        && shape.sizes.token_split == 1
         && shape.key_values_kept_whole == 0.0;
     if !modelled {
         return Vec::new();
@@ -336,10 +335,12 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
         // (Under full recomputation the forward kept neither the final norm's buffers nor the
         // head's input.)
         let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
+        // (cp's targets were read in the forward.)
+        let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         (
             Term {
-                name: "what it holds in flight but the logits, the final norm's buffers and its last layer's output",
-                bytes: chunk.in_flight - shape.logits() - final_norm - boundary,
+                name: "what it holds in flight but the logits, the final norm's buffers and its last layer's output (and under cp the targets)",
+                bytes: chunk.in_flight - shape.logits() - final_norm - boundary - targets,
             },
             Term { name: "its last layer's output gradient", bytes: stream },
             (head_sum + shape.norm * element) / shape.shards,
@@ -383,7 +384,8 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
         Candidate::made("the last layer's down gradient made, before its reduce-scatter", so_far, made),
         Candidate::made("the last layer's down gradient reduce-scattered", so_far, scattered),
     ];
-    if chunk.last {
+    // (Not beside cp, whose logits' gradient is sliced back to the rank's tokens.)
+    if chunk.last && shape.sizes.token_split == 1 {
         let mut held = vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term {

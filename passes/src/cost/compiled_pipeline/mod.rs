@@ -30,10 +30,10 @@
 //! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp) as
 //! the LM head's weight gradient is made or joins its sum; another (the same, without tp) as its
 //! last layer's down projection gradient does, or (with tp too) as that layer's MLP norm output's
-//! gradients are summed; under ZeRO-2 and 3 (without tp, tsp or cp) as the last layer's down
+//! gradients are summed; under ZeRO-2 and 3 (without tp or tsp) as the last layer's down
 //! gradient is made whole or reduce-scattered (under full recomputation beside its MLP
-//! recomputed) and on the last stage as the LM head's is reduce-scattered (beside a tied table
-//! its part of the table's gradient made). The head of a backward (all
+//! recomputed) and on the last stage (not beside cp) as the LM head's is reduce-scattered (beside
+//! a tied table its part of the table's gradient made). The head of a backward (all
 //! activations and the first gradients live) is smaller wherever the gradients outweigh a
 //! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on
 //! more tokens a stage may peak at other points of it, not modelled, and the result is below the
