@@ -2159,6 +2159,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
     let (mut below, mut gate_joining_exact, mut head_exact, mut down_exact) = (0, 0, 0, 0);
     let (mut mlp_norm_exact, mut tied_down_exact, mut input_gradients_exact) = (0, 0, 0);
+    let mut recomputed_head_exact = 0;
     for recompute in [Recompute::None, Recompute::Full] {
         for (config, mesh, kind, micro_batches, sequence_parallel, zero_stage) in [
             (&four, "pp=2", one_f_one_b, 4, false, 0),
@@ -2216,6 +2217,12 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
                         usize::from(stage.phase.name == "first layer's gate gradient joins its sum" && exact);
                     head_exact +=
                         usize::from(stage.phase.name == "the LM head's weight gradient joins its sum" && exact);
+                    // (Under full recomputation beside the final norm's output recomputed.)
+                    recomputed_head_exact += usize::from(
+                        stage.phase.name == "the LM head's weight gradient joins its sum"
+                            && recompute == Recompute::Full
+                            && exact,
+                    );
                     down_exact +=
                         usize::from(stage.phase.name == "the last layer's down gradient joins its sum" && exact);
                     mlp_norm_exact +=
@@ -2238,8 +2245,9 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     }
     // The head of a backward does peak on these (or the check would be idle); a dense stage's
     // first layer's gate gradient, another stage's last layer's down gradient and the last
-    // stage's LM head gradient (beside a wide vocabulary) joining their sums, and another stage's
-    // last layer's MLP norm output gradient, all modelled, are exact where they peak.
+    // stage's LM head gradient (beside a wide vocabulary, under full recomputation too) joining
+    // their sums, and another stage's last layer's MLP norm output gradient, all modelled, are
+    // exact where they peak.
     assert!(below > 0);
     assert!(
         gate_joining_exact > 0
@@ -2247,8 +2255,10 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
             && down_exact > 0
             && mlp_norm_exact > 0
             && tied_down_exact > 0
-            && input_gradients_exact > 0,
-        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact} {tied_down_exact} {input_gradients_exact}"
+            && input_gradients_exact > 0
+            && recomputed_head_exact > 0,
+        "{gate_joining_exact} {head_exact} {down_exact} {mlp_norm_exact} {tied_down_exact} {input_gradients_exact} \
+         {recomputed_head_exact}"
     );
 }
 

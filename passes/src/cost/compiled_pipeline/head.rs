@@ -66,7 +66,11 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // not modelled beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens;
     // or under full recomputation, which recomputes the final norm for it.)
     let mixture = shape.model.experts.is_some() && shape.recompute() != Recompute::Full;
-    if shape.sizes.token_split == 1 && (shape.mlp_backward_modelled() || mixture) && !shape.reduced {
+    // (Under full recomputation a dense stage's head reads the final norm's output recomputed,
+    // and its input gathered again under SP.)
+    let full = shape.recompute() == Recompute::Full;
+    let dense_full = full && shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
+    if shape.sizes.token_split == 1 && (shape.mlp_backward_modelled() || mixture || dense_full) && !shape.reduced {
         let mut held = vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term {
@@ -76,6 +80,12 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "the logits' gradient", bytes: logits },
             Term { name: "the LM head's input gradient", bytes: gathered },
         ];
+        if dense_full {
+            held.push(Term {
+                name: "the final norm's output recomputed (and under SP its input gathered)",
+                bytes: (gathered - shape.sizes.boundary) + gathered,
+            });
+        }
         held.extend(head_part.clone());
         candidates.push(Candidate {
             name: if head_part.is_some() {
@@ -124,7 +134,6 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
-    let full = shape.recompute() == Recompute::Full;
     if shape.sizes.token_split == 1 && (dense || mixture) && shape.reduced {
         // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
         // their gradient, the head's input gradient (partial under tp, before its all-reduce)

@@ -27,8 +27,8 @@
 //! under tsp or ZeRO-2 and 3), or under full recomputation as the
 //! first layer's down gradient joins its sum beside the MLP recomputed for it (without tp, tsp or
 //! ZeRO-2 and 3), and at the head of a backward: the last stage in the loss's backward, or (a
-//! dense model without cp, tsp, ZeRO-2 and 3, and without full recomputation but beside dp) as
-//! the LM head's weight gradient is made or joins its sum; another (the same, without tp) as its
+//! dense model without cp, tsp, ZeRO-2 and 3) as the LM head's weight gradient is made or joins
+//! its sum (under full recomputation beside the final norm's output recomputed); another (the same, without tp) as its
 //! last layer's down projection gradient does, or (with tp too) as that layer's MLP norm output's
 //! gradients are summed; under ZeRO-2 and 3 (without tp or tsp) as the last layer's down
 //! gradient is made whole or reduce-scattered (under full recomputation beside its MLP
