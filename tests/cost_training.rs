@@ -2415,7 +2415,8 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // Each is modelled: from 64 to 1024 tokens, tied or not, the form is never above the planner's
     // peak and within 5% below it (4% at most when this was written, down from 64%: the remaining
     // gaps are W's later points and SP's order of B's input gradients), under ZeRO-2 and 3 over dp
-    // or cp within 10% (7.9%, down from 40%; over cp 6.3%, down from 24%), exact on most stages.
+    // or cp (where W reduce-scatters the LM head's or the last down gradient, staged whole) within
+    // 1% (0.01%, down from 40%), exact on most stages (1024 of 1224 when this was written).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
@@ -2445,7 +2446,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
         tally_stage_closed_forms(
             &untied_only,
             &[layout("pp=2,dp=2", 2, false, 2), layout("pp=2,dp=2", 2, false, 3), layout("pp=2,cp=2", 2, false, 2)],
-            0.90,
+            0.99,
         ),
     ];
     let (mut stages, mut exact) = (0, 0);
@@ -2467,10 +2468,12 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
         "the last layer's output in a forward",
         "the LM head's part of the tied table's gradient is made in W",
         "the loss's backward in B",
+        "the LM head's weight gradient reduce-scattered in W",
+        "the last layer's down gradient reduce-scattered in W",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(2 * exact > stages, "{exact} of {stages} exact");
+    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact");
 }
 
 /// Every stage's closed form of each layout in `layouts`, for each recomputation, on each of

@@ -311,18 +311,18 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     candidates
 }
 
-/// Under ZeRO-2 and 3 (a dense stage's, without tp or tsp) the head of the backward is its
-/// last layer's down projection's (on the last chunk after the LM head's and the final norm's
-/// gradients, the logits, the final norm's buffers and the last layer's output freed): the stage
-/// may peak as its weight gradient is made whole, beside the SiLU product's gradient (made first,
-/// from the output gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed
-/// after; under full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's
-/// and up's weights gathered again), or as it is reduce-scattered (staged whole), the SiLU
-/// product freed. On the last chunk (not beside cp), before those, as the LM head's weight gradient is
-/// reduce-scattered (staged whole), the logits and the head's input freed, beside the head's
-/// input gradient; beside a tied table as the head's part of the table's gradient is made (it
-/// joins no sum: [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps
-/// k's and v's rows whole the walk would count them made there: not modelled.)
+/// Under ZeRO-2 and 3 (a dense stage's, without tp or tsp) the head of the backward is its last
+/// layer's down projection's (on the last chunk after the LM head's and the final norm's gradients,
+/// the logits, the final norm's buffers and the last layer's output freed): the stage may peak as
+/// its weight gradient is made whole, beside the SiLU product's gradient (made first, from the
+/// output gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after;
+/// under full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
+/// weights gathered again), or as it is reduce-scattered (staged whole), the SiLU product freed. On
+/// the last chunk (not beside cp), before those, as the LM head's weight gradient is reduce-
+/// scattered (staged whole), the logits and the head's input freed, beside the head's input
+/// gradient; beside a tied table as the head's part of the table's gradient is made (it joins no
+/// sum: [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps k's and v's
+/// rows whole the walk would count them made there: not modelled.)
 fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, boundary, .. } = shape.sizes;
     let modelled = shape.scattered

@@ -21,24 +21,23 @@
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
 //! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
 //! recomputation, and beside dp or cp without tp), or inside its attention backward, as the
-//! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed
-//! under full recomputation; not under tsp), then as the attention norm output's gradients from v
-//! and k, then from q, are summed (under tp partial sums of the whole hidden size; not beside cp,
-//! under tsp or ZeRO-2 and 3), or under full recomputation as the
-//! first layer's down gradient joins its sum beside the MLP recomputed for it (without tp, tsp or
-//! ZeRO-2 and 3), and at the head of a backward: the last stage in the loss's backward, or (a
-//! dense model without cp, tsp, ZeRO-2 and 3) as the LM head's weight gradient is made or joins
-//! its sum (under full recomputation beside the final norm's output recomputed); another (the same, without tp) as its
-//! last layer's down projection gradient does, or (with tp too) as that layer's MLP norm output's
-//! gradients are summed; under ZeRO-2 and 3 (without tp or tsp) as the last layer's down
-//! gradient is made whole or reduce-scattered (under full recomputation beside its MLP
-//! recomputed) and on the last stage (not beside cp) as the LM head's is reduce-scattered (beside
-//! a tied table its part of the table's gradient made). The head of a backward (all
-//! activations and the first gradients live) is smaller wherever the gradients outweigh a
-//! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on
-//! more tokens a stage may peak at other points of it, not modelled, and the result is below the
-//! planner's peak (every candidate is the live set at one point of the program, so never above:
-//! `tests/cost_training.rs` checks both).
+//! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed under
+//! full recomputation; not under tsp), then as the attention norm output's gradients from v and k,
+//! then from q, are summed (under tp partial sums of the whole hidden size; not beside cp, under
+//! tsp or ZeRO-2 and 3), or under full recomputation as the first layer's down gradient joins its
+//! sum beside the MLP recomputed for it (without tp, tsp or ZeRO-2 and 3), and at the head of a
+//! backward: the last stage in the loss's backward, or (a dense model without cp, tsp, ZeRO-2 and
+//! 3) as the LM head's weight gradient is made or joins its sum (under full recomputation beside
+//! the final norm's output recomputed); another (the same, without tp) as its last layer's down
+//! projection gradient does, or (with tp too) as that layer's MLP norm output's gradients are
+//! summed; under ZeRO-2 and 3 (without tp or tsp) as the last layer's down gradient is made whole
+//! or reduce-scattered (under full recomputation beside its MLP recomputed) and on the last stage
+//! (not beside cp) as the LM head's is reduce-scattered (beside a tied table its part of the
+//! table's gradient made). The head of a backward (all activations and the first gradients live) is
+//! smaller wherever the gradients outweigh a micro-batch's activations, as on the models the tests
+//! compile with 8 tokens a sequence; on more tokens a stage may peak at other points of it, not
+//! modelled, and the result is below the planner's peak (every candidate is the live set at one
+//! point of the program, so never above: `tests/cost_training.rs` checks both).
 //!
 //! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
 //! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
@@ -72,39 +71,38 @@
 //!
 //! Under tsp each rank keeps its share of the tokens' activations as under cp, and per attention
 //! owner its q, output and every token's k and v; the MLP ring keeps nothing (its backward
-//! recomputes from the norm's output). The embeddings are sharded, the first stage's tail holds
-//! the whole-vocabulary embedding gradient with every token's ids, and the last stage keeps the
-//! head's input gathered over the sequence and every token's logits. A stage's ranks may peak
-//! inside its first layer's attention backward, each at its own point: the backward takes the
-//! owners last first, so a rank peaks as o's weight gradient is reduced to it, beside its
-//! contributions to its block, the owners' results before it and the activations of the owners
-//! after it (more on each later place on the axis); the axis's last rank, whose owner goes first,
-//! as o's gradient joins its sum; any rank also as o's reduce to another owner leaves zeros there,
-//! beside the activations of the owners after that one (the point where the axis's last rank peaks
-//! beside dp, which all-reduces o's gradient before it joins its sum); outside zero bubble any rank
-//! also as the last owner's attention kernel makes v's gradient, beside that owner's q, k and v
-//! (recomputed under full recomputation, their blocks broadcast again) and the kernel's other
-//! gradients. Beside dp the first stage's other candidate is the embedding rows' slicing, as under
-//! dp × tp. The closed form takes the
-//! rank's place on the axis. On more tokens a stage peaks inside an MLP ring's backward
-//! (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds, makes their
-//! gradients, the shard's weight-gradient contributions, joined to the partial gradient that
-//! travels with the shard, and the input gradient's parts, summed as they come): its last layer's,
-//! at the head of the backward (on the last chunk after the head's gradients; under full
+//! recomputes from the norm's output). The embeddings are sharded, the first stage's tail holds the
+//! whole-vocabulary embedding gradient with every token's ids, and the last stage keeps the head's
+//! input gathered over the sequence and every token's logits. A stage's ranks may peak inside its
+//! first layer's attention backward, each at its own point: the backward takes the owners last
+//! first, so a rank peaks as o's weight gradient is reduced to it, beside its contributions to its
+//! block, the owners' results before it and the activations of the owners after it (more on each
+//! later place on the axis); the axis's last rank, whose owner goes first, as o's gradient joins
+//! its sum; any rank also as o's reduce to another owner leaves zeros there, beside the activations
+//! of the owners after that one (the point where the axis's last rank peaks beside dp, which
+//! all-reduces o's gradient before it joins its sum); outside zero bubble any rank also as the last
+//! owner's attention kernel makes v's gradient, beside that owner's q, k and v (recomputed under
+//! full recomputation, their blocks broadcast again) and the kernel's other gradients. Beside dp
+//! the first stage's other candidate is the embedding rows' slicing, as under dp × tp. The closed
+//! form takes the rank's place on the axis. On more tokens a stage peaks inside an MLP ring's
+//! backward (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds,
+//! makes their gradients, the shard's weight-gradient contributions, joined to the partial gradient
+//! that travels with the shard, and the input gradient's parts, summed as they come): its last
+//! layer's, at the head of the backward (on the last chunk after the head's gradients; under full
 //! recomputation beside the ring's input, recomputed); its first layer's, the later layers'
-//! activations freed. On the last chunk it may peak as the LM head's weight
-//! gradient joins its sum beside every token's logits' and head input's gradients (beside dp after
-//! its all-reduce, its unreduced copy live), or under full recomputation as the final norm's output
-//! is recomputed and gathered over the sequence for it, and as the gradient joins its sum beside
-//! that (beside dp after its all-reduce, that copy freed). Under zero bubble B runs the MLP ring's backward whole, its weight gradients too
-//! (splitting it would run the ring twice): a micro-batch between B and W keeps the ring's weight
-//! gradients instead of what they read, W reads only the attention's; the stage may peak inside a
-//! B's first layer's ring, or its attention backward (the input gradients; under full
-//! recomputation B recomputes every owner's q, k and v, which W reads) as the last owner's part of
-//! the input gradient is summed, in a forward's last layer's ring or as the last chunk makes every
-//! token's logits, as the first stage's B gathers the embedding output's gradient over the sequence
-//! (W reads every token's), as the last stage's B reduce-scatters the LM head's input gradient over
-//! it, or at the head of the last chunk's W (the LM head's gradient).
+//! activations freed. On the last chunk it may peak as the LM head's weight gradient joins its sum
+//! beside every token's logits' and head input's gradients (beside dp after its all-reduce, its
+//! unreduced copy live), or under full recomputation as the final norm's output is recomputed and
+//! gathered over the sequence for it, and as the gradient joins its sum beside that (beside dp
+//! after its all-reduce, that copy freed). Under zero bubble B runs the MLP ring's backward whole,
+//! its weight gradients too (splitting it would run the ring twice): a micro-batch between B and W
+//! keeps the ring's weight gradients instead of what they read, W reads only the attention's; the
+//! stage may peak inside a B's first layer's ring, or its attention backward (the input gradients;
+//! under full recomputation B recomputes every owner's q, k and v, which W reads) as the last
+//! owner's part of the input gradient is summed, in a forward's last layer's ring or as the last
+//! chunk makes every token's logits, as the first stage's B gathers the embedding output's gradient
+//! over the sequence (W reads every token's), as the last stage's B reduce-scatters the LM head's
+//! input gradient over it, or at the head of the last chunk's W (the LM head's gradient).
 //!
 //! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
 //! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
@@ -209,20 +207,22 @@
 //! backward; the attention norm output's gradients from v, k and q summed, each projection's
 //! gradient kept for W), the B gradients made so far and their sums beside it, and on the last
 //! chunk at its head, as the loss's backward makes the logits' gradient beside all the forward
-//! kept (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM head's on the last chunk, after the micro-batch's two
-//! losses are summed, or beside a tied table the head's part of it; the last layer's down
-//! projection's, dense or a shared expert's, on another) is made or joins its sum, all the
-//! micro-batch held between B and W still live; and (but beside a tied table) in a
+//! kept (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM
+//! head's on the last chunk, after the micro-batch's two losses are summed, or beside a tied table
+//! the head's part of it; the last layer's down projection's, dense or a shared expert's, on
+//! another) is made or joins its sum, all the
+//! micro-batch held between B and W still live (under ZeRO-2 and 3 also as it is reduce-scattered,
+//! staged whole, what made it freed); and (but beside a tied table) in a
 //! forward, at its last layer's MLP (its output made; a shared expert's and the routed experts'
 //! outputs summed; under full recomputation the shared expert's product made) beside all the
 //! micro-batch keeps, and beside cp as the last chunk gathers every token's logits. A micro-batch's
 //! loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
 //! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 5%
-//! (dense stages, tied or not; 10% under ZeRO-2 and 3 over dp or cp) below it, exact on most stages;
+//! (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact on most stages;
 //! the points left are W's later ones and SP's order of B's input gradients (forwards are not
-//! modelled under ZeRO-2 and 3); under tsp within 15% (the attention's backward in B under full
-//! recomputation), exact on five stages in six.
+//! modelled under ZeRO-2 and 3); under tsp within 5% (W's attention points of a layer but the
+//! first, and the ring gradients' dp reduction), exact on nine stages in ten.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;

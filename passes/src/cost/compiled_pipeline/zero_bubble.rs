@@ -246,6 +246,26 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     let mut points = vec![Candidate::made(names[0], made_in_b, before)];
+    // Under ZeRO-2 and 3 a dense stage's gradient is then reduce-scattered, staged whole, what
+    // made it freed: the LM head's logits' gradient (under cp the rank's tokens', which W reads)
+    // and input (under full recomputation the copy W recomputed), or the last layer's SiLU
+    // product (under full recomputation recomputed). (Not under tsp, nor where ZeRO keeps k's and
+    // v's rows whole.)
+    if shape.scattered && shape.tsp == 1 && shape.model.experts.is_none() && shape.key_values_kept_whole == 0.0 {
+        let (name, freed) = if chunk.last {
+            let logits_gradient = local_tokens * vocab_shard * element;
+            ("the LM head's weight gradient reduce-scattered in W", logits_gradient + gathered)
+        } else {
+            ("the last layer's down gradient reduce-scattered in W", local_tokens * ffn * element)
+        };
+        let mut scattered = held.clone();
+        scattered.extend([
+            Term { name: "what made it, freed", bytes: -freed },
+            Term { name: "the gradient, whole", bytes: gradient },
+            Term { name: "its reduce-scatter's staging", bytes: gradient },
+        ]);
+        points.push(Candidate::made(name, made_in_b, scattered));
+    }
     // Beside dp (or cp) a dense LM head's gradient then joins its sum once all-reduced, its
     // unreduced copy live and what made it (the logits' gradient and the head's input, gathered
     // over the sequence under tsp; under full recomputation the copy W recomputed) freed. (Not
