@@ -2606,10 +2606,12 @@ fn zero_stage_closed_form_on_more_tokens() {
     // head's weight gradient is reduce-scattered (beside a tied table its part of the table's
     // gradient, made whole, joins no sum: held beside the down points). Modelled: from 64 to 1024
     // tokens, over dp, cp and both, with a wide and a tied vocabulary (but tied over dp × cp under
-    // ZeRO-3, not modelled), the form is never above the planner's peak and within 5% below it
-    // (4.46% at most when this was written, down from 62%: the rest is inside the first layer's
-    // backward under full recomputation), exact on nine stages in ten (1108 of 1224 when this was
-    // written).
+    // ZeRO-3, not modelled), the form is never above the planner's peak and within 3% below it
+    // (2.24% at most when this was written, down from 62%: the rest is the first layer's gate
+    // gradient under full recomputation on few tokens, and a tied table's tail under ZeRO-3 on
+    // deeper pipelines), exact on nine stages in ten (1160 of 1224 when this was written); inside
+    // the first layer's backward under full recomputation, as its down gradient is made whole
+    // beside the MLP recomputed for it, too.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
@@ -2627,8 +2629,8 @@ fn zero_stage_closed_form_on_more_tokens() {
         zero_stage,
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
     });
-    let (mut stages, mut exact, mut exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.95);
-    let (tied_stages, tied_exact, tied_exact_at) = tally_stage_closed_forms(&[&tied], &layouts[..7], 0.95);
+    let (mut stages, mut exact, mut exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.97);
+    let (tied_stages, tied_exact, tied_exact_at) = tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97);
     stages += tied_stages;
     exact += tied_exact;
     for (name, count) in tied_exact_at {
@@ -2638,6 +2640,7 @@ fn zero_stage_closed_form_on_more_tokens() {
         "the last layer's down gradient made, before its reduce-scatter",
         "the last layer's down gradient reduce-scattered",
         "the LM head's weight gradient reduce-scattered",
+        "first layer's down gradient made, its MLP recomputed",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }

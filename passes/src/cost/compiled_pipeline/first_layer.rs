@@ -285,16 +285,13 @@ pub(super) fn attention_input_gradients(
 /// projection's gradient joins its sum (none of the layer's others made), beside the layer's
 /// recomputed MLP norm output, gate, up and (but beside dp, which frees it before the all-reduce)
 /// SiLU product, the product's gradient and the layer's output gradient; beside dp the unreduced
-/// copy is live too. (Not under ZeRO-2 and 3, modelled apart; or for a mixture or under tsp, whose
-/// MLPs differ.)
+/// copy is live too. Under ZeRO-2 and 3, as the gradient is made whole before its reduce-scatter,
+/// the SiLU product still live (under ZeRO-3 beside the MLP norm's, gate's and up's weights,
+/// gathered again for the recomputation and read next by their input gradients). (Not for a
+/// mixture or under tsp, whose MLPs differ.)
 pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    if shape.recompute() != Recompute::Full
-        || shape.scattered
-        || shape.model.experts.is_some()
-        || shape.tsp > 1
-        || shape.tp > 1
-    {
+    if shape.recompute() != Recompute::Full || shape.model.experts.is_some() || shape.tsp > 1 || shape.tp > 1 {
         return None;
     }
     let mut held = chunk.first_layer_held.clone();
@@ -305,6 +302,27 @@ pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Opti
         Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
         Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
     ]);
+    if shape.scattered {
+        held.extend([
+            Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element },
+            Term { name: "first layer's down gradient, whole", bytes: shape.gate },
+        ]);
+        if shape.workload.zero >= 3 {
+            held.push(Term {
+                name: "first layer's MLP norm, gate and up weights, gathered again",
+                bytes: 2.0 * shape.gate + shape.norm * element,
+            });
+        }
+        let layer = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element;
+        return Some(Candidate {
+            name: "first layer's down gradient made, its MLP recomputed",
+            so_far: chunk.grads - (layer + chunk.table) / shape.shards,
+            held,
+            new_sum: None,
+            key_values_pending: true,
+            sum_pending: 0.0,
+        });
+    }
     if shape.reduced {
         held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
     } else {
