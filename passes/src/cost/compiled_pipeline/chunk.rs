@@ -382,6 +382,8 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         held.push(Term { name: "the embedding's part of the tied table's gradient", bytes: part });
         held.extend(shape.tied_head_part());
         held.push(Term { name: "the parts' sum, before its dp reduction", bytes: part });
+        // (Under zero bubble beside what W's tail still reads.)
+        held.extend(w_reads.clone());
         held
     });
     if scattered {
