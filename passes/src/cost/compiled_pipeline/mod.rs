@@ -227,27 +227,25 @@
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp
-//! (±SP), where every parameter's rows divide over them but perhaps k's and v's, and over both not
-//! under zero bubble (the sums and gradients are their shards, each gradient is reduce-scattered
-//! and staged whole, and the stage's other candidate is inside its first layer's backward, or W,
-//! as the gate gradient is scattered; k and v, where ZeRO keeps them whole, are named apart,
+//! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
+//! where every parameter's rows divide over them but perhaps k's and v's (the sums and gradients
+//! are their shards, each gradient is reduce-scattered and staged whole, and the stage's other
+//! candidate is inside its first layer's backward, or W, as the gate gradient is scattered; k and
+//! v, where ZeRO keeps them whole, are named apart,
 //! [`super::compiled_training::GRADS_KEPT_WHOLE`]); ZeRO-3 as ZeRO-2 with the parameters their
 //! shards too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
-//! inside that layer's backward, as its down and output projections' gradients are scattered
-//! beside the weights they were recomputed with, but under zero bubble, where B regathers them
-//! and W reads none; k and v kept whole are
-//! [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family model, dense, or a
-//! mixture of experts (with or without a shared expert) with every expert on every rank or split
-//! over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-1 at most; its
-//! embedding
-//! untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without tp, ZeRO-3
-//! not over dp and cp both), under zero bubble or interleaved not beside dp
-//! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names the terms by which
-//! [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's formulas) differs
-//! from it; `tests/cost_training.rs` checks that closed form plus those terms equals the planner's
-//! peak to the byte on every stage.
+//! inside that layer's backward, as its down and output projections' gradients are scattered beside
+//! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
+//! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
+//! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
+//! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-1
+//! at most; its embedding untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and
+//! 3 without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
+//! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
+//! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
+//! formulas) differs from it; `tests/cost_training.rs` checks that closed form plus those terms
+//! equals the planner's peak to the byte on every stage.
 //!
 //! The form is built in parts: `chunk` holds what one chunk of the stage keeps (a micro-batch in
 //! flight, what stays to its end, the tail of a backward), `head` and `first_layer` the points
@@ -368,12 +366,9 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && (workload.zero == 2 || workload.zero == 3)
                 && only_key_values_kept_whole(model, layout)
                 // Over dp and cp both, each gradient is reduce-scattered, and under ZeRO-3 each
-                // parameter gathered, in two steps: not modelled under zero bubble, nor for a tied
-                // table under ZeRO-3 (its gather over cp, beside the one over dp, can peak).
-                && (dp == 1
-                    || cp == 1
-                    || (schedule.kind != ScheduleKind::ZeroBubbleH1
-                        && (workload.zero == 2 || !model.tied_embeddings)))))
+                // parameter gathered, in two steps: not modelled for a tied table under ZeRO-3
+                // (its gather over cp, beside the one over dp, can peak).
+                && (dp == 1 || cp == 1 || workload.zero == 2 || !model.tied_embeddings)))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with SP but for a shared expert, whose backward's order
         // differs there) and ZeRO-1 at most.
