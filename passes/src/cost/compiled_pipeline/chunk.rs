@@ -469,5 +469,5 @@ fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
     ];
     held.extend(chunk.end.iter().cloned());
     held.push(Term { name: "the head's part, reduced over dp", bytes: vocab_shard * hidden * element });
-    Candidate::made("the LM head's part of the tied table's gradient reduced over dp", chunk.grads * shape.shards, held)
+    Candidate::made("the LM head's part of the tied table's gradient reduced over dp", chunk.grads, held)
 }

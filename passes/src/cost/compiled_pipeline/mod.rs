@@ -240,8 +240,8 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-1
-//! at most; its embedding untied, or tied on a dense model without tsp, ZeRO-1 at most (ZeRO-2 and
-//! 3 without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
+//! at most; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
+//! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
 //! formulas) differs from it; `tests/cost_training.rs` checks that closed form plus those terms
@@ -377,14 +377,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && workload.zero <= 1
                 && (!sequence_parallel || !experts.shared_expert)
         })
-        // A tied table beside pp: a dense model without tsp, ZeRO-1 at most (ZeRO-2 and 3 without
-        // tp). Under zero bubble or interleaved, not beside dp (or cp) × tp;
+        // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
+        // beside dp (or cp) × tp;
         // interleaved on two stages only: elsewhere the first stage takes the head's part when a
         // message queued after it is needed, which depends on the schedule.
         && (!model.tied_embeddings
             || (model.experts.is_none()
                 && tsp == 1
-                && (workload.zero <= 1 || tp == 1)
                 && (schedule.kind != ScheduleKind::ZeroBubbleH1 || tp == 1 || dp * cp == 1)
                 && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
