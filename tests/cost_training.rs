@@ -2619,7 +2619,8 @@ fn zero_stage_closed_form_on_more_tokens() {
     // gradient under full recomputation on few tokens, and a tied table's tail under ZeRO-3 on
     // deeper pipelines), exact on nine stages in ten (1160 of 1224 when this was written); inside
     // the first layer's backward under full recomputation, as its down gradient is made whole
-    // beside the MLP recomputed for it, too.
+    // beside the MLP recomputed for it, too. Beside tp within 6% (5.2%, down from 34%), exact on
+    // two stages in three (864 of 1296), four in five in all.
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
@@ -2638,11 +2639,30 @@ fn zero_stage_closed_form_on_more_tokens() {
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
     });
     let (mut stages, mut exact, mut exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.97);
-    let (tied_stages, tied_exact, tied_exact_at) = tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97);
-    stages += tied_stages;
-    exact += tied_exact;
-    for (name, count) in tied_exact_at {
-        *exact_at.entry(name).or_default() += count;
+    // Beside tp (with and without SP; its output gradient gathered over tp for the down
+    // projection's backward) within 6%.
+    let beside_tp = [
+        ("pp=2,dp=2,tp=2", 2, false),
+        ("pp=2,dp=2,tp=2", 3, false),
+        ("pp=2,tp=2,cp=2", 2, false),
+        ("pp=2,dp=2,tp=2", 2, true),
+        ("pp=2,dp=2,tp=2", 3, true),
+        ("pp=2,tp=2,cp=2", 3, true),
+    ]
+    .map(|(mesh, zero_stage, sequence_parallel)| PipelinedLayout {
+        zero_stage,
+        sequence_parallel,
+        ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, 2)
+    });
+    for tally in [
+        tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97),
+        tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &beside_tp, 0.94),
+    ] {
+        stages += tally.0;
+        exact += tally.1;
+        for (name, count) in tally.2 {
+            *exact_at.entry(name).or_default() += count;
+        }
     }
     for name in [
         "the last layer's down gradient made, before its reduce-scatter",
@@ -2652,5 +2672,5 @@ fn zero_stage_closed_form_on_more_tokens() {
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");
+    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact");
 }

@@ -285,13 +285,18 @@ pub(super) fn attention_input_gradients(
 /// projection's gradient joins its sum (none of the layer's others made), beside the layer's
 /// recomputed MLP norm output, gate, up and (but beside dp, which frees it before the all-reduce)
 /// SiLU product, the product's gradient and the layer's output gradient; beside dp the unreduced
-/// copy is live too. Under ZeRO-2 and 3, as the gradient is made whole before its reduce-scatter,
-/// the SiLU product still live (under ZeRO-3 beside the MLP norm's, gate's and up's weights,
-/// gathered again for the recomputation and read next by their input gradients). (Not for a
-/// mixture or under tsp, whose MLPs differ.)
+/// copy is live too (not under tp). Under ZeRO-2 and 3, as the gradient is made whole before its
+/// reduce-scatter, the SiLU product still live (under ZeRO-3 beside the MLP norm's, gate's and
+/// up's weights, gathered again for the recomputation and read next by their input gradients;
+/// under SP beside the output gradient gathered over tp). (Not for a mixture or under tsp, whose
+/// MLPs differ.)
 pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    if shape.recompute() != Recompute::Full || shape.model.experts.is_some() || shape.tsp > 1 || shape.tp > 1 {
+    if shape.recompute() != Recompute::Full
+        || shape.model.experts.is_some()
+        || shape.tsp > 1
+        || (shape.tp > 1 && !shape.scattered)
+    {
         return None;
     }
     let mut held = chunk.first_layer_held.clone();
@@ -312,6 +317,10 @@ pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Opti
                 name: "first layer's MLP norm, gate and up weights, gathered again",
                 bytes: 2.0 * shape.gate + shape.norm * element,
             });
+        }
+        // (Under SP, without cp, the output gradient all-gathered over tp for it.)
+        if shape.sequence_parallel() && shape.cp == 1 {
+            held.push(Term { name: "first layer's output gradient, gathered over tp", bytes: gathered });
         }
         let layer = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element;
         return Some(Candidate {

@@ -311,25 +311,23 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     candidates
 }
 
-/// Under ZeRO-2 and 3 (a dense stage's, without tp or tsp) the head of the backward is its last
-/// layer's down projection's (on the last chunk after the LM head's and the final norm's gradients,
-/// the logits, the final norm's buffers and the last layer's output freed): the stage may peak as
-/// its weight gradient is made whole, beside the SiLU product's gradient (made first, from the
-/// output gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after;
-/// under full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
+/// Under ZeRO-2 and 3 (a dense stage's, without tsp) the head of the backward is its last layer's
+/// down projection's (on the last chunk after the LM head's and the final norm's gradients, the
+/// logits, the final norm's buffers and the last layer's output freed): the stage may peak as its
+/// weight gradient is made whole, beside the SiLU product's gradient (made first, from the output
+/// gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after; under
+/// full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
 /// weights gathered again), or as it is reduce-scattered (staged whole), the SiLU product freed. On
 /// the last chunk (not beside cp), before those, as the LM head's weight gradient is reduce-
 /// scattered (staged whole), the logits and the head's input freed, beside the head's input
 /// gradient; beside a tied table as the head's part of the table's gradient is made (it joins no
 /// sum: [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps k's and v's
-/// rows whole the walk would count them made there: not modelled.)
+/// rows whole the walk would count them made there: not modelled.) Under SP the down's backward
+/// reads the output gradient gathered over tp too.
 fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, boundary, .. } = shape.sizes;
-    let modelled = shape.scattered
-        && shape.model.experts.is_none()
-        && shape.tp == 1
-        && shape.tsp == 1
-        && shape.key_values_kept_whole == 0.0;
+    let modelled =
+        shape.scattered && shape.model.experts.is_none() && shape.tsp == 1 && shape.key_values_kept_whole == 0.0;
     if !modelled {
         return Vec::new();
     }
@@ -344,12 +342,14 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
         // (Under full recomputation the forward kept neither the final norm's buffers nor the
         // head's input.)
         let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
-        // (cp's targets were read in the forward.)
+        // (cp's targets were read in the forward. Full recomputation keeps the last layer's
+        // output as the stream, split under SP beside cp too: only the final norm reads it.)
         let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
+        let last_output = if full { stream } else { boundary };
         (
             Term {
                 name: "what it holds in flight but the logits, the final norm's buffers and its last layer's output (and under cp the targets)",
-                bytes: chunk.in_flight - shape.logits() - final_norm - boundary - targets,
+                bytes: chunk.in_flight - shape.logits() - final_norm - last_output - targets,
             },
             Term { name: "its last layer's output gradient", bytes: stream },
             (head_sum + shape.norm * element) / shape.shards,
@@ -370,6 +370,12 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
     .into_iter()
     .chain(head_part.clone())
     .collect();
+    // Under SP the down projection's backward reads the output gradient all-gathered over tp,
+    // freed once its weight gradient is made (beside cp only on the last chunk: between layers the
+    // stream is whole over tp, and the last layer's output gradient comes split from the final
+    // norm's backward).
+    let gathered_output_gradient = (shape.sequence_parallel() && (shape.cp == 1 || chunk.last))
+        .then_some(Term { name: "its output gradient, gathered over tp", bytes: gathered });
     // Under full recomputation the down gradient reads the SiLU product recomputed, with the MLP
     // norm's output, gate and up, after the product's gradient is made.
     // (Under ZeRO-3 with the MLP norm's, gate's and up's weights gathered again for it, which
@@ -379,7 +385,13 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
         bytes: gathered + 3.0 * product + regathered,
     });
-    let made = beside.iter().cloned().chain([in_flight.clone()]).chain(recomputed.clone()).collect();
+    let made = beside
+        .iter()
+        .cloned()
+        .chain([in_flight.clone()])
+        .chain(recomputed.clone())
+        .chain(gathered_output_gradient)
+        .collect();
     let scattered = beside
         .into_iter()
         .chain(recomputed)
