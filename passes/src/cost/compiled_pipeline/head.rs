@@ -62,12 +62,11 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let summed = if shape.statistics > 0.0 { element } else { 0.0 };
     let mut candidates = vec![loss_backward(shape, chunk)];
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
-    // the head's input gradient beside it. (Beside dp, which reduces the gradient first, below;
-    // not modelled beside cp or tsp, whose logits' gradient is sliced back to the rank's tokens;
-    // or under full recomputation, which recomputes the final norm for it.)
+    // the head's input gradient beside it; under full recomputation (a dense stage's) the final
+    // norm's output recomputed for it, and its input gathered again under SP. (Beside dp, which
+    // reduces the gradient first, below; not modelled beside cp or tsp, whose logits' gradient is
+    // sliced back to the rank's tokens, or for a mixture under full recomputation.)
     let mixture = shape.model.experts.is_some() && shape.recompute() != Recompute::Full;
-    // (Under full recomputation a dense stage's head reads the final norm's output recomputed,
-    // and its input gathered again under SP.)
     let full = shape.recompute() == Recompute::Full;
     let dense_full = full && shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
     if shape.sizes.token_split == 1 && (shape.mlp_backward_modelled() || mixture || dense_full) && !shape.reduced {
@@ -377,9 +376,9 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
     let gathered_output_gradient = (shape.sequence_parallel() && (shape.cp == 1 || chunk.last))
         .then_some(Term { name: "its output gradient, gathered over tp", bytes: gathered });
     // Under full recomputation the down gradient reads the SiLU product recomputed, with the MLP
-    // norm's output, gate and up, after the product's gradient is made.
-    // (Under ZeRO-3 with the MLP norm's, gate's and up's weights gathered again for it, which
-    // their input gradients read next.)
+    // norm's output, gate and up, after the product's gradient is made (under ZeRO-3 with the MLP
+    // norm's, gate's and up's weights gathered again for it, which their input gradients read
+    // next).
     let regathered = if shape.workload.zero >= 3 { 2.0 * shape.gate + shape.norm * element } else { 0.0 };
     let recomputed = full.then_some(Term {
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
@@ -396,7 +395,7 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
         .into_iter()
         .chain(recomputed)
         .chain([
-            Term { name: in_flight.name, bytes: in_flight.bytes },
+            in_flight,
             Term { name: "its last layer's SiLU product, freed", bytes: -product },
             Term { name: "its reduce-scatter's staging", bytes: shape.gate },
         ])
