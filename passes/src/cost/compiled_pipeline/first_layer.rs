@@ -601,7 +601,8 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
 
 /// Outside zero bubble a tsp stage may peak inside its first layer's MLP ring backward too
 /// ([`tsp_ring::ring_backward`]), the later layers' gradients made and their activations freed,
-/// the micro-batch holding [`beside_tsp_first_ring`]. (A dense model's.)
+/// the micro-batch holding [`beside_tsp_first_ring`], or just past it, as the MLP norm's input
+/// gradient is summed. (A dense model's.)
 pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
         return Vec::new();
@@ -612,7 +613,29 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
     let element = shape.sizes.element;
     let blocks = (shape.attention_weights * element + shape.layer_mlp_gradients()) / shape.tsp as f64;
     let made_before = chunk.grads - blocks - 2.0 * shape.norm * element - chunk.table;
-    tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, made_before, None)
+    let mut points = tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, made_before, None);
+    // Past the ring (beside dp its gradients reduced and summed, their unreduced copies freed),
+    // the MLP norm's input gradient is summed into the attention residual's, beside the ring's
+    // input gradient (the norm's weight gradient reads it next) and the layer's output gradient.
+    let StepSizes { stream, gathered, .. } = shape.sizes;
+    let mut held = beside_tsp_first_layer(
+        shape,
+        chunk,
+        [
+            Term { name: "first layer's MLP output gradient", bytes: stream },
+            Term { name: "first layer's MLP ring's input gradient", bytes: gathered },
+        ],
+    );
+    held.push(Term {
+        name: "first layer's MLP norm's input gradient, and its sum with the output's",
+        bytes: 2.0 * stream,
+    });
+    points.push(Candidate::made(
+        "first layer's MLP norm's input gradient summed past the ring",
+        made_before + shape.layer_mlp_gradients() / shape.tsp as f64,
+        held,
+    ));
+    points
 }
 
 /// Under zero bubble, what W reads of a layer's shared expert once its B is done (its weight

@@ -91,19 +91,20 @@
 //! that travels with the shard, and the input gradient's parts, summed as they come): its last
 //! layer's, at the head of the backward (on the last chunk after the head's gradients; under full
 //! recomputation beside the ring's input, recomputed); its first layer's, the later layers'
-//! activations freed. On the last chunk it may peak as the LM head's weight gradient joins its sum
-//! beside every token's logits' and head input's gradients (beside dp after its all-reduce, its
-//! unreduced copy live), or under full recomputation as the final norm's output is recomputed and
-//! gathered over the sequence for it, and as the gradient joins its sum beside that (beside dp
-//! after its all-reduce, that copy freed). Under zero bubble B runs the MLP ring's backward whole,
-//! its weight gradients too (splitting it would run the ring twice): a micro-batch between B and W
-//! keeps the ring's weight gradients instead of what they read, W reads only the attention's; the
-//! stage may peak inside a B's first layer's ring, or its attention backward (the input gradients;
-//! under full recomputation B recomputes every owner's q, k and v, which W reads) as the last
-//! owner's part of the input gradient is summed, in a forward's last layer's ring or as the last
-//! chunk makes every token's logits, as the first stage's B gathers the embedding output's gradient
-//! over the sequence (W reads every token's), as the last stage's B reduce-scatters the LM head's
-//! input gradient over it, or at the head of the last chunk's W (the LM head's gradient).
+//! activations freed (and just past it, as the MLP norm's input gradient is summed). On the last
+//! chunk it may peak as the LM head's weight gradient joins its sum beside every token's logits'
+//! and head input's gradients (beside dp after its all-reduce, its unreduced copy live), or under
+//! full recomputation as the final norm's output is recomputed and gathered over the sequence for
+//! it, and as the gradient joins its sum beside that (beside dp after its all-reduce, that copy
+//! freed). Under zero bubble B runs the MLP ring's backward whole, its weight gradients too
+//! (splitting it would run the ring twice): a micro-batch between B and W keeps the ring's weight
+//! gradients instead of what they read, W reads only the attention's; the stage may peak inside a
+//! B's first layer's ring, or its attention backward (the input gradients; under full recomputation
+//! B recomputes every owner's q, k and v, which W reads) as the last owner's part of the input
+//! gradient is summed, in a forward's last layer's ring or as the last chunk makes every token's
+//! logits, as the first stage's B gathers the embedding output's gradient over the sequence (W
+//! reads every token's), as the last stage's B reduce-scatters the LM head's input gradient over
+//! it, or at the head of the last chunk's W (the LM head's gradient).
 //!
 //! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
 //! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
