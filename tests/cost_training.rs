@@ -2657,6 +2657,7 @@ fn zero_stage_closed_form_on_more_tokens() {
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, 2)
     });
     for tally in [
+        // (All but the last, ZeRO-3 over dp × cp, not modelled for a tied table.)
         tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97),
         tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &beside_tp, 0.94),
     ] {

@@ -380,9 +380,8 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && (!sequence_parallel || !experts.shared_expert)
         })
         // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
-        // beside dp (or cp) × tp;
-        // interleaved on two stages only: elsewhere the first stage takes the head's part when a
-        // message queued after it is needed, which depends on the schedule.
+        // beside dp (or cp) × tp; interleaved on two stages only: elsewhere the first stage takes
+        // the head's part when a message queued after it is needed, which depends on the schedule.
         && (!model.tied_embeddings
             || (model.experts.is_none()
                 && tsp == 1
