@@ -2457,15 +2457,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
         ),
         tally_stage_closed_forms(&[&tied], &[layout("pp=2,dp=2,cp=2", 1, false, 2)], 0.96),
     ];
-    let (mut stages, mut exact) = (0, 0);
-    let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
-    for (tally_stages, tally_exact, tally_at) in tallies {
-        stages += tally_stages;
-        exact += tally_exact;
-        for (name, count) in tally_at {
-            *exact_at.entry(name).or_default() += count;
-        }
-    }
+    let (stages, exact, exact_at) = merged_tallies(tallies);
     for name in [
         "first layer's attention backward in B",
         "first layer's attention norm output's gradients summed in B",
@@ -2487,6 +2479,22 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
 /// Every stage's closed form of each layout in `layouts`, for each recomputation, on each of
 /// `configs` at 64, 256 and 1024 tokens, beside its planned peak: never above it and at least
 /// `bound` of it. Returns the stages weighed, how many were exact, and where those peaked.
+/// The stages, exact stages and exact points of several [`tally_stage_closed_forms`], summed.
+fn merged_tallies(
+    tallies: impl IntoIterator<Item = (usize, usize, std::collections::BTreeMap<&'static str, usize>)>,
+) -> (usize, usize, std::collections::BTreeMap<&'static str, usize>) {
+    let (mut stages, mut exact) = (0, 0);
+    let mut exact_at = std::collections::BTreeMap::<&'static str, usize>::new();
+    for (tally_stages, tally_exact, tally_at) in tallies {
+        stages += tally_stages;
+        exact += tally_exact;
+        for (name, count) in tally_at {
+            *exact_at.entry(name).or_default() += count;
+        }
+    }
+    (stages, exact, exact_at)
+}
+
 fn tally_stage_closed_forms(
     configs: &[&pleat_ir::model::config::ModelConfig],
     layouts: &[PipelinedLayout],
@@ -2640,7 +2648,7 @@ fn zero_stage_closed_form_on_more_tokens() {
         zero_stage,
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
     });
-    let (mut stages, mut exact, mut exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.97);
+    let untied = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.97);
     // Beside tp (with and without SP; its output gradient gathered over tp for the down
     // projection's backward) within 6%.
     let beside_tp = [
@@ -2656,17 +2664,12 @@ fn zero_stage_closed_form_on_more_tokens() {
         sequence_parallel,
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, 2)
     });
-    for tally in [
+    let (stages, exact, exact_at) = merged_tallies([
+        untied,
         // (All but the last, ZeRO-3 over dp × cp, not modelled for a tied table.)
         tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97),
         tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &beside_tp, 0.94),
-    ] {
-        stages += tally.0;
-        exact += tally.1;
-        for (name, count) in tally.2 {
-            *exact_at.entry(name).or_default() += count;
-        }
-    }
+    ]);
     for name in [
         "the last layer's down gradient made, before its reduce-scatter",
         "the last layer's down gradient reduce-scattered",

@@ -111,8 +111,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if let Some(head_part) =
         head_part.clone().filter(|_| shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && !shape.reduced)
     {
-        let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
-        let final_norm = (gathered - boundary) + gathered;
+        let StepSizes { local_tokens, ffn, stream, .. } = shape.sizes;
         candidates.push(Candidate {
             name: "the last layer's down gradient joins its sum",
             so_far: shape.norm * element + shape.gate,
@@ -121,7 +120,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term {
                     name:
                         "what it holds in flight but the logits, the final norm's buffers and its last layer's output",
-                    bytes: chunk.in_flight - logits - final_norm - boundary,
+                    bytes: in_flight_past_the_head(shape, chunk),
                 },
                 Term { name: "its last layer's output gradient", bytes: stream },
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
@@ -183,12 +182,11 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // final norm's buffers, the last layer's output and SiLU product freed, its output gradient
     // and the SiLU product's gradient live.
     if shape.sizes.token_split == 1 && shape.mlp_backward_modelled() && shape.reduced {
-        let StepSizes { local_tokens, ffn, stream, boundary, .. } = shape.sizes;
-        let final_norm = (gathered - boundary) + gathered;
+        let StepSizes { local_tokens, ffn, stream, .. } = shape.sizes;
         let so_far = head_sum + shape.norm * element + shape.gate;
         let in_flight = Term {
             name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and SiLU product",
-            bytes: chunk.in_flight - logits - final_norm - boundary - local_tokens * ffn * element,
+            bytes: in_flight_past_the_head(shape, chunk) - local_tokens * ffn * element,
         };
         candidates.push(Candidate {
             name: "the last layer's down gradient joins its sum",
@@ -229,6 +227,20 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     candidates.extend(scattered_head_of_backward(shape, chunk));
     candidates.extend(mixture_head(shape, chunk));
     candidates
+}
+
+/// What a micro-batch holds in flight on the last chunk once the head's and the final norm's
+/// backward are done: all but the logits, the final norm's buffers (none kept under full
+/// recomputation, which recomputes them), the last layer's output (which only the final norm read;
+/// under full recomputation kept as the stream, split under SP beside cp too) and under cp the
+/// targets (every token's, read by the loss's backward).
+fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
+    let StepSizes { ids, stream, gathered, boundary, token_split, .. } = shape.sizes;
+    let full = shape.recompute() == Recompute::Full;
+    let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
+    let last_output = if full { stream } else { boundary };
+    let targets = if token_split > 1 { ids } else { 0.0 };
+    chunk.in_flight - shape.logits() - final_norm - last_output - targets
 }
 
 /// The head of a micro-batch's backward on a chunk before the last, a dense one's (as a gate
@@ -338,17 +350,10 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
     let weight_gradient = vocab_shard * hidden * element;
     let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
     let (in_flight, output_gradient, so_far) = if chunk.last {
-        // (Under full recomputation the forward kept neither the final norm's buffers nor the
-        // head's input.)
-        let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
-        // (cp's targets were read in the forward. Full recomputation keeps the last layer's
-        // output as the stream, split under SP beside cp too: only the final norm reads it.)
-        let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
-        let last_output = if full { stream } else { boundary };
         (
             Term {
                 name: "what it holds in flight but the logits, the final norm's buffers and its last layer's output (and under cp the targets)",
-                bytes: chunk.in_flight - shape.logits() - final_norm - last_output - targets,
+                bytes: in_flight_past_the_head(shape, chunk),
             },
             Term { name: "its last layer's output gradient", bytes: stream },
             (head_sum + shape.norm * element) / shape.shards,
@@ -439,23 +444,20 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
 /// (on another chunk the one it received). The summed expert counts a stage before the last
 /// received are live there: the first layer's router reads them last.
 fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, hidden, stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, hidden, stream, boundary, .. } = shape.sizes;
     let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
     if shape.recompute() == Recompute::Full {
         return Vec::new();
     }
     let shared_kept = if experts.shared_expert { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
-        let final_norm = (gathered - boundary) + gathered;
-        // By the loss's backward a micro-batch's two losses are summed, one scalar fewer; under cp
-        // it read the targets (every token's) last.
+        // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = if shape.statistics > 0.0 { element } else { 0.0 };
-        let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         (
             (shape.sizes.vocab_shard * hidden + shape.norm) * element,
             Term {
                 name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations (and under cp the targets)",
-                bytes: chunk.in_flight - shape.logits() - final_norm - boundary - summed - shared_kept - targets,
+                bytes: in_flight_past_the_head(shape, chunk) - summed - shared_kept,
             },
             Term { name: "its last layer's output gradient", bytes: stream },
         )
