@@ -290,7 +290,7 @@ pub(super) fn attention_input_gradients(
 /// up's weights, gathered again for the recomputation and read next by their input gradients;
 /// under SP beside the output gradient gathered over tp). (Not for a mixture or under tsp, whose
 /// MLPs differ.)
-pub(super) fn recomputed_down_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     if shape.recompute() != Recompute::Full
         || shape.model.experts.is_some()
