@@ -318,8 +318,8 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Opt
                 bytes: 2.0 * shape.gate + shape.norm * element,
             });
         }
-        // (Under SP, without cp, the output gradient all-gathered over tp for it.)
-        if shape.sequence_parallel() && shape.cp == 1 {
+        // Under SP the output gradient all-gathered over tp for it.
+        if shape.sequence_parallel() {
             held.push(Term { name: "first layer's output gradient, gathered over tp", bytes: gathered });
         }
         let layer = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element;

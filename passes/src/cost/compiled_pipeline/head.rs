@@ -10,10 +10,12 @@ use super::shared_expert::shared_expert_points;
 use super::{tsp_ring, Place, StageShape};
 
 /// The points at the head of a micro-batch's backward on `chunk`: on the last chunk the loss's
-/// backward and the LM head's weight gradient joining its sum; on another a dense last layer's
-/// down projection's gradient joining its sum and its MLP norm output's gradients being summed
-/// (under tsp its MLP ring's backward, [`tsp_last_ring`]); and a mixture's last layer's MLP
-/// backward on either ([`mixture_head`]).
+/// backward and the LM head's weight gradient joining its sum; on another the output gradient's
+/// arrival, a dense last layer's down projection's gradient joining its sum and its MLP norm
+/// output's gradients being summed (under tsp its MLP ring's backward, [`tsp_last_ring`]); a dense
+/// last layer's down gradient made under ZeRO-2 and 3 or full recomputation on either
+/// ([`down_gradient_at_the_head`]); and a mixture's last layer's MLP backward on either
+/// ([`mixture_head`]).
 pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if chunk.last {
         last_chunk(shape, chunk)
@@ -154,20 +156,22 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         }
         candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held));
     }
-    if shape.sizes.token_split == 1 && dense && shape.reduced && shape.tp == 1 && head_part.is_none() {
+    if dense && shape.reduced && head_part.is_none() {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
         // final norm's output (the head's input; recomputed for it under full recomputation)
         // freed before it was all-reduced, the head's input gradient and the unreduced copy
-        // beside it.
+        // beside it. (Beside cp the targets are freed too, the loss's backward done.)
         let final_norm_output = if full { 0.0 } else { gathered };
+        let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         candidates.push(Candidate {
             name: "the LM head's weight gradient joins its sum",
             so_far: weight_gradient,
             held: vec![
                 Term { name: "its positions", bytes: chunk.positions },
                 Term {
-                    name: "what it holds in flight but the logits and the final norm's output",
-                    bytes: chunk.in_flight - logits - final_norm_output,
+                    name:
+                        "what it holds in flight but the logits and the final norm's output (and under cp the targets)",
+                    bytes: chunk.in_flight - logits - final_norm_output - targets,
                 },
                 Term { name: "the LM head's input gradient", bytes: gathered },
                 Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
@@ -224,7 +228,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .collect(),
         ));
     }
-    candidates.extend(scattered_head_of_backward(shape, chunk));
+    candidates.extend(down_gradient_at_the_head(shape, chunk));
     candidates.extend(mixture_head(shape, chunk));
     candidates
 }
@@ -243,8 +247,10 @@ fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
     chunk.in_flight - shape.logits() - final_norm - last_output - targets
 }
 
-/// The head of a micro-batch's backward on a chunk before the last, a dense one's (as a gate
-/// gradient's joining is modelled): first its last layer's down projection's weight gradient
+/// The head of a micro-batch's backward on a chunk before the last, a dense one's: first the
+/// output gradient's arrival ([`output_gradient_received`]); under ZeRO-2 and 3 or full
+/// recomputation [`down_gradient_at_the_head`]; otherwise (as a gate gradient's joining is
+/// modelled) its last layer's down projection's weight gradient
 /// joins its sum, the micro-batch holding all it holds in flight beside the output gradient it
 /// received and the SiLU product's gradient (not modelled under tp, under which the output
 /// gradient has another copy there; beside dp, which reduces the gradient first, as gate's output
@@ -253,20 +259,18 @@ fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
 /// freed, beside the output gradient, gate's output gradient (its weight gradient is next) and the
 /// two input gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, gathered, stream, .. } = shape.sizes;
     if shape.model.experts.is_some() {
         return mixture_head(shape, chunk);
     }
     if shape.tsp > 1 {
         return tsp_last_ring(shape, chunk);
     }
-    if shape.scattered {
-        return scattered_head_of_backward(shape, chunk);
-    }
+    let mut candidates = vec![output_gradient_received(shape, chunk)];
+    candidates.extend(down_gradient_at_the_head(shape, chunk));
     if !shape.mlp_backward_modelled() {
-        return Vec::new();
+        return candidates;
     }
-    let mut candidates = Vec::new();
     if shape.reduced {
         // Beside dp the down gradient is all-reduced before it joins its sum and its unreduced
         // copy freed; the SiLU product is freed by then, and the stage may peak as gate's output
@@ -280,7 +284,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                     name: "what it holds in flight but its last layer's SiLU product",
                     bytes: chunk.in_flight - local_tokens * ffn * element,
                 },
-                Term { name: "its output gradient (received)", bytes: boundary },
+                Term { name: "its output gradient (received)", bytes: stream },
                 Term {
                     name: "its last layer's SiLU product's and gate output's gradients",
                     bytes: 2.0 * local_tokens * ffn * element,
@@ -294,7 +298,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             held: vec![
                 Term { name: "its positions", bytes: chunk.positions },
                 Term { name: "what it holds in flight", bytes: chunk.in_flight },
-                Term { name: "its output gradient (received)", bytes: boundary },
+                Term { name: "its output gradient (received)", bytes: stream },
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
@@ -311,7 +315,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 name: "what it holds in flight but its last layer's gate, up and their product",
                 bytes: chunk.in_flight - 3.0 * local_tokens * ffn * element,
             },
-            Term { name: "its output gradient (received)", bytes: boundary },
+            Term { name: "its output gradient (received)", bytes: stream },
             Term { name: "its last layer's gate output gradient", bytes: local_tokens * ffn * element },
             Term {
                 name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
@@ -322,27 +326,30 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     candidates
 }
 
-/// Under ZeRO-2 and 3 (a dense stage's, without tsp) the head of the backward is its last layer's
-/// down projection's (on the last chunk after the LM head's and the final norm's gradients, the
-/// logits, the final norm's buffers and the last layer's output freed): the stage may peak as its
-/// weight gradient is made whole, beside the SiLU product's gradient (made first, from the output
-/// gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after; under
-/// full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
-/// weights gathered again), or as it is reduce-scattered (staged whole), the SiLU product freed. On
-/// the last chunk (not beside cp), before those, as the LM head's weight gradient is reduce-
-/// scattered (staged whole), the logits and the head's input freed, beside the head's input
-/// gradient; beside a tied table as the head's part of the table's gradient is made (it joins no
-/// sum: [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps k's and v's
-/// rows whole the walk would count them made there: not modelled.) Under SP the down's backward
-/// reads the output gradient gathered over tp too.
-fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, boundary, .. } = shape.sizes;
-    let modelled =
-        shape.scattered && shape.model.experts.is_none() && shape.tsp == 1 && shape.key_values_kept_whole == 0.0;
+/// Under ZeRO-2 and 3, or under full recomputation (a dense stage's, without tsp), the head of
+/// the backward is its last layer's down projection's (on the last chunk after the LM head's and
+/// the final norm's gradients, the logits, the final norm's buffers and the last layer's output
+/// freed): the stage may peak as its weight gradient is made (whole under ZeRO), beside the SiLU
+/// product's gradient (made first, from the output gradient and under ZeRO-3 the down weight
+/// gathered again, the same bytes, freed after; under full recomputation the MLP recomputed next,
+/// under ZeRO-3 with its norm's, gate's and up's weights gathered again). Under ZeRO-2 and 3 also
+/// as it is reduce-scattered (staged whole), the SiLU product freed; and on the last chunk (not
+/// beside cp), before those, as the LM head's weight gradient is reduce-scattered (staged whole),
+/// the logits and the head's input freed, beside the head's input gradient, or beside a tied
+/// table as the head's part of the table's gradient is made (it joins no sum:
+/// [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps k's and v's rows
+/// whole the walk would count them made there: not modelled.) Under SP the down's backward reads
+/// the output gradient gathered over tp too.
+fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, .. } = shape.sizes;
+    let full = shape.recompute() == Recompute::Full;
+    let modelled = (shape.scattered || full)
+        && shape.model.experts.is_none()
+        && shape.tsp == 1
+        && shape.key_values_kept_whole == 0.0;
     if !modelled {
         return Vec::new();
     }
-    let full = shape.recompute() == Recompute::Full;
     let product = local_tokens * ffn * element;
     // Beside a tied table the last chunk makes the head's part of its gradient whole, which joins
     // no sum here: it is sent back and held to the micro-batch's end.
@@ -361,13 +368,13 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
     } else {
         (
             Term { name: "what it holds in flight", bytes: chunk.in_flight },
-            Term { name: "its output gradient (received)", bytes: boundary },
+            Term { name: "its output gradient (received)", bytes: stream },
             0.0,
         )
     };
     let beside: Vec<Term> = [
         Term { name: "its positions", bytes: chunk.positions },
-        output_gradient,
+        output_gradient.clone(),
         Term { name: "its last layer's SiLU product gradient", bytes: product },
         Term { name: "its down gradient, whole (under ZeRO-3 first its weight, gathered)", bytes: shape.gate },
     ]
@@ -375,27 +382,55 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
     .chain(head_part.clone())
     .collect();
     // Under SP the down projection's backward reads the output gradient all-gathered over tp,
-    // freed once its weight gradient is made (beside cp only on the last chunk: between layers the
-    // stream is whole over tp, and the last layer's output gradient comes split from the final
-    // norm's backward).
-    let gathered_output_gradient = (shape.sequence_parallel() && (shape.cp == 1 || chunk.last))
-        .then_some(Term { name: "its output gradient, gathered over tp", bytes: gathered });
+    // freed once its weight gradient is made (beside cp too: the whole one received is reduce-
+    // scattered over tp first).
+    let gathered_output_gradient =
+        shape.sequence_parallel().then_some(Term { name: "its output gradient, gathered over tp", bytes: gathered });
     // Under full recomputation the down gradient reads the SiLU product recomputed, with the MLP
     // norm's output, gate and up, after the product's gradient is made (under ZeRO-3 with the MLP
     // norm's, gate's and up's weights gathered again for it, which their input gradients read
     // next).
-    let regathered = if shape.workload.zero >= 3 { 2.0 * shape.gate + shape.norm * element } else { 0.0 };
+    let regathered =
+        if shape.scattered && shape.workload.zero >= 3 { 2.0 * shape.gate + shape.norm * element } else { 0.0 };
     let recomputed = full.then_some(Term {
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
         bytes: gathered + 3.0 * product + regathered,
     });
-    let made = beside
+    let made: Vec<Term> = beside
         .iter()
         .cloned()
         .chain([in_flight.clone()])
         .chain(recomputed.clone())
         .chain(gathered_output_gradient)
         .collect();
+    if !shape.scattered {
+        // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce). Then, up's
+        // gradient made (gate's comes after), the MLP norm output's gradients from gate and up are
+        // summed beside gate's output gradient and the recomputed MLP norm output (gate, up and
+        // their product freed).
+        let summed = [
+            Term { name: "its positions", bytes: chunk.positions },
+            in_flight,
+            output_gradient,
+            Term { name: "its last layer's gate output gradient", bytes: product },
+            Term { name: "its last layer's MLP norm output, recomputed", bytes: gathered },
+            Term {
+                name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
+                bytes: 3.0 * gathered,
+            },
+        ]
+        .into_iter()
+        .chain(head_part)
+        .collect();
+        return vec![
+            Candidate::made("the last layer's down gradient made, its MLP recomputed", so_far, made),
+            Candidate::made(
+                "the last layer's MLP norm output gradient, its MLP recomputed",
+                so_far + 2.0 * shape.gate,
+                summed,
+            ),
+        ];
+    }
     let scattered = beside
         .into_iter()
         .chain(recomputed)
@@ -444,7 +479,7 @@ fn scattered_head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidat
 /// (on another chunk the one it received). The summed expert counts a stage before the last
 /// received are live there: the first layer's router reads them last.
 fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, hidden, stream, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, hidden, stream, .. } = shape.sizes;
     let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
     if shape.recompute() == Recompute::Full {
         return Vec::new();
@@ -468,7 +503,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 name: "what it holds in flight but its last layer's shared expert's activations",
                 bytes: chunk.in_flight - shared_kept,
             },
-            Term { name: "its output gradient (received)", bytes: boundary },
+            Term { name: "its output gradient (received)", bytes: stream },
         )
     };
     let mut routed = vec![Term { name: "its positions", bytes: chunk.positions }, in_flight, output_gradient];
@@ -482,21 +517,27 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);
     candidates.extend(experts_points(shape, Place::LastLayer, &routed, head_gradients));
-    // On a chunk before the last the backward starts as the two parts of the output gradient the
-    // next stage sent back (its first layer's attention residual gradient and attention norm's
-    // input gradient) are summed: all the micro-batch holds in flight is live beside the three,
-    // none of its gradients made. (Above the points after it once a shared expert's activations
-    // outweigh the last layer's MLP gradients.)
+    // (Above the points after it once a shared expert's activations outweigh the last layer's
+    // MLP gradients.)
     if !chunk.last {
-        let mut received = vec![
-            Term { name: "its positions", bytes: chunk.positions },
-            Term { name: "what it holds in flight", bytes: chunk.in_flight },
-            Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * boundary },
-        ];
-        received.extend(received_counts(shape, chunk, true));
-        candidates.push(Candidate::made("the output gradient received", 0.0, received));
+        candidates.push(output_gradient_received(shape, chunk));
     }
     candidates
+}
+
+/// On a chunk before the last the backward starts as the two parts of the output gradient the
+/// next stage sent back (its first layer's attention residual gradient and attention norm's input
+/// gradient) are summed: all the micro-batch holds in flight is live beside the three, none of its
+/// gradients made. (Above the points after it where the last layer's MLP gradients are small
+/// beside the stream: beside tp, or a mixture's shared expert's activations.)
+fn output_gradient_received(shape: &StageShape, chunk: &Chunk) -> Candidate {
+    let mut received = vec![
+        Term { name: "its positions", bytes: chunk.positions },
+        Term { name: "what it holds in flight", bytes: chunk.in_flight },
+        Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * shape.sizes.boundary },
+    ];
+    received.extend(received_counts(shape, chunk, true));
+    Candidate::made("the output gradient received", 0.0, received)
 }
 
 /// Under full recomputation a mixture's chunk of more than one layer may peak inside its last

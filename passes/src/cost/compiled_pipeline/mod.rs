@@ -27,18 +27,22 @@
 //! tsp or ZeRO-2 and 3), or under full recomputation as the first layer's down gradient joins its
 //! sum beside the MLP recomputed for it (without tsp, beside tp only under ZeRO-2 and 3; under
 //! those as it is made whole), and at the head of a backward: the last stage in the loss's
-//! backward, or (a dense model without cp, tsp, ZeRO-2 and 3) as the LM head's weight gradient is
-//! made or joins its sum (under full recomputation beside the final norm's output recomputed);
-//! another (the same, without tp) as its last layer's down projection gradient does, or (with tp
-//! too) as that layer's MLP norm output's gradients are summed; under ZeRO-2 and 3 (without tsp;
-//! under SP beside the output gradient gathered over tp) as the last layer's down gradient is made
-//! whole or reduce-scattered (under full recomputation beside its MLP recomputed) and on the last
-//! stage (not beside cp) as the LM head's is reduce-scattered (beside a tied table its part of the
-//! table's gradient made). The head of a backward (all activations and the first gradients live) is
-//! smaller wherever the gradients outweigh a micro-batch's activations, as on the models the tests
-//! compile with 8 tokens a sequence; on more tokens a stage may peak at other points of it, not
-//! modelled, and the result is below the planner's peak (every candidate is the live set at one
-//! point of the program, so never above: `tests/cost_training.rs` checks both).
+//! backward, or (a dense model without tsp, ZeRO-2 and 3) as the LM head's weight gradient is
+//! made or joins its sum (not beside cp but as it joins after dp's or cp's all-reduce; under full
+//! recomputation beside the final norm's output recomputed); another as the two parts of the
+//! output gradient it received are summed, (without tp) as its last layer's down projection
+//! gradient joins its sum, or (with tp too) as that layer's MLP norm output's gradients are summed;
+//! under full recomputation (a dense stage's, without tsp) as the last layer's down gradient is
+//! made beside its MLP recomputed, then as its MLP norm output's gradients are summed; under ZeRO-2
+//! and 3 (without tsp) as the last layer's down gradient is made whole or reduce-scattered (under
+//! full recomputation beside its MLP recomputed) and on the last stage (not beside cp) as the LM
+//! head's is reduce-scattered (beside a tied table its part of the table's gradient made). Under
+//! SP the down gradient's points hold the output gradient gathered over tp too. The head of a
+//! backward (all activations and the first gradients live) is smaller wherever the gradients
+//! outweigh a micro-batch's activations, as on the models the tests compile with 8 tokens a
+//! sequence; on more tokens a stage may peak at other points of it, not modelled, and the result
+//! is below the planner's peak (every candidate is the live set at one point of the program, so
+//! never above: `tests/cost_training.rs` checks both).
 //!
 //! Under dp (no ZeRO) each gradient is all-reduced before it joins its sum; at the tail the
 //! joining gradient's unreduced copy is live too, and the activations that computed it are freed.
@@ -68,7 +72,8 @@
 //! between layers (the embedding's output, each layer's output, what a stage sends on and the input
 //! gradients it sends back) it is whole over tp, the attention norm runs on it whole and its output
 //! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
-//! last layer's on the last chunk, which only the final norm reads.
+//! last layer's on the last chunk, which only the final norm reads. The output gradient a stage
+//! receives whole is reduce-scattered over tp before its last layer's MLP backward.
 //!
 //! Under tsp each rank keeps its share of the tokens' activations as under cp, and per attention
 //! owner its q, output and every token's k and v; the MLP ring keeps nothing (its backward
