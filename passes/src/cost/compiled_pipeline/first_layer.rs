@@ -229,9 +229,10 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
     )
 }
 
-/// After the attention kernel's backward (not beside cp or tsp, whose k and v gradients are every
-/// token's, or under ZeRO-2 and 3, which scatter the weight gradients), the attention norm output's gradients from v, k and q are summed as they are
-/// made, each of the whole hidden size (under tp partial, before their all-reduce), the attention
+/// After the attention kernel's backward (not under tsp, or under ZeRO-2 and 3, which scatter the
+/// weight gradients; beside cp k's and v's gradients, every token's, are reduce-scattered back to
+/// the rank's tokens first), the attention norm output's gradients from v, k and q are summed as
+/// they are made, each of the whole hidden size (under tp partial, before their all-reduce), the attention
 /// residual's gradient and the norm's output live: a stage may peak as the gradients from v and k
 /// are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's backward done,
 /// live beside the two and their sum), or as the one from q joins them (k's weight gradient made
@@ -244,8 +245,8 @@ pub(super) fn attention_input_gradients(
     context: Vec<Term>,
     attention_so_far: f64,
 ) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, token_split, .. } = shape.sizes;
-    if shape.scattered || shape.tsp > 1 || token_split > 1 {
+    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, .. } = shape.sizes;
+    if shape.scattered || shape.tsp > 1 {
         return Vec::new();
     }
     let mut common = context;
@@ -282,22 +283,18 @@ pub(super) fn attention_input_gradients(
 }
 
 /// Under full recomputation a chunk may peak inside its first layer's backward as the down
-/// projection's gradient joins its sum (none of the layer's others made), beside the layer's
-/// recomputed MLP norm output, gate, up and (but beside dp, which frees it before the all-reduce)
-/// SiLU product, the product's gradient and the layer's output gradient; beside dp the unreduced
-/// copy is live too (not under tp). Under ZeRO-2 and 3, as the gradient is made whole before its
-/// reduce-scatter, the SiLU product still live (under ZeRO-3 beside the MLP norm's, gate's and
-/// up's weights, gathered again for the recomputation and read next by their input gradients;
-/// under SP beside the output gradient gathered over tp). (Not for a mixture or under tsp, whose
-/// MLPs differ.)
-pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+/// projection's gradient is made (none of the layer's others made), beside the layer's recomputed
+/// MLP norm output, gate, up and SiLU product, the product's gradient and the layer's output
+/// gradient (under SP beside the output gradient gathered over tp); under ZeRO-2 and 3 it is made
+/// whole before its reduce-scatter (under ZeRO-3 beside the MLP norm's, gate's and up's weights,
+/// gathered again for the recomputation and read next by their input gradients). Without tp and
+/// ZeRO, also as it joins its sum, beside the product (but beside dp, which frees it before the
+/// all-reduce, and holds the unreduced copy instead). (Not for a mixture or under tsp, whose MLPs
+/// differ.)
+pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    if shape.recompute() != Recompute::Full
-        || shape.model.experts.is_some()
-        || shape.tsp > 1
-        || (shape.tp > 1 && !shape.scattered)
-    {
-        return None;
+    if shape.recompute() != Recompute::Full || shape.model.experts.is_some() || shape.tsp > 1 {
+        return Vec::new();
     }
     let mut held = chunk.first_layer_held.clone();
     held.extend([
@@ -307,44 +304,61 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Opt
         Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
         Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
     ]);
+    // As the gradient is made (under ZeRO-2 and 3 whole, before its reduce-scatter; beside dp
+    // before its all-reduce) the SiLU product is still live.
+    let mut made = held.clone();
+    made.extend([
+        Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element },
+        Term { name: "first layer's down gradient, whole", bytes: shape.gate },
+    ]);
+    // Under SP the output gradient all-gathered over tp for it.
+    if shape.sequence_parallel() {
+        made.push(Term { name: "first layer's output gradient, gathered over tp", bytes: gathered });
+    }
+    let layer = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element;
     if shape.scattered {
-        held.extend([
-            Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element },
-            Term { name: "first layer's down gradient, whole", bytes: shape.gate },
-        ]);
+        let mut held = made;
         if shape.workload.zero >= 3 {
             held.push(Term {
                 name: "first layer's MLP norm, gate and up weights, gathered again",
                 bytes: 2.0 * shape.gate + shape.norm * element,
             });
         }
-        // Under SP the output gradient all-gathered over tp for it.
-        if shape.sequence_parallel() {
-            held.push(Term { name: "first layer's output gradient, gathered over tp", bytes: gathered });
-        }
-        let layer = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element;
-        return Some(Candidate {
+        return vec![Candidate {
             name: "first layer's down gradient made, its MLP recomputed",
             so_far: chunk.grads - (layer + chunk.table) / shape.shards,
             held,
             new_sum: None,
             key_values_pending: true,
             sum_pending: 0.0,
-        });
+        }];
+    }
+    let made = Candidate::made(
+        "first layer's down gradient made, its MLP recomputed",
+        chunk.grads - layer - chunk.table,
+        made,
+    );
+    // Beside tp the joining is not modelled.
+    if shape.tp > 1 {
+        return vec![made];
     }
     if shape.reduced {
         held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
     } else {
         held.push(Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     }
-    Some(Candidate {
-        name: "first layer's down gradient joins its sum, its MLP recomputed",
-        so_far: chunk.grads - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
-        held,
-        new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: false,
-        sum_pending: 0.0,
-    })
+    vec![
+        made,
+        Candidate {
+            name: "first layer's down gradient joins its sum, its MLP recomputed",
+            so_far: chunk.grads
+                - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
+            held,
+            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+            key_values_pending: false,
+            sum_pending: 0.0,
+        },
+    ]
 }
 
 /// What a micro-batch holds inside its first layer's backward beside the layer's MLP buffers: the

@@ -247,17 +247,17 @@ fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
     chunk.in_flight - shape.logits() - final_norm - last_output - targets
 }
 
-/// The head of a micro-batch's backward on a chunk before the last, a dense one's: first the
-/// output gradient's arrival ([`output_gradient_received`]); under ZeRO-2 and 3 or full
-/// recomputation [`down_gradient_at_the_head`]; otherwise (as a gate gradient's joining is
-/// modelled) its last layer's down projection's weight gradient
-/// joins its sum, the micro-batch holding all it holds in flight beside the output gradient it
-/// received and the SiLU product's gradient (not modelled under tp, under which the output
-/// gradient has another copy there; beside dp, which reduces the gradient first, as gate's output
-/// gradient is made instead, the product freed); then that layer's MLP norm output's gradients
-/// from gate and up are summed, its down and up gradients made, its gate, up and their product
-/// freed, beside the output gradient, gate's output gradient (its weight gradient is next) and the
-/// two input gradients and their sum.
+/// The head of a micro-batch's backward on a chunk before the last, a dense one's: the output
+/// gradient's arrival ([`output_gradient_received`]) and its last layer's down gradient made
+/// ([`down_gradient_at_the_head`]); then (as a gate gradient's joining is modelled: not under
+/// ZeRO-2 and 3 or full recomputation) that gradient joins its sum, the micro-batch holding all it
+/// holds in flight beside the output gradient it received and the SiLU product's gradient (not
+/// modelled under tp, under which the output gradient has another copy there; beside dp, which
+/// reduces the gradient first, beside its unreduced copy, the product freed, and then as gate's
+/// output gradient is made); then that layer's MLP norm output's gradients from gate and up are
+/// summed, its down and up gradients made, its gate, up and their product freed, beside the
+/// output gradient, gate's output gradient (its weight gradient is next) and the two input
+/// gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, gathered, stream, .. } = shape.sizes;
     if shape.model.experts.is_some() {
@@ -272,9 +272,26 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         return candidates;
     }
     if shape.reduced {
-        // Beside dp the down gradient is all-reduced before it joins its sum and its unreduced
-        // copy freed; the SiLU product is freed by then, and the stage may peak as gate's output
-        // gradient is made beside the product's.
+        // Beside dp the down gradient is all-reduced before it joins its sum, its unreduced copy
+        // beside it, the SiLU product freed; then that copy is freed, and the stage may peak as
+        // gate's output gradient is made beside the product's.
+        candidates.push(Candidate {
+            name: "the last layer's down gradient joins its sum",
+            so_far: shape.gate,
+            held: vec![
+                Term { name: "its positions", bytes: chunk.positions },
+                Term {
+                    name: "what it holds in flight but its last layer's SiLU product",
+                    bytes: chunk.in_flight - local_tokens * ffn * element,
+                },
+                Term { name: "its output gradient (received)", bytes: stream },
+                Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
+                Term { name: "the down gradient before its dp all-reduce", bytes: shape.gate },
+            ],
+            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+            key_values_pending: false,
+            sum_pending: 0.0,
+        });
         candidates.push(Candidate::made(
             "the last layer's gate output gradient",
             shape.gate,
@@ -326,27 +343,24 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     candidates
 }
 
-/// Under ZeRO-2 and 3, or under full recomputation (a dense stage's, without tsp), the head of
-/// the backward is its last layer's down projection's (on the last chunk after the LM head's and
-/// the final norm's gradients, the logits, the final norm's buffers and the last layer's output
-/// freed): the stage may peak as its weight gradient is made (whole under ZeRO), beside the SiLU
-/// product's gradient (made first, from the output gradient and under ZeRO-3 the down weight
-/// gathered again, the same bytes, freed after; under full recomputation the MLP recomputed next,
-/// under ZeRO-3 with its norm's, gate's and up's weights gathered again). Under ZeRO-2 and 3 also
-/// as it is reduce-scattered (staged whole), the SiLU product freed; and on the last chunk (not
-/// beside cp), before those, as the LM head's weight gradient is reduce-scattered (staged whole),
-/// the logits and the head's input freed, beside the head's input gradient, or beside a tied
-/// table as the head's part of the table's gradient is made (it joins no sum:
-/// [`super::TIED_HEAD_PART`], held beside the down points too). (Where ZeRO keeps k's and v's rows
-/// whole the walk would count them made there: not modelled.) Under SP the down's backward reads
-/// the output gradient gathered over tp too.
+/// The head of a dense stage's backward (without tsp) is its last layer's down projection's (on
+/// the last chunk after the LM head's and the final norm's gradients, the logits, the final norm's
+/// buffers and the last layer's output freed): the stage may peak as its weight gradient is made
+/// (whole under ZeRO-2 and 3), beside the SiLU product's gradient (made first, from the output
+/// gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after; under
+/// full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
+/// weights gathered again; then, under full recomputation without ZeRO, as the MLP norm output's
+/// gradients are summed). Under ZeRO-2 and 3 also as it is reduce-scattered (staged whole), the
+/// SiLU product freed; and on the last chunk (not beside cp), before those, as the LM head's
+/// weight gradient is reduce-scattered (staged whole), the logits and the head's input freed,
+/// beside the head's input gradient, or beside a tied table as the head's part of the table's
+/// gradient is made (it joins no sum: [`super::TIED_HEAD_PART`], held beside the down points too).
+/// (Where ZeRO keeps k's and v's rows whole the walk would count them made there: not modelled.)
+/// Under SP the down's backward reads the output gradient gathered over tp too.
 fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
-    let modelled = (shape.scattered || full)
-        && shape.model.experts.is_none()
-        && shape.tsp == 1
-        && shape.key_values_kept_whole == 0.0;
+    let modelled = shape.model.experts.is_none() && shape.tsp == 1 && shape.key_values_kept_whole == 0.0;
     if !modelled {
         return Vec::new();
     }
@@ -403,6 +417,11 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         .chain(recomputed.clone())
         .chain(gathered_output_gradient)
         .collect();
+    if !shape.scattered && !full {
+        // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce; the points
+        // after are the head's other candidates).
+        return vec![Candidate::made("the last layer's down gradient made", so_far, made)];
+    }
     if !shape.scattered {
         // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce). Then, up's
         // gradient made (gate's comes after), the MLP norm output's gradients from gate and up are

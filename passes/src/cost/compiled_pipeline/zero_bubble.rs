@@ -80,10 +80,13 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     }
     let mut between = layers * per_layer + 2.0 * boundary;
     // Under SP the projections' output gradients W reads are the gathered ones, and the first
-    // layer's attention residual gradient is kept beside them, the last layer's output gathered
-    // for the final norm.
+    // layer's attention residual gradient is kept beside them (but on the first stage beside cp,
+    // where B's last step sums it into the embedding output's gradient, whole), the last layer's
+    // output gathered for the final norm.
     if sequence_parallel {
-        between += boundary;
+        if !(first && shape.cp > 1) {
+            between += boundary;
+        }
         if last {
             between += gathered - boundary;
         }
@@ -107,8 +110,13 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // between there at a W's tail; its between is written by analogy, with the token ids.)
     // (Under tsp in zigzag order too, and W reads the embedding output's gradient gathered over
     // the sequence in place of the first layer's attention norm's input gradient.)
+    // (Under cp the rank's own ids too.)
     if first {
-        between += if shape.tsp > 1 { 2.0 * ids + every_token - boundary } else { ids };
+        between += if shape.tsp > 1 {
+            2.0 * ids + every_token - boundary
+        } else {
+            ids + if shape.cp > 1 { ids / shape.cp as f64 } else { 0.0 }
+        };
     }
     // A mixture's statistics stay to the micro-batch's end: its layers' (sent on), and on a stage
     // between the first and the last the counts' sum it received (the program frees that after its
