@@ -2416,7 +2416,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // gaps are W's later points and SP's order of B's input gradients), under ZeRO-2 and 3 over dp
     // or cp (where W reduce-scatters the LM head's or the last down gradient, staged whole) within
     // 1% (0.01%, down from 40%; tied too), over both within 1% (a tied table's head part in W
-    // 3.2%), exact on most stages (1664 of 1980 when this was written).
+    // 3.2%), exact on three stages in four (1776 of 2268 when this was written).
     let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
     let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
@@ -2453,6 +2453,13 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
             ],
             0.95,
         ),
+        // (ZeRO-2 and 3 beside tp under SP: W's reduce-scatter of the last down gradient comes
+        // after the output gradient gathered over tp is freed, which the form had held there.)
+        tally_stage_closed_forms(
+            &untied_only,
+            &[layout("pp=2,dp=2,tp=2", 2, true, 2), layout("pp=2,dp=2,tp=2", 2, true, 3)],
+            0.96,
+        ),
         tally_stage_closed_forms(
             &[&four, &wide_vocabulary, &tied],
             &[layout("pp=2,dp=2", 2, false, 2), layout("pp=2,dp=2", 2, false, 3), layout("pp=2,cp=2", 2, false, 2)],
@@ -2483,7 +2490,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact");
+    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
 }
 
 /// Every stage's closed form of each layout in `layouts`, for each recomputation, on each of
@@ -2744,6 +2751,51 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
         "the last layer's down gradient joins its sum",
         "first layer's down gradient made, its MLP recomputed",
         "first layer's attention norm output's gradients from v and k",
+    ] {
+        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
+    }
+    assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");
+}
+
+#[test]
+fn mixture_stage_closed_form_on_more_tokens() {
+    // A mixture's pipelined stage (routed experts alone, beside a narrow shared expert, or beside
+    // one wider than the routed experts) under each schedule, from 64 to 1024 tokens, over dp, ep,
+    // tp (without SP) and cp: never above the planner's peak, within 3% below it (2.62% when this
+    // was written), exact on nine stages in ten (3510 of 3564). (Under zero bubble on a stage
+    // between the first and the last, the head of W had counted the micro-batch's received expert
+    // counts twice: 32 bytes above the planner on four stages.)
+    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
+    let shared_wide = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(1024, true) };
+    let meshes =
+        [("pp=2", 2), ("pp=2,dp=2", 2), ("pp=2,ep=2", 2), ("pp=2,tp=2", 2), ("pp=2,cp=2", 2), ("pp=2,dp=2,ep=2", 1)];
+    let mut layouts = Vec::new();
+    for kind in [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved { chunks: 2 },
+        ScheduleKind::ZeroBubbleH1,
+    ] {
+        let interleaved = kind == ScheduleKind::Interleaved { chunks: 2 };
+        // (Interleaving takes a number of micro-batches the stages divide, and four layers two
+        // chunks a rank two stages.)
+        layouts.extend(
+            meshes
+                .iter()
+                .filter(|(_, micro_batches)| !interleaved || micro_batches % 2 == 0)
+                .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, kind, *micro_batches)),
+        );
+        if !interleaved {
+            layouts.extend([PipelinedLayout::new("pp=4", kind, 4), PipelinedLayout::new("pp=4,ep=2", kind, 2)]);
+        }
+    }
+    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four_experts, &shared, &shared_wide], &layouts, 0.97);
+    for name in [
+        "the last layer's down gradient joins its sum in W",
+        "first layer's shared expert's gate output gradient in B",
+        "first layer's expert gradient joins its sum",
+        "the output gradient received",
     ] {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }

@@ -217,11 +217,15 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
+    // (On a stage between the first and the last, outside full recomputation, the walk counts the
+    // micro-batch's received counts' sum at a W: not twice.)
+    let received =
+        if !chunk.last && shape.stage > 0 && shape.recompute() != Recompute::Full { shape.statistics } else { 0.0 };
     let mut held = vec![
         Term { name: "its positions", bytes: positions },
         Term {
             name: "what it holds between B and W but its B gradients (on the last chunk its two losses summed)",
-            bytes: between_b_and_w.between - made_in_b - summed - freed_before,
+            bytes: between_b_and_w.between - made_in_b - summed - freed_before - received,
         },
     ];
     let made_in_b = made_in_b + made_before;
@@ -257,14 +261,19 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // Under ZeRO-2 and 3 a dense stage's gradient is then reduce-scattered, staged whole, what
     // made it freed: the LM head's logits' gradient (under cp the rank's tokens', which W reads)
     // and input (under full recomputation the copy W recomputed), or the last layer's SiLU
-    // product (under full recomputation recomputed). (Not under tsp, nor where ZeRO keeps k's and
+    // product (under full recomputation recomputed) and under SP its output gradient gathered. (Not under tsp, nor where ZeRO keeps k's and
     // v's rows whole.)
     if shape.scattered && shape.tsp == 1 && shape.model.experts.is_none() && shape.key_values_kept_whole == 0.0 {
         let (name, freed) = if chunk.last {
             let logits_gradient = local_tokens * vocab_shard * element;
             ("the LM head's weight gradient reduce-scattered in W", logits_gradient + gathered)
         } else {
-            ("the last layer's down gradient reduce-scattered in W", local_tokens * ffn * element)
+            // (Under SP the output gradient gathered over tp, which W read last there, too.)
+            let gathered_output_gradient = if shape.sequence_parallel() { gathered } else { 0.0 };
+            (
+                "the last layer's down gradient reduce-scattered in W",
+                local_tokens * ffn * element + gathered_output_gradient,
+            )
         };
         let mut scattered = held.clone();
         scattered.extend([
