@@ -345,7 +345,12 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         // (Under tsp outside zero bubble the first layer's input gradients are sent back by then.)
         if shape.tsp == 1 || shape.zero_bubble {
             held.push(Term { name: "first layer's attention residual gradient", bytes: stream });
-            held.push(Term { name: "first layer's attention norm gradient", bytes: gathered });
+            // (At zero bubble's W under SP without cp, B has reduce-scattered the norm output's
+            // gradient, which W reads for the norm's weight, beside the norm's input gradient:
+            // split, a stream each.)
+            let norm_gradients =
+                if shape.zero_bubble && shape.sequence_parallel() && shape.cp == 1 { 2.0 * stream } else { gathered };
+            held.push(Term { name: "first layer's attention norm gradient", bytes: norm_gradients });
         }
         if !reduced && shape.tsp > 1 {
             // Under tsp q's weight gradient is made as a contribution to each owner's block, the

@@ -80,13 +80,11 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     }
     let mut between = layers * per_layer + 2.0 * boundary;
     // Under SP the projections' output gradients W reads are the gathered ones, and the first
-    // layer's attention residual gradient is kept beside them (but on the first stage beside cp,
-    // where B's last step sums it into the embedding output's gradient, whole), the last layer's
-    // output gathered for the final norm.
+    // layer's attention residual gradient is kept beside them (but on the first stage, where B's
+    // last step sums it into the embedding output's gradient, which is whole there), the last
+    // layer's output gathered for the final norm.
     if sequence_parallel {
-        if !(first && shape.cp > 1) {
-            between += boundary;
-        }
+        between += if first { gathered - boundary } else { boundary };
         if last {
             between += gathered - boundary;
         }
@@ -103,7 +101,10 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         let last_layers = f64::from(u8::from(last));
         between += layers * kept_layer + (layers - last_layers) * stream;
         if sequence_parallel {
-            between -= last_layers * stream;
+            // Under SP the last layer's output the stream kept is one the final norm's gathered
+            // copy stands for (its split already left out above), and its output gradient, the
+            // final norm's input gradient, is split (W reads it for the MLP norm's weight).
+            between -= last_layers * (gathered - stream);
         }
     }
     // (The first stage runs each W right after its B, forwards apart, so no other micro-batch is
