@@ -1163,6 +1163,9 @@ pub fn compiled_tsp_training_peak(
     // embedding's, made at its end: the head's part is held whole (over dp too) in between.
     let tied_head = if model.tied_embeddings { table * element } else { 0.0 };
     let (seq, tokens) = (workload.seq as f64, (workload.seq * workload.micro_batch) as f64);
+    // A hidden state of every token of the micro-batch: the LM head's input gathered over the
+    // sequence and its gradient.
+    let every_token = StepSizes::new(model, layout, &compiled).every_token;
     let local = tokens / owners;
     let hidden = model.hidden as f64;
     let (query, key_value) = (model.query_width() as f64, model.kv_width() as f64);
@@ -1252,7 +1255,7 @@ pub fn compiled_tsp_training_peak(
             Term {
                 name:
                     "the final norm's output gathered over the sequence (or its staging), and the head's input gradient",
-                bytes: 2.0 * tokens * hidden * element,
+                bytes: 2.0 * every_token,
             },
             Term {
                 name: "the logits' gradient (the rank's vocabulary shard)",
@@ -1503,10 +1506,7 @@ pub fn compiled_tsp_training_peak(
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
             Term { name: WHOLE_EMBEDDING_GRADIENT, bytes: whole },
-            Term {
-                name: "every token's gradient, gathered for the embedding's backward",
-                bytes: tokens * hidden * element,
-            },
+            Term { name: "every token's gradient, gathered for the embedding's backward", bytes: every_token },
             Term { name: "token ids (zigzag)", bytes: 4.0 * tokens },
         ],
     };
