@@ -232,13 +232,13 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
 /// After the attention kernel's backward (not under tsp, or under ZeRO-2 and 3, which scatter the
 /// weight gradients; beside cp k's and v's gradients, every token's, are reduce-scattered back to
 /// the rank's tokens first), the attention norm output's gradients from v, k and q are summed as
-/// they are made, each of the whole hidden size (under tp partial, before their all-reduce), the attention
-/// residual's gradient and the norm's output live: a stage may peak as the gradients from v and k
-/// are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's backward done,
-/// live beside the two and their sum), or as the one from q joins them (k's weight gradient made
-/// too, k's gradient freed). `context` is what the micro-batch holds beside the layer's attention
-/// buffers, `attention_so_far` the gradients made by its attention kernel's backward, `names`
-/// the two points'.
+/// they are made, each of the whole hidden size (under tp partial, before their all-reduce), the
+/// attention residual's gradient and the norm's output live: a stage may peak as the gradients
+/// from v and k are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's
+/// backward done, live beside the two and their sum), or as the one from q joins them (k's weight
+/// gradient made too, k's gradient freed). `context` is what the micro-batch holds beside the
+/// layer's attention buffers, `attention_so_far` the gradients made by its attention kernel's
+/// backward, `names` the two points'.
 pub(super) fn attention_input_gradients(
     shape: &StageShape,
     names: [&'static str; 2],

@@ -13,9 +13,8 @@ use super::{tsp_ring, Place, StageShape};
 /// backward and the LM head's weight gradient joining its sum; on another the output gradient's
 /// arrival, a dense last layer's down projection's gradient joining its sum and its MLP norm
 /// output's gradients being summed (under tsp its MLP ring's backward, [`tsp_last_ring`]); a dense
-/// last layer's down gradient made under ZeRO-2 and 3 or full recomputation on either
-/// ([`down_gradient_at_the_head`]); and a mixture's last layer's MLP backward on either
-/// ([`mixture_head`]).
+/// last layer's down gradient made on either ([`down_gradient_at_the_head`]); and a mixture's last
+/// layer's MLP backward on either ([`mixture_head`]).
 pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if chunk.last {
         last_chunk(shape, chunk)

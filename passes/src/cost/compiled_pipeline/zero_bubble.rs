@@ -101,9 +101,9 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         let last_layers = f64::from(u8::from(last));
         between += layers * kept_layer + (layers - last_layers) * stream;
         if sequence_parallel {
-            // Under SP the last layer's output the stream kept is one the final norm's gathered
-            // copy stands for (its split already left out above), and its output gradient, the
-            // final norm's input gradient, is split (W reads it for the MLP norm's weight).
+            // Under SP, on the last chunk, the stream's split and the rest counted above make the
+            // last layer's output gathered for the final norm; the final norm's input gradient,
+            // counted whole with the head's, is split (reduce-scattered over tp).
             between -= last_layers * (gathered - stream);
         }
     }
