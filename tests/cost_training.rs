@@ -181,6 +181,17 @@ fn four_layers() -> pleat_ir::model::config::ModelConfig {
     pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() }
 }
 
+/// [`four_layers`], the same with a vocabulary of 2048 (its LM head outweighs a layer), and with
+/// its embedding tied to the head: the models the tables on more tokens compile.
+fn four_layers_wide_and_tied(
+) -> (pleat_ir::model::config::ModelConfig, pleat_ir::model::config::ModelConfig, pleat_ir::model::config::ModelConfig)
+{
+    let four = four_layers();
+    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    (four, wide_vocabulary, tied)
+}
+
 /// `tiny` with eight layers: several a stage or an interleaved chunk.
 fn eight_layers() -> pleat_ir::model::config::ModelConfig {
     pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny").unwrap() }
@@ -2085,8 +2096,7 @@ fn pipelined_stage_closed_form_beside_dp_cp_and_full_recomputation_equals_the_pl
     // v's gradients. Each is modelled; on these layouts every stage matches to the byte from 32 to
     // 256 tokens (eight interleaved layers under full recomputation once counted the first chunk's
     // positions twice, 1 KB above the planner at 256 tokens).
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let (four, wide_vocabulary, _) = four_layers_wide_and_tied();
     let eight = eight_layers();
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let interleaved = ScheduleKind::Interleaved { chunks: 2 };
@@ -2146,8 +2156,7 @@ fn pipelined_stage_closed_form_never_exceeds_the_planners_peak_on_more_tokens() 
     // Mixtures too, with and without a shared expert, from 32 to 256 tokens (where a
     // micro-batch's two losses are summed by its loss's backward, and under full recomputation
     // beside dp the last stage sends the counts' sum again in each backward).
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let (four, wide_vocabulary, _) = four_layers_wide_and_tied();
     let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let eight_experts = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
     let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
@@ -2417,9 +2426,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // or cp (where W reduce-scatters the LM head's or the last down gradient, staged whole) within
     // 1% (0.01%, down from 40%; tied too), over both within 1% (a tied table's head part in W
     // 3.2%), exact on three stages in four (1776 of 2268 when this was written).
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
-    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layout = |mesh, micro_batches, sequence_parallel, zero_stage| PipelinedLayout {
         sequence_parallel,
         zero_stage,
@@ -2566,8 +2573,7 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
     // planner's peak and within 5% below it (3.2% at most when this was written, down from 42%:
     // the rest is W's attention points of a layer but the first, and the ring's gradients' dp
     // reduction), exact on nine stages in ten (678 of 720 when this was written).
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let (four, wide_vocabulary, _) = four_layers_wide_and_tied();
     let layouts = [
         ("pp=2,tsp=2", 2),
         ("pp=2,tsp=2", 4),
@@ -2614,8 +2620,7 @@ fn tsp_stage_closed_form_on_more_tokens() {
     // form is never above the planner's peak and within 1% below it (0.53% at most when this was
     // written, down from 41%: the rest is the last stage's loss backward beside dp), exact on nine
     // stages in ten (538 of 576 when this was written).
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
+    let (four, wide_vocabulary, _) = four_layers_wide_and_tied();
     let layouts = [("pp=2,tsp=2", 2), ("pp=2,tsp=2", 4), ("pp=2,tsp=4", 4), ("pp=4,tsp=2", 4), ("pp=2,dp=2,tsp=2", 2)]
         .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches));
     let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.99);
@@ -2655,10 +2660,8 @@ fn zero_stage_closed_form_on_more_tokens() {
     // (3.76% when this was written, down from 34%), exact on four stages in five (1804 of 2160,
     // from 1152: the output gradient received and its two parts summed, and under SP beside cp
     // the output gradient gathered over tp again, were missing; the received one had been counted
-    // whole, above the planner on four stages), four in five in all.
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
-    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    // whole, above the planner on 32 stages), four in five in all.
+    let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layouts = [
         ("pp=2,dp=2", 2, 2),
         ("pp=2,dp=2", 2, 3),
@@ -2727,9 +2730,7 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
     // it (1.43% when this was written, down from 23%: the first layer's down gradient under full
     // recomputation over dp × cp), exact on nine stages in ten (3042 of 3132 when this was
     // written, from 1898).
-    let four = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny").unwrap() };
-    let wide_vocabulary = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..four.clone() };
-    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layouts = [
         ("pp=2,dp=2,tp=2", 2, true),
         ("pp=4,dp=2,tp=2", 2, false),
