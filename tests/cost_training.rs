@@ -1666,43 +1666,44 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
         }
     }
     // Each point is where some stage peaks (or the check of it would be idle).
-    for name in [
-        "the output gradient received",
-        "the last layer's shared expert's down gradient",
-        "the last layer's shared expert's down gradient joins its sum",
-        "first layer's shared expert's down gradient",
-        "first layer's shared expert's up output gradient",
-        "first layer's shared expert's gate gradient joins its sum",
-        "the last layer's experts' backward dispatched",
-        "the last layer's routed experts' input gradient all-reduced over tp",
-        "the last layer's expert gradient joins its sum",
-        "the last layer's MLP norm output's gradients summed",
-        "the last layer's attention residual gradient",
-        "the last layer's attention backward",
-        "the last layer's attention norm output's gradients from v and k",
-        "the LM head's weight gradient joins its sum",
-        "first layer's shared expert's down gradient joins its sum",
-        "first layer's attention residual gradient",
-        "first layer's attention backward",
-        "first layer's attention norm output's gradients from v and k",
-        "first layer's attention norm output's gradient from q",
-        "first layer's MLP norm output's gradients summed",
-        "the loss's backward",
-        "first layer's attention backward in B",
-        "first layer's attention norm output's gradients summed in B",
-        "first layer's shared expert's gate output gradient in B",
-        "first layer's expert gradient joins its sum in B",
-        "the LM head's weight gradient joins its sum in W",
-        "the LM head's weight gradient in W",
-        "the last layer's down gradient joins its sum in W",
-        "the last layer's down gradient in W",
-        "the last layer's output in a forward",
-        "the last layer's routed and shared experts' outputs summed in a forward",
-        "the last layer's shared expert's product in a forward",
-        "every token's logits gathered in a forward",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "the output gradient received",
+            "the last layer's shared expert's down gradient",
+            "the last layer's shared expert's down gradient joins its sum",
+            "first layer's shared expert's down gradient",
+            "first layer's shared expert's up output gradient",
+            "first layer's shared expert's gate gradient joins its sum",
+            "the last layer's experts' backward dispatched",
+            "the last layer's routed experts' input gradient all-reduced over tp",
+            "the last layer's expert gradient joins its sum",
+            "the last layer's MLP norm output's gradients summed",
+            "the last layer's attention residual gradient",
+            "the last layer's attention backward",
+            "the last layer's attention norm output's gradients from v and k",
+            "the LM head's weight gradient joins its sum",
+            "first layer's shared expert's down gradient joins its sum",
+            "first layer's attention residual gradient",
+            "first layer's attention backward",
+            "first layer's attention norm output's gradients from v and k",
+            "first layer's attention norm output's gradient from q",
+            "first layer's MLP norm output's gradients summed",
+            "the loss's backward",
+            "first layer's attention backward in B",
+            "first layer's attention norm output's gradients summed in B",
+            "first layer's shared expert's gate output gradient in B",
+            "first layer's expert gradient joins its sum in B",
+            "the LM head's weight gradient joins its sum in W",
+            "the LM head's weight gradient in W",
+            "the last layer's down gradient joins its sum in W",
+            "the last layer's down gradient in W",
+            "the last layer's output in a forward",
+            "the last layer's routed and shared experts' outputs summed in a forward",
+            "the last layer's shared expert's product in a forward",
+            "every token's logits gathered in a forward",
+        ],
+    );
     assert!(below > 0);
     // Most zero-bubble stages are exact to the byte (2230 of 2430 when this was written).
     assert!(10 * zero_bubble_exact > 9 * zero_bubble_stages, "{zero_bubble_exact} of {zero_bubble_stages} exact");
@@ -2129,17 +2130,18 @@ fn pipelined_stage_closed_form_beside_dp_cp_and_full_recomputation_equals_the_pl
             }
         }
     }
-    for name in [
-        "the LM head's weight gradient joins its sum",
-        "the last layer's down gradient joins its sum",
-        "the last layer's gate output gradient",
-        "first layer's gate gradient joins its sum",
-        "first layer's attention norm output gradient from q",
-        "first layer's attention backward",
-        "first layer's down gradient joins its sum, its MLP recomputed",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "the LM head's weight gradient joins its sum",
+            "the last layer's down gradient joins its sum",
+            "the last layer's gate output gradient",
+            "first layer's gate gradient joins its sum",
+            "first layer's attention norm output gradient from q",
+            "first layer's attention backward",
+            "first layer's down gradient joins its sum, its MLP recomputed",
+        ],
+    );
 }
 
 #[test]
@@ -2487,22 +2489,31 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // where at tp = 2 the two are the same bytes (the form had been above the planner there): never
     // above, within 7% (6.9% when this was written, exact on one stage in six).
     tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &[layout("pp=2,tp=4", 2, true, 0)], 0.93);
-    for name in [
-        "first layer's attention backward in B",
-        "first layer's attention norm output's gradients summed in B",
-        "the LM head's weight gradient in W",
-        "the LM head's weight gradient joins its sum in W",
-        "the last layer's down gradient in W",
-        "the last layer's down gradient joins its sum in W",
-        "the last layer's output in a forward",
-        "the LM head's part of the tied table's gradient is made in W",
-        "the loss's backward in B",
-        "the LM head's weight gradient reduce-scattered in W",
-        "the last layer's down gradient reduce-scattered in W",
-    ] {
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "first layer's attention backward in B",
+            "first layer's attention norm output's gradients summed in B",
+            "the LM head's weight gradient in W",
+            "the LM head's weight gradient joins its sum in W",
+            "the last layer's down gradient in W",
+            "the last layer's down gradient joins its sum in W",
+            "the last layer's output in a forward",
+            "the LM head's part of the tied table's gradient is made in W",
+            "the loss's backward in B",
+            "the LM head's weight gradient reduce-scattered in W",
+            "the last layer's down gradient reduce-scattered in W",
+        ],
+    );
+    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
+}
+
+/// Checks that each of `names` is the point where the closed form met the planner's peak exactly
+/// on some stage (`exact_at` counts the stages at each point).
+fn assert_each_is_a_peak(exact_at: &std::collections::BTreeMap<&str, usize>, names: &[&str]) {
+    for name in names {
         assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
     }
-    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact");
 }
 
 /// Every stage's closed form of each layout in `layouts`, for each recomputation, on each of
@@ -2584,24 +2595,25 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
     ]
     .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
     let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.95);
-    for name in [
-        "first layer's MLP ring backward: the input gradient's parts summed",
-        "first layer's MLP ring backward: a weight gradient joins its sum",
-        "first layer's MLP ring backward: a contribution joins the partial gradient received",
-        "first layer's MLP ring backward: the down contribution from the SiLU product",
-        "the last layer's MLP ring: the SiLU product in a forward",
-        "the last layer's MLP ring: the next shard received in a forward",
-        "the last layer's MLP ring: the output's parts summed in a forward",
-        "the LM head's weight gradient in W",
-        "every token's logits reordered in a forward",
-        "the embedding output's gradient gathered in B",
-        "the LM head's weight gradient joins its sum in W",
-        "the LM head's input gradient reduce-scattered in B",
-        "the LM head's weight gradient joins its sum in W, all-reduced",
-        "first layer's attention backward in B: v's part of the input gradient summed",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "first layer's MLP ring backward: the input gradient's parts summed",
+            "first layer's MLP ring backward: a weight gradient joins its sum",
+            "first layer's MLP ring backward: a contribution joins the partial gradient received",
+            "first layer's MLP ring backward: the down contribution from the SiLU product",
+            "the last layer's MLP ring: the SiLU product in a forward",
+            "the last layer's MLP ring: the next shard received in a forward",
+            "the last layer's MLP ring: the output's parts summed in a forward",
+            "the LM head's weight gradient in W",
+            "every token's logits reordered in a forward",
+            "the embedding output's gradient gathered in B",
+            "the LM head's weight gradient joins its sum in W",
+            "the LM head's input gradient reduce-scattered in B",
+            "the LM head's weight gradient joins its sum in W, all-reduced",
+            "first layer's attention backward in B: v's part of the input gradient summed",
+        ],
+    );
     assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");
 }
 
@@ -2624,20 +2636,21 @@ fn tsp_stage_closed_form_on_more_tokens() {
     let layouts = [("pp=2,tsp=2", 2), ("pp=2,tsp=2", 4), ("pp=2,tsp=4", 4), ("pp=4,tsp=2", 4), ("pp=2,dp=2,tsp=2", 2)]
         .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches));
     let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary], &layouts, 0.99);
-    for name in [
-        "the last layer's MLP ring backward: the input gradient's parts summed",
-        "the last layer's MLP ring backward: a weight gradient joins its sum",
-        "the last layer's MLP ring backward: a contribution joins the partial gradient received",
-        "first layer's MLP ring backward: a contribution joins the partial gradient received",
-        "first layer's MLP ring backward: a weight gradient joins its sum",
-        "first layer's MLP ring backward: a weight gradient made, unreduced",
-        "the final norm's output regathered for the LM head's gradient",
-        "the LM head's weight gradient joins its sum",
-        "first layer's attention kernel backward: the last owner's v gradient",
-        "first layer's MLP norm's input gradient summed past the ring",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "the last layer's MLP ring backward: the input gradient's parts summed",
+            "the last layer's MLP ring backward: a weight gradient joins its sum",
+            "the last layer's MLP ring backward: a contribution joins the partial gradient received",
+            "first layer's MLP ring backward: a contribution joins the partial gradient received",
+            "first layer's MLP ring backward: a weight gradient joins its sum",
+            "first layer's MLP ring backward: a weight gradient made, unreduced",
+            "the final norm's output regathered for the LM head's gradient",
+            "the LM head's weight gradient joins its sum",
+            "first layer's attention kernel backward: the last owner's v gradient",
+            "first layer's MLP norm's input gradient summed past the ring",
+        ],
+    );
     assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");
 }
 
@@ -2700,14 +2713,15 @@ fn zero_stage_closed_form_on_more_tokens() {
         tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97),
         tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &beside_tp, 0.96),
     ]);
-    for name in [
-        "the last layer's down gradient made, before its reduce-scatter",
-        "the last layer's down gradient reduce-scattered",
-        "the LM head's weight gradient reduce-scattered",
-        "first layer's down gradient made, its MLP recomputed",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "the last layer's down gradient made, before its reduce-scatter",
+            "the last layer's down gradient reduce-scattered",
+            "the LM head's weight gradient reduce-scattered",
+            "first layer's down gradient made, its MLP recomputed",
+        ],
+    );
     assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact");
 }
 
@@ -2748,18 +2762,19 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
     });
     let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &layouts, 0.98);
-    for name in [
-        "the LM head's weight gradient joins its sum",
-        "the last layer's down gradient made, its MLP recomputed",
-        "the last layer's MLP norm output gradient, its MLP recomputed",
-        "the output gradient received",
-        "the last layer's down gradient made",
-        "the last layer's down gradient joins its sum",
-        "first layer's down gradient made, its MLP recomputed",
-        "first layer's attention norm output's gradients from v and k",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "the LM head's weight gradient joins its sum",
+            "the last layer's down gradient made, its MLP recomputed",
+            "the last layer's MLP norm output gradient, its MLP recomputed",
+            "the output gradient received",
+            "the last layer's down gradient made",
+            "the last layer's down gradient joins its sum",
+            "first layer's down gradient made, its MLP recomputed",
+            "first layer's attention norm output's gradients from v and k",
+        ],
+    );
     assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");
 }
 
@@ -2797,13 +2812,14 @@ fn mixture_stage_closed_form_on_more_tokens() {
         }
     }
     let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four_experts, &shared, &shared_wide], &layouts, 0.97);
-    for name in [
-        "the last layer's down gradient joins its sum in W",
-        "first layer's shared expert's gate output gradient in B",
-        "first layer's expert gradient joins its sum",
-        "the output gradient received",
-    ] {
-        assert!(exact_at.contains_key(name), "{name} is never the peak: {exact_at:?}");
-    }
+    assert_each_is_a_peak(
+        &exact_at,
+        &[
+            "the last layer's down gradient joins its sum in W",
+            "first layer's shared expert's gate output gradient in B",
+            "first layer's expert gradient joins its sum",
+            "the output gradient received",
+        ],
+    );
     assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");
 }
