@@ -2427,7 +2427,7 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // gaps are W's later points and SP's order of B's input gradients), under ZeRO-2 and 3 over dp
     // or cp (where W reduce-scatters the LM head's or the last down gradient, staged whole) within
     // 1% (0.01%, down from 40%; tied too), over both within 1% (a tied table's head part in W
-    // 3.2%), exact on three stages in four (1776 of 2268 when this was written).
+    // 3.2%), exact on three stages in four (1764 of 2268 when this was written).
     let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layout = |mesh, micro_batches, sequence_parallel, zero_stage| PipelinedLayout {
         sequence_parallel,
@@ -2489,6 +2489,8 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // where at tp = 2 the two are the same bytes (the form had been above the planner there): never
     // above, within 7% (6.9% when this was written, exact on one stage in six).
     tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &[layout("pp=2,tp=4", 2, true, 0)], 0.93);
+    // And beside cp, whose ranks' tokens SP splits over tp as it does without cp.
+    tally_stage_closed_forms(&untied_only, &[layout("pp=2,tp=4,cp=2", 2, true, 0)], 0.93);
     assert_each_is_a_peak(
         &exact_at,
         &[
@@ -2667,13 +2669,14 @@ fn zero_stage_closed_form_on_more_tokens() {
     // ZeRO-3, not modelled), the form is never above the planner's peak and within 3% below it
     // (2.24% at most when this was written, down from 62%: the rest is the first layer's gate
     // gradient under full recomputation on few tokens, and a tied table's tail under ZeRO-3 on
-    // deeper pipelines), exact on nine stages in ten (1160 of 1224 when this was written); inside
+    // deeper pipelines), exact on nine stages in ten (1374 of 1440 when this was written); inside
     // the first layer's backward under full recomputation, as its down gradient is made whole
-    // beside the MLP recomputed for it, too. Beside tp (and tp × cp on four stages) within 4%
-    // (3.76% when this was written, down from 34%), exact on four stages in five (1804 of 2160,
-    // from 1152: the output gradient received and its two parts summed, and under SP beside cp
-    // the output gradient gathered over tp again, were missing; the received one had been counted
-    // whole, above the planner on 32 stages), four in five in all.
+    // beside the MLP recomputed for it, too; over dp × cp as the LM head's gradient is
+    // reduce-scattered over dp first (the form had been 21% below there). Beside tp (and tp × cp
+    // on four stages) within 4% (3.51% when this was written, down from 34%), exact on four stages
+    // in five (1896 of 2160, from 1152: the output gradient received and its two parts summed were
+    // missing, and on a stage but the first the attention norm output's gradient from q joining
+    // those from k and v, whose weight gradients are made by then), four in five in all.
     let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layouts = [
         ("pp=2,dp=2", 2, 2),
@@ -2683,6 +2686,7 @@ fn zero_stage_closed_form_on_more_tokens() {
         ("pp=2,cp=2", 2, 2),
         ("pp=2,cp=2", 2, 3),
         ("pp=2,dp=2,cp=2", 1, 2),
+        ("pp=2,dp=2,cp=2", 2, 2),
         ("pp=2,dp=2,cp=2", 1, 3),
     ]
     .map(|(mesh, micro_batches, zero_stage)| PipelinedLayout {
@@ -2710,7 +2714,7 @@ fn zero_stage_closed_form_on_more_tokens() {
     let (stages, exact, exact_at) = merged_tallies([
         untied,
         // (All but the last, ZeRO-3 over dp × cp, not modelled for a tied table.)
-        tally_stage_closed_forms(&[&tied], &layouts[..7], 0.97),
+        tally_stage_closed_forms(&[&tied], &layouts[..8], 0.97),
         tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &beside_tp, 0.96),
     ]);
     assert_each_is_a_peak(
@@ -2737,13 +2741,13 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
     // are summed. Inside the first layer's backward as its down gradient is made beside the MLP
     // recomputed for it (beside tp too), and as the attention norm output's gradients from v and
     // k, then q, are summed (beside cp too, k's and v's gradients reduce-scattered back to the
-    // rank's tokens by then). Under SP beside cp the output gradient received whole is
-    // reduce-scattered over tp before the MLP's backward (the form had counted it whole: 112 of
-    // these stages were above the planner's peak, by up to 2.1%). From 64 to 1024 tokens, with a
-    // wide and a tied vocabulary, the form is never above the planner's peak and within 2% below
-    // it (1.43% when this was written, down from 23%: the first layer's down gradient under full
-    // recomputation over dp × cp), exact on nine stages in ten (3042 of 3132 when this was
-    // written, from 1898).
+    // rank's tokens by then). Under SP beside cp each cp rank's tokens are split over tp, the
+    // stream between layers too, as without cp. From 64 to 1024 tokens, with a wide and a tied
+    // vocabulary, the form is never above the planner's peak and within 2% below it (1.43% when
+    // this was written, down from 23%: the first layer's down gradient under full recomputation
+    // over dp × cp); at tp = 4 beside cp under SP within 3% (2.77%: the first layer's attention
+    // norm output's gradients, and the MLP recomputed at the head); exact on nine stages in ten
+    // (3346 of 3564 when this was written).
     let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layouts = [
         ("pp=2,dp=2,tp=2", 2, true),
@@ -2761,7 +2765,14 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
         sequence_parallel,
         ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
     });
-    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &layouts, 0.98);
+    let tp4_sp = PipelinedLayout {
+        sequence_parallel: true,
+        ..PipelinedLayout::new("pp=2,tp=4,cp=2", ScheduleKind::OneFOneB, 2)
+    };
+    let (stages, exact, exact_at) = merged_tallies([
+        tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &layouts, 0.98),
+        tally_stage_closed_forms(&[&four, &wide_vocabulary, &tied], &[tp4_sp], 0.97),
+    ]);
     assert_each_is_a_peak(
         &exact_at,
         &[

@@ -179,6 +179,12 @@ fn meshes_and_strategies() {
         case(&["explain", "tiny", "--mesh", "tsp=4", "--seq", "6"], "E0208", "or tsp in {1}\n"),
         case(&["explain", "tiny", "--mesh", "tsp=3", "--seq", "6"], "E0206", "use tsp in {1}\n"),
         case(&["explain", "tiny", "--mesh", "tp=4", "--seq", "6", "--strategy", "tp-sp"], "E0206", "use tp in {1,2}\n"),
+        // Beside cp, sequence parallelism splits each cp rank's tokens over tp.
+        case(
+            &["explain", "tiny", "--mesh", "tp=4,cp=2", "--seq", "20", "--strategy", "tp-sp"],
+            "E0206",
+            "10 tokens a cp rank (seq=20 over cp=2) are not divisible by tp=4; use tp in {1,2}\n",
+        ),
         // dp and ep split the batch together, in either order on the mesh.
         case(
             &["explain", "tiny-moe", "--mesh", "ep=2,dp=2", "--batch", "2"],

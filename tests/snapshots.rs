@@ -61,6 +61,15 @@ fn context_parallel_one_layer_cp2() {
     snapshot_model(&config, "cp=2", "cp2-one-layer");
 }
 
+#[test]
+fn sequence_parallel_beside_context_parallel_one_layer_tp2_cp2() {
+    // SP splits each cp rank's tokens over tp: the stream is split on seq over cp × tp.
+    let mut config = preset("tiny").expect("tiny");
+    config.num_layers = 1;
+    let ctx = PassCtx { sequence_parallel: true, ..PassCtx::for_tests() };
+    snapshot_with(&config, "tp=2,cp=2", "tp2-cp2-sp-one-layer", &ctx);
+}
+
 /// The training pipeline on a one-layer `tiny`: the forward passes, then `zero-partition` and
 /// `differentiate` (the backward graph with its conjugate collectives).
 fn snapshot_training(mesh: &str, suffix: &str, ctx: &PassCtx) {

@@ -32,7 +32,8 @@ fn tensor_parallel_training_matches_the_reference() {
 
 #[test]
 fn sequence_parallel_training_matches_the_reference() {
-    for mesh in ["tp=2", "tp=4"] {
+    // Beside cp, tp splits each cp rank's tokens (the residual stream split on seq over cp × tp).
+    for mesh in ["tp=2", "tp=4", "tp=2,cp=2", "tp=4,cp=2"] {
         assert_matches_reference(&train(mesh, 10, &["--strategy", "tp-sp"]), &format!("{mesh} tp-sp"));
     }
 }

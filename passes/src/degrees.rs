@@ -15,7 +15,7 @@ use crate::strategy::{gcd, has_experts, token_values, weight_split_gcd, BATCH_AX
 /// The gcd of every count a degree of `axis` must divide on `module`'s graph under `ctx`, the
 /// mesh's other axes at their degrees: `None` when the axis has no strategy here.
 /// - tp: its weight splits (heads, ffn, vocab; not kv heads, which may stay whole), and under
-///   sequence parallelism the sequence.
+///   sequence parallelism a cp rank's sequence.
 /// - tsp: its weight splits (kv heads too), half the sequence (two zigzag chunks a rank), and the
 ///   routed experts when no ep axis places them.
 /// - cp: half the sequence.
@@ -35,7 +35,13 @@ pub fn accepted_gcd(module: &Module, ctx: &PassCtx, axis: AxisName) -> Option<u6
     };
     let count = match axis {
         AxisName::Tp => {
-            let seq = if ctx.sequence_parallel { token_dim(DimName::Seq).unwrap_or(0) } else { 0 };
+            // Beside cp, tp splits a cp rank's tokens.
+            let cp = module.mesh.degree(AxisName::Cp);
+            let seq = match token_dim(DimName::Seq) {
+                Some(seq) if ctx.sequence_parallel && seq % cp == 0 => seq / cp,
+                Some(seq) if ctx.sequence_parallel => seq,
+                _ => 0,
+            };
             gcd(weight_split_gcd(graph, axis), seq)
         }
         AxisName::Tsp => {

@@ -87,7 +87,7 @@ pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
     Ok(())
 }
 
-/// Sequence parallelism's axis (`tp`), when it is on; checks that the sequence splits over it.
+/// Sequence parallelism's axis (`tp`), when it is on; checks that a rank's sequence splits over it.
 fn sequence_parallel_axis(module: &Module, ctx: &PassCtx) -> Result<Option<AxisName>> {
     if !ctx.sequence_parallel {
         return Ok(None);
@@ -100,10 +100,17 @@ fn sequence_parallel_axis(module: &Module, ctx: &PassCtx) -> Result<Option<AxisN
         let value = graph.value(graph.node(node).result);
         (graph.node(node).op == Op::Tokens).then(|| value.ty.shape.size_of(DimName::Seq)).flatten()
     });
+    // Beside cp the stream is split on seq over cp first (Megatron's order), so tp splits a cp
+    // rank's tokens; `fold-cp` refuses a sequence that does not split over cp.
+    let cp = module.mesh.degree(AxisName::Cp);
+    let (seq, what) = match seq {
+        Some(seq) if cp > 1 && seq % cp == 0 => (Some(seq / cp), format!("tokens a cp rank (seq={seq} over cp={cp})")),
+        _ => (seq, "tokens (seq)".to_string()),
+    };
     if let Some(seq) = seq.filter(|seq| seq % degree != 0) {
         return Err(Error::Ir(pleat_ir::Error::Indivisible {
             node: "tokens".into(),
-            what: "tokens (seq)".into(),
+            what,
             count: seq,
             axis: "tp".into(),
             degree,

@@ -290,7 +290,6 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         positions,
         stream,
         gathered,
-        boundary,
         kv_kept,
         kept_layer,
         statistics,
@@ -298,11 +297,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     } = sizes;
     let vocab_shard = sizes.vocab_shard;
     let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
-    let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - boundary) + gathered };
+    let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
     let logits = if cp > 1 { tokens } else { local_tokens } * vocab_shard * element;
-    // (Full recomputation beside cp under SP keeps the last layer's output split: the final
-    // norm's all-gather of it is recomputed, not kept as the stream.)
-    let last_output_split = if workload.recompute == Recompute::Full { boundary - stream } else { 0.0 };
     // The places in `base` of the kept activations, the token ids and positions, and the final
     // norm's buffers (a later phase's own terms replace them).
     const KEPT: usize = 0;
@@ -311,9 +307,9 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     const LOSS: usize = 4;
     const STATISTICS: usize = 5;
     let base = vec![
-        Term { name: "every layer's kept activations", bytes: model.layers as f64 * kept_layer - last_output_split },
+        Term { name: "every layer's kept activations", bytes: model.layers as f64 * kept_layer },
         Term { name: "token ids and positions", bytes: ids + local_ids + positions },
-        Term { name: "embedding output (the first layer's input)", bytes: boundary },
+        Term { name: "embedding output (the first layer's input)", bytes: stream },
         Term { name: "the final norm's input (gathered under SP) and output", bytes: final_norm },
         Term { name: "loss", bytes: element },
         Term { name: "expert counts summed over the layers", bytes: statistics },
@@ -445,7 +441,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 + beyond(zero_rows.beyond_shards(above as u64, true, false)),
         });
         if let Some(experts) = &model.experts {
-            let kept_to_it = (layer + 1) as f64 * kept_layer - boundary;
+            let kept_to_it = (layer + 1) as f64 * kept_layer - stream;
             let (router_dims, expert_dims) = ([experts.count, model.hidden], ZeroRows::expert_dims(model, layout));
             // What ZeRO-2 and 3 hold of the three expert matrices' gradients, `bytes` in all.
             let held_experts = |bytes: f64| {
@@ -641,7 +637,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             let mut mlp = gradients_above;
             mlp[KEPT] = Term {
                 name: "the kept activations of the layers up to it but its output",
-                bytes: (layer + 1) as f64 * kept_layer - boundary,
+                bytes: (layer + 1) as f64 * kept_layer - stream,
             };
             mlp[FINAL_NORM] = Term { name: "its output gradient", bytes: stream };
             if full {

@@ -43,7 +43,8 @@ pub(super) struct StepSizes {
     pub ids: f64,
     /// Under cp and tsp the zigzag order's positions and the rank's own; otherwise the one copy.
     pub positions: f64,
-    /// The residual stream: split on seq over tp under Megatron SP.
+    /// The residual stream between layers and inside them (the embedding's output, each
+    /// residual, what a stage sends on): split on seq over tp under Megatron SP.
     pub stream: f64,
     /// A hidden state of the rank's tokens, whole: the norms' outputs, all-gathered before the
     /// projections read them.
@@ -51,9 +52,6 @@ pub(super) struct StepSizes {
     /// A hidden state of every token of the micro-batch, whole: under tsp the LM head's input,
     /// gathered over the sequence, and its gradient.
     pub every_token: f64,
-    /// Between layers (the embedding's output, each layer's output, what a stage sends on): the
-    /// stream, but beside cp whole over tp, as SP's split is made and undone inside each layer.
-    pub boundary: f64,
     /// The attention output a layer keeps (none under selective recomputation), a token (elements).
     pub attention_kept: f64,
     /// The k and v a layer keeps after RoPE: under cp and tsp every token's, all-gathered (elements).
@@ -80,7 +78,6 @@ impl StepSizes {
             workload.seq as f64 * ID_BYTES * if token_split > 1 { 1.0 + 1.0 / token_split as f64 } else { 1.0 };
         let stream = local_tokens * hidden * element / if sequence_parallel { split } else { 1.0 };
         let gathered = local_tokens * hidden * element;
-        let boundary = if sequence_parallel && cp > 1 { gathered } else { stream };
         let ffn = model.ffn as f64 / split;
         // Per layer, what the forward keeps for the backward: the two norms' outputs, the two
         // residuals (one the layer's output), q after RoPE and attention's output (selective
@@ -95,12 +92,9 @@ impl StepSizes {
         let shared_expert = model.experts.as_ref().is_some_and(|experts| experts.shared_expert) && tsp == 1;
         let mlp_kept = if tsp > 1 { 0.0 } else { 3.0 * ffn } + if shared_expert { hidden + 1.0 } else { 0.0 };
         let kept_layer = if workload.recompute == Recompute::Full {
-            stream + boundary
+            2.0 * stream
         } else {
-            2.0 * gathered
-                + stream
-                + boundary
-                + (local_tokens * (query + attention_kept + mlp_kept) + kv_kept) * element
+            2.0 * gathered + 2.0 * stream + (local_tokens * (query + attention_kept + mlp_kept) + kv_kept) * element
         };
         StepSizes {
             element,
@@ -121,7 +115,6 @@ impl StepSizes {
             stream,
             gathered,
             every_token: tokens * hidden * element,
-            boundary,
             attention_kept,
             kv_kept,
             kept_layer,

@@ -140,12 +140,13 @@ struct StreamLeaves {
 const STREAM_AXIS: AxisName = AxisName::Tp;
 const STREAM_DIM: DimName = DimName::Seq;
 
-/// Declares the shard of the layer's stream input on seq over tp, when it is whole there.
+/// Declares the shard of the layer's stream input on seq over tp, when tp does not split it yet
+/// (beside cp it is split on seq over cp already: tp splits each cp rank's tokens, as Megatron does).
 fn stream_shard_leaf(template: &LayerTemplate, leaves: &mut LeafTable) -> Option<(StreamLeaves, Id)> {
     let (input, id) = template.stream_input()?;
     let Some(Leaf::Tensor { ty, spec }) = leaves.get(input).cloned() else { return None };
     let dim = ty.shape.position(STREAM_DIM)?;
-    if !spec.dims[dim].is_empty() || spec.uses_axis(STREAM_AXIS) || !spec.partial.is_empty() {
+    if spec.uses_axis(STREAM_AXIS) || !spec.partial.is_empty() {
         return None;
     }
     let mut shard_spec = spec;

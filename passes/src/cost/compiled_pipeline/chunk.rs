@@ -98,7 +98,7 @@ pub(super) struct Chunk {
 /// What one of the stage's chunks holds, `first` and `last` saying whether it is the model's
 /// first or last virtual stage.
 pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u64) -> ChunkHold {
-    let StepSizes { element, local_tokens, vocab_shard, hidden, ids, positions, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ids, positions, stream, .. } = shape.sizes;
     // The head reads a tied table received from the first stage, which sums its gradient.
     let received_table = if shape.tied && last && !first { vocab_shard * hidden * element } else { 0.0 };
     let params =
@@ -112,9 +112,9 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         if shape.cp > 1 {
             first_layer_held.push(Term { name: "the rank's own token ids", bytes: local_tokens * ID_BYTES });
         }
-        first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: boundary });
+        first_layer_held.push(Term { name: "embedding output (the first layer's input)", bytes: stream });
     } else {
-        first_layer_held.push(Term { name: "stage input (received)", bytes: boundary });
+        first_layer_held.push(Term { name: "stage input (received)", bytes: stream });
     }
     first_layer_held.extend(end.iter().cloned());
     let chunk = Chunk {
@@ -134,7 +134,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         name: "what W still reads (residual gradients; q, k, v if recomputed; gate, up if full)",
         bytes: between_b_and_w.kept_for_weights,
     });
-    let mut backward = tail(shape, &chunk, &between_b_and_w, w_reads.clone());
+    let mut backward = tail(shape, &chunk, w_reads.clone());
     let mut in_b = if shape.zero_bubble { first_layer::in_b(shape, &chunk) } else { Vec::new() };
     in_b.extend(zero_bubble::tsp_embedding_gradient_gathered(shape, &chunk, &between_b_and_w));
     let head_of_b = zero_bubble::head_of_b(shape, &chunk, &between_b_and_w);
@@ -177,10 +177,9 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
     // the buffers whose last reader is another rank (the output sent on, the input's gradient
     // sent back and the attention norm's input gradient summed into it) or an output.
-    // (Beside cp under SP both are gradients of the whole boundary, sent back whole.)
     let mut remains = vec![
-        Term { name: "first layer's attention residual gradient", bytes: boundary },
-        Term { name: "first layer's attention norm's input gradient", bytes: boundary },
+        Term { name: "first layer's attention residual gradient", bytes: stream },
+        Term { name: "first layer's attention norm's input gradient", bytes: stream },
     ];
     remains.extend(chunk.end.iter().cloned());
     ChunkHold {
@@ -203,14 +202,9 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
 /// head's outputs (the final norm's input all-gathered under SP, its output whole); its positions,
 /// which every chunk of the stage reads, are counted once a micro-batch.
 fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
-    let StepSizes { element, local_tokens, ids, stream, gathered, boundary, kept_layer, every_token, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ids, stream, gathered, kept_layer, every_token, .. } = shape.sizes;
     let statistics = shape.statistics;
     let mut in_flight = layers as f64 * kept_layer;
-    // Full recomputation beside cp under SP keeps the last layer's output split on the last
-    // chunk: the final norm's all-gather of it is recomputed, not kept as the stream.
-    if last && shape.recompute() == Recompute::Full {
-        in_flight -= boundary - stream;
-    }
     if first {
         // Under cp the rank's own token ids too.
         let local_ids = if shape.cp > 1 {
@@ -220,9 +214,9 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
         } else {
             0.0
         };
-        in_flight += ids + local_ids + boundary;
+        in_flight += ids + local_ids + stream;
     } else {
-        in_flight += boundary;
+        in_flight += stream;
     }
     if last {
         in_flight += statistics + if statistics > 0.0 { element } else { 0.0 };
@@ -237,7 +231,7 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
         } else if shape.tsp > 1 {
             every_token
         } else {
-            (gathered - boundary) + gathered
+            (gathered - stream) + gathered
         };
         in_flight += ids + final_norm + shape.logits() + element;
     }
@@ -247,6 +241,14 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
 /// The name of the micro-batch's positions among a chunk's `first_layer_held`, by which a
 /// point that no longer holds them (a first stage's W) leaves them out.
 pub(super) const POSITIONS: &str = "positions";
+
+impl Chunk {
+    /// `first_layer_held` once the first layer's RoPE backward has run: on the first chunk it read
+    /// the positions last (a W that recomputes holds them again, in its `w_reads`).
+    pub(super) fn first_layer_held_after_rope_backward(&self) -> Vec<Term> {
+        self.first_layer_held.iter().filter(|term| !self.first || term.name != POSITIONS).cloned().collect()
+    }
+}
 
 /// The term naming the expert counts summed over the layers that a stage between the first and
 /// the last received from the last.
@@ -268,7 +270,7 @@ pub(super) fn received_counts(shape: &StageShape, chunk: &Chunk, on_the_first: b
 /// last. A mixture's load-balancing statistics stay as the loss's do: the last chunk's sum of the
 /// counts, read by the loss's backward, another chunk's layers' (sent on).
 fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
-    let StepSizes { element, token_split, ids, boundary, .. } = shape.sizes;
+    let StepSizes { element, token_split, ids, stream, .. } = shape.sizes;
     let statistics = shape.statistics;
     if last {
         let mut end = Vec::new();
@@ -283,7 +285,7 @@ fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
         }
         end
     } else {
-        let mut end = vec![Term { name: "stage output (sent on)", bytes: boundary }];
+        let mut end = vec![Term { name: "stage output (sent on)", bytes: stream }];
         if statistics > 0.0 && shape.statistics_sent_on(last) {
             end.push(Term {
                 name: "each layer's expert counts and router probability sums (sent on)",
@@ -304,9 +306,9 @@ fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
 /// activations and activation gradients that computed it are freed. Under tp the embedding's
 /// gradient over the whole vocabulary is live as the rank's rows, sliced from it, join their sum.
 /// cp all-reduces the gradients as dp does; its first stage keeps the token ids to the end.
-fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_reads: Option<Term>) -> Vec<Candidate> {
+fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candidate> {
     let StepSizes { element, tokens, vocab, vocab_split, vocab_shard, hidden, query, ids, positions, .. } = shape.sizes;
-    let StepSizes { stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { stream, gathered, .. } = shape.sizes;
     let (reduced, scattered, shards) = (shape.reduced, shape.scattered, shape.shards);
     let (joining, grads_so_far, mut held): (f64, f64, Vec<Term>) = if chunk.first {
         let whole = vocab * hidden * element;
@@ -338,18 +340,15 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         (vocab_shard * hidden * element, chunk.grads * shards, held)
     } else {
         let input_norm = shape.norm * element;
-        let mut held = vec![
-            Term { name: "positions", bytes: positions },
-            Term { name: "stage input (received)", bytes: boundary },
-        ];
+        let mut held =
+            vec![Term { name: "positions", bytes: positions }, Term { name: "stage input (received)", bytes: stream }];
         // (Under tsp outside zero bubble the first layer's input gradients are sent back by then.)
         if shape.tsp == 1 || shape.zero_bubble {
             held.push(Term { name: "first layer's attention residual gradient", bytes: stream });
-            // (At zero bubble's W under SP without cp, B has reduce-scattered the norm output's
-            // gradient, which W reads for the norm's weight, beside the norm's input gradient:
-            // split, a stream each.)
-            let norm_gradients =
-                if shape.zero_bubble && shape.sequence_parallel() && shape.cp == 1 { 2.0 * stream } else { gathered };
+            // (At zero bubble's W under SP, B has reduce-scattered the norm output's gradient,
+            // which W reads for the norm's weight, beside the norm's input gradient: split, a
+            // stream each.)
+            let norm_gradients = if shape.zero_bubble && shape.sequence_parallel() { 2.0 * stream } else { gathered };
             held.push(Term { name: "first layer's attention norm gradient", bytes: norm_gradients });
         }
         if !reduced && shape.tsp > 1 {
@@ -422,12 +421,6 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
         held.push(Term { name: "its reduce-scatter's staging", bytes: joining });
     }
     held.extend(w_reads);
-    if shape.zero_bubble && between_b_and_w.input_gradients_at_w > 0.0 {
-        held.push(Term {
-            name: "first layer's input gradients, sent back whole (beyond the residual gradient's split sum)",
-            bytes: between_b_and_w.input_gradients_at_w,
-        });
-    }
     // In the sums and the micro-batch's gradients, the joining gradient's dp shard. Under ZeRO-2
     // its shard is written where its staging was (the planner counts the larger), and joins its
     // sum after.
@@ -466,11 +459,11 @@ fn tail(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW, w_rea
 /// gradient is reduced over dp to be sent back: every gradient of the chunk made and summed, its
 /// input's gradients sent back but kept, the head's part and its reduced copy.
 fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
-    let StepSizes { element, vocab_shard, hidden, boundary, .. } = shape.sizes;
+    let StepSizes { element, vocab_shard, hidden, stream, .. } = shape.sizes;
     let mut held = vec![
         Term { name: "positions", bytes: chunk.positions },
-        Term { name: "first layer's attention residual gradient", bytes: boundary },
-        Term { name: "first layer's attention norm's input gradient", bytes: boundary },
+        Term { name: "first layer's attention residual gradient", bytes: stream },
+        Term { name: "first layer's attention norm's input gradient", bytes: stream },
     ];
     held.extend(chunk.end.iter().cloned());
     held.push(Term { name: "the head's part, reduced over dp", bytes: vocab_shard * hidden * element });

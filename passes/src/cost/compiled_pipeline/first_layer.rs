@@ -44,11 +44,11 @@ fn before_attention(shape: &StageShape, chunk: &Chunk, more: impl IntoIterator<I
 /// is recomputed, the attention residual, q's, k's and v's gradients, both norm outputs'
 /// gradients).
 fn read_by_w(shape: &StageShape, w_reads: Term) -> [Term; 7] {
-    let StepSizes { element, local_tokens, query, kv, stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, query, kv, stream, gathered, .. } = shape.sizes;
     let live = if shape.recompute() == Recompute::None { 1.0 } else { 0.0 };
     [
         w_reads,
-        Term { name: "first layer's attention norm's input gradient (sent back)", bytes: boundary },
+        Term { name: "first layer's attention norm's input gradient (sent back)", bytes: stream },
         Term { name: "first layer's attention norm output", bytes: gathered },
         Term { name: "first layer's attention output", bytes: live * local_tokens * query * element },
         Term { name: "first layer's attention residual", bytes: stream },
@@ -76,7 +76,7 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
         Term { name: "its reduce-scatter's staging", bytes: gate },
     ];
     let held = if let Some(w_reads) = w_reads {
-        let mut held = chunk.first_layer_held.clone();
+        let mut held = chunk.first_layer_held_after_rope_backward();
         held.extend(read_by_w(shape, w_reads));
         // Under SP W reads the residual gradients' gathered copies, not kept in `w_reads`: the
         // attention residual's gradient and its copy gathered for o's weight gradient are live.
@@ -148,16 +148,17 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
 /// gradient from q joins the sum of those from k and v: q's weight gradient, whose all-reduce ends
 /// the chunk's backward, is not yet made, and the norm's output and q's output gradient it reads
 /// are live beside q's input gradient and the two sums (the norm's output recomputed under full
-/// recomputation). (Not under tp, ZeRO-2 and 3, tsp, or for a mixture.)
+/// recomputation; under ZeRO-2 and 3 the gradients made are their shards). (Not under tsp, or for
+/// a mixture.)
 pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, positions, stream, gathered, boundary, .. } = shape.sizes;
-    let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
-    if chunk.first || !shape.reduced || shape.tp > 1 || !dense {
+    let StepSizes { element, local_tokens, hidden, query, positions, stream, gathered, .. } = shape.sizes;
+    let dense = shape.model.experts.is_none() && shape.tsp == 1;
+    if chunk.first || !shape.reduced || !dense {
         return None;
     }
     let mut held = vec![
         Term { name: "positions", bytes: positions },
-        Term { name: "stage input (received)", bytes: boundary },
+        Term { name: "stage input (received)", bytes: stream },
         Term { name: "first layer's attention residual gradient", bytes: stream },
         Term { name: "first layer's attention norm output", bytes: gathered },
         Term { name: "first layer's q output gradient", bytes: local_tokens * query * element },
@@ -170,7 +171,7 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
     held.extend(chunk.end.iter().cloned());
     Some(Candidate::made(
         "first layer's attention norm output gradient from q",
-        chunk.grads - (shape.norm + hidden * query) * element,
+        chunk.grads - (shape.norm + hidden * query) * element / shape.shards,
         held,
     ))
 }
@@ -213,9 +214,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
 /// The first layer's [`attention_input_gradients`].
 pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, hidden, query, .. } = shape.sizes;
-    // (On the first stage the first layer's RoPE backward read its positions last.)
-    let mut context: Vec<Term> =
-        chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != POSITIONS).cloned().collect();
+    let mut context = chunk.first_layer_held_after_rope_backward();
     context.extend(received_counts(shape, chunk, false));
     let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
     attention_input_gradients(
@@ -411,7 +410,7 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
 /// their reduce-scatter). A dense stage's B may peak at the same attention points, its first
 /// layer's MLP inputs and output gradients kept for W.
 pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, query, stream, gathered, boundary, kv_kept, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, query, stream, gathered, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
     if shape.tsp > 1 && !mixture {
         let mut points = tsp_ring_in_b(shape, chunk);
@@ -436,7 +435,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if chunk.last {
         for_w.push(Term {
             name: "first layer's output (the next layer's or the final norm's input, for W)",
-            bytes: boundary,
+            bytes: stream,
         });
         let final_norm_output = if shape.recompute() == Recompute::Full { 0.0 } else { gathered };
         for_w.push(Term {
@@ -529,13 +528,13 @@ fn beside_tsp_first_layer(shape: &StageShape, chunk: &Chunk, more: [Term; 2]) ->
 /// which its end keeps, stands for the first layer's: the later layers' inputs for W count the
 /// last layer's output.)
 fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
-    let StepSizes { element, tokens, vocab_shard, gathered, boundary, every_token, .. } = shape.sizes;
+    let StepSizes { element, tokens, vocab_shard, gathered, stream, every_token, .. } = shape.sizes;
     if !chunk.last {
         return Vec::new();
     }
     let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
     vec![
-        Term { name: "first layer's output (the next layer's or the final norm's input, for W)", bytes: boundary },
+        Term { name: "first layer's output (the next layer's or the final norm's input, for W)", bytes: stream },
         Term {
             name: "the head's input gathered, the final norm output's and the logits' gradients (for W)",
             bytes: head_input + gathered + tokens * vocab_shard * element,
@@ -762,9 +761,7 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
     let StepSizes { element, local_tokens, ffn, .. } = shape.sizes;
     shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
     let full = shape.recompute() == Recompute::Full;
-    // (The first stage's B read its positions last, but where W recomputes: `w_reads` then.)
-    let mut held: Vec<Term> =
-        chunk.first_layer_held.iter().filter(|term| !chunk.first || term.name != POSITIONS).cloned().collect();
+    let mut held = chunk.first_layer_held_after_rope_backward();
     held.extend(read_by_w(shape, w_reads));
     held.push(if shape.reduced {
         Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate }
@@ -797,7 +794,7 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
 /// all-reduces it first) as it joins its sum, and outside zero bubble (whose W runs no kernel) as
 /// the last owner's attention kernel makes v's gradient.
 pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, .. } = shape.sizes;
     let StepSizes { attention_kept, kv_kept, .. } = shape.sizes;
     if shape.tsp == 1 {
         return Vec::new();
@@ -817,7 +814,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
     let recomputing = recompute != Recompute::None;
     if shape.zero_bubble {
         gradients.extend([
-            Term { name: "first layer's attention norm's input gradient", bytes: boundary },
+            Term { name: "first layer's attention norm's input gradient", bytes: stream },
             Term { name: "the later layers' attention residual gradients", bytes: (layers - 1.0) * stream },
         ]);
         if recomputing {

@@ -19,7 +19,7 @@ use super::{tsp_ring, StageShape};
 /// [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard the sums,
 /// or a tied table.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, stream, gathered, boundary, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     if !shape.zero_bubble || shape.scattered || shape.tied {
         return Vec::new();
     }
@@ -35,7 +35,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         } else if shape.tsp > 1 {
             shape.sizes.tokens * shape.sizes.hidden * element
         } else {
-            (gathered - boundary) + gathered
+            (gathered - stream) + gathered
         };
         let mixture_head =
             if statistics > 0.0 { statistics + element - 2.0 * shape.model.layers as f64 * statistics } else { 0.0 };
@@ -63,7 +63,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         let ring_input = if full { gathered } else { 0.0 };
         let before_ring = vec![
             positions,
-            Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - boundary },
+            Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream },
             Term { name: "its last layer's MLP norm output (the ring's input), not kept", bytes: ring_input },
         ];
         points.extend(tsp_ring::ring_forward(shape, before_ring));
@@ -82,7 +82,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 positions.clone(),
                 Term {
                     name: "what it holds in flight by then but its last layer's output and statistics",
-                    bytes: kept - boundary - 2.0 * statistics,
+                    bytes: kept - stream - 2.0 * statistics,
                 },
                 Term { name: "its last layer's MLP norm output", bytes: gathered },
                 Term { name: "its last layer's routed experts' output", bytes: stream },
@@ -95,7 +95,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             "the last layer's routed and shared experts' outputs summed in a forward",
             vec![
                 positions,
-                Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - boundary },
+                Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream },
                 Term { name: "its last layer's routed and shared experts' outputs and their sum", bytes: 3.0 * stream },
             ],
         ));

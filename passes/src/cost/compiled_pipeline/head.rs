@@ -83,7 +83,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if dense_full {
             held.push(Term {
                 name: "the final norm's output recomputed (and under SP its input gathered)",
-                bytes: (gathered - shape.sizes.boundary) + gathered,
+                bytes: (gathered - shape.sizes.stream) + gathered,
             });
         }
         held.extend(head_part.clone());
@@ -235,15 +235,14 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// What a micro-batch holds in flight on the last chunk once the head's and the final norm's
 /// backward are done: all but the logits, the final norm's buffers (none kept under full
 /// recomputation, which recomputes them), the last layer's output (which only the final norm read;
-/// under full recomputation kept as the stream, split under SP beside cp too) and under cp the
+/// under full recomputation kept as the stream) and under cp the
 /// targets (every token's, read by the loss's backward).
 fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
-    let StepSizes { ids, stream, gathered, boundary, token_split, .. } = shape.sizes;
+    let StepSizes { ids, stream, gathered, token_split, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
-    let final_norm = if full { 0.0 } else { (gathered - boundary) + gathered };
-    let last_output = if full { stream } else { boundary };
+    let final_norm = if full { 0.0 } else { (gathered - stream) + gathered };
     let targets = if token_split > 1 { ids } else { 0.0 };
-    chunk.in_flight - shape.logits() - final_norm - last_output - targets
+    chunk.in_flight - shape.logits() - final_norm - stream - targets
 }
 
 /// The head of a micro-batch's backward on a chunk before the last, a dense one's: the output
@@ -350,8 +349,9 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
 /// weights gathered again; then, under full recomputation without ZeRO, as the MLP norm output's
 /// gradients are summed). Under ZeRO-2 and 3 also as it is reduce-scattered (staged whole), the
-/// SiLU product freed; and on the last chunk (not beside cp), before those, as the LM head's
-/// weight gradient is reduce-scattered (staged whole), the logits and the head's input freed,
+/// SiLU product freed; and on the last chunk, before those, as the LM head's weight gradient is
+/// reduce-scattered (staged whole; beside dp × cp first over one of them), the logits, the head's
+/// input and under cp the targets freed,
 /// beside the head's input gradient, or beside a tied table as the head's part of the table's
 /// gradient is made (it joins no sum: [`super::TIED_HEAD_PART`], held beside the down points too).
 /// (Where ZeRO keeps k's and v's rows whole the walk would count them made there: not modelled.)
@@ -395,8 +395,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     .chain(head_part.clone())
     .collect();
     // Under SP the down projection's backward reads the output gradient all-gathered over tp,
-    // freed once its weight gradient is made (beside cp too: the whole one received is reduce-
-    // scattered over tp first).
+    // freed once its weight gradient is made.
     let gathered_output_gradient =
         shape.sequence_parallel().then_some(Term { name: "its output gradient, gathered over tp", bytes: gathered });
     // Under full recomputation the down gradient reads the SiLU product recomputed, with the MLP
@@ -462,13 +461,14 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         Candidate::made("the last layer's down gradient made, before its reduce-scatter", so_far, made),
         Candidate::made("the last layer's down gradient reduce-scattered", so_far, scattered),
     ];
-    // (Not beside cp, whose logits' gradient is sliced back to the rank's tokens.)
-    if chunk.last && shape.sizes.token_split == 1 {
+    if chunk.last {
+        // (Beside cp the targets, every token's, are freed by then too.)
+        let targets = if shape.cp > 1 { shape.sizes.ids } else { 0.0 };
         let mut held = vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term {
-                name: "what it holds in flight but the logits and the head's input",
-                bytes: chunk.in_flight - shape.logits() - if full { 0.0 } else { gathered },
+                name: "what it holds in flight but the logits and the head's input (and under cp the targets)",
+                bytes: chunk.in_flight - shape.logits() - if full { 0.0 } else { gathered } - targets,
             },
             Term { name: "the LM head's input gradient", bytes: gathered },
         ];
@@ -552,7 +552,7 @@ fn output_gradient_received(shape: &StageShape, chunk: &Chunk) -> Candidate {
     let mut received = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term { name: "what it holds in flight", bytes: chunk.in_flight },
-        Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * shape.sizes.boundary },
+        Term { name: "its output gradient's two parts (received) and their sum", bytes: 3.0 * shape.sizes.stream },
     ];
     received.extend(received_counts(shape, chunk, true));
     Candidate::made("the output gradient received", 0.0, received)
@@ -621,7 +621,7 @@ fn tsp_last_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let mut held = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term { name: "what it holds in flight", bytes: chunk.in_flight },
-        Term { name: "its output gradient (received)", bytes: shape.sizes.boundary },
+        Term { name: "its output gradient (received)", bytes: shape.sizes.stream },
     ];
     held.extend(ring_input_recomputed(shape));
     tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, 0.0, None)
@@ -708,13 +708,13 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candid
 /// beside the final norm's input gradient, the ring's output gradient (and under full
 /// recomputation the ring's input, [`ring_input_recomputed`]). (A dense model's.)
 fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, hidden, ids, vocab_shard, stream, boundary, every_token, .. } = shape.sizes;
+    let StepSizes { element, hidden, ids, vocab_shard, stream, every_token, .. } = shape.sizes;
     if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
         return Vec::new();
     }
     // (The last layer's output too, which the final norm's backward read last.)
     let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
-    let head = shape.logits() + head_input + ids + boundary;
+    let head = shape.logits() + head_input + ids + stream;
     let mut held = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term {

@@ -36,8 +36,8 @@
 //! dense stage (without tsp) as the last layer's down gradient is made, under full recomputation
 //! beside its MLP recomputed, then as its MLP norm output's gradients are summed; under ZeRO-2 and
 //! 3 (without tsp) as the last layer's down gradient is made whole or reduce-scattered (under full
-//! recomputation beside its MLP recomputed) and on the last stage (not beside cp) as the LM head's
-//! is reduce-scattered (beside a tied table its part of the table's gradient made). Under SP the
+//! recomputation beside its MLP recomputed) and on the last stage as the LM head's is
+//! reduce-scattered (beside a tied table its part of the table's gradient made). Under SP the
 //! down gradient's points hold the output gradient gathered over tp too. The head of a backward
 //! (all activations and the first gradients live) is smaller wherever the gradients outweigh a
 //! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on
@@ -69,12 +69,8 @@
 //! Under cp each rank keeps its zigzag share of the tokens' activations but every token's k and v
 //! (all-gathered; recomputed so under recomputation, and kept so for zero bubble's W), the last
 //! stage every token's logits (over its tp shard of the vocabulary), and the gradients are
-//! all-reduced as under dp. Beside tp under SP, the stream is split on seq only inside each layer:
-//! between layers (the embedding's output, each layer's output, what a stage sends on and the input
-//! gradients it sends back) it is whole over tp, the attention norm runs on it whole and its output
-//! gradient is all-reduced; full recomputation keeps that whole copy as the stream, but for the
-//! last layer's on the last chunk, which only the final norm reads. The output gradient a stage
-//! receives whole is reduce-scattered over tp before its last layer's MLP backward.
+//! all-reduced as under dp. Beside tp under SP each cp rank's tokens are split over tp, as without
+//! cp: the stream between layers is split on seq over cp × tp.
 //!
 //! Under tsp each rank keeps its share of the tokens' activations as under cp, and per attention
 //! owner its q, output and every token's k and v; the MLP ring keeps nothing (its backward

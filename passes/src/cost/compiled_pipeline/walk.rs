@@ -271,7 +271,7 @@ impl Point<'_> {
                 last_steps[..sent_at].iter().any(b) && !self.before.iter().any(b)
             })
             .count();
-        Some(taken as f64 * 2.0 * shape.sizes.boundary)
+        Some(taken as f64 * 2.0 * shape.sizes.stream)
     }
 
     /// Under interleaving a stage before the last holds each micro-batch's summed counts from

@@ -15,9 +15,6 @@ pub(super) struct BetweenBAndW {
     /// recomputation every layer's q, k and v, under full recomputation also its gate and up
     /// projections (all recomputed by B).
     pub kept_for_weights: f64,
-    /// What W's tail holds of the input gradients B sent back, beyond the residual gradient's
-    /// split sum (beside cp under SP).
-    pub input_gradients_at_w: f64,
     /// The MLP weight gradients B makes over the chunk's layers (tsp's ring, a mixture's experts
     /// and router), if any.
     pub made_in_b: Option<f64>,
@@ -35,7 +32,7 @@ pub(super) struct BetweenBAndW {
 /// output, which W recomputes from them for the output projection's gradient.
 pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW {
     let StepSizes { element, tokens, local_tokens, vocab_shard, query, kv, ffn, .. } = shape.sizes;
-    let StepSizes { ids, positions, stream, gathered, boundary, kv_kept, kept_layer, every_token, .. } = shape.sizes;
+    let StepSizes { ids, positions, stream, gathered, kv_kept, kept_layer, every_token, .. } = shape.sizes;
     let (first, last, layers) = (chunk.first, chunk.last, chunk.layers as f64);
     let (sequence_parallel, statistics) = (shape.sequence_parallel(), shape.statistics);
     let mlp_gradients_in_b = shape.mlp_gradients_in_b;
@@ -44,9 +41,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     let attention_for_w = if selective { query + 2.0 * kv } else { query };
     // Under full recomputation, what B recomputed for W and the gradients W reads: both norms'
     // outputs and output gradients, the attention residual's gradient, gate and up and their
-    // gradients, q, k and v and theirs. (Beside cp under SP one of these stream-sized gradients is
-    // whole: the attention norm runs on the whole boundary there, and W reads its output gradient
-    // all-reduced.)
+    // gradients, q, k and v and theirs.
     // Under tsp B runs the MLP ring's backward whole, and a mixture's experts' and router's
     // backward, their weight gradients too: a micro-batch between B and W keeps those gradients
     // (outputs) instead of what they read (the MLP norm's output and its gradient, gate, up and
@@ -58,14 +53,9 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     let mut per_layer = if let Some(mlp_gradients) = mlp_gradients_in_b {
         2.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 2.0 * kv) * element + mlp_gradients
     } else if full {
-        4.0 * gathered + boundary + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
+        4.0 * gathered + stream + local_tokens * (4.0 * ffn + 2.0 * query + 4.0 * kv) * element
     } else {
-        // (Beside cp under SP the layer's output and the attention norm output's gradient,
-        // all-reduced over tp, are whole.)
-        4.0 * gathered
-            + 2.0 * stream
-            + 2.0 * boundary
-            + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
+        4.0 * gathered + 4.0 * stream + local_tokens * (attention_for_w + query + 3.0 * ffn + 2.0 * kv) * element
     };
     // A shared expert's weight gradients are W's: it keeps what they read, the MLP norm's output
     // and the product, and their output gradients (the gate logit's, the scaled output's, gate's
@@ -78,15 +68,15 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     if selective || full {
         per_layer += (kv_kept - 2.0 * local_tokens * kv) * element;
     }
-    let mut between = layers * per_layer + 2.0 * boundary;
+    let mut between = layers * per_layer + 2.0 * stream;
     // Under SP the projections' output gradients W reads are the gathered ones, and the first
     // layer's attention residual gradient is kept beside them (but on the first stage, where B's
     // last step sums it into the embedding output's gradient, which is whole there), the last
     // layer's output gathered for the final norm.
     if sequence_parallel {
-        between += if first { gathered - boundary } else { boundary };
+        between += if first { gathered - stream } else { stream };
         if last {
-            between += gathered - boundary;
+            between += gathered - stream;
         }
     }
     // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
@@ -114,7 +104,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // (Under cp the rank's own ids too.)
     if first {
         between += if shape.tsp > 1 {
-            2.0 * ids + every_token - boundary
+            2.0 * ids + every_token - stream
         } else {
             ids + if shape.cp > 1 { ids / shape.cp as f64 } else { 0.0 }
         };
@@ -172,14 +162,9 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
             kept_for_weights += positions;
         }
     }
-    // Beside cp under SP, B's last step sends the first layer's input gradients back whole: the
-    // attention norm's input gradient and the residual's, which W's tail holds in place of the
-    // residual gradient's split sum (no other rank's B follows on the first stage).
-    let input_gradients_at_w = if sequence_parallel && shape.cp > 1 && !first { 2.0 * boundary - stream } else { 0.0 };
     BetweenBAndW {
         between,
         kept_for_weights,
-        input_gradients_at_w,
         made_in_b: mlp_gradients_in_b.map(|per_layer| layers * per_layer),
         later_w_reads: (layers - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
     }
@@ -311,7 +296,7 @@ pub(super) fn tsp_embedding_gradient_gathered(
     chunk: &Chunk,
     between_b_and_w: &BetweenBAndW,
 ) -> Option<Candidate> {
-    let boundary = shape.sizes.boundary;
+    let stream = shape.sizes.stream;
     if !shape.zero_bubble || shape.tsp == 1 || !chunk.first || shape.model.experts.is_some() {
         return None;
     }
@@ -327,7 +312,7 @@ pub(super) fn tsp_embedding_gradient_gathered(
                 name: "what it holds between B and W but its B gradients and the later layers' inputs for W",
                 bytes: between_b_and_w.between - made_in_b - between_b_and_w.later_w_reads,
             },
-            Term { name: "the embedding output's gradient, the rank's share", bytes: boundary },
+            Term { name: "the embedding output's gradient, the rank's share", bytes: stream },
         ],
     ))
 }
