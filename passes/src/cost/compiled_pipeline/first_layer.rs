@@ -217,20 +217,29 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
     let mut context = chunk.first_layer_held_after_rope_backward();
     context.extend(received_counts(shape, chunk, false));
     let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
-    attention_input_gradients(
+    let mut points = attention_input_gradients(
         shape,
         [
             "first layer's attention norm output's gradients from v and k",
             "first layer's attention norm output's gradient from q",
         ],
         context,
-        chunk.grads - not_made,
-    )
+        chunk.grads - not_made / shape.shards,
+    );
+    // (Under ZeRO-2 and 3 the program's order puts q's RoPE backward, which reads the positions
+    // last on the first chunk, after v's and k's input gradients are summed: under cp the rank's
+    // own positions, the zigzag order's read last by the attention kernel's backward.)
+    let token_split = shape.sizes.token_split as f64;
+    let own_positions = if token_split > 1.0 { chunk.positions / (token_split + 1.0) } else { chunk.positions };
+    if let (true, Some(from_v_and_k)) = (chunk.first && shape.scattered, points.first_mut()) {
+        from_v_and_k.held.push(Term { name: POSITIONS, bytes: own_positions });
+    }
+    points
 }
 
-/// After the attention kernel's backward (not under tsp, or under ZeRO-2 and 3, which scatter the
-/// weight gradients; beside cp k's and v's gradients, every token's, are reduce-scattered back to
-/// the rank's tokens first), the attention norm output's gradients from v, k and q are summed as
+/// After the attention kernel's backward (not under tsp; under ZeRO-2 and 3 the weight gradients
+/// made are their shards; beside cp k's and v's gradients, every token's, are reduce-scattered back
+/// to the rank's tokens first), the attention norm output's gradients from v, k and q are summed as
 /// they are made, each of the whole hidden size (under tp partial, before their all-reduce), the
 /// attention residual's gradient and the norm's output live: a stage may peak as the gradients
 /// from v and k are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's
@@ -245,7 +254,9 @@ pub(super) fn attention_input_gradients(
     attention_so_far: f64,
 ) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, .. } = shape.sizes;
-    if shape.scattered || shape.tsp > 1 {
+    // (Where ZeRO keeps k's and v's rows whole, the walk counts both made or neither: not
+    // modelled.)
+    if shape.key_values_kept_whole > 0.0 || shape.tsp > 1 {
         return Vec::new();
     }
     let mut common = context;
@@ -266,8 +277,8 @@ pub(super) fn attention_input_gradients(
             bytes: 3.0 * gathered,
         },
     ]);
-    // A k or v projection's weight and bias gradient.
-    let key_value = (hidden * kv + if shape.model.qkv_bias { kv } else { 0.0 }) * element;
+    // A k or v projection's weight and bias gradient (under ZeRO-2 and 3 its shard).
+    let key_value = (hidden * kv + if shape.model.qkv_bias { kv } else { 0.0 }) * element / shape.shards;
     vec![
         Candidate {
             name: names[0],

@@ -420,15 +420,17 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         // after are the head's other candidates).
         return vec![Candidate::made("the last layer's down gradient made", so_far, made)];
     }
-    if !shape.scattered {
-        // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce). Then, up's
-        // gradient made (gate's comes after), the MLP norm output's gradients from gate and up are
-        // summed beside gate's output gradient and the recomputed MLP norm output (gate, up and
-        // their product freed).
-        let summed = [
+    // Under full recomputation, up's gradient made after the down's (gate's comes after), the MLP
+    // norm output's gradients from gate and up are summed beside gate's output gradient and the
+    // recomputed MLP norm output (gate, up and their product freed; under ZeRO-2 and 3 the two
+    // weight gradients reduce-scattered by then, and under ZeRO-3 the MLP norm's weight, gathered
+    // again for the recomputation, live until the norm's backward).
+    let regathered_norm = if shape.scattered && shape.workload.zero >= 3 { shape.norm * element } else { 0.0 };
+    let summed = full.then(|| {
+        let held = [
             Term { name: "its positions", bytes: chunk.positions },
-            in_flight,
-            output_gradient,
+            in_flight.clone(),
+            output_gradient.clone(),
             Term { name: "its last layer's gate output gradient", bytes: product },
             Term { name: "its last layer's MLP norm output, recomputed", bytes: gathered },
             Term {
@@ -437,16 +439,24 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             },
         ]
         .into_iter()
-        .chain(head_part)
+        .chain(
+            (regathered_norm > 0.0)
+                .then_some(Term { name: "its last layer's MLP norm weight, gathered again", bytes: regathered_norm }),
+        )
+        .chain(head_part.clone())
         .collect();
-        return vec![
-            Candidate::made("the last layer's down gradient made, its MLP recomputed", so_far, made),
-            Candidate::made(
-                "the last layer's MLP norm output gradient, its MLP recomputed",
-                so_far + 2.0 * shape.gate,
-                summed,
-            ),
-        ];
+        Candidate::made(
+            "the last layer's MLP norm output gradient, its MLP recomputed",
+            so_far + 2.0 * shape.gate / shape.shards,
+            held,
+        )
+    });
+    if !shape.scattered {
+        // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce).
+        return [Candidate::made("the last layer's down gradient made, its MLP recomputed", so_far, made)]
+            .into_iter()
+            .chain(summed)
+            .collect();
     }
     let scattered = beside
         .into_iter()
@@ -461,6 +471,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         Candidate::made("the last layer's down gradient made, before its reduce-scatter", so_far, made),
         Candidate::made("the last layer's down gradient reduce-scattered", so_far, scattered),
     ];
+    points.extend(summed);
     if chunk.last {
         // (Beside cp the targets, every token's, are freed by then too.)
         let targets = if shape.cp > 1 { shape.sizes.ids } else { 0.0 };

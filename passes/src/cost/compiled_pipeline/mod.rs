@@ -24,8 +24,8 @@
 //! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed under
 //! full recomputation; not under tsp), then as the attention norm output's gradients from v and k,
 //! then from q, are summed (under tp partial sums of the whole hidden size; beside cp after k's
-//! and v's gradients are reduce-scattered back to the rank's tokens; not under tsp or ZeRO-2 and
-//! 3), or under full recomputation as the first layer's down gradient is made beside the MLP
+//! and v's gradients are reduce-scattered back to the rank's tokens; under ZeRO-2 and 3 their weight
+//! gradients' shards made; not under tsp, or where ZeRO keeps k and v whole), or under full recomputation as the first layer's down gradient is made beside the MLP
 //! recomputed for it (without tsp; under ZeRO-2 and 3 whole), and (without tp and ZeRO) as it
 //! joins its sum, and at the head of a backward: the last stage in the loss's backward, or (a
 //! dense model without tsp, ZeRO-2 and 3) as the LM head's weight gradient is made or joins its
@@ -36,8 +36,8 @@
 //! dense stage (without tsp) as the last layer's down gradient is made, under full recomputation
 //! beside its MLP recomputed, then as its MLP norm output's gradients are summed; under ZeRO-2 and
 //! 3 (without tsp) as the last layer's down gradient is made whole or reduce-scattered (under full
-//! recomputation beside its MLP recomputed) and on the last stage as the LM head's is
-//! reduce-scattered (beside a tied table its part of the table's gradient made). Under SP the
+//! recomputation beside its MLP recomputed, then as its MLP norm output's gradients are summed)
+//! and on the last stage as the LM head's is reduce-scattered (beside a tied table its part of the table's gradient made). Under SP the
 //! down gradient's points hold the output gradient gathered over tp too. The head of a backward
 //! (all activations and the first gradients live) is smaller wherever the gradients outweigh a
 //! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on
