@@ -133,7 +133,9 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
-    if shape.sizes.token_split == 1 && (dense || mixture) && shape.reduced {
+    // (Under ZeRO-2 and 3 too, where it is reduce-scattered.)
+    let dense_or_scattered = shape.model.experts.is_none() && shape.tsp == 1;
+    if shape.sizes.token_split == 1 && (dense_or_scattered || mixture) && shape.reduced {
         // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
         // their gradient, the head's input gradient (partial under tp, before its all-reduce)
         // and the unreduced weight gradient live, no gradient of the micro-batch's made yet.
@@ -147,7 +149,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "the LM head's input gradient", bytes: gathered },
             match &head_part {
                 Some(head_part) => head_part.clone(),
-                None => Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
+                None => Term {
+                    name: "the head gradient before its dp all-reduce or reduce-scatter",
+                    bytes: weight_gradient,
+                },
             },
         ];
         if full {
