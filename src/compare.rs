@@ -33,8 +33,8 @@ pub struct CompareArgs {
     pub format: CompareFormat,
 }
 
-/// The layouts of `ranks` ranks: dp, tp, tp with Megatron SP, cp, tsp, and tp x sp, tp x cp for
-/// every split of `ranks` into two factors above 1 (one rank: the one plan).
+/// The layouts of `ranks` ranks: dp, tp, tp with Megatron SP, cp, tsp, and tp x sp, tp x cp (with
+/// and without SP) for every split of `ranks` into two factors above 1 (one rank: the one plan).
 pub fn layouts(ranks: u64) -> Vec<Layout> {
     // One rank has one layout: every axis of degree 1 is the same plan.
     if ranks == 1 {
@@ -52,6 +52,8 @@ pub fn layouts(ranks: u64) -> Vec<Layout> {
         // The sequence axis outside, tp inside a node: the usual placement.
         layouts.push(Layout::new(&[(AxisName::Sp, other), (AxisName::Tp, tp)], false));
         layouts.push(Layout::new(&[(AxisName::Cp, other), (AxisName::Tp, tp)], false));
+        // Megatron's context parallelism beside SP: tp splits each cp rank's tokens.
+        layouts.push(Layout::new(&[(AxisName::Cp, other), (AxisName::Tp, tp)], true));
     }
     layouts
 }

@@ -128,9 +128,19 @@ fn compare_rows_are_sorted_by_peak_and_cover_the_splits() {
     ]);
     let rows = report["blocks"][0]["rows"].as_array().unwrap();
     let layouts: Vec<&str> = rows.iter().map(|row| row["layout"].as_str().unwrap()).collect();
-    for layout in
-        ["dp=8", "tp=8", "tp=8+sp", "cp=8", "tsp=8", "sp=2 x tp=4", "sp=4 x tp=2", "cp=2 x tp=4", "cp=4 x tp=2"]
-    {
+    for layout in [
+        "dp=8",
+        "tp=8",
+        "tp=8+sp",
+        "cp=8",
+        "tsp=8",
+        "sp=2 x tp=4",
+        "sp=4 x tp=2",
+        "cp=2 x tp=4",
+        "cp=4 x tp=2",
+        "cp=2 x tp=4+sp",
+        "cp=4 x tp=2+sp",
+    ] {
         assert!(layouts.contains(&layout), "{layout} in {layouts:?}");
     }
     let peaks: Vec<f64> = rows.iter().map(|row| row["memory"]["peak_bytes"].as_f64().unwrap()).collect();
