@@ -140,6 +140,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let head_of_b = zero_bubble::head_of_b(shape, &chunk, &between_b_and_w);
     let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
+    backward.extend(first_layer::gate_input_gradient_scattered(shape, &chunk));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
     if let Some(w_reads) = w_reads {
         backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));

@@ -110,6 +110,45 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
     })
 }
 
+/// Under ZeRO-2 and 3 (outside zero bubble, without full recomputation) a stage may also peak
+/// inside its first layer's MLP backward as gate's input gradient is made, before its weight
+/// gradient: the down's and up's weight gradients' shards made, the layer's output gradient, the
+/// MLP norm output (which gate's weight gradient reads next), up's input gradient, gate's output
+/// and input gradients live beside the attention activations; under ZeRO-3 also gate's weight,
+/// gathered again for it. (Not for a mixture or under tsp, whose MLPs differ.)
+pub(super) fn gate_input_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let full = shape.recompute() == Recompute::Full;
+    if !shape.scattered || shape.zero_bubble || full || shape.model.experts.is_some() || shape.tsp > 1 {
+        return None;
+    }
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    let regathered = if shape.workload.zero >= 3 { shape.gate } else { 0.0 };
+    let held = before_attention(
+        shape,
+        chunk,
+        [
+            Term { name: "first layer's output gradient", bytes: stream },
+            Term { name: "first layer's MLP norm output", bytes: gathered },
+            Term { name: "first layer's MLP norm output's gradient from up", bytes: gathered },
+            Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
+            Term { name: "first layer's MLP norm output's gradient from gate", bytes: gathered },
+        ]
+        .into_iter()
+        .chain(
+            (regathered > 0.0).then_some(Term { name: "first layer's gate weight, gathered again", bytes: regathered }),
+        ),
+    );
+    let (gate, norm) = (shape.gate, shape.norm);
+    Some(Candidate {
+        name: "first layer's gate input gradient made",
+        so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
+        held,
+        new_sum: None,
+        key_values_pending: true,
+        sum_pending: 0.0,
+    })
+}
+
 /// A dense stage may peak inside its first layer's MLP backward on more tokens, as the gate
 /// projection's weight gradient joins its sum: the layer's attention activations and MLP norm
 /// output are live, with the norm output's gradient from up, gate's output gradient (its input

@@ -20,28 +20,29 @@
 //! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
 //! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
-//! recomputation, and beside dp or cp without tp), or inside its attention backward, as the
-//! attention kernel makes v's gradient beside q's and k's (every token's under cp, recomputed under
-//! full recomputation; not under tsp), then as the attention norm output's gradients from v and k,
-//! then from q, are summed (under tp partial sums of the whole hidden size; beside cp after k's and
-//! v's gradients are reduce-scattered back to the rank's tokens; under ZeRO-2 and 3 their weight
-//! gradients' shards made; not under tsp, or where ZeRO keeps k and v whole), or under full
-//! recomputation as the first layer's down gradient is made beside the MLP recomputed for it
-//! (without tsp; under ZeRO-2 and 3 whole), and (without tp and ZeRO) as it joins its sum, and at
-//! the head of a backward: the last stage in the loss's backward, or (a dense model without tsp) as
-//! the LM head's weight gradient is made (beside dp, or whole before its reduce-scatter under
-//! ZeRO-2 and 3) or (without ZeRO-2 and 3) joins its sum (not beside cp but as it joins after dp's
-//! or cp's all-reduce; under full recomputation beside the final norm's output recomputed); another
-//! as the two parts of the output gradient it received are summed, (without tp, or beside dp) as
-//! its last layer's down projection gradient joins its sum, or (with tp too) as that layer's MLP
-//! norm output's gradients are summed; any dense stage (without tsp) as the last layer's down
-//! gradient is made, under full recomputation beside its MLP recomputed, then as its MLP norm
-//! output's gradients are summed; under ZeRO-2 and 3 (without tsp) as the last layer's down
-//! gradient is made whole or reduce-scattered (under full recomputation beside its MLP recomputed,
-//! then as its MLP norm output's gradients are summed) and on the last stage as the LM head's is
-//! reduce-scattered (beside a tied table its part of the table's gradient made). Under SP the down
-//! gradient's points hold the output gradient gathered over tp too. The head of a backward (all
-//! activations and the first gradients live) is smaller wherever the gradients outweigh a
+//! recomputation, and beside dp or cp without tp; under ZeRO-2 and 3, as gate's input gradient is
+//! made before it, under ZeRO-3 beside gate's weight gathered again), or inside its attention
+//! backward, as the attention kernel makes v's gradient beside q's and k's (every token's under cp,
+//! recomputed under full recomputation; not under tsp), then as the attention norm output's
+//! gradients from v and k, then from q, are summed (under tp partial sums of the whole hidden size;
+//! beside cp after k's and v's gradients are reduce-scattered back to the rank's tokens; under
+//! ZeRO-2 and 3 their weight gradients' shards made; not under tsp, or where ZeRO keeps k and v
+//! whole), or under full recomputation as the first layer's down gradient is made beside the MLP
+//! recomputed for it (without tsp; under ZeRO-2 and 3 whole), and (without tp and ZeRO) as it joins
+//! its sum, and at the head of a backward: the last stage in the loss's backward, or (a dense model
+//! without tsp) as the LM head's weight gradient is made (beside dp, or whole before its
+//! reduce-scatter under ZeRO-2 and 3) or (without ZeRO-2 and 3) joins its sum (not beside cp but as
+//! it joins after dp's or cp's all-reduce; under full recomputation beside the final norm's output
+//! recomputed); another as the two parts of the output gradient it received are summed, (without
+//! tp, or beside dp) as its last layer's down projection gradient joins its sum, or (with tp too)
+//! as that layer's MLP norm output's gradients are summed; any dense stage (without tsp) as the
+//! last layer's down gradient is made, under full recomputation beside its MLP recomputed, then as
+//! its MLP norm output's gradients are summed; under ZeRO-2 and 3 (without tsp) as the last layer's
+//! down gradient is made whole or reduce-scattered (under full recomputation beside its MLP
+//! recomputed, then as its MLP norm output's gradients are summed) and on the last stage as the LM
+//! head's is reduce-scattered (beside a tied table its part of the table's gradient made). Under SP
+//! the down gradient's points hold the output gradient gathered over tp too. The head of a backward
+//! (all activations and the first gradients live) is smaller wherever the gradients outweigh a
 //! micro-batch's activations, as on the models the tests compile with 8 tokens a sequence; on more
 //! tokens a stage may peak at other points of it, not modelled, and the result is below the
 //! planner's peak (every candidate is the live set at one point of the program, so never above:
