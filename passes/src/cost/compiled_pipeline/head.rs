@@ -156,7 +156,13 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             },
         ];
         if full {
-            held.push(Term { name: "the final norm's output, recomputed", bytes: gathered });
+            // (Under SP its input gathered again too, in place of the last layer's output; under
+            // ZeRO-3 its weight gathered again.)
+            let regathered_norm = if shape.scattered && shape.workload.zero >= 3 { shape.norm * element } else { 0.0 };
+            held.push(Term {
+                name: "the final norm's output recomputed (and under SP its input gathered, under ZeRO-3 its weight)",
+                bytes: (gathered - shape.sizes.stream) + gathered + regathered_norm,
+            });
         }
         candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held));
     }
