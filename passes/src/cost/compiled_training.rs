@@ -297,7 +297,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     } = sizes;
     let vocab_shard = sizes.vocab_shard;
     let local_ids = if cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
-    let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { (gathered - stream) + gathered };
+    let final_norm = if workload.recompute == Recompute::Full { 0.0 } else { sizes.final_norm_buffers() };
     let logits = if cp > 1 { tokens } else { local_tokens } * vocab_shard * element;
     // The places in `base` of the kept activations, the token ids and positions, and the final
     // norm's buffers (a later phase's own terms replace them).

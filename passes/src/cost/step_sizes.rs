@@ -125,6 +125,12 @@ impl StepSizes {
         }
     }
 
+    /// The final norm's buffers beyond the last layer's output: its input all-gathered over tp
+    /// under SP (beside the split output it came from) and its output, whole.
+    pub(super) fn final_norm_buffers(&self) -> f64 {
+        (self.gathered - self.stream) + self.gathered
+    }
+
     /// The vocabulary-parallel loss's row statistics for `rows` rows, gathered over the
     /// vocabulary's split: three f32 a row from each part (none when the vocabulary is whole).
     pub(super) fn loss_row_statistics(&self, rows: f64) -> f64 {

@@ -203,7 +203,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
 /// head's outputs (the final norm's input all-gathered under SP, its output whole); its positions,
 /// which every chunk of the stage reads, are counted once a micro-batch.
 fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
-    let StepSizes { element, local_tokens, ids, stream, gathered, kept_layer, every_token, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ids, stream, kept_layer, every_token, .. } = shape.sizes;
     let statistics = shape.statistics;
     let mut in_flight = layers as f64 * kept_layer;
     if first {
@@ -232,7 +232,7 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
         } else if shape.tsp > 1 {
             every_token
         } else {
-            (gathered - stream) + gathered
+            shape.sizes.final_norm_buffers()
         };
         in_flight += ids + final_norm + shape.logits() + element;
     }

@@ -122,7 +122,7 @@ pub(super) fn gate_input_gradient_scattered(shape: &StageShape, chunk: &Chunk) -
         return None;
     }
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    let regathered = if shape.workload.zero >= 3 { shape.gate } else { 0.0 };
+    let regathered = shape.weights_gathered_again(shape.gate);
     let held = before_attention(
         shape,
         chunk,

@@ -35,7 +35,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         } else if shape.tsp > 1 {
             shape.sizes.tokens * shape.sizes.hidden * element
         } else {
-            (gathered - stream) + gathered
+            shape.sizes.final_norm_buffers()
         };
         let mixture_head =
             if statistics > 0.0 { statistics + element - 2.0 * shape.model.layers as f64 * statistics } else { 0.0 };

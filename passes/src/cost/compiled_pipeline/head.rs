@@ -83,7 +83,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if dense_full {
             held.push(Term {
                 name: "the final norm's output recomputed (and under SP its input gathered)",
-                bytes: (gathered - shape.sizes.stream) + gathered,
+                bytes: shape.sizes.final_norm_buffers(),
             });
         }
         held.extend(head_part.clone());
@@ -132,9 +132,9 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
-    let dense = shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
     // (Under ZeRO-2 and 3 too, where it is reduce-scattered.)
     let dense_or_scattered = shape.model.experts.is_none() && shape.tsp == 1;
+    let dense = dense_or_scattered && !shape.scattered;
     if shape.sizes.token_split == 1 && (dense_or_scattered || mixture) && shape.reduced {
         // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
         // their gradient, the head's input gradient (partial under tp, before its all-reduce)
@@ -158,10 +158,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if full {
             // (Under SP its input gathered again too, in place of the last layer's output; under
             // ZeRO-3 its weight gathered again.)
-            let regathered_norm = if shape.scattered && shape.workload.zero >= 3 { shape.norm * element } else { 0.0 };
+            let regathered_norm = shape.weights_gathered_again(shape.norm * element);
             held.push(Term {
                 name: "the final norm's output recomputed (and under SP its input gathered, under ZeRO-3 its weight)",
-                bytes: (gathered - shape.sizes.stream) + gathered + regathered_norm,
+                bytes: shape.sizes.final_norm_buffers() + regathered_norm,
             });
         }
         candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held));
@@ -249,9 +249,9 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// under full recomputation kept as the stream) and under cp the
 /// targets (every token's, read by the loss's backward).
 fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
-    let StepSizes { ids, stream, gathered, token_split, .. } = shape.sizes;
+    let StepSizes { ids, stream, token_split, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
-    let final_norm = if full { 0.0 } else { (gathered - stream) + gathered };
+    let final_norm = if full { 0.0 } else { shape.sizes.final_norm_buffers() };
     let targets = if token_split > 1 { ids } else { 0.0 };
     chunk.in_flight - shape.logits() - final_norm - stream - targets
 }
@@ -413,8 +413,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // norm's output, gate and up, after the product's gradient is made (under ZeRO-3 with the MLP
     // norm's, gate's and up's weights gathered again for it, which their input gradients read
     // next).
-    let regathered =
-        if shape.scattered && shape.workload.zero >= 3 { 2.0 * shape.gate + shape.norm * element } else { 0.0 };
+    let regathered = shape.weights_gathered_again(2.0 * shape.gate + shape.norm * element);
     let recomputed = full.then_some(Term {
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
         bytes: gathered + 3.0 * product + regathered,
@@ -436,7 +435,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // recomputed MLP norm output (gate, up and their product freed; under ZeRO-2 and 3 the two
     // weight gradients reduce-scattered by then, and under ZeRO-3 the MLP norm's weight, gathered
     // again for the recomputation, live until the norm's backward).
-    let regathered_norm = if shape.scattered && shape.workload.zero >= 3 { shape.norm * element } else { 0.0 };
+    let regathered_norm = shape.weights_gathered_again(shape.norm * element);
     let summed = full.then(|| {
         let held = [
             Term { name: "its positions", bytes: chunk.positions },

@@ -558,6 +558,16 @@ impl<'a> StageShape<'a> {
         (model.mlp_weights() as f64 / self.tp as f64 + routed + model.router_params() as f64) * self.sizes.element
     }
 
+    /// `bytes` of weights ZeRO-3 (which shards them over their replicas) gathers again for a
+    /// backward's recomputation or input gradient; 0 under ZeRO-0 to 2.
+    fn weights_gathered_again(&self, bytes: f64) -> f64 {
+        if self.scattered && self.workload.zero >= 3 {
+            bytes
+        } else {
+            0.0
+        }
+    }
+
     /// Under zero bubble, whether the first stage's B frees a micro-batch's positions: its first
     /// layer's RoPE backward reads them last, but under either recomputation W reads them too (to
     /// recompute attention's output from q, k and v). A micro-batch between its B and W there no

@@ -80,8 +80,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         }
     }
     // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
-    let regathered_final_norm =
-        if full && shape.scattered && shape.workload.zero >= 3 && last { shape.norm * element } else { 0.0 };
+    let regathered_final_norm = if full && last { shape.weights_gathered_again(shape.norm * element) } else { 0.0 };
     // Full recomputation keeps beside those the residual stream its forward kept (but, under SP,
     // the last layer's output on the last chunk: only its gathered copy, counted above), and each
     // layer's output gradient (the last one's on the last chunk is the final norm's input gradient,
