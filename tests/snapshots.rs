@@ -4,6 +4,11 @@ use pleat_ir::model::preset::preset;
 use pleat_ir::Mesh;
 use pleat_passes::{run_pipeline, PassCtx, SHARD_PIPELINE};
 
+/// The preset `model` with one layer: the snapshots of a layer's passes stay short.
+fn one_layer(model: &str) -> pleat_ir::model::config::ModelConfig {
+    pleat_ir::model::config::ModelConfig { num_layers: 1, ..preset(model).expect("preset") }
+}
+
 fn snapshot_pipeline(mesh: &str, suffix: &str) {
     snapshot_model(&preset("tiny").expect("tiny"), mesh, suffix);
 }
@@ -43,8 +48,7 @@ fn data_times_tensor_parallel() {
 
 #[test]
 fn tensor_and_sequence_parallel_one_layer_tsp2() {
-    let mut config = preset("tiny").expect("tiny");
-    config.num_layers = 1;
+    let config = one_layer("tiny");
     snapshot_model(&config, "tsp=2", "tsp2-one-layer");
 }
 
@@ -56,16 +60,14 @@ fn tensor_parallel_with_sequence_parallelism_tp2() {
 
 #[test]
 fn context_parallel_one_layer_cp2() {
-    let mut config = preset("tiny").expect("tiny");
-    config.num_layers = 1;
+    let config = one_layer("tiny");
     snapshot_model(&config, "cp=2", "cp2-one-layer");
 }
 
 #[test]
 fn sequence_parallel_beside_context_parallel_one_layer_tp2_cp2() {
     // SP splits each cp rank's tokens over tp: the stream is split on seq over cp × tp.
-    let mut config = preset("tiny").expect("tiny");
-    config.num_layers = 1;
+    let config = one_layer("tiny");
     let ctx = PassCtx { sequence_parallel: true, ..PassCtx::for_tests() };
     snapshot_with(&config, "tp=2,cp=2", "tp2-cp2-sp-one-layer", &ctx);
 }
@@ -77,8 +79,7 @@ fn snapshot_training(mesh: &str, suffix: &str, ctx: &PassCtx) {
 }
 
 fn snapshot_training_of(model: &str, mesh: &str, suffix: &str, ctx: &PassCtx) {
-    let mut config = preset(model).expect("preset");
-    config.num_layers = 1;
+    let config = one_layer(model);
     let mut module = pleat_ir::model::build_training(&config, 8, 16).expect("build");
     module.mesh = Mesh::parse(mesh).expect("mesh");
     let before = pleat_ir::text::print_module(&module);
@@ -132,8 +133,7 @@ fn training_context_parallel_one_layer_cp2() {
 /// all-to-all dispatcher), so nothing is gathered but the logits.
 #[test]
 fn expert_parallel_one_layer_ep2() {
-    let mut config = preset("tiny-moe").expect("tiny-moe");
-    config.num_layers = 1;
+    let config = one_layer("tiny-moe");
     snapshot_model(&config, "ep=2", "moe-ep2-one-layer");
 }
 
@@ -142,8 +142,7 @@ fn expert_parallel_one_layer_ep2() {
 /// sum reduce-scattered back onto it; the attention is computed once.
 #[test]
 fn mixture_with_sequence_parallelism_one_layer_tp2() {
-    let mut config = preset("tiny-moe").expect("tiny-moe");
-    config.num_layers = 1;
+    let config = one_layer("tiny-moe");
     let ctx = PassCtx { sequence_parallel: true, ..PassCtx::for_tests() };
     snapshot_with(&config, "tp=2", "moe-tp2-sp-one-layer", &ctx);
 }
@@ -152,8 +151,7 @@ fn mixture_with_sequence_parallelism_one_layer_tp2() {
 /// sum reduce-scattered back onto the batch.
 #[test]
 fn expert_parallel_all_gather_one_layer_ep2() {
-    let mut config = preset("tiny-moe").expect("tiny-moe");
-    config.num_layers = 1;
+    let config = one_layer("tiny-moe");
     let ctx = PassCtx { expert_all_gather: true, ..PassCtx::for_tests() };
     snapshot_with(&config, "ep=2", "moe-ep2-all-gather-one-layer", &ctx);
 }
@@ -173,8 +171,7 @@ fn qwen2_moe_one_layer_tsp2_ep2() {
 /// experts split over tsp and each rank's tokens dispatched to them over tsp.
 #[test]
 fn moe_one_layer_tsp2_experts_on_tsp() {
-    let mut config = preset("tiny-moe").expect("tiny-moe");
-    config.num_layers = 1;
+    let config = one_layer("tiny-moe");
     snapshot_model(&config, "tsp=2", "moe-tsp2-one-layer");
 }
 
@@ -209,8 +206,7 @@ fn training_expert_parallel_one_layer_ep2() {
 #[test]
 fn fusing_a_training_step_one_layer() {
     for (mesh, suffix) in [("tp=2", "fuse-train-tp2-one-layer"), ("tsp=2", "fuse-train-tsp2-one-layer")] {
-        let mut config = preset("tiny").expect("preset");
-        config.num_layers = 1;
+        let config = one_layer("tiny");
         let mut module = pleat_ir::model::build_training(&config, 8, 16).expect("build");
         module.mesh = Mesh::parse(mesh).expect("mesh");
         let ctx = PassCtx::for_tests();
