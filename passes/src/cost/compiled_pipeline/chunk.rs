@@ -249,6 +249,20 @@ impl Chunk {
     pub(super) fn first_layer_held_after_rope_backward(&self) -> Vec<Term> {
         self.first_layer_held.iter().filter(|term| !self.first || term.name != POSITIONS).cloned().collect()
     }
+
+    /// On the first chunk under SP, the positions live as the first layer's attention norm
+    /// output's gradients from v and k are summed: there the program's order puts q's RoPE
+    /// backward, which reads them last, after that sum (without SP both RoPE backwards come
+    /// first), under cp the rank's own positions (the zigzag order's were read last by the
+    /// attention kernel's backward).
+    pub(super) fn positions_read_by_q_rope_backward(&self, shape: &StageShape) -> Option<Term> {
+        if !(self.first && shape.sequence_parallel()) {
+            return None;
+        }
+        let token_split = shape.sizes.token_split as f64;
+        let own = if token_split > 1.0 { self.positions / (token_split + 1.0) } else { self.positions };
+        Some(Term { name: POSITIONS, bytes: own })
+    }
 }
 
 /// The term naming the expert counts summed over the layers that a stage between the first and

@@ -6,7 +6,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{received_counts, Candidate, Chunk, POSITIONS};
+use super::chunk::{received_counts, Candidate, Chunk};
 use super::experts::{self, experts_points};
 use super::shared_expert::shared_expert_points;
 use super::{tsp_o_reduces, tsp_ring, Place, StageShape};
@@ -265,13 +265,8 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
         context,
         chunk.grads - not_made / shape.shards,
     );
-    // (Under ZeRO-2 and 3 the program's order puts q's RoPE backward, which reads the positions
-    // last on the first chunk, after v's and k's input gradients are summed: under cp the rank's
-    // own positions, the zigzag order's read last by the attention kernel's backward.)
-    let token_split = shape.sizes.token_split as f64;
-    let own_positions = if token_split > 1.0 { chunk.positions / (token_split + 1.0) } else { chunk.positions };
-    if let (true, Some(from_v_and_k)) = (chunk.first && shape.scattered, points.first_mut()) {
-        from_v_and_k.held.push(Term { name: POSITIONS, bytes: own_positions });
+    if let Some(from_v_and_k) = points.first_mut() {
+        from_v_and_k.held.extend(chunk.positions_read_by_q_rope_backward(shape));
     }
     points
 }
@@ -458,9 +453,11 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
 /// norm's weight gradients read them), beside the attention residual's gradient, attention's
 /// output gradient and the kernel's three gradients (under cp k's and v's every token's, before
 /// their reduce-scatter). A dense stage's B may peak at the same attention points, its first
-/// layer's MLP inputs and output gradients kept for W.
+/// layer's MLP inputs and output gradients kept for W (under full recomputation the MLP norm's
+/// output, gate and up it recomputed, and the attention norm's output and q, k and v, under
+/// ZeRO-3 from their weights gathered again).
 pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, query, stream, gathered, kv_kept, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, query, kv, stream, gathered, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
     if shape.tsp > 1 && !mixture {
         let mut points = tsp_ring_in_b(shape, chunk);
@@ -468,9 +465,8 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         return points;
     }
     // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
-    // runs the MLP ring's, or full recomputation, which recomputes the MLP for W.)
-    let dense_modelled = shape.tsp == 1 && shape.recompute() != Recompute::Full;
-    if !mixture && !dense_modelled {
+    // runs the MLP ring's.)
+    if !mixture && shape.tsp > 1 {
         return Vec::new();
     }
     // The stage's B gradients (its layers' experts' and routers'), all made by then; under dp two
@@ -518,18 +514,34 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     // A dense first layer's MLP weight gradients are W's: it reads the MLP norm's output, the
-    // SiLU product, and the layer's output gradient and gate's and up's output gradients.
-    if !mixture {
+    // SiLU product, and the layer's output gradient (under SP gathered over tp) and gate's and
+    // up's output gradients.
+    // Under full recomputation B recomputed the MLP norm's output, gate and up, which W reads in
+    // place of the product.
+    if !mixture && shape.recompute() == Recompute::Full {
+        for_w.push(Term {
+            name: "first layer's MLP norm output, gate and up (recomputed) and output gradients (for W)",
+            bytes: 2.0 * gathered + 4.0 * local_tokens * ffn * element,
+        });
+    } else if !mixture {
         for_w.push(Term {
             name: "first layer's MLP norm output, SiLU product and output gradients (for W)",
-            bytes: gathered + stream + 3.0 * local_tokens * ffn * element,
+            bytes: 2.0 * gathered + 3.0 * local_tokens * ffn * element,
+        });
+    }
+    // Under SP o's weight gradient (W's) reads its output gradient gathered over tp, which its
+    // input gradient read first.
+    if shape.sequence_parallel() {
+        for_w.push(Term {
+            name: "first layer's attention residual gradient, gathered over tp (for W)",
+            bytes: gathered,
         });
     }
     let mut held = before_attention(
         shape,
         chunk,
         [
-            Term { name: "first layer's MLP norm output's gradient (for W)", bytes: gathered },
+            Term { name: "first layer's MLP norm output's gradient (for W)", bytes: stream },
             Term { name: "first layer's attention residual gradient", bytes: stream },
             Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
             Term {
@@ -540,6 +552,21 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     );
     held.extend(received_counts(shape, chunk, false));
     held.extend(for_w.iter().cloned());
+    // Under full recomputation B recomputed the attention norm's output and q, k and v (under
+    // ZeRO-3 from the norm's and the projections' weights, gathered again and held to their input
+    // gradients).
+    if shape.recompute() == Recompute::Full {
+        held.extend([
+            Term {
+                name: "first layer's attention norm output and q, k and v after RoPE, recomputed",
+                bytes: gathered + (local_tokens * query + kv_kept) * element,
+            },
+            Term {
+                name: "first layer's attention norm, q, k and v weights, gathered again",
+                bytes: shape.weights_gathered_again((shape.norm + shape.sizes.hidden * (query + 2.0 * kv)) * element),
+            },
+        ]);
+    }
     points.push(Candidate::made("first layer's attention backward in B", made_in_b, held));
     points.push(attention_input_gradients_in_b(shape, chunk, for_w, made_in_b));
     points
@@ -768,12 +795,14 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
     // (Under either recomputation B recomputed q, k and v for W, under full recomputation the
     // attention norm's output too.)
     let recomputed = shape.recompute() != Recompute::None;
-    let mut held: Vec<Term> = chunk
-        .first_layer_held
-        .iter()
-        .filter(|term| !shape.positions_freed_in_b() || term.name != POSITIONS)
-        .cloned()
-        .collect();
+    let mut held: Vec<Term> = if shape.positions_freed_in_b() {
+        let mut held = chunk.first_layer_held_after_rope_backward();
+        // (Under SP q's RoPE backward, which reads them last, comes after this point.)
+        held.extend(chunk.positions_read_by_q_rope_backward(shape));
+        held
+    } else {
+        chunk.first_layer_held.clone()
+    };
     held.extend(received_counts(shape, chunk, false));
     let read_of_attention = if recomputed {
         Term {
@@ -787,7 +816,7 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
         Term { name: "first layer's attention norm output", bytes: gathered },
         read_of_attention,
         Term { name: "first layer's attention residual", bytes: stream },
-        Term { name: "first layer's MLP norm output's gradient (for W)", bytes: gathered },
+        Term { name: "first layer's MLP norm output's gradient (for W)", bytes: stream },
         Term { name: "first layer's attention residual gradient", bytes: stream },
         // (Under cp k's and v's reduce-scattered to the rank's tokens.)
         Term {
@@ -797,6 +826,14 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
         Term { name: "the attention norm output's gradients from v and k, and their sum", bytes: 3.0 * gathered },
     ]);
     held.extend(for_w);
+    // Under full recomputation ZeRO-3 gathered the attention norm's and q's weights again for the
+    // recomputed forward, and B holds them to the norm's and q's input gradients.
+    if shape.recompute() == Recompute::Full {
+        held.push(Term {
+            name: "first layer's attention norm and q weights, gathered again",
+            bytes: shape.weights_gathered_again((shape.norm + shape.sizes.hidden * query) * element),
+        });
+    }
     Candidate::made("first layer's attention norm output's gradients summed in B", made_in_b, held)
 }
 

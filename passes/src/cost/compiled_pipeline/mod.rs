@@ -212,7 +212,9 @@
 //! forwards' points): in a B, inside its first layer's backward (a shared expert's, as gate's
 //! output gradient is made; a mixture's expert gradient joining its sum; the attention kernel's
 //! backward; the attention norm output's gradients from v, k and q summed, each projection's
-//! gradient kept for W), the B gradients made so far and their sums beside it, and on the last
+//! gradient kept for W, under SP o's output gradient gathered over tp too; under full
+//! recomputation beside what B recomputed, under ZeRO-3 the weights it gathered again for that),
+//! the B gradients made so far and their sums beside it, and on the last
 //! chunk at its head, as the loss's backward makes the logits' gradient beside all the forward
 //! kept (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM
 //! head's on the last chunk, after the micro-batch's two losses are summed, or beside a tied table
@@ -227,8 +229,7 @@
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
 //! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 5%
 //! (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact on most stages;
-//! the points left are W's later ones and SP's order of B's input gradients (forwards are not
-//! modelled under ZeRO-2 and 3); under tsp within 5% (W's attention points of a layer but the
+//! the points left are W's later ones (forwards are not modelled under ZeRO-2 and 3); under tsp within 5% (W's attention points of a layer but the
 //! first, and the ring gradients' dp reduction), exact on nine stages in ten.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`

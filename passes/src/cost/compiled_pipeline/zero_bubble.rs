@@ -161,11 +161,18 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
             kept_for_weights += positions;
         }
     }
+    // Under full recomputation (a dense MLP's) each later layer also keeps the residual stream its
+    // forward kept (its attention residual, and the output of the layer before it) and its output
+    // gradient, which `per_layer` leaves to the terms above.
+    let mut later_w_reads = (layers - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0));
+    if full && mlp_gradients_in_b.is_none() {
+        later_w_reads += (layers - 1.0) * (kept_layer + stream);
+    }
     BetweenBAndW {
         between,
         kept_for_weights,
         made_in_b: mlp_gradients_in_b.map(|per_layer| layers * per_layer),
-        later_w_reads: (layers - 1.0) * (per_layer - mlp_gradients_in_b.unwrap_or(0.0)),
+        later_w_reads,
     }
 }
 
