@@ -132,11 +132,12 @@ fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option
     Some(Candidate { name, new_sum: None, held, ..joining.clone() })
 }
 
-/// Under tp (without SP or ep; not beside a shared expert, whose backward comes first) the routed
+/// Under tp (without ep; not beside a shared expert, whose backward comes first) the routed
 /// experts' input gradient, each rank's partial sum over its share of their channels, is
 /// all-reduced over tp before it joins the MLP norm output's gradient: a stage may peak there,
-/// beside the router's gradients from the load-balancing loss (made just before), none of the
-/// layer's MLP weight gradients made yet.
+/// beside the router's gradients from the load-balancing loss (made just before) and under SP the
+/// output gradient all-gathered over tp, which the experts read, none of the layer's MLP weight
+/// gradients made yet.
 fn input_gradient_reduced(
     shape: &StageShape,
     name: &'static str,
@@ -145,10 +146,13 @@ fn input_gradient_reduced(
 ) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
-    if shape.tp == 1 || shape.sequence_parallel() || shape.ep > 1 || experts.shared_expert {
+    if shape.tp == 1 || shape.ep > 1 || experts.shared_expert {
         return None;
     }
     let mut held = context.to_vec();
+    if shape.sequence_parallel() {
+        held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
+    }
     if experts.load_balancing_loss {
         held.push(Term {
             name: "the router's input and weight gradients from the load-balancing loss",

@@ -520,7 +520,8 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, hidden, stream, .. } = shape.sizes;
     let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
-    if shape.recompute() == Recompute::Full {
+    let full = shape.recompute() == Recompute::Full;
+    if full && experts.shared_expert {
         return Vec::new();
     }
     let shared_kept = if experts.shared_expert { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
@@ -546,6 +547,11 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         )
     };
     let mut routed = vec![Term { name: "its positions", bytes: chunk.positions }, in_flight, output_gradient];
+    // Under full recomputation the MLP norm's output, which the experts and the router read, is
+    // recomputed from the attention residual kept.
+    if full {
+        routed.push(Term { name: "its last layer's MLP norm output, recomputed", bytes: shape.sizes.gathered });
+    }
     let mut shared = routed.clone();
     // (On the first stage the first layer's router probabilities' backward, after its shared
     // expert's and before its routed experts', frees them.)

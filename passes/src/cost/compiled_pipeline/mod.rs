@@ -159,16 +159,17 @@
 //! stage sent back are summed; in the last layer's shared expert's backward (`shared_expert`: its
 //! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
 //! sum); as the routed experts' backward is dispatched over ep (from a copy of its operands) or
-//! their input gradient all-reduced over tp (without SP, ep or a shared expert); as an expert
+//! their input gradient all-reduced over tp (without ep or a shared expert); as an expert
 //! gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
 //! gradients from the router and the experts are summed; and as the attention residual's gradient
 //! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
 //! weight gradient is made (beside dp, before its all-reduce) or joins its sum. Inside the first
 //! layer's backward: the same points of its MLP backward beside the layer's attention activations,
 //! its attention kernel's backward, and (not beside cp) the attention norm output's gradients from
-//! v and k summed, then from q. Under full recomputation the head's MLP points are not modelled,
-//! but the last layer's attention kernel's backward and input gradients are, the layers below
-//! holding their residual stream. Over ep beside the load-balancing loss the router's gradient from
+//! v and k summed, then from q. Under full recomputation the head's routed experts' points are
+//! modelled beside the MLP norm's output recomputed (a shared expert's are not), and so are the
+//! last layer's attention kernel's backward and input gradients, the layers below holding their
+//! residual stream. Over ep beside the load-balancing loss the router's gradient from
 //! the experts' backward has no running sum until it is summed with its gradient from the loss.
 //! `tests/cost_training.rs` checks the form exact to 1024 tokens beside dp, ep and tp (but under
 //! full recomputation beside tp with a shared expert or ep); elsewhere (there, beside cp) below,
