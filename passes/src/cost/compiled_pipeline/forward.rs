@@ -71,6 +71,31 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         return points;
     }
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    // (A mixture's layer statistics are made after its experts' output.)
+    let before_output = Term {
+        name: "what it holds in flight by then but its last layer's output and statistics",
+        bytes: kept - stream - 2.0 * statistics,
+    };
+    // Under SP the MLP's output, each rank's partial sum over its share of the channels (a
+    // mixture's routed experts'), is reduce-scattered over tp,
+    // staged whole, before the layer's output is made; under full recomputation beside the MLP
+    // norm's output, not kept but live until then. (Beside a shared expert the two outputs are
+    // summed first.)
+    if shape.sequence_parallel() && !shared_expert {
+        let norm_output = if full { gathered } else { 0.0 };
+        points.push(point(
+            "the last layer's MLP output reduce-scattered in a forward",
+            vec![
+                positions.clone(),
+                before_output.clone(),
+                Term { name: "its last layer's MLP norm output, not kept", bytes: norm_output },
+                Term {
+                    name: "its last layer's MLP output, whole, and its reduce-scatter's staging",
+                    bytes: 2.0 * gathered,
+                },
+            ],
+        ));
+    }
     // Under full recomputation the forward keeps none of the last layer's MLP activations, which
     // are live as it runs: as the shared expert's product is made, its gate and up, the MLP norm's
     // output and the routed experts' output beside it (the layer's statistics not yet made).
@@ -80,10 +105,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             "the last layer's shared expert's product in a forward",
             vec![
                 positions.clone(),
-                Term {
-                    name: "what it holds in flight by then but its last layer's output and statistics",
-                    bytes: kept - stream - 2.0 * statistics,
-                },
+                before_output.clone(),
                 Term { name: "its last layer's MLP norm output", bytes: gathered },
                 Term { name: "its last layer's routed experts' output", bytes: stream },
                 Term { name: "its last layer's shared expert's gate, up and product", bytes: 3.0 * intermediate },

@@ -223,8 +223,8 @@
 //! another) is made or joins its sum, all the
 //! micro-batch held between B and W still live (under ZeRO-2 and 3 also as it is reduce-scattered,
 //! staged whole, what made it freed); and (but beside a tied table) in a
-//! forward, at its last layer's MLP (its output made; a shared expert's and the routed experts'
-//! outputs summed; under full recomputation the shared expert's product made) beside all the
+//! forward, at its last layer's MLP (its output made; under SP as it is reduce-scattered over tp;
+//! a shared expert's and the routed experts' outputs summed; under full recomputation the shared expert's product made) beside all the
 //! micro-batch keeps, and beside cp as the last chunk gathers every token's logits. A micro-batch's
 //! loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the
 //! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
