@@ -514,10 +514,9 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     // A dense first layer's MLP weight gradients are W's: it reads the MLP norm's output, the
-    // SiLU product, and the layer's output gradient (under SP gathered over tp) and gate's and
-    // up's output gradients.
-    // Under full recomputation B recomputed the MLP norm's output, gate and up, which W reads in
-    // place of the product.
+    // SiLU product (under full recomputation gate and up, which B recomputed with the norm's
+    // output), and the layer's output gradient (under SP gathered over tp) and gate's and up's
+    // output gradients.
     if !mixture && shape.recompute() == Recompute::Full {
         for_w.push(Term {
             name: "first layer's MLP norm output, gate and up (recomputed) and output gradients (for W)",

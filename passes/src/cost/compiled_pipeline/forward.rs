@@ -97,7 +97,19 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         ));
     }
     // Under full recomputation the forward keeps none of the last layer's MLP activations, which
-    // are live as it runs: as the shared expert's product is made, its gate and up, the MLP norm's
+    // are live as it runs: a dense MLP's as its SiLU product is made beside gate and up (the MLP
+    // norm's output freed, the layer's output not yet made).
+    if full && shape.model.experts.is_none() {
+        points.push(point(
+            "the last layer's SiLU product in a forward",
+            vec![
+                positions.clone(),
+                Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream },
+                Term { name: "its last layer's gate, up and product", bytes: 3.0 * local_tokens * ffn * element },
+            ],
+        ));
+    }
+    // Under full recomputation, as a shared expert's product is made, its gate and up, the MLP norm's
     // output and the routed experts' output beside it (the layer's statistics not yet made).
     if shared_expert && full {
         let intermediate = local_tokens * ffn * element;

@@ -280,11 +280,16 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // over the sequence under tsp; under full recomputation the copy W recomputed) freed. (Not
     // under ZeRO-2 and 3 or for a mixture.)
     if chunk.last && !shape.scattered && shape.model.experts.is_none() {
-        let head_input = if shape.tsp > 1 { every_token } else { gathered };
+        // (Under cp the logits' gradient W read is the rank's tokens'; under tsp every token's.)
+        let (logits_gradient, head_input) = if shape.tsp > 1 {
+            (shape.logits(), every_token)
+        } else {
+            (local_tokens * vocab_shard * element, gathered)
+        };
         let mut after = held;
         after.push(Term {
             name: "the logits' gradient and the head's input, freed",
-            bytes: -(shape.logits() + head_input),
+            bytes: -(logits_gradient + head_input),
         });
         after.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
         points.push(joining("the LM head's weight gradient joins its sum in W, all-reduced", after));
