@@ -358,8 +358,8 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// (whole under ZeRO-2 and 3), beside the SiLU product's gradient (made first, from the output
 /// gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after; under
 /// full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
-/// weights gathered again; then, under full recomputation without ZeRO, as the MLP norm output's
-/// gradients are summed). Under ZeRO-2 and 3 also as it is reduce-scattered (staged whole), the
+/// weights gathered again; then, under full recomputation or ZeRO-2 and 3, as the MLP norm
+/// output's gradients from gate and up are summed, the down and up weight gradients made). Under ZeRO-2 and 3 also as it is reduce-scattered (staged whole), the
 /// SiLU product freed; and on the last chunk, before those, as the LM head's weight gradient is
 /// reduce-scattered (staged whole; beside dp × cp first over one of them), the logits, the head's
 /// input and under cp the targets freed,
@@ -435,14 +435,27 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // recomputed MLP norm output (gate, up and their product freed; under ZeRO-2 and 3 the two
     // weight gradients reduce-scattered by then, and under ZeRO-3 the MLP norm's weight, gathered
     // again for the recomputation, live until the norm's backward).
+    // Under ZeRO-2 and 3 without recomputing the MLP the same point holds the MLP norm's output
+    // kept in flight, the layer's gate, up and product freed by then.
     let regathered_norm = shape.weights_gathered_again(shape.norm * element);
-    let summed = full.then(|| {
+    let summed = (full || shape.scattered).then(|| {
+        let (name, norm_output) = if full {
+            (
+                "the last layer's MLP norm output gradient, its MLP recomputed",
+                Term { name: "its last layer's MLP norm output, recomputed", bytes: gathered },
+            )
+        } else {
+            (
+                "the last layer's MLP norm output's gradients from gate and up summed",
+                Term { name: "its last layer's gate, up and SiLU product, freed", bytes: -3.0 * product },
+            )
+        };
         let held = [
             Term { name: "its positions", bytes: chunk.positions },
             in_flight.clone(),
             output_gradient.clone(),
             Term { name: "its last layer's gate output gradient", bytes: product },
-            Term { name: "its last layer's MLP norm output, recomputed", bytes: gathered },
+            norm_output,
             Term {
                 name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
                 bytes: 3.0 * gathered,
@@ -450,16 +463,12 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         ]
         .into_iter()
         .chain(
-            (regathered_norm > 0.0)
+            (full && regathered_norm > 0.0)
                 .then_some(Term { name: "its last layer's MLP norm weight, gathered again", bytes: regathered_norm }),
         )
         .chain(head_part.clone())
         .collect();
-        Candidate::made(
-            "the last layer's MLP norm output gradient, its MLP recomputed",
-            so_far + 2.0 * shape.gate / shape.shards,
-            held,
-        )
+        Candidate::made(name, so_far + 2.0 * shape.gate / shape.shards, held)
     });
     if !shape.scattered {
         // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce).

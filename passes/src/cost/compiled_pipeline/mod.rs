@@ -39,7 +39,7 @@
 //! last layer's down gradient is made, under full recomputation beside its MLP recomputed, then as
 //! its MLP norm output's gradients are summed; under ZeRO-2 and 3 (without tsp) as the last layer's
 //! down gradient is made whole or reduce-scattered (under full recomputation beside its MLP
-//! recomputed, then as its MLP norm output's gradients are summed) and on the last stage as the LM
+//! recomputed), then as its MLP norm output's gradients are summed, and on the last stage as the LM
 //! head's is reduce-scattered (beside a tied table its part of the table's gradient made). Under SP
 //! the down gradient's points hold the output gradient gathered over tp too. The head of a backward
 //! (all activations and the first gradients live) is smaller wherever the gradients outweigh a
