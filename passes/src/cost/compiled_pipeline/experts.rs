@@ -58,7 +58,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
     let names = place.experts_names();
     let mut points: Vec<Candidate> = dispatched(shape, names.dispatched, context, made_before)
         .into_iter()
-        .chain(input_gradient_reduced(shape, names.input_gradient_reduced, context, made_before))
+        .chain(input_gradient_reduced(shape, place, context, made_before))
         .collect();
     if let Some(joining) = joining(shape, place, context, made_before) {
         let summed = summed(shape, names.summed, &joining);
@@ -138,12 +138,13 @@ fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option
 /// beside the router's gradients from the load-balancing loss (made just before) and under SP the
 /// output gradient all-gathered over tp, which the experts read, none of the layer's MLP weight
 /// gradients made yet.
-fn input_gradient_reduced(
+pub(super) fn input_gradient_reduced(
     shape: &StageShape,
-    name: &'static str,
+    place: Place,
     context: &[Term],
     made_before: f64,
 ) -> Option<Candidate> {
+    let name = place.experts_names().input_gradient_reduced;
     let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
     if shape.tp == 1 || shape.ep > 1 || experts.shared_expert {

@@ -442,6 +442,13 @@ pub(super) fn experts_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candi
     experts::joining(shape, Place::FirstLayer, &mlp_context(shape, chunk, false), made_before_first_mlp(shape, chunk))
 }
 
+/// As the first layer's routed experts' input gradient is all-reduced over tp
+/// ([`experts::input_gradient_reduced`]).
+fn experts_input_gradient_reduced(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let context = mlp_context(shape, chunk, false);
+    experts::input_gradient_reduced(shape, Place::FirstLayer, &context, made_before_first_mlp(shape, chunk))
+}
+
 /// Under zero bubble a mixture's B (which makes its experts' and router's weight gradients, none a
 /// W op) may peak inside its first layer's backward: in its shared expert's backward
 /// ([`shared_expert_in_b`]), as the last expert gradient joins its sum ([`experts_joining`]), and
@@ -491,6 +498,14 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if shape.statistics > 0.0 {
             for_w.push(Term { name: "the load-balancing loss beside the cross-entropy", bytes: element });
         }
+        // Under SP the last layer's output is kept gathered over tp for the final norm, in place of
+        // the rank's share.
+        if shape.sequence_parallel() {
+            for_w.push(Term {
+                name: "the last layer's output gathered over tp for the final norm, beyond its share",
+                bytes: gathered - stream,
+            });
+        }
         // (Beside a tied table the head's part of its gradient, which the chunk's end holds, is
         // made in W.)
         if let Some(head_part) = shape.tied_head_part() {
@@ -505,6 +520,18 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // the routed experts' backward, the MLP norm's output among them.
     let for_w_past_shared: Vec<Term> = shared_expert_read_by_w(shape, false).into_iter().chain(for_w.clone()).collect();
     let mut for_w: Vec<Term> = shared_expert_read_by_w(shape, true).into_iter().chain(for_w).collect();
+    // Under tp B all-reduces the first layer's routed experts' input gradient before it makes
+    // their weight gradients (on the micro-batch's first B of the chunk their sums not made yet).
+    if let Some(mut reduced) = experts_input_gradient_reduced(shape, chunk) {
+        let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+        reduced.held.extend(for_w_past_shared.iter().cloned());
+        points.push(Candidate {
+            name: "first layer's routed experts' input gradient all-reduced over tp in B",
+            so_far: made_in_b - layer,
+            sum_pending: layer,
+            ..reduced
+        });
+    }
     if let Some(mut joining) = experts_joining(shape, chunk) {
         joining.held.extend(for_w_past_shared);
         points.push(Candidate {

@@ -130,7 +130,8 @@
 //! micro-batch between B and W keeps those gradients, W reads only the attention's inputs and the
 //! norms', and a stage may peak inside a B, as its first layer's last expert gradient joins its sum
 //! beside the micro-batches between B and W (beside dp or cp the first, reduced while the other
-//! two wait unreduced, as outside zero bubble). The received counts' sum is freed after its last
+//! two wait unreduced, as outside zero bubble; under tp also as its first layer's experts' input
+//! gradient is all-reduced). The received counts' sum is freed after its last
 //! reader on the first stage (where the program's free lies) and at the micro-batch's end on the
 //! others. Over ep the dense gradients are all-reduced over it as over dp, and the experts' (which
 //! ep splits) are not; one instruction makes the experts' input, router and weight gradients, the
