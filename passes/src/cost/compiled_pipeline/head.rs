@@ -359,12 +359,13 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// gradient and under ZeRO-3 the down weight gathered again, the same bytes, freed after; under
 /// full recomputation the MLP recomputed next, under ZeRO-3 with its norm's, gate's and up's
 /// weights gathered again; then, under full recomputation or ZeRO-2 and 3, as the MLP norm
-/// output's gradients from gate and up are summed, the down and up weight gradients made). Under ZeRO-2 and 3 also as it is reduce-scattered (staged whole), the
-/// SiLU product freed; and on the last chunk, before those, as the LM head's weight gradient is
-/// reduce-scattered (staged whole; beside dp × cp first over one of them), the logits, the head's
-/// input and under cp the targets freed,
-/// beside the head's input gradient, or beside a tied table as the head's part of the table's
-/// gradient is made (it joins no sum: [`super::TIED_HEAD_PART`], held beside the down points too).
+/// output's gradients from gate and up are summed, the down and up weight gradients made). Under
+/// ZeRO-2 and 3 also as it is reduce-scattered (staged whole), the SiLU product freed; and on the
+/// last chunk, before those, as the LM head's weight gradient is reduce-scattered (staged whole;
+/// beside dp × cp first over one of them), the logits, the head's input and under cp the targets
+/// freed, beside the head's input gradient, or beside a tied table as the head's part of the
+/// table's gradient is made (it joins no sum: [`super::TIED_HEAD_PART`], held beside the down
+/// points too).
 /// (Where ZeRO keeps k's and v's rows whole the walk would count them made there: not modelled.)
 /// Under SP the down's backward reads the output gradient gathered over tp too.
 fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
@@ -517,8 +518,8 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     points
 }
 
-/// The head of a mixture's backward on a chunk (not under full recomputation, which recomputes
-/// the layer first): its last layer's MLP backward, a shared
+/// The head of a mixture's backward on a chunk (under full recomputation beside the MLP norm's
+/// output recomputed; not beside a shared expert there): its last layer's MLP backward, a shared
 /// expert's ([`shared_expert_points`]) then the routed experts' ([`experts_points`]), and on a
 /// chunk before the last the output gradient's arrival. The micro-batch holds all it holds in
 /// flight but (on the last chunk) the logits, the final norm's buffers and its last layer's
