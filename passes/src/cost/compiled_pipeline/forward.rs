@@ -46,6 +46,8 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // (None of the micro-batch's gradients made.)
     let point = |name, held| Candidate::made(name, 0.0, held);
     let positions = Term { name: "its positions", bytes: chunk.positions };
+    let before_layer_output =
+        Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream };
     let mut points = vec![point(
         "the last layer's output in a forward",
         vec![
@@ -63,7 +65,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         let ring_input = if full { gathered } else { 0.0 };
         let before_ring = vec![
             positions,
-            Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream },
+            before_layer_output.clone(),
             Term { name: "its last layer's MLP norm output (the ring's input), not kept", bytes: ring_input },
         ];
         points.extend(tsp_ring::ring_forward(shape, before_ring));
@@ -77,10 +79,9 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         bytes: kept - stream - 2.0 * statistics,
     };
     // Under SP the MLP's output, each rank's partial sum over its share of the channels (a
-    // mixture's routed experts'), is reduce-scattered over tp,
-    // staged whole, before the layer's output is made; under full recomputation beside the MLP
-    // norm's output, not kept but live until then. (Beside a shared expert the two outputs are
-    // summed first.)
+    // mixture's routed experts'), is reduce-scattered over tp, staged whole, before the layer's
+    // output is made; under full recomputation beside the MLP norm's output, not kept but live
+    // until then. (Beside a shared expert the two outputs are summed first.)
     if shape.sequence_parallel() && !shared_expert {
         let norm_output = if full { gathered } else { 0.0 };
         points.push(point(
@@ -104,13 +105,14 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             "the last layer's SiLU product in a forward",
             vec![
                 positions.clone(),
-                Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream },
+                before_layer_output.clone(),
                 Term { name: "its last layer's gate, up and product", bytes: 3.0 * local_tokens * ffn * element },
             ],
         ));
     }
-    // Under full recomputation, as a shared expert's product is made, its gate and up, the MLP norm's
-    // output and the routed experts' output beside it (the layer's statistics not yet made).
+    // Under full recomputation, as a shared expert's product is made, its gate and up, the MLP
+    // norm's output and the routed experts' output beside it (the layer's statistics not yet
+    // made).
     if shared_expert && full {
         let intermediate = local_tokens * ffn * element;
         points.push(point(
@@ -129,7 +131,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             "the last layer's routed and shared experts' outputs summed in a forward",
             vec![
                 positions,
-                Term { name: "what it holds in flight by then but its last layer's output", bytes: kept - stream },
+                before_layer_output,
                 Term { name: "its last layer's routed and shared experts' outputs and their sum", bytes: 3.0 * stream },
             ],
         ));

@@ -217,22 +217,22 @@
 //! gradient kept for W, under SP o's output gradient gathered over tp too; under full
 //! recomputation beside what B recomputed, under ZeRO-3 the weights it gathered again for that),
 //! the B gradients made so far and their sums beside it, and on the last
-//! chunk at its head, as the loss's backward makes the logits' gradient beside all the forward
-//! kept (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM
-//! head's on the last chunk, after the micro-batch's two losses are summed, or beside a tied table
-//! the head's part of it; the last layer's down projection's, dense or a shared expert's, on
-//! another) is made or joins its sum, all the
-//! micro-batch held between B and W still live (under ZeRO-2 and 3 also as it is reduce-scattered,
-//! staged whole, what made it freed); and (but beside a tied table) in a
-//! forward, at its last layer's MLP (its output made; under SP as it is reduce-scattered over tp;
-//! under full recomputation as a dense MLP's SiLU product is made beside gate and up; a shared
-//! expert's and the routed experts' outputs summed; under full recomputation the shared expert's product made) beside all the
-//! micro-batch keeps, and beside cp as the last chunk gathers every token's logits. A micro-batch's
-//! loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the
-//! first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks
-//! the form from 64 to 1024 tokens never above the planner's peak and within 3% (mixtures) or 4%
-//! (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact on most stages;
-//! the points left are W's later ones (forwards are not modelled under ZeRO-2 and 3); under tsp within 5% (W's attention points of a layer but the
+//! chunk at its head, as the loss's backward makes the logits' gradient beside all the forward kept
+//! (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM head's
+//! on the last chunk, after the micro-batch's two losses are summed, or beside a tied table the
+//! head's part of it; the last layer's down projection's, dense or a shared expert's, on another)
+//! is made or joins its sum, all the micro-batch held between B and W still live (under ZeRO-2 and
+//! 3 also as it is reduce-scattered, staged whole, what made it freed); and (but beside a tied
+//! table) in a forward, at its last layer's MLP (its output made; under SP as it is
+//! reduce-scattered over tp; under full recomputation as a dense MLP's SiLU product is made beside
+//! gate and up; a shared expert's and the routed experts' outputs summed; under full recomputation
+//! the shared expert's product made) beside all the micro-batch keeps, and beside cp as the last
+//! chunk gathers every token's logits. A micro-batch's loss joins the loss's sum in W beside dp, cp
+//! or ep or the load-balancing loss, else in B; the first stage's B frees the positions (but where
+//! W recomputes). `tests/cost_training.rs` checks the form from 64 to 1024 tokens never above the
+//! planner's peak and within 3% (mixtures) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3
+//! over dp or cp) below it, exact on most stages; the points left are W's later ones (forwards are
+//! not modelled under ZeRO-2 and 3); under tsp within 5% (W's attention points of a layer but the
 //! first, and the ring gradients' dp reduction), exact on nine stages in ten.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
