@@ -12,6 +12,7 @@
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
+use super::super::workload::Recompute;
 use super::chunk::Candidate;
 use super::{Place, StageShape};
 
@@ -21,6 +22,7 @@ impl Place {
         match self {
             Place::FirstLayer => ExpertsNames {
                 dispatched: "first layer's experts' backward dispatched",
+                made: "first layer's expert gradients made beside their weights gathered again",
                 input_gradient_reduced: "first layer's routed experts' input gradient all-reduced over tp",
                 joining: "first layer's expert gradient joins its sum",
                 summed: "first layer's MLP norm output's gradients summed",
@@ -28,6 +30,7 @@ impl Place {
             },
             Place::LastLayer => ExpertsNames {
                 dispatched: "the last layer's experts' backward dispatched",
+                made: "the last layer's expert gradients made beside their weights gathered again",
                 input_gradient_reduced: "the last layer's routed experts' input gradient all-reduced over tp",
                 joining: "the last layer's expert gradient joins its sum",
                 summed: "the last layer's MLP norm output's gradients summed",
@@ -39,6 +42,7 @@ impl Place {
 
 struct ExpertsNames {
     dispatched: &'static str,
+    made: &'static str,
     input_gradient_reduced: &'static str,
     joining: &'static str,
     summed: &'static str,
@@ -60,6 +64,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
         .into_iter()
         .chain(input_gradient_reduced(shape, place, context, made_before))
         .collect();
+    points.extend(made_beside_weights_gathered(shape, place, context, made_before));
     if let Some(joining) = joining(shape, place, context, made_before) {
         let summed = summed(shape, names.summed, &joining);
         points.push(joining);
@@ -74,7 +79,11 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
         Term { name: "the MLP norm output, freed", bytes: -gathered },
         Term { name: "the MLP norm's input gradient and the attention residual's gradient", bytes: 2.0 * stream },
     ]);
-    points.push(Candidate::made(names.residual_gradient, made_before + shape.layer_mlp_gradients(), held));
+    points.push(Candidate::made(
+        names.residual_gradient,
+        made_before + shape.layer_mlp_gradients() / shape.shards,
+        held,
+    ));
     points
 }
 
@@ -92,7 +101,11 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     let matrix = expert_matrix(shape);
     let mut held = context.to_vec();
     held.push(Term { name: "the MLP norm output's gradient", bytes: gathered });
-    if reduced {
+    if shape.scattered {
+        held.push(Term { name: "the MLP norm output, freed", bytes: -gathered });
+        held.push(Term { name: "the expert gradients before their reduce-scatter", bytes: 3.0 * matrix });
+        held.push(Term { name: "its reduce-scatter's staging", bytes: matrix });
+    } else if reduced {
         held.push(Term { name: "the MLP norm output, freed", bytes: -gathered });
         held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
     }
@@ -105,14 +118,74 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
             bytes: (experts.count as f64 + local_tokens) * hidden * element,
         });
     }
+    // Under ZeRO-2 the router's gradient's shard has joined its sum (under ZeRO-3 the router's
+    // gradient is scattered after the experts', whole until then); the joining one's is written
+    // where its staging was (the planner counts the larger), and joins its sum after.
+    let so_far = if shape.scattered {
+        let router_whole = router_gradient_whole(shape);
+        held.extend(router_whole.clone());
+        let router_whole = router_whole.map_or(0.0, |term| term.bytes);
+        made_before + (shape.layer_mlp_gradients() - 3.0 * matrix - router_whole) / shape.shards
+    } else {
+        made_before + shape.layer_mlp_gradients() - experts_waiting(shape)
+    };
     Some(Candidate {
         name: place.experts_names().joining,
-        so_far: made_before + shape.layer_mlp_gradients() - experts_waiting(shape),
+        so_far,
         held,
-        new_sum: Some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
+        new_sum: (!shape.scattered)
+            .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
         key_values_pending: false,
         sum_pending: router_sum_pending(shape),
     })
+}
+
+/// Under ZeRO-3 the router's gradient, whole: its reduce-scatter follows the experts' (autodiff
+/// reaches the gathers' conjugates in reverse), under ZeRO-2 it precedes them.
+fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
+    let experts = shape.model.experts.as_ref()?;
+    // (Not a shared expert's gate vector, scattered in its own backward.)
+    let router = (experts.count * shape.model.hidden) as f64 * shape.sizes.element;
+    (shape.weights_gathered_again(router) > 0.0)
+        .then_some(Term { name: "the router's gradient, whole before its reduce-scatter", bytes: router })
+}
+
+/// Under ZeRO-3 the router's and the experts' weights gathered again for the experts' backward
+/// (their input gradient first), and under full recomputation the MLP norm's, gathered to recompute
+/// its output.
+fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
+    let router = router_gradient_whole(shape)?.bytes;
+    let norm = if shape.recompute() == Recompute::Full { shape.norm * shape.sizes.element } else { 0.0 };
+    Some(Term {
+        name: "the router's and the experts' weights (under full recomputation the MLP norm's), gathered again",
+        bytes: router + 3.0 * expert_matrix(shape) + norm,
+    })
+}
+
+/// Under ZeRO-3, as the routed experts' last weight gradient is made: the router's and the three
+/// experts' weights gathered again for the backward are live beside the three gradients, whole
+/// before their reduce-scatters, the router's gradient whole, and the MLP norm's output (not yet
+/// freed) and its gradient.
+fn made_beside_weights_gathered(
+    shape: &StageShape,
+    place: Place,
+    context: &[Term],
+    made_before: f64,
+) -> Option<Candidate> {
+    let router_whole = router_gradient_whole(shape)?;
+    let matrix = expert_matrix(shape);
+    let mut held = context.to_vec();
+    held.extend(weights_gathered_again(shape));
+    held.extend([
+        Term { name: "the MLP norm output's gradient", bytes: shape.sizes.gathered },
+        Term { name: "the expert gradients before their reduce-scatter", bytes: 3.0 * matrix },
+        router_whole.clone(),
+    ]);
+    if shape.sequence_parallel() {
+        held.push(Term { name: "the layer's output gradient, all-gathered", bytes: shape.sizes.gathered });
+    }
+    let made = shape.layer_mlp_gradients() - 3.0 * matrix - router_whole.bytes;
+    Some(Candidate::made(place.experts_names().made, made_before + made / shape.shards, held))
 }
 
 /// Over ep beside the load-balancing loss, next as the MLP norm output's gradients from the router
@@ -160,6 +233,7 @@ pub(super) fn input_gradient_reduced(
             bytes: (experts.count as f64 + local_tokens) * hidden * element,
         });
     }
+    held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
     Some(Candidate::made(name, made_before, held))
 }

@@ -65,8 +65,10 @@ fn read_by_w(shape: &StageShape, w_reads: Term) -> [Term; 7] {
 /// (sent back) is live, and in place of q, k and v the gradients W reads for their weights
 /// (under selective recomputation q, k and v themselves, in `w_reads`, attention's output not
 /// yet recomputed), with both norm outputs' gradients (under SP their reduce-scattered shards).
+/// (A dense stage's: a shared expert's gate is scattered inside its MLP backward,
+/// [`shared_expert_points`].)
 pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Option<Candidate> {
-    if !shape.scattered {
+    if !shape.scattered || shape.model.experts.is_some() {
         return None;
     }
     let StepSizes { element, stream, gathered, .. } = shape.sizes;
@@ -420,10 +422,11 @@ fn mlp_context(shape: &StageShape, chunk: &Chunk, with_counts_on_the_first: bool
     before_attention(shape, chunk, mlp)
 }
 
-/// The chunk's gradients made before its first layer's MLP backward: all but that layer's.
+/// The chunk's gradients made before its first layer's MLP backward: all but that layer's (under
+/// ZeRO-2 and 3 their shards).
 fn made_before_first_mlp(shape: &StageShape, chunk: &Chunk) -> f64 {
     let layer = (shape.attention_weights + 2.0 * shape.norm) * shape.sizes.element + shape.layer_mlp_gradients();
-    chunk.grads - layer - chunk.table
+    chunk.grads - (layer + chunk.table) / shape.shards
 }
 
 /// A mixture may peak inside its first layer's MLP backward: in a shared expert's (Qwen2-MoE,
@@ -1041,7 +1044,8 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
 /// product; or as its output projection's gradient is (the MLP's done), its attention norm's,
 /// q's, k's and v's weights gathered beside the recomputed norm output, q, k and v, and the
 /// attention output's gradient. (Not under zero bubble: B recomputes the forward, gathering the
-/// weights, and W, which makes the weight gradients, reads what B kept, no weight.)
+/// weights, and W, which makes the weight gradients, reads what B kept, no weight. For a mixture
+/// only the attention's point: its MLP's are its experts' and shared expert's.)
 pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, ffn, stream, gathered, .. } = shape.sizes;
     if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full) || shape.zero_bubble {
@@ -1076,6 +1080,17 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "first layer's output projection gradient before its reduce-scatter", bytes: output_projection },
         Term { name: "its reduce-scatter's staging", bytes: output_projection },
     ]);
+    let attention = Candidate {
+        name: "first layer's o gradient reduce-scattered, its attention regathered",
+        so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,
+        held: attention,
+        new_sum: None,
+        key_values_pending: true,
+        sum_pending: 0.0,
+    };
+    if shape.model.experts.is_some() {
+        return vec![attention];
+    }
     vec![
         Candidate {
             name: "first layer's down gradient reduce-scattered, its MLP regathered",
@@ -1085,13 +1100,6 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             key_values_pending: true,
             sum_pending: 0.0,
         },
-        Candidate {
-            name: "first layer's o gradient reduce-scattered, its attention regathered",
-            so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,
-            held: attention,
-            new_sum: None,
-            key_values_pending: true,
-            sum_pending: 0.0,
-        },
+        attention,
     ]
 }

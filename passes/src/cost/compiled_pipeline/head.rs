@@ -539,7 +539,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = if shape.statistics > 0.0 { element } else { 0.0 };
         (
-            (shape.sizes.vocab_shard * hidden + shape.norm) * element,
+            (shape.sizes.vocab_shard * hidden + shape.norm) * element / shape.shards,
             Term {
                 name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations (and under cp the targets)",
                 bytes: in_flight_past_the_head(shape, chunk) - summed - shared_kept,
@@ -626,7 +626,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         },
     ]);
     let head = if chunk.last { (shape.sizes.vocab_shard * hidden + shape.norm) * element } else { 0.0 };
-    let so_far = head + shape.layer_mlp_gradients() + (shape.norm + hidden * query) * element;
+    let so_far = (head + shape.layer_mlp_gradients() + (shape.norm + hidden * query) * element) / shape.shards;
     let mut candidates = vec![Candidate {
         name: "the last layer's attention backward",
         so_far,

@@ -143,6 +143,16 @@
 //! has not started. A micro-batch in flight on the last stage holds its cross-entropy and its
 //! load-balancing loss apart, summed into its loss by the loss's backward.
 //!
+//! Under ZeRO-2 and 3 over dp, cp or both (not ep, nor under zero bubble) a mixture's stage holds
+//! its gradients' shards, and each gradient is reduce-scattered where dp would all-reduce it,
+//! staged whole: the routed experts' three, made at once, the MLP norm's output freed before the
+//! first is scattered (under ZeRO-2 after the router's gradient, under ZeRO-3 before it, the
+//! router's gradient whole until then), and a shared expert's one by one, each as dp's all-reduce
+//! would be, its shard joining its sum after. Under ZeRO-3 the experts' backward gathers the
+//! router's and the experts' weights again, live from their input gradient (all-reduced over tp)
+//! to their last weight gradient, where a stage peaks on more tokens; under full recomputation the
+//! MLP norm's weight too, and the shared expert's gate and up weights to their input gradients.
+//!
 //! A shared expert (Qwen2-MoE) is a dense gated MLP beside the routed experts: a micro-batch in
 //! flight keeps its gate, up, product, output and gate logit, and its backward comes before the
 //! routed experts' (and the router's), so a stage may also peak as its first layer's shared gate
@@ -250,8 +260,8 @@
 //! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
-//! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-1
-//! at most; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
+//! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-2
+//! and 3 without ep or zero bubble; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
 //! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
@@ -382,10 +392,11 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && (dp == 1 || cp == 1 || workload.zero == 2 || !model.tied_embeddings)))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with SP but for a shared expert, whose backward's order
-        // differs there) and ZeRO-1 at most.
+        // differs there); ZeRO-2 and 3 without ep (which shards a dense parameter over more
+        // replicas than an expert) or zero bubble.
         && model.experts.as_ref().is_none_or(|experts| {
             layout.expert_axis() != Some(AxisName::Tsp)
-                && workload.zero <= 1
+                && (workload.zero <= 1 || (layout.degree(AxisName::Ep) == 1 && schedule.kind != ScheduleKind::ZeroBubbleH1))
                 && (!sequence_parallel || !experts.shared_expert)
         })
         // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
@@ -477,7 +488,8 @@ impl<'a> StageShape<'a> {
         let (tsp, ep) = (layout.degree(AxisName::Tsp), layout.degree(AxisName::Ep));
         let sizes = StepSizes::new(model, layout, workload);
         let element = sizes.element;
-        // ZeRO shards a (dense: pipelined mixtures run ZeRO-1 at most) gradient over dp × cp.
+        // ZeRO shards a gradient over dp × cp (a mixture's under ZeRO-2 and 3 has no ep, which
+        // would shard its dense gradients over more replicas than its experts').
         let replicas = layout.zero_replicas();
         let scattered = workload.zero >= 2 && replicas > 1;
         let mlp_gradients_in_b = if tsp > 1 {

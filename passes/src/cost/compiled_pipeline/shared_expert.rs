@@ -16,10 +16,12 @@
 //! gate's output gradient: down's is freed only then), and as gate's joins its sum (gate's output
 //! gradient freed). (Up's weight gradient joining its sum, between, is below the point before it
 //! wherever a micro-batch has as many tokens as the hidden size: two or three `[tokens, ffn]`
-//! buffers fewer there, one or two `[hidden, ffn]` gradients more; not modelled.)
+//! buffers fewer there, one or two `[hidden, ffn]` gradients more; not modelled.) Under ZeRO-2
+//! and 3 each is reduce-scattered there instead, staged whole, its shard joining its sum after.
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
+use super::super::workload::Recompute;
 use super::chunk::Candidate;
 use super::{Place, StageShape};
 
@@ -67,20 +69,35 @@ pub(super) fn shared_expert_points(
         held.extend(own);
         Candidate { name, so_far, held, new_sum, key_values_pending: false, sum_pending: 0.0 }
     };
+    // Under ZeRO-2 each weight gradient is reduce-scattered where it would be all-reduced, staged
+    // whole beside itself: its shard, written where the staging was (the planner counts the
+    // larger), joins its sum after, below that point.
+    let shards = shape.shards;
+    let staging = |name| shape.scattered.then_some(Term { name, bytes: shape.gate });
+    let before_reduction = |all_reduced, scattered| Term {
+        name: if shape.scattered { scattered } else { all_reduced },
+        bytes: shape.gate,
+    };
     let gate_point = point(
         gate_joins,
-        made_before + gate_vector + 3.0 * shape.gate,
-        vec![
+        made_before + (gate_vector + if shape.scattered { 2.0 } else { 3.0 } * shape.gate) / shards,
+        [
             Term { name: "the MLP norm output's gradient from the shared expert", bytes: gathered },
             // Beside its replicas gate's output gradient is freed before its weight gradient's
             // all-reduce.
             if shape.reduced {
-                Term { name: "the shared gate gradient before its all-reduce", bytes: shape.gate }
+                before_reduction(
+                    "the shared gate gradient before its all-reduce",
+                    "the shared gate gradient before its reduce-scatter",
+                )
             } else {
                 Term { name: "the shared gate output gradient", bytes: intermediate }
             },
-        ],
-        new_sum("the joining shared gate gradient's new sum beside the old"),
+        ]
+        .into_iter()
+        .chain(staging("the shared gate gradient's reduce-scatter staging"))
+        .collect(),
+        new_sum("the joining shared gate gradient's new sum beside the old").filter(|_| !shape.scattered),
     );
     // As down's weight gradient is made: gate, up and their product (kept) still live, beside the
     // scaled output's gradient, the gate vector's input gradient and down's input gradient.
@@ -92,29 +109,46 @@ pub(super) fn shared_expert_points(
         },
         Term { name: "the shared down projection's input gradient", bytes: intermediate },
     ];
+    // Under ZeRO-3 with full recomputation the MLP norm's, gate's and up's weights gathered again to
+    // recompute the forward stay until gate's and up's input gradients (down's is freed with its
+    // own input gradient, made before its weight gradient there, of equal size).
+    let regathered = Some(Term {
+        name: "the MLP norm's, the shared gate's and up's weights, gathered again",
+        bytes: shape.weights_gathered_again(2.0 * shape.gate + shape.norm * element),
+    })
+    .filter(|term| shape.recompute() == Recompute::Full && term.bytes > 0.0);
     if shape.reduced {
-        let unreduced = |name| Term { name, bytes: shape.gate };
+        let unreduced = || {
+            before_reduction(
+                "the shared down gradient before its all-reduce",
+                "the shared down gradient before its reduce-scatter",
+            )
+        };
         return vec![
             point(
                 down_made,
-                made_before + gate_vector,
-                [down_gradient_made, vec![unreduced("the shared down gradient before its all-reduce")]].concat(),
+                made_before + gate_vector / shards,
+                [down_gradient_made, vec![unreduced()]].concat().into_iter().chain(regathered.clone()).collect(),
                 None,
             ),
             point(
                 down_joins,
-                made_before + gate_vector + shape.gate,
-                vec![
+                made_before + (gate_vector + if shape.scattered { 0.0 } else { shape.gate }) / shards,
+                [
                     Term { name: "the shared expert's gate and up (kept)", bytes: 2.0 * intermediate },
                     Term { name: "the gate vector's input gradient", bytes: gathered },
                     Term { name: "the shared down projection's input gradient", bytes: intermediate },
-                    unreduced("the shared down gradient before its all-reduce"),
-                ],
-                new_sum("the joining shared down gradient's new sum beside the old"),
+                    unreduced(),
+                ]
+                .into_iter()
+                .chain(staging("the shared down gradient's reduce-scatter staging"))
+                .chain(regathered.clone())
+                .collect(),
+                new_sum("the joining shared down gradient's new sum beside the old").filter(|_| !shape.scattered),
             ),
             point(
                 up_output_gradient,
-                made_before + gate_vector + shape.gate,
+                made_before + (gate_vector + shape.gate) / shards,
                 vec![
                     Term { name: "the shared expert's gate (kept)", bytes: intermediate },
                     Term { name: "the gate vector's input gradient", bytes: gathered },
@@ -122,7 +156,10 @@ pub(super) fn shared_expert_points(
                         name: "the shared down projection's input gradient, gate's and up's output gradients",
                         bytes: 3.0 * intermediate,
                     },
-                ],
+                ]
+                .into_iter()
+                .chain(regathered)
+                .collect(),
                 None,
             ),
             gate_point,
