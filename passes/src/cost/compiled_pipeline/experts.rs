@@ -121,14 +121,8 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // Under ZeRO-2 the router's gradient's shard has joined its sum (under ZeRO-3 the router's
     // gradient is scattered after the experts', whole until then); the joining one's is written
     // where its staging was (the planner counts the larger), and joins its sum after.
-    let so_far = if shape.scattered {
-        let router_whole = router_gradient_whole(shape);
-        held.extend(router_whole.clone());
-        let router_whole = router_whole.map_or(0.0, |term| term.bytes);
-        made_before + (shape.layer_mlp_gradients() - 3.0 * matrix - router_whole) / shape.shards
-    } else {
-        made_before + shape.layer_mlp_gradients() - experts_waiting(shape)
-    };
+    held.extend(router_gradient_whole(shape));
+    let so_far = made_before + shape.layer_mlp_gradients() / shape.shards - not_yet_among_the_gradients(shape);
     Some(Candidate {
         name: place.experts_names().joining,
         so_far,
@@ -166,7 +160,7 @@ fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
 /// experts' weights gathered again for the backward are live beside the three gradients, whole
 /// before their reduce-scatters, the router's gradient whole, and the MLP norm's output (not yet
 /// freed) and its gradient.
-fn made_beside_weights_gathered(
+pub(super) fn made_beside_weights_gathered(
     shape: &StageShape,
     place: Place,
     context: &[Term],
@@ -184,8 +178,8 @@ fn made_beside_weights_gathered(
     if shape.sequence_parallel() {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: shape.sizes.gathered });
     }
-    let made = shape.layer_mlp_gradients() - 3.0 * matrix - router_whole.bytes;
-    Some(Candidate::made(place.experts_names().made, made_before + made / shape.shards, held))
+    let so_far = made_before + shape.layer_mlp_gradients() / shape.shards - not_yet_among_the_gradients(shape);
+    Some(Candidate::made(place.experts_names().made, so_far, held))
 }
 
 /// Over ep beside the load-balancing loss, next as the MLP norm output's gradients from the router
@@ -270,9 +264,22 @@ fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_bef
     Some(Candidate::made(name, so_far, held))
 }
 
+/// Of a layer's routed-expert and router gradients, the bytes not among the micro-batch's
+/// gradients as one joins its sum ([`joining`]; as the last is made under ZeRO-3,
+/// [`made_beside_weights_gathered`]): under ZeRO-2 and 3 the three experts' shards (each held
+/// whole) and under ZeRO-3 the router's too; under dp the two waiting unreduced.
+pub(super) fn not_yet_among_the_gradients(shape: &StageShape) -> f64 {
+    if shape.scattered {
+        let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes);
+        (3.0 * expert_matrix(shape) + router) / shape.shards
+    } else {
+        experts_waiting(shape)
+    }
+}
+
 /// Under dp (or cp) the two routed-expert gradients of a layer that wait unreduced while the first
 /// is reduced and joins its sum (bytes; else 0).
-pub(super) fn experts_waiting(shape: &StageShape) -> f64 {
+fn experts_waiting(shape: &StageShape) -> f64 {
     if shape.experts_reduced {
         2.0 * expert_matrix(shape)
     } else {

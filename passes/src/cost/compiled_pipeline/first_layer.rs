@@ -8,7 +8,7 @@ use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::{received_counts, Candidate, Chunk};
 use super::experts::{self, experts_points};
-use super::shared_expert::shared_expert_points;
+use super::shared_expert::{self, shared_expert_points};
 use super::{tsp_o_reduces, tsp_ring, Place, StageShape};
 
 /// Inside the first layer's backward, before its attention's: that layer's attention activations
@@ -535,11 +535,22 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             ..reduced
         });
     }
+    let context = mlp_context(shape, chunk, false);
+    if let Some(mut made) = experts::made_beside_weights_gathered(shape, Place::FirstLayer, &context, 0.0) {
+        made.held.extend(for_w_past_shared.iter().cloned());
+        points.push(Candidate {
+            name: "first layer's expert gradients made beside their weights gathered again in B",
+            so_far: made_in_b - experts::not_yet_among_the_gradients(shape),
+            sum_pending: experts::not_yet_among_the_gradients(shape),
+            ..made
+        });
+    }
     if let Some(mut joining) = experts_joining(shape, chunk) {
         joining.held.extend(for_w_past_shared);
         points.push(Candidate {
             name: "first layer's expert gradient joins its sum in B",
-            so_far: made_in_b - experts::experts_waiting(shape),
+            so_far: made_in_b - experts::not_yet_among_the_gradients(shape),
+            sum_pending: joining.sum_pending + experts::not_yet_among_the_gradients(shape),
             ..joining
         });
     }
@@ -782,7 +793,8 @@ fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
 /// input gradient, the gate logit's and the scaled output's gradients (for W) and the gate
 /// vector's input gradient. Of the stage's B gradients only the later layers' are made. (Under
 /// full recomputation B has recomputed the layer's MLP norm output, gate, up and product from the
-/// attention residual kept, its attention not yet.)
+/// attention residual kept, its attention not yet; under ZeRO-3 beside the weights it gathered
+/// again for that.)
 fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
     shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
@@ -799,6 +811,7 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
             bytes: 2.0 * intermediate,
         },
     ]);
+    held.extend(shared_expert::weights_regathered(shape));
     held.extend(for_w.iter().cloned());
     let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
     Some(Candidate {
@@ -872,29 +885,37 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
 /// still reads, and beside it the layer's attention inputs and gradients, both norm outputs'
 /// gradients and gate's output gradient are live (the attention norm's input gradient sent back
 /// by B). Beside its replicas (dp, cp or ep) the weight gradient is all-reduced, gate's output
-/// gradient freed before: the unreduced copy is live beside the reduced one.
+/// gradient freed before: the unreduced copy is live beside the reduced one (under ZeRO-2 and 3
+/// reduce-scattered, staged whole).
 pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, .. } = shape.sizes;
     shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
     let full = shape.recompute() == Recompute::Full;
     let mut held = chunk.first_layer_held_after_rope_backward();
     held.extend(read_by_w(shape, w_reads));
-    held.push(if shape.reduced {
+    held.push(if shape.scattered {
+        Term { name: "first layer's shared gate gradient before its reduce-scatter", bytes: shape.gate }
+    } else if shape.reduced {
         Term { name: "first layer's shared gate gradient before its all-reduce", bytes: shape.gate }
     } else {
         Term { name: "first layer's shared gate output gradient", bytes: local_tokens * ffn * element }
     });
+    // Under ZeRO-2 and 3 it is reduce-scattered, staged whole: its shard joins its sum after.
+    held.extend(shape.scattered.then_some(Term { name: "its reduce-scatter's staging", bytes: shape.gate }));
     // Under full recomputation a stage between the first and the last still holds the counts'
     // sum it received, as at W's tail.
     if full {
         held.extend(received_counts(shape, chunk, false));
     }
+    // (B made the routed experts' and the router's gradients.)
+    let not_made = (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
+    let joining = if shape.scattered { shape.gate } else { 0.0 };
     Some(Candidate {
         name: "first layer's shared expert's gate gradient joins its sum",
-        // (B made the routed experts' and the router's gradients.)
-        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
+        so_far: chunk.grads - (not_made + joining) / shape.shards,
         held,
-        new_sum: Some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
+        new_sum: (!shape.scattered)
+            .then_some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
         key_values_pending: false,
         sum_pending: 0.0,
     })

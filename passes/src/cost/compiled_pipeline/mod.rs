@@ -143,7 +143,7 @@
 //! has not started. A micro-batch in flight on the last stage holds its cross-entropy and its
 //! load-balancing loss apart, summed into its loss by the loss's backward.
 //!
-//! Under ZeRO-2 and 3 over dp, cp or both (not ep, nor under zero bubble) a mixture's stage holds
+//! Under ZeRO-2 and 3 over dp, cp or both (not ep) a mixture's stage holds
 //! its gradients' shards, and each gradient is reduce-scattered where dp would all-reduce it,
 //! staged whole: the routed experts' three, made at once, the MLP norm's output freed before the
 //! first is scattered (under ZeRO-2 after the router's gradient, under ZeRO-3 before it, the
@@ -152,6 +152,9 @@
 //! router's and the experts' weights again, live from their input gradient (all-reduced over tp)
 //! to their last weight gradient, where a stage peaks on more tokens; under full recomputation the
 //! MLP norm's weight too, and the shared expert's gate and up weights to their input gradients.
+//! Under zero bubble these points are B's, where the experts' gradients are made (a shared
+//! expert's gate gradient is scattered in W), the sums of the experts' gradients not yet made on a
+//! micro-batch's first B of the chunk.
 //!
 //! A shared expert (Qwen2-MoE) is a dense gated MLP beside the routed experts: a micro-batch in
 //! flight keeps its gate, up, product, output and gate logit, and its backward comes before the
@@ -261,7 +264,7 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-2
-//! and 3 without ep or zero bubble; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
+//! and 3 without ep; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
 //! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
@@ -393,10 +396,10 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with SP but for a shared expert, whose backward's order
         // differs there); ZeRO-2 and 3 without ep (which shards a dense parameter over more
-        // replicas than an expert) or zero bubble.
+        // replicas than an expert).
         && model.experts.as_ref().is_none_or(|experts| {
             layout.expert_axis() != Some(AxisName::Tsp)
-                && (workload.zero <= 1 || (layout.degree(AxisName::Ep) == 1 && schedule.kind != ScheduleKind::ZeroBubbleH1))
+                && (workload.zero <= 1 || layout.degree(AxisName::Ep) == 1)
                 && (!sequence_parallel || !experts.shared_expert)
         })
         // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
@@ -495,11 +498,14 @@ impl<'a> StageShape<'a> {
         let mlp_gradients_in_b = if tsp > 1 {
             Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
         } else {
-            // (Not a shared expert's gate vector, whose weight gradient is W's.)
+            // (Not a shared expert's gate vector, whose weight gradient is W's. Under ZeRO-2 and 3
+            // their shards.)
+            let shards = if scattered { replicas as f64 } else { 1.0 };
             model.experts.as_ref().map(|experts| {
                 (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64
                     + (experts.count * model.hidden) as f64)
                     * element
+                    / shards
             })
         };
         let zero_rows = ZeroRows::new(model, layout);

@@ -109,14 +109,7 @@ pub(super) fn shared_expert_points(
         },
         Term { name: "the shared down projection's input gradient", bytes: intermediate },
     ];
-    // Under ZeRO-3 with full recomputation the MLP norm's, gate's and up's weights gathered again to
-    // recompute the forward stay until gate's and up's input gradients (down's is freed with its
-    // own input gradient, made before its weight gradient there, of equal size).
-    let regathered = Some(Term {
-        name: "the MLP norm's, the shared gate's and up's weights, gathered again",
-        bytes: shape.weights_gathered_again(2.0 * shape.gate + shape.norm * element),
-    })
-    .filter(|term| shape.recompute() == Recompute::Full && term.bytes > 0.0);
+    let regathered = weights_regathered(shape);
     if shape.reduced {
         let unreduced = || {
             before_reduction(
@@ -174,4 +167,15 @@ pub(super) fn shared_expert_points(
         ),
         gate_point,
     ]
+}
+
+/// Under ZeRO-3 with full recomputation the MLP norm's, the shared gate's and up's weights, gathered
+/// again to recompute the forward, stay until gate's and up's input gradients (down's is freed with
+/// its own input gradient, made before its weight gradient there, of equal size); else none.
+pub(super) fn weights_regathered(shape: &StageShape) -> Option<Term> {
+    Some(Term {
+        name: "the MLP norm's, the shared gate's and up's weights, gathered again",
+        bytes: shape.weights_gathered_again(2.0 * shape.gate + shape.norm * shape.sizes.element),
+    })
+    .filter(|term| shape.recompute() == Recompute::Full && term.bytes > 0.0)
 }

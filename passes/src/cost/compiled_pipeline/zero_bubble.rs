@@ -202,7 +202,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     } else if shape.model.experts.is_none() || shared_expert {
         let names = ["the last layer's down gradient in W", "the last layer's down gradient joins its sum in W"];
         let (gate_vector, gate_logit_gradient) =
-            if shared_expert { (hidden * element, local_tokens * element) } else { (0.0, 0.0) };
+            if shared_expert { (hidden * element / shape.shards, local_tokens * element) } else { (0.0, 0.0) };
         (shape.gate, names, gate_vector, gate_logit_gradient)
     } else {
         return Vec::new();
