@@ -204,9 +204,13 @@ fn scheduled_traces_overlap_transfers_with_kernels_and_blocking_ones_do_not() {
 #[test]
 fn a_training_step_traces_its_gradient_reductions_beside_the_backward() {
     let dir = tempdir("train");
-    // `reduced`: how the trace names the gradients' all-reduces.
+    // `reduced`: how the trace names the gradients' all-reduces. (A gradient's all-reduce overlaps
+    // the kernels that follow it until the backward waits on it: on 16 tokens a sequence those
+    // last less than a busy machine takes to wake the comm thread, and the trace can show no
+    // overlap, as it did 3 times in 40 beside four spinning threads on 2 cores; on 64 tokens, 8
+    // sequences, none in 40.)
     let run = |out: &Path, extra: &[&str], reduced: &str| {
-        let mut args = vec!["run", "tiny", "--train", "--steps", "1", "--mesh", "dp=2", "--batch", "4", "--seq", "16"];
+        let mut args = vec!["run", "tiny", "--train", "--steps", "1", "--mesh", "dp=2", "--batch", "8", "--seq", "64"];
         args.extend(["--emulate-link", "0.2,50", "--trace", out.to_str().unwrap()]);
         args.extend(extra);
         pleat(&args);
