@@ -2577,20 +2577,21 @@ fn mixture_stage_closed_form_under_sequence_parallelism_on_more_tokens() {
 
 #[test]
 fn mixture_stage_closed_form_under_zero_2_and_3() {
-    // Under ZeRO-2 and 3 over dp, cp or both a mixture's stage holds its gradients' shards, and
-    // each gradient is reduce-scattered where dp would all-reduce it, staged whole: the routed
-    // experts' three (made at once, the MLP norm's output freed before the first is scattered;
-    // under ZeRO-2 after the router's, under ZeRO-3 before it, the router's gradient whole until
-    // then) and a shared expert's, one by one. Under ZeRO-3 the experts' backward gathers the
-    // router's and the experts' weights again, live as their input and weight gradients are made
-    // (the stage peaks as the last is), and under full recomputation the shared expert's gate and
-    // up weights and the MLP norm's too. Under zero bubble these points are B's (a shared expert's
+    // Under ZeRO-2 and 3 a mixture's stage holds its gradients' shards (a dense one's over dp × cp
+    // × ep, a routed expert's over dp × cp), and each gradient is reduce-scattered where dp would
+    // all-reduce it, staged whole: the routed experts' three (made at once, the MLP norm's output
+    // freed before the first is scattered; under ZeRO-2 after the router's, under ZeRO-3 before
+    // it, the router's gradient whole until then) and a shared expert's, one by one. Under ZeRO-3
+    // the experts' backward gathers the router's and the experts' weights again, live as their
+    // input and weight gradients are made (the stage peaks as the last is, or over ep as the
+    // backward is dispatched), and under full recomputation the shared expert's gate and up
+    // weights and the MLP norm's too. Under zero bubble these points are B's (a shared expert's
     // gate gradient is scattered in W). Before these points were modelled the form was up to 34%
     // above the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation,
-    // tiny-moe and two shared-expert variants, each schedule: never above, within 5%
-    // below (4.9% at most when this was written: inside the last layer's attention backward under
-    // full recomputation beside tp, and at the LM head beside tp under ZeRO-3), exact on five
-    // stages in six (1940 of 2232 when this was written).
+    // tiny-moe and two shared-expert variants, each schedule: never above, within 5% below (4.9%
+    // at most when this was written: inside the last layer's attention backward under full
+    // recomputation beside tp, and at the LM head beside tp under ZeRO-3; 8.6% under ZeRO-3 over
+    // cp × ep), exact on three stages in four (2804 of 3672 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2627,12 +2628,27 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             &[
                 layout("pp=2,dp=2,tp=2", one_f_one_b, true, zero_stage),
                 layout("pp=2,dp=2,tp=2", zero_bubble, true, zero_stage),
+                layout("pp=2,ep=2,tp=2", one_f_one_b, true, zero_stage),
             ],
             0.95,
         ));
+        // Over ep ZeRO shards the dense gradients over it, not the experts'; beside cp those over
+        // cp.
+        tallies.push(tally_stage_closed_forms(
+            &[&experts, &shared, &shared_wide],
+            &[
+                layout("pp=2,ep=2", one_f_one_b, false, zero_stage),
+                layout("pp=2,ep=2,tp=2", interleaved, false, zero_stage),
+                layout("pp=2,ep=2", zero_bubble, false, zero_stage),
+                layout("pp=2,cp=2,ep=2", gpipe, false, zero_stage),
+            ],
+            // (Under ZeRO-3 over cp × ep, B's recomputed forward gathers a shared expert's weights
+            // over ep, then over cp, staged whole: not modelled, 8.6% at most below.)
+            if zero_stage == 3 { 0.9 } else { 0.95 },
+        ));
     }
     let (stages, exact, exact_at) = merged_tallies(tallies);
-    assert!(6 * exact >= 5 * stages, "{exact} of {stages} exact: {exact_at:?}");
+    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact: {exact_at:?}");
     assert_each_is_a_peak(
         &exact_at,
         &[
@@ -2645,6 +2661,8 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "first layer's expert gradients made beside their weights gathered again in B",
             "first layer's shared expert's gate output gradient in B",
             "first layer's shared expert's gate gradient joins its sum",
+            "first layer's experts' backward dispatched",
+            "first layer's experts' backward dispatched in B",
         ],
     );
 }

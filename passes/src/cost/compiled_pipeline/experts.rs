@@ -79,11 +79,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
         Term { name: "the MLP norm output, freed", bytes: -gathered },
         Term { name: "the MLP norm's input gradient and the attention residual's gradient", bytes: 2.0 * stream },
     ]);
-    points.push(Candidate::made(
-        names.residual_gradient,
-        made_before + shape.layer_mlp_gradients() / shape.shards,
-        held,
-    ));
+    points.push(Candidate::made(names.residual_gradient, made_before + shape.layer_mlp_gradient_shards(), held));
     points
 }
 
@@ -101,7 +97,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     let matrix = expert_matrix(shape);
     let mut held = context.to_vec();
     held.push(Term { name: "the MLP norm output's gradient", bytes: gathered });
-    if shape.scattered {
+    if shape.experts_scattered {
         held.push(Term { name: "the MLP norm output, freed", bytes: -gathered });
         held.push(Term { name: "the expert gradients before their reduce-scatter", bytes: 3.0 * matrix });
         held.push(Term { name: "its reduce-scatter's staging", bytes: matrix });
@@ -112,7 +108,9 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     if shape.sequence_parallel() && !reduced {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
     }
-    if shape.ep > 1 && experts.load_balancing_loss {
+    // (Under ZeRO-2 and 3 beside dp or cp the router's gradients are summed and its weight
+    // gradient scattered before the experts' are.)
+    if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_scattered {
         held.push(Term {
             name: "the router's input and weight gradients from the load-balancing loss",
             bytes: (experts.count as f64 + local_tokens) * hidden * element,
@@ -122,12 +120,12 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // gradient is scattered after the experts', whole until then); the joining one's is written
     // where its staging was (the planner counts the larger), and joins its sum after.
     held.extend(router_gradient_whole(shape));
-    let so_far = made_before + shape.layer_mlp_gradients() / shape.shards - not_yet_among_the_gradients(shape);
+    let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
     Some(Candidate {
         name: place.experts_names().joining,
         so_far,
         held,
-        new_sum: (!shape.scattered)
+        new_sum: (!shape.experts_scattered)
             .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
         key_values_pending: false,
         sum_pending: router_sum_pending(shape),
@@ -150,9 +148,11 @@ fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
 fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
     let router = router_gradient_whole(shape)?.bytes;
     let norm = if shape.recompute() == Recompute::Full { shape.norm * shape.sizes.element } else { 0.0 };
+    // (Over ep alone ZeRO does not shard the experts.)
+    let experts = if shape.experts_scattered { 3.0 * expert_matrix(shape) } else { 0.0 };
     Some(Term {
         name: "the router's and the experts' weights (under full recomputation the MLP norm's), gathered again",
-        bytes: router + 3.0 * expert_matrix(shape) + norm,
+        bytes: router + experts + norm,
     })
 }
 
@@ -167,6 +167,10 @@ pub(super) fn made_beside_weights_gathered(
     made_before: f64,
 ) -> Option<Candidate> {
     let router_whole = router_gradient_whole(shape)?;
+    // (Over ep one instruction makes every gradient of the experts' backward, [`dispatched`].)
+    if shape.ep > 1 {
+        return None;
+    }
     let matrix = expert_matrix(shape);
     let mut held = context.to_vec();
     held.extend(weights_gathered_again(shape));
@@ -178,7 +182,7 @@ pub(super) fn made_beside_weights_gathered(
     if shape.sequence_parallel() {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: shape.sizes.gathered });
     }
-    let so_far = made_before + shape.layer_mlp_gradients() / shape.shards - not_yet_among_the_gradients(shape);
+    let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
     Some(Candidate::made(place.experts_names().made, so_far, held))
 }
 
@@ -238,7 +242,12 @@ pub(super) fn input_gradient_reduced(
 /// before its results are written: a stage may peak as it makes that copy, beside the router's
 /// gradients from the load-balancing loss and a shared expert's input gradients' sum (with the
 /// loss, the router's input gradient joined that sum), the shared expert's gradients made.
-fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_before: f64) -> Option<Candidate> {
+pub(super) fn dispatched(
+    shape: &StageShape,
+    name: &'static str,
+    context: &[Term],
+    made_before: f64,
+) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
     if shape.ep == 1 {
@@ -248,7 +257,7 @@ fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_bef
     let mut held = context.to_vec();
     let mut so_far = made_before;
     if experts.shared_expert {
-        so_far += hidden * element + 3.0 * shape.gate;
+        so_far += (hidden * element + 3.0 * shape.gate) / shape.shards;
         if !experts.load_balancing_loss {
             held.push(Term { name: "the shared expert's input gradients, summed", bytes: gathered });
         }
@@ -260,6 +269,7 @@ fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_bef
         });
     }
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
+    held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the dispatch's copy of its operands", bytes: 2.0 * gathered + router + routed * element });
     Some(Candidate::made(name, so_far, held))
 }
@@ -269,11 +279,11 @@ fn dispatched(shape: &StageShape, name: &'static str, context: &[Term], made_bef
 /// [`made_beside_weights_gathered`]): under ZeRO-2 and 3 the three experts' shards (each held
 /// whole) and under ZeRO-3 the router's too; under dp the two waiting unreduced.
 pub(super) fn not_yet_among_the_gradients(shape: &StageShape) -> f64 {
-    if shape.scattered {
-        let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes);
-        (3.0 * expert_matrix(shape) + router) / shape.shards
+    let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes) / shape.shards;
+    if shape.experts_scattered {
+        3.0 * expert_matrix(shape) / shape.expert_shards + router
     } else {
-        experts_waiting(shape)
+        experts_waiting(shape) + router
     }
 }
 
@@ -299,7 +309,7 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 /// is made then (bytes; else 0).
 fn router_sum_pending(shape: &StageShape) -> f64 {
     match &shape.model.experts {
-        Some(experts) if shape.ep > 1 && experts.load_balancing_loss => {
+        Some(experts) if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_scattered => {
             (experts.count * shape.model.hidden) as f64 * shape.sizes.element
         }
         _ => 0.0,

@@ -425,8 +425,8 @@ fn mlp_context(shape: &StageShape, chunk: &Chunk, with_counts_on_the_first: bool
 /// The chunk's gradients made before its first layer's MLP backward: all but that layer's (under
 /// ZeRO-2 and 3 their shards).
 fn made_before_first_mlp(shape: &StageShape, chunk: &Chunk) -> f64 {
-    let layer = (shape.attention_weights + 2.0 * shape.norm) * shape.sizes.element + shape.layer_mlp_gradients();
-    chunk.grads - (layer + chunk.table) / shape.shards
+    let outside_mlp = (shape.attention_weights + 2.0 * shape.norm) * shape.sizes.element + chunk.table;
+    chunk.grads - outside_mlp / shape.shards - shape.layer_mlp_gradient_shards()
 }
 
 /// A mixture may peak inside its first layer's MLP backward: in a shared expert's (Qwen2-MoE,
@@ -536,6 +536,13 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     let context = mlp_context(shape, chunk, false);
+    // Over ep B dispatches the first layer's experts' backward, none of its B gradients made yet.
+    let name = "first layer's experts' backward dispatched in B";
+    if let Some(mut dispatched) = experts::dispatched(shape, name, &context, 0.0) {
+        let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+        dispatched.held.extend(for_w_past_shared.iter().cloned());
+        points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..dispatched });
+    }
     if let Some(mut made) = experts::made_beside_weights_gathered(shape, Place::FirstLayer, &context, 0.0) {
         made.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate {

@@ -626,7 +626,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         },
     ]);
     let head = if chunk.last { (shape.sizes.vocab_shard * hidden + shape.norm) * element } else { 0.0 };
-    let so_far = (head + shape.layer_mlp_gradients() + (shape.norm + hidden * query) * element) / shape.shards;
+    let so_far = (head + (shape.norm + hidden * query) * element) / shape.shards + shape.layer_mlp_gradient_shards();
     let mut candidates = vec![Candidate {
         name: "the last layer's attention backward",
         so_far,

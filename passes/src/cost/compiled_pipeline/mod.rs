@@ -143,18 +143,21 @@
 //! has not started. A micro-batch in flight on the last stage holds its cross-entropy and its
 //! load-balancing loss apart, summed into its loss by the loss's backward.
 //!
-//! Under ZeRO-2 and 3 over dp, cp or both (not ep) a mixture's stage holds
-//! its gradients' shards, and each gradient is reduce-scattered where dp would all-reduce it,
-//! staged whole: the routed experts' three, made at once, the MLP norm's output freed before the
-//! first is scattered (under ZeRO-2 after the router's gradient, under ZeRO-3 before it, the
-//! router's gradient whole until then), and a shared expert's one by one, each as dp's all-reduce
-//! would be, its shard joining its sum after. Under ZeRO-3 the experts' backward gathers the
-//! router's and the experts' weights again, live from their input gradient (all-reduced over tp)
-//! to their last weight gradient, where a stage peaks on more tokens; under full recomputation the
-//! MLP norm's weight too, and the shared expert's gate and up weights to their input gradients.
-//! Under zero bubble these points are B's, where the experts' gradients are made (a shared
-//! expert's gate gradient is scattered in W), the sums of the experts' gradients not yet made on a
-//! micro-batch's first B of the chunk.
+//! Under ZeRO-2 and 3 a mixture's stage holds its gradients' shards (a dense one's over dp × cp ×
+//! ep, a routed expert's over dp × cp: over ep alone ZeRO does not shard the experts), and each
+//! gradient is reduce-scattered where dp would all-reduce it, staged whole: the routed experts'
+//! three, made at once, the MLP norm's output freed before the first is scattered (under ZeRO-2
+//! after the router's gradient, under ZeRO-3 before it, the router's gradient whole until then;
+//! beside ep the router's gradients from the load-balancing loss summed first), and a shared
+//! expert's one by one, each as dp's all-reduce would be, its shard joining its sum after. Under
+//! ZeRO-3 the experts' backward gathers the router's and the experts' weights again, live from
+//! their input gradient (all-reduced over tp) to their last weight gradient, where a stage peaks
+//! on more tokens (over ep beside the dispatch's copy of its operands); under full recomputation
+//! the MLP norm's weight too, and the shared expert's gate and up weights to their input
+//! gradients. Under zero bubble these points are B's, where the experts' gradients are made (a
+//! shared expert's gate gradient is scattered in W), the sums of the experts' gradients not yet
+//! made on a micro-batch's first B of the chunk; over ep B may peak as it dispatches its first
+//! layer's experts' backward.
 //!
 //! A shared expert (Qwen2-MoE) is a dense gated MLP beside the routed experts: a micro-batch in
 //! flight keeps its gate, up, product, output and gate logit, and its backward comes before the
@@ -263,8 +266,8 @@
 //! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
-//! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), ZeRO-2
-//! and 3 without ep; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
+//! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), any
+//! ZeRO stage; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
 //! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
@@ -340,11 +343,14 @@ pub fn compiled_stage_peak(
             )
         })
         .collect();
-    // ZeRO-3 keeps the rank's dp × cp shard of the stage's parameters; each layer's gathered
-    // weights are freed by the points modelled here.
+    // ZeRO-3 keeps the rank's shard of the stage's parameters (a dense one's over dp × cp × ep, a
+    // routed expert's over dp × cp); each layer's gathered weights are freed by the points
+    // modelled here.
     let replicas = layout.zero_replicas();
     let param_shards = if workload.zero >= 3 && replicas > 1 { replicas as f64 } else { 1.0 };
-    let params = holds.iter().map(|hold| hold.params).sum::<f64>() / param_shards;
+    let params = holds.iter().map(|hold| hold.params).sum::<f64>();
+    let params =
+        if param_shards > 1.0 { shape.sharded(params, layers as f64 * shape.layer_routed_experts()) } else { params };
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
     // Every point holds the k and v projections ZeRO-3 keeps whole beyond their shards.
     if workload.zero >= 3 && shape.key_values_kept_whole > 0.0 {
@@ -395,12 +401,9 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 && (dp == 1 || cp == 1 || workload.zero == 2 || !model.tied_embeddings)))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with SP but for a shared expert, whose backward's order
-        // differs there); ZeRO-2 and 3 without ep (which shards a dense parameter over more
-        // replicas than an expert).
+        // differs there), under any ZeRO stage.
         && model.experts.as_ref().is_none_or(|experts| {
-            layout.expert_axis() != Some(AxisName::Tsp)
-                && (workload.zero <= 1 || layout.degree(AxisName::Ep) == 1)
-                && (!sequence_parallel || !experts.shared_expert)
+            layout.expert_axis() != Some(AxisName::Tsp) && (!sequence_parallel || !experts.shared_expert)
         })
         // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
         // beside dp (or cp) × tp; interleaved on two stages only: elsewhere the first stage takes
@@ -456,6 +459,10 @@ struct StageShape<'a> {
     /// scattered.
     scattered: bool,
     shards: f64,
+    /// A routed expert's gradients are sharded over its own replicas, dp × cp (ep splits the
+    /// experts): `expert_shards` of them, and `experts_scattered` where there are more than one.
+    experts_scattered: bool,
+    expert_shards: f64,
     /// The bytes of a layer's k and v projections that ZeRO-2 and 3 hold beyond their shards,
     /// where the rows do not divide over the replicas (of their gradients, and under ZeRO-3 of
     /// their weights too); and whether ZeRO-3 gathers k and v (else it keeps them whole).
@@ -491,21 +498,20 @@ impl<'a> StageShape<'a> {
         let (tsp, ep) = (layout.degree(AxisName::Tsp), layout.degree(AxisName::Ep));
         let sizes = StepSizes::new(model, layout, workload);
         let element = sizes.element;
-        // ZeRO shards a gradient over dp × cp (a mixture's under ZeRO-2 and 3 has no ep, which
-        // would shard its dense gradients over more replicas than its experts').
+        // ZeRO shards a dense gradient over dp × cp × ep, a routed expert's over dp × cp.
         let replicas = layout.zero_replicas();
         let scattered = workload.zero >= 2 && replicas > 1;
         let mlp_gradients_in_b = if tsp > 1 {
             Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
         } else {
             // (Not a shared expert's gate vector, whose weight gradient is W's. Under ZeRO-2 and 3
-            // their shards.)
-            let shards = if scattered { replicas as f64 } else { 1.0 };
+            // their shards: the router's over dp × cp × ep, the experts' over dp × cp.)
+            let (shards, expert_shards) =
+                if scattered { (replicas as f64, layout.expert_zero_replicas() as f64) } else { (1.0, 1.0) };
             model.experts.as_ref().map(|experts| {
-                (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64
-                    + (experts.count * model.hidden) as f64)
+                (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64 / expert_shards
+                    + (experts.count * model.hidden) as f64 / shards)
                     * element
-                    / shards
             })
         };
         let zero_rows = ZeroRows::new(model, layout);
@@ -529,6 +535,8 @@ impl<'a> StageShape<'a> {
             experts_reduced: dp > 1 || cp > 1,
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
+            experts_scattered: scattered && layout.expert_zero_replicas() > 1,
+            expert_shards: if scattered { layout.expert_zero_replicas() as f64 } else { 1.0 },
             key_values_kept_whole,
             key_values_gathered: zero_rows.splits_key_values(),
             statistics: sizes.statistics,
@@ -576,8 +584,26 @@ impl<'a> StageShape<'a> {
     /// routing parameters (whole).
     fn layer_mlp_gradients(&self) -> f64 {
         let model = self.model;
-        let routed = model.routed_expert_weights() as f64 / (self.tp * self.layout.expert_degree()) as f64;
-        (model.mlp_weights() as f64 / self.tp as f64 + routed + model.router_params() as f64) * self.sizes.element
+        (model.mlp_weights() as f64 / self.tp as f64 + model.router_params() as f64) * self.sizes.element
+            + self.layer_routed_experts()
+    }
+
+    /// One layer's routed-expert weights on the rank, its tp and ep share (bytes; 0 for a dense
+    /// model).
+    fn layer_routed_experts(&self) -> f64 {
+        self.model.routed_expert_weights() as f64 / (self.tp * self.layout.expert_degree()) as f64 * self.sizes.element
+    }
+
+    /// Of `bytes` of gradients (under ZeRO-3 of parameters too), `experts` of them routed
+    /// experts', what the rank holds under ZeRO-2 and 3: a dense one's shard over dp × cp × ep, a
+    /// routed expert's over dp × cp.
+    fn sharded(&self, bytes: f64, experts: f64) -> f64 {
+        (bytes - experts) / self.shards + experts / self.expert_shards
+    }
+
+    /// [`Self::layer_mlp_gradients`], as the rank holds them under ZeRO-2 and 3.
+    fn layer_mlp_gradient_shards(&self) -> f64 {
+        self.sharded(self.layer_mlp_gradients(), self.layer_routed_experts())
     }
 
     /// `bytes` of weights ZeRO-3 (which shards them over their replicas) gathers again for a
