@@ -89,7 +89,8 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
 /// backward makes all three at once), the MLP norm's output freed. Under SP the experts read the
 /// output gradient all-gathered over tp (their output's reduce-scatter's backward), freed with the
 /// MLP norm's output before dp's all-reduce. Over ep the router's input and weight gradients from
-/// the load-balancing loss, made before the dispatch, are summed with its results after them.
+/// the load-balancing loss, made before the dispatch, are summed with its results after them
+/// (beside dp or cp before the experts' gradients are reduced).
 pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
@@ -108,9 +109,9 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     if shape.sequence_parallel() && !reduced {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
     }
-    // (Under ZeRO-2 and 3 beside dp or cp the router's gradients are summed and its weight
-    // gradient scattered before the experts' are.)
-    if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_scattered {
+    // (Beside dp or cp the router's gradients are summed and its weight gradient reduced before
+    // the experts' are.)
+    if shape.ep > 1 && experts.load_balancing_loss && !reduced {
         held.push(Term {
             name: "the router's input and weight gradients from the load-balancing loss",
             bytes: (experts.count as f64 + local_tokens) * hidden * element,
@@ -309,7 +310,7 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 /// is made then (bytes; else 0).
 fn router_sum_pending(shape: &StageShape) -> f64 {
     match &shape.model.experts {
-        Some(experts) if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_scattered => {
+        Some(experts) if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_reduced => {
             (experts.count * shape.model.hidden) as f64 * shape.sizes.element
         }
         _ => 0.0,
