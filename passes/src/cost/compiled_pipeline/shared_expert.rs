@@ -69,8 +69,8 @@ pub(super) fn shared_expert_points(
         held.extend(own);
         Candidate { name, so_far, held, new_sum, key_values_pending: false, sum_pending: 0.0 }
     };
-    // Under ZeRO-2 each weight gradient is reduce-scattered where it would be all-reduced, staged
-    // whole beside itself: its shard, written where the staging was (the planner counts the
+    // Under ZeRO-2 and 3 each weight gradient is reduce-scattered where it would be all-reduced,
+    // staged whole beside itself: its shard, written where the staging was (the planner counts the
     // larger), joins its sum after, below that point.
     let shards = shape.shards;
     let staging = |name| shape.scattered.then_some(Term { name, bytes: shape.gate });
