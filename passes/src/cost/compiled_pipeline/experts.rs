@@ -98,7 +98,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     let matrix = expert_matrix(shape);
     let mut held = context.to_vec();
     held.push(Term { name: "the MLP norm output's gradient", bytes: gathered });
-    if shape.experts_scattered {
+    if shape.experts_scattered() {
         held.push(Term { name: "the MLP norm output, freed", bytes: -gathered });
         held.push(Term { name: "the expert gradients before their reduce-scatter", bytes: 3.0 * matrix });
         held.push(Term { name: "its reduce-scatter's staging", bytes: matrix });
@@ -126,7 +126,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         name: place.experts_names().joining,
         so_far,
         held,
-        new_sum: (!shape.experts_scattered)
+        new_sum: (!shape.experts_scattered())
             .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
         key_values_pending: false,
         sum_pending: router_sum_pending(shape),
@@ -150,7 +150,7 @@ fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
     let router = router_gradient_whole(shape)?.bytes;
     let norm = if shape.recompute() == Recompute::Full { shape.norm * shape.sizes.element } else { 0.0 };
     // (Over ep alone ZeRO does not shard the experts.)
-    let experts = if shape.experts_scattered { 3.0 * expert_matrix(shape) } else { 0.0 };
+    let experts = if shape.experts_scattered() { 3.0 * expert_matrix(shape) } else { 0.0 };
     Some(Term {
         name: "the router's and the experts' weights (under full recomputation the MLP norm's), gathered again",
         bytes: router + experts + norm,
@@ -281,7 +281,7 @@ pub(super) fn dispatched(
 /// whole) and under ZeRO-3 the router's too; under dp the two waiting unreduced.
 pub(super) fn not_yet_among_the_gradients(shape: &StageShape) -> f64 {
     let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes) / shape.shards;
-    if shape.experts_scattered {
+    if shape.experts_scattered() {
         3.0 * expert_matrix(shape) / shape.expert_shards + router
     } else {
         experts_waiting(shape) + router

@@ -481,7 +481,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     // The stage's B gradients (its layers' experts' and routers'), all made by then; under dp two
     // of the first layer's wait unreduced as the first joins its sum (`joining.held` counts them).
-    let made_in_b = shape.mlp_gradients_in_b.unwrap_or(0.0) * chunk.layers as f64;
+    let made_in_b = shape.mlp_gradients_in_b().unwrap_or(0.0) * chunk.layers as f64;
     // What W reads beyond the later layers' inputs: the first layer's output, which the next
     // layer's attention norm's weight gradient reads, or on a chunk of one layer the final norm's
     // (on another chunk its output sent on, counted apart), and on the last chunk the head's:
@@ -526,7 +526,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // Under tp B all-reduces the first layer's routed experts' input gradient before it makes
     // their weight gradients (on the micro-batch's first B of the chunk their sums not made yet).
     if let Some(mut reduced) = experts_input_gradient_reduced(shape, chunk) {
-        let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+        let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
         reduced.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate {
             name: "first layer's routed experts' input gradient all-reduced over tp in B",
@@ -539,16 +539,18 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // Over ep B dispatches the first layer's experts' backward, none of its B gradients made yet.
     let name = "first layer's experts' backward dispatched in B";
     if let Some(mut dispatched) = experts::dispatched(shape, name, &context, 0.0) {
-        let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+        let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
         dispatched.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..dispatched });
     }
+    // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
+    let not_yet = experts::not_yet_among_the_gradients(shape);
     if let Some(mut made) = experts::made_beside_weights_gathered(shape, Place::FirstLayer, &context, 0.0) {
         made.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate {
             name: "first layer's expert gradients made beside their weights gathered again in B",
-            so_far: made_in_b - experts::not_yet_among_the_gradients(shape),
-            sum_pending: experts::not_yet_among_the_gradients(shape),
+            so_far: made_in_b - not_yet,
+            sum_pending: not_yet,
             ..made
         });
     }
@@ -556,8 +558,8 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         joining.held.extend(for_w_past_shared);
         points.push(Candidate {
             name: "first layer's expert gradient joins its sum in B",
-            so_far: made_in_b - experts::not_yet_among_the_gradients(shape),
-            sum_pending: joining.sum_pending + experts::not_yet_among_the_gradients(shape),
+            so_far: made_in_b - not_yet,
+            sum_pending: joining.sum_pending + not_yet,
             ..joining
         });
     }
@@ -671,7 +673,7 @@ fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
 /// buffers the micro-batch holds [`beside_tsp_first_ring`] and what W reads of the head
 /// ([`tsp_head_read_by_w`]).
 fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let per_layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+    let per_layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
     let mut held = beside_tsp_first_ring(shape, chunk);
     held.extend(tsp_head_read_by_w(shape, chunk));
     let layers = chunk.layers as f64;
@@ -732,7 +734,7 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
             bytes: 3.0 * gathered,
         },
     ]);
-    let made_in_b = shape.mlp_gradients_in_b.unwrap_or(0.0) * chunk.layers as f64;
+    let made_in_b = shape.mlp_gradients_in_b().unwrap_or(0.0) * chunk.layers as f64;
     Candidate::made("first layer's attention backward in B: v's part of the input gradient summed", made_in_b, held)
 }
 
@@ -820,7 +822,7 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
     ]);
     held.extend(shared_expert::weights_regathered(shape));
     held.extend(for_w.iter().cloned());
-    let layer = shape.mlp_gradients_in_b.unwrap_or(0.0);
+    let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
     Some(Candidate {
         name: "first layer's shared expert's gate output gradient in B",
         so_far: made_in_b - layer,

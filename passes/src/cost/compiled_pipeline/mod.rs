@@ -460,8 +460,7 @@ struct StageShape<'a> {
     scattered: bool,
     shards: f64,
     /// A routed expert's gradients are sharded over its own replicas, dp × cp (ep splits the
-    /// experts): `expert_shards` of them, and `experts_scattered` where there are more than one.
-    experts_scattered: bool,
+    /// experts): `expert_shards` of them (1 where ZeRO does not shard them).
     expert_shards: f64,
     /// The bytes of a layer's k and v projections that ZeRO-2 and 3 hold beyond their shards,
     /// where the rows do not divide over the replicas (of their gradients, and under ZeRO-3 of
@@ -472,9 +471,6 @@ struct StageShape<'a> {
     /// probability sums (`[E]` each), sent on to the last stage, which sums them over the layers
     /// (the counts' sum kept for the loss's backward, the loss itself until the backward starts).
     statistics: f64,
-    /// The MLP's weight gradients B makes under zero bubble (tsp's ring, a mixture's experts and
-    /// router: none of them is a W op), a layer.
-    mlp_gradients_in_b: Option<f64>,
     /// The embedding is tied to the LM head: the stage holding the head reads the first stage's
     /// table and sends back the head's part of its gradient, which the first stage adds to the
     /// embedding's part before it joins its sum.
@@ -501,19 +497,6 @@ impl<'a> StageShape<'a> {
         // ZeRO shards a dense gradient over dp × cp × ep, a routed expert's over dp × cp.
         let replicas = layout.zero_replicas();
         let scattered = workload.zero >= 2 && replicas > 1;
-        let mlp_gradients_in_b = if tsp > 1 {
-            Some(3.0 * model.hidden as f64 * model.ffn as f64 / tsp as f64 * element)
-        } else {
-            // (Not a shared expert's gate vector, whose weight gradient is W's. Under ZeRO-2 and 3
-            // their shards: the router's over dp × cp × ep, the experts' over dp × cp.)
-            let (shards, expert_shards) =
-                if scattered { (replicas as f64, layout.expert_zero_replicas() as f64) } else { (1.0, 1.0) };
-            model.experts.as_ref().map(|experts| {
-                (model.routed_expert_weights() as f64 / (tp * layout.expert_degree()) as f64 / expert_shards
-                    + (experts.count * model.hidden) as f64 / shards)
-                    * element
-            })
-        };
         let zero_rows = ZeroRows::new(model, layout);
         let key_values_kept_whole = if scattered { zero_rows.beyond_key_values() * element } else { 0.0 };
         let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
@@ -535,12 +518,10 @@ impl<'a> StageShape<'a> {
             experts_reduced: dp > 1 || cp > 1,
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
-            experts_scattered: scattered && layout.expert_zero_replicas() > 1,
             expert_shards: if scattered { layout.expert_zero_replicas() as f64 } else { 1.0 },
             key_values_kept_whole,
             key_values_gathered: zero_rows.splits_key_values(),
             statistics: sizes.statistics,
-            mlp_gradients_in_b,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
             norm: model.norm.params(model.hidden) as f64,
@@ -599,6 +580,26 @@ impl<'a> StageShape<'a> {
     /// routed expert's over dp × cp.
     fn sharded(&self, bytes: f64, experts: f64) -> f64 {
         (bytes - experts) / self.shards + experts / self.expert_shards
+    }
+
+    /// Whether ZeRO-2 and 3 shard the routed experts' gradients (over dp × cp: not over ep alone).
+    fn experts_scattered(&self) -> bool {
+        self.expert_shards > 1.0
+    }
+
+    /// The MLP's weight gradients B makes under zero bubble, a layer (bytes; as the rank holds
+    /// them): tsp's ring's, or a mixture's experts' and router's (not a shared expert's gate
+    /// vector, whose weight gradient is W's); none of them is a W op. `None` for a dense MLP
+    /// without tsp.
+    fn mlp_gradients_in_b(&self) -> Option<f64> {
+        let model = self.model;
+        if self.tsp > 1 {
+            return Some(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element);
+        }
+        model.experts.as_ref().map(|experts| {
+            let routed = self.layer_routed_experts();
+            self.sharded((experts.count * model.hidden) as f64 * self.sizes.element + routed, routed)
+        })
     }
 
     /// [`Self::layer_mlp_gradients`], as the rank holds them under ZeRO-2 and 3.

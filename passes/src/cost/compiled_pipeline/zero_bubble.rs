@@ -35,7 +35,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     let StepSizes { ids, positions, stream, gathered, kv_kept, kept_layer, every_token, .. } = shape.sizes;
     let (first, last, layers) = (chunk.first, chunk.last, chunk.layers as f64);
     let (sequence_parallel, statistics) = (shape.sequence_parallel(), shape.statistics);
-    let mlp_gradients_in_b = shape.mlp_gradients_in_b;
+    let mlp_gradients_in_b = shape.mlp_gradients_in_b();
     let selective = shape.recompute() == Recompute::Selective;
     let full = shape.recompute() == Recompute::Full;
     let attention_for_w = if selective { query + 2.0 * kv } else { query };
