@@ -54,9 +54,10 @@ pub(super) struct Candidate {
     /// The gradient joining its running sum there: its new sum is live beside the old one once
     /// an earlier micro-batch has created the sum.
     pub new_sum: Option<Term>,
-    /// Whether the first layer's k and v gradients are still to be made there (the micro-batch's
-    /// gradients ZeRO keeps whole, [`ChunkHold::grads_kept_whole`], are made but theirs).
-    pub key_values_pending: bool,
+    /// Of the gradients ZeRO keeps whole ([`ChunkHold::grads_kept_whole`]), the micro-batch has
+    /// made all there but the k and v gradients of this many of the chunk's layers: inside its
+    /// first layer's backward that layer's, at the head of its backward every layer's.
+    pub key_values_pending: u64,
     /// The bytes whose running sum is made later in the backward: on a micro-batch's first
     /// backward of the chunk their sums do not exist yet. Of `so_far` at a backward's point (over
     /// ep beside the load-balancing loss, the router's gradient from the experts' backward, not
@@ -69,7 +70,7 @@ impl Candidate {
     /// A point where the micro-batch has made `so_far` of the chunk's gradients and none joins a
     /// sum.
     pub(super) fn made(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
-        Candidate { name, so_far, held, new_sum: None, key_values_pending: false, sum_pending: 0.0 }
+        Candidate { name, so_far, held, new_sum: None, key_values_pending: 0, sum_pending: 0.0 }
     }
 }
 
@@ -145,7 +146,9 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     if let Some(w_reads) = w_reads {
         backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));
     }
-    backward.extend(zero_bubble::head_of_w(shape, &chunk, &between_b_and_w));
+    // (At the head of W no layer's k and v weight gradients are made yet.)
+    let head_of_w = zero_bubble::head_of_w(shape, &chunk, &between_b_and_w);
+    backward.extend(head_of_w.into_iter().map(|point| Candidate { key_values_pending: layers, ..point }));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
@@ -313,8 +316,9 @@ fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
 
 /// The tail of a backward, where its last large weight gradient joins the sums (the embedding's
 /// on the first chunk, the first layer's query projection's on another), and on the first chunk
-/// beside dp (or cp) and a split vocabulary the embedding rows' slicing just before it. `w_reads`
-/// is what a W's tail still reads under zero bubble.
+/// beside dp (or cp) and a split vocabulary the embedding rows' slicing just before it (under tsp
+/// the whole-vocabulary gradient's scattering before that). `w_reads` is what a W's tail still
+/// reads under zero bubble.
 ///
 /// Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is freed
 /// only after (the sum is taken right where the reduced gradient is written); by then the
@@ -430,6 +434,21 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
         held.extend(w_reads.clone());
         held
     });
+    // Under tsp, before that: the whole-vocabulary gradient being scattered from every token's
+    // gradient (gathered over the axis) by their ids, both orders' (the zigzag's read there).
+    let scattering = (chunk.first && shape.tsp > 1).then(|| {
+        let mut held = chunk.end.clone();
+        held.extend([
+            Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element },
+            Term {
+                name: "every token's gradient, gathered for the embedding's backward",
+                bytes: shape.sizes.every_token,
+            },
+            Term { name: "token ids, in order and in zigzag order", bytes: 2.0 * ids },
+        ]);
+        held.extend(w_reads.clone());
+        held
+    });
     // The joining gradient's reduce-scatter stages it whole (the tail only: the rows are sliced
     // before it starts).
     if scattered {
@@ -446,7 +465,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
         so_far: if scattered { before_joining } else { before_joining + joining },
         held,
         new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
-        key_values_pending: false,
+        key_values_pending: 0,
         sum_pending: 0.0,
     }];
     if let Some(held) = parts_summed {
@@ -466,6 +485,9 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
             before_joining,
             held,
         ));
+    }
+    if let Some(held) = scattering {
+        candidates.push(Candidate::made("the embedding's gradient scattered from every token's", before_joining, held));
     }
     candidates
 }

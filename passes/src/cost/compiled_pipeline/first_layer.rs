@@ -107,7 +107,7 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
         so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
         held,
         new_sum: None,
-        key_values_pending: true,
+        key_values_pending: 1,
         sum_pending: 0.0,
     })
 }
@@ -146,7 +146,7 @@ pub(super) fn gate_input_gradient_scattered(shape: &StageShape, chunk: &Chunk) -
         so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
         held,
         new_sum: None,
-        key_values_pending: true,
+        key_values_pending: 1,
         sum_pending: 0.0,
     })
 }
@@ -180,7 +180,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held: before_attention(shape, chunk, mlp),
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: false,
+        key_values_pending: 0,
         sum_pending: 0.0,
     })
 }
@@ -247,7 +247,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         so_far: chunk.grads - not_made / shape.shards,
         held,
         new_sum: None,
-        key_values_pending: true,
+        key_values_pending: 1,
         sum_pending: 0.0,
     })
 }
@@ -321,7 +321,7 @@ pub(super) fn attention_input_gradients(
             so_far: attention_so_far + key_value,
             held: from_v_and_k,
             new_sum: None,
-            key_values_pending: true,
+            key_values_pending: 1,
             sum_pending: 0.0,
         },
         Candidate::made(names[1], attention_so_far + 2.0 * key_value, from_q),
@@ -375,7 +375,7 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
             so_far: chunk.grads - (layer + chunk.table) / shape.shards,
             held,
             new_sum: None,
-            key_values_pending: true,
+            key_values_pending: 1,
             sum_pending: 0.0,
         }];
     }
@@ -401,7 +401,7 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
                 - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
             held,
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         },
     ]
@@ -751,7 +751,7 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
     // weights, both norms) and the embedding's.
     let element = shape.sizes.element;
     let blocks = (shape.attention_weights * element + shape.layer_mlp_gradients()) / shape.tsp as f64;
-    let made_before = chunk.grads - blocks - 2.0 * shape.norm * element - chunk.table;
+    let made_before = chunk.grads - shape.sharded(blocks + 2.0 * shape.norm * element + chunk.table, 0.0);
     let mut points = tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, made_before, None);
     // Past the ring (beside dp its gradients reduced and summed, their unreduced copies freed),
     // the MLP norm's input gradient is summed into the attention residual's, beside the ring's
@@ -771,9 +771,13 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
     });
     points.push(Candidate::made(
         "first layer's MLP norm's input gradient summed past the ring",
-        made_before + shape.layer_mlp_gradients() / shape.tsp as f64,
+        made_before + shape.sharded(shape.layer_mlp_gradients() / shape.tsp as f64, 0.0),
         held,
     ));
+    // (The layer's k and v gradients are not made yet.)
+    for point in &mut points {
+        point.key_values_pending = 1;
+    }
     points
 }
 
@@ -828,7 +832,7 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
         so_far: made_in_b - layer,
         held,
         new_sum: None,
-        key_values_pending: false,
+        key_values_pending: 0,
         sum_pending: layer,
     })
 }
@@ -925,7 +929,7 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
         held,
         new_sum: (!shape.scattered)
             .then_some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: false,
+        key_values_pending: 0,
         sum_pending: 0.0,
     })
 }
@@ -986,11 +990,17 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
     // summed (a block), its contributions to that owner's block, the reduce's own buffers, and,
     // with `after` owners still to come, their activations and the attention norm's output they
     // read. Of the layer's gradients only its attention's and its input norm's are not done.
-    let reducing_so_far = chunk.grads - block - shape.norm * element - chunk.table;
+    let reducing_so_far = chunk.grads - shape.sharded(block + shape.norm * element + chunk.table, 0.0);
     let mut candidates: Vec<Candidate> = tsp_o_reduces(shape.tsp, shape.tsp_rank, o_block)
         .into_iter()
         .map(|point| {
-            let mut held = chunk.first_layer_held.clone();
+            // (On the first chunk the last owner's RoPE backward read the positions last: outside
+            // zero bubble they are freed by its reduce.)
+            let mut held = if point.after == 0 && !shape.zero_bubble {
+                chunk.first_layer_held_after_rope_backward()
+            } else {
+                chunk.first_layer_held.clone()
+            };
             held.extend(gradients.iter().cloned());
             held.extend([
                 Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
@@ -1060,9 +1070,13 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
             so_far: chunk.grads - (block - o_block) - shape.norm * element - chunk.table,
             held,
             new_sum: Some(Term { name: "the joining o gradient's new sum beside the old", bytes: o_block }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
+    }
+    // (Every point comes before the layer's k and v gradients are reduced to their owners.)
+    for candidate in &mut candidates {
+        candidate.key_values_pending = 1;
     }
     candidates
 }
@@ -1074,11 +1088,15 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
 /// product; or as its output projection's gradient is (the MLP's done), its attention norm's,
 /// q's, k's and v's weights gathered beside the recomputed norm output, q, k and v, and the
 /// attention output's gradient. (Not under zero bubble: B recomputes the forward, gathering the
-/// weights, and W, which makes the weight gradients, reads what B kept, no weight. For a mixture
-/// only the attention's point: its MLP's are its experts' and shared expert's.)
+/// weights, and W, which makes the weight gradients, reads what B kept, no weight; nor under tsp,
+/// whose MLP ring and attention owners are modelled apart, `tsp_ring`. For a mixture only the
+/// attention's point: its MLP's are its experts' and shared expert's.)
 pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, ffn, stream, gathered, .. } = shape.sizes;
-    if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full) || shape.zero_bubble {
+    if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full)
+        || shape.zero_bubble
+        || shape.tsp > 1
+    {
         return Vec::new();
     }
     let (gate, norm, attention_weights, shards) = (shape.gate, shape.norm, shape.attention_weights, shape.shards);
@@ -1115,7 +1133,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,
         held: attention,
         new_sum: None,
-        key_values_pending: true,
+        key_values_pending: 1,
         sum_pending: 0.0,
     };
     if shape.model.experts.is_some() {
@@ -1127,7 +1145,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             so_far: chunk.grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + chunk.table) / shards,
             held: mlp,
             new_sum: None,
-            key_values_pending: true,
+            key_values_pending: 1,
             sum_pending: 0.0,
         },
         attention,

@@ -16,11 +16,12 @@ use super::{tsp_ring, Place, StageShape};
 /// last layer's down gradient made on either ([`down_gradient_at_the_head`]); and a mixture's last
 /// layer's MLP backward on either ([`mixture_head`]).
 pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    if chunk.last {
-        last_chunk(shape, chunk)
-    } else {
-        other_chunk(shape, chunk)
+    let mut candidates = if chunk.last { last_chunk(shape, chunk) } else { other_chunk(shape, chunk) };
+    // (No layer's k and v gradients are made yet.)
+    for candidate in &mut candidates {
+        candidate.key_values_pending = chunk.layers;
     }
+    candidates
 }
 
 /// The loss's backward, at the head of the micro-batch's backward on the last chunk: all it holds
@@ -98,7 +99,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             new_sum: head_part
                 .is_none()
                 .then_some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
     }
@@ -128,7 +129,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 head_part,
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
     }
@@ -187,7 +188,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
             ],
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
     }
@@ -216,7 +217,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .chain(head_part.clone())
             .collect(),
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
         // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
@@ -298,7 +299,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "the down gradient before its dp all-reduce", bytes: shape.gate },
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
         candidates.push(Candidate::made(
@@ -328,7 +329,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: 0.0,
         });
     }
@@ -371,7 +372,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
-    let modelled = shape.model.experts.is_none() && shape.tsp == 1 && shape.key_values_kept_whole == 0.0;
+    let modelled = shape.model.experts.is_none() && shape.tsp == 1;
     if !modelled {
         return Vec::new();
     }
@@ -632,7 +633,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         so_far,
         held,
         new_sum: None,
-        key_values_pending: true,
+        key_values_pending: 1,
         sum_pending: 0.0,
     }];
     candidates.extend(super::first_layer::attention_input_gradients(
@@ -694,48 +695,88 @@ fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candid
                 name: "the final norm's output recomputed, and its gathered copy staged",
                 bytes: stream + every_token,
             },
-        ],
+        ]
+        .into_iter()
+        .chain(final_norm_weight_regathered(shape))
+        .collect(),
     ))
+}
+
+/// Under full recomputation and ZeRO-3, the final norm's weight gathered over dp again for its
+/// recomputed output; its backward, past the LM head's, frees it.
+fn final_norm_weight_regathered(shape: &StageShape) -> Option<Term> {
+    let bytes = shape.weights_gathered_again(shape.norm * shape.sizes.element);
+    (shape.recompute() == Recompute::Full && bytes > 0.0)
+        .then_some(Term { name: "the final norm's weight, gathered over dp again", bytes })
 }
 
 /// Under tsp (outside zero bubble) the stage may peak as the LM head's weight gradient joins its
 /// sum: beside the head's input (gathered over the sequence; under full recomputation recomputed
 /// so), the logits' gradient and the head's input gradient (every token's), the logits and the
-/// targets freed; beside dp (or cp) after its all-reduce, the unreduced copy live and the logits'
-/// gradient and the head's input (under full recomputation its recomputed copy) freed by then. (A
-/// dense model's.)
-fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+/// targets freed. Beside dp (or cp) it may peak as that gradient is made, with those, then after
+/// its all-reduce, the unreduced copy live and the logits' gradient and the head's input (under
+/// full recomputation its recomputed copy) freed by then; under ZeRO-2 and 3 as it is
+/// reduce-scattered instead, staged whole. (A dense model's.)
+fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, hidden, ids, vocab_shard, every_token, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
     if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
-        return None;
+        return Vec::new();
     }
     let weight_gradient = vocab_shard * hidden * element;
-    let mut held = vec![Term { name: "its positions", bytes: chunk.positions }];
-    if shape.reduced {
-        // (Under full recomputation the forward kept no head input.)
-        let head_input = if full { 0.0 } else { every_token };
-        held.push(Term {
+    let positions = Term { name: "its positions", bytes: chunk.positions };
+    let head_input_gradient = Term { name: "the LM head's input gradient, every token's", bytes: every_token };
+    // (The logits' gradient in place of the logits.)
+    let mut made =
+        vec![positions.clone(), Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids }];
+    if full {
+        made.push(Term { name: "the final norm's output recomputed, gathered over the sequence", bytes: every_token });
+    }
+    made.push(head_input_gradient.clone());
+    made.extend(final_norm_weight_regathered(shape));
+    if !shape.reduced {
+        return vec![Candidate {
+            name: "the LM head's weight gradient joins its sum",
+            so_far: weight_gradient,
+            held: made,
+            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+            key_values_pending: 0,
+            sum_pending: 0.0,
+        }];
+    }
+    let unreduced =
+        Term { name: "the LM head's weight gradient before its all-reduce or reduce-scatter", bytes: weight_gradient };
+    made.push(unreduced.clone());
+    // (Under full recomputation the forward kept no head input.)
+    let head_input = if full { 0.0 } else { every_token };
+    let mut reduced = vec![
+        positions,
+        Term {
             name: "what it holds in flight but the targets, the logits and the head's input",
             bytes: chunk.in_flight - ids - shape.logits() - head_input,
-        });
-        held.push(Term { name: "the LM head's weight gradient before its all-reduce", bytes: weight_gradient });
+        },
+        unreduced,
+        head_input_gradient,
+    ];
+    reduced.extend(final_norm_weight_regathered(shape));
+    let mut candidates = vec![Candidate::made("the LM head's weight gradient, before its dp reduction", 0.0, made)];
+    if shape.scattered {
+        // Under ZeRO-2 and 3 it is reduce-scattered, staged whole; its shard is written where the
+        // staging was, and joins its sum after.
+        let mut held = reduced;
+        held.push(Term { name: "its reduce-scatter's staging", bytes: weight_gradient });
+        candidates.push(Candidate::made("the LM head's weight gradient reduce-scattered", 0.0, held));
     } else {
-        // (The logits' gradient in place of the logits.)
-        held.push(Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids });
+        candidates.push(Candidate {
+            name: "the LM head's weight gradient joins its sum",
+            so_far: weight_gradient,
+            held: reduced,
+            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+            key_values_pending: 0,
+            sum_pending: 0.0,
+        });
     }
-    if full && !shape.reduced {
-        held.push(Term { name: "the final norm's output recomputed, gathered over the sequence", bytes: every_token });
-    }
-    held.push(Term { name: "the LM head's input gradient, every token's", bytes: every_token });
-    Some(Candidate {
-        name: "the LM head's weight gradient joins its sum",
-        so_far: weight_gradient,
-        held,
-        new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-        key_values_pending: false,
-        sum_pending: 0.0,
-    })
+    candidates
 }
 
 /// Under tsp (outside zero bubble) the last chunk's backward next runs its last layer's MLP ring
@@ -761,6 +802,6 @@ fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "the final norm's input gradient", bytes: stream },
     ];
     held.extend(ring_input_recomputed(shape));
-    let made_before = (vocab_shard * hidden + shape.norm) * element;
+    let made_before = shape.sharded((vocab_shard * hidden + shape.norm) * element, 0.0);
     tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, made_before, None)
 }

@@ -109,7 +109,14 @@
 //! gradient is summed, in a forward's last layer's ring or as the last chunk makes every token's
 //! logits, as the first stage's B gathers the embedding output's gradient over the sequence (W
 //! reads every token's), as the last stage's B reduce-scatters the LM head's input gradient over
-//! it, or at the head of the last chunk's W (the LM head's gradient).
+//! it, or at the head of the last chunk's W (the LM head's gradient). Beside dp the last chunk may
+//! also peak as the LM head's weight gradient is made (beside the logits' and the head input's
+//! gradients), and the first stage as its whole-vocabulary embedding gradient is scattered from
+//! every token's gradient (gathered, both orders of the token ids live). Under ZeRO-2 and 3 the
+//! sums and gradients are dp's shards: the LM head's gradient is reduce-scattered, staged whole
+//! (under zero bubble in W), the ring's three at the ring's end; ZeRO-3 gathers the rank's shards of
+//! a layer's MLP weights over dp again for its ring's backward (under full recomputation the MLP
+//! norm's and the final norm's weights too).
 //!
 //! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
 //! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
@@ -252,14 +259,15 @@
 //! first, and the ring gradients' dp reduction), exact on nine stages in ten.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone or beside `dp`; GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
+//! alone or beside `dp` (any ZeRO stage); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
 //! where every parameter's rows divide over them but perhaps k's and v's (the sums and gradients
 //! are their shards, each gradient is reduce-scattered and staged whole, and the stage's other
 //! candidate is inside its first layer's backward, or W, as the gate gradient is scattered; k and
 //! v, where ZeRO keeps them whole, are named apart,
-//! [`super::compiled_training::GRADS_KEPT_WHOLE`]); ZeRO-3 as ZeRO-2 with the parameters their
+//! [`super::compiled_training::GRADS_KEPT_WHOLE`], none of a chunk's made at the head of its
+//! backward or of its W); ZeRO-3 as ZeRO-2 with the parameters their
 //! shards too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered beside
@@ -385,9 +393,9 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
     layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
-        // tsp beside pp, alone or with dp (ZeRO-1 at most), a dense model.
+        // tsp beside pp, alone or with dp (any ZeRO stage), a dense model.
         && tsp_rank < tsp
-        && (tsp == 1 || (tp * cp == 1 && workload.zero <= 1 && model.experts.is_none()))
+        && (tsp == 1 || (tp * cp == 1 && model.experts.is_none()))
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
         // whole; the stage's points count them apart).
@@ -594,7 +602,9 @@ impl<'a> StageShape<'a> {
     fn mlp_gradients_in_b(&self) -> Option<f64> {
         let model = self.model;
         if self.tsp > 1 {
-            return Some(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element);
+            return Some(
+                self.sharded(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element, 0.0),
+            );
         }
         model.experts.as_ref().map(|experts| {
             let routed = self.layer_routed_experts();

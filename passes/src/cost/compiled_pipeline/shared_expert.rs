@@ -67,7 +67,7 @@ pub(super) fn shared_expert_points(
     let point = |name, so_far, own: Vec<Term>, new_sum| {
         let mut held = beside.to_vec();
         held.extend(own);
-        Candidate { name, so_far, held, new_sum, key_values_pending: false, sum_pending: 0.0 }
+        Candidate { name, so_far, held, new_sum, key_values_pending: 0, sum_pending: 0.0 }
     };
     // Under ZeRO-2 and 3 each weight gradient is reduce-scattered where it would be all-reduced,
     // staged whole beside itself: its shard, written where the staging was (the planner counts the

@@ -3,6 +3,7 @@
 //! their gradients, the shard's weight-gradient contributions and the partial sums are made.
 
 use super::super::memory::Term;
+use super::super::workload::Recompute;
 use super::chunk::Candidate;
 use super::StageShape;
 
@@ -67,7 +68,7 @@ impl RingWalk {
             so_far: self.so_far,
             held,
             new_sum: joining.map(|bytes| Term { name: "the ring's output joining its sum, new beside old", bytes }),
-            key_values_pending: false,
+            key_values_pending: 0,
             sum_pending: self.made_in_b.map_or(0.0, |made_in_b| made_in_b - self.so_far),
         });
     }
@@ -99,6 +100,14 @@ pub(super) fn ring_backward(
     let input_gradient = shape.sizes.gathered;
     let projection = shape.sizes.hidden * shape.sizes.ffn / tsp as f64 * element;
     let reduced = shape.reduced;
+    // Under ZeRO-3 the rank's shards of the layer's MLP weights are gathered over dp again for it
+    // (under full recomputation its MLP norm's too, for the ring's recomputed input).
+    let mut held = held;
+    let norm = if shape.recompute() == Recompute::Full { shape.norm * element } else { 0.0 };
+    let regathered = shape.weights_gathered_again(3.0 * projection + norm);
+    if regathered > 0.0 {
+        held.push(Term { name: "the layer's MLP weights, gathered over dp again", bytes: regathered });
+    }
     let mut ring = RingWalk { live: 0.0, so_far: made_before, held, made_in_b, points: Vec::new() };
     // The first step's shard comes from the next rank (the rank's own goes on).
     ring.live += 3.0 * projection;

@@ -241,7 +241,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         so_far: made_in_b + gradient,
         held,
         new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: gradient }),
-        key_values_pending: false,
+        key_values_pending: 0,
         sum_pending: 0.0,
     };
     if !shape.reduced {
@@ -255,10 +255,15 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // and input (under full recomputation the copy W recomputed), or the last layer's SiLU
     // product (under full recomputation recomputed) and under SP its output gradient gathered. (Not under tsp, nor where ZeRO keeps k's and
     // v's rows whole.)
-    if shape.scattered && shape.tsp == 1 && shape.model.experts.is_none() && shape.key_values_kept_whole == 0.0 {
+    if shape.scattered && shape.model.experts.is_none() {
         let (name, freed) = if chunk.last {
-            let logits_gradient = local_tokens * vocab_shard * element;
-            ("the LM head's weight gradient reduce-scattered in W", logits_gradient + gathered)
+            // (Under tsp every token's, the head's input gathered over the sequence.)
+            let (logits_gradient, head_input) = if shape.tsp > 1 {
+                (shape.logits(), every_token)
+            } else {
+                (local_tokens * vocab_shard * element, gathered)
+            };
+            ("the LM head's weight gradient reduce-scattered in W", logits_gradient + head_input)
         } else {
             // (Under SP the output gradient gathered over tp, which W read last there, too.)
             let gathered_output_gradient = if shape.sequence_parallel() { gathered } else { 0.0 };
