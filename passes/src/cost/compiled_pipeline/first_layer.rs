@@ -518,7 +518,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             });
         }
     }
-    let mut points: Vec<Candidate> = shared_expert_in_b(shape, chunk, &for_w, made_in_b).into_iter().collect();
+    let mut points = shared_expert_in_b(shape, chunk, &for_w, made_in_b);
     // Past the first layer's shared expert's B, W also reads what its weight gradients read; past
     // the routed experts' backward, the MLP norm's output among them.
     let for_w_past_shared: Vec<Term> = shared_expert_read_by_w(shape, false).into_iter().chain(for_w.clone()).collect();
@@ -807,34 +807,68 @@ fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
 /// vector's input gradient. Of the stage's B gradients only the later layers' are made. (Under
 /// full recomputation B has recomputed the layer's MLP norm output, gate, up and product from the
 /// attention residual kept, its attention not yet; under ZeRO-3 beside the weights it gathered
-/// again for that.)
-fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
-    shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
+/// again for that.) Under ZeRO-3 also as down's input gradient is made, beside down's weights
+/// gathered again (of a wide shared expert larger than the tokens' product), and under full
+/// recomputation, where they are gathered in steps (over several of dp, cp and ep), as their last
+/// step runs in the recomputed forward, beside the gate vector's weights and the gate logit.
+fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, hidden, ffn, gathered, .. } = shape.sizes;
+    if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+        return Vec::new();
+    }
     let intermediate = local_tokens * ffn * element;
-    let mut held = mlp_context(shape, chunk, true);
-    held.extend([
-        Term { name: "first layer's shared expert's gate, up and their product", bytes: 3.0 * intermediate },
-        Term {
-            name: "first layer's shared expert's gate logit's and scaled output's gradients, the gate vector's input gradient",
-            bytes: local_tokens * element + 2.0 * gathered,
-        },
-        Term {
-            name: "first layer's shared down projection's input gradient and gate's output gradient",
-            bytes: 2.0 * intermediate,
-        },
-    ]);
-    held.extend(shared_expert::weights_regathered(shape));
-    held.extend(for_w.iter().cloned());
     let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
-    Some(Candidate {
-        name: "first layer's shared expert's gate output gradient in B",
-        so_far: made_in_b - layer,
-        held,
-        new_sum: None,
-        key_values_pending: 0,
-        sum_pending: layer,
-    })
+    let point = |name, more: Vec<Term>| {
+        let mut held = mlp_context(shape, chunk, true);
+        held.push(Term { name: "first layer's shared expert's gate, up and their product", bytes: 3.0 * intermediate });
+        held.extend(more);
+        held.extend(shared_expert::weights_regathered(shape));
+        held.extend(for_w.iter().cloned());
+        Candidate { name, so_far: made_in_b - layer, held, new_sum: None, key_values_pending: 0, sum_pending: layer }
+    };
+    let gradients = Term {
+        name:
+            "first layer's shared expert's gate logit's and scaled output's gradients, the gate vector's input gradient",
+        bytes: local_tokens * element + 2.0 * gathered,
+    };
+    let mut points = vec![point(
+        "first layer's shared expert's gate output gradient in B",
+        vec![
+            gradients.clone(),
+            Term {
+                name: "first layer's shared down projection's input gradient and gate's output gradient",
+                bytes: 2.0 * intermediate,
+            },
+        ],
+    )];
+    let down_weights = shape.weights_gathered_again(shape.gate);
+    if down_weights > 0.0 {
+        points.push(point(
+            "first layer's shared down projection's input gradient in B",
+            vec![
+                gradients,
+                Term { name: "first layer's shared down projection's input gradient", bytes: intermediate },
+                Term { name: "its weights, gathered again", bytes: down_weights },
+            ],
+        ));
+    }
+    let share = shape.two_step_gather_share();
+    if share > 0.0 && shape.recompute() == Recompute::Full {
+        points.push(point(
+            "first layer's shared down projection's weights gathered again in B, the last step",
+            vec![
+                Term {
+                    name: "first layer's shared expert's gate vector weights (gathered again) and gate logit",
+                    bytes: (hidden + local_tokens) * element,
+                },
+                Term {
+                    name: "its weights, gathered (staged) beside the step before's output",
+                    bytes: (1.0 + share) * down_weights,
+                },
+            ],
+        ));
+    }
+    points
 }
 
 /// Under zero bubble B next makes the first layer's attention norm output's gradients from v, k

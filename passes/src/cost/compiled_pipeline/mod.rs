@@ -164,7 +164,10 @@
 //! gradients. Under zero bubble these points are B's, where the experts' gradients are made (a
 //! shared expert's gate gradient is scattered in W), the sums of the experts' gradients not yet
 //! made on a micro-batch's first B of the chunk; over ep B may peak as it dispatches its first
-//! layer's experts' backward.
+//! layer's experts' backward. Under ZeRO-3 B may also peak as a shared expert's down input
+//! gradient is made beside its weights gathered again, and under full recomputation, where a
+//! dense weight split over several of dp, cp and ep is gathered a step an axis, as the recomputed
+//! forward's last step gathers them, the step before's output beside the whole.
 //!
 //! A shared expert (Qwen2-MoE) is a dense gated MLP beside the routed experts: a micro-batch in
 //! flight keeps its gate, up, product, output and gate logit, and its backward comes before the
@@ -624,6 +627,19 @@ impl<'a> StageShape<'a> {
             bytes
         } else {
             0.0
+        }
+    }
+
+    /// Under ZeRO-3 a dense parameter split over more than one of dp, cp and ep is gathered a step
+    /// an axis, ep's first and dp's last (`passes::zero`): as the last step runs, the step before's
+    /// output is live beside the whole, this share of it (1 over the last axis's degree). 0 where
+    /// one step gathers it, or ZeRO-3 none.
+    fn two_step_gather_share(&self) -> f64 {
+        let degrees = [AxisName::Dp, AxisName::Cp, AxisName::Ep].map(|axis| self.layout.degree(axis));
+        let mut split = degrees.into_iter().filter(|&degree| degree > 1);
+        match (split.next(), split.next()) {
+            (Some(last), Some(_)) => self.weights_gathered_again(1.0) / last as f64,
+            _ => 0.0,
         }
     }
 
