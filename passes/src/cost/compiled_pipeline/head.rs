@@ -520,7 +520,8 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 }
 
 /// The head of a mixture's backward on a chunk (under full recomputation beside the MLP norm's
-/// output recomputed; not beside a shared expert there): its last layer's MLP backward, a shared
+/// output recomputed, and a shared expert's gate, up and product, which the forward did not keep):
+/// its last layer's MLP backward, a shared
 /// expert's ([`shared_expert_points`]) then the routed experts' ([`experts_points`]), and on a
 /// chunk before the last the output gradient's arrival. The micro-batch holds all it holds in
 /// flight but (on the last chunk) the logits, the final norm's buffers and its last layer's
@@ -532,10 +533,9 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, hidden, stream, .. } = shape.sizes;
     let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
     let full = shape.recompute() == Recompute::Full;
-    if full && experts.shared_expert {
-        return Vec::new();
-    }
-    let shared_kept = if experts.shared_expert { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
+    // (Under full recomputation the forward kept none of a shared expert's activations.)
+    let shared_kept =
+        if experts.shared_expert && !full { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = if shape.statistics > 0.0 { element } else { 0.0 };

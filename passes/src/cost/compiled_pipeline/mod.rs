@@ -193,8 +193,8 @@
 //! weight gradient is made (beside dp, before its all-reduce) or joins its sum. Inside the first
 //! layer's backward: the same points of its MLP backward beside the layer's attention activations,
 //! its attention kernel's backward, and (not beside cp) the attention norm output's gradients from
-//! v and k summed, then from q. Under full recomputation the head's routed experts' points are
-//! modelled beside the MLP norm's output recomputed (a shared expert's are not), and so are the
+//! v and k summed, then from q. Under full recomputation the head's points are modelled beside
+//! the MLP norm's output recomputed (and a shared expert's gate, up and product), and so are the
 //! last layer's attention kernel's backward and input gradients, the layers below holding their
 //! residual stream. Over ep beside the load-balancing loss the router's gradient from
 //! the experts' backward has no running sum until it is summed with its gradient from the loss.
