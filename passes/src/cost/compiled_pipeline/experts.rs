@@ -204,12 +204,13 @@ fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option
     Some(Candidate { name, new_sum: None, held, ..joining.clone() })
 }
 
-/// Under tp (without ep; not beside a shared expert, whose backward comes first) the routed
-/// experts' input gradient, each rank's partial sum over its share of their channels, is
-/// all-reduced over tp before it joins the MLP norm output's gradient: a stage may peak there,
-/// beside the router's gradients from the load-balancing loss (made just before) and under SP the
-/// output gradient all-gathered over tp, which the experts read, none of the layer's MLP weight
-/// gradients made yet.
+/// Under tp (without ep) the routed experts' input gradient, each rank's partial sum over its
+/// share of their channels, is all-reduced over tp before it joins the MLP norm output's gradient:
+/// a stage may peak there, beside the router's gradients from the load-balancing loss (made just
+/// before) and under SP the output gradient all-gathered over tp, which the experts read, none of
+/// the layer's routed-expert and router weight gradients made yet. A shared expert's backward
+/// comes first: its gradients are made, and its input gradients' sum (which the router's input
+/// gradient from the loss joined) is live.
 pub(super) fn input_gradient_reduced(
     shape: &StageShape,
     place: Place,
@@ -219,12 +220,19 @@ pub(super) fn input_gradient_reduced(
     let name = place.experts_names().input_gradient_reduced;
     let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
-    if shape.tp == 1 || shape.ep > 1 || experts.shared_expert {
+    if shape.tp == 1 || shape.ep > 1 {
         return None;
     }
     let mut held = context.to_vec();
     if shape.sequence_parallel() {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
+    }
+    let mut so_far = made_before;
+    if experts.shared_expert {
+        so_far += shared_expert_gradients(shape);
+        if !experts.load_balancing_loss {
+            held.push(Term { name: "the shared expert's input gradients, summed", bytes: gathered });
+        }
     }
     if experts.load_balancing_loss {
         held.push(Term {
@@ -234,7 +242,13 @@ pub(super) fn input_gradient_reduced(
     }
     held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
-    Some(Candidate::made(name, made_before, held))
+    Some(Candidate::made(name, so_far, held))
+}
+
+/// A layer's shared expert's gradients, as the rank holds them: its gate vector's and its three
+/// projections' (tp's shard).
+fn shared_expert_gradients(shape: &StageShape) -> f64 {
+    (shape.sizes.hidden * shape.sizes.element + 3.0 * shape.gate) / shape.shards
 }
 
 /// Over ep one instruction makes the routed experts' input, router and weight gradients at once,
@@ -258,7 +272,7 @@ pub(super) fn dispatched(
     let mut held = context.to_vec();
     let mut so_far = made_before;
     if experts.shared_expert {
-        so_far += (hidden * element + 3.0 * shape.gate) / shape.shards;
+        so_far += shared_expert_gradients(shape);
         if !experts.load_balancing_loss {
             held.push(Term { name: "the shared expert's input gradients, summed", bytes: gathered });
         }

@@ -186,7 +186,7 @@
 //! stage sent back are summed; in the last layer's shared expert's backward (`shared_expert`: its
 //! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
 //! sum); as the routed experts' backward is dispatched over ep (from a copy of its operands) or
-//! their input gradient all-reduced over tp (without ep or a shared expert); as an expert
+//! their input gradient all-reduced over tp (without ep; a shared expert's gradients made); as an expert
 //! gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
 //! gradients from the router and the experts are summed; and as the attention residual's gradient
 //! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
