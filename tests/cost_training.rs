@@ -2871,7 +2871,7 @@ fn tsp_stage_closed_form_under_zero_2_and_3() {
     // gradient, gathered, both orders of the token ids live (beside dp alone too). At dp=4 k's and
     // v's rows are kept whole; the head of a backward (or of a W) has made none of the chunk's
     // layers' k and v gradients, the first layer's backward all but that layer's. Before these
-    // points were modelled the form was up to 23% above the planner's peak on these layouts.
+    // points were modelled the form was up to 22% above the planner's peak on these layouts.
     // From 64 to 1024 tokens, each recomputation, tsp at 2 and 4: never above; within 1% below
     // outside zero bubble (0.94% at most when this was written), within 5% under it (3.8%: W's
     // attention points of a layer but the first, as beside dp alone); exact on nine stages in ten
@@ -2922,8 +2922,8 @@ fn tsp_stage_closed_form_under_zero_2_and_3() {
 fn stages_whose_key_values_zero_keeps_whole_on_more_tokens() {
     // At dp=4 × tp=2 ZeRO-2 and 3 keep k's and v's gradients whole (their rows do not divide), and
     // on more tokens a stage peaks at the head of its backward (or of a W), where no layer's k and
-    // v gradients are made yet. The form had counted the chunk's all but the first layer's as made
-    // there: up to 16% above the planner's peak on these layouts. Now never above, within 3% below
+    // v gradients are made yet. The form had counted them all as made there: up to 6.9% above the
+    // planner's peak at dp=4 × tp=2 (4.5% under 1F1B). Now never above, within 3% below
     // (2.43% at most when this was written: the first layer's down gradient made under full
     // recomputation), exact on nine stages in ten (1096 of 1152 when this was written).
     let (four, wide_vocabulary, _) = four_layers_wide_and_tied();
