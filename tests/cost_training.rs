@@ -2591,11 +2591,11 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // those are gathered in two steps (over ep, then cp), the first's output beside the second's
     // (8.6% below before it was modelled). Before these points were modelled the form was up to
     // 34% above the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation,
-    // tiny-moe and two shared-expert variants, each schedule: never above, within 5% below (3.9%
-    // at most when this was written, under SP as the last layer's routed experts' input gradient
-    // is all-reduced over tp; 4.9% before that point was modelled beside a shared expert, whose
-    // gradients are made by then), exact on three stages in four (3948 of 4896 when this was
-    // written).
+    // tiny-moe and two shared-expert variants, each schedule: never above, within 5% below (3.1%
+    // at most on these layouts when this was written; 4.9% before the routed experts' input
+    // gradient's all-reduce over tp was modelled beside a shared expert, and the experts'
+    // gradients made under ZeRO-2, beside the MLP norm's output and under SP the output gradient
+    // gathered), exact on three stages in four (3956 of 4896 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2678,6 +2678,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "first layer's shared expert's gate gradient joins its sum",
             "first layer's experts' backward dispatched",
             "the last layer's routed experts' input gradient all-reduced over tp",
+            "the last layer's expert gradients made, before their reduce-scatter",
             "first layer's shared down projection's input gradient in B",
             "first layer's shared down projection's weights gathered again in B, the last step",
             "first layer's experts' backward dispatched in B",

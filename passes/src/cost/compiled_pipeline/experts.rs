@@ -23,6 +23,7 @@ impl Place {
             Place::FirstLayer => ExpertsNames {
                 dispatched: "first layer's experts' backward dispatched",
                 made: "first layer's expert gradients made beside their weights gathered again",
+                made_whole: "first layer's expert gradients made, before their reduce-scatter",
                 input_gradient_reduced: "first layer's routed experts' input gradient all-reduced over tp",
                 joining: "first layer's expert gradient joins its sum",
                 summed: "first layer's MLP norm output's gradients summed",
@@ -31,6 +32,7 @@ impl Place {
             Place::LastLayer => ExpertsNames {
                 dispatched: "the last layer's experts' backward dispatched",
                 made: "the last layer's expert gradients made beside their weights gathered again",
+                made_whole: "the last layer's expert gradients made, before their reduce-scatter",
                 input_gradient_reduced: "the last layer's routed experts' input gradient all-reduced over tp",
                 joining: "the last layer's expert gradient joins its sum",
                 summed: "the last layer's MLP norm output's gradients summed",
@@ -43,6 +45,7 @@ impl Place {
 struct ExpertsNames {
     dispatched: &'static str,
     made: &'static str,
+    made_whole: &'static str,
     input_gradient_reduced: &'static str,
     joining: &'static str,
     summed: &'static str,
@@ -64,7 +67,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
         .into_iter()
         .chain(input_gradient_reduced(shape, place, context, made_before))
         .collect();
-    points.extend(made_beside_weights_gathered(shape, place, context, made_before));
+    points.extend(made_before_scattered(shape, place, context, made_before));
     if let Some(joining) = joining(shape, place, context, made_before) {
         let summed = summed(shape, names.summed, &joining);
         points.push(joining);
@@ -157,34 +160,38 @@ fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
     })
 }
 
-/// Under ZeRO-3, as the routed experts' last weight gradient is made: the router's and the three
-/// experts' weights gathered again for the backward are live beside the three gradients, whole
-/// before their reduce-scatters, the router's gradient whole, and the MLP norm's output (not yet
-/// freed) and its gradient.
-pub(super) fn made_beside_weights_gathered(
+/// Under ZeRO-2 and 3, as the routed experts' last weight gradient is made: the three gradients,
+/// whole before their reduce-scatters, beside the MLP norm's output (not yet freed) and its
+/// gradient, and under SP the output gradient all-gathered over tp; under ZeRO-3 also the router's
+/// and the three experts' weights gathered again for the backward and the router's gradient
+/// whole (under ZeRO-2 its shard has joined its sum).
+pub(super) fn made_before_scattered(
     shape: &StageShape,
     place: Place,
     context: &[Term],
     made_before: f64,
 ) -> Option<Candidate> {
-    let router_whole = router_gradient_whole(shape)?;
+    shape.model.experts.as_ref()?;
+    let router_whole = router_gradient_whole(shape);
     // (Over ep one instruction makes every gradient of the experts' backward, [`dispatched`].)
-    if shape.ep > 1 {
+    if shape.ep > 1 || !(shape.experts_scattered() || router_whole.is_some()) {
         return None;
     }
+    let names = place.experts_names();
+    let name = if router_whole.is_some() { names.made } else { names.made_whole };
     let matrix = expert_matrix(shape);
     let mut held = context.to_vec();
     held.extend(weights_gathered_again(shape));
     held.extend([
         Term { name: "the MLP norm output's gradient", bytes: shape.sizes.gathered },
         Term { name: "the expert gradients before their reduce-scatter", bytes: 3.0 * matrix },
-        router_whole.clone(),
     ]);
+    held.extend(router_whole);
     if shape.sequence_parallel() {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: shape.sizes.gathered });
     }
     let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
-    Some(Candidate::made(place.experts_names().made, so_far, held))
+    Some(Candidate::made(name, so_far, held))
 }
 
 /// Over ep beside the load-balancing loss, next as the MLP norm output's gradients from the router
@@ -290,8 +297,8 @@ pub(super) fn dispatched(
 }
 
 /// Of a layer's routed-expert and router gradients, the bytes not among the micro-batch's
-/// gradients as one joins its sum ([`joining`]; as the last is made under ZeRO-3,
-/// [`made_beside_weights_gathered`]): under ZeRO-2 and 3 the three experts' shards (each held
+/// gradients as one joins its sum ([`joining`]; as the last is made under ZeRO-2 and 3,
+/// [`made_before_scattered`]): under ZeRO-2 and 3 the three experts' shards (each held
 /// whole) and under ZeRO-3 the router's too; under dp the two waiting unreduced.
 pub(super) fn not_yet_among_the_gradients(shape: &StageShape) -> f64 {
     let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes) / shape.shards;

@@ -545,10 +545,14 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
     let not_yet = experts::not_yet_among_the_gradients(shape);
-    if let Some(mut made) = experts::made_beside_weights_gathered(shape, Place::FirstLayer, &context, 0.0) {
+    if let Some(mut made) = experts::made_before_scattered(shape, Place::FirstLayer, &context, 0.0) {
         made.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate {
-            name: "first layer's expert gradients made beside their weights gathered again in B",
+            name: if shape.weights_gathered_again(1.0) > 0.0 {
+                "first layer's expert gradients made beside their weights gathered again in B"
+            } else {
+                "first layer's expert gradients made, before their reduce-scatter in B"
+            },
             so_far: made_in_b - not_yet,
             sum_pending: not_yet,
             ..made

@@ -153,7 +153,9 @@
 //! Under ZeRO-2 and 3 a mixture's stage holds its gradients' shards (a dense one's over dp × cp ×
 //! ep, a routed expert's over dp × cp: over ep alone ZeRO does not shard the experts), and each
 //! gradient is reduce-scattered where dp would all-reduce it, staged whole: the routed experts'
-//! three, made at once, the MLP norm's output freed before the first is scattered (under ZeRO-2
+//! three, made at once (a stage may peak as the last is made, the MLP norm's output and under SP
+//! the output gradient gathered still live), the MLP norm's output freed before the first is
+//! scattered (under ZeRO-2
 //! after the router's gradient, under ZeRO-3 before it, the router's gradient whole until then;
 //! beside ep the router's gradients from the load-balancing loss summed first), and a shared
 //! expert's one by one, each as dp's all-reduce would be, its shard joining its sum after. Under
