@@ -114,9 +114,9 @@
 //! gradients), and the first stage as its whole-vocabulary embedding gradient is scattered from
 //! every token's gradient (gathered, both orders of the token ids live). Under ZeRO-2 and 3 the
 //! sums and gradients are dp's shards: the LM head's gradient is reduce-scattered, staged whole
-//! (under zero bubble in W), the ring's three at the ring's end; ZeRO-3 gathers the rank's shards of
-//! a layer's MLP weights over dp again for its ring's backward (under full recomputation the MLP
-//! norm's and the final norm's weights too).
+//! (under zero bubble in W), the ring's three at the ring's end; ZeRO-3 gathers the rank's shards
+//! of a layer's MLP weights over dp again for its ring's backward (under full recomputation the
+//! MLP norm's and the final norm's weights too).
 //!
 //! A mixture of experts (every expert on every rank, or over ep E/ep of them) keeps no MLP
 //! activations (its backward recomputes the routed experts' from the MLP norm's output), and may
@@ -188,8 +188,8 @@
 //! stage sent back are summed; in the last layer's shared expert's backward (`shared_expert`: its
 //! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
 //! sum); as the routed experts' backward is dispatched over ep (from a copy of its operands) or
-//! their input gradient all-reduced over tp (without ep; a shared expert's gradients made); as an expert
-//! gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
+//! their input gradient all-reduced over tp (without ep; a shared expert's gradients made); as an
+//! expert gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
 //! gradients from the router and the experts are summed; and as the attention residual's gradient
 //! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
 //! weight gradient is made (beside dp, before its all-reduce) or joins its sum. Inside the first
@@ -264,7 +264,8 @@
 //! first, and the ring gradients' dp reduction), exact on nine stages in ten.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone or beside `dp` (any ZeRO stage); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with any recomputation;
+//! alone or beside `dp` (any ZeRO stage); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with
+//! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
 //! where every parameter's rows divide over them but perhaps k's and v's (the sums and gradients

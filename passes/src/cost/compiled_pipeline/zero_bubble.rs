@@ -251,10 +251,10 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     let mut points = vec![Candidate::made(names[0], made_in_b, before)];
     // Under ZeRO-2 and 3 a dense stage's gradient is then reduce-scattered, staged whole, what
-    // made it freed: the LM head's logits' gradient (under cp the rank's tokens', which W reads)
-    // and input (under full recomputation the copy W recomputed), or the last layer's SiLU
-    // product (under full recomputation recomputed) and under SP its output gradient gathered. (Not under tsp, nor where ZeRO keeps k's and
-    // v's rows whole.)
+    // made it freed: the LM head's logits' gradient (under cp the rank's tokens', which W reads;
+    // under tsp every token's) and input (under full recomputation the copy W recomputed), or the
+    // last layer's SiLU product (under full recomputation recomputed) and under SP its output
+    // gradient gathered.
     if shape.scattered && shape.model.experts.is_none() {
         let (name, freed) = if chunk.last {
             // (Under tsp every token's, the head's input gathered over the sequence.)
