@@ -280,7 +280,9 @@
 //! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
-//! every rank or split over ep, beside dp, cp, ep and tp (with SP but for a shared expert), any
+//! every rank or split over ep, beside dp, cp, ep and tp (with SP; a shared expert under SP
+//! outside zero bubble, within 4% below: its points miss the output gradient gathered and the
+//! router's gradients from the loss, made before it there), any
 //! ZeRO stage; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
 //! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
@@ -414,10 +416,11 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
                 // (its gather over cp, beside the one over dp, can peak).
                 && (dp == 1 || cp == 1 || workload.zero == 2 || !model.tied_embeddings)))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
-        // tsp's), beside dp, cp, ep and tp (with SP but for a shared expert, whose backward's order
-        // differs there), under any ZeRO stage.
+        // tsp's), beside dp, cp, ep and tp (with SP, but for a shared expert under zero bubble,
+        // whose B and forwards differ there), under any ZeRO stage.
         && model.experts.as_ref().is_none_or(|experts| {
-            layout.expert_axis() != Some(AxisName::Tsp) && (!sequence_parallel || !experts.shared_expert)
+            layout.expert_axis() != Some(AxisName::Tsp)
+                && (!sequence_parallel || !experts.shared_expert || schedule.kind != ScheduleKind::ZeroBubbleH1)
         })
         // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
         // beside dp (or cp) × tp; interleaved on two stages only: elsewhere the first stage takes
