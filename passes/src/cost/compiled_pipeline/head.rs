@@ -734,15 +734,16 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     }
     made.push(head_input_gradient.clone());
     made.extend(final_norm_weight_regathered(shape));
+    let joining = |held| Candidate {
+        name: "the LM head's weight gradient joins its sum",
+        so_far: weight_gradient,
+        held,
+        new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
+        key_values_pending: 0,
+        sum_pending: 0.0,
+    };
     if !shape.reduced {
-        return vec![Candidate {
-            name: "the LM head's weight gradient joins its sum",
-            so_far: weight_gradient,
-            held: made,
-            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-            key_values_pending: 0,
-            sum_pending: 0.0,
-        }];
+        return vec![joining(made)];
     }
     let unreduced =
         Term { name: "the LM head's weight gradient before its all-reduce or reduce-scatter", bytes: weight_gradient };
@@ -767,14 +768,7 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         held.push(Term { name: "its reduce-scatter's staging", bytes: weight_gradient });
         candidates.push(Candidate::made("the LM head's weight gradient reduce-scattered", 0.0, held));
     } else {
-        candidates.push(Candidate {
-            name: "the LM head's weight gradient joins its sum",
-            so_far: weight_gradient,
-            held: reduced,
-            new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-            key_values_pending: 0,
-            sum_pending: 0.0,
-        });
+        candidates.push(joining(reduced));
     }
     candidates
 }
