@@ -161,7 +161,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::first_layer_attention_input_gradients(shape, &chunk));
         backward.extend(first_layer::recomputed_down_gradient(shape, &chunk));
     }
-    backward.extend(first_layer::tsp_attention(shape, &chunk));
+    backward.extend(first_layer::tsp_attention(shape, &chunk, between_b_and_w.later_w_reads));
     backward.extend(first_layer::tsp_ring_backward(shape, &chunk));
     backward.extend(first_layer::regathered(shape, &chunk));
     // Beside a tied table the first stage receives the head's part of its gradient with the

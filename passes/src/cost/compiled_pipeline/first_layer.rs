@@ -980,9 +980,11 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
 /// attention norm and residual gradients are live throughout. The points: as o's gradient is
 /// reduced to an owner ([`tsp_o_reduces`]), on the axis's last rank (but beside dp, which
 /// all-reduces it first) as it joins its sum, and outside zero bubble (whose W runs no kernel) as
-/// the last owner's attention kernel makes v's gradient.
-pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, .. } = shape.sizes;
+/// the last owner's attention kernel makes v's gradient. Under zero bubble W's last layer has the
+/// same points as its first, beside `later_w_reads` (what B's first layer holds of the later
+/// layers for W: by symmetry, what W's last holds of the layers before).
+pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f64) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, every_token, .. } = shape.sizes;
     let StepSizes { attention_kept, kv_kept, .. } = shape.sizes;
     if shape.tsp == 1 {
         return Vec::new();
@@ -1000,15 +1002,25 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
     // to the micro-batch's end. Under either recomputation W still reads every layer's q, k and v
     // (every token's k and v), which B recomputed for it.
     let recomputing = recompute != Recompute::None;
+    // Under zero bubble, what each layer keeps to the micro-batch's end for W: its attention
+    // residual's gradient, and under either recomputation its q, k and v.
+    let layer_qkv_for_w = if recomputing { (local_tokens * query + kv_kept) * element } else { 0.0 };
     if shape.zero_bubble {
-        gradients.extend([
-            Term { name: "first layer's attention norm's input gradient", bytes: stream },
-            Term { name: "the later layers' attention residual gradients", bytes: (layers - 1.0) * stream },
-        ]);
+        // (On the first chunk B summed the attention norm's input gradient into the embedding
+        // output's and gathered that over the sequence for the embedding's gradient, W's last.)
+        if chunk.first {
+            gradients.extend([
+                Term { name: "the embedding output's gradient, gathered over the sequence", bytes: every_token },
+                Term { name: "token ids in zigzag order", bytes: shape.sizes.ids },
+            ]);
+        } else {
+            gradients.push(Term { name: "first layer's attention norm's input gradient", bytes: stream });
+        }
+        gradients.push(Term { name: "the later layers' attention residual gradients", bytes: (layers - 1.0) * stream });
         if recomputing {
             gradients.push(Term {
                 name: "every layer's q, k and v, kept or recomputed for W",
-                bytes: layers * (local_tokens * query + kv_kept) * element,
+                bytes: layers * layer_qkv_for_w,
             });
         }
     }
@@ -1029,40 +1041,47 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
     // with `after` owners still to come, their activations and the attention norm's output they
     // read. Of the layer's gradients only its attention's and its input norm's are not done.
     let reducing_so_far = chunk.grads - shape.sharded(block + shape.norm * element + chunk.table, 0.0);
-    let mut candidates: Vec<Candidate> = tsp_o_reduces(shape.tsp, shape.tsp_rank, o_block)
-        .into_iter()
-        .map(|point| {
-            // (On the first chunk the last owner's RoPE backward read the positions last: outside
-            // zero bubble they are freed by its reduce.)
-            let mut held = if point.after == 0 && !shape.zero_bubble {
-                chunk.first_layer_held_after_rope_backward()
-            } else {
-                chunk.first_layer_held.clone()
-            };
-            held.extend(gradients.iter().cloned());
-            held.extend([
-                Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
-                Term { name: point.contributions, bytes: block },
-                point.reduce,
-            ]);
-            if point.after > 0 {
-                held.push(Term { name: "first layer's attention norm output", bytes: gathered });
-                held.push(Term {
-                    name: "the activations of the owners still to come",
-                    bytes: point.after as f64 * later_owner_activations,
-                });
-            }
-            Candidate::made(
-                if point.to_this_rank {
-                    "first layer's o gradient reduced to this rank, its owner"
-                } else {
-                    "first layer's o gradient reduced to another owner"
-                },
-                reducing_so_far,
-                held,
+    // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
+    // bubble they are freed by its reduce; under it B ran that backward, and a W without
+    // recomputation reads none.)
+    let held_from = |rope_done: bool| {
+        let mut held =
+            if rope_done { chunk.first_layer_held_after_rope_backward() } else { chunk.first_layer_held.clone() };
+        held.extend(gradients.iter().cloned());
+        held
+    };
+    let w_without_rope = shape.zero_bubble && !recomputing;
+    // Each point's counterpart in W's last layer, by index (under zero bubble).
+    let mut in_w_last_layer = Vec::new();
+    let mut candidates = Vec::new();
+    for point in tsp_o_reduces(shape.tsp, shape.tsp_rank, o_block) {
+        let mut held = held_from(w_without_rope || (!shape.zero_bubble && point.after == 0));
+        held.extend([
+            Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
+            Term { name: point.contributions, bytes: block },
+            point.reduce,
+        ]);
+        if point.after > 0 {
+            held.push(Term { name: "first layer's attention norm output", bytes: gathered });
+            held.push(Term {
+                name: "the activations of the owners still to come",
+                bytes: point.after as f64 * later_owner_activations,
+            });
+        }
+        let (name, in_w) = if point.to_this_rank {
+            (
+                "first layer's o gradient reduced to this rank, its owner",
+                "the last layer's o gradient reduced to this rank, its owner, in W",
             )
-        })
-        .collect();
+        } else {
+            (
+                "first layer's o gradient reduced to another owner",
+                "the last layer's o gradient reduced to another owner, in W",
+            )
+        };
+        in_w_last_layer.push((candidates.len(), in_w));
+        candidates.push(Candidate::made(name, reducing_so_far, held));
+    }
     // Outside zero bubble, at the last owner's attention kernel backward as v's gradient is made:
     // the earlier owners' results summed (a block), the attention norm's output, o's contribution
     // and attention's output gradient, the owner's q, k and v (every token's k and v; recomputed
@@ -1096,8 +1115,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
     // first owner's q, k and v contributions, o's result for the first owner (zeros but on it),
     // and o's gradient done.
     if !shape.reduced {
-        let mut held = chunk.first_layer_held.clone();
-        held.extend(gradients);
+        let mut held = held_from(w_without_rope);
         held.extend([
             Term { name: "the owners' reduced attention weight gradients, summed", bytes: block },
             Term { name: "the first owner's q, k and v contributions", bytes: block - o_block },
@@ -1111,10 +1129,31 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate>
             key_values_pending: 0,
             sum_pending: 0.0,
         });
+        in_w_last_layer.push((candidates.len() - 1, "the last layer's o gradient joins its sum, in W"));
     }
     // (Every point comes before the layer's k and v gradients are reduced to their owners.)
     for candidate in &mut candidates {
         candidate.key_values_pending = 1;
+    }
+    // Zero bubble's W takes the chunk's layers last to first: at its last layer's points the
+    // micro-batch holds the same as at the first layer's and what W reads of the layers before
+    // (but what they keep to its end, counted above), none of whose attention or norm weight
+    // gradients is made yet, nor any layer's k and v.
+    if shape.zero_bubble && chunk.layers > 1 {
+        let not_made = shape.sharded((layers - 1.0) * (block + 2.0 * shape.norm * element), 0.0);
+        let read_before = later_w_reads - (layers - 1.0) * (stream + layer_qkv_for_w);
+        for (index, name) in in_w_last_layer {
+            let first_layer = &candidates[index];
+            let mut held = first_layer.held.clone();
+            held.push(Term { name: "what W reads of the layers before", bytes: read_before });
+            candidates.push(Candidate {
+                name,
+                so_far: first_layer.so_far - not_made,
+                held,
+                key_values_pending: chunk.layers,
+                ..first_layer.clone()
+            });
+        }
     }
     candidates
 }

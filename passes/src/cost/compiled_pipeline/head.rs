@@ -274,7 +274,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         return mixture_head(shape, chunk);
     }
     if shape.tsp > 1 {
-        return tsp_last_ring(shape, chunk);
+        return tsp_last_ring(shape, chunk, None);
     }
     let mut candidates = vec![output_gradient_received(shape, chunk)];
     candidates.extend(down_gradient_at_the_head(shape, chunk));
@@ -648,21 +648,19 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
     candidates
 }
 
-/// Under tsp (outside zero bubble) the head of the backward on a chunk but the last is its last
+/// Under tsp the head of the backward (zero bubble: of B) on a chunk but the last is its last
 /// layer's MLP ring backward ([`tsp_ring::ring_backward`]): all the micro-batch holds in flight is
 /// live beside the ring's buffers and its output gradient (received), none of its gradients made
 /// before; under full recomputation beside the ring's input too ([`ring_input_recomputed`]).
-fn tsp_last_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    if shape.zero_bubble {
-        return Vec::new();
-    }
+/// `made_in_b`: under zero bubble all the chunk's B gradients.
+pub(super) fn tsp_last_ring(shape: &StageShape, chunk: &Chunk, made_in_b: Option<f64>) -> Vec<Candidate> {
     let mut held = vec![
         Term { name: "its positions", bytes: chunk.positions },
         Term { name: "what it holds in flight", bytes: chunk.in_flight },
         Term { name: "its output gradient (received)", bytes: shape.sizes.stream },
     ];
     held.extend(ring_input_recomputed(shape));
-    tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, 0.0, None)
+    tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, 0.0, made_in_b)
 }
 
 /// Under full recomputation a layer's MLP ring backward recomputes the MLP norm's output (the

@@ -260,9 +260,12 @@
 //! W recomputes). `tests/cost_training.rs` checks the form from 64 to 1024 tokens never above the
 //! planner's peak and within 3% (mixtures; 4% beside a shared expert under SP, 5% under ZeRO-2
 //! and 3) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact
-//! on most stages; the points left are W's later ones (forwards are
-//! not modelled under ZeRO-2 and 3); under tsp within 5% (W's attention points of a layer but the
-//! first, and the ring gradients' dp reduction), exact on nine stages in ten.
+//! on most stages; the points left are W's later ones (forwards are not modelled under ZeRO-2 and
+//! 3). Under tsp B runs the MLP rings' backward whole (on a chunk but the last it begins with its
+//! last layer's ring) and W takes the layers last to first, so W may peak in its last layer's
+//! attention too, as o's gradient is reduced to an owner, what W reads of the layers before still
+//! live: there the form is within 1% below, exact on nine stages in ten, and under zero bubble
+//! beside dp alone exact on every stage.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp` (any ZeRO stage); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with
@@ -296,8 +299,8 @@
 //! at the head of a backward and inside its first layer's, `experts` and `shared_expert` a
 //! mixture's MLP backward's points at either place, `zero_bubble` what a micro-batch holds
 //! between its B and its W (and the head of its W), `forward` the points of a forward under zero
-//! bubble, `tsp_ring` the points inside a tsp MLP ring, and `walk` weighs every point of every step of the stage's schedule beside what the
-//! other micro-batches hold there.
+//! bubble, `tsp_ring` the points inside a tsp MLP ring, and `walk` weighs every point of every
+//! step of the stage's schedule beside what the other micro-batches hold there.
 mod chunk;
 mod experts;
 mod first_layer;

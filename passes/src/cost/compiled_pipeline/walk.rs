@@ -357,6 +357,12 @@ impl Point<'_> {
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
                 Term { name: "the later layers' inputs for W", bytes: later_w_reads },
             ];
+            // (B makes no k or v gradient: of the sums kept whole, the other chunks' and, once a W
+            // has run, this one's.)
+            let kept_whole = beside.other_sums_kept_whole + if w_done { current.grads_kept_whole } else { 0.0 };
+            if kept_whole > 0.0 {
+                terms.push(Term { name: GRADS_KEPT_WHOLE, bytes: kept_whole });
+            }
             terms.extend(received(beside));
             terms.extend(point.held.iter().cloned());
             if b_done_before {

@@ -188,7 +188,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). (Under
 /// tsp only on the last chunk: B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, gathered, every_token, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, stream, gathered, every_token, .. } = shape.sizes;
     if !shape.zero_bubble || (shape.tsp > 1 && !chunk.last) {
         return Vec::new();
     }
@@ -221,9 +221,19 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         },
     ];
     let made_in_b = made_in_b + made_before;
+    let mut points = Vec::new();
     // (Under tsp gathered over the sequence: the head's input.)
     if chunk.last && shape.recompute() == Recompute::Full {
         let recomputed = if shape.tsp > 1 { every_token } else { gathered };
+        // Under tsp, as W gathers it over the sequence the rank's copy is live beside.
+        if shape.tsp > 1 {
+            let mut gathering = held.clone();
+            gathering.push(Term {
+                name: "the final norm's output, recomputed, and its gathered copy",
+                bytes: stream + recomputed,
+            });
+            points.push(Candidate::made("the final norm's output recomputed and gathered in W", made_in_b, gathering));
+        }
         held.push(Term { name: "the final norm's output, recomputed", bytes: recomputed });
     }
     // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
@@ -234,7 +244,8 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // the first stage (beside dp × tp reduced first, at the end of the W).
     if let Some(head_part) = shape.tied_head_part().filter(|_| chunk.last) {
         held.push(head_part);
-        return vec![Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held)];
+        points.push(Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held));
+        return points;
     }
     let joining = |name, held| Candidate {
         name,
@@ -245,11 +256,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         sum_pending: 0.0,
     };
     if !shape.reduced {
-        return vec![joining(names[1], held)];
+        points.push(joining(names[1], held));
+        return points;
     }
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
-    let mut points = vec![Candidate::made(names[0], made_in_b, before)];
+    points.push(Candidate::made(names[0], made_in_b, before));
     // Under ZeRO-2 and 3 a dense stage's gradient is then reduce-scattered, staged whole, what
     // made it freed: the LM head's logits' gradient (under cp the rank's tokens', which W reads;
     // under tsp every token's) and input (under full recomputation the copy W recomputed), or the
@@ -338,11 +350,20 @@ pub(super) fn tsp_embedding_gradient_gathered(
 /// between B and W, none of its B gradients made (on its first B of the chunk none of their sums
 /// exist), nor yet what its W reads of the later layers. Under tsp B next makes the LM head's
 /// input gradient, every token's, and reduce-scatters it over the sequence (staged whole), the
-/// logits (their gradient in their place) and the targets freed: a dense model's point too.
+/// logits (their gradient in their place) and the targets freed: a dense model's point too. Under
+/// tsp a dense model's B on another chunk begins with its last layer's MLP ring backward, as a
+/// backward does outside zero bubble ([`head::tsp_last_ring`]).
 pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
     let StepSizes { ids, every_token, .. } = shape.sizes;
-    if !shape.zero_bubble || !chunk.last {
+    if !shape.zero_bubble {
         return Vec::new();
+    }
+    if !chunk.last {
+        return if shape.tsp > 1 && shape.model.experts.is_none() {
+            head::tsp_last_ring(shape, chunk, between_b_and_w.made_in_b)
+        } else {
+            Vec::new()
+        };
     }
     let mut points = vec![Candidate { name: "the loss's backward in B", ..head::loss_backward(shape, chunk) }];
     if shape.tsp > 1 && shape.model.experts.is_none() {
