@@ -431,11 +431,13 @@ fn made_before_first_mlp(shape: &StageShape, chunk: &Chunk) -> f64 {
 
 /// A mixture may peak inside its first layer's MLP backward: in a shared expert's (Qwen2-MoE,
 /// [`shared_expert_points`]), which comes first, the received expert counts still live on every
-/// stage but the last; then in the routed experts' ([`experts_points`]), the router's backward
-/// having freed the counts on the first stage.
+/// stage but the last (but under SP, where the router's backward comes before the shared
+/// expert's); then in the routed experts' ([`experts_points`]), the router's backward having freed
+/// the counts on the first stage.
 pub(super) fn mixture_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let made_before = made_before_first_mlp(shape, chunk);
-    let mut points = shared_expert_points(shape, Place::FirstLayer, &mlp_context(shape, chunk, true), made_before);
+    let shared_context = mlp_context(shape, chunk, !shape.sequence_parallel());
+    let mut points = shared_expert_points(shape, Place::FirstLayer, &shared_context, made_before);
     points.extend(experts_points(shape, Place::FirstLayer, &mlp_context(shape, chunk, false), made_before));
     points
 }

@@ -565,10 +565,13 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let mut shared = routed.clone();
     // (On the first stage the first layer's router probabilities' backward, after its shared
-    // expert's and before its routed experts', frees them.)
+    // expert's (under SP before it) and before its routed experts', frees them.)
     let counts = received_counts(shape, chunk, true);
-    shared.extend(counts.clone());
-    if !(chunk.first && chunk.layers == 1) {
+    let freed_by_the_router = chunk.first && chunk.layers == 1;
+    if !(freed_by_the_router && shape.sequence_parallel()) {
+        shared.extend(counts.clone());
+    }
+    if !freed_by_the_router {
         routed.extend(counts);
     }
     let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);

@@ -258,7 +258,7 @@
 //! chunk gathers every token's logits. A micro-batch's loss joins the loss's sum in W beside dp, cp
 //! or ep or the load-balancing loss, else in B; the first stage's B frees the positions (but where
 //! W recomputes). `tests/cost_training.rs` checks the form from 64 to 1024 tokens never above the
-//! planner's peak and within 3% (mixtures; 4% beside a shared expert under SP, 5% under ZeRO-2
+//! planner's peak and within 3% (mixtures; 1% beside a shared expert under SP, 5% under ZeRO-2
 //! and 3) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact
 //! on most stages; the points left are W's later ones (forwards are not modelled under ZeRO-2 and
 //! 3). Under tsp B runs the MLP rings' backward whole (on a chunk but the last it begins with its
@@ -285,8 +285,7 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP; a shared expert under SP
-//! outside zero bubble, within 4% below: its points miss the output gradient gathered and the
-//! router's gradients from the loss, made before it there), any
+//! outside zero bubble), any
 //! ZeRO stage; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
 //! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
 //! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names

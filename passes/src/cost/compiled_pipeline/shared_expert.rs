@@ -18,6 +18,11 @@
 //! wherever a micro-batch has as many tokens as the hidden size: two or three `[tokens, ffn]`
 //! buffers fewer there, one or two `[hidden, ffn]` gradients more; not modelled.) Under ZeRO-2
 //! and 3 each is reduce-scattered there instead, staged whole, its shard joining its sum after.
+//!
+//! Under SP the shared expert reads the layer's output gradient all-gathered over tp; the gate
+//! vector's backward comes last (the gate logit's gradient live until then), and with the
+//! load-balancing loss the router's backward comes first (its weight gradient live from then on,
+//! its input gradient until up's, all-reduced over tp, joins it: a point too).
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
@@ -27,19 +32,22 @@ use super::{Place, StageShape};
 
 impl Place {
     /// The names of the shared expert's points there: down's weight gradient made and joining its
-    /// sum, up's output gradient made, and gate's weight gradient joining its sum.
-    fn shared_expert_names(self) -> [&'static str; 4] {
+    /// sum, up's output gradient made, up's input gradient all-reduced over tp (under SP), and
+    /// gate's weight gradient joining its sum.
+    fn shared_expert_names(self) -> [&'static str; 5] {
         match self {
             Place::FirstLayer => [
                 "first layer's shared expert's down gradient",
                 "first layer's shared expert's down gradient joins its sum",
                 "first layer's shared expert's up output gradient",
+                "first layer's shared expert's up input gradient all-reduced over tp",
                 "first layer's shared expert's gate gradient joins its sum",
             ],
             Place::LastLayer => [
                 "the last layer's shared expert's down gradient",
                 "the last layer's shared expert's down gradient joins its sum",
                 "the last layer's shared expert's up output gradient",
+                "the last layer's shared expert's up input gradient all-reduced over tp",
                 "the last layer's shared expert's gate gradient joins its sum",
             ],
         }
@@ -57,15 +65,45 @@ pub(super) fn shared_expert_points(
     made_before: f64,
 ) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, hidden, gathered, .. } = shape.sizes;
-    if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+    let Some(experts) = shape.model.experts.as_ref().filter(|experts| experts.shared_expert) else {
         return Vec::new();
-    }
-    let [down_made, down_joins, up_output_gradient, gate_joins] = place.shared_expert_names();
+    };
+    let [down_made, down_joins, up_output_gradient, up_input_reduced, gate_joins] = place.shared_expert_names();
     let intermediate = local_tokens * ffn * element;
-    let gate_vector = hidden * element;
+    // Without SP the gate vector's backward comes first: its weight gradient is made and its input
+    // gradient live until the first sum (up's). Under SP it comes last, after gate's, the gate
+    // logit's gradient live until then beside the layer's output gradient all-gathered over tp;
+    // with the load-balancing loss the router's backward comes before the shared expert's, its
+    // weight gradient live from then on and its input gradient until up's joins it.
+    let sequence_parallel = shape.sequence_parallel();
+    let (gate_vector, gate_vector_input) = if sequence_parallel {
+        (0.0, None)
+    } else {
+        (hidden * element, Some(Term { name: "the gate vector's input gradient", bytes: gathered }))
+    };
+    let mut throughout = Vec::new();
+    let mut before_first_sum = Vec::new();
+    if sequence_parallel {
+        throughout.extend([
+            Term { name: "the layer's output gradient, all-gathered", bytes: gathered },
+            Term { name: "the gate logit's gradient", bytes: gathered / hidden },
+        ]);
+        if experts.load_balancing_loss {
+            throughout.push(Term {
+                name: "the router's weight gradient from the load-balancing loss",
+                bytes: experts.count as f64 * hidden * element,
+            });
+            before_first_sum
+                .push(Term { name: "the router's input gradient from the load-balancing loss", bytes: gathered });
+        }
+    }
     let new_sum = |name| Some(Term { name, bytes: shape.gate });
-    let point = |name, so_far, own: Vec<Term>, new_sum| {
+    let point = |name, so_far, own: Vec<Term>, new_sum, first_sum_made: bool| {
         let mut held = beside.to_vec();
+        held.extend(throughout.iter().cloned());
+        if !first_sum_made {
+            held.extend(before_first_sum.iter().cloned());
+        }
         held.extend(own);
         Candidate { name, so_far, held, new_sum, key_values_pending: 0, sum_pending: 0.0 }
     };
@@ -98,18 +136,36 @@ pub(super) fn shared_expert_points(
         .chain(staging("the shared gate gradient's reduce-scatter staging"))
         .collect(),
         new_sum("the joining shared gate gradient's new sum beside the old").filter(|_| !shape.scattered),
+        true,
     );
     // As down's weight gradient is made: gate, up and their product (kept) still live, beside the
-    // scaled output's gradient, the gate vector's input gradient and down's input gradient.
-    let down_gradient_made = vec![
+    // scaled output's gradient, the gate vector's input gradient (without SP) and down's input
+    // gradient.
+    let mut down_gradient_made = vec![
         Term { name: "the shared expert's gate, up and their product (kept)", bytes: 3.0 * intermediate },
-        Term {
-            name: "the shared expert's scaled output's gradient and the gate vector's input gradient",
-            bytes: 2.0 * gathered,
-        },
-        Term { name: "the shared down projection's input gradient", bytes: intermediate },
+        Term { name: "the shared expert's scaled output's gradient", bytes: gathered },
     ];
+    down_gradient_made.extend(gate_vector_input.clone());
+    down_gradient_made.push(Term { name: "the shared down projection's input gradient", bytes: intermediate });
     let regathered = weights_regathered(shape);
+    // Under SP with the load-balancing loss up's input gradient (a partial sum over tp's share of
+    // the channels) is all-reduced over tp before it joins the router's: down's weight gradient
+    // done, gate and up freed, the SiLU product's two gradients live.
+    let up_input_reduced = (sequence_parallel && experts.load_balancing_loss).then(|| {
+        point(
+            up_input_reduced,
+            made_before + (gate_vector + shape.gate) / shards,
+            [
+                Term { name: "the SiLU product's two gradients", bytes: 2.0 * intermediate },
+                Term { name: "up's input gradient and its all-reduce over tp", bytes: 2.0 * gathered },
+            ]
+            .into_iter()
+            .chain(regathered.clone())
+            .collect(),
+            None,
+            false,
+        )
+    });
     if shape.reduced {
         let unreduced = || {
             before_reduction(
@@ -117,56 +173,64 @@ pub(super) fn shared_expert_points(
                 "the shared down gradient before its reduce-scatter",
             )
         };
-        return vec![
+        return [
             point(
                 down_made,
                 made_before + gate_vector / shards,
                 [down_gradient_made, vec![unreduced()]].concat().into_iter().chain(regathered.clone()).collect(),
                 None,
+                false,
             ),
             point(
                 down_joins,
                 made_before + (gate_vector + if shape.scattered { 0.0 } else { shape.gate }) / shards,
-                [
-                    Term { name: "the shared expert's gate and up (kept)", bytes: 2.0 * intermediate },
-                    Term { name: "the gate vector's input gradient", bytes: gathered },
-                    Term { name: "the shared down projection's input gradient", bytes: intermediate },
-                    unreduced(),
-                ]
-                .into_iter()
-                .chain(staging("the shared down gradient's reduce-scatter staging"))
-                .chain(regathered.clone())
-                .collect(),
+                [Term { name: "the shared expert's gate and up (kept)", bytes: 2.0 * intermediate }]
+                    .into_iter()
+                    .chain(gate_vector_input.clone())
+                    .chain([
+                        Term { name: "the shared down projection's input gradient", bytes: intermediate },
+                        unreduced(),
+                    ])
+                    .chain(staging("the shared down gradient's reduce-scatter staging"))
+                    .chain(regathered.clone())
+                    .collect(),
                 new_sum("the joining shared down gradient's new sum beside the old").filter(|_| !shape.scattered),
+                false,
             ),
             point(
                 up_output_gradient,
                 made_before + (gate_vector + shape.gate) / shards,
-                vec![
-                    Term { name: "the shared expert's gate (kept)", bytes: intermediate },
-                    Term { name: "the gate vector's input gradient", bytes: gathered },
-                    Term {
+                [Term { name: "the shared expert's gate (kept)", bytes: intermediate }]
+                    .into_iter()
+                    .chain(gate_vector_input)
+                    .chain([Term {
                         name: "the shared down projection's input gradient, gate's and up's output gradients",
                         bytes: 3.0 * intermediate,
-                    },
-                ]
-                .into_iter()
-                .chain(regathered)
-                .collect(),
+                    }])
+                    .chain(regathered)
+                    .collect(),
                 None,
+                false,
             ),
             gate_point,
-        ];
+        ]
+        .into_iter()
+        .chain(up_input_reduced)
+        .collect();
     }
-    vec![
+    [
         point(
             down_joins,
             made_before + gate_vector + shape.gate,
             down_gradient_made,
             new_sum("the joining shared down gradient's new sum beside the old"),
+            false,
         ),
         gate_point,
     ]
+    .into_iter()
+    .chain(up_input_reduced)
+    .collect()
 }
 
 /// Under ZeRO-3 with full recomputation the MLP norm's, the shared gate's and up's weights, gathered
