@@ -1601,19 +1601,12 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     for (config, layout) in mixture_sequence_parallel_cases(&config) {
         check_stage_closed_form(&config, &layout);
     }
-    // Outside what is modelled (tsp placing the experts; a shared expert under SP in zero-bubble
-    // order, whose B and forwards differ there) there is no closed form.
-    let shared = with_a_shared_expert(96, true);
+    // Outside what is modelled (tsp placing the experts) there is no closed form.
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
-    for (config, mesh, sequence_parallel, kind) in [
-        (&config, "pp=2,tsp=2", false, ScheduleKind::OneFOneB),
-        (&shared, "pp=2,tp=2", true, ScheduleKind::ZeroBubbleH1),
-    ] {
-        let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
-        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sequence_parallel);
-        let schedule = Schedule::build(kind, 2, 4).unwrap();
-        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
-    }
+    let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
+    let layout = Layout::from_mesh(&Mesh::parse("pp=2,tsp=2").unwrap(), false);
+    let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4).unwrap();
+    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none());
 }
 
 #[test]
@@ -2584,11 +2577,14 @@ fn shared_expert_stage_closed_form_under_sequence_parallelism() {
     // the router's backward for the load-balancing loss comes before the shared expert's (its
     // gradients live, and on the first stage the received counts freed), and the gate vector's
     // backward comes last (the gate logit's gradient live until then); up's input gradient is
-    // all-reduced over tp before it joins the router's. Outside zero bubble the stage's form is
-    // never above the planner's peak and within 1% below it (0.09% at most when this was written;
-    // 3.6% when the shared expert's points were modelled as without SP), exact on nine stages in
-    // ten (660 of 720 when this was written; 400 before). Under zero bubble (9.6% below: B's and
-    // the forwards' order differs) it is not modelled.
+    // all-reduced over tp before it joins the router's. Under zero bubble W reads the scaled
+    // output's gradient whole (gathered), a forward sums the routed and shared experts' outputs
+    // whole before their reduce-scatter (the layer's statistics after), and under full
+    // recomputation it may peak as the shared expert's output is scaled by its gate. The stage's
+    // form is never above the planner's peak and within 1% below it (0.09% at most outside zero
+    // bubble when this was written, 3.6% when the shared expert's points were modelled as without
+    // SP; 0.56% under it, 9.6% before its SP order was modelled there), exact on more than four
+    // stages in five (1116 of 1296 when this was written; 400 of 720 outside zero bubble before).
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
     let (shared, shared_wide) = (four(with_a_shared_expert(32, true)), four(with_a_shared_expert(1024, true)));
@@ -2599,6 +2595,7 @@ fn shared_expert_stage_closed_form_under_sequence_parallelism() {
     };
     let (one_f_one_b, gpipe, interleaved) =
         (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
+    let zero_bubble = ScheduleKind::ZeroBubbleH1;
     let (stages, exact, exact_at) = tally_stage_closed_forms(
         &[&shared, &shared_wide],
         &[
@@ -2608,10 +2605,15 @@ fn shared_expert_stage_closed_form_under_sequence_parallelism() {
             layout("pp=2,ep=2,tp=2", one_f_one_b, 2, 0),
             layout("pp=2,dp=2,tp=2", one_f_one_b, 2, 2),
             layout("pp=2,dp=2,tp=2", gpipe, 2, 3),
+            layout("pp=2,tp=2", zero_bubble, 2, 0),
+            layout("pp=2,tp=2", zero_bubble, 4, 0),
+            layout("pp=2,ep=2,tp=2", zero_bubble, 2, 0),
+            layout("pp=2,dp=2,tp=2", zero_bubble, 2, 2),
+            layout("pp=2,dp=2,tp=2", zero_bubble, 2, 3),
         ],
         0.99,
     );
-    assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact: {exact_at:?}");
+    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact: {exact_at:?}");
     assert_each_is_a_peak(
         &exact_at,
         &[
@@ -2622,16 +2624,12 @@ fn shared_expert_stage_closed_form_under_sequence_parallelism() {
             "first layer's shared expert's down gradient",
             "the last layer's shared expert's up input gradient all-reduced over tp",
             "first layer's shared expert's up input gradient all-reduced over tp",
+            "first layer's shared expert's gate output gradient in B",
+            "the last layer's shared expert's output scaled in a forward",
+            "first layer's shared expert's gate gradient joins its sum",
+            "the last layer's down gradient reduce-scattered in W",
         ],
     );
-    let model = ModelShape::from_config(&shared);
-    let layout = Layout::from_mesh(&Mesh::parse("pp=2,tp=2").unwrap(), true);
-    let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
-    for (kind, modelled) in [(ScheduleKind::ZeroBubbleH1, false), (one_f_one_b, true)] {
-        let schedule = Schedule::build(kind, 2, 2).unwrap();
-        let phase = compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2);
-        assert_eq!(phase.is_some(), modelled, "{kind:?}");
-    }
 }
 
 #[test]
@@ -2648,13 +2646,15 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // gate gradient is scattered in W), and under ZeRO-3 B may peak as a shared expert's down
     // input gradient is made beside its weights gathered again, or under full recomputation as
     // those are gathered in two steps (over ep, then cp), the first's output beside the second's
-    // (8.6% below before it was modelled). Before these points were modelled the form was up to
-    // 34% above the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation,
-    // tiny-moe and two shared-expert variants, each schedule: never above, within 5% below (3.1%
-    // at most on these layouts when this was written; 4.9% before the routed experts' input
-    // gradient's all-reduce over tp was modelled beside a shared expert, and the experts'
-    // gradients made under ZeRO-2, beside the MLP norm's output and under SP the output gradient
-    // gathered), exact on three stages in four (3956 of 4896 when this was written).
+    // (8.6% below before it was modelled). In B the routed experts' gradients joining their sums
+    // free the MLP norm's output but beside a shared expert, whose weight gradients W reads it
+    // with (1.6% below before). Before these points were modelled the form was up to 34% above
+    // the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation, tiny-moe
+    // and two shared-expert variants, each schedule: never above, within 5% below (3.1% at most
+    // on these layouts when this was written; 4.9% before the routed experts' input gradient's
+    // all-reduce over tp was modelled beside a shared expert, and the experts' gradients made
+    // under ZeRO-2, beside the MLP norm's output and under SP the output gradient gathered),
+    // exact on three stages in four (4014 of 4896 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -3167,9 +3167,9 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
 fn mixture_stage_closed_form_on_more_tokens() {
     // A mixture's pipelined stage (routed experts alone, beside a narrow shared expert, or beside
     // one wider than the routed experts) under each schedule, from 64 to 1024 tokens, over dp, ep,
-    // tp (without SP) and cp: never above the planner's peak, within 3% below it (0.62% when this
+    // tp (without SP) and cp: never above the planner's peak, within 3% below it (0.93% when this
     // was written, 2.62% before the head of a backward under full recomputation was modelled beside
-    // a shared expert, recomputed there), exact on nine stages in ten (3520 of 3564). (Under zero
+    // a shared expert, recomputed there), exact on nine stages in ten (3522 of 3564). (Under zero
     // bubble on a stage between the first and the last, the head of W had counted the
     // micro-batch's received expert counts twice: 32 bytes above the planner on four stages.)
     let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };

@@ -560,8 +560,11 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             ..made
         });
     }
+    // (Where the experts' gradients are reduced over dp or cp the joining frees the MLP norm's
+    // output: but W reads it beside a shared expert.)
     if let Some(mut joining) = experts_joining(shape, chunk) {
-        joining.held.extend(for_w_past_shared);
+        let norm_output_freed = shape.experts_scattered() || shape.experts_reduced;
+        joining.held.extend(if norm_output_freed { for_w.clone() } else { for_w_past_shared });
         points.push(Candidate {
             name: "first layer's expert gradient joins its sum in B",
             so_far: made_in_b - not_yet,
@@ -792,13 +795,14 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
 /// and up, and (`with_input`: once the routed experts' backward, which reads it too, is done) the
 /// MLP norm's output. Empty without a shared expert.
 fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
-    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
     if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
         return Vec::new();
     }
+    // (The scaled output's gradient is whole over tp: under SP from the output gradient gathered.)
     let mut terms = vec![Term {
         name: "first layer's shared expert's product and its projections' output gradients (for W)",
-        bytes: stream + local_tokens * (3.0 * ffn + 1.0) * element,
+        bytes: gathered + local_tokens * (3.0 * ffn + 1.0) * element,
     }];
     if with_input {
         terms.push(Term { name: "first layer's MLP norm output (the shared expert's input, for W)", bytes: gathered });
@@ -824,18 +828,22 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
     }
     let intermediate = local_tokens * ffn * element;
     let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
+    // (Under SP the router's backward comes first, freeing the received counts on the first stage,
+    // and the gate vector's last.)
+    let sequence_parallel = shape.sequence_parallel();
     let point = |name, more: Vec<Term>| {
-        let mut held = mlp_context(shape, chunk, true);
+        let mut held = mlp_context(shape, chunk, !sequence_parallel);
         held.push(Term { name: "first layer's shared expert's gate, up and their product", bytes: 3.0 * intermediate });
         held.extend(more);
         held.extend(shared_expert::weights_regathered(shape));
+        held.extend(shared_expert::beside_under_sequence_parallelism(shape, false));
         held.extend(for_w.iter().cloned());
         Candidate { name, so_far: made_in_b - layer, held, new_sum: None, key_values_pending: 0, sum_pending: layer }
     };
     let gradients = Term {
         name:
             "first layer's shared expert's gate logit's and scaled output's gradients, the gate vector's input gradient",
-        bytes: local_tokens * element + 2.0 * gathered,
+        bytes: local_tokens * element + if sequence_parallel { gathered } else { 2.0 * gathered },
     };
     let mut points = vec![point(
         "first layer's shared expert's gate output gradient in B",
@@ -961,7 +969,24 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
         held.extend(received_counts(shape, chunk, false));
     }
     // (B made the routed experts' and the router's gradients.)
-    let not_made = (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
+    let mut not_made = (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
+    // Under SP the gate vector's weight gradient comes after gate's, reading the gate logit's
+    // gradient; o's weight gradient reads the attention residual's gradient gathered over tp, and
+    // on the first chunk the embedding output's gradient is whole (gathered) for the embedding's.
+    if shape.sequence_parallel() {
+        let StepSizes { hidden, stream, gathered, .. } = shape.sizes;
+        not_made += hidden * element;
+        held.extend([
+            Term { name: "first layer's shared expert's gate logit's gradient", bytes: gathered / hidden },
+            Term { name: "first layer's attention residual gradient, gathered over tp (for W)", bytes: gathered },
+        ]);
+        if chunk.first {
+            held.push(Term {
+                name: "the embedding output's gradient whole, beyond the attention norm's input gradient",
+                bytes: gathered - stream,
+            });
+        }
+    }
     let joining = if shape.scattered { shape.gate } else { 0.0 };
     Some(Candidate {
         name: "first layer's shared expert's gate gradient joins its sum",

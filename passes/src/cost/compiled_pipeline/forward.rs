@@ -12,7 +12,9 @@ use super::{tsp_ring, StageShape};
 /// The points of a micro-batch's forward on a chunk, at its last layer's MLP: as the MLP's output
 /// is added to its residual (the layer's output made beside it), or beside a shared expert as the
 /// routed experts' output and the shared expert's scaled output are summed (the layer's output not
-/// yet made), and under full recomputation as the shared expert's product is made. The micro-batch
+/// yet made), and under full recomputation as the shared expert's product, its down projection's
+/// output and its scaled output are made; under SP as the MLP's output is reduce-scattered over
+/// tp. The micro-batch
 /// holds all it keeps in flight there but what the rest of its forward makes (on the last chunk
 /// the head's buffers, and a mixture's counts' sum over the layers, whose statistics are all live
 /// instead). On the last chunk beside cp also [`logits_gathered`]; under tsp only
@@ -81,8 +83,9 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // Under SP the MLP's output, each rank's partial sum over its share of the channels (a
     // mixture's routed experts'), is reduce-scattered over tp, staged whole, before the layer's
     // output is made; under full recomputation beside the MLP norm's output, not kept but live
-    // until then. (Beside a shared expert the two outputs are summed first.)
-    if shape.sequence_parallel() && !shared_expert {
+    // until then. (Beside a shared expert the two outputs, each whole, are summed first.)
+    let sequence_parallel = shape.sequence_parallel();
+    if sequence_parallel {
         let norm_output = if full { gathered } else { 0.0 };
         points.push(point(
             "the last layer's MLP output reduce-scattered in a forward",
@@ -110,29 +113,84 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             ],
         ));
     }
-    // Under full recomputation, as a shared expert's product is made, its gate and up, the MLP
-    // norm's output and the routed experts' output beside it (the layer's statistics not yet
-    // made).
+    // Under full recomputation the forward keeps none of a shared expert's activations either,
+    // live as it runs beside the MLP norm's output and the routed experts' output (the layer's
+    // output not yet made): as its product is made beside gate and up, as its down projection's
+    // output is made beside the product, and as that output is scaled by the gate. Outside SP the
+    // layer's statistics are made before the shared expert runs, and its gate logit after down
+    // (the MLP norm's output freed by it); under SP the logit comes first, and the statistics
+    // after the layer's output (the norm's output live until then).
+    let expert_output = if sequence_parallel { gathered } else { stream };
     if shared_expert && full {
         let intermediate = local_tokens * ffn * element;
+        let logit = Term { name: "its last layer's shared expert's gate logit", bytes: local_tokens * element };
+        let (before, logit_before_down) = if sequence_parallel {
+            (before_output.clone(), Some(logit.clone()))
+        } else {
+            (before_layer_output.clone(), None)
+        };
+        let beside = |own: Vec<Term>, norm_output: bool| {
+            let mut held = vec![positions.clone(), before.clone()];
+            if norm_output {
+                held.push(Term { name: "its last layer's MLP norm output", bytes: gathered });
+            }
+            held.push(Term { name: "its last layer's routed experts' output", bytes: expert_output });
+            held.extend(own);
+            held
+        };
         points.push(point(
             "the last layer's shared expert's product in a forward",
-            vec![
-                positions.clone(),
-                before_output.clone(),
-                Term { name: "its last layer's MLP norm output", bytes: gathered },
-                Term { name: "its last layer's routed experts' output", bytes: stream },
-                Term { name: "its last layer's shared expert's gate, up and product", bytes: 3.0 * intermediate },
-            ],
+            beside(
+                logit_before_down
+                    .iter()
+                    .cloned()
+                    .chain([Term {
+                        name: "its last layer's shared expert's gate, up and product",
+                        bytes: 3.0 * intermediate,
+                    }])
+                    .collect(),
+                true,
+            ),
+        ));
+        points.push(point(
+            "the last layer's shared expert's down output in a forward",
+            beside(
+                logit_before_down
+                    .iter()
+                    .cloned()
+                    .chain([
+                        Term { name: "its last layer's shared expert's product", bytes: intermediate },
+                        Term { name: "its last layer's shared expert's down output", bytes: expert_output },
+                    ])
+                    .collect(),
+                true,
+            ),
+        ));
+        points.push(point(
+            "the last layer's shared expert's output scaled in a forward",
+            beside(
+                vec![
+                    logit,
+                    Term {
+                        name: "its last layer's shared expert's output, scaled and not",
+                        bytes: 2.0 * expert_output,
+                    },
+                ],
+                sequence_parallel,
+            ),
         ));
     }
+    // (Outside SP the layer's statistics are made before the two outputs are summed.)
     if shared_expert {
         points.push(point(
             "the last layer's routed and shared experts' outputs summed in a forward",
             vec![
                 positions,
-                before_layer_output,
-                Term { name: "its last layer's routed and shared experts' outputs and their sum", bytes: 3.0 * stream },
+                if sequence_parallel { before_output } else { before_layer_output },
+                Term {
+                    name: "its last layer's routed and shared experts' outputs and their sum",
+                    bytes: 3.0 * expert_output,
+                },
             ],
         ));
     }

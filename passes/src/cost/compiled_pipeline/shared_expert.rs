@@ -81,29 +81,13 @@ pub(super) fn shared_expert_points(
     } else {
         (hidden * element, Some(Term { name: "the gate vector's input gradient", bytes: gathered }))
     };
-    let mut throughout = Vec::new();
-    let mut before_first_sum = Vec::new();
-    if sequence_parallel {
-        throughout.extend([
-            Term { name: "the layer's output gradient, all-gathered", bytes: gathered },
-            Term { name: "the gate logit's gradient", bytes: gathered / hidden },
-        ]);
-        if experts.load_balancing_loss {
-            throughout.push(Term {
-                name: "the router's weight gradient from the load-balancing loss",
-                bytes: experts.count as f64 * hidden * element,
-            });
-            before_first_sum
-                .push(Term { name: "the router's input gradient from the load-balancing loss", bytes: gathered });
-        }
-    }
+    let logit_gradient =
+        sequence_parallel.then_some(Term { name: "the gate logit's gradient", bytes: gathered / hidden });
     let new_sum = |name| Some(Term { name, bytes: shape.gate });
     let point = |name, so_far, own: Vec<Term>, new_sum, first_sum_made: bool| {
         let mut held = beside.to_vec();
-        held.extend(throughout.iter().cloned());
-        if !first_sum_made {
-            held.extend(before_first_sum.iter().cloned());
-        }
+        held.extend(beside_under_sequence_parallelism(shape, first_sum_made));
+        held.extend(logit_gradient.clone());
         held.extend(own);
         Candidate { name, so_far, held, new_sum, key_values_pending: 0, sum_pending: 0.0 }
     };
@@ -231,6 +215,28 @@ pub(super) fn shared_expert_points(
     .into_iter()
     .chain(up_input_reduced)
     .collect()
+}
+
+/// Under SP what a shared expert's backward holds beside its own buffers: the layer's output
+/// gradient all-gathered over tp, and with the load-balancing loss the router's gradients from it
+/// (its backward comes first): its weight gradient, and its input gradient until up's input
+/// gradient joins it (`first_sum_made`). Empty outside SP.
+pub(super) fn beside_under_sequence_parallelism(shape: &StageShape, first_sum_made: bool) -> Vec<Term> {
+    let StepSizes { element, hidden, gathered, .. } = shape.sizes;
+    let Some(experts) = shape.model.experts.as_ref().filter(|_| shape.sequence_parallel()) else {
+        return Vec::new();
+    };
+    let mut terms = vec![Term { name: "the layer's output gradient, all-gathered", bytes: gathered }];
+    if experts.load_balancing_loss {
+        terms.push(Term {
+            name: "the router's weight gradient from the load-balancing loss",
+            bytes: experts.count as f64 * hidden * element,
+        });
+        if !first_sum_made {
+            terms.push(Term { name: "the router's input gradient from the load-balancing loss", bytes: gathered });
+        }
+    }
+    terms
 }
 
 /// Under ZeRO-3 with full recomputation the MLP norm's, the shared gate's and up's weights, gathered

@@ -62,7 +62,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // and up's).
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
     if shared_expert {
-        per_layer += gathered + stream + local_tokens * (3.0 * ffn + 1.0) * element;
+        per_layer += 2.0 * gathered + local_tokens * (3.0 * ffn + 1.0) * element;
     }
     // Under cp the k and v kept (or recomputed) for W are every token's, all-gathered.
     if selective || full {
@@ -262,12 +262,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     points.push(Candidate::made(names[0], made_in_b, before));
-    // Under ZeRO-2 and 3 a dense stage's gradient is then reduce-scattered, staged whole, what
-    // made it freed: the LM head's logits' gradient (under cp the rank's tokens', which W reads;
-    // under tsp every token's) and input (under full recomputation the copy W recomputed), or the
-    // last layer's SiLU product (under full recomputation recomputed) and under SP its output
-    // gradient gathered.
-    if shape.scattered && shape.model.experts.is_none() {
+    // Under ZeRO-2 and 3 a dense stage's gradient (or a shared expert's) is then reduce-scattered,
+    // staged whole, what made it freed: the LM head's logits' gradient (under cp the rank's
+    // tokens', which W reads; under tsp every token's) and input (under full recomputation the
+    // copy W recomputed), or the last layer's SiLU product (under full recomputation recomputed)
+    // and under SP its output gradient gathered (a shared expert's scaled output's gradient).
+    if shape.scattered && (shape.model.experts.is_none() || (shared_expert && !chunk.last)) {
         let (name, freed) = if chunk.last {
             // (Under tsp every token's, the head's input gathered over the sequence.)
             let (logits_gradient, head_input) = if shape.tsp > 1 {
@@ -277,8 +277,9 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             };
             ("the LM head's weight gradient reduce-scattered in W", logits_gradient + head_input)
         } else {
-            // (Under SP the output gradient gathered over tp, which W read last there, too.)
-            let gathered_output_gradient = if shape.sequence_parallel() { gathered } else { 0.0 };
+            // (Under SP the output gradient gathered over tp, which W read last there, too; a
+            // shared expert's scaled output's gradient, whole.)
+            let gathered_output_gradient = if shape.sequence_parallel() || shared_expert { gathered } else { 0.0 };
             (
                 "the last layer's down gradient reduce-scattered in W",
                 local_tokens * ffn * element + gathered_output_gradient,
