@@ -2648,13 +2648,15 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // those are gathered in two steps (over ep, then cp), the first's output beside the second's
     // (8.6% below before it was modelled). In B the routed experts' gradients joining their sums
     // free the MLP norm's output but beside a shared expert, whose weight gradients W reads it
-    // with (1.6% below before). Before these points were modelled the form was up to 34% above
+    // with (1.6% below before). Under ZeRO-3 with full recomputation the attention norm's, q's,
+    // k's and v's weights gathered again for the recomputed forward are live in the attention
+    // backward (3.1% below before). Before these points were modelled the form was up to 34% above
     // the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation, tiny-moe
-    // and two shared-expert variants, each schedule: never above, within 5% below (3.1% at most
+    // and two shared-expert variants, each schedule: never above, within 2% below (1.5% at most
     // on these layouts when this was written; 4.9% before the routed experts' input gradient's
     // all-reduce over tp was modelled beside a shared expert, and the experts' gradients made
     // under ZeRO-2, beside the MLP norm's output and under SP the output gradient gathered),
-    // exact on three stages in four (4014 of 4896 when this was written).
+    // exact on four stages in five (4102 of 4896 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2692,7 +2694,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
                 // then over cp, the first step's output live beside the second's.)
                 layout("pp=2,cp=2,ep=2", zero_bubble, false, zero_stage),
             ],
-            0.95,
+            0.98,
         ));
         // (A shared expert under SP: `shared_expert_stage_closed_form_under_sequence_parallelism`.)
         tallies.push(tally_stage_closed_forms(
@@ -2702,7 +2704,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
                 layout("pp=2,dp=2,tp=2", zero_bubble, true, zero_stage),
                 layout("pp=2,ep=2,tp=2", one_f_one_b, true, zero_stage),
             ],
-            0.95,
+            0.98,
         ));
     }
     // Beside dp × ep (and without ZeRO, where the form was 0.9% above before the router's
@@ -2712,11 +2714,11 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     tallies.push(tally_stage_closed_forms(
         &[&experts, &shared, &shared_wide],
         &[0, 2, 3].map(|zero_stage| dp_ep(one_f_one_b, zero_stage)),
-        0.95,
+        0.98,
     ));
-    tallies.push(tally_stage_closed_forms(&[&experts], &[dp_ep(zero_bubble, 2), dp_ep(zero_bubble, 3)], 0.95));
+    tallies.push(tally_stage_closed_forms(&[&experts], &[dp_ep(zero_bubble, 2), dp_ep(zero_bubble, 3)], 0.98));
     let (stages, exact, exact_at) = merged_tallies(tallies);
-    assert!(4 * exact >= 3 * stages, "{exact} of {stages} exact: {exact_at:?}");
+    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact: {exact_at:?}");
     assert_each_is_a_peak(
         &exact_at,
         &[
@@ -2735,6 +2737,8 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "first layer's shared down projection's input gradient in B",
             "first layer's shared down projection's weights gathered again in B, the last step",
             "first layer's experts' backward dispatched in B",
+            "first layer's attention backward",
+            "the last layer's attention backward",
         ],
     );
 }

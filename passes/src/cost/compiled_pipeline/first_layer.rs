@@ -221,9 +221,10 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
 /// v's gradient beside q's and k's: every gradient of the layer but q's, k's, v's and its input
 /// norm's is made, attention's output freed (its gradient live), and its inputs (the norm's output,
 /// q, and every token's k and v under cp) live beside the kernel's three gradients (k's and v's
-/// every token's under cp, before their reduce-scatter); a stage between the first and the last
-/// still holds a mixture's summed expert counts it received. (Not under tsp, whose attention
-/// backward differs.)
+/// every token's under cp, before their reduce-scatter; under ZeRO-3 with full recomputation
+/// beside the weights gathered again, [`attention_weights_regathered`]); a stage between the
+/// first and the last still holds a mixture's summed expert counts it received. (Not under tsp,
+/// whose attention backward differs.)
 pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, .. } = shape.sizes;
     if shape.tsp > 1 {
@@ -241,6 +242,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
             bytes: (local_tokens * query + kv_kept) * element,
         },
     ]);
+    held.extend(attention_weights_regathered(shape));
     let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
     Some(Candidate {
         name: "first layer's attention backward",
@@ -250,6 +252,17 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         key_values_pending: 1,
         sum_pending: 0.0,
     })
+}
+
+/// Under ZeRO-3 with full recomputation a layer's recomputed forward gathers its attention norm's,
+/// q's, k's and v's weights again (k's and v's but where ZeRO keeps them whole), live until their
+/// input gradients in its attention backward; else none.
+pub(super) fn attention_weights_regathered(shape: &StageShape) -> Option<Term> {
+    let StepSizes { element, hidden, query, kv, .. } = shape.sizes;
+    let key_values = if shape.key_values_gathered { 2.0 * kv } else { 0.0 };
+    let weights = shape.weights_gathered_again((shape.norm + hidden * (query + key_values)) * element);
+    (shape.recompute() == Recompute::Full && weights > 0.0)
+        .then_some(Term { name: "the layer's attention norm, q, k and v weights, gathered again", bytes: weights })
 }
 
 /// The first layer's [`attention_input_gradients`].

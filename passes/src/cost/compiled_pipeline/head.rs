@@ -600,10 +600,11 @@ fn output_gradient_received(shape: &StageShape, chunk: &Chunk) -> Candidate {
 }
 
 /// Under full recomputation a mixture's chunk of more than one layer may peak inside its last
-/// layer's attention backward, as the attention kernel makes v's gradient beside q's and k's (recomputed
-/// for it): as inside its first layer's (`first_layer::attention_backward`), but the residual
-/// stream every layer below kept is still live, and of the chunk's gradients only the head's (on
-/// the last chunk) and the last layer's MLP's, MLP norm's and output projection's are made.
+/// layer's attention backward, as the attention kernel makes v's gradient beside q's and k's
+/// (recomputed for it): as inside its first layer's (`first_layer::attention_backward`), but the
+/// residual stream every layer below kept is still live, and of the chunk's gradients only the
+/// head's (on the last chunk) and the last layer's MLP's, MLP norm's and output projection's are
+/// made.
 pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, kept_layer, .. } = shape.sizes;
     if shape.recompute() != Recompute::Full || chunk.layers < 2 || shape.model.experts.is_none() {
@@ -629,6 +630,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
             bytes: (local_tokens * query + kv_kept) * element,
         },
     ]);
+    held.extend(super::first_layer::attention_weights_regathered(shape));
     let head = if chunk.last { (shape.sizes.vocab_shard * hidden + shape.norm) * element } else { 0.0 };
     let so_far = (head + (shape.norm + hidden * query) * element) / shape.shards + shape.layer_mlp_gradient_shards();
     let mut candidates = vec![Candidate {
