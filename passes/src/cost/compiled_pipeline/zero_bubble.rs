@@ -185,8 +185,10 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
 /// reduce-scatter, the sums the rank's shards), and a dense LM head's as it joins its sum after it.
 /// Beside a tied table, on the last chunk as the head's part of its gradient is made (it joins no
-/// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). (Under
-/// tsp only on the last chunk: B makes the MLP's gradients.)
+/// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). A dense
+/// chunk's last layer's up and gate gradients then join their sums too. Under tsp with full
+/// recomputation, also as the recomputed final norm's output is gathered. (Under tsp only on the
+/// last chunk: B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, stream, gathered, every_token, .. } = shape.sizes;
     if !shape.zero_bubble || (shape.tsp > 1 && !chunk.last) {
@@ -255,10 +257,51 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         key_values_pending: 0,
         sum_pending: 0.0,
     };
+    // A dense MLP's up and gate gradients join their sums after down's, each made from its
+    // output gradient and the MLP norm's output, the SiLU product and down's output gradient
+    // (under SP the gathered copy) freed. Beside replicas (dp or cp, outside ZeRO-2 and 3) each
+    // is all-reduced first, its output gradient freed before, its unreduced copy live beside; as
+    // up's joins, then gate's; without them gate's, up's output gradient freed. (Under full
+    // recomputation the product W recomputed, gate and up kept to the micro-batch's end.)
+    let later_mlp_joins = |reduced: bool| -> Vec<Candidate> {
+        let dense = !chunk.last && shape.model.experts.is_none();
+        if !dense || shape.scattered {
+            return Vec::new();
+        }
+        let intermediate = local_tokens * ffn * element;
+        let output_gradient_gathered = if shape.sequence_parallel() { gathered } else { 0.0 };
+        let joins: &[(&'static str, f64)] = if reduced {
+            &[
+                ("the last layer's up gradient joins its sum in W, all-reduced", 2.0),
+                ("the last layer's gate gradient joins its sum in W, all-reduced", 3.0),
+            ]
+        } else {
+            &[("the last layer's gate gradient joins its sum in W", 3.0)]
+        };
+        joins
+            .iter()
+            .map(|&(name, made)| {
+                let output_gradients_freed = if reduced { made - 1.0 } else { made - 2.0 };
+                // (Beside replicas gate's, the last reader of the MLP norm's output, frees it too.)
+                let norm_output = if reduced && made == 3.0 { gathered } else { 0.0 };
+                let mut held = held.clone();
+                held.push(Term {
+                    name: "what the MLP's weight gradients so far read, freed",
+                    bytes: -((1.0 + output_gradients_freed) * intermediate + output_gradient_gathered + norm_output),
+                });
+                if reduced {
+                    held.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
+                }
+                Candidate { so_far: made_in_b + made * gradient, ..joining(name, held) }
+            })
+            .collect()
+    };
     if !shape.reduced {
+        points.extend(later_mlp_joins(false));
         points.push(joining(names[1], held));
         return points;
     }
+    points.extend(later_mlp_joins(true));
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     points.push(Candidate::made(names[0], made_in_b, before));
