@@ -1713,6 +1713,7 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
             "the last layer's output in a forward",
             "the last layer's routed and shared experts' outputs summed in a forward",
             "the last layer's shared expert's product in a forward",
+            "the last layer's shared expert's down output in a forward",
             "every token's logits gathered in a forward",
         ],
     );

@@ -990,7 +990,7 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
         let StepSizes { hidden, stream, gathered, .. } = shape.sizes;
         not_made += hidden * element;
         held.extend([
-            Term { name: "first layer's shared expert's gate logit's gradient", bytes: gathered / hidden },
+            Term { name: "first layer's shared expert's gate logit's gradient", bytes: local_tokens * element },
             Term { name: "first layer's attention residual gradient, gathered over tp (for W)", bytes: gathered },
         ]);
         if chunk.first {

@@ -14,10 +14,9 @@ use super::{tsp_ring, StageShape};
 /// routed experts' output and the shared expert's scaled output are summed (the layer's output not
 /// yet made), and under full recomputation as the shared expert's product, its down projection's
 /// output and its scaled output are made; under SP as the MLP's output is reduce-scattered over
-/// tp. The micro-batch
-/// holds all it keeps in flight there but what the rest of its forward makes (on the last chunk
-/// the head's buffers, and a mixture's counts' sum over the layers, whose statistics are all live
-/// instead). On the last chunk beside cp also [`logits_gathered`]; under tsp only
+/// tp. The micro-batch holds all it keeps in flight there but what the rest of its forward makes
+/// (on the last chunk the head's buffers, and a mixture's counts' sum over the layers, whose
+/// statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under tsp only
 /// [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard the sums,
 /// or a tied table.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {

@@ -82,7 +82,7 @@ pub(super) fn shared_expert_points(
         (hidden * element, Some(Term { name: "the gate vector's input gradient", bytes: gathered }))
     };
     let logit_gradient =
-        sequence_parallel.then_some(Term { name: "the gate logit's gradient", bytes: gathered / hidden });
+        sequence_parallel.then_some(Term { name: "the gate logit's gradient", bytes: local_tokens * element });
     let new_sum = |name| Some(Term { name, bytes: shape.gate });
     let point = |name, so_far, own: Vec<Term>, new_sum, first_sum_made: bool| {
         let mut held = beside.to_vec();
