@@ -2658,13 +2658,15 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // free the MLP norm's output but beside a shared expert, whose weight gradients W reads it
     // with (1.6% below before). Under ZeRO-3 with full recomputation the attention norm's, q's,
     // k's and v's weights gathered again for the recomputed forward are live in the attention
-    // backward (3.1% below before). Before these points were modelled the form was up to 34% above
+    // backward (3.1% below before). Over ep × tp the dispatch makes the routed experts' and the
+    // router's gradients before the experts' input gradient is all-reduced over tp: a point there
+    // too (1.9% below before). Before these points were modelled the form was up to 34% above
     // the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation, tiny-moe
     // and two shared-expert variants, each schedule: never above, within 2% below (1.5% at most
     // on these layouts when this was written; 4.9% before the routed experts' input gradient's
     // all-reduce over tp was modelled beside a shared expert, and the experts' gradients made
     // under ZeRO-2, beside the MLP norm's output and under SP the output gradient gathered),
-    // exact on four stages in five (4102 of 4896 when this was written).
+    // exact on nine stages in ten (4446 of 4896 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2726,7 +2728,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     ));
     tallies.push(tally_stage_closed_forms(&[&experts], &[dp_ep(zero_bubble, 2), dp_ep(zero_bubble, 3)], 0.98));
     let (stages, exact, exact_at) = merged_tallies(tallies);
-    assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact: {exact_at:?}");
+    assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact: {exact_at:?}");
     assert_each_is_a_peak(
         &exact_at,
         &[
@@ -2747,6 +2749,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "first layer's experts' backward dispatched in B",
             "first layer's attention backward",
             "the last layer's attention backward",
+            "first layer's routed experts' input gradient all-reduced over tp in B",
         ],
     );
 }

@@ -211,13 +211,14 @@ fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option
     Some(Candidate { name, new_sum: None, held, ..joining.clone() })
 }
 
-/// Under tp (without ep) the routed experts' input gradient, each rank's partial sum over its
-/// share of their channels, is all-reduced over tp before it joins the MLP norm output's gradient:
-/// a stage may peak there, beside the router's gradients from the load-balancing loss (made just
-/// before) and under SP the output gradient all-gathered over tp, which the experts read, none of
-/// the layer's routed-expert and router weight gradients made yet. A shared expert's backward
-/// comes first: its gradients are made, and its input gradients' sum (which the router's input
-/// gradient from the loss joined) is live.
+/// Under tp the routed experts' input gradient, each rank's partial sum over its share of their
+/// channels, is all-reduced over tp before it joins the MLP norm output's gradient: a stage may
+/// peak there, beside the router's gradients from the load-balancing loss (made just before) and
+/// under SP the output gradient all-gathered over tp, which the experts read, none of the layer's
+/// routed-expert and router weight gradients made yet (over ep, without replicas of the experts,
+/// the dispatch made the experts' gradients and the router's from them first). A shared expert's
+/// backward comes first: its gradients are made, and its input gradients' sum (which the router's
+/// input gradient from the loss joined) is live.
 pub(super) fn input_gradient_reduced(
     shape: &StageShape,
     place: Place,
@@ -227,7 +228,10 @@ pub(super) fn input_gradient_reduced(
     let name = place.experts_names().input_gradient_reduced;
     let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
-    if shape.tp == 1 || shape.ep > 1 {
+    // (Over ep, without replicas of the experts, the dispatch made the layer's routed-expert
+    // gradients, whole, and the router's from them before the all-reduce.)
+    let over_ep = shape.ep > 1;
+    if shape.tp == 1 || (over_ep && (shape.experts_reduced || shape.experts_scattered())) {
         return None;
     }
     let mut held = context.to_vec();
@@ -249,6 +253,13 @@ pub(super) fn input_gradient_reduced(
     }
     held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
+    if over_ep {
+        so_far += shape.layer_routed_experts();
+        held.push(Term {
+            name: "the router's gradient from the experts' backward",
+            bytes: experts.count as f64 * hidden * element,
+        });
+    }
     Some(Candidate::made(name, so_far, held))
 }
 

@@ -541,12 +541,14 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // Under tp B all-reduces the first layer's routed experts' input gradient before it makes
     // their weight gradients (on the micro-batch's first B of the chunk their sums not made yet).
     if let Some(mut reduced) = experts_input_gradient_reduced(shape, chunk) {
-        let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
+        // (Over ep the dispatch made the routed experts' gradients first.)
+        let routed = if shape.ep > 1 { shape.layer_routed_experts() } else { 0.0 };
+        let pending = shape.mlp_gradients_in_b().unwrap_or(0.0) - routed;
         reduced.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate {
             name: "first layer's routed experts' input gradient all-reduced over tp in B",
-            so_far: made_in_b - layer,
-            sum_pending: layer,
+            so_far: made_in_b - pending,
+            sum_pending: pending,
             ..reduced
         });
     }
