@@ -257,10 +257,11 @@
 //! the shared expert's product, its down projection's output and its scaled output made) beside
 //! all the micro-batch keeps, and beside cp as the last chunk gathers every token's logits. A
 //! micro-batch's loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss,
-//! else in B; the first stage's B frees the positions (but where W recomputes). `tests/cost_training.rs` checks the form from 64 to 1024 tokens never above the
-//! planner's peak and within 3% (mixtures; 1% beside a shared expert under SP, 2% under ZeRO-2
-//! and 3) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact
-//! on most stages; the points left are W's later ones (forwards are not modelled under ZeRO-2 and
+//! else in B; the first stage's B frees the positions (but where W recomputes).
+//! `tests/cost_training.rs` checks the form from 64 to 1024 tokens never above the planner's peak
+//! and within 3% (mixtures; 1% beside a shared expert under SP, 2% under ZeRO-2 and 3) or 4%
+//! (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact on most
+//! stages; the points left are W's later ones (forwards are not modelled under ZeRO-2 and
 //! 3). Under tsp B runs the MLP rings' backward whole (on a chunk but the last it begins with its
 //! last layer's ring) and W takes the layers last to first, so W may peak in its last layer's
 //! attention too, as o's gradient is reduced to an owner, what W reads of the layers before still
