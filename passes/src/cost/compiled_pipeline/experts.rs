@@ -95,7 +95,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
 /// the load-balancing loss, made before the dispatch, are summed with its results after them
 /// (beside dp or cp before the experts' gradients are reduced).
 pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
+    let gathered = shape.sizes.gathered;
     let experts = shape.model.experts.as_ref()?;
     let reduced = shape.experts_reduced;
     let matrix = expert_matrix(shape);
@@ -115,10 +115,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // (Beside dp or cp the router's gradients are summed and its weight gradient reduced before
     // the experts' are.)
     if shape.ep > 1 && experts.load_balancing_loss && !reduced {
-        held.push(Term {
-            name: "the router's input and weight gradients from the load-balancing loss",
-            bytes: (experts.count as f64 + local_tokens) * hidden * element,
-        });
+        held.push(load_balancing_gradients(shape));
     }
     // Under ZeRO-2 the router's gradient's shard has joined its sum (under ZeRO-3 the router's
     // gradient is scattered after the experts', whole until then); the joining one's is written
@@ -139,9 +136,8 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
 /// Under ZeRO-3 the router's gradient, whole: its reduce-scatter follows the experts' (autodiff
 /// reaches the gathers' conjugates in reverse), under ZeRO-2 it precedes them.
 fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
-    let experts = shape.model.experts.as_ref()?;
     // (Not a shared expert's gate vector, scattered in its own backward.)
-    let router = (experts.count * shape.model.hidden) as f64 * shape.sizes.element;
+    let router = shape.router();
     (shape.weights_gathered_again(router) > 0.0)
         .then_some(Term { name: "the router's gradient, whole before its reduce-scatter", bytes: router })
 }
@@ -226,7 +222,7 @@ pub(super) fn input_gradient_reduced(
     made_before: f64,
 ) -> Option<Candidate> {
     let name = place.experts_names().input_gradient_reduced;
-    let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
+    let gathered = shape.sizes.gathered;
     let experts = shape.model.experts.as_ref()?;
     // (Over ep, without replicas of the experts, the dispatch made the layer's routed-expert
     // gradients, whole, and the router's from them before the all-reduce.)
@@ -246,21 +242,23 @@ pub(super) fn input_gradient_reduced(
         }
     }
     if experts.load_balancing_loss {
-        held.push(Term {
-            name: "the router's input and weight gradients from the load-balancing loss",
-            bytes: (experts.count as f64 + local_tokens) * hidden * element,
-        });
+        held.push(load_balancing_gradients(shape));
     }
     held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
     if over_ep {
         so_far += shape.layer_routed_experts();
-        held.push(Term {
-            name: "the router's gradient from the experts' backward",
-            bytes: experts.count as f64 * hidden * element,
-        });
+        held.push(Term { name: "the router's gradient from the experts' backward", bytes: shape.router() });
     }
     Some(Candidate::made(name, so_far, held))
+}
+
+/// The router's input and weight gradients from the load-balancing loss (the rank's tokens').
+fn load_balancing_gradients(shape: &StageShape) -> Term {
+    Term {
+        name: "the router's input and weight gradients from the load-balancing loss",
+        bytes: shape.router() + shape.sizes.gathered,
+    }
 }
 
 /// A layer's shared expert's gradients, as the rank holds them: its gate vector's and its three
@@ -281,12 +279,12 @@ pub(super) fn dispatched(
     context: &[Term],
     made_before: f64,
 ) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, hidden, gathered, .. } = shape.sizes;
+    let StepSizes { element, gathered, .. } = shape.sizes;
     let experts = shape.model.experts.as_ref()?;
     if shape.ep == 1 {
         return None;
     }
-    let router = experts.count as f64 * hidden * element;
+    let router = shape.router();
     let mut held = context.to_vec();
     let mut so_far = made_before;
     if experts.shared_expert {
@@ -296,10 +294,7 @@ pub(super) fn dispatched(
         }
     }
     if experts.load_balancing_loss {
-        held.push(Term {
-            name: "the router's input and weight gradients from the load-balancing loss",
-            bytes: router + local_tokens * hidden * element,
-        });
+        held.push(load_balancing_gradients(shape));
     }
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
     held.extend(weights_gathered_again(shape));
@@ -342,9 +337,7 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 /// is made then (bytes; else 0).
 fn router_sum_pending(shape: &StageShape) -> f64 {
     match &shape.model.experts {
-        Some(experts) if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_reduced => {
-            (experts.count * shape.model.hidden) as f64 * shape.sizes.element
-        }
+        Some(experts) if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_reduced => shape.router(),
         _ => 0.0,
     }
 }

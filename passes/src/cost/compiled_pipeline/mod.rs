@@ -584,6 +584,14 @@ impl<'a> StageShape<'a> {
             + self.layer_routed_experts()
     }
 
+    /// One layer's router weights (whole on every rank; bytes, 0 for a dense model).
+    fn router(&self) -> f64 {
+        self.model
+            .experts
+            .as_ref()
+            .map_or(0.0, |experts| (experts.count * self.model.hidden) as f64 * self.sizes.element)
+    }
+
     /// One layer's routed-expert weights on the rank, its tp and ep share (bytes; 0 for a dense
     /// model).
     fn layer_routed_experts(&self) -> f64 {
@@ -613,9 +621,9 @@ impl<'a> StageShape<'a> {
                 self.sharded(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element, 0.0),
             );
         }
-        model.experts.as_ref().map(|experts| {
+        model.experts.as_ref().map(|_| {
             let routed = self.layer_routed_experts();
-            self.sharded((experts.count * model.hidden) as f64 * self.sizes.element + routed, routed)
+            self.sharded(self.router() + routed, routed)
         })
     }
 

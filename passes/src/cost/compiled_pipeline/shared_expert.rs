@@ -222,16 +222,13 @@ pub(super) fn shared_expert_points(
 /// (its backward comes first): its weight gradient, and its input gradient until up's input
 /// gradient joins it (`first_sum_made`). Empty outside SP.
 pub(super) fn beside_under_sequence_parallelism(shape: &StageShape, first_sum_made: bool) -> Vec<Term> {
-    let StepSizes { element, hidden, gathered, .. } = shape.sizes;
+    let gathered = shape.sizes.gathered;
     let Some(experts) = shape.model.experts.as_ref().filter(|_| shape.sequence_parallel()) else {
         return Vec::new();
     };
     let mut terms = vec![Term { name: "the layer's output gradient, all-gathered", bytes: gathered }];
     if experts.load_balancing_loss {
-        terms.push(Term {
-            name: "the router's weight gradient from the load-balancing loss",
-            bytes: experts.count as f64 * hidden * element,
-        });
+        terms.push(Term { name: "the router's weight gradient from the load-balancing loss", bytes: shape.router() });
         if !first_sum_made {
             terms.push(Term { name: "the router's input gradient from the load-balancing loss", bytes: gathered });
         }
