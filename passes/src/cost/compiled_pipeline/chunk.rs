@@ -143,7 +143,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
     backward.extend(first_layer::gate_input_gradient_scattered(shape, &chunk));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
-    if let Some(w_reads) = w_reads {
+    if let Some(w_reads) = w_reads.clone() {
+        backward.extend(zero_bubble::first_layer_gate_joining_in_w(shape, &chunk, &w_reads));
         backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));
     }
     // (At the head of W no layer's k and v weight gradients are made yet.)
@@ -176,7 +177,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     // Beside dp × tp the last chunk reduces the head's part over dp at the end of its backward,
     // to send it back.
     if shape.tied && last && shape.reduced && shape.sizes.vocab_split > 1.0 {
-        backward.push(head_part_reduced(shape, &chunk));
+        backward.push(head_part_reduced(shape, &chunk, w_reads.clone()));
     }
     // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
     // the buffers whose last reader is another rank (the output sent on, the input's gradient
@@ -494,14 +495,18 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
 
 /// Beside dp × tp, at the end of the last chunk's backward, as the head's part of a tied table's
 /// gradient is reduced over dp to be sent back: every gradient of the chunk made and summed, its
-/// input's gradients sent back but kept, the head's part and its reduced copy.
-fn head_part_reduced(shape: &StageShape, chunk: &Chunk) -> Candidate {
+/// input's gradients sent back but kept, the head's part and its reduced copy. (Under zero bubble
+/// at the end of W, beside what W's tail still reads: without SP every layer's residual gradients,
+/// the first layer's attention residual's among them, which stay to the micro-batch's end.)
+fn head_part_reduced(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Candidate {
     let StepSizes { element, vocab_shard, hidden, stream, .. } = shape.sizes;
     let mut held = vec![
         Term { name: "positions", bytes: chunk.positions },
         Term { name: "first layer's attention residual gradient", bytes: stream },
         Term { name: "first layer's attention norm's input gradient", bytes: stream },
     ];
+    let counted_above = if shape.sequence_parallel() { 0.0 } else { stream };
+    held.extend(w_reads.map(|w_reads| Term { bytes: w_reads.bytes - counted_above, ..w_reads }));
     held.extend(chunk.end.iter().cloned());
     held.push(Term { name: "the head's part, reduced over dp", bytes: vocab_shard * hidden * element });
     Candidate::made("the LM head's part of the tied table's gradient reduced over dp", chunk.grads, held)

@@ -49,6 +49,35 @@ pub(super) fn loss_backward(shape: &StageShape, chunk: &Chunk) -> Candidate {
     )
 }
 
+/// Under ZeRO-3 over dp and cp both, a tied table is gathered for the LM head's input gradient
+/// in two steps, over cp then over dp (`passes::zero`): the stage may peak as the last runs, its
+/// output staged whole beside the step before's, once the loss's backward is done. The micro-batch
+/// holds all it keeps in flight but the logits and the targets, which that backward read last,
+/// and the logits' gradient (under cp the rank's tokens'); none of its gradients is made yet.
+pub(super) fn table_gathered_for_the_head(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ids, token_split, .. } = shape.sizes;
+    let share = shape.two_step_gather_share();
+    if !shape.tied || !chunk.last || share == 0.0 {
+        return None;
+    }
+    let table = vocab_shard * hidden * element;
+    let targets = if token_split > 1 { ids } else { 0.0 };
+    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    Some(Candidate::made(
+        "the tied table gathered for the LM head's backward, the last step",
+        0.0,
+        vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term {
+                name: "what it holds in flight but the logits and the targets, its two losses summed",
+                bytes: chunk.in_flight - shape.logits() - targets - summed,
+            },
+            Term { name: "the logits' gradient, the rank's tokens'", bytes: local_tokens * vocab_shard * element },
+            Term { name: "the table, gathered (staged) beside the step before's output", bytes: (1.0 + share) * table },
+        ],
+    ))
+}
+
 /// The head of the micro-batch's backward on the last chunk: the loss's backward
 /// ([`loss_backward`]), then the LM head's weight gradient.
 fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
@@ -63,6 +92,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // (By the loss's backward a mixture's two losses are summed into one.)
     let summed = if shape.statistics > 0.0 { element } else { 0.0 };
     let mut candidates = vec![loss_backward(shape, chunk)];
+    candidates.extend(table_gathered_for_the_head(shape, chunk));
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it; under full recomputation (a dense stage's) the final
     // norm's output recomputed for it, and its input gathered again under SP. (Beside dp, which

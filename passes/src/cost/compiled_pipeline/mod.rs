@@ -220,10 +220,13 @@
 //! part; beside dp (or cp) without tp the two parts and their sum are live before the sum is
 //! reduced (under ZeRO-2 more than at the reduce-scatter after). Under ZeRO-3 the last stage
 //! receives the table's dp shard and gathers it itself, in its forward and again in its backward
-//! (`pipeline::gather_params_on_each_stage`); those copies are freed by the points modelled.
-//! Under zero bubble the head's part is made in the last stage's W and added in the first
-//! stage's; on two stages the first takes, before it, the input gradients the last sent from the
-//! B steps it ran in between, and holds them to their own B.
+//! (`pipeline::gather_params_on_each_stage`); those copies are freed by the points modelled, but
+//! over dp and cp both, where it is gathered in two steps: the stage may peak as the last runs
+//! for the head's backward, the step before's output beside it. Under zero bubble the head's part
+//! is made in the last stage's W (which then makes the final norm's and the last layer's MLP
+//! weight gradients, the part held) and, beside dp × tp, reduced over dp at the W's end; it is
+//! added in the first stage's W. On two stages the first takes, before it, the input gradients
+//! the last sent from the B steps it ran in between, and holds them to their own B.
 //!
 //! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
 //! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
@@ -250,7 +253,9 @@
 //! on the last chunk, after the micro-batch's two losses are summed, or beside a tied table the
 //! head's part of it; the last layer's down projection's, dense or a shared expert's, on another)
 //! is made or joins its sum, all the micro-batch held between B and W still live (under ZeRO-2 and
-//! 3 also as it is reduce-scattered, staged whole, what made it freed); and (but beside a tied
+//! 3 also as it is reduce-scattered, staged whole, what made it freed, and a dense MLP's up
+//! gradient after it), and as a dense chunk's first layer's gate gradient joins its sum, its
+//! attention's weight gradients still to come; and (but beside a tied
 //! table) in a forward, at its last layer's MLP (its output made; under SP as it is
 //! reduce-scattered over tp; under full recomputation as a dense MLP's SiLU product is made beside
 //! gate and up; a shared expert's and the routed experts' outputs summed; under full recomputation
@@ -286,9 +291,8 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
-//! ZeRO stage; its embedding untied, or tied on a dense model without tsp (ZeRO-2 and 3 under zero
-//! bubble without tp, ZeRO-3 not over dp and cp both), under zero bubble or interleaved not beside dp
-//! (or cp) × tp, interleaved on two stages only. [`pipelined_differences_from_closed_form`] names
+//! ZeRO stage; its embedding untied, or tied on a dense model without tsp (interleaved on two
+//! stages only, and not beside dp (or cp) × tp). [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
 //! formulas) differs from it; `tests/cost_training.rs` checks that closed form plus those terms
 //! equals the planner's peak to the byte on every stage.
@@ -412,21 +416,16 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && (workload.zero <= 1
             || (layout.zero_replicas() > 1
                 && (workload.zero == 2 || workload.zero == 3)
-                && only_key_values_kept_whole(model, layout)
-                // Over dp and cp both, each gradient is reduce-scattered, and under ZeRO-3 each
-                // parameter gathered, in two steps: not modelled for a tied table under ZeRO-3
-                // (its gather over cp, beside the one over dp, can peak).
-                && (dp == 1 || cp == 1 || workload.zero == 2 || !model.tied_embeddings)))
+                && only_key_values_kept_whole(model, layout)))
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with or without SP), under any ZeRO stage.
         && model.experts.as_ref().is_none_or(|_| layout.expert_axis() != Some(AxisName::Tsp))
-        // A tied table beside pp: a dense model without tsp. Under zero bubble or interleaved, not
-        // beside dp (or cp) × tp; interleaved on two stages only: elsewhere the first stage takes
-        // the head's part when a message queued after it is needed, which depends on the schedule.
+        // A tied table beside pp: a dense model without tsp. Interleaved on two stages only, and
+        // not beside dp (or cp) × tp: elsewhere the first stage takes the head's part when a
+        // message queued after it is needed, which depends on the schedule.
         && (!model.tied_embeddings
             || (model.experts.is_none()
                 && tsp == 1
-                && (schedule.kind != ScheduleKind::ZeroBubbleH1 || tp == 1 || dp * cp == 1)
                 && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
 }
 

@@ -196,9 +196,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    // W's first gradient to join a sum: on the last chunk the LM head's, but a tied table's part
+    // (which joins none); else, and after that part, the last layer's down projection's.
+    let lm_head = chunk.last && !shape.tied;
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
     // gradient freed after.)
-    let (gradient, names, made_before, freed_before) = if chunk.last {
+    let (gradient, names, made_before, freed_before) = if lm_head {
         let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
         (vocab_shard * hidden * element, names, 0.0, 0.0)
     } else if shape.model.experts.is_none() || shared_expert {
@@ -222,7 +225,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             bytes: between_b_and_w.between - made_in_b - summed - freed_before - received,
         },
     ];
-    let made_in_b = made_in_b + made_before;
+    let mut made_in_b = made_in_b + made_before;
     let mut points = Vec::new();
     // (Under tsp gathered over the sequence: the head's input.)
     if chunk.last && shape.recompute() == Recompute::Full {
@@ -238,16 +241,33 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         }
         held.push(Term { name: "the final norm's output, recomputed", bytes: recomputed });
     }
-    // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
-    if !chunk.last && shape.model.experts.is_none() && shape.recompute() == Recompute::Full {
-        held.push(Term { name: "the last layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
-    }
     // Beside a tied table the head's part of its gradient joins no sum here: it is sent back to
-    // the first stage (beside dp × tp reduced first, at the end of the W).
+    // the first stage (beside dp × tp reduced first, at the end of the W), held to the
+    // micro-batch's end. What made it is freed (the logits' gradient and the head's input, under
+    // full recomputation the copy W recomputed); W then makes the final norm's weight gradient,
+    // which frees what it reads (the norm's input and output gradient, under SP gathered), and
+    // goes on to the last layer's MLP, a dense one's from the SiLU product (under full
+    // recomputation recomputed).
     if let Some(head_part) = shape.tied_head_part().filter(|_| chunk.last) {
         held.push(head_part);
-        points.push(Candidate::made("the LM head's part of the tied table's gradient is made in W", made_in_b, held));
-        return points;
+        points.push(Candidate::made(
+            "the LM head's part of the tied table's gradient is made in W",
+            made_in_b,
+            held.clone(),
+        ));
+        if shape.model.experts.is_some() {
+            return points;
+        }
+        held.push(Term {
+            name: "the logits' gradient and the head's input, freed",
+            bytes: -(local_tokens * vocab_shard * element + gathered),
+        });
+        held.push(Term { name: "the final norm's input and output gradient, freed", bytes: -2.0 * gathered });
+        made_in_b += shape.norm * element / shape.shards;
+    }
+    // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
+    if !lm_head && shape.model.experts.is_none() && shape.recompute() == Recompute::Full {
+        held.push(Term { name: "the last layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     }
     let joining = |name, held| Candidate {
         name,
@@ -264,26 +284,27 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // up's joins, then gate's; without them gate's, up's output gradient freed. (Under full
     // recomputation the product W recomputed, gate and up kept to the micro-batch's end.)
     let later_mlp_joins = |reduced: bool| -> Vec<Candidate> {
-        let dense = !chunk.last && shape.model.experts.is_none();
+        let dense = !lm_head && shape.model.experts.is_none();
         if !dense || shape.scattered {
             return Vec::new();
         }
         let intermediate = local_tokens * ffn * element;
         let output_gradient_gathered = if shape.sequence_parallel() { gathered } else { 0.0 };
-        let joins: &[(&'static str, f64)] = if reduced {
+        // Each join: the gradients W has made by then, and whether the MLP norm's output is freed
+        // (beside replicas gate's weight gradient, its last reader, frees it before the join).
+        let joins: &[(&'static str, f64, bool)] = if reduced {
             &[
-                ("the last layer's up gradient joins its sum in W, all-reduced", 2.0),
-                ("the last layer's gate gradient joins its sum in W, all-reduced", 3.0),
+                ("the last layer's up gradient joins its sum in W, all-reduced", 2.0, false),
+                ("the last layer's gate gradient joins its sum in W, all-reduced", 3.0, true),
             ]
         } else {
-            &[("the last layer's gate gradient joins its sum in W", 3.0)]
+            &[("the last layer's gate gradient joins its sum in W", 3.0, false)]
         };
         joins
             .iter()
-            .map(|&(name, made)| {
+            .map(|&(name, made, norm_output_freed)| {
                 let output_gradients_freed = if reduced { made - 1.0 } else { made - 2.0 };
-                // (Beside replicas gate's, the last reader of the MLP norm's output, frees it too.)
-                let norm_output = if reduced && made == 3.0 { gathered } else { 0.0 };
+                let norm_output = if norm_output_freed { gathered } else { 0.0 };
                 let mut held = held.clone();
                 held.push(Term {
                     name: "what the MLP's weight gradients so far read, freed",
@@ -311,7 +332,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // copy W recomputed), or the last layer's SiLU product (under full recomputation recomputed)
     // and under SP its output gradient gathered (a shared expert's scaled output's gradient).
     if shape.scattered && (shape.model.experts.is_none() || (shared_expert && !chunk.last)) {
-        let (name, freed) = if chunk.last {
+        let (name, freed) = if lm_head {
             // (Under tsp every token's, the head's input gathered over the sequence.)
             let (logits_gradient, head_input) = if shape.tsp > 1 {
                 (shape.logits(), every_token)
@@ -334,13 +355,24 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             Term { name: "the gradient, whole", bytes: gradient },
             Term { name: "its reduce-scatter's staging", bytes: gradient },
         ]);
+        // A dense MLP's up gradient is reduce-scattered next, down's shard made and joined, what
+        // made up freed too (its output gradient; the MLP norm's output stays for gate's).
+        if !lm_head && shape.model.experts.is_none() {
+            let mut up = scattered.clone();
+            up.push(Term { name: "up's output gradient, freed", bytes: -local_tokens * ffn * element });
+            points.push(Candidate::made(
+                "the last layer's up gradient reduce-scattered in W",
+                made_in_b + gradient / shape.shards,
+                up,
+            ));
+        }
         points.push(Candidate::made(name, made_in_b, scattered));
     }
     // Beside dp (or cp) a dense LM head's gradient then joins its sum once all-reduced, its
     // unreduced copy live and what made it (the logits' gradient and the head's input, gathered
     // over the sequence under tsp; under full recomputation the copy W recomputed) freed. (Not
     // under ZeRO-2 and 3 or for a mixture.)
-    if chunk.last && !shape.scattered && shape.model.experts.is_none() {
+    if lm_head && !shape.scattered && shape.model.experts.is_none() {
         // (Under cp the logits' gradient W read is the rank's tokens'; under tsp every token's.)
         let (logits_gradient, head_input) = if shape.tsp > 1 {
             (shape.logits(), every_token)
@@ -410,6 +442,7 @@ pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         };
     }
     let mut points = vec![Candidate { name: "the loss's backward in B", ..head::loss_backward(shape, chunk) }];
+    points.extend(head::table_gathered_for_the_head(shape, chunk));
     if shape.tsp > 1 && shape.model.experts.is_none() {
         points.push(Candidate::made(
             "the LM head's input gradient reduce-scattered in B",
@@ -424,4 +457,56 @@ pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     }
     let pending = between_b_and_w.made_in_b.unwrap_or(0.0);
     points.into_iter().map(|point| Candidate { sum_pending: pending, ..point }).collect()
+}
+
+/// W takes a chunk's layers last to first, and a layer's MLP weight gradients before its
+/// attention's: a chunk may peak as its first layer's gate gradient joins its sum, every gradient
+/// of the chunk made but the layer's attention weights' and its two norms' (and on the first
+/// chunk the embedding's). What those read is live beside what the tail holds (the attention
+/// norm's output and gradients, q's gradient, the chunk's input): attention's output (but where W
+/// recomputes it), k's and v's gradients, the attention residual
+/// (the MLP norm's input), and the MLP norm's output and gradient; and gate's output gradient,
+/// which its weight gradient read. Beside replicas (dp or cp) the gradient is all-reduced first,
+/// its unreduced copy live beside, what it read freed (gate's output gradient, and the MLP norm's
+/// output, whose last reader it is). (A dense chunk's, without tsp or ZeRO-2 and 3.)
+pub(super) fn first_layer_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: &Term) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, query, kv, ffn, stream, gathered, .. } = shape.sizes;
+    let dense = shape.model.experts.is_none() && shape.tsp == 1;
+    if !shape.zero_bubble || !dense || shape.scattered {
+        return None;
+    }
+    let norm_gradients = if shape.sequence_parallel() { 2.0 * stream } else { gathered };
+    let mut held = chunk.first_layer_held_after_rope_backward();
+    held.extend([
+        Term { name: "first layer's attention residual gradient", bytes: stream },
+        Term { name: "first layer's attention norm gradient", bytes: norm_gradients },
+        Term { name: "first layer's attention norm output", bytes: gathered },
+        Term { name: "first layer's q gradient", bytes: local_tokens * query * element },
+        Term { name: "first layer's k and v gradients", bytes: 2.0 * local_tokens * kv * element },
+        Term { name: "first layer's attention residual", bytes: stream },
+        w_reads.clone(),
+    ]);
+    if shape.reduced {
+        held.extend([
+            Term { name: "first layer's MLP norm output gradient", bytes: stream },
+            Term { name: "the gate gradient before its all-reduce", bytes: shape.gate },
+        ]);
+    } else {
+        held.extend([
+            Term { name: "first layer's MLP norm output and its gradient", bytes: gathered + stream },
+            Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
+        ]);
+    }
+    // (Under either recomputation W recomputes attention's output for o's weight gradient, later.)
+    if shape.recompute() == Recompute::None {
+        held.push(Term { name: "first layer's attention output", bytes: local_tokens * query * element });
+    }
+    Some(Candidate {
+        name: "first layer's gate gradient joins its sum in W",
+        so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
+        held,
+        new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
+        key_values_pending: 0,
+        sum_pending: 0.0,
+    })
 }
