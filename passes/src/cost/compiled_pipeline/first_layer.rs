@@ -346,10 +346,11 @@ pub(super) fn attention_input_gradients(
 /// MLP norm output, gate, up and SiLU product, the product's gradient and the layer's output
 /// gradient (under SP beside the output gradient gathered over tp); under ZeRO-2 and 3 it is made
 /// whole before its reduce-scatter (under ZeRO-3 beside the MLP norm's, gate's and up's weights,
-/// gathered again for the recomputation and read next by their input gradients). Without tp and
-/// ZeRO, also as it joins its sum, beside the product (but beside dp, which frees it before the
-/// all-reduce, and holds the unreduced copy instead). (Not for a mixture or under tsp, whose MLPs
-/// differ.)
+/// gathered again for the recomputation and read next by their input gradients), and may peak as
+/// it is scattered, staged whole, what made it freed. Without ZeRO, also as it joins its sum,
+/// beside the product (but beside dp, which frees it before the all-reduce, and holds the
+/// unreduced copy instead; not modelled beside dp × tp). (Not for a mixture or under tsp, whose
+/// MLPs differ.)
 pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     if shape.recompute() != Recompute::Full || shape.model.experts.is_some() || shape.tsp > 1 {
@@ -364,16 +365,15 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
         Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
     ]);
     // As the gradient is made (under ZeRO-2 and 3 whole, before its reduce-scatter; beside dp
-    // before its all-reduce) the SiLU product is still live.
-    let mut made = held.clone();
-    made.extend([
-        Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element },
-        Term { name: "first layer's down gradient, whole", bytes: shape.gate },
-    ]);
-    // Under SP the output gradient all-gathered over tp for it.
+    // before its all-reduce) the SiLU product is still live, and without replicas as it joins its
+    // sum. (Under SP the output gradient all-gathered over tp for it.)
+    let mut joining = held.clone();
+    joining.push(Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     if shape.sequence_parallel() {
-        made.push(Term { name: "first layer's output gradient, gathered over tp", bytes: gathered });
+        joining.push(Term { name: "first layer's output gradient, gathered over tp", bytes: gathered });
     }
+    let mut made = joining.clone();
+    made.push(Term { name: "first layer's down gradient, whole", bytes: shape.gate });
     let layer = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element;
     if shape.scattered {
         let mut held = made;
@@ -383,28 +383,42 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
                 bytes: 2.0 * shape.gate + shape.norm * element,
             });
         }
-        return vec![Candidate {
+        let made = Candidate {
             name: "first layer's down gradient made, its MLP recomputed",
             so_far: chunk.grads - (layer + chunk.table) / shape.shards,
             held,
             new_sum: None,
             key_values_pending: 1,
             sum_pending: 0.0,
-        }];
+        };
+        // Then it is reduce-scattered, staged whole, what made it freed (the SiLU product, and
+        // under SP the output gradient gathered over tp).
+        let gathered_output_gradient = if shape.sequence_parallel() { gathered } else { 0.0 };
+        let mut scattered = made.held.clone();
+        scattered.extend([
+            Term { name: "what made it, freed", bytes: -(local_tokens * ffn * element + gathered_output_gradient) },
+            Term { name: "its reduce-scatter's staging", bytes: shape.gate },
+        ]);
+        let scattered = Candidate {
+            name: "first layer's down gradient reduce-scattered, its MLP recomputed",
+            held: scattered,
+            ..made.clone()
+        };
+        return vec![made, scattered];
+    }
+    // (Beside tp and replicas the joining is not modelled.)
+    if shape.reduced {
+        held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
+    } else {
+        held = joining;
     }
     let made = Candidate::made(
         "first layer's down gradient made, its MLP recomputed",
         chunk.grads - layer - chunk.table,
         made,
     );
-    // Beside tp the joining is not modelled.
-    if shape.tp > 1 {
+    if shape.tp > 1 && shape.reduced {
         return vec![made];
-    }
-    if shape.reduced {
-        held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
-    } else {
-        held.push(Term { name: "first layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     }
     vec![
         made,

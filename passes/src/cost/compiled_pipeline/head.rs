@@ -428,11 +428,11 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             0.0,
         )
     };
+    let whole = Term { name: "its down gradient, whole (under ZeRO-3 first its weight, gathered)", bytes: shape.gate };
     let beside: Vec<Term> = [
         Term { name: "its positions", bytes: chunk.positions },
         output_gradient.clone(),
         Term { name: "its last layer's SiLU product gradient", bytes: product },
-        Term { name: "its down gradient, whole (under ZeRO-3 first its weight, gathered)", bytes: shape.gate },
     ]
     .into_iter()
     .chain(head_part.clone())
@@ -450,13 +450,15 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
         bytes: gathered + 3.0 * product + regathered,
     });
-    let made: Vec<Term> = beside
+    // (Once it is made, it joins its sum, or is reduce-scattered, whole.)
+    let joining: Vec<Term> = beside
         .iter()
         .cloned()
         .chain([in_flight.clone()])
         .chain(recomputed.clone())
         .chain(gathered_output_gradient)
         .collect();
+    let made: Vec<Term> = joining.iter().cloned().chain([whole.clone()]).collect();
     if !shape.scattered && !full {
         // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce; the points
         // after are the head's other candidates).
@@ -503,9 +505,19 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         Candidate::made(name, so_far + 2.0 * shape.gate / shape.shards, held)
     });
     if !shape.scattered {
-        // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce).
+        // Without ZeRO the gradient joins its sum next, without replicas with the recomputed MLP
+        // still live (beside dp or cp, after its all-reduce, which the input gradients precede).
+        let joins = (!shape.reduced).then_some(Candidate {
+            name: "the last layer's down gradient joins its sum, its MLP recomputed",
+            so_far: so_far + shape.gate,
+            held: joining,
+            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+            key_values_pending: 0,
+            sum_pending: 0.0,
+        });
         return [Candidate::made("the last layer's down gradient made, its MLP recomputed", so_far, made)]
             .into_iter()
+            .chain(joins)
             .chain(summed)
             .collect();
     }
@@ -513,6 +525,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         .into_iter()
         .chain(recomputed)
         .chain([
+            whole,
             in_flight,
             Term { name: "its last layer's SiLU product, freed", bytes: -product },
             Term { name: "its reduce-scatter's staging", bytes: shape.gate },
