@@ -3116,6 +3116,7 @@ fn zero_stage_closed_form_on_more_tokens() {
             "the LM head's weight gradient",
             "first layer's gate input gradient made",
             "first layer's down gradient reduce-scattered, its MLP recomputed",
+            "first layer's MLP norm output gradient, its MLP recomputed",
         ],
     );
     assert!(5 * exact >= 4 * stages, "{exact} of {stages} exact");
@@ -3129,11 +3130,13 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
     // targets freed); as the last layer's down gradient is made (under SP beside the output
     // gradient gathered over tp), beside dp also as it joins its sum; under full recomputation
     // beside the MLP recomputed for it (without replicas also as it joins its sum, the MLP still
-    // live), then as its MLP norm output's gradients from gate and up are summed; on a stage
-    // before the last as the two parts of the output gradient it received are summed. Inside the
-    // first layer's backward as its down gradient is made beside the MLP recomputed for it, and
-    // (beside tp alone too, 2.3% below before it was modelled) as it joins its sum; as the
-    // attention norm output's gradients from v and
+    // live; beside them, whose input gradients come first, as gate's output gradient is made),
+    // then as its MLP norm output's gradients from gate and up are summed; on a stage before the
+    // last as the two parts of the output gradient it received are summed. Inside the first
+    // layer's backward as its down gradient is made beside the MLP recomputed for it, and (beside
+    // tp alone too, 2.3% below before it was modelled) as it joins its sum, or beside replicas as
+    // gate's output gradient is made, and as the MLP norm output's gradients are summed (1.3%
+    // below before); as the attention norm output's gradients from v and
     // k, then q, are summed (beside cp too, k's and v's gradients reduce-scattered back to the
     // rank's tokens by then). Under SP beside cp each cp rank's tokens are split over tp, the
     // stream between layers too, as without cp. From 64 to 1024 tokens, with a wide and a tied
@@ -3141,8 +3144,8 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
     // this was written, down from 23%: the first layer's down gradient under full recomputation
     // over dp × cp); at tp = 4 beside cp under SP within 3% (2.77%: the first layer's attention
     // norm output's gradients, and the MLP recomputed at the head); exact on nine stages in ten
-    // (3346 of 3564 when this was written; 3594 of 3780 with tp alone, once the two joins were
-    // modelled).
+    // (3346 of 3564 when this was written; 3864 of 3996 with tp alone and pp=4 × dp=2, once the
+    // points under full recomputation above were modelled).
     let (four, wide_vocabulary, tied) = four_layers_wide_and_tied();
     let layouts = [
         ("pp=2,dp=2,tp=2", 2, true),
@@ -3157,6 +3160,7 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
         ("pp=2,dp=2,cp=2", 1, false),
         ("pp=2,tp=2", 2, false),
         ("pp=2,tp=2", 2, true),
+        ("pp=4,dp=2", 2, false),
     ]
     .map(|(mesh, micro_batches, sequence_parallel)| PipelinedLayout {
         sequence_parallel,
@@ -3183,6 +3187,9 @@ fn dense_stage_beside_tp_and_cp_closed_form_on_more_tokens() {
             "first layer's attention norm output's gradients from v and k",
             "the last layer's down gradient joins its sum, its MLP recomputed",
             "first layer's down gradient joins its sum, its MLP recomputed",
+            "the last layer's gate output gradient, its MLP recomputed",
+            "first layer's gate output gradient made, its MLP recomputed",
+            "first layer's MLP norm output gradient, its MLP recomputed",
         ],
     );
     assert!(10 * exact >= 9 * stages, "{exact} of {stages} exact");

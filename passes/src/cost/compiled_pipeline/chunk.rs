@@ -160,7 +160,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::attention_backward(shape, &chunk));
         backward.extend(head::last_layer_attention_backward(shape, &chunk));
         backward.extend(first_layer::first_layer_attention_input_gradients(shape, &chunk));
-        backward.extend(first_layer::recomputed_down_gradient(shape, &chunk));
+        backward.extend(first_layer::recomputed_mlp_backward(shape, &chunk));
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk, between_b_and_w.later_w_reads));
     backward.extend(first_layer::tsp_ring_backward(shape, &chunk));

@@ -341,7 +341,7 @@ pub(super) fn attention_input_gradients(
     ]
 }
 
-/// Under full recomputation a chunk may peak inside its first layer's backward as the down
+/// Under full recomputation a chunk may peak inside its first layer's MLP backward: as the down
 /// projection's gradient is made (none of the layer's others made), beside the layer's recomputed
 /// MLP norm output, gate, up and SiLU product, the product's gradient and the layer's output
 /// gradient (under SP beside the output gradient gathered over tp); under ZeRO-2 and 3 it is made
@@ -349,19 +349,57 @@ pub(super) fn attention_input_gradients(
 /// gathered again for the recomputation and read next by their input gradients), and may peak as
 /// it is scattered, staged whole, what made it freed. Without ZeRO, also as it joins its sum,
 /// beside the product (but beside dp, which frees it before the all-reduce, and holds the
-/// unreduced copy instead; not modelled beside dp × tp). (Not for a mixture or under tsp, whose
-/// MLPs differ.)
-pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+/// unreduced copy instead; not modelled beside dp × tp); beside dp (or cp), whose input gradients
+/// come first, as gate's output gradient is made after it; and as the MLP norm output's gradients
+/// from gate and up are summed. (Not for a mixture or under tsp, whose MLPs differ.)
+pub(super) fn recomputed_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     if shape.recompute() != Recompute::Full || shape.model.experts.is_some() || shape.tsp > 1 {
         return Vec::new();
     }
-    let mut held = chunk.first_layer_held.clone();
-    held.extend([
+    let mut context = chunk.first_layer_held.clone();
+    context.extend([
         Term { name: "first layer's attention residual", bytes: stream },
         Term { name: "first layer's output gradient", bytes: stream },
-        Term { name: "first layer's SiLU product's gradient", bytes: local_tokens * ffn * element },
         Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
+    ]);
+    let mut points = down_gradient_points(shape, chunk, &context);
+    // After up's gradient (gate's comes after) the MLP norm output's gradients from gate and up
+    // are summed beside gate's output gradient, gate, up and their product freed (under ZeRO-3
+    // beside the MLP norm's weight, gathered again for the recomputation).
+    let mut summed = context;
+    summed.extend([
+        Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
+        Term {
+            name: "first layer's MLP norm output's gradients from gate and up, and their sum",
+            bytes: 3.0 * gathered,
+        },
+    ]);
+    let regathered_norm = shape.weights_gathered_again(shape.norm * element);
+    if regathered_norm > 0.0 {
+        summed.push(Term { name: "first layer's MLP norm weight, gathered again", bytes: regathered_norm });
+    }
+    let unmade = shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
+    points.push(Candidate {
+        name: "first layer's MLP norm output gradient, its MLP recomputed",
+        so_far: chunk.grads - unmade / shape.shards,
+        held: summed,
+        new_sum: None,
+        key_values_pending: 1,
+        sum_pending: 0.0,
+    });
+    points
+}
+
+/// [`recomputed_mlp_backward`]'s points as the down gradient is made, joins its sum or is
+/// reduce-scattered, and gate's output gradient is made after it; `context` what the layer holds
+/// throughout (the chunk's inputs, the attention residual, the output gradient and the recomputed
+/// MLP norm output).
+fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
+    let mut held = context.to_vec();
+    held.extend([
+        Term { name: "first layer's SiLU product's gradient", bytes: local_tokens * ffn * element },
         Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
     ]);
     // As the gradient is made (under ZeRO-2 and 3 whole, before its reduce-scatter; beside dp
@@ -406,6 +444,17 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
         };
         return vec![made, scattered];
     }
+    // Beside replicas its input gradient came first: next gate's output gradient is made, the
+    // down gradient joined its sum and the SiLU product freed.
+    let gate_output = shape.reduced.then(|| {
+        let mut gate_output = held.clone();
+        gate_output.push(Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element });
+        Candidate::made(
+            "first layer's gate output gradient made, its MLP recomputed",
+            chunk.grads - layer - chunk.table + shape.gate,
+            gate_output,
+        )
+    });
     // (Beside tp and replicas the joining is not modelled.)
     if shape.reduced {
         held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
@@ -418,11 +467,12 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
         made,
     );
     if shape.tp > 1 && shape.reduced {
-        return vec![made];
+        return [made].into_iter().chain(gate_output).collect();
     }
-    vec![
-        made,
-        Candidate {
+    [made]
+        .into_iter()
+        .chain(gate_output)
+        .chain([Candidate {
             name: "first layer's down gradient joins its sum, its MLP recomputed",
             so_far: chunk.grads
                 - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
@@ -430,8 +480,8 @@ pub(super) fn recomputed_down_gradient(shape: &StageShape, chunk: &Chunk) -> Vec
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
             key_values_pending: 0,
             sum_pending: 0.0,
-        },
-    ]
+        }])
+        .collect()
 }
 
 /// What a micro-batch holds inside its first layer's backward beside the layer's MLP buffers: the

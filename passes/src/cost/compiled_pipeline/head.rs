@@ -515,9 +515,25 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             key_values_pending: 0,
             sum_pending: 0.0,
         });
+        // Beside replicas its input gradient came first: next gate's output gradient is made,
+        // the down gradient joined its sum and the SiLU product freed.
+        let gate_output = shape.reduced.then(|| {
+            let held = beside
+                .iter()
+                .cloned()
+                .chain([in_flight.clone()])
+                .chain(recomputed.clone())
+                .chain([
+                    Term { name: "its last layer's SiLU product, freed", bytes: -product },
+                    Term { name: "its last layer's gate output gradient", bytes: product },
+                ])
+                .collect();
+            Candidate::made("the last layer's gate output gradient, its MLP recomputed", so_far + shape.gate, held)
+        });
         return [Candidate::made("the last layer's down gradient made, its MLP recomputed", so_far, made)]
             .into_iter()
             .chain(joins)
+            .chain(gate_output)
             .chain(summed)
             .collect();
     }

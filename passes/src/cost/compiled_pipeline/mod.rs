@@ -28,17 +28,20 @@
 //! beside cp after k's and v's gradients are reduce-scattered back to the rank's tokens; under
 //! ZeRO-2 and 3 their weight gradients' shards made; not under tsp, or where ZeRO keeps k and v
 //! whole), or under full recomputation as the first layer's down gradient is made beside the MLP
-//! recomputed for it (without tsp; under ZeRO-2 and 3 whole), and (without tp and ZeRO) as it joins
-//! its sum, and at the head of a backward: the last stage in the loss's backward, or (a dense model
+//! recomputed for it (without tsp; under ZeRO-2 and 3 whole, then as it is reduce-scattered), as
+//! it joins its sum (without ZeRO, but beside dp × tp), beside dp or cp as gate's output gradient
+//! is made after it, and as the MLP norm output's gradients are summed; and at the head of a
+//! backward: the last stage in the loss's backward, or (a dense model
 //! without tsp) as the LM head's weight gradient is made (beside dp, or whole before its
 //! reduce-scatter under ZeRO-2 and 3) or (without ZeRO-2 and 3) joins its sum (not beside cp but as
 //! it joins after dp's or cp's all-reduce; under full recomputation beside the final norm's output
 //! recomputed); another as the two parts of the output gradient it received are summed, (without
 //! tp, or beside dp) as its last layer's down projection gradient joins its sum, or (with tp too)
 //! as that layer's MLP norm output's gradients are summed; any dense stage (without tsp) as the
-//! last layer's down gradient is made, under full recomputation beside its MLP recomputed, then as
-//! its MLP norm output's gradients are summed; under ZeRO-2 and 3 (without tsp) as the last layer's
-//! down gradient is made whole or reduce-scattered (under full recomputation beside its MLP
+//! last layer's down gradient is made, under full recomputation beside its MLP recomputed (without
+//! replicas also as it joins its sum; beside them as gate's output gradient is made after it),
+//! then as its MLP norm output's gradients are summed; under ZeRO-2 and 3 (without tsp) as the last
+//! layer's down gradient is made whole or reduce-scattered (under full recomputation beside its MLP
 //! recomputed), then as its MLP norm output's gradients are summed, and on the last stage as the LM
 //! head's is reduce-scattered (beside a tied table its part of the table's gradient made). Under SP
 //! the down gradient's points hold the output gradient gathered over tp too. The head of a backward
