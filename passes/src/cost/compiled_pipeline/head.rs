@@ -79,7 +79,7 @@ pub(super) fn table_gathered_for_the_head(shape: &StageShape, chunk: &Chunk) -> 
 }
 
 /// The head of the micro-batch's backward on the last chunk: the loss's backward
-/// ([`loss_backward`]), then the LM head's weight gradient.
+/// ([`loss_backward`]), then the LM head's weight gradient, then its last layer's MLP backward.
 fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
     let logits = shape.logits();
@@ -265,9 +265,16 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 },
             ]
             .into_iter()
-            .chain(head_part)
+            .chain(head_part.clone())
             .collect(),
         ));
+    }
+    // Then, as on a chunk before the last, its MLP norm output's gradients are summed.
+    if shape.mlp_backward_modelled() {
+        let output_gradient = Term { name: "its last layer's output gradient", bytes: shape.sizes.stream };
+        let so_far = head_sum + shape.norm * element;
+        let in_flight = in_flight_past_the_head(shape, chunk);
+        candidates.push(mlp_norm_output_gradient(shape, chunk, in_flight, output_gradient, so_far, head_part));
     }
     candidates.extend(down_gradient_at_the_head(shape, chunk));
     candidates.extend(mixture_head(shape, chunk));
@@ -299,7 +306,7 @@ fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
 /// output gradient, gate's output gradient (its weight gradient is next) and the two input
 /// gradients and their sum.
 fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, gathered, stream, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, stream, .. } = shape.sizes;
     if shape.model.experts.is_some() {
         return mixture_head(shape, chunk);
     }
@@ -363,24 +370,40 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
-    candidates.push(Candidate::made(
-        "the last layer's MLP norm output gradient",
-        2.0 * shape.gate,
-        vec![
-            Term { name: "its positions", bytes: chunk.positions },
-            Term {
-                name: "what it holds in flight but its last layer's gate, up and their product",
-                bytes: chunk.in_flight - 3.0 * local_tokens * ffn * element,
-            },
-            Term { name: "its output gradient (received)", bytes: stream },
-            Term { name: "its last layer's gate output gradient", bytes: local_tokens * ffn * element },
-            Term {
-                name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
-                bytes: 3.0 * gathered,
-            },
-        ],
-    ));
+    let output_gradient = Term { name: "its output gradient (received)", bytes: stream };
+    candidates.push(mlp_norm_output_gradient(shape, chunk, chunk.in_flight, output_gradient, 0.0, None));
     candidates
+}
+
+/// At the head of a backward (without recomputing the MLP, or ZeRO-2 and 3), as the last layer's
+/// MLP norm output's gradients from gate and up are summed: its down and up gradients made (beside
+/// `so_far` of the micro-batch's), its gate, up and their product freed (of what it holds
+/// `in_flight`), beside its output gradient, gate's output gradient (its weight gradient is next)
+/// and the two input gradients and their sum (and the head's part of a tied table's gradient).
+fn mlp_norm_output_gradient(
+    shape: &StageShape,
+    chunk: &Chunk,
+    in_flight: f64,
+    output_gradient: Term,
+    so_far: f64,
+    head_part: Option<Term>,
+) -> Candidate {
+    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
+    let mut held = vec![
+        Term { name: "its positions", bytes: chunk.positions },
+        Term {
+            name: "what it holds in flight but its last layer's gate, up and their product",
+            bytes: in_flight - 3.0 * local_tokens * ffn * element,
+        },
+        output_gradient,
+        Term { name: "its last layer's gate output gradient", bytes: local_tokens * ffn * element },
+        Term {
+            name: "its last layer's MLP norm output's gradients from gate and up, and their sum",
+            bytes: 3.0 * gathered,
+        },
+    ];
+    held.extend(head_part);
+    Candidate::made("the last layer's MLP norm output gradient", so_far + 2.0 * shape.gate, held)
 }
 
 /// The head of a dense stage's backward (without tsp) is its last layer's down projection's (on

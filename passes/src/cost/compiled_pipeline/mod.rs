@@ -36,7 +36,7 @@
 //! reduce-scatter under ZeRO-2 and 3) or (without ZeRO-2 and 3) joins its sum (not beside cp but as
 //! it joins after dp's or cp's all-reduce; under full recomputation beside the final norm's output
 //! recomputed); another as the two parts of the output gradient it received are summed, (without
-//! tp, or beside dp) as its last layer's down projection gradient joins its sum, or (with tp too)
+//! tp, or beside dp) as its last layer's down projection gradient joins its sum; any (with tp too)
 //! as that layer's MLP norm output's gradients are summed; any dense stage (without tsp) as the
 //! last layer's down gradient is made, under full recomputation beside its MLP recomputed (without
 //! replicas also as it joins its sum; beside them as gate's output gradient is made after it),
