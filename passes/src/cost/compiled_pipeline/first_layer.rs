@@ -189,13 +189,14 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
 /// gradient from q joins the sum of those from k and v: q's weight gradient, whose all-reduce ends
 /// the chunk's backward, is not yet made, and the norm's output and q's output gradient it reads
 /// are live beside q's input gradient and the two sums (the norm's output recomputed under full
-/// recomputation; under ZeRO-2 and 3 the gradients made are their shards). (Not under tsp, or for
-/// a mixture.)
-pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+/// recomputation; under ZeRO-2 and 3 the gradients made are their shards). Under ZeRO-3 also as
+/// q's input gradient is made, beside q's weight gathered again for it and the sum from k and v.
+/// (Not under tsp, or for a mixture.)
+pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, positions, stream, gathered, .. } = shape.sizes;
     let dense = shape.model.experts.is_none() && shape.tsp == 1;
     if chunk.first || !shape.reduced || !dense {
-        return None;
+        return Vec::new();
     }
     let mut held = vec![
         Term { name: "positions", bytes: positions },
@@ -204,17 +205,27 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Opti
         Term { name: "first layer's attention norm output", bytes: gathered },
         Term { name: "first layer's q output gradient", bytes: local_tokens * query * element },
         Term { name: "first layer's q input gradient", bytes: gathered },
-        Term {
-            name: "first layer's attention norm output gradients from k and v, and with q's",
-            bytes: 2.0 * gathered,
-        },
     ];
     held.extend(chunk.end.iter().cloned());
-    Some(Candidate::made(
+    let so_far = chunk.grads - (shape.norm + hidden * query) * element / shape.shards;
+    let sums = Term {
+        name: "first layer's attention norm output gradients from k and v, and with q's",
+        bytes: 2.0 * gathered,
+    };
+    let mut points = vec![Candidate::made(
         "first layer's attention norm output gradient from q",
-        chunk.grads - (shape.norm + hidden * query) * element / shape.shards,
-        held,
-    ))
+        so_far,
+        held.iter().cloned().chain([sums]).collect(),
+    )];
+    let q_weight = shape.weights_gathered_again(hidden * query * element);
+    if q_weight > 0.0 {
+        held.extend([
+            Term { name: "first layer's attention norm output gradients from k and v", bytes: gathered },
+            Term { name: "first layer's q weight, gathered again", bytes: q_weight },
+        ]);
+        points.push(Candidate::made("first layer's q input gradient, its weight gathered again", so_far, held));
+    }
+    points
 }
 
 /// A chunk may peak inside its first layer's attention backward, as the attention kernel makes

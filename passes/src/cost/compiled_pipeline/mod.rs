@@ -26,8 +26,9 @@
 //! recomputed under full recomputation; not under tsp), then as the attention norm output's
 //! gradients from v and k, then from q, are summed (under tp partial sums of the whole hidden size;
 //! beside cp after k's and v's gradients are reduce-scattered back to the rank's tokens; under
-//! ZeRO-2 and 3 their weight gradients' shards made; not under tsp, or where ZeRO keeps k and v
-//! whole), or under full recomputation as the first layer's down gradient is made beside the MLP
+//! ZeRO-2 and 3 their weight gradients' shards made, under ZeRO-3 also as q's input gradient is
+//! made beside its weight gathered again; not under tsp, or where ZeRO keeps k and v whole), or
+//! under full recomputation as the first layer's down gradient is made beside the MLP
 //! recomputed for it (without tsp; under ZeRO-2 and 3 whole, then as it is reduce-scattered), as
 //! it joins its sum (without ZeRO, but beside dp × tp), beside dp or cp as gate's output gradient
 //! is made after it, and as the MLP norm output's gradients are summed; and at the head of a
