@@ -304,9 +304,10 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
 /// attention residual's gradient and the norm's output live: a stage may peak as the gradients
 /// from v and k are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's
 /// backward done, live beside the two and their sum), or as the one from q joins them (k's weight
-/// gradient made too, k's gradient freed). `context` is what the micro-batch holds beside the
-/// layer's attention buffers, `attention_so_far` the gradients made by its attention kernel's
-/// backward, `names` the two points'.
+/// gradient made too, k's gradient freed); under ZeRO-3 with full recomputation beside the weights
+/// gathered again whose input gradients are still to come. `context` is what the micro-batch holds
+/// beside the layer's attention buffers, `attention_so_far` the gradients made by its attention
+/// kernel's backward, `names` the two points'.
 pub(super) fn attention_input_gradients(
     shape: &StageShape,
     names: [&'static str; 2],
@@ -337,6 +338,18 @@ pub(super) fn attention_input_gradients(
             bytes: 3.0 * gathered,
         },
     ]);
+    // Under ZeRO-3 with full recomputation the weights the recomputed forward gathered again stay
+    // until their input gradients ([`attention_weights_regathered`]): q's and the norm's, then the
+    // norm's.
+    if shape.recompute() == Recompute::Full {
+        let norm = shape.weights_gathered_again(shape.norm * element);
+        let q = shape.weights_gathered_again(hidden * query * element);
+        if norm + q > 0.0 {
+            from_v_and_k
+                .push(Term { name: "the layer's attention norm and q weights, gathered again", bytes: norm + q });
+            from_q.push(Term { name: "the layer's attention norm weight, gathered again", bytes: norm });
+        }
+    }
     // A k or v projection's weight and bias gradient (under ZeRO-2 and 3 its shard).
     let key_value = (hidden * kv + if shape.model.qkv_bias { kv } else { 0.0 }) * element / shape.shards;
     vec![
