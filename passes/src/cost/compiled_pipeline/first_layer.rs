@@ -468,6 +468,8 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
         };
         return vec![made, scattered];
     }
+    // The chunk's gradients made before the down gradient (none of the layer's).
+    let before_down = chunk.grads - layer - chunk.table;
     // Beside replicas its input gradient came first: next gate's output gradient is made, the
     // down gradient joined its sum and the SiLU product freed.
     let gate_output = shape.reduced.then(|| {
@@ -475,36 +477,34 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
         gate_output.push(Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element });
         Candidate::made(
             "first layer's gate output gradient made, its MLP recomputed",
-            chunk.grads - layer - chunk.table + shape.gate,
+            before_down + shape.gate,
             gate_output,
         )
     });
-    // (Beside tp and replicas the joining is not modelled.)
-    if shape.reduced {
-        held.push(Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate });
-    } else {
-        held = joining;
-    }
-    let made = Candidate::made(
-        "first layer's down gradient made, its MLP recomputed",
-        chunk.grads - layer - chunk.table,
-        made,
-    );
-    if shape.tp > 1 && shape.reduced {
-        return [made].into_iter().chain(gate_output).collect();
-    }
-    [made]
-        .into_iter()
-        .chain(gate_output)
-        .chain([Candidate {
+    // As it joins its sum: beside replicas its unreduced copy beside the reduced one, else all
+    // that made it. (Beside tp and replicas the joining is not modelled.)
+    let joins = !(shape.tp > 1 && shape.reduced);
+    let joins = joins.then(|| {
+        let held = if shape.reduced {
+            held.into_iter()
+                .chain([Term { name: "first layer's down gradient before its dp all-reduce", bytes: shape.gate }])
+                .collect()
+        } else {
+            joining
+        };
+        Candidate {
             name: "first layer's down gradient joins its sum, its MLP recomputed",
-            so_far: chunk.grads
-                - (2.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table),
+            so_far: before_down + shape.gate,
             held,
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
             key_values_pending: 0,
             sum_pending: 0.0,
-        }])
+        }
+    });
+    [Candidate::made("first layer's down gradient made, its MLP recomputed", before_down, made)]
+        .into_iter()
+        .chain(gate_output)
+        .chain(joins)
         .collect()
 }
 

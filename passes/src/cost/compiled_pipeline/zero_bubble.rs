@@ -199,6 +199,11 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // W's first gradient to join a sum: on the last chunk the LM head's, but a tied table's part
     // (which joins none); else, and after that part, the last layer's down projection's.
     let lm_head = chunk.last && !shape.tied;
+    // What the LM head's weight gradient (or a tied table's part) reads, freed after it: the
+    // logits' gradient (under cp the rank's tokens'; under tsp every token's) and the head's input
+    // (under tsp gathered over the sequence; under full recomputation the copy W recomputed).
+    let head_reads =
+        if shape.tsp > 1 { shape.logits() + every_token } else { local_tokens * vocab_shard * element + gathered };
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
     // gradient freed after.)
     let (gradient, names, made_before, freed_before) = if lm_head {
@@ -258,10 +263,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         if shape.model.experts.is_some() {
             return points;
         }
-        held.push(Term {
-            name: "the logits' gradient and the head's input, freed",
-            bytes: -(local_tokens * vocab_shard * element + gathered),
-        });
+        held.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         held.push(Term { name: "the final norm's input and output gradient, freed", bytes: -2.0 * gathered });
         made_in_b += shape.norm * element / shape.shards;
     }
@@ -333,13 +335,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // and under SP its output gradient gathered (a shared expert's scaled output's gradient).
     if shape.scattered && (shape.model.experts.is_none() || (shared_expert && !chunk.last)) {
         let (name, freed) = if lm_head {
-            // (Under tsp every token's, the head's input gathered over the sequence.)
-            let (logits_gradient, head_input) = if shape.tsp > 1 {
-                (shape.logits(), every_token)
-            } else {
-                (local_tokens * vocab_shard * element, gathered)
-            };
-            ("the LM head's weight gradient reduce-scattered in W", logits_gradient + head_input)
+            ("the LM head's weight gradient reduce-scattered in W", head_reads)
         } else {
             // (Under SP the output gradient gathered over tp, which W read last there, too; a
             // shared expert's scaled output's gradient, whole.)
@@ -373,17 +369,8 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // over the sequence under tsp; under full recomputation the copy W recomputed) freed. (Not
     // under ZeRO-2 and 3 or for a mixture.)
     if lm_head && !shape.scattered && shape.model.experts.is_none() {
-        // (Under cp the logits' gradient W read is the rank's tokens'; under tsp every token's.)
-        let (logits_gradient, head_input) = if shape.tsp > 1 {
-            (shape.logits(), every_token)
-        } else {
-            (local_tokens * vocab_shard * element, gathered)
-        };
         let mut after = held;
-        after.push(Term {
-            name: "the logits' gradient and the head's input, freed",
-            bytes: -(logits_gradient + head_input),
-        });
+        after.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         after.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
         points.push(joining("the LM head's weight gradient joins its sum in W, all-reduced", after));
     }
