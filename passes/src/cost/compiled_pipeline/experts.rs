@@ -5,9 +5,9 @@
 //! backward for the load-balancing loss (its input and weight gradients), then the routed experts':
 //! over ep one instruction dispatching the rows to the experts' ranks and back, else one kernel a
 //! gradient, the input gradient first (under tp each rank's partial sum over its share of the
-//! experts' channels, all-reduced over tp), then the router's, then the three `[E, h, f_e]` weight
-//! gradients; beside dp or cp each weight gradient is all-reduced before it joins its sum, the
-//! MLP norm's output freed first. Then the MLP norm's backward, whose input gradient is summed
+//! experts' channels, all-reduced over tp; then summed with the MLP norm output's gradient so
+//! far), then the router's, then the three `[E, h, f_e]` weight gradients; beside dp or cp each
+//! weight gradient is all-reduced before it joins its sum, the MLP norm's output freed first. Then the MLP norm's backward, whose input gradient is summed
 //! into the attention residual's gradient.
 
 use super::super::memory::Term;
@@ -66,6 +66,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
     let mut points: Vec<Candidate> = dispatched(shape, names.dispatched, context, made_before)
         .into_iter()
         .chain(input_gradient_reduced(shape, place, context, made_before))
+        .chain(input_gradients_summed(shape, place, context, made_before))
         .collect();
     points.extend(made_before_scattered(shape, place, context, made_before));
     if let Some(joining) = joining(shape, place, context, made_before) {
@@ -209,12 +210,10 @@ fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option
 
 /// Under tp the routed experts' input gradient, each rank's partial sum over its share of their
 /// channels, is all-reduced over tp before it joins the MLP norm output's gradient: a stage may
-/// peak there, beside the router's gradients from the load-balancing loss (made just before) and
-/// under SP the output gradient all-gathered over tp, which the experts read, none of the layer's
-/// routed-expert and router weight gradients made yet (over ep, without replicas of the experts,
-/// the dispatch made the experts' gradients and the router's from them first). A shared expert's
-/// backward comes first: its gradients are made, and its input gradients' sum (which the router's
-/// input gradient from the loss joined) is live.
+/// peak there, beside what [`routed_experts_operands`] holds and under SP the output gradient
+/// all-gathered over tp, which the experts read, none of the layer's routed-expert and router
+/// weight gradients made yet (over ep, without replicas of the experts, the dispatch made the
+/// experts' gradients and the router's from them first).
 pub(super) fn input_gradient_reduced(
     shape: &StageShape,
     place: Place,
@@ -223,34 +222,67 @@ pub(super) fn input_gradient_reduced(
 ) -> Option<Candidate> {
     let name = place.experts_names().input_gradient_reduced;
     let gathered = shape.sizes.gathered;
-    let experts = shape.model.experts.as_ref()?;
     // (Over ep, without replicas of the experts, the dispatch made the layer's routed-expert
     // gradients, whole, and the router's from them before the all-reduce.)
     let over_ep = shape.ep > 1;
     if shape.tp == 1 || (over_ep && (shape.experts_reduced || shape.experts_scattered())) {
         return None;
     }
-    let mut held = context.to_vec();
+    let (mut held, mut so_far) = routed_experts_operands(shape, context, made_before)?;
     if shape.sequence_parallel() {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
     }
-    let mut so_far = made_before;
-    if experts.shared_expert {
-        so_far += shared_expert_gradients(shape);
-        if !experts.load_balancing_loss {
-            held.push(Term { name: "the shared expert's input gradients, summed", bytes: gathered });
-        }
-    }
-    if experts.load_balancing_loss {
-        held.push(load_balancing_gradients(shape));
-    }
-    held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
     if over_ep {
         so_far += shape.layer_routed_experts();
         held.push(Term { name: "the router's gradient from the experts' backward", bytes: shape.router() });
     }
     Some(Candidate::made(name, so_far, held))
+}
+
+/// Without ep, next (under tp once it is all-reduced) the routed experts' input gradient is summed
+/// with the MLP norm output's gradient so far (the router's input gradient from the load-balancing
+/// loss, or a shared expert's input gradients' sum, which that joined), before the experts' and
+/// the router's weight gradients are made: the stage may peak there beside what
+/// [`routed_experts_operands`] holds, under ZeRO-3 the experts' weights still gathered for their
+/// weight gradients. (Over ep the dispatch comes first: [`summed`].)
+fn input_gradients_summed(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
+    let experts = shape.model.experts.as_ref()?;
+    if shape.ep > 1 || !(experts.load_balancing_loss || experts.shared_expert) {
+        return None;
+    }
+    let gathered = shape.sizes.gathered;
+    let (mut held, so_far) = routed_experts_operands(shape, context, made_before)?;
+    if shape.sequence_parallel() {
+        held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
+    }
+    held.push(Term {
+        name: "the routed experts' input gradient and the MLP norm output's gradients' sum",
+        bytes: 2.0 * gathered,
+    });
+    Some(Candidate::made(place.experts_names().summed, so_far, held))
+}
+
+/// What a layer's MLP backward holds as its routed experts' backward begins, beyond `context`,
+/// and the chunk's gradients made by then (`made_before` and a shared expert's, whose backward
+/// comes first): the router's gradients from the load-balancing loss, made just before, and a
+/// shared expert's input gradients' sum (with the loss, the router's input gradient joined that
+/// sum); under ZeRO-3 the router's and the experts' weights gathered again.
+fn routed_experts_operands(shape: &StageShape, context: &[Term], made_before: f64) -> Option<(Vec<Term>, f64)> {
+    let experts = shape.model.experts.as_ref()?;
+    let mut held = context.to_vec();
+    let mut so_far = made_before;
+    if experts.shared_expert {
+        so_far += shared_expert_gradients(shape);
+        if !experts.load_balancing_loss {
+            held.push(Term { name: "the shared expert's input gradients, summed", bytes: shape.sizes.gathered });
+        }
+    }
+    if experts.load_balancing_loss {
+        held.push(load_balancing_gradients(shape));
+    }
+    held.extend(weights_gathered_again(shape));
+    Some((held, so_far))
 }
 
 /// The router's input and weight gradients from the load-balancing loss (the rank's tokens').
@@ -270,9 +302,8 @@ fn shared_expert_gradients(shape: &StageShape) -> f64 {
 /// Over ep one instruction makes the routed experts' input, router and weight gradients at once,
 /// dispatching the rows to the experts' ranks and back, from a copy of its operands (the MLP
 /// norm's output, the router, the rank's experts and the output gradient, gathered under SP) made
-/// before its results are written: a stage may peak as it makes that copy, beside the router's
-/// gradients from the load-balancing loss and a shared expert's input gradients' sum (with the
-/// loss, the router's input gradient joined that sum), the shared expert's gradients made.
+/// before its results are written: a stage may peak as it makes that copy, beside what
+/// [`routed_experts_operands`] holds.
 pub(super) fn dispatched(
     shape: &StageShape,
     name: &'static str,
@@ -280,24 +311,12 @@ pub(super) fn dispatched(
     made_before: f64,
 ) -> Option<Candidate> {
     let StepSizes { element, gathered, .. } = shape.sizes;
-    let experts = shape.model.experts.as_ref()?;
     if shape.ep == 1 {
         return None;
     }
     let router = shape.router();
-    let mut held = context.to_vec();
-    let mut so_far = made_before;
-    if experts.shared_expert {
-        so_far += shared_expert_gradients(shape);
-        if !experts.load_balancing_loss {
-            held.push(Term { name: "the shared expert's input gradients, summed", bytes: gathered });
-        }
-    }
-    if experts.load_balancing_loss {
-        held.push(load_balancing_gradients(shape));
-    }
+    let (mut held, so_far) = routed_experts_operands(shape, context, made_before)?;
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
-    held.extend(weights_gathered_again(shape));
     held.push(Term { name: "the dispatch's copy of its operands", bytes: 2.0 * gathered + router + routed * element });
     Some(Candidate::made(name, so_far, held))
 }

@@ -18,10 +18,10 @@ use super::{tsp_ring, StageShape};
 /// (on the last chunk the head's buffers, and a mixture's counts' sum over the layers, whose
 /// statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
 /// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard
-/// the sums, or a tied table.)
+/// the sums.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    if !shape.zero_bubble || shape.scattered || shape.tied {
+    if !shape.zero_bubble || shape.scattered {
         return Vec::new();
     }
     let statistics = shape.statistics;

@@ -193,8 +193,10 @@
 //! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
 //! sum); as the routed experts' backward is dispatched over ep (from a copy of its operands) or
 //! their input gradient all-reduced over tp (without ep; a shared expert's gradients made); as an
-//! expert gradient joins its sum; over ep beside the load-balancing loss as the MLP norm output's
-//! gradients from the router and the experts are summed; and as the attention residual's gradient
+//! expert gradient joins its sum; as the MLP norm output's gradients from the router (or a shared
+//! expert) and the experts are summed (over ep after the dispatch, beside the load-balancing loss;
+//! without ep before the experts' weight gradients, under ZeRO-3 their weights still gathered);
+//! and as the attention residual's gradient
 //! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
 //! weight gradient is made (beside dp, before its all-reduce) or joins its sum. Inside the first
 //! layer's backward: the same points of its MLP backward beside the layer's attention activations,
@@ -259,8 +261,8 @@
 //! is made or joins its sum, all the micro-batch held between B and W still live (under ZeRO-2 and
 //! 3 also as it is reduce-scattered, staged whole, what made it freed, and a dense MLP's up
 //! gradient after it), and as a dense chunk's first layer's gate gradient joins its sum, its
-//! attention's weight gradients still to come; and (but beside a tied
-//! table) in a forward, at its last layer's MLP (its output made; under SP as it is
+//! attention's weight gradients still to come; and in a forward (tied table or not), at its
+//! last layer's MLP (its output made; under SP as it is
 //! reduce-scattered over tp; under full recomputation as a dense MLP's SiLU product is made beside
 //! gate and up; a shared expert's and the routed experts' outputs summed; under full recomputation
 //! the shared expert's product, its down projection's output and its scaled output made) beside

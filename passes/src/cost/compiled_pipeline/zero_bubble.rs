@@ -451,9 +451,9 @@ pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
 /// of the chunk made but the layer's attention weights' and its two norms' (and on the first
 /// chunk the embedding's). What those read is live beside what the tail holds (the attention
 /// norm's output and gradients, q's gradient, the chunk's input): attention's output (but where W
-/// recomputes it), k's and v's gradients, the attention residual
-/// (the MLP norm's input), and the MLP norm's output and gradient; and gate's output gradient,
-/// which its weight gradient read. Beside replicas (dp or cp) the gradient is all-reduced first,
+/// recomputes it), k's and v's gradients, the attention residual (the MLP norm's input), under SP
+/// the attention residual's gradient gathered over tp (o's weight gradient reads it), and the MLP
+/// norm's output and gradient; and gate's output gradient, which its weight gradient read. Beside replicas (dp or cp) the gradient is all-reduced first,
 /// its unreduced copy live beside, what it read freed (gate's output gradient, and the MLP norm's
 /// output, whose last reader it is). (A dense chunk's, without tsp or ZeRO-2 and 3.)
 pub(super) fn first_layer_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: &Term) -> Option<Candidate> {
@@ -487,6 +487,13 @@ pub(super) fn first_layer_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w
     // (Under either recomputation W recomputes attention's output for o's weight gradient, later.)
     if shape.recompute() == Recompute::None {
         held.push(Term { name: "first layer's attention output", bytes: local_tokens * query * element });
+    }
+    // Under SP o's weight gradient reads its output gradient gathered over tp.
+    if shape.sequence_parallel() {
+        held.push(Term {
+            name: "first layer's attention residual gradient, gathered over tp (for W)",
+            bytes: gathered,
+        });
     }
     Some(Candidate {
         name: "first layer's gate gradient joins its sum in W",
