@@ -130,6 +130,21 @@ fn cores_bound_s(timelines: &[Vec<crate::predict::Predicted>], share: f64, own: 
         .sum()
 }
 
+/// The link a message of the threads communicator sees over the `emulated` wire, `own_bytes_per_s`
+/// and `own_latency_s` the communicator's own (the spec's link, measured by `pleat bench
+/// calibrate` between two ranks: the message copied out on one side and in on the other, each
+/// copy half of it). The wire's clock starts as the message is handed over, so it carries the
+/// message while the sender copies it out, and the receiver copies it in once it has arrived: a
+/// byte takes the longer of the wire and the copy out, then the copy in.
+fn message_link(emulated: &LinkSpec, own_bytes_per_s: f64, own_latency_s: f64) -> pleat_passes::cost::hw::LinkSpec {
+    let copy_s_per_byte = 0.5 / own_bytes_per_s;
+    let wire_s_per_byte = 1.0 / emulated.bytes_per_s;
+    pleat_passes::cost::hw::LinkSpec {
+        bandwidth_bytes_per_s: 1.0 / (wire_s_per_byte.max(copy_s_per_byte) + copy_s_per_byte),
+        latency_s: emulated.latency.as_secs_f64() + own_latency_s,
+    }
+}
+
 /// Runs `pleat bench overlap`.
 pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let config = args.target.config("bench overlap")?;
@@ -152,14 +167,9 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     hw.peak_f32_flops *= share;
     hw.peak_bf16_flops *= share;
     hw.hbm_bytes_per_s *= share;
-    // The emulated wire delays each message on top of what the threads communicator itself costs
-    // (the spec's link, measured by `pleat bench calibrate` between two ranks with a core each:
-    // copying the message out on one side and in on the other), and the two run one after the
-    // other: their times add.
     let own = hw.intra_node;
     let own_bytes_per_s = own.bandwidth_bytes_per_s * hw.efficiency.link * share;
-    hw.intra_node.bandwidth_bytes_per_s = 1.0 / (1.0 / args.emulate_link.bytes_per_s + 1.0 / own_bytes_per_s);
-    hw.intra_node.latency_s = args.emulate_link.latency.as_secs_f64() + own.latency_s;
+    hw.intra_node = message_link(&args.emulate_link, own_bytes_per_s, own.latency_s);
     hw.efficiency.link = 1.0;
     // Every rank is a thread of this process: whatever node size the spec gives, no group here
     // crosses nodes, and its collectives run over the one (emulated) link.
@@ -345,5 +355,24 @@ mod tests {
         let timelines = [rank(vec![gather]), rank(Vec::new())];
         let busy = cores_bound_s(&timelines, 0.5, &own);
         assert!((busy - (2.0 * (0.5 + 0.5) + 1.0)).abs() < 1e-9, "{busy}");
+    }
+    #[test]
+    fn a_message_takes_the_longer_of_the_wire_and_its_copy_out_then_its_copy_in() {
+        let wire = |gbps: f64| pleat_runtime::comm::LinkSpec {
+            bytes_per_s: gbps * 1e9,
+            latency: std::time::Duration::from_micros(20),
+        };
+        // The communicator's own link at 1 GB/s: each copy 0.5 ns a byte.
+        // A 1 GB/s wire (1 ns a byte) outlasts the copy out: 1 + 0.5 ns a byte.
+        let slow = message_link(&wire(1.0), 1e9, 4e-6);
+        assert!((slow.bandwidth_bytes_per_s - 1e9 / 1.5).abs() < 1.0, "{slow:?}");
+        assert!((slow.latency_s - 24e-6).abs() < 1e-12, "{slow:?}");
+        // A 10 GB/s wire (0.1 ns a byte) hides behind the copy out: 0.5 + 0.5 ns a byte, the
+        // communicator's own link.
+        let fast = message_link(&wire(10.0), 1e9, 4e-6);
+        assert!((fast.bandwidth_bytes_per_s - 1e9).abs() < 1.0, "{fast:?}");
+        // Where the two are equal (2 GB/s, 0.5 ns a byte), the same.
+        let even = message_link(&wire(2.0), 1e9, 0.0);
+        assert!((even.bandwidth_bytes_per_s - 1e9).abs() < 1.0, "{even:?}");
     }
 }
