@@ -201,7 +201,8 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
         // final norm's output (the head's input; recomputed for it under full recomputation)
         // freed before it was all-reduced, the head's input gradient and the unreduced copy
-        // beside it. (Beside cp the targets are freed too, the loss's backward done.)
+        // beside it, and under full recomputation with SP the norm's input gathered again for its
+        // backward. (Beside cp the targets are freed too, the loss's backward done.)
         let final_norm_output = if full { 0.0 } else { gathered };
         let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         candidates.push(Candidate {
@@ -216,7 +217,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 },
                 Term { name: "the LM head's input gradient", bytes: gathered },
                 Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
-            ],
+            ]
+            .into_iter()
+            .chain(final_norm_input_regathered(shape))
+            .collect(),
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
             key_values_pending: 0,
             sum_pending: 0.0,
@@ -586,6 +590,9 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             },
             Term { name: "the LM head's input gradient", bytes: gathered },
         ];
+        // (Under ZeRO-3 the final norm's weight is gathered again to recompute it.)
+        held.extend(final_norm_input_regathered(shape));
+        held.extend(final_norm_weight_regathered(shape));
         let name = if let Some(head_part) = head_part {
             held.push(head_part);
             "the LM head's part of the tied table's gradient is made"
@@ -785,6 +792,16 @@ fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candid
         .chain(final_norm_weight_regathered(shape))
         .collect(),
     ))
+}
+
+/// Under full recomputation with SP the final norm's input, the last layer's output, gathered
+/// over tp again to recompute the norm for its backward (the rank's share freed), live until
+/// that backward.
+fn final_norm_input_regathered(shape: &StageShape) -> Option<Term> {
+    (shape.recompute() == Recompute::Full && shape.sequence_parallel()).then_some(Term {
+        name: "the last layer's output gathered over tp for the final norm, beyond its share",
+        bytes: shape.sizes.gathered - shape.sizes.stream,
+    })
 }
 
 /// Under full recomputation and ZeRO-3, the final norm's weight gathered over dp again for its
