@@ -2649,31 +2649,33 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // Under ZeRO-2 and 3 a mixture's stage holds its gradients' shards (a dense one's over dp × cp
     // × ep, a routed expert's over dp × cp), and each gradient is reduce-scattered where dp would
     // all-reduce it, staged whole: the routed experts' three (made at once, the MLP norm's output
-    // freed before the first is scattered; under ZeRO-2 after the router's, under ZeRO-3 before
-    // it, the router's gradient whole until then) and a shared expert's, one by one. Under ZeRO-3
-    // the experts' backward gathers the router's and the experts' weights again, live as their
-    // input and weight gradients are made (the stage peaks as the last is, or over ep as the
-    // backward is dispatched), and under full recomputation the shared expert's gate and up
-    // weights and the MLP norm's too. Under zero bubble these points are B's (a shared expert's
-    // gate gradient is scattered in W), and under ZeRO-3 B may peak as a shared expert's down
-    // input gradient is made beside its weights gathered again, or under full recomputation as
-    // those are gathered in two steps (over ep, then cp), the first's output beside the second's
-    // (8.6% below before it was modelled). In B the routed experts' gradients joining their sums
-    // free the MLP norm's output but beside a shared expert, whose weight gradients W reads it
-    // with (1.6% below before). Under ZeRO-3 with full recomputation the attention norm's, q's,
-    // k's and v's weights gathered again for the recomputed forward are live in the attention
-    // backward (3.1% below before). Over ep × tp the dispatch makes the routed experts' and the
-    // router's gradients before the experts' input gradient is all-reduced over tp: a point there
-    // too (1.9% below before). Without ep, under ZeRO-3, the routed experts' input gradient is
-    // summed with the router's from the load-balancing loss before their weight gradients are
-    // made, the experts' weights still gathered (1.5% below at 1024 tokens before). Before these
-    // points were modelled the form was up to 34% above the planner's peak on these layouts.
-    // From 64 to 1024 tokens, each recomputation, tiny-moe
-    // and two shared-expert variants, each schedule: never above, within 2% below (1.5% at most
-    // on these layouts when this was written; 4.9% before the routed experts' input gradient's
-    // all-reduce over tp was modelled beside a shared expert, and the experts' gradients made
-    // under ZeRO-2, beside the MLP norm's output and under SP the output gradient gathered),
-    // exact on nine stages in ten (4494 of 4896 when this was written).
+    // freed before the first is scattered; under ZeRO-2 after the router's, under ZeRO-3 before it,
+    // the router's gradient whole until then) and a shared expert's, one by one. Under ZeRO-3 the
+    // experts' backward gathers the router's and the experts' weights again, live as their input
+    // and weight gradients are made (the stage peaks as the last is, or over ep as the backward is
+    // dispatched), and under full recomputation the shared expert's gate and up weights and the MLP
+    // norm's too. Under zero bubble these points are B's (a shared expert's gate gradient is
+    // scattered in W), and under ZeRO-3 B may peak as a shared expert's down input gradient is made
+    // beside its weights gathered again, or under full recomputation as those are gathered in two
+    // steps (over ep, then cp), the first's output beside the second's (8.6% below before it was
+    // modelled). In B the routed experts' gradients joining their sums free the MLP norm's output
+    // but beside a shared expert, whose weight gradients W reads it with (1.6% below before). Under
+    // ZeRO-3 with full recomputation the attention norm's, q's, k's and v's weights gathered again
+    // for the recomputed forward are live in the attention backward (3.1% below before). Over ep ×
+    // tp the dispatch makes the routed experts' and the router's gradients before the experts'
+    // input gradient is all-reduced over tp: a point there too (1.9% below before). Without ep,
+    // under ZeRO-3, the routed experts' input gradient is summed with the router's from the
+    // load-balancing loss before their weight gradients are made, the experts' weights still
+    // gathered (1.5% below at 1024 tokens before). Beside replicas a chunk but the first may peak
+    // as its first layer's attention norm output's gradient from q joins the sum of those from k
+    // and v, as a dense one does (0.8% below before it was modelled for a mixture). Before these
+    // points were modelled the form was up to 34% above the planner's peak on these layouts. From
+    // 64 to 1024 tokens, each recomputation, tiny-moe and two shared-expert variants, each
+    // schedule: never above, within 2% below (1.5% at most on these layouts when this was written;
+    // 4.9% before the routed experts' input gradient's all-reduce over tp was modelled beside a
+    // shared expert, and the experts' gradients made under ZeRO-2, beside the MLP norm's output and
+    // under SP the output gradient gathered), exact on nine stages in ten (4656 of 5112 when this
+    // was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2704,6 +2706,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
                 // Over ep ZeRO shards the dense gradients over it, not the experts'; beside cp
                 // those over cp.
                 layout("pp=2,ep=2", one_f_one_b, false, zero_stage),
+                layout("pp=2,ep=2", gpipe, false, zero_stage),
                 layout("pp=2,ep=2,tp=2", interleaved, false, zero_stage),
                 layout("pp=2,ep=2", zero_bubble, false, zero_stage),
                 layout("pp=2,cp=2,ep=2", gpipe, false, zero_stage),
@@ -2758,6 +2761,8 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "the last layer's attention backward",
             "first layer's routed experts' input gradient all-reduced over tp in B",
             "the last layer's MLP norm output's gradients summed",
+            "first layer's attention norm output gradient from q",
+            "first layer's q input gradient, its weight gathered again",
         ],
     );
 }

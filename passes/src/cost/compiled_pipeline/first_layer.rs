@@ -191,11 +191,10 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
 /// are live beside q's input gradient and the two sums (the norm's output recomputed under full
 /// recomputation; under ZeRO-2 and 3 the gradients made are their shards). Under ZeRO-3 also as
 /// q's input gradient is made, beside q's weight gathered again for it and the sum from k and v.
-/// (Not under tsp, or for a mixture.)
+/// (Not under tsp.)
 pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, positions, stream, gathered, .. } = shape.sizes;
-    let dense = shape.model.experts.is_none() && shape.tsp == 1;
-    if chunk.first || !shape.reduced || !dense {
+    if chunk.first || !shape.reduced || shape.tsp > 1 {
         return Vec::new();
     }
     let mut held = vec![

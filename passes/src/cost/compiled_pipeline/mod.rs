@@ -196,19 +196,18 @@
 //! expert gradient joins its sum; as the MLP norm output's gradients from the router (or a shared
 //! expert) and the experts are summed (over ep after the dispatch, beside the load-balancing loss;
 //! without ep before the experts' weight gradients, under ZeRO-3 their weights still gathered);
-//! and as the attention residual's gradient
-//! is summed past the MLP norm's backward; on the last chunk (not beside cp) also as the LM head's
-//! weight gradient is made (beside dp, before its all-reduce) or joins its sum. Inside the first
-//! layer's backward: the same points of its MLP backward beside the layer's attention activations,
-//! its attention kernel's backward, and (not beside cp) the attention norm output's gradients from
-//! v and k summed, then from q. Under full recomputation the head's points are modelled beside
-//! the MLP norm's output recomputed (and a shared expert's gate, up and product), and so are the
-//! last layer's attention kernel's backward and input gradients, the layers below holding their
-//! residual stream. Over ep beside the load-balancing loss the router's gradient from
-//! the experts' backward has no running sum until it is summed with its gradient from the loss.
-//! `tests/cost_training.rs` checks the form exact to 1024 tokens beside dp, ep and tp (but under
-//! full recomputation beside tp with a shared expert or ep); elsewhere (there, beside cp) below,
-//! never above.
+//! and as the attention residual's gradient is summed past the MLP norm's backward; on the last
+//! chunk (not beside cp) also as the LM head's weight gradient is made (beside dp, before its
+//! all-reduce) or joins its sum. Inside the first layer's backward: the same points of its MLP
+//! backward beside the layer's attention activations, its attention kernel's backward, and (not
+//! beside cp) the attention norm output's gradients from v and k summed, then from q. Under full
+//! recomputation the head's points are modelled beside the MLP norm's output recomputed (and a
+//! shared expert's gate, up and product), and so are the last layer's attention kernel's backward
+//! and input gradients, the layers below holding their residual stream. Over ep beside the
+//! load-balancing loss the router's gradient from the experts' backward has no running sum until it
+//! is summed with its gradient from the loss. `tests/cost_training.rs` checks the form exact to
+//! 1024 tokens beside dp, ep and tp (but under full recomputation beside tp with a shared expert or
+//! ep); elsewhere (there, beside cp) below, never above.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
