@@ -2668,14 +2668,15 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // load-balancing loss before their weight gradients are made, the experts' weights still
     // gathered (1.5% below at 1024 tokens before). Beside replicas a chunk but the first may peak
     // as its first layer's attention norm output's gradient from q joins the sum of those from k
-    // and v, as a dense one does (0.8% below before it was modelled for a mixture). Before these
-    // points were modelled the form was up to 34% above the planner's peak on these layouts. From
-    // 64 to 1024 tokens, each recomputation, tiny-moe and two shared-expert variants, each
-    // schedule: never above, within 2% below (1.5% at most on these layouts when this was written;
-    // 4.9% before the routed experts' input gradient's all-reduce over tp was modelled beside a
-    // shared expert, and the experts' gradients made under ZeRO-2, beside the MLP norm's output and
-    // under SP the output gradient gathered), exact on nine stages in ten (4656 of 5112 when this
-    // was written).
+    // and v, as a dense one does (0.8% below before it was modelled for a mixture). Under zero
+    // bubble W reduce-scatters the LM head's weight gradient as a dense stage's does (over cp and
+    // ep in two steps; 0.9% below before). Before these points were modelled the form was up to 34%
+    // above the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation,
+    // tiny-moe and two shared-expert variants, each schedule: never above, within 2% below (1.5% at
+    // most on these layouts when this was written; 4.9% before the routed experts' input gradient's
+    // all-reduce over tp was modelled beside a shared expert, and the experts' gradients made under
+    // ZeRO-2, beside the MLP norm's output and under SP the output gradient gathered), exact on
+    // nine stages in ten (4688 of 5112 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2763,6 +2764,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "the last layer's MLP norm output's gradients summed",
             "first layer's attention norm output gradient from q",
             "first layer's q input gradient, its weight gathered again",
+            "the LM head's weight gradient reduce-scattered in W",
         ],
     );
 }

@@ -328,12 +328,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     points.push(Candidate::made(names[0], made_in_b, before));
-    // Under ZeRO-2 and 3 a dense stage's gradient (or a shared expert's) is then reduce-scattered,
-    // staged whole, what made it freed: the LM head's logits' gradient (under cp the rank's
+    // Under ZeRO-2 and 3 a dense stage's gradient (a mixture's LM head's, or a shared expert's) is
+    // then reduce-scattered, staged whole, what made it freed: the LM head's logits' gradient (under cp the rank's
     // tokens', which W reads; under tsp every token's) and input (under full recomputation the
     // copy W recomputed), or the last layer's SiLU product (under full recomputation recomputed)
     // and under SP its output gradient gathered (a shared expert's scaled output's gradient).
-    if shape.scattered && (shape.model.experts.is_none() || (shared_expert && !chunk.last)) {
+    if shape.scattered && (shape.model.experts.is_none() || lm_head || shared_expert) {
         let (name, freed) = if lm_head {
             ("the LM head's weight gradient reduce-scattered in W", head_reads)
         } else {
