@@ -2670,13 +2670,14 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
     // as its first layer's attention norm output's gradient from q joins the sum of those from k
     // and v, as a dense one does (0.8% below before it was modelled for a mixture). Under zero
     // bubble W reduce-scatters the LM head's weight gradient as a dense stage's does (over cp and
-    // ep in two steps; 0.9% below before). Before these points were modelled the form was up to 34%
-    // above the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation,
+    // ep in two steps; 0.9% below before), and B sums the first layer's MLP norm output's gradients
+    // as the head does (0.9% below before). Before these points were modelled the form was up to
+    // 34% above the planner's peak on these layouts. From 64 to 1024 tokens, each recomputation,
     // tiny-moe and two shared-expert variants, each schedule: never above, within 2% below (1.5% at
     // most on these layouts when this was written; 4.9% before the routed experts' input gradient's
     // all-reduce over tp was modelled beside a shared expert, and the experts' gradients made under
     // ZeRO-2, beside the MLP norm's output and under SP the output gradient gathered), exact on
-    // nine stages in ten (4688 of 5112 when this was written).
+    // nine stages in ten (4692 of 5112 when this was written).
     let base = preset("tiny-moe").unwrap();
     let four =
         |config: pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig { num_layers: 4, ..config };
@@ -2765,6 +2766,7 @@ fn mixture_stage_closed_form_under_zero_2_and_3() {
             "first layer's attention norm output gradient from q",
             "first layer's q input gradient, its weight gathered again",
             "the LM head's weight gradient reduce-scattered in W",
+            "first layer's MLP norm output's gradients summed in B",
         ],
     );
 }

@@ -246,7 +246,12 @@ pub(super) fn input_gradient_reduced(
 /// the router's weight gradients are made: the stage may peak there beside what
 /// [`routed_experts_operands`] holds, under ZeRO-3 the experts' weights still gathered for their
 /// weight gradients. (Over ep the dispatch comes first: [`summed`].)
-fn input_gradients_summed(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
+pub(super) fn input_gradients_summed(
+    shape: &StageShape,
+    place: Place,
+    context: &[Term],
+    made_before: f64,
+) -> Option<Candidate> {
     let experts = shape.model.experts.as_ref()?;
     if shape.ep > 1 || !(experts.load_balancing_loss || experts.shared_expert) {
         return None;

@@ -556,7 +556,9 @@ fn experts_input_gradient_reduced(shape: &StageShape, chunk: &Chunk) -> Option<C
 
 /// Under zero bubble a mixture's B (which makes its experts' and router's weight gradients, none a
 /// W op) may peak inside its first layer's backward: in its shared expert's backward
-/// ([`shared_expert_in_b`]), as the last expert gradient joins its sum ([`experts_joining`]), and
+/// ([`shared_expert_in_b`]), as its routed experts' backward begins (dispatched over ep; without
+/// ep as their input gradient is all-reduced over tp, or summed with the MLP norm output's gradient
+/// so far), as the last expert gradient joins its sum ([`experts_joining`]), and
 /// on more tokens in its attention kernel's backward, as v's gradient is made beside q's and k's,
 /// then as the attention norm output's gradients are summed
 /// ([`attention_input_gradients_in_b`]). At the kernel the MLP norm's output is freed (but beside
@@ -646,6 +648,18 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
         dispatched.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..dispatched });
+    }
+    // Without ep B sums the experts' input gradient with the MLP norm output's gradient so far
+    // before it makes their weight gradients.
+    if let Some(mut summed) = experts::input_gradients_summed(shape, Place::FirstLayer, &context, 0.0) {
+        let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
+        summed.held.extend(for_w_past_shared.iter().cloned());
+        points.push(Candidate {
+            name: "first layer's MLP norm output's gradients summed in B",
+            so_far: made_in_b - layer,
+            sum_pending: layer,
+            ..summed
+        });
     }
     // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
     let not_yet = experts::not_yet_among_the_gradients(shape);
