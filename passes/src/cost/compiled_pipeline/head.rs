@@ -425,7 +425,8 @@ fn mlp_norm_output_gradient(
 /// table's gradient is made (it joins no sum: [`super::TIED_HEAD_PART`], held beside the down
 /// points too).
 /// (Where ZeRO keeps k's and v's rows whole the walk would count them made there: not modelled.)
-/// Under SP the down's backward reads the output gradient gathered over tp too.
+/// Under SP the down's backward reads the output gradient gathered over tp too. Without ZeRO or
+/// replicas the stage may peak as the gradient joins its sum, what made it still live.
 fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
@@ -486,10 +487,26 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         .chain(gathered_output_gradient)
         .collect();
     let made: Vec<Term> = joining.iter().cloned().chain([whole.clone()]).collect();
+    // Without ZeRO the gradient joins its sum next: without replicas with what made it still live
+    // (under full recomputation the recomputed MLP); beside dp or cp after its all-reduce, which
+    // the input gradients precede (the points after are the head's other candidates).
+    let joins = (!shape.scattered && !shape.reduced).then_some(Candidate {
+        name: if full {
+            "the last layer's down gradient joins its sum, its MLP recomputed"
+        } else {
+            "the last layer's down gradient joins its sum"
+        },
+        so_far: so_far + shape.gate,
+        held: joining,
+        new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
+        key_values_pending: 0,
+        sum_pending: 0.0,
+    });
     if !shape.scattered && !full {
-        // Without ZeRO the gradient joins its sum next (beside dp after its all-reduce; the points
-        // after are the head's other candidates).
-        return vec![Candidate::made("the last layer's down gradient made", so_far, made)];
+        return [Candidate::made("the last layer's down gradient made", so_far, made)]
+            .into_iter()
+            .chain(joins)
+            .collect();
     }
     // Under full recomputation, up's gradient made after the down's (gate's comes after), the MLP
     // norm output's gradients from gate and up are summed beside gate's output gradient and the
@@ -532,16 +549,6 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         Candidate::made(name, so_far + 2.0 * shape.gate / shape.shards, held)
     });
     if !shape.scattered {
-        // Without ZeRO the gradient joins its sum next, without replicas with the recomputed MLP
-        // still live (beside dp or cp, after its all-reduce, which the input gradients precede).
-        let joins = (!shape.reduced).then_some(Candidate {
-            name: "the last layer's down gradient joins its sum, its MLP recomputed",
-            so_far: so_far + shape.gate,
-            held: joining,
-            new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0,
-            sum_pending: 0.0,
-        });
         // Beside replicas its input gradient came first: next gate's output gradient is made,
         // the down gradient joined its sum and the SiLU product freed.
         let gate_output = shape.reduced.then(|| {
