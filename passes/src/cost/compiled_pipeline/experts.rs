@@ -5,10 +5,10 @@
 //! backward for the load-balancing loss (its input and weight gradients), then the routed experts':
 //! over ep one instruction dispatching the rows to the experts' ranks and back, else one kernel a
 //! gradient, the input gradient first (under tp each rank's partial sum over its share of the
-//! experts' channels, all-reduced over tp; then summed with the MLP norm output's gradient so
-//! far), then the router's, then the three `[E, h, f_e]` weight gradients; beside dp or cp each
-//! weight gradient is all-reduced before it joins its sum, the MLP norm's output freed first. Then the MLP norm's backward, whose input gradient is summed
-//! into the attention residual's gradient.
+//! experts' channels, all-reduced over tp; then summed with the MLP norm output's gradient so far),
+//! then the router's, then the three `[E, h, f_e]` weight gradients; beside dp or cp each weight
+//! gradient is all-reduced before it joins its sum, the MLP norm's output freed first. Then the MLP
+//! norm's backward, whose input gradient is summed into the attention residual's gradient.
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;

@@ -597,7 +597,8 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             },
             Term { name: "the LM head's input gradient", bytes: gathered },
         ];
-        // (Under ZeRO-3 the final norm's weight is gathered again to recompute it.)
+        // (Under full recomputation the final norm is recomputed for its backward: under SP from
+        // its input gathered over tp again, under ZeRO-3 with its weight gathered again.)
         held.extend(final_norm_input_regathered(shape));
         held.extend(final_norm_weight_regathered(shape));
         let name = if let Some(head_part) = head_part {

@@ -241,42 +241,40 @@
 //! sent back, the attention norm's input gradient) and, on the last chunk, the targets and loss.
 //!
 //! Under zero bubble (ZB-H1) the tail is a W's (the weight gradients' part of a backward): a
-//! micro-batch whose B is done and W not yet keeps what its weight gradients read, and the
-//! residual gradients, which B reads too, stay to the micro-batch's end. Under full
-//! recomputation B recomputes each layer's forward, and what W reads of it (q, k, v, gate and
-//! up, the norms' outputs) stays with the gradients W reads until W, beside the residual stream
-//! the forward kept. Those micro-batches hold more than one in flight does, so on more tokens a
-//! stage peaks beside them at other steps too, each modelled (`walk` weighs B's, W's and the
-//! forwards' points): in a B, inside its first layer's backward (a shared expert's, as gate's
-//! output gradient is made; a mixture's expert gradient joining its sum; the attention kernel's
-//! backward; the attention norm output's gradients from v, k and q summed, each projection's
-//! gradient kept for W, under SP o's output gradient gathered over tp too; under full
-//! recomputation beside what B recomputed, under ZeRO-3 the weights it gathered again for that),
-//! the B gradients made so far and their sums beside it, and on the last
-//! chunk at its head, as the loss's backward makes the logits' gradient beside all the forward kept
-//! (none of what W reads made yet); at the head of a W, as its first weight gradient (the LM head's
-//! on the last chunk, after the micro-batch's two losses are summed, or beside a tied table the
-//! head's part of it; the last layer's down projection's, dense or a shared expert's, on another)
-//! is made or joins its sum, all the micro-batch held between B and W still live (under ZeRO-2 and
-//! 3 also as it is reduce-scattered, staged whole, what made it freed, and a dense MLP's up
-//! gradient after it), and as a dense chunk's first layer's gate gradient joins its sum, its
-//! attention's weight gradients still to come; and in a forward (tied table or not), at its
-//! last layer's MLP (its output made; under SP as it is
-//! reduce-scattered over tp; under full recomputation as a dense MLP's SiLU product is made beside
-//! gate and up; a shared expert's and the routed experts' outputs summed; under full recomputation
-//! the shared expert's product, its down projection's output and its scaled output made) beside
-//! all the micro-batch keeps, and beside cp as the last chunk gathers every token's logits. A
-//! micro-batch's loss joins the loss's sum in W beside dp, cp or ep or the load-balancing loss,
-//! else in B; the first stage's B frees the positions (but where W recomputes).
-//! `tests/cost_training.rs` checks the form from 64 to 1024 tokens never above the planner's peak
-//! and within 3% (mixtures; 1% beside a shared expert under SP, 2% under ZeRO-2 and 3) or 4%
-//! (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp or cp) below it, exact on most
-//! stages; the points left are W's later ones (forwards are not modelled under ZeRO-2 and
-//! 3). Under tsp B runs the MLP rings' backward whole (on a chunk but the last it begins with its
-//! last layer's ring) and W takes the layers last to first, so W may peak in its last layer's
-//! attention too, as o's gradient is reduced to an owner, what W reads of the layers before still
-//! live: there the form is within 1% below, exact on nine stages in ten, and under zero bubble
-//! beside dp alone exact on every stage.
+//! micro-batch whose B is done and W not yet keeps what its weight gradients read, and the residual
+//! gradients, which B reads too, stay to the micro-batch's end. Under full recomputation B
+//! recomputes each layer's forward, and what W reads of it (q, k, v, gate and up, the norms'
+//! outputs) stays with the gradients W reads until W, beside the residual stream the forward kept.
+//! Those micro-batches hold more than one in flight does, so on more tokens a stage peaks beside
+//! them at other steps too, each modelled (`walk` weighs B's, W's and the forwards' points): in a
+//! B, inside its first layer's backward (a shared expert's, as gate's output gradient is made; a
+//! mixture's expert gradient joining its sum; the attention kernel's backward; the attention norm
+//! output's gradients from v, k and q summed, each projection's gradient kept for W, under SP o's
+//! output gradient gathered over tp too; under full recomputation beside what B recomputed, under
+//! ZeRO-3 the weights it gathered again for that), the B gradients made so far and their sums
+//! beside it, and on the last chunk at its head, as the loss's backward makes the logits' gradient
+//! beside all the forward kept (none of what W reads made yet); at the head of a W, as its first
+//! weight gradient (the LM head's on the last chunk, after the micro-batch's two losses are summed,
+//! or beside a tied table the head's part of it; the last layer's down projection's, dense or a
+//! shared expert's, on another) is made or joins its sum, all the micro-batch held between B and W
+//! still live (under ZeRO-2 and 3 also as it is reduce-scattered, staged whole, what made it freed,
+//! and a dense MLP's up gradient after it), and as a dense chunk's first layer's gate gradient
+//! joins its sum, its attention's weight gradients still to come; and in a forward (tied table or
+//! not), at its last layer's MLP (its output made; under SP as it is reduce-scattered over tp;
+//! under full recomputation as a dense MLP's SiLU product is made beside gate and up; a shared
+//! expert's and the routed experts' outputs summed; under full recomputation the shared expert's
+//! product, its down projection's output and its scaled output made) beside all the micro-batch
+//! keeps, and beside cp as the last chunk gathers every token's logits. A micro-batch's loss joins
+//! the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the first stage's
+//! B frees the positions (but where W recomputes). `tests/cost_training.rs` checks the form from 64
+//! to 1024 tokens never above the planner's peak and within 3% (mixtures; 1% beside a shared expert
+//! under SP, 2% under ZeRO-2 and 3) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp
+//! or cp) below it, exact on most stages; the points left are W's later ones (forwards are not
+//! modelled under ZeRO-2 and 3). Under tsp B runs the MLP rings' backward whole (on a chunk but the
+//! last it begins with its last layer's ring) and W takes the layers last to first, so W may peak
+//! in its last layer's attention too, as o's gradient is reduced to an owner, what W reads of the
+//! layers before still live: there the form is within 1% below, exact on nine stages in ten, and
+//! under zero bubble beside dp alone exact on every stage.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp` (any ZeRO stage); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with

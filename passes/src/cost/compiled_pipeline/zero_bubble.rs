@@ -329,10 +329,11 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     points.push(Candidate::made(names[0], made_in_b, before));
     // Under ZeRO-2 and 3 a dense stage's gradient (a mixture's LM head's, or a shared expert's) is
-    // then reduce-scattered, staged whole, what made it freed: the LM head's logits' gradient (under cp the rank's
-    // tokens', which W reads; under tsp every token's) and input (under full recomputation the
-    // copy W recomputed), or the last layer's SiLU product (under full recomputation recomputed)
-    // and under SP its output gradient gathered (a shared expert's scaled output's gradient).
+    // then reduce-scattered, staged whole, what made it freed: the LM head's logits' gradient
+    // (under cp the rank's tokens', which W reads; under tsp every token's) and input (under full
+    // recomputation the copy W recomputed), or the last layer's SiLU product (under full
+    // recomputation recomputed) and under SP its output gradient gathered (a shared expert's scaled
+    // output's gradient).
     if shape.scattered && (shape.model.experts.is_none() || lm_head || shared_expert) {
         let (name, freed) = if lm_head {
             ("the LM head's weight gradient reduce-scattered in W", head_reads)
@@ -448,14 +449,15 @@ pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
 
 /// W takes a chunk's layers last to first, and a layer's MLP weight gradients before its
 /// attention's: a chunk may peak as its first layer's gate gradient joins its sum, every gradient
-/// of the chunk made but the layer's attention weights' and its two norms' (and on the first
-/// chunk the embedding's). What those read is live beside what the tail holds (the attention
-/// norm's output and gradients, q's gradient, the chunk's input): attention's output (but where W
+/// of the chunk made but the layer's attention weights' and its two norms' (and on the first chunk
+/// the embedding's). What those read is live beside what the tail holds (the attention norm's
+/// output and gradients, q's gradient, the chunk's input): attention's output (but where W
 /// recomputes it), k's and v's gradients, the attention residual (the MLP norm's input), under SP
 /// the attention residual's gradient gathered over tp (o's weight gradient reads it), and the MLP
-/// norm's output and gradient; and gate's output gradient, which its weight gradient read. Beside replicas (dp or cp) the gradient is all-reduced first,
-/// its unreduced copy live beside, what it read freed (gate's output gradient, and the MLP norm's
-/// output, whose last reader it is). (A dense chunk's, without tsp or ZeRO-2 and 3.)
+/// norm's output and gradient; and gate's output gradient, which its weight gradient read. Beside
+/// replicas (dp or cp) the gradient is all-reduced first, its unreduced copy live beside, what it
+/// read freed (gate's output gradient, and the MLP norm's output, whose last reader it is). (A
+/// dense chunk's, without tsp or ZeRO-2 and 3.)
 pub(super) fn first_layer_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: &Term) -> Option<Candidate> {
     let StepSizes { element, local_tokens, query, kv, ffn, stream, gathered, .. } = shape.sizes;
     let dense = shape.model.experts.is_none() && shape.tsp == 1;
