@@ -642,24 +642,17 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         });
     }
     let context = mlp_context(shape, chunk, false);
-    // Over ep B dispatches the first layer's experts' backward, none of its B gradients made yet.
-    let name = "first layer's experts' backward dispatched in B";
-    if let Some(mut dispatched) = experts::dispatched(shape, name, &context, 0.0) {
-        let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
-        dispatched.held.extend(for_w_past_shared.iter().cloned());
-        points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..dispatched });
-    }
-    // Without ep B sums the experts' input gradient with the MLP norm output's gradient so far
-    // before it makes their weight gradients.
-    if let Some(mut summed) = experts::input_gradients_summed(shape, Place::FirstLayer, &context, 0.0) {
-        let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
-        summed.held.extend(for_w_past_shared.iter().cloned());
-        points.push(Candidate {
-            name: "first layer's MLP norm output's gradients summed in B",
-            so_far: made_in_b - layer,
-            sum_pending: layer,
-            ..summed
-        });
+    // Before the routed experts' weight gradients none of the layer's B gradients is made (on the
+    // micro-batch's first B of the chunk their sums do not exist): over ep as B dispatches the
+    // experts' backward; without ep as it sums their input gradient with the MLP norm output's
+    // gradient so far.
+    let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
+    let dispatched = experts::dispatched(shape, "first layer's experts' backward dispatched in B", &context, 0.0);
+    let summed = experts::input_gradients_summed(shape, Place::FirstLayer, &context, 0.0)
+        .map(|summed| Candidate { name: "first layer's MLP norm output's gradients summed in B", ..summed });
+    for mut point in dispatched.into_iter().chain(summed) {
+        point.held.extend(for_w_past_shared.iter().cloned());
+        points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..point });
     }
     // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
     let not_yet = experts::not_yet_among_the_gradients(shape);
