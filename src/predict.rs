@@ -188,6 +188,9 @@ pub fn describe(program: &Program, instr: &Instr) -> Option<Work> {
         Instr::Recv { outs, peer } => {
             transfer("recv", Collective::SendRecv, name_of(outs), bytes_of(outs), vec![*peer, program.rank])
         }
+        Instr::Relay { outs, from, to } => {
+            transfer("relay", Collective::SendRecv, name_of(outs), bytes_of(outs), vec![*from, program.rank, *to])
+        }
         // The rows a balanced routing sends away and gets back, and the experts' work between.
         Instr::ExpertDispatch { outs, wrts, group, dims, .. } => {
             let width = if wrts.is_empty() { dims.hidden + 1 } else { 2 * dims.hidden + 2 };
@@ -317,6 +320,8 @@ struct RankState {
     streams: StreamClocks,
     pairs: TransferPairs,
     transfer_end: HashMap<usize, f64>,
+    /// The relays' forwards: the seconds each one's stream carries on after its message is in.
+    forward_s: HashMap<usize, f64>,
     /// Per stream and group: the collectives entered so far.
     group_calls: HashMap<(TransferStream, Vec<u32>), usize>,
     slices: Vec<Predicted>,
@@ -358,6 +363,7 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
             streams: StreamClocks::default(),
             pairs: pair_transfers(program)?,
             transfer_end: HashMap::new(),
+            forward_s: HashMap::new(),
             group_calls: HashMap::new(),
             slices: Vec::new(),
             slice_of: HashMap::new(),
@@ -381,6 +387,8 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                 let issue = state.compute_free;
                 let stream = instr.transfer_stream();
                 let arrival = issue.max(state.streams.free(stream));
+                // A relay's forward: the seconds its stream carries on after the message is in.
+                let mut forward_s = 0.0;
                 let (start_s, end_s) = match instr {
                     Instr::AllReduce { group, .. }
                     | Instr::ReduceScatter { group, .. }
@@ -412,6 +420,18 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                         // The message is queued once sent: a late receiver finds it there.
                         (start, start.max(sent_end))
                     }
+                    Instr::Relay { from, to, .. } => {
+                        let Some((sent_start, sent_end)) =
+                            messages.get_mut(&(*from, program.rank)).and_then(VecDeque::pop_front)
+                        else {
+                            break;
+                        };
+                        let start = arrival.max(sent_start);
+                        let arrived = start.max(sent_end);
+                        messages.entry((program.rank, *to)).or_default().push_back((arrived, arrived + cost));
+                        forward_s = cost;
+                        (start, arrived + cost)
+                    }
                     Instr::Wait { .. } => {
                         let ended = state
                             .pairs
@@ -430,18 +450,25 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                     // The link is shared with the other stream's transfers in flight.
                     let (ends, stretched) = state.streams.run(stream, state.pc, start_s, end_s - start_s);
                     end_s = ends;
-                    for (transfer, end) in stretched {
-                        state.transfer_end.insert(transfer, end);
+                    for (transfer, start, end) in stretched {
+                        let forward = state.forward_s.get(&transfer).copied().unwrap_or(0.0);
+                        state.transfer_end.insert(transfer, end - forward);
                         if let Some(slice) = state.slice_of.get(&transfer).and_then(|&at| state.slices.get_mut(at)) {
-                            slice.end_s = end;
+                            (slice.start_s, slice.end_s) = (start, end);
                         }
                     }
                     state.slice_of.insert(state.pc, state.slices.len());
-                    state.transfer_end.insert(state.pc, end_s);
+                    // A relay's wait (or, blocking, the compute stream) needs the message, not the
+                    // forward after it.
+                    let delivered = end_s - forward_s;
+                    if forward_s > 0.0 {
+                        state.forward_s.insert(state.pc, forward_s);
+                    }
+                    state.transfer_end.insert(state.pc, delivered);
                     let blocking = !state.pairs.wait_of.contains_key(&state.pc) && !matches!(instr, Instr::Send { .. });
                     if blocking {
-                        exposed_s = end_s - issue;
-                        state.compute_free = end_s;
+                        exposed_s = delivered - issue;
+                        state.compute_free = delivered;
                     }
                 } else {
                     if matches!(instr, Instr::Wait { .. }) {
@@ -579,20 +606,26 @@ mod tests {
         assert_eq!(timelines[0][2].work.flops, 2 * 64 * 64 * 64);
     }
 
+    /// A block `w`, the copy of it a message brings, and a matmul's result.
+    fn message_buffers() -> Vec<Buffer> {
+        vec![
+            buffer("layer0.w", &[64, 64], BufferKind::Param),
+            buffer("layer0.w.peer", &[64, 64], BufferKind::InFlight),
+            buffer("layer0.x", &[64, 64], BufferKind::Activation),
+        ]
+    }
+
+    /// `x = w·w` on [`message_buffers`].
+    fn square_matmul() -> Instr {
+        Instr::Kernel { kernel: Kernel::MatMul { m: 64, n: 64, k: 64 }, inputs: vec![id(0), id(0)], out: id(2) }
+    }
+
     #[test]
     fn a_recv_ends_when_its_send_does_and_compute_overlaps_the_send() {
         let hw = HardwareSpec::builtin("cpu").unwrap();
-        let buffers = || {
-            vec![
-                buffer("layer0.w", &[64, 64], BufferKind::Param),
-                buffer("layer0.w.peer", &[64, 64], BufferKind::InFlight),
-                buffer("layer0.x", &[64, 64], BufferKind::Activation),
-            ]
-        };
-        let matmul =
-            || Instr::Kernel { kernel: Kernel::MatMul { m: 64, n: 64, k: 64 }, inputs: vec![id(0), id(0)], out: id(2) };
-        let sender = program(0, buffers(), vec![load(0), Instr::Send { bufs: vec![id(0)], peer: 1 }, matmul()]);
-        let receiver = program(1, buffers(), vec![Instr::Recv { outs: vec![id(1)], peer: 0 }, load(0)]);
+        let sender =
+            program(0, message_buffers(), vec![load(0), Instr::Send { bufs: vec![id(0)], peer: 1 }, square_matmul()]);
+        let receiver = program(1, message_buffers(), vec![Instr::Recv { outs: vec![id(1)], peer: 0 }, load(0)]);
         let timelines = predict(&[sender, receiver], &hw).unwrap();
         let tile = 64.0 * 64.0 * 4.0;
         let load = tile / (20e9 * 0.8);
@@ -724,6 +757,44 @@ mod tests {
             // Shared or queued, the link carries both: the step ends when both are done.
             close(summarize(&timelines).step_s, start + reduce + gather);
         }
+    }
+
+    /// A three-rank chain: rank 0 sends its block, rank 1 relays it to rank 2 while it computes,
+    /// and waits for it only after its matmul.
+    #[test]
+    fn a_relays_wait_ends_at_the_arrival_and_its_forward_follows_on_the_stream() {
+        let hw = HardwareSpec::builtin("cpu").unwrap();
+        let sender = program(0, message_buffers(), vec![load(0), Instr::Send { bufs: vec![id(0)], peer: 1 }]);
+        let relay = program(
+            1,
+            message_buffers(),
+            vec![
+                load(0),
+                Instr::Relay { outs: vec![id(1)], from: 0, to: 2 },
+                square_matmul(),
+                Instr::Wait { handle: vec![id(1)] },
+            ],
+        );
+        let receiver = program(2, message_buffers(), vec![Instr::Recv { outs: vec![id(1)], peer: 1 }]);
+        let timelines = predict(&[sender, relay, receiver], &hw).unwrap();
+        let tile = 64.0 * 64.0 * 4.0;
+        let load = tile / (20e9 * 0.8);
+        let message = tile / (5e9 * 0.8) + 5e-6;
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+        let relayed = &timelines[1][1];
+        assert_eq!(relayed.work.name(), "relay layer0.w.peer");
+        // In from rank 0 at load + message, then on to rank 2 for another message's time.
+        close(relayed.start_s, load);
+        close(relayed.end_s, load + 2.0 * message);
+        // The matmul runs beside it; the wait ends at the arrival, not after the forward.
+        close(timelines[1][2].start_s, load);
+        let matmul_end = timelines[1][2].end_s;
+        match timelines[1].get(3) {
+            Some(wait) => close(wait.end_s, load + message),
+            None => assert!(matmul_end >= load + message, "no stall, so the message was in"),
+        }
+        // Rank 2 gets the message when the forward ends.
+        close(timelines[2][0].end_s, load + 2.0 * message);
     }
 
     #[test]

@@ -103,11 +103,15 @@ fn programs_pass_the_static_matcher_and_validate() {
         for program in &programs {
             pleat_backend::validate::validate(program).unwrap_or_else(|err| panic!("{mesh}: {err}"));
             let text = pleat_backend::text::print_program(program);
-            // D-1 hops a layer, each a send and a receive; one merge per hop.
+            // D-1 hops a layer, one merge per hop: the rank's own block sent, D-2 blocks received
+            // and passed on (relays), the last one only received.
             let degree = Mesh::parse(mesh).unwrap().axis(pleat_ir::AxisName::Cp).unwrap().size as usize;
             let layers = tiny().num_layers as usize;
+            let lines = |pattern: &str| text.lines().filter(|line| line.contains(pattern)).count();
             assert_eq!(text.matches("merge_attention").count(), layers * (degree - 1), "{mesh}");
-            assert_eq!(text.lines().filter(|line| line.starts_with("send(")).count(), layers * (degree - 1), "{mesh}");
+            assert_eq!(lines("send("), layers, "{mesh}");
+            assert_eq!(lines(" = relay from rank "), layers * (degree - 2), "{mesh}");
+            assert_eq!(lines(" = recv from rank "), layers, "{mesh}");
         }
     }
 }

@@ -436,6 +436,7 @@ mod with_llvm {
             Instr::Send { bufs: vec![float, positions], peer: 1 },
             Instr::Wait { handle: vec![float, positions] },
             Instr::Recv { outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])], peer: 1 },
+            Instr::Relay { outs: vec![fresh(DType::F32, &[2, 4]), fresh(DType::I32, &[2])], from: 1, to: 1 },
             Instr::Output { buf: float, index: 3, shape: vec![4, 4], region: vec![(2, 2), (0, 4)] },
             Instr::ExpertDispatch {
                 inputs: vec![float; 6],

@@ -21,6 +21,7 @@ pub mod overlap;
 pub mod pipeline;
 pub mod program;
 mod range_max;
+pub mod relay;
 pub mod text;
 pub mod transfers;
 pub mod validate;

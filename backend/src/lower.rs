@@ -460,6 +460,7 @@ pub fn lower_rank_traced(module: &Module, rank: u32) -> Result<(Program, Vec<Opt
         });
     }
     trace.resize(program.instructions.len(), None);
+    crate::relay::fuse_relays(&mut program, &mut trace);
     // What the runtimes trust of a program read from a file holds of every lowered one: sizes
     // agree, transfers pair, nothing is left allocated.
     crate::validate::validate(&program)?;

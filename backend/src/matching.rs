@@ -91,7 +91,7 @@ pub fn verify_collectives(programs: &[Program]) -> Result<()> {
                 .map(|&rank| {
                     let at = cursor[rank];
                     match &programs[rank].instructions[at] {
-                        Instr::Recv { peer, .. } => {
+                        Instr::Recv { peer, .. } | Instr::Relay { from: peer, .. } => {
                             format!("rank {rank} at instruction {at} waits for a message from rank {peer}")
                         }
                         instr => {
@@ -124,7 +124,7 @@ fn advance(programs: &[Program], rank: usize, cursor: &mut [usize], queues: &mut
                 let elements = bufs.iter().map(|&buf| program.buffer(buf).numel()).sum();
                 queues.entry((rank as u32, *peer)).or_default().push_back((cursor[rank], elements));
             }
-            Instr::Recv { outs, peer } => {
+            Instr::Recv { outs, peer } | Instr::Relay { outs, from: peer, .. } => {
                 let Some((sent_at, sent)) = queues.get_mut(&(*peer, rank as u32)).and_then(|queue| queue.pop_front())
                 else {
                     break;
@@ -139,6 +139,10 @@ fn advance(programs: &[Program], rank: usize, cursor: &mut [usize], queues: &mut
                             format!("rank {rank} at instruction {}: recv of {expected} elements", cursor[rank]),
                         ],
                     });
+                }
+                // A relay's forward is queued once its message is in.
+                if let Instr::Relay { to, .. } = instr {
+                    queues.entry((rank as u32, *to)).or_default().push_back((cursor[rank], expected));
                 }
             }
             instr if instr.group().is_some() => break,

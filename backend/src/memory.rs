@@ -108,7 +108,7 @@ pub fn staging_of(program: &Program, instr: &Instr, sizing: ElementSize) -> Opti
         Instr::Broadcast { outs, .. } => {
             Some((Staging::Broadcast, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))
         }
-        Instr::Recv { outs, .. } => {
+        Instr::Recv { outs, .. } | Instr::Relay { outs, .. } => {
             Some((Staging::Message, outs.iter().map(|&out| element_bytes(program, out, sizing)).sum()))
         }
         // The operands' copy the dispatch works from; its messages' sizes depend on the routing.

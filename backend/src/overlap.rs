@@ -81,8 +81,9 @@ pub enum Prefetch {
 pub struct StreamClocks {
     /// Per stream (main, prefetch): when its last transfer ends.
     free: [f64; 2],
-    /// Per stream: its transfers that may still be in flight, and their ends.
-    in_flight: [Vec<(usize, f64)>; 2],
+    /// Per stream: its transfers that may still be in flight, in order, with their starts and
+    /// ends.
+    in_flight: [Vec<(usize, f64, f64)>; 2],
 }
 
 impl StreamClocks {
@@ -97,22 +98,38 @@ impl StreamClocks {
 
     /// Runs transfer `id`, of `seconds` alone, on `stream` from `begins` (no earlier than
     /// [`StreamClocks::free`]); returns when it ends, and the other stream's transfers it slowed
-    /// with their new ends.
-    pub fn run(&mut self, stream: TransferStream, id: usize, begins: f64, seconds: f64) -> (f64, Vec<(usize, f64)>) {
+    /// with their new starts and ends.
+    ///
+    /// Each second the two streams share delays one of the other stream's transfers in flight by a
+    /// second, the first of them first (processor sharing: both at half speed), and a transfer's
+    /// delay delays the start of the ones queued after it, as a stream starts nothing before its
+    /// previous transfer has ended.
+    pub fn run(
+        &mut self,
+        stream: TransferStream,
+        id: usize,
+        begins: f64,
+        seconds: f64,
+    ) -> (f64, Vec<(usize, f64, f64)>) {
         let (own, other) = (Self::slot(stream), 1 - Self::slot(stream));
         let shared = (self.free[other] - begins).clamp(0.0, seconds.max(0.0));
-        self.in_flight[other].retain(|&(_, end)| end > begins);
+        self.in_flight[other].retain(|&(_, _, end)| end > begins);
         let mut stretched = Vec::new();
         if shared > 0.0 {
-            for (transfer, end) in &mut self.in_flight[other] {
-                *end += (*end - begins).min(shared);
+            let (mut shared_left, mut previous_end) = (shared, f64::NEG_INFINITY);
+            for (transfer, start, end) in &mut self.in_flight[other] {
+                let delay = (*end - start.max(begins)).max(0.0).min(shared_left);
+                shared_left -= delay;
+                let from = start.max(previous_end);
+                (*start, *end) = (from, from + (*end - *start) + delay);
+                previous_end = *end;
                 self.free[other] = self.free[other].max(*end);
-                stretched.push((*transfer, *end));
+                stretched.push((*transfer, *start, *end));
             }
         }
         let ends = begins + seconds + shared;
         self.free[own] = ends;
-        self.in_flight[own].push((id, ends));
+        self.in_flight[own].push((id, begins, ends));
         (ends, stretched)
     }
 }
@@ -444,7 +461,7 @@ fn list_schedule(
             let begins = start.max(streams.free(stream));
             let (ends, stretched) = streams.run(stream, index, begins, seconds[index]);
             transfer_end[index] = ends;
-            for (transfer, end) in stretched {
+            for (transfer, _, end) in stretched {
                 transfer_end[transfer] = end;
             }
             live += allocates(chosen);
@@ -611,6 +628,21 @@ mod tests {
             .skip_while(|line| !line.contains("load_param"))
             .map(str::to_string)
             .collect()
+    }
+
+    #[test]
+    fn a_transfer_slowed_by_the_other_stream_delays_the_next_one_on_its_stream() {
+        let mut streams = StreamClocks::default();
+        // Two transfers queued on the main stream, of two seconds each: [0, 2] and [2, 4].
+        assert_eq!(streams.run(TransferStream::Main, 0, 0.0, 2.0).0, 2.0);
+        assert_eq!(streams.run(TransferStream::Main, 1, 2.0, 2.0).0, 4.0);
+        // A prefetch of 10 s from 1 s shares the link with both (3 s of their work left): each
+        // runs at half speed beside it. The first's last second takes two: it ends at 3. The
+        // second starts then, not at 2, and its two seconds take four: it ends at 7.
+        let (ends, stretched) = streams.run(TransferStream::Prefetch, 2, 1.0, 10.0);
+        assert_eq!(stretched, vec![(0, 0.0, 3.0), (1, 3.0, 7.0)]);
+        assert_eq!(ends, 1.0 + 10.0 + 3.0);
+        assert_eq!(streams.free(TransferStream::Main), 7.0);
     }
 
     #[test]

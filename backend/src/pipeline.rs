@@ -656,6 +656,7 @@ impl<'a> StageProgram<'a> {
             },
             Instr::Send { bufs, peer: p } => Instr::Send { bufs: buffers(bufs), peer: peer(p) },
             Instr::Recv { outs, peer: p } => Instr::Recv { outs: buffers(outs), peer: peer(p) },
+            Instr::Relay { outs, from, to } => Instr::Relay { outs: buffers(outs), from: peer(from), to: peer(to) },
         }
     }
 }

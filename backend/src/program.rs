@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use pleat_ir::DType;
 
 /// The version of the serialized `Program` format; the runtime refuses any other.
-pub const FORMAT_VERSION: u32 = 7;
+pub const FORMAT_VERSION: u32 = 8;
 
 /// A buffer of a `Program`.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -617,6 +617,19 @@ pub enum Instr {
         /// The sending rank.
         peer: u32,
     },
+    /// Waits for the message from rank `from`, unpacks it into `outs`, and passes the same message
+    /// on to rank `to`: one hop of a ring that forwards what it receives (`crate::relay`). On a
+    /// communication stream the forward follows the arrival there, so the hops go round at the
+    /// link's pace whatever the compute stream is doing; its `Wait` ends once the message has
+    /// arrived, and the forward, like a `Send`, is never waited for.
+    Relay {
+        /// The buffers written, and forwarded.
+        outs: Vec<BufferId>,
+        /// The sending rank.
+        from: u32,
+        /// The rank the message goes on to.
+        to: u32,
+    },
     /// Hands buffer `buf`, block `region` of graph output `index` (global shape `shape`), to the caller.
     Output {
         /// The buffer.
@@ -661,6 +674,7 @@ impl Instr {
                 | Instr::Broadcast { .. }
                 | Instr::Send { .. }
                 | Instr::Recv { .. }
+                | Instr::Relay { .. }
                 | Instr::ExpertDispatch { .. }
         )
     }
@@ -697,6 +711,7 @@ impl Instr {
         match self {
             Instr::Broadcast { outs, .. }
             | Instr::Recv { outs, .. }
+            | Instr::Relay { outs, .. }
             | Instr::ExpertDispatch { outs, .. }
             | Instr::AllReduce { outs, .. }
             | Instr::ReduceScatter { outs, .. } => outs.clone(),
@@ -707,7 +722,11 @@ impl Instr {
     /// The single buffer the instruction writes, if it writes exactly one.
     pub fn out(&self) -> Option<BufferId> {
         match self {
-            Instr::Broadcast { .. } | Instr::Send { .. } | Instr::Recv { .. } | Instr::ExpertDispatch { .. } => None,
+            Instr::Broadcast { .. }
+            | Instr::Send { .. }
+            | Instr::Recv { .. }
+            | Instr::Relay { .. }
+            | Instr::ExpertDispatch { .. } => None,
             Instr::AllReduce { outs, .. } | Instr::ReduceScatter { outs, .. } => match outs.as_slice() {
                 [out] => Some(*out),
                 _ => None,
@@ -732,7 +751,7 @@ impl Instr {
             | Instr::AllReduce { inputs, .. }
             | Instr::ReduceScatter { inputs, .. } => inputs.clone(),
             Instr::Send { bufs, .. } => bufs.clone(),
-            Instr::Recv { .. } => Vec::new(),
+            Instr::Recv { .. } | Instr::Relay { .. } => Vec::new(),
             Instr::LoadParam { .. }
             | Instr::LoadTokens { .. }
             | Instr::LoadPositions { .. }

@@ -162,6 +162,7 @@ pub fn print_program(program: &Program) -> String {
             ),
             Instr::Send { bufs, peer } => format!("send({}) to rank {peer}", list(bufs)),
             Instr::Recv { outs, peer } => format!("{} = recv from rank {peer}", list(outs)),
+            Instr::Relay { outs, from, to } => format!("{} = relay from rank {from} to rank {to}", list(outs)),
             Instr::Wait { handle } => format!("wait({})", list(handle)),
             Instr::ExpertDispatch { inputs, outs, wrts, group, dims } => {
                 let what = match wrts.as_slice() {

@@ -175,6 +175,7 @@ pub fn exported_functions() -> Vec<(&'static str, *const ())> {
         pleat_rt_broadcast,
         pleat_rt_send,
         pleat_rt_recv,
+        pleat_rt_relay,
         pleat_rt_output,
         pleat_rt_free,
         pleat_rt_wait,

@@ -321,6 +321,27 @@ pub unsafe extern "C" fn pleat_rt_recv(ctx: *mut c_void, instr: u64, outs: *cons
     }
 }
 
+/// Waits for rank `from`'s message, unpacks it into `outs`, and passes it on to rank `to`.
+///
+/// # Safety
+/// See the module's contract.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pleat_rt_relay(
+    ctx: *mut c_void,
+    instr: u64,
+    outs: *const u32,
+    count: u64,
+    from: u64,
+    to: u64,
+) -> i32 {
+    let rank = |peer: u64| u32::try_from(peer).unwrap_or(u32::MAX);
+    // SAFETY: the module's contract; the pointers are read with their counts.
+    unsafe {
+        instruction(ctx, instr, || Some(Instr::Relay { outs: buffers(outs, count), from: rank(from), to: rank(to) }))
+    }
+}
+
 /// Hands `buf`, block `region` of graph output `index` (global `shape`), to the caller.
 ///
 /// # Safety

@@ -1005,6 +1005,11 @@ fn detach(machine: &Machine, transfer: &Instr) -> Result<Transfer> {
         Instr::Recv { outs, peer } => {
             Transfer::Recv { peer: *peer, len: outs.iter().map(|&out| program.buffer(out).numel() as usize).sum() }
         }
+        Instr::Relay { outs, from, to } => Transfer::Relay {
+            from: *from,
+            to: *to,
+            len: outs.iter().map(|&out| program.buffer(out).numel() as usize).sum(),
+        },
         Instr::ExpertDispatch { inputs, wrts, group: members, dims, .. } => Transfer::ExpertDispatch {
             group: group(members),
             shape: moe_shape(dims),
@@ -1046,6 +1051,7 @@ fn complete(machine: &mut Machine, transfer: &Instr, data: Vec<f32>) -> Result<(
         }
         Instr::Broadcast { outs, .. }
         | Instr::Recv { outs, .. }
+        | Instr::Relay { outs, .. }
         | Instr::ExpertDispatch { outs, .. }
         | Instr::ReduceScatter { outs, .. } => {
             let sizes: Vec<usize> = outs.iter().map(|&out| program.buffer(out).numel() as usize).collect();

@@ -42,6 +42,8 @@ pub(crate) enum Transfer {
     Send { peer: u32, packed: Vec<f32> },
     /// One packed message of `len` elements from `peer`.
     Recv { peer: u32, len: usize },
+    /// One packed message of `len` elements from `from`, passed on to `to`.
+    Relay { from: u32, to: u32, len: usize },
     /// The mixture of experts over `group` (`crate::expert_dispatch`): its operands `x`, router,
     /// gate, up, down (and dy), and the gradients asked for (none: the forward).
     ExpertDispatch { group: Group, shape: MoeShape, operands: Vec<Vec<f32>>, wrts: Vec<MoeGradOperand> },
@@ -81,6 +83,12 @@ impl Transfer {
             Transfer::Recv { peer, len } => {
                 let mut packed = vec![0.0; len];
                 comm.recv(peer, &mut packed)?;
+                Ok(packed)
+            }
+            Transfer::Relay { from, to, len } => {
+                let mut packed = vec![0.0; len];
+                comm.recv(from, &mut packed)?;
+                comm.send(to, &packed)?;
                 Ok(packed)
             }
             Transfer::ExpertDispatch { group, shape, operands, wrts } => {
@@ -123,12 +131,30 @@ impl CommStream {
         let (jobs, job_queue) = channel::<(usize, Transfer)>();
         let (ended, done) = channel::<Done>();
         let run_stream = move |comm: &mut dyn Communicator, epoch: Instant| {
+            // A relay's forward that failed: the stream's next transfer reports it, not running.
+            let mut forward_failed: Option<CommError> = None;
             for (instr, transfer) in job_queue {
                 let begin = crate::executor::nanos_since(epoch);
-                let result = transfer.run(comm);
+                let mut forward = None;
+                let result = match (forward_failed.take(), transfer) {
+                    (Some(error), _) => Err(error),
+                    // The wait ends once the message is in; the forward follows on this stream.
+                    (None, Transfer::Relay { from, to, len }) => {
+                        let mut packed = vec![0.0; len];
+                        let received = comm.recv(from, &mut packed);
+                        if received.is_ok() {
+                            forward = Some((to, packed.clone()));
+                        }
+                        received.map(|()| packed)
+                    }
+                    (None, transfer) => transfer.run(comm),
+                };
                 let span_ns = (begin, crate::executor::nanos_since(epoch));
                 if ended.send(Done { instr, result, span_ns }).is_err() {
                     break;
+                }
+                if let Some((to, packed)) = forward {
+                    forward_failed = comm.send(to, &packed).err();
                 }
             }
         };

@@ -326,7 +326,7 @@ fn recv_wait_share(program: &Program, timings: &[(u64, u64)]) -> f64 {
         .instructions
         .iter()
         .zip(timings)
-        .filter(|(instr, _)| matches!(instr, Instr::Recv { .. }))
+        .filter(|(instr, _)| matches!(instr, Instr::Recv { .. } | Instr::Relay { .. }))
         .map(|(_, &(start, end))| end.saturating_sub(start))
         .sum();
     if total == 0 {

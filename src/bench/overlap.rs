@@ -99,7 +99,7 @@ pub fn measure(programs: &[Program], outcomes: &[RankOutcome]) -> Measured {
             };
             let Some(transfer) = transfer else { continue };
             held += end.saturating_sub(start);
-            if matches!(transfer, Instr::Broadcast { .. } | Instr::Recv { .. }) {
+            if matches!(transfer, Instr::Broadcast { .. } | Instr::Recv { .. } | Instr::Relay { .. }) {
                 held_weights += end.saturating_sub(start);
             }
         }
@@ -124,7 +124,10 @@ fn cores_bound_s(timelines: &[Vec<crate::predict::Predicted>], share: f64, own: 
         .map(|slice| match (slice.work.stream, slice.work.collective) {
             (Stream::Compute, _) if slice.work.op == "wait" => 0.0,
             (Stream::Compute, _) => (slice.end_s - slice.start_s) * share,
-            (_, Some(Collective::SendRecv)) => crate::predict::seconds(&slice.work, own, 4) / 2.0,
+            // A relay copies its message in and its forward out: a whole message's copies.
+            (_, Some(Collective::SendRecv)) if slice.work.op != "relay" => {
+                crate::predict::seconds(&slice.work, own, 4) / 2.0
+            }
             (Stream::Comm | Stream::Prefetch, _) => crate::predict::seconds(&slice.work, own, 4),
         })
         .sum()

@@ -80,7 +80,7 @@ pub struct RuntimeCall {
 
 /// Every `pleat_rt_*` symbol that [`runtime_call`] can name, for checking that a runtime exports
 /// them all.
-pub const INSTRUCTION_SYMBOLS: [&str; 49] = [
+pub const INSTRUCTION_SYMBOLS: [&str; 50] = [
     "pleat_rt_load_param",
     "pleat_rt_load_tokens",
     "pleat_rt_load_positions",
@@ -91,6 +91,7 @@ pub const INSTRUCTION_SYMBOLS: [&str; 49] = [
     "pleat_rt_broadcast",
     "pleat_rt_send",
     "pleat_rt_recv",
+    "pleat_rt_relay",
     "pleat_rt_output",
     "pleat_rt_free",
     "pleat_rt_wait",
@@ -226,6 +227,9 @@ pub fn runtime_call(instr: &Instr) -> RuntimeCall {
         ),
         Instr::Send { bufs, peer } => ("pleat_rt_send", vec![Buffers(bufs.clone()), U64(u64::from(*peer))]),
         Instr::Recv { outs, peer } => ("pleat_rt_recv", vec![Buffers(outs.clone()), U64(u64::from(*peer))]),
+        Instr::Relay { outs, from, to } => {
+            ("pleat_rt_relay", vec![Buffers(outs.clone()), U64(u64::from(*from)), U64(u64::from(*to))])
+        }
         Instr::Output { buf, index, shape, region: block } => {
             ("pleat_rt_output", vec![Buffer(*buf), U64(u64::from(*index)), AbiArg::U64s(shape.clone()), region(block)])
         }
