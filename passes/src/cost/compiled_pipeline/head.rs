@@ -654,6 +654,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "its output gradient (received)", bytes: stream },
         )
     };
+    let output_gradient_name = output_gradient.name;
     let mut routed = vec![Term { name: "its positions", bytes: chunk.positions }, in_flight, output_gradient];
     // Under full recomputation the MLP norm's output, which the experts and the router read, is
     // recomputed from the attention residual kept.
@@ -673,6 +674,11 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);
     candidates.extend(experts_points(shape, Place::LastLayer, &routed, head_gradients));
+    if !full && chunk.layers > 1 {
+        // (The output gradient is summed into the attention residual's gradient by then.)
+        let context = routed.iter().filter(|term| term.name != output_gradient_name).cloned().collect();
+        candidates.push(kept_last_layer_attention_backward(shape, context, head_gradients));
+    }
     // (Above the points after it once a shared expert's activations outweigh the last layer's
     // MLP gradients.)
     if !chunk.last {
@@ -694,6 +700,41 @@ fn output_gradient_received(shape: &StageShape, chunk: &Chunk) -> Candidate {
     ];
     received.extend(received_counts(shape, chunk, true));
     Candidate::made("the output gradient received", 0.0, received)
+}
+
+/// Outside full recomputation a mixture's chunk of more than one layer may peak inside its last
+/// layer's attention backward too, as the attention kernel makes v's gradient beside q's and k's:
+/// the micro-batch holds what it held in the layer's MLP backward (`context`: among it the
+/// attention's inputs the forward kept) but the MLP norm's output and input and the attention's
+/// output, beside the attention residual's gradient, the attention output's and the kernel's three
+/// gradients; of the chunk's gradients the head's (`head_gradients`), the layer's MLP's, MLP
+/// norm's and output projection's are made.
+fn kept_last_layer_attention_backward(shape: &StageShape, context: Vec<Term>, head_gradients: f64) -> Candidate {
+    let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, attention_kept, .. } = shape.sizes;
+    let mut held = context;
+    held.extend([
+        Term { name: "its last layer's MLP norm output, freed", bytes: -gathered },
+        Term { name: "its last layer's attention residual (the MLP norm's input), freed", bytes: -stream },
+        Term { name: "its last layer's attention residual gradient", bytes: stream },
+        // (Kept or, under selective recomputation, recomputed: freed after the output projection's
+        // weight gradient.)
+        Term { name: "its last layer's attention output, freed", bytes: -local_tokens * attention_kept * element },
+        Term { name: "its last layer's attention output gradient", bytes: local_tokens * query * element },
+        Term {
+            name: "its last layer's attention q, k and v gradients",
+            bytes: (local_tokens * query + kv_kept) * element,
+        },
+    ]);
+    let so_far =
+        head_gradients + (shape.norm + hidden * query) * element / shape.shards + shape.layer_mlp_gradient_shards();
+    Candidate {
+        name: "the last layer's attention backward, its inputs kept",
+        so_far,
+        held,
+        new_sum: None,
+        key_values_pending: 1,
+        sum_pending: 0.0,
+    }
 }
 
 /// Under full recomputation a mixture's chunk of more than one layer may peak inside its last
