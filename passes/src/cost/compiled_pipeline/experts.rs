@@ -26,6 +26,7 @@ impl Place {
                 made_whole: "first layer's expert gradients made, before their reduce-scatter",
                 input_gradient_reduced: "first layer's routed experts' input gradient all-reduced over tp",
                 joining: "first layer's expert gradient joins its sum",
+                last_joining: "first layer's last expert gradient joins its sum, its unreduced copy live",
                 summed: "first layer's MLP norm output's gradients summed",
                 residual_gradient: "first layer's attention residual gradient",
             },
@@ -35,6 +36,7 @@ impl Place {
                 made_whole: "the last layer's expert gradients made, before their reduce-scatter",
                 input_gradient_reduced: "the last layer's routed experts' input gradient all-reduced over tp",
                 joining: "the last layer's expert gradient joins its sum",
+                last_joining: "the last layer's last expert gradient joins its sum, its unreduced copy live",
                 summed: "the last layer's MLP norm output's gradients summed",
                 residual_gradient: "the last layer's attention residual gradient",
             },
@@ -48,6 +50,7 @@ struct ExpertsNames {
     made_whole: &'static str,
     input_gradient_reduced: &'static str,
     joining: &'static str,
+    last_joining: &'static str,
     summed: &'static str,
     residual_gradient: &'static str,
 }
@@ -71,6 +74,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
     points.extend(made_before_scattered(shape, place, context, made_before));
     if let Some(joining) = joining(shape, place, context, made_before) {
         let summed = summed(shape, names.summed, &joining);
+        points.extend(last_joining(shape, names.last_joining, &joining));
         points.push(joining);
         points.extend(summed);
     }
@@ -132,6 +136,25 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         key_values_pending: 0,
         sum_pending: router_sum_pending(shape),
     })
+}
+
+/// Beside dp or cp without ZeRO-2 or 3 the three routed-expert gradients are reduced and join
+/// their sums one after another, each unreduced copy freed once its sum is made: as the last joins,
+/// the first two are among the micro-batch's gradients, only its own unreduced copy beside it
+/// (`first`: the first's [`joining`]).
+fn last_joining(shape: &StageShape, name: &'static str, first: &Candidate) -> Option<Candidate> {
+    if !shape.experts_reduced || shape.experts_scattered() {
+        return None;
+    }
+    let mut last = first.clone();
+    last.name = name;
+    last.so_far += experts_waiting(shape);
+    for term in &mut last.held {
+        if term.name == "the expert gradients before their dp all-reduce" {
+            *term = Term { name: "the last expert gradient before its dp all-reduce", bytes: expert_matrix(shape) };
+        }
+    }
+    Some(last)
 }
 
 /// Under ZeRO-3 the router's gradient, whole: its reduce-scatter follows the experts' (autodiff
