@@ -94,9 +94,9 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
 /// As one of the routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
 /// joins its sum, the router's and the experts' gradients made: without dp the last of the three;
 /// under dp (or cp) the first, reduced while the other two wait unreduced beside it (the mixture's
-/// backward makes all three at once), the MLP norm's output freed. Under SP the experts read the
-/// output gradient all-gathered over tp (their output's reduce-scatter's backward), freed with the
-/// MLP norm's output before dp's all-reduce. Over ep the router's input and weight gradients from
+/// backward makes all three at once; [`last_joining`] is the last), the MLP norm's output freed.
+/// Under SP the experts read the output gradient all-gathered over tp (their output's
+/// reduce-scatter's backward), freed with the MLP norm's output before dp's all-reduce. Over ep the router's input and weight gradients from
 /// the load-balancing loss, made before the dispatch, are summed with its results after them
 /// (beside dp or cp before the experts' gradients are reduced).
 pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
@@ -112,7 +112,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         held.push(Term { name: "its reduce-scatter's staging", bytes: matrix });
     } else if reduced {
         held.push(Term { name: "the MLP norm output, freed", bytes: -gathered });
-        held.push(Term { name: "the expert gradients before their dp all-reduce", bytes: 3.0 * matrix });
+        held.push(Term { name: UNREDUCED_EXPERT_GRADIENTS, bytes: 3.0 * matrix });
     }
     if shape.sequence_parallel() && !reduced {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
@@ -138,6 +138,9 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     })
 }
 
+/// The term of [`joining`] for the routed-expert gradients that wait unreduced beside dp or cp.
+const UNREDUCED_EXPERT_GRADIENTS: &str = "the expert gradients before their dp all-reduce";
+
 /// Beside dp or cp without ZeRO-2 or 3 the three routed-expert gradients are reduced and join
 /// their sums one after another, each unreduced copy freed once its sum is made: as the last joins,
 /// the first two are among the micro-batch's gradients, only its own unreduced copy beside it
@@ -150,7 +153,7 @@ fn last_joining(shape: &StageShape, name: &'static str, first: &Candidate) -> Op
     last.name = name;
     last.so_far += experts_waiting(shape);
     for term in &mut last.held {
-        if term.name == "the expert gradients before their dp all-reduce" {
+        if term.name == UNREDUCED_EXPERT_GRADIENTS {
             *term = Term { name: "the last expert gradient before its dp all-reduce", bytes: expert_matrix(shape) };
         }
     }
