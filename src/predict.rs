@@ -410,27 +410,20 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                         messages.entry((program.rank, *peer)).or_default().push_back((arrival, arrival + cost));
                         (arrival, arrival + cost)
                     }
-                    Instr::Recv { peer, .. } => {
-                        let Some((sent_start, sent_end)) =
-                            messages.get_mut(&(*peer, program.rank)).and_then(VecDeque::pop_front)
-                        else {
-                            break;
-                        };
-                        let start = arrival.max(sent_start);
-                        // The message is queued once sent: a late receiver finds it there.
-                        (start, start.max(sent_end))
-                    }
-                    Instr::Relay { from, to, .. } => {
+                    Instr::Recv { peer: from, .. } | Instr::Relay { from, .. } => {
                         let Some((sent_start, sent_end)) =
                             messages.get_mut(&(*from, program.rank)).and_then(VecDeque::pop_front)
                         else {
                             break;
                         };
                         let start = arrival.max(sent_start);
+                        // The message is queued once sent: a late receiver finds it there.
                         let arrived = start.max(sent_end);
-                        messages.entry((program.rank, *to)).or_default().push_back((arrived, arrived + cost));
-                        forward_s = cost;
-                        (start, arrived + cost)
+                        if let Instr::Relay { to, .. } = instr {
+                            messages.entry((program.rank, *to)).or_default().push_back((arrived, arrived + cost));
+                            forward_s = cost;
+                        }
+                        (start, arrived + forward_s)
                     }
                     Instr::Wait { .. } => {
                         let ended = state

@@ -50,17 +50,18 @@ pub fn fuse_relays<T>(program: &mut Program, trace: &mut Vec<T>) -> usize {
         removed[send_at] = true;
         relays += 1;
     }
+    drop_removed(&mut program.instructions, &removed);
+    drop_removed(trace, &removed);
+    relays
+}
+
+/// Keeps the items of `items` whose index `removed` does not mark.
+fn drop_removed<T>(items: &mut Vec<T>, removed: &[bool]) {
     let mut index = 0;
-    program.instructions.retain(|_| {
-        index += 1;
-        !removed[index - 1]
-    });
-    let mut index = 0;
-    trace.retain(|_| {
+    items.retain(|_| {
         index += 1;
         !removed.get(index - 1).copied().unwrap_or(false)
     });
-    relays
 }
 
 #[cfg(test)]
