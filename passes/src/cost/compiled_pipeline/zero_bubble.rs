@@ -183,7 +183,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's routed
 /// experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its sum, and
 /// the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
-/// reduce-scatter, the sums the rank's shards), and a dense LM head's as it joins its sum after it.
+/// reduce-scatter, the sums the rank's shards), and the LM head's as it joins its sum after it.
 /// Beside a tied table, on the last chunk as the head's part of its gradient is made (it joins no
 /// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). A dense
 /// chunk's last layer's up and gate gradients then join their sums too. Under tsp with full
@@ -365,11 +365,11 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         }
         points.push(Candidate::made(name, made_in_b, scattered));
     }
-    // Beside dp (or cp) a dense LM head's gradient then joins its sum once all-reduced, its
-    // unreduced copy live and what made it (the logits' gradient and the head's input, gathered
-    // over the sequence under tsp; under full recomputation the copy W recomputed) freed. (Not
-    // under ZeRO-2 and 3 or for a mixture.)
-    if lm_head && !shape.scattered && shape.model.experts.is_none() {
+    // Beside dp (or cp) the LM head's gradient then joins its sum once all-reduced, its unreduced
+    // copy live and what made it (the logits' gradient and the head's input, gathered over the
+    // sequence under tsp; under full recomputation the copy W recomputed) freed. (Not under ZeRO-2
+    // and 3.)
+    if lm_head && !shape.scattered {
         let mut after = held;
         after.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         after.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
