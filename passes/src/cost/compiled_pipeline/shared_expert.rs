@@ -7,17 +7,18 @@
 //! gradient. Without replicas (dp, cp or ep, which all-reduce its weight gradients) down's weight
 //! gradient joins its sum there (the first point: gate, up and their product still live); then
 //! the product is freed, gate's and up's output gradients made, gate and up freed, up's and
-//! gate's input gradients summed with the gate vector's and their weight gradients made, gate's
-//! joining its sum last (the second point: gate's output gradient still live). Beside replicas
-//! each weight gradient is all-reduced before it joins its sum, its unreduced copy live as it
-//! does, and the buffers it was made from are freed before the all-reduce: a stage may peak as
-//! down's weight gradient is made (the scaled output's gradient and the product still live), as
-//! it joins its sum, as up's output gradient is made (beside gate, down's input gradient and
-//! gate's output gradient: down's is freed only then), and as gate's joins its sum (gate's output
-//! gradient freed). (Up's weight gradient joining its sum, between, is below the point before it
-//! wherever a micro-batch has as many tokens as the hidden size: two or three `[tokens, ffn]`
-//! buffers fewer there, one or two `[hidden, ffn]` gradients more; not modelled.) Under ZeRO-2
-//! and 3 each is reduce-scattered there instead, staged whole, its shard joining its sum after.
+//! gate's input gradients summed with the gate vector's (up's joining it is a point: three
+//! `[tokens, hidden]` buffers live) and their weight gradients made, gate's joining its sum last
+//! (the last point: gate's output gradient still live). Beside replicas each weight gradient is
+//! all-reduced before it joins its sum, its unreduced copy live as it does, and the buffers it was
+//! made from are freed before the all-reduce: a stage may peak as down's weight gradient is made
+//! (the scaled output's gradient and the product still live), as it joins its sum, as up's output
+//! gradient is made (beside gate, down's input gradient and gate's output gradient: down's is
+//! freed only then), and as gate's joins its sum (gate's output gradient freed). (Up's weight
+//! gradient joining its sum, between, is below the point before it wherever a micro-batch has as
+//! many tokens as the hidden size: two or three `[tokens, ffn]` buffers fewer there, one or two
+//! `[hidden, ffn]` gradients more; not modelled.) Under ZeRO-2 and 3 each is reduce-scattered
+//! there instead, staged whole, its shard joining its sum after.
 //!
 //! Under SP the shared expert reads the layer's output gradient all-gathered over tp; the gate
 //! vector's backward comes last (the gate logit's gradient live until then), and with the
@@ -32,15 +33,16 @@ use super::{Place, StageShape};
 
 impl Place {
     /// The names of the shared expert's points there: down's weight gradient made and joining its
-    /// sum, up's output gradient made, up's input gradient all-reduced over tp (under SP), and
-    /// gate's weight gradient joining its sum.
-    fn shared_expert_names(self) -> [&'static str; 5] {
+    /// sum, up's output gradient made, up's input gradient all-reduced over tp (under SP) or
+    /// joining the gate vector's (without SP), and gate's weight gradient joining its sum.
+    fn shared_expert_names(self) -> [&'static str; 6] {
         match self {
             Place::FirstLayer => [
                 "first layer's shared expert's down gradient",
                 "first layer's shared expert's down gradient joins its sum",
                 "first layer's shared expert's up output gradient",
                 "first layer's shared expert's up input gradient all-reduced over tp",
+                "first layer's shared expert's up input gradient joins the gate vector's",
                 "first layer's shared expert's gate gradient joins its sum",
             ],
             Place::LastLayer => [
@@ -48,6 +50,7 @@ impl Place {
                 "the last layer's shared expert's down gradient joins its sum",
                 "the last layer's shared expert's up output gradient",
                 "the last layer's shared expert's up input gradient all-reduced over tp",
+                "the last layer's shared expert's up input gradient joins the gate vector's",
                 "the last layer's shared expert's gate gradient joins its sum",
             ],
         }
@@ -68,7 +71,8 @@ pub(super) fn shared_expert_points(
     let Some(experts) = shape.model.experts.as_ref().filter(|experts| experts.shared_expert) else {
         return Vec::new();
     };
-    let [down_made, down_joins, up_output_gradient, up_input_reduced, gate_joins] = place.shared_expert_names();
+    let [down_made, down_joins, up_output_gradient, up_input_reduced, up_input_joins, gate_joins] =
+        place.shared_expert_names();
     let intermediate = local_tokens * ffn * element;
     // Without SP the gate vector's backward comes first: its weight gradient is made and its input
     // gradient live until the first sum (up's). Under SP it comes last, after gate's, the gate
@@ -150,6 +154,26 @@ pub(super) fn shared_expert_points(
             false,
         )
     });
+    // Without SP up's input gradient then joins the gate vector's, the MLP norm output's first
+    // gradient sum: gate, up and down's input gradient freed, the SiLU product's two gradients
+    // live. On more tokens than the shared expert is wide its three `[tokens, hidden]` buffers
+    // outweigh the points before.
+    let up_input_joins = gate_vector_input.clone().map(|gate_vector_input| {
+        point(
+            up_input_joins,
+            made_before + (gate_vector + shape.gate) / shards,
+            [
+                Term { name: "the SiLU product's two gradients", bytes: 2.0 * intermediate },
+                gate_vector_input,
+                Term { name: "up's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
+            ]
+            .into_iter()
+            .chain(regathered.clone())
+            .collect(),
+            None,
+            false,
+        )
+    });
     if shape.reduced {
         let unreduced = || {
             before_reduction(
@@ -200,6 +224,7 @@ pub(super) fn shared_expert_points(
         ]
         .into_iter()
         .chain(up_input_reduced)
+        .chain(up_input_joins)
         .collect();
     }
     [
@@ -214,6 +239,7 @@ pub(super) fn shared_expert_points(
     ]
     .into_iter()
     .chain(up_input_reduced)
+    .chain(up_input_joins)
     .collect()
 }
 
