@@ -126,6 +126,12 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // gradient is scattered after the experts', whole until then); the joining one's is written
     // where its staging was (the planner counts the larger), and joins its sum after.
     held.extend(router_gradient_whole(shape));
+    // Over ep under ZeRO-3 the weights the dispatch read, gathered again, are freed with the MLP
+    // norm's output, after the layer's MLP backward (beside cp, which shards the experts too, the
+    // gathered copies are freed before their gradients join).
+    if shape.ep > 1 && !shape.experts_scattered() {
+        held.extend(weights_gathered_again(shape));
+    }
     let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
     Some(Candidate {
         name: place.experts_names().joining,
