@@ -132,7 +132,13 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     if shape.ep > 1 && !shape.experts_scattered() {
         held.extend(weights_gathered_again(shape));
     }
-    let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
+    let mut so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
+    // Over ep beside the load-balancing loss under ZeRO-2 the router's gradient from the dispatch
+    // is whole until it is summed with the loss's and reduce-scattered, after the experts'.
+    let router_pending = router_sum_pending(shape);
+    if router_pending > 0.0 && router_gradient_whole(shape).is_none() {
+        so_far += router_pending - router_pending / shape.shards;
+    }
     Some(Candidate {
         name: place.experts_names().joining,
         so_far,
@@ -140,7 +146,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         new_sum: (!shape.experts_scattered())
             .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
         key_values_pending: 0,
-        sum_pending: router_sum_pending(shape),
+        sum_pending: router_pending,
     })
 }
 
