@@ -132,13 +132,9 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     if shape.ep > 1 && !shape.experts_scattered() {
         held.extend(weights_gathered_again(shape));
     }
-    let mut so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
-    // Over ep beside the load-balancing loss under ZeRO-2 the router's gradient from the dispatch
-    // is whole until it is summed with the loss's and reduce-scattered, after the experts'.
-    let router_pending = router_sum_pending(shape);
-    if router_pending > 0.0 && router_gradient_whole(shape).is_none() {
-        so_far += router_pending - router_pending / shape.shards;
-    }
+    // (Over ep under ZeRO-2 the router's gradient from the dispatch is among them whole.)
+    let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape)
+        + router_whole_beyond_its_shard(shape);
     Some(Candidate {
         name: place.experts_names().joining,
         so_far,
@@ -146,7 +142,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         new_sum: (!shape.experts_scattered())
             .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
         key_values_pending: 0,
-        sum_pending: router_pending,
+        sum_pending: router_sum_pending(shape),
     })
 }
 
@@ -233,7 +229,7 @@ pub(super) fn made_before_scattered(
 /// (made before the experts' backward) and from the experts are summed: every buffer of the
 /// experts' `joining` point is live, and the sum beside them. (Not beside dp or cp, which reduce
 /// the experts' gradients first.)
-fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option<Candidate> {
+pub(super) fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option<Candidate> {
     let experts = shape.model.experts.as_ref()?;
     if shape.ep == 1 || !experts.load_balancing_loss || shape.experts_reduced {
         return None;
@@ -396,10 +392,26 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 
 /// Over ep beside the load-balancing loss, the router's gradient from the experts' backward, made
 /// with the experts' and summed with its gradient from the loss only after them: its running sum
-/// is made then (bytes; else 0).
+/// is made then (bytes; else 0). Under ZeRO-3 it is held whole apart ([`router_gradient_whole`]),
+/// none of it among the micro-batch's gradients (0 here).
 fn router_sum_pending(shape: &StageShape) -> f64 {
     match &shape.model.experts {
-        Some(experts) if shape.ep > 1 && experts.load_balancing_loss && !shape.experts_reduced => shape.router(),
+        Some(experts)
+            if shape.ep > 1
+                && experts.load_balancing_loss
+                && !shape.experts_reduced
+                && router_gradient_whole(shape).is_none() =>
+        {
+            shape.router()
+        }
         _ => 0.0,
     }
+}
+
+/// Of that gradient ([`router_sum_pending`]), the bytes beyond the rank's shard under ZeRO-2:
+/// whole until it is summed with the loss's and reduce-scattered, after the experts' gradients
+/// join their sums, it is among the micro-batch's gradients whole.
+pub(super) fn router_whole_beyond_its_shard(shape: &StageShape) -> f64 {
+    let pending = router_sum_pending(shape);
+    pending - pending / shape.shards
 }

@@ -674,12 +674,19 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if let Some(mut joining) = experts_joining(shape, chunk) {
         let norm_output_freed = shape.experts_scattered() || shape.experts_reduced;
         joining.held.extend(if norm_output_freed { for_w.clone() } else { for_w_past_shared });
-        points.push(Candidate {
+        // (Over ep under ZeRO-2 the router's gradient from the dispatch is whole among the B
+        // gradients, but its sum, not made yet, is its shard's.)
+        let router_whole = experts::router_whole_beyond_its_shard(shape);
+        let joining = Candidate {
             name: "first layer's expert gradient joins its sum in B",
-            so_far: made_in_b - not_yet,
-            sum_pending: joining.sum_pending + not_yet,
+            so_far: made_in_b - not_yet + router_whole,
+            sum_pending: joining.sum_pending - router_whole + not_yet,
             ..joining
-        });
+        };
+        // Over ep beside the load-balancing loss B then sums the MLP norm output's gradients from
+        // the router and from the experts, every buffer of the joining live.
+        points.extend(experts::summed(shape, "first layer's MLP norm output's gradients summed in B", &joining));
+        points.push(joining);
     }
     // A dense first layer's MLP weight gradients are W's: it reads the MLP norm's output, the
     // SiLU product (under full recomputation gate and up, which B recomputed with the norm's
