@@ -3498,3 +3498,33 @@ fn under_zero_bubble_over_ep_b_sums_the_mlp_norm_output_gradients_after_the_expe
     // The first stage's two ranks, in each of the six layouts.
     assert_eq!(peaks_there, 12);
 }
+
+#[test]
+fn under_zero2_the_routers_gradient_is_whole_as_the_experts_weight_gradients_are_made() {
+    // Under ZeRO-2 beside dp × tp a mixture's router gradient, made before the routed experts'
+    // weight gradients, is all-reduced and its shard sliced out only after them: as the last is
+    // made the router's is whole and its sum not yet made. Under SP on 256 tokens every schedule
+    // peaks there on some stage (0.07% below the planner when its shard alone was counted).
+    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let made = [
+        "first layer's expert gradients made, before their reduce-scatter",
+        "the last layer's expert gradients made, before their reduce-scatter",
+        "first layer's expert gradients made, before their reduce-scatter in B",
+    ];
+    let mut peaks_there = 0;
+    for schedule in [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::GPipe,
+        ScheduleKind::Interleaved { chunks: 2 },
+        ScheduleKind::ZeroBubbleH1,
+    ] {
+        let layout =
+            PipelinedLayout::one_sequence_a_micro_batch("pp=2,dp=2,tp=2", schedule, 2, 2, Recompute::None, true);
+        for stage in stage_closed_forms(&four_experts, &layout, 256) {
+            stage.assert_exact();
+            peaks_there += usize::from(made.contains(&stage.phase.name));
+        }
+    }
+    // Every rank under 1F1B, GPipe and interleaving; the last stage's four under zero bubble.
+    assert_eq!(peaks_there, 28);
+}

@@ -195,7 +195,7 @@ fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
 /// whole before their reduce-scatters, beside the MLP norm's output (not yet freed) and its
 /// gradient, and under SP the output gradient all-gathered over tp; under ZeRO-3 also the router's
 /// and the three experts' weights gathered again for the backward and the router's gradient
-/// whole (under ZeRO-2 its shard has joined its sum).
+/// whole, held apart (under ZeRO-2 whole among the micro-batch's gradients, its sum not made).
 pub(super) fn made_before_scattered(
     shape: &StageShape,
     place: Place,
@@ -217,12 +217,27 @@ pub(super) fn made_before_scattered(
         Term { name: "the MLP norm output's gradient", bytes: shape.sizes.gathered },
         Term { name: "the expert gradients before their reduce-scatter", bytes: 3.0 * matrix },
     ]);
+    let router_among_them = router_whole_as_experts_are_made(shape);
     held.extend(router_whole);
     if shape.sequence_parallel() {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: shape.sizes.gathered });
     }
-    let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape);
-    Some(Candidate::made(name, so_far, held))
+    let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape)
+        + router_among_them
+        - router_among_them / shape.shards;
+    Some(Candidate { sum_pending: router_among_them, ..Candidate::made(name, so_far, held) })
+}
+
+/// Under ZeRO-2, as the routed experts' weight gradients are made ([`made_before_scattered`]), the
+/// router's gradient (made before them) is among the micro-batch's gradients whole, its sum not
+/// made yet: it is reduce-scattered after them, or under tp all-reduced and its shard sliced out
+/// (bytes; 0 under ZeRO-3, which holds it whole apart, [`router_gradient_whole`]).
+pub(super) fn router_whole_as_experts_are_made(shape: &StageShape) -> f64 {
+    if router_gradient_whole(shape).is_none() {
+        shape.router()
+    } else {
+        0.0
+    }
 }
 
 /// Over ep beside the load-balancing loss, next as the MLP norm output's gradients from the router

@@ -658,14 +658,16 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let not_yet = experts::not_yet_among_the_gradients(shape);
     if let Some(mut made) = experts::made_before_scattered(shape, Place::FirstLayer, &context, 0.0) {
         made.held.extend(for_w_past_shared.iter().cloned());
+        // (Under ZeRO-2 the router's gradient is among B's whole there, its shard's sum not made.)
+        let router = experts::router_whole_as_experts_are_made(shape);
         points.push(Candidate {
             name: if shape.weights_gathered_again(1.0) > 0.0 {
                 "first layer's expert gradients made beside their weights gathered again in B"
             } else {
                 "first layer's expert gradients made, before their reduce-scatter in B"
             },
-            so_far: made_in_b - not_yet,
-            sum_pending: not_yet,
+            so_far: made_in_b - not_yet + router - router / shape.shards,
+            sum_pending: not_yet + router / shape.shards,
             ..made
         });
     }
