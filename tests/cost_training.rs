@@ -2066,6 +2066,31 @@ impl StageClosedForm {
     }
 }
 
+/// `tiny-moe` on four layers, and the same beside a shared expert 32 wide (with the load-balancing
+/// loss): the mixtures the tests of single points run.
+fn four_layer_mixtures() -> [pleat_ir::model::config::ModelConfig; 2] {
+    [
+        pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() },
+        pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) },
+    ]
+}
+
+/// Asserts that every stage's closed form of `layout` on `config` (sequences of `seq` tokens) is
+/// the planner's peak to the byte, and counts the stages that peak at one of `points`.
+fn exact_stages_peaking_at(
+    config: &pleat_ir::model::config::ModelConfig,
+    layout: &PipelinedLayout,
+    seq: u64,
+    points: &[&str],
+) -> usize {
+    let mut peaking_there = 0;
+    for stage in stage_closed_forms(config, layout, seq) {
+        stage.assert_exact();
+        peaking_there += usize::from(points.contains(&stage.phase.name));
+    }
+    peaking_there
+}
+
 /// Every rank's closed form of `layout` on `config` (sequences of `seq` tokens), beside its
 /// program's planned peak.
 fn stage_closed_forms(
@@ -3271,8 +3296,7 @@ fn mixture_stage_closed_form_on_more_tokens() {
     // a shared expert, recomputed there), exact on nine stages in ten (3522 of 3564). (Under zero
     // bubble on a stage between the first and the last, the head of W had counted the
     // micro-batch's received expert counts twice: 32 bytes above the planner on four stages.)
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
+    let [four_experts, shared] = four_layer_mixtures();
     let shared_wide = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(1024, true) };
     let meshes =
         [("pp=2", 2), ("pp=2,dp=2", 2), ("pp=2,ep=2", 2), ("pp=2,tp=2", 2), ("pp=2,cp=2", 2), ("pp=2,dp=2,ep=2", 1)];
@@ -3318,8 +3342,7 @@ fn a_mixture_peaks_in_its_last_layers_attention_backward_with_its_inputs_kept() 
     // its attention output freed by then, its output projection's weight gradient made. On 1024
     // tokens it does so with ZeRO-2, and beside a shared expert also without ZeRO (0.57% and 0.94%
     // below the planner before it was modelled).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
+    let [four_experts, shared] = four_layer_mixtures();
     let selective = |schedule, zero_stage| {
         PipelinedLayout::one_sequence_a_micro_batch("pp=2,cp=2", schedule, 2, zero_stage, Recompute::Selective, false)
     };
@@ -3344,19 +3367,17 @@ fn a_mixtures_last_expert_gradient_joins_its_sum_beside_its_unreduced_copy() {
     // beside the first two reduced and summed and its own unreduced copy. Without recomputation on
     // 256 tokens every stage peaks there, in its chunk's first layer (0.84% below the planner when
     // only the first join was modelled).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
     let mut peaks_there = 0;
-    for config in [&four_experts, &shared] {
+    for config in &four_layer_mixtures() {
         for schedule in [ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 }] {
             let layout =
                 PipelinedLayout::one_sequence_a_micro_batch("pp=2,cp=2", schedule, 2, 0, Recompute::None, false);
-            for stage in stage_closed_forms(config, &layout, 256) {
-                stage.assert_exact();
-                peaks_there += usize::from(
-                    stage.phase.name == "first layer's last expert gradient joins its sum, its unreduced copy live",
-                );
-            }
+            peaks_there += exact_stages_peaking_at(
+                config,
+                &layout,
+                256,
+                &["first layer's last expert gradient joins its sum, its unreduced copy live"],
+            );
         }
     }
     assert_eq!(peaks_there, 24);
@@ -3368,10 +3389,8 @@ fn a_mixtures_lm_head_gradient_joins_its_sum_all_reduced_in_w() {
     // gradient and then copies it into its running sum, the unreduced copy still live: with full
     // recomputation on 256 tokens the last stage peaks there, a mixture's as a dense model's
     // (0.62% below the planner when only the gradient's making was modelled for a mixture).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
     let mut peaks_there = 0;
-    for config in [&four_experts, &shared] {
+    for config in &four_layer_mixtures() {
         for (mesh, micro_batches) in [("pp=2,cp=2", 2), ("pp=4,cp=2", 4)] {
             let schedule = ScheduleKind::ZeroBubbleH1;
             let layout =
@@ -3396,7 +3415,7 @@ fn a_shared_experts_up_input_gradient_joins_the_gate_vectors() {
     // vector and from up, the SiLU product's two gradients still live: three `[tokens, hidden]`
     // buffers. Beside dp × tp under ZeRO-2 with full recomputation on 1024 tokens (a shared expert
     // 32 wide, 16 a tp rank) the last stage peaks there (0.46% below the planner before).
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
+    let [_, shared] = four_layer_mixtures();
     let layout = PipelinedLayout::one_sequence_a_micro_batch(
         "pp=2,dp=2,tp=2",
         ScheduleKind::OneFOneB,
@@ -3405,13 +3424,12 @@ fn a_shared_experts_up_input_gradient_joins_the_gate_vectors() {
         Recompute::Full,
         false,
     );
-    let mut peaks_there = 0;
-    for stage in stage_closed_forms(&shared, &layout, 1024) {
-        stage.assert_exact();
-        peaks_there += usize::from(
-            stage.phase.name == "the last layer's shared expert's up input gradient joins the gate vector's",
-        );
-    }
+    let peaks_there = exact_stages_peaking_at(
+        &shared,
+        &layout,
+        1024,
+        &["the last layer's shared expert's up input gradient joins the gate vector's"],
+    );
     // The last stage's four ranks.
     assert_eq!(peaks_there, 4);
 }
@@ -3422,10 +3440,8 @@ fn over_ep_under_zero3_the_dispatchs_gathered_router_is_live_as_an_expert_gradie
     // with the MLP norm's output after the layer's MLP backward, so it is live as the first expert
     // gradient joins its sum, where the last stage peaks on 64 tokens (0.22% below the planner
     // before).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
     let mut peaks_there = 0;
-    for config in [&four_experts, &shared] {
+    for config in &four_layer_mixtures() {
         for recompute in [Recompute::None, Recompute::Selective] {
             let layout = PipelinedLayout::one_sequence_a_micro_batch(
                 "pp=2,ep=2,tp=2",
@@ -3435,10 +3451,8 @@ fn over_ep_under_zero3_the_dispatchs_gathered_router_is_live_as_an_expert_gradie
                 recompute,
                 false,
             );
-            for stage in stage_closed_forms(config, &layout, 64) {
-                stage.assert_exact();
-                peaks_there += usize::from(stage.phase.name == "first layer's expert gradient joins its sum");
-            }
+            peaks_there +=
+                exact_stages_peaking_at(config, &layout, 64, &["first layer's expert gradient joins its sum"]);
         }
     }
     // The last stage's four ranks, in each of the four layouts.
@@ -3452,19 +3466,14 @@ fn over_ep_under_zero2_the_routers_gradient_from_the_dispatch_is_whole_until_its
     // loss's and reduce-scattered, after the experts' gradients join their sums. Every stage but the
     // first peaks inside that backward on 64 tokens (0.14% below the planner when the form counted
     // only the shard).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
     let inside_the_experts_backward =
         ["first layer's MLP norm output's gradients summed", "first layer's expert gradient joins its sum"];
     let mut peaks_there = 0;
-    for config in [&four_experts, &shared] {
+    for config in &four_layer_mixtures() {
         for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
             let layout =
                 PipelinedLayout::one_sequence_a_micro_batch("pp=4,ep=2", schedule, 4, 2, Recompute::None, false);
-            for stage in stage_closed_forms(config, &layout, 64) {
-                stage.assert_exact();
-                peaks_there += usize::from(inside_the_experts_backward.contains(&stage.phase.name));
-            }
+            peaks_there += exact_stages_peaking_at(config, &layout, 64, &inside_the_experts_backward);
         }
     }
     // The three later stages' six ranks, in each of the four layouts.
@@ -3477,7 +3486,7 @@ fn under_zero_bubble_over_ep_b_sums_the_mlp_norm_output_gradients_after_the_expe
     // and from the dispatch after the experts' gradients join their sums, all of them still live:
     // without recomputation the first stage's B peaks there, under ZeRO-0, 2 and 3 (0.11% below the
     // planner under ZeRO-3 when only the joining was modelled under zero bubble).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let [four_experts, _] = four_layer_mixtures();
     let mut peaks_there = 0;
     for zero_stage in [0, 2, 3] {
         for seq in [256, 1024] {
@@ -3489,10 +3498,12 @@ fn under_zero_bubble_over_ep_b_sums_the_mlp_norm_output_gradients_after_the_expe
                 Recompute::None,
                 false,
             );
-            for stage in stage_closed_forms(&four_experts, &layout, seq) {
-                stage.assert_exact();
-                peaks_there += usize::from(stage.phase.name == "first layer's MLP norm output's gradients summed in B");
-            }
+            peaks_there += exact_stages_peaking_at(
+                &four_experts,
+                &layout,
+                seq,
+                &["first layer's MLP norm output's gradients summed in B"],
+            );
         }
     }
     // The first stage's two ranks, in each of the six layouts.
@@ -3505,7 +3516,7 @@ fn under_zero2_the_routers_gradient_is_whole_as_the_experts_weight_gradients_are
     // weight gradients, is all-reduced and its shard sliced out only after them: as the last is
     // made the router's is whole and its sum not yet made. Under SP on 256 tokens every schedule
     // peaks there on some stage (0.07% below the planner when its shard alone was counted).
-    let four_experts = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let [four_experts, _] = four_layer_mixtures();
     let made = [
         "first layer's expert gradients made, before their reduce-scatter",
         "the last layer's expert gradients made, before their reduce-scatter",
@@ -3520,10 +3531,7 @@ fn under_zero2_the_routers_gradient_is_whole_as_the_experts_weight_gradients_are
     ] {
         let layout =
             PipelinedLayout::one_sequence_a_micro_batch("pp=2,dp=2,tp=2", schedule, 2, 2, Recompute::None, true);
-        for stage in stage_closed_forms(&four_experts, &layout, 256) {
-            stage.assert_exact();
-            peaks_there += usize::from(made.contains(&stage.phase.name));
-        }
+        peaks_there += exact_stages_peaking_at(&four_experts, &layout, 256, &made);
     }
     // Every rank under 1F1B, GPipe and interleaving; the last stage's four under zero bubble.
     assert_eq!(peaks_there, 28);

@@ -136,42 +136,38 @@ pub(super) fn shared_expert_points(
     down_gradient_made.extend(gate_vector_input.clone());
     down_gradient_made.push(Term { name: "the shared down projection's input gradient", bytes: intermediate });
     let regathered = weights_regathered(shape);
-    // Under SP with the load-balancing loss up's input gradient (a partial sum over tp's share of
-    // the channels) is all-reduced over tp before it joins the router's: down's weight gradient
-    // done, gate and up freed, the SiLU product's two gradients live.
-    let up_input_reduced = (sequence_parallel && experts.load_balancing_loss).then(|| {
+    // Past down's weight gradient, as up's input gradient is made: gate and up freed, the SiLU
+    // product's two gradients live, down's weight gradient made (without SP the gate vector's too).
+    let up_input_point = |name, own: Vec<Term>| {
         point(
-            up_input_reduced,
+            name,
             made_before + (gate_vector + shape.gate) / shards,
-            [
-                Term { name: "the SiLU product's two gradients", bytes: 2.0 * intermediate },
-                Term { name: "up's input gradient and its all-reduce over tp", bytes: 2.0 * gathered },
-            ]
-            .into_iter()
-            .chain(regathered.clone())
-            .collect(),
+            std::iter::once(Term { name: "the SiLU product's two gradients", bytes: 2.0 * intermediate })
+                .chain(own)
+                .chain(regathered.clone())
+                .collect(),
             None,
             false,
         )
+    };
+    // Under SP with the load-balancing loss up's input gradient (a partial sum over tp's share of
+    // the channels) is all-reduced over tp before it joins the router's.
+    let up_input_reduced = (sequence_parallel && experts.load_balancing_loss).then(|| {
+        up_input_point(
+            up_input_reduced,
+            vec![Term { name: "up's input gradient and its all-reduce over tp", bytes: 2.0 * gathered }],
+        )
     });
-    // Without SP up's input gradient then joins the gate vector's, the MLP norm output's first
-    // gradient sum: gate, up and down's input gradient freed, the SiLU product's two gradients
-    // live. On more tokens than the shared expert is wide its three `[tokens, hidden]` buffers
-    // outweigh the points before.
+    // Without SP it joins the gate vector's, the MLP norm output's first gradient sum (down's input
+    // gradient freed too). On more tokens than the shared expert is wide its three
+    // `[tokens, hidden]` buffers outweigh the points before.
     let up_input_joins = gate_vector_input.clone().map(|gate_vector_input| {
-        point(
+        up_input_point(
             up_input_joins,
-            made_before + (gate_vector + shape.gate) / shards,
-            [
-                Term { name: "the SiLU product's two gradients", bytes: 2.0 * intermediate },
+            vec![
                 gate_vector_input,
                 Term { name: "up's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
-            ]
-            .into_iter()
-            .chain(regathered.clone())
-            .collect(),
-            None,
-            false,
+            ],
         )
     });
     if shape.reduced {
