@@ -156,6 +156,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::mixture_mlp_backward(shape, &chunk));
         backward.extend(head::head_of_backward(shape, &chunk));
         backward.extend(first_layer::gate_joining(shape, &chunk));
+        backward.extend(first_layer::mlp_norm_gradients_summed(shape, &chunk));
         backward.extend(first_layer::attention_norm_gradient(shape, &chunk));
         backward.extend(first_layer::attention_backward(shape, &chunk));
         backward.extend(head::last_layer_attention_backward(shape, &chunk));

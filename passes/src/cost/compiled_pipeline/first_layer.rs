@@ -185,6 +185,31 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
     })
 }
 
+/// Beside dp (or cp), whose gate input gradient comes before its weight gradient, a dense stage
+/// may peak as its first layer's MLP norm output's gradients from gate and up are summed: the
+/// layer's attention activations, MLP norm output, gate's output gradient and output gradient
+/// live, of its gradients the down and up projections' done (up's unreduced copy and output
+/// gradient freed). (Not under ZeRO-2 and 3, tsp or full recomputation, as [`gate_joining`].)
+pub(super) fn mlp_norm_gradients_summed(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    (shape.reduced && shape.mlp_backward_modelled()).then(|| {
+        let mlp = [
+            Term { name: "first layer's MLP norm output", bytes: gathered },
+            Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },
+            Term { name: "first layer's output gradient", bytes: stream },
+            Term {
+                name: "first layer's MLP norm output's gradients from gate and up, and their sum",
+                bytes: 3.0 * gathered,
+            },
+        ];
+        Candidate::made(
+            "first layer's MLP norm output's gradients from gate and up summed",
+            chunk.grads - shape.gate - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
+            before_attention(shape, chunk, mlp),
+        )
+    })
+}
+
 /// Beside dp (or cp) a chunk but the first may peak as its first layer's attention norm output's
 /// gradient from q joins the sum of those from k and v: q's weight gradient, whose all-reduce ends
 /// the chunk's backward, is not yet made, and the norm's output and q's output gradient it reads
