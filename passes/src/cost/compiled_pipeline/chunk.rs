@@ -318,9 +318,9 @@ fn chunk_end(shape: &StageShape, last: bool, layers: u64) -> Vec<Term> {
 
 /// The tail of a backward, where its last large weight gradient joins the sums (the embedding's
 /// on the first chunk, the first layer's query projection's on another), and on the first chunk
-/// beside dp (or cp) and a split vocabulary the embedding rows' slicing just before it (under tsp
-/// the whole-vocabulary gradient's scattering before that). `w_reads` is what a W's tail still
-/// reads under zero bubble.
+/// beside dp (or cp) and a split vocabulary the embedding rows' slicing just before it; before
+/// that, under a split vocabulary, the whole-vocabulary gradient's making (under tsp its scattering
+/// from every token's gradient). `w_reads` is what a W's tail still reads under zero bubble.
 ///
 /// Under dp each gradient is all-reduced before it joins its sum, and its unreduced copy is freed
 /// only after (the sum is taken right where the reduced gradient is written); by then the
@@ -411,6 +411,23 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
         held.extend(w_reads.clone());
         held
     });
+    // At the embedding's backward itself (outside tsp), before any slicing: the gradient over the
+    // whole vocabulary made from the embedding output's gradient (gathered under SP) by the token
+    // ids (under cp the rank's own, freed after it, beside every id), beside a tied table the
+    // head's part received.
+    let tied_first = shape.tied && chunk.first && !chunk.last;
+    let embedding_backward = (chunk.first && vocab_split > 1.0 && shape.tsp == 1).then(|| {
+        let mut held = chunk.end.clone();
+        held.push(Term { name: "token ids", bytes: ids });
+        if shape.cp > 1 {
+            held.push(Term { name: "the rank's own token ids", bytes: shape.sizes.local_tokens * ID_BYTES });
+        }
+        held.extend(shape.tied_head_part().filter(|_| tied_first));
+        held.push(Term { name: "embedding output's gradient", bytes: gathered });
+        held.push(Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element });
+        held.extend(w_reads.clone());
+        held
+    });
     if scattered {
         held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
     } else if reduced {
@@ -422,7 +439,6 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     // sums (larger than the tail when tp > 2, or under ZeRO).
     // Beside a tied table (without dp, the whole vocabulary's gradient beside both parts) the
     // rows are sliced before they are added to the head's part of its gradient.
-    let tied_first = shape.tied && chunk.first && !chunk.last;
     let slicing = (chunk.first && vocab_split > 1.0 && (reduced || tied_first)).then(|| {
         let mut held = held.clone();
         if reduced {
@@ -484,6 +500,13 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
             } else {
                 "embedding rows sliced to join the head's part of the tied table's gradient"
             },
+            before_joining,
+            held,
+        ));
+    }
+    if let Some(held) = embedding_backward {
+        candidates.push(Candidate::made(
+            "the embedding's gradient over the whole vocabulary made",
             before_joining,
             held,
         ));
