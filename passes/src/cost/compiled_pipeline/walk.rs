@@ -9,6 +9,7 @@ use super::super::workload::Recompute;
 use super::chunk::{Candidate, ChunkHold};
 use super::StageShape;
 use crate::pipeline::{Phase, Schedule, Step};
+use pleat_ir::AxisName;
 
 /// The stage's peak over its schedule: the largest of the points of each step that makes a
 /// micro-batch's gradients (a backward, or zero bubble's W and B) and, under zero bubble, of each
@@ -378,11 +379,13 @@ impl Point<'_> {
 
     /// Under zero bubble, the loss's sum over the micro-batches, if the stage has made it by this
     /// point (`b_made` whether the current micro-batch's B has made its loss's part): a
-    /// micro-batch's loss joins it in W where W makes it (beside dp, cp or ep, which all-reduce it
-    /// there; beside the load-balancing loss, added to the cross-entropy there), else in B.
+    /// micro-batch's loss joins it in W where W makes it (beside dp or ep, which all-reduce it
+    /// there; beside the load-balancing loss, added to the cross-entropy there), else in B (under
+    /// cp too: each cp rank's loss is over every token's logits, gathered, and is not reduced).
     fn zero_bubble_loss_sum(&self, beside: &Beside, b_made: bool) -> f64 {
         let (shape, chunk) = (self.shape, self.step.chunk);
-        let loss_in_w = shape.reduced || shape.statistics > 0.0;
+        let loss_reduced = shape.layout.degree(AxisName::Dp) > 1 || shape.ep > 1;
+        let loss_in_w = loss_reduced || shape.statistics > 0.0;
         let made = self.done(chunk, self.tail_phase) > 0.0
             || (!loss_in_w && (b_made || self.done(chunk, self.input_phase) > 0.0));
         if made {

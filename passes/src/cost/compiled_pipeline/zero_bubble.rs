@@ -186,7 +186,9 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// reduce-scatter, the sums the rank's shards), and the LM head's as it joins its sum after it.
 /// Beside a tied table, on the last chunk as the head's part of its gradient is made (it joins no
 /// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). A dense
-/// chunk's last layer's up and gate gradients then join their sums too. Under tsp with full
+/// chunk's last layer's up and gate gradients then join their sums too; on a dense model's last
+/// chunk (outside tsp, ZeRO-2 and 3) W goes on so, once the LM head's gradient has joined its sum
+/// and what made it is freed, through the final norm's to the last layer's. Under tsp with full
 /// recomputation, also as the recomputed final norm's output is gathered. (Under tsp only on the
 /// last chunk: B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
@@ -204,16 +206,23 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // (under tsp gathered over the sequence; under full recomputation the copy W recomputed).
     let head_reads =
         if shape.tsp > 1 { shape.logits() + every_token } else { local_tokens * vocab_shard * element + gathered };
+    let dense = shape.model.experts.is_none();
+    let head_gradient = vocab_shard * hidden * element;
+    let down = FirstJoin {
+        gradient: shape.gate,
+        names: ["the last layer's down gradient in W", "the last layer's down gradient joins its sum in W"],
+        lm_head: false,
+        head_reads,
+    };
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
     // gradient freed after.)
-    let (gradient, names, made_before, freed_before) = if lm_head {
+    let (first, made_before, freed_before) = if lm_head {
         let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
-        (vocab_shard * hidden * element, names, 0.0, 0.0)
-    } else if shape.model.experts.is_none() || shared_expert {
-        let names = ["the last layer's down gradient in W", "the last layer's down gradient joins its sum in W"];
+        (FirstJoin { gradient: head_gradient, names, lm_head: true, head_reads }, 0.0, 0.0)
+    } else if dense || shared_expert {
         let (gate_vector, gate_logit_gradient) =
             if shared_expert { (hidden * element / shape.shards, local_tokens * element) } else { (0.0, 0.0) };
-        (shape.gate, names, gate_vector, gate_logit_gradient)
+        (down.clone(), gate_vector, gate_logit_gradient)
     } else {
         return Vec::new();
     };
@@ -260,17 +269,52 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             made_in_b,
             held.clone(),
         ));
-        if shape.model.experts.is_some() {
+        if !dense {
             return points;
         }
+    } else if lm_head {
+        points.extend(first_join_points(shape, &first, held.clone(), made_in_b));
+        // (Under tsp B made the MLP's gradients; under ZeRO-2 and 3 not modelled further.)
+        if !dense || shape.tsp > 1 || shape.scattered {
+            return points;
+        }
+        // A dense model's LM head's gradient has joined its sum (beside replicas all-reduced, its
+        // unreduced copy freed).
+        made_in_b += head_gradient;
+    }
+    if chunk.last {
         held.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         held.push(Term { name: "the final norm's input and output gradient, freed", bytes: -2.0 * gathered });
         made_in_b += shape.norm * element / shape.shards;
     }
     // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
-    if !lm_head && shape.model.experts.is_none() && shape.recompute() == Recompute::Full {
+    if dense && shape.recompute() == Recompute::Full {
         held.push(Term { name: "the last layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     }
+    points.extend(first_join_points(shape, &down, held, made_in_b));
+    points
+}
+
+/// W's first weight gradient to join a sum: the LM head's or the last layer's down projection's.
+#[derive(Clone)]
+struct FirstJoin {
+    /// Its bytes.
+    gradient: f64,
+    /// Its points as it is made and as it joins its sum.
+    names: [&'static str; 2],
+    /// Whether it is the LM head's.
+    lm_head: bool,
+    /// What the LM head's gradient reads, freed after it.
+    head_reads: f64,
+}
+
+/// The points of [`head_of_w`] as `first` is made and joins its sum (a dense MLP's up and gate
+/// gradients after down's), beside `held`, with `made_in_b` of the micro-batch's gradients made.
+fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, made_in_b: f64) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
+    let FirstJoin { gradient, names, lm_head, head_reads } = *first;
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let mut points = Vec::new();
     let joining = |name, held| Candidate {
         name,
         so_far: made_in_b + gradient,
