@@ -128,7 +128,8 @@ pub fn compute_figures(program: &Program, timings: &[(u64, u64)]) -> (f64, f64) 
 /// directory's `rank<i>.<arch>.cuda.json` (`pleat compile --emit ptx`) when `compiled` holds one
 /// for every rank, else generated for the device here (with the `llvm` feature, the programs first
 /// reordered so that residual adds fuse with the norms after them; without it the GEMMs still run on
-/// cuBLAS and everything else on the host).
+/// cuBLAS and everything else on the host). The programs run `warmup` times first, their results
+/// and times dropped.
 #[cfg(feature = "cuda")]
 pub fn run_on_cuda(
     programs: &mut [Program],
@@ -136,6 +137,7 @@ pub fn run_on_cuda(
     tokens: &Tokens,
     weights: &dyn WeightSource,
     options: &ThreadRunOptions,
+    warmup: u32,
 ) -> Result<CudaRun> {
     use pleat_runtime::cuda::{run_on_device, CudaDevice};
 
@@ -151,6 +153,9 @@ pub fn run_on_cuda(
         weights,
         epoch: std::time::Instant::now(),
     };
+    for _ in 0..warmup {
+        run_on_device(programs, &inputs, options, &device, &code)?;
+    }
     let ranks = run_on_device(programs, &inputs, options, &device, &code)?;
     let report = DeviceReport::of(
         &device,
@@ -170,6 +175,7 @@ pub fn run_on_cuda(
     _tokens: &Tokens,
     _weights: &dyn WeightSource,
     _options: &ThreadRunOptions,
+    _warmup: u32,
 ) -> Result<CudaRun> {
     anyhow::bail!(crate::usage::UsageError::CudaUnavailable)
 }
@@ -195,8 +201,9 @@ impl CudaTrainer {
         Ok(CudaTrainer { device, code })
     }
 
-    /// Trains `programs` on the device as `options` say; returns each rank's training and where
-    /// the first step's instructions ran.
+    /// Trains `programs` on the device as `options` say; returns each rank's training, where the
+    /// first step's instructions ran and the last step's times (warm: the first step's include
+    /// every kernel's first launch).
     pub fn train(
         &self,
         programs: &[Program],
@@ -207,7 +214,7 @@ impl CudaTrainer {
         let report = DeviceReport::of(
             &self.device,
             programs,
-            ranks.iter().map(|rank| (rank.on_device, &rank.on_host, rank.training.first_timings.as_slice())),
+            ranks.iter().map(|rank| (rank.on_device, &rank.on_host, rank.training.last_timings.as_slice())),
         );
         Ok((ranks.into_iter().map(|rank| rank.training).collect(), report))
     }

@@ -15,6 +15,7 @@ use crate::usage::UsageError;
 /// Runs `pleat launch` (`pleat run`'s flags; MODEL must be a compiled directory with libraries).
 pub fn launch(args: &RunArgs) -> Result<()> {
     let not_launchable = |reason: String| UsageError::NotLaunchable { dir: args.model.clone(), reason };
+    crate::run::check_warmup(args)?;
     if args.training.train {
         bail!(not_launchable("--train runs through `pleat run`; launch runs a compiled forward pass".into()));
     }

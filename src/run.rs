@@ -137,6 +137,10 @@ pub struct RunArgs {
     /// with `--features cuda`): GEMMs on cuBLAS, generated PTX kernels, the rest through the host.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// With `--device cuda`: run the forward pass this many times first, untimed, so that the run
+    /// reported finds every kernel loaded (cuBLAS and the driver load them at their first call).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u32,
     #[command(flatten)]
     pub training: crate::train::TrainFlags,
 }
@@ -193,6 +197,7 @@ pub struct RunResult {
 
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
+    check_warmup(args)?;
     #[cfg(feature = "mpi")]
     if args.comm == CommChoice::Mpi {
         return crate::run_mpi::run_under_mpi(args);
@@ -233,6 +238,20 @@ fn execution_names(result: &RunResult) -> Vec<&'static str> {
         return vec!["cuda"; result.outcomes.len()];
     }
     (0..result.outcomes.len()).map(|rank| result.execution.get(rank).map_or("bytecode", |path| path.name())).collect()
+}
+
+/// Refuses `--warmup` where it warms nothing that is timed: it repeats a forward pass on a GPU.
+pub fn check_warmup(args: &RunArgs) -> Result<()> {
+    if args.warmup == 0 {
+        return Ok(());
+    }
+    if args.training.train {
+        bail!(UsageError::InferenceFlagWithTrain { flag: "--warmup" });
+    }
+    if args.device != Device::Cuda {
+        bail!(UsageError::CudaOnlyFlag { flag: "--warmup" });
+    }
+    Ok(())
 }
 
 /// Compiles or loads, runs, and checks; prints nothing.
@@ -305,6 +324,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
                 &tokens,
                 weights.as_ref(),
                 &options,
+                args.warmup,
             )?;
             device = Some(run.report);
             (run.logits_shape, run.logits, run.outcomes, Vec::new())

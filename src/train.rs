@@ -355,7 +355,9 @@ struct TrainReport {
     comm_bytes: BTreeMap<&'static str, u64>,
     /// How each rank ran its steps (`bytecode`, `native-entry` or `cuda`).
     execution: Vec<&'static str>,
-    /// The GPU the steps ran on and where the first step's instructions ran (`--device cuda`).
+    /// The GPU the steps ran on, where the first step's instructions ran and the last step's
+    /// compute time, of the first chunk of steps (`--save-every`'s; under `--check` one step)
+    /// (`--device cuda`).
     device: Option<DeviceReport>,
 }
 

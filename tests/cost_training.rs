@@ -251,6 +251,16 @@ fn compile_pipelined_at(
 
 /// One step of `programs` (`batch` sequences) on threads, with plain AdamW from seeded weights.
 fn train_one_step(programs: &[pleat_backend::Program], layouts: &[OptimizerLayout], batch: u64) -> Vec<RankTraining> {
+    train_steps(programs, layouts, batch, 1)
+}
+
+/// `steps` steps of `programs`, as [`train_one_step`] runs one.
+fn train_steps(
+    programs: &[pleat_backend::Program],
+    layouts: &[OptimizerLayout],
+    batch: u64,
+    steps: u32,
+) -> Vec<RankTraining> {
     let config = preset("tiny").unwrap();
     let weights = SeededWeights::new(3);
     let tokens = common::tokens(batch, SEQ, config.vocab_size);
@@ -265,7 +275,7 @@ fn train_one_step(programs: &[pleat_backend::Program], layouts: &[OptimizerLayou
         max_grad_norm: None,
     };
     let options = TrainOptions {
-        steps: 1,
+        steps,
         adamw,
         batches: &batches,
         positions: &positions,
@@ -278,6 +288,19 @@ fn train_one_step(programs: &[pleat_backend::Program], layouts: &[OptimizerLayou
         on_step: None,
     };
     train_on_threads(programs, layouts, &options).expect("train")
+}
+
+#[test]
+fn a_trainings_last_step_is_timed_after_its_first() {
+    // A GPU run reports the last step's times (warm), a trace the first step's: over two steps,
+    // each instruction's last span starts after the first step's program has ended.
+    let (programs, layouts) = compile_training(&preset("tiny").unwrap(), &TRAINING_LAYOUTS[0], BATCH);
+    for (program, rank) in programs.iter().zip(train_steps(&programs, &layouts, BATCH, 2)) {
+        assert_eq!(rank.first_timings.len(), program.instructions.len());
+        assert_eq!(rank.last_timings.len(), program.instructions.len());
+        let first_end = rank.first_timings.iter().map(|&(_, end)| end).max().unwrap();
+        assert!(rank.last_timings.iter().all(|&(start, _)| start >= first_end), "rank {}", rank.rank);
+    }
 }
 
 #[test]

@@ -78,6 +78,14 @@ fn device_cuda_refuses_the_cpu_runtimes_own_flags() {
     }
 }
 
+#[test]
+fn warmup_is_for_a_forward_pass_on_the_gpu() {
+    let stderr = error_of(&["run", "tiny", "--warmup", "1"]);
+    assert!(stderr.contains("E0547") && stderr.contains("--device cuda"), "{stderr}");
+    let stderr = error_of(&["run", "tiny", "--warmup", "1", "--device", "cuda", "--train", "--steps", "1"]);
+    assert!(stderr.contains("E0730") && stderr.contains("--warmup"), "{stderr}");
+}
+
 /// Runs `pleat run tiny` on the device (batch 2 × seq 16, `--check`, JSON) for each (mesh,
 /// strategy, precision) of `cases` with the `extra` flags, handing `check` each case's name and
 /// report; without a device, prints a `skipped` line for each case instead.
@@ -124,6 +132,16 @@ fn every_layout_on_the_device_matches_the_reference() {
         let f32_case = case.ends_with("f32");
         let tolerance = if f32_case { CUDA_F32_TOL } else { report["tolerance"].as_f64().expect("tolerance") };
         assert!(err <= tolerance, "{case}: max |logits - reference| = {err:e}, past {tolerance:e}");
+    });
+}
+
+/// A forward pass run after a warm-up gives the reference's logits too (the warm-up's results are
+/// dropped, its buffers freed).
+#[test]
+fn a_warmed_up_run_on_the_device_matches_the_reference() {
+    on_the_device("after a warm-up, ", &[("tp=2", "tp", "f32")], &["--warmup", "1"], |case, report| {
+        let err = report["max_abs_err"].as_f64().expect("max_abs_err");
+        assert!(err <= CUDA_F32_TOL, "{case}: max |logits - reference| = {err:e}");
     });
 }
 

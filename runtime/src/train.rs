@@ -125,6 +125,9 @@ pub struct RankTraining {
     pub first_recv_wait_share: f64,
     /// The first step's instruction timings (`RankOutcome::timings`), for its trace.
     pub first_timings: Vec<(u64, u64)>,
+    /// The last step's instruction timings: on a GPU warm, where the first step's include each
+    /// kernel's first launch (cuBLAS and the driver load their kernels lazily).
+    pub last_timings: Vec<(u64, u64)>,
     /// After the last step, each parameter's name and the rank's blocks of its two moments (the
     /// elements it updates), in the parameter's global shape.
     pub moments: Vec<(String, OutputBlock, OutputBlock)>,
@@ -254,6 +257,7 @@ pub(crate) fn train_rank(
     let mut activation_peak_bytes = 0;
     let mut first_recv_wait_share = 0.0;
     let mut first_timings = Vec::new();
+    let mut last_timings = Vec::new();
     let epoch = Instant::now();
     for step in options.start_step..options.start_step + options.steps {
         let tokens = (options.batches)(step);
@@ -277,6 +281,7 @@ pub(crate) fn train_rank(
             first_outputs = outcome.outputs;
             first_comm = outcome.comm;
         }
+        last_timings = outcome.timings;
     }
     let mut moment_blocks = Vec::with_capacity(layout.params.len());
     for (param, (exp_avg, exp_avg_sq)) in layout.params.iter().zip(moments) {
@@ -305,6 +310,7 @@ pub(crate) fn train_rank(
         activation_peak_bytes,
         first_recv_wait_share,
         first_timings,
+        last_timings,
         moments: moment_blocks,
     })
 }
