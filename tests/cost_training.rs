@@ -3652,3 +3652,34 @@ fn under_zero_bubble_beside_cp_the_losses_sum_is_made_in_b() {
         assert_eq!(exact_stages_peaking_at(&four, &layout, 1024, &point), 4, "ZeRO-{zero_stage}");
     }
 }
+
+#[test]
+fn under_zero_bubble_and_zero3_the_final_norms_weight_gathered_again_is_held_from_b_to_w() {
+    // Under full recomputation ZeRO-3 gathers the final norm's weight again at the last chunk's
+    // B, for the recomputed head, and W reads it again to recompute the final norm's output: it is
+    // live from B to W, in the current micro-batch's B and in each micro-batch between B and W (a
+    // dense model's and a mixture's). Both stages then peak in the first layer's B (512 and 1024
+    // bytes below the planner before).
+    let four = four_layers();
+    let dense = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,dp=2,tp=2",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        3,
+        Recompute::Full,
+        true,
+    );
+    let point = ["first layer's attention norm output's gradients summed in B"];
+    assert_eq!(exact_stages_peaking_at(&four, &dense, 256, &point), 8);
+    let mixture = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,cp=2,ep=2",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        3,
+        Recompute::Full,
+        false,
+    );
+    let point = ["first layer's experts' backward dispatched in B"];
+    let [routed_only, _] = four_layer_mixtures();
+    assert_eq!(exact_stages_peaking_at(&routed_only, &mixture, 64, &point), 8);
+}

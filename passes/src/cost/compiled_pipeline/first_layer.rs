@@ -630,6 +630,14 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if shape.statistics > 0.0 {
             for_w.push(Term { name: "the load-balancing loss beside the cross-entropy", bytes: element });
         }
+        // Under full recomputation ZeRO-3 gathers the final norm's weight again at B's head, for
+        // the recomputed head; W reads it again, to recompute the final norm's output.
+        if shape.recompute() == Recompute::Full {
+            let bytes = shape.weights_gathered_again(shape.norm * element);
+            for_w.extend(
+                (bytes > 0.0).then_some(Term { name: "the final norm's weight, gathered again (for W)", bytes }),
+            );
+        }
         // Under SP the last layer's output is kept gathered over tp for the final norm, in place of
         // the rank's share.
         if shape.sequence_parallel() {

@@ -81,12 +81,12 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     }
     // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
     let regathered_final_norm = if full && last { shape.weights_gathered_again(shape.norm * element) } else { 0.0 };
+    between += regathered_final_norm;
     // Full recomputation keeps beside those the residual stream its forward kept (but, under SP,
     // the last layer's output on the last chunk: only its gathered copy, counted above), and each
     // layer's output gradient (the last one's on the last chunk is the final norm's input gradient,
     // counted above).
     if full && mlp_gradients_in_b.is_none() {
-        between += regathered_final_norm;
         let last_layers = f64::from(u8::from(last));
         between += layers * kept_layer + (layers - last_layers) * stream;
         if sequence_parallel {
