@@ -3683,3 +3683,31 @@ fn under_zero_bubble_and_zero3_the_final_norms_weight_gathered_again_is_held_fro
     let [routed_only, _] = four_layer_mixtures();
     assert_eq!(exact_stages_peaking_at(&routed_only, &mixture, 64, &point), 8);
 }
+
+#[test]
+fn under_any_schedule_beside_cp_the_last_stage_may_peak_as_a_forward_gathers_the_logits() {
+    // Beside cp the last chunk's forward gathers every token's logits and reorders them out of
+    // the zigzag before the loss, a mixture's every layer's statistics still unsummed: under 1F1B
+    // and GPipe too (not only zero bubble) the last stage may peak there, beside the sums ZeRO-2
+    // and 3 shard (220 bytes below the planner before).
+    let [routed_only, shared] = four_layer_mixtures();
+    let point = ["every token's logits gathered in a forward"];
+    let beside_cp = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,cp=2",
+        ScheduleKind::OneFOneB,
+        2,
+        3,
+        Recompute::Selective,
+        false,
+    );
+    assert_eq!(exact_stages_peaking_at(&routed_only, &beside_cp, 1024, &point), 2);
+    let beside_cp_and_ep = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,cp=2,ep=2",
+        ScheduleKind::GPipe,
+        2,
+        2,
+        Recompute::None,
+        false,
+    );
+    assert_eq!(exact_stages_peaking_at(&shared, &beside_cp_and_ep, 256, &point), 4);
+}

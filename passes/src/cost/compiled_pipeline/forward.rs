@@ -1,7 +1,8 @@
 //! Under zero bubble a stage may peak inside a forward: the micro-batches between their B and
 //! their W keep what their W reads (more than a micro-batch in flight keeps for its backward), and
 //! a forward runs beside them as soon as the schedule allows, the forwarded micro-batch holding all
-//! it keeps for its backward beside its last layer's transient outputs.
+//! it keeps for its backward beside its last layer's transient outputs. Under any schedule,
+//! beside cp, a stage may also peak as the last chunk's forward gathers every token's logits.
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
@@ -18,10 +19,20 @@ use super::{tsp_ring, StageShape};
 /// (on the last chunk the head's buffers, and a mixture's counts' sum over the layers, whose
 /// statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
 /// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard
-/// the sums.)
+/// the sums; under another schedule only [`logits_gathered`], every micro-batch before it in flight
+/// or finished, but for an interleaved mixture, whose micro-batch's earlier chunks on the stage
+/// hold their layers' statistics in flight too: not modelled.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    if !shape.zero_bubble || shape.scattered {
+    if !shape.zero_bubble {
+        let interleaved_mixture = shape.chunks > 1 && shape.statistics > 0.0;
+        return if chunk.last && !interleaved_mixture {
+            logits_gathered(shape, chunk).into_iter().collect()
+        } else {
+            Vec::new()
+        };
+    }
+    if shape.scattered {
         return Vec::new();
     }
     let statistics = shape.statistics;

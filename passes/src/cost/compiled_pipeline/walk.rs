@@ -12,8 +12,8 @@ use crate::pipeline::{Phase, Schedule, Step};
 use pleat_ir::AxisName;
 
 /// The stage's peak over its schedule: the largest of the points of each step that makes a
-/// micro-batch's gradients (a backward, or zero bubble's W and B) and, under zero bubble, of each
-/// forward, `params` the stage's parameters.
+/// micro-batch's gradients (a backward, or zero bubble's W and B) and of each forward (under zero
+/// bubble; under another schedule the last chunk's beside cp), `params` the stage's parameters.
 pub(super) fn stage_peak(
     shape: &StageShape,
     schedule: &Schedule,
@@ -35,8 +35,9 @@ pub(super) fn stage_peak(
             // Under zero bubble a B runs beside the micro-batches between their B and W (and a
             // mixture's makes the experts' gradients).
             StepKind::InB
-        } else if shape.zero_bubble && step.phase == Phase::Forward {
-            // Under zero bubble a forward runs beside the micro-batches between their B and W.
+        } else if step.phase == Phase::Forward {
+            // Under zero bubble a forward runs beside the micro-batches between their B and W;
+            // under any schedule the last chunk's forward may peak as it gathers the logits.
             StepKind::Forward
         } else {
             continue;
@@ -157,8 +158,10 @@ impl Point<'_> {
                 others += (self.done(chunk, self.input_phase) - self.done(chunk, self.tail_phase) - between_current)
                     * hold.between_b_and_w.between;
             } else {
-                others +=
-                    (self.done(chunk, Phase::Forward) - self.done(chunk, self.tail_phase) - current) * hold.in_flight;
+                // (In a forward the current micro-batch is not yet among them.)
+                let in_flight_current = if self.kind == StepKind::Forward { 0.0 } else { current };
+                others += (self.done(chunk, Phase::Forward) - self.done(chunk, self.tail_phase) - in_flight_current)
+                    * hold.in_flight;
             }
             if chunk != self.step.chunk && self.done(chunk, self.tail_phase) > 0.0 {
                 other_sums += hold.grads;
@@ -395,7 +398,7 @@ impl Point<'_> {
         }
     }
 
-    /// Under zero bubble, inside a forward ([`ChunkHold::forward`]): the running sums made so far
+    /// Inside a forward ([`ChunkHold::forward`]): the running sums made so far
     /// (the chunk's B gradients' once a B has run, all its gradients' once a W has), the other
     /// micro-batches in flight or between B and W, and what the forwarded micro-batch holds there.
     fn forward(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
