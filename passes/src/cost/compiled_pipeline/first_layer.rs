@@ -1283,6 +1283,10 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 bytes: hidden * (query + 2.0 * kv) / owners * element,
             });
         }
+        // (On the first chunk the token ids in zigzag order, which the embedding's backward reads.)
+        if chunk.first {
+            held.push(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
+        }
         candidates.push(Candidate::made(
             "first layer's attention kernel backward: the last owner's v gradient",
             reducing_so_far,
