@@ -3715,9 +3715,9 @@ fn under_any_schedule_beside_cp_the_last_stage_may_peak_as_a_forward_gathers_the
 #[test]
 fn under_tsp_the_first_stages_attention_backward_holds_the_token_ids_in_zigzag_order() {
     // Under tsp the first stage keeps the token ids in zigzag order to the embedding's backward,
-    // which reads them: at the first layer's last owner's attention kernel backward too, where the
-    // first stage peaks under full recomputation (1024 bytes below the planner before; 0.09% at
-    // tsp=4 beside dp), as does the last on two ranks.
+    // which reads them: in its first layer's attention backward too, at the last owner's kernel
+    // backward, where the first stage peaks under full recomputation (1024 bytes below the planner
+    // before; 0.09% at tsp=4 beside dp), as does the last on two ranks.
     let four = four_layers();
     let point = ["first layer's attention kernel backward: the last owner's v gradient"];
     for (mesh, zero_stage, seq, peaking) in [("pp=2,tsp=2", 0, 256, 4), ("pp=2,dp=2,tsp=4", 2, 256, 8)] {
@@ -3731,4 +3731,16 @@ fn under_tsp_the_first_stages_attention_backward_holds_the_token_ids_in_zigzag_o
         );
         assert_eq!(exact_stages_peaking_at(&four, &layout, seq, &point), peaking, "{mesh}");
     }
+    // So too as o's gradient is reduced to its owner, where two of the first stage's ranks peak
+    // beside dp under ZeRO-2 with selective recomputation (256 bytes below before).
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,dp=2,tsp=2",
+        ScheduleKind::OneFOneB,
+        2,
+        2,
+        Recompute::Selective,
+        false,
+    );
+    let point = ["first layer's o gradient reduced to this rank, its owner"];
+    assert_eq!(exact_stages_peaking_at(&four, &layout, 64, &point), 2);
 }

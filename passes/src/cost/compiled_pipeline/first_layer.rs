@@ -1222,10 +1222,15 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
     // bubble they are freed by its reduce; under it B ran that backward, and a W without
     // recomputation reads none.)
+    // (On the first chunk the token ids in zigzag order, which the embedding's backward reads;
+    // under zero bubble its between B and W counts them.)
+    let zigzag_ids = (chunk.first && !shape.zero_bubble)
+        .then_some(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
     let held_from = |rope_done: bool| {
         let mut held =
             if rope_done { chunk.first_layer_held_after_rope_backward() } else { chunk.first_layer_held.clone() };
         held.extend(gradients.iter().cloned());
+        held.extend(zigzag_ids.clone());
         held
     };
     let w_without_rope = shape.zero_bubble && !recomputing;
@@ -1283,10 +1288,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 bytes: hidden * (query + 2.0 * kv) / owners * element,
             });
         }
-        // (On the first chunk the token ids in zigzag order, which the embedding's backward reads.)
-        if chunk.first {
-            held.push(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
-        }
+        held.extend(zigzag_ids.clone());
         candidates.push(Candidate::made(
             "first layer's attention kernel backward: the last owner's v gradient",
             reducing_so_far,
