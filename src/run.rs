@@ -249,7 +249,7 @@ pub fn check_warmup(args: &RunArgs) -> Result<()> {
         bail!(UsageError::InferenceFlagWithTrain { flag: "--warmup" });
     }
     if args.device != Device::Cuda {
-        bail!(UsageError::CudaOnlyFlag { flag: "--warmup" });
+        bail!(UsageError::WarmupWithoutCuda);
     }
     Ok(())
 }

@@ -114,13 +114,10 @@ pub enum UsageError {
         /// The flag.
         flag: &'static str,
     },
-    /// A flag of the GPU runtime only, without `--device cuda`.
-    #[error("{flag} is for the GPU runtime (--device cuda): it runs the forward pass first, untimed, so that the run reported finds the GPU's kernels loaded")]
-    #[diagnostic(code(E0547), help("add --device cuda, or drop {flag}"))]
-    CudaOnlyFlag {
-        /// The flag.
-        flag: &'static str,
-    },
+    /// `--warmup` without `--device cuda`.
+    #[error("--warmup is for a run on the GPU (--device cuda): it runs the forward pass first, untimed, so that the run reported finds the GPU's kernels loaded")]
+    #[diagnostic(code(E0547), help("add --device cuda, or drop --warmup"))]
+    WarmupWithoutCuda,
     /// `--native` for a compiled directory, whose files decide how each rank runs.
     #[error("--native generates code for a model; {dir} is compiled, and runs the code it holds (compile it with --emit so or --emit exe)")]
     #[diagnostic(code(E0544), help("drop --native, or compile the directory with `--emit so`"))]
@@ -756,7 +753,8 @@ impl UsageError {
                 vec![("flag", "--sizes".to_string())]
             }
             UsageError::CudaUnavailable => vec![("flag", "--device".to_string())],
-            UsageError::CpuOnlyFlag { flag } | UsageError::CudaOnlyFlag { flag } => vec![("flag", flag.to_string())],
+            UsageError::CpuOnlyFlag { flag } => vec![("flag", flag.to_string())],
+            UsageError::WarmupWithoutCuda => vec![("flag", "--warmup".to_string())],
             UsageError::NativeUnavailable | UsageError::RuntimeLibraryNotFound { .. } => {
                 vec![("flag", "--emit".to_string())]
             }

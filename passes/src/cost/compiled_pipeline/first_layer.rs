@@ -1219,13 +1219,13 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // with `after` owners still to come, their activations and the attention norm's output they
     // read. Of the layer's gradients only its attention's and its input norm's are not done.
     let reducing_so_far = chunk.grads - shape.sharded(block + shape.norm * element + chunk.table, 0.0);
-    // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
-    // bubble they are freed by its reduce; under it B ran that backward, and a W without
-    // recomputation reads none.)
     // (On the first chunk the token ids in zigzag order, which the embedding's backward reads;
     // under zero bubble its between B and W counts them.)
     let zigzag_ids = (chunk.first && !shape.zero_bubble)
         .then_some(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
+    // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
+    // bubble they are freed by its reduce; under it B ran that backward, and a W without
+    // recomputation reads none.)
     let held_from = |rope_done: bool| {
         let mut held =
             if rope_done { chunk.first_layer_held_after_rope_backward() } else { chunk.first_layer_held.clone() };

@@ -222,7 +222,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     } else if dense || shared_expert {
         let (gate_vector, gate_logit_gradient) =
             if shared_expert { (hidden * element / shape.shards, local_tokens * element) } else { (0.0, 0.0) };
-        (down.clone(), gate_vector, gate_logit_gradient)
+        (down, gate_vector, gate_logit_gradient)
     } else {
         return Vec::new();
     };
@@ -296,7 +296,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
 }
 
 /// W's first weight gradient to join a sum: the LM head's or the last layer's down projection's.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct FirstJoin {
     /// Its bytes.
     gradient: f64,
