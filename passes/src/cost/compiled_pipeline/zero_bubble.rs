@@ -208,21 +208,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         if shape.tsp > 1 { shape.logits() + every_token } else { local_tokens * vocab_shard * element + gathered };
     let dense = shape.model.experts.is_none();
     let head_gradient = vocab_shard * hidden * element;
-    let down = FirstJoin {
-        gradient: shape.gate,
-        names: ["the last layer's down gradient in W", "the last layer's down gradient joins its sum in W"],
-        lm_head: false,
-        head_reads,
-    };
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
     // gradient freed after.)
-    let (first, made_before, freed_before) = if lm_head {
-        let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
-        (FirstJoin { gradient: head_gradient, names, lm_head: true, head_reads }, 0.0, 0.0)
-    } else if dense || shared_expert {
-        let (gate_vector, gate_logit_gradient) =
-            if shared_expert { (hidden * element / shape.shards, local_tokens * element) } else { (0.0, 0.0) };
-        (down, gate_vector, gate_logit_gradient)
+    let (made_before, freed_before) = if lm_head || dense {
+        (0.0, 0.0)
+    } else if shared_expert {
+        (hidden * element / shape.shards, local_tokens * element)
     } else {
         return Vec::new();
     };
@@ -273,7 +264,9 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             return points;
         }
     } else if lm_head {
-        points.extend(first_join_points(shape, &first, held.clone(), made_in_b));
+        let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
+        let head = FirstJoin { gradient: head_gradient, names, lm_head: true, head_reads };
+        points.extend(first_join_points(shape, &head, held.clone(), made_in_b));
         // (Under tsp B made the MLP's gradients; under ZeRO-2 and 3 not modelled further.)
         if !dense || shape.tsp > 1 || shape.scattered {
             return points;
@@ -291,12 +284,17 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     if dense && shape.recompute() == Recompute::Full {
         held.push(Term { name: "the last layer's SiLU product, recomputed", bytes: local_tokens * ffn * element });
     }
+    let down = FirstJoin {
+        gradient: shape.gate,
+        names: ["the last layer's down gradient in W", "the last layer's down gradient joins its sum in W"],
+        lm_head: false,
+        head_reads,
+    };
     points.extend(first_join_points(shape, &down, held, made_in_b));
     points
 }
 
 /// W's first weight gradient to join a sum: the LM head's or the last layer's down projection's.
-#[derive(Clone, Copy)]
 struct FirstJoin {
     /// Its bytes.
     gradient: f64,
