@@ -166,12 +166,11 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     backward.extend(first_layer::tsp_attention(shape, &chunk, between_b_and_w.later_w_reads));
     backward.extend(first_layer::tsp_ring_backward(shape, &chunk));
     backward.extend(first_layer::regathered(shape, &chunk));
-    // Beside a tied table the first stage receives the head's part of its gradient with the
-    // micro-batch's first backward there and holds it to the first chunk's tail (which counts it
-    // itself).
-    if let Some(head_part) = shape.tied_head_part().filter(|_| shape.stage == 0 && !last) {
-        let counted = if first { tail_points } else { 0 };
-        for candidate in &mut backward[counted..] {
+    // Beside a tied table the first chunk's backward (zero bubble: W) reads the head's part of
+    // its gradient, taken by its start at the latest, at its tail (whose points count it
+    // themselves); the walk counts it where an earlier step took it (`head_link`).
+    if let Some(head_part) = shape.tied_head_part().filter(|_| first && !last) {
+        for candidate in &mut backward[tail_points..] {
             candidate.held.push(head_part.clone());
         }
     }

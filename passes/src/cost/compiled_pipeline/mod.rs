@@ -218,8 +218,12 @@
 //! head of each micro-batch's backward, the head's part of the table's gradient, which joins no
 //! sum there: it is sent back and held to the micro-batch's end ([`TIED_HEAD_PART`]), so the
 //! stage may next peak as its last layer's down gradient joins its sum. Beside dp × tp the last
-//! stage reduces it over dp at the end of its backward, another point. The first stage receives
-//! it with the micro-batch's first backward there and adds it to the embedding's part: at the
+//! stage reduces it over dp at the end of its backward, another point, and sends it after the
+//! input gradient. The first stage takes it off its link from the last stage as a step reads it
+//! or a message queued after it (`head_link`: under interleaving a later forward's input, on two
+//! stages an input gradient), and holds it from there; the first chunk's backward, which reads it,
+//! takes it at the latest, and with it any messages queued ahead, held to the steps reading them.
+//! It adds it to the embedding's part: at the
 //! tail both parts are live beside their sum (the token ids and the embedding output's gradient
 //! freed), and the rows are sliced from the whole vocabulary's gradient under tp beside the head's
 //! part; beside dp (or cp) without tp the two parts and their sum are live before the sum is
@@ -230,8 +234,8 @@
 //! for the head's backward, the step before's output beside it. Under zero bubble the head's part
 //! is made in the last stage's W (which then makes the final norm's and the last layer's MLP
 //! weight gradients, the part held) and, beside dp × tp, reduced over dp at the W's end; it is
-//! added in the first stage's W. On two stages the first takes, before it, the input gradients
-//! the last sent from the B steps it ran in between, and holds them to their own B.
+//! added in the first stage's W, which on two stages takes, before it, the input gradients the
+//! last sent from the B steps it ran in between.
 //!
 //! Under Megatron's interleaving each stage holds `v` chunks of equal layers, chunk `c` of stage `s`
 //! being virtual stage `c·p + s`, each with its own running sums and in-flight micro-batches; a
@@ -294,8 +298,8 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
-//! ZeRO stage; its embedding untied, or tied on a dense model without tsp (interleaved on two
-//! stages only, and not beside dp (or cp) × tp). [`pipelined_differences_from_closed_form`] names
+//! ZeRO stage; its embedding untied, or tied on a dense model without tsp.
+//! [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
 //! formulas) differs from it; `tests/cost_training.rs` checks that closed form plus those terms
 //! equals the planner's peak to the byte on every stage.
@@ -305,13 +309,15 @@
 //! at the head of a backward and inside its first layer's, `experts` and `shared_expert` a
 //! mixture's MLP backward's points at either place, `zero_bubble` what a micro-batch holds
 //! between its B and its W (and the head of its W), `forward` the points of a forward under zero
-//! bubble, `tsp_ring` the points inside a tsp MLP ring, and `walk` weighs every point of every
-//! step of the stage's schedule beside what the other micro-batches hold there.
+//! bubble, `tsp_ring` the points inside a tsp MLP ring, `head_link` what the first stage takes
+//! early from the stage holding a tied LM head, and `walk` weighs every point of every step of the
+//! stage's schedule beside what the other micro-batches hold there.
 mod chunk;
 mod experts;
 mod first_layer;
 mod forward;
 mod head;
+mod head_link;
 mod shared_expert;
 mod tsp_ring;
 mod walk;
@@ -396,6 +402,11 @@ pub fn compiled_stage_peak(
 /// start of the micro-batch's backward until it is added to the embedding's part.
 pub const TIED_HEAD_PART: &str = "the LM head's part of the tied table's gradient (sent back to the first stage)";
 
+/// The term naming the head's parts of a tied table's gradient that the first stage took before
+/// the step reading them: with a message queued after them that an earlier step reads.
+pub const TIED_HEAD_PARTS_TAKEN_AHEAD: &str =
+    "the head's parts of the tied table's gradient taken ahead of their reader";
+
 /// The term naming the copy of a tied embedding table that the stage holding the LM head
 /// receives from the first stage once a step: Megatron's accounting counts it a parameter, the
 /// program a buffer received.
@@ -405,7 +416,7 @@ pub const TIED_TABLE_RECEIVED: &str = "the tied embedding table, received from t
 /// the module doc).
 fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: &Schedule, tsp_rank: u64) -> bool {
     let stages = schedule.stages;
-    let (dp, tp, cp) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
+    let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let tsp = layout.degree(AxisName::Tsp);
     layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
@@ -423,13 +434,8 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with or without SP), under any ZeRO stage.
         && model.experts.as_ref().is_none_or(|_| layout.expert_axis() != Some(AxisName::Tsp))
-        // A tied table beside pp: a dense model without tsp. Interleaved on two stages only, and
-        // not beside dp (or cp) × tp: elsewhere the first stage takes the head's part when a
-        // message queued after it is needed, which depends on the schedule.
-        && (!model.tied_embeddings
-            || (model.experts.is_none()
-                && tsp == 1
-                && (schedule.kind.chunks() == 1 || (stages == 2 && (dp * cp == 1 || tp == 1)))))
+        // A tied table beside pp: a dense model without tsp.
+        && (!model.tied_embeddings || (model.experts.is_none() && tsp == 1))
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but

@@ -7,7 +7,8 @@ use super::super::compiled_training::GRADS_KEPT_WHOLE;
 use super::super::memory::Term;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, ChunkHold};
-use super::StageShape;
+use super::head_link::{HeadLink, TakenEarly};
+use super::{StageShape, TIED_HEAD_PARTS_TAKEN_AHEAD};
 use crate::pipeline::{Phase, Schedule, Step};
 use pleat_ir::AxisName;
 
@@ -27,6 +28,7 @@ pub(super) fn stage_peak(
     } else {
         (Phase::Backward, Phase::Backward)
     };
+    let head_link = HeadLink::new(shape, schedule)?;
     let mut best: Option<ForwardPhase> = None;
     for (at, step) in steps.iter().enumerate() {
         let kind = if step.phase == tail_phase {
@@ -42,7 +44,9 @@ pub(super) fn stage_peak(
         } else {
             continue;
         };
-        let point = Point { shape, schedule, holds, before: &steps[..at], step, kind, input_phase, tail_phase };
+        let head_link = head_link.as_ref().map(|link| link.taken_early(at));
+        let point =
+            Point { shape, schedule, holds, before: &steps[..at], step, kind, input_phase, tail_phase, head_link };
         let beside = point.beside()?;
         let phases = match kind {
             StepKind::Tail => point.backward(&beside, params),
@@ -70,6 +74,9 @@ struct Point<'a> {
     /// The phase that makes the input gradients, and the one that makes the last weight gradient.
     input_phase: Phase,
     tail_phase: Phase,
+    /// Beside a tied table, on the first stage: what it holds that it took from the stage holding
+    /// the LM head before the step reading it.
+    head_link: Option<TakenEarly>,
 }
 
 /// Which step a point lies in.
@@ -99,6 +106,9 @@ struct Beside {
     remains: f64,
     /// A mixture's expert counts summed over the layers, which the micro-batches received.
     received: f64,
+    /// Beside a tied table, on the first stage: the head's parts of its gradient taken before the
+    /// step reading them.
+    head_parts: f64,
     /// The loss's sum over the micro-batches, on the stage holding the model's last layers.
     loss_sum: f64,
 }
@@ -114,6 +124,7 @@ impl Point<'_> {
         let (others, other_sums, other_sums_kept_whole) = self.in_flight_and_sums();
         let (positions, unfinished_grads, unfinished_kept_whole, remains) = self.unfinished();
         let (last_stage_statistics, mut received) = self.interleaved_counts()?;
+        let taken_early = self.head_link.unwrap_or(TakenEarly { head_parts: 0.0, others: 0.0 });
         // Under zero bubble a W on a stage between the first and the last still holds its
         // micro-batch's received counts' sum (released at the micro-batch's end; full
         // recomputation's held terms count it already).
@@ -130,10 +141,11 @@ impl Point<'_> {
             other_sums,
             other_sums_kept_whole,
             unfinished_kept_whole,
-            others: others + positions + self.counts_taken()? + last_stage_statistics + self.gradients_taken_early()?,
+            others: others + positions + self.counts_taken()? + last_stage_statistics + taken_early.others,
             unfinished_grads,
             remains,
             received,
+            head_parts: taken_early.head_parts,
             loss_sum: if shape.stage + 1 == shape.stages { shape.sizes.element } else { 0.0 },
         })
     }
@@ -201,12 +213,6 @@ impl Point<'_> {
                 kept_whole += hold.grads_kept_whole;
                 remains += hold.remains;
             }
-            // The first stage holds the head's part of a tied table's gradient from the
-            // micro-batch's first backward there to its first chunk's (the current one's points
-            // count their own).
-            if !finished.is_empty() && self.shape.stage == 0 && micro_batch != step.micro_batch {
-                remains += self.shape.tied_head_part().map_or(0.0, |head_part| head_part.bytes);
-            }
         }
         (positions, grads, kept_whole, remains)
     }
@@ -253,29 +259,6 @@ impl Point<'_> {
             }
         }
         Some(held)
-    }
-
-    /// Under zero bubble on two stages, the head's part of a tied table's gradient comes from the
-    /// last stage's W, after the input gradients of the micro-batches whose B ran there before
-    /// it: at its W the first stage has taken those first, and holds them (the two input
-    /// gradients of the last stage's first layer) until their B here.
-    fn gradients_taken_early(&self) -> Option<f64> {
-        let shape = self.shape;
-        if !(shape.tied && shape.zero_bubble && self.kind == StepKind::Tail && shape.stage == 0 && shape.stages == 2) {
-            return Some(0.0);
-        }
-        let last_steps = self.schedule.per_stage.get(1)?;
-        let sent_at = last_steps
-            .iter()
-            .position(|there| there.micro_batch == self.step.micro_batch && there.phase == self.tail_phase)?;
-        let taken = (0..self.schedule.micro_batches)
-            .filter(|&other| other != self.step.micro_batch)
-            .filter(|&other| {
-                let b = |step: &Step| step.micro_batch == other && step.phase == self.input_phase;
-                last_steps[..sent_at].iter().any(b) && !self.before.iter().any(b)
-            })
-            .count();
-        Some(taken as f64 * 2.0 * shape.sizes.stream)
     }
 
     /// Under interleaving a stage before the last holds each micro-batch's summed counts from
@@ -467,10 +450,14 @@ impl Point<'_> {
     }
 }
 
-/// The micro-batches' received expert counts, where they hold any.
-fn received(beside: &Beside) -> Option<Term> {
-    (beside.received > 0.0).then_some(Term {
+/// The micro-batches' received expert counts, and beside a tied table the head's parts taken ahead
+/// of their reader, where they hold any.
+fn received(beside: &Beside) -> impl Iterator<Item = Term> {
+    let statistics = (beside.received > 0.0).then_some(Term {
         name: "the micro-batches' received expert counts summed over the layers",
         bytes: beside.received,
-    })
+    });
+    let head_parts =
+        (beside.head_parts > 0.0).then_some(Term { name: TIED_HEAD_PARTS_TAKEN_AHEAD, bytes: beside.head_parts });
+    statistics.into_iter().chain(head_parts)
 }
