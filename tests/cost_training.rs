@@ -3682,6 +3682,36 @@ fn under_zero_bubble_beside_cp_the_losses_sum_is_made_in_b() {
 }
 
 #[test]
+fn under_zero_bubble_a_mixtures_w_may_peak_as_its_last_layers_o_gradient_joins_its_sum() {
+    // B makes a mixture's experts' and router's gradients, so on a chunk but the last W begins
+    // with its last layer's MLP norm's weight gradient, then o's, the first large one to join its
+    // sum (beside cp after its all-reduce, its unreduced copy live): there the first stage peaks
+    // under full recomputation on 256 tokens (512 bytes below the planner before, the norm's
+    // gradient and its new sum uncounted). (Under SP o's gradient frees its output gradient
+    // gathered over tp; counted whole the point was 512 bytes above the planner beside ep × tp.)
+    let moe = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,cp=2",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        0,
+        Recompute::Full,
+        false,
+    );
+    let point = ["the last layer's o gradient joins its sum in W"];
+    assert_eq!(exact_stages_peaking_at(&moe, &layout, 256, &point), 2);
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,ep=2,tp=2",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        0,
+        Recompute::Full,
+        true,
+    );
+    exact_stages_peaking_at(&moe, &layout, 64, &point);
+}
+
+#[test]
 fn under_zero_bubble_and_zero3_the_final_norms_weight_gathered_again_is_held_from_b_to_w() {
     // Under full recomputation ZeRO-3 gathers the final norm's weight again at the last chunk's
     // B, for the recomputed head, and W reads it again to recompute the final norm's output: it is

@@ -215,7 +215,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     } else if shared_expert {
         (hidden * element / shape.shards, local_tokens * element)
     } else {
-        return Vec::new();
+        return mixture_o_joining_in_w(shape, chunk, between_b_and_w).into_iter().collect();
     };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
@@ -292,6 +292,51 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     };
     points.extend(first_join_points(shape, &down, held, made_in_b));
     points
+}
+
+/// On a mixture's chunk but the last (without a shared expert) B made the experts' and the
+/// router's gradients, so W begins with its last layer's MLP norm's weight gradient, which frees
+/// what it read (the norm's input and its output gradient), then o's, made from o's output
+/// gradient (under SP gathered over tp) and attention's output (which W recomputes under
+/// recomputation), both freed after it (but the output gradient not gathered): the
+/// first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy
+/// live beside. (Not under ZeRO-2 and 3.)
+fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, query, hidden, stream, gathered, .. } = shape.sizes;
+    if chunk.last || shape.scattered || shape.tsp > 1 {
+        return None;
+    }
+    let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
+    let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
+    // (On a stage between the first and the last, outside full recomputation, the walk counts the
+    // micro-batch's received counts' sum at a W: not twice.)
+    let received = if shape.stage > 0 && shape.recompute() != Recompute::Full { shape.statistics } else { 0.0 };
+    let attention_output = if shape.recompute() == Recompute::None { local_tokens * query * element } else { 0.0 };
+    let o_gradient = hidden * query * element;
+    let mut held = vec![
+        Term { name: "its positions", bytes: positions },
+        Term {
+            name: "what it holds between B and W but its B gradients",
+            bytes: between_b_and_w.between - made_in_b - received,
+        },
+        Term { name: "the last layer's MLP norm's input and output gradient, freed", bytes: -2.0 * stream },
+        Term { name: "the last layer's attention output, freed", bytes: -attention_output },
+    ];
+    // Under SP o's weight gradient reads its output gradient gathered over tp, which it frees.
+    if shape.sequence_parallel() {
+        held.push(Term { name: "o's output gradient gathered over tp, freed", bytes: -gathered });
+    }
+    if shape.reduced {
+        held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
+    }
+    Some(Candidate {
+        name: "the last layer's o gradient joins its sum in W",
+        so_far: made_in_b + shape.norm * element + o_gradient,
+        held,
+        new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: o_gradient }),
+        key_values_pending: 0,
+        sum_pending: 0.0,
+    })
 }
 
 /// W's first weight gradient to join a sum: the LM head's or the last layer's down projection's.
