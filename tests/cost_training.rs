@@ -3682,7 +3682,7 @@ fn under_zero_bubble_beside_cp_the_losses_sum_is_made_in_b() {
 }
 
 #[test]
-fn under_zero_bubble_a_mixtures_w_may_peak_as_its_last_layers_o_gradient_joins_its_sum() {
+fn under_zero_bubble_a_mixtures_w_may_peak_at_its_last_layers_o_gradient() {
     // B makes a mixture's experts' and router's gradients, so on a chunk but the last W begins
     // with its last layer's MLP norm's weight gradient, then o's, the first large one to join its
     // sum (beside cp after its all-reduce, its unreduced copy live): there the first stage peaks
@@ -3709,6 +3709,20 @@ fn under_zero_bubble_a_mixtures_w_may_peak_as_its_last_layers_o_gradient_joins_i
         true,
     );
     exact_stages_peaking_at(&moe, &layout, 64, &point);
+    // Beside a shared expert W makes its gradients first, freeing what they read; under ZeRO-2
+    // o's gradient is reduce-scattered, staged whole, where the first stage peaks beside ep (256
+    // bytes below the planner before).
+    let shared = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, true) };
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,ep=2",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        2,
+        Recompute::Full,
+        false,
+    );
+    let point = ["the last layer's o gradient reduce-scattered in W"];
+    assert_eq!(exact_stages_peaking_at(&shared, &layout, 64, &point), 2);
 }
 
 #[test]

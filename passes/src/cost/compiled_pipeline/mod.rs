@@ -260,8 +260,8 @@
 //! beside all the forward kept (none of what W reads made yet); at the head of a W, as its first
 //! weight gradient (the LM head's on the last chunk, after the micro-batch's two losses are summed,
 //! or beside a tied table the head's part of it; the last layer's down projection's, dense or a
-//! shared expert's, on another; a mixture's o projection's there, its router's and experts' B's)
-//! is made or joins its sum, all the micro-batch held between B and W
+//! shared expert's, on another; a mixture's o projection's there, after a shared expert's, its
+//! router's and experts' being B's) is made or joins its sum, all the micro-batch held between B and W
 //! still live (under ZeRO-2 and 3 also as it is reduce-scattered, staged whole, what made it freed,
 //! and a dense MLP's up gradient after it), and as a dense chunk's first layer's gate gradient
 //! joins its sum, its attention's weight gradients still to come; and in a forward (tied table or

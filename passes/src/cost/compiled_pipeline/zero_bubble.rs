@@ -217,6 +217,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     } else {
         return mixture_o_joining_in_w(shape, chunk, between_b_and_w).into_iter().collect();
     };
+    let mixture_o = if dense { None } else { mixture_o_joining_in_w(shape, chunk, between_b_and_w) };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
     // (On a stage between the first and the last, outside full recomputation, the walk counts the
@@ -291,19 +292,21 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         head_reads,
     };
     points.extend(first_join_points(shape, &down, held, made_in_b));
+    points.extend(mixture_o);
     points
 }
 
-/// On a mixture's chunk but the last (without a shared expert) B made the experts' and the
-/// router's gradients, so W begins with its last layer's MLP norm's weight gradient, which frees
+/// On a mixture's chunk but the last B made the experts' and the router's gradients, so W begins
+/// with its last layer's shared expert's weight gradients, if it has one (freeing what they read
+/// but the MLP norm's output, which B read too), and the MLP norm's weight gradient, which frees
 /// what it read (the norm's input and its output gradient), then o's, made from o's output
 /// gradient (under SP gathered over tp) and attention's output (which W recomputes under
-/// recomputation), both freed after it (but the output gradient not gathered): the
-/// first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy
-/// live beside. (Not under ZeRO-2 and 3.)
+/// recomputation), both freed after it (but the output gradient not gathered): the first large
+/// gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy live
+/// beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
 fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, query, hidden, stream, gathered, .. } = shape.sizes;
-    if chunk.last || shape.scattered || shape.tsp > 1 {
+    let StepSizes { element, local_tokens, query, hidden, ffn, stream, gathered, .. } = shape.sizes;
+    if chunk.last || shape.tsp > 1 {
         return None;
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
@@ -326,12 +329,30 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     if shape.sequence_parallel() {
         held.push(Term { name: "o's output gradient gathered over tp, freed", bytes: -gathered });
     }
+    let mut made = made_in_b + shape.norm * element / shape.shards;
+    // A shared expert's gradients (its gate vector's and three projections') are made by then,
+    // and what they read freed: the gate logit's gradient, the product, gate's and up's output
+    // gradients and the scaled output's gradient.
+    if shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+        made += (hidden * element + 3.0 * shape.gate) / shape.shards;
+        held.push(Term {
+            name: "what the shared expert's weight gradients read, freed",
+            bytes: -(local_tokens * (3.0 * ffn + 1.0) * element + gathered),
+        });
+    }
+    if shape.scattered {
+        held.extend([
+            Term { name: "the gradient, whole", bytes: o_gradient },
+            Term { name: "its reduce-scatter's staging", bytes: o_gradient },
+        ]);
+        return Some(Candidate::made("the last layer's o gradient reduce-scattered in W", made, held));
+    }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
     }
     Some(Candidate {
         name: "the last layer's o gradient joins its sum in W",
-        so_far: made_in_b + shape.norm * element + o_gradient,
+        so_far: made + o_gradient,
         held,
         new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: o_gradient }),
         key_values_pending: 0,
