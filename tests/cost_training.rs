@@ -3726,6 +3726,36 @@ fn under_zero_bubble_a_mixtures_w_may_peak_at_its_last_layers_o_gradient() {
 }
 
 #[test]
+fn under_zero_bubble_and_zero3_a_tsp_stage_holds_the_weights_it_gathered_again_for_its_b() {
+    // Under tsp beside dp with ZeRO-3, B gathers weights over dp again and holds them: under full
+    // recomputation the final norm's, read again in W, where the last stage peaks inside its
+    // first layer's MLP ring (512 bytes below the planner before); without it the rank's own q and
+    // k blocks, which wait for their broadcasts to the last owner while its v part of the input
+    // gradient is summed, where the last stage peaks at tsp=4 (0.084% below before).
+    let four = four_layers();
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,dp=2,tsp=2",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        3,
+        Recompute::Full,
+        false,
+    );
+    let point = ["first layer's MLP ring backward: a weight gradient made, unreduced"];
+    assert_eq!(exact_stages_peaking_at(&four, &layout, 64, &point), 8);
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,dp=2,tsp=4",
+        ScheduleKind::ZeroBubbleH1,
+        2,
+        3,
+        Recompute::Selective,
+        false,
+    );
+    let point = ["first layer's attention backward in B: v's part of the input gradient summed"];
+    assert_eq!(exact_stages_peaking_at(&four, &layout, 1024, &point), 8);
+}
+
+#[test]
 fn under_zero_bubble_and_zero3_the_final_norms_weight_gathered_again_is_held_from_b_to_w() {
     // Under full recomputation ZeRO-3 gathers the final norm's weight again at the last chunk's
     // B, for the recomputed head, and W reads it again to recompute the final norm's output: it is

@@ -630,14 +630,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if shape.statistics > 0.0 {
             for_w.push(Term { name: "the load-balancing loss beside the cross-entropy", bytes: element });
         }
-        // Under full recomputation ZeRO-3 gathers the final norm's weight again at B's head, for
-        // the recomputed head; W reads it again, to recompute the final norm's output.
-        if shape.recompute() == Recompute::Full {
-            let bytes = shape.weights_gathered_again(shape.norm * element);
-            for_w.extend(
-                (bytes > 0.0).then_some(Term { name: "the final norm's weight, gathered again (for W)", bytes }),
-            );
-        }
+        for_w.extend(final_norm_regathered_for_w(shape));
         // Under SP the last layer's output is kept gathered over tp for the final norm, in place of
         // the rank's share.
         if shape.sequence_parallel() {
@@ -810,7 +803,8 @@ fn beside_tsp_first_layer(shape: &StageShape, chunk: &Chunk, more: [Term; 2]) ->
 /// What a tsp stage's last chunk holds in B for its W beyond the later layers' inputs: the first
 /// layer's output (the next layer's attention norm's input, or the final norm's), the head's
 /// input gathered over the sequence (but under full recomputation), the final norm output's
-/// gradient and every token's logits' gradient. (On another chunk the stage's output sent on,
+/// gradient and every token's logits' gradient, and under ZeRO-3 with full recomputation the final
+/// norm's weight gathered again. (On another chunk the stage's output sent on,
 /// which its end keeps, stands for the first layer's: the later layers' inputs for W count the
 /// last layer's output.)
 fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
@@ -819,13 +813,23 @@ fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
         return Vec::new();
     }
     let head_input = if shape.recompute() == Recompute::Full { 0.0 } else { every_token };
-    vec![
+    let mut terms = vec![
         Term { name: "first layer's output (the next layer's or the final norm's input, for W)", bytes: stream },
         Term {
             name: "the head's input gathered, the final norm output's and the logits' gradients (for W)",
             bytes: head_input + gathered + tokens * vocab_shard * element,
         },
-    ]
+    ];
+    terms.extend(final_norm_regathered_for_w(shape));
+    terms
+}
+
+/// Under full recomputation ZeRO-3 gathers the final norm's weight again at the last chunk's B's
+/// head, for the recomputed head; W reads it again, to recompute the final norm's output.
+fn final_norm_regathered_for_w(shape: &StageShape) -> Option<Term> {
+    let bytes = shape.weights_gathered_again(shape.norm * shape.sizes.element);
+    (shape.recompute() == Recompute::Full && bytes > 0.0)
+        .then_some(Term { name: "the final norm's weight, gathered again (for W)", bytes })
 }
 
 /// Under zero bubble a tsp stage's B may peak inside its first layer's MLP ring backward
@@ -850,7 +854,8 @@ fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// v) where W recomputes attention's output from them (freed without recomputation, where the
 /// forward kept that output). The point: as the last owner's v's (or, the same bytes, k's) part of
 /// the gradient joins the sum, beside the earlier owners' gradients for W, the last owner's
-/// gradients and (recomputed) q and k blocks, the part and the sum before and after it. Beside it
+/// gradients and (recomputed) q and k blocks (else under ZeRO-3 the rank's own, gathered over dp,
+/// wait for their broadcasts), the part and the sum before and after it. Beside it
 /// the MLP ring's input gradient (the MLP norm's weight gradient reads it in W), the attention
 /// residual's gradient, and the layer's and the head's activations W reads. (A dense model's.)
 fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
@@ -882,6 +887,13 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
             name: "every owner's q, k and v, freed (the forward kept attention's output)",
             bytes: -every_owner_qkv,
         });
+    }
+    // Under ZeRO-3 the rank's own q and k blocks, gathered over dp again for the owners' input
+    // gradients, wait for their broadcasts for the last owner's q and k parts, after v's (under
+    // full recomputation the blocks broadcast again above).
+    let own_blocks = shape.weights_gathered_again(hidden * (query + kv) / owners * element);
+    if own_blocks > 0.0 && recompute != Recompute::Full {
+        held.push(Term { name: "the rank's q and k blocks, gathered over dp again", bytes: own_blocks });
     }
     held.extend([
         Term {
