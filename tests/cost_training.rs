@@ -3812,6 +3812,18 @@ fn under_any_schedule_beside_cp_the_last_stage_may_peak_as_a_forward_gathers_the
         false,
     );
     assert_eq!(exact_stages_peaking_at(&shared, &beside_cp_and_ep, 256, &point), 4);
+    // Interleaved, the micro-batch's earlier chunk on the last stage holds its layers' statistics
+    // in flight, which the point counts among every layer's (counted twice it was 128 bytes above
+    // the planner; left out, 216 bytes below).
+    let interleaved = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=2,cp=2",
+        ScheduleKind::Interleaved { chunks: 2 },
+        2,
+        2,
+        Recompute::None,
+        false,
+    );
+    assert_eq!(exact_stages_peaking_at(&routed_only, &interleaved, 1024, &point), 2);
 }
 
 #[test]

@@ -20,17 +20,12 @@ use super::{tsp_ring, StageShape};
 /// statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
 /// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard
 /// the sums; under another schedule only [`logits_gathered`], every micro-batch before it in flight
-/// or finished, but for an interleaved mixture, whose micro-batch's earlier chunks on the stage
-/// hold their layers' statistics in flight too: not modelled.)
+/// or finished; under interleaving the micro-batch's earlier chunks on the stage hold their layers'
+/// statistics in flight too, which the walk leaves to this point.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     if !shape.zero_bubble {
-        let interleaved_mixture = shape.chunks > 1 && shape.statistics > 0.0;
-        return if chunk.last && !interleaved_mixture {
-            logits_gathered(shape, chunk).into_iter().collect()
-        } else {
-            Vec::new()
-        };
+        return if chunk.last { logits_gathered(shape, chunk).into_iter().collect() } else { Vec::new() };
     }
     if shape.scattered {
         return Vec::new();

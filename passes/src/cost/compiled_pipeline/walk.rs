@@ -293,6 +293,10 @@ impl Point<'_> {
                 .count();
             let begun = self.before.iter().any(|before| before.micro_batch == micro_batch);
             if shape.stage + 1 == shape.stages {
+                // (The last chunk's forward points count every layer's statistics themselves.)
+                if micro_batch == step.micro_batch && self.kind == StepKind::Forward && step.chunk + 1 == chunks {
+                    continue;
+                }
                 for (chunk, hold) in (0..chunks - 1).zip(self.holds) {
                     if forwarded(self.before, micro_batch, chunk) && !forwarded(self.before, micro_batch, chunks - 1) {
                         // (This chunk's layers and the stage before's same chunk's: the
