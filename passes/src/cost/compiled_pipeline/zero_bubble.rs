@@ -181,7 +181,8 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// last chunk W first sums the micro-batch's two losses (a mixture's) and makes the LM head's
 /// weight gradient, under full recomputation from the final norm's output it recomputes; on another
 /// the last layer's down projection's (a dense MLP's, or a shared expert's: a mixture's routed
-/// experts' are B's). Beside dp, cp or ep (which all-reduce the loss before it joins its sum, and
+/// experts' are B's), and on a mixture's the last layer's o projection's after its MLP's
+/// ([`mixture_o_joining_in_w`]). Beside dp, cp or ep (which all-reduce the loss before it joins its sum, and
 /// the gradient) as the gradient is made, before its all-reduce (under ZeRO-2 and 3 its
 /// reduce-scatter, the sums the rank's shards), and the LM head's as it joins its sum after it.
 /// Beside a tied table, on the last chunk as the head's part of its gradient is made (it joins no
@@ -220,10 +221,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let mixture_o = if dense { None } else { mixture_o_joining_in_w(shape, chunk, between_b_and_w) };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
-    // (On a stage between the first and the last, outside full recomputation, the walk counts the
-    // micro-batch's received counts' sum at a W: not twice.)
-    let received =
-        if !chunk.last && shape.stage > 0 && shape.recompute() != Recompute::Full { shape.statistics } else { 0.0 };
+    let received = counts_received_at_w(shape, chunk);
     let mut held = vec![
         Term { name: "its positions", bytes: positions },
         Term {
@@ -296,13 +294,23 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     points
 }
 
+/// A mixture's counts' sum, received, that a micro-batch holds between B and W and the walk counts
+/// at a W itself (on a stage between the first and the last, outside full recomputation): not
+/// twice.
+fn counts_received_at_w(shape: &StageShape, chunk: &Chunk) -> f64 {
+    if !chunk.last && shape.stage > 0 && shape.recompute() != Recompute::Full {
+        shape.statistics
+    } else {
+        0.0
+    }
+}
+
 /// On a mixture's chunk but the last B made the experts' and the router's gradients, so W begins
 /// with its last layer's shared expert's weight gradients, if it has one (freeing what they read
 /// but the MLP norm's output, which B read too), and the MLP norm's weight gradient, which frees
 /// what it read (the norm's input and its output gradient), then o's, made from o's output
-/// gradient (under SP gathered over tp) and attention's output (which W recomputes under
-/// recomputation), both freed after it (but the output gradient not gathered): the first large
-/// gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy live
+/// gradient (under SP gathered over tp, and so freed after it) and attention's output (which W
+/// recomputes under recomputation; freed after it): the first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy live
 /// beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
 fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
     let StepSizes { element, local_tokens, query, hidden, ffn, stream, gathered, .. } = shape.sizes;
@@ -311,9 +319,7 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
-    // (On a stage between the first and the last, outside full recomputation, the walk counts the
-    // micro-batch's received counts' sum at a W: not twice.)
-    let received = if shape.stage > 0 && shape.recompute() != Recompute::Full { shape.statistics } else { 0.0 };
+    let received = counts_received_at_w(shape, chunk);
     let attention_output = if shape.recompute() == Recompute::None { local_tokens * query * element } else { 0.0 };
     let o_gradient = hidden * query * element;
     let mut held = vec![
