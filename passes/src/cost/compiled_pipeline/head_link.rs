@@ -54,16 +54,16 @@ pub(super) struct TakenEarly {
 
 impl HeadLink {
     /// The link of the first stage of `schedule` beside a tied table (`None` elsewhere, or where
-    /// a step reads a message the link never carries).
-    pub(super) fn new(shape: &StageShape, schedule: &Schedule) -> Option<Option<HeadLink>> {
+    /// a step reads a message the link never carries), given the phases that make a backward's
+    /// input gradients and its last weight gradient.
+    pub(super) fn new(
+        shape: &StageShape,
+        schedule: &Schedule,
+        (input_phase, tail_phase): (Phase, Phase),
+    ) -> Option<Option<HeadLink>> {
         if !shape.tied || shape.stage != 0 {
             return Some(None);
         }
-        let (input_phase, tail_phase) = if shape.zero_bubble {
-            (Phase::BackwardInput, Phase::BackwardWeight)
-        } else {
-            (Phase::Backward, Phase::Backward)
-        };
         let (chunks, two_stages) = (shape.chunks, shape.stages == 2);
         let last_chunk = chunks - 1;
         // Beside dp (or cp) × tp the head's part is reduced over dp at the backward's end.
@@ -103,32 +103,31 @@ impl HeadLink {
             }
             reads
         };
-        // Per message sent, the step that takes it.
-        let mut taken_at: Vec<Option<usize>> = vec![None; sent.len()];
+        // Per message sent, the step that takes it and the one that reads it.
+        let (mut taken_at, mut read_at) = (vec![None; sent.len()], vec![None; sent.len()]);
         let mut next = 0;
         for (at, step) in steps.iter().enumerate() {
             for message in reads(step) {
                 let position = sent.iter().position(|&sent| sent == message)?;
+                read_at[position].get_or_insert(at);
                 while next <= position {
                     taken_at[next] = Some(at);
                     next += 1;
                 }
             }
         }
-        let StageShape { sizes, .. } = shape;
+        let stream = shape.sizes.stream;
         let head_part = shape.tied_head_part().map_or(0.0, |term| term.bytes);
         let taken = sent
             .iter()
-            .zip(taken_at)
-            .filter_map(|(&message, at)| {
-                let at = at?;
-                let read_at = steps.iter().position(|step| reads(step).contains(&message))?;
+            .zip(taken_at.into_iter().zip(read_at))
+            .filter_map(|(&message, (at, read_at))| {
                 let (head_part, bytes) = match message {
-                    Message::Output { .. } => (false, sizes.stream),
-                    Message::InputGradient { .. } => (false, 2.0 * sizes.stream),
+                    Message::Output { .. } => (false, stream),
+                    Message::InputGradient { .. } => (false, 2.0 * stream),
                     Message::HeadPart { .. } => (true, head_part),
                 };
-                Some(Taken { at, read_at, head_part, bytes })
+                Some(Taken { at: at?, read_at: read_at?, head_part, bytes })
             })
             .collect();
         Some(Some(HeadLink { taken }))

@@ -28,7 +28,7 @@ pub(super) fn stage_peak(
     } else {
         (Phase::Backward, Phase::Backward)
     };
-    let head_link = HeadLink::new(shape, schedule)?;
+    let head_link = HeadLink::new(shape, schedule, (input_phase, tail_phase))?;
     let mut best: Option<ForwardPhase> = None;
     for (at, step) in steps.iter().enumerate() {
         let kind = if step.phase == tail_phase {
