@@ -1,17 +1,19 @@
-//! `pleat compile`: shard a model over a mesh and write one program a rank.
+//! `pleat compile`: shard a model over a mesh and write one program a rank: a forward pass, or with
+//! `--train` a training step (`crate::compiled_dir` is the directory it writes).
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use pleat_backend::overlap::Prefetch;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::{Mesh, Module};
 use pleat_passes::{Dump, PassCtx, PipelineReport};
-use serde::{Deserialize, Serialize};
 
+use crate::compiled_dir::{write_compiled, CompiledFiles};
 use crate::model_arg::{resolve, ModelSource};
+use crate::train::{TrainPlanFlags, TrainingPlan};
 use crate::usage::UsageError;
 
 /// How the mesh's axes are used.
@@ -164,7 +166,9 @@ pub struct CompileArgs {
     pub dump_after: Vec<String>,
     /// A plan from `pleat search --emit-plan`: its mesh, strategy, sequence length and one
     /// micro-batch of every replica replace --mesh, --strategy, --seq and --batch.
-    #[arg(long, conflicts_with_all = ["mesh", "strategy", "seq", "batch"])]
+    /// With --train, its micro-batches, ZeRO stage and recomputation replace those flags too,
+    /// and the batch is every micro-batch's.
+    #[arg(long, conflicts_with_all = ["mesh", "strategy", "seq", "batch", "zero", "recompute", "micro_batches"])]
     pub plan: Option<PathBuf>,
     /// Also write native code for each rank (repeatable), as `DIR/rank<i>.<ext>`: its elementwise and
     /// row-wise kernels and an entry function that runs the whole program; `so` is what
@@ -180,33 +184,14 @@ pub struct CompileArgs {
     /// DIR` runs what `pleat run MODEL` would.
     #[arg(long, value_enum)]
     pub precision: Option<crate::run::Precision>,
-}
-
-/// The version of `plan.json`.
-pub const PLAN_FORMAT_VERSION: u32 = 1;
-
-/// `plan.json`: what a compiled directory holds, for `pleat run DIR`.
-#[derive(Serialize, Deserialize)]
-pub struct PlanFile {
-    /// `PLAN_FORMAT_VERSION`.
-    pub format_version: u32,
-    /// The model's name.
-    pub model: String,
-    /// The mesh.
-    pub mesh: String,
-    /// The `--strategy` it was compiled with.
-    pub strategy: String,
-    /// Ranks (one `rank<i>.program` each).
-    pub ranks: u32,
-    /// Sequences a batch.
-    pub batch: u64,
-    /// Sequence length.
-    pub seq: u64,
-    /// `program format` of the rank files.
-    pub program_format_version: u32,
-    /// The plan's fingerprint: the sharded module's text and every rank's program (`write_compiled`);
-    /// reading the directory checks it.
-    pub plan_hash: String,
+    /// Compile a training step instead of the forward pass: forward, next-token cross-entropy and
+    /// backward a step, the gradients reduced as the mesh needs, and each rank's optimizer layout
+    /// (which blocks its AdamW updates and keeps moments for). `pleat run DIR --train` trains it.
+    #[arg(long)]
+    pub train: bool,
+    /// The training step's ZeRO stage, recomputation, buckets, micro-batches and pipeline schedule.
+    #[command(flatten)]
+    pub training: TrainPlanFlags,
 }
 
 /// A sharded module and its programs.
@@ -265,13 +250,19 @@ pub fn compile_model(
 
 /// Runs `pleat compile`.
 pub fn compile(args: &CompileArgs) -> Result<()> {
-    let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan)).transpose()?;
+    let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan, args.train)).transpose()?;
     let target = planned.as_ref().unwrap_or(&args.target);
     let config = args.precision.unwrap_or_default().apply(&target.config("compile")?);
+    if args.train && args.emit.contains(&crate::native::Emit::Exe) {
+        anyhow::bail!(UsageError::ExecutablesOfTraining);
+    }
     crate::native::check_available(&args.emit)?;
     crate::native::check_target_cpu(args.target_cpu.as_deref())?;
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
     let kernels = if args.emit.is_empty() { Kernels::Interpreted } else { Kernels::Native };
+    if args.train {
+        return compile_training_dir(args, target, &config, dump, kernels);
+    }
     let mut compiled = target.compile(&config, dump, kernels)?;
     if !args.emit.is_empty() {
         crate::native::schedule(&mut compiled.programs);
@@ -279,18 +270,83 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
-    let plan_hash = write_compiled(&args.out, &config, &compiled, target.batch, target.seq, target.strategy.name())?;
-    let mesh = &compiled.sharded.mesh;
+    let files = CompiledFiles {
+        config: &config,
+        module: &compiled.sharded,
+        programs: &compiled.programs,
+        mesh: compiled.sharded.mesh.to_string(),
+        batch: target.batch,
+        seq: target.seq,
+        strategy: target.strategy.name(),
+        training: None,
+    };
+    let plan_hash = write_compiled(&args.out, &files)?;
+    report_compiled(args, &config, &files, &plan_hash, "rank programs")
+}
+
+/// `pleat compile --train`: compiles a training step and writes it with each rank's optimizer
+/// layout, the programs bucketed and scheduled as `pleat run --train` runs them.
+fn compile_training_dir(
+    args: &CompileArgs,
+    target: &ModelOnMesh,
+    config: &ModelConfig,
+    dump: Dump,
+    kernels: Kernels,
+) -> Result<()> {
+    let training = match &args.plan {
+        Some(path) => planned_training(&args.training, path)?,
+        None => args.training.plan(),
+    };
+    let mesh = Mesh::parse(&target.mesh)?;
+    let shape = (target.batch, target.seq);
+    let mut compiled = crate::train::compile_training(config, shape, &mesh, target.strategy, &training, kernels, dump)?;
+    // A pipelined step's programs keep the lowered order its step spans describe.
+    if compiled.step_spans.is_empty() {
+        compiled.programs = crate::train::bucket_and_schedule(
+            &compiled.programs,
+            training.bucket_mb,
+            target.no_overlap,
+            target.prefetch(),
+        )?;
+    }
+    if !args.emit.is_empty() {
+        crate::native::schedule(&mut compiled.programs);
+    }
+    for (pass, text) in &compiled.dumps {
+        println!("; after {pass}\n{text}");
+    }
+    let files = CompiledFiles {
+        config,
+        module: &compiled.module,
+        programs: &compiled.programs,
+        mesh: mesh.to_string(),
+        batch: target.batch,
+        seq: target.seq,
+        strategy: target.strategy.name(),
+        training: Some((&training, &compiled.layouts)),
+    };
+    let plan_hash = write_compiled(&args.out, &files)?;
+    report_compiled(args, config, &files, &plan_hash, "rank training programs")
+}
+
+/// Prints what `compile` wrote, and writes the `--emit` artifacts.
+fn report_compiled(
+    args: &CompileArgs,
+    config: &ModelConfig,
+    files: &CompiledFiles,
+    plan_hash: &str,
+    what: &str,
+) -> Result<()> {
     println!(
-        "compiled {} for {} into {}: {} rank programs, plan hash {}",
+        "compiled {} for {} into {}: {} {what}, plan hash {}",
         config.name,
-        if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() },
+        if files.mesh.is_empty() { "one rank" } else { &files.mesh },
         args.out.display(),
-        compiled.programs.len(),
+        files.programs.len(),
         plan_hash
     );
     if !args.emit.is_empty() {
-        let written = crate::native::emit(&compiled.programs, &args.emit, args.target_cpu.as_deref(), &args.out)?;
+        let written = crate::native::emit(files.programs, &args.emit, args.target_cpu.as_deref(), &args.out)?;
         println!("native kernels: {}", written.join(", "));
     }
     Ok(())
@@ -298,7 +354,8 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
 
 /// `model` on the mesh, strategy and input size the search plan file at `path` names (the model
 /// comes from the command line, so that a small stand-in can be compiled for a large model's plan).
-fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
+/// With `training`, the batch is every micro-batch's.
+fn planned_target(model: &str, path: &Path, training: bool) -> Result<ModelOnMesh> {
     let choice = crate::search::PlanChoice::read(path)?;
     let strategy = <Strategy as clap::ValueEnum>::from_str(&choice.strategy, true)
         .map_err(|_| UsageError::UnknownPlanStrategy { path: path.to_path_buf(), strategy: choice.strategy.clone() })?;
@@ -307,97 +364,28 @@ fn planned_target(model: &str, path: &Path) -> Result<ModelOnMesh> {
         mesh: choice.mesh,
         strategy,
         seq: choice.seq,
-        batch: choice.micro_batch * choice.dp,
+        batch: choice.micro_batch * choice.dp * if training { choice.micro_batches } else { 1 },
         no_overlap: false,
         comm_streams: 2,
     })
 }
 
-/// Writes the compiled directory into a temporary sibling, then renames it into place, so an
-/// interrupted compile never leaves a half-written directory. Returns the plan's fingerprint:
-/// FNV-1a over the bytes of `module.pleat` and of every `rank<i>.program` as written, which
-/// `read_compiled` checks. Equal plans, byte for byte, have equal hashes.
-pub(crate) fn write_compiled(
-    out: &Path,
-    config: &ModelConfig,
-    compiled: &Compiled,
-    batch: u64,
-    seq: u64,
-    strategy_name: &str,
-) -> Result<String> {
-    let module_text = pleat_ir::text::print_module(&compiled.sharded);
-    let program_texts: Vec<String> = compiled.programs.iter().map(pleat_backend::to_json).collect();
-    let mut fingerprint = crate::fingerprint::Fingerprint::new();
-    fingerprint.part(module_text.as_bytes());
-    for text in &program_texts {
-        fingerprint.part(text.as_bytes());
-    }
-    let plan_hash = fingerprint.hex();
-    let plan = PlanFile {
-        format_version: PLAN_FORMAT_VERSION,
-        model: config.name.clone(),
-        mesh: compiled.sharded.mesh.to_string(),
-        strategy: strategy_name.to_string(),
-        ranks: compiled.programs.len() as u32,
-        batch,
-        seq,
-        program_format_version: pleat_backend::FORMAT_VERSION,
-        plan_hash: plan_hash.clone(),
-    };
-    crate::checkpoint::write_dir_atomically(out, "plan.json", |staging| {
-        std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
-        std::fs::write(staging.join("config.json"), config.to_hf_json())?;
-        std::fs::write(staging.join("module.pleat"), module_text)?;
-        for (program, text) in compiled.programs.iter().zip(program_texts) {
-            std::fs::write(staging.join(format!("rank{}.program", program.rank)), text)?;
-            std::fs::write(
-                staging.join(format!("rank{}.txt", program.rank)),
-                pleat_backend::text::print_program(program),
-            )?;
-        }
-        Ok(())
-    })?;
-    Ok(plan_hash)
-}
-
-/// Reads a compiled directory back: its plan, config and programs.
-pub fn read_compiled(dir: &Path) -> Result<(PlanFile, ModelConfig, Vec<Program>)> {
-    let plan_path = dir.join("plan.json");
-    let plan: PlanFile = serde_json::from_str(
-        &std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?,
-    )
-    .map_err(|error| UsageError::NotAPlan { path: plan_path.clone(), what: "plan", reason: error.to_string() })?;
-    if plan.format_version != PLAN_FORMAT_VERSION {
-        anyhow::bail!(UsageError::PlanFormatVersion {
-            path: plan_path,
-            found: plan.format_version,
-            expected: PLAN_FORMAT_VERSION
-        });
-    }
-    let config = crate::model_arg::read_config(&dir.join("config.json"))?;
-    // The hash covers the files as written (`write_compiled`): a damaged or edited directory is
-    // refused before anything runs.
-    let mut fingerprint = crate::fingerprint::Fingerprint::new();
-    let module_path = dir.join("module.pleat");
-    let unreadable = |path: &Path, error: std::io::Error| UsageError::CompiledFileUnreadable {
+/// The training plan of a search plan file at `path`: its micro-batches, ZeRO stage and
+/// recomputation, the rest from `flags`.
+fn planned_training(flags: &TrainPlanFlags, path: &Path) -> Result<TrainingPlan> {
+    let choice = crate::search::PlanChoice::read(path)?;
+    let recompute =
+        <crate::train::RecomputeArg as clap::ValueEnum>::from_str(&choice.recompute, true).map_err(|_| {
+            UsageError::NotAPlan {
+                path: path.to_path_buf(),
+                what: "search plan",
+                reason: format!("unknown recompute mode {:?}", choice.recompute),
+            }
+        })?;
+    let micro_batches = u32::try_from(choice.micro_batches).map_err(|_| UsageError::NotAPlan {
         path: path.to_path_buf(),
-        reason: error.to_string(),
-    };
-    fingerprint.part(&std::fs::read(&module_path).map_err(|error| unreadable(&module_path, error))?);
-    let programs = (0..plan.ranks)
-        .map(|rank| {
-            let path = dir.join(format!("rank{rank}.program"));
-            let text = std::fs::read_to_string(&path).map_err(|error| unreadable(&path, error))?;
-            fingerprint.part(text.as_bytes());
-            pleat_backend::from_json(&text).with_context(|| format!("{}", path.display()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    if fingerprint.hex() != plan.plan_hash {
-        anyhow::bail!(UsageError::PlanHashMismatch {
-            path: plan_path,
-            recorded: plan.plan_hash,
-            actual: fingerprint.hex()
-        });
-    }
-    Ok((plan, config, programs))
+        what: "search plan",
+        reason: format!("{} micro-batches", choice.micro_batches),
+    })?;
+    Ok(TrainingPlan { zero: choice.zero, recompute, micro_batches, ..flags.plan() })
 }

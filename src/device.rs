@@ -194,10 +194,15 @@ pub struct CudaTrainer(std::convert::Infallible);
 
 #[cfg(feature = "cuda")]
 impl CudaTrainer {
-    /// Opens the first device and generates `programs`' kernels for it (see [`run_on_cuda`]).
-    pub fn open(programs: &mut [Program]) -> Result<CudaTrainer> {
+    /// Opens the first device; `programs`' kernels are the compiled directory's (`pleat compile
+    /// --train --emit ptx`) when `compiled` holds them for every rank, else generated for the
+    /// device here (see [`run_on_cuda`]).
+    pub fn open(programs: &mut [Program], compiled: Option<&std::path::Path>) -> Result<CudaTrainer> {
         let device = pleat_runtime::cuda::CudaDevice::open(0)?;
-        let code = device_code(programs, device.ptx_arch())?;
+        let code = match compiled.map(|dir| read_device_code(dir, programs.len(), device.ptx_arch())).transpose()? {
+            Some(Some(code)) => code,
+            _ => device_code(programs, device.ptx_arch())?,
+        };
         Ok(CudaTrainer { device, code })
     }
 
@@ -223,7 +228,7 @@ impl CudaTrainer {
 #[cfg(not(feature = "cuda"))]
 impl CudaTrainer {
     /// Without the `cuda` feature: says to rebuild with it.
-    pub fn open(_programs: &mut [Program]) -> Result<CudaTrainer> {
+    pub fn open(_programs: &mut [Program], _compiled: Option<&std::path::Path>) -> Result<CudaTrainer> {
         anyhow::bail!(crate::usage::UsageError::CudaUnavailable)
     }
 

@@ -28,7 +28,9 @@ pub fn launch(args: &RunArgs) -> Result<()> {
     let ModelSource::Compiled(dir) = resolve(&args.model)? else {
         bail!(not_launchable("it is not a compiled directory (`pleat compile ... --emit so --out DIR`)".into()));
     };
-    let (_, _, programs) = crate::compile::read_compiled(&dir)?;
+    let compiled = crate::compiled_dir::read_compiled(&dir)?;
+    compiled.expect_forward(&dir)?;
+    let programs = compiled.programs;
     let libraries = crate::native::load(&dir, &programs)?;
     for (rank, library) in libraries.iter().enumerate() {
         match ExecutionPath::of(library.as_ref()) {

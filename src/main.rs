@@ -9,6 +9,7 @@ mod bench;
 mod checkpoint;
 mod compare;
 mod compile;
+mod compiled_dir;
 mod demo;
 mod device;
 mod exe;

@@ -18,7 +18,8 @@ use pleat_runtime::weights::{SafetensorsWeights, SeededWeights, WeightSource};
 use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, RankOutcome, RunInputs, ThreadRunOptions};
 use serde_json::json;
 
-use crate::compile::{compile_model, read_compiled, Kernels, Strategy};
+use crate::compile::{compile_model, Kernels, Strategy};
+use crate::compiled_dir::read_compiled;
 use crate::device::{Device, DeviceReport};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
@@ -50,6 +51,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The precision a configuration's dtype computes in (a compiled directory's config holds the
+    /// one it was compiled with).
+    pub fn of(config: &ModelConfig) -> Precision {
+        match config.dtype {
+            ConfigDtype::Bf16 => Precision::Bf16,
+            ConfigDtype::F32 | ConfigDtype::F16 => Precision::F32,
+        }
+    }
+
     /// `config` with its dtype set to this precision: the graph's params and activations take it.
     pub fn apply(self, config: &ModelConfig) -> ModelConfig {
         let mut config = config.clone();
@@ -278,7 +288,9 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             if args.native {
                 bail!(UsageError::NativeOfCompiled { dir: dir.display().to_string() });
             }
-            let (plan, config, programs) = read_compiled(&dir)?;
+            let compiled = read_compiled(&dir)?;
+            compiled.expect_forward(&dir)?;
+            let (plan, config, programs) = (compiled.plan, compiled.config, compiled.programs);
             compiled_dir = Some(dir.clone());
             if !cuda {
                 native = crate::native::load(&dir, &programs)?;

@@ -7,7 +7,8 @@ use std::process::Stdio;
 
 use anyhow::{bail, Context, Result};
 
-use crate::compile::{read_compiled, write_compiled, Kernels, ModelOnMesh};
+use crate::compile::{Kernels, ModelOnMesh};
+use crate::compiled_dir::{read_compiled, write_compiled, CompiledFiles};
 use crate::device::Device;
 use crate::inputs::read_tokens;
 use crate::model_arg::{resolve, ModelSource};
@@ -34,7 +35,9 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             if args.precision.is_some() {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
             }
-            let (plan, _, _) = read_compiled(&dir)?;
+            let compiled = read_compiled(&dir)?;
+            compiled.expect_forward(&dir)?;
+            let plan = compiled.plan;
             args.check_sizes_against(plan.batch, plan.seq)?;
             (dir, args.weights.clone(), plan.ranks, plan.batch, plan.seq)
         }
@@ -52,7 +55,17 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             let config = args.precision.unwrap_or_default().apply(&config);
             let compiled = target.compile(&config, pleat_passes::Dump::Nothing, Kernels::Interpreted)?;
             let dir = scratch.path().join("compiled");
-            write_compiled(&dir, &config, &compiled, batch, seq, target.strategy.name())?;
+            let files = CompiledFiles {
+                config: &config,
+                module: &compiled.sharded,
+                programs: &compiled.programs,
+                mesh: compiled.sharded.mesh.to_string(),
+                batch,
+                seq,
+                strategy: target.strategy.name(),
+                training: None,
+            };
+            write_compiled(&dir, &files)?;
             (dir, args.weights.clone().or(weights), compiled.programs.len() as u32, batch, seq)
         }
     };

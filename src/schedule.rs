@@ -11,18 +11,33 @@ use pleat_passes::pipeline::{render_text, simulate, Schedule, ScheduleKind, Step
 use serde_json::{json, Value};
 
 /// The schedules `--schedule` takes.
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ScheduleName {
     /// All forwards, then all backwards.
     Gpipe,
     /// One forward one backward after a warm-up (PipeDream-flush).
     #[value(name = "1f1b")]
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// Megatron's interleaved 1F1B with --chunks model chunks a rank.
     Interleaved,
     /// Zero-bubble H1: the backward split, weight gradients filling the bubble.
     #[value(name = "zb-h1")]
+    #[serde(rename = "zb-h1")]
     ZbH1,
+}
+
+impl ScheduleName {
+    /// Its name as `--schedule` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleName::Gpipe => "gpipe",
+            ScheduleName::OneFOneB => "1f1b",
+            ScheduleName::Interleaved => "interleaved",
+            ScheduleName::ZbH1 => "zb-h1",
+        }
+    }
 }
 
 /// Output formats of `schedule`.

@@ -22,7 +22,8 @@ use pleat_passes::Dump;
 use pleat_runtime::{run_on_threads, RankOutcome, RunInputs};
 use serde_json::{json, Value};
 
-use crate::compile::{read_compiled, ModelOnMesh};
+use crate::compile::ModelOnMesh;
+use crate::compiled_dir::read_compiled;
 use crate::model_arg::{resolve, ModelSource};
 use crate::predict::{describe, overlap_programs, predict, summarize, Stream, Work};
 
@@ -180,22 +181,22 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let config = args.target.config("trace")?;
     let stages = mesh.degree(AxisName::Pp) as u32;
     let micro_batches = args.pipeline.micro_batches_or_default(args.target.batch, stages);
-    let pipelining = crate::train::Pipelining {
-        micro_batches,
-        schedule: args.pipeline.schedule,
+    let training = crate::train::TrainPlanFlags {
+        micro_batches: Some(micro_batches),
+        schedule: Some(args.pipeline.schedule),
         chunks: args.pipeline.chunks,
-        layers: None,
-    };
+        ..Default::default()
+    }
+    .plan();
     let shape = (args.target.batch, args.target.seq);
-    let state = (0, pleat_passes::autodiff::Recompute::None);
     let compiled = crate::train::compile_training(
         &config,
         shape,
         mesh,
         args.target.strategy,
-        state,
-        &pipelining,
+        &training,
         crate::compile::Kernels::Interpreted,
+        pleat_passes::Dump::Nothing,
     )?;
     let tokens = synthetic_tokens(0, 0, shape.0, shape.1, config.vocab_size);
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
@@ -267,7 +268,7 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
     // The programs as lowered (every transfer blocking) and as the overlap scheduler orders them
     // for `hw`; a compiled directory is traced as it was compiled.
     let (blocking, programs) = match resolve(&args.target.model)? {
-        ModelSource::Compiled(dir) => (None, read_compiled(&dir)?.2),
+        ModelSource::Compiled(dir) => (None, read_compiled(&dir)?.programs),
         ModelSource::Config { config, .. } => {
             let mesh = Mesh::parse(&args.target.mesh)?;
             let target = &args.target;

@@ -22,7 +22,8 @@ use pleat_passes::autodiff::Recompute;
 use pleat_passes::Dump;
 use pleat_runtime::train::{final_state, train_on_threads, AdamWSettings, RankTraining, TrainOptions};
 use pleat_runtime::weights::{BlockWeights, WeightSource};
-use pleat_runtime::OutputBlock;
+use pleat_runtime::{NativeKernels, OutputBlock};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::compile::Strategy;
@@ -111,7 +112,8 @@ impl CheckTolerances {
 }
 
 /// `--recompute`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum RecomputeArg {
     /// Keep every activation the backward reads.
     #[default]
@@ -147,37 +149,12 @@ pub struct TrainFlags {
     /// Clip the gradients to this global L2 norm (0: no clipping).
     #[arg(long, default_value_t = 1.0, requires = "train", value_parser = crate::number_flags::non_negative)]
     pub max_grad_norm: f64,
-    /// ZeRO stage over the ranks that replicate the parameters (dp, cp, and ep for a mixture's
-    /// dense ones): 1 splits the optimizer state, 2 also the gradients, 3 also the parameters.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3), requires = "train")]
-    pub zero: u8,
-    /// Which activations the backward recomputes instead of keeping.
-    #[arg(long, value_enum, default_value_t = RecomputeArg::None, requires = "train")]
-    pub recompute: RecomputeArg,
     /// Token ids to train on: integers separated by whitespace or commas; each step reads the next
     /// batch·seq of them, wrapping around. Without it, a deterministic synthetic stream.
     #[arg(long, requires = "train")]
     pub data: Option<PathBuf>,
-    /// Gradient buckets (MiB): the gradients' all-reduces over dp (reduce-scatters under ZeRO-2
-    /// and 3) are merged into messages of up to this size, each sent once its last gradient exists
-    /// (PyTorch DDP's bucket_cap_mb); 0 sends each gradient alone. Not applied to pipelined steps.
-    #[arg(long, default_value_t = 25, requires = "train")]
-    pub bucket_mb: u64,
-    /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,
-    /// with a pp axis in --mesh, which flow through the pipeline stages).
-    #[arg(long, default_value_t = 1, requires = "train", value_parser = crate::number_flags::count::<u32>)]
-    pub micro_batches: u32,
-    /// The pipeline schedule (with a pp axis).
-    #[arg(long, value_enum, default_value_t = ScheduleName::OneFOneB, requires = "train")]
-    pub schedule: ScheduleName,
-    /// Model chunks a pipeline rank, for --schedule interleaved (default 2).
-    #[arg(long, requires = "train", value_parser = crate::number_flags::count::<u32>)]
-    pub chunks: Option<u32>,
-    /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (with --schedule interleaved, a
-    /// virtual stage: pp times --chunks counts); default: balanced by the cost model, the
-    /// embedding counted on the first stage and the LM head and loss on the last.
-    #[arg(long, requires = "train")]
-    pub pp_layers: Option<String>,
+    #[command(flatten)]
+    pub plan: TrainPlanFlags,
     /// After the last step, write a checkpoint here: each rank's blocks of the model and of the
     /// optimizer's moments, an index of them and the steps taken (also a model directory `pleat
     /// run` reads, on any mesh).
@@ -193,6 +170,125 @@ pub struct TrainFlags {
     pub resume: Option<PathBuf>,
 }
 
+/// The training flags that shape the compiled programs, which `pleat run --train` and `pleat
+/// compile --train` take; a compiled directory keeps the values it was compiled with
+/// ([`TrainingPlan`]). Unset, each takes the default its doc gives.
+#[derive(Args, Clone, Default)]
+pub struct TrainPlanFlags {
+    /// ZeRO stage over the ranks that replicate the parameters (dp, cp, and ep for a mixture's
+    /// dense ones): 1 splits the optimizer state, 2 also the gradients, 3 also the parameters.
+    /// [default: 0]
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3), requires = "train")]
+    pub zero: Option<u8>,
+    /// Which activations the backward recomputes instead of keeping.
+    /// [default: none]
+    #[arg(long, value_enum, requires = "train")]
+    pub recompute: Option<RecomputeArg>,
+    /// Gradient buckets (MiB): the gradients' all-reduces over dp (reduce-scatters under ZeRO-2
+    /// and 3) are merged into messages of up to this size, each sent once its last gradient exists
+    /// (PyTorch DDP's bucket_cap_mb); 0 sends each gradient alone. Not applied to pipelined steps.
+    /// [default: 25]
+    #[arg(long, requires = "train")]
+    pub bucket_mb: Option<u64>,
+    /// Micro-batches a step: the batch is split into this many, whose gradients are summed (and,
+    /// with a pp axis in --mesh, which flow through the pipeline stages).
+    /// [default: 1]
+    #[arg(long, requires = "train", value_parser = crate::number_flags::count::<u32>)]
+    pub micro_batches: Option<u32>,
+    /// The pipeline schedule (with a pp axis).
+    /// [default: 1f1b]
+    #[arg(long, value_enum, requires = "train")]
+    pub schedule: Option<ScheduleName>,
+    /// Model chunks a pipeline rank, for --schedule interleaved (default 2).
+    #[arg(long, requires = "train", value_parser = crate::number_flags::count::<u32>)]
+    pub chunks: Option<u32>,
+    /// Layers a pipeline stage, first to last, e.g. 9,8,8,7 (with --schedule interleaved, a
+    /// virtual stage: pp times --chunks counts); default: balanced by the cost model, the
+    /// embedding counted on the first stage and the LM head and loss on the last.
+    #[arg(long, requires = "train")]
+    pub pp_layers: Option<String>,
+}
+
+impl TrainPlanFlags {
+    /// The training plan these flags ask for, each unset flag at its default.
+    pub fn plan(&self) -> TrainingPlan {
+        TrainingPlan {
+            zero: self.zero.unwrap_or(0),
+            recompute: self.recompute.unwrap_or_default(),
+            bucket_mb: self.bucket_mb.unwrap_or(25),
+            micro_batches: self.micro_batches.unwrap_or(1),
+            schedule: self.schedule.unwrap_or(ScheduleName::OneFOneB),
+            chunks: self.chunks,
+            pp_layers: self.pp_layers.clone(),
+        }
+    }
+
+    /// Refuses a flag given with a value other than the compiled directory `dir`'s `plan`.
+    pub fn check_against(&self, dir: &Path, plan: &TrainingPlan) -> Result<()> {
+        let wanted = self.plan();
+        let name = |value: RecomputeArg| format!("{value:?}").to_lowercase();
+        // An unset --chunks or --pp-layers takes its default (2 chunks; layers balanced by cost).
+        let set = |value: Option<String>| value.unwrap_or_else(|| "unset".to_string());
+        let flags: [(&'static str, bool, String, String); 7] = [
+            ("--zero", self.zero.is_some(), wanted.zero.to_string(), plan.zero.to_string()),
+            ("--recompute", self.recompute.is_some(), name(wanted.recompute), name(plan.recompute)),
+            ("--bucket-mb", self.bucket_mb.is_some(), wanted.bucket_mb.to_string(), plan.bucket_mb.to_string()),
+            (
+                "--micro-batches",
+                self.micro_batches.is_some(),
+                wanted.micro_batches.to_string(),
+                plan.micro_batches.to_string(),
+            ),
+            ("--schedule", self.schedule.is_some(), wanted.schedule.name().into(), plan.schedule.name().into()),
+            (
+                "--chunks",
+                self.chunks.is_some(),
+                set(wanted.chunks.map(|chunks| chunks.to_string())),
+                set(plan.chunks.map(|chunks| chunks.to_string())),
+            ),
+            ("--pp-layers", self.pp_layers.is_some(), set(wanted.pp_layers), set(plan.pp_layers.clone())),
+        ];
+        for (flag, given, wanted, planned) in flags {
+            if given && wanted != planned {
+                bail!(UsageError::TrainFlagDiffersFromPlan { flag, given: wanted, planned, dir: dir.to_path_buf() });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a training step was compiled: what [`TrainPlanFlags`] asked for, each at its value.
+/// A compiled directory records it in `plan.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainingPlan {
+    /// `--zero`.
+    pub zero: u8,
+    /// `--recompute`.
+    pub recompute: RecomputeArg,
+    /// `--bucket-mb`.
+    pub bucket_mb: u64,
+    /// `--micro-batches`.
+    pub micro_batches: u32,
+    /// `--schedule`.
+    pub schedule: ScheduleName,
+    /// `--chunks`, as given.
+    pub chunks: Option<u32>,
+    /// `--pp-layers`, as given.
+    pub pp_layers: Option<String>,
+}
+
+impl TrainingPlan {
+    /// How the step is split into micro-batches and pipeline stages.
+    pub fn pipelining(&self) -> Pipelining {
+        Pipelining {
+            micro_batches: self.micro_batches,
+            schedule: self.schedule,
+            chunks: self.chunks,
+            layers: self.pp_layers.clone(),
+        }
+    }
+}
+
 /// A compiled training plan.
 pub struct CompiledTraining {
     pub module: Module,
@@ -205,6 +301,8 @@ pub struct CompiledTraining {
     /// statistics over each micro-batch's tokens), else 1 (the cross-entropy's mean over the
     /// micro-batches is the whole batch's).
     pub loss_micro_batches: u64,
+    /// `(pass, IR text after it)` for each pass `dump` asked for.
+    pub dumps: Vec<(&'static str, String)>,
 }
 
 /// How a training step is split into micro-batches and pipeline stages.
@@ -227,10 +325,12 @@ pub fn compile_training(
     (batch, seq): (u64, u64),
     mesh: &Mesh,
     strategy: Strategy,
-    (zero, recompute): (u8, Recompute),
-    pipelining: &Pipelining,
+    training: &TrainingPlan,
     kernels: crate::compile::Kernels,
+    dump: Dump,
 ) -> Result<CompiledTraining> {
+    let (zero, recompute) = (training.zero, Recompute::from(training.recompute));
+    let pipelining = &training.pipelining();
     if strategy == Strategy::TpSpOrTsp {
         bail!(UsageError::TrainFoldedStrategy);
     }
@@ -242,16 +342,16 @@ pub fn compile_training(
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
     }
-    let aux_loss = config.moe.as_ref().is_some_and(|moe| moe.output_router_logits);
-    let loss_micro_batches = if aux_loss { u64::from(micro_batches) } else { 1 };
+    let loss_micro_batches = loss_micro_batches(config, micro_batches);
     let inner = crate::pipeline::inner_mesh(mesh)?;
-    let mut ctx = strategy.pass_ctx(&inner, Dump::Nothing)?;
+    let mut ctx = strategy.pass_ctx(&inner, dump)?;
     ctx.zero_stage = zero;
     ctx.recompute = recompute;
     let mut module = pleat_ir::model::build_training(config, batch / u64::from(micro_batches), seq)?;
     module.mesh = inner;
-    pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
-    crate::compile::fuse_for(kernels, &mut module, &ctx, None)?;
+    let mut report = pleat_passes::run_pipeline(pleat_passes::TRAIN_PIPELINE, &mut module, &ctx)?;
+    crate::compile::fuse_for(kernels, &mut module, &ctx, Some(&mut report))?;
+    let dumps = report.dumps;
     if stages > 1 || micro_batches > 1 {
         let kind = crate::pipeline::schedule_kind(pipelining.schedule, pipelining.chunks)?;
         let virtual_stages = stages * kind.chunks();
@@ -290,24 +390,29 @@ pub fn compile_training(
         let schedule = crate::pipeline::schedule_steps(kind, stages, micro_batches)?;
         let plan = (micro_batches, kind.chunks());
         let (programs, layouts, step_spans) = crate::pipeline::pipelined(&module, &stage_of, &schedule, plan, zero)?;
-        return Ok(CompiledTraining { module, programs, layouts, step_spans, loss_micro_batches });
+        return Ok(CompiledTraining { module, programs, layouts, step_spans, loss_micro_batches, dumps });
     }
     let programs = pleat_backend::lower(&module)?;
     pleat_backend::verify_collectives(&programs)?;
     let layouts = (0..programs.len() as u32)
         .map(|rank| optimizer_layout(&module, rank, zero))
         .collect::<pleat_backend::Result<Vec<_>>>()?;
-    Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new(), loss_micro_batches })
+    Ok(CompiledTraining { module, programs, layouts, step_spans: Vec::new(), loss_micro_batches, dumps })
 }
 
 /// A training step's programs as the threads runtime runs them: the gradients' reductions in
 /// buckets of up to `bucket_mb` MiB (0: each alone), then scheduled for overlap unless
-/// `no_overlap`.
-pub fn bucket_and_schedule(programs: &[Program], bucket_mb: u64, no_overlap: bool) -> Result<Vec<Program>> {
+/// `no_overlap`, weight prefetches where `prefetch` says.
+pub fn bucket_and_schedule(
+    programs: &[Program],
+    bucket_mb: u64,
+    no_overlap: bool,
+    prefetch: Prefetch,
+) -> Result<Vec<Program>> {
     let cap = bucket_mb.saturating_mul(1 << 20);
     let bucketed: Vec<Program> = programs.iter().map(|program| bucket_gradient_reductions(program, cap)).collect();
     pleat_backend::verify_collectives(&bucketed)?;
-    crate::predict::overlap_for_cpu(bucketed, no_overlap, Prefetch::OwnStream)
+    crate::predict::overlap_for_cpu(bucketed, no_overlap, prefetch)
 }
 
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file.
@@ -361,15 +466,126 @@ struct TrainReport {
     device: Option<DeviceReport>,
 }
 
+/// What a training run trains: compiled here from a model, or read from a compiled directory.
+struct TrainingTarget {
+    /// The model's configuration (a checkpoint records it).
+    config: ModelConfig,
+    /// At the precision the ranks compute in: the reference's.
+    compute: ModelConfig,
+    precision: Precision,
+    shape: (u64, u64),
+    mesh: Mesh,
+    plan: TrainingPlan,
+    programs: Vec<Program>,
+    layouts: Vec<OptimizerLayout>,
+    /// `CompiledTraining::loss_micro_batches`.
+    loss_micro_batches: u64,
+    weights_path: Option<PathBuf>,
+    /// Each rank's native code: `--native`'s, or a compiled directory's `rank<i>.so`.
+    native: Vec<Option<NativeKernels>>,
+    /// The GPU the steps run on (`--device cuda`).
+    cuda: Option<crate::device::CudaTrainer>,
+}
+
+impl TrainingTarget {
+    /// Compiles the model `args` name, or reads the compiled directory it names.
+    fn new(args: &RunArgs) -> Result<TrainingTarget> {
+        let cuda = args.device == Device::Cuda;
+        if cuda && args.native {
+            bail!(UsageError::CpuOnlyFlag { flag: "--native" });
+        }
+        match resolve(&args.model)? {
+            ModelSource::Config { config, weights } => Self::compile(args, *config, args.weights.clone().or(weights)),
+            ModelSource::Compiled(dir) => Self::read(args, &dir),
+        }
+    }
+
+    fn compile(args: &RunArgs, config: ModelConfig, weights_path: Option<PathBuf>) -> Result<TrainingTarget> {
+        let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
+        let mesh = Mesh::parse(&args.mesh)?;
+        let plan = args.training.plan.plan();
+        let precision = args.precision.unwrap_or_default();
+        let compute = precision.apply(&config);
+        let mut compiled =
+            compile_training(&compute, shape, &mesh, args.strategy, &plan, args.kernels(), Dump::Nothing)?;
+        // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
+        if compiled.step_spans.is_empty() {
+            compiled.programs =
+                bucket_and_schedule(&compiled.programs, plan.bucket_mb, args.no_overlap, Prefetch::OwnStream)?;
+        }
+        // On a GPU each step runs there (GEMMs on cuBLAS, the generated kernels, the rest on the
+        // host), the optimizer on the host.
+        let cuda = match args.device {
+            Device::Cuda => Some(crate::device::CudaTrainer::open(&mut compiled.programs, None)?),
+            Device::Cpu => None,
+        };
+        let native = if args.native { crate::native::build_and_load(&mut compiled.programs)? } else { Vec::new() };
+        Ok(TrainingTarget {
+            config,
+            compute,
+            precision,
+            shape,
+            mesh,
+            plan,
+            programs: compiled.programs,
+            layouts: compiled.layouts,
+            loss_micro_batches: compiled.loss_micro_batches,
+            weights_path,
+            native,
+            cuda,
+        })
+    }
+
+    /// A compiled directory's training step, run as it was compiled: the flags that would compile
+    /// it differently are refused.
+    fn read(args: &RunArgs, dir: &Path) -> Result<TrainingTarget> {
+        let display = || dir.display().to_string();
+        if args.precision.is_some() {
+            bail!(UsageError::PrecisionOfCompiled { dir: display() });
+        }
+        if args.native {
+            bail!(UsageError::NativeOfCompiled { dir: display() });
+        }
+        let mut compiled = crate::compiled_dir::read_compiled(dir)?;
+        let plan = compiled.expect_training(dir)?.clone();
+        args.training.plan.check_against(dir, &plan)?;
+        args.check_sizes_against(compiled.plan.batch, compiled.plan.seq)?;
+        let config = compiled.config;
+        let cuda = match args.device {
+            Device::Cuda => Some(crate::device::CudaTrainer::open(&mut compiled.programs, Some(dir))?),
+            Device::Cpu => None,
+        };
+        let native = if cuda.is_none() { crate::native::load(dir, &compiled.programs)? } else { Vec::new() };
+        Ok(TrainingTarget {
+            compute: config.clone(),
+            precision: Precision::of(&config),
+            shape: (compiled.plan.batch, compiled.plan.seq),
+            mesh: Mesh::parse(&compiled.plan.mesh)?,
+            loss_micro_batches: loss_micro_batches(&config, plan.micro_batches),
+            plan,
+            programs: compiled.programs,
+            layouts: compiled.layouts,
+            config,
+            weights_path: args.weights.clone(),
+            native,
+            cuda,
+        })
+    }
+}
+
+/// The micro-batches whose losses a step's loss averages (`CompiledTraining::loss_micro_batches`).
+fn loss_micro_batches(config: &ModelConfig, micro_batches: u32) -> u64 {
+    let aux_loss = config.moe.as_ref().is_some_and(|moe| moe.output_router_logits);
+    if aux_loss {
+        u64::from(micro_batches)
+    } else {
+        1
+    }
+}
+
 /// Runs `pleat run --train`.
 pub fn run_training(args: &RunArgs) -> Result<()> {
     let flags = &args.training;
-    let (config, weights_path) = match resolve(&args.model)? {
-        ModelSource::Config { config, weights } => (*config, args.weights.clone().or(weights)),
-        ModelSource::Compiled(_) => {
-            bail!(UsageError::TrainCompiled { model: args.model.clone() })
-        }
-    };
     if args.tokens.is_some() {
         bail!(UsageError::TrainWithTokens);
     }
@@ -378,33 +594,10 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             bail!(UsageError::InferenceFlagWithTrain { flag });
         }
     }
-    let shape = (args.batch.unwrap_or(8), args.seq.unwrap_or(64));
-    let mesh = Mesh::parse(&args.mesh)?;
-    let pipelining = Pipelining {
-        micro_batches: flags.micro_batches,
-        schedule: flags.schedule,
-        chunks: flags.chunks,
-        layers: flags.pp_layers.clone(),
-    };
-    let state = (flags.zero, flags.recompute.into());
-    let compute = args.precision.unwrap_or_default().apply(&config);
-    let mut compiled = compile_training(&compute, shape, &mesh, args.strategy, state, &pipelining, args.kernels())?;
-    // A pipelined step's programs are replayed by their step spans, which keep the lowered order.
-    if compiled.step_spans.is_empty() {
-        compiled.programs = bucket_and_schedule(&compiled.programs, flags.bucket_mb, args.no_overlap)?;
-    }
-    // On a GPU each step runs there (GEMMs on cuBLAS, the generated kernels, the rest on the
-    // host), the optimizer on the host.
-    let cuda = if args.device == Device::Cuda {
-        if args.native {
-            bail!(UsageError::CpuOnlyFlag { flag: "--native" });
-        }
-        Some(crate::device::CudaTrainer::open(&mut compiled.programs)?)
-    } else {
-        None
-    };
-    let native = if args.native { crate::native::build_and_load(&mut compiled.programs)? } else { Vec::new() };
-    let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, &config)).transpose()?;
+    let target = TrainingTarget::new(args)?;
+    let (config, compute, shape) = (&target.config, &target.compute, target.shape);
+    let native = &target.native;
+    let resume = flags.resume.as_deref().map(|dir| crate::checkpoint::read(dir, config)).transpose()?;
     if resume.is_some() && args.weights.is_some() {
         bail!(UsageError::ResumeWithWeights);
     }
@@ -412,7 +605,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let weights: &dyn WeightSource = match &resume {
         Some(resume) => &resume.state,
         None => {
-            given_weights = weight_source(weights_path.as_ref(), args.seed)?;
+            given_weights = weight_source(target.weights_path.as_ref(), args.seed)?;
             given_weights.as_ref()
         }
     };
@@ -434,8 +627,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     let mut carried: Option<(BlockWeights, BlockWeights)> = None;
     let mut ranks: Vec<RankTraining> = Vec::new();
     let mut checked: Option<StepChecks> = args.check.then(StepChecks::default);
-    let mut tolerances = CheckTolerances::new(args.precision.unwrap_or_default());
-    if cuda.is_some() {
+    let mut tolerances = CheckTolerances::new(target.precision);
+    if target.cuda.is_some() {
         tolerances = tolerances.on_cuda();
     }
     // The first chunk's report of where a step's instructions ran on the GPU.
@@ -459,19 +652,19 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             start_step: start_step + done,
             timeout: Duration::from_secs(args.timeout),
             link: args.emulate_link,
-            native: &native,
+            native,
             on_step: Some(&on_step),
         };
-        let trained = match &cuda {
+        let trained = match &target.cuda {
             Some(trainer) => {
-                let (trained, report) = trainer.train(&compiled.programs, &compiled.layouts, &options)?;
+                let (trained, report) = trainer.train(&target.programs, &target.layouts, &options)?;
                 device.get_or_insert(report);
                 trained
             }
             None => {
                 // Every rank is a thread here: their planned peaks add up, beside AdamW's two f32
                 // moments of every parameter.
-                let needed = compiled
+                let needed = target
                     .programs
                     .iter()
                     .map(|program| {
@@ -479,9 +672,9 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
                         planned.peak_bytes.saturating_add(planned.param_bytes.saturating_mul(2))
                     })
                     .fold(0u64, u64::saturating_add);
-                let what = format!("training {} ranks' programs", compiled.programs.len());
+                let what = format!("training {} ranks' programs", target.programs.len());
                 crate::host_memory::ensure_available(&what, needed)?;
-                train_on_threads(&compiled.programs, &compiled.layouts, &options)?
+                train_on_threads(&target.programs, &target.layouts, &options)?
             }
         };
         if let Some(checked) = &mut checked {
@@ -491,13 +684,13 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
             // relative to their norm widens; the losses and updates of those steps are checked.
             let gradients = done == 0;
             let chunk = check_steps(
-                &compute,
+                compute,
                 shape,
                 steps,
                 adamw.clone(),
                 start,
                 &*batches,
-                &compiled,
+                &target,
                 &trained,
                 gradients,
                 tolerances.routing_tie,
@@ -507,7 +700,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         done += steps;
         if let Some(dir) = &flags.save {
             if done % save_every == 0 || done == flags.steps {
-                crate::checkpoint::write(dir, &config, start_step + done, &trained)?;
+                crate::checkpoint::write(dir, config, start_step + done, &trained)?;
             }
         }
         if done < flags.steps {
@@ -548,15 +741,15 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         report.errors = Some(checked.errors);
         report.routing_ties = checked.routing_ties;
     }
-    print_report(args, &config, &mesh, &report, tolerances)?;
+    print_report(args, &target, &report, tolerances)?;
     if let Some(path) = &args.trace {
         let timings: Vec<(u32, &[(u64, u64)])> =
             ranks.iter().map(|rank| (rank.rank, rank.first_timings.as_slice())).collect();
         crate::trace::write_trace(
             path,
             &crate::trace::chrome_trace(
-                &crate::trace::timed_slices(&compiled.programs, &timings, crate::trace::RunStreams::Two)?,
-                compiled.programs.len() as u32,
+                &crate::trace::timed_slices(&target.programs, &timings, crate::trace::RunStreams::Two)?,
+                target.programs.len() as u32,
             ),
         )?;
     }
@@ -670,7 +863,7 @@ fn check_steps(
     adamw: AdamWConfig,
     (start_step, weights, moments): (u32, &dyn WeightSource, Option<&dyn WeightSource>),
     batches: &(dyn Fn(u32) -> Vec<u32> + Sync),
-    compiled: &CompiledTraining,
+    target: &TrainingTarget,
     ranks: &[RankTraining],
     gradients: bool,
     routing_tie: f64,
@@ -686,7 +879,7 @@ fn check_steps(
         step: start_step,
         moments: moments.is_some().then_some(&initial_moments as &ParamLookup),
     };
-    let reference = train_reference(config, shape, compiled.loss_micro_batches, steps, adamw, &start, batches)?;
+    let reference = train_reference(config, shape, target.loss_micro_batches, steps, adamw, &start, batches)?;
     // Only the last pipeline stage computes the loss.
     let losses = ranks.iter().find(|rank| !rank.losses.is_empty()).map(|rank| rank.losses.as_slice());
     let loss = max_diff(losses, &reference.losses);
@@ -705,13 +898,18 @@ fn check_steps(
         let before = initial(name, shape).with_context(|| format!("no starting weights for {name}"))?;
         update_rel = nan_max(update_rel, relative_update_error(got.as_deref(), want, &before));
     }
-    // With `gradients`, the chunk's first step's gradients, by output index.
-    let graph = &compiled.module.graph;
+    // With `gradients`, the chunk's first step's gradients, by output index: the optimizer
+    // layouts name each parameter's (every rank's names its own parameters').
+    let grad_outputs: BTreeMap<u32, &str> = target
+        .layouts
+        .iter()
+        .flat_map(|layout| &layout.params)
+        .map(|param| (param.grad_output, param.name.as_str()))
+        .collect();
     let mut grad_rel = 0.0_f32;
-    for (index, &output) in graph.outputs().iter().enumerate().filter(|_| gradients) {
-        let Some(name) = graph.def(output).name.strip_prefix("grad.") else { continue };
+    for (&index, &name) in grad_outputs.iter().filter(|_| gradients) {
         let blocks: Vec<&OutputBlock> =
-            ranks.iter().flat_map(|rank| &rank.first_outputs).filter(|block| block.index == index as u32).collect();
+            ranks.iter().flat_map(|rank| &rank.first_outputs).filter(|block| block.index == index).collect();
         let got = pleat_runtime::launch::assemble_blocks(&blocks).map(|(_, data)| data);
         let want =
             reference.first_grads.get(name).with_context(|| format!("the reference has no gradient of {name}"))?;
@@ -763,12 +961,12 @@ fn max_diff(got: Option<&[f32]>, want: &[f32]) -> f32 {
 
 fn print_report(
     args: &RunArgs,
-    config: &ModelConfig,
-    mesh: &Mesh,
+    target: &TrainingTarget,
     report: &TrainReport,
     tolerances: CheckTolerances,
 ) -> Result<()> {
     let flags = &args.training;
+    let (config, mesh, plan) = (&target.config, &target.mesh, &target.plan);
     match args.format {
         Format::Json => {
             let object = json!({
@@ -777,8 +975,8 @@ fn print_report(
                 "ranks": report.peaks.len(),
                 "steps": flags.steps,
                 "start_step": report.start_step,
-                "zero": flags.zero,
-                "recompute": format!("{:?}", flags.recompute).to_lowercase(),
+                "zero": plan.zero,
+                "recompute": plan.recompute,
                 "losses": report.losses,
                 "grad_norms": report.grad_norms,
                 "reference_losses": report.reference_losses,
@@ -787,7 +985,7 @@ fn print_report(
                 "max_update_rel_err": report.errors.as_ref().and_then(|errors| errors.update_rel),
                 "max_grad_rel_err": report.errors.as_ref().and_then(|errors| errors.grad_rel),
                 "routing_tie_steps": report.errors.as_ref().map(|_| &report.routing_ties),
-                "precision": format!("{:?}", args.precision.unwrap_or_default()).to_lowercase(),
+                "precision": format!("{:?}", target.precision).to_lowercase(),
                 "tolerances": {
                     "loss": tolerances.loss,
                     "grad_rel": tolerances.grad_rel,
@@ -809,7 +1007,7 @@ fn print_report(
             let mesh_text = if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() };
             println!(
                 "trained {} on {mesh_text} for {} steps (zero {}, recompute {:?})",
-                config.name, flags.steps, flags.zero, flags.recompute
+                config.name, flags.steps, plan.zero, plan.recompute
             );
             for (index, loss) in report.losses.iter().enumerate() {
                 let step = report.start_step as usize + index + 1;
@@ -882,6 +1080,38 @@ mod tests {
         assert_eq!((f32_checks.loss, f32_checks.grad_rel, f32_checks.update_rel), (1e-3, 1e-3, None));
         let bf16_checks = CheckTolerances::new(Precision::Bf16).on_cuda();
         assert_eq!((bf16_checks.loss, bf16_checks.grad_rel, bf16_checks.update_rel), (BF16_TOL, BF16_TOL, None));
+    }
+
+    #[test]
+    fn a_compiled_steps_flags_are_refused_only_where_given_with_another_value() {
+        let dir = Path::new("d");
+        let refusal = |flags: TrainPlanFlags, plan: &TrainingPlan| {
+            flags.check_against(dir, plan).err().map(|error| error.to_string()).unwrap_or_default()
+        };
+        let plan = TrainPlanFlags { zero: Some(1), chunks: Some(3), ..TrainPlanFlags::default() }.plan();
+        // Unset flags, and flags at the directory's values (a default included), are taken.
+        assert_eq!(refusal(TrainPlanFlags::default(), &plan), "");
+        assert_eq!(
+            refusal(TrainPlanFlags { zero: Some(1), bucket_mb: Some(25), ..TrainPlanFlags::default() }, &plan),
+            ""
+        );
+        assert_eq!(
+            refusal(TrainPlanFlags { zero: Some(0), ..TrainPlanFlags::default() }, &plan),
+            "--zero 0 differs from d's compiled training step (--zero 1)"
+        );
+        assert_eq!(
+            refusal(TrainPlanFlags { chunks: Some(2), ..TrainPlanFlags::default() }, &plan),
+            "--chunks 2 differs from d's compiled training step (--chunks 3)"
+        );
+        let unset = TrainPlanFlags::default().plan();
+        assert_eq!(
+            refusal(TrainPlanFlags { pp_layers: Some("3,1".into()), ..TrainPlanFlags::default() }, &unset),
+            "--pp-layers 3,1 differs from d's compiled training step (--pp-layers unset)"
+        );
+        assert_eq!(
+            refusal(TrainPlanFlags { recompute: Some(RecomputeArg::Full), ..TrainPlanFlags::default() }, &unset),
+            "--recompute full differs from d's compiled training step (--recompute none)"
+        );
     }
 
     #[test]

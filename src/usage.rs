@@ -68,7 +68,7 @@ pub enum UsageError {
     NotAPlan {
         /// The file.
         path: PathBuf,
-        /// `plan` or `search plan`.
+        /// `plan`, `search plan` or `optimizer layout`.
         what: &'static str,
         /// The JSON parser's message.
         reason: String,
@@ -542,13 +542,50 @@ pub enum UsageError {
         /// The data file.
         path: PathBuf,
     },
-    /// `--train` given a compiled directory.
-    #[error("--train compiles its own training graph; pass the model (a preset, config.json or directory)")]
-    #[diagnostic(code(E0728), help("give the model the directory was compiled from (its config.json is inside)"))]
-    TrainCompiled {
-        /// The MODEL argument.
-        model: String,
+    /// `--train` given a compiled directory of forward programs.
+    #[error("{} holds a forward pass (compiled without --train); --train runs a training step", .dir.display())]
+    #[diagnostic(
+        code(E0728),
+        help("compile a training step with `pleat compile MODEL --train ... --out DIR`, or train the model itself")
+    )]
+    TrainOfForwardDir {
+        /// The compiled directory.
+        dir: PathBuf,
     },
+    /// A compiled directory of training programs run without `--train`.
+    #[error("{} holds a training step (compiled with --train); it runs with --train", .dir.display())]
+    #[diagnostic(
+        code(E0792),
+        help("add --train (with --steps, --lr, --data as needed), or compile without --train for the forward pass")
+    )]
+    ForwardOfTrainingDir {
+        /// The compiled directory.
+        dir: PathBuf,
+    },
+    /// A flag that shapes the training programs, given with another value than a compiled
+    /// directory's.
+    #[error("{flag} {given} differs from {}'s compiled training step ({flag} {planned})", .dir.display())]
+    #[diagnostic(
+        code(E0793),
+        help("a compiled directory fixes how its step is split and reduced: drop the flag, or compile again with it")
+    )]
+    TrainFlagDiffersFromPlan {
+        /// The flag.
+        flag: &'static str,
+        /// Its value.
+        given: String,
+        /// The directory's.
+        planned: String,
+        /// The compiled directory.
+        dir: PathBuf,
+    },
+    /// `pleat compile --train --emit exe`.
+    #[error("--emit exe writes forward executables, which run under mpirun; a training step runs in `pleat run`")]
+    #[diagnostic(
+        code(E0794),
+        help("emit `so` (native code on the CPU) or `ptx` (a GPU's kernels) with --train; `pleat run DIR --train` runs them")
+    )]
+    ExecutablesOfTraining,
     /// `--train` with `--tokens`.
     #[error("--train reads its tokens from --data (or the synthetic stream), not --tokens")]
     #[diagnostic(code(E0729), help("pass the training tokens with --data, or drop --tokens"))]
@@ -720,9 +757,14 @@ impl UsageError {
             UsageError::CheckpointHashMismatch { dir, .. } | UsageError::CheckpointOfAnotherModel { dir, .. } => {
                 vec![("file", dir.display().to_string())]
             }
-            UsageError::DirectoryNotAModel { model, .. } | UsageError::TrainCompiled { model } => {
-                vec![("file", model.clone())]
+            UsageError::DirectoryNotAModel { model, .. } => vec![("file", model.clone())],
+            UsageError::TrainOfForwardDir { dir } | UsageError::ForwardOfTrainingDir { dir } => {
+                vec![("file", dir.display().to_string())]
             }
+            UsageError::TrainFlagDiffersFromPlan { flag, dir, .. } => {
+                vec![("flag", flag.to_string()), ("file", dir.display().to_string())]
+            }
+            UsageError::ExecutablesOfTraining => vec![("flag", "--emit".to_string())],
             UsageError::NativeOfCompiled { dir } => vec![("flag", "--native".to_string()), ("file", dir.clone())],
             UsageError::PrecisionOfCompiled { dir } => vec![("flag", "--precision".to_string()), ("file", dir.clone())],
             UsageError::UnknownModel { model, .. } => {

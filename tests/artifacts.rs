@@ -76,3 +76,22 @@ fn a_changed_directory_is_refused() {
     let message = error_of(&["run", out_str]);
     assert!(message.contains("the directory was changed after `pleat compile` wrote it"), "{message}");
 }
+
+#[test]
+fn a_training_directorys_optimizer_layouts_are_in_its_hash() {
+    // A rank's optimizer layout says which rows its AdamW updates: an edited one would update the
+    // wrong rows, so it is refused like an edited program.
+    let dir = tempdir("tampered-training");
+    let out = dir.join("tiny");
+    let out_str = out.to_str().expect("utf-8");
+    let args = ["compile", "tiny", "--train", "--mesh", "dp=2", "--zero", "1", "--batch", "2", "--seq", "16"];
+    stdout_of(&[&args[..], &["--out", out_str]].concat());
+    stdout_of(&["run", out_str, "--train", "--steps", "1"]);
+    let layout = out.join("rank1.optimizer.json");
+    let text = std::fs::read_to_string(&layout).expect("reads");
+    let edited = text.replacen("\"counts_in_norm\": true", "\"counts_in_norm\": false", 1);
+    assert_ne!(edited, text, "rank 1 counts a range in the norm under ZeRO-1");
+    std::fs::write(&layout, edited).expect("writes");
+    let message = error_of(&["run", out_str, "--train", "--steps", "1"]);
+    assert!(message.contains("the directory was changed after `pleat compile` wrote it"), "{message}");
+}

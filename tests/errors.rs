@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 #[path = "support/cli.rs"]
 mod cli;
 
-use cli::{pleat, tempdir};
+use cli::{pleat, stdout_of, tempdir};
 
 /// One bad input and what pleat must say about it.
 struct Case {
@@ -423,6 +423,23 @@ fn training_flags() {
     let empty_data = write(&dir, "empty.txt", " ,\n");
     let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
     let compiled = path_str(compiled_tiny());
+    let compiled_training = path_str(&dir.join("training"));
+    stdout_of(&[
+        "compile",
+        "tiny",
+        "--train",
+        "--mesh",
+        "dp=2",
+        "--micro-batches",
+        "2",
+        "--batch",
+        "4",
+        "--seq",
+        "8",
+        "--out",
+        &compiled_training,
+    ]);
+    let unwritten = path_str(&dir.join("unwritten"));
     let cases = [
         case(&["run", "tiny", "--train", "--mesh", "tp=2", "--strategy", "tp-sp-or-tsp"], "E0718", "folds inference"),
         case(&["run", "tiny", "--train", "--mesh", "tp=2", "--zero", "1"], "E0719", "--zero 1 splits state"),
@@ -433,7 +450,15 @@ fn training_flags() {
         ),
         case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is `300`"),
         case(&["run", "tiny", "--train", "--data", &empty_data], "E0727", "no token ids"),
-        case(&["run", &compiled, "--train"], "E0728", "--train compiles its own training graph"),
+        case(&["run", &compiled, "--train"], "E0728", "holds a forward pass (compiled without --train)"),
+        case(&["run", &compiled_training], "E0792", "holds a training step (compiled with --train)"),
+        case(&["launch", &compiled_training], "E0792", "it runs with --train"),
+        case(
+            &["run", &compiled_training, "--train", "--micro-batches", "1"],
+            "E0793",
+            "--micro-batches 1 differs from",
+        ),
+        case(&["compile", "tiny", "--train", "--emit", "exe", "--out", &unwritten], "E0794", "forward executables"),
         case(&["run", "tiny", "--train", "--tokens", &tokens], "E0729", "not --tokens"),
         case(&["run", "tiny", "--train", "--logits-out", "l.bin"], "E0730", "--logits-out applies to inference"),
         case(&["plan", "tiny", "--virtual-stages", "2"], "E0732", "--virtual-stages 2 needs a pp axis"),

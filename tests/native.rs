@@ -815,6 +815,61 @@ fn training_steps_run_through_the_entry_functions_bit_for_bit() {
 
 #[cfg(feature = "llvm")]
 #[test]
+fn a_compiled_training_directory_runs_its_libraries_entry_functions() {
+    // `pleat compile --train --emit so` writes each rank's training step as native code;
+    // `pleat run DIR --train` runs it through the entry functions, as `--native` does.
+    let dir = tempdir("native-training-dir");
+    let out = dir.join("d");
+    let out_str = out.to_str().expect("utf-8 path");
+    let layout = ["--mesh", "pp=2", "--micro-batches", "2", "--batch", "4", "--seq", "16"];
+    let compiled =
+        stdout_of(&[&["compile", "tiny", "--train", "--emit", "so", "--out", out_str][..], &layout].concat());
+    assert!(compiled.contains("native kernels: rank0.so, rank1.so"), "{compiled}");
+    let steps = ["--train", "--steps", "2", "--format", "json"];
+    let from_dir = json_of(&[&["run", out_str, "--check"][..], &steps].concat());
+    assert_eq!(from_dir["execution_per_rank"], serde_json::json!(["native-entry", "native-entry"]));
+    cli::assert_matches_reference(&from_dir, "compiled pp=2");
+    let generated = json_of(&[&["run", "tiny", "--native"][..], &layout, &steps].concat());
+    assert_eq!(from_dir["losses"], generated["losses"]);
+    assert_eq!(from_dir["grad_norms"], generated["grad_norms"]);
+    let error = error_of(&["run", out_str, "--train", "--native"]);
+    assert!(error.contains("E0544"), "{error}");
+}
+
+#[cfg(feature = "llvm")]
+#[test]
+fn a_compiled_training_directorys_device_code_is_for_its_programs() {
+    // `pleat run DIR --train --device cuda` launches the kernels `--emit ptx` wrote beside each
+    // program; the GPU runtime refuses code whose fingerprint is another program's, so each file
+    // must carry its own program's, with the backward's kernels among them.
+    let dir = tempdir("native-training-ptx");
+    let out = dir.join("d");
+    let out_str = out.to_str().expect("utf-8 path");
+    let args = ["compile", "tiny", "--train", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--emit", "ptx"];
+    stdout_of(&[&args[..], &["--precision", "bf16", "--out", out_str]].concat());
+    for rank in 0..2 {
+        let read = |name: String| std::fs::read_to_string(out.join(&name)).unwrap_or_else(|_| panic!("{name}"));
+        let program = pleat_backend::from_json(&read(format!("rank{rank}.program"))).expect("a program");
+        let backward = program
+            .instructions
+            .iter()
+            .filter(|instr| {
+                matches!(instr, pleat_backend::Instr::Kernel { kernel: pleat_backend::Kernel::RopeGrad { .. }, .. })
+            })
+            .count();
+        assert!(backward > 0, "rank {rank}: a training program has the RoPE gradient");
+        for (arch, _) in pleat_backend::llvm::PTX_ARCHES {
+            let code: pleat_backend::native::DeviceCode =
+                serde_json::from_str(&read(format!("rank{rank}.{arch}.cuda.json"))).expect("device code");
+            assert_eq!(code.fingerprint, pleat_backend::native::program_fingerprint(&program), "rank {rank} {arch}");
+            assert_eq!(code.kernels.len(), pleat_backend::native::device_kernels(&program).len(), "{arch}");
+            assert!(code.declared_elements, "bf16 buffers read as bf16");
+        }
+    }
+}
+
+#[cfg(feature = "llvm")]
+#[test]
 fn native_forward_runs_generate_their_code_and_compiled_directories_refuse_the_flag() {
     let ran = stdout_of(&["run", "tiny", "--mesh", "tsp=2", "--batch", "2", "--seq", "16", "--native", "--check"]);
     assert!(ran.contains("execution a rank: native-entry, native-entry"), "{ran}");

@@ -110,6 +110,37 @@ fn every_listed_plan_compiles_for_a_stand_in() {
 }
 
 #[test]
+fn a_searched_plan_compiles_into_the_training_step_it_chose() {
+    // With --train, `compile --plan` takes the plan's micro-batches, ZeRO stage and recomputation,
+    // and the batch of every micro-batch; the directory trains, checked.
+    let dir = tempdir("search-train");
+    let plan_file = dir.join("plan.json");
+    let plan_path = plan_file.to_str().expect("utf-8");
+    let search = ["search", "tiny", "--gpus", "4", "--seq", "64", "--global-batch", "8", "--hw", "cpu"];
+    stdout_of(&[&search[..], &["--emit-plan", plan_path]].concat());
+    let chosen: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan_file).expect("reads")).expect("json");
+    let out = dir.join("compiled");
+    let out = out.to_str().expect("utf-8");
+    stdout_of(&["compile", "tiny", "--plan", plan_path, "--train", "--out", out]);
+    let compiled: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(std::path::Path::new(out).join("plan.json")).expect("reads"))
+            .expect("json");
+    let count = |key: &str| chosen[key].as_u64().expect(key);
+    assert_eq!(compiled["batch"].as_u64(), Some(count("micro_batch") * count("dp") * count("micro_batches")));
+    assert_eq!(compiled["mesh"], chosen["mesh"]);
+    for key in ["micro_batches", "zero", "recompute"] {
+        assert_eq!(compiled["training"][key], chosen[key], "{key}");
+    }
+    let trained = json_of(&["run", out, "--train", "--steps", "1", "--check", "--format", "json"]);
+    cli::assert_matches_reference(&trained, "the searched plan");
+    // Flags the plan sets are refused beside it.
+    let output = cli::pleat(&["compile", "tiny", "--plan", plan_path, "--train", "--zero", "1", "--out", out]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("cannot be used with"), "{stderr}");
+}
+
+#[test]
 fn bad_searches_are_clear_errors() {
     let message = error_of(&["search", "tsp-7b", "--gpus", "8", "--mem-cap", "0.001"]);
     assert!(message.contains("no plan of 8 GPUs fits in 0.0 GB a GPU"), "{message}");

@@ -425,3 +425,44 @@ fn training_draws_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe() {
     assert!(success && terminal.contains("\"schema_version\": 1"), "{terminal}");
     assert!(!terminal.contains("training step"), "{terminal}");
 }
+
+#[test]
+fn a_compiled_training_step_trains_as_the_model_does() {
+    // `pleat compile --train` writes the step `pleat run --train` would compile, with each rank's
+    // optimizer layout; `pleat run DIR --train` trains it to the same losses and norms, bit for
+    // bit, and passes the same check. One layout a kind of step: bucketed dp under ZeRO-2, a
+    // zero-bubble pipeline, tsp with full recomputation, and a mixture's load-balancing loss over
+    // micro-batches.
+    let dir = cli::tempdir("compiled-training");
+    let layouts: [&[&str]; 4] = [
+        &["tiny", "--mesh", "dp=2,tp=2", "--zero", "2", "--bucket-mb", "0"],
+        &["tiny", "--mesh", "pp=2", "--micro-batches", "2", "--schedule", "zb-h1"],
+        &["tiny", "--mesh", "tsp=2", "--recompute", "full"],
+        &["tiny-moe", "--mesh", "ep=2", "--micro-batches", "2"],
+    ];
+    let shape = ["--batch", "4", "--seq", "16"];
+    let steps = ["--train", "--steps", "2", "--check", "--format", "json"];
+    for (index, layout) in layouts.into_iter().enumerate() {
+        let out = dir.join(index.to_string());
+        let out = out.to_str().expect("utf-8");
+        let compiled = cli::stdout_of(&[&["compile"][..], layout, &shape, &["--train", "--out", out]].concat());
+        assert!(compiled.contains("rank training programs"), "{compiled}");
+        let plan: Value = serde_json::from_str(
+            &std::fs::read_to_string(std::path::Path::new(out).join("plan.json")).expect("plan.json"),
+        )
+        .expect("json");
+        let direct = json_of(&[&["run"][..], layout, &shape, &steps].concat());
+        let from_dir = json_of(&[&["run", out][..], &steps].concat());
+        assert_matches_reference(&from_dir, &format!("{layout:?} compiled"));
+        for key in ["losses", "grad_norms", "zero", "recompute", "mesh", "comm_bytes_per_step", "peak_bytes_per_rank"] {
+            assert_eq!(from_dir[key], direct[key], "{layout:?}: {key}");
+        }
+        assert_eq!(plan["training"]["zero"], direct["zero"], "{layout:?}");
+        assert_eq!(plan["training"]["recompute"], direct["recompute"], "{layout:?}");
+        // A flag the directory fixed is taken at its value and refused at another.
+        let micro_batches = plan["training"]["micro_batches"].as_u64().expect("micro-batches").to_string();
+        json_of(&["run", out, "--train", "--steps", "1", "--micro-batches", &micro_batches, "--format", "json"]);
+        let error = error_of(&["run", out, "--train", "--steps", "1", "--micro-batches", "4"]);
+        assert!(error.contains("E0793") && error.contains(&format!("--micro-batches {micro_batches})")), "{error}");
+    }
+}

@@ -24,7 +24,7 @@ use serde_json::json;
 use super::median;
 use crate::compile::ModelOnMesh;
 use crate::run::{weight_source, Format};
-use crate::train::{bucket_and_schedule, compile_training, Pipelining};
+use crate::train::{bucket_and_schedule, compile_training};
 
 /// The version of the `--format json` output.
 const SCHEMA: &str = "pleat.bench.buckets/1";
@@ -71,20 +71,19 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
         bail!(crate::usage::UsageError::BucketsWithoutDp { mesh: mesh.to_string() });
     }
     let shape = (args.target.batch, args.target.seq);
-    let pipelining =
-        Pipelining { micro_batches: 1, schedule: crate::schedule::ScheduleName::OneFOneB, chunks: None, layers: None };
-    let state = (args.zero, pleat_passes::autodiff::Recompute::None);
+    let training = crate::train::TrainPlanFlags { zero: Some(args.zero), ..Default::default() }.plan();
     let compiled = compile_training(
         &config,
         shape,
         &mesh,
         args.target.strategy,
-        state,
-        &pipelining,
+        &training,
         crate::compile::Kernels::Interpreted,
+        pleat_passes::Dump::Nothing,
     )?;
-    let alone = bucket_and_schedule(&compiled.programs, 0, args.target.no_overlap)?;
-    let bucketed = bucket_and_schedule(&compiled.programs, args.bucket_mb, args.target.no_overlap)?;
+    let alone = bucket_and_schedule(&compiled.programs, 0, args.target.no_overlap, args.target.prefetch())?;
+    let bucketed =
+        bucket_and_schedule(&compiled.programs, args.bucket_mb, args.target.no_overlap, args.target.prefetch())?;
     let weights = weight_source(None, 0)?;
     let batches = |step: u32| synthetic_tokens(0, u64::from(step), shape.0, shape.1, config.vocab_size);
     let positions: Vec<u32> = (0..shape.1 as u32).collect();

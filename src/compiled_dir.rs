@@ -1,0 +1,188 @@
+//! A compiled directory, as `pleat compile` writes it and `pleat run DIR` reads it back:
+//! `plan.json`, `config.json`, `module.pleat`, each rank's `rank<i>.program` (and `rank<i>.txt`),
+//! and a training step's `rank<i>.optimizer.json`, all under one fingerprint.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use pleat_backend::optimizer::OptimizerLayout;
+use pleat_backend::Program;
+use pleat_ir::model::config::ModelConfig;
+use pleat_ir::Module;
+use serde::{Deserialize, Serialize};
+
+use crate::train::TrainingPlan;
+use crate::usage::UsageError;
+
+/// The version of `plan.json`.
+pub const PLAN_FORMAT_VERSION: u32 = 1;
+
+/// `plan.json`: what a compiled directory holds, for `pleat run DIR`.
+#[derive(Serialize, Deserialize)]
+pub struct PlanFile {
+    /// `PLAN_FORMAT_VERSION`.
+    pub format_version: u32,
+    /// The model's name.
+    pub model: String,
+    /// The mesh.
+    pub mesh: String,
+    /// The `--strategy` it was compiled with.
+    pub strategy: String,
+    /// Ranks (one `rank<i>.program` each).
+    pub ranks: u32,
+    /// Sequences a batch.
+    pub batch: u64,
+    /// Sequence length.
+    pub seq: u64,
+    /// `program format` of the rank files.
+    pub program_format_version: u32,
+    /// The plan's fingerprint: the sharded module's text and every rank's program (`write_compiled`),
+    /// and a training step's optimizer layouts; reading the directory checks it.
+    pub plan_hash: String,
+    /// A training step's plan (`--train`), whose ranks' optimizer layouts are
+    /// `rank<i>.optimizer.json`; absent for a forward pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<TrainingPlan>,
+}
+
+/// What `write_compiled` writes: a sharded module, its ranks' programs, and what `plan.json`
+/// says of them.
+pub(crate) struct CompiledFiles<'a> {
+    pub config: &'a ModelConfig,
+    pub module: &'a Module,
+    pub programs: &'a [Program],
+    /// The whole mesh (a training step's module holds the mesh within a pipeline stage).
+    pub mesh: String,
+    pub batch: u64,
+    pub seq: u64,
+    pub strategy: &'static str,
+    /// A training step's plan and each rank's optimizer layout.
+    pub training: Option<(&'a TrainingPlan, &'a [OptimizerLayout])>,
+}
+
+/// A compiled directory, read back and checked against its fingerprint.
+pub struct CompiledDir {
+    pub plan: PlanFile,
+    pub config: ModelConfig,
+    pub programs: Vec<Program>,
+    /// Each rank's optimizer layout: a training step's; empty for a forward pass.
+    pub layouts: Vec<OptimizerLayout>,
+}
+
+impl CompiledDir {
+    /// Refuses a directory of training programs where a forward pass is run.
+    pub fn expect_forward(&self, dir: &Path) -> Result<()> {
+        if self.plan.training.is_some() {
+            anyhow::bail!(UsageError::ForwardOfTrainingDir { dir: dir.to_path_buf() });
+        }
+        Ok(())
+    }
+
+    /// The training plan; refuses a directory of forward programs.
+    pub fn expect_training(&self, dir: &Path) -> Result<&TrainingPlan> {
+        self.plan.training.as_ref().ok_or_else(|| UsageError::TrainOfForwardDir { dir: dir.to_path_buf() }.into())
+    }
+}
+
+/// Writes the compiled directory into a temporary sibling, then renames it into place, so an
+/// interrupted compile never leaves a half-written directory. Returns the plan's fingerprint:
+/// FNV-1a over the bytes of `module.pleat`, of every `rank<i>.program` and of a training step's
+/// `rank<i>.optimizer.json` as written, which `read_compiled` checks. Equal plans, byte for byte,
+/// have equal hashes.
+pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String> {
+    let module_text = pleat_ir::text::print_module(files.module);
+    let program_texts: Vec<String> = files.programs.iter().map(pleat_backend::to_json).collect();
+    let layout_texts: Vec<String> = match files.training {
+        Some((_, layouts)) => layouts.iter().map(serde_json::to_string_pretty).collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let mut fingerprint = crate::fingerprint::Fingerprint::new();
+    fingerprint.part(module_text.as_bytes());
+    for text in program_texts.iter().chain(&layout_texts) {
+        fingerprint.part(text.as_bytes());
+    }
+    let plan_hash = fingerprint.hex();
+    let plan = PlanFile {
+        format_version: PLAN_FORMAT_VERSION,
+        model: files.config.name.clone(),
+        mesh: files.mesh.clone(),
+        strategy: files.strategy.to_string(),
+        ranks: files.programs.len() as u32,
+        batch: files.batch,
+        seq: files.seq,
+        program_format_version: pleat_backend::FORMAT_VERSION,
+        plan_hash: plan_hash.clone(),
+        training: files.training.map(|(training, _)| training.clone()),
+    };
+    crate::checkpoint::write_dir_atomically(out, "plan.json", |staging| {
+        std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
+        std::fs::write(staging.join("config.json"), files.config.to_hf_json())?;
+        std::fs::write(staging.join("module.pleat"), module_text)?;
+        for (program, text) in files.programs.iter().zip(program_texts) {
+            std::fs::write(staging.join(format!("rank{}.program", program.rank)), text)?;
+            std::fs::write(
+                staging.join(format!("rank{}.txt", program.rank)),
+                pleat_backend::text::print_program(program),
+            )?;
+        }
+        for (rank, text) in layout_texts.iter().enumerate() {
+            std::fs::write(staging.join(format!("rank{rank}.optimizer.json")), text)?;
+        }
+        Ok(())
+    })?;
+    Ok(plan_hash)
+}
+
+/// Reads a compiled directory back: its plan, config, programs and (a training step's) optimizer
+/// layouts.
+pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
+    let plan_path = dir.join("plan.json");
+    let plan: PlanFile = serde_json::from_str(
+        &std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?,
+    )
+    .map_err(|error| UsageError::NotAPlan { path: plan_path.clone(), what: "plan", reason: error.to_string() })?;
+    if plan.format_version != PLAN_FORMAT_VERSION {
+        anyhow::bail!(UsageError::PlanFormatVersion {
+            path: plan_path,
+            found: plan.format_version,
+            expected: PLAN_FORMAT_VERSION
+        });
+    }
+    let config = crate::model_arg::read_config(&dir.join("config.json"))?;
+    // The hash covers the files as written (`write_compiled`): a damaged or edited directory is
+    // refused before anything runs.
+    let mut fingerprint = crate::fingerprint::Fingerprint::new();
+    let read = |name: String, fingerprint: &mut crate::fingerprint::Fingerprint| -> Result<(PathBuf, String)> {
+        let path = dir.join(name);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|error| UsageError::CompiledFileUnreadable { path: path.clone(), reason: error.to_string() })?;
+        fingerprint.part(text.as_bytes());
+        Ok((path, text))
+    };
+    read("module.pleat".into(), &mut fingerprint)?;
+    let programs = (0..plan.ranks)
+        .map(|rank| {
+            let (path, text) = read(format!("rank{rank}.program"), &mut fingerprint)?;
+            pleat_backend::from_json(&text).with_context(|| format!("{}", path.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let layouts = match plan.training {
+        Some(_) => (0..plan.ranks)
+            .map(|rank| {
+                let (path, text) = read(format!("rank{rank}.optimizer.json"), &mut fingerprint)?;
+                serde_json::from_str(&text).map_err(|error| {
+                    UsageError::NotAPlan { path, what: "optimizer layout", reason: error.to_string() }.into()
+                })
+            })
+            .collect::<Result<Vec<OptimizerLayout>>>()?,
+        None => Vec::new(),
+    };
+    if fingerprint.hex() != plan.plan_hash {
+        anyhow::bail!(UsageError::PlanHashMismatch {
+            path: plan_path,
+            recorded: plan.plan_hash,
+            actual: fingerprint.hex()
+        });
+    }
+    Ok(CompiledDir { plan, config, programs, layouts })
+}
