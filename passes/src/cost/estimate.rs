@@ -268,7 +268,12 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
             hw.name
         ));
     }
-    if !layout.compiles_today() {
+    if let Some((first, second, reason)) = layout.refused_pair() {
+        warnings.push(format!(
+            "{layout}: pleat does not compile {first} beside {second}: {reason}; `pleat compile` refuses it (E0209), \
+             and these figures come from the cost model only"
+        ));
+    } else if !layout.compiles_today() {
         warnings.push(format!(
             "{layout}: pleat cannot compile this layout yet; these figures come from the cost model only"
         ));
@@ -424,5 +429,11 @@ mod tests {
         assert!(estimate.warnings[0].starts_with("peak memory "), "{:?}", estimate.warnings);
         assert!(estimate.warnings[0].contains("exceeds the 85.5 GB of a h100-sxm"), "{}", estimate.warnings[0]);
         assert!(estimate.warnings[1].contains("pp=2: pleat cannot compile this layout yet"));
+        // A pair the compiler refuses for good says so, not "yet".
+        let layout = Layout::new(&[(AxisName::Pp, 2), (AxisName::Tsp, 2), (AxisName::Tp, 2)], false);
+        let refused = super::estimate(&model, &layout, &Workload::training(8192, 1), &hw).unwrap();
+        let warning = refused.warnings.iter().find(|warning| warning.contains("E0209")).expect("a refused pair");
+        assert!(warning.contains("pleat does not compile tsp beside tp: both split the weights"), "{warning}");
+        assert!(!refused.warnings.iter().any(|warning| warning.contains("yet")), "{:?}", refused.warnings);
     }
 }

@@ -129,9 +129,14 @@ impl Layout {
     /// tp is `--strategy tp-sp`), none of them a pair it refuses together (tsp beside tp or cp);
     /// the cost model covers the others analytically.
     pub fn compiles_today(&self) -> bool {
-        let has = |axis: AxisName| self.axes.iter().any(|&(name, _)| name == axis);
         self.axes.iter().all(|(axis, _)| crate::strategy::SUPPORTED_AXES.contains(axis))
-            && !crate::strategy::CONFLICTING_AXES.iter().any(|&(first, second, _)| has(first) && has(second))
+            && self.refused_pair().is_none()
+    }
+
+    /// The pair of this layout's axes the compiler refuses together, for good (`E0209`), and why.
+    pub fn refused_pair(&self) -> Option<(AxisName, AxisName, &'static str)> {
+        let has = |axis: AxisName| self.axes.iter().any(|&(name, _)| name == axis);
+        crate::strategy::CONFLICTING_AXES.iter().copied().find(|&(first, second, _)| has(first) && has(second))
     }
 
     /// How the groups of `axis` sit on nodes of `gpus_per_node` GPUs (ranks are numbered row-major
