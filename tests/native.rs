@@ -656,9 +656,9 @@ mod with_llvm {
     #[test]
     fn a_training_step_gets_device_code_for_its_backward_kernels() {
         // tiny's training step, fused as `pleat run --train --device cuda` compiles it, in f32 and
-        // bf16, on one rank and at tp=2: PTX builds for every architecture, and the RoPE, SwiGLU
-        // gate and RMSNorm input gradients are among the kernels it launches (the last added to
-        // the gathered gradient, as `fuse` leaves it).
+        // bf16, on one rank and at tp=2: PTX builds for every architecture, and attention's three
+        // gradients and the RoPE, SwiGLU gate and RMSNorm input gradients are among the kernels it
+        // launches (the last added to the gathered gradient, as `fuse` leaves it).
         let f32_config = preset("tiny").expect("tiny");
         let bf16_config = pleat_ir::model::config::ModelConfig {
             dtype: pleat_ir::model::config::ConfigDtype::Bf16,
@@ -678,10 +678,15 @@ mod with_llvm {
                         Instr::Kernel { kernel: Kernel::SiluMulGradGate, .. } => Some("silu_mul_grad_gate"),
                         Instr::Kernel { kernel: Kernel::RmsNormGradInputAdd { .. }, .. } => Some("rms_norm_grad_input"),
                         Instr::Kernel { kernel: Kernel::RmsNormGradInput { .. }, .. } => Some("rms_norm_grad_input"),
+                        Instr::Kernel { kernel: Kernel::AttentionGrad { wrt, .. }, .. } => Some(match wrt {
+                            pleat_backend::AttentionOperand::Query => "attention_grad_q",
+                            pleat_backend::AttentionOperand::Key => "attention_grad_k",
+                            pleat_backend::AttentionOperand::Value => "attention_grad_v",
+                        }),
                         _ => None,
                     })
                     .collect();
-                assert_eq!(kinds.len(), 3, "mesh '{mesh}' rank {}: {kinds:?}", program.rank);
+                assert_eq!(kinds.len(), 6, "mesh '{mesh}' rank {}: {kinds:?}", program.rank);
                 for (arch, _) in PTX_ARCHES {
                     let code = device_code(&program, arch).expect("device code");
                     assert_eq!(code.kernels.len(), device_kernels(&program).len(), "{arch}");

@@ -20,7 +20,7 @@
 //! - `int32_t pleat_rank_main(void* ctx)`: the whole program, in order, calling the functions above
 //!   directly and the runtime's `pleat_rt_*` C ABI for everything else ([`abi`]).
 
-use crate::program::{AttentionDims, BufferId, Instr, Kernel, Program};
+use crate::program::{AttentionDims, AttentionOperand, BufferId, Instr, Kernel, Program};
 
 pub mod abi;
 
@@ -31,8 +31,8 @@ pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
     /// The kernel of one instruction: `Add`, `SiluMul`, `RmsNorm` or `Rope` on every machine, and
-    /// on a GPU also `Attention`, `MergeAttention`, `Embedding`, `RopeGrad`, `SiluMulGradGate`,
-    /// `RmsNormGradInput` and `RmsNormGradInputAdd` ([`device_kernels`]).
+    /// on a GPU also `Attention`, `AttentionGrad`, `MergeAttention`, `Embedding`, `RopeGrad`,
+    /// `SiluMulGradGate`, `RmsNormGradInput` and `RmsNormGradInputAdd` ([`device_kernels`]).
     Single {
         /// The instruction's index.
         instr: usize,
@@ -158,8 +158,9 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
 /// The instructions, in program order, that get generated code on a GPU: [`native_kernels`], and
 /// each attention forward (one query row a thread, an online softmax), merge of ring attention's
 /// states (one row a thread) and embedding lookup (one element a thread), and the training step's
-/// RoPE gradient, SwiGLU gate gradient (one element a thread) and RMSNorm input gradient (one row a
-/// thread, alone or added to a gathered gradient), whose buffers agree with its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
+/// attention gradients (q's one query row a thread, k's and v's one key row), RoPE gradient, SwiGLU
+/// gate gradient (one element a thread) and RMSNorm input gradient (one row a thread, alone or
+/// added to a gathered gradient), whose buffers agree with its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
 /// are faster there, and the host's generated code must equal the runtime's bit for bit); on a GPU
 /// they spare the copies of their operands to the host (the embedding's whole table, attention's
 /// q, k and v) that running them there costs.
@@ -304,9 +305,9 @@ fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::Buffer
 }
 
 /// Whether `kernel` has generated code on a GPU only ([`device_kernels`]) and its buffers agree
-/// with its parameters: an attention forward whose query heads all read local kv heads, a merge of
-/// two attention states, an embedding lookup whose table shard lies inside the vocabulary, a RoPE
-/// gradient, a SwiGLU gate gradient, an RMSNorm input gradient.
+/// with its parameters: an attention forward or gradient whose query heads all read local kv heads,
+/// a merge of two attention states, an embedding lookup whose table shard lies inside the
+/// vocabulary, a RoPE gradient, a SwiGLU gate gradient, an RMSNorm input gradient.
 fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
     let in_range = |id: BufferId| (id.as_u32() as usize) < program.buffers.len();
     if !inputs.iter().copied().chain([out]).all(in_range) {
@@ -317,24 +318,20 @@ fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out:
     let is_integer = |id: BufferId| program.buffer(id).is_integer();
     match kernel {
         Kernel::Attention { dims, with_lse } => {
-            let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, .. } = *dims;
-            let [q, k, v, q_pos, k_pos] = inputs else { return false };
-            let kv_local = |head: u64| {
-                ((q_head_offset + head) / group).checked_sub(kv_head_offset).is_some_and(|local| local < hkv)
-            };
-            let row_width = head_dim + u64::from(*with_lse);
-            [*q, *k, *v, out].into_iter().all(is_float)
-                && is_integer(*q_pos)
-                && is_integer(*k_pos)
-                && group > 0
-                && head_dim > 0
-                && (0..hq).all(kv_local)
-                && numel(*q) == batch * sq * hq * head_dim
-                && numel(*k) == batch * sk * hkv * head_dim
-                && numel(*v) == numel(*k)
-                && numel(*q_pos) == sq
-                && numel(*k_pos) == sk
-                && numel(out) == batch * sq * hq * row_width
+            let [q, ..] = inputs else { return false };
+            let row_width = dims.head_dim + u64::from(*with_lse);
+            attention_operands_agree(program, dims, inputs)
+                && is_float(out)
+                && numel(out) == numel(*q) / dims.head_dim * row_width
+        }
+        Kernel::AttentionGrad { wrt, dims } => {
+            let [q, k, _, _, _, dy] = inputs else { return false };
+            let result = if *wrt == AttentionOperand::Query { *q } else { *k };
+            attention_operands_agree(program, dims, &inputs[..5])
+                && is_float(*dy)
+                && is_float(out)
+                && numel(*dy) == numel(*q)
+                && numel(out) == numel(result)
         }
         Kernel::MergeAttention { rows, head_dim } => {
             let [first, second] = inputs else { return false };
@@ -381,6 +378,27 @@ fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out:
         }
         _ => false,
     }
+}
+
+/// Whether attention's operands `(q, k, v, q_pos, k_pos)` agree with `dims`, and every local query
+/// head reads a local kv head: the generated attention kernels index only the rank's kv heads.
+fn attention_operands_agree(program: &Program, dims: &AttentionDims, operands: &[BufferId]) -> bool {
+    let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, .. } = *dims;
+    let [q, k, v, q_pos, k_pos] = operands else { return false };
+    let (buffer, numel) = (|id: &BufferId| program.buffer(*id), |id: &BufferId| program.buffer(*id).numel());
+    let kv_local =
+        |head: u64| ((q_head_offset + head) / group).checked_sub(kv_head_offset).is_some_and(|local| local < hkv);
+    [q, k, v].into_iter().all(|id| !buffer(id).is_integer())
+        && buffer(q_pos).is_integer()
+        && buffer(k_pos).is_integer()
+        && group > 0
+        && head_dim > 0
+        && (0..hq).all(kv_local)
+        && numel(q) == batch * sq * hq * head_dim
+        && numel(k) == batch * sk * hkv * head_dim
+        && numel(v) == numel(k)
+        && numel(q_pos) == sq
+        && numel(k_pos) == sk
 }
 
 #[cfg(test)]

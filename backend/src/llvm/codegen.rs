@@ -21,6 +21,8 @@ use crate::program::{AttentionDims, Instr, Kernel, Program};
 
 use super::LlvmError;
 
+mod attention_grad;
+
 /// LLVM's number of the `ptx_kernel` calling convention: the function becomes a PTX `.entry`.
 const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
 
@@ -158,6 +160,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                         self.rms_norm_grad_input(&frame, numel(out) / hidden, *hidden, *eps, true)?
                     }
                     Kernel::Attention { dims, with_lse } => self.attention(&frame, dims, *with_lse)?,
+                    Kernel::AttentionGrad { wrt, dims } => self.attention_grad(&frame, dims, *wrt)?,
                     Kernel::MergeAttention { rows, head_dim } => self.merge_attention(&frame, *rows, *head_dim)?,
                     Kernel::Embedding { hidden, vocab_offset, .. } => {
                         self.embedding(&frame, numel(inputs[1]), *hidden, *vocab_offset, numel(inputs[0]) / hidden)?
@@ -505,8 +508,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     /// unnormalized output live in the function's frame (registers and local memory on a GPU).
     /// A row that sees no key gets zeros, and with `with_lse` a log-sum-exp of `-inf`.
     fn attention(&self, frame: &Frame<'ctx>, dims: &AttentionDims, with_lse: bool) -> Gen<()> {
-        let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, scale } =
-            *dims;
+        let AttentionDims { batch, sq, sk, hq, hkv, head_dim, causal, scale, .. } = *dims;
         let [q, k, v, q_pos, k_pos] = frame.inputs[..] else {
             return Err(LlvmError::Builder {
                 message: format!("attention takes 5 operands, not {}", frame.inputs.len()),
@@ -526,11 +528,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             let position_row = self.builder.build_int_unsigned_div(row, self.index(hq), "position_row")?;
             let query_index = self.builder.build_int_unsigned_rem(position_row, self.index(sq), "query_index")?;
             let batch_index = self.builder.build_int_unsigned_div(position_row, self.index(sq), "batch_index")?;
-            // Global query head q_head_offset + h reads global kv head (q_head_offset + h) / group,
-            // local (device_kernels checked) at that minus kv_head_offset.
-            let global_head = self.builder.build_int_nuw_add(head, self.index(q_head_offset), "global_head")?;
-            let kv_head = self.builder.build_int_unsigned_div(global_head, self.index(group), "global_kv_head")?;
-            let kv_head = self.builder.build_int_nuw_sub(kv_head, self.index(kv_head_offset), "kv_head")?;
+            let kv_head = self.local_kv_head(head, dims)?;
             let q_base = self.builder.build_int_mul(row, self.index(head_dim), "q_base")?;
             let query_position = self.load_u32(q_pos.pointer, query_index)?;
             self.builder.build_store(running_max, negative_infinity)?;

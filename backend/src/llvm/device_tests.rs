@@ -1,7 +1,8 @@
-//! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention, the merge of ring
-//! attention's states, the embedding lookup, and the RoPE, SwiGLU gate and RMSNorm input
-//! gradients), built for the host and run here, against a direct computation (the gradients
-//! against central differences or the rotation's transpose): the PTX is the same IR
+//! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention and its gradients, the
+//! merge of ring attention's states, the embedding lookup, and the RoPE, SwiGLU gate and RMSNorm
+//! input gradients), built for the host and run here, against a direct computation (attention's
+//! gradients against their definition in f64, the others against central differences or the
+//! rotation's transpose): the PTX is the same IR
 //! but for the thread index and the approximate `exp` and `ln`, so this checks the indexing, the
 //! mask, the grouped heads and the online softmax without a GPU.
 
@@ -12,7 +13,7 @@ use inkwell::OptimizationLevel;
 use super::codegen::{Codegen, Elements, Flavor};
 use super::*;
 use crate::native::{device_kernels, native_kernels, NativeKernel};
-use crate::program::{AttentionDims, Buffer, BufferId, BufferKind, Instr, Kernel, FORMAT_VERSION};
+use crate::program::{AttentionDims, AttentionOperand, Buffer, BufferId, BufferKind, Instr, Kernel, FORMAT_VERSION};
 use pleat_ir::entity::EntityRef;
 use pleat_ir::DType;
 
@@ -162,12 +163,10 @@ fn direct_attention(
     out
 }
 
-#[test]
-fn generated_attention_equals_the_softmax_by_definition() {
-    // Grouped heads with offsets (global query heads 2..6 read kv heads 1 and 2, local 0 and 1),
-    // zigzag key positions, and a query at position 0 before every key but one: it sees one key;
-    // with the key at 0 removed (`k_pos` from 1) that row sees none.
-    let base = AttentionDims {
+/// Four local query heads with offsets on two local kv heads: global query heads 2..6 read kv heads
+/// 1 and 2, local 0 and 1.
+fn offset_grouped_heads() -> AttentionDims {
+    AttentionDims {
         batch: 2,
         sq: 3,
         sk: 5,
@@ -179,7 +178,15 @@ fn generated_attention_equals_the_softmax_by_definition() {
         group: 2,
         causal: true,
         scale: 0.4,
-    };
+    }
+}
+
+#[test]
+fn generated_attention_equals_the_softmax_by_definition() {
+    // Grouped heads with offsets (global query heads 2..6 read kv heads 1 and 2, local 0 and 1),
+    // zigzag key positions, and a query at position 0 before every key but one: it sees one key;
+    // with the key at 0 removed (`k_pos` from 1) that row sees none.
+    let base = offset_grouped_heads();
     let unmasked = AttentionDims { causal: false, ..base.clone() };
     let single_head = AttentionDims { hq: 1, hkv: 1, q_head_offset: 0, kv_head_offset: 0, group: 1, ..base.clone() };
     let cases: [(&AttentionDims, bool, &[u32], &[u32]); 5] = [
@@ -227,6 +234,109 @@ fn generated_attention_equals_the_softmax_by_definition() {
     }
 }
 
+/// Attention's gradients by their definition, in f64: for each query row its softmax `P` over the
+/// keys it sees, `dP = dy·vᵀ` and `dS = P (dP - Σ P·dP)`; `dq = scale·dS·k`, `dk = scale·dSᵀ·q`
+/// (summed over the local query heads), `dv = Pᵀ·dy`. Returns `[dq, dk, dv]`.
+fn direct_attention_gradients(
+    dims: &AttentionDims,
+    tensors: [&[f32]; 4],
+    q_pos: &[u32],
+    k_pos: &[u32],
+) -> [Vec<f64>; 3] {
+    let AttentionDims { batch, sq, sk, hq, hkv, head_dim, q_head_offset, kv_head_offset, group, causal, scale } = *dims;
+    let [q, k, v, dy] = tensors;
+    let (batch, sq, sk, hq, hkv, d) =
+        (batch as usize, sq as usize, sk as usize, hq as usize, hkv as usize, head_dim as usize);
+    let scale = f64::from(scale);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    let dot = |a: &[f32], b: &[f32]| -> f64 { a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum() };
+    for b in 0..batch {
+        for (i, &query_position) in q_pos.iter().enumerate().take(sq) {
+            for h in 0..hq {
+                let kv_head = ((q_head_offset as usize + h) / group as usize) - kv_head_offset as usize;
+                let row = ((b * sq + i) * hq + h) * d;
+                let at = |j: usize| ((b * sk + j) * hkv + kv_head) * d;
+                let seen: Vec<usize> = (0..sk).filter(|&j| !causal || k_pos[j] <= query_position).collect();
+                if seen.is_empty() {
+                    continue;
+                }
+                let scores: Vec<f64> = seen.iter().map(|&j| scale * dot(&q[row..][..d], &k[at(j)..][..d])).collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = scores.iter().map(|score| (score - max).exp()).sum();
+                let p: Vec<f64> = scores.iter().map(|score| (score - max).exp() / total).collect();
+                let dp: Vec<f64> = seen.iter().map(|&j| dot(&dy[row..][..d], &v[at(j)..][..d])).collect();
+                let mean: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                for (index, &j) in seen.iter().enumerate() {
+                    let ds = p[index] * (dp[index] - mean);
+                    for e in 0..d {
+                        dq[row + e] += scale * ds * f64::from(k[at(j) + e]);
+                        dk[at(j) + e] += scale * ds * f64::from(q[row + e]);
+                        dv[at(j) + e] += p[index] * f64::from(dy[row + e]);
+                    }
+                }
+            }
+        }
+    }
+    [dq, dk, dv]
+}
+
+#[test]
+fn generated_attention_gradients_equal_their_definition() {
+    // The forward's cases: grouped heads with offsets, zigzag positions, a query that sees one key
+    // and (with the key at 0 removed) none, unmasked, and one head.
+    let base = offset_grouped_heads();
+    let unmasked = AttentionDims { causal: false, ..base.clone() };
+    let single_head = AttentionDims { hq: 1, hkv: 1, q_head_offset: 0, kv_head_offset: 0, group: 1, ..base.clone() };
+    let cases: [(&AttentionDims, &[u32], &[u32]); 4] = [
+        (&base, &[4, 0, 2], &[0, 5, 1, 4, 2]),
+        (&base, &[4, 0, 2], &[3, 5, 1, 4, 2]),
+        (&unmasked, &[4, 0, 2], &[3, 5, 1, 4, 2]),
+        (&single_head, &[9, 1, 6], &[7, 3, 8, 1, 2]),
+    ];
+    let operands = [AttentionOperand::Query, AttentionOperand::Key, AttentionOperand::Value];
+    for (case, (dims, q_pos, k_pos)) in cases.into_iter().enumerate() {
+        let q_shape = vec![dims.batch, dims.sq, dims.hq, dims.head_dim];
+        let kv_shape = vec![dims.batch, dims.sk, dims.hkv, dims.head_dim];
+        let (q_len, kv_len) = (q_shape.iter().product::<u64>() as usize, kv_shape.iter().product::<u64>() as usize);
+        // Scaled up so that the softmax is far from uniform.
+        let scaled = |len, seed| values(len, seed).iter().map(|x| 3.0 * x).collect::<Vec<f32>>();
+        let (q, k, v, dy) = (scaled(q_len, 1), scaled(kv_len, 2), scaled(kv_len, 3), scaled(q_len, 4));
+        let expected = direct_attention_gradients(dims, [&q, &k, &v, &dy], q_pos, k_pos);
+        for (wrt, want) in operands.into_iter().zip(&expected) {
+            let out_shape = if wrt == AttentionOperand::Query { q_shape.clone() } else { kv_shape.clone() };
+            let program = one_kernel_program(
+                Kernel::AttentionGrad { wrt, dims: dims.clone() },
+                &[
+                    ("q", DType::F32, q_shape.clone()),
+                    ("k", DType::F32, kv_shape.clone()),
+                    ("v", DType::F32, kv_shape.clone()),
+                    ("q_pos", DType::I32, vec![dims.sq]),
+                    ("k_pos", DType::I32, vec![dims.sk]),
+                    ("dy", DType::F32, q_shape.clone()),
+                ],
+                out_shape,
+            );
+            let inputs = [&words(&q)[..], &words(&k), &words(&v), q_pos, k_pos, &words(&dy)];
+            let generated = run_on_host(&program, &inputs, want.len());
+            let largest = want.iter().fold(0.0_f64, |max, x| max.max(x.abs()));
+            assert!(largest > 0.1, "case {case} {wrt:?}: the gradient is not trivial");
+            for (index, (&got, &want)) in generated.iter().zip(want).enumerate() {
+                assert!(
+                    (f64::from(got) - want).abs() <= 1e-5 * largest.max(1.0),
+                    "case {case} {wrt:?}: element {index} is {got}, the definition gives {want}"
+                );
+            }
+            if case == 1 && wrt == AttentionOperand::Query {
+                // Query 1 (position 0) sees no key: its gradient rows are zeros.
+                let width = dims.head_dim as usize;
+                for row in [4, 5, 6, 7, 16, 17, 18, 19] {
+                    assert!(generated[row * width..][..width].iter().all(|&x| x == 0.0), "row {row}: {generated:?}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn generated_embedding_copies_the_rows_its_shard_holds_and_zeros_the_others() {
     // Rows 2..5 of a vocabulary of 8, rows of 3.
@@ -263,7 +373,7 @@ fn two_heads_on_one_kv_head(seq: u64) -> AttentionDims {
 }
 
 #[test]
-fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an_element_a_thread() {
+fn device_code_launches_attention_its_gradients_and_merges_a_row_a_thread_and_the_embedding_an_element_a_thread() {
     let dims = two_heads_on_one_kv_head(4);
     let attention = one_kernel_program(
         Kernel::Attention { dims, with_lse: false },
@@ -301,9 +411,28 @@ fn device_code_launches_attention_and_merges_a_row_a_thread_and_the_embedding_an
         &[("dy", DType::F32, vec![2, 3, 4, 4]), ("positions", DType::I32, vec![3])],
         vec![2, 3, 4, 4],
     );
-    // A row, an element, a head's row a thread.
+    let attention_gradient = |wrt: AttentionOperand| {
+        let out = if wrt == AttentionOperand::Query { vec![2, 4, 2, 8] } else { vec![2, 4, 1, 8] };
+        one_kernel_program(
+            Kernel::AttentionGrad { wrt, dims: two_heads_on_one_kv_head(4) },
+            &[
+                ("q", DType::F32, vec![2, 4, 2, 8]),
+                ("k", DType::F32, vec![2, 4, 1, 8]),
+                ("v", DType::F32, vec![2, 4, 1, 8]),
+                ("q_pos", DType::I32, vec![4]),
+                ("k_pos", DType::I32, vec![4]),
+                ("dy", DType::F32, vec![2, 4, 2, 8]),
+            ],
+            out,
+        )
+    };
+    // A row, an element, a head's row a thread; attention's gradients a query row (q's) or a key
+    // row (k's and v's).
     let cases = [
         (attention, 2 * 4 * 2),
+        (attention_gradient(AttentionOperand::Query), 2 * 4 * 2),
+        (attention_gradient(AttentionOperand::Key), 2 * 4),
+        (attention_gradient(AttentionOperand::Value), 2 * 4),
         (embedding, 2 * 3 * 8),
         (merge, 5),
         (norm_gradient, 6),
@@ -554,6 +683,21 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
                     integer("k_pos", vec![3]),
                 ],
                 vec![2, 3, 2, 9],
+            ),
+            vec![(3, positions.clone()), (4, positions.clone())],
+        ),
+        (
+            one_kernel_program(
+                Kernel::AttentionGrad { wrt: AttentionOperand::Key, dims: two_heads_on_one_kv_head(3) },
+                &[
+                    f32_buffer("q", vec![2, 3, 2, 8]),
+                    f32_buffer("k", vec![2, 3, 1, 8]),
+                    f32_buffer("v", vec![2, 3, 1, 8]),
+                    integer("q_pos", vec![3]),
+                    integer("k_pos", vec![3]),
+                    f32_buffer("dy", vec![2, 3, 2, 8]),
+                ],
+                vec![2, 3, 1, 8],
             ),
             vec![(3, positions.clone()), (4, positions)],
         ),
