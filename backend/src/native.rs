@@ -31,8 +31,9 @@ pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
     /// The kernel of one instruction: `Add`, `SiluMul`, `RmsNorm` or `Rope` on every machine, and
-    /// on a GPU also `Attention`, `AttentionGrad`, `MergeAttention`, `Embedding`, `RopeGrad`,
-    /// `SiluMulGradGate`, `RmsNormGradInput` and `RmsNormGradInputAdd` ([`device_kernels`]).
+    /// on a GPU also `Attention`, `AttentionGrad`, `MergeAttention`, `Embedding`, `Sum`,
+    /// `CrossEntropyGrad`, `RopeGrad`, `SiluMulGradGate`, `RmsNormGradInput` and
+    /// `RmsNormGradInputAdd` ([`device_kernels`]).
     Single {
         /// The instruction's index.
         instr: usize,
@@ -158,7 +159,8 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
 /// The instructions, in program order, that get generated code on a GPU: [`native_kernels`], and
 /// each attention forward (one query row a thread, an online softmax), merge of ring attention's
 /// states (one row a thread) and embedding lookup (one element a thread), and the training step's
-/// attention gradients (q's one query row a thread, k's and v's one key row), RoPE gradient, SwiGLU
+/// attention gradients (q's one query row a thread, k's and v's one key row), sums of gradients
+/// (one element a thread), cross-entropy gradient (one logits row a thread), RoPE gradient, SwiGLU
 /// gate gradient (one element a thread) and RMSNorm input gradient (one row a thread, alone or
 /// added to a gathered gradient), whose buffers agree with its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
 /// are faster there, and the host's generated code must equal the runtime's bit for bit); on a GPU
@@ -307,7 +309,8 @@ fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::Buffer
 /// Whether `kernel` has generated code on a GPU only ([`device_kernels`]) and its buffers agree
 /// with its parameters: an attention forward or gradient whose query heads all read local kv heads,
 /// a merge of two attention states, an embedding lookup whose table shard lies inside the
-/// vocabulary, a RoPE gradient, a SwiGLU gate gradient, an RMSNorm input gradient.
+/// vocabulary, a sum, a cross-entropy gradient, a RoPE gradient, a SwiGLU gate gradient, an RMSNorm
+/// input gradient.
 fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
     let in_range = |id: BufferId| (id.as_u32() as usize) < program.buffers.len();
     if !inputs.iter().copied().chain([out]).all(in_range) {
@@ -332,6 +335,20 @@ fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out:
                 && is_float(out)
                 && numel(*dy) == numel(*q)
                 && numel(out) == numel(result)
+        }
+        Kernel::Sum => {
+            inputs.len() >= 2 && inputs.iter().copied().chain([out]).all(|id| is_float(id) && numel(id) == numel(out))
+        }
+        Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
+            let [logits, tokens] = inputs else { return false };
+            *seq > 0
+                && *terms > 0
+                && is_float(*logits)
+                && is_float(out)
+                && is_integer(*tokens)
+                && numel(*logits) == batch * seq * vocab
+                && numel(*tokens) == batch * seq
+                && numel(out) == numel(*logits)
         }
         Kernel::MergeAttention { rows, head_dim } => {
             let [first, second] = inputs else { return false };

@@ -22,6 +22,7 @@ use crate::program::{AttentionDims, Instr, Kernel, Program};
 use super::LlvmError;
 
 mod attention_grad;
+mod loss_grad;
 
 /// LLVM's number of the `ptx_kernel` calling convention: the function becomes a PTX `.entry`.
 const PTX_KERNEL_CALLING_CONVENTION: u32 = 71;
@@ -161,6 +162,11 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                     }
                     Kernel::Attention { dims, with_lse } => self.attention(&frame, dims, *with_lse)?,
                     Kernel::AttentionGrad { wrt, dims } => self.attention_grad(&frame, dims, *wrt)?,
+                    Kernel::CrossEntropyGrad { batch, seq, vocab, terms } => {
+                        let dims = loss_grad::LossGradDims { batch: *batch, seq: *seq, vocab: *vocab, terms: *terms };
+                        self.cross_entropy_grad(&frame, &dims)?
+                    }
+                    Kernel::Sum => self.sum(&frame, numel(out))?,
                     Kernel::MergeAttention { rows, head_dim } => self.merge_attention(&frame, *rows, *head_dim)?,
                     Kernel::Embedding { hidden, vocab_offset, .. } => {
                         self.embedding(&frame, numel(inputs[1]), *hidden, *vocab_offset, numel(inputs[0]) / hidden)?
@@ -262,6 +268,21 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 let sum = self.builder.build_float_add(self.read(a, index)?, self.read(b, column)?, "sum")?;
                 self.write(out, index, sum)
             })
+        })
+    }
+
+    /// `out = ((a + b) + c) + ..` over every operand, left to right as the runtime sums them (in f32,
+    /// rounded once when written).
+    fn sum(&self, frame: &Frame<'ctx>, len: u64) -> Gen<()> {
+        let out = frame.outs[0];
+        self.parallel(frame, len, |index| {
+            let (first, rest) =
+                frame.inputs.split_first().ok_or(LlvmError::Builder { message: "a sum of nothing".into() })?;
+            let mut total = self.read(*first, index)?;
+            for operand in rest {
+                total = self.builder.build_float_add(total, self.read(*operand, index)?, "sum")?;
+            }
+            self.write(out, index, total)
         })
     }
 

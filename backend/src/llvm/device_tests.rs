@@ -1,8 +1,8 @@
 //! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention and its gradients, the
-//! merge of ring attention's states, the embedding lookup, and the RoPE, SwiGLU gate and RMSNorm
-//! input gradients), built for the host and run here, against a direct computation (attention's
-//! gradients against their definition in f64, the others against central differences or the
-//! rotation's transpose): the PTX is the same IR
+//! merge of ring attention's states, the embedding lookup, the sum of gradients, and the
+//! cross-entropy, RoPE, SwiGLU gate and RMSNorm input gradients), built for the host and run here,
+//! against a direct computation (attention's and the cross-entropy's gradients against their
+//! definitions in f64, the others against central differences or the rotation's transpose): the PTX is the same IR
 //! but for the thread index and the approximate `exp` and `ln`, so this checks the indexing, the
 //! mask, the grouped heads and the online softmax without a GPU.
 
@@ -338,6 +338,52 @@ fn generated_attention_gradients_equal_their_definition() {
 }
 
 #[test]
+fn a_generated_sum_adds_left_to_right_as_the_runtime() {
+    // Three operands whose order matters in f32: (1e8 + 1) - 1e8 is 0, 1e8 + (1 - 1e8) is not.
+    let (a, b, c) = ([1e8_f32, 0.5, 3.0], [1.0_f32, 0.25, -7.0], [-1e8_f32, 0.125, 2.0]);
+    let program = one_kernel_program(
+        Kernel::Sum,
+        &[("a", DType::F32, vec![3]), ("b", DType::F32, vec![3]), ("c", DType::F32, vec![3])],
+        vec![3],
+    );
+    let generated = run_on_host(&program, &[&words(&a), &words(&b), &words(&c)], 3);
+    let want: Vec<f32> = (0..3).map(|i| (a[i] + b[i]) + c[i]).collect();
+    assert_eq!(generated, want);
+    assert_eq!(generated[0], 0.0, "left to right");
+}
+
+#[test]
+fn the_generated_loss_gradient_is_softmax_minus_the_next_token() {
+    // Two sequences of 3 positions over a vocabulary of 5; each row's gradient is
+    // (softmax - onehot(next token)) / terms, the last position's zeros.
+    let (batch, seq, vocab, terms) = (2_u64, 3_u64, 5_u64, 4_u64);
+    let logits: Vec<f32> = values((batch * seq * vocab) as usize, 7).iter().map(|x| 4.0 * x).collect();
+    let tokens: Vec<u32> = vec![1, 4, 0, 3, 3, 2];
+    let program = one_kernel_program(
+        Kernel::CrossEntropyGrad { batch, seq, vocab, terms },
+        &[("logits", DType::F32, vec![batch, seq, vocab]), ("tokens", DType::I32, vec![batch, seq])],
+        vec![batch, seq, vocab],
+    );
+    let generated = run_on_host(&program, &[&words(&logits), &tokens], logits.len());
+    for row in 0..(batch * seq) as usize {
+        let got = &generated[row * vocab as usize..][..vocab as usize];
+        if row % seq as usize == seq as usize - 1 {
+            assert!(got.iter().all(|&x| x == 0.0), "row {row}: {got:?}");
+            continue;
+        }
+        let row_logits = &logits[row * vocab as usize..][..vocab as usize];
+        let max = row_logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = row_logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+        for (column, &got) in got.iter().enumerate() {
+            let probability = f64::from(row_logits[column] - max).exp() / total;
+            let one_hot = if column == tokens[row + 1] as usize { 1.0 } else { 0.0 };
+            let want = (probability - one_hot) / terms as f64;
+            assert!((f64::from(got) - want).abs() <= 1e-6, "row {row} column {column}: {got} against {want}");
+        }
+    }
+}
+
+#[test]
 fn generated_embedding_copies_the_rows_its_shard_holds_and_zeros_the_others() {
     // Rows 2..5 of a vocabulary of 8, rows of 3.
     let (hidden, vocab_offset, rows) = (3u64, 2u64, 3u64);
@@ -426,9 +472,21 @@ fn device_code_launches_attention_its_gradients_and_merges_a_row_a_thread_and_th
             out,
         )
     };
+    let sum = one_kernel_program(
+        Kernel::Sum,
+        &[("a", DType::F32, vec![3, 5]), ("b", DType::F32, vec![3, 5]), ("c", DType::F32, vec![3, 5])],
+        vec![3, 5],
+    );
+    let loss_gradient = one_kernel_program(
+        Kernel::CrossEntropyGrad { batch: 2, seq: 3, vocab: 7, terms: 4 },
+        &[("logits", DType::F32, vec![2, 3, 7]), ("tokens", DType::I32, vec![2, 3])],
+        vec![2, 3, 7],
+    );
     // A row, an element, a head's row a thread; attention's gradients a query row (q's) or a key
-    // row (k's and v's).
+    // row (k's and v's); the loss gradient a logits row.
     let cases = [
+        (sum, 15),
+        (loss_gradient, 6),
         (attention, 2 * 4 * 2),
         (attention_gradient(AttentionOperand::Query), 2 * 4 * 2),
         (attention_gradient(AttentionOperand::Key), 2 * 4),
@@ -700,6 +758,22 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
                 vec![2, 3, 1, 8],
             ),
             vec![(3, positions.clone()), (4, positions)],
+        ),
+        (
+            one_kernel_program(
+                Kernel::Sum,
+                &[f32_buffer("a", vec![4, 8]), f32_buffer("b", vec![4, 8]), f32_buffer("c", vec![4, 8])],
+                vec![4, 8],
+            ),
+            vec![],
+        ),
+        (
+            one_kernel_program(
+                Kernel::CrossEntropyGrad { batch: 2, seq: 3, vocab: 8, terms: 4 },
+                &[f32_buffer("logits", vec![2, 3, 8]), integer("tokens", vec![2, 3])],
+                vec![2, 3, 8],
+            ),
+            vec![(1, vec![1, 7, 0, 3, 5, 2])],
         ),
         (
             one_kernel_program(

@@ -340,10 +340,15 @@ impl<'a> DeviceRun<'a> {
             Instr::Wait { .. } => {}
             _ if self.kernels.computed_earlier.contains(&index) => self.on_device += 1,
             Instr::Kernel { kernel, inputs, .. } if self.kernels.launches.contains_key(&index) => {
-                // The generated lookup cannot fail: the ids are checked here first, as the CPU
-                // kernel checks them (a few bytes a token, copied back).
-                if let (Kernel::Embedding { vocab_total, .. }, Some(&tokens)) = (kernel, inputs.get(1)) {
-                    self.check_token_ids(index, tokens, *vocab_total)?;
+                // The generated lookup and loss gradient cannot fail: the ids are checked here
+                // first, as the CPU kernels check them (a few bytes a token, copied back).
+                let vocabulary = match kernel {
+                    Kernel::Embedding { vocab_total, .. } => Some(*vocab_total),
+                    Kernel::CrossEntropyGrad { vocab, .. } => Some(*vocab),
+                    _ => None,
+                };
+                if let (Some(vocabulary), Some(&tokens)) = (vocabulary, inputs.get(1)) {
+                    self.check_token_ids(index, tokens, vocabulary)?;
                 }
                 self.launch(index)?;
             }
