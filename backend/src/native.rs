@@ -31,8 +31,8 @@ pub const FINGERPRINT_SYMBOL: &str = "pleat_program_fingerprint";
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum NativeKernel {
     /// The kernel of one instruction: `Add`, `SiluMul`, `RmsNorm` or `Rope` on every machine, and
-    /// on a GPU also `Attention`, `AttentionGrad`, `MergeAttention`, `Embedding`, `Sum`,
-    /// `CrossEntropyGrad`, `RopeGrad`, `SiluMulGradGate`, `RmsNormGradInput` and
+    /// on a GPU also `Attention`, `AttentionGrad`, `MergeAttention`, `Embedding`, `EmbeddingGrad`,
+    /// `Sum`, `CrossEntropyGrad`, `RopeGrad`, `SiluMulGradGate`, `RmsNormGradInput` and
     /// `RmsNormGradInputAdd` ([`device_kernels`]).
     Single {
         /// The instruction's index.
@@ -160,7 +160,8 @@ pub fn native_kernels(program: &Program) -> Vec<NativeKernel> {
 /// each attention forward (one query row a thread, an online softmax), merge of ring attention's
 /// states (one row a thread) and embedding lookup (one element a thread), and the training step's
 /// attention gradients (q's one query row a thread, k's and v's one key row), sums of gradients
-/// (one element a thread), cross-entropy gradient (one logits row a thread), RoPE gradient, SwiGLU
+/// (one element a thread), embedding gradient (one table row a thread), cross-entropy gradient (one
+/// logits row a thread), RoPE gradient, SwiGLU
 /// gate gradient (one element a thread) and RMSNorm input gradient (one row a thread, alone or
 /// added to a gathered gradient), whose buffers agree with its parameters. On the host these stay with the runtime's kernels (its attention's tiled GEMMs
 /// are faster there, and the host's generated code must equal the runtime's bit for bit); on a GPU
@@ -309,7 +310,7 @@ fn eligible(program: &Program, kernel: &Kernel, inputs: &[crate::program::Buffer
 /// Whether `kernel` has generated code on a GPU only ([`device_kernels`]) and its buffers agree
 /// with its parameters: an attention forward or gradient whose query heads all read local kv heads,
 /// a merge of two attention states, an embedding lookup whose table shard lies inside the
-/// vocabulary, a sum, a cross-entropy gradient, a RoPE gradient, a SwiGLU gate gradient, an RMSNorm
+/// vocabulary or its gradient, a sum, a cross-entropy gradient, a RoPE gradient, a SwiGLU gate gradient, an RMSNorm
 /// input gradient.
 fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out: BufferId) -> bool {
     let in_range = |id: BufferId| (id.as_u32() as usize) < program.buffers.len();
@@ -335,6 +336,16 @@ fn device_eligible(program: &Program, kernel: &Kernel, inputs: &[BufferId], out:
                 && is_float(out)
                 && numel(*dy) == numel(*q)
                 && numel(out) == numel(result)
+        }
+        Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total } => {
+            let [dy, tokens] = inputs else { return false };
+            *hidden > 0
+                && is_float(*dy)
+                && is_integer(*tokens)
+                && is_float(out)
+                && numel(out) % hidden == 0
+                && vocab_offset + numel(out) / hidden <= *vocab_total
+                && numel(*dy) == numel(*tokens) * hidden
         }
         Kernel::Sum => {
             inputs.len() >= 2 && inputs.iter().copied().chain([out]).all(|id| is_float(id) && numel(id) == numel(out))

@@ -22,6 +22,7 @@ use crate::program::{AttentionDims, Instr, Kernel, Program};
 use super::LlvmError;
 
 mod attention_grad;
+mod embedding_grad;
 mod loss_grad;
 
 /// LLVM's number of the `ptx_kernel` calling convention: the function becomes a PTX `.entry`.
@@ -167,6 +168,9 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                         self.cross_entropy_grad(&frame, &dims)?
                     }
                     Kernel::Sum => self.sum(&frame, numel(out))?,
+                    Kernel::EmbeddingGrad { hidden, vocab_offset, .. } => {
+                        self.embedding_grad(&frame, numel(inputs[1]), *hidden, *vocab_offset, numel(out) / hidden)?
+                    }
                     Kernel::MergeAttention { rows, head_dim } => self.merge_attention(&frame, *rows, *head_dim)?,
                     Kernel::Embedding { hidden, vocab_offset, .. } => {
                         self.embedding(&frame, numel(inputs[1]), *hidden, *vocab_offset, numel(inputs[0]) / hidden)?

@@ -1,8 +1,8 @@
 //! The GPU-only kernels' code ([`crate::native::device_kernels`]: attention and its gradients, the
 //! merge of ring attention's states, the embedding lookup, the sum of gradients, and the
-//! cross-entropy, RoPE, SwiGLU gate and RMSNorm input gradients), built for the host and run here,
-//! against a direct computation (attention's and the cross-entropy's gradients against their
-//! definitions in f64, the others against central differences or the rotation's transpose): the PTX is the same IR
+//! embedding, cross-entropy, RoPE, SwiGLU gate and RMSNorm input gradients), built for the host and
+//! run here, against a direct computation (attention's, the embedding's and the cross-entropy's
+//! gradients against their definitions in f64, the others against central differences or the rotation's transpose): the PTX is the same IR
 //! but for the thread index and the approximate `exp` and `ln`, so this checks the indexing, the
 //! mask, the grouped heads and the online softmax without a GPU.
 
@@ -384,6 +384,34 @@ fn the_generated_loss_gradient_is_softmax_minus_the_next_token() {
 }
 
 #[test]
+fn the_generated_embedding_gradient_sums_each_rows_tokens_and_zeros_the_rest() {
+    // Rows 4..8 of a vocabulary of 10, rows of 3: tokens 4 (twice) and 5 land, 2, 7 (once), 9 and
+    // 0 do not, and row 6 is named by no token.
+    let (hidden, vocab_offset, rows) = (3_u64, 4_u64, 4_u64);
+    let tokens: Vec<u32> = vec![4, 2, 7, 4, 9, 5, 0];
+    let dy = values(tokens.len() * hidden as usize, 11);
+    let program = one_kernel_program(
+        Kernel::EmbeddingGrad { hidden, vocab_offset, vocab_total: 10 },
+        &[("dy", DType::F32, vec![tokens.len() as u64, hidden]), ("tokens", DType::I32, vec![tokens.len() as u64])],
+        vec![rows, hidden],
+    );
+    let generated = run_on_host(&program, &[&words(&dy), &tokens], (rows * hidden) as usize);
+    for row in 0..rows as usize {
+        for column in 0..hidden as usize {
+            let want: f64 = tokens
+                .iter()
+                .enumerate()
+                .filter(|&(_, &token)| token as usize == vocab_offset as usize + row)
+                .map(|(position, _)| f64::from(dy[position * hidden as usize + column]))
+                .sum();
+            let got = generated[row * hidden as usize + column];
+            assert!((f64::from(got) - want).abs() <= 1e-6, "row {row} column {column}: {got} against {want}");
+        }
+    }
+    assert!(generated[2 * hidden as usize..3 * hidden as usize].iter().all(|&x| x == 0.0), "row 6: {generated:?}");
+}
+
+#[test]
 fn generated_embedding_copies_the_rows_its_shard_holds_and_zeros_the_others() {
     // Rows 2..5 of a vocabulary of 8, rows of 3.
     let (hidden, vocab_offset, rows) = (3u64, 2u64, 3u64);
@@ -477,15 +505,21 @@ fn device_code_launches_attention_its_gradients_and_merges_a_row_a_thread_and_th
         &[("a", DType::F32, vec![3, 5]), ("b", DType::F32, vec![3, 5]), ("c", DType::F32, vec![3, 5])],
         vec![3, 5],
     );
+    let embedding_gradient = one_kernel_program(
+        Kernel::EmbeddingGrad { hidden: 8, vocab_offset: 0, vocab_total: 16 },
+        &[("dy", DType::F32, vec![2, 3, 8]), ("tokens", DType::I32, vec![2, 3])],
+        vec![16, 8],
+    );
     let loss_gradient = one_kernel_program(
         Kernel::CrossEntropyGrad { batch: 2, seq: 3, vocab: 7, terms: 4 },
         &[("logits", DType::F32, vec![2, 3, 7]), ("tokens", DType::I32, vec![2, 3])],
         vec![2, 3, 7],
     );
     // A row, an element, a head's row a thread; attention's gradients a query row (q's) or a key
-    // row (k's and v's); the loss gradient a logits row.
+    // row (k's and v's); the loss gradient a logits row, the embedding's a table row.
     let cases = [
         (sum, 15),
+        (embedding_gradient, 16),
         (loss_gradient, 6),
         (attention, 2 * 4 * 2),
         (attention_gradient(AttentionOperand::Query), 2 * 4 * 2),
@@ -766,6 +800,14 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
                 vec![4, 8],
             ),
             vec![],
+        ),
+        (
+            one_kernel_program(
+                Kernel::EmbeddingGrad { hidden: 8, vocab_offset: 2, vocab_total: 8 },
+                &[f32_buffer("dy", vec![6, 8]), integer("tokens", vec![6])],
+                vec![5, 8],
+            ),
+            vec![(1, vec![3, 7, 3, 0, 2, 5])],
         ),
         (
             one_kernel_program(

@@ -343,7 +343,9 @@ impl<'a> DeviceRun<'a> {
                 // The generated lookup and loss gradient cannot fail: the ids are checked here
                 // first, as the CPU kernels check them (a few bytes a token, copied back).
                 let vocabulary = match kernel {
-                    Kernel::Embedding { vocab_total, .. } => Some(*vocab_total),
+                    Kernel::Embedding { vocab_total, .. } | Kernel::EmbeddingGrad { vocab_total, .. } => {
+                        Some(*vocab_total)
+                    }
                     Kernel::CrossEntropyGrad { vocab, .. } => Some(*vocab),
                     _ => None,
                 };
