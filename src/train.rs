@@ -124,6 +124,17 @@ pub enum RecomputeArg {
     Full,
 }
 
+impl RecomputeArg {
+    /// Its name as `--recompute` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecomputeArg::None => "none",
+            RecomputeArg::Selective => "selective",
+            RecomputeArg::Full => "full",
+        }
+    }
+}
+
 impl From<RecomputeArg> for Recompute {
     fn from(arg: RecomputeArg) -> Recompute {
         match arg {
@@ -226,12 +237,11 @@ impl TrainPlanFlags {
     /// Refuses a flag given with a value other than the compiled directory `dir`'s `plan`.
     pub fn check_against(&self, dir: &Path, plan: &TrainingPlan) -> Result<()> {
         let wanted = self.plan();
-        let name = |value: RecomputeArg| format!("{value:?}").to_lowercase();
         // An unset --chunks or --pp-layers takes its default (2 chunks; layers balanced by cost).
         let set = |value: Option<String>| value.unwrap_or_else(|| "unset".to_string());
         let flags: [(&'static str, bool, String, String); 7] = [
             ("--zero", self.zero.is_some(), wanted.zero.to_string(), plan.zero.to_string()),
-            ("--recompute", self.recompute.is_some(), name(wanted.recompute), name(plan.recompute)),
+            ("--recompute", self.recompute.is_some(), wanted.recompute.name().into(), plan.recompute.name().into()),
             ("--bucket-mb", self.bucket_mb.is_some(), wanted.bucket_mb.to_string(), plan.bucket_mb.to_string()),
             (
                 "--micro-batches",
@@ -1006,8 +1016,11 @@ fn print_report(
         Format::Text => {
             let mesh_text = if mesh.axes().is_empty() { "one rank".to_string() } else { mesh.to_string() };
             println!(
-                "trained {} on {mesh_text} for {} steps (zero {}, recompute {:?})",
-                config.name, flags.steps, plan.zero, plan.recompute
+                "trained {} on {mesh_text} for {} steps (zero {}, recompute {})",
+                config.name,
+                flags.steps,
+                plan.zero,
+                plan.recompute.name()
             );
             for (index, loss) in report.losses.iter().enumerate() {
                 let step = report.start_step as usize + index + 1;
