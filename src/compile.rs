@@ -161,7 +161,8 @@ pub struct CompileArgs {
     /// The directory to write.
     #[arg(long)]
     pub out: PathBuf,
-    /// Print the IR after this pass (repeatable): fold-tsp, fold-cp, propagate-specs.
+    /// Print the IR after this pass (repeatable): fold-tsp, fold-cp, propagate-specs,
+    /// rewrite-collectives; with --train also vocab-parallel-loss, zero-partition, differentiate.
     #[arg(long)]
     pub dump_after: Vec<String>,
     /// A plan from `pleat search --emit-plan`: its mesh, strategy, sequence length and one
