@@ -533,7 +533,7 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
     /// unnormalized output live in the function's frame (registers and local memory on a GPU).
     /// A row that sees no key gets zeros, and with `with_lse` a log-sum-exp of `-inf`.
     fn attention(&self, frame: &Frame<'ctx>, dims: &AttentionDims, with_lse: bool) -> Gen<()> {
-        let AttentionDims { batch, sq, sk, hq, hkv, head_dim, causal, scale, .. } = *dims;
+        let AttentionDims { batch, sq, hq, head_dim, scale, .. } = *dims;
         let [q, k, v, q_pos, k_pos] = frame.inputs[..] else {
             return Err(LlvmError::Builder {
                 message: format!("attention takes 5 operands, not {}", frame.inputs.len()),
@@ -559,54 +559,17 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             self.builder.build_store(running_max, negative_infinity)?;
             self.builder.build_store(running_sum, zero)?;
             self.for_each(frame, head_dim, |dim| self.store(accumulator, dim, zero))?;
-            let first_key_row = self.builder.build_int_mul(batch_index, self.index(sk), "first_key_row")?;
-            self.for_each(frame, sk, |key| {
-                let next = if causal {
-                    let key_position = self.load_u32(k_pos.pointer, key)?;
-                    let visible =
-                        self.builder.build_int_compare(IntPredicate::ULE, key_position, query_position, "visible")?;
-                    let (seen, next) = (
-                        self.context.append_basic_block(frame.function, "visible_key"),
-                        self.context.append_basic_block(frame.function, "next_key"),
-                    );
-                    self.builder.build_conditional_branch(visible, seen, next)?;
-                    self.builder.position_at_end(seen);
-                    Some(next)
-                } else {
-                    None
-                };
-                let key_row = self.builder.build_int_nuw_add(first_key_row, key, "key_row")?;
-                let key_row = self.builder.build_int_mul(key_row, self.index(hkv), "key_row")?;
-                let key_row = self.builder.build_int_nuw_add(key_row, kv_head, "key_row")?;
-                let kv_base = self.builder.build_int_mul(key_row, self.index(head_dim), "kv_base")?;
-                let dot = self.fold(frame, head_dim, zero, |dim, total| {
-                    let query_at = self.builder.build_int_nuw_add(q_base, dim, "query_at")?;
-                    let key_at = self.builder.build_int_nuw_add(kv_base, dim, "key_at")?;
-                    let product =
-                        self.builder.build_float_mul(self.read(q, query_at)?, self.read(k, key_at)?, "product")?;
-                    Ok(self.builder.build_float_add(total, product, "dot")?)
-                })?;
+            self.for_each_visible_key(frame, dims, k_pos, query_position, |key| {
+                let kv_base = self.kv_base(dims, batch_index, key, kv_head)?;
+                let dot = self.head_dot(frame, (q, q_base), (k, kv_base), head_dim)?;
                 let score = self.builder.build_float_mul(dot, self.f32_type.const_float(f64::from(scale)), "score")?;
-                let old_max = self.builder.build_load(self.f32_type, running_max, "old_max")?.into_float_value();
-                let new_max = self.call_binary_float("llvm.maxnum", old_max, score)?;
-                // exp(-inf) = 0 drops the empty history at a row's first visible key.
-                let correction = self.exp(self.builder.build_float_sub(old_max, new_max, "shift")?)?;
-                let weight = self.exp(self.builder.build_float_sub(score, new_max, "centered")?)?;
-                let old_sum = self.builder.build_load(self.f32_type, running_sum, "old_sum")?.into_float_value();
-                let rescaled = self.builder.build_float_mul(old_sum, correction, "rescaled_sum")?;
-                self.builder.build_store(running_sum, self.builder.build_float_add(rescaled, weight, "sum")?)?;
-                self.builder.build_store(running_max, new_max)?;
+                let (correction, weight) = self.softmax_step(running_max, running_sum, score)?;
                 self.for_each(frame, head_dim, |dim| {
                     let value_at = self.builder.build_int_nuw_add(kv_base, dim, "value_at")?;
                     let kept = self.builder.build_float_mul(self.load(accumulator, dim)?, correction, "kept")?;
                     let added = self.builder.build_float_mul(weight, self.read(v, value_at)?, "added")?;
                     self.store(accumulator, dim, self.builder.build_float_add(kept, added, "accumulated")?)
-                })?;
-                if let Some(next) = next {
-                    self.builder.build_unconditional_branch(next)?;
-                    self.builder.position_at_end(next);
-                }
-                Ok(())
+                })
             })?;
             let sum = self.builder.build_load(self.f32_type, running_sum, "row_sum")?.into_float_value();
             let seen_any = self.builder.build_float_compare(FloatPredicate::OGT, sum, zero, "seen_any")?;
@@ -627,6 +590,123 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 self.write(out, lse_at, lse)?;
             }
             Ok(())
+        })
+    }
+
+    /// The local kv head local query head `head` reads: global query head `q_head_offset + head`
+    /// reads global kv head `(q_head_offset + head) / group`, local at that minus `kv_head_offset`
+    /// (`device_kernels` checked that every query head's is local).
+    fn local_kv_head(&self, head: IntValue<'ctx>, dims: &AttentionDims) -> Gen<IntValue<'ctx>> {
+        let global_head = self.builder.build_int_nuw_add(head, self.index(dims.q_head_offset), "global_head")?;
+        let global_kv_head = self.builder.build_int_unsigned_div(global_head, self.index(dims.group), "global_kv")?;
+        Ok(self.builder.build_int_nuw_sub(global_kv_head, self.index(dims.kv_head_offset), "kv_head")?)
+    }
+
+    /// Where key (and value) row `(batch_index, key, kv_head)` starts.
+    fn kv_base(
+        &self,
+        dims: &AttentionDims,
+        batch_index: IntValue<'ctx>,
+        key: IntValue<'ctx>,
+        kv_head: IntValue<'ctx>,
+    ) -> Gen<IntValue<'ctx>> {
+        let row = self.builder.build_int_mul(batch_index, self.index(dims.sk), "key_row")?;
+        let row = self.builder.build_int_nuw_add(row, key, "key_row")?;
+        let row = self.builder.build_int_mul(row, self.index(dims.hkv), "key_row")?;
+        let row = self.builder.build_int_nuw_add(row, kv_head, "key_row")?;
+        Ok(self.builder.build_int_mul(row, self.index(dims.head_dim), "kv_base")?)
+    }
+
+    /// Runs `body(key)` for each key `query_position` sees (every key without the causal mask).
+    fn for_each_visible_key(
+        &self,
+        frame: &Frame<'ctx>,
+        dims: &AttentionDims,
+        k_pos: Operand<'ctx>,
+        query_position: IntValue<'ctx>,
+        body: impl Fn(IntValue<'ctx>) -> Gen<()>,
+    ) -> Gen<()> {
+        self.for_each(frame, dims.sk, |key| {
+            if !dims.causal {
+                return body(key);
+            }
+            let key_position = self.load_u32(k_pos.pointer, key)?;
+            let visible = self.builder.build_int_compare(IntPredicate::ULE, key_position, query_position, "visible")?;
+            self.when(frame, visible, &|| body(key))
+        })
+    }
+
+    /// Emits `body` where `condition` holds, and goes on after it either way.
+    fn when(&self, frame: &Frame<'ctx>, condition: IntValue<'ctx>, body: &dyn Fn() -> Gen<()>) -> Gen<()> {
+        self.branch(frame, condition, body, &|| Ok(()))
+    }
+
+    /// Emits `then` where `condition` holds and `otherwise` where it does not, and goes on after
+    /// either.
+    fn branch(
+        &self,
+        frame: &Frame<'ctx>,
+        condition: IntValue<'ctx>,
+        then: &dyn Fn() -> Gen<()>,
+        otherwise: &dyn Fn() -> Gen<()>,
+    ) -> Gen<()> {
+        let (then_block, otherwise_block, after) = (
+            self.context.append_basic_block(frame.function, "then"),
+            self.context.append_basic_block(frame.function, "otherwise"),
+            self.context.append_basic_block(frame.function, "after"),
+        );
+        self.builder.build_conditional_branch(condition, then_block, otherwise_block)?;
+        for (block, body) in [(then_block, then), (otherwise_block, otherwise)] {
+            self.builder.position_at_end(block);
+            body()?;
+            self.builder.build_unconditional_branch(after)?;
+        }
+        self.builder.position_at_end(after);
+        Ok(())
+    }
+
+    /// Writes zeros into `len` elements of `out` from `base`.
+    fn write_zeros(&self, frame: &Frame<'ctx>, out: Operand<'ctx>, base: IntValue<'ctx>, len: u64) -> Gen<()> {
+        self.for_each(frame, len, |offset| {
+            let at = self.builder.build_int_nuw_add(base, offset, "zero_at")?;
+            self.write(out, at, self.f32_type.const_float(0.0))
+        })
+    }
+
+    /// One key's step of an online softmax: its `score` moves the running maximum at `max` and
+    /// the running sum at `sum`; returns the factor that rescales what was summed before, and the
+    /// key's own weight `exp(score - max)`.
+    fn softmax_step(
+        &self,
+        max: PointerValue<'ctx>,
+        sum: PointerValue<'ctx>,
+        score: FloatValue<'ctx>,
+    ) -> Gen<(FloatValue<'ctx>, FloatValue<'ctx>)> {
+        let old_max = self.builder.build_load(self.f32_type, max, "old_max")?.into_float_value();
+        let new_max = self.call_binary_float("llvm.maxnum", old_max, score)?;
+        // exp(-inf) = 0 drops the empty history at a row's first visible key.
+        let correction = self.exp(self.builder.build_float_sub(old_max, new_max, "shift")?)?;
+        let weight = self.exp(self.builder.build_float_sub(score, new_max, "centered")?)?;
+        let old_sum = self.builder.build_load(self.f32_type, sum, "old_sum")?.into_float_value();
+        let rescaled = self.builder.build_float_mul(old_sum, correction, "rescaled_sum")?;
+        self.builder.build_store(sum, self.builder.build_float_add(rescaled, weight, "sum")?)?;
+        self.builder.build_store(max, new_max)?;
+        Ok((correction, weight))
+    }
+
+    /// `Σ a[a_base + d] · b[b_base + d]` over a head's width.
+    fn head_dot(
+        &self,
+        frame: &Frame<'ctx>,
+        (a, a_base): (Operand<'ctx>, IntValue<'ctx>),
+        (b, b_base): (Operand<'ctx>, IntValue<'ctx>),
+        head_dim: u64,
+    ) -> Gen<FloatValue<'ctx>> {
+        self.fold(frame, head_dim, self.f32_type.const_float(0.0), |dim, total| {
+            let a_at = self.builder.build_int_nuw_add(a_base, dim, "a_at")?;
+            let b_at = self.builder.build_int_nuw_add(b_base, dim, "b_at")?;
+            let product = self.builder.build_float_mul(self.read(a, a_at)?, self.read(b, b_at)?, "product")?;
+            Ok(self.builder.build_float_add(total, product, "dot")?)
         })
     }
 
@@ -680,22 +760,12 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             // Below the shard the subtraction wraps past `rows`: one comparison covers both sides.
             let local_row = self.builder.build_int_sub(token, self.index(vocab_offset), "local_row")?;
             let held = self.builder.build_int_compare(IntPredicate::ULT, local_row, self.index(rows), "held")?;
-            let (copy, zero_fill, stored) = (
-                self.context.append_basic_block(frame.function, "held_row"),
-                self.context.append_basic_block(frame.function, "other_shard"),
-                self.context.append_basic_block(frame.function, "stored"),
-            );
-            self.builder.build_conditional_branch(held, copy, zero_fill)?;
-            self.builder.position_at_end(copy);
-            let source = self.builder.build_int_mul(local_row, self.index(hidden), "source")?;
-            let source = self.builder.build_int_nuw_add(source, column, "source")?;
-            self.write(out, index, self.read(table, source)?)?;
-            self.builder.build_unconditional_branch(stored)?;
-            self.builder.position_at_end(zero_fill);
-            self.write(out, index, self.f32_type.const_float(0.0))?;
-            self.builder.build_unconditional_branch(stored)?;
-            self.builder.position_at_end(stored);
-            Ok(())
+            let copy = || {
+                let source = self.builder.build_int_mul(local_row, self.index(hidden), "source")?;
+                let source = self.builder.build_int_nuw_add(source, column, "source")?;
+                self.write(out, index, self.read(table, source)?)
+            };
+            self.branch(frame, held, &copy, &|| self.write(out, index, self.f32_type.const_float(0.0)))
         })
     }
 

@@ -161,79 +161,6 @@ impl<'ctx> Codegen<'ctx, '_> {
         }
     }
 
-    /// The local kv head local query head `head` reads: global query head `q_head_offset + head`
-    /// reads global kv head `(q_head_offset + head) / group`, local at that minus `kv_head_offset`
-    /// (`device_kernels` checked that every query head's is local). The forward's too.
-    pub(super) fn local_kv_head(&self, head: IntValue<'ctx>, dims: &AttentionDims) -> Gen<IntValue<'ctx>> {
-        let global_head = self.builder.build_int_nuw_add(head, self.index(dims.q_head_offset), "global_head")?;
-        let global_kv_head = self.builder.build_int_unsigned_div(global_head, self.index(dims.group), "global_kv")?;
-        Ok(self.builder.build_int_nuw_sub(global_kv_head, self.index(dims.kv_head_offset), "kv_head")?)
-    }
-
-    /// Where key (and value) row `(batch_index, key, kv_head)` starts.
-    fn kv_base(
-        &self,
-        dims: &AttentionDims,
-        batch_index: IntValue<'ctx>,
-        key: IntValue<'ctx>,
-        kv_head: IntValue<'ctx>,
-    ) -> Gen<IntValue<'ctx>> {
-        let row = self.builder.build_int_mul(batch_index, self.index(dims.sk), "key_row")?;
-        let row = self.builder.build_int_nuw_add(row, key, "key_row")?;
-        let row = self.builder.build_int_mul(row, self.index(dims.hkv), "key_row")?;
-        let row = self.builder.build_int_nuw_add(row, kv_head, "key_row")?;
-        Ok(self.builder.build_int_mul(row, self.index(dims.head_dim), "kv_base")?)
-    }
-
-    /// Runs `body(key)` for each key `query_position` sees (every key without the causal mask).
-    fn for_each_visible_key(
-        &self,
-        frame: &Frame<'ctx>,
-        dims: &AttentionDims,
-        k_pos: Operand<'ctx>,
-        query_position: IntValue<'ctx>,
-        body: impl Fn(IntValue<'ctx>) -> Gen<()>,
-    ) -> Gen<()> {
-        self.for_each(frame, dims.sk, |key| {
-            if !dims.causal {
-                return body(key);
-            }
-            let key_position = self.load_u32(k_pos.pointer, key)?;
-            let visible = self.builder.build_int_compare(IntPredicate::ULE, key_position, query_position, "visible")?;
-            self.when(frame, visible, &|| body(key))
-        })
-    }
-
-    /// Emits `body` where `condition` holds, and goes on after it either way.
-    fn when(&self, frame: &Frame<'ctx>, condition: IntValue<'ctx>, body: &dyn Fn() -> Gen<()>) -> Gen<()> {
-        let (then, after) = (
-            self.context.append_basic_block(frame.function, "when"),
-            self.context.append_basic_block(frame.function, "after"),
-        );
-        self.builder.build_conditional_branch(condition, then, after)?;
-        self.builder.position_at_end(then);
-        body()?;
-        self.builder.build_unconditional_branch(after)?;
-        self.builder.position_at_end(after);
-        Ok(())
-    }
-
-    /// `Σ a[a_base + d] · b[b_base + d]` over a head's width.
-    fn head_dot(
-        &self,
-        frame: &Frame<'ctx>,
-        (a, a_base): (Operand<'ctx>, IntValue<'ctx>),
-        (b, b_base): (Operand<'ctx>, IntValue<'ctx>),
-        head_dim: u64,
-    ) -> Gen<FloatValue<'ctx>> {
-        self.fold(frame, head_dim, self.f32_type.const_float(0.0), |dim, total| {
-            let a_at = self.builder.build_int_nuw_add(a_base, dim, "a_at")?;
-            let b_at = self.builder.build_int_nuw_add(b_base, dim, "b_at")?;
-            let product = self.builder.build_float_mul(self.read(a, a_at)?, self.read(b, b_at)?, "product")?;
-            Ok(self.builder.build_float_add(total, product, "dot")?)
-        })
-    }
-
     /// The statistics of `query`'s softmax over the keys it sees (with `with_dp`, `Σ P·dP` too).
     fn row_statistics(
         &self,
@@ -253,14 +180,7 @@ impl<'ctx> Codegen<'ctx, '_> {
             let kv_base = self.kv_base(dims, query.batch_index, key, query.kv_head)?;
             let dot = self.head_dot(frame, (operands.q, query.base), (operands.k, kv_base), dims.head_dim)?;
             let score = self.builder.build_float_mul(dot, scale, "score")?;
-            let old_max = self.builder.build_load(self.f32_type, slots.max, "old_max")?.into_float_value();
-            let new_max = self.call_binary_float("llvm.maxnum", old_max, score)?;
-            // exp(-inf) = 0 drops the empty history at the row's first visible key.
-            let correction = self.exp(self.builder.build_float_sub(old_max, new_max, "shift")?)?;
-            let weight = self.exp(self.builder.build_float_sub(score, new_max, "centered")?)?;
-            let old_sum = self.builder.build_load(self.f32_type, slots.sum, "old_sum")?.into_float_value();
-            let rescaled = self.builder.build_float_mul(old_sum, correction, "rescaled_sum")?;
-            self.builder.build_store(slots.sum, self.builder.build_float_add(rescaled, weight, "sum")?)?;
+            let (correction, weight) = self.softmax_step(slots.max, slots.sum, score)?;
             if with_dp {
                 let dp = self.head_dot(frame, (operands.dy, query.base), (operands.v, kv_base), dims.head_dim)?;
                 let old = self.builder.build_load(self.f32_type, slots.weighted_dp, "old_dp")?.into_float_value();
@@ -268,7 +188,6 @@ impl<'ctx> Codegen<'ctx, '_> {
                 let added = self.builder.build_float_mul(weight, dp, "added_dp")?;
                 self.builder.build_store(slots.weighted_dp, self.builder.build_float_add(kept, added, "dp_sum")?)?;
             }
-            self.builder.build_store(slots.max, new_max)?;
             Ok(())
         })?;
         let sum = self.builder.build_load(self.f32_type, slots.sum, "row_sum")?.into_float_value();

@@ -33,32 +33,19 @@ impl<'ctx> Codegen<'ctx, '_> {
                 Ok(self.builder.build_float_add(count, one.into_float_value(), "count")?)
             })?;
             let used = self.builder.build_float_compare(FloatPredicate::OGT, count, zero, "used")?;
-            let (summed, zeros, done) = (
-                self.context.append_basic_block(frame.function, "named_row"),
-                self.context.append_basic_block(frame.function, "unnamed_row"),
-                self.context.append_basic_block(frame.function, "row_done"),
-            );
-            self.builder.build_conditional_branch(used, summed, zeros)?;
-            self.builder.position_at_end(summed);
-            self.for_each(frame, hidden, |column| {
-                let total = self.fold(frame, tokens, zero, |token, total| {
-                    let at = self.builder.build_int_mul(token, self.index(hidden), "dy_row")?;
-                    let at = self.builder.build_int_nuw_add(at, column, "dy_at")?;
-                    let value = self.builder.build_select(named(token)?, self.read(dy, at)?, zero, "value")?;
-                    Ok(self.builder.build_float_add(total, value.into_float_value(), "total")?)
-                })?;
-                let at = self.builder.build_int_nuw_add(base, column, "out_at")?;
-                self.write(out, at, total)
-            })?;
-            self.builder.build_unconditional_branch(done)?;
-            self.builder.position_at_end(zeros);
-            self.for_each(frame, hidden, |column| {
-                let at = self.builder.build_int_nuw_add(base, column, "out_at")?;
-                self.write(out, at, zero)
-            })?;
-            self.builder.build_unconditional_branch(done)?;
-            self.builder.position_at_end(done);
-            Ok(())
+            let summed = || {
+                self.for_each(frame, hidden, |column| {
+                    let total = self.fold(frame, tokens, zero, |token, total| {
+                        let at = self.builder.build_int_mul(token, self.index(hidden), "dy_row")?;
+                        let at = self.builder.build_int_nuw_add(at, column, "dy_at")?;
+                        let value = self.builder.build_select(named(token)?, self.read(dy, at)?, zero, "value")?;
+                        Ok(self.builder.build_float_add(total, value.into_float_value(), "total")?)
+                    })?;
+                    let at = self.builder.build_int_nuw_add(base, column, "out_at")?;
+                    self.write(out, at, total)
+                })
+            };
+            self.branch(frame, used, &summed, &|| self.write_zeros(frame, out, base, hidden))
         })
     }
 }

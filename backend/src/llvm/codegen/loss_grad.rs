@@ -28,47 +28,34 @@ impl<'ctx> Codegen<'ctx, '_> {
             let base = self.builder.build_int_mul(row, self.index(vocab), "row_base")?;
             let position = self.builder.build_int_unsigned_rem(row, self.index(seq), "position")?;
             let last = self.builder.build_int_compare(IntPredicate::EQ, position, self.index(seq - 1), "last")?;
-            let (zeros, scored, done) = (
-                self.context.append_basic_block(frame.function, "last_position"),
-                self.context.append_basic_block(frame.function, "with_target"),
-                self.context.append_basic_block(frame.function, "row_done"),
-            );
-            self.builder.build_conditional_branch(last, zeros, scored)?;
-            self.builder.position_at_end(zeros);
-            self.for_each(frame, vocab, |column| {
-                let at = self.builder.build_int_nuw_add(base, column, "out_at")?;
-                self.write(out, at, zero)
-            })?;
-            self.builder.build_unconditional_branch(done)?;
-            self.builder.position_at_end(scored);
-            let next = self.builder.build_int_nuw_add(row, self.index(1), "next_token_at")?;
-            let target = self.load_u32(tokens.pointer, next)?;
-            let max = self.fold(frame, vocab, self.f32_type.const_float(f64::NEG_INFINITY), |column, max| {
-                let at = self.builder.build_int_nuw_add(base, column, "logit_at")?;
-                self.call_binary_float("llvm.maxnum", max, self.read(logits, at)?)
-            })?;
-            let sum = self.fold(frame, vocab, zero, |column, sum| {
-                let at = self.builder.build_int_nuw_add(base, column, "logit_at")?;
-                let centered = self.builder.build_float_sub(self.read(logits, at)?, max, "centered")?;
-                Ok(self.builder.build_float_add(sum, self.exp(centered)?, "sum")?)
-            })?;
-            let log_sum = self.ln(sum)?;
-            self.for_each(frame, vocab, |column| {
-                let at = self.builder.build_int_nuw_add(base, column, "logit_at")?;
-                let centered = self.builder.build_float_sub(self.read(logits, at)?, max, "centered")?;
-                let log_probability = self.builder.build_float_sub(centered, log_sum, "log_probability")?;
-                let probability = self.exp(log_probability)?;
-                let is_target = self.builder.build_int_compare(IntPredicate::EQ, column, target, "is_target")?;
-                let one_hot = self
-                    .builder
-                    .build_select(is_target, self.f32_type.const_float(1.0), zero, "one_hot")?
-                    .into_float_value();
-                let difference = self.builder.build_float_sub(probability, one_hot, "difference")?;
-                self.write(out, at, self.builder.build_float_mul(difference, inverse_terms, "gradient")?)
-            })?;
-            self.builder.build_unconditional_branch(done)?;
-            self.builder.position_at_end(done);
-            Ok(())
+            let scored = || {
+                let next = self.builder.build_int_nuw_add(row, self.index(1), "next_token_at")?;
+                let target = self.load_u32(tokens.pointer, next)?;
+                let max = self.fold(frame, vocab, self.f32_type.const_float(f64::NEG_INFINITY), |column, max| {
+                    let at = self.builder.build_int_nuw_add(base, column, "logit_at")?;
+                    self.call_binary_float("llvm.maxnum", max, self.read(logits, at)?)
+                })?;
+                let sum = self.fold(frame, vocab, zero, |column, sum| {
+                    let at = self.builder.build_int_nuw_add(base, column, "logit_at")?;
+                    let centered = self.builder.build_float_sub(self.read(logits, at)?, max, "centered")?;
+                    Ok(self.builder.build_float_add(sum, self.exp(centered)?, "sum")?)
+                })?;
+                let log_sum = self.ln(sum)?;
+                self.for_each(frame, vocab, |column| {
+                    let at = self.builder.build_int_nuw_add(base, column, "logit_at")?;
+                    let centered = self.builder.build_float_sub(self.read(logits, at)?, max, "centered")?;
+                    let log_probability = self.builder.build_float_sub(centered, log_sum, "log_probability")?;
+                    let probability = self.exp(log_probability)?;
+                    let is_target = self.builder.build_int_compare(IntPredicate::EQ, column, target, "is_target")?;
+                    let one_hot = self
+                        .builder
+                        .build_select(is_target, self.f32_type.const_float(1.0), zero, "one_hot")?
+                        .into_float_value();
+                    let difference = self.builder.build_float_sub(probability, one_hot, "difference")?;
+                    self.write(out, at, self.builder.build_float_mul(difference, inverse_terms, "gradient")?)
+                })
+            };
+            self.branch(frame, last, &|| self.write_zeros(frame, out, base, vocab), &scored)
         })
     }
 }
