@@ -271,16 +271,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
-    let files = CompiledFiles {
-        config: &config,
-        module: &compiled.sharded,
-        programs: &compiled.programs,
-        mesh: compiled.sharded.mesh.to_string(),
-        batch: target.batch,
-        seq: target.seq,
-        strategy: target.strategy.name(),
-        training: None,
-    };
+    let files = CompiledFiles::forward(&config, &compiled, (target.batch, target.seq), target.strategy.name());
     let plan_hash = write_compiled(&args.out, &files)?;
     report_compiled(args, &config, &files, &plan_hash, "rank programs")
 }

@@ -60,6 +60,27 @@ pub(crate) struct CompiledFiles<'a> {
     pub training: Option<(&'a TrainingPlan, &'a [OptimizerLayout])>,
 }
 
+impl<'a> CompiledFiles<'a> {
+    /// A forward pass's files: `compiled`'s module and programs, for `batch` sequences of `seq`.
+    pub fn forward(
+        config: &'a ModelConfig,
+        compiled: &'a crate::compile::Compiled,
+        (batch, seq): (u64, u64),
+        strategy: &'static str,
+    ) -> CompiledFiles<'a> {
+        CompiledFiles {
+            config,
+            module: &compiled.sharded,
+            programs: &compiled.programs,
+            mesh: compiled.sharded.mesh.to_string(),
+            batch,
+            seq,
+            strategy,
+            training: None,
+        }
+    }
+}
+
 /// A compiled directory, read back and checked against its fingerprint.
 pub struct CompiledDir {
     pub plan: PlanFile,
@@ -70,12 +91,14 @@ pub struct CompiledDir {
 }
 
 impl CompiledDir {
-    /// Refuses a directory of training programs where a forward pass is run.
-    pub fn expect_forward(&self, dir: &Path) -> Result<()> {
-        if self.plan.training.is_some() {
+    /// Reads the compiled directory `dir` (`read_compiled`) to run its forward pass: a directory
+    /// of training programs is refused.
+    pub fn read_forward(dir: &Path) -> Result<CompiledDir> {
+        let compiled = read_compiled(dir)?;
+        if compiled.plan.training.is_some() {
             anyhow::bail!(UsageError::ForwardOfTrainingDir { dir: dir.to_path_buf() });
         }
-        Ok(())
+        Ok(compiled)
     }
 
     /// The training plan; refuses a directory of forward programs.

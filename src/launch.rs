@@ -28,9 +28,7 @@ pub fn launch(args: &RunArgs) -> Result<()> {
     let ModelSource::Compiled(dir) = resolve(&args.model)? else {
         bail!(not_launchable("it is not a compiled directory (`pleat compile ... --emit so --out DIR`)".into()));
     };
-    let compiled = crate::compiled_dir::read_compiled(&dir)?;
-    compiled.expect_forward(&dir)?;
-    let programs = compiled.programs;
+    let programs = crate::compiled_dir::CompiledDir::read_forward(&dir)?.programs;
     let libraries = crate::native::load(&dir, &programs)?;
     for (rank, library) in libraries.iter().enumerate() {
         match ExecutionPath::of(library.as_ref()) {

@@ -24,7 +24,7 @@ use pleat_runtime::{assemble, execute, OutputBlock, RankOutcome, RunInputs};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::compiled_dir::read_compiled;
+use crate::compiled_dir::CompiledDir;
 use crate::inputs::{random_tokens, read_tokens};
 use crate::reference::check_logits;
 use crate::run::{comm_bytes_mean, human_bytes, weight_source, Format};
@@ -102,8 +102,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     let rank = comm.rank();
     // Every rank reads the same directory and sees the same problems, so these errors end every
     // rank alike and MPI finalizes normally.
-    let compiled = read_compiled(&args.dir).with_context(|| format!("rank {rank}"))?;
-    compiled.expect_forward(&args.dir).with_context(|| format!("rank {rank}"))?;
+    let compiled = CompiledDir::read_forward(&args.dir).with_context(|| format!("rank {rank}"))?;
     let (plan, config, programs) = (compiled.plan, compiled.config, compiled.programs);
     if comm.world_size() != plan.ranks {
         bail!(UsageError::MpiWorldSize { rank, world: comm.world_size(), dir: args.dir.clone(), ranks: plan.ranks });

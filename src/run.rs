@@ -19,7 +19,7 @@ use pleat_runtime::{assemble, run_on_threads_native, NativeKernels, RankOutcome,
 use serde_json::json;
 
 use crate::compile::{compile_model, Kernels, Strategy};
-use crate::compiled_dir::read_compiled;
+use crate::compiled_dir::CompiledDir;
 use crate::device::{Device, DeviceReport};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
@@ -288,8 +288,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             if args.native {
                 bail!(UsageError::NativeOfCompiled { dir: dir.display().to_string() });
             }
-            let compiled = read_compiled(&dir)?;
-            compiled.expect_forward(&dir)?;
+            let compiled = CompiledDir::read_forward(&dir)?;
             let (plan, config, programs) = (compiled.plan, compiled.config, compiled.programs);
             compiled_dir = Some(dir.clone());
             if !cuda {

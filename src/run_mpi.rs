@@ -8,7 +8,7 @@ use std::process::Stdio;
 use anyhow::{bail, Context, Result};
 
 use crate::compile::{Kernels, ModelOnMesh};
-use crate::compiled_dir::{read_compiled, write_compiled, CompiledFiles};
+use crate::compiled_dir::{write_compiled, CompiledDir, CompiledFiles};
 use crate::device::Device;
 use crate::inputs::read_tokens;
 use crate::model_arg::{resolve, ModelSource};
@@ -35,9 +35,7 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             if args.precision.is_some() {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
             }
-            let compiled = read_compiled(&dir)?;
-            compiled.expect_forward(&dir)?;
-            let plan = compiled.plan;
+            let plan = CompiledDir::read_forward(&dir)?.plan;
             args.check_sizes_against(plan.batch, plan.seq)?;
             (dir, args.weights.clone(), plan.ranks, plan.batch, plan.seq)
         }
@@ -55,17 +53,7 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             let config = args.precision.unwrap_or_default().apply(&config);
             let compiled = target.compile(&config, pleat_passes::Dump::Nothing, Kernels::Interpreted)?;
             let dir = scratch.path().join("compiled");
-            let files = CompiledFiles {
-                config: &config,
-                module: &compiled.sharded,
-                programs: &compiled.programs,
-                mesh: compiled.sharded.mesh.to_string(),
-                batch,
-                seq,
-                strategy: target.strategy.name(),
-                training: None,
-            };
-            write_compiled(&dir, &files)?;
+            write_compiled(&dir, &CompiledFiles::forward(&config, &compiled, (batch, seq), target.strategy.name()))?;
             (dir, args.weights.clone().or(weights), compiled.programs.len() as u32, batch, seq)
         }
     };
