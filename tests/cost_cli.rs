@@ -4,7 +4,7 @@
 #[path = "support/cli.rs"]
 mod cli;
 
-use cli::{error_of, json_of, pleat, stdout_of};
+use cli::{error_of, json_of, pleat, stdout_of, tempdir};
 
 #[test]
 fn plan_json_has_the_documented_keys() {
@@ -161,8 +161,7 @@ fn compare_rows_are_sorted_by_peak_and_cover_the_splits() {
 
 #[test]
 fn hardware_files_override_the_table() {
-    let dir = std::env::temp_dir().join(format!("pleat-cost-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempdir("cost-cli");
     let file = dir.join("tiny-gpu.toml");
     std::fs::write(
         &file,
@@ -178,7 +177,6 @@ fn hardware_files_override_the_table() {
     assert_eq!(plan["memory"]["device_bytes"], 1e6);
     std::fs::write(&file, "name = 1").unwrap();
     assert!(error_of(&["plan", "tiny", "--hw-file", path]).starts_with(&format!("error[E0245]: {path}: ")));
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -207,8 +205,7 @@ fn bad_input_gets_a_clear_error() {
 
 #[test]
 fn calibrated_specs_drive_the_plan() {
-    let dir = std::env::temp_dir().join(format!("pleat-calibrate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempdir("calibrate");
     let file = dir.join("here.json");
     let path = file.to_str().unwrap();
     stdout_of(&["bench", "calibrate", "--quick", "--out", path]);
@@ -232,5 +229,4 @@ fn calibrated_specs_drive_the_plan() {
     assert!(success, "{terminal}");
     assert!(terminal.contains("calibrating measurement"), "{terminal}");
     assert!(terminal.contains("wrote "), "the report follows: {terminal}");
-    std::fs::remove_dir_all(&dir).ok();
 }

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 #[path = "support/cli.rs"]
 mod cli;
 
-use cli::{pleat, stdout_of, tempdir};
+use cli::{pleat, stdout_of, tempdir, TempDir};
 
 /// One bad input and what pleat must say about it.
 struct Case {
@@ -67,9 +67,10 @@ fn path_str(path: &Path) -> String {
 
 /// A scratch directory with the tiny model compiled for tp=2, shared by the cases that read it.
 fn compiled_tiny() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    // A static is never dropped: this directory (one a run of this binary) stays behind.
+    static DIR: OnceLock<TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = tempdir("errors-compiled").join("tiny-tp2");
+        let dir = tempdir("errors-compiled");
         let output =
             pleat(&["compile", "tiny", "--mesh", "tp=2", "--batch", "1", "--seq", "8", "--out", &path_str(&dir)]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -78,7 +79,7 @@ fn compiled_tiny() -> &'static Path {
 }
 
 /// A copy of the compiled tiny directory in `name`, for a case to damage.
-fn compiled_copy(name: &str) -> PathBuf {
+fn compiled_copy(name: &str) -> TempDir {
     let source = compiled_tiny();
     let copy = tempdir(&format!("errors-{name}"));
     for entry in std::fs::read_dir(source).expect("compiled dir") {
@@ -88,12 +89,13 @@ fn compiled_copy(name: &str) -> PathBuf {
     copy
 }
 
-/// The tiny model's config.json (from the compiled directory) with `edit` applied, written to `name`.
-fn config_with(name: &str, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> String {
+/// The tiny model's config.json (from the compiled directory) with `edit` applied, written to
+/// `<name>.json` in `dir`.
+fn config_with(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> String {
     let text = std::fs::read_to_string(compiled_tiny().join("config.json")).expect("config.json");
     let mut value: serde_json::Value = serde_json::from_str(&text).expect("json");
     edit(value.as_object_mut().expect("an object"));
-    let path = tempdir(&format!("errors-config-{name}")).join("config.json");
+    let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(&value).expect("json")).expect("write");
     path_str(&path)
 }
@@ -106,29 +108,29 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
 
 #[test]
 fn model_configs() {
-    let missing = config_with("missing", |config| {
+    let dir = tempdir("errors-config");
+    let missing = config_with(&dir, "missing", |config| {
         config.remove("vocab_size");
     });
-    let zero_heads = config_with("zero-heads", |config| {
+    let zero_heads = config_with(&dir, "zero-heads", |config| {
         config.insert("num_attention_heads".into(), 0.into());
     });
-    let hidden = config_with("hidden", |config| {
+    let hidden = config_with(&dir, "hidden", |config| {
         config.remove("head_dim");
         config.insert("hidden_size".into(), 100.into());
     });
-    let kv = config_with("kv", |config| {
+    let kv = config_with(&dir, "kv", |config| {
         config.insert("num_key_value_heads".into(), 3.into());
     });
-    let arch = config_with("arch", |config| {
+    let arch = config_with(&dir, "arch", |config| {
         config.insert("architectures".into(), serde_json::json!(["GPT2LMHeadModel"]));
     });
-    let wrong_type = config_with("type", |config| {
+    let wrong_type = config_with(&dir, "type", |config| {
         config.insert("hidden_size".into(), "big".into());
     });
-    let odd = config_with("odd", |config| {
+    let odd = config_with(&dir, "odd", |config| {
         config.insert("head_dim".into(), 7.into());
     });
-    let dir = tempdir("errors-config-malformed");
     let malformed = write(&dir, "config.json", "{\n  \"hidden_size\": 64,\n  \"vocab_size\" 256\n}\n");
     let not_object = write(&dir, "list.json", "[1, 2]");
     let cases = [
@@ -395,20 +397,22 @@ fn weights_and_tokens() {
 
 /// A checkpoint of the tiny model after one training step, shared by the cases that damage copies.
 fn saved_tiny() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = tempdir("errors-checkpoint").join("saved");
+    // A static is never dropped: this directory (one a run of this binary) stays behind.
+    static DIR: OnceLock<(TempDir, PathBuf)> = OnceLock::new();
+    &DIR.get_or_init(|| {
+        let scratch = tempdir("errors-checkpoint");
+        let dir = scratch.join("saved");
         let output =
             pleat(&["run", "tiny", "--train", "--batch", "2", "--seq", "8", "--steps", "1", "--save", &path_str(&dir)]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        dir
+        (scratch, dir)
     })
+    .1
 }
 
 /// A copy of the saved checkpoint in `name`, for a case to damage.
-fn saved_copy(name: &str) -> PathBuf {
-    let copy = tempdir(&format!("errors-ckpt-{name}")).join("saved");
-    std::fs::create_dir_all(&copy).expect("mkdir");
+fn saved_copy(name: &str) -> TempDir {
+    let copy = tempdir(&format!("errors-ckpt-{name}"));
     for entry in std::fs::read_dir(saved_tiny()).expect("checkpoint dir") {
         let entry = entry.expect("entry");
         std::fs::copy(entry.path(), copy.join(entry.file_name())).expect("copy");

@@ -284,7 +284,8 @@ fn a_checkpoint_with_one_tensor_an_expert_loads_into_the_stacked_experts() {
         }
     }
     assert!(tensors.iter().any(|(name, _, _)| name.ends_with("block_sparse_moe.experts.7.w2.weight")));
-    let path = cli::tempdir("moe-per-expert").join("model.safetensors");
+    let dir = cli::tempdir("moe-per-expert");
+    let path = dir.join("model.safetensors");
     write_safetensors(&path, &tensors).expect("write");
     let file = SafetensorsWeights::open(&path).expect("open");
     let tokens = common::tokens(4, 16, config.vocab_size);

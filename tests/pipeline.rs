@@ -8,13 +8,13 @@ mod cli;
 use cli::{assert_matches_reference, error_of, json_of};
 use serde_json::Value;
 
-/// tiny with four layers, as a config.json in a fresh directory.
-fn four_layers() -> String {
+/// tiny with four layers, as a config.json in a fresh directory (removed when the guard drops).
+fn four_layers() -> (cli::TempDir, String) {
     tiny_with_layers(4)
 }
 
-/// tiny with `layers` layers, as a config.json in a fresh directory.
-fn tiny_with_layers(layers: u64) -> String {
+/// tiny with `layers` layers, as a config.json in a fresh directory (removed when the guard drops).
+fn tiny_with_layers(layers: u64) -> (cli::TempDir, String) {
     let dir = cli::tempdir("pipeline");
     let mut config: Value =
         serde_json::from_str(&std::fs::read_to_string("examples/tiny/config.json").expect("tiny's config"))
@@ -22,7 +22,8 @@ fn tiny_with_layers(layers: u64) -> String {
     config["num_hidden_layers"] = Value::from(layers);
     let path = dir.join("config.json");
     std::fs::write(&path, config.to_string()).expect("write config");
-    path.to_str().expect("utf-8").to_string()
+    let path = path.to_str().expect("utf-8").to_string();
+    (dir, path)
 }
 
 fn train(model: &str, mesh: &str, extra: &[&str]) -> Value {
@@ -36,7 +37,7 @@ fn train(model: &str, mesh: &str, extra: &[&str]) -> Value {
 
 #[test]
 fn every_schedule_and_depth_matches_the_reference() {
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     for mesh in ["pp=2", "pp=4"] {
         for schedule in ["gpipe", "1f1b"] {
             for micro_batches in ["4", "8"] {
@@ -51,7 +52,7 @@ fn every_schedule_and_depth_matches_the_reference() {
 fn zero_bubble_h1_matches_the_reference() {
     // The backward split into input-gradient and weight-gradient steps, the weight gradients
     // deferred by the stage index: the same losses, gradients and weights as the reference.
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     for mesh in ["pp=2", "pp=4"] {
         for micro_batches in ["4", "8"] {
             let report = train(&model, mesh, &["--schedule", "zb-h1", "--micro-batches", micro_batches]);
@@ -67,21 +68,21 @@ fn interleaved_one_f_one_b_matches_the_reference() {
     // Four layers in pp·v = 4 virtual stages: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3,
     // so activations go 0 -> 1 -> 0 -> 1 and the queue from rank 0 to rank 1 carries chunk 0's
     // activations and chunk 1's gradients interleaved.
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     for (mesh, micro_batches) in [("pp=2", "2"), ("pp=2", "4"), ("pp=2,tp=2", "4")] {
         let report =
             train(&model, mesh, &["--schedule", "interleaved", "--chunks", "2", "--micro-batches", micro_batches]);
         assert_matches_reference(&report, &format!("{mesh} interleaved v=2 m={micro_batches}"));
     }
     // pp=4 with v=2 needs eight virtual stages: eight layers, one a virtual stage.
-    let eight = tiny_with_layers(8);
+    let (_eight_dir, eight) = tiny_with_layers(8);
     let report = train(&eight, "pp=4", &["--schedule", "interleaved", "--chunks", "2", "--micro-batches", "4"]);
     assert_matches_reference(&report, "pp=4 interleaved v=2 m=4");
 }
 
 #[test]
 fn every_schedule_composes_with_tsp() {
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     for schedule in ["gpipe", "1f1b", "zb-h1"] {
         let report = train(&model, "pp=2,tsp=2", &["--schedule", schedule, "--micro-batches", "4"]);
         assert_matches_reference(&report, &format!("pp=2,tsp=2 {schedule}"));
@@ -117,7 +118,7 @@ fn tied_embeddings_pipeline_like_the_reference() {
 
 #[test]
 fn pipelines_compose_with_the_other_axes() {
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     for (mesh, extra) in [
         ("pp=2,tp=2", &[][..]),
         ("pp=2,tsp=2", &[][..]),
@@ -145,7 +146,7 @@ fn one_f_one_b_holds_stages_not_micro_batches() {
     // m = 8, p = 4, two sequences of 64 tokens a micro-batch, so activations dominate: GPipe's first
     // stage holds all 8 micro-batches' activations before its first backward, 1F1B's at most 4
     // (p), so GPipe's activation peak is about twice 1F1B's (8/4, less the gradients both hold).
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     let peak = |schedule: &str| {
         let report = json_of(&[
             "run",
@@ -174,7 +175,7 @@ fn one_f_one_b_holds_stages_not_micro_batches() {
 
 #[test]
 fn bad_pipelines_are_refused() {
-    let model = four_layers();
+    let (_dir, model) = four_layers();
     let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--pp-layers", "3,2"]);
     assert!(error.contains("the counts sum to 5, the model has 4 layers"), "{error}");
     let error = error_of(&["run", &model, "--train", "--mesh", "pp=2", "--batch", "8", "--micro-batches", "3"]);

@@ -2,28 +2,22 @@
 //! rank, a compute and a comm thread in each, and slices named by op and layer. Never asserts times.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use pleat_runtime::weights::SeededWeights;
 use serde_json::Value;
 
+#[path = "support/cli.rs"]
+mod cli;
 mod common;
 #[path = "support/trace.rs"]
 mod trace_events;
 
+use cli::tempdir;
 use trace_events::{read, some_rank_overlaps, Tracks};
 
 fn pleat(args: &[&str]) {
-    let output = Command::new(env!("CARGO_BIN_EXE_pleat")).args(args).output().expect("pleat runs");
-    assert!(output.status.success(), "pleat {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
-}
-
-fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pleat-trace-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli::stdout_of(args);
 }
 
 /// Checks the structure every trace of `ranks` ranks must have; returns the slices' names by

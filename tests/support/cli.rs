@@ -2,7 +2,7 @@
 
 #![allow(dead_code, reason = "each test binary uses a different part")]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Runs `pleat` with `args`.
@@ -44,8 +44,9 @@ pub fn json_of(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&stdout_of(args)).expect("json output")
 }
 
-/// A fresh scratch directory, its own for each call.
-pub fn tempdir(name: &str) -> PathBuf {
+/// A fresh scratch directory, its own for each call, removed (with what it holds) when the guard
+/// is dropped: a test binds it for as long as it reads the directory.
+pub fn tempdir(name: &str) -> TempDir {
     // Tests of one binary run in parallel threads of one process: each call gets its own
     // directory, or two tests writing different files under the same name would race.
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -53,7 +54,31 @@ pub fn tempdir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("pleat-test-{name}-{}-{call}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
+    TempDir(dir)
+}
+
+/// A scratch directory that `tempdir` made, removed on drop (else every run of the suite would
+/// leave its compiled directories and checkpoints behind).
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The tolerance of a checked training run's losses and relative gradient errors (`--check`).
