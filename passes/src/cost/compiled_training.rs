@@ -102,7 +102,7 @@ use pleat_ir::AxisName;
 
 use super::activation::kv_split;
 use super::compiled::ForwardPhase;
-use super::compiled_pipeline::tsp_o_reduces;
+use super::compiled_pipeline::{tsp_first_owner_o_reduce, tsp_o_reduces};
 use super::layout::Layout;
 use super::memory::{bytes_per_param, stage_expert_params, stage_params, MemoryBreakdown, Term};
 use super::model::ModelShape;
@@ -1418,25 +1418,13 @@ pub fn compiled_tsp_training_peak(
             };
             candidates.push(reducing(name, point.contributions, point.reduce, point.after));
         }
-        let first = if tsp_rank + 1 == tsp {
-            reducing(
-                "an attention o gradient reduced to this rank, the first owner",
-                "its contributions to its own attention weight gradients",
-                Term {
-                    name: "o's reduce: what it received, and the partial sums beside it",
-                    bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
-                },
-                tsp - 1,
-            )
+        let first = tsp_first_owner_o_reduce(tsp, tsp_rank, o_block);
+        let name = if first.to_this_rank {
+            "an attention o gradient reduced to this rank, the first owner"
         } else {
-            reducing(
-                "an attention o gradient reduced to the first owner",
-                "its contributions to that owner's attention weight gradients",
-                Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
-                tsp - 1,
-            )
+            "an attention o gradient reduced to the first owner"
         };
-        candidates.push(first);
+        candidates.push(reducing(name, first.contributions, first.reduce, first.after));
         // - Without full recompute, inside the last owner's backward (the axis's first), as q's
         //   input gradient is made from q's gradient after RoPE and q's weights, broadcast again:
         //   the rank's contributions to that owner's k, v and o gradients so far, and the layer's

@@ -452,9 +452,11 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
         held
     });
     // Under tsp, before that: the whole-vocabulary gradient being scattered from every token's
-    // gradient (gathered over the axis) by their ids, both orders' (the zigzag's read there).
+    // gradient (gathered over the axis) by their ids, both orders' (the zigzag's read there),
+    // beside a tied table the head's part received.
     let scattering = (chunk.first && shape.tsp > 1).then(|| {
         let mut held = chunk.end.clone();
+        held.extend(shape.tied_head_part().filter(|_| tied_first));
         held.extend([
             Term { name: "embedding gradient over the whole vocabulary", bytes: vocab * hidden * element },
             Term {

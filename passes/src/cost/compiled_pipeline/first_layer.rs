@@ -9,7 +9,7 @@ use super::super::workload::Recompute;
 use super::chunk::{received_counts, Candidate, Chunk};
 use super::experts::{self, experts_points};
 use super::shared_expert::{self, shared_expert_points};
-use super::{tsp_o_reduces, tsp_ring, Place, StageShape};
+use super::{tsp_first_owner_o_reduce, tsp_o_reduces, tsp_ring, Place, StageShape};
 
 /// Inside the first layer's backward, before its attention's: that layer's attention activations
 /// (which full recomputation recomputes only for the attention's own backward), and its attention
@@ -804,7 +804,8 @@ fn beside_tsp_first_layer(shape: &StageShape, chunk: &Chunk, more: [Term; 2]) ->
 /// layer's output (the next layer's attention norm's input, or the final norm's), the head's
 /// input gathered over the sequence (but under full recomputation), the final norm output's
 /// gradient and every token's logits' gradient, and under ZeRO-3 with full recomputation the final
-/// norm's weight gathered again. (On another chunk the stage's output sent on,
+/// norm's weight gathered again; beside a tied table less the head's part of its gradient, which
+/// W makes. (On another chunk the stage's output sent on,
 /// which its end keeps, stands for the first layer's: the later layers' inputs for W count the
 /// last layer's output.)
 fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
@@ -821,6 +822,12 @@ fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
         },
     ];
     terms.extend(final_norm_regathered_for_w(shape));
+    // (Beside a tied table the head's part of its gradient, which the chunk's end holds, is
+    // made in W.)
+    if let Some(head_part) = shape.tied_head_part() {
+        terms
+            .push(Term { name: "the LM head's part of the tied table's gradient, made in W", bytes: -head_part.bytes });
+    }
     terms
 }
 
@@ -1249,13 +1256,14 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // Each point's counterpart in W's last layer, by index (under zero bubble).
     let mut in_w_last_layer = Vec::new();
     let mut candidates = Vec::new();
-    for point in tsp_o_reduces(shape.tsp, shape.tsp_rank, o_block) {
+    // (And as it is reduced to the first owner, the axis's last, none summed before it.)
+    let first_owner = tsp_first_owner_o_reduce(shape.tsp, shape.tsp_rank, o_block);
+    for point in tsp_o_reduces(shape.tsp, shape.tsp_rank, o_block).into_iter().chain([first_owner]) {
         let mut held = held_from(w_without_rope || (!shape.zero_bubble && point.after == 0));
-        held.extend([
-            Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
-            Term { name: point.contributions, bytes: block },
-            point.reduce,
-        ]);
+        if point.after + 1 < shape.tsp {
+            held.push(Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block });
+        }
+        held.extend([Term { name: point.contributions, bytes: block }, point.reduce]);
         if point.after > 0 {
             held.push(Term { name: "first layer's attention norm output", bytes: gathered });
             held.push(Term {
@@ -1263,16 +1271,23 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 bytes: point.after as f64 * later_owner_activations,
             });
         }
-        let (name, in_w) = if point.to_this_rank {
-            (
+        let (name, in_w) = match (point.to_this_rank, point.after + 1 == shape.tsp) {
+            (true, false) => (
                 "first layer's o gradient reduced to this rank, its owner",
                 "the last layer's o gradient reduced to this rank, its owner, in W",
-            )
-        } else {
-            (
+            ),
+            (false, false) => (
                 "first layer's o gradient reduced to another owner",
                 "the last layer's o gradient reduced to another owner, in W",
-            )
+            ),
+            (true, true) => (
+                "first layer's o gradient reduced to this rank, the first owner",
+                "the last layer's o gradient reduced to this rank, the first owner, in W",
+            ),
+            (false, true) => (
+                "first layer's o gradient reduced to the first owner",
+                "the last layer's o gradient reduced to the first owner, in W",
+            ),
         };
         in_w_last_layer.push((candidates.len(), in_w));
         candidates.push(Candidate::made(name, reducing_so_far, held));
@@ -1306,6 +1321,20 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
             reducing_so_far,
             held,
         ));
+        // Then, its RoPE backwards done, as q's input gradient is made (k's and v's first): the
+        // rank's contributions to the owner's o, k and v gradients made, q's block broadcast
+        // again, q's gradient, and the input gradient beside them.
+        let q_block = hidden * query / owners * element;
+        let mut held = held_from(true);
+        held.extend([
+            Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
+            Term { name: "first layer's attention norm output", bytes: gathered },
+            Term { name: "its contributions to the last owner's o, k and v gradients", bytes: block - q_block },
+            Term { name: "the last owner's q block, broadcast again", bytes: q_block },
+            Term { name: "the last owner's q gradient", bytes: local_tokens * query / owners * element },
+            Term { name: "its q input gradient", bytes: stream },
+        ]);
+        candidates.push(Candidate::made("first layer's q input gradient, the last owner's", reducing_so_far, held));
     }
     // As o's gradient joins its sum, on the axis's last rank: the results summed (a block), the
     // first owner's q, k and v contributions, o's result for the first owner (zeros but on it),

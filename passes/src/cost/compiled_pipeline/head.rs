@@ -885,6 +885,12 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     }
     made.push(head_input_gradient.clone());
     made.extend(final_norm_weight_regathered(shape));
+    if let Some(head_part) = shape.tied_head_part() {
+        // Beside a tied table the head's part of its gradient joins no sum here: it is sent back
+        // to the first stage (beside dp reduced over it first, at the end of the backward).
+        made.push(head_part);
+        return vec![Candidate::made("the LM head's part of the tied table's gradient is made", 0.0, made)];
+    }
     let joining = |held| Candidate {
         name: "the LM head's weight gradient joins its sum",
         so_far: weight_gradient,
@@ -947,6 +953,10 @@ fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "the final norm's input gradient", bytes: stream },
     ];
     held.extend(ring_input_recomputed(shape));
-    let made_before = shape.sharded((vocab_shard * hidden + shape.norm) * element, 0.0);
+    // (Beside a tied table the head's part of its gradient is held, joining no sum.)
+    let head_part = shape.tied_head_part();
+    let head_sum = if head_part.is_some() { 0.0 } else { vocab_shard * hidden };
+    held.extend(head_part);
+    let made_before = shape.sharded((head_sum + shape.norm) * element, 0.0);
     tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, made_before, None)
 }

@@ -90,9 +90,12 @@
 //! later place on the axis); the axis's last rank, whose owner goes first, as o's gradient joins
 //! its sum; any rank also as o's reduce to another owner leaves zeros there, beside the activations
 //! of the owners after that one (the point where the axis's last rank peaks beside dp, which
-//! all-reduces o's gradient before it joins its sum); outside zero bubble any rank also as the last
-//! owner's attention kernel makes v's gradient, beside that owner's q, k and v (recomputed under
-//! full recomputation, their blocks broadcast again) and the kernel's other gradients. Beside dp
+//! all-reduces o's gradient before it joins its sum), and as it is reduced to the first owner (on
+//! the axis's last rank itself), none summed before it, every other owner's activations after it;
+//! outside zero bubble any rank also as the last owner's attention kernel makes v's gradient,
+//! beside that owner's q, k and v (recomputed under full recomputation, their blocks broadcast
+//! again) and the kernel's other gradients, and then, its RoPE backwards done, as that owner's q
+//! input gradient is made from q's block broadcast again. Beside dp
 //! the first stage's other candidate is the embedding rows' slicing, as under dp × tp. The closed
 //! form takes the rank's place on the axis. On more tokens a stage peaks inside an MLP ring's
 //! backward (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds,
@@ -299,7 +302,12 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
-//! ZeRO stage; its embedding untied, or tied on a dense model without tsp.
+//! ZeRO stage; its embedding untied, or tied on a dense model (with or without tsp: under tsp the
+//! head's part of the table's gradient joins no sum as it is made, beside dp reduced at the end of
+//! the backward as beside dp × tp; the first stage's scattering of the embedding's gradient holds
+//! it beside both orders' token ids; under
+//! zero bubble W makes it, so B's points on the last stage do not hold it, and the first stage's W
+//! begins, with its last layer's MLP norm weight gradient, holding it once taken).
 //! [`pipelined_differences_from_closed_form`] names
 //! the terms by which [`super::memory`]'s stage peak (1F1B's in-flight activations by Korthikanti's
 //! formulas) differs from it; `tests/cost_training.rs` checks that closed form plus those terms
@@ -435,8 +443,8 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // A mixture of experts whose every rank holds every expert or experts/ep of them (not
         // tsp's), beside dp, cp, ep and tp (with or without SP), under any ZeRO stage.
         && model.experts.as_ref().is_none_or(|_| layout.expert_axis() != Some(AxisName::Tsp))
-        // A tied table beside pp: a dense model without tsp.
-        && (!model.tied_embeddings || (model.experts.is_none() && tsp == 1))
+        // A tied table beside pp: a dense model (with or without tsp).
+        && (!model.tied_embeddings || model.experts.is_none())
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
@@ -702,15 +710,7 @@ pub(super) struct TspOReduce {
 pub(super) fn tsp_o_reduces(tsp: u64, tsp_rank: u64, o_block: f64) -> Vec<TspOReduce> {
     let mut points = Vec::new();
     if tsp_rank + 1 < tsp {
-        points.push(TspOReduce {
-            to_this_rank: true,
-            contributions: "its contributions to its own attention weight gradients",
-            reduce: Term {
-                name: "o's reduce: what it received, and the partial sums beside it",
-                bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
-            },
-            after: tsp_rank,
-        });
+        points.push(tsp_own_o_reduce(tsp, tsp_rank, o_block));
     }
     if let Some(other) = if tsp_rank + 2 == tsp { tsp.checked_sub(3) } else { tsp.checked_sub(2) } {
         points.push(TspOReduce {
@@ -721,6 +721,35 @@ pub(super) fn tsp_o_reduces(tsp: u64, tsp_rank: u64, o_block: f64) -> Vec<TspORe
         });
     }
     points
+}
+
+/// The point of [`tsp_o_reduces`] where o's gradient is reduced to the rank at `tsp_rank` itself.
+fn tsp_own_o_reduce(tsp: u64, tsp_rank: u64, o_block: f64) -> TspOReduce {
+    TspOReduce {
+        to_this_rank: true,
+        contributions: "its contributions to its own attention weight gradients",
+        reduce: Term {
+            name: "o's reduce: what it received, and the partial sums beside it",
+            bytes: if tsp == 2 { 2.0 * o_block } else { 3.0 * o_block },
+        },
+        after: tsp_rank,
+    }
+}
+
+/// Where the rank at `tsp_rank` may peak as o's gradient is reduced to the first owner (the
+/// axis's last rank, whose backward goes first): to itself on that rank, else to another owner,
+/// leaving zeros here; none summed before it, every other owner after it.
+pub(super) fn tsp_first_owner_o_reduce(tsp: u64, tsp_rank: u64, o_block: f64) -> TspOReduce {
+    if tsp_rank + 1 == tsp {
+        tsp_own_o_reduce(tsp, tsp_rank, o_block)
+    } else {
+        TspOReduce {
+            to_this_rank: false,
+            contributions: "its contributions to that owner's attention weight gradients",
+            reduce: Term { name: "o's reduce to that owner: zeros here", bytes: o_block },
+            after: tsp - 1,
+        }
+    }
 }
 
 /// The terms by which [`super::memory`]'s peak of a pipelined stage, `memory`, differs from the

@@ -194,10 +194,26 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// last chunk: B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, vocab_shard, hidden, ffn, stream, gathered, every_token, .. } = shape.sizes;
-    if !shape.zero_bubble || (shape.tsp > 1 && !chunk.last) {
+    if !shape.zero_bubble {
         return Vec::new();
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
+    if shape.tsp > 1 && !chunk.last {
+        // Under tsp B made the MLP's gradients: W's first is the last layer's MLP norm weight's,
+        // partial before its all-reduce over the axis, beside all the micro-batch holds between B
+        // and W (and on the first chunk beside a tied table the head's part of its gradient, taken
+        // by then: `chunk_hold` adds it).
+        let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
+        let held = vec![
+            Term { name: "its positions", bytes: positions },
+            Term {
+                name: "what it holds between B and W but its B gradients",
+                bytes: between_b_and_w.between - made_in_b,
+            },
+            Term { name: "the last layer's MLP norm weight gradient, partial", bytes: shape.norm * element },
+        ];
+        return vec![Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, held)];
+    }
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
     // W's first gradient to join a sum: on the last chunk the LM head's, but a tied table's part
     // (which joins none); else, and after that part, the last layer's down projection's.
@@ -259,7 +275,8 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             made_in_b,
             held.clone(),
         ));
-        if !dense {
+        // (Under tsp B made the MLP's gradients.)
+        if !dense || shape.tsp > 1 {
             return points;
         }
     } else if lm_head {
