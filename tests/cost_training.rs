@@ -1626,12 +1626,77 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     for (config, layout) in mixture_sequence_parallel_cases(&config) {
         check_stage_closed_form(&config, &layout);
     }
-    // Outside what is modelled (tsp placing the experts) there is no closed form.
+    // Outside what is modelled (tsp placing the experts under zero bubble, or beside ep) there is
+    // no closed form.
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
-    let layout = Layout::from_mesh(&Mesh::parse("pp=2,tsp=2").unwrap(), false);
-    let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4).unwrap();
-    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none());
+    for (mesh, kind) in [("pp=2,tsp=2", ScheduleKind::ZeroBubbleH1), ("pp=2,tsp=2,ep=2", ScheduleKind::OneFOneB)] {
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let schedule = Schedule::build(kind, 2, 4).unwrap();
+        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
+    }
+}
+
+#[test]
+fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
+    // tsp splitting a mixture's routed experts: the attention's owners as for a dense model, the
+    // MoE layer dispatched over the axis as over ep (one instruction makes the layer's expert
+    // gradients), but the tokens are the sequence's share, not another batch: the dense
+    // gradients are the rank's blocks, not reduced over the axis, and the router's and the norms'
+    // all-reduced over it; the counts' sum all-reduced over it too, so that under full
+    // recomputation the last stage sends it again in each backward. A stage may peak inside its
+    // first layer's MoE backward beside every owner's attention activations (past the dispatch as
+    // the router's two gradients are summed, before their all-reduce), at the LM head's
+    // gradient (under full recomputation as the final norm's output is regathered for it), or
+    // under full recomputation in its last layer's attention backward, the residual stream of
+    // the layers below live. tsp at 2 and 4, alone and beside dp (ZeRO 0, 2 and 3), GPipe, 1F1B
+    // and interleaved, each recomputation, 8, 256 and 1024 tokens.
+    let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let (one_f_one_b, gpipe, interleaved) =
+        (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
+    let cases: [(&str, ScheduleKind, u32, u8); 7] = [
+        ("pp=2,tsp=2", one_f_one_b, 2, 0),
+        ("pp=2,tsp=2", gpipe, 4, 0),
+        ("pp=2,tsp=4", interleaved, 2, 0),
+        ("pp=4,tsp=2", one_f_one_b, 4, 0),
+        ("pp=2,dp=2,tsp=2", interleaved, 2, 0),
+        ("pp=2,dp=2,tsp=2", gpipe, 2, 2),
+        ("pp=2,dp=2,tsp=4", one_f_one_b, 2, 3),
+    ];
+    let mut names = std::collections::BTreeSet::new();
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for (mesh, kind, micro_batches, zero_stage) in cases {
+            let layout = PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+            for seq in [SEQ, 256] {
+                for stage in stage_closed_forms(&config, &layout, seq) {
+                    stage.assert_exact();
+                    names.insert(stage.phase.name);
+                }
+            }
+        }
+    }
+    // On 1024 tokens under full recomputation the last layer's attention backward.
+    for (mesh, micro_batches) in [("pp=2,tsp=2", 4), ("pp=2,dp=2,tsp=4", 2)] {
+        let layout = PipelinedLayout {
+            recompute: Recompute::Full,
+            ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
+        };
+        for stage in stage_closed_forms(&config, &layout, 1024) {
+            stage.assert_exact();
+            names.insert(stage.phase.name);
+        }
+    }
+    for name in [
+        "first layer's MLP norm output's gradients summed",
+        "first layer's router gradients summed past the dispatch",
+        "the LM head's weight gradient joins its sum",
+        "the final norm's output regathered for the LM head's gradient",
+        "the last layer's attention kernel backward: the last owner's v gradient",
+        "first layer's o gradient reduced to this rank, its owner",
+        "tail of a backward",
+    ] {
+        assert!(names.contains(name), "{name}: {names:?}");
+    }
 }
 
 #[test]

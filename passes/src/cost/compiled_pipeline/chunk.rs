@@ -207,7 +207,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
 /// head's outputs (the final norm's input all-gathered under SP, its output whole); its positions,
 /// which every chunk of the stage reads, are counted once a micro-batch.
 fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
-    let StepSizes { element, local_tokens, ids, stream, kept_layer, every_token, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ids, stream, kept_layer, .. } = shape.sizes;
     let statistics = shape.statistics;
     let mut in_flight = layers as f64 * kept_layer;
     if first {
@@ -229,16 +229,7 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
         in_flight += 2.0 * layers as f64 * statistics;
     }
     if last {
-        // Full recomputation recomputes the final norm's input gathered under SP and its output;
-        // tsp keeps its output gathered over the sequence (the head's input) instead.
-        let final_norm = if shape.recompute() == Recompute::Full {
-            0.0
-        } else if shape.tsp > 1 {
-            every_token
-        } else {
-            shape.sizes.final_norm_buffers()
-        };
-        in_flight += ids + final_norm + shape.logits() + element;
+        in_flight += ids + shape.final_norm_kept() + shape.logits() + element;
     }
     in_flight
 }
@@ -271,7 +262,7 @@ impl Chunk {
 
 /// The term naming the expert counts summed over the layers that a stage between the first and
 /// the last received from the last.
-const RECEIVED_COUNTS: &str = "the expert counts summed over the layers (received)";
+pub(super) const RECEIVED_COUNTS: &str = "the expert counts summed over the layers (received)";
 
 /// The expert counts summed over the layers that a stage before the last received for its routers'
 /// backward, where a point of `chunk`'s backward still holds them: on a stage between the first and

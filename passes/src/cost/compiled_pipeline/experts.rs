@@ -22,6 +22,7 @@ impl Place {
         match self {
             Place::FirstLayer => ExpertsNames {
                 dispatched: "first layer's experts' backward dispatched",
+                router_summed: "first layer's router gradients summed past the dispatch",
                 made: "first layer's expert gradients made beside their weights gathered again",
                 made_whole: "first layer's expert gradients made, before their reduce-scatter",
                 input_gradient_reduced: "first layer's routed experts' input gradient all-reduced over tp",
@@ -32,6 +33,7 @@ impl Place {
             },
             Place::LastLayer => ExpertsNames {
                 dispatched: "the last layer's experts' backward dispatched",
+                router_summed: "the last layer's router gradients summed past the dispatch",
                 made: "the last layer's expert gradients made beside their weights gathered again",
                 made_whole: "the last layer's expert gradients made, before their reduce-scatter",
                 input_gradient_reduced: "the last layer's routed experts' input gradient all-reduced over tp",
@@ -46,6 +48,7 @@ impl Place {
 
 struct ExpertsNames {
     dispatched: &'static str,
+    router_summed: &'static str,
     made: &'static str,
     made_whole: &'static str,
     input_gradient_reduced: &'static str,
@@ -68,6 +71,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
     let names = place.experts_names();
     let mut points: Vec<Candidate> = dispatched(shape, names.dispatched, context, made_before)
         .into_iter()
+        .chain(router_gradients_summed(shape, names.router_summed, context, made_before))
         .chain(input_gradient_reduced(shape, place, context, made_before))
         .chain(input_gradients_summed(shape, place, context, made_before))
         .collect();
@@ -119,7 +123,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     }
     // (Beside dp or cp the router's gradients are summed and its weight gradient reduced before
     // the experts' are.)
-    if shape.ep > 1 && experts.load_balancing_loss && !reduced {
+    if shape.dispatched() && experts.load_balancing_loss && !reduced {
         held.push(load_balancing_gradients(shape));
     }
     // Under ZeRO-2 the router's gradient's shard has joined its sum (under ZeRO-3 the router's
@@ -129,7 +133,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // Over ep under ZeRO-3 the weights the dispatch read, gathered again, are freed with the MLP
     // norm's output, after the layer's MLP backward (beside cp, which shards the experts too, the
     // gathered copies are freed before their gradients join).
-    if shape.ep > 1 && !shape.experts_scattered() {
+    if shape.dispatched() && !shape.experts_scattered() {
         held.extend(weights_gathered_again(shape));
     }
     // (Over ep under ZeRO-2 the router's gradient from the dispatch is among them whole.)
@@ -205,7 +209,7 @@ pub(super) fn made_before_scattered(
     shape.model.experts.as_ref()?;
     let router_whole = router_gradient_whole(shape);
     // (Over ep one instruction makes every gradient of the experts' backward, [`dispatched`].)
-    if shape.ep > 1 || !(shape.experts_scattered() || router_whole.is_some()) {
+    if shape.dispatched() || !(shape.experts_scattered() || router_whole.is_some()) {
         return None;
     }
     let names = place.experts_names();
@@ -246,7 +250,7 @@ pub(super) fn router_whole_as_experts_are_made(shape: &StageShape) -> f64 {
 /// the experts' gradients first.)
 pub(super) fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option<Candidate> {
     let experts = shape.model.experts.as_ref()?;
-    if shape.ep == 1 || !experts.load_balancing_loss || shape.experts_reduced {
+    if !shape.dispatched() || !experts.load_balancing_loss || shape.experts_reduced {
         return None;
     }
     let mut held = joining.held.clone();
@@ -273,7 +277,7 @@ pub(super) fn input_gradient_reduced(
     let gathered = shape.sizes.gathered;
     // (Over ep, without replicas of the experts, the dispatch made the layer's routed-expert
     // gradients, whole, and the router's from them before the all-reduce.)
-    let over_ep = shape.ep > 1;
+    let over_ep = shape.dispatched();
     if shape.tp == 1 || (over_ep && (shape.experts_reduced || shape.experts_scattered())) {
         return None;
     }
@@ -302,7 +306,7 @@ pub(super) fn input_gradients_summed(
     made_before: f64,
 ) -> Option<Candidate> {
     let experts = shape.model.experts.as_ref()?;
-    if shape.ep > 1 || !(experts.load_balancing_loss || experts.shared_expert) {
+    if shape.dispatched() || !(experts.load_balancing_loss || experts.shared_expert) {
         return None;
     }
     let gathered = shape.sizes.gathered;
@@ -365,7 +369,7 @@ pub(super) fn dispatched(
     made_before: f64,
 ) -> Option<Candidate> {
     let StepSizes { element, gathered, .. } = shape.sizes;
-    if shape.ep == 1 {
+    if !shape.dispatched() {
         return None;
     }
     let router = shape.router();
@@ -373,6 +377,33 @@ pub(super) fn dispatched(
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
     held.push(Term { name: "the dispatch's copy of its operands", bytes: 2.0 * gathered + router + routed * element });
     Some(Candidate::made(name, so_far, held))
+}
+
+/// Under tsp beside the load-balancing loss, past the dispatch: the MLP norm output's gradients
+/// from the router and from the experts summed (both freed), then the router's two weight
+/// gradients summed, before their all-reduce over the axis (the tokens' share of it): the
+/// dispatch's router and expert gradients live beside that sum, the router's gradient from the
+/// loss and the input gradients' sum (and under ZeRO-3 the weights gathered again).
+fn router_gradients_summed(
+    shape: &StageShape,
+    name: &'static str,
+    context: &[Term],
+    made_before: f64,
+) -> Option<Candidate> {
+    let experts = shape.model.experts.as_ref()?;
+    if shape.tsp == 1 || !shape.dispatched() || !experts.load_balancing_loss {
+        return None;
+    }
+    let (router, gathered) = (shape.router(), shape.sizes.gathered);
+    let mut held = context.to_vec();
+    held.extend(weights_gathered_again(shape));
+    held.extend([
+        Term { name: "the router's weight gradient from the load-balancing loss", bytes: router },
+        Term { name: "the dispatch's router and expert gradients", bytes: router + shape.layer_routed_experts() },
+        Term { name: "the MLP norm output's gradients from the router and the experts, summed", bytes: gathered },
+        Term { name: "the router's two gradients, summed", bytes: router },
+    ]);
+    Some(Candidate::made(name, made_before, held))
 }
 
 /// Of a layer's routed-expert and router gradients, the bytes not among the micro-batch's
@@ -412,7 +443,7 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 fn router_sum_pending(shape: &StageShape) -> f64 {
     match &shape.model.experts {
         Some(experts)
-            if shape.ep > 1
+            if shape.dispatched()
                 && experts.load_balancing_loss
                 && !shape.experts_reduced
                 && router_gradient_whole(shape).is_none() =>

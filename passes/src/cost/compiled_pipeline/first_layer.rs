@@ -6,7 +6,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{received_counts, Candidate, Chunk};
+use super::chunk::{received_counts, Candidate, Chunk, RECEIVED_COUNTS};
 use super::experts::{self, experts_points};
 use super::shared_expert::{self, shared_expert_points};
 use super::{tsp_first_owner_o_reduce, tsp_o_reduces, tsp_ring, Place, StageShape};
@@ -544,13 +544,20 @@ fn mlp_context(shape: &StageShape, chunk: &Chunk, with_counts_on_the_first: bool
         Term { name: "first layer's output gradient", bytes: stream },
     ];
     mlp.extend(received_counts(shape, chunk, with_counts_on_the_first));
+    // (Under tsp on the first chunk the token ids in zigzag order, which the embedding's backward
+    // reads.)
+    if shape.tsp > 1 && chunk.first {
+        mlp.push(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
+    }
     before_attention(shape, chunk, mlp)
 }
 
 /// The chunk's gradients made before its first layer's MLP backward: all but that layer's (under
 /// ZeRO-2 and 3 their shards).
 fn made_before_first_mlp(shape: &StageShape, chunk: &Chunk) -> f64 {
-    let outside_mlp = (shape.attention_weights + 2.0 * shape.norm) * shape.sizes.element + chunk.table;
+    // (Under tsp the rank's block of the attention weights.)
+    let attention = shape.attention_weights / shape.tsp as f64;
+    let outside_mlp = (attention + 2.0 * shape.norm) * shape.sizes.element + chunk.table;
     chunk.grads - outside_mlp / shape.shards - shape.layer_mlp_gradient_shards()
 }
 
@@ -657,7 +664,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // their weight gradients (on the micro-batch's first B of the chunk their sums not made yet).
     if let Some(mut reduced) = experts_input_gradient_reduced(shape, chunk) {
         // (Over ep the dispatch made the routed experts' gradients first.)
-        let routed = if shape.ep > 1 { shape.layer_routed_experts() } else { 0.0 };
+        let routed = if shape.dispatched() { shape.layer_routed_experts() } else { 0.0 };
         let pending = shape.mlp_gradients_in_b().unwrap_or(0.0) - routed;
         reduced.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate {
@@ -1194,6 +1201,11 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
         Term { name: "first layer's attention norm output gradient", bytes: stream },
         Term { name: "first layer's attention residual gradient", bytes: stream },
     ];
+    // (A stage between the first and the last still holds a mixture's summed expert counts it
+    // received; under zero bubble the walk counts them beside W.)
+    if !shape.zero_bubble {
+        gradients.extend(received_counts(shape, chunk, false));
+    }
     // Under zero bubble this is W: B made the layer's input gradients, and the first layer's
     // attention norm's (sent back) and every layer's attention residual's (which B reads too) stay
     // to the micro-batch's end. Under either recomputation W still reads every layer's q, k and v
@@ -1256,6 +1268,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // Each point's counterpart in W's last layer, by index (under zero bubble).
     let mut in_w_last_layer = Vec::new();
     let mut candidates = Vec::new();
+    let mut last_layer_points = Vec::new();
     // (And as it is reduced to the first owner, the axis's last, none summed before it.)
     let first_owner = tsp_first_owner_o_reduce(shape.tsp, shape.tsp_rank, o_block);
     for point in tsp_o_reduces(shape.tsp, shape.tsp_rank, o_block).into_iter().chain([first_owner]) {
@@ -1316,6 +1329,33 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
             });
         }
         held.extend(zigzag_ids.clone());
+        // Under full recomputation a mixture's chunk of more than one layer may peak at the same
+        // point of its last layer's attention backward: the residual stream every layer below
+        // kept is still live (on the first stage the received counts too: the first layer's
+        // router has not read them yet), and of the chunk's gradients only the head's (on the
+        // last chunk) and the last layer's MLP's and MLP norm's are made.
+        if recompute == Recompute::Full && chunk.layers > 1 && shape.model.experts.is_some() {
+            let mut last_layer: Vec<Term> = held
+                .iter()
+                .filter(|term| term.name != RECEIVED_COUNTS)
+                .cloned()
+                .chain(received_counts(shape, chunk, true))
+                .collect();
+            last_layer.push(Term {
+                name: "the residual stream the layers below its last kept",
+                bytes: (layers - 1.0) * shape.sizes.kept_layer,
+            });
+            let head = if chunk.last { shape.sizes.vocab_shard * hidden + shape.norm } else { 0.0 };
+            let so_far = (head + shape.norm) * element / shape.shards + shape.layer_mlp_gradient_shards();
+            last_layer_points.push(Candidate {
+                key_values_pending: chunk.layers,
+                ..Candidate::made(
+                    "the last layer's attention kernel backward: the last owner's v gradient",
+                    so_far,
+                    last_layer,
+                )
+            });
+        }
         candidates.push(Candidate::made(
             "first layer's attention kernel backward: the last owner's v gradient",
             reducing_so_far,
@@ -1360,6 +1400,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     for candidate in &mut candidates {
         candidate.key_values_pending = 1;
     }
+    candidates.extend(last_layer_points);
     // Zero bubble's W takes the chunk's layers last to first: at its last layer's points the
     // micro-batch holds the same as at the first layer's and what W reads of the layers before
     // (but what they keep to its end, counted above), none of whose attention or norm weight

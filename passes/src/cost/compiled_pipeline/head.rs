@@ -292,10 +292,8 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// targets (every token's, read by the loss's backward).
 fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
     let StepSizes { ids, stream, token_split, .. } = shape.sizes;
-    let full = shape.recompute() == Recompute::Full;
-    let final_norm = if full { 0.0 } else { shape.sizes.final_norm_buffers() };
     let targets = if token_split > 1 { ids } else { 0.0 };
-    chunk.in_flight - shape.logits() - final_norm - stream - targets
+    chunk.in_flight - shape.logits() - shape.final_norm_kept() - stream - targets
 }
 
 /// The head of a micro-batch's backward on a chunk before the last, a dense one's: the output
@@ -674,7 +672,9 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);
     candidates.extend(experts_points(shape, Place::LastLayer, &routed, head_gradients));
-    if !full && chunk.layers > 1 {
+    // (Not under tsp, whose attention backward takes the owners in turn: its first layer's points
+    // stand above its last's.)
+    if !full && chunk.layers > 1 && shape.tsp == 1 {
         // (The output gradient is summed into the attention residual's gradient by then.)
         let context = routed.iter().filter(|term| term.name != output_gradient_name).cloned().collect();
         candidates.push(kept_last_layer_attention_backward(shape, context, head_gradients));
@@ -745,7 +745,7 @@ fn kept_last_layer_attention_backward(shape: &StageShape, context: Vec<Term>, he
 /// made.
 pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, kept_layer, .. } = shape.sizes;
-    if shape.recompute() != Recompute::Full || chunk.layers < 2 || shape.model.experts.is_none() {
+    if shape.recompute() != Recompute::Full || chunk.layers < 2 || shape.model.experts.is_none() || shape.tsp > 1 {
         return Vec::new();
     }
     let mut context = chunk.first_layer_held.clone();
@@ -818,19 +818,20 @@ fn ring_input_recomputed(shape: &StageShape) -> Option<Term> {
 /// the final norm's output and gathers it over the sequence for the LM head's weight gradient,
 /// after the head's input gradient: the stage may peak as it does, the gathered copy staged beside
 /// the rank's share, the logits' gradient and the head's input gradient (every token's), the
-/// logits and the targets freed. (A dense model's.)
+/// logits and the targets freed (a mixture's two losses summed).
 fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { ids, stream, every_token, .. } = shape.sizes;
-    if shape.tsp == 1 || shape.zero_bubble || shape.recompute() != Recompute::Full || shape.model.experts.is_some() {
+    let StepSizes { element, ids, stream, every_token, .. } = shape.sizes;
+    if shape.tsp == 1 || shape.zero_bubble || shape.recompute() != Recompute::Full {
         return None;
     }
+    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
     Some(Candidate::made(
         "the final norm's output regathered for the LM head's gradient",
         0.0,
         vec![
             Term { name: "its positions", bytes: chunk.positions },
             // (The logits' gradient in place of the logits.)
-            Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids },
+            Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids - summed },
             Term { name: "the LM head's input gradient, every token's", bytes: every_token },
             Term {
                 name: "the final norm's output recomputed, and its gathered copy staged",
@@ -867,19 +868,25 @@ fn final_norm_weight_regathered(shape: &StageShape) -> Option<Term> {
 /// targets freed. Beside dp (or cp) it may peak as that gradient is made, with those, then after
 /// its all-reduce, the unreduced copy live and the logits' gradient and the head's input (under
 /// full recomputation its recomputed copy) freed by then; under ZeRO-2 and 3 as it is
-/// reduce-scattered instead, staged whole. (A dense model's.)
+/// reduce-scattered instead, staged whole. (A mixture's two losses are summed by then.)
 fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, hidden, ids, vocab_shard, every_token, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
-    if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
+    if shape.tsp == 1 || shape.zero_bubble {
         return Vec::new();
     }
     let weight_gradient = vocab_shard * hidden * element;
     let positions = Term { name: "its positions", bytes: chunk.positions };
     let head_input_gradient = Term { name: "the LM head's input gradient, every token's", bytes: every_token };
-    // (The logits' gradient in place of the logits.)
-    let mut made =
-        vec![positions.clone(), Term { name: "what it holds in flight but the targets", bytes: chunk.in_flight - ids }];
+    // (The logits' gradient in place of the logits; a mixture's two losses summed into one.)
+    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let mut made = vec![
+        positions.clone(),
+        Term {
+            name: "what it holds in flight but the targets (a mixture's two losses summed)",
+            bytes: chunk.in_flight - ids - summed,
+        },
+    ];
     if full {
         made.push(Term { name: "the final norm's output recomputed, gathered over the sequence", bytes: every_token });
     }
@@ -911,7 +918,7 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         positions,
         Term {
             name: "what it holds in flight but the targets, the logits and the head's input",
-            bytes: chunk.in_flight - ids - shape.logits() - head_input,
+            bytes: chunk.in_flight - ids - summed - shape.logits() - head_input,
         },
         unreduced,
         head_input_gradient,

@@ -284,8 +284,17 @@
 //! layers before still live: there the form is within 1% below, exact on nine stages in ten, and
 //! under zero bubble beside dp alone exact on every stage.
 //!
+//! A mixture's routed experts split over tsp are dispatched over it as over ep (one instruction
+//! makes the layer's expert, router and input gradients), but the tokens are the sequence's share:
+//! the dense gradients are the rank's attention blocks (the router's and the norms' all-reduced
+//! over the axis, the router's two summed first, past the dispatch), and the counts' sum is
+//! all-reduced over it, so that under full recomputation the last stage sends it again in each
+//! backward; under full recomputation a chunk of more than one layer may peak in its last layer's
+//! attention kernel backward too, the residual stream of the layers below live.
+//!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone or beside `dp` (any ZeRO stage); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with
+//! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, without a shared
+//! expert, outside zero bubble); GPipe, 1F1B, interleaved 1F1B and zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
@@ -338,7 +347,7 @@ use super::compiled::ForwardPhase;
 use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
 use super::memory::{MemoryBreakdown, Term};
-use super::model::ModelShape;
+use super::model::{Experts, ModelShape};
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
 use super::zero_rows::ZeroRows;
@@ -430,9 +439,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
     layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
-        // tsp beside pp, alone or with dp (any ZeRO stage), a dense model.
+        // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or (outside zero
+        // bubble) a mixture whose routed experts tsp splits, without a shared expert.
         && tsp_rank < tsp
-        && (tsp == 1 || (tp * cp == 1 && model.experts.is_none()))
+        && (tsp == 1
+            || (tp * cp == 1
+                && model.experts.as_ref().is_none_or(|experts| tsp_experts_modelled(experts, layout, schedule))))
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
         // whole; the stage's points count them apart).
@@ -440,11 +452,17 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
             || (layout.zero_replicas() > 1
                 && (workload.zero == 2 || workload.zero == 3)
                 && only_key_values_kept_whole(model, layout)))
-        // A mixture of experts whose every rank holds every expert or experts/ep of them (not
-        // tsp's), beside dp, cp, ep and tp (with or without SP), under any ZeRO stage.
-        && model.experts.as_ref().is_none_or(|_| layout.expert_axis() != Some(AxisName::Tsp))
+        // A mixture of experts whose every rank holds every expert or experts/ep of them, beside
+        // dp, cp, ep and tp (with or without SP), under any ZeRO stage; or tsp's share (above).
         // A tied table beside pp: a dense model (with or without tsp).
         && (!model.tied_embeddings || model.experts.is_none())
+}
+
+/// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart),
+/// no shared expert (which tsp runs as a ring), outside zero bubble (whose B would run the
+/// experts' backward and the attention's input gradients apart).
+fn tsp_experts_modelled(experts: &Experts, layout: &Layout, schedule: &Schedule) -> bool {
+    layout.expert_axis() == Some(AxisName::Tsp) && !experts.shared_expert && schedule.kind != ScheduleKind::ZeroBubbleH1
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
@@ -578,6 +596,20 @@ impl<'a> StageShape<'a> {
         rows * vocab_shard * element
     }
 
+    /// What a micro-batch in flight on the last chunk keeps of the final norm (bytes): nothing
+    /// under full recomputation, which recomputes its input gathered under SP and its output;
+    /// under tsp its output gathered over the sequence (the head's input); else its buffers
+    /// beyond the last layer's output.
+    fn final_norm_kept(&self) -> f64 {
+        if self.recompute() == Recompute::Full {
+            0.0
+        } else if self.tsp > 1 {
+            self.sizes.every_token
+        } else {
+            self.sizes.final_norm_buffers()
+        }
+    }
+
     /// The head's part of a tied table's gradient, the rank's rows of it (bytes): made at the head
     /// of the last chunk's backward and sent back, received at the start of the first chunk's.
     fn tied_head_part(&self) -> Option<Term> {
@@ -620,6 +652,12 @@ impl<'a> StageShape<'a> {
     /// routed expert's over dp × cp.
     fn sharded(&self, bytes: f64, experts: f64) -> f64 {
         (bytes - experts) / self.shards + experts / self.expert_shards
+    }
+
+    /// Whether the routed experts are split over ep or tsp, so that one instruction dispatches
+    /// their backward (every gradient of it made at once).
+    fn dispatched(&self) -> bool {
+        self.layout.expert_degree() > 1
     }
 
     /// Whether ZeRO-2 and 3 shard the routed experts' gradients (over dp × cp: not over ep alone).

@@ -226,10 +226,10 @@ impl Point<'_> {
     /// micro-batches between B and W hold theirs in `between`.) Without interleaving.
     fn counts_taken(&self) -> Option<f64> {
         let (shape, step) = (self.shape, self.step);
-        // (Over dp, cp or ep under full recomputation the last stage all-reduces the sum over them
-        // again in each backward and sends that: a micro-batch takes it only as its own backward
-        // starts.)
-        if shape.reduced && shape.recompute() == Recompute::Full {
+        // (Over dp, cp, ep or tsp under full recomputation the last stage all-reduces the sum over
+        // them again in each backward and sends that: a micro-batch takes it only as its own
+        // backward starts.)
+        if (shape.reduced || shape.tsp > 1) && shape.recompute() == Recompute::Full {
             return Some(0.0);
         }
         let taken = if shape.zero_bubble {
