@@ -624,7 +624,10 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // the final norm's output (but under full recomputation, where W recomputes it) and its
     // gradient, the logits' gradient and the load-balancing loss beside the cross-entropy.
     let mut for_w = Vec::new();
-    if chunk.last {
+    if chunk.last && shape.tsp > 1 {
+        // (Under tsp the head's reads are every token's: [`tsp_head_read_by_w`].)
+        for_w.extend(tsp_head_read_by_w(shape, chunk));
+    } else if chunk.last {
         for_w.push(Term {
             name: "first layer's output (the next layer's or the final norm's input, for W)",
             bytes: stream,
@@ -722,6 +725,11 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // the router and from the experts, every buffer of the joining live.
         points.extend(experts::summed(shape, "first layer's MLP norm output's gradients summed in B", &joining));
         points.push(joining);
+    }
+    // Under tsp B's attention backward is the owners' ([`tsp_attention_in_b`]).
+    if shape.tsp > 1 {
+        points.push(tsp_attention_in_b(shape, chunk));
+        return points;
     }
     // A dense first layer's MLP weight gradients are W's: it reads the MLP norm's output, the
     // SiLU product (under full recomputation gate and up, which B recomputed with the norm's
@@ -829,6 +837,9 @@ fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
         },
     ];
     terms.extend(final_norm_regathered_for_w(shape));
+    if shape.statistics > 0.0 {
+        terms.push(Term { name: "the load-balancing loss beside the cross-entropy", bytes: shape.sizes.element });
+    }
     // (Beside a tied table the head's part of its gradient, which the chunk's end holds, is
     // made in W.)
     if let Some(head_part) = shape.tied_head_part() {
@@ -885,6 +896,7 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
         ],
     );
     held.extend(tsp_head_read_by_w(shape, chunk));
+    held.extend(received_counts(shape, chunk, false));
     let every_owner_qkv = (local_tokens * query + kv_kept) * element;
     let gradients_for_w = local_tokens * (query + 2.0 * kv) * element;
     if recompute == Recompute::Full {
@@ -1202,8 +1214,8 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
         Term { name: "first layer's attention residual gradient", bytes: stream },
     ];
     // (A stage between the first and the last still holds a mixture's summed expert counts it
-    // received; under zero bubble the walk counts them beside W.)
-    if !shape.zero_bubble {
+    // received; under zero bubble, but under full recomputation, the walk counts them beside W.)
+    if !shape.zero_bubble || recompute == Recompute::Full {
         gradients.extend(received_counts(shape, chunk, false));
     }
     // Under zero bubble this is W: B made the layer's input gradients, and the first layer's

@@ -459,8 +459,9 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
 }
 
 /// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart),
-/// no shared expert (which tsp runs as a ring), outside zero bubble (whose B would run the
-/// experts' backward and the attention's input gradients apart).
+/// no shared expert (which tsp runs as a ring), outside zero bubble (B's and W's points are in
+/// place, but a forward's expert dispatch, where a stage of more micro-batches than stages peaks,
+/// is not).
 fn tsp_experts_modelled(experts: &Experts, layout: &Layout, schedule: &Schedule) -> bool {
     layout.expert_axis() == Some(AxisName::Tsp) && !experts.shared_expert && schedule.kind != ScheduleKind::ZeroBubbleH1
 }
@@ -671,7 +672,7 @@ impl<'a> StageShape<'a> {
     /// without tsp.
     fn mlp_gradients_in_b(&self) -> Option<f64> {
         let model = self.model;
-        if self.tsp > 1 {
+        if self.tsp > 1 && model.experts.is_none() {
             return Some(
                 self.sharded(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element, 0.0),
             );

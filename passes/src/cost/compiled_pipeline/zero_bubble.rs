@@ -123,6 +123,10 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         let logits = tokens * vocab_shard * element;
         let head_input = if full { 0.0 } else { every_token };
         between += head_input + gathered + logits + element;
+        // (A mixture's loss is two, and the counts' sum, as below.)
+        if statistics > 0.0 {
+            between += element + statistics;
+        }
     } else if last {
         let logits = local_tokens * vocab_shard * element;
         // cp's targets were read in the forward.
@@ -513,14 +517,14 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
 /// sequence (the embedding's weight gradient, a W op, reads every token's): the stage may peak as
 /// it does, the gathered copy staged beside the rank's share (the first layer's input gradient,
 /// which the micro-batch holds between B and W) and all else it holds there (its positions but
-/// where B frees them). (A dense model's.)
+/// where B frees them).
 pub(super) fn tsp_embedding_gradient_gathered(
     shape: &StageShape,
     chunk: &Chunk,
     between_b_and_w: &BetweenBAndW,
 ) -> Option<Candidate> {
     let stream = shape.sizes.stream;
-    if !shape.zero_bubble || shape.tsp == 1 || !chunk.first || shape.model.experts.is_some() {
+    if !shape.zero_bubble || shape.tsp == 1 || !chunk.first {
         return None;
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
