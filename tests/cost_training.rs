@@ -1626,14 +1626,18 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     for (config, layout) in mixture_sequence_parallel_cases(&config) {
         check_stage_closed_form(&config, &layout);
     }
-    // Outside what is modelled (tsp placing the experts under zero bubble, or beside ep) there is
-    // no closed form.
+    // Outside what is modelled (tsp placing the experts under zero bubble and ZeRO-2, or beside
+    // ep) there is no closed form.
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
-    for (mesh, kind) in [("pp=2,tsp=2", ScheduleKind::ZeroBubbleH1), ("pp=2,tsp=2,ep=2", ScheduleKind::OneFOneB)] {
+    let zero2 = Workload { zero: 2, ..workload.clone() };
+    for (mesh, kind, workload) in [
+        ("pp=2,dp=2,tsp=2", ScheduleKind::ZeroBubbleH1, &zero2),
+        ("pp=2,tsp=2,ep=2", ScheduleKind::OneFOneB, &workload),
+    ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
         let schedule = Schedule::build(kind, 2, 4).unwrap();
-        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
+        assert!(compiled_stage_peak(&model, &layout, workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
     }
 }
 
@@ -1649,12 +1653,17 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
     // the router's two gradients are summed, before their all-reduce), at the LM head's
     // gradient (under full recomputation as the final norm's output is regathered for it), or
     // under full recomputation in its last layer's attention backward, the residual stream of
-    // the layers below live. tsp at 2 and 4, alone and beside dp (ZeRO 0, 2 and 3), GPipe, 1F1B
-    // and interleaved, each recomputation, 8, 256 and 1024 tokens.
+    // the layers below live. Under zero bubble B makes the experts' gradients (a micro-batch
+    // between B and W keeps them) and runs the owners' attention backward beside what W reads of
+    // the head (every token's, the load-balancing loss among them); a stage may peak as a
+    // forward dispatches its last layer's experts, or as the first chunk's B gathers the
+    // embedding output's gradient. tsp at 2 and 4, alone and beside dp (ZeRO 0, 2 and 3; under
+    // zero bubble 0 and 1), GPipe, 1F1B, interleaved and zero bubble, each recomputation, 8, 256
+    // and 1024 tokens.
     let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
-    let (one_f_one_b, gpipe, interleaved) =
-        (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
-    let cases: [(&str, ScheduleKind, u32, u8); 7] = [
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
+    let cases: [(&str, ScheduleKind, u32, u8); 11] = [
         ("pp=2,tsp=2", one_f_one_b, 2, 0),
         ("pp=2,tsp=2", gpipe, 4, 0),
         ("pp=2,tsp=4", interleaved, 2, 0),
@@ -1662,6 +1671,10 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,dp=2,tsp=2", interleaved, 2, 0),
         ("pp=2,dp=2,tsp=2", gpipe, 2, 2),
         ("pp=2,dp=2,tsp=4", one_f_one_b, 2, 3),
+        ("pp=2,tsp=2", zero_bubble, 4, 0),
+        ("pp=2,tsp=4", zero_bubble, 2, 0),
+        ("pp=4,tsp=2", zero_bubble, 4, 0),
+        ("pp=2,dp=2,tsp=2", zero_bubble, 2, 1),
     ];
     let mut names = std::collections::BTreeSet::new();
     for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
@@ -1675,12 +1688,12 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
             }
         }
     }
-    // On 1024 tokens under full recomputation the last layer's attention backward.
-    for (mesh, micro_batches) in [("pp=2,tsp=2", 4), ("pp=2,dp=2,tsp=4", 2)] {
-        let layout = PipelinedLayout {
-            recompute: Recompute::Full,
-            ..PipelinedLayout::new(mesh, ScheduleKind::OneFOneB, micro_batches)
-        };
+    // On 1024 tokens under full recomputation the last layer's attention backward; under zero
+    // bubble the last stage's head of B.
+    for (mesh, kind, micro_batches) in
+        [("pp=2,tsp=2", one_f_one_b, 4), ("pp=2,dp=2,tsp=4", one_f_one_b, 2), ("pp=2,tsp=4", zero_bubble, 2)]
+    {
+        let layout = PipelinedLayout { recompute: Recompute::Full, ..PipelinedLayout::new(mesh, kind, micro_batches) };
         for stage in stage_closed_forms(&config, &layout, 1024) {
             stage.assert_exact();
             names.insert(stage.phase.name);
@@ -1694,6 +1707,9 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         "the last layer's attention kernel backward: the last owner's v gradient",
         "first layer's o gradient reduced to this rank, its owner",
         "tail of a backward",
+        "the last layer's experts dispatched in a forward",
+        "first layer's experts' backward dispatched in B",
+        "the embedding output's gradient gathered in B",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }

@@ -384,7 +384,7 @@ pub(super) fn dispatched(
 /// gradients summed, before their all-reduce over the axis (the tokens' share of it): the
 /// dispatch's router and expert gradients live beside that sum, the router's gradient from the
 /// loss and the input gradients' sum (and under ZeRO-3 the weights gathered again).
-fn router_gradients_summed(
+pub(super) fn router_gradients_summed(
     shape: &StageShape,
     name: &'static str,
     context: &[Term],

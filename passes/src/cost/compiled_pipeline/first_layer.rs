@@ -684,9 +684,15 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // gradient so far.
     let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
     let dispatched = experts::dispatched(shape, "first layer's experts' backward dispatched in B", &context, 0.0);
+    let router_summed = experts::router_gradients_summed(
+        shape,
+        "first layer's router gradients summed past the dispatch in B",
+        &context,
+        0.0,
+    );
     let summed = experts::input_gradients_summed(shape, Place::FirstLayer, &context, 0.0)
         .map(|summed| Candidate { name: "first layer's MLP norm output's gradients summed in B", ..summed });
-    for mut point in dispatched.into_iter().chain(summed) {
+    for mut point in dispatched.into_iter().chain(router_summed).chain(summed) {
         point.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..point });
     }

@@ -44,9 +44,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         } else {
             shape.sizes.final_norm_buffers()
         };
-        let mixture_head =
-            if statistics > 0.0 { statistics + element - 2.0 * shape.model.layers as f64 * statistics } else { 0.0 };
-        chunk.in_flight - final_norm - shape.logits() - element - mixture_head
+        chunk.in_flight - final_norm - shape.logits() - element - mixture_head(shape)
     } else {
         chunk.in_flight
     };
@@ -63,10 +61,30 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             Term { name: "its last layer's MLP output", bytes: stream },
         ],
     )];
-    // Under tsp the last layer's MLP is a ring, its output not yet made.
+    // Under tsp the last layer's MLP is a ring, its output not yet made; a mixture's routed
+    // experts are dispatched over the axis from a copy of their operands (the MLP norm's output,
+    // the router and the rank's experts), the layer's statistics and output not yet made (under
+    // full recomputation the MLP norm's output, not kept, live beside them).
     if shape.tsp > 1 {
         if shape.model.experts.is_some() {
-            return Vec::new();
+            let operands = gathered + shape.router() + shape.layer_routed_experts();
+            points.push(point(
+                "the last layer's experts dispatched in a forward",
+                vec![
+                    positions,
+                    Term {
+                        name: "what it holds in flight by then but its last layer's output and statistics",
+                        bytes: kept - stream - 2.0 * statistics,
+                    },
+                    Term {
+                        name: "its last layer's MLP norm output, not kept",
+                        bytes: if full { gathered } else { 0.0 },
+                    },
+                    Term { name: "the dispatch's copy of its operands", bytes: operands },
+                ],
+            ));
+            points.extend(tsp_logits_reordered(shape, chunk));
+            return points;
         }
         // (Under full recomputation the forward keeps none of the ring's input, live as it runs.)
         let ring_input = if full { gathered } else { 0.0 };
@@ -239,13 +257,31 @@ fn tsp_logits_reordered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> 
     if !chunk.last {
         return None;
     }
+    // (A mixture's counts' sum and load-balancing loss are not made yet: [`mixture_head`].)
+    let element = shape.sizes.element;
     Some(Candidate::made(
         "every token's logits reordered in a forward",
         0.0,
         vec![
             Term { name: "its positions", bytes: chunk.positions },
-            Term { name: "what it holds in flight but its loss", bytes: chunk.in_flight - shape.sizes.element },
+            Term {
+                name: "what it holds in flight but its loss (a mixture's statistics apart)",
+                bytes: chunk.in_flight - element - mixture_head(shape),
+            },
             Term { name: "every token's logits, before their reordering", bytes: shape.logits() },
         ],
     ))
+}
+
+/// What a micro-batch in flight on the last chunk keeps of a mixture's head (its counts' sum and
+/// load-balancing loss) beyond every layer's statistics, which are live in their place until the
+/// head runs, the earlier stages' received (bytes; negative where the statistics outweigh them, 0
+/// for a dense model).
+fn mixture_head(shape: &StageShape) -> f64 {
+    let (statistics, element) = (shape.statistics, shape.sizes.element);
+    if statistics > 0.0 {
+        statistics + element - 2.0 * shape.model.layers as f64 * statistics
+    } else {
+        0.0
+    }
 }

@@ -549,7 +549,7 @@ pub(super) fn tsp_embedding_gradient_gathered(
 /// between B and W, none of its B gradients made (on its first B of the chunk none of their sums
 /// exist), nor yet what its W reads of the later layers. Under tsp B next makes the LM head's
 /// input gradient, every token's, and reduce-scatters it over the sequence (staged whole), the
-/// logits (their gradient in their place) and the targets freed: a dense model's point too. Under
+/// logits (their gradient in their place) and the targets freed. Under
 /// tsp a dense model's B on another chunk begins with its last layer's MLP ring backward, as a
 /// backward does outside zero bubble ([`head::tsp_last_ring`]).
 pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
@@ -566,7 +566,7 @@ pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     }
     let mut points = vec![Candidate { name: "the loss's backward in B", ..head::loss_backward(shape, chunk) }];
     points.extend(head::table_gathered_for_the_head(shape, chunk));
-    if shape.tsp > 1 && shape.model.experts.is_none() {
+    if shape.tsp > 1 {
         points.push(Candidate::made(
             "the LM head's input gradient reduce-scattered in B",
             0.0,
