@@ -1200,11 +1200,13 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
 /// reduces to the owner, o's first; a reduce leaves zeros on the other ranks, and the owners'
 /// results are summed as they come (the rank's own gradient is its own owner's). The layer's
 /// attention norm and residual gradients are live throughout. The points: as o's gradient is
-/// reduced to an owner ([`tsp_o_reduces`]), on the axis's last rank (but beside dp, which
-/// all-reduces it first) as it joins its sum, and outside zero bubble (whose W runs no kernel) as
-/// the last owner's attention kernel makes v's gradient. Under zero bubble W's last layer has the
-/// same points as its first, beside `later_w_reads` (what B's first layer holds of the later
-/// layers for W: by symmetry, what W's last holds of the layers before).
+/// reduced to an owner ([`tsp_o_reduces`]; to the first, [`tsp_first_owner_o_reduce`], none
+/// summed before it), on the axis's last rank (but beside dp, which all-reduces it first) as it
+/// joins its sum, and outside zero bubble (whose W runs no kernel) as the last owner's attention
+/// kernel makes v's gradient (for a mixture's chunk under full recomputation in its last layer
+/// too) and then as its q input gradient is made. Under zero bubble W's last layer has the same
+/// points as its first, beside `later_w_reads` (what B's first layer holds of the later layers
+/// for W: by symmetry, what W's last holds of the layers before).
 pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, every_token, .. } = shape.sizes;
     let StepSizes { attention_kept, kv_kept, .. } = shape.sizes;
