@@ -670,9 +670,9 @@ impl<'a> StageShape<'a> {
     }
 
     /// The MLP's weight gradients B makes under zero bubble, a layer (bytes; as the rank holds
-    /// them): tsp's ring's, or a mixture's experts' and router's (not a shared expert's gate
-    /// vector, whose weight gradient is W's); none of them is a W op. `None` for a dense MLP
-    /// without tsp.
+    /// them): a dense MLP's tsp ring's, or a mixture's experts' and router's (beside tsp too; not
+    /// a shared expert's gate vector, whose weight gradient is W's); none of them is a W op.
+    /// `None` for a dense MLP without tsp.
     fn mlp_gradients_in_b(&self) -> Option<f64> {
         let model = self.model;
         if self.tsp > 1 && model.experts.is_none() {
