@@ -224,7 +224,7 @@ fn in_flight(shape: &StageShape, first: bool, last: bool, layers: u64) -> f64 {
         in_flight += stream;
     }
     if last {
-        in_flight += statistics + if statistics > 0.0 { element } else { 0.0 };
+        in_flight += statistics + shape.load_balancing_loss();
     } else if shape.statistics_sent_on(last) {
         in_flight += 2.0 * layers as f64 * statistics;
     }

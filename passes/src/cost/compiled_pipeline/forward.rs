@@ -37,14 +37,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // the loss, and a mixture's counts' sum and load-balancing loss, in place of which every
     // layer's statistics are live (the earlier stages' received).
     let kept = if chunk.last {
-        let final_norm = if full {
-            0.0
-        } else if shape.tsp > 1 {
-            shape.sizes.tokens * shape.sizes.hidden * element
-        } else {
-            shape.sizes.final_norm_buffers()
-        };
-        chunk.in_flight - final_norm - shape.logits() - element - mixture_head(shape)
+        chunk.in_flight - shape.final_norm_kept() - shape.logits() - element - mixture_head(shape)
     } else {
         chunk.in_flight
     };
@@ -278,10 +271,6 @@ fn tsp_logits_reordered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> 
 /// head runs, the earlier stages' received (bytes; negative where the statistics outweigh them, 0
 /// for a dense model).
 fn mixture_head(shape: &StageShape) -> f64 {
-    let (statistics, element) = (shape.statistics, shape.sizes.element);
-    if statistics > 0.0 {
-        statistics + element - 2.0 * shape.model.layers as f64 * statistics
-    } else {
-        0.0
-    }
+    let statistics = shape.statistics;
+    statistics + shape.load_balancing_loss() - 2.0 * shape.model.layers as f64 * statistics
 }

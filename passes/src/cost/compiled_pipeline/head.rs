@@ -34,7 +34,7 @@ pub(super) fn loss_backward(shape: &StageShape, chunk: &Chunk) -> Candidate {
     let rows = logits / vocab_shard / element;
     // A micro-batch in flight holds its cross-entropy and load-balancing loss apart; by the loss's
     // backward they are summed into its loss, one scalar fewer.
-    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let summed = shape.load_balancing_loss();
     Candidate::made(
         "the loss's backward",
         0.0,
@@ -62,7 +62,7 @@ pub(super) fn table_gathered_for_the_head(shape: &StageShape, chunk: &Chunk) -> 
     }
     let table = vocab_shard * hidden * element;
     let targets = if token_split > 1 { ids } else { 0.0 };
-    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let summed = shape.load_balancing_loss();
     Some(Candidate::made(
         "the tied table gathered for the LM head's backward, the last step",
         0.0,
@@ -90,7 +90,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let head_part = shape.tied_head_part();
     let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
     // (By the loss's backward a mixture's two losses are summed into one.)
-    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let summed = shape.load_balancing_loss();
     let mut candidates = vec![loss_backward(shape, chunk)];
     candidates.extend(table_gathered_for_the_head(shape, chunk));
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
@@ -633,7 +633,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if experts.shared_expert && !full { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
-        let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+        let summed = shape.load_balancing_loss();
         (
             (shape.sizes.vocab_shard * hidden + shape.norm) * element / shape.shards,
             Term {
@@ -820,11 +820,11 @@ fn ring_input_recomputed(shape: &StageShape) -> Option<Term> {
 /// the rank's share, the logits' gradient and the head's input gradient (every token's), the
 /// logits and the targets freed (a mixture's two losses summed).
 fn tsp_final_norm_regathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, ids, stream, every_token, .. } = shape.sizes;
+    let StepSizes { ids, stream, every_token, .. } = shape.sizes;
     if shape.tsp == 1 || shape.zero_bubble || shape.recompute() != Recompute::Full {
         return None;
     }
-    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let summed = shape.load_balancing_loss();
     Some(Candidate::made(
         "the final norm's output regathered for the LM head's gradient",
         0.0,
@@ -879,7 +879,7 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     let positions = Term { name: "its positions", bytes: chunk.positions };
     let head_input_gradient = Term { name: "the LM head's input gradient, every token's", bytes: every_token };
     // (The logits' gradient in place of the logits; a mixture's two losses summed into one.)
-    let summed = if shape.statistics > 0.0 { element } else { 0.0 };
+    let summed = shape.load_balancing_loss();
     let mut made = vec![
         positions.clone(),
         Term {

@@ -600,6 +600,16 @@ impl<'a> StageShape<'a> {
         rows * vocab_shard * element
     }
 
+    /// A mixture's load-balancing loss, the scalar the last chunk keeps beside the cross-entropy
+    /// until the loss's backward sums the two (bytes; 0 without the loss's statistics).
+    fn load_balancing_loss(&self) -> f64 {
+        if self.statistics > 0.0 {
+            self.sizes.element
+        } else {
+            0.0
+        }
+    }
+
     /// What a micro-batch in flight on the last chunk keeps of the final norm (bytes): nothing
     /// under full recomputation, which recomputes its input gathered under SP and its output;
     /// under tsp its output gathered over the sequence (the head's input); else its buffers

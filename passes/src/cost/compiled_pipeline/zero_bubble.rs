@@ -240,7 +240,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     };
     let mixture_o = if dense { None } else { mixture_o_joining_in_w(shape, chunk, between_b_and_w) };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
-    let summed = if chunk.last && shape.statistics > 0.0 { element } else { 0.0 };
+    let summed = if chunk.last { shape.load_balancing_loss() } else { 0.0 };
     let received = counts_received_at_w(shape, chunk);
     let mut held = vec![
         Term { name: "its positions", bytes: positions },
