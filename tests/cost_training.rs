@@ -1716,6 +1716,64 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
 }
 
 #[test]
+fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
+    // A Qwen2-MoE shared expert beside routed experts split over tsp: tsp runs it as a ring MLP,
+    // as a dense layer's, whose forward keeps only its output (and the gate logit beside it), and
+    // whose backward recomputes gate and up a shard at a time beside the ring output's gradient
+    // and the gate vector's input gradient, the rank's own gradient of each shard joining its sum
+    // at the ring's last step. Past the ring its input gradient joins the gate vector's. A stage
+    // may peak inside the first layer's ring or the last layer's (at the head of a backward), and
+    // the routed experts' points hold the ring's gradients, tsp's share. A shared expert a quarter
+    // of the hidden size wide and eight times it, tsp at 2 and 4, alone and beside dp (ZeRO 1, 2
+    // and 3), GPipe, 1F1B and interleaved, each recomputation, 8 and 256 tokens.
+    let (one_f_one_b, gpipe, interleaved) =
+        (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
+    let cases: [(&str, ScheduleKind, u32, u8); 6] = [
+        ("pp=2,tsp=2", gpipe, 4, 0),
+        ("pp=2,tsp=4", interleaved, 2, 0),
+        ("pp=4,tsp=2", one_f_one_b, 4, 0),
+        ("pp=2,dp=2,tsp=2", interleaved, 2, 1),
+        ("pp=2,dp=2,tsp=2", one_f_one_b, 2, 2),
+        ("pp=2,dp=2,tsp=2", gpipe, 2, 3),
+    ];
+    let mut names = std::collections::BTreeSet::new();
+    for width in [32, 1024] {
+        let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(width, true) };
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            for (mesh, kind, micro_batches, zero_stage) in cases {
+                let layout =
+                    PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+                for seq in [SEQ, 256] {
+                    for stage in stage_closed_forms(&config, &layout, seq) {
+                        stage.assert_exact();
+                        names.insert(stage.phase.name);
+                    }
+                }
+            }
+        }
+    }
+    // On 1024 tokens the last layer's ring, at the head of the backward.
+    let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(1024, true) };
+    for (mesh, kind, micro_batches, zero_stage) in [("pp=2,tsp=2", one_f_one_b, 4, 0), ("pp=2,dp=2,tsp=2", gpipe, 2, 2)]
+    {
+        let layout = PipelinedLayout { zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+        for stage in stage_closed_forms(&config, &layout, 1024) {
+            stage.assert_exact();
+            names.insert(stage.phase.name);
+        }
+    }
+    for name in [
+        "first layer's shared expert ring backward: the down contribution from the SiLU product",
+        "first layer's shared expert ring backward: a weight gradient joins its sum",
+        "first layer's shared expert ring backward: a weight gradient made, unreduced",
+        "the last layer's shared expert ring backward: gate's output gradient",
+        "first layer's experts' backward dispatched",
+    ] {
+        assert!(names.contains(name), "{name}: {names:?}");
+    }
+}
+
+#[test]
 fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
     // On more tokens a mixture's activations outweigh its gradients, and a stage peaks inside a
     // backward rather than at its tail: at the head of a backward (the output gradient's two parts

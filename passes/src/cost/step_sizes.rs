@@ -89,7 +89,7 @@ impl StepSizes {
         let kv_kept = if token_split > 1 { 2.0 * tokens * kv } else { 2.0 * local_tokens * kv };
         // A mixture's shared expert (beside gate, up and their product, counted as a dense MLP's)
         // keeps its output and its gate's logit, which its sigmoid scale's backward reads.
-        let shared_expert = model.experts.as_ref().is_some_and(|experts| experts.shared_expert) && tsp == 1;
+        let shared_expert = model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
         let mlp_kept = if tsp > 1 { 0.0 } else { 3.0 * ffn } + if shared_expert { hidden + 1.0 } else { 0.0 };
         let kept_layer = if workload.recompute == Recompute::Full {
             2.0 * stream

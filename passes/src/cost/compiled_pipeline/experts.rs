@@ -14,6 +14,7 @@ use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::Candidate;
+use super::shared_expert::shared_expert_gradients;
 use super::{Place, StageShape};
 
 impl Place {
@@ -349,12 +350,6 @@ fn load_balancing_gradients(shape: &StageShape) -> Term {
         name: "the router's input and weight gradients from the load-balancing loss",
         bytes: shape.router() + shape.sizes.gathered,
     }
-}
-
-/// A layer's shared expert's gradients, as the rank holds them: its gate vector's and its three
-/// projections' (tp's shard).
-fn shared_expert_gradients(shape: &StageShape) -> f64 {
-    (shape.sizes.hidden * shape.sizes.element + 3.0 * shape.gate) / shape.shards
 }
 
 /// Over ep one instruction makes the routed experts' input, router and weight gradients at once,

@@ -954,7 +954,7 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
     // All the chunk's gradients but the first layer's (the rank's blocks of its attention and MLP
     // weights, both norms) and the embedding's.
     let element = shape.sizes.element;
-    let blocks = (shape.attention_weights * element + shape.layer_mlp_gradients()) / shape.tsp as f64;
+    let blocks = shape.attention_weights * element / shape.tsp as f64 + shape.layer_mlp_gradients();
     let made_before = chunk.grads - shape.sharded(blocks + 2.0 * shape.norm * element + chunk.table, 0.0);
     let mut points = tsp_ring::ring_backward(shape, &tsp_ring::FIRST_LAYER, held, made_before, None);
     // Past the ring (beside dp its gradients reduced and summed, their unreduced copies freed),
@@ -975,7 +975,7 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
     });
     points.push(Candidate::made(
         "first layer's MLP norm's input gradient summed past the ring",
-        made_before + shape.sharded(shape.layer_mlp_gradients() / shape.tsp as f64, 0.0),
+        made_before + shape.sharded(shape.layer_mlp_gradients(), 0.0),
         held,
     ));
     // (The layer's k and v gradients are not made yet.)

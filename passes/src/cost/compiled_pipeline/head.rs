@@ -628,9 +628,10 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, hidden, stream, .. } = shape.sizes;
     let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
     let full = shape.recompute() == Recompute::Full;
-    // (Under full recomputation the forward kept none of a shared expert's activations.)
-    let shared_kept =
-        if experts.shared_expert && !full { local_tokens * (3.0 * ffn + hidden + 1.0) * element } else { 0.0 };
+    // (Under full recomputation the forward kept none of a shared expert's activations; under
+    // tsp its ring kept only its output, beside the gate logit.)
+    let ring = if shape.tsp > 1 { 0.0 } else { 3.0 * ffn };
+    let shared_kept = if experts.shared_expert && !full { local_tokens * (ring + hidden + 1.0) * element } else { 0.0 };
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = shape.load_balancing_loss();

@@ -194,8 +194,10 @@
 //! that the micro-batch holds in flight live: as the two parts of the output gradient the next
 //! stage sent back are summed; in the last layer's shared expert's backward (`shared_expert`: its
 //! down gradient made and joining its sum, up's output gradient made, gate's gradient joining its
-//! sum); as the routed experts' backward is dispatched over ep (from a copy of its operands) or
-//! their input gradient all-reduced over tp (without ep; a shared expert's gradients made); as an
+//! sum; under tsp inside its ring, step by step, `tsp_ring`, and as the ring's input gradient
+//! joins the gate vector's); as the routed experts' backward is dispatched over ep (from a copy
+//! of its operands) or their input gradient all-reduced over tp (without ep; a shared expert's
+//! gradients made); as an
 //! expert gradient joins its sum; as the MLP norm output's gradients from the router (or a shared
 //! expert) and the experts are summed (over ep after the dispatch, beside the load-balancing loss;
 //! without ep before the experts' weight gradients, under ZeRO-3 their weights still gathered);
@@ -293,9 +295,9 @@
 //! attention kernel backward too, the residual stream of the layers below live.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, without a shared
-//! expert, under zero bubble outside ZeRO-2 and 3); GPipe, 1F1B, interleaved 1F1B and zero-bubble
-//! H1, with
+//! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, under zero bubble
+//! outside ZeRO-2 and 3 and without a shared expert); GPipe, 1F1B, interleaved 1F1B and
+//! zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
@@ -441,8 +443,8 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
         // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or a mixture whose
-        // routed experts tsp splits, without a shared expert (under zero bubble not under ZeRO-2
-        // and 3).
+        // routed experts tsp splits (under zero bubble not under ZeRO-2 and 3, nor beside a
+        // shared expert).
         && tsp_rank < tsp
         && (tsp == 1
             || (tp * cp == 1
@@ -460,13 +462,14 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && (!model.tied_embeddings || model.experts.is_none())
 }
 
-/// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart),
-/// no shared expert (which tsp runs as a ring); under zero bubble outside ZeRO-2 and 3 (whose
-/// forwards are not modelled: the form was up to 5% below there).
+/// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart);
+/// under zero bubble outside ZeRO-2 and 3 (whose forwards are not modelled: the form was up to 5%
+/// below there), and without a shared expert (which tsp runs as a ring, its gradients made in B,
+/// not modelled there).
 fn tsp_experts_modelled(experts: &Experts, layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
-    let zero_bubble_scattered =
-        schedule.kind == ScheduleKind::ZeroBubbleH1 && workload.zero >= 2 && layout.zero_replicas() > 1;
-    layout.expert_axis() == Some(AxisName::Tsp) && !experts.shared_expert && !zero_bubble_scattered
+    let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
+    let zero_bubble_scattered = zero_bubble && workload.zero >= 2 && layout.zero_replicas() > 1;
+    layout.expert_axis() == Some(AxisName::Tsp) && !(zero_bubble && experts.shared_expert) && !zero_bubble_scattered
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
@@ -639,11 +642,11 @@ impl<'a> StageShape<'a> {
     }
 
     /// One layer's MLP gradients on the rank (bytes): a dense MLP's or a mixture's shared
-    /// expert's projections (tp's shard), the routed experts' (tp's and ep's shard) and the
-    /// routing parameters (whole).
+    /// expert's projections (tp's or tsp's shard), the routed experts' (tp's and ep's or tsp's
+    /// shard) and the routing parameters (whole).
     fn layer_mlp_gradients(&self) -> f64 {
         let model = self.model;
-        (model.mlp_weights() as f64 / self.tp as f64 + model.router_params() as f64) * self.sizes.element
+        (model.mlp_weights() as f64 / (self.tp * self.tsp) as f64 + model.router_params() as f64) * self.sizes.element
             + self.layer_routed_experts()
     }
 

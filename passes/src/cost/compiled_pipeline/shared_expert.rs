@@ -24,12 +24,15 @@
 //! vector's backward comes last (the gate logit's gradient live until then), and with the
 //! load-balancing loss the router's backward comes first (its weight gradient live from then on,
 //! its input gradient until up's, all-reduced over tp, joins it: a point too).
+//!
+//! Under tsp the shared expert is a ring MLP, as a dense layer's: its points are the ring's, step
+//! by step (`ring_points`).
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::Candidate;
-use super::{Place, StageShape};
+use super::{tsp_ring, Place, StageShape};
 
 impl Place {
     /// The names of the shared expert's points there: down's weight gradient made and joining its
@@ -71,6 +74,9 @@ pub(super) fn shared_expert_points(
     let Some(experts) = shape.model.experts.as_ref().filter(|experts| experts.shared_expert) else {
         return Vec::new();
     };
+    if shape.tsp > 1 {
+        return ring_points(shape, place, beside, made_before);
+    }
     let [down_made, down_joins, up_output_gradient, up_input_reduced, up_input_joins, gate_joins] =
         place.shared_expert_names();
     let intermediate = local_tokens * ffn * element;
@@ -237,6 +243,45 @@ pub(super) fn shared_expert_points(
     .chain(up_input_reduced)
     .chain(up_input_joins)
     .collect()
+}
+
+/// Under tsp a shared expert is a ring MLP like a dense layer's ([`tsp_ring::ring_backward`]),
+/// its output scaled by the gate: its backward makes the gate logit's gradient (the ring's output
+/// and the logit freed), the ring output's gradient, then the gate vector's input and weight
+/// gradients (the latter joins its sum at once), and runs the ring beside the two. Past the ring
+/// its input gradient joins the gate vector's (three `[tokens, hidden]` buffers live), every
+/// shared-expert gradient made.
+fn ring_points(shape: &StageShape, place: Place, beside: &[Term], made_before: f64) -> Vec<Candidate> {
+    let StepSizes { element, hidden, gathered, .. } = shape.sizes;
+    let names = match place {
+        Place::FirstLayer => &tsp_ring::SHARED_FIRST_LAYER,
+        Place::LastLayer => &tsp_ring::SHARED_LAST_LAYER,
+    };
+    let gate_vector_input = Term { name: "the gate vector's input gradient", bytes: gathered };
+    let mut held = beside.to_vec();
+    held.extend([
+        Term { name: "the shared expert ring output's gradient", bytes: gathered },
+        gate_vector_input.clone(),
+    ]);
+    let gate_vector = hidden * element / shape.shards;
+    let mut points = tsp_ring::ring_backward(shape, names, held, made_before + gate_vector, None);
+    let summed = match place {
+        Place::FirstLayer => "first layer's shared expert ring's input gradient joins the gate vector's",
+        Place::LastLayer => "the last layer's shared expert ring's input gradient joins the gate vector's",
+    };
+    let mut held = beside.to_vec();
+    held.extend([
+        gate_vector_input,
+        Term { name: "the ring's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
+    ]);
+    points.push(Candidate::made(summed, made_before + shared_expert_gradients(shape), held));
+    points
+}
+
+/// A layer's shared expert's gradients, as the rank holds them: its gate vector's and its three
+/// projections' (tp's or tsp's shard).
+pub(super) fn shared_expert_gradients(shape: &StageShape) -> f64 {
+    (shape.sizes.hidden * shape.sizes.element + 3.0 * shape.gate / shape.tsp as f64) / shape.shards
 }
 
 /// Under SP what a shared expert's backward holds beside its own buffers: the layer's output

@@ -41,6 +41,29 @@ pub(super) const LAST_LAYER: BackwardPointNames = BackwardPointNames {
     input_gradient_summed: "the last layer's MLP ring backward: the input gradient's parts summed",
 };
 
+/// The first layer's shared expert's ring backward (a mixture's, Qwen2-MoE's, under tsp).
+pub(super) const SHARED_FIRST_LAYER: BackwardPointNames = BackwardPointNames {
+    down_contribution: "first layer's shared expert ring backward: the down contribution from the SiLU product",
+    made_unreduced: "first layer's shared expert ring backward: a weight gradient made, unreduced",
+    joins_its_sum: "first layer's shared expert ring backward: a weight gradient joins its sum",
+    joins_the_partial: "first layer's shared expert ring backward: a contribution joins the partial gradient received",
+    gate_output_gradient: "first layer's shared expert ring backward: gate's output gradient",
+    contribution: "first layer's shared expert ring backward: a contribution",
+    input_gradient_summed: "first layer's shared expert ring backward: the input gradient's parts summed",
+};
+
+/// The last layer's shared expert's ring backward.
+pub(super) const SHARED_LAST_LAYER: BackwardPointNames = BackwardPointNames {
+    down_contribution: "the last layer's shared expert ring backward: the down contribution from the SiLU product",
+    made_unreduced: "the last layer's shared expert ring backward: a weight gradient made, unreduced",
+    joins_its_sum: "the last layer's shared expert ring backward: a weight gradient joins its sum",
+    joins_the_partial:
+        "the last layer's shared expert ring backward: a contribution joins the partial gradient received",
+    gate_output_gradient: "the last layer's shared expert ring backward: gate's output gradient",
+    contribution: "the last layer's shared expert ring backward: a contribution",
+    input_gradient_summed: "the last layer's shared expert ring backward: the input gradient's parts summed",
+};
+
 /// The ring's own buffers and the gradients it has made, as it goes (forward or backward).
 struct RingWalk {
     /// Bytes of the ring's buffers live now (recomputed activations, their gradients, the shard
