@@ -1723,18 +1723,26 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
     // and the gate vector's input gradient, the rank's own gradient of each shard joining its sum
     // at the ring's last step. Past the ring its input gradient joins the gate vector's. A stage
     // may peak inside the first layer's ring or the last layer's (at the head of a backward), and
-    // the routed experts' points hold the ring's gradients, tsp's share. A shared expert a quarter
-    // of the hidden size wide and eight times it, tsp at 2 and 4, alone and beside dp (ZeRO 1, 2
-    // and 3), GPipe, 1F1B and interleaved, each recomputation, 8 and 256 tokens.
+    // the routed experts' points hold the ring's gradients, tsp's share. Under zero bubble B runs
+    // the ring (its gradients B's), W reads the gate logit's gradient and the MLP norm's output
+    // (kept to the micro-batch's end) for the gate vector's, and a forward may peak inside the
+    // last layer's shared expert ring. A shared expert a quarter of the hidden size wide and eight
+    // times it, tsp at 2 and 4, alone and beside dp (ZeRO 1, 2 and 3), GPipe, 1F1B, interleaved
+    // and zero bubble, each recomputation, 8 and 256 tokens.
     let (one_f_one_b, gpipe, interleaved) =
         (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
-    let cases: [(&str, ScheduleKind, u32, u8); 6] = [
+    let zero_bubble = ScheduleKind::ZeroBubbleH1;
+    let cases: [(&str, ScheduleKind, u32, u8); 10] = [
         ("pp=2,tsp=2", gpipe, 4, 0),
         ("pp=2,tsp=4", interleaved, 2, 0),
         ("pp=4,tsp=2", one_f_one_b, 4, 0),
         ("pp=2,dp=2,tsp=2", interleaved, 2, 1),
         ("pp=2,dp=2,tsp=2", one_f_one_b, 2, 2),
         ("pp=2,dp=2,tsp=2", gpipe, 2, 3),
+        ("pp=2,tsp=2", zero_bubble, 4, 0),
+        ("pp=2,tsp=4", zero_bubble, 2, 0),
+        ("pp=4,tsp=2", zero_bubble, 4, 0),
+        ("pp=2,dp=2,tsp=2", zero_bubble, 2, 1),
     ];
     let mut names = std::collections::BTreeSet::new();
     for width in [32, 1024] {
@@ -1768,6 +1776,7 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
         "first layer's shared expert ring backward: a weight gradient made, unreduced",
         "the last layer's shared expert ring backward: gate's output gradient",
         "first layer's experts' backward dispatched",
+        "the last layer's shared expert ring: the SiLU product in a forward",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }

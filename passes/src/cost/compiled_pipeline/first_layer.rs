@@ -607,7 +607,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let mixture = shape.model.experts.is_some();
     if shape.tsp > 1 && !mixture {
         let mut points = tsp_ring_in_b(shape, chunk);
-        points.push(tsp_attention_in_b(shape, chunk));
+        points.extend(tsp_attention_in_b(shape, chunk));
         return points;
     }
     // (A dense stage's B makes no weight gradient; its points are modelled without tsp, whose B
@@ -734,7 +734,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     // Under tsp B's attention backward is the owners' ([`tsp_attention_in_b`]).
     if shape.tsp > 1 {
-        points.push(tsp_attention_in_b(shape, chunk));
+        points.extend(tsp_attention_in_b(shape, chunk));
         return points;
     }
     // A dense first layer's MLP weight gradients are W's: it reads the MLP norm's output, the
@@ -886,10 +886,13 @@ fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// forward kept that output). The point: as the last owner's v's (or, the same bytes, k's) part of
 /// the gradient joins the sum, beside the earlier owners' gradients for W, the last owner's
 /// gradients and (recomputed) q and k blocks (else under ZeRO-3 the rank's own, gathered over dp,
-/// wait for their broadcasts), the part and the sum before and after it. Beside it
+/// wait for their broadcasts), the part and the sum before and after it; and without
+/// recomputation as the first owner's k part joins its v part, the other owners' q, k and v (every
+/// token's k and v) still live in place of their gradients. Beside both
 /// the MLP ring's input gradient (the MLP norm's weight gradient reads it in W), the attention
-/// residual's gradient, and the layer's and the head's activations W reads. (A dense model's.)
-fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
+/// residual's gradient, and the layer's and the head's activations W reads (beside a shared
+/// expert the MLP norm's output and the gate logit's gradient, for its gate vector's).
+fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, kv_kept, .. } = shape.sizes;
     let owners = shape.tsp as f64;
     let recompute = shape.recompute();
@@ -903,6 +906,9 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
     );
     held.extend(tsp_head_read_by_w(shape, chunk));
     held.extend(received_counts(shape, chunk, false));
+    // (Beside a shared expert what its gate vector's weight gradient reads: the MLP norm's output
+    // and the gate logit's gradient.)
+    held.extend(shared_expert_read_by_w(shape, true));
     let every_owner_qkv = (local_tokens * query + kv_kept) * element;
     let gradients_for_w = local_tokens * (query + 2.0 * kv) * element;
     if recompute == Recompute::Full {
@@ -939,7 +945,27 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Candidate {
         },
     ]);
     let made_in_b = shape.mlp_gradients_in_b().unwrap_or(0.0) * chunk.layers as f64;
-    Candidate::made("first layer's attention backward in B: v's part of the input gradient summed", made_in_b, held)
+    let mut points = Vec::new();
+    // Without recomputation, as the first owner's (the axis's last) k part joins its v part, the
+    // other owners' q, k and v are live as the forward kept them, none of their gradients made.
+    if recompute == Recompute::None && owners > 1.0 {
+        let mut first_owner = held.clone();
+        first_owner.push(Term {
+            name: "the other owners' q, k and v in place of their gradients",
+            bytes: (owners - 1.0) / owners * (every_owner_qkv - gradients_for_w),
+        });
+        points.push(Candidate::made(
+            "first layer's attention backward in B: the first owner's k part of the input gradient summed",
+            made_in_b,
+            first_owner,
+        ));
+    }
+    points.push(Candidate::made(
+        "first layer's attention backward in B: v's part of the input gradient summed",
+        made_in_b,
+        held,
+    ));
+    points
 }
 
 /// Outside zero bubble a tsp stage may peak inside its first layer's MLP ring backward too
@@ -987,17 +1013,24 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
 
 /// Under zero bubble, what W reads of a layer's shared expert once its B is done (its weight
 /// gradients are W's): the product and the gradients of the gate logit, the scaled output, gate
-/// and up, and (`with_input`: once the routed experts' backward, which reads it too, is done) the
-/// MLP norm's output. Empty without a shared expert.
+/// and up (under tsp, whose B ring makes the projections' gradients, the gate logit's alone), and
+/// (`with_input`: once the routed experts' backward, which reads it too, is done) the MLP norm's
+/// output. Empty without a shared expert.
 fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
     let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
     if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
         return Vec::new();
     }
-    // (The scaled output's gradient is whole over tp: under SP from the output gradient gathered.)
-    let mut terms = vec![Term {
-        name: "first layer's shared expert's product and its projections' output gradients (for W)",
-        bytes: gathered + local_tokens * (3.0 * ffn + 1.0) * element,
+    // (The scaled output's gradient is whole over tp: under SP from the output gradient gathered.
+    // Under tsp B's ring made the projections' weight gradients: W reads the gate logit's
+    // gradient only, for the gate vector's.)
+    let mut terms = vec![if shape.tsp > 1 {
+        Term { name: "first layer's shared expert's gate logit's gradient (for W)", bytes: local_tokens * element }
+    } else {
+        Term {
+            name: "first layer's shared expert's product and its projections' output gradients (for W)",
+            bytes: gathered + local_tokens * (3.0 * ffn + 1.0) * element,
+        }
     }];
     if with_input {
         terms.push(Term { name: "first layer's MLP norm output (the shared expert's input, for W)", bytes: gathered });
@@ -1016,6 +1049,7 @@ fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
 /// gathered again (of a wide shared expert larger than the tokens' product), and under full
 /// recomputation, where they are gathered in steps (over several of dp, cp and ep), as their last
 /// step runs in the recomputed forward, beside the gate vector's weights and the gate logit.
+/// (Under tsp its ring's: [`shared_expert_ring_in_b`].)
 fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, ffn, gathered, .. } = shape.sizes;
     if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
@@ -1023,6 +1057,9 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
     }
     let intermediate = local_tokens * ffn * element;
     let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
+    if shape.tsp > 1 {
+        return shared_expert_ring_in_b(shape, chunk, for_w, made_in_b - layer, made_in_b);
+    }
     // (Under SP the router's backward comes first, freeing the received counts on the first stage,
     // and the gate vector's last.)
     let sequence_parallel = shape.sequence_parallel();
@@ -1077,6 +1114,47 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
             ],
         ));
     }
+    points
+}
+
+/// Under tsp B runs the first layer's shared expert's ring backward whole
+/// ([`tsp_ring::ring_backward`]), its projections' weight gradients among B's: beside the ring
+/// output's gradient, the gate vector's input gradient and what W reads (the gate logit's
+/// gradient among it), `made_before` of the stage's B gradients made (on the micro-batch's first B
+/// of the chunk the sums of the rest not made yet); past it, as the ring's input gradient joins
+/// the gate vector's.
+fn shared_expert_ring_in_b(
+    shape: &StageShape,
+    chunk: &Chunk,
+    for_w: &[Term],
+    made_before: f64,
+    made_in_b: f64,
+) -> Vec<Candidate> {
+    let gathered = shape.sizes.gathered;
+    let gate_vector_input =
+        Term { name: "first layer's shared expert's gate vector's input gradient", bytes: gathered };
+    let mut held = mlp_context(shape, chunk, true);
+    held.extend(for_w.iter().cloned());
+    held.extend(shared_expert_read_by_w(shape, false));
+    let mut ring = held.clone();
+    ring.extend([
+        Term { name: "first layer's shared expert ring output's gradient", bytes: gathered },
+        gate_vector_input.clone(),
+    ]);
+    let mut points = tsp_ring::ring_backward(shape, &tsp_ring::SHARED_FIRST_LAYER, ring, made_before, Some(made_in_b));
+    held.extend([
+        gate_vector_input,
+        Term { name: "the ring's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
+    ]);
+    let ring_gradients = shape.sharded(3.0 * shape.gate / shape.tsp as f64, 0.0);
+    points.push(Candidate {
+        name: "first layer's shared expert ring's input gradient joins the gate vector's in B",
+        so_far: made_before + ring_gradients,
+        held,
+        new_sum: None,
+        key_values_pending: 0,
+        sum_pending: made_in_b - made_before - ring_gradients,
+    });
     points
 }
 
@@ -1142,10 +1220,14 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
 /// gradients and gate's output gradient are live (the attention norm's input gradient sent back
 /// by B). Beside its replicas (dp, cp or ep) the weight gradient is all-reduced, gate's output
 /// gradient freed before: the unreduced copy is live beside the reduced one (under ZeRO-2 and 3
-/// reduce-scattered, staged whole).
+/// reduce-scattered, staged whole). (Not under tsp, whose B ring makes gate's gradient.)
 pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, .. } = shape.sizes;
     shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
+    // (Under tsp B's ring made gate's gradient.)
+    if shape.tsp > 1 {
+        return None;
+    }
     let full = shape.recompute() == Recompute::Full;
     let mut held = chunk.first_layer_held_after_rope_backward();
     held.extend(read_by_w(shape, w_reads));
@@ -1206,7 +1288,9 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
 /// kernel makes v's gradient (for a mixture's chunk under full recomputation in its last layer
 /// too) and then as its q input gradient is made. Under zero bubble W's last layer has the same
 /// points as its first, beside `later_w_reads` (what B's first layer holds of the later layers
-/// for W: by symmetry, what W's last holds of the layers before).
+/// for W: by symmetry, what W's last holds of the layers before). Beside a shared expert every
+/// layer's MLP norm output stays to the micro-batch's end (its gate vector's weight gradient, W's
+/// first of the layer, reads it).
 pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, every_token, .. } = shape.sizes;
     let StepSizes { attention_kept, kv_kept, .. } = shape.sizes;
@@ -1234,6 +1318,10 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // Under zero bubble, what each layer keeps to the micro-batch's end for W: its attention
     // residual's gradient, and under either recomputation its q, k and v.
     let layer_qkv_for_w = if recomputing { (local_tokens * query + kv_kept) * element } else { 0.0 };
+    // (And beside a shared expert its MLP norm output, which its gate vector's weight gradient
+    // reads in W.)
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert_input = if shared_expert { gathered } else { 0.0 };
     if shape.zero_bubble {
         // (On the first chunk B summed the attention norm's input gradient into the embedding
         // output's and gathered that over the sequence for the embedding's gradient, W's last.)
@@ -1246,6 +1334,9 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
             gradients.push(Term { name: "first layer's attention norm's input gradient", bytes: stream });
         }
         gradients.push(Term { name: "the later layers' attention residual gradients", bytes: (layers - 1.0) * stream });
+        // (Beside a shared expert every layer's MLP norm output, which its gate vector's weight
+        // gradient read in W, stays too.)
+        gradients.push(Term { name: "every layer's MLP norm output", bytes: layers * shared_expert_input });
         if recomputing {
             gradients.push(Term {
                 name: "every layer's q, k and v, kept or recomputed for W",
@@ -1426,8 +1517,10 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // (but what they keep to its end, counted above), none of whose attention or norm weight
     // gradients is made yet, nor any layer's k and v.
     if shape.zero_bubble && chunk.layers > 1 {
-        let not_made = shape.sharded((layers - 1.0) * (block + 2.0 * shape.norm * element), 0.0);
-        let read_before = later_w_reads - (layers - 1.0) * (stream + layer_qkv_for_w);
+        // (Nor, beside a shared expert, its gate vector's, W's first of the layer.)
+        let gate_vector = if shared_expert { hidden * element } else { 0.0 };
+        let not_made = shape.sharded((layers - 1.0) * (block + 2.0 * shape.norm * element + gate_vector), 0.0);
+        let read_before = later_w_reads - (layers - 1.0) * (stream + layer_qkv_for_w + shared_expert_input);
         for (index, name) in in_w_last_layer {
             let first_layer = &candidates[index];
             let mut held = first_layer.held.clone();

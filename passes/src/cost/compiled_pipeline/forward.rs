@@ -57,25 +57,35 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // Under tsp the last layer's MLP is a ring, its output not yet made; a mixture's routed
     // experts are dispatched over the axis from a copy of their operands (the MLP norm's output,
     // the router and the rank's experts), the layer's statistics and output not yet made (under
-    // full recomputation the MLP norm's output, not kept, live beside them).
+    // full recomputation the MLP norm's output, not kept, live beside them), and a shared expert
+    // is a ring after them.
     if shape.tsp > 1 {
-        if shape.model.experts.is_some() {
+        if let Some(experts) = shape.model.experts.as_ref() {
             let operands = gathered + shape.router() + shape.layer_routed_experts();
-            points.push(point(
-                "the last layer's experts dispatched in a forward",
-                vec![
-                    positions,
-                    Term {
-                        name: "what it holds in flight by then but its last layer's output and statistics",
-                        bytes: kept - stream - 2.0 * statistics,
-                    },
-                    Term {
-                        name: "its last layer's MLP norm output, not kept",
-                        bytes: if full { gathered } else { 0.0 },
-                    },
-                    Term { name: "the dispatch's copy of its operands", bytes: operands },
-                ],
-            ));
+            // (A shared expert's ring output and gate logit, which the forward keeps, come after.)
+            let shared_kept =
+                if experts.shared_expert && !full { local_tokens * (shape.sizes.hidden + 1.0) * element } else { 0.0 };
+            let before_experts = vec![
+                positions,
+                Term {
+                    name: "what it holds in flight by then but its last layer's output and statistics",
+                    bytes: kept - stream - 2.0 * statistics - shared_kept,
+                },
+                Term { name: "its last layer's MLP norm output, not kept", bytes: if full { gathered } else { 0.0 } },
+            ];
+            let mut dispatched = before_experts.clone();
+            dispatched.push(Term { name: "the dispatch's copy of its operands", bytes: operands });
+            points.push(point("the last layer's experts dispatched in a forward", dispatched));
+            // Then a shared expert's ring, beside the routed experts' output and the layer's
+            // statistics.
+            if experts.shared_expert {
+                let mut before_ring = before_experts;
+                before_ring.extend([
+                    Term { name: "its last layer's routed experts' output", bytes: gathered },
+                    Term { name: "its last layer's statistics", bytes: 2.0 * statistics },
+                ]);
+                points.extend(tsp_ring::ring_forward(shape, &tsp_ring::SHARED_LAST_LAYER_FORWARD, before_ring));
+            }
             points.extend(tsp_logits_reordered(shape, chunk));
             return points;
         }
@@ -86,7 +96,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             before_layer_output.clone(),
             Term { name: "its last layer's MLP norm output (the ring's input), not kept", bytes: ring_input },
         ];
-        points.extend(tsp_ring::ring_forward(shape, before_ring));
+        points.extend(tsp_ring::ring_forward(shape, &tsp_ring::LAST_LAYER_FORWARD, before_ring));
         points.extend(tsp_logits_reordered(shape, chunk));
         return points;
     }

@@ -292,11 +292,17 @@
 //! over the axis, the router's two summed first, past the dispatch), and the counts' sum is
 //! all-reduced over it, so that under full recomputation the last stage sends it again in each
 //! backward; under full recomputation a chunk of more than one layer may peak in its last layer's
-//! attention kernel backward too, the residual stream of the layers below live.
+//! attention kernel backward too, the residual stream of the layers below live. A shared expert
+//! beside them is a ring MLP, as a dense layer's: its forward keeps only its output and gate
+//! logit, and its backward's points are the ring's, step by step (`shared_expert`, `tsp_ring`).
+//! Under zero bubble B runs that ring whole (its projections' gradients are B's), and W reads
+//! only the gate logit's gradient and the MLP norm's output for the gate vector's weight gradient,
+//! that output staying to the micro-batch's end; a forward may peak inside the last layer's shared
+//! expert ring, after the routed experts' dispatch.
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
-//! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, under zero bubble
-//! outside ZeRO-2 and 3 and without a shared expert); GPipe, 1F1B, interleaved 1F1B and
+//! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, with or without a
+//! shared expert, under zero bubble outside ZeRO-2 and 3); GPipe, 1F1B, interleaved 1F1B and
 //! zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
@@ -350,7 +356,7 @@ use super::compiled::ForwardPhase;
 use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
 use super::memory::{MemoryBreakdown, Term};
-use super::model::{Experts, ModelShape};
+use super::model::ModelShape;
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
 use super::zero_rows::ZeroRows;
@@ -443,12 +449,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
         // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or a mixture whose
-        // routed experts tsp splits (under zero bubble not under ZeRO-2 and 3, nor beside a
-        // shared expert).
+        // routed experts tsp splits, with or without a shared expert (under zero bubble not under
+        // ZeRO-2 and 3).
         && tsp_rank < tsp
         && (tsp == 1
             || (tp * cp == 1
-                && model.experts.as_ref().is_none_or(|experts| tsp_experts_modelled(experts, layout, workload, schedule))))
+                && (model.experts.is_none() || tsp_experts_modelled(layout, workload, schedule))))
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
         // whole; the stage's points count them apart).
@@ -464,12 +470,11 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
 
 /// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart);
 /// under zero bubble outside ZeRO-2 and 3 (whose forwards are not modelled: the form was up to 5%
-/// below there), and without a shared expert (which tsp runs as a ring, its gradients made in B,
-/// not modelled there).
-fn tsp_experts_modelled(experts: &Experts, layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
-    let zero_bubble = schedule.kind == ScheduleKind::ZeroBubbleH1;
-    let zero_bubble_scattered = zero_bubble && workload.zero >= 2 && layout.zero_replicas() > 1;
-    layout.expert_axis() == Some(AxisName::Tsp) && !(zero_bubble && experts.shared_expert) && !zero_bubble_scattered
+/// below there).
+fn tsp_experts_modelled(layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
+    let zero_bubble_scattered =
+        schedule.kind == ScheduleKind::ZeroBubbleH1 && workload.zero >= 2 && layout.zero_replicas() > 1;
+    layout.expert_axis() == Some(AxisName::Tsp) && (!zero_bubble_scattered)
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
@@ -683,9 +688,9 @@ impl<'a> StageShape<'a> {
     }
 
     /// The MLP's weight gradients B makes under zero bubble, a layer (bytes; as the rank holds
-    /// them): a dense MLP's tsp ring's, or a mixture's experts' and router's (beside tsp too; not
-    /// a shared expert's gate vector, whose weight gradient is W's); none of them is a W op.
-    /// `None` for a dense MLP without tsp.
+    /// them): a dense MLP's tsp ring's, or a mixture's experts' and router's (beside tsp too, and
+    /// there a shared expert's ring's; not a shared expert's gate vector, whose weight gradient is
+    /// W's); none of them is a W op. `None` for a dense MLP without tsp.
     fn mlp_gradients_in_b(&self) -> Option<f64> {
         let model = self.model;
         if self.tsp > 1 && model.experts.is_none() {
@@ -693,9 +698,11 @@ impl<'a> StageShape<'a> {
                 self.sharded(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element, 0.0),
             );
         }
-        model.experts.as_ref().map(|_| {
+        model.experts.as_ref().map(|experts| {
             let routed = self.layer_routed_experts();
-            self.sharded(self.router() + routed, routed)
+            // (Under tsp a shared expert's ring makes its projections' gradients, tsp's share.)
+            let ring = if experts.shared_expert && self.tsp > 1 { 3.0 * self.gate / self.tsp as f64 } else { 0.0 };
+            self.sharded(self.router() + routed + ring, routed)
         })
     }
 

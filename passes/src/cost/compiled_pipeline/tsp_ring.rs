@@ -185,12 +185,36 @@ pub(super) fn ring_backward(
     ring.points
 }
 
+/// The names of a ring forward's points, by the MLP it runs.
+pub(super) struct ForwardPointNames {
+    product: &'static str,
+    output_part: &'static str,
+    parts_summed: &'static str,
+    next_shard: &'static str,
+}
+
+/// The last layer's dense MLP ring, in a forward.
+pub(super) const LAST_LAYER_FORWARD: ForwardPointNames = ForwardPointNames {
+    product: "the last layer's MLP ring: the SiLU product in a forward",
+    output_part: "the last layer's MLP ring: a step's output part in a forward",
+    parts_summed: "the last layer's MLP ring: the output's parts summed in a forward",
+    next_shard: "the last layer's MLP ring: the next shard received in a forward",
+};
+
+/// The last layer's shared expert ring (a mixture's), in a forward.
+pub(super) const SHARED_LAST_LAYER_FORWARD: ForwardPointNames = ForwardPointNames {
+    product: "the last layer's shared expert ring: the SiLU product in a forward",
+    output_part: "the last layer's shared expert ring: a step's output part in a forward",
+    parts_summed: "the last layer's shared expert ring: the output's parts summed in a forward",
+    next_shard: "the last layer's shared expert ring: the next shard received in a forward",
+};
+
 /// The ring MLP's forward: at each of the axis's `tsp` steps the rank computes gate, up and their
 /// SiLU product on its tokens with the shard it holds (its own at the first step, then the one
 /// received from the previous rank, in flight), then the down projection's part of the output,
 /// summed as they come; the next shard is received after the step's GEMMs, before the one it held
-/// is freed. `held` is all the micro-batch holds beside the ring.
-pub(super) fn ring_forward(shape: &StageShape, held: Vec<Term>) -> Vec<Candidate> {
+/// is freed. `held` is all the micro-batch holds beside the ring; `names` says which ring it is.
+pub(super) fn ring_forward(shape: &StageShape, names: &ForwardPointNames, held: Vec<Term>) -> Vec<Candidate> {
     let (element, tsp) = (shape.sizes.element, shape.tsp);
     let channels = shape.sizes.local_tokens * shape.sizes.ffn / tsp as f64 * element;
     let output = shape.sizes.gathered;
@@ -198,18 +222,18 @@ pub(super) fn ring_forward(shape: &StageShape, held: Vec<Term>) -> Vec<Candidate
     let mut ring = RingWalk { live: 0.0, so_far: 0.0, held, made_in_b: None, points: Vec::new() };
     for step in 0..tsp {
         let last = step + 1 == tsp;
-        ring.point("the last layer's MLP ring: the SiLU product in a forward", 3.0 * channels, None);
-        ring.point("the last layer's MLP ring: a step's output part in a forward", channels + output, None);
+        ring.point(names.product, 3.0 * channels, None);
+        ring.point(names.output_part, channels + output, None);
         if step == 0 {
             ring.live += output;
         } else {
-            ring.point("the last layer's MLP ring: the output's parts summed in a forward", 2.0 * output, None);
+            ring.point(names.parts_summed, 2.0 * output, None);
         }
         if !last {
             if step == 0 {
                 ring.live += shard;
             } else {
-                ring.point("the last layer's MLP ring: the next shard received in a forward", shard, None);
+                ring.point(names.next_shard, shard, None);
             }
         }
     }

@@ -60,8 +60,12 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // A shared expert's weight gradients are W's: it keeps what they read, the MLP norm's output
     // and the product, and their output gradients (the gate logit's, the scaled output's, gate's
     // and up's).
+    // (Under tsp B runs its ring's backward, making the projections' gradients: W reads only
+    // the MLP norm's output and the gate logit's gradient, for the gate vector's.)
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
-    if shared_expert {
+    if shared_expert && shape.tsp > 1 {
+        per_layer += gathered + local_tokens * element;
+    } else if shared_expert {
         per_layer += 2.0 * gathered + local_tokens * (3.0 * ffn + 1.0) * element;
     }
     // Under cp the k and v kept (or recomputed) for W are every token's, all-gathered.
