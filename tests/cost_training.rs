@@ -1699,7 +1699,16 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
             names.insert(stage.phase.name);
         }
     }
+    // Beside dp under zero bubble, two sequences a micro-batch on 64 tokens: the first stage peaks
+    // in B as the last of the first layer's expert gradients joins its sum, the other two reduced
+    // and joined, its own unreduced copy live.
+    let layout = PipelinedLayout { batch: 8, ..PipelinedLayout::new("pp=2,dp=2,tsp=2", zero_bubble, 2) };
+    for stage in stage_closed_forms(&config, &layout, 64) {
+        stage.assert_exact();
+        names.insert(stage.phase.name);
+    }
     for name in [
+        "first layer's last expert gradient joins its sum in B, its unreduced copy live",
         "first layer's MLP norm output's gradients summed",
         "first layer's router gradients summed past the dispatch",
         "the LM head's weight gradient joins its sum",

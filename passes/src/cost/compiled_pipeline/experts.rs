@@ -158,7 +158,7 @@ const UNREDUCED_EXPERT_GRADIENTS: &str = "the expert gradients before their dp a
 /// their sums one after another, each unreduced copy freed once its sum is made: as the last joins,
 /// the first two are among the micro-batch's gradients, only its own unreduced copy beside it
 /// (`first`: the first's [`joining`]).
-fn last_joining(shape: &StageShape, name: &'static str, first: &Candidate) -> Option<Candidate> {
+pub(super) fn last_joining(shape: &StageShape, name: &'static str, first: &Candidate) -> Option<Candidate> {
     if !shape.experts_reduced || shape.experts_scattered() {
         return None;
     }

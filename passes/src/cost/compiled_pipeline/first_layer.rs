@@ -590,7 +590,8 @@ fn experts_input_gradient_reduced(shape: &StageShape, chunk: &Chunk) -> Option<C
 /// W op) may peak inside its first layer's backward: in its shared expert's backward
 /// ([`shared_expert_in_b`]), as its routed experts' backward begins (dispatched over ep; without
 /// ep as their input gradient is all-reduced over tp, or summed with the MLP norm output's gradient
-/// so far), as the last expert gradient joins its sum ([`experts_joining`]), and
+/// so far), as an expert gradient joins its sum ([`experts_joining`]; beside dp or cp also as
+/// the last of the three joins, the other two reduced and joined, its unreduced copy live), and
 /// on more tokens in its attention kernel's backward, as v's gradient is made beside q's and k's,
 /// then as the attention norm output's gradients are summed
 /// ([`attention_input_gradients_in_b`]). At the kernel the MLP norm's output is freed (but beside
@@ -730,6 +731,12 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // Over ep beside the load-balancing loss B then sums the MLP norm output's gradients from
         // the router and from the experts, every buffer of the joining live.
         points.extend(experts::summed(shape, "first layer's MLP norm output's gradients summed in B", &joining));
+        // Beside dp or cp the last of the three joins after the other two, their sums made.
+        let last_name = "first layer's last expert gradient joins its sum in B, its unreduced copy live";
+        if let Some(last) = experts::last_joining(shape, last_name, &joining) {
+            let joined = last.so_far - joining.so_far;
+            points.push(Candidate { sum_pending: last.sum_pending - joined, ..last });
+        }
         points.push(joining);
     }
     // Under tsp B's attention backward is the owners' ([`tsp_attention_in_b`]).
