@@ -1626,18 +1626,22 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     for (config, layout) in mixture_sequence_parallel_cases(&config) {
         check_stage_closed_form(&config, &layout);
     }
-    // Outside what is modelled (tsp placing the experts under zero bubble and ZeRO-2, or beside
-    // ep) there is no closed form.
+    // Outside what is modelled (tsp placing the experts beside a shared expert under zero bubble
+    // and ZeRO-2, or beside ep) there is no closed form.
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
+    let shared = ModelShape::from_config(&pleat_ir::model::config::ModelConfig {
+        num_layers: 4,
+        ..with_a_shared_expert(32, true)
+    });
     let zero2 = Workload { zero: 2, ..workload.clone() };
-    for (mesh, kind, workload) in [
-        ("pp=2,dp=2,tsp=2", ScheduleKind::ZeroBubbleH1, &zero2),
-        ("pp=2,tsp=2,ep=2", ScheduleKind::OneFOneB, &workload),
+    for (mesh, kind, workload, model) in [
+        ("pp=2,dp=2,tsp=2", ScheduleKind::ZeroBubbleH1, &zero2, &shared),
+        ("pp=2,tsp=2,ep=2", ScheduleKind::OneFOneB, &workload, &model),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
         let schedule = Schedule::build(kind, 2, 4).unwrap();
-        assert!(compiled_stage_peak(&model, &layout, workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
+        assert!(compiled_stage_peak(model, &layout, workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
     }
 }
 
@@ -1657,9 +1661,9 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
     // between B and W keeps them) and runs the owners' attention backward beside what W reads of
     // the head (every token's, the load-balancing loss among them); a stage may peak as a
     // forward dispatches its last layer's experts, or as the first chunk's B gathers the
-    // embedding output's gradient. tsp at 2 and 4, alone and beside dp (ZeRO 0, 2 and 3; under
-    // zero bubble 0 and 1), GPipe, 1F1B, interleaved and zero bubble, each recomputation, 8, 256
-    // and 1024 tokens.
+    // embedding output's gradient; under ZeRO-3 the forward's dispatch holds the router and the
+    // rank's experts gathered over dp for it. tsp at 2 and 4, alone and beside dp (ZeRO 0-3),
+    // GPipe, 1F1B, interleaved and zero bubble, each recomputation, 8, 256 and 1024 tokens.
     let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
@@ -1697,6 +1701,23 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         for stage in stage_closed_forms(&config, &layout, 1024) {
             stage.assert_exact();
             names.insert(stage.phase.name);
+        }
+    }
+    // Under zero bubble with ZeRO-2 and 3 beside dp, four micro-batches of a sequence: a forward
+    // may peak as it dispatches its last layer's experts, under ZeRO-3 beside their weights
+    // gathered over dp.
+    for (zero_stage, recompute) in [(2, Recompute::Selective), (3, Recompute::None), (3, Recompute::Full)] {
+        let layout = PipelinedLayout {
+            batch: 8,
+            recompute,
+            zero_stage,
+            ..PipelinedLayout::new("pp=2,dp=2,tsp=2", zero_bubble, 4)
+        };
+        for seq in [SEQ, 256] {
+            for stage in stage_closed_forms(&config, &layout, seq) {
+                stage.assert_exact();
+                names.insert(stage.phase.name);
+            }
         }
     }
     // Beside dp under zero bubble, two sequences a micro-batch on 64 tokens: the first stage peaks

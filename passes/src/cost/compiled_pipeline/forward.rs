@@ -19,15 +19,18 @@ use super::{tsp_ring, StageShape};
 /// (on the last chunk the head's buffers, and a mixture's counts' sum over the layers, whose
 /// statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
 /// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard
-/// the sums; under another schedule only [`logits_gathered`], every micro-batch before it in flight
-/// or finished; under interleaving the micro-batch's earlier chunks on the stage hold their layers'
-/// statistics in flight too, which the walk leaves to this point.)
+/// the sums, but for experts split over tsp, whose dispatch is a point there too, under ZeRO-3
+/// beside the weights gathered for it; under another schedule only [`logits_gathered`], every
+/// micro-batch before it in flight or finished; under interleaving the micro-batch's earlier
+/// chunks on the stage hold their layers' statistics in flight too, which the walk leaves to this
+/// point.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     if !shape.zero_bubble {
         return if chunk.last { logits_gathered(shape, chunk).into_iter().collect() } else { Vec::new() };
     }
-    if shape.scattered {
+    let experts_on_tsp = shape.tsp > 1 && shape.model.experts.is_some();
+    if shape.scattered && !experts_on_tsp {
         return Vec::new();
     }
     let statistics = shape.statistics;
@@ -75,6 +78,11 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             ];
             let mut dispatched = before_experts.clone();
             dispatched.push(Term { name: "the dispatch's copy of its operands", bytes: operands });
+            // (Under ZeRO-3 beside the router and the rank's experts, gathered over dp for it.)
+            dispatched.push(Term {
+                name: "its last layer's router and experts, gathered",
+                bytes: shape.weights_gathered_again(shape.router() + shape.layer_routed_experts()),
+            });
             points.push(point("the last layer's experts dispatched in a forward", dispatched));
             // Then a shared expert's ring, beside the routed experts' output and the layer's
             // statistics.

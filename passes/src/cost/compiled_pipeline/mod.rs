@@ -280,7 +280,7 @@
 //! to 1024 tokens never above the planner's peak and within 3% (mixtures; 1% beside a shared expert
 //! under SP, 2% under ZeRO-2 and 3) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp
 //! or cp) below it, exact on most stages; the points left are W's later ones (forwards are not
-//! modelled under ZeRO-2 and 3). Under tsp B runs the MLP rings' backward whole (on a chunk but the
+//! modelled under ZeRO-2 and 3, but the expert dispatch of experts split over tsp). Under tsp B runs the MLP rings' backward whole (on a chunk but the
 //! last it begins with its last layer's ring) and W takes the layers last to first, so W may peak
 //! in its last layer's attention too, as o's gradient is reduced to an owner, what W reads of the
 //! layers before still live: there the form is within 1% below, exact on nine stages in ten, and
@@ -302,8 +302,8 @@
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, with or without a
-//! shared expert, under zero bubble outside ZeRO-2 and 3); GPipe, 1F1B, interleaved 1F1B and
-//! zero-bubble H1, with
+//! shared expert, beside one under zero bubble outside ZeRO-2 and 3); GPipe, 1F1B, interleaved
+//! 1F1B and zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
@@ -356,7 +356,7 @@ use super::compiled::ForwardPhase;
 use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
 use super::memory::{MemoryBreakdown, Term};
-use super::model::ModelShape;
+use super::model::{Experts, ModelShape};
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
 use super::zero_rows::ZeroRows;
@@ -449,12 +449,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
         // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or a mixture whose
-        // routed experts tsp splits, with or without a shared expert (under zero bubble not under
-        // ZeRO-2 and 3).
+        // routed experts tsp splits, with or without a shared expert (beside one not under zero
+        // bubble with ZeRO-2 and 3).
         && tsp_rank < tsp
         && (tsp == 1
             || (tp * cp == 1
-                && (model.experts.is_none() || tsp_experts_modelled(layout, workload, schedule))))
+                && model.experts.as_ref().is_none_or(|experts| tsp_experts_modelled(experts, layout, workload, schedule))))
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
         // whole; the stage's points count them apart).
@@ -469,12 +469,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
 }
 
 /// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart);
-/// under zero bubble outside ZeRO-2 and 3 (whose forwards are not modelled: beside dp=2 with four
-/// micro-batches the form was 4% to 19% below there).
-fn tsp_experts_modelled(layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
+/// under zero bubble with ZeRO-2 and 3 without a shared expert (whose ring's weights ZeRO-3
+/// gathers beside its forward and B, not modelled: the form was up to 9% below there).
+fn tsp_experts_modelled(experts: &Experts, layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
     let zero_bubble_scattered =
         schedule.kind == ScheduleKind::ZeroBubbleH1 && workload.zero >= 2 && layout.zero_replicas() > 1;
-    layout.expert_axis() == Some(AxisName::Tsp) && !zero_bubble_scattered
+    layout.expert_axis() == Some(AxisName::Tsp) && !(zero_bubble_scattered && experts.shared_expert)
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
