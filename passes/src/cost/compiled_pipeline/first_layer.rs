@@ -1056,7 +1056,7 @@ fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
 /// gathered again (of a wide shared expert larger than the tokens' product), and under full
 /// recomputation, where they are gathered in steps (over several of dp, cp and ep), as their last
 /// step runs in the recomputed forward, beside the gate vector's weights and the gate logit.
-/// (Under tsp its ring's: [`shared_expert_ring_in_b`].)
+/// (Under tsp its ring's: [`shared_expert::ring_points`].)
 fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, ffn, gathered, .. } = shape.sizes;
     if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
@@ -1064,8 +1064,12 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
     }
     let intermediate = local_tokens * ffn * element;
     let layer = shape.mlp_gradients_in_b().unwrap_or(0.0);
+    // (Under tsp B runs its ring whole, beside what W reads: the gate logit's gradient among it.)
     if shape.tsp > 1 {
-        return shared_expert_ring_in_b(shape, chunk, for_w, made_in_b - layer, made_in_b);
+        let mut held = mlp_context(shape, chunk, true);
+        held.extend(for_w.iter().cloned());
+        held.extend(shared_expert_read_by_w(shape, false));
+        return shared_expert::ring_points(shape, Place::FirstLayer, &held, made_in_b - layer, Some(made_in_b));
     }
     // (Under SP the router's backward comes first, freeing the received counts on the first stage,
     // and the gate vector's last.)
@@ -1121,47 +1125,6 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
             ],
         ));
     }
-    points
-}
-
-/// Under tsp B runs the first layer's shared expert's ring backward whole
-/// ([`tsp_ring::ring_backward`]), its projections' weight gradients among B's: beside the ring
-/// output's gradient, the gate vector's input gradient and what W reads (the gate logit's
-/// gradient among it), `made_before` of the stage's B gradients made (on the micro-batch's first B
-/// of the chunk the sums of the rest not made yet); past it, as the ring's input gradient joins
-/// the gate vector's.
-fn shared_expert_ring_in_b(
-    shape: &StageShape,
-    chunk: &Chunk,
-    for_w: &[Term],
-    made_before: f64,
-    made_in_b: f64,
-) -> Vec<Candidate> {
-    let gathered = shape.sizes.gathered;
-    let gate_vector_input =
-        Term { name: "first layer's shared expert's gate vector's input gradient", bytes: gathered };
-    let mut held = mlp_context(shape, chunk, true);
-    held.extend(for_w.iter().cloned());
-    held.extend(shared_expert_read_by_w(shape, false));
-    let mut ring = held.clone();
-    ring.extend([
-        Term { name: "first layer's shared expert ring output's gradient", bytes: gathered },
-        gate_vector_input.clone(),
-    ]);
-    let mut points = tsp_ring::ring_backward(shape, &tsp_ring::SHARED_FIRST_LAYER, ring, made_before, Some(made_in_b));
-    held.extend([
-        gate_vector_input,
-        Term { name: "the ring's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
-    ]);
-    let ring_gradients = shape.sharded(3.0 * shape.gate / shape.tsp as f64, 0.0);
-    points.push(Candidate {
-        name: "first layer's shared expert ring's input gradient joins the gate vector's in B",
-        so_far: made_before + ring_gradients,
-        held,
-        new_sum: None,
-        key_values_pending: 0,
-        sum_pending: made_in_b - made_before - ring_gradients,
-    });
     points
 }
 

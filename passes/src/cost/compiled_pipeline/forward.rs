@@ -8,6 +8,7 @@ use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, Chunk};
+use super::shared_expert::shared_expert_kept;
 use super::{tsp_ring, StageShape};
 
 /// The points of a micro-batch's forward on a chunk, at its last layer's MLP: as the MLP's output
@@ -66,8 +67,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         if let Some(experts) = shape.model.experts.as_ref() {
             let operands = gathered + shape.router() + shape.layer_routed_experts();
             // (A shared expert's ring output and gate logit, which the forward keeps, come after.)
-            let shared_kept =
-                if experts.shared_expert && !full { local_tokens * (shape.sizes.hidden + 1.0) * element } else { 0.0 };
+            let shared_kept = shared_expert_kept(shape);
             let before_experts = vec![
                 positions,
                 Term {

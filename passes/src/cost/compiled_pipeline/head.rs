@@ -6,7 +6,7 @@ use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
 use super::chunk::{received_counts, Candidate, Chunk};
 use super::experts::experts_points;
-use super::shared_expert::shared_expert_points;
+use super::shared_expert::{shared_expert_kept, shared_expert_points};
 use super::{tsp_ring, Place, StageShape};
 
 /// The points at the head of a micro-batch's backward on `chunk`: on the last chunk the loss's
@@ -625,13 +625,12 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// (on another chunk the one it received). The summed expert counts a stage before the last
 /// received are live there: the first layer's router reads them last.
 fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, hidden, stream, .. } = shape.sizes;
-    let Some(experts) = shape.model.experts.as_ref() else { return Vec::new() };
+    let StepSizes { element, hidden, stream, .. } = shape.sizes;
+    if shape.model.experts.is_none() {
+        return Vec::new();
+    }
     let full = shape.recompute() == Recompute::Full;
-    // (Under full recomputation the forward kept none of a shared expert's activations; under
-    // tsp its ring kept only its output, beside the gate logit.)
-    let ring = if shape.tsp > 1 { 0.0 } else { 3.0 * ffn };
-    let shared_kept = if experts.shared_expert && !full { local_tokens * (ring + hidden + 1.0) * element } else { 0.0 };
+    let shared_kept = shared_expert_kept(shape);
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = shape.load_balancing_loss();

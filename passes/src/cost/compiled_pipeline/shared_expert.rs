@@ -75,7 +75,7 @@ pub(super) fn shared_expert_points(
         return Vec::new();
     };
     if shape.tsp > 1 {
-        return ring_points(shape, place, beside, made_before);
+        return ring_points(shape, place, beside, made_before, None);
     }
     let [down_made, down_joins, up_output_gradient, up_input_reduced, up_input_joins, gate_joins] =
         place.shared_expert_names();
@@ -248,14 +248,27 @@ pub(super) fn shared_expert_points(
 /// Under tsp a shared expert is a ring MLP like a dense layer's ([`tsp_ring::ring_backward`]),
 /// its output scaled by the gate: its backward makes the gate logit's gradient (the ring's output
 /// and the logit freed), the ring output's gradient, then the gate vector's input and weight
-/// gradients (the latter joins its sum at once), and runs the ring beside the two. Past the ring
-/// its input gradient joins the gate vector's (three `[tokens, hidden]` buffers live), every
-/// shared-expert gradient made.
-fn ring_points(shape: &StageShape, place: Place, beside: &[Term], made_before: f64) -> Vec<Candidate> {
+/// gradients (the latter joins its sum at once; under zero bubble it is W's), and runs the ring
+/// beside the two. Past the ring its input gradient joins the gate vector's (three `[tokens,
+/// hidden]` buffers live), the ring's gradients made. `made_in_b`: under zero bubble, where B runs
+/// the ring, all the chunk's B gradients (the sums of those not made yet do not exist on the
+/// micro-batch's first B of the chunk).
+pub(super) fn ring_points(
+    shape: &StageShape,
+    place: Place,
+    beside: &[Term],
+    made_before: f64,
+    made_in_b: Option<f64>,
+) -> Vec<Candidate> {
     let StepSizes { element, hidden, gathered, .. } = shape.sizes;
-    let names = match place {
-        Place::FirstLayer => &tsp_ring::SHARED_FIRST_LAYER,
-        Place::LastLayer => &tsp_ring::SHARED_LAST_LAYER,
+    let (names, summed) = match place {
+        Place::FirstLayer => {
+            (&tsp_ring::SHARED_FIRST_LAYER, "first layer's shared expert ring's input gradient joins the gate vector's")
+        }
+        Place::LastLayer => (
+            &tsp_ring::SHARED_LAST_LAYER,
+            "the last layer's shared expert ring's input gradient joins the gate vector's",
+        ),
     };
     let gate_vector_input = Term { name: "the gate vector's input gradient", bytes: gathered };
     let mut held = beside.to_vec();
@@ -263,19 +276,37 @@ fn ring_points(shape: &StageShape, place: Place, beside: &[Term], made_before: f
         Term { name: "the shared expert ring output's gradient", bytes: gathered },
         gate_vector_input.clone(),
     ]);
-    let gate_vector = hidden * element / shape.shards;
-    let mut points = tsp_ring::ring_backward(shape, names, held, made_before + gate_vector, None);
-    let summed = match place {
-        Place::FirstLayer => "first layer's shared expert ring's input gradient joins the gate vector's",
-        Place::LastLayer => "the last layer's shared expert ring's input gradient joins the gate vector's",
-    };
+    let gate_vector = if made_in_b.is_some() { 0.0 } else { hidden * element / shape.shards };
+    let made_before = made_before + gate_vector;
+    let mut points = tsp_ring::ring_backward(shape, names, held, made_before, made_in_b);
     let mut held = beside.to_vec();
     held.extend([
         gate_vector_input,
         Term { name: "the ring's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
     ]);
-    points.push(Candidate::made(summed, made_before + shared_expert_gradients(shape), held));
+    let so_far = made_before + shape.sharded(3.0 * shape.gate / shape.tsp as f64, 0.0);
+    points.push(Candidate {
+        name: summed,
+        so_far,
+        held,
+        new_sum: None,
+        key_values_pending: 0,
+        sum_pending: made_in_b.map_or(0.0, |made_in_b| made_in_b - so_far),
+    });
     points
+}
+
+/// What a layer's forward keeps of a shared expert for its backward (bytes): gate, up and their
+/// product (but under tsp, whose ring keeps none), its output and the gate logit; nothing under
+/// full recomputation or without a shared expert.
+pub(super) fn shared_expert_kept(shape: &StageShape) -> f64 {
+    let StepSizes { element, local_tokens, ffn, hidden, .. } = shape.sizes;
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    if !shared_expert || shape.recompute() == Recompute::Full {
+        return 0.0;
+    }
+    let ring = if shape.tsp > 1 { 0.0 } else { 3.0 * ffn };
+    local_tokens * (ring + hidden + 1.0) * element
 }
 
 /// A layer's shared expert's gradients, as the rank holds them: its gate vector's and its three

@@ -18,51 +18,33 @@ pub(super) struct BackwardPointNames {
     input_gradient_summed: &'static str,
 }
 
+/// A ring backward's point names, each its step's name after `$ring` (which layer's ring it is).
+macro_rules! backward_point_names {
+    ($ring:literal) => {
+        BackwardPointNames {
+            down_contribution: concat!($ring, " backward: the down contribution from the SiLU product"),
+            made_unreduced: concat!($ring, " backward: a weight gradient made, unreduced"),
+            joins_its_sum: concat!($ring, " backward: a weight gradient joins its sum"),
+            joins_the_partial: concat!($ring, " backward: a contribution joins the partial gradient received"),
+            gate_output_gradient: concat!($ring, " backward: gate's output gradient"),
+            contribution: concat!($ring, " backward: a contribution"),
+            input_gradient_summed: concat!($ring, " backward: the input gradient's parts summed"),
+        }
+    };
+}
+
 /// The first layer's ring backward: a tail of the backward (zero bubble: of B).
-pub(super) const FIRST_LAYER: BackwardPointNames = BackwardPointNames {
-    down_contribution: "first layer's MLP ring backward: the down contribution from the SiLU product",
-    made_unreduced: "first layer's MLP ring backward: a weight gradient made, unreduced",
-    joins_its_sum: "first layer's MLP ring backward: a weight gradient joins its sum",
-    joins_the_partial: "first layer's MLP ring backward: a contribution joins the partial gradient received",
-    gate_output_gradient: "first layer's MLP ring backward: gate's output gradient",
-    contribution: "first layer's MLP ring backward: a contribution",
-    input_gradient_summed: "first layer's MLP ring backward: the input gradient's parts summed",
-};
+pub(super) const FIRST_LAYER: BackwardPointNames = backward_point_names!("first layer's MLP ring");
 
 /// The last layer's ring backward: at the head of the backward (on the last chunk after the
 /// head's).
-pub(super) const LAST_LAYER: BackwardPointNames = BackwardPointNames {
-    down_contribution: "the last layer's MLP ring backward: the down contribution from the SiLU product",
-    made_unreduced: "the last layer's MLP ring backward: a weight gradient made, unreduced",
-    joins_its_sum: "the last layer's MLP ring backward: a weight gradient joins its sum",
-    joins_the_partial: "the last layer's MLP ring backward: a contribution joins the partial gradient received",
-    gate_output_gradient: "the last layer's MLP ring backward: gate's output gradient",
-    contribution: "the last layer's MLP ring backward: a contribution",
-    input_gradient_summed: "the last layer's MLP ring backward: the input gradient's parts summed",
-};
+pub(super) const LAST_LAYER: BackwardPointNames = backward_point_names!("the last layer's MLP ring");
 
 /// The first layer's shared expert's ring backward (a mixture's, Qwen2-MoE's, under tsp).
-pub(super) const SHARED_FIRST_LAYER: BackwardPointNames = BackwardPointNames {
-    down_contribution: "first layer's shared expert ring backward: the down contribution from the SiLU product",
-    made_unreduced: "first layer's shared expert ring backward: a weight gradient made, unreduced",
-    joins_its_sum: "first layer's shared expert ring backward: a weight gradient joins its sum",
-    joins_the_partial: "first layer's shared expert ring backward: a contribution joins the partial gradient received",
-    gate_output_gradient: "first layer's shared expert ring backward: gate's output gradient",
-    contribution: "first layer's shared expert ring backward: a contribution",
-    input_gradient_summed: "first layer's shared expert ring backward: the input gradient's parts summed",
-};
+pub(super) const SHARED_FIRST_LAYER: BackwardPointNames = backward_point_names!("first layer's shared expert ring");
 
 /// The last layer's shared expert's ring backward.
-pub(super) const SHARED_LAST_LAYER: BackwardPointNames = BackwardPointNames {
-    down_contribution: "the last layer's shared expert ring backward: the down contribution from the SiLU product",
-    made_unreduced: "the last layer's shared expert ring backward: a weight gradient made, unreduced",
-    joins_its_sum: "the last layer's shared expert ring backward: a weight gradient joins its sum",
-    joins_the_partial:
-        "the last layer's shared expert ring backward: a contribution joins the partial gradient received",
-    gate_output_gradient: "the last layer's shared expert ring backward: gate's output gradient",
-    contribution: "the last layer's shared expert ring backward: a contribution",
-    input_gradient_summed: "the last layer's shared expert ring backward: the input gradient's parts summed",
-};
+pub(super) const SHARED_LAST_LAYER: BackwardPointNames = backward_point_names!("the last layer's shared expert ring");
 
 /// The ring's own buffers and the gradients it has made, as it goes (forward or backward).
 struct RingWalk {
@@ -193,21 +175,24 @@ pub(super) struct ForwardPointNames {
     next_shard: &'static str,
 }
 
+/// A ring forward's point names, each its step's name after `$ring` (which ring it is).
+macro_rules! forward_point_names {
+    ($ring:literal) => {
+        ForwardPointNames {
+            product: concat!($ring, ": the SiLU product in a forward"),
+            output_part: concat!($ring, ": a step's output part in a forward"),
+            parts_summed: concat!($ring, ": the output's parts summed in a forward"),
+            next_shard: concat!($ring, ": the next shard received in a forward"),
+        }
+    };
+}
+
 /// The last layer's dense MLP ring, in a forward.
-pub(super) const LAST_LAYER_FORWARD: ForwardPointNames = ForwardPointNames {
-    product: "the last layer's MLP ring: the SiLU product in a forward",
-    output_part: "the last layer's MLP ring: a step's output part in a forward",
-    parts_summed: "the last layer's MLP ring: the output's parts summed in a forward",
-    next_shard: "the last layer's MLP ring: the next shard received in a forward",
-};
+pub(super) const LAST_LAYER_FORWARD: ForwardPointNames = forward_point_names!("the last layer's MLP ring");
 
 /// The last layer's shared expert ring (a mixture's), in a forward.
-pub(super) const SHARED_LAST_LAYER_FORWARD: ForwardPointNames = ForwardPointNames {
-    product: "the last layer's shared expert ring: the SiLU product in a forward",
-    output_part: "the last layer's shared expert ring: a step's output part in a forward",
-    parts_summed: "the last layer's shared expert ring: the output's parts summed in a forward",
-    next_shard: "the last layer's shared expert ring: the next shard received in a forward",
-};
+pub(super) const SHARED_LAST_LAYER_FORWARD: ForwardPointNames =
+    forward_point_names!("the last layer's shared expert ring");
 
 /// The ring MLP's forward: at each of the axis's `tsp` steps the rank computes gate, up and their
 /// SiLU product on its tokens with the shard it holds (its own at the first step, then the one
