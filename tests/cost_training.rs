@@ -23,7 +23,7 @@
 //! and by dp=2, cp=2 or tp=2 (with and without SP), each recomputation, GPipe and 1F1B, 2 and 4
 //! micro-batches, and beside dp and cp also on 32 to 256 tokens a sequence, where the head of a
 //! backward and the first layer's peak; with the embedding tied too (by hand on one stage); and
-//! for `tiny-moe`'s stages, with and without a shared expert, on 8 tokens a sequence, and on 64
+//! for `tiny-moe`'s stages, with and without a shared expert (and tied), on 8 tokens a sequence, and on 64
 //! to 1024 beside dp, ep and tp outside zero bubble, where a
 //! mixture's stage peaks inside a backward (below the planner elsewhere, never above).
 
@@ -1685,10 +1685,7 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         for (mesh, kind, micro_batches, zero_stage) in cases {
             let layout = PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
             for seq in [SEQ, 256] {
-                for stage in stage_closed_forms(&config, &layout, seq) {
-                    stage.assert_exact();
-                    names.insert(stage.phase.name);
-                }
+                assert_exact_at(&mut names, &config, &layout, seq);
             }
         }
     }
@@ -1698,10 +1695,7 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         [("pp=2,tsp=2", one_f_one_b, 4), ("pp=2,dp=2,tsp=4", one_f_one_b, 2), ("pp=2,tsp=4", zero_bubble, 2)]
     {
         let layout = PipelinedLayout { recompute: Recompute::Full, ..PipelinedLayout::new(mesh, kind, micro_batches) };
-        for stage in stage_closed_forms(&config, &layout, 1024) {
-            stage.assert_exact();
-            names.insert(stage.phase.name);
-        }
+        assert_exact_at(&mut names, &config, &layout, 1024);
     }
     // Under zero bubble with ZeRO-2 and 3 beside dp, four micro-batches of a sequence: a forward
     // may peak as it dispatches its last layer's experts, under ZeRO-3 beside their weights
@@ -1714,20 +1708,14 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
             ..PipelinedLayout::new("pp=2,dp=2,tsp=2", zero_bubble, 4)
         };
         for seq in [SEQ, 256] {
-            for stage in stage_closed_forms(&config, &layout, seq) {
-                stage.assert_exact();
-                names.insert(stage.phase.name);
-            }
+            assert_exact_at(&mut names, &config, &layout, seq);
         }
     }
     // Beside dp under zero bubble, two sequences a micro-batch on 64 tokens: the first stage peaks
     // in B as the last of the first layer's expert gradients joins its sum, the other two reduced
     // and joined, its own unreduced copy live.
     let layout = PipelinedLayout { batch: 8, ..PipelinedLayout::new("pp=2,dp=2,tsp=2", zero_bubble, 2) };
-    for stage in stage_closed_forms(&config, &layout, 64) {
-        stage.assert_exact();
-        names.insert(stage.phase.name);
-    }
+    assert_exact_at(&mut names, &config, &layout, 64);
     for name in [
         "first layer's last expert gradient joins its sum in B, its unreduced copy live",
         "first layer's MLP norm output's gradients summed",
@@ -1782,10 +1770,7 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
                 let layout =
                     PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
                 for seq in [SEQ, 256] {
-                    for stage in stage_closed_forms(&config, &layout, seq) {
-                        stage.assert_exact();
-                        names.insert(stage.phase.name);
-                    }
+                    assert_exact_at(&mut names, &config, &layout, seq);
                 }
             }
         }
@@ -1795,10 +1780,7 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
     for (mesh, kind, micro_batches, zero_stage) in [("pp=2,tsp=2", one_f_one_b, 4, 0), ("pp=2,dp=2,tsp=2", gpipe, 2, 2)]
     {
         let layout = PipelinedLayout { zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
-        for stage in stage_closed_forms(&config, &layout, 1024) {
-            stage.assert_exact();
-            names.insert(stage.phase.name);
-        }
+        assert_exact_at(&mut names, &config, &layout, 1024);
     }
     for name in [
         "first layer's shared expert ring backward: the down contribution from the SiLU product",
@@ -2036,13 +2018,113 @@ fn tied_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(names.contains(&expected), "{expected:?}: {names:?}");
     }
-    // Not modelled: a mixture of experts with a tied table.
-    let moe = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..preset("tiny-moe").unwrap() };
-    let model = ModelShape::from_config(&moe);
-    let workload = Workload { micro_batches: 2, ..Workload::training(SEQ, 2) };
-    let layout = Layout::from_mesh(&Mesh::parse("pp=2").unwrap(), false);
-    let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4).unwrap();
-    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 1).is_none());
+}
+
+/// `config` with its embedding tied to its LM head.
+fn tied(config: pleat_ir::model::config::ModelConfig) -> pleat_ir::model::config::ModelConfig {
+    pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..config }
+}
+
+#[test]
+fn tied_mixture_stage_closed_form_equals_the_planners_peak() {
+    // A mixture of experts with a tied table: the last stage's head makes the head's part of the
+    // table's gradient, which joins no sum (in its mixture's head of a backward, and under full
+    // recomputation inside its last layer's attention backward, it is held, not summed); under
+    // zero bubble its W makes it first (a shared expert's gate vector's gradient after). The
+    // first stage takes each micro-batch's counts' sum off its link from the last stage as a
+    // later message is read there: a head's part (at a backward's tail, or W's head) takes the
+    // counts' sums the last stage sent before it, held until their B. Under zero bubble the
+    // first stage's W may peak at its head, as the last layer's MLP norm weight gradient joins its
+    // sum (beside dp or ep as it is made, reduced after its reads are freed) with the head's part
+    // taken. tiny-moe tied, with a shared expert, and with a wide vocabulary, on every layout of
+    // the stage table, each recomputation: exact on 8 tokens a sequence; on 64 and 256 exact
+    // beside dp, ep, tp and ZeRO 2 and 3, and below beside cp under zero bubble and on zero
+    // bubble's last stage of four micro-batches (within 1%: the points inside W as the last
+    // layer's attention weight gradients join their sums are not modelled, where those stages
+    // peak).
+    let mixtures = [
+        tied(preset("tiny-moe").unwrap()),
+        tied(with_a_shared_expert(32, true)),
+        tied(pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..preset("tiny-moe").unwrap() }),
+    ];
+    let mut phases = std::collections::BTreeSet::new();
+    for config in &mixtures {
+        phases.extend(check_mixture_stages(config));
+    }
+    // Beside routed experts split over tsp too (under zero bubble W's head on the first stage: a
+    // shared expert's gate vector's gradient, all-reduced over tsp, joins its sum beside its
+    // partial copy). Whether each layout is exact on 64 and 256 tokens:
+    let (one_f_one_b, gpipe, interleaved) =
+        (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
+    let zero_bubble = ScheduleKind::ZeroBubbleH1;
+    let more_tokens = [
+        ("pp=2", gpipe, 2, 0, true),
+        ("pp=2", zero_bubble, 4, 0, false),
+        ("pp=4", gpipe, 4, 0, true),
+        ("pp=4", zero_bubble, 4, 0, false),
+        ("pp=2,dp=2", zero_bubble, 2, 0, true),
+        ("pp=2,dp=2", one_f_one_b, 2, 2, true),
+        ("pp=2,dp=2", zero_bubble, 2, 3, true),
+        ("pp=2,ep=2", interleaved, 2, 0, true),
+        ("pp=2,ep=2", zero_bubble, 2, 0, true),
+        ("pp=2,tp=2", zero_bubble, 2, 0, true),
+        ("pp=2,ep=2,tp=2", one_f_one_b, 2, 0, true),
+        ("pp=2,cp=2", zero_bubble, 2, 0, false),
+        ("pp=2,tsp=2", gpipe, 2, 0, true),
+        ("pp=2,tsp=4", one_f_one_b, 2, 0, true),
+        ("pp=2,tsp=2", interleaved, 2, 0, true),
+        ("pp=2,tsp=2", zero_bubble, 2, 0, true),
+        ("pp=4,tsp=2", zero_bubble, 4, 0, true),
+        ("pp=2,dp=2,tsp=2", zero_bubble, 2, 1, true),
+        ("pp=2,dp=2,tsp=2", gpipe, 2, 3, true),
+    ];
+    let (mut stages, mut exact) = (0, 0);
+    for config in &mixtures {
+        let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() };
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            for (mesh, kind, micro_batches, zero_stage, exact_there) in more_tokens {
+                let layout = PipelinedLayout::one_sequence_a_micro_batch(
+                    mesh,
+                    kind,
+                    micro_batches,
+                    zero_stage,
+                    recompute,
+                    false,
+                );
+                for seq in [64, 256] {
+                    for stage in stage_closed_forms(&config, &layout, seq) {
+                        let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
+                        phases.insert(stage.phase.name);
+                        stages += 1;
+                        exact += usize::from(form == planned);
+                        if exact_there {
+                            stage.assert_exact();
+                        } else {
+                            assert!(
+                                form <= planned && form >= 0.99 * planned,
+                                "{}: closed form {form} beside the planner's {planned}",
+                                stage.label
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // (Where the head's part was counted a gradient with a sum, the last layer's points stood
+    // above the planner: under full recomputation on a wide vocabulary by up to 8%.)
+    for phase in [
+        "the LM head's part of the tied table's gradient is made in W",
+        "the head of W: the last layer's MLP norm weight gradient joins its sum",
+        "the head of W: the last layer's MLP norm weight gradient",
+        "the last layer's expert gradient joins its sum",
+        "the last layer's experts' backward dispatched",
+        "the head of W: the last layer's shared expert's gate vector gradient joins its sum",
+    ] {
+        assert!(phases.contains(phase), "{phase}: {phases:?}");
+    }
+    // All but a few cp and zero-bubble stages are exact to the byte.
+    assert!(20 * exact > 19 * stages, "{exact} of {stages} exact");
 }
 
 #[test]
@@ -2125,10 +2207,7 @@ fn a_tsp_stage_peaks_as_the_last_owners_q_input_gradient_is_made() {
     let layout = PipelinedLayout::new("pp=2,dp=2,tsp=2", ScheduleKind::Interleaved { chunks: 2 }, 2);
     let mut names = std::collections::BTreeSet::new();
     for recompute in [Recompute::None, Recompute::Selective] {
-        for stage in stage_closed_forms(&four_layers(), &PipelinedLayout { recompute, ..layout }, 64) {
-            stage.assert_exact();
-            names.insert(stage.phase.name);
-        }
+        assert_exact_at(&mut names, &four_layers(), &PipelinedLayout { recompute, ..layout }, 64);
     }
     assert!(names.contains("first layer's q input gradient, the last owner's"), "{names:?}");
 }
@@ -2357,6 +2436,20 @@ fn check_stage_closed_form(config: &pleat_ir::model::config::ModelConfig, layout
             stage.phase.terms.iter().filter(|term| term.name == TIED_TABLE_RECEIVED).map(|term| term.bytes).sum();
         assert_eq!(otherwise.bytes, -received, "{label}");
         assert_eq!(planned.peak_bytes as f64, stage.predicted, "{label}: {:?}", stage.differences);
+    }
+}
+
+/// Asserts that every stage's closed form of `config` on `layout` at `seq` tokens a sequence is
+/// the planner's peak, to the byte, and adds the names of their peaks to `names`.
+fn assert_exact_at(
+    names: &mut std::collections::BTreeSet<&'static str>,
+    config: &pleat_ir::model::config::ModelConfig,
+    layout: &PipelinedLayout,
+    seq: u64,
+) {
+    for stage in stage_closed_forms(config, layout, seq) {
+        stage.assert_exact();
+        names.insert(stage.phase.name);
     }
 }
 

@@ -1426,7 +1426,9 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 name: "the residual stream the layers below its last kept",
                 bytes: (layers - 1.0) * shape.sizes.kept_layer,
             });
-            let head = if chunk.last { shape.sizes.vocab_shard * hidden + shape.norm } else { 0.0 };
+            // (Beside a tied table the head's part joins no sum: the chunk's held buffers count it.)
+            let head_weight = if shape.tied { 0.0 } else { shape.sizes.vocab_shard * hidden };
+            let head = if chunk.last { head_weight + shape.norm } else { 0.0 };
             let so_far = (head + shape.norm) * element / shape.shards + shape.layer_mlp_gradient_shards();
             last_layer_points.push(Candidate {
                 key_values_pending: chunk.layers,

@@ -631,11 +631,14 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let full = shape.recompute() == Recompute::Full;
     let shared_kept = shared_expert_kept(shape);
+    // Beside a tied table the head's part of its gradient joins no sum: it is held, sent back.
+    let head_part = shape.tied_head_part().filter(|_| chunk.last);
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = shape.load_balancing_loss();
+        let head_weight = if head_part.is_some() { 0.0 } else { shape.sizes.vocab_shard * hidden };
         (
-            (shape.sizes.vocab_shard * hidden + shape.norm) * element / shape.shards,
+            (head_weight + shape.norm) * element / shape.shards,
             Term {
                 name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations (and under cp the targets)",
                 bytes: in_flight_past_the_head(shape, chunk) - summed - shared_kept,
@@ -654,6 +657,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     };
     let output_gradient_name = output_gradient.name;
     let mut routed = vec![Term { name: "its positions", bytes: chunk.positions }, in_flight, output_gradient];
+    routed.extend(head_part);
     // Under full recomputation the MLP norm's output, which the experts and the router read, is
     // recomputed from the attention residual kept.
     if full {
@@ -754,6 +758,9 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         name: "the residual stream the layers below its last kept",
         bytes: (chunk.layers - 1) as f64 * kept_layer,
     });
+    // (Beside a tied table the head's part of its gradient joins no sum: the chunk's held
+    // buffers count it.)
+    let head_weight = if shape.tied { 0.0 } else { shape.sizes.vocab_shard * hidden };
     let mut held = context.clone();
     held.extend([
         Term { name: "its last layer's attention residual gradient", bytes: stream },
@@ -769,7 +776,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         },
     ]);
     held.extend(super::first_layer::attention_weights_regathered(shape));
-    let head = if chunk.last { (shape.sizes.vocab_shard * hidden + shape.norm) * element } else { 0.0 };
+    let head = if chunk.last { (head_weight + shape.norm) * element } else { 0.0 };
     let so_far = (head + (shape.norm + hidden * query) * element) / shape.shards + shape.layer_mlp_gradient_shards();
     let mut candidates = vec![Candidate {
         name: "the last layer's attention backward",

@@ -228,6 +228,11 @@
 //! or a message queued after it (`head_link`: under interleaving a later forward's input, on two
 //! stages an input gradient), and holds it from there; the first chunk's backward, which reads it,
 //! takes it at the latest, and with it any messages queued ahead, held to the steps reading them.
+//! A mixture's counts' sums come on the same link, so a step taking a head's part takes the sums
+//! the last stage sent before it too, held until the backward (zero bubble: B) reading each. Of a
+//! mixture the head's part is held, not summed, through its last layer's MLP backward, and under
+//! zero bubble the first stage's W may peak at its head, as the last layer's MLP norm weight
+//! gradient (under tsp a shared expert's gate vector's first) joins its sum beside the part taken.
 //! It adds it to the embedding's part: at the
 //! tail both parts are live beside their sum (the token ids and the embedding output's gradient
 //! freed), and the rows are sliced from the whole vocabulary's gradient under tp beside the head's
@@ -320,7 +325,7 @@
 //! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
-//! ZeRO stage; its embedding untied, or tied on a dense model (with or without tsp: under tsp the
+//! ZeRO stage; its embedding untied, or tied (dense or a mixture; with or without tsp: under tsp the
 //! head's part of the table's gradient joins no sum as it is made, beside dp reduced at the end of
 //! the backward as beside dp × tp; the first stage's scattering of the embedding's gradient holds
 //! it beside both orders' token ids; under
@@ -462,10 +467,6 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
             || (layout.zero_replicas() > 1
                 && (workload.zero == 2 || workload.zero == 3)
                 && only_key_values_kept_whole(model, layout)))
-        // A mixture of experts whose every rank holds every expert or experts/ep of them, beside
-        // dp, cp, ep and tp (with or without SP), under any ZeRO stage; or tsp's share (above).
-        // A tied table beside pp: a dense model (with or without tsp).
-        && (!model.tied_embeddings || model.experts.is_none())
 }
 
 /// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart);

@@ -206,23 +206,45 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         return Vec::new();
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
     if shape.tsp > 1 && !chunk.last {
-        // Under tsp B made the MLP's gradients: W's first is the last layer's MLP norm weight's,
-        // partial before its all-reduce over the axis, beside all the micro-batch holds between B
-        // and W (and on the first chunk beside a tied table the head's part of its gradient, taken
-        // by then: `chunk_hold` adds it).
+        // Under tsp B made the MLP's gradients: W's first is the last layer's MLP norm weight's
+        // (a shared expert's gate vector's before it), partial before its all-reduce over the
+        // axis, beside all the micro-batch holds between B and W (and on the first chunk beside a
+        // tied table the head's part of its gradient, taken by then: `chunk_hold` adds it).
         let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
-        let held = vec![
+        let held = [
             Term { name: "its positions", bytes: positions },
             Term {
                 name: "what it holds between B and W but its B gradients",
                 bytes: between_b_and_w.between - made_in_b,
             },
-            Term { name: "the last layer's MLP norm weight gradient, partial", bytes: shape.norm * element },
         ];
-        return vec![Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, held)];
+        let norm = Term { name: "the last layer's MLP norm weight gradient, partial", bytes: shape.norm * element };
+        let mut points = vec![Candidate::made(
+            "the head of W: the last layer's MLP norm weight gradient",
+            made_in_b,
+            held.iter().cloned().chain([norm]).collect(),
+        )];
+        // The gate vector's gradient frees the gate logit's gradient it reads; all-reduced over
+        // tsp, it joins its sum beside its partial copy.
+        if shared_expert {
+            let gate_vector = hidden * element;
+            let joining = [
+                Term { name: "the shared expert's gate vector gradient, partial", bytes: gate_vector },
+                Term { name: "the gate logit's gradient, freed", bytes: -local_tokens * element },
+            ];
+            points.push(Candidate {
+                name: "the head of W: the last layer's shared expert's gate vector gradient joins its sum",
+                so_far: made_in_b + gate_vector,
+                held: held.iter().cloned().chain(joining).collect(),
+                new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: gate_vector }),
+                key_values_pending: 0,
+                sum_pending: 0.0,
+            });
+        }
+        return points;
     }
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
     // W's first gradient to join a sum: on the last chunk the LM head's, but a tied table's part
     // (which joins none); else, and after that part, the last layer's down projection's.
     let lm_head = chunk.last && !shape.tied;
@@ -235,14 +257,14 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let head_gradient = vocab_shard * hidden * element;
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
     // gradient freed after.)
-    let (made_before, freed_before) = if lm_head || dense {
+    let (made_before, freed_before) = if chunk.last || dense {
         (0.0, 0.0)
     } else if shared_expert {
         (hidden * element / shape.shards, local_tokens * element)
     } else {
-        return mixture_o_joining_in_w(shape, chunk, between_b_and_w).into_iter().collect();
+        return mixture_o_joining_in_w(shape, chunk, between_b_and_w);
     };
-    let mixture_o = if dense { None } else { mixture_o_joining_in_w(shape, chunk, between_b_and_w) };
+    let mixture_o = if dense { Vec::new() } else { mixture_o_joining_in_w(shape, chunk, between_b_and_w) };
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let summed = if chunk.last { shape.load_balancing_loss() } else { 0.0 };
     let received = counts_received_at_w(shape, chunk);
@@ -333,14 +355,16 @@ fn counts_received_at_w(shape: &StageShape, chunk: &Chunk) -> f64 {
 /// On a mixture's chunk but the last B made the experts' and the router's gradients, so W begins
 /// with its last layer's shared expert's weight gradients, if it has one (freeing what they read
 /// but the MLP norm's output, which B read too), and the MLP norm's weight gradient, which frees
-/// what it read (the norm's input and its output gradient), then o's, made from o's output
+/// what it read (the norm's input and its output gradient): without a shared expert a point as it
+/// is made, beside all the micro-batch holds between B and W (where the first stage beside a tied
+/// table peaks, the head's part taken by then). Then o's, made from o's output
 /// gradient (under SP gathered over tp, and so freed after it) and attention's output (which W
 /// recomputes under recomputation; freed after it): the first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy live
 /// beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
-fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Option<Candidate> {
+fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, query, hidden, ffn, stream, gathered, .. } = shape.sizes;
     if chunk.last || shape.tsp > 1 {
-        return None;
+        return Vec::new();
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
@@ -360,11 +384,32 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     if shape.sequence_parallel() {
         held.push(Term { name: "o's output gradient gathered over tp, freed", bytes: -gathered });
     }
+    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let mut points = Vec::new();
+    if !shared_expert {
+        // (Beside replicas its reads are freed before it is reduced, below this point; else it
+        // joins its sum first.)
+        let norm = shape.norm * element;
+        let mut norm_held = held[..2].to_vec();
+        norm_held.push(Term { name: "the last layer's MLP norm weight gradient", bytes: norm });
+        points.push(if shape.reduced || shape.scattered {
+            Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, norm_held)
+        } else {
+            Candidate {
+                name: "the head of W: the last layer's MLP norm weight gradient joins its sum",
+                so_far: made_in_b + norm,
+                held: held[..2].to_vec(),
+                new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: norm }),
+                key_values_pending: 0,
+                sum_pending: 0.0,
+            }
+        });
+    }
     let mut made = made_in_b + shape.norm * element / shape.shards;
     // A shared expert's gradients (its gate vector's and three projections') are made by then,
     // and what they read freed: the gate logit's gradient, the product, gate's and up's output
     // gradients and the scaled output's gradient.
-    if shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+    if shared_expert {
         made += (hidden * element + 3.0 * shape.gate) / shape.shards;
         held.push(Term {
             name: "what the shared expert's weight gradients read, freed",
@@ -376,19 +421,21 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
             Term { name: "the gradient, whole", bytes: o_gradient },
             Term { name: "its reduce-scatter's staging", bytes: o_gradient },
         ]);
-        return Some(Candidate::made("the last layer's o gradient reduce-scattered in W", made, held));
+        points.push(Candidate::made("the last layer's o gradient reduce-scattered in W", made, held));
+        return points;
     }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
     }
-    Some(Candidate {
+    points.push(Candidate {
         name: "the last layer's o gradient joins its sum in W",
         so_far: made + o_gradient,
         held,
         new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: o_gradient }),
         key_values_pending: 0,
         sum_pending: 0.0,
-    })
+    });
+    points
 }
 
 /// W's first weight gradient to join a sum: the LM head's or the last layer's down projection's.
