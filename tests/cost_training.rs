@@ -23,9 +23,9 @@
 //! and by dp=2, cp=2 or tp=2 (with and without SP), each recomputation, GPipe and 1F1B, 2 and 4
 //! micro-batches, and beside dp and cp also on 32 to 256 tokens a sequence, where the head of a
 //! backward and the first layer's peak; with the embedding tied too (by hand on one stage); and
-//! for `tiny-moe`'s stages, with and without a shared expert (and tied), on 8 tokens a sequence, and on 64
-//! to 1024 beside dp, ep and tp outside zero bubble, where a
-//! mixture's stage peaks inside a backward (below the planner elsewhere, never above).
+//! for `tiny-moe`'s stages, with and without a shared expert (and tied), on 8 tokens a sequence,
+//! and on 64 to 1024 beside dp, cp, ep and tp outside zero bubble, where a mixture's stage peaks
+//! inside a backward (under zero bubble below the planner on 1 stage in 100, never above).
 
 mod common;
 
@@ -1806,56 +1806,38 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
     // same inside the last layer's attention backward, the layers below still holding their
     // residual stream. tiny-moe, a narrow shared expert with the load-balancing loss and a wide
     // one (eight times the hidden size) without, each recomputation, 64 to 1024 tokens a
-    // sequence, every layout of the stage table. Exact beside dp, ep and tp (but under full
-    // recomputation beside tp with a shared expert or ep, whose head of a backward is not
-    // modelled there); there, beside cp (whose attention input gradients' point, with every
-    // token's k and v gradients, is not modelled) and under zero bubble (whose B, W's head and
-    // forwards are modelled, beside the micro-batches between their B and W: within 3% and exact
-    // on nine stages in ten) the form is below the planner's peak, never above.
+    // sequence, every layout of the stage table. Exact outside zero bubble (beside dp, cp, ep and
+    // tp); under zero bubble (whose B, W's head, the last layer's q gradient in W and the forwards
+    // are modelled, beside the micro-batches between their B and W) below the planner's peak,
+    // never above, within 3%, and exact on 99 stages in 100.
     let configs = [preset("tiny-moe").unwrap(), with_a_shared_expert(32, true), with_a_shared_expert(1024, false)];
-    let (mut exact_at, mut below) = (std::collections::BTreeMap::<&str, usize>::new(), 0);
+    let mut exact_at = std::collections::BTreeMap::<&str, usize>::new();
     let (mut zero_bubble_stages, mut zero_bubble_exact) = (0, 0);
     for config in &configs {
-        let shared = config.moe.as_ref().unwrap().shared_expert_intermediate_size.is_some();
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
             for (layers, mesh, kind, micro_batches) in MIXTURE_STAGE_CROSS_CHECK {
                 let config = pleat_ir::model::config::ModelConfig { num_layers: layers, ..config.clone() };
                 let layout = PipelinedLayout { recompute, ..PipelinedLayout::new(mesh, kind, micro_batches) };
-                let parsed = Mesh::parse(mesh).unwrap();
-                let (tp, cp, ep) =
-                    (parsed.degree(AxisName::Tp), parsed.degree(AxisName::Cp), parsed.degree(AxisName::Ep));
                 let zero_bubble = kind == ScheduleKind::ZeroBubbleH1;
-                let full_beside_tp = recompute == Recompute::Full && tp > 1 && (shared || ep > 1);
-                let modelled = !zero_bubble && cp == 1 && !full_beside_tp;
                 for seq in [64, 256, 1024] {
                     for stage in stage_closed_forms(&config, &layout, seq) {
                         let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
-                        if modelled {
+                        if !zero_bubble {
                             assert_eq!(form, planned, "{}: {:?}", stage.label, stage.phase.terms);
-                            *exact_at.entry(stage.phase.name).or_default() += 1;
                         } else {
+                            // What is left under zero bubble is within 3% (a wide shared expert at
+                            // 1024 tokens was 48% below with B's first-layer points alone).
                             assert!(
-                                form <= planned,
-                                "{}: closed form {form} above the planner's {planned}",
-                                stage.label
+                                form <= planned && form >= 0.97 * planned,
+                                "{}: closed form {form} beside the planner's {planned} at '{}'",
+                                stage.label,
+                                stage.phase.name
                             );
-                            // Under zero bubble the points of B, W's head and the forwards are
-                            // modelled: what is left is within 3% (a wide shared expert at 1024
-                            // tokens was 48% below with B's first-layer points alone).
-                            if zero_bubble {
-                                zero_bubble_stages += 1;
-                                zero_bubble_exact += usize::from(form == planned);
-                                assert!(
-                                    form >= 0.97 * planned,
-                                    "{}: closed form {form} more than 3% below the planner's {planned} at '{}'",
-                                    stage.label,
-                                    stage.phase.name
-                                );
-                            }
-                            below += usize::from(form < planned);
-                            if form == planned {
-                                *exact_at.entry(stage.phase.name).or_default() += 1;
-                            }
+                            zero_bubble_stages += 1;
+                            zero_bubble_exact += usize::from(form == planned);
+                        }
+                        if form == planned {
+                            *exact_at.entry(stage.phase.name).or_default() += 1;
                         }
                     }
                 }
@@ -1900,11 +1882,15 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
             "the last layer's shared expert's product in a forward",
             "the last layer's shared expert's down output in a forward",
             "every token's logits gathered in a forward",
+            "the last layer's q gradient joins its sum in W",
+            "the last layer's routed experts' output all-reduced over tp in a forward",
+            "the last layer's attention in a forward",
         ],
     );
-    assert!(below > 0);
-    // Most zero-bubble stages are exact to the byte (2230 of 2430 when this was written).
-    assert!(10 * zero_bubble_exact > 9 * zero_bubble_stages, "{zero_bubble_exact} of {zero_bubble_stages} exact");
+    // Most zero-bubble stages are exact to the byte (2410 of 2430 when this was written; 2230
+    // before the points of the last layer's q gradient in W, the experts' output all-reduced
+    // over tp and the attention beside cp in a forward).
+    assert!(100 * zero_bubble_exact > 99 * zero_bubble_stages, "{zero_bubble_exact} of {zero_bubble_stages} exact");
 }
 
 #[test]
@@ -2038,10 +2024,9 @@ fn tied_mixture_stage_closed_form_equals_the_planners_peak() {
     // sum (beside dp or ep as it is made, reduced after its reads are freed) with the head's part
     // taken. tiny-moe tied, with a shared expert, and with a wide vocabulary, on every layout of
     // the stage table, each recomputation: exact on 8 tokens a sequence; on 64 and 256 exact
-    // beside dp, ep, tp and ZeRO 2 and 3, and below beside cp under zero bubble and on zero
-    // bubble's last stage of four micro-batches (within 1%: the points inside W as the last
-    // layer's attention weight gradients join their sums are not modelled, where those stages
-    // peak).
+    // beside dp, cp, ep, tp and ZeRO 2 and 3, and below under zero bubble with four micro-batches
+    // (within 1%: on the last stage the points inside W past the head's part, as the last layer's
+    // attention weight gradients join their sums, are not modelled).
     let mixtures = [
         tied(preset("tiny-moe").unwrap()),
         tied(with_a_shared_expert(32, true)),
@@ -2069,7 +2054,7 @@ fn tied_mixture_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,ep=2", zero_bubble, 2, 0, true),
         ("pp=2,tp=2", zero_bubble, 2, 0, true),
         ("pp=2,ep=2,tp=2", one_f_one_b, 2, 0, true),
-        ("pp=2,cp=2", zero_bubble, 2, 0, false),
+        ("pp=2,cp=2", zero_bubble, 2, 0, true),
         ("pp=2,tsp=2", gpipe, 2, 0, true),
         ("pp=2,tsp=4", one_f_one_b, 2, 0, true),
         ("pp=2,tsp=2", interleaved, 2, 0, true),
@@ -2120,6 +2105,7 @@ fn tied_mixture_stage_closed_form_equals_the_planners_peak() {
         "the last layer's expert gradient joins its sum",
         "the last layer's experts' backward dispatched",
         "the head of W: the last layer's shared expert's gate vector gradient joins its sum",
+        "the last layer's q gradient in W, before its all-reduce",
     ] {
         assert!(phases.contains(phase), "{phase}: {phases:?}");
     }

@@ -16,9 +16,11 @@ use super::{tsp_ring, StageShape};
 /// routed experts' output and the shared expert's scaled output are summed (the layer's output not
 /// yet made), and under full recomputation as the shared expert's product, its down projection's
 /// output and its scaled output are made; under SP as the MLP's output is reduce-scattered over
-/// tp. The micro-batch holds all it keeps in flight there but what the rest of its forward makes
-/// (on the last chunk the head's buffers, and a mixture's counts' sum over the layers, whose
-/// statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
+/// tp, and without SP as a mixture's routed experts' output is all-reduced over it; under full
+/// recomputation beside cp (without tp) as the last layer's attention runs on every token's k and
+/// v, gathered. The micro-batch holds all it keeps in flight there but what the rest of its
+/// forward makes (on the last chunk the head's buffers, and a mixture's counts' sum over the
+/// layers, whose statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
 /// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard
 /// the sums, but for experts split over tsp, whose dispatch is a point there too, under ZeRO-3
 /// beside the weights gathered for it; under another schedule only [`logits_gathered`], every
@@ -131,6 +133,41 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                     name: "its last layer's MLP output, whole, and its reduce-scatter's staging",
                     bytes: 2.0 * gathered,
                 },
+            ],
+        ));
+    }
+    // Beside cp under full recomputation the forward keeps none of the last layer's attention
+    // buffers, live as its kernel runs: q after RoPE and every token's k and v, all-gathered over
+    // cp, beside its output, the layer's attention residual, statistics and output not yet made.
+    if full && shape.cp > 1 && shape.tp == 1 {
+        let StepSizes { query, kv_kept, .. } = shape.sizes;
+        points.push(point(
+            "the last layer's attention in a forward",
+            vec![
+                positions.clone(),
+                Term {
+                    name: "what it holds in flight by then but its last layer's attention residual, output and \
+                           statistics",
+                    bytes: kept - 2.0 * stream - 2.0 * statistics,
+                },
+                Term {
+                    name: "its last layer's q, every token's k and v, and the attention's output",
+                    bytes: (2.0 * local_tokens * query + kv_kept) * element,
+                },
+            ],
+        ));
+    }
+    // Beside tp without SP a mixture's routed experts' output, each rank's partial sum over its
+    // share of the channels, is all-reduced over tp before the layer's statistics and output are
+    // made (under full recomputation beside the MLP norm's output, not kept but live until then).
+    if shape.tp > 1 && !sequence_parallel && shape.model.experts.is_some() && !shared_expert {
+        points.push(point(
+            "the last layer's routed experts' output all-reduced over tp in a forward",
+            vec![
+                positions.clone(),
+                before_output.clone(),
+                Term { name: "its last layer's MLP norm output, not kept", bytes: if full { gathered } else { 0.0 } },
+                Term { name: "its last layer's routed experts' output, partial and all-reduced", bytes: 2.0 * stream },
             ],
         ));
     }

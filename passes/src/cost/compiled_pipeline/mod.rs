@@ -211,8 +211,8 @@
 //! and input gradients, the layers below holding their residual stream. Over ep beside the
 //! load-balancing loss the router's gradient from the experts' backward has no running sum until it
 //! is summed with its gradient from the loss. `tests/cost_training.rs` checks the form exact to
-//! 1024 tokens beside dp, ep and tp (but under full recomputation beside tp with a shared expert or
-//! ep); elsewhere (there, beside cp) below, never above.
+//! 1024 tokens beside dp, cp, ep and tp, each recomputation, outside zero bubble; under zero bubble
+//! below on 1 stage in 100 (within 3%), never above.
 //!
 //! Under dp × tp the whole-vocabulary gradient is freed once the rank's rows are sliced from it,
 //! before their all-reduce; the first stage's other candidate is that moment (the whole gradient
@@ -271,15 +271,19 @@
 //! weight gradient (the LM head's on the last chunk, after the micro-batch's two losses are summed,
 //! or beside a tied table the head's part of it; the last layer's down projection's, dense or a
 //! shared expert's, on another; a mixture's o projection's there, after a shared expert's, its
-//! router's and experts' being B's) is made or joins its sum, all the micro-batch held between B and W
-//! still live (under ZeRO-2 and 3 also as it is reduce-scattered, staged whole, what made it freed,
-//! and a dense MLP's up gradient after it), and as a dense chunk's first layer's gate gradient
-//! joins its sum, its attention's weight gradients still to come; and in a forward (tied table or
-//! not), at its last layer's MLP (its output made; under SP as it is reduce-scattered over tp;
+//! router's and experts' being B's, its MLP norm's before it) is made or joins its sum, all the
+//! micro-batch held between B and W still live (under ZeRO-2 and 3 also as it is reduce-scattered,
+//! staged whole, what made it freed, and a dense MLP's up gradient after it), as a dense chunk's
+//! first layer's gate gradient joins its sum, its attention's weight gradients still to come, and
+//! on a mixture's chunk of more than one layer (outside SP) as its last layer's q gradient joins
+//! its sum (beside replicas as it is made); and in a forward (tied table or
+//! not), at its last layer's MLP (its output made; under SP as it is reduce-scattered over tp,
+//! without SP as a mixture's routed experts' output is all-reduced over it;
 //! under full recomputation as a dense MLP's SiLU product is made beside gate and up; a shared
 //! expert's and the routed experts' outputs summed; under full recomputation the shared expert's
 //! product, its down projection's output and its scaled output made) beside all the micro-batch
-//! keeps, and beside cp as the last chunk gathers every token's logits. A micro-batch's loss joins
+//! keeps, under full recomputation beside cp at its last layer's attention (every token's k and v
+//! gathered), and beside cp as the last chunk gathers every token's logits. A micro-batch's loss joins
 //! the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the first stage's
 //! B frees the positions (but where W recomputes). `tests/cost_training.rs` checks the form from 64
 //! to 1024 tokens never above the planner's peak and within 3% (mixtures; 1% beside a shared expert

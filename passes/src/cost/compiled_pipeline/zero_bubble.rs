@@ -362,7 +362,7 @@ fn counts_received_at_w(shape: &StageShape, chunk: &Chunk) -> f64 {
 /// recomputes under recomputation; freed after it): the first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy live
 /// beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
 fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, query, hidden, ffn, stream, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, query, kv, hidden, ffn, stream, gathered, .. } = shape.sizes;
     if chunk.last || shape.tsp > 1 {
         return Vec::new();
     }
@@ -423,6 +423,29 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
         ]);
         points.push(Candidate::made("the last layer's o gradient reduce-scattered in W", made, held));
         return points;
+    }
+    // Then the last layer's v, k and q gradients, each from its output gradient, which it frees,
+    // and the attention norm's output: a chunk of more than one layer (whose tail is its first
+    // layer's) may peak as q's joins its sum, beside dp, cp or ep as it is made, before its
+    // all-reduce. (Not under SP, where W reads the output gradients gathered over tp.)
+    if chunk.layers > 1 && !shape.sequence_parallel() {
+        let q_gradient = hidden * query * element;
+        let mut held = held.clone();
+        held.push(Term { name: "v's and k's output gradients, freed", bytes: -2.0 * local_tokens * kv * element });
+        let so_far = made + o_gradient + 2.0 * hidden * kv * element;
+        points.push(if shape.reduced {
+            held.push(Term { name: "q's gradient before its all-reduce", bytes: q_gradient });
+            Candidate::made("the last layer's q gradient in W, before its all-reduce", so_far, held)
+        } else {
+            Candidate {
+                name: "the last layer's q gradient joins its sum in W",
+                so_far: so_far + q_gradient,
+                held,
+                new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: q_gradient }),
+                key_values_pending: 0,
+                sum_pending: 0.0,
+            }
+        });
     }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
