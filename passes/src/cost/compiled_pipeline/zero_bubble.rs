@@ -196,8 +196,9 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
 /// Beside a tied table, on the last chunk as the head's part of its gradient is made (it joins no
 /// sum), and on the first stage beside the head's parts received (`chunk_hold` adds them). A dense
 /// chunk's last layer's up and gate gradients then join their sums too; on a dense model's last
-/// chunk (outside tsp, ZeRO-2 and 3) W goes on so, once the LM head's gradient has joined its sum
-/// and what made it is freed, through the final norm's to the last layer's. Under tsp with full
+/// chunk, or a mixture's with a shared expert (outside tsp, ZeRO-2 and 3), W goes on so, once the
+/// LM head's gradient has joined its sum and what made it is freed, through the final norm's (and
+/// a shared expert's gate vector's) to the last layer's down projection's. Under tsp with full
 /// recomputation, also as the recomputed final norm's output is gathered. (Under tsp only on the
 /// last chunk: B makes the MLP's gradients.)
 pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
@@ -305,16 +306,17 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             made_in_b,
             held.clone(),
         ));
-        // (Under tsp B made the MLP's gradients.)
-        if !dense || shape.tsp > 1 {
+        // (Under tsp B made the MLP's gradients; a mixture's without a shared expert, B.)
+        if (!dense && !shared_expert) || shape.tsp > 1 {
             return points;
         }
     } else if lm_head {
         let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
         let head = FirstJoin { gradient: head_gradient, names, lm_head: true, head_reads };
         points.extend(first_join_points(shape, &head, held.clone(), made_in_b));
-        // (Under tsp B made the MLP's gradients; under ZeRO-2 and 3 not modelled further.)
-        if !dense || shape.tsp > 1 || shape.scattered {
+        // (Under tsp B made the MLP's gradients, a mixture's without a shared expert too; under
+        // ZeRO-2 and 3 not modelled further.)
+        if (!dense && !shared_expert) || shape.tsp > 1 || shape.scattered {
             return points;
         }
         // A dense model's LM head's gradient has joined its sum (beside replicas all-reduced, its
@@ -325,6 +327,11 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         held.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         held.push(Term { name: "the final norm's input and output gradient, freed", bytes: -2.0 * gathered });
         made_in_b += shape.norm * element / shape.shards;
+        // A shared expert's gate vector's gradient next, which frees the gate logit's gradient.
+        if shared_expert {
+            held.push(Term { name: "the gate logit's gradient, freed", bytes: -local_tokens * element });
+            made_in_b += hidden * element / shape.shards;
+        }
     }
     // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
     if dense && shape.recompute() == Recompute::Full {
