@@ -1627,16 +1627,16 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
         check_stage_closed_form(&config, &layout);
     }
     // Outside what is modelled (tsp placing the experts beside a shared expert under zero bubble
-    // and ZeRO-2, or beside ep) there is no closed form.
+    // and ZeRO-3, or beside ep) there is no closed form.
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
     let shared = ModelShape::from_config(&pleat_ir::model::config::ModelConfig {
         num_layers: 4,
         ..with_a_shared_expert(32, true)
     });
-    let zero2 = Workload { zero: 2, ..workload.clone() };
+    let zero3 = Workload { zero: 3, ..workload.clone() };
     for (mesh, kind, workload, model) in [
-        ("pp=2,dp=2,tsp=2", ScheduleKind::ZeroBubbleH1, &zero2, &shared),
+        ("pp=2,dp=2,tsp=2", ScheduleKind::ZeroBubbleH1, &zero3, &shared),
         ("pp=2,tsp=2,ep=2", ScheduleKind::OneFOneB, &workload, &model),
     ] {
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
@@ -1744,13 +1744,15 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
     // the routed experts' points hold the ring's gradients, tsp's share. Under zero bubble B runs
     // the ring (its gradients B's), W reads the gate logit's gradient and the MLP norm's output
     // (kept to the micro-batch's end) for the gate vector's, and a forward may peak inside the
-    // last layer's shared expert ring. A shared expert a quarter of the hidden size wide and eight
-    // times it, tsp at 2 and 4, alone and beside dp (ZeRO 1, 2 and 3), GPipe, 1F1B, interleaved
-    // and zero bubble, each recomputation, 8 and 256 tokens.
+    // last layer's shared expert ring; under ZeRO-2 the gate vector's gradient, all-reduced over
+    // tsp, is reduce-scattered over dp at W's head. A shared expert a quarter of the hidden size
+    // wide and eight times it, tsp at 2 and 4, alone and beside dp (ZeRO 1, 2 and 3; zero bubble
+    // with ZeRO 1 and 2), GPipe, 1F1B, interleaved and zero bubble, each recomputation, 8 and 256
+    // tokens, one sequence a micro-batch.
     let (one_f_one_b, gpipe, interleaved) =
         (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::Interleaved { chunks: 2 });
     let zero_bubble = ScheduleKind::ZeroBubbleH1;
-    let cases: [(&str, ScheduleKind, u32, u8); 10] = [
+    let cases: [(&str, ScheduleKind, u32, u8); 12] = [
         ("pp=2,tsp=2", gpipe, 4, 0),
         ("pp=2,tsp=4", interleaved, 2, 0),
         ("pp=4,tsp=2", one_f_one_b, 4, 0),
@@ -1761,14 +1763,22 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,tsp=4", zero_bubble, 2, 0),
         ("pp=4,tsp=2", zero_bubble, 4, 0),
         ("pp=2,dp=2,tsp=2", zero_bubble, 2, 1),
+        ("pp=2,dp=2,tsp=2", zero_bubble, 2, 2),
+        ("pp=2,dp=2,tsp=2", zero_bubble, 4, 2),
     ];
     let mut names = std::collections::BTreeSet::new();
     for width in [32, 1024] {
         let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(width, true) };
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
             for (mesh, kind, micro_batches, zero_stage) in cases {
-                let layout =
-                    PipelinedLayout { recompute, zero_stage, ..PipelinedLayout::new(mesh, kind, micro_batches) };
+                let layout = PipelinedLayout::one_sequence_a_micro_batch(
+                    mesh,
+                    kind,
+                    micro_batches,
+                    zero_stage,
+                    recompute,
+                    false,
+                );
                 for seq in [SEQ, 256] {
                     assert_exact_at(&mut names, &config, &layout, seq);
                 }

@@ -693,9 +693,16 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     );
     let summed = experts::input_gradients_summed(shape, Place::FirstLayer, &context, 0.0)
         .map(|summed| Candidate { name: "first layer's MLP norm output's gradients summed in B", ..summed });
+    // (Under tsp the layer's shared expert's ring, B's too, ran first: its gradients are made.)
+    let shared_ring = match shape.model.experts.as_ref() {
+        Some(experts) if experts.shared_expert && shape.tsp > 1 => {
+            shape.sharded(3.0 * shape.gate / shape.tsp as f64, 0.0)
+        }
+        _ => 0.0,
+    };
     for mut point in dispatched.into_iter().chain(router_summed).chain(summed) {
         point.held.extend(for_w_past_shared.iter().cloned());
-        points.push(Candidate { so_far: made_in_b - layer, sum_pending: layer, ..point });
+        points.push(Candidate { so_far: made_in_b - layer + shared_ring, sum_pending: layer - shared_ring, ..point });
     }
     // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
     let not_yet = experts::not_yet_among_the_gradients(shape);

@@ -311,7 +311,7 @@
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, with or without a
-//! shared expert, beside one under zero bubble outside ZeRO-2 and 3); GPipe, 1F1B, interleaved
+//! shared expert, beside one under zero bubble outside ZeRO-3); GPipe, 1F1B, interleaved
 //! 1F1B and zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
@@ -459,7 +459,7 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && stages >= 2
         // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or a mixture whose
         // routed experts tsp splits, with or without a shared expert (beside one not under zero
-        // bubble with ZeRO-2 and 3).
+        // bubble with ZeRO-3).
         && tsp_rank < tsp
         && (tsp == 1
             || (tp * cp == 1
@@ -474,12 +474,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
 }
 
 /// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart);
-/// under zero bubble with ZeRO-2 and 3 without a shared expert (whose ring's weights ZeRO-3
-/// gathers beside its forward and B, not modelled: the form was up to 9% below there).
+/// under zero bubble with ZeRO-3 without a shared expert (whose ring's weights ZeRO-3 gathers
+/// beside its forward and B, not modelled: the form was up to 9% below there, on a shared expert
+/// eight times the hidden size with four micro-batches).
 fn tsp_experts_modelled(experts: &Experts, layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
-    let zero_bubble_scattered =
-        schedule.kind == ScheduleKind::ZeroBubbleH1 && workload.zero >= 2 && layout.zero_replicas() > 1;
-    layout.expert_axis() == Some(AxisName::Tsp) && !(zero_bubble_scattered && experts.shared_expert)
+    let zero_bubble_gathered =
+        schedule.kind == ScheduleKind::ZeroBubbleH1 && workload.zero >= 3 && layout.zero_replicas() > 1;
+    layout.expert_axis() == Some(AxisName::Tsp) && !(zero_bubble_gathered && experts.shared_expert)
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but

@@ -228,13 +228,23 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             held.iter().cloned().chain([norm]).collect(),
         )];
         // The gate vector's gradient frees the gate logit's gradient it reads; all-reduced over
-        // tsp, it joins its sum beside its partial copy.
+        // tsp, it joins its sum beside its partial copy (under ZeRO-2 and 3 is reduce-scattered
+        // over dp, its all-reduced copy whole beside the partial one).
         if shared_expert {
             let gate_vector = hidden * element;
             let joining = [
                 Term { name: "the shared expert's gate vector gradient, partial", bytes: gate_vector },
                 Term { name: "the gate logit's gradient, freed", bytes: -local_tokens * element },
             ];
+            if shape.scattered {
+                let whole = Term { name: "its all-reduced copy, before its reduce-scatter", bytes: gate_vector };
+                points.push(Candidate::made(
+                    "the head of W: the last layer's shared expert's gate vector gradient all-reduced over tsp",
+                    made_in_b,
+                    held.iter().cloned().chain(joining).chain([whole]).collect(),
+                ));
+                return points;
+            }
             points.push(Candidate {
                 name: "the head of W: the last layer's shared expert's gate vector gradient joins its sum",
                 so_far: made_in_b + gate_vector,
