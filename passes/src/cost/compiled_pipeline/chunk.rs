@@ -72,6 +72,13 @@ impl Candidate {
     pub(super) fn made(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
         Candidate { name, so_far, held, new_sum: None, key_values_pending: 0, sum_pending: 0.0 }
     }
+
+    /// A point where a gradient of `joins` bytes joins its sum: `so_far` counts it, and past the
+    /// chunk's first backward its new sum is live beside the old.
+    pub(super) fn joining(name: &'static str, so_far: f64, held: Vec<Term>, joins: f64) -> Candidate {
+        let new_sum = Term { name: "the joining gradient's new sum beside the old", bytes: joins };
+        Candidate { new_sum: Some(new_sum), ..Candidate::made(name, so_far, held) }
+    }
 }
 
 /// A chunk's place in the model and what its points share.

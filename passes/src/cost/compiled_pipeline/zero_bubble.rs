@@ -245,14 +245,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
                 ));
                 return points;
             }
-            points.push(Candidate {
-                name: "the head of W: the last layer's shared expert's gate vector gradient joins its sum",
-                so_far: made_in_b + gate_vector,
-                held: held.iter().cloned().chain(joining).collect(),
-                new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: gate_vector }),
-                key_values_pending: 0,
-                sum_pending: 0.0,
-            });
+            points.push(Candidate::joining(
+                "the head of W: the last layer's shared expert's gate vector gradient joins its sum",
+                made_in_b + gate_vector,
+                held.iter().cloned().chain(joining).collect(),
+                gate_vector,
+            ));
         }
         return points;
     }
@@ -388,15 +386,18 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     let received = counts_received_at_w(shape, chunk);
     let attention_output = if shape.recompute() == Recompute::None { local_tokens * query * element } else { 0.0 };
     let o_gradient = hidden * query * element;
-    let mut held = vec![
+    let between = [
         Term { name: "its positions", bytes: positions },
         Term {
             name: "what it holds between B and W but its B gradients",
             bytes: between_b_and_w.between - made_in_b - received,
         },
+    ];
+    let mut held = between.to_vec();
+    held.extend([
         Term { name: "the last layer's MLP norm's input and output gradient, freed", bytes: -2.0 * stream },
         Term { name: "the last layer's attention output, freed", bytes: -attention_output },
-    ];
+    ]);
     // Under SP o's weight gradient reads its output gradient gathered over tp, which it frees.
     if shape.sequence_parallel() {
         held.push(Term { name: "o's output gradient gathered over tp, freed", bytes: -gathered });
@@ -407,19 +408,13 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
         // (Beside replicas its reads are freed before it is reduced, below this point; else it
         // joins its sum first.)
         let norm = shape.norm * element;
-        let mut norm_held = held[..2].to_vec();
-        norm_held.push(Term { name: "the last layer's MLP norm weight gradient", bytes: norm });
         points.push(if shape.reduced || shape.scattered {
-            Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, norm_held)
+            let gradient = Term { name: "the last layer's MLP norm weight gradient", bytes: norm };
+            let held = between.iter().cloned().chain([gradient]).collect();
+            Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, held)
         } else {
-            Candidate {
-                name: "the head of W: the last layer's MLP norm weight gradient joins its sum",
-                so_far: made_in_b + norm,
-                held: held[..2].to_vec(),
-                new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: norm }),
-                key_values_pending: 0,
-                sum_pending: 0.0,
-            }
+            let name = "the head of W: the last layer's MLP norm weight gradient joins its sum";
+            Candidate::joining(name, made_in_b + norm, between.to_vec(), norm)
         });
     }
     let mut made = made_in_b + shape.norm * element / shape.shards;
@@ -454,27 +449,18 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
             held.push(Term { name: "q's gradient before its all-reduce", bytes: q_gradient });
             Candidate::made("the last layer's q gradient in W, before its all-reduce", so_far, held)
         } else {
-            Candidate {
-                name: "the last layer's q gradient joins its sum in W",
-                so_far: so_far + q_gradient,
-                held,
-                new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: q_gradient }),
-                key_values_pending: 0,
-                sum_pending: 0.0,
-            }
+            Candidate::joining("the last layer's q gradient joins its sum in W", so_far + q_gradient, held, q_gradient)
         });
     }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
     }
-    points.push(Candidate {
-        name: "the last layer's o gradient joins its sum in W",
-        so_far: made + o_gradient,
+    points.push(Candidate::joining(
+        "the last layer's o gradient joins its sum in W",
+        made + o_gradient,
         held,
-        new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: o_gradient }),
-        key_values_pending: 0,
-        sum_pending: 0.0,
-    });
+        o_gradient,
+    ));
     points
 }
 
@@ -497,14 +483,7 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
     let FirstJoin { gradient, names, lm_head, head_reads } = *first;
     let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
     let mut points = Vec::new();
-    let joining = |name, held| Candidate {
-        name,
-        so_far: made_in_b + gradient,
-        held,
-        new_sum: Some(Term { name: "the joining gradient's new sum beside the old", bytes: gradient }),
-        key_values_pending: 0,
-        sum_pending: 0.0,
-    };
+    let joining = |name, held| Candidate::joining(name, made_in_b + gradient, held, gradient);
     // A dense MLP's up and gate gradients join their sums after down's, each made from its
     // output gradient and the MLP norm's output, the SiLU product and down's output gradient
     // (under SP the gathered copy) freed. Beside replicas (dp or cp, outside ZeRO-2 and 3) each
