@@ -694,12 +694,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let summed = experts::input_gradients_summed(shape, Place::FirstLayer, &context, 0.0)
         .map(|summed| Candidate { name: "first layer's MLP norm output's gradients summed in B", ..summed });
     // (Under tsp the layer's shared expert's ring, B's too, ran first: its gradients are made.)
-    let shared_ring = match shape.model.experts.as_ref() {
-        Some(experts) if experts.shared_expert && shape.tsp > 1 => {
-            shape.sharded(3.0 * shape.gate / shape.tsp as f64, 0.0)
-        }
-        _ => 0.0,
-    };
+    let shared_ring = shape.sharded(shape.shared_ring_gradients(), 0.0);
     for mut point in dispatched.into_iter().chain(router_summed).chain(summed) {
         point.held.extend(for_w_past_shared.iter().cloned());
         points.push(Candidate { so_far: made_in_b - layer + shared_ring, sum_pending: layer - shared_ring, ..point });
@@ -1032,7 +1027,7 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
 /// output. Empty without a shared expert.
 fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
     let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
-    if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+    if !shape.shared_expert() {
         return Vec::new();
     }
     // (The scaled output's gradient is whole over tp: under SP from the output gradient gathered.
@@ -1066,7 +1061,7 @@ fn shared_expert_read_by_w(shape: &StageShape, with_input: bool) -> Vec<Term> {
 /// (Under tsp its ring's: [`shared_expert::ring_points`].)
 fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in_b: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, ffn, gathered, .. } = shape.sizes;
-    if !shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert) {
+    if !shape.shared_expert() {
         return Vec::new();
     }
     let intermediate = local_tokens * ffn * element;
@@ -1200,9 +1195,8 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
 /// reduce-scattered, staged whole). (Not under tsp, whose B ring makes gate's gradient.)
 pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, .. } = shape.sizes;
-    shape.model.experts.as_ref().filter(|experts| experts.shared_expert)?;
     // (Under tsp B's ring made gate's gradient.)
-    if shape.tsp > 1 {
+    if !shape.shared_expert() || shape.tsp > 1 {
         return None;
     }
     let full = shape.recompute() == Recompute::Full;
@@ -1297,7 +1291,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     let layer_qkv_for_w = if recomputing { (local_tokens * query + kv_kept) * element } else { 0.0 };
     // (And beside a shared expert its MLP norm output, which its gate vector's weight gradient
     // reads in W.)
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     let shared_expert_input = if shared_expert { gathered } else { 0.0 };
     if shape.zero_bubble {
         // (On the first chunk B summed the attention norm's input gradient into the embedding
@@ -1434,9 +1428,8 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 bytes: (layers - 1.0) * shape.sizes.kept_layer,
             });
             // (Beside a tied table the head's part joins no sum: the chunk's held buffers count it.)
-            let head_weight = if shape.tied { 0.0 } else { shape.sizes.vocab_shard * hidden };
-            let head = if chunk.last { head_weight + shape.norm } else { 0.0 };
-            let so_far = (head + shape.norm) * element / shape.shards + shape.layer_mlp_gradient_shards();
+            let head = if chunk.last { shape.head_gradient_summed() + shape.norm * element } else { 0.0 };
+            let so_far = (head + shape.norm * element) / shape.shards + shape.layer_mlp_gradient_shards();
             last_layer_points.push(Candidate {
                 key_values_pending: chunk.layers,
                 ..Candidate::made(

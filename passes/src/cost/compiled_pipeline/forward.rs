@@ -28,7 +28,7 @@ use super::{tsp_ring, StageShape};
 /// chunks on the stage hold their layers' statistics in flight too, which the walk leaves to this
 /// point.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, query, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
     if !shape.zero_bubble {
         return if chunk.last { logits_gathered(shape, chunk).into_iter().collect() } else { Vec::new() };
     }
@@ -110,7 +110,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         points.extend(tsp_logits_reordered(shape, chunk));
         return points;
     }
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     // (A mixture's layer statistics are made after its experts' output.)
     let before_output = Term {
         name: "what it holds in flight by then but its last layer's output and statistics",
@@ -140,7 +140,6 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // buffers, live as its kernel runs: q after RoPE and every token's k and v, all-gathered over
     // cp, beside its output, the layer's attention residual, statistics and output not yet made.
     if full && shape.cp > 1 && shape.tp == 1 {
-        let StepSizes { query, kv_kept, .. } = shape.sizes;
         points.push(point(
             "the last layer's attention in a forward",
             vec![

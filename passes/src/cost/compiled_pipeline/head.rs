@@ -88,7 +88,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // and held to the micro-batch's end (reduced over dp on the first stage, or beside dp × tp at
     // the end of this stage's backward).
     let head_part = shape.tied_head_part();
-    let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
+    let head_sum = shape.head_gradient_summed();
     // (By the loss's backward a mixture's two losses are summed into one.)
     let summed = shape.load_balancing_loss();
     let mut candidates = vec![loss_backward(shape, chunk)];
@@ -437,7 +437,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // no sum here: it is sent back and held to the micro-batch's end.
     let head_part = shape.tied_head_part().filter(|_| chunk.last);
     let weight_gradient = vocab_shard * hidden * element;
-    let head_sum = if head_part.is_some() { 0.0 } else { weight_gradient };
+    let head_sum = shape.head_gradient_summed();
     let (in_flight, output_gradient, so_far) = if chunk.last {
         (
             Term {
@@ -625,7 +625,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// (on another chunk the one it received). The summed expert counts a stage before the last
 /// received are live there: the first layer's router reads them last.
 fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, hidden, stream, .. } = shape.sizes;
+    let StepSizes { element, stream, .. } = shape.sizes;
     if shape.model.experts.is_none() {
         return Vec::new();
     }
@@ -636,9 +636,8 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let (head_gradients, in_flight, output_gradient) = if chunk.last {
         // By the loss's backward a micro-batch's two losses are summed, one scalar fewer.
         let summed = shape.load_balancing_loss();
-        let head_weight = if head_part.is_some() { 0.0 } else { shape.sizes.vocab_shard * hidden };
         (
-            (head_weight + shape.norm) * element / shape.shards,
+            (shape.head_gradient_summed() + shape.norm * element) / shape.shards,
             Term {
                 name: "what it holds in flight but the logits, the final norm's buffers, its last layer's output and shared expert's activations (and under cp the targets)",
                 bytes: in_flight_past_the_head(shape, chunk) - summed - shared_kept,
@@ -758,9 +757,6 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         name: "the residual stream the layers below its last kept",
         bytes: (chunk.layers - 1) as f64 * kept_layer,
     });
-    // (Beside a tied table the head's part of its gradient joins no sum: the chunk's held
-    // buffers count it.)
-    let head_weight = if shape.tied { 0.0 } else { shape.sizes.vocab_shard * hidden };
     let mut held = context.clone();
     held.extend([
         Term { name: "its last layer's attention residual gradient", bytes: stream },
@@ -776,7 +772,9 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         },
     ]);
     held.extend(super::first_layer::attention_weights_regathered(shape));
-    let head = if chunk.last { (head_weight + shape.norm) * element } else { 0.0 };
+    // (Beside a tied table the head's part of its gradient joins no sum: the chunk's held
+    // buffers count it.)
+    let head = if chunk.last { shape.head_gradient_summed() + shape.norm * element } else { 0.0 };
     let so_far = (head + (shape.norm + hidden * query) * element) / shape.shards + shape.layer_mlp_gradient_shards();
     let mut candidates = vec![Candidate {
         name: "the last layer's attention backward",
@@ -951,7 +949,7 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// beside the final norm's input gradient, the ring's output gradient (and under full
 /// recomputation the ring's input, [`ring_input_recomputed`]). (A dense model's.)
 fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, hidden, ids, vocab_shard, stream, every_token, .. } = shape.sizes;
+    let StepSizes { element, ids, stream, every_token, .. } = shape.sizes;
     if shape.tsp == 1 || shape.zero_bubble || shape.model.experts.is_some() {
         return Vec::new();
     }
@@ -968,9 +966,7 @@ fn tsp_last_chunk_ring(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     ];
     held.extend(ring_input_recomputed(shape));
     // (Beside a tied table the head's part of its gradient is held, joining no sum.)
-    let head_part = shape.tied_head_part();
-    let head_sum = if head_part.is_some() { 0.0 } else { vocab_shard * hidden };
-    held.extend(head_part);
-    let made_before = shape.sharded((head_sum + shape.norm) * element, 0.0);
+    held.extend(shape.tied_head_part());
+    let made_before = shape.sharded(shape.head_gradient_summed() + shape.norm * element, 0.0);
     tsp_ring::ring_backward(shape, &tsp_ring::LAST_LAYER, held, made_before, None)
 }

@@ -638,6 +638,17 @@ impl<'a> StageShape<'a> {
         }
     }
 
+    /// The LM head's weight gradient that joins a running sum on the last chunk (bytes, the
+    /// rank's rows): none beside a tied table, whose head's part is held and sent back instead.
+    fn head_gradient_summed(&self) -> f64 {
+        let StepSizes { element, vocab_shard, hidden, .. } = self.sizes;
+        if self.tied {
+            0.0
+        } else {
+            vocab_shard * hidden * element
+        }
+    }
+
     /// The head's part of a tied table's gradient, the rank's rows of it (bytes): made at the head
     /// of the last chunk's backward and sent back, received at the start of the first chunk's.
     fn tied_head_part(&self) -> Option<Term> {
@@ -704,12 +715,25 @@ impl<'a> StageShape<'a> {
                 self.sharded(3.0 * model.hidden as f64 * model.ffn as f64 / self.tsp as f64 * self.sizes.element, 0.0),
             );
         }
-        model.experts.as_ref().map(|experts| {
+        model.experts.as_ref().map(|_| {
             let routed = self.layer_routed_experts();
-            // (Under tsp a shared expert's ring makes its projections' gradients, tsp's share.)
-            let ring = if experts.shared_expert && self.tsp > 1 { 3.0 * self.gate / self.tsp as f64 } else { 0.0 };
-            self.sharded(self.router() + routed + ring, routed)
+            self.sharded(self.router() + routed + self.shared_ring_gradients(), routed)
         })
+    }
+
+    /// Whether the mixture has a Qwen2-MoE shared expert.
+    fn shared_expert(&self) -> bool {
+        self.model.experts.as_ref().is_some_and(|experts| experts.shared_expert)
+    }
+
+    /// Under tsp a shared expert's ring makes its three projections' gradients, tsp's share of
+    /// them (bytes, before ZeRO shards them; B's under zero bubble); 0 elsewhere.
+    fn shared_ring_gradients(&self) -> f64 {
+        if self.shared_expert() && self.tsp > 1 {
+            3.0 * self.gate / self.tsp as f64
+        } else {
+            0.0
+        }
     }
 
     /// [`Self::layer_mlp_gradients`], as the rank holds them under ZeRO-2 and 3.

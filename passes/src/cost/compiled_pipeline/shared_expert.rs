@@ -284,7 +284,7 @@ pub(super) fn ring_points(
         gate_vector_input,
         Term { name: "the ring's input gradient and its sum with the gate vector's", bytes: 2.0 * gathered },
     ]);
-    let so_far = made_before + shape.sharded(3.0 * shape.gate / shape.tsp as f64, 0.0);
+    let so_far = made_before + shape.sharded(shape.shared_ring_gradients(), 0.0);
     points.push(Candidate {
         name: summed,
         so_far,
@@ -301,7 +301,7 @@ pub(super) fn ring_points(
 /// full recomputation or without a shared expert.
 pub(super) fn shared_expert_kept(shape: &StageShape) -> f64 {
     let StepSizes { element, local_tokens, ffn, hidden, .. } = shape.sizes;
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     if !shared_expert || shape.recompute() == Recompute::Full {
         return 0.0;
     }

@@ -62,7 +62,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
     // and up's).
     // (Under tsp B runs its ring's backward, making the projections' gradients: W reads only
     // the MLP norm's output and the gate logit's gradient, for the gate vector's.)
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     if shared_expert && shape.tsp > 1 {
         per_layer += gathered + local_tokens * element;
     } else if shared_expert {
@@ -207,7 +207,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         return Vec::new();
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     if shape.tsp > 1 && !chunk.last {
         // Under tsp B made the MLP's gradients: W's first is the last layer's MLP norm weight's
         // (a shared expert's gate vector's before it), partial before its all-reduce over the
@@ -402,7 +402,7 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     if shape.sequence_parallel() {
         held.push(Term { name: "o's output gradient gathered over tp, freed", bytes: -gathered });
     }
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     let mut points = Vec::new();
     if !shared_expert {
         // (Beside replicas its reads are freed before it is reduced, below this point; else it
@@ -481,7 +481,7 @@ struct FirstJoin {
 fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, made_in_b: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
     let FirstJoin { gradient, names, lm_head, head_reads } = *first;
-    let shared_expert = shape.model.experts.as_ref().is_some_and(|experts| experts.shared_expert);
+    let shared_expert = shape.shared_expert();
     let mut points = Vec::new();
     let joining = |name, held| Candidate::joining(name, made_in_b + gradient, held, gradient);
     // A dense MLP's up and gate gradients join their sums after down's, each made from its
