@@ -93,7 +93,8 @@
 //! quarters and eight times the hidden size, with and without the load-balancing loss, on 8 to
 //! 512; and with Qwen2's q, k and v biases, dense and in the Qwen2-MoE fixture, on 8 to 512).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
-//! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included).
+//! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included), a dense model or a
+//! mixture of experts split over it.
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -1078,11 +1079,17 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 }
 
 /// The peak of the rank at `tsp_rank` on the tsp axis of a compiled tsp training step (tsp of
-/// degree D >= 2, alone or beside dp), or `None` for any other layout (tsp beside another axis is
-/// not modelled): the largest of these phases, each the buffers live at its highest point (`T` the
+/// degree D >= 2, alone or beside dp; a dense model or a mixture of experts split over tsp, with or
+/// without a shared expert), or `None` for any other layout (tsp beside another axis is not
+/// modelled, nor, under ZeRO-2 and 3, a mixture whose rank's experts or router rows do not divide
+/// over dp): the largest of these phases, each the buffers live at its highest point (`T` the
 /// step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one
 /// hidden state `[T/D, h]`):
-/// - **the LM head's backward**, the backward's start: every layer's kept values (its input,
+/// - **the loss's backward**, the backward's start: every layer's kept values, the final norm's
+///   input and (but under full recompute) its output gathered over the sequence, every token's
+///   logits (the rank's vocabulary shard) beside their gradient and the loss's row statistics
+///   gathered over tsp, and the token ids in both orders (on a wide vocabulary the highest);
+/// - **the LM head's backward**: every layer's kept values (its input,
 ///   attention residual, attention and mlp norms' outputs, and per owner q, attention output and
 ///   gathered k and v; selective recompute keeps no attention output, full recompute the input and
 ///   attention residual only), the final norm's input, its output gathered over the sequence, the
@@ -1101,6 +1108,16 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 ///   contributions to that owner's block, the owners' results before it and the activations of
 ///   the owners after it, which differ with the rank's place on the axis); or, without full
 ///   recompute, inside the last owner's backward as q's input gradient is made;
+/// - a mixture's layer, the first or the last, in place of the MLP ring: **as its experts' backward
+///   is dispatched over tsp** (one instruction making the layer's expert, router and input
+///   gradients from a copy of its operands: the MLP norm's output, the router, the rank's experts
+///   and the layer's output gradient), beside the router's gradients from the load-balancing loss
+///   and the expert counts summed over the layers (live until the first layer's load-balancing
+///   loss backward), under ZeRO-3 the router and the rank's experts gathered again; under ZeRO-2
+///   and 3 **as the first expert gradient is reduce-scattered** over dp, the three made whole; a
+///   shared expert's ring comes first in the layer (its phase holds the layer's output gradient,
+///   the gate vector's input and weight gradients, its own kept output and gate logit freed), its
+///   gradients made by the dispatch;
 /// - **the embedding's backward**: every gradient but the embedding's, every token's gradient
 ///   gathered over the sequence and the whole-vocabulary gradient being scattered from them;
 /// - **the end of the backward** (as [`compiled_training_peak`] under tp): every gradient, the loss
@@ -1128,7 +1145,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// ([`TIED_HEAD_GRADIENT`]). `tests/cost_training.rs` checks the result against the planner to the
 /// byte for every rank, each recomputation and 16 to 512 tokens, alone and beside dp (with ZeRO-2
 /// and 3 at dp 2 and 4), on `tiny` and on a variant whose attention outweighs its MLP and
-/// vocabulary, each also with the embedding tied.
+/// vocabulary, each also with the embedding tied, on a vocabulary of 2048, and on `tiny-moe`
+/// (tied, a wide vocabulary, a shared expert a quarter of the hidden size and eight times it).
 pub fn compiled_tsp_training_peak(
     model: &ModelShape,
     layout: &Layout,
@@ -1146,6 +1164,13 @@ pub fn compiled_tsp_training_peak(
     // each whole again where the backward reads it.
     let scattered = dp > 1 && zero_stage(workload) >= 2;
     let gathers = dp > 1 && zero_stage(workload) >= 3;
+    // (A mixture's experts and router whose rows, the rank's experts and every expert, do not
+    // divide over dp, which ZeRO-2 and 3 then keep whole, are not modelled.)
+    if let Some(experts) = model.experts.as_ref() {
+        if scattered && ((experts.count / tsp) % dp != 0 || experts.count % dp != 0) {
+            return None;
+        }
+    }
     let shard = if scattered { 1.0 / dp as f64 } else { 1.0 };
     let splits = ZeroSplits::new(model, tsp, if scattered { dp } else { 1 });
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
@@ -1161,7 +1186,9 @@ pub fn compiled_tsp_training_peak(
     let (seq, tokens) = (workload.seq as f64, (workload.seq * workload.micro_batch) as f64);
     // A hidden state of every token of the micro-batch: the LM head's input gathered over the
     // sequence and its gradient.
-    let every_token = StepSizes::new(model, layout, &compiled).every_token;
+    let step_sizes = StepSizes::new(model, layout, &compiled);
+    let (every_token, statistics) = (step_sizes.every_token, step_sizes.statistics);
+    let row_statistics = step_sizes.loss_row_statistics((workload.seq * workload.micro_batch) as f64);
     let local = tokens / owners;
     let hidden = model.hidden as f64;
     let (query, key_value) = (model.query_width() as f64, model.kv_width() as f64);
@@ -1183,18 +1210,29 @@ pub fn compiled_tsp_training_peak(
         Recompute::Selective => (4.0, local * query / owners + gathered_key_value, 1.0),
         Recompute::Full => (2.0, 0.0, 2.0),
     };
+    // (A mixture's shared expert, a ring, keeps its output and gate logit, but under full
+    // recompute.)
+    let shared_kept = match &model.experts {
+        Some(experts) if experts.shared_expert && workload.recompute != Recompute::Full => {
+            local * (hidden + 1.0) * element
+        }
+        _ => 0.0,
+    };
+    let kept_per_layer = kept_hidden * sizes.hidden_state + shared_kept;
     let (name, ring_bytes) = ring_backward_highest_point(&sizes, tsp);
     // Layer l's ring runs with the kept values of layers 0..=l still live and the gradients of the
     // layers above finished: kept values grow with l and gradients shrink, so the highest is the
     // first layer's or the last's.
-    let ring_phase = |layer: u64| {
+    // What layer l's MLP (or mixture) backward holds beside its own buffers: the gradients of the
+    // layers above it (and the head's) finished, the loss, the token ids and positions, and the
+    // kept values of layers 0..=l.
+    let up_to_layer = |layer: u64| {
         let below = (layer + 1) as f64;
-        let layer_params = first_layer * below;
-        let mut terms = vec![
+        vec![
             Term { name: GRADIENTS, bytes: all_params * shard },
             Term {
                 name: "gradients of the layers up to this one and the embedding, not finished yet (removed)",
-                bytes: -(layer_params + table) * element * shard,
+                bytes: -(first_layer * below + table) * element * shard,
             },
             splits.grads_term(model.layers - layer - 1, false, true),
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
@@ -1202,17 +1240,20 @@ pub fn compiled_tsp_training_peak(
             Term { name: "token ids and positions (zigzag and local)", bytes: integers },
             Term {
                 name: "each layer's input, attention residual (and attention and mlp norm outputs, unless full recompute) up to this one",
-                bytes: below * kept_hidden * sizes.hidden_state,
+                bytes: below * kept_per_layer,
             },
             Term {
                 name: "each layer's q and gathered k, v of every owner (and attention output, without recompute) up to this one",
                 bytes: below * owners * per_owner_attention * element,
             },
-            Term {
-                name: "the mlp ring's output gradient dy (and its input x, recomputed under full recompute)",
-                bytes: recomputed_input * sizes.hidden_state,
-            },
-        ];
+        ]
+    };
+    let ring_phase = |layer: u64| {
+        let mut terms = up_to_layer(layer);
+        terms.push(Term {
+            name: "the mlp ring's output gradient dy (and its input x, recomputed under full recompute)",
+            bytes: recomputed_input * sizes.hidden_state,
+        });
         if gathers {
             terms.push(Term {
                 name: "the layer's MLP weights, gathered over dp again for its backward",
@@ -1225,41 +1266,156 @@ pub fn compiled_tsp_training_peak(
                 });
             }
         }
+        // A mixture's shared expert is the ring, after its gate vector's backward: beside the
+        // layer's output gradient, the gate vector's input and weight gradients and the expert
+        // counts summed over the layers, its own kept values freed.
+        if model.experts.is_some() {
+            terms.extend([
+                Term { name: "the layer's output gradient", bytes: sizes.hidden_state },
+                Term { name: "the shared expert's gate vector's input gradient", bytes: sizes.hidden_state },
+                Term { name: "the shared expert's gate vector's gradient", bytes: hidden * element * shard },
+                Term { name: EXPERT_COUNTS_SUMMED, bytes: statistics },
+                Term { name: "the layer's shared expert's kept values, freed", bytes: -shared_kept },
+            ]);
+        }
         terms.push(Term { name, bytes: ring_bytes });
         ForwardPhase { name: "tsp mlp ring backward", params: held_params, terms }
     };
-    let (first, last) = (ring_phase(0), ring_phase(model.layers.saturating_sub(1)));
-    let ring = if last.bytes() > first.bytes() { last } else { first };
+    // (A mixture without a shared expert has no ring.)
+    let rings = if model.experts.as_ref().is_none_or(|experts| experts.shared_expert) {
+        vec![ring_phase(0), ring_phase(model.layers.saturating_sub(1))]
+    } else {
+        Vec::new()
+    };
+    // Every phase but the end's, the highest taken last.
+    let mut candidates = rings;
+    // A mixture's routed experts, split over tsp, are dispatched over it in the backward as in the
+    // forward: one instruction makes the layer's expert, router and input gradients from a copy of
+    // its operands (the MLP norm's output, recomputed under full recompute, the router, the rank's
+    // experts and the layer's output gradient), beside the kept values of the layers up to it, the
+    // gradients of those above, and (with the load-balancing loss) the router's gradients from it
+    // and the expert counts summed over the layers (but in the first layer); under ZeRO-3 beside the router and the rank's
+    // experts gathered over dp again.
+    if let Some(experts) = model.experts.as_ref() {
+        let router = (experts.count * model.hidden) as f64 * element;
+        let local_experts = model.routed_expert_weights() as f64 / tsp as f64 * element;
+        let full = workload.recompute == Recompute::Full;
+        let shared_gradients =
+            if experts.shared_expert { (3.0 * sizes.matrix / element + hidden) * element } else { 0.0 };
+        let dispatch_phases = |layer: u64| {
+            // What both points hold: those of the layer's backward, and its output gradient.
+            let mut held = up_to_layer(layer);
+            held.extend([
+                // (Read last by the first layer's load-balancing loss backward, before its dispatch.)
+                Term { name: EXPERT_COUNTS_SUMMED, bytes: if layer > 0 { statistics } else { 0.0 } },
+                Term { name: "the layer's output gradient", bytes: sizes.hidden_state },
+                // A shared expert's ring backward comes first: its kept values freed, its
+                // gradients made (its projections' tsp shards and its gate vector's).
+                Term { name: "the layer's shared expert's kept values, freed", bytes: -shared_kept },
+                Term { name: "the layer's shared expert's gradients", bytes: shared_gradients * shard },
+            ]);
+            let mut dispatched = held.clone();
+            dispatched.extend([
+                Term {
+                    name: "the layer's MLP norm output, recomputed",
+                    bytes: if full { sizes.hidden_state } else { 0.0 },
+                },
+                Term {
+                    name: "the router's gradients from the load-balancing loss (its input's and its weight's)",
+                    bytes: if statistics > 0.0 { sizes.hidden_state + router } else { 0.0 },
+                },
+                Term {
+                    name: "the dispatch's copy of its operands",
+                    bytes: 2.0 * sizes.hidden_state + router + local_experts,
+                },
+            ]);
+            if gathers {
+                dispatched.push(Term {
+                    name: "the layer's router and experts, gathered over dp again for its backward",
+                    bytes: router + local_experts,
+                });
+                if full {
+                    dispatched.push(Term {
+                        name: "its MLP norm's weights, gathered over dp again for its recomputation",
+                        bytes: splits.norm_gathered,
+                    });
+                }
+            }
+            let dispatched = ForwardPhase {
+                name: "a mixture's experts' backward dispatched",
+                params: held_params,
+                terms: dispatched,
+            };
+            // Under ZeRO-2 and 3 the experts' gradients, made whole, are then reduce-scattered
+            // over dp one by one, the first staged whole beside the others: the router's shard
+            // made (its gradients from the load-balancing loss summed into it and into the MLP
+            // norm output's gradient), the dispatch's copy and the MLP norm's output freed.
+            let scattered_phase = scattered.then(|| {
+                let mut terms = held;
+                terms.extend([
+                    Term {
+                        name: "the layer's MLP norm output, freed",
+                        bytes: if full { 0.0 } else { -sizes.hidden_state },
+                    },
+                    Term { name: "the router's gradient shard", bytes: router * shard },
+                    Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
+                    Term { name: "the experts' gradients, whole", bytes: local_experts },
+                    Term { name: "the first expert gradient's reduce-scatter staging", bytes: local_experts / 3.0 },
+                ]);
+                ForwardPhase { name: "a mixture's expert gradients reduce-scattered", params: held_params, terms }
+            });
+            std::iter::once(dispatched).chain(scattered_phase)
+        };
+        candidates.extend(dispatch_phases(0).chain(dispatch_phases(model.layers.saturating_sub(1))));
+    }
     // The backward's start, the LM head's: every layer's kept values, the final norm's input, its
     // output gathered over the sequence, the logits' gradient (the rank's vocabulary shard), the
     // head's input gradient, and its weight gradient being written. Full recompute gathers the
     // norm's output again first: the recomputed output and the gather's staging copy instead.
     let layers = model.layers as f64;
-    let head_phase = |last: Term| ForwardPhase {
-        name: "lm head backward",
-        params: held_params,
-        terms: vec![
-            Term { name: GRADIENTS, bytes: all_params * shard },
-            Term { name: "gradients, none finished yet (removed)", bytes: -all_params * shard },
-            Term { name: "loss", bytes: element },
+    let logits = tokens * table / hidden * element;
+    // (What the backward's start holds: no gradient yet, the loss, every layer's kept values and
+    // the final norm's input.)
+    let backward_start = [
+        Term { name: GRADIENTS, bytes: all_params * shard },
+        Term { name: "gradients, none finished yet (removed)", bytes: -all_params * shard },
+        Term { name: "loss", bytes: element },
+        Term { name: EXPERT_COUNTS_SUMMED, bytes: statistics },
+        Term {
+            name: "every layer's kept values",
+            bytes: layers * (kept_per_layer + owners * per_owner_attention * element),
+        },
+        Term { name: "the final norm's input", bytes: sizes.hidden_state },
+    ];
+    let head_phase = |last: Term| {
+        let mut terms = backward_start.to_vec();
+        terms.extend([
             Term { name: "token ids and positions (zigzag and local)", bytes: integers },
-            Term {
-                name: "every layer's kept values",
-                bytes: layers * (kept_hidden * sizes.hidden_state + owners * per_owner_attention * element),
-            },
-            Term { name: "the final norm's input", bytes: sizes.hidden_state },
             Term {
                 name:
                     "the final norm's output gathered over the sequence (or its staging), and the head's input gradient",
                 bytes: 2.0 * every_token,
             },
-            Term {
-                name: "the logits' gradient (the rank's vocabulary shard)",
-                bytes: tokens * table / hidden * element,
-            },
+            Term { name: "the logits' gradient (the rank's vocabulary shard)", bytes: logits },
             last,
-        ],
+        ]);
+        ForwardPhase { name: "lm head backward", params: held_params, terms }
     };
+    // Before it, the loss's backward: every token's logits (the rank's vocabulary shard, put back
+    // in order) beside their gradient and the loss's row statistics gathered over tsp, every
+    // layer's kept values, the final norm's input and (but under full recompute) its output
+    // gathered over the sequence, and the token ids in both orders.
+    let mut loss_backward = backward_start.to_vec();
+    loss_backward.extend([
+        Term { name: "token ids (in both orders) and positions (zigzag and local)", bytes: integers + 4.0 * tokens },
+        Term {
+            name: "the final norm's output gathered over the sequence",
+            bytes: if workload.recompute == Recompute::Full { 0.0 } else { every_token },
+        },
+        Term { name: "every token's logits (the rank's vocabulary shard) and their gradient", bytes: 2.0 * logits },
+        Term { name: "the loss's row statistics, gathered over tsp", bytes: row_statistics },
+    ]);
+    candidates.push(ForwardPhase { name: "the loss's backward", params: held_params, terms: loss_backward });
     let mut head = head_phase(Term { name: "the head's weight gradient being written", bytes: table * element });
     if workload.recompute == Recompute::Full {
         let mut gather = head_phase(Term { name: "the final norm's recomputed output", bytes: sizes.hidden_state });
@@ -1273,7 +1429,7 @@ pub fn compiled_tsp_training_peak(
             head = gather;
         }
     }
-    let mut ring = if head.bytes() > ring.bytes() { head } else { ring };
+    candidates.push(head);
     // A layer's attention backward takes the owners last first: for each, the rank's
     // contributions to the owner's q, k, v and o gradients (its block), then their reduces to the
     // owner, o's first; a reduce leaves zeros on the other ranks, and the owners' results are
@@ -1297,10 +1453,11 @@ pub fn compiled_tsp_training_peak(
             splits.grads_term(model.layers - layer - 1, true, true),
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
+            Term { name: EXPERT_COUNTS_SUMMED, bytes: if layer > 0 { statistics } else { 0.0 } },
             Term { name: "token ids (zigzag)", bytes: 4.0 * tokens },
             Term {
                 name: "the layers' below it kept values",
-                bytes: below * (kept_hidden * sizes.hidden_state + owners * per_owner_attention * element),
+                bytes: below * (kept_per_layer + owners * per_owner_attention * element),
             },
         ];
         if positions || layer > 0 {
@@ -1314,7 +1471,6 @@ pub fn compiled_tsp_training_peak(
         }
         terms
     };
-    let mut candidates = Vec::new();
     for layer in [0, model.layers.saturating_sub(1)] {
         // At the last owner's dv: one owner's block of attention weight gradients (on two ranks
         // the other owner's, awaiting its reduce; on more, the rank's own, summed from the others'
@@ -1448,11 +1604,7 @@ pub fn compiled_tsp_training_peak(
             candidates.push(phase);
         }
     }
-    for phase in candidates {
-        if phase.bytes() > ring.bytes() {
-            ring = phase;
-        }
-    }
+    let highest = candidates.into_iter().reduce(|best, phase| if phase.bytes() > best.bytes() { phase } else { best });
     // The end of the backward, as under tp: every gradient, the loss and the whole-vocabulary
     // embedding gradient before the rank's vocabulary shard is sliced from it.
     let whole = (model.vocab * model.hidden) as f64 * element;
@@ -1495,12 +1647,19 @@ pub fn compiled_tsp_training_peak(
         ],
     };
     let end = if scatter.bytes() > end.bytes() { scatter } else { end };
-    let mut peak = if end.bytes() > ring.bytes() { end } else { ring };
+    let mut peak = match highest {
+        Some(phase) if phase.bytes() >= end.bytes() => phase,
+        _ => end,
+    };
     if gathers {
         peak.terms.insert(0, splits.params_term(model.layers));
     }
     Some(peak)
 }
+
+/// The term naming a mixture's expert counts summed over the layers (with the load-balancing
+/// loss), live from the forward's end until the first layer's load-balancing loss backward.
+const EXPERT_COUNTS_SUMMED: &str = "the expert counts summed over the layers";
 
 /// How ZeRO-2 and 3 split a tsp rank's tensors over dp: a gradient is reduce-scattered over dp on
 /// its rows (its first dim, after tsp's split), and under ZeRO-3 a parameter is split so and
@@ -1803,6 +1962,13 @@ mod tests {
         assert_eq!(phase.bytes(), elements * 4.0);
         let beside_tp = Layout::new(&[(AxisName::Tp, 2), (AxisName::Tsp, 2)], false);
         assert_eq!(compiled_tsp_training_peak(&model, &beside_tp, &Workload::training(8, 2), 0), None);
+        // Nor, under ZeRO-2, a mixture whose rank's experts (8 over tsp=4: 2) do not divide over
+        // dp=4, which ZeRO keeps whole.
+        let mixture = ModelShape::from_config(&preset("tiny-moe").unwrap());
+        let dp_tsp = Layout::new(&[(AxisName::Dp, 4), (AxisName::Tsp, 4)], false);
+        let zero2 = Workload { zero: 2, ..Workload::training(8, 2) };
+        assert_eq!(compiled_tsp_training_peak(&mixture, &dp_tsp, &zero2, 0), None);
+        assert!(compiled_tsp_training_peak(&mixture, &dp_tsp, &Workload::training(8, 2), 0).is_some());
     }
 
     #[test]

@@ -12,7 +12,9 @@ use super::shared_expert::shared_expert_kept;
 use super::{tsp_ring, StageShape};
 
 /// The points of a micro-batch's forward on a chunk, at its last layer's MLP: as the MLP's output
-/// is added to its residual (the layer's output made beside it), or beside a shared expert as the
+/// is added to its residual (the layer's output made beside it); as a mixture's routed experts run
+/// (over ep or tsp their dispatch's copy of its operands, else their output being made; under
+/// ZeRO-3 beside the router and experts gathered for them); or beside a shared expert as the
 /// routed experts' output and the shared expert's scaled output are summed (the layer's output not
 /// yet made), and under full recomputation as the shared expert's product, its down projection's
 /// output and its scaled output are made; under SP as the MLP's output is reduce-scattered over
@@ -21,9 +23,10 @@ use super::{tsp_ring, StageShape};
 /// v, gathered. The micro-batch holds all it keeps in flight there but what the rest of its
 /// forward makes (on the last chunk the head's buffers, and a mixture's counts' sum over the
 /// layers, whose statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
-/// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, without ZeRO-2 and 3, which shard
-/// the sums, but for experts split over tsp, whose dispatch is a point there too, under ZeRO-3
-/// beside the weights gathered for it; under another schedule only [`logits_gathered`], every
+/// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, ZeRO-2 and 3 included, whose
+/// running sums are the rank's shards; under ZeRO-3 a tsp ring's weights, and the router and
+/// experts of a mixture's dispatch over tsp, are gathered over dp beside it. Under another
+/// schedule only [`logits_gathered`], every
 /// micro-batch before it in flight or finished; under interleaving the micro-batch's earlier
 /// chunks on the stage hold their layers' statistics in flight too, which the walk leaves to this
 /// point.)
@@ -31,10 +34,6 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     let StepSizes { element, local_tokens, query, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
     if !shape.zero_bubble {
         return if chunk.last { logits_gathered(shape, chunk).into_iter().collect() } else { Vec::new() };
-    }
-    let experts_on_tsp = shape.tsp > 1 && shape.model.experts.is_some();
-    if shape.scattered && !experts_on_tsp {
-        return Vec::new();
     }
     let statistics = shape.statistics;
     let full = shape.recompute() == Recompute::Full;
@@ -60,35 +59,44 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             Term { name: "its last layer's MLP output", bytes: stream },
         ],
     )];
-    // Under tsp the last layer's MLP is a ring, its output not yet made; a mixture's routed
-    // experts are dispatched over the axis from a copy of their operands (the MLP norm's output,
-    // the router and the rank's experts), the layer's statistics and output not yet made (under
-    // full recomputation the MLP norm's output, not kept, live beside them), and a shared expert
-    // is a ring after them.
-    if shape.tsp > 1 {
-        if let Some(experts) = shape.model.experts.as_ref() {
+    // A mixture's routed experts run before the layer's statistics and output (and its shared
+    // expert's, which the forward keeps) are made (under full recomputation beside the MLP norm's
+    // output, not kept): over ep or tsp dispatched from a copy of their operands (the MLP norm's
+    // output, the router and the rank's experts), else as one kernel making their output; under
+    // ZeRO-3 beside the router and (where ZeRO splits them) the experts, gathered for it.
+    let before_experts = vec![
+        positions.clone(),
+        Term {
+            name: "what it holds in flight by then but its last layer's output, statistics and shared expert's",
+            bytes: kept - stream - 2.0 * statistics - shared_expert_kept(shape),
+        },
+        Term { name: "its last layer's MLP norm output, not kept", bytes: if full { gathered } else { 0.0 } },
+    ];
+    if shape.model.experts.is_some() {
+        let (name, own) = if shape.dispatched() {
             let operands = gathered + shape.router() + shape.layer_routed_experts();
-            // (A shared expert's ring output and gate logit, which the forward keeps, come after.)
-            let shared_kept = shared_expert_kept(shape);
-            let before_experts = vec![
-                positions,
-                Term {
-                    name: "what it holds in flight by then but its last layer's output and statistics",
-                    bytes: kept - stream - 2.0 * statistics - shared_kept,
-                },
-                Term { name: "its last layer's MLP norm output, not kept", bytes: if full { gathered } else { 0.0 } },
-            ];
-            let mut dispatched = before_experts.clone();
-            dispatched.push(Term { name: "the dispatch's copy of its operands", bytes: operands });
-            // (Under ZeRO-3 beside the router and the rank's experts, gathered over dp for it.)
-            dispatched.push(Term {
-                name: "its last layer's router and experts, gathered",
-                bytes: shape.weights_gathered_again(shape.router() + shape.layer_routed_experts()),
-            });
-            points.push(point("the last layer's experts dispatched in a forward", dispatched));
-            // Then a shared expert's ring, beside the routed experts' output and the layer's
-            // statistics.
-            if experts.shared_expert {
+            (
+                "the last layer's experts dispatched in a forward",
+                Term { name: "the dispatch's copy of its operands", bytes: operands },
+            )
+        } else {
+            (
+                "the last layer's routed experts in a forward",
+                Term { name: "its last layer's routed experts' output", bytes: gathered },
+            )
+        };
+        let routed = if shape.experts_scattered() { shape.layer_routed_experts() } else { 0.0 };
+        let gathered_for_it = Term {
+            name: "its last layer's router and experts, gathered",
+            bytes: shape.weights_gathered_again(shape.router() + routed),
+        };
+        points.push(point(name, before_experts.iter().cloned().chain([own, gathered_for_it]).collect()));
+    }
+    // Under tsp the last layer's MLP is a ring, its output not yet made; beside a mixture's routed
+    // experts a shared expert is a ring after them, beside their output and the layer's statistics.
+    if shape.tsp > 1 {
+        if shape.model.experts.is_some() {
+            if shape.shared_expert() {
                 let mut before_ring = before_experts;
                 before_ring.extend([
                     Term { name: "its last layer's routed experts' output", bytes: gathered },
@@ -167,13 +175,27 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 before_output.clone(),
                 Term { name: "its last layer's MLP norm output, not kept", bytes: if full { gathered } else { 0.0 } },
                 Term { name: "its last layer's routed experts' output, partial and all-reduced", bytes: 2.0 * stream },
+                // (Under ZeRO-3 the router, gathered for the experts, stays for the statistics.)
+                Term { name: "its last layer's router, gathered", bytes: shape.weights_gathered_again(shape.router()) },
             ],
         ));
     }
     // Under full recomputation the forward keeps none of the last layer's MLP activations, which
-    // are live as it runs: a dense MLP's as its SiLU product is made beside gate and up (the MLP
-    // norm's output freed, the layer's output not yet made).
+    // are live as it runs: a dense MLP's as up's output is made beside the MLP norm's output and
+    // gate's (under ZeRO-3 beside up's weight, gathered over dp for it), and as its SiLU product is
+    // made beside gate and up (the MLP norm's output freed, the layer's output not yet made).
     if full && shape.model.experts.is_none() {
+        let matrix = shape.sizes.hidden * ffn * element;
+        points.push(point(
+            "the last layer's up projection in a forward",
+            vec![
+                positions.clone(),
+                before_layer_output.clone(),
+                Term { name: "its last layer's MLP norm output, not kept", bytes: gathered },
+                Term { name: "its last layer's gate and up outputs", bytes: 2.0 * local_tokens * ffn * element },
+                Term { name: "its last layer's up weight, gathered", bytes: shape.weights_gathered_again(matrix) },
+            ],
+        ));
         points.push(point(
             "the last layer's SiLU product in a forward",
             vec![
@@ -231,6 +253,10 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                     .chain([
                         Term { name: "its last layer's shared expert's product", bytes: intermediate },
                         Term { name: "its last layer's shared expert's down output", bytes: expert_output },
+                        Term {
+                            name: "its last layer's shared expert's down weight, gathered",
+                            bytes: shape.weights_gathered_again(shape.sizes.hidden * ffn * element),
+                        },
                     ])
                     .collect(),
                 true,
@@ -273,27 +299,44 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// Beside cp the last chunk's forward gathers every token's logits over cp and reorders them out
 /// of the zigzag: the stage may peak as it does, the gathered copy beside the reordered one (the
 /// logits the micro-batch keeps), before the loss, and a mixture's counts' sum and load-balancing
-/// loss, are made (every layer's statistics, the earlier stages' received, still live).
+/// loss, are made (every layer's statistics, the earlier stages' received, still live). Without
+/// cp a mixture's stage under zero bubble may peak as the logits are made, so (under full
+/// recomputation beside the final norm's buffers, under ZeRO-3 the LM head's weight gathered).
 fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, token_split, .. } = shape.sizes;
-    if token_split == 1 || shape.cp == 1 {
+    // (Without cp, where the logits are made in place: a mixture's stage under zero bubble, whose
+    // every layer's statistics are live there, outside SP.)
+    let gathered = token_split > 1 && shape.cp > 1;
+    let made_in_place = shape.zero_bubble && shape.statistics > 0.0 && !shape.sequence_parallel();
+    if !(gathered || made_in_place) {
         return None;
     }
     let statistics = shape.statistics;
     let not_made = element + if statistics > 0.0 { element + statistics } else { 0.0 };
-    Some(Candidate::made(
-        "every token's logits gathered in a forward",
-        0.0,
-        vec![
-            Term { name: "its positions", bytes: chunk.positions },
-            Term { name: "what it holds in flight but its losses and counts' sum", bytes: chunk.in_flight - not_made },
+    let mut held = vec![
+        Term { name: "its positions", bytes: chunk.positions },
+        Term { name: "what it holds in flight but its losses and counts' sum", bytes: chunk.in_flight - not_made },
+        Term {
+            name: "every layer's expert counts and router probability sums",
+            bytes: 2.0 * shape.model.layers as f64 * statistics,
+        },
+    ];
+    if !gathered {
+        // (Under full recomputation beside the final norm's buffers, not kept; under ZeRO-3 beside
+        // the LM head's weight, gathered over dp for it.)
+        let full = shape.recompute() == Recompute::Full;
+        let head = shape.sizes.vocab_shard * shape.sizes.hidden * element;
+        held.extend([
             Term {
-                name: "every layer's expert counts and router probability sums",
-                bytes: 2.0 * shape.model.layers as f64 * statistics,
+                name: "the final norm's buffers, not kept",
+                bytes: if full { shape.sizes.final_norm_buffers() } else { 0.0 },
             },
-            Term { name: "every token's logits, gathered before their reordering", bytes: shape.logits() },
-        ],
-    ))
+            Term { name: "the LM head's weight, gathered", bytes: shape.weights_gathered_again(head) },
+        ]);
+        return Some(Candidate::made("every token's logits made in a forward", 0.0, held));
+    }
+    held.push(Term { name: "every token's logits, gathered before their reordering", bytes: shape.logits() });
+    Some(Candidate::made("every token's logits gathered in a forward", 0.0, held))
 }
 
 /// Under tsp the last chunk's forward makes every token's logits over the rank's vocabulary shard

@@ -277,19 +277,26 @@
 //! first layer's gate gradient joins its sum, its attention's weight gradients still to come, and
 //! on a mixture's chunk of more than one layer (outside SP) as its last layer's q gradient joins
 //! its sum (beside replicas as it is made); and in a forward (tied table or
-//! not), at its last layer's MLP (its output made; under SP as it is reduce-scattered over tp,
+//! not), at its last layer's MLP (its output made; a mixture's routed experts run, dispatched over
+//! ep or tsp or as one kernel, under ZeRO-3 beside their weights gathered; under SP as the MLP's
+//! output is reduce-scattered over tp,
 //! without SP as a mixture's routed experts' output is all-reduced over it;
-//! under full recomputation as a dense MLP's SiLU product is made beside gate and up; a shared
+//! under full recomputation as a dense MLP's up output is made beside the MLP norm's output, gate's
+//! output and, under ZeRO-3, up's weight gathered, and as its SiLU product is made beside gate and
+//! up; a shared
 //! expert's and the routed experts' outputs summed; under full recomputation the shared expert's
 //! product, its down projection's output and its scaled output made) beside all the micro-batch
 //! keeps, under full recomputation beside cp at its last layer's attention (every token's k and v
-//! gathered), and beside cp as the last chunk gathers every token's logits. A micro-batch's loss joins
+//! gathered), and beside cp as the last chunk gathers every token's logits (without cp, a
+//! mixture's outside SP, as it makes them; under ZeRO-2 and 3 beside the running sums' shards,
+//! and those kept whole). A micro-batch's loss joins
 //! the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the first stage's
 //! B frees the positions (but where W recomputes). `tests/cost_training.rs` checks the form from 64
 //! to 1024 tokens never above the planner's peak and within 3% (mixtures; 1% beside a shared expert
 //! under SP, 2% under ZeRO-2 and 3) or 4% (dense stages, tied or not; 1% under ZeRO-2 and 3 over dp
-//! or cp) below it, exact on most stages; the points left are W's later ones (forwards are not
-//! modelled under ZeRO-2 and 3, but the expert dispatch of experts split over tsp). Under tsp B runs the MLP rings' backward whole (on a chunk but the
+//! or cp) below it, exact on most stages; the points left are W's later ones, a tied mixture's
+//! tails under SP on few tokens, and under SP with ZeRO-3 a mixture's forward beside its router
+//! gathered. Under tsp B runs the MLP rings' backward whole (on a chunk but the
 //! last it begins with its last layer's ring) and W takes the layers last to first, so W may peak
 //! in its last layer's attention too, as o's gradient is reduced to an owner, what W reads of the
 //! layers before still live: there the form is within 1% below, exact on nine stages in ten, and
@@ -307,11 +314,12 @@
 //! Under zero bubble B runs that ring whole (its projections' gradients are B's), and W reads
 //! only the gate logit's gradient and the MLP norm's output for the gate vector's weight gradient,
 //! that output staying to the micro-batch's end; a forward may peak inside the last layer's shared
-//! expert ring, after the routed experts' dispatch.
+//! expert ring, after the routed experts' dispatch (under ZeRO-3 beside the ring's weights,
+//! gathered over dp for it, as a dense layer's ring in a forward).
 //!
 //! Modelled: `pp`, alone or with any of `dp`, `tp` (with or without SP) and `cp`, or with `tsp`
 //! alone or beside `dp` (any ZeRO stage; a mixture's experts split over tsp, with or without a
-//! shared expert, beside one under zero bubble outside ZeRO-3); GPipe, 1F1B, interleaved
+//! shared expert); GPipe, 1F1B, interleaved
 //! 1F1B and zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
@@ -365,7 +373,7 @@ use super::compiled::ForwardPhase;
 use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
 use super::memory::{MemoryBreakdown, Term};
-use super::model::{Experts, ModelShape};
+use super::model::ModelShape;
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
 use super::zero_rows::ZeroRows;
@@ -458,12 +466,11 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
         // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or a mixture whose
-        // routed experts tsp splits, with or without a shared expert (beside one not under zero
-        // bubble with ZeRO-3).
+        // routed experts tsp splits (not ep), with or without a shared expert.
         && tsp_rank < tsp
         && (tsp == 1
             || (tp * cp == 1
-                && model.experts.as_ref().is_none_or(|experts| tsp_experts_modelled(experts, layout, workload, schedule))))
+                && (model.experts.is_none() || layout.expert_axis() == Some(AxisName::Tsp))))
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
         // whole; the stage's points count them apart).
@@ -471,16 +478,6 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
             || (layout.zero_replicas() > 1
                 && (workload.zero == 2 || workload.zero == 3)
                 && only_key_values_kept_whole(model, layout)))
-}
-
-/// Whether a mixture's stage beside tsp is modelled: its routed experts split over tsp (ep apart);
-/// under zero bubble with ZeRO-3 without a shared expert (whose ring's weights ZeRO-3 gathers
-/// beside its forward and B, not modelled: the form was up to 9% below there, on a shared expert
-/// eight times the hidden size with four micro-batches).
-fn tsp_experts_modelled(experts: &Experts, layout: &Layout, workload: &Workload, schedule: &Schedule) -> bool {
-    let zero_bubble_gathered =
-        schedule.kind == ScheduleKind::ZeroBubbleH1 && workload.zero >= 3 && layout.zero_replicas() > 1;
-    layout.expert_axis() == Some(AxisName::Tsp) && !(zero_bubble_gathered && experts.shared_expert)
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but

@@ -204,6 +204,12 @@ pub(super) fn ring_forward(shape: &StageShape, names: &ForwardPointNames, held: 
     let channels = shape.sizes.local_tokens * shape.sizes.ffn / tsp as f64 * element;
     let output = shape.sizes.gathered;
     let shard = 3.0 * shape.sizes.hidden * shape.sizes.ffn / tsp as f64 * element;
+    // Under ZeRO-3 the rank's shards of the ring's weights are gathered over dp for it.
+    let mut held = held;
+    let gathered = shape.weights_gathered_again(shard);
+    if gathered > 0.0 {
+        held.push(Term { name: "the ring's weights, gathered over dp", bytes: gathered });
+    }
     let mut ring = RingWalk { live: 0.0, so_far: 0.0, held, made_in_b: None, points: Vec::new() };
     for step in 0..tsp {
         let last = step + 1 == tsp;

@@ -323,6 +323,15 @@ impl Point<'_> {
         Some((last_stage, received))
     }
 
+    /// Under zero bubble, outside the chunk's W, the gradient sums ZeRO keeps whole beyond their
+    /// shards: the other chunks' and, once a W of this one has run (`w_done`), its own (B makes no
+    /// k or v gradient). `None` when there are none.
+    fn sums_kept_whole(&self, beside: &Beside, w_done: bool) -> Option<Term> {
+        let current = &self.holds[self.step.chunk as usize];
+        let bytes = beside.other_sums_kept_whole + if w_done { current.grads_kept_whole } else { 0.0 };
+        (bytes > 0.0).then_some(Term { name: GRADS_KEPT_WHOLE, bytes })
+    }
+
     /// Inside B, at the points of its first layer's backward ([`ChunkHold::in_b`]) and of its head
     /// ([`ChunkHold::head_of_b`]): the stage's B gradients made by then (each point's `so_far`) and
     /// their sums (on the micro-batch's first B of the chunk but those not yet made,
@@ -348,12 +357,7 @@ impl Point<'_> {
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
                 Term { name: "the later layers' inputs for W", bytes: later_w_reads },
             ];
-            // (B makes no k or v gradient: of the sums kept whole, the other chunks' and, once a W
-            // has run, this one's.)
-            let kept_whole = beside.other_sums_kept_whole + if w_done { current.grads_kept_whole } else { 0.0 };
-            if kept_whole > 0.0 {
-                terms.push(Term { name: GRADS_KEPT_WHOLE, bytes: kept_whole });
-            }
+            terms.extend(self.sums_kept_whole(beside, w_done));
             terms.extend(received(beside));
             terms.extend(point.held.iter().cloned());
             if b_done_before {
@@ -391,13 +395,15 @@ impl Point<'_> {
     fn forward(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
         let chunk = self.step.chunk;
         let current = &self.holds[chunk as usize];
-        let sums = if self.done(chunk, self.tail_phase) > 0.0 {
+        let w_done = self.done(chunk, self.tail_phase) > 0.0;
+        let sums = if w_done {
             current.grads
         } else if self.done(chunk, self.input_phase) > 0.0 {
             current.between_b_and_w.made_in_b.unwrap_or(0.0)
         } else {
             0.0
         };
+        let kept_whole = self.sums_kept_whole(beside, w_done);
         let phase = |point: &Candidate| {
             let mut terms = vec![
                 Term {
@@ -406,6 +412,7 @@ impl Point<'_> {
                 },
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
             ];
+            terms.extend(kept_whole.clone());
             terms.extend(received(beside));
             terms.extend(point.held.iter().cloned());
             ForwardPhase { name: point.name, params, terms }

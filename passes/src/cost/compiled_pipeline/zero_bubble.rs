@@ -405,10 +405,10 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     let shared_expert = shape.shared_expert();
     let mut points = Vec::new();
     if !shared_expert {
-        // (Beside replicas its reads are freed before it is reduced, below this point; else it
-        // joins its sum first.)
+        // (Beside replicas, or under SP all-reduced over tp, its reads are freed before it is
+        // reduced, below this point; else it joins its sum first.)
         let norm = shape.norm * element;
-        points.push(if shape.reduced || shape.scattered {
+        points.push(if shape.reduced || shape.scattered || shape.sequence_parallel() {
             let gradient = Term { name: "the last layer's MLP norm weight gradient", bytes: norm };
             let held = between.iter().cloned().chain([gradient]).collect();
             Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, held)
