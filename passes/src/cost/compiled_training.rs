@@ -1188,7 +1188,7 @@ pub fn compiled_tsp_training_peak(
     // sequence and its gradient.
     let step_sizes = StepSizes::new(model, layout, &compiled);
     let (every_token, statistics) = (step_sizes.every_token, step_sizes.statistics);
-    let row_statistics = step_sizes.loss_row_statistics((workload.seq * workload.micro_batch) as f64);
+    let row_statistics = step_sizes.loss_row_statistics(tokens);
     let local = tokens / owners;
     let hidden = model.hidden as f64;
     let (query, key_value) = (model.query_width() as f64, model.kv_width() as f64);
@@ -1220,9 +1220,6 @@ pub fn compiled_tsp_training_peak(
     };
     let kept_per_layer = kept_hidden * sizes.hidden_state + shared_kept;
     let (name, ring_bytes) = ring_backward_highest_point(&sizes, tsp);
-    // Layer l's ring runs with the kept values of layers 0..=l still live and the gradients of the
-    // layers above finished: kept values grow with l and gradients shrink, so the highest is the
-    // first layer's or the last's.
     // What layer l's MLP (or mixture) backward holds beside its own buffers: the gradients of the
     // layers above it (and the head's) finished, the loss, the token ids and positions, and the
     // kept values of layers 0..=l.
@@ -1248,6 +1245,9 @@ pub fn compiled_tsp_training_peak(
             },
         ]
     };
+    // Layer l's ring runs with the kept values of layers 0..=l still live and the gradients of the
+    // layers above finished: kept values grow with l and gradients shrink, so the highest is the
+    // first layer's or the last's.
     let ring_phase = |layer: u64| {
         let mut terms = up_to_layer(layer);
         terms.push(Term {
@@ -1294,14 +1294,13 @@ pub fn compiled_tsp_training_peak(
     // its operands (the MLP norm's output, recomputed under full recompute, the router, the rank's
     // experts and the layer's output gradient), beside the kept values of the layers up to it, the
     // gradients of those above, and (with the load-balancing loss) the router's gradients from it
-    // and the expert counts summed over the layers (but in the first layer); under ZeRO-3 beside the router and the rank's
-    // experts gathered over dp again.
+    // and the expert counts summed over the layers (but in the first layer); under ZeRO-3 beside
+    // the router and the rank's experts gathered over dp again.
     if let Some(experts) = model.experts.as_ref() {
         let router = (experts.count * model.hidden) as f64 * element;
         let local_experts = model.routed_expert_weights() as f64 / tsp as f64 * element;
         let full = workload.recompute == Recompute::Full;
-        let shared_gradients =
-            if experts.shared_expert { (3.0 * sizes.matrix / element + hidden) * element } else { 0.0 };
+        let shared_gradients = if experts.shared_expert { 3.0 * sizes.matrix + hidden * element } else { 0.0 };
         let dispatch_phases = |layer: u64| {
             // What both points hold: those of the layer's backward, and its output gradient.
             let mut held = up_to_layer(layer);
@@ -1368,10 +1367,11 @@ pub fn compiled_tsp_training_peak(
         };
         candidates.extend(dispatch_phases(0).chain(dispatch_phases(model.layers.saturating_sub(1))));
     }
-    // The backward's start, the LM head's: every layer's kept values, the final norm's input, its
-    // output gathered over the sequence, the logits' gradient (the rank's vocabulary shard), the
-    // head's input gradient, and its weight gradient being written. Full recompute gathers the
-    // norm's output again first: the recomputed output and the gather's staging copy instead.
+    // Past the loss's backward (below), the LM head's: every layer's kept values, the final norm's
+    // input, its output gathered over the sequence, the logits' gradient (the rank's vocabulary
+    // shard), the head's input gradient, and its weight gradient being written. Full recompute
+    // gathers the norm's output again first: the recomputed output and the gather's staging copy
+    // instead.
     let layers = model.layers as f64;
     let logits = tokens * table / hidden * element;
     // (What the backward's start holds: no gradient yet, the loss, every layer's kept values and
