@@ -185,7 +185,6 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // gate's (under ZeRO-3 beside up's weight, gathered over dp for it), and as its SiLU product is
     // made beside gate and up (the MLP norm's output freed, the layer's output not yet made).
     if full && shape.model.experts.is_none() {
-        let matrix = shape.sizes.hidden * ffn * element;
         points.push(point(
             "the last layer's up projection in a forward",
             vec![
@@ -193,7 +192,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 before_layer_output.clone(),
                 Term { name: "its last layer's MLP norm output, not kept", bytes: gathered },
                 Term { name: "its last layer's gate and up outputs", bytes: 2.0 * local_tokens * ffn * element },
-                Term { name: "its last layer's up weight, gathered", bytes: shape.weights_gathered_again(matrix) },
+                Term { name: "its last layer's up weight, gathered", bytes: shape.weights_gathered_again(shape.gate) },
             ],
         ));
         points.push(point(
@@ -255,7 +254,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                         Term { name: "its last layer's shared expert's down output", bytes: expert_output },
                         Term {
                             name: "its last layer's shared expert's down weight, gathered",
-                            bytes: shape.weights_gathered_again(shape.sizes.hidden * ffn * element),
+                            bytes: shape.weights_gathered_again(shape.gate),
                         },
                     ])
                     .collect(),
