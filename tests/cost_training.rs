@@ -25,7 +25,8 @@
 //! backward and the first layer's peak; with the embedding tied too (by hand on one stage); and
 //! for `tiny-moe`'s stages, with and without a shared expert (and tied), on 8 tokens a sequence,
 //! and on 64 to 1024 beside dp, cp, ep and tp outside zero bubble, where a mixture's stage peaks
-//! inside a backward (under zero bubble below the planner on 1 stage in 100, never above).
+//! inside a backward (under zero bubble below the planner on 1 stage in 100, never above), and on
+//! tsp beside pp with the experts split over tsp or over ep beside it.
 
 mod common;
 
@@ -1639,12 +1640,6 @@ fn experts_stage_closed_form_equals_the_planners_peak() {
     for (config, layout) in mixture_sequence_parallel_cases(&config) {
         check_stage_closed_form(&config, &layout);
     }
-    // Outside what is modelled (tsp beside ep placing the experts) there is no closed form.
-    let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
-    let model = ModelShape::from_config(&pleat_ir::model::config::ModelConfig { num_layers: 4, ..config.clone() });
-    let layout = Layout::from_mesh(&Mesh::parse("pp=2,tsp=2,ep=2").unwrap(), false);
-    let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4).unwrap();
-    assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none());
 }
 
 #[test]
@@ -1730,6 +1725,53 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         "the last layer's experts dispatched in a forward",
         "first layer's experts' backward dispatched in B",
         "the embedding output's gradient gathered in B",
+    ] {
+        assert!(names.contains(name), "{name}: {names:?}");
+    }
+}
+
+#[test]
+fn experts_over_ep_beside_tsp_stage_closed_form_equals_the_planners_peak() {
+    // ep placing a mixture's routed experts beside tsp, which then keeps them whole: each tsp rank
+    // runs its own tokens through the rank's share over ep, so the experts' and the router's
+    // gradients are partial sums over tsp, each all-reduced over it before it joins its sum, as
+    // over dp (the other two expert gradients wait unreduced beside the first, the MLP norm's
+    // output freed; under ZeRO-3 the router's weight gathered again freed too, the MLP norm's
+    // gathered under full recomputation not). ZeRO splits the dense parameters over ep (and dp),
+    // the experts over dp only: under ZeRO-3 a tsp attention's points hold the rank's own blocks
+    // gathered again, each from its first broadcast (in the first owner's backward) to its last
+    // (the last owner's), and a stage may peak as the first owner's q input gradient joins the
+    // attention norm output's, every other owner's activations live beside them. tsp × ep in
+    // either order and beside dp, GPipe, 1F1B, interleaved and zero bubble, ZeRO 0 to 3, each
+    // recomputation, 8, 64 and 256 tokens, one sequence a micro-batch.
+    let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
+    let cases: [(&str, ScheduleKind, u32, u8); 9] = [
+        ("pp=2,ep=2,tsp=2", one_f_one_b, 2, 0),
+        ("pp=2,ep=2,tsp=2", gpipe, 4, 1),
+        ("pp=2,ep=2,tsp=2", interleaved, 2, 2),
+        ("pp=2,ep=2,tsp=2", zero_bubble, 4, 0),
+        ("pp=2,ep=2,tsp=2", one_f_one_b, 4, 3),
+        ("pp=2,ep=2,tsp=2", gpipe, 2, 3),
+        ("pp=2,tsp=2,ep=2", interleaved, 2, 3),
+        ("pp=2,dp=2,ep=2,tsp=2", one_f_one_b, 2, 0),
+        ("pp=2,dp=2,ep=2,tsp=2", zero_bubble, 4, 2),
+    ];
+    let mut names = std::collections::BTreeSet::new();
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for (mesh, kind, micro_batches, zero_stage) in cases {
+            let layout =
+                PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero_stage, recompute, false);
+            for seq in [SEQ, 64, 256] {
+                assert_exact_at(&mut names, &config, &layout, seq);
+            }
+        }
+    }
+    for name in [
+        "first layer's last expert gradient joins its sum, its unreduced copy live",
+        "first layer's q input gradient joins the attention norm output's, the first owner's",
+        "first layer's o gradient reduced to this rank, the first owner",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }
@@ -2374,7 +2416,7 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     ] {
         assert!(phases.contains(phase), "{phase}: {phases:?}");
     }
-    // tsp beside another axis than dp has none; nor has a place past the axis.
+    // tsp beside another axis than dp or ep has none; nor has a place past the axis.
     let model = ModelShape::from_config(&four);
     let workload = Workload { micro_batches: 4, ..Workload::training(SEQ, 2) };
     for (mesh, kind) in [("pp=2,tp=2,tsp=2", one_f_one_b), ("pp=2,cp=2,tsp=2", one_f_one_b)] {
@@ -2535,12 +2577,10 @@ fn stage_closed_forms(
     programs
         .iter()
         .map(|program| {
-            // Global rank `stage · inner + i`; tsp is the innermost axis of the meshes here, so
-            // `i` modulo its degree is the place on it.
+            // Global rank `stage · inner + i` (pp is the outermost axis of the meshes here).
             let inner = programs.len() as u32 / stages;
             let stage = program.rank / inner;
-            let tsp = parsed.degree(AxisName::Tsp);
-            let tsp_rank = if tsp > 1 { u64::from(program.rank % inner) % tsp } else { 0 };
+            let tsp_rank = parsed.coord(program.rank, AxisName::Tsp);
             let label = format!(
                 "{} sp={} {:?} zero={} {kind:?} m={micro_batches} seq {seq} rank {} stage {stage}",
                 layout.mesh, layout.sequence_parallel, layout.recompute, layout.zero_stage, program.rank
@@ -2754,15 +2794,15 @@ fn tsp_training_peaks(
         tsp_shards_embeddings: true,
         recompute: cost_recompute(recompute),
         zero,
-        ..Workload::training(seq, batch / layout.degree(AxisName::Dp))
+        ..Workload::training(seq, batch / layout.batch_split())
     };
+    let parsed = Mesh::parse(mesh).unwrap();
     let peaks = programs
         .into_iter()
         .map(|program| {
-            // tsp is the innermost axis: the rank modulo its degree is the place on it.
-            let tsp_rank = u64::from(program.rank) % layout.degree(AxisName::Tsp);
+            let tsp_rank = parsed.coord(program.rank, AxisName::Tsp);
             let phase = compiled_tsp_training_peak(&model, &layout, &workload, tsp_rank)
-                .unwrap_or_else(|| panic!("{mesh}: tsp, alone or beside dp, is modelled"));
+                .unwrap_or_else(|| panic!("{mesh}: tsp, alone or beside dp and ep, is modelled"));
             (program, phase)
         })
         .collect();
@@ -2910,7 +2950,11 @@ fn tsp_training_closed_form_equals_the_planners_peak_for_a_mixture() {
     // a shared expert a quarter of the hidden size wide (with the load-balancing loss) and eight
     // times it (without), tsp at 2 and 4 alone and beside dp (ZeRO 0 to 3), each recomputation,
     // 16 to 512 tokens: exact on every rank (up to 50% below on the dispatch, and 16% at the
-    // loss's backward, before they were modelled).
+    // loss's backward, before they were modelled). Over ep beside tsp, which keeps the experts
+    // whole, each tsp rank runs its own tokens through the rank's share over ep, and the experts'
+    // gradients are partial sums over tsp, all-reduced over it one by one, the first beside the
+    // other two unreduced (3.6% below at ep=2 × tsp=4 before it was modelled); ZeRO 0 and 1,
+    // beside dp too.
     let moe = preset("tiny-moe").unwrap();
     let configs = [
         moe.clone(),
@@ -2919,8 +2963,17 @@ fn tsp_training_closed_form_equals_the_planners_peak_for_a_mixture() {
         with_a_shared_expert(32, true),
         with_a_shared_expert(1024, false),
     ];
-    let meshes =
-        [("tsp=2", 0), ("tsp=4", 0), ("dp=2,tsp=2", 1), ("dp=2,tsp=2", 2), ("dp=2,tsp=2", 3), ("dp=2,tsp=4", 3)];
+    let meshes = [
+        ("tsp=2", 0),
+        ("tsp=4", 0),
+        ("dp=2,tsp=2", 1),
+        ("dp=2,tsp=2", 2),
+        ("dp=2,tsp=2", 3),
+        ("dp=2,tsp=4", 3),
+        ("ep=2,tsp=2", 0),
+        ("ep=2,tsp=4", 1),
+        ("dp=2,ep=2,tsp=2", 0),
+    ];
     let mut peaks = std::collections::BTreeSet::new();
     for config in &configs {
         for (mesh, zero) in meshes {
@@ -2945,6 +2998,7 @@ fn tsp_training_closed_form_equals_the_planners_peak_for_a_mixture() {
     for name in [
         "a mixture's experts' backward dispatched",
         "a mixture's expert gradients reduce-scattered",
+        "a mixture's expert gradients all-reduced over tsp",
         "the loss's backward",
         "tsp mlp ring backward",
     ] {

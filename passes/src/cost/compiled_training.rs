@@ -94,7 +94,7 @@
 //! 512; and with Qwen2's q, k and v biases, dense and in the Qwen2-MoE fixture, on 8 to 512).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
 //! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included), a dense model or a
-//! mixture of experts split over it.
+//! mixture of experts split over it (or over ep beside it, under ZeRO 0 and 1).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -1079,10 +1079,10 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 }
 
 /// The peak of the rank at `tsp_rank` on the tsp axis of a compiled tsp training step (tsp of
-/// degree D >= 2, alone or beside dp; a dense model or a mixture of experts split over tsp, with or
-/// without a shared expert), or `None` for any other layout (tsp beside another axis is not
-/// modelled, nor, under ZeRO-2 and 3, a mixture whose rank's experts or router rows do not divide
-/// over dp): the largest of these phases, each the buffers live at its highest point (`T` the
+/// degree D >= 2, alone or beside dp; a dense model or a mixture of experts split over tsp, or over
+/// ep beside it, with or without a shared expert), or `None` for any other layout (tsp beside
+/// another axis is not modelled, nor, under ZeRO-2 and 3, a mixture whose rank's experts or router
+/// rows do not divide over dp, or beside ep): the largest of these phases, each the buffers live at its highest point (`T` the
 /// step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one
 /// hidden state `[T/D, h]`):
 /// - **the loss's backward**, the backward's start: every layer's kept values, the final norm's
@@ -1114,7 +1114,9 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 ///   and the layer's output gradient), beside the router's gradients from the load-balancing loss
 ///   and the expert counts summed over the layers (live until the first layer's load-balancing
 ///   loss backward), under ZeRO-3 the router and the rank's experts gathered again; under ZeRO-2
-///   and 3 **as the first expert gradient is reduce-scattered** over dp, the three made whole; a
+///   and 3 **as the first expert gradient is reduce-scattered** over dp, the three made whole; over
+///   ep (tsp keeping the experts whole, each rank's gradients partial sums over it) **as the first
+///   expert gradient is all-reduced over tsp**, the router's done, the other two unreduced; a
 ///   shared expert's ring comes first in the layer (its phase holds the layer's output gradient,
 ///   the gate vector's input and weight gradients, its own kept output and gate logit freed), its
 ///   gradients made by the dispatch;
@@ -1146,7 +1148,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// byte for every rank, each recomputation and 16 to 512 tokens, alone and beside dp (with ZeRO-2
 /// and 3 at dp 2 and 4), on `tiny` and on a variant whose attention outweighs its MLP and
 /// vocabulary, each also with the embedding tied, on a vocabulary of 2048, and on `tiny-moe`
-/// (tied, a wide vocabulary, a shared expert a quarter of the hidden size and eight times it).
+/// (tied, a wide vocabulary, a shared expert a quarter of the hidden size and eight times it; over
+/// ep beside tsp and dp too).
 pub fn compiled_tsp_training_peak(
     model: &ModelShape,
     layout: &Layout,
@@ -1154,8 +1157,8 @@ pub fn compiled_tsp_training_peak(
     tsp_rank: u64,
 ) -> Option<ForwardPhase> {
     let tsp = layout.degree(AxisName::Tsp);
-    let dp = layout.degree(AxisName::Dp);
-    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp {
+    let (dp, ep) = (layout.degree(AxisName::Dp), layout.degree(AxisName::Ep));
+    if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp * ep {
         return None;
     }
     // ZeRO-2 reduce-scatters each gradient over dp as the backward finishes it: a rank holds its
@@ -1165,7 +1168,11 @@ pub fn compiled_tsp_training_peak(
     let scattered = dp > 1 && zero_stage(workload) >= 2;
     let gathers = dp > 1 && zero_stage(workload) >= 3;
     // (A mixture's experts and router whose rows, the rank's experts and every expert, do not
-    // divide over dp, which ZeRO-2 and 3 then keep whole, are not modelled.)
+    // divide over dp, which ZeRO-2 and 3 then keep whole, are not modelled; nor ZeRO-2 and 3
+    // beside ep, which shard the dense parameters over dp × ep.)
+    if ep > 1 && zero_stage(workload) >= 2 {
+        return None;
+    }
     if let Some(experts) = model.experts.as_ref() {
         if scattered && ((experts.count / tsp) % dp != 0 || experts.count % dp != 0) {
             return None;
@@ -1298,7 +1305,7 @@ pub fn compiled_tsp_training_peak(
     // the router and the rank's experts gathered over dp again.
     if let Some(experts) = model.experts.as_ref() {
         let router = (experts.count * model.hidden) as f64 * element;
-        let local_experts = model.routed_expert_weights() as f64 / tsp as f64 * element;
+        let local_experts = model.routed_expert_weights() as f64 / layout.expert_degree() as f64 * element;
         let full = workload.recompute == Recompute::Full;
         let shared_gradients = if experts.shared_expert { 3.0 * sizes.matrix + hidden * element } else { 0.0 };
         let dispatch_phases = |layer: u64| {
@@ -1345,6 +1352,26 @@ pub fn compiled_tsp_training_peak(
                 params: held_params,
                 terms: dispatched,
             };
+            // Over ep beside tsp, which keeps the experts whole (each tsp rank runs its own tokens
+            // through the rank's share over ep), the experts' and the router's gradients are
+            // partial sums over tsp, all-reduced over it one by one: as the first expert
+            // gradient's is, the router's done (its gradients from the load-balancing loss summed
+            // into it and into the MLP norm output's gradient), the dispatch's copy and the MLP
+            // norm's output freed, the other two waiting unreduced.
+            let reduced_phase = (ep > 1).then(|| {
+                let mut terms = held.clone();
+                terms.extend([
+                    Term {
+                        name: "the layer's MLP norm output, freed",
+                        bytes: if full { 0.0 } else { -sizes.hidden_state },
+                    },
+                    Term { name: "the router's gradient, all-reduced over tsp", bytes: router },
+                    Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
+                    Term { name: "the experts' gradients before their all-reduce over tsp", bytes: local_experts },
+                    Term { name: "the first, all-reduced", bytes: local_experts / 3.0 },
+                ]);
+                ForwardPhase { name: "a mixture's expert gradients all-reduced over tsp", params: held_params, terms }
+            });
             // Under ZeRO-2 and 3 the experts' gradients, made whole, are then reduce-scattered
             // over dp one by one, the first staged whole beside the others: the router's shard
             // made (its gradients from the load-balancing loss summed into it and into the MLP
@@ -1363,7 +1390,7 @@ pub fn compiled_tsp_training_peak(
                 ]);
                 ForwardPhase { name: "a mixture's expert gradients reduce-scattered", params: held_params, terms }
             });
-            std::iter::once(dispatched).chain(scattered_phase)
+            std::iter::once(dispatched).chain(scattered_phase).chain(reduced_phase)
         };
         candidates.extend(dispatch_phases(0).chain(dispatch_phases(model.layers.saturating_sub(1))));
     }
@@ -1969,6 +1996,11 @@ mod tests {
         let zero2 = Workload { zero: 2, ..Workload::training(8, 2) };
         assert_eq!(compiled_tsp_training_peak(&mixture, &dp_tsp, &zero2, 0), None);
         assert!(compiled_tsp_training_peak(&mixture, &dp_tsp, &Workload::training(8, 2), 0).is_some());
+        // Beside ep a mixture is modelled under ZeRO 0 and 1, not 2 (which would shard the dense
+        // parameters over ep too).
+        let ep_tsp = Layout::new(&[(AxisName::Ep, 2), (AxisName::Tsp, 2)], false);
+        assert!(compiled_tsp_training_peak(&mixture, &ep_tsp, &Workload::training(8, 1), 0).is_some());
+        assert_eq!(compiled_tsp_training_peak(&mixture, &ep_tsp, &zero2, 0), None);
     }
 
     #[test]

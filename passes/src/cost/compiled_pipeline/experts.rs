@@ -6,8 +6,9 @@
 //! over ep one instruction dispatching the rows to the experts' ranks and back, else one kernel a
 //! gradient, the input gradient first (under tp each rank's partial sum over its share of the
 //! experts' channels, all-reduced over tp; then summed with the MLP norm output's gradient so far),
-//! then the router's, then the three `[E, h, f_e]` weight gradients; beside dp or cp each weight
-//! gradient is all-reduced before it joins its sum, the MLP norm's output freed first. Then the MLP
+//! then the router's, then the three `[E, h, f_e]` weight gradients; beside dp or cp (or over ep
+//! beside tsp) each weight gradient is all-reduced before it joins its sum, the MLP norm's output
+//! freed first. Then the MLP
 //! norm's backward, whose input gradient is summed into the attention residual's gradient.
 
 use super::super::memory::Term;
@@ -98,12 +99,13 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
 
 /// As one of the routed-expert gradients (`[E, h, f_e]` matrices, larger than a dense projection)
 /// joins its sum, the router's and the experts' gradients made: without dp the last of the three;
-/// under dp (or cp) the first, reduced while the other two wait unreduced beside it (the mixture's
-/// backward makes all three at once; [`last_joining`] is the last), the MLP norm's output freed.
-/// Under SP the experts read the output gradient all-gathered over tp (their output's
-/// reduce-scatter's backward), freed with the MLP norm's output before dp's all-reduce. Over ep the router's input and weight gradients from
-/// the load-balancing loss, made before the dispatch, are summed with its results after them
-/// (beside dp or cp before the experts' gradients are reduced).
+/// under dp or cp (or over ep beside tsp) the first, reduced while the other two wait unreduced
+/// beside it (the mixture's backward makes all three at once; [`last_joining`] is the last), the
+/// MLP norm's output freed. Under SP the experts read the output gradient all-gathered over tp
+/// (their output's reduce-scatter's backward), freed with the MLP norm's output before dp's
+/// all-reduce. Over ep the router's input and weight gradients from the load-balancing loss, made
+/// before the dispatch, are summed with its results after them (beside dp or cp, or tsp, before
+/// the experts' gradients are reduced).
 pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_before: f64) -> Option<Candidate> {
     let gathered = shape.sizes.gathered;
     let experts = shape.model.experts.as_ref()?;
@@ -133,9 +135,15 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     held.extend(router_gradient_whole(shape));
     // Over ep under ZeRO-3 the weights the dispatch read, gathered again, are freed with the MLP
     // norm's output, after the layer's MLP backward (beside cp, which shards the experts too, the
-    // gathered copies are freed before their gradients join).
+    // gathered copies are freed before their gradients join); beside tsp the router's before the
+    // gradients' all-reduces, the MLP norm's (gathered under full recomputation) after its
+    // backward.
     if shape.dispatched() && !shape.experts_scattered() {
-        held.extend(weights_gathered_again(shape));
+        if reduced {
+            held.extend(norm_gathered_again(shape));
+        } else {
+            held.extend(weights_gathered_again(shape));
+        }
     }
     // (Over ep under ZeRO-2 the router's gradient from the dispatch is among them whole.)
     let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape)
@@ -151,13 +159,14 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     })
 }
 
-/// The term of [`joining`] for the routed-expert gradients that wait unreduced beside dp or cp.
-const UNREDUCED_EXPERT_GRADIENTS: &str = "the expert gradients before their dp all-reduce";
+/// The term of [`joining`] for the routed-expert gradients that wait unreduced beside dp or cp (or
+/// over ep beside tsp).
+const UNREDUCED_EXPERT_GRADIENTS: &str = "the expert gradients before their all-reduce (over dp, cp or tsp)";
 
-/// Beside dp or cp without ZeRO-2 or 3 the three routed-expert gradients are reduced and join
-/// their sums one after another, each unreduced copy freed once its sum is made: as the last joins,
-/// the first two are among the micro-batch's gradients, only its own unreduced copy beside it
-/// (`first`: the first's [`joining`]).
+/// Beside dp or cp (or over ep beside tsp) without ZeRO-2 or 3 the three routed-expert gradients
+/// are reduced and join their sums one after another, each unreduced copy freed once its sum is
+/// made: as the last joins, the first two are among the micro-batch's gradients, only its own
+/// unreduced copy beside it (`first`: the first's [`joining`]).
 pub(super) fn last_joining(shape: &StageShape, name: &'static str, first: &Candidate) -> Option<Candidate> {
     if !shape.experts_reduced || shape.experts_scattered() {
         return None;
@@ -167,7 +176,7 @@ pub(super) fn last_joining(shape: &StageShape, name: &'static str, first: &Candi
     last.so_far += experts_waiting(shape);
     for term in &mut last.held {
         if term.name == UNREDUCED_EXPERT_GRADIENTS {
-            *term = Term { name: "the last expert gradient before its dp all-reduce", bytes: expert_matrix(shape) };
+            *term = Term { name: "the last expert gradient before its all-reduce", bytes: expert_matrix(shape) };
         }
     }
     Some(last)
@@ -187,13 +196,21 @@ fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
 /// its output.
 fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
     let router = router_gradient_whole(shape)?.bytes;
-    let norm = if shape.recompute() == Recompute::Full { shape.norm * shape.sizes.element } else { 0.0 };
+    let norm = norm_gathered_again(shape).map_or(0.0, |term| term.bytes);
     // (Over ep alone ZeRO does not shard the experts.)
     let experts = if shape.experts_scattered() { 3.0 * expert_matrix(shape) } else { 0.0 };
     Some(Term {
         name: "the router's and the experts' weights (under full recomputation the MLP norm's), gathered again",
         bytes: router + experts + norm,
     })
+}
+
+/// Under ZeRO-3 with full recomputation the MLP norm's weight, gathered again to recompute its
+/// output, live to its backward.
+fn norm_gathered_again(shape: &StageShape) -> Option<Term> {
+    let bytes = shape.weights_gathered_again(shape.norm * shape.sizes.element);
+    (bytes > 0.0 && shape.recompute() == Recompute::Full)
+        .then_some(Term { name: "the MLP norm's weight, gathered again to recompute its output", bytes })
 }
 
 /// Under ZeRO-2 and 3, as the routed experts' last weight gradient is made: the three gradients,

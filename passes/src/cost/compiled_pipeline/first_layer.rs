@@ -902,7 +902,8 @@ fn tsp_ring_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// gradients and (recomputed) q and k blocks (else under ZeRO-3 the rank's own, gathered over dp,
 /// wait for their broadcasts), the part and the sum before and after it; and without
 /// recomputation as the first owner's k part joins its v part, the other owners' q, k and v (every
-/// token's k and v) still live in place of their gradients. Beside both
+/// token's k and v) still live in place of their gradients (under ZeRO-3 the rank's own o, v and
+/// k blocks gathered by then, and next, as its q part joins, q's too). Beside both
 /// the MLP ring's input gradient (the MLP norm's weight gradient reads it in W), the attention
 /// residual's gradient, and the layer's and the head's activations W reads (beside a shared
 /// expert the MLP norm's output and the gate logit's gradient, for its gate vector's).
@@ -943,9 +944,10 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // Under ZeRO-3 the rank's own q and k blocks, gathered over dp again for the owners' input
     // gradients, wait for their broadcasts for the last owner's q and k parts, after v's (under
     // full recomputation the blocks broadcast again above).
+    const OWN_Q_AND_K_BLOCKS: &str = "the rank's q and k blocks, gathered over dp again";
     let own_blocks = shape.weights_gathered_again(hidden * (query + kv) / owners * element);
     if own_blocks > 0.0 && recompute != Recompute::Full {
-        held.push(Term { name: "the rank's q and k blocks, gathered over dp again", bytes: own_blocks });
+        held.push(Term { name: OWN_Q_AND_K_BLOCKS, bytes: own_blocks });
     }
     held.extend([
         Term {
@@ -968,11 +970,27 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "the other owners' q, k and v in place of their gradients",
             bytes: (owners - 1.0) / owners * (every_owner_qkv - gradients_for_w),
         });
+        // Under ZeRO-3 the first owner's broadcasts gather the rank's own blocks as they come,
+        // each held for the owners after it: o's, v's and k's by its k part, q's next, for its q
+        // part (which joins the sum as k's did, its gradients made).
+        let gathered_by_k = shape.weights_gathered_again(hidden * (query + 2.0 * kv) / owners * element);
+        let q_part = (gathered_by_k > 0.0).then(|| {
+            first_owner.retain(|term| term.name != OWN_Q_AND_K_BLOCKS);
+            first_owner.push(Term { name: "the rank's o, v and k blocks, gathered again", bytes: gathered_by_k });
+            let mut q_part = first_owner.clone();
+            q_part.push(Term { name: "the rank's q block, gathered again", bytes: hidden * query / owners * element });
+            Candidate::made(
+                "first layer's attention backward in B: the first owner's q part of the input gradient summed",
+                made_in_b,
+                q_part,
+            )
+        });
         points.push(Candidate::made(
             "first layer's attention backward in B: the first owner's k part of the input gradient summed",
             made_in_b,
             first_owner,
         ));
+        points.extend(q_part);
     }
     points.push(Candidate::made(
         "first layer's attention backward in B: v's part of the input gradient summed",
@@ -1342,6 +1360,19 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     // under zero bubble its between B and W counts them.)
     let zigzag_ids = (chunk.first && !shape.zero_bubble)
         .then_some(Term { name: "token ids in zigzag order", bytes: shape.sizes.ids });
+    // Under ZeRO-3 every rank passes its own blocks, gathered over its replicas again, to each
+    // owner's broadcasts, so they stay until the last owner's (outside zero bubble, where B and W
+    // broadcast them apart); under full recomputation the attention norm's weight too, gathered
+    // to recompute its output, live to its backward.
+    let own_block = if shape.zero_bubble {
+        0.0
+    } else {
+        shape.weights_gathered_again(hidden * (2.0 * query + 2.0 * kv) / owners * element)
+    };
+    let norm_gathered = (own_block > 0.0 && recompute == Recompute::Full).then_some(Term {
+        name: "the attention norm's weight, gathered again to recompute its output",
+        bytes: shape.norm * element,
+    });
     // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
     // bubble they are freed by its reduce; under it B ran that backward, and a W without
     // recomputation reads none.)
@@ -1350,9 +1381,16 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
             if rope_done { chunk.first_layer_held_after_rope_backward() } else { chunk.first_layer_held.clone() };
         held.extend(gradients.iter().cloned());
         held.extend(zigzag_ids.clone());
+        held.extend(norm_gathered.clone());
         held
     };
     let w_without_rope = shape.zero_bubble && !recomputing;
+    let own_blocks_gathered = |after: u64| {
+        (after > 0 && own_block > 0.0).then_some(Term {
+            name: "the rank's own attention blocks, gathered again for the owners still to come",
+            bytes: own_block,
+        })
+    };
     // Each point's counterpart in W's last layer, by index (under zero bubble).
     let mut in_w_last_layer = Vec::new();
     let mut candidates = Vec::new();
@@ -1371,6 +1409,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 name: "the activations of the owners still to come",
                 bytes: point.after as f64 * later_owner_activations,
             });
+            held.extend(own_blocks_gathered(point.after));
         }
         let (name, in_w) = match (point.to_this_rank, point.after + 1 == shape.tsp) {
             (true, false) => (
@@ -1393,77 +1432,120 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
         in_w_last_layer.push((candidates.len(), in_w));
         candidates.push(Candidate::made(name, reducing_so_far, held));
     }
-    // Outside zero bubble, at the last owner's attention kernel backward as v's gradient is made:
-    // the earlier owners' results summed (a block), the attention norm's output, o's contribution
-    // and attention's output gradient, the owner's q, k and v (every token's k and v; recomputed
-    // under full recomputation with their blocks, which the input gradients read next), and the
-    // kernel's three gradients (k's and v's every token's, before their reduce-scatter).
+    // Outside zero bubble, at each owner's attention kernel backward as v's gradient is made: the
+    // earlier owners' results summed (a block; none before the first), the attention norm's
+    // output, o's contribution and attention's output gradient, the owner's q, k and v (every
+    // token's k and v; recomputed under full recomputation with their blocks, which the input
+    // gradients read next), and the kernel's three gradients (k's and v's every token's, before
+    // their reduce-scatter); with owners still to come, their activations, and under ZeRO-3 the
+    // rank's own blocks gathered again (at the last owner's, o's freed after its broadcast, q's,
+    // k's and v's still to be broadcast).
     if !shape.zero_bubble {
         let owner_qkv = (local_tokens * query + kv_kept) * element / owners;
-        let mut held = chunk.first_layer_held.clone();
-        held.extend(gradients.iter().cloned());
-        held.extend([
-            Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
-            Term { name: "first layer's attention norm output", bytes: gathered },
-            Term { name: "the last owner's attention output gradient", bytes: local_tokens * query / owners * element },
-            Term { name: "its contribution to o's gradient", bytes: o_block },
-            Term { name: "its q, k and v (every token's k and v)", bytes: owner_qkv },
-            Term { name: "their gradients, made by the attention kernel's backward", bytes: owner_qkv },
-        ]);
-        if recompute == Recompute::Full {
-            held.push(Term {
-                name: "its q, k and v blocks, broadcast again to recompute them",
-                bytes: hidden * (query + 2.0 * kv) / owners * element,
-            });
-        }
-        held.extend(zigzag_ids.clone());
-        // Under full recomputation a mixture's chunk of more than one layer may peak at the same
-        // point of its last layer's attention backward: the residual stream every layer below
-        // kept is still live (on the first stage the received counts too: the first layer's
-        // router has not read them yet), and of the chunk's gradients only the head's (on the
-        // last chunk) and the last layer's MLP's and MLP norm's are made.
-        if recompute == Recompute::Full && chunk.layers > 1 && shape.model.experts.is_some() {
-            let mut last_layer: Vec<Term> = held
-                .iter()
-                .filter(|term| term.name != RECEIVED_COUNTS)
-                .cloned()
-                .chain(received_counts(shape, chunk, true))
-                .collect();
-            last_layer.push(Term {
-                name: "the residual stream the layers below its last kept",
-                bytes: (layers - 1.0) * shape.sizes.kept_layer,
-            });
-            // (Beside a tied table the head's part joins no sum: the chunk's held buffers count it.)
-            let head = if chunk.last { shape.head_gradient_summed() + shape.norm * element } else { 0.0 };
-            let so_far = (head + shape.norm * element) / shape.shards + shape.layer_mlp_gradient_shards();
-            last_layer_points.push(Candidate {
-                key_values_pending: chunk.layers,
-                ..Candidate::made(
-                    "the last layer's attention kernel backward: the last owner's v gradient",
-                    so_far,
-                    last_layer,
-                )
-            });
-        }
-        candidates.push(Candidate::made(
-            "first layer's attention kernel backward: the last owner's v gradient",
-            reducing_so_far,
-            held,
-        ));
-        // Then, its RoPE backwards done, as q's input gradient is made (k's and v's first): the
-        // rank's contributions to the owner's o, k and v gradients made, q's block broadcast
-        // again, q's gradient, and the input gradient beside them.
         let q_block = hidden * query / owners * element;
-        let mut held = held_from(true);
-        held.extend([
-            Term { name: "the owners' reduced attention weight gradients before it, summed", bytes: block },
-            Term { name: "first layer's attention norm output", bytes: gathered },
-            Term { name: "its contributions to the last owner's o, k and v gradients", bytes: block - q_block },
-            Term { name: "the last owner's q block, broadcast again", bytes: q_block },
-            Term { name: "the last owner's q gradient", bytes: local_tokens * query / owners * element },
-            Term { name: "its q input gradient", bytes: stream },
-        ]);
-        candidates.push(Candidate::made("first layer's q input gradient, the last owner's", reducing_so_far, held));
+        let own_qkv_blocks = if own_block > 0.0 { hidden * (query + 2.0 * kv) / owners * element } else { 0.0 };
+        // (The last owner's points first, so that where an earlier owner's hold the same bytes, as
+        // under full recomputation without ZeRO-3, the peak is named for the last.)
+        for after in 0..shape.tsp {
+            let names = TspOwnerPoints::at(after, shape.tsp);
+            // What the owner's points hold for its place on the axis.
+            let mut place = Vec::new();
+            if after + 1 < shape.tsp {
+                place.push(Term {
+                    name: "the owners' reduced attention weight gradients before it, summed",
+                    bytes: block,
+                });
+            }
+            place.push(Term { name: "first layer's attention norm output", bytes: gathered });
+            if after > 0 {
+                place.push(Term {
+                    name: "the activations of the owners still to come",
+                    bytes: after as f64 * later_owner_activations,
+                });
+            }
+            let mut held = chunk.first_layer_held.clone();
+            held.extend(gradients.iter().cloned());
+            held.extend(place.iter().cloned());
+            held.extend([
+                Term { name: "the owner's attention output gradient", bytes: local_tokens * query / owners * element },
+                Term { name: "its contribution to o's gradient", bytes: o_block },
+                Term { name: "its q, k and v (every token's k and v)", bytes: owner_qkv },
+                Term { name: "their gradients, made by the attention kernel's backward", bytes: owner_qkv },
+            ]);
+            // (Each block is gathered at its first broadcast, in the first owner's backward: o's
+            // before the kernel's, the others' after it.)
+            let gathered_blocks = match (after == 0, after + 1 == shape.tsp) {
+                // (Under full recomputation q's, k's and v's last broadcasts recompute them, at
+                // the owner's start, and o's follows.)
+                (true, _) if recompute == Recompute::Full => 0.0,
+                (true, _) => own_qkv_blocks,
+                (false, true) if recompute != Recompute::Full => own_block - own_qkv_blocks,
+                _ => own_block,
+            };
+            if gathered_blocks > 0.0 {
+                held.push(Term {
+                    name: "the rank's own attention blocks gathered again so far",
+                    bytes: gathered_blocks,
+                });
+            }
+            held.extend(norm_gathered.clone());
+            if recompute == Recompute::Full {
+                held.push(Term {
+                    name: "its q, k and v blocks, broadcast again to recompute them",
+                    bytes: hidden * (query + 2.0 * kv) / owners * element,
+                });
+            }
+            held.extend(zigzag_ids.clone());
+            // Under full recomputation a mixture's chunk of more than one layer may peak at the
+            // same point of its last layer's attention backward, the last owner's: the residual
+            // stream every layer below kept is still live (on the first stage the received counts
+            // too: the first layer's router has not read them yet), and of the chunk's gradients
+            // only the head's (on the last chunk) and the last layer's MLP's and MLP norm's are
+            // made.
+            if after == 0 && recompute == Recompute::Full && chunk.layers > 1 && shape.model.experts.is_some() {
+                let mut last_layer: Vec<Term> = held
+                    .iter()
+                    .filter(|term| term.name != RECEIVED_COUNTS)
+                    .cloned()
+                    .chain(received_counts(shape, chunk, true))
+                    .collect();
+                last_layer.push(Term {
+                    name: "the residual stream the layers below its last kept",
+                    bytes: (layers - 1.0) * shape.sizes.kept_layer,
+                });
+                // (Beside a tied table the head's part joins no sum: the chunk's held buffers
+                // count it.)
+                let head = if chunk.last { shape.head_gradient_summed() + shape.norm * element } else { 0.0 };
+                let so_far = (head + shape.norm * element) / shape.shards + shape.layer_mlp_gradient_shards();
+                last_layer_points.push(Candidate {
+                    key_values_pending: chunk.layers,
+                    ..Candidate::made(
+                        "the last layer's attention kernel backward: the last owner's v gradient",
+                        so_far,
+                        last_layer,
+                    )
+                });
+            }
+            candidates.push(Candidate::made(names.v_gradient, reducing_so_far, held));
+            // Then, its RoPE backward done (the last owner's frees the positions on the first
+            // chunk), as q's input gradient is made (k's and v's first): the rank's contributions
+            // to the owner's o, k and v gradients, q's block broadcast again, q's gradient, and the
+            // input gradient beside them; then as that joins the attention norm output's gradient,
+            // q's block freed.
+            let mut held = held_from(after == 0);
+            held.extend(place);
+            held.extend(own_blocks_gathered(after));
+            held.extend([
+                Term { name: "its contributions to the owner's o, k and v gradients", bytes: block - q_block },
+                Term { name: "the owner's q gradient", bytes: local_tokens * query / owners * element },
+                Term { name: "its q input gradient", bytes: stream },
+            ]);
+            let mut joined = held.clone();
+            joined.push(Term { name: "the attention norm output's gradient, summed with it", bytes: stream });
+            held.push(Term { name: "the owner's q block, broadcast again", bytes: q_block });
+            candidates.push(Candidate::made(names.q_input_gradient, reducing_so_far, held));
+            candidates.push(Candidate::made(names.q_input_gradient_joined, reducing_so_far, joined));
+        }
     }
     // As o's gradient joins its sum, on the axis's last rank: the results summed (a block), the
     // first owner's q, k and v contributions, o's result for the first owner (zeros but on it),
@@ -1584,4 +1666,40 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         },
         attention,
     ]
+}
+
+/// The names of an owner's points in a tsp attention backward, by its place (the owners go last
+/// first: the first processed has every other owner still to come).
+struct TspOwnerPoints {
+    v_gradient: &'static str,
+    q_input_gradient: &'static str,
+    q_input_gradient_joined: &'static str,
+}
+
+impl TspOwnerPoints {
+    /// The names for the owner with `after` owners still to come on an axis of `tsp` ranks.
+    fn at(after: u64, tsp: u64) -> TspOwnerPoints {
+        if after == 0 {
+            TspOwnerPoints {
+                v_gradient: "first layer's attention kernel backward: the last owner's v gradient",
+                q_input_gradient: "first layer's q input gradient, the last owner's",
+                q_input_gradient_joined:
+                    "first layer's q input gradient joins the attention norm output's, the last owner's",
+            }
+        } else if after + 1 == tsp {
+            TspOwnerPoints {
+                v_gradient: "first layer's attention kernel backward: the first owner's v gradient",
+                q_input_gradient: "first layer's q input gradient, the first owner's",
+                q_input_gradient_joined:
+                    "first layer's q input gradient joins the attention norm output's, the first owner's",
+            }
+        } else {
+            TspOwnerPoints {
+                v_gradient: "first layer's attention kernel backward: a middle owner's v gradient",
+                q_input_gradient: "first layer's q input gradient, a middle owner's",
+                q_input_gradient_joined:
+                    "first layer's q input gradient joins the attention norm output's, a middle owner's",
+            }
+        }
+    }
 }

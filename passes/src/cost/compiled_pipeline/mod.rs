@@ -92,10 +92,15 @@
 //! of the owners after that one (the point where the axis's last rank peaks beside dp, which
 //! all-reduces o's gradient before it joins its sum), and as it is reduced to the first owner (on
 //! the axis's last rank itself), none summed before it, every other owner's activations after it;
-//! outside zero bubble any rank also as the last owner's attention kernel makes v's gradient,
-//! beside that owner's q, k and v (recomputed under full recomputation, their blocks broadcast
-//! again) and the kernel's other gradients, and then, its RoPE backwards done, as that owner's q
-//! input gradient is made from q's block broadcast again. Beside dp
+//! outside zero bubble any rank also as an owner's attention kernel makes v's gradient, beside
+//! that owner's q, k and v (recomputed under full recomputation, their blocks broadcast again) and
+//! the kernel's other gradients, then as that owner's q input gradient is made from q's block
+//! broadcast again, and as it joins the attention norm output's gradient, q's block freed: the
+//! last owner's (its RoPE backwards done, the earlier owners' results summed), the first owner's
+//! (every other owner's activations still live, none summed) or one between them. Under ZeRO-3
+//! every rank passes its own attention blocks, gathered over its replicas again, to each owner's
+//! broadcasts: each is gathered at its first broadcast, in the first owner's backward, and freed
+//! after its last, the last owner's (outside zero bubble and full recomputation). Beside dp
 //! the first stage's other candidate is the embedding rows' slicing, as under dp × tp. The closed
 //! form takes the rank's place on the axis. On more tokens a stage peaks inside an MLP ring's
 //! backward (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds,
@@ -113,7 +118,8 @@
 //! gradients instead of what they read, W reads only the attention's; the stage may peak inside a
 //! B's first layer's ring, or its attention backward (the input gradients; under full recomputation
 //! B recomputes every owner's q, k and v, which W reads) as the last owner's part of the input
-//! gradient is summed, in a forward's last layer's ring or as the last chunk makes every token's
+//! gradient is summed (without recomputation also the first owner's k part, and under ZeRO-3 its
+//! q part, every other owner's q, k and v live), in a forward's last layer's ring or as the last chunk makes every token's
 //! logits, as the first stage's B gathers the embedding output's gradient over the sequence (W
 //! reads every token's), as the last stage's B reduce-scatters the LM head's input gradient over
 //! it, or at the head of the last chunk's W (the LM head's gradient). Beside dp the last chunk may
@@ -149,7 +155,11 @@
 //! reader on the first stage (where the program's free lies) and at the micro-batch's end on the
 //! others. Over ep the dense gradients are all-reduced over it as over dp, and the experts' (which
 //! ep splits) are not; one instruction makes the experts' input, router and weight gradients, the
-//! router's input and weight gradients from the load-balancing loss waiting beside it. Under
+//! router's input and weight gradients from the load-balancing loss waiting beside it. Over ep
+//! beside tsp, which then keeps the experts whole (each tsp rank runs its own tokens through the
+//! rank's share over ep), the experts' and the router's gradients are partial sums over tsp: each
+//! is all-reduced over it before it joins its sum, as over dp, the MLP norm's output (and under
+//! ZeRO-3 the router's weight gathered again) freed first. Under
 //! Megatron SP the experts read the output gradient all-gathered over tp (but beside dp, where it
 //! is freed with the MLP norm's output before the all-reduce). Under
 //! full recomputation beside dp, cp or ep the last stage all-reduces the counts' sum over them
@@ -465,12 +475,11 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
     layout.degree(AxisName::Pp) == u64::from(stages)
         && layout.world_size() == u64::from(stages) * layout.batch_split() * tp * cp * tsp
         && stages >= 2
-        // tsp beside pp, alone or with dp (any ZeRO stage): a dense model, or a mixture whose
-        // routed experts tsp splits (not ep), with or without a shared expert.
+        // tsp beside pp, alone or with dp or ep (any ZeRO stage): a dense model, or a mixture
+        // (its routed experts split over tsp, or over ep beside it), with or without a shared
+        // expert.
         && tsp_rank < tsp
-        && (tsp == 1
-            || (tp * cp == 1
-                && (model.experts.is_none() || layout.expert_axis() == Some(AxisName::Tsp))))
+        && (tsp == 1 || tp * cp == 1)
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
         // whole; the stage's points count them apart).
@@ -517,7 +526,8 @@ struct StageShape<'a> {
     /// dp or cp (or for a dense parameter ep, which splits the batch as dp does) reduce each
     /// gradient before it joins its sum.
     reduced: bool,
-    /// dp or cp reduce each routed expert's gradient before it joins its sum (ep splits them).
+    /// dp or cp reduce each routed expert's gradient before it joins its sum (ep splits them), and
+    /// so does tsp beside ep (its ranks run their own tokens through the same experts).
     experts_reduced: bool,
     /// ZeRO-2 reduce-scatters each gradient over dp: the sums and the micro-batch's gradients are
     /// its shards (`shards` of them), and a gradient is whole (and staged whole) only while it is
@@ -580,7 +590,7 @@ impl<'a> StageShape<'a> {
             chunks: schedule.kind.chunks(),
             zero_bubble: schedule.kind == ScheduleKind::ZeroBubbleH1,
             reduced: dp > 1 || cp > 1 || ep > 1,
-            experts_reduced: dp > 1 || cp > 1,
+            experts_reduced: dp > 1 || cp > 1 || (tsp > 1 && ep > 1),
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
             expert_shards: if scattered { layout.expert_zero_replicas() as f64 } else { 1.0 },
