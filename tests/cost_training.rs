@@ -1743,11 +1743,13 @@ fn experts_over_ep_beside_tsp_stage_closed_form_equals_the_planners_peak() {
     // (the last owner's), and a stage may peak as the first owner's q input gradient joins the
     // attention norm output's, every other owner's activations live beside them. tsp × ep in
     // either order and beside dp, GPipe, 1F1B, interleaved and zero bubble, ZeRO 0 to 3, each
-    // recomputation, 8, 64 and 256 tokens, one sequence a micro-batch.
+    // recomputation, 8, 64 and 256 tokens, one sequence a micro-batch. Under zero bubble with
+    // ZeRO-3 B's first owner's q part holds the four blocks gathered (1% below before), and under
+    // full recomputation the last chunk's W the final norm's weight B gathered again for it.
     let config = pleat_ir::model::config::ModelConfig { num_layers: 4, ..preset("tiny-moe").unwrap() };
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (interleaved, zero_bubble) = (ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1);
-    let cases: [(&str, ScheduleKind, u32, u8); 9] = [
+    let cases: [(&str, ScheduleKind, u32, u8); 10] = [
         ("pp=2,ep=2,tsp=2", one_f_one_b, 2, 0),
         ("pp=2,ep=2,tsp=2", gpipe, 4, 1),
         ("pp=2,ep=2,tsp=2", interleaved, 2, 2),
@@ -1757,12 +1759,15 @@ fn experts_over_ep_beside_tsp_stage_closed_form_equals_the_planners_peak() {
         ("pp=2,tsp=2,ep=2", interleaved, 2, 3),
         ("pp=2,dp=2,ep=2,tsp=2", one_f_one_b, 2, 0),
         ("pp=2,dp=2,ep=2,tsp=2", zero_bubble, 4, 2),
+        ("pp=2,ep=2,tsp=2", zero_bubble, 2, 3),
     ];
     let mut names = std::collections::BTreeSet::new();
     for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
         for (mesh, kind, micro_batches, zero_stage) in cases {
             let layout =
                 PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero_stage, recompute, false);
+            // (The stage's parameters too, and the cost model's peak plus the named differences.)
+            check_stage_closed_form(&config, &layout);
             for seq in [SEQ, 64, 256] {
                 assert_exact_at(&mut names, &config, &layout, seq);
             }
@@ -1772,6 +1777,8 @@ fn experts_over_ep_beside_tsp_stage_closed_form_equals_the_planners_peak() {
         "first layer's last expert gradient joins its sum, its unreduced copy live",
         "first layer's q input gradient joins the attention norm output's, the first owner's",
         "first layer's o gradient reduced to this rank, the first owner",
+        "first layer's attention backward in B: the first owner's q part of the input gradient summed",
+        "the last layer's o gradient reduced to this rank, its owner, in W",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }
@@ -4379,6 +4386,24 @@ fn under_any_schedule_beside_cp_the_last_stage_may_peak_as_a_forward_gathers_the
         false,
     );
     assert_eq!(exact_stages_peaking_at(&routed_only, &interleaved, 1024, &point), 2);
+}
+
+#[test]
+fn under_zero_bubble_tsp_b_holds_the_attention_norm_gathered_again() {
+    // Under zero bubble with ZeRO-3 and full recomputation B recomputes a layer's forward,
+    // gathering its attention norm's weight again, live to the norm's backward: the stages between
+    // the first and the last of pp=4 beside dp=2 × tsp=2 peak in B's first layer's attention
+    // backward beside it (512 bytes below before it was counted).
+    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+        "pp=4,dp=2,tsp=2",
+        ScheduleKind::ZeroBubbleH1,
+        4,
+        3,
+        Recompute::Full,
+        false,
+    );
+    let point = ["first layer's attention backward in B: v's part of the input gradient summed"];
+    assert_eq!(exact_stages_peaking_at(&four_layers(), &layout, 256, &point), 8);
 }
 
 #[test]

@@ -935,6 +935,12 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 bytes: hidden * (query + kv) / owners * element,
             },
         ]);
+        // (Under ZeRO-3 the attention norm's weight, gathered again to recompute its output, to
+        // the norm's backward.)
+        let norm = shape.weights_gathered_again(shape.norm * element);
+        if norm > 0.0 {
+            held.push(Term { name: ATTENTION_NORM_REGATHERED, bytes: norm });
+        }
     } else if recompute == Recompute::None {
         held.push(Term {
             name: "every owner's q, k and v, freed (the forward kept attention's output)",
@@ -1369,10 +1375,8 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     } else {
         shape.weights_gathered_again(hidden * (2.0 * query + 2.0 * kv) / owners * element)
     };
-    let norm_gathered = (own_block > 0.0 && recompute == Recompute::Full).then_some(Term {
-        name: "the attention norm's weight, gathered again to recompute its output",
-        bytes: shape.norm * element,
-    });
+    let norm_gathered = (own_block > 0.0 && recompute == Recompute::Full)
+        .then_some(Term { name: ATTENTION_NORM_REGATHERED, bytes: shape.norm * element });
     // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
     // bubble they are freed by its reduce; under it B ran that backward, and a W without
     // recomputation reads none.)
@@ -1382,6 +1386,11 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
         held.extend(gradients.iter().cloned());
         held.extend(zigzag_ids.clone());
         held.extend(norm_gathered.clone());
+        // (Under zero bubble the last chunk's W holds the final norm's weight B gathered again
+        // for it, as the micro-batches waiting for theirs do.)
+        if shape.zero_bubble && chunk.last {
+            held.extend(final_norm_regathered_for_w(shape));
+        }
         held
     };
     let w_without_rope = shape.zero_bubble && !recomputing;
@@ -1667,6 +1676,10 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         attention,
     ]
 }
+
+/// Under ZeRO-3 with full recomputation, a tsp attention backward's term for the attention norm's
+/// weight, gathered again to recompute its output, live to the norm's backward.
+const ATTENTION_NORM_REGATHERED: &str = "the attention norm's weight, gathered again to recompute its output";
 
 /// The names of an owner's points in a tsp attention backward, by its place (the owners go last
 /// first: the first processed has every other owner still to come).

@@ -100,7 +100,8 @@
 //! (every other owner's activations still live, none summed) or one between them. Under ZeRO-3
 //! every rank passes its own attention blocks, gathered over its replicas again, to each owner's
 //! broadcasts: each is gathered at its first broadcast, in the first owner's backward, and freed
-//! after its last, the last owner's (outside zero bubble and full recomputation). Beside dp
+//! after its last, the last owner's (outside zero bubble; under full recomputation the attention
+//! norm's weight too, gathered to recompute its output, to the norm's backward). Beside dp
 //! the first stage's other candidate is the embedding rows' slicing, as under dp × tp. The closed
 //! form takes the rank's place on the axis. On more tokens a stage peaks inside an MLP ring's
 //! backward (`tsp_ring`, step by step: each step recomputes gate and up with the shard it holds,
