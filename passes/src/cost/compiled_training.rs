@@ -1082,9 +1082,9 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// degree D >= 2, alone or beside dp; a dense model or a mixture of experts split over tsp, or over
 /// ep beside it, with or without a shared expert), or `None` for any other layout (tsp beside
 /// another axis is not modelled, nor, under ZeRO-2 and 3, a mixture whose rank's experts or router
-/// rows do not divide over dp, or beside ep): the largest of these phases, each the buffers live at its highest point (`T` the
-/// step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one activation `[T/D, f/D]`, `H` one
-/// hidden state `[T/D, h]`):
+/// rows do not divide over dp, or beside ep): the largest of these phases, each the buffers live
+/// at its highest point (`T` the step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one
+/// activation `[T/D, f/D]`, `H` one hidden state `[T/D, h]`):
 /// - **the loss's backward**, the backward's start: every layer's kept values, the final norm's
 ///   input and (but under full recompute) its output gathered over the sequence, every token's
 ///   logits (the rank's vocabulary shard) beside their gradient and the loss's row statistics
@@ -1296,13 +1296,13 @@ pub fn compiled_tsp_training_peak(
     };
     // Every phase but the end's, the highest taken last.
     let mut candidates = rings;
-    // A mixture's routed experts, split over tsp, are dispatched over it in the backward as in the
-    // forward: one instruction makes the layer's expert, router and input gradients from a copy of
-    // its operands (the MLP norm's output, recomputed under full recompute, the router, the rank's
-    // experts and the layer's output gradient), beside the kept values of the layers up to it, the
-    // gradients of those above, and (with the load-balancing loss) the router's gradients from it
-    // and the expert counts summed over the layers (but in the first layer); under ZeRO-3 beside
-    // the router and the rank's experts gathered over dp again.
+    // A mixture's routed experts, split over tsp (or over ep beside it), are dispatched over that
+    // axis in the backward as in the forward: one instruction makes the layer's expert, router and
+    // input gradients from a copy of its operands (the MLP norm's output, recomputed under full
+    // recompute, the router, the rank's experts and the layer's output gradient), beside the kept
+    // values of the layers up to it, the gradients of those above, and (with the load-balancing
+    // loss) the router's gradients from it and the expert counts summed over the layers (but in the
+    // first layer); under ZeRO-3 beside the router and the rank's experts gathered over dp again.
     if let Some(experts) = model.experts.as_ref() {
         let router = (experts.count * model.hidden) as f64 * element;
         let local_experts = model.routed_expert_weights() as f64 / layout.expert_degree() as f64 * element;
@@ -1365,7 +1365,7 @@ pub fn compiled_tsp_training_peak(
                         name: "the layer's MLP norm output, freed",
                         bytes: if full { 0.0 } else { -sizes.hidden_state },
                     },
-                    Term { name: "the router's gradient, all-reduced over tsp", bytes: router },
+                    Term { name: "the router's gradient, reduced", bytes: router },
                     Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
                     Term { name: "the experts' gradients before their all-reduce over tsp", bytes: local_experts },
                     Term { name: "the first, all-reduced", bytes: local_experts / 3.0 },

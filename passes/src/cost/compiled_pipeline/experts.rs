@@ -8,8 +8,8 @@
 //! experts' channels, all-reduced over tp; then summed with the MLP norm output's gradient so far),
 //! then the router's, then the three `[E, h, f_e]` weight gradients; beside dp or cp (or over ep
 //! beside tsp) each weight gradient is all-reduced before it joins its sum, the MLP norm's output
-//! freed first. Then the MLP
-//! norm's backward, whose input gradient is summed into the attention residual's gradient.
+//! freed first. Then the MLP norm's backward, whose input gradient is summed into the attention
+//! residual's gradient.
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;

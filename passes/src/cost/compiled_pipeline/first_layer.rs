@@ -980,17 +980,18 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // each held for the owners after it: o's, v's and k's by its k part, q's next, for its q
         // part (which joins the sum as k's did, its gradients made).
         let gathered_by_k = shape.weights_gathered_again(hidden * (query + 2.0 * kv) / owners * element);
-        let q_part = (gathered_by_k > 0.0).then(|| {
+        let mut q_part = None;
+        if gathered_by_k > 0.0 {
             first_owner.retain(|term| term.name != OWN_Q_AND_K_BLOCKS);
             first_owner.push(Term { name: "the rank's o, v and k blocks, gathered again", bytes: gathered_by_k });
-            let mut q_part = first_owner.clone();
-            q_part.push(Term { name: "the rank's q block, gathered again", bytes: hidden * query / owners * element });
-            Candidate::made(
+            let mut held = first_owner.clone();
+            held.push(Term { name: "the rank's q block, gathered again", bytes: hidden * query / owners * element });
+            q_part = Some(Candidate::made(
                 "first layer's attention backward in B: the first owner's q part of the input gradient summed",
                 made_in_b,
-                q_part,
-            )
-        });
+                held,
+            ));
+        }
         points.push(Candidate::made(
             "first layer's attention backward in B: the first owner's k part of the input gradient summed",
             made_in_b,

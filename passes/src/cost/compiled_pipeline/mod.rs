@@ -120,10 +120,11 @@
 //! B's first layer's ring, or its attention backward (the input gradients; under full recomputation
 //! B recomputes every owner's q, k and v, which W reads) as the last owner's part of the input
 //! gradient is summed (without recomputation also the first owner's k part, and under ZeRO-3 its
-//! q part, every other owner's q, k and v live), in a forward's last layer's ring or as the last chunk makes every token's
-//! logits, as the first stage's B gathers the embedding output's gradient over the sequence (W
-//! reads every token's), as the last stage's B reduce-scatters the LM head's input gradient over
-//! it, or at the head of the last chunk's W (the LM head's gradient). Beside dp the last chunk may
+//! q part, every other owner's q, k and v live), in a forward's last layer's ring or as the last
+//! chunk makes every token's logits, as the first stage's B gathers the embedding output's
+//! gradient over the sequence (W reads every token's), as the last stage's B reduce-scatters the
+//! LM head's input gradient over it, or at the head of the last chunk's W (the LM head's
+//! gradient). Beside dp the last chunk may
 //! also peak as the LM head's weight gradient is made (beside the logits' and the head input's
 //! gradients), and the first stage as its whole-vocabulary embedding gradient is scattered from
 //! every token's gradient (gathered, both orders of the token ids live). Under ZeRO-2 and 3 the
