@@ -1352,45 +1352,39 @@ pub fn compiled_tsp_training_peak(
                 params: held_params,
                 terms: dispatched,
             };
-            // Over ep beside tsp, which keeps the experts whole (each tsp rank runs its own tokens
-            // through the rank's share over ep), the experts' and the router's gradients are
-            // partial sums over tsp, all-reduced over it one by one: as the first expert
-            // gradient's is, the router's done (its gradients from the load-balancing loss summed
-            // into it and into the MLP norm output's gradient), the dispatch's copy and the MLP
-            // norm's output freed, the other two waiting unreduced.
-            let reduced_phase = (ep > 1).then(|| {
-                let mut terms = held.clone();
-                terms.extend([
-                    Term {
-                        name: "the layer's MLP norm output, freed",
-                        bytes: if full { 0.0 } else { -sizes.hidden_state },
-                    },
-                    Term { name: "the router's gradient, reduced", bytes: router },
-                    Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
-                    Term { name: "the experts' gradients before their all-reduce over tsp", bytes: local_experts },
-                    Term { name: "the first, all-reduced", bytes: local_experts / 3.0 },
-                ]);
-                ForwardPhase { name: "a mixture's expert gradients all-reduced over tsp", params: held_params, terms }
-            });
-            // Under ZeRO-2 and 3 the experts' gradients, made whole, are then reduce-scattered
-            // over dp one by one, the first staged whole beside the others: the router's shard
-            // made (its gradients from the load-balancing loss summed into it and into the MLP
-            // norm output's gradient), the dispatch's copy and the MLP norm's output freed.
-            let scattered_phase = scattered.then(|| {
+            // Then the experts' gradients are reduced one by one: under ZeRO-2 and 3 reduce-scattered
+            // over dp, made whole, the first staged whole beside the others; over ep beside tsp,
+            // which keeps the experts whole (each tsp rank runs its own tokens through the rank's
+            // share over ep), all-reduced over tsp (they are partial sums over it), the first's
+            // result beside the other two. As the first is: the router's gradient made (its shard
+            // under ZeRO-2 and 3; its gradients from the load-balancing loss summed into it and into
+            // the MLP norm output's gradient), the dispatch's copy and the MLP norm's output freed.
+            // (ZeRO-2 and 3 beside ep are refused above: the two never meet.)
+            let reduction = if scattered {
+                Some((
+                    "a mixture's expert gradients reduce-scattered",
+                    "the first expert gradient's reduce-scatter staging",
+                ))
+            } else if ep > 1 {
+                Some(("a mixture's expert gradients all-reduced over tsp", "the first expert gradient, all-reduced"))
+            } else {
+                None
+            };
+            let reduced_phase = reduction.map(|(name, first)| {
                 let mut terms = held;
                 terms.extend([
                     Term {
                         name: "the layer's MLP norm output, freed",
                         bytes: if full { 0.0 } else { -sizes.hidden_state },
                     },
-                    Term { name: "the router's gradient shard", bytes: router * shard },
+                    Term { name: "the router's gradient (its shard under ZeRO-2 and 3)", bytes: router * shard },
                     Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
-                    Term { name: "the experts' gradients, whole", bytes: local_experts },
-                    Term { name: "the first expert gradient's reduce-scatter staging", bytes: local_experts / 3.0 },
+                    Term { name: "the experts' gradients, whole before their reduction", bytes: local_experts },
+                    Term { name: first, bytes: local_experts / 3.0 },
                 ]);
-                ForwardPhase { name: "a mixture's expert gradients reduce-scattered", params: held_params, terms }
+                ForwardPhase { name, params: held_params, terms }
             });
-            std::iter::once(dispatched).chain(scattered_phase).chain(reduced_phase)
+            std::iter::once(dispatched).chain(reduced_phase)
         };
         candidates.extend(dispatch_phases(0).chain(dispatch_phases(model.layers.saturating_sub(1))));
     }

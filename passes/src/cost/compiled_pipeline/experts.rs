@@ -13,7 +13,6 @@
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
-use super::super::workload::Recompute;
 use super::chunk::Candidate;
 use super::shared_expert::shared_expert_gradients;
 use super::{Place, StageShape};
@@ -140,7 +139,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // backward.
     if shape.dispatched() && !shape.experts_scattered() {
         if reduced {
-            held.extend(norm_gathered_again(shape));
+            held.extend(shape.norm_regathered(MLP_NORM_REGATHERED));
         } else {
             held.extend(weights_gathered_again(shape));
         }
@@ -158,6 +157,10 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         sum_pending: router_sum_pending(shape),
     })
 }
+
+/// Under ZeRO-3 with full recomputation the MLP norm's weight, gathered again to recompute its
+/// output, live to its backward.
+const MLP_NORM_REGATHERED: &str = "the MLP norm's weight, gathered again to recompute its output";
 
 /// The term of [`joining`] for the routed-expert gradients that wait unreduced beside dp or cp (or
 /// over ep beside tsp).
@@ -196,21 +199,13 @@ fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
 /// its output.
 fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
     let router = router_gradient_whole(shape)?.bytes;
-    let norm = norm_gathered_again(shape).map_or(0.0, |term| term.bytes);
+    let norm = shape.norm_regathered(MLP_NORM_REGATHERED).map_or(0.0, |term| term.bytes);
     // (Over ep alone ZeRO does not shard the experts.)
     let experts = if shape.experts_scattered() { 3.0 * expert_matrix(shape) } else { 0.0 };
     Some(Term {
         name: "the router's and the experts' weights (under full recomputation the MLP norm's), gathered again",
         bytes: router + experts + norm,
     })
-}
-
-/// Under ZeRO-3 with full recomputation the MLP norm's weight, gathered again to recompute its
-/// output, live to its backward.
-fn norm_gathered_again(shape: &StageShape) -> Option<Term> {
-    let bytes = shape.weights_gathered_again(shape.norm * shape.sizes.element);
-    (bytes > 0.0 && shape.recompute() == Recompute::Full)
-        .then_some(Term { name: "the MLP norm's weight, gathered again to recompute its output", bytes })
 }
 
 /// Under ZeRO-2 and 3, as the routed experts' last weight gradient is made: the three gradients,

@@ -872,9 +872,7 @@ fn tsp_head_read_by_w(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
 /// Under full recomputation ZeRO-3 gathers the final norm's weight again at the last chunk's B's
 /// head, for the recomputed head; W reads it again, to recompute the final norm's output.
 fn final_norm_regathered_for_w(shape: &StageShape) -> Option<Term> {
-    let bytes = shape.weights_gathered_again(shape.norm * shape.sizes.element);
-    (shape.recompute() == Recompute::Full && bytes > 0.0)
-        .then_some(Term { name: "the final norm's weight, gathered again (for W)", bytes })
+    shape.norm_regathered("the final norm's weight, gathered again (for W)")
 }
 
 /// Under zero bubble a tsp stage's B may peak inside its first layer's MLP ring backward
@@ -937,10 +935,7 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         ]);
         // (Under ZeRO-3 the attention norm's weight, gathered again to recompute its output, to
         // the norm's backward.)
-        let norm = shape.weights_gathered_again(shape.norm * element);
-        if norm > 0.0 {
-            held.push(Term { name: ATTENTION_NORM_REGATHERED, bytes: norm });
-        }
+        held.extend(shape.norm_regathered(ATTENTION_NORM_REGATHERED));
     } else if recompute == Recompute::None {
         held.push(Term {
             name: "every owner's q, k and v, freed (the forward kept attention's output)",
@@ -1376,8 +1371,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     } else {
         shape.weights_gathered_again(hidden * (2.0 * query + 2.0 * kv) / owners * element)
     };
-    let norm_gathered = (own_block > 0.0 && recompute == Recompute::Full)
-        .then_some(Term { name: ATTENTION_NORM_REGATHERED, bytes: shape.norm * element });
+    let norm_gathered = if shape.zero_bubble { None } else { shape.norm_regathered(ATTENTION_NORM_REGATHERED) };
     // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
     // bubble they are freed by its reduce; under it B ran that backward, and a W without
     // recomputation reads none.)

@@ -862,9 +862,7 @@ fn final_norm_input_regathered(shape: &StageShape) -> Option<Term> {
 /// Under full recomputation and ZeRO-3, the final norm's weight gathered over dp again for its
 /// recomputed output; its backward, past the LM head's, frees it.
 fn final_norm_weight_regathered(shape: &StageShape) -> Option<Term> {
-    let bytes = shape.weights_gathered_again(shape.norm * shape.sizes.element);
-    (shape.recompute() == Recompute::Full && bytes > 0.0)
-        .then_some(Term { name: "the final norm's weight, gathered over dp again", bytes })
+    shape.norm_regathered("the final norm's weight, gathered over dp again")
 }
 
 /// Under tsp (outside zero bubble) the stage may peak as the LM head's weight gradient joins its

@@ -745,6 +745,13 @@ impl<'a> StageShape<'a> {
         }
     }
 
+    /// Under ZeRO-3 with full recomputation a norm's weight, gathered again to recompute its
+    /// output, as the term `name`; `None` otherwise.
+    fn norm_regathered(&self, name: &'static str) -> Option<Term> {
+        let bytes = self.weights_gathered_again(self.norm * self.sizes.element);
+        (self.recompute() == Recompute::Full && bytes > 0.0).then_some(Term { name, bytes })
+    }
+
     /// [`Self::layer_mlp_gradients`], as the rank holds them under ZeRO-2 and 3.
     fn layer_mlp_gradient_shards(&self) -> f64 {
         self.sharded(self.layer_mlp_gradients(), self.layer_routed_experts())
