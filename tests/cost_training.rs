@@ -2961,7 +2961,9 @@ fn tsp_training_closed_form_equals_the_planners_peak_for_a_mixture() {
     // whole, each tsp rank runs its own tokens through the rank's share over ep, and the experts'
     // gradients are partial sums over tsp, all-reduced over it one by one, the first beside the
     // other two unreduced (3.6% below at ep=2 × tsp=4 before it was modelled); ZeRO 0 and 1,
-    // beside dp too.
+    // beside dp too; ZeRO-2 and 3, which split the dense parameters over dp × ep and the experts
+    // over dp alone (refused before), where under ZeRO-3 the router's gradient is still whole,
+    // gathered, as the experts' are all-reduced.
     let moe = preset("tiny-moe").unwrap();
     let configs = [
         moe.clone(),
@@ -2979,7 +2981,10 @@ fn tsp_training_closed_form_equals_the_planners_peak_for_a_mixture() {
         ("dp=2,tsp=4", 3),
         ("ep=2,tsp=2", 0),
         ("ep=2,tsp=4", 1),
+        ("ep=2,tsp=2", 2),
+        ("ep=2,tsp=4", 3),
         ("dp=2,ep=2,tsp=2", 0),
+        ("dp=2,ep=2,tsp=2", 3),
     ];
     let mut peaks = std::collections::BTreeSet::new();
     for config in &configs {
@@ -3010,6 +3015,38 @@ fn tsp_training_closed_form_equals_the_planners_peak_for_a_mixture() {
         "tsp mlp ring backward",
     ] {
         assert!(peaks.contains(name), "{name} is never the peak: {peaks:?}");
+    }
+}
+
+#[test]
+fn tsp_training_closed_form_keeps_whole_what_zero_cannot_split() {
+    // ZeRO splits a parameter's rows over each of its replicas' axes that divides them, and keeps
+    // the rest whole: with six experts at tsp=2 each rank's three experts stay whole over dp=2
+    // (their gradients reduced whole, their weights never gathered under ZeRO-3); over dp=2 ×
+    // ep=3 the closed form's shard of a dense parameter is a sixth, but only the router's six
+    // rows divide over both: every other dense parameter's rows (or next dim) divide over dp and
+    // not over ep, so a rank keeps half of it (ZeroSplits). Exact on every rank, each
+    // recomputation, 16 and 256 tokens (refused before; the sixths sum to whole bytes).
+    let moe = preset("tiny-moe").unwrap();
+    let six = pleat_ir::model::config::ModelConfig {
+        moe: moe.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { num_experts: 6, ..moe }),
+        ..moe
+    };
+    for (mesh, zero, batch) in [("dp=2,tsp=2", 2, 4), ("dp=2,tsp=2", 3, 4), ("dp=2,ep=3,tsp=2", 3, 6)] {
+        for seq in [16, 256] {
+            for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                for (program, phase) in tsp_training_peaks(&six, mesh, zero, recompute, batch, seq).1 {
+                    let planned = plan(&program, ElementSize::Fixed(4));
+                    assert_eq!(
+                        phase.bytes(),
+                        planned.peak_bytes as f64,
+                        "{mesh} ZeRO-{zero} {seq} tokens {recompute:?} rank {}: {:?}",
+                        program.rank,
+                        phase.terms
+                    );
+                }
+            }
+        }
     }
 }
 

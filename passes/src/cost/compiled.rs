@@ -58,9 +58,10 @@ pub struct ForwardPhase {
 }
 
 impl ForwardPhase {
-    /// Parameters plus every term.
+    /// Parameters plus every term, in whole bytes (a term that splits a buffer over three
+    /// replicas, say, is a fraction, which the others' make whole again up to rounding).
     pub fn bytes(&self) -> f64 {
-        self.params + self.terms.iter().map(|term| term.bytes).sum::<f64>()
+        (self.params + self.terms.iter().map(|term| term.bytes).sum::<f64>()).round()
     }
 }
 

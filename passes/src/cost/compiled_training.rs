@@ -93,8 +93,8 @@
 //! quarters and eight times the hidden size, with and without the load-balancing loss, on 8 to
 //! 512; and with Qwen2's q, k and v biases, dense and in the Qwen2-MoE fixture, on 8 to 512).
 //! tsp peaks inside the first layer's MLP ring backward instead: [`compiled_tsp_training_peak`]
-//! models tsp at any degree, alone or beside dp (ZeRO-2 and 3 included), a dense model or a
-//! mixture of experts split over it (or over ep beside it, under ZeRO 0 and 1).
+//! models tsp at any degree, alone or beside dp or ep (ZeRO-2 and 3 included), a dense model or a
+//! mixture of experts split over it (or over ep beside it).
 //! Pipelined stages (which hold each micro-batch's gradients beside their running sums, and the
 //! other micro-batches' activations) peak elsewhere: [`compiled_training_peak`] returns `None`
 //! for them, and [`super::compiled_pipeline`] models them.
@@ -1079,10 +1079,9 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 }
 
 /// The peak of the rank at `tsp_rank` on the tsp axis of a compiled tsp training step (tsp of
-/// degree D >= 2, alone or beside dp; a dense model or a mixture of experts split over tsp, or over
-/// ep beside it, with or without a shared expert), or `None` for any other layout (tsp beside
-/// another axis is not modelled, nor, under ZeRO-2 and 3, a mixture whose rank's experts or router
-/// rows do not divide over dp, or beside ep): the largest of these phases, each the buffers live
+/// degree D >= 2, alone or beside dp, ep or both; a dense model or a mixture of experts split over
+/// tsp, or over ep beside it, with or without a shared expert), or `None` for any other layout
+/// (the compiler refuses tsp beside tp or cp): the largest of these phases, each the buffers live
 /// at its highest point (`T` the step's tokens, `M` one MLP matrix's shard `h·f/D`, `A` one
 /// activation `[T/D, f/D]`, `H` one hidden state `[T/D, h]`):
 /// - **the loss's backward**, the backward's start: every layer's kept values, the final norm's
@@ -1113,10 +1112,11 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 ///   gradients from a copy of its operands: the MLP norm's output, the router, the rank's experts
 ///   and the layer's output gradient), beside the router's gradients from the load-balancing loss
 ///   and the expert counts summed over the layers (live until the first layer's load-balancing
-///   loss backward), under ZeRO-3 the router and the rank's experts gathered again; under ZeRO-2
-///   and 3 **as the first expert gradient is reduce-scattered** over dp, the three made whole; over
-///   ep (tsp keeping the experts whole, each rank's gradients partial sums over it) **as the first
-///   expert gradient is all-reduced over tsp**, the router's done, the other two unreduced; a
+///   loss backward), under ZeRO-3 the router and the rank's experts gathered again (where ZeRO
+///   splits them); under ZeRO-2 and 3 **as the first expert gradient is reduce-scattered** over
+///   dp, the three made whole; over ep (tsp keeping the experts whole, each rank's gradients
+///   partial sums over it) **as the first expert gradient is all-reduced over tsp**, the router's
+///   done (under ZeRO-3 still whole, its reduce-scatter to come), the other two unreduced; a
 ///   shared expert's ring comes first in the layer (its phase holds the layer's output gradient,
 ///   the gate vector's input and weight gradients, its own kept output and gate logit freed), its
 ///   gradients made by the dispatch;
@@ -1130,12 +1130,13 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// is tsp's alone: each gradient's dp all-reduce runs as the backward makes it, its sum replacing
 /// it (the phases hold the same bytes), and the embedding gradient's vocabulary shard is sliced
 /// before it is reduced, as under dp × tp. ZeRO-1 splits only the optimizer's state. ZeRO-2
-/// reduce-scatters each gradient over dp as the backward finishes it: every phase holds the dp
-/// shard of each finished gradient, or the whole of one whose rows (after tsp's split) do not
-/// divide over dp (`ZeroSplits`), and at the end the rank's tsp shard of the embedding
-/// gradient is sliced, beside the whole, before its reduce-scatter writes the rank's dp shard.
-/// ZeRO-3 holds the dp shard of each parameter too, or the whole of one whose rows do not divide
-/// ([`PARAMS_KEPT_WHOLE`]), and gathers the parameters whole again in the backward: an MLP
+/// reduce-scatters each gradient over its replicas (a dense one's dp × ep, a routed expert's dp)
+/// as the backward finishes it: every phase holds the shard of each finished gradient, or what
+/// stays of one whose rows (after tsp's or ep's split) do not divide over them (`ZeroSplits`), and
+/// at the end the rank's tsp shard of the embedding gradient is sliced, beside the whole, before
+/// its reduce-scatter writes the rank's shard. ZeRO-3 holds the shard of each parameter too, or
+/// what stays of one whose rows do not divide ([`PARAMS_KEPT_WHOLE`]), and gathers the
+/// parameters whole again in the backward: an MLP
 /// ring's phase holds its layer's MLP weights, an attention phase the layer's attention weights
 /// while an owner's broadcast is still to come (every rank passes its own to each owner's
 /// broadcast, so they stay until the last owner's; on three or more ranks the second owner's dv is
@@ -1149,7 +1150,7 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// and 3 at dp 2 and 4), on `tiny` and on a variant whose attention outweighs its MLP and
 /// vocabulary, each also with the embedding tied, on a vocabulary of 2048, and on `tiny-moe`
 /// (tied, a wide vocabulary, a shared expert a quarter of the hidden size and eight times it; over
-/// ep beside tsp and dp too).
+/// ep beside tsp and dp too, ZeRO 0 to 3; with six experts, whose rows ZeRO cannot always split).
 pub fn compiled_tsp_training_peak(
     model: &ModelShape,
     layout: &Layout,
@@ -1161,30 +1162,30 @@ pub fn compiled_tsp_training_peak(
     if tsp < 2 || tsp_rank >= tsp || layout.world_size() != tsp * dp * ep {
         return None;
     }
-    // ZeRO-2 reduce-scatters each gradient over dp as the backward finishes it: a rank holds its
-    // dp shard of every finished gradient (`shard` of it), but of a parameter whose rows do not
-    // divide over dp the whole (`ZeroSplits`). ZeRO-3 holds the parameters so too, and gathers
-    // each whole again where the backward reads it.
-    let scattered = dp > 1 && zero_stage(workload) >= 2;
-    let gathers = dp > 1 && zero_stage(workload) >= 3;
-    // (A mixture's experts and router whose rows, the rank's experts and every expert, do not
-    // divide over dp, which ZeRO-2 and 3 then keep whole, are not modelled; nor ZeRO-2 and 3
-    // beside ep, which shard the dense parameters over dp × ep.)
-    if ep > 1 && zero_stage(workload) >= 2 {
-        return None;
-    }
-    if let Some(experts) = model.experts.as_ref() {
-        if scattered && ((experts.count / tsp) % dp != 0 || experts.count % dp != 0) {
-            return None;
-        }
-    }
-    let shard = if scattered { 1.0 / dp as f64 } else { 1.0 };
-    let splits = ZeroSplits::new(model, tsp, if scattered { dp } else { 1 });
+    // ZeRO-2 reduce-scatters each gradient over its replicas as the backward finishes it: a rank
+    // holds its shard of every finished gradient, but of a parameter whose rows do not divide the
+    // whole (`ZeroSplits`). ZeRO-3 holds the parameters so too, and gathers each whole again where
+    // the backward reads it. A dense parameter's replicas are dp × ep (ep splits the batch as dp
+    // does), a routed expert's dp alone (ep splits the experts).
+    let zero = zero_stage(workload);
+    let scattered = dp * ep > 1 && zero >= 2;
+    let gathers = dp * ep > 1 && zero >= 3;
+    let shards = ParamShards {
+        dense: if scattered { (dp * ep) as f64 } else { 1.0 },
+        expert: if zero >= 2 { dp as f64 } else { 1.0 },
+    };
+    let splits = ZeroSplits::new(model, layout, zero >= 2);
     let compiled = Workload { tsp_shards_embeddings: true, ..workload.clone() };
     let element = model.dtype_bytes as f64;
+    // The rank's routed experts of one layer (`E/tsp`, or `E/ep` beside ep), elements.
+    let layer_experts = model.routed_expert_weights() as f64 / layout.expert_degree() as f64;
     let all_params = stage_params(model, layout, &compiled, 0, model.layers) * element;
-    let held_params = if gathers { all_params / dp as f64 } else { all_params };
+    let all_experts = model.layers as f64 * layer_experts * element;
+    let all_grads = shards.of(all_params - all_experts, all_experts);
+    let held_params = if zero >= 3 { all_grads } else { all_params };
     let first_layer = stage_params(model, layout, &compiled, 1, 1) - stage_params(model, layout, &compiled, 1, 0);
+    // Bytes of the gradients of `layers` whole layers: their shards.
+    let layer_grads = |layers: f64| shards.of(layers * (first_layer - layer_experts), layers * layer_experts) * element;
     let table = (model.vocab as f64 / tsp as f64).ceil() * model.hidden as f64;
     let owners = tsp as f64;
     // A tied table's gradient is the LM head's part, made at the backward's start, plus the
@@ -1233,10 +1234,10 @@ pub fn compiled_tsp_training_peak(
     let up_to_layer = |layer: u64| {
         let below = (layer + 1) as f64;
         vec![
-            Term { name: GRADIENTS, bytes: all_params * shard },
+            Term { name: GRADIENTS, bytes: all_grads },
             Term {
                 name: "gradients of the layers up to this one and the embedding, not finished yet (removed)",
-                bytes: -(first_layer * below + table) * element * shard,
+                bytes: -layer_grads(below) - table * element / shards.dense,
             },
             splits.grads_term(model.layers - layer - 1, false, true),
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
@@ -1263,12 +1264,12 @@ pub fn compiled_tsp_training_peak(
         });
         if gathers {
             terms.push(Term {
-                name: "the layer's MLP weights, gathered over dp again for its backward",
+                name: "the layer's MLP weights, gathered over their replicas again for its backward",
                 bytes: splits.mlp_gathered,
             });
             if workload.recompute == Recompute::Full {
                 terms.push(Term {
-                    name: "its MLP norm's weights, gathered over dp again for its recomputation",
+                    name: "its MLP norm's weights, gathered over their replicas again for its recomputation",
                     bytes: splits.norm_gathered,
                 });
             }
@@ -1280,7 +1281,7 @@ pub fn compiled_tsp_training_peak(
             terms.extend([
                 Term { name: "the layer's output gradient", bytes: sizes.hidden_state },
                 Term { name: "the shared expert's gate vector's input gradient", bytes: sizes.hidden_state },
-                Term { name: "the shared expert's gate vector's gradient", bytes: hidden * element * shard },
+                Term { name: "the shared expert's gate vector's gradient", bytes: hidden * element / shards.dense },
                 Term { name: EXPERT_COUNTS_SUMMED, bytes: statistics },
                 Term { name: "the layer's shared expert's kept values, freed", bytes: -shared_kept },
             ]);
@@ -1302,7 +1303,8 @@ pub fn compiled_tsp_training_peak(
     // recompute, the router, the rank's experts and the layer's output gradient), beside the kept
     // values of the layers up to it, the gradients of those above, and (with the load-balancing
     // loss) the router's gradients from it and the expert counts summed over the layers (but in the
-    // first layer); under ZeRO-3 beside the router and the rank's experts gathered over dp again.
+    // first layer); under ZeRO-3 beside the router and the rank's experts gathered over their
+    // replicas again (where ZeRO splits them).
     if let Some(experts) = model.experts.as_ref() {
         let router = (experts.count * model.hidden) as f64 * element;
         let local_experts = model.routed_expert_weights() as f64 / layout.expert_degree() as f64 * element;
@@ -1318,7 +1320,7 @@ pub fn compiled_tsp_training_peak(
                 // A shared expert's ring backward comes first: its kept values freed, its
                 // gradients made (its projections' tsp shards and its gate vector's).
                 Term { name: "the layer's shared expert's kept values, freed", bytes: -shared_kept },
-                Term { name: "the layer's shared expert's gradients", bytes: shared_gradients * shard },
+                Term { name: "the layer's shared expert's gradients", bytes: shared_gradients / shards.dense },
             ]);
             let mut dispatched = held.clone();
             dispatched.extend([
@@ -1337,12 +1339,12 @@ pub fn compiled_tsp_training_peak(
             ]);
             if gathers {
                 dispatched.push(Term {
-                    name: "the layer's router and experts, gathered over dp again for its backward",
-                    bytes: router + local_experts,
+                    name: "the layer's router and experts, gathered over their replicas again for its backward",
+                    bytes: splits.router_gathered + splits.experts_gathered,
                 });
                 if full {
                     dispatched.push(Term {
-                        name: "its MLP norm's weights, gathered over dp again for its recomputation",
+                        name: "its MLP norm's weights, gathered over their replicas again for its recomputation",
                         bytes: splits.norm_gathered,
                     });
                 }
@@ -1352,24 +1354,27 @@ pub fn compiled_tsp_training_peak(
                 params: held_params,
                 terms: dispatched,
             };
-            // Then the experts' gradients are reduced one by one: under ZeRO-2 and 3 reduce-scattered
-            // over dp, made whole, the first staged whole beside the others; over ep beside tsp,
-            // which keeps the experts whole (each tsp rank runs its own tokens through the rank's
-            // share over ep), all-reduced over tsp (they are partial sums over it), the first's
-            // result beside the other two. As the first is: the router's gradient made (its shard
-            // under ZeRO-2 and 3; its gradients from the load-balancing loss summed into it and into
-            // the MLP norm output's gradient), the dispatch's copy and the MLP norm's output freed.
-            // (ZeRO-2 and 3 beside ep are refused above: the two never meet.)
-            let reduction = if scattered {
+            // Then the experts' gradients are reduced one by one: over ep beside tsp, which keeps the
+            // experts whole (each tsp rank runs its own tokens through the rank's share over ep),
+            // all-reduced over tsp (they are partial sums over it), the first's result beside the
+            // other two; otherwise under ZeRO-2 and 3 reduce-scattered over dp, made whole, the
+            // first staged whole beside the others. As the first is: the router's gradient made
+            // (its gradients from the load-balancing loss summed into it and into the MLP norm
+            // output's gradient), the dispatch's copy and the MLP norm's output freed. The router's
+            // gradient is its shard under ZeRO-2 (whole where its rows do not divide), but under
+            // ZeRO-3 beside ep still whole: there the gradient of the router gathered whole is
+            // reduce-scattered after the experts' all-reduces.
+            let reduction = if ep > 1 {
+                Some(("a mixture's expert gradients all-reduced over tsp", "the first expert gradient, all-reduced"))
+            } else if scattered {
                 Some((
                     "a mixture's expert gradients reduce-scattered",
                     "the first expert gradient's reduce-scatter staging",
                 ))
-            } else if ep > 1 {
-                Some(("a mixture's expert gradients all-reduced over tsp", "the first expert gradient, all-reduced"))
             } else {
                 None
             };
+            let router_gradient = if ep > 1 && gathers { router } else { router / shards.dense + splits.router };
             let reduced_phase = reduction.map(|(name, first)| {
                 let mut terms = held;
                 terms.extend([
@@ -1377,7 +1382,10 @@ pub fn compiled_tsp_training_peak(
                         name: "the layer's MLP norm output, freed",
                         bytes: if full { 0.0 } else { -sizes.hidden_state },
                     },
-                    Term { name: "the router's gradient (its shard under ZeRO-2 and 3)", bytes: router * shard },
+                    Term {
+                        name: "the router's gradient (its shard under ZeRO-2, but beside ep under ZeRO-3)",
+                        bytes: router_gradient,
+                    },
                     Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
                     Term { name: "the experts' gradients, whole before their reduction", bytes: local_experts },
                     Term { name: first, bytes: local_experts / 3.0 },
@@ -1398,8 +1406,8 @@ pub fn compiled_tsp_training_peak(
     // (What the backward's start holds: no gradient yet, the loss, every layer's kept values and
     // the final norm's input.)
     let backward_start = [
-        Term { name: GRADIENTS, bytes: all_params * shard },
-        Term { name: "gradients, none finished yet (removed)", bytes: -all_params * shard },
+        Term { name: GRADIENTS, bytes: all_grads },
+        Term { name: "gradients, none finished yet (removed)", bytes: -all_grads },
         Term { name: "loss", bytes: element },
         Term { name: EXPERT_COUNTS_SUMMED, bytes: statistics },
         Term {
@@ -1466,10 +1474,10 @@ pub fn compiled_tsp_training_peak(
     let inside_attention_backward = |layer: u64, positions: bool| {
         let below = layer as f64;
         let mut terms = vec![
-            Term { name: GRADIENTS, bytes: all_params * shard },
+            Term { name: GRADIENTS, bytes: all_grads },
             Term {
                 name: "the layers' below it, its attention's and input norm's, and the embedding's gradients, not finished yet (removed)",
-                bytes: -(below * first_layer * element + block + input_norm + table * element) * shard,
+                bytes: -layer_grads(below) - (block + input_norm + table * element) / shards.dense,
             },
             splits.grads_term(model.layers - layer - 1, true, true),
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
@@ -1486,7 +1494,7 @@ pub fn compiled_tsp_training_peak(
         }
         if gathers && workload.recompute == Recompute::Full {
             terms.push(Term {
-                name: "its input norm's weights, gathered over dp again for its recomputation",
+                name: "its input norm's weights, gathered over their replicas again for its recomputation",
                 bytes: splits.norm_gathered,
             });
         }
@@ -1546,7 +1554,7 @@ pub fn compiled_tsp_training_peak(
             }
         } else if gathers {
             terms.push(Term {
-                name: "the layer's q, k and v weights, gathered over dp again for the last owner's input gradients",
+                name: "the layer's q, k and v weights, gathered over their replicas again for the last owner's input gradients",
                 bytes: splits.qkv_gathered,
             });
         }
@@ -1633,7 +1641,7 @@ pub fn compiled_tsp_training_peak(
         name: "end of backward",
         params: held_params,
         terms: vec![
-            Term { name: GRADIENTS, bytes: all_params * shard },
+            Term { name: GRADIENTS, bytes: all_grads },
             splits.grads_term(model.layers, false, true),
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
             Term { name: "loss", bytes: element },
@@ -1645,7 +1653,7 @@ pub fn compiled_tsp_training_peak(
     if scattered {
         end.terms.extend([
             Term { name: TSP_SHARD_SLICED_BEFORE_DP, bytes: table * element },
-            Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -table * element * shard },
+            Term { name: ZERO_EMBEDDING_SHARD_NOT_YET_WRITTEN, bytes: -table * element / shards.dense },
         ]);
     }
     // Just before: the whole-vocabulary gradient being scattered from every token's gradient (the
@@ -1654,10 +1662,10 @@ pub fn compiled_tsp_training_peak(
         name: "end of backward",
         params: held_params,
         terms: vec![
-            Term { name: GRADIENTS, bytes: all_params * shard },
+            Term { name: GRADIENTS, bytes: all_grads },
             Term {
                 name: "embedding gradient's vocabulary shard, not sliced yet (removed)",
-                bytes: -table * element * shard,
+                bytes: -table * element / shards.dense,
             },
             splits.grads_term(model.layers, false, true),
             Term { name: TIED_HEAD_GRADIENT, bytes: tied_head },
@@ -1688,6 +1696,7 @@ const EXPERT_COUNTS_SUMMED: &str = "the expert counts summed over the layers";
 /// (`pleat_ir::spec::ShardSpec::with_rows_split`); otherwise it stays whole. Of one layer, on a
 /// rank of tsp `tsp` (q, k and v split by heads, gate and up by channels; o, down and the norms
 /// keep `h` rows), and of the head (the LM head's `V/tsp` rows and the final norm's `h`).
+#[derive(Default)]
 struct ZeroSplits {
     /// A layer's attention and input norm, its MLP and MLP norm, and the head, bytes beyond the
     /// shards of what is kept whole.
@@ -1702,19 +1711,46 @@ struct ZeroSplits {
     qkv_gathered: f64,
     o_gathered: f64,
     norm_gathered: f64,
+    /// A mixture's router's bytes beyond its shard (a part of `mlp`).
+    router: f64,
+    /// A mixture's router and the rank's routed experts of one layer that ZeRO-3 gathers, whole.
+    router_gathered: f64,
+    experts_gathered: f64,
+}
+
+/// The replicas ZeRO splits a rank's gradients (or parameters) over: a dense one's, and a routed
+/// expert's (fewer: ep splits those). 1 where ZeRO does not split them.
+struct ParamShards {
+    dense: f64,
+    expert: f64,
+}
+
+impl ParamShards {
+    /// A rank's shards of `dense` and of `experts` (bytes or elements), summed.
+    fn of(&self, dense: f64, experts: f64) -> f64 {
+        dense / self.dense + experts / self.expert
+    }
 }
 
 impl ZeroSplits {
-    /// Nothing split or kept whole when `dp` is 1 (no ZeRO-2).
-    fn new(model: &ModelShape, tsp: u64, dp: u64) -> ZeroSplits {
+    /// The splits of a rank of `layout` (tsp, beside dp or ep); nothing split or kept whole
+    /// without ZeRO-2 (`scattered` false) or replicas.
+    fn new(model: &ModelShape, layout: &Layout, scattered: bool) -> ZeroSplits {
+        let (tsp, dp, ep) = (layout.degree(AxisName::Tsp), layout.degree(AxisName::Dp), layout.degree(AxisName::Ep));
+        if !scattered {
+            return ZeroSplits::default();
+        }
         let element = model.dtype_bytes as f64;
-        let zero_rows = ZeroRows::new(model, &Layout::new(&[(AxisName::Tsp, tsp), (AxisName::Dp, dp)], false));
-        // The bytes beyond the dp shard of a gradient of local `dims` (`copies` of them) whose
-        // rows do not divide.
-        let beyond = |dims: &[u64], copies: u64| {
+        let zero_rows = ZeroRows::new(model, layout);
+        // The bytes beyond the closed form's shard (a dense parameter's over dp × ep, an
+        // expert's over dp) of a gradient of local `dims` (`copies` of them) whose rows do not
+        // divide.
+        let beyond_as = |dims: &[u64], copies: u64, expert: bool| {
             let elements = (copies * dims.iter().product::<u64>()) as f64;
-            (zero_rows.shard(dims, elements, false) - elements / dp as f64) * element
+            let replicas = if expert { dp } else { dp * ep };
+            (zero_rows.shard(dims, elements, expert) - elements / replicas as f64) * element
         };
+        let beyond = |dims: &[u64], copies: u64| beyond_as(dims, copies, false);
         let (hidden, head_dim) = (model.hidden, model.head_dim);
         let norms = model.norm.params(hidden) / hidden;
         let heads = |count: u64| {
@@ -1727,19 +1763,32 @@ impl ZeroSplits {
         let o_dims = [hidden, model.heads / tsp, head_dim];
         let attention = heads(model.heads) + 2.0 * heads(model.kv_heads) + beyond(&o_dims, 1) + norm;
         let projections = if model.gated_mlp { 2.0 } else { 1.0 };
-        let mlp = projections * beyond(&[ffn, hidden], 1) + beyond(&[hidden, ffn], 1) + norm;
+        // The dense MLP (or a mixture's shared expert), and a mixture's router, shared expert's
+        // gate vector and the rank's routed experts.
+        let mut mlp = projections * beyond(&[ffn, hidden], 1) + beyond(&[hidden, ffn], 1) + norm;
+        let expert_dims = ZeroRows::expert_dims(model, layout);
+        let router_dims = model.experts.as_ref().map(|experts| [experts.count, hidden]);
+        let router = router_dims.map_or(0.0, |dims| beyond(&dims, 1));
+        if let Some(experts) = &model.experts {
+            mlp += router;
+            if experts.shared_expert {
+                mlp += beyond(&[hidden], 1);
+            }
+            mlp += expert_dims.iter().map(|dims| beyond_as(dims, 1, true)).sum::<f64>();
+        }
         let vocab = model.vocab.div_ceil(tsp);
         let head = beyond(&[vocab, hidden], 1) + beyond(&[hidden], norms);
         let embedding = if model.tied_embeddings { 0.0 } else { beyond(&[vocab, hidden], 1) };
         // The bytes of a parameter of local `dims` (`copies` of them) that ZeRO-3 splits, gathered
         // whole.
-        let gathered = |dims: &[u64], copies: u64| {
-            if zero_rows.splits(dims, false) {
+        let gathered_as = |dims: &[u64], copies: u64, expert: bool| {
+            if zero_rows.splits(dims, expert) {
                 (copies * dims.iter().product::<u64>()) as f64 * element
             } else {
                 0.0
             }
         };
+        let gathered = |dims: &[u64], copies: u64| gathered_as(dims, copies, false);
         let mlp_gathered = projections * gathered(&[ffn, hidden], 1) + gathered(&[hidden, ffn], 1);
         let gathered_heads = |count: u64| {
             let weights = gathered(&[count / tsp, head_dim, hidden], 1);
@@ -1749,7 +1798,22 @@ impl ZeroSplits {
         let qkv_gathered = gathered_heads(model.heads) + 2.0 * gathered_heads(model.kv_heads);
         let o_gathered = gathered(&o_dims, 1);
         let norm_gathered = gathered(&[hidden], norms);
-        ZeroSplits { attention, mlp, head, embedding, mlp_gathered, qkv_gathered, o_gathered, norm_gathered }
+        let router_gathered = router_dims.map_or(0.0, |dims| gathered(&dims, 1));
+        let experts_gathered =
+            if model.experts.is_some() { expert_dims.iter().map(|dims| gathered_as(dims, 1, true)).sum() } else { 0.0 };
+        ZeroSplits {
+            attention,
+            mlp,
+            head,
+            embedding,
+            mlp_gathered,
+            qkv_gathered,
+            o_gathered,
+            norm_gathered,
+            router,
+            router_gathered,
+            experts_gathered,
+        }
     }
 
     /// A layer's attention weights ZeRO-3 gathers, whole.
@@ -1983,18 +2047,26 @@ mod tests {
         assert_eq!(phase.bytes(), elements * 4.0);
         let beside_tp = Layout::new(&[(AxisName::Tp, 2), (AxisName::Tsp, 2)], false);
         assert_eq!(compiled_tsp_training_peak(&model, &beside_tp, &Workload::training(8, 2), 0), None);
-        // Nor, under ZeRO-2, a mixture whose rank's experts (8 over tsp=4: 2) do not divide over
-        // dp=4, which ZeRO keeps whole.
+        // Under ZeRO-2 a mixture whose rank's experts (8 over tsp=4: 2 rows) do not divide over
+        // dp=4 keeps their gradients whole, as q's (8 heads over tsp=4: 2 rows): at the end of
+        // the backward, beyond their quarters, three quarters of each layer's three [2, 64, 128]
+        // expert gradients and of its [2, 16, 128] q gradient, two layers.
         let mixture = ModelShape::from_config(&preset("tiny-moe").unwrap());
         let dp_tsp = Layout::new(&[(AxisName::Dp, 4), (AxisName::Tsp, 4)], false);
         let zero2 = Workload { zero: 2, ..Workload::training(8, 2) };
-        assert_eq!(compiled_tsp_training_peak(&mixture, &dp_tsp, &zero2, 0), None);
-        assert!(compiled_tsp_training_peak(&mixture, &dp_tsp, &Workload::training(8, 2), 0).is_some());
-        // Beside ep a mixture is modelled under ZeRO 0 and 1, not 2 (which would shard the dense
-        // parameters over ep too).
+        let phase = compiled_tsp_training_peak(&mixture, &dp_tsp, &zero2, 0).expect("ZeRO-2 is modelled");
+        let term = |phase: &ForwardPhase, name: &str| phase.terms.iter().find(|term| term.name == name).unwrap().bytes;
+        assert_eq!(phase.name, "end of backward");
+        assert_eq!(term(&phase, GRADS_KEPT_WHOLE), 2.0 * 0.75 * (3.0 * 2.0 * 64.0 * 128.0 + 2.0 * 16.0 * 128.0) * 4.0);
+        // Beside ep, ZeRO-2 shards a dense gradient over dp × ep and a routed expert's over dp
+        // alone: at ep=2 without dp each rank's experts (4 of 8, three [4, 64, 128] matrices a
+        // layer, two layers) stay whole and the rest is halved.
         let ep_tsp = Layout::new(&[(AxisName::Ep, 2), (AxisName::Tsp, 2)], false);
-        assert!(compiled_tsp_training_peak(&mixture, &ep_tsp, &Workload::training(8, 1), 0).is_some());
-        assert_eq!(compiled_tsp_training_peak(&mixture, &ep_tsp, &zero2, 0), None);
+        let experts = 2.0 * 3.0 * 4.0 * 64.0 * 128.0 * 4.0;
+        let unsharded = compiled_tsp_training_peak(&mixture, &ep_tsp, &Workload::training(8, 1), 0).unwrap();
+        let zero2 = Workload { zero: 2, ..Workload::training(8, 1) };
+        let sharded = compiled_tsp_training_peak(&mixture, &ep_tsp, &zero2, 0).expect("ZeRO-2 beside ep is modelled");
+        assert_eq!(term(&sharded, GRADIENTS), (term(&unsharded, GRADIENTS) - experts) / 2.0 + experts);
     }
 
     #[test]
