@@ -56,8 +56,9 @@ pub(super) struct Candidate {
     pub new_sum: Option<Term>,
     /// Of the gradients ZeRO keeps whole ([`ChunkHold::grads_kept_whole`]), the micro-batch has
     /// made all there but the k and v gradients of this many of the chunk's layers: inside its
-    /// first layer's backward that layer's, at the head of its backward every layer's.
-    pub key_values_pending: u64,
+    /// first layer's backward that layer's (a half once v's is made, k's not), at the head of its
+    /// backward every layer's.
+    pub key_values_pending: f64,
     /// The bytes whose running sum is made later in the backward: on a micro-batch's first
     /// backward of the chunk their sums do not exist yet. Of `so_far` at a backward's point (over
     /// ep beside the load-balancing loss, the router's gradient from the experts' backward, not
@@ -70,7 +71,7 @@ impl Candidate {
     /// A point where the micro-batch has made `so_far` of the chunk's gradients and none joins a
     /// sum.
     pub(super) fn made(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
-        Candidate { name, so_far, held, new_sum: None, key_values_pending: 0, sum_pending: 0.0 }
+        Candidate { name, so_far, held, new_sum: None, key_values_pending: 0.0, sum_pending: 0.0 }
     }
 
     /// A point where a gradient of `joins` bytes joins its sum: `so_far` counts it, and past the
@@ -156,7 +157,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     }
     // (At the head of W no layer's k and v weight gradients are made yet.)
     let head_of_w = zero_bubble::head_of_w(shape, &chunk, &between_b_and_w);
-    backward.extend(head_of_w.into_iter().map(|point| Candidate { key_values_pending: layers, ..point }));
+    backward.extend(head_of_w.into_iter().map(|point| Candidate { key_values_pending: layers as f64, ..point }));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
@@ -482,7 +483,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
         so_far: if scattered { before_joining } else { before_joining + joining },
         held,
         new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: 0.0,
     }];
     if let Some(held) = parts_summed {

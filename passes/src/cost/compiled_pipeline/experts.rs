@@ -153,7 +153,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         held,
         new_sum: (!shape.experts_scattered())
             .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: router_sum_pending(shape),
     })
 }

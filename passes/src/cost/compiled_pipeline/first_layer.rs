@@ -107,7 +107,7 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
         so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
         held,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     })
 }
@@ -146,7 +146,7 @@ pub(super) fn gate_input_gradient_scattered(shape: &StageShape, chunk: &Chunk) -
         so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
         held,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     })
 }
@@ -180,7 +180,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held: before_attention(shape, chunk, mlp),
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: 0.0,
     })
 }
@@ -284,7 +284,7 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         so_far: chunk.grads - not_made / shape.shards,
         held,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     })
 }
@@ -326,9 +326,10 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
 /// to the rank's tokens first), the attention norm output's gradients from v, k and q are summed as
 /// they are made, each of the whole hidden size (under tp partial, before their all-reduce), the
 /// attention residual's gradient and the norm's output live: a stage may peak as the gradients
-/// from v and k are summed (v's weight gradient made and summed, q's and k's gradients, RoPE's
-/// backward done, live beside the two and their sum), or as the one from q joins them (k's weight
-/// gradient made too, k's gradient freed); under ZeRO-3 with full recomputation beside the weights
+/// from v and k are summed (v's weight gradient made and summed, whole where ZeRO keeps k and v
+/// whole, and k's bias gradient; q's and k's gradients, RoPE's backward done, live beside the two
+/// and their sum), or as the one from q joins them (k's weight gradient and q's bias gradient made
+/// too, k's gradient freed); under ZeRO-3 with full recomputation beside the weights
 /// gathered again whose input gradients are still to come. `context` is what the micro-batch holds
 /// beside the layer's attention buffers, `attention_so_far` the gradients made by its attention
 /// kernel's backward, `names` the two points'.
@@ -339,9 +340,7 @@ pub(super) fn attention_input_gradients(
     attention_so_far: f64,
 ) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, stream, gathered, .. } = shape.sizes;
-    // (Where ZeRO keeps k's and v's rows whole, the walk counts both made or neither: not
-    // modelled.)
-    if shape.key_values_kept_whole > 0.0 || shape.tsp > 1 {
+    if shape.tsp > 1 {
         return Vec::new();
     }
     let mut common = context;
@@ -374,18 +373,21 @@ pub(super) fn attention_input_gradients(
             from_q.push(Term { name: "the layer's attention norm weight, gathered again", bytes: norm });
         }
     }
-    // A k or v projection's weight and bias gradient (under ZeRO-2 and 3 its shard).
-    let key_value = (hidden * kv + if shape.model.qkv_bias { kv } else { 0.0 }) * element / shape.shards;
+    // A k or v projection's weight and bias gradient (under ZeRO-2 and 3 its shard); a bias's
+    // gradient is made before its projection's input gradient, the weight's after.
+    let bias = |width: f64| if shape.model.qkv_bias { width * element / shape.shards } else { 0.0 };
+    let key_value = hidden * kv * element / shape.shards + bias(kv);
     vec![
+        // (Where ZeRO keeps k's and v's rows whole, v's is made whole and k's is still to come.)
         Candidate {
             name: names[0],
-            so_far: attention_so_far + key_value,
+            so_far: attention_so_far + key_value + bias(kv),
             held: from_v_and_k,
             new_sum: None,
-            key_values_pending: 1,
+            key_values_pending: 0.5,
             sum_pending: 0.0,
         },
-        Candidate::made(names[1], attention_so_far + 2.0 * key_value, from_q),
+        Candidate::made(names[1], attention_so_far + 2.0 * key_value + bias(query), from_q),
     ]
 }
 
@@ -433,7 +435,7 @@ pub(super) fn recomputed_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<
         so_far: chunk.grads - unmade / shape.shards,
         held: summed,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     });
     points
@@ -474,7 +476,7 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
             so_far: chunk.grads - (layer + chunk.table) / shape.shards,
             held,
             new_sum: None,
-            key_values_pending: 1,
+            key_values_pending: 1.0,
             sum_pending: 0.0,
         };
         // Then it is reduce-scattered, staged whole, what made it freed (the SiLU product, and
@@ -521,7 +523,7 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
             so_far: before_down + shape.gate,
             held,
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         }
     });
@@ -574,7 +576,7 @@ pub(super) fn mixture_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Can
     // (The layer's k and v gradients, which ZeRO keeps whole at dp=4 beside tp=2 or tsp=2, are
     // not made yet: counting them was 1.5% above the planner under ZeRO-3.)
     for point in &mut points {
-        point.key_values_pending = 1;
+        point.key_values_pending = 1.0;
     }
     points
 }
@@ -1041,7 +1043,7 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
     // (The layer's k and v gradients, which ZeRO keeps whole at dp=4 beside tp=2 or tsp=2, are
     // not made yet: counting them was 1.5% above the planner under ZeRO-3.)
     for point in &mut points {
-        point.key_values_pending = 1;
+        point.key_values_pending = 1.0;
     }
     points
 }
@@ -1109,7 +1111,7 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
         held.extend(shared_expert::weights_regathered(shape));
         held.extend(shared_expert::beside_under_sequence_parallelism(shape, false));
         held.extend(for_w.iter().cloned());
-        Candidate { name, so_far: made_in_b - layer, held, new_sum: None, key_values_pending: 0, sum_pending: layer }
+        Candidate { name, so_far: made_in_b - layer, held, new_sum: None, key_values_pending: 0.0, sum_pending: layer }
     };
     let gradients = Term {
         name:
@@ -1268,7 +1270,7 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
         held,
         new_sum: (!shape.scattered)
             .then_some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: 0.0,
     })
 }
@@ -1522,7 +1524,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 let head = if chunk.last { shape.head_gradient_summed() + shape.norm * element } else { 0.0 };
                 let so_far = (head + shape.norm * element) / shape.shards + shape.layer_mlp_gradient_shards();
                 last_layer_points.push(Candidate {
-                    key_values_pending: chunk.layers,
+                    key_values_pending: chunk.layers as f64,
                     ..Candidate::made(
                         "the last layer's attention kernel backward: the last owner's v gradient",
                         so_far,
@@ -1566,14 +1568,14 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
             so_far: chunk.grads - (block - o_block) - shape.norm * element - chunk.table,
             held,
             new_sum: Some(Term { name: "the joining o gradient's new sum beside the old", bytes: o_block }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
         in_w_last_layer.push((candidates.len() - 1, "the last layer's o gradient joins its sum, in W"));
     }
     // (Every point comes before the layer's k and v gradients are reduced to their owners.)
     for candidate in &mut candidates {
-        candidate.key_values_pending = 1;
+        candidate.key_values_pending = 1.0;
     }
     candidates.extend(last_layer_points);
     // Zero bubble's W takes the chunk's layers last to first: at its last layer's points the
@@ -1593,7 +1595,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 name,
                 so_far: first_layer.so_far - not_made,
                 held,
-                key_values_pending: chunk.layers,
+                key_values_pending: chunk.layers as f64,
                 ..first_layer.clone()
             });
         }
@@ -1653,7 +1655,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,
         held: attention,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     };
     if shape.model.experts.is_some() {
@@ -1665,7 +1667,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             so_far: chunk.grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + chunk.table) / shards,
             held: mlp,
             new_sum: None,
-            key_values_pending: 1,
+            key_values_pending: 1.0,
             sum_pending: 0.0,
         },
         attention,

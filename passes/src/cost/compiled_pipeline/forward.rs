@@ -18,9 +18,11 @@ use super::{tsp_ring, StageShape};
 /// routed experts' output and the shared expert's scaled output are summed (the layer's output not
 /// yet made), and under full recomputation as the shared expert's product, its down projection's
 /// output and its scaled output are made; under SP as the MLP's output is reduce-scattered over
-/// tp, and without SP as a mixture's routed experts' output is all-reduced over it; under full
-/// recomputation beside cp (without tp) as the last layer's attention runs on every token's k and
-/// v, gathered. The micro-batch holds all it keeps in flight there but what the rest of its
+/// tp, and without SP as a mixture's routed experts' output is all-reduced over it (under SP and
+/// ZeRO-3 the router, gathered for the experts, is kept to the layer's statistics, made after its
+/// output); under ZeRO-3 as a dense MLP's down projection's output is made beside its gathered
+/// weight; under full recomputation beside cp (without tp) as the last layer's attention runs on
+/// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what the rest of its
 /// forward makes (on the last chunk the head's buffers, and a mixture's counts' sum over the
 /// layers, whose statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
 /// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, ZeRO-2 and 3 included, whose
@@ -129,6 +131,14 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // output is made; under full recomputation beside the MLP norm's output, not kept but live
     // until then. (Beside a shared expert the two outputs, each whole, are summed first.)
     let sequence_parallel = shape.sequence_parallel();
+    // Under ZeRO-3 a mixture's router, gathered for its routed experts, stays until the layer's
+    // statistics: under SP made after the layer's output, so live at every point past the experts.
+    let router_kept = sequence_parallel && shape.model.experts.is_some();
+    let router_kept = Term {
+        name: "its last layer's router, gathered, read next by its statistics",
+        bytes: if router_kept { shape.weights_gathered_again(shape.router()) } else { 0.0 },
+    };
+    points[0].held.push(router_kept.clone());
     if sequence_parallel {
         let norm_output = if full { gathered } else { 0.0 };
         points.push(point(
@@ -141,6 +151,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                     name: "its last layer's MLP output, whole, and its reduce-scatter's staging",
                     bytes: 2.0 * gathered,
                 },
+                router_kept.clone(),
             ],
         ));
     }
@@ -204,6 +215,28 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             ],
         ));
     }
+    // Under ZeRO-3 a dense MLP's down projection reads its weight gathered over dp for it, freed
+    // once the projection's output (whole under SP, before its reduce-scatter) is made beside it
+    // and the SiLU product (kept, or under full recomputation not kept).
+    let down_gathered = shape.weights_gathered_again(shape.gate);
+    if shape.model.experts.is_none() && down_gathered > 0.0 {
+        points.push(point(
+            "the last layer's down projection in a forward",
+            vec![
+                positions.clone(),
+                before_layer_output.clone(),
+                Term {
+                    name: "its last layer's SiLU product, not kept",
+                    bytes: if full { local_tokens * ffn * element } else { 0.0 },
+                },
+                Term {
+                    name: "its last layer's MLP output (whole under SP)",
+                    bytes: if sequence_parallel { gathered } else { stream },
+                },
+                Term { name: "its last layer's down weight, gathered", bytes: down_gathered },
+            ],
+        ));
+    }
     // Under full recomputation the forward keeps none of a shared expert's activations either,
     // live as it runs beside the MLP norm's output and the routed experts' output (the layer's
     // output not yet made): as its product is made beside gate and up, as its down projection's
@@ -226,6 +259,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 held.push(Term { name: "its last layer's MLP norm output", bytes: gathered });
             }
             held.push(Term { name: "its last layer's routed experts' output", bytes: expert_output });
+            held.push(router_kept.clone());
             held.extend(own);
             held
         };
@@ -286,6 +320,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                     name: "its last layer's routed and shared experts' outputs and their sum",
                     bytes: 3.0 * expert_output,
                 },
+                router_kept,
             ],
         ));
     }
@@ -304,9 +339,11 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, token_split, .. } = shape.sizes;
     // (Without cp, where the logits are made in place: a mixture's stage under zero bubble, whose
-    // every layer's statistics are live there, outside SP.)
+    // every layer's statistics are live there; under SP but with full recomputation, whose final
+    // norm's buffers differ there.)
     let gathered = token_split > 1 && shape.cp > 1;
-    let made_in_place = shape.zero_bubble && shape.statistics > 0.0 && !shape.sequence_parallel();
+    let full = shape.recompute() == Recompute::Full;
+    let made_in_place = shape.zero_bubble && shape.statistics > 0.0 && !(shape.sequence_parallel() && full);
     if !(gathered || made_in_place) {
         return None;
     }
@@ -323,7 +360,6 @@ fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     if !gathered {
         // (Under full recomputation beside the final norm's buffers, not kept; under ZeRO-3 beside
         // the LM head's weight, gathered over dp for it.)
-        let full = shape.recompute() == Recompute::Full;
         let head = shape.sizes.vocab_shard * shape.sizes.hidden * element;
         held.extend([
             Term {

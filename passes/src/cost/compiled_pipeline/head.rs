@@ -19,7 +19,7 @@ pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candida
     let mut candidates = if chunk.last { last_chunk(shape, chunk) } else { other_chunk(shape, chunk) };
     // (No layer's k and v gradients are made yet.)
     for candidate in &mut candidates {
-        candidate.key_values_pending = chunk.layers;
+        candidate.key_values_pending = chunk.layers as f64;
     }
     candidates
 }
@@ -94,14 +94,14 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let mut candidates = vec![loss_backward(shape, chunk)];
     candidates.extend(table_gathered_for_the_head(shape, chunk));
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
-    // the head's input gradient beside it; under full recomputation (a dense stage's) the final
-    // norm's output recomputed for it, and its input gathered again under SP. (Beside dp, which
+    // the head's input gradient beside it; under full recomputation the final norm's output
+    // recomputed for it, and its input gathered again under SP. (Beside dp, which
     // reduces the gradient first, below; not modelled beside cp or tsp, whose logits' gradient is
-    // sliced back to the rank's tokens, or for a mixture under full recomputation.)
+    // sliced back to the rank's tokens.)
     let mixture = shape.model.experts.is_some() && shape.recompute() != Recompute::Full;
     let full = shape.recompute() == Recompute::Full;
-    let dense_full = full && shape.model.experts.is_none() && shape.tsp == 1 && !shape.scattered;
-    if shape.sizes.token_split == 1 && (shape.mlp_backward_modelled() || mixture || dense_full) && !shape.reduced {
+    let recomputed_norm = full && shape.tsp == 1 && !shape.scattered;
+    if shape.sizes.token_split == 1 && (shape.mlp_backward_modelled() || mixture || recomputed_norm) && !shape.reduced {
         let mut held = vec![
             Term { name: "its positions", bytes: chunk.positions },
             Term {
@@ -111,7 +111,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             Term { name: "the logits' gradient", bytes: logits },
             Term { name: "the LM head's input gradient", bytes: gathered },
         ];
-        if dense_full {
+        if recomputed_norm {
             held.push(Term {
                 name: "the final norm's output recomputed (and under SP its input gathered)",
                 bytes: shape.sizes.final_norm_buffers(),
@@ -129,7 +129,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             new_sum: head_part
                 .is_none()
                 .then_some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
     }
@@ -159,14 +159,13 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 head_part,
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
     }
     // (Under ZeRO-2 and 3 too, where it is reduce-scattered.)
     let dense_or_scattered = shape.model.experts.is_none() && shape.tsp == 1;
-    let dense = dense_or_scattered && !shape.scattered;
-    if shape.sizes.token_split == 1 && (dense_or_scattered || mixture) && shape.reduced {
+    if shape.sizes.token_split == 1 && (dense_or_scattered || shape.model.experts.is_some()) && shape.reduced {
         // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
         // their gradient, the head's input gradient (partial under tp, before its all-reduce)
         // and the unreduced weight gradient live, no gradient of the micro-batch's made yet.
@@ -197,12 +196,13 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         }
         candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held));
     }
-    if dense && shape.reduced && head_part.is_none() {
+    if shape.tsp == 1 && !shape.scattered && shape.reduced && head_part.is_none() {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
         // final norm's output (the head's input; recomputed for it under full recomputation)
         // freed before it was all-reduced, the head's input gradient and the unreduced copy
         // beside it, and under full recomputation with SP the norm's input gathered again for its
-        // backward. (Beside cp the targets are freed too, the loss's backward done.)
+        // backward. (Beside cp the targets are freed too, the loss's backward done; a mixture's
+        // two losses are summed by then.)
         let final_norm_output = if full { 0.0 } else { gathered };
         let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         candidates.push(Candidate {
@@ -213,7 +213,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term {
                     name:
                         "what it holds in flight but the logits and the final norm's output (and under cp the targets)",
-                    bytes: chunk.in_flight - logits - final_norm_output - targets,
+                    bytes: chunk.in_flight - logits - final_norm_output - targets - summed,
                 },
                 Term { name: "the LM head's input gradient", bytes: gathered },
                 Term { name: "the head gradient before its dp all-reduce", bytes: weight_gradient },
@@ -222,7 +222,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .chain(final_norm_input_regathered(shape))
             .collect(),
             new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
     }
@@ -251,7 +251,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             .chain(head_part.clone())
             .collect(),
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
         // Then as gate's output gradient is made beside the SiLU product's, the unreduced down
@@ -338,7 +338,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "the down gradient before its dp all-reduce", bytes: shape.gate },
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
         candidates.push(Candidate::made(
@@ -368,7 +368,7 @@ fn other_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 Term { name: "its last layer's SiLU product gradient", bytes: local_tokens * ffn * element },
             ],
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: 0.0,
         });
     }
@@ -426,7 +426,7 @@ fn mlp_norm_output_gradient(
 /// Under SP the down's backward reads the output gradient gathered over tp too. Without ZeRO or
 /// replicas the stage may peak as the gradient joins its sum, what made it still live.
 fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, vocab_shard, hidden, gathered, stream, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, gathered, stream, .. } = shape.sizes;
     let full = shape.recompute() == Recompute::Full;
     let modelled = shape.model.experts.is_none() && shape.tsp == 1;
     if !modelled {
@@ -436,7 +436,6 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // Beside a tied table the last chunk makes the head's part of its gradient whole, which joins
     // no sum here: it is sent back and held to the micro-batch's end.
     let head_part = shape.tied_head_part().filter(|_| chunk.last);
-    let weight_gradient = vocab_shard * hidden * element;
     let head_sum = shape.head_gradient_summed();
     let (in_flight, output_gradient, so_far) = if chunk.last {
         (
@@ -497,7 +496,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         so_far: so_far + shape.gate,
         held: joining,
         new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: 0.0,
     });
     if !shape.scattered && !full {
@@ -584,34 +583,49 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         Candidate::made("the last layer's down gradient reduce-scattered", so_far, scattered),
     ];
     points.extend(summed);
-    if chunk.last {
-        // (Beside cp the targets, every token's, are freed by then too.)
-        let targets = if shape.cp > 1 { shape.sizes.ids } else { 0.0 };
-        let mut held = vec![
-            Term { name: "its positions", bytes: chunk.positions },
-            Term {
-                name: "what it holds in flight but the logits and the head's input (and under cp the targets)",
-                bytes: chunk.in_flight - shape.logits() - if full { 0.0 } else { gathered } - targets,
-            },
-            Term { name: "the LM head's input gradient", bytes: gathered },
-        ];
-        // (Under full recomputation the final norm is recomputed for its backward: under SP from
-        // its input gathered over tp again, under ZeRO-3 with its weight gathered again.)
-        held.extend(final_norm_input_regathered(shape));
-        held.extend(final_norm_weight_regathered(shape));
-        let name = if let Some(head_part) = head_part {
-            held.push(head_part);
-            "the LM head's part of the tied table's gradient is made"
-        } else {
-            held.extend([
-                Term { name: "the LM head's weight gradient, whole", bytes: weight_gradient },
-                Term { name: "its reduce-scatter's staging", bytes: weight_gradient },
-            ]);
-            "the LM head's weight gradient reduce-scattered"
-        };
-        points.push(Candidate::made(name, 0.0, held));
-    }
+    points.extend(head_gradient_scattered(shape, chunk));
     points
+}
+
+/// Under ZeRO-2 and 3, on the last chunk, the LM head's weight gradient is reduce-scattered,
+/// staged whole (beside a tied table the head's part is made instead, and held): the logits, their
+/// gradient and the head's input freed (under full recomputation the copy recomputed for it; beside
+/// cp the targets too), the head's input gradient live (partial under tp), a mixture's two losses
+/// summed by then. (Under full recomputation the final norm is recomputed for its backward: under
+/// SP from its input gathered over tp again, under ZeRO-3 with its weight gathered again.)
+fn head_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
+    if !(chunk.last && shape.scattered) {
+        return None;
+    }
+    let full = shape.recompute() == Recompute::Full;
+    let targets = if shape.cp > 1 { shape.sizes.ids } else { 0.0 };
+    let mut held = vec![
+        Term { name: "its positions", bytes: chunk.positions },
+        Term {
+            name: "what it holds in flight but the logits and the head's input (and under cp the targets)",
+            bytes: chunk.in_flight
+                - shape.logits()
+                - if full { 0.0 } else { gathered }
+                - targets
+                - shape.load_balancing_loss(),
+        },
+        Term { name: "the LM head's input gradient", bytes: gathered },
+    ];
+    held.extend(final_norm_input_regathered(shape));
+    held.extend(final_norm_weight_regathered(shape));
+    let name = if let Some(head_part) = shape.tied_head_part() {
+        held.push(head_part);
+        "the LM head's part of the tied table's gradient is made"
+    } else {
+        let weight_gradient = vocab_shard * hidden * element;
+        held.extend([
+            Term { name: "the LM head's weight gradient, whole", bytes: weight_gradient },
+            Term { name: "its reduce-scatter's staging", bytes: weight_gradient },
+        ]);
+        "the LM head's weight gradient reduce-scattered"
+    };
+    Some(Candidate::made(name, 0.0, held))
 }
 
 /// The head of a mixture's backward on a chunk (under full recomputation beside the MLP norm's
@@ -675,6 +689,10 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     let mut candidates = shared_expert_points(shape, Place::LastLayer, &shared, head_gradients);
     candidates.extend(experts_points(shape, Place::LastLayer, &routed, head_gradients));
+    // (Not under tsp, whose head differs.)
+    if shape.tsp == 1 {
+        candidates.extend(head_gradient_scattered(shape, chunk));
+    }
     // (Not under tsp, whose attention backward takes the owners in turn: its first layer's points
     // stand above its last's.)
     if !full && chunk.layers > 1 && shape.tsp == 1 {
@@ -735,7 +753,7 @@ fn kept_last_layer_attention_backward(shape: &StageShape, context: Vec<Term>, he
         so_far,
         held,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     }
 }
@@ -781,7 +799,7 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         so_far,
         held,
         new_sum: None,
-        key_values_pending: 1,
+        key_values_pending: 1.0,
         sum_pending: 0.0,
     }];
     candidates.extend(super::first_layer::attention_input_gradients(
@@ -793,6 +811,10 @@ pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -
         context,
         so_far,
     ));
+    // (The layers below have made no k and v gradients yet.)
+    for candidate in &mut candidates {
+        candidate.key_values_pending += (chunk.layers - 1) as f64;
+    }
     candidates
 }
 
@@ -906,7 +928,7 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         so_far: weight_gradient,
         held,
         new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: 0.0,
     };
     if !shape.reduced {

@@ -341,7 +341,8 @@
 //! candidate is inside its first layer's backward, or W, as the gate gradient is scattered; k and
 //! v, where ZeRO keeps them whole, are named apart,
 //! [`super::compiled_training::GRADS_KEPT_WHOLE`], none of a chunk's made at the head of its
-//! backward or of its W); ZeRO-3 as ZeRO-2 with the parameters their
+//! backward or of its W, v's before k's in a layer's attention backward); ZeRO-3 as ZeRO-2 with
+//! the parameters their
 //! shards too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered beside
@@ -576,7 +577,8 @@ impl<'a> StageShape<'a> {
         let scattered = workload.zero >= 2 && replicas > 1;
         let zero_rows = ZeroRows::new(model, layout);
         let key_values_kept_whole = if scattered { zero_rows.beyond_key_values() * element } else { 0.0 };
-        let biases = if model.qkv_bias { model.query_width() + 2 * model.kv_width() } else { 0 } as f64;
+        // (The rank's q, k and v biases: its share of the heads, as its weights'.)
+        let biases = if model.qkv_bias { sizes.query + 2.0 * sizes.kv } else { 0.0 };
         StageShape {
             model,
             layout,

@@ -73,7 +73,7 @@ impl RingWalk {
             so_far: self.so_far,
             held,
             new_sum: joining.map(|bytes| Term { name: "the ring's output joining its sum, new beside old", bytes }),
-            key_values_pending: 0,
+            key_values_pending: 0.0,
             sum_pending: self.made_in_b.map_or(0.0, |made_in_b| made_in_b - self.so_far),
         });
     }

@@ -265,8 +265,9 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     let dense = shape.model.experts.is_none();
     let head_gradient = vocab_shard * hidden * element;
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
-    // gradient freed after.)
-    let (made_before, freed_before) = if chunk.last || dense {
+    // gradient freed after; under SP, whose forward makes the logit before the expert, last.)
+    let gate_vector_first = shared_expert && !shape.sequence_parallel();
+    let (made_before, freed_before) = if chunk.last || dense || (shared_expert && !gate_vector_first) {
         (0.0, 0.0)
     } else if shared_expert {
         (hidden * element / shape.shards, local_tokens * element)
@@ -322,21 +323,21 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
         let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
         let head = FirstJoin { gradient: head_gradient, names, lm_head: true, head_reads };
         points.extend(first_join_points(shape, &head, held.clone(), made_in_b));
-        // (Under tsp B made the MLP's gradients, a mixture's without a shared expert too; under
-        // ZeRO-2 and 3 not modelled further.)
-        if (!dense && !shared_expert) || shape.tsp > 1 || shape.scattered {
+        // (Under tsp B made the MLP's gradients, a mixture's without a shared expert too.)
+        if (!dense && !shared_expert) || shape.tsp > 1 {
             return points;
         }
         // A dense model's LM head's gradient has joined its sum (beside replicas all-reduced, its
-        // unreduced copy freed).
-        made_in_b += head_gradient;
+        // unreduced copy freed; under ZeRO-2 and 3 reduce-scattered, the rank's shard kept to
+        // the W's end, as every gradient W makes).
+        made_in_b += head_gradient / shape.shards;
     }
     if chunk.last {
         held.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         held.push(Term { name: "the final norm's input and output gradient, freed", bytes: -2.0 * gathered });
         made_in_b += shape.norm * element / shape.shards;
         // A shared expert's gate vector's gradient next, which frees the gate logit's gradient.
-        if shared_expert {
+        if gate_vector_first {
             held.push(Term { name: "the gate logit's gradient, freed", bytes: -local_tokens * element });
             made_in_b += hidden * element / shape.shards;
         }
@@ -707,7 +708,7 @@ pub(super) fn first_layer_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held,
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0,
+        key_values_pending: 0.0,
         sum_pending: 0.0,
     })
 }
