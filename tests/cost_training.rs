@@ -1385,7 +1385,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
     let mut names = std::collections::BTreeSet::new();
-    for (config, mesh, kind, micro_batches, zero_stage, recompute, sequence_parallel, seq) in [
+    for (config, mesh, kind, micro_batches, zero, recompute, sp, seq) in [
         (&mixture, "pp=2,dp=4,tp=2", one_f_one_b, 2u32, 2u8, full, false, 256u64),
         (&four, "pp=2,dp=4,tp=2", zero_bubble, 4, 3, none, true, 64),
         (&four, "pp=2,dp=2", zero_bubble, 4, 3, full, false, 64),
@@ -1399,14 +1399,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
         (&wide_mixture, "pp=2,dp=2,tp=2", one_f_one_b, 2, 2, none, true, 64),
         (&wide_mixture, "pp=2,cp=2,ep=2", one_f_one_b, 2, 3, none, false, 64),
     ] {
-        let layout = PipelinedLayout::one_sequence_a_micro_batch(
-            mesh,
-            kind,
-            micro_batches,
-            zero_stage,
-            recompute,
-            sequence_parallel,
-        );
+        let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero, recompute, sp);
         assert_exact_at(&mut names, config, &layout, seq);
     }
     for name in [
