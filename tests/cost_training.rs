@@ -1373,6 +1373,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     // - a mixture's wide vocabulary on the last stage: the LM head's weight gradient joining its
     //   sum under full recomputation (4.2% below beside tp, 11.2% beside ep, all-reduced first),
     //   or reduce-scattered under ZeRO-2 and 3 (5.6% at dp=2 × tp=2 with SP, 22.7% at cp=2 × ep=2).
+    // And ZeRO-3 on a mesh without replicas, which splits nothing (refused before).
     let four = four_layers();
     let [mixture, shared] = four_layer_mixtures();
     let biased = pleat_ir::model::config::ModelConfig {
@@ -1398,6 +1399,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
         (&wide_mixture, "pp=2,ep=2", one_f_one_b, 2, 0, full, false, 64),
         (&wide_mixture, "pp=2,dp=2,tp=2", one_f_one_b, 2, 2, none, true, 64),
         (&wide_mixture, "pp=2,cp=2,ep=2", one_f_one_b, 2, 3, none, false, 64),
+        (&four, "pp=2,tsp=2", one_f_one_b, 2, 3, none, false, 64),
     ] {
         let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero, recompute, sp);
         assert_exact_at(&mut names, config, &layout, seq);
