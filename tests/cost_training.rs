@@ -1373,6 +1373,8 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     // - a mixture's wide vocabulary on the last stage: the LM head's weight gradient joining its
     //   sum under full recomputation (4.2% below beside tp, 11.2% beside ep, all-reduced first),
     //   or reduce-scattered under ZeRO-2 and 3 (5.6% at dp=2 × tp=2 with SP, 22.7% at cp=2 × ep=2).
+    // - under tsp and zero bubble, a first stage's forward as every token's embedding is
+    //   reduce-scattered over tsp, staged whole (0.8% on a tied mixture at tsp=4, 1024 tokens).
     // And ZeRO-3 on a mesh without replicas, which splits nothing (refused before).
     let four = four_layers();
     let [mixture, shared] = four_layer_mixtures();
@@ -1399,6 +1401,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
         (&wide_mixture, "pp=2,ep=2", one_f_one_b, 2, 0, full, false, 64),
         (&wide_mixture, "pp=2,dp=2,tp=2", one_f_one_b, 2, 2, none, true, 64),
         (&wide_mixture, "pp=2,cp=2,ep=2", one_f_one_b, 2, 3, none, false, 64),
+        (&tied(mixture.clone()), "pp=2,tsp=4", zero_bubble, 4, 0, full, false, 1024),
         (&four, "pp=2,tsp=2", one_f_one_b, 2, 3, none, false, 64),
     ] {
         let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero, recompute, sp);
@@ -1410,6 +1413,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
         "the last layer's down gradient in W",
         "the LM head's weight gradient joins its sum",
         "the LM head's weight gradient reduce-scattered",
+        "every token's embedding reduce-scattered over tsp in a forward",
     ] {
         assert!(names.contains(name), "{name} is never the peak: {names:?}");
     }

@@ -22,10 +22,11 @@ use super::{tsp_ring, StageShape};
 /// ZeRO-3 the router, gathered for the experts, is kept to the layer's statistics, made after its
 /// output); under ZeRO-3 as a dense MLP's down projection's output is made beside its gathered
 /// weight; under full recomputation beside cp (without tp) as the last layer's attention runs on
-/// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what the rest of its
-/// forward makes (on the last chunk the head's buffers, and a mixture's counts' sum over the
-/// layers, whose statistics are all live instead). On the last chunk beside cp also [`logits_gathered`]; under
-/// tsp only [`tsp_logits_reordered`]. (Under zero bubble only, ZeRO-2 and 3 included, whose
+/// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what
+/// the rest of its forward makes (on the last chunk the head's buffers, and a mixture's counts'
+/// sum over the layers, whose statistics are all live instead). On the last chunk beside cp also
+/// [`logits_gathered`]; under tsp only [`tsp_logits_reordered`], and on the first chunk
+/// [`tsp_embedding_scattered`]. (Under zero bubble only, ZeRO-2 and 3 included, whose
 /// running sums are the rank's shards; under ZeRO-3 a tsp ring's weights, and the router and
 /// experts of a mixture's dispatch over tsp, are gathered over dp beside it. Under another
 /// schedule only [`logits_gathered`], every
@@ -107,6 +108,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 points.extend(tsp_ring::ring_forward(shape, &tsp_ring::SHARED_LAST_LAYER_FORWARD, before_ring));
             }
             points.extend(tsp_logits_reordered(shape, chunk));
+            points.extend(tsp_embedding_scattered(shape, chunk));
             return points;
         }
         // (Under full recomputation the forward keeps none of the ring's input, live as it runs.)
@@ -118,6 +120,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         ];
         points.extend(tsp_ring::ring_forward(shape, &tsp_ring::LAST_LAYER_FORWARD, before_ring));
         points.extend(tsp_logits_reordered(shape, chunk));
+        points.extend(tsp_embedding_scattered(shape, chunk));
         return points;
     }
     let shared_expert = shape.shared_expert();
@@ -372,6 +375,25 @@ fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     }
     held.push(Term { name: "every token's logits, gathered before their reordering", bytes: shape.logits() });
     Some(Candidate::made("every token's logits gathered in a forward", 0.0, held))
+}
+
+/// Under tsp the first chunk's forward begins by embedding every token (in zigzag order) and
+/// reduce-scattering the result over tsp to the rank's tokens, staged whole: the stage may peak
+/// there beside the micro-batches between their B and W, the forwarded one holding nothing else
+/// but its token ids (in both orders) and positions.
+fn tsp_embedding_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { ids, every_token, .. } = shape.sizes;
+    (chunk.first && shape.tsp > 1).then(|| {
+        Candidate::made(
+            "every token's embedding reduce-scattered over tsp in a forward",
+            0.0,
+            vec![
+                Term { name: "its token ids, in both orders", bytes: 2.0 * ids },
+                Term { name: "its positions", bytes: chunk.positions },
+                Term { name: "every token's embedding, and its reduce-scatter's staging", bytes: 2.0 * every_token },
+            ],
+        )
+    })
 }
 
 /// Under tsp the last chunk's forward makes every token's logits over the rank's vocabulary shard
