@@ -1374,7 +1374,8 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     //   sum under full recomputation (4.2% below beside tp, 11.2% beside ep, all-reduced first),
     //   or reduce-scattered under ZeRO-2 and 3 (5.6% at dp=2 × tp=2 with SP, 22.7% at cp=2 × ep=2).
     // - under tsp and zero bubble, a first stage's forward as every token's embedding is
-    //   reduce-scattered over tsp, staged whole (0.8% on a tied mixture at tsp=4, 1024 tokens).
+    //   reduce-scattered over tsp, staged whole (0.8% on a tied mixture at tsp=4, 1024 tokens);
+    // - a mixture's loss's backward in B, its two losses apart until W sums them (4 B).
     // And ZeRO-3 on a mesh without replicas, which splits nothing (refused before).
     let four = four_layers();
     let [mixture, shared] = four_layer_mixtures();
@@ -1402,6 +1403,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
         (&wide_mixture, "pp=2,dp=2,tp=2", one_f_one_b, 2, 2, none, true, 64),
         (&wide_mixture, "pp=2,cp=2,ep=2", one_f_one_b, 2, 3, none, false, 64),
         (&tied(mixture.clone()), "pp=2,tsp=4", zero_bubble, 4, 0, full, false, 1024),
+        (&wide_mixture, "pp=2", zero_bubble, 2, 0, none, false, 1024),
         (&four, "pp=2,tsp=2", one_f_one_b, 2, 3, none, false, 64),
     ] {
         let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero, recompute, sp);
@@ -1414,6 +1416,7 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
         "the LM head's weight gradient joins its sum",
         "the LM head's weight gradient reduce-scattered",
         "every token's embedding reduce-scattered over tsp in a forward",
+        "the loss's backward in B",
     ] {
         assert!(names.contains(name), "{name} is never the peak: {names:?}");
     }

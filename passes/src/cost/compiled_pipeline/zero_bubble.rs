@@ -616,7 +616,8 @@ pub(super) fn tsp_embedding_gradient_gathered(
 }
 
 /// Under zero bubble the last chunk's B begins with the loss's backward ([`head::loss_backward`]):
-/// the micro-batch holds all its forward kept and the logits' gradient beside the micro-batches
+/// the micro-batch holds all its forward kept (a mixture's two losses apart: W sums them) and the
+/// logits' gradient beside the micro-batches
 /// between B and W, none of its B gradients made (on its first B of the chunk none of their sums
 /// exist), nor yet what its W reads of the later layers. Under tsp B next makes the LM head's
 /// input gradient, every token's, and reduce-scatters it over the sequence (staged whole), the
@@ -637,6 +638,10 @@ pub(super) fn head_of_b(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     }
     let mut points = vec![Candidate { name: "the loss's backward in B", ..head::loss_backward(shape, chunk) }];
     points.extend(head::table_gathered_for_the_head(shape, chunk));
+    // (A mixture's two losses are summed in W: in B they are apart.)
+    for point in &mut points {
+        point.held.push(Term { name: "its two losses, apart until W sums them", bytes: shape.load_balancing_loss() });
+    }
     if shape.tsp > 1 {
         points.push(Candidate::made(
             "the LM head's input gradient reduce-scattered in B",
