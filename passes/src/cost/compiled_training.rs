@@ -1136,12 +1136,11 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// at the end the rank's tsp shard of the embedding gradient is sliced, beside the whole, before
 /// its reduce-scatter writes the rank's shard. ZeRO-3 holds the shard of each parameter too, or
 /// what stays of one whose rows do not divide ([`PARAMS_KEPT_WHOLE`]), and gathers the
-/// parameters whole again in the backward: an MLP
-/// ring's phase holds its layer's MLP weights, an attention phase the layer's attention weights
-/// while an owner's broadcast is still to come (every rank passes its own to each owner's
-/// broadcast, so they stay until the last owner's; on three or more ranks the second owner's dv is
-/// then a candidate), and under full recomputation the norm recomputed for the phase holds its
-/// weights until its backward. The rank's own attention o reduce as the first owner (the axis's
+/// parameters whole again in the backward: an MLP ring's phase holds its layer's MLP weights, an
+/// attention phase the layer's attention weights while an owner's broadcast is still to come
+/// (every rank passes its own to each owner's broadcast, so they stay until the last owner's; on
+/// three or more ranks the second owner's dv is then a candidate), and under full recomputation
+/// the norm recomputed for the phase holds its weights until its backward. The rank's own attention o reduce as the first owner (the axis's
 /// last rank) and another rank's to it, with no owners' results before them, are candidates too.
 /// With the embedding tied to the head, every phase after the head's holds the head's part of the
 /// table's gradient, `[V/D, h]`, whole over dp until the embedding's part joins it at the end
@@ -1307,7 +1306,7 @@ pub fn compiled_tsp_training_peak(
     // replicas again (where ZeRO splits them).
     if let Some(experts) = model.experts.as_ref() {
         let router = (experts.count * model.hidden) as f64 * element;
-        let local_experts = model.routed_expert_weights() as f64 / layout.expert_degree() as f64 * element;
+        let local_experts = layer_experts * element;
         let full = workload.recompute == Recompute::Full;
         let shared_gradients = if experts.shared_expert { 3.0 * sizes.matrix + hidden * element } else { 0.0 };
         let dispatch_phases = |layer: u64| {
@@ -1383,7 +1382,7 @@ pub fn compiled_tsp_training_peak(
                         bytes: if full { 0.0 } else { -sizes.hidden_state },
                     },
                     Term {
-                        name: "the router's gradient (its shard under ZeRO-2, but beside ep under ZeRO-3)",
+                        name: "the router's gradient (under ZeRO its shard, but whole under ZeRO-3 beside ep)",
                         bytes: router_gradient,
                     },
                     Term { name: "the MLP norm output's gradient", bytes: sizes.hidden_state },
@@ -1690,12 +1689,14 @@ pub fn compiled_tsp_training_peak(
 /// loss), live from the forward's end until the first layer's load-balancing loss backward.
 const EXPERT_COUNTS_SUMMED: &str = "the expert counts summed over the layers";
 
-/// How ZeRO-2 and 3 split a tsp rank's tensors over dp: a gradient is reduce-scattered over dp on
-/// its rows (its first dim, after tsp's split), and under ZeRO-3 a parameter is split so and
-/// gathered whole before each use, only where the rows divide over dp
-/// (`pleat_ir::spec::ShardSpec::with_rows_split`); otherwise it stays whole. Of one layer, on a
-/// rank of tsp `tsp` (q, k and v split by heads, gate and up by channels; o, down and the norms
-/// keep `h` rows), and of the head (the LM head's `V/tsp` rows and the final norm's `h`).
+/// How ZeRO-2 and 3 split a tsp rank's tensors over their replicas (a dense one's dp, then ep; a
+/// routed expert's dp): a gradient is reduce-scattered over each axis on its rows (its first dim
+/// left above one, after tsp's or ep's split), and under ZeRO-3 a parameter is split so and
+/// gathered whole before each use, only where the rows divide (`super::zero_rows`); otherwise it
+/// stays whole, or split over fewer axes. Of one layer, on a rank of tsp `tsp` (q, k and v split
+/// by heads, gate and up by channels; o, down and the norms keep `h` rows; a mixture's router its
+/// `E`, its experts their rank's share), and of the head (the LM head's `V/tsp` rows and the final
+/// norm's `h`).
 #[derive(Default)]
 struct ZeroSplits {
     /// A layer's attention and input norm, its MLP and MLP norm, and the head, bytes beyond the
