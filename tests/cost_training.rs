@@ -3092,16 +3092,26 @@ fn tsp_training_closed_form_keeps_whole_what_zero_cannot_split() {
     // ep=3 the closed form's shard of a dense parameter is a sixth, but only the router's six
     // rows divide over both: every other dense parameter's rows (or next dim) divide over dp and
     // not over ep, so a rank keeps half of it (ZeroSplits). Exact on every rank, each
-    // recomputation, 16 and 256 tokens (refused before; the sixths sum to whole bytes).
+    // recomputation, 16 and 256 tokens (refused before; the sixths sum to whole bytes). With a
+    // shared expert at dp=4 × tsp=4 (two experts a rank, kept whole) on 64 tokens, a middle
+    // owner's q input gradient is made beside the activations of the owners still to come (4 KB
+    // below before it was modelled).
     let moe = preset("tiny-moe").unwrap();
     let six = pleat_ir::model::config::ModelConfig {
         moe: moe.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { num_experts: 6, ..moe }),
         ..moe
     };
-    for (mesh, zero, batch) in [("dp=2,tsp=2", 2, 4), ("dp=2,tsp=2", 3, 4), ("dp=2,ep=3,tsp=2", 3, 6)] {
-        for seq in [16, 256] {
+    let shared = with_a_shared_expert(32, true);
+    let mut peaks = std::collections::BTreeSet::new();
+    for (config, mesh, zero, batch, seqs) in [
+        (&six, "dp=2,tsp=2", 2, 4, &[16, 256][..]),
+        (&six, "dp=2,tsp=2", 3, 4, &[16, 256]),
+        (&six, "dp=2,ep=3,tsp=2", 3, 6, &[16, 256]),
+        (&shared, "dp=4,tsp=4", 3, 8, &[64]),
+    ] {
+        for &seq in seqs {
             for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                for (program, phase) in tsp_training_peaks(&six, mesh, zero, recompute, batch, seq).1 {
+                for (program, phase) in tsp_training_peaks(config, mesh, zero, recompute, batch, seq).1 {
                     let planned = plan(&program, ElementSize::Fixed(4));
                     assert_eq!(
                         phase.bytes(),
@@ -3110,10 +3120,13 @@ fn tsp_training_closed_form_keeps_whole_what_zero_cannot_split() {
                         program.rank,
                         phase.terms
                     );
+                    peaks.insert(phase.name);
                 }
             }
         }
     }
+    let name = "an attention backward's q input gradient, owners still to come";
+    assert!(peaks.contains(name), "{name} is never the peak: {peaks:?}");
 }
 
 #[test]

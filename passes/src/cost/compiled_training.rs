@@ -1106,7 +1106,8 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 ///   dq, dk and dv); as o's gradient is reduced to this rank or to another owner (the rank's
 ///   contributions to that owner's block, the owners' results before it and the activations of
 ///   the owners after it, which differ with the rank's place on the axis); or, without full
-///   recompute, inside the last owner's backward as q's input gradient is made;
+///   recompute, inside an owner's backward as q's input gradient is made (the last owner's, or
+///   another's beside the activations of the owners still to come);
 /// - a mixture's layer, the first or the last, in place of the MLP ring: **as its experts' backward
 ///   is dispatched over tsp** (one instruction making the layer's expert, router and input
 ///   gradients from a copy of its operands: the MLP norm's output, the router, the rank's experts
@@ -1609,27 +1610,38 @@ pub fn compiled_tsp_training_peak(
             "an attention o gradient reduced to the first owner"
         };
         candidates.push(reducing(name, first.contributions, first.reduce, first.after));
-        // - Without full recompute, inside the last owner's backward (the axis's first), as q's
-        //   input gradient is made from q's gradient after RoPE and q's weights, broadcast again:
-        //   the rank's contributions to that owner's k, v and o gradients so far, and the layer's
-        //   attention norm output (q's weight gradient reads it next).
+        // - Without full recompute, inside an owner's backward, as q's input gradient is made
+        //   from q's gradient after RoPE and q's weights, broadcast again: the rank's
+        //   contributions to that owner's k, v and o gradients so far, the layer's attention norm
+        //   output (q's weight gradient reads it next) and, with `after` owners still to come,
+        //   their activations; the last owner's (the axis's first) or another's.
         if workload.recompute != Recompute::Full {
             let q_weights = hidden * query / owners * element;
-            let mut phase = reducing(
-                "an attention backward's last owner's q input gradient",
-                "its contributions to the last owner's k, v and o gradients",
-                Term { name: "q's gradient after RoPE", bytes: owner_query * element },
-                0,
-            );
-            for term in phase.terms.iter_mut().filter(|term| term.name.starts_with("its contributions")) {
-                term.bytes -= q_weights;
+            for after in 0..tsp {
+                let name = if after == 0 {
+                    "an attention backward's last owner's q input gradient"
+                } else {
+                    "an attention backward's q input gradient, owners still to come"
+                };
+                let mut phase = reducing(
+                    name,
+                    "its contributions to the owner's k, v and o gradients",
+                    Term { name: "q's gradient after RoPE", bytes: owner_query * element },
+                    after,
+                );
+                for term in phase.terms.iter_mut().filter(|term| term.name.starts_with("its contributions")) {
+                    term.bytes -= q_weights;
+                }
+                // (With owners still to come `reducing` holds the norm's output already.)
+                if after == 0 {
+                    phase.terms.push(Term { name: "the layer's attention norm output", bytes: sizes.hidden_state });
+                }
+                phase.terms.extend([
+                    Term { name: "the owner's q weights, broadcast again", bytes: q_weights },
+                    Term { name: "q's input gradient being made", bytes: sizes.hidden_state },
+                ]);
+                candidates.push(phase);
             }
-            phase.terms.extend([
-                Term { name: "the layer's attention norm output", bytes: sizes.hidden_state },
-                Term { name: "the last owner's q weights, broadcast again", bytes: q_weights },
-                Term { name: "q's input gradient being made", bytes: sizes.hidden_state },
-            ]);
-            candidates.push(phase);
         }
     }
     let highest = candidates.into_iter().reduce(|best, phase| if phase.bytes() > best.bytes() { phase } else { best });
