@@ -1372,7 +1372,8 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     //   layer's statistics after its output (4 KB), and the logits made in a forward (220 B);
     // - a mixture's wide vocabulary on the last stage: the LM head's weight gradient joining its
     //   sum under full recomputation (4.2% below beside tp, 11.2% beside ep, all-reduced first),
-    //   or reduce-scattered under ZeRO-2 and 3 (5.6% at dp=2 × tp=2 with SP, 22.7% at cp=2 × ep=2).
+    //   or reduce-scattered under ZeRO-2 and 3 (5.6% at dp=2 × tp=2 with SP, 22.7% at
+    //   cp=2 × ep=2).
     // - under tsp and zero bubble, a first stage's forward as every token's embedding is
     //   reduce-scattered over tsp, staged whole (0.8% on a tied mixture at tsp=4, 1024 tokens);
     // - a mixture's loss's backward in B, its two losses apart until W sums them (4 B).

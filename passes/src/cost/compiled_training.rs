@@ -1141,8 +1141,9 @@ fn end_of_backward(model: &ModelShape, layout: &Layout, workload: &Workload) -> 
 /// attention phase the layer's attention weights while an owner's broadcast is still to come
 /// (every rank passes its own to each owner's broadcast, so they stay until the last owner's; on
 /// three or more ranks the second owner's dv is then a candidate), and under full recomputation
-/// the norm recomputed for the phase holds its weights until its backward. The rank's own attention o reduce as the first owner (the axis's
-/// last rank) and another rank's to it, with no owners' results before them, are candidates too.
+/// the norm recomputed for the phase holds its weights until its backward. The rank's own
+/// attention o reduce as the first owner (the axis's last rank) and another rank's to it, with no
+/// owners' results before them, are candidates too.
 /// With the embedding tied to the head, every phase after the head's holds the head's part of the
 /// table's gradient, `[V/D, h]`, whole over dp until the embedding's part joins it at the end
 /// ([`TIED_HEAD_GRADIENT`]). `tests/cost_training.rs` checks the result against the planner to the
@@ -1354,16 +1355,16 @@ pub fn compiled_tsp_training_peak(
                 params: held_params,
                 terms: dispatched,
             };
-            // Then the experts' gradients are reduced one by one: over ep beside tsp, which keeps the
-            // experts whole (each tsp rank runs its own tokens through the rank's share over ep),
-            // all-reduced over tsp (they are partial sums over it), the first's result beside the
-            // other two; otherwise under ZeRO-2 and 3 reduce-scattered over dp, made whole, the
-            // first staged whole beside the others. As the first is: the router's gradient made
-            // (its gradients from the load-balancing loss summed into it and into the MLP norm
-            // output's gradient), the dispatch's copy and the MLP norm's output freed. The router's
-            // gradient is its shard under ZeRO-2 (whole where its rows do not divide), but under
-            // ZeRO-3 beside ep still whole: there the gradient of the router gathered whole is
-            // reduce-scattered after the experts' all-reduces.
+            // Then the experts' gradients are reduced one by one: over ep beside tsp, which keeps
+            // the experts whole (each tsp rank runs its own tokens through the rank's share over
+            // ep), all-reduced over tsp (they are partial sums over it), the first's result beside
+            // the other two; otherwise under ZeRO-2 and 3 reduce-scattered over dp, made whole,
+            // the first staged whole beside the others. As the first is: the router's gradient
+            // made (its gradients from the load-balancing loss summed into it and into the MLP norm
+            // output's gradient), the dispatch's copy and the MLP norm's output freed. The
+            // router's gradient is its shard under ZeRO-2 (whole where its rows do not divide),
+            // but under ZeRO-3 beside ep still whole: there the gradient of the router gathered
+            // whole is reduce-scattered after the experts' all-reduces.
             let reduction = if ep > 1 {
                 Some(("a mixture's expert gradients all-reduced over tsp", "the first expert gradient, all-reduced"))
             } else if scattered {

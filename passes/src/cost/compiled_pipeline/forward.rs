@@ -136,10 +136,10 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     let sequence_parallel = shape.sequence_parallel();
     // Under ZeRO-3 a mixture's router, gathered for its routed experts, stays until the layer's
     // statistics: under SP made after the layer's output, so live at every point past the experts.
-    let router_kept = sequence_parallel && shape.model.experts.is_some();
+    let statistics_after_output = sequence_parallel && shape.model.experts.is_some();
     let router_kept = Term {
         name: "its last layer's router, gathered, read next by its statistics",
-        bytes: if router_kept { shape.weights_gathered_again(shape.router()) } else { 0.0 },
+        bytes: if statistics_after_output { shape.weights_gathered_again(shape.router()) } else { 0.0 },
     };
     points[0].held.push(router_kept.clone());
     if sequence_parallel {

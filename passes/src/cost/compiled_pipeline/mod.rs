@@ -335,7 +335,8 @@
 //! 1F1B and zero-bubble H1, with
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
-//! dp's), and ZeRO-2 and 3 on a mesh without replicas (they split nothing); ZeRO-2 over dp, cp or both (whose ranks hold the same weights), with or without tp (±SP),
+//! dp's), and ZeRO-2 and 3 on a mesh without replicas (they split nothing); ZeRO-2 over dp, cp or
+//! both (whose ranks hold the same weights), with or without tp (±SP),
 //! where every parameter's rows divide over them but perhaps k's and v's (the sums and gradients
 //! are their shards, each gradient is reduce-scattered and staged whole, and the stage's other
 //! candidate is inside its first layer's backward, or W, as the gate gradient is scattered; k and
@@ -488,9 +489,7 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // whole; the stage's points count them apart); without replicas they split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || (layout.zero_replicas() > 1
-                && (workload.zero == 2 || workload.zero == 3)
-                && only_key_values_kept_whole(model, layout)))
+            || ((workload.zero == 2 || workload.zero == 3) && only_key_values_kept_whole(model, layout)))
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but

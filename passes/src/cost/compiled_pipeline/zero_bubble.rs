@@ -267,10 +267,14 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
     // (A shared expert's W first makes its gate vector's weight gradient, the gate logit's
     // gradient freed after; under SP, whose forward makes the logit before the expert, last.)
     let gate_vector_first = shared_expert && !shape.sequence_parallel();
-    let (made_before, freed_before) = if chunk.last || dense || (shared_expert && !gate_vector_first) {
+    let (made_before, freed_before) = if chunk.last || dense {
         (0.0, 0.0)
     } else if shared_expert {
-        (hidden * element / shape.shards, local_tokens * element)
+        if gate_vector_first {
+            (hidden * element / shape.shards, local_tokens * element)
+        } else {
+            (0.0, 0.0)
+        }
     } else {
         return mixture_o_joining_in_w(shape, chunk, between_b_and_w);
     };
@@ -617,9 +621,9 @@ pub(super) fn tsp_embedding_gradient_gathered(
 
 /// Under zero bubble the last chunk's B begins with the loss's backward ([`head::loss_backward`]):
 /// the micro-batch holds all its forward kept (a mixture's two losses apart: W sums them) and the
-/// logits' gradient beside the micro-batches
-/// between B and W, none of its B gradients made (on its first B of the chunk none of their sums
-/// exist), nor yet what its W reads of the later layers. Under tsp B next makes the LM head's
+/// logits' gradient beside the micro-batches between B and W, none of its B gradients made (on
+/// its first B of the chunk none of their sums exist), nor yet what its W reads of the later
+/// layers. Under tsp B next makes the LM head's
 /// input gradient, every token's, and reduce-scatters it over the sequence (staged whole), the
 /// logits (their gradient in their place) and the targets freed. Under
 /// tsp a dense model's B on another chunk begins with its last layer's MLP ring backward, as a
