@@ -538,6 +538,17 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     points.push(Candidate::made(names[0], made_in_b, before));
+    // Beside replicas (outside ZeRO-2 and 3) a shared expert's down gradient then joins its sum,
+    // reduced, its unreduced copy beside, what made it freed: the SiLU product and the scaled
+    // output's gradient, whole.
+    if shared_expert && !lm_head && !shape.scattered {
+        let mut joined = held.clone();
+        joined.extend([
+            Term { name: "what made it, freed", bytes: -(local_tokens * ffn * element + gathered) },
+            Term { name: "the gradient before its all-reduce", bytes: gradient },
+        ]);
+        points.push(joining(names[1], joined));
+    }
     // Under ZeRO-2 and 3 a dense stage's gradient (a mixture's LM head's, or a shared expert's) is
     // then reduce-scattered, staged whole, what made it freed: the LM head's logits' gradient
     // (under cp the rank's tokens', which W reads; under tsp every token's) and input (under full
