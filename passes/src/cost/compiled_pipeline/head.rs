@@ -163,9 +163,8 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
-    // (Under ZeRO-2 and 3 too, where it is reduce-scattered.)
-    let dense_or_scattered = shape.model.experts.is_none() && shape.tsp == 1;
-    if shape.sizes.token_split == 1 && (dense_or_scattered || shape.model.experts.is_some()) && shape.reduced {
+    // (Under ZeRO-2 and 3 too, where it is reduce-scattered; a dense stage's but under tsp.)
+    if shape.sizes.token_split == 1 && (shape.tsp == 1 || shape.model.experts.is_some()) && shape.reduced {
         // Beside dp the LM head's weight gradient is made before it is reduced: the logits freed,
         // their gradient, the head's input gradient (partial under tp, before its all-reduce)
         // and the unreduced weight gradient live, no gradient of the micro-batch's made yet.

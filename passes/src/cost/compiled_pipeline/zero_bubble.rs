@@ -538,34 +538,34 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     points.push(Candidate::made(names[0], made_in_b, before));
+    // What made the gradient, freed once it is made: the LM head's logits' gradient (under cp the
+    // rank's tokens', which W reads; under tsp every token's) and input (under full recomputation
+    // the copy W recomputed), or the last layer's SiLU product (under full recomputation
+    // recomputed) and under SP its output gradient gathered over tp, which W read last there (a
+    // shared expert's scaled output's gradient, whole).
+    let freed = if lm_head {
+        head_reads
+    } else {
+        let gathered_output_gradient = if shape.sequence_parallel() || shared_expert { gathered } else { 0.0 };
+        local_tokens * ffn * element + gathered_output_gradient
+    };
     // Beside replicas (outside ZeRO-2 and 3) a shared expert's down gradient then joins its sum,
-    // reduced, its unreduced copy beside, what made it freed: the SiLU product and the scaled
-    // output's gradient, whole.
+    // reduced, its unreduced copy beside, what made it freed.
     if shared_expert && !lm_head && !shape.scattered {
         let mut joined = held.clone();
         joined.extend([
-            Term { name: "what made it, freed", bytes: -(local_tokens * ffn * element + gathered) },
+            Term { name: "what made it, freed", bytes: -freed },
             Term { name: "the gradient before its all-reduce", bytes: gradient },
         ]);
         points.push(joining(names[1], joined));
     }
     // Under ZeRO-2 and 3 a dense stage's gradient (a mixture's LM head's, or a shared expert's) is
-    // then reduce-scattered, staged whole, what made it freed: the LM head's logits' gradient
-    // (under cp the rank's tokens', which W reads; under tsp every token's) and input (under full
-    // recomputation the copy W recomputed), or the last layer's SiLU product (under full
-    // recomputation recomputed) and under SP its output gradient gathered (a shared expert's scaled
-    // output's gradient).
+    // then reduce-scattered, staged whole, what made it freed.
     if shape.scattered && (shape.model.experts.is_none() || lm_head || shared_expert) {
-        let (name, freed) = if lm_head {
-            ("the LM head's weight gradient reduce-scattered in W", head_reads)
+        let name = if lm_head {
+            "the LM head's weight gradient reduce-scattered in W"
         } else {
-            // (Under SP the output gradient gathered over tp, which W read last there, too; a
-            // shared expert's scaled output's gradient, whole.)
-            let gathered_output_gradient = if shape.sequence_parallel() || shared_expert { gathered } else { 0.0 };
-            (
-                "the last layer's down gradient reduce-scattered in W",
-                local_tokens * ffn * element + gathered_output_gradient,
-            )
+            "the last layer's down gradient reduce-scattered in W"
         };
         let mut scattered = held.clone();
         scattered.extend([
