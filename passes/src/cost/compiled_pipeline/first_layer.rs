@@ -1555,9 +1555,9 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     }
     // As o's gradient joins its sum, on the axis's last rank: the results summed (a block), the
     // first owner's q, k and v contributions, o's result for the first owner (zeros but on it),
-    // and o's gradient done.
+    // and o's gradient done (outside zero bubble the last owner's RoPE backward done by then).
     if !shape.reduced {
-        let mut held = held_from(w_without_rope);
+        let mut held = held_from(w_without_rope || !shape.zero_bubble);
         held.extend([
             Term { name: "the owners' reduced attention weight gradients, summed", bytes: block },
             Term { name: "the first owner's q, k and v contributions", bytes: block - o_block },
@@ -1614,7 +1614,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
 /// whose MLP ring and attention owners are modelled apart, `tsp_ring`. For a mixture only the
 /// attention's point: its MLP's are its experts' and shared expert's.)
 pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, kv, ffn, stream, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, hidden, query, kv, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
     if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full)
         || shape.zero_bubble
         || shape.tsp > 1
@@ -1646,7 +1646,8 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             name: "first layer's q, k and v weights, gathered",
             bytes: hidden * (query + if shape.key_values_gathered { 2.0 * kv } else { 0.0 }) * element,
         },
-        Term { name: "first layer's q, k and v, recomputed", bytes: local_tokens * (query + 2.0 * kv) * element },
+        // (Beside cp k and v over every token, gathered.)
+        Term { name: "first layer's q, k and v, recomputed", bytes: (local_tokens * query + kv_kept) * element },
         Term { name: "first layer's output projection gradient before its reduce-scatter", bytes: output_projection },
         Term { name: "its reduce-scatter's staging", bytes: output_projection },
     ]);

@@ -5,7 +5,7 @@
 //! beside cp, a stage may also peak as the last chunk's forward gathers every token's logits.
 
 use super::super::memory::Term;
-use super::super::step_sizes::StepSizes;
+use super::super::step_sizes::{StepSizes, ID_BYTES};
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, Chunk};
 use super::shared_expert::shared_expert_kept;
@@ -14,7 +14,8 @@ use super::{tsp_ring, StageShape};
 /// The points of a micro-batch's forward on a chunk, at its last layer's MLP: as the MLP's output
 /// is added to its residual (the layer's output made beside it); as a mixture's routed experts run
 /// (over ep or tsp their dispatch's copy of its operands, else their output being made; under
-/// ZeRO-3 beside the router and experts gathered for them); or beside a shared expert as the
+/// ZeRO-3 beside the router and experts gathered for them, and gathered over dp × cp a step an
+/// axis, as their last matrix's last step runs); or beside a shared expert as the
 /// routed experts' output and the shared expert's scaled output are summed (the layer's output not
 /// yet made), and under full recomputation as the shared expert's product, its down projection's
 /// output and its scaled output are made; under SP as the MLP's output is reduce-scattered over
@@ -25,7 +26,8 @@ use super::{tsp_ring, StageShape};
 /// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what
 /// the rest of its forward makes (on the last chunk the head's buffers, and a mixture's counts'
 /// sum over the layers, whose statistics are all live instead). On the last chunk beside cp also
-/// [`logits_gathered`]; under tsp only [`tsp_logits_reordered`], and on the first chunk
+/// [`logits_gathered`], and under ZeRO-3 [`head_weight_gathered`]; on the first chunk under ZeRO-3
+/// [`embedding_gathered`]; under tsp only [`tsp_logits_reordered`], and on the first chunk
 /// [`tsp_embedding_scattered`]. (Under zero bubble only, ZeRO-2 and 3 included, whose
 /// running sums are the rank's shards; under ZeRO-3 a tsp ring's weights, and the router and
 /// experts of a mixture's dispatch over tsp, are gathered over dp beside it. Under another
@@ -93,6 +95,15 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             name: "its last layer's router and experts, gathered",
             bytes: shape.weights_gathered_again(shape.router() + routed),
         };
+        // (Gathered a step an axis, its last matrix's step before is live as the last runs.)
+        let last_step = shape.expert_two_step_gather_share() * shape.layer_routed_experts() / 3.0;
+        if last_step > 0.0 {
+            let step_before = Term { name: "its last expert matrix's share, gathered a step before", bytes: last_step };
+            points.push(point(
+                "the last layer's experts gathered in a forward",
+                before_experts.iter().cloned().chain([gathered_for_it.clone(), step_before]).collect(),
+            ));
+        }
         points.push(point(name, before_experts.iter().cloned().chain([own, gathered_for_it]).collect()));
     }
     // Under tsp the last layer's MLP is a ring, its output not yet made; beside a mixture's routed
@@ -329,8 +340,62 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     }
     if chunk.last {
         points.extend(logits_gathered(shape, chunk));
+        points.extend(head_weight_gathered(shape, chunk, kept));
     }
+    points.extend(embedding_gathered(shape, chunk));
     points
+}
+
+/// Under ZeRO-3 the last chunk's forward gathers the LM head's weight (or the tied table) over its
+/// replicas, a step an axis, once the final norm has run: the stage may peak as the last step
+/// runs, beside the final norm's output (under full recomputation not kept, its input gathered
+/// under SP freed by then), before the logits. `kept`: what the micro-batch holds in flight
+/// before the head.
+fn head_weight_gathered(shape: &StageShape, chunk: &Chunk, kept: f64) -> Option<Candidate> {
+    let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
+    let head = shape.weights_gathered_again(vocab_shard * hidden * element);
+    if head == 0.0 {
+        return None;
+    }
+    let final_norm = if shape.recompute() == Recompute::Full { gathered } else { shape.final_norm_kept() };
+    Some(Candidate::made(
+        "the LM head's weight gathered in a forward",
+        0.0,
+        vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight before the head", bytes: kept },
+            Term { name: "the final norm's output (and what it keeps)", bytes: final_norm },
+            Term {
+                name: "the LM head's weight gathered, beside the step before's share of it",
+                bytes: head * (1.0 + shape.two_step_gather_share()),
+            },
+        ],
+    ))
+}
+
+/// Under ZeRO-3 the first chunk's forward begins by gathering the embedding table over its
+/// replicas (a step an axis): the stage may peak as the last step runs, beside the micro-batches
+/// between their B and W, the forwarded one holding only its token ids (under cp its own too) and
+/// positions. (Without tsp, whose embedding is [`tsp_embedding_scattered`].)
+fn embedding_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, vocab_shard, hidden, ids, .. } = shape.sizes;
+    let table = shape.weights_gathered_again(vocab_shard * hidden * element);
+    if !chunk.first || table == 0.0 {
+        return None;
+    }
+    let own_ids = if shape.cp > 1 { local_tokens * ID_BYTES } else { 0.0 };
+    Some(Candidate::made(
+        "the embedding table gathered in a forward",
+        0.0,
+        vec![
+            Term { name: "its token ids", bytes: ids + own_ids },
+            Term { name: "its positions", bytes: chunk.positions },
+            Term {
+                name: "the embedding table gathered, beside the step before's share of it",
+                bytes: table * (1.0 + shape.two_step_gather_share()),
+            },
+        ],
+    ))
 }
 
 /// Beside cp the last chunk's forward gathers every token's logits over cp and reorders them out
@@ -338,15 +403,14 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// logits the micro-batch keeps), before the loss, and a mixture's counts' sum and load-balancing
 /// loss, are made (every layer's statistics, the earlier stages' received, still live). Without
 /// cp a mixture's stage under zero bubble may peak as the logits are made, so (under full
-/// recomputation beside the final norm's buffers, under ZeRO-3 the LM head's weight gathered).
+/// recomputation beside the final norm's output, under ZeRO-3 the LM head's weight gathered).
 fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, token_split, .. } = shape.sizes;
     // (Without cp, where the logits are made in place: a mixture's stage under zero bubble, whose
-    // every layer's statistics are live there; under SP but with full recomputation, whose final
-    // norm's buffers differ there.)
+    // every layer's statistics are live there.)
     let gathered = token_split > 1 && shape.cp > 1;
     let full = shape.recompute() == Recompute::Full;
-    let made_in_place = shape.zero_bubble && shape.statistics > 0.0 && !(shape.sequence_parallel() && full);
+    let made_in_place = shape.zero_bubble && shape.statistics > 0.0;
     if !(gathered || made_in_place) {
         return None;
     }
@@ -361,14 +425,12 @@ fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
         },
     ];
     if !gathered {
-        // (Under full recomputation beside the final norm's buffers, not kept; under ZeRO-3 beside
-        // the LM head's weight, gathered over dp for it.)
+        // (Under full recomputation beside the final norm's output, whole, not kept: under SP its
+        // input gathered over tp is freed by then; under ZeRO-3 beside the LM head's weight,
+        // gathered over dp for it.)
         let head = shape.sizes.vocab_shard * shape.sizes.hidden * element;
         held.extend([
-            Term {
-                name: "the final norm's buffers, not kept",
-                bytes: if full { shape.sizes.final_norm_buffers() } else { 0.0 },
-            },
+            Term { name: "the final norm's output, not kept", bytes: if full { shape.sizes.gathered } else { 0.0 } },
             Term { name: "the LM head's weight, gathered", bytes: shape.weights_gathered_again(head) },
         ]);
         return Some(Candidate::made("every token's logits made in a forward", 0.0, held));

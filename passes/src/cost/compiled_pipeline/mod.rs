@@ -782,6 +782,18 @@ impl<'a> StageShape<'a> {
         }
     }
 
+    /// Under ZeRO-3 a routed expert split over both dp and cp (ep splits the experts) is gathered
+    /// a step an axis, cp's first: as dp's step runs, cp's output is live beside the whole, this
+    /// share of it (1 over dp). 0 where one step gathers it, or ZeRO-3 none.
+    fn expert_two_step_gather_share(&self) -> f64 {
+        let dp = self.layout.degree(AxisName::Dp);
+        if dp > 1 && self.cp > 1 && self.experts_scattered() {
+            self.weights_gathered_again(1.0) / dp as f64
+        } else {
+            0.0
+        }
+    }
+
     /// Under zero bubble, whether the first stage's B frees a micro-batch's positions: its first
     /// layer's RoPE backward reads them last, but under either recomputation W reads them too (to
     /// recompute attention's output from q, k and v). A micro-batch between its B and W there no

@@ -391,7 +391,9 @@ impl Point<'_> {
 
     /// Inside a forward ([`ChunkHold::forward`]): the running sums made so far
     /// (the chunk's B gradients' once a B has run, all its gradients' once a W has), the other
-    /// micro-batches in flight or between B and W, and what the forwarded micro-batch holds there.
+    /// micro-batches in flight or between B and W, the gradients (and what they keep) of the
+    /// chunks the unfinished micro-batches have finished (interleaved), and what the forwarded
+    /// micro-batch holds there.
     fn forward(&self, beside: &Beside, params: f64) -> Vec<ForwardPhase> {
         let chunk = self.step.chunk;
         let current = &self.holds[chunk as usize];
@@ -403,7 +405,8 @@ impl Point<'_> {
         } else {
             0.0
         };
-        let kept_whole = self.sums_kept_whole(beside, w_done);
+        let sums_kept_whole = self.sums_kept_whole(beside, w_done).map_or(0.0, |term| term.bytes);
+        let kept_whole = sums_kept_whole + beside.unfinished_kept_whole;
         let phase = |point: &Candidate| {
             let mut terms = vec![
                 Term {
@@ -411,8 +414,12 @@ impl Point<'_> {
                     bytes: beside.other_sums + sums + self.zero_bubble_loss_sum(beside, false),
                 },
                 Term { name: "other micro-batches in flight or between B and W", bytes: beside.others },
+                Term { name: "the unfinished micro-batches' gradients", bytes: beside.unfinished_grads },
+                Term { name: "what finished chunks keep to the micro-batch's end", bytes: beside.remains },
             ];
-            terms.extend(kept_whole.clone());
+            if kept_whole > 0.0 {
+                terms.push(Term { name: GRADS_KEPT_WHOLE, bytes: kept_whole });
+            }
             terms.extend(received(beside));
             terms.extend(point.held.iter().cloned());
             ForwardPhase { name: point.name, params, terms }

@@ -319,21 +319,21 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             made_in_b,
             held.clone(),
         ));
-        // (Under tsp B made the MLP's gradients; a mixture's without a shared expert, B.)
-        if (!dense && !shared_expert) || shape.tsp > 1 {
+        // (Under tsp B made the MLP's gradients.)
+        if shape.tsp > 1 {
             return points;
         }
     } else if lm_head {
         let names = ["the LM head's weight gradient in W", "the LM head's weight gradient joins its sum in W"];
         let head = FirstJoin { gradient: head_gradient, names, lm_head: true, head_reads };
         points.extend(first_join_points(shape, &head, held.clone(), made_in_b));
-        // (Under tsp B made the MLP's gradients, a mixture's without a shared expert too.)
-        if (!dense && !shared_expert) || shape.tsp > 1 {
+        // (Under tsp B made the MLP's gradients.)
+        if shape.tsp > 1 {
             return points;
         }
-        // A dense model's LM head's gradient has joined its sum (beside replicas all-reduced, its
-        // unreduced copy freed; under ZeRO-2 and 3 reduce-scattered, the rank's shard kept to
-        // the W's end, as every gradient W makes).
+        // The LM head's gradient has joined its sum (beside replicas all-reduced, its unreduced
+        // copy freed; under ZeRO-2 and 3 reduce-scattered, the rank's shard kept to the W's end,
+        // as every gradient W makes).
         made_in_b += head_gradient / shape.shards;
     }
     if chunk.last {
@@ -345,6 +345,12 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             held.push(Term { name: "the gate logit's gradient, freed", bytes: -local_tokens * element });
             made_in_b += hidden * element / shape.shards;
         }
+    }
+    // A mixture's last chunk without a shared expert: B made its MLP's gradients, so W goes on to
+    // its last layer's MLP norm and attention.
+    if !dense && !shared_expert {
+        points.extend(mixture_w_past_the_mlp(shape, chunk, held, made_in_b));
+        return points;
     }
     // (A dense MLP's under full recomputation from the SiLU product W recomputes from gate and up.)
     if dense && shape.recompute() == Recompute::Full {
@@ -373,32 +379,41 @@ fn counts_received_at_w(shape: &StageShape, chunk: &Chunk) -> f64 {
 }
 
 /// On a mixture's chunk but the last B made the experts' and the router's gradients, so W begins
-/// with its last layer's shared expert's weight gradients, if it has one (freeing what they read
-/// but the MLP norm's output, which B read too), and the MLP norm's weight gradient, which frees
-/// what it read (the norm's input and its output gradient): without a shared expert a point as it
-/// is made, beside all the micro-batch holds between B and W (where the first stage beside a tied
-/// table peaks, the head's part taken by then). Then o's, made from o's output
-/// gradient (under SP gathered over tp, and so freed after it) and attention's output (which W
-/// recomputes under recomputation; freed after it): the first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy live
-/// beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
+/// with its last layer's shared expert's weight gradients, if it has one, and the MLP norm's
+/// ([`mixture_w_past_the_mlp`], beside all the micro-batch holds between B and W).
 fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &BetweenBAndW) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, query, kv, hidden, ffn, stream, gathered, .. } = shape.sizes;
     if chunk.last || shape.tsp > 1 {
         return Vec::new();
     }
     let made_in_b = between_b_and_w.made_in_b.unwrap_or(0.0);
     let positions = if shape.positions_freed_in_b() { 0.0 } else { chunk.positions };
     let received = counts_received_at_w(shape, chunk);
-    let attention_output = if shape.recompute() == Recompute::None { local_tokens * query * element } else { 0.0 };
-    let o_gradient = hidden * query * element;
-    let between = [
+    let between = vec![
         Term { name: "its positions", bytes: positions },
         Term {
             name: "what it holds between B and W but its B gradients",
             bytes: between_b_and_w.between - made_in_b - received,
         },
     ];
-    let mut held = between.to_vec();
+    mixture_w_past_the_mlp(shape, chunk, between, made_in_b)
+}
+
+/// A mixture's W once its MLP's gradients are made (by B; on the last chunk W made the head's
+/// first), from what the micro-batch holds there (`held`) and the gradients made by then
+/// (`made`): its last layer's shared expert's weight gradients, if it has one (freeing what they
+/// read but the MLP norm's output, which B read too), and the MLP norm's weight gradient, which
+/// frees what it read (the norm's input and its output gradient): without a shared expert a point
+/// as it is made (where the first stage beside a tied table peaks, the head's part taken by
+/// then). Then o's, made from o's output
+/// gradient (under SP gathered over tp, and so freed after it) and attention's output (which W
+/// recomputes under recomputation; freed after it, and without replicas after it joins): the
+/// first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy
+/// live beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
+fn mixture_w_past_the_mlp(shape: &StageShape, chunk: &Chunk, between: Vec<Term>, made_in_b: f64) -> Vec<Candidate> {
+    let StepSizes { element, local_tokens, query, kv, hidden, ffn, stream, gathered, .. } = shape.sizes;
+    let attention_output = if shape.recompute() == Recompute::None { local_tokens * query * element } else { 0.0 };
+    let o_gradient = hidden * query * element;
+    let mut held = between.clone();
     held.extend([
         Term { name: "the last layer's MLP norm's input and output gradient, freed", bytes: -2.0 * stream },
         Term { name: "the last layer's attention output, freed", bytes: -attention_output },
@@ -413,13 +428,23 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
         // (Beside replicas, or under SP all-reduced over tp, its reads are freed before it is
         // reduced, below this point; else it joins its sum first.)
         let norm = shape.norm * element;
+        let names = if chunk.last {
+            [
+                "the last layer's MLP norm weight gradient in W",
+                "the last layer's MLP norm weight gradient joins its sum in W",
+            ]
+        } else {
+            [
+                "the head of W: the last layer's MLP norm weight gradient",
+                "the head of W: the last layer's MLP norm weight gradient joins its sum",
+            ]
+        };
         points.push(if shape.reduced || shape.scattered || shape.sequence_parallel() {
             let gradient = Term { name: "the last layer's MLP norm weight gradient", bytes: norm };
             let held = between.iter().cloned().chain([gradient]).collect();
-            Candidate::made("the head of W: the last layer's MLP norm weight gradient", made_in_b, held)
+            Candidate::made(names[0], made_in_b, held)
         } else {
-            let name = "the head of W: the last layer's MLP norm weight gradient joins its sum";
-            Candidate::joining(name, made_in_b + norm, between.to_vec(), norm)
+            Candidate::joining(names[1], made_in_b + norm, between, norm)
         });
     }
     let mut made = made_in_b + shape.norm * element / shape.shards;
@@ -433,6 +458,16 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
             bytes: -(local_tokens * (3.0 * ffn + 1.0) * element + gathered),
         });
     }
+    // What o's weight gradient reads (attention's output, kept or recomputed in W, and under SP
+    // its output gradient gathered over tp): beside replicas freed before the gradient is reduced,
+    // so live only as it is made; else live as it joins its sum, freed after.
+    let reads = local_tokens * query * element + if shape.sequence_parallel() { gathered } else { 0.0 };
+    if shape.reduced {
+        let gradient = Term { name: "the gradient, whole", bytes: o_gradient };
+        let read = Term { name: "what it reads", bytes: reads };
+        let held = held.iter().cloned().chain([gradient, read]).collect();
+        points.push(Candidate::made("the last layer's o gradient made in W, beside what it reads", made, held));
+    }
     if shape.scattered {
         held.extend([
             Term { name: "the gradient, whole", bytes: o_gradient },
@@ -443,22 +478,33 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
     }
     // Then the last layer's v, k and q gradients, each from its output gradient, which it frees,
     // and the attention norm's output: a chunk of more than one layer (whose tail is its first
-    // layer's) may peak as q's joins its sum, beside dp, cp or ep as it is made, before its
-    // all-reduce. (Not under SP, where W reads the output gradients gathered over tp.)
+    // layer's) may peak as q's joins its sum, beside dp, cp or ep all-reduced first, its unreduced
+    // copy live beside. (Not under SP, where W reads the output gradients gathered over tp.)
     if chunk.layers > 1 && !shape.sequence_parallel() {
         let q_gradient = hidden * query * element;
         let mut held = held.clone();
         held.push(Term { name: "v's and k's output gradients, freed", bytes: -2.0 * local_tokens * kv * element });
         let so_far = made + o_gradient + 2.0 * hidden * kv * element;
-        points.push(if shape.reduced {
+        if shape.reduced {
+            // (As it is made beside what it reads, q's output gradient and the attention norm's
+            // output; as it joins its sum those freed.)
             held.push(Term { name: "q's gradient before its all-reduce", bytes: q_gradient });
-            Candidate::made("the last layer's q gradient in W, before its all-reduce", so_far, held)
+            let made = Candidate::made("the last layer's q gradient in W, before its all-reduce", so_far, held.clone());
+            held.push(Term {
+                name: "q's output gradient and the attention norm's output, freed",
+                bytes: -(local_tokens * query * element + gathered),
+            });
+            let name = "the last layer's q gradient joins its sum in W, its unreduced copy live";
+            points.extend([made, Candidate::joining(name, so_far + q_gradient, held, q_gradient)]);
         } else {
-            Candidate::joining("the last layer's q gradient joins its sum in W", so_far + q_gradient, held, q_gradient)
-        });
+            let name = "the last layer's q gradient joins its sum in W";
+            points.push(Candidate::joining(name, so_far + q_gradient, held, q_gradient));
+        }
     }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
+    } else {
+        held.push(Term { name: "what o's weight gradient read, freed after it joins", bytes: reads });
     }
     points.push(Candidate::joining(
         "the last layer's o gradient joins its sum in W",
