@@ -1440,8 +1440,13 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
     //   weight (220 B), a routed expert over dp × cp (1.4%);
     // - interleaving beside cp: a forward beside the gradients of the chunks an unfinished
     //   micro-batch has finished (2.2 MB left out, hidden by another point but 220 B);
-    // - GPipe beside cp under full recomputation: k and v recomputed over every token (0.3%).
+    // - GPipe beside cp under full recomputation: k and v recomputed over every token (0.3%);
+    // - interleaving on four stages beside a wide tied mixture under full recomputation: the first
+    //   stage taking the head's part ahead of the counts' sum all-reduced again, which follows it
+    //   on the link (4% below beside cp, 1.8% beside tsp).
     let [mixture, _] = four_layer_mixtures();
+    let eight_wide_tied_mixture =
+        tied(pleat_ir::model::config::ModelConfig { num_layers: 8, vocab_size: 2048, ..preset("tiny-moe").unwrap() });
     let tied_mixture = tied(mixture.clone());
     let wide_mixture = pleat_ir::model::config::ModelConfig { vocab_size: 2048, ..mixture.clone() };
     let wide_tied_mixture = tied(wide_mixture.clone());
@@ -1449,7 +1454,7 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
     let interleaved = ScheduleKind::Interleaved { chunks: 2 };
-    let cases: [StageCase; 12] = [
+    let cases: [StageCase; 14] = [
         (&tied_mixture, "pp=2,tsp=2", one_f_one_b, 4, 0, selective, false, 64),
         (&tied_mixture, "pp=2,tp=2", zero_bubble, 4, 0, none, true, 64),
         (&tied_mixture, "pp=2,tp=2", zero_bubble, 4, 0, full, true, 64),
@@ -1462,6 +1467,8 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
         (&mixture, "pp=2,dp=2,cp=2", zero_bubble, 4, 3, full, false, 256),
         (&wide_mixture, "pp=2,cp=2", interleaved, 4, 1, full, false, 256),
         (&wide_tied, "pp=2,cp=2", gpipe, 4, 3, full, false, 64),
+        (&eight_wide_tied_mixture, "pp=4,cp=2", interleaved, 8, 1, full, false, 64),
+        (&eight_wide_tied_mixture, "pp=4,tsp=2", interleaved, 8, 0, full, false, 64),
     ];
     let points = [
         "first layer's o gradient joins its sum",

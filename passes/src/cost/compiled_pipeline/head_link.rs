@@ -9,8 +9,9 @@
 //! gradient, its two parts); and each micro-batch's head part, made in its last chunk's backward
 //! (zero bubble: W) and sent as it is made, ahead of the input gradient, or beside dp (or cp) × tp
 //! after it, reduced over dp at the backward's end; and a mixture's counts' sum, sent in each
-//! forward of the last chunk (under full recomputation over dp, cp, ep or tsp, all-reduced again at
-//! the head of each backward) and read by the micro-batch's first backward (zero bubble: B) here.
+//! forward of the last chunk (under full recomputation over dp, cp, ep or tsp, all-reduced again in
+//! each backward, and sent after the head part) and read by the micro-batch's first backward (zero
+//! bubble: B) here.
 //! A step of the first stage takes the messages it reads as it begins, and with each the ones
 //! queued ahead of it (`backend::pipeline`): a head part as a later message is read, or at the
 //! latest by its reader, the first chunk's backward (or W), which may so take messages of later
@@ -80,7 +81,8 @@ impl HeadLink {
         // Beside dp (or cp) × tp the head's part is reduced over dp at the backward's end.
         let head_part_last = shape.reduced && shape.sizes.vocab_split > 1.0;
         // A mixture's counts' sum is sent in the last chunk's forward; under full recomputation
-        // over dp, cp, ep or tsp, all-reduced again, in its backward ahead of the rest.
+        // over dp, cp, ep or tsp, all-reduced again, in its backward after the head part (where
+        // that is sent first) and ahead of the rest.
         let statistics = shape.statistics > 0.0;
         let counts_in_backward = (shape.reduced || shape.tsp > 1) && shape.recompute() == Recompute::Full;
         let mut sent = Vec::new();
@@ -92,12 +94,12 @@ impl HeadLink {
             } else if phase == Phase::Forward && statistics && !counts_in_backward {
                 sent.push(counts_sum);
             } else if phase == input_phase {
-                if chunk == last_chunk && statistics && counts_in_backward {
-                    sent.push(counts_sum);
-                }
                 let makes_head_part = chunk == last_chunk && !shape.zero_bubble;
                 if makes_head_part && !head_part_last {
                     sent.push(head_part);
+                }
+                if chunk == last_chunk && statistics && counts_in_backward {
+                    sent.push(counts_sum);
                 }
                 if two_stages {
                     sent.push(Message::InputGradient { micro_batch, chunk });
