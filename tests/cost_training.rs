@@ -1443,7 +1443,10 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
     // - GPipe beside cp under full recomputation: k and v recomputed over every token (0.3%);
     // - interleaving on four stages beside a wide tied mixture under full recomputation: the first
     //   stage taking the head's part ahead of the counts' sum all-reduced again, which follows it
-    //   on the link (4% below beside cp, 1.8% beside tsp).
+    //   on the link (4% below beside cp, 1.8% beside tsp);
+    // - interleaving on four stages beside cp or tsp: the last stage taking positions from the
+    //   first ahead of the forward reading them, queued before an input gradient it reads (two
+    //   micro-batches' positions, 0.09%).
     let [mixture, _] = four_layer_mixtures();
     let eight_wide_tied_mixture =
         tied(pleat_ir::model::config::ModelConfig { num_layers: 8, vocab_size: 2048, ..preset("tiny-moe").unwrap() });
@@ -1454,7 +1457,8 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
     let interleaved = ScheduleKind::Interleaved { chunks: 2 };
-    let cases: [StageCase; 14] = [
+    let eight = eight_layers();
+    let cases: [StageCase; 16] = [
         (&tied_mixture, "pp=2,tsp=2", one_f_one_b, 4, 0, selective, false, 64),
         (&tied_mixture, "pp=2,tp=2", zero_bubble, 4, 0, none, true, 64),
         (&tied_mixture, "pp=2,tp=2", zero_bubble, 4, 0, full, true, 64),
@@ -1469,6 +1473,8 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
         (&wide_tied, "pp=2,cp=2", gpipe, 4, 3, full, false, 64),
         (&eight_wide_tied_mixture, "pp=4,cp=2", interleaved, 8, 1, full, false, 64),
         (&eight_wide_tied_mixture, "pp=4,tsp=2", interleaved, 8, 0, full, false, 64),
+        (&tied(eight.clone()), "pp=4,cp=2", interleaved, 8, 1, none, false, 64),
+        (&eight, "pp=4,tsp=2", interleaved, 8, 0, full, false, 512),
     ];
     let points = [
         "first layer's o gradient joins its sum",

@@ -45,9 +45,9 @@ struct Taken {
     bytes: f64,
 }
 
-/// Per message of a link, the index of the first stage's step that takes it and of the one that
-/// reads it (`None` where no step does).
-type Takes = Vec<(Option<usize>, Option<usize>)>;
+/// Per message of a link, the index of the receiving stage's step that takes it and of the one
+/// that reads it (`None` where no step does).
+pub(super) type Takes = Vec<(Option<usize>, Option<usize>)>;
 
 /// The first stage's messages from the stage holding the LM head, as it takes them.
 pub(super) struct HeadLink {
@@ -178,7 +178,7 @@ impl HeadLink {
 /// Which of `steps` takes each of `sent` (each step taking the messages `reads` names as it
 /// begins, and with each the ones queued ahead of it), and which reads it; `None` where a step
 /// reads a message never sent.
-fn takes(sent: &[Message], steps: &[Step], reads: impl Fn(&Step) -> Vec<Message>) -> Option<Takes> {
+pub(super) fn takes<M: Copy + PartialEq>(sent: &[M], steps: &[Step], reads: impl Fn(&Step) -> Vec<M>) -> Option<Takes> {
     let mut takes: Takes = vec![(None, None); sent.len()];
     let mut next = 0;
     for (at, step) in steps.iter().enumerate() {

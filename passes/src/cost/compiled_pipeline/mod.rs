@@ -368,7 +368,8 @@
 //! mixture's MLP backward's points at either place, `zero_bubble` what a micro-batch holds
 //! between its B and its W (and the head of its W), `forward` the points of a forward under zero
 //! bubble, `tsp_ring` the points inside a tsp MLP ring, `head_link` what the first stage takes
-//! early from the stage holding a tied LM head, and `walk` weighs every point of every step of the
+//! early from the stage holding a tied LM head, `positions_link` the positions a later stage takes
+//! early from the first beside cp or tsp, and `walk` weighs every point of every step of the
 //! stage's schedule beside what the other micro-batches hold there.
 mod chunk;
 mod experts;
@@ -376,6 +377,7 @@ mod first_layer;
 mod forward;
 mod head;
 mod head_link;
+mod positions_link;
 mod shared_expert;
 mod tsp_ring;
 mod walk;

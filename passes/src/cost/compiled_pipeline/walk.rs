@@ -8,6 +8,7 @@ use super::super::memory::Term;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, ChunkHold};
 use super::head_link::{HeadLink, TakenEarly};
+use super::positions_link::PositionsLink;
 use super::{StageShape, TIED_HEAD_PARTS_TAKEN_AHEAD};
 use crate::pipeline::{Phase, Schedule, Step};
 use pleat_ir::AxisName;
@@ -29,6 +30,7 @@ pub(super) fn stage_peak(
         (Phase::Backward, Phase::Backward)
     };
     let head_link = HeadLink::new(shape, schedule, (input_phase, tail_phase))?;
+    let positions_link = PositionsLink::new(shape, schedule, input_phase)?;
     let mut best: Option<ForwardPhase> = None;
     for (at, step) in steps.iter().enumerate() {
         let kind = if step.phase == tail_phase {
@@ -45,8 +47,19 @@ pub(super) fn stage_peak(
             continue;
         };
         let head_link = head_link.as_ref().map(|link| link.taken_early(at));
-        let point =
-            Point { shape, schedule, holds, before: &steps[..at], step, kind, input_phase, tail_phase, head_link };
+        let positions_taken_early = positions_link.as_ref().map_or(0.0, |link| link.taken_early(at));
+        let point = Point {
+            shape,
+            schedule,
+            holds,
+            before: &steps[..at],
+            step,
+            kind,
+            input_phase,
+            tail_phase,
+            head_link,
+            positions_taken_early,
+        };
         let beside = point.beside()?;
         let phases = match kind {
             StepKind::Tail => point.backward(&beside, params),
@@ -77,6 +90,9 @@ struct Point<'a> {
     /// Beside a tied table, on the first stage: what it holds that it took from the stage holding
     /// the LM head before the step reading it.
     head_link: Option<TakenEarly>,
+    /// Beside cp or tsp, on a later stage: the positions it took from the first stage before the
+    /// forward reading them (bytes).
+    positions_taken_early: f64,
 }
 
 /// Which step a point lies in.
@@ -98,7 +114,8 @@ struct Beside {
     other_sums_kept_whole: f64,
     unfinished_kept_whole: f64,
     /// Every other micro-batch in flight (or, under zero bubble, between its B and its W), the
-    /// positions of each begun and not done, and the statistics they hold.
+    /// positions of each begun and not done (and on a later stage those taken early from the
+    /// first), and the statistics they hold.
     others: f64,
     /// The gradients of the chunks the unfinished micro-batches have finished (program outputs,
     /// freed once a micro-batch's backward is done on every chunk), and what those chunks keep.
@@ -141,7 +158,12 @@ impl Point<'_> {
             other_sums,
             other_sums_kept_whole,
             unfinished_kept_whole,
-            others: others + positions + self.counts_taken()? + last_stage_statistics + taken_early.others,
+            others: others
+                + positions
+                + self.positions_taken_early
+                + self.counts_taken()?
+                + last_stage_statistics
+                + taken_early.others,
             unfinished_grads,
             remains,
             received,

@@ -399,16 +399,16 @@ fn mixture_o_joining_in_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &B
 }
 
 /// A mixture's W once its MLP's gradients are made (by B; on the last chunk W made the head's
-/// first), from what the micro-batch holds there (`held`) and the gradients made by then
-/// (`made`): its last layer's shared expert's weight gradients, if it has one (freeing what they
-/// read but the MLP norm's output, which B read too), and the MLP norm's weight gradient, which
-/// frees what it read (the norm's input and its output gradient): without a shared expert a point
-/// as it is made (where the first stage beside a tied table peaks, the head's part taken by
-/// then). Then o's, made from o's output
-/// gradient (under SP gathered over tp, and so freed after it) and attention's output (which W
-/// recomputes under recomputation; freed after it, and without replicas after it joins): the
-/// first large gradient to join its sum, beside dp, cp or ep all-reduced first, its unreduced copy
-/// live beside, or under ZeRO-2 and 3 reduce-scattered first, staged whole.
+/// first), from what the micro-batch holds there (`between`) and the gradients made by then
+/// (`made_in_b`): its last layer's shared expert's weight gradients, if it has one (freeing what
+/// they read but the MLP norm's output, which B read too), and the MLP norm's weight gradient,
+/// which frees what it read (the norm's input and its output gradient): without a shared expert a
+/// point as it is made (where the first stage beside a tied table peaks, the head's part taken by
+/// then). Then o's, made from o's output gradient (under SP gathered over tp, and so freed after
+/// it) and attention's output (which W recomputes under recomputation; freed after it, and without
+/// replicas after it joins): the first large gradient to join its sum, beside dp, cp or ep
+/// all-reduced first, its unreduced copy live beside, or under ZeRO-2 and 3 reduce-scattered
+/// first, staged whole.
 fn mixture_w_past_the_mlp(shape: &StageShape, chunk: &Chunk, between: Vec<Term>, made_in_b: f64) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, query, kv, hidden, ffn, stream, gathered, .. } = shape.sizes;
     let attention_output = if shape.recompute() == Recompute::None { local_tokens * query * element } else { 0.0 };
