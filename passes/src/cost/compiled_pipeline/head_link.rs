@@ -18,6 +18,7 @@
 //! steps early.
 
 use super::super::workload::Recompute;
+use super::link::takes;
 use super::StageShape;
 use crate::pipeline::{Phase, Schedule, Step};
 
@@ -44,10 +45,6 @@ struct Taken {
     head_part: bool,
     bytes: f64,
 }
-
-/// Per message of a link, the index of the receiving stage's step that takes it and of the one
-/// that reads it (`None` where no step does).
-pub(super) type Takes = Vec<(Option<usize>, Option<usize>)>;
 
 /// The first stage's messages from the stage holding the LM head, as it takes them.
 pub(super) struct HeadLink {
@@ -173,23 +170,4 @@ impl HeadLink {
         }
         held
     }
-}
-
-/// Which of `steps` takes each of `sent` (each step taking the messages `reads` names as it
-/// begins, and with each the ones queued ahead of it), and which reads it; `None` where a step
-/// reads a message never sent.
-pub(super) fn takes<M: Copy + PartialEq>(sent: &[M], steps: &[Step], reads: impl Fn(&Step) -> Vec<M>) -> Option<Takes> {
-    let mut takes: Takes = vec![(None, None); sent.len()];
-    let mut next = 0;
-    for (at, step) in steps.iter().enumerate() {
-        for message in reads(step) {
-            let position = sent.iter().position(|&sent| sent == message)?;
-            takes[position].1.get_or_insert(at);
-            while next <= position {
-                takes[next].0 = Some(at);
-                next += 1;
-            }
-        }
-    }
-    Some(takes)
 }

@@ -367,16 +367,18 @@
 //! at the head of a backward and inside its first layer's, `experts` and `shared_expert` a
 //! mixture's MLP backward's points at either place, `zero_bubble` what a micro-batch holds
 //! between its B and its W (and the head of its W), `forward` the points of a forward under zero
-//! bubble, `tsp_ring` the points inside a tsp MLP ring, `head_link` what the first stage takes
-//! early from the stage holding a tied LM head, `positions_link` the positions a later stage takes
-//! early from the first beside cp or tsp, and `walk` weighs every point of every step of the
-//! stage's schedule beside what the other micro-batches hold there.
+//! bubble, `tsp_ring` the points inside a tsp MLP ring, `link` which step takes each message of
+//! a link between stages, `head_link` what the first stage takes early from the stage holding a
+//! tied LM head, `positions_link` the positions a later stage takes early from the first beside cp
+//! or tsp, and `walk` weighs every point of every step of the stage's schedule beside what the
+//! other micro-batches hold there.
 mod chunk;
 mod experts;
 mod first_layer;
 mod forward;
 mod head;
 mod head_link;
+mod link;
 mod positions_link;
 mod shared_expert;
 mod tsp_ring;

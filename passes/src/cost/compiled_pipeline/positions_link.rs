@@ -6,7 +6,7 @@
 //! to the second stage, the first stage's forward outputs, and to the last stage under
 //! interleaving the first stage's later chunks' input gradients.
 
-use super::head_link::takes;
+use super::link::takes;
 use super::StageShape;
 use crate::pipeline::{Phase, Schedule, Step};
 
