@@ -778,23 +778,21 @@ impl<'a> StageShape<'a> {
     /// output is live beside the whole, this share of it (1 over the last axis's degree). 0 where
     /// one step gathers it, or ZeRO-3 none.
     fn two_step_gather_share(&self) -> f64 {
-        let degrees = [AxisName::Dp, AxisName::Cp, AxisName::Ep].map(|axis| self.layout.degree(axis));
-        let mut split = degrees.into_iter().filter(|&degree| degree > 1);
+        self.two_step_gather_share_over(&[AxisName::Dp, AxisName::Cp, AxisName::Ep])
+    }
+
+    /// The same of a routed expert, which ZeRO splits over dp and cp only (ep splits the experts).
+    fn expert_two_step_gather_share(&self) -> f64 {
+        self.two_step_gather_share_over(&[AxisName::Dp, AxisName::Cp])
+    }
+
+    /// [`Self::two_step_gather_share`] of a parameter whose replicas are `axes`, the last gathered
+    /// first.
+    fn two_step_gather_share_over(&self, axes: &[AxisName]) -> f64 {
+        let mut split = axes.iter().map(|&axis| self.layout.degree(axis)).filter(|&degree| degree > 1);
         match (split.next(), split.next()) {
             (Some(last), Some(_)) => self.weights_gathered_again(1.0) / last as f64,
             _ => 0.0,
-        }
-    }
-
-    /// Under ZeRO-3 a routed expert split over both dp and cp (ep splits the experts) is gathered
-    /// a step an axis, cp's first: as dp's step runs, cp's output is live beside the whole, this
-    /// share of it (1 over dp). 0 where one step gathers it, or ZeRO-3 none.
-    fn expert_two_step_gather_share(&self) -> f64 {
-        let dp = self.layout.degree(AxisName::Dp);
-        if dp > 1 && self.cp > 1 && self.experts_scattered() {
-            self.weights_gathered_again(1.0) / dp as f64
-        } else {
-            0.0
         }
     }
 

@@ -485,21 +485,24 @@ fn mixture_w_past_the_mlp(shape: &StageShape, chunk: &Chunk, between: Vec<Term>,
         let mut held = held.clone();
         held.push(Term { name: "v's and k's output gradients, freed", bytes: -2.0 * local_tokens * kv * element });
         let so_far = made + o_gradient + 2.0 * hidden * kv * element;
-        if shape.reduced {
+        let name = if shape.reduced {
             // (As it is made beside what it reads, q's output gradient and the attention norm's
             // output; as it joins its sum those freed.)
             held.push(Term { name: "q's gradient before its all-reduce", bytes: q_gradient });
-            let made = Candidate::made("the last layer's q gradient in W, before its all-reduce", so_far, held.clone());
+            points.push(Candidate::made(
+                "the last layer's q gradient in W, before its all-reduce",
+                so_far,
+                held.clone(),
+            ));
             held.push(Term {
                 name: "q's output gradient and the attention norm's output, freed",
                 bytes: -(local_tokens * query * element + gathered),
             });
-            let name = "the last layer's q gradient joins its sum in W, its unreduced copy live";
-            points.extend([made, Candidate::joining(name, so_far + q_gradient, held, q_gradient)]);
+            "the last layer's q gradient joins its sum in W, its unreduced copy live"
         } else {
-            let name = "the last layer's q gradient joins its sum in W";
-            points.push(Candidate::joining(name, so_far + q_gradient, held, q_gradient));
-        }
+            "the last layer's q gradient joins its sum in W"
+        };
+        points.push(Candidate::joining(name, so_far + q_gradient, held, q_gradient));
     }
     if shape.reduced {
         held.push(Term { name: "the gradient before its all-reduce", bytes: o_gradient });
