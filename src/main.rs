@@ -79,8 +79,9 @@ enum Command {
     /// Run one rank of a compiled directory as an MPI process: `mpirun -np N pleat rank DIR`.
     #[cfg(feature = "mpi")]
     Rank(rank::RankArgs),
-    /// Measure this machine: collective bandwidth (`comm`), a hardware spec for --hw-file (`calibrate`),
-    /// the communication the overlap scheduler hides (`overlap`).
+    /// Measure this machine: alone its kernel and link figures (with --calibrate a hardware spec
+    /// for --hw-file, as `calibrate`), collective bandwidth (`comm`), the communication the overlap
+    /// scheduler hides (`overlap`), bucketed gradients (`buckets`).
     Bench(bench::BenchArgs),
 }
 
@@ -97,10 +98,10 @@ impl Command {
             #[cfg(feature = "mpi")]
             Command::Rank(args) => args.format == run::Format::Json,
             Command::Bench(args) => match &args.what {
-                bench::BenchCommand::Comm(args) => args.format == run::Format::Json,
-                bench::BenchCommand::Overlap(args) => args.format == run::Format::Json,
-                bench::BenchCommand::Buckets(args) => args.format == run::Format::Json,
-                bench::BenchCommand::Calibrate(_) => false,
+                Some(bench::BenchCommand::Comm(args)) => args.format == run::Format::Json,
+                Some(bench::BenchCommand::Overlap(args)) => args.format == run::Format::Json,
+                Some(bench::BenchCommand::Buckets(args)) => args.format == run::Format::Json,
+                Some(bench::BenchCommand::Calibrate(_)) | None => false,
             },
             Command::Compile(_) | Command::Trace(_) | Command::Demo => false,
         };

@@ -230,3 +230,33 @@ fn calibrated_specs_drive_the_plan() {
     assert!(terminal.contains("calibrating measurement"), "{terminal}");
     assert!(terminal.contains("wrote "), "the report follows: {terminal}");
 }
+
+#[test]
+fn bench_alone_prints_the_figures_and_calibrate_as_a_flag_writes_the_spec() {
+    // DESIGN.md §7's form: `pleat bench` prints this machine's figures, `--calibrate` writes them
+    // as the spec `pleat bench calibrate` writes.
+    let figures = stdout_of(&["bench", "--quick"]);
+    for what in ["f32 GEMM", "attention", "streaming", "row-wise", "link bandwidth", "link latency"] {
+        let line = figures.lines().find(|line| line.trim_start().starts_with(what)).unwrap_or_else(|| {
+            panic!("no `{what}` line in:\n{figures}");
+        });
+        let figure: f64 = line[line.find(char::is_numeric).unwrap()..].split(' ').next().unwrap().parse().unwrap();
+        assert!(figure > 0.0, "{line}");
+    }
+    let dir = tempdir("bench-calibrate-flag");
+    let file = dir.join("here.json");
+    let path = file.to_str().unwrap();
+    stdout_of(&["bench", "--calibrate", "--quick", "--out", path]);
+    let spec: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!((spec["name"].as_str(), spec["efficiency"]["matmul"].as_f64()), (Some("cpu-calibrated"), Some(1.0)));
+    // --out without --calibrate, and the flag beside a subcommand, are usage errors.
+    for (args, says) in [
+        (&["bench", "--out", path][..], "required arguments were not provided:\n  --calibrate"),
+        (&["bench", "--calibrate", "comm"][..], "the subcommand 'comm' cannot be used with '--calibrate'"),
+    ] {
+        let output = pleat(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

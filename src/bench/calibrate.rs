@@ -1,7 +1,8 @@
-//! `pleat bench calibrate`: measures what one rank reaches here (GEMM FLOP/s, streaming bandwidth, the
-//! threads communicator's bandwidth and latency; see `pleat_runtime::calibrate`) and writes it as a
-//! hardware spec that `pleat plan --hw-file`, `compare` and `trace` read, so that predictions are
-//! made for this machine rather than from the nominal `cpu` entry.
+//! `pleat bench calibrate` (or `pleat bench --calibrate`): measures what one rank reaches here
+//! (GEMM FLOP/s, streaming bandwidth, the threads communicator's bandwidth and latency; see
+//! `pleat_runtime::calibrate`) and writes it as a hardware spec that `pleat plan --hw-file`, `compare` and `trace` read, so that predictions are
+//! made for this machine rather than from the nominal `cpu` entry. `pleat bench` alone prints the
+//! figures.
 
 use std::path::PathBuf;
 
@@ -23,13 +24,9 @@ pub struct CalibrateArgs {
     pub quick: bool,
 }
 
-/// Runs `pleat bench calibrate`.
+/// Runs `pleat bench calibrate` (and `pleat bench --calibrate`).
 pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
-    let options = if args.quick { CalibrationOptions::quick() } else { CalibrationOptions::full() };
-    let progress = Progress::new("calibrating", "measurement", MEASUREMENTS, true);
-    let calibration = calibrate(&options, &mut |done| progress.set(done));
-    progress.finish();
-    let calibration = calibration?;
+    let calibration = measure(args.quick)?;
     let spec = spec_of(&calibration, crate::host_memory::total_bytes()?).validate()?;
     let json = serde_json::to_string_pretty(&spec)?;
     eprintln!(
@@ -50,6 +47,33 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
         None => println!("{json}"),
     }
     Ok(())
+}
+
+/// Runs `pleat bench` alone: the figures, one a line, for a person to read.
+pub fn print_figures(quick: bool) -> Result<()> {
+    let calibration = measure(quick)?;
+    println!("one rank of this machine ({} cores):", calibration.cores);
+    for (what, figure) in [
+        ("f32 GEMM", format!("{:.1} GFLOP/s", calibration.gemm_flops_per_s / 1e9)),
+        ("attention", format!("{:.1} GFLOP/s", calibration.attention_flops_per_s / 1e9)),
+        ("streaming", format!("{:.1} GB/s", calibration.stream_bytes_per_s / 1e9)),
+        ("row-wise (RMSNorm)", format!("{:.1} GB/s", calibration.row_kernel_bytes_per_s / 1e9)),
+        ("link bandwidth", format!("{:.2} GB/s", calibration.link_bytes_per_s / 1e9)),
+        ("link latency", format!("{:.1} µs one way", calibration.link_latency_s * 1e6)),
+    ] {
+        println!("  {what:<20} {figure}");
+    }
+    println!("write them as a hardware spec for --hw-file: pleat bench --calibrate --out here.json");
+    Ok(())
+}
+
+/// Measures this machine, with a bar on a terminal.
+fn measure(quick: bool) -> Result<Calibration> {
+    let options = if quick { CalibrationOptions::quick() } else { CalibrationOptions::full() };
+    let progress = Progress::new("calibrating", "measurement", MEASUREMENTS, true);
+    let calibration = calibrate(&options, &mut |done| progress.set(done));
+    progress.finish();
+    Ok(calibration?)
 }
 
 /// The spec of a calibrated machine: measured rates as the peaks, with efficiency 1 for what was

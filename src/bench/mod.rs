@@ -1,5 +1,8 @@
 //! `pleat bench`: measurements of this machine, for people and for the cost model.
 //!
+//! Alone, `pleat bench` measures one rank's kernels and the threads communicator's link and prints
+//! the figures; `pleat bench --calibrate` writes them as a hardware spec (DESIGN.md §7's form of
+//! `calibrate` below). Its subcommands:
 //! - `comm`: collective bandwidth over message sizes, threads or MPI ([`comm`]).
 //! - `calibrate`: one rank's GEMM rate, streaming bandwidth and link speed, written as a hardware
 //!   spec for `--hw-file` ([`calibrate`]).
@@ -16,11 +19,21 @@ pub mod overlap;
 use anyhow::Result;
 use clap::{Args, Subcommand};
 
-/// Arguments of `pleat bench`.
+/// Arguments of `pleat bench`: a subcommand, or none for this machine's figures.
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
     #[command(subcommand)]
-    pub what: BenchCommand,
+    pub what: Option<BenchCommand>,
+    /// Write the figures as a hardware spec for --hw-file (as `pleat bench calibrate`).
+    #[arg(long)]
+    pub calibrate: bool,
+    /// With --calibrate: where to write the spec (JSON); without it, it is printed.
+    #[arg(long, requires = "calibrate")]
+    pub out: Option<std::path::PathBuf>,
+    /// Small sizes: seconds less, figures that only bound the full ones from below.
+    #[arg(long)]
+    pub quick: bool,
 }
 
 /// What `pleat bench` measures.
@@ -48,9 +61,13 @@ fn median(mut values: Vec<f64>) -> f64 {
 /// Runs `pleat bench`.
 pub fn bench(args: &BenchArgs) -> Result<()> {
     match &args.what {
-        BenchCommand::Comm(args) => comm::comm(args),
-        BenchCommand::Calibrate(args) => calibrate::run_calibrate(args),
-        BenchCommand::Overlap(args) => overlap::run_overlap(args),
-        BenchCommand::Buckets(args) => buckets::run_buckets(args),
+        Some(BenchCommand::Comm(args)) => comm::comm(args),
+        Some(BenchCommand::Calibrate(args)) => calibrate::run_calibrate(args),
+        Some(BenchCommand::Overlap(args)) => overlap::run_overlap(args),
+        Some(BenchCommand::Buckets(args)) => buckets::run_buckets(args),
+        None if args.calibrate => {
+            calibrate::run_calibrate(&calibrate::CalibrateArgs { out: args.out.clone(), quick: args.quick })
+        }
+        None => calibrate::print_figures(args.quick),
     }
 }
