@@ -198,6 +198,17 @@ impl ZeroRows {
         self.key_values.iter().all(|param| self.splits(&param.dims, false))
     }
 
+    /// Whether ZeRO splits any of the rank's parameters: where it splits none (at dp=3 on `tiny`
+    /// no dim divides), ZeRO-2 and 3 keep every gradient and weight whole, as ZeRO-1 does.
+    pub fn splits_any(&self) -> bool {
+        let layer = self.attention_inputs.iter().chain(&self.key_values).chain(&self.past_attention);
+        // (A mixture without a shared expert lists its MLP as empty tensors, which split nothing.)
+        layer
+            .chain(&self.head)
+            .chain([&self.embedding])
+            .any(|param| param.elements() > 0.0 && self.splits(&param.dims, param.expert))
+    }
+
     /// A rank's ZeRO shard of `amount` (elements or bytes) of a parameter of local `dims`.
     pub fn shard(&self, dims: &[u64], amount: f64, expert: bool) -> f64 {
         amount / self.replicas(dims, expert) as f64
@@ -268,5 +279,13 @@ mod tests {
         assert_eq!(one_row.replicas(&[1, 16, 128], false), 2);
         assert_eq!(one_row.beyond_shards(2, true, true), 0.0);
         assert_eq!((one_row.beyond_key_values(), one_row.splits_key_values()), (0.0, true));
+        // At dp=3 (or 6) no dim of tiny's divides (128, 256, 8 heads, 4 kv heads): ZeRO splits
+        // nothing. tiny-moe's 8 experts a rank do not divide over dp=3 either; at dp=2 they do.
+        for degree in [3, 6] {
+            let layout = Layout::new(&[(AxisName::Dp, degree)], false);
+            assert!(!ZeroRows::new(&tiny, &layout).splits_any(), "dp={degree}");
+            assert!(!ZeroRows::new(&moe, &layout).splits_any(), "dp={degree}");
+        }
+        assert!(ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 2)], false)).splits_any());
     }
 }

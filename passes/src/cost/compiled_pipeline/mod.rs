@@ -336,7 +336,9 @@
 //! any recomputation;
 //! ZeRO-1 anywhere (it splits only the optimizer's state, which the programs do not hold: they are
 //! dp's), and ZeRO-2 and 3 on a mesh without replicas (they split nothing); ZeRO-2 over dp, cp or
-//! both (whose ranks hold the same weights), with or without tp (±SP),
+//! both (whose ranks hold the same weights), with or without tp (±SP), where no parameter's rows
+//! divide over them (every gradient all-reduced and kept whole, no weight gathered: ZeRO-1's
+//! programs, as at dp=3 on `tiny`), or
 //! where every parameter's rows divide over them but perhaps k's and v's (the sums and gradients
 //! are their shards, each gradient is reduce-scattered and staged whole, and the stage's other
 //! candidate is inside its first layer's backward, or W, as the gate gradient is scattered; k and
@@ -421,9 +423,15 @@ pub fn compiled_stage_peak(
     if layers % u64::from(chunks) != 0 {
         return None;
     }
-    // tsp's programs shard the embeddings over it.
+    // tsp's programs shard the embeddings over it. Where ZeRO splits no parameter, ZeRO-2 and 3
+    // compile to ZeRO-1's programs: every gradient all-reduced whole, no weight gathered.
     let tsp = layout.degree(AxisName::Tsp);
-    let workload = &Workload { tsp_shards_embeddings: workload.tsp_shards_embeddings || tsp > 1, ..workload.clone() };
+    let zero_rows = ZeroRows::new(model, layout);
+    let splits_none = workload.zero >= 2 && layout.zero_replicas() > 1 && !zero_rows.splits_any();
+    let zero = if splits_none { 1 } else { workload.zero };
+    let kept_whole_zero3 = splits_none && workload.zero >= 3;
+    let workload =
+        &Workload { tsp_shards_embeddings: workload.tsp_shards_embeddings || tsp > 1, zero, ..workload.clone() };
     let shape = StageShape::new(model, layout, workload, schedule, stage, tsp_rank);
     let virtual_stages = schedule.stages * chunks;
     let holds: Vec<ChunkHold> = (0..chunks)
@@ -446,15 +454,27 @@ pub fn compiled_stage_peak(
     let params =
         if param_shards > 1.0 { shape.sharded(params, layers as f64 * shape.layer_routed_experts()) } else { params };
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
-    // Every point holds the k and v projections ZeRO-3 keeps whole beyond their shards.
-    if workload.zero >= 3 && shape.key_values_kept_whole > 0.0 {
+    // Every point holds the k and v projections ZeRO-3 keeps whole beyond their shards (where it
+    // splits no parameter, all of them: the closed form's shards are the phase's parameters).
+    let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
+    if kept_whole_zero3 {
+        let experts = layers as f64 * shape.layer_routed_experts();
+        let replicas = (layout.zero_replicas() as f64, layout.expert_zero_replicas() as f64);
+        let shards = sharded_over(phase.params, experts, replicas.0, replicas.1);
+        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: phase.params - shards });
+        phase.params = shards;
+    } else if workload.zero >= 3 && shape.key_values_kept_whole > 0.0 {
         phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: layers as f64 * shape.key_values_kept_whole });
     }
-    // (Under ZeRO-3 the rank's dp × cp shard of it, gathered by the stage itself for its head.)
-    let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
     if received_table > 0.0 {
-        // Received in the stage's first forward, held to the end of the step.
-        phase.terms.push(Term { name: TIED_TABLE_RECEIVED, bytes: received_table });
+        // Received in the stage's first forward, held to the end of the step. (Under ZeRO-3 the
+        // rank's dp × cp shard of it, gathered by the stage itself for its head; where ZeRO
+        // splits nothing, whole, the closed form's shard and the rest beyond it.)
+        let shard = if kept_whole_zero3 { received_table / layout.zero_replicas() as f64 } else { received_table };
+        phase.terms.push(Term { name: TIED_TABLE_RECEIVED, bytes: shard });
+        if received_table > shard {
+            phase.terms.push(Term { name: TIED_TABLE_RECEIVED_BEYOND_SHARD, bytes: received_table - shard });
+        }
     }
     Some(phase)
 }
@@ -474,6 +494,17 @@ pub const TIED_HEAD_PARTS_TAKEN_AHEAD: &str =
 /// program a buffer received.
 pub const TIED_TABLE_RECEIVED: &str = "the tied embedding table, received from the first stage for the LM head";
 
+/// Of `bytes` of parameters or gradients, `experts` of them routed experts', the rank's shards:
+/// the dense ones' over `shards` replicas, the experts' over `expert_shards`.
+fn sharded_over(bytes: f64, experts: f64, shards: f64, expert_shards: f64) -> f64 {
+    (bytes - experts) / shards + experts / expert_shards
+}
+
+/// The term naming, where ZeRO-3 splits no parameter, the rest of the tied table the stage holding
+/// the LM head receives whole, beyond the shard of it Megatron's accounting counts.
+pub const TIED_TABLE_RECEIVED_BEYOND_SHARD: &str =
+    "the received tied embedding table beyond its ZeRO-3 shard (ZeRO splits no parameter here)";
+
 /// Whether [`compiled_stage_peak`] models `model` on `layout` under `workload` and `schedule` (see
 /// the module doc).
 fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: &Schedule, tsp_rank: u64) -> bool {
@@ -490,10 +521,12 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         && (tsp == 1 || tp * cp == 1)
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
-        // whole; the stage's points count them apart); without replicas they split nothing.
+        // whole; the stage's points count them apart), or where no parameter's do (ZeRO-1's
+        // programs); without replicas they split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_key_values_kept_whole(model, layout)))
+            || ((workload.zero == 2 || workload.zero == 3) && only_key_values_kept_whole(model, layout))
+            || !ZeroRows::new(model, layout).splits_any())
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
@@ -705,7 +738,7 @@ impl<'a> StageShape<'a> {
     /// experts', what the rank holds under ZeRO-2 and 3: a dense one's shard over dp × cp × ep, a
     /// routed expert's over dp × cp.
     fn sharded(&self, bytes: f64, experts: f64) -> f64 {
-        (bytes - experts) / self.shards + experts / self.expert_shards
+        sharded_over(bytes, experts, self.shards, self.expert_shards)
     }
 
     /// Whether the routed experts are split over ep or tsp, so that one instruction dispatches
