@@ -1492,6 +1492,38 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
     assert_exact_peaking_at(&cases, &points);
 }
 
+#[test]
+fn stage_closed_form_is_exact_where_a_mixture_on_four_stages_sends_its_statistics() {
+    // Eight layers of a mixture on four stages, where a deep sweep found the form below the
+    // planner's peak: every stage sends each chunk's layers' statistics to the last.
+    // - A stage between the first and the last holds the counts' sum it received through its
+    //   first layer's q input gradient (GPipe, ZeRO-3) and its o gradient's reduce-scatter under
+    //   full recomputation (1F1B): 32 B each.
+    // - Interleaved, the last stage takes the first stage's statistics ahead of the last chunk's
+    //   forward reading them, queued before an input gradient it reads (up to 192 B); under SP a
+    //   chunk's last layer's statistics follow its output, so the stage before's come with its
+    //   next output, not this one's (64 B above, once the first was counted).
+    let mixture = pleat_ir::model::config::ModelConfig { num_layers: 8, ..preset("tiny-moe").unwrap() };
+    let tied_mixture = tied(mixture.clone());
+    let shared = pleat_ir::model::config::ModelConfig { num_layers: 8, ..with_a_shared_expert(32, true) };
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    let interleaved = ScheduleKind::Interleaved { chunks: 2 };
+    let cases: [StageCase; 6] = [
+        (&tied_mixture, "pp=4,ep=2", ScheduleKind::GPipe, 8, 3, selective, false, 64),
+        (&shared, "pp=4,ep=2", ScheduleKind::OneFOneB, 8, 3, full, false, 64),
+        (&shared, "pp=4,ep=2", interleaved, 8, 3, full, false, 64),
+        (&shared, "pp=4", interleaved, 8, 0, full, false, 64),
+        (&shared, "pp=4,tsp=2", interleaved, 8, 0, selective, false, 512),
+        (&mixture, "pp=4,tp=2", interleaved, 8, 0, none, true, 512),
+    ];
+    let points = [
+        "first layer's q input gradient, its weight gathered again",
+        "first layer's o gradient reduce-scattered, its attention regathered",
+        "first layer's attention backward",
+    ];
+    assert_exact_peaking_at(&cases, &points);
+}
+
 /// A pipelined layout of one sequence a micro-batch: the model, the mesh, the schedule, the
 /// micro-batches, the ZeRO stage, the recomputation, SP, and the sequence's tokens.
 type StageCase<'a> =

@@ -214,7 +214,8 @@ pub(super) fn mlp_norm_gradients_summed(shape: &StageShape, chunk: &Chunk) -> Op
 /// gradient from q joins the sum of those from k and v: q's weight gradient, whose all-reduce ends
 /// the chunk's backward, is not yet made, and the norm's output and q's output gradient it reads
 /// are live beside q's input gradient and the two sums (the norm's output recomputed under full
-/// recomputation; under ZeRO-2 and 3 the gradients made are their shards). Under ZeRO-3 also as
+/// recomputation; under ZeRO-2 and 3 the gradients made are their shards), and on a stage between
+/// the first and the last a mixture's summed expert counts it received. Under ZeRO-3 also as
 /// q's input gradient is made, beside q's weight gathered again for it and the sum from k and v.
 /// (Not under tsp.)
 pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
@@ -231,6 +232,7 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<
         Term { name: "first layer's q input gradient", bytes: gathered },
     ];
     held.extend(chunk.end.iter().cloned());
+    held.extend(received_counts(shape, chunk, false));
     let so_far = chunk.grads - (shape.norm + hidden * query) * element / shape.shards;
     let sums = Term {
         name: "first layer's attention norm output gradients from k and v, and with q's",
@@ -1609,7 +1611,8 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
 /// gathered whole beside the recomputed norm output, gate and up, and the gradient of the SiLU
 /// product; or as its output projection's gradient is (the MLP's done), its attention norm's,
 /// q's, k's and v's weights gathered beside the recomputed norm output, q, k and v, and the
-/// attention output's gradient. (Not under zero bubble: B recomputes the forward, gathering the
+/// attention output's gradient (and on a stage between the first and the last, a mixture's summed
+/// expert counts it received). (Not under zero bubble: B recomputes the forward, gathering the
 /// weights, and W, which makes the weight gradients, reads what B kept, no weight; nor under tsp,
 /// whose MLP ring and attention owners are modelled apart, `tsp_ring`. For a mixture only the
 /// attention's point: its MLP's are its experts' and shared expert's.)
@@ -1651,6 +1654,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "first layer's output projection gradient before its reduce-scatter", bytes: output_projection },
         Term { name: "its reduce-scatter's staging", bytes: output_projection },
     ]);
+    attention.extend(received_counts(shape, chunk, false));
     let attention = Candidate {
         name: "first layer's o gradient reduce-scattered, its attention regathered",
         so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,

@@ -145,9 +145,13 @@
 //! gradients' link in the order they were sent, so under GPipe it holds them for the micro-batches
 //! in flight too. Under interleaving every micro-batch holds the sum it received to its end on the
 //! stage (each chunk's routers read it), and the last stage's other chunks hand their layers'
-//! statistics to its last chunk on the same rank instead of sending them on; the stage before
-//! sends its chunk's statistics to that last chunk ahead of the chunk's output, so a micro-batch
-//! forwarded on the last stage's other chunk holds those too. Under zero bubble B
+//! statistics to its last chunk on the same rank instead of sending them on; every other stage
+//! sends its chunks' statistics to that last chunk, and the last stage holds those it took off a
+//! link before the last chunk's forward reads them (`incoming_link`): the stage before's come
+//! with its outputs (under SP its chunk's last layer's after the output, so with the next one),
+//! the first stage's with the input gradients it sends the last stage. (A stage between the
+//! first and the last holds the counts' sum it received through its first layer's backward.)
+//! Under zero bubble B
 //! runs the experts' and the router's backward, their weight gradients too (none is a W op): a
 //! micro-batch between B and W keeps those gradients, W reads only the attention's inputs and the
 //! norms', and a stage may peak inside a B, as its first layer's last expert gradient joins its sum
@@ -371,17 +375,17 @@
 //! between its B and its W (and the head of its W), `forward` the points of a forward under zero
 //! bubble, `tsp_ring` the points inside a tsp MLP ring, `link` which step takes each message of
 //! a link between stages, `head_link` what the first stage takes early from the stage holding a
-//! tied LM head, `positions_link` the positions a later stage takes early from the first beside cp
-//! or tsp, and `walk` weighs every point of every step of the stage's schedule beside what the
-//! other micro-batches hold there.
+//! tied LM head, `incoming_link` the positions (beside cp or tsp) and a mixture's statistics a
+//! later stage takes early from the first stage and the one before, and `walk` weighs every
+//! point of every step of the stage's schedule beside what the other micro-batches hold there.
 mod chunk;
 mod experts;
 mod first_layer;
 mod forward;
 mod head;
 mod head_link;
+mod incoming_link;
 mod link;
-mod positions_link;
 mod shared_expert;
 mod tsp_ring;
 mod walk;

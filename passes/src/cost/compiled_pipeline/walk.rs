@@ -8,7 +8,7 @@ use super::super::memory::Term;
 use super::super::workload::Recompute;
 use super::chunk::{Candidate, ChunkHold};
 use super::head_link::{HeadLink, TakenEarly};
-use super::positions_link::PositionsLink;
+use super::incoming_link::IncomingLink;
 use super::{StageShape, TIED_HEAD_PARTS_TAKEN_AHEAD};
 use crate::pipeline::{Phase, Schedule, Step};
 use pleat_ir::AxisName;
@@ -30,7 +30,7 @@ pub(super) fn stage_peak(
         (Phase::Backward, Phase::Backward)
     };
     let head_link = HeadLink::new(shape, schedule, (input_phase, tail_phase))?;
-    let positions_link = PositionsLink::new(shape, schedule, input_phase)?;
+    let incoming_links = IncomingLink::into_stage(shape, schedule, input_phase, holds.first()?.layers)?;
     let mut best: Option<ForwardPhase> = None;
     for (at, step) in steps.iter().enumerate() {
         let kind = if step.phase == tail_phase {
@@ -47,7 +47,7 @@ pub(super) fn stage_peak(
             continue;
         };
         let head_link = head_link.as_ref().map(|link| link.taken_early(at));
-        let positions_taken_early = positions_link.as_ref().map_or(0.0, |link| link.taken_early(at));
+        let taken_early_in = incoming_links.iter().map(|link| link.taken_early(at)).sum();
         let point = Point {
             shape,
             schedule,
@@ -58,7 +58,7 @@ pub(super) fn stage_peak(
             input_phase,
             tail_phase,
             head_link,
-            positions_taken_early,
+            taken_early_in,
         };
         let beside = point.beside()?;
         let phases = match kind {
@@ -90,9 +90,9 @@ struct Point<'a> {
     /// Beside a tied table, on the first stage: what it holds that it took from the stage holding
     /// the LM head before the step reading it.
     head_link: Option<TakenEarly>,
-    /// Beside cp or tsp, on a later stage: the positions it took from the first stage before the
-    /// forward reading them (bytes).
-    positions_taken_early: f64,
+    /// On a later stage: the positions (beside cp or tsp) and on the last a mixture's statistics
+    /// it took from the first stage and the one before before the forward reading them (bytes).
+    taken_early_in: f64,
 }
 
 /// Which step a point lies in.
@@ -160,7 +160,7 @@ impl Point<'_> {
             unfinished_kept_whole,
             others: others
                 + positions
-                + self.positions_taken_early
+                + self.taken_early_in
                 + self.counts_taken()?
                 + last_stage_statistics
                 + taken_early.others,
@@ -288,9 +288,8 @@ impl Point<'_> {
     /// the last takes them on its gradients' link, so it holds those sent before the gradient its
     /// current step takes; another takes them at a micro-batch's first backward (the second
     /// figure). On the last stage, a micro-batch forwarded on another chunk and not yet on the last
-    /// one holds that chunk's layers' statistics and those of the stage before's same chunk, which
-    /// that stage sent to the last chunk here ahead of the chunk's output, and so arrived with it
-    /// (the first).
+    /// one holds that chunk's layers' statistics (the first; those it took from other stages are
+    /// the links' in, `incoming_link`).
     fn interleaved_counts(&self) -> Option<(f64, f64)> {
         let (shape, step) = (self.shape, self.step);
         let (mut last_stage, mut received) = (0.0, 0.0);
@@ -319,12 +318,10 @@ impl Point<'_> {
                 if micro_batch == step.micro_batch && self.kind == StepKind::Forward && step.chunk + 1 == chunks {
                     continue;
                 }
+                // (Its own chunk's layers; the links in count those the stage took.)
                 for (chunk, hold) in (0..chunks - 1).zip(self.holds) {
                     if forwarded(self.before, micro_batch, chunk) && !forwarded(self.before, micro_batch, chunks - 1) {
-                        // (This chunk's layers and the stage before's same chunk's: the
-                        // chunks hold equal layers.)
-                        let layers = 2.0 * hold.layers as f64;
-                        last_stage += 2.0 * layers * shape.statistics;
+                        last_stage += 2.0 * hold.layers as f64 * shape.statistics;
                     }
                 }
                 continue;
