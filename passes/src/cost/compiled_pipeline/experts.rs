@@ -382,6 +382,10 @@ pub(super) fn dispatched(
     let router = shape.router();
     let (mut held, so_far) = routed_experts_operands(shape, context, made_before)?;
     let routed = shape.model.routed_expert_weights() as f64 / (shape.tp * shape.layout.expert_degree()) as f64;
+    // (Under SP the output gradient it copies is the one all-gathered over tp, live beside.)
+    if shape.sequence_parallel() {
+        held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
+    }
     held.push(Term { name: "the dispatch's copy of its operands", bytes: 2.0 * gathered + router + routed * element });
     Some(Candidate::made(name, so_far, held))
 }

@@ -22,7 +22,9 @@ use super::{tsp_ring, StageShape};
 /// tp, and without SP as a mixture's routed experts' output is all-reduced over it (under SP and
 /// ZeRO-3 the router, gathered for the experts, is kept to the layer's statistics, made after its
 /// output); under ZeRO-3 as a dense MLP's down projection's output is made beside its gathered
-/// weight; under full recomputation beside cp (without tp) as the last layer's attention runs on
+/// weight; under SP with full recomputation, on the last chunk, as the final norm runs on the
+/// last layer's output gathered over tp; under full recomputation beside cp (without tp) as the
+/// last layer's attention runs on
 /// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what
 /// the rest of its forward makes (on the last chunk the head's buffers, and a mixture's counts'
 /// sum over the layers, whose statistics are all live instead). On the last chunk beside cp also
@@ -142,8 +144,9 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     };
     // Under SP the MLP's output, each rank's partial sum over its share of the channels (a
     // mixture's routed experts'), is reduce-scattered over tp, staged whole, before the layer's
-    // output is made; under full recomputation beside the MLP norm's output, not kept but live
-    // until then. (Beside a shared expert the two outputs, each whole, are summed first.)
+    // output is made; under full recomputation beside a mixture's MLP norm output, not kept but
+    // live until the statistics read it (a dense MLP's is freed once up's output is made, a point
+    // below). (Beside a shared expert the two outputs, each whole, are summed first.)
     let sequence_parallel = shape.sequence_parallel();
     // Under ZeRO-3 a mixture's router, gathered for its routed experts, stays until the layer's
     // statistics: under SP made after the layer's output, so live at every point past the experts.
@@ -154,7 +157,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     };
     points[0].held.push(router_kept.clone());
     if sequence_parallel {
-        let norm_output = if full { gathered } else { 0.0 };
+        let norm_output = if full && shape.model.experts.is_some() { gathered } else { 0.0 };
         points.push(point(
             "the last layer's MLP output reduce-scattered in a forward",
             vec![
@@ -226,6 +229,28 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 positions.clone(),
                 before_layer_output.clone(),
                 Term { name: "its last layer's gate, up and product", bytes: 3.0 * local_tokens * ffn * element },
+            ],
+        ));
+    }
+    // Under SP with full recomputation the last chunk's forward then runs the final norm on the
+    // last layer's output all-gathered over tp, neither kept: both live beside all the micro-batch
+    // holds in flight by then (its last layer's output among it; under ZeRO-3 beside the norm's
+    // weight, gathered over dp for it). Above the MLP's points once tp splits its channels finer
+    // than the hidden size.
+    if full && sequence_parallel && chunk.last && shape.model.experts.is_none() {
+        points.push(point(
+            "the final norm in a forward",
+            vec![
+                positions.clone(),
+                Term { name: "what it holds in flight by then", bytes: kept },
+                Term {
+                    name: "its last layer's output all-gathered, and the final norm's output",
+                    bytes: 2.0 * gathered,
+                },
+                Term {
+                    name: "the final norm's weight, gathered",
+                    bytes: shape.weights_gathered_again(shape.norm * element),
+                },
             ],
         ));
     }

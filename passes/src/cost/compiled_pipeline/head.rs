@@ -697,7 +697,7 @@ fn mixture_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     if !full && chunk.layers > 1 && shape.tsp == 1 {
         // (The output gradient is summed into the attention residual's gradient by then.)
         let context = routed.iter().filter(|term| term.name != output_gradient_name).cloned().collect();
-        candidates.push(kept_last_layer_attention_backward(shape, context, head_gradients));
+        candidates.extend(kept_last_layer_attention_backward(shape, context, head_gradients, chunk.layers));
     }
     // (Above the points after it once a shared expert's activations outweigh the last layer's
     // MLP gradients.)
@@ -728,17 +728,27 @@ fn output_gradient_received(shape: &StageShape, chunk: &Chunk) -> Candidate {
 /// attention's inputs the forward kept) but the MLP norm's output and input and the attention's
 /// output, beside the attention residual's gradient, the attention output's and the kernel's three
 /// gradients; of the chunk's gradients the head's (`head_gradients`), the layer's MLP's, MLP
-/// norm's and output projection's are made.
-fn kept_last_layer_attention_backward(shape: &StageShape, context: Vec<Term>, head_gradients: f64) -> Candidate {
+/// norm's and output projection's are made. And after the kernel, as the attention norm output's
+/// gradients are summed ([`super::first_layer::attention_input_gradients`]), q, k and v after
+/// RoPE freed. None of the `layers` layers' k and v gradients are made yet.
+fn kept_last_layer_attention_backward(
+    shape: &StageShape,
+    context: Vec<Term>,
+    head_gradients: f64,
+    layers: u64,
+) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, attention_kept, .. } = shape.sizes;
-    let mut held = context;
-    held.extend([
+    let mut past_the_mlp = context;
+    past_the_mlp.extend([
         Term { name: "its last layer's MLP norm output, freed", bytes: -gathered },
         Term { name: "its last layer's attention residual (the MLP norm's input), freed", bytes: -stream },
-        Term { name: "its last layer's attention residual gradient", bytes: stream },
         // (Kept or, under selective recomputation, recomputed: freed after the output projection's
         // weight gradient.)
         Term { name: "its last layer's attention output, freed", bytes: -local_tokens * attention_kept * element },
+    ]);
+    let mut held = past_the_mlp.clone();
+    held.extend([
+        Term { name: "its last layer's attention residual gradient", bytes: stream },
         Term { name: "its last layer's attention output gradient", bytes: local_tokens * query * element },
         Term {
             name: "its last layer's attention q, k and v gradients",
@@ -747,14 +757,37 @@ fn kept_last_layer_attention_backward(shape: &StageShape, context: Vec<Term>, he
     ]);
     let so_far =
         head_gradients + (shape.norm + hidden * query) * element / shape.shards + shape.layer_mlp_gradient_shards();
-    Candidate {
+    let mut candidates = vec![Candidate {
         name: "the last layer's attention backward, its inputs kept",
         so_far,
         held,
         new_sum: None,
         key_values_pending: 1.0,
         sum_pending: 0.0,
+    }];
+    // (The points count the norm's output and the attention residual's gradient themselves.)
+    let mut after_the_kernel = past_the_mlp;
+    after_the_kernel.extend([
+        Term {
+            name: "its last layer's q, k and v after RoPE, freed",
+            bytes: -(local_tokens * query + kv_kept) * element,
+        },
+        Term { name: "its last layer's attention norm output (counted apart)", bytes: -gathered },
+    ]);
+    candidates.extend(super::first_layer::attention_input_gradients(
+        shape,
+        [
+            "the last layer's attention norm output's gradients from v and k",
+            "the last layer's attention norm output's gradient from q",
+        ],
+        after_the_kernel,
+        so_far,
+    ));
+    // (The layers below have made no k and v gradients yet.)
+    for candidate in &mut candidates {
+        candidate.key_values_pending += (layers - 1) as f64;
     }
+    candidates
 }
 
 /// Under full recomputation a mixture's chunk of more than one layer may peak inside its last

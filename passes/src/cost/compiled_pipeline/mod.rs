@@ -224,7 +224,8 @@
 //! beside cp) the attention norm output's gradients from v and k summed, then from q. Under full
 //! recomputation the head's points are modelled beside the MLP norm's output recomputed (and a
 //! shared expert's gate, up and product), and so are the last layer's attention kernel's backward
-//! and input gradients, the layers below holding their residual stream. Over ep beside the
+//! and input gradients, the layers below holding their residual stream (outside it too, the
+//! attention's inputs kept, where tp splits the MLP finer than the hidden size). Over ep beside the
 //! load-balancing loss the router's gradient from the experts' backward has no running sum until it
 //! is summed with its gradient from the loss. `tests/cost_training.rs` checks the form exact to
 //! 1024 tokens beside dp, cp, ep and tp, each recomputation, outside zero bubble; under zero bubble
@@ -299,7 +300,8 @@
 //! without SP as a mixture's routed experts' output is all-reduced over it;
 //! under full recomputation as a dense MLP's up output is made beside the MLP norm's output, gate's
 //! output and, under ZeRO-3, up's weight gathered, and as its SiLU product is made beside gate and
-//! up; a shared
+//! up, and on the last chunk under SP as the final norm runs on the last layer's output gathered
+//! over tp; a shared
 //! expert's and the routed experts' outputs summed; under full recomputation the shared expert's
 //! product, its down projection's output and its scaled output made) beside all the micro-batch
 //! keeps, under full recomputation beside cp at its last layer's attention (every token's k and v
