@@ -1525,10 +1525,10 @@ fn stage_closed_form_is_exact_where_a_mixture_on_four_stages_sends_its_statistic
 }
 
 #[test]
-fn stage_closed_form_is_exact_where_tp_splits_the_mlp_finer_than_the_hidden_size() {
+fn stage_closed_form_is_exact_where_a_third_sweep_found_it_off_the_planner() {
     // A third sweep, at tp=4 (gate's and up's outputs half the hidden size, no longer as large as
-    // the MLP's output) and over dp × ep × tp, found the form off the planner's peak at these
-    // points; before, by how much:
+    // the MLP's output), over dp × ep × tp and cp=4, and to 1024 tokens, found the form off the
+    // planner's peak at these points; before, by how much:
     // - zero bubble under SP and full recomputation, as the MLP's output is reduce-scattered in a
     //   forward: a dense MLP's norm output was counted, freed once up's output is made (3.8%
     //   above); on the last stage the final norm in a forward, on the last layer's output
@@ -1536,7 +1536,12 @@ fn stage_closed_form_is_exact_where_tp_splits_the_mlp_finer_than_the_hidden_size
     // - over ep beside dp under SP, as the experts' backward is dispatched: the output gradient
     //   all-gathered over tp, which the dispatch copies, was left out (3% below);
     // - a mixture's chunk of two layers outside full recomputation: its last layer's attention
-    //   norm output's gradients from v and k summed was no point (1 KB, and 0.9% beside dp).
+    //   norm output's gradients from v and k summed was no point (1 KB, and 0.9% beside dp);
+    // - a dense chunk of two layers under full recomputation: its last layer's attention backward
+    //   was no point (3% below beside cp=4 under ZeRO-3 at 1024 tokens, every token's k and v
+    //   gathered);
+    // - zero bubble at tp=4 on 1024 tokens: the loss's row statistics all-gathered over tp in a
+    //   forward was no point (0.08% below, 0.1% for a mixture).
     let (four, ..) = four_layers_wide_and_tied();
     let biased = pleat_ir::model::config::ModelConfig {
         attention_bias: true,
@@ -1546,18 +1551,23 @@ fn stage_closed_form_is_exact_where_tp_splits_the_mlp_finer_than_the_hidden_size
     let [mixture, shared] = four_layer_mixtures();
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (gpipe, zero_bubble) = (ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
-    let cases: [StageCase; 5] = [
+    let cases: [StageCase; 8] = [
         (&four, "pp=2,tp=4", zero_bubble, 4, 0, full, true, 256),
         (&biased, "pp=2,dp=2,tp=4", zero_bubble, 4, 1, full, true, 256),
         (&mixture, "pp=2,dp=2,ep=2,tp=2", ScheduleKind::OneFOneB, 4, 0, selective, true, 256),
         (&shared, "pp=2,tp=4", gpipe, 4, 0, selective, true, 256),
         (&shared, "pp=2,dp=2,tp=4", gpipe, 4, 1, none, true, 256),
+        (&four, "pp=2,cp=4", ScheduleKind::OneFOneB, 4, 3, full, false, 1024),
+        (&biased, "pp=2,dp=2,tp=4", zero_bubble, 4, 3, none, false, 1024),
+        (&mixture, "pp=2,dp=2,tp=4", zero_bubble, 4, 3, none, false, 1024),
     ];
     let points = [
         "the last layer's MLP output reduce-scattered in a forward",
         "the final norm in a forward",
         "the last layer's experts' backward dispatched",
         "the last layer's attention norm output's gradients from v and k",
+        "the last layer's attention backward",
+        "the loss's row statistics all-gathered over tp in a forward",
     ];
     assert_exact_peaking_at(&cases, &points);
 }

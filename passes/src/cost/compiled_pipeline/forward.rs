@@ -28,7 +28,8 @@ use super::{tsp_ring, StageShape};
 /// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what
 /// the rest of its forward makes (on the last chunk the head's buffers, and a mixture's counts'
 /// sum over the layers, whose statistics are all live instead). On the last chunk beside cp also
-/// [`logits_gathered`], and under ZeRO-3 [`head_weight_gathered`]; on the first chunk under ZeRO-3
+/// [`logits_gathered`], under ZeRO-3 [`head_weight_gathered`], and under tp
+/// [`loss_row_statistics_gathered`]; on the first chunk under ZeRO-3
 /// [`embedding_gathered`]; under tsp only [`tsp_logits_reordered`], and on the first chunk
 /// [`tsp_embedding_scattered`]. (Under zero bubble only, ZeRO-2 and 3 included, whose
 /// running sums are the rank's shards; under ZeRO-3 a tsp ring's weights, and the router and
@@ -366,6 +367,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     if chunk.last {
         points.extend(logits_gathered(shape, chunk));
         points.extend(head_weight_gathered(shape, chunk, kept));
+        points.extend(loss_row_statistics_gathered(shape, chunk));
     }
     points.extend(embedding_gathered(shape, chunk));
     points
@@ -394,6 +396,31 @@ fn head_weight_gathered(shape: &StageShape, chunk: &Chunk, kept: f64) -> Option<
                 name: "the LM head's weight gathered, beside the step before's share of it",
                 bytes: head * (1.0 + shape.two_step_gather_share()),
             },
+        ],
+    ))
+}
+
+/// Under tp the last chunk's forward computes the vocabulary-parallel loss from each row's
+/// statistics over the rank's vocabulary shard (three f32), all-gathered over tp: the stage may
+/// peak as the gather runs, beside all the micro-batch holds in flight (its logits and the final
+/// norm's buffers kept; a mixture's counts' sum and load-balancing loss made before, every layer's
+/// statistics freed) but its cross-entropy, on many tokens of a small vocabulary shard. (Outside
+/// full recomputation, cp and tsp, whose heads differ.)
+fn loss_row_statistics_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, vocab_shard, .. } = shape.sizes;
+    let rows = shape.logits() / vocab_shard / element;
+    let gathered = shape.sizes.loss_row_statistics(rows);
+    if gathered == 0.0 || shape.recompute() == Recompute::Full || shape.cp > 1 || shape.tsp > 1 {
+        return None;
+    }
+    Some(Candidate::made(
+        "the loss's row statistics all-gathered over tp in a forward",
+        0.0,
+        vec![
+            Term { name: "its positions", bytes: chunk.positions },
+            Term { name: "what it holds in flight but its cross-entropy", bytes: chunk.in_flight - element },
+            Term { name: "its rows' statistics", bytes: gathered / shape.sizes.vocab_split },
+            Term { name: "every tp rank's, gathered (the all-gather's staging)", bytes: gathered },
         ],
     ))
 }

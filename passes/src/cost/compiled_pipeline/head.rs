@@ -790,15 +790,16 @@ fn kept_last_layer_attention_backward(
     candidates
 }
 
-/// Under full recomputation a mixture's chunk of more than one layer may peak inside its last
-/// layer's attention backward, as the attention kernel makes v's gradient beside q's and k's
-/// (recomputed for it): as inside its first layer's (`first_layer::attention_backward`), but the
-/// residual stream every layer below kept is still live, and of the chunk's gradients only the
-/// head's (on the last chunk) and the last layer's MLP's, MLP norm's and output projection's are
-/// made.
+/// Under full recomputation a chunk of more than one layer may peak inside its last layer's
+/// attention backward, as the attention kernel makes v's gradient beside q's and k's (recomputed
+/// for it): as inside its first layer's (`first_layer::attention_backward`), but the residual
+/// stream every layer below kept is still live, and of the chunk's gradients only the head's (on
+/// the last chunk) and the last layer's MLP's, MLP norm's and output projection's are made. (A
+/// mixture's, or a dense one's where the attention outweighs its MLP: beside cp every token's k
+/// and v.)
 pub(super) fn last_layer_attention_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, kept_layer, .. } = shape.sizes;
-    if shape.recompute() != Recompute::Full || chunk.layers < 2 || shape.model.experts.is_none() || shape.tsp > 1 {
+    if shape.recompute() != Recompute::Full || chunk.layers < 2 || shape.tsp > 1 {
         return Vec::new();
     }
     let mut context = chunk.first_layer_held.clone();

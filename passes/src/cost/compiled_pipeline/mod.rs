@@ -23,7 +23,9 @@
 //! recomputation, and beside dp or cp without tp; under ZeRO-2 and 3, as gate's input gradient is
 //! made before it, under ZeRO-3 beside gate's weight gathered again), or inside its attention
 //! backward, as the attention kernel makes v's gradient beside q's and k's (every token's under cp,
-//! recomputed under full recomputation; not under tsp), then as the attention norm output's
+//! recomputed under full recomputation, where a chunk of more than one layer may peak so in its
+//! last layer's too, the layers below holding their residual stream; not under tsp), then as the
+//! attention norm output's
 //! gradients from v and k, then from q, are summed (under tp partial sums of the whole hidden size;
 //! beside cp after k's and v's gradients are reduce-scattered back to the rank's tokens; under
 //! ZeRO-2 and 3 their weight gradients' shards made, under ZeRO-3 also as q's input gradient is
