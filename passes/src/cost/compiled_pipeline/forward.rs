@@ -24,8 +24,8 @@ use super::{tsp_ring, StageShape};
 /// output); under ZeRO-3 as a dense MLP's down projection's output is made beside its gathered
 /// weight; under SP with full recomputation, on the last chunk, as the final norm runs on the
 /// last layer's output gathered over tp; under full recomputation beside cp (without tp) as the
-/// last layer's attention runs on
-/// every token's k and v, gathered. The micro-batch holds all it keeps in flight there but what
+/// last layer's attention runs on every token's k and v, gathered. The micro-batch holds all it
+/// keeps in flight there but what
 /// the rest of its forward makes (on the last chunk the head's buffers, and a mixture's counts'
 /// sum over the layers, whose statistics are all live instead). On the last chunk beside cp also
 /// [`logits_gathered`], under ZeRO-3 [`head_weight_gathered`], and under tp
@@ -407,9 +407,8 @@ fn head_weight_gathered(shape: &StageShape, chunk: &Chunk, kept: f64) -> Option<
 /// statistics freed) but its cross-entropy, on many tokens of a small vocabulary shard. (Outside
 /// full recomputation, cp and tsp, whose heads differ.)
 fn loss_row_statistics_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, vocab_shard, .. } = shape.sizes;
-    let rows = shape.logits() / vocab_shard / element;
-    let gathered = shape.sizes.loss_row_statistics(rows);
+    let element = shape.sizes.element;
+    let gathered = shape.sizes.loss_row_statistics(shape.logit_rows());
     if gathered == 0.0 || shape.recompute() == Recompute::Full || shape.cp > 1 || shape.tsp > 1 {
         return None;
     }

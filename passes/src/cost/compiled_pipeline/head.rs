@@ -29,9 +29,8 @@ pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candida
 /// under tp the vocabulary-parallel loss's row statistics, three f32 a row from each tp rank); none
 /// of its gradients made yet.
 pub(super) fn loss_backward(shape: &StageShape, chunk: &Chunk) -> Candidate {
-    let StepSizes { element, vocab_shard, .. } = shape.sizes;
     let logits = shape.logits();
-    let rows = logits / vocab_shard / element;
+    let rows = shape.logit_rows();
     // A micro-batch in flight holds its cross-entropy and load-balancing loss apart; by the loss's
     // backward they are summed into its loss, one scalar fewer.
     let summed = shape.load_balancing_loss();

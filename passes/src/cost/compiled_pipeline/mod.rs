@@ -680,6 +680,12 @@ impl<'a> StageShape<'a> {
         }
     }
 
+    /// The rows of the logits the last chunk keeps for the loss (each over the rank's vocabulary
+    /// shard).
+    fn logit_rows(&self) -> f64 {
+        self.logits() / self.sizes.vocab_shard / self.sizes.element
+    }
+
     /// What a micro-batch in flight on the last chunk keeps of the final norm (bytes): nothing
     /// under full recomputation, which recomputes its input gathered under SP and its output;
     /// under tsp its output gathered over the sequence (the head's input); else its buffers
