@@ -1612,10 +1612,12 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
 /// product; or as its output projection's gradient is (the MLP's done), its attention norm's,
 /// q's, k's and v's weights gathered beside the recomputed norm output, q, k and v, and the
 /// attention output's gradient (and on a stage between the first and the last, a mixture's summed
-/// expert counts it received). (Not under zero bubble: B recomputes the forward, gathering the
-/// weights, and W, which makes the weight gradients, reads what B kept, no weight; nor under tsp,
-/// whose MLP ring and attention owners are modelled apart, `tsp_ring`. For a mixture only the
-/// attention's point: its MLP's are its experts' and shared expert's.)
+/// expert counts it received), or just before, as that gradient is made beside the attention's
+/// output recomputed for it (under SP beside the attention residual's gradient gathered over tp).
+/// (Not under zero bubble: B recomputes the forward, gathering the weights, and W, which makes the
+/// weight gradients, reads what B kept, no weight; nor under tsp, whose MLP ring and attention
+/// owners are modelled apart, `tsp_ring`. For a mixture only the attention's points: its MLP's
+/// are its experts' and shared expert's.)
 pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let StepSizes { element, local_tokens, hidden, query, kv, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
     if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full)
@@ -1652,20 +1654,27 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // (Beside cp k and v over every token, gathered.)
         Term { name: "first layer's q, k and v, recomputed", bytes: (local_tokens * query + kv_kept) * element },
         Term { name: "first layer's output projection gradient before its reduce-scatter", bytes: output_projection },
-        Term { name: "its reduce-scatter's staging", bytes: output_projection },
     ]);
     attention.extend(received_counts(shape, chunk, false));
-    let attention = Candidate {
-        name: "first layer's o gradient reduce-scattered, its attention regathered",
-        so_far: chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards,
-        held: attention,
-        new_sum: None,
-        key_values_pending: 1.0,
-        sum_pending: 0.0,
-    };
-    if shape.model.experts.is_some() {
-        return vec![attention];
+    // As o's weight gradient is made, the attention's output recomputed for it and (under SP) the
+    // attention residual's gradient gathered over tp are live; both are freed before the
+    // reduce-scatter, which stages the gradient whole.
+    let mut made = attention.clone();
+    made.push(Term { name: "first layer's attention output, recomputed", bytes: local_tokens * query * element });
+    if shape.sequence_parallel() {
+        made.push(Term { name: "first layer's attention residual gradient, gathered over tp", bytes: gathered });
     }
+    attention.push(Term { name: "its reduce-scatter's staging", bytes: output_projection });
+    let so_far = chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards;
+    let point = |name, held| Candidate { name, so_far, held, new_sum: None, key_values_pending: 1.0, sum_pending: 0.0 };
+    let attention = [
+        point("first layer's o gradient made, its attention regathered", made),
+        point("first layer's o gradient reduce-scattered, its attention regathered", attention),
+    ];
+    if shape.model.experts.is_some() {
+        return attention.into();
+    }
+    let [made, attention] = attention;
     vec![
         Candidate {
             name: "first layer's down gradient reduce-scattered, its MLP regathered",
@@ -1675,6 +1684,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             key_values_pending: 1.0,
             sum_pending: 0.0,
         },
+        made,
         attention,
     ]
 }
