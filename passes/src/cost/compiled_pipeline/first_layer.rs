@@ -1667,26 +1667,23 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     attention.push(Term { name: "its reduce-scatter's staging", bytes: output_projection });
     let so_far = chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards;
     let point = |name, held| Candidate { name, so_far, held, new_sum: None, key_values_pending: 1.0, sum_pending: 0.0 };
-    let attention = [
+    let attention_points = [
         point("first layer's o gradient made, its attention regathered", made),
         point("first layer's o gradient reduce-scattered, its attention regathered", attention),
     ];
-    if shape.model.experts.is_some() {
-        return attention.into();
-    }
-    let [made, attention] = attention;
-    vec![
-        Candidate {
+    let mut points = Vec::new();
+    if shape.model.experts.is_none() {
+        points.push(Candidate {
             name: "first layer's down gradient reduce-scattered, its MLP regathered",
             so_far: chunk.grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + chunk.table) / shards,
             held: mlp,
             new_sum: None,
             key_values_pending: 1.0,
             sum_pending: 0.0,
-        },
-        made,
-        attention,
-    ]
+        });
+    }
+    points.extend(attention_points);
+    points
 }
 
 /// Under ZeRO-3 with full recomputation, a tsp attention backward's term for the attention norm's
