@@ -1,8 +1,8 @@
 //! `pleat bench calibrate` (or `pleat bench --calibrate`): measures what one rank reaches here
 //! (GEMM FLOP/s, streaming bandwidth, the threads communicator's bandwidth and latency; see
-//! `pleat_runtime::calibrate`) and writes it as a hardware spec that `pleat plan --hw-file`, `compare` and `trace` read, so that predictions are
-//! made for this machine rather than from the nominal `cpu` entry. `pleat bench` alone prints the
-//! figures.
+//! `pleat_runtime::calibrate`) and writes it as a hardware spec that `pleat plan --hw-file`,
+//! `compare` and `trace` read, so that predictions are made for this machine rather than from the
+//! nominal `cpu` entry. `pleat bench` alone prints the figures.
 
 use std::path::PathBuf;
 

@@ -423,7 +423,9 @@ pub fn compiled_stage_peak(
     tsp_rank: u64,
     layers: u64,
 ) -> Option<ForwardPhase> {
-    if !modelled(model, layout, workload, schedule, tsp_rank) {
+    // (Which of the rank's parameters ZeRO splits: read by what is modelled and by the stage.)
+    let zero_rows = ZeroRows::new(model, layout);
+    if !modelled(model, layout, &zero_rows, workload, schedule, tsp_rank) {
         return None;
     }
     // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
@@ -434,13 +436,12 @@ pub fn compiled_stage_peak(
     // tsp's programs shard the embeddings over it. Where ZeRO splits no parameter, ZeRO-2 and 3
     // compile to ZeRO-1's programs: every gradient all-reduced whole, no weight gathered.
     let tsp = layout.degree(AxisName::Tsp);
-    let zero_rows = ZeroRows::new(model, layout);
     let splits_none = workload.zero >= 2 && layout.zero_replicas() > 1 && !zero_rows.splits_any();
     let zero = if splits_none { 1 } else { workload.zero };
     let kept_whole_zero3 = splits_none && workload.zero >= 3;
     let workload =
         &Workload { tsp_shards_embeddings: workload.tsp_shards_embeddings || tsp > 1, zero, ..workload.clone() };
-    let shape = StageShape::new(model, layout, workload, schedule, stage, tsp_rank);
+    let shape = StageShape::new(model, layout, &zero_rows, workload, schedule, stage, tsp_rank);
     let virtual_stages = schedule.stages * chunks;
     let holds: Vec<ChunkHold> = (0..chunks)
         .map(|chunk| {
@@ -513,9 +514,16 @@ fn sharded_over(bytes: f64, experts: f64, shards: f64, expert_shards: f64) -> f6
 pub const TIED_TABLE_RECEIVED_BEYOND_SHARD: &str =
     "the received tied embedding table beyond its ZeRO-3 shard (ZeRO splits no parameter here)";
 
-/// Whether [`compiled_stage_peak`] models `model` on `layout` under `workload` and `schedule` (see
-/// the module doc).
-fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: &Schedule, tsp_rank: u64) -> bool {
+/// Whether [`compiled_stage_peak`] models `model` on `layout` (whose ranks' parameters ZeRO splits
+/// as `zero_rows` says) under `workload` and `schedule` (see the module doc).
+fn modelled(
+    model: &ModelShape,
+    layout: &Layout,
+    zero_rows: &ZeroRows,
+    workload: &Workload,
+    schedule: &Schedule,
+    tsp_rank: u64,
+) -> bool {
     let stages = schedule.stages;
     let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let tsp = layout.degree(AxisName::Tsp);
@@ -533,14 +541,13 @@ fn modelled(model: &ModelShape, layout: &Layout, workload: &Workload, schedule: 
         // programs); without replicas they split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_key_values_kept_whole(model, layout))
-            || !ZeroRows::new(model, layout).splits_any())
+            || ((workload.zero == 2 || workload.zero == 3) && only_key_values_kept_whole(model, zero_rows))
+            || !zero_rows.splits_any())
 }
 
-/// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of `layout`'s ranks but
-/// perhaps k's and v's.
-fn only_key_values_kept_whole(model: &ModelShape, layout: &Layout) -> bool {
-    let zero_rows = ZeroRows::new(model, layout);
+/// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of the ranks
+/// (`zero_rows`) but perhaps k's and v's.
+fn only_key_values_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
     zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * zero_rows.beyond_key_values()
 }
 
@@ -608,6 +615,7 @@ impl<'a> StageShape<'a> {
     fn new(
         model: &'a ModelShape,
         layout: &'a Layout,
+        zero_rows: &ZeroRows,
         workload: &'a Workload,
         schedule: &Schedule,
         stage: u32,
@@ -620,7 +628,6 @@ impl<'a> StageShape<'a> {
         // ZeRO shards a dense gradient over dp × cp × ep, a routed expert's over dp × cp.
         let replicas = layout.zero_replicas();
         let scattered = workload.zero >= 2 && replicas > 1;
-        let zero_rows = ZeroRows::new(model, layout);
         let key_values_kept_whole = if scattered { zero_rows.beyond_key_values() * element } else { 0.0 };
         // (The rank's q, k and v biases: its share of the heads, as its weights'.)
         let biases = if model.qkv_bias { sizes.query + 2.0 * sizes.kv } else { 0.0 };
