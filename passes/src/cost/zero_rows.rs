@@ -49,10 +49,12 @@ pub struct ZeroRows {
     dp: u64,
     cp: u64,
     ep: u64,
-    /// One layer's parameters: those its attention reads (the attention norm and q; k and v
-    /// apart), and the rest (o, the MLP norm, the MLP or the mixture), which its backward
+    /// One layer's parameters: those its attention reads (the attention norm, q's weight and
+    /// bias, k and v), and the rest (o, the MLP norm, the MLP or the mixture), which its backward
     /// finishes first.
-    attention_inputs: Vec<RankParam>,
+    attention_norm: RankParam,
+    query_weight: RankParam,
+    query_bias: Option<RankParam>,
     key_values: Vec<RankParam>,
     past_attention: Vec<RankParam>,
     /// The final norm's and the LM head's (the head's only when the embedding is untied).
@@ -76,12 +78,12 @@ impl ZeroRows {
                 params.push(RankParam::dense(&[rows, head_dim]));
             }
         };
-        let mut attention_inputs = vec![norm.clone()];
-        heads(&mut attention_inputs, model.heads, split);
+        let query_rows = model.heads / split;
+        let query_bias = model.qkv_bias.then(|| RankParam::dense(&[query_rows, head_dim]));
         let mut key_values = Vec::new();
         heads(&mut key_values, model.kv_heads, kv_split);
         heads(&mut key_values, model.kv_heads, kv_split);
-        let mut layer = vec![RankParam::dense(&[hidden, model.heads / split, head_dim]), norm];
+        let mut layer = vec![RankParam::dense(&[hidden, query_rows, head_dim]), norm.clone()];
         // The dense MLP, or a mixture's shared expert (none when its width is 0): gate and up (or
         // in) split by channels, down (or out) keeps `h` rows.
         let channels = model.ffn / split;
@@ -109,7 +111,9 @@ impl ZeroRows {
             dp: layout.degree(AxisName::Dp),
             cp: layout.degree(AxisName::Cp),
             ep: layout.degree(AxisName::Ep),
-            attention_inputs,
+            attention_norm: norm,
+            query_weight: RankParam::dense(&[query_rows, head_dim, hidden]),
+            query_bias,
             key_values,
             past_attention: layer,
             head,
@@ -169,7 +173,11 @@ impl ZeroRows {
     /// The elements of `layers` layers, and of the head (final norm and an untied LM head) and
     /// the embedding table where asked, that a rank holds beyond the closed form's ZeRO shards.
     pub fn beyond_shards(&self, layers: u64, head: bool, embedding: bool) -> f64 {
-        let layer = self.beyond(&self.attention_inputs) + self.beyond_key_values() + self.beyond(&self.past_attention);
+        let layer = self.beyond([&self.attention_norm])
+            + self.beyond_query_weight()
+            + self.beyond_query_bias()
+            + self.beyond_key_values()
+            + self.beyond(&self.past_attention);
         let mut elements = layers as f64 * layer;
         if head {
             elements += self.beyond(&self.head);
@@ -192,6 +200,24 @@ impl ZeroRows {
         self.beyond(&self.key_values)
     }
 
+    /// The elements of one layer's q projection weight that a rank holds beyond the closed form's
+    /// ZeRO shards.
+    pub fn beyond_query_weight(&self) -> f64 {
+        self.beyond([&self.query_weight])
+    }
+
+    /// The elements of one layer's q bias (none without one) that a rank holds beyond the closed
+    /// form's ZeRO shards: of q's rows, so kept whole where its weight is.
+    pub fn beyond_query_bias(&self) -> f64 {
+        self.beyond(&self.query_bias)
+    }
+
+    /// Whether ZeRO splits a layer's q projection (and its bias, of the same rows), so that
+    /// ZeRO-3 gathers it whole before use; else it keeps it whole.
+    pub fn splits_query(&self) -> bool {
+        self.splits(&self.query_weight.dims, false)
+    }
+
     /// Whether ZeRO splits a layer's k and v projections (and their biases, of the same rows), so
     /// that ZeRO-3 gathers them whole before use; else it keeps them whole.
     pub fn splits_key_values(&self) -> bool {
@@ -201,7 +227,8 @@ impl ZeroRows {
     /// Whether ZeRO splits any of the rank's parameters: where it splits none (at dp=3 on `tiny`
     /// no dim divides), ZeRO-2 and 3 keep every gradient and weight whole, as ZeRO-1 does.
     pub fn splits_any(&self) -> bool {
-        let layer = self.attention_inputs.iter().chain(&self.key_values).chain(&self.past_attention);
+        let attention_inputs = [&self.attention_norm, &self.query_weight].into_iter().chain(&self.query_bias);
+        let layer = attention_inputs.chain(&self.key_values).chain(&self.past_attention);
         // (A mixture without a shared expert lists its MLP as empty tensors, which split nothing.)
         layer
             .chain(&self.head)
@@ -248,7 +275,11 @@ mod tests {
             let layout = Layout::new(&axes, false);
             let rows = ZeroRows::new(&model, &layout);
             let elements = |params: &[RankParam]| params.iter().map(RankParam::elements).sum::<f64>();
-            let layer = elements(&rows.attention_inputs) + elements(&rows.key_values) + elements(&rows.past_attention);
+            let attention_inputs = [rows.attention_norm.clone(), rows.query_weight.clone()];
+            let layer = elements(&attention_inputs)
+                + rows.query_bias.as_ref().map_or(0.0, RankParam::elements)
+                + elements(&rows.key_values)
+                + elements(&rows.past_attention);
             let listed = model.layers as f64 * layer + elements(&rows.head) + rows.embedding.elements();
             assert_eq!(listed, stage_params(&model, &layout, &workload, 0, model.layers), "{name} {layout}");
         }
@@ -263,8 +294,15 @@ mod tests {
         let rows = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 4), (AxisName::Tp, 2)], false));
         assert_eq!(rows.replicas(&[2, 16, 128], false), 1);
         assert_eq!(rows.beyond_shards(2, true, true), 2.0 * 2.0 * 3072.0);
-        // All of it k's and v's, neither of which ZeRO-3 gathers.
+        // All of it k's and v's, neither of which ZeRO-3 gathers; q's 4 rows a rank divide.
         assert_eq!((rows.beyond_key_values(), rows.splits_key_values()), (2.0 * 3072.0, false));
+        assert_eq!((rows.beyond_query_weight(), rows.splits_query()), (0.0, true));
+        // At dp=8 × tp=2 q's 4 rows a rank stay whole too: 4·16·128 = 8,192 elements instead of
+        // 1,024, 7,168 beyond (k's and v's 2 rows, 4,096 instead of 512, 3,584 each).
+        let rows = ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 8), (AxisName::Tp, 2)], false));
+        assert_eq!((rows.beyond_query_weight(), rows.beyond_query_bias(), rows.splits_query()), (7168.0, 0.0, false));
+        assert_eq!(rows.beyond_key_values(), 2.0 * 3584.0);
+        assert_eq!(rows.beyond_shards(2, true, true), 2.0 * (7168.0 + 2.0 * 3584.0));
         // tiny-moe at dp=2 × ep=2 × tp=2: k and v split over dp (2 rows → 1) and then, one row a
         // rank, over ep on head_dim; the experts' 4 rows a rank divide over dp. Six rows would
         // split over dp alone (3 rows left, which ep does not divide).

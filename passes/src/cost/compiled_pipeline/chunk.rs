@@ -19,7 +19,7 @@ pub(super) struct ChunkHold {
     pub received_table: f64,
     /// Its gradients: one running sum of each (ZeRO-2 and 3: their shards).
     pub grads: f64,
-    /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' k and
+    /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' q, k and
     /// v where their rows do not divide): the sum and the micro-batch's gradient of each.
     pub grads_kept_whole: f64,
     /// A micro-batch in flight on it.
@@ -54,11 +54,9 @@ pub(super) struct Candidate {
     /// The gradient joining its running sum there: its new sum is live beside the old one once
     /// an earlier micro-batch has created the sum.
     pub new_sum: Option<Term>,
-    /// Of the gradients ZeRO keeps whole ([`ChunkHold::grads_kept_whole`]), the micro-batch has
-    /// made all there but the k and v gradients of this many of the chunk's layers: inside its
-    /// first layer's backward that layer's (a half once v's is made, k's not), at the head of its
-    /// backward every layer's.
-    pub key_values_pending: f64,
+    /// Of the gradients ZeRO keeps whole ([`ChunkHold::grads_kept_whole`]), those the
+    /// micro-batch has not made there.
+    pub pending: KeptWholePending,
     /// The bytes whose running sum is made later in the backward: on a micro-batch's first
     /// backward of the chunk their sums do not exist yet. Of `so_far` at a backward's point (over
     /// ep beside the load-balancing loss, the router's gradient from the experts' backward, not
@@ -67,11 +65,57 @@ pub(super) struct Candidate {
     pub sum_pending: f64,
 }
 
+/// Of the gradients ZeRO keeps whole beyond their shards (a layer's k and v, q's weight and q's
+/// bias, where their rows do not divide over the replicas), those a micro-batch has not made at a
+/// point, in layers of the chunk: at the head of its backward every layer's; inside a layer's
+/// backward that layer's until its attention backward makes v's, then k's (and q's bias), then
+/// q's weight (`StageShape::kept_whole_pending`).
+#[derive(Clone, Copy)]
+pub(super) struct KeptWholePending {
+    pub key_values: f64,
+    pub query_weights: f64,
+    pub query_biases: f64,
+}
+
+impl KeptWholePending {
+    /// None: every gradient kept whole is made (or none is kept whole where the point lies).
+    pub const NONE: KeptWholePending = KeptWholePending::layers(0);
+    /// All of one layer's: inside its backward, before its attention's weight gradients.
+    pub const LAYER: KeptWholePending = KeptWholePending::layers(1);
+    /// One layer's k and q gradients: v's made (k's and v's each half of the two's).
+    pub const K_AND_Q: KeptWholePending = KeptWholePending { key_values: 0.5, query_weights: 1.0, query_biases: 1.0 };
+    /// One layer's q weight gradient: k's, v's and q's bias's made.
+    pub const Q_WEIGHT: KeptWholePending = KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 0.0 };
+
+    /// All of `layers` layers'.
+    pub const fn layers(layers: u64) -> KeptWholePending {
+        let layers = layers as f64;
+        KeptWholePending { key_values: layers, query_weights: layers, query_biases: layers }
+    }
+
+    /// These and all of `layers` more layers' (the layers below the one a point lies in).
+    pub fn and_layers(self, layers: u64) -> KeptWholePending {
+        let more = KeptWholePending::layers(layers);
+        KeptWholePending {
+            key_values: self.key_values + more.key_values,
+            query_weights: self.query_weights + more.query_weights,
+            query_biases: self.query_biases + more.query_biases,
+        }
+    }
+}
+
 impl Candidate {
     /// A point where the micro-batch has made `so_far` of the chunk's gradients and none joins a
     /// sum.
     pub(super) fn made(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
-        Candidate { name, so_far, held, new_sum: None, key_values_pending: 0.0, sum_pending: 0.0 }
+        Candidate { name, so_far, held, new_sum: None, pending: KeptWholePending::NONE, sum_pending: 0.0 }
+    }
+
+    /// A point inside a chunk's first layer's backward, before its attention's weight gradients,
+    /// where the micro-batch has made `so_far` of the chunk's gradients and none joins a sum: of
+    /// those ZeRO keeps whole, the layer's are still to come.
+    pub(super) fn before_first_attention(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
+        Candidate { pending: KeptWholePending::LAYER, ..Candidate::made(name, so_far, held) }
     }
 
     /// A point where a gradient of `joins` bytes joins its sum: `so_far` counts it, and past the
@@ -150,14 +194,17 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let tail_points = backward.len();
     backward.extend(first_layer::gate_scattered(shape, &chunk, w_reads.clone()));
     backward.extend(first_layer::gate_input_gradient_scattered(shape, &chunk));
+    backward.extend(first_layer::down_and_up_gradients_scattered(shape, &chunk));
     // (Under zero bubble a shared expert's gate gradient joins its sum in W.)
     if let Some(w_reads) = w_reads.clone() {
         backward.extend(zero_bubble::first_layer_gate_joining_in_w(shape, &chunk, &w_reads));
+        backward.extend(first_layer::down_scattered_in_w(shape, &chunk, w_reads.clone()));
         backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));
     }
-    // (At the head of W no layer's k and v weight gradients are made yet.)
+    // (At the head of W no layer's q, k and v weight gradients are made yet.)
     let head_of_w = zero_bubble::head_of_w(shape, &chunk, &between_b_and_w);
-    backward.extend(head_of_w.into_iter().map(|point| Candidate { key_values_pending: layers as f64, ..point }));
+    backward
+        .extend(head_of_w.into_iter().map(|point| Candidate { pending: KeptWholePending::layers(layers), ..point }));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
@@ -200,7 +247,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         params,
         received_table,
         grads,
-        grads_kept_whole: layers as f64 * shape.key_values_kept_whole,
+        grads_kept_whole: layers as f64 * shape.layer_kept_whole(),
         in_flight: chunk.in_flight,
         remains: remains.iter().map(|term| term.bytes).sum(),
         between_b_and_w,
@@ -426,6 +473,11 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
         held.extend(w_reads.clone());
         held
     });
+    // On a chunk but the first the joining gradient is q's: where ZeRO keeps it whole it is
+    // all-reduced in place, as beside dp alone, and joins its sum whole (on the micro-batch's first
+    // backward of the chunk the sum is its copy).
+    let joins_whole = !chunk.first && scattered && !shape.query_gathered;
+    let scattered = scattered && !joins_whole;
     if scattered {
         held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
     } else if reduced {
@@ -476,14 +528,15 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     // In the sums and the micro-batch's gradients, the joining gradient's dp shard. Under ZeRO-2
     // its shard is written where its staging was (the planner counts the larger), and joins its
     // sum after.
+    let new_sum = if joins_whole { joining } else { joining / shards };
     let (joining, grads_so_far) = (joining / shards, grads_so_far / shards);
     let before_joining = grads_so_far - joining;
     let mut candidates = vec![Candidate {
         name: "tail of a backward",
         so_far: if scattered { before_joining } else { before_joining + joining },
         held,
-        new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: joining }),
-        key_values_pending: 0.0,
+        new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: new_sum }),
+        pending: KeptWholePending::NONE,
         sum_pending: 0.0,
     }];
     if let Some(held) = parts_summed {

@@ -13,7 +13,7 @@
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
-use super::chunk::Candidate;
+use super::chunk::{Candidate, KeptWholePending};
 use super::shared_expert::shared_expert_gradients;
 use super::{Place, StageShape};
 
@@ -153,7 +153,7 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
         held,
         new_sum: (!shape.experts_scattered())
             .then_some(Term { name: "the joining expert gradient's new sum beside the old", bytes: matrix }),
-        key_values_pending: 0.0,
+        pending: KeptWholePending::NONE,
         sum_pending: router_sum_pending(shape),
     })
 }

@@ -6,7 +6,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{received_counts, Candidate, Chunk, RECEIVED_COUNTS};
+use super::chunk::{received_counts, Candidate, Chunk, KeptWholePending, RECEIVED_COUNTS};
 use super::experts::{self, experts_points};
 use super::shared_expert::{self, shared_expert_points};
 use super::{tsp_first_owner_o_reduce, tsp_o_reduces, tsp_ring, Place, StageShape};
@@ -71,13 +71,26 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
     if !shape.scattered || shape.model.experts.is_some() {
         return None;
     }
-    let StepSizes { element, stream, gathered, .. } = shape.sizes;
     let (gate, norm) = (shape.gate, shape.norm);
-    let staged = [
-        Term { name: "first layer's gate gradient before its dp reduce-scatter", bytes: gate },
-        Term { name: "its reduce-scatter's staging", bytes: gate },
-    ];
-    let held = if let Some(w_reads) = w_reads {
+    Some(Candidate::before_first_attention(
+        "first layer's gate gradient reduce-scattered",
+        chunk.grads
+            - (gate + (shape.attention_weights + 2.0 * norm) * shape.sizes.element + chunk.table) / shape.shards,
+        scattered_before_attention(shape, chunk, w_reads, "first layer's gate gradient before its dp reduce-scatter"),
+    ))
+}
+
+/// What [`gate_scattered`] holds, the gradient staged named `staged` (of gate's size).
+fn scattered_before_attention(
+    shape: &StageShape,
+    chunk: &Chunk,
+    w_reads: Option<Term>,
+    staged: &'static str,
+) -> Vec<Term> {
+    let StepSizes { stream, gathered, .. } = shape.sizes;
+    let staged =
+        [Term { name: staged, bytes: shape.gate }, Term { name: "its reduce-scatter's staging", bytes: shape.gate }];
+    if let Some(w_reads) = w_reads {
         let mut held = chunk.first_layer_held_after_rope_backward();
         held.extend(read_by_w(shape, w_reads));
         // Under SP W reads the residual gradients' gathered copies, not kept in `w_reads`: the
@@ -101,14 +114,33 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
             .into_iter()
             .chain(staged),
         )
-    };
+    }
+}
+
+/// Under zero bubble a chunk of more than one layer may also peak inside its first layer's W as
+/// the down projection's gradient is reduce-scattered, before up's and gate's: as at gate's
+/// ([`gate_scattered`] in W), but what those two read is still live (the MLP norm's output,
+/// gate's and up's output gradients) and their shards not made. It outweighs the tail where ZeRO
+/// keeps q whole (at dp=4 on 32 tokens of a 6-head model under full recomputation, 0.3% above it).
+/// (A one-layer chunk's is the head of its W's.)
+pub(super) fn down_scattered_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
+    let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
+    let gate = gate_scattered(shape, chunk, None).filter(|_| chunk.layers >= 2)?;
+    let mut held = scattered_before_attention(
+        shape,
+        chunk,
+        Some(w_reads),
+        "first layer's down gradient before its dp reduce-scatter",
+    );
+    held.extend([
+        Term { name: "first layer's MLP norm output", bytes: gathered },
+        Term { name: "first layer's gate and up output gradients", bytes: 2.0 * local_tokens * ffn * element },
+    ]);
     Some(Candidate {
-        name: "first layer's gate gradient reduce-scattered",
-        so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
+        name: "first layer's down gradient reduce-scattered in W",
+        so_far: gate.so_far - 2.0 * shape.gate / shape.shards,
         held,
-        new_sum: None,
-        key_values_pending: 1.0,
-        sum_pending: 0.0,
+        ..gate
     })
 }
 
@@ -141,14 +173,67 @@ pub(super) fn gate_input_gradient_scattered(shape: &StageShape, chunk: &Chunk) -
         ),
     );
     let (gate, norm) = (shape.gate, shape.norm);
-    Some(Candidate {
-        name: "first layer's gate input gradient made",
-        so_far: chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
+    Some(Candidate::before_first_attention(
+        "first layer's gate input gradient made",
+        chunk.grads - (gate + (shape.attention_weights + 2.0 * norm) * element + chunk.table) / shape.shards,
         held,
-        new_sum: None,
-        key_values_pending: 1.0,
-        sum_pending: 0.0,
-    })
+    ))
+}
+
+/// Under ZeRO-2 and 3 (outside zero bubble, without full recomputation) a chunk of more than one
+/// layer may also peak inside its first layer's MLP backward as the down projection's gradient is
+/// reduce-scattered, staged whole: none of the layer's gradients made, its MLP norm output, gate's
+/// and up's outputs, the SiLU product's gradient and the layer's output gradient live beside the
+/// attention activations (the product freed: the down gradient was its last reader); and then
+/// as up's is. They outweigh the tail where ZeRO keeps q whole, whose gradients the tail holds and
+/// these points not yet (at dp=4 on 32 tokens of a 6-head model, 0.3% above it). (A one-layer
+/// chunk's are its head's; not for a mixture or under tsp, whose MLPs differ.)
+pub(super) fn down_and_up_gradients_scattered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
+    let full = shape.recompute() == Recompute::Full;
+    if !shape.scattered
+        || shape.zero_bubble
+        || full
+        || shape.model.experts.is_some()
+        || shape.tsp > 1
+        || chunk.layers < 2
+    {
+        return Vec::new();
+    }
+    let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
+    let product = local_tokens * ffn * element;
+    let scattered = |name, mlp: Vec<Term>| {
+        let staged =
+            [Term { name, bytes: shape.gate }, Term { name: "its reduce-scatter's staging", bytes: shape.gate }];
+        let output_gradient = Term { name: "first layer's output gradient", bytes: stream };
+        let norm_output = Term { name: "first layer's MLP norm output", bytes: gathered };
+        before_attention(shape, chunk, [output_gradient, norm_output].into_iter().chain(mlp).chain(staged))
+    };
+    let down = scattered(
+        "first layer's down gradient before its dp reduce-scatter",
+        vec![
+            Term { name: "first layer's gate output", bytes: product },
+            Term { name: "first layer's up output", bytes: product },
+            Term { name: "first layer's SiLU product's gradient", bytes: product },
+        ],
+    );
+    // Up's next, down's shard made: SiLU's backward has freed the product's gradient and gate's
+    // and up's outputs for their output gradients, and up's input gradient (the MLP norm output's
+    // from up) is made before its weight gradient, which frees up's output gradient (at dp=2 ×
+    // tp=4 under SP on 32 tokens, 0.07% above the down gradient's point).
+    let up = scattered(
+        "first layer's up gradient before its dp reduce-scatter",
+        vec![
+            Term { name: "first layer's gate output gradient", bytes: product },
+            Term { name: "first layer's MLP norm output's gradient from up", bytes: gathered },
+        ],
+    );
+    let unmade = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
+    let so_far = chunk.grads - unmade / shape.shards;
+    let point = |name, so_far, held| Candidate::before_first_attention(name, so_far, held);
+    vec![
+        point("first layer's down gradient reduce-scattered", so_far, down),
+        point("first layer's up gradient reduce-scattered", so_far + shape.gate / shape.shards, up),
+    ]
 }
 
 /// A dense stage may peak inside its first layer's MLP backward on more tokens, as the gate
@@ -180,7 +265,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held: before_attention(shape, chunk, mlp),
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0.0,
+        pending: KeptWholePending::LAYER,
         sum_pending: 0.0,
     })
 }
@@ -202,7 +287,7 @@ pub(super) fn mlp_norm_gradients_summed(shape: &StageShape, chunk: &Chunk) -> Op
                 bytes: 3.0 * gathered,
             },
         ];
-        Candidate::made(
+        Candidate::before_first_attention(
             "first layer's MLP norm output's gradients from gate and up summed",
             chunk.grads - shape.gate - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
             before_attention(shape, chunk, mlp),
@@ -238,18 +323,17 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<
         name: "first layer's attention norm output gradients from k and v, and with q's",
         bytes: 2.0 * gathered,
     };
-    let mut points = vec![Candidate::made(
-        "first layer's attention norm output gradient from q",
-        so_far,
-        held.iter().cloned().chain([sums]).collect(),
-    )];
-    let q_weight = shape.weights_gathered_again(hidden * query * element);
+    // (Of the gradients ZeRO keeps whole, q's weight's is still to come.)
+    let made = |name, held| Candidate { pending: KeptWholePending::Q_WEIGHT, ..Candidate::made(name, so_far, held) };
+    let mut points =
+        vec![made("first layer's attention norm output gradient from q", held.iter().cloned().chain([sums]).collect())];
+    let q_weight = shape.query_weight_gathered_again();
     if q_weight > 0.0 {
         held.extend([
             Term { name: "first layer's attention norm output gradients from k and v", bytes: gathered },
             Term { name: "first layer's q weight, gathered again", bytes: q_weight },
         ]);
-        points.push(Candidate::made("first layer's q input gradient, its weight gathered again", so_far, held));
+        points.push(made("first layer's q input gradient, its weight gathered again", held));
     }
     points
 }
@@ -281,23 +365,18 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
     ]);
     held.extend(attention_weights_regathered(shape));
     let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
-    Some(Candidate {
-        name: "first layer's attention backward",
-        so_far: chunk.grads - not_made / shape.shards,
+    Some(Candidate::before_first_attention(
+        "first layer's attention backward",
+        chunk.grads - not_made / shape.shards,
         held,
-        new_sum: None,
-        key_values_pending: 1.0,
-        sum_pending: 0.0,
-    })
+    ))
 }
 
 /// Under ZeRO-3 with full recomputation a layer's recomputed forward gathers its attention norm's,
-/// q's, k's and v's weights again (k's and v's but where ZeRO keeps them whole), live until their
+/// q's, k's and v's weights again (but those ZeRO keeps whole), live until their
 /// input gradients in its attention backward; else none.
 pub(super) fn attention_weights_regathered(shape: &StageShape) -> Option<Term> {
-    let StepSizes { element, hidden, query, kv, .. } = shape.sizes;
-    let key_values = if shape.key_values_gathered { 2.0 * kv } else { 0.0 };
-    let weights = shape.weights_gathered_again((shape.norm + hidden * (query + key_values)) * element);
+    let weights = shape.attention_input_weights_gathered_again();
     (shape.recompute() == Recompute::Full && weights > 0.0)
         .then_some(Term { name: "the layer's attention norm, q, k and v weights, gathered again", bytes: weights })
 }
@@ -331,7 +410,8 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
 /// from v and k are summed (v's weight gradient made and summed, whole where ZeRO keeps k and v
 /// whole, and k's bias gradient; q's and k's gradients, RoPE's backward done, live beside the two
 /// and their sum), or as the one from q joins them (k's weight gradient and q's bias gradient made
-/// too, k's gradient freed); under ZeRO-3 with full recomputation beside the weights
+/// too, k's gradient freed; q's weight gradient, whole where ZeRO keeps q whole, still to come);
+/// under ZeRO-3 with full recomputation beside the weights
 /// gathered again whose input gradients are still to come. `context` is what the micro-batch holds
 /// beside the layer's attention buffers, `attention_so_far` the gradients made by its attention
 /// kernel's backward, `names` the two points'.
@@ -368,7 +448,7 @@ pub(super) fn attention_input_gradients(
     // norm's.
     if shape.recompute() == Recompute::Full {
         let norm = shape.weights_gathered_again(shape.norm * element);
-        let q = shape.weights_gathered_again(hidden * query * element);
+        let q = shape.query_weight_gathered_again();
         if norm + q > 0.0 {
             from_v_and_k
                 .push(Term { name: "the layer's attention norm and q weights, gathered again", bytes: norm + q });
@@ -386,10 +466,13 @@ pub(super) fn attention_input_gradients(
             so_far: attention_so_far + key_value + bias(kv),
             held: from_v_and_k,
             new_sum: None,
-            key_values_pending: 0.5,
+            pending: KeptWholePending::K_AND_Q,
             sum_pending: 0.0,
         },
-        Candidate::made(names[1], attention_so_far + 2.0 * key_value + bias(query), from_q),
+        Candidate {
+            pending: KeptWholePending::Q_WEIGHT,
+            ..Candidate::made(names[1], attention_so_far + 2.0 * key_value + bias(query), from_q)
+        },
     ]
 }
 
@@ -415,7 +498,11 @@ pub(super) fn recomputed_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<
         Term { name: "first layer's output gradient", bytes: stream },
         Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
     ]);
-    let mut points = down_gradient_points(shape, chunk, &context);
+    // (Before the layer's attention backward: none of its gradients ZeRO keeps whole is made.)
+    let mut points: Vec<Candidate> = down_gradient_points(shape, chunk, &context)
+        .into_iter()
+        .map(|point| Candidate { pending: KeptWholePending::LAYER, ..point })
+        .collect();
     // After up's gradient (gate's comes after) the MLP norm output's gradients from gate and up
     // are summed beside gate's output gradient, gate, up and their product freed (under ZeRO-3
     // beside the MLP norm's weight, gathered again for the recomputation).
@@ -432,14 +519,11 @@ pub(super) fn recomputed_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<
         summed.push(Term { name: "first layer's MLP norm weight, gathered again", bytes: regathered_norm });
     }
     let unmade = shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
-    points.push(Candidate {
-        name: "first layer's MLP norm output gradient, its MLP recomputed",
-        so_far: chunk.grads - unmade / shape.shards,
-        held: summed,
-        new_sum: None,
-        key_values_pending: 1.0,
-        sum_pending: 0.0,
-    });
+    points.push(Candidate::before_first_attention(
+        "first layer's MLP norm output gradient, its MLP recomputed",
+        chunk.grads - unmade / shape.shards,
+        summed,
+    ));
     points
 }
 
@@ -473,14 +557,11 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
                 bytes: 2.0 * shape.gate + shape.norm * element,
             });
         }
-        let made = Candidate {
-            name: "first layer's down gradient made, its MLP recomputed",
-            so_far: chunk.grads - (layer + chunk.table) / shape.shards,
+        let made = Candidate::before_first_attention(
+            "first layer's down gradient made, its MLP recomputed",
+            chunk.grads - (layer + chunk.table) / shape.shards,
             held,
-            new_sum: None,
-            key_values_pending: 1.0,
-            sum_pending: 0.0,
-        };
+        );
         // Then it is reduce-scattered, staged whole, what made it freed (the SiLU product, and
         // under SP the output gradient gathered over tp).
         let gathered_output_gradient = if shape.sequence_parallel() { gathered } else { 0.0 };
@@ -525,7 +606,7 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
             so_far: before_down + shape.gate,
             held,
             new_sum: Some(Term { name: "the joining down gradient's new sum beside the old", bytes: shape.gate }),
-            key_values_pending: 0.0,
+            pending: KeptWholePending::NONE,
             sum_pending: 0.0,
         }
     });
@@ -575,10 +656,11 @@ pub(super) fn mixture_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Can
     let shared_context = mlp_context(shape, chunk, !shape.sequence_parallel());
     let mut points = shared_expert_points(shape, Place::FirstLayer, &shared_context, made_before);
     points.extend(experts_points(shape, Place::FirstLayer, &mlp_context(shape, chunk, false), made_before));
-    // (The layer's k and v gradients, which ZeRO keeps whole at dp=4 beside tp=2 or tsp=2, are
-    // not made yet: counting them was 1.5% above the planner under ZeRO-3.)
+    // (The layer's q, k and v gradients, which ZeRO keeps whole at dp=4 beside tp=2 or tsp=2 (k
+    // and v) or at dp=8 beside tp=2 (q too), are not made yet: counting k's and v's was 1.5% above
+    // the planner under ZeRO-3.)
     for point in &mut points {
-        point.key_values_pending = 1.0;
+        point.pending = KeptWholePending::LAYER;
     }
     points
 }
@@ -613,7 +695,7 @@ fn experts_input_gradient_reduced(shape: &StageShape, chunk: &Chunk) -> Option<C
 /// output, gate and up it recomputed, and the attention norm's output and q, k and v, under
 /// ZeRO-3 from their weights gathered again).
 pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, ffn, query, kv, stream, gathered, kv_kept, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, ffn, query, stream, gathered, kv_kept, .. } = shape.sizes;
     let mixture = shape.model.experts.is_some();
     if shape.tsp > 1 && !mixture {
         let mut points = tsp_ring_in_b(shape, chunk);
@@ -804,7 +886,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             },
             Term {
                 name: "first layer's attention norm, q, k and v weights, gathered again",
-                bytes: shape.weights_gathered_again((shape.norm + shape.sizes.hidden * (query + 2.0 * kv)) * element),
+                bytes: shape.attention_input_weights_gathered_again(),
             },
         ]);
     }
@@ -1042,10 +1124,11 @@ pub(super) fn tsp_ring_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candid
         made_before + shape.sharded(shape.layer_mlp_gradients(), 0.0),
         held,
     ));
-    // (The layer's k and v gradients, which ZeRO keeps whole at dp=4 beside tp=2 or tsp=2, are
-    // not made yet: counting them was 1.5% above the planner under ZeRO-3.)
+    // (The layer's q, k and v gradients, which ZeRO keeps whole at dp=4 beside tp=2 or tsp=2 (k
+    // and v) or at dp=8 beside tp=2 (q too), are not made yet: counting k's and v's was 1.5% above
+    // the planner under ZeRO-3.)
     for point in &mut points {
-        point.key_values_pending = 1.0;
+        point.pending = KeptWholePending::LAYER;
     }
     points
 }
@@ -1113,7 +1196,14 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
         held.extend(shared_expert::weights_regathered(shape));
         held.extend(shared_expert::beside_under_sequence_parallelism(shape, false));
         held.extend(for_w.iter().cloned());
-        Candidate { name, so_far: made_in_b - layer, held, new_sum: None, key_values_pending: 0.0, sum_pending: layer }
+        Candidate {
+            name,
+            so_far: made_in_b - layer,
+            held,
+            new_sum: None,
+            pending: KeptWholePending::NONE,
+            sum_pending: layer,
+        }
     };
     let gradients = Term {
         name:
@@ -1209,7 +1299,7 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
     if shape.recompute() == Recompute::Full {
         held.push(Term {
             name: "first layer's attention norm and q weights, gathered again",
-            bytes: shape.weights_gathered_again((shape.norm + shape.sizes.hidden * query) * element),
+            bytes: shape.weights_gathered_again(shape.norm * shape.sizes.element) + shape.query_weight_gathered_again(),
         });
     }
     Candidate::made("first layer's attention norm output's gradients summed in B", made_in_b, held)
@@ -1272,7 +1362,7 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
         held,
         new_sum: (!shape.scattered)
             .then_some(Term { name: "the joining shared gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0.0,
+        pending: KeptWholePending::LAYER,
         sum_pending: 0.0,
     })
 }
@@ -1526,7 +1616,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 let head = if chunk.last { shape.head_gradient_summed() + shape.norm * element } else { 0.0 };
                 let so_far = (head + shape.norm * element) / shape.shards + shape.layer_mlp_gradient_shards();
                 last_layer_points.push(Candidate {
-                    key_values_pending: chunk.layers as f64,
+                    pending: KeptWholePending::layers(chunk.layers),
                     ..Candidate::made(
                         "the last layer's attention kernel backward: the last owner's v gradient",
                         so_far,
@@ -1570,14 +1660,14 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
             so_far: chunk.grads - (block - o_block) - shape.norm * element - chunk.table,
             held,
             new_sum: Some(Term { name: "the joining o gradient's new sum beside the old", bytes: o_block }),
-            key_values_pending: 0.0,
+            pending: KeptWholePending::NONE,
             sum_pending: 0.0,
         });
         in_w_last_layer.push((candidates.len() - 1, "the last layer's o gradient joins its sum, in W"));
     }
     // (Every point comes before the layer's k and v gradients are reduced to their owners.)
     for candidate in &mut candidates {
-        candidate.key_values_pending = 1.0;
+        candidate.pending = KeptWholePending::LAYER;
     }
     candidates.extend(last_layer_points);
     // Zero bubble's W takes the chunk's layers last to first: at its last layer's points the
@@ -1597,7 +1687,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 name,
                 so_far: first_layer.so_far - not_made,
                 held,
-                key_values_pending: chunk.layers as f64,
+                pending: KeptWholePending::layers(chunk.layers),
                 ..first_layer.clone()
             });
         }
@@ -1619,7 +1709,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
 /// owners are modelled apart, `tsp_ring`. For a mixture only the attention's points: its MLP's
 /// are its experts' and shared expert's.)
 pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, kv, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, hidden, query, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
     if !(shape.scattered && shape.workload.zero >= 3 && shape.recompute() == Recompute::Full)
         || shape.zero_bubble
         || shape.tsp > 1
@@ -1647,9 +1737,9 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "first layer's attention norm weight, gathered", bytes: norm * element },
         Term { name: "first layer's attention norm output, recomputed", bytes: gathered },
         Term {
-            // (But k and v where ZeRO keeps them whole.)
+            // (But q or k and v where ZeRO keeps them whole.)
             name: "first layer's q, k and v weights, gathered",
-            bytes: hidden * (query + if shape.key_values_gathered { 2.0 * kv } else { 0.0 }) * element,
+            bytes: shape.query_weight_gathered_again() + shape.key_value_weights_gathered_again(),
         },
         // (Beside cp k and v over every token, gathered.)
         Term { name: "first layer's q, k and v, recomputed", bytes: (local_tokens * query + kv_kept) * element },
@@ -1666,21 +1756,18 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     attention.push(Term { name: "its reduce-scatter's staging", bytes: output_projection });
     let so_far = chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards;
-    let point = |name, held| Candidate { name, so_far, held, new_sum: None, key_values_pending: 1.0, sum_pending: 0.0 };
+    let point = |name, held| Candidate::before_first_attention(name, so_far, held);
     let attention_points = [
         point("first layer's o gradient made, its attention regathered", made),
         point("first layer's o gradient reduce-scattered, its attention regathered", attention),
     ];
     let mut points = Vec::new();
     if shape.model.experts.is_none() {
-        points.push(Candidate {
-            name: "first layer's down gradient reduce-scattered, its MLP regathered",
-            so_far: chunk.grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + chunk.table) / shards,
-            held: mlp,
-            new_sum: None,
-            key_values_pending: 1.0,
-            sum_pending: 0.0,
-        });
+        points.push(Candidate::before_first_attention(
+            "first layer's down gradient reduce-scattered, its MLP regathered",
+            chunk.grads - (3.0 * gate + (attention_weights + 2.0 * norm) * element + chunk.table) / shards,
+            mlp,
+        ));
     }
     points.extend(attention_points);
     points

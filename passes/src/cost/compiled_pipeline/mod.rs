@@ -347,18 +347,22 @@
 //! both (whose ranks hold the same weights), with or without tp (±SP), where no parameter's rows
 //! divide over them (every gradient all-reduced and kept whole, no weight gathered: ZeRO-1's
 //! programs, as at dp=3 on `tiny`), or
-//! where every parameter's rows divide over them but perhaps k's and v's (the sums and gradients
-//! are their shards, each gradient is reduce-scattered and staged whole, and the stage's other
-//! candidate is inside its first layer's backward, or W, as the gate gradient is scattered; k and
-//! v, where ZeRO keeps them whole, are named apart,
-//! [`super::compiled_training::GRADS_KEPT_WHOLE`], none of a chunk's made at the head of its
-//! backward or of its W, v's before k's in a layer's attention backward); ZeRO-3 as ZeRO-2 with
-//! the parameters their
+//! where every parameter's rows divide over them but perhaps q's, k's and v's (the sums and
+//! gradients are their shards, each gradient is reduce-scattered and staged whole, and the stage's
+//! other candidates are inside its first layer's backward, or W, as the gate gradient is scattered
+//! and, on a chunk of two layers or more, the down gradient; q, k and v, where ZeRO keeps them
+//! whole, are named apart, [`super::compiled_training::GRADS_KEPT_WHOLE`], none of a chunk's made
+//! at the head of its backward or of its W, v's before k's before q's in a layer's attention
+//! backward (`chunk::KeptWholePending`); where it keeps q whole, a chunk's tail all-reduces q's
+//! gradient in place and it joins its sum whole, as beside dp alone: at pp=2 × dp=8 × tp=2 on
+//! `tiny`, or wherever tp leaves fewer heads a rank than dp's degree); ZeRO-3 as ZeRO-2 with the
+//! parameters their
 //! shards too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered beside
 //! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
-//! none; k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`]); a Llama-family
+//! none; q, k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`], never
+//! gathered); a Llama-family
 //! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
 //! ZeRO stage; its embedding untied, or tied (dense or a mixture; with or without tsp: under tsp the
@@ -406,7 +410,7 @@ use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
 use super::zero_rows::ZeroRows;
 use crate::pipeline::{Schedule, ScheduleKind};
-use chunk::ChunkHold;
+use chunk::{ChunkHold, KeptWholePending};
 
 /// The peak of the rank at `tsp_rank` on the tsp axis (0 without one) of stage `stage` (holding
 /// `layers` layers) of `schedule` for `model` on `layout`, `workload` one micro-batch
@@ -463,7 +467,7 @@ pub fn compiled_stage_peak(
     let params =
         if param_shards > 1.0 { shape.sharded(params, layers as f64 * shape.layer_routed_experts()) } else { params };
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
-    // Every point holds the k and v projections ZeRO-3 keeps whole beyond their shards (where it
+    // Every point holds the q, k and v projections ZeRO-3 keeps whole beyond their shards (where it
     // splits no parameter, all of them: the closed form's shards are the phase's parameters).
     let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
     if kept_whole_zero3 {
@@ -472,8 +476,8 @@ pub fn compiled_stage_peak(
         let shards = sharded_over(phase.params, experts, replicas.0, replicas.1);
         phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: phase.params - shards });
         phase.params = shards;
-    } else if workload.zero >= 3 && shape.key_values_kept_whole > 0.0 {
-        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: layers as f64 * shape.key_values_kept_whole });
+    } else if workload.zero >= 3 && shape.layer_kept_whole() > 0.0 {
+        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: layers as f64 * shape.layer_kept_whole() });
     }
     if received_table > 0.0 {
         // Received in the stage's first forward, held to the end of the step. (Under ZeRO-3 the
@@ -536,19 +540,23 @@ fn modelled(
         && tsp_rank < tsp
         && (tsp == 1 || tp * cp == 1)
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
-        // divide over them but perhaps k's and v's (`super::zero_rows`: at dp=4 × tp=2 they stay
-        // whole; the stage's points count them apart), or where no parameter's do (ZeRO-1's
-        // programs); without replicas they split nothing.
+        // divide over them but perhaps q's, k's and v's (`super::zero_rows`: at dp=4 × tp=2 k and
+        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart; q's not
+        // beside tsp), or where no parameter's do (ZeRO-1's programs); without replicas they
+        // split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_key_values_kept_whole(model, zero_rows))
+            || ((workload.zero == 2 || workload.zero == 3) && only_projections_kept_whole(model, layout, zero_rows))
             || !zero_rows.splits_any())
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of the ranks
-/// (`zero_rows`) but perhaps k's and v's.
-fn only_key_values_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
-    zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * zero_rows.beyond_key_values()
+/// (`zero_rows`) but perhaps k's and v's, and (but under tsp) q's.
+fn only_projections_kept_whole(model: &ModelShape, layout: &Layout, zero_rows: &ZeroRows) -> bool {
+    let queries = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias();
+    let projections = zero_rows.beyond_key_values() + queries;
+    zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * projections
+        && (queries == 0.0 || layout.degree(AxisName::Tsp) == 1)
 }
 
 /// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
@@ -592,11 +600,15 @@ struct StageShape<'a> {
     /// A routed expert's gradients are sharded over its own replicas, dp × cp (ep splits the
     /// experts): `expert_shards` of them (1 where ZeRO does not shard them).
     expert_shards: f64,
-    /// The bytes of a layer's k and v projections that ZeRO-2 and 3 hold beyond their shards,
-    /// where the rows do not divide over the replicas (of their gradients, and under ZeRO-3 of
-    /// their weights too); and whether ZeRO-3 gathers k and v (else it keeps them whole).
+    /// The bytes of a layer's k and v projections, of q's weight and of q's bias that ZeRO-2 and 3
+    /// hold beyond their shards, where the rows do not divide over the replicas (of their
+    /// gradients, and under ZeRO-3 of their weights too); and whether ZeRO-3 gathers k and v, and
+    /// q (else it keeps them whole).
     key_values_kept_whole: f64,
+    query_weight_kept_whole: f64,
+    query_bias_kept_whole: f64,
     key_values_gathered: bool,
+    query_gathered: bool,
     /// A mixture of experts' load-balancing loss: each layer's expert counts and router
     /// probability sums (`[E]` each), sent on to the last stage, which sums them over the layers
     /// (the counts' sum kept for the loss's backward, the loss itself until the backward starts).
@@ -628,7 +640,7 @@ impl<'a> StageShape<'a> {
         // ZeRO shards a dense gradient over dp × cp × ep, a routed expert's over dp × cp.
         let replicas = layout.zero_replicas();
         let scattered = workload.zero >= 2 && replicas > 1;
-        let key_values_kept_whole = if scattered { zero_rows.beyond_key_values() * element } else { 0.0 };
+        let kept_whole = |elements: f64| if scattered { elements * element } else { 0.0 };
         // (The rank's q, k and v biases: its share of the heads, as its weights'.)
         let biases = if model.qkv_bias { sizes.query + 2.0 * sizes.kv } else { 0.0 };
         StageShape {
@@ -650,14 +662,60 @@ impl<'a> StageShape<'a> {
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
             expert_shards: if scattered { layout.expert_zero_replicas() as f64 } else { 1.0 },
-            key_values_kept_whole,
+            key_values_kept_whole: kept_whole(zero_rows.beyond_key_values()),
+            query_weight_kept_whole: kept_whole(zero_rows.beyond_query_weight()),
+            query_bias_kept_whole: kept_whole(zero_rows.beyond_query_bias()),
             key_values_gathered: zero_rows.splits_key_values(),
+            query_gathered: zero_rows.splits_query(),
             statistics: sizes.statistics,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
             norm: model.norm.params(model.hidden) as f64,
             gate: sizes.hidden * sizes.ffn * element,
         }
+    }
+
+    /// The bytes of one layer's gradients (under ZeRO-3 also of its weights) that ZeRO-2 and 3
+    /// keep whole beyond their shards.
+    fn layer_kept_whole(&self) -> f64 {
+        self.key_values_kept_whole + self.query_weight_kept_whole + self.query_bias_kept_whole
+    }
+
+    /// The bytes of the gradients kept whole that a point has not made (`pending`).
+    fn kept_whole_pending(&self, pending: KeptWholePending) -> f64 {
+        pending.key_values * self.key_values_kept_whole
+            + pending.query_weights * self.query_weight_kept_whole
+            + pending.query_biases * self.query_bias_kept_whole
+    }
+
+    /// The bytes of a layer's q weight that ZeRO-3 gathers again for a backward's recomputation or
+    /// input gradient: none where it keeps q whole.
+    fn query_weight_gathered_again(&self) -> f64 {
+        let StepSizes { element, hidden, query, .. } = self.sizes;
+        if self.query_gathered {
+            self.weights_gathered_again(hidden * query * element)
+        } else {
+            0.0
+        }
+    }
+
+    /// The bytes of a layer's k and v weights that ZeRO-3 gathers again: none where it keeps them
+    /// whole.
+    fn key_value_weights_gathered_again(&self) -> f64 {
+        let StepSizes { element, hidden, kv, .. } = self.sizes;
+        if self.key_values_gathered {
+            self.weights_gathered_again(2.0 * hidden * kv * element)
+        } else {
+            0.0
+        }
+    }
+
+    /// The bytes of a layer's attention norm, q and k and v weights that ZeRO-3 gathers again (but
+    /// those it keeps whole).
+    fn attention_input_weights_gathered_again(&self) -> f64 {
+        self.weights_gathered_again(self.norm * self.sizes.element)
+            + self.query_weight_gathered_again()
+            + self.key_value_weights_gathered_again()
     }
 
     fn recompute(&self) -> Recompute {

@@ -31,7 +31,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::Candidate;
+use super::chunk::{Candidate, KeptWholePending};
 use super::{tsp_ring, Place, StageShape};
 
 impl Place {
@@ -99,7 +99,7 @@ pub(super) fn shared_expert_points(
         held.extend(beside_under_sequence_parallelism(shape, first_sum_made));
         held.extend(logit_gradient.clone());
         held.extend(own);
-        Candidate { name, so_far, held, new_sum, key_values_pending: 0.0, sum_pending: 0.0 }
+        Candidate { name, so_far, held, new_sum, pending: KeptWholePending::NONE, sum_pending: 0.0 }
     };
     // Under ZeRO-2 and 3 each weight gradient is reduce-scattered where it would be all-reduced,
     // staged whole beside itself: its shard, written where the staging was (the planner counts the
@@ -290,7 +290,7 @@ pub(super) fn ring_points(
         so_far,
         held,
         new_sum: None,
-        key_values_pending: 0.0,
+        pending: KeptWholePending::NONE,
         sum_pending: made_in_b.map_or(0.0, |made_in_b| made_in_b - so_far),
     });
     points

@@ -4,7 +4,7 @@
 
 use super::super::memory::Term;
 use super::super::workload::Recompute;
-use super::chunk::Candidate;
+use super::chunk::{Candidate, KeptWholePending};
 use super::StageShape;
 
 /// The names of a ring backward's points, by the layer it runs in.
@@ -73,7 +73,7 @@ impl RingWalk {
             so_far: self.so_far,
             held,
             new_sum: joining.map(|bytes| Term { name: "the ring's output joining its sum, new beside old", bytes }),
-            key_values_pending: 0.0,
+            pending: KeptWholePending::NONE,
             sum_pending: self.made_in_b.map_or(0.0, |made_in_b| made_in_b - self.so_far),
         });
     }

@@ -4,7 +4,7 @@
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
 use super::super::workload::Recompute;
-use super::chunk::{Candidate, Chunk};
+use super::chunk::{Candidate, Chunk, KeptWholePending};
 use super::{head, StageShape};
 
 /// What a micro-batch holds of a chunk between its B and its W, in bytes.
@@ -777,7 +777,7 @@ pub(super) fn first_layer_gate_joining_in_w(shape: &StageShape, chunk: &Chunk, w
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held,
         new_sum: Some(Term { name: "the joining gate gradient's new sum beside the old", bytes: shape.gate }),
-        key_values_pending: 0.0,
+        pending: KeptWholePending::LAYER,
         sum_pending: 0.0,
     })
 }
