@@ -124,8 +124,10 @@ fn scattered_before_attention(
 /// keeps q whole (at dp=4 on 32 tokens of a 6-head model under full recomputation, 0.3% above it).
 /// (A one-layer chunk's is the head of its W's.)
 pub(super) fn down_scattered_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
+    if !shape.scattered || shape.model.experts.is_some() || chunk.layers < 2 {
+        return None;
+    }
     let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
-    let gate = gate_scattered(shape, chunk, None).filter(|_| chunk.layers >= 2)?;
     let mut held = scattered_before_attention(
         shape,
         chunk,
@@ -136,12 +138,11 @@ pub(super) fn down_scattered_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Te
         Term { name: "first layer's MLP norm output", bytes: gathered },
         Term { name: "first layer's gate and up output gradients", bytes: 2.0 * local_tokens * ffn * element },
     ]);
-    Some(Candidate {
-        name: "first layer's down gradient reduce-scattered in W",
-        so_far: gate.so_far - 2.0 * shape.gate / shape.shards,
+    Some(Candidate::before_first_attention(
+        "first layer's down gradient reduce-scattered in W",
+        made_before_first_mlp(shape, chunk),
         held,
-        ..gate
-    })
+    ))
 }
 
 /// Under ZeRO-2 and 3 (outside zero bubble, without full recomputation) a stage may also peak
@@ -227,12 +228,14 @@ pub(super) fn down_and_up_gradients_scattered(shape: &StageShape, chunk: &Chunk)
             Term { name: "first layer's MLP norm output's gradient from up", bytes: gathered },
         ],
     );
-    let unmade = 3.0 * shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
-    let so_far = chunk.grads - unmade / shape.shards;
-    let point = |name, so_far, held| Candidate::before_first_attention(name, so_far, held);
+    let so_far = made_before_first_mlp(shape, chunk);
     vec![
-        point("first layer's down gradient reduce-scattered", so_far, down),
-        point("first layer's up gradient reduce-scattered", so_far + shape.gate / shape.shards, up),
+        Candidate::before_first_attention("first layer's down gradient reduce-scattered", so_far, down),
+        Candidate::before_first_attention(
+            "first layer's up gradient reduce-scattered",
+            so_far + shape.gate / shape.shards,
+            up,
+        ),
     ]
 }
 
