@@ -1607,7 +1607,9 @@ fn stage_closed_form_is_exact_where_a_third_sweep_found_it_off_the_planner() {
     //   attention's output recomputed and the residual's gradient gathered over tp, before its
     //   reduce-scatter, was no point (0.2% below over ep);
     // - (a fifth sweep) ZeRO-2 and 3 at dp=2 × tp=4 on 32 tokens: the last layer's up gradient
-    //   reduce-scattered, beside up's input gradient, was no point (2.5% below).
+    //   reduce-scattered, beside up's input gradient, was no point (2.5% below); zero bubble
+    //   beside tsp=2 × dp=4 under ZeRO-2 and full recomputation: W counted the first layer's gate
+    //   gradient reduce-scattered, which tsp's B makes in its ring (0.5% above).
     let (four, ..) = four_layers_wide_and_tied();
     let biased = pleat_ir::model::config::ModelConfig {
         attention_bias: true,
@@ -1617,7 +1619,8 @@ fn stage_closed_form_is_exact_where_a_third_sweep_found_it_off_the_planner() {
     let [mixture, shared] = four_layer_mixtures();
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (gpipe, zero_bubble) = (ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
-    let cases: [StageCase; 10] = [
+    let tied = pleat_ir::model::config::ModelConfig { tie_word_embeddings: true, ..four.clone() };
+    let cases: [StageCase; 11] = [
         (&four, "pp=2,tp=4", zero_bubble, 4, 0, full, true, 256),
         (&biased, "pp=2,dp=2,tp=4", zero_bubble, 4, 1, full, true, 256),
         (&mixture, "pp=2,dp=2,ep=2,tp=2", ScheduleKind::OneFOneB, 4, 0, selective, true, 256),
@@ -1628,6 +1631,7 @@ fn stage_closed_form_is_exact_where_a_third_sweep_found_it_off_the_planner() {
         (&mixture, "pp=2,dp=2,tp=4", zero_bubble, 4, 3, none, false, 1024),
         (&mixture, "pp=2,ep=2,tp=2", ScheduleKind::OneFOneB, 4, 3, full, true, 64),
         (&four, "pp=2,dp=2,tp=4", ScheduleKind::OneFOneB, 4, 3, none, false, 32),
+        (&tied, "pp=2,tsp=2,dp=4", zero_bubble, 4, 2, full, false, 32),
     ];
     let points = [
         "the last layer's MLP output reduce-scattered in a forward",

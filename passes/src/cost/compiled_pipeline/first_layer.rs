@@ -66,9 +66,10 @@ fn read_by_w(shape: &StageShape, w_reads: Term) -> [Term; 7] {
 /// (under selective recomputation q, k and v themselves, in `w_reads`, attention's output not
 /// yet recomputed), with both norm outputs' gradients (under SP their reduce-scattered shards).
 /// (A dense stage's: a shared expert's gate is scattered inside its MLP backward,
-/// [`shared_expert_points`].)
+/// [`shared_expert_points`]; and under zero bubble not under tsp, whose B makes the MLP's
+/// gradients in its ring: counting it in W was 0.5% above the planner at dp=4 × tsp=2.)
 pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Option<Candidate> {
-    if !shape.scattered || shape.model.experts.is_some() {
+    if !shape.scattered || shape.model.experts.is_some() || (w_reads.is_some() && shape.tsp > 1) {
         return None;
     }
     let (gate, norm) = (shape.gate, shape.norm);
@@ -122,9 +123,10 @@ fn scattered_before_attention(
 /// ([`gate_scattered`] in W), but what those two read is still live (the MLP norm's output,
 /// gate's and up's output gradients) and their shards not made. It outweighs the tail where ZeRO
 /// keeps q whole (at dp=4 on 32 tokens of a 6-head model under full recomputation, 0.3% above it).
-/// (A one-layer chunk's is the head of its W's.)
+/// (A one-layer chunk's is the head of its W's; not for a mixture, or under tsp, whose B makes the
+/// MLP's gradients: counting it there was 3.2% above the planner at dp=4 × tsp=2.)
 pub(super) fn down_scattered_in_w(shape: &StageShape, chunk: &Chunk, w_reads: Term) -> Option<Candidate> {
-    if !shape.scattered || shape.model.experts.is_some() || chunk.layers < 2 {
+    if !shape.scattered || shape.model.experts.is_some() || shape.tsp > 1 || chunk.layers < 2 {
         return None;
     }
     let StepSizes { element, local_tokens, ffn, gathered, .. } = shape.sizes;
