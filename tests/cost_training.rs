@@ -1360,12 +1360,13 @@ fn stages_whose_key_values_zero_keeps_whole_equal_the_planners_peak() {
 fn stages_whose_queries_zero_keeps_whole_equal_the_planners_peak() {
     // A model of six query heads (16 wide) over `kv` kv heads: at dp=4 q's 6 rows a rank do not
     // divide, nor its 3 at dp=2 × tp=2 (the one kv head, whole over tp, splits on head_dim), and at
-    // dp=2 × cp=2 dp splits them to 3, which cp does not divide; at dp=8 × tp=2 `tiny`'s 4 rows a
-    // rank do not divide either. ZeRO-2 and 3 keep q whole (beside k and v where 2 kv heads are 2
-    // rows at dp=4, or at dp=8 × tp=2): a layer's attention backward makes v's gradient, k's, then
-    // q's, a chunk's tail all-reduces q's in place and it joins its sum whole, and ZeRO-3 never
-    // gathers it. Where q's gradient is so large beside the activations, a chunk of two layers may
-    // peak inside its first layer's MLP backward (or W) as the down gradient is reduce-scattered.
+    // dp=2 × cp=2 dp splits them to 3, which cp does not divide; at dp=8 × tp=2 (or tsp=2)
+    // `tiny`'s 4 rows a rank do not divide either, nor its 2 at tsp=4 × dp=4. ZeRO-2 and 3 keep q
+    // whole (beside k and v where 2 kv heads are 2 rows at dp=4, or at dp=8 × tp=2): a layer's
+    // attention backward makes v's gradient, k's, then q's, a chunk's tail all-reduces q's in
+    // place and it joins its sum whole, and ZeRO-3 never gathers it. Where q's gradient is so
+    // large beside the activations, a chunk of two layers may peak inside its first layer's MLP
+    // backward (or W) as the down gradient is reduce-scattered.
     let six_heads =
         |kv_heads: u64| pleat_ir::model::config::ModelConfig { num_heads: 6, num_kv_heads: kv_heads, ..four_layers() };
     let (two_kv_heads, one_kv_head) = (six_heads(2), six_heads(1));
@@ -1382,9 +1383,10 @@ fn stages_whose_queries_zero_keeps_whole_equal_the_planners_peak() {
     // 12,288 over 4 shards keeps 12,288 − 3,072 = 9,216 more, k's and v's 2·16·128 = 4,096 keep
     // 3,072 more each; q's 3·16·128 = 6,144 at dp=2 × tp=2 keeps 6,144 − 3,072 = 3,072 more (its
     // bias's 3·16 = 48, 24 more); split over dp alone at dp=2 × cp=2, 12,288/2 − 12,288/4 = 3,072;
-    // `tiny`'s q 4·16·128 = 8,192 at dp=8 keeps 8,192 − 1,024 = 7,168, its k and v 2·16·128 =
-    // 4,096 keep 3,584 each.
-    let cases: [(StageCase, f64); 8] = [
+    // `tiny`'s q 4·16·128 = 8,192 at dp=8 (beside tp=2 or tsp=2) keeps 8,192 − 1,024 = 7,168,
+    // its k and v 2·16·128 = 4,096 keep 3,584 each; at tsp=4 × dp=4 q's 2·16·128 = 4,096 keeps
+    // 3,072 (k's and v's one row splits on head_dim).
+    let cases: [(StageCase, f64); 10] = [
         ((&two_kv_heads, "pp=2,dp=4", one_f_one_b, 4, 2, selective, false, 32), 15_360.0),
         ((&two_kv_heads, "pp=2,dp=4", zero_bubble, 4, 3, full, false, 32), 15_360.0),
         ((&two_kv_heads, "pp=2,dp=4", gpipe, 4, 3, selective, false, 128), 15_360.0),
@@ -1393,6 +1395,8 @@ fn stages_whose_queries_zero_keeps_whole_equal_the_planners_peak() {
         ((&biased, "pp=2,dp=2,tp=2", one_f_one_b, 4, 3, selective, true, 128), 3_096.0),
         ((&one_kv_head, "pp=2,dp=2,cp=2", zero_bubble, 4, 3, none, false, 128), 3_072.0),
         ((&four, "pp=2,dp=8,tp=2", one_f_one_b, 4, 3, none, false, 64), 14_336.0),
+        ((&four, "pp=2,tsp=2,dp=8", zero_bubble, 4, 3, selective, false, 64), 14_336.0),
+        ((&four, "pp=2,tsp=4,dp=4", gpipe, 4, 3, none, false, 64), 3_072.0),
     ];
     let mut names = std::collections::BTreeSet::new();
     for ((config, mesh, kind, micro_batches, zero_stage, recompute, sp, seq), beyond) in cases {
@@ -2743,15 +2747,14 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
     // Nor has ZeRO-2 or 3 where the rows of a parameter but q, k and v do not divide over dp and
-    // another's do (a mixture's router, 8 rows, and its 8 experts a rank over dp=16), or where q's
-    // do not beside tsp (4 rows a rank at tsp=2 over dp=8); q's, k's and v's (4 and 2 rows a rank
-    // at tp=2, kept whole at dp=8) are counted apart, and where no parameter's rows divide (at
-    // dp=3) the programs are ZeRO-1's.
+    // another's do (a mixture's router, 8 rows, and its 8 experts a rank over dp=16); q's, k's
+    // and v's (4 and 2 rows a rank at tp=2 or tsp=2, kept whole at dp=8) are counted apart, and
+    // where no parameter's rows divide (at dp=3) the programs are ZeRO-1's.
     let schedule = Schedule::build(one_f_one_b, 2, 1).unwrap();
     let mixture = ModelShape::from_config(&four_layer_mixtures()[0]);
     for (model, mesh, modelled) in [
         (&mixture, "pp=2,dp=16", false),
-        (&model, "pp=2,dp=8,tsp=2", false),
+        (&model, "pp=2,dp=8,tsp=2", true),
         (&model, "pp=2,dp=8,tp=2", true),
         (&model, "pp=2,dp=3,tp=2", true),
         (&model, "pp=2,dp=4,tp=2", true),

@@ -66,10 +66,10 @@ fn read_by_w(shape: &StageShape, w_reads: Term) -> [Term; 7] {
 /// (under selective recomputation q, k and v themselves, in `w_reads`, attention's output not
 /// yet recomputed), with both norm outputs' gradients (under SP their reduce-scattered shards).
 /// (A dense stage's: a shared expert's gate is scattered inside its MLP backward,
-/// [`shared_expert_points`]; and under zero bubble not under tsp, whose B makes the MLP's
-/// gradients in its ring: counting it in W was 0.5% above the planner at dp=4 × tsp=2.)
+/// [`shared_expert_points`]; not under tsp, whose MLP ring makes the MLP's gradients, in B under
+/// zero bubble: counting it in W was 0.5% above the planner at dp=4 × tsp=2.)
 pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Option<Candidate> {
-    if !shape.scattered || shape.model.experts.is_some() || (w_reads.is_some() && shape.tsp > 1) {
+    if !shape.scattered || shape.model.experts.is_some() || shape.tsp > 1 {
         return None;
     }
     let (gate, norm) = (shape.gate, shape.norm);

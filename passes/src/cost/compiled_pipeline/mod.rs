@@ -355,9 +355,8 @@
 //! at the head of its backward or of its W, v's before k's before q's in a layer's attention
 //! backward (`chunk::KeptWholePending`); where it keeps q whole, a chunk's tail all-reduces q's
 //! gradient in place and it joins its sum whole, as beside dp alone: at pp=2 × dp=8 × tp=2 on
-//! `tiny`, or wherever tp leaves fewer heads a rank than dp's degree); ZeRO-3 as ZeRO-2 with the
-//! parameters their
-//! shards too (each layer's gathered weights are freed by then; under full recomputation the first
+//! `tiny`, or wherever tp or tsp leaves fewer heads a rank than dp's degree); ZeRO-3 as ZeRO-2
+//! with the parameters their shards too (each layer's gathered weights are freed by then; under full recomputation the first
 //! layer's are gathered again for its recomputed forward, and the stage's other candidates are
 //! inside that layer's backward, as its down and output projections' gradients are scattered beside
 //! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
@@ -541,22 +540,19 @@ fn modelled(
         && (tsp == 1 || tp * cp == 1)
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps q's, k's and v's (`super::zero_rows`: at dp=4 × tp=2 k and
-        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart; q's not
-        // beside tsp), or where no parameter's do (ZeRO-1's programs); without replicas they
-        // split nothing.
+        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart), or where no
+        // parameter's do (ZeRO-1's programs); without replicas they split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_projections_kept_whole(model, layout, zero_rows))
+            || ((workload.zero == 2 || workload.zero == 3) && only_projections_kept_whole(model, zero_rows))
             || !zero_rows.splits_any())
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of the ranks
-/// (`zero_rows`) but perhaps k's and v's, and (but under tsp) q's.
-fn only_projections_kept_whole(model: &ModelShape, layout: &Layout, zero_rows: &ZeroRows) -> bool {
-    let queries = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias();
-    let projections = zero_rows.beyond_key_values() + queries;
+/// (`zero_rows`) but perhaps q's, k's and v's.
+fn only_projections_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
+    let projections = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias() + zero_rows.beyond_key_values();
     zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * projections
-        && (queries == 0.0 || layout.degree(AxisName::Tsp) == 1)
 }
 
 /// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
