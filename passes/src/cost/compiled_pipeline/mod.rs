@@ -350,19 +350,20 @@
 //! where every parameter's rows divide over them but perhaps q's, k's and v's (the sums and
 //! gradients are their shards, each gradient is reduce-scattered and staged whole, and the stage's
 //! other candidates are inside its first layer's backward, or W, as the gate gradient is scattered
-//! and, on a chunk of two layers or more, the down gradient; q, k and v, where ZeRO keeps them
-//! whole, are named apart, [`super::compiled_training::GRADS_KEPT_WHOLE`], none of a chunk's made
-//! at the head of its backward or of its W, v's before k's before q's in a layer's attention
-//! backward (`chunk::KeptWholePending`); where it keeps q whole, a chunk's tail all-reduces q's
-//! gradient in place and it joins its sum whole, as beside dp alone: at pp=2 × dp=8 × tp=2 on
-//! `tiny`, or wherever tp or tsp leaves fewer heads a rank than dp's degree); ZeRO-3 as ZeRO-2
-//! with the parameters their shards too (each layer's gathered weights are freed by then; under full recomputation the first
-//! layer's are gathered again for its recomputed forward, and the stage's other candidates are
-//! inside that layer's backward, as its down and output projections' gradients are scattered beside
-//! the weights they were recomputed with, but under zero bubble, where B regathers them and W reads
-//! none; q, k and v kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`], never
-//! gathered); a Llama-family
-//! model, dense, or a mixture of experts (with or without a shared expert) with every expert on
+//! (but under tsp, whose ring makes the MLP's gradients) and, on a chunk of two layers or more,
+//! the down and up gradients, and at a backward's head as the last layer's down and up gradients
+//! are; q, k and v, where ZeRO keeps them whole, are named apart,
+//! [`super::compiled_training::GRADS_KEPT_WHOLE`], none of a chunk's made at the head of its
+//! backward or of its W, v's before k's before q's in a layer's attention backward
+//! (`chunk::KeptWholePending`); where it keeps q whole, a chunk's tail all-reduces q's gradient in
+//! place and it joins its sum whole, as beside dp alone: at pp=2 × dp=8 × tp=2 on `tiny`, or
+//! wherever tp or tsp leaves fewer heads a rank than dp's degree); ZeRO-3 as ZeRO-2 with the
+//! parameters their shards too (each layer's gathered weights are freed by then; under full
+//! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
+//! other candidates are inside that layer's backward, as its down and output projections'
+//! gradients are scattered beside the weights they were recomputed with, but under zero bubble,
+//! where B regathers them and W reads none; q, k and v kept whole are
+//! [`super::compiled_training::PARAMS_KEPT_WHOLE`], never gathered); a Llama-family model, dense, or a mixture of experts (with or without a shared expert) with every expert on
 //! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
 //! ZeRO stage; its embedding untied, or tied (dense or a mixture; with or without tsp: under tsp the
 //! head's part of the table's gradient joins no sum as it is made, beside dp reduced at the end of
