@@ -477,8 +477,8 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     // all-reduced in place, as beside dp alone, and joins its sum whole (on the micro-batch's first
     // backward of the chunk the sum is its copy).
     let joins_whole = !chunk.first && scattered && !shape.query_gathered;
-    let scattered = scattered && !joins_whole;
-    if scattered {
+    let joining_scattered = scattered && !joins_whole;
+    if joining_scattered {
         held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
     } else if reduced {
         held.push(Term { name: "the joining gradient before its dp all-reduce", bytes: joining });
@@ -521,7 +521,7 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     });
     // The joining gradient's reduce-scatter stages it whole (the tail only: the rows are sliced
     // before it starts).
-    if scattered {
+    if joining_scattered {
         held.push(Term { name: "its reduce-scatter's staging", bytes: joining });
     }
     held.extend(w_reads);
@@ -533,9 +533,10 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     let before_joining = grads_so_far - joining;
     let mut candidates = vec![Candidate {
         name: "tail of a backward",
-        so_far: if scattered { before_joining } else { before_joining + joining },
+        so_far: if joining_scattered { before_joining } else { before_joining + joining },
         held,
-        new_sum: (!scattered).then_some(Term { name: "the joining gradient's new sum beside the old", bytes: new_sum }),
+        new_sum: (!joining_scattered)
+            .then_some(Term { name: "the joining gradient's new sum beside the old", bytes: new_sum }),
         pending: KeptWholePending::NONE,
         sum_pending: 0.0,
     }];
