@@ -1398,24 +1398,65 @@ fn stages_whose_queries_zero_keeps_whole_equal_the_planners_peak() {
         ((&four, "pp=2,tsp=2,dp=8", zero_bubble, 4, 3, selective, false, 64), 14_336.0),
         ((&four, "pp=2,tsp=4,dp=4", gpipe, 4, 3, none, false, 64), 3_072.0),
     ];
-    let mut names = std::collections::BTreeSet::new();
-    for ((config, mesh, kind, micro_batches, zero_stage, recompute, sp, seq), beyond) in cases {
-        let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero_stage, recompute, sp);
-        check_stage_closed_form_at(config, &layout, seq);
-        let layers = (config.num_layers / Mesh::parse(mesh).unwrap().degree(AxisName::Pp)) as f64;
-        for stage in stage_closed_forms(config, &layout, seq) {
-            stage.assert_exact();
-            let params_kept_whole: f64 =
-                stage.phase.terms.iter().filter(|term| term.name == PARAMS_KEPT_WHOLE).map(|term| term.bytes).sum();
-            let expected = if zero_stage == 3 { layers * beyond * 4.0 } else { 0.0 };
-            assert_eq!(params_kept_whole, expected, "{}", stage.label);
-            names.insert(stage.phase.name);
-        }
-    }
+    let names = exact_with_params_kept_whole(&cases);
     for name in [
         "tail of a backward",
         "first layer's down gradient reduce-scattered",
         "first layer's down gradient reduce-scattered in W",
+    ] {
+        assert!(names.contains(name), "{name}: {names:?}");
+    }
+}
+
+#[test]
+fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
+    // Six experts at dp=4: the router's 6 rows and the experts' 6 a rank do not divide, so ZeRO-2
+    // and 3 keep both whole: their gradients are all-reduced and join their sums whole, as beside
+    // dp without ZeRO, and ZeRO-3 never gathers them. The same at dp=4 × tp=2 (k's and v's 2 rows
+    // a rank whole too) and cp=4; at tsp=2 × dp=2 the router's 6 rows split, the experts' 3 a
+    // rank do not (at tsp=2 × dp=4 neither, nor k's and v's); `tiny-moe`'s 8 experts at dp=16, or
+    // their 4 a rank at ep=2 × dp=8 (where the router splits and k and v split over ep alone).
+    // Beside whole expert gradients, points that a sharded stage never peaks at become its peak:
+    // in zero bubble's forward as the last layer's v projection runs beside its gathered weight
+    // (under full recomputation), and beside tp under SP as the experts' gradients are made
+    // before their all-reduce.
+    let [mixture, shared] = four_layer_mixtures();
+    let six_experts = |config: &pleat_ir::model::config::ModelConfig, load_balancing_loss: bool| {
+        let moe = config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig {
+            num_experts: 6,
+            output_router_logits: load_balancing_loss,
+            ..moe
+        });
+        pleat_ir::model::config::ModelConfig { moe, ..config.clone() }
+    };
+    let (six, six_without_the_loss, six_shared) =
+        (six_experts(&mixture, true), six_experts(&mixture, false), six_experts(&shared, true));
+    let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
+    let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
+    let (zero_bubble, interleaved) = (ScheduleKind::ZeroBubbleH1, ScheduleKind::Interleaved { chunks: 2 });
+    // Each case's elements a layer holds beyond the closed form's shards, by hand. Six experts:
+    // the router's 6·128 = 768 keep 576 more at dp=4 (or cp=4); the experts' three 6·64·128 =
+    // 49,152 keep 36,864 more each, 110,592; beside tp=2 three 6·32·128 = 24,576 keep 18,432
+    // each, 55,296, beside tsp (3 experts a rank) the same at dp=4, and 12,288 each at dp=2,
+    // 36,864; k's and v's 2·16·128 = 4,096 keep 3,072 each. `tiny-moe` at ep=2 × dp=8: three
+    // 4·64·128 = 32,768 keep 28,672 each, 86,016, and k's and v's 4·16·128 = 8,192, split over
+    // ep alone, 4,096 − 512 = 3,584 each.
+    let cases: [(StageCase, f64); 8] = [
+        ((&six, "pp=2,dp=4", one_f_one_b, 4, 2, none, false, 32), 111_168.0),
+        ((&six_without_the_loss, "pp=2,dp=4", zero_bubble, 4, 3, full, false, 256), 111_168.0),
+        ((&six, "pp=2,dp=4,tp=2", one_f_one_b, 4, 3, none, true, 256), 62_016.0),
+        ((&six, "pp=2,tsp=2,dp=2", gpipe, 4, 3, none, false, 64), 36_864.0),
+        ((&six, "pp=2,tsp=2,dp=4", one_f_one_b, 4, 3, full, false, 32), 62_016.0),
+        ((&six_shared, "pp=2,cp=4", interleaved, 4, 3, full, false, 64), 111_168.0),
+        ((&mixture, "pp=2,ep=2,dp=8", zero_bubble, 4, 3, selective, false, 64), 93_184.0),
+        ((&mixture, "pp=2,dp=16", gpipe, 4, 2, none, false, 32), 0.0),
+    ];
+    let names = exact_with_params_kept_whole(&cases);
+    for name in [
+        "first layer's last expert gradient joins its sum, its unreduced copy live",
+        "the last layer's v projection in a forward",
+        "the last layer's expert gradients made, before their all-reduce",
+        "first layer's o gradient reduced to this rank, the first owner",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }
@@ -2746,14 +2787,24 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     let schedule = Schedule::build(one_f_one_b, 2, 4).unwrap();
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
-    // Nor has ZeRO-2 or 3 where the rows of a parameter but q, k and v do not divide over dp and
-    // another's do (a mixture's router, 8 rows, and its 8 experts a rank over dp=16); q's, k's
-    // and v's (4 and 2 rows a rank at tp=2 or tsp=2, kept whole at dp=8) are counted apart, and
-    // where no parameter's rows divide (at dp=3) the programs are ZeRO-1's.
+    // Nor has ZeRO-2 or 3 where a mixture's router or experts split over some of their replicas
+    // but not all (six experts at dp=2 × ep=2: dp splits the router's 6 rows to 3, which ep does
+    // not divide; at dp=2 × cp=2 the experts' too). Where ZeRO keeps them whole (8 experts at
+    // dp=16) they are counted apart, as q's, k's and v's are (4 and 2 rows a rank at tp=2 or
+    // tsp=2, kept whole at dp=8), and where no parameter's rows divide (at dp=3) the programs are
+    // ZeRO-1's.
     let schedule = Schedule::build(one_f_one_b, 2, 1).unwrap();
-    let mixture = ModelShape::from_config(&four_layer_mixtures()[0]);
+    let mixture_config = &four_layer_mixtures()[0];
+    let mixture = ModelShape::from_config(mixture_config);
+    let six_experts = ModelShape::from_config(&pleat_ir::model::config::ModelConfig {
+        moe: mixture_config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { num_experts: 6, ..moe }),
+        ..mixture_config.clone()
+    });
     for (model, mesh, modelled) in [
-        (&mixture, "pp=2,dp=16", false),
+        (&six_experts, "pp=2,dp=2,ep=2", false),
+        (&six_experts, "pp=2,dp=2,cp=2", false),
+        (&six_experts, "pp=2,dp=4", true),
+        (&mixture, "pp=2,dp=16", true),
         (&model, "pp=2,dp=8,tsp=2", true),
         (&model, "pp=2,dp=8,tp=2", true),
         (&model, "pp=2,dp=3,tp=2", true),
@@ -2862,6 +2913,27 @@ fn assert_exact_at(
         stage.assert_exact();
         names.insert(stage.phase.name);
     }
+}
+
+/// Asserts every stage of every case exact to the byte, and under ZeRO-3 its parameters kept whole
+/// beyond their shards the case's elements a layer (f32) on each of its layers; returns the names
+/// of the stages' peaks.
+fn exact_with_params_kept_whole(cases: &[(StageCase, f64)]) -> std::collections::BTreeSet<&'static str> {
+    let mut names = std::collections::BTreeSet::new();
+    for &((config, mesh, kind, micro_batches, zero_stage, recompute, sp, seq), beyond) in cases {
+        let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, zero_stage, recompute, sp);
+        check_stage_closed_form_at(config, &layout, seq);
+        let layers = (config.num_layers / Mesh::parse(mesh).unwrap().degree(AxisName::Pp)) as f64;
+        for stage in stage_closed_forms(config, &layout, seq) {
+            stage.assert_exact();
+            let params_kept_whole: f64 =
+                stage.phase.terms.iter().filter(|term| term.name == PARAMS_KEPT_WHOLE).map(|term| term.bytes).sum();
+            let expected = if zero_stage == 3 { layers * beyond * 4.0 } else { 0.0 };
+            assert_eq!(params_kept_whole, expected, "{}", stage.label);
+            names.insert(stage.phase.name);
+        }
+    }
+    names
 }
 
 /// One rank's pipelined closed form beside its program's planned peak.

@@ -24,6 +24,17 @@ use super::activation::kv_split;
 use super::layout::Layout;
 use super::model::ModelShape;
 
+/// How ZeRO splits a parameter's rows over the replicas the closed form divides it by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowSplit {
+    /// Over every one of them: the closed form's shard.
+    Full,
+    /// Over some of them (the others do not divide the rows left).
+    Partly,
+    /// Over none: every replica holds it whole.
+    Whole,
+}
+
 /// A parameter tensor a rank holds: its local dims (after the layout's own splits), how many
 /// such tensors (a LayerNorm's scale and bias), and whether it is a routed expert's.
 #[derive(Clone)]
@@ -50,13 +61,15 @@ pub struct ZeroRows {
     cp: u64,
     ep: u64,
     /// One layer's parameters: those its attention reads (the attention norm, q's weight and
-    /// bias, k and v), and the rest (o, the MLP norm, the MLP or the mixture), which its backward
-    /// finishes first.
+    /// bias, k and v), and the rest (o, the MLP norm, the MLP or a mixture's shared expert, and a
+    /// mixture's router and routed experts), which its backward finishes first.
     attention_norm: RankParam,
     query_weight: RankParam,
     query_bias: Option<RankParam>,
     key_values: Vec<RankParam>,
     past_attention: Vec<RankParam>,
+    router: Option<RankParam>,
+    routed_experts: Vec<RankParam>,
     /// The final norm's and the LM head's (the head's only when the embedding is untied).
     head: Vec<RankParam>,
     /// The embedding table's.
@@ -91,13 +104,14 @@ impl ZeroRows {
             layer.push(RankParam::dense(&[channels, hidden]));
         }
         layer.push(RankParam::dense(&[hidden, channels]));
+        let (mut router, mut routed_experts) = (None, Vec::new());
         if let Some(experts) = &model.experts {
-            layer.push(RankParam::dense(&[experts.count, hidden]));
+            router = Some(RankParam::dense(&[experts.count, hidden]));
             if experts.shared_expert {
                 layer.push(RankParam::dense(&[hidden]));
             }
             for dims in ZeroRows::expert_dims(model, layout) {
-                layer.push(RankParam { dims: dims.to_vec(), copies: 1, expert: true });
+                routed_experts.push(RankParam { dims: dims.to_vec(), copies: 1, expert: true });
             }
         }
         let vocab = model.vocab.div_ceil(split);
@@ -116,6 +130,8 @@ impl ZeroRows {
             query_bias,
             key_values,
             past_attention: layer,
+            router,
+            routed_experts,
             head,
             embedding: table,
         }
@@ -177,7 +193,7 @@ impl ZeroRows {
             + self.beyond_query_weight()
             + self.beyond_query_bias()
             + self.beyond_key_values()
-            + self.beyond(&self.past_attention);
+            + self.beyond_shards_past_attention();
         let mut elements = layers as f64 * layer;
         if head {
             elements += self.beyond(&self.head);
@@ -191,7 +207,39 @@ impl ZeroRows {
     /// The elements of one layer's parameters but those its attention reads (o, the MLP norm, the
     /// MLP or the mixture) that a rank holds beyond the closed form's ZeRO shards.
     pub fn beyond_shards_past_attention(&self) -> f64 {
-        self.beyond(&self.past_attention)
+        self.beyond(&self.past_attention) + self.beyond_router() + self.beyond_routed_experts()
+    }
+
+    /// The elements of one layer's router (none for a dense model) that a rank holds beyond the
+    /// closed form's ZeRO shards.
+    pub fn beyond_router(&self) -> f64 {
+        self.beyond(&self.router)
+    }
+
+    /// The elements of one layer's routed experts on a rank (none for a dense model) that it holds
+    /// beyond the closed form's ZeRO shards.
+    pub fn beyond_routed_experts(&self) -> f64 {
+        self.beyond(&self.routed_experts)
+    }
+
+    /// How ZeRO splits a layer's router: over all its replicas, none of them, or some (`None`
+    /// for a dense model).
+    pub fn router_split(&self) -> Option<RowSplit> {
+        self.router.as_ref().map(|param| self.row_split(param))
+    }
+
+    /// How ZeRO splits a layer's routed experts on a rank (all three alike; `None` for a dense
+    /// model).
+    pub fn routed_experts_split(&self) -> Option<RowSplit> {
+        self.routed_experts.first().map(|param| self.row_split(param))
+    }
+
+    fn row_split(&self, param: &RankParam) -> RowSplit {
+        match self.replicas(&param.dims, param.expert) {
+            1 => RowSplit::Whole,
+            replicas if replicas == self.closed_form_replicas(param.expert) => RowSplit::Full,
+            _ => RowSplit::Partly,
+        }
     }
 
     /// The elements of one layer's k and v projections (and their biases) that a rank holds
@@ -228,7 +276,11 @@ impl ZeroRows {
     /// no dim divides), ZeRO-2 and 3 keep every gradient and weight whole, as ZeRO-1 does.
     pub fn splits_any(&self) -> bool {
         let attention_inputs = [&self.attention_norm, &self.query_weight].into_iter().chain(&self.query_bias);
-        let layer = attention_inputs.chain(&self.key_values).chain(&self.past_attention);
+        let layer = attention_inputs
+            .chain(&self.key_values)
+            .chain(&self.past_attention)
+            .chain(&self.router)
+            .chain(&self.routed_experts);
         // (A mixture without a shared expert lists its MLP as empty tensors, which split nothing.)
         layer
             .chain(&self.head)
@@ -279,7 +331,9 @@ mod tests {
             let layer = elements(&attention_inputs)
                 + rows.query_bias.as_ref().map_or(0.0, RankParam::elements)
                 + elements(&rows.key_values)
-                + elements(&rows.past_attention);
+                + elements(&rows.past_attention)
+                + rows.router.as_ref().map_or(0.0, RankParam::elements)
+                + elements(&rows.routed_experts);
             let listed = model.layers as f64 * layer + elements(&rows.head) + rows.embedding.elements();
             assert_eq!(listed, stage_params(&model, &layout, &workload, 0, model.layers), "{name} {layout}");
         }
@@ -325,5 +379,54 @@ mod tests {
             assert!(!ZeroRows::new(&moe, &layout).splits_any(), "dp={degree}");
         }
         assert!(ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 2)], false)).splits_any());
+    }
+
+    #[test]
+    fn a_mixtures_router_and_experts_split_over_all_their_replicas_some_or_none() {
+        let six_experts = {
+            let config = preset("tiny-moe").unwrap();
+            let moe = config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { num_experts: 6, ..moe });
+            ModelShape::from_config(&pleat_ir::model::config::ModelConfig { moe, ..config })
+        };
+        let rows = |model: &ModelShape, axes: &[(AxisName, u64)]| ZeroRows::new(model, &Layout::new(axes, false));
+        // Six experts at dp=4: the router's 6 rows do not divide, nor the experts' 6 a rank, so
+        // both stay whole: the router's 6·128 = 768 elements keep 768 − 192 = 576 beyond its
+        // shard, each expert matrix's 6·64·128 = 49,152 keeps 36,864, three of them 110,592.
+        let at_dp4 = rows(&six_experts, &[(AxisName::Dp, 4)]);
+        assert_eq!(
+            (at_dp4.router_split(), at_dp4.routed_experts_split()),
+            (Some(RowSplit::Whole), Some(RowSplit::Whole))
+        );
+        assert_eq!((at_dp4.beyond_router(), at_dp4.beyond_routed_experts()), (576.0, 110_592.0));
+        assert_eq!(at_dp4.beyond_shards_past_attention(), 576.0 + 110_592.0);
+        // At tsp=2 × dp=2 the router's 6 rows split to 3, but the experts' 3 a rank (tsp places
+        // them) do not: 3·64·128 = 24,576 a matrix keeps 12,288, 36,864 the three.
+        let beside_tsp = rows(&six_experts, &[(AxisName::Tsp, 2), (AxisName::Dp, 2)]);
+        assert_eq!(
+            (beside_tsp.router_split(), beside_tsp.routed_experts_split()),
+            (Some(RowSplit::Full), Some(RowSplit::Whole))
+        );
+        assert_eq!((beside_tsp.beyond_router(), beside_tsp.beyond_routed_experts()), (0.0, 36_864.0));
+        // At dp=2 × ep=2 dp splits the router's 6 rows to 3, which ep does not divide: split over
+        // some of its replicas (768/2 − 768/4 = 192 beyond); the experts' 3 a rank (ep splits
+        // them) do not divide over dp, their only replicas: whole.
+        let beside_ep = rows(&six_experts, &[(AxisName::Dp, 2), (AxisName::Ep, 2)]);
+        assert_eq!(
+            (beside_ep.router_split(), beside_ep.routed_experts_split()),
+            (Some(RowSplit::Partly), Some(RowSplit::Whole))
+        );
+        assert_eq!(beside_ep.beyond_router(), 192.0);
+        // tiny-moe's 8 experts at dp=8 × ep=2: the router's 8 rows split over dp to 1, then on
+        // hidden over ep, all its replicas; the experts' 4 a rank stay whole (4·64·128 = 32,768 a
+        // matrix keeps 28,672). A dense model has neither.
+        let tiny_moe = shape("tiny-moe");
+        let wide_dp = rows(&tiny_moe, &[(AxisName::Dp, 8), (AxisName::Ep, 2)]);
+        assert_eq!(
+            (wide_dp.router_split(), wide_dp.routed_experts_split()),
+            (Some(RowSplit::Full), Some(RowSplit::Whole))
+        );
+        assert_eq!(wide_dp.beyond_routed_experts(), 3.0 * 28_672.0);
+        let dense = rows(&shape("tiny"), &[(AxisName::Dp, 4)]);
+        assert_eq!((dense.router_split(), dense.routed_experts_split()), (None, None));
     }
 }

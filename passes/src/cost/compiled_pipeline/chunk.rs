@@ -156,7 +156,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     let received_table = if shape.tied && last && !first { vocab_shard * hidden * element } else { 0.0 };
     let params =
         chunk_params(shape.model, shape.layout, shape.workload, first, last, layers) * element - received_table;
-    let grads = shape.sharded(params, layers as f64 * shape.layer_routed_experts());
+    let grads =
+        shape.sharded(params, layers as f64 * shape.layer_routed_experts()) + layers as f64 * shape.router_kept_whole;
     let end = chunk_end(shape, last, layers);
     let positions = if first && shape.chunks > 1 { 0.0 } else { positions };
     let mut first_layer_held = vec![Term { name: POSITIONS, bytes: positions }];

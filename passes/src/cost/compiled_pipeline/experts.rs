@@ -26,6 +26,7 @@ impl Place {
                 router_summed: "first layer's router gradients summed past the dispatch",
                 made: "first layer's expert gradients made beside their weights gathered again",
                 made_whole: "first layer's expert gradients made, before their reduce-scatter",
+                made_unreduced: "first layer's expert gradients made, before their all-reduce",
                 input_gradient_reduced: "first layer's routed experts' input gradient all-reduced over tp",
                 joining: "first layer's expert gradient joins its sum",
                 last_joining: "first layer's last expert gradient joins its sum, its unreduced copy live",
@@ -37,6 +38,7 @@ impl Place {
                 router_summed: "the last layer's router gradients summed past the dispatch",
                 made: "the last layer's expert gradients made beside their weights gathered again",
                 made_whole: "the last layer's expert gradients made, before their reduce-scatter",
+                made_unreduced: "the last layer's expert gradients made, before their all-reduce",
                 input_gradient_reduced: "the last layer's routed experts' input gradient all-reduced over tp",
                 joining: "the last layer's expert gradient joins its sum",
                 last_joining: "the last layer's last expert gradient joins its sum, its unreduced copy live",
@@ -52,6 +54,7 @@ struct ExpertsNames {
     router_summed: &'static str,
     made: &'static str,
     made_whole: &'static str,
+    made_unreduced: &'static str,
     input_gradient_reduced: &'static str,
     joining: &'static str,
     last_joining: &'static str,
@@ -76,13 +79,18 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
         .chain(input_gradient_reduced(shape, place, context, made_before))
         .chain(input_gradients_summed(shape, place, context, made_before))
         .collect();
-    points.extend(made_before_scattered(shape, place, context, made_before));
+    // (Where the experts' gradients are all-reduced, the point where they are made may tie with
+    // their joining: listed after it, the peak keeps the joining's name.)
+    let made = made_before_scattered(shape, place, context, made_before);
+    let (made_first, made_last) = if unreduced_as_made(shape) > 0.0 { (None, made) } else { (made, None) };
+    points.extend(made_first);
     if let Some(joining) = joining(shape, place, context, made_before) {
         let summed = summed(shape, names.summed, &joining);
         points.extend(last_joining(shape, names.last_joining, &joining));
         points.push(joining);
         points.extend(summed);
     }
+    points.extend(made_last);
     // As the attention residual's gradient is summed, past the MLP norm's backward: the router's
     // and experts' gradients made, reduced and summed, the MLP norm's output freed, its output's
     // gradient live beside the norm's input gradient and their sum.
@@ -134,10 +142,10 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     held.extend(router_gradient_whole(shape));
     // Over ep under ZeRO-3 the weights the dispatch read, gathered again, are freed with the MLP
     // norm's output, after the layer's MLP backward (beside cp, which shards the experts too, the
-    // gathered copies are freed before their gradients join); beside tsp the router's before the
-    // gradients' all-reduces, the MLP norm's (gathered under full recomputation) after its
-    // backward.
-    if shape.dispatched() && !shape.experts_scattered() {
+    // gathered copies are freed before their gradients join); beside tsp, or beside dp or cp
+    // where ZeRO keeps the experts whole, the router's before the gradients' all-reduces, the MLP
+    // norm's (gathered under full recomputation) after its backward.
+    if !shape.experts_scattered() {
         if reduced {
             held.extend(shape.norm_regathered(MLP_NORM_REGATHERED));
         } else {
@@ -190,7 +198,7 @@ pub(super) fn last_joining(shape: &StageShape, name: &'static str, first: &Candi
 fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
     // (Not a shared expert's gate vector, scattered in its own backward.)
     let router = shape.router();
-    (shape.weights_gathered_again(router) > 0.0)
+    (shape.router_gathered_again() > 0.0)
         .then_some(Term { name: "the router's gradient, whole before its reduce-scatter", bytes: router })
 }
 
@@ -198,13 +206,15 @@ fn router_gradient_whole(shape: &StageShape) -> Option<Term> {
 /// (their input gradient first), and under full recomputation the MLP norm's, gathered to recompute
 /// its output.
 fn weights_gathered_again(shape: &StageShape) -> Option<Term> {
-    let router = router_gradient_whole(shape)?.bytes;
+    let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes);
     let norm = shape.norm_regathered(MLP_NORM_REGATHERED).map_or(0.0, |term| term.bytes);
-    // (Over ep alone ZeRO does not shard the experts.)
-    let experts = if shape.experts_scattered() { 3.0 * expert_matrix(shape) } else { 0.0 };
-    Some(Term {
+    // (Over ep alone, or where their rows do not divide, ZeRO does not shard the experts.)
+    let experts =
+        if shape.experts_scattered() { shape.weights_gathered_again(3.0 * expert_matrix(shape)) } else { 0.0 };
+    let bytes = router + experts + norm;
+    (bytes > 0.0).then_some(Term {
         name: "the router's and the experts' weights (under full recomputation the MLP norm's), gathered again",
-        bytes: router + experts + norm,
+        bytes,
     })
 }
 
@@ -222,10 +232,13 @@ pub(super) fn made_before_scattered(
     shape.model.experts.as_ref()?;
     let router_whole = router_gradient_whole(shape);
     // (Over ep one instruction makes every gradient of the experts' backward, [`dispatched`].)
-    if shape.dispatched() || !(shape.experts_scattered() || router_whole.is_some()) {
+    if shape.dispatched() {
         return None;
     }
     let names = place.experts_names();
+    if !(shape.experts_scattered() || router_whole.is_some()) {
+        return made_before_reduced(shape, names.made_unreduced, context, made_before);
+    }
     let name = if router_whole.is_some() { names.made } else { names.made_whole };
     let matrix = expert_matrix(shape);
     let mut held = context.to_vec();
@@ -243,6 +256,46 @@ pub(super) fn made_before_scattered(
         + router_among_them
         - router_among_them / shape.shards;
     Some(Candidate { sum_pending: router_among_them, ..Candidate::made(name, so_far, held) })
+}
+
+/// Of the routed experts' gradients, those [`made_before_scattered`] holds unreduced beyond
+/// [`not_yet_among_the_gradients`] where they are all-reduced ([`made_before_reduced`]): the
+/// first, whose reduction [`joining`] counts (bytes; else 0).
+pub(super) fn unreduced_as_made(shape: &StageShape) -> f64 {
+    let all_reduced = shape.experts_reduced && !shape.experts_scattered() && router_gradient_whole(shape).is_none();
+    if all_reduced && !shape.dispatched() {
+        expert_matrix(shape)
+    } else {
+        0.0
+    }
+}
+
+/// Beside dp or cp where ZeRO does not shard the routed experts (without ZeRO, or where their rows
+/// do not divide), as their last weight gradient is made: the three gradients, whole before their
+/// all-reduces, beside the MLP norm's output (not yet freed) and its gradient, and under SP the
+/// output gradient all-gathered over tp; the router's gradient reduced and summed before them
+/// (under ZeRO-3 with full recomputation also the MLP norm's weight, gathered again).
+fn made_before_reduced(
+    shape: &StageShape,
+    name: &'static str,
+    context: &[Term],
+    made_before: f64,
+) -> Option<Candidate> {
+    if !shape.experts_reduced {
+        return None;
+    }
+    let matrix = expert_matrix(shape);
+    let mut held = context.to_vec();
+    held.extend(weights_gathered_again(shape));
+    held.extend([
+        Term { name: "the MLP norm output's gradient", bytes: shape.sizes.gathered },
+        Term { name: UNREDUCED_EXPERT_GRADIENTS, bytes: 3.0 * matrix },
+    ]);
+    if shape.sequence_parallel() {
+        held.push(Term { name: "the layer's output gradient, all-gathered", bytes: shape.sizes.gathered });
+    }
+    let so_far = made_before + shape.layer_mlp_gradient_shards() - 3.0 * matrix;
+    Some(Candidate::made(name, so_far, held))
 }
 
 /// Under ZeRO-2, as the routed experts' weight gradients are made ([`made_before_scattered`]), the
@@ -448,9 +501,10 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 }
 
 /// Over ep beside the load-balancing loss, the router's gradient from the experts' backward, made
-/// with the experts' and summed with its gradient from the loss only after them: its running sum
-/// is made then (bytes; else 0). Under ZeRO-3 it is held whole apart ([`router_gradient_whole`]),
-/// none of it among the micro-batch's gradients (0 here).
+/// with the experts' and summed with its gradient from the loss only after them, or without the
+/// loss beside tp alone, all-reduced after them: its running sum is made then (bytes; else 0).
+/// Under ZeRO-3 it is held whole apart ([`router_gradient_whole`]), none of it among the
+/// micro-batch's gradients (0 here).
 fn router_sum_pending(shape: &StageShape) -> f64 {
     match &shape.model.experts {
         Some(experts)
@@ -458,6 +512,13 @@ fn router_sum_pending(shape: &StageShape) -> f64 {
                 && experts.load_balancing_loss
                 && !shape.experts_reduced
                 && router_gradient_whole(shape).is_none() =>
+        {
+            shape.router()
+        }
+        // (Without the loss, beside tp alone, the router's gradient, made before the experts',
+        // is all-reduced over tp after them, and joins its sum then.)
+        Some(experts)
+            if !shape.dispatched() && shape.tp > 1 && !experts.load_balancing_loss && !shape.experts_reduced =>
         {
             shape.router()
         }

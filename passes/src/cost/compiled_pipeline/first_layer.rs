@@ -9,7 +9,7 @@ use super::super::workload::Recompute;
 use super::chunk::{received_counts, Candidate, Chunk, KeptWholePending, RECEIVED_COUNTS};
 use super::experts::{self, experts_points};
 use super::shared_expert::{self, shared_expert_points};
-use super::{tsp_first_owner_o_reduce, tsp_o_reduces, tsp_ring, Place, StageShape};
+use super::{tsp_first_owner_o_reduce, tsp_o_reduces, tsp_ring, Place, StageShape, TspBlock};
 
 /// Inside the first layer's backward, before its attention's: that layer's attention activations
 /// (which full recomputation recomputes only for the attention's own backward), and its attention
@@ -797,20 +797,31 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
     let not_yet = experts::not_yet_among_the_gradients(shape);
+    let unreduced = experts::unreduced_as_made(shape);
+    let mut made_point = None;
     if let Some(mut made) = experts::made_before_scattered(shape, Place::FirstLayer, &context, 0.0) {
         made.held.extend(for_w_past_shared.iter().cloned());
-        // (Under ZeRO-2 the router's gradient is among B's whole there, its shard's sum not made.)
-        let router = experts::router_whole_as_experts_are_made(shape);
-        points.push(Candidate {
-            name: if shape.weights_gathered_again(1.0) > 0.0 {
-                "first layer's expert gradients made beside their weights gathered again in B"
-            } else {
-                "first layer's expert gradients made, before their reduce-scatter in B"
-            },
+        // (Where they are all-reduced instead, the router's gradient is reduced and summed by
+        // then: of B's gradients only the experts' three are not made.)
+        let router = if unreduced > 0.0 { 0.0 } else { experts::router_whole_as_experts_are_made(shape) };
+        let name = if unreduced > 0.0 {
+            "first layer's expert gradients made, before their all-reduce in B"
+        } else if shape.weights_gathered_again(1.0) > 0.0 {
+            "first layer's expert gradients made beside their weights gathered again in B"
+        } else {
+            "first layer's expert gradients made, before their reduce-scatter in B"
+        };
+        let not_yet = not_yet + unreduced;
+        made_point = Some(Candidate {
+            name,
             so_far: made_in_b - not_yet + router - router / shape.shards,
             sum_pending: not_yet + router / shape.shards,
             ..made
         });
+    }
+    // (Where they are all-reduced, listed after their joining, with which it may tie.)
+    if unreduced == 0.0 {
+        points.extend(made_point.take());
     }
     // (Where the experts' gradients are reduced over dp or cp the joining frees the MLP norm's
     // output: but W reads it beside a shared expert.)
@@ -837,6 +848,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         }
         points.push(joining);
     }
+    points.extend(made_point);
     // Under tsp B's attention backward is the owners' ([`tsp_attention_in_b`]).
     if shape.tsp > 1 {
         points.extend(tsp_attention_in_b(shape, chunk));
@@ -1037,7 +1049,7 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     // gradients, wait for their broadcasts for the last owner's q and k parts, after v's (under
     // full recomputation the blocks broadcast again above).
     const OWN_Q_AND_K_BLOCKS: &str = "the rank's q and k blocks, gathered over dp again";
-    let own_blocks = shape.weights_gathered_again(hidden * (query + kv) / owners * element);
+    let own_blocks = shape.tsp_blocks_gathered_again(&[TspBlock::Q, TspBlock::K]);
     if own_blocks > 0.0 && recompute != Recompute::Full {
         held.push(Term { name: OWN_Q_AND_K_BLOCKS, bytes: own_blocks });
     }
@@ -1065,13 +1077,14 @@ fn tsp_attention_in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         // Under ZeRO-3 the first owner's broadcasts gather the rank's own blocks as they come,
         // each held for the owners after it: o's, v's and k's by its k part, q's next, for its q
         // part (which joins the sum as k's did, its gradients made).
-        let gathered_by_k = shape.weights_gathered_again(hidden * (query + 2.0 * kv) / owners * element);
+        let gathered_by_k = shape.tsp_blocks_gathered_again(&[TspBlock::O, TspBlock::V, TspBlock::K]);
         let mut q_part = None;
         if gathered_by_k > 0.0 {
             first_owner.retain(|term| term.name != OWN_Q_AND_K_BLOCKS);
             first_owner.push(Term { name: "the rank's o, v and k blocks, gathered again", bytes: gathered_by_k });
             let mut held = first_owner.clone();
-            held.push(Term { name: "the rank's q block, gathered again", bytes: hidden * query / owners * element });
+            let q_block = shape.tsp_blocks_gathered_again(&[TspBlock::Q]);
+            held.extend((q_block > 0.0).then_some(Term { name: "the rank's q block, gathered again", bytes: q_block }));
             q_part = Some(Candidate::made(
                 "first layer's attention backward in B: the first owner's q part of the input gradient summed",
                 made_in_b,
@@ -1372,6 +1385,10 @@ pub(super) fn shared_expert_gate_joining_in_w(shape: &StageShape, chunk: &Chunk,
     })
 }
 
+/// The first layer's attention norm output's gradient, under tsp the sum of the owners' input
+/// gradient parts so far.
+const ATTENTION_NORM_OUTPUT_GRADIENT: &str = "first layer's attention norm output gradient";
+
 /// Under tsp a stage may peak inside its first layer's attention backward. That backward takes
 /// the owners in reverse (the last first): for each, the rank's contributions to the owner's q,
 /// k, v and o gradients (its block: the layer's attention weights over the owners), then their
@@ -1398,7 +1415,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     let block = shape.attention_weights / owners * element;
     let o_block = hidden * query / owners * element;
     let mut gradients = vec![
-        Term { name: "first layer's attention norm output gradient", bytes: stream },
+        Term { name: ATTENTION_NORM_OUTPUT_GRADIENT, bytes: stream },
         Term { name: "first layer's attention residual gradient", bytes: stream },
     ];
     // (A stage between the first and the last still holds a mixture's summed expert counts it
@@ -1468,7 +1485,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     let own_block = if shape.zero_bubble {
         0.0
     } else {
-        shape.weights_gathered_again(hidden * (2.0 * query + 2.0 * kv) / owners * element)
+        shape.tsp_blocks_gathered_again(&[TspBlock::Q, TspBlock::K, TspBlock::V, TspBlock::O])
     };
     let norm_gathered = if shape.zero_bubble { None } else { shape.norm_regathered(ATTENTION_NORM_REGATHERED) };
     // (On the first chunk the last owner's RoPE backward read the positions last: outside zero
@@ -1546,7 +1563,7 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
     if !shape.zero_bubble {
         let owner_qkv = (local_tokens * query + kv_kept) * element / owners;
         let q_block = hidden * query / owners * element;
-        let own_qkv_blocks = if own_block > 0.0 { hidden * (query + 2.0 * kv) / owners * element } else { 0.0 };
+        let own_qkv_blocks = shape.tsp_blocks_gathered_again(&[TspBlock::Q, TspBlock::K, TspBlock::V]);
         // (The last owner's points first, so that where an earlier owner's hold the same bytes, as
         // under full recomputation without ZeRO-3, the peak is named for the last.)
         for after in 0..shape.tsp {
@@ -1567,7 +1584,12 @@ pub(super) fn tsp_attention(shape: &StageShape, chunk: &Chunk, later_w_reads: f6
                 });
             }
             let mut held = chunk.first_layer_held.clone();
-            held.extend(gradients.iter().cloned());
+            // (The first owner's kernel runs before any input gradient part is made: the
+            // attention norm output's gradient is first made of its k and v parts.)
+            let first_owner = after + 1 == shape.tsp;
+            held.extend(
+                gradients.iter().filter(|term| !(first_owner && term.name == ATTENTION_NORM_OUTPUT_GRADIENT)).cloned(),
+            );
             held.extend(place.iter().cloned());
             held.extend([
                 Term { name: "the owner's attention output gradient", bytes: local_tokens * query / owners * element },

@@ -39,7 +39,7 @@ use super::{tsp_ring, StageShape};
 /// chunks on the stage hold their layers' statistics in flight too, which the walk leaves to this
 /// point.)
 pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, local_tokens, query, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, query, kv, kv_kept, ffn, stream, gathered, .. } = shape.sizes;
     if !shape.zero_bubble {
         return if chunk.last { logits_gathered(shape, chunk).into_iter().collect() } else { Vec::new() };
     }
@@ -96,7 +96,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         let routed = if shape.experts_scattered() { shape.layer_routed_experts() } else { 0.0 };
         let gathered_for_it = Term {
             name: "its last layer's router and experts, gathered",
-            bytes: shape.weights_gathered_again(shape.router() + routed),
+            bytes: shape.router_gathered_again() + shape.weights_gathered_again(routed),
         };
         // (Gathered a step an axis, its last matrix's step before is live as the last runs.)
         let last_step = shape.expert_two_step_gather_share() * shape.layer_routed_experts() / 3.0;
@@ -149,16 +149,20 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // live until the statistics read it (a dense MLP's is freed once up's output is made, a point
     // below). (Beside a shared expert the two outputs, each whole, are summed first.)
     let sequence_parallel = shape.sequence_parallel();
+    // (Under full recomputation a mixture's MLP norm output, not kept, is live until its layer's
+    // statistics read it; without the load-balancing loss it has none, and the output is freed
+    // once the routed experts have run.)
+    let norm_output_to_statistics = full && shape.model.experts.is_some() && statistics > 0.0;
     // Under ZeRO-3 a mixture's router, gathered for its routed experts, stays until the layer's
     // statistics: under SP made after the layer's output, so live at every point past the experts.
-    let statistics_after_output = sequence_parallel && shape.model.experts.is_some();
+    let statistics_after_output = sequence_parallel && shape.model.experts.is_some() && statistics > 0.0;
     let router_kept = Term {
         name: "its last layer's router, gathered, read next by its statistics",
-        bytes: if statistics_after_output { shape.weights_gathered_again(shape.router()) } else { 0.0 },
+        bytes: if statistics_after_output { shape.router_gathered_again() } else { 0.0 },
     };
     points[0].held.push(router_kept.clone());
     if sequence_parallel {
-        let norm_output = if full && shape.model.experts.is_some() { gathered } else { 0.0 };
+        let norm_output = if norm_output_to_statistics { gathered } else { 0.0 };
         points.push(point(
             "the last layer's MLP output reduce-scattered in a forward",
             vec![
@@ -173,6 +177,10 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             ],
         ));
     }
+    let before_attention = Term {
+        name: "what it holds in flight by then but its last layer's attention residual, output and statistics",
+        bytes: kept - 2.0 * stream - 2.0 * statistics,
+    };
     // Beside cp under full recomputation the forward keeps none of the last layer's attention
     // buffers, live as its kernel runs: q after RoPE and every token's k and v, all-gathered over
     // cp, beside its output, the layer's attention residual, statistics and output not yet made.
@@ -181,14 +189,28 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             "the last layer's attention in a forward",
             vec![
                 positions.clone(),
-                Term {
-                    name: "what it holds in flight by then but its last layer's attention residual, output and \
-                           statistics",
-                    bytes: kept - 2.0 * stream - 2.0 * statistics,
-                },
+                before_attention.clone(),
                 Term {
                     name: "its last layer's q, every token's k and v, and the attention's output",
                     bytes: (2.0 * local_tokens * query + kv_kept) * element,
+                },
+            ],
+        ));
+    }
+    // Under full recomputation (without cp or tsp) the forward keeps none of the last layer's
+    // attention buffers: as its v projection runs, the attention norm's output, q and k are live
+    // beside v being made, under ZeRO-3 beside v's weight, gathered for it (k's and q's freed).
+    if full && shape.cp == 1 && shape.tsp == 1 {
+        points.push(point(
+            "the last layer's v projection in a forward",
+            vec![
+                positions.clone(),
+                before_attention.clone(),
+                Term { name: "its last layer's attention norm output, not kept", bytes: gathered },
+                Term { name: "its last layer's q, k and v", bytes: local_tokens * (query + 2.0 * kv) * element },
+                Term {
+                    name: "its last layer's v weight, gathered",
+                    bytes: shape.key_value_weights_gathered_again() / 2.0,
                 },
             ],
         ));
@@ -202,10 +224,16 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
             vec![
                 positions.clone(),
                 before_output.clone(),
-                Term { name: "its last layer's MLP norm output, not kept", bytes: if full { gathered } else { 0.0 } },
+                Term {
+                    name: "its last layer's MLP norm output, not kept",
+                    bytes: if norm_output_to_statistics { gathered } else { 0.0 },
+                },
                 Term { name: "its last layer's routed experts' output, partial and all-reduced", bytes: 2.0 * stream },
                 // (Under ZeRO-3 the router, gathered for the experts, stays for the statistics.)
-                Term { name: "its last layer's router, gathered", bytes: shape.weights_gathered_again(shape.router()) },
+                Term {
+                    name: "its last layer's router, gathered",
+                    bytes: if statistics > 0.0 { shape.router_gathered_again() } else { 0.0 },
+                },
             ],
         ));
     }
@@ -283,8 +311,10 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // output is made beside the product, and as that output is scaled by the gate. Outside SP the
     // layer's statistics are made before the shared expert runs, and its gate logit after down
     // (the MLP norm's output freed by it); under SP the logit comes first, and the statistics
-    // after the layer's output (the norm's output live until then).
+    // after the layer's output (the norm's output live until then; without the load-balancing
+    // loss, whose statistics they are, freed once up has read it).
     let expert_output = if sequence_parallel { gathered } else { stream };
+    let norm_output_after_up = !sequence_parallel || statistics > 0.0;
     if shared_expert && full {
         let intermediate = local_tokens * ffn * element;
         let logit = Term { name: "its last layer's shared expert's gate logit", bytes: local_tokens * element };
@@ -314,7 +344,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                         bytes: 3.0 * intermediate,
                     }])
                     .collect(),
-                true,
+                norm_output_after_up,
             ),
         ));
         points.push(point(
@@ -332,7 +362,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                         },
                     ])
                     .collect(),
-                true,
+                norm_output_after_up,
             ),
         ));
         points.push(point(
@@ -345,7 +375,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                         bytes: 2.0 * expert_output,
                     },
                 ],
-                sequence_parallel,
+                sequence_parallel && statistics > 0.0,
             ),
         ));
     }

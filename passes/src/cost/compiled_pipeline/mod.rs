@@ -176,7 +176,8 @@
 //! load-balancing loss apart, summed into its loss by the loss's backward.
 //!
 //! Under ZeRO-2 and 3 a mixture's stage holds its gradients' shards (a dense one's over dp × cp ×
-//! ep, a routed expert's over dp × cp: over ep alone ZeRO does not shard the experts), and each
+//! ep, a routed expert's over dp × cp: over ep alone ZeRO does not shard the experts, nor where
+//! their rows do not divide over dp and cp, when they are all-reduced as beside dp), and each
 //! gradient is reduce-scattered where dp would all-reduce it, staged whole: the routed experts'
 //! three, made at once (a stage may peak as the last is made, the MLP norm's output and under SP
 //! the output gradient gathered still live), the MLP norm's output freed before the first is
@@ -307,7 +308,9 @@
 //! expert's and the routed experts' outputs summed; under full recomputation the shared expert's
 //! product, its down projection's output and its scaled output made) beside all the micro-batch
 //! keeps, under full recomputation beside cp at its last layer's attention (every token's k and v
-//! gathered), and beside cp as the last chunk gathers every token's logits (without cp, a
+//! gathered), without cp or tsp as its v projection runs (under ZeRO-3 beside v's weight
+//! gathered; outweighing the points after it where a mixture's experts are not gathered), and
+//! beside cp as the last chunk gathers every token's logits (without cp, a
 //! mixture's outside SP, as it makes them; under ZeRO-2 and 3 beside the running sums' shards,
 //! and those kept whole). A micro-batch's loss joins
 //! the loss's sum in W beside dp, cp or ep or the load-balancing loss, else in B; the first stage's
@@ -347,7 +350,8 @@
 //! both (whose ranks hold the same weights), with or without tp (±SP), where no parameter's rows
 //! divide over them (every gradient all-reduced and kept whole, no weight gathered: ZeRO-1's
 //! programs, as at dp=3 on `tiny`), or
-//! where every parameter's rows divide over them but perhaps q's, k's and v's (the sums and
+//! where every parameter's rows divide over them but perhaps q's, k's and v's, or a mixture's
+//! router's and routed experts' (each split over all its replicas or none of them; the sums and
 //! gradients are their shards, each gradient is reduce-scattered and staged whole, and the stage's
 //! other candidates are inside its first layer's backward, or W, as the gate gradient is scattered
 //! (but under tsp, whose ring makes the MLP's gradients) and, on a chunk of two layers or more,
@@ -357,15 +361,19 @@
 //! backward or of its W, v's before k's before q's in a layer's attention backward
 //! (`chunk::KeptWholePending`); where it keeps q whole, a chunk's tail all-reduces q's gradient in
 //! place and it joins its sum whole, as beside dp alone: at pp=2 × dp=8 × tp=2 on `tiny`, or
-//! wherever tp or tsp leaves fewer heads a rank than dp's degree); ZeRO-3 as ZeRO-2 with the
+//! wherever tp or tsp leaves fewer heads a rank than dp's degree; where it keeps the router or
+//! the routed experts whole, as Mixtral's 8 experts at dp=16, their gradients are all-reduced
+//! and join their sums whole, as beside dp without ZeRO, so that a stage may peak as the experts'
+//! three are made before their all-reduces, and the sums and gradients count them whole rather
+//! than name them apart); ZeRO-3 as ZeRO-2 with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
 //! other candidates are inside that layer's backward, as its down and output projections'
 //! gradients are scattered beside the weights they were recomputed with, but under zero bubble,
-//! where B regathers them and W reads none; q, k and v kept whole are
-//! [`super::compiled_training::PARAMS_KEPT_WHOLE`], never gathered); a Llama-family model, dense, or a mixture of experts (with or without a shared expert) with every expert on
-//! every rank or split over ep, beside dp, cp, ep and tp (with SP), any
-//! ZeRO stage; its embedding untied, or tied (dense or a mixture; with or without tsp: under tsp the
+//! where B regathers them and W reads none; q, k and v, a router and routed experts kept whole
+//! are [`super::compiled_training::PARAMS_KEPT_WHOLE`], never gathered); a Llama-family model,
+//! dense, or a mixture of experts (with or without a shared expert) with every expert on every
+//! rank or split over ep, beside dp, cp, ep and tp (with SP), any ZeRO stage; its embedding untied, or tied (dense or a mixture; with or without tsp: under tsp the
 //! head's part of the table's gradient joins no sum as it is made, beside dp reduced at the end of
 //! the backward as beside dp × tp; the first stage's scattering of the embedding's gradient holds
 //! it beside both orders' token ids; under
@@ -408,7 +416,7 @@ use super::memory::{MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
-use super::zero_rows::ZeroRows;
+use super::zero_rows::{RowSplit, ZeroRows};
 use crate::pipeline::{Schedule, ScheduleKind};
 use chunk::{ChunkHold, KeptWholePending};
 
@@ -464,20 +472,24 @@ pub fn compiled_stage_peak(
     let replicas = layout.zero_replicas();
     let param_shards = if workload.zero >= 3 && replicas > 1 { replicas as f64 } else { 1.0 };
     let params = holds.iter().map(|hold| hold.params).sum::<f64>();
-    let params =
-        if param_shards > 1.0 { shape.sharded(params, layers as f64 * shape.layer_routed_experts()) } else { params };
+    let experts = layers as f64 * shape.layer_routed_experts();
+    let params = if param_shards > 1.0 {
+        sharded_over(params, experts, param_shards, layout.expert_zero_replicas() as f64)
+    } else {
+        params
+    };
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
     // Every point holds the q, k and v projections ZeRO-3 keeps whole beyond their shards (where it
     // splits no parameter, all of them: the closed form's shards are the phase's parameters).
     let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
     if kept_whole_zero3 {
-        let experts = layers as f64 * shape.layer_routed_experts();
         let replicas = (layout.zero_replicas() as f64, layout.expert_zero_replicas() as f64);
         let shards = sharded_over(phase.params, experts, replicas.0, replicas.1);
         phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: phase.params - shards });
         phase.params = shards;
-    } else if workload.zero >= 3 && shape.layer_kept_whole() > 0.0 {
-        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: layers as f64 * shape.layer_kept_whole() });
+    } else if workload.zero >= 3 && shape.layer_params_kept_whole() > 0.0 {
+        let bytes = layers as f64 * shape.layer_params_kept_whole();
+        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes });
     }
     if received_table > 0.0 {
         // Received in the stage's first forward, held to the end of the step. (Under ZeRO-3 the
@@ -541,19 +553,25 @@ fn modelled(
         && (tsp == 1 || tp * cp == 1)
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps q's, k's and v's (`super::zero_rows`: at dp=4 × tp=2 k and
-        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart), or where no
-        // parameter's do (ZeRO-1's programs); without replicas they split nothing.
+        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart) and a
+        // mixture's router's and experts' (six experts at dp=4), or where no parameter's do
+        // (ZeRO-1's programs); without replicas they split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_projections_kept_whole(model, zero_rows))
+            || ((workload.zero == 2 || workload.zero == 3) && only_projections_or_mixture_kept_whole(model, zero_rows))
             || !zero_rows.splits_any())
 }
 
 /// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of the ranks
-/// (`zero_rows`) but perhaps q's, k's and v's.
-fn only_projections_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
+/// (`zero_rows`) but perhaps q's, k's and v's, and a mixture's router and routed experts where it
+/// splits each over all of its replicas or none.
+fn only_projections_or_mixture_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
     let projections = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias() + zero_rows.beyond_key_values();
-    zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * projections
+    let mixture = zero_rows.beyond_router() + zero_rows.beyond_routed_experts();
+    let split_all_or_none = |split: Option<RowSplit>| split != Some(RowSplit::Partly);
+    zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * (projections + mixture)
+        && split_all_or_none(zero_rows.router_split())
+        && split_all_or_none(zero_rows.routed_experts_split())
 }
 
 /// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
@@ -606,6 +624,12 @@ struct StageShape<'a> {
     query_bias_kept_whole: f64,
     key_values_gathered: bool,
     query_gathered: bool,
+    /// The bytes of a layer's router ZeRO-2 and 3 hold beyond its shard, where its `E` rows do not
+    /// divide over the replicas (its gradient; under ZeRO-3 its weight too), and whether ZeRO-3
+    /// gathers it (else it keeps it whole). (Where a rank's routed experts do not divide, ZeRO
+    /// keeps them whole too: `expert_shards` is 1.)
+    router_kept_whole: f64,
+    router_gathered: bool,
     /// A mixture of experts' load-balancing loss: each layer's expert counts and router
     /// probability sums (`[E]` each), sent on to the last stage, which sums them over the layers
     /// (the counts' sum kept for the loss's backward, the loss itself until the backward starts).
@@ -658,12 +682,18 @@ impl<'a> StageShape<'a> {
             experts_reduced: dp > 1 || cp > 1 || (tsp > 1 && ep > 1),
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
-            expert_shards: if scattered { layout.expert_zero_replicas() as f64 } else { 1.0 },
+            expert_shards: if scattered && zero_rows.routed_experts_split() != Some(RowSplit::Whole) {
+                layout.expert_zero_replicas() as f64
+            } else {
+                1.0
+            },
             key_values_kept_whole: kept_whole(zero_rows.beyond_key_values()),
             query_weight_kept_whole: kept_whole(zero_rows.beyond_query_weight()),
             query_bias_kept_whole: kept_whole(zero_rows.beyond_query_bias()),
             key_values_gathered: zero_rows.splits_key_values(),
             query_gathered: zero_rows.splits_query(),
+            router_kept_whole: kept_whole(zero_rows.beyond_router()),
+            router_gathered: zero_rows.router_split() == Some(RowSplit::Full),
             statistics: sizes.statistics,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
@@ -676,6 +706,24 @@ impl<'a> StageShape<'a> {
     /// keep whole beyond their shards.
     fn layer_kept_whole(&self) -> f64 {
         self.key_values_kept_whole + self.query_weight_kept_whole + self.query_bias_kept_whole
+    }
+
+    /// The bytes of one layer's weights ZeRO-3 keeps whole beyond their shards: q's, k's and v's,
+    /// a mixture's router's and its routed experts'.
+    fn layer_params_kept_whole(&self) -> f64 {
+        self.layer_kept_whole() + self.router_kept_whole + self.routed_experts_kept_whole()
+    }
+
+    /// The bytes of one layer's routed experts on the rank that ZeRO-2 and 3 keep whole beyond
+    /// their shards (0 where they divide over their replicas, or there are none).
+    fn routed_experts_kept_whole(&self) -> f64 {
+        let replicas = self.layout.expert_zero_replicas() as f64;
+        if self.scattered && !self.experts_scattered() && replicas > 1.0 {
+            let routed = self.layer_routed_experts();
+            routed - routed / replicas
+        } else {
+            0.0
+        }
     }
 
     /// The bytes of the gradients kept whole that a point has not made (`pending`).
@@ -705,6 +753,22 @@ impl<'a> StageShape<'a> {
         } else {
             0.0
         }
+    }
+
+    /// The bytes of the rank's own tsp attention weight blocks among `blocks` that ZeRO-3 gathers
+    /// again for the owners' broadcasts (but q's, or k's and v's, where it keeps them whole).
+    fn tsp_blocks_gathered_again(&self, blocks: &[TspBlock]) -> f64 {
+        let StepSizes { element, hidden, query, kv, .. } = self.sizes;
+        let block = |width: f64| self.weights_gathered_again(hidden * width / self.tsp as f64 * element);
+        blocks
+            .iter()
+            .map(|block_of| match block_of {
+                TspBlock::Q if self.query_gathered => block(query),
+                TspBlock::K | TspBlock::V if self.key_values_gathered => block(kv),
+                TspBlock::O => block(query),
+                _ => 0.0,
+            })
+            .sum()
     }
 
     /// The bytes of a layer's attention norm, q and k and v weights that ZeRO-3 gathers again (but
@@ -841,7 +905,7 @@ impl<'a> StageShape<'a> {
         }
         model.experts.as_ref().map(|_| {
             let routed = self.layer_routed_experts();
-            self.sharded(self.router() + routed + self.shared_ring_gradients(), routed)
+            self.sharded(self.router() + routed + self.shared_ring_gradients(), routed) + self.router_kept_whole
         })
     }
 
@@ -869,7 +933,16 @@ impl<'a> StageShape<'a> {
 
     /// [`Self::layer_mlp_gradients`], as the rank holds them under ZeRO-2 and 3.
     fn layer_mlp_gradient_shards(&self) -> f64 {
-        self.sharded(self.layer_mlp_gradients(), self.layer_routed_experts())
+        self.sharded(self.layer_mlp_gradients(), self.layer_routed_experts()) + self.router_kept_whole
+    }
+
+    /// The bytes of a layer's router ZeRO-3 gathers again: none where it keeps it whole.
+    fn router_gathered_again(&self) -> f64 {
+        if self.router_gathered {
+            self.weights_gathered_again(self.router())
+        } else {
+            0.0
+        }
     }
 
     /// `bytes` of weights ZeRO-3 (which shards them over their replicas) gathers again for a
@@ -892,6 +965,9 @@ impl<'a> StageShape<'a> {
 
     /// The same of a routed expert, which ZeRO splits over dp and cp only (ep splits the experts).
     fn expert_two_step_gather_share(&self) -> f64 {
+        if !self.experts_scattered() {
+            return 0.0;
+        }
         self.two_step_gather_share_over(&[AxisName::Dp, AxisName::Cp])
     }
 
@@ -919,6 +995,16 @@ impl<'a> StageShape<'a> {
     fn mlp_backward_modelled(&self) -> bool {
         self.model.experts.is_none() && !self.scattered && self.tsp == 1 && self.recompute() != Recompute::Full
     }
+}
+
+/// A rank's block of one of a layer's attention projections under tsp (its share of the heads,
+/// over the axis's owners), which each owner's turn broadcasts.
+#[derive(Clone, Copy)]
+pub(super) enum TspBlock {
+    Q,
+    K,
+    V,
+    O,
 }
 
 /// A point of a tsp attention backward, which takes the owners last first, where o's weight
