@@ -248,8 +248,9 @@ pub(super) fn down_and_up_gradients_scattered(shape: &StageShape, chunk: &Chunk)
 /// projections' are done. Beside dp (or cp) the gate's input gradient comes first, the norm
 /// output's gradients summed, and its weight gradient last, the norm output and gate's output
 /// gradient freed before it is all-reduced: its unreduced copy is live beside the reduced one.
-/// (Not under ZeRO-2 and 3, which scatter it; under tsp, whose ring makes the MLP's gradients; or
-/// under full recomputation, which recomputes the MLP.)
+/// (Not under ZeRO-2 and 3, which scatter it, or under tsp, whose ring makes the MLP's gradients;
+/// under full recomputation the attention's activations are not recomputed yet, and the MLP's
+/// recomputed buffers are those a kept MLP holds here.)
 pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
     let mlp = if shape.reduced {
@@ -265,7 +266,7 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
             Term { name: "first layer's output gradient", bytes: stream },
         ]
     };
-    shape.mlp_backward_modelled().then(|| Candidate {
+    shape.first_layer_mlp_backward_modelled().then(|| Candidate {
         name: "first layer's gate gradient joins its sum",
         so_far: chunk.grads - (shape.attention_weights + 2.0 * shape.norm) * element - chunk.table,
         held: before_attention(shape, chunk, mlp),
@@ -279,10 +280,10 @@ pub(super) fn gate_joining(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
 /// may peak as its first layer's MLP norm output's gradients from gate and up are summed: the
 /// layer's attention activations, MLP norm output, gate's output gradient and output gradient
 /// live, of its gradients the down and up projections' done (up's unreduced copy and output
-/// gradient freed). (Not under ZeRO-2 and 3, tsp or full recomputation, as [`gate_joining`].)
+/// gradient freed). (Not under ZeRO-2 and 3 or tsp, as [`gate_joining`].)
 pub(super) fn mlp_norm_gradients_summed(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    (shape.reduced && shape.mlp_backward_modelled()).then(|| {
+    (shape.reduced && shape.first_layer_mlp_backward_modelled()).then(|| {
         let mlp = [
             Term { name: "first layer's MLP norm output", bytes: gathered },
             Term { name: "first layer's gate output gradient", bytes: local_tokens * ffn * element },

@@ -19,9 +19,10 @@
 //! micro-batch has freed its layers' activations but for its first layer's input and gradients. The
 //! candidates are each backward's tail (the in-flight count and the sums differ); the peak is the
 //! largest. On somewhat more tokens a dense stage peaks inside its first layer's MLP backward, as
-//! the gate projection's weight gradient joins its sum (modelled without tsp, ZeRO-2 and 3 or full
-//! recomputation, and beside dp or cp without tp; under ZeRO-2 and 3, as gate's input gradient is
-//! made before it, under ZeRO-3 beside gate's weight gathered again), or inside its attention
+//! the gate projection's weight gradient joins its sum (modelled without tsp or ZeRO-2 and 3, and
+//! beside dp or cp without tp, under full recomputation too; under ZeRO-2 and 3, as gate's input
+//! gradient is made before it, under ZeRO-3 beside gate's weight gathered again), or inside its
+//! attention
 //! backward, as the attention kernel makes v's gradient beside q's and k's (every token's under cp,
 //! recomputed under full recomputation, where a chunk of more than one layer may peak so in its
 //! last layer's too, the layers below holding their residual stream; not under tsp), then as the
@@ -989,11 +990,19 @@ impl<'a> StageShape<'a> {
         self.zero_bubble && self.stage == 0 && self.recompute() == Recompute::None
     }
 
-    /// Whether a dense stage's MLP backward points are modelled: not under ZeRO-2 and 3, which
-    /// scatter each gradient; under tsp, whose ring makes the MLP's gradients; or under full
-    /// recomputation, which recomputes the MLP.
+    /// Whether the points of a dense stage's first layer's MLP backward where gate's gradient joins
+    /// its sum are modelled: not under ZeRO-2 and 3, which scatter each gradient, or under tsp,
+    /// whose ring makes the MLP's gradients. (Under full recomputation the MLP recomputed for it
+    /// holds the same buffers there as a kept one, and the attention is not recomputed yet.)
+    fn first_layer_mlp_backward_modelled(&self) -> bool {
+        self.model.experts.is_none() && !self.scattered && self.tsp == 1
+    }
+
+    /// Whether a dense stage's last layer's MLP backward points, at the head of a backward, are
+    /// modelled: as [`Self::first_layer_mlp_backward_modelled`], but not under full
+    /// recomputation, which recomputes the MLP there beside the head's buffers.
     fn mlp_backward_modelled(&self) -> bool {
-        self.model.experts.is_none() && !self.scattered && self.tsp == 1 && self.recompute() != Recompute::Full
+        self.first_layer_mlp_backward_modelled() && self.recompute() != Recompute::Full
     }
 }
 
