@@ -1416,6 +1416,9 @@ fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
     // a rank whole too) and cp=4; at tsp=2 × dp=2 the router's 6 rows split, the experts' 3 a
     // rank do not (at tsp=2 × dp=4 neither, nor k's and v's); `tiny-moe`'s 8 experts at dp=16, or
     // their 4 a rank at ep=2 × dp=8 (where the router splits and k and v split over ep alone).
+    // At dp=2 × ep=2 dp splits the router's 6 rows to 3, which ep does not divide: it is
+    // reduce-scattered over dp, then all-reduced over ep, its shard dp's (the experts' 3 a rank
+    // whole); at dp=2 × cp=2 the experts' 6 rows too, split over dp alone.
     // Beside whole expert gradients, points that a sharded stage never peaks at become its peak:
     // in zero bubble's forward as the last layer's v projection runs beside its gathered weight
     // (under full recomputation), and beside tp under SP as the experts' gradients are made
@@ -1440,8 +1443,10 @@ fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
     // each, 55,296, beside tsp (3 experts a rank) the same at dp=4, and 12,288 each at dp=2,
     // 36,864; k's and v's 2·16·128 = 4,096 keep 3,072 each. `tiny-moe` at ep=2 × dp=8: three
     // 4·64·128 = 32,768 keep 28,672 each, 86,016, and k's and v's 4·16·128 = 8,192, split over
-    // ep alone, 4,096 − 512 = 3,584 each.
-    let cases: [(StageCase, f64); 8] = [
+    // ep alone, 4,096 − 512 = 3,584 each. Six experts at dp=2 × ep=2 (or cp=2): the router's
+    // 768/2 − 768/4 = 192 more, and the experts' three 3·64·128 = 24,576 whole (or 6·64·128 split
+    // over dp alone) 12,288 more each, 36,864.
+    let cases: [(StageCase, f64); 10] = [
         ((&six, "pp=2,dp=4", one_f_one_b, 4, 2, none, false, 32), 111_168.0),
         ((&six_without_the_loss, "pp=2,dp=4", zero_bubble, 4, 3, full, false, 256), 111_168.0),
         ((&six, "pp=2,dp=4,tp=2", one_f_one_b, 4, 3, none, true, 256), 62_016.0),
@@ -1450,6 +1455,8 @@ fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
         ((&six_shared, "pp=2,cp=4", interleaved, 4, 3, full, false, 64), 111_168.0),
         ((&mixture, "pp=2,ep=2,dp=8", zero_bubble, 4, 3, selective, false, 64), 93_184.0),
         ((&mixture, "pp=2,dp=16", gpipe, 4, 2, none, false, 32), 0.0),
+        ((&six, "pp=2,dp=2,ep=2", zero_bubble, 4, 3, selective, false, 64), 37_056.0),
+        ((&six_shared, "pp=2,dp=2,cp=2", one_f_one_b, 4, 3, full, false, 32), 37_056.0),
     ];
     let names = exact_with_params_kept_whole(&cases);
     for name in [
@@ -1457,6 +1464,7 @@ fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
         "the last layer's v projection in a forward",
         "the last layer's expert gradients made, before their all-reduce",
         "first layer's o gradient reduced to this rank, the first owner",
+        "first layer's expert gradients made beside their weights gathered again",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }
@@ -1702,8 +1710,10 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
     //   output (and under ZeRO-3 its router) is freed once the experts have run, not kept for
     //   them (3.9% above as the MLP's output is reduce-scattered under SP, 3.3% beside a shared
     //   expert's scaled output);
-    // - beside tp alone that mixture's router gradient, made before the experts', is all-reduced
-    //   after them, its sum not made as theirs join (4 KB above);
+    // - beside tp (or over ep) that mixture's router gradient, made before the experts' (or with
+    //   them), is reduced after them, its sum not made as theirs join (4 KB above); over ep under
+    //   SP its experts' input gradient is reduce-scattered over tp, not all-reduced (2.4% above,
+    //   counting the output gradient gathered, freed by then);
     // - under tsp with ZeRO-3 the first owner's attention kernel counted the attention norm
     //   output's gradient, first made of that owner's k and v parts after it (128 B above the
     //   peak, where ZeRO keeps the experts whole at dp=8).
@@ -1725,8 +1735,11 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
     };
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
-    let cases: [StageCase; 5] = [
+    let six_plain = without_the_loss(&mixture, 6);
+    let cases: [StageCase; 7] = [
         (&odd_heads, "pp=2,dp=2", one_f_one_b, 4, 1, full, false, 32),
+        (&plain, "pp=2,ep=2,tp=2", gpipe, 4, 0, none, true, 256),
+        (&six_plain, "pp=2,ep=2,tp=2", gpipe, 4, 3, selective, true, 256),
         (&plain, "pp=2,dp=4,tp=4", zero_bubble, 4, 2, full, true, 128),
         (&shared_plain, "pp=2,tp=4", zero_bubble, 4, 0, full, true, 256),
         (&plain, "pp=2,tp=2", gpipe, 4, 0, none, true, 256),
@@ -1737,6 +1750,7 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
         "the last layer's routed experts in a forward",
         "the last layer's shared expert's output scaled in a forward",
         "first layer's expert gradient joins its sum",
+        "the last layer's expert gradient joins its sum",
     ];
     assert_exact_peaking_at(&cases, &points);
 }
@@ -2837,12 +2851,13 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     let schedule = Schedule::build(one_f_one_b, 2, 4).unwrap();
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
-    // Nor has ZeRO-2 or 3 where a mixture's router or experts split over some of their replicas
-    // but not all (six experts at dp=2 × ep=2: dp splits the router's 6 rows to 3, which ep does
-    // not divide; at dp=2 × cp=2 the experts' too). Where ZeRO keeps them whole (8 experts at
-    // dp=16) they are counted apart, as q's, k's and v's are (4 and 2 rows a rank at tp=2 or
-    // tsp=2, kept whole at dp=8), and where no parameter's rows divide (at dp=3) the programs are
-    // ZeRO-1's.
+    // Nor has ZeRO-2 or 3 where the rows of a parameter but q, k, v and a mixture's router and
+    // experts do not divide over dp and another's do (at dp=256 `tiny`'s 256 vocabulary rows
+    // split, its hidden size's 128 do not). q's, k's and v's (4 and 2 rows a rank at tp=2 or
+    // tsp=2, kept whole at dp=8) and a mixture's router and experts (whole with 8 experts at
+    // dp=16; the router split over dp alone with six at dp=2 × ep=2, the experts too at
+    // dp=2 × cp=2) are counted apart, and where no parameter's rows divide (at dp=3) the programs
+    // are ZeRO-1's.
     let schedule = Schedule::build(one_f_one_b, 2, 1).unwrap();
     let mixture_config = &four_layer_mixtures()[0];
     let mixture = ModelShape::from_config(mixture_config);
@@ -2851,8 +2866,9 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
         ..mixture_config.clone()
     });
     for (model, mesh, modelled) in [
-        (&six_experts, "pp=2,dp=2,ep=2", false),
-        (&six_experts, "pp=2,dp=2,cp=2", false),
+        (&model, "pp=2,dp=256", false),
+        (&six_experts, "pp=2,dp=2,ep=2", true),
+        (&six_experts, "pp=2,dp=2,cp=2", true),
         (&six_experts, "pp=2,dp=4", true),
         (&mixture, "pp=2,dp=16", true),
         (&model, "pp=2,dp=8,tsp=2", true),

@@ -234,6 +234,12 @@ impl ZeroRows {
         self.routed_experts.first().map(|param| self.row_split(param))
     }
 
+    /// The replicas ZeRO splits a layer's routed experts on a rank over (`None` for a dense
+    /// model).
+    pub fn routed_experts_replicas(&self) -> Option<u64> {
+        self.routed_experts.first().map(|param| self.replicas(&param.dims, param.expert))
+    }
+
     fn row_split(&self, param: &RankParam) -> RowSplit {
         match self.replicas(&param.dims, param.expert) {
             1 => RowSplit::Whole,

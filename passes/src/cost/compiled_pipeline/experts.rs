@@ -254,7 +254,7 @@ pub(super) fn made_before_scattered(
     }
     let so_far = made_before + shape.layer_mlp_gradient_shards() - not_yet_among_the_gradients(shape)
         + router_among_them
-        - router_among_them / shape.shards;
+        - shape.router_shard(router_among_them);
     Some(Candidate { sum_pending: router_among_them, ..Candidate::made(name, so_far, held) })
 }
 
@@ -345,6 +345,14 @@ pub(super) fn input_gradient_reduced(
     // gradients, whole, and the router's from them before the all-reduce.)
     let over_ep = shape.dispatched();
     if shape.tp == 1 || (over_ep && (shape.experts_reduced || shape.experts_scattered())) {
+        return None;
+    }
+    // (Over ep under SP without the load-balancing loss, whose input gradient it would be summed
+    // with whole, the experts' input gradient is reduce-scattered over tp instead, after their
+    // and the router's gradients joined their sums and the output gradient was freed: less than
+    // the dispatch held.)
+    let load_balancing_loss = shape.model.experts.as_ref().is_some_and(|experts| experts.load_balancing_loss);
+    if over_ep && shape.sequence_parallel() && !load_balancing_loss {
         return None;
     }
     let (mut held, mut so_far) = routed_experts_operands(shape, context, made_before)?;
@@ -475,7 +483,7 @@ pub(super) fn router_gradients_summed(
 /// [`made_before_scattered`]): under ZeRO-2 and 3 the three experts' shards (each held
 /// whole) and under ZeRO-3 the router's too; under dp the two waiting unreduced.
 pub(super) fn not_yet_among_the_gradients(shape: &StageShape) -> f64 {
-    let router = router_gradient_whole(shape).map_or(0.0, |term| term.bytes) / shape.shards;
+    let router = shape.router_shard(router_gradient_whole(shape).map_or(0.0, |term| term.bytes));
     if shape.experts_scattered() {
         3.0 * expert_matrix(shape) / shape.expert_shards + router
     } else {
@@ -502,7 +510,7 @@ fn expert_matrix(shape: &StageShape) -> f64 {
 
 /// Over ep beside the load-balancing loss, the router's gradient from the experts' backward, made
 /// with the experts' and summed with its gradient from the loss only after them, or without the
-/// loss beside tp alone, all-reduced after them: its running sum is made then (bytes; else 0).
+/// loss beside tp or over ep, reduced after them: its running sum is made then (bytes; else 0).
 /// Under ZeRO-3 it is held whole apart ([`router_gradient_whole`]), none of it among the
 /// micro-batch's gradients (0 here).
 fn router_sum_pending(shape: &StageShape) -> f64 {
@@ -515,10 +523,14 @@ fn router_sum_pending(shape: &StageShape) -> f64 {
         {
             shape.router()
         }
-        // (Without the loss, beside tp alone, the router's gradient, made before the experts',
-        // is all-reduced over tp after them, and joins its sum then.)
+        // (Without the loss, beside tp or over ep without replicas, the router's gradient, made
+        // before the experts' or with them, is reduced over those after them, and joins its sum
+        // then.)
         Some(experts)
-            if !shape.dispatched() && shape.tp > 1 && !experts.load_balancing_loss && !shape.experts_reduced =>
+            if (shape.tp > 1 || shape.dispatched())
+                && !experts.load_balancing_loss
+                && !shape.experts_reduced
+                && router_gradient_whole(shape).is_none() =>
         {
             shape.router()
         }
@@ -531,5 +543,5 @@ fn router_sum_pending(shape: &StageShape) -> f64 {
 /// join their sums, it is among the micro-batch's gradients whole.
 pub(super) fn router_whole_beyond_its_shard(shape: &StageShape) -> f64 {
     let pending = router_sum_pending(shape);
-    pending - pending / shape.shards
+    pending - shape.router_shard(pending)
 }

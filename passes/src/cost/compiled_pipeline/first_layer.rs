@@ -815,8 +815,8 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         let not_yet = not_yet + unreduced;
         made_point = Some(Candidate {
             name,
-            so_far: made_in_b - not_yet + router - router / shape.shards,
-            sum_pending: not_yet + router / shape.shards,
+            so_far: made_in_b - not_yet + router - shape.router_shard(router),
+            sum_pending: not_yet + shape.router_shard(router),
             ..made
         });
     }

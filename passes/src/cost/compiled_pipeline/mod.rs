@@ -352,7 +352,7 @@
 //! divide over them (every gradient all-reduced and kept whole, no weight gathered: ZeRO-1's
 //! programs, as at dp=3 on `tiny`), or
 //! where every parameter's rows divide over them but perhaps q's, k's and v's, or a mixture's
-//! router's and routed experts' (each split over all its replicas or none of them; the sums and
+//! router's and routed experts' (split over some of their replicas or none of them; the sums and
 //! gradients are their shards, each gradient is reduce-scattered and staged whole, and the stage's
 //! other candidates are inside its first layer's backward, or W, as the gate gradient is scattered
 //! (but under tsp, whose ring makes the MLP's gradients) and, on a chunk of two layers or more,
@@ -365,8 +365,10 @@
 //! wherever tp or tsp leaves fewer heads a rank than dp's degree; where it keeps the router or
 //! the routed experts whole, as Mixtral's 8 experts at dp=16, their gradients are all-reduced
 //! and join their sums whole, as beside dp without ZeRO, so that a stage may peak as the experts'
-//! three are made before their all-reduces, and the sums and gradients count them whole rather
-//! than name them apart); ZeRO-3 as ZeRO-2 with the
+//! three are made before their all-reduces, and where it splits them over fewer replicas (six
+//! experts' router at dp=2 × ep=2 over dp alone, reduce-scattered over it and all-reduced over
+//! ep) their shards are those replicas'; the sums and gradients count them as held rather than
+//! name them apart); ZeRO-3 as ZeRO-2 with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
 //! other candidates are inside that layer's backward, as its down and output projections'
@@ -555,24 +557,22 @@ fn modelled(
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps q's, k's and v's (`super::zero_rows`: at dp=4 × tp=2 k and
         // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart) and a
-        // mixture's router's and experts' (six experts at dp=4), or where no parameter's do
-        // (ZeRO-1's programs); without replicas they split nothing.
+        // mixture's router's and experts' (six experts at dp=4 whole, at dp=2 × ep=2 the router
+        // over dp alone), or where no parameter's do (ZeRO-1's programs); without replicas they
+        // split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
             || ((workload.zero == 2 || workload.zero == 3) && only_projections_or_mixture_kept_whole(model, zero_rows))
             || !zero_rows.splits_any())
 }
 
-/// Whether ZeRO keeps whole (beyond the closed form's shards) no parameter of the ranks
-/// (`zero_rows`) but perhaps q's, k's and v's, and a mixture's router and routed experts where it
-/// splits each over all of its replicas or none.
+/// Whether ZeRO keeps whole, or splits over fewer replicas (beyond the closed form's shards), no
+/// parameter of the ranks (`zero_rows`) but perhaps q's, k's and v's, and a mixture's router's
+/// and routed experts'.
 fn only_projections_or_mixture_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
     let projections = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias() + zero_rows.beyond_key_values();
     let mixture = zero_rows.beyond_router() + zero_rows.beyond_routed_experts();
-    let split_all_or_none = |split: Option<RowSplit>| split != Some(RowSplit::Partly);
     zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * (projections + mixture)
-        && split_all_or_none(zero_rows.router_split())
-        && split_all_or_none(zero_rows.routed_experts_split())
 }
 
 /// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
@@ -614,7 +614,8 @@ struct StageShape<'a> {
     scattered: bool,
     shards: f64,
     /// A routed expert's gradients are sharded over its own replicas, dp × cp (ep splits the
-    /// experts): `expert_shards` of them (1 where ZeRO does not shard them).
+    /// experts), or those its rows divide over: `expert_shards` of them (1 where ZeRO does not
+    /// shard them).
     expert_shards: f64,
     /// The bytes of a layer's k and v projections, of q's weight and of q's bias that ZeRO-2 and 3
     /// hold beyond their shards, where the rows do not divide over the replicas (of their
@@ -627,8 +628,8 @@ struct StageShape<'a> {
     query_gathered: bool,
     /// The bytes of a layer's router ZeRO-2 and 3 hold beyond its shard, where its `E` rows do not
     /// divide over the replicas (its gradient; under ZeRO-3 its weight too), and whether ZeRO-3
-    /// gathers it (else it keeps it whole). (Where a rank's routed experts do not divide, ZeRO
-    /// keeps them whole too: `expert_shards` is 1.)
+    /// gathers it (else it keeps it whole). (A rank's routed experts are held over the replicas
+    /// their rows divide over, `expert_shards`: 1 where none does.)
     router_kept_whole: f64,
     router_gathered: bool,
     /// A mixture of experts' load-balancing loss: each layer's expert counts and router
@@ -683,10 +684,10 @@ impl<'a> StageShape<'a> {
             experts_reduced: dp > 1 || cp > 1 || (tsp > 1 && ep > 1),
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
-            expert_shards: if scattered && zero_rows.routed_experts_split() != Some(RowSplit::Whole) {
-                layout.expert_zero_replicas() as f64
-            } else {
-                1.0
+            expert_shards: match zero_rows.routed_experts_replicas() {
+                Some(replicas) if scattered => replicas as f64,
+                None if scattered => layout.expert_zero_replicas() as f64,
+                _ => 1.0,
             },
             key_values_kept_whole: kept_whole(zero_rows.beyond_key_values()),
             query_weight_kept_whole: kept_whole(zero_rows.beyond_query_weight()),
@@ -694,7 +695,7 @@ impl<'a> StageShape<'a> {
             key_values_gathered: zero_rows.splits_key_values(),
             query_gathered: zero_rows.splits_query(),
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
-            router_gathered: zero_rows.router_split() == Some(RowSplit::Full),
+            router_gathered: zero_rows.router_split().is_some_and(|split| split != RowSplit::Whole),
             statistics: sizes.statistics,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
@@ -715,13 +716,14 @@ impl<'a> StageShape<'a> {
         self.layer_kept_whole() + self.router_kept_whole + self.routed_experts_kept_whole()
     }
 
-    /// The bytes of one layer's routed experts on the rank that ZeRO-2 and 3 keep whole beyond
-    /// their shards (0 where they divide over their replicas, or there are none).
+    /// The bytes of one layer's routed experts on the rank that ZeRO-2 and 3 hold beyond their
+    /// shards, whole or split over fewer replicas (0 where they divide over all, or there are
+    /// none).
     fn routed_experts_kept_whole(&self) -> f64 {
         let replicas = self.layout.expert_zero_replicas() as f64;
-        if self.scattered && !self.experts_scattered() && replicas > 1.0 {
+        if self.scattered {
             let routed = self.layer_routed_experts();
-            routed - routed / replicas
+            routed / self.expert_shards - routed / replicas
         } else {
             0.0
         }
@@ -888,7 +890,8 @@ impl<'a> StageShape<'a> {
         self.layout.expert_degree() > 1
     }
 
-    /// Whether ZeRO-2 and 3 shard the routed experts' gradients (over dp × cp: not over ep alone).
+    /// Whether ZeRO-2 and 3 shard the routed experts' gradients (over dp × cp, or those of them
+    /// their rows divide over: not over ep alone, nor where none divides).
     fn experts_scattered(&self) -> bool {
         self.expert_shards > 1.0
     }
@@ -937,6 +940,17 @@ impl<'a> StageShape<'a> {
         self.sharded(self.layer_mlp_gradients(), self.layer_routed_experts()) + self.router_kept_whole
     }
 
+    /// Of `router` bytes of a layer's router gradient (the router's, or 0), what the rank holds
+    /// once it is reduce-scattered: its shard, and what ZeRO keeps beyond it where its rows split
+    /// over fewer replicas.
+    fn router_shard(&self, router: f64) -> f64 {
+        if router > 0.0 {
+            router / self.shards + self.router_kept_whole
+        } else {
+            0.0
+        }
+    }
+
     /// The bytes of a layer's router ZeRO-3 gathers again: none where it keeps it whole.
     fn router_gathered_again(&self) -> f64 {
         if self.router_gathered {
@@ -966,7 +980,7 @@ impl<'a> StageShape<'a> {
 
     /// The same of a routed expert, which ZeRO splits over dp and cp only (ep splits the experts).
     fn expert_two_step_gather_share(&self) -> f64 {
-        if !self.experts_scattered() {
+        if self.expert_shards < self.layout.expert_zero_replicas() as f64 {
             return 0.0;
         }
         self.two_step_gather_share_over(&[AxisName::Dp, AxisName::Cp])
