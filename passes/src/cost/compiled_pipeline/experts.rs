@@ -82,7 +82,7 @@ pub(super) fn experts_points(shape: &StageShape, place: Place, context: &[Term],
     // (Where the experts' gradients are all-reduced, the point where they are made may tie with
     // their joining: listed after it, the peak keeps the joining's name.)
     let made = made_before_scattered(shape, place, context, made_before);
-    let (made_first, made_last) = if unreduced_as_made(shape) > 0.0 { (None, made) } else { (made, None) };
+    let (made_first, made_last) = if unreduced_beyond_waiting(shape) > 0.0 { (None, made) } else { (made, None) };
     points.extend(made_first);
     if let Some(joining) = joining(shape, place, context, made_before) {
         let summed = summed(shape, names.summed, &joining);
@@ -261,7 +261,7 @@ pub(super) fn made_before_scattered(
 /// Of the routed experts' gradients, those [`made_before_scattered`] holds unreduced beyond
 /// [`not_yet_among_the_gradients`] where they are all-reduced ([`made_before_reduced`]): the
 /// first, whose reduction [`joining`] counts (bytes; else 0).
-pub(super) fn unreduced_as_made(shape: &StageShape) -> f64 {
+pub(super) fn unreduced_beyond_waiting(shape: &StageShape) -> f64 {
     let all_reduced = shape.experts_reduced && !shape.experts_scattered() && router_gradient_whole(shape).is_none();
     if all_reduced && !shape.dispatched() {
         expert_matrix(shape)

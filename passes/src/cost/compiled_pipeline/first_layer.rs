@@ -798,7 +798,7 @@ pub(super) fn in_b(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     }
     // (On the micro-batch's first B of the chunk the sums of those not yet made do not exist.)
     let not_yet = experts::not_yet_among_the_gradients(shape);
-    let unreduced = experts::unreduced_as_made(shape);
+    let unreduced = experts::unreduced_beyond_waiting(shape);
     let mut made_point = None;
     if let Some(mut made) = experts::made_before_scattered(shape, Place::FirstLayer, &context, 0.0) {
         made.held.extend(for_w_past_shared.iter().cloned());

@@ -978,7 +978,8 @@ impl<'a> StageShape<'a> {
         self.two_step_gather_share_over(&[AxisName::Dp, AxisName::Cp, AxisName::Ep])
     }
 
-    /// The same of a routed expert, which ZeRO splits over dp and cp only (ep splits the experts).
+    /// The same of a routed expert, which ZeRO splits over dp and cp only (ep splits the experts):
+    /// none where their rows split over one of them or neither (gathered in one step or none).
     fn expert_two_step_gather_share(&self) -> f64 {
         if self.expert_shards < self.layout.expert_zero_replicas() as f64 {
             return 0.0;
