@@ -1713,7 +1713,9 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
     // - beside tp (or over ep) that mixture's router gradient, made before the experts' (or with
     //   them), is reduced after them, its sum not made as theirs join (4 KB above); over ep under
     //   SP its experts' input gradient is reduce-scattered over tp, not all-reduced (2.4% above,
-    //   counting the output gradient gathered, freed by then);
+    //   counting the output gradient gathered, freed by then); and beside a shared expert, the
+    //   experts' input gradient joining the shared expert's (in place of the loss's router input
+    //   gradient) was no point (4% below);
     // - under tsp with ZeRO-3 the first owner's attention kernel counted the attention norm
     //   output's gradient, first made of that owner's k and v parts after it (128 B above the
     //   peak, where ZeRO keeps the experts whole at dp=8).
@@ -1736,8 +1738,9 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
     let six_plain = without_the_loss(&mixture, 6);
-    let cases: [StageCase; 7] = [
+    let cases: [StageCase; 8] = [
         (&odd_heads, "pp=2,dp=2", one_f_one_b, 4, 1, full, false, 32),
+        (&shared_plain, "pp=2,ep=2,tp=2", ScheduleKind::Interleaved { chunks: 2 }, 4, 3, selective, true, 256),
         (&plain, "pp=2,ep=2,tp=2", gpipe, 4, 0, none, true, 256),
         (&six_plain, "pp=2,ep=2,tp=2", gpipe, 4, 3, selective, true, 256),
         (&plain, "pp=2,dp=4,tp=4", zero_bubble, 4, 2, full, true, 128),
@@ -1751,6 +1754,7 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
         "the last layer's shared expert's output scaled in a forward",
         "first layer's expert gradient joins its sum",
         "the last layer's expert gradient joins its sum",
+        "first layer's MLP norm output's gradients summed",
     ];
     assert_exact_peaking_at(&cases, &points);
 }

@@ -135,6 +135,9 @@ pub(super) fn joining(shape: &StageShape, place: Place, context: &[Term], made_b
     // the experts' are.)
     if shape.dispatched() && experts.load_balancing_loss && !reduced {
         held.push(load_balancing_gradients(shape));
+    } else if shape.dispatched() && experts.shared_expert && !reduced {
+        // (Without the loss, the shared expert's input gradients, which the experts' joins next.)
+        held.push(Term { name: SHARED_EXPERT_INPUT_GRADIENTS, bytes: shape.sizes.gathered });
     }
     // Under ZeRO-2 the router's gradient's shard has joined its sum (under ZeRO-3 the router's
     // gradient is scattered after the experts', whole until then); the joining one's is written
@@ -311,12 +314,14 @@ pub(super) fn router_whole_as_experts_are_made(shape: &StageShape) -> f64 {
 }
 
 /// Over ep beside the load-balancing loss, next as the MLP norm output's gradients from the router
-/// (made before the experts' backward) and from the experts are summed: every buffer of the
-/// experts' `joining` point is live, and the sum beside them. (Not beside dp or cp, which reduce
-/// the experts' gradients first.)
+/// (made before the experts' backward) and from the experts are summed (without the loss, beside
+/// a shared expert, from the shared expert and the experts): every buffer of the experts'
+/// `joining` point is live, and the sum beside them. (Not beside dp or cp, which reduce the
+/// experts' gradients first.)
 pub(super) fn summed(shape: &StageShape, name: &'static str, joining: &Candidate) -> Option<Candidate> {
     let experts = shape.model.experts.as_ref()?;
-    if !shape.dispatched() || !experts.load_balancing_loss || shape.experts_reduced {
+    let summed_with = experts.load_balancing_loss || experts.shared_expert;
+    if !shape.dispatched() || !summed_with || shape.experts_reduced {
         return None;
     }
     let mut held = joining.held.clone();
@@ -407,7 +412,7 @@ fn routed_experts_operands(shape: &StageShape, context: &[Term], made_before: f6
     if experts.shared_expert {
         so_far += shared_expert_gradients(shape);
         if !experts.load_balancing_loss {
-            held.push(Term { name: "the shared expert's input gradients, summed", bytes: shape.sizes.gathered });
+            held.push(Term { name: SHARED_EXPERT_INPUT_GRADIENTS, bytes: shape.sizes.gathered });
         }
     }
     if experts.load_balancing_loss {
@@ -416,6 +421,10 @@ fn routed_experts_operands(shape: &StageShape, context: &[Term], made_before: f6
     held.extend(weights_gathered_again(shape));
     Some((held, so_far))
 }
+
+/// A shared expert's input gradients, summed: without the load-balancing loss, what the routed
+/// experts' input gradient joins.
+const SHARED_EXPERT_INPUT_GRADIENTS: &str = "the shared expert's input gradients, summed";
 
 /// The router's input and weight gradients from the load-balancing loss (the rank's tokens').
 fn load_balancing_gradients(shape: &StageShape) -> Term {
