@@ -888,6 +888,20 @@ fn closed_form_plus_named_terms_equals_the_planners_training_peak_inside_a_mixtu
 
 /// `tiny-moe` with a Qwen2-MoE shared expert of `width` channels, with or without its
 /// load-balancing loss.
+/// `config` with `experts` routed experts a layer, with or without the load-balancing loss.
+fn with_routed_experts(
+    config: &pleat_ir::model::config::ModelConfig,
+    experts: u64,
+    load_balancing_loss: bool,
+) -> pleat_ir::model::config::ModelConfig {
+    let moe = config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig {
+        num_experts: experts,
+        output_router_logits: load_balancing_loss,
+        ..moe
+    });
+    pleat_ir::model::config::ModelConfig { moe, ..config.clone() }
+}
+
 fn with_a_shared_expert(width: u64, load_balancing_loss: bool) -> pleat_ir::model::config::ModelConfig {
     let config = preset("tiny-moe").unwrap();
     pleat_ir::model::config::ModelConfig {
@@ -1424,16 +1438,11 @@ fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
     // (under full recomputation), and beside tp under SP as the experts' gradients are made
     // before their all-reduce.
     let [mixture, shared] = four_layer_mixtures();
-    let six_experts = |config: &pleat_ir::model::config::ModelConfig, load_balancing_loss: bool| {
-        let moe = config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig {
-            num_experts: 6,
-            output_router_logits: load_balancing_loss,
-            ..moe
-        });
-        pleat_ir::model::config::ModelConfig { moe, ..config.clone() }
-    };
-    let (six, six_without_the_loss, six_shared) =
-        (six_experts(&mixture, true), six_experts(&mixture, false), six_experts(&shared, true));
+    let (six, six_without_the_loss, six_shared) = (
+        with_routed_experts(&mixture, 6, true),
+        with_routed_experts(&mixture, 6, false),
+        with_routed_experts(&shared, 6, true),
+    );
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
     let (zero_bubble, interleaved) = (ScheduleKind::ZeroBubbleH1, ScheduleKind::Interleaved { chunks: 2 });
@@ -1721,23 +1730,12 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
     //   peak, where ZeRO keeps the experts whole at dp=8).
     let odd_heads = pleat_ir::model::config::ModelConfig { num_heads: 6, num_kv_heads: 1, ..four_layers() };
     let [mixture, _] = four_layer_mixtures();
-    let without_the_loss = |config: &pleat_ir::model::config::ModelConfig, experts: u64| {
-        let moe = config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig {
-            num_experts: experts,
-            output_router_logits: false,
-            ..moe
-        });
-        pleat_ir::model::config::ModelConfig { moe, ..config.clone() }
-    };
-    let plain = without_the_loss(&mixture, 8);
+    let plain = with_routed_experts(&mixture, 8, false);
     let shared_plain = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, false) };
-    let six_experts = pleat_ir::model::config::ModelConfig {
-        moe: mixture.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { num_experts: 6, ..moe }),
-        ..mixture.clone()
-    };
+    let six_experts = with_routed_experts(&mixture, 6, true);
     let (none, selective, full) = (Recompute::None, Recompute::Selective, Recompute::Full);
     let (one_f_one_b, gpipe, zero_bubble) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZeroBubbleH1);
-    let six_plain = without_the_loss(&mixture, 6);
+    let six_plain = with_routed_experts(&mixture, 6, false);
     let cases: [StageCase; 8] = [
         (&odd_heads, "pp=2,dp=2", one_f_one_b, 4, 1, full, false, 32),
         (&shared_plain, "pp=2,ep=2,tp=2", ScheduleKind::Interleaved { chunks: 2 }, 4, 3, selective, true, 256),
@@ -2865,10 +2863,7 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     let schedule = Schedule::build(one_f_one_b, 2, 1).unwrap();
     let mixture_config = &four_layer_mixtures()[0];
     let mixture = ModelShape::from_config(mixture_config);
-    let six_experts = ModelShape::from_config(&pleat_ir::model::config::ModelConfig {
-        moe: mixture_config.moe.clone().map(|moe| pleat_ir::model::config::MoeConfig { num_experts: 6, ..moe }),
-        ..mixture_config.clone()
-    });
+    let six_experts = ModelShape::from_config(&with_routed_experts(mixture_config, 6, true));
     for (model, mesh, modelled) in [
         (&model, "pp=2,dp=256", false),
         (&six_experts, "pp=2,dp=2,ep=2", true),
