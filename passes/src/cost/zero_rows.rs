@@ -24,17 +24,6 @@ use super::activation::kv_split;
 use super::layout::Layout;
 use super::model::ModelShape;
 
-/// How ZeRO splits a parameter's rows over the replicas the closed form divides it by.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RowSplit {
-    /// Over every one of them: the closed form's shard.
-    Full,
-    /// Over some of them (the others do not divide the rows left).
-    Partly,
-    /// Over none: every replica holds it whole.
-    Whole,
-}
-
 /// A parameter tensor a rank holds: its local dims (after the layout's own splits), how many
 /// such tensors (a LayerNorm's scale and bias), and whether it is a routed expert's.
 #[derive(Clone)]
@@ -222,30 +211,16 @@ impl ZeroRows {
         self.beyond(&self.routed_experts)
     }
 
-    /// How ZeRO splits a layer's router: over all its replicas, none of them, or some (`None`
+    /// The replicas ZeRO splits a layer's router over, all of the closed form's, some or none
+    /// (`None` for a dense model).
+    pub fn router_replicas(&self) -> Option<u64> {
+        self.router.as_ref().map(|param| self.replicas(&param.dims, param.expert))
+    }
+
+    /// The replicas ZeRO splits a layer's routed experts on a rank over (all three alike; `None`
     /// for a dense model).
-    pub fn router_split(&self) -> Option<RowSplit> {
-        self.router.as_ref().map(|param| self.row_split(param))
-    }
-
-    /// How ZeRO splits a layer's routed experts on a rank (all three alike; `None` for a dense
-    /// model).
-    pub fn routed_experts_split(&self) -> Option<RowSplit> {
-        self.routed_experts.first().map(|param| self.row_split(param))
-    }
-
-    /// The replicas ZeRO splits a layer's routed experts on a rank over (`None` for a dense
-    /// model).
     pub fn routed_experts_replicas(&self) -> Option<u64> {
         self.routed_experts.first().map(|param| self.replicas(&param.dims, param.expert))
-    }
-
-    fn row_split(&self, param: &RankParam) -> RowSplit {
-        match self.replicas(&param.dims, param.expert) {
-            1 => RowSplit::Whole,
-            replicas if replicas == self.closed_form_replicas(param.expert) => RowSplit::Full,
-            _ => RowSplit::Partly,
-        }
     }
 
     /// The elements of one layer's k and v projections (and their biases) that a rank holds
@@ -399,40 +374,28 @@ mod tests {
         // both stay whole: the router's 6·128 = 768 elements keep 768 − 192 = 576 beyond its
         // shard, each expert matrix's 6·64·128 = 49,152 keeps 36,864, three of them 110,592.
         let at_dp4 = rows(&six_experts, &[(AxisName::Dp, 4)]);
-        assert_eq!(
-            (at_dp4.router_split(), at_dp4.routed_experts_split()),
-            (Some(RowSplit::Whole), Some(RowSplit::Whole))
-        );
+        assert_eq!((at_dp4.router_replicas(), at_dp4.routed_experts_replicas()), (Some(1), Some(1)));
         assert_eq!((at_dp4.beyond_router(), at_dp4.beyond_routed_experts()), (576.0, 110_592.0));
         assert_eq!(at_dp4.beyond_shards_past_attention(), 576.0 + 110_592.0);
         // At tsp=2 × dp=2 the router's 6 rows split to 3, but the experts' 3 a rank (tsp places
         // them) do not: 3·64·128 = 24,576 a matrix keeps 12,288, 36,864 the three.
         let beside_tsp = rows(&six_experts, &[(AxisName::Tsp, 2), (AxisName::Dp, 2)]);
-        assert_eq!(
-            (beside_tsp.router_split(), beside_tsp.routed_experts_split()),
-            (Some(RowSplit::Full), Some(RowSplit::Whole))
-        );
+        assert_eq!((beside_tsp.router_replicas(), beside_tsp.routed_experts_replicas()), (Some(2), Some(1)));
         assert_eq!((beside_tsp.beyond_router(), beside_tsp.beyond_routed_experts()), (0.0, 36_864.0));
         // At dp=2 × ep=2 dp splits the router's 6 rows to 3, which ep does not divide: split over
         // some of its replicas (768/2 − 768/4 = 192 beyond); the experts' 3 a rank (ep splits
         // them) do not divide over dp, their only replicas: whole.
         let beside_ep = rows(&six_experts, &[(AxisName::Dp, 2), (AxisName::Ep, 2)]);
-        assert_eq!(
-            (beside_ep.router_split(), beside_ep.routed_experts_split()),
-            (Some(RowSplit::Partly), Some(RowSplit::Whole))
-        );
+        assert_eq!((beside_ep.router_replicas(), beside_ep.routed_experts_replicas()), (Some(2), Some(1)));
         assert_eq!(beside_ep.beyond_router(), 192.0);
         // tiny-moe's 8 experts at dp=8 × ep=2: the router's 8 rows split over dp to 1, then on
         // hidden over ep, all its replicas; the experts' 4 a rank stay whole (4·64·128 = 32,768 a
         // matrix keeps 28,672). A dense model has neither.
         let tiny_moe = shape("tiny-moe");
         let wide_dp = rows(&tiny_moe, &[(AxisName::Dp, 8), (AxisName::Ep, 2)]);
-        assert_eq!(
-            (wide_dp.router_split(), wide_dp.routed_experts_split()),
-            (Some(RowSplit::Full), Some(RowSplit::Whole))
-        );
+        assert_eq!((wide_dp.router_replicas(), wide_dp.routed_experts_replicas()), (Some(16), Some(1)));
         assert_eq!(wide_dp.beyond_routed_experts(), 3.0 * 28_672.0);
         let dense = rows(&shape("tiny"), &[(AxisName::Dp, 4)]);
-        assert_eq!((dense.router_split(), dense.routed_experts_split()), (None, None));
+        assert_eq!((dense.router_replicas(), dense.routed_experts_replicas()), (None, None));
     }
 }

@@ -419,7 +419,7 @@ use super::memory::{MemoryBreakdown, Term};
 use super::model::ModelShape;
 use super::step_sizes::StepSizes;
 use super::workload::{Recompute, Workload};
-use super::zero_rows::{RowSplit, ZeroRows};
+use super::zero_rows::ZeroRows;
 use crate::pipeline::{Schedule, ScheduleKind};
 use chunk::{ChunkHold, KeptWholePending};
 
@@ -684,10 +684,10 @@ impl<'a> StageShape<'a> {
             experts_reduced: dp > 1 || cp > 1 || (tsp > 1 && ep > 1),
             scattered,
             shards: if scattered { replicas as f64 } else { 1.0 },
-            expert_shards: match zero_rows.routed_experts_replicas() {
-                Some(replicas) if scattered => replicas as f64,
-                None if scattered => layout.expert_zero_replicas() as f64,
-                _ => 1.0,
+            expert_shards: if scattered {
+                zero_rows.routed_experts_replicas().unwrap_or(layout.expert_zero_replicas()) as f64
+            } else {
+                1.0
             },
             key_values_kept_whole: kept_whole(zero_rows.beyond_key_values()),
             query_weight_kept_whole: kept_whole(zero_rows.beyond_query_weight()),
@@ -695,7 +695,7 @@ impl<'a> StageShape<'a> {
             key_values_gathered: zero_rows.splits_key_values(),
             query_gathered: zero_rows.splits_query(),
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
-            router_gathered: zero_rows.router_split().is_some_and(|split| split != RowSplit::Whole),
+            router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             statistics: sizes.statistics,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
