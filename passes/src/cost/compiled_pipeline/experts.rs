@@ -284,7 +284,7 @@ fn made_before_reduced(
     context: &[Term],
     made_before: f64,
 ) -> Option<Candidate> {
-    if !shape.experts_reduced {
+    if unreduced_beyond_waiting(shape) == 0.0 {
         return None;
     }
     let matrix = expert_matrix(shape);
