@@ -223,6 +223,23 @@ impl ZeroRows {
         self.routed_experts.first().map(|param| self.replicas(&param.dims, param.expert))
     }
 
+    /// The elements of a vocabulary table a rank holds (the embedding's, and an untied LM head's,
+    /// of the same rows) beyond the closed form's ZeRO shard.
+    pub fn beyond_vocabulary_table(&self) -> f64 {
+        self.beyond([&self.embedding])
+    }
+
+    /// The replicas ZeRO splits the vocabulary tables over, all of the closed form's, some or none
+    /// (1: it keeps them whole, and ZeRO-3 does not gather them).
+    pub fn vocabulary_table_replicas(&self) -> u64 {
+        self.replicas(&self.embedding.dims, false)
+    }
+
+    /// The elements of the final norm that a rank holds beyond the closed form's ZeRO shards.
+    pub fn beyond_final_norm(&self) -> f64 {
+        self.beyond(&self.head[..1])
+    }
+
     /// The elements of one layer's k and v projections (and their biases) that a rank holds
     /// beyond the closed form's ZeRO shards.
     pub fn beyond_key_values(&self) -> f64 {
@@ -360,6 +377,28 @@ mod tests {
             assert!(!ZeroRows::new(&moe, &layout).splits_any(), "dp={degree}");
         }
         assert!(ZeroRows::new(&tiny, &Layout::new(&[(AxisName::Dp, 2)], false)).splits_any());
+    }
+
+    #[test]
+    fn vocabulary_tables_split_over_all_their_replicas_some_or_none() {
+        // 250 vocabulary rows: dp=4 does not divide them, so both tables stay whole, 250·128 =
+        // 32,000 elements a table against 8,000, 24,000 beyond; at dp=2 × cp=2 dp splits them to
+        // 125, which cp does not divide: 16,000 against 8,000. tiny's 256 split over both; its
+        // final norm's 128 rows divide everywhere here.
+        let odd = ModelShape::from_config(&pleat_ir::model::config::ModelConfig {
+            vocab_size: 250,
+            ..preset("tiny").unwrap()
+        });
+        let rows = |model: &ModelShape, axes: &[(AxisName, u64)]| ZeroRows::new(model, &Layout::new(axes, false));
+        let at_dp4 = rows(&odd, &[(AxisName::Dp, 4)]);
+        assert_eq!((at_dp4.vocabulary_table_replicas(), at_dp4.beyond_vocabulary_table()), (1, 24_000.0));
+        assert_eq!(at_dp4.beyond_final_norm(), 0.0);
+        // Both tables and nothing else beyond (the embedding and the untied head).
+        assert_eq!(at_dp4.beyond_shards(2, true, true), 2.0 * 24_000.0);
+        let beside_cp = rows(&odd, &[(AxisName::Dp, 2), (AxisName::Cp, 2)]);
+        assert_eq!((beside_cp.vocabulary_table_replicas(), beside_cp.beyond_vocabulary_table()), (2, 8_000.0));
+        let tiny = rows(&shape("tiny"), &[(AxisName::Dp, 2), (AxisName::Cp, 2)]);
+        assert_eq!((tiny.vocabulary_table_replicas(), tiny.beyond_vocabulary_table()), (4, 0.0));
     }
 
     #[test]

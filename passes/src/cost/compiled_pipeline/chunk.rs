@@ -22,6 +22,9 @@ pub(super) struct ChunkHold {
     /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' q, k and
     /// v where their rows do not divide): the sum and the micro-batch's gradient of each.
     pub grads_kept_whole: f64,
+    /// Of those, its vocabulary table's (the embedding's on the first chunk, an untied LM head's
+    /// on the last).
+    pub table_kept_whole: f64,
     /// A micro-batch in flight on it.
     pub in_flight: f64,
     /// What a micro-batch keeps of it after its backward there, until its backward on the stage
@@ -66,15 +69,18 @@ pub(super) struct Candidate {
 }
 
 /// Of the gradients ZeRO keeps whole beyond their shards (a layer's k and v, q's weight and q's
-/// bias, where their rows do not divide over the replicas), those a micro-batch has not made at a
-/// point, in layers of the chunk: at the head of its backward every layer's; inside a layer's
-/// backward that layer's until its attention backward makes v's, then k's (and q's bias), then
-/// q's weight (`StageShape::kept_whole_pending`).
+/// bias, where their rows do not divide over the replicas, and the chunk's vocabulary table, the
+/// embedding's on the first chunk, an untied LM head's on the last), those a micro-batch has not
+/// made at a point, in layers of the chunk (and tables): at the head of its backward every
+/// layer's; inside a layer's backward that layer's until its attention backward makes v's, then
+/// k's (and q's bias), then q's weight (`StageShape::kept_whole_pending`); the embedding's until
+/// the tail of the first chunk's backward, the LM head's until it is made and reduced.
 #[derive(Clone, Copy)]
 pub(super) struct KeptWholePending {
     pub key_values: f64,
     pub query_weights: f64,
     pub query_biases: f64,
+    pub table: f64,
 }
 
 impl KeptWholePending {
@@ -83,14 +89,16 @@ impl KeptWholePending {
     /// All of one layer's: inside its backward, before its attention's weight gradients.
     pub const LAYER: KeptWholePending = KeptWholePending::layers(1);
     /// One layer's k and q gradients: v's made (k's and v's each half of the two's).
-    pub const K_AND_Q: KeptWholePending = KeptWholePending { key_values: 0.5, query_weights: 1.0, query_biases: 1.0 };
+    pub const K_AND_Q: KeptWholePending =
+        KeptWholePending { key_values: 0.5, query_weights: 1.0, query_biases: 1.0, table: 0.0 };
     /// One layer's q weight gradient: k's, v's and q's bias's made.
-    pub const Q_WEIGHT: KeptWholePending = KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 0.0 };
+    pub const Q_WEIGHT: KeptWholePending =
+        KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 0.0, table: 0.0 };
 
     /// All of `layers` layers'.
     pub const fn layers(layers: u64) -> KeptWholePending {
         let layers = layers as f64;
-        KeptWholePending { key_values: layers, query_weights: layers, query_biases: layers }
+        KeptWholePending { key_values: layers, query_weights: layers, query_biases: layers, table: 0.0 }
     }
 
     /// These and all of `layers` more layers' (the layers below the one a point lies in).
@@ -100,7 +108,18 @@ impl KeptWholePending {
             key_values: self.key_values + more.key_values,
             query_weights: self.query_weights + more.query_weights,
             query_biases: self.query_biases + more.query_biases,
+            table: self.table,
         }
+    }
+
+    /// All of `layers` layers', and the table's where these hold it.
+    pub fn all_layers(self, layers: u64) -> KeptWholePending {
+        KeptWholePending { table: self.table, ..KeptWholePending::layers(layers) }
+    }
+
+    /// These and the chunk's vocabulary table's.
+    pub fn and_table(self) -> KeptWholePending {
+        KeptWholePending { table: 1.0, ..self }
     }
 }
 
@@ -205,7 +224,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     // (At the head of W no layer's q, k and v weight gradients are made yet.)
     let head_of_w = zero_bubble::head_of_w(shape, &chunk, &between_b_and_w);
     backward
-        .extend(head_of_w.into_iter().map(|point| Candidate { pending: KeptWholePending::layers(layers), ..point }));
+        .extend(head_of_w.into_iter().map(|point| Candidate { pending: point.pending.all_layers(layers), ..point }));
     // (Under zero bubble the experts' gradients join their sums in B, not at a W; and the head of
     // a backward is a B's.)
     if !shape.zero_bubble {
@@ -215,6 +234,7 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::mlp_norm_gradients_summed(shape, &chunk));
         backward.extend(first_layer::attention_norm_gradient(shape, &chunk));
         backward.extend(first_layer::attention_backward(shape, &chunk));
+        backward.extend(first_layer::o_gradient_scattered(shape, &chunk));
         backward.extend(head::last_layer_attention_backward(shape, &chunk));
         backward.extend(first_layer::first_layer_attention_input_gradients(shape, &chunk));
         backward.extend(first_layer::recomputed_mlp_backward(shape, &chunk));
@@ -235,6 +255,13 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     if shape.tied && last && shape.reduced && shape.sizes.vocab_split > 1.0 {
         backward.push(head_part_reduced(shape, &chunk, w_reads.clone()));
     }
+    // On the first chunk the embedding's gradient is made at the tail of the backward, the last
+    // gradient: before it, where ZeRO keeps it whole, every point holds only its running sum.
+    if first && shape.table_kept_whole > 0.0 {
+        for candidate in backward.iter_mut().filter(|candidate| ![TAIL, SHARD_ALL_REDUCED].contains(&candidate.name)) {
+            candidate.pending = candidate.pending.and_table();
+        }
+    }
     // What stays after the chunk's backward until the micro-batch's backward ends on the stage:
     // the buffers whose last reader is another rank (the output sent on, the input's gradient
     // sent back and the attention norm's input gradient summed into it) or an output.
@@ -248,7 +275,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         params,
         received_table,
         grads,
-        grads_kept_whole: layers as f64 * shape.layer_kept_whole(),
+        grads_kept_whole: layers as f64 * shape.layer_kept_whole() + shape.chunk_table_kept_whole(first, last),
+        table_kept_whole: shape.chunk_table_kept_whole(first, last),
         in_flight: chunk.in_flight,
         remains: remains.iter().map(|term| term.bytes).sum(),
         between_b_and_w,
@@ -477,8 +505,24 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     // On a chunk but the first the joining gradient is q's: where ZeRO keeps it whole it is
     // all-reduced in place, as beside dp alone, and joins its sum whole (on the micro-batch's first
     // backward of the chunk the sum is its copy).
-    let joins_whole = !chunk.first && scattered && !shape.query_gathered;
+    // The same on the first chunk of the embedding's, where ZeRO keeps the table whole.
+    let joins_whole = scattered && if chunk.first { !shape.tables_gathered } else { !shape.query_gathered };
     let joining_scattered = scattered && !joins_whole;
+    // Where ZeRO splits the joining gradient's rows over some of its replicas but not all (the
+    // embedding's or q's over dp, not cp or ep), the reduce-scatter's shard is then all-reduced
+    // over the rest and joins its sum: the shard and its reduced copy live, the whole freed (and
+    // the micro-batch's gradient made only then).
+    let beyond_shard = if chunk.first { shape.table_kept_whole } else { shape.query_weight_kept_whole };
+    let split_over_some = joining_scattered && beyond_shard > 0.0;
+    let all_reduced_after = split_over_some.then(|| {
+        let mut held = held.clone();
+        held.push(Term {
+            name: "the joining gradient's shard before its all-reduce over the other replicas",
+            bytes: joining / shards + beyond_shard,
+        });
+        held.extend(w_reads.clone());
+        held
+    });
     if joining_scattered {
         held.push(Term { name: "the joining gradient before its dp reduce-scatter", bytes: joining });
     } else if reduced {
@@ -533,14 +577,21 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     let (joining, grads_so_far) = (joining / shards, grads_so_far / shards);
     let before_joining = grads_so_far - joining;
     let mut candidates = vec![Candidate {
-        name: "tail of a backward",
+        name: TAIL,
         so_far: if joining_scattered { before_joining } else { before_joining + joining },
         held,
         new_sum: (!joining_scattered)
             .then_some(Term { name: "the joining gradient's new sum beside the old", bytes: new_sum }),
-        pending: KeptWholePending::NONE,
+        pending: match (split_over_some, chunk.first) {
+            (true, true) => KeptWholePending::NONE.and_table(),
+            (true, false) => KeptWholePending::Q_WEIGHT,
+            (false, _) => KeptWholePending::NONE,
+        },
         sum_pending: 0.0,
     }];
+    if let Some(held) = all_reduced_after {
+        candidates.push(Candidate::joining(SHARD_ALL_REDUCED, before_joining + joining, held, joining + beyond_shard));
+    }
     if let Some(held) = parts_summed {
         candidates.push(Candidate::made(
             "the embedding's and the head's parts of the tied table's gradient summed",
@@ -571,6 +622,13 @@ fn tail(shape: &StageShape, chunk: &Chunk, w_reads: Option<Term>) -> Vec<Candida
     }
     candidates
 }
+
+/// The name of the tail of a backward ([`tail`]'s first point).
+const TAIL: &str = "tail of a backward";
+
+/// The name of [`tail`]'s point where the joining gradient (the embedding's or q's), split over
+/// some of its replicas, is all-reduced over the rest.
+const SHARD_ALL_REDUCED: &str = "the joining gradient's shard all-reduced over the other replicas";
 
 /// Beside dp × tp, at the end of the last chunk's backward, as the head's part of a tied table's
 /// gradient is reduced over dp to be sent back: every gradient of the chunk made and summed, its

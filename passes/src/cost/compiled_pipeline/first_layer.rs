@@ -353,10 +353,30 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<
 /// first and the last still holds a mixture's summed expert counts it received. (Not under tsp,
 /// whose attention backward differs.)
 pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, stream, gathered, kv_kept, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, hidden, query, kv_kept, .. } = shape.sizes;
     if shape.tsp > 1 {
         return None;
     }
+    let mut held = attention_backward_inputs(shape, chunk);
+    held.push(Term {
+        name: "first layer's attention q, k and v gradients",
+        bytes: (local_tokens * query + kv_kept) * element,
+    });
+    held.extend(attention_weights_regathered(shape));
+    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
+    Some(Candidate::before_first_attention(
+        "first layer's attention backward",
+        chunk.grads - not_made / shape.shards,
+        held,
+    ))
+}
+
+/// What the micro-batch holds in its first layer's attention backward, past the MLP's, beside what
+/// the backward makes: the chunk's inputs and what its end keeps (and the received expert counts
+/// where still live), the attention residual's gradient, the attention norm's output, q, k and v
+/// (every token's k and v under cp) and the attention output's gradient.
+fn attention_backward_inputs(shape: &StageShape, chunk: &Chunk) -> Vec<Term> {
+    let StepSizes { element, local_tokens, query, stream, gathered, kv_kept, .. } = shape.sizes;
     let mut held = chunk.first_layer_held.clone();
     held.extend(received_counts(shape, chunk, false));
     held.extend([
@@ -364,15 +384,33 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         Term { name: "first layer's attention norm output", bytes: gathered },
         Term { name: "first layer's q, k and v after RoPE", bytes: (local_tokens * query + kv_kept) * element },
         Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
-        Term {
-            name: "first layer's attention q, k and v gradients",
-            bytes: (local_tokens * query + kv_kept) * element,
-        },
     ]);
-    held.extend(attention_weights_regathered(shape));
-    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
+    held
+}
+
+/// Under ZeRO-2 and 3 a chunk may peak inside its first layer's attention backward as the output
+/// projection's weight gradient is reduce-scattered, staged whole (over dp then ep or cp, a step
+/// an axis; the first step's is the larger): the layer's MLP backward done (a mixture's experts'
+/// gradients made, whose all-reduce left no copy), its attention residual's gradient, its
+/// attention norm output and q, k and v (every token's k and v under cp) live beside the
+/// attention output's gradient (o's input gradient, made before it), the attention output freed
+/// (under selective recomputation recomputed for it, under SP its gathered output gradient too).
+/// (Outside full recomputation, which [`regathered`] covers under ZeRO-3, zero bubble, whose W
+/// makes it, and tsp.)
+pub(super) fn o_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
+    let StepSizes { element, hidden, query, .. } = shape.sizes;
+    if !shape.scattered || shape.recompute() == Recompute::Full || shape.zero_bubble || shape.tsp > 1 {
+        return None;
+    }
+    let output_projection = hidden * query * element;
+    let mut held = attention_backward_inputs(shape, chunk);
+    held.extend([
+        Term { name: "first layer's o gradient before its dp reduce-scatter", bytes: output_projection },
+        Term { name: "its reduce-scatter's staging", bytes: output_projection },
+    ]);
+    let not_made = (shape.attention_weights + shape.norm) * element + chunk.table;
     Some(Candidate::before_first_attention(
-        "first layer's attention backward",
+        "first layer's o gradient reduce-scattered",
         chunk.grads - not_made / shape.shards,
         held,
     ))

@@ -409,8 +409,8 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// under SP freed by then), before the logits. `kept`: what the micro-batch holds in flight
 /// before the head.
 fn head_weight_gathered(shape: &StageShape, chunk: &Chunk, kept: f64) -> Option<Candidate> {
-    let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
-    let head = shape.weights_gathered_again(vocab_shard * hidden * element);
+    let gathered = shape.sizes.gathered;
+    let head = shape.table_gathered_again();
     if head == 0.0 {
         return None;
     }
@@ -459,8 +459,8 @@ fn loss_row_statistics_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Can
 /// between their B and W, the forwarded one holding only its token ids (under cp its own too) and
 /// positions. (Without tsp, whose embedding is [`tsp_embedding_scattered`].)
 fn embedding_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, vocab_shard, hidden, ids, .. } = shape.sizes;
-    let table = shape.weights_gathered_again(vocab_shard * hidden * element);
+    let StepSizes { local_tokens, ids, .. } = shape.sizes;
+    let table = shape.table_gathered_again();
     if !chunk.first || table == 0.0 {
         return None;
     }
@@ -509,10 +509,9 @@ fn logits_gathered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
         // (Under full recomputation beside the final norm's output, whole, not kept: under SP its
         // input gathered over tp is freed by then; under ZeRO-3 beside the LM head's weight,
         // gathered over dp for it.)
-        let head = shape.sizes.vocab_shard * shape.sizes.hidden * element;
         held.extend([
             Term { name: "the final norm's output, not kept", bytes: if full { shape.sizes.gathered } else { 0.0 } },
-            Term { name: "the LM head's weight, gathered", bytes: shape.weights_gathered_again(head) },
+            Term { name: "the LM head's weight, gathered", bytes: shape.table_gathered_again() },
         ]);
         return Some(Candidate::made("every token's logits made in a forward", 0.0, held));
     }

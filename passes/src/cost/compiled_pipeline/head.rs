@@ -17,9 +17,10 @@ use super::{tsp_ring, Place, StageShape};
 /// layer's MLP backward on either ([`mixture_head`]).
 pub(super) fn head_of_backward(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let mut candidates = if chunk.last { last_chunk(shape, chunk) } else { other_chunk(shape, chunk) };
-    // (No layer's q, k and v gradients are made yet.)
+    // (No layer's q, k and v gradients are made yet; the points before the LM head's gradient
+    // say so of the table's themselves.)
     for candidate in &mut candidates {
-        candidate.pending = KeptWholePending::layers(chunk.layers);
+        candidate.pending = candidate.pending.all_layers(chunk.layers);
     }
     candidates
 }
@@ -90,8 +91,12 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let head_sum = shape.head_gradient_summed();
     // (By the loss's backward a mixture's two losses are summed into one.)
     let summed = shape.load_balancing_loss();
-    let mut candidates = vec![loss_backward(shape, chunk)];
-    candidates.extend(table_gathered_for_the_head(shape, chunk));
+    // (Where ZeRO keeps the LM head whole, the points before its gradient is reduced have made
+    // none of it.)
+    let before_the_head_gradient =
+        |candidate: Candidate| Candidate { pending: candidate.pending.and_table(), ..candidate };
+    let mut candidates = vec![before_the_head_gradient(loss_backward(shape, chunk))];
+    candidates.extend(table_gathered_for_the_head(shape, chunk).map(before_the_head_gradient));
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it; under full recomputation the final norm's output
     // recomputed for it, and its input gathered again under SP. (Beside dp, which
@@ -192,9 +197,10 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 bytes: shape.sizes.final_norm_buffers() + regathered_norm,
             });
         }
-        candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held));
+        candidates.push(before_the_head_gradient(Candidate::made("the LM head's weight gradient", 0.0, held)));
     }
-    if shape.tsp == 1 && !shape.scattered && shape.reduced && head_part.is_none() {
+    // (Under ZeRO-2 and 3 too where they keep the head whole: it is all-reduced, as beside dp.)
+    if shape.tsp == 1 && !shape.head_gradient_scattered() && shape.reduced && head_part.is_none() {
         // First as the LM head's weight gradient joins its sum: the logits' gradient and the
         // final norm's output (the head's input; recomputed for it under full recomputation)
         // freed before it was all-reduced, the head's input gradient and the unreduced copy
@@ -205,7 +211,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         let targets = if shape.sizes.token_split > 1 { shape.sizes.ids } else { 0.0 };
         candidates.push(Candidate {
             name: "the LM head's weight gradient joins its sum",
-            so_far: weight_gradient,
+            so_far: weight_gradient / shape.shards,
             held: vec![
                 Term { name: "its positions", bytes: chunk.positions },
                 Term {
@@ -608,7 +614,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
 /// SP from its input gathered over tp again, under ZeRO-3 with its weight gathered again.)
 fn head_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
     let StepSizes { element, vocab_shard, hidden, gathered, .. } = shape.sizes;
-    if !(chunk.last && shape.scattered) {
+    if !(chunk.last && shape.scattered && (shape.tied || shape.head_gradient_scattered())) {
         return None;
     }
     let full = shape.recompute() == Recompute::Full;
@@ -638,7 +644,10 @@ fn head_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
         ]);
         "the LM head's weight gradient reduce-scattered"
     };
-    Some(Candidate::made(name, 0.0, held))
+    // (Where ZeRO splits the head over some of its replicas, it is all-reduced over the rest
+    // after: none of it made yet.)
+    let made = Candidate::made(name, 0.0, held);
+    Some(if shape.tied { made } else { Candidate { pending: made.pending.and_table(), ..made } })
 }
 
 /// The head of a mixture's backward on a chunk (under full recomputation beside the MLP norm's
@@ -970,9 +979,11 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         made.push(head_part);
         return vec![Candidate::made("the LM head's part of the tied table's gradient is made", 0.0, made)];
     }
+    // (Where ZeRO keeps the head whole its shard is among the gradients made, the rest kept
+    // whole.)
     let joining = |held| Candidate {
         name: "the LM head's weight gradient joins its sum",
-        so_far: weight_gradient,
+        so_far: weight_gradient / shape.shards,
         held,
         new_sum: Some(Term { name: "the joining head gradient's new sum beside the old", bytes: weight_gradient }),
         pending: KeptWholePending::NONE,
@@ -996,13 +1007,16 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
         head_input_gradient,
     ];
     reduced.extend(final_norm_weight_regathered(shape));
-    let mut candidates = vec![Candidate::made("the LM head's weight gradient, before its dp reduction", 0.0, made)];
-    if shape.scattered {
+    // (None of it made where ZeRO keeps it whole, or splits it over some replicas.)
+    let not_made = |point: Candidate| Candidate { pending: point.pending.and_table(), ..point };
+    let made = Candidate::made("the LM head's weight gradient, before its dp reduction", 0.0, made);
+    let mut candidates = vec![not_made(made)];
+    if shape.head_gradient_scattered() {
         // Under ZeRO-2 and 3 it is reduce-scattered, staged whole; its shard is written where the
         // staging was, and joins its sum after.
         let mut held = reduced;
         held.push(Term { name: "its reduce-scatter's staging", bytes: weight_gradient });
-        candidates.push(Candidate::made("the LM head's weight gradient reduce-scattered", 0.0, held));
+        candidates.push(not_made(Candidate::made("the LM head's weight gradient reduce-scattered", 0.0, held)));
     } else {
         candidates.push(joining(reduced));
     }

@@ -351,8 +351,9 @@
 //! both (whose ranks hold the same weights), with or without tp (±SP), where no parameter's rows
 //! divide over them (every gradient all-reduced and kept whole, no weight gathered: ZeRO-1's
 //! programs, as at dp=3 on `tiny`), or
-//! where every parameter's rows divide over them but perhaps q's, k's and v's, or a mixture's
-//! router's and routed experts' (split over some of their replicas or none of them; the sums and
+//! where every parameter's rows divide over them but perhaps q's, k's and v's, a mixture's
+//! router's and routed experts', or the vocabulary tables' (split over some of their replicas or
+//! none of them; the sums and
 //! gradients are their shards, each gradient is reduce-scattered and staged whole, and the stage's
 //! other candidates are inside its first layer's backward, or W, as the gate gradient is scattered
 //! (but under tsp, whose ring makes the MLP's gradients) and, on a chunk of two layers or more,
@@ -368,13 +369,20 @@
 //! three are made before their all-reduces, and where it splits them over fewer replicas (six
 //! experts' router at dp=2 × ep=2 over dp alone, reduce-scattered over it and all-reduced over
 //! ep) their shards are those replicas'; the sums and gradients count them as held rather than
-//! name them apart); ZeRO-3 as ZeRO-2 with the
+//! name them apart); where it keeps the embedding whole (250 rows at dp=4), or an untied LM
+//! head, their gradients are all-reduced and join their sums whole as beside dp alone (the
+//! embedding's at the first chunk's tail, the head's at the last chunk's head, before the
+//! all-reduce none of it made), named apart as q's, k's and v's are, and where it splits them
+//! (or q) over some of their replicas (dp's, not cp's or ep's), the tail reduce-scatters the
+//! joining gradient over those and then all-reduces the shard over the rest; ZeRO-3 as ZeRO-2
+//! with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
 //! other candidates are inside that layer's backward, as its down and output projections'
 //! gradients are scattered beside the weights they were recomputed with, but under zero bubble,
-//! where B regathers them and W reads none; q, k and v, a router and routed experts kept whole
-//! are [`super::compiled_training::PARAMS_KEPT_WHOLE`], never gathered); a Llama-family model,
+//! where B regathers them and W reads none; q, k and v, a router and routed experts, and the
+//! vocabulary tables kept whole are [`super::compiled_training::PARAMS_KEPT_WHOLE`], never
+//! gathered, a tied table received whole by the last stage); a Llama-family model,
 //! dense, or a mixture of experts (with or without a shared expert) with every expert on every
 //! rank or split over ep, beside dp, cp, ep and tp (with SP), any ZeRO stage; its embedding untied, or tied (dense or a mixture; with or without tsp: under tsp the
 //! head's part of the table's gradient joins no sum as it is made, beside dp reduced at the end of
@@ -484,21 +492,37 @@ pub fn compiled_stage_peak(
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
     // Every point holds the q, k and v projections ZeRO-3 keeps whole beyond their shards (where it
     // splits no parameter, all of them: the closed form's shards are the phase's parameters).
-    let received_table = holds.iter().map(|hold| hold.received_table).sum::<f64>() / param_shards;
+    // (Under ZeRO-3 the stage receives the rank's shard of a tied table, over the replicas its rows
+    // split over, and gathers it itself.)
+    let received_whole = holds.iter().map(|hold| hold.received_table).sum::<f64>();
+    let table_replicas = if param_shards > 1.0 { zero_rows.vocabulary_table_replicas() as f64 } else { 1.0 };
+    let received_table = received_whole / table_replicas;
     if kept_whole_zero3 {
         let replicas = (layout.zero_replicas() as f64, layout.expert_zero_replicas() as f64);
         let shards = sharded_over(phase.params, experts, replicas.0, replicas.1);
         phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes: phase.params - shards });
         phase.params = shards;
-    } else if workload.zero >= 3 && shape.layer_params_kept_whole() > 0.0 {
-        let bytes = layers as f64 * shape.layer_params_kept_whole();
-        phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes });
+    } else if workload.zero >= 3 {
+        // (And the chunks' vocabulary tables: the embedding on the first, an untied head on the
+        // last.)
+        let tables: f64 = (0..chunks)
+            .map(|chunk| chunk * schedule.stages + stage)
+            .map(|virtual_stage| shape.chunk_table_kept_whole(virtual_stage == 0, virtual_stage + 1 == virtual_stages))
+            .sum();
+        let bytes = layers as f64 * shape.layer_params_kept_whole() + tables;
+        if bytes > 0.0 {
+            phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes });
+        }
     }
     if received_table > 0.0 {
         // Received in the stage's first forward, held to the end of the step. (Under ZeRO-3 the
-        // rank's dp × cp shard of it, gathered by the stage itself for its head; where ZeRO
-        // splits nothing, whole, the closed form's shard and the rest beyond it.)
-        let shard = if kept_whole_zero3 { received_table / layout.zero_replicas() as f64 } else { received_table };
+        // rank's dp × cp shard of it, gathered by the stage itself for its head; where ZeRO keeps
+        // the table whole, or splits nothing, whole: the closed form's shard and the rest beyond.)
+        let shard = if kept_whole_zero3 || param_shards > 1.0 {
+            received_whole / layout.zero_replicas() as f64
+        } else {
+            received_table
+        };
         phase.terms.push(Term { name: TIED_TABLE_RECEIVED, bytes: shard });
         if received_table > shard {
             phase.terms.push(Term { name: TIED_TABLE_RECEIVED_BEYOND_SHARD, bytes: received_table - shard });
@@ -528,10 +552,11 @@ fn sharded_over(bytes: f64, experts: f64, shards: f64, expert_shards: f64) -> f6
     (bytes - experts) / shards + experts / expert_shards
 }
 
-/// The term naming, where ZeRO-3 splits no parameter, the rest of the tied table the stage holding
-/// the LM head receives whole, beyond the shard of it Megatron's accounting counts.
+/// The term naming, where ZeRO-3 keeps the tied table whole (or splits no parameter), the rest of
+/// it the stage holding the LM head receives whole, beyond the shard of it Megatron's accounting
+/// counts.
 pub const TIED_TABLE_RECEIVED_BEYOND_SHARD: &str =
-    "the received tied embedding table beyond its ZeRO-3 shard (ZeRO splits no parameter here)";
+    "the received tied embedding table beyond its ZeRO-3 shard (ZeRO keeps the table whole here)";
 
 /// Whether [`compiled_stage_peak`] models `model` on `layout` (whose ranks' parameters ZeRO splits
 /// as `zero_rows` says) under `workload` and `schedule` (see the module doc).
@@ -556,23 +581,24 @@ fn modelled(
         && (tsp == 1 || tp * cp == 1)
         // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
         // divide over them but perhaps q's, k's and v's (`super::zero_rows`: at dp=4 × tp=2 k and
-        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart) and a
-        // mixture's router's and experts' (six experts at dp=4 whole, at dp=2 × ep=2 the router
-        // over dp alone), or where no parameter's do (ZeRO-1's programs); without replicas they
-        // split nothing.
+        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart), a mixture's
+        // router's and experts' (six experts at dp=4 whole, at dp=2 × ep=2 the router over dp
+        // alone) and the vocabulary tables' (250 rows at dp=4), or where no parameter's do
+        // (ZeRO-1's programs); without replicas they split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_projections_or_mixture_kept_whole(model, zero_rows))
+            || ((workload.zero == 2 || workload.zero == 3) && only_modelled_params_kept_whole(model, zero_rows))
             || !zero_rows.splits_any())
 }
 
 /// Whether ZeRO keeps whole, or splits over fewer replicas (beyond the closed form's shards), no
-/// parameter of the ranks (`zero_rows`) but perhaps q's, k's and v's, and a mixture's router's
-/// and routed experts'.
-fn only_projections_or_mixture_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
+/// parameter of the ranks (`zero_rows`) but perhaps q's, k's and v's, a mixture's router's and
+/// routed experts', and the vocabulary tables (the embedding and an untied LM head).
+fn only_modelled_params_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
     let projections = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias() + zero_rows.beyond_key_values();
     let mixture = zero_rows.beyond_router() + zero_rows.beyond_routed_experts();
-    zero_rows.beyond_shards(model.layers, true, true) == model.layers as f64 * (projections + mixture)
+    zero_rows.beyond_shards(model.layers, false, false) == model.layers as f64 * (projections + mixture)
+        && zero_rows.beyond_final_norm() == 0.0
 }
 
 /// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
@@ -632,6 +658,12 @@ struct StageShape<'a> {
     /// their rows divide over, `expert_shards`: 1 where none does.)
     router_kept_whole: f64,
     router_gathered: bool,
+    /// The bytes of a vocabulary table (the embedding on the first chunk, an untied LM head on
+    /// the last) ZeRO-2 and 3 hold beyond its shard, where its rows do not divide over the
+    /// replicas (its gradient, all-reduced as beside dp alone; under ZeRO-3 its weight too), and
+    /// whether ZeRO-3 gathers the tables (else it keeps them whole).
+    table_kept_whole: f64,
+    tables_gathered: bool,
     /// A mixture of experts' load-balancing loss: each layer's expert counts and router
     /// probability sums (`[E]` each), sent on to the last stage, which sums them over the layers
     /// (the counts' sum kept for the loss's backward, the loss itself until the backward starts).
@@ -696,6 +728,8 @@ impl<'a> StageShape<'a> {
             query_gathered: zero_rows.splits_query(),
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
+            table_kept_whole: kept_whole(zero_rows.beyond_vocabulary_table()),
+            tables_gathered: zero_rows.vocabulary_table_replicas() > 1,
             statistics: sizes.statistics,
             tied: model.tied_embeddings,
             attention_weights: 2.0 * sizes.hidden * (sizes.query + sizes.kv) + biases,
@@ -729,11 +763,30 @@ impl<'a> StageShape<'a> {
         }
     }
 
-    /// The bytes of the gradients kept whole that a point has not made (`pending`).
-    fn kept_whole_pending(&self, pending: KeptWholePending) -> f64 {
+    /// The bytes of the gradients kept whole that a point of `hold`'s chunk has not made
+    /// (`pending`).
+    fn kept_whole_pending(&self, pending: KeptWholePending, hold: &ChunkHold) -> f64 {
         pending.key_values * self.key_values_kept_whole
             + pending.query_weights * self.query_weight_kept_whole
             + pending.query_biases * self.query_bias_kept_whole
+            + pending.table * hold.table_kept_whole
+    }
+
+    /// The bytes of a chunk's vocabulary table gradient (the embedding's on the first chunk, an
+    /// untied LM head's on the last; under ZeRO-3 its weight too) that ZeRO-2 and 3 keep whole
+    /// beyond its shard.
+    fn chunk_table_kept_whole(&self, first: bool, last: bool) -> f64 {
+        if first || (last && !self.tied) {
+            self.table_kept_whole
+        } else {
+            0.0
+        }
+    }
+
+    /// Whether ZeRO-2 and 3 reduce-scatter the LM head's (untied) weight gradient: else, where
+    /// they keep it whole, it is all-reduced as beside dp alone.
+    fn head_gradient_scattered(&self) -> bool {
+        self.scattered && self.tables_gathered
     }
 
     /// The bytes of a layer's q weight that ZeRO-3 gathers again for a backward's recomputation or
@@ -946,6 +999,17 @@ impl<'a> StageShape<'a> {
     fn router_shard(&self, router: f64) -> f64 {
         if router > 0.0 {
             router / self.shards + self.router_kept_whole
+        } else {
+            0.0
+        }
+    }
+
+    /// The bytes of a vocabulary table (the embedding, the LM head or a tied table) ZeRO-3
+    /// gathers: none where it keeps it whole.
+    fn table_gathered_again(&self) -> f64 {
+        let StepSizes { element, vocab_shard, hidden, .. } = self.sizes;
+        if self.tables_gathered {
+            self.weights_gathered_again(vocab_shard * hidden * element)
         } else {
             0.0
         }

@@ -462,7 +462,7 @@ impl Point<'_> {
                 Term { name: "gradient running sums", bytes: beside.other_sums + current.grads + beside.loss_sum }
             };
             // The gradients kept whole beyond their shards, in the sums and the micro-batches'.
-            let pending = self.shape.kept_whole_pending(candidate.pending);
+            let pending = self.shape.kept_whole_pending(candidate.pending, current);
             let so_far_kept_whole = current.grads_kept_whole - pending;
             let sums_kept_whole = beside.other_sums_kept_whole
                 + if first_backward { so_far_kept_whole } else { current.grads_kept_whole };

@@ -586,7 +586,9 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
     points.extend(later_mlp_joins(true));
     let mut before = held.clone();
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
-    points.push(Candidate::made(names[0], made_in_b, before));
+    // (Where ZeRO keeps the LM head whole, none of it is made before its all-reduce.)
+    let made = Candidate::made(names[0], made_in_b, before);
+    points.push(if lm_head { Candidate { pending: made.pending.and_table(), ..made } } else { made });
     // What made the gradient, freed once it is made: the LM head's logits' gradient (under cp the
     // rank's tokens', which W reads; under tsp every token's) and input (under full recomputation
     // the copy W recomputed), or the last layer's SiLU product (under full recomputation
@@ -610,7 +612,8 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
     }
     // Under ZeRO-2 and 3 a dense stage's gradient (a mixture's LM head's, or a shared expert's) is
     // then reduce-scattered, staged whole, what made it freed.
-    if shape.scattered && (shape.model.experts.is_none() || lm_head || shared_expert) {
+    let scattered = if lm_head { shape.head_gradient_scattered() } else { shape.scattered };
+    if scattered && (shape.model.experts.is_none() || lm_head || shared_expert) {
         let name = if lm_head {
             "the LM head's weight gradient reduce-scattered in W"
         } else {
@@ -633,17 +636,23 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
                 up,
             ));
         }
-        points.push(Candidate::made(name, made_in_b, scattered));
+        // (Where ZeRO splits the LM head over some of its replicas, it is all-reduced over the
+        // rest after: none of it made yet.)
+        let made = Candidate::made(name, made_in_b, scattered);
+        points.push(if lm_head { Candidate { pending: made.pending.and_table(), ..made } } else { made });
     }
     // Beside dp (or cp) the LM head's gradient then joins its sum once all-reduced, its unreduced
     // copy live and what made it (the logits' gradient and the head's input, gathered over the
     // sequence under tsp; under full recomputation the copy W recomputed) freed. (Not under ZeRO-2
     // and 3.)
-    if lm_head && !shape.scattered {
+    // (Under ZeRO-2 and 3 too where they keep the head whole: its shard among the gradients made,
+    // the rest kept whole.)
+    if lm_head && !scattered {
         let mut after = held;
         after.push(Term { name: "the logits' gradient and the head's input, freed", bytes: -head_reads });
         after.push(Term { name: "the gradient before its all-reduce", bytes: gradient });
-        points.push(joining("the LM head's weight gradient joins its sum in W, all-reduced", after));
+        let name = "the LM head's weight gradient joins its sum in W, all-reduced";
+        points.push(Candidate::joining(name, made_in_b + gradient / shape.shards, after, gradient));
     }
     points
 }
