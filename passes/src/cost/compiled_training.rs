@@ -18,9 +18,11 @@
 //!   gradients, which are made before their inputs' gradients);
 //! - a mixture of experts' layer in place of the MLP's points, the first layer's or the last's: **as
 //!   the MLP norm output's gradient is made** (the experts' input gradient, all-reduced over tp,
-//!   beside the router's from the load-balancing loss), **as the experts' last weight gradient is
-//!   made** (under ZeRO-3 beside their weights gathered again), or over ep **as the dispatch's
-//!   backward copies its operands** (it makes all of those gradients at once); **as dp or cp
+//!   beside the router's from the load-balancing loss; without the loss or a shared expert tp
+//!   reduces it only **once the weight gradients are made and reduced**), **as the experts' last
+//!   weight gradient is made** (under ZeRO-3 beside their weights gathered again), or over ep **as
+//!   the dispatch's backward copies its operands** (it makes all of those gradients at once); **as
+//!   dp or cp
 //!   reduces the first expert gradient**, and **as the attention residual's gradient is summed**
 //!   past the MLP norm's backward; a mixture's expert counts summed over the layers are live until
 //!   the first layer's router backward;
@@ -578,7 +580,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     Term { name: "the experts' input gradient", bytes: gathered },
                     Term {
                         name: "the experts' input gradient all-reduced over tp, or summed with the router's or the shared expert's",
-                        bytes: if tp > 1 || experts.load_balancing_loss || shared_expert { gathered } else { 0.0 },
+                        bytes: if experts.load_balancing_loss || shared_expert { gathered } else { 0.0 },
                     },
                 ]);
                 phases.push(ForwardPhase { name: "a mixture's MLP norm output's gradient", params, terms: router });
@@ -605,6 +607,31 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 name: "the kept activations of the layers up to it but its output and MLP norm's output (and its shared expert's)",
                 bytes: kept_to_it - shared_kept - if full { 0.0 } else { gathered },
             };
+            // Without the load-balancing loss or a shared expert, whose gradients it would be
+            // summed with, tp all-reduces the experts' input gradient (under SP reduce-scatters
+            // it, staged whole) only once their and the router's weight gradients are made and
+            // reduced, their weights (gathered again under ZeRO-3) and under SP the gathered
+            // output gradient freed; under ZeRO-3 beside the MLP norm's weight, gathered for its
+            // backward. (Counting it beside the weights was 0.8% above the planner at dp=2 × tp=2
+            // under SP.)
+            if tp > 1 && !experts.load_balancing_loss && !shared_expert {
+                let mut reduced = mixture.clone();
+                reduced.extend([
+                    Term {
+                        name: "its router's and experts' gradients",
+                        bytes: held_dense(&router_dims, router_gradient) + held_experts(routed),
+                    },
+                    Term { name: "the experts' input gradient and its reduction over tp", bytes: 2.0 * gathered },
+                ]);
+                if zero >= 3 {
+                    reduced.push(Term { name: "its MLP norm's weight, gathered for its backward", bytes: norm_weight });
+                }
+                phases.push(ForwardPhase {
+                    name: "a mixture's experts' input gradient reduced over tp",
+                    params,
+                    terms: reduced,
+                });
+            }
             // dp and cp then all-reduce the experts' three gradients one by one, each into a new
             // buffer: the first beside the three.
             if dp > 1 || cp > 1 {
@@ -1712,12 +1739,13 @@ const EXPERT_COUNTS_SUMMED: &str = "the expert counts summed over the layers";
 /// norm's `h`).
 #[derive(Default)]
 struct ZeroSplits {
-    /// A layer's attention and input norm, its MLP and MLP norm, and the head, bytes beyond the
-    /// shards of what is kept whole.
+    /// A layer's attention and input norm, its MLP and MLP norm, and the head (the final norm and
+    /// an untied LM head), bytes beyond the shards of what is kept whole.
     attention: f64,
     mlp: f64,
     head: f64,
-    /// The embedding table's bytes beyond its shard, when it is not tied to the head.
+    /// The embedding table's bytes beyond its shard (tied or not: a tied table's gradient is
+    /// finished only with the embedding's part, at the end of the backward).
     embedding: f64,
     /// ZeRO-3's gathers, whole: a layer's MLP matrices, its q, k and v weights and its o weights
     /// whose rows divide over dp, and a norm's weights when `h` does.
@@ -1791,8 +1819,9 @@ impl ZeroSplits {
             mlp += expert_dims.iter().map(|dims| beyond_as(dims, 1, true)).sum::<f64>();
         }
         let vocab = model.vocab.div_ceil(tsp);
-        let head = beyond(&[vocab, hidden], 1) + beyond(&[hidden], norms);
-        let embedding = if model.tied_embeddings { 0.0 } else { beyond(&[vocab, hidden], 1) };
+        let table = beyond(&[vocab, hidden], 1);
+        let head = if model.tied_embeddings { 0.0 } else { table } + beyond(&[hidden], norms);
+        let embedding = table;
         // The bytes of a parameter of local `dims` (`copies` of them) that ZeRO-3 splits, gathered
         // whole.
         let gathered_as = |dims: &[u64], copies: u64, expert: bool| {

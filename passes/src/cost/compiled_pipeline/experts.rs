@@ -360,13 +360,13 @@ pub(super) fn input_gradient_reduced(
     if over_ep && shape.sequence_parallel() && !load_balancing_loss {
         return None;
     }
-    // (Without the loss or a shared expert, whose gradients it would be summed with, and without
-    // SP, the all-reduce comes after the experts' and the router's weight gradients are made,
-    // reduced and summed, their weights (gathered again under ZeRO-3) and the MLP norm's output
-    // freed, under ZeRO-3 the MLP norm's weight gathered for its backward: counting the experts'
-    // weights there was 1.3% above the planner at dp=2 × tp=4, the router's gradient and weight
-    // 4 KB above over ep.)
-    let weight_gradients_first = !load_balancing_loss && !shape.shared_expert() && !shape.sequence_parallel();
+    // (Without the loss or a shared expert, whose gradients it would be summed with, the
+    // all-reduce (under SP a reduce-scatter, staged whole) comes after the experts' and the
+    // router's weight gradients are made, reduced and summed, their weights (gathered again under
+    // ZeRO-3), the MLP norm's output and under SP the gathered output gradient freed, under ZeRO-3
+    // the MLP norm's weight gathered for its backward: counting the experts' weights there was
+    // 1.3% above the planner at dp=2 × tp=4, the router's gradient and weight 4 KB above over ep.)
+    let weight_gradients_first = !load_balancing_loss && !shape.shared_expert();
     let (mut held, mut so_far) = if weight_gradients_first {
         let mut held = context.to_vec();
         held.extend([
@@ -380,7 +380,7 @@ pub(super) fn input_gradient_reduced(
     } else {
         routed_experts_operands(shape, context, made_before)?
     };
-    if shape.sequence_parallel() {
+    if shape.sequence_parallel() && !weight_gradients_first {
         held.push(Term { name: "the layer's output gradient, all-gathered", bytes: gathered });
     }
     held.push(Term { name: "the routed experts' input gradient and its all-reduce over tp", bytes: 2.0 * gathered });
