@@ -1532,9 +1532,14 @@ fn stages_whose_vocabulary_tables_zero_keeps_whole_equal_the_planners_peak() {
     // Each case's elements a table holds beyond the closed form's shard, by hand: 250·128 =
     // 32,000 whole against 8,000 over 4 replicas, 24,000 beyond; at dp=2 × cp=2 (or ep=2) 16,000
     // over dp alone, 8,000 beyond; 125·128 = 16,000 a rank at dp=2 × tp=2 or tsp=2 × dp=2, against
-    // 8,000, 8,000 beyond. Every layer's parameters divide.
-    let cases: [(StageCase, f64); 10] = [
+    // 8,000, 8,000 beyond (at tsp=2 × dp=4 against 4,000, 12,000). Every layer's parameters
+    // divide.
+    let cases: [(StageCase, f64); 12] = [
         ((&dense, "pp=2,dp=4", one_f_one_b, 4, 3, selective, false, 64), 24_000.0),
+        // (Under tsp with full recomputation, where the last stage peaks as the final norm's
+        // output is gathered again for the head's gradient, none of which is made yet.)
+        ((&dense, "pp=2,tsp=2,dp=4", one_f_one_b, 2, 2, full, false, 1024), 12_000.0),
+        ((&mixture, "pp=2,tsp=2,dp=4", zero_bubble, 2, 2, full, false, 1024), 12_000.0),
         ((&dense, "pp=2,dp=4", zero_bubble, 4, 2, none, false, 256), 24_000.0),
         ((&tied, "pp=2,dp=4", gpipe, 4, 3, full, false, 32), 24_000.0),
         ((&tied, "pp=2,dp=4", zero_bubble, 4, 3, selective, false, 128), 24_000.0),

@@ -137,7 +137,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
-    candidates.extend(tsp_final_norm_regathered(shape, chunk));
+    candidates.extend(tsp_final_norm_regathered(shape, chunk).map(before_the_head_gradient));
     candidates.extend(tsp_last_chunk_ring(shape, chunk));
     candidates.extend(tsp_head_gradient_joining(shape, chunk));
     // Beside a tied table without dp, next as the last layer's down projection's weight gradient

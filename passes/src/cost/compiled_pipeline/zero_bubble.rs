@@ -301,7 +301,10 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
                 name: "the final norm's output, recomputed, and its gathered copy",
                 bytes: stream + recomputed,
             });
-            points.push(Candidate::made("the final norm's output recomputed and gathered in W", made_in_b, gathering));
+            // (Before the LM head's weight gradient: none of it made where ZeRO keeps it whole.)
+            let name = "the final norm's output recomputed and gathered in W";
+            let gathered = Candidate::made(name, made_in_b, gathering);
+            points.push(Candidate { pending: gathered.pending.and_table(), ..gathered });
         }
         held.push(Term { name: "the final norm's output, recomputed", bytes: recomputed });
     }
