@@ -20,7 +20,8 @@ pub(super) struct ChunkHold {
     /// Its gradients: one running sum of each (ZeRO-2 and 3: their shards).
     pub grads: f64,
     /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' q, k and
-    /// v where their rows do not divide): the sum and the micro-batch's gradient of each.
+    /// v, and its vocabulary table, where their rows do not divide): the sum and the
+    /// micro-batch's gradient of each.
     pub grads_kept_whole: f64,
     /// Of those, its vocabulary table's (the embedding's on the first chunk, an untied LM head's
     /// on the last).
@@ -135,6 +136,12 @@ impl Candidate {
     /// those ZeRO keeps whole, the layer's are still to come.
     pub(super) fn before_first_attention(name: &'static str, so_far: f64, held: Vec<Term>) -> Candidate {
         Candidate { pending: KeptWholePending::LAYER, ..Candidate::made(name, so_far, held) }
+    }
+
+    /// The same point, where none of the chunk's vocabulary table's gradient is made yet (where
+    /// ZeRO keeps it whole; see [`KeptWholePending`]).
+    pub(super) fn before_the_table(self) -> Candidate {
+        Candidate { pending: self.pending.and_table(), ..self }
     }
 
     /// A point where a gradient of `joins` bytes joins its sum: `so_far` counts it, and past the

@@ -93,10 +93,8 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     let summed = shape.load_balancing_loss();
     // (Where ZeRO keeps the LM head whole, the points before its gradient is reduced have made
     // none of it.)
-    let before_the_head_gradient =
-        |candidate: Candidate| Candidate { pending: candidate.pending.and_table(), ..candidate };
-    let mut candidates = vec![before_the_head_gradient(loss_backward(shape, chunk))];
-    candidates.extend(table_gathered_for_the_head(shape, chunk).map(before_the_head_gradient));
+    let mut candidates = vec![loss_backward(shape, chunk).before_the_table()];
+    candidates.extend(table_gathered_for_the_head(shape, chunk).map(Candidate::before_the_table));
     // Then, as the LM head's weight gradient joins its sum: the logits freed, their gradient and
     // the head's input gradient beside it; under full recomputation the final norm's output
     // recomputed for it, and its input gathered again under SP. (Beside dp, which
@@ -137,7 +135,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
             sum_pending: 0.0,
         });
     }
-    candidates.extend(tsp_final_norm_regathered(shape, chunk).map(before_the_head_gradient));
+    candidates.extend(tsp_final_norm_regathered(shape, chunk).map(Candidate::before_the_table));
     candidates.extend(tsp_last_chunk_ring(shape, chunk));
     candidates.extend(tsp_head_gradient_joining(shape, chunk));
     // Beside a tied table without dp, next as the last layer's down projection's weight gradient
@@ -197,7 +195,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
                 bytes: shape.sizes.final_norm_buffers() + regathered_norm,
             });
         }
-        candidates.push(before_the_head_gradient(Candidate::made("the LM head's weight gradient", 0.0, held)));
+        candidates.push(Candidate::made("the LM head's weight gradient", 0.0, held).before_the_table());
     }
     // (Under ZeRO-2 and 3 too where they keep the head whole: it is all-reduced, as beside dp.)
     if shape.tsp == 1 && !shape.head_gradient_scattered() && shape.reduced && head_part.is_none() {
@@ -647,7 +645,7 @@ fn head_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<Candidat
     // (Where ZeRO splits the head over some of its replicas, it is all-reduced over the rest
     // after: none of it made yet.)
     let made = Candidate::made(name, 0.0, held);
-    Some(if shape.tied { made } else { Candidate { pending: made.pending.and_table(), ..made } })
+    Some(if shape.tied { made } else { made.before_the_table() })
 }
 
 /// The head of a mixture's backward on a chunk (under full recomputation beside the MLP norm's
@@ -1008,15 +1006,15 @@ fn tsp_head_gradient_joining(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     ];
     reduced.extend(final_norm_weight_regathered(shape));
     // (None of it made where ZeRO keeps it whole, or splits it over some replicas.)
-    let not_made = |point: Candidate| Candidate { pending: point.pending.and_table(), ..point };
     let made = Candidate::made("the LM head's weight gradient, before its dp reduction", 0.0, made);
-    let mut candidates = vec![not_made(made)];
+    let mut candidates = vec![made.before_the_table()];
     if shape.head_gradient_scattered() {
         // Under ZeRO-2 and 3 it is reduce-scattered, staged whole; its shard is written where the
         // staging was, and joins its sum after.
         let mut held = reduced;
         held.push(Term { name: "its reduce-scatter's staging", bytes: weight_gradient });
-        candidates.push(not_made(Candidate::made("the LM head's weight gradient reduce-scattered", 0.0, held)));
+        candidates
+            .push(Candidate::made("the LM head's weight gradient reduce-scattered", 0.0, held).before_the_table());
     } else {
         candidates.push(joining(reduced));
     }

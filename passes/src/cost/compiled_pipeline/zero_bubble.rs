@@ -303,8 +303,7 @@ pub(super) fn head_of_w(shape: &StageShape, chunk: &Chunk, between_b_and_w: &Bet
             });
             // (Before the LM head's weight gradient: none of it made where ZeRO keeps it whole.)
             let name = "the final norm's output recomputed and gathered in W";
-            let gathered = Candidate::made(name, made_in_b, gathering);
-            points.push(Candidate { pending: gathered.pending.and_table(), ..gathered });
+            points.push(Candidate::made(name, made_in_b, gathering).before_the_table());
         }
         held.push(Term { name: "the final norm's output, recomputed", bytes: recomputed });
     }
@@ -591,7 +590,7 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
     before.push(Term { name: "the gradient before its all-reduce (or reduce-scatter)", bytes: gradient });
     // (Where ZeRO keeps the LM head whole, none of it is made before its all-reduce.)
     let made = Candidate::made(names[0], made_in_b, before);
-    points.push(if lm_head { Candidate { pending: made.pending.and_table(), ..made } } else { made });
+    points.push(if lm_head { made.before_the_table() } else { made });
     // What made the gradient, freed once it is made: the LM head's logits' gradient (under cp the
     // rank's tokens', which W reads; under tsp every token's) and input (under full recomputation
     // the copy W recomputed), or the last layer's SiLU product (under full recomputation
@@ -642,13 +641,12 @@ fn first_join_points(shape: &StageShape, first: &FirstJoin, held: Vec<Term>, mad
         // (Where ZeRO splits the LM head over some of its replicas, it is all-reduced over the
         // rest after: none of it made yet.)
         let made = Candidate::made(name, made_in_b, scattered);
-        points.push(if lm_head { Candidate { pending: made.pending.and_table(), ..made } } else { made });
+        points.push(if lm_head { made.before_the_table() } else { made });
     }
     // Beside dp (or cp) the LM head's gradient then joins its sum once all-reduced, its unreduced
     // copy live and what made it (the logits' gradient and the head's input, gathered over the
-    // sequence under tsp; under full recomputation the copy W recomputed) freed. (Not under ZeRO-2
-    // and 3.)
-    // (Under ZeRO-2 and 3 too where they keep the head whole: its shard among the gradients made,
+    // sequence under tsp; under full recomputation the copy W recomputed) freed. (Not where ZeRO-2
+    // and 3 reduce-scatter it; where they keep it whole, its shard is among the gradients made,
     // the rest kept whole.)
     if lm_head && !scattered {
         let mut after = held;
