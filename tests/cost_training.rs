@@ -1861,12 +1861,23 @@ fn stage_closed_form_is_exact_where_a_seventh_sweep_found_it_off_the_planner() {
     //   input gradient over tp (under SP reduce-scatters it) only once their and the router's
     //   weight gradients have joined their sums, their weights gathered again (and under SP the
     //   gathered output gradient) freed (1.3% above at dp=2 × tp=4, with and without SP, 4 KB
-    //   over ep=2 × tp=2 and ep=4 × tp=2, counting those weights, or the router's gradient).
+    //   over ep=2 × tp=2 and ep=4 × tp=2, counting those weights, or the router's gradient);
+    // - beside a shared expert without the loss, under SP, a stage peaks as the shared expert's
+    //   gate input gradient joins up's, the two and their sum live (0.7% below at dp=2 × tp=4,
+    //   0.5% at pp=4 × dp=2 × tp=2);
+    // - under ZeRO-3 with full recomputation, up's input gradient made frees up's weight,
+    //   gathered again for the recomputed forward, and under SP the gate vector's stays to its
+    //   backward, which comes last (7.5 KB above as up's input gradient is all-reduced over tp).
     let [mixture, _] = four_layer_mixtures();
     let plain = with_routed_experts(&mixture, 8, false);
     let (none, selective) = (Recompute::None, Recompute::Selective);
     let (one_f_one_b, gpipe) = (ScheduleKind::OneFOneB, ScheduleKind::GPipe);
-    let cases: [StageCase; 7] = [
+    let shared_plain = pleat_ir::model::config::ModelConfig { num_layers: 4, ..with_a_shared_expert(32, false) };
+    let six_shared = with_routed_experts(&four_layer_mixtures()[1], 6, true);
+    let cases: [StageCase; 10] = [
+        (&shared_plain, "pp=2,dp=2,tp=4", gpipe, 2, 2, none, true, 512),
+        (&shared_plain, "pp=4,dp=2,tp=2", one_f_one_b, 4, 2, none, true, 1024),
+        (&six_shared, "pp=2,dp=4,tp=2", one_f_one_b, 2, 3, Recompute::Full, true, 1024),
         (&mixture, "pp=2,dp=4,ep=4", one_f_one_b, 2, 3, selective, false, 8),
         (&plain, "pp=2,dp=2,tp=4", gpipe, 2, 2, none, true, 512),
         (&mixture, "pp=2,dp=4,ep=4", gpipe, 2, 3, selective, false, 64),
@@ -1880,6 +1891,9 @@ fn stage_closed_form_is_exact_where_a_seventh_sweep_found_it_off_the_planner() {
         "first layer's o gradient reduce-scattered",
         "first layer's last expert gradient joins its sum, its unreduced copy live",
         "the last layer's routed experts' input gradient all-reduced over tp",
+        "first layer's shared expert's gate input gradient joins up's",
+        "the last layer's shared expert's gate input gradient joins up's",
+        "the last layer's shared expert's up input gradient all-reduced over tp",
     ];
     assert_exact_peaking_at(&cases, &points);
 }
