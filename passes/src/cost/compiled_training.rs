@@ -22,10 +22,9 @@
 //!   reduces it only **once the weight gradients are made and reduced**), **as the experts' last
 //!   weight gradient is made** (under ZeRO-3 beside their weights gathered again), or over ep **as
 //!   the dispatch's backward copies its operands** (it makes all of those gradients at once); **as
-//!   dp or cp
-//!   reduces the first expert gradient**, and **as the attention residual's gradient is summed**
-//!   past the MLP norm's backward; a mixture's expert counts summed over the layers are live until
-//!   the first layer's router backward;
+//!   dp or cp reduces the first expert gradient**, and **as the attention residual's gradient is
+//!   summed** past the MLP norm's backward; a mixture's expert counts summed over the layers are
+//!   live until the first layer's router backward;
 //! - a mixture's **shared expert** (Qwen2-MoE), whose backward comes before the routed experts':
 //!   **as its down projection's input and weight gradients are made** (and reduced over dp, cp and
 //!   ep), **as up's input gradient is made**, **as gate's joins the MLP norm output's gradient**,

@@ -492,11 +492,6 @@ pub fn compiled_stage_peak(
     let mut phase = walk::stage_peak(&shape, schedule, &holds, params)?;
     // Every point holds the q, k and v projections ZeRO-3 keeps whole beyond their shards (where it
     // splits no parameter, all of them: the closed form's shards are the phase's parameters).
-    // (Under ZeRO-3 the stage receives the rank's shard of a tied table, over the replicas its rows
-    // split over, and gathers it itself.)
-    let received_whole = holds.iter().map(|hold| hold.received_table).sum::<f64>();
-    let table_replicas = if param_shards > 1.0 { zero_rows.vocabulary_table_replicas() as f64 } else { 1.0 };
-    let received_table = received_whole / table_replicas;
     if kept_whole_zero3 {
         let replicas = (layout.zero_replicas() as f64, layout.expert_zero_replicas() as f64);
         let shards = sharded_over(phase.params, experts, replicas.0, replicas.1);
@@ -514,6 +509,11 @@ pub fn compiled_stage_peak(
             phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes });
         }
     }
+    // (Under ZeRO-3 the stage receives the rank's shard of a tied table, over the replicas its rows
+    // split over, and gathers it itself.)
+    let received_whole = holds.iter().map(|hold| hold.received_table).sum::<f64>();
+    let table_replicas = if param_shards > 1.0 { zero_rows.vocabulary_table_replicas() as f64 } else { 1.0 };
+    let received_table = received_whole / table_replicas;
     if received_table > 0.0 {
         // Received in the stage's first forward, held to the end of the step. (Under ZeRO-3 the
         // rank's dp × cp shard of it, gathered by the stage itself for its head; where ZeRO keeps
