@@ -1562,10 +1562,15 @@ fn stages_whose_vocabulary_tables_zero_keeps_whole_equal_the_planners_peak() {
         let received = if zero_stage == 3 && last && config.tie_word_embeddings { beyond * 4.0 } else { 0.0 };
         assert_eq!(stage.bytes_of(TIED_TABLE_RECEIVED_BEYOND_SHARD), received, "{}", stage.label);
     });
-    // (The head's gradient whole: before its all-reduce in W, and joining its sum after.)
-    for name in
-        ["tail of a backward", "the LM head's weight gradient joins its sum", "the LM head's weight gradient in W"]
-    {
+    // (The head's gradient whole: before its all-reduce in W, and joining its sum after; under
+    // tsp none of it made as the final norm's output is gathered again for it.)
+    for name in [
+        "tail of a backward",
+        "the LM head's weight gradient joins its sum",
+        "the LM head's weight gradient in W",
+        "the final norm's output regathered for the LM head's gradient",
+        "the final norm's output recomputed and gathered in W",
+    ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }
 }
