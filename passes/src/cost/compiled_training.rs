@@ -613,13 +613,14 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // output gradient freed; under ZeRO-3 beside the MLP norm's weight, gathered for its
             // backward. (Counting it beside the weights was 0.8% above the planner at dp=2 × tp=2
             // under SP.)
+            let layer_mixture_gradients = Term {
+                name: "its router's and experts' gradients",
+                bytes: held_dense(&router_dims, router_gradient) + held_experts(routed),
+            };
             if tp > 1 && !experts.load_balancing_loss && !shared_expert {
                 let mut reduced = mixture.clone();
                 reduced.extend([
-                    Term {
-                        name: "its router's and experts' gradients",
-                        bytes: held_dense(&router_dims, router_gradient) + held_experts(routed),
-                    },
+                    layer_mixture_gradients.clone(),
                     Term { name: "the experts' input gradient and its reduction over tp", bytes: 2.0 * gathered },
                 ]);
                 if zero >= 3 {
@@ -649,10 +650,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // router's and experts' gradients done, the MLP norm output's gradient, the norm's
             // input gradient and their sum, the attention residual's gradient.
             mixture.extend([
-                Term {
-                    name: "its router's and experts' gradients",
-                    bytes: held_dense(&router_dims, router_gradient) + held_experts(routed),
-                },
+                layer_mixture_gradients,
                 Term { name: "its MLP norm output's gradient", bytes: gathered },
                 Term {
                     name: "its MLP norm's input gradient and the attention residual's gradient",

@@ -408,12 +408,19 @@ pub(super) fn o_gradient_scattered(shape: &StageShape, chunk: &Chunk) -> Option<
         Term { name: "first layer's o gradient before its dp reduce-scatter", bytes: output_projection },
         Term { name: "its reduce-scatter's staging", bytes: output_projection },
     ]);
-    let not_made = (shape.attention_weights + shape.norm) * element + chunk.table;
     Some(Candidate::before_first_attention(
         "first layer's o gradient reduce-scattered",
-        chunk.grads - not_made / shape.shards,
+        made_before_first_attention_weights(shape, chunk),
         held,
     ))
+}
+
+/// The chunk's gradients a micro-batch has made as its first layer's attention backward begins
+/// its weight gradients (ZeRO-2 and 3's shards): all but that layer's attention and attention
+/// norm weights' and, on the first chunk, the embedding's.
+fn made_before_first_attention_weights(shape: &StageShape, chunk: &Chunk) -> f64 {
+    let not_made = (shape.attention_weights + shape.norm) * shape.sizes.element + chunk.table;
+    chunk.grads - not_made / shape.shards
 }
 
 /// Under ZeRO-3 with full recomputation a layer's recomputed forward gathers its attention norm's,
@@ -1821,7 +1828,7 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         made.push(Term { name: "first layer's attention residual gradient, gathered over tp", bytes: gathered });
     }
     attention.push(Term { name: "its reduce-scatter's staging", bytes: output_projection });
-    let so_far = chunk.grads - ((attention_weights + norm) * element + chunk.table) / shards;
+    let so_far = made_before_first_attention_weights(shape, chunk);
     let point = |name, held| Candidate::before_first_attention(name, so_far, held);
     let attention_points = [
         point("first layer's o gradient made, its attention regathered", made),

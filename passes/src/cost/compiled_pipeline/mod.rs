@@ -500,10 +500,7 @@ pub fn compiled_stage_peak(
     } else if workload.zero >= 3 {
         // (And the chunks' vocabulary tables: the embedding on the first, an untied head on the
         // last.)
-        let tables: f64 = (0..chunks)
-            .map(|chunk| chunk * schedule.stages + stage)
-            .map(|virtual_stage| shape.chunk_table_kept_whole(virtual_stage == 0, virtual_stage + 1 == virtual_stages))
-            .sum();
+        let tables: f64 = holds.iter().map(|hold| hold.table_kept_whole).sum();
         let bytes = layers as f64 * shape.layer_params_kept_whole() + tables;
         if bytes > 0.0 {
             phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes });
