@@ -15,7 +15,9 @@
 //! - **inside a layer's attention backward** (its attention recomputed under selective
 //!   recomputation, all of it under full): at the attention kernel's dv, and as the attention norm
 //!   output's gradients from v, k and q are summed (under Qwen2 beside q's, k's and v's bias
-//!   gradients, which are made before their inputs' gradients);
+//!   gradients, which are made before their inputs' gradients); where tp does not divide the kv
+//!   heads, also **as v's and k's weight gradients, whole over tp, are reduced** (under ZeRO-2
+//!   and 3 reduce-scattered, staged whole);
 //! - a mixture of experts' layer in place of the MLP's points, the first layer's or the last's: **as
 //!   the MLP norm output's gradient is made** (the experts' input gradient, all-reduced over tp,
 //!   beside the router's from the load-balancing loss; without the loss or a shared expert tp
@@ -775,6 +777,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             let local_positions = if sequence_parallel { workload.seq as f64 / cp as f64 * ID_BYTES } else { 0.0 };
             norm[IDS].bytes -= positions - local_positions;
         }
+        // (What v's and k's weight gradient points hold beside their own buffers.)
+        let before_weights = norm.clone();
         if full && zero >= 3 {
             norm.push(Term {
                 name: "its attention norm's and q's weights, gathered again",
@@ -814,6 +818,66 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         ]);
         phases.push(ForwardPhase { name: "an attention norm output's gradient", params, terms: norm });
         phases.push(ForwardPhase { name: "an attention norm output's gradient from q", params, terms: with_q });
+        // Where tp does not divide the kv heads, v's and k's weight gradients are whole over tp
+        // (`compiled_pipeline::replicated_key_values`): v's, made after its input gradient, is
+        // all-reduced over tp (under ZeRO-2 and 3 after its reduce-scatter, staged whole), and
+        // then k's, made after the input gradients from v and k are summed, is reduced; beside
+        // replicas the copy before their all-reduce live, without them k's gradient. (Not under
+        // cp, or where ZeRO keeps k and v whole.)
+        if tp > 1 && kv_rows == model.kv_heads && cp == 1 && (zero < 2 || zero_rows.beyond_key_values() == 0.0) {
+            let weight = hidden * kv * element;
+            let mut at_v = before_weights.clone();
+            let mut at_k = before_weights;
+            if full && zero >= 3 {
+                at_v.push(Term {
+                    name: "its attention norm's, q's and k's weights, gathered again",
+                    bytes: norm_weight
+                        + gathered_again(&query_dims, hidden * query * element)
+                        + gathered_again(&kv_dims, weight),
+                });
+                at_k.push(Term {
+                    name: "its attention norm's and q's weights, gathered again",
+                    bytes: norm_weight + gathered_again(&query_dims, hidden * query * element),
+                });
+            }
+            at_v.extend([
+                Term { name: "its v projection's bias gradient", bytes: bias_gradient(kv_rows) },
+                Term { name: "q's and k's gradients", bytes: local_tokens * (query + kv) * element },
+                Term { name: "the attention norm output's gradient from v", bytes: gathered },
+            ]);
+            at_k.extend([
+                Term { name: "its v and k projections' bias gradients", bytes: 2.0 * bias_gradient(kv_rows) },
+                Term { name: "its v projection's weight gradient", bytes: held_dense(&kv_dims, weight) },
+                Term { name: "q's gradient", bytes: local_tokens * query * element },
+                Term { name: "the attention norm output's gradients from v and k, summed", bytes: gathered },
+            ]);
+            let (v_name, k_name) = if zero >= 2 {
+                let staged =
+                    |name| [Term { name, bytes: weight }, Term { name: "its reduce-scatter's staging", bytes: weight }];
+                at_v.extend(staged("its v projection's weight gradient, whole, before its dp reduce-scatter"));
+                at_k.extend(staged("its k projection's weight gradient, whole, before its dp reduce-scatter"));
+                (
+                    "a v weight gradient, whole over tp, reduce-scattered",
+                    "a k weight gradient, whole over tp, reduce-scattered",
+                )
+            } else {
+                at_v.extend([
+                    Term { name: "its v projection's weight gradient", bytes: weight },
+                    Term { name: "its copy before the tp all-reduce (beside replicas, before theirs)", bytes: weight },
+                ]);
+                at_k.extend([
+                    Term { name: "its k projection's weight gradient", bytes: weight },
+                    if replicas > 1 {
+                        Term { name: "its copy before the all-reduce over the replicas", bytes: weight }
+                    } else {
+                        Term { name: "k's gradient", bytes: local_tokens * kv * element }
+                    },
+                ]);
+                ("a v weight gradient, all-reduced over tp", "a k weight gradient, whole over tp, reduced")
+            };
+            phases.push(ForwardPhase { name: v_name, params, terms: at_v });
+            phases.push(ForwardPhase { name: k_name, params, terms: at_k });
+        }
     }
     phases
 }

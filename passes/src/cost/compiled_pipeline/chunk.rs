@@ -6,7 +6,7 @@ use super::super::memory::{chunk_params, Term};
 use super::super::step_sizes::{StepSizes, ID_BYTES};
 use super::super::workload::Recompute;
 use super::zero_bubble::BetweenBAndW;
-use super::{first_layer, forward, head, zero_bubble, StageShape};
+use super::{first_layer, forward, head, replicated_key_values, zero_bubble, StageShape};
 
 /// What one chunk of a stage holds (see [`super::compiled_stage_peak`]), in bytes.
 pub(super) struct ChunkHold {
@@ -92,6 +92,9 @@ impl KeptWholePending {
     /// One layer's k and q gradients: v's made (k's and v's each half of the two's).
     pub const K_AND_Q: KeptWholePending =
         KeptWholePending { key_values: 0.5, query_weights: 1.0, query_biases: 1.0, table: 0.0 };
+    /// One layer's q weight and bias gradients: k's and v's made.
+    pub const Q: KeptWholePending =
+        KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 1.0, table: 0.0 };
     /// One layer's q weight gradient: k's, v's and q's bias's made.
     pub const Q_WEIGHT: KeptWholePending =
         KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 0.0, table: 0.0 };
@@ -226,7 +229,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
     if let Some(w_reads) = w_reads.clone() {
         backward.extend(zero_bubble::first_layer_gate_joining_in_w(shape, &chunk, &w_reads));
         backward.extend(first_layer::down_scattered_in_w(shape, &chunk, w_reads.clone()));
-        backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads));
+        backward.extend(first_layer::shared_expert_gate_joining_in_w(shape, &chunk, w_reads.clone()));
+        backward.extend(replicated_key_values::first_layer_weight_gradients_in_w(shape, &chunk, w_reads));
     }
     // (At the head of W no layer's q, k and v weight gradients are made yet.)
     let head_of_w = zero_bubble::head_of_w(shape, &chunk, &between_b_and_w);
@@ -244,6 +248,8 @@ pub(super) fn chunk_hold(shape: &StageShape, first: bool, last: bool, layers: u6
         backward.extend(first_layer::o_gradient_scattered(shape, &chunk));
         backward.extend(head::last_layer_attention_backward(shape, &chunk));
         backward.extend(first_layer::first_layer_attention_input_gradients(shape, &chunk));
+        backward.extend(replicated_key_values::first_layer_weight_gradients(shape, &chunk));
+        backward.extend(replicated_key_values::last_layer_weight_gradients(shape, &chunk));
         backward.extend(first_layer::recomputed_mlp_backward(shape, &chunk));
     }
     backward.extend(first_layer::tsp_attention(shape, &chunk, between_b_and_w.later_w_reads));

@@ -353,7 +353,7 @@ pub(super) fn attention_norm_gradient(shape: &StageShape, chunk: &Chunk) -> Vec<
 /// first and the last still holds a mixture's summed expert counts it received. (Not under tsp,
 /// whose attention backward differs.)
 pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Candidate> {
-    let StepSizes { element, local_tokens, hidden, query, kv_kept, .. } = shape.sizes;
+    let StepSizes { element, local_tokens, query, kv_kept, .. } = shape.sizes;
     if shape.tsp > 1 {
         return None;
     }
@@ -363,10 +363,9 @@ pub(super) fn attention_backward(shape: &StageShape, chunk: &Chunk) -> Option<Ca
         bytes: (local_tokens * query + kv_kept) * element,
     });
     held.extend(attention_weights_regathered(shape));
-    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
     Some(Candidate::before_first_attention(
         "first layer's attention backward",
-        chunk.grads - not_made / shape.shards,
+        made_before_first_attention_inputs(shape, chunk),
         held,
     ))
 }
@@ -423,6 +422,15 @@ fn made_before_first_attention_weights(shape: &StageShape, chunk: &Chunk) -> f64
     chunk.grads - not_made / shape.shards
 }
 
+/// The same once the output projection's weight gradient is made too, as the attention kernel's
+/// backward begins: all but q's, k's and v's, the attention norm's and, on the first chunk, the
+/// embedding's.
+pub(super) fn made_before_first_attention_inputs(shape: &StageShape, chunk: &Chunk) -> f64 {
+    let StepSizes { element, hidden, query, .. } = shape.sizes;
+    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
+    chunk.grads - not_made / shape.shards
+}
+
 /// Under ZeRO-3 with full recomputation a layer's recomputed forward gathers its attention norm's,
 /// q's, k's and v's weights again (but those ZeRO keeps whole), live until their
 /// input gradients in its attention backward; else none.
@@ -434,10 +442,8 @@ pub(super) fn attention_weights_regathered(shape: &StageShape) -> Option<Term> {
 
 /// The first layer's [`attention_input_gradients`].
 pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
-    let StepSizes { element, hidden, query, .. } = shape.sizes;
     let mut context = chunk.first_layer_held_after_rope_backward();
     context.extend(received_counts(shape, chunk, false));
-    let not_made = (shape.attention_weights - hidden * query + shape.norm) * element + chunk.table;
     let mut points = attention_input_gradients(
         shape,
         [
@@ -445,7 +451,7 @@ pub(super) fn first_layer_attention_input_gradients(shape: &StageShape, chunk: &
             "first layer's attention norm output's gradient from q",
         ],
         context,
-        chunk.grads - not_made / shape.shards,
+        made_before_first_attention_inputs(shape, chunk),
     );
     if let Some(from_v_and_k) = points.first_mut() {
         from_v_and_k.held.extend(chunk.positions_read_by_q_rope_backward(shape));

@@ -292,7 +292,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
 /// recomputation, which recomputes them), the last layer's output (which only the final norm read;
 /// under full recomputation kept as the stream) and under cp the
 /// targets (every token's, read by the loss's backward).
-fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
+pub(super) fn in_flight_past_the_head(shape: &StageShape, chunk: &Chunk) -> f64 {
     let StepSizes { ids, stream, token_split, .. } = shape.sizes;
     let targets = if token_split > 1 { ids } else { 0.0 };
     chunk.in_flight - shape.logits() - shape.final_norm_kept() - stream - targets

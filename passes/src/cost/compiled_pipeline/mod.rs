@@ -30,9 +30,11 @@
 //! gradients from v and k, then from q, are summed (under tp partial sums of the whole hidden size;
 //! beside cp after k's and v's gradients are reduce-scattered back to the rank's tokens; under
 //! ZeRO-2 and 3 their weight gradients' shards made, under ZeRO-3 also as q's input gradient is
-//! made beside its weight gathered again; not under tsp, or where ZeRO keeps k and v whole), or
-//! under full recomputation as the first layer's down gradient is made beside the MLP
-//! recomputed for it (without tsp; under ZeRO-2 and 3 whole, then as it is reduce-scattered), as
+//! made beside its weight gathered again; not under tsp, or where ZeRO keeps k and v whole; where
+//! tp does not divide the kv heads, as v's and k's weight gradients, whole over tp, join their
+//! sums or are reduce-scattered: `replicated_key_values`), or under full recomputation as the
+//! first layer's down gradient is made beside the MLP recomputed for it (without tsp; under
+//! ZeRO-2 and 3 whole, then as it is reduce-scattered), as
 //! it joins its sum (without ZeRO, but beside dp × tp), beside dp or cp as gate's output gradient
 //! is made after it, and as the MLP norm output's gradients are summed; and at the head of a
 //! backward: the last stage in the loss's backward, or (a dense model
@@ -413,6 +415,7 @@ mod head;
 mod head_link;
 mod incoming_link;
 mod link;
+mod replicated_key_values;
 mod shared_expert;
 mod tsp_ring;
 mod walk;
@@ -420,6 +423,7 @@ mod zero_bubble;
 
 use pleat_ir::AxisName;
 
+use super::activation::kv_split;
 use super::compiled::ForwardPhase;
 use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
@@ -649,6 +653,9 @@ struct StageShape<'a> {
     query_bias_kept_whole: f64,
     key_values_gathered: bool,
     query_gathered: bool,
+    /// tp does not divide the kv heads: each tp rank holds all of k's and v's
+    /// (`replicated_key_values`).
+    key_values_replicated: bool,
     /// The bytes of a layer's router ZeRO-2 and 3 hold beyond its shard, where its `E` rows do not
     /// divide over the replicas (its gradient; under ZeRO-3 its weight too), and whether ZeRO-3
     /// gathers it (else it keeps it whole). (A rank's routed experts are held over the replicas
@@ -723,6 +730,7 @@ impl<'a> StageShape<'a> {
             query_bias_kept_whole: kept_whole(zero_rows.beyond_query_bias()),
             key_values_gathered: zero_rows.splits_key_values(),
             query_gathered: zero_rows.splits_query(),
+            key_values_replicated: tp > 1 && kv_split(model, layout) == 1,
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             table_kept_whole: kept_whole(zero_rows.beyond_vocabulary_table()),
