@@ -44,6 +44,7 @@ use pleat_backend::Instr;
 use pleat_ir::model::preset::preset;
 use pleat_ir::{AxisName, Mesh};
 use pleat_passes::autodiff::Recompute;
+use pleat_passes::cost::comm::Collective;
 use pleat_passes::cost::compiled_pipeline::{
     compiled_stage_peak, pipelined_differences_from_closed_form, TIED_HEAD_PART, TIED_HEAD_PARTS_TAKEN_AHEAD,
     TIED_TABLE_RECEIVED, TIED_TABLE_RECEIVED_BEYOND_SHARD,
@@ -53,6 +54,7 @@ use pleat_passes::cost::compiled_training::{
     GRADS_KEPT_WHOLE, OPTIMIZER_KEPT_WHOLE, PARAMS_KEPT_WHOLE, TIED_HEAD_GRADIENT, TSP_SHARD_SLICED_BEFORE_DP,
 };
 use pleat_passes::cost::memory::memory_per_stage;
+use pleat_passes::cost::volume::layer_collectives;
 use pleat_passes::cost::{Layout, ModelShape, Recompute as CostRecompute, Workload};
 use pleat_passes::pipeline::{Schedule, ScheduleKind};
 use pleat_passes::PassCtx;
@@ -1960,6 +1962,43 @@ fn training_closed_form_is_exact_where_tp_does_not_divide_the_kv_heads() {
     let phases = check_training_closed_form(&four_layers(), &layouts, &[16]);
     let point = "a k weight gradient, whole over tp, reduce-scattered";
     assert!(phases.contains_key(point), "{point} is never the peak: {phases:?}");
+}
+
+#[test]
+fn a_layers_tp_all_reduces_are_the_comm_models_where_tp_does_not_divide_the_kv_heads() {
+    // The cost model's all-reduces of one layer over tp (`volume::layer_collectives`), forward and
+    // backward, are the bytes the compiled training step all-reduces over tp for its first layer:
+    // at tp=8 on `tiny`'s 4 kv heads also k's output gradient, v's weight gradient and the
+    // attention's input gradient twice; at tp=4 (a kv head a rank) the backward mirrors the
+    // forward.
+    let config = four_layers();
+    let model = ModelShape::from_config(&config);
+    let (batch, seq) = (2, 16);
+    for (mesh, kv_replicated) in [("tp=8", true), ("tp=4", false)] {
+        let (programs, _) = compile_training_at(&config, &TrainingLayout::new(mesh, false, 0), batch, seq);
+        let program = &programs[0];
+        let mut compiled = 0u64;
+        for instr in &program.instructions {
+            if let Instr::AllReduce { outs, group, .. } = instr {
+                let of_the_first_layer =
+                    |name: &str| name.starts_with("layer0.") || name.starts_with("grad.model.layers.0.");
+                for &out in outs.iter().filter(|&&out| of_the_first_layer(&program.buffer(out).name)) {
+                    assert_eq!(group.axis, "tp", "{mesh}: {}", program.buffer(out).name);
+                    compiled += program.buffer(out).numel() * 4;
+                }
+            }
+        }
+        let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), false);
+        let calls = layer_collectives(&model, &layout, &Workload::training(seq, batch));
+        let modelled: f64 = calls
+            .iter()
+            .filter(|call| call.kind == Collective::AllReduce && call.axis == AxisName::Tp)
+            .map(|call| call.count * call.bytes)
+            .sum();
+        assert_eq!(compiled as f64, modelled, "{mesh}: {calls:?}");
+        let replicated = calls.iter().any(|call| call.what.contains("k and v replicated over tp"));
+        assert_eq!(replicated, kv_replicated, "{mesh}");
+    }
 }
 
 /// A pipelined layout of one sequence a micro-batch: the model, the mesh, the schedule, the

@@ -21,7 +21,10 @@
 //! - dp, pp: nothing inside a layer.
 //!
 //! Backward: the conjugate of each forward collective moves the same bytes (all-reduce stays,
-//! all-gather becomes reduce-scatter, broadcast becomes a reduce to the owner), and the strategies
+//! all-gather becomes reduce-scatter, broadcast becomes a reduce to the owner; where tp does not
+//! divide the kv heads, so that every tp rank holds all of k's and v's, k's output gradient and
+//! v's weight gradient are all-reduced over tp too, and the attention's input gradient twice in
+//! place of its conjugate), and the strategies
 //! that move weights move them again plus their gradients (tsp), or move K/V again plus dK/dV
 //! (cp), and ep sends the gradients of the combine and of the dispatch back the same ways (two more
 //! all-to-alls; the routing, and so the counts, are the forward's). Full recompute repeats the
@@ -303,10 +306,20 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
             );
         }
     }
+    // Where tp does not divide the kv heads, every tp rank holds all of k's and v's heads, read by
+    // its share of q's: their gradients are partial sums over tp.
+    let key_values_replicated = tp > 1.0 && kv_split(model, layout) == 1;
     if training {
-        // The conjugates of tp's collectives move the same bytes.
+        // The conjugates of tp's collectives move the same bytes; with k and v replicated the
+        // attention's input gradient is reduced as below in place of its conjugate.
         for call in forward.iter().filter(|call| call.axis == AxisName::Tp) {
-            calls.push(CollectiveCall { phase: Phase::Backward, ..call.clone() });
+            let input_gradients =
+                matches!(call.what, "all-reduce after attention and mlp" | "sp all-gather before qkv and mlp");
+            let count = if key_values_replicated && input_gradients { call.count - 1.0 } else { call.count };
+            calls.push(CollectiveCall { phase: Phase::Backward, count, ..call.clone() });
+        }
+        if key_values_replicated {
+            calls.extend(replicated_key_value_collectives(model, layout, workload));
         }
         if workload.recompute == Recompute::Full {
             // The sp axis's gathered K/V are kept, not re-gathered (see `activation`).
@@ -320,6 +333,42 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
     }
     forward.extend(calls);
     forward
+}
+
+/// The backward's collectives of one layer over tp where tp does not divide the kv heads, so that
+/// every tp rank holds all of k's and v's (`activation::kv_split`): k's output gradient is
+/// all-reduced before its RoPE backward, v's weight gradient (and bias's) once it is made (under
+/// ZeRO-2 and 3 its shard, after the reduce-scatter over the replicas), and the attention's input
+/// gradient twice, v's part and then q's as it joins k's (whole once k's output gradient is),
+/// where it is otherwise reduced once (all-reduced, or under SP reduce-scattered).
+fn replicated_key_value_collectives(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<CollectiveCall> {
+    let element = model.dtype_bytes as f64;
+    let grad = if workload.fp32_grads { 4.0 } else { element };
+    let (hidden, kv) = (model.hidden as f64, model.kv_width() as f64);
+    let local = local_tokens(layout, workload);
+    let bias = if model.qkv_bias { kv } else { 0.0 };
+    let shards = if workload.zero >= 2 { layout.zero_replicas() as f64 } else { 1.0 };
+    let call = |what, bytes, count| CollectiveCall {
+        what,
+        kind: Collective::AllReduce,
+        axis: AxisName::Tp,
+        bytes,
+        count,
+        phase: Phase::Backward,
+    };
+    vec![
+        call("tp all-reduce of k's output gradient (k and v replicated over tp)", local * kv * element, 1.0),
+        call(
+            "tp all-reduce of v's weight gradient (k and v replicated over tp)",
+            (hidden * kv + bias) * grad / shards,
+            1.0,
+        ),
+        call(
+            "tp all-reduce of the attention's input gradient, v's part and q's (k and v replicated over tp)",
+            local * hidden * element,
+            2.0,
+        ),
+    ]
 }
 
 /// Elements one rank sends in the forward pass of one layer (one micro-batch): the quantity of the
@@ -500,6 +549,53 @@ mod tests {
         assert_eq!(sent(&full, Phase::Backward), 2.0 * sent(&plain, Phase::Forward));
         let infer = Workload::inference(4096, 1);
         assert_eq!(sent(&infer, Phase::Backward), 0.0);
+    }
+
+    #[test]
+    fn key_values_replicated_over_tp_add_all_reduces_to_the_backward() {
+        // Llama-3-70B has 8 kv heads (h = 8192, kv width 8·128 = 1024, bf16): at tp=16 every tp
+        // rank holds all of them. On 4096 tokens, by hand: an activation [4096, 8192] is
+        // 67,108,864 bytes, k's output gradient [4096, 1024] 8,388,608, v's weight gradient
+        // [8192, 1024] in f32 33,554,432.
+        let model = ModelShape::from_config(&preset("llama3-70b").unwrap());
+        let workload = Workload::training(4096, 1);
+        let summed = |layout: &Layout, workload: &Workload, phase: Phase, kind: Collective| -> f64 {
+            layer_collectives(&model, layout, workload)
+                .iter()
+                .filter(|call| call.phase == phase && call.kind == kind)
+                .map(|call| call.count * call.bytes)
+                .sum()
+        };
+        let (activation, key_gradient, value_weight) = (67_108_864.0, 8_388_608.0, 33_554_432.0);
+        let tp16 = Layout::new(&[(AxisName::Tp, 16)], false);
+        assert_eq!(summed(&tp16, &workload, Phase::Forward, Collective::AllReduce), 2.0 * activation);
+        // The MLP's input gradient once, the attention's twice, k's output gradient, v's weight's.
+        assert_eq!(
+            summed(&tp16, &workload, Phase::Backward, Collective::AllReduce),
+            3.0 * activation + key_gradient + value_weight
+        );
+        // Under SP the attention's input gradient is all-reduced twice in place of its
+        // reduce-scatter (the conjugate of the all-gather before q, k and v).
+        let sp16 = Layout::new(&[(AxisName::Tp, 16)], true);
+        assert_eq!(summed(&sp16, &workload, Phase::Backward, Collective::AllGather), activation);
+        assert_eq!(summed(&sp16, &workload, Phase::Backward, Collective::ReduceScatter), 2.0 * activation);
+        assert_eq!(
+            summed(&sp16, &workload, Phase::Backward, Collective::AllReduce),
+            2.0 * activation + key_gradient + value_weight
+        );
+        // Under ZeRO-2 over dp=4 v's weight gradient is reduce-scattered first: its shard.
+        let zero = Workload { zero: 2, ..workload.clone() };
+        let dp4 = Layout::new(&[(AxisName::Dp, 4), (AxisName::Tp, 16)], false);
+        assert_eq!(
+            summed(&dp4, &zero, Phase::Backward, Collective::AllReduce),
+            3.0 * activation + key_gradient + value_weight / 4.0
+        );
+        // At tp=8 each rank holds one kv head: the backward mirrors the forward.
+        let tp8 = Layout::new(&[(AxisName::Tp, 8)], false);
+        assert_eq!(
+            summed(&tp8, &workload, Phase::Backward, Collective::AllReduce),
+            summed(&tp8, &workload, Phase::Forward, Collective::AllReduce)
+        );
     }
 
     #[test]
