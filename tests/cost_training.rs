@@ -720,7 +720,11 @@ fn training_closed_form_is_exact_where_a_sweep_found_it_above_the_planner() {
     //   SP and ZeRO-3, on 512 tokens;
     // - a tied table ZeRO keeps whole (250 rows, 125 a rank under tsp=2, over dp=2) has no
     //   finished gradient before the end of the backward (the head's part is held whole beside):
-    //   counting it finished inside the MLP ring's backward was 32,000 B above under ZeRO-3.
+    //   counting it finished inside the MLP ring's backward was 32,000 B above under ZeRO-3;
+    // - under cp the embedding's backward reads the rank's own token ids (every token's, the
+    //   loss's targets, are freed by then): counting every token's was 256 B above at cp=2 × tp=4
+    //   under SP with full recomputation, on two sequences of 64 tokens (here four of 32; 776 of
+    //   5,835 checks of a sweep over cp were above).
     let [mixture, _] = four_layer_mixtures();
     let plain = with_routed_experts(&mixture, 8, false);
     let layouts: Vec<TrainingLayout> = [Recompute::None, Recompute::Selective, Recompute::Full]
@@ -728,6 +732,9 @@ fn training_closed_form_is_exact_where_a_sweep_found_it_above_the_planner() {
         .map(|recompute| TrainingLayout { zero_stage: 3, ..TrainingLayout::recomputing("dp=2,tp=2", true, recompute) })
         .collect();
     check_training_closed_form(&plain, &layouts, &[128, 512]);
+    let context = [TrainingLayout::recomputing("cp=2,tp=4", true, Recompute::Full)];
+    let phases = check_training_closed_form(&four_layers(), &context, &[32]);
+    assert!(phases.contains_key("the embedding's backward"), "{phases:?}");
     let tied = pleat_ir::model::config::ModelConfig { vocab_size: 250, tie_word_embeddings: true, ..four_layers() };
     for recompute in [Recompute::None, Recompute::Full] {
         for seq in [16, 128] {

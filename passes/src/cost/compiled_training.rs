@@ -258,7 +258,8 @@ fn embedding_backward(
             name: "the embedding output's gradient (gathered under SP)",
             bytes: tokens / cp as f64 * model.hidden as f64 * element,
         },
-        Term { name: "token ids", bytes: ID_BYTES * tokens },
+        // (Under cp the rank's own: every token's, read by the loss's backward, are freed.)
+        Term { name: "token ids", bytes: ID_BYTES * tokens / cp as f64 },
     ];
     if model.tied_embeddings {
         terms.push(Term { name: TIED_HEAD_GRADIENT, bytes: shard });
