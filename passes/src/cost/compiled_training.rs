@@ -8,10 +8,11 @@
 //! the live sets at these points (each one point of the program, term by term):
 //! - **the head of the backward**: the loss's backward (the logits beside their gradient, and the
 //!   vocabulary-parallel loss's row statistics under tp), the LM head's input gradient and its
-//!   weight gradient (the final norm's output recomputed for them under full recomputation);
+//!   weight gradient (the final norm's output recomputed for them under full recomputation; under
+//!   ZeRO-2 and 3 also as an untied head's is reduce-scattered, staged whole);
 //! - **inside a layer's MLP backward**, the first layer's or the last's: as the down projection's
-//!   weight gradient is made (and, beside dp or cp, reduced), and as the MLP norm output's
-//!   gradients from gate and up are summed;
+//!   weight gradient is made (and, beside dp or cp, reduced, then up's), and as the MLP norm
+//!   output's gradients from gate and up are summed;
 //! - **inside a layer's attention backward** (its attention recomputed under selective
 //!   recomputation, all of it under full): at the attention kernel's dv, and as the attention norm
 //!   output's gradients from v, k and q are summed (under Qwen2 beside q's, k's and v's bias
@@ -375,11 +376,27 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     let head_gradient = vocab_shard * hidden * element;
     let mut weight_gradient = input_gradient.clone();
     weight_gradient.push(Term { name: "the LM head's weight gradient", bytes: head_gradient });
+    // Under ZeRO-2 and 3 an untied head's weight gradient is then reduce-scattered (where ZeRO
+    // splits the table), staged whole, the logits' gradient and the final norm's output, which it
+    // read last, freed. (A tied one is held whole to the end of the backward.)
+    let mut scattered = weight_gradient.clone();
+    scattered.extend([
+        Term {
+            name: "the logits' gradient and the final norm's output, freed",
+            bytes: -(local_tokens * vocab_shard * element + gathered),
+        },
+        Term { name: "its reduce-scatter's staging", bytes: head_gradient },
+    ]);
+    let head_scattered =
+        zero >= 2 && !model.tied_embeddings && ZeroRows::new(model, layout).vocabulary_table_replicas() > 1;
     let mut phases = vec![
         ForwardPhase { name: "the loss's backward", params, terms: loss_backward },
         ForwardPhase { name: "the LM head's input gradient", params, terms: input_gradient },
         ForwardPhase { name: "the LM head's weight gradient", params, terms: weight_gradient },
     ];
+    if head_scattered {
+        phases.push(ForwardPhase { name: "the LM head's weight gradient reduce-scattered", params, terms: scattered });
+    }
     phases.extend(in_order);
     // Inside layer `l`'s MLP backward (the first layer's or the last's: kept activations shrink
     // with the layer as gradients grow): the kept activations of the layers up to it but its
@@ -705,6 +722,26 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     params,
                     terms: down,
                 });
+                // Then up's weight gradient, made after its input gradient (the MLP norm output's
+                // gradient from up), is reduced the same way: gate, up and their product freed,
+                // gate's output gradient live (its gradients come next), and under ZeRO-3 with full
+                // recomputation up's weight, gathered again, freed by its input gradient.
+                let mut up = mlp.clone();
+                if let Some(regathered) = up.iter_mut().find(|term| term.name.ends_with("gathered again")) {
+                    *regathered = Term {
+                        name: "its MLP norm's and gate's weights, gathered again",
+                        bytes: norm_weight + gathered_again(&ffn_dims, matrix),
+                    };
+                }
+                up.extend([
+                    Term { name: "gate, up and their product, freed", bytes: -3.0 * activation },
+                    Term { name: "the down projection's weight gradient", bytes: held_dense(&down_dims, matrix) },
+                    Term { name: "gate's output gradient", bytes: activation },
+                    Term { name: "the MLP norm output's gradient from up", bytes: gathered },
+                    Term { name: "the up projection's weight gradient", bytes: matrix },
+                    Term { name: reduce, bytes: matrix },
+                ]);
+                phases.push(ForwardPhase { name: "an MLP's up projection weight gradient reduced", params, terms: up });
             }
             // As the MLP norm output's gradient sums the gate's and up's: the down and up weight
             // gradients done, gate's output gradient (its weight gradient is next), the two input
