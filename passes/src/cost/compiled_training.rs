@@ -887,9 +887,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         // (`compiled_pipeline::replicated_key_values`): v's, made after its input gradient, is
         // all-reduced over tp (under ZeRO-2 and 3 after its reduce-scatter, staged whole), and
         // then k's, made after the input gradients from v and k are summed, is reduced; beside
-        // replicas the copy before their all-reduce live, without them k's gradient. (Not under
-        // cp, or where ZeRO keeps k and v whole.)
-        if tp > 1 && kv_rows == model.kv_heads && cp == 1 && (zero < 2 || zero_rows.beyond_key_values() == 0.0) {
+        // replicas the copy before their all-reduce live, without them k's gradient. (Beside cp
+        // too, k's and v's gradients reduce-scattered back to the rank's tokens before; not
+        // where ZeRO keeps k and v whole.)
+        if tp > 1 && kv_rows == model.kv_heads && (zero < 2 || zero_rows.beyond_key_values() == 0.0) {
             let weight = hidden * kv * element;
             let mut at_v = before_weights.clone();
             let mut at_k = before_weights;

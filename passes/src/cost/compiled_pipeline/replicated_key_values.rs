@@ -15,9 +15,10 @@
 //! gradients, and (outside full recomputation, on a dense chunk of more than one layer) in its
 //! last, where it still holds the most of its forward. Under zero bubble W makes the weight
 //! gradients in the same order, B having made the input gradients: W's first layer holds what
-//! its tail does, and k's and q's gradients. (Not under cp or tsp, whose attention backward
-//! differs; not where ZeRO keeps k and v whole; under zero bubble not on the first chunk, whose W
-//! ends with the embedding's gradient.)
+//! its tail does, and k's and q's gradients. Beside cp the same points hold, k's and v's
+//! gradients reduce-scattered back to the rank's tokens before. (Not under tsp, whose attention
+//! backward differs; not where ZeRO keeps k and v whole; under zero bubble not on the first
+//! chunk, whose W ends with the embedding's gradient.)
 
 use super::super::memory::Term;
 use super::super::step_sizes::StepSizes;
@@ -155,10 +156,10 @@ pub(super) fn first_layer_weight_gradients_in_w(shape: &StageShape, chunk: &Chun
     )
 }
 
-/// Whether the points are modelled: k and v replicated over tp, no cp or tsp, and ZeRO splitting
-/// k's and v's rows where it shards.
+/// Whether the points are modelled: k and v replicated over tp, no tsp, and ZeRO splitting k's and
+/// v's rows where it shards.
 fn modelled(shape: &StageShape) -> bool {
-    shape.key_values_replicated && shape.cp == 1 && shape.tsp == 1 && shape.key_values_kept_whole == 0.0
+    shape.key_values_replicated && shape.tsp == 1 && shape.key_values_kept_whole == 0.0
 }
 
 /// The points as v's and k's weight gradients are made, `held` what the layer holds at each beside
