@@ -1458,8 +1458,8 @@ pub fn compiled_tsp_training_peak(
     // recompute, the router, the rank's experts and the layer's output gradient), beside the kept
     // values of the layers up to it, the gradients of those above, and (with the load-balancing
     // loss) the router's gradients from it and the expert counts summed over the layers (but in the
-    // first layer); under ZeRO-3 beside the router and the rank's experts gathered over their
-    // replicas again (where ZeRO splits them).
+    // first layer; without the loss, a shared expert's input gradient); under ZeRO-3 beside the
+    // router and the rank's experts gathered over their replicas again (where ZeRO splits them).
     if let Some(experts) = model.experts.as_ref() {
         let router = (experts.count * model.hidden) as f64 * element;
         let local_experts = layer_experts * element;
@@ -1486,6 +1486,12 @@ pub fn compiled_tsp_training_peak(
                 Term {
                     name: "the router's gradients from the load-balancing loss (its input's and its weight's)",
                     bytes: if statistics > 0.0 { sizes.hidden_state + router } else { 0.0 },
+                },
+                // (With the loss a shared expert's input gradient joins the router's from it;
+                // without, it is its own buffer, which the experts' input gradient joins next.)
+                Term {
+                    name: "the shared expert's input gradient",
+                    bytes: if experts.shared_expert && !experts.load_balancing_loss { sizes.hidden_state } else { 0.0 },
                 },
                 Term {
                     name: "the dispatch's copy of its operands",
