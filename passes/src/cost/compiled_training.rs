@@ -11,8 +11,9 @@
 //!   weight gradient (the final norm's output recomputed for them under full recomputation; under
 //!   ZeRO-2 and 3 also as an untied head's is reduce-scattered, staged whole);
 //! - **inside a layer's MLP backward**, the first layer's or the last's: as the down projection's
-//!   weight gradient is made (and, beside dp or cp, reduced, then up's), and as the MLP norm
-//!   output's gradients from gate and up are summed;
+//!   weight gradient is made (and, beside dp or cp, reduced, then up's), under ZeRO-3 as gate's
+//!   input gradient is made beside its weight gathered again, and as the MLP norm output's
+//!   gradients from gate and up are summed;
 //! - **inside a layer's attention backward** (its attention recomputed under selective
 //!   recomputation, all of it under full): beside replicas as o's weight gradient is reduced
 //!   (under ZeRO-2 and 3 reduce-scattered, staged whole), at the attention kernel's dv, and as the
@@ -748,16 +749,43 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // gradients done, gate's output gradient (its weight gradient is next), the two input
             // gradients and their sum; gate, up and their product freed.
             let mut norm = mlp;
+            // Under ZeRO-3, before, gate's input gradient is made beside its weight, gathered again
+            // for it (under full recomputation the recomputed forward's copy, beside the MLP
+            // norm's), and up's input gradient.
+            let gate_weight = gathered_again(&ffn_dims, matrix);
+            let regathered = if full { norm_weight + gate_weight } else { gate_weight };
+            let gate_input = (zero >= 3 && gate_weight > 0.0).then(|| {
+                let mut gate_input: Vec<Term> =
+                    norm.iter().filter(|term| !term.name.ends_with("gathered again")).cloned().collect();
+                gate_input.push(Term { name: "gate's weight, gathered again (and the MLP norm's)", bytes: regathered });
+                gate_input
+            });
             norm.retain(|term| !term.name.ends_with("gathered again"));
-            norm.push(Term { name: "gate, up and their product, freed", bytes: -3.0 * activation });
-            norm.extend([
+            let made = [
+                Term { name: "gate, up and their product, freed", bytes: -3.0 * activation },
                 Term {
                     name: "the down and up projections' weight gradients",
                     bytes: held_dense(&down_dims, matrix) + held_dense(&ffn_dims, matrix),
                 },
                 Term { name: "gate's output gradient", bytes: activation },
-                Term { name: "the MLP norm output's gradients from gate and up, and their sum", bytes: 3.0 * gathered },
-            ]);
+            ];
+            if let Some(mut gate_input) = gate_input {
+                gate_input.extend(made.clone());
+                gate_input.push(Term {
+                    name: "the MLP norm output's gradients from up and from gate",
+                    bytes: 2.0 * gathered,
+                });
+                phases.push(ForwardPhase {
+                    name: "an MLP's gate input gradient, its weight gathered again",
+                    params,
+                    terms: gate_input,
+                });
+            }
+            norm.extend(made);
+            norm.push(Term {
+                name: "the MLP norm output's gradients from gate and up, and their sum",
+                bytes: 3.0 * gathered,
+            });
             phases.push(ForwardPhase { name: "an MLP norm output's gradient", params, terms: norm });
         }
         // Inside layer `l`'s attention backward: the kept activations of the layers below and its
