@@ -389,8 +389,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         },
         Term { name: "its reduce-scatter's staging", bytes: head_gradient },
     ]);
-    let head_scattered =
-        zero >= 2 && !model.tied_embeddings && ZeroRows::new(model, layout).vocabulary_table_replicas() > 1;
+    let zero_rows = ZeroRows::new(model, layout);
+    let head_scattered = zero >= 2 && !model.tied_embeddings && zero_rows.vocabulary_table_replicas() > 1;
     let mut phases = vec![
         ForwardPhase { name: "the loss's backward", params, terms: loss_backward },
         ForwardPhase { name: "the LM head's input gradient", params, terms: input_gradient },
@@ -413,7 +413,6 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         if zero >= 2 { (replicas as f64, layout.expert_zero_replicas() as f64) } else { (1.0, 1.0) };
     // Beyond those, what ZeRO-2 and 3 hold whole (or split over fewer replicas) of a gradient whose
     // rows do not divide over them, and ZeRO-3 gathers only what it split (`super::zero_rows`).
-    let zero_rows = ZeroRows::new(model, layout);
     let held_dense = |dims: &[u64], bytes: f64| if zero >= 2 { zero_rows.shard(dims, bytes, false) } else { bytes };
     let beyond = |elements: f64| if zero >= 2 { elements * element } else { 0.0 };
     let gathered_again = |dims: &[u64], bytes: f64| if zero_rows.splits(dims, false) { bytes } else { 0.0 };

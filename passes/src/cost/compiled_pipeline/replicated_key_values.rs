@@ -11,9 +11,9 @@
 //! all-reduce follows tp's, the copy tp reduced), or under ZeRO-2 and 3 as it is reduce-scattered,
 //! staged whole; then as k's, made after the input gradients from v and k are summed, does the
 //! same (no tp all-reduce: beside replicas its copy before theirs, without them k's gradient,
-//! freed just after). So in the chunk's first layer, where the micro-batch has made the most
-//! gradients, and (outside full recomputation, on a dense chunk of more than one layer) in its
-//! last, where it still holds the most of its forward. Under zero bubble W makes the weight
+//! freed just after). It may peak so in the chunk's first layer, where the micro-batch has made
+//! the most gradients, and (outside full recomputation, on a dense chunk of more than one layer)
+//! in its last, where it still holds the most of its forward. Under zero bubble W makes the weight
 //! gradients in the same order, B having made the input gradients: W's first layer holds what
 //! its tail does, and k's and q's gradients. Beside cp the same points hold, k's and v's
 //! gradients reduce-scattered back to the rank's tokens before. (Not under tsp, whose attention
