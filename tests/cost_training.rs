@@ -767,7 +767,7 @@ fn tsp_training_closed_form_holds_a_shared_experts_input_gradient_at_the_dispatc
 }
 
 #[test]
-fn training_closed_form_is_exact_where_a_weight_gradient_is_reduced() {
+fn training_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     // Three points a sweep found the training step peaking at, below the form before it modelled
     // them: under ZeRO-2 and 3 an untied LM head's weight gradient is reduce-scattered as soon as
     // it is made, staged whole, beside every layer's kept activations (with a vocabulary of 2048
@@ -794,14 +794,21 @@ fn training_closed_form_is_exact_where_a_weight_gradient_is_reduced() {
         let phases = check_training_closed_form(config, &layouts, &[seq]);
         assert!(phases.contains_key(point), "{mesh}: {point} is never the peak: {phases:?}");
     }
-    // And under ZeRO-3 gate's input gradient, made after up's, beside gate's weight gathered
-    // again for it (0.9% below with a tied table at dp=2 × tp=4 under SP, on 24 tokens).
+    // And under ZeRO-3 and SP: gate's input gradient, made after up's, beside gate's weight
+    // gathered again for it (0.9% below with a tied table at dp=2 × tp=4, on 24 tokens); o's
+    // weight gradient made, attention's output and the attention residual's gradient gathered
+    // over tp still live (0.9% below with six experts at dp=2 × ep=2 × tp=2 on 96 tokens).
     let (_, _, tied) = four_layers_wide_and_tied();
-    let sequence_parallel =
-        [TrainingLayout { zero_stage: 3, ..TrainingLayout::recomputing("dp=2,tp=4", true, Recompute::Selective) }];
-    let phases = check_training_closed_form(&tied, &sequence_parallel, &[24]);
-    let point = "an MLP's gate input gradient, its weight gathered again";
-    assert!(phases.contains_key(point), "{point} is never the peak: {phases:?}");
+    let cases = [
+        (&tied, "dp=2,tp=4", Recompute::Selective, 24, "an MLP's gate input gradient, its weight gathered again"),
+        (&six, "dp=2,ep=2,tp=2", Recompute::Full, 96, "an output projection's weight gradient made"),
+    ];
+    for (config, mesh, recompute, seq, point) in cases {
+        let sequence_parallel =
+            [TrainingLayout { zero_stage: 3, ..TrainingLayout::recomputing(mesh, true, recompute) }];
+        let phases = check_training_closed_form(config, &sequence_parallel, &[seq]);
+        assert!(phases.contains_key(point), "{mesh}: {point} is never the peak: {phases:?}");
+    }
 }
 
 #[test]

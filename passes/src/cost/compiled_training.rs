@@ -15,12 +15,12 @@
 //!   input gradient is made beside its weight gathered again, and as the MLP norm output's
 //!   gradients from gate and up are summed;
 //! - **inside a layer's attention backward** (its attention recomputed under selective
-//!   recomputation, all of it under full): beside replicas as o's weight gradient is reduced
-//!   (under ZeRO-2 and 3 reduce-scattered, staged whole), at the attention kernel's dv, and as the
-//!   attention norm output's gradients from v, k and q are summed (under Qwen2 beside q's, k's
-//!   and v's bias gradients, which are made before their inputs' gradients); where tp does not
-//!   divide the kv heads, also **as v's and k's weight gradients, whole over tp, are reduced**
-//!   (under ZeRO-2 and 3 reduce-scattered, staged whole);
+//!   recomputation, all of it under full): as o's weight gradient is made and, beside replicas,
+//!   reduced (under ZeRO-2 and 3 reduce-scattered, staged whole), at the attention kernel's dv,
+//!   and as the attention norm output's gradients from v, k and q are summed (under Qwen2 beside
+//!   q's, k's and v's bias gradients, which are made before their inputs' gradients); where tp
+//!   does not divide the kv heads, also **as v's and k's weight gradients, whole over tp, are
+//!   reduced** (under ZeRO-2 and 3 reduce-scattered, staged whole);
 //! - a mixture of experts' layer in place of the MLP's points, the first layer's or the last's: **as
 //!   the MLP norm output's gradient is made** (the experts' input gradient, all-reduced over tp,
 //!   beside the router's from the load-balancing loss; without the loss or a shared expert tp
@@ -835,22 +835,37 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         // input gradient (attention's output gradient), is reduced into a new buffer (under ZeRO-2
         // and 3 reduce-scattered, staged whole), attention's output, its last reader done, freed:
         // q, k and v live (and their weights gathered again as at dv).
+        // As it is made, attention's output is still live, and under SP the attention residual's
+        // gradient all-gathered over tp for o's backward.
+        let output_projection = hidden * query * element;
+        let o_dims = [model.hidden, model.heads / tp, model.head_dim];
+        let mut o_made = dv.clone();
+        o_made.retain(|term| term.name != "dq, dk and dv");
+        o_made.extend([
+            Term {
+                name: "its output projection's weight gradient, not made yet (removed)",
+                bytes: -held_dense(&o_dims, output_projection),
+            },
+            Term { name: "its output projection's weight gradient", bytes: output_projection },
+        ]);
+        let mut o_reduced = o_made.clone();
+        o_made.push(Term {
+            name: if full || workload.recompute == Recompute::Selective {
+                "attention's output, recomputed"
+            } else {
+                "attention's output"
+            },
+            bytes: local_tokens * query * element,
+        });
+        if sequence_parallel {
+            o_made.push(Term { name: "its attention residual's gradient, all-gathered", bytes: gathered });
+        }
+        phases.push(ForwardPhase { name: "an output projection's weight gradient made", params, terms: o_made });
         if replicas > 1 {
-            let output_projection = hidden * query * element;
-            let o_dims = [model.hidden, model.heads / tp, model.head_dim];
-            let mut o_reduced = dv.clone();
-            o_reduced.retain(|term| term.name != "dq, dk and dv");
-            o_reduced.extend([
-                Term {
-                    name: "its output projection's weight gradient, not made yet (removed)",
-                    bytes: -held_dense(&o_dims, output_projection),
-                },
-                Term { name: "its output projection's weight gradient", bytes: output_projection },
-                Term {
-                    name: if zero >= 2 { "its reduce-scatter's staging" } else { "its all-reduce's result" },
-                    bytes: output_projection,
-                },
-            ]);
+            o_reduced.push(Term {
+                name: if zero >= 2 { "its reduce-scatter's staging" } else { "its all-reduce's result" },
+                bytes: output_projection,
+            });
             phases.push(ForwardPhase {
                 name: "an output projection's weight gradient reduced",
                 params,
