@@ -831,12 +831,11 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     + 2.0 * gathered_again(&kv_dims, hidden * kv * element),
             });
         }
-        // Before the kernel, beside replicas (dp, cp or ep), o's weight gradient, made after its
-        // input gradient (attention's output gradient), is reduced into a new buffer (under ZeRO-2
-        // and 3 reduce-scattered, staged whole), attention's output, its last reader done, freed:
-        // q, k and v live (and their weights gathered again as at dv).
-        // As it is made, attention's output is still live, and under SP the attention residual's
-        // gradient all-gathered over tp for o's backward.
+        // Before the kernel o's weight gradient is made, after its input gradient (attention's
+        // output gradient), beside attention's output and under SP the attention residual's
+        // gradient all-gathered over tp for o's backward; beside replicas (dp, cp or ep) it is
+        // then reduced into a new buffer (under ZeRO-2 and 3 reduce-scattered, staged whole),
+        // those two freed. Both points hold q, k and v (and their weights gathered again as at dv).
         let output_projection = hidden * query * element;
         let o_dims = [model.hidden, model.heads / tp, model.head_dim];
         let mut o_made = dv.clone();
