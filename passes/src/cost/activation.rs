@@ -109,6 +109,12 @@ pub fn kv_split(model: &ModelShape, layout: &Layout) -> u64 {
     }
 }
 
+/// Whether tp does not divide the K/V heads, so that every tp rank holds all of k's and v's, read
+/// by its share of q's heads: their gradients are partial sums over tp.
+pub fn key_values_replicated(model: &ModelShape, layout: &Layout) -> bool {
+    layout.degree(AxisName::Tp) > 1 && kv_split(model, layout) == 1
+}
+
 /// The activations a layer keeps with `recompute` (the workload's own setting is ignored, so that
 /// the working set of a recomputed layer can be asked for with `Recompute::None`).
 pub fn layer_activations(

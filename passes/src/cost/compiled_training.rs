@@ -107,7 +107,7 @@
 
 use pleat_ir::AxisName;
 
-use super::activation::kv_split;
+use super::activation::{key_values_replicated, kv_split};
 use super::compiled::ForwardPhase;
 use super::compiled_pipeline::{tsp_first_owner_o_reduce, tsp_o_reduces};
 use super::layout::Layout;
@@ -381,24 +381,25 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // Under ZeRO-2 and 3 an untied head's weight gradient is then reduce-scattered (where ZeRO
     // splits the table), staged whole, the logits' gradient and the final norm's output, which it
     // read last, freed. (A tied one is held whole to the end of the backward.)
-    let mut scattered = weight_gradient.clone();
-    scattered.extend([
-        Term {
-            name: "the logits' gradient and the final norm's output, freed",
-            bytes: -(local_tokens * vocab_shard * element + gathered),
-        },
-        Term { name: "its reduce-scatter's staging", bytes: head_gradient },
-    ]);
     let zero_rows = ZeroRows::new(model, layout);
-    let head_scattered = zero >= 2 && !model.tied_embeddings && zero_rows.vocabulary_table_replicas() > 1;
+    let head_scattered =
+        (zero >= 2 && !model.tied_embeddings && zero_rows.vocabulary_table_replicas() > 1).then(|| {
+            let mut scattered = weight_gradient.clone();
+            scattered.extend([
+                Term {
+                    name: "the logits' gradient and the final norm's output, freed",
+                    bytes: -(local_tokens * vocab_shard * element + gathered),
+                },
+                Term { name: "its reduce-scatter's staging", bytes: head_gradient },
+            ]);
+            ForwardPhase { name: "the LM head's weight gradient reduce-scattered", params, terms: scattered }
+        });
     let mut phases = vec![
         ForwardPhase { name: "the loss's backward", params, terms: loss_backward },
         ForwardPhase { name: "the LM head's input gradient", params, terms: input_gradient },
         ForwardPhase { name: "the LM head's weight gradient", params, terms: weight_gradient },
     ];
-    if head_scattered {
-        phases.push(ForwardPhase { name: "the LM head's weight gradient reduce-scattered", params, terms: scattered });
-    }
+    phases.extend(head_scattered);
     phases.extend(in_order);
     // Inside layer `l`'s MLP backward (the first layer's or the last's: kept activations shrink
     // with the layer as gradients grow): the kept activations of the layers up to it but its
@@ -931,7 +932,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         // replicas the copy before their all-reduce live, without them k's gradient. (Beside cp
         // too, k's and v's gradients reduce-scattered back to the rank's tokens before; not
         // where ZeRO keeps k and v whole.)
-        if tp > 1 && kv_rows == model.kv_heads && (zero < 2 || zero_rows.beyond_key_values() == 0.0) {
+        if key_values_replicated(model, layout) && (zero < 2 || zero_rows.beyond_key_values() == 0.0) {
             let weight = hidden * kv * element;
             let mut at_v = before_weights.clone();
             let mut at_k = before_weights;

@@ -37,7 +37,7 @@
 
 use pleat_ir::AxisName;
 
-use super::activation::{kv_split, local_tokens};
+use super::activation::{key_values_replicated, kv_split, local_tokens};
 use super::comm::{bytes_sent, Collective};
 use super::layout::Layout;
 use super::memory::stage_expert_params;
@@ -102,6 +102,11 @@ const HIDDEN_BEHIND_COMPUTE: [&str; 10] = [
     "gradient all-reduce",
 ];
 
+/// What Megatron tp's all-reduces after attention and the MLP are called (under SP, the all-gathers
+/// before them): the backward's conjugates reduce the two blocks' input gradients.
+const TP_ALL_REDUCES: &str = "all-reduce after attention and mlp";
+const SP_ALL_GATHERS: &str = "sp all-gather before qkv and mlp";
+
 /// What the ep axis's token all-to-alls are called.
 pub const EP_DISPATCH_COMBINE: &str =
     "expert all-to-all: tokens to the ranks of their experts (dispatch) and back (combine)";
@@ -127,15 +132,7 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
         // The tp group holds the same tokens: the local ones.
         let activation = local * hidden * element;
         if layout.sequence_parallel {
-            push(
-                &mut forward,
-                "sp all-gather before qkv and mlp",
-                Collective::AllGather,
-                AxisName::Tp,
-                activation,
-                2.0,
-                Phase::Forward,
-            );
+            push(&mut forward, SP_ALL_GATHERS, Collective::AllGather, AxisName::Tp, activation, 2.0, Phase::Forward);
             push(
                 &mut forward,
                 "sp reduce-scatter after o and down",
@@ -146,15 +143,7 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
                 Phase::Forward,
             );
         } else {
-            push(
-                &mut forward,
-                "all-reduce after attention and mlp",
-                Collective::AllReduce,
-                AxisName::Tp,
-                activation,
-                2.0,
-                Phase::Forward,
-            );
+            push(&mut forward, TP_ALL_REDUCES, Collective::AllReduce, AxisName::Tp, activation, 2.0, Phase::Forward);
         }
     }
     if tsp > 1 {
@@ -306,15 +295,12 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
             );
         }
     }
-    // Where tp does not divide the kv heads, every tp rank holds all of k's and v's heads, read by
-    // its share of q's: their gradients are partial sums over tp.
-    let key_values_replicated = tp > 1.0 && kv_split(model, layout) == 1;
+    let key_values_replicated = key_values_replicated(model, layout);
     if training {
         // The conjugates of tp's collectives move the same bytes; with k and v replicated the
         // attention's input gradient is reduced as below in place of its conjugate.
         for call in forward.iter().filter(|call| call.axis == AxisName::Tp) {
-            let input_gradients =
-                matches!(call.what, "all-reduce after attention and mlp" | "sp all-gather before qkv and mlp");
+            let input_gradients = matches!(call.what, TP_ALL_REDUCES | SP_ALL_GATHERS);
             let count = if key_values_replicated && input_gradients { call.count - 1.0 } else { call.count };
             calls.push(CollectiveCall { phase: Phase::Backward, count, ..call.clone() });
         }

@@ -423,7 +423,7 @@ mod zero_bubble;
 
 use pleat_ir::AxisName;
 
-use super::activation::kv_split;
+use super::activation::key_values_replicated;
 use super::compiled::ForwardPhase;
 use super::compiled_training::PARAMS_KEPT_WHOLE;
 use super::layout::Layout;
@@ -730,7 +730,7 @@ impl<'a> StageShape<'a> {
             query_bias_kept_whole: kept_whole(zero_rows.beyond_query_bias()),
             key_values_gathered: zero_rows.splits_key_values(),
             query_gathered: zero_rows.splits_query(),
-            key_values_replicated: tp > 1 && kv_split(model, layout) == 1,
+            key_values_replicated: key_values_replicated(model, layout),
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             table_kept_whole: kept_whole(zero_rows.beyond_vocabulary_table()),
