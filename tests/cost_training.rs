@@ -724,7 +724,10 @@ fn training_closed_form_is_exact_where_a_sweep_found_it_above_the_planner() {
     // - under cp the embedding's backward reads the rank's own token ids (every token's, the
     //   loss's targets, are freed by then): counting every token's was 256 B above at cp=2 × tp=4
     //   under SP with full recomputation, on two sequences of 64 tokens (here four of 32; 776 of
-    //   5,835 checks of a sweep over cp were above).
+    //   5,835 checks of a sweep over cp were above);
+    // - a norm's weight whose rows do not divide over dp is kept whole by ZeRO-3, never gathered:
+    //   counting the MLP norm's gathered again for full recomputation was 400 B above with 100
+    //   rows at dp=8 (here 90 at dp=4).
     let [mixture, _] = four_layer_mixtures();
     let plain = with_routed_experts(&mixture, 8, false);
     let layouts: Vec<TrainingLayout> = [Recompute::None, Recompute::Selective, Recompute::Full]
@@ -735,6 +738,16 @@ fn training_closed_form_is_exact_where_a_sweep_found_it_above_the_planner() {
     let context = [TrainingLayout::recomputing("cp=2,tp=4", true, Recompute::Full)];
     let phases = check_training_closed_form(&four_layers(), &context, &[32]);
     assert!(phases.contains_key("the embedding's backward"), "{phases:?}");
+    let narrow = pleat_ir::model::config::ModelConfig {
+        hidden_size: 90,
+        num_heads: 5,
+        num_kv_heads: 5,
+        head_dim: 18,
+        ..four_layers()
+    };
+    let kept_whole = [TrainingLayout { zero_stage: 3, ..TrainingLayout::recomputing("dp=4", false, Recompute::Full) }];
+    let phases = check_training_closed_form(&narrow, &kept_whole, &[32, 96]);
+    assert!(phases.contains_key("an MLP's down projection weight gradient reduced"), "{phases:?}");
     let tied = pleat_ir::model::config::ModelConfig { vocab_size: 250, tie_word_embeddings: true, ..four_layers() };
     for recompute in [Recompute::None, Recompute::Full] {
         for seq in [16, 128] {

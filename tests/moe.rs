@@ -201,6 +201,26 @@ fn each_expert_parallel_rank_holds_its_share_of_the_experts() {
     }
 }
 
+#[test]
+fn an_ep_axis_of_one_rank_compiles_as_if_absent() {
+    // ep=1 places nothing: beside dp the experts run on each rank's own rows, with no all-to-all
+    // over one rank; beside tsp they stay placed over tsp (an ep=1 axis had taken them from it,
+    // and the mixture could not compile).
+    for (mesh, without) in [("dp=2,ep=1", "dp=2"), ("tsp=2,ep=1", "tsp=2"), ("ep=1", "")] {
+        let programs = compile_with(&tiny_moe(), 8, 16, mesh, &PassCtx::default()).1;
+        let expected = compile_with(&tiny_moe(), 8, 16, without, &PassCtx::default()).1;
+        for (program, expected) in programs.iter().zip(&expected) {
+            assert_eq!(first_mixture(program), first_mixture(expected), "{mesh} rank {}", program.rank);
+            assert_eq!(program.instructions.len(), expected.instructions.len(), "{mesh} rank {}", program.rank);
+        }
+        check_programs(&tiny_moe(), 8, 16, mesh, programs);
+    }
+    let report = train("tiny-moe", "dp=2,ep=1", &[]);
+    assert_matches_reference(&report, "dp=2,ep=1");
+    let expected = train("tiny-moe", "dp=2", &[]);
+    assert_eq!(report["comm_bytes"], expected["comm_bytes"]);
+}
+
 fn sent_bytes(report: &serde_json::Value) -> u64 {
     report["comm_bytes"].as_object().expect("comm bytes").values().filter_map(serde_json::Value::as_u64).sum()
 }

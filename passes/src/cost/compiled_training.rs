@@ -356,6 +356,10 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // Full recomputation recomputes the final norm for the head's gradients: its output (and,
     // under SP, its input all-gathered again, the last layer's split output then freed).
     let norm_weight = model.norm.params(model.hidden) as f64 * element;
+    let zero_rows = ZeroRows::new(model, layout);
+    // (ZeRO-3 gathers a norm's weight again only where its rows divide; else it is kept whole.)
+    let gathered_again = |dims: &[u64], bytes: f64| if zero_rows.splits(dims, false) { bytes } else { 0.0 };
+    let norm_gathered = gathered_again(&[model.hidden], norm_weight);
     let mut input_gradient = past_loss.clone();
     if workload.recompute == Recompute::Full {
         let gathered_input = if sequence_parallel { gathered } else { 0.0 };
@@ -363,8 +367,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             input_gradient[KEPT].bytes -= stream;
         }
         // (ZeRO-3 gathers the final norm's weight again for it.)
-        if zero >= 3 {
-            input_gradient.push(Term { name: "the final norm's weight, gathered again", bytes: norm_weight });
+        if zero >= 3 && norm_gathered > 0.0 {
+            input_gradient.push(Term { name: "the final norm's weight, gathered again", bytes: norm_gathered });
         }
         input_gradient[FINAL_NORM] = Term {
             name: "the final norm's input gathered (under SP) and output, recomputed",
@@ -381,7 +385,6 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // Under ZeRO-2 and 3 an untied head's weight gradient is then reduce-scattered (where ZeRO
     // splits the table), staged whole, the logits' gradient and the final norm's output, which it
     // read last, freed. (A tied one is held whole to the end of the backward.)
-    let zero_rows = ZeroRows::new(model, layout);
     let head_scattered =
         (zero >= 2 && !model.tied_embeddings && zero_rows.vocabulary_table_replicas() > 1).then(|| {
             let mut scattered = weight_gradient.clone();
@@ -416,7 +419,6 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // rows do not divide over them, and ZeRO-3 gathers only what it split (`super::zero_rows`).
     let held_dense = |dims: &[u64], bytes: f64| if zero >= 2 { zero_rows.shard(dims, bytes, false) } else { bytes };
     let beyond = |elements: f64| if zero >= 2 { elements * element } else { 0.0 };
-    let gathered_again = |dims: &[u64], bytes: f64| if zero_rows.splits(dims, false) { bytes } else { 0.0 };
     // The local dims of a rank's q, k and v weights, its gate's and up's, and its router's.
     let kv_rows = model.kv_heads / kv_split(model, layout);
     let (query_dims, kv_dims) =
@@ -558,7 +560,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 });
                 // (And the MLP norm's, for its recomputation.)
                 if full {
-                    inside.push(Term { name: "its MLP norm's weight, gathered again", bytes: norm_weight });
+                    inside.push(Term { name: "its MLP norm's weight, gathered again", bytes: norm_gathered });
                 }
             }
             // As the MLP norm output's gradient is made: the experts' input gradient beside (with
@@ -646,7 +648,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                     Term { name: "the experts' input gradient and its reduction over tp", bytes: 2.0 * gathered },
                 ]);
                 if zero >= 3 {
-                    reduced.push(Term { name: "its MLP norm's weight, gathered for its backward", bytes: norm_weight });
+                    reduced
+                        .push(Term { name: "its MLP norm's weight, gathered for its backward", bytes: norm_gathered });
                 }
                 phases.push(ForwardPhase {
                     name: "a mixture's experts' input gradient reduced over tp",
@@ -696,7 +699,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 if zero >= 3 {
                     mlp.push(Term {
                         name: "its MLP norm's, gate's and up's weights, gathered again",
-                        bytes: norm_weight + 2.0 * gathered_again(&ffn_dims, matrix),
+                        bytes: norm_gathered + 2.0 * gathered_again(&ffn_dims, matrix),
                     });
                 }
             }
@@ -732,7 +735,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
                 if let Some(regathered) = up.iter_mut().find(|term| term.name.ends_with("gathered again")) {
                     *regathered = Term {
                         name: "its MLP norm's and gate's weights, gathered again",
-                        bytes: norm_weight + gathered_again(&ffn_dims, matrix),
+                        bytes: norm_gathered + gathered_again(&ffn_dims, matrix),
                     };
                 }
                 up.extend([
@@ -753,7 +756,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             // for it (under full recomputation the recomputed forward's copy, beside the MLP
             // norm's), and up's input gradient.
             let gate_weight = gathered_again(&ffn_dims, matrix);
-            let regathered = if full { norm_weight + gate_weight } else { gate_weight };
+            let regathered = if full { norm_gathered + gate_weight } else { gate_weight };
             let gate_input = (zero >= 3 && gate_weight > 0.0).then(|| {
                 let mut gate_input: Vec<Term> =
                     norm.iter().filter(|term| !term.name.ends_with("gathered again")).cloned().collect();
@@ -827,7 +830,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         if full && zero >= 3 {
             dv.push(Term {
                 name: "its attention norm's, q's, k's and v's weights, gathered again",
-                bytes: norm_weight
+                bytes: norm_gathered
                     + gathered_again(&query_dims, hidden * query * element)
                     + 2.0 * gathered_again(&kv_dims, hidden * kv * element),
             });
@@ -889,7 +892,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         if full && zero >= 3 {
             norm.push(Term {
                 name: "its attention norm's and q's weights, gathered again",
-                bytes: norm_weight + gathered_again(&query_dims, hidden * query * element),
+                bytes: norm_gathered + gathered_again(&query_dims, hidden * query * element),
             });
         }
         // (Under Qwen2 q's, k's and v's bias gradients are made before their inputs' gradients.)
@@ -916,7 +919,7 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
         }
         with_q.retain(|term| term.name != "its attention norm's and q's weights, gathered again");
         if full && zero >= 3 {
-            with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_weight });
+            with_q.push(Term { name: "its attention norm's weight, gathered again", bytes: norm_gathered });
         }
         with_q.extend([
             Term { name: "its q projection's bias gradient", bytes: bias_gradient(model.heads / tp) },
@@ -939,13 +942,13 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
             if full && zero >= 3 {
                 at_v.push(Term {
                     name: "its attention norm's, q's and k's weights, gathered again",
-                    bytes: norm_weight
+                    bytes: norm_gathered
                         + gathered_again(&query_dims, hidden * query * element)
                         + gathered_again(&kv_dims, weight),
                 });
                 at_k.push(Term {
                     name: "its attention norm's and q's weights, gathered again",
-                    bytes: norm_weight + gathered_again(&query_dims, hidden * query * element),
+                    bytes: norm_gathered + gathered_again(&query_dims, hidden * query * element),
                 });
             }
             at_v.extend([
