@@ -36,6 +36,24 @@ pub enum ScheduleError {
         stages: u32,
     },
 
+    /// A schedule too large to build: its steps (and `pleat schedule`'s picture) would not fit.
+    #[error(
+        "pp={stages} with {micro_batches} micro-batches and {chunks} chunk(s) a rank is {cells} stage, micro-batch \
+         and chunk cells, more than the {max} pleat builds a schedule of; use fewer micro-batches or stages",
+        max = crate::pipeline::schedule::MAX_SCHEDULE_CELLS
+    )]
+    #[diagnostic(code(E0234), help("use fewer micro-batches or stages"))]
+    TooLarge {
+        /// The pipeline stages.
+        stages: u32,
+        /// The micro-batches given.
+        micro_batches: u32,
+        /// Chunks a rank.
+        chunks: u32,
+        /// `stages · micro_batches · chunks`.
+        cells: u64,
+    },
+
     // === Simulation ===
     /// A step whose micro-batch or chunk lies outside the schedule's ranges.
     #[error("stage {stage}, step {index} ({step}) is out of range: the schedule has {micro_batches} micro-batches and {chunks} chunks a stage")]

@@ -161,6 +161,11 @@ pub struct Schedule {
     pub per_stage: Vec<Vec<Step>>,
 }
 
+/// The most `stages · micro_batches · chunks` a schedule is built for: above any pipeline trained
+/// (pp=64 with 4,096 micro-batches of 4 chunks is 2^20, built and drawn in seconds), far below
+/// what exhausts memory (a schedule of 100,000 stages and micro-batches was killed for it).
+pub const MAX_SCHEDULE_CELLS: u64 = 1 << 20;
+
 impl Schedule {
     /// Builds `kind` for `stages` ranks and `micro_batches` micro-batches.
     pub fn build(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Result<Schedule> {
@@ -169,6 +174,11 @@ impl Schedule {
         }
         if micro_batches == 0 {
             return Err(ScheduleError::Zero { what: "micro-batches" });
+        }
+        let chunks = kind.chunks();
+        let cells = u64::from(stages) * u64::from(micro_batches) * u64::from(chunks.max(1));
+        if cells > MAX_SCHEDULE_CELLS {
+            return Err(ScheduleError::TooLarge { stages, micro_batches, chunks, cells });
         }
         let per_stage = match kind {
             ScheduleKind::GPipe => (0..stages).map(|_| gpipe(micro_batches)).collect(),
@@ -342,5 +352,14 @@ mod tests {
         let err = Schedule::build(ScheduleKind::Interleaved { chunks: 1 }, 4, 8).unwrap_err();
         assert!(err.to_string().contains("use --schedule 1f1b"), "{err}");
         assert_eq!(Schedule::build(ScheduleKind::GPipe, 0, 8).unwrap_err(), ScheduleError::Zero { what: "stages" });
+        // A schedule past the cap is refused before any step is built (100,000 stages and
+        // micro-batches exhausted memory); one chunk more than the cap's count is refused too.
+        let err = Schedule::build(ScheduleKind::OneFOneB, 100_000, 100_000).unwrap_err();
+        assert!(matches!(err, ScheduleError::TooLarge { cells: 10_000_000_000, .. }), "{err}");
+        let stages = 1 << 10;
+        let micro_batches = (MAX_SCHEDULE_CELLS / stages) as u32;
+        let err = Schedule::build(ScheduleKind::Interleaved { chunks: 2 }, stages as u32, micro_batches).unwrap_err();
+        assert!(err.to_string().contains("use fewer micro-batches or stages"), "{err}");
+        assert_eq!(Schedule::build(ScheduleKind::GPipe, 2, 8).unwrap().per_stage.len(), 2);
     }
 }
