@@ -60,8 +60,8 @@ pub struct SearchArgs {
     /// Write the winning plan to this file, for `pleat compile --plan`.
     #[arg(long)]
     pub emit_plan: Option<PathBuf>,
-    /// Also search the axes only the cost model knows today (pp, sp): their plans are marked and
-    /// cannot be compiled yet.
+    /// Also search the axes only the cost model knows today (sp, and pp for a forward pass): their
+    /// plans are marked and cannot be compiled yet.
     #[arg(long)]
     pub all_axes: bool,
 }
@@ -144,7 +144,7 @@ fn plan_json(rank: usize, plan: &Plan) -> serde_json::Value {
     json!({
         "rank": rank,
         "layout": plan.estimate.layout,
-        "compiles_today": plan.layout.compiles_today(),
+        "compiles_today": plan.layout.compiles_today(plan.workload.mode),
         "mesh": plan.mesh(),
         "micro_batch": plan.workload.micro_batch,
         "micro_batches": plan.workload.micro_batches,
@@ -192,7 +192,7 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
     if let Some(path) = &args.emit_plan {
         let winner = &outcome.plans[0];
         anyhow::ensure!(
-            winner.layout.compiles_today(),
+            winner.layout.compiles_today(winner.workload.mode),
             crate::usage::UsageError::PlanNotCompilable { layout: winner.estimate.layout.to_string() }
         );
         let choice = PlanChoice::of(&model.name, winner);
@@ -254,7 +254,7 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
                     plan.estimate.time.comm_s,
                     plan.estimate.tokens_per_s / plan.layout.world_size() as f64,
                     100.0 * plan.estimate.mfu,
-                    if plan.layout.compiles_today() { "" } else { "  (model only)" }
+                    if plan.layout.compiles_today(plan.workload.mode) { "" } else { "  (model only)" }
                 );
             }
             if args.explain {

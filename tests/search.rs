@@ -164,3 +164,49 @@ fn bad_searches_are_clear_errors() {
     assert!(message.contains("uses an axis pleat cannot compile yet; drop --all-axes"), "{message}");
     assert!(!plan.exists());
 }
+
+#[test]
+fn a_training_search_proposes_pipelines_that_compile_and_train() {
+    // pp pipelines training steps, which pleat compiles: a training search costs it (not "model
+    // only"), and its plan trains as the reference does; a forward-pass search leaves pp out.
+    let search = ["search", "tiny", "--gpus", "4", "--seq", "64", "--global-batch", "8", "--top", "400"];
+    let found = json_of(&[&search[..], &["--format", "json"]].concat());
+    let plans = found["plans"].as_array().expect("plans");
+    let pipelined = plans.iter().find(|plan| plan["mesh"].as_str().expect("mesh").contains("pp=2")).expect("a pp plan");
+    assert_eq!(pipelined["compiles_today"], true, "{pipelined}");
+    let mesh = pipelined["mesh"].as_str().expect("mesh");
+    let dp: u64 = mesh.split(',').find_map(|axis| axis.strip_prefix("dp=")).map_or(1, |d| d.parse().unwrap());
+    let count = |key: &str| pipelined[key].as_u64().expect(key);
+    let batch = (count("micro_batch") * dp * count("micro_batches")).to_string();
+    let (micro_batches, zero) = (count("micro_batches").to_string(), count("zero").to_string());
+    let recompute = pipelined["recompute"].as_str().expect("recompute");
+    let trained = json_of(&[
+        "run",
+        "tiny",
+        "--train",
+        "--mesh",
+        mesh,
+        "--seq",
+        "64",
+        "--batch",
+        &batch,
+        "--micro-batches",
+        &micro_batches,
+        "--zero",
+        &zero,
+        "--recompute",
+        recompute,
+        "--steps",
+        "1",
+        "--check",
+        "--format",
+        "json",
+    ]);
+    cli::assert_matches_reference(&trained, mesh);
+    let table = stdout_of(&search);
+    assert!(!table.contains("model only"), "{table}");
+    let inference = json_of(&[&search[..], &["--infer", "--format", "json"]].concat());
+    let meshes: Vec<&str> =
+        inference["plans"].as_array().expect("plans").iter().map(|plan| plan["mesh"].as_str().expect("mesh")).collect();
+    assert!(!meshes.is_empty() && meshes.iter().all(|mesh| !mesh.contains("pp=")), "{meshes:?}");
+}

@@ -46,7 +46,8 @@ pub struct SearchSpace {
 }
 
 impl SearchSpace {
-    /// The space over every axis the compiler has a strategy for, micro-batches up to 8.
+    /// The space over every axis the compiler builds in `mode` (pp for training), micro-batches
+    /// up to 8.
     pub fn new(gpus: u64, seq: u64, global_batch: u64, mode: Mode, mem_cap_bytes: f64) -> Self {
         SearchSpace {
             gpus,
@@ -55,7 +56,7 @@ impl SearchSpace {
             mode,
             mem_cap_bytes,
             max_micro_batch: 8,
-            axes: crate::strategy::SUPPORTED_AXES.to_vec(),
+            axes: crate::cost::compiled_axes(mode),
             keep: 10,
         }
     }

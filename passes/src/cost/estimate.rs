@@ -273,7 +273,7 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
             "{layout}: pleat does not compile {first} beside {second}: {reason}; `pleat compile` refuses it (E0209), \
              and these figures come from the cost model only"
         ));
-    } else if !layout.compiles_today() {
+    } else if !layout.compiles_today(workload.mode) {
         warnings.push(format!(
             "{layout}: pleat cannot compile this layout yet; these figures come from the cost model only"
         ));
@@ -287,7 +287,7 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
         model: model.name.clone(),
         layout: layout.label(),
         world_size: layout.world_size(),
-        compiles_today: layout.compiles_today(),
+        compiles_today: layout.compiles_today(workload.mode),
         hardware: hw.name.clone(),
         workload: workload.clone(),
         memory: MemorySummary {
@@ -424,11 +424,21 @@ mod tests {
     fn warnings_name_the_excess_and_the_analytic_layouts() {
         let model = ModelShape::from_config(&preset("llama3-70b").unwrap());
         let hw = HardwareSpec::builtin("h100-sxm").unwrap();
-        let estimate =
-            estimate(&model, &Layout::new(&[(AxisName::Pp, 2)], false), &Workload::training(8192, 1), &hw).unwrap();
+        let layout = Layout::new(&[(AxisName::Pp, 2), (AxisName::Sp, 2)], false);
+        let estimate = estimate(&model, &layout, &Workload::training(8192, 1), &hw).unwrap();
         assert!(estimate.warnings[0].starts_with("peak memory "), "{:?}", estimate.warnings);
         assert!(estimate.warnings[0].contains("exceeds the 85.5 GB of a h100-sxm"), "{}", estimate.warnings[0]);
-        assert!(estimate.warnings[1].contains("pp=2: pleat cannot compile this layout yet"));
+        assert!(
+            estimate.warnings[1].contains("pp=2 x sp=2: pleat cannot compile this layout yet"),
+            "{:?}",
+            estimate.warnings
+        );
+        // pp pipelines a training step, which pleat compiles; a forward pass it refuses.
+        let pipelined = Layout::new(&[(AxisName::Pp, 2)], false);
+        let training = super::estimate(&model, &pipelined, &Workload::training(8192, 1), &hw).unwrap();
+        assert!(training.compiles_today && training.warnings.len() == 1, "{:?}", training.warnings);
+        let inference = super::estimate(&model, &pipelined, &Workload::inference(8192, 1), &hw).unwrap();
+        assert!(!inference.compiles_today, "{:?}", inference.warnings);
         // A pair the compiler refuses for good says so, not "yet".
         let layout = Layout::new(&[(AxisName::Pp, 2), (AxisName::Tsp, 2), (AxisName::Tp, 2)], false);
         let refused = super::estimate(&model, &layout, &Workload::training(8192, 1), &hw).unwrap();

@@ -17,7 +17,7 @@ use pleat_ir::spec::valid_degrees;
 use pleat_ir::{AxisName, Mesh};
 
 use super::model::ModelShape;
-use super::workload::Workload;
+use super::workload::{Mode, Workload};
 use super::{CostError, Result};
 
 /// The degrees of the mesh axes, in mesh order, plus Megatron sequence parallelism on `tp`.
@@ -125,12 +125,12 @@ impl Layout {
             .join(" x ")
     }
 
-    /// Whether pleat's compiler has strategies for every axis of this layout today (Megatron SP on
-    /// tp is `--strategy tp-sp`), none of them a pair it refuses together (tsp beside tp or cp);
-    /// the cost model covers the others analytically.
-    pub fn compiles_today(&self) -> bool {
-        self.axes.iter().all(|(axis, _)| crate::strategy::SUPPORTED_AXES.contains(axis))
-            && self.refused_pair().is_none()
+    /// Whether pleat's compiler has strategies for every axis of this layout today in `mode`
+    /// (Megatron SP on tp is `--strategy tp-sp`; pp pipelines training steps), none of them a pair
+    /// it refuses together (tsp beside tp or cp); the cost model covers the others analytically.
+    pub fn compiles_today(&self, mode: Mode) -> bool {
+        let compiled = compiled_axes(mode);
+        self.axes.iter().all(|(axis, _)| compiled.contains(axis)) && self.refused_pair().is_none()
     }
 
     /// The pair of this layout's axes the compiler refuses together, for good (`E0209`), and why.
@@ -253,6 +253,16 @@ impl std::fmt::Display for Layout {
     }
 }
 
+/// The axes pleat compiles in `mode`: those with a strategy, and under training pp, whose
+/// stages each compile over the others (a forward pass refuses it, E0215).
+pub fn compiled_axes(mode: Mode) -> Vec<AxisName> {
+    let mut axes = crate::strategy::SUPPORTED_AXES.to_vec();
+    if mode == Mode::Train {
+        axes.push(AxisName::Pp);
+    }
+    axes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,15 +339,21 @@ mod tests {
 
     #[test]
     fn layouts_of_the_compiled_strategies_compile_today() {
-        assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false).compiles_today());
-        // Megatron SP on tp is `--strategy tp-sp`.
-        assert!(Layout::new(&[(AxisName::Tp, 2)], true).compiles_today());
-        assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 4)], false).compiles_today());
-        assert!(Layout::new(&[(AxisName::Cp, 2)], false).compiles_today());
-        assert!(!Layout::new(&[(AxisName::Pp, 2), (AxisName::Tp, 2)], false).compiles_today());
-        assert!(!Layout::new(&[(AxisName::Sp, 2)], false).compiles_today());
-        // Axes the compiler has, in pairs it refuses.
-        assert!(!Layout::new(&[(AxisName::Tsp, 2), (AxisName::Tp, 2)], false).compiles_today());
-        assert!(!Layout::new(&[(AxisName::Cp, 2), (AxisName::Tsp, 2)], false).compiles_today());
+        for mode in [Mode::Train, Mode::Infer] {
+            assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tp, 2)], false).compiles_today(mode));
+            // Megatron SP on tp is `--strategy tp-sp`.
+            assert!(Layout::new(&[(AxisName::Tp, 2)], true).compiles_today(mode));
+            assert!(Layout::new(&[(AxisName::Dp, 2), (AxisName::Tsp, 4)], false).compiles_today(mode));
+            assert!(Layout::new(&[(AxisName::Cp, 2)], false).compiles_today(mode));
+            assert!(!Layout::new(&[(AxisName::Sp, 2)], false).compiles_today(mode));
+            // Axes the compiler has, in pairs it refuses.
+            assert!(!Layout::new(&[(AxisName::Tsp, 2), (AxisName::Tp, 2)], false).compiles_today(mode));
+            assert!(!Layout::new(&[(AxisName::Cp, 2), (AxisName::Tsp, 2)], false).compiles_today(mode));
+        }
+        // pp pipelines a training step; a forward pass refuses it.
+        let pipelined = Layout::new(&[(AxisName::Pp, 2), (AxisName::Tp, 2)], false);
+        assert!(pipelined.compiles_today(Mode::Train));
+        assert!(!pipelined.compiles_today(Mode::Infer));
+        assert!(!Layout::new(&[(AxisName::Pp, 2), (AxisName::Sp, 2)], false).compiles_today(Mode::Train));
     }
 }

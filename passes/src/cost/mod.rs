@@ -59,7 +59,7 @@ pub(crate) fn total(values: impl IntoIterator<Item = f64>) -> f64 {
 
 pub use estimate::{estimate, Estimate};
 pub use hw::HardwareSpec;
-pub use layout::Layout;
+pub use layout::{compiled_axes, Layout};
 pub use model::ModelShape;
 pub use workload::{Mode, Recompute, Workload};
 
