@@ -2,8 +2,9 @@
 
 mod common;
 
-use common::check_equivalence;
+use common::{check_equivalence, check_programs, compile_with};
 use pleat_ir::model::preset::preset;
+use pleat_passes::PassCtx;
 
 fn tiny() -> pleat_ir::model::config::ModelConfig {
     preset("tiny").expect("tiny preset")
@@ -19,6 +20,34 @@ fn tensor_parallel_matches_reference_at_every_degree() {
     // tp=8 exceeds tiny's 4 kv heads: k/v projections stay whole on every rank.
     for tp in [1, 2, 4, 8] {
         check_equivalence(&tiny(), 2, 16, &format!("tp={tp}"));
+    }
+}
+
+#[test]
+fn axes_of_one_rank_compile_as_if_absent() {
+    // An axis of one rank splits nothing: the programs are those of the mesh without it, with no
+    // collective over one rank (tp=1 had 6 a forward pass, tsp=1 17), and Megatron SP over tp=1
+    // is no SP.
+    let sequence_parallel = PassCtx { sequence_parallel: true, ..PassCtx::default() };
+    let cases = [
+        ("tp=1", "", PassCtx::default()),
+        ("tsp=1", "", PassCtx::default()),
+        ("cp=1,dp=1", "", PassCtx::default()),
+        ("tp=1", "", sequence_parallel.clone()),
+        ("dp=2,tp=1", "dp=2", sequence_parallel.clone()),
+        ("tp=2,cp=1", "tp=2", sequence_parallel),
+        ("tsp=2,dp=1", "tsp=2", PassCtx::default()),
+    ];
+    for (mesh, without, ctx) in cases {
+        let programs = compile_with(&tiny(), 4, 16, mesh, &ctx).1;
+        // (Without a tp axis, SP is refused: compile the mesh without it and without SP.)
+        let unsplit = if without.contains("tp=") { ctx.clone() } else { PassCtx::default() };
+        let expected = compile_with(&tiny(), 4, 16, without, &unsplit).1;
+        assert_eq!(programs.len(), expected.len(), "{mesh}");
+        for (program, expected) in programs.iter().zip(&expected) {
+            assert_eq!(program.instructions, expected.instructions, "{mesh} rank {}", program.rank);
+        }
+        check_programs(&tiny(), 4, 16, mesh, programs);
     }
 }
 

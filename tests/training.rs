@@ -64,7 +64,7 @@ fn gradient_buckets_change_the_messages_not_the_numbers() {
 fn tensor_and_sequence_parallel_training_matches_the_reference() {
     // The TSP backward (docs/training.md): broadcast attention blocks reduced back to their owners,
     // dk and dv reduce-scattered, the MLP ring run again with each shard's gradient travelling home.
-    // tsp=1 is the ring of one step: each gradient is the rank's own part.
+    // (tsp=1, an axis of one rank, compiles as no tsp.)
     for mesh in ["tsp=1", "tsp=2", "tsp=4", "dp=2,tsp=2"] {
         assert_matches_reference(&train(mesh, 10, &[]), mesh);
     }

@@ -114,6 +114,12 @@ impl Mesh {
         Mesh::new(&axes)
     }
 
+    /// The mesh without its axes of one rank, which split nothing (every rank's coordinate on
+    /// them is 0, so ranks and the other axes' groups are the same).
+    pub fn without_unit_axes(&self) -> Mesh {
+        Mesh { axes: self.axes.iter().filter(|axis| axis.size > 1).cloned().collect() }
+    }
+
     /// The axes, outermost first.
     pub fn axes(&self) -> &[MeshAxis] {
         &self.axes

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use pleat_ir::Module;
+use pleat_ir::{AxisName, Module};
 
 use crate::error::{Error, Result};
 use crate::verify::verify;
@@ -111,6 +111,18 @@ pub fn run_pipeline(passes: &[Pass], module: &mut Module, ctx: &PassCtx) -> Resu
             });
         }
     }
+    // An axis of one rank splits nothing; left in, passes would place collectives over one rank
+    // on it (an ep dispatch's all-to-all, fold-tsp's broadcasts), or experts on it. (So does
+    // Megatron SP over tp=1.)
+    let unit_tp = module.mesh.axis(AxisName::Tp).is_some_and(|axis| axis.size == 1);
+    let unsplit;
+    let ctx = if ctx.sequence_parallel && unit_tp {
+        unsplit = PassCtx { sequence_parallel: false, ..ctx.clone() };
+        &unsplit
+    } else {
+        ctx
+    };
+    module.mesh = module.mesh.without_unit_axes();
     let mut report = PipelineReport::default();
     for pass in passes {
         let started = Instant::now();

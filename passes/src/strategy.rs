@@ -74,9 +74,6 @@ pub fn seed_leaves(module: &mut Module, ctx: &PassCtx) -> Result<()> {
                 }
             }
             AxisName::Dp => seed_data_parallel(module, axis.size)?,
-            // An ep axis of one rank places nothing: seeding it would only dispatch over one rank
-            // (an all-to-all), and beside tsp take the experts from it.
-            AxisName::Ep if axis.size == 1 => {}
             AxisName::Ep => seed_expert_parallel(module, AxisName::Ep, axis.size, !ctx.expert_all_gather)?,
             // Weights stay whole on every cp rank; the sequence split is placed by `fold-cp`.
             AxisName::Cp => {}
