@@ -387,6 +387,10 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
             }
             Error::Weight { rank, .. } | Error::Panicked { rank, .. } => put("rank", json!(rank)),
             Error::NoCudaDevice { .. } => put("flag", json!("--device")),
+            Error::Diverged { rank, .. } => {
+                put("rank", json!(rank));
+                put("flag", json!("--lr"));
+            }
             Error::Inputs { .. } => {}
         }
     } else if let Some(error) = cause.downcast_ref::<pleat_backend::Error>() {

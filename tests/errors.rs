@@ -246,6 +246,8 @@ fn flags_schedules_and_hardware() {
         // all (--max-grad-norm nan), a wrong flag named (--chunks 0) or a run with nothing in it.
         case(&["run", "tiny", "--train", "--steps", "0"], "E0701", "'0' for '--steps"),
         case(&["run", "tiny", "--train", "--lr", "nan"], "E0701", "nan is not a finite number"),
+        // A diverged step is its own error, not one of the inputs (whose help did not fit).
+        case(&["run", "tiny", "--train", "--steps", "3", "--lr", "1e10"], "E0609", "the step diverged"),
         case(&["run", "tiny", "--train", "--lr=-1"], "E0701", "-1 is not above 0"),
         case(&["run", "tiny", "--train", "--max-grad-norm", "inf"], "E0701", "inf is not a finite number"),
         case(

@@ -63,6 +63,20 @@ pub enum Error {
         /// What is wrong and how to fix it.
         reason: String,
     },
+    /// A training step diverged: its gradient norm over every rank is NaN or infinite.
+    #[error("rank {rank}: optimizer step {step}: the gradient norm is {norm}; the step diverged")]
+    #[diagnostic(
+        code(E0609),
+        help("lower --lr or raise --warmup (a NaN or infinite gradient cannot be clipped by --max-grad-norm)")
+    )]
+    Diverged {
+        /// The rank.
+        rank: u32,
+        /// The optimizer step (1-based).
+        step: u32,
+        /// The gradient norm.
+        norm: f64,
+    },
     /// No CUDA device could be opened (`--device cuda`).
     #[error("no CUDA device: {reason}")]
     #[diagnostic(

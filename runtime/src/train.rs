@@ -443,7 +443,7 @@ impl Step {
         comm.all_reduce(world, &mut total).map_err(comm_error)?;
         let norm = f64::from(total[0]).sqrt();
         if !norm.is_finite() {
-            return Err(self.error(format!("the gradient norm is {norm}; lower the learning rate")));
+            return Err(Error::Diverged { rank: self.rank, step: self.step, norm });
         }
         let AdamWSettings { learning_rate, beta1, beta2, eps, weight_decay, max_grad_norm } = self.settings;
         let clip_scale = max_grad_norm.map_or(1.0, |max_norm| (max_norm / (norm + 1e-6)).min(1.0));

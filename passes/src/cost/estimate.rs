@@ -281,6 +281,16 @@ pub fn estimate(model: &ModelShape, layout: &Layout, workload: &Workload, hw: &H
     if workload.mode == Mode::Infer && workload.recompute != super::Recompute::None {
         warnings.push("recompute has no effect on inference".to_string());
     }
+    // (ZeRO shards training state over a parameter's replicas; `pleat run` refuses it without.)
+    if workload.mode == Mode::Infer && workload.zero > 0 {
+        warnings.push(format!("zero {} has no effect on inference, which keeps no optimizer state", workload.zero));
+    } else if workload.zero > 0 && layout.zero_replicas() == 1 {
+        warnings.push(format!(
+            "zero {} shards over the ranks that replicate the parameters (dp, cp or ep), and {layout} has none \
+             above 1: it has no effect, and `pleat run --train` refuses it (E0719)",
+            workload.zero
+        ));
+    }
     let experts = expert_summary(model, layout, workload, &comm.calls, tokens_per_step);
     Ok(Estimate {
         schema_version: SCHEMA_VERSION,
@@ -445,5 +455,19 @@ mod tests {
         let warning = refused.warnings.iter().find(|warning| warning.contains("E0209")).expect("a refused pair");
         assert!(warning.contains("pleat does not compile tsp beside tp: both split the weights"), "{warning}");
         assert!(!refused.warnings.iter().any(|warning| warning.contains("yet")), "{:?}", refused.warnings);
+        // ZeRO without replicas, or on inference, says it does nothing.
+        let small = ModelShape::from_config(&preset("tiny").unwrap());
+        let zero = |mesh: &[(AxisName, u64)], workload: Workload| {
+            let workload = Workload { zero: 3, ..workload };
+            super::estimate(&small, &Layout::new(mesh, false), &workload, &hw).unwrap().warnings
+        };
+        let unsharded = zero(&[(AxisName::Tp, 2)], Workload::training(64, 1));
+        assert!(
+            unsharded.iter().any(|warning| warning.contains("has none above 1: it has no effect")),
+            "{unsharded:?}"
+        );
+        let inference = zero(&[(AxisName::Dp, 2)], Workload::inference(64, 1));
+        assert!(inference.iter().any(|warning| warning.contains("no effect on inference")), "{inference:?}");
+        assert!(zero(&[(AxisName::Dp, 2)], Workload::training(64, 1)).is_empty());
     }
 }
