@@ -527,6 +527,9 @@ impl ModelConfig {
         embedding.checked_add(self.num_layers.checked_mul(per_layer)?)?.checked_add(hidden)?.checked_add(lm_head)
     }
 
+    /// The most decoder layers a config may have.
+    pub const MAX_LAYERS: u64 = 1 << 16;
+
     /// Checks the invariants the module promises, naming `source` in errors.
     fn validate(&self, source: &str) -> Result<()> {
         let sizes = [
@@ -543,6 +546,12 @@ impl ModelConfig {
             if size == 0 {
                 return Err(bad_value(source, field, "0", "at least 1"));
             }
+        }
+        // (Far above any model trained, below a graph that exhausts memory as it is built: 10^12
+        // layers of a tiny width were killed for it.)
+        if self.num_layers > Self::MAX_LAYERS {
+            let value = self.num_layers.to_string();
+            return Err(bad_value(source, "num_hidden_layers", &value, "at most 65536 (2^16)"));
         }
         if self.sliding_window == Some(0) {
             return Err(bad_value(source, "sliding_window", "0", "at least 1, or null for full attention"));

@@ -307,6 +307,10 @@ fn values_out_of_range() {
     let cases = [
         (vec![("vocab_size", json!(0))], "`vocab_size` = 0 is out of range; it must be at least 1"),
         (vec![("num_hidden_layers", json!(0))], "`num_hidden_layers` = 0 is out of range; it must be at least 1"),
+        (
+            vec![("num_hidden_layers", json!(1_000_000_000_000u64))],
+            "`num_hidden_layers` = 1000000000000 is out of range; it must be at most 65536 (2^16)",
+        ),
         (vec![("num_attention_heads", json!(0))], "`num_attention_heads` = 0 is out of range; it must be at least 1"),
         (vec![("num_key_value_heads", json!(0))], "`num_key_value_heads` = 0 is out of range; it must be at least 1"),
         (vec![("head_dim", json!(0))], "`head_dim` = 0 is out of range; it must be at least 1"),
