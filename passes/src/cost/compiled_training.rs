@@ -357,7 +357,8 @@ fn backward_phases(model: &ModelShape, layout: &Layout, workload: &Workload, par
     // under SP, its input all-gathered again, the last layer's split output then freed).
     let norm_weight = model.norm.params(model.hidden) as f64 * element;
     let zero_rows = ZeroRows::new(model, layout);
-    // (ZeRO-3 gathers a norm's weight again only where its rows divide; else it is kept whole.)
+    // (ZeRO-3 gathers again only the weights it split (`super::zero_rows`): a norm's whose rows do
+    // not divide over the replicas stays whole.)
     let gathered_again = |dims: &[u64], bytes: f64| if zero_rows.splits(dims, false) { bytes } else { 0.0 };
     let norm_gathered = gathered_again(&[model.hidden], norm_weight);
     let mut input_gradient = past_loss.clone();
