@@ -239,13 +239,15 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
                 outcome.indivisible,
                 outcome.pruned
             );
+            // (The mesh column fits the longest layout shown: four axes overflow 22 characters.)
+            let width = top.iter().map(|plan| plan.estimate.layout.len()).max().unwrap_or(0).max(22);
             println!(
-                "{:>4}  {:<22} {:<38} {:>11} {:>10} {:>10} {:>12} {:>6}",
+                "{:>4}  {:<width$} {:<38} {:>11} {:>10} {:>10} {:>12} {:>6}",
                 "rank", "mesh", "micro-batches, zero, recompute", "memory", "step (s)", "comm (s)", "tok/s/GPU", "MFU"
             );
             for (rank, plan) in top.iter().enumerate() {
                 println!(
-                    "{:>4}  {:<22} {:<38} {:>11} {:>10.4} {:>10.4} {:>12.1} {:>5.1}%{}",
+                    "{:>4}  {:<width$} {:<38} {:>11} {:>10.4} {:>10.4} {:>12.1} {:>5.1}%{}",
                     rank + 1,
                     plan.estimate.layout,
                     describe_workload(&plan.workload),
