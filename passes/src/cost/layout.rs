@@ -126,16 +126,18 @@ impl Layout {
     }
 
     /// Whether pleat's compiler has strategies for every axis of this layout today in `mode`
-    /// (Megatron SP on tp is `--strategy tp-sp`; pp pipelines training steps), none of them a pair
-    /// it refuses together (tsp beside tp or cp); the cost model covers the others analytically.
+    /// (Megatron SP on tp is `--strategy tp-sp`; pp pipelines training steps; an axis of one rank
+    /// compiles as if absent), none of them a pair it refuses together (tsp beside tp or cp); the
+    /// cost model covers the others analytically.
     pub fn compiles_today(&self, mode: Mode) -> bool {
         let compiled = compiled_axes(mode);
-        self.axes.iter().all(|(axis, _)| compiled.contains(axis)) && self.refused_pair().is_none()
+        self.axes.iter().all(|&(axis, degree)| degree == 1 || compiled.contains(&axis)) && self.refused_pair().is_none()
     }
 
     /// The pair of this layout's axes the compiler refuses together, for good (`E0209`), and why.
     pub fn refused_pair(&self) -> Option<(AxisName, AxisName, &'static str)> {
-        let has = |axis: AxisName| self.axes.iter().any(|&(name, _)| name == axis);
+        // (An axis of one rank compiles as if absent, so it conflicts with nothing.)
+        let has = |axis: AxisName| self.axes.iter().any(|&(name, degree)| name == axis && degree > 1);
         crate::strategy::CONFLICTING_AXES.iter().copied().find(|&(first, second, _)| has(first) && has(second))
     }
 
@@ -355,5 +357,10 @@ mod tests {
         assert!(pipelined.compiles_today(Mode::Train));
         assert!(!pipelined.compiles_today(Mode::Infer));
         assert!(!Layout::new(&[(AxisName::Pp, 2), (AxisName::Sp, 2)], false).compiles_today(Mode::Train));
+        // An axis of one rank is no axis.
+        assert!(
+            Layout::new(&[(AxisName::Pp, 1), (AxisName::Sp, 1), (AxisName::Tp, 2)], false).compiles_today(Mode::Infer)
+        );
+        assert!(Layout::new(&[(AxisName::Tsp, 2), (AxisName::Cp, 1)], false).compiles_today(Mode::Train));
     }
 }
