@@ -387,6 +387,8 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
             }
             Error::Weight { rank, .. } | Error::Panicked { rank, .. } => put("rank", json!(rank)),
             Error::NoCudaDevice { .. } => put("flag", json!("--device")),
+            // (`--mesh` for a run, `--ranks` for `pleat bench comm`: the message names the count.)
+            Error::TooManyThreadRanks { .. } => {}
             Error::Diverged { rank, .. } => {
                 put("rank", json!(rank));
                 put("flag", json!("--lr"));

@@ -238,7 +238,8 @@ fn flags_schedules_and_hardware() {
             "E0222",
             "not a multiple of pp=4",
         ),
-        // (It used to be killed for memory.)
+        // (Each used to be killed for memory.)
+        case(&["bench", "comm", "--ranks", "100000", "--sizes", "4B"], "E0623", "more than the threads communicator"),
         case(&["schedule", "--pp", "100000", "--micro-batches", "100000"], "E0234", "use fewer micro-batches"),
         case(&["compare", "tiny", "--ranks", "0"], "E0708", "--ranks 0"),
         // Counts of at least 1 and finite numbers, checked as the flags are read: each used to

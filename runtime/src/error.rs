@@ -63,6 +63,21 @@ pub enum Error {
         /// What is wrong and how to fix it.
         reason: String,
     },
+    /// More ranks than the threads communicator connects in one process.
+    #[error(
+        "{ranks} ranks as threads of one process is more than the threads communicator connects ({max}): \
+         each rank keeps a mailbox for every other"
+    )]
+    #[diagnostic(
+        code(E0623),
+        help("use a mesh of fewer ranks, or run across processes with --comm mpi (a build with the mpi feature)")
+    )]
+    TooManyThreadRanks {
+        /// The ranks asked for.
+        ranks: u64,
+        /// [`crate::comm::ThreadFabric::MAX_RANKS`].
+        max: u32,
+    },
     /// A training step diverged: its gradient norm over every rank is NaN or infinite.
     #[error("rank {rank}: optimizer step {step}: the gradient norm is {norm}; the step diverged")]
     #[diagnostic(

@@ -66,8 +66,17 @@ pub(crate) fn on_rank_threads<T: Send>(
     on_threads(comms, |rank, comm| work(&programs[rank as usize], comm, gemm_threads))
 }
 
-/// Checks that `programs` are one a rank of one world, in rank order.
+/// Refuses a world of `ranks` threads larger than the threads communicator connects.
+pub fn check_thread_ranks(ranks: u64) -> Result<()> {
+    if ranks > u64::from(ThreadFabric::MAX_RANKS) {
+        return Err(Error::TooManyThreadRanks { ranks, max: ThreadFabric::MAX_RANKS });
+    }
+    Ok(())
+}
+
+/// Checks that `programs` are one a rank of one world, in rank order, and few enough for threads.
 fn check_ranks(programs: &[Program]) -> Result<()> {
+    check_thread_ranks(programs.len() as u64)?;
     let world_size = programs.len() as u32;
     for (rank, program) in programs.iter().enumerate() {
         if program.rank != rank as u32 || program.world_size != world_size {

@@ -26,5 +26,7 @@ pub mod weights;
 
 pub use error::{Error, Result};
 pub use executor::{execute, execute_native, OutputBlock, RankOutcome, RunInputs};
-pub use launch::{assemble, run_on_threads, run_on_threads_native, run_on_threads_with, ThreadRunOptions};
+pub use launch::{
+    assemble, check_thread_ranks, run_on_threads, run_on_threads_native, run_on_threads_with, ThreadRunOptions,
+};
 pub use native::{NativeError, NativeKernels, NativeOperand, NativeOutput};

@@ -191,6 +191,7 @@ pub fn train_on_threads(
     options: &TrainOptions,
 ) -> Result<Vec<RankTraining>> {
     check_layouts(programs, layouts)?;
+    crate::launch::check_thread_ranks(programs.len() as u64)?;
     let world_size = programs.len() as u32;
     let comms = ThreadFabric::with_link(world_size, options.timeout, options.link);
     crate::launch::on_threads(comms, |rank, comm| {

@@ -104,6 +104,7 @@ pub fn comm(args: &CommBenchArgs) -> Result<()> {
             if n_ranks == 0 {
                 bail!(crate::usage::UsageError::ZeroFlag { flag: "--ranks", what: "rank" });
             }
+            pleat_runtime::check_thread_ranks(u64::from(n_ranks))?;
             // Each rank holds a message, its chunk and the copies in flight: about three messages.
             let largest = sizes.iter().copied().max().unwrap_or(0);
             let needed = largest.saturating_mul(3).saturating_mul(u64::from(n_ranks));

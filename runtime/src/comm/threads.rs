@@ -43,6 +43,10 @@ use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTa
 pub struct ThreadFabric;
 
 impl ThreadFabric {
+    /// The most ranks a fabric connects: every rank keeps mailboxes, counters and link clocks for
+    /// every other (about 200·n² bytes; 2,000 ranks took a gigabyte, 100,000 exhausted memory).
+    pub const MAX_RANKS: u32 = 1024;
+
     /// One connected [`ThreadComm`] per rank of a world of `world_size` ranks, in rank order. Every
     /// blocking wait of every rank gives up after `timeout`.
     #[allow(

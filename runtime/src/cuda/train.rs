@@ -39,6 +39,7 @@ pub fn train_on_device(
     code: &[Option<DeviceCode>],
 ) -> Result<Vec<DeviceRankTraining>> {
     check_layouts(programs, layouts)?;
+    crate::launch::check_thread_ranks(programs.len() as u64)?;
     let comms = ThreadFabric::with_link(programs.len() as u32, options.timeout, options.link);
     crate::launch::on_threads(comms, |rank, comm| {
         let code = code.get(rank as usize).and_then(Option::as_ref);
