@@ -210,6 +210,19 @@ mod tests {
     }
 
     #[test]
+    fn dropping_axes_of_one_rank_keeps_every_ranks_groups() {
+        let mesh = Mesh::parse("pp=1,dp=2,ep=1,tp=2,cp=1").unwrap();
+        let kept = mesh.without_unit_axes();
+        assert_eq!(kept.to_string(), "dp=2,tp=2");
+        assert_eq!(kept.world_size(), mesh.world_size());
+        for rank in 0..4 {
+            for axis in [AxisName::Dp, AxisName::Tp, AxisName::Ep] {
+                assert_eq!(kept.group(rank, axis), mesh.group(rank, axis), "rank {rank} {axis}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_meshes_are_named() {
         assert_eq!(
             Mesh::parse("tq=2").unwrap_err().to_string(),
