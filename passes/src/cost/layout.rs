@@ -39,9 +39,11 @@ pub struct AxisSpan {
 }
 
 impl Layout {
-    /// The layout of `mesh`; `sequence_parallel` turns on Megatron SP for its tp axis.
+    /// The layout of `mesh`; `sequence_parallel` turns on Megatron SP for its tp axis. Its axes of
+    /// one rank are dropped, as the compiler drops them (`Mesh::without_unit_axes`).
     pub fn from_mesh(mesh: &Mesh, sequence_parallel: bool) -> Layout {
-        Layout { axes: mesh.axes().iter().map(|axis| (axis.name, axis.size)).collect(), sequence_parallel }
+        let axes: Vec<_> = mesh.axes().iter().map(|axis| (axis.name, axis.size)).collect();
+        Layout::new(&axes, sequence_parallel)
     }
 
     /// A layout from `(axis, degree)` pairs, outermost first; axes of degree 1 are dropped.
@@ -126,18 +128,16 @@ impl Layout {
     }
 
     /// Whether pleat's compiler has strategies for every axis of this layout today in `mode`
-    /// (Megatron SP on tp is `--strategy tp-sp`; pp pipelines training steps; an axis of one rank
-    /// compiles as if absent), none of them a pair it refuses together (tsp beside tp or cp); the
-    /// cost model covers the others analytically.
+    /// (Megatron SP on tp is `--strategy tp-sp`; pp pipelines training steps), none of them a pair
+    /// it refuses together (tsp beside tp or cp); the cost model covers the others analytically.
     pub fn compiles_today(&self, mode: Mode) -> bool {
         let compiled = compiled_axes(mode);
-        self.axes.iter().all(|&(axis, degree)| degree == 1 || compiled.contains(&axis)) && self.refused_pair().is_none()
+        self.axes.iter().all(|(axis, _)| compiled.contains(axis)) && self.refused_pair().is_none()
     }
 
     /// The pair of this layout's axes the compiler refuses together, for good (`E0209`), and why.
     pub fn refused_pair(&self) -> Option<(AxisName, AxisName, &'static str)> {
-        // (An axis of one rank compiles as if absent, so it conflicts with nothing.)
-        let has = |axis: AxisName| self.axes.iter().any(|&(name, degree)| name == axis && degree > 1);
+        let has = |axis: AxisName| self.axes.iter().any(|&(name, _)| name == axis);
         crate::strategy::CONFLICTING_AXES.iter().copied().find(|&(first, second, _)| has(first) && has(second))
     }
 
@@ -358,9 +358,8 @@ mod tests {
         assert!(!pipelined.compiles_today(Mode::Infer));
         assert!(!Layout::new(&[(AxisName::Pp, 2), (AxisName::Sp, 2)], false).compiles_today(Mode::Train));
         // An axis of one rank is no axis.
-        assert!(
-            Layout::new(&[(AxisName::Pp, 1), (AxisName::Sp, 1), (AxisName::Tp, 2)], false).compiles_today(Mode::Infer)
-        );
-        assert!(Layout::new(&[(AxisName::Tsp, 2), (AxisName::Cp, 1)], false).compiles_today(Mode::Train));
+        let unit = Layout::from_mesh(&Mesh::parse("pp=1,sp=1,tp=2").unwrap(), false);
+        assert!(unit.compiles_today(Mode::Infer) && unit.to_string() == "tp=2", "{unit}");
+        assert!(Layout::from_mesh(&Mesh::parse("tsp=2,cp=1").unwrap(), false).compiles_today(Mode::Train));
     }
 }
