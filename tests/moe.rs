@@ -62,6 +62,27 @@ fn qwen2_moe_with_its_shared_expert_matches_the_reference() {
         let programs = compile_with(&tiny_qwen2_moe(), 8, 16, mesh, &sequence_parallel).1;
         check_programs(&tiny_qwen2_moe(), 8, 16, &format!("{mesh} sp"), programs);
     }
+    for mesh in ["ep=2", "ep=4", "dp=2,ep=2", "cp=2,ep=2", "ep=2,tp=2", "tsp=2"] {
+        let programs = compile_with(&tiny_qwen2_moe(), 8, 16, mesh, &all_gather_dispatch()).1;
+        check_programs(&tiny_qwen2_moe(), 8, 16, &format!("{mesh} all-gather"), programs);
+    }
+}
+
+#[test]
+fn beside_the_all_gather_dispatcher_the_shared_expert_runs_on_its_ranks_own_rows() {
+    // The rows are gathered for the routed experts alone: the shared expert's GEMMs take a rank's
+    // rows, and the experts' partial sum is reduce-scattered back to them to meet its output (no
+    // all-reduce of the whole batch).
+    let text = stdout_of(&["explain", QWEN2_MOE, "--mesh", "ep=2", "--strategy", "ep-all-gather", "--batch", "4"]);
+    assert!(text.contains("layer0.mlp_norm.all_gather: all_gather over ep on batch"), "{text}");
+    assert!(text.contains("layer0.moe.reduce_scatter: reduce_scatter over ep on batch"), "{text}");
+    assert!(text.contains("takes it split on batch (each rank's own rows)"), "{text}");
+    assert!(!text.contains("all_reduce over ep"), "{text}");
+    let (module, _) = compile_with(&tiny_qwen2_moe(), 8, 16, "ep=2", &all_gather_dispatch());
+    let graph = &module.graph;
+    let gathered = graph.find("layer0.mlp_norm.all_gather").expect("the dispatcher's all-gather");
+    let readers: Vec<_> = graph.users(gathered).iter().map(|&node| graph.node(node).name.clone()).collect();
+    assert_eq!(readers, ["layer0.moe"]);
 }
 
 fn train(model: &str, mesh: &str, extra: &[&str]) -> serde_json::Value {
@@ -82,6 +103,8 @@ fn expert_parallel_training_matches_the_reference() {
     for mesh in ["ep=2", "tsp=2"] {
         let report = train("tiny-moe", mesh, &["--strategy", "ep-all-gather"]);
         assert_matches_reference(&report, &format!("{mesh} all-gather"));
+        let report = train(QWEN2_MOE, mesh, &["--strategy", "ep-all-gather"]);
+        assert_matches_reference(&report, &format!("qwen2-moe {mesh} all-gather"));
     }
     for mesh in ["tp=2", "ep=2,tp=2"] {
         assert_matches_reference(&train("tiny-moe", mesh, &["--strategy", "tp-sp"]), &format!("{mesh} sp"));

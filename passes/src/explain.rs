@@ -4,7 +4,7 @@
 //! it, and the op that could not take it so), so they stay true for any pass that produced the
 //! graph. This is an analysis: it reads a module and changes nothing.
 
-use pleat_ir::{Graph, MlpOperand, Module, MoeOperand, NodeId, Op, ValueId};
+use pleat_ir::{DimName, Graph, MlpOperand, Module, MoeOperand, NodeId, Op, ValueId};
 
 use crate::sharding::spec_text;
 
@@ -114,14 +114,23 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                 "partial-needs-all-reduce",
                 format!("{}; {consumers} needs the sum", why_partial(graph, input, &axis)),
             ),
-            Op::ReduceScatter { dim, .. } => (
-                Some(dim.to_string()),
-                "partial-then-reduce-scatter",
-                format!(
-                    "{}; {consumers} takes it split on {dim} (sequence parallelism), so the sum is scattered instead of all-reduced",
-                    why_partial(graph, input, &axis)
-                ),
-            ),
+            Op::ReduceScatter { dim, .. } => {
+                // Tokens split on seq are sequence parallelism's; on batch, the rows that the
+                // experts' all-gather dispatcher gathered go back to their ranks.
+                let split = match dim {
+                    DimName::Seq => " (sequence parallelism)",
+                    DimName::Batch => " (each rank's own rows)",
+                    _ => "",
+                };
+                (
+                    Some(dim.to_string()),
+                    "partial-then-reduce-scatter",
+                    format!(
+                        "{}; {consumers} takes it split on {dim}{split}, so the sum is scattered instead of all-reduced",
+                        why_partial(graph, input, &axis)
+                    ),
+                )
+            }
             Op::AllGather { dim, .. } => {
                 let gathers_for_attention =
                     graph.users(data.result).iter().any(|&user| matches!(graph.node(user).op, Op::Attention { .. }));

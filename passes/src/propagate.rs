@@ -11,7 +11,7 @@
 //! always-correct choices, the same under every strategy; choosing between collectives by cost,
 //! sequence parallelism's reduce-scatters included, is `rewrite-collectives`' job.
 
-use pleat_ir::{AxisName, DimName, Graph, Module, Op, Shape, ShardSpec, ValueId};
+use pleat_ir::{AxisName, DimName, Graph, Module, NodeId, Op, Shape, ShardSpec, ValueId};
 
 use crate::error::{Error, Result};
 use crate::manager::{Pass, PassCtx};
@@ -65,7 +65,15 @@ pub(crate) fn derive_specs(module: &mut Module, ctx: &PassCtx) -> Result<()> {
                             reason: format!("its activation's {dim} is split over {axis}, but not innermost"),
                         });
                     }
-                    collective_after_def(graph, input, Op::AllGather { axis, dim }, "all_gather")?;
+                    let gather = Op::AllGather { axis, dim };
+                    if matches!(data.op, Op::MoeMlp { .. }) {
+                        // The all-gather dispatcher's rows are the experts' alone: a shared expert
+                        // beside them runs on the rank's own rows, whose sum the experts' partial
+                        // one is then reduce-scattered to meet.
+                        collective_for(graph, node, 0, gather, "all_gather")?;
+                    } else {
+                        collective_after_def(graph, input, gather, "all_gather")?;
+                    }
                     // The inserted nodes sit before this one; the cursor must still point past it.
                     cursor = graph.order().iter().position(|&id| id == node).map_or(cursor, |at| at + 1);
                 }
@@ -123,6 +131,14 @@ fn sequence_parallel_axis(module: &Module, ctx: &PassCtx) -> Result<Option<AxisN
 /// Inserts `op` (a collective on `value`) after `value`'s definition, with the spec its rule
 /// derives, points later users at its result, and returns it.
 fn collective_after_def(graph: &mut Graph, value: ValueId, op: Op, suffix: &str) -> Result<ValueId> {
+    let result = insert_collective(graph, value, op, suffix)?;
+    graph.replace_uses(value, result, graph.value(result).def);
+    Ok(result)
+}
+
+/// Inserts `op` (a collective on `value`) after `value`'s definition, with the spec its rule
+/// derives, and returns its result, which nothing reads yet.
+fn insert_collective(graph: &mut Graph, value: ValueId, op: Op, suffix: &str) -> Result<ValueId> {
     let def = graph.value(value).def;
     let ty = graph.value(value).ty.clone();
     let name = format!("{}.{suffix}", graph.node(def).name);
@@ -133,7 +149,14 @@ fn collective_after_def(graph: &mut Graph, value: ValueId, op: Op, suffix: &str)
     let spec = output_spec(data, &[&input.spec], &[&input.ty.shape], &input.ty.shape)
         .map_err(|conflict| Error::NoLayout { node, name: name.clone(), reason: conflict.to_string() })?;
     graph.value_mut(result).spec = spec;
-    graph.replace_uses(value, result, node);
+    Ok(result)
+}
+
+/// Inserts `op` (a collective on operand `operand` of `node`) after that operand's definition,
+/// with the spec its rule derives, and points `node` alone at its result.
+fn collective_for(graph: &mut Graph, node: NodeId, operand: usize, op: Op, suffix: &str) -> Result<ValueId> {
+    let result = insert_collective(graph, graph.node(node).inputs[operand], op, suffix)?;
+    graph.node_mut(node).inputs[operand] = result;
     Ok(result)
 }
 
