@@ -418,3 +418,34 @@ fn under_bf16_a_training_step_at_a_routing_tie_is_judged_by_its_loss_alone() {
     assert_eq!(report["tolerances"]["routing_tie_margin"], 1.0 / 256.0);
     assert_eq!(report["tolerances"]["loss_judged_at_routing_ties"], true);
 }
+
+#[test]
+fn under_bf16_a_large_loss_is_held_to_a_share_of_its_size() {
+    // Synthetic tied tables of width 64 make logits of tens and a loss of 26: bf16 rounds each
+    // logit to 8 bits of its own size, and with a token at a routing tie this run's loss was
+    // 1.8e-2 off its reference, beyond 2^-6 absolute. The losses are held to 2^-6 of the largest.
+    let dir = cli::tempdir("large-loss");
+    let config = dir.join("config.json");
+    let text = serde_json::json!({
+        "architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 32, "num_hidden_layers": 2,
+        "vocab_size": 128, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": true, "torch_dtype": "float32", "num_local_experts": 8,
+        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": true
+    });
+    std::fs::write(&config, text.to_string()).expect("write the config");
+    let config = config.to_str().expect("a UTF-8 path");
+    let args = ["--steps", "2", "--precision", "bf16", "--check", "--format", "json", "--seq", "24", "--batch", "12"];
+    let report = json_of(&[&["run", config, "--train", "--mesh", "tp=2"], &args[..]].concat());
+    let largest = report["reference_losses"]
+        .as_array()
+        .expect("reference losses")
+        .iter()
+        .filter_map(serde_json::Value::as_f64)
+        .fold(0.0f64, f64::max);
+    assert!(largest > 20.0, "{report}");
+    let tolerance = report["tolerances"]["loss"].as_f64().expect("the loss tolerance");
+    assert!((tolerance - largest / 64.0).abs() < 1e-4, "{tolerance} vs {largest} / 64");
+    let loss = report["max_loss_err"].as_f64().expect("the losses are judged");
+    assert!(loss <= tolerance, "{loss} vs {tolerance}");
+}
