@@ -371,6 +371,23 @@ pub fn compile_training(
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
     }
+    // Each micro-batch's sequences split over dp (and ep, which splits a mixture's batch as dp
+    // does). With one micro-batch, the compiler's own error names the axis.
+    let batch_axes: Vec<_> = [AxisName::Dp, AxisName::Ep].into_iter().filter(|&axis| mesh.degree(axis) > 1).collect();
+    let batch_ranks: u64 = batch_axes.iter().map(|&axis| mesh.degree(axis)).product();
+    let sequences = batch / u64::from(micro_batches);
+    if micro_batches > 1 && sequences % batch_ranks != 0 {
+        let axes: Vec<String> = batch_axes.iter().map(|&axis| format!("{axis}={}", mesh.degree(axis))).collect();
+        let fix = if batch % batch_ranks == 0 {
+            format!("use --micro-batches in {:?}", pleat_ir::spec::valid_degrees(batch / batch_ranks))
+        } else {
+            format!(
+                "nor does the whole batch; use a --batch that is a multiple of {}",
+                batch_ranks * u64::from(micro_batches)
+            )
+        };
+        bail!(UsageError::MicroBatchNotSplit { batch, micro_batches, sequences, axes: axes.join(","), fix });
+    }
     let loss_micro_batches = loss_micro_batches(config, micro_batches);
     let inner = crate::pipeline::inner_mesh(mesh)?;
     let mut ctx = strategy.pass_ctx(&inner, dump)?;

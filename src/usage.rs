@@ -522,6 +522,28 @@ pub enum UsageError {
         /// The counts that divide the batch.
         valid: Vec<u64>,
     },
+    /// `--micro-batches` that leave each micro-batch fewer sequences, or a count that does not
+    /// split, over the mesh's batch axes (dp, and ep for a mixture).
+    #[error(
+        "a micro-batch holds {sequences} sequences (--batch {batch} over --micro-batches {micro_batches}), \
+         which do not split over {axes}; {fix}"
+    )]
+    #[diagnostic(
+        code(E0725),
+        help("give fewer micro-batches, so that each holds a multiple of the batch axes' ranks, or a larger --batch")
+    )]
+    MicroBatchNotSplit {
+        /// The batch.
+        batch: u64,
+        /// The micro-batches asked for.
+        micro_batches: u32,
+        /// The sequences a micro-batch.
+        sequences: u64,
+        /// The batch axes and their degrees, e.g. `dp=2`.
+        axes: String,
+        /// What to give instead: the counts whose micro-batches split over them, or a batch.
+        fix: String,
+    },
     /// A `--data` word that is not a token id of the vocabulary.
     #[error("--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}", .path.display())]
     #[diagnostic(code(E0726), help("write the data as integer token ids below the model's vocab_size"))]
@@ -776,7 +798,9 @@ impl UsageError {
             UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
             UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],
             UsageError::BucketsWithoutDp { mesh } => vec![("mesh", mesh.clone())],
-            UsageError::BatchNotSplit { .. } => vec![("flag", "--micro-batches".to_string())],
+            UsageError::BatchNotSplit { .. } | UsageError::MicroBatchNotSplit { .. } => {
+                vec![("flag", "--micro-batches".to_string())]
+            }
             UsageError::TrainWithTokens => vec![("flag", "--tokens".to_string())],
             UsageError::InferenceFlagWithTrain { flag } => vec![("flag", flag.to_string())],
             UsageError::ResumeWithWeights => vec![("flag", "--weights".to_string())],

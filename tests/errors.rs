@@ -457,6 +457,17 @@ fn training_flags() {
             "E0724",
             "--batch 4 does not split into --micro-batches 3",
         ),
+        case(
+            &["run", "tiny", "--train", "--mesh", "pp=2,dp=2", "--batch", "8", "--micro-batches", "8"],
+            "E0725",
+            "a micro-batch holds 1 sequences (--batch 8 over --micro-batches 8), which do not split over dp=2; \
+             use --micro-batches in [1, 2, 4]",
+        ),
+        case(
+            &["run", "tiny", "--train", "--mesh", "dp=2", "--batch", "3", "--micro-batches", "3"],
+            "E0725",
+            "nor does the whole batch; use a --batch that is a multiple of 6",
+        ),
         case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is `300`"),
         case(&["run", "tiny", "--train", "--data", &empty_data], "E0727", "no token ids"),
         case(&["run", &compiled, "--train"], "E0728", "holds a forward pass (compiled without --train)"),
