@@ -407,7 +407,7 @@ pub fn run_programs(
 
 /// Refuses `programs` whose ranks, as threads of this process, need more memory than this machine
 /// has available: their planned peaks (f32 buffers, weights included) add up.
-fn ensure_threads_fit(programs: &[Program]) -> Result<()> {
+pub(crate) fn ensure_threads_fit(programs: &[Program]) -> Result<()> {
     let needed =
         programs.iter().map(|program| plan(program, ElementSize::Fixed(4)).peak_bytes).fold(0u64, u64::saturating_add);
     crate::host_memory::ensure_available(&format!("running {} ranks' programs", programs.len()), needed)

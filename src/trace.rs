@@ -202,6 +202,8 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
     let weights = crate::run::weight_source(None, 0)?;
     let inputs = RunInputs { tokens: &tokens, positions: &positions, weights: weights.as_ref(), epoch: Instant::now() };
+    // The step runs for real, so a model too large for this machine is refused, as `pleat run` is.
+    crate::run::ensure_threads_fit(&compiled.programs)?;
     let outcomes = run_on_threads(&compiled.programs, &inputs, Duration::from_secs(600))?;
     write_measured(&args.out, &compiled.programs, &outcomes)?;
     let inner = compiled.programs.len() as u32 / stages;

@@ -223,6 +223,10 @@ fn runs_larger_than_the_machine_are_refused_before_they_allocate() {
         let error = error_of(&args);
         assert!(error.contains("E0747") && error.contains("GB available"), "{error}");
     }
+    // With a pp axis `pleat trace` runs one training step for real.
+    let out = dir.join("trace.json");
+    let error = error_of(&["trace", path.to_str().unwrap(), "--mesh", "pp=2", "--out", out.to_str().unwrap()]);
+    assert!(error.contains("E0747") && error.contains("GB available"), "{error}");
     let error = error_of(&["bench", "comm", "--ranks", "2", "--sizes", "18446744073709551615B"]);
     assert!(error.contains("E0747"), "{error}");
     let error = error_of(&["bench", "comm", "--ranks", "2", "--sizes", "1KiB", "--iters", "0"]);
