@@ -98,7 +98,35 @@ pub fn pipelined(
 }
 
 /// Micro-batches a step when `--micro-batches` is not given: 2·pp (each stage busy with a second
-/// while the first moves on), or the largest count below it that splits `batch`.
-pub fn default_micro_batches(batch: u64, stages: u32) -> u32 {
-    (1..=2 * stages).rev().find(|&count| batch % u64::from(count) == 0).unwrap_or(1)
+/// while the first moves on), or the largest count below it that splits `batch` into micro-batches
+/// whose sequences split over `batch_ranks` ranks ([`batch_axes`]).
+pub fn default_micro_batches(batch: u64, stages: u32, batch_ranks: u64) -> u32 {
+    let splits = |count: u64| batch % count == 0 && (batch / count) % batch_ranks.max(1) == 0;
+    (1..=2 * stages).rev().find(|&count| splits(u64::from(count))).unwrap_or(1)
+}
+
+/// The axes of `mesh` above one rank that split the batch: dp, and ep, which splits a mixture's
+/// batch as dp does.
+pub fn batch_axes(mesh: &Mesh) -> Vec<AxisName> {
+    [AxisName::Dp, AxisName::Ep].into_iter().filter(|&axis| mesh.degree(axis) > 1).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_micro_batches_split_over_the_batch_axes() {
+        // 2·pp = 4 micro-batches of a batch of 8; over dp=4 each holds 2 sequences, which do not
+        // split, so 2 micro-batches of 4; over dp=8 one of 8.
+        assert_eq!(default_micro_batches(8, 2, 1), 4);
+        assert_eq!(default_micro_batches(8, 2, 4), 2);
+        assert_eq!(default_micro_batches(8, 2, 8), 1);
+        // A batch of 6 over pp=4: 6 micro-batches; over dp=2 3 of 2.
+        assert_eq!(default_micro_batches(6, 4, 1), 6);
+        assert_eq!(default_micro_batches(6, 4, 2), 3);
+        let mesh = Mesh::parse("pp=2,dp=2,tp=2,ep=1").unwrap();
+        assert_eq!(batch_axes(&mesh), [AxisName::Dp]);
+        assert_eq!(batch_axes(&Mesh::parse("dp=2,ep=4").unwrap()), [AxisName::Dp, AxisName::Ep]);
+    }
 }

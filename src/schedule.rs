@@ -63,10 +63,11 @@ pub struct PipelineFlags {
 }
 
 impl PipelineFlags {
-    /// The micro-batches a step of `batch` sequences over `stages` stages: --micro-batches, or
-    /// the default (`crate::pipeline::default_micro_batches`).
-    pub fn micro_batches_or_default(&self, batch: u64, stages: u32) -> u32 {
-        self.micro_batches.unwrap_or_else(|| crate::pipeline::default_micro_batches(batch, stages))
+    /// The micro-batches a step of `batch` sequences over `stages` stages, each split over
+    /// `batch_ranks` ranks: --micro-batches, or the default
+    /// (`crate::pipeline::default_micro_batches`).
+    pub fn micro_batches_or_default(&self, batch: u64, stages: u32, batch_ranks: u64) -> u32 {
+        self.micro_batches.unwrap_or_else(|| crate::pipeline::default_micro_batches(batch, stages, batch_ranks))
     }
 }
 

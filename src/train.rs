@@ -371,7 +371,7 @@ pub fn compile_training(
     }
     // Each micro-batch's sequences split over dp (and ep, which splits a mixture's batch as dp
     // does). With one micro-batch, the compiler's own error names the axis.
-    let batch_axes: Vec<_> = [AxisName::Dp, AxisName::Ep].into_iter().filter(|&axis| mesh.degree(axis) > 1).collect();
+    let batch_axes = crate::pipeline::batch_axes(mesh);
     let batch_ranks: u64 = batch_axes.iter().map(|&axis| mesh.degree(axis)).product();
     let sequences = batch / u64::from(micro_batches);
     if micro_batches > 1 && sequences % batch_ranks != 0 {
