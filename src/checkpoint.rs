@@ -19,7 +19,7 @@
 //! tensors in `model.safetensors` and `optimizer.safetensors`) is not read: save it again.
 //!
 //! Every directory or file pleat writes goes to a staging sibling first and is renamed into place
-//! ([`write_dir_atomically`], [`write_file_atomically`]): a process killed at any moment leaves the
+//! ([`write_dir_atomically`], [`write_atomically_with`]): a process killed at any moment leaves the
 //! old artifact or the new one (a directory: or none, briefly, with the old one kept aside and put
 //! back by the next write or read), never a torn one. Staging siblings of killed processes are
 //! removed by the next write.
@@ -333,13 +333,35 @@ fn refuse_to_replace_foreign(dir: &Path, marker: &str) -> Result<()> {
     bail!(UsageError::OutputOccupied { path: dir.to_path_buf(), what })
 }
 
-/// Writes the file `path` atomically: `bytes` go to a staging sibling, which is renamed over it.
-/// A path that is not a regular file (a link such as `/dev/stdout`, a pipe, a device) is written
-/// through instead: renaming over it would replace the link or node itself.
-pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+/// [`write_atomically_with`] of `bytes`.
+#[cfg(test)]
+fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomically_with(path, |writer| writer.write_all(bytes))
+}
+
+/// Writes the file `path` atomically: what `write` writes goes to a staging sibling, which is
+/// renamed over it. It is streamed through a buffer, never held whole (a trace of hundreds of
+/// ranks is gigabytes of text). A path that is not a regular file (a link such as `/dev/stdout`,
+/// a pipe, a device) is written through instead: renaming over it would replace the link or node
+/// itself.
+pub fn write_atomically_with(
+    path: &Path,
+    write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
+) -> Result<()> {
+    let stream = |target: &Path, write: &mut dyn FnMut(&mut dyn std::io::Write) -> std::io::Result<()>| {
+        let file = std::fs::File::create(target)?;
+        let mut writer = std::io::BufWriter::new(file);
+        write(&mut writer)?;
+        std::io::Write::flush(&mut writer)
+    };
+    let mut write = Some(write);
+    let mut once = |writer: &mut dyn std::io::Write| match write.take() {
+        Some(write) => write(writer),
+        None => Ok(()),
+    };
     if let Ok(metadata) = std::fs::symlink_metadata(path) {
         if !metadata.is_file() && !metadata.is_dir() {
-            return std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()));
+            return stream(path, &mut once).with_context(|| format!("cannot write {}", path.display()));
         }
     }
     let (parent, name) = parent_and_name(path)?;
@@ -349,7 +371,7 @@ pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         }
     }
     let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if let Err(error) = std::fs::write(&staging, bytes) {
+    if let Err(error) = stream(&staging, &mut once) {
         let _ = std::fs::remove_file(&staging);
         return Err(error).with_context(|| format!("cannot write {}", staging.display()));
     }

@@ -129,8 +129,17 @@ pub fn predicted_slices(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<S
 
 /// The trace-event document of `slices` over `ranks` ranks: metadata naming every process and its
 /// threads (compute, comm, and prefetch where it has prefetches), then one complete event a slice.
-pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
-    let mut events = Vec::with_capacity(slices.len() + 3 * ranks as usize);
+#[cfg(test)]
+fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
+    let mut events = metadata_events(slices, ranks);
+    events.extend(slices.iter().map(slice_event));
+    json!({"traceEvents": events, "displayTimeUnit": "ns"})
+}
+
+/// The metadata events of a Chrome trace: each rank's process and its tracks' names (the
+/// prefetch stream's where `slices` use it).
+fn metadata_events(slices: &[Slice], ranks: u32) -> Vec<Value> {
+    let mut events = Vec::with_capacity(3 * ranks as usize);
     // The prefetch stream's track only where the rank has one.
     let with_prefetches: std::collections::HashSet<u32> =
         slices.iter().filter(|slice| slice.work.stream == Stream::Prefetch).map(|slice| slice.rank).collect();
@@ -149,30 +158,44 @@ pub fn chrome_trace(slices: &[Slice], ranks: u32) -> Value {
             );
         }
     }
-    for slice in slices {
-        events.push(json!({
-            "ph": "X",
-            "name": slice.work.name(),
-            "cat": slice.work.op,
-            "pid": slice.rank,
-            "tid": slice.work.stream as u32,
-            "ts": slice.start_us,
-            "dur": slice.duration_us,
-            "args": {"bytes": slice.work.bytes, "flops": slice.work.flops, "instr": slice.instr},
-        }));
-    }
-    json!({"traceEvents": events, "displayTimeUnit": "ns"})
+    events
 }
 
-/// Writes `trace` to `path` through a temporary sibling and a rename.
-pub fn write_trace(path: &Path, trace: &Value) -> Result<()> {
-    crate::checkpoint::write_file_atomically(path, serde_json::to_string(trace)?.as_bytes())
+/// A slice as a Chrome trace complete event.
+fn slice_event(slice: &Slice) -> Value {
+    json!({
+        "ph": "X",
+        "name": slice.work.name(),
+        "cat": slice.work.op,
+        "pid": slice.rank,
+        "tid": slice.work.stream as u32,
+        "ts": slice.start_us,
+        "dur": slice.duration_us,
+        "args": {"bytes": slice.work.bytes, "flops": slice.work.flops, "instr": slice.instr},
+    })
+}
+
+/// Writes the Chrome trace of `slices` over `ranks` ranks to `path`, through a temporary sibling
+/// and a rename, one event at a time: the trace of 256 ranks of a 32-layer model is 140 MB of
+/// text, and built as one JSON value first it took several times that in memory.
+pub fn write_chrome_trace(path: &Path, slices: &[Slice], ranks: u32) -> Result<()> {
+    crate::checkpoint::write_atomically_with(path, |writer| {
+        writer.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[")?;
+        let metadata = metadata_events(slices, ranks).into_iter();
+        for (index, event) in metadata.chain(slices.iter().map(slice_event)).enumerate() {
+            if index > 0 {
+                writer.write_all(b",")?;
+            }
+            serde_json::to_writer(&mut *writer, &event)?;
+        }
+        writer.write_all(b"]}")
+    })
 }
 
 /// Writes the measured trace of a run.
 pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome]) -> Result<()> {
     let slices = measured_slices(programs, outcomes)?;
-    write_trace(path, &chrome_trace(&slices, programs.len() as u32))
+    write_chrome_trace(path, &slices, programs.len() as u32)
 }
 
 /// With a pp axis: runs one pipelined training step on threads, writes its measured trace, and
@@ -291,7 +314,7 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
         }
     };
     let slices = predicted_slices(&programs, &hw)?;
-    write_trace(&args.out, &chrome_trace(&slices, programs.len() as u32))?;
+    write_chrome_trace(&args.out, &slices, programs.len() as u32)?;
     let step_us = slices.iter().map(|slice| slice.start_us + slice.duration_us).fold(0.0, f64::max);
     println!(
         "wrote the predicted trace of {} rank(s) on {} to {}: {} slices, step {:.1} us",
@@ -380,10 +403,22 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.json");
-        write_trace(&path, &chrome_trace(&[], 1)).unwrap();
+        write_chrome_trace(&path, &[], 1).unwrap();
         let parsed: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(parsed["traceEvents"].as_array().unwrap().len(), 4);
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        // Streamed event by event, the file holds what `chrome_trace` builds as one value.
+        let slices = [Slice {
+            rank: 1,
+            instr: 3,
+            work: work(Stream::Prefetch, "all_gather", "w"),
+            start_us: 1.0,
+            duration_us: 2.0,
+        }];
+        write_chrome_trace(&path, &slices, 2).unwrap();
+        let parsed: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(parsed, chrome_trace(&slices, 2));
+        assert_eq!(parsed["traceEvents"].as_array().unwrap().len(), 2 * 4 + 1 + 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -793,13 +793,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.trace {
         let timings: Vec<(u32, &[(u64, u64)])> =
             ranks.iter().map(|rank| (rank.rank, rank.first_timings.as_slice())).collect();
-        crate::trace::write_trace(
-            path,
-            &crate::trace::chrome_trace(
-                &crate::trace::timed_slices(&target.programs, &timings, crate::trace::RunStreams::Two)?,
-                target.programs.len() as u32,
-            ),
-        )?;
+        let slices = crate::trace::timed_slices(&target.programs, &timings, crate::trace::RunStreams::Two)?;
+        crate::trace::write_chrome_trace(path, &slices, target.programs.len() as u32)?;
     }
     if let Some(errors) = &report.errors {
         for (name, err, tol) in [

@@ -235,8 +235,11 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         {
             crate::trace::write_measured(&dir.join(format!("{name}-measured.json")), programs, outcomes)?;
             let slices = crate::trace::predicted_slices(programs, &hw)?;
-            let trace = crate::trace::chrome_trace(&slices, programs.len() as u32);
-            crate::trace::write_trace(&dir.join(format!("{name}-predicted.json")), &trace)?;
+            crate::trace::write_chrome_trace(
+                &dir.join(format!("{name}-predicted.json")),
+                &slices,
+                programs.len() as u32,
+            )?;
         }
     }
     let hidden_share = |off: f64, on: f64| if off > 0.0 { 1.0 - on / off } else { 0.0 };
