@@ -369,7 +369,7 @@ fn a_step_at_a_routing_tie_is_reported_not_judged() {
 #[test]
 fn under_bf16_tokens_at_a_routing_tie_are_reported_and_the_rest_judged() {
     // Under bf16 the run and the reference (every bf16 value rounded as the runtime stores it)
-    // round some stream elements a last bit apart, so a token whose router logits are within 2^-8
+    // round some stream elements a last bit apart, so a token whose router logits are within 2^-7
     // (relative) of choosing another expert may be routed differently: measured at tp=4, two such
     // tokens' logits were 0.5 off. They, and the later tokens of their sequences (attention carries
     // them), are reported, not judged; the others are held to bf16's tolerance. Before, every
@@ -392,8 +392,34 @@ fn under_bf16_tokens_at_a_routing_tie_are_reported_and_the_rest_judged() {
 }
 
 #[test]
+fn under_bf16_rows_two_units_of_rounding_from_a_tie_are_reported() {
+    // A narrow mixture (width 24, two layers of 6 experts): at cp=2 and tp=2 under bf16 a token
+    // 0.27 off its reference followed rows whose router gaps were 4.2e-3 to 4.8e-3, beyond 2^-8:
+    // the layers before its router had summed in another order, more than a last bit apart.
+    let dir = cli::tempdir("narrow-mixture");
+    let config = dir.join("config.json");
+    let text = serde_json::json!({
+        "architectures": ["MixtralForCausalLM"], "hidden_size": 24, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "num_hidden_layers": 2,
+        "vocab_size": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "torch_dtype": "float32", "num_local_experts": 6,
+        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": false
+    });
+    std::fs::write(&config, text.to_string()).expect("write the config");
+    let config = config.to_str().expect("a UTF-8 path");
+    for mesh in ["cp=2", "tp=2"] {
+        let args = ["--seq", "12", "--batch", "4", "--precision", "bf16", "--check", "--format", "json"];
+        let report = json_of(&[&["run", config, "--mesh", mesh], &args[..]].concat());
+        let (err, tolerance) = (report["max_abs_err"].as_f64().unwrap(), report["tolerance"].as_f64().unwrap());
+        assert!(err <= tolerance, "{mesh}: {err} over {tolerance}");
+        let ties = &report["routing_ties"];
+        assert!(ties["tokens"].as_u64().unwrap() < ties["of_tokens"].as_u64().unwrap(), "{mesh}: {ties}");
+    }
+}
+
+#[test]
 fn under_bf16_a_training_step_at_a_routing_tie_is_judged_by_its_loss_alone() {
-    // Every step of tiny-moe has a token within 2^-8 of a routing tie under bf16. A token sent to
+    // Every step of tiny-moe has a token within 2^-7 of a routing tie under bf16. A token sent to
     // another expert moves the step's mean loss by its share (at most 2e-3 measured, within bf16's
     // 1.6e-2), so the losses are judged; its share of one expert's gradient (up to 2e-2 of the
     // norm, measured) is not, so the gradients are reported as not judged (null), never as 0.
@@ -415,7 +441,7 @@ fn under_bf16_a_training_step_at_a_routing_tie_is_judged_by_its_loss_alone() {
     let loss = report["max_loss_err"].as_f64().expect("the losses are judged");
     assert!(loss > 0.0 && loss <= report["tolerances"]["loss"].as_f64().unwrap(), "{loss}");
     assert!(report["max_grad_rel_err"].is_null(), "{report}");
-    assert_eq!(report["tolerances"]["routing_tie_margin"], 1.0 / 256.0);
+    assert_eq!(report["tolerances"]["routing_tie_margin"], 1.0 / 128.0);
     assert_eq!(report["tolerances"]["loss_judged_at_routing_ties"], true);
 }
 
