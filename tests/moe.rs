@@ -397,16 +397,16 @@ fn under_bf16_rows_two_units_of_rounding_from_a_tie_are_reported() {
     // 0.27 off its reference followed rows whose router gaps were 4.2e-3 to 4.8e-3, beyond 2^-8:
     // the layers before its router had summed in another order, more than a last bit apart.
     let dir = cli::tempdir("narrow-mixture");
-    let config = dir.join("config.json");
-    let text = serde_json::json!({
-        "architectures": ["MixtralForCausalLM"], "hidden_size": 24, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "num_hidden_layers": 2,
-        "vocab_size": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": false, "torch_dtype": "float32", "num_local_experts": 6,
-        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": false
-    });
-    std::fs::write(&config, text.to_string()).expect("write the config");
-    let config = config.to_str().expect("a UTF-8 path");
+    let config = &cli::config_file(
+        &dir,
+        &serde_json::json!({
+            "architectures": ["MixtralForCausalLM"], "hidden_size": 24, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "num_hidden_layers": 2,
+            "vocab_size": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "torch_dtype": "float32", "num_local_experts": 6,
+            "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": false
+        }),
+    );
     for mesh in ["cp=2", "tp=2"] {
         let args = ["--seq", "12", "--batch", "4", "--precision", "bf16", "--check", "--format", "json"];
         let report = json_of(&[&["run", config, "--mesh", mesh], &args[..]].concat());
@@ -451,16 +451,16 @@ fn under_bf16_a_large_loss_is_held_to_a_share_of_its_size() {
     // logit to 8 bits of its own size, and with a token at a routing tie this run's loss was
     // 1.8e-2 off its reference, beyond 2^-6 absolute. The losses are held to 2^-6 of the largest.
     let dir = cli::tempdir("large-loss");
-    let config = dir.join("config.json");
-    let text = serde_json::json!({
-        "architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 32, "num_hidden_layers": 2,
-        "vocab_size": 128, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": true, "torch_dtype": "float32", "num_local_experts": 8,
-        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": true
-    });
-    std::fs::write(&config, text.to_string()).expect("write the config");
-    let config = config.to_str().expect("a UTF-8 path");
+    let config = &cli::config_file(
+        &dir,
+        &serde_json::json!({
+            "architectures": ["MixtralForCausalLM"], "hidden_size": 64, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 32, "num_hidden_layers": 2,
+            "vocab_size": 128, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": true, "torch_dtype": "float32", "num_local_experts": 8,
+            "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": true
+        }),
+    );
     let args = ["--steps", "2", "--precision", "bf16", "--check", "--format", "json", "--seq", "24", "--batch", "12"];
     let report = json_of(&[&["run", config, "--train", "--mesh", "tp=2"], &args[..]].concat());
     let largest = report["reference_losses"]

@@ -395,15 +395,15 @@ fn under_bf16_a_gradient_summed_from_larger_terms_is_held_to_their_size() {
     // is exact. Under bf16 it is held to its terms' size (2^8 × the bf16 reference's own distance
     // from f32's); the f32 run holds every gradient to its norm.
     let dir = cli::tempdir("bias-terms");
-    let config = dir.join("config.json");
-    let text = serde_json::json!({
-        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 24, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "head_dim": 4, "intermediate_size": 96, "num_hidden_layers": 2,
-        "vocab_size": 50, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": false, "torch_dtype": "float32"
-    });
-    std::fs::write(&config, text.to_string()).expect("write the config");
-    let config = config.to_str().expect("a UTF-8 path");
+    let config = &cli::config_file(
+        &dir,
+        &serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "hidden_size": 24, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "head_dim": 4, "intermediate_size": 96, "num_hidden_layers": 2,
+            "vocab_size": 50, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "torch_dtype": "float32"
+        }),
+    );
     let run = |precision: &str| {
         json_of(&[
             "run",
@@ -437,15 +437,15 @@ fn an_update_is_held_to_adamw_of_the_runs_own_gradients() {
     // gradient 4e-7 off, as Adam turned the gradient's last bits into steps. Against AdamW of the
     // run's own gradients from its own state the optimizer is held to 1e-3, rounding aside.
     let dir = cli::tempdir("update-terms");
-    let config = dir.join("config.json");
-    let text = serde_json::json!({
-        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-        "vocab_size": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": false, "torch_dtype": "float32"
-    });
-    std::fs::write(&config, text.to_string()).expect("write the config");
-    let config = config.to_str().expect("a UTF-8 path");
+    let config = &cli::config_file(
+        &dir,
+        &serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "vocab_size": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": false, "torch_dtype": "float32"
+        }),
+    );
     let report = json_of(&[
         "run",
         config,

@@ -57,6 +57,14 @@ pub fn tempdir(name: &str) -> TempDir {
     TempDir(dir)
 }
 
+/// Writes `config` (a Hugging Face `config.json`) into `dir` and returns its path, for a model
+/// that no preset or fixture is.
+pub fn config_file(dir: &Path, config: &serde_json::Value) -> String {
+    let path = dir.join("config.json");
+    std::fs::write(&path, config.to_string()).expect("write the config");
+    path.to_str().expect("a UTF-8 path").to_string()
+}
+
 /// A scratch directory that `tempdir` made, removed on drop (else every run of the suite would
 /// leave its compiled directories and checkpoints behind).
 #[derive(Debug)]
