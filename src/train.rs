@@ -74,7 +74,8 @@ pub struct CheckTolerances {
     pub grad_rel: f32,
     /// The later steps' gradients, relative to each gradient's norm.
     pub later_grad_rel: f32,
-    /// Each parameter's update, relative to the reference's; `None` when reported only.
+    /// Each parameter's update, relative to AdamW's of the run's own gradients; `None` when
+    /// reported only.
     pub update_rel: Option<f32>,
     /// The router-logit gap under which a step is at a routing tie (`crate::reference`).
     pub routing_tie: f64,
@@ -848,8 +849,8 @@ fn merge_chunks(earlier: Vec<RankTraining>, later: Vec<RankTraining>) -> Vec<Ran
 struct CheckErrors {
     /// The largest absolute loss difference.
     loss: Option<f32>,
-    /// The largest difference of a parameter's update from the reference's, relative to the
-    /// reference's update: |w_run - w_ref| / |w_ref - w_start| in L2 over the whole parameter.
+    /// The largest difference of a parameter's update from AdamW's of the run's own gradients,
+    /// relative to that update: |w_run - w_exp| / |w_exp - w_start| in L2 over the parameter.
     update_rel: Option<f32>,
     /// The largest first-step gradient difference relative to its gradient's L2 norm.
     grad_rel: Option<f32>,
@@ -938,7 +939,7 @@ fn check_steps(
         step: start_step,
         moments: moments.is_some().then_some(&initial_moments as &ParamLookup),
     };
-    // Under bf16 the first step's gradients are also taken in f32, to size each one's rounding
+    // Under bf16 the step's gradients are also taken in f32, to size each one's rounding
     // (`gradient_scale`).
     let f32_gradients = match Precision::of(config) == Precision::Bf16 {
         true => {
@@ -952,8 +953,8 @@ fn check_steps(
     // Only the last pipeline stage computes the loss.
     let losses = ranks.iter().find(|rank| !rank.losses.is_empty()).map(|rank| rank.losses.as_slice());
     let loss = max_diff(losses, &reference.losses);
-    // The chunk's first step's gradients, by name: the optimizer layouts give each one's output
-    // index (every rank's names its own parameters').
+    // The run's gradients of the step (a checked chunk's one), by name: the optimizer layouts give
+    // each one's output index (every rank's names its own parameters').
     let grad_outputs: BTreeMap<&str, u32> = target
         .layouts
         .iter()
@@ -1035,7 +1036,7 @@ fn check_steps(
     })
 }
 
-/// What a first-step gradient's difference from the reference is divided by: its L2 norm, and
+/// What a gradient's difference from the reference is divided by: its L2 norm, and
 /// under bf16 (`exact`, the f32 reference's) at least the size of the terms it was summed from,
 /// `2^8 ×` the bf16 reference's own largest distance from f32's. A gradient that is a small
 /// difference of large terms carries bf16's rounding of those terms: k's bias (adding one vector
