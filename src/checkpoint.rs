@@ -348,20 +348,9 @@ pub fn write_atomically_with(
     path: &Path,
     write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
 ) -> Result<()> {
-    let stream = |target: &Path, write: &mut dyn FnMut(&mut dyn std::io::Write) -> std::io::Result<()>| {
-        let file = std::fs::File::create(target)?;
-        let mut writer = std::io::BufWriter::new(file);
-        write(&mut writer)?;
-        std::io::Write::flush(&mut writer)
-    };
-    let mut write = Some(write);
-    let mut once = |writer: &mut dyn std::io::Write| match write.take() {
-        Some(write) => write(writer),
-        None => Ok(()),
-    };
     if let Ok(metadata) = std::fs::symlink_metadata(path) {
         if !metadata.is_file() && !metadata.is_dir() {
-            return stream(path, &mut once).with_context(|| format!("cannot write {}", path.display()));
+            return stream_to(path, write).with_context(|| format!("cannot write {}", path.display()));
         }
     }
     let (parent, name) = parent_and_name(path)?;
@@ -371,11 +360,18 @@ pub fn write_atomically_with(
         }
     }
     let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if let Err(error) = stream(&staging, &mut once) {
+    if let Err(error) = stream_to(&staging, write) {
         let _ = std::fs::remove_file(&staging);
         return Err(error).with_context(|| format!("cannot write {}", staging.display()));
     }
     std::fs::rename(&staging, path).with_context(|| format!("cannot move the output into {}", path.display()))
+}
+
+/// Creates `target` and writes to it through a buffer what `write` writes.
+fn stream_to(target: &Path, write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>) -> std::io::Result<()> {
+    let mut writer = std::io::BufWriter::new(std::fs::File::create(target)?);
+    write(&mut writer)?;
+    std::io::Write::flush(&mut writer)
 }
 
 #[cfg(test)]

@@ -74,7 +74,7 @@ fn pipeline_view(
     stages: u32,
 ) -> Result<PipelineView> {
     let kind = crate::pipeline::schedule_kind(args.pipeline.schedule, args.pipeline.chunks)?;
-    let batch_ranks = crate::pipeline::batch_axes(inner).iter().map(|&axis| inner.degree(axis)).product();
+    let batch_ranks = crate::pipeline::batch_ranks(inner);
     let micro_batches = args.pipeline.micro_batches_or_default(args.target.batch, stages, batch_ranks);
     let batch = args.target.batch;
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {

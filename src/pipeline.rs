@@ -105,10 +105,15 @@ pub fn default_micro_batches(batch: u64, stages: u32, batch_ranks: u64) -> u32 {
     (1..=2 * stages).rev().find(|&count| splits(u64::from(count))).unwrap_or(1)
 }
 
-/// The axes of `mesh` above one rank that split the batch: dp, and ep, which splits a mixture's
-/// batch as dp does.
+/// The axes of `mesh` above one rank that split the batch (`pleat_passes::strategy::BATCH_AXES`:
+/// dp, and ep, which splits a mixture's batch as dp does).
 pub fn batch_axes(mesh: &Mesh) -> Vec<AxisName> {
-    [AxisName::Dp, AxisName::Ep].into_iter().filter(|&axis| mesh.degree(axis) > 1).collect()
+    pleat_passes::strategy::BATCH_AXES.into_iter().filter(|&axis| mesh.degree(axis) > 1).collect()
+}
+
+/// The ranks the batch splits over: the product of [`batch_axes`]' degrees.
+pub fn batch_ranks(mesh: &Mesh) -> u64 {
+    batch_axes(mesh).iter().map(|&axis| mesh.degree(axis)).product()
 }
 
 #[cfg(test)]
@@ -127,6 +132,7 @@ mod tests {
         assert_eq!(default_micro_batches(6, 4, 2), 3);
         let mesh = Mesh::parse("pp=2,dp=2,tp=2,ep=1").unwrap();
         assert_eq!(batch_axes(&mesh), [AxisName::Dp]);
+        assert_eq!(batch_ranks(&mesh), 2);
         assert_eq!(batch_axes(&Mesh::parse("dp=2,ep=4").unwrap()), [AxisName::Dp, AxisName::Ep]);
     }
 }

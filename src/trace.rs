@@ -203,7 +203,7 @@ pub fn write_measured(path: &Path, programs: &[Program], outcomes: &[RankOutcome
 fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
     let config = args.target.config("trace")?;
     let stages = mesh.degree(AxisName::Pp) as u32;
-    let batch_ranks = crate::pipeline::batch_axes(mesh).iter().map(|&axis| mesh.degree(axis)).product();
+    let batch_ranks = crate::pipeline::batch_ranks(mesh);
     let micro_batches = args.pipeline.micro_batches_or_default(args.target.batch, stages, batch_ranks);
     let training = crate::train::TrainPlanFlags {
         micro_batches: Some(micro_batches),

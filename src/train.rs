@@ -386,7 +386,7 @@ pub fn compile_training(
     // Each micro-batch's sequences split over dp (and ep, which splits a mixture's batch as dp
     // does). With one micro-batch, the compiler's own error names the axis.
     let batch_axes = crate::pipeline::batch_axes(mesh);
-    let batch_ranks: u64 = batch_axes.iter().map(|&axis| mesh.degree(axis)).product();
+    let batch_ranks = crate::pipeline::batch_ranks(mesh);
     let sequences = batch / u64::from(micro_batches);
     if micro_batches > 1 && sequences % batch_ranks != 0 {
         let axes: Vec<String> = batch_axes.iter().map(|&axis| format!("{axis}={}", mesh.degree(axis))).collect();

@@ -236,7 +236,7 @@ fn seed_data_parallel(module: &mut Module, degree: u64) -> Result<()> {
 }
 
 /// The axes that split the batch: dp, and ep (the dense layers are data parallel over it).
-pub(crate) const BATCH_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Ep];
+pub const BATCH_AXES: [AxisName; 2] = [AxisName::Dp, AxisName::Ep];
 
 /// Checks that the batch splits over `axis` (of `degree`) beside the batch axes before it in the
 /// mesh: the batch splits over all of them at once, so each is checked against what the earlier
