@@ -47,7 +47,7 @@ pub fn layouts(ranks: u64) -> Vec<Layout> {
         Layout::new(&[(AxisName::Cp, ranks)], false),
         Layout::new(&[(AxisName::Tsp, ranks)], false),
     ];
-    for tp in (2..ranks).filter(|tp| ranks % tp == 0) {
+    for tp in pleat_ir::spec::divisors(ranks).into_iter().filter(|&tp| tp > 1 && tp < ranks) {
         let other = ranks / tp;
         // The sequence axis outside, tp inside a node: the usual placement.
         layouts.push(Layout::new(&[(AxisName::Sp, other), (AxisName::Tp, tp)], false));
@@ -83,6 +83,10 @@ pub fn block(args: &CompareArgs, seq: u64) -> Result<(Vec<Estimate>, Skipped)> {
 pub fn compare(args: &CompareArgs) -> Result<()> {
     if args.ranks == 0 {
         bail!(crate::usage::UsageError::ZeroFlag { flag: "--ranks", what: "rank" });
+    }
+    let max = pleat_ir::Mesh::MAX_RANKS;
+    if args.ranks > max {
+        bail!(crate::usage::UsageError::TooManyRanks { flag: "--ranks", ranks: args.ranks, max });
     }
     if args.seq.is_empty() {
         bail!(crate::usage::UsageError::EmptySeqList);

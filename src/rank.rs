@@ -55,7 +55,7 @@ pub struct RankArgs {
     #[arg(long)]
     pub check: bool,
     /// Seconds a rank waits on a message before it reports the peer that did not send it.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 120, value_parser = crate::number_flags::count::<u64>)]
     pub timeout: u64,
     /// Output format (rank 0 prints).
     #[arg(long, value_enum, default_value_t = Format::Text)]

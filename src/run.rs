@@ -113,7 +113,7 @@ pub struct RunArgs {
     pub logits_out: Option<PathBuf>,
     /// Seconds a rank waits on a collective before it reports the peers that did not arrive. A
     /// message already sent but held by --emulate-link is not late: its link delay does not count.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 120, value_parser = crate::number_flags::count::<u64>)]
     pub timeout: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]

@@ -330,6 +330,17 @@ pub enum UsageError {
         /// What it counts, singular.
         what: &'static str,
     },
+    /// A rank count above what a mesh may have.
+    #[error("{flag} {ranks} is more than pleat addresses ({max}); give at most {max}")]
+    #[diagnostic(code(E0711), help("give the flag at most 16777216 (2^24)"))]
+    TooManyRanks {
+        /// The flag.
+        flag: &'static str,
+        /// The count given.
+        ranks: u64,
+        /// [`pleat_ir::Mesh::MAX_RANKS`].
+        max: u64,
+    },
     /// A run or benchmark that needs more memory than this machine has available.
     #[error(
         "{what} needs about {:.2} GB and this machine has {:.2} GB available; it would abort in the allocator",
@@ -808,7 +819,9 @@ impl UsageError {
             UsageError::StrategyNeedsAxis { .. } => vec![("flag", "--strategy".to_string())],
             UsageError::NoSuchLayer { .. } => vec![("flag", "--layer".to_string())],
             UsageError::NoSuchValue { .. } => vec![("flag", "--value".to_string())],
-            UsageError::DiffersFromPlan { flag, .. } | UsageError::ZeroFlag { flag, .. } => {
+            UsageError::DiffersFromPlan { flag, .. }
+            | UsageError::ZeroFlag { flag, .. }
+            | UsageError::TooManyRanks { flag, .. } => {
                 vec![("flag", flag.to_string())]
             }
             UsageError::EmptySeqList => vec![("flag", "--seq".to_string())],

@@ -242,11 +242,16 @@ fn flags_schedules_and_hardware() {
         case(&["bench", "comm", "--ranks", "100000", "--sizes", "4B"], "E0623", "more than the threads communicator"),
         case(&["schedule", "--pp", "100000", "--micro-batches", "100000"], "E0234", "use fewer micro-batches"),
         case(&["compare", "tiny", "--ranks", "0"], "E0708", "--ranks 0"),
+        // (Each used to count every number up to the flag's value, for hours near 2^64.)
+        case(&["compare", "tiny", "--ranks", "18446744073709551615"], "E0711", "more than pleat addresses (16777216)"),
+        case(&["search", "tiny", "--gpus", "16777217"], "E0235", "--gpus 16777217 is more than pleat addresses"),
         // Counts of at least 1 and finite numbers, checked as the flags are read: each used to
         // fail later, as a pleat bug (--steps 0), a NaN gradient norm (--lr nan), no clipping at
         // all (--max-grad-norm nan), a wrong flag named (--chunks 0) or a run with nothing in it.
         case(&["run", "tiny", "--train", "--steps", "0"], "E0701", "'0' for '--steps"),
         case(&["run", "tiny", "--train", "--lr", "nan"], "E0701", "nan is not a finite number"),
+        // (A timeout of 0 failed every collective, as a peer that did not arrive.)
+        case(&["run", "tiny", "--mesh", "tp=2", "--timeout", "0"], "E0701", "'0' for '--timeout"),
         // A diverged step is its own error, not one of the inputs (whose help did not fit).
         case(&["run", "tiny", "--train", "--steps", "3", "--lr", "1e10"], "E0609", "the step diverged"),
         case(&["run", "tiny", "--train", "--lr=-1"], "E0701", "-1 is not above 0"),

@@ -136,6 +136,24 @@ pub const ZERO_AXES: [AxisName; 3] = [AxisName::Dp, AxisName::Cp, AxisName::Ep];
 /// otherwise take minutes to factor.
 pub const MAX_SUGGESTED_DEGREE: u64 = 1 << 16;
 
+/// Every divisor of `count`, smallest first, found in O(sqrt(count)) steps (a layout search over
+/// 2^24 ranks asks for them at every axis).
+pub fn divisors(count: u64) -> Vec<u64> {
+    let (mut small, mut large) = (Vec::new(), Vec::new());
+    let mut divisor = 1u64;
+    while divisor.saturating_mul(divisor) <= count {
+        if count % divisor == 0 {
+            small.push(divisor);
+            if divisor != count / divisor {
+                large.push(count / divisor);
+            }
+        }
+        divisor += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
 /// The degrees up to [`MAX_SUGGESTED_DEGREE`] that divide `count`: what an error offers instead
 /// of a bad degree.
 pub fn valid_degrees(count: u64) -> Vec<u64> {
@@ -146,6 +164,17 @@ pub fn valid_degrees(count: u64) -> Vec<u64> {
 mod tests {
     use super::*;
     use crate::DimName;
+
+    #[test]
+    fn divisors_are_every_divisor_in_order() {
+        for count in 0..=400u64 {
+            let by_hand: Vec<u64> = (1..=count).filter(|divisor| count % divisor == 0).collect();
+            assert_eq!(divisors(count), by_hand, "{count}");
+        }
+        assert_eq!(divisors(1 << 24).len(), 25);
+        // 2^24 - 3 is prime.
+        assert_eq!(divisors((1 << 24) - 3), [1, (1 << 24) - 3]);
+    }
 
     #[test]
     fn regions_follow_axis_order() {

@@ -19,7 +19,7 @@
 //! Every plan is one closed-form [`estimate()`] (layers are identical, so the model costs one layer
 //! and multiplies), which is why the largest models answer in milliseconds.
 
-use pleat_ir::AxisName;
+use pleat_ir::{AxisName, Mesh};
 
 use crate::cost::memory::{memory_per_stage, peak_stage};
 use crate::cost::{estimate, CostError, Estimate, HardwareSpec, Layout, Mode, ModelShape, Recompute, Workload};
@@ -117,6 +117,15 @@ pub enum SearchError {
         /// The flag.
         what: &'static str,
     },
+    /// More GPUs than a mesh may have.
+    #[error("--gpus {gpus} is more than pleat addresses ({max}); search at most {max} GPUs")]
+    #[diagnostic(code(E0235), help("give --gpus at most 16777216 (2^24)"))]
+    TooManyGpus {
+        /// GPUs asked for.
+        gpus: u64,
+        /// [`pleat_ir::Mesh::MAX_RANKS`].
+        max: u64,
+    },
     /// No plan fits.
     #[error(
         "no plan of {gpus} GPUs fits in {cap_gb:.1} GB a GPU ({costed} costed, {over_memory} over the cap, \
@@ -151,7 +160,7 @@ fn factorizations(gpus: u64, axes: &[AxisName]) -> Vec<Vec<(AxisName, u64)>> {
         return if gpus == 1 { vec![Vec::new()] } else { Vec::new() };
     };
     let mut all = Vec::new();
-    for degree in (1..=gpus).filter(|degree| gpus % degree == 0) {
+    for degree in pleat_ir::spec::divisors(gpus) {
         for mut tail in factorizations(gpus / degree, rest) {
             tail.insert(0, (first, degree));
             all.push(tail);
@@ -227,6 +236,9 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
         if value == 0 {
             return Err(SearchError::Zero { what });
         }
+    }
+    if space.gpus > Mesh::MAX_RANKS {
+        return Err(SearchError::TooManyGpus { gpus: space.gpus, max: Mesh::MAX_RANKS });
     }
     // Only a mixture of experts can use ep, and only at degrees that divide its experts.
     let space = &match &model.experts {
