@@ -252,6 +252,7 @@ fn flags_schedules_and_hardware() {
         case(&["run", "tiny", "--train", "--lr", "nan"], "E0701", "nan is not a finite number"),
         // (A timeout of 0 failed every collective, as a peer that did not arrive.)
         case(&["run", "tiny", "--mesh", "tp=2", "--timeout", "0"], "E0701", "'0' for '--timeout"),
+        case(&["bench", "comm", "--ranks", "2", "--sizes", "4B", "--timeout", "0"], "E0701", "'0' for '--timeout"),
         // A diverged step is its own error, not one of the inputs (whose help did not fit).
         case(&["run", "tiny", "--train", "--steps", "3", "--lr", "1e10"], "E0609", "the step diverged"),
         case(&["run", "tiny", "--train", "--lr=-1"], "E0701", "-1 is not above 0"),

@@ -42,7 +42,7 @@ pub struct CommBenchArgs {
     #[arg(long)]
     pub iters: Option<u32>,
     /// Seconds a rank waits on a message before it reports the peer that did not send it.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = crate::number_flags::count::<u64>)]
     pub timeout: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
