@@ -12,8 +12,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
+use safetensors::tensor::TensorInfo;
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
 use super::region::{check_region, element_count, for_each_run, is_merged_view};
 use super::{WeightError, WeightSource};
@@ -243,8 +244,17 @@ fn map_shard(path: &Path, shard_index: usize) -> Result<(Shard, BTreeMap<String,
     let mmap = unsafe { Mmap::map(&file) }.map_err(|error| malformed(format!("cannot map it: {error}")))?;
     // read_metadata checks that the offsets tile the data section and match each shape and dtype, and that
     // the data section ends exactly at the end of the file, so every entry's byte range lies in the mapping.
-    let (header_len, metadata) =
-        SafeTensors::read_metadata(&mmap).map_err(|error| malformed(format!("not a safetensors file: {error}")))?;
+    let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|error| {
+        // The crate does not say which tensor's size is wrong, nor by how much; the header does.
+        let problem = match error {
+            SafeTensorError::TensorInvalidInfo
+            | SafeTensorError::ValidationOverflow
+            | SafeTensorError::MisalignedSlice
+            | SafeTensorError::MetadataIncompleteBuffer => size_problem(&mmap),
+            _ => None,
+        };
+        malformed(format!("not a safetensors file: {}", problem.unwrap_or_else(|| error.to_string())))
+    })?;
     let data_start = std::mem::size_of::<u64>() + header_len;
     let entries = metadata
         .tensors()
@@ -261,6 +271,43 @@ fn map_shard(path: &Path, shard_index: usize) -> Result<(Shard, BTreeMap<String,
         })
         .collect();
     Ok((Shard { path: path.to_path_buf(), mmap }, entries))
+}
+
+/// Where a safetensors file that `read_metadata` refused for its sizes goes wrong, naming the
+/// tensor: the first (by offset) whose byte range does not hold its shape of its dtype, or the
+/// data section's length against the tensors' end. `None` where the header does not parse (the
+/// crate's own error says why).
+fn size_problem(file: &[u8]) -> Option<String> {
+    let header_len = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header = file.get(8..8usize.checked_add(header_len)?)?;
+    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let mut tensors: Vec<(String, TensorInfo)> = entries
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, value)| Some((name, serde_json::from_value(value).ok()?)))
+        .collect::<Option<_>>()?;
+    tensors.sort_by_key(|(_, info)| info.data_offsets);
+    for (name, info) in &tensors {
+        let (start, end) = info.data_offsets;
+        let elements = info.shape.iter().try_fold(1u128, |count, &dim| count.checked_mul(dim as u128));
+        let bits = elements.and_then(|count| count.checked_mul(info.dtype.bitsize() as u128));
+        let holds = end.checked_sub(start).map(|bytes| bytes as u128 * 8);
+        if bits != holds {
+            let needs = bits.map_or("more than 2^128 bits".to_string(), |bits| format!("{} bytes", bits as f64 / 8.0));
+            return Some(format!(
+                "tensor `{name}` is {:?} {:?}, {needs}, but its data_offsets [{start}, {end}] hold {}",
+                info.dtype,
+                info.shape,
+                holds.map_or("a negative span".to_string(), |bits| format!("{} bytes", bits / 8))
+            ));
+        }
+    }
+    let end = tensors.iter().map(|(_, info)| info.data_offsets.1).max().unwrap_or(0);
+    let data = file.len() - 8 - header_len;
+    (end != data).then(|| {
+        let what = if end > data { "the file is truncated" } else { "bytes follow the last tensor" };
+        format!("the tensors' data ends at byte {end} of the data section, which holds {data} bytes: {what}")
+    })
 }
 
 /// Levenshtein distance between two names, counted in chars.

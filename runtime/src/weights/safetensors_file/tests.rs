@@ -256,6 +256,32 @@ fn opening_errors_say_what_to_do() {
         message(error.clone()),
         format!("cannot read weights file {}: {reason}; re-download or re-export the checkpoint", garbage.display())
     );
+    // A tensor whose bytes do not hold its shape, and a file cut short, are named with their sizes
+    // (the crate's own error named neither).
+    let file_of = |header: &str, data: usize| {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header.as_bytes());
+        bytes.extend(vec![0u8; data]);
+        bytes
+    };
+    let reason_of = |name: &str, bytes: Vec<u8>| {
+        let path = dir.join(name);
+        fs::write(&path, bytes).unwrap();
+        let error = SafetensorsWeights::open(&path).unwrap_err();
+        let WeightError::Malformed { reason, .. } = error else { panic!("{error:?}") };
+        reason
+    };
+    let misshapen = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2,3],"data_offsets":[8,24]}}"#;
+    assert_eq!(
+        reason_of("misshapen.safetensors", file_of(misshapen, 24)),
+        "not a safetensors file: tensor `b` is F32 [2, 3], 24 bytes, but its data_offsets [8, 24] hold 16 bytes"
+    );
+    let whole = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    assert_eq!(
+        reason_of("truncated.safetensors", file_of(whole, 5)),
+        "not a safetensors file: the tensors' data ends at byte 8 of the data section, which holds 5 bytes: the file \
+         is truncated"
+    );
     let empty = dir.join("empty.safetensors");
     fs::write(&empty, b"").unwrap();
     assert!(matches!(SafetensorsWeights::open(&empty), Err(WeightError::Malformed { .. })));
