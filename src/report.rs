@@ -367,7 +367,8 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
             WeightError::TensorMissing { name, file, .. }
             | WeightError::NotCovered { name, file, .. }
             | WeightError::ShapeMismatch { name, file, .. }
-            | WeightError::UnsupportedDtype { name, file, .. } => {
+            | WeightError::UnsupportedDtype { name, file, .. }
+            | WeightError::NotFinite { name, file, .. } => {
                 put("file", json!(file.display().to_string()));
                 put("tensor", json!(name));
             }
@@ -385,7 +386,14 @@ fn location_of(cause: &(dyn StdError + 'static)) -> Map<String, Value> {
                 put("rank", json!(rank));
                 put("instruction", json!(instr));
             }
-            Error::Weight { rank, .. } | Error::Panicked { rank, .. } => put("rank", json!(rank)),
+            Error::Weight { rank, source } => {
+                put("rank", json!(rank));
+                // (And the tensor and file the loader names.)
+                for (key, value) in location_of(source.as_ref()) {
+                    put(&key, value);
+                }
+            }
+            Error::Panicked { rank, .. } => put("rank", json!(rank)),
             Error::NoCudaDevice { .. } => put("flag", json!("--device")),
             // (`--mesh` for a run, `--ranks` for `pleat bench comm`: the message names the count.)
             Error::TooManyThreadRanks { .. } => {}

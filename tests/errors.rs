@@ -569,6 +569,49 @@ fn training_checkpoints() {
 }
 
 #[test]
+fn a_weight_that_is_not_finite_is_refused_with_its_tensor() {
+    // The one-rank checkpoint's weights as a Hugging Face file, one of them NaN: the run used to
+    // print NaN logits, or fail its --check, or blame --lr for a diverged step.
+    let block_file = saved_tiny().join("rank0.safetensors");
+    let bytes = std::fs::read(&block_file).expect("block file");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + header_len]).expect("header");
+    let data = &bytes[8 + header_len..];
+    let mut tensors = Vec::new();
+    for (block, info) in &header {
+        let Some((name, _)) = block.split_once('@') else { continue };
+        if name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") {
+            continue;
+        }
+        let shape: Vec<u64> =
+            info["shape"].as_array().expect("shape").iter().map(|dim| dim.as_u64().unwrap()).collect();
+        let offsets = info["data_offsets"].as_array().expect("offsets");
+        let (start, end) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
+        let mut values: Vec<f32> =
+            data[start..end].chunks_exact(4).map(|quad| f32::from_le_bytes(quad.try_into().unwrap())).collect();
+        if name == "model.norm.weight" {
+            values[5] = f32::NAN;
+        }
+        tensors.push((name.to_string(), shape, values));
+    }
+    let dir = tempdir("errors-not-finite");
+    let file = dir.join("model.safetensors");
+    pleat_runtime::weights::write_safetensors(&file, &tensors).expect("write");
+    let file = path_str(&file);
+    for mesh in ["dp=1", "tp=2"] {
+        check(&case(
+            &["run", "tiny", "--mesh", mesh, "--batch", "2", "--seq", "8", "--weights", &file],
+            "E0624",
+            "tensor `model.norm.weight` in",
+        ));
+    }
+    let error = json_error(&["run", "tiny", "--batch", "2", "--seq", "8", "--weights", &file]);
+    assert!(error["message"].as_str().is_some_and(|message| message.contains("holds NaN at [5]")), "{error}");
+    assert_eq!(error["location"]["tensor"], "model.norm.weight");
+}
+
+#[test]
 fn text_ir_errors_have_a_code_a_place_and_help() {
     use miette::Diagnostic;
     let header = "; module m mesh=tp=2\n";

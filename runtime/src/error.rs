@@ -36,9 +36,10 @@ pub enum Error {
         /// The communicator's error.
         source: Box<CommError>,
     },
-    /// A weight could not be read.
+    /// A weight could not be read: the loader's error, with its own code and help (a missing
+    /// tensor, a shape that differs, a NaN).
     #[error("rank {rank}: {source}")]
-    #[diagnostic(code(E0603), help("use weights that match the model config"))]
+    #[diagnostic(forward(source))]
     Weight {
         /// The rank.
         rank: u32,

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use super::region::check_region;
+use super::region::{check_finite, check_region};
 use super::{Region, WeightError, WeightSource};
 
 /// One global tensor: its shape and the blocks held of it.
@@ -111,6 +111,7 @@ impl WeightSource for BlockWeights {
                 file: self.origin.clone(),
             });
         }
+        check_finite(name, region, &values, &self.origin)?;
         Ok(values)
     }
 }

@@ -185,6 +185,24 @@ pub enum WeightError {
         /// The file that holds the tensor.
         file: PathBuf,
     },
+    /// A weight is NaN or infinite: the checkpoint is corrupt (a model trained into NaN, or bytes
+    /// damaged), and a run on it would only show NaN logits or a NaN gradient norm.
+    #[error(
+        "tensor `{name}` in {} holds {value} at {index:?}: a weight must be a finite number; the \
+         checkpoint is corrupt or was saved from a diverged run",
+        .file.display()
+    )]
+    #[diagnostic(code(E0624), help("re-download the checkpoint, or re-export it from a run that did not diverge"))]
+    NotFinite {
+        /// The tensor.
+        name: String,
+        /// The first such element's index in the tensor, one entry a dim (the model's view).
+        index: Vec<u64>,
+        /// What it holds: NaN, inf or -inf.
+        value: f32,
+        /// The file that holds the tensor.
+        file: PathBuf,
+    },
 
     // === Writing ===
     /// A tensor handed to [`write_safetensors`] is inconsistent.

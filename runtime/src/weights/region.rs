@@ -6,6 +6,8 @@
 //! row-major order of elements, so a flat index in the model's view is the same flat index in the file, and
 //! a source can read a region of the model's view straight from the file's flat buffer.
 
+use std::path::Path;
+
 use super::WeightError;
 
 /// Number of elements of `shape`, or `None` when the product overflows `u64`.
@@ -42,6 +44,19 @@ pub(crate) fn is_merged_view(model_shape: &[u64], file_shape: &[u64]) -> bool {
         }
     }
     model_dims.next().is_none()
+}
+
+/// Checks that every value read of `region` (`(start, len)` a dim, row-major) of tensor `name`
+/// in `file` is finite, naming the first that is not by its index in the tensor.
+pub(crate) fn check_finite(name: &str, region: &[(u64, u64)], values: &[f32], file: &Path) -> Result<(), WeightError> {
+    let Some(at) = values.iter().position(|value| !value.is_finite()) else { return Ok(()) };
+    let mut index = vec![0; region.len()];
+    let mut rest = at as u64;
+    for (dim, &(start, len)) in region.iter().enumerate().rev() {
+        index[dim] = start + rest % len;
+        rest /= len;
+    }
+    Err(WeightError::NotFinite { name: name.to_string(), index, value: values[at], file: file.to_path_buf() })
 }
 
 /// Checks that `region` has one `(start, len)` per dim of `shape` and lies inside it, and that the

@@ -16,7 +16,7 @@ use safetensors::tensor::TensorInfo;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
-use super::region::{check_region, element_count, for_each_run, is_merged_view};
+use super::region::{check_finite, check_region, element_count, for_each_run, is_merged_view};
 use super::{WeightError, WeightSource};
 
 /// File name of a single-file Hugging Face checkpoint inside its directory.
@@ -214,6 +214,7 @@ impl WeightSource for SafetensorsWeights {
             let end = (flat_start + run_len) as usize * bytes_per_element;
             convert_into(entry.dtype, &data[start..end], &mut values);
         });
+        check_finite(name, region, &values, &shard.path)?;
         Ok(values)
     }
 }

@@ -378,6 +378,38 @@ fn reading_errors_say_what_to_do() {
 }
 
 #[test]
+fn a_weight_that_is_not_finite_is_named_by_its_index() {
+    // (A NaN weight used to run: NaN logits, a --check "failure", or a diverged step that blamed
+    // --lr.) Its index is the tensor's, whatever region a rank reads, in F32 and in BF16 alike.
+    let dir = TestDir::new("not-finite");
+    let path = dir.join("nan.safetensors");
+    let mut values = ramp(12);
+    values[7] = f32::NAN;
+    let mut halves: Vec<u8> = ramp(12).iter().flat_map(|&value| half::bf16::from_f32(value).to_le_bytes()).collect();
+    halves[2 * 5..2 * 6].copy_from_slice(&half::bf16::NEG_INFINITY.to_le_bytes());
+    let bytes: Vec<u8> = values.iter().flat_map(|value| value.to_le_bytes()).collect();
+    write_raw(&path, &[("w", Dtype::F32, vec![3, 4], bytes), ("h", Dtype::BF16, vec![3, 4], halves)]);
+    let weights = SafetensorsWeights::open(&path).unwrap();
+    let not_finite = |name: &str, region: &[(u64, u64)]| match weights.read(name, &[3, 4], region) {
+        Err(WeightError::NotFinite { index, value, .. }) => Some((index, value.to_string())),
+        Ok(_) => None,
+        Err(other) => panic!("{other}"),
+    };
+    assert_eq!(not_finite("w", &[(0, 3), (0, 4)]), Some((vec![1, 3], "NaN".to_string())));
+    assert_eq!(not_finite("w", &[(1, 2), (2, 2)]), Some((vec![1, 3], "NaN".to_string())));
+    assert_eq!(not_finite("w", &[(0, 3), (0, 2)]), None);
+    assert_eq!(not_finite("h", &[(1, 1), (0, 4)]), Some((vec![1, 1], "-inf".to_string())));
+    assert_eq!(
+        message(weights.read("w", &[3, 4], &[(0, 3), (0, 4)]).unwrap_err()),
+        format!(
+            "tensor `w` in {} holds NaN at [1, 3]: a weight must be a finite number; the checkpoint is corrupt \
+             or was saved from a diverged run",
+            path.display()
+        )
+    );
+}
+
+#[test]
 fn unsupported_dtypes_are_named() {
     let dir = TestDir::new("dtype");
     let path = dir.join("ints.safetensors");
