@@ -164,7 +164,7 @@ fn content_hash(dir: &Path, index: &Index) -> Result<String> {
 fn read_index(dir: &Path) -> Result<Index> {
     recover(dir)?;
     let path: PathBuf = dir.join(INDEX_FILE);
-    let text = std::fs::read_to_string(&path)
+    let text = crate::text_file::read_text(&path)
         .with_context(|| format!("cannot read {}; --resume takes a directory that --save wrote", path.display()))?;
     let value: serde_json::Value = serde_json::from_str(&text)
         .map_err(|error| UsageError::NotACheckpoint { path: path.clone(), reason: error.to_string() })?;

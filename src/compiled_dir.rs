@@ -161,7 +161,7 @@ pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String
 pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
     let plan_path = dir.join("plan.json");
     let plan: PlanFile = serde_json::from_str(
-        &std::fs::read_to_string(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?,
+        &crate::text_file::read_text(&plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?,
     )
     .map_err(|error| UsageError::NotAPlan { path: plan_path.clone(), what: "plan", reason: error.to_string() })?;
     if plan.format_version != PLAN_FORMAT_VERSION {

@@ -256,7 +256,7 @@ fn read_device_code(
         return Ok(None);
     }
     let read = |path: &std::path::PathBuf| -> Result<Option<pleat_backend::native::DeviceCode>> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let text = crate::text_file::read_text(path).with_context(|| format!("cannot read {}", path.display()))?;
         let code =
             serde_json::from_str(&text).with_context(|| format!("{} is not pleat's device code", path.display()))?;
         Ok(Some(code))

@@ -25,7 +25,7 @@ impl Tokens {
 
 /// Reads `[batch][seq]` integers from a JSON file.
 pub fn read_tokens(path: &Path) -> Result<Tokens> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::text_file::read_text(path).with_context(|| format!("cannot read {}", path.display()))?;
     let problem = |problem: String| UsageError::TokensFile { path: path.to_path_buf(), problem };
     let rows: Vec<Vec<i64>> = serde_json::from_str(&text).map_err(|error| {
         problem(format!("expected a JSON array of arrays of token ids, [[1, 2, ...], ...] ({error})"))

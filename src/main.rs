@@ -36,6 +36,7 @@ mod run_mpi;
 mod schedule;
 mod scratch;
 mod search;
+mod text_file;
 mod trace;
 mod train;
 mod usage;

@@ -28,7 +28,7 @@ fn weights_beside(dir: &Path) -> Option<PathBuf> {
 
 /// Reads a `config.json`.
 pub fn read_config(path: &Path) -> Result<ModelConfig> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::text_file::read_text(path).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(ModelConfig::from_json_str(&text, &path.display().to_string())?)
 }
 

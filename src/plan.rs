@@ -129,7 +129,7 @@ pub fn hardware_of(name: &str, file: Option<&Path>) -> Result<HardwareSpec> {
 }
 
 fn read_hardware(path: &Path) -> Result<HardwareSpec> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::text_file::read_text(path).with_context(|| format!("cannot read {}", path.display()))?;
     let name = path.display().to_string();
     let spec = if path.extension().is_some_and(|ext| ext == "json") {
         HardwareSpec::from_json_str(&text, &name)?

@@ -119,7 +119,7 @@ impl PlanChoice {
 
     /// Reads a plan file.
     pub fn read(path: &std::path::Path) -> Result<PlanChoice> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let text = crate::text_file::read_text(path).with_context(|| format!("cannot read {}", path.display()))?;
         let choice: PlanChoice = serde_json::from_str(&text).map_err(|error| crate::usage::UsageError::NotAPlan {
             path: path.to_path_buf(),
             what: "search plan",

@@ -483,7 +483,7 @@ pub fn token_batches(
     let Some(path) = data else {
         return Ok(Box::new(move |step| synthetic_tokens(seed, u64::from(step), batch, seq, vocab)));
     };
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --data {}", path.display()))?;
+    let text = crate::text_file::read_text(path).with_context(|| format!("cannot read --data {}", path.display()))?;
     let mut ids = Vec::new();
     for (index, word) in text.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty()).enumerate() {
         match word.parse::<u64>() {

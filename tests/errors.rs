@@ -133,7 +133,12 @@ fn model_configs() {
     });
     let malformed = write(&dir, "config.json", "{\n  \"hidden_size\": 64,\n  \"vocab_size\" 256\n}\n");
     let not_object = write(&dir, "list.json", "[1, 2]");
+    // Not UTF-8: its parser says where (it was an I/O error, "check the path and permissions").
+    let binary = dir.join("binary.json");
+    std::fs::write(&binary, b"{\n  \"hidden_size\": \xff\n}\n").expect("write");
+    let binary = path_str(&binary);
     let cases = [
+        case(&["plan", &binary], "E0101", ":2:"),
         case(&["plan", &missing], "E0103", "missing required field `vocab_size`"),
         case(&["plan", &zero_heads], "E0105", "num_attention_heads"),
         case(&["plan", &hidden], "E0110", "hidden_size = 100 is not divisible"),
@@ -435,6 +440,9 @@ fn saved_copy(name: &str) -> TempDir {
 fn training_flags() {
     let dir = tempdir("errors-training");
     let bad_data = write(&dir, "bad.txt", "1, 2, 300");
+    let binary_data = dir.join("binary.txt");
+    std::fs::write(&binary_data, b"1 2 \xfe 3").expect("write");
+    let binary_data = path_str(&binary_data);
     let empty_data = write(&dir, "empty.txt", " ,\n");
     let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
     let compiled = path_str(compiled_tiny());
@@ -475,6 +483,7 @@ fn training_flags() {
             "nor does the whole batch; use a --batch that is a multiple of 6",
         ),
         case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is `300`"),
+        case(&["run", "tiny", "--train", "--data", &binary_data], "E0726", "token 2 is `\u{fffd}`"),
         case(&["run", "tiny", "--train", "--data", &empty_data], "E0727", "no token ids"),
         case(&["run", &compiled, "--train"], "E0728", "holds a forward pass (compiled without --train)"),
         case(&["run", &compiled_training], "E0792", "holds a training step (compiled with --train)"),
