@@ -40,7 +40,7 @@ use crate::usage::UsageError;
 pub const CHECKPOINT_FORMAT_VERSION: u32 = 2;
 
 /// The name of a checkpoint's index inside its directory.
-const INDEX_FILE: &str = "index.json";
+pub const INDEX_FILE: &str = "index.json";
 
 /// `index.json`.
 #[derive(Serialize, Deserialize, Clone)]
@@ -312,6 +312,35 @@ pub fn write_dir_atomically(dir: &Path, marker: &str, fill: impl FnOnce(&Path) -
         std::fs::remove_dir_all(&aside).with_context(|| format!("cannot remove {}", aside.display()))?;
     }
     Ok(())
+}
+
+/// Checks, before the work whose output it is, that [`write_dir_atomically`] could write `dir`
+/// with `marker`: its nearest existing ancestor is a directory, and `dir` is absent, empty or
+/// pleat's. (A long training run used to find out only at its first save.)
+pub fn check_output_dir(dir: &Path, marker: &str, flag: &'static str) -> Result<()> {
+    let (parent, _) = parent_and_name(dir)?;
+    if let Some(ancestor) = parent.ancestors().find(|ancestor| ancestor.exists()) {
+        if !ancestor.is_dir() {
+            let problem = format!("{} is not a directory", ancestor.display());
+            bail!(UsageError::OutputPath { path: dir.to_path_buf(), flag, problem });
+        }
+    }
+    refuse_to_replace_foreign(dir, marker)
+}
+
+/// Checks, before the work whose output it is, that a file could be written at `path`: it is
+/// not a directory, and its directory exists.
+pub fn check_output_file(path: &Path, flag: &'static str) -> Result<()> {
+    let problem = if path.is_dir() {
+        "it is a directory; give a file's path".to_string()
+    } else {
+        let (parent, _) = parent_and_name(path)?;
+        if parent.is_dir() {
+            return Ok(());
+        }
+        format!("its directory {} does not exist", parent.display())
+    };
+    bail!(UsageError::OutputPath { path: path.to_path_buf(), flag, problem })
 }
 
 /// Refuses to replace `dir` unless it is absent, an empty directory, or one holding `marker`.

@@ -251,6 +251,7 @@ pub fn compile_model(
 
 /// Runs `pleat compile`.
 pub fn compile(args: &CompileArgs) -> Result<()> {
+    crate::checkpoint::check_output_dir(&args.out, "plan.json", "--out")?;
     let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan, args.train)).transpose()?;
     let target = planned.as_ref().unwrap_or(&args.target);
     let config = args.precision.unwrap_or_default().apply(&target.config("compile")?);

@@ -16,6 +16,7 @@ use crate::usage::UsageError;
 pub fn launch(args: &RunArgs) -> Result<()> {
     let not_launchable = |reason: String| UsageError::NotLaunchable { dir: args.model.clone(), reason };
     crate::run::check_warmup(args)?;
+    crate::run::check_outputs(args)?;
     if args.training.train {
         bail!(not_launchable("--train runs through `pleat run`; launch runs a compiled forward pass".into()));
     }

@@ -208,6 +208,7 @@ pub struct RunResult {
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
     check_warmup(args)?;
+    check_outputs(args)?;
     #[cfg(feature = "mpi")]
     if args.comm == CommChoice::Mpi {
         return crate::run_mpi::run_under_mpi(args);
@@ -224,6 +225,21 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if err.is_nan() || err > result.tolerance {
             bail!(UsageError::LogitsMismatch { err, tolerance: result.tolerance });
         }
+    }
+    Ok(())
+}
+
+/// Checks the run's output paths before it runs: a bad one used to be found only once the run
+/// (perhaps hours of training) was done.
+pub fn check_outputs(args: &RunArgs) -> Result<()> {
+    if let Some(path) = &args.trace {
+        crate::checkpoint::check_output_file(path, "--trace")?;
+    }
+    if let Some(path) = &args.logits_out {
+        crate::checkpoint::check_output_file(path, "--logits-out")?;
+    }
+    if let Some(dir) = &args.training.save {
+        crate::checkpoint::check_output_dir(dir, crate::checkpoint::INDEX_FILE, "--save")?;
     }
     Ok(())
 }

@@ -162,6 +162,9 @@ fn plan_json(rank: usize, plan: &Plan) -> serde_json::Value {
 
 /// Runs `pleat search`.
 pub fn run_search(args: &SearchArgs) -> Result<()> {
+    if let Some(path) = &args.emit_plan {
+        crate::checkpoint::check_output_file(path, "--emit-plan")?;
+    }
     let model = model_shape_of(&args.model)?;
     let mut hw = hardware_of(&args.hw, args.hw_file.as_deref())?;
     if let Some(per_node) = args.gpus_per_node {

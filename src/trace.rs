@@ -286,6 +286,7 @@ fn trace_pipeline(args: &TraceArgs, mesh: &Mesh) -> Result<()> {
 
 /// Runs `pleat trace`.
 pub fn trace(args: &TraceArgs) -> Result<()> {
+    crate::checkpoint::check_output_file(&args.out, "--out")?;
     let mesh = Mesh::parse(&args.target.mesh)?;
     if mesh.degree(AxisName::Pp) > 1 && !matches!(resolve(&args.target.model)?, ModelSource::Compiled(_)) {
         return trace_pipeline(args, &mesh);

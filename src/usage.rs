@@ -468,6 +468,20 @@ pub enum UsageError {
         /// What it is instead of a pleat output.
         what: String,
     },
+    /// An output path that cannot be written, found before the work whose output it is.
+    #[error("{flag} {}: {problem}", .path.display())]
+    #[diagnostic(
+        code(E0750),
+        help("give a path in an existing directory (a new or pleat-written directory for a directory output)")
+    )]
+    OutputPath {
+        /// The path.
+        path: PathBuf,
+        /// The flag that gave it.
+        flag: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// `search --emit-plan` whose best plan uses an axis the compiler lacks.
     #[error(
         "the best plan, {layout}, uses an axis pleat cannot compile yet; drop --all-axes for the best plan it can \
@@ -793,6 +807,9 @@ impl UsageError {
             UsageError::DirectoryNotAModel { model, .. } => vec![("file", model.clone())],
             UsageError::TrainOfForwardDir { dir } | UsageError::ForwardOfTrainingDir { dir } => {
                 vec![("file", dir.display().to_string())]
+            }
+            UsageError::OutputPath { path, flag, .. } => {
+                vec![("flag", flag.to_string()), ("file", path.display().to_string())]
             }
             UsageError::TrainFlagDiffersFromPlan { flag, dir, .. } => {
                 vec![("flag", flag.to_string()), ("file", dir.display().to_string())]

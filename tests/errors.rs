@@ -578,6 +578,30 @@ fn training_checkpoints() {
 }
 
 #[test]
+fn output_paths_are_checked_before_the_work() {
+    // Each was found only once the run, the compile or the measurement was done (a long training
+    // run lost at its first save), as an I/O error.
+    let dir = tempdir("errors-outputs");
+    let file = write(&dir, "file.txt", "keep me");
+    let in_file = format!("{file}/out");
+    let directory = path_str(&dir);
+    let nowhere = path_str(&dir.join("missing").join("out.json"));
+    let cases = [
+        case(&["run", "tiny", "--seq", "8", "--trace", &directory], "E0750", "--trace"),
+        case(&["run", "tiny", "--seq", "8", "--logits-out", &nowhere], "E0750", "/missing does not exist"),
+        case(&["run", "tiny", "--train", "--steps", "500", "--save", &in_file], "E0750", "file.txt is not a directory"),
+        case(&["compile", "tiny", "--mesh", "tp=2", "--out", &in_file], "E0750", "--out"),
+        case(&["trace", "tiny", "--mesh", "tp=2", "--out", &directory], "E0750", "it is a directory"),
+        case(&["search", "tiny", "--gpus", "8", "--emit-plan", &directory], "E0750", "--emit-plan"),
+        case(&["bench", "calibrate", "--quick", "--out", &directory], "E0750", "it is a directory"),
+    ];
+    for case in &cases {
+        check(case);
+    }
+    assert_eq!(std::fs::read_to_string(&file).expect("the file"), "keep me");
+}
+
+#[test]
 fn a_weight_that_is_not_finite_is_refused_with_its_tensor() {
     // The one-rank checkpoint's weights as a Hugging Face file, one of them NaN: the run used to
     // print NaN logits, or fail its --check, or blame --lr for a diverged step.

@@ -26,6 +26,9 @@ pub struct CalibrateArgs {
 
 /// Runs `pleat bench calibrate` (and `pleat bench --calibrate`).
 pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
+    if let Some(path) = &args.out {
+        crate::checkpoint::check_output_file(path, "--out")?;
+    }
     let calibration = measure(args.quick)?;
     let spec = spec_of(&calibration, crate::host_memory::total_bytes()?).validate()?;
     let json = serde_json::to_string_pretty(&spec)?;
