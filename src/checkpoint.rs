@@ -319,13 +319,26 @@ pub fn write_dir_atomically(dir: &Path, marker: &str, fill: impl FnOnce(&Path) -
 /// pleat's. (A long training run used to find out only at its first save.)
 pub fn check_output_dir(dir: &Path, marker: &str, flag: &'static str) -> Result<()> {
     let (parent, _) = parent_and_name(dir)?;
-    if let Some(ancestor) = parent.ancestors().find(|ancestor| ancestor.exists()) {
+    check_creatable(dir, &parent, flag)?;
+    refuse_to_replace_foreign(dir, marker)
+}
+
+/// Checks, before the work, that `dir` is a directory or can be made one (files are written
+/// into it, beside any already there).
+pub fn check_output_files_dir(dir: &Path, flag: &'static str) -> Result<()> {
+    check_creatable(dir, dir, flag)
+}
+
+/// Checks that the nearest existing one of `within` and its ancestors is a directory, so that
+/// `output` under it can be created.
+fn check_creatable(output: &Path, within: &Path, flag: &'static str) -> Result<()> {
+    if let Some(ancestor) = within.ancestors().find(|ancestor| ancestor.exists()) {
         if !ancestor.is_dir() {
             let problem = format!("{} is not a directory", ancestor.display());
-            bail!(UsageError::OutputPath { path: dir.to_path_buf(), flag, problem });
+            bail!(UsageError::OutputPath { path: output.to_path_buf(), flag, problem });
         }
     }
-    refuse_to_replace_foreign(dir, marker)
+    Ok(())
 }
 
 /// Checks, before the work whose output it is, that a file could be written at `path`: it is

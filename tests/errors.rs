@@ -594,6 +594,11 @@ fn output_paths_are_checked_before_the_work() {
         case(&["trace", "tiny", "--mesh", "tp=2", "--out", &directory], "E0750", "it is a directory"),
         case(&["search", "tiny", "--gpus", "8", "--emit-plan", &directory], "E0750", "--emit-plan"),
         case(&["bench", "calibrate", "--quick", "--out", &directory], "E0750", "it is a directory"),
+        case(
+            &["bench", "overlap", "tiny", "--mesh", "tp=2", "--emulate-link", "1,1", "--traces", &file],
+            "E0750",
+            "file.txt is not a directory",
+        ),
     ];
     for case in &cases {
         check(case);

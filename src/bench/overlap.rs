@@ -150,6 +150,9 @@ fn message_link(emulated: &LinkSpec, own_bytes_per_s: f64, own_latency_s: f64) -
 
 /// Runs `pleat bench overlap`.
 pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
+    if let Some(dir) = &args.traces {
+        crate::checkpoint::check_output_files_dir(dir, "--traces")?;
+    }
     let config = args.target.config("bench overlap")?;
     let mesh = pleat_ir::Mesh::parse(&args.target.mesh)?;
     let (batch, seq) = (args.target.batch, args.target.seq);
