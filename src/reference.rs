@@ -146,15 +146,17 @@ impl ForwardReference {
 /// bits each) through every layer, so they can be held to bf16's accuracy, not f32's.
 pub const BF16_LOGITS_REL_TOL: f32 = 16.0 / 512.0;
 
-/// The tolerance of a logits check: `F32_TOL`, or under bf16 programs `BF16_LOGITS_REL_TOL` of the
-/// reference's largest magnitude.
+/// The f32 logits' tolerance beyond `F32_TOL`, as a share of the reference's largest logit: 1e-5,
+/// which is `F32_TOL` at a logit of 10. Logits are rarely larger, but weights scaled up make them
+/// so, and f32's rounding grows with them (logits near 1e38 were 1.3e31 apart, 1e-7 of them).
+pub const F32_LOGITS_REL_TOL: f32 = 1e-5;
+
+/// The tolerance of a logits check: `F32_TOL`, or `F32_LOGITS_REL_TOL` (under bf16 programs
+/// `BF16_LOGITS_REL_TOL`) of the reference's largest magnitude where that is more.
 fn logits_tolerance(programs: &[Program], reference: &[f32]) -> f32 {
-    if stores_bf16(programs) {
-        let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
-        F32_TOL.max(BF16_LOGITS_REL_TOL * largest)
-    } else {
-        F32_TOL
-    }
+    let largest = reference.iter().fold(0.0f32, |largest, value| largest.max(value.abs()));
+    let share = if stores_bf16(programs) { BF16_LOGITS_REL_TOL } else { F32_LOGITS_REL_TOL };
+    F32_TOL.max(share * largest)
 }
 
 /// `--check` of a forward run's `logits`: the reference at the programs' precision, with the
@@ -170,6 +172,18 @@ pub fn check_logits(
 ) -> Result<(LogitsCheck, f32)> {
     let bf16 = stores_bf16(programs);
     let reference = forward_reference(config, tokens, weights, bf16, routing_tie_margin(bf16, cuda))?;
+    // (A run's NaN beside a finite reference is a pleat bug; beside the reference's own, it is not.)
+    if let Some(at) = reference.logits.iter().position(|value| !value.is_finite()) {
+        let vocab = config.vocab_size as usize;
+        let (row, entry) = (at / vocab, at % vocab);
+        let seq = tokens.seq as usize;
+        anyhow::bail!(crate::usage::UsageError::ReferenceNotFinite {
+            value: reference.logits[at],
+            sequence: row / seq,
+            position: row % seq,
+            entry,
+        });
+    }
     let tolerance = logits_tolerance(programs, &reference.logits);
     let tolerance = if cuda { tolerance.max(CUDA_F32_TOL) } else { tolerance };
     Ok((reference.compare(logits), tolerance))

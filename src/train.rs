@@ -715,7 +715,9 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         };
         let trained = match &target.cuda {
             Some(trainer) => {
-                let (trained, report) = trainer.train(&target.programs, &target.layouts, &options)?;
+                let (trained, report) = trainer
+                    .train(&target.programs, &target.layouts, &options)
+                    .map_err(|error| before_any_update(error, start_step + 1))?;
                 device.get_or_insert(report);
                 trained
             }
@@ -732,7 +734,8 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
                     .fold(0u64, u64::saturating_add);
                 let what = format!("training {} ranks' programs", target.programs.len());
                 crate::host_memory::ensure_available(&what, needed)?;
-                train_on_threads(&target.programs, &target.layouts, &options)?
+                train_on_threads(&target.programs, &target.layouts, &options)
+                    .map_err(|error| before_any_update(error.into(), start_step + 1))?
             }
         };
         if let Some(checked) = &mut checked {
@@ -1208,6 +1211,19 @@ fn print_report(
         }
     }
     Ok(())
+}
+
+/// `error`, or where it is a step that diverged at `first_step` (the run's first, before any update
+/// it made) the error saying that --lr is not the cause.
+fn before_any_update(error: anyhow::Error, first_step: u32) -> anyhow::Error {
+    let diverged = error.chain().find_map(|cause| match cause.downcast_ref::<pleat_runtime::Error>() {
+        Some(pleat_runtime::Error::Diverged { step, norm, .. }) if *step == first_step => Some(*norm),
+        _ => None,
+    });
+    match diverged {
+        Some(norm) => UsageError::DivergedBeforeUpdate { step: first_step, norm }.into(),
+        None => error,
+    }
 }
 
 #[cfg(test)]

@@ -723,6 +723,41 @@ pub enum UsageError {
         /// The tolerance.
         tolerance: f32,
     },
+    /// `--check`'s reference overflowed: it cannot judge the run.
+    #[error(
+        "the reference's logits are {value} at token [{sequence}, {position}], vocabulary entry {entry}: the \
+         weights or the tokens overflow the single-device reference itself, so --check cannot judge the run"
+    )]
+    #[diagnostic(
+        code(E0751),
+        help("check the weights: a value near the dtype's largest overflows; or drop --check for these weights")
+    )]
+    ReferenceNotFinite {
+        /// The first value that is not finite.
+        value: f32,
+        /// Where: the sequence, the position in it, and the vocabulary entry.
+        sequence: usize,
+        position: usize,
+        entry: usize,
+    },
+    /// A training run's first step diverged: before any update, so not the learning rate's doing.
+    #[error(
+        "optimizer step {step}, this run's first: the gradient norm is {norm} before any update, so --lr cannot \
+         be the cause: the weights as loaded or the data overflow"
+    )]
+    #[diagnostic(
+        code(E0752),
+        help(
+            "check the weights (a value near the dtype's largest overflows) or the data; a checkpoint saved \
+             from a diverging run needs an earlier one"
+        )
+    )]
+    DivergedBeforeUpdate {
+        /// The step.
+        step: u32,
+        /// The gradient norm.
+        norm: f64,
+    },
     /// `pleat demo`'s check failed.
     #[error("the tp=4 logits differ from the reference by {err:e}")]
     #[diagnostic(code(E0721), help("this is a pleat bug; report the output of `pleat demo`"))]
@@ -868,6 +903,8 @@ impl UsageError {
             | UsageError::OverlapChangedNumbers
             | UsageError::TokensShape { .. }
             | UsageError::LogitsMismatch { .. }
+            | UsageError::ReferenceNotFinite { .. }
+            | UsageError::DivergedBeforeUpdate { .. }
             | UsageError::DemoMismatch { .. }
             | UsageError::RankPanicked
             | UsageError::CollectiveWrongResult { .. }

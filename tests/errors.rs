@@ -606,10 +606,9 @@ fn output_paths_are_checked_before_the_work() {
     assert_eq!(std::fs::read_to_string(&file).expect("the file"), "keep me");
 }
 
-#[test]
-fn a_weight_that_is_not_finite_is_refused_with_its_tensor() {
-    // The one-rank checkpoint's weights as a Hugging Face file, one of them NaN: the run used to
-    // print NaN logits, or fail its --check, or blame --lr for a diverged step.
+/// The one-rank checkpoint's weights as a Hugging Face file in `dir`, with element `index` of
+/// `model.norm.weight` set to `value`.
+fn tiny_weights_with(dir: &Path, value: f32, index: usize) -> String {
     let block_file = saved_tiny().join("rank0.safetensors");
     let bytes = std::fs::read(&block_file).expect("block file");
     let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
@@ -629,14 +628,20 @@ fn a_weight_that_is_not_finite_is_refused_with_its_tensor() {
         let mut values: Vec<f32> =
             data[start..end].chunks_exact(4).map(|quad| f32::from_le_bytes(quad.try_into().unwrap())).collect();
         if name == "model.norm.weight" {
-            values[5] = f32::NAN;
+            values[index] = value;
         }
         tensors.push((name.to_string(), shape, values));
     }
-    let dir = tempdir("errors-not-finite");
-    let file = dir.join("model.safetensors");
+    let file = dir.join(format!("model-{value}.safetensors"));
     pleat_runtime::weights::write_safetensors(&file, &tensors).expect("write");
-    let file = path_str(&file);
+    path_str(&file)
+}
+
+#[test]
+fn a_weight_that_is_not_finite_is_refused_with_its_tensor() {
+    // The run used to print NaN logits, or fail its --check, or blame --lr for a diverged step.
+    let dir = tempdir("errors-not-finite");
+    let file = tiny_weights_with(&dir, f32::NAN, 5);
     for mesh in ["dp=1", "tp=2"] {
         check(&case(
             &["run", "tiny", "--mesh", mesh, "--batch", "2", "--seq", "8", "--weights", &file],
@@ -647,6 +652,27 @@ fn a_weight_that_is_not_finite_is_refused_with_its_tensor() {
     let error = json_error(&["run", "tiny", "--batch", "2", "--seq", "8", "--weights", &file]);
     assert!(error["message"].as_str().is_some_and(|message| message.contains("holds NaN at [5]")), "{error}");
     assert_eq!(error["location"]["tensor"], "model.norm.weight");
+}
+
+#[test]
+fn weights_that_overflow_are_not_called_a_pleat_bug_or_the_learning_rates() {
+    // A finite weight near f32's largest overflows the forward: --check's reference overflows too
+    // (it said "a pleat bug"), and the first step's gradient norm is infinite before any update
+    // (it said "lower --lr").
+    let dir = tempdir("errors-overflow");
+    let file = tiny_weights_with(&dir, f32::MAX, 0);
+    let sizes = ["--batch", "2", "--seq", "8", "--weights", &file];
+    let forward = [&["run", "tiny", "--mesh", "tp=2", "--check"][..], &sizes].concat();
+    check(&case(&forward, "E0751", "so --check cannot judge the run"));
+    let training = [&["run", "tiny", "--mesh", "dp=2", "--train", "--steps", "2"][..], &sizes].concat();
+    check(&case(&training, "E0752", "step 1, this run's first"));
+    // Short of overflow, logits near 1e38 are held to 1e-5 of the largest (they were 1.3e31
+    // apart, f32's rounding of them, and the absolute 1e-4 called that a pleat bug).
+    let large = tiny_weights_with(&dir, 1e38, 0);
+    let output =
+        cli::pleat(&["run", "tiny", "--mesh", "tp=2", "--check", "--batch", "2", "--seq", "8", "--weights", &large]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success() && stdout.contains("): ok"), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
 }
 
 #[test]
