@@ -225,9 +225,12 @@ fn read_moe(fields: &Fields<'_>, architecture: Architecture, intermediate_size: 
                 top_k: fields.optional_u64("num_experts_per_tok")?.unwrap_or(4),
                 expert_intermediate_size: fields.optional_u64("moe_intermediate_size")?.unwrap_or(1408),
                 normalize_top_k: fields.optional_bool("norm_topk_prob")?.unwrap_or(false),
+                // A width of 0 is no shared expert: transformers builds one of no channels, which adds
+                // nothing (and `ModelConfig::to_hf_json` writes 0 for a mixture without one).
                 shared_expert_intermediate_size: Some(
                     fields.optional_u64("shared_expert_intermediate_size")?.unwrap_or(5632),
-                ),
+                )
+                .filter(|&width| width > 0),
                 router_aux_loss_coef: fields.optional_f64("router_aux_loss_coef")?.unwrap_or(0.001),
                 output_router_logits: fields.optional_bool("output_router_logits")?.unwrap_or(false),
             }))

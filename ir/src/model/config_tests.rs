@@ -486,6 +486,16 @@ fn reads_qwen2_moe_with_its_shared_expert() {
 }
 
 #[test]
+fn a_qwen2_moe_without_a_shared_expert_reads_back() {
+    // Written with a width of 0, which used to be refused on reading.
+    let mut config = parse(QWEN15_MOE_A27B);
+    config.moe.as_mut().expect("a mixture").shared_expert_intermediate_size = None;
+    let text = config.to_hf_json();
+    assert!(text.contains("\"shared_expert_intermediate_size\": 0"), "{text}");
+    assert_eq!(parse(&text), config);
+}
+
+#[test]
 fn mixtral_takes_its_class_defaults() {
     let config = parse(&minimal("MixtralForCausalLM").to_string());
     let moe = config.moe.clone().expect("a mixture of experts");
