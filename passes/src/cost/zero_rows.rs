@@ -199,6 +199,19 @@ impl ZeroRows {
         self.beyond(&self.past_attention) + self.beyond_router() + self.beyond_routed_experts()
     }
 
+    /// The elements of one layer's attention norm that a rank holds beyond the closed form's ZeRO
+    /// shards.
+    pub fn beyond_attention_norm(&self) -> f64 {
+        self.beyond([&self.attention_norm])
+    }
+
+    /// The elements of one layer's dense parameters past its attention (o, the MLP norm, the MLP
+    /// or a shared expert; not a router or routed experts) that a rank holds beyond the closed
+    /// form's ZeRO shards.
+    pub fn beyond_dense_past_attention(&self) -> f64 {
+        self.beyond(&self.past_attention)
+    }
+
     /// The elements of one layer's router (none for a dense model) that a rank holds beyond the
     /// closed form's ZeRO shards.
     pub fn beyond_router(&self) -> f64 {

@@ -20,8 +20,8 @@ pub(super) struct ChunkHold {
     /// Its gradients: one running sum of each (ZeRO-2 and 3: their shards).
     pub grads: f64,
     /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' q, k and
-    /// v, and its vocabulary table, where their rows do not divide): the sum and the
-    /// micro-batch's gradient of each.
+    /// v, under ZeRO-2 their norms, o and MLP, and its vocabulary table, where their rows do not
+    /// divide): the sum and the micro-batch's gradient of each.
     pub grads_kept_whole: f64,
     /// Of those, its vocabulary table's (the embedding's on the first chunk, an untied LM head's
     /// on the last).
@@ -70,39 +70,57 @@ pub(super) struct Candidate {
 }
 
 /// Of the gradients ZeRO keeps whole beyond their shards (a layer's k and v, q's weight and q's
-/// bias, where their rows do not divide over the replicas, and the chunk's vocabulary table, the
-/// embedding's on the first chunk, an untied LM head's on the last), those a micro-batch has not
-/// made at a point, in layers of the chunk (and tables): at the head of its backward every
-/// layer's; inside a layer's backward that layer's until its attention backward makes v's, then
-/// k's (and q's bias), then q's weight (`StageShape::kept_whole_pending`); the embedding's until
-/// the tail of the first chunk's backward, the LM head's until it is made and reduced.
+/// bias, under ZeRO-2 its attention norm and its dense parameters past the attention, where their
+/// rows do not divide over the replicas, and the chunk's vocabulary table, the embedding's on the
+/// first chunk, an untied LM head's on the last), those a micro-batch has not made at a point, in
+/// layers of the chunk (and tables): at the head of its backward every layer's; inside a layer's
+/// backward that layer's until its attention backward makes v's, then k's (and q's bias), then
+/// q's weight (`StageShape::kept_whole_pending`), its attention norm's to its end, and (counted
+/// as not yet made: a point there is below the planner) its o's and MLP's until its attention's
+/// points; the embedding's until the tail of the first chunk's backward, the LM head's until it
+/// is made and reduced.
 #[derive(Clone, Copy)]
 pub(super) struct KeptWholePending {
     pub key_values: f64,
     pub query_weights: f64,
     pub query_biases: f64,
+    pub attention_norms: f64,
+    pub past_attention: f64,
     pub table: f64,
 }
 
 impl KeptWholePending {
     /// None: every gradient kept whole is made (or none is kept whole where the point lies).
     pub const NONE: KeptWholePending = KeptWholePending::layers(0);
-    /// All of one layer's: inside its backward, before its attention's weight gradients.
+    /// All of one layer's: inside its backward, before its attention's weight gradients (its o's
+    /// and MLP's counted as not yet made, though some may be: a lower bound there).
     pub const LAYER: KeptWholePending = KeptWholePending::layers(1);
-    /// One layer's k and q gradients: v's made (k's and v's each half of the two's).
-    pub const K_AND_Q: KeptWholePending =
-        KeptWholePending { key_values: 0.5, query_weights: 1.0, query_biases: 1.0, table: 0.0 };
+    /// One layer's k and q gradients: v's made (k's and v's each half of the two's), and its o's
+    /// and MLP's before them; its attention norm's still to come.
+    pub const K_AND_Q: KeptWholePending = KeptWholePending {
+        key_values: 0.5,
+        query_weights: 1.0,
+        query_biases: 1.0,
+        attention_norms: 1.0,
+        past_attention: 0.0,
+        table: 0.0,
+    };
     /// One layer's q weight and bias gradients: k's and v's made.
-    pub const Q: KeptWholePending =
-        KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 1.0, table: 0.0 };
+    pub const Q: KeptWholePending = KeptWholePending { key_values: 0.0, ..KeptWholePending::K_AND_Q };
     /// One layer's q weight gradient: k's, v's and q's bias's made.
-    pub const Q_WEIGHT: KeptWholePending =
-        KeptWholePending { key_values: 0.0, query_weights: 1.0, query_biases: 0.0, table: 0.0 };
+    pub const Q_WEIGHT: KeptWholePending = KeptWholePending { query_biases: 0.0, ..KeptWholePending::Q };
 
     /// All of `layers` layers'.
     pub const fn layers(layers: u64) -> KeptWholePending {
         let layers = layers as f64;
-        KeptWholePending { key_values: layers, query_weights: layers, query_biases: layers, table: 0.0 }
+        KeptWholePending {
+            key_values: layers,
+            query_weights: layers,
+            query_biases: layers,
+            attention_norms: layers,
+            past_attention: layers,
+            table: 0.0,
+        }
     }
 
     /// These and all of `layers` more layers' (the layers below the one a point lies in).
@@ -112,6 +130,8 @@ impl KeptWholePending {
             key_values: self.key_values + more.key_values,
             query_weights: self.query_weights + more.query_weights,
             query_biases: self.query_biases + more.query_biases,
+            attention_norms: self.attention_norms + more.attention_norms,
+            past_attention: self.past_attention + more.past_attention,
             table: self.table,
         }
     }

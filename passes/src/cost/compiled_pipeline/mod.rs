@@ -376,8 +376,15 @@
 //! embedding's at the first chunk's tail, the head's at the last chunk's head, before the
 //! all-reduce none of it made), named apart as q's, k's and v's are, and where it splits them
 //! (or q) over some of their replicas (dp's, not cp's or ep's), the tail reduce-scatters the
-//! joining gradient over those and then all-reduces the shard over the rest; ZeRO-3 as ZeRO-2
-//! with the
+//! joining gradient over those and then all-reduces the shard over the rest. ZeRO-2 where a
+//! dense parameter's rows do not divide (o, a norm, the MLP or a shared expert: 130 wide at dp=4,
+//! 258 channels at dp=4, 129 a rank beside tp or tsp at dp=2): its gradient is all-reduced and
+//! summed whole, and the form counts it whole in the running sums and in what a micro-batch has
+//! made (`chunk::KeptWholePending`), but as not yet made anywhere inside the layer a point lies
+//! in (its MLP's and o's, made before the attention's points, are missed there), nor the final
+//! norm's: never above the planner, within 6% below (10% beside tsp), where the program peaks as
+//! a layer's MLP gradients are made and reduced. ZeRO-3 as ZeRO-2 (but there: where a dense
+//! parameter's rows do not divide it is not modelled) with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
 //! other candidates are inside that layer's backward, as its down and output projections'
@@ -580,15 +587,18 @@ fn modelled(
         // expert.
         && tsp_rank < tsp
         && (tsp == 1 || tp * cp == 1)
-        // ZeRO-2 and 3 over dp, cp or both (with or without tp), where every parameter's rows
-        // divide over them but perhaps q's, k's and v's (`super::zero_rows`: at dp=4 × tp=2 k and
-        // v stay whole, at dp=8 × tp=2 q too; the stage's points count them apart), a mixture's
-        // router's and experts' (six experts at dp=4 whole, at dp=2 × ep=2 the router over dp
-        // alone) and the vocabulary tables' (250 rows at dp=4), or where no parameter's do
-        // (ZeRO-1's programs); without replicas they split nothing.
+        // ZeRO-2 over dp, cp or both (with or without tp) wherever rows divide or not (a dense
+        // parameter's kept whole counted below the planner: see the module doc). ZeRO-3 where
+        // every parameter's rows divide over them but perhaps q's, k's and v's
+        // (`super::zero_rows`: at dp=4 × tp=2 k and v stay whole, at dp=8 × tp=2 q too; the
+        // stage's points count them apart), a mixture's router's and experts' (six experts at
+        // dp=4 whole, at dp=2 × ep=2 the router over dp alone) and the vocabulary tables' (250
+        // rows at dp=4), or where no parameter's do (ZeRO-1's programs); without replicas they
+        // split nothing.
         && (workload.zero <= 1
             || layout.zero_replicas() == 1
-            || ((workload.zero == 2 || workload.zero == 3) && only_modelled_params_kept_whole(model, zero_rows))
+            || workload.zero == 2
+            || (workload.zero == 3 && only_modelled_params_kept_whole(model, zero_rows))
             || !zero_rows.splits_any())
 }
 
@@ -662,6 +672,11 @@ struct StageShape<'a> {
     /// their rows divide over, `expert_shards`: 1 where none does.)
     router_kept_whole: f64,
     router_gathered: bool,
+    /// The bytes of a layer's attention norm, and of its dense parameters past the attention (o,
+    /// the MLP norm, the MLP or a shared expert), that ZeRO-2 holds beyond their shards where their
+    /// rows do not divide over the replicas (their gradients, all-reduced as beside dp alone).
+    attention_norm_kept_whole: f64,
+    past_attention_kept_whole: f64,
     /// The bytes of a vocabulary table (the embedding on the first chunk, an untied LM head on
     /// the last) ZeRO-2 and 3 hold beyond its shard, where its rows do not divide over the
     /// replicas (its gradient, all-reduced as beside dp alone; under ZeRO-3 its weight too), and
@@ -733,6 +748,8 @@ impl<'a> StageShape<'a> {
             key_values_replicated: key_values_replicated(model, layout),
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
+            attention_norm_kept_whole: kept_whole(zero_rows.beyond_attention_norm()),
+            past_attention_kept_whole: kept_whole(zero_rows.beyond_dense_past_attention()),
             table_kept_whole: kept_whole(zero_rows.beyond_vocabulary_table()),
             tables_gathered: zero_rows.vocabulary_table_replicas() > 1,
             statistics: sizes.statistics,
@@ -746,7 +763,11 @@ impl<'a> StageShape<'a> {
     /// The bytes of one layer's gradients (under ZeRO-3 also of its weights) that ZeRO-2 and 3
     /// keep whole beyond their shards.
     fn layer_kept_whole(&self) -> f64 {
-        self.key_values_kept_whole + self.query_weight_kept_whole + self.query_bias_kept_whole
+        self.key_values_kept_whole
+            + self.query_weight_kept_whole
+            + self.query_bias_kept_whole
+            + self.attention_norm_kept_whole
+            + self.past_attention_kept_whole
     }
 
     /// The bytes of one layer's weights ZeRO-3 keeps whole beyond their shards: q's, k's and v's,
@@ -774,6 +795,8 @@ impl<'a> StageShape<'a> {
         pending.key_values * self.key_values_kept_whole
             + pending.query_weights * self.query_weight_kept_whole
             + pending.query_biases * self.query_bias_kept_whole
+            + pending.attention_norms * self.attention_norm_kept_whole
+            + pending.past_attention * self.past_attention_kept_whole
             + pending.table * hold.table_kept_whole
     }
 
