@@ -5341,8 +5341,10 @@ fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() 
     // all-reduces their gradients and sums them whole. The form counts them in the running sums
     // and in what a micro-batch has made, but not the point's own layer's nor the final norm's
     // (a layer's MLP and o made before the point are missed): never above the planner, within 6%
-    // below it (measured 5.8% at most, over 1,536 ranks' peaks; 10% beside tsp, whose ring makes
-    // the MLP's gradients: 9.4%).
+    // below it (13% beside tsp, whose ring makes the MLP's gradients, under zero bubble). Over
+    // 1,100 random layouts of these kinds (widths 96 to 136, 130 to 260 channels, mixtures, tied
+    // tables, each schedule and recomputation, 16 to 128 tokens) none was above, none but tsp's
+    // more than 5.8% below, tsp's at most 12%.
     let four = four_layers();
     let odd_width = |config: &pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig {
         hidden_size: 130,
@@ -5352,6 +5354,7 @@ fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() 
         ..config.clone()
     };
     let wide_ffn = pleat_ir::model::config::ModelConfig { intermediate_size: 258, ..four.clone() };
+    let narrow = pleat_ir::model::config::ModelConfig { hidden_size: 96, head_dim: 16, ..wide_ffn.clone() };
     let odd_hidden = odd_width(&four);
     let [mixture, shared] = four_layer_mixtures();
     let (odd_mixture, odd_shared) = (odd_width(&mixture), odd_width(&shared));
@@ -5369,6 +5372,7 @@ fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() 
         (&wide_ffn, "pp=2,dp=2,tp=2", true),
         (&odd_hidden, "pp=2,dp=2,cp=2", false),
         (&wide_ffn, "pp=2,dp=2,tsp=2", false),
+        (&narrow, "pp=2,dp=2,tsp=2", false),
         (&odd_mixture, "pp=2,dp=4", false),
         (&odd_shared, "pp=2,dp=2,ep=2", false),
     ] {
@@ -5377,11 +5381,12 @@ fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() 
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sp);
         let zero_rows = pleat_passes::cost::zero_rows::ZeroRows::new(&model, &layout);
         assert!(zero_rows.beyond_dense_past_attention() > 0.0, "{mesh}");
-        let below = if mesh.contains("tsp") { 0.1 } else { 0.06 };
+        let below = if mesh.contains("tsp") { 0.13 } else { 0.06 };
         for kind in schedules {
             for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-                for seq in [32, 128] {
-                    let layout = PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, 4, 2, recompute, sp);
+                for (seq, micro_batches) in [(32, 4), (64, 2), (128, 4)] {
+                    let layout =
+                        PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, 2, recompute, sp);
                     for stage in stage_closed_forms(config, &layout, seq) {
                         let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
                         assert!(form <= planned, "{}: {form} above {planned}", stage.label);

@@ -382,8 +382,8 @@
 //! summed whole, and the form counts it whole in the running sums and in what a micro-batch has
 //! made (`chunk::KeptWholePending`), but as not yet made anywhere inside the layer a point lies
 //! in (its MLP's and o's, made before the attention's points, are missed there), nor the final
-//! norm's: never above the planner, within 6% below (10% beside tsp), where the program peaks as
-//! a layer's MLP gradients are made and reduced. ZeRO-3 as ZeRO-2 (but there: where a dense
+//! norm's: never above the planner, within 6% below (13% beside tsp, under zero bubble), where
+//! the program peaks as a layer's MLP gradients are made and reduced. ZeRO-3 as ZeRO-2 (but there: where a dense
 //! parameter's rows do not divide it is not modelled) with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
