@@ -3182,10 +3182,10 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
     let schedule = Schedule::build(one_f_one_b, 2, 4).unwrap();
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 3, 2).is_some());
     assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 1, 4, 2).is_none());
-    // Nor has ZeRO-3 where the rows of a parameter but q, k, v, a mixture's router and experts
-    // and the vocabulary tables do not divide over dp and another's do (at dp=256 `tiny`'s 256
-    // vocabulary rows split, its hidden size's 128 do not); ZeRO-2 has, below the planner
-    // (`zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner`). q's, k's and v's (4 and
+    // ZeRO-2 and 3 where the rows of a parameter but q, k, v, a mixture's router and experts and
+    // the vocabulary tables do not divide over dp and another's do (at dp=256 `tiny`'s 256
+    // vocabulary rows split, its hidden size's 128 do not) are modelled below the planner
+    // (`zero_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner`). q's, k's and v's (4 and
     // 2 rows a rank at tp=2 or tsp=2, kept whole at dp=8), a mixture's router and experts (whole
     // with 8 experts at dp=16; the router split over dp alone with six at dp=2 × ep=2, the
     // experts too at dp=2 × cp=2) and the tables (250 rows whole at dp=4, split over dp alone at
@@ -3216,8 +3216,7 @@ fn tsp_stage_closed_form_equals_the_planners_peak() {
         let phase = compiled_stage_peak(model, &layout, &workload, &schedule, 0, 0, 2);
         assert_eq!(phase.is_some(), modelled, "{mesh}");
         let zero3 = Workload { zero: 3, ..workload };
-        let phase = compiled_stage_peak(model, &layout, &zero3, &schedule, 0, 0, 2);
-        assert_eq!(phase.is_some(), mesh != "pp=2,dp=256", "{mesh} under ZeRO-3");
+        assert!(compiled_stage_peak(model, &layout, &zero3, &schedule, 0, 0, 2).is_some(), "{mesh} under ZeRO-3");
     }
 }
 
@@ -5335,16 +5334,18 @@ fn under_tsp_the_first_stages_attention_backward_holds_the_token_ids_in_zigzag_o
 }
 
 #[test]
-fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() {
+fn zero_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() {
     // Where the rows of o, a norm, the MLP or a shared expert do not divide over ZeRO's replicas
     // (130 wide at dp=4; 258 channels at dp=4, or 129 a rank beside tp or tsp at dp=2), ZeRO-2
-    // all-reduces their gradients and sums them whole. The form counts them in the running sums
-    // and in what a micro-batch has made, but not the point's own layer's nor the final norm's
-    // (a layer's MLP and o made before the point are missed): never above the planner, within 6%
-    // below it (13% beside tsp, whose ring makes the MLP's gradients, under zero bubble). Over
-    // 1,100 random layouts of these kinds (widths 96 to 136, 130 to 260 channels, mixtures, tied
-    // tables, each schedule and recomputation, 16 to 128 tokens) none was above, none but tsp's
-    // more than 5.8% below, tsp's at most 12%.
+    // and 3 all-reduce their gradients and sum them whole, and ZeRO-3 keeps their weights whole,
+    // never gathered. The form counts the gradients in the running sums and in what a micro-batch
+    // has made, but not the point's own layer's nor the final norm's (a layer's MLP and o made
+    // before the point are missed), and gathers only the weights whose rows divide: never above
+    // the planner, within 8% below it (14% beside tsp, whose ring makes the MLP's gradients,
+    // under zero bubble). Here at most 7.2% below (13.1% beside tsp), on 5,184 ranks' peaks; over
+    // 1,100 random layouts of these kinds under each of ZeRO-2 and 3 (widths 96 to 136, 130 to
+    // 260 channels, mixtures, tied tables, each schedule and recomputation, 16 to 128 tokens)
+    // none was above, none but tsp's more than 6.6% below, tsp's at most 12.1%.
     let four = four_layers();
     let odd_width = |config: &pleat_ir::model::config::ModelConfig| pleat_ir::model::config::ModelConfig {
         hidden_size: 130,
@@ -5381,14 +5382,23 @@ fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() 
         let layout = Layout::from_mesh(&Mesh::parse(mesh).unwrap(), sp);
         let zero_rows = pleat_passes::cost::zero_rows::ZeroRows::new(&model, &layout);
         assert!(zero_rows.beyond_dense_past_attention() > 0.0, "{mesh}");
-        let below = if mesh.contains("tsp") { 0.13 } else { 0.06 };
-        for kind in schedules {
+        let below = if mesh.contains("tsp") { 0.14 } else { 0.08 };
+        for (kind, zero_stage) in schedules.into_iter().flat_map(|kind| [(kind, 2), (kind, 3)]) {
             for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
                 for (seq, micro_batches) in [(32, 4), (64, 2), (128, 4)] {
-                    let layout =
-                        PipelinedLayout::one_sequence_a_micro_batch(mesh, kind, micro_batches, 2, recompute, sp);
+                    let layout = PipelinedLayout::one_sequence_a_micro_batch(
+                        mesh,
+                        kind,
+                        micro_batches,
+                        zero_stage,
+                        recompute,
+                        sp,
+                    );
                     for stage in stage_closed_forms(config, &layout, seq) {
                         let (planned, form) = (stage.planned.peak_bytes as f64, stage.phase.bytes());
+                        // ZeRO-3's parameters: the closed form's shards and those kept whole.
+                        let params = stage.phase.params + stage.bytes_of(PARAMS_KEPT_WHOLE);
+                        assert!((stage.planned.param_bytes as f64 - params).abs() < 1e-6, "{}", stage.label);
                         assert!(form <= planned, "{}: {form} above {planned}", stage.label);
                         assert!(form >= (1.0 - below) * planned, "{}: {form} below {planned}", stage.label);
                         kept_whole_at_peak += usize::from(stage.bytes_of(GRADS_KEPT_WHOLE) > 0.0);
@@ -5396,10 +5406,6 @@ fn zero2_stage_form_where_dense_rows_do_not_divide_is_never_above_the_planner() 
                 }
             }
         }
-        // Under ZeRO-3, which would gather some of them and keep others whole, not modelled.
-        let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4).unwrap();
-        let workload = Workload { zero: 3, micro_batches: 4, ..Workload::training(SEQ, 1) };
-        assert!(compiled_stage_peak(&model, &layout, &workload, &schedule, 0, 0, 2).is_none(), "{mesh}");
     }
     assert!(kept_whole_at_peak > 0);
 }

@@ -20,8 +20,8 @@ pub(super) struct ChunkHold {
     /// Its gradients: one running sum of each (ZeRO-2 and 3: their shards).
     pub grads: f64,
     /// Of its gradients, those ZeRO-2 and 3 keep whole, beyond their shards (its layers' q, k and
-    /// v, under ZeRO-2 their norms, o and MLP, and its vocabulary table, where their rows do not
-    /// divide): the sum and the micro-batch's gradient of each.
+    /// v, their norms, o and MLP, and its vocabulary table, where their rows do not divide): the
+    /// sum and the micro-batch's gradient of each.
     pub grads_kept_whole: f64,
     /// Of those, its vocabulary table's (the embedding's on the first chunk, an untied LM head's
     /// on the last).
@@ -70,7 +70,7 @@ pub(super) struct Candidate {
 }
 
 /// Of the gradients ZeRO keeps whole beyond their shards (a layer's k and v, q's weight and q's
-/// bias, under ZeRO-2 its attention norm and its dense parameters past the attention, where their
+/// bias, its attention norm and its dense parameters past the attention, where their
 /// rows do not divide over the replicas, and the chunk's vocabulary table, the embedding's on the
 /// first chunk, an untied LM head's on the last), those a micro-batch has not made at a point, in
 /// layers of the chunk (and tables): at the head of its backward every layer's; inside a layer's

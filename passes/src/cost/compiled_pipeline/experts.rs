@@ -373,7 +373,7 @@ pub(super) fn input_gradient_reduced(
             Term { name: "the MLP norm output, freed", bytes: -gathered },
             Term {
                 name: "the MLP norm's weight, gathered for its backward",
-                bytes: shape.weights_gathered_again(shape.norm * shape.sizes.element),
+                bytes: shape.norms_gathered_again(shape.norm * shape.sizes.element),
             },
         ]);
         (held, made_before + shape.layer_mlp_gradient_shards())

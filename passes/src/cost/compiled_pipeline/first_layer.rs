@@ -159,7 +159,7 @@ pub(super) fn gate_input_gradient_scattered(shape: &StageShape, chunk: &Chunk) -
         return None;
     }
     let StepSizes { element, local_tokens, ffn, stream, gathered, .. } = shape.sizes;
-    let regathered = shape.weights_gathered_again(shape.gate);
+    let regathered = shape.gate_up_gathered_again(shape.gate);
     let held = before_attention(
         shape,
         chunk,
@@ -504,7 +504,7 @@ pub(super) fn attention_input_gradients(
     // until their input gradients ([`attention_weights_regathered`]): q's and the norm's, then the
     // norm's.
     if shape.recompute() == Recompute::Full {
-        let norm = shape.weights_gathered_again(shape.norm * element);
+        let norm = shape.norms_gathered_again(shape.norm * element);
         let q = shape.query_weight_gathered_again();
         if norm + q > 0.0 {
             from_v_and_k
@@ -571,7 +571,7 @@ pub(super) fn recomputed_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<
             bytes: 3.0 * gathered,
         },
     ]);
-    let regathered_norm = shape.weights_gathered_again(shape.norm * element);
+    let regathered_norm = shape.norms_gathered_again(shape.norm * element);
     if regathered_norm > 0.0 {
         summed.push(Term { name: "first layer's MLP norm weight, gathered again", bytes: regathered_norm });
     }
@@ -611,7 +611,8 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
         if shape.workload.zero >= 3 {
             held.push(Term {
                 name: "first layer's MLP norm, gate and up weights, gathered again",
-                bytes: 2.0 * shape.gate + shape.norm * element,
+                bytes: shape.gate_up_gathered_again(2.0 * shape.gate)
+                    + shape.norms_gathered_again(shape.norm * element),
             });
         }
         let made = Candidate::before_first_attention(
@@ -1290,7 +1291,7 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
             },
         ],
     )];
-    let down_weights = shape.weights_gathered_again(shape.gate);
+    let down_weights = shape.down_gathered_again(shape.gate);
     if down_weights > 0.0 {
         points.push(point(
             "first layer's shared down projection's input gradient in B",
@@ -1302,13 +1303,13 @@ fn shared_expert_in_b(shape: &StageShape, chunk: &Chunk, for_w: &[Term], made_in
         ));
     }
     let share = shape.two_step_gather_share();
-    if share > 0.0 && shape.recompute() == Recompute::Full {
+    if share > 0.0 && down_weights > 0.0 && shape.recompute() == Recompute::Full {
         points.push(point(
             "first layer's shared down projection's weights gathered again in B, the last step",
             vec![
                 Term {
                     name: "first layer's shared expert's gate vector weights (gathered again) and gate logit",
-                    bytes: (hidden + local_tokens) * element,
+                    bytes: shape.norms_gathered_again(hidden * element) + local_tokens * element,
                 },
                 Term {
                     name: "its weights, gathered (staged) beside the step before's output",
@@ -1369,7 +1370,7 @@ fn attention_input_gradients_in_b(shape: &StageShape, chunk: &Chunk, for_w: Vec<
     if shape.recompute() == Recompute::Full {
         held.push(Term {
             name: "first layer's attention norm and q weights, gathered again",
-            bytes: shape.weights_gathered_again(shape.norm * shape.sizes.element) + shape.query_weight_gathered_again(),
+            bytes: shape.norms_gathered_again(shape.norm * shape.sizes.element) + shape.query_weight_gathered_again(),
         });
     }
     Candidate::made("first layer's attention norm output's gradients summed in B", made_in_b, held)
@@ -1801,9 +1802,9 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         Term { name: "first layer's attention residual", bytes: stream },
         Term { name: "first layer's output gradient", bytes: stream },
         Term { name: "first layer's SiLU product's gradient", bytes: local_tokens * ffn * element },
-        Term { name: "first layer's MLP norm weight, gathered", bytes: norm * element },
+        Term { name: "first layer's MLP norm weight, gathered", bytes: shape.norms_gathered_again(norm * element) },
         Term { name: "first layer's MLP norm output, recomputed", bytes: gathered },
-        Term { name: "first layer's gate and up weights, gathered", bytes: 2.0 * gate },
+        Term { name: "first layer's gate and up weights, gathered", bytes: shape.gate_up_gathered_again(2.0 * gate) },
         Term { name: "first layer's gate and up, recomputed", bytes: 2.0 * local_tokens * ffn * element },
         Term { name: "first layer's down gradient before its dp reduce-scatter", bytes: gate },
         Term { name: "its reduce-scatter's staging", bytes: gate },
@@ -1813,7 +1814,10 @@ pub(super) fn regathered(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
     attention.extend([
         Term { name: "first layer's attention residual gradient", bytes: stream },
         Term { name: "first layer's attention output gradient", bytes: local_tokens * query * element },
-        Term { name: "first layer's attention norm weight, gathered", bytes: norm * element },
+        Term {
+            name: "first layer's attention norm weight, gathered",
+            bytes: shape.norms_gathered_again(norm * element),
+        },
         Term { name: "first layer's attention norm output, recomputed", bytes: gathered },
         Term {
             // (But q or k and v where ZeRO keeps them whole.)

@@ -249,7 +249,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 before_layer_output.clone(),
                 Term { name: "its last layer's MLP norm output, not kept", bytes: gathered },
                 Term { name: "its last layer's gate and up outputs", bytes: 2.0 * local_tokens * ffn * element },
-                Term { name: "its last layer's up weight, gathered", bytes: shape.weights_gathered_again(shape.gate) },
+                Term { name: "its last layer's up weight, gathered", bytes: shape.gate_up_gathered_again(shape.gate) },
             ],
         ));
         points.push(point(
@@ -278,7 +278,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                 },
                 Term {
                     name: "the final norm's weight, gathered",
-                    bytes: shape.weights_gathered_again(shape.norm * element),
+                    bytes: shape.norms_gathered_again(shape.norm * element),
                 },
             ],
         ));
@@ -286,7 +286,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // Under ZeRO-3 a dense MLP's down projection reads its weight gathered over dp for it, freed
     // once the projection's output (whole under SP, before its reduce-scatter) is made beside it
     // and the SiLU product (kept, or under full recomputation not kept).
-    let down_gathered = shape.weights_gathered_again(shape.gate);
+    let down_gathered = shape.down_gathered_again(shape.gate);
     if shape.model.experts.is_none() && down_gathered > 0.0 {
         points.push(point(
             "the last layer's down projection in a forward",
@@ -358,7 +358,7 @@ pub(super) fn forward_points(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
                         Term { name: "its last layer's shared expert's down output", bytes: expert_output },
                         Term {
                             name: "its last layer's shared expert's down weight, gathered",
-                            bytes: shape.weights_gathered_again(shape.gate),
+                            bytes: shape.down_gathered_again(shape.gate),
                         },
                     ])
                     .collect(),

@@ -189,7 +189,7 @@ fn last_chunk(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate> {
         if full {
             // (Under SP its input gathered again too, in place of the last layer's output; under
             // ZeRO-3 its weight gathered again.)
-            let regathered_norm = shape.weights_gathered_again(shape.norm * element);
+            let regathered_norm = shape.norms_gathered_again(shape.norm * element);
             held.push(Term {
                 name: "the final norm's output recomputed (and under SP its input gathered, under ZeRO-3 its weight)",
                 bytes: shape.sizes.final_norm_buffers() + regathered_norm,
@@ -472,7 +472,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // norm's output, gate and up, after the product's gradient is made (under ZeRO-3 with the MLP
     // norm's, gate's and up's weights gathered again for it, which their input gradients read
     // next).
-    let regathered = shape.weights_gathered_again(2.0 * shape.gate + shape.norm * element);
+    let regathered = shape.gate_up_gathered_again(2.0 * shape.gate) + shape.norms_gathered_again(shape.norm * element);
     let recomputed = full.then_some(Term {
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
         bytes: gathered + 3.0 * product + regathered,
@@ -514,7 +514,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // again for the recomputation, live until the norm's backward).
     // Under ZeRO-2 and 3 without recomputing the MLP the same point holds the MLP norm's output
     // kept in flight, the layer's gate, up and product freed by then.
-    let regathered_norm = shape.weights_gathered_again(shape.norm * element);
+    let regathered_norm = shape.norms_gathered_again(shape.norm * element);
     let summed = (full || shape.scattered).then(|| {
         let (name, norm_output) = if full {
             (

@@ -376,15 +376,16 @@
 //! embedding's at the first chunk's tail, the head's at the last chunk's head, before the
 //! all-reduce none of it made), named apart as q's, k's and v's are, and where it splits them
 //! (or q) over some of their replicas (dp's, not cp's or ep's), the tail reduce-scatters the
-//! joining gradient over those and then all-reduces the shard over the rest. ZeRO-2 where a
+//! joining gradient over those and then all-reduces the shard over the rest. ZeRO-2 and 3 where a
 //! dense parameter's rows do not divide (o, a norm, the MLP or a shared expert: 130 wide at dp=4,
 //! 258 channels at dp=4, 129 a rank beside tp or tsp at dp=2): its gradient is all-reduced and
 //! summed whole, and the form counts it whole in the running sums and in what a micro-batch has
 //! made (`chunk::KeptWholePending`), but as not yet made anywhere inside the layer a point lies
 //! in (its MLP's and o's, made before the attention's points, are missed there), nor the final
-//! norm's: never above the planner, within 6% below (13% beside tsp, under zero bubble), where
-//! the program peaks as a layer's MLP gradients are made and reduced. ZeRO-3 as ZeRO-2 (but there: where a dense
-//! parameter's rows do not divide it is not modelled) with the
+//! norm's; ZeRO-3 keeps those weights whole and gathers none of them, and the form gathers only
+//! the o, MLP and norm weights whose rows divide. Never above the planner, within 8% below (14%
+//! beside tsp, under zero bubble), where the program peaks as a layer's MLP gradients are made
+//! and reduced. ZeRO-3 as ZeRO-2 with the
 //! parameters their shards too (each layer's gathered weights are freed by then; under full
 //! recomputation the first layer's are gathered again for its recomputed forward, and the stage's
 //! other candidates are inside that layer's backward, as its down and output projections'
@@ -459,7 +460,7 @@ pub fn compiled_stage_peak(
 ) -> Option<ForwardPhase> {
     // (Which of the rank's parameters ZeRO splits: read by what is modelled and by the stage.)
     let zero_rows = ZeroRows::new(model, layout);
-    if !modelled(model, layout, &zero_rows, workload, schedule, tsp_rank) {
+    if !modelled(layout, workload, schedule, tsp_rank) {
         return None;
     }
     // Chunk c of stage s is virtual stage c·p + s (Megatron's interleaving), of equal layers.
@@ -512,7 +513,9 @@ pub fn compiled_stage_peak(
         // (And the chunks' vocabulary tables: the embedding on the first, an untied head on the
         // last.)
         let tables: f64 = holds.iter().map(|hold| hold.table_kept_whole).sum();
-        let bytes = layers as f64 * shape.layer_params_kept_whole() + tables;
+        // (And the final norm, on the last stage, where its rows do not divide.)
+        let final_norm = if stage + 1 == schedule.stages { zero_rows.beyond_final_norm() } else { 0.0 };
+        let bytes = layers as f64 * shape.layer_params_kept_whole() + tables + final_norm * shape.sizes.element;
         if bytes > 0.0 {
             phase.terms.insert(0, Term { name: PARAMS_KEPT_WHOLE, bytes });
         }
@@ -568,14 +571,7 @@ pub const TIED_TABLE_RECEIVED_BEYOND_SHARD: &str =
 
 /// Whether [`compiled_stage_peak`] models `model` on `layout` (whose ranks' parameters ZeRO splits
 /// as `zero_rows` says) under `workload` and `schedule` (see the module doc).
-fn modelled(
-    model: &ModelShape,
-    layout: &Layout,
-    zero_rows: &ZeroRows,
-    workload: &Workload,
-    schedule: &Schedule,
-    tsp_rank: u64,
-) -> bool {
+fn modelled(layout: &Layout, workload: &Workload, schedule: &Schedule, tsp_rank: u64) -> bool {
     let stages = schedule.stages;
     let (tp, cp) = (layout.degree(AxisName::Tp), layout.degree(AxisName::Cp));
     let tsp = layout.degree(AxisName::Tsp);
@@ -587,29 +583,9 @@ fn modelled(
         // expert.
         && tsp_rank < tsp
         && (tsp == 1 || tp * cp == 1)
-        // ZeRO-2 over dp, cp or both (with or without tp) wherever rows divide or not (a dense
-        // parameter's kept whole counted below the planner: see the module doc). ZeRO-3 where
-        // every parameter's rows divide over them but perhaps q's, k's and v's
-        // (`super::zero_rows`: at dp=4 × tp=2 k and v stay whole, at dp=8 × tp=2 q too; the
-        // stage's points count them apart), a mixture's router's and experts' (six experts at
-        // dp=4 whole, at dp=2 × ep=2 the router over dp alone) and the vocabulary tables' (250
-        // rows at dp=4), or where no parameter's do (ZeRO-1's programs); without replicas they
-        // split nothing.
-        && (workload.zero <= 1
-            || layout.zero_replicas() == 1
-            || workload.zero == 2
-            || (workload.zero == 3 && only_modelled_params_kept_whole(model, zero_rows))
-            || !zero_rows.splits_any())
-}
-
-/// Whether ZeRO keeps whole, or splits over fewer replicas (beyond the closed form's shards), no
-/// parameter of the ranks (`zero_rows`) but perhaps q's, k's and v's, a mixture's router's and
-/// routed experts', and the vocabulary tables (the embedding and an untied LM head).
-fn only_modelled_params_kept_whole(model: &ModelShape, zero_rows: &ZeroRows) -> bool {
-    let projections = zero_rows.beyond_query_weight() + zero_rows.beyond_query_bias() + zero_rows.beyond_key_values();
-    let mixture = zero_rows.beyond_router() + zero_rows.beyond_routed_experts();
-    zero_rows.beyond_shards(model.layers, false, false) == model.layers as f64 * (projections + mixture)
-        && zero_rows.beyond_final_norm() == 0.0
+        // ZeRO-2 and 3 over dp, cp or both (with or without tp), wherever the rows divide or not
+        // (see the module doc).
+        && workload.zero <= 3
 }
 
 /// Where in a chunk's backward a layer's points lie: in its first layer's (the attention's
@@ -673,10 +649,18 @@ struct StageShape<'a> {
     router_kept_whole: f64,
     router_gathered: bool,
     /// The bytes of a layer's attention norm, and of its dense parameters past the attention (o,
-    /// the MLP norm, the MLP or a shared expert), that ZeRO-2 holds beyond their shards where their
-    /// rows do not divide over the replicas (their gradients, all-reduced as beside dp alone).
+    /// the MLP norm, the MLP or a shared expert), that ZeRO-2 and 3 hold beyond their shards where
+    /// their rows do not divide over the replicas (their gradients, all-reduced as beside dp alone;
+    /// under ZeRO-3 their weights too, never gathered).
     attention_norm_kept_whole: f64,
     past_attention_kept_whole: f64,
+    /// Whether ZeRO-3 gathers a layer's norms (and a shared expert's gate vector), its gate and up
+    /// projections, its down projection and its o projection: where their rows do not divide
+    /// over the replicas it keeps them whole and gathers nothing.
+    norms_gathered: bool,
+    gate_up_gathered: bool,
+    down_gathered: bool,
+    output_gathered: bool,
     /// The bytes of a vocabulary table (the embedding on the first chunk, an untied LM head on
     /// the last) ZeRO-2 and 3 hold beyond its shard, where its rows do not divide over the
     /// replicas (its gradient, all-reduced as beside dp alone; under ZeRO-3 its weight too), and
@@ -750,6 +734,10 @@ impl<'a> StageShape<'a> {
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             attention_norm_kept_whole: kept_whole(zero_rows.beyond_attention_norm()),
             past_attention_kept_whole: kept_whole(zero_rows.beyond_dense_past_attention()),
+            norms_gathered: zero_rows.splits(&[model.hidden], false),
+            gate_up_gathered: zero_rows.splits(&[model.ffn / (tp * tsp), model.hidden], false),
+            down_gathered: zero_rows.splits(&[model.hidden, model.ffn / (tp * tsp)], false),
+            output_gathered: zero_rows.splits(&[model.hidden, model.heads / (tp * tsp), model.head_dim], false),
             table_kept_whole: kept_whole(zero_rows.beyond_vocabulary_table()),
             tables_gathered: zero_rows.vocabulary_table_replicas() > 1,
             statistics: sizes.statistics,
@@ -771,7 +759,7 @@ impl<'a> StageShape<'a> {
     }
 
     /// The bytes of one layer's weights ZeRO-3 keeps whole beyond their shards: q's, k's and v's,
-    /// a mixture's router's and its routed experts'.
+    /// its norms, o and MLP (or shared expert), a mixture's router's and its routed experts'.
     fn layer_params_kept_whole(&self) -> f64 {
         self.layer_kept_whole() + self.router_kept_whole + self.routed_experts_kept_whole()
     }
@@ -849,7 +837,7 @@ impl<'a> StageShape<'a> {
             .map(|block_of| match block_of {
                 TspBlock::Q if self.query_gathered => block(query),
                 TspBlock::K | TspBlock::V if self.key_values_gathered => block(kv),
-                TspBlock::O => block(query),
+                TspBlock::O if self.output_gathered => block(query),
                 _ => 0.0,
             })
             .sum()
@@ -858,7 +846,7 @@ impl<'a> StageShape<'a> {
     /// The bytes of a layer's attention norm, q and k and v weights that ZeRO-3 gathers again (but
     /// those it keeps whole).
     fn attention_input_weights_gathered_again(&self) -> f64 {
-        self.weights_gathered_again(self.norm * self.sizes.element)
+        self.norms_gathered_again(self.norm * self.sizes.element)
             + self.query_weight_gathered_again()
             + self.key_value_weights_gathered_again()
     }
@@ -1012,7 +1000,7 @@ impl<'a> StageShape<'a> {
     /// Under ZeRO-3 with full recomputation a norm's weight, gathered again to recompute its
     /// output, as the term `name`; `None` otherwise.
     fn norm_regathered(&self, name: &'static str) -> Option<Term> {
-        let bytes = self.weights_gathered_again(self.norm * self.sizes.element);
+        let bytes = self.norms_gathered_again(self.norm * self.sizes.element);
         (self.recompute() == Recompute::Full && bytes > 0.0).then_some(Term { name, bytes })
     }
 
@@ -1047,6 +1035,35 @@ impl<'a> StageShape<'a> {
     fn router_gathered_again(&self) -> f64 {
         if self.router_gathered {
             self.weights_gathered_again(self.router())
+        } else {
+            0.0
+        }
+    }
+
+    /// `bytes` of norm weights (a shared expert's gate vector too) ZeRO-3 gathers again: none where
+    /// it keeps them whole.
+    fn norms_gathered_again(&self, bytes: f64) -> f64 {
+        if self.norms_gathered {
+            self.weights_gathered_again(bytes)
+        } else {
+            0.0
+        }
+    }
+
+    /// `bytes` of gate and up projection weights ZeRO-3 gathers again: none where it keeps them
+    /// whole.
+    fn gate_up_gathered_again(&self, bytes: f64) -> f64 {
+        if self.gate_up_gathered {
+            self.weights_gathered_again(bytes)
+        } else {
+            0.0
+        }
+    }
+
+    /// `bytes` of down projection weights ZeRO-3 gathers again: none where it keeps them whole.
+    fn down_gathered_again(&self, bytes: f64) -> f64 {
+        if self.down_gathered {
+            self.weights_gathered_again(bytes)
         } else {
             0.0
         }

@@ -54,7 +54,7 @@ pub(super) fn first_layer_weight_gradients(shape: &StageShape, chunk: &Chunk) ->
     }
     let mut at_k = context;
     at_k.push(Term { name: "the attention norm output's gradients from v and k, summed", bytes: gathered });
-    let regathered = shape.weights_gathered_again(shape.norm * element) + shape.query_weight_gathered_again();
+    let regathered = shape.norms_gathered_again(shape.norm * element) + shape.query_weight_gathered_again();
     if full && regathered > 0.0 {
         at_k.push(Term { name: "the layer's attention norm and q weights, gathered again", bytes: regathered });
     }

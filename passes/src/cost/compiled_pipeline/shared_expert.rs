@@ -367,7 +367,8 @@ pub(super) fn beside_under_sequence_parallelism(shape: &StageShape, first_sum_ma
 pub(super) fn weights_regathered(shape: &StageShape) -> Option<Term> {
     Some(Term {
         name: "the MLP norm's, the shared gate's and up's weights, gathered again",
-        bytes: shape.weights_gathered_again(2.0 * shape.gate + shape.norm * shape.sizes.element),
+        bytes: shape.gate_up_gathered_again(2.0 * shape.gate)
+            + shape.norms_gathered_again(shape.norm * shape.sizes.element),
     })
     .filter(|term| shape.recompute() == Recompute::Full && term.bytes > 0.0)
 }
@@ -379,7 +380,8 @@ fn weights_regathered_past_up(shape: &StageShape) -> Option<Term> {
     let gate_vector = if shape.sequence_parallel() { shape.sizes.hidden } else { 0.0 };
     Some(Term {
         name: "the MLP norm's, the shared gate's (and under SP the gate vector's) weights, gathered again",
-        bytes: shape.weights_gathered_again(shape.gate + (shape.norm + gate_vector) * shape.sizes.element),
+        bytes: shape.gate_up_gathered_again(shape.gate)
+            + shape.norms_gathered_again((shape.norm + gate_vector) * shape.sizes.element),
     })
     .filter(|term| shape.recompute() == Recompute::Full && term.bytes > 0.0)
 }

@@ -84,7 +84,7 @@ pub(super) fn between_b_and_w(shape: &StageShape, chunk: &Chunk) -> BetweenBAndW
         }
     }
     // ZeRO-3 gathers the final norm's weight again for the recomputed head, and W reads it.
-    let regathered_final_norm = if full && last { shape.weights_gathered_again(shape.norm * element) } else { 0.0 };
+    let regathered_final_norm = if full && last { shape.norms_gathered_again(shape.norm * element) } else { 0.0 };
     between += regathered_final_norm;
     // Full recomputation keeps beside those the residual stream its forward kept (but, under SP,
     // the last layer's output on the last chunk: only its gathered copy, counted above), and each
