@@ -809,22 +809,14 @@ impl<'a> StageShape<'a> {
     /// input gradient: none where it keeps q whole.
     fn query_weight_gathered_again(&self) -> f64 {
         let StepSizes { element, hidden, query, .. } = self.sizes;
-        if self.query_gathered {
-            self.weights_gathered_again(hidden * query * element)
-        } else {
-            0.0
-        }
+        self.gathered_again_where(self.query_gathered, hidden * query * element)
     }
 
     /// The bytes of a layer's k and v weights that ZeRO-3 gathers again: none where it keeps them
     /// whole.
     fn key_value_weights_gathered_again(&self) -> f64 {
         let StepSizes { element, hidden, kv, .. } = self.sizes;
-        if self.key_values_gathered {
-            self.weights_gathered_again(2.0 * hidden * kv * element)
-        } else {
-            0.0
-        }
+        self.gathered_again_where(self.key_values_gathered, 2.0 * hidden * kv * element)
     }
 
     /// The bytes of the rank's own tsp attention weight blocks among `blocks` that ZeRO-3 gathers
@@ -1024,45 +1016,35 @@ impl<'a> StageShape<'a> {
     /// gathers: none where it keeps it whole.
     fn table_gathered_again(&self) -> f64 {
         let StepSizes { element, vocab_shard, hidden, .. } = self.sizes;
-        if self.tables_gathered {
-            self.weights_gathered_again(vocab_shard * hidden * element)
-        } else {
-            0.0
-        }
+        self.gathered_again_where(self.tables_gathered, vocab_shard * hidden * element)
     }
 
     /// The bytes of a layer's router ZeRO-3 gathers again: none where it keeps it whole.
     fn router_gathered_again(&self) -> f64 {
-        if self.router_gathered {
-            self.weights_gathered_again(self.router())
-        } else {
-            0.0
-        }
+        self.gathered_again_where(self.router_gathered, self.router())
     }
 
     /// `bytes` of norm weights (a shared expert's gate vector too) ZeRO-3 gathers again: none where
     /// it keeps them whole.
     fn norms_gathered_again(&self, bytes: f64) -> f64 {
-        if self.norms_gathered {
-            self.weights_gathered_again(bytes)
-        } else {
-            0.0
-        }
+        self.gathered_again_where(self.norms_gathered, bytes)
     }
 
     /// `bytes` of gate and up projection weights ZeRO-3 gathers again: none where it keeps them
     /// whole.
     fn gate_up_gathered_again(&self, bytes: f64) -> f64 {
-        if self.gate_up_gathered {
-            self.weights_gathered_again(bytes)
-        } else {
-            0.0
-        }
+        self.gathered_again_where(self.gate_up_gathered, bytes)
     }
 
     /// `bytes` of down projection weights ZeRO-3 gathers again: none where it keeps them whole.
     fn down_gathered_again(&self, bytes: f64) -> f64 {
-        if self.down_gathered {
+        self.gathered_again_where(self.down_gathered, bytes)
+    }
+
+    /// [`Self::weights_gathered_again`] of weights ZeRO splits (`split`), else none: it keeps them
+    /// whole and never gathers them.
+    fn gathered_again_where(&self, split: bool, bytes: f64) -> f64 {
+        if split {
             self.weights_gathered_again(bytes)
         } else {
             0.0
