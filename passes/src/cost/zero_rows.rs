@@ -212,6 +212,12 @@ impl ZeroRows {
         self.beyond(&self.past_attention)
     }
 
+    /// The elements of one dense parameter of local `dims` (one of a layer's MLP projections) that
+    /// a rank holds beyond the closed form's ZeRO shards.
+    pub fn beyond_dense(&self, dims: &[u64]) -> f64 {
+        self.beyond([&RankParam::dense(dims)])
+    }
+
     /// The elements of one layer's router (none for a dense model) that a rank holds beyond the
     /// closed form's ZeRO shards.
     pub fn beyond_router(&self) -> f64 {

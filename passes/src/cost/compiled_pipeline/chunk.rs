@@ -75,10 +75,11 @@ pub(super) struct Candidate {
 /// first chunk, an untied LM head's on the last), those a micro-batch has not made at a point, in
 /// layers of the chunk (and tables): at the head of its backward every layer's; inside a layer's
 /// backward that layer's until its attention backward makes v's, then k's (and q's bias), then
-/// q's weight (`StageShape::kept_whole_pending`), its attention norm's to its end, and (counted
-/// as not yet made: a point there is below the planner) its o's and MLP's until its attention's
-/// points; the embedding's until the tail of the first chunk's backward, the LM head's until it
-/// is made and reduced.
+/// q's weight (`StageShape::kept_whole_pending`), its attention norm's to its end, its down's and
+/// up's until the MLP backward's points past them, and (counted as not yet made: a point there
+/// is below the planner) its o's and the rest of its MLP's until its attention's points; the
+/// embedding's until the tail of the first chunk's backward, the LM head's until it is made and
+/// reduced.
 #[derive(Clone, Copy)]
 pub(super) struct KeptWholePending {
     pub key_values: f64,
@@ -86,6 +87,9 @@ pub(super) struct KeptWholePending {
     pub query_biases: f64,
     pub attention_norms: f64,
     pub past_attention: f64,
+    pub downs: f64,
+    pub ups: f64,
+    pub gates: f64,
     pub table: f64,
 }
 
@@ -95,6 +99,10 @@ impl KeptWholePending {
     /// All of one layer's: inside its backward, before its attention's weight gradients (its o's
     /// and MLP's counted as not yet made, though some may be: a lower bound there).
     pub const LAYER: KeptWholePending = KeptWholePending::layers(1);
+    /// All of one layer's but its down projection's: inside its MLP backward, down's made.
+    pub const PAST_DOWN: KeptWholePending = KeptWholePending { downs: 0.0, ..KeptWholePending::LAYER };
+    /// All of one layer's but its down and up projections': inside its MLP backward, gate's next.
+    pub const PAST_UP: KeptWholePending = KeptWholePending { ups: 0.0, ..KeptWholePending::PAST_DOWN };
     /// One layer's k and q gradients: v's made (k's and v's each half of the two's), and its o's
     /// and MLP's before them; its attention norm's still to come.
     pub const K_AND_Q: KeptWholePending = KeptWholePending {
@@ -103,6 +111,9 @@ impl KeptWholePending {
         query_biases: 1.0,
         attention_norms: 1.0,
         past_attention: 0.0,
+        downs: 0.0,
+        ups: 0.0,
+        gates: 0.0,
         table: 0.0,
     };
     /// One layer's q weight and bias gradients: k's and v's made.
@@ -119,6 +130,9 @@ impl KeptWholePending {
             query_biases: layers,
             attention_norms: layers,
             past_attention: layers,
+            downs: layers,
+            ups: layers,
+            gates: layers,
             table: 0.0,
         }
     }
@@ -132,6 +146,9 @@ impl KeptWholePending {
             query_biases: self.query_biases + more.query_biases,
             attention_norms: self.attention_norms + more.attention_norms,
             past_attention: self.past_attention + more.past_attention,
+            downs: self.downs + more.downs,
+            ups: self.ups + more.ups,
+            gates: self.gates + more.gates,
             table: self.table,
         }
     }

@@ -73,12 +73,14 @@ pub(super) fn gate_scattered(shape: &StageShape, chunk: &Chunk, w_reads: Option<
         return None;
     }
     let (gate, norm) = (shape.gate, shape.norm);
-    Some(Candidate::before_first_attention(
+    let point = Candidate::before_first_attention(
         "first layer's gate gradient reduce-scattered",
         chunk.grads
             - (gate + (shape.attention_weights + 2.0 * norm) * shape.sizes.element + chunk.table) / shape.shards,
         scattered_before_attention(shape, chunk, w_reads, "first layer's gate gradient before its dp reduce-scatter"),
-    ))
+    );
+    // (Of those ZeRO keeps whole, down's and up's are made; gate's is the one staged.)
+    Some(Candidate { pending: KeptWholePending::PAST_UP, ..point })
 }
 
 /// What [`gate_scattered`] holds, the gradient staged named `staged` (of gate's size).
@@ -233,11 +235,14 @@ pub(super) fn down_and_up_gradients_scattered(shape: &StageShape, chunk: &Chunk)
     let so_far = made_before_first_mlp(shape, chunk);
     vec![
         Candidate::before_first_attention("first layer's down gradient reduce-scattered", so_far, down),
-        Candidate::before_first_attention(
-            "first layer's up gradient reduce-scattered",
-            so_far + shape.gate / shape.shards,
-            up,
-        ),
+        Candidate {
+            pending: KeptWholePending::PAST_DOWN,
+            ..Candidate::before_first_attention(
+                "first layer's up gradient reduce-scattered",
+                so_far + shape.gate / shape.shards,
+                up,
+            )
+        },
     ]
 }
 
@@ -576,11 +581,14 @@ pub(super) fn recomputed_mlp_backward(shape: &StageShape, chunk: &Chunk) -> Vec<
         summed.push(Term { name: "first layer's MLP norm weight, gathered again", bytes: regathered_norm });
     }
     let unmade = shape.gate + (shape.attention_weights + 2.0 * shape.norm) * element + chunk.table;
-    points.push(Candidate::before_first_attention(
-        "first layer's MLP norm output gradient, its MLP recomputed",
-        chunk.grads - unmade / shape.shards,
-        summed,
-    ));
+    points.push(Candidate {
+        pending: KeptWholePending::PAST_UP,
+        ..Candidate::before_first_attention(
+            "first layer's MLP norm output gradient, its MLP recomputed",
+            chunk.grads - unmade / shape.shards,
+            summed,
+        )
+    });
     points
 }
 

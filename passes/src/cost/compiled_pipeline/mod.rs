@@ -654,6 +654,10 @@ struct StageShape<'a> {
     /// under ZeRO-3 their weights too, never gathered).
     attention_norm_kept_whole: f64,
     past_attention_kept_whole: f64,
+    /// Of those, a layer's down projection's, and its up projection's (and gate's, of the same
+    /// dims), which its MLP backward makes first.
+    down_kept_whole: f64,
+    up_kept_whole: f64,
     /// Whether ZeRO-3 gathers a layer's norms (and a shared expert's gate vector), its gate and up
     /// projections, its down projection and its o projection: where their rows do not divide
     /// over the replicas it keeps them whole and gathers nothing.
@@ -734,6 +738,8 @@ impl<'a> StageShape<'a> {
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             attention_norm_kept_whole: kept_whole(zero_rows.beyond_attention_norm()),
             past_attention_kept_whole: kept_whole(zero_rows.beyond_dense_past_attention()),
+            down_kept_whole: kept_whole(zero_rows.beyond_dense(&[model.hidden, model.ffn / (tp * tsp)])),
+            up_kept_whole: kept_whole(zero_rows.beyond_dense(&[model.ffn / (tp * tsp), model.hidden])),
             norms_gathered: zero_rows.splits(&[model.hidden], false),
             gate_up_gathered: zero_rows.splits(&[model.ffn / (tp * tsp), model.hidden], false),
             down_gathered: zero_rows.splits(&[model.hidden, model.ffn / (tp * tsp)], false),
@@ -777,6 +783,13 @@ impl<'a> StageShape<'a> {
         }
     }
 
+    /// The bytes of a layer's MLP projections (or a shared expert's) ZeRO-2 and 3 hold beyond their
+    /// shards: its down projection's, its up's and (gated) its gate's.
+    fn mlp_projections_kept_whole(&self) -> f64 {
+        let gates = if self.model.mlp_matrices() > 2 { 1.0 } else { 0.0 };
+        self.down_kept_whole + (1.0 + gates) * self.up_kept_whole
+    }
+
     /// The bytes of the gradients kept whole that a point of `hold`'s chunk has not made
     /// (`pending`).
     fn kept_whole_pending(&self, pending: KeptWholePending, hold: &ChunkHold) -> f64 {
@@ -784,7 +797,9 @@ impl<'a> StageShape<'a> {
             + pending.query_weights * self.query_weight_kept_whole
             + pending.query_biases * self.query_bias_kept_whole
             + pending.attention_norms * self.attention_norm_kept_whole
-            + pending.past_attention * self.past_attention_kept_whole
+            + pending.past_attention * (self.past_attention_kept_whole - self.mlp_projections_kept_whole())
+            + pending.downs * self.down_kept_whole
+            + (pending.ups + if self.model.mlp_matrices() > 2 { pending.gates } else { 0.0 }) * self.up_kept_whole
             + pending.table * hold.table_kept_whole
     }
 
