@@ -57,6 +57,11 @@ pub struct ZeroRows {
     query_bias: Option<RankParam>,
     key_values: Vec<RankParam>,
     past_attention: Vec<RankParam>,
+    /// Of those, o's, one of gate and up (their dims; one of them without a gate), and down's.
+    output: RankParam,
+    up: RankParam,
+    gated: bool,
+    down: RankParam,
     router: Option<RankParam>,
     routed_experts: Vec<RankParam>,
     /// The final norm's and the LM head's (the head's only when the embedding is untied).
@@ -85,14 +90,16 @@ impl ZeroRows {
         let mut key_values = Vec::new();
         heads(&mut key_values, model.kv_heads, kv_split);
         heads(&mut key_values, model.kv_heads, kv_split);
-        let mut layer = vec![RankParam::dense(&[hidden, query_rows, head_dim]), norm.clone()];
+        let output = RankParam::dense(&[hidden, query_rows, head_dim]);
+        let mut layer = vec![output.clone(), norm.clone()];
         // The dense MLP, or a mixture's shared expert (none when its width is 0): gate and up (or
         // in) split by channels, down (or out) keeps `h` rows.
         let channels = model.ffn / split;
+        let (up, down) = (RankParam::dense(&[channels, hidden]), RankParam::dense(&[hidden, channels]));
         for _ in 1..model.mlp_matrices() {
-            layer.push(RankParam::dense(&[channels, hidden]));
+            layer.push(up.clone());
         }
-        layer.push(RankParam::dense(&[hidden, channels]));
+        layer.push(down.clone());
         let (mut router, mut routed_experts) = (None, Vec::new());
         if let Some(experts) = &model.experts {
             router = Some(RankParam::dense(&[experts.count, hidden]));
@@ -119,6 +126,10 @@ impl ZeroRows {
             query_bias,
             key_values,
             past_attention: layer,
+            output,
+            up,
+            gated: model.mlp_matrices() > 2,
+            down,
             router,
             routed_experts,
             head,
@@ -212,10 +223,45 @@ impl ZeroRows {
         self.beyond(&self.past_attention)
     }
 
-    /// The elements of one dense parameter of local `dims` (one of a layer's MLP projections) that
-    /// a rank holds beyond the closed form's ZeRO shards.
-    pub fn beyond_dense(&self, dims: &[u64]) -> f64 {
-        self.beyond([&RankParam::dense(dims)])
+    /// The elements of one layer's down projection (a dense MLP's or a shared expert's) that a
+    /// rank holds beyond the closed form's ZeRO shards.
+    pub fn beyond_down(&self) -> f64 {
+        self.beyond([&self.down])
+    }
+
+    /// The same of its up projection.
+    pub fn beyond_up(&self) -> f64 {
+        self.beyond([&self.up])
+    }
+
+    /// The same of its gate projection (none without a gate).
+    pub fn beyond_gate(&self) -> f64 {
+        if self.gated {
+            self.beyond_up()
+        } else {
+            0.0
+        }
+    }
+
+    /// Whether ZeRO splits a layer's norms (the final norm and a shared expert's gate vector, of
+    /// the same rows, too), so that ZeRO-3 gathers them whole before use; else it keeps them whole.
+    pub fn splits_norms(&self) -> bool {
+        self.splits(&self.attention_norm.dims, false)
+    }
+
+    /// The same of its gate and up projections.
+    pub fn splits_up(&self) -> bool {
+        self.splits(&self.up.dims, false)
+    }
+
+    /// The same of its down projection.
+    pub fn splits_down(&self) -> bool {
+        self.splits(&self.down.dims, false)
+    }
+
+    /// The same of its o projection.
+    pub fn splits_output(&self) -> bool {
+        self.splits(&self.output.dims, false)
     }
 
     /// The elements of one layer's router (none for a dense model) that a rank holds beyond the

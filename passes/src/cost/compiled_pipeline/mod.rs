@@ -654,10 +654,11 @@ struct StageShape<'a> {
     /// under ZeRO-3 their weights too, never gathered).
     attention_norm_kept_whole: f64,
     past_attention_kept_whole: f64,
-    /// Of those, a layer's down projection's, and its up projection's (and gate's, of the same
-    /// dims), which its MLP backward makes first.
+    /// Of those, a layer's down, up and (gated) gate projections', which its MLP backward makes
+    /// first.
     down_kept_whole: f64,
     up_kept_whole: f64,
+    gate_kept_whole: f64,
     /// Whether ZeRO-3 gathers a layer's norms (and a shared expert's gate vector), its gate and up
     /// projections, its down projection and its o projection: where their rows do not divide
     /// over the replicas it keeps them whole and gathers nothing.
@@ -738,12 +739,13 @@ impl<'a> StageShape<'a> {
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             attention_norm_kept_whole: kept_whole(zero_rows.beyond_attention_norm()),
             past_attention_kept_whole: kept_whole(zero_rows.beyond_dense_past_attention()),
-            down_kept_whole: kept_whole(zero_rows.beyond_dense(&[model.hidden, model.ffn / (tp * tsp)])),
-            up_kept_whole: kept_whole(zero_rows.beyond_dense(&[model.ffn / (tp * tsp), model.hidden])),
-            norms_gathered: zero_rows.splits(&[model.hidden], false),
-            gate_up_gathered: zero_rows.splits(&[model.ffn / (tp * tsp), model.hidden], false),
-            down_gathered: zero_rows.splits(&[model.hidden, model.ffn / (tp * tsp)], false),
-            output_gathered: zero_rows.splits(&[model.hidden, model.heads / (tp * tsp), model.head_dim], false),
+            down_kept_whole: kept_whole(zero_rows.beyond_down()),
+            up_kept_whole: kept_whole(zero_rows.beyond_up()),
+            gate_kept_whole: kept_whole(zero_rows.beyond_gate()),
+            norms_gathered: zero_rows.splits_norms(),
+            gate_up_gathered: zero_rows.splits_up(),
+            down_gathered: zero_rows.splits_down(),
+            output_gathered: zero_rows.splits_output(),
             table_kept_whole: kept_whole(zero_rows.beyond_vocabulary_table()),
             tables_gathered: zero_rows.vocabulary_table_replicas() > 1,
             statistics: sizes.statistics,
@@ -786,8 +788,7 @@ impl<'a> StageShape<'a> {
     /// The bytes of a layer's MLP projections (or a shared expert's) ZeRO-2 and 3 hold beyond their
     /// shards: its down projection's, its up's and (gated) its gate's.
     fn mlp_projections_kept_whole(&self) -> f64 {
-        let gates = if self.model.mlp_matrices() > 2 { 1.0 } else { 0.0 };
-        self.down_kept_whole + (1.0 + gates) * self.up_kept_whole
+        self.down_kept_whole + self.up_kept_whole + self.gate_kept_whole
     }
 
     /// The bytes of the gradients kept whole that a point of `hold`'s chunk has not made
@@ -799,7 +800,8 @@ impl<'a> StageShape<'a> {
             + pending.attention_norms * self.attention_norm_kept_whole
             + pending.past_attention * (self.past_attention_kept_whole - self.mlp_projections_kept_whole())
             + pending.downs * self.down_kept_whole
-            + (pending.ups + if self.model.mlp_matrices() > 2 { pending.gates } else { 0.0 }) * self.up_kept_whole
+            + pending.ups * self.up_kept_whole
+            + pending.gates * self.gate_kept_whole
             + pending.table * hold.table_kept_whole
     }
 
