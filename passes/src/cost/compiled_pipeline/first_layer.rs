@@ -619,8 +619,7 @@ fn down_gradient_points(shape: &StageShape, chunk: &Chunk, context: &[Term]) -> 
         if shape.workload.zero >= 3 {
             held.push(Term {
                 name: "first layer's MLP norm, gate and up weights, gathered again",
-                bytes: shape.gate_up_gathered_again(2.0 * shape.gate)
-                    + shape.norms_gathered_again(shape.norm * element),
+                bytes: shape.mlp_input_weights_gathered_again(),
             });
         }
         let made = Candidate::before_first_attention(

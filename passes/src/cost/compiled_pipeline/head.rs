@@ -472,7 +472,7 @@ fn down_gradient_at_the_head(shape: &StageShape, chunk: &Chunk) -> Vec<Candidate
     // norm's output, gate and up, after the product's gradient is made (under ZeRO-3 with the MLP
     // norm's, gate's and up's weights gathered again for it, which their input gradients read
     // next).
-    let regathered = shape.gate_up_gathered_again(2.0 * shape.gate) + shape.norms_gathered_again(shape.norm * element);
+    let regathered = shape.mlp_input_weights_gathered_again();
     let recomputed = full.then_some(Term {
         name: "its last layer's MLP norm output, gate, up and SiLU product, recomputed (and their weights)",
         bytes: gathered + 3.0 * product + regathered,

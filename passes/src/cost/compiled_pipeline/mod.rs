@@ -1041,6 +1041,18 @@ impl<'a> StageShape<'a> {
         self.gathered_again_where(self.router_gathered, self.router())
     }
 
+    /// The bytes of a layer's MLP norm, gate and up weights (a dense MLP's or a shared expert's)
+    /// ZeRO-3 gathers again to recompute the MLP's forward: none of those it keeps whole.
+    fn mlp_input_weights_gathered_again(&self) -> f64 {
+        self.gate_up_gathered_again(2.0 * self.gate) + self.norms_gathered_again(self.norm * self.sizes.element)
+    }
+
+    /// The bytes of `projection` (one of a layer's MLP projection's bytes) of each of its gate, up
+    /// and down weights that ZeRO-3 gathers again: none of those it keeps whole.
+    fn mlp_projections_gathered_again(&self, projection: f64) -> f64 {
+        self.gate_up_gathered_again(2.0 * projection) + self.down_gathered_again(projection)
+    }
+
     /// `bytes` of norm weights (a shared expert's gate vector too) ZeRO-3 gathers again: none where
     /// it keeps them whole.
     fn norms_gathered_again(&self, bytes: f64) -> f64 {

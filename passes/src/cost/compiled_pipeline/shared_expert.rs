@@ -367,8 +367,7 @@ pub(super) fn beside_under_sequence_parallelism(shape: &StageShape, first_sum_ma
 pub(super) fn weights_regathered(shape: &StageShape) -> Option<Term> {
     Some(Term {
         name: "the MLP norm's, the shared gate's and up's weights, gathered again",
-        bytes: shape.gate_up_gathered_again(2.0 * shape.gate)
-            + shape.norms_gathered_again(shape.norm * shape.sizes.element),
+        bytes: shape.mlp_input_weights_gathered_again(),
     })
     .filter(|term| shape.recompute() == Recompute::Full && term.bytes > 0.0)
 }

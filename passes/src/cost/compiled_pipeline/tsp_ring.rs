@@ -109,9 +109,7 @@ pub(super) fn ring_backward(
     // (under full recomputation its MLP norm's too, for the ring's recomputed input).
     let mut held = held;
     let norm = if shape.recompute() == Recompute::Full { shape.norm * element } else { 0.0 };
-    let regathered = shape.gate_up_gathered_again(2.0 * projection)
-        + shape.down_gathered_again(projection)
-        + shape.norms_gathered_again(norm);
+    let regathered = shape.mlp_projections_gathered_again(projection) + shape.norms_gathered_again(norm);
     if regathered > 0.0 {
         held.push(Term { name: "the layer's MLP weights, gathered over dp again", bytes: regathered });
     }
@@ -208,7 +206,7 @@ pub(super) fn ring_forward(shape: &StageShape, names: &ForwardPointNames, held: 
     let shard = 3.0 * shape.sizes.hidden * shape.sizes.ffn / tsp as f64 * element;
     // Under ZeRO-3 the rank's shards of the ring's weights are gathered over dp for it.
     let mut held = held;
-    let gathered = shape.gate_up_gathered_again(2.0 * shard / 3.0) + shape.down_gathered_again(shard / 3.0);
+    let gathered = shape.mlp_projections_gathered_again(shard / 3.0);
     if gathered > 0.0 {
         held.push(Term { name: "the ring's weights, gathered over dp", bytes: gathered });
     }
