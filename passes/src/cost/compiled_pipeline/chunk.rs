@@ -77,7 +77,7 @@ pub(super) struct Candidate {
 /// backward that layer's until its attention backward makes v's, then k's (and q's bias), then
 /// q's weight (`StageShape::kept_whole_pending`), its attention norm's to its end, its down's and
 /// up's until the MLP backward's points past them, and (counted as not yet made: a point there
-/// is below the planner) its o's and the rest of its MLP's until its attention's points; the
+/// is below the planner) its gate's, MLP norm's and o's until its attention's points; the
 /// embedding's until the tail of the first chunk's backward, the LM head's until it is made and
 /// reduced.
 #[derive(Clone, Copy)]
@@ -86,7 +86,7 @@ pub(super) struct KeptWholePending {
     pub query_weights: f64,
     pub query_biases: f64,
     pub attention_norms: f64,
-    pub past_attention: f64,
+    pub outputs_and_mlp_norms: f64,
     pub downs: f64,
     pub ups: f64,
     pub gates: f64,
@@ -110,7 +110,7 @@ impl KeptWholePending {
         query_weights: 1.0,
         query_biases: 1.0,
         attention_norms: 1.0,
-        past_attention: 0.0,
+        outputs_and_mlp_norms: 0.0,
         downs: 0.0,
         ups: 0.0,
         gates: 0.0,
@@ -129,7 +129,7 @@ impl KeptWholePending {
             query_weights: layers,
             query_biases: layers,
             attention_norms: layers,
-            past_attention: layers,
+            outputs_and_mlp_norms: layers,
             downs: layers,
             ups: layers,
             gates: layers,
@@ -145,7 +145,7 @@ impl KeptWholePending {
             query_weights: self.query_weights + more.query_weights,
             query_biases: self.query_biases + more.query_biases,
             attention_norms: self.attention_norms + more.attention_norms,
-            past_attention: self.past_attention + more.past_attention,
+            outputs_and_mlp_norms: self.outputs_and_mlp_norms + more.outputs_and_mlp_norms,
             downs: self.downs + more.downs,
             ups: self.ups + more.ups,
             gates: self.gates + more.gates,

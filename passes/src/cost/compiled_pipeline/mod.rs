@@ -648,14 +648,13 @@ struct StageShape<'a> {
     /// their rows divide over, `expert_shards`: 1 where none does.)
     router_kept_whole: f64,
     router_gathered: bool,
-    /// The bytes of a layer's attention norm, and of its dense parameters past the attention (o,
-    /// the MLP norm, the MLP or a shared expert), that ZeRO-2 and 3 hold beyond their shards where
-    /// their rows do not divide over the replicas (their gradients, all-reduced as beside dp alone;
-    /// under ZeRO-3 their weights too, never gathered).
+    /// The bytes of a layer's dense parameters but q, k and v that ZeRO-2 and 3 hold beyond their
+    /// shards where their rows do not divide over the replicas (their gradients, all-reduced as
+    /// beside dp alone; under ZeRO-3 their weights too, never gathered): its attention norm's; its
+    /// o's, MLP norm's (and a shared expert's gate vector's); and its MLP's (or shared expert's)
+    /// down, up and (gated) gate projections', which its MLP backward makes first.
     attention_norm_kept_whole: f64,
-    past_attention_kept_whole: f64,
-    /// Of those, a layer's down, up and (gated) gate projections', which its MLP backward makes
-    /// first.
+    output_and_mlp_norm_kept_whole: f64,
     down_kept_whole: f64,
     up_kept_whole: f64,
     gate_kept_whole: f64,
@@ -706,6 +705,7 @@ impl<'a> StageShape<'a> {
         let kept_whole = |elements: f64| if scattered { elements * element } else { 0.0 };
         // (The rank's q, k and v biases: its share of the heads, as its weights'.)
         let biases = if model.qkv_bias { sizes.query + 2.0 * sizes.kv } else { 0.0 };
+        let mlp_projections = zero_rows.beyond_down() + zero_rows.beyond_up() + zero_rows.beyond_gate();
         StageShape {
             model,
             layout,
@@ -738,7 +738,7 @@ impl<'a> StageShape<'a> {
             router_kept_whole: kept_whole(zero_rows.beyond_router()),
             router_gathered: zero_rows.router_replicas().is_some_and(|replicas| replicas > 1),
             attention_norm_kept_whole: kept_whole(zero_rows.beyond_attention_norm()),
-            past_attention_kept_whole: kept_whole(zero_rows.beyond_dense_past_attention()),
+            output_and_mlp_norm_kept_whole: kept_whole(zero_rows.beyond_dense_past_attention() - mlp_projections),
             down_kept_whole: kept_whole(zero_rows.beyond_down()),
             up_kept_whole: kept_whole(zero_rows.beyond_up()),
             gate_kept_whole: kept_whole(zero_rows.beyond_gate()),
@@ -763,7 +763,10 @@ impl<'a> StageShape<'a> {
             + self.query_weight_kept_whole
             + self.query_bias_kept_whole
             + self.attention_norm_kept_whole
-            + self.past_attention_kept_whole
+            + self.output_and_mlp_norm_kept_whole
+            + self.down_kept_whole
+            + self.up_kept_whole
+            + self.gate_kept_whole
     }
 
     /// The bytes of one layer's weights ZeRO-3 keeps whole beyond their shards: q's, k's and v's,
@@ -785,12 +788,6 @@ impl<'a> StageShape<'a> {
         }
     }
 
-    /// The bytes of a layer's MLP projections (or a shared expert's) ZeRO-2 and 3 hold beyond their
-    /// shards: its down projection's, its up's and (gated) its gate's.
-    fn mlp_projections_kept_whole(&self) -> f64 {
-        self.down_kept_whole + self.up_kept_whole + self.gate_kept_whole
-    }
-
     /// The bytes of the gradients kept whole that a point of `hold`'s chunk has not made
     /// (`pending`).
     fn kept_whole_pending(&self, pending: KeptWholePending, hold: &ChunkHold) -> f64 {
@@ -798,7 +795,7 @@ impl<'a> StageShape<'a> {
             + pending.query_weights * self.query_weight_kept_whole
             + pending.query_biases * self.query_bias_kept_whole
             + pending.attention_norms * self.attention_norm_kept_whole
-            + pending.past_attention * (self.past_attention_kept_whole - self.mlp_projections_kept_whole())
+            + pending.outputs_and_mlp_norms * self.output_and_mlp_norm_kept_whole
             + pending.downs * self.down_kept_whole
             + pending.ups * self.up_kept_whole
             + pending.gates * self.gate_kept_whole
