@@ -376,8 +376,7 @@ fn refuse_to_replace_foreign(dir: &Path, marker: &str) -> Result<()> {
 }
 
 /// [`write_atomically_with`] of `bytes`.
-#[cfg(test)]
-fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomically_with(path, |writer| writer.write_all(bytes))
 }
 

@@ -199,8 +199,7 @@ pub fn run_search(args: &SearchArgs) -> Result<()> {
             crate::usage::UsageError::PlanNotCompilable { layout: winner.estimate.layout.to_string() }
         );
         let choice = PlanChoice::of(&model.name, winner);
-        std::fs::write(path, serde_json::to_string_pretty(&choice)? + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        crate::checkpoint::write_file_atomically(path, (serde_json::to_string_pretty(&choice)? + "\n").as_bytes())?;
     }
     match args.format {
         SearchFormat::Json => {

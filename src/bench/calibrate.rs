@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use pleat_passes::cost::hw::{Efficiency, HardwareSpec, LinkSpec};
 use pleat_runtime::calibrate::{calibrate, Calibration, CalibrationOptions, MEASUREMENTS};
@@ -44,7 +44,7 @@ pub fn run_calibrate(args: &CalibrateArgs) -> Result<()> {
     );
     match &args.out {
         Some(path) => {
-            std::fs::write(path, json + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+            crate::checkpoint::write_file_atomically(path, (json + "\n").as_bytes())?;
             println!("wrote {}; use it with --hw-file {}", path.display(), path.display());
         }
         None => println!("{json}"),
