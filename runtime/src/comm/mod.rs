@@ -24,6 +24,7 @@ pub mod link;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod ring;
+mod ring_endpoint;
 pub mod threads;
 
 #[cfg(test)]

@@ -60,8 +60,9 @@ use ::mpi::topology::{Communicator as _, SimpleCommunicator};
 
 pub use self::message::{bytes_to_words, words_to_bytes};
 use self::message::{decode_header, decode_notice, encode_message, encode_notice};
-use self::state::{lock, RankState, StreamCounts};
-use super::ring::{self, OpContext, Transport};
+use self::state::{lock, RankState};
+use super::ring::{OpContext, Transport};
+use super::ring_endpoint::{PointToPoint, RingEndpoint};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTag};
 
 /// The MPI tag of collectives' data messages.
@@ -370,58 +371,6 @@ impl MpiComm {
             back_off(&mut polls);
         }
     }
-
-    /// Runs `body` with MPI open, unless this rank already failed (on either stream) or MPI was
-    /// finalized; any error it returns makes the rank fail.
-    fn guarded(
-        &mut self,
-        op: &OpContext<'_>,
-        body: impl FnOnce(&mut Self) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
-        let rank = self.rank;
-        let outcome = self.while_mpi_open(|comm| {
-            if let Some(reason) = lock(&comm.state.failed).clone() {
-                return Err(CommError::Aborted { rank, op: op.describe(), reason });
-            }
-            let result = body(comm);
-            if let Err(error) = &result {
-                comm.fail(&error.to_string());
-            }
-            result
-        });
-        outcome.unwrap_or_else(|| Err(CommError::Aborted { rank, op: op.describe(), reason: finalized_reason(rank) }))
-    }
-
-    /// Runs `with` on this stream's sequence numbers.
-    fn counts<T>(&self, with: impl FnOnce(&mut StreamCounts) -> T) -> T {
-        with(&mut lock(&self.state.counts[self.stream]))
-    }
-
-    /// Runs a collective of `kind` on `group` as this stream's next operation on that group.
-    fn collective(
-        &mut self,
-        kind: CollectiveKind,
-        group: &Group,
-        op_elements: usize,
-        body: impl FnOnce(&mut Self, &OpContext<'_>) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
-        let unsequenced = OpContext { kind, group, sequence: 0, op_elements };
-        self.guarded(&unsequenced, |comm| {
-            let sequence = comm.counts(|counts| {
-                let counter = counts.group_sequences.entry(group.clone()).or_insert(0);
-                *counter += 1;
-                *counter - 1
-            });
-            body(comm, &OpContext { sequence, ..unsequenced })
-        })
-    }
-
-    fn check_peer(&self, op: &OpContext<'_>, peer: u32) -> Result<(), CommError> {
-        if peer < self.world_size && peer != self.rank {
-            return Ok(());
-        }
-        Err(CommError::InvalidPeer { rank: self.rank, op: op.describe(), peer, world_size: self.world_size })
-    }
 }
 
 /// Why a second stream's endpoint refuses to run once MPI is finalized.
@@ -498,6 +447,40 @@ impl Transport for MpiComm {
     }
 }
 
+impl RingEndpoint for MpiComm {
+    /// Runs `body` with MPI open, unless this rank already failed (on either stream) or MPI was
+    /// finalized; any error it returns makes the rank fail.
+    fn guarded(
+        &mut self,
+        op: &OpContext<'_>,
+        body: impl FnOnce(&mut Self) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let rank = self.rank;
+        let outcome = self.while_mpi_open(|comm| {
+            if let Some(reason) = lock(&comm.state.failed).clone() {
+                return Err(CommError::Aborted { rank, op: op.describe(), reason });
+            }
+            let result = body(comm);
+            if let Err(error) = &result {
+                comm.fail(&error.to_string());
+            }
+            result
+        });
+        outcome.unwrap_or_else(|| Err(CommError::Aborted { rank, op: op.describe(), reason: finalized_reason(rank) }))
+    }
+
+    fn enter(&mut self, group: &Group) -> u64 {
+        let mut counts = lock(&self.state.counts[self.stream]);
+        let counter = counts.group_sequences.entry(group.clone()).or_insert(0);
+        *counter += 1;
+        *counter - 1
+    }
+
+    fn point_to_point<T>(&self, with: impl FnOnce(&mut PointToPoint) -> T) -> T {
+        with(&mut lock(&self.state.counts[self.stream]).point_to_point)
+    }
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> u32 {
         self.rank
@@ -508,31 +491,23 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllReduce, group, buf.len(), |comm, op| ring::all_reduce(comm, op, buf))
+        self.ring_all_reduce(group, buf)
     }
 
     fn reduce_scatter(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::ReduceScatter, group, input.len(), |comm, op| {
-            ring::reduce_scatter(comm, op, input, output)
-        })
+        self.ring_reduce_scatter(group, input, output)
     }
 
     fn all_gather(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllGather, group, output.len(), |comm, op| {
-            ring::all_gather(comm, op, input, output)
-        })
+        self.ring_all_gather(group, input, output)
     }
 
     fn broadcast(&mut self, group: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::Broadcast, group, buf.len(), |comm, op| {
-            ring::broadcast(comm, op, root, buf, ring::BROADCAST_SEGMENT_ELEMENTS)
-        })
+        self.ring_broadcast(group, root, buf)
     }
 
     fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllToAll, group, input.len(), |comm, op| {
-            ring::all_to_all(comm, op, input, output)
-        })
+        self.ring_all_to_all(group, input, output)
     }
 
     fn all_to_all_v(
@@ -541,34 +516,19 @@ impl Communicator for MpiComm {
         send: (&[f32], &[usize]),
         receive: (&mut [f32], &[usize]),
     ) -> Result<(), CommError> {
-        // The sizes differ between members; the operation's tag names none.
-        self.collective(CollectiveKind::AllToAll, group, 0, |comm, op| ring::all_to_all_v(comm, op, send, receive))
+        self.ring_all_to_all_v(group, send, receive)
     }
 
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
-        let pair = Group::new(vec![self.rank, peer]);
-        let sequence = self.counts(|counts| counts.sends_to.get(peer as usize).copied().unwrap_or(0));
-        let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: data.len() };
-        self.guarded(&op, |comm| {
-            comm.check_peer(&op, peer)?;
-            comm.counts(|counts| counts.sends_to[peer as usize] += 1);
-            comm.send_message(&op, peer, data)
-        })
+        self.sequenced_send(peer, data)
     }
 
     fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
-        let pair = Group::new(vec![peer, self.rank]);
-        let sequence = self.counts(|counts| counts.recvs_from.get(peer as usize).copied().unwrap_or(0));
-        let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: buf.len() };
-        self.guarded(&op, |comm| {
-            comm.check_peer(&op, peer)?;
-            comm.counts(|counts| counts.recvs_from[peer as usize] += 1);
-            comm.recv_message(&op, peer, buf)
-        })
+        self.sequenced_recv(peer, buf)
     }
 
     fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
-        self.collective(CollectiveKind::Barrier, group, 0, ring::barrier)
+        self.ring_barrier(group)
     }
 
     fn stats(&self) -> &CommStats {

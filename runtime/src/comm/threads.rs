@@ -35,7 +35,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::link::{LinkClock, LinkSpec};
-use super::ring::{self, OpContext, Transport};
+use super::ring::{OpContext, Transport};
+use super::ring_endpoint::{PointToPoint, RingEndpoint};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, MessageTag};
 
 /// Builds the connected endpoints of a world of ranks that are threads of this process.
@@ -70,9 +71,7 @@ impl ThreadFabric {
                 .collect(),
             failures: Mutex::new(Vec::new()),
             arrivals: (0..STREAMS * n_ranks).map(|_| Mutex::new(HashMap::new())).collect(),
-            point_to_point: (0..STREAMS * n_ranks)
-                .map(|_| Mutex::new(PointToPoint { sends_to: vec![0; n_ranks], recvs_from: vec![0; n_ranks] }))
-                .collect(),
+            point_to_point: (0..STREAMS * n_ranks).map(|_| Mutex::new(PointToPoint::new(n_ranks))).collect(),
             links: (0..n_ranks)
                 .map(|_| Mutex::new(Links { clocks: vec![LinkClock::default(); n_ranks], paced: false }))
                 .collect(),
@@ -110,12 +109,6 @@ pub struct ThreadComm {
 
 /// The streams a rank may have.
 const STREAMS: usize = 2;
-
-/// One stream's point-to-point sequence numbers: the next message to or from each rank.
-struct PointToPoint {
-    sends_to: Vec<u64>,
-    recvs_from: Vec<u64>,
-}
 
 /// One rank's outgoing links, which its streams share.
 struct Links {
@@ -226,65 +219,11 @@ impl ThreadComm {
         self.shared.slot(self.stream, rank)
     }
 
-    /// Runs `with` on this stream's point-to-point sequence numbers.
-    fn point_to_point<T>(&self, with: impl FnOnce(&mut PointToPoint) -> T) -> T {
-        with(&mut lock(&self.shared.point_to_point[self.slot(self.rank)]))
-    }
-
-    /// Runs `body` unless this endpoint already failed; any error it returns makes the endpoint fail.
-    fn guarded(
-        &mut self,
-        op: &OpContext<'_>,
-        body: impl FnOnce(&mut Self) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
-        if let Some(reason) = &self.failed {
-            return Err(CommError::Aborted { rank: self.rank, op: op.describe(), reason: reason.clone() });
-        }
-        let result = body(self);
-        if let Err(error) = &result {
-            self.fail(&error.to_string());
-        }
-        result
-    }
-
-    /// Runs a collective of `kind` on `group` as this rank's next operation on that group.
-    fn collective(
-        &mut self,
-        kind: CollectiveKind,
-        group: &Group,
-        op_elements: usize,
-        body: impl FnOnce(&mut Self, &OpContext<'_>) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
-        let unsequenced = OpContext { kind, group, sequence: 0, op_elements };
-        self.guarded(&unsequenced, |comm| {
-            let op = OpContext { sequence: comm.enter(group), ..unsequenced };
-            body(comm, &op)
-        })
-    }
-
-    /// Counts one more operation of this rank on `group` and returns its sequence number.
-    fn enter(&self, group: &Group) -> u64 {
-        let mut entered = lock(&self.shared.arrivals[self.slot(self.rank)]);
-        if let Some(count) = entered.get_mut(group) {
-            *count += 1;
-            return *count - 1;
-        }
-        entered.insert(group.clone(), 1);
-        0
-    }
-
     fn fail(&mut self, reason: &str) {
         if self.failed.is_none() {
             self.failed = Some(reason.to_string());
             self.shared.record_failure(self.rank, reason);
         }
-    }
-
-    fn check_peer(&self, op: &OpContext<'_>, peer: u32) -> Result<(), CommError> {
-        if peer < self.world_size && peer != self.rank {
-            return Ok(());
-        }
-        Err(CommError::InvalidPeer { rank: self.rank, op: op.describe(), peer, world_size: self.world_size })
     }
 
     /// Blocks until a message from `peer` is queued for this rank, a rank `op` depends on fails, or
@@ -378,6 +317,37 @@ impl Transport for ThreadComm {
     }
 }
 
+impl RingEndpoint for ThreadComm {
+    fn guarded(
+        &mut self,
+        op: &OpContext<'_>,
+        body: impl FnOnce(&mut Self) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if let Some(reason) = &self.failed {
+            return Err(CommError::Aborted { rank: self.rank, op: op.describe(), reason: reason.clone() });
+        }
+        let result = body(self);
+        if let Err(error) = &result {
+            self.fail(&error.to_string());
+        }
+        result
+    }
+
+    fn enter(&mut self, group: &Group) -> u64 {
+        let mut entered = lock(&self.shared.arrivals[self.slot(self.rank)]);
+        if let Some(count) = entered.get_mut(group) {
+            *count += 1;
+            return *count - 1;
+        }
+        entered.insert(group.clone(), 1);
+        0
+    }
+
+    fn point_to_point<T>(&self, with: impl FnOnce(&mut PointToPoint) -> T) -> T {
+        with(&mut lock(&self.shared.point_to_point[self.slot(self.rank)]))
+    }
+}
+
 impl Communicator for ThreadComm {
     fn rank(&self) -> u32 {
         self.rank
@@ -409,31 +379,23 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllReduce, group, buf.len(), |comm, op| ring::all_reduce(comm, op, buf))
+        self.ring_all_reduce(group, buf)
     }
 
     fn reduce_scatter(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::ReduceScatter, group, input.len(), |comm, op| {
-            ring::reduce_scatter(comm, op, input, output)
-        })
+        self.ring_reduce_scatter(group, input, output)
     }
 
     fn all_gather(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllGather, group, output.len(), |comm, op| {
-            ring::all_gather(comm, op, input, output)
-        })
+        self.ring_all_gather(group, input, output)
     }
 
     fn broadcast(&mut self, group: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::Broadcast, group, buf.len(), |comm, op| {
-            ring::broadcast(comm, op, root, buf, ring::BROADCAST_SEGMENT_ELEMENTS)
-        })
+        self.ring_broadcast(group, root, buf)
     }
 
     fn all_to_all(&mut self, group: &Group, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
-        self.collective(CollectiveKind::AllToAll, group, input.len(), |comm, op| {
-            ring::all_to_all(comm, op, input, output)
-        })
+        self.ring_all_to_all(group, input, output)
     }
 
     fn all_to_all_v(
@@ -442,34 +404,19 @@ impl Communicator for ThreadComm {
         send: (&[f32], &[usize]),
         receive: (&mut [f32], &[usize]),
     ) -> Result<(), CommError> {
-        // The sizes differ between members; the operation's tag names none.
-        self.collective(CollectiveKind::AllToAll, group, 0, |comm, op| ring::all_to_all_v(comm, op, send, receive))
+        self.ring_all_to_all_v(group, send, receive)
     }
 
     fn send(&mut self, peer: u32, data: &[f32]) -> Result<(), CommError> {
-        let pair = Group::new(vec![self.rank, peer]);
-        let sequence = self.point_to_point(|counts| counts.sends_to.get(peer as usize).copied().unwrap_or(0));
-        let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: data.len() };
-        self.guarded(&op, |comm| {
-            comm.check_peer(&op, peer)?;
-            comm.point_to_point(|counts| counts.sends_to[peer as usize] += 1);
-            comm.send_message(&op, peer, data)
-        })
+        self.sequenced_send(peer, data)
     }
 
     fn recv(&mut self, peer: u32, buf: &mut [f32]) -> Result<(), CommError> {
-        let pair = Group::new(vec![peer, self.rank]);
-        let sequence = self.point_to_point(|counts| counts.recvs_from.get(peer as usize).copied().unwrap_or(0));
-        let op = OpContext { kind: CollectiveKind::SendRecv, group: &pair, sequence, op_elements: buf.len() };
-        self.guarded(&op, |comm| {
-            comm.check_peer(&op, peer)?;
-            comm.point_to_point(|counts| counts.recvs_from[peer as usize] += 1);
-            comm.recv_message(&op, peer, buf)
-        })
+        self.sequenced_recv(peer, buf)
     }
 
     fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
-        self.collective(CollectiveKind::Barrier, group, 0, ring::barrier)
+        self.ring_barrier(group)
     }
 
     fn stats(&self) -> &CommStats {

@@ -8,6 +8,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError, RwLock};
 
 use ::mpi::topology::SimpleCommunicator;
 
+use super::super::ring_endpoint::PointToPoint;
 use super::super::Group;
 
 /// The streams a rank has: the first on `MPI_COMM_WORLD`, the second on its duplicate.
@@ -17,10 +18,8 @@ const STREAMS: usize = 2;
 pub(super) struct StreamCounts {
     /// Collectives the stream has entered on each group: the sequence number of the next one.
     pub(super) group_sequences: HashMap<Group, u64>,
-    /// Point-to-point messages sent to each rank so far.
-    pub(super) sends_to: Vec<u64>,
-    /// Point-to-point messages received from each rank so far.
-    pub(super) recvs_from: Vec<u64>,
+    /// Point-to-point messages to and from each rank so far.
+    pub(super) point_to_point: PointToPoint,
 }
 
 /// What a rank's endpoints share: the first stream's [`MpiComm`](super::MpiComm) and every second
@@ -68,8 +67,7 @@ impl RankState {
         let counts = || {
             Mutex::new(StreamCounts {
                 group_sequences: HashMap::new(),
-                sends_to: vec![0; world_size as usize],
-                recvs_from: vec![0; world_size as usize],
+                point_to_point: PointToPoint::new(world_size as usize),
             })
         };
         RankState {
