@@ -309,7 +309,9 @@ pub struct Predicted {
     /// End, seconds.
     pub end_s: f64,
     /// Seconds the compute stream was held waiting for communication here: a wait's stall, or a
-    /// blocking transfer's whole time.
+    /// blocking transfer's time, each from when the transfer started (never the time spent
+    /// waiting for a late peer to reach it), so a rank's exposed seconds are at most its
+    /// transfers'.
     pub exposed_s: f64,
 }
 
@@ -460,12 +462,21 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                     state.transfer_end.insert(state.pc, delivered);
                     let blocking = !state.pairs.wait_of.contains_key(&state.pc) && !matches!(instr, Instr::Send { .. });
                     if blocking {
-                        exposed_s = delivered - issue;
+                        // Waiting for a peer to reach the transfer is its lateness (a pipeline's
+                        // bubble, say), not communication: only the transfer's own time counts.
+                        exposed_s = delivered - issue.max(start_s);
                         state.compute_free = delivered;
                     }
                 } else {
                     if matches!(instr, Instr::Wait { .. }) {
-                        exposed_s = end_s - start_s;
+                        let transfer_start = state
+                            .pairs
+                            .start_of
+                            .get(&state.pc)
+                            .and_then(|start| state.slice_of.get(start))
+                            .and_then(|&at| state.slices.get(at))
+                            .map_or(start_s, |transfer| transfer.start_s);
+                        exposed_s = (end_s - start_s.max(transfer_start)).max(0.0);
                     }
                     state.compute_free = end_s;
                 }
@@ -632,8 +643,9 @@ mod tests {
         let recv = &timelines[1][0];
         close(recv.start_s, load);
         close(recv.end_s, load + send);
-        // The receive is blocking: the receiver's load waits for it.
-        close(recv.exposed_s, load + send);
+        // The receive is blocking: the receiver's load waits for it, but only the message's own
+        // time is communication; the sender's load before it is the sender's lateness.
+        close(recv.exposed_s, send);
         close(timelines[1][1].start_s, load + send);
     }
 

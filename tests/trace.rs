@@ -225,3 +225,20 @@ fn a_training_step_traces_its_gradient_reductions_beside_the_backward() {
     let bucketed = run(&dir.join("bucketed.json"), &["--bucket-mb", "1"], "all_reduce bucket of ");
     assert!(some_rank_overlaps(&bucketed), "a full bucket reduces beside the rest of the backward");
 }
+
+#[test]
+fn a_pipelined_steps_exposed_communication_is_at_most_its_communication() {
+    // A later stage's first receive waits for the stage before to run its forward: that is the
+    // pipeline's bubble, not communication, and the exposed seconds leave it out (they once
+    // counted it: "exposed communication 150.2 us of 84.1 us").
+    let dir = tempdir("pipelined-trace");
+    let compiled = dir.join("compiled");
+    let compiled = compiled.to_str().unwrap();
+    pleat(&["compile", "tiny", "--mesh", "pp=2,dp=2", "--train", "--out", compiled]);
+    let out = cli::stdout_of(&["trace", compiled, "--out", dir.join("t.json").to_str().unwrap()]);
+    let line = out.lines().find(|line| line.starts_with("predicted step:")).expect("a predicted step");
+    let figures: Vec<f64> =
+        line.split(|c: char| !(c.is_ascii_digit() || c == '.')).filter_map(|word| word.parse().ok()).collect();
+    let [_step, exposed, communication] = figures[..] else { panic!("{line}") };
+    assert!(exposed > 0.0 && exposed <= communication, "{line}");
+}

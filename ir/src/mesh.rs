@@ -98,8 +98,10 @@ impl Mesh {
     /// Parses `dp=2,tsp=4` (also `dp=2 x tsp=4`); the empty string is the one-rank mesh.
     pub fn parse(text: &str) -> Result<Mesh> {
         let mut axes = Vec::new();
-        for part in text.split([',', 'x', ' ']).filter(|part| !part.trim().is_empty()) {
-            let part = part.trim();
+        // `x` separates axes only as a word of its own, so that an unknown name holding an x is
+        // named whole in the error.
+        for part in text.split(|c: char| c == ',' || c.is_whitespace()).filter(|part| !part.is_empty() && *part != "x")
+        {
             let Some((name, size)) = part.split_once('=') else {
                 return Err(Error::MeshSyntax { text: text.to_string(), part: part.to_string() });
             };
@@ -228,6 +230,12 @@ mod tests {
             Mesh::parse("tq=2").unwrap_err().to_string(),
             "mesh `tq=2`: unknown axis `tq`; axes are dp, tp, sp, cp, pp, tsp, ep"
         );
+        // A name holding an x is named whole; a lone x still separates axes.
+        assert_eq!(
+            Mesh::parse("xx=2").unwrap_err().to_string(),
+            "mesh `xx=2`: unknown axis `xx`; axes are dp, tp, sp, cp, pp, tsp, ep"
+        );
+        assert_eq!(Mesh::parse("dp=2 x\ttp=4").unwrap().to_string(), "dp=2,tp=4");
         assert_eq!(
             Mesh::parse("tp=two").unwrap_err().to_string(),
             "mesh `tp=two`: cannot read `tp=two`; write axes as name=size separated by commas, e.g. dp=2,tp=4"
