@@ -76,8 +76,8 @@ pub struct WorkloadArgs {
     /// Materialize the attention scores (no flash attention).
     #[arg(long)]
     pub no_flash: bool,
-    /// Interleaved pipeline: model chunks a rank.
-    #[arg(long, default_value_t = 1)]
+    /// Interleaved pipeline: model chunks a rank (`--chunks`, as `run` and `schedule` name it).
+    #[arg(long, visible_alias = "chunks", default_value_t = 1)]
     pub virtual_stages: u64,
     /// TSP also shards the embedding and LM head over the tsp group.
     #[arg(long)]
@@ -204,8 +204,27 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let mesh = Mesh::parse(&args.mesh)?;
     args.strategy.strategy().check_axis(&mesh)?;
     let layout = Layout::from_mesh(&mesh, args.sequence_parallel || args.strategy == PlanStrategy::TpSp);
-    if args.common.virtual_stages > 1 && layout.degree(pleat_ir::AxisName::Pp) == 1 {
-        bail!(crate::usage::UsageError::VirtualStagesWithoutPp { virtual_stages: args.common.virtual_stages });
+    let stages = layout.degree(pleat_ir::AxisName::Pp);
+    let chunks = args.common.virtual_stages;
+    if chunks > 1 && stages == 1 {
+        bail!(crate::usage::UsageError::VirtualStagesWithoutPp { virtual_stages: chunks });
+    }
+    if chunks > 1 {
+        // Cost only the interleaved schedules `run` and `schedule` build.
+        let virtual_stages = stages.saturating_mul(chunks);
+        if virtual_stages > model.layers {
+            bail!(crate::usage::UsageError::TooFewLayersForChunks {
+                model: model.name.clone(),
+                stages,
+                chunks,
+                virtual_stages,
+                layers: model.layers,
+            });
+        }
+        // Fewer virtual stages than layers: each count fits a u32.
+        let kind = pleat_passes::pipeline::ScheduleKind::Interleaved { chunks: chunks as u32 };
+        let micro_batches = u32::try_from(args.common.micro_batches).unwrap_or(u32::MAX);
+        pleat_passes::pipeline::Schedule::build(kind, stages as u32, micro_batches)?;
     }
     let result = estimate(&model, &layout, &args.common.workload(args.seq), &hw)?;
     let mut report = serde_json::to_value(&result)?;

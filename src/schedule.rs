@@ -99,16 +99,20 @@ pub fn kind_of(args: &ScheduleArgs) -> Result<ScheduleKind> {
     crate::pipeline::schedule_kind(args.schedule, args.chunks)
 }
 
-/// The closed form's formula, in words, and its value as bubble over ideal compute.
-fn closed_form(kind: ScheduleKind, stages: u32, micro_batches: u32) -> (&'static str, f64) {
+/// The closed form's formula, in words, and its value as bubble over ideal compute: `None` where
+/// it does not hold (ZB-H1's assumes a steady state, at least as many micro-batches as stages).
+fn closed_form(kind: ScheduleKind, stages: u32, micro_batches: u32) -> (&'static str, Option<f64>) {
     let formula = match kind {
         ScheduleKind::GPipe | ScheduleKind::OneFOneB => "(p-1)/m",
         ScheduleKind::Interleaved { .. } => "(p-1)/(v*m)",
         ScheduleKind::ZeroBubbleH1 => "(p-1)(F+B-W)/(m(F+B+W))",
     };
+    if kind == ScheduleKind::ZeroBubbleH1 && micro_batches < stages {
+        return (formula, None);
+    }
     let value =
         kind.closed_form_bubble(stages, micro_batches, COSTS.forward, COSTS.backward_input, COSTS.backward_weight);
-    (formula, value)
+    (formula, Some(value))
 }
 
 /// The schedule, simulated.
@@ -151,10 +155,15 @@ pub fn schedule_text(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Res
         timeline.bubble_over_compute,
         100.0 * timeline.bubble_share
     ));
-    out.push_str(&format!(
-        "        closed form {formula} = {closed:.4} ({:.2}% of the step)\n",
-        100.0 * closed / (1.0 + closed)
-    ));
+    out.push_str(&match closed {
+        Some(closed) => {
+            format!(
+                "        closed form {formula} = {closed:.4} ({:.2}% of the step)\n",
+                100.0 * closed / (1.0 + closed)
+            )
+        }
+        None => format!("        closed form {formula} holds for m >= p only, not m={micro_batches} < p={stages}\n"),
+    });
     out.push_str(&format!(
         "step: {} units, ideal compute {} a stage, bubble {}\n",
         timeline.makespan, timeline.ideal_compute, timeline.bubble
@@ -206,10 +215,12 @@ pub fn json(args: &ScheduleArgs) -> Result<Value> {
         "bubble": timeline.bubble,
         "bubble_over_compute": timeline.bubble_over_compute,
         "bubble_share": timeline.bubble_share,
+        // Null figures where the formula does not hold (ZB-H1 with m < p).
         "closed_form": {
             "formula": formula,
+            "holds": closed.is_some(),
             "bubble_over_compute": closed,
-            "bubble_share": closed / (1.0 + closed),
+            "bubble_share": closed.map(|closed| closed / (1.0 + closed)),
         },
         "peak_in_flight": timeline.peak_in_flight,
         "stages": stages,

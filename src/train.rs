@@ -379,6 +379,19 @@ pub fn compile_training(
         bail!(UsageError::ZeroWithoutDp { zero });
     }
     let stages = mesh.degree(AxisName::Pp) as u32;
+    if stages == 1 {
+        // One stage runs its micro-batches in order (gradient accumulation): no chunks to
+        // interleave, no layers to split.
+        let flag = match (pipelining.chunks, pipelining.schedule, &pipelining.layers) {
+            (Some(chunks), _, _) => Some(format!("--chunks {chunks}")),
+            (None, ScheduleName::Interleaved, _) => Some("--schedule interleaved".to_string()),
+            (None, _, Some(layers)) => Some(format!("--pp-layers {layers}")),
+            _ => None,
+        };
+        if let Some(flag) = flag {
+            bail!(UsageError::PipelineFlagWithoutPp { flag });
+        }
+    }
     let micro_batches = pipelining.micro_batches;
     if micro_batches == 0 || batch % u64::from(micro_batches) != 0 {
         bail!(UsageError::BatchNotSplit { batch, micro_batches, valid: pleat_ir::spec::valid_degrees(batch) });
@@ -416,9 +429,9 @@ pub fn compile_training(
         if kind.chunks() > 1 && u64::from(virtual_stages) > config.num_layers {
             bail!(UsageError::TooFewLayersForChunks {
                 model: config.name.clone(),
-                stages,
-                chunks: kind.chunks(),
-                virtual_stages,
+                stages: stages.into(),
+                chunks: kind.chunks().into(),
+                virtual_stages: virtual_stages.into(),
                 layers: config.num_layers,
             });
         }

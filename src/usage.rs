@@ -412,6 +412,16 @@ pub enum UsageError {
         /// The size.
         text: String,
     },
+    /// A pipeline flag (`--chunks`, `--schedule interleaved`, `--pp-layers`) on a mesh without a
+    /// pp axis, where it would change nothing.
+    #[error(
+        "{flag} applies to pipeline stages, and the mesh has no pp axis; add pp=2 or more to --mesh, or drop {flag}"
+    )]
+    #[diagnostic(code(E0753), help("add a pp axis to --mesh, e.g. pp=2, or drop the flag"))]
+    PipelineFlagWithoutPp {
+        /// The flag as given.
+        flag: String,
+    },
     /// `--virtual-stages` without a pipeline axis.
     #[error("--virtual-stages {virtual_stages} needs a pp axis in the mesh; add pp=2 or more")]
     #[diagnostic(code(E0732), help("add a pp axis to --mesh, e.g. --mesh pp=2, or drop --virtual-stages"))]
@@ -528,11 +538,11 @@ pub enum UsageError {
         /// The model's name.
         model: String,
         /// Pipeline ranks.
-        stages: u32,
+        stages: u64,
         /// Model chunks a rank.
-        chunks: u32,
+        chunks: u64,
         /// `stages · chunks`.
-        virtual_stages: u32,
+        virtual_stages: u64,
         /// The model's layers.
         layers: u64,
     },
@@ -857,6 +867,7 @@ impl UsageError {
             }
             UsageError::SizeNumber { .. } | UsageError::SizeTooLarge { .. } => vec![("flag", "--sizes".to_string())],
             UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
+            UsageError::PipelineFlagWithoutPp { flag } => vec![("flag", flag.clone())],
             UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],
             UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
             UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],

@@ -497,6 +497,29 @@ fn training_flags() {
         case(&["run", "tiny", "--train", "--tokens", &tokens], "E0729", "not --tokens"),
         case(&["run", "tiny", "--train", "--logits-out", "l.bin"], "E0730", "--logits-out applies to inference"),
         case(&["plan", "tiny", "--virtual-stages", "2"], "E0732", "--virtual-stages 2 needs a pp axis"),
+        // plan costs only the interleaved schedules run builds.
+        case(
+            &["plan", "tiny", "--mesh", "pp=2", "--chunks", "2", "--micro-batches", "4"],
+            "E0791",
+            "tiny has 2 layers",
+        ),
+        case(
+            &["plan", "llama3-8b", "--mesh", "pp=4", "--chunks", "2", "--micro-batches", "6"],
+            "E0222",
+            "6 is not a multiple",
+        ),
+        // Pipeline flags on a mesh without pp changed nothing; they are refused as --zero is without dp.
+        case(
+            &["run", "tiny", "--train", "--mesh", "dp=2", "--micro-batches", "2", "--chunks", "3"],
+            "E0753",
+            "--chunks 3",
+        ),
+        case(
+            &["run", "tiny", "--train", "--mesh", "dp=2", "--schedule", "interleaved"],
+            "E0753",
+            "--schedule interleaved",
+        ),
+        case(&["run", "tiny", "--train", "--pp-layers", "1,1"], "E0753", "--pp-layers 1,1 applies to pipeline stages"),
         case(&["bench", "comm", "--sizes", "KiB"], "E0737", "expected a number then a unit"),
         case(&["bench", "comm", "--sizes", "99999999999999GiB"], "E0738", "is too large"),
     ];

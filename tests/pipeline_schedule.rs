@@ -44,6 +44,20 @@ fn json_numbers_match_the_closed_forms() {
 }
 
 #[test]
+fn zero_bubbles_closed_form_is_not_claimed_with_fewer_micro_batches_than_stages() {
+    // Qi et al.'s (p-1)(F+B-W)/(m(F+B+W)) is a steady state's: on 4 stages with 2 micro-batches
+    // the simulated bubble is 0.8333 where it would say 0.5.
+    let args = ["schedule", "--pp", "4", "--micro-batches", "2", "--schedule", "zb-h1"];
+    let report = json_of(&[&args[..], &["--format", "json"]].concat());
+    assert_eq!(report["closed_form"]["holds"], serde_json::json!(false));
+    assert!(report["closed_form"]["bubble_over_compute"].is_null());
+    assert!((report["bubble_over_compute"].as_f64().unwrap() - 5.0 / 6.0).abs() < 1e-12);
+    assert!(stdout_of(&args).contains("holds for m >= p only, not m=2 < p=4"));
+    let steady = json_of(&["schedule", "--pp", "4", "--micro-batches", "4", "--schedule", "zb-h1", "--format", "json"]);
+    assert_eq!(steady["closed_form"]["holds"], serde_json::json!(true));
+}
+
+#[test]
 fn bad_input_says_what_to_use() {
     let err = error_of(&["schedule", "--pp", "4", "--micro-batches", "6", "--schedule", "interleaved"]);
     assert!(err.contains("6 is not a multiple of pp=4; use --micro-batches in {4, 8, 12, 16, ...}"), "{err}");

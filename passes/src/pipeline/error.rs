@@ -38,8 +38,9 @@ pub enum ScheduleError {
 
     /// A schedule too large to build: its steps (and `pleat schedule`'s picture) would not fit.
     #[error(
-        "pp={stages} with {micro_batches} micro-batches and {chunks} chunk(s) a rank is {cells} stage, micro-batch \
-         and chunk cells, more than the {max} pleat builds a schedule of; use fewer micro-batches or stages",
+        "pp={stages} with {micro_batches} micro-batches and {chunks} chunk(s) a rank spans {cells} cells (stages × \
+         (micro-batches × chunks + stages)), more than the {max} pleat builds a schedule of; use fewer \
+         micro-batches or stages",
         max = crate::pipeline::schedule::MAX_SCHEDULE_CELLS
     )]
     #[diagnostic(code(E0234), help("use fewer micro-batches or stages"))]
@@ -50,7 +51,7 @@ pub enum ScheduleError {
         micro_batches: u32,
         /// Chunks a rank.
         chunks: u32,
-        /// `stages · micro_batches · chunks`.
+        /// `stages · (micro_batches · chunks + stages)`.
         cells: u64,
     },
 

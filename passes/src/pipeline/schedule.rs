@@ -161,9 +161,11 @@ pub struct Schedule {
     pub per_stage: Vec<Vec<Step>>,
 }
 
-/// The most `stages · micro_batches · chunks` a schedule is built for: above any pipeline trained
-/// (pp=64 with 4,096 micro-batches of 4 chunks is 2^20, built and drawn in seconds), far below
-/// what exhausts memory (a schedule of 100,000 stages and micro-batches was killed for it).
+/// The most cells `stages · (micro_batches · chunks + stages)` a schedule is built for: each stage
+/// runs its steps and waits out the fill and drain, so its timeline (and `pleat schedule`'s
+/// picture row) spans about that many steps. Above any pipeline trained (pp=64 with 4,000
+/// micro-batches of 4 chunks is 2^20, built and drawn in seconds), far below what exhausts memory
+/// or time (100,000 stages of one micro-batch ran for minutes when the cap counted only steps).
 pub const MAX_SCHEDULE_CELLS: u64 = 1 << 20;
 
 impl Schedule {
@@ -176,7 +178,8 @@ impl Schedule {
             return Err(ScheduleError::Zero { what: "micro-batches" });
         }
         let chunks = kind.chunks();
-        let cells = u64::from(stages) * u64::from(micro_batches) * u64::from(chunks.max(1));
+        let steps = u64::from(micro_batches) * u64::from(chunks.max(1));
+        let cells = u64::from(stages) * (steps + u64::from(stages));
         if cells > MAX_SCHEDULE_CELLS {
             return Err(ScheduleError::TooLarge { stages, micro_batches, chunks, cells });
         }
@@ -355,7 +358,10 @@ mod tests {
         // A schedule past the cap is refused before any step is built (100,000 stages and
         // micro-batches exhausted memory); one chunk more than the cap's count is refused too.
         let err = Schedule::build(ScheduleKind::OneFOneB, 100_000, 100_000).unwrap_err();
-        assert!(matches!(err, ScheduleError::TooLarge { cells: 10_000_000_000, .. }), "{err}");
+        assert!(matches!(err, ScheduleError::TooLarge { cells: 20_000_000_000, .. }), "{err}");
+        // Many stages and one micro-batch: the fill and drain count (this ran for minutes).
+        let err = Schedule::build(ScheduleKind::OneFOneB, 100_000, 1).unwrap_err();
+        assert!(matches!(err, ScheduleError::TooLarge { cells: 10_000_100_000, .. }), "{err}");
         let stages = 1 << 10;
         let micro_batches = (MAX_SCHEDULE_CELLS / stages) as u32;
         let err = Schedule::build(ScheduleKind::Interleaved { chunks: 2 }, stages as u32, micro_batches).unwrap_err();
