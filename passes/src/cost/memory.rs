@@ -244,7 +244,7 @@ pub fn bytes_per_param(model: &ModelShape, workload: &Workload) -> (f64, f64, f6
     if workload.mode == Mode::Infer {
         return (weight, 0.0, 0.0);
     }
-    let grad = if workload.fp32_grads { 4.0 } else { weight };
+    let grad = workload.gradient_bytes(weight);
     let master = if model.dtype_bytes < 4 { 4.0 } else { 0.0 };
     (weight, grad, master + 8.0)
 }

@@ -152,6 +152,9 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
         let attention = model.attention_weights() as f64 / tp * element;
         let mlp = model.mlp_weights() as f64 / tp * element;
         let kv = 2.0 * group_tokens * kv_local * element;
+        // Weight gradients travel as they are kept: fp32 under mixed precision (as the
+        // gradients' memory counts them), in the weights' dtype with `--bf16-grads`.
+        let grad_scale = workload.gradient_bytes(element) / element;
         push(
             &mut forward,
             "tsp broadcast of packed attention weights",
@@ -194,7 +197,7 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
                 "tsp reduce of attention weight gradients",
                 Collective::ReduceScatter,
                 AxisName::Tsp,
-                attention,
+                attention * grad_scale,
                 1.0,
                 Phase::Backward,
             );
@@ -221,7 +224,7 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
                 "tsp ring of mlp gradient shards",
                 Collective::SendRecv,
                 AxisName::Tsp,
-                mlp / degree,
+                mlp / degree * grad_scale,
                 degree,
                 Phase::Backward,
             );
@@ -329,7 +332,7 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
 /// where it is otherwise reduced once (all-reduced, or under SP reduce-scattered).
 fn replicated_key_value_collectives(model: &ModelShape, layout: &Layout, workload: &Workload) -> Vec<CollectiveCall> {
     let element = model.dtype_bytes as f64;
-    let grad = if workload.fp32_grads { 4.0 } else { element };
+    let grad = workload.gradient_bytes(element);
     let (hidden, kv) = (model.hidden as f64, model.kv_width() as f64);
     let local = local_tokens(layout, workload);
     let bias = if model.qkv_bias { kv } else { 0.0 };
@@ -381,7 +384,7 @@ pub fn step_collectives(
     let mut calls = Vec::new();
     let element = model.dtype_bytes as f64;
     if workload.mode == Mode::Train {
-        let grad = if workload.fp32_grads { 4.0 } else { element };
+        let grad = workload.gradient_bytes(element);
         let zero = if workload.distributed_optimizer { workload.zero.max(1) } else { workload.zero };
         // A mixture's routed experts are split over ep, the rest replicated over it; tsp keeps the
         // routers whole (each tsp rank routes its own tokens), and the experts too unless it is
@@ -535,6 +538,28 @@ mod tests {
         assert_eq!(sent(&full, Phase::Backward), 2.0 * sent(&plain, Phase::Forward));
         let infer = Workload::inference(4096, 1);
         assert_eq!(sent(&infer, Phase::Backward), 0.0);
+    }
+
+    #[test]
+    fn tsp_weight_gradients_travel_in_the_gradients_dtype() {
+        // tsp-7b at tsp=8: a layer's MLP is 3·4096·16384 parameters and its attention 4·4096²,
+        // so a ring hop carries an eighth of the MLP's gradients and the owner's reduce all of
+        // the attention's: 4 bytes an element under mixed precision, 2 with bf16 gradients (as
+        // the gradients' memory counts them); the weights themselves travel in bf16 either way.
+        let model = tsp_7b();
+        let layout = Layout::new(&[(AxisName::Tsp, 8)], false);
+        let bytes = |workload: &Workload, what: &str| -> f64 {
+            let calls = layer_collectives(&model, &layout, workload);
+            calls.iter().find(|call| call.what == what).map(|call| call.bytes).unwrap()
+        };
+        let (mlp, attention) = (3.0 * 4096.0 * 16384.0, 4.0 * 4096.0 * 4096.0);
+        let fp32 = Workload::training(4096, 1);
+        let bf16 = Workload { fp32_grads: false, ..fp32.clone() };
+        assert_eq!(bytes(&fp32, "tsp ring of mlp gradient shards"), mlp / 8.0 * 4.0);
+        assert_eq!(bytes(&bf16, "tsp ring of mlp gradient shards"), mlp / 8.0 * 2.0);
+        assert_eq!(bytes(&fp32, "tsp reduce of attention weight gradients"), attention * 4.0);
+        assert_eq!(bytes(&bf16, "tsp reduce of attention weight gradients"), attention * 2.0);
+        assert_eq!(bytes(&fp32, "tsp ring of mlp shards"), mlp / 8.0 * 2.0);
     }
 
     #[test]

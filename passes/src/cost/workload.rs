@@ -66,6 +66,16 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// Bytes of a gradient element for weights of `weight_bytes` an element: 4 (fp32) under
+    /// `fp32_grads`, else the weights' own.
+    pub fn gradient_bytes(&self, weight_bytes: f64) -> f64 {
+        if self.fp32_grads {
+            4.0
+        } else {
+            weight_bytes
+        }
+    }
+
     /// Training with Megatron's defaults: fp32 gradients, flash attention, no recompute, no ZeRO.
     pub fn training(seq: u64, micro_batch: u64) -> Workload {
         Workload {
