@@ -23,6 +23,10 @@
 //! all-gather (recomputation re-runs local kernels; re-gathering would add a collective to every
 //! layer's backward), so the gathered K/V of every layer stay saved next to the layer inputs. This
 //! is pleat's reading of the TSP paper's TP+SP baselines; see `memory`'s docs for the evidence.
+//! TSP's attention gathers K/V too, one owner's heads over the group's tokens at a time, and its
+//! backward reads every owner's: without full recompute they stay, the whole sequence's K/V of
+//! every head (the rank's own tokens' part is in `qkv`); full recompute gathers each owner's again
+//! in the layer's backward, as its programs do.
 //!
 //! A mixture of experts keeps three more terms a layer, sized for balanced routing (every expert
 //! gets `top_k·T/E` of the `T` tokens a rank routes; with ep the rank's `E/ep` experts receive the
@@ -59,7 +63,9 @@ pub struct LayerActivations {
     pub layer_input: f64,
     /// The sp axis's all-gathered K/V (the whole group's tokens, the rank's kv heads), kept for the
     /// attention's backward: `2·s·b/(cp·tsp)·kv/t` elements under full recompute, the remote
-    /// `(sp-1)/sp` of it otherwise (the rank's own K/V are in [`Self::qkv`]). Zero without sp.
+    /// `(sp-1)/sp` of it otherwise (the rank's own K/V are in [`Self::qkv`]). With tsp and without
+    /// full recompute, also every owner's gathered K/V: `2·s·b/cp·kv/t` elements less the rank's
+    /// own tokens' `1/tsp`. Zero without sp or tsp.
     pub gathered_kv: f64,
     /// A mixture's router logits, `[T, E]`. Zero for a dense model.
     pub router_logits: f64,
@@ -132,6 +138,8 @@ pub fn layer_activations(
     let kv_split = kv_split(model, layout) as f64;
     let sp = layout.degree(AxisName::Sp) as f64;
     let gathered_kv_elements = 2.0 * tokens * sp * model.kv_width() as f64 / kv_split;
+    let tsp = layout.degree(AxisName::Tsp) as f64;
+    let owners_kv_elements = 2.0 * tokens * tsp * model.kv_width() as f64 / kv_split;
     if recompute == Recompute::Full {
         return LayerActivations {
             norm_inputs: 0.0,
@@ -181,7 +189,7 @@ pub fn layer_activations(
         mlp_hidden: tokens * element * mlp_tensors * model.ffn as f64 / tp,
         dropout_masks: if model.dropout { 2.0 * tokens * hidden / replicated_split } else { 0.0 },
         layer_input: 0.0,
-        gathered_kv: gathered_kv_elements * element * (sp - 1.0) / sp,
+        gathered_kv: (gathered_kv_elements * (sp - 1.0) / sp + owners_kv_elements * (tsp - 1.0) / tsp) * element,
         router_logits,
         routed_tokens,
         expert_hidden,
@@ -257,6 +265,24 @@ mod tests {
     }
 
     #[test]
+    fn tsp_keeps_every_owners_gathered_kv_unless_it_recomputes_the_layer() {
+        // tiny-like GQA at tsp=4: 4 kv heads of 16 channels, 64·2 tokens, 16·2 a rank. Each owner's
+        // K/V are gathered over the group's 128 tokens for its one kv head; the backward reads all
+        // four owners', 2·128·64 elements, of which the rank's own tokens' quarter is in qkv.
+        let model = ModelShape { kv_heads: 4, head_dim: 16, ..gpt(128, 8) };
+        let layout = Layout::new(&[(AxisName::Tsp, 4)], false);
+        let workload = Workload::training(64, 2);
+        let whole = 2.0 * 128.0 * 64.0 * 2.0;
+        for recompute in [Recompute::None, Recompute::Selective] {
+            let kept = layer_activations(&model, &layout, &workload, recompute);
+            assert_eq!(kept.gathered_kv, whole * 3.0 / 4.0, "{recompute:?}");
+            assert_eq!(kept.qkv - 32.0 * 128.0 * 2.0, whole / 4.0, "the own tokens' k and v");
+        }
+        // Full recompute gathers each owner's again in the layer's backward.
+        assert_eq!(layer_activations(&model, &layout, &workload, Recompute::Full).gathered_kv, 0.0);
+    }
+
+    #[test]
     fn experts_keep_logits_routed_copies_and_their_hidden_tensors() {
         // tiny-moe (f32): 8 experts of 64 channels, top-2, no dense MLP. ep=2 x tp=2, 16 tokens a
         // rank: logits 16·8, copies 2·16·128, hidden 3·2·16·64/2, 4 bytes each.
@@ -274,12 +300,14 @@ mod tests {
     #[test]
     fn tsp_keeps_one_dth_of_the_tokens_at_full_width() {
         // Gated MLP, no dropout, flash: per token 4h (norms) + 4h (linear inputs) + 6h (q, k, v)
-        // + 2h (attention output) + 3·2·f (f = 4h: 24h) = 40h bytes, plus 4 bytes a head.
+        // + 2h (attention output) + 3·2·f (f = 4h: 24h) = 40h bytes, plus 4 bytes a head; and
+        // the other seven eighths of every owner's gathered K/V (MHA: 2h a token of the group,
+        // 8 of the rank's), 28h.
         let h = 4096u64;
         let model = ModelShape { gated_mlp: true, norm: Norm::RmsNorm, dropout: false, ffn: 4 * h, ..gpt(h, 32) };
         let layout = Layout::new(&[(AxisName::Tsp, 8)], false);
         let got = layer_activations(&model, &layout, &Workload::training(131072, 1), Recompute::None).total();
         let tokens = 131072.0 / 8.0;
-        assert_eq!(got, tokens * (40.0 * h as f64 + 4.0 * 32.0));
+        assert_eq!(got, tokens * (68.0 * h as f64 + 4.0 * 32.0));
     }
 }

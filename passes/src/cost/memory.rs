@@ -335,9 +335,15 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
     let backward = if training { 2.0 } else { 1.0 };
     let (_, grad_bytes, _) = bytes_per_param(model, &Workload { mode: Mode::Train, ..workload.clone() });
     if tsp > 1.0 {
-        // K/V of one owner's heads, whole sequence of the group; dK/dV as well in the backward.
-        let gathered_tokens = tokens * tsp;
-        add("tsp gathered k/v (one owner's heads)", backward * 2.0 * gathered_tokens * element * kv_local / tsp);
+        // K/V of one owner's heads over the group's tokens. Training keeps every owner's with the
+        // activations, and the backward's dK/dV wait here for their reduce-scatter; under full
+        // recompute the backward gathers the K/V again beside them.
+        let owner_kv = 2.0 * tokens * tsp * element * kv_local / tsp;
+        match (training, workload.recompute == Recompute::Full) {
+            (false, _) => add("tsp gathered k/v (one owner's heads)", owner_kv),
+            (true, false) => add("tsp dk/dv of one owner's heads before the reduce-scatter", owner_kv),
+            (true, true) => add("tsp gathered k/v and dk/dv (one owner's heads)", 2.0 * owner_kv),
+        }
         let attention_shard = model.attention_weights() as f64 / (tp * tsp);
         let mlp_shard = model.mlp_weights() as f64 / (tp * tsp);
         add("tsp packed attention weights (double buffer)", 2.0 * attention_shard * element);
