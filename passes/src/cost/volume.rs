@@ -29,7 +29,10 @@
 //! (cp), and ep sends the gradients of the combine and of the dispatch back the same ways (two more
 //! all-to-alls; the routing, and so the counts, are the forward's). Full recompute repeats the
 //! forward's collectives, except the sp axis's K/V all-gather, whose output is kept (see
-//! `activation`). A step adds, once, the gradient synchronization over the axes that replicate
+//! `activation`). Megatron SP adds two all-gathers a layer to the backward: it saves the qkv and
+//! MLP inputs split over tp (Korthikanti's `34/t`, which `activation` counts) and gathers them
+//! again for the weight gradients. (pleat's own programs keep the gathered inputs instead, more
+//! memory and no regather; the liveness planner gives their figure.) A step adds, once, the gradient synchronization over the axes that replicate
 //! weights (dp, sp, cp, and for a mixture ep for the dense parameters and tsp for the experts and
 //! routers, which tsp keeps whole: an all-reduce, or with ZeRO a reduce-scatter of gradients and an
 //! all-gather of weights over ep and dp, the dense parameters' `dp·ep` replicas and the experts'
@@ -107,6 +110,9 @@ const HIDDEN_BEHIND_COMPUTE: [&str; 10] = [
 const TP_ALL_REDUCES: &str = "all-reduce after attention and mlp";
 const SP_ALL_GATHERS: &str = "sp all-gather before qkv and mlp";
 
+/// What Megatron SP's backward all-gathers of the inputs it saved split are called.
+pub const SP_REGATHERS: &str =
+    "sp all-gather of the qkv and mlp inputs again, for their weight gradients (saved split)";
 /// What the ep axis's token all-to-alls are called.
 pub const EP_DISPATCH_COMBINE: &str =
     "expert all-to-all: tokens to the ranks of their experts (dispatch) and back (combine)";
@@ -309,6 +315,19 @@ pub fn layer_collectives(model: &ModelShape, layout: &Layout, workload: &Workloa
         }
         if key_values_replicated {
             calls.extend(replicated_key_value_collectives(model, layout, workload));
+        }
+        if layout.sequence_parallel && tp > 1.0 {
+            // Megatron SP keeps the linear layers' inputs split (Korthikanti's 34/t, which the
+            // activations count) and gathers them again for the weight gradients.
+            push(
+                &mut calls,
+                SP_REGATHERS,
+                Collective::AllGather,
+                AxisName::Tp,
+                local * hidden * element,
+                2.0,
+                Phase::Backward,
+            );
         }
         if workload.recompute == Recompute::Full {
             // The sp axis's gathered K/V are kept, not re-gathered (see `activation`).
@@ -541,6 +560,35 @@ mod tests {
     }
 
     #[test]
+    fn megatron_sp_gathers_its_saved_inputs_again_in_the_backward() {
+        // tsp-7b at tp=8 with SP on 16384 tokens: [16384, 4096] in bf16 is 134,217,728 bytes.
+        // Forward: two all-gathers and two reduce-scatters of it. Backward: their conjugates, and
+        // the qkv and MLP inputs (saved split) gathered again: four all-gathers in all, each
+        // sending 7/8 of it (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
+        let model = tsp_7b();
+        let layout = Layout::new(&[(AxisName::Tp, 8)], true);
+        let activation = 134_217_728.0;
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let workload = Workload { recompute, ..Workload::training(16384, 1) };
+            let calls = layer_collectives(&model, &layout, &workload);
+            let again = calls.iter().find(|call| call.what == SP_REGATHERS).expect("the regathers");
+            assert_eq!((again.bytes, again.count, again.phase), (activation, 2.0, Phase::Backward));
+            let sent: f64 = calls
+                .iter()
+                .filter(|call| call.phase == Phase::Backward && call.kind == Collective::AllGather)
+                .map(|call| call.bytes_sent(8))
+                .sum();
+            let recomputed = if recompute == Recompute::Full { 2.0 } else { 0.0 };
+            assert_eq!(sent, (4.0 + recomputed) * activation * 7.0 / 8.0, "{recompute:?}");
+        }
+        // Without SP (all-reduces) and in inference, none.
+        let tp = Layout::new(&[(AxisName::Tp, 8)], false);
+        assert!(layer_collectives(&model, &tp, &Workload::training(16384, 1)).iter().all(|c| c.what != SP_REGATHERS));
+        let infer = layer_collectives(&model, &layout, &Workload::inference(16384, 1));
+        assert!(infer.iter().all(|call| call.what != SP_REGATHERS));
+    }
+
+    #[test]
     fn tsp_weight_gradients_travel_in_the_gradients_dtype() {
         // tsp-7b at tsp=8: a layer's MLP is 3·4096·16384 parameters and its attention 4·4096²,
         // so a ring hop carries an eighth of the MLP's gradients and the owner's reduce all of
@@ -587,8 +635,9 @@ mod tests {
         );
         // Under SP the attention's input gradient is all-reduced twice in place of its
         // reduce-scatter (the conjugate of the all-gather before q, k and v).
+        // (And Megatron SP gathers the qkv and MLP inputs again for their weight gradients.)
         let sp16 = Layout::new(&[(AxisName::Tp, 16)], true);
-        assert_eq!(summed(&sp16, &workload, Phase::Backward, Collective::AllGather), activation);
+        assert_eq!(summed(&sp16, &workload, Phase::Backward, Collective::AllGather), 3.0 * activation);
         assert_eq!(summed(&sp16, &workload, Phase::Backward, Collective::ReduceScatter), 2.0 * activation);
         assert_eq!(
             summed(&sp16, &workload, Phase::Backward, Collective::AllReduce),
