@@ -26,8 +26,14 @@ pub fn demo() -> Result<()> {
         config.intermediate_size,
         config.vocab_size
     );
-    let compiled =
+    let mut compiled =
         compile_model(&config, batch, seq, &mesh, Strategy::Auto, Dump::Nothing, crate::compile::Kernels::Interpreted)?;
+    // Scheduled for overlap, as `pleat run` runs them.
+    compiled.programs = crate::predict::overlap_for_cpu(
+        std::mem::take(&mut compiled.programs),
+        false,
+        pleat_backend::overlap::Prefetch::OwnStream,
+    )?;
     let graph = &compiled.sharded.graph;
     let count = |want: fn(&Op) -> bool| graph.order().iter().filter(|&&node| want(&graph.node(node).op)).count();
     println!(

@@ -73,7 +73,8 @@ enum Command {
     Search(search::SearchArgs),
     /// A pipeline schedule as a picture, with its simulated bubble and peak micro-batches in flight.
     Schedule(schedule::ScheduleArgs),
-    /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace.
+    /// Write the cost model's predicted timeline of every rank as a Chrome/Perfetto trace (for a
+    /// pipelined training mesh, the measured timeline of one step: the schedule as it ran).
     Trace(trace::TraceArgs),
     /// Build the tiny model, compile it for tp=4, run it on 4 threads and check it against the reference.
     Demo,

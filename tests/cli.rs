@@ -10,6 +10,21 @@ mod trace_events;
 use cli::{error_of, json_of, stdout_of, tempdir};
 
 #[test]
+fn the_demo_runs_the_programs_run_would_and_checks_them() {
+    // `./dev demo` is one of the README's two commands. Its programs are scheduled for overlap as
+    // `pleat run`'s are, so it reports the same peak as `run` on the same model and mesh (it ran
+    // the unscheduled programs once: 1.06 MiB against run's 1.47 MiB).
+    let demo = stdout_of(&["demo"]);
+    assert!(demo.contains("checked against the reference interpreter") && demo.ends_with(": ok\n"), "{demo}");
+    let peak = |text: &str, after: &str| -> String {
+        let rest = &text[text.find(after).unwrap_or_else(|| panic!("{after:?} in {text}")) + after.len()..];
+        rest.split_whitespace().take(2).collect::<Vec<_>>().join(" ").trim_end_matches(',').to_string()
+    };
+    let run = stdout_of(&["run", "tiny", "--mesh", "tp=4", "--batch", "8", "--seq", "64"]);
+    assert_eq!(peak(&demo, "peak "), peak(&run, "peak bytes a rank: "), "demo:\n{demo}\nrun:\n{run}");
+}
+
+#[test]
 fn run_reports_json_with_the_check() {
     let report =
         json_of(&["run", "tiny", "--mesh", "tp=4", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
