@@ -52,7 +52,7 @@ pub enum Error {
     // === Sharding ===
     /// A model dimension that a mesh axis must split evenly, and does not.
     #[error("{node}: {count} {what} are not divisible by {axis}={degree}; use {axis} in {{{}}}", join(valid))]
-    #[diagnostic(code(E0206), help("pick an axis degree from the listed divisors, or change the model size"))]
+    #[diagnostic(code(E0206), help("pick an axis degree from the listed divisors, or change the size that does not divide (--batch, --seq, or the model's)"))]
     Indivisible {
         /// The node (or model part) whose dim it is.
         node: String,
