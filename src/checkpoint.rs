@@ -210,17 +210,43 @@ fn read_blocks(dir: &Path, index: &Index) -> Result<BlockWeights> {
     Ok(state)
 }
 
-/// Reads the checkpoint in `dir` for `config`.
+/// Reads the checkpoint in `dir` for `config`: one saved from a model of the same configuration,
+/// whatever its name (its `config.json` is compared, not the name, which a copied config changes
+/// and an edited one keeps).
 pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
     let index = read_index(dir)?;
-    if index.model != config.name {
+    let path = dir.join("config.json");
+    let text = crate::text_file::read_text(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let saved = ModelConfig::from_json_str(&text, &path.display().to_string())?;
+    let differences = config_differences(&saved, config);
+    if !differences.is_empty() {
         bail!(UsageError::CheckpointOfAnotherModel {
             dir: dir.to_path_buf(),
             saved: index.model,
             model: config.name.clone(),
+            differences: differences.join(", "),
         });
     }
     Ok(Resume { steps: index.steps, state: read_blocks(dir, &index)? })
+}
+
+/// The `config.json` fields in which `saved` and `config` differ (their names aside), each as
+/// `field saved -> config`.
+fn config_differences(saved: &ModelConfig, config: &ModelConfig) -> Vec<String> {
+    let fields = |config: &ModelConfig| -> BTreeMap<String, serde_json::Value> {
+        let json: serde_json::Value = serde_json::from_str(&config.to_hf_json()).expect("to_hf_json writes JSON");
+        json.as_object().into_iter().flatten().map(|(key, value)| (key.clone(), value.clone())).collect()
+    };
+    let (saved, config) = (fields(saved), fields(config));
+    let keys: std::collections::BTreeSet<&String> = saved.keys().chain(config.keys()).collect();
+    let absent = serde_json::Value::Null;
+    keys.into_iter()
+        .filter(|key| key.as_str() != "_name_or_path")
+        .filter_map(|key| {
+            let (before, after) = (saved.get(key).unwrap_or(&absent), config.get(key).unwrap_or(&absent));
+            (before != after).then(|| format!("{key} {before} -> {after}"))
+        })
+        .collect()
 }
 
 /// The parameters of the checkpoint in `dir` (verified), as a weight source for any mesh.

@@ -220,8 +220,12 @@ pub enum UsageError {
         /// The hash index.json records.
         recorded: String,
     },
-    /// A checkpoint of another model than the run's.
-    #[error("{} holds a checkpoint of {saved}, not of {model}; resume with that model", .dir.display())]
+    /// A checkpoint of a model whose configuration differs from the run's.
+    #[error(
+        "{} holds a checkpoint of {saved}, whose config differs from {model}'s in {differences}; resume with the \
+         model it was saved from",
+        .dir.display()
+    )]
     #[diagnostic(
         code(E0542),
         help("pass the model the checkpoint was saved from, or --resume a checkpoint of this model")
@@ -233,6 +237,8 @@ pub enum UsageError {
         saved: String,
         /// The run's model.
         model: String,
+        /// The `config.json` fields that differ, `field saved -> run`.
+        differences: String,
     },
     /// A checkpoint index that is not JSON of the index format.
     #[error("{} is not a pleat checkpoint index: {reason}", .path.display())]

@@ -329,7 +329,25 @@ fn a_checkpoint_resumes_on_another_mesh_as_if_never_stopped() {
         json_of(&["run", &resumed, "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--check", "--format", "json"]);
     assert!(inference["max_abs_err"].as_f64().expect("checked") < 1e-4);
     let error = error_of(&["run", "llama2-7b", "--train", "--resume", &resumed]);
-    assert!(error.contains("holds a checkpoint of tiny, not of llama2-7b"), "{error}");
+    assert!(error.contains("holds a checkpoint of tiny, whose config differs from llama2-7b's in head_dim 16 -> 128"));
+    // The configuration decides, not the name: tiny's config under another name resumes, and
+    // tiny's name on a config with tied tables is refused (it resumed, dropping lm_head).
+    let config = |name: &str, edit: &dyn Fn(&mut Value)| -> String {
+        let mut json: Value = serde_json::from_str(
+            &std::fs::read_to_string(std::path::Path::new(&resumed).join("config.json")).expect("config"),
+        )
+        .expect("json");
+        edit(&mut json);
+        let dir = dir.join(name).join("tiny");
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("config.json"), json.to_string()).expect("write");
+        dir.join("config.json").to_str().expect("utf-8").to_string()
+    };
+    let renamed = config("renamed", &|json| json["_name_or_path"] = Value::from("my-tiny"));
+    json_of(&["run", &renamed, "--train", "--steps", "1", "--resume", &resumed, "--format", "json"]);
+    let tied = config("tied", &|json| json["tie_word_embeddings"] = Value::from(true));
+    let error = error_of(&["run", &tied, "--train", "--steps", "1", "--resume", &resumed]);
+    assert!(error.contains("differs from tiny's in tie_word_embeddings false -> true"), "{error}");
 }
 
 /// Every block of the checkpoint in `dir`, read by following its `index.json` (format 2).
