@@ -83,7 +83,7 @@ pub enum Format {
 pub struct RunArgs {
     /// A preset name, a config.json, a model directory (config.json + weights), or a compiled directory.
     pub model: String,
-    /// The device mesh, e.g. `tp=4` or `dp=2,tp=2` (ignored for a compiled directory).
+    /// The device mesh, e.g. `tp=4` or `dp=2,tp=2` (a compiled directory's own, if given).
     #[arg(long, default_value = "")]
     pub mesh: String,
     /// How to use the mesh's axes (`tp-sp` adds sequence parallelism to tp).
@@ -164,12 +164,25 @@ impl RunArgs {
         (batch, seq)
     }
 
-    /// Refuses `--batch` or `--seq` other than a compiled directory's.
-    pub fn check_sizes_against(&self, batch: u64, seq: u64) -> Result<()> {
-        for (flag, given, planned) in [("--batch", self.batch, batch), ("--seq", self.seq, seq)] {
-            if given.is_some_and(|given| given != planned) {
-                bail!(UsageError::DiffersFromPlan { flag, given: given.unwrap_or(0), planned });
+    /// Refuses `--mesh`, `--strategy`, `--batch` or `--seq` other than a compiled directory's
+    /// `plan`: the directory's programs are what runs.
+    pub fn check_against_plan(&self, plan: &crate::compiled_dir::PlanFile) -> Result<()> {
+        let differs =
+            |flag: &'static str, given: String, planned: String| UsageError::DiffersFromPlan { flag, given, planned };
+        for (flag, given, planned) in [("--batch", self.batch, plan.batch), ("--seq", self.seq, plan.seq)] {
+            if let Some(given) = given.filter(|&given| given != planned) {
+                bail!(differs(flag, given.to_string(), planned.to_string()));
             }
+        }
+        if !self.mesh.trim().is_empty() {
+            // Axes of size 1 change no program.
+            let given = Mesh::parse(&self.mesh)?.without_unit_axes();
+            if given.to_string() != Mesh::parse(&plan.mesh)?.without_unit_axes().to_string() {
+                bail!(differs("--mesh", self.mesh.clone(), plan.mesh.clone()));
+            }
+        }
+        if self.strategy != Strategy::Auto && self.strategy.name() != plan.strategy {
+            bail!(differs("--strategy", self.strategy.name().to_string(), plan.strategy.clone()));
         }
         Ok(())
     }
@@ -313,7 +326,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             if !cuda && native.iter().all(Option::is_none) {
                 executables = crate::exe::executables(&dir, &programs)?.map(|paths| (dir.clone(), paths));
             }
-            args.check_sizes_against(plan.batch, plan.seq)?;
+            args.check_against_plan(&plan)?;
             (config, programs, plan.mesh, args.weights.clone(), plan.batch, plan.seq)
         }
         ModelSource::Config { config, weights } => {

@@ -36,7 +36,7 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
             }
             let plan = CompiledDir::read_forward(&dir)?.plan;
-            args.check_sizes_against(plan.batch, plan.seq)?;
+            args.check_against_plan(&plan)?;
             (dir, args.weights.clone(), plan.ranks, plan.batch, plan.seq)
         }
         ModelSource::Config { config, weights } => {

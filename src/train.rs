@@ -620,7 +620,7 @@ impl TrainingTarget {
         let mut compiled = crate::compiled_dir::read_compiled(dir)?;
         let plan = compiled.expect_training(dir)?.clone();
         args.training.plan.check_against(dir, &plan)?;
-        args.check_sizes_against(compiled.plan.batch, compiled.plan.seq)?;
+        args.check_against_plan(&compiled.plan)?;
         let config = compiled.config;
         let cuda = match args.device {
             Device::Cuda => Some(crate::device::CudaTrainer::open(&mut compiled.programs, Some(dir))?),

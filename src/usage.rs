@@ -311,14 +311,17 @@ pub enum UsageError {
     },
     /// A flag that contradicts the compiled plan.
     #[error("{flag} {given} differs from the compiled plan's {planned}; recompile, or drop {flag}")]
-    #[diagnostic(code(E0707), help("a compiled directory fixes batch and seq; recompile to change them"))]
+    #[diagnostic(
+        code(E0707),
+        help("a compiled directory fixes its mesh, strategy, batch and seq; recompile to change them")
+    )]
     DiffersFromPlan {
         /// The flag.
         flag: &'static str,
         /// Its value.
-        given: u64,
+        given: String,
         /// The plan's value.
-        planned: u64,
+        planned: String,
     },
     /// `--precision` given with a compiled directory, whose programs fixed their dtypes.
     #[error("--precision cannot change {dir}: a compiled directory runs in the dtype it was compiled with")]

@@ -360,6 +360,9 @@ fn compiled_directories() {
         case(&["run", &path_str(&version)], "E0520", "plan format 999"),
         case(&["run", &path_str(&garbled)], "E0523", "is not a pleat plan"),
         case(&["run", &compiled, "--seq", "16"], "E0707", "--seq 16 differs from the compiled plan's 8"),
+        // The directory's programs run: another mesh or strategy is refused, not ignored.
+        case(&["run", &compiled, "--mesh", "dp=2"], "E0707", "--mesh dp=2 differs from the compiled plan's tp=2"),
+        case(&["run", &compiled, "--strategy", "tp-sp"], "E0707", "--strategy tp-sp differs from the compiled plan's"),
         case(&["run", &compiled, "--precision", "bf16"], "E0780", "runs in the dtype it was compiled with"),
         case(&["explain", &compiled, "--mesh", "tp=2"], "E0702", "is a compiled directory"),
     ];
