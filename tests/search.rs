@@ -144,6 +144,9 @@ fn a_searched_plan_compiles_into_the_training_step_it_chose() {
 fn bad_searches_are_clear_errors() {
     let message = error_of(&["search", "tsp-7b", "--gpus", "8", "--mem-cap", "0.001"]);
     assert!(message.contains("no plan of 8 GPUs fits in 0.0 GB a GPU"), "{message}");
+    // Where no layout divides, raising the cap cannot help: the error says what does.
+    let message = error_of(&["search", "tiny", "--gpus", "1024", "--global-batch", "1", "--seq", "16"]);
+    assert!(message.starts_with("error[E0236]: no layout of 1024 GPUs divides the model and the batch"), "{message}");
     let message = error_of(&["search", "tsp-7b", "--gpus", "0"]);
     assert!(message.contains("--gpus 0: give at least 1"), "{message}");
     let dir = tempdir("search-errors");

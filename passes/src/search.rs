@@ -128,8 +128,8 @@ pub enum SearchError {
     },
     /// No plan fits.
     #[error(
-        "no plan of {gpus} GPUs fits in {cap_gb:.1} GB a GPU ({costed} costed, {over_memory} over the cap, \
-         {indivisible} indivisible layouts); add GPUs, raise --mem-cap, or shorten --seq"
+        "no plan of {gpus} GPUs fits in {cap_gb:.1} GB a GPU: {costed} costed, {over_memory} over the cap, \
+         {pruned} skipped as surely over it, {indivisible} indivisible layouts"
     )]
     #[diagnostic(code(E0241), help("add GPUs, raise --mem-cap, or shorten --seq"))]
     NothingFits {
@@ -141,6 +141,23 @@ pub enum SearchError {
         costed: u64,
         /// Over the cap.
         over_memory: u64,
+        /// Plans not costed: larger micro-batches of a setting already over the cap.
+        pruned: u64,
+        /// Indivisible layouts.
+        indivisible: u64,
+    },
+    /// No layout of the GPUs divides the model and the batch: memory is not what stops them.
+    #[error(
+        "no layout of {gpus} GPUs divides the model and the batch ({indivisible} tried, each with a size an \
+         axis does not divide: heads, layers, experts, the sequence or --global-batch)"
+    )]
+    #[diagnostic(
+        code(E0236),
+        help("use a GPU count whose factors divide the model's heads and layers, a longer --seq, or a larger --global-batch")
+    )]
+    NoLayoutDivides {
+        /// GPUs.
+        gpus: u64,
         /// Indivisible layouts.
         indivisible: u64,
     },
@@ -309,12 +326,16 @@ pub fn search(model: &ModelShape, hw: &HardwareSpec, space: &SearchSpace) -> Res
             }
         }
     }
+    if outcome.plans.is_empty() && outcome.over_memory == 0 && outcome.pruned == 0 {
+        return Err(SearchError::NoLayoutDivides { gpus: space.gpus, indivisible: outcome.indivisible });
+    }
     if outcome.plans.is_empty() {
         return Err(SearchError::NothingFits {
             gpus: space.gpus,
             cap_gb: space.mem_cap_bytes / 1e9,
             costed: outcome.costed,
             over_memory: outcome.over_memory,
+            pruned: outcome.pruned,
             indivisible: outcome.indivisible,
         });
     }
