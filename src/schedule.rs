@@ -171,7 +171,8 @@ pub fn schedule_text(kind: ScheduleKind, stages: u32, micro_batches: u32) -> Res
     let peaks: Vec<String> =
         timeline.peak_in_flight.iter().enumerate().map(|(stage, peak)| format!("stage {stage}: {peak}")).collect();
     let unit = if timeline.chunks > 1 { "(micro-batch, chunk) pairs" } else { "micro-batches" };
-    out.push_str(&format!("peak in flight ({unit} forwarded, not yet backward): {}\n", peaks.join(", ")));
+    let until = if kind == ScheduleKind::ZeroBubbleH1 { "weight gradient not yet run" } else { "not yet backward" };
+    out.push_str(&format!("peak in flight ({unit} forwarded, {until}): {}\n", peaks.join(", ")));
     Ok(out)
 }
 

@@ -1,5 +1,9 @@
 //! The memory planner against the executor and the closed form, for training steps of `tiny`.
 //!
+//! (Zero bubble: ZB-H1 runs a due `W` right after its `B`, before the next forward. Several
+//! forward points the sweeps below found while it ran that forward first no longer peak on their
+//! layouts; they stay modelled, and those stages stay exact.)
+//!
 //! For the training step on tp=2, tp=2 with Megatron SP, dp=2 with ZeRO 0 to 3, tsp=2, cp=2,
 //! dp=2×tp=2 (with and without SP, ZeRO 0, 2 and 3), each also with selective and with full
 //! recomputation, and for pipelined steps (a four-layer `tiny` on pp=2 and pp=4 under GPipe and
@@ -1587,7 +1591,6 @@ fn stages_whose_router_and_experts_zero_keeps_whole_equal_the_planners_peak() {
     let names = exact_with_params_kept_whole(&cases);
     for name in [
         "first layer's last expert gradient joins its sum, its unreduced copy live",
-        "the last layer's v projection in a forward",
         "the last layer's expert gradients made, before their all-reduce",
         "first layer's o gradient reduced to this rank, the first owner",
         "first layer's expert gradients made beside their weights gathered again",
@@ -1653,7 +1656,6 @@ fn stages_whose_vocabulary_tables_zero_keeps_whole_equal_the_planners_peak() {
     for name in [
         "tail of a backward",
         "the LM head's weight gradient joins its sum",
-        "the LM head's weight gradient in W",
         "the final norm's output regathered for the LM head's gradient",
         "the final norm's output recomputed and gathered in W",
     ] {
@@ -1717,11 +1719,9 @@ fn stage_closed_form_is_exact_where_a_sweep_found_it_below_the_planner() {
     ];
     let points = [
         "first layer's attention norm output's gradients from v and k",
-        "the last layer's down projection in a forward",
         "the last layer's down gradient in W",
         "the LM head's weight gradient joins its sum",
         "the LM head's weight gradient reduce-scattered",
-        "every token's embedding reduce-scattered over tsp in a forward",
         "the loss's backward in B",
         "the last layer's down gradient joins its sum in W",
     ];
@@ -1784,13 +1784,7 @@ fn stage_closed_form_is_exact_where_a_second_sweep_found_it_off_the_planner() {
     let points = [
         "first layer's o gradient joins its sum",
         "the last layer's o gradient joins its sum in W",
-        "the last layer's o gradient made in W, beside what it reads",
-        "the last layer's q gradient joins its sum in W, its unreduced copy live",
         "the last layer's q gradient joins its sum in W",
-        "every token's logits made in a forward",
-        "the embedding table gathered in a forward",
-        "the LM head's weight gathered in a forward",
-        "the last layer's experts gathered in a forward",
         "every token's logits gathered in a forward",
         "first layer's o gradient reduce-scattered, its attention regathered",
     ];
@@ -1878,12 +1872,9 @@ fn stage_closed_form_is_exact_where_a_third_sweep_found_it_off_the_planner() {
         (&tied, "pp=2,tsp=2,dp=4", zero_bubble, 4, 2, full, false, 32),
     ];
     let points = [
-        "the last layer's MLP output reduce-scattered in a forward",
-        "the final norm in a forward",
         "the last layer's experts' backward dispatched",
         "the last layer's attention norm output's gradients from v and k",
         "the last layer's attention backward",
-        "the loss's row statistics all-gathered over tp in a forward",
         "first layer's o gradient made, its attention regathered",
         "the last layer's up gradient reduce-scattered",
     ];
@@ -1930,8 +1921,6 @@ fn stage_closed_form_is_exact_where_a_sixth_sweep_found_it_off_the_planner() {
     ];
     let points = [
         "first layer's gate gradient joins its sum",
-        "the last layer's routed experts in a forward",
-        "the last layer's shared expert's output scaled in a forward",
         "first layer's expert gradient joins its sum",
         "the last layer's expert gradient joins its sum",
         "first layer's MLP norm output's gradients summed",
@@ -2469,7 +2458,6 @@ fn experts_on_tsp_stage_closed_form_equals_the_planners_peak() {
         "the last layer's attention kernel backward: the last owner's v gradient",
         "first layer's o gradient reduced to this rank, its owner",
         "tail of a backward",
-        "the last layer's experts dispatched in a forward",
         "first layer's experts' backward dispatched in B",
         "the embedding output's gradient gathered in B",
     ] {
@@ -2603,7 +2591,6 @@ fn shared_expert_on_tsp_stage_closed_form_equals_the_planners_peak() {
         "first layer's shared expert ring backward: a weight gradient made, unreduced",
         "the last layer's shared expert ring backward: gate's output gradient",
         "first layer's experts' backward dispatched",
-        "the last layer's shared expert ring: the SiLU product in a forward",
     ] {
         assert!(names.contains(name), "{name}: {names:?}");
     }
@@ -2692,14 +2679,8 @@ fn mixture_stage_closed_form_equals_the_planners_peak_on_more_tokens() {
             "the LM head's weight gradient in W",
             "the last layer's down gradient joins its sum in W",
             "the last layer's down gradient in W",
-            "the last layer's output in a forward",
-            "the last layer's routed and shared experts' outputs summed in a forward",
-            "the last layer's shared expert's product in a forward",
-            "the last layer's shared expert's down output in a forward",
             "every token's logits gathered in a forward",
             "the last layer's q gradient joins its sum in W",
-            "the last layer's routed experts' output all-reduced over tp in a forward",
-            "the last layer's attention in a forward",
         ],
     );
     // Most zero-bubble stages are exact to the byte (2418 of 2430 when this was written; 2230
@@ -3914,7 +3895,8 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // summed, the layer's MLP inputs and output gradients kept for W), at the head of a W (as the
     // LM head's, or another chunk's last down projection's, weight gradient is made or joins its
     // sum; beside a tied table the head's part of it made, sent back and held by the first stage)
-    // or in a forward (as its last layer's output is made); on the last stage also as B begins
+    // or, while ZB-H1 ran a forward before a due W, in a forward (as its last layer's output is
+    // made; modelled still, no longer a peak here); on the last stage also as B begins
     // with the loss's backward, all the micro-batch's forward kept beside the logits' gradient.
     // At the head of a W on a chunk but the last, after down's, up's and gate's weight gradients
     // join their sums (beside dp or cp each all-reduced first), what they read freed as they go;
@@ -4000,11 +3982,11 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
     // the LM head's gradient joins its sum after cp's all-reduce, until that point freed the
     // logits' gradient W read, the rank's tokens', rather than every token's logits).
     tally_stage_closed_forms(&configs, &[layout("pp=2,tp=4,cp=2", 2, true, 0)], 0.98);
-    // Four micro-batches under ZeRO-2 and 3 peak in a forward beside the sums' shards (13% below
-    // on tsp, 3% beside dp, before forwards were modelled under ZeRO; 1.9% beside dp=4 × tp=2
-    // until they held the k and v sums ZeRO keeps whole, and the up projection's output beside
-    // its weight gathered under full recomputation): within 0.1%, 752 of 756 stages exact when
-    // this was written.
+    // Four micro-batches under ZeRO-2 and 3 peak beside the sums' shards as W reduce-scatters a
+    // gradient (in a forward while a forward ran before a due W: 13% below on tsp, 3% beside dp,
+    // before forwards were modelled under ZeRO; 1.9% beside dp=4 × tp=2 until they held the k and
+    // v sums ZeRO keeps whole, and the up projection's output beside its weight gathered under
+    // full recomputation): within 0.1%, 752 of 756 stages exact when this was written.
     let four_micro_batches =
         [("pp=2,dp=2", 2), ("pp=2,dp=2", 3), ("pp=2,dp=4,tp=2", 3), ("pp=2,cp=2", 3)].map(|(mesh, zero_stage)| {
             let zero_bubble = ScheduleKind::ZeroBubbleH1;
@@ -4012,7 +3994,13 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
         });
     let (zero_stages, zero_exact, zero_exact_at) = tally_stage_closed_forms(&configs, &four_micro_batches, 0.999);
     assert!(20 * zero_exact >= 19 * zero_stages, "{zero_exact} of {zero_stages} exact");
-    assert_each_is_a_peak(&zero_exact_at, &["the last layer's up projection in a forward"]);
+    assert_each_is_a_peak(
+        &zero_exact_at,
+        &[
+            "the last layer's down gradient reduce-scattered in W",
+            "the LM head's weight gradient reduce-scattered in W",
+        ],
+    );
     assert_each_is_a_peak(
         &exact_at,
         &[
@@ -4022,8 +4010,6 @@ fn zero_bubble_dense_stage_closed_form_on_more_tokens() {
             "the LM head's weight gradient joins its sum in W",
             "the last layer's down gradient in W",
             "the last layer's down gradient joins its sum in W",
-            "the last layer's output in a forward",
-            "the last layer's SiLU product in a forward",
             "the LM head's part of the tied table's gradient is made in W",
             "the loss's backward in B",
             "the LM head's weight gradient reduce-scattered in W",
@@ -4071,7 +4057,6 @@ fn mixture_stage_closed_form_under_sequence_parallelism_on_more_tokens() {
         &exact_at,
         &[
             "the last layer's routed experts' input gradient all-reduced over tp",
-            "the last layer's MLP output reduce-scattered in a forward",
             "first layer's routed experts' input gradient all-reduced over tp in B",
         ],
     );
@@ -4131,7 +4116,6 @@ fn shared_expert_stage_closed_form_under_sequence_parallelism() {
             "the last layer's shared expert's up input gradient all-reduced over tp",
             "first layer's shared expert's up input gradient all-reduced over tp",
             "first layer's shared expert's gate output gradient in B",
-            "the last layer's shared expert's output scaled in a forward",
             "first layer's shared expert's gate gradient joins its sum",
             "the last layer's down gradient reduce-scattered in W",
         ],
@@ -4382,8 +4366,9 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
         ("pp=2,dp=2,tsp=2", 2),
     ]
     .map(|(mesh, micro_batches)| PipelinedLayout::new(mesh, ScheduleKind::ZeroBubbleH1, micro_batches));
-    // Under ZeRO-2 and 3 beside dp too, where four micro-batches peak in a forward beside the
-    // sums' shards, under ZeRO-3 the ring's weights gathered over dp for it (13% below before).
+    // Under ZeRO-2 and 3 beside dp too, where four micro-batches peaked in a forward beside the
+    // sums' shards while ZB-H1 ran a forward before a due W, under ZeRO-3 the ring's weights
+    // gathered over dp for it (13% below before).
     let zero = [2, 3].map(|zero_stage| {
         let zero_bubble = ScheduleKind::ZeroBubbleH1;
         PipelinedLayout::one_sequence_a_micro_batch(
@@ -4405,11 +4390,7 @@ fn zero_bubble_tsp_stage_closed_form_on_more_tokens() {
             "first layer's MLP ring backward: a weight gradient joins its sum",
             "first layer's MLP ring backward: a contribution joins the partial gradient received",
             "first layer's MLP ring backward: the down contribution from the SiLU product",
-            "the last layer's MLP ring: the SiLU product in a forward",
-            "the last layer's MLP ring: the next shard received in a forward",
-            "the last layer's MLP ring: the output's parts summed in a forward",
             "the LM head's weight gradient in W",
-            "every token's logits reordered in a forward",
             "the embedding output's gradient gathered in B",
             "the LM head's weight gradient joins its sum in W",
             "the LM head's input gradient reduce-scattered in B",
@@ -4812,15 +4793,14 @@ fn mixture_stage_closed_form_on_more_tokens() {
 
 #[test]
 fn zero_bubble_mixture_stage_closed_form_under_zero_on_more_tokens() {
-    // Under zero bubble with four micro-batches a mixture's stage peaks in a forward beside the
-    // micro-batches between their B and W: as its last layer's routed experts run (over ep their
-    // dispatch's copy of its operands, else their output being made), under ZeRO-3 beside the
-    // router and the experts gathered for them; under ZeRO-2 and 3 the running sums are the rank's
-    // shards; on the last stage also as every token's logits are made, every layer's statistics
-    // live (under full recomputation beside the final norm's buffers, under ZeRO-3 the LM head's
-    // weight gathered). tiny-moe and a narrow shared expert, four layers, beside dp (ZeRO-2 and
-    // 3), dp × tp, ep and cp (ZeRO-3), each recomputation, 64 to 1024 tokens: exact on every stage
-    // (up to 10% below before forwards were modelled under ZeRO-2 and 3).
+    // Under zero bubble with four micro-batches a mixture's stage under ZeRO-2 and 3 peaks in B, as
+    // its first layer's expert gradients are made beside their weights gathered again or join
+    // their sums (the running sums the rank's shards), or in W as the LM head's gradient is
+    // reduce-scattered. (While ZB-H1 ran a forward before a due W it peaked in that forward, beside
+    // the micro-batches between their B and W: as its last layer's routed experts ran, every
+    // layer's statistics live; those points are modelled still.) tiny-moe and a narrow shared
+    // expert, four layers, beside dp (ZeRO-2 and 3), dp × tp, ep and cp (ZeRO-3), each
+    // recomputation, 64 to 1024 tokens.
     let mixtures = four_layer_mixtures();
     let layouts = [("pp=2,dp=2", 2), ("pp=2,dp=2", 3), ("pp=2,dp=2,tp=2", 3), ("pp=2,ep=2", 3), ("pp=2,cp=2", 3)].map(
         |(mesh, zero_stage)| {
@@ -4828,14 +4808,19 @@ fn zero_bubble_mixture_stage_closed_form_under_zero_on_more_tokens() {
             PipelinedLayout::one_sequence_a_micro_batch(mesh, zero_bubble, 4, zero_stage, Recompute::None, false)
         },
     );
-    // (A bound of 1: exact on every stage.)
-    let (_, _, exact_at) = tally_stage_closed_forms(&[&mixtures[0], &mixtures[1]], &layouts, 1.0);
+    // Exact on every stage but one point not modelled: over ep under ZeRO-3 with selective
+    // recomputation, B on the first stage may peak as its first layer's q input gradient is made,
+    // q's weight gathered again for the recomputed q still live (0.5% below, the shared expert at
+    // ep=2 on 64 tokens; it stayed under a forward's peak while ZB-H1 ran a forward before a due
+    // W).
+    let (stages, exact, exact_at) = tally_stage_closed_forms(&[&mixtures[0], &mixtures[1]], &layouts, 0.995);
+    assert!(stages - exact <= 2, "{exact} of {stages} exact");
     assert_each_is_a_peak(
         &exact_at,
         &[
-            "the last layer's routed experts in a forward",
-            "the last layer's experts dispatched in a forward",
-            "every token's logits made in a forward",
+            "first layer's expert gradients made beside their weights gathered again in B",
+            "first layer's expert gradient joins its sum in B",
+            "the LM head's weight gradient reduce-scattered in W",
         ],
     );
 }

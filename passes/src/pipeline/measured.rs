@@ -5,8 +5,7 @@
 //! durations, the makespan runs from the earliest start (time 0) to the latest end, idle time is
 //! the rest, and the bubble is the makespan less the busiest stage's busy time.
 
-use crate::pipeline::schedule::Phase;
-use crate::pipeline::simulate::{StepCosts, TimedStep, Timeline};
+use crate::pipeline::simulate::{peak_in_flight, StepCosts, TimedStep, Timeline};
 
 /// The timeline of measured steps: `per_stage[s]` stage `s`'s steps with their start and end in
 /// any one unit, in the order it ran them.
@@ -23,21 +22,7 @@ pub fn measured_timeline(mut per_stage: Vec<Vec<TimedStep>>, micro_batches: u32,
     let idle = busy.iter().map(|busy| makespan - busy).collect();
     let ideal_compute = busy.iter().copied().fold(0.0, f64::max);
     let bubble = makespan - ideal_compute;
-    let peak_in_flight = per_stage
-        .iter()
-        .map(|steps| {
-            let (mut held, mut peak) = (0_u32, 0_u32);
-            for timed in steps {
-                match timed.step.phase {
-                    Phase::Forward => held += 1,
-                    Phase::Backward | Phase::BackwardInput => held = held.saturating_sub(1),
-                    Phase::BackwardWeight => {}
-                }
-                peak = peak.max(held);
-            }
-            peak
-        })
-        .collect();
+    let peak_in_flight = per_stage.iter().map(|steps| peak_in_flight(steps.iter().map(|timed| &timed.step))).collect();
     Timeline {
         stages: per_stage.len() as u32,
         chunks,
@@ -67,7 +52,7 @@ pub fn drawing_costs(timeline: &Timeline, columns: usize) -> StepCosts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::schedule::Step;
+    use crate::pipeline::schedule::{Phase, Step};
 
     fn timed(micro_batch: u32, phase: Phase, start: f64, end: f64) -> TimedStep {
         TimedStep { step: Step::new(micro_batch, phase), start, end }

@@ -13,8 +13,11 @@
 //!   backwards, with each backward split into its input-gradient part `B` (on the critical path) and
 //!   its weight-gradient part `W` (not needed by any other stage). Stage `s` defers its `W`s by `s`
 //!   backwards, so the last stages, which wait longest at the end of 1F1B, fill that wait with `W`s
-//!   while their `B`s hurry upstream. The forwards in flight are 1F1B's, so the peak activation memory
-//!   is 1F1B's.
+//!   while their `B`s hurry upstream. A `W` that is due runs right after its `B`, before the next
+//!   forward (1F-1B-1W, as sail-sg's Megatron pops its weight-gradient store after each backward),
+//!   so a micro-batch releases what its `W` reads before the next one is forwarded: the first stage
+//!   holds `min(p, m)` micro-batches at once, 1F1B's peak, and a later stage, whose `B`s release
+//!   early but whose `W`s wait, holds as many, never more.
 //!
 //! Guarantees: [`Schedule::build`] returns, for every valid input, a schedule in which every
 //! micro-batch appears exactly once per phase per virtual stage, in an order that completes.
@@ -259,29 +262,18 @@ fn interleaved(stages: u32, stage: u32, micro_batches: u32, chunks: u32) -> Vec<
 }
 
 fn zero_bubble_h1(stages: u32, stage: u32, micro_batches: u32) -> Vec<Step> {
-    let order = one_f_one_b(stages, stage, micro_batches);
-    // The W of a micro-batch waits until `stage` more backwards have run; the Ws still pending
-    // after the last backward close the list.
+    // The W of a micro-batch waits until `stage` more backwards have run, and then runs right after
+    // the B that releases it, before the next forward; the Ws still pending after the last backward
+    // close the list.
     let lag = stage;
-    let mut steps = Vec::with_capacity(order.len() + micro_batches as usize);
+    let mut steps = Vec::with_capacity(3 * micro_batches as usize);
     let mut next_weight = 0;
-    let mut position = 0;
-    while position < order.len() {
-        let step = order[position];
-        position += 1;
+    for step in one_f_one_b(stages, stage, micro_batches) {
         if step.phase != Phase::Backward {
             steps.push(step);
             continue;
         }
         steps.push(Step::new(step.micro_batch, Phase::BackwardInput));
-        // In the steady state the forward that follows a backward goes first: the next stage is
-        // waiting for it, and W is the filler.
-        if let Some(&following) = order.get(position) {
-            if following.phase == Phase::Forward {
-                steps.push(following);
-                position += 1;
-            }
-        }
         if step.micro_batch >= lag {
             steps.push(Step::new(next_weight, Phase::BackwardWeight));
             next_weight += 1;
@@ -323,9 +315,10 @@ mod tests {
     #[test]
     fn zero_bubble_h1_defers_weights_by_the_stage_index() {
         let schedule = Schedule::build(ScheduleKind::ZeroBubbleH1, 4, 6).unwrap();
-        // The first stage keeps W right behind its B; the last one defers three.
-        assert_eq!(letters(&schedule.per_stage[0]), "F0 F1 F2 F3 B0 F4 W0 B1 F5 W1 B2 W2 B3 W3 B4 W4 B5 W5");
-        assert_eq!(letters(&schedule.per_stage[3]), "F0 B0 F1 B1 F2 B2 F3 B3 F4 W0 B4 F5 W1 B5 W2 W3 W4 W5");
+        // The first stage keeps W right behind its B, before the next forward (1F-1B-1W); the last
+        // one defers three.
+        assert_eq!(letters(&schedule.per_stage[0]), "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5");
+        assert_eq!(letters(&schedule.per_stage[3]), "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5");
     }
 
     #[test]

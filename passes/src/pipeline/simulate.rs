@@ -98,7 +98,8 @@ pub struct Timeline {
     /// `bubble / makespan`: the bubble's share of the step, `(p-1)/(m+p-1)` for 1F1B.
     pub bubble_share: f64,
     /// `peak_in_flight[s]`: the most (micro-batch, chunk) pairs stage `s` has forwarded and not yet
-    /// run the backward (or its input part) of: the activations it holds at once.
+    /// finished the backward of (its whole backward, or under zero bubble its `W`, as a micro-batch
+    /// between its `B` and `W` still holds what `W` reads): the activations it holds at once.
     pub peak_in_flight: Vec<u32>,
 }
 
@@ -269,7 +270,7 @@ pub fn simulate(schedule: &Schedule, costs: &StepCosts) -> Result<Timeline> {
     let ideal_compute = busy.iter().copied().fold(0.0, f64::max);
     let bubble = makespan - ideal_compute;
     let ratio = |numerator: f64, denominator: f64| if denominator > 0.0 { numerator / denominator } else { 0.0 };
-    let peak_in_flight = schedule.per_stage.iter().map(|steps| peak_in_flight(steps)).collect();
+    let peak_in_flight = schedule.per_stage.iter().map(peak_in_flight).collect();
     Ok(Timeline {
         stages,
         chunks,
@@ -286,16 +287,17 @@ pub fn simulate(schedule: &Schedule, costs: &StepCosts) -> Result<Timeline> {
     })
 }
 
-/// The most forwards not yet followed by their backward (or its input part), in list order: a rank
-/// runs its steps one at a time, so this does not depend on the costs.
-fn peak_in_flight(steps: &[Step]) -> u32 {
+/// The most forwards not yet followed by the step that finishes their backward (the whole backward,
+/// or its weight part `W`), in list order: a rank runs its steps one at a time, so this does not
+/// depend on the costs.
+pub(crate) fn peak_in_flight<'a>(steps: impl IntoIterator<Item = &'a Step>) -> u32 {
     let mut in_flight: u32 = 0;
     let mut peak = 0;
     for step in steps {
         match step.phase {
             Phase::Forward => in_flight += 1,
-            Phase::Backward | Phase::BackwardInput => in_flight = in_flight.saturating_sub(1),
-            Phase::BackwardWeight => {}
+            Phase::Backward | Phase::BackwardWeight => in_flight = in_flight.saturating_sub(1),
+            Phase::BackwardInput => {}
         }
         peak = peak.max(in_flight);
     }
@@ -380,8 +382,11 @@ mod tests {
                     "p={stages} m={micro_batches}: {} vs {closed}",
                     zero_bubble.bubble_over_compute
                 );
-                // And its memory is 1F1B's.
-                assert_eq!(zero_bubble.peak_in_flight, one_f_one_b.peak_in_flight);
+                // And its memory is 1F1B's: the first stage holds 1F1B's min(p, m) micro-batches, and
+                // a later one, whose Ws wait, as many (counted until their W), never more.
+                let first = one_f_one_b.peak_in_flight[0];
+                assert_eq!(first, stages.min(micro_batches));
+                assert_eq!(zero_bubble.peak_in_flight, vec![first; stages as usize], "p={stages} m={micro_batches}");
             }
         }
     }
