@@ -265,7 +265,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
     let values: Vec<_> = value_layouts(module, &prefix).into_iter().filter(|layout| selected(&layout.name)).collect();
     let collectives: Vec<_> = all
         .iter()
-        .filter(|reason| args.value.is_some() || reason.name.starts_with(&prefix) || !reason.name.starts_with("layer"))
+        .filter(|reason| args.value.is_some() || reason.layer.is_none_or(|layer| layer == args.layer))
         .filter(|reason| selected(&reason.name))
         .collect();
     if let Some(value) = &args.value {

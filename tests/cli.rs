@@ -344,6 +344,37 @@ fn explain_gives_each_collective_its_reason() {
 }
 
 #[test]
+fn explain_shows_the_model_ends_gathers_and_a_rings_every_hop() {
+    // Under SP the residual stream is gathered before the final norm for the LM head: named after
+    // the last layer's output, it serves the model's end, and every layer's view shows it (it was
+    // shown with --layer 1 only, and said the norm multiplies by a split weight).
+    let args = ["explain", "tiny", "--mesh", "tp=2", "--strategy", "tp-sp", "--seq", "16", "--batch", "2"];
+    let collectives = |layer: &str| -> Vec<serde_json::Value> {
+        let report = json_of(&[&args[..], &["--layer", layer, "--format", "json"]].concat());
+        report["collectives"].as_array().expect("collectives").clone()
+    };
+    let (first, last) = (collectives("0"), collectives("1"));
+    assert_eq!(first.len(), last.len());
+    let end = first.iter().find(|entry| entry["name"] == "layer1.mlp_residual.all_gather").expect("the end's gather");
+    assert!(end["reason"].as_str().unwrap().contains("final_norm (rms_norm) runs on it whole and lm_head"), "{end}");
+    // tsp=4: a rank sends its gate, up and down shards (3·128·256/4 f32) on 3 hops.
+    let ring = json_of(&[
+        "explain",
+        "tiny",
+        "--mesh",
+        "tsp=4",
+        "--seq",
+        "16",
+        "--value",
+        "layer0.mlp_ring",
+        "--format",
+        "json",
+    ]);
+    let ring = &ring["collectives"][0];
+    assert_eq!(ring["bytes_per_rank"], 3 * (3 * 128 * 256 / 4 * 4));
+}
+
+#[test]
 fn explain_proof_names_the_rules_that_replace_the_o_proj_all_reduce() {
     let args = ["explain", "tiny", "--mesh", "tp=2", "--seq", "16", "--strategy", "tp-sp", "--proof"];
     let text = stdout_of(&[&args[..], &["layer0.attn_residual"]].concat());

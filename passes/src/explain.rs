@@ -21,8 +21,13 @@ pub struct CollectiveReason {
     pub axis: String,
     /// The dim it splits or gathers, if any.
     pub dim: Option<String>,
-    /// Bytes of the local block it starts from, on every rank (the message size).
+    /// Bytes of the local block it starts from, on every rank (the message size); for a ring, the
+    /// blocks of every hop (what the rank sends around it).
     pub bytes_per_rank: u64,
+    /// The layer it belongs to (by its name), or `None` at the model's ends: a collective named
+    /// after a layer's output whose users are all outside the layers (the gather before the final
+    /// norm) is the model end's.
+    pub layer: Option<u64>,
     /// The sharding rule that calls for it, kebab-case.
     pub rule: &'static str,
     /// Why, in words.
@@ -61,6 +66,31 @@ fn users_text(graph: &Graph, value: ValueId) -> String {
     } else {
         users.join(", ")
     }
+}
+
+/// The layer `node` belongs to by its name (`layer3.` is 3), unless every user of its result is
+/// outside the layers: then it serves the model's end.
+fn layer_of(graph: &Graph, node: NodeId) -> Option<u64> {
+    let layer = |name: &str| -> Option<u64> { name.strip_prefix("layer")?.split('.').next()?.parse().ok() };
+    let own = layer(&graph.node(node).name)?;
+    let users = graph.users(graph.node(node).result);
+    let serves_a_layer = users.is_empty() || users.iter().any(|&user| layer(&graph.node(user).name).is_some());
+    serves_a_layer.then_some(own)
+}
+
+/// The first matmul `value` flows into through one-user elementwise and norm steps (a norm before
+/// the LM head, say), if any.
+fn matmul_downstream(graph: &Graph, value: ValueId) -> Option<NodeId> {
+    let mut current = value;
+    for _ in 0..8 {
+        let users = graph.users(current);
+        let &[user] = users.as_slice() else { return None };
+        if matches!(graph.node(user).op, Op::MatMul { .. }) {
+            return Some(user);
+        }
+        current = graph.node(user).result;
+    }
+    None
 }
 
 /// Whether `value` reaches a graph output through layout-only steps (gathers, zigzag).
@@ -142,10 +172,24 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
                         format!("{input_name} is split on {dim} over {axis}; attention needs every key and value of the sequence for its local queries"),
                     )
                 } else {
+                    // A norm may come first (the final norm before the LM head): name the matmul.
+                    let multiplies = match graph.users(data.result).as_slice() {
+                        [user] if !matches!(graph.node(*user).op, Op::MatMul { .. }) => {
+                            match matmul_downstream(graph, data.result) {
+                                Some(matmul) => format!(
+                                    "{consumers} runs on it whole and {} ({}) multiplies it",
+                                    graph.node(matmul).name,
+                                    graph.node(matmul).op.mnemonic()
+                                ),
+                                None => format!("{consumers} multiplies it"),
+                            }
+                        }
+                        _ => format!("{consumers} multiplies it"),
+                    };
                     (
                         "split-activation-meets-split-weight",
                         format!(
-                            "{input_name} is split on {dim} over {axis}, and {consumers} multiplies it by a weight split over {axis}: the activation is gathered to meet the column-parallel weight"
+                            "{input_name} is split on {dim} over {axis}, and {multiplies} by a weight split over {axis}: the activation is gathered to meet the column-parallel weight"
                         ),
                     )
                 };
@@ -213,16 +257,21 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
             ),
             _ => continue,
         };
+        // A ring of D ranks passes a block on D-1 times (a gradient D times, home to its owner).
+        let degree = data.op.axis().map_or(1, |axis| module.mesh.degree(axis));
+        let hops = degree.saturating_sub(1);
         let bytes_per_rank = match &data.op {
             // The ring moves the three weight shards at every hop.
-            Op::RingGatedMlp { .. } => data.inputs[1..].iter().map(|&weight| local_bytes(module, weight)).sum(),
+            Op::RingGatedMlp { .. } => {
+                hops * data.inputs[1..].iter().map(|&weight| local_bytes(module, weight)).sum::<u64>()
+            }
             // The backward ring moves the shards and, beside them, their gradients.
             Op::RingGatedMlpGrad { .. } => {
-                2 * data.inputs[1..4].iter().map(|&weight| local_bytes(module, weight)).sum::<u64>()
+                (hops + degree) * data.inputs[1..4].iter().map(|&weight| local_bytes(module, weight)).sum::<u64>()
             }
             // The attention ring moves the key and value blocks and their positions at every hop.
             Op::RingAttention { .. } => {
-                [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum()
+                hops * [1, 2, 4].iter().map(|&operand| local_bytes(module, data.inputs[operand])).sum::<u64>()
             }
             // Each rank's row statistics: three f32 a row of the logits' local block.
             Op::VocabParallelCrossEntropy { .. } | Op::VocabParallelCrossEntropyGrad { .. } => {
@@ -243,6 +292,7 @@ pub fn explain_collectives(module: &Module) -> Vec<CollectiveReason> {
         };
         reasons.push(CollectiveReason {
             node,
+            layer: layer_of(graph, node),
             name: data.name.clone(),
             op: data.op.mnemonic(),
             axis,
