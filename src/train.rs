@@ -1170,7 +1170,7 @@ fn print_report(
                 .map(|(name, &bytes)| format!("{name} {}", human_bytes(bytes)))
                 .collect();
             let sent = if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") };
-            println!("sent a rank in step 1, forward and backward (mean): {sent}");
+            println!("sent a rank in step {}, forward and backward (mean): {sent}", report.start_step + 1);
             match &report.device {
                 // (The first step's: forward, backward and the loss, the optimizer apart.)
                 Some(device) => crate::device::describe(device).iter().for_each(|line| println!("{line}")),

@@ -261,7 +261,7 @@ pub enum UsageError {
         command: String,
     },
     /// `--layer` past the model's layers.
-    #[error("--layer {layer} does not exist; {model} has layers 0..{layers}")]
+    #[error("--layer {layer} does not exist; {model} has {layers} layers, 0 to {}", .layers.saturating_sub(1))]
     #[diagnostic(code(E0703), help("pick a --layer below the model's num_hidden_layers"))]
     NoSuchLayer {
         /// The layer asked for.
