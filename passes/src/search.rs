@@ -534,8 +534,14 @@ mod tests {
         let hw = HardwareSpec::builtin("h100-sxm").unwrap();
         let space = SearchSpace::new(8, 8192, 8, Mode::Train, 1e9);
         let message = search(&model, &hw, &space).unwrap_err().to_string();
-        assert!(message.starts_with("no plan of 8 GPUs fits in 1.0 GB a GPU ("), "{message}");
-        assert!(message.ends_with("add GPUs, raise --mem-cap, or shorten --seq"), "{message}");
+        assert!(message.starts_with("no plan of 8 GPUs fits in 1.0 GB a GPU: "), "{message}");
+        assert!(message.contains(" over the cap, ") && message.ends_with(" indivisible layouts"), "{message}");
+        // Where no layout divides (tiny's 2 layers, 8 heads and 16 tokens, one sequence, over 1024
+        // GPUs), memory is not what stops the search.
+        let tiny = ModelShape::from_config(&preset("tiny").unwrap());
+        let indivisible = SearchSpace::new(1024, 16, 1, Mode::Train, 1e12);
+        let message = search(&tiny, &hw, &indivisible).unwrap_err().to_string();
+        assert!(message.starts_with("no layout of 1024 GPUs divides the model and the batch"), "{message}");
         let zero = SearchSpace::new(0, 8192, 8, Mode::Train, 1e9);
         assert_eq!(search(&model, &hw, &zero).unwrap_err().to_string(), "--gpus 0: give at least 1");
     }

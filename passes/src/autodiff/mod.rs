@@ -701,14 +701,14 @@ mod tests {
                 assert_eq!((&param_grad.op, param_grad.inputs[0]), (&Op::AllReduce { axis: dp }, node.result));
             }
         }
-        // `explain` names one backward ring a layer, moving three [128, 128] f32 shards and their
-        // gradients a hop.
+        // `explain` names one backward ring a layer, moving three [128, 128] f32 shards on its
+        // D-1 = 1 hop and their gradients on D = 2, home to their owners.
         let rings: Vec<u64> = crate::explain::explain_collectives(&module)
             .iter()
             .filter(|reason| reason.rule == "ring-gradients-home-with-their-weights")
             .map(|reason| reason.bytes_per_rank)
             .collect();
-        assert_eq!(rings, vec![2 * 3 * 128 * 128 * 4; config.num_layers as usize]);
+        assert_eq!(rings, vec![(1 + 2) * 3 * 128 * 128 * 4; config.num_layers as usize]);
     }
 
     #[test]
