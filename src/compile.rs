@@ -130,6 +130,14 @@ impl ModelOnMesh {
         }
     }
 
+    /// The weights beside the model (a model directory's), as an absolute path, for `plan.json`.
+    pub fn weights_beside(&self) -> Result<Option<std::path::PathBuf>> {
+        Ok(match resolve(&self.model)? {
+            ModelSource::Config { weights, .. } => weights.map(|path| std::fs::canonicalize(&path).unwrap_or(path)),
+            ModelSource::Compiled(_) => None,
+        })
+    }
+
     /// The model's configuration; `command` names who refuses a compiled directory.
     pub fn config(&self, command: &str) -> Result<ModelConfig> {
         match resolve(&self.model)? {
@@ -272,7 +280,10 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     for (pass, text) in &compiled.report.dumps {
         println!("; after {pass}\n{text}");
     }
-    let files = CompiledFiles::forward(&config, &compiled, (target.batch, target.seq), target.strategy.name());
+    let files = CompiledFiles {
+        weights: target.weights_beside()?,
+        ..CompiledFiles::forward(&config, &compiled, (target.batch, target.seq), target.strategy.name())
+    };
     let plan_hash = write_compiled(&args.out, &files)?;
     report_compiled(args, &config, &files, &plan_hash, "rank programs")
 }
@@ -317,6 +328,7 @@ fn compile_training_dir(
         seq: target.seq,
         strategy: target.strategy.name(),
         training: Some((&training, &compiled.layouts)),
+        weights: target.weights_beside()?,
     };
     let plan_hash = write_compiled(&args.out, &files)?;
     report_compiled(args, config, &files, &plan_hash, "rank training programs")

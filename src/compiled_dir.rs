@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use pleat_backend::optimizer::OptimizerLayout;
 use pleat_backend::Program;
 use pleat_ir::model::config::ModelConfig;
@@ -43,6 +43,11 @@ pub struct PlanFile {
     /// `rank<i>.optimizer.json`; absent for a forward pass.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<TrainingPlan>,
+    /// The weights beside the model it was compiled from (a model directory's safetensors or
+    /// checkpoint, as an absolute path), which `pleat run DIR` loads as `pleat run MODEL` would;
+    /// absent for a config or preset without weights (seeded synthetic weights).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<PathBuf>,
 }
 
 /// What `write_compiled` writes: a sharded module, its ranks' programs, and what `plan.json`
@@ -58,6 +63,8 @@ pub(crate) struct CompiledFiles<'a> {
     pub strategy: &'static str,
     /// A training step's plan and each rank's optimizer layout.
     pub training: Option<(&'a TrainingPlan, &'a [OptimizerLayout])>,
+    /// The weights beside the model ([`PlanFile::weights`]).
+    pub weights: Option<PathBuf>,
 }
 
 impl<'a> CompiledFiles<'a> {
@@ -77,6 +84,7 @@ impl<'a> CompiledFiles<'a> {
             seq,
             strategy,
             training: None,
+            weights: None,
         }
     }
 }
@@ -136,6 +144,7 @@ pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String
         program_format_version: pleat_backend::FORMAT_VERSION,
         plan_hash: plan_hash.clone(),
         training: files.training.map(|(training, _)| training.clone()),
+        weights: files.weights.clone(),
     };
     crate::checkpoint::write_dir_atomically(out, "plan.json", |staging| {
         std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
@@ -208,4 +217,17 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
         });
     }
     Ok(CompiledDir { plan, config, programs, layouts })
+}
+
+/// The weights a run of the compiled directory `dir` loads: `given` (`--weights`), else those
+/// `plan` recorded, which must still be there: a directory compiled from a model directory runs on
+/// its weights, never silently on seeded ones.
+pub fn weights_for(given: Option<&Path>, dir: &Path, plan: &PlanFile) -> Result<Option<PathBuf>> {
+    match (given, &plan.weights) {
+        (Some(given), _) => Ok(Some(given.to_path_buf())),
+        (None, Some(recorded)) if !recorded.exists() => {
+            bail!(UsageError::CompiledWeightsGone { dir: dir.to_path_buf(), weights: recorded.clone() })
+        }
+        (None, recorded) => Ok(recorded.clone()),
+    }
 }

@@ -327,7 +327,8 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
                 executables = crate::exe::executables(&dir, &programs)?.map(|paths| (dir.clone(), paths));
             }
             args.check_against_plan(&plan)?;
-            (config, programs, plan.mesh, args.weights.clone(), plan.batch, plan.seq)
+            let weights = crate::compiled_dir::weights_for(args.weights.as_deref(), &dir, &plan)?;
+            (config, programs, plan.mesh, weights, plan.batch, plan.seq)
         }
         ModelSource::Config { config, weights } => {
             let (batch, seq) = args.sizes(given_tokens.as_ref());

@@ -37,7 +37,8 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             }
             let plan = CompiledDir::read_forward(&dir)?.plan;
             args.check_against_plan(&plan)?;
-            (dir, args.weights.clone(), plan.ranks, plan.batch, plan.seq)
+            let weights = crate::compiled_dir::weights_for(args.weights.as_deref(), &dir, &plan)?;
+            (dir, weights, plan.ranks, plan.batch, plan.seq)
         }
         ModelSource::Config { config, weights } => {
             let (batch, seq) = args.sizes(given_tokens.as_ref());

@@ -621,6 +621,7 @@ impl TrainingTarget {
         let plan = compiled.expect_training(dir)?.clone();
         args.training.plan.check_against(dir, &plan)?;
         args.check_against_plan(&compiled.plan)?;
+        let weights_path = crate::compiled_dir::weights_for(args.weights.as_deref(), dir, &compiled.plan)?;
         let config = compiled.config;
         let cuda = match args.device {
             Device::Cuda => Some(crate::device::CudaTrainer::open(&mut compiled.programs, Some(dir))?),
@@ -637,7 +638,7 @@ impl TrainingTarget {
             programs: compiled.programs,
             layouts: compiled.layouts,
             config,
-            weights_path: args.weights.clone(),
+            weights_path,
             native,
             cuda,
         })

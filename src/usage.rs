@@ -421,6 +421,19 @@ pub enum UsageError {
         /// The size.
         text: String,
     },
+    /// A compiled directory whose model's weights are no longer where it was compiled from.
+    #[error(
+        "{} was compiled from a model whose weights were at {}, and they are gone; pass --weights, or recompile",
+        .dir.display(),
+        .weights.display()
+    )]
+    #[diagnostic(code(E0754), help("pass the model's weights with --weights, or recompile from where they are now"))]
+    CompiledWeightsGone {
+        /// The compiled directory.
+        dir: PathBuf,
+        /// The weights it recorded.
+        weights: PathBuf,
+    },
     /// A pipeline flag (`--chunks`, `--schedule interleaved`, `--pp-layers`) on a mesh without a
     /// pp axis, where it would change nothing.
     #[error(
@@ -877,6 +890,7 @@ impl UsageError {
             UsageError::SizeNumber { .. } | UsageError::SizeTooLarge { .. } => vec![("flag", "--sizes".to_string())],
             UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
             UsageError::PipelineFlagWithoutPp { flag } => vec![("flag", flag.clone())],
+            UsageError::CompiledWeightsGone { weights, .. } => vec![("file", weights.display().to_string())],
             UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],
             UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
             UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],

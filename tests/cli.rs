@@ -600,3 +600,31 @@ fn every_json_document_carries_its_schema_version() {
     assert_eq!(error["schema_version"], 1, "{error}");
     assert_eq!(error["error"]["code"], "E0206");
 }
+
+#[test]
+fn a_directory_compiled_from_a_model_directory_runs_on_its_weights() {
+    // It ran on seeded weights (logits 5.9 off transformers') and --check passed, the reference
+    // seeded alike. plan.json records the weights; gone, the run says so.
+    let dir = tempdir("compiled-weights");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for file in ["config.json", "model.safetensors", "tokens.json"] {
+        std::fs::copy(Path::new("tests/fixtures/hf/llama-gqa").join(file), model.join(file)).unwrap();
+    }
+    let (model, compiled) = (model.to_str().unwrap(), dir.join("compiled"));
+    let compiled = compiled.to_str().unwrap();
+    let tokens = format!("{model}/tokens.json");
+    stdout_of(&["compile", model, "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--out", compiled]);
+    let logits = |source: &str, extra: &[&str]| -> Vec<u8> {
+        let out = dir.join(format!("{}.safetensors", extra.len()));
+        let args = ["run", source, "--tokens", &tokens, "--logits-out", out.to_str().unwrap()];
+        stdout_of(&[&args[..], extra].concat());
+        std::fs::read(out).unwrap()
+    };
+    assert_eq!(logits(compiled, &[]), logits(model, &["--mesh", "tp=2"]), "the model's own weights");
+    std::fs::rename(format!("{model}/model.safetensors"), dir.join("moved.safetensors")).unwrap();
+    let error = error_of(&["run", compiled, "--tokens", &tokens]);
+    assert!(error.starts_with("error[E0754]") && error.contains("model.safetensors, and they are gone"), "{error}");
+    let moved = dir.join("moved.safetensors");
+    stdout_of(&["run", compiled, "--tokens", &tokens, "--weights", moved.to_str().unwrap()]);
+}
