@@ -21,6 +21,21 @@ impl Tokens {
         }
         Ok(())
     }
+
+    /// Refuses an id the model's vocabulary of `vocab` entries does not have, before any rank's
+    /// embedding meets it.
+    pub fn expect_ids_below(&self, vocab: u64) -> Result<()> {
+        if let Some(index) = self.ids.iter().position(|&id| u64::from(id) >= vocab) {
+            let seq = self.seq.max(1) as usize;
+            bail!(UsageError::TokenOutsideVocabulary {
+                sequence: index / seq,
+                position: index % seq,
+                id: self.ids[index],
+                vocab,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Reads `[batch][seq]` integers from a JSON file.

@@ -111,6 +111,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
         Some(path) => {
             let tokens = read_tokens(path).with_context(|| format!("rank {rank}"))?;
             tokens.expect_shape(plan.batch, plan.seq)?;
+            tokens.expect_ids_below(config.vocab_size)?;
             tokens
         }
         None => random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed)?,

@@ -350,6 +350,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     let tokens = match given_tokens {
         Some(tokens) => {
             tokens.expect_shape(batch, seq)?;
+            tokens.expect_ids_below(config.vocab_size)?;
             tokens
         }
         None => random_tokens(batch, seq, config.vocab_size, args.seed)?,
@@ -576,7 +577,7 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
             if let Some((busiest, balanced)) = expert_load(result) {
                 let busiest: Vec<String> = busiest.iter().map(u64::to_string).collect();
                 println!(
-                    "expert load: the busiest expert a rank took {} token rows in a layer (balanced routing: {balanced})",
+                    "expert load: the busiest expert a rank took {} token rows in a layer (balanced routing: {balanced:.1})",
                     busiest.join(", ")
                 );
             }
@@ -594,11 +595,10 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
 fn expert_load(result: &RunResult) -> Option<(Vec<u64>, f64)> {
     let moe = result.config.moe.as_ref()?;
     let mesh = pleat_ir::Mesh::parse(&result.mesh).ok()?;
-    // Axes that split the tokens among copies of the same experts.
-    let copies: u64 = [pleat_ir::AxisName::Dp, pleat_ir::AxisName::Tsp, pleat_ir::AxisName::Cp]
-        .iter()
-        .map(|&axis| mesh.degree(axis))
-        .product();
+    // Axes that split the tokens among copies of the same experts: dp and cp, and tsp beside ep
+    // (alone, tsp splits the experts themselves, and every token reaches its one copy).
+    let tsp_copies = if mesh.degree(pleat_ir::AxisName::Ep) > 1 { mesh.degree(pleat_ir::AxisName::Tsp) } else { 1 };
+    let copies = mesh.degree(pleat_ir::AxisName::Dp) * mesh.degree(pleat_ir::AxisName::Cp) * tsp_copies;
     let tokens = result.tokens.batch * result.tokens.seq / copies.max(1);
     let balanced = (tokens * moe.top_k) as f64 / moe.num_experts as f64;
     Some((result.outcomes.iter().map(|outcome| outcome.max_expert_rows).collect(), balanced))

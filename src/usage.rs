@@ -421,6 +421,19 @@ pub enum UsageError {
         /// The size.
         text: String,
     },
+    /// A `--tokens` id past the model's vocabulary.
+    #[error("--tokens: token [{sequence}][{position}] is {id}, not an id below the model's vocabulary size {vocab}")]
+    #[diagnostic(code(E0755), help("tokenize with the model's own tokenizer: its ids are below vocab_size"))]
+    TokenOutsideVocabulary {
+        /// The sequence.
+        sequence: usize,
+        /// The position in it.
+        position: usize,
+        /// The id.
+        id: u32,
+        /// The model's vocabulary size.
+        vocab: u64,
+    },
     /// A compiled directory whose model's weights are no longer where it was compiled from.
     #[error(
         "{} was compiled from a model whose weights were at {}, and they are gone; pass --weights, or recompile",
@@ -891,6 +904,7 @@ impl UsageError {
             UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
             UsageError::PipelineFlagWithoutPp { flag } => vec![("flag", flag.clone())],
             UsageError::CompiledWeightsGone { weights, .. } => vec![("file", weights.display().to_string())],
+            UsageError::TokenOutsideVocabulary { .. } => vec![("flag", "--tokens".to_string())],
             UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],
             UsageError::TrainFoldedStrategy => vec![("flag", "--strategy".to_string())],
             UsageError::ZeroWithoutDp { .. } => vec![("flag", "--zero".to_string())],

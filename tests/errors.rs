@@ -382,6 +382,7 @@ fn weights_and_tokens() {
     std::fs::create_dir_all(&empty_dir).expect("mkdir");
     let ragged = write(&dir, "ragged.json", "[[1, 2, 3], [4, 5]]");
     let negative = write(&dir, "negative.json", "[[1, -2]]");
+    let past_vocabulary = write(&dir, "past-vocabulary.json", "[[1, 2, 3, 300]]");
     let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
     let missing = path_str(&dir.join("absent.safetensors"));
     let cases = [
@@ -398,6 +399,8 @@ fn weights_and_tokens() {
         ),
         case(&["run", "tiny", "--tokens", &ragged], "E0705", "sequence 1 has 2 tokens"),
         case(&["run", "tiny", "--tokens", &negative], "E0705", "is not a valid id"),
+        // Caught before the run, not by rank 0's embedding kernel (E0601, "check the program").
+        case(&["run", "tiny", "--tokens", &past_vocabulary], "E0755", "token [0][3] is 300, not an id below"),
         case(&["run", "tiny", "--tokens", &garbage], "E0705", "expected a JSON array of arrays of token ids"),
         case(
             &["run", "tiny", "--tokens", &tokens, "--seq", "8"],

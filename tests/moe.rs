@@ -282,6 +282,12 @@ fn all_to_all_sends_less_than_all_gather_and_the_load_is_measured() {
             assert!(sent_bytes(&all_to_all) < sent_bytes(&all_gather), "{mesh}: {all_to_all} vs {all_gather}");
         }
     }
+    // tsp alone splits the experts, so every token reaches its expert's one copy, as on one rank
+    // (the balanced figure was divided by the tsp degree); beside ep, tsp's ranks hold copies.
+    for (mesh, balanced) in [("tsp=2", 64.0), ("tsp=4", 64.0), ("tsp=2,ep=2", 32.0)] {
+        let report = run(mesh, "auto");
+        assert_eq!(report["expert_load"]["balanced_rows"].as_f64(), Some(balanced), "{mesh}");
+    }
 }
 
 #[test]
