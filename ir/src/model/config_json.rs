@@ -169,6 +169,19 @@ fn read_sliding_window(fields: &Fields<'_>, architecture: Architecture, num_laye
                      use false, or max_window_layers >= num_hidden_layers",
                 ));
             }
+            // transformers 5 windows the layers `layer_types` marks, whatever max_window_layers says.
+            let sliding = fields
+                .get("layer_types")
+                .and_then(Value::as_array)
+                .is_some_and(|types| types.iter().any(|layer_type| layer_type.as_str() == Some("sliding_attention")));
+            if enabled && sliding {
+                return Err(fields.unsupported(
+                    "layer_types",
+                    "[.., \"sliding_attention\", ..]",
+                    "Qwen2's sliding window on the layers layer_types marks is not built by pleat; use \
+                     use_sliding_window false, or only \"full_attention\" layers",
+                ));
+            }
             Ok(None)
         }
     }

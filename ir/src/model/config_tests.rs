@@ -400,6 +400,20 @@ fn unsupported_settings_say_what_to_use() {
         &with(minimal("Qwen2ForCausalLM"), &qwen2_window),
         "models/test/config.json: `use_sliding_window` = true is not supported: Qwen2's sliding window on the layers from max_window_layers on is not built by pleat; use false, or max_window_layers >= num_hidden_layers",
     );
+    // transformers 5 reads the windowed layers from layer_types (it ran with full attention).
+    let layer_types = [
+        ("num_key_value_heads", json!(2)),
+        ("use_sliding_window", json!(true)),
+        ("sliding_window", json!(4)),
+        ("layer_types", json!(["full_attention", "sliding_attention"])),
+    ];
+    check_error(
+        &with(minimal("Qwen2ForCausalLM"), &layer_types),
+        "models/test/config.json: `layer_types` = [.., \"sliding_attention\", ..] is not supported: Qwen2's sliding window on the layers layer_types marks is not built by pleat; use use_sliding_window false, or only \"full_attention\" layers",
+    );
+    let mut full = layer_types.clone();
+    full[3].1 = json!(["full_attention", "full_attention", "full_attention"]);
+    assert!(crate::model::config::ModelConfig::from_json_str(&with(minimal("Qwen2ForCausalLM"), &full), "c").is_ok());
 }
 
 #[test]
