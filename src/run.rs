@@ -271,6 +271,38 @@ pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn Weight
     })
 }
 
+/// Warns (on stderr) of the tensors of the safetensors weights at `path` that no rank's program
+/// loads, as transformers warns of unused weights: a layer the config does not have, a bias it
+/// does not use, an `lm_head.weight` beside tied embeddings. A checkpoint's moments are not weights
+/// a forward pass reads, so a checkpoint is not judged.
+pub fn warn_unused_tensors(path: Option<&PathBuf>, programs: &[Program]) {
+    let Some(path) = path.filter(|path| !crate::checkpoint::is_checkpoint(path)) else { return };
+    let Ok(file) = SafetensorsWeights::open(path) else { return };
+    let loaded: std::collections::BTreeSet<&str> = programs
+        .iter()
+        .flat_map(|program| &program.instructions)
+        .filter_map(|instr| match instr {
+            pleat_backend::Instr::LoadParam { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
+    // (Older Llama files carry RoPE's inverse frequencies, which transformers also ignores.)
+    let unused: Vec<String> = file
+        .names()
+        .into_iter()
+        .filter(|name| !loaded.contains(name.as_str()) && !name.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    if let Some(first) = unused.first() {
+        let more = if unused.len() > 1 { format!(" and {} more", unused.len() - 1) } else { String::new() };
+        eprintln!(
+            "warning: {} holds {} tensor(s) the model does not read ({first}{more}); check the config matches the \
+             checkpoint",
+            path.display(),
+            unused.len()
+        );
+    }
+}
+
 /// Each rank's execution path's name (`bytecode` for every rank when no library was loaded).
 fn execution_names(result: &RunResult) -> Vec<&'static str> {
     if result.device.is_some() {
@@ -356,6 +388,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
         None => random_tokens(batch, seq, config.vocab_size, args.seed)?,
     };
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    warn_unused_tensors(weights_path.as_ref(), &programs);
     let options = link_options(args.timeout, args.emulate_link);
     let mut device = None;
     let (logits_shape, logits, outcomes, execution) = match &executables {

@@ -678,6 +678,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         Some(resume) => &resume.state,
         None => {
             given_weights = weight_source(target.weights_path.as_ref(), args.seed)?;
+            crate::run::warn_unused_tensors(target.weights_path.as_ref(), &target.programs);
             given_weights.as_ref()
         }
     };

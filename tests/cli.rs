@@ -628,3 +628,23 @@ fn a_directory_compiled_from_a_model_directory_runs_on_its_weights() {
     let moved = dir.join("moved.safetensors");
     stdout_of(&["run", compiled, "--tokens", &tokens, "--weights", moved.to_str().unwrap()]);
 }
+
+#[test]
+fn weights_the_model_does_not_read_are_named() {
+    // transformers warns of unused weights; pleat ran on without a word. Here the config ties the
+    // embeddings, so the file's lm_head.weight is never loaded.
+    let dir = tempdir("unused-weights");
+    let fixture = Path::new("tests/fixtures/hf/llama-gqa");
+    std::fs::copy(fixture.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap()).unwrap();
+    config["tie_word_embeddings"] = serde_json::Value::Bool(true);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let output = cli::pleat(&["run", dir.to_str().unwrap(), "--batch", "2", "--seq", "16"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("holds 1 tensor(s) the model does not read (lm_head.weight)"), "{stderr}");
+    // The fixture's own config reads every tensor: no warning.
+    let output = cli::pleat(&["run", fixture.to_str().unwrap(), "--batch", "2", "--seq", "16"]);
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("warning"), "{output:?}");
+}
