@@ -514,7 +514,8 @@ fn training_flags() {
             "E0222",
             "6 is not a multiple",
         ),
-        // Pipeline flags on a mesh without pp changed nothing; they are refused as --zero is without dp.
+        // Pipeline flags on a mesh without pp changed nothing; they are refused as --zero is
+        // without dp.
         case(
             &["run", "tiny", "--train", "--mesh", "dp=2", "--micro-batches", "2", "--chunks", "3"],
             "E0753",

@@ -169,7 +169,8 @@ fn read_sliding_window(fields: &Fields<'_>, architecture: Architecture, num_laye
                      use false, or max_window_layers >= num_hidden_layers",
                 ));
             }
-            // transformers 5 windows the layers `layer_types` marks, whatever max_window_layers says.
+            // transformers 5 windows the layers `layer_types` marks, whatever max_window_layers
+            // says.
             let sliding = fields
                 .get("layer_types")
                 .and_then(Value::as_array)

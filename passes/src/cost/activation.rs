@@ -266,9 +266,10 @@ mod tests {
 
     #[test]
     fn tsp_keeps_every_owners_gathered_kv_unless_it_recomputes_the_layer() {
-        // tiny-like GQA at tsp=4: 4 kv heads of 16 channels, 64·2 tokens, 16·2 a rank. Each owner's
-        // K/V are gathered over the group's 128 tokens for its one kv head; the backward reads all
-        // four owners', 2·128·64 elements, of which the rank's own tokens' quarter is in qkv.
+        // tiny-like GQA at tsp=4: 4 kv heads of 16 channels, 64·2 tokens, 16·2 a rank. Each
+        // owner's K/V are gathered over the group's 128 tokens for its one kv head; the backward
+        // reads all four owners', 2·128·64 elements, of which the rank's own tokens' quarter is
+        // in qkv.
         let model = ModelShape { kv_heads: 4, head_dim: 16, ..gpt(128, 8) };
         let layout = Layout::new(&[(AxisName::Tsp, 4)], false);
         let workload = Workload::training(64, 2);

@@ -32,8 +32,9 @@
 //! `activation`). Megatron SP adds two all-gathers a layer to the backward: it saves the qkv and
 //! MLP inputs split over tp (Korthikanti's `34/t`, which `activation` counts) and gathers them
 //! again for the weight gradients. (pleat's own programs keep the gathered inputs instead, more
-//! memory and no regather; the liveness planner gives their figure.) A step adds, once, the gradient synchronization over the axes that replicate
-//! weights (dp, sp, cp, and for a mixture ep for the dense parameters and tsp for the experts and
+//! memory and no regather; the liveness planner gives their figure.) A step adds, once, the
+//! gradient synchronization over the axes that replicate weights (dp, sp, cp, and for a mixture
+//! ep for the dense parameters and tsp for the experts and
 //! routers, which tsp keeps whole: an all-reduce, or with ZeRO a reduce-scatter of gradients and an
 //! all-gather of weights over ep and dp, the dense parameters' `dp·ep` replicas and the experts'
 //! `dp`), ZeRO-3's per-layer weight gathers, and the pipeline's activation and gradient sends.

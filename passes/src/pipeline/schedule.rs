@@ -164,8 +164,8 @@ pub struct Schedule {
     pub per_stage: Vec<Vec<Step>>,
 }
 
-/// The most cells `stages · (micro_batches · chunks + stages)` a schedule is built for: each stage
-/// runs its steps and waits out the fill and drain, so its timeline (and `pleat schedule`'s
+/// The most cells `stages · (micro_batches · chunks + stages)` a schedule is built for: each
+/// stage runs its steps and waits out the fill and drain, so its timeline (and `pleat schedule`'s
 /// picture row) spans about that many steps. Above any pipeline trained (pp=64 with 4,000
 /// micro-batches of 4 chunks is 2^20, built and drawn in seconds), far below what exhausts memory
 /// or time (100,000 stages of one micro-batch ran for minutes when the cap counted only steps).

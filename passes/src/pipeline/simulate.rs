@@ -382,8 +382,8 @@ mod tests {
                     "p={stages} m={micro_batches}: {} vs {closed}",
                     zero_bubble.bubble_over_compute
                 );
-                // And its memory is 1F1B's: the first stage holds 1F1B's min(p, m) micro-batches, and
-                // a later one, whose Ws wait, as many (counted until their W), never more.
+                // And its memory is 1F1B's: the first stage holds 1F1B's min(p, m) micro-batches,
+                // and a later one, whose Ws wait, as many (counted until their W), never more.
                 let first = one_f_one_b.peak_in_flight[0];
                 assert_eq!(first, stages.min(micro_batches));
                 assert_eq!(zero_bubble.peak_in_flight, vec![first; stages as usize], "p={stages} m={micro_batches}");
