@@ -230,8 +230,9 @@ pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
     Ok(Resume { steps: index.steps, state: read_blocks(dir, &index)? })
 }
 
-/// The `config.json` fields in which `saved` and `config` differ (their names aside), each as
-/// `field saved -> config`.
+/// The `config.json` fields in which `saved` and `config` differ, each as `field saved -> config`:
+/// their names aside, and their `torch_dtype` (a precision the run chooses with `--precision`,
+/// which a compiled directory's config records; the weights are converted as they load).
 fn config_differences(saved: &ModelConfig, config: &ModelConfig) -> Vec<String> {
     let fields = |config: &ModelConfig| -> BTreeMap<String, serde_json::Value> {
         let json: serde_json::Value = serde_json::from_str(&config.to_hf_json()).expect("to_hf_json writes JSON");
@@ -241,7 +242,7 @@ fn config_differences(saved: &ModelConfig, config: &ModelConfig) -> Vec<String> 
     let keys: std::collections::BTreeSet<&String> = saved.keys().chain(config.keys()).collect();
     let absent = serde_json::Value::Null;
     keys.into_iter()
-        .filter(|key| key.as_str() != "_name_or_path")
+        .filter(|key| !matches!(key.as_str(), "_name_or_path" | "torch_dtype"))
         .filter_map(|key| {
             let (before, after) = (saved.get(key).unwrap_or(&absent), config.get(key).unwrap_or(&absent));
             (before != after).then(|| format!("{key} {before} -> {after}"))

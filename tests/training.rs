@@ -343,7 +343,11 @@ fn a_checkpoint_resumes_on_another_mesh_as_if_never_stopped() {
         std::fs::write(dir.join("config.json"), json.to_string()).expect("write");
         dir.join("config.json").to_str().expect("utf-8").to_string()
     };
-    let renamed = config("renamed", &|json| json["_name_or_path"] = Value::from("my-tiny"));
+    // (A dtype is a precision a run chooses, not another model.)
+    let renamed = config("renamed", &|json| {
+        json["_name_or_path"] = Value::from("my-tiny");
+        json["torch_dtype"] = Value::from("bfloat16");
+    });
     json_of(&["run", &renamed, "--train", "--steps", "1", "--resume", &resumed, "--format", "json"]);
     let tied = config("tied", &|json| json["tie_word_embeddings"] = Value::from(true));
     let error = error_of(&["run", &tied, "--train", "--steps", "1", "--resume", &resumed]);
