@@ -71,10 +71,10 @@ fn users_text(graph: &Graph, value: ValueId) -> String {
 /// The layer `node` belongs to by its name (`layer3.` is 3), unless every user of its result is
 /// outside the layers: then it serves the model's end.
 fn layer_of(graph: &Graph, node: NodeId) -> Option<u64> {
-    let layer = |name: &str| -> Option<u64> { name.strip_prefix("layer")?.split('.').next()?.parse().ok() };
-    let own = layer(&graph.node(node).name)?;
+    let layer = |node: NodeId| pleat_ir::model::builder::layer_of(&graph.node(node).name);
+    let own = layer(node)?;
     let users = graph.users(graph.node(node).result);
-    let serves_a_layer = users.is_empty() || users.iter().any(|&user| layer(&graph.node(user).name).is_some());
+    let serves_a_layer = users.is_empty() || users.iter().any(|&user| layer(user).is_some());
     serves_a_layer.then_some(own)
 }
 

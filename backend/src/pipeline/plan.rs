@@ -7,18 +7,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use pleat_ir::model::builder::layer_of;
 use pleat_ir::{Graph, Module, NodeId, ValueId};
 
 use super::{malformed, Phase, PipelinePlan, ScheduleStep};
 use crate::error::Result;
-
-/// The layer a node belongs to, from pleat's names (`layer3.…`, `model.layers.3.…`, `grad.…`).
-fn layer_of(name: &str) -> Option<u64> {
-    let name = name.strip_prefix("grad.").unwrap_or(name);
-    let rest = name.strip_prefix("layer").or_else(|| name.strip_prefix("model.layers."))?;
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().ok()
-}
 
 /// The stage of every node of `module`, in program order: layers split into `stages` contiguous
 /// runs (`layers_per_stage`, or as even as they go, earlier stages taking the remainder).

@@ -13,6 +13,15 @@ use crate::{DType, DimName, Error, Graph, Mesh, Module, Op, Result, TensorType, 
 
 use DimName::{Batch, Experts, Ffn, HeadDim, Heads, Hidden, KvHeads, Seq, Vocab};
 
+/// The layer a node belongs to, from the names the builder gives (`layer3.…`), its parameters'
+/// (`model.layers.3.…`) and their gradients (`grad.…`); `None` outside the layers.
+pub fn layer_of(name: &str) -> Option<u64> {
+    let name = name.strip_prefix("grad.").unwrap_or(name);
+    let rest = name.strip_prefix("layer").or_else(|| name.strip_prefix("model.layers."))?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
 /// The forward graph of `config` for `batch` sequences of `seq` tokens; its one output is the
 /// logits `[batch, seq, vocab]`.
 pub fn build(config: &ModelConfig, batch: u64, seq: u64) -> Result<Module> {
