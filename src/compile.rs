@@ -130,18 +130,18 @@ impl ModelOnMesh {
         }
     }
 
-    /// The weights beside the model (a model directory's), as an absolute path, for `plan.json`.
-    pub fn weights_beside(&self) -> Result<Option<std::path::PathBuf>> {
-        Ok(match resolve(&self.model)? {
-            ModelSource::Config { weights, .. } => weights.map(|path| std::fs::canonicalize(&path).unwrap_or(path)),
-            ModelSource::Compiled(_) => None,
-        })
-    }
-
     /// The model's configuration; `command` names who refuses a compiled directory.
     pub fn config(&self, command: &str) -> Result<ModelConfig> {
+        Ok(self.config_and_weights(command)?.0)
+    }
+
+    /// The model's configuration and the weights beside it (a model directory's, as an absolute
+    /// path, which `plan.json` records); `command` names who refuses a compiled directory.
+    pub fn config_and_weights(&self, command: &str) -> Result<(ModelConfig, Option<std::path::PathBuf>)> {
         match resolve(&self.model)? {
-            ModelSource::Config { config, .. } => Ok(*config),
+            ModelSource::Config { config, weights } => {
+                Ok((*config, weights.map(|path| std::fs::canonicalize(&path).unwrap_or(path))))
+            }
             ModelSource::Compiled(_) => {
                 anyhow::bail!(UsageError::CompiledNotAccepted {
                     model: self.model.clone(),
@@ -262,7 +262,8 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     crate::checkpoint::check_output_dir(&args.out, "plan.json", "--out")?;
     let planned = args.plan.as_deref().map(|plan| planned_target(&args.target.model, plan, args.train)).transpose()?;
     let target = planned.as_ref().unwrap_or(&args.target);
-    let config = args.precision.unwrap_or_default().apply(&target.config("compile")?);
+    let (model_config, weights) = target.config_and_weights("compile")?;
+    let config = args.precision.unwrap_or_default().apply(&model_config);
     if args.train && args.emit.contains(&crate::native::Emit::Exe) {
         anyhow::bail!(UsageError::ExecutablesOfTraining);
     }
@@ -271,7 +272,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let dump = if args.dump_after.is_empty() { Dump::Nothing } else { Dump::After(args.dump_after.clone()) };
     let kernels = if args.emit.is_empty() { Kernels::Interpreted } else { Kernels::Native };
     if args.train {
-        return compile_training_dir(args, target, &config, dump, kernels);
+        return compile_training_dir(args, target, (&config, weights), dump, kernels);
     }
     let mut compiled = target.compile(&config, dump, kernels)?;
     if !args.emit.is_empty() {
@@ -281,7 +282,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         println!("; after {pass}\n{text}");
     }
     let files = CompiledFiles {
-        weights: target.weights_beside()?,
+        weights,
         ..CompiledFiles::forward(&config, &compiled, (target.batch, target.seq), target.strategy.name())
     };
     let plan_hash = write_compiled(&args.out, &files)?;
@@ -293,7 +294,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
 fn compile_training_dir(
     args: &CompileArgs,
     target: &ModelOnMesh,
-    config: &ModelConfig,
+    (config, weights): (&ModelConfig, Option<std::path::PathBuf>),
     dump: Dump,
     kernels: Kernels,
 ) -> Result<()> {
@@ -328,7 +329,7 @@ fn compile_training_dir(
         seq: target.seq,
         strategy: target.strategy.name(),
         training: Some((&training, &compiled.layouts)),
-        weights: target.weights_beside()?,
+        weights,
     };
     let plan_hash = write_compiled(&args.out, &files)?;
     report_compiled(args, config, &files, &plan_hash, "rank training programs")
