@@ -6,7 +6,7 @@ use pleat_ir::{Mesh, Op};
 use pleat_passes::Dump;
 use pleat_runtime::weights::SeededWeights;
 
-use crate::compile::{compile_model, Strategy};
+use crate::compile::{ModelOnMesh, Strategy};
 use crate::inputs::random_tokens;
 use crate::reference::check_logits;
 use crate::run::{comm_bytes_mean, human_bytes, link_options, run_programs};
@@ -26,14 +26,17 @@ pub fn demo() -> Result<()> {
         config.intermediate_size,
         config.vocab_size
     );
-    let mut compiled =
-        compile_model(&config, batch, seq, &mesh, Strategy::Auto, Dump::Nothing, crate::compile::Kernels::Interpreted)?;
-    // Scheduled for overlap, as `pleat run` runs them.
-    compiled.programs = crate::predict::overlap_for_cpu(
-        std::mem::take(&mut compiled.programs),
-        false,
-        pleat_backend::overlap::Prefetch::OwnStream,
-    )?;
+    // Compiled and scheduled for overlap as `pleat run` compiles the preset.
+    let target = ModelOnMesh {
+        model: config.name.clone(),
+        mesh: mesh.to_string(),
+        strategy: Strategy::Auto,
+        seq,
+        batch,
+        no_overlap: false,
+        comm_streams: 2,
+    };
+    let compiled = target.compile(&config, Dump::Nothing, crate::compile::Kernels::Interpreted)?;
     let graph = &compiled.sharded.graph;
     let count = |want: fn(&Op) -> bool| graph.order().iter().filter(|&&node| want(&graph.node(node).op)).count();
     println!(

@@ -338,7 +338,8 @@ fn stage_memory(model: &ModelShape, layout: &Layout, workload: &Workload, stage:
         // K/V of one owner's heads over the group's tokens. Training keeps every owner's with the
         // activations, and the backward's dK/dV wait here for their reduce-scatter; under full
         // recompute the backward gathers the K/V again beside them.
-        let owner_kv = 2.0 * tokens * tsp * element * kv_local / tsp;
+        // (The group's tsp·T tokens, the owner's kv/tsp of the rank's heads.)
+        let owner_kv = 2.0 * tokens * element * kv_local;
         match (training, workload.recompute == Recompute::Full) {
             (false, _) => add("tsp gathered k/v (one owner's heads)", owner_kv),
             (true, false) => add("tsp dk/dv of one owner's heads before the reduce-scatter", owner_kv),
