@@ -235,7 +235,7 @@ pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
 /// which a compiled directory's config records; the weights are converted as they load).
 fn config_differences(saved: &ModelConfig, config: &ModelConfig) -> Vec<String> {
     let fields = |config: &ModelConfig| -> BTreeMap<String, serde_json::Value> {
-        let json: serde_json::Value = serde_json::from_str(&config.to_hf_json()).expect("to_hf_json writes JSON");
+        let json = config.to_hf_value();
         json.as_object().into_iter().flatten().map(|(key, value)| (key.clone(), value.clone())).collect()
     };
     let (saved, config) = (fields(saved), fields(config));

@@ -411,6 +411,11 @@ impl ModelConfig {
     /// This configuration as a transformers-4 style `config.json` that `from_json_str` reads back to
     /// an equal `ModelConfig`.
     pub fn to_hf_json(&self) -> String {
+        serde_json::to_string_pretty(&self.to_hf_value()).expect("a JSON value always prints")
+    }
+
+    /// [`Self::to_hf_json`]'s object, field by field.
+    pub fn to_hf_value(&self) -> serde_json::Value {
         let rope_scaling = match &self.rope.scaling {
             RopeScaling::None => serde_json::Value::Null,
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
@@ -467,7 +472,7 @@ impl ModelConfig {
                 }
             }
         }
-        serde_json::to_string_pretty(&object).expect("a JSON value always prints")
+        object
     }
 
     /// Reads a Hugging Face `config.json`; `source` names the file in error messages.
