@@ -150,18 +150,38 @@ fn proof(target: &ModelOnMesh, config: &pleat_ir::model::config::ModelConfig, va
 }
 
 /// The plan's sharded module, as `pleat compile` builds it (`SHARD_PIPELINE`, verified and lowered
-/// to check it compiles), and what its `rewrite-collectives` did: its e-graph, the rules that
-/// fired, the times. The e-graph runs once, here.
+/// to check it compiles), what its `rewrite-collectives` did (its e-graph, the rules that fired,
+/// the times) and the transfer instructions of each rank's lowered program. The e-graph runs once,
+/// here.
 fn sharded_with_report(
     target: &ModelOnMesh,
     config: &pleat_ir::model::config::ModelConfig,
-) -> Result<(pleat_ir::Module, RewriteReport)> {
+) -> Result<(pleat_ir::Module, RewriteReport, Vec<usize>)> {
     let ctx = target.strategy.pass_ctx(&pleat_ir::Mesh::parse(&target.mesh)?, Dump::Nothing)?;
     let mut module = propagated(target, config, &ctx)?;
     let report = rewrite_collectives(&mut module, &ctx, &RewriteOptions::default())?;
     pleat_passes::verify(&module)?;
-    pleat_backend::verify_collectives(&pleat_backend::lower(&module)?)?;
-    Ok((module, report))
+    let programs = pleat_backend::lower(&module)?;
+    pleat_backend::verify_collectives(&programs)?;
+    // A graph's collective is not one transfer: TSP's four broadcasts of an owner's blocks travel
+    // packed as one, and a ring's node is a hop a step.
+    let transfers = programs
+        .iter()
+        .map(|program| program.instructions.iter().filter(|instr| instr.is_transfer()).count())
+        .collect();
+    Ok((module, report, transfers))
+}
+
+/// How many transfers the ranks' programs make, when they have any: one count when every rank
+/// makes as many, else the fewest and the most.
+fn transfers_text(transfers: &[usize]) -> String {
+    let (Some(fewest), Some(most)) = (transfers.iter().min(), transfers.iter().max()) else { return String::new() };
+    match (fewest, most) {
+        (0, 0) => String::new(),
+        (1, 1) => " (1 transfer a rank in the programs)".to_string(),
+        (fewest, most) if fewest == most => format!(" ({most} transfers a rank in the programs)"),
+        (fewest, most) => format!(" ({fewest} to {most} transfers a rank in the programs)"),
+    }
 }
 
 fn stop_text(stop: &StopReason) -> String {
@@ -256,7 +276,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
         print!("{}", proof(target, &config, value)?);
         return Ok(());
     }
-    let (sharded, rewrite) = sharded_with_report(target, &config)?;
+    let (sharded, rewrite, transfers) = sharded_with_report(target, &config)?;
     let module = &sharded;
     let prefix = format!("layer{}.", args.layer);
     let all = explain_collectives(module);
@@ -280,6 +300,7 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
                 "mesh": module.mesh.to_string(),
                 "layer": args.layer,
                 "collectives_per_step": all.len(),
+                "transfers_per_rank": transfers,
                 "values": values.iter().map(|layout| json!({
                     "value": layout.value.to_string(),
                     "name": layout.name,
@@ -297,12 +318,15 @@ pub fn explain(args: &ExplainArgs) -> Result<()> {
             let mut out = String::new();
             let _ = writeln!(
                 out,
-                "{} on {} (batch {}, seq {}): {} collectives a forward pass; layer {} and the model's ends shown",
+                "{} on {} (batch {}, seq {}): {} collective{} in a forward pass's graph{}; layer {} and the \
+                 model's ends shown",
                 config.name,
                 if module.mesh.axes().is_empty() { "one rank".to_string() } else { module.mesh.to_string() },
                 target.batch,
                 target.seq,
                 all.len(),
+                if all.len() == 1 { "" } else { "s" },
+                transfers_text(&transfers),
                 args.layer
             );
             let _ = writeln!(out, "\nvalues (global shape with splits; bytes a rank):");

@@ -344,6 +344,19 @@ fn explain_gives_each_collective_its_reason() {
 }
 
 #[test]
+fn explain_counts_the_graphs_collectives_and_the_programs_transfers() {
+    // tiny at tsp=2: a layer's graph has 8 weight broadcasts (q, k, v, o of two owners), 4 K/V
+    // all-gathers and one MLP ring; the embedding's reduce-scatter and 2 gathers at the end make
+    // 2·13 + 3 = 29. The programs pack an owner's four broadcasts into one message and run the
+    // ring's one hop as a send and a receive: 2·(2 + 4 + 2) + 3 = 19 transfers a rank.
+    let report = json_of(&["explain", "tiny", "--mesh", "tsp=2", "--seq", "16", "--batch", "2", "--format", "json"]);
+    assert_eq!(report["collectives_per_step"], 29);
+    assert_eq!(report["transfers_per_rank"], serde_json::json!([19, 19]));
+    let text = stdout_of(&["explain", "tiny", "--mesh", "dp=2", "--seq", "16", "--batch", "2"]);
+    assert!(text.contains("1 collective in a forward pass's graph (1 transfer a rank in the programs)"), "{text}");
+}
+
+#[test]
 fn explain_shows_the_model_ends_gathers_and_a_rings_every_hop() {
     // Under SP the residual stream is gathered before the final norm for the LM head: named after
     // the last layer's output, it serves the model's end, and every layer's view shows it (it was
