@@ -278,19 +278,24 @@ pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn Weight
 pub fn warn_unused_tensors(path: Option<&PathBuf>, programs: &[Program]) {
     let Some(path) = path.filter(|path| !crate::checkpoint::is_checkpoint(path)) else { return };
     let Ok(file) = SafetensorsWeights::open(path) else { return };
-    let loaded: std::collections::BTreeSet<&str> = programs
+    // The file's names of what the ranks load: a mixture's stacked experts may be stored one
+    // tensor an expert or fused.
+    let loaded: std::collections::BTreeSet<String> = programs
         .iter()
         .flat_map(|program| &program.instructions)
         .filter_map(|instr| match instr {
             pleat_backend::Instr::LoadParam { name, .. } => Some(name.as_str()),
             _ => None,
         })
+        .collect::<std::collections::BTreeSet<&str>>()
+        .into_iter()
+        .flat_map(|name| file.stored_names(name))
         .collect();
     // (Older Llama files carry RoPE's inverse frequencies, which transformers also ignores.)
     let unused: Vec<String> = file
         .names()
         .into_iter()
-        .filter(|name| !loaded.contains(name.as_str()) && !name.ends_with("rotary_emb.inv_freq"))
+        .filter(|name| !loaded.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
         .collect();
     if let Some(first) = unused.first() {
         let more = if unused.len() > 1 { format!(" and {} more", unused.len() - 1) } else { String::new() };

@@ -17,6 +17,7 @@ use pleat_backend::{Instr, Kernel, MoeDims};
 use pleat_ir::model::config::ModelConfig;
 use pleat_ir::model::preset::preset;
 use pleat_passes::PassCtx;
+use pleat_runtime::weights::{SeededWeights, WeightSource};
 
 const QWEN2_MOE: &str = "tests/fixtures/tiny-qwen2-moe/config.json";
 
@@ -164,7 +165,6 @@ fn micro_batches_own_their_load_balancing_loss() {
     use pleat_ir::model::stream::synthetic_tokens;
     use pleat_ir::optim::AdamWConfig;
     use pleat_passes::autodiff::reference::{train_reference, ReferenceStart};
-    use pleat_runtime::weights::{SeededWeights, WeightSource};
 
     let seeded = SeededWeights::new(0);
     let initial = |name: &str, shape: &[u64]| {
@@ -309,38 +309,87 @@ fn the_cost_model_counts_the_experts() {
     assert_eq!(plan["experts"]["active_param_count"], 12_879_925_248u64);
 }
 
-#[test]
-fn a_checkpoint_with_one_tensor_an_expert_loads_into_the_stacked_experts() {
-    use pleat_runtime::weights::{write_safetensors, SafetensorsWeights, SeededWeights, WeightSource};
-    // Hugging Face's Mixtral files hold `experts.E.w1.weight` for each E; pleat's graph stacks them.
-    let config = tiny_moe();
-    let (module, programs) = compile_with(&config, 4, 16, "ep=2", &PassCtx::default());
-    let seeded = SeededWeights::new(7);
+/// The graph's weights, seeded, written as Hugging Face stores them: `fused` as transformers 5
+/// holds a mixture's experts (`mlp.experts.gate_up_proj [E, 2·ffn, hidden]`, each expert's gate
+/// rows then its up rows, and `mlp.experts.down_proj`; Mixtral's router at `mlp.gate`), otherwise
+/// one tensor an expert (`experts.E.w1.weight`).
+fn hf_tensors(module: &pleat_ir::Module, seeded: &SeededWeights, fused: bool) -> Vec<(String, Vec<u64>, Vec<f32>)> {
     let mut tensors = Vec::new();
     for (value, name) in module.graph.params() {
         let shape = module.graph.value(value).ty.shape.sizes();
         let whole: Vec<(u64, u64)> = shape.iter().map(|&size| (0, size)).collect();
         let data = seeded.read(name, &shape, &whole).expect("seeded");
-        match name.rsplit_once(".experts.") {
-            Some((prefix, projection)) => {
-                let size = (shape[1] * shape[2]) as usize;
+        let Some((prefix, projection)) = name.rsplit_once(".experts.") else {
+            let name = if fused { name.replace(".block_sparse_moe.gate.", ".mlp.gate.") } else { name.to_string() };
+            tensors.push((name, shape, data));
+            continue;
+        };
+        let size = (shape[1] * shape[2]) as usize;
+        if !fused {
+            for (expert, block) in data.chunks_exact(size).enumerate() {
+                tensors.push((format!("{prefix}.experts.{expert}.{projection}"), shape[1..].to_vec(), block.to_vec()));
+            }
+            continue;
+        }
+        let layer = prefix.rsplit_once('.').expect("a layer's block").0;
+        match projection {
+            "w2.weight" | "down_proj.weight" => tensors.push((format!("{layer}.mlp.experts.down_proj"), shape, data)),
+            "w1.weight" | "gate_proj.weight" | "w3.weight" | "up_proj.weight" => {
+                let up = matches!(projection, "w3.weight" | "up_proj.weight");
+                let fused_name = format!("{layer}.mlp.experts.gate_up_proj");
+                let at = match tensors.iter().position(|(name, _, _)| *name == fused_name) {
+                    Some(at) => at,
+                    None => {
+                        let fused_shape = vec![shape[0], 2 * shape[1], shape[2]];
+                        tensors.push((fused_name, fused_shape, vec![f32::NAN; 2 * data.len()]));
+                        tensors.len() - 1
+                    }
+                };
                 for (expert, block) in data.chunks_exact(size).enumerate() {
-                    let name = format!("{prefix}.experts.{expert}.{projection}");
-                    tensors.push((name, shape[1..].to_vec(), block.to_vec()));
+                    let start = (2 * expert + usize::from(up)) * size;
+                    tensors[at].2[start..start + size].copy_from_slice(block);
                 }
             }
-            None => tensors.push((name.to_string(), shape, data)),
+            other => panic!("unexpected expert projection {other}"),
         }
     }
-    assert!(tensors.iter().any(|(name, _, _)| name.ends_with("block_sparse_moe.experts.7.w2.weight")));
-    let dir = cli::tempdir("moe-per-expert");
-    let path = dir.join("model.safetensors");
-    write_safetensors(&path, &tensors).expect("write");
-    let file = SafetensorsWeights::open(&path).expect("open");
-    let tokens = common::tokens(4, 16, config.vocab_size);
-    let (from_file, _) = common::run(&programs, &tokens, 16, &file);
-    let (from_seed, _) = common::run(&programs, &tokens, 16, &seeded);
-    assert!(from_file == from_seed, "the per-expert checkpoint gives other logits");
+    tensors
+}
+
+#[test]
+fn a_checkpoint_with_one_tensor_an_expert_or_fused_experts_loads_into_the_stacked_experts() {
+    use pleat_runtime::weights::{write_safetensors, SafetensorsWeights};
+    // Hugging Face's Mixtral files hold `experts.E.w1.weight` for each E; transformers 5 may write
+    // them fused. pleat's graph stacks them; all three give the seeded weights' logits bit for bit,
+    // on a mesh that splits the experts (ep) and one that splits each expert's rows (tp).
+    for (config, mesh) in [(tiny_moe(), "ep=2"), (tiny_moe(), "tp=2"), (tiny_qwen2_moe(), "ep=2")] {
+        let (module, programs) = compile_with(&config, 4, 16, mesh, &PassCtx::default());
+        let seeded = SeededWeights::new(7);
+        let tokens = common::tokens(4, 16, config.vocab_size);
+        let (from_seed, _) = common::run(&programs, &tokens, 16, &seeded);
+        for fused in [false, true] {
+            let tensors = hf_tensors(&module, &seeded, fused);
+            assert!(tensors.iter().all(|(_, _, data)| data.iter().all(|value| value.is_finite())));
+            let expected_name = match (fused, config.name.as_str()) {
+                (true, _) => "layers.1.mlp.experts.gate_up_proj",
+                (false, "tiny-moe") => "block_sparse_moe.experts.7.w2.weight",
+                (false, _) => "mlp.experts.7.down_proj.weight",
+            };
+            assert!(tensors.iter().any(|(name, _, _)| name.ends_with(expected_name)), "{expected_name}");
+            let dir = cli::tempdir("moe-hf-layout");
+            let path = dir.join("model.safetensors");
+            write_safetensors(&path, &tensors).expect("write");
+            let file = SafetensorsWeights::open(&path).expect("open");
+            let (from_file, _) = common::run(&programs, &tokens, 16, &file);
+            assert!(from_file == from_seed, "{} on {mesh}, fused {fused}: other logits", config.name);
+            // Every tensor of the file is one a parameter is read from (the unused-tensor warning
+            // names no expert).
+            let stored: std::collections::BTreeSet<String> =
+                module.graph.params().into_iter().flat_map(|(_, name)| file.stored_names(name)).collect();
+            let names: std::collections::BTreeSet<String> = file.names().into_iter().collect();
+            assert_eq!(stored, names, "{} fused {fused}", config.name);
+        }
+    }
 }
 
 #[test]

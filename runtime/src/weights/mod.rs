@@ -13,9 +13,12 @@
 //! Shapes are given in the model's view, which may split dims that the file stores merged (Hugging Face
 //! stores `q_proj.weight` as `[heads * head_dim, hidden]`; the model may see `[heads, head_dim, hidden]`).
 //! A file tensor is accepted iff its shape is the model's shape with runs of adjacent dims merged.
+//! A mixture's stacked experts are also read from one tensor an expert or from transformers 5's
+//! fused `gate_up_proj` and `down_proj` (`hf_layout`).
 //! [`write_safetensors`] writes `f32` tensors atomically (logits dumps, tests).
 
 mod blocks;
+mod hf_layout;
 mod region;
 mod safetensors_file;
 mod seeded;

@@ -16,6 +16,7 @@ use safetensors::tensor::TensorInfo;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
+use super::hf_layout::{stored_as, StoredAs};
 use super::region::{check_finite, check_region, element_count, for_each_run, is_merged_view};
 use super::{WeightError, WeightSource};
 
@@ -137,31 +138,75 @@ impl SafetensorsWeights {
         Ok(Self { origin: index.to_path_buf(), shards, tensors })
     }
 
-    /// A mixture's stacked expert projection (`model.layers.0.block_sparse_moe.experts.w1.weight`,
-    /// `[experts, ..]` in pleat's graph) read from the checkpoint's one tensor an expert
-    /// (`..experts.0.w1.weight`, `..experts.1.w1.weight`, ..), as Hugging Face stores them: the
-    /// region's experts one after another. `None` when the checkpoint has no such per-expert tensors.
-    fn read_stacked_experts(
+    /// The checkpoint's tensors that hold the graph's parameter `name`: itself, or where it has no
+    /// such tensor, a mixture's per-expert or fused tensors ([`hf_layout`]); empty when none is there.
+    pub fn stored_names(&self, name: &str) -> Vec<String> {
+        if self.tensors.contains_key(name) {
+            return vec![name.to_string()];
+        }
+        for way in stored_as(name) {
+            let names: Vec<String> = match way {
+                StoredAs::PerExpert { prefix, projection } => (0..)
+                    .map(|expert| format!("{prefix}.experts.{expert}.{projection}"))
+                    .take_while(|expert_name| self.tensors.contains_key(expert_name))
+                    .collect(),
+                StoredAs::FusedHalf { source, .. } | StoredAs::Renamed { source } => {
+                    [source].into_iter().filter(|source| self.tensors.contains_key(source)).collect()
+                }
+            };
+            if !names.is_empty() {
+                return names;
+            }
+        }
+        Vec::new()
+    }
+
+    /// The graph's parameter `name`, of `shape`, read where the checkpoint stores it under other
+    /// names ([`hf_layout`]): the region's experts one after another from their own tensors, or
+    /// the region of a fused tensor. `None` when the checkpoint has none of those names.
+    fn read_stored_elsewhere(
         &self,
         name: &str,
         shape: &[u64],
         region: &[(u64, u64)],
     ) -> Result<Option<Vec<f32>>, WeightError> {
-        let Some((prefix, projection)) = name.rsplit_once(".experts.") else { return Ok(None) };
-        let (Some(&(first, count)), Some(inner_shape), Some(inner_region)) =
-            (region.first(), shape.get(1..), region.get(1..))
-        else {
-            return Ok(None);
-        };
-        let expert_name = |expert: u64| format!("{prefix}.experts.{expert}.{projection}");
-        if !self.tensors.contains_key(&expert_name(0)) {
-            return Ok(None);
+        for way in stored_as(name) {
+            match way {
+                StoredAs::PerExpert { prefix, projection } => {
+                    let expert_name = |expert: u64| format!("{prefix}.experts.{expert}.{projection}");
+                    let (Some(&(first, count)), Some(inner_shape), Some(inner_region)) =
+                        (region.first(), shape.get(1..), region.get(1..))
+                    else {
+                        continue;
+                    };
+                    if !self.tensors.contains_key(&expert_name(0)) {
+                        continue;
+                    }
+                    let mut values = Vec::new();
+                    for expert in first..first + count {
+                        values.extend(self.read(&expert_name(expert), inner_shape, inner_region)?);
+                    }
+                    return Ok(Some(values));
+                }
+                StoredAs::FusedHalf { source, half } => {
+                    let ([experts, rows, columns], [experts_region, (row, count), columns_region]) = (shape, region)
+                    else {
+                        continue;
+                    };
+                    if !self.tensors.contains_key(&source) {
+                        continue;
+                    }
+                    let fused_region = [*experts_region, (half * rows + row, *count), *columns_region];
+                    return self.read(&source, &[*experts, 2 * rows, *columns], &fused_region).map(Some);
+                }
+                StoredAs::Renamed { source } => {
+                    if self.tensors.contains_key(&source) {
+                        return self.read(&source, shape, region).map(Some);
+                    }
+                }
+            }
         }
-        let mut values = Vec::new();
-        for expert in first..first + count {
-            values.extend(self.read(&expert_name(expert), inner_shape, inner_region)?);
-        }
-        Ok(Some(values))
+        Ok(None)
     }
 
     /// Up to [`MAX_SIMILAR_NAMES`] tensor names closest to `name` by edit distance.
@@ -176,7 +221,7 @@ impl SafetensorsWeights {
 impl WeightSource for SafetensorsWeights {
     fn read(&self, name: &str, shape: &[u64], region: &[(u64, u64)]) -> Result<Vec<f32>, WeightError> {
         if !self.tensors.contains_key(name) {
-            if let Some(values) = self.read_stacked_experts(name, shape, region)? {
+            if let Some(values) = self.read_stored_elsewhere(name, shape, region)? {
                 return Ok(values);
             }
         }
