@@ -309,9 +309,9 @@ pub struct Predicted {
     /// End, seconds.
     pub end_s: f64,
     /// Seconds the compute stream was held waiting for communication here: a wait's stall, or a
-    /// blocking transfer's time, each from when the transfer started (never the time spent
-    /// waiting for a late peer to reach it), so a rank's exposed seconds are at most its
-    /// transfers'.
+    /// blocking transfer's time, each from when every rank taking part had reached the transfer
+    /// (never the time spent waiting for a late peer's compute: a pipeline's bubble, say). The
+    /// time a transfer queues behind others on a stream counts: it is communication.
     pub exposed_s: f64,
 }
 
@@ -322,6 +322,9 @@ struct RankState {
     streams: StreamClocks,
     pairs: TransferPairs,
     transfer_end: HashMap<usize, f64>,
+    /// Per transfer instruction: when every rank taking part had issued it, so that only a late
+    /// peer's compute, not its streams' queues, is excluded from the exposed time.
+    transfer_ready: HashMap<usize, f64>,
     /// The relays' forwards: the seconds each one's stream carries on after its message is in.
     forward_s: HashMap<usize, f64>,
     /// Per stream and group: the collectives entered so far.
@@ -365,16 +368,17 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
             streams: StreamClocks::default(),
             pairs: pair_transfers(program)?,
             transfer_end: HashMap::new(),
+            transfer_ready: HashMap::new(),
             forward_s: HashMap::new(),
             group_calls: HashMap::new(),
             slices: Vec::new(),
             slice_of: HashMap::new(),
         });
     }
-    // (stream, group, call index) -> each member's arrival time; (sender, receiver) -> sends in
-    // order.
-    let mut arrivals: BTreeMap<(TransferStream, Vec<u32>, usize), BTreeMap<u32, f64>> = BTreeMap::new();
-    let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64)>> = HashMap::new();
+    // (stream, group, call index) -> each member's arrival on its stream and issue time;
+    // (sender, receiver) -> sends in order, each (ready, start, end).
+    let mut arrivals: BTreeMap<(TransferStream, Vec<u32>, usize), BTreeMap<u32, (f64, f64)>> = BTreeMap::new();
+    let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64, f64)>> = HashMap::new();
     loop {
         let mut progressed = false;
         for (rank, program) in programs.iter().enumerate() {
@@ -391,6 +395,7 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                 let arrival = issue.max(state.streams.free(stream));
                 // A relay's forward: the seconds its stream carries on after the message is in.
                 let mut forward_s = 0.0;
+                let mut ready = issue;
                 let (start_s, end_s) = match instr {
                     Instr::AllReduce { group, .. }
                     | Instr::ReduceScatter { group, .. }
@@ -400,29 +405,37 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                         let key = (stream, group.ranks.clone());
                         let call = *state.group_calls.get(&key).unwrap_or(&0);
                         let members = arrivals.entry((stream, group.ranks.clone(), call)).or_default();
-                        members.insert(program.rank, arrival);
+                        members.insert(program.rank, (arrival, issue));
                         if group.ranks.iter().any(|member| !members.contains_key(member)) {
                             break;
                         }
                         state.group_calls.insert(key, call + 1);
-                        let start = members.values().copied().fold(0.0, f64::max);
+                        ready = members.values().map(|&(_, issued)| issued).fold(0.0, f64::max);
+                        let start = members.values().map(|&(arrived, _)| arrived).fold(0.0, f64::max);
                         (start, start + cost)
                     }
                     Instr::Send { peer, .. } => {
-                        messages.entry((program.rank, *peer)).or_default().push_back((arrival, arrival + cost));
+                        messages.entry((program.rank, *peer)).or_default().push_back((issue, arrival, arrival + cost));
                         (arrival, arrival + cost)
                     }
                     Instr::Recv { peer: from, .. } | Instr::Relay { from, .. } => {
-                        let Some((sent_start, sent_end)) =
+                        let Some((sent_ready, sent_start, sent_end)) =
                             messages.get_mut(&(*from, program.rank)).and_then(VecDeque::pop_front)
                         else {
                             break;
                         };
+                        ready = issue.max(sent_ready);
                         let start = arrival.max(sent_start);
                         // The message is queued once sent: a late receiver finds it there.
                         let arrived = start.max(sent_end);
                         if let Instr::Relay { to, .. } = instr {
-                            messages.entry((program.rank, *to)).or_default().push_back((arrived, arrived + cost));
+                            // The forward is ready when this hop was: the wait for the message
+                            // before it is the ring's communication.
+                            messages.entry((program.rank, *to)).or_default().push_back((
+                                ready,
+                                arrived,
+                                arrived + cost,
+                            ));
                             forward_s = cost;
                         }
                         (start, arrived + forward_s)
@@ -460,23 +473,24 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                         state.forward_s.insert(state.pc, forward_s);
                     }
                     state.transfer_end.insert(state.pc, delivered);
+                    state.transfer_ready.insert(state.pc, ready);
                     let blocking = !state.pairs.wait_of.contains_key(&state.pc) && !matches!(instr, Instr::Send { .. });
                     if blocking {
                         // Waiting for a peer to reach the transfer is its lateness (a pipeline's
-                        // bubble, say), not communication: only the transfer's own time counts.
-                        exposed_s = delivered - issue.max(start_s);
+                        // bubble, say), not communication.
+                        exposed_s = (delivered - ready).max(0.0);
                         state.compute_free = delivered;
                     }
                 } else {
                     if matches!(instr, Instr::Wait { .. }) {
-                        let transfer_start = state
+                        let transfer_ready = state
                             .pairs
                             .start_of
                             .get(&state.pc)
-                            .and_then(|start| state.slice_of.get(start))
-                            .and_then(|&at| state.slices.get(at))
-                            .map_or(start_s, |transfer| transfer.start_s);
-                        exposed_s = (end_s - start_s.max(transfer_start)).max(0.0);
+                            .and_then(|start| state.transfer_ready.get(start))
+                            .copied()
+                            .unwrap_or(start_s);
+                        exposed_s = (end_s - start_s.max(transfer_ready)).max(0.0);
                     }
                     state.compute_free = end_s;
                 }
@@ -647,6 +661,31 @@ mod tests {
         // time is communication; the sender's load before it is the sender's lateness.
         close(recv.exposed_s, send);
         close(timelines[1][1].start_s, load + send);
+    }
+
+    #[test]
+    fn a_receive_queued_behind_its_own_send_is_exposed_communication() {
+        // A ring hop: each rank sends its block and then receives its neighbour's on the same
+        // stream. The receive starts when the send has left, so the compute stream waits for
+        // both; the peer reached the hop as early, so none of it is a late peer's.
+        let hw = HardwareSpec::builtin("cpu").unwrap();
+        let hop = |rank: u32| {
+            let peer = 1 - rank;
+            program(
+                rank,
+                message_buffers(),
+                vec![load(0), Instr::Send { bufs: vec![id(0)], peer }, Instr::Recv { outs: vec![id(1)], peer }],
+            )
+        };
+        let timelines = predict(&[hop(0), hop(1)], &hw).unwrap();
+        let tile = 64.0 * 64.0 * 4.0;
+        let send = tile / (5e9 * 0.8) + 5e-6;
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-12, "got {got}, want {want}");
+        for timeline in &timelines {
+            let recv = timeline.iter().find(|slice| slice.work.op == "recv").unwrap();
+            close(recv.exposed_s, send);
+        }
+        close(summarize(&timelines).exposed_comm_s, send);
     }
 
     #[test]
