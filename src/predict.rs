@@ -334,6 +334,21 @@ struct RankState {
     slice_of: HashMap<usize, usize>,
 }
 
+/// A rank's entry into a collective: when its stream could start it and when its compute stream
+/// issued it.
+struct Entered {
+    arrival: f64,
+    issue: f64,
+}
+
+/// A point-to-point message in flight: when its sender's side was ready (issued, or a relay's hop
+/// ready), and when it occupies the link.
+struct Message {
+    ready: f64,
+    start: f64,
+    end: f64,
+}
+
 /// What a prediction sums to.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PredictedStep {
@@ -375,10 +390,9 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
             slice_of: HashMap::new(),
         });
     }
-    // (stream, group, call index) -> each member's arrival on its stream and issue time;
-    // (sender, receiver) -> sends in order, each (ready, start, end).
-    let mut arrivals: BTreeMap<(TransferStream, Vec<u32>, usize), BTreeMap<u32, (f64, f64)>> = BTreeMap::new();
-    let mut messages: HashMap<(u32, u32), VecDeque<(f64, f64, f64)>> = HashMap::new();
+    // (stream, group, call index) -> each member's entry; (sender, receiver) -> sends in order.
+    let mut arrivals: BTreeMap<(TransferStream, Vec<u32>, usize), BTreeMap<u32, Entered>> = BTreeMap::new();
+    let mut messages: HashMap<(u32, u32), VecDeque<Message>> = HashMap::new();
     loop {
         let mut progressed = false;
         for (rank, program) in programs.iter().enumerate() {
@@ -405,37 +419,39 @@ pub fn predict(programs: &[Program], hw: &HardwareSpec) -> Result<Vec<Vec<Predic
                         let key = (stream, group.ranks.clone());
                         let call = *state.group_calls.get(&key).unwrap_or(&0);
                         let members = arrivals.entry((stream, group.ranks.clone(), call)).or_default();
-                        members.insert(program.rank, (arrival, issue));
+                        members.insert(program.rank, Entered { arrival, issue });
                         if group.ranks.iter().any(|member| !members.contains_key(member)) {
                             break;
                         }
                         state.group_calls.insert(key, call + 1);
-                        ready = members.values().map(|&(_, issued)| issued).fold(0.0, f64::max);
-                        let start = members.values().map(|&(arrived, _)| arrived).fold(0.0, f64::max);
+                        ready = members.values().map(|member| member.issue).fold(0.0, f64::max);
+                        let start = members.values().map(|member| member.arrival).fold(0.0, f64::max);
                         (start, start + cost)
                     }
                     Instr::Send { peer, .. } => {
-                        messages.entry((program.rank, *peer)).or_default().push_back((issue, arrival, arrival + cost));
+                        messages.entry((program.rank, *peer)).or_default().push_back(Message {
+                            ready: issue,
+                            start: arrival,
+                            end: arrival + cost,
+                        });
                         (arrival, arrival + cost)
                     }
                     Instr::Recv { peer: from, .. } | Instr::Relay { from, .. } => {
-                        let Some((sent_ready, sent_start, sent_end)) =
-                            messages.get_mut(&(*from, program.rank)).and_then(VecDeque::pop_front)
-                        else {
+                        let Some(sent) = messages.get_mut(&(*from, program.rank)).and_then(VecDeque::pop_front) else {
                             break;
                         };
-                        ready = issue.max(sent_ready);
-                        let start = arrival.max(sent_start);
+                        ready = issue.max(sent.ready);
+                        let start = arrival.max(sent.start);
                         // The message is queued once sent: a late receiver finds it there.
-                        let arrived = start.max(sent_end);
+                        let arrived = start.max(sent.end);
                         if let Instr::Relay { to, .. } = instr {
                             // The forward is ready when this hop was: the wait for the message
                             // before it is the ring's communication.
-                            messages.entry((program.rank, *to)).or_default().push_back((
+                            messages.entry((program.rank, *to)).or_default().push_back(Message {
                                 ready,
-                                arrived,
-                                arrived + cost,
-                            ));
+                                start: arrived,
+                                end: arrived + cost,
+                            });
                             forward_s = cost;
                         }
                         (start, arrived + forward_s)
