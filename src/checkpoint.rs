@@ -369,16 +369,29 @@ fn check_creatable(output: &Path, within: &Path, flag: &'static str) -> Result<(
 }
 
 /// Checks, before the work whose output it is, that a file could be written at `path`: it is
-/// not a directory, and its directory exists.
+/// not a directory, and its directory exists and takes a new file (the temporary sibling the
+/// output is written through, created and removed here).
 pub fn check_output_file(path: &Path, flag: &'static str) -> Result<()> {
+    // A device or a pipe (`/dev/stdout`) is written in place, as `write_file_atomically` does.
+    if std::fs::metadata(path).is_ok_and(|metadata| !metadata.is_file() && !metadata.is_dir()) {
+        return Ok(());
+    }
     let problem = if path.is_dir() {
         "it is a directory; give a file's path".to_string()
     } else {
-        let (parent, _) = parent_and_name(path)?;
-        if parent.is_dir() {
-            return Ok(());
+        let (parent, name) = parent_and_name(path)?;
+        if !parent.is_dir() {
+            format!("its directory {} does not exist", parent.display())
+        } else {
+            let probe = parent.join(format!(".{name}.probe-{}", std::process::id()));
+            match std::fs::File::create(&probe) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(&probe);
+                    return Ok(());
+                }
+                Err(error) => format!("pleat cannot create a file in {}: {error}", parent.display()),
+            }
         }
-        format!("its directory {} does not exist", parent.display())
     };
     bail!(UsageError::OutputPath { path: path.to_path_buf(), flag, problem })
 }
@@ -430,7 +443,9 @@ pub fn write_atomically_with(
     let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     if let Err(error) = stream_to(&staging, write) {
         let _ = std::fs::remove_file(&staging);
-        return Err(error).with_context(|| format!("cannot write {}", staging.display()));
+        return Err(error).with_context(|| {
+            format!("cannot write {} (through the temporary file {})", path.display(), staging.display())
+        });
     }
     std::fs::rename(&staging, path).with_context(|| format!("cannot move the output into {}", path.display()))
 }

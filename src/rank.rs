@@ -95,28 +95,70 @@ struct BlockPlace {
     region: Vec<(u64, u64)>,
 }
 
-/// Runs `pleat rank`.
-pub fn rank(args: &RankArgs) -> Result<()> {
-    let mut comm = MpiComm::init(Duration::from_secs(args.timeout))
-        .context("cannot start mpi; launch pleat rank with mpirun -np N")?;
-    let rank = comm.rank();
-    // Every rank reads the same directory and sees the same problems, so these errors end every
-    // rank alike and MPI finalizes normally.
-    let compiled = CompiledDir::read_forward(&args.dir).with_context(|| format!("rank {rank}"))?;
+/// What a rank reads before it runs: the directory's plan, config and programs, the tokens and the
+/// weights.
+struct RankInputs {
+    plan: crate::compiled_dir::PlanFile,
+    config: pleat_ir::model::config::ModelConfig,
+    programs: Vec<pleat_backend::Program>,
+    tokens: crate::inputs::Tokens,
+    weights: Box<dyn pleat_runtime::weights::WeightSource>,
+}
+
+/// Reads what rank `rank` of a world of `world` ranks runs, checking the outputs' paths first.
+fn read_inputs(args: &RankArgs, rank: u32, world: u32) -> Result<RankInputs> {
+    let compiled = CompiledDir::read_forward(&args.dir)?;
     let (plan, config, programs) = (compiled.plan, compiled.config, compiled.programs);
-    if comm.world_size() != plan.ranks {
-        bail!(UsageError::MpiWorldSize { rank, world: comm.world_size(), dir: args.dir.clone(), ranks: plan.ranks });
+    if world != plan.ranks {
+        bail!(UsageError::MpiWorldSize { rank, world, dir: args.dir.clone(), ranks: plan.ranks });
+    }
+    if rank == 0 {
+        if let Some(path) = &args.trace {
+            crate::checkpoint::check_output_file(path, "--trace")?;
+        }
+        if let Some(path) = &args.logits_out {
+            crate::checkpoint::check_output_file(path, "--logits-out")?;
+        }
     }
     let tokens = match &args.tokens {
         Some(path) => {
-            let tokens = read_tokens(path).with_context(|| format!("rank {rank}"))?;
+            let tokens = read_tokens(path)?;
             tokens.expect_shape(plan.batch, plan.seq)?;
             tokens.expect_ids_below(config.vocab_size)?;
             tokens
         }
         None => random_tokens(plan.batch, plan.seq, config.vocab_size, args.seed)?,
     };
-    let weights = weight_source(args.weights.as_ref(), args.seed)?;
+    // The weights the directory was compiled beside, as `pleat run DIR` loads them.
+    let weights_path = crate::compiled_dir::weights_for(args.weights.as_deref(), &args.dir, &plan)?;
+    let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    Ok(RankInputs { plan, config, programs, tokens, weights })
+}
+
+/// Reports `error` in the run's error format and ends the whole job: peers may be blocked where
+/// only `MPI_Abort` reaches them, or, when this rank failed before its first message, would wait
+/// for it until their timeout.
+fn end_job(comm: &mut MpiComm, error: anyhow::Error, format: Format) -> ! {
+    let error_format =
+        if format == Format::Json { crate::report::ErrorFormat::Json } else { crate::report::ErrorFormat::Text };
+    crate::report::print(&error, error_format);
+    comm.abort_job(&format!("{error:#}"), 1)
+}
+
+/// Runs `pleat rank`.
+pub fn rank(args: &RankArgs) -> Result<()> {
+    let mut comm = MpiComm::init(Duration::from_secs(args.timeout))
+        .context("cannot start mpi; launch pleat rank with mpirun -np N")?;
+    let rank = comm.rank();
+    let RankInputs { plan, config, programs, tokens, weights } =
+        match read_inputs(args, rank, comm.world_size()) {
+            Ok(inputs) => inputs,
+            // A world of the wrong size is every rank's error alike: each reports it and MPI
+            // finalizes normally.
+            Err(error) if matches!(error.downcast_ref(), Some(UsageError::MpiWorldSize { .. })) => return Err(error),
+            // Another (a file one host lacks, say) may be this rank's alone.
+            Err(error) => end_job(&mut comm, error.context(format!("rank {rank} cannot start")), args.format),
+        };
     let positions: Vec<u32> = (0..plan.seq as u32).collect();
     if args.trace.is_some() {
         // One epoch for every rank's clock, to within a barrier's latency.
@@ -132,20 +174,11 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     };
     let outcome = match outcome {
         Ok(outcome) => outcome,
-        // Peers may be blocked where only MPI_Abort reaches them: end the job, naming the cause.
-        Err(err) => {
-            let message = format!("rank {rank} failed: {err}");
-            eprintln!("error: {message}");
-            comm.abort_job(&message, 1)
-        }
+        Err(err) => end_job(&mut comm, anyhow::Error::new(err).context(format!("rank {rank} failed")), args.format),
     };
     let outcomes = match gather_outcomes(&mut comm, outcome) {
         Ok(outcomes) => outcomes,
-        Err(err) => {
-            let message = format!("rank {rank} failed to gather the outputs: {err}");
-            eprintln!("error: {message}");
-            comm.abort_job(&message, 1)
-        }
+        Err(err) => end_job(&mut comm, err.context(format!("rank {rank} failed to gather the outputs")), args.format),
     };
     comm.flush().with_context(|| format!("rank {rank}"))?;
     drop(comm);

@@ -216,6 +216,53 @@ fn a_rank_that_dies_mid_step_ends_the_job_naming_it() {
     assert!(mentions_dead_rank(&text, 2), "the output names rank 2\n{text}");
 }
 
+/// Rank 1 cannot read its tokens file (a file one host lacks, say) and fails before its first
+/// message: it must end the job with its own error, not leave rank 0 waiting out its timeout and
+/// itself blocked in `MPI_Finalize` with its error unprinted.
+#[test]
+fn a_rank_that_fails_before_its_first_message_ends_the_job_with_its_error() {
+    let dir = tempdir("mpi-early-fault");
+    let compiled = compile_tiny(&dir, "tp=2");
+    let missing = dir.join("missing-tokens.json");
+    let missing = missing.to_str().expect("utf-8 path");
+    let pleat = env!("CARGO_BIN_EXE_pleat");
+    let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let output = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "1", pleat, "rank", &compiled, "--timeout", "20"])
+        .args([":", "-np", "1", pleat, "rank", &compiled, "--timeout", "20", "--tokens", missing])
+        .env("NO_COLOR", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .output()
+        .expect("mpirun runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(!output.status.success(), "{text}");
+    assert!(text.contains("error[E0743]: rank 1 cannot start") && text.contains("missing-tokens.json"), "{text}");
+    assert!(!text.contains("timed out"), "rank 0 waited out its timeout\n{text}");
+}
+
+/// `pleat rank DIR` loads the weights `plan.json` records, as `pleat run DIR` does (it ran on
+/// seeded weights, and `--check` passed against a reference seeded alike).
+#[test]
+fn mpi_ranks_load_the_weights_the_directory_was_compiled_beside() {
+    let dir = tempdir("mpi-weights");
+    let checkpoint = dir.join("checkpoint");
+    let checkpoint = checkpoint.to_str().expect("utf-8 path");
+    stdout_of(&["run", "tiny", "--train", "--steps", "1", "--batch", "2", "--seq", "16", "--save", checkpoint]);
+    let compiled = dir.join("compiled");
+    let compiled = compiled.to_str().expect("utf-8 path");
+    stdout_of(&["compile", checkpoint, "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--out", compiled]);
+    let (from_rank, from_run, seeded) =
+        (dir.join("rank.safetensors"), dir.join("run.safetensors"), dir.join("seeded.safetensors"));
+    let output = mpirun(2, &["rank", compiled, "--check", "--logits-out", from_rank.to_str().expect("utf-8")]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    stdout_of(&["run", compiled, "--logits-out", from_run.to_str().expect("utf-8")]);
+    let seeded_args = ["run", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--logits-out"];
+    stdout_of(&[&seeded_args[..], &[seeded.to_str().expect("utf-8")]].concat());
+    let read = |path: &Path| std::fs::read(path).expect("logits");
+    assert_eq!(read(&from_rank), read(&from_run), "pleat rank and pleat run load the same weights");
+    assert_ne!(read(&from_rank), read(&seeded), "the trained weights, not the seeded ones");
+}
+
 /// Whether mpirun's report (or a surviving rank's error) names `rank` as the one that failed.
 fn mentions_dead_rank(text: &str, rank: u32) -> bool {
     // Open MPI names a process `[[job,1],rank]` and gives its exit code; pleat's own errors say
