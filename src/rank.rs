@@ -150,15 +150,14 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     let mut comm = MpiComm::init(Duration::from_secs(args.timeout))
         .context("cannot start mpi; launch pleat rank with mpirun -np N")?;
     let rank = comm.rank();
-    let RankInputs { plan, config, programs, tokens, weights } =
-        match read_inputs(args, rank, comm.world_size()) {
-            Ok(inputs) => inputs,
-            // A world of the wrong size is every rank's error alike: each reports it and MPI
-            // finalizes normally.
-            Err(error) if matches!(error.downcast_ref(), Some(UsageError::MpiWorldSize { .. })) => return Err(error),
-            // Another (a file one host lacks, say) may be this rank's alone.
-            Err(error) => end_job(&mut comm, error.context(format!("rank {rank} cannot start")), args.format),
-        };
+    let RankInputs { plan, config, programs, tokens, weights } = match read_inputs(args, rank, comm.world_size()) {
+        Ok(inputs) => inputs,
+        // A world of the wrong size is every rank's error alike: each reports it and MPI
+        // finalizes normally.
+        Err(error) if matches!(error.downcast_ref(), Some(UsageError::MpiWorldSize { .. })) => return Err(error),
+        // Another (a file one host lacks, say) may be this rank's alone.
+        Err(error) => end_job(&mut comm, error.context(format!("rank {rank} cannot start")), args.format),
+    };
     let positions: Vec<u32> = (0..plan.seq as u32).collect();
     if args.trace.is_some() {
         // One epoch for every rank's clock, to within a barrier's latency.

@@ -746,7 +746,7 @@ fn codes_in_sources() -> Vec<(String, PathBuf)> {
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut found = Vec::new();
-    for dir in ["src", "ir/src", "passes/src", "backend/src", "runtime/src"] {
+    for dir in ["src", "ir/src", "passes/src", "backend/src", "runtime/src", "rt/src"] {
         walk(&root.join(dir), &mut found);
     }
     found

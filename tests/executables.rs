@@ -177,6 +177,15 @@ fn a_rank_in_the_wrong_place_or_failing_ends_the_job_with_its_reason() {
             || stderr.contains("this executable is rank 0 of 2 but mpirun started it as rank 1 of 2"),
         "{stderr}"
     );
+    // The same executable twice: the second refuses to run as rank 1, and ends the job, where the
+    // first would wait for it in its first collective until its timeout.
+    let (output, elapsed) = mpirun(&compiled, &[0, 0], args);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && elapsed < FAULT_DEADLINE, "a doubled rank ran or hung: {stderr}");
+    assert!(
+        stderr.contains("error[E0550]: rank0: this executable is rank 0 of 2 but mpirun started it as rank 1 of 2"),
+        "{stderr}"
+    );
     // Rank 1's weights lack every tensor: it fails at its first load, inside the job, and the job
     // ends with its reason while rank 0 waits in a collective.
     let weights = dir.join("empty.safetensors");

@@ -3,13 +3,15 @@
 use std::path::PathBuf;
 
 /// Everything that ends a rank executable's run.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, miette::Diagnostic)]
 pub enum ExeError {
     /// The command line is wrong.
     #[error("{0}")]
+    #[diagnostic(code(E0548), help("`rank<i> --help` lists the arguments"))]
     Usage(String),
     /// A file could not be read or parsed.
     #[error("cannot read {path}: {reason}")]
+    #[diagnostic(code(E0549), help("check that the file exists on this host and that the rank may read it"))]
     Read {
         /// The file.
         path: PathBuf,
@@ -18,17 +20,28 @@ pub enum ExeError {
     },
     /// The executable and the program or the job do not belong together.
     #[error("{0}")]
+    #[diagnostic(
+        code(E0550),
+        help(
+            "start each rank<i> as MPI rank i, in order (or let `pleat run DIR` start them); compile again if the \
+              program changed"
+        )
+    )]
     Mismatch(String),
     /// MPI could not start.
     #[error("cannot start mpi ({0}); launch the ranks with mpirun, e.g. `pleat run DIR`")]
+    #[diagnostic(code(E0551), help("install openmpi-bin and start the ranks with mpirun"))]
     Mpi(String),
     /// The program failed.
     #[error(transparent)]
+    #[diagnostic(transparent)]
     Run(#[from] pleat_runtime::Error),
     /// The last messages could not be delivered.
     #[error("delivering the last messages failed: {0}")]
+    #[diagnostic(code(E0552), help("a peer ended before taking them; read its report"))]
     Flush(String),
     /// The outcome could not be written.
     #[error(transparent)]
+    #[diagnostic(transparent)]
     Outcome(#[from] pleat_runtime::outcome_file::OutcomeFileError),
 }

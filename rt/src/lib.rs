@@ -66,23 +66,32 @@ fn print_usage() -> c_int {
     0
 }
 
+/// `error` as pleat reports errors: `error[E0xxx]: rank<i>: message`, then a `help:` line.
+fn report_text(rank: u32, error: &ExeError) -> String {
+    use miette::Diagnostic;
+    let code = error.code().map_or_else(|| "E0700".to_string(), |code| code.to_string());
+    let mut text = format!("error[{code}]: rank{rank}: {error}\n");
+    if let Some(help) = error.help() {
+        text.push_str(&format!("  help: {help}\n"));
+    }
+    text
+}
+
 /// Prints why this rank ends the job, before `MPI_Abort` does.
 #[allow(clippy::print_stderr, reason = "this is the rank executable's main: standard error is its report")]
-fn report_abort(message: &str) {
-    eprintln!("error: {message}");
+fn report_abort(rank: u32, error: &ExeError) {
+    eprint!("{}", report_text(rank, error));
 }
 
 /// Prints `error` as the process's last words; the exit status it deserves.
 #[allow(clippy::print_stderr, reason = "this is the rank executable's main: standard error is its report")]
 fn report(rank: u32, error: &ExeError) -> c_int {
+    eprint!("{}", report_text(rank, error));
     match error {
-        ExeError::Usage(message) => {
-            eprintln!("error: rank{rank}: {message}\n\n{}", args::USAGE);
+        ExeError::Usage(_) => {
+            eprintln!("\n{}", args::USAGE);
             2
         }
-        error => {
-            eprintln!("error: rank{rank}: {error}");
-            1
-        }
+        _ => 1,
     }
 }

@@ -43,14 +43,17 @@ pub fn run_rank(args: &ExeArgs, rank: u32, entry: EntryFunction, fingerprint: u6
         .map_err(|error| ExeError::Read { path: args.out.clone(), reason: error.to_string() })?;
     let mut comm = MpiComm::init(args.timeout).map_err(|error| ExeError::Mpi(error.to_string()))?;
     if comm.rank() != rank || comm.world_size() != program.world_size {
-        // Every process sees the same world, so each refuses alike and MPI finalizes normally.
-        return Err(ExeError::Mismatch(format!(
+        // Another process may be the right one (the same executable started twice, say) and would
+        // wait for this one: end the whole job.
+        let error = ExeError::Mismatch(format!(
             "this executable is rank {rank} of {} but mpirun started it as rank {} of {}; launch every rank \
              in order: mpirun -np 1 DIR/rank0 ARGS : -np 1 DIR/rank1 ARGS ... (or `pleat run DIR`)",
             program.world_size,
             comm.rank(),
             comm.world_size()
-        )));
+        ));
+        crate::report_abort(rank, &error);
+        comm.abort_job(&format!("rank{rank}: {error}"), 1);
     }
     let seq = program.tokens_shape.get(1).copied().unwrap_or(0);
     let positions: Vec<u32> = (0..seq as u32).collect();
@@ -61,9 +64,8 @@ pub fn run_rank(args: &ExeArgs, rank: u32, entry: EntryFunction, fingerprint: u6
             .and_then(|outcome| Ok(pleat_runtime::outcome_file::write_outcome(&args.out, &outcome)?));
     if let Err(error) = outcome {
         // Peers may be blocked where only MPI_Abort reaches them: end the job, naming the cause.
-        let message = format!("rank {rank} failed: {error}");
-        crate::report_abort(&message);
-        comm.abort_job(&message, 1);
+        crate::report_abort(rank, &error);
+        comm.abort_job(&format!("rank {rank} failed: {error}"), 1);
     }
     comm.flush().map_err(|error| ExeError::Flush(error.to_string()))?;
     Ok(())
