@@ -797,12 +797,16 @@ fn training_steps_run_through_the_entry_functions_bit_for_bit() {
     // Every instruction of a training step (the backward kernels, the losses, the optimizer's
     // gathers under ZeRO, a pipeline's sends) is a runtime call or a generated kernel of the entry
     // function; the losses and gradient norms equal the bytecode path's exactly.
-    let runs: [&[&str]; 5] = [
+    // Under bf16 the fused sums of gradients round each partial sum as the adds they replace
+    // stored it (the step-2 loss was 6.110417 natively against 6.111316).
+    let runs: [&[&str]; 7] = [
         &["tiny", "--mesh", "tp=2"],
         &["tiny", "--mesh", "tsp=2"],
         &["tiny", "--mesh", "pp=2", "--micro-batches", "2"],
         &["tiny", "--mesh", "dp=2", "--zero", "3"],
         &["tiny-moe", "--mesh", "ep=2"],
+        &["tiny", "--precision", "bf16"],
+        &["tiny", "--mesh", "tp=2", "--precision", "bf16"],
     ];
     let common = ["--train", "--steps", "2", "--batch", "4", "--seq", "16", "--format", "json"];
     for run in runs {
@@ -810,7 +814,10 @@ fn training_steps_run_through_the_entry_functions_bit_for_bit() {
         let native = json_of(&args(&["--native", "--check"]));
         let ranks = native["ranks"].as_u64().expect("ranks") as usize;
         assert_eq!(native["execution_per_rank"], serde_json::json!(vec!["native-entry"; ranks]), "{run:?}");
-        cli::assert_matches_reference(&native, &format!("{run:?}"));
+        // (A bf16 run is held to bf16's tolerances by its own `--check`, which exits non-zero.)
+        if !run.contains(&"bf16") {
+            cli::assert_matches_reference(&native, &format!("{run:?}"));
+        }
         let bytecode = json_of(&args(&[]));
         assert_eq!(bytecode["execution_per_rank"], serde_json::json!(vec!["bytecode"; ranks]), "{run:?}");
         assert_eq!(native["losses"], bytecode["losses"], "{run:?}");

@@ -1104,6 +1104,14 @@ fn source_indices(kernel: &Kernel) -> Vec<usize> {
     }
 }
 
+/// Rounds `values` as a buffer of `dtype` stores them (a bf16 one to nearest even; others keep
+/// f32), so that a fused kernel's intermediate is the value the instruction it replaces stored.
+pub(super) fn round_as_stored(dtype: DType, values: &mut [f32]) {
+    if dtype == DType::Bf16 {
+        values.iter_mut().for_each(|value| *value = bf16::from_f32(*value).to_f32());
+    }
+}
+
 fn local_shape(program: &Program, id: BufferId) -> Vec<usize> {
     program.buffer(id).shape.iter().map(|&size| size as usize).collect()
 }
@@ -1235,9 +1243,12 @@ fn run_kernel(
             machine.note_expert_rows(loads.into_iter().max().unwrap_or(0) as u64);
         }
         Kernel::Sum => {
-            // Left to right, as the chain of adds it replaces: bit for bit the same.
+            // Left to right, as the chain of adds it replaces, each partial sum rounded as that
+            // add stored it: bit for bit the same.
+            let dtype = machine.program.buffer(out).dtype;
             kernels::add(&f32_operand(0)?, &f32_operand(1)?, &mut result);
             for index in 2..operands.len() {
+                round_as_stored(dtype, &mut result);
                 kernels::add_in_place(&mut result, &f32_operand(index)?);
             }
         }

@@ -91,7 +91,9 @@ pub(super) fn run_backward_kernel(
                 *hidden as usize,
                 *eps,
             );
-            // Added after, as the add it replaces did: bit for bit the same.
+            // Rounded as the gradient was stored and added after, as the add it replaces did: bit
+            // for bit the same.
+            super::round_as_stored(machine.program.buffer(out).dtype, result);
             kernels::add_in_place(result, &f32_operand(3)?);
         }
         Kernel::RmsNormGradWeight { hidden, eps } => {

@@ -283,7 +283,11 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
             let (first, rest) =
                 frame.inputs.split_first().ok_or(LlvmError::Builder { message: "a sum of nothing".into() })?;
             let mut total = self.read(*first, index)?;
-            for operand in rest {
+            for (position, operand) in rest.iter().enumerate() {
+                // Each partial sum as the add it replaces stored it (the first is not one).
+                if position > 0 {
+                    total = self.as_stored(out, total)?;
+                }
                 total = self.builder.build_float_add(total, self.read(*operand, index)?, "sum")?;
             }
             self.write(out, index, total)
@@ -399,8 +403,9 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
 
     /// The gradient of RMSNorm with respect to its input, `rows` rows of `hidden` a thread each: with
     /// `r = 1 / sqrt(mean(x²) + eps)` and `g = dy · weight`, `dx = r·g - x·r³·mean(g·x)`, the row's
-    /// sums and `r` in f64 as the runtime's kernel; with `accumulate` the result is added to the
-    /// fourth operand (`RmsNormGradInputAdd`) before it is stored.
+    /// sums and `r` in f64 as the runtime's kernel; with `accumulate` the result, rounded as the
+    /// output's dtype stores it, is added to the fourth operand (`RmsNormGradInputAdd`) before it is
+    /// stored.
     fn rms_norm_grad_input(&self, frame: &Frame<'ctx>, rows: u64, hidden: u64, eps: f64, accumulate: bool) -> Gen<()> {
         let (x, weight, dy, out) = (frame.inputs[0], frame.inputs[1], frame.inputs[2], frame.outs[0]);
         let accumulated = accumulate.then(|| frame.inputs[3]);
@@ -437,6 +442,8 @@ impl<'ctx, 'module> Codegen<'ctx, 'module> {
                 let gradient = self.builder.build_float_sub(direct, removed, "dx")?;
                 let mut result = self.builder.build_float_trunc(gradient, self.f32_type, "dx_f32")?;
                 if let Some(accumulated) = accumulated {
+                    // The gradient as the instruction this fuses stored it, then the add.
+                    result = self.as_stored(out, result)?;
                     result = self.builder.build_float_add(result, self.read(accumulated, index)?, "dx_added")?;
                 }
                 self.write(out, index, result)

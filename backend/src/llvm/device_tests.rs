@@ -735,6 +735,8 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
     let single = NativeKernel::Single { instr: 0 };
     // Each program, with its integer operands' values by operand index.
     type Case = (Program, Vec<(usize, Vec<u32>)>);
+    // (The fused `Sum` and `RmsNormGradInputAdd` round each partial result as the instructions they
+    // replace stored it: `fused_bf16_kernels_round_as_the_instructions_they_replace`.)
     let cases: Vec<Case> = vec![
         (
             one_kernel_program(Kernel::Add, &[f32_buffer("a", vec![4, 8]), f32_buffer("b", vec![4, 8])], vec![4, 8]),
@@ -795,14 +797,6 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
         ),
         (
             one_kernel_program(
-                Kernel::Sum,
-                &[f32_buffer("a", vec![4, 8]), f32_buffer("b", vec![4, 8]), f32_buffer("c", vec![4, 8])],
-                vec![4, 8],
-            ),
-            vec![],
-        ),
-        (
-            one_kernel_program(
                 Kernel::EmbeddingGrad { hidden: 8, vocab_offset: 2, vocab_total: 8 },
                 &[f32_buffer("dy", vec![6, 8]), integer("tokens", vec![6])],
                 vec![5, 8],
@@ -849,23 +843,57 @@ fn bf16_buffers_are_widened_when_read_and_rounded_to_nearest_even_when_written()
             ),
             vec![],
         ),
-        (
-            one_kernel_program(
-                Kernel::RmsNormGradInputAdd { hidden: 8, eps: 1e-5 },
-                &[
-                    f32_buffer("x", vec![4, 8]),
-                    f32_buffer("w", vec![8]),
-                    f32_buffer("dy", vec![4, 8]),
-                    f32_buffer("gathered", vec![4, 8]),
-                ],
-                vec![4, 8],
-            ),
-            vec![],
-        ),
     ];
     for (seed, (program, integers)) in cases.iter().enumerate() {
         check_bf16_is_f32_rounded(program, &single, integers, 100 * seed as u64);
     }
+}
+
+/// bf16 operands of `count` elements for the seed.
+fn bf16_bytes(count: usize, seed: u64) -> Vec<u8> {
+    values(count, seed)
+        .into_iter()
+        .flat_map(|value| half::bf16::from_f32(3.0 * value).to_bits().to_le_bytes())
+        .collect()
+}
+
+/// The single kernel `kernel` on bf16 operands of `shapes`, into a bf16 result of `out`.
+fn bf16_kernel(kernel: Kernel, shapes: &[Vec<u64>], out: Vec<u64>, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let operands: Vec<(&str, DType, Vec<u64>)> = shapes.iter().map(|shape| ("x", DType::Bf16, shape.clone())).collect();
+    let program = as_bf16(&one_kernel_program(kernel, &operands, out));
+    run_kernel(&program, &NativeKernel::Single { instr: 0 }, Elements::Declared, inputs).remove(0)
+}
+
+#[test]
+fn fused_bf16_kernels_round_as_the_instructions_they_replace() {
+    // `passes::fuse` replaces a chain of adds with one `Sum`, and an RMSNorm input gradient and the
+    // add after it with one `RmsNormGradInputAdd`; apart, each instruction stores its result in
+    // bf16, so the fused kernel rounds each partial result as they did: bit for bit the same.
+    let shape = vec![4u64, 8];
+    let (a, b, c) = (bf16_bytes(32, 1), bf16_bytes(32, 2), bf16_bytes(32, 3));
+    let fused = bf16_kernel(
+        Kernel::Sum,
+        &[shape.clone(), shape.clone(), shape.clone()],
+        shape.clone(),
+        &[a.clone(), b.clone(), c.clone()],
+    );
+    let first = bf16_kernel(Kernel::Add, &[shape.clone(), shape.clone()], shape.clone(), &[a, b]);
+    let chained = bf16_kernel(Kernel::Add, &[shape.clone(), shape.clone()], shape.clone(), &[first, c]);
+    assert_eq!(fused, chained, "Sum");
+
+    let eps = 1e-5;
+    let (x, weight, dy, gathered) = (bf16_bytes(32, 4), bf16_bytes(8, 5), bf16_bytes(32, 6), bf16_bytes(32, 7));
+    let norm_shapes = [shape.clone(), vec![8], shape.clone()];
+    let fused = bf16_kernel(
+        Kernel::RmsNormGradInputAdd { hidden: 8, eps },
+        &[shape.clone(), vec![8], shape.clone(), shape.clone()],
+        shape.clone(),
+        &[x.clone(), weight.clone(), dy.clone(), gathered.clone()],
+    );
+    let gradient =
+        bf16_kernel(Kernel::RmsNormGradInput { hidden: 8, eps }, &norm_shapes, shape.clone(), &[x, weight, dy]);
+    let chained = bf16_kernel(Kernel::Add, &[shape.clone(), shape.clone()], shape, &[gradient, gathered]);
+    assert_eq!(fused, chained, "RmsNormGradInputAdd");
 }
 
 #[test]
