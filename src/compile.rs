@@ -285,8 +285,8 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         weights,
         ..CompiledFiles::forward(&config, &compiled, (target.batch, target.seq), target.strategy.name())
     };
-    let plan_hash = write_compiled(&args.out, &files)?;
-    report_compiled(args, &config, &files, &plan_hash, "rank programs")
+    let written = write_compiled(&args.out, &files, emit_for(args, &compiled.programs))?;
+    report_compiled(args, &config, &files, &written, "rank programs")
 }
 
 /// `pleat compile --train`: compiles a training step and writes it with each rank's optimizer
@@ -331,16 +331,22 @@ fn compile_training_dir(
         training: Some((&training, &compiled.layouts)),
         weights,
     };
-    let plan_hash = write_compiled(&args.out, &files)?;
-    report_compiled(args, config, &files, &plan_hash, "rank training programs")
+    let written = write_compiled(&args.out, &files, emit_for(args, &compiled.programs))?;
+    report_compiled(args, config, &files, &written, "rank training programs")
 }
 
-/// Prints what `compile` wrote, and writes the `--emit` artifacts.
+/// What writes `args`' `--emit` artifacts of `programs` into a directory (the compiled one's
+/// staging), returning their file names.
+fn emit_for<'a>(args: &'a CompileArgs, programs: &'a [Program]) -> impl FnOnce(&Path) -> Result<Vec<String>> + 'a {
+    move |dir| crate::native::emit(programs, &args.emit, args.target_cpu.as_deref(), dir)
+}
+
+/// Prints what `compile` wrote: the plan's hash and the `--emit` artifacts.
 fn report_compiled(
     args: &CompileArgs,
     config: &ModelConfig,
     files: &CompiledFiles,
-    plan_hash: &str,
+    (plan_hash, emitted): &(String, Vec<String>),
     what: &str,
 ) -> Result<()> {
     println!(
@@ -352,8 +358,7 @@ fn report_compiled(
         plan_hash
     );
     if !args.emit.is_empty() {
-        let written = crate::native::emit(files.programs, &args.emit, args.target_cpu.as_deref(), &args.out)?;
-        println!("native kernels: {}", written.join(", "));
+        println!("native kernels: {}", emitted.join(", "));
     }
     Ok(())
 }

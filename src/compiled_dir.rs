@@ -1,7 +1,10 @@
 //! A compiled directory, as `pleat compile` writes it and `pleat run DIR` reads it back:
 //! `plan.json`, `config.json`, `module.pleat`, each rank's `rank<i>.program` (and `rank<i>.txt`),
-//! and a training step's `rank<i>.optimizer.json`, all under one fingerprint.
+//! and a training step's `rank<i>.optimizer.json`, all under one fingerprint; and the `--emit`
+//! artifacts (`rank<i>.so`, the rank executables, ...), each under its own hash, checked before
+//! one is loaded or started (a truncated library would crash the loader).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -14,8 +17,9 @@ use serde::{Deserialize, Serialize};
 use crate::train::TrainingPlan;
 use crate::usage::UsageError;
 
-/// The version of `plan.json`.
-pub const PLAN_FORMAT_VERSION: u32 = 1;
+/// The version of `plan.json`: 2 hashes `config.json` with the plan and records the native
+/// artifacts' hashes.
+pub const PLAN_FORMAT_VERSION: u32 = 2;
 
 /// `plan.json`: what a compiled directory holds, for `pleat run DIR`.
 #[derive(Serialize, Deserialize)]
@@ -48,6 +52,10 @@ pub struct PlanFile {
     /// absent for a config or preset without weights (seeded synthetic weights).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<PathBuf>,
+    /// Each `--emit` artifact's file name and FNV-1a hash: what `pleat compile` wrote, checked
+    /// ([`check_native_files`]) before a library is loaded or an executable started.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub native_files: BTreeMap<String, String>,
 }
 
 /// What `write_compiled` writes: a sharded module, its ranks' programs, and what `plan.json`
@@ -115,12 +123,18 @@ impl CompiledDir {
     }
 }
 
-/// Writes the compiled directory into a temporary sibling, then renames it into place, so an
-/// interrupted compile never leaves a half-written directory. Returns the plan's fingerprint:
-/// FNV-1a over the bytes of `module.pleat`, of every `rank<i>.program` and of a training step's
-/// `rank<i>.optimizer.json` as written, which `read_compiled` checks. Equal plans, byte for byte,
-/// have equal hashes.
-pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String> {
+/// Writes the compiled directory into a temporary sibling, `emit` its native artifacts there too,
+/// then renames it into place, so an interrupted or failed compile never leaves a half-written
+/// directory (nor one without the code asked for). Returns the plan's fingerprint: FNV-1a over the
+/// bytes of `config.json`, `module.pleat`, every `rank<i>.program` and a training step's
+/// `rank<i>.optimizer.json` as written, which `read_compiled` checks, and the artifacts' names.
+/// Equal plans, byte for byte, have equal hashes.
+pub(crate) fn write_compiled(
+    out: &Path,
+    files: &CompiledFiles,
+    emit: impl FnOnce(&Path) -> Result<Vec<String>>,
+) -> Result<(String, Vec<String>)> {
+    let config_text = files.config.to_hf_json();
     let module_text = pleat_ir::text::print_module(files.module);
     let program_texts: Vec<String> = files.programs.iter().map(pleat_backend::to_json).collect();
     let layout_texts: Vec<String> = match files.training {
@@ -128,12 +142,12 @@ pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String
         None => Vec::new(),
     };
     let mut fingerprint = crate::fingerprint::Fingerprint::new();
-    fingerprint.part(module_text.as_bytes());
+    fingerprint.part(config_text.as_bytes()).part(module_text.as_bytes());
     for text in program_texts.iter().chain(&layout_texts) {
         fingerprint.part(text.as_bytes());
     }
     let plan_hash = fingerprint.hex();
-    let plan = PlanFile {
+    let mut plan = PlanFile {
         format_version: PLAN_FORMAT_VERSION,
         model: files.config.name.clone(),
         mesh: files.mesh.clone(),
@@ -145,10 +159,16 @@ pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String
         plan_hash: plan_hash.clone(),
         training: files.training.map(|(training, _)| training.clone()),
         weights: files.weights.clone(),
+        native_files: BTreeMap::new(),
     };
+    let mut emitted = Vec::new();
     crate::checkpoint::write_dir_atomically(out, "plan.json", |staging| {
+        emitted = emit(staging)?;
+        for name in &emitted {
+            plan.native_files.insert(name.clone(), file_hash(&staging.join(name))?);
+        }
         std::fs::write(staging.join("plan.json"), serde_json::to_string_pretty(&plan)?)?;
-        std::fs::write(staging.join("config.json"), files.config.to_hf_json())?;
+        std::fs::write(staging.join("config.json"), &config_text)?;
         std::fs::write(staging.join("module.pleat"), module_text)?;
         for (program, text) in files.programs.iter().zip(program_texts) {
             std::fs::write(staging.join(format!("rank{}.program", program.rank)), text)?;
@@ -162,7 +182,40 @@ pub(crate) fn write_compiled(out: &Path, files: &CompiledFiles) -> Result<String
         }
         Ok(())
     })?;
-    Ok(plan_hash)
+    Ok((plan_hash, emitted))
+}
+
+/// The FNV-1a hash of the file at `path`, as 16 hex digits.
+fn file_hash(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(crate::fingerprint::Fingerprint::new().part(&bytes).hex())
+}
+
+/// Checks that every native artifact of `dir` that `plan` records, and every one pleat would load
+/// or start (`rank<i>.so`, `rank<i>`, `rank<i>.<sm>.cuda.json`), is the one `pleat compile` wrote:
+/// a library truncated or overwritten after it would crash the loader or run other code. (One
+/// removed is not run; what a run needs and lacks, it reports itself.)
+fn check_native_files(dir: &Path, plan: &PlanFile) -> Result<()> {
+    let is_rank = |stem: &str| stem.strip_prefix("rank").is_some_and(|index| index.parse::<u32>().is_ok());
+    let loadable = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| {
+            let stem = name.split('.').next().unwrap_or_default();
+            is_rank(stem) && (name == stem || name.ends_with(".so") || name.ends_with(".cuda.json"))
+        });
+    let recorded = plan.native_files.keys().filter(|name| dir.join(name).exists()).cloned();
+    let names: std::collections::BTreeSet<String> = recorded.chain(loadable).collect();
+    for name in &names {
+        let path = dir.join(name);
+        let recorded = plan.native_files.get(name);
+        let actual = file_hash(&path)
+            .map_err(|error| UsageError::CompiledFileUnreadable { path: path.clone(), reason: format!("{error:#}") })?;
+        if recorded != Some(&actual) {
+            bail!(UsageError::NativeFileChanged { path, recorded: recorded.cloned(), actual });
+        }
+    }
+    Ok(())
 }
 
 /// Reads a compiled directory back: its plan, config, programs and (a training step's) optimizer
@@ -180,7 +233,6 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
             expected: PLAN_FORMAT_VERSION
         });
     }
-    let config = crate::model_arg::read_config(&dir.join("config.json"))?;
     // The hash covers the files as written (`write_compiled`): a damaged or edited directory is
     // refused before anything runs.
     let mut fingerprint = crate::fingerprint::Fingerprint::new();
@@ -191,6 +243,7 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
         fingerprint.part(text.as_bytes());
         Ok((path, text))
     };
+    let (config_path, _) = read("config.json".into(), &mut fingerprint)?;
     read("module.pleat".into(), &mut fingerprint)?;
     let programs = (0..plan.ranks)
         .map(|rank| {
@@ -216,6 +269,9 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
             actual: fingerprint.hex()
         });
     }
+    check_native_files(dir, &plan)?;
+    // Parsed once its bytes are known to be those compiled.
+    let config = crate::model_arg::read_config(&config_path)?;
     Ok(CompiledDir { plan, config, programs, layouts })
 }
 

@@ -92,7 +92,14 @@ pub fn emit(programs: &[Program], emit: &[Emit], target_cpu: Option<&str>, dir: 
     let runtime_library = emit.contains(&Emit::Exe).then(runtime_library).transpose()?;
     let options = CodegenOptions { target_cpu: target_cpu.map(str::to_string), runtime_library };
     let mut written = Vec::new();
+    // `--emit so --emit so` builds the libraries once.
+    let mut kinds: Vec<Emit> = Vec::new();
     for &kind in emit {
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
+    for kind in kinds {
         let artifact = match kind {
             Emit::LlvmIr => Artifact::LlvmIr,
             Emit::Asm => Artifact::Asm,

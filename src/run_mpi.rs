@@ -54,7 +54,11 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             let config = args.precision.unwrap_or_default().apply(&config);
             let compiled = target.compile(&config, pleat_passes::Dump::Nothing, Kernels::Interpreted)?;
             let dir = scratch.path().join("compiled");
-            write_compiled(&dir, &CompiledFiles::forward(&config, &compiled, (batch, seq), target.strategy.name()))?;
+            write_compiled(
+                &dir,
+                &CompiledFiles::forward(&config, &compiled, (batch, seq), target.strategy.name()),
+                |_| Ok(Vec::new()),
+            )?;
             (dir, args.weights.clone().or(weights), compiled.programs.len() as u32, batch, seq)
         }
     };

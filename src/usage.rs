@@ -50,6 +50,22 @@ pub enum UsageError {
         /// The hash of the files as read.
         actual: String,
     },
+    /// A native artifact of a compiled directory that is not the one `pleat compile` wrote.
+    #[error(
+        "{}: {}, but the file hashes to {actual}; it was changed after `pleat compile` wrote it, and pleat \
+         will not load it",
+        .path.display(),
+        .recorded.as_ref().map_or("plan.json records no such artifact".to_string(), |hash| format!("plan.json records hash {hash}"))
+    )]
+    #[diagnostic(code(E0553), help("run `pleat compile ... --emit` again into a fresh directory"))]
+    NativeFileChanged {
+        /// The file.
+        path: PathBuf,
+        /// The hash plan.json records for it, if any.
+        recorded: Option<String>,
+        /// The file's hash.
+        actual: String,
+    },
     /// A file a compiled directory must hold is absent or unreadable.
     #[error("cannot read {}: {reason}; the compiled directory is incomplete, compile it again", .path.display())]
     #[diagnostic(code(E0522), help("run `pleat compile` again into a fresh directory"))]
@@ -556,6 +572,23 @@ pub enum UsageError {
         /// The ZeRO stage asked for.
         zero: u8,
     },
+    /// A flag `pleat bench overlap` cannot honour: it runs each plan both ways.
+    #[error("bench overlap runs the plan blocking and scheduled, side by side, so {flag} has no meaning here")]
+    #[diagnostic(code(E0756), help("drop {flag}; `pleat run --no-overlap` runs the blocking programs alone"))]
+    OverlapBenchFlag {
+        /// The flag.
+        flag: &'static str,
+    },
+    /// `pleat bench overlap` on a mesh whose programs move nothing.
+    #[error(
+        "bench overlap measures the communication a schedule hides, and the programs of --mesh {mesh:?} make no \
+         transfer"
+    )]
+    #[diagnostic(code(E0757), help("give a mesh that splits the model, e.g. --mesh tsp=4, tp=4 or dp=2,tp=2"))]
+    OverlapBenchWithoutTransfers {
+        /// The mesh given.
+        mesh: String,
+    },
     /// `pleat bench buckets` without a data-parallel axis.
     #[error("bench buckets compares the gradients' all-reduces over dp, and --mesh {mesh} has no dp axis above 1; add one, e.g. dp=2")]
     #[diagnostic(code(E0745), help("add a dp axis to --mesh, e.g. --mesh dp=4 or dp=2,tp=2"))]
@@ -870,6 +903,7 @@ impl UsageError {
         match self {
             UsageError::PlanFormatVersion { path, .. }
             | UsageError::PlanHashMismatch { path, .. }
+            | UsageError::NativeFileChanged { path, .. }
             | UsageError::CompiledFileUnreadable { path, .. }
             | UsageError::NotAPlan { path, .. }
             | UsageError::SearchPlanVersion { path, .. }
@@ -903,6 +937,8 @@ impl UsageError {
             UsageError::SizeNumber { .. } | UsageError::SizeTooLarge { .. } => vec![("flag", "--sizes".to_string())],
             UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
             UsageError::PipelineFlagWithoutPp { flag } => vec![("flag", flag.clone())],
+            UsageError::OverlapBenchFlag { flag } => vec![("flag", flag.to_string())],
+            UsageError::OverlapBenchWithoutTransfers { .. } => vec![("flag", "--mesh".to_string())],
             UsageError::CompiledWeightsGone { weights, .. } => vec![("file", weights.display().to_string())],
             UsageError::TokenOutsideVocabulary { .. } => vec![("flag", "--tokens".to_string())],
             UsageError::PlanNotCompilable { .. } => vec![("flag", "--all-axes".to_string())],

@@ -269,6 +269,16 @@ fn flags_schedules_and_hardware() {
         ),
         case(&["compare", "tiny", "--ranks", "4", "--seq", "4096,0"], "E0701", "'0' for '--seq"),
         case(&["search", "tiny", "--gpus", "4", "--top", "0"], "E0701", "'0' for '--top"),
+        // (Each was run once, as 1.)
+        case(&["bench", "overlap", "tiny", "--emulate-link", "5,5", "--repeats", "0"], "E0701", "'0' for '--repeats"),
+        case(&["bench", "buckets", "tiny", "--emulate-link", "5,5", "--repeats", "0"], "E0701", "'0' for '--repeats"),
+        // (The first ran as without it; the second printed "103.1% hidden" of no transfer.)
+        case(
+            &["bench", "overlap", "tiny", "--mesh", "tsp=2", "--emulate-link", "5,5", "--no-overlap"],
+            "E0756",
+            "--no-overlap has no meaning here",
+        ),
+        case(&["bench", "overlap", "tiny", "--mesh", "tsp=1", "--emulate-link", "5,5"], "E0757", "make no transfer"),
         case(&["search", "tiny", "--gpus", "4", "--mem-cap", "nan"], "E0701", "nan is not a finite number"),
         case(&["plan", "tiny", "--hw", "abacus"], "E0244", "unknown hardware `abacus`"),
         case(&["plan", "tiny", "--hw-file", &hw], "E0245", &hw),

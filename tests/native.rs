@@ -727,10 +727,20 @@ fn compiled_native_kernels_pass_the_check() {
         let launched = stdout_of(&["launch", out_str, "--check"]);
         assert!(launched.contains("execution a rank: native-entry, native-entry"), "{launched}");
         assert!(launched.contains(": ok"), "{launched}");
-        // A library is refused for another rank's program.
+        // A library is refused for another rank's program: the directory's hash of it first, and
+        // the library's own program fingerprint once it is loaded (a directory written by hand).
         std::fs::copy(out.join("rank0.so"), out.join("rank1.so")).expect("copy");
         let error = error_of(&["run", out_str, "--check"]);
-        assert!(error.contains("was generated for another program"), "{error}");
+        assert!(error.contains("error[E0553]") && error.contains("rank1.so"), "{error}");
+        let programs: Vec<pleat_backend::Program> = (0..2)
+            .map(|rank| {
+                let text = std::fs::read_to_string(out.join(format!("rank{rank}.program"))).expect("a program");
+                pleat_backend::from_json(&text).expect("a program")
+            })
+            .collect();
+        let library = std::path::absolute(out.join("rank1.so")).expect("a path");
+        let error = pleat_runtime::NativeKernels::open(&library, &programs[1]).err().expect("refused");
+        assert!(error.to_string().contains("was generated for another program"), "{error}");
     }
 }
 
@@ -892,4 +902,51 @@ fn native_forward_runs_generate_their_code_and_compiled_directories_refuse_the_f
     stdout_of(&["compile", "tiny", "--mesh", "tp=2", "--out", out_str]);
     let error = error_of(&["run", out_str, "--native"]);
     assert!(error.contains("E0544") && error.contains("--emit so"), "{error}");
+}
+
+#[cfg(feature = "llvm")]
+#[test]
+fn a_compiled_directorys_artifacts_are_checked_and_a_failed_emit_writes_nothing() {
+    let dir = tempdir("native-files");
+    let out = dir.join("so");
+    let out_str = out.to_str().expect("utf-8");
+    let args = ["compile", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--emit", "so", "--emit", "so"];
+    let compiled = stdout_of(&[&args[..], &["--out", out_str]].concat());
+    // The kind asked twice is built once.
+    assert!(compiled.contains("native kernels: rank0.so, rank1.so\n"), "{compiled}");
+    // A truncated library would crash the loader (SIGBUS); it is refused before it is loaded.
+    let truncated = dir.join("truncated");
+    copy_dir(&out, &truncated);
+    let library = std::fs::read(truncated.join("rank0.so")).expect("rank0.so");
+    std::fs::write(truncated.join("rank0.so"), &library[..5000]).expect("truncate");
+    let error = error_of(&["launch", truncated.to_str().expect("utf-8")]);
+    assert!(error.contains("error[E0553]") && error.contains("rank0.so: plan.json records hash"), "{error}");
+    // An edited config.json is part of the plan's hash (it was a "pleat bug" E0720).
+    let edited = dir.join("edited");
+    copy_dir(&out, &edited);
+    let config = std::fs::read_to_string(edited.join("config.json")).expect("config");
+    std::fs::write(edited.join("config.json"), config.replace("\"rms_norm_eps\"", "\"rms_norm_eps\": 0.5, \"x\""))
+        .expect("edit");
+    let error = error_of(&["run", edited.to_str().expect("utf-8")]);
+    assert!(error.contains("error[E0521]"), "{error}");
+    // Artifacts are emitted into the staging directory: one that fails leaves no directory that
+    // would run without the code asked for.
+    let failed = dir.join("failed");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_pleat"))
+        .args(["compile", "tiny", "--mesh", "tp=2", "--emit", "exe", "--out", failed.to_str().expect("utf-8")])
+        .env("PLEAT_RUNTIME_LIB", "/etc/passwd")
+        .output()
+        .expect("pleat runs");
+    assert!(!output.status.success(), "{}", String::from_utf8_lossy(&output.stdout));
+    assert!(!failed.exists(), "a failed --emit left {}", failed.display());
+}
+
+/// Copies the files of `from` into a new directory `to`.
+#[cfg(feature = "llvm")]
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("a directory");
+    for entry in std::fs::read_dir(from).expect("listable") {
+        let entry = entry.expect("an entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copied");
+    }
 }

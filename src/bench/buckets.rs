@@ -46,8 +46,8 @@ pub struct BucketArgs {
     /// is what buckets save.
     #[arg(long, value_name = "GBPS,US")]
     pub emulate_link: LinkSpec,
-    /// Runs of each program; the medians are reported.
-    #[arg(long, default_value_t = 3)]
+    /// Runs of each program (1 or more); the medians are reported.
+    #[arg(long, default_value_t = 3, value_parser = crate::number_flags::count::<u32>)]
     pub repeats: u32,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
@@ -115,7 +115,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
     };
     let (mut alone_s, mut bucketed_s) = (Vec::new(), Vec::new());
     let mut same_losses = true;
-    let repeats = args.repeats.max(1);
+    let repeats = args.repeats;
     let progress =
         crate::progress::Progress::new("bench buckets", "repeat", u64::from(repeats), args.format == Format::Text);
     for repeat in 0..repeats {
@@ -145,7 +145,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
                     "mesh": mesh.to_string(),
                     "emulated_link": args.emulate_link.to_string(),
                     "bucket_mb": args.bucket_mb,
-                    "repeats": args.repeats.max(1),
+                    "repeats": args.repeats,
                     "alone": row(rows[0]),
                     "bucketed": row(rows[1]),
                     "step_ratio": ratio,
@@ -156,10 +156,7 @@ pub fn run_buckets(args: &BucketArgs) -> Result<()> {
         Format::Text => {
             println!(
                 "{} on {} over an emulated {} link, one training step, median of {} runs each:",
-                config.name,
-                mesh,
-                args.emulate_link,
-                args.repeats.max(1)
+                config.name, mesh, args.emulate_link, args.repeats
             );
             println!("  {:<10} {:>20} {:>10} {:>18}", "gradients", "reduction messages", "step ms", "planned peak MiB");
             for (name, messages, step_s, peak) in rows {

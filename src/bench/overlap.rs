@@ -24,7 +24,7 @@
 //! for the weights that move (broadcasts and point-to-point messages: TSP's owner blocks and ring
 //! shards), the part of TSP's communication that exists to be hidden.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use pleat_backend::{Instr, Program};
 use pleat_passes::cost::HardwareSpec;
@@ -36,6 +36,7 @@ use serde_json::json;
 use super::median;
 use crate::compile::ModelOnMesh;
 use crate::run::{link_options, run_programs, weight_source, Format};
+use crate::usage::UsageError;
 
 /// The version of the `--format json` output.
 const SCHEMA: &str = "pleat.bench.overlap/1";
@@ -43,15 +44,15 @@ const SCHEMA: &str = "pleat.bench.overlap/1";
 /// Arguments of `pleat bench overlap`.
 #[derive(Args)]
 pub struct OverlapArgs {
-    /// The model, mesh, strategy and input size (`--no-overlap` is ignored: both are run).
+    /// The model, mesh, strategy and input size (`--no-overlap` is refused: both are run).
     #[command(flatten)]
     pub target: ModelOnMesh,
     /// The link every message is delivered over, GBPS,US (e.g. `1,20`); pick one under which
     /// communication takes about as long as compute (the report prints both).
     #[arg(long, value_name = "GBPS,US")]
     pub emulate_link: LinkSpec,
-    /// Runs of each program; the medians are reported.
-    #[arg(long, default_value_t = 3)]
+    /// Runs of each program (1 or more); the medians are reported.
+    #[arg(long, default_value_t = 3, value_parser = crate::number_flags::count::<u32>)]
     pub repeats: u32,
     /// A hardware spec (`pleat bench calibrate --out`) for the scheduler's costs and the
     /// predicted step beside the measured one; its link is replaced by the emulated one.
@@ -150,6 +151,9 @@ fn message_link(emulated: &LinkSpec, own_bytes_per_s: f64, own_latency_s: f64) -
 
 /// Runs `pleat bench overlap`.
 pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
+    if args.target.no_overlap {
+        bail!(UsageError::OverlapBenchFlag { flag: "--no-overlap" });
+    }
     if let Some(dir) = &args.traces {
         crate::checkpoint::check_output_files_dir(dir, "--traces")?;
     }
@@ -186,6 +190,9 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let reported = crate::predict::overlap_programs_reported(&blocking, &hw, prefetch)?;
     let overlapped: usize = reported.iter().map(|(_, report)| report.overlapped).sum();
     let transfers: usize = reported.iter().map(|(_, report)| report.transfers).sum();
+    if transfers == 0 {
+        bail!(UsageError::OverlapBenchWithoutTransfers { mesh: args.target.mesh.clone() });
+    }
     let scheduled: Vec<Program> = reported.into_iter().map(|(program, _)| program).collect();
     let tokens = crate::inputs::random_tokens(batch, seq, config.vocab_size, 0)?;
     let weights = weight_source(None, 0)?;
@@ -194,7 +201,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
     let (mut off, mut on, mut off_local, mut on_local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut same_logits = true;
     let mut last_outcomes = (Vec::new(), Vec::new());
-    let repeats = args.repeats.max(1);
+    let repeats = args.repeats;
     let progress =
         crate::progress::Progress::new("bench overlap", "repeat", u64::from(repeats), args.format == Format::Text);
     for repeat in 0..repeats {
@@ -263,7 +270,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
                 "model": config.name,
                 "mesh": mesh.to_string(),
                 "emulated_link": args.emulate_link.to_string(),
-                "repeats": args.repeats.max(1),
+                "repeats": args.repeats,
                 "comm_streams": args.target.comm_streams,
                 "transfers": transfers,
                 "overlapped_transfers": overlapped,
@@ -281,10 +288,7 @@ pub fn run_overlap(args: &OverlapArgs) -> Result<()> {
         Format::Text => {
             println!(
                 "{} on {} over an emulated {} link, median of {} runs each:",
-                config.name,
-                mesh,
-                args.emulate_link,
-                args.repeats.max(1)
+                config.name, mesh, args.emulate_link, args.repeats
             );
             println!(
                 "  {:<10} {:>10} {:>16} {:>20} {:>11} {:>13} {:>7}",
