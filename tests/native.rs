@@ -739,7 +739,7 @@ fn compiled_native_kernels_pass_the_check() {
             })
             .collect();
         let library = std::path::absolute(out.join("rank1.so")).expect("a path");
-        let error = pleat_runtime::NativeKernels::open(&library, &programs[1]).err().expect("refused");
+        let error = pleat_runtime::NativeKernels::open(&library, &programs[1]).expect_err("refused");
         assert!(error.to_string().contains("was generated for another program"), "{error}");
     }
 }
