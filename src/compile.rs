@@ -90,6 +90,11 @@ impl Strategy {
     }
 }
 
+/// `--seq` when none is given.
+pub const DEFAULT_SEQ: u64 = 64;
+/// `--batch` when none is given.
+pub const DEFAULT_BATCH: u64 = 8;
+
 /// What to compile: a model, the mesh and how to use it, and the input size. Shared by the
 /// commands that compile before they work (`compile`, `explain`, `trace`).
 #[derive(Args)]
@@ -103,10 +108,10 @@ pub struct ModelOnMesh {
     #[arg(long, value_enum, default_value_t = Strategy::Auto)]
     pub strategy: Strategy,
     /// Sequence length.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = DEFAULT_SEQ)]
     pub seq: u64,
     /// Sequences a batch.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = DEFAULT_BATCH)]
     pub batch: u64,
     /// Keep every transfer blocking where lowering put it, instead of scheduling transfers to run
     /// beside compute (`pleat_backend::overlap`).

@@ -167,24 +167,7 @@ impl RunArgs {
     /// Refuses `--mesh`, `--strategy`, `--batch` or `--seq` other than a compiled directory's
     /// `plan`: the directory's programs are what runs.
     pub fn check_against_plan(&self, plan: &crate::compiled_dir::PlanFile) -> Result<()> {
-        let differs =
-            |flag: &'static str, given: String, planned: String| UsageError::DiffersFromPlan { flag, given, planned };
-        for (flag, given, planned) in [("--batch", self.batch, plan.batch), ("--seq", self.seq, plan.seq)] {
-            if let Some(given) = given.filter(|&given| given != planned) {
-                bail!(differs(flag, given.to_string(), planned.to_string()));
-            }
-        }
-        if !self.mesh.trim().is_empty() {
-            // Axes of size 1 change no program.
-            let given = Mesh::parse(&self.mesh)?.without_unit_axes();
-            if given.to_string() != Mesh::parse(&plan.mesh)?.without_unit_axes().to_string() {
-                bail!(differs("--mesh", self.mesh.clone(), plan.mesh.clone()));
-            }
-        }
-        if self.strategy != Strategy::Auto && self.strategy.name() != plan.strategy {
-            bail!(differs("--strategy", self.strategy.name().to_string(), plan.strategy.clone()));
-        }
-        Ok(())
+        check_flags_against_plan(&self.mesh, self.strategy, (self.batch, self.seq), plan)
     }
 
     /// The kernels the run compiles for: native with `--native`, and on a GPU where pleat generates
@@ -196,6 +179,34 @@ impl RunArgs {
             Kernels::Interpreted
         }
     }
+}
+
+/// Refuses a `mesh` (unless empty), `strategy` (unless `auto`), batch or sequence length (where
+/// given) other than a compiled directory's `plan`: the directory's programs are what runs.
+pub fn check_flags_against_plan(
+    mesh: &str,
+    strategy: Strategy,
+    (batch, seq): (Option<u64>, Option<u64>),
+    plan: &crate::compiled_dir::PlanFile,
+) -> Result<()> {
+    let differs =
+        |flag: &'static str, given: String, planned: String| UsageError::DiffersFromPlan { flag, given, planned };
+    for (flag, given, planned) in [("--batch", batch, plan.batch), ("--seq", seq, plan.seq)] {
+        if let Some(given) = given.filter(|&given| given != planned) {
+            bail!(differs(flag, given.to_string(), planned.to_string()));
+        }
+    }
+    if !mesh.trim().is_empty() {
+        // Axes of size 1 change no program.
+        let given = Mesh::parse(mesh)?.without_unit_axes();
+        if given.to_string() != Mesh::parse(&plan.mesh)?.without_unit_axes().to_string() {
+            bail!(differs("--mesh", mesh.to_string(), plan.mesh.clone()));
+        }
+    }
+    if strategy != Strategy::Auto && strategy.name() != plan.strategy {
+        bail!(differs("--strategy", strategy.name().to_string(), plan.strategy.clone()));
+    }
+    Ok(())
 }
 
 /// What a run produced.

@@ -23,6 +23,7 @@ use pleat_runtime::{run_on_threads, RankOutcome, RunInputs};
 use serde_json::{json, Value};
 
 use crate::compile::ModelOnMesh;
+use crate::compile::{DEFAULT_BATCH, DEFAULT_SEQ};
 use crate::compiled_dir::read_compiled;
 use crate::model_arg::{resolve, ModelSource};
 use crate::predict::{describe, overlap_programs, predict, summarize, Stream, Work};
@@ -295,7 +296,24 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
     // The programs as lowered (every transfer blocking) and as the overlap scheduler orders them
     // for `hw`; a compiled directory is traced as it was compiled.
     let (blocking, programs) = match resolve(&args.target.model)? {
-        ModelSource::Compiled(dir) => (None, read_compiled(&dir)?.programs),
+        ModelSource::Compiled(dir) => {
+            let compiled = read_compiled(&dir)?;
+            let target = &args.target;
+            // `--seq` and `--batch` have defaults: only a value other than the default is known
+            // to be asked for.
+            let asked = |value: u64, default: u64| (value != default).then_some(value);
+            let sizes = (asked(target.batch, DEFAULT_BATCH), asked(target.seq, DEFAULT_SEQ));
+            crate::run::check_flags_against_plan(&target.mesh, target.strategy, sizes, &compiled.plan)?;
+            if target.no_overlap {
+                bail!(crate::usage::UsageError::DiffersFromPlan {
+                    flag: "--no-overlap",
+                    given: "(every transfer blocking)".to_string(),
+                    planned: "programs, whose transfers are as compiled (compile with --no-overlap for blocking ones)"
+                        .to_string(),
+                });
+            }
+            (None, compiled.programs)
+        }
         ModelSource::Config { config, .. } => {
             let mesh = Mesh::parse(&args.target.mesh)?;
             let target = &args.target;

@@ -13,7 +13,7 @@ mod common;
 #[path = "support/trace.rs"]
 mod trace_events;
 
-use cli::tempdir;
+use cli::{error_of, stdout_of, tempdir};
 use trace_events::{read, some_rank_overlaps, Tracks};
 
 fn pleat(args: &[&str]) {
@@ -241,4 +241,26 @@ fn a_pipelined_steps_exposed_communication_is_at_most_its_communication() {
         line.split(|c: char| !(c.is_ascii_digit() || c == '.')).filter_map(|word| word.parse().ok()).collect();
     let [_step, exposed, communication] = figures[..] else { panic!("{line}") };
     assert!(exposed > 0.0 && exposed <= communication, "{line}");
+}
+
+#[test]
+fn tracing_a_compiled_directory_refuses_flags_that_contradict_its_plan() {
+    // The directory's programs are what is traced: each flag was accepted and the tsp=2 plan
+    // traced, as `pleat run DIR` refuses them.
+    let dir = tempdir("trace-compiled-flags");
+    let compiled = dir.join("tsp2");
+    let compiled = compiled.to_str().expect("utf-8 path");
+    stdout_of(&["compile", "tiny", "--mesh", "tsp=2", "--batch", "2", "--seq", "16", "--out", compiled]);
+    let out = dir.join("trace.json");
+    let out = out.to_str().expect("utf-8 path");
+    for (flags, says) in [
+        (&["--mesh", "tsp=4"][..], "--mesh tsp=4 differs from the compiled plan's tsp=2"),
+        (&["--seq", "32"], "--seq 32 differs from the compiled plan's 16"),
+        (&["--strategy", "tp"], "--strategy tp differs"),
+        (&["--no-overlap"], "--no-overlap (every transfer blocking) differs"),
+    ] {
+        let error = error_of(&[&["trace", compiled][..], flags, &["--out", out]].concat());
+        assert!(error.starts_with("error[E0707]") && error.contains(says), "{flags:?}: {error}");
+    }
+    stdout_of(&["trace", compiled, "--mesh", "tsp=2", "--seq", "16", "--batch", "2", "--out", out]);
 }
