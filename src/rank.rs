@@ -120,6 +120,10 @@ fn read_inputs(args: &RankArgs, rank: u32, world: u32) -> Result<RankInputs> {
             crate::checkpoint::check_output_file(path, "--logits-out")?;
         }
     }
+    // This rank's own program, before it allocates (ranks sharing a host each check their own).
+    if let Some(program) = programs.get(rank as usize) {
+        crate::run::ensure_threads_fit(std::slice::from_ref(program))?;
+    }
     let tokens = match &args.tokens {
         Some(path) => {
             let tokens = read_tokens(path)?;

@@ -35,8 +35,10 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             if args.precision.is_some() {
                 bail!(UsageError::PrecisionOfCompiled { dir: dir.display().to_string() });
             }
-            let plan = CompiledDir::read_forward(&dir)?.plan;
+            let CompiledDir { plan, programs, .. } = CompiledDir::read_forward(&dir)?;
             args.check_against_plan(&plan)?;
+            // Every rank is a process of this machine: they need what the threads would.
+            crate::run::ensure_threads_fit(&programs)?;
             let weights = crate::compiled_dir::weights_for(args.weights.as_deref(), &dir, &plan)?;
             (dir, weights, plan.ranks, plan.batch, plan.seq)
         }
@@ -53,6 +55,7 @@ pub fn run_under_mpi(args: &RunArgs) -> Result<()> {
             };
             let config = args.precision.unwrap_or_default().apply(&config);
             let compiled = target.compile(&config, pleat_passes::Dump::Nothing, Kernels::Interpreted)?;
+            crate::run::ensure_threads_fit(&compiled.programs)?;
             let dir = scratch.path().join("compiled");
             write_compiled(
                 &dir,

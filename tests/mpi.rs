@@ -240,6 +240,21 @@ fn a_rank_that_fails_before_its_first_message_ends_the_job_with_its_error() {
     assert!(!text.contains("timed out"), "rank 0 waited out its timeout\n{text}");
 }
 
+/// The memory check of a threads run holds under MPI too: the job would abort in the allocator.
+#[test]
+fn mpi_runs_check_memory_before_they_allocate() {
+    let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let error = cli::error_of(&["run", "tiny", "--batch", "1", "--seq", "4294967295", "--comm", "mpi"]);
+    assert!(error.starts_with("error[E0747]: running 1 ranks' programs needs"), "{error}");
+    drop(_one_at_a_time);
+    let output = mpirun(2, &["bench", "comm", "--comm", "mpi", "--sizes", "18446744073709551615B"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("error[E0747]: --sizes up to"), "{stderr}");
+    let output = mpirun(2, &["bench", "comm", "--comm", "mpi", "--ranks", "0"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("error[E0708]: --ranks 0"), "{stderr}");
+}
+
 /// `pleat rank DIR` loads the weights `plan.json` records, as `pleat run DIR` does (it ran on
 /// seeded weights, and `--check` passed against a reference seeded alike).
 #[test]

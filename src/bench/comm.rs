@@ -17,6 +17,8 @@ use clap::Args;
 use pleat_runtime::comm::{Communicator, Group, ThreadFabric};
 use serde_json::json;
 
+#[cfg(feature = "mpi")]
+use crate::report::ErrorFormat;
 use crate::run::{CommChoice, Format};
 
 /// The version of the `--format json` output.
@@ -150,8 +152,20 @@ fn on_mpi(args: &CommBenchArgs, sizes: &[u64], timeout: Duration) -> Result<()> 
     let mut comm = pleat_runtime::comm::MpiComm::init(timeout)
         .context("cannot start mpi; launch pleat bench comm --comm mpi with mpirun -np N")?;
     let n_ranks = comm.world_size();
+    if args.ranks == Some(0) {
+        bail!(crate::usage::UsageError::ZeroFlag { flag: "--ranks", what: "rank" });
+    }
     if let Some(asked) = args.ranks.filter(|&asked| asked != n_ranks) {
         bail!(crate::usage::UsageError::RanksDifferFromWorld { asked, world: n_ranks });
+    }
+    // This process's message, chunk and copies in flight, as each thread's above; a rank short of
+    // memory ends the job (its peers would wait for it).
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    let what = format!("--sizes up to {largest} B on rank {}", comm.rank());
+    if let Err(error) = crate::host_memory::ensure_available(&what, largest.saturating_mul(3)) {
+        let format = if args.format == Format::Json { ErrorFormat::Json } else { ErrorFormat::Text };
+        crate::report::print(&error, format);
+        comm.abort_job(&format!("{error:#}"), 1)
     }
     let measurements = match measure(&mut comm, sizes, args.iters) {
         Ok(measurements) => measurements,
