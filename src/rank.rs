@@ -22,12 +22,11 @@ use pleat_runtime::comm::{
 };
 use pleat_runtime::{assemble, execute, OutputBlock, RankOutcome, RunInputs};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 use crate::compiled_dir::CompiledDir;
 use crate::inputs::{random_tokens, read_tokens};
 use crate::reference::check_logits;
-use crate::run::{comm_bytes_mean, human_bytes, weight_source, Format};
+use crate::run::{weight_source, Format, RunResult};
 use crate::usage::UsageError;
 
 /// The environment variable of the crash test hook (see the module documentation).
@@ -198,56 +197,28 @@ pub fn rank(args: &RankArgs) -> Result<()> {
         .with_context(|| format!("cannot write {}", path.display()))?;
     }
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
-    let checked = if args.check {
-        Some(check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, false)?)
+    let (check, tolerance) = if args.check {
+        let (check, tolerance) = check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, false)?;
+        (Some(check), tolerance)
     } else {
-        None
+        (None, crate::run::F32_TOL)
     };
-    let max_abs_err = checked.and_then(|(check, _)| check.max_abs_err);
-    let peaks: Vec<u64> = outcomes.iter().map(|outcome| outcome.peak_bytes).collect();
-    match args.format {
-        Format::Json => {
-            let object = json!({
-                "model": config.name,
-                "mesh": plan.mesh,
-                "ranks": outcomes.len(),
-                "comm": "mpi",
-                "batch": plan.batch,
-                "seq": plan.seq,
-                "logits_shape": logits_shape,
-                "max_abs_err": max_abs_err,
-                "routing_ties": checked.map(|(check, _)| check.ties_json()),
-                "peak_bytes_per_rank": peaks,
-                "comm_bytes": comm_bytes_mean(&outcomes),
-            });
-            crate::json_output::print(object)?;
-        }
-        Format::Text => {
-            println!(
-                "ran {} on {} MPI rank(s) (mesh {}): batch {} x seq {}, logits {:?}",
-                config.name,
-                outcomes.len(),
-                plan.mesh,
-                plan.batch,
-                plan.seq,
-                logits_shape
-            );
-            println!(
-                "peak bytes a rank: {}",
-                peaks.iter().map(|&peak| human_bytes(peak)).collect::<Vec<_>>().join(", ")
-            );
-            let sent: Vec<String> = comm_bytes_mean(&outcomes)
-                .into_iter()
-                .filter(|&(_, bytes)| bytes > 0)
-                .map(|(name, bytes)| format!("{name} {}", human_bytes(bytes)))
-                .collect();
-            println!("sent a rank (mean): {}", if sent.is_empty() { "nothing".to_string() } else { sent.join(", ") });
-            if let Some((check, tolerance)) = checked {
-                check.describe(tolerance).iter().for_each(|line| println!("{line}"));
-            }
-        }
-    }
-    if let Some((err, tolerance)) = checked.and_then(|(check, tolerance)| Some((check.max_abs_err?, tolerance))) {
+    let result = RunResult {
+        config,
+        mesh: plan.mesh,
+        tokens,
+        logits_shape,
+        outcomes,
+        check,
+        tolerance,
+        programs,
+        native_kernels: Vec::new(),
+        execution: Vec::new(),
+        device: None,
+    };
+    // The report `pleat run` prints, from the same outcomes.
+    crate::run::report(args.format, None, "mpi", &result)?;
+    if let Some(err) = check.and_then(|check| check.max_abs_err) {
         if err.is_nan() || err > tolerance {
             bail!(UsageError::LogitsMismatch { err, tolerance });
         }

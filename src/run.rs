@@ -241,7 +241,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return crate::train::run_training(args);
     }
     let result = execute(args)?;
-    report(args, &result)?;
+    // Rank executables are MPI processes.
+    let comm =
+        if result.execution.contains(&crate::native::ExecutionPath::NativeExecutable) { "mpi" } else { "threads" };
+    report(args.format, args.emulate_link, comm, &result)?;
     if let Some(path) = &args.trace {
         crate::trace::write_measured(path, &result.programs, &result.outcomes)?;
     }
@@ -552,9 +555,11 @@ pub fn comm_stats_mean(stats: &[&CommStats]) -> BTreeMap<&'static str, u64> {
         .collect()
 }
 
-fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
+/// Prints a forward run's report in `format`: `comm` names the communicator the ranks talked
+/// over, `emulated_link` the link it was slowed to. `pleat rank`'s rank 0 prints the same.
+pub fn report(format: Format, emulated_link: Option<LinkSpec>, comm: &str, result: &RunResult) -> Result<()> {
     let peaks: Vec<u64> = result.outcomes.iter().map(|outcome| outcome.peak_bytes).collect();
-    match args.format {
+    match format {
         Format::Json => {
             let per_rank: Vec<_> = result
                 .outcomes
@@ -578,8 +583,8 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
                 "param_bytes_per_rank": result.outcomes.iter().map(|outcome| outcome.param_bytes).collect::<Vec<_>>(),
                 "comm_bytes": comm_bytes_mean(&result.outcomes),
                 "comm_bytes_per_rank": per_rank,
-                "comm": "threads",
-                "emulated_link": args.emulate_link.map(|link| link.to_string()),
+                "comm": comm,
+                "emulated_link": emulated_link.map(|link| link.to_string()),
                 "expert_load": expert_load(result).map(|(busiest, balanced)| json!({
                     "max_rows_per_rank": busiest,
                     "balanced_rows": balanced,
@@ -592,9 +597,10 @@ fn report(args: &RunArgs, result: &RunResult) -> Result<()> {
         }
         Format::Text => {
             println!(
-                "ran {} on {} rank(s) (mesh {}): batch {} x seq {}, logits {:?}",
+                "ran {} on {} {}rank(s) (mesh {}): batch {} x seq {}, logits {:?}",
                 result.config.name,
                 result.outcomes.len(),
+                if comm == "mpi" { "MPI " } else { "" },
                 if result.mesh.is_empty() { "none" } else { &result.mesh },
                 result.tokens.batch,
                 result.tokens.seq,
