@@ -527,6 +527,8 @@ struct TrainReport {
     peaks: Vec<u64>,
     optimizer_bytes: Vec<u64>,
     activation_peaks: Vec<u64>,
+    /// Each rank's planned arena, where native code ran the steps (0 elsewhere).
+    arenas: Vec<u64>,
     recv_wait_shares: Vec<f64>,
     comm_bytes: BTreeMap<&'static str, u64>,
     /// How each rank ran its steps (`bytecode`, `native-entry` or `cuda`).
@@ -800,6 +802,7 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         peaks: ranks.iter().map(|rank| rank.peak_bytes).collect(),
         optimizer_bytes: ranks.iter().map(|rank| rank.optimizer_bytes).collect(),
         activation_peaks: ranks.iter().map(|rank| rank.activation_peak_bytes).collect(),
+        arenas: ranks.iter().map(|rank| rank.arena_bytes).collect(),
         recv_wait_shares: ranks.iter().map(|rank| rank.first_recv_wait_share).collect(),
         comm_bytes: comm_stats_mean(&ranks.iter().map(|rank| &rank.first_comm).collect::<Vec<_>>()),
         execution: (0..ranks.len())
@@ -1140,6 +1143,7 @@ fn print_report(
                 "peak_bytes_per_rank": report.peaks,
                 "optimizer_bytes_per_rank": report.optimizer_bytes,
                 "activation_peak_bytes_per_rank": report.activation_peaks,
+                "arena_bytes_per_rank": report.arenas,
                 "recv_wait_share_per_rank": report.recv_wait_shares,
                 "comm_bytes_per_step": report.comm_bytes,
                 "execution_per_rank": report.execution,
@@ -1165,6 +1169,10 @@ fn print_report(
             }
             let peaks: Vec<String> = report.peaks.iter().map(|&peak| human_bytes(peak)).collect();
             println!("peak bytes a rank: {}", peaks.join(", "));
+            if report.arenas.iter().any(|&arena| arena > 0) {
+                let arenas: Vec<String> = report.arenas.iter().map(|&arena| human_bytes(arena)).collect();
+                println!("planned arena a rank (native code): {}", arenas.join(", "));
+            }
             let sent: Vec<String> = report
                 .comm_bytes
                 .iter()

@@ -830,6 +830,12 @@ fn training_steps_run_through_the_entry_functions_bit_for_bit() {
         }
         let bytecode = json_of(&args(&[]));
         assert_eq!(bytecode["execution_per_rank"], serde_json::json!(vec!["bytecode"; ranks]), "{run:?}");
+        // The native steps' buffers live in the planned arena, reported as a forward run's are.
+        let arenas = |report: &serde_json::Value| -> Vec<u64> {
+            report["arena_bytes_per_rank"].as_array().expect("arenas").iter().filter_map(|a| a.as_u64()).collect()
+        };
+        assert!(arenas(&native).len() == ranks && arenas(&native).iter().all(|&arena| arena > 0), "{run:?}");
+        assert!(arenas(&bytecode).iter().all(|&arena| arena == 0), "{run:?}");
         assert_eq!(native["losses"], bytecode["losses"], "{run:?}");
         assert_eq!(native["grad_norms"], bytecode["grad_norms"], "{run:?}");
     }

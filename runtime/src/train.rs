@@ -120,6 +120,9 @@ pub struct RankTraining {
     pub optimizer_bytes: u64,
     /// The most bytes a step held in activation buffers (intermediate values, gradients included).
     pub activation_peak_bytes: u64,
+    /// The planned arena a step's buffers lived in, where native code ran it
+    /// (`RankOutcome::arena_bytes`); 0 otherwise.
+    pub arena_bytes: u64,
     /// The share of the first step's program time spent waiting in point-to-point receives: a
     /// pipeline stage's measured bubble (collectives' waits are not counted).
     pub first_recv_wait_share: f64,
@@ -256,6 +259,7 @@ pub(crate) fn train_rank(
     let mut first_comm = CommStats::default();
     let mut peak_bytes = 0;
     let mut activation_peak_bytes = 0;
+    let mut arena_bytes = 0;
     let mut first_recv_wait_share = 0.0;
     let mut first_timings = Vec::new();
     let mut last_timings = Vec::new();
@@ -267,6 +271,7 @@ pub(crate) fn train_rank(
         let outcome = run_step(program, comm, &inputs)?;
         peak_bytes = peak_bytes.max(outcome.peak_bytes + optimizer_bytes);
         activation_peak_bytes = activation_peak_bytes.max(outcome.activation_bytes.iter().copied().max().unwrap_or(0));
+        arena_bytes = arena_bytes.max(outcome.arena_bytes);
         // A pipeline's earlier stages have no loss.
         let loss = outcome.outputs.iter().find(|block| block.index == 0).and_then(|block| block.data.first());
         losses.extend(loss.copied());
@@ -309,6 +314,7 @@ pub(crate) fn train_rank(
         peak_bytes,
         optimizer_bytes,
         activation_peak_bytes,
+        arena_bytes,
         first_recv_wait_share,
         first_timings,
         last_timings,
