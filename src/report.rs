@@ -164,10 +164,25 @@ pub fn print(error: &anyhow::Error, format: ErrorFormat) {
 pub fn clap_text(error: &clap::Error) -> String {
     let code = clap_code(error);
     let rendered = error.render().to_string();
-    match rendered.strip_prefix("error:") {
+    let mut text = match rendered.strip_prefix("error:") {
         Some(rest) => format!("error[{code}]:{rest}"),
         None => format!("error[{code}]: {rendered}"),
+    };
+    if !text.ends_with('\n') {
+        text.push('\n');
     }
+    text.push_str(&format!("  help: {}\n", clap_help(error)));
+    text
+}
+
+/// How to fix a rejected command line: the typed error's help where a flag's value parser gave
+/// one (`--emulate-link`'s), else a pointer to the command's flags.
+fn clap_help(error: &clap::Error) -> String {
+    error
+        .source()
+        .and_then(diagnostic_of)
+        .and_then(|diagnostic| diagnostic.help().map(|help| help.to_string()))
+        .unwrap_or_else(|| "`pleat <command> --help` lists the command's flags and their values".to_string())
 }
 
 /// The same rejection as one JSON object, for a command line that asked for `--format json`:

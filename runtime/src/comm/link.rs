@@ -53,7 +53,9 @@ impl FromStr for LinkSpec {
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let error = |reason| LinkSpecError { given: text.to_string(), reason };
-        let (gbps, us) = text.split_once(',').ok_or_else(|| error("two numbers are needed"))?;
+        let Some((gbps, us)) = text.split_once(',').filter(|(_, us)| !us.contains(',')) else {
+            return Err(error("two numbers are needed"));
+        };
         let gbps: f64 = gbps.trim().parse().map_err(|_| error("the bandwidth is not a number"))?;
         let us: f64 = us.trim().parse().map_err(|_| error("the latency is not a number"))?;
         if !(gbps.is_finite() && gbps > 0.0) {
@@ -108,7 +110,7 @@ mod tests {
         assert_eq!(spec.bytes_per_s, 25e9);
         assert_eq!(spec.latency, Duration::from_micros(5));
         assert_eq!(spec.to_string(), "25 GB/s, 5 µs");
-        for bad in ["25", "x,5", "0,5", "25,-1", "inf,1", "1e-300,5", "25,1e300"] {
+        for bad in ["25", "5,5,5", "x,5", "0,5", "25,-1", "inf,1", "1e-300,5", "25,1e300"] {
             let message = bad.parse::<LinkSpec>().expect_err(bad).to_string();
             assert!(message.contains("write GBPS,US"), "{message}");
         }
