@@ -407,8 +407,8 @@ pub enum UsageError {
         /// The argument.
         text: String,
     },
-    /// A `--sizes` entry of zero bytes.
-    #[error("--sizes {text}: a size of 0 bytes measures nothing; give sizes of at least 4 bytes")]
+    /// A `--sizes` entry under one f32 (4 bytes).
+    #[error("--sizes {text}: a size under 4 bytes (one f32 element) measures nothing of its own; give sizes of at least 4 bytes")]
     #[diagnostic(code(E0713), help("give sizes of at least 4 bytes"))]
     SizesZero {
         /// The argument.

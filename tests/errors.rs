@@ -288,6 +288,9 @@ fn flags_schedules_and_hardware() {
         case(&["run", "tiny", "--train", "--mesh", "pp=2", "--pp-layers", "1,1,1"], "E0232", "3 entries for 2 stages"),
         case(&["bench", "comm", "--sizes", "4KiB..1KiB"], "E0712", "--sizes 4KiB..1KiB"),
         case(&["bench", "comm", "--sizes", "4XB"], "E0714", "unknown unit"),
+        // (Measured as one f32 a rank, as 4B is.)
+        case(&["bench", "comm", "--sizes", "1B"], "E0713", "a size under 4 bytes"),
+        case(&["bench", "comm", "--sizes", "0"], "E0713", "a size under 4 bytes"),
     ];
     for case in &cases {
         check(case);
