@@ -178,7 +178,7 @@ pub enum UsageError {
     },
     /// `pleat launch` of something other than a compiled directory whose every rank has a library
     /// with an entry function.
-    #[error("cannot launch {dir}: {reason}; compile it with `pleat compile MODEL --mesh ... --emit so --out DIR`")]
+    #[error("cannot launch {dir}: {reason}")]
     #[diagnostic(
         code(E0528),
         help("compile with `pleat compile MODEL --mesh ... --emit so --out DIR`, or use `pleat run`")
@@ -681,7 +681,10 @@ pub enum UsageError {
     #[error("{} holds a training step (compiled with --train); it runs with --train", .dir.display())]
     #[diagnostic(
         code(E0792),
-        help("add --train (with --steps, --lr, --data as needed), or compile without --train for the forward pass")
+        help(
+            "train it with `pleat run DIR --train` (and --steps, --lr, --data as needed), or compile without --train \
+             for the forward pass"
+        )
     )]
     ForwardOfTrainingDir {
         /// The compiled directory.

@@ -48,7 +48,7 @@ pub enum LlvmError {
         message: String,
     },
     /// No target machine for a triple and CPU.
-    #[error("llvm cannot target {triple} (cpu {cpu:?}): {message}; pick another --target-cpu or an LLVM 19 with that target")]
+    #[error("llvm cannot target {triple} (cpu {cpu:?}): {message}")]
     #[diagnostic(code(E0511), help("pick another --target-cpu, or an LLVM 19 with that target"))]
     Target {
         /// The target triple.
