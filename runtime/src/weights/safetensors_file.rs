@@ -139,7 +139,8 @@ impl SafetensorsWeights {
     }
 
     /// The checkpoint's tensors that hold the graph's parameter `name`: itself, or where it has no
-    /// such tensor, a mixture's per-expert or fused tensors ([`hf_layout`]); empty when none is there.
+    /// such tensor, a mixture's per-expert tensors or transformers 5's fused ones; empty when none
+    /// is there.
     pub fn stored_names(&self, name: &str) -> Vec<String> {
         if self.tensors.contains_key(name) {
             return vec![name.to_string()];
@@ -162,7 +163,7 @@ impl SafetensorsWeights {
     }
 
     /// The graph's parameter `name`, of `shape`, read where the checkpoint stores it under other
-    /// names ([`hf_layout`]): the region's experts one after another from their own tensors, or
+    /// names (`hf_layout`): the region's experts one after another from their own tensors, or
     /// the region of a fused tensor. `None` when the checkpoint has none of those names.
     fn read_stored_elsewhere(
         &self,
