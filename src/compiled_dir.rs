@@ -185,16 +185,40 @@ pub(crate) fn write_compiled(
     Ok((plan_hash, emitted))
 }
 
+/// Refuses `--no-overlap` or `--comm-streams 1` where a compiled directory's `programs` were
+/// scheduled otherwise: they run (and are traced) as compiled. A directory compiled with the same
+/// flag passes.
+pub fn check_schedule_flags(no_overlap: bool, comm_streams: u8, programs: &[Program]) -> Result<()> {
+    let instructions = || programs.iter().flat_map(|program| &program.instructions);
+    if no_overlap && instructions().any(|instr| matches!(instr, pleat_backend::Instr::Wait { .. })) {
+        bail!(UsageError::DiffersFromPlan {
+            flag: "--no-overlap",
+            given: "(every transfer blocking)".to_string(),
+            planned: "scheduled transfers; compile with --no-overlap for blocking ones".to_string(),
+        });
+    }
+    let prefetches = instructions().any(|instr| instr.transfer_stream() == pleat_backend::TransferStream::Prefetch);
+    if comm_streams == 1 && prefetches {
+        bail!(UsageError::DiffersFromPlan {
+            flag: "--comm-streams",
+            given: "1".to_string(),
+            planned: "2 (weight prefetches on a stream of their own); compile with --comm-streams 1".to_string(),
+        });
+    }
+    Ok(())
+}
+
 /// The FNV-1a hash of the file at `path`, as 16 hex digits.
 fn file_hash(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(crate::fingerprint::Fingerprint::new().part(&bytes).hex())
 }
 
-/// Checks that every native artifact of `dir` that `plan` records, and every one pleat would load
-/// or start (`rank<i>.so`, `rank<i>`, `rank<i>.<sm>.cuda.json`), is the one `pleat compile` wrote:
-/// a library truncated or overwritten after it would crash the loader or run other code. (One
-/// removed is not run; what a run needs and lacks, it reports itself.)
+/// Checks that every native artifact of `dir` that pleat would load or start (`rank<i>.so`,
+/// `rank<i>`, `rank<i>.<sm>.cuda.json`) is the one `pleat compile` wrote: a library truncated or
+/// overwritten after it would crash the loader or run other code. (The artifacts written for
+/// people to read, `.ll`, `.s`, `.o` and `.ptx`, are not run; one removed is not run either, and
+/// what a run needs and lacks, it reports itself.)
 fn check_native_files(dir: &Path, plan: &PlanFile) -> Result<()> {
     let is_rank = |stem: &str| stem.strip_prefix("rank").is_some_and(|index| index.parse::<u32>().is_ok());
     let loadable = std::fs::read_dir(dir)
@@ -204,11 +228,9 @@ fn check_native_files(dir: &Path, plan: &PlanFile) -> Result<()> {
             let stem = name.split('.').next().unwrap_or_default();
             is_rank(stem) && (name == stem || name.ends_with(".so") || name.ends_with(".cuda.json"))
         });
-    let recorded = plan.native_files.keys().filter(|name| dir.join(name).exists()).cloned();
-    let names: std::collections::BTreeSet<String> = recorded.chain(loadable).collect();
-    for name in &names {
-        let path = dir.join(name);
-        let recorded = plan.native_files.get(name);
+    for name in loadable {
+        let path = dir.join(&name);
+        let recorded = plan.native_files.get(&name);
         let actual = file_hash(&path)
             .map_err(|error| UsageError::CompiledFileUnreadable { path: path.clone(), reason: format!("{error:#}") })?;
         if recorded != Some(&actual) {

@@ -149,9 +149,9 @@ fn main() -> ExitCode {
         Err(err) => {
             let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
             if report::asks_for_json(&args) {
-                eprintln!("{}", report::clap_json(&err));
+                eprintln!("{}", report::clap_json(&err, &args));
             } else {
-                eprint!("{}", report::clap_text(&err));
+                eprint!("{}", report::clap_text(&err, &args));
             }
             return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
         }

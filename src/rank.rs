@@ -135,6 +135,9 @@ fn read_inputs(args: &RankArgs, rank: u32, world: u32) -> Result<RankInputs> {
     // The weights the directory was compiled beside, as `pleat run DIR` loads them.
     let weights_path = crate::compiled_dir::weights_for(args.weights.as_deref(), &args.dir, &plan)?;
     let weights = weight_source(weights_path.as_ref(), args.seed)?;
+    if rank == 0 {
+        crate::run::warn_unused_tensors(weights_path.as_ref(), &programs);
+    }
     Ok(RankInputs { plan, config, programs, tokens, weights })
 }
 

@@ -161,41 +161,61 @@ pub fn print(error: &anyhow::Error, format: ErrorFormat) {
 
 /// The text of a command line the argument parser rejected, with a code: `E0620` for a link that
 /// does not parse, `E0701` otherwise. clap's own first line `error: ...` becomes `error[CODE]: ...`.
-pub fn clap_text(error: &clap::Error) -> String {
+pub fn clap_text(error: &clap::Error, args: &[std::ffi::OsString]) -> String {
     let code = clap_code(error);
     let rendered = error.render().to_string();
     let mut text = match rendered.strip_prefix("error:") {
         Some(rest) => format!("error[{code}]:{rest}"),
-        None => format!("error[{code}]: {rendered}"),
+        // `pleat` alone: clap's rendering is the whole help, with no message of its own.
+        None => format!("error[{code}]: pleat needs a command\n\n{rendered}"),
     };
     if !text.ends_with('\n') {
         text.push('\n');
     }
-    text.push_str(&format!("  help: {}\n", clap_help(error)));
+    text.push_str(&format!("  help: {}\n", clap_help(error, args)));
     text
 }
 
 /// How to fix a rejected command line: the typed error's help where a flag's value parser gave
-/// one (`--emulate-link`'s), else a pointer to the command's flags.
-fn clap_help(error: &clap::Error) -> String {
-    error
-        .source()
-        .and_then(diagnostic_of)
-        .and_then(|diagnostic| diagnostic.help().map(|help| help.to_string()))
-        .unwrap_or_else(|| "`pleat <command> --help` lists the command's flags and their values".to_string())
+/// one (`--emulate-link`'s), else where the command's flags are listed.
+fn clap_help(error: &clap::Error, args: &[std::ffi::OsString]) -> String {
+    if let Some(help) =
+        error.source().and_then(diagnostic_of).and_then(|diagnostic| diagnostic.help().map(|help| help.to_string()))
+    {
+        return help;
+    }
+    // The command and a `bench` subcommand, as typed (the parser has not said which it took).
+    let words: Vec<String> = args
+        .iter()
+        .skip(1)
+        .map(|arg| arg.to_string_lossy().into_owned())
+        .take_while(|word| !word.starts_with('-'))
+        .take(2)
+        .collect();
+    let command = match words.as_slice() {
+        [] => return "`pleat --help` lists the commands".to_string(),
+        [bench, what] if bench == "bench" => format!("bench {what}"),
+        [command, ..] => command.clone(),
+    };
+    format!("`pleat {command} --help` lists its flags and their values")
 }
 
 /// The same rejection as one JSON object, for a command line that asked for `--format json`:
 /// clap's first line is the message, its tips and usage the help.
-pub fn clap_json(error: &clap::Error) -> Value {
+pub fn clap_json(error: &clap::Error, args: &[std::ffi::OsString]) -> Value {
     let rendered = error.render().to_string();
     let rendered = rendered.strip_prefix("error:").unwrap_or(&rendered);
-    let (message, rest) = rendered.split_once('\n').unwrap_or((rendered, ""));
-    let help: Vec<&str> = rest.lines().map(str::trim).filter(|line| !line.is_empty()).collect();
+    // The message runs to the first blank line (a missing argument's names follow it); then the
+    // fix, then clap's tips and usage.
+    let (message, rest) = rendered.split_once("\n\n").unwrap_or((rendered, ""));
+    let message: Vec<&str> = message.lines().map(str::trim).filter(|line| !line.is_empty()).collect();
+    let help: Vec<String> = std::iter::once(clap_help(error, args))
+        .chain(rest.lines().map(str::trim).filter(|line| !line.is_empty()).map(str::to_string))
+        .collect();
     let report = Report {
         code: clap_code(error),
-        message: message.trim().to_string(),
-        help: (!help.is_empty()).then(|| help.join("\n")),
+        message: message.join(" "),
+        help: Some(help.join("\n")),
         location: Map::new(),
         causes: Vec::new(),
         diagnostic: None,

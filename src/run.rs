@@ -298,12 +298,12 @@ pub fn warn_unused_tensors(path: Option<&PathBuf>, programs: &[Program]) {
         .iter()
         .flat_map(|program| &program.instructions)
         .filter_map(|instr| match instr {
-            pleat_backend::Instr::LoadParam { name, .. } => Some(name.as_str()),
+            pleat_backend::Instr::LoadParam { name, shape, .. } => Some((name.as_str(), shape.as_slice())),
             _ => None,
         })
-        .collect::<std::collections::BTreeSet<&str>>()
+        .collect::<std::collections::BTreeSet<(&str, &[u64])>>()
         .into_iter()
-        .flat_map(|name| file.stored_names(name))
+        .flat_map(|(name, shape)| file.stored_names(name, shape))
         .collect();
     // (Older Llama files carry RoPE's inverse frequencies, which transformers also ignores.)
     let unused: Vec<String> = file
@@ -378,6 +378,7 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
                 executables = crate::exe::executables(&dir, &programs)?.map(|paths| (dir.clone(), paths));
             }
             args.check_against_plan(&plan)?;
+            crate::compiled_dir::check_schedule_flags(args.no_overlap, 2, &programs)?;
             let weights = crate::compiled_dir::weights_for(args.weights.as_deref(), &dir, &plan)?;
             (config, programs, plan.mesh, weights, plan.batch, plan.seq)
         }
@@ -443,7 +444,13 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
             (shape, logits, outcomes, execution)
         }
     };
-    let native_kernels = native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect();
+    // Empty when no rank loaded a library, as for a model run (a directory without libraries gave
+    // each rank's 0).
+    let native_kernels = if native.iter().all(Option::is_none) {
+        Vec::new()
+    } else {
+        native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect()
+    };
     let (check, tolerance) = if args.check {
         let (check, tolerance) = check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, cuda)?;
         (Some(check), tolerance)

@@ -304,13 +304,29 @@ pub fn trace(args: &TraceArgs) -> Result<()> {
             let asked = |value: u64, default: u64| (value != default).then_some(value);
             let sizes = (asked(target.batch, DEFAULT_BATCH), asked(target.seq, DEFAULT_SEQ));
             crate::run::check_flags_against_plan(&target.mesh, target.strategy, sizes, &compiled.plan)?;
-            if target.no_overlap {
-                bail!(crate::usage::UsageError::DiffersFromPlan {
-                    flag: "--no-overlap",
-                    given: "(every transfer blocking)".to_string(),
-                    planned: "programs, whose transfers are as compiled (compile with --no-overlap for blocking ones)"
-                        .to_string(),
-                });
+            crate::compiled_dir::check_schedule_flags(target.no_overlap, target.comm_streams, &compiled.programs)?;
+            let pipeline = &args.pipeline;
+            let given = crate::train::TrainPlanFlags {
+                micro_batches: pipeline.micro_batches,
+                // `--schedule` has a default: only another value is known to be asked for.
+                schedule: (pipeline.schedule != crate::schedule::ScheduleName::OneFOneB).then_some(pipeline.schedule),
+                chunks: pipeline.chunks,
+                ..Default::default()
+            };
+            match &compiled.plan.training {
+                Some(training) => given.check_against(&dir, training)?,
+                None => {
+                    let flag = [
+                        ("--micro-batches", given.micro_batches.is_some()),
+                        ("--schedule", given.schedule.is_some()),
+                        ("--chunks", given.chunks.is_some()),
+                    ]
+                    .into_iter()
+                    .find(|(_, given)| *given);
+                    if let Some((flag, _)) = flag {
+                        bail!(crate::usage::UsageError::PipelineFlagWithoutPp { flag: flag.to_string() });
+                    }
+                }
             }
             (None, compiled.programs)
         }

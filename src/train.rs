@@ -623,6 +623,7 @@ impl TrainingTarget {
         let plan = compiled.expect_training(dir)?.clone();
         args.training.plan.check_against(dir, &plan)?;
         args.check_against_plan(&compiled.plan)?;
+        crate::compiled_dir::check_schedule_flags(args.no_overlap, 2, &compiled.programs)?;
         let weights_path = crate::compiled_dir::weights_for(args.weights.as_deref(), dir, &compiled.plan)?;
         let config = compiled.config;
         let cuda = match args.device {

@@ -52,10 +52,12 @@ pub enum UsageError {
     },
     /// A native artifact of a compiled directory that is not the one `pleat compile` wrote.
     #[error(
-        "{}: {}, but the file hashes to {actual}; it was changed after `pleat compile` wrote it, and pleat \
-         will not load it",
+        "{}: {}; pleat will not load it",
         .path.display(),
-        .recorded.as_ref().map_or("plan.json records no such artifact".to_string(), |hash| format!("plan.json records hash {hash}"))
+        .recorded.as_ref().map_or(
+            "`pleat compile` did not write it (plan.json records no such artifact)".to_string(),
+            |hash| format!("plan.json records hash {hash}, but the file hashes to {actual}: it was changed after `pleat compile` wrote it")
+        )
     )]
     #[diagnostic(code(E0553), help("run `pleat compile ... --emit` again into a fresh directory"))]
     NativeFileChanged {

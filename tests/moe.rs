@@ -384,10 +384,33 @@ fn a_checkpoint_with_one_tensor_an_expert_or_fused_experts_loads_into_the_stacke
             assert!(from_file == from_seed, "{} on {mesh}, fused {fused}: other logits", config.name);
             // Every tensor of the file is one a parameter is read from (the unused-tensor warning
             // names no expert).
-            let stored: std::collections::BTreeSet<String> =
-                module.graph.params().into_iter().flat_map(|(_, name)| file.stored_names(name)).collect();
+            let stored: std::collections::BTreeSet<String> = module
+                .graph
+                .params()
+                .into_iter()
+                .flat_map(|(value, name)| file.stored_names(name, &module.graph.value(value).ty.shape.sizes()))
+                .collect();
             let names: std::collections::BTreeSet<String> = file.names().into_iter().collect();
             assert_eq!(stored, names, "{} fused {fused}", config.name);
+            if !fused {
+                // An expert past the config's count is not read, and is named unused.
+                let mut extra = tensors.clone();
+                let (name, shape, data) =
+                    extra.iter().find(|(name, _, _)| name.contains(".experts.7.")).cloned().expect("expert 7");
+                extra.push((name.replace(".experts.7.", ".experts.8."), shape, data));
+                let path = dir.join("extra.safetensors");
+                write_safetensors(&path, &extra).expect("write");
+                let file = SafetensorsWeights::open(&path).expect("open");
+                let stored: std::collections::BTreeSet<String> = module
+                    .graph
+                    .params()
+                    .into_iter()
+                    .flat_map(|(value, name)| file.stored_names(name, &module.graph.value(value).ty.shape.sizes()))
+                    .collect();
+                let unread: Vec<String> = file.names().into_iter().filter(|name| !stored.contains(name)).collect();
+                assert_eq!(unread.len(), 1, "{unread:?}");
+                assert!(unread[0].contains(".experts.8."), "{unread:?}");
+            }
         }
     }
 }

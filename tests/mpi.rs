@@ -101,8 +101,15 @@ fn mpi_ranks_match_the_reference_and_the_threads_byte_counts() {
         assert_eq!(report["logits_shape"], serde_json::json!([2, 16, 256]), "{mesh}");
         let err = report["max_abs_err"].as_f64().expect("a number");
         assert!(err < 1e-4, "{mesh}: max abs err {err}");
-        let threads = json_of(&["run", &compiled, "--format", "json"]);
+        let threads = json_of(&["run", &compiled, "--check", "--format", "json"]);
         assert_eq!(report["comm_bytes"], threads["comm_bytes"], "{mesh}: MPI sends what the threads fabric sends");
+        // The report of `pleat run DIR`, key for key (a directory's native kernels were [0, 0]
+        // on threads and [] under MPI).
+        for (key, value) in threads.as_object().expect("an object") {
+            if key != "comm" {
+                assert_eq!(&report[key], value, "{mesh}: {key}");
+            }
+        }
     }
 }
 

@@ -935,6 +935,16 @@ fn a_compiled_directorys_artifacts_are_checked_and_a_failed_emit_writes_nothing(
         .expect("edit");
     let error = error_of(&["run", edited.to_str().expect("utf-8")]);
     assert!(error.contains("error[E0521]"), "{error}");
+    // A library pleat compile did not write is refused as such; the files written for people to
+    // read (.ll, .s, .o, .ptx) are never loaded, and editing one blocks nothing.
+    let added = dir.join("added");
+    let plain = ["compile", "tiny", "--mesh", "tp=2", "--batch", "2", "--seq", "16", "--emit", "llvm-ir"];
+    stdout_of(&[&plain[..], &["--out", added.to_str().expect("utf-8")]].concat());
+    std::fs::write(added.join("rank0.ll"), "; edited by hand\n").expect("edit");
+    stdout_of(&["run", added.to_str().expect("utf-8")]);
+    std::fs::copy(out.join("rank1.so"), added.join("rank1.so")).expect("copy");
+    let error = error_of(&["run", added.to_str().expect("utf-8")]);
+    assert!(error.contains("rank1.so: `pleat compile` did not write it"), "{error}");
     // Artifacts are emitted into the staging directory: one that fails leaves no directory that
     // would run without the code asked for.
     let failed = dir.join("failed");

@@ -258,9 +258,29 @@ fn tracing_a_compiled_directory_refuses_flags_that_contradict_its_plan() {
         (&["--seq", "32"], "--seq 32 differs from the compiled plan's 16"),
         (&["--strategy", "tp"], "--strategy tp differs"),
         (&["--no-overlap"], "--no-overlap (every transfer blocking) differs"),
+        (&["--comm-streams", "1"], "--comm-streams 1 differs"),
+        (&["--micro-batches", "2"], "--micro-batches"),
     ] {
         let error = error_of(&[&["trace", compiled][..], flags, &["--out", out]].concat());
-        assert!(error.starts_with("error[E0707]") && error.contains(says), "{flags:?}: {error}");
+        assert!(error.starts_with("error[E07") && error.contains(says), "{flags:?}: {error}");
     }
     stdout_of(&["trace", compiled, "--mesh", "tsp=2", "--seq", "16", "--batch", "2", "--out", out]);
+    // `pleat run DIR` ran --no-overlap as the directory's scheduled programs, without a word; a
+    // directory compiled with --no-overlap takes the flag.
+    let error = error_of(&["run", compiled, "--no-overlap"]);
+    assert!(error.starts_with("error[E0707]: --no-overlap"), "{error}");
+    let blocking = dir.join("blocking");
+    let blocking = blocking.to_str().expect("utf-8 path");
+    let args = ["compile", "tiny", "--mesh", "tsp=2", "--batch", "2", "--seq", "16", "--no-overlap", "--out", blocking];
+    stdout_of(&args);
+    stdout_of(&["trace", blocking, "--no-overlap", "--out", out]);
+    stdout_of(&["run", blocking, "--no-overlap"]);
+    // A training directory's pipeline flags are its plan's, as `run DIR --train` holds them.
+    let training = dir.join("training");
+    let training = training.to_str().expect("utf-8 path");
+    let args = ["compile", "tiny", "--train", "--mesh", "pp=2", "--micro-batches", "2", "--batch", "2", "--seq", "16"];
+    stdout_of(&[&args[..], &["--out", training]].concat());
+    let error = error_of(&["trace", training, "--micro-batches", "4", "--out", out]);
+    assert!(error.starts_with("error[E0793]") && error.contains("--micro-batches"), "{error}");
+    stdout_of(&["trace", training, "--micro-batches", "2", "--out", out]);
 }

@@ -18,6 +18,27 @@ pub enum ExeError {
         /// Why.
         reason: String,
     },
+    /// The outcome's directory (`--out`) cannot be made.
+    #[error("cannot write the outcome into {path}: {reason}")]
+    #[diagnostic(code(E0554), help("give --out a directory the rank may create or write, or one that exists"))]
+    Output {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The tokens file holds other than the plan's batch of ids.
+    #[error("{path}: {reason}")]
+    #[diagnostic(
+        code(E0555),
+        help("give --tokens the plan's batch: JSON rows, [[id, ...], ...], of its sequence length")
+    )]
+    Tokens {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The executable and the program or the job do not belong together.
     #[error("{0}")]
     #[diagnostic(

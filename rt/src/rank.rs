@@ -40,7 +40,7 @@ pub fn run_rank(args: &ExeArgs, rank: u32, entry: EntryFunction, fingerprint: u6
         None => Box::new(SeededWeights::new(args.seed)),
     };
     std::fs::create_dir_all(&args.out)
-        .map_err(|error| ExeError::Read { path: args.out.clone(), reason: error.to_string() })?;
+        .map_err(|error| ExeError::Output { path: args.out.clone(), reason: error.to_string() })?;
     let mut comm = MpiComm::init(args.timeout).map_err(|error| ExeError::Mpi(error.to_string()))?;
     if comm.rank() != rank || comm.world_size() != program.world_size {
         // Another process may be the right one (the same executable started twice, say) and would
@@ -95,12 +95,13 @@ fn read_program(dir: &Path, rank: u32) -> Result<Program, ExeError> {
 fn read_tokens(path: &Path, shape: &[u64]) -> Result<Vec<u32>, ExeError> {
     let unreadable = |reason: String| ExeError::Read { path: path.to_path_buf(), reason };
     let text = std::fs::read_to_string(path).map_err(|error| unreadable(error.to_string()))?;
+    let wrong = |reason: String| ExeError::Tokens { path: path.to_path_buf(), reason };
     let rows: Vec<Vec<u32>> = serde_json::from_str(&text)
-        .map_err(|error| unreadable(format!("{error}; write the ids as JSON rows, [[id, ...], ...]")))?;
+        .map_err(|error| wrong(format!("{error}; write the ids as JSON rows, [[id, ...], ...]")))?;
     let (batch, seq) = (shape.first().copied().unwrap_or(0), shape.get(1).copied().unwrap_or(0));
     if rows.len() as u64 != batch || rows.iter().any(|row| row.len() as u64 != seq) {
         let lengths: Vec<usize> = rows.iter().map(Vec::len).collect();
-        return Err(unreadable(format!(
+        return Err(wrong(format!(
             "the plan takes {batch} rows of {seq} ids, the file holds {} rows of {lengths:?} ids",
             rows.len()
         )));
@@ -126,6 +127,9 @@ mod tests {
         assert_eq!(read_tokens(&path, &[2, 3]).expect("the plan's shape"), vec![1, 2, 3, 4, 5, 6]);
         let error = read_tokens(&path, &[2, 4]).expect_err("rows too short");
         assert!(error.to_string().contains("the plan takes 2 rows of 4 ids"), "{error}");
+        // A file of the wrong batch is E0555, not "cannot read" (E0549), whose help is to check
+        // that the file exists.
+        assert!(matches!(error, ExeError::Tokens { .. }), "{error:?}");
         std::fs::write(&path, "[1, 2]").expect("written");
         let error = read_tokens(&path, &[1, 2]).expect_err("not rows");
         assert!(error.to_string().contains("JSON rows"), "{error}");

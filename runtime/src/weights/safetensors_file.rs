@@ -138,18 +138,18 @@ impl SafetensorsWeights {
         Ok(Self { origin: index.to_path_buf(), shards, tensors })
     }
 
-    /// The checkpoint's tensors that hold the graph's parameter `name`: itself, or where it has no
-    /// such tensor, a mixture's per-expert tensors or transformers 5's fused ones; empty when none
-    /// is there.
-    pub fn stored_names(&self, name: &str) -> Vec<String> {
+    /// The checkpoint's tensors that hold the graph's parameter `name`, of global `shape`: itself,
+    /// or where it has no such tensor, a mixture's per-expert tensors (those of its `shape[0]`
+    /// experts the file holds) or transformers 5's fused ones; empty when none is there.
+    pub fn stored_names(&self, name: &str, shape: &[u64]) -> Vec<String> {
         if self.tensors.contains_key(name) {
             return vec![name.to_string()];
         }
         for way in stored_as(name) {
             let names: Vec<String> = match way {
-                StoredAs::PerExpert { prefix, projection } => (0..)
+                StoredAs::PerExpert { prefix, projection } => (0..shape.first().copied().unwrap_or(0))
                     .map(|expert| format!("{prefix}.experts.{expert}.{projection}"))
-                    .take_while(|expert_name| self.tensors.contains_key(expert_name))
+                    .filter(|expert_name| self.tensors.contains_key(expert_name))
                     .collect(),
                 StoredAs::FusedHalf { source, .. } | StoredAs::Renamed { source } => {
                     [source].into_iter().filter(|source| self.tensors.contains_key(source)).collect()
