@@ -125,10 +125,10 @@ impl CompiledDir {
 
 /// Writes the compiled directory into a temporary sibling, `emit` its native artifacts there too,
 /// then renames it into place, so an interrupted or failed compile never leaves a half-written
-/// directory (nor one without the code asked for). Returns the plan's fingerprint: FNV-1a over the
-/// bytes of `config.json`, `module.pleat`, every `rank<i>.program` and a training step's
-/// `rank<i>.optimizer.json` as written, which `read_compiled` checks, and the artifacts' names.
-/// Equal plans, byte for byte, have equal hashes.
+/// directory (nor one without the code asked for). Returns the plan's fingerprint and the names of
+/// the artifacts emitted. The fingerprint is FNV-1a over the bytes of `config.json`,
+/// `module.pleat`, every `rank<i>.program` and a training step's `rank<i>.optimizer.json` as
+/// written, which `read_compiled` checks: equal plans, byte for byte, have equal hashes.
 pub(crate) fn write_compiled(
     out: &Path,
     files: &CompiledFiles,
