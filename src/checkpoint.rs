@@ -286,8 +286,8 @@ fn has_ended(pid: u32) -> bool {
 }
 
 /// Puts back a directory that a write killed between its two renames left aside, and removes the
-/// staging siblings of writers that have ended.
-fn recover(dir: &Path) -> Result<()> {
+/// staging siblings of writers that have ended. Every read of a pleat output calls it.
+pub fn recover(dir: &Path) -> Result<()> {
     let (parent, name) = parent_and_name(dir)?;
     for (staging, pid) in tagged_siblings(&parent, &name, "tmp") {
         if has_ended(pid) {

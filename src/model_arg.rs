@@ -35,9 +35,17 @@ pub fn read_config(path: &Path) -> Result<ModelConfig> {
 /// Resolves MODEL.
 pub fn resolve(model: &str) -> Result<ModelSource> {
     let path = Path::new(model);
+    if !PRESET_NAMES.contains(&model) {
+        // A checkpoint or compiled directory a killed write left aside is put back first.
+        crate::checkpoint::recover(path)?;
+    }
     if path.is_dir() {
         if path.join("plan.json").exists() {
             return Ok(ModelSource::Compiled(path.to_path_buf()));
+        }
+        // A checkpoint without its index would run on seeded weights.
+        if path.join("rank0.safetensors").is_file() && !crate::checkpoint::is_checkpoint(path) {
+            bail!(UsageError::CheckpointWithoutIndex { dir: path.to_path_buf() });
         }
         if path.join("config.json").exists() {
             let config = read_config(&path.join("config.json"))?;

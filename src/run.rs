@@ -273,6 +273,10 @@ pub fn check_outputs(args: &RunArgs) -> Result<()> {
 
 /// The weights of a run: the safetensors at `path`, or seeded synthetic weights.
 pub fn weight_source(path: Option<&PathBuf>, seed: u64) -> Result<Box<dyn WeightSource>> {
+    if let Some(path) = path {
+        // A checkpoint a killed write left aside is put back first.
+        crate::checkpoint::recover(path)?;
+    }
     Ok(match path {
         // A training checkpoint: its blocks, assembled for any mesh.
         Some(path) if crate::checkpoint::is_checkpoint(path) => Box::new(

@@ -574,6 +574,17 @@ pub enum UsageError {
         /// The ZeRO stage asked for.
         zero: u8,
     },
+    /// A directory holding a checkpoint's rank files but not its `index.json`.
+    #[error(
+        "{} holds rank<i>.safetensors files but no index.json: a checkpoint whose index is gone, whose \
+         weights pleat cannot place",
+        .dir.display()
+    )]
+    #[diagnostic(code(E0758), help("save the checkpoint again (--save), or resume from another one"))]
+    CheckpointWithoutIndex {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// A flag `pleat bench overlap` cannot honour: it runs each plan both ways.
     #[error("bench overlap runs the plan blocking and scheduled, side by side, so {flag} has no meaning here")]
     #[diagnostic(code(E0756), help("drop {flag}; `pleat run --no-overlap` runs the blocking programs alone"))]
@@ -943,6 +954,7 @@ impl UsageError {
             UsageError::VirtualStagesWithoutPp { .. } => vec![("flag", "--virtual-stages".to_string())],
             UsageError::PipelineFlagWithoutPp { flag } => vec![("flag", flag.clone())],
             UsageError::OverlapBenchFlag { flag } => vec![("flag", flag.to_string())],
+            UsageError::CheckpointWithoutIndex { dir } => vec![("file", dir.display().to_string())],
             UsageError::OverlapBenchWithoutTransfers { .. } => vec![("flag", "--mesh".to_string())],
             UsageError::CompiledWeightsGone { weights, .. } => vec![("file", weights.display().to_string())],
             UsageError::TokenOutsideVocabulary { .. } => vec![("flag", "--tokens".to_string())],

@@ -206,3 +206,28 @@ fn a_killed_run_leaves_the_last_complete_checkpoint_or_none() {
         .collect();
     assert_eq!(names, vec!["saved".to_string()], "stale siblings are left");
 }
+
+#[test]
+fn a_checkpoint_set_aside_is_put_back_by_any_read_and_one_without_its_index_is_refused() {
+    let dir = tempdir("checkpoint-aside");
+    let saved = path_in(&dir, "saved");
+    stdout_of(&["run", "tiny", "--train", "--steps", "1", "--batch", "2", "--seq", "16", "--save", &saved]);
+    let logits = |model: &str, extra: &[&str], name: &str| -> Vec<u8> {
+        let out = path_in(&dir, name);
+        stdout_of(&[&["run", model, "--batch", "2", "--seq", "16", "--logits-out", &out][..], extra].concat());
+        std::fs::read(out).expect("logits")
+    };
+    let expected = logits(&saved, &[], "expected.safetensors");
+    // A write killed between its renames leaves the checkpoint aside (a writer that has ended):
+    // `pleat run DIR` and `--weights DIR` put it back, as `--resume` did alone (E0734, E0610).
+    for (model, extra) in [(saved.as_str(), &[][..]), ("tiny", &["--weights", saved.as_str()][..])] {
+        let aside = dir.join(format!(".saved.old-{}", u32::MAX - 1));
+        std::fs::rename(&saved, &aside).expect("set aside");
+        assert_eq!(logits(model, extra, "put-back.safetensors"), expected, "{model} {extra:?}");
+        assert!(!aside.exists());
+    }
+    // Without its index the rank files cannot be placed; the directory ran on seeded weights.
+    std::fs::remove_file(dir.join("saved").join("index.json")).expect("index removed");
+    let error = error_of(&["run", &saved, "--batch", "2", "--seq", "16"]);
+    assert!(error.starts_with("error[E0758]") && error.contains("no index.json"), "{error}");
+}
