@@ -40,8 +40,9 @@ pub struct PlanFile {
     pub seq: u64,
     /// `program format` of the rank files.
     pub program_format_version: u32,
-    /// The plan's fingerprint: the sharded module's text and every rank's program (`write_compiled`),
-    /// and a training step's optimizer layouts; reading the directory checks it.
+    /// The plan's fingerprint: `config.json`, the sharded module's text, every rank's program, a
+    /// training step's optimizer layouts and this file's fields that say how they run
+    /// (`write_compiled`); reading the directory checks it.
     pub plan_hash: String,
     /// A training step's plan (`--train`), whose ranks' optimizer layouts are
     /// `rank<i>.optimizer.json`; absent for a forward pass.
@@ -141,12 +142,6 @@ pub(crate) fn write_compiled(
         Some((_, layouts)) => layouts.iter().map(serde_json::to_string_pretty).collect::<Result<_, _>>()?,
         None => Vec::new(),
     };
-    let mut fingerprint = crate::fingerprint::Fingerprint::new();
-    fingerprint.part(config_text.as_bytes()).part(module_text.as_bytes());
-    for text in program_texts.iter().chain(&layout_texts) {
-        fingerprint.part(text.as_bytes());
-    }
-    let plan_hash = fingerprint.hex();
     let mut plan = PlanFile {
         format_version: PLAN_FORMAT_VERSION,
         model: files.config.name.clone(),
@@ -156,11 +151,19 @@ pub(crate) fn write_compiled(
         batch: files.batch,
         seq: files.seq,
         program_format_version: pleat_backend::FORMAT_VERSION,
-        plan_hash: plan_hash.clone(),
+        plan_hash: String::new(),
         training: files.training.map(|(training, _)| training.clone()),
         weights: files.weights.clone(),
         native_files: BTreeMap::new(),
     };
+    let mut fingerprint = crate::fingerprint::Fingerprint::new();
+    fingerprint.part(config_text.as_bytes()).part(module_text.as_bytes());
+    for text in program_texts.iter().chain(&layout_texts) {
+        fingerprint.part(text.as_bytes());
+    }
+    fingerprint.part(plan_fields(&plan)?.as_bytes());
+    let plan_hash = fingerprint.hex();
+    plan.plan_hash.clone_from(&plan_hash);
     let mut emitted = Vec::new();
     crate::checkpoint::write_dir_atomically(out, "plan.json", |staging| {
         emitted = emit(staging)?;
@@ -206,6 +209,22 @@ pub fn check_schedule_flags(no_overlap: bool, comm_streams: u8, programs: &[Prog
         });
     }
     Ok(())
+}
+
+/// The fields of `plan.json` that say how the programs run (an edited `training.zero` trained as
+/// "zero 1" programs compiled for none), as the fingerprint reads them. The weights' path is left
+/// out: moved weights are E0754's, and `--weights` overrides it anyway.
+fn plan_fields(plan: &PlanFile) -> Result<String> {
+    Ok(serde_json::to_string(&serde_json::json!({
+        "model": plan.model,
+        "mesh": plan.mesh,
+        "strategy": plan.strategy,
+        "ranks": plan.ranks,
+        "batch": plan.batch,
+        "seq": plan.seq,
+        "program_format_version": plan.program_format_version,
+        "training": plan.training,
+    }))?)
 }
 
 /// The FNV-1a hash of the file at `path`, as 16 hex digits.
@@ -284,6 +303,7 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
             .collect::<Result<Vec<OptimizerLayout>>>()?,
         None => Vec::new(),
     };
+    fingerprint.part(plan_fields(&plan)?.as_bytes());
     if fingerprint.hex() != plan.plan_hash {
         anyhow::bail!(UsageError::PlanHashMismatch {
             path: plan_path,

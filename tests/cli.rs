@@ -661,3 +661,26 @@ fn weights_the_model_does_not_read_are_named() {
     let output = cli::pleat(&["run", fixture.to_str().unwrap(), "--batch", "2", "--seq", "16"]);
     assert!(!String::from_utf8_lossy(&output.stderr).contains("warning"), "{output:?}");
 }
+
+#[test]
+fn plan_json_fields_that_say_how_the_programs_run_are_in_the_plan_hash() {
+    // An edited `training.zero` trained as "zero 1" programs compiled for none, and an edited
+    // batch failed later as another error.
+    let dir = tempdir("plan-fields");
+    let out = dir.join("train");
+    let out = out.to_str().unwrap();
+    let args = ["compile", "tiny", "--train", "--mesh", "pp=2", "--micro-batches", "2", "--batch", "2", "--seq", "16"];
+    stdout_of(&[&args[..], &["--out", out]].concat());
+    let plan_path = Path::new(out).join("plan.json");
+    let original = std::fs::read_to_string(&plan_path).unwrap();
+    for (from, to) in
+        [("\"zero\": 0", "\"zero\": 1"), ("\"batch\": 2", "\"batch\": 4"), ("\"bucket_mb\": 25", "\"bucket_mb\": 1")]
+    {
+        assert!(original.contains(from), "{from} in {original}");
+        std::fs::write(&plan_path, original.replace(from, to)).unwrap();
+        let error = error_of(&["run", out, "--train", "--steps", "1"]);
+        assert!(error.starts_with("error[E0521]"), "{to}: {error}");
+    }
+    std::fs::write(&plan_path, &original).unwrap();
+    stdout_of(&["run", out, "--train", "--steps", "1"]);
+}
