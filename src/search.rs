@@ -132,7 +132,33 @@ impl PlanChoice {
                 expected: SEARCH_PLAN_VERSION
             });
         }
+        if let Some(reason) = choice.inconsistency() {
+            anyhow::bail!(crate::usage::UsageError::NotAPlan { path: path.to_path_buf(), what: "search plan", reason });
+        }
         Ok(choice)
+    }
+
+    /// What makes the plan one `pleat search` cannot have written (an edited field), if anything:
+    /// each was compiled as given (a ZeRO stage of 7 trained as ZeRO-3), or failed later under
+    /// another flag's name.
+    fn inconsistency(&self) -> Option<String> {
+        let mesh = match pleat_ir::Mesh::parse(&self.mesh) {
+            Ok(mesh) => mesh,
+            Err(error) => return Some(format!("its mesh {:?} does not parse: {error}", self.mesh)),
+        };
+        let batch_split = mesh.degree(pleat_ir::AxisName::Dp) * mesh.degree(pleat_ir::AxisName::Ep);
+        if self.zero > 3 {
+            Some(format!("zero is {}; a ZeRO stage is 0 to 3", self.zero))
+        } else if self.seq == 0 || self.micro_batch == 0 || self.micro_batches == 0 {
+            Some(format!(
+                "seq {}, micro_batch {} and micro_batches {} must each be 1 or more",
+                self.seq, self.micro_batch, self.micro_batches
+            ))
+        } else if self.dp != batch_split {
+            Some(format!("dp is {}, and its mesh {} splits the batch {batch_split} ways (dp × ep)", self.dp, self.mesh))
+        } else {
+            None
+        }
     }
 }
 

@@ -362,10 +362,23 @@ fn compiled_directories() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let mut plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&old_plan).expect("plan")).expect("json");
+    // Fields `pleat search` cannot have written: each was compiled as given (zero 7 trained as
+    // ZeRO-3) or failed later under a flag the user never gave.
+    let edited = |name: &str, key: &str, value: serde_json::Value| -> String {
+        let mut edited = plan.clone();
+        edited[key] = value;
+        write(&plans, name, &edited.to_string())
+    };
+    let zero7 = edited("zero7.json", "zero", 7.into());
+    let no_micro_batches = edited("no-micro-batches.json", "micro_batches", 0.into());
+    let dp_not_mesh = edited("dp-not-mesh.json", "dp", 4.into());
     plan["format_version"] = 999.into();
     std::fs::write(&old_plan, plan.to_string()).expect("write");
     let out = path_str(&plans.join("out"));
     let cases = [
+        case(&["compile", "tiny", "--train", "--out", &out, "--plan", &zero7], "E0523", "zero is 7"),
+        case(&["compile", "tiny", "--out", &out, "--plan", &no_micro_batches], "E0523", "micro_batches 0"),
+        case(&["compile", "tiny", "--out", &out, "--plan", &dp_not_mesh], "E0523", "dp is 4, and its mesh"),
         case(&["compile", "tiny", "--out", &out, "--plan", &not_json], "E0523", "is not a pleat search plan"),
         case(&["compile", "tiny", "--out", &out, "--plan", &old_plan], "E0524", "plan format 999"),
         case(&["run", &path_str(&tampered)], "E0521", "the directory was changed after `pleat compile`"),
