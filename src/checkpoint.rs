@@ -49,6 +49,11 @@ struct Index {
     model: String,
     /// Optimizer steps taken so far.
     steps: u32,
+    /// Tokens the steps took from the token stream (`--data`), so that a run resumed at another
+    /// batch or sequence length continues where this one stopped; absent in older checkpoints
+    /// (then steps times the resumed run's batch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokens_seen: Option<u64>,
     /// FNV-1a over `config.json`, the block files and this index with this field empty.
     content_hash: String,
     tensors: BTreeMap<String, IndexedTensor>,
@@ -81,6 +86,8 @@ type NamedTensor = (String, Vec<u64>, Vec<f32>);
 pub struct Resume {
     /// Steps taken before the checkpoint.
     pub steps: u32,
+    /// Tokens those steps took from the stream, where the checkpoint says.
+    pub tokens_seen: Option<u64>,
     /// The parameters and their moments (`<name>.exp_avg`, `<name>.exp_avg_sq`).
     pub state: BlockWeights,
 }
@@ -90,8 +97,9 @@ pub fn is_checkpoint(path: &Path) -> bool {
     path.join(INDEX_FILE).is_file()
 }
 
-/// Writes the checkpoint of a run that has taken `steps` steps in all, from its ranks' final state.
-pub fn write(dir: &Path, config: &ModelConfig, steps: u32, ranks: &[RankTraining]) -> Result<()> {
+/// Writes the checkpoint of a run that has taken `steps` steps in all, `tokens_seen` tokens of its
+/// stream, from its ranks' final state.
+pub fn write(dir: &Path, config: &ModelConfig, (steps, tokens_seen): (u32, u64), ranks: &[RankTraining]) -> Result<()> {
     let mut order: Vec<&RankTraining> = ranks.iter().collect();
     order.sort_by_key(|training| training.rank);
     // Each rank's blocks, keyed in its file; the index of where they went.
@@ -125,6 +133,7 @@ pub fn write(dir: &Path, config: &ModelConfig, steps: u32, ranks: &[RankTraining
         format_version: CHECKPOINT_FORMAT_VERSION,
         model: config.name.clone(),
         steps,
+        tokens_seen: Some(tokens_seen),
         content_hash: String::new(),
         tensors,
     };
@@ -227,7 +236,7 @@ pub fn read(dir: &Path, config: &ModelConfig) -> Result<Resume> {
             differences: differences.join(", "),
         });
     }
-    Ok(Resume { steps: index.steps, state: read_blocks(dir, &index)? })
+    Ok(Resume { steps: index.steps, tokens_seen: index.tokens_seen, state: read_blocks(dir, &index)? })
 }
 
 /// The `config.json` fields in which `saved` and `config` differ, each as `field saved -> config`:

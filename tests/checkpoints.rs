@@ -231,3 +231,27 @@ fn a_checkpoint_set_aside_is_put_back_by_any_read_and_one_without_its_index_is_r
     let error = error_of(&["run", &saved, "--batch", "2", "--seq", "16"]);
     assert!(error.starts_with("error[E0758]") && error.contains("no index.json"), "{error}");
 }
+
+#[test]
+fn a_run_resumed_at_another_batch_continues_the_data_where_the_checkpoint_stopped() {
+    // 3 steps of 4 sequences of 16 take tokens 0..192 of the file. Resumed at 2 sequences a step,
+    // the run read from 3·2·16 = 96 on, training again on tokens it had seen, with no warning.
+    let dir = tempdir("resume-data");
+    let file = |name: &str, changed: std::ops::Range<usize>| -> String {
+        let ids: Vec<String> =
+            (0..1000usize).map(|at| if changed.contains(&at) { 7 } else { (at * 37 + 11) % 256 }.to_string()).collect();
+        let path = path_in(&dir, name);
+        std::fs::write(&path, ids.join(" ")).expect("data written");
+        path
+    };
+    let (data, seen_again, unseen) = (file("a.txt", 0..0), file("b.txt", 96..192), file("c.txt", 192..256));
+    let saved = path_in(&dir, "saved");
+    let args = ["run", "tiny", "--train", "--seq", "16", "--lr", "0.01", "--format", "json"];
+    json_of(&[&args[..], &["--batch", "4", "--steps", "3", "--data", &data, "--save", &saved]].concat());
+    let resumed = |data: &str| {
+        losses(&json_of(&[&args[..], &["--batch", "2", "--steps", "2", "--data", data, "--resume", &saved]].concat()))
+    };
+    let continued = resumed(&data);
+    assert_eq!(resumed(&seen_again), continued, "tokens 96..192 were trained on before the checkpoint");
+    assert_ne!(resumed(&unseen), continued, "tokens 192.. are where the stream continues");
+}
