@@ -486,6 +486,30 @@ pub fn bucket_and_schedule(
     crate::predict::overlap_for_cpu(bucketed, no_overlap, prefetch)
 }
 
+/// The most bytes of a `--data` stream (a pipe or a device, whose size is not known before) read.
+const DATA_STREAM_LIMIT: u64 = 256 << 20;
+
+/// The text of `--data`: a file whole, once this machine is known to hold it and its ids (about
+/// three times its size; `/dev/zero` was read until the kernel killed pleat), or a stream up to
+/// [`DATA_STREAM_LIMIT`] bytes.
+fn read_data(path: &Path) -> Result<String> {
+    let cannot_read = || format!("cannot read --data {}", path.display());
+    let metadata = std::fs::metadata(path).with_context(cannot_read)?;
+    if metadata.is_file() {
+        let what = format!("reading --data {}", path.display());
+        crate::host_memory::ensure_available(&what, metadata.len().saturating_mul(3))?;
+        return crate::text_file::read_text(path).with_context(cannot_read);
+    }
+    let mut bytes = Vec::new();
+    let file = std::fs::File::open(path).with_context(cannot_read)?;
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, DATA_STREAM_LIMIT + 1), &mut bytes)
+        .with_context(cannot_read)?;
+    if bytes.len() as u64 > DATA_STREAM_LIMIT {
+        bail!(UsageError::DataStreamTooLarge { path: path.to_path_buf(), limit: DATA_STREAM_LIMIT });
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file. A run resumed
 /// after `resumed` = (steps, tokens seen) continues the file where those steps stopped, whatever
 /// its own batch and sequence length (step `s` starts at `seen + (s - steps)·window`).
@@ -499,12 +523,16 @@ pub fn token_batches(
     let Some(path) = data else {
         return Ok(Box::new(move |step| synthetic_tokens(seed, u64::from(step), batch, seq, vocab)));
     };
-    let text = crate::text_file::read_text(path).with_context(|| format!("cannot read --data {}", path.display()))?;
+    let text = read_data(path)?;
     let mut ids = Vec::new();
     for (index, word) in text.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty()).enumerate() {
         match word.parse::<u64>() {
             Ok(id) if id < vocab => ids.push(id as u32),
-            _ => bail!(UsageError::DataToken { path: path.to_path_buf(), index, word: word.to_string(), vocab }),
+            _ => {
+                // A long or binary word is shown in part, escaped.
+                let word: String = word.chars().take(40).collect();
+                bail!(UsageError::DataToken { path: path.to_path_buf(), index, word, vocab })
+            }
         }
     }
     if ids.is_empty() {

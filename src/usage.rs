@@ -585,6 +585,15 @@ pub enum UsageError {
         /// The directory.
         dir: PathBuf,
     },
+    /// A `--data` stream (a pipe or a device) longer than pleat reads.
+    #[error("--data {}: it is not a regular file, and it holds more than {limit} bytes; pleat reads a stream whole", .path.display())]
+    #[diagnostic(code(E0759), help("write the token ids to a file and pass its path"))]
+    DataStreamTooLarge {
+        /// The path.
+        path: PathBuf,
+        /// The bytes read at most.
+        limit: u64,
+    },
     /// A flag `pleat bench overlap` cannot honour: it runs each plan both ways.
     #[error("bench overlap runs the plan blocking and scheduled, side by side, so {flag} has no meaning here")]
     #[diagnostic(code(E0756), help("drop {flag}; `pleat run --no-overlap` runs the blocking programs alone"))]
@@ -661,7 +670,7 @@ pub enum UsageError {
         fix: String,
     },
     /// A `--data` word that is not a token id of the vocabulary.
-    #[error("--data {}: token {index} is `{word}`, not an id below the vocabulary size {vocab}", .path.display())]
+    #[error("--data {}: token {index} is {word:?}, not an id below the vocabulary size {vocab}", .path.display())]
     #[diagnostic(code(E0726), help("write the data as integer token ids below the model's vocab_size"))]
     DataToken {
         /// The data file.
@@ -955,6 +964,9 @@ impl UsageError {
             UsageError::PipelineFlagWithoutPp { flag } => vec![("flag", flag.clone())],
             UsageError::OverlapBenchFlag { flag } => vec![("flag", flag.to_string())],
             UsageError::CheckpointWithoutIndex { dir } => vec![("file", dir.display().to_string())],
+            UsageError::DataStreamTooLarge { path, .. } => {
+                vec![("flag", "--data".to_string()), ("file", path.display().to_string())]
+            }
             UsageError::OverlapBenchWithoutTransfers { .. } => vec![("flag", "--mesh".to_string())],
             UsageError::CompiledWeightsGone { weights, .. } => vec![("file", weights.display().to_string())],
             UsageError::TokenOutsideVocabulary { .. } => vec![("flag", "--tokens".to_string())],

@@ -476,6 +476,9 @@ fn training_flags() {
     std::fs::write(&binary_data, b"1 2 \xfe 3").expect("write");
     let binary_data = path_str(&binary_data);
     let empty_data = write(&dir, "empty.txt", " ,\n");
+    // A terminal's escape and a 5 MB word were echoed whole, raw.
+    let escape_data = write(&dir, "escape.txt", "1 2 \u{1b}[31m 3");
+    let long_data = write(&dir, "long.txt", &"9".repeat(5_000_000));
     let tokens = write(&dir, "tokens.json", "[[1, 2, 3, 4]]");
     let compiled = path_str(compiled_tiny());
     let compiled_training = path_str(&dir.join("training"));
@@ -514,8 +517,16 @@ fn training_flags() {
             "E0725",
             "nor does the whole batch; use a --batch that is a multiple of 6",
         ),
-        case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is `300`"),
-        case(&["run", "tiny", "--train", "--data", &binary_data], "E0726", "token 2 is `\u{fffd}`"),
+        case(&["run", "tiny", "--train", "--data", &bad_data], "E0726", "token 2 is \"300\""),
+        case(&["run", "tiny", "--train", "--data", &binary_data], "E0726", "token 2 is \"\u{fffd}\""),
+        case(&["run", "tiny", "--train", "--data", &escape_data], "E0726", "token 2 is \"\\u{1b}[31m\""),
+        case(
+            &["run", "tiny", "--train", "--data", &long_data],
+            "E0726",
+            &format!("token 0 is \"{}\", not", "9".repeat(40)),
+        ),
+        // (It was read until the kernel killed pleat.)
+        case(&["run", "tiny", "--train", "--data", "/dev/zero"], "E0759", "more than 268435456 bytes"),
         case(&["run", "tiny", "--train", "--data", &empty_data], "E0727", "no token ids"),
         case(&["run", &compiled, "--train"], "E0728", "holds a forward pass (compiled without --train)"),
         case(&["run", &compiled_training], "E0792", "holds a training step (compiled with --train)"),

@@ -255,7 +255,7 @@ fn training_reads_token_files() {
     std::fs::write(dir.join("bad.txt"), "1, 2, 300").expect("write tokens");
     let bad = dir.join("bad.txt");
     let error = error_of(&["run", "tiny", "--train", "--data", bad.to_str().expect("utf-8")]);
-    assert!(error.contains("token 2 is `300`, not an id below the vocabulary size 256"), "{error}");
+    assert!(error.contains("token 2 is \"300\", not an id below the vocabulary size 256"), "{error}");
 }
 
 #[test]
