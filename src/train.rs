@@ -270,6 +270,10 @@ impl TrainPlanFlags {
         let wanted = self.plan();
         // An unset --chunks or --pp-layers takes its default (2 chunks; layers balanced by cost).
         let set = |value: Option<String>| value.unwrap_or_else(|| "unset".to_string());
+        let layers = |value: Option<&str>| match value {
+            Some(text) => text.split(',').map(str::trim).collect::<Vec<_>>().join(","),
+            None => "unset (balanced by the cost model)".to_string(),
+        };
         let flags: [(&'static str, bool, String, String); 7] = [
             ("--zero", self.zero.is_some(), wanted.zero.to_string(), plan.zero.to_string()),
             ("--recompute", self.recompute.is_some(), wanted.recompute.name().into(), plan.recompute.name().into()),
@@ -287,7 +291,13 @@ impl TrainPlanFlags {
                 set(wanted.chunks.map(|chunks| chunks.to_string())),
                 set(plan.chunks.map(|chunks| chunks.to_string())),
             ),
-            ("--pp-layers", self.pp_layers.is_some(), set(wanted.pp_layers), set(plan.pp_layers.clone())),
+            // Compared as lists: "1, 1,1" is "1,1,1".
+            (
+                "--pp-layers",
+                self.pp_layers.is_some(),
+                layers(wanted.pp_layers.as_deref()),
+                layers(plan.pp_layers.as_deref()),
+            ),
         ];
         for (flag, given, wanted, planned) in flags {
             if given && wanted != planned {

@@ -576,3 +576,16 @@ fn a_compiled_training_step_trains_as_the_model_does() {
         assert!(error.contains("E0793") && error.contains(&format!("--micro-batches {micro_batches})")), "{error}");
     }
 }
+
+#[test]
+fn a_compiled_training_directorys_pp_layers_are_compared_as_lists() {
+    // "1, 1" is the directory's "1,1"; it was refused as text.
+    let dir = cli::tempdir("pp-layers-list");
+    let out = dir.join("pp");
+    let out = out.to_str().expect("utf-8");
+    let args = ["compile", "tiny", "--train", "--mesh", "pp=2", "--micro-batches", "2", "--batch", "2", "--seq", "16"];
+    cli::stdout_of(&[&args[..], &["--pp-layers", "1,1", "--out", out]].concat());
+    cli::stdout_of(&["run", out, "--train", "--steps", "1", "--pp-layers", "1, 1"]);
+    let error = error_of(&["run", out, "--train", "--steps", "1", "--pp-layers", "2,0"]);
+    assert!(error.starts_with("error[E0793]") && error.contains("(--pp-layers 1,1)"), "{error}");
+}
