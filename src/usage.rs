@@ -535,7 +535,10 @@ pub enum UsageError {
     #[error("{flag} {}: {problem}", .path.display())]
     #[diagnostic(
         code(E0750),
-        help("give a path in an existing directory (a new or pleat-written directory for a directory output)")
+        help(
+            "give a file's path in an existing directory; a directory output may be new (its missing parents are \
+             made), empty or pleat-written"
+        )
     )]
     OutputPath {
         /// The path.
