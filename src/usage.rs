@@ -14,7 +14,7 @@ use std::path::PathBuf;
 pub enum UsageError {
     // === Mesh and strategy ===
     /// `--strategy` names an axis the mesh lacks.
-    #[error("--strategy {strategy} needs a {axis} axis in --mesh, e.g. --mesh {axis}=4")]
+    #[error("--strategy {strategy} needs the {axis} axis in --mesh, e.g. --mesh {axis}=4")]
     #[diagnostic(code(E0213), help("add the strategy's axis to --mesh, or use --strategy auto"))]
     StrategyNeedsAxis {
         /// The strategy's name.

@@ -44,7 +44,7 @@ fn plan_takes_the_strategy_run_takes() {
     assert_eq!(tp, peak(&[]));
     // A strategy whose axis the mesh lacks is refused, as by run.
     let error = error_of(&["plan", "tiny", "--mesh", "dp=2", "--strategy", "tsp"]);
-    assert!(error.contains("--strategy tsp needs a tsp axis in --mesh"), "{error}");
+    assert!(error.contains("--strategy tsp needs the tsp axis in --mesh"), "{error}");
 }
 
 #[test]

@@ -156,5 +156,5 @@ fn the_cli_runs_and_checks_cp_meshes() {
         assert!(report["comm_bytes"]["send"].as_u64().expect("bytes") > 0, "{mesh}: {report}");
     }
     let message = cli::error_of(&["run", "tiny", "--mesh", "tp=2", "--strategy", "cp"]);
-    assert!(message.contains("--strategy cp needs a cp axis in --mesh"), "{message}");
+    assert!(message.contains("--strategy cp needs the cp axis in --mesh"), "{message}");
 }

@@ -177,7 +177,7 @@ fn meshes_and_strategies() {
         case(&["plan", "tiny", "--mesh", "tp=99999999999,dp=99999999999"], "E0203", "more than pleat addresses"),
         case(&["plan", "tiny", "--mesh", "tp=two"], "E0201", "write axes as name=size"),
         case(&["run", "tiny", "--mesh", "pp=2,tp=2", "--seq", "8", "--batch", "2"], "E0215", "add --train"),
-        case(&["explain", "tiny", "--mesh", "dp=2", "--strategy", "tp"], "E0213", "--strategy tp needs a tp axis"),
+        case(&["explain", "tiny", "--mesh", "dp=2", "--strategy", "tp"], "E0213", "--strategy tp needs the tp axis"),
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "6"], "E0208", "zigzag chunks"),
         case(&["explain", "tiny", "--mesh", "cp=2", "--seq", "7"], "E0208", "multiple of 4 (e.g. 8)\n"),
         case(&["explain", "tiny", "--mesh", "tp=2,tsp=2"], "E0209", "both split the weights"),

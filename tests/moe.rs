@@ -553,3 +553,29 @@ fn under_bf16_a_large_loss_is_held_to_a_share_of_its_size() {
     let loss = report["max_loss_err"].as_f64().expect("the losses are judged");
     assert!(loss <= tolerance, "{loss} vs {tolerance}");
 }
+
+#[test]
+fn a_top1_routers_gradient_that_cancels_is_judged_against_the_steps_rounding() {
+    // Two experts, top-1 renormalised: each token's weight is 1, so the router learns only from
+    // the load-balancing loss, whose gradient cancels (norm 1e-18) when the experts' loads are
+    // equal, as at step 2 here. Relative to that norm the run's rounding (9e-11) was 88 times the
+    // tolerance, a "pleat bug" on one rank; against the step's largest gradient's rounding it is
+    // judged as every other gradient is.
+    let dir = cli::tempdir("moe-top1");
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-moe/config.json"),
+        )
+        .expect("tiny-moe's config"),
+    )
+    .expect("json");
+    config["num_local_experts"] = 2.into();
+    config["num_experts_per_tok"] = 1.into();
+    config["num_hidden_layers"] = 1.into();
+    let path = dir.join("config.json");
+    std::fs::write(&path, config.to_string()).expect("config written");
+    let path = path.to_str().expect("utf-8");
+    let args = ["run", path, "--batch", "8", "--seq", "16", "--train", "--steps", "2", "--lr", "3e-4", "--check"];
+    let report = json_of(&[&args[..], &["--format", "json"]].concat());
+    assert_matches_reference(&report, "top-1 of 2 experts");
+}

@@ -81,10 +81,7 @@ pub enum Error {
     },
     /// A training step diverged: its gradient norm over every rank is NaN or infinite.
     #[error("rank {rank}: optimizer step {step}: the gradient norm is {norm}; the step diverged")]
-    #[diagnostic(
-        code(E0609),
-        help("lower --lr or raise --warmup (a NaN or infinite gradient cannot be clipped by --max-grad-norm)")
-    )]
+    #[diagnostic(code(E0609), help("lower --lr (a NaN or infinite gradient cannot be clipped by --max-grad-norm)"))]
     Diverged {
         /// The rank.
         rank: u32,

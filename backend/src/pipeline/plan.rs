@@ -19,7 +19,8 @@ pub fn stage_of_nodes(module: &Module, stages: u32, layers_per_stage: Option<&[u
     let stages = stages.max(1);
     if layers_per_stage.is_none() && layers < u64::from(stages) {
         return Err(malformed(format!(
-            "pp={stages} needs at least one layer a stage, and the model has {layers} layers; use pp <= {layers}"
+            "pp={stages} needs at least one layer a stage, and the model has {layers} layer{}; use pp <= {layers}",
+            if layers == 1 { "" } else { "s" }
         )));
     }
     let counts: Vec<u64> = match layers_per_stage {
