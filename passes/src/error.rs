@@ -41,7 +41,10 @@ pub enum Error {
     Autodiff(#[from] crate::autodiff::AutodiffError),
     /// A mesh axis this build has no strategy for.
     #[error("mesh axis {axis} has no strategy in this build; use the axes {}", .available.join(", "))]
-    #[diagnostic(code(E0207), help("use a mesh axis this build has a strategy for"))]
+    #[diagnostic(
+        code(E0207),
+        help("use those axes, and pp with --train; sp is known to the cost model alone (pleat plan)")
+    )]
     UnsupportedAxis {
         /// The axis.
         axis: String,
