@@ -356,6 +356,19 @@ fn hf_tensors(module: &pleat_ir::Module, seeded: &SeededWeights, fused: bool) ->
     tensors
 }
 
+/// The file's tensors that `module`'s parameters are read from.
+fn stored_names(
+    module: &pleat_ir::Module,
+    file: &pleat_runtime::weights::SafetensorsWeights,
+) -> std::collections::BTreeSet<String> {
+    module
+        .graph
+        .params()
+        .into_iter()
+        .flat_map(|(value, name)| file.stored_names(name, &module.graph.value(value).ty.shape.sizes()))
+        .collect()
+}
+
 #[test]
 fn a_checkpoint_with_one_tensor_an_expert_or_fused_experts_loads_into_the_stacked_experts() {
     use pleat_runtime::weights::{write_safetensors, SafetensorsWeights};
@@ -384,12 +397,7 @@ fn a_checkpoint_with_one_tensor_an_expert_or_fused_experts_loads_into_the_stacke
             assert!(from_file == from_seed, "{} on {mesh}, fused {fused}: other logits", config.name);
             // Every tensor of the file is one a parameter is read from (the unused-tensor warning
             // names no expert).
-            let stored: std::collections::BTreeSet<String> = module
-                .graph
-                .params()
-                .into_iter()
-                .flat_map(|(value, name)| file.stored_names(name, &module.graph.value(value).ty.shape.sizes()))
-                .collect();
+            let stored = stored_names(&module, &file);
             let names: std::collections::BTreeSet<String> = file.names().into_iter().collect();
             assert_eq!(stored, names, "{} fused {fused}", config.name);
             if !fused {
@@ -401,12 +409,7 @@ fn a_checkpoint_with_one_tensor_an_expert_or_fused_experts_loads_into_the_stacke
                 let path = dir.join("extra.safetensors");
                 write_safetensors(&path, &extra).expect("write");
                 let file = SafetensorsWeights::open(&path).expect("open");
-                let stored: std::collections::BTreeSet<String> = module
-                    .graph
-                    .params()
-                    .into_iter()
-                    .flat_map(|(value, name)| file.stored_names(name, &module.graph.value(value).ty.shape.sizes()))
-                    .collect();
+                let stored = stored_names(&module, &file);
                 let unread: Vec<String> = file.names().into_iter().filter(|name| !stored.contains(name)).collect();
                 assert_eq!(unread.len(), 1, "{unread:?}");
                 assert!(unread[0].contains(".experts.8."), "{unread:?}");
