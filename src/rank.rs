@@ -3,9 +3,9 @@
 //! Launched as `mpirun -np N pleat rank DIR`: every process reads the directory, takes its MPI
 //! world rank as its pleat rank, checks that the world has as many ranks as the plan (else every
 //! rank reports both numbers), runs its program over [`MpiComm`], and sends its output blocks to rank
-//! 0, which assembles the logits, prints the report and, with `--check`, compares them with the
-//! reference interpreter. A rank whose program fails reports its error and ends the whole job
-//! (`MPI_Abort`), so no rank is left waiting.
+//! 0, which assembles the logits, prints `pleat run`'s report and, with `--check`, compares them
+//! with the reference interpreter. A rank that fails, before its program (a file its host lacks)
+//! or in it, reports its error and ends the whole job (`MPI_Abort`), so no rank is left waiting.
 //!
 //! Test hook: `PLEAT_TEST_EXIT_AT_COMM=<rank>:<call>` makes rank `<rank>` exit abruptly with status 3
 //! when its program reaches its `<call>`-th communication call (counted from 0), as a crashed process
