@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::compiled_dir::CompiledDir;
 use crate::inputs::{random_tokens, read_tokens};
-use crate::reference::check_logits;
+use crate::reference::check_logits_if;
 use crate::run::{weight_source, Format, RunResult};
 use crate::usage::UsageError;
 
@@ -193,19 +193,11 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     }
     let (logits_shape, logits) = assemble(&outcomes, 0).ok_or(UsageError::NoLogits)?;
     if let Some(path) = &args.logits_out {
-        pleat_runtime::weights::write_safetensors(
-            path,
-            &[("logits".to_string(), logits_shape.clone(), logits.clone())],
-        )
-        .with_context(|| format!("cannot write {}", path.display()))?;
+        crate::run::write_logits(path, &logits_shape, &logits)?;
     }
     // Held to the same tolerance as `pleat run DIR --check`: f32's, or bf16's for a bf16 plan.
-    let (check, tolerance) = if args.check {
-        let (check, tolerance) = check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, false)?;
-        (Some(check), tolerance)
-    } else {
-        (None, crate::run::F32_TOL)
-    };
+    let (check, tolerance) =
+        check_logits_if(args.check, (&config, &tokens, weights.as_ref()), &programs, &logits, false)?;
     let result = RunResult {
         config,
         mesh: plan.mesh,
@@ -221,12 +213,7 @@ pub fn rank(args: &RankArgs) -> Result<()> {
     };
     // The report `pleat run` prints, from the same outcomes.
     crate::run::report(args.format, None, "mpi", &result)?;
-    if let Some(err) = check.and_then(|check| check.max_abs_err) {
-        if err.is_nan() || err > tolerance {
-            bail!(UsageError::LogitsMismatch { err, tolerance });
-        }
-    }
-    Ok(())
+    result.ensure_within_tolerance()
 }
 
 /// The communication call at which the test hook stops this rank, if it names this rank.

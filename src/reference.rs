@@ -189,6 +189,22 @@ pub fn check_logits(
     Ok((reference.compare(logits), tolerance))
 }
 
+/// [`check_logits`] where `check` (`--check`) asks for it, and the tolerance the logits are held
+/// to (f32's where it does not).
+pub fn check_logits_if(
+    check: bool,
+    (config, tokens, weights): (&ModelConfig, &Tokens, &dyn WeightSource),
+    programs: &[Program],
+    logits: &[f32],
+    cuda: bool,
+) -> Result<(Option<LogitsCheck>, f32)> {
+    if !check {
+        return Ok((None, crate::run::F32_TOL));
+    }
+    let (check, tolerance) = check_logits(config, tokens, weights, programs, logits, cuda)?;
+    Ok((Some(check), tolerance))
+}
+
 /// The reference's forward run of `config` on `tokens` with `weights`, at bf16 when `bf16` (the
 /// programs store bf16), each token marked at a routing tie under `tie_margin`.
 pub fn forward_reference(

@@ -23,7 +23,7 @@ use crate::compiled_dir::CompiledDir;
 use crate::device::{Device, DeviceReport};
 use crate::inputs::{random_tokens, read_tokens, Tokens};
 use crate::model_arg::{resolve, ModelSource};
-use crate::reference::{check_logits, LogitsCheck};
+use crate::reference::{check_logits_if, LogitsCheck};
 use crate::usage::UsageError;
 
 /// The largest absolute difference from the reference that `--check` accepts, in f32.
@@ -229,6 +229,24 @@ pub struct RunResult {
     pub device: Option<DeviceReport>,
 }
 
+impl RunResult {
+    /// Fails where `--check` found the logits further from the reference than their tolerance.
+    pub fn ensure_within_tolerance(&self) -> Result<()> {
+        if let Some(err) = self.check.and_then(|check| check.max_abs_err) {
+            if err.is_nan() || err > self.tolerance {
+                bail!(UsageError::LogitsMismatch { err, tolerance: self.tolerance });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes `--logits-out`: the logits, f32 `[batch, seq, vocab]`, as the tensor `logits`.
+pub fn write_logits(path: &std::path::Path, shape: &[u64], logits: &[f32]) -> Result<()> {
+    pleat_runtime::weights::write_safetensors(path, &[("logits".to_string(), shape.to_vec(), logits.to_vec())])
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
 /// Runs `pleat run`.
 pub fn run(args: &RunArgs) -> Result<()> {
     check_warmup(args)?;
@@ -248,12 +266,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.trace {
         crate::trace::write_measured(path, &result.programs, &result.outcomes)?;
     }
-    if let Some(err) = result.check.and_then(|check| check.max_abs_err) {
-        if err.is_nan() || err > result.tolerance {
-            bail!(UsageError::LogitsMismatch { err, tolerance: result.tolerance });
-        }
-    }
-    Ok(())
+    result.ensure_within_tolerance()
 }
 
 /// Checks the run's output paths before it runs: a bad one used to be found only once the run
@@ -455,18 +468,10 @@ pub fn execute(args: &RunArgs) -> Result<RunResult> {
     } else {
         native.iter().map(|table| table.as_ref().map_or(0, NativeKernels::len)).collect()
     };
-    let (check, tolerance) = if args.check {
-        let (check, tolerance) = check_logits(&config, &tokens, weights.as_ref(), &programs, &logits, cuda)?;
-        (Some(check), tolerance)
-    } else {
-        (None, F32_TOL)
-    };
+    let (check, tolerance) =
+        check_logits_if(args.check, (&config, &tokens, weights.as_ref()), &programs, &logits, cuda)?;
     if let Some(path) = &args.logits_out {
-        pleat_runtime::weights::write_safetensors(
-            path,
-            &[("logits".to_string(), logits_shape.clone(), logits.clone())],
-        )
-        .with_context(|| format!("cannot write {}", path.display()))?;
+        write_logits(path, &logits_shape, &logits)?;
     }
     Ok(RunResult {
         config,
