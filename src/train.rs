@@ -523,13 +523,13 @@ fn read_data(path: &Path) -> Result<String> {
 
 /// Each step's tokens: the synthetic stream, or consecutive windows of a token file. A run resumed
 /// after `resumed` = (steps, tokens seen) continues the file where those steps stopped, whatever
-/// its own batch and sequence length (step `s` starts at `seen + (s - steps)·window`).
+/// its own batch and sequence length (step `s` starts at `seen + (s - steps)·batch·seq`).
 pub fn token_batches(
     data: Option<&Path>,
     seed: u64,
     (batch, seq): (u64, u64),
     vocab: u64,
-    resumed: (u32, Option<u64>),
+    resumed: (u32, u64),
 ) -> Result<Box<dyn Fn(u32) -> Vec<u32> + Sync>> {
     let Some(path) = data else {
         return Ok(Box::new(move |step| synthetic_tokens(seed, u64::from(step), batch, seq, vocab)));
@@ -551,9 +551,8 @@ pub fn token_batches(
     }
     let window = (batch * seq) as usize;
     let (steps, seen) = resumed;
-    let seen = seen.map_or(steps as usize * window, |seen| seen as usize);
     Ok(Box::new(move |step| {
-        let start = seen + step.saturating_sub(steps) as usize * window;
+        let start = seen as usize + step.saturating_sub(steps) as usize * window;
         (0..window).map(|offset| ids[(start + offset) % ids.len()]).collect()
     }))
 }
@@ -730,12 +729,12 @@ pub fn run_training(args: &RunArgs) -> Result<()> {
         }
     };
     let start_step = resume.as_ref().map_or(0, |resume| resume.steps);
-    let resumed = resume.as_ref().map_or((0, Some(0)), |resume| (resume.steps, resume.tokens_seen));
-    let batches = token_batches(flags.data.as_deref(), args.seed, shape, config.vocab_size, resumed)?;
-    // The stream's tokens taken after `steps` steps in all.
+    // The stream's tokens the checkpoint's steps took (an older checkpoint's at this run's batch).
     let window = shape.0 * shape.1;
-    let tokens_seen =
-        |steps: u32| resumed.1.unwrap_or(u64::from(resumed.0) * window) + u64::from(steps - resumed.0) * window;
+    let seen = resume.as_ref().map_or(0, |resume| resume.tokens_seen.unwrap_or(u64::from(resume.steps) * window));
+    let batches = token_batches(flags.data.as_deref(), args.seed, shape, config.vocab_size, (start_step, seen))?;
+    // The stream's tokens taken after `steps` steps in all.
+    let tokens_seen = |steps: u32| seen + u64::from(steps - start_step) * window;
     let positions: Vec<u32> = (0..shape.1 as u32).collect();
     let max_grad_norm = (flags.max_grad_norm > 0.0).then_some(flags.max_grad_norm);
     let adamw = AdamWConfig { learning_rate: flags.lr, max_grad_norm, ..AdamWConfig::default() };
