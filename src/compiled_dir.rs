@@ -284,7 +284,7 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
         fingerprint.part(text.as_bytes());
         Ok((path, text))
     };
-    let (config_path, _) = read("config.json".into(), &mut fingerprint)?;
+    let (config_path, config_text) = read("config.json".into(), &mut fingerprint)?;
     read("module.pleat".into(), &mut fingerprint)?;
     let programs = (0..plan.ranks)
         .map(|rank| {
@@ -312,8 +312,8 @@ pub fn read_compiled(dir: &Path) -> Result<CompiledDir> {
         });
     }
     check_native_files(dir, &plan)?;
-    // Parsed once its bytes are known to be those compiled.
-    let config = crate::model_arg::read_config(&config_path)?;
+    // Parsed once its bytes are known to be those compiled (from the text the hash read).
+    let config = ModelConfig::from_json_str(&config_text, &config_path.display().to_string())?;
     Ok(CompiledDir { plan, config, programs, layouts })
 }
 
