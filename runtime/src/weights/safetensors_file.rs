@@ -145,69 +145,66 @@ impl SafetensorsWeights {
         if self.tensors.contains_key(name) {
             return vec![name.to_string()];
         }
-        for way in stored_as(name) {
-            let names: Vec<String> = match way {
-                StoredAs::PerExpert { prefix, projection } => (0..shape.first().copied().unwrap_or(0))
-                    .map(|expert| format!("{prefix}.experts.{expert}.{projection}"))
-                    .filter(|expert_name| self.tensors.contains_key(expert_name))
-                    .collect(),
-                StoredAs::FusedHalf { source, .. } | StoredAs::Renamed { source } => {
-                    [source].into_iter().filter(|source| self.tensors.contains_key(source)).collect()
-                }
-            };
-            if !names.is_empty() {
-                return names;
-            }
-        }
-        Vec::new()
+        self.stored_elsewhere(name, shape).map(|(_, held)| held).unwrap_or_default()
+    }
+
+    /// The first way of storing the parameter `name`, of global `shape`, under other names
+    /// (`hf_layout`) that the checkpoint holds, with the tensors of it that it holds.
+    fn stored_elsewhere(&self, name: &str, shape: &[u64]) -> Option<(StoredAs, Vec<String>)> {
+        stored_as(name)
+            .into_iter()
+            .map(|way| {
+                let held: Vec<String> = match &way {
+                    StoredAs::PerExpert { prefix, projection } => (0..shape.first().copied().unwrap_or(0))
+                        .map(|expert| format!("{prefix}.experts.{expert}.{projection}"))
+                        .filter(|expert_name| self.tensors.contains_key(expert_name))
+                        .collect(),
+                    StoredAs::FusedHalf { source, .. } | StoredAs::Renamed { source } => {
+                        [source.clone()].into_iter().filter(|source| self.tensors.contains_key(source)).collect()
+                    }
+                };
+                (way, held)
+            })
+            .find(|(_, held)| !held.is_empty())
     }
 
     /// The graph's parameter `name`, of `shape`, read where the checkpoint stores it under other
-    /// names (`hf_layout`): the region's experts one after another from their own tensors, or
-    /// the region of a fused tensor. `None` when the checkpoint has none of those names.
+    /// names ([`Self::stored_elsewhere`]): the region's experts one after another from their own
+    /// tensors (one missing is named), or the region of a fused tensor. `None` when the checkpoint
+    /// has none of those names.
     fn read_stored_elsewhere(
         &self,
         name: &str,
         shape: &[u64],
         region: &[(u64, u64)],
     ) -> Result<Option<Vec<f32>>, WeightError> {
-        for way in stored_as(name) {
-            match way {
-                StoredAs::PerExpert { prefix, projection } => {
-                    let expert_name = |expert: u64| format!("{prefix}.experts.{expert}.{projection}");
-                    let (Some(&(first, count)), Some(inner_shape), Some(inner_region)) =
-                        (region.first(), shape.get(1..), region.get(1..))
-                    else {
-                        continue;
-                    };
-                    if !self.tensors.contains_key(&expert_name(0)) {
-                        continue;
-                    }
-                    let mut values = Vec::new();
-                    for expert in first..first + count {
-                        values.extend(self.read(&expert_name(expert), inner_shape, inner_region)?);
-                    }
-                    return Ok(Some(values));
+        let Some((way, _)) = self.stored_elsewhere(name, shape) else { return Ok(None) };
+        match way {
+            StoredAs::PerExpert { prefix, projection } => {
+                let (Some(&(first, count)), Some(inner_shape), Some(inner_region)) =
+                    (region.first(), shape.get(1..), region.get(1..))
+                else {
+                    return Ok(None);
+                };
+                let mut values = Vec::new();
+                for expert in first..first + count {
+                    values.extend(self.read(
+                        &format!("{prefix}.experts.{expert}.{projection}"),
+                        inner_shape,
+                        inner_region,
+                    )?);
                 }
-                StoredAs::FusedHalf { source, half } => {
-                    let ([experts, rows, columns], [experts_region, (row, count), columns_region]) = (shape, region)
-                    else {
-                        continue;
-                    };
-                    if !self.tensors.contains_key(&source) {
-                        continue;
-                    }
-                    let fused_region = [*experts_region, (half * rows + row, *count), *columns_region];
-                    return self.read(&source, &[*experts, 2 * rows, *columns], &fused_region).map(Some);
-                }
-                StoredAs::Renamed { source } => {
-                    if self.tensors.contains_key(&source) {
-                        return self.read(&source, shape, region).map(Some);
-                    }
-                }
+                Ok(Some(values))
             }
+            StoredAs::FusedHalf { source, half } => {
+                let ([experts, rows, columns], [experts_region, (row, count), columns_region]) = (shape, region) else {
+                    return Ok(None);
+                };
+                let fused_region = [*experts_region, (half * rows + row, *count), *columns_region];
+                self.read(&source, &[*experts, 2 * rows, *columns], &fused_region).map(Some)
+            }
+            StoredAs::Renamed { source } => self.read(&source, shape, region).map(Some),
         }
-        Ok(None)
     }
 
     /// Up to [`MAX_SIMILAR_NAMES`] tensor names closest to `name` by edit distance.
