@@ -146,7 +146,7 @@ impl PlanChoice {
             Ok(mesh) => mesh,
             Err(error) => return Some(format!("its mesh {:?} does not parse: {error}", self.mesh)),
         };
-        let batch_split = mesh.degree(pleat_ir::AxisName::Dp) * mesh.degree(pleat_ir::AxisName::Ep);
+        let batch_split = crate::pipeline::batch_ranks(&mesh);
         if self.zero > 3 {
             Some(format!("zero is {}; a ZeRO stage is 0 to 3", self.zero))
         } else if self.seq == 0 || self.micro_batch == 0 || self.micro_batches == 0 {
